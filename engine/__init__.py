@@ -1,0 +1,91 @@
+"""gradtape's engine: reverse-mode (and forward-mode) autodiff on NumPy and CuPy.
+
+    import engine as gt
+    w = gt.Variable([[1.0, 2.0]])
+    with gt.GradientTape() as tape:
+        loss = gt.sum(gt.tanh(x @ w) ** 2)
+    tape.gradient(loss, w)
+
+The tape API follows tf.GradientTape; ops follow NumPy's names. Every public op is
+registered in `engine.registry.public_ops` and exported here from that registry.
+"""
+
+from engine import ops as _ops  # registers every primitive and public op
+from engine import random
+from engine.backend import DeviceError, cuda_available
+from engine.forward import ForwardAccumulator
+from engine.ops.creation import (
+    arange,
+    eye,
+    full,
+    linspace,
+    ones,
+    ones_like,
+    zeros,
+    zeros_like,
+)
+from engine.ops.nn import one_hot
+from engine.registry import MissingRuleError, public_ops
+from engine.tape import BatchDependenceError, GradientTape, custom_gradient
+from engine.tensor import Tensor, Variable, as_tensor, constant
+from engine.transforms import (
+    HessianOperator,
+    grad,
+    hessian,
+    hessian_operator,
+    hvp,
+    implicit_gradients,
+    implicit_value_and_gradients,
+    jacfwd,
+    jacrev,
+    jvp,
+    linearize,
+    value_and_grad,
+    vjp,
+)
+
+globals().update({name: info.fn for name, info in public_ops.items()})
+
+jacobian = jacrev
+
+__all__ = sorted(
+    [
+        "BatchDependenceError",
+        "DeviceError",
+        "ForwardAccumulator",
+        "GradientTape",
+        "HessianOperator",
+        "MissingRuleError",
+        "Tensor",
+        "Variable",
+        "arange",
+        "as_tensor",
+        "constant",
+        "cuda_available",
+        "custom_gradient",
+        "eye",
+        "full",
+        "grad",
+        "hessian",
+        "hessian_operator",
+        "hvp",
+        "implicit_gradients",
+        "implicit_value_and_gradients",
+        "jacfwd",
+        "jacobian",
+        "jacrev",
+        "jvp",
+        "linearize",
+        "linspace",
+        "one_hot",
+        "ones",
+        "ones_like",
+        "random",
+        "value_and_grad",
+        "vjp",
+        "zeros",
+        "zeros_like",
+        *public_ops,
+    ]
+)
+del _ops

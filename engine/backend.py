@@ -1,0 +1,128 @@
+"""The one module that imports NumPy and CuPy.
+
+Everything else asks this module for the array module (`xp`) that fits an array or a
+device string, and for transfers between host and device. CuPy is imported lazily, the
+first time a CUDA device is asked for, so a CPU-only install never pays for it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+numpy = np
+ndarray_types: tuple[type, ...] = (np.ndarray,)
+
+_cupy: Any = None
+_cupy_error: BaseException | None = None
+
+DEFAULT_FLOAT = np.dtype(np.float32)
+FLOAT_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
+
+
+class DeviceError(RuntimeError):
+    """A device was asked for that this machine does not have."""
+
+
+def _load_cupy() -> Any:
+    """Import CuPy once and check that a GPU answers; remember why when it does not."""
+    global _cupy, _cupy_error, ndarray_types
+    if _cupy is None and _cupy_error is None:
+        try:
+            import cupy
+
+            cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # ImportError, CUDARuntimeError, missing driver...
+            _cupy_error = exc
+        else:
+            _cupy = cupy
+            ndarray_types = (np.ndarray, cupy.ndarray)
+    return _cupy
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and at least one CUDA device answers."""
+    return _load_cupy() is not None
+
+
+def parse_device(device: str | None) -> tuple[str, int]:
+    """'cpu' -> ('cpu', 0); 'cuda' / 'gpu' -> ('cuda', 0); 'cuda:N' -> ('cuda', N)."""
+    if device is None:
+        return ("cpu", 0)
+    match = re.fullmatch(r"(cpu|cuda|gpu)(?::(\d+))?", str(device).strip().lower())
+    if match is None:
+        raise DeviceError(f"unknown device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    kind = "cuda" if match.group(1) == "gpu" else match.group(1)
+    return (kind, int(match.group(2) or 0))
+
+
+def xp_for_device(device: str | None) -> Any:
+    """The array module for a device string, with a clear error when CUDA is absent."""
+    kind, index = parse_device(device)
+    if kind == "cpu":
+        return np
+    cupy = _load_cupy()
+    if cupy is None:
+        raise DeviceError(
+            f"device {device!r} needs CuPy and an NVIDIA GPU, which are not available here "
+            f"({type(_cupy_error).__name__}: {_cupy_error}); install gradtape[cuda12] or "
+            "gradtape[cuda13] on a CUDA host, or use device='cpu'"
+        )
+    count = cupy.cuda.runtime.getDeviceCount()
+    if index >= count:
+        raise DeviceError(f"device {device!r} does not exist: this host has {count} GPU(s)")
+    return cupy
+
+
+def array_module(array: Any) -> Any:
+    """NumPy or CuPy, whichever owns `array` (NumPy whenever CuPy was never loaded)."""
+    if _cupy is None or isinstance(array, np.ndarray):
+        return np
+    return _cupy.get_array_module(array)
+
+
+def device_of(array: Any) -> str:
+    if _cupy is not None and isinstance(array, _cupy.ndarray):
+        return f"cuda:{array.device.id}"
+    return "cpu"
+
+
+def is_array(value: Any) -> bool:
+    return isinstance(value, ndarray_types)
+
+
+def asarray(value: Any, dtype: Any = None, device: str | None = None) -> Any:
+    """An array on `device` (default: where `value` already lives, else the CPU)."""
+    if device is None:
+        xp = array_module(value) if is_array(value) else np
+        return xp.asarray(value, dtype=dtype)
+    xp = xp_for_device(device)
+    if xp is np:
+        return np.asarray(to_host(value), dtype=dtype)
+    with xp.cuda.Device(parse_device(device)[1]):
+        return xp.asarray(value, dtype=dtype)
+
+
+def to_host(array: Any) -> np.ndarray:
+    """A NumPy copy of a device array (NumPy arrays pass through)."""
+    if _cupy is not None and isinstance(array, _cupy.ndarray):
+        return _cupy.asnumpy(array)
+    return np.asarray(array)
+
+
+def scatter_add(xp: Any, out: Any, index: tuple, values: Any) -> None:
+    """out[index] += values, accumulating over repeated integer indices."""
+    if xp is np:
+        np.add.at(out, index, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(out, index, values)
+
+
+def random_generator(seed: int | None, device: str | None = None) -> Any:
+    """A seeded generator of the device's array module (NumPy's PCG64 or CuPy's)."""
+    xp = xp_for_device(device)
+    return xp.random.default_rng(seed)

@@ -1,0 +1,582 @@
+"""Elementwise primitives: arithmetic, unary math, comparisons, where, cast.
+
+Each block holds one primitive: its forward, its VJP for each argument and its JVP.
+Broadcasting between arguments is undone by the tape (VJP) and the accumulator (JVP),
+so binary rules may return cotangents and tangents in the broadcast shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.ops._util import coerce_pair
+from engine.registry import defbroadcasting, defjvp, defnondiff, defvjp, primitive, public
+from engine.tensor import Tensor, as_tensor, bind
+
+
+def _tsum(*terms: Tensor | None) -> Tensor | None:
+    """Sum the tangent contributions that are not zero (None)."""
+    total = None
+    for term in terms:
+        if term is not None:
+            total = term if total is None else add(total, term)
+    return total
+
+
+def _zero_like(t: Tensor) -> Tensor:
+    return as_tensor(0, like=t)
+
+
+# ========================================================================================
+# Binary arithmetic
+# ========================================================================================
+
+# ---- add ----
+add_p = primitive("add", lambda xp, x, y: x + y)
+defvjp(add_p, lambda ans, x, y: lambda g: g, lambda ans, x, y: lambda g: g)
+defjvp(add_p, lambda t, ans, x, y: _tsum(t[0], t[1]))
+
+
+@public("arithmetic")
+def add(x: Any, y: Any) -> Tensor:
+    """x + y, with NumPy broadcasting."""
+    return bind(add_p, *coerce_pair("add", x, y))
+
+
+# ---- subtract ----
+subtract_p = primitive("subtract", lambda xp, x, y: x - y)
+defvjp(subtract_p, lambda ans, x, y: lambda g: g, lambda ans, x, y: negative)
+defjvp(
+    subtract_p,
+    lambda t, ans, x, y: _tsum(t[0], None if t[1] is None else negative(t[1])),
+)
+
+
+@public("arithmetic")
+def subtract(x: Any, y: Any) -> Tensor:
+    """x - y, with broadcasting."""
+    return bind(subtract_p, *coerce_pair("subtract", x, y))
+
+
+# ---- multiply ----
+multiply_p = primitive("multiply", lambda xp, x, y: x * y)
+defvjp(
+    multiply_p,
+    lambda ans, x, y: lambda g: multiply(g, y),
+    lambda ans, x, y: lambda g: multiply(g, x),
+)
+defjvp(
+    multiply_p,
+    lambda t, ans, x, y: _tsum(
+        None if t[0] is None else multiply(t[0], y),
+        None if t[1] is None else multiply(x, t[1]),
+    ),
+)
+
+
+@public("arithmetic")
+def multiply(x: Any, y: Any) -> Tensor:
+    """x * y, with broadcasting."""
+    return bind(multiply_p, *coerce_pair("multiply", x, y))
+
+
+# ---- divide ----
+divide_p = primitive("divide", lambda xp, x, y: x / y)
+defvjp(
+    divide_p,
+    lambda ans, x, y: lambda g: divide(g, y),
+    lambda ans, x, y: lambda g: negative(multiply(g, divide(ans, y))),
+)
+defjvp(
+    divide_p,
+    lambda t, ans, x, y: _tsum(
+        None if t[0] is None else divide(t[0], y),
+        None if t[1] is None else negative(multiply(t[1], divide(ans, y))),
+    ),
+)
+
+
+@public("arithmetic")
+def divide(x: Any, y: Any) -> Tensor:
+    """x / y (true division), with broadcasting."""
+    x, y = coerce_pair("divide", x, y)
+    if x.dtype.kind in "iub":
+        raise TypeError(f"divide: true division of {x.dtype} tensors; cast to a float first")
+    return bind(divide_p, x, y)
+
+
+# ---- power ----
+power_p = primitive("power", lambda xp, x, y: xp.power(x, y))
+
+
+def _safe_log(x: Tensor) -> Tensor:
+    """log(x) where x > 0, else 0: d(x**y)/dy at x <= 0 is taken as 0, not NaN."""
+    positive = greater(x, 0)
+    return where(positive, log(where(positive, x, 1)), 0)
+
+
+def power_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
+    return lambda g: multiply(g, multiply(y, power(x, subtract(y, 1))))
+
+
+def power_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
+    return lambda g: multiply(g, multiply(ans, _safe_log(x)))
+
+
+def power_jvp(t: list, ans: Tensor, x: Tensor, y: Tensor) -> Tensor | None:
+    return _tsum(
+        None if t[0] is None else multiply(t[0], multiply(y, power(x, subtract(y, 1)))),
+        None if t[1] is None else multiply(t[1], multiply(ans, _safe_log(x))),
+    )
+
+
+defvjp(power_p, power_vjp_x, power_vjp_y)
+defjvp(power_p, power_jvp)
+
+
+@public("arithmetic")
+def power(x: Any, y: Any) -> Tensor:
+    """x ** y, with broadcasting."""
+    return bind(power_p, *coerce_pair("power", x, y))
+
+
+# ---- maximum / minimum ----
+# Ties send the whole gradient to the first argument, as TensorFlow does.
+maximum_p = primitive("maximum", lambda xp, x, y: xp.maximum(x, y))
+defvjp(
+    maximum_p,
+    lambda ans, x, y: lambda g: where(greater_equal(x, y), g, 0),
+    lambda ans, x, y: lambda g: where(greater_equal(x, y), 0, g),
+)
+defjvp(
+    maximum_p,
+    lambda t, ans, x, y: where(
+        greater_equal(x, y),
+        _zero_like(x) if t[0] is None else t[0],
+        _zero_like(y) if t[1] is None else t[1],
+    ),
+)
+
+
+@public("arithmetic")
+def maximum(x: Any, y: Any) -> Tensor:
+    """Elementwise maximum; on ties the gradient goes to x."""
+    return bind(maximum_p, *coerce_pair("maximum", x, y))
+
+
+minimum_p = primitive("minimum", lambda xp, x, y: xp.minimum(x, y))
+defvjp(
+    minimum_p,
+    lambda ans, x, y: lambda g: where(less_equal(x, y), g, 0),
+    lambda ans, x, y: lambda g: where(less_equal(x, y), 0, g),
+)
+defjvp(
+    minimum_p,
+    lambda t, ans, x, y: where(
+        less_equal(x, y),
+        _zero_like(x) if t[0] is None else t[0],
+        _zero_like(y) if t[1] is None else t[1],
+    ),
+)
+
+
+@public("arithmetic")
+def minimum(x: Any, y: Any) -> Tensor:
+    """Elementwise minimum; on ties the gradient goes to x."""
+    return bind(minimum_p, *coerce_pair("minimum", x, y))
+
+
+# ========================================================================================
+# Unary math
+# ========================================================================================
+
+# ---- negative ----
+negative_p = primitive("negative", lambda xp, x: -x)
+defvjp(negative_p, lambda ans, x: negative)
+defjvp(negative_p, lambda t, ans, x: negative(t[0]))
+
+
+@public("math")
+def negative(x: Any) -> Tensor:
+    """-x."""
+    return bind(negative_p, as_tensor(x))
+
+
+# ---- exp ----
+exp_p = primitive("exp", lambda xp, x: xp.exp(x))
+defvjp(exp_p, lambda ans, x: lambda g: multiply(g, ans))
+defjvp(exp_p, lambda t, ans, x: multiply(t[0], ans))
+
+
+@public("math")
+def exp(x: Any) -> Tensor:
+    """e ** x."""
+    return bind(exp_p, as_tensor(x))
+
+
+# ---- log ----
+log_p = primitive("log", lambda xp, x: xp.log(x))
+defvjp(log_p, lambda ans, x: lambda g: divide(g, x))
+defjvp(log_p, lambda t, ans, x: divide(t[0], x))
+
+
+@public("math")
+def log(x: Any) -> Tensor:
+    """Natural logarithm."""
+    return bind(log_p, as_tensor(x))
+
+
+# ---- log1p ----
+log1p_p = primitive("log1p", lambda xp, x: xp.log1p(x))
+defvjp(log1p_p, lambda ans, x: lambda g: divide(g, add(x, 1)))
+defjvp(log1p_p, lambda t, ans, x: divide(t[0], add(x, 1)))
+
+
+@public("math")
+def log1p(x: Any) -> Tensor:
+    """log(1 + x), accurate for small x."""
+    return bind(log1p_p, as_tensor(x))
+
+
+# ---- expm1 ----
+expm1_p = primitive("expm1", lambda xp, x: xp.expm1(x))
+defvjp(expm1_p, lambda ans, x: lambda g: multiply(g, add(ans, 1)))
+defjvp(expm1_p, lambda t, ans, x: multiply(t[0], add(ans, 1)))
+
+
+@public("math")
+def expm1(x: Any) -> Tensor:
+    """exp(x) - 1, accurate for small x."""
+    return bind(expm1_p, as_tensor(x))
+
+
+# ---- sqrt ----
+sqrt_p = primitive("sqrt", lambda xp, x: xp.sqrt(x))
+defvjp(sqrt_p, lambda ans, x: lambda g: divide(g, multiply(ans, 2)))
+defjvp(sqrt_p, lambda t, ans, x: divide(t[0], multiply(ans, 2)))
+
+
+@public("math")
+def sqrt(x: Any) -> Tensor:
+    """Square root."""
+    return bind(sqrt_p, as_tensor(x))
+
+
+# ---- sin / cos ----
+sin_p = primitive("sin", lambda xp, x: xp.sin(x))
+defvjp(sin_p, lambda ans, x: lambda g: multiply(g, cos(x)))
+defjvp(sin_p, lambda t, ans, x: multiply(t[0], cos(x)))
+
+
+@public("math")
+def sin(x: Any) -> Tensor:
+    """Sine."""
+    return bind(sin_p, as_tensor(x))
+
+
+cos_p = primitive("cos", lambda xp, x: xp.cos(x))
+defvjp(cos_p, lambda ans, x: lambda g: negative(multiply(g, sin(x))))
+defjvp(cos_p, lambda t, ans, x: negative(multiply(t[0], sin(x))))
+
+
+@public("math")
+def cos(x: Any) -> Tensor:
+    """Cosine."""
+    return bind(cos_p, as_tensor(x))
+
+
+# ---- tanh ----
+# A primitive rather than a composite of exp: one kernel forward, and the derivative
+# 1 - tanh(x)**2 reuses the output instead of recomputing exponentials.
+tanh_p = primitive("tanh", lambda xp, x: xp.tanh(x))
+
+
+def _tanh_slope(ans: Tensor) -> Tensor:
+    return subtract(1, multiply(ans, ans))
+
+
+defvjp(tanh_p, lambda ans, x: lambda g: multiply(g, _tanh_slope(ans)))
+defjvp(tanh_p, lambda t, ans, x: multiply(t[0], _tanh_slope(ans)))
+
+
+@public("activation")
+def tanh(x: Any) -> Tensor:
+    """Hyperbolic tangent."""
+    return bind(tanh_p, as_tensor(x))
+
+
+# ---- sigmoid ----
+# A primitive for numerical stability: 1 / (1 + exp(-x)) overflows for large negative x,
+# and the derivative is cheapest from the output: s * (1 - s).
+def _sigmoid_impl(xp: Any, x: Any) -> Any:
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+
+
+sigmoid_p = primitive("sigmoid", _sigmoid_impl)
+
+
+def _sigmoid_slope(ans: Tensor) -> Tensor:
+    return multiply(ans, subtract(1, ans))
+
+
+defvjp(sigmoid_p, lambda ans, x: lambda g: multiply(g, _sigmoid_slope(ans)))
+defjvp(sigmoid_p, lambda t, ans, x: multiply(t[0], _sigmoid_slope(ans)))
+
+
+@public("activation")
+def sigmoid(x: Any) -> Tensor:
+    """Logistic function 1 / (1 + exp(-x))."""
+    return bind(sigmoid_p, as_tensor(x))
+
+
+# ---- relu ----
+# A primitive rather than maximum(x, 0): one comparison in the backward pass instead of
+# maximum's two masks, and relu is on every hot path. The derivative at 0 is 0.
+relu_p = primitive("relu", lambda xp, x: xp.maximum(x, 0))
+defvjp(relu_p, lambda ans, x: lambda g: where(greater(ans, 0), g, 0))
+defjvp(relu_p, lambda t, ans, x: where(greater(ans, 0), t[0], 0))
+
+
+@public("activation")
+def relu(x: Any) -> Tensor:
+    """max(x, 0)."""
+    return bind(relu_p, as_tensor(x))
+
+
+# ---- abs ----
+abs_p = primitive("abs", lambda xp, x: xp.abs(x))
+defvjp(abs_p, lambda ans, x: lambda g: multiply(g, sign(x)))
+defjvp(abs_p, lambda t, ans, x: multiply(t[0], sign(x)))
+
+
+@public("math")
+def abs(x: Any) -> Tensor:  # noqa: A001 - the NumPy name
+    """|x|; the derivative at 0 is 0."""
+    return bind(abs_p, as_tensor(x))
+
+
+# ---- cast ----
+cast_p = primitive("cast", lambda xp, x, *, dtype: x.astype(dtype, copy=False))
+defvjp(cast_p, lambda ans, x, *, dtype: lambda g: cast(g, x.dtype))
+defjvp(cast_p, lambda t, ans, x, *, dtype: cast(t[0], dtype))
+
+
+@public("math")
+def cast(x: Any, dtype: Any = "float32") -> Tensor:
+    """x converted to dtype (the only way gradtape changes a dtype)."""
+    x = as_tensor(x)
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    return bind(cast_p, x, dtype=dtype)
+
+
+# ========================================================================================
+# Selection
+# ========================================================================================
+
+# ---- where ----
+where_p = primitive("where", lambda xp, c, x, y: xp.where(c, x, y))
+defvjp(
+    where_p,
+    None,
+    lambda ans, c, x, y: lambda g: where(c, g, 0),
+    lambda ans, c, x, y: lambda g: where(c, 0, g),
+)
+defjvp(
+    where_p,
+    lambda t, ans, c, x, y: where(
+        c,
+        _zero_like(x) if t[1] is None else t[1],
+        _zero_like(y) if t[2] is None else t[2],
+    ),
+)
+
+
+@public("selection")
+def where(condition: Any, x: Any, y: Any) -> Tensor:
+    """x where condition is true, else y (broadcast together)."""
+    condition = as_tensor(condition)
+    if condition.dtype != np.bool_:
+        raise TypeError(f"where: condition must be bool, got {condition.dtype}")
+    x, y = coerce_pair("where", x, y)
+    return bind(where_p, condition, x, y)
+
+
+defbroadcasting(add_p, subtract_p, multiply_p, divide_p, power_p, maximum_p, minimum_p, where_p)
+
+
+# ========================================================================================
+# Non-differentiable: comparisons and sign (never recorded; their outputs are constants)
+# ========================================================================================
+
+
+def _nondiff(name: str, impl: Any) -> Any:
+    prim = primitive(name, impl)
+    defnondiff(prim)
+    return prim
+
+
+sign_p = _nondiff("sign", lambda xp, x: xp.sign(x))
+greater_p = _nondiff("greater", lambda xp, x, y: x > y)
+greater_equal_p = _nondiff("greater_equal", lambda xp, x, y: x >= y)
+less_p = _nondiff("less", lambda xp, x, y: x < y)
+less_equal_p = _nondiff("less_equal", lambda xp, x, y: x <= y)
+equal_p = _nondiff("equal", lambda xp, x, y: x == y)
+not_equal_p = _nondiff("not_equal", lambda xp, x, y: x != y)
+logical_and_p = _nondiff("logical_and", lambda xp, x, y: xp.logical_and(x, y))
+logical_or_p = _nondiff("logical_or", lambda xp, x, y: xp.logical_or(x, y))
+logical_not_p = _nondiff("logical_not", lambda xp, x: xp.logical_not(x))
+isfinite_p = _nondiff("isfinite", lambda xp, x: xp.isfinite(x))
+
+
+@public("math")
+def sign(x: Any) -> Tensor:
+    """-1, 0 or 1 by the sign of x (no gradient flows through it)."""
+    return bind(sign_p, as_tensor(x))
+
+
+@public("comparison")
+def greater(x: Any, y: Any) -> Tensor:
+    """x > y as a bool tensor."""
+    return bind(greater_p, *coerce_pair("greater", x, y))
+
+
+@public("comparison")
+def greater_equal(x: Any, y: Any) -> Tensor:
+    """x >= y as a bool tensor."""
+    return bind(greater_equal_p, *coerce_pair("greater_equal", x, y))
+
+
+@public("comparison")
+def less(x: Any, y: Any) -> Tensor:
+    """x < y as a bool tensor."""
+    return bind(less_p, *coerce_pair("less", x, y))
+
+
+@public("comparison")
+def less_equal(x: Any, y: Any) -> Tensor:
+    """x <= y as a bool tensor."""
+    return bind(less_equal_p, *coerce_pair("less_equal", x, y))
+
+
+@public("comparison")
+def equal(x: Any, y: Any) -> Tensor:
+    """x == y elementwise, as a bool tensor."""
+    return bind(equal_p, *coerce_pair("equal", x, y))
+
+
+@public("comparison")
+def not_equal(x: Any, y: Any) -> Tensor:
+    """x != y elementwise, as a bool tensor."""
+    return bind(not_equal_p, *coerce_pair("not_equal", x, y))
+
+
+@public("comparison")
+def logical_and(x: Any, y: Any) -> Tensor:
+    """Elementwise and of two bool tensors."""
+    return bind(logical_and_p, *coerce_pair("logical_and", x, y))
+
+
+@public("comparison")
+def logical_or(x: Any, y: Any) -> Tensor:
+    """Elementwise or of two bool tensors."""
+    return bind(logical_or_p, *coerce_pair("logical_or", x, y))
+
+
+@public("comparison")
+def logical_not(x: Any) -> Tensor:
+    """Elementwise not of a bool tensor."""
+    return bind(logical_not_p, as_tensor(x))
+
+
+@public("comparison")
+def isfinite(x: Any) -> Tensor:
+    """True where x is neither infinite nor NaN."""
+    return bind(isfinite_p, as_tensor(x))
+
+
+# ========================================================================================
+# Composites: plain functions of the primitives above, no rules of their own
+# ========================================================================================
+
+
+@public("math")
+def square(x: Any) -> Tensor:
+    """x * x."""
+    x = as_tensor(x)
+    return multiply(x, x)
+
+
+@public("math")
+def reciprocal(x: Any) -> Tensor:
+    """1 / x."""
+    x = as_tensor(x)
+    return divide(as_tensor(1, like=x), x)
+
+
+@public("math")
+def tan(x: Any) -> Tensor:
+    """Tangent."""
+    x = as_tensor(x)
+    return divide(sin(x), cos(x))
+
+
+@public("math")
+def clip(x: Any, min_value: float, max_value: float) -> Tensor:
+    """x limited to [min_value, max_value]; no gradient where it is clipped."""
+    x = as_tensor(x)
+    if min_value > max_value:
+        raise ValueError(f"clip: min_value {min_value} is greater than max_value {max_value}")
+    return minimum(maximum(x, min_value), max_value)
+
+
+@public("activation")
+def softplus(x: Any) -> Tensor:
+    """log(1 + exp(x)), computed without overflow."""
+    x = as_tensor(x)
+    return add(relu(x), log1p(exp(negative(abs(x)))))
+
+
+@public("activation")
+def log_sigmoid(x: Any) -> Tensor:
+    """log(sigmoid(x)), computed without overflow."""
+    return negative(softplus(negative(as_tensor(x))))
+
+
+@public("activation")
+def elu(x: Any, alpha: float = 1.0) -> Tensor:
+    """x for x > 0, alpha * (exp(x) - 1) otherwise."""
+    x = as_tensor(x)
+    # expm1 sees min(x, 0): the unused branch must not overflow, or its 0 * inf
+    # derivative would turn the gradient into NaN.
+    return where(greater(x, 0), x, multiply(expm1(minimum(x, 0)), alpha))
+
+
+@public("activation")
+def leaky_relu(x: Any, alpha: float = 0.2) -> Tensor:
+    """x for x > 0, alpha * x otherwise (TensorFlow's default alpha 0.2)."""
+    x = as_tensor(x)
+    return where(greater(x, 0), x, multiply(x, alpha))
+
+
+@public("activation")
+def silu(x: Any) -> Tensor:
+    """x * sigmoid(x) (swish)."""
+    x = as_tensor(x)
+    return multiply(x, sigmoid(x))
+
+
+@public("activation")
+def gelu(x: Any) -> Tensor:
+    """Gaussian error linear unit, tanh approximation (JAX's default).
+
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); NumPy has no erf, so the exact
+    form would need SciPy.
+    """
+    x = as_tensor(x)
+    inner = multiply(add(x, multiply(multiply(multiply(x, x), x), 0.044715)), 0.7978845608028654)
+    return multiply(multiply(x, 0.5), add(tanh(inner), 1))

@@ -1,0 +1,310 @@
+"""Linear algebra: matmul (batched, NumPy's 1-D rules), einsum, solve."""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import numpy as np
+
+from engine.ops._util import batch_ndim, coerce_all, coerce_pair
+from engine.ops.elementwise import add, multiply, negative
+from engine.ops.shape import broadcast_to, expand_dims, reshape, swapaxes
+from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
+from engine.tensor import Tensor, bind
+
+# ---- matmul ----
+matmul_p = primitive("matmul", lambda xp, x, y: xp.matmul(x, y))
+
+
+def _mT(a: Tensor) -> Tensor:
+    return swapaxes(a, -1, -2)
+
+
+def _row(a: Tensor) -> Tensor:
+    """(..., k) -> (..., 1, k)."""
+    return expand_dims(a, -2)
+
+
+def _col(a: Tensor) -> Tensor:
+    """(..., k) -> (..., k, 1)."""
+    return expand_dims(a, -1)
+
+
+def matmul_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
+    # Every branch keeps g's leading axes (batch and stacked matmul axes) in front; the
+    # tape then sums the stacked axes that x did not have.
+    if x.ndim >= 2 and y.ndim >= 2:
+        return lambda g: matmul(g, _mT(y))
+    if x.ndim >= 2:  # y is (k,): ans (..., m)
+        return lambda g: multiply(_col(g), y)
+    if y.ndim >= 2:  # x is (k,): ans (..., n)
+        return lambda g: reshape(matmul(_row(g), _mT(y)), g.shape[:-1] + x.shape)
+    return lambda g: multiply(_col(g), y)  # both (k,): ans ()
+
+
+def matmul_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
+    if x.ndim >= 2 and y.ndim >= 2:
+        return lambda g: matmul(_mT(x), g)
+    if x.ndim >= 2:  # y is (k,): ans (..., m), g (..., m)
+        return lambda g: reshape(matmul(_row(g), x), g.shape[:-1] + y.shape)
+    if y.ndim >= 2:  # x is (k,): g (..., n) -> (..., k, n)
+        return lambda g: multiply(_col(x), _row(g))
+    return lambda g: multiply(_col(g), x)
+
+
+def matmul_jvp(t: list, ans: Tensor, x: Tensor, y: Tensor) -> Tensor | None:
+    terms = []
+    if t[0] is not None:
+        terms.append(_tangent_product(t[0], y, x, left=True, ans=ans))
+    if t[1] is not None:
+        terms.append(_tangent_product(x, t[1], y, left=False, ans=ans))
+    return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
+
+
+def _tangent_product(a: Tensor, b: Tensor, primal: Tensor, left: bool, ans: Tensor) -> Tensor:
+    """The product with one (possibly batched) tangent, laid out so that the tangent's
+    batch axes stay in front of the stacked-matrix axes of the other operand."""
+    tangent, other = (a, b) if left else (b, a)
+    lead = tangent.shape[: tangent.ndim - primal.ndim]
+    k = primal.shape[-1] if left else primal.shape[0]
+    stack_rank = max(primal.ndim, other.ndim, 2) - 2
+    if primal.ndim >= 2:
+        pad = (1,) * (stack_rank + 2 - primal.ndim)
+        tangent = reshape(tangent, lead + pad + primal.shape)
+        return matmul(tangent, other) if left else matmul(other, tangent)
+    if other.ndim == 1:  # vector . vector
+        return matmul(tangent, other)
+    pad = (1,) * (other.ndim - 2)
+    if left:  # (k,) @ (..., k, n): the tangent becomes rows (*lead, 1.., 1, k)
+        out = matmul(reshape(tangent, lead + pad + (1, k)), other)
+    else:  # (..., m, k) @ (k,): the tangent becomes columns (*lead, 1.., k, 1)
+        out = matmul(other, reshape(tangent, lead + pad + (k, 1)))
+    return reshape(out, lead + ans.shape)
+
+
+def matmul_shape(xs: tuple, ys: tuple) -> tuple:
+    if len(xs) == 1 and len(ys) == 1:
+        return ()
+    if len(xs) == 1:
+        return ys[:-2] + ys[-1:]
+    if len(ys) == 1:
+        return xs[:-1]
+    return np.broadcast_shapes(xs[:-2], ys[:-2]) + (xs[-2], ys[-1])
+
+
+defvjp(matmul_p, matmul_vjp_x, matmul_vjp_y)
+defjvp(matmul_p, matmul_jvp)
+
+
+@public("linalg")
+def matmul(x: Any, y: Any) -> Tensor:
+    """x @ y with NumPy's rules: stacked matrices broadcast, 1-D operands are vectors."""
+    x, y = coerce_pair("matmul", x, y)
+    if x.ndim == 0 or y.ndim == 0:
+        raise ValueError(f"matmul: operands must not be scalars (shapes {x.shape} and {y.shape})")
+    k_x = x.shape[-1]
+    k_y = y.shape[0] if y.ndim == 1 else y.shape[-2]
+    if k_x != k_y:
+        raise ValueError(f"matmul: inner dimensions differ: {x.shape} @ {y.shape} ({k_x} != {k_y})")
+    if x.ndim > 2 and y.ndim > 2:
+        try:
+            matmul_shape(x.shape, y.shape)
+        except ValueError:
+            raise ValueError(f"matmul: stacked shapes {x.shape} and {y.shape} do not broadcast") from None
+    return bind(matmul_p, x, y)
+
+
+@public("linalg")
+def outer(x: Any, y: Any) -> Tensor:
+    """Outer product of two vectors."""
+    x, y = coerce_pair("outer", x, y)
+    return multiply(_col(reshape(x, (-1,))), _row(reshape(y, (-1,))))
+
+
+# ---- einsum ----
+# Specs are made explicit by the wrapper (ellipses spelled out, output named), so the
+# primitive sees only letters. Each operand's VJP is another einsum: the cotangent
+# contracted with the other operands; letters summed away inside one operand come back
+# by broadcasting. Batch axes of the cotangent get letters of their own.
+def _einsum_impl(xp: Any, *operands: Any, spec: str) -> Any:
+    return xp.einsum(spec, *operands, optimize=len(operands) > 2)
+
+
+einsum_p = primitive("einsum", _einsum_impl)
+
+
+def _parse(spec: str) -> tuple[list[str], str]:
+    inputs, output = spec.split("->")
+    return inputs.split(","), output
+
+
+def einsum_vjp(argnum: int, ans: Tensor, *operands: Tensor, spec: str) -> Any:
+    inputs, output = _parse(spec)
+    target = inputs[argnum]
+    others = [s for i, s in enumerate(inputs) if i != argnum]
+    other_ops = [op for i, op in enumerate(operands) if i != argnum]
+    available = set(output).union(*others) if others else set(output)
+    reachable = "".join(c for c in target if c in available)
+    shape = operands[argnum].shape
+
+    def vjp(g: Tensor) -> Tensor:
+        nb = batch_ndim(g, ans)
+        used = set(spec)
+        batch = "".join([c for c in string.ascii_letters if c not in used][:nb])
+        sub = f"{batch}{output}," + ",".join(others) if others else f"{batch}{output}"
+        sub = sub.rstrip(",") + f"->{batch}{reachable}"
+        out = bind(einsum_p, g, *other_ops, spec=sub)
+        if reachable != target:  # letters only `target` had: broadcast back
+            sizes = dict(zip(target, shape, strict=True))
+            expanded_shape = g.shape[:nb] + tuple(sizes[c] if c in reachable else 1 for c in target)
+            out = broadcast_to(reshape(out, expanded_shape), g.shape[:nb] + shape)
+        return out
+
+    return vjp
+
+
+def einsum_jvp(t: list, ans: Tensor, *operands: Tensor, spec: str) -> Tensor:
+    inputs, output = _parse(spec)
+    used = set(spec)
+    total = None
+    for i, tangent in enumerate(t):
+        if tangent is None:
+            continue
+        nb = tangent.ndim - operands[i].ndim
+        batch = "".join([c for c in string.ascii_letters if c not in used][:nb])
+        subs = [batch + s if j == i else s for j, s in enumerate(inputs)]
+        args = [tangent if j == i else op for j, op in enumerate(operands)]
+        term = bind(einsum_p, *args, spec=",".join(subs) + "->" + batch + output)
+        total = term if total is None else add(total, term)
+    return total
+
+
+defvjp_argnum(einsum_p, einsum_vjp)
+defjvp(einsum_p, einsum_jvp)
+
+
+def _explicit_spec(spec: str, operands: list[Tensor]) -> str:
+    """Spell out '...' and the implicit output; check ranks and sizes."""
+    spec = spec.replace(" ", "")
+    if "->" in spec:
+        inputs_part, output = spec.split("->")
+    else:
+        inputs_part, output = spec, None
+    inputs = inputs_part.split(",")
+    if len(inputs) != len(operands):
+        raise ValueError(f"einsum: spec {spec!r} names {len(inputs)} operands, got {len(operands)}")
+    used = set(spec) - set(".,->")
+    spare = [c for c in string.ascii_letters if c not in used]
+    ellipsis_rank = 0
+    for s, op in zip(inputs, operands, strict=True):
+        if "..." in s:
+            ellipsis_rank = max(ellipsis_rank, op.ndim - (len(s) - 3))
+    ell = "".join(spare[:ellipsis_rank])
+    resolved = []
+    for s, op in zip(inputs, operands, strict=True):
+        if "..." in s:
+            n = op.ndim - (len(s) - 3)
+            s = s.replace("...", ell[ellipsis_rank - n :] if n else "")
+        if not s.isalpha() and s:
+            raise ValueError(f"einsum: invalid subscripts {s!r}")
+        if len(s) != op.ndim:
+            raise ValueError(f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}")
+        if len(set(s)) != len(s):
+            raise ValueError(
+                f"einsum: repeated subscript in {s!r} (a diagonal or trace) is not supported; "
+                "multiply by gt.eye and sum instead"
+            )
+        resolved.append(s)
+    if output is None:
+        counts = {c: "".join(resolved).count(c) for c in set("".join(resolved))}
+        output = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    else:
+        output = output.replace("...", ell)
+    sizes: dict[str, int] = {}
+    for s, op in zip(resolved, operands, strict=True):
+        for c, d in zip(s, op.shape, strict=True):
+            if sizes.setdefault(c, d) != d and 1 not in (d, sizes[c]):
+                raise ValueError(f"einsum: index {c!r} has sizes {sizes[c]} and {d}")
+    for c in output:
+        if c not in sizes:
+            raise ValueError(f"einsum: output index {c!r} does not appear in the inputs")
+    return ",".join(resolved) + "->" + output
+
+
+@public("linalg", tensors=0)
+def einsum(spec: str, *operands: Any) -> Tensor:
+    """Einstein summation, e.g. einsum('bij,jk->bik', x, w)."""
+    tensors = coerce_all("einsum", operands)
+    for s, op in zip(spec.replace(" ", "").split("->")[0].split(","), tensors, strict=False):
+        if "..." not in s and len(s) != op.ndim:
+            raise ValueError(f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}")
+    explicit = _explicit_spec(spec, tensors)
+    # Size-1 broadcasting between operands is resolved up front so the rules never see it.
+    inputs, _ = _parse(explicit)
+    sizes: dict[str, int] = {}
+    for s, op in zip(inputs, tensors, strict=True):
+        for c, d in zip(s, op.shape, strict=True):
+            sizes[c] = d if sizes.get(c, 1) == 1 else sizes[c]
+    tensors = [
+        broadcast_to(op, tuple(sizes[c] for c in s)) for s, op in zip(inputs, tensors, strict=True)
+    ]
+    return bind(einsum_p, *tensors, spec=explicit)
+
+
+# ---- solve ----
+solve_p = primitive("solve", lambda xp, a, b: xp.linalg.solve(a, b))
+
+
+def solve_vjp_b(ans: Tensor, a: Tensor, b: Tensor) -> Any:
+    return lambda g: _solve_batched(_mT(a), g, b.ndim)
+
+
+def solve_vjp_a(ans: Tensor, a: Tensor, b: Tensor) -> Any:
+    def vjp(g: Tensor) -> Tensor:
+        gb = _solve_batched(_mT(a), g, b.ndim)
+        if b.ndim == 1:
+            return negative(multiply(_col(gb), _row(ans)))
+        return negative(matmul(gb, _mT(ans)))
+
+    return vjp
+
+
+def _solve_batched(a: Tensor, rhs: Tensor, b_ndim: int) -> Tensor:
+    """a^-1 rhs where rhs has leading batch axes in front of a (n,) or (n, k) operand."""
+    if b_ndim == 1:  # rhs (*batch, n): solve all columns at once
+        flat = reshape(rhs, (-1, a.shape[-1]))
+        out = bind(solve_p, a, swapaxes(flat, 0, 1))
+        return reshape(swapaxes(out, 0, 1), rhs.shape)
+    lead = rhs.shape[:-2]
+    if not lead:
+        return bind(solve_p, a, rhs)
+    n, k = rhs.shape[-2:]
+    flat = reshape(swapaxes(reshape(rhs, (-1, n, k)), 0, 1), (n, -1))
+    out = bind(solve_p, a, flat)
+    return reshape(swapaxes(reshape(out, (n, -1, k)), 0, 1), rhs.shape)
+
+
+def solve_jvp(t: list, ans: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    rhs = None
+    if t[1] is not None:
+        rhs = t[1]
+    if t[0] is not None:
+        da_x = matmul(t[0], ans)
+        rhs = negative(da_x) if rhs is None else add(rhs, negative(da_x))
+    return _solve_batched(a, rhs, b.ndim)
+
+
+defvjp(solve_p, solve_vjp_a, solve_vjp_b)
+defjvp(solve_p, solve_jvp)
+
+
+@public("linalg")
+def solve(a: Any, b: Any) -> Tensor:
+    """x with a @ x = b, for a square (n, n) and b (n,) or (n, k)."""
+    a, b = coerce_pair("solve", a, b)
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"solve: a must be a square matrix, got shape {a.shape}")
+    if b.ndim not in (1, 2) or b.shape[0] != a.shape[0]:
+        raise ValueError(f"solve: b must be ({a.shape[0]},) or ({a.shape[0]}, k), got {b.shape}")
+    return bind(solve_p, a, b)

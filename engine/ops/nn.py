@@ -1,0 +1,186 @@
+"""Neural-network building blocks, all composites of primitives: softmax, losses,
+normalization, clip_by_norm, and stop_gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine import backend
+from engine.ops._util import normalize_axes
+from engine.ops.elementwise import (
+    abs,
+    add,
+    cast,
+    divide,
+    exp,
+    log1p,
+    maximum,
+    multiply,
+    negative,
+    relu,
+    sqrt,
+    square,
+    subtract,
+    where,
+)
+from engine.ops.elementwise import less_equal
+from engine.ops.reduce import logsumexp, mean, norm, sum, var
+from engine.registry import public
+from engine.tensor import Tensor, as_tensor
+
+
+@public("control")
+def stop_gradient(x: Any) -> Tensor:
+    """x's value, cut off from every tape: no gradient flows through it."""
+    x = as_tensor(x)
+    return Tensor(x.value)
+
+
+# ---- softmax ----
+@public("nn")
+def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    """x - logsumexp(x) over `axis`."""
+    x = as_tensor(x)
+    return subtract(x, logsumexp(x, axis, keepdims=True))
+
+
+@public("nn")
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    """exp(x) / sum(exp(x)) over `axis`, computed stably."""
+    return exp(log_softmax(x, axis))
+
+
+# ---- losses ----
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduce(losses: Tensor, reduction: str, opname: str) -> Tensor:
+    if reduction == "mean":
+        return mean(losses)
+    if reduction == "sum":
+        return sum(losses)
+    if reduction == "none":
+        return losses
+    raise ValueError(f"{opname}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _check_same_shape(a: Tensor, b: Tensor, opname: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{opname}: predictions {a.shape} and targets {b.shape} differ in shape")
+
+
+@public("loss")
+def mean_squared_error(predictions: Any, targets: Any, reduction: str = "mean") -> Tensor:
+    """(predictions - targets)**2, averaged over all elements by default."""
+    predictions, targets = as_tensor(predictions), as_tensor(targets)
+    _check_same_shape(predictions, targets, "mean_squared_error")
+    return _reduce(square(subtract(predictions, targets)), reduction, "mean_squared_error")
+
+
+@public("loss")
+def huber(predictions: Any, targets: Any, delta: float = 1.0, reduction: str = "mean") -> Tensor:
+    """Quadratic within `delta` of the target, linear beyond (Huber loss)."""
+    predictions, targets = as_tensor(predictions), as_tensor(targets)
+    _check_same_shape(predictions, targets, "huber")
+    if delta <= 0:
+        raise ValueError(f"huber: delta must be positive, got {delta}")
+    err = abs(subtract(predictions, targets))
+    quadratic = multiply(square(err), 0.5)
+    linear = subtract(multiply(err, delta), 0.5 * delta * delta)
+    return _reduce(where(less_equal(err, delta), quadratic, linear), reduction, "huber")
+
+
+@public("loss")
+def softmax_cross_entropy(logits: Any, labels: Any, axis: int = -1, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of softmax(logits) against integer class labels or one-hot/soft labels.
+
+    Integer labels have logits' shape without the class axis; float labels have logits'
+    shape.
+    """
+    logits, labels = as_tensor(logits), as_tensor(labels)
+    (axis,) = normalize_axes(axis, logits.ndim, "softmax_cross_entropy")
+    logp = log_softmax(logits, axis)
+    if labels.dtype.kind in "iu":
+        expected = tuple(d for i, d in enumerate(logits.shape) if i - logits.ndim != axis)
+        if labels.shape != expected:
+            raise ValueError(
+                f"softmax_cross_entropy: integer labels must have shape {expected} for logits "
+                f"{logits.shape}, got {labels.shape}"
+            )
+        classes = logits.shape[axis]
+        xp = backend.array_module(labels.value)
+        if labels.size and (int(labels.value.min()) < 0 or int(labels.value.max()) >= classes):
+            raise ValueError(f"softmax_cross_entropy: labels must lie in [0, {classes})")
+        lab = xp.expand_dims(labels.value, axis)
+        shape = [1] * logits.ndim
+        shape[axis] = classes
+        one_hot = Tensor((lab == xp.arange(classes).reshape(shape)).astype(logits.dtype))
+    else:
+        _check_same_shape(logits, labels, "softmax_cross_entropy")
+        one_hot = labels
+    losses = negative(sum(multiply(one_hot, logp), axis))
+    return _reduce(losses, reduction, "softmax_cross_entropy")
+
+
+@public("loss")
+def sigmoid_cross_entropy(logits: Any, labels: Any, reduction: str = "mean") -> Tensor:
+    """Binary cross-entropy of sigmoid(logits) against labels in [0, 1], computed stably."""
+    logits, labels = as_tensor(logits), as_tensor(labels)
+    _check_same_shape(logits, labels, "sigmoid_cross_entropy")
+    losses = add(subtract(relu(logits), multiply(logits, labels)), log1p(exp(negative(abs(logits)))))
+    return _reduce(losses, reduction, "sigmoid_cross_entropy")
+
+
+# ---- normalization ----
+def _affine(y: Tensor, gamma: Any, beta: Any) -> Tensor:
+    if gamma is not None:
+        y = multiply(y, as_tensor(gamma))
+    if beta is not None:
+        y = add(y, as_tensor(beta))
+    return y
+
+
+@public("nn")
+def batch_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -> Tensor:
+    """Training-mode batch normalization: statistics over every axis but the last.
+
+    The examples of a batch are *not* independent through it (each output depends on
+    the whole batch), which is what a batch jacobian checks for.
+    """
+    x = as_tensor(x)
+    if x.ndim < 2:
+        raise ValueError(f"batch_norm: needs a batch axis and a feature axis, got shape {x.shape}")
+    axes = tuple(range(-x.ndim, -1))
+    centered = subtract(x, mean(x, axes, keepdims=True))
+    scale = sqrt(add(var(x, axes, keepdims=True), eps))
+    return _affine(divide(centered, scale), gamma, beta)
+
+
+@public("nn")
+def layer_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -> Tensor:
+    """Layer normalization: statistics over the last axis of each example."""
+    x = as_tensor(x)
+    centered = subtract(x, mean(x, -1, keepdims=True))
+    scale = sqrt(add(var(x, -1, keepdims=True), eps))
+    return _affine(divide(centered, scale), gamma, beta)
+
+
+@public("nn")
+def clip_by_norm(x: Any, clip_norm: float = 1.0, axis: Any = None) -> Tensor:
+    """x rescaled so its L2 norm (over `axis`) is at most clip_norm."""
+    x = as_tensor(x)
+    if clip_norm <= 0:
+        raise ValueError(f"clip_by_norm: clip_norm must be positive, got {clip_norm}")
+    n = norm(x, axis=axis, keepdims=True)
+    return divide(multiply(x, clip_norm), maximum(n, as_tensor(clip_norm, like=n)))
+
+
+def one_hot(labels: Any, depth: int, dtype: Any = np.float32) -> Tensor:
+    """A constant one-hot encoding of integer labels (no gradient)."""
+    labels = as_tensor(labels)
+    xp = backend.array_module(labels.value)
+    return Tensor((labels.value[..., None] == xp.arange(depth)).astype(dtype))
+
+

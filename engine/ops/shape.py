@@ -1,0 +1,333 @@
+"""Shape primitives: reshape, transpose, broadcast_to, concatenate, indexing and scatter.
+
+Cotangents and tangents may carry leading batch axes; rules find how many by comparing
+ranks (`batch_ndim`) and keep them in front.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engine import backend
+from engine.ops._util import batch_ndim, coerce_all, normalize_axis
+from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
+from engine.tensor import Tensor, as_tensor, bind
+
+# ---- reshape ----
+reshape_p = primitive("reshape", lambda xp, x, *, shape: x.reshape(shape))
+defvjp(
+    reshape_p,
+    lambda ans, x, *, shape: lambda g: _reshape(g, g.shape[: batch_ndim(g, ans)] + x.shape),
+)
+defjvp(reshape_p, lambda t, ans, x, *, shape: _reshape(t[0], t[0].shape[: t[0].ndim - x.ndim] + shape))
+
+
+def _reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return x if x.shape == shape else bind(reshape_p, x, shape=shape)
+
+
+@public("shape")
+def reshape(x: Any, shape: Sequence[int] | int = ()) -> Tensor:
+    """x with a new shape of the same size (one entry may be -1)."""
+    x = as_tensor(x)
+    shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"reshape: at most one -1 in shape {shape}")
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        if known == 0 or x.size % known:
+            raise ValueError(f"reshape: cannot reshape {x.shape} into {shape}")
+        shape = tuple(x.size // known if d == -1 else d for d in shape)
+    if math.prod(shape) != x.size or any(d < 0 for d in shape):
+        raise ValueError(f"reshape: cannot reshape {x.shape} ({x.size} elements) into {shape}")
+    return _reshape(x, shape)
+
+
+# ---- transpose ----
+transpose_p = primitive("transpose", lambda xp, x, *, axes: xp.transpose(x, axes))
+
+
+def _batched_perm(nb: int, axes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(range(nb)) + tuple(nb + a for a in axes)
+
+
+def transpose_vjp(ans: Tensor, x: Tensor, *, axes: tuple[int, ...]) -> Any:
+    inverse = tuple(int(i) for i in np.argsort(axes))
+    return lambda g: bind(transpose_p, g, axes=_batched_perm(batch_ndim(g, ans), inverse))
+
+
+defvjp(transpose_p, transpose_vjp)
+defjvp(
+    transpose_p,
+    lambda t, ans, x, *, axes: bind(transpose_p, t[0], axes=_batched_perm(t[0].ndim - x.ndim, axes)),
+)
+
+
+@public("shape")
+def transpose(x: Any, axes: Sequence[int] | None = None) -> Tensor:
+    """Permute the axes (reverse them when axes is None)."""
+    x = as_tensor(x)
+    if axes is None:
+        axes = tuple(range(x.ndim))[::-1]
+    axes = tuple(a + x.ndim if a < 0 else a for a in axes)
+    if sorted(axes) != list(range(x.ndim)):
+        raise ValueError(f"transpose: axes {axes} are not a permutation of a rank-{x.ndim} tensor")
+    if axes == tuple(range(x.ndim)):
+        return x
+    return bind(transpose_p, x, axes=axes)
+
+
+@public("shape")
+def swapaxes(x: Any, axis1: int = -2, axis2: int = -1) -> Tensor:
+    """Exchange two axes."""
+    x = as_tensor(x)
+    perm = list(range(x.ndim))
+    a, b = normalize_axis(axis1, x.ndim, "swapaxes"), normalize_axis(axis2, x.ndim, "swapaxes")
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(x, perm)
+
+
+@public("shape")
+def moveaxis(x: Any, source: int = 0, destination: int = -1) -> Tensor:
+    """Move one axis to a new position."""
+    x = as_tensor(x)
+    src = normalize_axis(source, x.ndim, "moveaxis") + x.ndim
+    dst = normalize_axis(destination, x.ndim, "moveaxis") + x.ndim
+    perm = [i for i in range(x.ndim) if i != src]
+    perm.insert(dst, src)
+    return transpose(x, perm)
+
+
+# ---- broadcast_to ----
+# The VJP is the identity: the tape sums cotangents down to each input's shape in one
+# place, which is exactly the transpose of broadcasting.
+broadcast_to_p = primitive("broadcast_to", lambda xp, x, *, shape: xp.broadcast_to(x, shape))
+defvjp(broadcast_to_p, lambda ans, x, *, shape: lambda g: g)
+def broadcast_to_jvp(t: list, ans: Tensor, x: Tensor, *, shape: tuple) -> Tensor:
+    lead = t[0].shape[: t[0].ndim - x.ndim]
+    aligned = _reshape(t[0], lead + (1,) * (len(shape) - x.ndim) + x.shape)
+    return bind(broadcast_to_p, aligned, shape=lead + shape)
+
+
+defjvp(broadcast_to_p, broadcast_to_jvp)
+
+
+@public("shape")
+def broadcast_to(x: Any, shape: Sequence[int] = ()) -> Tensor:
+    """x repeated along new or size-1 axes to `shape` (NumPy's broadcasting rules)."""
+    x = as_tensor(x)
+    shape = tuple(int(d) for d in shape)
+    try:
+        np.broadcast_shapes(x.shape, shape)
+    except ValueError:
+        raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}") from None
+    if np.broadcast_shapes(x.shape, shape) != shape:
+        raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}")
+    return x if x.shape == shape else bind(broadcast_to_p, x, shape=shape)
+
+
+@public("shape")
+def expand_dims(x: Any, axis: int = 0) -> Tensor:
+    """Insert a size-1 axis at `axis`."""
+    x = as_tensor(x)
+    if not -x.ndim - 1 <= axis <= x.ndim:
+        raise ValueError(f"expand_dims: axis {axis} out of range for rank {x.ndim}")
+    position = axis if axis >= 0 else x.ndim + 1 + axis
+    return _reshape(x, x.shape[:position] + (1,) + x.shape[position:])
+
+
+@public("shape")
+def squeeze(x: Any, axis: int | Sequence[int] | None = None) -> Tensor:
+    """Remove size-1 axes (all of them, or the ones named)."""
+    x = as_tensor(x)
+    if axis is None:
+        return _reshape(x, tuple(d for d in x.shape if d != 1))
+    axes = {normalize_axis(a, x.ndim, "squeeze") + x.ndim for a in np.atleast_1d(axis).tolist()}
+    for a in axes:
+        if x.shape[a] != 1:
+            raise ValueError(f"squeeze: axis {a} of shape {x.shape} has size {x.shape[a]}, not 1")
+    return _reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+@public("shape")
+def flatten(x: Any) -> Tensor:
+    """x as a 1-D tensor."""
+    x = as_tensor(x)
+    return _reshape(x, (x.size,))
+
+
+# ---- concatenate ----
+concatenate_p = primitive("concatenate", lambda xp, *xs, axis: xp.concatenate(xs, axis=axis))
+
+
+def _axis_slice(axis: int, start: int, stop: int) -> tuple:
+    """An index that takes [start:stop] along a negative `axis`, whatever leads it."""
+    return (Ellipsis, slice(start, stop)) + (slice(None),) * (-axis - 1)
+
+
+def concatenate_vjp(argnum: int, ans: Tensor, *xs: Tensor, axis: int) -> Any:
+    start = sum(x.shape[axis] for x in xs[:argnum])
+    index = _axis_slice(axis, start, start + xs[argnum].shape[axis])
+    return lambda g: bind(getitem_p, g, index=index)
+
+
+def concatenate_jvp(t: list, ans: Tensor, *xs: Tensor, axis: int) -> Tensor:
+    first = next(tt for tt in t if tt is not None)
+    lead = first.shape[: first.ndim - ans.ndim]
+    parts = [
+        zeros_like_shape(first, lead + x.shape) if tt is None else broadcast_to(tt, lead + x.shape)
+        for tt, x in zip(t, xs, strict=True)
+    ]
+    return bind(concatenate_p, *parts, axis=axis)
+
+
+defvjp_argnum(concatenate_p, concatenate_vjp)
+defjvp(concatenate_p, concatenate_jvp)
+
+
+def zeros_like_shape(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A constant zero tensor of `shape` with `like`'s dtype and device."""
+    xp = backend.array_module(like.value)
+    return Tensor(xp.zeros(shape, dtype=like.dtype))
+
+
+@public("shape", tensors=0)
+def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join tensors along an existing axis."""
+    tensors = coerce_all("concatenate", xs)
+    if not tensors:
+        raise ValueError("concatenate: needs at least one tensor")
+    ndim = tensors[0].ndim
+    if ndim == 0:
+        raise ValueError("concatenate: zero-rank tensors cannot be concatenated; use stack")
+    axis = normalize_axis(axis, ndim, "concatenate")
+    for t in tensors[1:]:
+        others = [d for i, d in enumerate(t.shape) if i - t.ndim != axis]
+        firsts = [d for i, d in enumerate(tensors[0].shape) if i - ndim != axis]
+        if t.ndim != ndim or others != firsts:
+            shapes = ", ".join(str(u.shape) for u in tensors)
+            raise ValueError(f"concatenate: shapes {shapes} differ off axis {axis}")
+    if len(tensors) == 1:
+        return tensors[0]
+    return bind(concatenate_p, *tensors, axis=axis)
+
+
+@public("shape", tensors=0)
+def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join same-shaped tensors along a new axis."""
+    tensors = coerce_all("stack", xs)
+    if not tensors:
+        raise ValueError("stack: needs at least one tensor")
+    if len({t.shape for t in tensors}) > 1:
+        raise ValueError(f"stack: shapes differ: {[t.shape for t in tensors]}")
+    expanded = [expand_dims(t, axis) for t in tensors]
+    return expanded[0] if len(expanded) == 1 else bind(
+        concatenate_p, *expanded, axis=normalize_axis(axis, tensors[0].ndim + 1, "stack")
+    )
+
+
+# ---- indexing: getitem and its transpose, scatter_add ----
+# Indices are normalized once (Ellipsis expanded, every axis named, bool masks turned
+# into integer arrays) and stored with a leading Ellipsis, so the same index applies to
+# a cotangent or tangent with any number of leading batch axes.
+getitem_p = primitive("getitem", lambda xp, x, *, index: x[index])
+
+
+def _scatter_impl(xp: Any, g: Any, *, index: tuple, shape: tuple, result_ndim: int) -> Any:
+    lead = g.shape[: g.ndim - result_ndim]
+    out = xp.zeros(lead + shape, dtype=g.dtype)
+    if any(backend.is_array(i) for i in index):
+        backend.scatter_add(xp, out, index, g)
+    else:  # basic indexing never selects an element twice
+        out[index] = g
+    return out
+
+
+scatter_add_p = primitive("scatter_add", _scatter_impl)
+
+defvjp(
+    getitem_p,
+    lambda ans, x, *, index: lambda g: bind(
+        scatter_add_p, g, index=index, shape=x.shape, result_ndim=ans.ndim
+    ),
+)
+defjvp(getitem_p, lambda t, ans, x, *, index: bind(getitem_p, t[0], index=index))
+defvjp(scatter_add_p, lambda ans, g, **params: lambda gg: bind(getitem_p, gg, index=params["index"]))
+defjvp(scatter_add_p, lambda t, ans, g, **params: bind(scatter_add_p, t[0], **params))
+
+
+def normalize_index(index: Any, x: Tensor) -> tuple:
+    """An index with every axis of x named, masks as integer arrays, a leading Ellipsis."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    items: list[Any] = []
+    for item in index:
+        if isinstance(item, Tensor):
+            item = item.value
+        if isinstance(item, list) or (backend.is_array(item) and not np.isscalar(item)):
+            arr = backend.asarray(item, None, x.device)
+            if arr.dtype == np.bool_:
+                items.extend(arr.nonzero())
+                continue
+            if arr.dtype.kind not in "iu":
+                raise IndexError(f"index arrays must be integer or bool, got {arr.dtype}")
+            items.append(arr)
+        elif isinstance(item, (bool, np.bool_)):
+            raise IndexError("a bare bool is not a valid index")
+        elif isinstance(item, (int, np.integer)):
+            items.append(int(item))
+        elif item is None or item is Ellipsis or isinstance(item, slice):
+            items.append(item)
+        else:
+            raise IndexError(f"invalid index {item!r} of type {type(item).__name__}")
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    ellipses = [k for k, i in enumerate(items) if i is Ellipsis]
+    if len(ellipses) > 1:
+        raise IndexError("an index can only have a single Ellipsis")
+    if consumed > x.ndim:
+        raise IndexError(f"too many indices ({consumed}) for a tensor of shape {x.shape}")
+    fill = [slice(None)] * (x.ndim - consumed)
+    if ellipses:
+        items[ellipses[0] : ellipses[0] + 1] = fill
+    else:
+        items.extend(fill)
+    advanced = [k for k, i in enumerate(items) if backend.is_array(i)]
+    if advanced and advanced[-1] - advanced[0] + 1 != len(advanced):
+        raise IndexError(
+            "integer-array indices separated by a slice are not supported (NumPy would move "
+            "their axes to the front); index in two steps instead"
+        )
+    axis = 0
+    for item in items:  # bounds-check ints now, for a clear message
+        if item is None:
+            continue
+        if isinstance(item, int) and not -x.shape[axis] <= item < x.shape[axis]:
+            raise IndexError(f"index {item} is out of bounds for axis {axis} of size {x.shape[axis]}")
+        axis += 1
+    return (Ellipsis, *items)
+
+
+@public("indexing", tensors=1)
+def getitem(x: Any, index: Any = ()) -> Tensor:
+    """x[index]: ints, slices, None, Ellipsis, integer arrays and bool masks."""
+    x = as_tensor(x)
+    return bind(getitem_p, x, index=normalize_index(index, x))
+
+
+@public("indexing", tensors=1)
+def take(x: Any, indices: Any = (), axis: int = 0) -> Tensor:
+    """Elements of x at integer `indices` along `axis` (NumPy's take, no wrapping)."""
+    x = as_tensor(x)
+    axis = normalize_axis(axis, x.ndim, "take") + x.ndim
+    if isinstance(indices, Tensor):
+        indices = indices.value
+    indices = backend.asarray(indices, None, x.device)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"take: indices must be integers, got {indices.dtype}")
+    if indices.size and (int(indices.max()) >= x.shape[axis] or int(indices.min()) < -x.shape[axis]):
+        raise IndexError(f"take: an index is out of bounds for axis {axis} of size {x.shape[axis]}")
+    return getitem(x, (slice(None),) * axis + (indices,))

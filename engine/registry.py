@@ -1,0 +1,160 @@
+"""Primitives and their rule tables.
+
+A primitive is a name; what it does lives in plain dicts keyed by the Primitive object
+(autodidax's `jvp_rules`, autograd's `primitive_vjps`):
+
+- `impl_rules[p](xp, *arrays, **params) -> array`: the forward, on NumPy or CuPy arrays.
+- `vjp_rules[p](argnum, ans, *args, **params) -> (g -> cotangent)`: the reverse rule in
+  autograd's two stages. The outer call sees the output and the inputs (engine tensors)
+  and returns a function of the cotangent `g`. `g` may carry extra *leading batch axes*;
+  every rule must keep them in front (this is what vectorizes jacobians and batches HVPs).
+  The rule may return a cotangent in the broadcast shape; the tape sums it down to the
+  input's shape in one place.
+- `jvp_rules[p](tangents, ans, *args, **params) -> tangent`: the forward rule. `tangents`
+  holds one tangent per argument or None for a zero tangent, possibly with leading batch
+  axes as well.
+
+Rules are written with the engine's own differentiable ops, so derivatives of derivatives
+work to any order. Primitives in `NONDIFFERENTIABLE` are never recorded.
+
+Public ops (primitive wrappers and composites) are registered in `public_ops` by the
+`public` decorator; the package's export list and the op catalogue are built from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class Primitive:
+    """A named operation with rules in the tables below."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Primitive({self.name})"
+
+
+impl_rules: dict[Primitive, Callable[..., Any]] = {}
+vjp_rules: dict[Primitive, Callable[..., Any]] = {}
+jvp_rules: dict[Primitive, Callable[..., Any]] = {}
+NONDIFFERENTIABLE: set[Primitive] = set()
+# Elementwise primitives whose arguments broadcast against each other by NumPy's
+# trailing-axis rule. Batched tangents of lower-rank arguments get size-1 axes inserted
+# after their batch axes (in one place, the accumulator) so the rule sees them aligned.
+BROADCASTING: set[Primitive] = set()
+
+
+class MissingRuleError(NotImplementedError):
+    """A derivative was asked of a primitive (and argument) that has no rule."""
+
+
+def primitive(name: str, impl: Callable[..., Any]) -> Primitive:
+    """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`."""
+    prim = Primitive(name)
+    impl_rules[prim] = impl
+    return prim
+
+
+def defvjp(prim: Primitive, *rules: Callable[..., Any] | None) -> None:
+    """One rule per positional argument, `rule(ans, *args, **params) -> (g -> ct)`.
+
+    None marks an argument that carries no gradient (an index, a condition).
+    """
+
+    def vjp(argnum: int, ans: Any, *args: Any, **params: Any) -> Any:
+        rule = rules[argnum] if argnum < len(rules) else None
+        if rule is None:
+            raise MissingRuleError(f"no VJP rule for argument {argnum} of '{prim.name}'")
+        return rule(ans, *args, **params)
+
+    vjp_rules[prim] = vjp
+
+
+def defvjp_argnum(prim: Primitive, rule: Callable[..., Any]) -> None:
+    """For variadic primitives: `rule(argnum, ans, *args, **params) -> (g -> ct)`."""
+    vjp_rules[prim] = rule
+
+
+def defjvp(prim: Primitive, rule: Callable[..., Any]) -> None:
+    jvp_rules[prim] = rule
+
+
+def defbroadcasting(*prims: Primitive) -> None:
+    BROADCASTING.update(prims)
+
+
+def defnondiff(prim: Primitive) -> None:
+    """Outputs of `prim` carry no derivative (comparisons, sign, argmax)."""
+    NONDIFFERENTIABLE.add(prim)
+
+
+def get_vjp(prim: Primitive) -> Callable[..., Any]:
+    try:
+        return vjp_rules[prim]
+    except KeyError:
+        raise MissingRuleError(f"no VJP rule for primitive '{prim.name}'") from None
+
+
+def get_jvp(prim: Primitive) -> Callable[..., Any]:
+    try:
+        return jvp_rules[prim]
+    except KeyError:
+        raise MissingRuleError(f"no JVP rule for primitive '{prim.name}'") from None
+
+
+# ----------------------------------------------------------------------------------------
+# Public op catalogue
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What a client needs to call an op: name, tensor arity, keyword arguments, doc."""
+
+    name: str
+    family: str
+    fn: Callable[..., Any]
+    tensor_args: tuple[str, ...]
+    variadic: bool
+    keywords: dict[str, Any]  # name -> default (inspect.Parameter.empty when required)
+    doc: str
+
+
+public_ops: dict[str, OpInfo] = {}
+
+
+def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., Any]], Any]:
+    """Register a public op. Its positional parameters are tensors; keyword-only are metadata.
+
+    `tensors` overrides how many leading positional parameters are tensors (the rest are
+    metadata given by keyword or position).
+    """
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        positional = [
+            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        count = len(positional) if tensors is None else tensors
+        tensor_args = tuple(p.name for p in positional[:count])
+        variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+        keywords = {
+            p.name: p.default
+            for p in params
+            if p.name not in tensor_args and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        doc = (inspect.getdoc(fn) or "").split("\n")[0]
+        public_ops[fn.__name__] = OpInfo(
+            fn.__name__, family, fn, tensor_args, variadic, keywords, doc
+        )
+        return fn
+
+    return register

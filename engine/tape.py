@@ -1,0 +1,552 @@
+"""GradientTape: records primitive applications and runs the reverse pass.
+
+A tape watches tensors (by identity). While it is active (inside `with tape:`), every
+primitive that consumes a watched tensor is appended to its records, and the output
+becomes watched too. The records are therefore already in topological order, and the
+backward pass is one reverse sweep over the part of them that connects the sources to
+the targets.
+
+Several tapes may be active at once. A tape pauses itself while it computes a gradient,
+so its backward operations are recorded by the *other* active tapes only: that is how
+an outer tape sees the inner tape's gradient computation and can differentiate it again
+(all VJP rules are made of recorded engine ops).
+
+Cotangents may carry leading batch axes (`_backward(..., batch_ndim=k)`): jacobians
+and batch jacobians are one backward pass with a stack of cotangents.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from engine import backend, trace, tree
+from engine.ops.reduce import sum as reduce_sum
+from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
+from engine.registry import NONDIFFERENTIABLE, Primitive, get_vjp
+from engine.tensor import Tensor, Variable, as_tensor
+
+UNCONNECTED = ("none", "zero")
+
+
+class Record:
+    """One recorded application: a primitive's, or a custom gradient's (`prim` None)."""
+
+    __slots__ = ("prim", "inputs", "params", "outputs", "custom_vjp", "vjp_cache")
+
+    def __init__(
+        self,
+        prim: Primitive | None,
+        inputs: tuple[Tensor, ...],
+        params: dict[str, Any],
+        outputs: tuple[Tensor, ...],
+        custom_vjp: Callable[..., Any] | None = None,
+    ):
+        self.prim = prim
+        self.inputs = inputs
+        self.params = params
+        self.outputs = outputs
+        self.custom_vjp = custom_vjp
+        self.vjp_cache: dict[int, Any] | None = None
+
+    def input_cotangents(
+        self, gs: list[Tensor | None], needed: tuple[int, ...], cacheable: bool
+    ) -> list[Tensor | None]:
+        """Cotangents for the inputs in `needed`, given the outputs' cotangents `gs`."""
+        if self.prim is None:
+            return self._custom_cotangents(gs, needed)
+        (g,) = gs
+        rule = get_vjp(self.prim)
+        ans = self.outputs[0]
+        out = []
+        for i in needed:
+            if cacheable:
+                # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
+                # values; when nothing is recording it can be reused by the next pass
+                # over this record (repeated HVPs on one tape).
+                if self.vjp_cache is None:
+                    self.vjp_cache = {}
+                vjp = self.vjp_cache.get(i)
+                if vjp is None:
+                    vjp = self.vjp_cache[i] = rule(i, ans, *self.inputs, **self.params)
+            else:
+                vjp = rule(i, ans, *self.inputs, **self.params)
+            out.append(vjp(g))
+        return out
+
+    def _custom_cotangents(
+        self, gs: list[Tensor | None], needed: tuple[int, ...]
+    ) -> list[Tensor | None]:
+        upstream = [
+            Tensor(backend.array_module(o.value).zeros_like(o.value)) if g is None else g
+            for g, o in zip(gs, self.outputs, strict=True)
+        ]
+        result = self.custom_vjp(*upstream)
+        grads = list(result) if isinstance(result, (list, tuple)) else [result]
+        if len(grads) != len(self.inputs):
+            raise ValueError(
+                f"custom gradient returned {len(grads)} gradient(s) for {len(self.inputs)} input(s)"
+            )
+        return [None if grads[i] is None else as_tensor(grads[i]) for i in needed]
+
+
+def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
+    """Sum (or broadcast) a cotangent to (*batch, *shape): undoes broadcasting, once."""
+    target = g.shape[:batch_ndim] + shape
+    if g.shape == target:
+        return g
+    extra = g.ndim - len(target)
+    if extra < 0:
+        return broadcast_to(g, target)
+    axes = list(range(batch_ndim, batch_ndim + extra))
+    for i, d in enumerate(shape):
+        if d == 1 and g.shape[batch_ndim + extra + i] != 1:
+            axes.append(batch_ndim + extra + i)
+    if axes:
+        g = reshape(reduce_sum(g, tuple(axes), keepdims=True), target)
+    return g if g.shape == target else broadcast_to(g, target)
+
+
+def _plan(records: list[Record], target_ids: set[int], source_ids: set[int]) -> list:
+    """The records on a path from a source to a target, newest first, with the argnums
+    whose inputs depend on a source (only those get cotangents)."""
+    reached = set(source_ids)
+    forward = []
+    for rec in records:
+        if any(id(x) in reached for x in rec.inputs):
+            forward.append(rec)
+            reached.update(id(o) for o in rec.outputs)
+    live = set(target_ids)
+    plan = []
+    for rec in reversed(forward):
+        if any(id(o) in live for o in rec.outputs):
+            needed = tuple(i for i, x in enumerate(rec.inputs) if id(x) in reached)
+            plan.append((rec, needed))
+            live.update(id(rec.inputs[i]) for i in needed)
+    return plan
+
+
+def _accumulate(cts: dict[int, Tensor], key: int, g: Tensor) -> None:
+    prev = cts.get(key)
+    cts[key] = g if prev is None else prev + g
+
+
+def backward(
+    plan: list,
+    targets: list[Tensor],
+    seeds: list[Tensor],
+    sources: list[Tensor],
+    batch_ndim: int,
+) -> dict[int, Tensor]:
+    """Run the reverse sweep; return the cotangents of the sources, keyed by id."""
+    cts: dict[int, Tensor] = {}
+    for t, s in zip(targets, seeds, strict=True):
+        _accumulate(cts, id(t), s)
+    keep = {id(s) for s in sources}
+    cacheable = not trace.anything_active()
+    for rec, needed in plan:
+        gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
+        if all(g is None for g in gs):
+            continue
+        for i, gi in zip(needed, rec.input_cotangents(gs, needed, cacheable), strict=True):
+            if gi is not None:
+                x = rec.inputs[i]
+                _accumulate(cts, id(x), _fit(gi, x.shape, batch_ndim))
+    return {k: cts[k] for k in keep if k in cts}
+
+
+def _check_source(s: Any, where: str) -> Tensor:
+    if not isinstance(s, Tensor):
+        raise TypeError(f"{where}: sources must be tensors or variables, got {type(s).__name__}")
+    if s.dtype.kind != "f":
+        # We raise rather than return None with a warning (TensorFlow's choice): a
+        # gradient with respect to integers is always a mistake worth hearing about.
+        raise TypeError(
+            f"{where}: cannot differentiate with respect to a {s.dtype} tensor of shape "
+            f"{s.shape}; only floating-point sources have gradients"
+        )
+    return s
+
+
+class GradientTape:
+    """Records operations for reverse-mode differentiation (TensorFlow's tf.GradientTape).
+
+    persistent: allow more than one gradient/jacobian call.
+    watch_accessed_variables: watch every trainable Variable used while recording.
+    """
+
+    def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True):
+        self.persistent = persistent
+        self.watch_accessed_variables = watch_accessed_variables
+        self._records: list[Record] = []
+        self._watched: dict[int, Tensor] = {}
+        self._variables: dict[int, Variable] = {}
+        self._plans: dict[tuple, tuple[int, list]] = {}
+        self._used = False
+
+    # Recording --------------------------------------------------------------------------
+    def __enter__(self) -> GradientTape:
+        if self in trace.active_tapes:
+            raise RuntimeError("this GradientTape is already recording (nested `with tape:`)")
+        trace.active_tapes.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self in trace.active_tapes:
+            trace.active_tapes.remove(self)
+
+    def watch(self, tensor: Any) -> None:
+        """Record operations on these tensors (a tensor or a nested structure of them)."""
+        for t in tree.flatten(tensor)[0]:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"watch: expected tensors, got {type(t).__name__}")
+            self._watch(t)
+
+    def _watch(self, t: Tensor) -> None:
+        self._watched[id(t)] = t
+        if isinstance(t, Variable):
+            self._variables.setdefault(id(t), t)
+
+    def watched_variables(self) -> tuple[Variable, ...]:
+        """The variables this tape watches, in the order it first saw them."""
+        return tuple(self._variables.values())
+
+    @contextmanager
+    def stop_recording(self) -> Iterator[None]:
+        """Operations inside this block are not recorded by this tape."""
+        with trace.paused(self):
+            yield
+
+    def reset(self) -> None:
+        """Forget everything recorded and watched so far; keep recording if active."""
+        self._records.clear()
+        self._watched.clear()
+        self._variables.clear()
+        self._plans.clear()
+        self._used = False
+
+    def _record_primitive(
+        self, prim: Primitive, args: tuple[Tensor, ...], params: dict[str, Any], ans: Tensor
+    ) -> None:
+        watched = self._watched
+        hit = False
+        for a in args:
+            if id(a) in watched:
+                hit = True
+            elif self.watch_accessed_variables and type(a) is Variable and a.trainable:
+                self._watch(a)
+                hit = True
+        if hit and prim not in NONDIFFERENTIABLE:
+            self._records.append(Record(prim, args, params, (ans,)))
+            watched[id(ans)] = ans
+
+    def _record_custom(self, record: Record) -> None:
+        watched = self._watched
+        hit = False
+        for a in record.inputs:
+            if id(a) in watched:
+                hit = True
+            elif self.watch_accessed_variables and type(a) is Variable and a.trainable:
+                self._watch(a)
+                hit = True
+        if hit:
+            self._records.append(record)
+            for o in record.outputs:
+                watched[id(o)] = o
+
+    # Differentiation --------------------------------------------------------------------
+    def _start_call(self, what: str) -> None:
+        if self._used and not self.persistent:
+            raise RuntimeError(
+                f"{what}: a non-persistent GradientTape can only be used to compute one set "
+                "of gradients (or jacobians); create it with persistent=True to ask again"
+            )
+
+    def _finish_call(self) -> None:
+        if not self.persistent:
+            self._used = True
+            self._records = []  # free the recorded values now
+            self._plans.clear()
+
+    def _plan_for(self, targets: list[Tensor], sources: list[Tensor]) -> list:
+        key = (tuple(id(t) for t in targets), tuple(id(s) for s in sources))
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] == len(self._records):
+            return cached[1]
+        plan = _plan(self._records, set(key[0]), set(key[1]))
+        if self.persistent:
+            self._plans[key] = (len(self._records), plan)
+        return plan
+
+    def _run(
+        self, targets: list[Tensor], seeds: list[Tensor], sources: list[Tensor], batch_ndim: int
+    ) -> dict[int, Tensor]:
+        plan = self._plan_for(targets, sources)
+        with trace.paused(self):
+            return backward(plan, targets, seeds, sources, batch_ndim)
+
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: str = "none",
+    ) -> Any:
+        """d target / d sources, in the structure of `sources`.
+
+        target may be a tensor or a structure of them (their gradients add up).
+        output_gradients: the cotangent for each target (default ones).
+        unconnected_gradients: "none" (None for a source the target does not depend on)
+        or "zero".
+        """
+        self._start_call("gradient")
+        unconnected = _check_unconnected(unconnected_gradients)
+        targets = _targets(target, "gradient")
+        flat_sources, treedef = tree.flatten(sources)
+        flat_sources = [_check_source(s, "gradient") for s in flat_sources]
+        if output_gradients is None:
+            seeds = [_ones_like(t) for t in targets]
+        else:
+            seeds = [as_tensor(g) for g in tree.flatten(output_gradients)[0]]
+            if len(seeds) != len(targets):
+                raise ValueError(
+                    f"gradient: {len(seeds)} output_gradients for {len(targets)} target(s)"
+                )
+            for s, t in zip(seeds, targets, strict=True):
+                if s.shape != t.shape:
+                    raise ValueError(
+                        f"gradient: output_gradients of shape {s.shape} for a target of shape {t.shape}"
+                    )
+                if s.dtype != t.dtype:
+                    raise TypeError(
+                        f"gradient: output_gradients dtype {s.dtype} differs from the target's {t.dtype}"
+                    )
+        try:
+            cts = self._run(targets, seeds, flat_sources, 0)
+        finally:
+            self._finish_call()
+        results = [_result(cts.get(id(s)), s, unconnected, ()) for s in flat_sources]
+        return tree.unflatten(treedef, results)
+
+    def jacobian(
+        self,
+        target: Tensor,
+        sources: Any,
+        unconnected_gradients: str = "none",
+        chunk_size: int | None = None,
+    ) -> Any:
+        """d target / d sources with shape target.shape + source.shape for each source.
+
+        All rows come from one backward pass with a stacked cotangent (the identity), in
+        chunks of `chunk_size` rows when given, to bound memory.
+        """
+        self._start_call("jacobian")
+        unconnected = _check_unconnected(unconnected_gradients)
+        (target,) = _targets(target, "jacobian", single=True)
+        flat_sources, treedef = tree.flatten(sources)
+        flat_sources = [_check_source(s, "jacobian") for s in flat_sources]
+        try:
+            rows = _jacobian_rows(self, target, flat_sources, chunk_size)
+        finally:
+            self._finish_call()
+        results = []
+        for s, r in zip(flat_sources, rows, strict=True):
+            j = _result(r, s, unconnected, (target.size,))
+            results.append(None if j is None else reshape(j, target.shape + s.shape))
+        return tree.unflatten(treedef, results)
+
+    def batch_jacobian(
+        self,
+        target: Tensor,
+        source: Tensor,
+        unconnected_gradients: str = "none",
+        check_independence: bool = True,
+    ) -> Tensor | None:
+        """Per-example jacobians: (B, *target.shape[1:], *source.shape[1:]).
+
+        Assumes example b of the target depends only on example b of the source, and
+        computes all examples in one backward pass. When that assumption is false (batch
+        normalization, a mean over the batch axis, a matmul mixing rows) the answer has
+        no meaning: with check_independence, one extra random probe row in the same pass
+        detects this and raises BatchDependenceError instead.
+        """
+        self._start_call("batch_jacobian")
+        unconnected = _check_unconnected(unconnected_gradients)
+        (target,) = _targets(target, "batch_jacobian", single=True)
+        source = _check_source(source, "batch_jacobian")
+        if target.ndim < 1 or source.ndim < 1 or target.shape[0] != source.shape[0]:
+            raise ValueError(
+                f"batch_jacobian: target {target.shape} and source {source.shape} must share "
+                "their first (batch) axis"
+            )
+        try:
+            result = _batch_jacobian(self, target, source, check_independence)
+        finally:
+            self._finish_call()
+        out_shape = target.shape + source.shape[1:]
+        if result is None:
+            return None if unconnected == "none" else _zeros(source, out_shape)
+        return result if result.shape == out_shape else reshape(result, out_shape)
+
+
+class BatchDependenceError(ValueError):
+    """A batch jacobian was asked of a computation that mixes the examples of a batch."""
+
+
+def _batch_jacobian(
+    tape: GradientTape, target: Tensor, source: Tensor, check: bool
+) -> Tensor | None:
+    xp = backend.array_module(target.value)
+    batch = target.shape[0]
+    m = math.prod(target.shape[1:])
+    # Seed row j is e_j for every example at once: summing over examples is harmless
+    # exactly when examples are independent.
+    eye = xp.eye(m, dtype=target.dtype).reshape((m, 1) + target.shape[1:])
+    seeds = xp.broadcast_to(eye, (m,) + target.shape)
+    probe_weights = None
+    if check:
+        rng = np.random.default_rng(0x6A7)
+        c = rng.uniform(0.5, 1.5, size=batch) * rng.choice([-1.0, 1.0], size=batch)
+        u = rng.uniform(-1.0, 1.0, size=m)
+        probe_weights = (xp.asarray(c, dtype=target.dtype), xp.asarray(u, dtype=target.dtype))
+        probe = (probe_weights[0][:, None] * probe_weights[1][None, :]).reshape((1,) + target.shape)
+        seeds = xp.concatenate([seeds, probe], axis=0)
+    cts = tape._run([target], [Tensor(xp.ascontiguousarray(seeds))], [source], 1)
+    rows = cts.get(id(source))
+    if rows is None:
+        return None
+    if check:
+        _check_batch_independence(rows, m, probe_weights)
+        rows = rows[:m]
+    # rows: (m, B, *source.shape[1:]) -> (B, m, *source.shape[1:])
+    perm = [1, 0] + list(range(2, rows.ndim))
+    return transpose(rows, perm)
+
+
+def _check_batch_independence(rows: Tensor, m: int, weights: tuple) -> None:
+    c, u = weights
+    values = rows.value
+    xp = backend.array_module(values)
+    per_example = values[:m]  # (m, B, *s)
+    probe = values[m]  # (B, *s)
+    lead = (-1,) + (1,) * (per_example.ndim - 1)
+    expected = (per_example * u.reshape(lead)).sum(axis=0)
+    expected = expected * c.reshape((-1,) + (1,) * (expected.ndim - 1))
+    scale = float(xp.abs(per_example).sum(axis=0).max()) if per_example.size else 0.0
+    scale = (scale + float(xp.abs(probe).max(initial=0.0))) or 1.0
+    rtol = 1e-3 if values.dtype.itemsize <= 4 else 1e-9
+    err = float(xp.abs(probe - expected).max(initial=0.0))
+    if err > rtol * scale:
+        raise BatchDependenceError(
+            "batch_jacobian: the examples of the batch are not independent (an output example "
+            "depends on other input examples, as with batch normalization, a mean or sum over "
+            f"the batch axis, or a matmul that mixes rows; relative mismatch {err / scale:.2e} "
+            "in a random probe). The per-example jacobian would be meaningless: use jacobian() "
+            "for the full one, or pass check_independence=False to get the summed blocks anyway"
+        )
+
+
+def _jacobian_rows(
+    tape: GradientTape, target: Tensor, sources: list[Tensor], chunk_size: int | None
+) -> list[Tensor | None]:
+    """All rows of d target / d sources as (n, *source.shape), n = target.size."""
+    n = target.size
+    xp = backend.array_module(target.value)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"jacobian: chunk_size must be positive, got {chunk_size}")
+    step = max(1, n if chunk_size is None else min(chunk_size, n))
+    pieces: list[list[Tensor]] = [[] for _ in sources]
+    connected = [False] * len(sources)
+    for start in range(0, max(n, 1), step):
+        stop = min(start + step, n)
+        seeds = xp.zeros((stop - start, n), dtype=target.dtype)
+        seeds[xp.arange(stop - start), xp.arange(start, stop)] = 1
+        seeds = Tensor(seeds.reshape((stop - start,) + target.shape))
+        cts = tape._run([target], [seeds], sources, 1)
+        for k, s in enumerate(sources):
+            part = cts.get(id(s))
+            if part is not None:
+                connected[k] = True
+            else:
+                part = _zeros(s, (stop - start,) + s.shape)
+            pieces[k].append(part)
+        if n == 0:
+            break
+    out: list[Tensor | None] = []
+    for k in range(len(sources)):
+        if not connected[k]:
+            out.append(None)
+        elif len(pieces[k]) == 1:
+            out.append(pieces[k][0])
+        else:
+            out.append(concatenate(pieces[k], axis=0))
+    return out
+
+
+def _targets(target: Any, where: str, single: bool = False) -> list[Tensor]:
+    targets = tree.flatten(target)[0]
+    if single and len(targets) != 1:
+        raise TypeError(f"{where}: target must be a single tensor")
+    for t in targets:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{where}: target must be a tensor, got {type(t).__name__}")
+        if t.dtype.kind != "f":
+            raise TypeError(f"{where}: target of dtype {t.dtype} is not differentiable")
+    return targets
+
+
+def _check_unconnected(value: Any) -> str:
+    value = str(getattr(value, "value", value)).lower()
+    if value not in UNCONNECTED:
+        raise ValueError(f"unconnected_gradients must be 'none' or 'zero', got {value!r}")
+    return value
+
+
+def _ones_like(t: Tensor) -> Tensor:
+    return Tensor(backend.array_module(t.value).ones_like(t.value))
+
+
+def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    return Tensor(backend.array_module(like.value).zeros(shape, dtype=like.dtype))
+
+
+def _result(ct: Tensor | None, source: Tensor, unconnected: str, lead: tuple) -> Tensor | None:
+    if ct is not None:
+        return ct
+    return None if unconnected == "none" else _zeros(source, lead + source.shape)
+
+
+# ----------------------------------------------------------------------------------------
+# custom_gradient
+# ----------------------------------------------------------------------------------------
+
+
+def custom_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: `f(*xs)` returns `(y, grad_fn)`; `grad_fn(*dy)` returns one gradient per x.
+
+    As tf.custom_gradient: f's own operations are not recorded; every active tape records
+    one node whose backward is grad_fn. grad_fn is made of engine ops, so it is
+    differentiated again by outer tapes (nested tapes work). Forward-mode tangents flow
+    through it by transposing grad_fn (it is linear in dy).
+    """
+
+    @functools.wraps(f)
+    def wrapper(*args: Any) -> Any:
+        inputs = tuple(as_tensor(a) for a in args)
+        with trace.nothing_recording():
+            result, grad_fn = f(*inputs)
+        flat, treedef = tree.flatten(result)
+        outputs = tuple(Tensor(as_tensor(o).value) for o in flat)  # fresh identities
+        record = Record(None, inputs, {}, outputs, custom_vjp=grad_fn)
+        for tape in tuple(trace.active_tapes):
+            tape._record_custom(record)
+        for accumulator in tuple(trace.active_accumulators):
+            accumulator._propagate_custom(record)
+        return tree.unflatten(treedef, list(outputs))
+
+    return wrapper

@@ -1,0 +1,182 @@
+"""The array wrapper, variables, and `bind`: the one function that applies a primitive.
+
+`bind` computes a primitive's forward on the raw arrays, then lets every active tape
+record it (if the tape watches an input) and every active forward accumulator push a
+tangent through it. Operators on Tensor (`+`, `@`, indexing...) are attached by
+`engine.ops.operators`, since the ops import this module and not the other way round.
+
+dtype policy: Python floats become float32, Python ints int32 and bools bool (as
+TensorFlow); NumPy arrays keep their dtype (float64 stays float64). A Python scalar next
+to a tensor takes the tensor's dtype. Two tensors of different dtypes in one op are an
+error, never a silent cast: use `cast`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine import backend, trace
+from engine.registry import Primitive, impl_rules
+
+
+class Tensor:
+    """An immutable array (NumPy or CuPy) that tapes can record operations on."""
+
+    __slots__ = ("value", "__weakref__")
+    __array_ufunc__ = None  # make `ndarray <op> Tensor` defer to Tensor's reflected ops
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    # Introspection -------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.value.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.value.ndim
+
+    @property
+    def size(self) -> int:
+        return int(self.value.size)
+
+    @property
+    def device(self) -> str:
+        return backend.device_of(self.value)
+
+    def numpy(self) -> np.ndarray:
+        """The value as a NumPy array (copied from the device for CuPy tensors)."""
+        return backend.to_host(self.value)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def __len__(self) -> int:
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __float__(self) -> float:
+        return float(self.numpy())
+
+    def __int__(self) -> int:
+        return int(self.numpy())
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ValueError(
+                f"the truth value of a tensor of shape {self.shape} is ambiguous; "
+                "use gt.any or gt.all"
+            )
+        return bool(self.numpy())
+
+    def __repr__(self) -> str:
+        body = np.array2string(self.numpy(), separator=", ", prefix="  ")
+        return f"{type(self).__name__}({body}, dtype={self.dtype}, shape={self.shape})"
+
+
+class Variable(Tensor):
+    """A mutable tensor: a model parameter. Tapes watch trainable variables they touch."""
+
+    __slots__ = ("trainable", "name")
+
+    def __init__(self, value: Any, trainable: bool = True, dtype: Any = None, name: str = ""):
+        super().__init__(_to_array(value, dtype, None))
+        self.trainable = bool(trainable)
+        self.name = name
+
+    def assign(self, value: Any) -> Variable:
+        """Replace the value (same shape and dtype). Tapes that recorded it see the new value."""
+        new = _to_array(value, self.dtype, self.device)
+        if new.shape != self.shape:
+            raise ValueError(f"assign: shape {new.shape} does not match variable {self.shape}")
+        self.value = new
+        return self
+
+    def assign_add(self, delta: Any) -> Variable:
+        return self.assign(self.value + _raw(delta, self))
+
+    def assign_sub(self, delta: Any) -> Variable:
+        return self.assign(self.value - _raw(delta, self))
+
+    def __repr__(self) -> str:
+        label = f" {self.name!r}" if self.name else ""
+        return f"<Variable{label} shape={self.shape} dtype={self.dtype} trainable={self.trainable}>"
+
+
+def _raw(value: Any, like: Tensor) -> Any:
+    return value.value if isinstance(value, Tensor) else _to_array(value, like.dtype, like.device)
+
+
+def _default_dtype(array: np.ndarray, value: Any) -> Any:
+    """TensorFlow's defaults for Python values; NumPy inputs keep their dtype."""
+    if isinstance(value, (np.ndarray, np.generic)) or backend.is_array(value):
+        return array.dtype
+    if array.dtype == np.float64:
+        return backend.DEFAULT_FLOAT
+    if array.dtype == np.int64:
+        return np.int32
+    return array.dtype
+
+
+def _to_array(value: Any, dtype: Any, device: str | None) -> Any:
+    if isinstance(value, Tensor):
+        value = value.value
+    if dtype is None:
+        if backend.is_array(value):
+            return backend.asarray(value, None, device)
+        host = np.asarray(value)
+        if host.dtype == object or host.dtype.kind not in "biuf":
+            raise TypeError(f"cannot make a tensor from {type(value).__name__} ({host.dtype})")
+        return backend.asarray(host, _default_dtype(host, value), device)
+    return backend.asarray(value, np.dtype(dtype), device)
+
+
+def constant(value: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+    """A tensor from a Python number, nested list, NumPy/CuPy array or tensor."""
+    return Tensor(_to_array(value, dtype, device))
+
+
+def as_tensor(value: Any, like: Tensor | None = None) -> Tensor:
+    """Tensors pass through; Python scalars take `like`'s dtype and device (weak typing)."""
+    if isinstance(value, Tensor):
+        return value
+    if like is not None and isinstance(value, (bool, int, float)) and not isinstance(
+        value, np.generic
+    ):
+        kind = like.dtype.kind
+        if kind in "iub" and isinstance(value, float) and not float(value).is_integer():
+            raise TypeError(
+                f"cannot combine a {like.dtype} tensor with the float {value!r}; "
+                "cast the tensor first (gt.cast)"
+            )
+        return Tensor(backend.asarray(value, like.dtype, like.device))
+    return constant(value)
+
+
+def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
+    """Apply a primitive: forward on the arrays, then record on every active recorder."""
+    values = [a.value for a in args]
+    try:
+        out = impl_rules[prim](backend.array_module(values[0]), *values, **params)
+    except ValueError as exc:  # NumPy's broadcasting message, with the op's name on it
+        shapes = " and ".join(str(v.shape) for v in values)
+        raise ValueError(f"{prim.name}: {exc} (operand shapes {shapes})") from None
+    if isinstance(out, np.generic):  # NumPy returns scalars from 0-d operations
+        out = np.asarray(out)
+    ans = Tensor(out)
+    if trace.active_tapes:
+        for tape in tuple(trace.active_tapes):
+            tape._record_primitive(prim, args, params, ans)
+    if trace.active_accumulators:
+        for accumulator in tuple(trace.active_accumulators):
+            accumulator._propagate(prim, args, params, ans)
+    return ans
