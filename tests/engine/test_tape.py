@@ -1,0 +1,223 @@
+"""Tape behaviour: fan-out, reuse, unconnected sources, structures, persistence,
+nesting, custom gradients, variables, dtype policy and the errors users meet."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine as gt
+from engine import backend
+
+
+def test_fan_out_and_reuse_accumulate() -> None:
+    x = gt.constant(1.5, dtype="float64")
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        a = x * x  # used three times below
+        y = a + a * x + gt.sin(a)
+    expected = 2 * 1.5 + 3 * 1.5**2 + np.cos(1.5**2) * 2 * 1.5
+    assert float(tape.gradient(y, x)) == pytest.approx(expected)
+
+
+def test_unconnected_sources_none_or_zero() -> None:
+    x, y = gt.Variable([1.0, 2.0]), gt.Variable([[3.0]])
+    with gt.GradientTape(persistent=True) as tape:
+        z = gt.sum(x * 2.0)
+    assert tape.gradient(z, y) is None
+    zero = tape.gradient(z, y, unconnected_gradients="zero")
+    assert zero.shape == (1, 1) and zero.dtype == np.float32 and float(zero.numpy().sum()) == 0
+    with pytest.raises(ValueError, match="'none' or 'zero'"):
+        tape.gradient(z, y, unconnected_gradients="nan")
+
+
+def test_nested_structures_come_back_in_shape() -> None:
+    a, b, c = gt.Variable(1.0), gt.Variable(2.0), gt.Variable(3.0)
+    with gt.GradientTape() as tape:
+        z = a * b * c
+    grads = tape.gradient(z, {"first": [a, (b,)], "second": {"c": c}})
+    assert float(grads["first"][0]) == 6.0
+    assert isinstance(grads["first"][1], tuple) and float(grads["first"][1][0]) == 3.0
+    assert float(grads["second"]["c"]) == 2.0
+
+
+def test_multiple_targets_add_up_and_output_gradients_weight_them() -> None:
+    x = gt.Variable([1.0, 2.0])
+    with gt.GradientTape(persistent=True) as tape:
+        y1, y2 = x * x, 3.0 * x
+    np.testing.assert_allclose(tape.gradient([y1, y2], x).numpy(), [5.0, 7.0])
+    weights = [gt.constant([1.0, 0.0]), gt.constant([0.0, 2.0])]
+    np.testing.assert_allclose(tape.gradient([y1, y2], x, output_gradients=weights).numpy(), [2.0, 6.0])
+    with pytest.raises(ValueError, match="shape"):
+        tape.gradient(y1, x, output_gradients=gt.constant([1.0]))
+
+
+def test_broadcasting_is_undone() -> None:
+    w = gt.Variable(np.ones((1, 3)))
+    b = gt.Variable(2.0, dtype="float64")
+    x = gt.constant(np.arange(12.0).reshape(4, 3))
+    with gt.GradientTape() as tape:
+        y = gt.sum(x * w + b)
+    gw, gb = tape.gradient(y, [w, b])
+    assert gw.shape == (1, 3) and gb.shape == ()
+    np.testing.assert_allclose(gw.numpy(), x.numpy().sum(0, keepdims=True))
+    assert float(gb) == 12.0
+
+
+def test_watch_accessed_variables_false_and_non_trainable() -> None:
+    w = gt.Variable(2.0)
+    frozen = gt.Variable(3.0, trainable=False)
+    with gt.GradientTape(watch_accessed_variables=False) as tape:
+        y = w * frozen
+    assert tape.gradient(y, w) is None
+    with gt.GradientTape() as tape:
+        y = w * frozen
+    assert tape.watched_variables() == (w,)
+    with gt.GradientTape() as tape:
+        tape.watch(frozen)
+        y = w * frozen
+    assert set(map(id, tape.watched_variables())) == {id(w), id(frozen)}
+
+
+def test_variables_assign() -> None:
+    v = gt.Variable([1.0, 2.0], name="v")
+    v.assign_sub([0.5, 0.5])
+    v.assign_add(gt.constant([1.0, 1.0]))
+    np.testing.assert_allclose(v.numpy(), [1.5, 2.5])
+    with pytest.raises(ValueError, match="shape"):
+        v.assign([1.0])
+    assert v.dtype == np.float32
+
+
+def test_gradient_inside_the_context_is_not_recorded_on_itself() -> None:
+    x = gt.Variable(3.0)
+    with gt.GradientTape(persistent=True) as tape:
+        y = x * x
+        g = tape.gradient(y, x)
+        before = len(tape._records)
+        z = y * 2.0
+    assert float(g) == 6.0
+    assert len(tape._records) == before + 1
+    assert float(tape.gradient(z, x)) == 12.0
+
+
+def test_custom_gradient_with_two_inputs_and_forward_mode() -> None:
+    @gt.custom_gradient
+    def scaled_product(a, b):
+        def grad_fn(g):
+            return g * b * 10.0, g * a  # a deliberately "wrong" gradient for a
+        return a * b, grad_fn
+
+    a, b = gt.constant(2.0, "float64"), gt.constant(5.0, "float64")
+    with gt.GradientTape() as tape:
+        tape.watch([a, b])
+        y = scaled_product(a, b)
+    ga, gb = tape.gradient(y, [a, b])
+    assert float(ga) == 50.0 and float(gb) == 2.0
+    # Forward mode goes through the transpose of grad_fn: J = [10 b, a].
+    _, t = gt.jvp(scaled_product, (a, b), (gt.constant(1.0, "float64"), gt.constant(1.0, "float64")))
+    assert float(t) == pytest.approx(52.0)
+    with pytest.raises(ValueError, match="returned 1 gradient"):
+        @gt.custom_gradient
+        def bad(a, b):
+            return a * b, lambda g: g
+
+        with gt.GradientTape() as tape:
+            tape.watch([a, b])
+            y = bad(a, b)
+        tape.gradient(y, [a, b])
+
+
+def test_integer_sources_are_an_error_and_integers_flow() -> None:
+    i = gt.constant([1, 2, 3])
+    assert i.dtype == np.int32
+    x = gt.Variable([1.0, 2.0, 3.0])
+    with gt.GradientTape() as tape:
+        tape.watch(i)
+        y = gt.sum(x * gt.cast(i, "float32"))
+    with pytest.raises(TypeError, match="int32"):
+        tape.gradient(y, i)
+
+
+def test_dtype_policy() -> None:
+    assert gt.constant(1.0).dtype == np.float32
+    assert gt.constant(np.float64(1.0)).dtype == np.float64
+    assert gt.constant(np.ones(2)).dtype == np.float64
+    assert gt.constant(True).dtype == np.bool_
+    assert (gt.constant(np.ones(2)) * 2.0).dtype == np.float64
+    with pytest.raises(TypeError, match="gt.cast"):
+        gt.constant(np.ones(2, np.float32)) + gt.constant(np.ones(2))
+    with pytest.raises(TypeError, match="cast the tensor"):
+        gt.constant([1, 2]) * 0.5
+    with pytest.raises(TypeError, match="true division"):
+        gt.constant([1, 2]) / 2
+
+
+def test_clear_errors_for_bad_shapes() -> None:
+    with pytest.raises(ValueError, match=r"matmul: inner dimensions differ: \(2, 3\) @ \(4, 5\)"):
+        gt.ones((2, 3)) @ gt.ones((4, 5))
+    with pytest.raises(ValueError, match=r"add: .*\(2, 3\) and \(4,\)"):
+        gt.ones((2, 3)) + gt.ones((4,))
+    with pytest.raises(ValueError, match="reshape"):
+        gt.reshape(gt.ones((2, 3)), (4, 2))
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
+        gt.sum(gt.ones((2, 3)), axis=3)
+    with pytest.raises(IndexError, match="out of bounds"):
+        gt.ones((2, 3))[5]
+
+
+def test_missing_rule_names_the_op() -> None:
+    from engine.registry import MissingRuleError, get_vjp, primitive
+
+    p = primitive("undifferentiable_test_op", lambda xp, x: x)
+    with pytest.raises(MissingRuleError, match="undifferentiable_test_op"):
+        get_vjp(p)
+
+
+def test_cuda_device_is_a_clear_error_without_a_gpu() -> None:
+    if backend.cuda_available():
+        pytest.skip("a GPU is present; the error path is for hosts without one")
+    with pytest.raises(gt.DeviceError, match="cuda"):
+        gt.constant([1.0], device="cuda")
+    with pytest.raises(gt.DeviceError, match="unknown device"):
+        gt.constant([1.0], device="tpu")
+
+
+def test_tensor_conveniences() -> None:
+    x = gt.constant([[1.0, 2.0], [3.0, 4.0]])
+    assert len(x) == 2 and x.ndim == 2 and x.size == 4 and x.device == "cpu"
+    np.testing.assert_array_equal(np.asarray(x), x.numpy())
+    np.testing.assert_array_equal(x.T.numpy(), x.numpy().T)
+    np.testing.assert_array_equal(x.reshape(4).numpy(), [1, 2, 3, 4])
+    np.testing.assert_array_equal((np.ones(2) * gt.constant(np.ones(2))).numpy(), [1, 1])
+    assert "shape=(2, 2)" in repr(x)
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(x)
+
+
+def test_seeded_random_and_creation_helpers() -> None:
+    a = gt.random.normal((3, 4), seed=1)
+    b = gt.random.normal((3, 4), seed=1)
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert a.dtype == np.float32
+    u = gt.random.uniform((1000,), seed=2, minval=-1, maxval=1)
+    assert -1 <= float(gt.min(u)) and float(gt.max(u)) < 1
+    np.testing.assert_array_equal(gt.eye(2).numpy(), np.eye(2))
+    np.testing.assert_allclose(gt.linspace(0, 1, 5).numpy(), np.linspace(0, 1, 5))
+    assert gt.zeros((2,)).dtype == np.float32 and gt.ones((2,), "float64").dtype == np.float64
+
+
+def test_nested_gradient_through_jacobian_of_gradient_and_forward_over_reverse() -> None:
+    x = gt.constant([0.3, -0.7, 1.1], dtype="float64")
+
+    def f(t):
+        return gt.sum(gt.sin(t) * t**2)
+
+    h_fwd = gt.hessian(f)(x).numpy()
+    h_rev = gt.jacrev(gt.grad(f))(x).numpy()
+    h_fwd_fwd = gt.jacfwd(gt.jacfwd(f))(x).numpy()
+    np.testing.assert_allclose(h_fwd, h_rev, atol=1e-12)
+    np.testing.assert_allclose(h_fwd, h_fwd_fwd, atol=1e-12)
+    xs = x.numpy()
+    expected = np.diag(2 * np.sin(xs) + 4 * xs * np.cos(xs) - xs**2 * np.sin(xs))
+    np.testing.assert_allclose(h_fwd, expected, atol=1e-12)
