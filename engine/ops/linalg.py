@@ -33,23 +33,28 @@ def _col(a: Tensor) -> Tensor:
 
 def matmul_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
     # Every branch keeps g's leading axes (batch and stacked matmul axes) in front; the
-    # tape then sums the stacked axes that x did not have.
+    # tape then sums the stacked axes that x did not have. The transposes are views made
+    # in the outer stage, so repeated passes over one recording (HVPs) reuse them.
     if x.ndim >= 2 and y.ndim >= 2:
-        return lambda g: matmul(g, _mT(y))
+        y_t = _mT(y)
+        return lambda g: matmul(g, y_t)
     if x.ndim >= 2:  # y is (k,): ans (..., m)
         return lambda g: multiply(_col(g), y)
     if y.ndim >= 2:  # x is (k,): ans (..., n)
-        return lambda g: reshape(matmul(_row(g), _mT(y)), g.shape[:-1] + x.shape)
+        y_t = _mT(y)
+        return lambda g: reshape(matmul(_row(g), y_t), g.shape[:-1] + x.shape)
     return lambda g: multiply(_col(g), y)  # both (k,): ans ()
 
 
 def matmul_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
     if x.ndim >= 2 and y.ndim >= 2:
-        return lambda g: matmul(_mT(x), g)
+        x_t = _mT(x)
+        return lambda g: matmul(x_t, g)
     if x.ndim >= 2:  # y is (k,): ans (..., m), g (..., m)
         return lambda g: reshape(matmul(_row(g), x), g.shape[:-1] + y.shape)
     if y.ndim >= 2:  # x is (k,): g (..., n) -> (..., k, n)
-        return lambda g: multiply(_col(x), _row(g))
+        x_col = _col(x)
+        return lambda g: multiply(x_col, _row(g))
     return lambda g: multiply(_col(g), x)
 
 
