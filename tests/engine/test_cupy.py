@@ -1,0 +1,58 @@
+"""The CuPy backend: the same ops and transforms on an NVIDIA GPU give NumPy's answers.
+
+Skipped, with the reason, where CuPy or a GPU is absent (CI has neither).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine as gt
+from tests.engine.test_ops import ROWS, _args
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not gt.cuda_available(), reason="needs CuPy and an NVIDIA GPU"),
+]
+
+GPU_ROWS = [row for row in ROWS if row.name not in {"prod_zero"}]
+
+
+@pytest.mark.parametrize("row", GPU_ROWS, ids=[row.name for row in GPU_ROWS])
+def test_op_on_gpu_matches_cpu(row) -> None:
+    shapes = row.shapes[-1]
+    arrays = _args(row, shapes)
+    cpu = [gt.constant(a) for a in arrays]
+    gpu = [gt.constant(a, device="cuda") for a in arrays]
+    results = []
+    for args in (cpu, gpu):
+        with gt.GradientTape() as tape:
+            tape.watch(args)
+            out = row.fn(*args)
+            total = gt.sum(out * out)
+        results.append((out, tape.gradient(total, args)))
+    (out_c, g_c), (out_g, g_g) = results
+    assert out_g.device == "cuda:0"
+    np.testing.assert_allclose(out_g.numpy(), out_c.numpy(), rtol=1e-10, atol=1e-12)
+    for a, b in zip(g_c, g_g):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-9, atol=1e-11)
+
+
+def test_hessian_operator_on_gpu() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    v = rng.standard_normal((8, 4)).astype(np.float32)
+    answers = []
+    for device in ("cpu", "cuda"):
+        xt = gt.constant(x, device=device)
+
+        def loss(k):
+            return gt.mean(gt.tanh(xt @ k) ** 2)
+
+        op = gt.hessian_operator(loss, gt.constant(w, device=device))
+        answers.append(op.hvp(gt.constant(v, device=device))[0].numpy())
+    np.testing.assert_allclose(answers[1], answers[0], rtol=1e-4, atol=1e-6)
