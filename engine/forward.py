@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import trace, tree
-from engine.ops.shape import broadcast_to
-from engine.ops.shape import reshape
+from engine.ops.shape import broadcast_to, reshape
 from engine.registry import BROADCASTING, NONDIFFERENTIABLE, Primitive, get_jvp
 from engine.tensor import Tensor, as_tensor
 
@@ -40,12 +39,16 @@ class ForwardAccumulator:
         lead: tuple | None = None
         for p, t in zip(flat_p, flat_t, strict=True):
             if not isinstance(p, Tensor):
-                raise TypeError(f"ForwardAccumulator: primals must be tensors, got {type(p).__name__}")
+                raise TypeError(
+                    f"ForwardAccumulator: primals must be tensors, got {type(p).__name__}"
+                )
             if p.dtype.kind != "f":
                 raise TypeError(f"ForwardAccumulator: primal of dtype {p.dtype} has no tangent")
             t = as_tensor(t, like=p)
             if t.dtype != p.dtype:
-                raise TypeError(f"ForwardAccumulator: tangent dtype {t.dtype} differs from primal {p.dtype}")
+                raise TypeError(
+                    f"ForwardAccumulator: tangent dtype {t.dtype} differs from primal {p.dtype}"
+                )
             if t.shape[batch_ndim:] != p.shape or t.ndim != p.ndim + batch_ndim:
                 raise ValueError(
                     f"ForwardAccumulator: tangent of shape {t.shape} for a primal of shape {p.shape}"
@@ -109,7 +112,11 @@ class ForwardAccumulator:
                 tape.watch(gs)
                 grads = record.custom_vjp(*gs)
             grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
-            pairs = [(as_tensor(g), t) for g, t in zip(grads, ts, strict=True) if g is not None and t is not None]
+            pairs = [
+                (as_tensor(g), t)
+                for g, t in zip(grads, ts, strict=True)
+                if g is not None and t is not None
+            ]
             if not pairs:
                 return
             cts = tape._run([g for g, _ in pairs], [t for _, t in pairs], gs, self.batch_ndim)

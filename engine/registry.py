@@ -140,9 +140,7 @@ def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., A
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())
-        positional = [
-            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         count = len(positional) if tensors is None else tensors
         tensor_args = tuple(p.name for p in positional[:count])
         variadic = any(p.kind == p.VAR_POSITIONAL for p in params)

@@ -149,8 +149,10 @@ def as_tensor(value: Any, like: Tensor | None = None) -> Tensor:
     """Tensors pass through; Python scalars take `like`'s dtype and device (weak typing)."""
     if isinstance(value, Tensor):
         return value
-    if like is not None and isinstance(value, (bool, int, float)) and not isinstance(
-        value, np.generic
+    if (
+        like is not None
+        and isinstance(value, (bool, int, float))
+        and not isinstance(value, np.generic)
     ):
         kind = like.dtype.kind
         if kind in "iub" and isinstance(value, float) and not float(value).is_integer():

@@ -25,7 +25,9 @@ def _random_like(rng: np.random.Generator, x: np.ndarray) -> np.ndarray:
     return rng.standard_normal(x.shape)
 
 
-def _numerical_jvp(f: Callable[..., Any], args: list[np.ndarray], v: list[np.ndarray], eps: float) -> np.ndarray:
+def _numerical_jvp(
+    f: Callable[..., Any], args: list[np.ndarray], v: list[np.ndarray], eps: float
+) -> np.ndarray:
     plus = f(*[constant(a + eps * d) for a, d in zip(args, v, strict=True)])
     minus = f(*[constant(a - eps * d) for a, d in zip(args, v, strict=True)])
     return (_np(plus) - _np(minus)) / (2 * eps)
@@ -35,8 +37,15 @@ def _close(a: np.ndarray, b: np.ndarray, atol: float, rtol: float, what: str) ->
     np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg=what)
 
 
-def check_jvp(f: Callable[..., Any], args: Sequence[np.ndarray], *, eps: float = 1e-6,
-              atol: float = 1e-5, rtol: float = 1e-5, seed: int = 0) -> None:
+def check_jvp(
+    f: Callable[..., Any],
+    args: Sequence[np.ndarray],
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    seed: int = 0,
+) -> None:
     rng = np.random.default_rng(seed)
     args = [np.asarray(a, np.float64) for a in args]
     v = [_random_like(rng, a) for a in args]
@@ -44,8 +53,15 @@ def check_jvp(f: Callable[..., Any], args: Sequence[np.ndarray], *, eps: float =
     _close(_np(tangent), _numerical_jvp(f, args, v, eps), atol, rtol, "forward mode (JVP)")
 
 
-def check_vjp(f: Callable[..., Any], args: Sequence[np.ndarray], *, eps: float = 1e-6,
-              atol: float = 1e-5, rtol: float = 1e-5, seed: int = 0) -> None:
+def check_vjp(
+    f: Callable[..., Any],
+    args: Sequence[np.ndarray],
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    seed: int = 0,
+) -> None:
     rng = np.random.default_rng(seed)
     args = [np.asarray(a, np.float64) for a in args]
     v = [_random_like(rng, a) for a in args]
@@ -57,9 +73,17 @@ def check_vjp(f: Callable[..., Any], args: Sequence[np.ndarray], *, eps: float =
     _close(np.array(reverse), np.array(numeric), atol, rtol, "reverse mode (VJP)")
 
 
-def check_grads(f: Callable[..., Any], args: Sequence[np.ndarray], order: int = 1,
-                modes: Sequence[str] = ("fwd", "rev"), *, eps: float = 1e-6,
-                atol: float = 1e-5, rtol: float = 1e-5, seed: int = 0) -> None:
+def check_grads(
+    f: Callable[..., Any],
+    args: Sequence[np.ndarray],
+    order: int = 1,
+    modes: Sequence[str] = ("fwd", "rev"),
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    seed: int = 0,
+) -> None:
     """Check f's derivatives up to `order` in the given modes against finite differences."""
     args = [np.asarray(a, np.float64) for a in args]
     tol = dict(eps=eps, atol=atol, rtol=rtol, seed=seed)

@@ -153,7 +153,9 @@ def vjp(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
     return out, vjp_fn
 
 
-def jacrev(f: Callable[..., Any], argnums: Argnums = 0, chunk_size: int | None = None) -> Callable[..., Any]:
+def jacrev(
+    f: Callable[..., Any], argnums: Argnums = 0, chunk_size: int | None = None
+) -> Callable[..., Any]:
     """The jacobian of f by reverse mode: shape out.shape + arg.shape, all rows in one
     batched backward pass (in chunks of chunk_size rows)."""
 
@@ -211,7 +213,10 @@ def linearize(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., 
         flat_t = tree.flatten([_tensorize(t) for t in tangents])[0]
         if len(flat_t) != len(flat):
             raise ValueError(f"linearize: {len(flat_t)} tangents for {len(flat)} primals")
-        keep = [(g, t) for (g, s), t in zip(pairs, [flat_t[flat.index(s)] for _, s in pairs], strict=True)]
+        keep = [
+            (g, t)
+            for (g, s), t in zip(pairs, [flat_t[flat.index(s)] for _, s in pairs], strict=True)
+        ]
         if not keep:
             return tree.unflatten(out_def, [_zeros(o) for o in outs])
         nb = flat_t[0].ndim - flat[0].ndim
@@ -375,7 +380,9 @@ class HessianOperator:
         lead = flat_v[0].shape[:batch_ndim] if flat_v else ()
         for v, p in zip(flat_v, self._flat, strict=True):
             if v.shape != lead + p.shape:
-                raise ValueError(f"hvp: vector of shape {v.shape} for a primal of shape {lead + p.shape}")
+                raise ValueError(
+                    f"hvp: vector of shape {v.shape} for a primal of shape {lead + p.shape}"
+                )
             if v.dtype != p.dtype:
                 raise TypeError(f"hvp: vector dtype {v.dtype} differs from the primal's {p.dtype}")
         cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
@@ -422,7 +429,9 @@ class HessianOperator:
         cts = self._tape._run(self._grads, vectors, self._flat, 0)
         return np.concatenate(
             [
-                np.zeros(s.size) if cts.get(id(s)) is None else cts[id(s)].numpy().astype(np.float64).ravel()
+                np.zeros(s.size)
+                if cts.get(id(s)) is None
+                else cts[id(s)].numpy().astype(np.float64).ravel()
                 for s in self._flat
             ]
         )

@@ -61,8 +61,13 @@ def linspace(
     return Tensor(xp.linspace(start, stop, num, dtype=np.dtype(dtype)))
 
 
-def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any = None,
-           device: str | None = None) -> Tensor:
+def arange(
+    start: float,
+    stop: float | None = None,
+    step: float = 1,
+    dtype: Any = None,
+    device: str | None = None,
+) -> Tensor:
     """Evenly spaced values in [start, stop) (int32 for int arguments, else float32)."""
     if dtype is None:
         ints = all(isinstance(v, int) for v in (start, stop if stop is not None else 0, step))
@@ -72,16 +77,28 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
     return Tensor(xp.arange(*args, step, dtype=np.dtype(dtype)))
 
 
-def random_normal(shape: Shape, seed: int | None = None, mean: float = 0.0, stddev: float = 1.0,
-                  dtype: Any = "float32", device: str | None = None) -> Tensor:
+def random_normal(
+    shape: Shape,
+    seed: int | None = None,
+    mean: float = 0.0,
+    stddev: float = 1.0,
+    dtype: Any = "float32",
+    device: str | None = None,
+) -> Tensor:
     """Normal samples; the same seed gives the same numbers on the same backend."""
     rng = backend.random_generator(seed, device)
     sample = rng.standard_normal(_shape(shape), dtype=np.float64) * stddev + mean
     return Tensor(sample.astype(np.dtype(dtype)))
 
 
-def random_uniform(shape: Shape, seed: int | None = None, minval: float = 0.0, maxval: float = 1.0,
-                   dtype: Any = "float32", device: str | None = None) -> Tensor:
+def random_uniform(
+    shape: Shape,
+    seed: int | None = None,
+    minval: float = 0.0,
+    maxval: float = 1.0,
+    dtype: Any = "float32",
+    device: str | None = None,
+) -> Tensor:
     """Uniform samples in [minval, maxval); seeded like random_normal."""
     rng = backend.random_generator(seed, device)
     sample = rng.random(_shape(shape), dtype=np.float64) * (maxval - minval) + minval

@@ -116,7 +116,9 @@ def matmul(x: Any, y: Any) -> Tensor:
         try:
             matmul_shape(x.shape, y.shape)
         except ValueError:
-            raise ValueError(f"matmul: stacked shapes {x.shape} and {y.shape} do not broadcast") from None
+            raise ValueError(
+                f"matmul: stacked shapes {x.shape} and {y.shape} do not broadcast"
+            ) from None
     return bind(matmul_p, x, y)
 
 
@@ -214,7 +216,9 @@ def _explicit_spec(spec: str, operands: list[Tensor]) -> str:
         if not s.isalpha() and s:
             raise ValueError(f"einsum: invalid subscripts {s!r}")
         if len(s) != op.ndim:
-            raise ValueError(f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}")
+            raise ValueError(
+                f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}"
+            )
         if len(set(s)) != len(s):
             raise ValueError(
                 f"einsum: repeated subscript in {s!r} (a diagonal or trace) is not supported; "
@@ -243,7 +247,9 @@ def einsum(spec: str, *operands: Any) -> Tensor:
     tensors = coerce_all("einsum", operands)
     for s, op in zip(spec.replace(" ", "").split("->")[0].split(","), tensors, strict=False):
         if "..." not in s and len(s) != op.ndim:
-            raise ValueError(f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}")
+            raise ValueError(
+                f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}"
+            )
     explicit = _explicit_spec(spec, tensors)
     # Size-1 broadcasting between operands is resolved up front so the rules never see it.
     inputs, _ = _parse(explicit)

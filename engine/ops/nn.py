@@ -12,9 +12,9 @@ from engine.ops._util import normalize_axes
 from engine.ops.elementwise import (
     abs,
     add,
-    cast,
     divide,
     exp,
+    less_equal,
     log1p,
     maximum,
     multiply,
@@ -25,7 +25,6 @@ from engine.ops.elementwise import (
     subtract,
     where,
 )
-from engine.ops.elementwise import less_equal
 from engine.ops.reduce import logsumexp, mean, norm, sum, var
 from engine.registry import public
 from engine.tensor import Tensor, as_tensor
@@ -93,7 +92,9 @@ def huber(predictions: Any, targets: Any, delta: float = 1.0, reduction: str = "
 
 
 @public("loss")
-def softmax_cross_entropy(logits: Any, labels: Any, axis: int = -1, reduction: str = "mean") -> Tensor:
+def softmax_cross_entropy(
+    logits: Any, labels: Any, axis: int = -1, reduction: str = "mean"
+) -> Tensor:
     """Cross-entropy of softmax(logits) against integer class labels or one-hot/soft labels.
 
     Integer labels have logits' shape without the class axis; float labels have logits'
@@ -129,7 +130,9 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, reduction: str = "mean") -> 
     """Binary cross-entropy of sigmoid(logits) against labels in [0, 1], computed stably."""
     logits, labels = as_tensor(logits), as_tensor(labels)
     _check_same_shape(logits, labels, "sigmoid_cross_entropy")
-    losses = add(subtract(relu(logits), multiply(logits, labels)), log1p(exp(negative(abs(logits)))))
+    losses = add(
+        subtract(relu(logits), multiply(logits, labels)), log1p(exp(negative(abs(logits))))
+    )
     return _reduce(losses, reduction, "sigmoid_cross_entropy")
 
 
@@ -182,5 +185,3 @@ def one_hot(labels: Any, depth: int, dtype: Any = np.float32) -> Tensor:
     labels = as_tensor(labels)
     xp = backend.array_module(labels.value)
     return Tensor((labels.value[..., None] == xp.arange(depth)).astype(dtype))
-
-

@@ -245,7 +245,11 @@ def logsumexp(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     xp = backend.array_module(shift)
     shift = Tensor(xp.where(xp.isfinite(shift), shift, 0).astype(x.dtype, copy=False))
     out = add(log(sum(exp(subtract(x, shift)), axes, keepdims=True)), shift)
-    return out if keepdims else reshape(out, tuple(d for i, d in enumerate(out.shape) if i - out.ndim not in axes))
+    return (
+        out
+        if keepdims
+        else reshape(out, tuple(d for i, d in enumerate(out.shape) if i - out.ndim not in axes))
+    )
 
 
 @public("reduction")

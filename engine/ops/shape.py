@@ -23,7 +23,9 @@ defvjp(
     reshape_p,
     lambda ans, x, *, shape: lambda g: _reshape(g, g.shape[: batch_ndim(g, ans)] + x.shape),
 )
-defjvp(reshape_p, lambda t, ans, x, *, shape: _reshape(t[0], t[0].shape[: t[0].ndim - x.ndim] + shape))
+defjvp(
+    reshape_p, lambda t, ans, x, *, shape: _reshape(t[0], t[0].shape[: t[0].ndim - x.ndim] + shape)
+)
 
 
 def _reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -63,7 +65,9 @@ def transpose_vjp(ans: Tensor, x: Tensor, *, axes: tuple[int, ...]) -> Any:
 defvjp(transpose_p, transpose_vjp)
 defjvp(
     transpose_p,
-    lambda t, ans, x, *, axes: bind(transpose_p, t[0], axes=_batched_perm(t[0].ndim - x.ndim, axes)),
+    lambda t, ans, x, *, axes: bind(
+        transpose_p, t[0], axes=_batched_perm(t[0].ndim - x.ndim, axes)
+    ),
 )
 
 
@@ -107,6 +111,8 @@ def moveaxis(x: Any, source: int = 0, destination: int = -1) -> Tensor:
 # place, which is exactly the transpose of broadcasting.
 broadcast_to_p = primitive("broadcast_to", lambda xp, x, *, shape: xp.broadcast_to(x, shape))
 defvjp(broadcast_to_p, lambda ans, x, *, shape: lambda g: g)
+
+
 def broadcast_to_jvp(t: list, ans: Tensor, x: Tensor, *, shape: tuple) -> Tensor:
     lead = t[0].shape[: t[0].ndim - x.ndim]
     aligned = _reshape(t[0], lead + (1,) * (len(shape) - x.ndim) + x.shape)
@@ -225,8 +231,10 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
     if len({t.shape for t in tensors}) > 1:
         raise ValueError(f"stack: shapes differ: {[t.shape for t in tensors]}")
     expanded = [expand_dims(t, axis) for t in tensors]
-    return expanded[0] if len(expanded) == 1 else bind(
-        concatenate_p, *expanded, axis=normalize_axis(axis, tensors[0].ndim + 1, "stack")
+    return (
+        expanded[0]
+        if len(expanded) == 1
+        else bind(concatenate_p, *expanded, axis=normalize_axis(axis, tensors[0].ndim + 1, "stack"))
     )
 
 
@@ -251,12 +259,14 @@ scatter_add_p = primitive("scatter_add", _scatter_impl)
 
 defvjp(
     getitem_p,
-    lambda ans, x, *, index: lambda g: bind(
-        scatter_add_p, g, index=index, shape=x.shape, result_ndim=ans.ndim
+    lambda ans, x, *, index: (
+        lambda g: bind(scatter_add_p, g, index=index, shape=x.shape, result_ndim=ans.ndim)
     ),
 )
 defjvp(getitem_p, lambda t, ans, x, *, index: bind(getitem_p, t[0], index=index))
-defvjp(scatter_add_p, lambda ans, g, **params: lambda gg: bind(getitem_p, gg, index=params["index"]))
+defvjp(
+    scatter_add_p, lambda ans, g, **params: lambda gg: bind(getitem_p, gg, index=params["index"])
+)
 defjvp(scatter_add_p, lambda t, ans, g, **params: bind(scatter_add_p, t[0], **params))
 
 
@@ -306,7 +316,9 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
         if item is None:
             continue
         if isinstance(item, int) and not -x.shape[axis] <= item < x.shape[axis]:
-            raise IndexError(f"index {item} is out of bounds for axis {axis} of size {x.shape[axis]}")
+            raise IndexError(
+                f"index {item} is out of bounds for axis {axis} of size {x.shape[axis]}"
+            )
         axis += 1
     return (Ellipsis, *items)
 
@@ -328,6 +340,8 @@ def take(x: Any, indices: Any = (), axis: int = 0) -> Tensor:
     indices = backend.asarray(indices, None, x.device)
     if indices.dtype.kind not in "iu":
         raise TypeError(f"take: indices must be integers, got {indices.dtype}")
-    if indices.size and (int(indices.max()) >= x.shape[axis] or int(indices.min()) < -x.shape[axis]):
+    if indices.size and (
+        int(indices.max()) >= x.shape[axis] or int(indices.min()) < -x.shape[axis]
+    ):
         raise IndexError(f"take: an index is out of bounds for axis {axis} of size {x.shape[axis]}")
     return getitem(x, (slice(None),) * axis + (indices,))

@@ -50,7 +50,7 @@ def test_hessian_operator_on_gpu() -> None:
     for device in ("cpu", "cuda"):
         xt = gt.constant(x, device=device)
 
-        def loss(k):
+        def loss(k, xt=xt):
             return gt.mean(gt.tanh(xt @ k) ** 2)
 
         op = gt.hessian_operator(loss, gt.constant(w, device=device))

@@ -8,8 +8,9 @@ tolerances say why.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,7 +74,12 @@ ROWS = [
     binary("power", np.power, domain="positive"),
     binary("maximum", np.maximum, domain="distinct"),
     binary("minimum", np.minimum, domain="distinct"),
-    Row("operators", lambda x, y: (x + 2.0) * y - x / 3.0 + (-x) ** 2, lambda x, y: (x + 2) * y - x / 3 + x**2, BINARY_SHAPES),
+    Row(
+        "operators",
+        lambda x, y: (x + 2.0) * y - x / 3.0 + (-x) ** 2,
+        lambda x, y: (x + 2) * y - x / 3 + x**2,
+        BINARY_SHAPES,
+    ),
     # ---- unary math ----
     unary("negative", np.negative),
     unary("exp", np.exp),
@@ -96,58 +102,270 @@ ROWS = [
     unary("log_sigmoid", lambda x: -_softplus(-x)),
     unary("gelu", _gelu),
     unary("silu", lambda x: x * _sigmoid(x)),
-    Row("clip", lambda x: gt.clip(x, -0.5, 0.7), lambda x: np.clip(x, -0.5, 0.7), [(s,) for s in UNARY_SHAPES], "away_from_clip"),
-    Row("where", lambda x, y: gt.where(x > y, x * y, x - y), lambda x, y: np.where(x > y, x * y, x - y), BINARY_SHAPES, "distinct"),
+    Row(
+        "clip",
+        lambda x: gt.clip(x, -0.5, 0.7),
+        lambda x: np.clip(x, -0.5, 0.7),
+        [(s,) for s in UNARY_SHAPES],
+        "away_from_clip",
+    ),
+    Row(
+        "where",
+        lambda x, y: gt.where(x > y, x * y, x - y),
+        lambda x, y: np.where(x > y, x * y, x - y),
+        BINARY_SHAPES,
+        "distinct",
+    ),
     # ---- reductions ----
     Row("sum", lambda x: gt.sum(x), np.sum, [(s,) for s in UNARY_SHAPES]),
-    Row("sum_axis", lambda x: gt.sum(x, axis=1), lambda x: np.sum(x, axis=1), [((3, 4),), ((2, 3, 4),)]),
-    Row("sum_keepdims", lambda x: gt.sum(x, axis=(0, -1), keepdims=True), lambda x: np.sum(x, axis=(0, -1), keepdims=True), [((3, 4),), ((2, 3, 4),)]),
-    Row("mean", lambda x: gt.mean(x, axis=0), lambda x: np.mean(x, axis=0), [((3, 4),), ((2, 3, 4),)]),
-    Row("max", lambda x: gt.max(x, axis=-1), lambda x: np.max(x, axis=-1), [((3, 4),), ((2, 3, 4),)], "distinct"),
-    Row("min", lambda x: gt.min(x, axis=0, keepdims=True), lambda x: np.min(x, axis=0, keepdims=True), [((3, 4),)], "distinct"),
+    Row(
+        "sum_axis",
+        lambda x: gt.sum(x, axis=1),
+        lambda x: np.sum(x, axis=1),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
+    Row(
+        "sum_keepdims",
+        lambda x: gt.sum(x, axis=(0, -1), keepdims=True),
+        lambda x: np.sum(x, axis=(0, -1), keepdims=True),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
+    Row(
+        "mean",
+        lambda x: gt.mean(x, axis=0),
+        lambda x: np.mean(x, axis=0),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
+    Row(
+        "max",
+        lambda x: gt.max(x, axis=-1),
+        lambda x: np.max(x, axis=-1),
+        [((3, 4),), ((2, 3, 4),)],
+        "distinct",
+    ),
+    Row(
+        "min",
+        lambda x: gt.min(x, axis=0, keepdims=True),
+        lambda x: np.min(x, axis=0, keepdims=True),
+        [((3, 4),)],
+        "distinct",
+    ),
     Row("max_all", lambda x: gt.max(x), np.max, [((3, 4),)], "distinct"),
-    Row("prod", lambda x: gt.prod(x, axis=1), lambda x: np.prod(x, axis=1), [((3, 4),), ((2, 3, 4),)]),
-    Row("prod_zero", lambda x: gt.prod(x * gt.constant(np.array([1.0, 0.0, 1.0, 1.0])), axis=-1), lambda x: np.prod(x * np.array([1.0, 0, 1, 1]), axis=-1), [((3, 4),)]),
-    Row("logsumexp", lambda x: gt.logsumexp(x, axis=-1), lambda x: _logsumexp(x, axis=-1), [((3, 4),), ((2, 3, 4),)]),
+    Row(
+        "prod",
+        lambda x: gt.prod(x, axis=1),
+        lambda x: np.prod(x, axis=1),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
+    Row(
+        "prod_zero",
+        lambda x: gt.prod(x * gt.constant(np.array([1.0, 0.0, 1.0, 1.0])), axis=-1),
+        lambda x: np.prod(x * np.array([1.0, 0, 1, 1]), axis=-1),
+        [((3, 4),)],
+    ),
+    Row(
+        "logsumexp",
+        lambda x: gt.logsumexp(x, axis=-1),
+        lambda x: _logsumexp(x, axis=-1),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
     Row("var", lambda x: gt.var(x, axis=0), lambda x: np.var(x, axis=0), [((3, 4),)]),
-    Row("std", lambda x: gt.std(x, axis=-1, ddof=1), lambda x: np.std(x, axis=-1, ddof=1), [((3, 4),)]),
-    Row("norm", lambda x: gt.norm(x, axis=-1), lambda x: np.linalg.norm(x, axis=-1), [((3, 4),), ((4,),)]),
-    Row("norm_l1", lambda x: gt.norm(x, ord=1), lambda x: np.sum(np.abs(x)), [((3, 4),)], "away_from_zero"),
+    Row(
+        "std",
+        lambda x: gt.std(x, axis=-1, ddof=1),
+        lambda x: np.std(x, axis=-1, ddof=1),
+        [((3, 4),)],
+    ),
+    Row(
+        "norm",
+        lambda x: gt.norm(x, axis=-1),
+        lambda x: np.linalg.norm(x, axis=-1),
+        [((3, 4),), ((4,),)],
+    ),
+    Row(
+        "norm_l1",
+        lambda x: gt.norm(x, ord=1),
+        lambda x: np.sum(np.abs(x)),
+        [((3, 4),)],
+        "away_from_zero",
+    ),
     # ---- shape ----
-    Row("reshape", lambda x: gt.reshape(x, (4, -1)), lambda x: x.reshape(4, -1), [((3, 4),), ((2, 3, 4),)]),
+    Row(
+        "reshape",
+        lambda x: gt.reshape(x, (4, -1)),
+        lambda x: x.reshape(4, -1),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
     Row("transpose", lambda x: gt.transpose(x), lambda x: x.T, [((3, 4),), ((2, 3, 4),)]),
-    Row("transpose_axes", lambda x: gt.transpose(x, (1, 2, 0)), lambda x: x.transpose(1, 2, 0), [((2, 3, 4),)]),
+    Row(
+        "transpose_axes",
+        lambda x: gt.transpose(x, (1, 2, 0)),
+        lambda x: x.transpose(1, 2, 0),
+        [((2, 3, 4),)],
+    ),
     Row("expand_dims", lambda x: gt.expand_dims(x, 1), lambda x: np.expand_dims(x, 1), [((3, 4),)]),
     Row("squeeze", lambda x: gt.squeeze(x, 1), lambda x: np.squeeze(x, 1), [((3, 1, 4),)]),
-    Row("broadcast_to", lambda x: gt.broadcast_to(x, (2, 3, 4)), lambda x: np.broadcast_to(x, (2, 3, 4)), [((3, 1),), ((4,),), ((),)]),
-    Row("concatenate", lambda x, y: gt.concatenate([x, y, x], axis=1), lambda x, y: np.concatenate([x, y, x], axis=1), [((3, 4), (3, 2))]),
-    Row("stack", lambda x, y: gt.stack([x, y], axis=-1), lambda x, y: np.stack([x, y], axis=-1), [((3, 4), (3, 4))]),
+    Row(
+        "broadcast_to",
+        lambda x: gt.broadcast_to(x, (2, 3, 4)),
+        lambda x: np.broadcast_to(x, (2, 3, 4)),
+        [((3, 1),), ((4,),), ((),)],
+    ),
+    Row(
+        "concatenate",
+        lambda x, y: gt.concatenate([x, y, x], axis=1),
+        lambda x, y: np.concatenate([x, y, x], axis=1),
+        [((3, 4), (3, 2))],
+    ),
+    Row(
+        "stack",
+        lambda x, y: gt.stack([x, y], axis=-1),
+        lambda x, y: np.stack([x, y], axis=-1),
+        [((3, 4), (3, 4))],
+    ),
     Row("getitem_basic", lambda x: x[1:, ::2], lambda x: x[1:, ::2], [((3, 4),), ((3, 4, 2),)]),
     Row("getitem_int", lambda x: x[..., 2], lambda x: x[..., 2], [((3, 4),)]),
     Row("getitem_newaxis", lambda x: x[None, 1], lambda x: x[None, 1], [((3, 4),)]),
-    Row("getitem_array", lambda x: x[np.array([0, 2, 0])], lambda x: x[np.array([0, 2, 0])], [((3, 4),)]),
-    Row("getitem_mask", lambda x: x[np.array([True, False, True])], lambda x: x[np.array([True, False, True])], [((3, 4),)]),
-    Row("getitem_pairs", lambda x: x[np.array([0, 1, 1]), np.array([3, 0, 0])], lambda x: x[np.array([0, 1, 1]), np.array([3, 0, 0])], [((3, 4),)]),
-    Row("take", lambda x: gt.take(x, np.array([[3, 1], [0, 0]]), axis=1), lambda x: np.take(x, np.array([[3, 1], [0, 0]]), axis=1), [((3, 4),)]),
+    Row(
+        "getitem_array",
+        lambda x: x[np.array([0, 2, 0])],
+        lambda x: x[np.array([0, 2, 0])],
+        [((3, 4),)],
+    ),
+    Row(
+        "getitem_mask",
+        lambda x: x[np.array([True, False, True])],
+        lambda x: x[np.array([True, False, True])],
+        [((3, 4),)],
+    ),
+    Row(
+        "getitem_pairs",
+        lambda x: x[np.array([0, 1, 1]), np.array([3, 0, 0])],
+        lambda x: x[np.array([0, 1, 1]), np.array([3, 0, 0])],
+        [((3, 4),)],
+    ),
+    Row(
+        "take",
+        lambda x: gt.take(x, np.array([[3, 1], [0, 0]]), axis=1),
+        lambda x: np.take(x, np.array([[3, 1], [0, 0]]), axis=1),
+        [((3, 4),)],
+    ),
     # ---- linear algebra ----
-    Row("matmul", gt.matmul, np.matmul, [((3, 4), (4, 2)), ((2, 3, 4), (4, 5)), ((2, 3, 4), (2, 4, 2)), ((4,), (4, 2)), ((3, 4), (4,)), ((4,), (4,)), ((2, 1, 3, 4), (5, 4, 2))]),
-    Row("einsum_matmul", lambda x, y: gt.einsum("ij,jk->ik", x, y), lambda x, y: np.einsum("ij,jk->ik", x, y), [((3, 4), (4, 2))]),
-    Row("einsum_batch", lambda x, y: gt.einsum("bij,bjk->bik", x, y), lambda x, y: np.einsum("bij,bjk->bik", x, y), [((2, 3, 4), (2, 4, 5))]),
-    Row("einsum_reduce", lambda x, y: gt.einsum("ij,k->i", x, y), lambda x, y: np.einsum("ij,k->i", x, y), [((3, 4), (2,))]),
-    Row("einsum_ellipsis", lambda x, y: gt.einsum("...ij,j", x, y), lambda x, y: np.einsum("...ij,j", x, y), [((2, 3, 4), (4,))]),
+    Row(
+        "matmul",
+        gt.matmul,
+        np.matmul,
+        [
+            ((3, 4), (4, 2)),
+            ((2, 3, 4), (4, 5)),
+            ((2, 3, 4), (2, 4, 2)),
+            ((4,), (4, 2)),
+            ((3, 4), (4,)),
+            ((4,), (4,)),
+            ((2, 1, 3, 4), (5, 4, 2)),
+        ],
+    ),
+    Row(
+        "einsum_matmul",
+        lambda x, y: gt.einsum("ij,jk->ik", x, y),
+        lambda x, y: np.einsum("ij,jk->ik", x, y),
+        [((3, 4), (4, 2))],
+    ),
+    Row(
+        "einsum_batch",
+        lambda x, y: gt.einsum("bij,bjk->bik", x, y),
+        lambda x, y: np.einsum("bij,bjk->bik", x, y),
+        [((2, 3, 4), (2, 4, 5))],
+    ),
+    Row(
+        "einsum_reduce",
+        lambda x, y: gt.einsum("ij,k->i", x, y),
+        lambda x, y: np.einsum("ij,k->i", x, y),
+        [((3, 4), (2,))],
+    ),
+    Row(
+        "einsum_ellipsis",
+        lambda x, y: gt.einsum("...ij,j", x, y),
+        lambda x, y: np.einsum("...ij,j", x, y),
+        [((2, 3, 4), (4,))],
+    ),
     Row("outer", gt.outer, np.outer, [((3,), (4,))]),
-    Row("solve", lambda a, b: gt.solve(a + 4.0 * gt.eye(3, dtype="float64"), b), lambda a, b: np.linalg.solve(a + 4 * np.eye(3), b), [((3, 3), (3,)), ((3, 3), (3, 2))]),
+    Row(
+        "solve",
+        lambda a, b: gt.solve(a + 4.0 * gt.eye(3, dtype="float64"), b),
+        lambda a, b: np.linalg.solve(a + 4 * np.eye(3), b),
+        [((3, 3), (3,)), ((3, 3), (3, 2))],
+    ),
     # ---- nn ----
-    Row("softmax", lambda x: gt.softmax(x), lambda x: np.exp(x - _logsumexp(x, -1, True)), [((3, 4),)]),
-    Row("log_softmax", lambda x: gt.log_softmax(x, axis=0), lambda x: x - _logsumexp(x, 0, True), [((3, 4),)]),
-    Row("mean_squared_error", lambda x, y: gt.mean_squared_error(x, y), lambda x, y: np.mean((x - y) ** 2), [((3, 4), (3, 4))]),
-    Row("huber", lambda x, y: gt.huber(x, y, delta=0.8), lambda x, y: np.mean(np.where(np.abs(x - y) <= 0.8, 0.5 * (x - y) ** 2, 0.8 * np.abs(x - y) - 0.32)), [((3, 4), (3, 4))], "distinct_by_delta"),
-    Row("softmax_cross_entropy_int", lambda x: gt.softmax_cross_entropy(x, gt.constant([1, 0, 3])), lambda x: -np.mean((x - _logsumexp(x, -1, True))[np.arange(3), [1, 0, 3]]), [((3, 4),)]),
-    Row("softmax_cross_entropy_onehot", lambda x, y: gt.softmax_cross_entropy(x, gt.softmax(y)), lambda x, y: -np.mean(np.sum(np.exp(y - _logsumexp(y, -1, True)) * (x - _logsumexp(x, -1, True)), -1)), [((3, 4), (3, 4))]),
-    Row("sigmoid_cross_entropy", lambda x, y: gt.sigmoid_cross_entropy(x, gt.sigmoid(y)), lambda x, y: np.mean(-_sigmoid(y) * np.log(_sigmoid(x)) - (1 - _sigmoid(y)) * np.log(1 - _sigmoid(x))), [((3, 4), (3, 4))]),
-    Row("batch_norm", lambda x, g, b: gt.batch_norm(x, g, b), lambda x, g, b: (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-5) * g + b, [((5, 4), (4,), (4,))]),
-    Row("layer_norm", lambda x: gt.layer_norm(x), lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5), [((3, 4),)]),
-    Row("clip_by_norm", lambda x: gt.clip_by_norm(x, 0.5), lambda x: x * 0.5 / max(np.linalg.norm(x), 0.5), [((3, 4),)]),
+    Row(
+        "softmax",
+        lambda x: gt.softmax(x),
+        lambda x: np.exp(x - _logsumexp(x, -1, True)),
+        [((3, 4),)],
+    ),
+    Row(
+        "log_softmax",
+        lambda x: gt.log_softmax(x, axis=0),
+        lambda x: x - _logsumexp(x, 0, True),
+        [((3, 4),)],
+    ),
+    Row(
+        "mean_squared_error",
+        lambda x, y: gt.mean_squared_error(x, y),
+        lambda x, y: np.mean((x - y) ** 2),
+        [((3, 4), (3, 4))],
+    ),
+    Row(
+        "huber",
+        lambda x, y: gt.huber(x, y, delta=0.8),
+        lambda x, y: np.mean(
+            np.where(np.abs(x - y) <= 0.8, 0.5 * (x - y) ** 2, 0.8 * np.abs(x - y) - 0.32)
+        ),
+        [((3, 4), (3, 4))],
+        "distinct_by_delta",
+    ),
+    Row(
+        "softmax_cross_entropy_int",
+        lambda x: gt.softmax_cross_entropy(x, gt.constant([1, 0, 3])),
+        lambda x: -np.mean((x - _logsumexp(x, -1, True))[np.arange(3), [1, 0, 3]]),
+        [((3, 4),)],
+    ),
+    Row(
+        "softmax_cross_entropy_onehot",
+        lambda x, y: gt.softmax_cross_entropy(x, gt.softmax(y)),
+        lambda x, y: (
+            -np.mean(
+                np.sum(np.exp(y - _logsumexp(y, -1, True)) * (x - _logsumexp(x, -1, True)), -1)
+            )
+        ),
+        [((3, 4), (3, 4))],
+    ),
+    Row(
+        "sigmoid_cross_entropy",
+        lambda x, y: gt.sigmoid_cross_entropy(x, gt.sigmoid(y)),
+        lambda x, y: np.mean(
+            -_sigmoid(y) * np.log(_sigmoid(x)) - (1 - _sigmoid(y)) * np.log(1 - _sigmoid(x))
+        ),
+        [((3, 4), (3, 4))],
+    ),
+    Row(
+        "batch_norm",
+        lambda x, g, b: gt.batch_norm(x, g, b),
+        lambda x, g, b: (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-5) * g + b,
+        [((5, 4), (4,), (4,))],
+    ),
+    Row(
+        "layer_norm",
+        lambda x: gt.layer_norm(x),
+        lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5),
+        [((3, 4),)],
+    ),
+    Row(
+        "clip_by_norm",
+        lambda x: gt.clip_by_norm(x, 0.5),
+        lambda x: x * 0.5 / max(np.linalg.norm(x), 0.5),
+        [((3, 4),)],
+    ),
 ]
 
 
@@ -160,7 +378,9 @@ def _sample(rng: np.random.Generator, shape: tuple, domain: str, index: int) -> 
         return rng.choice([-1.0, 1.0], shape) * rng.uniform(0.2, 2.0, shape)
     if domain == "away_from_clip":
         x = rng.uniform(-1.5, 1.5, shape)
-        return np.where(np.abs(x + 0.5) < 0.05, x + 0.2, np.where(np.abs(x - 0.7) < 0.05, x + 0.2, x))
+        return np.where(
+            np.abs(x + 0.5) < 0.05, x + 0.2, np.where(np.abs(x - 0.7) < 0.05, x + 0.2, x)
+        )
     if domain in ("distinct", "distinct_by_delta"):
         # Well-separated values, so no tie or kink sits within the finite-difference step.
         size = int(np.prod(shape, dtype=int))
@@ -194,7 +414,9 @@ def test_forward_matches_numpy(row: Row, shapes: tuple) -> None:
 
 @pytest.mark.parametrize("row, shapes", _cases())
 def test_gradients_match_finite_differences(row: Row, shapes: tuple) -> None:
-    check_grads(row.fn, _args(row, shapes), order=row.order, modes=row.modes, atol=row.tol, rtol=row.tol)
+    check_grads(
+        row.fn, _args(row, shapes), order=row.order, modes=row.modes, atol=row.tol, rtol=row.tol
+    )
 
 
 @pytest.mark.parametrize("row, shapes", _cases())
@@ -251,13 +473,39 @@ def test_every_public_differentiable_op_has_a_row() -> None:
     covered = {row.name.split("_")[0] for row in ROWS} | {row.name for row in ROWS}
     exempt = {
         # no derivative: comparisons, logic, integer results
-        "sign", "greater", "greater_equal", "less", "less_equal", "equal", "not_equal",
-        "logical_and", "logical_or", "logical_not", "isfinite", "argmax", "argmin", "any", "all",
-        "cast", "stop_gradient", "getitem",
+        "sign",
+        "greater",
+        "greater_equal",
+        "less",
+        "less_equal",
+        "equal",
+        "not_equal",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "isfinite",
+        "argmax",
+        "argmin",
+        "any",
+        "all",
+        "cast",
+        "stop_gradient",
+        "getitem",
         # covered under another row name
-        "swapaxes", "moveaxis", "flatten", "sigmoid_cross_entropy", "softmax_cross_entropy",
-        "mean_squared_error", "log_softmax", "log_sigmoid", "leaky_relu", "expand_dims",
-        "broadcast_to", "batch_norm", "layer_norm", "clip_by_norm",
+        "swapaxes",
+        "moveaxis",
+        "flatten",
+        "sigmoid_cross_entropy",
+        "softmax_cross_entropy",
+        "mean_squared_error",
+        "log_softmax",
+        "log_sigmoid",
+        "leaky_relu",
+        "expand_dims",
+        "broadcast_to",
+        "batch_norm",
+        "layer_norm",
+        "clip_by_norm",
     }
     missing = set(gt.public_ops) - covered - exempt
     assert not missing, f"ops without a row in the table: {sorted(missing)}"
@@ -268,7 +516,11 @@ def test_swapaxes_moveaxis_flatten_and_cast() -> None:
     np.testing.assert_array_equal(gt.swapaxes(x, 0, 2).numpy(), np.swapaxes(x.numpy(), 0, 2))
     np.testing.assert_array_equal(gt.moveaxis(x, 0, -1).numpy(), np.moveaxis(x.numpy(), 0, -1))
     np.testing.assert_array_equal(gt.flatten(x).numpy(), x.numpy().ravel())
-    check_grads(lambda t: gt.moveaxis(t, 0, -1) * gt.swapaxes(gt.swapaxes(t, 0, 2), 0, 1), [x.numpy()], order=2)
+    check_grads(
+        lambda t: gt.moveaxis(t, 0, -1) * gt.swapaxes(gt.swapaxes(t, 0, 2), 0, 1),
+        [x.numpy()],
+        order=2,
+    )
     y = gt.constant([1.5, 2.5], dtype="float64")
     with gt.GradientTape() as tape:
         tape.watch(y)

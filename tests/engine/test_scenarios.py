@@ -200,11 +200,14 @@ def test_10_hessian_and_newton_step() -> None:
     assert h.shape == (5, 8, 5, 8)
     h_mat = h.numpy().reshape(40, 40)
     np.testing.assert_allclose(h_mat, h_mat.T, atol=1e-10)
+
     # The same Hessian from the functional, forward-over-reverse route.
     def loss_of_kernel(k):
         return gt.mean(dense(dense(x, k, bias1), kernel2, bias2) ** 2)
 
-    np.testing.assert_allclose(gt.hessian(loss_of_kernel)(kernel1).numpy().reshape(40, 40), h_mat, atol=1e-10)
+    np.testing.assert_allclose(
+        gt.hessian(loss_of_kernel)(kernel1).numpy().reshape(40, 40), h_mat, atol=1e-10
+    )
 
 
 def test_10_newton_step_reaches_the_minimum_of_a_quadratic() -> None:
@@ -320,8 +323,7 @@ def test_14_hvp_reuse() -> None:
     op = gt.hessian_operator(loss, *params)
     assert calls["n"] == 1
     records = len(op._tape._records)
-    dense_h = None
-    for trial in range(5):
+    for _ in range(5):
         v = [gt.constant(rng.standard_normal(p.shape)) for p in params]
         reused = op.hvp(*v)
         fresh = gt.hvp(base, params, v)
@@ -336,7 +338,9 @@ def test_14_hvp_reuse() -> None:
     many = op.hvp_many(gt.constant(v0), *[gt.zeros((4,) + p.shape, "float64") for p in params[1:]])
     for k in range(4):
         # the k1 block of H v where v only has a k1 part
-        np.testing.assert_allclose(many[0].numpy()[k].ravel(), flat_h @ v0[k].ravel(), rtol=1e-9, atol=1e-11)
+        np.testing.assert_allclose(
+            many[0].numpy()[k].ravel(), flat_h @ v0[k].ravel(), rtol=1e-9, atol=1e-11
+        )
 
 
 def test_14_hvp_memory_is_flat_over_10000_calls() -> None:
@@ -475,7 +479,9 @@ def test_17_gradient_penalty() -> None:
 
     def penalty(critic_params) -> gt.Tensor:
         fake = mlp(gt.constant(z_np), gen, gt.tanh)
-        inter = gt.constant(alpha_np) * gt.constant(real_np) + (1 - gt.constant(alpha_np)) * gt.stop_gradient(fake)
+        inter = gt.constant(alpha_np) * gt.constant(real_np) + (
+            1 - gt.constant(alpha_np)
+        ) * gt.stop_gradient(fake)
         with gt.GradientTape() as gp_tape:
             gp_tape.watch(inter)
             score = mlp(inter, critic_params, gt.tanh)

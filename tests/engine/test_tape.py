@@ -47,7 +47,9 @@ def test_multiple_targets_add_up_and_output_gradients_weight_them() -> None:
         y1, y2 = x * x, 3.0 * x
     np.testing.assert_allclose(tape.gradient([y1, y2], x).numpy(), [5.0, 7.0])
     weights = [gt.constant([1.0, 0.0]), gt.constant([0.0, 2.0])]
-    np.testing.assert_allclose(tape.gradient([y1, y2], x, output_gradients=weights).numpy(), [2.0, 6.0])
+    np.testing.assert_allclose(
+        tape.gradient([y1, y2], x, output_gradients=weights).numpy(), [2.0, 6.0]
+    )
     with pytest.raises(ValueError, match="shape"):
         tape.gradient(y1, x, output_gradients=gt.constant([1.0]))
 
@@ -106,6 +108,7 @@ def test_custom_gradient_with_two_inputs_and_forward_mode() -> None:
     def scaled_product(a, b):
         def grad_fn(g):
             return g * b * 10.0, g * a  # a deliberately "wrong" gradient for a
+
         return a * b, grad_fn
 
     a, b = gt.constant(2.0, "float64"), gt.constant(5.0, "float64")
@@ -115,9 +118,12 @@ def test_custom_gradient_with_two_inputs_and_forward_mode() -> None:
     ga, gb = tape.gradient(y, [a, b])
     assert float(ga) == 50.0 and float(gb) == 2.0
     # Forward mode goes through the transpose of grad_fn: J = [10 b, a].
-    _, t = gt.jvp(scaled_product, (a, b), (gt.constant(1.0, "float64"), gt.constant(1.0, "float64")))
+    _, t = gt.jvp(
+        scaled_product, (a, b), (gt.constant(1.0, "float64"), gt.constant(1.0, "float64"))
+    )
     assert float(t) == pytest.approx(52.0)
     with pytest.raises(ValueError, match="returned 1 gradient"):
+
         @gt.custom_gradient
         def bad(a, b):
             return a * b, lambda g: g
