@@ -12,6 +12,7 @@ registered in `engine.registry.public_ops` and exported here from that registry.
 
 from engine import ops as _ops  # registers every primitive and public op
 from engine import random
+from engine.allocator import tune_allocator
 from engine.backend import DeviceError, cuda_available
 from engine.forward import ForwardAccumulator
 from engine.ops.creation import (
@@ -80,6 +81,7 @@ __all__ = [
     "ones",
     "ones_like",
     "random",
+    "tune_allocator",
     "value_and_grad",
     "vjp",
     "zeros",

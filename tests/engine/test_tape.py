@@ -227,3 +227,11 @@ def test_nested_gradient_through_jacobian_of_gradient_and_forward_over_reverse()
     xs = x.numpy()
     expected = np.diag(2 * np.sin(xs) + 4 * xs * np.cos(xs) - xs**2 * np.sin(xs))
     np.testing.assert_allclose(h_fwd, expected, atol=1e-12)
+
+
+def test_tune_allocator_on_glibc() -> None:
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt tuning is for glibc")
+    assert gt.tune_allocator() is True
