@@ -1,0 +1,351 @@
+"""Compilation: a checked definition -> a CompiledProgram that runs many times.
+
+A program is compiled from the definition's *structure* (its lines, functions, and the
+names, shapes, dtypes and trainable flags of its variables and inputs), not from the
+values, and cached under a hash of that structure: the service records a tape from it
+per request, and re-runs it with new values or to rebuild a lost tape, without parsing
+or checking again.
+
+    program = compile_definition(definition)
+    leaves = program.leaves(definition)            # Variables and constants, by name
+    with gt.GradientTape() as tape:                # the caller owns the tapes
+        env = program.run(leaves)                  # every name -> Tensor
+    tape.gradient(env["loss"], leaves["w"])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.language.catalogue import suggest
+from engine.language.definition import Definition, as_definition, structure_key
+from engine.language.errors import DefinitionError, Problem
+from engine.language.limits import DEFAULT_LIMITS, Limits
+from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
+from engine.language.shapes import TensorType
+from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
+from engine.tensor import Tensor, Variable, constant
+from engine.transforms import HessianOperator, hessian_operator
+
+CACHE_SIZE = 256
+UNCONNECTED = ("none", "zero")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked target and sources: `sources` maps each answer key (the name, or the
+    client's alias) to the variable or input it differentiates with respect to."""
+
+    target: str
+    sources: dict[str, str]
+    unconnected: str = "none"
+
+
+class CompiledProgram:
+    """A checked, compiled definition. Holds no tensor values: `run` takes them."""
+
+    def __init__(self, key: str, limits: Limits, checked: CheckedProgram):
+        self.key = key
+        self.limits = limits
+        self.leaf_info: dict[str, Leaf] = checked.leaves
+        self.types: dict[str, TensorType] = checked.types
+        self.line_names: tuple[str, ...] = tuple(line.target for line in checked.lines)
+        self._line_numbers = {line.target: line.number for line in checked.lines}
+        self._line_columns = {line.target: line.pos.column for line in checked.lines}
+        self._reads = checked.reads
+        self._sites = checked.grad_sites
+        functions = {name: user_function(fn) for name, fn in checked.functions.items()}
+        site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}
+        builder = Builder("program", functions, site_keys, checked.grad_sites)
+        self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
+
+    # What the program defines -------------------------------------------------------------
+    @property
+    def variables(self) -> dict[str, Leaf]:
+        return {n: leaf for n, leaf in self.leaf_info.items() if leaf.role == "variable"}
+
+    @property
+    def inputs(self) -> dict[str, Leaf]:
+        return {n: leaf for n, leaf in self.leaf_info.items() if leaf.role == "input"}
+
+    @property
+    def trainable(self) -> list[str]:
+        """The default sources: every floating-point trainable variable, in order."""
+        return [
+            n
+            for n, leaf in self.variables.items()
+            if leaf.trainable and leaf.type.dtype.kind == "f"
+        ]
+
+    # Values ---------------------------------------------------------------------------
+    def leaves(self, definition: Any, device: str | None = None) -> dict[str, Tensor]:
+        """The definition's values as engine tensors: a Variable (with its trainable flag)
+        per variable, a constant per input, on `device` (default: where the value is)."""
+        defn = as_definition(definition)
+        out: dict[str, Tensor] = {}
+        for name, var in defn.variables.items():
+            value = var.value if device is None else constant(var.value, device=device).value
+            out[name] = Variable(value, trainable=var.trainable, name=name)
+        for name, value in defn.inputs.items():
+            out[name] = constant(value, device=device)
+        self._check_leaves(out)
+        return out
+
+    def _check_leaves(self, leaves: Mapping[str, Any]) -> None:
+        problems = []
+        for name, leaf in self.leaf_info.items():
+            section = f"{leaf.role}s.{name}"
+            value = leaves.get(name)
+            if value is None:
+                problems.append(Problem(f"no value for {name!r}", section, kind="value"))
+            elif not isinstance(value, Tensor):
+                problems.append(
+                    Problem(
+                        f"expected an engine Tensor, got {type(value).__name__} (use "
+                        "program.leaves(definition))",
+                        section,
+                        kind="value",
+                    )
+                )
+            elif tuple(value.shape) != leaf.type.shape or value.dtype != leaf.type.dtype:
+                problems.append(
+                    Problem(
+                        f"the program was compiled for {leaf.type}, got {value.dtype}"
+                        f"{list(value.shape)}",
+                        section,
+                        kind="value",
+                    )
+                )
+        for name in leaves:
+            if name not in self.leaf_info:
+                problems.append(
+                    Problem(
+                        f"{name!r} is not a variable or input of the program",
+                        "definition",
+                        kind="value",
+                    )
+                )
+        if problems:
+            raise DefinitionError(problems)
+
+    # Running --------------------------------------------------------------------------
+    def run(
+        self, leaves: Mapping[str, Tensor], targets: Iterable[str] | None = None
+    ) -> dict[str, Tensor]:
+        """Run the program on these leaf tensors under whatever tapes the caller holds
+        open; return every name's tensor. With `targets`, only the lines they need run."""
+        self._check_leaves(leaves)
+        wanted = self._needed(targets)
+        frame = Frame(dict(leaves))
+        pending = sorted(
+            (site.opens_before, key, site.source)
+            for key, site in enumerate(self._sites)
+            if site.line_index in wanted
+        )
+        try:
+            for index, (name, step) in enumerate(self._steps):
+                if index not in wanted:
+                    continue
+                while pending and pending[0][0] <= index:
+                    _, key, source = pending.pop(0)
+                    open_grad_tape(frame, key, source)
+                frame.assign(name, step(frame))
+        finally:
+            frame.close()  # a failed run must not leave a tape recording
+        return frame.values
+
+    def _needed(self, targets: Iterable[str] | None) -> set[int]:
+        """Indices of the lines the targets depend on (all lines when targets is None)."""
+        if targets is None:
+            return set(range(len(self._steps)))
+        targets = list(targets)
+        unknown = [t for t in targets if t not in self.types]
+        if unknown:
+            raise DefinitionError(
+                [Problem(f"unknown target {t!r}", "target", kind="request") for t in unknown]
+            )
+        index = {name: i for i, name in enumerate(self.line_names)}
+        needed: set[int] = set()
+        stack = [t for t in targets if t in index]
+        while stack:
+            i = index[stack.pop()]
+            if i not in needed:
+                needed.add(i)
+                stack.extend(n for n in self._reads[self.line_names[i]] if n in index)
+        return needed
+
+    def function(
+        self, target: str, sources: list[str], leaves: Mapping[str, Tensor]
+    ) -> Callable[..., Tensor]:
+        """f(*source_values) -> the target, the other leaves held at `leaves`: for the
+        engine's functional transforms (gt.hessian, gt.jacfwd, gt.hvp, ...)."""
+        names = list(sources)
+
+        def f(*values: Tensor) -> Tensor:
+            env = dict(leaves)
+            env.update(zip(names, values))
+            return self.run(env, targets=[target])[target]
+
+        return f
+
+    def hessian_operator(self, request: Request, leaves: Mapping[str, Tensor]) -> HessianOperator:
+        """The forward pass and gradient of the request's target recorded once, for any
+        number of HVPs over its sources (in the order of request.sources)."""
+        names = list(request.sources.values())
+        f = self.function(request.target, names, leaves)
+        return hessian_operator(f, *[leaves[n] for n in names])
+
+    # Requests ---------------------------------------------------------------------------
+    def check_request(
+        self,
+        target: Any,
+        sources: Any = None,
+        unconnected: Any = "none",
+        allow_unused: bool = False,
+    ) -> Request:
+        """Check a target and sources against the program; all problems at once.
+
+        sources: None (every trainable float variable), a name, a list of names, or a
+        mapping alias -> name. A line the target does not use is an error unless
+        allow_unused (a tape that will serve other targets later).
+        """
+        problems: list[Problem] = []
+        if not isinstance(target, str) or target not in self.types:
+            names = list(self.types)
+            hint = suggest(target, names) if isinstance(target, str) else ""
+            problems.append(Problem(f"unknown target {target!r}{hint}", "target", kind="request"))
+        elif self.types[target].dtype.kind != "f":
+            problems.append(
+                Problem(
+                    f"the target {target!r} is {self.types[target]}; only a floating-point "
+                    "target has gradients",
+                    "target",
+                    kind="dtype",
+                )
+            )
+        elif not allow_unused:
+            problems.extend(self._unused(target))
+        resolved = self._resolve_sources(sources, problems)
+        if unconnected not in UNCONNECTED:
+            problems.append(
+                Problem(
+                    f"unconnected must be 'none' or 'zero', got {unconnected!r}",
+                    "unconnected",
+                    kind="request",
+                )
+            )
+        if problems:
+            raise DefinitionError(problems)
+        return Request(target, resolved, unconnected)
+
+    def _unused(self, target: str) -> list[Problem]:
+        needed = {self.line_names[i] for i in self._needed([target])}
+        return [
+            Problem(
+                f"{name!r} is computed but the target {target!r} does not use it",
+                "program",
+                self._line_numbers[name],
+                self._line_columns[name],
+                kind="unused",
+            )
+            for name in self.line_names
+            if name not in needed
+        ]
+
+    def _resolve_sources(self, sources: Any, problems: list[Problem]) -> dict[str, str]:
+        if sources is None:
+            return {name: name for name in self.trainable}
+        if isinstance(sources, str):
+            pairs = [(sources, sources)]
+        elif isinstance(sources, Mapping):
+            pairs = list(sources.items())
+        elif isinstance(sources, (list, tuple)):
+            pairs = [(s, s) for s in sources]
+            repeated = sorted({s for s in sources if isinstance(s, str) and sources.count(s) > 1})
+            for name in repeated:
+                problems.append(
+                    Problem(f"source {name!r} is listed twice", "sources", kind="request")
+                )
+        else:
+            problems.append(
+                Problem(
+                    "sources must be a name, a list of names or a mapping alias -> name",
+                    "sources",
+                    kind="request",
+                )
+            )
+            return {}
+        resolved = {}
+        for key, name in pairs:
+            if not isinstance(key, str) or not isinstance(name, str):
+                problems.append(
+                    Problem(f"source {key!r}: names must be strings", "sources", kind="request")
+                )
+            elif name in self._line_numbers:
+                problems.append(
+                    Problem(
+                        f"source {name!r} is computed by program line {self._line_numbers[name]}; "
+                        "sources must be variables or inputs",
+                        "sources",
+                        kind="request",
+                    )
+                )
+            elif name not in self.leaf_info:
+                hint = suggest(name, list(self.leaf_info))
+                problems.append(
+                    Problem(f"unknown source {name!r}{hint}", "sources", kind="request")
+                )
+            elif self.leaf_info[name].type.dtype.kind != "f":
+                problems.append(
+                    Problem(
+                        f"source {name!r} is {self.leaf_info[name].type}; only floating-point "
+                        "sources have gradients",
+                        "sources",
+                        kind="dtype",
+                    )
+                )
+            else:
+                resolved[key] = name
+        return resolved
+
+
+# ----------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------
+
+_cache: OrderedDict[str, CompiledProgram] = OrderedDict()
+_lock = threading.Lock()
+
+
+def compile_definition(definition: Any, limits: Limits | None = None) -> CompiledProgram:
+    """Parse, check and compile a definition (a Definition or its JSON-like mapping);
+    raise DefinitionError listing every problem. Cached by the structure's hash."""
+    defn = definition if isinstance(definition, Definition) else as_definition(definition)
+    limits = limits or DEFAULT_LIMITS
+    oversized = size_problems(defn, limits)
+    if oversized:
+        raise DefinitionError(oversized)
+    key = structure_key(defn, limits)
+    with _lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    program = CompiledProgram(key, limits, check_definition(defn, limits))
+    with _lock:
+        _cache[key] = program
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return program
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def cache_size() -> int:
+    return len(_cache)

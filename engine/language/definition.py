@@ -1,0 +1,245 @@
+"""A definition as data: variables, inputs, program lines and user functions.
+
+`as_definition` accepts the JSON-like form the service receives (after it has decoded
+its tensors into NumPy arrays) or a `Definition`, and checks its *structure* only; the
+language checks (names, ops, shapes) are in validate.py.
+
+Values: a NumPy array keeps its dtype; a bare number or (nested) list is float32, as on
+the wire; an engine Tensor keeps its dtype and device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine import backend
+from engine.language.errors import DefinitionError, Problem
+from engine.language.limits import Limits
+from engine.tensor import Tensor
+
+# dtypes a tensor in a definition may have (the engine computes in these).
+ALLOWED_DTYPES = frozenset(
+    np.dtype(d)
+    for d in (
+        "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64", "bool",
+    )
+)  # fmt: skip
+FLOAT32 = np.dtype("float32")
+
+
+@dataclass(frozen=True)
+class VariableDef:
+    """A parameter: `trainable` ones are watched by default and are the default sources."""
+
+    value: Any
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class FunctionDef:
+    """A user function with a custom gradient (the analogue of tf.custom_gradient).
+
+    forward: lines over `params`; the function's value is `output` (default: the name the
+    last forward line assigns).
+    backward: lines that see the params, every forward name and `upstream` (the incoming
+    gradient, shaped like the output) and assign `grad_<param>` for each floating-point
+    param (an integer or bool param gets no gradient).
+    """
+
+    params: tuple[str, ...]
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    output: str | None = None
+
+
+@dataclass(frozen=True)
+class Definition:
+    program: tuple[str, ...]
+    variables: Mapping[str, VariableDef] = field(default_factory=dict)
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    functions: Mapping[str, FunctionDef] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------
+# Coercion from the JSON-like form
+# ----------------------------------------------------------------------------------------
+
+
+def as_definition(obj: Any) -> Definition:
+    """A Definition from a Definition or a mapping with keys program, variables, inputs,
+    functions. Raises DefinitionError listing every structural problem."""
+    problems: list[Problem] = []
+    if isinstance(obj, Definition):
+        obj = {
+            "program": obj.program,
+            "variables": obj.variables,
+            "inputs": obj.inputs,
+            "functions": obj.functions,
+        }
+    if not isinstance(obj, Mapping):
+        raise DefinitionError([_problem("definition", "a definition must be a mapping")])
+    for key in obj:
+        if key not in ("program", "variables", "inputs", "functions"):
+            problems.append(
+                _problem(
+                    "definition",
+                    f"unknown field {key!r}; expected program, variables, inputs, functions",
+                )
+            )
+    program = _lines(obj.get("program"), "program", problems, required=True)
+    variables = {
+        name: var
+        for name, raw in _mapping(obj.get("variables"), "variables", problems).items()
+        if (var := _variable(raw, f"variables.{name}", problems)) is not None
+    }
+    inputs = {
+        name: value
+        for name, raw in _mapping(obj.get("inputs"), "inputs", problems).items()
+        if (value := to_array(raw, f"inputs.{name}", problems)) is not None
+    }
+    functions = {
+        name: fn
+        for name, raw in _mapping(obj.get("functions"), "functions", problems).items()
+        if (fn := _function(raw, f"functions.{name}", problems)) is not None
+    }
+    if problems:
+        raise DefinitionError(problems)
+    return Definition(program, variables, inputs, functions)
+
+
+def _problem(section: str, message: str) -> Problem:
+    return Problem(message, section=section, kind="value")
+
+
+def _mapping(raw: Any, section: str, problems: list[Problem]) -> Mapping[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        problems.append(_problem(section, f"{section} must map names to values"))
+        return {}
+    good = {}
+    for key, value in raw.items():
+        if isinstance(key, str):
+            good[key] = value
+        else:
+            problems.append(_problem(section, f"name {key!r} is not a string"))
+    return good
+
+
+def _lines(raw: Any, section: str, problems: list[Problem], required: bool = False) -> tuple:
+    """A list of lines; a single string is split at its line breaks."""
+    if raw is None and not required:
+        return ()
+    if isinstance(raw, str):
+        return tuple(raw.splitlines())
+    if isinstance(raw, Sequence) and all(isinstance(line, str) for line in raw):
+        return tuple(raw)
+    problems.append(_problem(section, f"{section} must be a list of strings (one line each)"))
+    return ()
+
+
+def _variable(raw: Any, section: str, problems: list[Problem]) -> VariableDef | None:
+    if isinstance(raw, VariableDef):
+        raw = {"value": raw.value, "trainable": raw.trainable}
+    if not isinstance(raw, Mapping):
+        value = to_array(raw, section, problems)
+        return None if value is None else VariableDef(value)
+    unknown = sorted(set(raw) - {"value", "trainable"})
+    if unknown:
+        problems.append(_problem(section, f"unknown field(s) {unknown}; expected value, trainable"))
+    if "value" not in raw:
+        problems.append(_problem(section, "a variable needs a value"))
+        return None
+    trainable = raw.get("trainable", True)
+    if not isinstance(trainable, (bool, np.bool_)):
+        problems.append(_problem(section, f"trainable must be true or false, got {trainable!r}"))
+        return None
+    value = to_array(raw["value"], section, problems)
+    return None if value is None else VariableDef(value, bool(trainable))
+
+
+def _function(raw: Any, section: str, problems: list[Problem]) -> FunctionDef | None:
+    if isinstance(raw, FunctionDef):
+        return raw
+    if not isinstance(raw, Mapping):
+        problems.append(_problem(section, "a function needs params, forward and backward"))
+        return None
+    unknown = sorted(set(raw) - {"params", "forward", "backward", "output"})
+    if unknown:
+        problems.append(
+            _problem(
+                section, f"unknown field(s) {unknown}; expected params, forward, backward, output"
+            )
+        )
+    count = len(problems)
+    params = _lines(raw.get("params"), f"{section}.params", problems, required=True)
+    forward = _lines(raw.get("forward"), f"{section}.forward", problems, required=True)
+    backward = _lines(raw.get("backward"), f"{section}.backward", problems, required=True)
+    output = raw.get("output")
+    if output is not None and not isinstance(output, str):
+        problems.append(_problem(f"{section}.output", "output must be a name"))
+    if len(problems) > count:
+        return None
+    return FunctionDef(params, forward, backward, output)
+
+
+def to_array(value: Any, section: str, problems: list[Problem]) -> Any:
+    """A NumPy (or device) array for a value, or None after recording a problem."""
+    if isinstance(value, Tensor):
+        array = value.value
+    elif backend.is_array(value) or isinstance(value, np.generic):
+        array = value if backend.is_array(value) else np.asarray(value)
+    else:
+        try:
+            array = np.asarray(value, dtype=FLOAT32)
+        except (TypeError, ValueError, OverflowError) as exc:
+            problems.append(_problem(section, f"not a number or a (nested) list of numbers: {exc}"))
+            return None
+    if array.dtype not in ALLOWED_DTYPES:
+        problems.append(_problem(section, f"unsupported dtype {array.dtype}"))
+        return None
+    return array
+
+
+# ----------------------------------------------------------------------------------------
+# Content hashes
+# ----------------------------------------------------------------------------------------
+
+
+def structure_key(defn: Definition, limits: Limits) -> str:
+    """A hash of everything compilation depends on: lines, functions, the names, shapes,
+    dtypes and trainable flags of the leaves (not their values), and the limits."""
+    canonical = {
+        "program": list(defn.program),
+        "variables": {
+            name: [list(v.value.shape), str(v.value.dtype), v.trainable]
+            for name, v in defn.variables.items()
+        },
+        "inputs": {name: [list(a.shape), str(a.dtype)] for name, a in defn.inputs.items()},
+        "functions": {
+            name: [list(f.params), list(f.forward), list(f.backward), f.output]
+            for name, f in defn.functions.items()
+        },
+        "limits": limits.as_dict(),
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def content_hash(defn: Definition) -> str:
+    """A hash of the whole definition, values included (for storing and deduplicating)."""
+    digest = hashlib.sha256(structure_key(defn, Limits()).encode())
+    for section in (defn.variables, defn.inputs):
+        for name in sorted(section):
+            entry = section[name]
+            value = entry.value if isinstance(entry, VariableDef) else entry
+            host = np.ascontiguousarray(backend.to_host(value))
+            digest.update(name.encode() + b"\0" + host.tobytes())
+    return digest.hexdigest()

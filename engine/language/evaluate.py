@@ -1,0 +1,64 @@
+"""One call from a definition to a value and its gradients (POST /v1/gradient)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.language.compile import compile_definition
+from engine.language.definition import as_definition
+from engine.language.errors import DefinitionError, ExecutionError, Problem
+from engine.language.limits import Limits
+from engine.language.runtime import RUNTIME_ERRORS
+from engine.tape import GradientTape
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The target's value and one gradient per requested source (None when the target
+    does not depend on it and unconnected is "none"), as NumPy arrays."""
+
+    value: np.ndarray
+    gradients: dict[str, np.ndarray | None]
+
+
+def evaluate(
+    definition: Any,
+    target: str,
+    sources: Any = None,
+    *,
+    unconnected: str = "none",
+    limits: Limits | None = None,
+    device: str | None = None,
+    allow_unused: bool = False,
+) -> Evaluation:
+    """Run the definition and differentiate `target` with respect to `sources`.
+
+    sources: None (every trainable variable), a name, a list of names (answer keyed by
+    name) or a mapping alias -> name (answer keyed by alias). A source named explicitly is
+    watched whether or not it is a trainable variable. A non-scalar target is
+    differentiated as its sum (tf.GradientTape's convention).
+    """
+    defn = as_definition(definition)
+    program = compile_definition(defn, limits)
+    request = program.check_request(target, sources, unconnected, allow_unused)
+    leaves = program.leaves(defn, device)
+    watched = {key: leaves[name] for key, name in request.sources.items()}
+    with GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(list(watched.values()))
+        env = program.run(leaves, targets=[request.target])
+    value = env[request.target]
+    try:
+        grads = tape.gradient(value, watched, unconnected_gradients=request.unconnected)
+    except DefinitionError:
+        raise
+    except RUNTIME_ERRORS as exc:
+        raise ExecutionError(
+            [Problem(f"while differentiating: {exc}", "target", kind="runtime")]
+        ) from exc
+    return Evaluation(
+        value.numpy(),
+        {key: None if g is None else g.numpy() for key, g in grads.items()},
+    )
