@@ -131,18 +131,23 @@ public_ops: dict[str, OpInfo] = {}
 
 
 def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., Any]], Any]:
-    """Register a public op. Its positional parameters are tensors; keyword-only are metadata.
+    """Register a public op.
 
-    `tensors` overrides how many leading positional parameters are tensors (the rest are
-    metadata given by keyword or position).
+    Tensor parameters are the positional ones annotated `Any` (they take tensors, arrays
+    or numbers); the others (`axis: int`, `shape: Sequence[int]`, `reduction: str`) are
+    metadata. `tensors` overrides the count (ops taking a list of tensors say 0).
     """
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        count = len(positional) if tensors is None else tensors
-        tensor_args = tuple(p.name for p in positional[:count])
+        positional = [
+            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if tensors is None:
+            tensor_args = tuple(p.name for p in positional if p.annotation in ("Any", Any))
+        else:
+            tensor_args = tuple(p.name for p in positional[:tensors])
         variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
         keywords = {
             p.name: p.default

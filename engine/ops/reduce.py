@@ -176,6 +176,8 @@ for _p in (argmax_p, argmin_p, any_p, all_p):
 def argmax(x: Any, axis: int | None = None) -> Tensor:
     """Index of the largest element (over the flattened tensor when axis is None)."""
     x = as_tensor(x)
+    if axis is not None and not isinstance(axis, int):
+        raise TypeError(f"argmax: axis must be an int or None, got {axis!r}")
     axis = None if axis is None else normalize_axes(axis, x.ndim, "argmax")[0]
     return bind(argmax_p, x, axis=axis)
 
@@ -184,6 +186,8 @@ def argmax(x: Any, axis: int | None = None) -> Tensor:
 def argmin(x: Any, axis: int | None = None) -> Tensor:
     """Index of the smallest element (over the flattened tensor when axis is None)."""
     x = as_tensor(x)
+    if axis is not None and not isinstance(axis, int):
+        raise TypeError(f"argmin: axis must be an int or None, got {axis!r}")
     axis = None if axis is None else normalize_axes(axis, x.ndim, "argmin")[0]
     return bind(argmin_p, x, axis=axis)
 

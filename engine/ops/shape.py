@@ -305,7 +305,11 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
         items[ellipses[0] : ellipses[0] + 1] = fill
     else:
         items.extend(fill)
-    advanced = [k for k, i in enumerate(items) if backend.is_array(i)]
+    # With an integer array present, NumPy treats plain ints as advanced indices too.
+    arrays = any(backend.is_array(i) for i in items)
+    advanced = [
+        k for k, i in enumerate(items) if backend.is_array(i) or (arrays and isinstance(i, int))
+    ]
     if advanced and advanced[-1] - advanced[0] + 1 != len(advanced):
         raise IndexError(
             "integer-array indices separated by a slice are not supported (NumPy would move "
@@ -330,8 +334,8 @@ def getitem(x: Any, index: Any = ()) -> Tensor:
     return bind(getitem_p, x, index=normalize_index(index, x))
 
 
-@public("indexing", tensors=1)
-def take(x: Any, indices: Any = (), axis: int = 0) -> Tensor:
+@public("indexing")
+def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
     """Elements of x at integer `indices` along `axis` (NumPy's take, no wrapping)."""
     x = as_tensor(x)
     axis = normalize_axis(axis, x.ndim, "take") + x.ndim

@@ -235,3 +235,12 @@ def test_tune_allocator_on_glibc() -> None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt tuning is for glibc")
     assert gt.tune_allocator() is True
+
+
+def test_index_arrays_and_ints_split_by_a_slice_are_refused_clearly() -> None:
+    x = gt.ones((2, 3, 4))
+    with pytest.raises(IndexError, match="separated by a slice"):
+        x[np.array([0, 1]), :, 0]
+    np.testing.assert_array_equal(x[np.array([0, 1]), 0].numpy(), np.ones((2, 4)))
+    with pytest.raises(TypeError, match="axis must be an int"):
+        gt.argmax(x, axis=(0, 1))
