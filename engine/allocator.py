@@ -23,9 +23,7 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 
 
-def tune_allocator(
-    mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1 << 30
-) -> bool:
+def tune_allocator(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1 << 30) -> bool:
     """Raise glibc's mmap and trim thresholds; False where that is not possible."""
     if not sys.platform.startswith("linux"):
         return False

@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 numpy = np
+# NumPy for host-side bookkeeping (dtypes, shapes, index arithmetic) in modules that must
+# not pick an array module themselves; never applied to device arrays.
+host = np
 ndarray_types: tuple[type, ...] = (np.ndarray,)
 
 _cupy: Any = None

@@ -16,6 +16,7 @@ from typing import Any
 from engine import trace, tree
 from engine.ops.shape import broadcast_to, reshape
 from engine.registry import BROADCASTING, NONDIFFERENTIABLE, Primitive, get_jvp
+from engine.tape import GradientTape
 from engine.tensor import Tensor, as_tensor
 
 
@@ -84,6 +85,11 @@ class ForwardAccumulator:
         return tree.unflatten(treedef, out)
 
     # Called by bind ------------------------------------------------------------------
+    def _record_read(self, variable: Any, r: Tensor) -> None:
+        tangent = self._tangents.get(id(variable))
+        if tangent is not None and id(r) not in self._tangents:
+            self._set(r, tangent)
+
     def _propagate(
         self, prim: Primitive, args: tuple[Tensor, ...], params: dict[str, Any], ans: Tensor
     ) -> None:
@@ -104,8 +110,6 @@ class ForwardAccumulator:
         ts = [self._tangents.get(id(a)) for a in record.inputs]
         if all(t is None for t in ts):
             return
-        from engine.tape import GradientTape  # the tape sits above this module
-
         with trace.paused(self):
             gs = [_zeros_like(o) for o in record.outputs]
             with GradientTape(watch_accessed_variables=False) as tape:

@@ -141,9 +141,7 @@ def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., A
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())
-        positional = [
-            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if tensors is None:
             tensor_args = tuple(p.name for p in positional if p.annotation in ("Any", Any))
         else:

@@ -29,7 +29,7 @@ from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
 from engine.registry import NONDIFFERENTIABLE, Primitive, get_vjp
-from engine.tensor import Tensor, Variable, as_tensor
+from engine.tensor import Tensor, Variable, as_tensor, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
 
@@ -88,11 +88,25 @@ class Record:
         ]
         result = self.custom_vjp(*upstream)
         grads = list(result) if isinstance(result, (list, tuple)) else [result]
+        name = getattr(self.custom_vjp, "__qualname__", "grad_fn")
         if len(grads) != len(self.inputs):
             raise ValueError(
-                f"custom gradient returned {len(grads)} gradient(s) for {len(self.inputs)} input(s)"
+                f"custom gradient {name} returned {len(grads)} gradient(s) for "
+                f"{len(self.inputs)} input(s)"
             )
-        return [None if grads[i] is None else as_tensor(grads[i]) for i in needed]
+        out = []
+        for i in needed:
+            g, x = grads[i], self.inputs[i]
+            if g is not None:
+                g = as_tensor(g, like=x)
+                nb = g.ndim - x.ndim
+                if g.dtype != x.dtype or nb < 0 or g.shape[nb:] != x.shape:
+                    raise ValueError(
+                        f"custom gradient {name}: gradient {i} has shape {g.shape} and dtype "
+                        f"{g.dtype}, but its input has shape {x.shape} and dtype {x.dtype}"
+                    )
+            out.append(g)
+        return out
 
 
 def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
@@ -219,6 +233,10 @@ class GradientTape:
     @contextmanager
     def stop_recording(self) -> Iterator[None]:
         """Operations inside this block are not recorded by this tape."""
+        if self not in trace.active_tapes:
+            raise RuntimeError(
+                "stop_recording: this tape is not recording (use it inside `with tape:`)"
+            )
         with trace.paused(self):
             yield
 
@@ -234,27 +252,28 @@ class GradientTape:
         self, prim: Primitive, args: tuple[Tensor, ...], params: dict[str, Any], ans: Tensor
     ) -> None:
         watched = self._watched
-        hit = False
         for a in args:
             if id(a) in watched:
-                hit = True
-            elif self.watch_accessed_variables and type(a) is Variable and a.trainable:
-                self._watch(a)
-                hit = True
-        if hit and prim not in NONDIFFERENTIABLE:
-            self._records.append(Record(prim, args, params, (ans,)))
-            watched[id(ans)] = ans
+                if prim not in NONDIFFERENTIABLE:
+                    self._records.append(Record(prim, args, params, (ans,)))
+                    watched[id(ans)] = ans
+                return
+
+    def _record_read(self, variable: Variable, r: Tensor) -> None:
+        """Link a read of `variable` to it, watching the variable if this tape should."""
+        watched = self._watched
+        if id(r) in watched:
+            return
+        if id(variable) not in watched:
+            if not (self.watch_accessed_variables and variable.trainable):
+                return
+            self._watch(variable)
+        self._records.append(Record(read_variable_p, (variable,), {}, (r,)))
+        watched[id(r)] = r
 
     def _record_custom(self, record: Record) -> None:
         watched = self._watched
-        hit = False
-        for a in record.inputs:
-            if id(a) in watched:
-                hit = True
-            elif self.watch_accessed_variables and type(a) is Variable and a.trainable:
-                self._watch(a)
-                hit = True
-        if hit:
+        if any(id(a) in watched for a in record.inputs):
             self._records.append(record)
             for o in record.outputs:
                 watched[id(o)] = o
@@ -271,6 +290,7 @@ class GradientTape:
         if not self.persistent:
             self._used = True
             self._records = []  # free the recorded values now
+            self._watched = {}
             self._plans.clear()
 
     def _plan_for(self, targets: list[Tensor], sources: list[Tensor]) -> list:
@@ -278,7 +298,9 @@ class GradientTape:
         cached = self._plans.get(key)
         if cached is not None and cached[0] == len(self._records):
             return cached[1]
-        plan = _plan(self._records, set(key[0]), set(key[1]))
+        # A source this tape never watched gets no gradient (None), as in TensorFlow.
+        watched_sources = {i for i in key[1] if i in self._watched}
+        plan = _plan(self._records, set(key[0]), watched_sources)
         if self.persistent:
             self._plans[key] = (len(self._records), plan)
         return plan
@@ -287,6 +309,12 @@ class GradientTape:
         self, targets: list[Tensor], seeds: list[Tensor], sources: list[Tensor], batch_ndim: int
     ) -> dict[int, Tensor]:
         plan = self._plan_for(targets, sources)
+        if self in trace.active_tapes:
+            if self.persistent:
+                # Inside its own `with` block a persistent tape records its backward pass
+                # too, so the gradient can be differentiated again on the same tape.
+                return backward(plan, targets, seeds, sources, batch_ndim)
+            trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
         with trace.paused(self):
             return backward(plan, targets, seeds, sources, batch_ndim)
 
@@ -538,7 +566,7 @@ def custom_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(f)
     def wrapper(*args: Any) -> Any:
-        inputs = tuple(as_tensor(a) for a in args)
+        inputs = tuple(unaliased(as_tensor(a)) for a in args)
         with trace.nothing_recording():
             result, grad_fn = f(*inputs)
         flat, treedef = tree.flatten(result)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace
-from engine.registry import Primitive, impl_rules
+from engine.registry import Primitive, defjvp, defvjp, impl_rules, primitive
 
 
 class Tensor:
@@ -84,21 +84,29 @@ class Tensor:
 
 
 class Variable(Tensor):
-    """A mutable tensor: a model parameter. Tapes watch trainable variables they touch."""
+    """A mutable tensor: a model parameter. Tapes watch trainable variables they touch.
 
-    __slots__ = ("trainable", "name")
+    Operations never see the Variable itself but a *read*: an immutable snapshot of its
+    current value, linked to the Variable on every tape by an identity record (as
+    TensorFlow's ReadVariableOp). So `assign` after a forward pass does not change what
+    was recorded, and gradients still flow to the Variable.
+    """
+
+    __slots__ = ("trainable", "name", "_read")
 
     def __init__(self, value: Any, trainable: bool = True, dtype: Any = None, name: str = ""):
         super().__init__(_to_array(value, dtype, None))
         self.trainable = bool(trainable)
         self.name = name
+        self._read: VariableRead | None = None
 
     def assign(self, value: Any) -> Variable:
-        """Replace the value (same shape and dtype). Tapes that recorded it see the new value."""
+        """Replace the value (same shape and dtype). What tapes recorded keeps the old one."""
         new = _to_array(value, self.dtype, self.device)
         if new.shape != self.shape:
             raise ValueError(f"assign: shape {new.shape} does not match variable {self.shape}")
         self.value = new
+        self._read = None
         return self
 
     def assign_add(self, delta: Any) -> Variable:
@@ -110,6 +118,41 @@ class Variable(Tensor):
     def __repr__(self) -> str:
         label = f" {self.name!r}" if self.name else ""
         return f"<Variable{label} shape={self.shape} dtype={self.dtype} trainable={self.trainable}>"
+
+
+class VariableRead(Tensor):
+    """The value of a Variable at one moment, as the tensor operations consume."""
+
+    __slots__ = ("variable",)
+
+    def __init__(self, variable: Variable):
+        super().__init__(variable.value)
+        self.variable = variable
+
+
+# Reading a variable is an identity primitive: tapes record it (once per read) so that
+# the cotangent of the read reaches the Variable, and tangents pass through unchanged.
+read_variable_p = primitive("read_variable", lambda xp, v: v)
+defvjp(read_variable_p, lambda ans, v: lambda g: g)
+defjvp(read_variable_p, lambda t, ans, v: t[0])
+
+
+def read(variable: Variable) -> VariableRead:
+    """The Variable's current read, linked to it on every active tape and accumulator."""
+    r = variable._read
+    if r is None:
+        r = variable._read = VariableRead(variable)
+    for tape in trace.active_tapes:
+        tape._record_read(variable, r)
+    for accumulator in trace.active_accumulators:
+        accumulator._record_read(variable, r)
+    return r
+
+
+def unaliased(x: Tensor) -> Tensor:
+    """x, or its read when x is a Variable: what an op returning its input hands back, so
+    that a later assign cannot change an op's result."""
+    return read(x) if isinstance(x, Variable) else x
 
 
 def _raw(value: Any, like: Tensor) -> Any:
@@ -166,10 +209,16 @@ def as_tensor(value: Any, like: Tensor | None = None) -> Tensor:
 
 def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
     """Apply a primitive: forward on the arrays, then record on every active recorder."""
+    for a in args:
+        if isinstance(a, Variable):
+            args = tuple(read(a) if isinstance(a, Variable) else a for a in args)
+            break
     values = [a.value for a in args]
     try:
         out = impl_rules[prim](backend.array_module(values[0]), *values, **params)
     except ValueError as exc:  # NumPy's broadcasting message, with the op's name on it
+        if type(exc) is not ValueError:  # LinAlgError and friends keep their type
+            raise
         shapes = " and ".join(str(v.shape) for v in values)
         raise ValueError(f"{prim.name}: {exc} (operand shapes {shapes})") from None
     if isinstance(out, np.generic):  # NumPy returns scalars from 0-d operations

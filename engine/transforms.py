@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import backend, tree
+from engine import backend, trace, tree
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import reshape, transpose
 from engine.tape import GradientTape, _check_source
@@ -374,6 +374,12 @@ class HessianOperator:
         return self._apply(vectors, 1)
 
     def _apply(self, vectors: tuple, batch_ndim: int) -> tuple:
+        # Nothing that happens to be recording around this call sees the HVP pass: it
+        # must record nothing new anywhere (and may then reuse cached rule stages).
+        with trace.nothing_recording():
+            return self._apply_unrecorded(vectors, batch_ndim)
+
+    def _apply_unrecorded(self, vectors: tuple, batch_ndim: int) -> tuple:
         flat_v = [as_tensor(v) for v in tree.flatten(list(vectors))[0]]
         if len(flat_v) != len(self._flat):
             raise ValueError(f"hvp: {len(flat_v)} vector leaves for {len(self._flat)} primals")
@@ -426,15 +432,7 @@ class HessianOperator:
     def hessp(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
         self._move_to(x)
         vectors = self._split(np.asarray(p, np.float64).ravel(), self._flat)
-        cts = self._tape._run(self._grads, vectors, self._flat, 0)
-        return np.concatenate(
-            [
-                np.zeros(s.size)
-                if cts.get(id(s)) is None
-                else cts[id(s)].numpy().astype(np.float64).ravel()
-                for s in self._flat
-            ]
-        )
+        return self._flatten(tree.flatten(self._apply(tuple(vectors), 0))[0])
 
 
 def hessian_operator(f: Callable[..., Any], *primals: Any) -> HessianOperator:

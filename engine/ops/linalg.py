@@ -13,12 +13,30 @@ from engine.ops.shape import broadcast_to, expand_dims, reshape, swapaxes
 from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
 from engine.tensor import Tensor, bind
 
+
 # ---- matmul ----
-matmul_p = primitive("matmul", lambda xp, x, y: xp.matmul(x, y))
+# Two flags transpose the last two axes of either operand inside the kernel (a BLAS
+# transpose flag, no copy). VJP rules use them instead of recording transposes, so a
+# second-order pass never differentiates a transpose and never accumulates cotangents
+# into strided views.
+def _matmul_impl(xp: Any, x: Any, y: Any, *, ta: bool = False, tb: bool = False) -> Any:
+    if ta:
+        x = xp.swapaxes(x, -1, -2)
+    if tb:
+        y = xp.swapaxes(y, -1, -2)
+    if y.ndim == 2 and x.ndim > 2 and x.flags.c_contiguous:
+        # A stack of matrices times one matrix is a single GEMM over all the rows.
+        out = x.reshape(-1, x.shape[-1]) @ y
+        return out.reshape(x.shape[:-1] + (y.shape[-1],))
+    return xp.matmul(x, y)
 
 
-def _mT(a: Tensor) -> Tensor:
-    return swapaxes(a, -1, -2)
+matmul_p = primitive("matmul", _matmul_impl)
+
+
+def _mm(x: Tensor, y: Tensor, ta: bool = False, tb: bool = False) -> Tensor:
+    """op(x) @ op(y) for operands of rank >= 2, unchecked (for rules)."""
+    return bind(matmul_p, x, y, ta=ta, tb=tb)
 
 
 def _row(a: Tensor) -> Tensor:
@@ -31,60 +49,65 @@ def _col(a: Tensor) -> Tensor:
     return expand_dims(a, -1)
 
 
-def matmul_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
+def matmul_vjp_x(ans: Tensor, x: Tensor, y: Tensor, *, ta: bool = False, tb: bool = False) -> Any:
     # Every branch keeps g's leading axes (batch and stacked matmul axes) in front; the
-    # tape then sums the stacked axes that x did not have. The transposes are views made
-    # in the outer stage, so repeated passes over one recording (HVPs) reuse them.
+    # tape then sums the stacked axes that x did not have. Flags are only ever set when
+    # both operands are matrices.
     if x.ndim >= 2 and y.ndim >= 2:
-        y_t = _mT(y)
-        return lambda g: matmul(g, y_t)
+        if ta:  # x = (g op(y)^T)^T = op(y) g^T
+            return lambda g: _mm(y, g, ta=tb, tb=True)
+        return lambda g: _mm(g, y, tb=not tb)
     if x.ndim >= 2:  # y is (k,): ans (..., m)
         return lambda g: multiply(_col(g), y)
     if y.ndim >= 2:  # x is (k,): ans (..., n)
-        y_t = _mT(y)
-        return lambda g: reshape(matmul(_row(g), y_t), g.shape[:-1] + x.shape)
+        return lambda g: reshape(_mm(_row(g), y, tb=True), g.shape[:-1] + x.shape)
     return lambda g: multiply(_col(g), y)  # both (k,): ans ()
 
 
-def matmul_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
+def matmul_vjp_y(ans: Tensor, x: Tensor, y: Tensor, *, ta: bool = False, tb: bool = False) -> Any:
     if x.ndim >= 2 and y.ndim >= 2:
-        x_t = _mT(x)
-        return lambda g: matmul(x_t, g)
+        if tb:  # y = (op(x)^T g)^T = g^T op(x)
+            return lambda g: _mm(g, x, ta=True, tb=ta)
+        return lambda g: _mm(x, g, ta=not ta)
     if x.ndim >= 2:  # y is (k,): ans (..., m), g (..., m)
-        return lambda g: reshape(matmul(_row(g), x), g.shape[:-1] + y.shape)
+        return lambda g: reshape(_mm(_row(g), x), g.shape[:-1] + y.shape)
     if y.ndim >= 2:  # x is (k,): g (..., n) -> (..., k, n)
         x_col = _col(x)
         return lambda g: multiply(x_col, _row(g))
     return lambda g: multiply(_col(g), x)
 
 
-def matmul_jvp(t: list, ans: Tensor, x: Tensor, y: Tensor) -> Tensor | None:
+def matmul_jvp(
+    t: list, ans: Tensor, x: Tensor, y: Tensor, *, ta: bool = False, tb: bool = False
+) -> Tensor | None:
     terms = []
     if t[0] is not None:
-        terms.append(_tangent_product(t[0], y, x, left=True, ans=ans))
+        terms.append(_tangent_product(t[0], y, x, True, ans, ta, tb))
     if t[1] is not None:
-        terms.append(_tangent_product(x, t[1], y, left=False, ans=ans))
+        terms.append(_tangent_product(x, t[1], y, False, ans, ta, tb))
     return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
 
 
-def _tangent_product(a: Tensor, b: Tensor, primal: Tensor, left: bool, ans: Tensor) -> Tensor:
+def _tangent_product(
+    a: Tensor, b: Tensor, primal: Tensor, left: bool, ans: Tensor, ta: bool, tb: bool
+) -> Tensor:
     """The product with one (possibly batched) tangent, laid out so that the tangent's
     batch axes stay in front of the stacked-matrix axes of the other operand."""
     tangent, other = (a, b) if left else (b, a)
     lead = tangent.shape[: tangent.ndim - primal.ndim]
-    k = primal.shape[-1] if left else primal.shape[0]
     stack_rank = max(primal.ndim, other.ndim, 2) - 2
     if primal.ndim >= 2:
         pad = (1,) * (stack_rank + 2 - primal.ndim)
         tangent = reshape(tangent, lead + pad + primal.shape)
-        return matmul(tangent, other) if left else matmul(other, tangent)
+        return _mm(tangent, other, ta, tb) if left else _mm(other, tangent, ta, tb)
+    k = primal.shape[0]
     if other.ndim == 1:  # vector . vector
         return matmul(tangent, other)
     pad = (1,) * (other.ndim - 2)
     if left:  # (k,) @ (..., k, n): the tangent becomes rows (*lead, 1.., 1, k)
-        out = matmul(reshape(tangent, lead + pad + (1, k)), other)
+        out = _mm(reshape(tangent, lead + pad + (1, k)), other)
     else:  # (..., m, k) @ (k,): the tangent becomes columns (*lead, 1.., k, 1)
-        out = matmul(other, reshape(tangent, lead + pad + (k, 1)))
+        out = _mm(other, reshape(tangent, lead + pad + (k, 1)))
     return reshape(out, lead + ans.shape)
 
 
@@ -267,6 +290,10 @@ def einsum(spec: str, *operands: Any) -> Tensor:
 solve_p = primitive("solve", lambda xp, a, b: xp.linalg.solve(a, b))
 
 
+def _mT(a: Tensor) -> Tensor:
+    return swapaxes(a, -1, -2)
+
+
 def solve_vjp_b(ans: Tensor, a: Tensor, b: Tensor) -> Any:
     return lambda g: _solve_batched(_mT(a), g, b.ndim)
 
@@ -276,7 +303,7 @@ def solve_vjp_a(ans: Tensor, a: Tensor, b: Tensor) -> Any:
         gb = _solve_batched(_mT(a), g, b.ndim)
         if b.ndim == 1:
             return negative(multiply(_col(gb), _row(ans)))
-        return negative(matmul(gb, _mT(ans)))
+        return negative(_mm(gb, ans, tb=True))
 
     return vjp
 

@@ -14,18 +14,19 @@ from engine.ops.elementwise import (
     add,
     divide,
     exp,
+    greater,
     less_equal,
-    log1p,
     maximum,
     multiply,
     negative,
-    relu,
+    softplus,
     sqrt,
     square,
+    stop,
     subtract,
     where,
 )
-from engine.ops.reduce import logsumexp, mean, norm, sum, var
+from engine.ops.reduce import logsumexp, mean, sum, var
 from engine.registry import public
 from engine.tensor import Tensor, as_tensor
 
@@ -33,8 +34,7 @@ from engine.tensor import Tensor, as_tensor
 @public("control")
 def stop_gradient(x: Any) -> Tensor:
     """x's value, cut off from every tape: no gradient flows through it."""
-    x = as_tensor(x)
-    return Tensor(x.value)
+    return stop(as_tensor(x))
 
 
 # ---- softmax ----
@@ -130,9 +130,7 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, reduction: str = "mean") -> 
     """Binary cross-entropy of sigmoid(logits) against labels in [0, 1], computed stably."""
     logits, labels = as_tensor(logits), as_tensor(labels)
     _check_same_shape(logits, labels, "sigmoid_cross_entropy")
-    losses = add(
-        subtract(relu(logits), multiply(logits, labels)), log1p(exp(negative(abs(logits))))
-    )
+    losses = subtract(softplus(logits), multiply(logits, labels))
     return _reduce(losses, reduction, "sigmoid_cross_entropy")
 
 
@@ -176,7 +174,11 @@ def clip_by_norm(x: Any, clip_norm: float = 1.0, axis: Any = None) -> Tensor:
     x = as_tensor(x)
     if clip_norm <= 0:
         raise ValueError(f"clip_by_norm: clip_norm must be positive, got {clip_norm}")
-    n = norm(x, axis=axis, keepdims=True)
+    # A norm that is safe at 0: sqrt's derivative there is 0/0, which would poison the
+    # gradient even though maximum() does not pick that branch.
+    l2 = sum(multiply(x, x), axis, keepdims=True)
+    positive = greater(l2, 0)
+    n = where(positive, sqrt(where(positive, l2, 1)), 0)
     return divide(multiply(x, clip_norm), maximum(n, as_tensor(clip_norm, like=n)))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend
+from engine.backend import host
 from engine.ops._util import batch_ndim, keepdims_shape, normalize_axes
 from engine.ops.elementwise import (
     abs,
@@ -23,14 +24,16 @@ from engine.ops.elementwise import (
     equal,
     exp,
     log,
+    logical_not,
     multiply,
+    not_equal,
     sqrt,
     subtract,
     where,
 )
-from engine.ops.shape import broadcast_to, reshape, transpose
+from engine.ops.shape import broadcast_to, reshape
 from engine.registry import defjvp, defnondiff, defvjp, primitive, public
-from engine.tensor import Tensor, as_tensor, bind
+from engine.tensor import Tensor, as_tensor, bind, unaliased
 
 Axis = int | Sequence[int] | None
 
@@ -44,7 +47,13 @@ def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: 
 
 
 # ---- sum ----
-sum_p = primitive("sum", lambda xp, x, *, axes, keepdims: xp.sum(x, axis=axes, keepdims=keepdims))
+def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
+    # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
+    dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
+    return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
+
+
+sum_p = primitive("sum", _sum_impl)
 defvjp(
     sum_p,
     lambda ans, x, *, axes, keepdims: lambda g: _expand_cotangent(g, ans, x, axes, keepdims),
@@ -58,7 +67,7 @@ def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "sum")
     if not axes and not keepdims:
-        return x
+        return unaliased(x)
     return bind(sum_p, x, axes=axes, keepdims=bool(keepdims))
 
 
@@ -112,43 +121,39 @@ def min(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A
 
 
 # ---- prod ----
-def _product_of_others(x: Tensor, axes: tuple) -> Tensor:
+def _product_of_others(ans: Tensor, x: Tensor, axes: tuple, keepdims: bool) -> Tensor:
     """For each element, the product of the other elements in its reduction group.
 
-    Exact when x holds zeros (unlike prod / x). The group (n elements) is laid out as an
-    (n, n) matrix with ones on the diagonal, so memory is n times the group: fine for the
-    short reductions prod is used for.
+    ans / x where x is not zero. Where x is zero, the others' product is the product of
+    the group's non-zero elements if x is the group's only zero, and 0 otherwise. Both
+    pieces are made of recorded ops, so higher derivatives stay right (d(ans / x)
+    carries the dependence on a zero elsewhere in the group through ans).
     """
-    nd = x.ndim
-    reduced = [a + nd for a in axes]
-    kept = [i for i in range(nd) if i not in reduced]
-    perm = kept + reduced
-    xt = transpose(x, perm)
-    kept_shape = tuple(x.shape[i] for i in kept)
-    reduced_shape = tuple(x.shape[i] for i in reduced)
-    n = math.prod(reduced_shape)
-    rows = reshape(xt, kept_shape + (1, n))
-    xp = backend.array_module(x.value)
-    diagonal = Tensor(xp.eye(n, dtype=bool))
-    matrix = where(diagonal, as_tensor(1, like=x), rows)  # (..., n, n)
-    others = bind(prod_p, matrix, axes=(-1,), keepdims=False)  # (..., n)
-    others = reshape(others, kept_shape + reduced_shape)
-    return transpose(others, [int(i) for i in np.argsort(perm)])
+    ans_kd = ans if keepdims else reshape(ans, keepdims_shape(x.shape, axes))
+    nonzero = not_equal(x, 0)
+    safe_x = where(nonzero, x, 1)
+    zeros = bind(sum_p, cast(logical_not(nonzero), x.dtype), axes=axes, keepdims=True)
+    prod_nonzero = bind(prod_p, safe_x, axes=axes, keepdims=True)
+    lone_zero = multiply(prod_nonzero, cast(equal(zeros, 1), x.dtype))
+    return where(nonzero, divide(ans_kd, safe_x), lone_zero)
 
 
 def prod_vjp(ans: Tensor, x: Tensor, *, axes: tuple, keepdims: bool) -> Any:
-    others = _product_of_others(x, axes)
+    others = _product_of_others(ans, x, axes, keepdims)
     return lambda g: multiply(_expand_cotangent(g, ans, x, axes, keepdims), others)
 
 
 def prod_jvp(t: list, ans: Tensor, x: Tensor, *, axes: tuple, keepdims: bool) -> Tensor:
-    weighted = multiply(t[0], _product_of_others(x, axes))
+    weighted = multiply(t[0], _product_of_others(ans, x, axes, keepdims))
     return bind(sum_p, weighted, axes=axes, keepdims=keepdims)
 
 
-prod_p = primitive(
-    "prod", lambda xp, x, *, axes, keepdims: xp.prod(x, axis=axes, keepdims=keepdims)
-)
+def _prod_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
+    dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
+    return xp.prod(x, axis=axes, keepdims=keepdims, dtype=dtype)
+
+
+prod_p = primitive("prod", _prod_impl)
 defvjp(prod_p, prod_vjp)
 defjvp(prod_p, prod_jvp)
 
@@ -159,7 +164,7 @@ def prod(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "prod")
     if not axes and not keepdims:
-        return x
+        return unaliased(x)
     return bind(prod_p, x, axes=axes, keepdims=bool(keepdims))
 
 
@@ -244,9 +249,10 @@ def logsumexp(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "logsumexp")
     _check_nonempty(x, axes, "logsumexp")
-    # The shift is a constant: its derivative cancels exactly, so it is not recorded.
-    shift = bind(max_p, x, axes=axes, keepdims=True).value
-    xp = backend.array_module(shift)
+    # The shift is a constant: its derivative cancels exactly, so it is computed on the
+    # raw array, outside every tape and accumulator.
+    xp = backend.array_module(x.value)
+    shift = xp.max(x.value, axis=axes, keepdims=True)
     shift = Tensor(xp.where(xp.isfinite(shift), shift, 0).astype(x.dtype, copy=False))
     out = add(log(sum(exp(subtract(x, shift)), axes, keepdims=True)), shift)
     return (

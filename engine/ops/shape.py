@@ -15,7 +15,7 @@ import numpy as np
 from engine import backend
 from engine.ops._util import batch_ndim, coerce_all, normalize_axis
 from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
-from engine.tensor import Tensor, as_tensor, bind
+from engine.tensor import Tensor, as_tensor, bind, unaliased
 
 # ---- reshape ----
 reshape_p = primitive("reshape", lambda xp, x, *, shape: x.reshape(shape))
@@ -29,7 +29,7 @@ defjvp(
 
 
 def _reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
-    return x if x.shape == shape else bind(reshape_p, x, shape=shape)
+    return unaliased(x) if x.shape == shape else bind(reshape_p, x, shape=shape)
 
 
 @public("shape")
@@ -81,7 +81,7 @@ def transpose(x: Any, axes: Sequence[int] | None = None) -> Tensor:
     if sorted(axes) != list(range(x.ndim)):
         raise ValueError(f"transpose: axes {axes} are not a permutation of a rank-{x.ndim} tensor")
     if axes == tuple(range(x.ndim)):
-        return x
+        return unaliased(x)
     return bind(transpose_p, x, axes=axes)
 
 
@@ -133,7 +133,7 @@ def broadcast_to(x: Any, shape: Sequence[int] = ()) -> Tensor:
         raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}") from None
     if np.broadcast_shapes(x.shape, shape) != shape:
         raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}")
-    return x if x.shape == shape else bind(broadcast_to_p, x, shape=shape)
+    return unaliased(x) if x.shape == shape else bind(broadcast_to_p, x, shape=shape)
 
 
 @public("shape")
@@ -218,7 +218,7 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
             shapes = ", ".join(str(u.shape) for u in tensors)
             raise ValueError(f"concatenate: shapes {shapes} differ off axis {axis}")
     if len(tensors) == 1:
-        return tensors[0]
+        return unaliased(tensors[0])
     return bind(concatenate_p, *tensors, axis=axis)
 
 

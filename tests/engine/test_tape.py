@@ -244,3 +244,126 @@ def test_index_arrays_and_ints_split_by_a_slice_are_refused_clearly() -> None:
     np.testing.assert_array_equal(x[np.array([0, 1]), 0].numpy(), np.ones((2, 4)))
     with pytest.raises(TypeError, match="axis must be an int"):
         gt.argmax(x, axis=(0, 1))
+
+
+# ---- semantics settled by review (each of these was once wrong) -------------------------
+def test_assign_after_the_forward_pass_does_not_change_the_gradient() -> None:
+    v = gt.Variable(2.0)
+    with gt.GradientTape() as tape:
+        y = v * v
+    v.assign(10.0)
+    assert float(tape.gradient(y, v)) == 4.0
+    same = gt.reshape(v, ())  # an op that returns its input hands back a snapshot
+    v.assign(3.0)
+    assert float(same) == 10.0
+
+
+def test_sources_the_tape_never_watched_get_none() -> None:
+    a, b = gt.constant(3.0), gt.constant(5.0)
+    with gt.GradientTape() as tape:
+        tape.watch(a)
+        y = a * b
+    ga, gb = tape.gradient(y, [a, b])
+    assert float(ga) == 5.0 and gb is None
+    w, frozen = gt.Variable(5.0), gt.Variable(2.0, trainable=False)
+    with gt.GradientTape() as tape:
+        y = w * frozen
+    gw, gf = tape.gradient(y, [w, frozen])
+    assert float(gw) == 2.0 and gf is None
+
+
+def test_persistent_tape_differentiates_its_own_gradient_inside_its_context() -> None:
+    x = gt.constant(2.0)
+    with gt.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = x**3
+        dy = tape.gradient(y, x)
+    assert float(dy) == 12.0
+    assert float(tape.gradient(dy, x)) == 12.0
+
+
+def test_non_persistent_tape_stops_recording_and_lets_go_after_gradient() -> None:
+    import gc
+    import weakref
+
+    x = gt.constant(np.ones(1000))
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        h = x * 2.0
+        y = gt.sum(h * h)
+        tape.gradient(y, x)
+        z = y * 3.0
+    assert tape._records == [] and not tape._watched
+    ref = weakref.ref(h)
+    del h
+    gc.collect()
+    assert ref() is None
+    assert float(z) == 12000.0
+
+
+def test_derivatives_at_zero() -> None:
+    zero = gt.constant(0.0, "float64")
+    assert float(gt.grad(gt.softplus)(zero)) == 0.5
+    assert float(gt.grad(gt.log_sigmoid)(zero)) == 0.5
+    sce = gt.grad(lambda t: gt.sigmoid_cross_entropy(t, gt.constant(1.0, "float64")))(zero)
+    assert float(sce) == -0.5
+    np.testing.assert_array_equal(
+        gt.jacrev(lambda t: gt.clip_by_norm(t, 1.0))(gt.zeros((3,), "float64")).numpy(), np.eye(3)
+    )
+    # integer powers stay finite at 0 to every order
+    d = gt.grad(gt.grad(gt.grad(lambda t: t**2)))(zero)
+    assert float(d) == 0.0
+    assert float(gt.grad(gt.grad(lambda t: t**3))(zero)) == 0.0
+    assert float(gt.grad(lambda t: t**-2)(gt.constant(2.0, "float64"))) == -0.25
+
+
+def test_casts_to_integers_carry_no_gradient() -> None:
+    x = gt.constant([1.7, 2.2])
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        y = gt.sum(gt.cast(gt.cast(x, "int32"), "float32") * 3.0 + x)
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), [1.0, 1.0])
+
+
+def test_integer_reductions_keep_their_dtype() -> None:
+    i = gt.constant([1, 2, 3])
+    assert gt.sum(i).dtype == np.int32 and gt.prod(i).dtype == np.int32
+    assert int(gt.sum(i) + i[0]) == 7
+    assert gt.sum(gt.constant([True, False, True])).dtype == np.int32
+
+
+def test_prod_gradient_with_zeros_and_large_groups() -> None:
+    x = gt.constant([[2.0, 0.0, 3.0], [0.0, 0.0, 5.0], [1.0, 2.0, 4.0]], "float64")
+    g = gt.grad(lambda t: gt.sum(gt.prod(t, axis=1)))(x).numpy()
+    np.testing.assert_array_equal(g, [[0.0, 6.0, 0.0], [0.0, 0.0, 0.0], [8.0, 4.0, 2.0]])
+    big = gt.constant(np.full(200_000, 1.0000001))  # no (n, n) workspace
+    assert gt.grad(lambda t: gt.prod(t))(big).shape == (200_000,)
+
+
+def test_hessian_operator_records_nothing_on_tapes_around_it() -> None:
+    w = gt.Variable([1.0, 2.0], dtype="float64")
+    op = gt.hessian_operator(lambda k: gt.sum(k * k * w), gt.constant([3.0, 4.0], "float64"))
+    with gt.GradientTape() as unrelated:
+        for _ in range(10):
+            (hv,) = op.hvp(gt.constant([1.0, 1.0], "float64"))
+    assert unrelated._records == []
+    np.testing.assert_array_equal(hv.numpy(), [2.0, 4.0])
+
+
+def test_custom_gradient_checks_what_grad_fn_returns() -> None:
+    @gt.custom_gradient
+    def wrong_shape(a):
+        return a * 2.0, lambda g: gt.ones((5,))
+
+    x = gt.constant([1.0, 2.0])
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        y = wrong_shape(x)
+    with pytest.raises(ValueError, match="wrong_shape.*shape"):
+        tape.gradient(y, x)
+
+
+def test_stop_recording_outside_the_context_is_an_error() -> None:
+    tape = gt.GradientTape()
+    with pytest.raises(RuntimeError, match="not recording"), tape.stop_recording():
+        pass
