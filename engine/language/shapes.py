@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-INT32, INT64, FLOAT32, BOOL = (np.dtype(d) for d in ("int32", "int64", "float32", "bool"))
+INT32, FLOAT32, BOOL = (np.dtype(d) for d in ("int32", "float32", "bool"))
 INDEX = np.dtype(np.intp)  # what argmax returns
 
 
@@ -194,10 +194,8 @@ def binary(category: str, result: np.dtype | None = None) -> Rule:
 
 
 def _sum_dtype(dtype: np.dtype) -> np.dtype:
-    """NumPy sums small integers in the platform integer."""
-    if dtype.kind in "iu" and dtype.itemsize < INT64.itemsize:
-        return np.dtype(f"{dtype.kind}8")
-    return dtype
+    """The engine's sums keep integer dtypes and count bools in int32."""
+    return INT32 if dtype.kind == "b" else dtype
 
 
 def reduction(

@@ -583,7 +583,7 @@ def test_runtime_errors_name_the_line_and_op() -> None:
         evaluate(defn, "loss", ["b"], allow_unused=True)
     (problem,) = info.value.problems
     assert (problem.line, problem.column, problem.op, problem.kind) == (2, 5, "solve", "runtime")
-    assert problem.message == "Singular matrix (operand shapes (2, 2) and (2,))"
+    assert problem.message == "Singular matrix"
     defn["program"] = ["loss = softmax_cross_entropy(logits, labels)"]
     with pytest.raises(ExecutionError, match=r"labels must lie in \[0, 3\)"):
         evaluate(defn, "loss", ["logits"])
