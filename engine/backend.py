@@ -45,6 +45,11 @@ def _load_cupy() -> Any:
     return _cupy
 
 
+def gpu_loaded() -> bool:
+    """True once CuPy has been imported here (device checks are free until then)."""
+    return _cupy is not None
+
+
 def cuda_available() -> bool:
     """True when CuPy imports and at least one CUDA device answers."""
     return _load_cupy() is not None

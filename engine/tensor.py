@@ -59,6 +59,11 @@ class Tensor:
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)
 
+    def __iter__(self) -> Any:
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
     def __len__(self) -> int:
         if self.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
@@ -203,8 +208,30 @@ def as_tensor(value: Any, like: Tensor | None = None) -> Tensor:
                 f"cannot combine a {like.dtype} tensor with the float {value!r}; "
                 "cast the tensor first (gt.cast)"
             )
-        return Tensor(backend.asarray(value, like.dtype, like.device))
+        return _scalar(value, like)
     return constant(value)
+
+
+_scalars: dict[tuple, Tensor] = {}
+
+
+def _scalar(value: bool | int | float, like: Tensor) -> Tensor:
+    """A 0-d tensor of `like`'s dtype on its device, cached: rules use a handful of
+    Python numbers (0, 1, 2, ...) over and over, and on a GPU each fresh one would be
+    an allocation and a copy."""
+    xp = backend.array_module(like.value)
+    key = (type(value), value, like.dtype, xp.__name__, _device_index(like.value))
+    t = _scalars.get(key)
+    if t is None:
+        if len(_scalars) > 4096:  # arbitrary user constants: keep the cache bounded
+            _scalars.clear()
+        t = _scalars[key] = Tensor(xp.asarray(value, dtype=like.dtype))
+    return t
+
+
+def _device_index(array: Any) -> int:
+    device = getattr(array, "device", None)
+    return getattr(device, "id", 0)
 
 
 def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:

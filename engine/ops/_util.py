@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine import backend
 from engine.tensor import Tensor, as_tensor
 
 
@@ -17,6 +18,8 @@ def coerce_pair(opname: str, x: Any, y: Any) -> tuple[Tensor, Tensor]:
     else:
         x = as_tensor(x)
         y = as_tensor(y, like=x)
+    if backend.gpu_loaded() and x.device != y.device:
+        raise ValueError(f"{opname}: operands live on {x.device} and {y.device}; move one first")
     if x.dtype != y.dtype:
         raise TypeError(
             f"{opname}: dtypes differ ({x.dtype} and {y.dtype}); gradtape never casts "
@@ -27,6 +30,9 @@ def coerce_pair(opname: str, x: Any, y: Any) -> tuple[Tensor, Tensor]:
 
 def coerce_all(opname: str, xs: Sequence[Any]) -> list[Tensor]:
     tensors = [as_tensor(x) for x in xs]
+    if backend.gpu_loaded() and len({t.device for t in tensors}) > 1:
+        places = ", ".join(t.device for t in tensors)
+        raise ValueError(f"{opname}: operands live on different devices ({places})")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         names = ", ".join(sorted(str(d) for d in dtypes))

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from engine import backend
+from engine.backend import host
 from engine.tensor import Tensor, as_tensor
 
 Shape = int | Sequence[int]
@@ -22,18 +21,18 @@ def _shape(shape: Shape) -> tuple[int, ...]:
 
 def zeros(shape: Shape, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor of zeros."""
-    return Tensor(backend.xp_for_device(device).zeros(_shape(shape), dtype=np.dtype(dtype)))
+    return Tensor(backend.xp_for_device(device).zeros(_shape(shape), dtype=host.dtype(dtype)))
 
 
 def ones(shape: Shape, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor of ones."""
-    return Tensor(backend.xp_for_device(device).ones(_shape(shape), dtype=np.dtype(dtype)))
+    return Tensor(backend.xp_for_device(device).ones(_shape(shape), dtype=host.dtype(dtype)))
 
 
 def full(shape: Shape, value: float, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor filled with `value`."""
     xp = backend.xp_for_device(device)
-    return Tensor(xp.full(_shape(shape), value, dtype=np.dtype(dtype)))
+    return Tensor(xp.full(_shape(shape), value, dtype=host.dtype(dtype)))
 
 
 def zeros_like(x: Any) -> Tensor:
@@ -50,7 +49,7 @@ def ones_like(x: Any) -> Tensor:
 
 def eye(n: int, m: int | None = None, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """The identity matrix (n, m)."""
-    return Tensor(backend.xp_for_device(device).eye(n, m, dtype=np.dtype(dtype)))
+    return Tensor(backend.xp_for_device(device).eye(n, m, dtype=host.dtype(dtype)))
 
 
 def linspace(
@@ -58,7 +57,7 @@ def linspace(
 ) -> Tensor:
     """`num` evenly spaced values from start to stop, inclusive."""
     xp = backend.xp_for_device(device)
-    return Tensor(xp.linspace(start, stop, num, dtype=np.dtype(dtype)))
+    return Tensor(xp.linspace(start, stop, num, dtype=host.dtype(dtype)))
 
 
 def arange(
@@ -74,7 +73,7 @@ def arange(
         dtype = "int32" if ints else "float32"
     xp = backend.xp_for_device(device)
     args = (start,) if stop is None else (start, stop)
-    return Tensor(xp.arange(*args, step, dtype=np.dtype(dtype)))
+    return Tensor(xp.arange(*args, step, dtype=host.dtype(dtype)))
 
 
 def random_normal(
@@ -87,8 +86,8 @@ def random_normal(
 ) -> Tensor:
     """Normal samples; the same seed gives the same numbers on the same backend."""
     rng = backend.random_generator(seed, device)
-    sample = rng.standard_normal(_shape(shape), dtype=np.float64) * stddev + mean
-    return Tensor(sample.astype(np.dtype(dtype)))
+    sample = rng.standard_normal(_shape(shape), dtype=host.float64) * stddev + mean
+    return Tensor(sample.astype(host.dtype(dtype)))
 
 
 def random_uniform(
@@ -101,5 +100,5 @@ def random_uniform(
 ) -> Tensor:
     """Uniform samples in [minval, maxval); seeded like random_normal."""
     rng = backend.random_generator(seed, device)
-    sample = rng.random(_shape(shape), dtype=np.float64) * (maxval - minval) + minval
-    return Tensor(sample.astype(np.dtype(dtype)))
+    sample = rng.random(_shape(shape), dtype=host.float64) * (maxval - minval) + minval
+    return Tensor(sample.astype(host.dtype(dtype)))

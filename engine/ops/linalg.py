@@ -5,8 +5,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-import numpy as np
-
+from engine.backend import host
 from engine.ops._util import batch_ndim, coerce_all, coerce_pair
 from engine.ops.elementwise import add, multiply, negative
 from engine.ops.shape import broadcast_to, expand_dims, reshape, swapaxes
@@ -118,7 +117,7 @@ def matmul_shape(xs: tuple, ys: tuple) -> tuple:
         return ys[:-2] + ys[-1:]
     if len(ys) == 1:
         return xs[:-1]
-    return np.broadcast_shapes(xs[:-2], ys[:-2]) + (xs[-2], ys[-1])
+    return host.broadcast_shapes(xs[:-2], ys[:-2]) + (xs[-2], ys[-1])
 
 
 defvjp(matmul_p, matmul_vjp_x, matmul_vjp_y)

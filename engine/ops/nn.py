@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from engine import backend
+from engine.backend import host
 from engine.ops._util import normalize_axes
 from engine.ops.elementwise import (
     abs,
@@ -182,7 +181,7 @@ def clip_by_norm(x: Any, clip_norm: float = 1.0, axis: Any = None) -> Tensor:
     return divide(multiply(x, clip_norm), maximum(n, as_tensor(clip_norm, like=n)))
 
 
-def one_hot(labels: Any, depth: int, dtype: Any = np.float32) -> Tensor:
+def one_hot(labels: Any, depth: int, dtype: Any = host.float32) -> Tensor:
     """A constant one-hot encoding of integer labels (no gradient)."""
     labels = as_tensor(labels)
     xp = backend.array_module(labels.value)

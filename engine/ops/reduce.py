@@ -11,8 +11,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from engine import backend
 from engine.backend import host
 from engine.ops._util import batch_ndim, keepdims_shape, normalize_axes
@@ -274,6 +272,6 @@ def norm(x: Any, ord: Any = None, axis: Axis = None, keepdims: bool = False) -> 
         return sqrt(sum(multiply(x, x), axes, keepdims))
     if ord == 1:
         return sum(abs(x), axes, keepdims)
-    if ord in (np.inf, "inf"):
+    if ord in (host.inf, "inf"):
         return max(abs(x), axes, keepdims)
     raise ValueError(f"norm: unsupported ord {ord!r}; use None/2, 1 or inf")

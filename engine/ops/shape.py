@@ -10,9 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from engine import backend
+from engine.backend import host
 from engine.ops._util import batch_ndim, coerce_all, normalize_axis
 from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
 from engine.tensor import Tensor, as_tensor, bind, unaliased
@@ -58,7 +57,7 @@ def _batched_perm(nb: int, axes: Sequence[int]) -> tuple[int, ...]:
 
 
 def transpose_vjp(ans: Tensor, x: Tensor, *, axes: tuple[int, ...]) -> Any:
-    inverse = tuple(int(i) for i in np.argsort(axes))
+    inverse = tuple(int(i) for i in host.argsort(axes))
     return lambda g: bind(transpose_p, g, axes=_batched_perm(batch_ndim(g, ans), inverse))
 
 
@@ -128,10 +127,10 @@ def broadcast_to(x: Any, shape: Sequence[int] = ()) -> Tensor:
     x = as_tensor(x)
     shape = tuple(int(d) for d in shape)
     try:
-        np.broadcast_shapes(x.shape, shape)
+        host.broadcast_shapes(x.shape, shape)
     except ValueError:
         raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}") from None
-    if np.broadcast_shapes(x.shape, shape) != shape:
+    if host.broadcast_shapes(x.shape, shape) != shape:
         raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}")
     return unaliased(x) if x.shape == shape else bind(broadcast_to_p, x, shape=shape)
 
@@ -152,7 +151,7 @@ def squeeze(x: Any, axis: int | Sequence[int] | None = None) -> Tensor:
     x = as_tensor(x)
     if axis is None:
         return _reshape(x, tuple(d for d in x.shape if d != 1))
-    axes = {normalize_axis(a, x.ndim, "squeeze") + x.ndim for a in np.atleast_1d(axis).tolist()}
+    axes = {normalize_axis(a, x.ndim, "squeeze") + x.ndim for a in host.atleast_1d(axis).tolist()}
     for a in axes:
         if x.shape[a] != 1:
             raise ValueError(f"squeeze: axis {a} of shape {x.shape} has size {x.shape[a]}, not 1")
@@ -278,17 +277,17 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
     for item in index:
         if isinstance(item, Tensor):
             item = item.value
-        if isinstance(item, list) or (backend.is_array(item) and not np.isscalar(item)):
+        if isinstance(item, list) or (backend.is_array(item) and not host.isscalar(item)):
             arr = backend.asarray(item, None, x.device)
-            if arr.dtype == np.bool_:
+            if arr.dtype == host.bool_:
                 items.extend(arr.nonzero())
                 continue
             if arr.dtype.kind not in "iu":
                 raise IndexError(f"index arrays must be integer or bool, got {arr.dtype}")
             items.append(arr)
-        elif isinstance(item, (bool, np.bool_)):
+        elif isinstance(item, (bool, host.bool_)):
             raise IndexError("a bare bool is not a valid index")
-        elif isinstance(item, (int, np.integer)):
+        elif isinstance(item, (int, host.integer)):
             items.append(int(item))
         elif item is None or item is Ellipsis or isinstance(item, slice):
             items.append(item)
@@ -316,9 +315,16 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
             "their axes to the front); index in two steps instead"
         )
     axis = 0
-    for item in items:  # bounds-check ints now, for a clear message
+    for item in items:  # bounds-check now, for a clear message (CuPy would wrap)
         if item is None:
             continue
+        if backend.is_array(item) and item.size:
+            low, high = int(item.min()), int(item.max())
+            if low < -x.shape[axis] or high >= x.shape[axis]:
+                bad = high if high >= x.shape[axis] else low
+                raise IndexError(
+                    f"index {bad} is out of bounds for axis {axis} of size {x.shape[axis]}"
+                )
         if isinstance(item, int) and not -x.shape[axis] <= item < x.shape[axis]:
             raise IndexError(
                 f"index {item} is out of bounds for axis {axis} of size {x.shape[axis]}"

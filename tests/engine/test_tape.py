@@ -367,3 +367,12 @@ def test_stop_recording_outside_the_context_is_an_error() -> None:
     tape = gt.GradientTape()
     with pytest.raises(RuntimeError, match="not recording"), tape.stop_recording():
         pass
+
+
+def test_index_arrays_are_bounds_checked_and_tensors_iterate() -> None:
+    x = gt.ones((3, 2))
+    with pytest.raises(IndexError, match="index 3 is out of bounds for axis 0 of size 3"):
+        x[np.array([0, 3])]
+    assert [r.shape for r in x] == [(2,), (2,), (2,)]
+    with pytest.raises(TypeError, match="0-d"):
+        list(gt.constant(1.0))
