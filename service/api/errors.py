@@ -1,0 +1,161 @@
+"""Exception handlers: every error becomes application/problem+json, FastAPI's own
+(validation, 404, 405) included, and the worker pool's failures map to HTTP here, once,
+so routes only call the pool."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from service.api.problems import PROBLEM_TYPES, ProblemError, problem_response, slug_for_status
+from service.workers import (
+    ComputeFailed,
+    ComputeTimeout,
+    PoolBusy,
+    PoolError,
+    PoolUnavailable,
+    WorkerCrashed,
+    describe_exit,
+)
+
+log = logging.getLogger("gradtape.service")
+
+# compute.describe_error's types -> problem types
+_COMPUTE_TYPES = {
+    "definition": "definition",
+    "execution": "execution",
+    "batch-dependence": "batch-dependence",
+    "too-large": "too-large",
+    "request": "invalid-request",
+    "unsupported": "unsupported",
+    "out-of-memory": "out-of-memory",
+    "device": "device",
+    "internal": "internal",
+}
+
+_PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op", "shapes")
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    return ".".join(str(p) for p in parts) or "body"
+
+
+def _validation_problem(request: Request, exc: RequestValidationError) -> Response:
+    errors = list(exc.errors())
+    for err in errors:
+        kind = err.get("type")
+        if kind == "json_invalid":
+            reason = (err.get("ctx") or {}).get("error", "invalid JSON")
+            position = err["loc"][1] if len(err["loc"]) > 1 else "?"
+            return problem_response(
+                request.scope, "malformed-body",
+                f"the body is not valid JSON: {reason} at character {position}",
+            )
+        if kind == "msgpack_invalid":
+            return problem_response(request.scope, "malformed-body", err["msg"])
+    items = [
+        {"field": _field(tuple(err.get("loc", ()))), "message": err.get("msg", ""),
+         "kind": err.get("type")}
+        for err in errors
+    ]
+    first = items[0] if items else {"field": "body", "message": "invalid request"}
+    more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+    return problem_response(
+        request.scope, "validation", f"{first['field']}: {first['message']}{more}", errors=items
+    )
+
+
+def pool_problem(request: Request, exc: PoolError) -> Response:
+    """The problem response for a failure of the pool or of the computation."""
+    scope = request.scope
+    settings = request.app.state.settings
+    retry = {"Retry-After": str(settings.retry_after)}
+    if isinstance(exc, ComputeFailed):
+        error = exc.error
+        slug = _COMPUTE_TYPES.get(error.get("type", ""), "internal")
+        problems = error.get("problems")
+        errors = None
+        if problems is not None:
+            errors = [{k: p.get(k) for k in _PROBLEM_FIELDS} for p in problems]
+        elif error.get("field"):
+            errors = [{"field": error["field"], "message": error.get("message", "")}]
+        extra = {k: v for k, v in error.items()
+                 if k not in ("type", "message", "problems", "field")}
+        if slug == "internal":
+            log.error("internal error in a worker: %s", error.get("message"))
+        return problem_response(scope, slug, error.get("message", ""), errors=errors, **extra)
+    if isinstance(exc, ComputeTimeout):
+        return problem_response(
+            scope, "time-limit",
+            f"the computation ran past its time limit of {exc.limit:g} s; worker {exc.worker} "
+            "was stopped and is being replaced. Ask for less, or raise time_limit (up to "
+            f"{settings.max_time_limit:g} s on this server)",
+            time_limit=exc.limit,
+        )
+    if isinstance(exc, WorkerCrashed):
+        return problem_response(
+            scope, "worker-crashed",
+            f"the worker computing this request stopped unexpectedly "
+            f"({describe_exit(exc.exitcode)}) and is being replaced; the request was not "
+            "completed. Retrying is safe, but if this request itself exhausts the worker's "
+            "memory it will fail the same way",
+            headers=retry,
+        )
+    if isinstance(exc, PoolBusy):
+        return problem_response(scope, "busy", str(exc), headers=retry)
+    if isinstance(exc, PoolUnavailable):
+        return problem_response(scope, "unavailable", str(exc), headers=retry)
+    return problem_response(scope, "internal", f"{type(exc).__name__}: {exc}")
+
+
+def install(app: FastAPI) -> None:
+    async def on_problem(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProblemError)
+        return problem_response(
+            request.scope, exc.slug, exc.detail, status=exc.status, errors=exc.errors,
+            headers=exc.headers, **exc.extensions,
+        )
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_problem(request, exc)
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        slug = slug_for_status(exc.status_code)
+        detail = str(exc.detail)
+        if exc.status_code == 404:
+            detail = f"no such path: {request.url.path} (the API is described at /docs)"
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            detail = f"{request.method} is not allowed on {request.url.path}" + (
+                f"; allowed: {allow}" if allow else "")
+        return problem_response(
+            request.scope, slug, detail, status=exc.status_code,
+            headers=dict(exc.headers) if exc.headers else None,
+        )
+
+    async def on_pool(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, PoolError)
+        return pool_problem(request, exc)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(
+            request.scope, "internal", f"{type(exc).__name__} while answering; see server logs"
+        )
+
+    app.add_exception_handler(ProblemError, on_problem)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(PoolError, on_pool)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+__all__ = ["PROBLEM_TYPES", "install", "pool_problem"]

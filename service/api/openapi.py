@@ -1,0 +1,80 @@
+"""The OpenAPI document's shared pieces: problem responses, the msgpack alternatives of
+request and response bodies, stable operation ids, and the final touch that files error
+responses under application/problem+json."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+
+from service.api.negotiation import MSGPACK
+from service.api.problems import PROBLEM_JSON, PROBLEM_TYPES
+from service.schemas import Problem
+
+# The statuses a compute route may answer besides 200 (each a Problem).
+COMPUTE_ERRORS = (400, 406, 413, 415, 422, 500, 502, 503, 504, 507)
+
+
+def _titles(status: int) -> str:
+    titles = sorted({p.title for p in PROBLEM_TYPES.values() if p.status == status})
+    return "; ".join(titles) or "Error"
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": Problem, "description": _titles(s)} for s in statuses}
+
+
+def compute_responses(response_schema: str) -> dict[int | str, dict[str, Any]]:
+    """200 in JSON or msgpack, and every problem a compute route can answer."""
+    ref = {"$ref": f"#/components/schemas/{response_schema}"}
+    return {
+        200: {"content": {MSGPACK: {"schema": ref}}},
+        **problem_responses(*COMPUTE_ERRORS),
+    }
+
+
+def msgpack_body(request_schema: str) -> dict[str, Any]:
+    """openapi_extra adding the msgpack form of a JSON request body."""
+    ref = {"$ref": f"#/components/schemas/{request_schema}"}
+    return {"requestBody": {"content": {MSGPACK: {"schema": ref}}}}
+
+
+def operation_id(route: APIRoute) -> str:
+    """The endpoint function's name: compute_gradient, list_ops, check_readiness..."""
+    return route.name
+
+
+def _file_problems_as_problem_json(schema: dict[str, Any]) -> None:
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            for status, response in operation.get("responses", {}).items():
+                content = response.get("content", {})
+                if status[:1] in "45" and "application/json" in content:
+                    content[PROBLEM_JSON] = content.pop("application/json")
+
+
+def install(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """Replace app.openapi with the finished document (cached like FastAPI's)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                openapi_version=app.openapi_version,
+                summary=app.summary,
+                description=app.description,
+                routes=app.routes,
+                tags=app.openapi_tags,
+                separate_input_output_schemas=app.separate_input_output_schemas,
+            )
+            _file_problems_as_problem_json(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return openapi

@@ -1,0 +1,167 @@
+"""Errors as application/problem+json (RFC 9457), in one place.
+
+Every error the service answers has a `type` from PROBLEM_TYPES, served as a relative
+URI `/problems/<slug>` (GET it for the description), a `title` that is the same for
+every occurrence of the type, a `detail` that names the field, the program line and
+column or the shapes, the `instance` (the request path), and extension members such
+as `errors` (one entry per located problem).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Scope
+
+PROBLEM_JSON = "application/problem+json"
+
+
+@dataclass(frozen=True)
+class ProblemType:
+    status: int
+    title: str
+    description: str
+
+
+PROBLEM_TYPES: dict[str, ProblemType] = {
+    "malformed-body": ProblemType(
+        400, "Malformed body", "The body is not valid JSON (or msgpack)."),
+    "not-found": ProblemType(404, "Not found", "No such path. See /docs for the API."),
+    "method-not-allowed": ProblemType(
+        405, "Method not allowed", "The path exists but not with this method (see Allow)."),
+    "not-acceptable": ProblemType(
+        406, "Not acceptable",
+        "The Accept header names no type this service writes (application/json, "
+        "application/msgpack)."),
+    "body-too-large": ProblemType(
+        413, "Body too large", "The body is larger than the server's limit (max_body_bytes)."),
+    "unsupported-media-type": ProblemType(
+        415, "Unsupported media type",
+        "The Content-Type is not application/json or application/msgpack."),
+    "validation": ProblemType(
+        422, "Invalid request",
+        "A field of the request is missing, unknown or malformed; `errors` lists each with "
+        "its dotted `field` path."),
+    "definition": ProblemType(
+        422, "Invalid definition",
+        "The definition (or its target and sources) cannot run: `errors` lists each problem "
+        "with its section, line, column, op and shapes."),
+    "invalid-request": ProblemType(
+        422, "Invalid request", "The request does not fit its definition (shapes, targets)."),
+    "execution": ProblemType(
+        422, "Computation failed",
+        "A checked definition failed while running (a singular matrix, a label out of range)."),
+    "batch-dependence": ProblemType(
+        422, "Examples are not independent",
+        "A batch jacobian was asked of a computation that mixes the examples of the batch "
+        "(batch normalization, a mean over the batch axis): per-example jacobians would be "
+        "meaningless. Ask for the full jacobian instead."),
+    "unsupported": ProblemType(
+        422, "Unsupported derivative", "An op has no rule for the derivative asked of it."),
+    "too-large": ProblemType(
+        422, "Too large to compute",
+        "The answer would exceed a size limit of this server (hessian_max_size, "
+        "jacobian_max_elements, hvp_max_vectors, max_time_limit)."),
+    "internal": ProblemType(500, "Internal error", "A bug: please report it with the detail."),
+    "worker-crashed": ProblemType(
+        502, "Worker crashed",
+        "The worker process computing the request died; it has been replaced."),
+    "busy": ProblemType(
+        503, "Service busy", "Every worker is busy and the queue is full: retry after a while."),
+    "unavailable": ProblemType(
+        503, "Service unavailable", "The service is starting or shutting down."),
+    "not-ready": ProblemType(503, "Not ready", "Some worker is not up and answering."),
+    "device": ProblemType(503, "Device unavailable", "The worker's device cannot compute."),
+    "time-limit": ProblemType(
+        504, "Time limit exceeded",
+        "The computation ran past its time limit; its worker was stopped and replaced."),
+    "out-of-memory": ProblemType(
+        507, "Out of memory", "The computation needs more memory than the worker has."),
+}
+
+_STATUS_SLUGS = {404: "not-found", 405: "method-not-allowed", 406: "not-acceptable",
+                 413: "body-too-large", 415: "unsupported-media-type"}
+
+
+def type_uri(slug: str) -> str:
+    return f"/problems/{slug}"
+
+
+def slug_for_status(status: int) -> str | None:
+    return _STATUS_SLUGS.get(status)
+
+
+class ProblemError(Exception):
+    """Raise anywhere in a request to answer with a problem."""
+
+    def __init__(
+        self,
+        slug: str,
+        detail: str,
+        *,
+        status: int | None = None,
+        errors: list[dict[str, Any]] | None = None,
+        headers: dict[str, str] | None = None,
+        **extensions: Any,
+    ):
+        super().__init__(detail)
+        self.slug = slug
+        self.status = status or PROBLEM_TYPES[slug].status
+        self.detail = detail
+        self.errors = errors
+        self.headers = headers
+        self.extensions = extensions
+
+
+def problem_body(
+    slug: str | None,
+    status: int,
+    detail: str,
+    instance: str | None = None,
+    errors: list[dict[str, Any]] | None = None,
+    **extensions: Any,
+) -> dict[str, Any]:
+    known = PROBLEM_TYPES.get(slug) if slug else None
+    body: dict[str, Any] = {
+        "type": type_uri(slug) if slug and known else "about:blank",
+        "title": known.title if known else HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+    }
+    if instance is not None:
+        body["instance"] = instance
+    if errors is not None:
+        body["errors"] = [{k: v for k, v in e.items() if v is not None} for e in errors]
+    body.update(extensions)
+    return body
+
+
+def problem_response(
+    scope: Scope | None,
+    slug: str | None,
+    detail: str,
+    *,
+    status: int | None = None,
+    errors: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+    **extensions: Any,
+) -> Response:
+    """The problem+json response; counts it in the app's metrics by type."""
+    if status is None:
+        status = PROBLEM_TYPES[slug].status if slug else 500
+    instance = scope.get("path") if scope is not None else None
+    body = problem_body(slug, status, detail, instance, errors, **extensions)
+    if scope is not None and "app" in scope:
+        metrics = getattr(scope["app"].state, "metrics", None)
+        if metrics is not None:
+            metrics.problem(slug or str(status))
+    return Response(
+        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status,
+        headers=headers,
+        media_type=PROBLEM_JSON,
+    )

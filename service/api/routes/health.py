@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from service.api.deps import PoolDep
+from service.api.openapi import problem_responses
+from service.api.problems import problem_response
+from service.schemas import HealthResponse, ReadinessResponse, WorkerStatus
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", response_model=HealthResponse, summary="Liveness")
+async def check_health() -> HealthResponse:
+    """The HTTP process is up (it does not look at the workers: see /readyz)."""
+    return HealthResponse(status="ok")
+
+
+@router.get(
+    "/readyz",
+    response_model=ReadinessResponse,
+    responses=problem_responses(503),
+    summary="Readiness",
+)
+async def check_readiness(request: Request, pool: PoolDep) -> ReadinessResponse | Response:
+    """Every worker is up and answering: idle workers are pinged, busy ones are computing
+    within their time limit. 503 (with the workers' states) while one is starting, being
+    replaced or silent."""
+    workers = [WorkerStatus(**asdict(w)) for w in await pool.check()]
+    if pool.running and all(w.state in ("idle", "busy") for w in workers):
+        return ReadinessResponse(status="ready", workers=workers)
+    down = [str(w.index) for w in workers if w.state not in ("idle", "busy")]
+    return problem_response(
+        request.scope, "not-ready",
+        f"worker(s) {', '.join(down) or 'all'} not up"
+        + ("" if pool.running else "; the pool is not running"),
+        workers=[w.model_dump() for w in workers],
+    )
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                     "description": "Prometheus text exposition format"}},
+)
+async def read_metrics(request: Request) -> Response:
+    """Requests and latency histograms per route, problem responses by type, worker busy
+    seconds and restarts, queue depth, workers up and busy."""
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from service.api import payloads
+from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.openapi import compute_responses, msgpack_body
+from service.api.routes._compute import run
+from service.schemas import HessianRequest, HessianResponse
+
+router = APIRouter(tags=["derivatives"])
+
+
+@router.post(
+    "/v1/hessian",
+    response_model=HessianResponse,
+    responses=compute_responses("HessianResponse"),
+    openapi_extra=msgpack_body("HessianRequest"),
+    summary="Hessian and damped Newton step",
+)
+async def compute_hessian(
+    body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+) -> Response:
+    """The Hessian of a scalar target over the sources, as blocks: `hessian[a][b]` has
+    shape `a.shape + b.shape`. Refused (422, too-large) above the server's
+    `hessian_max_size` parameters: ask /v1/hvp for Hessian-vector products instead.
+
+    With `newton`, also the damped Newton step `(H + damping I)^-1 g` per source (subtract
+    it from the sources to take the step).
+    """
+    return await run(pool, "hessian", payloads.hessian(body, settings), negotiated)

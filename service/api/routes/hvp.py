@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from service.api import payloads
+from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.openapi import compute_responses, msgpack_body
+from service.api.routes._compute import run
+from service.schemas import HVPRequest, HVPResponse
+
+router = APIRouter(tags=["derivatives"])
+
+
+@router.post(
+    "/v1/hvp",
+    response_model=HVPResponse,
+    responses=compute_responses("HVPResponse"),
+    openapi_extra=msgpack_body("HVPRequest"),
+    summary="Hessian-vector products",
+)
+async def compute_hvp(
+    body: HVPRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+) -> Response:
+    """H @ v for a scalar target, with `vector` (one tensor per source, keyed like the
+    gradients) or `vectors` (a list of them). The forward pass and the gradient are
+    recorded once and all vectors are answered in one batched second-order pass.
+    """
+    return await run(pool, "hvp", payloads.hvp(body, settings), negotiated)

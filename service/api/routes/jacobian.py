@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from service.api import payloads
+from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.openapi import compute_responses, msgpack_body
+from service.api.routes._compute import run
+from service.schemas import JacobianRequest, JacobianResponse
+
+router = APIRouter(tags=["derivatives"])
+
+
+@router.post(
+    "/v1/jacobian",
+    response_model=JacobianResponse,
+    responses=compute_responses("JacobianResponse"),
+    openapi_extra=msgpack_body("JacobianRequest"),
+    summary="Jacobians, full or per example",
+)
+async def compute_jacobian(
+    body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+) -> Response:
+    """The jacobian of the target with respect to each source, shape
+    `target.shape + source.shape`, computed in batched backward passes of the server's
+    chunk size.
+
+    With `"batch": true`, per-example jacobians of shape
+    `target.shape + source.shape[1:]` (tf.GradientTape.batch_jacobian). The server checks
+    that the examples are independent and answers 422 (batch-dependence) when they are
+    not, e.g. with batch normalization between the layers.
+    """
+    return await run(pool, "jacobian", payloads.jacobian(body, settings), negotiated)

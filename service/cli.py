@@ -1,0 +1,98 @@
+"""`gradtape`: serve the API, or write its OpenAPI document.
+
+    gradtape serve [--host H] [--port P] [--workers N] [--device D] [--time-limit S] ...
+    gradtape openapi [--out openapi/openapi.json]
+
+Flags override GRADTAPE_* environment variables. Imports stay inside the commands: a
+spawned worker process re-imports this module and must not pay for the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# flag -> Settings field, for the settings `serve` takes as flags (the rest: environment)
+SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--host": ("host", str, "address to bind (default 127.0.0.1)"),
+    "--port": ("port", int, "port to bind (default 8000)"),
+    "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
+    "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
+    "--time-limit": ("time_limit", float, "compute seconds per request"),
+    "--max-time-limit": ("max_time_limit", float, "most a request may ask for"),
+    "--queue-size": ("queue_size", int, "requests that may wait for a worker"),
+    "--max-body-bytes": ("max_body_bytes", int, "request body limit"),
+    "--log-level": ("log_level", str, "critical, error, warning, info or debug"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradtape", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the HTTP API with uvicorn")
+    for flag, (field, type_, help_) in SERVE_FLAGS.items():
+        serve.add_argument(flag, dest=field, type=type_, help=help_)
+    serve.add_argument("--no-access-log", dest="access_log", action="store_false",
+                       default=None, help="do not log each request")
+    spec = commands.add_parser("openapi", help="write the OpenAPI document")
+    spec.add_argument("--out", type=Path, default=None,
+                      help="file to write (default: standard output)")
+    return parser
+
+
+def serve(overrides: dict[str, Any]) -> int:
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from service.core.config import Settings
+    from service.main import create_app
+
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"gradtape: bad settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(levelname)s:     %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def openapi_document() -> str:
+    from service.core.config import Settings
+    from service.main import create_app
+
+    # The document does not depend on settings; build the app without reading the env.
+    app = create_app(Settings(_env_file=None))  # type: ignore[call-arg]
+    return json.dumps(app.openapi(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+        return serve(overrides)
+    text = openapi_document()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""The computations, inside a worker process: the only service module that imports the
+engine (and the definition language).
+
+A handler takes the payload the HTTP side built (the request with its tensors decoded
+to NumPy arrays) and returns plain data with NumPy arrays, or raises. `answer` wraps a
+handler into the reply message and turns every exception into an error description
+`{"type", "message", ...}` that the HTTP side maps to a problem response; the error
+classes of the engine never cross the process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import engine as gt
+from engine import backend
+from engine.language import (
+    CompiledProgram,
+    Definition,
+    DefinitionError,
+    ExecutionError,
+    Limits,
+    Request,
+    as_definition,
+    catalogue,
+    compile_definition,
+    evaluate,
+)
+from engine.tensor import Tensor
+
+log = logging.getLogger("gradtape.compute")
+
+# What engine ops raise for data the checks cannot see; anything else is a bug (500).
+RUNTIME_ERRORS = (ValueError, TypeError, IndexError, ArithmeticError)
+
+
+@dataclass
+class WorkerContext:
+    """A worker's device, limits, and the state it keeps between requests (issue 6's
+    recorded tapes live in `state`, keyed by the caller)."""
+
+    index: int
+    device: str
+    limits: Limits
+    chunk_size: int
+    hessian_max_size: int
+    jacobian_max_elements: int
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "index": self.index,
+            "device": self.device,
+            "definition_limits": self.limits.as_dict(),
+        }
+
+
+class RequestError(Exception):
+    """A request this worker refuses, with the problem type the HTTP side answers."""
+
+    def __init__(self, type_: str, message: str, **extra: Any):
+        super().__init__(message)
+        self.type = type_
+        self.extra = extra
+
+
+def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
+    """Set up a worker: check its device, build its limits, warm the engine up."""
+    xp = backend.xp_for_device(device)  # DeviceError when the device is missing
+    kind, number = backend.parse_device(device)
+    if kind == "cuda":
+        xp.cuda.Device(number).use()
+    try:
+        limits = Limits(**options.get("definition_limits", {}))
+    except TypeError as exc:
+        known = ", ".join(Limits().as_dict())
+        raise ValueError(f"bad definition_limits ({exc}); known limits: {known}") from None
+    context = WorkerContext(
+        index=index,
+        device=device,
+        limits=limits,
+        chunk_size=int(options.get("chunk_size", 1024)),
+        hessian_max_size=int(options.get("hessian_max_size", 2048)),
+        jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
+    )
+    warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
+    evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
+    return context
+
+
+def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply to one request message; never raises."""
+    started = time.perf_counter()
+    request_id = message.get("id")
+    handler = HANDLERS.get(message.get("kind", ""))
+    try:
+        if handler is None:
+            raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
+        result = handler(message.get("payload"), context)
+    except BaseException as exc:  # every failure becomes an error reply
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        return {"id": request_id, "ok": False, "error": describe_error(exc)}
+    return {
+        "id": request_id,
+        "ok": True,
+        "result": result,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, RequestError):
+        return {"type": exc.type, "message": str(exc), **exc.extra}
+    if isinstance(exc, DefinitionError):
+        kind = "execution" if isinstance(exc, ExecutionError) else "definition"
+        problems = exc.to_list()
+        first = str(exc.problems[0])
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return {"type": kind, "message": first + more, "problems": problems}
+    if isinstance(exc, gt.BatchDependenceError):
+        return {"type": "batch-dependence", "message": str(exc)}
+    if isinstance(exc, gt.MissingRuleError):
+        return {"type": "unsupported", "message": str(exc)}
+    if isinstance(exc, MemoryError):
+        return {"type": "out-of-memory", "message": "the worker ran out of memory"}
+    if isinstance(exc, gt.DeviceError):
+        return {"type": "device", "message": str(exc)}
+    if isinstance(exc, RUNTIME_ERRORS):
+        return {"type": "execution", "message": f"{type(exc).__name__}: {exc}"}
+    return internal_error(exc)
+
+
+def internal_error(exc: BaseException) -> dict[str, Any]:
+    log.error("internal error in a worker:\n%s", "".join(traceback.format_exception(exc)))
+    return {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}
+
+
+# ----------------------------------------------------------------------------------------
+# Shared steps
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Prepared:
+    definition: Definition
+    program: CompiledProgram
+    request: Request
+    leaves: dict[str, Tensor]
+
+    def source_shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.leaves[self.request.sources[key]].shape)
+
+
+def _prepare(payload: Mapping[str, Any], context: WorkerContext, unconnected: str = "none"
+             ) -> _Prepared:
+    definition = as_definition(payload["definition"])
+    program = compile_definition(definition, context.limits)
+    request = program.check_request(
+        payload["target"], payload.get("sources"), unconnected,
+        allow_unused=bool(payload.get("allow_unused")),
+    )
+    return _Prepared(definition, program, request, program.leaves(definition, context.device))
+
+
+def _host(tensor: Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else tensor.numpy()
+
+
+def _target_shape(prepared: _Prepared) -> tuple[int, ...]:
+    return tuple(prepared.program.types[prepared.request.target].shape)
+
+
+def _scalar_target(prepared: _Prepared, endpoint: str) -> None:
+    shape = _target_shape(prepared)
+    if math.prod(shape) != 1:
+        raise RequestError(
+            "request",
+            f"{endpoint} needs a scalar target; {prepared.request.target!r} has shape "
+            f"{list(shape)} (reduce it, e.g. with sum() or mean(), or use /v1/jacobian)",
+        )
+
+
+def _on_device(array: Any, like: Tensor, context: WorkerContext) -> Tensor:
+    return gt.constant(np.asarray(array), dtype=like.dtype, device=context.device)
+
+
+# ----------------------------------------------------------------------------------------
+# Handlers
+# ----------------------------------------------------------------------------------------
+
+
+def ping(payload: Any, context: WorkerContext) -> dict[str, Any]:
+    return {"pid": os.getpid()}
+
+
+def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
+    return catalogue()
+
+
+def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    result = evaluate(
+        as_definition(payload["definition"]),
+        payload["target"],
+        payload.get("sources"),
+        unconnected=payload.get("unconnected", "none"),
+        limits=context.limits,
+        device=context.device,
+        allow_unused=bool(payload.get("allow_unused")),
+    )
+    return {"value": result.value, "gradients": result.gradients}
+
+
+def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    unconnected = payload.get("unconnected", "none")
+    prepared = _prepare(payload, context, unconnected)
+    batch = bool(payload.get("batch"))
+    target_shape = _target_shape(prepared)
+    keys = list(prepared.request.sources)
+    if batch:
+        _check_batch_shapes(prepared, target_shape)
+    sizes = {
+        key: math.prod(target_shape)
+        * math.prod(prepared.source_shape(key)[1:] if batch else prepared.source_shape(key))
+        for key in keys
+    }
+    total = sum(sizes.values())
+    if total > context.jacobian_max_elements:
+        raise RequestError(
+            "too-large",
+            f"the jacobian(s) would hold {total:,} elements "
+            f"({', '.join(f'{k}: {n:,}' for k, n in sizes.items())}); this server answers "
+            f"up to {context.jacobian_max_elements:,}. Ask for fewer sources, a smaller "
+            "target, batch: true when examples are independent, or use /v1/hvp or "
+            "vector-Jacobian products via /v1/gradient",
+            limit=context.jacobian_max_elements,
+        )
+    watched = {key: prepared.leaves[name] for key, name in prepared.request.sources.items()}
+    with gt.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(list(watched.values()))
+        env = prepared.program.run(prepared.leaves, targets=[prepared.request.target])
+    y = env[prepared.request.target]
+    if batch:
+        jacobians = {
+            key: tape.batch_jacobian(y, source, unconnected_gradients=unconnected)
+            for key, source in watched.items()
+        }
+    else:
+        jacobians = tape.jacobian(
+            y, watched, unconnected_gradients=unconnected, chunk_size=context.chunk_size
+        )
+    return {"value": y.numpy(), "jacobians": {k: _host(j) for k, j in jacobians.items()}}
+
+
+def _check_batch_shapes(prepared: _Prepared, target_shape: tuple[int, ...]) -> None:
+    for key in prepared.request.sources:
+        shape = prepared.source_shape(key)
+        if not target_shape or not shape or target_shape[0] != shape[0]:
+            raise RequestError(
+                "request",
+                f"batch: true needs the target and each source to share their first (batch) "
+                f"axis; target {prepared.request.target!r} has shape {list(target_shape)} "
+                f"and source {key!r} has shape {list(shape)}",
+            )
+
+
+def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    prepared = _prepare(payload, context, "zero")
+    _scalar_target(prepared, "/v1/hessian")
+    keys = list(prepared.request.sources)
+    shapes = [prepared.source_shape(k) for k in keys]
+    sizes = [math.prod(s) for s in shapes]
+    n = sum(sizes)
+    if n > context.hessian_max_size:
+        raise RequestError(
+            "too-large",
+            f"the Hessian over {', '.join(keys)} is {n:,} x {n:,} ({n * n:,} entries); this "
+            f"server builds Hessians over at most {context.hessian_max_size:,} parameters. "
+            "Use POST /v1/hvp for Hessian-vector products (one or many vectors in one "
+            "pass), or choose fewer sources",
+            limit=context.hessian_max_size,
+            size=n,
+        )
+    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
+    primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
+    rows = []  # H in row chunks, (chunk, n) each, on the host
+    offsets = np.cumsum([0, *sizes])
+    for start in range(0, n, context.chunk_size):
+        stop = min(start + context.chunk_size, n)
+        # Rows start..stop of the identity, split by source: one batched HVP pass gives
+        # those rows of H (reverse-over-reverse; H is symmetric).
+        identity = np.zeros((stop - start, n))
+        identity[np.arange(stop - start), np.arange(start, stop)] = 1.0
+        basis = [
+            _on_device(identity[:, lo:lo + size].reshape((stop - start, *p.shape)), p, context)
+            for p, lo, size in zip(primals, offsets[:-1], sizes, strict=True)
+        ]
+        columns = operator.hvp_many(*basis)
+        rows.append(np.concatenate(
+            [c.numpy().reshape(stop - start, -1).astype(np.float64) for c in columns], axis=1
+        ))
+    h = np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
+    grads = [g.numpy() for g in operator.grad]
+    blocks: dict[str, dict[str, np.ndarray]] = {}
+    for i, (ka, sa, pa) in enumerate(zip(keys, shapes, primals, strict=True)):
+        blocks[ka] = {}
+        for j, (kb, sb) in enumerate(zip(keys, shapes, strict=True)):
+            block = h[offsets[i]:offsets[i + 1], offsets[j]:offsets[j + 1]]
+            blocks[ka][kb] = block.reshape(sa + sb).astype(pa.dtype)
+    result: dict[str, Any] = {
+        "value": operator.value.numpy(),
+        "gradients": dict(zip(keys, grads, strict=True)),
+        "hessian": blocks,
+        "newton_step": None,
+    }
+    newton = payload.get("newton")
+    if newton is not None:
+        result["newton_step"] = _newton_step(h, grads, keys, float(newton.get("damping", 1e-3)))
+    return result
+
+
+def _newton_step(h: np.ndarray, grads: list[np.ndarray], keys: list[str], damping: float
+                 ) -> dict[str, np.ndarray]:
+    g = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in grads])
+    try:
+        step = np.linalg.solve(h + damping * np.eye(len(g)), g)
+    except np.linalg.LinAlgError:
+        raise RequestError(
+            "request",
+            f"H + {damping:g} I is singular, so the Newton step is undefined; raise "
+            "newton.damping",
+        ) from None
+    if not np.isfinite(step).all():
+        raise RequestError("request", "the Newton step is not finite; raise newton.damping")
+    out, start = {}, 0
+    for key, grad in zip(keys, grads, strict=True):
+        out[key] = step[start:start + grad.size].reshape(grad.shape).astype(grad.dtype)
+        start += grad.size
+    return out
+
+
+def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    prepared = _prepare(payload, context, "zero")
+    _scalar_target(prepared, "/v1/hvp")
+    keys = list(prepared.request.sources)
+    primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
+    single = payload.get("vector") is not None
+    vectors: list[Mapping[str, Any]] = [payload["vector"]] if single else payload["vectors"]
+    for i, vector in enumerate(vectors):
+        where = "vector" if single else f"vectors.{i}"
+        _check_vector(vector, keys, primals, where)
+    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
+    stacked = [
+        _on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        for k, p in zip(keys, primals, strict=True)
+    ]
+    products = operator.hvp_many(*stacked)  # all vectors in one batched pass
+    answers = [
+        {k: products[j].numpy()[i] for j, k in enumerate(keys)} for i in range(len(vectors))
+    ]
+    return {
+        "value": operator.value.numpy(),
+        "gradients": dict(zip(keys, [g.numpy() for g in operator.grad], strict=True)),
+        "hvp": answers[0] if single else None,
+        "hvps": None if single else answers,
+    }
+
+
+def _check_vector(vector: Mapping[str, Any], keys: list[str], primals: list[Tensor],
+                  where: str) -> None:
+    missing = [k for k in keys if k not in vector]
+    extra = [k for k in vector if k not in keys]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"unknown {', '.join(map(repr, extra))}")
+        raise RequestError(
+            "request",
+            f"{where} must give one tensor per source ({', '.join(map(repr, keys))}): "
+            + "; ".join(parts),
+            field=where,
+        )
+    for key, primal in zip(keys, primals, strict=True):
+        shape = tuple(np.shape(vector[key]))
+        if shape != tuple(primal.shape):
+            raise RequestError(
+                "request",
+                f"{where}.{key} has shape {list(shape)}; source {key!r} has shape "
+                f"{list(primal.shape)}",
+                field=f"{where}.{key}",
+            )
+
+
+HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
+    "ping": ping,
+    "ops": ops,
+    "gradient": gradient,
+    "jacobian": jacobian,
+    "hessian": hessian,
+    "hvp": hvp,
+}

@@ -1,0 +1,142 @@
+"""Service settings: environment variables with the prefix GRADTAPE_ (or flags of
+`gradtape serve`), read once by `get_settings()`.
+
+Tests override `get_settings` (FastAPI's settings pattern) or pass a `Settings` to
+`create_app`; nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_CPU_WORKERS = 2
+
+
+def cuda_device_count() -> int:
+    """GPUs this host offers to CuPy, found without importing CuPy (or touching CUDA) in
+    the HTTP process: 0 when CuPy is not installed."""
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        return len(ids) if ids and ids[0] != "-1" else 0
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+class Settings(BaseSettings):
+    """Everything an operator can set. Sizes are in bytes or elements, times in seconds."""
+
+    model_config = SettingsConfigDict(env_prefix="GRADTAPE_", extra="ignore", frozen=True)
+
+    # Serving ------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    access_log: bool = True
+
+    # Workers ------------------------------------------------------------------------------
+    device: str = Field(
+        default="auto",
+        description="'auto' (every GPU when CuPy and a GPU are present, else the CPU), "
+        "'cpu', 'cuda' (all GPUs) or 'cuda:N' (one GPU)",
+    )
+    workers: int | None = Field(
+        default=None, ge=1, le=256, description="worker processes; default: one per GPU, else 2"
+    )
+    worker_threads: int | None = Field(
+        default=None, ge=1, description="BLAS threads per CPU worker; default: cores / workers"
+    )
+    startup_timeout: float = Field(default=120.0, gt=0, description="for a worker to come up")
+
+    # Requests -----------------------------------------------------------------------------
+    time_limit: float = Field(default=30.0, gt=0, description="compute seconds per request")
+    max_time_limit: float = Field(default=300.0, gt=0, description="most a request may ask for")
+    queue_size: int = Field(
+        default=64, ge=0, description="requests that may wait for a worker; beyond it 503"
+    )
+    queue_timeout: float = Field(
+        default=60.0, gt=0, description="most seconds a request waits for a worker; then 503"
+    )
+    retry_after: int = Field(default=1, ge=0, description="Retry-After seconds on a 503")
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1, description="request body limit (413)")
+    allow_nonfinite: bool = Field(
+        default=False, description="default for requests that do not say: accept NaN/Inf inputs"
+    )
+
+    # Sizes of what a request may ask for -------------------------------------------------
+    hessian_max_size: int = Field(
+        default=2048, ge=1, description="most parameters (n of the n x n Hessian) of /v1/hessian"
+    )
+    jacobian_max_elements: int = Field(
+        default=1 << 24, ge=1, description="most elements of all the jacobians of one request"
+    )
+    chunk_size: int = Field(
+        default=1024, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
+    )
+    hvp_max_vectors: int = Field(default=1024, ge=1, description="most vectors in one /v1/hvp")
+    definition_limits: dict[str, int] = Field(
+        default_factory=dict,
+        description="overrides of the definition language's limits (max_lines, "
+        "max_elements, ...), as JSON; unknown names stop the workers at startup",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        value = value.strip().lower()
+        kind, _, index = value.partition(":")
+        if kind not in ("auto", "cpu", "cuda", "gpu") or (index and not index.isdigit()):
+            raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if kind in ("auto", "cpu") and index:
+            raise ValueError(f"device {value!r} takes no index")
+        return value.replace("gpu", "cuda")
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        if self.time_limit > self.max_time_limit:
+            raise ValueError(
+                f"time_limit ({self.time_limit}) is above max_time_limit ({self.max_time_limit})"
+            )
+        return self
+
+    def worker_devices(self) -> list[str]:
+        """One device string per worker process."""
+        gpus = cuda_device_count()
+        device = self.device
+        if device == "auto":
+            device = "cuda" if gpus else "cpu"
+        if device == "cpu":
+            return ["cpu"] * (self.workers or DEFAULT_CPU_WORKERS)
+        if device == "cuda":
+            if gpus == 0:
+                # The workers will say precisely why (no CuPy, no driver) when they start.
+                return ["cuda:0"] * (self.workers or 1)
+            count = self.workers or gpus
+            return [f"cuda:{i % gpus}" for i in range(count)]
+        return [device] * (self.workers or 1)
+
+    def blas_threads(self) -> int:
+        if self.worker_threads is not None:
+            return self.worker_threads
+        return max(1, (os.cpu_count() or 1) // len(self.worker_devices()))
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as printed at startup (issue 6's API keys will be masked here)."""
+        shown = self.model_dump(mode="json")
+        shown["worker_devices"] = self.worker_devices()
+        return shown
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

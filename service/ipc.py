@@ -1,0 +1,122 @@
+"""Messages between the HTTP process and the engine workers.
+
+A message is one msgpack document behind a 4-byte big-endian length. NumPy arrays
+travel as `{"__nd__": [dtype, shape, bytes]}`, so client data is never pickled and an
+array costs one copy into the frame. Both sides use this module: the asyncio side reads
+and writes frames on stream objects, a worker on a blocking socket.
+
+Requests: {"id": int, "kind": str, "payload": ...} (kind "shutdown": exit).
+Replies: {"id": int, "ok": true, "result": ..., "seconds": float}
+      or {"id": int, "ok": false, "error": {"type": str, "message": str, ...}}.
+A worker that has started says {"hello": {...}}, or {"fatal": message} and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+HEADER = struct.Struct("!I")
+MAX_FRAME = 2**32 - 1
+ARRAY_KEY = "__nd__"
+
+
+class FrameError(ConnectionError):
+    """The other side closed the connection or sent something that is not a frame."""
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        array = obj if obj.flags.c_contiguous else obj.copy(order="C")  # keeps 0-d arrays 0-d
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        raw = array.reshape(-1).view(np.uint8).data  # a memoryview, no copy; empty arrays too
+        return {ARRAY_KEY: [array.dtype.str, list(array.shape), raw]}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple | set | frozenset):
+        return list(obj)
+    raise TypeError(f"cannot send a {type(obj).__name__} to or from a worker")
+
+
+def _object_hook(obj: dict[str, Any]) -> Any:
+    spec = obj.get(ARRAY_KEY)
+    if spec is not None and len(obj) == 1:
+        dtype, shape, raw = spec
+        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
+    return obj
+
+
+def pack(message: Any) -> bytes:
+    packed: bytes = msgpack.packb(message, default=_default, use_bin_type=True)
+    return packed
+
+
+def unpack(body: bytes | bytearray) -> Any:
+    return msgpack.unpackb(body, object_hook=_object_hook, raw=False, strict_map_key=False)
+
+
+def frame(message: Any) -> tuple[bytes, bytes]:
+    body = pack(message)
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"message of {len(body)} bytes is too large for one frame")
+    return HEADER.pack(len(body)), body
+
+
+# ----------------------------------------------------------------------------------------
+# asyncio side (the HTTP process)
+# ----------------------------------------------------------------------------------------
+
+
+async def read_message(reader: asyncio.StreamReader) -> Any:
+    try:
+        header = await reader.readexactly(HEADER.size)
+        (size,) = HEADER.unpack(header)
+        body = await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise FrameError("the worker closed its connection") from exc
+    return unpack(body)
+
+
+def write_message(writer: asyncio.StreamWriter, message: Any) -> None:
+    writer.writelines(frame(message))
+
+
+# ----------------------------------------------------------------------------------------
+# Blocking side (a worker process)
+# ----------------------------------------------------------------------------------------
+
+
+def recv_message(sock: socket.socket) -> Any | None:
+    """The next message, or None when the HTTP process has gone."""
+    header = _recv_exactly(sock, HEADER.size)
+    if header is None:
+        return None
+    (size,) = HEADER.unpack(header)
+    body = _recv_exactly(sock, size)
+    if body is None:
+        return None
+    return unpack(body)
+
+
+def send_message(sock: socket.socket, message: Any) -> None:
+    header, body = frame(message)
+    sock.sendall(header)
+    sock.sendall(body)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytearray | None:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return buffer

@@ -1,0 +1,98 @@
+"""The FastAPI application: `create_app(settings)` builds it; uvicorn serves it
+(`gradtape serve`, or `uvicorn --factory service.main:create_app`).
+
+The app validates requests, hands them to the worker pool and writes the answers; the
+engine runs only in the pool's worker processes (service/compute.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI
+
+from service import docs
+from service.api import errors, openapi
+from service.api.router import api_router
+from service.core.config import Settings, get_settings
+from service.metrics import Metrics
+from service.middleware import BodyLimitMiddleware, MetricsMiddleware
+from service.workers import WorkerPool
+
+log = logging.getLogger("gradtape.service")
+
+DESCRIPTION = """\
+Derivatives over HTTP. Send a model/loss **definition** (variables, inputs, program
+lines), a **target** and **sources**; get values, gradients, jacobians, Hessians and
+Hessian-vector products, computed by a reverse-mode gradient-tape engine in worker
+processes.
+
+**Tensors** travel as `{"dtype", "shape", "data"}` (a flat or nested JSON list),
+`{"dtype", "shape", "base64"}` (little-endian row-major bytes), or, in a msgpack body
+(`Content-Type: application/msgpack`), `{"dtype", "shape", "data": <raw bytes>}`. A bare
+number or nested list is float32. Answers use the request's format and tensor encoding
+unless `Accept` or `response_encoding` ask otherwise.
+
+**Errors** are `application/problem+json` (RFC 9457); `detail` names the field, or the
+program line, column, op and shapes, and `errors` lists every problem found.
+"""
+
+
+def _version() -> str:
+    try:
+        return version("gradtape")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def _ensure_logging(level: str) -> None:
+    logger = logging.getLogger("gradtape")
+    logger.setLevel(level.upper())
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _ensure_logging(settings.log_level)
+        log.info("settings: %s", json.dumps(settings.describe()))
+        pool: WorkerPool = app.state.pool
+        await pool.start()
+        metrics.bind(pool)
+        log.info("%d worker(s) ready; limits: %s", pool.size,
+                 json.dumps(pool.hello(0).get("definition_limits")))
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(
+        title="gradtape",
+        version=_version(),
+        summary="Gradients, jacobians, Hessians and HVPs of a model definition, over HTTP",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        generate_unique_id_function=openapi.operation_id,
+        separate_input_output_schemas=False,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.pool = WorkerPool(settings, observer=metrics)
+    errors.install(app)
+    docs.install(app)
+    openapi.install(app)
+    app.include_router(api_router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every answer
+    return app

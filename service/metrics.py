@@ -1,0 +1,74 @@
+"""Prometheus metrics, one registry per app (so several apps in one process, as in
+tests, do not collide). Served at GET /metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from service.workers import PoolObserver
+
+if TYPE_CHECKING:
+    from service.workers import WorkerPool
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+
+class Metrics(PoolObserver):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "gradtape_http_requests", "HTTP requests answered", ["method", "route", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "gradtape_http_request_duration_seconds", "Time to answer an HTTP request",
+            ["method", "route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.errors = Counter(
+            "gradtape_errors", "Problem responses by problem type", ["type"], registry=r
+        )
+        self.busy_seconds = Counter(
+            "gradtape_worker_busy_seconds", "Seconds each worker spent on requests",
+            ["worker"], registry=r,
+        )
+        self.worker_restarts = Counter(
+            "gradtape_worker_restarts", "Workers replaced, by reason (timeout, crash)",
+            ["worker", "reason"], registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gradtape_queue_depth", "Requests waiting for a worker", registry=r
+        )
+        self.workers_busy = Gauge("gradtape_workers_busy", "Workers computing now", registry=r)
+        self.workers_up = Gauge(
+            "gradtape_workers_up", "Workers started and answering (idle or busy)", registry=r
+        )
+
+    def bind(self, pool: WorkerPool) -> None:
+        """Read the pool's gauges when scraped."""
+        self.queue_depth.set_function(lambda: pool.queue_depth)
+        self.workers_busy.set_function(
+            lambda: sum(w.state == "busy" for w in pool.workers())
+        )
+        self.workers_up.set_function(
+            lambda: sum(w.state in ("idle", "busy") for w in pool.workers())
+        )
+
+    # Hooks ------------------------------------------------------------------------------
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(method, route).observe(seconds)
+
+    def problem(self, type_: str) -> None:
+        self.errors.labels(type_).inc()
+
+    def worker_busy(self, worker: int, seconds: float) -> None:
+        self.busy_seconds.labels(str(worker)).inc(seconds)
+
+    def worker_restarted(self, worker: int, reason: str) -> None:
+        self.worker_restarts.labels(str(worker), reason).inc()

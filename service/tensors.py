@@ -1,0 +1,185 @@
+"""Tensors on the wire <-> NumPy arrays, on the HTTP side (no engine here).
+
+Three encodings of the same tensor `{"dtype", "shape", ...}`:
+
+- "data": a JSON list, flat (row-major) or nested to match the shape. Non-finite values
+  are the strings "NaN", "Infinity" and "-Infinity" (JSON has no literal for them).
+- "base64": the little-endian, row-major bytes in base64.
+- "binary": the same bytes raw, inside a msgpack body (`Content-Type: application/msgpack`).
+
+A bare JSON number or nested list is a float32 tensor.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+DTYPES: tuple[str, ...] = (
+    "float16", "float32", "float64",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "bool",
+)  # fmt: skip
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+class Encoding(StrEnum):
+    """How tensors travel in a body: a JSON list, base64 bytes, or raw msgpack bytes."""
+
+    DATA = "data"
+    BASE64 = "base64"
+    BINARY = "binary"
+
+
+class TensorError(ValueError):
+    """A tensor on the wire that does not describe an array (message names the problem)."""
+
+
+def little_endian(dtype: str) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def expected_size(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Wire -> array
+# ----------------------------------------------------------------------------------------
+
+
+def from_data(data: Any, dtype: str, shape: Sequence[int] | None) -> np.ndarray:
+    """A JSON number or (nested) list -> array of `dtype`; `shape` None takes the nesting."""
+    target = np.dtype(dtype)
+    try:
+        raw = np.asarray(data)
+    except ValueError as exc:  # ragged nesting
+        raise TensorError(f"data is not a regular (nested) list of numbers: {exc}") from None
+    if raw.dtype.kind == "U":
+        raw = _from_strings(raw, target)
+    elif raw.dtype.kind not in "biuf":
+        raise TensorError("data must hold only numbers (or true/false for bool) in range")
+    array = _cast(raw, target)
+    if shape is None:
+        return array
+    shape = tuple(shape)
+    if array.shape != shape:
+        if array.ndim > 1 or array.size != expected_size(shape):
+            raise TensorError(
+                f"data has {array.size} element(s) in shape {list(array.shape)}, "
+                f"which does not fit shape {list(shape)} ({expected_size(shape)} element(s))"
+            )
+        array = array.reshape(shape)
+    return array
+
+
+def _from_strings(raw: np.ndarray, target: np.dtype) -> np.ndarray:
+    """A list mixing numbers with "NaN"/"Infinity"/"-Infinity" (NumPy made it all text)."""
+    if target.kind != "f":
+        raise TensorError(f"data for a {target} tensor must hold only numbers")
+    try:
+        values = raw.astype(np.float64)
+    except ValueError:
+        bad = next(str(v) for v in raw.reshape(-1) if not _is_number_text(str(v)))
+        raise TensorError(
+            f"data holds the string {bad!r}; only numbers, and the strings 'NaN', "
+            "'Infinity' and '-Infinity' for non-finite values, are allowed"
+        ) from None
+    return values
+
+
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _cast(raw: np.ndarray, target: np.dtype) -> np.ndarray:
+    if target.kind == "f" or raw.dtype == target:
+        with np.errstate(over="ignore"):  # 1e39 as float32 is inf: the finite check says so
+            return raw.astype(target, copy=False)
+    if target.kind == "b":
+        if raw.dtype.kind != "b" and not np.isin(raw, (0, 1)).all():
+            raise TensorError("data for a bool tensor must hold true/false (or 0/1)")
+        return raw.astype(target)
+    if raw.dtype.kind == "f" and not (np.isfinite(raw).all() and (raw == np.round(raw)).all()):
+        raise TensorError(f"data for a {target} tensor must hold whole numbers")
+    info = np.iinfo(target)
+    if raw.size and (raw.min() < info.min or raw.max() > info.max):
+        raise TensorError(f"data holds values outside the range of {target}")
+    return raw.astype(target)
+
+
+def from_bytes(raw: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    """Little-endian row-major bytes -> array (zero-copy where the bytes allow)."""
+    dt = little_endian(dtype)
+    count = expected_size(shape)
+    if len(raw) != count * dt.itemsize:
+        raise TensorError(
+            f"{len(raw)} byte(s) do not hold shape {list(shape)} of {dtype} "
+            f"({count} x {dt.itemsize} = {count * dt.itemsize} bytes)"
+        )
+    array = np.frombuffer(raw, dtype=dt).reshape(tuple(shape))
+    if dtype == "bool" and array.size and array.view(np.uint8).max() > 1:
+        raise TensorError("bool bytes must be 0 or 1")
+    return array.astype(dt.newbyteorder("="), copy=False)
+
+
+def from_base64(text: str, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise TensorError(f"base64 is not valid base64: {exc}") from None
+    return from_bytes(raw, dtype, shape)
+
+
+def nonfinite_count(array: np.ndarray) -> int:
+    if array.dtype.kind != "f":
+        return 0
+    return int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+# ----------------------------------------------------------------------------------------
+# Array -> wire
+# ----------------------------------------------------------------------------------------
+
+
+def dtype_name(array: np.ndarray) -> str:
+    name = array.dtype.name
+    if name not in DTYPES:
+        raise TensorError(f"cannot send a tensor of dtype {name}")
+    return name
+
+
+def to_wire(array: np.ndarray, encoding: Encoding) -> dict[str, Any]:
+    """The wire form of an array. For "data" the list is flat and may be a NumPy array
+    (the JSON encoder writes it); for "binary" the bytes are a memoryview."""
+    array = np.asarray(array)
+    out: dict[str, Any] = {"dtype": dtype_name(array), "shape": list(array.shape)}
+    flat = np.ascontiguousarray(array.reshape(-1))
+    if encoding is Encoding.DATA:
+        out["data"] = flat if nonfinite_count(flat) == 0 else _with_nonfinite_strings(flat)
+    else:
+        raw = flat.astype(little_endian(array.dtype.str), copy=False)
+        if encoding is Encoding.BASE64:
+            out["base64"] = base64.b64encode(raw.tobytes()).decode("ascii")
+        else:
+            out["data"] = raw.view(np.uint8).data
+    return out
+
+
+def _with_nonfinite_strings(flat: np.ndarray) -> list[Any]:
+    values: list[Any] = flat.astype(np.float64).tolist()
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            values[i] = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return values

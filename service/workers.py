@@ -1,0 +1,508 @@
+"""The engine worker pool: the only service module that starts worker processes.
+
+Each worker is a process of the "spawn" context that owns one device and computes one
+request at a time with the engine (service/compute.py). The HTTP process talks to it
+over a socket pair in msgpack frames (service/ipc.py): client data is never pickled and
+the event loop never runs engine code, it only waits on sockets.
+
+    pool = WorkerPool(settings)
+    await pool.start()
+    reply = await pool.submit("gradient", payload, time_limit=5.0)   # any free worker
+    reply = await pool.submit("hvp", payload, worker=reply.worker)   # that worker
+    await pool.close()
+
+- Requests wait in one FIFO queue of at most `settings.queue_size` entries (beyond it:
+  PoolBusy, a 503). A request routed to a worker (`worker=i`) waits for that worker; the
+  others take any request. A free worker takes the oldest request it may serve.
+- A request running past its time limit gets ComputeTimeout; its worker is killed and
+  replaced. A worker that dies gives its request WorkerCrashed and is replaced.
+- Each worker keeps a dict of state between requests (compute.WorkerContext.state) for
+  requests routed back to it (issue 6's tapes); `generation` counts its restarts, so a
+  caller can tell that the state it left there is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from service import ipc
+from service.core.config import Settings
+
+log = logging.getLogger("gradtape.workers")
+
+BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+# ----------------------------------------------------------------------------------------
+# What can go wrong (the HTTP layer maps each to a problem response)
+# ----------------------------------------------------------------------------------------
+
+
+class PoolError(Exception):
+    """Base of the pool's failures."""
+
+
+class PoolBusy(PoolError):
+    """The queue is full, or no worker became free in time."""
+
+
+class PoolUnavailable(PoolError):
+    """The pool is not running (starting up or shutting down)."""
+
+
+class ComputeTimeout(PoolError):
+    def __init__(self, limit: float, worker: int):
+        super().__init__(f"worker {worker} ran past the time limit of {limit:g} s")
+        self.limit = limit
+        self.worker = worker
+
+
+class WorkerCrashed(PoolError):
+    def __init__(self, worker: int, exitcode: int | None):
+        self.worker = worker
+        self.exitcode = exitcode
+        super().__init__(f"worker {worker} stopped unexpectedly ({describe_exit(exitcode)})")
+
+
+class ComputeFailed(PoolError):
+    """The worker answered with an error: `error` is compute.describe_error's dict
+    (type, message, and for definition errors the list of problems)."""
+
+    def __init__(self, error: dict[str, Any]):
+        super().__init__(error.get("message", "the computation failed"))
+        self.error = error
+
+
+class WorkerStartError(PoolError):
+    pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+# ----------------------------------------------------------------------------------------
+# Pool
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    result: Any
+    worker: int
+    generation: int
+    seconds: float  # compute time in the worker
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    index: int
+    pid: int | None
+    device: str
+    state: str  # starting, idle, busy, down
+    generation: int
+    restarts: int
+
+
+class PoolObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def worker_busy(self, worker: int, seconds: float) -> None:
+        pass
+
+    def worker_restarted(self, worker: int, reason: str) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    frame: tuple[bytes, bytes]  # the request message, packed once at submit time
+    worker: int | None
+    time_limit: float
+    future: asyncio.Future[Reply]
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+        self.started.set()
+
+
+class _Worker:
+    """The HTTP side's handle on one worker process (replaced processes reuse it)."""
+
+    def __init__(self, index: int, device: str):
+        self.index = index
+        self.device = device
+        self.generation = 0  # +1 at each successful start
+        self.retired = 0  # the last generation stopped on purpose
+        self.restarts = 0
+        self.state = "starting"
+        self.process: BaseProcess | None = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.reader_task: asyncio.Task[None] | None = None
+        self.request_id = 0
+        self.reply: asyncio.Future[dict[str, Any]] | None = None
+        self.hello: dict[str, Any] = {}
+
+    def info(self) -> WorkerInfo:
+        pid = self.process.pid if self.process is not None else None
+        return WorkerInfo(self.index, pid, self.device, self.state, self.generation, self.restarts)
+
+
+class WorkerPool:
+    def __init__(self, settings: Settings, observer: PoolObserver | None = None):
+        self.settings = settings
+        self.observer = observer or PoolObserver()
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers = [_Worker(i, d) for i, d in enumerate(settings.worker_devices())]
+        self._queue: deque[_Job] = deque()
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._running = False
+        self._closing = False
+
+    # Lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every worker and wait until each has said hello; raise when one cannot
+        start (a bad device, a bad definition limit), after stopping the others."""
+        threads = str(self.settings.blas_threads())
+        for name in BLAS_THREAD_VARIABLES:
+            # Inherited by the spawned workers (the HTTP process's NumPy is loaded already).
+            if self.settings.worker_threads is not None:
+                os.environ[name] = threads
+            else:
+                os.environ.setdefault(name, threads)
+        results = await asyncio.gather(
+            *(self._spawn(w) for w in self._workers), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self._running = True
+
+    async def close(self) -> None:
+        """Stop accepting work, fail what waits, and stop every worker."""
+        self._closing = True
+        self._running = False
+        while self._queue:
+            self._queue.popleft().fail(PoolUnavailable("the service is shutting down"))
+        await asyncio.gather(*(self._stop(w, graceful=True) for w in self._workers))
+        for task in list(self._tasks):
+            task.cancel()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def workers(self) -> list[WorkerInfo]:
+        return [w.info() for w in self._workers]
+
+    def hello(self, index: int = 0) -> dict[str, Any]:
+        """What worker `index` reported when it started (device, limits, engine)."""
+        return dict(self._workers[index].hello)
+
+    # Submitting ---------------------------------------------------------------------------
+    async def submit(
+        self,
+        kind: str,
+        payload: Any,
+        *,
+        worker: int | None = None,
+        time_limit: float | None = None,
+        queue_bound: bool = True,
+    ) -> Reply:
+        """Run `kind` (a handler of service.compute) on `payload` in a worker.
+
+        worker: run on that worker only (None: any). time_limit: compute seconds
+        (default: settings.time_limit). Raises PoolBusy, PoolUnavailable, ComputeTimeout,
+        WorkerCrashed, or ComputeFailed with the worker's description of the error.
+        """
+        if not self._running:
+            raise PoolUnavailable("the worker pool is not running")
+        if worker is not None and not 0 <= worker < len(self._workers):
+            raise ValueError(f"no worker {worker}: the pool has {len(self._workers)}")
+        loop = asyncio.get_running_loop()
+        limit = self.settings.time_limit if time_limit is None else time_limit
+        request_id = next(self._ids)
+        # Packed here, so that a payload msgpack cannot carry fails its caller at once.
+        frame = ipc.frame({"id": request_id, "kind": kind, "payload": payload})
+        job = _Job(request_id, frame, worker, limit, loop.create_future())
+        self._queue.append(job)
+        self._dispatch()
+        if not job.started.is_set():
+            if queue_bound and len(self._queue) > self.settings.queue_size:
+                self._queue.remove(job)
+                raise PoolBusy(
+                    f"all {len(self._workers)} workers are busy and {self.settings.queue_size} "
+                    "requests are already waiting"
+                )
+            try:
+                await asyncio.wait_for(job.started.wait(), self.settings.queue_timeout)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                if job in self._queue:
+                    self._queue.remove(job)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise PoolBusy(
+                    f"no worker became free within {self.settings.queue_timeout:g} s"
+                ) from None
+        return await job.future
+
+    async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
+        """Ping every idle worker (a busy one is answering its request, within its time
+        limit); a worker that does not answer in `timeout` is marked down and replaced."""
+
+        async def ping(w: _Worker) -> None:
+            if w.state != "idle":
+                return
+            try:
+                await asyncio.wait_for(
+                    self.submit("ping", None, worker=w.index, time_limit=timeout,
+                                queue_bound=False),
+                    timeout,
+                )
+            except (PoolError, TimeoutError):
+                pass  # the pool replaces a worker that fails; its state says so
+
+        await asyncio.gather(*(ping(w) for w in self._workers))
+        return self.workers()
+
+    # Scheduling ---------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        for w in self._workers:
+            if not self._queue:
+                return
+            if w.state != "idle":
+                continue
+            if w.process is not None and not w.process.is_alive():
+                # Died while idle, and its reader has not noticed yet: no job goes there.
+                w.state = "down"
+                self._spawn_task(self._replace(w, w.generation, "crash"))
+                continue
+            job = next((j for j in self._queue if j.worker in (None, w.index)), None)
+            if job is None:
+                continue
+            self._queue.remove(job)
+            w.state = "busy"
+            job.started.set()
+            self._spawn_task(self._execute(w, job))
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, w: _Worker, job: _Job) -> None:
+        assert w.writer is not None
+        generation = w.generation
+        w.request_id = job.id
+        w.reply = reply = asyncio.get_running_loop().create_future()
+        started = time.perf_counter()
+        try:
+            w.writer.writelines(job.frame)
+            await w.writer.drain()
+            message = await asyncio.wait_for(reply, job.time_limit)
+        except TimeoutError:
+            job.fail(ComputeTimeout(job.time_limit, w.index))
+            self._spawn_task(self._replace(w, generation, "timeout"))
+            return
+        except (PoolError, ConnectionError, OSError) as exc:
+            # The reader saw the worker go (it replaces it), or writing to it failed.
+            if not isinstance(exc, PoolError):
+                exc = WorkerCrashed(w.index, await self._exitcode(w))
+                self._spawn_task(self._replace(w, generation, "crash"))
+            job.fail(exc)
+            return
+        finally:
+            self.observer.worker_busy(w.index, time.perf_counter() - started)
+            w.reply = None
+        w.state = "idle"
+        if message.get("ok"):
+            if not job.future.done():
+                job.future.set_result(
+                    Reply(message.get("result"), w.index, generation, message.get("seconds", 0.0))
+                )
+        else:
+            job.fail(ComputeFailed(message.get("error") or {}))
+        self._dispatch()
+
+    # Worker processes ---------------------------------------------------------------------
+    def _options(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "chunk_size": s.chunk_size,
+            "hessian_max_size": s.hessian_max_size,
+            "jacobian_max_elements": s.jacobian_max_elements,
+            "hvp_max_vectors": s.hvp_max_vectors,
+            "definition_limits": dict(s.definition_limits),
+        }
+
+    async def _spawn(self, w: _Worker) -> None:
+        """Start a process for `w` and wait for its hello."""
+        w.state = "starting"
+        parent_sock, child_sock = socket.socketpair()
+        process = self._ctx.Process(
+            target=worker_main,
+            args=(child_sock, w.index, w.device, self._options()),
+            name=f"gradtape-worker-{w.index}",
+            daemon=True,
+        )
+        try:
+            await asyncio.to_thread(process.start)
+        finally:
+            child_sock.close()
+        w.process = process
+        reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
+        try:
+            hello = await asyncio.wait_for(ipc.read_message(reader), self.settings.startup_timeout)
+        except (TimeoutError, ipc.FrameError) as exc:
+            writer.close()
+            process.kill()
+            exitcode = await self._exitcode(w)
+            what = "did not start in time" if isinstance(exc, TimeoutError) else describe_exit(exitcode)
+            raise WorkerStartError(f"worker {w.index} ({w.device}) {what}") from None
+        if "fatal" in hello:
+            writer.close()
+            await self._exitcode(w)
+            raise WorkerStartError(f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}")
+        w.reader, w.writer, w.hello = reader, writer, hello.get("hello", {})
+        w.generation += 1
+        w.state = "idle"
+        w.reader_task = asyncio.get_running_loop().create_task(self._read_replies(w, w.generation))
+        log.info("worker %d up: pid %s on %s", w.index, process.pid, w.device)
+
+    async def _read_replies(self, w: _Worker, generation: int) -> None:
+        """Hand each reply to the request waiting for it; notice when the worker dies."""
+        assert w.reader is not None
+        try:
+            while True:
+                message = await ipc.read_message(w.reader)
+                reply = w.reply
+                if reply is not None and not reply.done() and message.get("id") == w.request_id:
+                    reply.set_result(message)
+        except (ConnectionError, OSError, ValueError):
+            pass
+        if self._closing or w.generation != generation or w.retired == generation:
+            return  # stopped on purpose
+        w.state = "down"  # at once: nothing more is dispatched to it
+        reply = w.reply
+        exitcode = await self._exitcode(w)
+        log.warning("worker %d %s", w.index, describe_exit(exitcode))
+        if reply is not None and not reply.done():
+            reply.set_exception(WorkerCrashed(w.index, exitcode))
+        await self._replace(w, generation, "crash")
+
+    async def _exitcode(self, w: _Worker) -> int | None:
+        process = w.process
+        if process is None:
+            return None
+        await asyncio.to_thread(process.join, 5.0)
+        return process.exitcode
+
+    async def _replace(self, w: _Worker, generation: int, reason: str) -> None:
+        """Kill worker `w` (if that generation is still running) and start a new one."""
+        if w.generation != generation or w.retired == generation or self._closing:
+            return
+        w.retired = generation
+        await self._stop(w, graceful=False)
+        w.restarts += 1
+        self.observer.worker_restarted(w.index, reason)
+        log.warning("replacing worker %d (%s)", w.index, reason)
+        delay = 0.5
+        while not self._closing:
+            try:
+                await self._spawn(w)
+                break
+            except WorkerStartError as exc:
+                log.error("%s; retrying in %.1f s", exc, delay)
+                w.state = "down"
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        self._dispatch()
+
+    async def _stop(self, w: _Worker, graceful: bool) -> None:
+        w.state = "down"
+        w.retired = w.generation
+        process, writer = w.process, w.writer
+        if writer is not None:
+            if graceful and process is not None and process.is_alive():
+                try:
+                    ipc.write_message(writer, {"id": 0, "kind": "shutdown", "payload": None})
+                    await writer.drain()
+                except (ConnectionError, OSError):
+                    pass
+            writer.close()
+        if process is not None:
+            if graceful:
+                await asyncio.to_thread(process.join, 3.0)
+            if process.is_alive():
+                process.kill()
+            await asyncio.to_thread(process.join, 5.0)
+        if w.reader_task is not None and w.reader_task is not asyncio.current_task():
+            w.reader_task.cancel()
+        if w.reply is not None and not w.reply.done():
+            w.reply.set_exception(PoolUnavailable("the service is shutting down"))
+        w.reader = w.writer = w.reader_task = None
+
+
+# ----------------------------------------------------------------------------------------
+# Inside a worker process
+# ----------------------------------------------------------------------------------------
+
+
+def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any]) -> None:
+    """A worker's life: load the engine for `device`, say hello, answer until told to
+    stop or until the HTTP process goes away."""
+    # Signals sent to the server's process group (Ctrl-C, `timeout`, a supervisor) are the
+    # HTTP process's to handle: it stops its workers itself. Signals sent to this process
+    # (the pool's kill, multiprocessing's exit handler) still apply.
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from service import compute  # the engine loads here, in the worker only
+
+        context = compute.start(index, device, options)
+    except Exception as exc:  # noqa: BLE001 - any failure to start is reported, then exit
+        ipc.send_message(sock, {"fatal": f"{type(exc).__name__}: {exc}"})
+        return
+    ipc.send_message(sock, {"hello": context.describe()})
+    while True:
+        message = ipc.recv_message(sock)
+        if message is None or message.get("kind") == "shutdown":
+            return
+        reply = compute.answer(context, message)
+        try:
+            ipc.send_message(sock, reply)
+        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
+            error = compute.internal_error(exc)
+            ipc.send_message(sock, {"id": message.get("id"), "ok": False, "error": error})

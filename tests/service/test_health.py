@@ -1,0 +1,68 @@
+"""The operations endpoints (/healthz, /readyz, /metrics) and the documentation pages,
+which render with no internet: every asset is served by the app itself."""
+
+from __future__ import annotations
+
+import re
+
+from service.schemas import GRADIENT_EXAMPLE
+from tests.service.wire import post
+
+
+def test_healthz(client) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_readyz_lists_the_workers(client) -> None:
+    body = client.get("/readyz").json()
+    assert body["status"] == "ready"
+    assert [w["index"] for w in body["workers"]] == [0, 1]
+    for worker in body["workers"]:
+        assert worker["state"] in ("idle", "busy") and worker["device"] == "cpu"
+        assert worker["pid"] > 0 and worker["generation"] >= 1
+
+
+def test_metrics(client) -> None:
+    post(client, "/v1/gradient", GRADIENT_EXAMPLE)
+    client.get("/nowhere")
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    assert re.search(
+        r'gradtape_http_requests_total\{method="POST",route="/v1/gradient",status="200"\} \d', text)
+    assert 'gradtape_http_request_duration_seconds_bucket{le="0.005",method="POST",' \
+           'route="/v1/gradient"}' in text
+    assert 'gradtape_errors_total{type="not-found"}' in text
+    assert re.search(r'gradtape_worker_busy_seconds_total\{worker="0"\} [0-9.e-]+', text)
+    assert "gradtape_queue_depth 0.0" in text
+    assert "gradtape_workers_up 2.0" in text
+
+
+def test_swagger_ui_is_served_locally(client) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200
+    assert "http" not in re.sub(r"window\.location\.origin", "", page.text.split("<body>")[1])
+    assets = re.findall(r'(?:src|href)="(/static/docs/[^"]+)"', page.text)
+    assert len(assets) == 3
+    for asset in assets:
+        assert client.get(asset).status_code == 200
+    bundle = client.get("/static/docs/swagger-ui-bundle.js").text
+    version = re.search(r'PACKAGE_VERSION:"(\d+)\.\d+\.\d+"', bundle)
+    assert version and int(version.group(1)) >= 5  # OpenAPI 3.1 needs Swagger UI 5
+
+
+def test_redoc_is_served_locally(client) -> None:
+    page = client.get("/redoc")
+    assert page.status_code == 200 and "fonts.googleapis" not in page.text
+    assert client.get("/static/docs/redoc.standalone.js").status_code == 200
+
+
+def test_openapi_document(client) -> None:
+    spec = client.get("/openapi.json").json()
+    assert spec["openapi"].startswith("3.1")
+    operations = {op["operationId"] for path in spec["paths"].values() for op in path.values()}
+    assert operations == {"compute_gradient", "compute_jacobian", "compute_hessian",
+                          "compute_hvp", "list_ops", "check_health", "check_readiness",
+                          "read_metrics"}

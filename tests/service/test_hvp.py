@@ -1,0 +1,62 @@
+"""POST /v1/hvp: one vector or many in one batched pass. The stateless half of
+SCENARIOS.md 14: batched HVPs equal fresh single ones and the Hessian's products (reuse
+across requests is issue 6's tapes)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.service.wire import arr, post, problem, t
+
+rng = np.random.default_rng(14)
+X = rng.standard_normal((6, 4))
+DEFN = {
+    "variables": {"k": t(rng.standard_normal((4, 3)), "float64"),
+                  "b": t(rng.standard_normal(3), "float64")},
+    "inputs": {"x": t(X, "float64")},
+    "program": ["loss = sum(tanh(x @ k + b) ** 2)"],
+}
+
+
+def _flat(blocks: dict, i: str, j: str) -> np.ndarray:
+    sizes = {"k": 12, "b": 3}
+    return arr(blocks[i][j]).reshape(sizes[i], sizes[j])
+
+
+def test_many_vectors_in_one_pass_equal_single_ones_and_the_hessian(client) -> None:
+    hessian = post(client, "/v1/hessian", {"definition": DEFN, "target": "loss"})["hessian"]
+    h = np.block([[_flat(hessian, i, j) for j in "kb"] for i in "kb"])
+    vectors = [{"k": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)} for _ in range(5)]
+    wire = [{k: t(v, "float64") for k, v in vec.items()} for vec in vectors]
+    batched = post(client, "/v1/hvp", {"definition": DEFN, "target": "loss", "vectors": wire})
+    assert batched["hvp"] is None and len(batched["hvps"]) == 5
+    for vec, one_wire, product in zip(vectors, wire, batched["hvps"], strict=True):
+        expected = h @ np.concatenate([vec["k"].reshape(-1), vec["b"]])
+        got = np.concatenate([arr(product["k"]).reshape(-1), arr(product["b"])])
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+        single = post(client, "/v1/hvp", {"definition": DEFN, "target": "loss", "vector": one_wire})
+        assert single["hvps"] is None
+        for key in ("k", "b"):
+            np.testing.assert_allclose(arr(single["hvp"][key]), arr(product[key]), rtol=1e-12)
+
+
+def test_vectors_keyed_by_alias(client) -> None:
+    body = {"definition": DEFN, "target": "loss", "sources": {"bias": "b"},
+            "vector": {"bias": t(np.ones(3), "float64")}}
+    answer = post(client, "/v1/hvp", body)
+    assert set(answer["hvp"]) == {"bias"} and set(answer["gradients"]) == {"bias"}
+
+
+def test_vector_problems_name_the_field(client) -> None:
+    base = {"definition": DEFN, "target": "loss", "sources": ["b"]}
+    wrong_shape = problem(client.post("/v1/hvp", json={**base, "vector": {"b": t(np.ones(4))}}),
+                          422, "invalid-request")
+    assert "vector.b" in wrong_shape["detail"] and "[4]" in wrong_shape["detail"]
+    missing = problem(client.post("/v1/hvp", json={**base, "vectors": [{"k": t(np.ones(3))}]}),
+                      422, "invalid-request")
+    assert "vectors.0" in missing["detail"] and "'b'" in missing["detail"]
+    both = problem(client.post("/v1/hvp", json={**base, "vector": {}, "vectors": [{}]}),
+                   422, "validation")
+    assert "exactly one" in both["detail"]
+    many = [{"b": t(np.ones(3))}] * 33  # the tests' server answers up to 32
+    problem(client.post("/v1/hvp", json={**base, "vectors": many}), 422, "too-large")

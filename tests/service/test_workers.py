@@ -1,0 +1,207 @@
+"""The worker pool: a request past its time limit, and a worker killed mid-request, each
+get a clear problem response while the other requests carry on; the worker is replaced
+and the next request is fine. Then the pool on its own: routing to a worker, the queue
+bound."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from service.core.config import Settings
+from service.schemas import GRADIENT_EXAMPLE
+from service.workers import ComputeFailed, PoolBusy, WorkerPool
+from tests.service.wire import num, post, problem, t64
+
+# About two seconds of matrix products per pass on one core (2000 x 2000 float32).
+SLOW = {
+    "definition": {
+        "inputs": {"v": t64(np.linspace(0, 1, 2000))},
+        "program": ["a = broadcast_to(v, (2000, 2000)) * 0.001",
+                    *[f"m{i} = tanh({'a' if i == 0 else f'm{i - 1}'} @ a)" for i in range(8)],
+                    "s = sum(m7)"],
+    },
+    "target": "s",
+    "sources": ["v"],
+}
+
+
+def _workers(client: httpx.Client) -> list[dict]:
+    response = client.get("/readyz")
+    body = response.json()
+    return body["workers"]
+
+
+def _busy_worker(client: httpx.Client, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = [w for w in _workers(client) if w["state"] == "busy"]
+        if busy:
+            return busy[0]
+        time.sleep(0.02)
+    raise TimeoutError("no worker became busy")
+
+
+def _in_background(base_url: str, body: dict) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def run() -> None:
+        with httpx.Client(base_url=base_url, timeout=60.0) as c:
+            result.append(c.post("/v1/gradient", json=body))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def test_time_limit(server, client) -> None:
+    before = {w["index"]: w for w in server.wait_ready()["workers"]}
+    thread, result = _in_background(server.base_url, {**SLOW, "time_limit": 1.0})
+    slow = _busy_worker(client)
+    for _ in range(5):  # the other worker keeps answering meanwhile
+        assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+    thread.join(30)
+    found = problem(result[0], 504, "time-limit")
+    assert "1 s" in found["detail"] and found["time_limit"] == 1.0
+    after = {w["index"]: w for w in server.wait_ready()["workers"]}
+    index = slow["index"]
+    assert after[index]["pid"] != slow["pid"]
+    assert after[index]["generation"] == before[index]["generation"] + 1
+    assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+    assert 'reason="timeout"' in client.get("/metrics").text
+
+
+def test_killed_worker(server, client) -> None:
+    server.wait_ready()
+    thread, result = _in_background(server.base_url, SLOW)
+    victim = _busy_worker(client)
+    os.kill(victim["pid"], signal.SIGKILL)
+    thread.join(30)
+    found = problem(result[0], 502, "worker-crashed")
+    assert "SIGKILL" in found["detail"] and "replaced" in found["detail"]
+    assert result[0].headers["retry-after"] == "1"
+    after = {w["index"]: w for w in server.wait_ready()["workers"]}
+    assert after[victim["index"]]["pid"] != victim["pid"]
+    assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+    assert 'reason="crash"' in client.get("/metrics").text
+
+
+def _wait_dead(pid: int) -> None:
+    """Until the process has exited (a zombie until the server reaps it, or gone)."""
+    for _ in range(500):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1].startswith(("Z", "X")):
+                    return
+        except (FileNotFoundError, ProcessLookupError):  # reaped already
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not exit")
+
+
+def test_idle_worker_death_spares_the_next_request(server, client) -> None:
+    victim = server.wait_ready()["workers"][0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    _wait_dead(victim["pid"])
+    for _ in range(4):  # served by whichever worker is up; none is sent to the dead one
+        assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+    after = server.wait_ready()["workers"][0]
+    assert after["pid"] != victim["pid"]
+
+
+# ---- the pool on its own ----------------------------------------------------------------
+
+
+def _payload(size: int, products: int) -> dict:
+    from service.api.payloads import gradient
+    from service.schemas import GradientRequest
+
+    body = {**SLOW, "definition": {
+        "inputs": {"v": t64(np.linspace(0, 1, size))},
+        "program": [f"a = broadcast_to(v, ({size}, {size})) * 0.001",
+                    *[f"m{i} = tanh({'a' if i == 0 else f'm{i - 1}'} @ a)"
+                      for i in range(products)],
+                    f"s = sum(m{products - 1})"]}}
+    return gradient(GradientRequest.model_validate(body), Settings()).payload
+
+
+def test_routing_to_a_worker_and_the_queue_bound() -> None:
+    async def scenario() -> None:
+        pool = WorkerPool(Settings(workers=2, queue_size=0, time_limit=20))
+        await pool.start()
+        try:
+            pids = [w.pid for w in pool.workers()]
+            for index in (1, 0, 1):
+                reply = await pool.submit("ping", None, worker=index)
+                assert (reply.worker, reply.result["pid"]) == (index, pids[index])
+            payload = _payload(1000, 3)  # a few tenths of a second
+            running = [asyncio.create_task(pool.submit("gradient", payload, worker=i))
+                       for i in (0, 1)]
+            await asyncio.sleep(0.02)
+            assert [w.state for w in pool.workers()] == ["busy", "busy"]
+            with pytest.raises(PoolBusy, match="requests are already waiting"):
+                await pool.submit("ping", None)  # both busy, no room to wait
+            replies = await asyncio.gather(*running)
+            assert [r.worker for r in replies] == [0, 1]
+            assert replies[0].result["value"] == replies[1].result["value"]
+            with pytest.raises(ComputeFailed) as failed:
+                await pool.submit("nope", None)
+            assert failed.value.error["type"] == "internal"
+        finally:
+            await pool.close()
+        assert all(w.state == "down" for w in pool.workers())
+
+    asyncio.run(scenario())
+
+
+def test_requests_wait_in_the_queue_in_order() -> None:
+    async def scenario() -> None:
+        pool = WorkerPool(Settings(workers=1, queue_size=4, time_limit=20))
+        await pool.start()
+        try:
+            first = asyncio.create_task(pool.submit("gradient", _payload(1000, 2)))
+            await asyncio.sleep(0.01)
+            waiting = [asyncio.create_task(pool.submit("ping", None)) for _ in range(3)]
+            await asyncio.sleep(0.01)
+            assert pool.queue_depth == 3
+            await first
+            assert [(await w).worker for w in waiting] == [0, 0, 0]
+            assert pool.queue_depth == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_full_queue_answers_503_with_retry_after() -> None:
+    """The app in this process (its own pool of one worker, no queue), over ASGI."""
+    from service.main import create_app
+
+    async def scenario() -> None:
+        app = create_app(Settings(workers=1, queue_size=0, retry_after=3))
+        slow = {**SLOW, "definition": {**SLOW["definition"], "program": [
+            "a = broadcast_to(v, (1000, 2000)) * 0.001", "m = tanh(a @ transpose(a))",
+            "s = sum(m)"]}}
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                running = asyncio.create_task(c.post("/v1/gradient", json=slow))
+                while app.state.pool.workers()[0].state != "busy":
+                    await asyncio.sleep(0.005)
+                refused = await c.post("/v1/gradient", json=GRADIENT_EXAMPLE)
+                found = problem(refused, 503, "busy")
+                assert refused.headers["retry-after"] == "3" and "busy" in found["detail"]
+                assert (await running).status_code == 200
+                assert (await c.post("/v1/gradient", json=GRADIENT_EXAMPLE)).status_code == 200
+        unavailable = httpx.ASGITransport(app=app)  # after shutdown: 503, not a crash
+        async with httpx.AsyncClient(transport=unavailable, base_url="http://app") as c:
+            problem(await c.post("/v1/gradient", json=GRADIENT_EXAMPLE), 503, "unavailable")
+
+    asyncio.run(scenario())
