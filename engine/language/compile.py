@@ -85,7 +85,7 @@ class CompiledProgram:
     def leaves(self, definition: Any, device: str | None = None) -> dict[str, Tensor]:
         """The definition's values as engine tensors: a Variable (with its trainable flag)
         per variable, a constant per input, on `device` (default: where the value is)."""
-        defn = as_definition(definition)
+        defn = definition if isinstance(definition, Definition) else as_definition(definition)
         out: dict[str, Tensor] = {}
         for name, var in defn.variables.items():
             value = var.value if device is None else constant(var.value, device=device).value

@@ -10,6 +10,7 @@ the wire; an engine Tensor keeps its dtype and device.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -213,6 +214,11 @@ def to_array(value: Any, section: str, problems: list[Problem]) -> Any:
 # ----------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
+def _limits_items(limits: Limits) -> dict[str, Any]:
+    return limits.as_dict()  # asdict is slow, and a service uses one Limits throughout
+
+
 def structure_key(defn: Definition, limits: Limits) -> str:
     """A hash of everything compilation depends on: lines, functions, the names, shapes,
     dtypes and trainable flags of the leaves (not their values), and the limits."""
@@ -227,7 +233,7 @@ def structure_key(defn: Definition, limits: Limits) -> str:
             name: [list(f.params), list(f.forward), list(f.backward), f.output]
             for name, f in defn.functions.items()
         },
-        "limits": limits.as_dict(),
+        "limits": _limits_items(limits),
     }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
