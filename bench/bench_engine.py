@@ -13,9 +13,10 @@ with weights W_i of shape (in, out) and biases b_i. Sizes:
     large   B=1024, d=1024, hidden 3 x 2048, out 10
 
 Rows of each table: median wall time of one call (time.perf_counter; JAX results
-.block_until_ready()) after one warm-up call, over --repeat calls or --budget
-seconds, whichever ends first; a call slower than --budget is timed once, its
-warm-up call being the measurement.
+.block_until_ready()) after one warm-up call, over at least --repeat calls and
+--min-time seconds, at most --budget seconds; a call slower than --budget is
+timed once, its warm-up call being the measurement. Before anything is timed,
+every case runs once at size small, so one-time library initialisation stays out.
 
     gradient        loss + gradients of all parameters
     HVP fresh       Hessian-vector product wrt all parameters from scratch
@@ -36,8 +37,9 @@ How each column computes them:
               HVP; autograd.grad(g, params, v, retain_graph=True) on a graph built
               once for reused HVPs (is_grads_batched=True for K vectors);
               func.vmap(func.jacrev(f_single)); func.jacrev(chunk_size=...).
-    jax       everything jax.jit'd and compiled ahead of time: value_and_grad; jvp(grad(f)) for a fresh HVP;
-              linearize(grad(f)) once then the (vmap'd) linear function;
+    jax       everything jax.jit'd and compiled ahead of time (not timed):
+              value_and_grad; jvp(grad(f)) for a fresh HVP; linearize(grad(f))
+              once, then the (vmap'd) linear function, its residuals as arguments;
               vmap(jacrev(f_single)); jacrev, or vjp + lax.map(batch_size=chunk)
               over the one-hot basis when the jacobian is chunked.
     floor     hand-written NumPy: forward/backward for the gradient, forward-over-
@@ -54,14 +56,25 @@ Run (from the repository root, in the peers' virtualenv):
     env -u OPENBLAS_CORETYPE .venv-bench/bin/python bench/bench_engine.py \
         [--sizes small,medium,large] [--repeat N] [--write bench/RESULTS.md]
     .venv-bench/bin/python bench/bench_engine.py --check     # agreement check only
-    .venv-bench/bin/python bench/bench_engine.py --malloc-env ...
+    .venv-bench/bin/python bench/bench_engine.py --malloc-env ...   # see below
+    .venv-bench/bin/python bench/bench_engine.py --help
 
 OPENBLAS_CORETYPE=Haswell (set on some of our machines) makes NumPy's OpenBLAS
 use slower kernels (about 1.6x slower sgemm measured here); the script warns
 when it is set. glibc returning freed memory to the OS between calls turns into
 page faults on the next call; the header says whether MALLOC_TRIM_THRESHOLD_ /
 MALLOC_MMAP_THRESHOLD_ are set, --malloc-env re-runs the script with both set,
-and --faults adds a table of minor page faults per call.
+and --diagnostics adds a table of minor page faults per call.
+
+On a small machine, CPU taken by anything else (another process, or the
+hypervisor as steal time) stalls multi-threaded BLAS at its barriers and can
+make an eager framework 10-30x slower for as long as it lasts, while JAX's
+work-stealing pool barely notices. The script measures that "foreign" CPU
+while timing each cell (every other process's CPU time in /proc, plus steal),
+marks cells where it exceeded 5% of the machine with "*", re-times them once
+the machine is quiet (--retries, --quiet-wait) and warns at start if the
+machine is busy. Where the machine cannot be had quiet, --single-thread (every
+framework on one thread) gives steadier per-core numbers.
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import os
 import platform
 import resource
@@ -80,7 +94,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, sleep
 
 import numpy as np
 
@@ -91,7 +105,17 @@ MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),  # keep up to 1 GiB of free heap
     "MALLOC_MMAP_THRESHOLD_": str(1 << 25),  # 32 MiB: glibc's maximum
 }
+SINGLE_THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",  # torch (libgomp)
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",  # NumPy: gradtape and the floor
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",  # JAX
+}
+# environment variables that change the numbers: recorded in the header and command
+ENV_VARS = ("OPENBLAS_CORETYPE", *SINGLE_THREAD_ENV, *MALLOC_ENV)
 NA_ERRORS = (ImportError, AttributeError, NotImplementedError)
+NOISY_SHARE = 0.05  # cells timed while others took more of the CPU than this get a "*"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -155,26 +179,29 @@ def make_problem(
     rng = np.random.default_rng(seed)
     dims = (size.d_in, *size.hidden, size.d_out)
     params = []
-    for d_in, d_out in zip(dims[:-1], dims[1:]):
+    for d_in, d_out in itertools.pairwise(dims):
         params.append(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in))
         params.append(0.1 * rng.standard_normal(d_out))
     x = rng.standard_normal((size.batch, size.d_in))
     y = rng.standard_normal((size.batch, size.d_out))
     v = [rng.standard_normal(p.shape) for p in params]
     vs = [rng.standard_normal((K_VECTORS, *p.shape)) for p in params]
-    rows = size.batch * size.d_out
+    # W1 jacobian rows per chunk: bound each chunk's (rows, B, hidden) cotangents
     row_bytes = size.batch * max(size.hidden) * np.dtype(dtype).itemsize
     chunk = max(1, (chunk_mb << 20) // row_bytes)
-    cast = [a.astype(dtype) for a in (x, y)]
+
+    def cast(arrays):
+        return [a.astype(dtype) for a in arrays]
+
     return Problem(
         size=size,
         activation=activation,
-        x=cast[0],
-        y=cast[1],
-        params=[p.astype(dtype) for p in params],
-        v=[a.astype(dtype) for a in v],
-        vs=[a.astype(dtype) for a in vs],
-        jac_chunk=None if chunk >= rows else chunk,
+        x=x.astype(dtype),
+        y=y.astype(dtype),
+        params=cast(params),
+        v=cast(v),
+        vs=cast(vs),
+        jac_chunk=None if chunk >= size.batch * size.d_out else chunk,
     )
 
 
@@ -495,7 +522,10 @@ class JaxPeer:
 
     def batch_jac(self):
         jax = self.jax
-        f_single = lambda params, xi: mlp(xi, params, self.act)  # noqa: E731
+
+        def f_single(params, xi):
+            return mlp(xi, params, self.act)
+
         f = jax.vmap(jax.jacrev(f_single, argnums=1), in_axes=(None, 0))
         return self._compiled(f, self.params, self.x)
 
@@ -503,7 +533,9 @@ class JaxPeer:
         jax, chunk = self.jax, self.prob.jac_chunk
 
         def jac(w1, rest, x):
-            f = lambda w: mlp(x, (w, *rest), self.act)  # noqa: E731
+            def f(w):
+                return mlp(x, (w, *rest), self.act)
+
             if chunk is None:
                 return jax.jacrev(f)(w1)
             out, vjp = jax.vjp(f, w1)
@@ -518,10 +550,17 @@ class JaxPeer:
 
 
 def import_gradtape():
-    """`import engine as gt`, from the installed project or from the repository."""
+    """`import engine as gt`, from the installed project or else from the repository.
+
+    An editable install made before engine/__init__.py existed maps `engine` to a
+    namespace package; that is treated like no install at all.
+    """
     try:
         import engine
     except ImportError:
+        engine = None
+    if getattr(engine, "__file__", None) is None:
+        sys.modules.pop("engine", None)
         sys.path.insert(0, str(REPO_ROOT))
         import engine
     return engine
@@ -598,10 +637,15 @@ class Cell:
     ms: float | None = None
     note: str = ""  # "n/a", "error", "timeout", "skipped: too big"
     faults: float | None = None  # minor page faults per call
+    foreign: float | None = None  # share of the machine's CPU others took while timing
     result: object = None  # kept only for --check
 
+    @property
+    def noisy(self) -> bool:
+        return self.foreign is not None and self.foreign > NOISY_SHARE
+
     def text(self) -> str:
-        return self.note if self.ms is None else fmt_ms(self.ms)
+        return self.note if self.ms is None else fmt_ms(self.ms) + (" *" if self.noisy else "")
 
 
 class CellTimeout(Exception):
@@ -628,6 +672,35 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def cpu_snapshot() -> tuple[float, float]:
+    """(wall seconds, CPU seconds used by every other process plus hypervisor steal)."""
+    me, used = str(os.getpid()), 0
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit() or entry.name == me:
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                    fields = stat.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # exited meanwhile
+            used += sum(int(t) for t in fields[11:15])  # utime stime cutime cstime
+    try:
+        with open("/proc/stat") as stat:
+            used += int(stat.readline().split()[8])  # steal
+    except (OSError, ValueError, IndexError):
+        pass
+    return perf_counter(), used / CLOCK_TICKS
+
+
+def foreign_share(before, after) -> float | None:
+    """Share of the machine's CPU capacity others used between two snapshots."""
+    wall, used = (end - begin for end, begin in zip(after, before))
+    if wall < 0.1:  # too few clock ticks to tell
+        return None
+    return max(0.0, used) / (wall * (os.cpu_count() or 1))
+
+
 def timed_call(thunk, block) -> tuple[float, int]:
     """Seconds and minor page faults of one call."""
     faults, start = minor_faults(), perf_counter()
@@ -635,22 +708,28 @@ def timed_call(thunk, block) -> tuple[float, int]:
     return perf_counter() - start, minor_faults() - faults
 
 
-def measure(thunk, block, repeat: int, budget_s: float) -> tuple[float, float]:
-    """Median seconds and mean minor page faults per call, after one warm-up call.
+def measure(thunk, block, args, repeat: int) -> tuple[float, float, float | None]:
+    """Median seconds, mean minor page faults per call and foreign CPU share while timing.
 
-    Stops after `repeat` timed calls or once `budget_s` is spent (at least one).
-    A warm-up call longer than `budget_s` is itself the measurement: compiling
-    happens before it (JAX is compiled ahead of time in the cell's setup), and at
-    that length one call's warm-up effects are noise.
+    One warm-up call, then timed calls until there are `repeat` of them AND
+    --min-time has passed (so that even sub-millisecond cells are timed long enough
+    to see other load), or until --budget is spent (at least one call). A warm-up
+    call longer than --budget is itself the measurement: compiling happens before it
+    (JAX compiles ahead of time in the cell's setup), one-time initialisation
+    happened in prime(), and at that length one call's warm-up effects are noise.
     """
+    before = cpu_snapshot()
     first = timed_call(thunk, block)
-    if first[0] > budget_s:
-        return first
-    samples, start = [], perf_counter()
-    while not samples or (len(samples) < repeat and perf_counter() - start < budget_s):
-        samples.append(timed_call(thunk, block))
-    times, faults = zip(*samples)
-    return statistics.median(times), statistics.fmean(faults)
+    if first[0] <= args.budget:
+        samples, start, before = [], perf_counter(), cpu_snapshot()
+        while True:
+            samples.append(timed_call(thunk, block))
+            elapsed = perf_counter() - start
+            if elapsed >= args.budget or (len(samples) >= repeat and elapsed >= args.min_time):
+                break
+        times, faults = zip(*samples)
+        first = statistics.median(times), statistics.fmean(faults)
+    return *first, foreign_share(before, cpu_snapshot())
 
 
 @dataclass
@@ -658,6 +737,7 @@ class Notes:
     """Footnotes: why a cell is n/a or an error, once per distinct reason."""
 
     lines: list[str] = field(default_factory=list)
+    quiet: bool = False  # no tracebacks on stderr
 
     def add(self, framework: str, row: str, exc: BaseException) -> str:
         kind = "n/a" if isinstance(exc, NA_ERRORS) else "error"
@@ -665,7 +745,7 @@ class Notes:
             kind = "timeout"
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         line = f"{framework} {kind}: {reason}"
-        if kind == "error":
+        if kind == "error" and not self.quiet:
             traceback.print_exception(exc, limit=-3, file=sys.stderr)
         if line not in self.lines:
             self.lines.append(line)
@@ -683,10 +763,11 @@ def run_cell(peer, row: str, prob: Problem, args, notes: Notes, keep=False) -> C
             thunk = getattr(peer, row)()
             if keep:
                 return Cell(result=block(thunk()))
-            seconds, faults = measure(thunk, block, args.repeat or prob.size.repeat, args.budget)
-    except Exception as exc:  # one broken cell must not end the run
+            repeat = args.repeat or prob.size.repeat
+            seconds, faults, foreign = measure(thunk, block, args, repeat)
+    except Exception as exc:  # noqa: BLE001 (one broken cell must not end the run)
         return Cell(note=notes.add(peer.name, ROWS[row], exc))
-    return Cell(ms=1e3 * seconds / per, faults=faults / per)
+    return Cell(ms=1e3 * seconds / per, faults=faults / per, foreign=foreign)
 
 
 def make_peers(prob: Problem, names, notes: Notes) -> dict:
@@ -695,7 +776,7 @@ def make_peers(prob: Problem, names, notes: Notes) -> dict:
     for name in names:
         try:
             peers[name] = PEERS[name](prob)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (reported as n/a or error)
             notes.add(name, "setup", exc)
             peers[name] = exc
     return peers
@@ -711,15 +792,50 @@ def bench_table(prob: Problem, args) -> str:
                 cells[row, name] = Cell(note="n/a" if isinstance(peer, NA_ERRORS) else "error")
                 continue
             cells[row, name] = cell = run_cell(peer, row, prob, args, notes)
-            print(f"  {prob.size.name}/{prob.activation} {row:12s} {name:9s} {cell.text()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {prob.size.name}/{prob.activation} {row:12s} {name:9s} {cell.text()}",
+                file=sys.stderr,
+                flush=True,
+            )
+    retry_noisy(cells, peers, prob, args, notes)
     title = f"### {prob.size.name} ({prob.size.describe()}), {prob.activation}"
     parts = [title, "", timing_table(cells, args)]
-    if args.faults:
-        parts += ["", "Minor page faults per call:", "", faults_table(cells, args)]
+    if any(cell.noisy for cell in cells.values()):
+        note = f"other processes or the hypervisor took over {NOISY_SHARE:.0%} of the CPU"
+        parts += ["", f"\\* {note} while this cell was timed: not trustworthy, rerun"]
+    if args.diagnostics:
+        title = "Minor page faults per call / foreign CPU share while timing:"
+        parts += ["", title, "", diagnostics_table(cells, args)]
     if notes.lines:
         parts += [""] + [f"- {line}" for line in notes.lines]
     return "\n".join(parts) + "\n"
+
+
+def wait_for_quiet(timeout_s: float) -> bool:
+    """Wait until others use at most NOISY_SHARE of the CPU over a second, or give up."""
+    deadline = perf_counter() + timeout_s
+    while True:
+        before = cpu_snapshot()
+        sleep(1.0)
+        share = foreign_share(before, cpu_snapshot())
+        if share is None or share <= NOISY_SHARE:
+            return True
+        if perf_counter() > deadline:
+            return False
+
+
+def retry_noisy(cells: dict, peers: dict, prob: Problem, args, notes: Notes) -> None:
+    """Time cells marked noisy again once the machine is quiet; keep the cleaner one."""
+    for _ in range(args.retries):
+        noisy = [key for key, cell in cells.items() if cell.noisy]
+        if not noisy:
+            return
+        print(f"  {len(noisy)} noisy cells: waiting for a quiet machine", file=sys.stderr)
+        wait_for_quiet(args.quiet_wait)
+        for row, name in noisy:
+            again = run_cell(peers[name], row, prob, args, notes)
+            if again.foreign is not None and again.foreign < cells[row, name].foreign:
+                cells[row, name] = again
 
 
 def fmt_ms(ms: float) -> str:
@@ -750,17 +866,30 @@ def timing_table(cells: dict, args) -> str:
     return markdown_table(header, body)
 
 
-def faults_table(cells: dict, args) -> str:
-    header = ["measurement"] + list(args.frameworks)
-    body = [
-        [ROWS[row]]
-        + [
-            "" if cells[row, f].faults is None else f"{cells[row, f].faults:.0f}"
-            for f in args.frameworks
-        ]
-        for row in args.rows
-    ]
-    return markdown_table(header, body)
+def diagnostics_table(cells: dict, args) -> str:
+    def text(cell: Cell) -> str:
+        if cell.faults is None:
+            return ""
+        foreign = "-" if cell.foreign is None else f"{cell.foreign:.0%}"
+        return f"{cell.faults:.0f} / {foreign}"
+
+    body = [[ROWS[row]] + [text(cells[row, f]) for f in args.frameworks] for row in args.rows]
+    return markdown_table(["measurement", *args.frameworks], body)
+
+
+def prime(args) -> None:
+    """Call every case once at size small, before anything is timed.
+
+    One-time library initialisation (lazy imports, kernel registries, first-use
+    caches) then stays out of the measurements, in particular out of a slow
+    cell's single warm-up call.
+    """
+    notes = Notes(quiet=True)  # failures are reported where they are timed
+    for act in args.activations:
+        prob = make_problem(SIZES["small"], act, args.seed)
+        for peer in make_peers(prob, args.frameworks, notes).values():
+            for row in args.rows if not isinstance(peer, Exception) else ():
+                run_cell(peer, row, prob, args, notes, keep=True)
 
 
 # ------------------------------------------------------------------ correctness
@@ -806,48 +935,43 @@ def floor_self_check() -> list[tuple[str, float]]:
     for act in ("tanh", "relu"):
         prob = make_problem(tiny, act, seed=1, dtype=np.float64)
         prob.jac_chunk = 3  # exercise the chunked path (10 rows)
-        floor, params = NumpyFloor(prob), prob.params
-
-        def grads(ps):
-            return floor.backward(floor.forward(ps, prob.x), ps).grads
-
-        def shift(eps):
-            return [p + eps * v for p, v in zip(params, prob.v)]
-
-        eps = 1e-6
-        loss_fd = (
-            floor.backward(floor.forward(shift(eps), prob.x), params).loss
-            - floor.backward(floor.forward(shift(-eps), prob.x), params).loss
-        ) / (2 * eps)
-        directional = sum(float(np.sum(g * v)) for g, v in zip(grads(params), prob.v))
-        hvp_fd = [(a - b) / (2 * eps) for a, b in zip(grads(shift(eps)), grads(shift(-eps)))]
-        batched = floor.hvp_batched()()
-        one_by_one = [
-            np.stack(t)
-            for t in zip(*(floor.r_pass(*floor._recorded(), params, [v[k] for v in prob.vs])
-                           for k in range(K_VECTORS)))
-        ]
-
-        def out_of_x(x):
-            return floor.forward(params, x).out
-
-        def out_of_w1(w1):
-            return floor.forward([w1, *params[1:]], prob.x).out
-
-        bjac_fd = np.einsum("bobd->bod", finite_diff(out_of_x, prob.x))
-        results += [
-            (f"{act} gradient . v vs FD of loss", abs(loss_fd - directional) / abs(directional)),
-            (f"{act} HVP (R-op) vs FD of gradient", max_rel_diff(floor.hvp_fresh()(), hvp_fd)),
-            (f"{act} batched R-op vs one at a time", max_rel_diff(batched, one_by_one)),
-            (f"{act} batch jacobian vs FD", max_rel_diff(floor.batch_jac()(), bjac_fd)),
-            (f"{act} jacobian W1 vs FD",
-             max_rel_diff(floor.jac_w1()(), finite_diff(out_of_w1, params[0]))),
-        ]
+        results += [(f"{act} {name}", err) for name, err in _self_check_one(prob)]
     return results
 
 
-def check_agreement(args) -> str:
-    """Each framework's results against the floor's, at the small size."""
+def _self_check_one(prob: Problem, eps: float = 1e-6) -> list[tuple[str, float]]:
+    floor, params = NumpyFloor(prob), prob.params
+
+    def loss_and_grads(ps):
+        bwd = floor.backward(floor.forward(ps, prob.x), ps)
+        return bwd.loss, bwd.grads
+
+    def shifted(sign):
+        return loss_and_grads([p + sign * eps * v for p, v in zip(params, prob.v)])
+
+    (loss_hi, grads_hi), (loss_lo, grads_lo) = shifted(1), shifted(-1)
+    directional = sum(float(np.sum(g * v)) for g, v in zip(loss_and_grads(params)[1], prob.v))
+    loss_fd = (loss_hi - loss_lo) / (2 * eps)
+    hvp_fd = [(hi - lo) / (2 * eps) for hi, lo in zip(grads_hi, grads_lo)]
+    recorded = floor._recorded()
+    singles = [floor.r_pass(*recorded, params, [v[k] for v in prob.vs]) for k in range(K_VECTORS)]
+    one_by_one = [np.stack(hv) for hv in zip(*singles)]
+    bjac_fd = finite_diff(lambda x: floor.forward(params, x).out, prob.x)
+    jac_fd = finite_diff(lambda w1: floor.forward([w1, *params[1:]], prob.x).out, params[0])
+    return [
+        ("gradient . v vs FD of loss", abs(loss_fd - directional) / abs(directional)),
+        ("HVP (R-op) vs FD of gradient", max_rel_diff(floor.hvp_fresh()(), hvp_fd)),
+        ("batched R-op vs one at a time", max_rel_diff(floor.hvp_batched()(), one_by_one)),
+        (
+            "batch jacobian vs FD",
+            max_rel_diff(floor.batch_jac()(), np.einsum("bobd->bod", bjac_fd)),
+        ),
+        ("jacobian W1 vs FD", max_rel_diff(floor.jac_w1()(), jac_fd)),
+    ]
+
+
+def check_agreement(args) -> tuple[str, bool]:
+    """Each framework's results against the floor's at size small; (table, all agree)."""
     lines = ["### Agreement at size small (max relative difference to the floor)", ""]
     others = [f for f in args.frameworks if f != "floor"]
     body, notes = [], Notes()
@@ -863,7 +987,8 @@ def check_agreement(args) -> str:
     lines.append(markdown_table(["measurement", *others], body))
     if notes.lines:
         lines += [""] + [f"- {line}" for line in notes.lines]
-    return "\n".join(lines) + "\n"
+    agree = not any("MISMATCH" in text or text == "error" for line in body for text in line)
+    return "\n".join(lines) + "\n", agree
 
 
 def agreement_text(peer, row, prob, args, notes, want) -> str:
@@ -874,7 +999,7 @@ def agreement_text(peer, row, prob, args, notes, want) -> str:
         return cell.note
     try:
         diff = max_rel_diff(cell.result, want)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (reported as an error)
         return notes.add(peer.name, ROWS[row], exc)
     return f"{diff:.1e}" + ("" if diff < args.tolerance else " MISMATCH")
 
@@ -887,12 +1012,12 @@ def versions() -> dict[str, str]:
     for name in ("torch", "jax", "jaxlib"):
         try:
             found[name] = __import__(name).__version__
-        except Exception as exc:
+        except ImportError as exc:
             found[name] = f"unavailable ({type(exc).__name__})"
     try:
         gt = import_gradtape()
         found["gradtape engine"] = getattr(gt, "__file__", None) or "namespace package"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any import-time failure)
         found["gradtape engine"] = f"unavailable ({type(exc).__name__}: {exc})"
     return found
 
@@ -915,7 +1040,7 @@ def reproducible_command() -> str:
     except ValueError:
         pass
     prefix = []
-    for var in ("OPENBLAS_CORETYPE", *MALLOC_ENV):
+    for var in ENV_VARS:
         value = os.environ.get(var)
         prefix.append(f"{var}={shlex.quote(value)}" if value is not None else f"-u {var}")
     return shlex.join(["env"]) + " " + " ".join(prefix) + " " + shlex.join([str(exe), *sys.argv])
@@ -925,14 +1050,12 @@ def environment_lines() -> list[str]:
     lines = [f"- command: `{reproducible_command()}`"]
     lines.append(f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     lines.append(f"- machine: {cpu_model()}, {os.cpu_count()} logical CPUs, {platform.platform()}")
+    lines.append("- load average at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     lines += [f"- {name}: {version}" for name, version in versions().items()]
-    try:
-        import torch
-
+    torch = sys.modules.get("torch")  # imported by versions() when installed
+    if torch is not None:
         lines.append(f"- torch threads: {torch.get_num_threads()}")
-    except Exception:
-        pass
-    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", *MALLOC_ENV):
+    for var in ENV_VARS:
         lines.append(f"- {var}: {os.environ.get(var, 'unset')}")
     return lines
 
@@ -949,6 +1072,15 @@ def warn_environment() -> None:
     for var in MALLOC_ENV:
         state = os.environ.get(var)
         print(f"{var}: {'unset' if state is None else state}", file=sys.stderr)
+    before = cpu_snapshot()
+    sleep(1.0)
+    share = foreign_share(before, cpu_snapshot())
+    if share is not None and share > NOISY_SHARE:
+        print(
+            f"WARNING: other processes (or the hypervisor) use {share:.0%} of the CPU right "
+            "now; eager multi-threaded timings will be inflated. Check `top`.",
+            file=sys.stderr,
+        )
 
 
 # ----------------------------------------------------------------------- main
@@ -956,26 +1088,70 @@ def warn_environment() -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,medium,large")
-    parser.add_argument("--activations", default="tanh,relu")
-    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--sizes", default="small,medium,large", help="comma-separated")
+    parser.add_argument("--activations", default="tanh,relu", help="comma-separated")
+    parser.add_argument(
+        "--frameworks", default=",".join(FRAMEWORKS), help="subset of " + ",".join(FRAMEWORKS)
+    )
     parser.add_argument("--rows", default=",".join(ROWS), help="subset of " + ",".join(ROWS))
-    parser.add_argument("--repeat", type=int, default=0,
-                        help="timed calls per cell (default per size: 30/10/3)")
-    parser.add_argument("--budget", type=float, default=2.0,
-                        help="seconds of timed calls per cell before stopping early")
-    parser.add_argument("--cell-timeout", type=float, default=180.0,
-                        help="seconds before a cell is abandoned as 'timeout'")
-    parser.add_argument("--max-jac-gb", type=float, default=2.0,
-                        help="skip the W1 jacobian when its result exceeds this")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check", action="store_true",
-                        help="only check that all frameworks agree at size small")
-    parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument("--faults", action="store_true",
-                        help="add a table of minor page faults per call")
-    parser.add_argument("--malloc-env", action="store_true",
-                        help="re-run with " + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=0,
+        help="timed calls per cell, at least (default per size: 30/10/3), within --budget",
+    )
+    parser.add_argument(
+        "--min-time", type=float, default=0.25, help="seconds of timed calls per cell, at least"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=2.0, help="seconds of timed calls per cell, at most"
+    )
+    parser.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=180.0,
+        help="seconds before a cell is abandoned as 'timeout'",
+    )
+    parser.add_argument(
+        "--max-jac-gb",
+        type=float,
+        default=2.0,
+        help="skip the W1 jacobian when its result exceeds this",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="times to re-time cells marked noisy (other load on the CPU) per table",
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        help="seconds to wait for a quiet machine before re-timing noisy cells",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shared inputs")
+    parser.add_argument(
+        "--check", action="store_true", help="only check that all frameworks agree at size small"
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="--check: largest relative difference"
+    )
+    parser.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help="add a table of minor page faults per call and foreign CPU share per cell",
+    )
+    parser.add_argument(
+        "--malloc-env",
+        action="store_true",
+        help="re-run with " + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
+    )
+    parser.add_argument(
+        "--single-thread",
+        action="store_true",
+        help="re-run with every framework on one thread (steadier on a shared machine)",
+    )
     parser.add_argument("--write", metavar="PATH", help="append a markdown section to PATH")
     args = parser.parse_args(argv)
     args.sizes = split_choices(parser, "--sizes", args.sizes, SIZES)
@@ -993,18 +1169,18 @@ def split_choices(parser, flag: str, text: str, allowed) -> list[str]:
     return chosen
 
 
-def reexec_with_malloc_env() -> None:
-    if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
+def reexec_with(variables: dict[str, str]) -> None:
+    """Restart this script with `variables` set (libraries read them when loaded)."""
+    if all(os.environ.get(k) == v for k, v in variables.items()):
         return
-    env = {**os.environ, **MALLOC_ENV}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **variables})
 
 
-def write_section(path: str, sections: list[str]) -> None:
+def write_section(path: str, header: list[str], sections: list[str]) -> None:
     target = Path(path)
     title = "" if target.exists() else "# gradtape benchmark results\n\n"
     stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    body = "\n".join([f"## Run {stamp}", "", *environment_lines(), "", *sections])
+    body = "\n".join([f"## Run {stamp}", "", *header, "", *sections])
     with target.open("a") as out:
         out.write(title + body + "\n")
     print(f"appended to {target}", file=sys.stderr)
@@ -1012,28 +1188,38 @@ def write_section(path: str, sections: list[str]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    variables = {}
     if args.malloc_env:
-        reexec_with_malloc_env()
+        variables.update(MALLOC_ENV)
+    if args.single_thread:
+        variables.update(SINGLE_THREAD_ENV)
+    reexec_with(variables)
     warn_environment()
-    print("\n".join(environment_lines()) + "\n")
-    sections = []
-    checks = floor_self_check()
-    bad = [(name, err) for name, err in checks if not err < 1e-6]
-    print(f"floor self-check (float64 finite differences): {'ok' if not bad else 'FAILED'}")
-    for name, err in checks if bad or args.check else []:
+    header = environment_lines()
+    print("\n".join(header) + "\n")
+    self_check = floor_self_check()
+    failed = [name for name, err in self_check if not err < 1e-6]
+    summary = f"floor self-check (float64 finite differences): {'FAILED' if failed else 'ok'}"
+    summary += f", worst {max(err for _, err in self_check):.1e}"
+    print(summary)
+    for name, err in self_check if failed or args.check else []:
         print(f"  {name}: {err:.1e}")
+    sections = [summary + "\n"]
     if args.check:
-        sections.append(check_agreement(args))
+        text, agree = check_agreement(args)
+        failed += [] if agree else ["agreement"]
+        sections.append(text)
+        print(text)
     else:
+        print("priming every case once at size small ...", file=sys.stderr, flush=True)
+        prime(args)
         for size in args.sizes:
             for act in args.activations:
                 sections.append(bench_table(make_problem(SIZES[size], act, args.seed), args))
                 print(sections[-1], flush=True)
-    if args.check:
-        print(sections[-1])
     if args.write:
-        write_section(args.write, sections)
-    return 1 if bad else 0
+        write_section(args.write, header, sections)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
