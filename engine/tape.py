@@ -131,17 +131,23 @@ def _plan(records: list[Record], target_ids: set[int], source_ids: set[int]) -> 
     whose inputs depend on a source (only those get cotangents)."""
     reached = set(source_ids)
     forward = []
-    for rec in records:
-        if any(id(x) in reached for x in rec.inputs):
-            forward.append(rec)
-            reached.update(id(o) for o in rec.outputs)
+    for rec in records:  # plain loops: this runs once per gradient call
+        for x in rec.inputs:
+            if id(x) in reached:
+                forward.append(rec)
+                for o in rec.outputs:
+                    reached.add(id(o))
+                break
     live = set(target_ids)
     plan = []
     for rec in reversed(forward):
-        if any(id(o) in live for o in rec.outputs):
-            needed = tuple(i for i, x in enumerate(rec.inputs) if id(x) in reached)
-            plan.append((rec, needed))
-            live.update(id(rec.inputs[i]) for i in needed)
+        for o in rec.outputs:
+            if id(o) in live:
+                needed = tuple(i for i, x in enumerate(rec.inputs) if id(x) in reached)
+                plan.append((rec, needed))
+                for i in needed:
+                    live.add(id(rec.inputs[i]))
+                break
     return plan
 
 

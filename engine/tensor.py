@@ -241,8 +241,10 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
             args = tuple(read(a) if isinstance(a, Variable) else a for a in args)
             break
     values = [a.value for a in args]
+    first = values[0]
+    xp = np if type(first) is np.ndarray else backend.array_module(first)
     try:
-        out = impl_rules[prim](backend.array_module(values[0]), *values, **params)
+        out = impl_rules[prim](xp, *values, **params)
     except ValueError as exc:  # NumPy's broadcasting message, with the op's name on it
         if type(exc) is not ValueError:  # LinAlgError and friends keep their type
             raise
@@ -251,10 +253,10 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
     if isinstance(out, np.generic):  # NumPy returns scalars from 0-d operations
         out = np.asarray(out)
     ans = Tensor(out)
-    if trace.active_tapes:
-        for tape in tuple(trace.active_tapes):
+    if trace.active_tapes:  # recording never changes these lists, so no copies
+        for tape in trace.active_tapes:
             tape._record_primitive(prim, args, params, ans)
     if trace.active_accumulators:
-        for accumulator in tuple(trace.active_accumulators):
+        for accumulator in trace.active_accumulators:
             accumulator._propagate(prim, args, params, ans)
     return ans
