@@ -1,0 +1,173 @@
+"""Deployment checks: the Dockerfile and compose file (hadolint, the compose-spec schema),
+a clean install serving, clients generated from the OpenAPI contract, and the README's
+commands, all against the real `gradtape serve` on loopback.
+
+Every module here is marked `deploy` (slow: fresh virtualenvs, npm, code generation);
+`python -m pytest -m "not deploy"` leaves them out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Settings of the server the deploy tests talk to; the rest keep their defaults.
+SERVER_SETTINGS = {
+    "GRADTAPE_WORKERS": "2",
+    "GRADTAPE_ACCESS_LOG": "false",
+    "GRADTAPE_LOG_LEVEL": "warning",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "deploy: slow deployment checks (Docker files, clean install, clients, README)"
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(
+    args: list[str] | str, *, timeout: float, check: bool = True, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
+    """Run a command, its output captured; on failure the assertion shows the output."""
+    done = subprocess.run(
+        args, check=False, capture_output=True, text=True, timeout=timeout, **kwargs
+    )  # type: ignore[call-overload]
+    if check and done.returncode != 0:
+        pytest.fail(
+            f"{args!r} exited {done.returncode}\n--- stdout\n{done.stdout}"
+            f"\n--- stderr\n{done.stderr}"
+        )
+    return done
+
+
+def repo_files() -> list[str]:
+    """The files of a checkout: tracked, plus untracked ones git does not ignore (what a
+    user who cloned and edited has), as paths relative to the repository root."""
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    return sorted(p for p in listed if p and (ROOT / p).is_file())
+
+
+def copy_files(paths: Iterable[str], dest: Path) -> Path:
+    for rel in paths:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+    return dest
+
+
+def make_venv(path: Path, *, system_site_packages: bool = False) -> Path:
+    """A fresh virtualenv; returns its bin directory."""
+    args = [sys.executable, "-m", "venv", str(path)]
+    if system_site_packages:
+        args.insert(3, "--system-site-packages")
+    run(args, timeout=120)
+    return path / "bin"
+
+
+class Server:
+    """A `gradtape serve` process on a loopback port."""
+
+    def __init__(self, port: int, process: subprocess.Popen[bytes], log: Path):
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.process = process
+        self.log = log
+
+    @classmethod
+    def start(
+        cls,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        log: Path,
+        port: int,
+        cwd: Path = ROOT,
+        timeout: float = 120.0,
+    ) -> Server:
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        server = cls(port, process, log)
+        try:
+            server.wait_ready(timeout)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.log.read_text()}")
+            try:
+                r = httpx.get(f"{self.base_url}/readyz", timeout=5.0)
+                last = r.text
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready after {timeout}s: {last}\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        """SIGINT to the whole process group (a shell, uvicorn, its workers)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The service from this checkout (`python -m service.cli serve`), as the
+    README's first set-up command starts it, on a free loopback port."""
+    tmp = tmp_path_factory.mktemp("live-server")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADTAPE_")}
+    env |= {**SERVER_SETTINGS, "GRADTAPE_DATA_DIR": str(tmp / "data")}
+    server = Server.start(
+        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        log=tmp / "server.log",
+        port=port,
+    )
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,217 @@
+"""A clean install serves: a fresh virtualenv, the project installed from exactly the
+files the Docker build context holds (.dockerignore applied), by the README's first
+set-up command; then the image's entry command, with the image's environment, started
+outside Docker, answers /readyz, and the image's and compose's health checks pass
+against it. pip's cache is reused; nothing else is."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.deploy.conftest import (
+    ROOT,
+    Server,
+    copy_files,
+    free_port,
+    make_venv,
+    repo_files,
+    run,
+)
+from tests.deploy.files import (
+    Dockerfile,
+    dockerignore_filter,
+    env_pairs,
+    exec_form,
+    healthcheck,
+    interpolate_tree,
+    readme_blocks,
+)
+
+pytestmark = pytest.mark.deploy
+
+INSTALL_TIMEOUT = 300.0  # pip resolving and installing every dependency from its cache
+
+
+def setup_commands() -> list[str]:
+    """The README's set-up commands: the first bash block of its "Set up" section."""
+    blocks = [
+        b
+        for b in readme_blocks((ROOT / "README.md").read_text())
+        if b.section == "Set up" and b.lang == "bash"
+    ]
+    assert blocks, 'README.md has no bash block under "## Set up"'
+    return blocks[0].commands()
+
+
+@dataclass
+class Install:
+    context: Path  # the Docker build context, copied
+    bin: Path  # the fresh virtualenv's bin directory
+    tmp: Path
+    readiness: dict  # what /readyz answered to the README's command
+
+    def env(self, **settings: str) -> dict[str, str]:
+        """A clean environment: the virtualenv first on PATH, no GRADTAPE_* inherited."""
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("GRADTAPE_", "PYTHON", "VIRTUAL_ENV"))
+        }
+        return {
+            **base,
+            "PATH": f"{self.bin}{os.pathsep}{base['PATH']}",
+            "VIRTUAL_ENV": str(self.bin.parent),
+            **settings,
+        }
+
+
+@pytest.fixture(scope="module")
+def install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
+    """Runs the README's first set-up command (`pip install . && gradtape serve`) in the
+    build context with a fresh virtualenv active, waits for /readyz, stops it."""
+    tmp = tmp_path_factory.mktemp("clean-install")
+    included = dockerignore_filter((ROOT / ".dockerignore").read_text())
+    context = copy_files([p for p in repo_files() if included(p)], tmp / "context")
+    bin_dir = make_venv(tmp / "venv")
+    install = Install(context, bin_dir, tmp, {})
+    command = setup_commands()[0]
+    port = free_port()
+    server = Server.start(
+        ["bash", "-c", command],
+        cwd=context,
+        log=tmp / "readme-serve.log",
+        port=port,
+        env=install.env(GRADTAPE_PORT=str(port), GRADTAPE_DATA_DIR=str(tmp / "data")),
+        timeout=INSTALL_TIMEOUT,
+    )
+    try:
+        install.readiness = server.wait_ready(10)
+    finally:
+        server.stop()
+    yield install
+
+
+def test_the_context_is_the_package_sources(install: Install) -> None:
+    top = {p.name for p in install.context.iterdir()}
+    assert top >= {"pyproject.toml", "README.md", "engine", "service"}
+    assert not top & {".git", "tests", "bench", "clients", "openapi"}
+
+
+def test_readme_command_serves_from_a_fresh_virtualenv(install: Install) -> None:
+    assert (install.bin / "gradtape").is_file()
+    assert install.readiness["status"] == "ready"
+    assert [w["device"] for w in install.readiness["workers"]] == ["cpu", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def image_server(install: Install) -> Iterator[tuple[Server, dict[str, str]]]:
+    """The image's ENTRYPOINT + CMD with the image's ENV, on this machine: PATH's
+    /opt/gradtape/bin is the fresh virtualenv, and the host (0.0.0.0 in the image, for
+    the published port), port and data directory are moved to loopback and a temp dir."""
+    final = Dockerfile.read(ROOT / "Dockerfile").stages[-1]
+    image_env: dict[str, str] = {}
+    for ins in final.all("ENV"):
+        image_env |= env_pairs(ins.args)
+    argv = exec_form(final.last("ENTRYPOINT").args) + exec_form(final.last("CMD").args)  # type: ignore[union-attr]
+    workdir = install.tmp / "workdir"
+    workdir.mkdir()
+    port = free_port()
+    env = install.env(**{k: v for k, v in image_env.items() if k != "PATH"})
+    env |= {
+        "GRADTAPE_HOST": "127.0.0.1",
+        "GRADTAPE_PORT": str(port),
+        "GRADTAPE_DATA_DIR": str(install.tmp / "image-data"),
+    }
+    server = Server.start(argv, cwd=workdir, env=env, log=install.tmp / "image.log", port=port)
+    try:
+        yield server, env
+    finally:
+        server.stop()
+
+
+def test_image_entry_command_serves(image_server: tuple[Server, dict[str, str]]) -> None:
+    server, _ = image_server
+    r = httpx.get(f"{server.base_url}/readyz", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    r = httpx.post(
+        f"{server.base_url}/v1/gradient",
+        timeout=30,
+        json={
+            "definition": {
+                "variables": {"w1": 2.0, "w2": 3.0},
+                "inputs": {"x1": 5.0, "x2": 7.0},
+                "program": ["s = w1 * x1 + w2 * x2"],
+            },
+            "target": "s",
+            "sources": ["w1", "w2"],
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["value"]["data"] == [31.0]
+
+
+def test_image_healthcheck_passes(
+    image_server: tuple[Server, dict[str, str]], install: Install
+) -> None:
+    """The HEALTHCHECK command, as the container runs it (the image's python, its env)."""
+    _, env = image_server
+    _, command = healthcheck(
+        Dockerfile.read(ROOT / "Dockerfile").stages[-1].last("HEALTHCHECK").args
+    )  # type: ignore[union-attr]
+    run(command, env=env, timeout=30)
+    # and it fails where nothing answers
+    dead = run(command, env={**env, "GRADTAPE_PORT": str(free_port())}, timeout=30, check=False)
+    assert dead.returncode != 0
+
+
+def test_compose_healthcheck_passes(image_server: tuple[Server, dict[str, str]]) -> None:
+    """compose's readiness check, its container port (8000) moved to the server's."""
+    server, env = image_server
+    doc = interpolate_tree(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {})
+    for service in doc["services"].values():  # type: ignore[index]
+        command = service["healthcheck"]["test"]
+        assert command[0] == "CMD"
+        argv = [part.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}") for part in command[1:]]
+        run(argv, env=env, timeout=30)
+
+
+def test_gradtape_openapi_matches_the_contract(install: Install) -> None:
+    """The installed `gradtape openapi` writes the committed contract, from which the
+    clients are generated."""
+    done = run(
+        [str(install.bin / "gradtape"), "openapi"], env=install.env(), timeout=120, cwd=install.tmp
+    )
+    assert done.stdout == (ROOT / "openapi" / "openapi.json").read_text()
+
+
+def test_second_setup_command_is_what_ci_runs() -> None:
+    """The README's test command installs and runs what .ci/run does."""
+    readme = setup_commands()
+    assert len(readme) == 2, readme
+
+    def normalized(command: str) -> list[list[str]]:
+        steps = []
+        for step in command.split("&&"):
+            words = [w for w in shlex.split(step) if w != "--quiet"]
+            if words[:3] == ["python", "-m", "pip"]:
+                words = ["pip", *words[3:]]
+            steps.append(words)
+        return steps
+
+    ci = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.startswith("python")
+    ]
+    assert normalized(readme[1]) == [w for line in ci for w in normalized(line)]
+    assert normalized(readme[0])[0] == ["pip", "install", "."]
+    assert subprocess.run(["bash", "-n", "-c", readme[0]], check=False).returncode == 0
