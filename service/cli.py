@@ -26,6 +26,8 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--queue-size": ("queue_size", int, "requests that may wait for a worker"),
     "--max-body-bytes": ("max_body_bytes", int, "request body limit"),
     "--log-level": ("log_level", str, "critical, error, warning, info or debug"),
+    "--data-dir": ("data_dir", str, "where the store of tapes and models lives"),
+    "--store-path": ("store_path", str, "the SQLite store file (':memory:': keep nothing)"),
 }
 
 
@@ -59,8 +61,13 @@ def serve(overrides: dict[str, Any]) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        print(f"gradtape: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -1,5 +1,5 @@
-"""The computations, inside a worker process: the only service module that imports the
-engine (and the definition language).
+"""The computations, inside a worker process: with service/compute_tapes.py (the tapes),
+the only service modules that import the engine (and the definition language).
 
 A handler takes the payload the HTTP side built (the request with its tensors decoded
 to NumPy arrays) and returns plain data with NumPy arrays, or raises. `answer` wraps a
@@ -54,6 +54,8 @@ class WorkerContext:
     chunk_size: int
     hessian_max_size: int
     jacobian_max_elements: int
+    hvp_max_vectors: int = 1024
+    lanczos_max_basis_bytes: int = 1 << 30
     state: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
@@ -75,7 +77,10 @@ class RequestError(Exception):
 
 
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
-    """Set up a worker: check its device, build its limits, warm the engine up."""
+    """Set up a worker: check its device, build its limits, tune the allocator (unless
+    told not to), warm the engine up."""
+    if options.get("tune_allocator", False):
+        gt.tune_allocator()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
     if kind == "cuda":
@@ -92,6 +97,8 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         chunk_size=int(options.get("chunk_size", 1024)),
         hessian_max_size=int(options.get("hessian_max_size", 2048)),
         jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
+        hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
+        lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
@@ -191,7 +198,7 @@ def _scalar_target(prepared: _Prepared, endpoint: str) -> None:
         )
 
 
-def _on_device(array: Any, like: Tensor, context: WorkerContext) -> Tensor:
+def on_device(array: Any, like: Tensor, context: WorkerContext) -> Tensor:
     return gt.constant(np.asarray(array), dtype=like.dtype, device=context.device)
 
 
@@ -224,15 +231,37 @@ def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
 def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     unconnected = payload.get("unconnected", "none")
     prepared = _prepare(payload, context, unconnected)
+    watched = {key: prepared.leaves[name] for key, name in prepared.request.sources.items()}
     batch = bool(payload.get("batch"))
-    target_shape = _target_shape(prepared)
-    keys = list(prepared.request.sources)
+    check_jacobian_size(
+        prepared.request.target, _target_shape(prepared),
+        {key: tuple(t.shape) for key, t in watched.items()}, batch, context,
+    )
+    with gt.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(list(watched.values()))
+        env = prepared.program.run(prepared.leaves, targets=[prepared.request.target])
+    y = env[prepared.request.target]
+    return {"value": y.numpy(), "jacobians": jacobians_on(tape, y, watched, batch, unconnected,
+                                                          context)}
+
+
+def check_jacobian_size(target: str, target_shape: tuple[int, ...],
+                        source_shapes: Mapping[str, tuple[int, ...]], batch: bool,
+                        context: WorkerContext) -> None:
+    """Refuse a jacobian request whose answer would exceed jacobian_max_elements, or a
+    batch jacobian whose target and sources do not share their first axis."""
     if batch:
-        _check_batch_shapes(prepared, target_shape)
+        for key, shape in source_shapes.items():
+            if not target_shape or not shape or target_shape[0] != shape[0]:
+                raise RequestError(
+                    "request",
+                    f"batch: true needs the target and each source to share their first "
+                    f"(batch) axis; target {target!r} has shape {list(target_shape)} and "
+                    f"source {key!r} has shape {list(shape)}",
+                )
     sizes = {
-        key: math.prod(target_shape)
-        * math.prod(prepared.source_shape(key)[1:] if batch else prepared.source_shape(key))
-        for key in keys
+        key: math.prod(target_shape) * math.prod(shape[1:] if batch else shape)
+        for key, shape in source_shapes.items()
     }
     total = sum(sizes.values())
     if total > context.jacobian_max_elements:
@@ -245,11 +274,11 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
             "vector-Jacobian products via /v1/gradient",
             limit=context.jacobian_max_elements,
         )
-    watched = {key: prepared.leaves[name] for key, name in prepared.request.sources.items()}
-    with gt.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-        tape.watch(list(watched.values()))
-        env = prepared.program.run(prepared.leaves, targets=[prepared.request.target])
-    y = env[prepared.request.target]
+
+
+def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor], batch: bool,
+                 unconnected: str, context: WorkerContext) -> dict[str, np.ndarray | None]:
+    """The jacobians of y over the watched sources, from a persistent tape, on the host."""
     if batch:
         jacobians = {
             key: tape.batch_jacobian(y, source, unconnected_gradients=unconnected)
@@ -257,21 +286,9 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         }
     else:
         jacobians = tape.jacobian(
-            y, watched, unconnected_gradients=unconnected, chunk_size=context.chunk_size
+            y, dict(watched), unconnected_gradients=unconnected, chunk_size=context.chunk_size
         )
-    return {"value": y.numpy(), "jacobians": {k: _host(j) for k, j in jacobians.items()}}
-
-
-def _check_batch_shapes(prepared: _Prepared, target_shape: tuple[int, ...]) -> None:
-    for key in prepared.request.sources:
-        shape = prepared.source_shape(key)
-        if not target_shape or not shape or target_shape[0] != shape[0]:
-            raise RequestError(
-                "request",
-                f"batch: true needs the target and each source to share their first (batch) "
-                f"axis; target {prepared.request.target!r} has shape {list(target_shape)} "
-                f"and source {key!r} has shape {list(shape)}",
-            )
+    return {k: _host(j) for k, j in jacobians.items()}
 
 
 def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -302,7 +319,7 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
         identity = np.zeros((stop - start, n))
         identity[np.arange(stop - start), np.arange(start, stop)] = 1.0
         basis = [
-            _on_device(identity[:, lo:lo + size].reshape((stop - start, *p.shape)), p, context)
+            on_device(identity[:, lo:lo + size].reshape((stop - start, *p.shape)), p, context)
             for p, lo, size in zip(primals, offsets[:-1], sizes, strict=True)
         ]
         columns = operator.hvp_many(*basis)
@@ -358,10 +375,10 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     vectors: list[Mapping[str, Any]] = [payload["vector"]] if single else payload["vectors"]
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
-        _check_vector(vector, keys, primals, where)
+        check_vector(vector, keys, primals, where)
     operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
     stacked = [
-        _on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(keys, primals, strict=True)
     ]
     products = operator.hvp_many(*stacked)  # all vectors in one batched pass
@@ -376,7 +393,7 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     }
 
 
-def _check_vector(vector: Mapping[str, Any], keys: list[str], primals: list[Tensor],
+def check_vector(vector: Mapping[str, Any], keys: list[str], primals: list[Tensor],
                   where: str) -> None:
     missing = [k for k in keys if k not in vector]
     extra = [k for k in vector if k not in keys]
@@ -411,3 +428,8 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "hessian": hessian,
     "hvp": hvp,
 }
+
+# The tapes' handlers (issue 6) use the helpers above.
+from service.compute_tapes import HANDLERS as TAPE_HANDLERS
+
+HANDLERS.update(TAPE_HANDLERS)

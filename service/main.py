@@ -6,6 +6,7 @@ engine runs only in the pool's worker processes (service/compute.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,9 +18,12 @@ from fastapi import FastAPI
 from service import docs
 from service.api import errors, openapi
 from service.api.router import api_router
+from service.auth import KeyRing
 from service.core.config import Settings, get_settings
 from service.metrics import Metrics
 from service.middleware import BodyLimitMiddleware, MetricsMiddleware
+from service.sessions import ModelCatalog, TapeRegistry
+from service.store import Store
 from service.workers import WorkerPool
 
 log = logging.getLogger("gradtape.service")
@@ -35,6 +39,14 @@ processes.
 (`Content-Type: application/msgpack`), `{"dtype", "shape", "data": <raw bytes>}`. A bare
 number or nested list is float32. Answers use the request's format and tensor encoding
 unless `Accept` or `response_encoding` ask otherwise.
+
+**Tapes** keep a recording in a worker: `POST /v1/tapes` records the forward pass and
+gradient once; `/v1/tapes/{id}/hvp`, `/gradient`, `/jacobian`, `/eigenvalues`, `/trace`
+and `/solve` reuse it. **Models** stored with `POST /v1/models` can be named
+(`"model": name`) instead of sending a definition.
+
+**API keys** (when the server requires them): `Authorization: Bearer <key>` or
+`X-API-Key: <key>`; tapes and models are visible only to the key that made them.
 
 **Errors** are `application/problem+json` (RFC 9457); `detail` names the field, or the
 program line, column, op and shapes, and `errors` lists every problem found.
@@ -66,14 +78,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _ensure_logging(settings.log_level)
         log.info("settings: %s", json.dumps(settings.describe()))
         pool: WorkerPool = app.state.pool
-        await pool.start()
-        metrics.bind(pool)
-        log.info("%d worker(s) ready; limits: %s", pool.size,
-                 json.dumps(pool.hello(0).get("definition_limits")))
+        store: Store = app.state.store
+        tapes: TapeRegistry = app.state.tapes
+        await asyncio.to_thread(store.open)
         try:
-            yield
+            await pool.start()
+            metrics.bind(pool)
+            log.info("%d worker(s) ready; limits: %s; store: %s", pool.size,
+                     json.dumps(pool.hello(0).get("definition_limits")), store.path)
+            await tapes.open()
+            try:
+                yield
+            finally:
+                await tapes.close()
+                await pool.close()
         finally:
-            await pool.close()
+            store.close()
 
     app = FastAPI(
         title="gradtape",
@@ -88,7 +108,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.pool = WorkerPool(settings, observer=metrics)
+    app.state.pool = pool = WorkerPool(settings, observer=metrics)
+    app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
+    app.state.store = store = Store(settings.resolved_store_path())
+    app.state.tapes = TapeRegistry(settings, pool, store, metrics)
+    app.state.models = ModelCatalog(settings, pool, store)
     errors.install(app)
     docs.install(app)
     openapi.install(app)

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from service.workers import PoolObserver
 
 if TYPE_CHECKING:
+    from service.sessions import TapeRegistry
     from service.workers import WorkerPool
 
 LATENCY_BUCKETS = (
@@ -48,6 +49,15 @@ class Metrics(PoolObserver):
         self.workers_up = Gauge(
             "gradtape_workers_up", "Workers started and answering (idle or busy)", registry=r
         )
+        self.tape_events = Counter(
+            "gradtape_tape_events",
+            "Tapes created, rebuilt (after a worker or service restart), expired, evicted, "
+            "deleted", ["event"], registry=r,
+        )
+        self.tapes = Gauge("gradtape_tapes", "Live tapes", registry=r)
+        self.tape_bytes = Gauge(
+            "gradtape_tape_bytes", "Bytes of the tapes held in workers now", registry=r
+        )
 
     def bind(self, pool: WorkerPool) -> None:
         """Read the pool's gauges when scraped."""
@@ -59,10 +69,17 @@ class Metrics(PoolObserver):
             lambda: sum(w.state in ("idle", "busy") for w in pool.workers())
         )
 
+    def bind_tapes(self, tapes: TapeRegistry) -> None:
+        self.tapes.set_function(tapes.count)
+        self.tape_bytes.set_function(tapes.total_bytes)
+
     # Hooks ------------------------------------------------------------------------------
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()
         self.latency.labels(method, route).observe(seconds)
+
+    def tape_event(self, event: str) -> None:
+        self.tape_events.labels(event).inc()
 
     def problem(self, type_: str) -> None:
         self.errors.labels(type_).inc()

@@ -11,6 +11,7 @@ tensor's `data` may then be raw little-endian bytes (see service/TRANSPORT.md).
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -244,24 +245,72 @@ class RequestModel(_Strict):
         return data
 
 
-class ComputeRequest(RequestModel):
-    definition: Definition
-    target: str = Field(description="The name (a program line, variable or input) to differentiate.")
-    sources: Sources | None = None
-    allow_unused: StrictBool = Field(
-        False, description="Accept program lines the target does not use (they are skipped); "
-        "by default such a line is reported as a likely mistake."
-    )
-    time_limit: StrictFloat | None = Field(
+ModelName = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="A stored model's name: letters, digits, '_', '.', '-' (at most 64, "
+        "starting with a letter or digit).",
+        examples=["mlp"],
+    ),
+]
+
+
+def _time_limit_field() -> Any:
+    return Field(
         None, ge=0.1, description="Compute seconds for this request, at least 0.1 (default "
         "and maximum: server settings). Past it the answer is 504 and the worker is replaced."
     )
-    allow_nonfinite: StrictBool | None = Field(
+
+
+def _allow_nonfinite_field() -> Any:
+    return Field(
         None, description="Accept NaN and infinite values in the inputs (default: server setting)."
     )
-    response_encoding: TensorEncoding | None = Field(
+
+
+def _response_encoding_field() -> Any:
+    return Field(
         None, description="Tensor encoding of a JSON answer; default: base64 when the "
         "request used base64 or binary tensors, else data lists."
+    )
+
+
+class CallOptions(RequestModel):
+    """Options every request on a tape takes."""
+
+    time_limit: StrictFloat | None = _time_limit_field()
+    allow_nonfinite: StrictBool | None = _allow_nonfinite_field()
+    response_encoding: TensorEncoding | None = _response_encoding_field()
+
+
+class DefinitionRequest(RequestModel):
+    """A definition (or a stored model), a target and sources."""
+
+    definition: Definition | None = Field(
+        None, description="The model/loss. Give this or `model`."
+    )
+    model: ModelName | None = Field(
+        None, description="The name of a stored model (POST /v1/models) to use instead of "
+        "sending its definition."
+    )
+    target: str = Field(description="The name (a program line, variable or input) to differentiate.")
+    sources: Sources | None = None
+    time_limit: StrictFloat | None = _time_limit_field()
+    allow_nonfinite: StrictBool | None = _allow_nonfinite_field()
+    response_encoding: TensorEncoding | None = _response_encoding_field()
+
+    @model_validator(mode="after")
+    def _definition_or_model(self) -> DefinitionRequest:
+        if (self.definition is None) == (self.model is None):
+            raise ValueError("give exactly one of 'definition' or 'model' (a stored model's name)")
+        return self
+
+
+class ComputeRequest(DefinitionRequest):
+    allow_unused: StrictBool = Field(
+        False, description="Accept program lines the target does not use (they are skipped); "
+        "by default such a line is reported as a likely mistake."
     )
 
 
@@ -328,6 +377,186 @@ class HVPRequest(ComputeRequest):
         return self
 
 
+class _Vectors(CallOptions):
+    vector: dict[str, TensorValue] | None = Field(
+        None, description="One vector: a tensor per source (keyed like the gradients)."
+    )
+    vectors: list[dict[str, TensorValue]] | None = Field(
+        None, description="Several vectors, answered together in one batched pass."
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> _Vectors:
+        if (self.vector is None) == (self.vectors is None):
+            raise ValueError("give exactly one of 'vector' (one) or 'vectors' (a list)")
+        if self.vectors is not None and not self.vectors:
+            raise ValueError("'vectors' is empty")
+        return self
+
+
+# Tapes ----------------------------------------------------------------------------------
+
+
+class TapeCreateRequest(DefinitionRequest):
+    """Record a tape: the definition's forward pass and the gradient of its (scalar)
+    target over the sources, kept in a worker for later requests. Lines the target does
+    not use are recorded too (other targets can be asked of the tape)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "definition": {
+            "variables": {"w": [[0.5, -0.2], [0.1, 0.3]], "b": [0.0, 0.1]},
+            "inputs": {"x": [[1.0, 2.0], [3.0, -1.0]], "y": [[1.0, 0.0], [0.0, 1.0]]},
+            "program": ["out = tanh(x @ w + b)", "loss = mean((out - y) ** 2)"],
+        },
+        "target": "loss",
+    }]})
+
+    ttl: StrictFloat | None = Field(
+        None, gt=0, description="Seconds the tape lives after its last use (default and "
+        "maximum: server settings tape_ttl and tape_max_ttl)."
+    )
+
+
+class TapeUpdateRequest(CallOptions):
+    """New values for some of the tape's variables and inputs (same names and shapes;
+    values are cast to the recorded dtype): the tape is recorded again at them."""
+
+    variables: dict[str, TensorValue] = Field(default_factory=dict)
+    inputs: dict[str, TensorValue] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _something(self) -> TapeUpdateRequest:
+        if not self.variables and not self.inputs:
+            raise ValueError("give new values in 'variables' and/or 'inputs'")
+        return self
+
+
+class TapeHVPRequest(_Vectors):
+    """Hessian-vector products of the tape's target over its sources: `vector` or
+    `vectors`. Only the second-order pass runs; nothing is recorded."""
+
+
+class TapeGradientRequest(CallOptions):
+    """The gradient of a name of the tape's program (default: the tape's target) over
+    variables or inputs (default: the tape's sources), from the recording."""
+
+    target: str | None = Field(None, description="Any name of the program; default: the "
+                               "tape's target.")
+    sources: Sources | None = Field(None, description="Variables or inputs (names, list or "
+                                    "alias mapping); default: the tape's sources.")
+    unconnected: Unconnected = Field(
+        Unconnected.none,
+        description="For a source the target does not depend on: null (none) or zeros (zero).",
+    )
+
+
+class TapeJacobianRequest(TapeGradientRequest):
+    """The jacobian of a name of the tape's program over variables or inputs, from the
+    recording."""
+
+    batch: StrictBool = Field(
+        False, description="Per-example jacobians (target and sources share their first "
+        "axis); refused (422) when the examples are not independent."
+    )
+
+
+class Which(StrEnum):
+    """Which eigenvalues: largest algebraic (LA), largest magnitude (LM), smallest
+    algebraic (SA)."""
+
+    LA = "LA"
+    LM = "LM"
+    SA = "SA"
+
+
+MAX_HVPS_DESCRIPTION = (
+    "Most HVPs (vectors) the algorithm may use (at most the server's algorithm_max_hvps)."
+)
+MAX_SECONDS_DESCRIPTION = (
+    "Seconds the algorithm may run; it then stops and answers what it has "
+    "(default and maximum: 90% of the request's time limit)."
+)
+
+
+class EigenvaluesRequest(CallOptions):
+    """Extreme eigenvalues of the tape's Hessian by Lanczos with full
+    reorthogonalization (one HVP per iteration)."""
+
+    k: StrictInt = Field(1, ge=1, le=1024, description="How many eigenvalues.")
+    which: Which = Field(Which.LA, description="LA: largest algebraic, LM: largest "
+                         "magnitude, SA: smallest algebraic.")
+    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when each Ritz "
+                             "residual ||H y - theta y|| <= tol * max |theta|.")
+    max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    eigenvectors: StrictBool = Field(False, description="Also answer the eigenvectors, as "
+                                     "tensors per source (unit norm over all sources).")
+    seed: StrictInt | None = Field(0, ge=0, description="Seed of the random start vector "
+                                   "(null: a fresh one).")
+
+
+class TraceRequest(CallOptions):
+    """Hutchinson's estimate of the trace of the tape's Hessian: the mean of z^T H z
+    over random Rademacher vectors z, drawn batch_size at a time (one batched pass
+    each), with its standard error."""
+
+    batch_size: StrictInt = Field(16, ge=1, description="Vectors per batched HVP pass (at "
+                                  "most the server's hvp_max_vectors).")
+    max_hvps: StrictInt = Field(256, ge=2, description="Most samples (HVPs) to draw (at most "
+                                "the server's algorithm_max_hvps).")
+    rtol: StrictFloat | None = Field(
+        None, gt=0, description="Stop early once stderr <= rtol * |trace| + atol (after two "
+        "batches at least)."
+    )
+    atol: StrictFloat = Field(0.0, ge=0, description="Absolute part of the stopping tolerance.")
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
+                                   "fresh ones).")
+
+
+class SolveRequest(CallOptions):
+    """Solve (H + damping I) x = b by conjugate gradient on the tape's Hessian. b
+    defaults to the recorded gradient: x is then the damped Newton step (subtract it
+    from the sources)."""
+
+    vector: dict[str, TensorValue] | None = Field(
+        None, description="b, a tensor per source (keyed like the gradients); default: the "
+        "gradient."
+    )
+    damping: StrictFloat = Field(1e-3, ge=0, description="Added to the Hessian's diagonal.")
+    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when ||b - (H + "
+                             "damping I) x|| <= tol * ||b||.")
+    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
+    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
+                                       "Default: max_iterations.")
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+
+
+# Stored models --------------------------------------------------------------------------
+
+
+class ModelCreateRequest(RequestModel):
+    """Store a definition (with its custom-gradient functions) under a name; requests
+    then name it with `"model"` instead of sending the definition."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "name": "clipped-square",
+        "description": "SCENARIOS.md 4: a custom gradient that clips to norm 0.5",
+        "definition": {
+            "variables": {"v": 2.0},
+            "functions": {"clipped": {"params": ["x"], "forward": ["y = x"],
+                                   "backward": ["grad_x = clip_by_norm(upstream, 0.5)"]}},
+            "program": ["output = clipped(v * v)"],
+        },
+    }]})
+
+    name: ModelName
+    definition: Definition
+    description: str | None = Field(None, max_length=1000)
+    replace: StrictBool = Field(False, description="Replace a model of the same name.")
+    allow_nonfinite: StrictBool | None = _allow_nonfinite_field()
+
+
 # ----------------------------------------------------------------------------------------
 # Responses
 # ----------------------------------------------------------------------------------------
@@ -367,6 +596,143 @@ class HVPResponse(BaseModel):
     gradients: dict[str, Tensor | None]
     hvp: dict[str, Tensor] | None = None
     hvps: list[dict[str, Tensor]] | None = None
+
+
+# Tapes ----------------------------------------------------------------------------------
+
+
+class TapeCreateResponse(BaseModel):
+    """The recorded value and gradients, and the new tape's id (send it to
+    /v1/tapes/{tape_id}/...)."""
+
+    tape_id: str = Field(description="Unguessable (192 random bits): keep it secret.")
+    value: Tensor
+    gradients: dict[str, Tensor | None]
+    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
+    ttl: float = Field(description="Seconds the tape lives after its last use.")
+    expires_at: datetime = Field(description="When it expires unless used before.")
+    device: str
+    worker: int
+
+
+class TapeInfo(BaseModel):
+    """A tape: what it records, where it lives, how much it costs, when it expires."""
+
+    tape_id: str
+    target: str
+    sources: dict[str, str] = Field(description="Answer key -> variable or input.")
+    model: str | None = Field(None, description="The stored model it was recorded from.")
+    created_at: datetime
+    last_used_at: datetime
+    expires_at: datetime
+    ttl: float
+    hits: int = Field(description="Requests answered from the tape.")
+    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
+    device: str
+    worker: int
+    loaded: bool = Field(description="Held in the worker's memory now (false: recorded "
+                         "again, transparently, on the next request).")
+    rebuilds: int = Field(description="Times it was recorded again after a worker or "
+                          "service restart.")
+
+
+class TapeList(BaseModel):
+    """The caller's live tapes, oldest first."""
+
+    tapes: list[TapeInfo]
+
+
+class TapeHVPResponse(BaseModel):
+    """H @ v per vector (`hvp` for `vector`, `hvps` for `vectors`)."""
+
+    hvp: dict[str, Tensor] | None = None
+    hvps: list[dict[str, Tensor]] | None = None
+
+
+class Stopped(StrEnum):
+    """Why an algorithm stopped."""
+
+    converged = "converged"
+    exhausted = "exhausted"
+    tolerance = "tolerance"
+    max_hvps = "max_hvps"
+    max_iterations = "max_iterations"
+    time_limit = "time_limit"
+    negative_curvature = "negative_curvature"
+
+
+class EigenvaluesResponse(BaseModel):
+    """Ritz values sorted as asked (LA: descending; SA: ascending; LM: by magnitude)."""
+
+    eigenvalues: list[float]
+    residuals: list[float] = Field(description="||H y - theta y|| per Ritz pair (estimates "
+                                   "from the Lanczos recurrence).")
+    eigenvectors: list[dict[str, Tensor]] | None = None
+    converged: bool
+    stopped: Stopped = Field(description="converged; exhausted (every direction was spanned: "
+                             "exact); max_hvps; time_limit.")
+    iterations: int
+    hvps: int = Field(description="HVPs used.")
+    seconds: float
+
+
+class TraceResponse(BaseModel):
+    trace: float
+    stderr: float | None = Field(description="Standard error of the estimate (sample "
+                                 "standard deviation / sqrt(samples)).")
+    samples: int
+    batches: int
+    batch_size: int
+    converged: bool = Field(description="The tolerance was met (without rtol: every sample "
+                            "asked for was drawn).")
+    stopped: Stopped = Field(description="tolerance, max_hvps or time_limit.")
+    hvps: int
+    seconds: float
+
+
+class SolveResponse(BaseModel):
+    solution: dict[str, Tensor] = Field(description="x, per source.")
+    rhs: str = Field(description="gradient (x is the damped Newton step) or vector.")
+    converged: bool
+    stopped: Stopped = Field(description="converged, max_iterations, max_hvps, time_limit, "
+                             "or negative_curvature (H + damping I is not positive definite "
+                             "along a direction CG met: raise the damping).")
+    iterations: int
+    hvps: int
+    residuals: list[float] = Field(description="||b - (H + damping I) x|| / ||b|| from x = 0 "
+                                   "and after each iteration.")
+    seconds: float
+
+
+# Stored models --------------------------------------------------------------------------
+
+
+class TypeInfo(BaseModel):
+    dtype: str
+    shape: list[int]
+
+
+class VariableInfo(TypeInfo):
+    trainable: bool
+
+
+class ModelInfo(BaseModel):
+    """A stored model: what its program defines."""
+
+    name: str
+    description: str | None = None
+    digest: str = Field(description="SHA-256 of the stored definition (values included).")
+    created_at: datetime
+    updated_at: datetime
+    variables: dict[str, VariableInfo]
+    inputs: dict[str, TypeInfo]
+    names: dict[str, TypeInfo] = Field(description="Every program line's name, shape, dtype.")
+    functions: list[str]
+    trainable: list[str] = Field(description="The default sources.")
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]
 
 
 class OpParam(BaseModel):

@@ -1,5 +1,7 @@
 """Dependencies shared by the routes, as Annotated aliases (the FastAPI template's
-`SessionDep` pattern): the settings, the worker pool, the negotiated body formats.
+`SessionDep` pattern): the settings, the worker pool, the negotiated body formats, the
+caller (its API key's owner id), the tape registry, the stored models, and the tape a
+path names.
 
 They are `async def` on purpose: FastAPI runs a plain `def` dependency in a thread,
 which costs more than the whole lookup. The settings are the app's (`create_app`
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
 from service.api.negotiation import Negotiated, negotiate
+from service.auth import OwnerDep
 from service.core.config import Settings
+from service.sessions import ModelCatalog, Tape, TapeRegistry
 from service.workers import WorkerPool
 
 
@@ -28,6 +32,40 @@ async def get_pool(request: Request) -> WorkerPool:
     return pool
 
 
+async def get_tapes(request: Request) -> TapeRegistry:
+    tapes: TapeRegistry = request.app.state.tapes
+    return tapes
+
+
+async def get_models(request: Request) -> ModelCatalog:
+    models: ModelCatalog = request.app.state.models
+    return models
+
+
 SettingsDep = Annotated[Settings, Depends(app_settings)]
 PoolDep = Annotated[WorkerPool, Depends(get_pool)]
 NegotiatedDep = Annotated[Negotiated, Depends(negotiate)]
+TapesDep = Annotated[TapeRegistry, Depends(get_tapes)]
+ModelsDep = Annotated[ModelCatalog, Depends(get_models)]
+
+
+async def get_tape(
+    tape_id: Annotated[str, Path(description="The id POST /v1/tapes answered.")],
+    owner: OwnerDep,
+    tapes: TapesDep,
+) -> Tape:
+    """The caller's live tape named by the path; 404 (saying why) otherwise."""
+    return await tapes.get(tape_id, owner)
+
+
+TapeDep = Annotated[Tape, Depends(get_tape)]
+
+__all__ = [
+    "ModelsDep",
+    "NegotiatedDep",
+    "OwnerDep",
+    "PoolDep",
+    "SettingsDep",
+    "TapeDep",
+    "TapesDep",
+]

@@ -5,6 +5,7 @@ so routes only call the pool."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -114,6 +115,19 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
     return problem_response(scope, "internal", f"{type(exc).__name__}: {exc}")
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every documented method on this path (from the OpenAPI document, built once)."""
+    table: list[tuple[re.Pattern[str], str]] | None = getattr(
+        request.app.state, "allowed_methods", None)
+    if table is None:
+        table = []
+        for path, item in request.app.openapi().get("paths", {}).items():
+            pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path))
+            table.append((re.compile(f"^{pattern}$"), ", ".join(sorted(m.upper() for m in item))))
+        request.app.state.allowed_methods = table
+    return next((methods for pattern, methods in table if pattern.match(request.url.path)), "")
+
+
 def install(app: FastAPI) -> None:
     async def on_problem(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProblemError)
@@ -132,13 +146,17 @@ def install(app: FastAPI) -> None:
         detail = str(exc.detail)
         if exc.status_code == 404:
             detail = f"no such path: {request.url.path} (the API is described at /docs)"
-        elif exc.status_code == 405:
-            allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+        headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route matching the path only; a
+            # path served by several routes (GET, PATCH, DELETE /v1/tapes/{id}) has more.
+            allow = _allowed_methods(request) or (headers or {}).get("Allow", "")
+            headers = {**{k: v for k, v in (headers or {}).items() if k.lower() != "allow"},
+                       "Allow": allow}
             detail = f"{request.method} is not allowed on {request.url.path}" + (
                 f"; allowed: {allow}" if allow else "")
         return problem_response(
-            request.scope, slug, detail, status=exc.status_code,
-            headers=dict(exc.headers) if exc.headers else None,
+            request.scope, slug, detail, status=exc.status_code, headers=headers,
         )
 
     async def on_pool(request: Request, exc: Exception) -> Response:

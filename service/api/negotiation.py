@@ -115,10 +115,16 @@ def _wire(value: Any, encoding: Encoding) -> Any:
     return value
 
 
-def answer(result: dict[str, Any], negotiated: Negotiated, encoding: Encoding) -> Response:
-    """The response for a worker's result (arrays become wire tensors)."""
+def answer(result: dict[str, Any], negotiated: Negotiated, encoding: Encoding,
+           compute_seconds: float | None = None) -> Response:
+    """The response for a worker's result (arrays become wire tensors). With
+    `compute_seconds`, a `Server-Timing: compute;dur=<ms>` header says how long the worker
+    computed (the rest of the latency is transport and queueing)."""
+    headers = None
+    if compute_seconds is not None:
+        headers = {"Server-Timing": f'compute;dur={compute_seconds * 1e3:.3f};desc="worker"'}
     if negotiated.answer is Format.MSGPACK:
         body = msgpack.packb(_wire(result, Encoding.BINARY), use_bin_type=True)
-        return Response(body, media_type=MSGPACK)
+        return Response(body, media_type=MSGPACK, headers=headers)
     content = orjson.dumps(_wire(result, encoding), option=orjson.OPT_SERIALIZE_NUMPY)
-    return Response(content, media_type=JSON)
+    return Response(content, media_type=JSON, headers=headers)

@@ -16,7 +16,7 @@ from service.api.problems import PROBLEM_JSON, PROBLEM_TYPES
 from service.schemas import Problem
 
 # The statuses a compute route may answer besides 200 (each a Problem).
-COMPUTE_ERRORS = (400, 406, 413, 415, 422, 500, 502, 503, 504, 507)
+COMPUTE_ERRORS = (400, 401, 404, 406, 413, 415, 422, 500, 502, 503, 504, 507)
 
 
 def _titles(status: int) -> str:
@@ -28,11 +28,12 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": Problem, "description": _titles(s)} for s in statuses}
 
 
-def compute_responses(response_schema: str) -> dict[int | str, dict[str, Any]]:
-    """200 in JSON or msgpack, and every problem a compute route can answer."""
+def compute_responses(response_schema: str, status: int = 200
+                      ) -> dict[int | str, dict[str, Any]]:
+    """`status` in JSON or msgpack, and every problem a compute route can answer."""
     ref = {"$ref": f"#/components/schemas/{response_schema}"}
     return {
-        200: {"content": {MSGPACK: {"schema": ref}}},
+        status: {"content": {MSGPACK: {"schema": ref}}},
         **problem_responses(*COMPUTE_ERRORS),
     }
 
@@ -46,6 +47,16 @@ def msgpack_body(request_schema: str) -> dict[str, Any]:
 def operation_id(route: APIRoute) -> str:
     """The endpoint function's name: compute_gradient, list_ops, check_readiness..."""
     return route.name
+
+
+def _optional_security(schema: dict[str, Any]) -> None:
+    """API keys are required only where the server enables them: `{}` (no key) is
+    listed as an alternative on every operation that takes one."""
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            security = operation.get("security")
+            if security is not None and {} not in security:
+                security.append({})
 
 
 def _file_problems_as_problem_json(schema: dict[str, Any]) -> None:
@@ -73,6 +84,7 @@ def install(app: FastAPI) -> Callable[[], dict[str, Any]]:
                 separate_input_output_schemas=app.separate_input_output_schemas,
             )
             _file_problems_as_problem_json(schema)
+            _optional_security(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -12,14 +12,24 @@ import numpy as np
 from service.api.problems import ProblemError
 from service.core.config import Settings
 from service.schemas import (
-    ComputeRequest,
+    CallOptions,
     Definition,
+    DefinitionRequest,
+    EigenvaluesRequest,
     GradientRequest,
     HessianRequest,
     HVPRequest,
     JacobianRequest,
+    ModelCreateRequest,
+    SolveRequest,
+    TapeCreateRequest,
+    TapeGradientRequest,
+    TapeHVPRequest,
+    TapeJacobianRequest,
+    TapeUpdateRequest,
     TensorBase64,
     TensorData,
+    TraceRequest,
     VariableSpec,
 )
 from service.tensors import (
@@ -107,8 +117,8 @@ class _Decoder:
             )
 
 
-def _common(body: ComputeRequest, settings: Settings) -> tuple[_Decoder, dict[str, Any], float]:
-    limit = settings.time_limit if body.time_limit is None else body.time_limit
+def _time_limit(requested: float | None, settings: Settings) -> float:
+    limit = settings.time_limit if requested is None else requested
     if limit > settings.max_time_limit:
         raise ProblemError(
             "too-large",
@@ -116,19 +126,37 @@ def _common(body: ComputeRequest, settings: Settings) -> tuple[_Decoder, dict[st
             f"{settings.max_time_limit:g} s",
             errors=[{"field": "time_limit", "message": f"at most {settings.max_time_limit:g}"}],
         )
+    return limit
+
+
+def _decoder(body: CallOptions | DefinitionRequest | ModelCreateRequest, settings: Settings
+             ) -> _Decoder:
     allow = settings.allow_nonfinite if body.allow_nonfinite is None else body.allow_nonfinite
-    decoder = _Decoder(allow)
+    return _Decoder(allow)
+
+
+def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] | None = None
+            ) -> tuple[_Decoder, dict[str, Any], float]:
+    """The payload of a definition request; `stored` is the definition of the stored
+    model the request names (body.model), in the worker form already."""
+    limit = _time_limit(body.time_limit, settings)
+    decoder = _decoder(body, settings)
+    if body.definition is not None:
+        definition = decoder.definition(body.definition)
+    else:
+        assert stored is not None, "a request naming a model needs its stored definition"
+        definition = stored
     payload = {
-        "definition": decoder.definition(body.definition),
+        "definition": definition,
         "target": body.target,
         "sources": body.sources,
-        "allow_unused": body.allow_unused,
+        "allow_unused": getattr(body, "allow_unused", False),
     }
     return decoder, payload, limit
 
 
-def _prepared(body: ComputeRequest, decoder: _Decoder, payload: dict[str, Any], limit: float
-              ) -> Prepared:
+def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload: dict[str, Any],
+              limit: float) -> Prepared:
     decoder.check()
     if body.response_encoding is not None:
         encoding = Encoding(body.response_encoding.value)
@@ -137,27 +165,37 @@ def _prepared(body: ComputeRequest, decoder: _Decoder, payload: dict[str, Any], 
     return Prepared(payload, limit, encoding)
 
 
-def gradient(body: GradientRequest, settings: Settings) -> Prepared:
-    decoder, payload, limit = _common(body, settings)
+def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] | None = None
+             ) -> Prepared:
+    decoder, payload, limit = _common(body, settings, stored)
     payload["unconnected"] = body.unconnected.value
     return _prepared(body, decoder, payload, limit)
 
 
-def jacobian(body: JacobianRequest, settings: Settings) -> Prepared:
-    decoder, payload, limit = _common(body, settings)
+def jacobian(body: JacobianRequest, settings: Settings, stored: dict[str, Any] | None = None
+             ) -> Prepared:
+    decoder, payload, limit = _common(body, settings, stored)
     payload["unconnected"] = body.unconnected.value
     payload["batch"] = body.batch
     return _prepared(body, decoder, payload, limit)
 
 
-def hessian(body: HessianRequest, settings: Settings) -> Prepared:
-    decoder, payload, limit = _common(body, settings)
+def hessian(body: HessianRequest, settings: Settings, stored: dict[str, Any] | None = None
+            ) -> Prepared:
+    decoder, payload, limit = _common(body, settings, stored)
     payload["newton"] = None if body.newton is None else body.newton.model_dump()
     return _prepared(body, decoder, payload, limit)
 
 
-def hvp(body: HVPRequest, settings: Settings) -> Prepared:
-    decoder, payload, limit = _common(body, settings)
+def hvp(body: HVPRequest, settings: Settings, stored: dict[str, Any] | None = None
+        ) -> Prepared:
+    decoder, payload, limit = _common(body, settings, stored)
+    _vectors(body, decoder, payload, settings)
+    return _prepared(body, decoder, payload, limit)
+
+
+def _vectors(body: HVPRequest | TapeHVPRequest, decoder: _Decoder, payload: dict[str, Any],
+             settings: Settings) -> None:
     if body.vectors is not None and len(body.vectors) > settings.hvp_max_vectors:
         raise ProblemError(
             "too-large",
@@ -174,4 +212,105 @@ def hvp(body: HVPRequest, settings: Settings) -> Prepared:
         payload["vectors"] = [
             decoder.tensors(v, f"vectors.{i}") for i, v in enumerate(body.vectors)
         ]
+
+
+# ----------------------------------------------------------------------------------------
+# Tapes
+# ----------------------------------------------------------------------------------------
+
+
+def tape_create(body: TapeCreateRequest, settings: Settings,
+                stored: dict[str, Any] | None = None) -> tuple[Prepared, float]:
+    """The payload recording a tape, and its ttl."""
+    decoder, payload, limit = _common(body, settings, stored)
+    del payload["allow_unused"]  # a tape records every line: other targets may use them
+    ttl = settings.tape_ttl if body.ttl is None else body.ttl
+    if ttl > settings.tape_max_ttl:
+        raise ProblemError(
+            "too-large",
+            f"ttl: {ttl:g} s is above this server's maximum of {settings.tape_max_ttl:g} s",
+            errors=[{"field": "ttl", "message": f"at most {settings.tape_max_ttl:g}"}],
+        )
+    return _prepared(body, decoder, payload, limit), ttl
+
+
+def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
+    decoder = _decoder(body, settings)
+    payload: dict[str, Any] = {}
+    _vectors(body, decoder, payload, settings)
+    return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+
+
+def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
+    payload: dict[str, Any] = {"target": body.target, "sources": body.sources,
+                               "unconnected": body.unconnected.value}
+    if isinstance(body, TapeJacobianRequest):
+        payload["batch"] = body.batch
+    return _prepared(body, _decoder(body, settings), payload,
+                     _time_limit(body.time_limit, settings))
+
+
+def tape_update(body: TapeUpdateRequest, settings: Settings
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Prepared]:
+    decoder = _decoder(body, settings)
+    variables = decoder.tensors(body.variables, "variables")
+    inputs = decoder.tensors(body.inputs, "inputs")
+    prepared = _prepared(body, decoder, {}, _time_limit(body.time_limit, settings))
+    return (
+        {k: v for k, v in variables.items() if v is not None},
+        {k: v for k, v in inputs.items() if v is not None},
+        prepared,
+    )
+
+
+def _algorithm_limits(max_hvps: int, max_seconds: float | None, limit: float,
+                      settings: Settings) -> dict[str, Any]:
+    if max_hvps > settings.algorithm_max_hvps:
+        raise ProblemError(
+            "too-large",
+            f"max_hvps: {max_hvps:,} is above this server's algorithm_max_hvps of "
+            f"{settings.algorithm_max_hvps:,}",
+            errors=[{"field": "max_hvps", "message": f"at most {settings.algorithm_max_hvps}"}],
+        )
+    # The algorithm stops itself (and answers what it has) before the pool's hard limit.
+    budget = 0.9 * limit
+    return {"max_hvps": max_hvps,
+            "max_seconds": budget if max_seconds is None else min(max_seconds, budget)}
+
+
+def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    payload = {
+        "k": body.k, "which": body.which.value, "tol": body.tol,
+        "eigenvectors": body.eigenvectors, "seed": body.seed,
+        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+    }
+    return _prepared(body, _decoder(body, settings), payload, limit)
+
+
+def trace(body: TraceRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    payload = {
+        "batch_size": body.batch_size, "rtol": body.rtol, "atol": body.atol, "seed": body.seed,
+        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+    }
+    return _prepared(body, _decoder(body, settings), payload, limit)
+
+
+def solve(body: SolveRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    decoder = _decoder(body, settings)
+    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
+    payload = {
+        "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
+        "damping": body.damping, "tol": body.tol, "max_iterations": body.max_iterations,
+        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
+    }
     return _prepared(body, decoder, payload, limit)
+
+
+def model_definition(body: ModelCreateRequest, settings: Settings) -> dict[str, Any]:
+    decoder = _decoder(body, settings)
+    definition = decoder.definition(body.definition)
+    decoder.check()
+    return definition

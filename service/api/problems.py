@@ -30,7 +30,27 @@ class ProblemType:
 PROBLEM_TYPES: dict[str, ProblemType] = {
     "malformed-body": ProblemType(
         400, "Malformed body", "The body is not valid JSON (or msgpack)."),
+    "unauthorized": ProblemType(
+        401, "Unauthorized",
+        "This server requires an API key (Authorization: Bearer <key>, or X-API-Key) and "
+        "the request has none, or one it does not accept."),
     "not-found": ProblemType(404, "Not found", "No such path. See /docs for the API."),
+    "tape-not-found": ProblemType(
+        404, "Tape not found",
+        "No tape with this id is visible to this API key (or it was deleted)."),
+    "tape-expired": ProblemType(
+        404, "Tape expired",
+        "The tape was not used within its ttl and was dropped; record it again with "
+        "POST /v1/tapes."),
+    "tape-evicted": ProblemType(
+        404, "Tape evicted",
+        "The tape's worker needed room for more recently used tapes within its memory "
+        "budget; record it again with POST /v1/tapes."),
+    "model-not-found": ProblemType(
+        404, "Model not found", "No stored model with this name is visible to this API key."),
+    "model-exists": ProblemType(
+        409, "Model exists",
+        "A model with this name is stored already; send replace: true to replace it."),
     "method-not-allowed": ProblemType(
         405, "Method not allowed", "The path exists but not with this method (see Allow)."),
     "not-acceptable": ProblemType(
@@ -65,7 +85,13 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "too-large": ProblemType(
         422, "Too large to compute",
         "The answer would exceed a size limit of this server (hessian_max_size, "
-        "jacobian_max_elements, hvp_max_vectors, max_time_limit)."),
+        "jacobian_max_elements, hvp_max_vectors, max_time_limit, tape_memory_budget, "
+        "algorithm_max_hvps, tape_max_ttl)."),
+    "quota-exceeded": ProblemType(
+        429, "Quota exceeded",
+        "This API key holds as many tapes, tape bytes or models as its quota allows "
+        "(max_tapes_per_key, max_tape_bytes_per_key, max_models_per_key); delete some or "
+        "let tapes expire. `quota` names which."),
     "internal": ProblemType(500, "Internal error", "A bug: please report it with the detail."),
     "worker-crashed": ProblemType(
         502, "Worker crashed",

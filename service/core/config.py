@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CPU_WORKERS = 2
@@ -31,6 +32,13 @@ def cuda_device_count() -> int:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         return 0
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/gradtape, else ~/.local/share/gradtape."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "share")
+    return Path(base) / "gradtape"
 
 
 class Settings(BaseSettings):
@@ -57,6 +65,13 @@ class Settings(BaseSettings):
         default=None, ge=1, description="BLAS threads per CPU worker; default: cores / workers"
     )
     startup_timeout: float = Field(default=120.0, gt=0, description="for a worker to come up")
+    worker_tune_allocator: bool = Field(
+        default=True,
+        description="raise glibc's mmap/trim thresholds in the workers (engine.tune_allocator): "
+        "freed array memory is reused instead of page-faulted in again, so repeated requests "
+        "run faster and a worker's RSS settles at its working set instead of swinging with "
+        "each request; off: memory goes back to the system sooner",
+    )
 
     # Requests -----------------------------------------------------------------------------
     time_limit: float = Field(default=30.0, gt=0, description="compute seconds per request")
@@ -90,6 +105,63 @@ class Settings(BaseSettings):
         "max_elements, ...), as JSON; unknown names stop the workers at startup",
     )
 
+    # Tapes (sessions) ---------------------------------------------------------------------
+    tape_ttl: float = Field(
+        default=3600.0, gt=0, description="seconds a tape lives after its last use (default)"
+    )
+    tape_max_ttl: float = Field(
+        default=86400.0, gt=0, description="most a client may ask for with `ttl`"
+    )
+    tape_memory_budget: int = Field(
+        default=2 * 2**30, ge=1,
+        description="bytes of tapes one worker holds (device memory on a GPU); beyond it the "
+        "least recently used tapes are evicted",
+    )
+    max_tapes_per_key: int = Field(
+        default=100, ge=0, description="live tapes per API key (or in all, without keys)"
+    )
+    max_tape_bytes_per_key: int = Field(
+        default=8 * 2**30, ge=0, description="bytes of live tapes per API key"
+    )
+    max_models_per_key: int = Field(default=100, ge=0, description="stored models per API key")
+    algorithm_max_hvps: int = Field(
+        default=10000, ge=1, description="most HVPs one eigenvalues/trace/solve request may use"
+    )
+    lanczos_max_basis_bytes: int = Field(
+        default=1 << 30, ge=1, description="memory of the Lanczos basis (iterations x n float64)"
+    )
+    tape_sweep_interval: float = Field(
+        default=10.0, gt=0,
+        description="seconds between sweeps that expire tapes and save their usage",
+    )
+    tombstone_ttl: float = Field(
+        default=7 * 86400.0, ge=0,
+        description="seconds an ended tape's id keeps answering why it is gone",
+    )
+
+    # Storage ------------------------------------------------------------------------------
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="where the store lives (default $XDG_DATA_HOME/gradtape or "
+        "~/.local/share/gradtape)",
+    )
+    store_path: str | None = Field(
+        default=None,
+        description="the SQLite file of tapes and models (default <data_dir>/gradtape.sqlite3; "
+        "':memory:' keeps nothing across restarts)",
+    )
+
+    # API keys -----------------------------------------------------------------------------
+    api_keys_enabled: bool = Field(
+        default=False, description="require an API key on every /v1 request"
+    )
+    api_keys: SecretStr = Field(
+        default=SecretStr(""), description="the accepted keys, separated by commas or spaces"
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="a file of accepted keys, one per line (# comments)"
+    )
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
@@ -107,7 +179,26 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"time_limit ({self.time_limit}) is above max_time_limit ({self.max_time_limit})"
             )
+        if self.tape_ttl > self.tape_max_ttl:
+            raise ValueError(
+                f"tape_ttl ({self.tape_ttl}) is above tape_max_ttl ({self.tape_max_ttl})"
+            )
         return self
+
+    def resolved_store_path(self) -> str:
+        if self.store_path:
+            return self.store_path
+        return str(self.data_dir / "gradtape.sqlite3")
+
+    def load_api_keys(self) -> list[str]:
+        """The accepted keys, from api_keys and api_keys_file (read at each call)."""
+        keys = self.api_keys.get_secret_value().replace(",", " ").split()
+        if self.api_keys_file is not None:
+            for line in self.api_keys_file.read_text().splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    keys.append(line)
+        return keys
 
     def worker_devices(self) -> list[str]:
         """One device string per worker process."""
@@ -131,9 +222,11 @@ class Settings(BaseSettings):
         return max(1, (os.cpu_count() or 1) // len(self.worker_devices()))
 
     def describe(self) -> dict[str, Any]:
-        """The settings as printed at startup (issue 6's API keys will be masked here)."""
+        """The settings as printed at startup (API keys masked: only their count shows)."""
         shown = self.model_dump(mode="json")
+        shown["api_keys"] = f"<{len(self.api_keys.get_secret_value().replace(',', ' ').split())} key(s)>"
         shown["worker_devices"] = self.worker_devices()
+        shown["store_path"] = self.resolved_store_path()
         return shown
 
 

@@ -2,15 +2,20 @@
 on a free loopback port, started once per session and stopped at the end.
 
 Settings come from GRADTAPE_* variables, small where a test needs to reach a limit.
+Every server and app the tests start keeps its store (tapes, models) under a temporary
+directory, never the user's data directory. Other modules start servers of their own
+with `start_server` (API keys on, a restart over the same store).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +24,10 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Read by Settings() in this process too (apps the tests build in-process).
+DATA_DIR = Path(tempfile.mkdtemp(prefix="gradtape-tests-"))
+os.environ["GRADTAPE_DATA_DIR"] = str(DATA_DIR)
 
 # The limits the tests reach; every other setting keeps its default.
 SERVER_SETTINGS = {
@@ -32,6 +41,8 @@ SERVER_SETTINGS = {
     "GRADTAPE_MAX_BODY_BYTES": str(4 * 2**20),
     "GRADTAPE_ACCESS_LOG": "false",
     "GRADTAPE_LOG_LEVEL": "warning",
+    "GRADTAPE_MAX_TAPES_PER_KEY": "100000",  # schemathesis records tapes too
+    "GRADTAPE_ALGORITHM_MAX_HVPS": "5000",
 }
 
 
@@ -67,12 +78,11 @@ class Server:
         raise TimeoutError(f"the server did not become ready: {last}\n{self.log.read_text()}")
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def start_server(settings: dict[str, str], log: Path) -> Server:
+    """`gradtape serve` with these GRADTAPE_* settings (over SERVER_SETTINGS), ready."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, **SERVER_SETTINGS}
-    with log.open("wb") as out:
+    env = {**os.environ, **SERVER_SETTINGS, **settings}
+    with log.open("ab") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
              "--port", str(port)],
@@ -81,14 +91,36 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = Server(f"http://127.0.0.1:{port}", process, log)
     try:
         srv.wait_ready()
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def stop_server(srv: Server) -> None:
+    """Ctrl-C (a graceful shutdown), then kill if it hangs."""
+    srv.process.send_signal(signal.SIGINT)
+    try:
+        srv.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        srv.process.kill()
+        srv.process.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_data_dir() -> Iterator[Path]:
+    yield DATA_DIR
+    shutil.rmtree(DATA_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server({"GRADTAPE_DATA_DIR": str(tmp_path_factory.mktemp("store"))}, log)
+    try:
         yield srv
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(srv)
 
 
 @pytest.fixture(scope="session")

@@ -65,4 +65,8 @@ def test_openapi_document(client) -> None:
     operations = {op["operationId"] for path in spec["paths"].values() for op in path.values()}
     assert operations == {"compute_gradient", "compute_jacobian", "compute_hessian",
                           "compute_hvp", "list_ops", "check_health", "check_readiness",
-                          "read_metrics"}
+                          "read_metrics", "create_tape", "list_tapes", "read_tape",
+                          "update_tape", "delete_tape", "compute_tape_hvp",
+                          "compute_tape_gradient", "compute_tape_jacobian",
+                          "compute_tape_eigenvalues", "estimate_tape_trace", "solve_tape",
+                          "create_model", "list_models", "read_model", "delete_model"}

@@ -26,7 +26,12 @@ def test_named_schemas_and_problem_responses() -> None:
     spec = json.loads(CONTRACT.read_text())
     schemas = spec["components"]["schemas"]
     for name in ("GradientRequest", "GradientResponse", "JacobianRequest", "HessianRequest",
-                 "HVPRequest", "TensorData", "TensorBase64", "Definition", "Problem"):
+                 "HVPRequest", "TensorData", "TensorBase64", "Definition", "Problem",
+                 "TapeCreateRequest", "TapeCreateResponse", "TapeInfo", "TapeList",
+                 "TapeHVPRequest", "TapeHVPResponse", "TapeGradientRequest",
+                 "TapeJacobianRequest", "TapeUpdateRequest", "EigenvaluesRequest",
+                 "EigenvaluesResponse", "TraceRequest", "TraceResponse", "SolveRequest",
+                 "SolveResponse", "ModelCreateRequest", "ModelInfo", "ModelList"):
         assert name in schemas
     gradient = spec["paths"]["/v1/gradient"]["post"]
     assert set(gradient["requestBody"]["content"]) == {"application/json", "application/msgpack"}
@@ -35,3 +40,45 @@ def test_named_schemas_and_problem_responses() -> None:
     for status in ("400", "413", "415", "422", "502", "503", "504"):
         assert list(gradient["responses"][status]["content"]) == ["application/problem+json"]
     assert schemas["GradientRequest"]["examples"][0]["target"] == "s"
+
+
+def test_operation_ids_are_stable_and_readable() -> None:
+    spec = json.loads(CONTRACT.read_text())
+    ids = {(path, method): op["operationId"] for path, item in spec["paths"].items()
+           for method, op in item.items()}
+    assert ids == {
+        ("/v1/gradient", "post"): "compute_gradient",
+        ("/v1/jacobian", "post"): "compute_jacobian",
+        ("/v1/hessian", "post"): "compute_hessian",
+        ("/v1/hvp", "post"): "compute_hvp",
+        ("/v1/tapes", "post"): "create_tape",
+        ("/v1/tapes", "get"): "list_tapes",
+        ("/v1/tapes/{tape_id}", "get"): "read_tape",
+        ("/v1/tapes/{tape_id}", "patch"): "update_tape",
+        ("/v1/tapes/{tape_id}", "delete"): "delete_tape",
+        ("/v1/tapes/{tape_id}/hvp", "post"): "compute_tape_hvp",
+        ("/v1/tapes/{tape_id}/gradient", "post"): "compute_tape_gradient",
+        ("/v1/tapes/{tape_id}/jacobian", "post"): "compute_tape_jacobian",
+        ("/v1/tapes/{tape_id}/eigenvalues", "post"): "compute_tape_eigenvalues",
+        ("/v1/tapes/{tape_id}/trace", "post"): "estimate_tape_trace",
+        ("/v1/tapes/{tape_id}/solve", "post"): "solve_tape",
+        ("/v1/models", "post"): "create_model",
+        ("/v1/models", "get"): "list_models",
+        ("/v1/models/{name}", "get"): "read_model",
+        ("/v1/models/{name}", "delete"): "delete_model",
+        ("/v1/ops", "get"): "list_ops",
+        ("/healthz", "get"): "check_health",
+        ("/readyz", "get"): "check_readiness",
+        ("/metrics", "get"): "read_metrics",
+    }
+
+
+def test_api_keys_are_declared_and_optional() -> None:
+    spec = json.loads(CONTRACT.read_text())
+    assert set(spec["components"]["securitySchemes"]) == {"bearerAuth", "apiKeyAuth"}
+    tapes = spec["paths"]["/v1/tapes/{tape_id}/hvp"]["post"]
+    assert tapes["security"] == [{"bearerAuth": []}, {"apiKeyAuth": []}, {}]
+    assert "security" not in spec["paths"]["/healthz"]["get"]
+    assert "201" in spec["paths"]["/v1/tapes"]["post"]["responses"]
+    for status in ("401", "404", "429"):
+        assert status in spec["paths"]["/v1/tapes"]["post"]["responses"]

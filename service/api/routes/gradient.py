@@ -4,9 +4,9 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
-from service.api.routes._compute import run
+from service.api.routes._compute import run, stored_definition
 from service.schemas import GradientRequest, GradientResponse
 
 router = APIRouter(tags=["derivatives"])
@@ -20,7 +20,8 @@ router = APIRouter(tags=["derivatives"])
     summary="Value and gradients",
 )
 async def compute_gradient(
-    body: GradientRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+    body: GradientRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
+    owner: OwnerDep, models: ModelsDep,
 ) -> Response:
     """Run the definition and answer the target's value and its gradient with respect to
     each source (a non-scalar target is differentiated as its sum, as tf.GradientTape
@@ -31,4 +32,5 @@ async def compute_gradient(
     source the target does not depend on answers `null`, or zeros with
     `"unconnected": "zero"`.
     """
-    return await run(pool, "gradient", payloads.gradient(body, settings), negotiated)
+    stored = await stored_definition(body, owner, models)
+    return await run(pool, "gradient", payloads.gradient(body, settings, stored), negotiated)

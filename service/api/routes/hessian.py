@@ -4,9 +4,9 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
-from service.api.routes._compute import run
+from service.api.routes._compute import run, stored_definition
 from service.schemas import HessianRequest, HessianResponse
 
 router = APIRouter(tags=["derivatives"])
@@ -20,7 +20,8 @@ router = APIRouter(tags=["derivatives"])
     summary="Hessian and damped Newton step",
 )
 async def compute_hessian(
-    body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+    body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
+    owner: OwnerDep, models: ModelsDep,
 ) -> Response:
     """The Hessian of a scalar target over the sources, as blocks: `hessian[a][b]` has
     shape `a.shape + b.shape`. Refused (422, too-large) above the server's
@@ -29,4 +30,5 @@ async def compute_hessian(
     With `newton`, also the damped Newton step `(H + damping I)^-1 g` per source (subtract
     it from the sources to take the step).
     """
-    return await run(pool, "hessian", payloads.hessian(body, settings), negotiated)
+    stored = await stored_definition(body, owner, models)
+    return await run(pool, "hessian", payloads.hessian(body, settings, stored), negotiated)

@@ -4,9 +4,9 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
-from service.api.routes._compute import run
+from service.api.routes._compute import run, stored_definition
 from service.schemas import HVPRequest, HVPResponse
 
 router = APIRouter(tags=["derivatives"])
@@ -20,10 +20,12 @@ router = APIRouter(tags=["derivatives"])
     summary="Hessian-vector products",
 )
 async def compute_hvp(
-    body: HVPRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+    body: HVPRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
+    owner: OwnerDep, models: ModelsDep,
 ) -> Response:
     """H @ v for a scalar target, with `vector` (one tensor per source, keyed like the
     gradients) or `vectors` (a list of them). The forward pass and the gradient are
     recorded once and all vectors are answered in one batched second-order pass.
     """
-    return await run(pool, "hvp", payloads.hvp(body, settings), negotiated)
+    stored = await stored_definition(body, owner, models)
+    return await run(pool, "hvp", payloads.hvp(body, settings, stored), negotiated)

@@ -4,9 +4,9 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.deps import NegotiatedDep, PoolDep, SettingsDep
+from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
-from service.api.routes._compute import run
+from service.api.routes._compute import run, stored_definition
 from service.schemas import JacobianRequest, JacobianResponse
 
 router = APIRouter(tags=["derivatives"])
@@ -20,7 +20,8 @@ router = APIRouter(tags=["derivatives"])
     summary="Jacobians, full or per example",
 )
 async def compute_jacobian(
-    body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep
+    body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
+    owner: OwnerDep, models: ModelsDep,
 ) -> Response:
     """The jacobian of the target with respect to each source, shape
     `target.shape + source.shape`, computed in batched backward passes of the server's
@@ -31,4 +32,5 @@ async def compute_jacobian(
     that the examples are independent and answers 422 (batch-dependence) when they are
     not, e.g. with batch normalization between the layers.
     """
-    return await run(pool, "jacobian", payloads.jacobian(body, settings), negotiated)
+    stored = await stored_definition(body, owner, models)
+    return await run(pool, "jacobian", payloads.jacobian(body, settings, stored), negotiated)

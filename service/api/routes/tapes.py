@@ -1,0 +1,271 @@
+"""Tapes: record a definition once in a worker, then ask it many questions (HVPs,
+gradients and jacobians of other targets, eigenvalues, the trace, Newton steps)
+without running the forward pass again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from service.api import payloads
+from service.api.deps import (
+    ModelsDep,
+    NegotiatedDep,
+    OwnerDep,
+    SettingsDep,
+    TapeDep,
+    TapesDep,
+)
+from service.api.negotiation import answer
+from service.api.openapi import compute_responses, msgpack_body, problem_responses
+from service.api.routes._compute import stored_definition
+from service.schemas import (
+    EigenvaluesRequest,
+    EigenvaluesResponse,
+    GradientResponse,
+    JacobianResponse,
+    SolveRequest,
+    SolveResponse,
+    TapeCreateRequest,
+    TapeCreateResponse,
+    TapeGradientRequest,
+    TapeHVPRequest,
+    TapeHVPResponse,
+    TapeInfo,
+    TapeJacobianRequest,
+    TapeList,
+    TapeUpdateRequest,
+    TraceRequest,
+    TraceResponse,
+)
+
+router = APIRouter(tags=["tapes"])
+
+TAPE_ERRORS = (401, 404)
+
+
+def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tape_id": tape_id,
+        "value": result["value"],
+        "gradients": result["gradients"],
+        "bytes": info["bytes"],
+        "ttl": info["ttl"],
+        "expires_at": info["expires_at"],
+        "device": info["device"],
+        "worker": info["worker"],
+    }
+
+
+@router.post(
+    "/v1/tapes",
+    status_code=201,
+    response_model=TapeCreateResponse,
+    responses={**compute_responses("TapeCreateResponse", status=201),
+               **problem_responses(401, 404, 429)},
+    openapi_extra=msgpack_body("TapeCreateRequest"),
+    summary="Record a tape",
+)
+async def create_tape(
+    body: TapeCreateRequest, negotiated: NegotiatedDep, settings: SettingsDep,
+    owner: OwnerDep, tapes: TapesDep, models: ModelsDep,
+) -> Response:
+    """Record the definition's forward pass and the gradient of its scalar `target` over
+    the `sources` (as /v1/gradient takes them; or name a stored `model`), and keep the
+    recording in one worker. Answers the value, the gradients and the new `tape_id`
+    (201, with `Location: /v1/tapes/{tape_id}`).
+
+    Every later request on the tape goes to that worker and reuses the recording: an
+    HVP costs only the second-order pass. The tape expires `ttl` seconds after its last
+    use, and may be evicted when its worker needs the memory for more recently used
+    tapes; its definition is stored, so a restarted worker or service records it again
+    transparently. Quotas per API key: 429 past them.
+    """
+    stored = await stored_definition(body, owner, models)
+    prepared, ttl = payloads.tape_create(body, settings, stored)
+    tape, result = await tapes.create(owner, prepared.payload, ttl, body.model,
+                                      prepared.time_limit)
+    response = answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
+    response.status_code = 201
+    response.headers["Location"] = f"/v1/tapes/{tape.id}"
+    return response
+
+
+@router.get(
+    "/v1/tapes",
+    response_model=TapeList,
+    responses=problem_responses(401),
+    summary="List your tapes",
+)
+async def list_tapes(owner: OwnerDep, tapes: TapesDep) -> TapeList:
+    """The caller's live tapes (those of its API key), oldest first."""
+    return TapeList.model_validate(
+        {"tapes": [t.info(tapes.loaded(t)) for t in tapes.live(owner)]}
+    )
+
+
+@router.get(
+    "/v1/tapes/{tape_id}",
+    response_model=TapeInfo,
+    responses=problem_responses(*TAPE_ERRORS),
+    summary="A tape's metadata",
+)
+async def read_tape(tape: TapeDep, tapes: TapesDep) -> TapeInfo:
+    """Created, last used, hits, bytes held, device, worker, expiry. An expired or
+    evicted tape answers 404 with a detail that says which (type tape-expired or
+    tape-evicted); another API key's tape answers 404 as if it did not exist."""
+    return TapeInfo.model_validate(tape.info(tapes.loaded(tape)))
+
+
+@router.delete(
+    "/v1/tapes/{tape_id}",
+    status_code=204,
+    response_class=Response,
+    responses=problem_responses(*TAPE_ERRORS),
+    summary="Delete a tape",
+)
+async def delete_tape(tape: TapeDep, tapes: TapesDep) -> Response:
+    """Drop the recording from its worker and the definition from the store."""
+    await tapes.delete(tape)
+    return Response(status_code=204)
+
+
+@router.patch(
+    "/v1/tapes/{tape_id}",
+    response_model=TapeCreateResponse,
+    responses={**compute_responses("TapeCreateResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("TapeUpdateRequest"),
+    summary="New variable values: record again",
+)
+async def update_tape(
+    body: TapeUpdateRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """Give some variables and inputs new values (same names and shapes; values are
+    cast to the recorded dtype) and record the tape again at them, keeping its id (the
+    step of an optimizer: one request instead of delete + create). Answers the new value
+    and gradients. A failed recording keeps the tape as it was."""
+    variables, inputs, prepared = payloads.tape_update(body, settings)
+    result = await tapes.update(tape, variables, inputs, prepared.time_limit)
+    return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/hvp",
+    response_model=TapeHVPResponse,
+    responses={**compute_responses("TapeHVPResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("TapeHVPRequest"),
+    summary="Hessian-vector products on a tape",
+)
+async def compute_tape_hvp(
+    body: TapeHVPRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
+    or `vectors` (a list: one batched pass). Only the second-order pass over the
+    recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
+    does not grow however many HVPs are asked)."""
+    prepared = payloads.tape_hvp(body, settings)
+    reply = await tapes.call(tape, "tape_hvp", prepared.payload, prepared.time_limit)
+    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/gradient",
+    response_model=GradientResponse,
+    responses={**compute_responses("GradientResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("TapeGradientRequest"),
+    summary="Gradient of any target on a tape",
+)
+async def compute_tape_gradient(
+    body: TapeGradientRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """The value and gradient of any name of the tape's program (default: its target)
+    over any variables or inputs (default: its sources), from the recording: one
+    backward pass, the program does not run again."""
+    prepared = payloads.tape_gradient(body, settings)
+    reply = await tapes.call(tape, "tape_gradient", prepared.payload, prepared.time_limit)
+    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/jacobian",
+    response_model=JacobianResponse,
+    responses={**compute_responses("JacobianResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("TapeJacobianRequest"),
+    summary="Jacobian of any target on a tape",
+)
+async def compute_tape_jacobian(
+    body: TapeJacobianRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """The jacobian (full, or per example with `batch`) of any name of the tape's
+    program over variables or inputs, from the recording."""
+    prepared = payloads.tape_gradient(body, settings)
+    reply = await tapes.call(tape, "tape_jacobian", prepared.payload, prepared.time_limit)
+    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/eigenvalues",
+    response_model=EigenvaluesResponse,
+    responses={**compute_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("EigenvaluesRequest"),
+    summary="Top eigenvalues of a tape's Hessian (Lanczos)",
+)
+async def compute_tape_eigenvalues(
+    body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
+    Hessian of the tape's target over its sources, by Lanczos with full
+    reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
+    Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
+    the HVPs used and the residuals. A repeated eigenvalue may be found once only
+    unless the whole space is spanned."""
+    prepared = payloads.eigenvalues(body, settings)
+    reply = await tapes.call(tape, "tape_eigenvalues", prepared.payload, prepared.time_limit)
+    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/trace",
+    response_model=TraceResponse,
+    responses={**compute_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("TraceRequest"),
+    summary="Trace of a tape's Hessian (Hutchinson)",
+)
+async def estimate_tape_trace(
+    body: TraceRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
+    HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`."""
+    prepared = payloads.trace(body, settings)
+    reply = await tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit)
+    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/solve",
+    response_model=SolveResponse,
+    responses={**compute_responses("SolveResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("SolveRequest"),
+    summary="Solve (H + damping I) x = b on a tape (CG)",
+)
+async def solve_tape(
+    body: SolveRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
+    settings: SettingsDep,
+) -> Response:
+    """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
+    HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
+    Newton step (the update is sources - x). Answers the residual history; stops at
+    `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
+    non-positive curvature (raise the damping)."""
+    prepared = payloads.solve(body, settings)
+    reply = await tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit)
+    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+

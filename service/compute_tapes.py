@@ -1,0 +1,437 @@
+"""Tapes inside a worker (issue 6): record once, then answer many requests from the
+recording. Runs in the worker processes, next to service/compute.py.
+
+A tape is the definition's forward pass and its target's gradient, recorded once:
+
+- a HessianOperator over the tape's sources (the forward pass and inner gradient on a
+  persistent tape): every HVP afterwards is one second-order pass that records nothing,
+  so the worker's memory stays flat however many HVPs are asked;
+- a second persistent GradientTape, recorded in the same forward pass, that watches
+  every floating-point variable and input: gradients and jacobians of *other* names of
+  the program (an accuracy, a regularizer, the logits) come from it without running the
+  program again.
+
+Tapes live in `WorkerContext.state["tapes"]` by id. A request for a tape this worker
+does not hold (it was restarted, or the service was) carries the tape's stored
+definition in `rebuild`; without it the answer is the error type "tape-missing" and the
+HTTP side asks again with it. Every reply carries `tape: {bytes, rebuilt}`: the bytes of
+the arrays the tape holds (forward values, gradient, cached rule stages), which the HTTP
+side uses for the memory budget, the quotas and GET /v1/tapes/{id}.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import engine as gt
+from engine.hessian_algorithms import (
+    FlatOperator,
+    conjugate_gradient,
+    hutchinson_trace,
+    lanczos,
+)
+from engine.language import CompiledProgram, Request, as_definition, compile_definition
+from engine.registry import Primitive
+from engine.tensor import Tensor
+from service.compute import (
+    RequestError,
+    WorkerContext,
+    check_jacobian_size,
+    check_vector,
+    jacobians_on,
+    on_device,
+)
+
+
+@dataclass(eq=False)
+class TapeSession:
+    tape_id: str
+    program: CompiledProgram
+    request: Request
+    leaves: dict[str, Tensor]
+    keys: list[str]  # the answer keys of the sources (aliases), in order
+    primals: list[Tensor]
+    operator: gt.HessianOperator
+    flat: FlatOperator
+    recording: gt.GradientTape  # persistent; watches every floating-point leaf
+    env: dict[str, Tensor]  # every name of the program, as recorded
+    bytes: int = 0
+    hvp_measured: bool = False
+
+
+def _tapes(context: WorkerContext) -> dict[str, TapeSession]:
+    tapes: dict[str, TapeSession] = context.state.setdefault("tapes", {})
+    return tapes
+
+
+def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> TapeSession:
+    """Run the definition once under the tapes; raise on any problem (nothing is kept)."""
+    definition = as_definition(spec["definition"])
+    program = compile_definition(definition, context.limits)
+    # A tape serves other targets too: lines the target does not use are expected.
+    request = program.check_request(spec["target"], spec.get("sources"), "zero",
+                                    allow_unused=True)
+    target_type = program.types[request.target]
+    if math.prod(target_type.shape) != 1:
+        raise RequestError(
+            "request",
+            f"a tape's target must be a scalar (it answers Hessian-vector products); "
+            f"{request.target!r} has shape {list(target_type.shape)}. Reduce it (sum(), "
+            "mean()); other targets, of any shape, can be asked of the tape afterwards",
+        )
+    if not request.sources:
+        raise RequestError(
+            "request",
+            "the tape has no sources: the definition has no trainable floating-point "
+            "variable; name the sources",
+        )
+    leaves = program.leaves(definition, context.device)
+    names = list(request.sources.values())
+    recording = gt.GradientTape(persistent=True, watch_accessed_variables=False)
+    recorded: dict[str, dict[str, Tensor]] = {}
+
+    def f(*values: Tensor) -> Tensor:
+        env = dict(leaves)
+        env.update(zip(names, values, strict=True))
+        with recording:
+            recording.watch([v for v in env.values() if v.dtype.kind == "f"])
+            recorded["env"] = program.run(env)
+        return recorded["env"][request.target]
+
+    operator = gt.hessian_operator(f, *[leaves[n] for n in names])
+    session = TapeSession(
+        tape_id=tape_id,
+        program=program,
+        request=request,
+        leaves=leaves,
+        keys=list(request.sources),
+        primals=[leaves[n] for n in names],
+        operator=operator,
+        flat=FlatOperator(operator),
+        recording=recording,
+        env=recorded["env"],
+    )
+    session.bytes = held_bytes(session)
+    return session
+
+
+def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSession, bool]:
+    """The tape the request names, rebuilt from `rebuild` when this worker lacks it."""
+    tapes = _tapes(context)
+    tape_id = payload["tape_id"]
+    session = tapes.get(tape_id)
+    if session is not None:
+        return session, False
+    spec = payload.get("rebuild")
+    if spec is None:
+        raise RequestError("tape-missing", f"worker {context.index} does not hold tape {tape_id}")
+    session = record(tape_id, spec, context)
+    tapes[tape_id] = session
+    return session, True
+
+
+def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only: bool
+          ) -> dict[str, Any]:
+    # HVPs fill the rule caches of the recording once; after the first, bytes stay put.
+    if not (hvp_only and session.hvp_measured):
+        session.bytes = held_bytes(session)
+        session.hvp_measured = session.hvp_measured or hvp_only
+    result["tape"] = {"bytes": session.bytes, "rebuilt": rebuilt}
+    return result
+
+
+def _recorded_answer(session: TapeSession) -> dict[str, Any]:
+    return {
+        "value": session.operator.value.numpy(),
+        "gradients": dict(zip(session.keys, [g.numpy() for g in session.operator.grad],
+                              strict=True)),
+        "device": gt.backend.device_of(session.operator.value.value),
+        "sources": dict(session.request.sources),
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Memory held
+# ----------------------------------------------------------------------------------------
+
+_ATOMS = (type, types.ModuleType, str, bytes, bytearray, int, float, complex, bool,
+          type(None), CompiledProgram, Primitive)
+
+
+def held_bytes(*roots: Any) -> int:
+    """Bytes of the distinct array buffers reachable from `roots`: through objects,
+    containers and closures (not through module globals, types or compiled programs,
+    which every tape shares)."""
+    seen: set[int] = set()
+    buffers: dict[int, int] = {}
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, _ATOMS):
+            continue
+        if isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            buffers[id(base)] = base.nbytes
+            continue
+        memory = _device_memory(obj)
+        if memory is not None:
+            buffers[memory[0]] = memory[1]
+            continue
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            stack.extend(obj.__defaults__ or ())
+            continue
+        stack.extend(gc.get_referents(obj))
+    return sum(buffers.values())
+
+
+def _device_memory(obj: Any) -> tuple[int, int] | None:
+    """(pointer, size) of a CuPy array's allocation; None for anything else."""
+    if type(obj).__module__.split(".", 1)[0] != "cupy" or not hasattr(obj, "data"):
+        return None
+    mem = getattr(obj.data, "mem", None)
+    if mem is None:
+        return None
+    return int(mem.ptr), int(mem.size)
+
+
+# ----------------------------------------------------------------------------------------
+# Handlers
+# ----------------------------------------------------------------------------------------
+
+
+def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """Record a tape (replacing one of the same id only once the new one is recorded:
+    a failed update keeps the old tape)."""
+    session = record(payload["tape_id"], payload, context)
+    _tapes(context)[session.tape_id] = session
+    result = _recorded_answer(session)
+    result["tape"] = {"bytes": session.bytes, "rebuilt": False}
+    return result
+
+
+def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    tapes = _tapes(context)
+    dropped = [i for i in payload["tape_ids"] if tapes.pop(i, None) is not None]
+    if dropped:
+        gc.collect()  # hand the arrays back now, cycles included
+    return {"dropped": dropped, "held": len(tapes)}
+
+
+def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    session, rebuilt = _session(payload, context)
+    single = payload.get("vector") is not None
+    vectors: list[Mapping[str, Any]] = [payload["vector"]] if single else payload["vectors"]
+    for i, vector in enumerate(vectors):
+        check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
+    stacked = [
+        on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        for k, p in zip(session.keys, session.primals, strict=True)
+    ]
+    products = session.operator.hvp_many(*stacked)  # one batched pass, nothing recorded
+    host = [p.numpy() for p in products]
+    answers = [{k: host[j][i] for j, k in enumerate(session.keys)} for i in range(len(vectors))]
+    result = {"hvp": answers[0] if single else None, "hvps": None if single else answers}
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def _other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
+    target = payload.get("target") or session.request.target
+    sources = payload.get("sources")
+    if sources is None:
+        sources = dict(session.request.sources)
+    return session.program.check_request(
+        target, sources, payload.get("unconnected", "none"), allow_unused=True
+    )
+
+
+def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The gradient of any name of the program over any floating-point leaves, from the
+    recording (one backward pass; the program does not run again)."""
+    session, rebuilt = _session(payload, context)
+    request = _other_request(session, payload)
+    y = session.env[request.target]
+    watched = {key: session.leaves[name] for key, name in request.sources.items()}
+    grads = session.recording.gradient(y, watched, unconnected_gradients=request.unconnected)
+    result = {
+        "value": y.numpy(),
+        "gradients": {k: None if g is None else g.numpy() for k, g in grads.items()},
+    }
+    return _done(session, rebuilt, result, hvp_only=False)
+
+
+def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    session, rebuilt = _session(payload, context)
+    request = _other_request(session, payload)
+    y = session.env[request.target]
+    watched = {key: session.leaves[name] for key, name in request.sources.items()}
+    batch = bool(payload.get("batch"))
+    check_jacobian_size(request.target, tuple(y.shape),
+                        {k: tuple(t.shape) for k, t in watched.items()}, batch, context)
+    jacobians = jacobians_on(session.recording, y, watched, batch, request.unconnected, context)
+    return _done(session, rebuilt, {"value": y.numpy(), "jacobians": jacobians}, hvp_only=False)
+
+
+# Algorithms -----------------------------------------------------------------------------
+
+
+def _seconds_left(payload: Mapping[str, Any], started: float) -> float:
+    """The algorithm's own time budget, less what a rebuild took (at least 0.05 s)."""
+    budget = float(payload["max_seconds"])
+    return max(0.05, budget - (time.perf_counter() - started))
+
+
+def _check_max_hvps(value: int, at_least: int, what: str) -> None:
+    if value < at_least:
+        raise RequestError("request", f"max_hvps: {what} needs at least {at_least}, got {value}",
+                           field="max_hvps")
+
+
+def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    flat = session.flat
+    k = int(payload["k"])
+    if k > flat.n:
+        raise RequestError(
+            "request", f"k: the tape has {flat.n} parameters, so at most {flat.n} eigenvalues",
+            field="k",
+        )
+    _check_max_hvps(int(payload["max_hvps"]), k, f"k = {k} eigenvalues")
+    basis_rows = context.lanczos_max_basis_bytes // (8 * flat.n)
+    if basis_rows < k:
+        raise RequestError(
+            "too-large",
+            f"a Lanczos basis of {k} vectors of {flat.n:,} parameters exceeds this server's "
+            f"lanczos_max_basis_bytes ({context.lanczos_max_basis_bytes:,}); ask for fewer "
+            "eigenvalues",
+            limit=context.lanczos_max_basis_bytes,
+        )
+    out = lanczos(
+        flat.matvec, flat.n, k=k, which=payload["which"], tol=float(payload["tol"]),
+        max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
+        eigenvectors=bool(payload["eigenvectors"]), seed=payload.get("seed"),
+        max_basis_bytes=context.lanczos_max_basis_bytes,
+    )
+    vectors = None
+    if out.eigenvectors is not None:
+        vectors = [dict(zip(session.keys, flat.unflatten(y), strict=True))
+                   for y in out.eigenvectors]
+    result = {
+        "eigenvalues": [float(v) for v in out.eigenvalues],
+        "residuals": [float(r) for r in out.residuals],
+        "eigenvectors": vectors,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "iterations": out.iterations,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    _check_max_hvps(int(payload["max_hvps"]), 2, "a standard error")
+    batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
+    out = hutchinson_trace(
+        session.flat.matvec, session.flat.n, batch_size=batch,
+        max_hvps=int(payload["max_hvps"]), rtol=payload.get("rtol"),
+        atol=float(payload.get("atol") or 0.0), max_seconds=_seconds_left(payload, started),
+        seed=payload.get("seed"),
+    )
+    result = {
+        "trace": out.trace,
+        "stderr": out.stderr if math.isfinite(out.stderr) else None,
+        "samples": out.samples,
+        "batches": out.batches,
+        "batch_size": batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    flat = session.flat
+    vector = payload.get("vector")
+    if vector is None:
+        b = flat.flatten(session.operator.grad)
+        rhs = "gradient"
+    else:
+        check_vector(vector, session.keys, session.primals, "vector")
+        b = flat.flatten([np.asarray(vector[k]) for k in session.keys])
+        rhs = "vector"
+    out = conjugate_gradient(
+        flat.matvec, b, damping=float(payload["damping"]), tol=float(payload["tol"]),
+        max_iterations=int(payload["max_iterations"]), max_hvps=int(payload["max_hvps"]),
+        max_seconds=_seconds_left(payload, started),
+    )
+    result = {
+        "solution": dict(zip(session.keys, flat.unflatten(out.x), strict=True)),
+        "rhs": rhs,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "iterations": out.iterations,
+        "hvps": out.hvps,
+        "residuals": out.residuals,
+        "seconds": out.seconds,
+    }
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+# Stored models --------------------------------------------------------------------------
+
+
+def check_definition(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """Compile a definition (every problem at once) and describe what it defines."""
+    definition = as_definition(payload["definition"])
+    program = compile_definition(definition, context.limits)
+
+    def describe(name: str) -> dict[str, Any]:
+        t = program.types[name]
+        return {"dtype": str(t.dtype), "shape": list(t.shape)}
+
+    return {
+        "variables": {n: {**describe(n), "trainable": leaf.trainable}
+                      for n, leaf in program.variables.items()},
+        "inputs": {n: describe(n) for n in program.inputs},
+        "names": {n: describe(n) for n in program.line_names},
+        "functions": sorted(definition.functions),
+        "trainable": program.trainable,
+    }
+
+
+HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
+    "tape_create": tape_create,
+    "tape_drop": tape_drop,
+    "tape_hvp": tape_hvp,
+    "tape_gradient": tape_gradient,
+    "tape_jacobian": tape_jacobian,
+    "tape_eigenvalues": tape_eigenvalues,
+    "tape_trace": tape_trace,
+    "tape_solve": tape_solve,
+    "check_definition": check_definition,
+}

@@ -1,0 +1,539 @@
+"""Tapes on the HTTP side: which worker holds each, who owns it, when it expires, what
+it costs; and the stored models. No math here: the recordings live in the workers
+(service/compute_tapes.py), their definitions in the store (service/store.py).
+
+- A tape lives in one worker; every request for it is routed there
+  (`pool.submit(..., worker=i)`). The registry remembers the worker's `generation` when
+  it last answered: a different generation now (the worker was replaced) or none (the
+  service restarted) means the worker lost the recording, and the request carries the
+  stored definition so that the worker records it again before answering. A worker
+  that says "tape-missing" anyway gets the same request again with the definition.
+- A tape expires `ttl` seconds after its last use. A worker holds at most
+  `tape_memory_budget` bytes of tapes: past it, its least recently used tapes are
+  evicted. An expired, evicted or deleted tape keeps a tombstone in the store, so its
+  id answers 404 with the reason (for `tombstone_ttl` seconds).
+- Quotas per owner (API key; one anonymous owner without keys): `max_tapes_per_key`
+  live tapes holding at most `max_tape_bytes_per_key` bytes; past them, 429.
+- Usage (last use, hits, bytes) is kept in memory and written to the store by the
+  sweeper every `tape_sweep_interval` seconds and at shutdown; tapes, tombstones and
+  definitions are written at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from service.api.problems import ProblemError
+from service.core.config import Settings
+from service.metrics import Metrics
+from service.store import ModelRow, Store, TapeRow
+from service.workers import ComputeFailed, PoolError, Reply, WorkerPool
+
+log = logging.getLogger("gradtape.sessions")
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(eq=False)
+class Tape:
+    row: TapeRow
+    generation: int | None = None  # the worker generation holding the recording
+    busy: int = 0  # requests in flight (never evicted meanwhile)
+    dirty: bool = False  # usage not yet written to the store
+
+    @property
+    def id(self) -> str:
+        return self.row.id
+
+    @property
+    def expires(self) -> float:
+        return self.row.last_used + self.row.ttl
+
+    @property
+    def ended(self) -> bool:
+        return self.row.state != "live"
+
+    def info(self, loaded: bool) -> dict[str, Any]:
+        r = self.row
+        return {
+            "tape_id": r.id,
+            "target": r.target,
+            "sources": r.sources,
+            "model": r.model,
+            "created_at": iso(r.created),
+            "last_used_at": iso(r.last_used),
+            "expires_at": iso(self.expires),
+            "ttl": r.ttl,
+            "hits": r.hits,
+            "bytes": r.bytes,
+            "device": r.device,
+            "worker": r.worker,
+            "loaded": loaded,
+            "rebuilds": r.rebuilds,
+        }
+
+
+class TapeRegistry:
+    def __init__(self, settings: Settings, pool: WorkerPool, store: Store, metrics: Metrics):
+        self.settings = settings
+        self.pool = pool
+        self.store = store
+        self.metrics = metrics
+        self._tapes: dict[str, Tape] = {}
+        self._creating: defaultdict[str, int] = defaultdict(int)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # Lifecycle ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Load the live tapes of the store (none is in a worker yet: each is recorded
+        again on its first use) and start the sweeper."""
+        rows = await asyncio.to_thread(self.store.live_tapes)
+        now = time.time()
+        expired = [r for r in rows if r.last_used + r.ttl <= now]
+        await asyncio.to_thread(self.store.end_tapes, expired, "expired", now)
+        for row in rows:
+            if row.last_used + row.ttl > now:
+                self._tapes[row.id] = Tape(row)
+        if rows:
+            log.info("%d tape(s) restored from the store (%d had expired)",
+                     len(self._tapes), len(expired))
+        self.metrics.bind_tapes(self)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for task in list(self._tasks):
+            task.cancel()
+        await self.flush()
+
+    # Reading ------------------------------------------------------------------------------
+    def live(self, owner: str) -> list[Tape]:
+        now = time.time()
+        return sorted(
+            (t for t in self._tapes.values() if t.row.owner == owner and t.expires > now),
+            key=lambda t: t.row.created,
+        )
+
+    def loaded(self, tape: Tape) -> bool:
+        workers = self.pool.workers()
+        return (tape.row.worker < len(workers)
+                and tape.generation == workers[tape.row.worker].generation)
+
+    def count(self) -> int:
+        return len(self._tapes)
+
+    def total_bytes(self) -> int:
+        return sum(t.row.bytes for t in self._tapes.values() if self.loaded(t))
+
+    async def get(self, tape_id: str, owner: str) -> Tape:
+        """The caller's live tape, or a 404 problem that says why there is none."""
+        tape = self._tapes.get(tape_id)
+        if tape is not None and tape.row.owner == owner:
+            if tape.expires > time.time() or tape.busy:
+                return tape
+            await self._end([tape], "expired")
+            raise self._gone(tape.row)
+        if tape is None and len(tape_id) <= 128:
+            row = await asyncio.to_thread(self.store.get_tape, tape_id)
+            if row is not None and row.owner == owner and row.state != "live":
+                raise self._gone(row)
+        raise ProblemError(
+            "tape-not-found",
+            f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists "
+            "yours)",
+        )
+
+    def _gone(self, row: TapeRow) -> ProblemError:
+        when = iso(row.ended or time.time())
+        again = "; record it again with POST /v1/tapes"
+        if row.state == "expired":
+            return ProblemError(
+                "tape-expired",
+                f"tape {row.id} expired at {when}: it was not used for {row.ttl:g} s (its "
+                f"ttl){again}", reason="expired", ended_at=when,
+            )
+        if row.state == "evicted":
+            return ProblemError(
+                "tape-evicted",
+                f"tape {row.id} was evicted at {when}: worker {row.worker} needed room for "
+                f"more recently used tapes within its memory budget "
+                f"(tape_memory_budget = {self.settings.tape_memory_budget:,} bytes){again}",
+                reason="evicted", ended_at=when,
+            )
+        return ProblemError("tape-not-found", f"tape {row.id} was deleted at {when}",
+                            reason="deleted", ended_at=when)
+
+    # Creating -----------------------------------------------------------------------------
+    async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
+                     time_limit: float) -> tuple[Tape, dict[str, Any]]:
+        """Record a tape in a worker, store it, and register it; answer the worker's
+        result (value, gradients, device, resolved sources)."""
+        self._check_count(owner)
+        self._creating[owner] += 1
+        try:
+            tape_id = secrets.token_urlsafe(24)
+            worker = self._choose_worker()
+            reply = await self.pool.submit(
+                "tape_create", {"tape_id": tape_id, **spec}, worker=worker, time_limit=time_limit
+            )
+            result: dict[str, Any] = reply.result
+            size = int(result.pop("tape")["bytes"])
+            try:
+                self._check_size(owner, size)
+                now = time.time()
+                row = TapeRow(
+                    id=tape_id, owner=owner, definition=None, model=model,
+                    target=spec["target"], sources=dict(result.pop("sources")), ttl=ttl,
+                    created=now, last_used=now, hits=0, bytes=size, worker=reply.worker,
+                    device=str(result.pop("device")), rebuilds=0, state="live", ended=None,
+                )
+                await asyncio.to_thread(self.store.insert_tape, row, spec["definition"])
+            except BaseException:
+                self._drop_later(reply.worker, [tape_id])
+                raise
+        finally:
+            self._creating[owner] -= 1
+        tape = Tape(row, generation=reply.generation)
+        self._tapes[tape_id] = tape
+        self.metrics.tape_event("created")
+        await self._enforce_budget(reply.worker, keep=tape)
+        return tape, result
+
+    def _check_count(self, owner: str) -> None:
+        limit = self.settings.max_tapes_per_key
+        held = sum(1 for t in self._tapes.values() if t.row.owner == owner)
+        if held + self._creating[owner] >= limit:
+            raise ProblemError(
+                "quota-exceeded",
+                f"this API key holds {held} live tape(s) (with {self._creating[owner]} being "
+                f"recorded); the quota is {limit} (max_tapes_per_key). DELETE tapes you no "
+                "longer need (GET /v1/tapes lists them), or let them expire",
+                quota="tapes", limit=limit,
+            )
+
+    def _check_size(self, owner: str, size: int) -> None:
+        budget = self.settings.tape_memory_budget
+        if size > budget:
+            raise ProblemError(
+                "too-large",
+                f"the tape holds {size:,} bytes, more than a worker may hold in tapes "
+                f"(tape_memory_budget = {budget:,} bytes); use a smaller batch or model, or "
+                "the stateless /v1/hvp",
+                limit=budget,
+            )
+        limit = self.settings.max_tape_bytes_per_key
+        used = sum(t.row.bytes for t in self._tapes.values() if t.row.owner == owner)
+        if used + size > limit:
+            raise ProblemError(
+                "quota-exceeded",
+                f"this tape holds {size:,} bytes and this API key's live tapes already hold "
+                f"{used:,}; the quota is {limit:,} bytes (max_tape_bytes_per_key). DELETE "
+                "tapes you no longer need, or let them expire",
+                quota="bytes", limit=limit,
+            )
+
+    def _choose_worker(self) -> int:
+        """An idle worker holding the fewest tape bytes (else any, by bytes)."""
+        workers = self.pool.workers()
+        held = [0] * len(workers)
+        for t in self._tapes.values():
+            if self.loaded(t):
+                held[t.row.worker] += t.row.bytes
+        return min(range(len(workers)),
+                   key=lambda i: (workers[i].state != "idle", held[i], i))
+
+    # Using --------------------------------------------------------------------------------
+    async def call(self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
+                   ) -> Reply:
+        """Run `kind` on the tape in its worker, recording it again there first when the
+        worker lost it; update its usage. The reply's result is the answer."""
+        tape.busy += 1
+        try:
+            worker = self._worker_of(tape)
+            message = {"tape_id": tape.id, **payload}
+            if not self.loaded(tape):
+                message["rebuild"] = await self._spec(tape)
+            try:
+                reply = await self.pool.submit(kind, message, worker=worker,
+                                               time_limit=time_limit)
+            except ComputeFailed as exc:
+                if exc.error.get("type") != "tape-missing" or "rebuild" in message:
+                    raise
+                if tape.ended:
+                    raise self._gone(tape.row) from None
+                message["rebuild"] = await self._spec(tape)
+                reply = await self.pool.submit(kind, message, worker=worker,
+                                               time_limit=time_limit)
+        finally:
+            tape.busy -= 1
+        result: dict[str, Any] = reply.result
+        meta = result.pop("tape")
+        tape.generation = reply.generation
+        if meta["rebuilt"]:
+            tape.row.rebuilds += 1
+            self.metrics.tape_event("rebuilt")
+            log.info("tape %s... recorded again in worker %d", tape.id[:8], worker)
+        tape.row.bytes = int(meta["bytes"])
+        tape.row.hits += 1
+        tape.row.last_used = time.time()
+        tape.dirty = True
+        if tape.ended:  # deleted or evicted while this request ran: let it go again
+            self._drop_later(worker, [tape.id])
+        else:
+            await self._enforce_budget(worker, keep=tape)
+        return reply
+
+    def _worker_of(self, tape: Tape) -> int:
+        if tape.row.worker >= self.pool.size:  # restarted with fewer workers
+            tape.row.worker = self._choose_worker()
+            tape.generation = None
+        return tape.row.worker
+
+    async def _spec(self, tape: Tape) -> dict[str, Any]:
+        """What the worker needs to record the tape again: its stored definition."""
+        if tape.ended or tape.row.definition is None:
+            raise self._gone(tape.row)
+        definition = await asyncio.to_thread(self.store.get_definition, tape.row.definition)
+        if definition is None:
+            raise ProblemError("internal", f"the stored definition of tape {tape.id} is missing")
+        return {"definition": definition, "target": tape.row.target, "sources": tape.row.sources}
+
+    async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
+                     inputs: Mapping[str, np.ndarray], time_limit: float) -> dict[str, Any]:
+        """New values for some variables and inputs: record the tape again (in place, same
+        id); the stored definition changes only once the new recording succeeded."""
+        spec = await self._spec(tape)
+        definition = spec["definition"]
+        errors = []
+        for section, values in (("variables", variables), ("inputs", inputs)):
+            held = definition[section]
+            for name, value in values.items():
+                field = f"{section}.{name}"
+                if name not in held:
+                    known = ", ".join(map(repr, held)) or "none"
+                    errors.append({"field": field, "message": f"the tape's definition has no "
+                                   f"{section[:-1]} {name!r} (it has: {known})"})
+                    continue
+                old = held[name]["value"] if section == "variables" else held[name]
+                if value.shape != old.shape:
+                    errors.append({"field": field, "message": f"shape {list(value.shape)} "
+                                   f"differs from the recorded {list(old.shape)}; record a "
+                                   "new tape to change shapes"})
+                    continue
+                if value.dtype != old.dtype:
+                    if value.dtype.kind != old.dtype.kind:
+                        errors.append({"field": field, "message": f"dtype {value.dtype} "
+                                       f"cannot replace the recorded {old.dtype}"})
+                        continue
+                    value = value.astype(old.dtype)
+                if section == "variables":
+                    held[name] = {**held[name], "value": value}
+                else:
+                    held[name] = value
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise ProblemError("validation", f"{errors[0]['field']}: {errors[0]['message']}"
+                               f"{more}", errors=errors)
+        tape.busy += 1
+        try:
+            worker = self._worker_of(tape)
+            reply = await self.pool.submit("tape_create", {"tape_id": tape.id, **spec},
+                                           worker=worker, time_limit=time_limit)
+            digest = await asyncio.to_thread(self.store.set_tape_definition, tape.id, definition)
+        finally:
+            tape.busy -= 1
+        result: dict[str, Any] = reply.result
+        tape.row.definition = digest
+        tape.row.bytes = int(result.pop("tape")["bytes"])
+        result.pop("sources")
+        tape.row.device = str(result.pop("device"))
+        tape.generation = reply.generation
+        tape.row.hits += 1
+        tape.row.last_used = time.time()
+        tape.dirty = True
+        if tape.ended:
+            self._drop_later(worker, [tape.id])
+        else:
+            await self._enforce_budget(worker, keep=tape)
+        return result
+
+    async def delete(self, tape: Tape) -> None:
+        await self._end([tape], "deleted")
+
+    # Ending -------------------------------------------------------------------------------
+    async def _end(self, tapes: list[Tape], state: str) -> None:
+        now = time.time()
+        drops: defaultdict[int, list[str]] = defaultdict(list)
+        ended = []
+        for tape in tapes:
+            if tape.ended:
+                continue
+            if self.loaded(tape):
+                drops[tape.row.worker].append(tape.id)
+            tape.row.state = state
+            tape.row.ended = now
+            self._tapes.pop(tape.id, None)
+            ended.append(tape.row)
+            self.metrics.tape_event(state)
+        await asyncio.to_thread(self.store.end_tapes, ended, state, now)
+        for worker, ids in drops.items():
+            self._drop_later(worker, ids)
+
+    async def _enforce_budget(self, worker: int, keep: Tape) -> None:
+        """Evict the worker's least recently used tapes while it holds more than its
+        budget (never `keep`, nor a tape with a request in flight)."""
+        budget = self.settings.tape_memory_budget
+        held = sorted((t for t in self._tapes.values()
+                       if t.row.worker == worker and self.loaded(t)),
+                      key=lambda t: t.row.last_used)
+        total = sum(t.row.bytes for t in held)
+        victims = []
+        for t in held:
+            if total <= budget:
+                break
+            if t is keep or t.busy:
+                continue
+            victims.append(t)
+            total -= t.row.bytes
+        if victims:
+            log.info("worker %d over its tape budget: evicting %d tape(s)", worker, len(victims))
+            await self._end(victims, "evicted")
+
+    def _drop_later(self, worker: int, tape_ids: list[str]) -> None:
+        """Tell the worker to let the recordings go (after what it is doing now)."""
+
+        async def drop() -> None:
+            try:
+                await self.pool.submit("tape_drop", {"tape_ids": tape_ids}, worker=worker,
+                                       time_limit=30.0, queue_bound=False)
+            except PoolError as exc:  # a worker that is gone has dropped them already
+                log.debug("dropping tapes on worker %d: %s", worker, exc)
+
+        task = asyncio.get_running_loop().create_task(drop())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # Sweeping -----------------------------------------------------------------------------
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tape_sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:  # the sweeper must survive a bad round
+                log.exception("the tape sweep failed")
+
+    async def sweep(self) -> None:
+        """Expire tapes past their ttl, save usage, prune old tombstones and collect
+        unused definitions."""
+        now = time.time()
+        expired = [t for t in self._tapes.values() if t.expires <= now and not t.busy]
+        if expired:
+            await self._end(expired, "expired")
+        await self.flush()
+        if self.settings.tombstone_ttl:
+            await asyncio.to_thread(self.store.prune_tombstones, now - self.settings.tombstone_ttl)
+        await asyncio.to_thread(self.store.collect_garbage)
+
+    async def flush(self) -> None:
+        dirty = [t for t in self._tapes.values() if t.dirty]
+        for t in dirty:
+            t.dirty = False
+        await asyncio.to_thread(self.store.save_usage, [t.row for t in dirty])
+
+
+# ----------------------------------------------------------------------------------------
+# Stored models
+# ----------------------------------------------------------------------------------------
+
+
+def model_info(row: ModelRow) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "description": row.description,
+        "digest": row.definition,
+        "created_at": iso(row.created),
+        "updated_at": iso(row.updated),
+        **row.info,
+    }
+
+
+class ModelCatalog:
+    """Named definitions, per owner, in the store."""
+
+    def __init__(self, settings: Settings, pool: WorkerPool, store: Store):
+        self.settings = settings
+        self.pool = pool
+        self.store = store
+
+    async def put(self, owner: str, name: str, definition: dict[str, Any],
+                  description: str | None, replace: bool, time_limit: float
+                  ) -> tuple[ModelRow, bool]:
+        """Check the definition in a worker and store it; (row, created)."""
+        existing = await asyncio.to_thread(self.store.get_model, owner, name)
+        if existing is not None and not replace:
+            raise ProblemError(
+                "model-exists",
+                f"a model named {name!r} exists already; send \"replace\": true to replace "
+                f"it, or DELETE /v1/models/{name} first",
+            )
+        if existing is None:
+            count = await asyncio.to_thread(self.store.count_models, owner)
+            limit = self.settings.max_models_per_key
+            if count >= limit:
+                raise ProblemError(
+                    "quota-exceeded",
+                    f"this API key stores {count} model(s); the quota is {limit} "
+                    "(max_models_per_key). DELETE models you no longer need",
+                    quota="models", limit=limit,
+                )
+        reply = await self.pool.submit("check_definition", {"definition": definition},
+                                       time_limit=time_limit)
+        row = await asyncio.to_thread(self.store.put_model, owner, name, definition,
+                                      description, reply.result)
+        if existing is not None:
+            await asyncio.to_thread(self.store.collect_garbage)
+        return row, existing is None
+
+    async def get(self, owner: str, name: str) -> ModelRow:
+        row = await asyncio.to_thread(self.store.get_model, owner, name)
+        if row is None:
+            raise ProblemError(
+                "model-not-found",
+                f"no stored model {name!r} (POST /v1/models stores one; GET /v1/models lists "
+                "yours)",
+            )
+        return row
+
+    async def list(self, owner: str) -> list[ModelRow]:
+        return await asyncio.to_thread(self.store.list_models, owner)
+
+    async def delete(self, owner: str, name: str) -> None:
+        await self.get(owner, name)
+        await asyncio.to_thread(self.store.delete_model, owner, name)
+        await asyncio.to_thread(self.store.collect_garbage)
+
+    async def definition(self, owner: str, name: str) -> dict[str, Any]:
+        """The model's definition in the worker form, for a request that names it."""
+        row = await self.get(owner, name)
+        definition = await asyncio.to_thread(self.store.get_definition, row.definition)
+        if definition is None:
+            raise ProblemError("internal", f"the stored definition of model {name!r} is missing")
+        return definition

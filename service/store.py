@@ -1,0 +1,424 @@
+"""The embedded store: tapes (their definitions, data and usage) and named models, in
+one SQLite file (stdlib sqlite3), so that a lost worker or a restarted service loses
+nothing a client made.
+
+Arrays are stored as their raw little-endian, row-major bytes with dtype and shape in
+their own columns, content-addressed (a blob is kept once however many definitions use
+it); nothing is pickled. A definition row holds the program lines and user functions as
+JSON; its tensors are rows of `definition_tensors` pointing at blobs. A tape that ended
+(expired, evicted, deleted) keeps its row as a tombstone, without its definition, so its
+id can still say why it is gone.
+
+    store = Store(path); store.open()
+    digest = store.put_definition(definition)      # the worker form: arrays are NumPy
+    store.get_definition(digest)                   # -> the same structure
+
+The methods block (SQLite is fast, but a definition may be tens of MB): the async side
+calls them through asyncio.to_thread. One connection, guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS blobs (
+    hash  TEXT PRIMARY KEY,  -- sha256 of dtype, shape and bytes
+    dtype TEXT NOT NULL,     -- NumPy dtype name: float32, int64, bool, ...
+    shape TEXT NOT NULL,     -- JSON list of dimensions
+    data  BLOB NOT NULL      -- little-endian, row-major bytes
+);
+CREATE TABLE IF NOT EXISTS definitions (
+    hash      TEXT PRIMARY KEY,  -- sha256 of the lines, functions and tensors
+    program   TEXT NOT NULL,     -- JSON list of lines
+    functions TEXT NOT NULL,     -- JSON: name -> {params, forward, backward, output}
+    created   REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS definition_tensors (
+    definition TEXT NOT NULL REFERENCES definitions(hash) ON DELETE CASCADE,
+    section    TEXT NOT NULL CHECK (section IN ('variables', 'inputs')),
+    name       TEXT NOT NULL,
+    position   INTEGER NOT NULL,  -- order in the definition (default sources follow it)
+    trainable  INTEGER,           -- variables only
+    blob       TEXT NOT NULL REFERENCES blobs(hash),
+    PRIMARY KEY (definition, section, name)
+);
+CREATE INDEX IF NOT EXISTS definition_tensors_blob ON definition_tensors(blob);
+CREATE TABLE IF NOT EXISTS models (
+    owner       TEXT NOT NULL,  -- sha256 of the API key ('' without keys)
+    name        TEXT NOT NULL,
+    definition  TEXT NOT NULL REFERENCES definitions(hash),
+    description TEXT,
+    info        TEXT NOT NULL,  -- JSON: what the program defines (names, shapes, dtypes)
+    created     REAL NOT NULL,
+    updated     REAL NOT NULL,
+    PRIMARY KEY (owner, name)
+);
+CREATE TABLE IF NOT EXISTS tapes (
+    id         TEXT PRIMARY KEY,
+    owner      TEXT NOT NULL,
+    definition TEXT REFERENCES definitions(hash),  -- NULL once the tape ended
+    model      TEXT,           -- the stored model it was made from, if any
+    target     TEXT NOT NULL,
+    sources    TEXT NOT NULL,  -- JSON: alias -> name, as resolved when recorded
+    ttl        REAL NOT NULL,
+    created    REAL NOT NULL,
+    last_used  REAL NOT NULL,
+    hits       INTEGER NOT NULL DEFAULT 0,
+    bytes      INTEGER NOT NULL DEFAULT 0,
+    worker     INTEGER NOT NULL,
+    device     TEXT NOT NULL,
+    rebuilds   INTEGER NOT NULL DEFAULT 0,
+    state      TEXT NOT NULL CHECK (state IN ('live', 'expired', 'evicted', 'deleted')),
+    ended      REAL
+);
+CREATE INDEX IF NOT EXISTS tapes_owner ON tapes(owner, state);
+"""
+
+SECTIONS = ("variables", "inputs")
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or is from an incompatible version."""
+
+
+@dataclass
+class TapeRow:
+    id: str
+    owner: str
+    definition: str | None
+    model: str | None
+    target: str
+    sources: dict[str, str]
+    ttl: float
+    created: float
+    last_used: float
+    hits: int
+    bytes: int
+    worker: int
+    device: str
+    rebuilds: int
+    state: str
+    ended: float | None
+
+
+@dataclass
+class ModelRow:
+    owner: str
+    name: str
+    definition: str
+    description: str | None
+    info: dict[str, Any]
+    created: float
+    updated: float
+
+
+# ----------------------------------------------------------------------------------------
+# Arrays <-> bytes
+# ----------------------------------------------------------------------------------------
+
+
+def array_bytes(array: np.ndarray) -> tuple[str, list[int], bytes]:
+    array = np.asarray(array)
+    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    return array.dtype.name, list(array.shape), np.ascontiguousarray(little).tobytes()
+
+
+def array_from_bytes(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
+    little = np.dtype(dtype).newbyteorder("<")
+    array = np.frombuffer(data, dtype=little).reshape(shape)
+    return array.astype(np.dtype(dtype), copy=False)
+
+
+def _blob_hash(dtype: str, shape: list[int], data: bytes) -> str:
+    digest = hashlib.sha256(f"{dtype}{shape}".encode())
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def _lines(program: Any) -> list[str]:
+    return program.splitlines() if isinstance(program, str) else list(program)
+
+
+# ----------------------------------------------------------------------------------------
+# The store
+# ----------------------------------------------------------------------------------------
+
+
+class Store:
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = str(path)
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    # Lifecycle ----------------------------------------------------------------------------
+    def open(self) -> None:
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA foreign_keys = ON")
+            if self.path != ":memory:":
+                db.execute("PRAGMA journal_mode = WAL")
+                db.execute("PRAGMA synchronous = NORMAL")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise StoreError(
+                    f"{self.path} has store schema version {version}; this gradtape reads "
+                    f"version {SCHEMA_VERSION}"
+                )
+            db.executescript(SCHEMA)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        self._db = db
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            db = self._db
+            if db is None:
+                raise StoreError("the store is not open")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row | tuple[Any, ...]]:
+        with self._lock:
+            if self._db is None:
+                raise StoreError("the store is not open")
+            return self._db.execute(sql, args).fetchall()
+
+    # Definitions --------------------------------------------------------------------------
+    def put_definition(self, definition: Mapping[str, Any]) -> str:
+        """Store a definition in the worker form (program, variables {name: {value,
+        trainable}}, inputs {name: array}, functions); return its content hash."""
+        with self._transaction() as db:
+            return _put_definition(db, definition)
+
+    def get_definition(self, digest: str) -> dict[str, Any] | None:
+        """The definition in the worker form (NumPy arrays), or None."""
+        with self._lock:
+            db = self._db
+            if db is None:
+                raise StoreError("the store is not open")
+            row = db.execute(
+                "SELECT program, functions FROM definitions WHERE hash = ?", (digest,)
+            ).fetchone()
+            if row is None:
+                return None
+            tensors = db.execute(
+                "SELECT t.section, t.name, t.trainable, b.dtype, b.shape, b.data "
+                "FROM definition_tensors t JOIN blobs b ON b.hash = t.blob "
+                "WHERE t.definition = ? ORDER BY t.section, t.position",
+                (digest,),
+            ).fetchall()
+        out: dict[str, Any] = {
+            "program": json.loads(row[0]),
+            "variables": {},
+            "inputs": {},
+            "functions": json.loads(row[1]),
+        }
+        for section, name, trainable, dtype, shape, data in tensors:
+            array = array_from_bytes(dtype, json.loads(shape), data)
+            if section == "variables":
+                out["variables"][name] = {"value": array, "trainable": bool(trainable)}
+            else:
+                out["inputs"][name] = array
+        return out
+
+    def collect_garbage(self) -> int:
+        """Delete definitions no live tape or model uses, then unused blobs; return how
+        many definitions went."""
+        with self._transaction() as db:
+            gone = db.execute(
+                "DELETE FROM definitions WHERE hash NOT IN "
+                "(SELECT definition FROM tapes WHERE definition IS NOT NULL) "
+                "AND hash NOT IN (SELECT definition FROM models)"
+            ).rowcount
+            if gone:
+                db.execute(
+                    "DELETE FROM blobs WHERE hash NOT IN (SELECT blob FROM definition_tensors)"
+                )
+        return gone
+
+    # Models -------------------------------------------------------------------------------
+    def put_model(self, owner: str, name: str, definition: Mapping[str, Any],
+                  description: str | None, info: Mapping[str, Any]) -> ModelRow:
+        """Create or replace a model with its definition (one transaction); keep its
+        creation time when replacing."""
+        now = time.time()
+        with self._transaction() as db:
+            digest = _put_definition(db, definition)
+            row = db.execute(
+                "SELECT created FROM models WHERE owner = ? AND name = ?", (owner, name)
+            ).fetchone()
+            created = row[0] if row else now
+            db.execute(
+                "INSERT OR REPLACE INTO models (owner, name, definition, description, info, "
+                "created, updated) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (owner, name, digest, description, json.dumps(info), created, now),
+            )
+        return ModelRow(owner, name, digest, description, dict(info), created, now)
+
+    def get_model(self, owner: str, name: str) -> ModelRow | None:
+        rows = self._query(
+            "SELECT owner, name, definition, description, info, created, updated FROM models "
+            "WHERE owner = ? AND name = ?", (owner, name),
+        )
+        return _model(rows[0]) if rows else None
+
+    def list_models(self, owner: str) -> list[ModelRow]:
+        rows = self._query(
+            "SELECT owner, name, definition, description, info, created, updated FROM models "
+            "WHERE owner = ? ORDER BY name", (owner,),
+        )
+        return [_model(r) for r in rows]
+
+    def count_models(self, owner: str) -> int:
+        return int(self._query("SELECT COUNT(*) FROM models WHERE owner = ?", (owner,))[0][0])
+
+    def delete_model(self, owner: str, name: str) -> bool:
+        with self._transaction() as db:
+            gone = db.execute(
+                "DELETE FROM models WHERE owner = ? AND name = ?", (owner, name)
+            ).rowcount
+        return gone > 0
+
+    # Tapes --------------------------------------------------------------------------------
+    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any]) -> None:
+        """Store a new live tape with its definition (one transaction, so that the
+        garbage collection never sees the definition without its tape)."""
+        with self._transaction() as db:
+            tape.definition = _put_definition(db, definition)
+            db.execute(
+                "INSERT INTO tapes (id, owner, definition, model, target, sources, ttl, "
+                "created, last_used, hits, bytes, worker, device, rebuilds, state, ended) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (tape.id, tape.owner, tape.definition, tape.model, tape.target,
+                 json.dumps(tape.sources), tape.ttl, tape.created, tape.last_used, tape.hits,
+                 tape.bytes, tape.worker, tape.device, tape.rebuilds, tape.state, tape.ended),
+            )
+
+    def set_tape_definition(self, tape_id: str, definition: Mapping[str, Any]) -> str:
+        """Give a tape a new definition (new values); return its hash."""
+        with self._transaction() as db:
+            digest = _put_definition(db, definition)
+            db.execute("UPDATE tapes SET definition = ? WHERE id = ?", (digest, tape_id))
+        return digest
+
+    def save_usage(self, tapes: list[TapeRow]) -> None:
+        """Write the usage of live tapes (last use, hits, bytes, where they live)."""
+        if not tapes:
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE tapes SET last_used = ?, hits = ?, bytes = ?, worker = ?, device = ?, "
+                "rebuilds = ? WHERE id = ? AND state = 'live'",
+                [(t.last_used, t.hits, t.bytes, t.worker, t.device, t.rebuilds, t.id)
+                 for t in tapes],
+            )
+
+    def end_tapes(self, tapes: list[TapeRow], state: str, when: float) -> None:
+        """Turn live tapes into tombstones (their definitions are collected later)."""
+        if not tapes:
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE tapes SET state = ?, ended = ?, definition = NULL, last_used = ?, "
+                "hits = ?, bytes = ? WHERE id = ?",
+                [(state, when, t.last_used, t.hits, t.bytes, t.id) for t in tapes],
+            )
+
+    def live_tapes(self) -> list[TapeRow]:
+        return [_tape(r) for r in self._query(_TAPE_SELECT + " WHERE state = 'live'")]
+
+    def get_tape(self, tape_id: str) -> TapeRow | None:
+        rows = self._query(_TAPE_SELECT + " WHERE id = ?", (tape_id,))
+        return _tape(rows[0]) if rows else None
+
+    def prune_tombstones(self, before: float) -> int:
+        with self._transaction() as db:
+            return int(db.execute(
+                "DELETE FROM tapes WHERE state != 'live' AND ended < ?", (before,)
+            ).rowcount)
+
+
+def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> str:
+    """Insert a definition (once: it is content-addressed) inside a transaction."""
+    program = _lines(definition.get("program", []))
+    functions = definition.get("functions") or {}
+    tensors: list[tuple[str, str, int, int | None, str, str, list[int], bytes]] = []
+    for position, (name, var) in enumerate((definition.get("variables") or {}).items()):
+        dtype, shape, data = array_bytes(var["value"])
+        flag = int(bool(var.get("trainable", True)))
+        tensors.append(("variables", name, position, flag,
+                        _blob_hash(dtype, shape, data), dtype, shape, data))
+    for position, (name, value) in enumerate((definition.get("inputs") or {}).items()):
+        dtype, shape, data = array_bytes(value)
+        tensors.append(("inputs", name, position, None,
+                        _blob_hash(dtype, shape, data), dtype, shape, data))
+    header = json.dumps(
+        {"program": program, "functions": functions,
+         "tensors": [t[:5] for t in tensors]},
+        sort_keys=True, separators=(",", ":"),
+    )
+    digest = hashlib.sha256(header.encode()).hexdigest()
+    if db.execute("SELECT 1 FROM definitions WHERE hash = ?", (digest,)).fetchone():
+        return digest
+    db.execute(
+        "INSERT INTO definitions (hash, program, functions, created) VALUES (?, ?, ?, ?)",
+        (digest, json.dumps(program), json.dumps(functions), time.time()),
+    )
+    for section, name, position, trainable, blob, dtype, shape, data in tensors:
+        db.execute(
+            "INSERT OR IGNORE INTO blobs (hash, dtype, shape, data) VALUES (?, ?, ?, ?)",
+            (blob, dtype, json.dumps(shape), sqlite3.Binary(data)),
+        )
+        db.execute(
+            "INSERT INTO definition_tensors (definition, section, name, position, "
+            "trainable, blob) VALUES (?, ?, ?, ?, ?, ?)",
+            (digest, section, name, position, trainable, blob),
+        )
+    return digest
+
+
+_TAPE_SELECT = (
+    "SELECT id, owner, definition, model, target, sources, ttl, created, last_used, hits, "
+    "bytes, worker, device, rebuilds, state, ended FROM tapes"
+)
+
+
+def _tape(row: Any) -> TapeRow:
+    values = list(row)
+    values[5] = json.loads(values[5])
+    return TapeRow(*values)
+
+
+def _model(row: Any) -> ModelRow:
+    owner, name, definition, description, info, created, updated = row
+    return ModelRow(owner, name, definition, description, json.loads(info), created, updated)
