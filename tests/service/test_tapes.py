@@ -185,6 +185,7 @@ def test_msgpack_and_base64_on_a_tape(client) -> None:
     response = post_msgpack(client, f"/v1/tapes/{tape_id}/hvp",
                             {"vector": {k: tbin(x, "float64") for k, x in v.items()}})
     assert response.headers["content-type"].startswith(MSGPACK)
+    assert response.headers["server-timing"].startswith("compute;dur=")  # the worker's part
     binary = ok(response)["hvp"]
     as_json = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v),
                                                        "response_encoding": "base64"})["hvp"]
