@@ -37,6 +37,13 @@ def _close(a: np.ndarray, b: np.ndarray, atol: float, rtol: float, what: str) ->
     np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg=what)
 
 
+def _inputs(args: Sequence[np.ndarray], seed: int) -> tuple[np.random.Generator, list, list]:
+    """float64 copies of args, a seeded generator, and one random direction per arg."""
+    rng = np.random.default_rng(seed)
+    args = [np.asarray(a, np.float64) for a in args]
+    return rng, args, [_random_like(rng, a) for a in args]
+
+
 def check_jvp(
     f: Callable[..., Any],
     args: Sequence[np.ndarray],
@@ -46,9 +53,7 @@ def check_jvp(
     rtol: float = 1e-5,
     seed: int = 0,
 ) -> None:
-    rng = np.random.default_rng(seed)
-    args = [np.asarray(a, np.float64) for a in args]
-    v = [_random_like(rng, a) for a in args]
+    rng, args, v = _inputs(args, seed)
     _, tangent = jvp(f, [constant(a) for a in args], [constant(d) for d in v])
     _close(_np(tangent), _numerical_jvp(f, args, v, eps), atol, rtol, "forward mode (JVP)")
 
@@ -62,9 +67,7 @@ def check_vjp(
     rtol: float = 1e-5,
     seed: int = 0,
 ) -> None:
-    rng = np.random.default_rng(seed)
-    args = [np.asarray(a, np.float64) for a in args]
-    v = [_random_like(rng, a) for a in args]
+    rng, args, v = _inputs(args, seed)
     out, vjp_fn = vjp(f, *[constant(a) for a in args])
     u = rng.standard_normal(out.shape)
     cts = vjp_fn(constant(u))

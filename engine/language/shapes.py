@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.ops.shape import resolve_shape
+
 INT32, FLOAT32, BOOL = (np.dtype(d) for d in ("int32", "float32", "bool"))
 INDEX = np.dtype(np.intp)  # what argmax returns
 
@@ -299,18 +301,10 @@ def _where(b: dict[str, Any]) -> TensorType:
 # ---- shape ----
 def _reshape(b: dict[str, Any]) -> TensorType:
     x = concrete(b["x"])
-    shape = b.get("shape", ())
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if shape.count(-1) > 1:
-        raise RuleError(f"at most one -1 in shape {shape}")
-    if -1 in shape:
-        known = math.prod(d for d in shape if d != -1)
-        if known == 0 or x.size % known:
-            raise RuleError(f"cannot reshape {x.shape} into {shape}")
-        shape = tuple(x.size // known if d == -1 else d for d in shape)
-    if math.prod(shape) != x.size or any(d < 0 for d in shape):
-        raise RuleError(f"cannot reshape {x.shape} ({x.size} elements) into {shape}")
-    return TensorType(shape, x.dtype)
+    try:
+        return TensorType(resolve_shape(x.shape, b.get("shape", ())), x.dtype)
+    except ValueError as exc:
+        raise RuleError(str(exc)) from None
 
 
 def _transpose(b: dict[str, Any]) -> TensorType:

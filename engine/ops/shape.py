@@ -35,17 +35,27 @@ def _reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
 def reshape(x: Any, shape: Sequence[int] | int = ()) -> Tensor:
     """x with a new shape of the same size (one entry may be -1)."""
     x = as_tensor(x)
+    try:
+        return _reshape(x, resolve_shape(x.shape, shape))
+    except ValueError as exc:
+        raise ValueError(f"reshape: {exc}") from None
+
+
+def resolve_shape(old: tuple[int, ...], shape: Sequence[int] | int) -> tuple[int, ...]:
+    """The target of a reshape of `old`, with a -1 entry filled in; ValueError if the
+    sizes differ. Shared with the definition language's shape inference."""
     shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    size = math.prod(old)
     if shape.count(-1) > 1:
-        raise ValueError(f"reshape: at most one -1 in shape {shape}")
+        raise ValueError(f"at most one -1 in shape {shape}")
     if -1 in shape:
         known = math.prod(d for d in shape if d != -1)
-        if known == 0 or x.size % known:
-            raise ValueError(f"reshape: cannot reshape {x.shape} into {shape}")
-        shape = tuple(x.size // known if d == -1 else d for d in shape)
-    if math.prod(shape) != x.size or any(d < 0 for d in shape):
-        raise ValueError(f"reshape: cannot reshape {x.shape} ({x.size} elements) into {shape}")
-    return _reshape(x, shape)
+        if known == 0 or size % known:
+            raise ValueError(f"cannot reshape {old} into {shape}")
+        shape = tuple(size // known if d == -1 else d for d in shape)
+    if math.prod(shape) != size or any(d < 0 for d in shape):
+        raise ValueError(f"cannot reshape {old} ({size} elements) into {shape}")
+    return shape
 
 
 # ---- transpose ----
