@@ -66,9 +66,7 @@ def template(path: str) -> str:
 def validate(instance: Any, schema: dict[str, Any], where: str) -> None:
     """Validate against a schema of the spec (its $refs resolved in the spec), then
     check that no object carries properties its schema does not document."""
-    wrapped = _rebase(schema)
-    validator = jsonschema.Draft202012Validator(
-        wrapped, registry=REGISTRY, format_checker=jsonschema.FormatChecker())
+    validator = _validator(schema)
     errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
     if errors:
         lines = [f"  at {'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message[:300]}"
@@ -76,6 +74,59 @@ def validate(instance: Any, schema: dict[str, Any], where: str) -> None:
         raise AssertionError(f"{where}: the answer does not follow its schema:\n"
                              + "\n".join(lines)
                              + f"\nanswer: {_excerpt(instance)}")
+    extra = undocumented(instance, schema)
+    assert not extra, (f"{where}: the answer carries properties its schema does not "
+                       f"document: {extra}\nanswer: {_excerpt(instance)}")
+
+
+def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        schema = SPEC["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+_VALIDATORS: dict[int, tuple[Any, jsonschema.Draft202012Validator]] = {}
+
+
+def _validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    """One validator per schema object (the spec's schemas live as long as the run)."""
+    cached = _VALIDATORS.get(id(schema))
+    if cached is None or cached[0] is not schema:
+        cached = (schema, jsonschema.Draft202012Validator(
+            _rebase(schema), registry=REGISTRY, format_checker=jsonschema.FormatChecker()))
+        _VALIDATORS[id(schema)] = cached
+    return cached[1]
+
+
+def _matches(instance: Any, schema: dict[str, Any]) -> bool:
+    return _validator(schema).is_valid(instance)
+
+
+def undocumented(instance: Any, schema: dict[str, Any], where: str = "") -> list[str]:
+    """Properties an answer carries that its (valid) schema does not name: objects whose
+    schema lists `properties` and says nothing of `additionalProperties`."""
+    schema = _resolve(schema)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            for sub in schema[key]:
+                if _matches(instance, sub):
+                    return undocumented(instance, sub, where)
+            return []
+    found: list[str] = []
+    if isinstance(instance, dict) and schema.get("type") == "object":
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for k, v in instance.items():
+            if k in props:
+                found += undocumented(v, props[k], f"{where}/{k}")
+            elif isinstance(extra, dict):
+                found += undocumented(v, extra, f"{where}/{k}")
+            elif extra is None and props:
+                found.append(f"{where}/{k}")
+    elif isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(instance):
+            found += undocumented(v, schema["items"], f"{where}/{i}")
+    return found
 
 
 def _rebase(schema: Any) -> Any:

@@ -577,6 +577,188 @@ def test_problems_follow_the_schema(client, enc: Encoding) -> None:
         check(enc.request(client, method, path, body), 404, enc.name)
 
 
+# -- unconnected sources: null, or zeros of the source's shape ---------------------------------
+
+UNCONNECTED = {"u": np.array(1.5), "U": np.array([1.0, -2.0]), "UU": np.ones((2, 2)),
+               "e": np.zeros((0,))}
+
+
+def unconnected_definition(enc: Encoding) -> dict[str, Any]:
+    out = definition(enc)
+    out["variables"].update({n: enc.tensor(v) for n, v in UNCONNECTED.items()})
+    return out
+
+
+def check_unconnected(answers: dict[str, Any], zeros: bool, lead: tuple[int, ...],
+                      what: str) -> None:
+    for n, v in UNCONNECTED.items():
+        if not zeros:
+            assert answers[n] is None, f"{what}[{n}]: {answers[n]!r}, expected null"
+            continue
+        got = tensor_of(answers[n], f"{what}[{n}]", lead + v.shape)
+        assert not got.any(), f"{what}[{n}]: {got}, expected zeros"
+
+
+UNCONNECTED_SOURCES = ["a", *UNCONNECTED]
+
+
+@pytest.mark.parametrize("mode", ["none", "zero"])
+@pytest.mark.parametrize("enc", ENC)
+def test_unconnected_gradients_and_jacobians(client, enc: Encoding, mode: str) -> None:
+    body = {"definition": unconnected_definition(enc), "sources": UNCONNECTED_SOURCES,
+            "unconnected": mode}
+    grad = check(enc.request(client, "POST", "/v1/gradient", {**body, "target": "loss"}),
+                 200, enc.name)
+    close(tensor_of(grad["gradients"]["a"], "gradients[a]", ()), _jac("loss", "a"), "a")
+    check_unconnected(grad["gradients"], mode == "zero", (), "gradients")
+    jac = check(enc.request(client, "POST", "/v1/jacobian",
+                            {**body, "target": "y", "allow_unused": True}), 200, enc.name)
+    close(tensor_of(jac["jacobians"]["a"], "jacobians[a]", (2,)), _jac("y", "a"), "a")
+    check_unconnected(jac["jacobians"], mode == "zero", (2,), "jacobians")
+    tape = check(enc.request(client, "POST", "/v1/tapes",
+                             {"definition": unconnected_definition(enc), "target": "loss",
+                              "sources": UNCONNECTED_SOURCES}), 201, enc.name)
+    try:
+        on_tape = check(enc.request(client, "POST", f"/v1/tapes/{tape['tape_id']}/gradient",
+                                    {"unconnected": mode}), 200, enc.name)
+        check_unconnected(on_tape["gradients"], mode == "zero", (), "tape gradients")
+    finally:
+        check(client.delete(f"/v1/tapes/{tape['tape_id']}"), 204)
+
+
+@pytest.mark.parametrize("enc", ENC)
+def test_unconnected_hessian_blocks_are_zeros(client, enc: Encoding) -> None:
+    body = {"definition": unconnected_definition(enc), "target": "loss",
+            "sources": UNCONNECTED_SOURCES}
+    answer = check(enc.request(client, "POST", "/v1/hessian", body), 200, enc.name)
+    shapes = {"a": (), **{n: v.shape for n, v in UNCONNECTED.items()}}
+    close(tensor_of(answer["hessian"]["a"]["a"], "hessian[a][a]", ()), _hess("a", "a"),
+          "hessian[a][a]", rtol=1e-4, atol=1e-5)
+    for p in shapes:
+        for q in shapes:
+            if p == q == "a":
+                continue
+            got = tensor_of(answer["hessian"][p][q], f"hessian[{p}][{q}]",
+                            shapes[p] + shapes[q])
+            assert not got.any(), f"hessian[{p}][{q}]: {got}"
+
+
+@pytest.mark.parametrize("route", ["stateless", "tape"])
+@pytest.mark.parametrize("batched", [False, True], ids=["single", "batched"])
+@pytest.mark.parametrize("enc", ENC)
+def test_unconnected_hvps_are_zeros(client, enc: Encoding, batched: bool, route: str) -> None:
+    """HVPRequest: 'Gradients and products of unconnected sources are zeros'."""
+    vec = {"a": enc.tensor(1.0), **{n: enc.tensor(np.ones_like(v))
+                                    for n, v in UNCONNECTED.items()}}
+    ask = {"vectors": [vec, vec]} if batched else {"vector": vec}
+    base = {"definition": unconnected_definition(enc), "target": "loss",
+            "sources": UNCONNECTED_SOURCES}
+    if route == "stateless":
+        answer = check(enc.request(client, "POST", "/v1/hvp", {**base, **ask}), 200, enc.name)
+        check_unconnected(answer["gradients"], True, (), "gradients")
+    else:
+        tape = check(enc.request(client, "POST", "/v1/tapes", base), 201, enc.name)
+        try:
+            answer = check(enc.request(client, "POST", f"/v1/tapes/{tape['tape_id']}/hvp",
+                                       ask), 200, enc.name)
+        finally:
+            check(client.delete(f"/v1/tapes/{tape['tape_id']}"), 204)
+    products = answer["hvps"] if batched else [answer["hvp"]]
+    for i, product in enumerate(products):
+        close(tensor_of(product["a"], f"hvp {i} [a]", ()), _hess("a", "a"), "hvp[a]",
+              rtol=1e-4, atol=1e-5)
+        check_unconnected(product, True, (), f"hvp {i}")
+
+
+# -- other float dtypes: float16 and float32 keep their dtype and byte counts ------------------
+
+
+def small_hvp(w: np.ndarray, b: float, M: np.ndarray, vw: np.ndarray, vb: float,
+              vM: np.ndarray) -> dict[str, np.ndarray]:
+    """loss = sum(w^3) b^2 + sum(M^2) b, in closed form."""
+    return {"w": 6 * w * b * b * vw + 6 * w * w * b * vb,
+            "b": np.asarray(np.sum(6 * w * w * b * vw) + 2 * np.sum(w ** 3) * vb
+                            + np.sum(2 * M * vM)),
+            "M": 2 * b * vM + 2 * M * vb}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("enc", ENC)
+def test_other_dtypes(client, enc: Encoding, dtype: str) -> None:
+    w, b, M = np.array([0.5, -1.0, 0.25]), 0.75, np.array([[0.5, 1.0], [-0.5, 0.25]])
+    vw, vb, vM = np.array([1.0, 0.5, -1.0]), -0.5, np.array([[0.25, 0.0], [1.0, -1.0]])
+    body = {"definition": {"variables": {"w": enc.tensor(w, dtype), "b": enc.tensor(b, dtype),
+                                         "M": enc.tensor(M, dtype)},
+                           "program": ["loss = sum(w * w * w) * b * b + sum(M * M) * b"]},
+            "target": "loss",
+            "vector": {"w": enc.tensor(vw, dtype), "b": enc.tensor(vb, dtype),
+                       "M": enc.tensor(vM, dtype)}}
+    answer = check(enc.request(client, "POST", "/v1/hvp", body), 200, enc.name)
+    rtol = 1e-2 if dtype == "float16" else 1e-5
+    want_value = np.sum(w ** 3) * b * b + np.sum(M * M) * b
+    close(tensor_of(answer["value"], "value", (), dtype), want_value, "value", rtol, rtol)
+    want_grad = {"w": 3 * w * w * b * b, "b": np.asarray(2 * np.sum(w ** 3) * b + np.sum(M * M)),
+                 "M": 2 * M * b}
+    want_hvp = small_hvp(w, b, M, vw, vb, vM)
+    for k, shape in (("w", (3,)), ("b", ()), ("M", (2, 2))):
+        close(tensor_of(answer["gradients"][k], f"gradients[{k}]", shape, dtype),
+              want_grad[k], f"gradients[{k}]", rtol, rtol)
+        close(tensor_of(answer["hvp"][k], f"hvp[{k}]", shape, dtype), want_hvp[k],
+              f"hvp[{k}]", rtol, rtol)
+
+
+# -- content negotiation across encodings ------------------------------------------------------
+
+NEGOTIATION = {
+    # name: (body encoding, content type, accept, response_encoding, answer encoding)
+    "lists-accept-msgpack": ("json", JSON, MSGPACK, None, "msgpack"),
+    "lists-ask-base64": ("json", JSON, JSON, "base64", "base64"),
+    "base64-ask-data": ("base64", JSON, JSON, "data", "json"),
+    "msgpack-bytes-accept-json": ("msgpack", MSGPACK, JSON, None, "base64"),
+    "msgpack-lists-accept-json": ("json", MSGPACK, JSON, None, "json"),
+}
+
+
+@pytest.mark.parametrize("route", ["/v1/gradient", "/v1/hessian", "/v1/hvp", "tape-hvp"])
+@pytest.mark.parametrize("case", list(NEGOTIATION))
+def test_negotiated_encodings(client, case: str, route: str) -> None:
+    body_enc, ctype, accept, response_encoding, answered = NEGOTIATION[case]
+    enc = Encoding(body_enc)
+    keys = answer_keys(None)
+
+    def send(path: str, body: dict[str, Any], status: int = 200) -> Any:
+        if response_encoding:
+            body = {**body, "response_encoding": response_encoding}
+        headers = {"content-type": ctype, "accept": accept}
+        content = (msgpack_packb(body) if ctype == MSGPACK else json_dumps(body))
+        return check(client.post(path, content=content, headers=headers), status, answered)
+
+    base = {"definition": definition(enc), "target": "loss"}
+    vec = {"vector": enc.tensors(vector(keys))}
+    if route == "tape-hvp":
+        tape = send("/v1/tapes", base, 201)
+        try:
+            answer = send(f"/v1/tapes/{tape['tape_id']}/hvp", vec)
+        finally:
+            check(client.delete(f"/v1/tapes/{tape['tape_id']}"), 204)
+    else:
+        answer = send(route, {**base, **vec} if route == "/v1/hvp" else base)
+    if "hvp" in route:
+        check_hvps(answer["hvp"], keys, vector(keys), "hvp")
+    else:
+        check_gradients(answer["gradients"], keys, "gradients")
+
+
+def msgpack_packb(body: Any) -> bytes:
+    import msgpack
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def json_dumps(body: Any) -> bytes:
+    import json
+    return json.dumps(body).encode()
+
+
 # -- every operation is driven ---------------------------------------------------------------
 
 # Which tests drive each operation of the spec. A new route fails the test below until a
