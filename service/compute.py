@@ -382,8 +382,10 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         for k, p in zip(keys, primals, strict=True)
     ]
     products = operator.hvp_many(*stacked)  # all vectors in one batched pass
+    # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
+    # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [
-        {k: products[j].numpy()[i] for j, k in enumerate(keys)} for i in range(len(vectors))
+        {k: products[j].numpy()[i, ...] for j, k in enumerate(keys)} for i in range(len(vectors))
     ]
     return {
         "value": operator.value.numpy(),
