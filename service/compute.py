@@ -29,6 +29,7 @@ from engine.language import (
     DefinitionError,
     ExecutionError,
     Limits,
+    Problem,
     Request,
     as_definition,
     catalogue,
@@ -36,6 +37,7 @@ from engine.language import (
     evaluate,
 )
 from engine.tensor import Tensor
+from service import nonfinite
 
 log = logging.getLogger("gradtape.compute")
 
@@ -113,8 +115,16 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
-        result = handler(message.get("payload"), context)
+        payload = message.get("payload")
+        result = handler(payload, context)
+        result = nonfinite.guard(
+            result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
+            refuse_nonfinite,
+        )
     except BaseException as exc:  # every failure becomes an error reply
+        if isinstance(exc, NonFiniteAnswer) and message.get("kind") == "tape_create":
+            # A refused recording is not kept; a replaced tape is rebuilt from the store.
+            _tapes(context).pop(message["payload"]["tape_id"], None)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         return {"id": request_id, "ok": False, "error": describe_error(exc)}
@@ -124,6 +134,25 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
         "result": result,
         "seconds": time.perf_counter() - started,
     }
+
+
+class NonFiniteAnswer(RequestError):
+    """An answer holding NaN or infinity, refused (the request did not allow them)."""
+
+
+def refuse_nonfinite(detail: str, problem: Problem) -> NonFiniteAnswer:
+    return NonFiniteAnswer("non-finite", detail, problems=[problem.to_dict()])
+
+
+def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext
+                       ) -> Problem:
+    """The op where the request's non-finite answer started (the engine's diagnosis)."""
+    if kind.startswith("tape_"):
+        session = _tapes(context)[payload["tape_id"]]  # the handler has just used it
+        request = _other_request(session, payload) if payload.get("target") else session.request
+        return session.program.find_nonfinite(request, session.leaves)
+    prepared = _prepare(payload, context, "zero")
+    return prepared.program.find_nonfinite(prepared.request, prepared.leaves)
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
@@ -433,5 +462,6 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
 
 # The tapes' handlers (issue 6) use the helpers above.
 from service.compute_tapes import HANDLERS as TAPE_HANDLERS
+from service.compute_tapes import _other_request, _tapes
 
 HANDLERS.update(TAPE_HANDLERS)

@@ -30,6 +30,7 @@ log = logging.getLogger("gradtape.service")
 _COMPUTE_TYPES = {
     "definition": "definition",
     "execution": "execution",
+    "non-finite": "non-finite",
     "batch-dependence": "batch-dependence",
     "too-large": "too-large",
     "request": "invalid-request",

@@ -75,6 +75,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "execution": ProblemType(
         422, "Computation failed",
         "A checked definition failed while running (a singular matrix, a label out of range)."),
+    "non-finite": ProblemType(
+        422, "Non-finite result",
+        "The answer would hold NaN or infinite values: `errors` names the op (line, column, "
+        "op) where the first one appeared, in the forward pass or in a derivative. Send "
+        "allow_nonfinite: true to receive such answers, with `nonfinite` listing the fields."),
     "batch-dependence": ProblemType(
         422, "Examples are not independent",
         "A batch jacobian was asked of a computation that mixes the examples of the batch "

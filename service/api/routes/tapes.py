@@ -56,6 +56,7 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
         "expires_at": info["expires_at"],
         "device": info["device"],
         "worker": info["worker"],
+        **({"nonfinite": result["nonfinite"]} if "nonfinite" in result else {}),
     }
 
 
