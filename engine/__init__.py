@@ -29,6 +29,7 @@ from engine.ops.nn import one_hot
 from engine.registry import MissingRuleError, public_ops
 from engine.tape import BatchDependenceError, GradientTape, custom_gradient
 from engine.tensor import Tensor, Variable, as_tensor, constant
+from engine.trace import Interrupted, interruptible
 from engine.transforms import (
     HessianOperator,
     grad,
@@ -55,6 +56,7 @@ __all__ = [
     "ForwardAccumulator",
     "GradientTape",
     "HessianOperator",
+    "Interrupted",
     "MissingRuleError",
     "Tensor",
     "Variable",
@@ -71,6 +73,7 @@ __all__ = [
     "hvp",
     "implicit_gradients",
     "implicit_value_and_gradients",
+    "interruptible",
     "jacfwd",
     "jacobian",
     "jacrev",

@@ -236,6 +236,8 @@ def _device_index(array: Any) -> int:
 
 def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
     """Apply a primitive: forward on the arrays, then record on every active recorder."""
+    if trace.interrupt_check is not None:
+        trace.interrupt_check()
     for a in args:
         if isinstance(a, Variable):
             args = tuple(read(a) if isinstance(a, Variable) else a for a in args)
