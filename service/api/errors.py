@@ -147,6 +147,9 @@ def install(app: FastAPI) -> None:
         detail = str(exc.detail)
         if exc.status_code == 404:
             detail = f"no such path: {request.url.path} (the API is described at /docs)"
+        if exc.status_code == 400:  # FastAPI's own: a body its JSON parser gave up on
+            detail = ("the body could not be parsed as JSON (nested too deeply, or "
+                      f"otherwise malformed): {detail}")
         headers = dict(exc.headers) if exc.headers else None
         if exc.status_code == 405:
             # Starlette names the methods of the first route matching the path only; a
