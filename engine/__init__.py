@@ -27,7 +27,7 @@ from engine.ops.creation import (
 )
 from engine.ops.nn import one_hot
 from engine.registry import MissingRuleError, public_ops
-from engine.tape import BatchDependenceError, GradientTape, custom_gradient
+from engine.tape import BatchDependenceError, GradientTape, UnconnectedGradients, custom_gradient
 from engine.tensor import Tensor, Variable, as_tensor, constant
 from engine.transforms import (
     HessianOperator,
@@ -57,6 +57,7 @@ __all__ = [
     "HessianOperator",
     "MissingRuleError",
     "Tensor",
+    "UnconnectedGradients",
     "Variable",
     "arange",
     "as_tensor",

@@ -35,6 +35,7 @@ from engine.language import (
     compile_definition,
     evaluate,
 )
+from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 
 log = logging.getLogger("gradtape.compute")
@@ -281,7 +282,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
     """The jacobians of y over the watched sources, from a persistent tape, on the host."""
     if batch:
         jacobians = {
-            key: tape.batch_jacobian(y, source, unconnected_gradients=unconnected)
+            key: per_example_jacobian(tape, y, source)
             for key, source in watched.items()
         }
     else:
