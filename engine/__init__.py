@@ -25,7 +25,8 @@ from engine.ops.creation import (
     zeros,
     zeros_like,
 )
-from engine.ops.nn import one_hot
+from engine.ops.nn import clip_by_global_norm, moments, one_hot
+from engine.ops.shape import split, top_k, unstack
 from engine.registry import MissingRuleError, public_ops
 from engine.tape import BatchDependenceError, GradientTape, UnconnectedGradients, custom_gradient
 from engine.tensor import Tensor, Variable, as_tensor, constant
@@ -61,6 +62,7 @@ __all__ = [
     "Variable",
     "arange",
     "as_tensor",
+    "clip_by_global_norm",
     "constant",
     "cuda_available",
     "custom_gradient",
@@ -78,11 +80,15 @@ __all__ = [
     "jvp",
     "linearize",
     "linspace",
+    "moments",
     "one_hot",
     "ones",
     "ones_like",
     "random",
+    "split",
+    "top_k",
     "tune_allocator",
+    "unstack",
     "value_and_grad",
     "vjp",
     "zeros",
