@@ -298,8 +298,11 @@ def exp(x: Any) -> Tensor:
 
 
 # ---- log ----
+# log and log1p multiply by a reciprocal, as TensorFlow's LogGrad does: reciprocal's
+# protected rule then keeps a zero cotangent zero at second order (x = 0 in an untaken
+# `where` branch), where g / x would give NaN.
 log_p = primitive("log", lambda xp, x: xp.log(x))
-defvjp(log_p, lambda ans, x: lambda g: divide(g, x))
+defvjp(log_p, lambda ans, x: lambda g: multiply(g, reciprocal(x)))
 defjvp(log_p, lambda t, ans, x: divide(t[0], x))
 
 
@@ -311,7 +314,7 @@ def log(x: Any) -> Tensor:
 
 # ---- log1p ----
 log1p_p = primitive("log1p", lambda xp, x: xp.log1p(x))
-defvjp(log1p_p, lambda ans, x: lambda g: divide(g, add(x, 1)))
+defvjp(log1p_p, lambda ans, x: lambda g: multiply(g, reciprocal(add(x, 1))))
 defjvp(log1p_p, lambda t, ans, x: divide(t[0], add(x, 1)))
 
 
