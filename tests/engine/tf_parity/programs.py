@@ -64,7 +64,7 @@ def weighted(m: Any, out: Any, w: np.ndarray) -> Any:
 def caught(fn: Callable[[], Any]) -> Any:
     try:
         fn()
-    except Exception as exc:  # the error's class is what is compared
+    except Exception as exc:  # noqa: BLE001 - the error's class is what is compared
         return {"error": type(exc).__name__}
     return {"error": None}
 
@@ -395,7 +395,7 @@ def op_sort(m: Any, x: Any) -> Any:
 @program("7", M34)
 def op_top_k(m: Any, x: Any) -> Any:
     def f(x: Any) -> Any:
-        values, indices = m.top_k(x * x, k=2)
+        values, _ = m.top_k(x * x, k=2)
         return weighted(m, values * x[:, :2], W34[:, :2])
 
     return {"orders": orders(m, f, [x]), "indices": m.top_k(m.constant(M34), k=3)[1]}
@@ -403,7 +403,7 @@ def op_top_k(m: Any, x: Any) -> Any:
 
 @program("7", M34)
 def op_pad(m: Any, x: Any) -> Any:
-    out = lambda x: m.pad(x * x, [[1, 0], [2, 1]], mode="CONSTANT", constant_values=0.5)  # noqa: E731
+    out = lambda x: m.pad(x * x, [[1, 0], [2, 1]], mode="CONSTANT", constant_values=0.5)
     return orders(m, lambda x: weighted(m, out(x) ** 2, W47), [x])
 
 
@@ -462,7 +462,7 @@ def op_clip_by_global_norm(m: Any, x: Any, y: Any) -> Any:
         return weighted(m, cx, W34) + m.reduce_sum(cy * m.constant(V3)) + norm
 
     def unclipped(x: Any, y: Any) -> Any:
-        (cx, cy), norm = m.clip_by_global_norm([x * 0.1, y * 0.1], 100.0)
+        (cx, cy), _ = m.clip_by_global_norm([x * 0.1, y * 0.1], 100.0)
         return weighted(m, cx, W34) + m.reduce_sum(cy**2)
 
     return {"clipped": orders(m, f, [x, y]), "unclipped": orders(m, unclipped, [x, y])}

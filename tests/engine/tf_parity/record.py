@@ -20,8 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tests.engine.tf_parity.programs import PROGRAMS  # noqa: E402
-from tests.engine.tf_parity.serialize import to_json  # noqa: E402
+from tests.engine.tf_parity.programs import PROGRAMS
+from tests.engine.tf_parity.serialize import to_json
 
 OUT = Path(__file__).with_name("reference.json")
 
