@@ -30,7 +30,7 @@ import numpy as np
 from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
-from engine.registry import NONDIFFERENTIABLE, Primitive, get_vjp
+from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, get_vjp
 from engine.tensor import Tensor, Variable, as_tensor, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
@@ -177,16 +177,28 @@ def backward(
     for t, s in zip(targets, seeds, strict=True):
         _accumulate(cts, id(t), s)
     keep = {id(s) for s in sources}
+    zero: set[int] = set()  # reached only by ZERO cotangents so far
     cacheable = not trace.anything_active()
     for rec, needed in plan:
         gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
         if all(g is None for g in gs):
+            if any(id(o) in zero for o in rec.outputs):
+                zero.update(id(rec.inputs[i]) for i in needed)
             continue
         for i, gi in zip(needed, rec.input_cotangents(gs, needed, cacheable), strict=True):
-            if gi is not None:
-                x = rec.inputs[i]
+            x = rec.inputs[i]
+            if gi is ZERO:
+                zero.add(id(x))
+            elif gi is not None:
                 _accumulate(cts, id(x), _fit(gi, x.shape, batch_ndim))
-    return {k: cts[k] for k in keep if k in cts}
+    out = {k: cts[k] for k in keep if k in cts}
+    if zero & keep:
+        # Connected through a zero derivative only: zeros, as TensorFlow answers.
+        lead = seeds[0].shape[:batch_ndim]
+        for s in sources:
+            if id(s) in zero and id(s) not in out:
+                out[id(s)] = _zeros(s, lead + s.shape)
+    return out
 
 
 def _check_source(s: Any, where: str) -> Tensor:
@@ -664,13 +676,10 @@ def _with_variables(grad_fn: Callable[..., Any], variables: tuple, n_inputs: int
         result = grad_fn(*dy, variables=list(variables))
         if not (isinstance(result, (list, tuple)) and len(result) == 2):
             raise ValueError(
-                "custom gradient with variables: grad_fn must return (input_grads, "
-                "variable_grads)"
+                "custom gradient with variables: grad_fn must return (input_grads, variable_grads)"
             )
         input_grads, variable_grads = result
-        input_grads = (
-            list(input_grads) if isinstance(input_grads, (list, tuple)) else [input_grads]
-        )
+        input_grads = list(input_grads) if isinstance(input_grads, (list, tuple)) else [input_grads]
         variable_grads = list(variable_grads)
         if len(variable_grads) != len(variables):
             raise ValueError(

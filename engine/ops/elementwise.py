@@ -11,6 +11,7 @@ from builtins import abs as builtin_abs
 from typing import Any
 
 from engine.backend import array_module, host
+from engine.backend import numpy as numpy_module
 from engine.backend import erf as erf_impl
 from engine.ops._util import coerce_pair
 from engine.registry import (
@@ -21,6 +22,7 @@ from engine.registry import (
     defvjp,
     primitive,
     public,
+    zero_vjp,
 )
 from engine.tensor import Tensor, as_tensor, bind, unaliased
 
@@ -546,7 +548,7 @@ def _zeros_of(t: Tensor) -> Tensor:
 defvjp(
     relu_grad_p,
     lambda ans, g, x, *, alpha: lambda gg: _relu_grad(gg, x, alpha),
-    lambda ans, g, x, *, alpha: _zeros_of,
+    lambda ans, g, x, *, alpha: zero_vjp,
 )
 defjvp(
     relu_grad_p,
@@ -719,14 +721,36 @@ def divide_no_nan(x: Any, y: Any) -> Tensor:
 where_p = primitive("where", lambda xp, c, x, y: xp.where(c, x, y))
 
 
-# The cotangent is selected, not multiplied by a mask (as TensorFlow's SelectV2 grad):
-# the untaken branch gets an exact 0 even when g is inf or NaN.
+# The cotangent is selected (as TensorFlow's SelectV2 grad): the untaken branch gets an
+# exact 0 even where g is inf or NaN. On NumPy a select over an irregular mask is ~15x
+# slower than a multiply by a 0/1 mask, and the two agree wherever g is finite, so
+# select_grad multiplies unless g holds a non-finite value.
+def _select_grad_impl(xp: Any, g: Any, mask: Any, c: Any) -> Any:
+    if xp is not numpy_module or not numpy_module.isfinite(g).all():
+        return xp.where(c, g, xp.zeros((), dtype=g.dtype))
+    return g * mask
+
+
+select_grad_p = primitive("select_grad", _select_grad_impl)
+
+
+def _select_grad(g: Tensor, mask: Tensor, c: Tensor) -> Tensor:
+    return bind(select_grad_p, g, mask, c)
+
+
+defvjp(select_grad_p, lambda ans, g, mask, c: lambda gg: _select_grad(gg, mask, c))
+defjvp(select_grad_p, lambda t, ans, g, mask, c: _select_grad(t[0], mask, c))
+
+
 def where_vjp_x(ans: Tensor, c: Tensor, x: Tensor, y: Tensor) -> Any:
-    return lambda g: bind(where_p, c, g, _zero_like(g))
+    mask = _mask(c, ans.dtype)
+    return lambda g: _select_grad(g, mask, c)
 
 
 def where_vjp_y(ans: Tensor, c: Tensor, x: Tensor, y: Tensor) -> Any:
-    return lambda g: bind(where_p, c, _zero_like(g), g)
+    taken = logical_not(c)
+    mask = _mask(taken, ans.dtype)
+    return lambda g: _select_grad(g, mask, taken)
 
 
 defvjp(where_p, None, where_vjp_x, where_vjp_y)
@@ -782,7 +806,7 @@ defnondiff(cast_nondiff_p)
 # sign is recorded with a zero derivative (TensorFlow's SignGrad): a source reached only
 # through it gets zeros, and so do second derivatives of abs and the 1-/inf-norms.
 sign_p = primitive("sign", lambda xp, x: xp.sign(x))
-defvjp(sign_p, lambda ans, x: _zeros_of)
+defvjp(sign_p, lambda ans, x: zero_vjp)
 defjvp(sign_p, lambda t, ans, x: _zeros_of(t[0]))
 greater_p = _nondiff("greater", lambda xp, x, y: x > y)
 greater_equal_p = _nondiff("greater_equal", lambda xp, x, y: x >= y)
