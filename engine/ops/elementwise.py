@@ -11,8 +11,8 @@ from builtins import abs as builtin_abs
 from typing import Any
 
 from engine.backend import array_module, host
-from engine.backend import numpy as numpy_module
 from engine.backend import erf as erf_impl
+from engine.backend import numpy as numpy_module
 from engine.ops._util import coerce_pair
 from engine.registry import (
     Primitive,
