@@ -78,7 +78,10 @@ class ForwardAccumulator:
         out = []
         for p in flat:
             t = self._tangents.get(id(p)) if isinstance(p, Tensor) else None
-            if t is None and unconnected_gradients == "zero":
+            if (
+                t is None
+                and str(getattr(unconnected_gradients, "value", unconnected_gradients)) == "zero"
+            ):
                 t = _zeros_tangent(p, self)
             out.append(t)
         return tree.unflatten(treedef, out)
