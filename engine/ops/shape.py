@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine import backend
 from engine.backend import host
@@ -445,14 +445,20 @@ def sort(x: Any, axis: int = -1, direction: str = "ASCENDING") -> Tensor:
     return _take_along(x, order, axis)
 
 
-def top_k(x: Any, k: int = 1, sorted: bool = True) -> tuple[Tensor, Tensor]:
-    """(values, indices) of the k largest entries along the last axis, largest first."""
+class TopK(NamedTuple):
+    values: Tensor
+    indices: Tensor
+
+
+def top_k(x: Any, k: int = 1, sorted: bool = True) -> TopK:
+    """(values, indices) of the k largest entries along the last axis, largest first
+    (a namedtuple, as tf.math.top_k's); `sorted` is accepted, the answer is sorted."""
     x = as_tensor(x)
     if x.ndim == 0 or not 0 <= k <= x.shape[-1]:
         raise ValueError(f"top_k: k={k} for a tensor of shape {x.shape}")
     xp = backend.array_module(x.value)
     order = _descending_order(xp, x.value, x.ndim - 1)[..., :k]
-    return _take_along(x, order, x.ndim - 1), Tensor(order.astype(host.int32))
+    return TopK(_take_along(x, order, x.ndim - 1), Tensor(order.astype(host.int32)))
 
 
 # ---- pad ----
