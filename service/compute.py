@@ -36,6 +36,7 @@ from engine.language import (
     compile_definition,
     evaluate,
 )
+from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from service import nonfinite
 
@@ -323,7 +324,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
     """The jacobians of y over the watched sources, from a persistent tape, on the host."""
     if batch:
         jacobians = {
-            key: tape.batch_jacobian(y, source, unconnected_gradients=unconnected)
+            key: per_example_jacobian(tape, y, source)
             for key, source in watched.items()
         }
     else:
