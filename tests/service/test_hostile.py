@@ -121,3 +121,101 @@ def test_a_base64_tensor_of_the_wrong_length_is_422(client, unharmed) -> None:
     tensor = {"dtype": "float32", "shape": [3], "base64": base64.b64encode(b"\0" * 8).decode()}
     assert "byte" in problem(client.post("/v1/gradient", json=_definition_with(tensor)),
                              422)["detail"]
+
+
+_SEND = """
+import sys, httpx
+body = open(sys.argv[2], "rb").read()
+r = httpx.post(sys.argv[1], content=body, headers={"content-type": "application/json"},
+               timeout=120)
+sys.stdout.write(str(r.status_code) + "\\n" + r.text)
+"""
+
+
+def _healthz_while(client: httpx.Client, body: bytes, tmp_path) -> tuple[int, dict, float]:
+    """POST `body` to /v1/gradient from another process (so that sending it costs this
+    one nothing) and time /healthz meanwhile: the status, problem and slowest answer."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "body.json"
+    path.write_bytes(body)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", _SEND, f"{client.base_url}/v1/gradient", str(path)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    slowest = 0.0
+    while sender.poll() is None:
+        started = time.perf_counter()
+        assert client.get("/healthz").status_code == 200
+        slowest = max(slowest, time.perf_counter() - started)
+        time.sleep(0.005)
+    status, _, text = sender.stdout.read().partition("\n")
+    return int(status), json.loads(text), slowest
+
+
+def test_a_million_empty_lists_are_refused_small_and_fast(client, unharmed, tmp_path) -> None:
+    # 3 MB: sources as a million empty lists (once a 100 MB 422 after 11-18 s).
+    body = b'{"definition": {"variables": {"w": [1.0]}, "program": ["loss = sum(w)"]}, ' \
+           b'"target": "loss", "sources": [' + b",".join([b"[]"] * 1_000_000) + b"]}"
+    status, answer, slowest = _healthz_while(client, body, tmp_path)
+    assert status == 422 and answer["type"] == "/problems/too-large", answer
+    assert "max_body_containers" in answer["detail"] and len(str(answer)) < 2_000
+    assert slowest < 0.05, f"/healthz took {slowest * 1e3:.0f} ms meanwhile"
+
+
+@pytest.fixture(scope="module")
+def default_body_limit(tmp_path_factory):
+    """A server with the default 64 MiB body limit (the shared one takes 4 MiB)."""
+    from tests.service.conftest import start_server, stop_server
+
+    srv = start_server({"GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20), "GRADTAPE_WORKERS": "1"},
+                       tmp_path_factory.mktemp("bodies") / "server.log")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            yield c
+    finally:
+        stop_server(srv)
+
+
+def test_sixty_megabytes_of_nesting_do_not_take_the_service_down(default_body_limit,
+                                                                 tmp_path) -> None:
+    client = default_body_limit
+    body = b"[" + b"[]," * (20 * 2**20) + b"[]]"  # 60 MiB, under the 64 MiB body limit
+    status, answer, slowest = _healthz_while(client, body, tmp_path)
+    assert status == 422 and answer["type"] == "/problems/too-large", answer
+    assert slowest < 0.05, f"/healthz took {slowest * 1e3:.0f} ms meanwhile"
+    assert client.get("/readyz").status_code == 200
+
+
+def test_many_validation_problems_are_listed_up_to_a_bound(client, unharmed) -> None:
+    body = {"definition": W, "target": "loss", "sources": [[] for _ in range(5000)]}
+    answer = problem(client.post("/v1/gradient", json=body), 422, "validation")
+    assert len(answer["errors"]) == 50 and answer["omitted"] > 4000
+    assert "more)" in answer["detail"]
+
+
+def test_a_long_unknown_key_is_not_echoed_whole(client, unharmed) -> None:
+    key = "k" * 100_000
+    response = client.post("/v1/gradient", json={"definition": W, "target": "loss", key: 1})
+    answer = problem(response, 422, "validation")
+    assert len(response.content) < 2_000 and "kkk..." in answer["detail"]
+
+
+def test_json_nested_past_the_depth_limit_is_a_malformed_body(client, unharmed) -> None:
+    value: list = []
+    for _ in range(100):
+        value = [value]
+    body = {"definition": W, "target": "loss", "sources": value}
+    answer = problem(client.post("/v1/gradient", json=body), 400, "malformed-body")
+    assert "max_body_depth" in answer["detail"]
+
+
+def test_a_body_that_is_not_utf8_is_a_malformed_body(client, unharmed) -> None:
+    # Found by schemathesis: json.loads raises UnicodeDecodeError, not JSONDecodeError.
+    reply = client.post("/v1/hessian", content=b"\xff\x07",
+                        headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["type"] == "/problems/malformed-body"
