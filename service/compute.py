@@ -29,13 +29,16 @@ from engine.language import (
     DefinitionError,
     ExecutionError,
     Limits,
+    Problem,
     Request,
     as_definition,
     catalogue,
     compile_definition,
     evaluate,
 )
+from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
+from service import nonfinite
 
 log = logging.getLogger("gradtape.compute")
 
@@ -113,8 +116,16 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
-        result = handler(message.get("payload"), context)
+        payload = message.get("payload")
+        result = handler(payload, context)
+        result = nonfinite.guard(
+            result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
+            refuse_nonfinite,
+        )
     except BaseException as exc:  # every failure becomes an error reply
+        if isinstance(exc, NonFiniteAnswer) and message.get("kind") == "tape_create":
+            # A refused recording is not kept; a replaced tape is rebuilt from the store.
+            _tapes(context).pop(message["payload"]["tape_id"], None)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         return {"id": request_id, "ok": False, "error": describe_error(exc)}
@@ -124,6 +135,38 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
         "result": result,
         "seconds": time.perf_counter() - started,
     }
+
+
+ALGORITHMS = {"tape_eigenvalues": "Lanczos iteration", "tape_trace": "trace estimate",
+              "tape_solve": "conjugate-gradient solve"}
+
+
+class NonFiniteAnswer(RequestError):
+    """An answer holding NaN or infinity, refused (the request did not allow them)."""
+
+
+def refuse_nonfinite(detail: str, problem: Problem) -> NonFiniteAnswer:
+    return NonFiniteAnswer("non-finite", detail, problems=[problem.to_dict()])
+
+
+def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext
+                       ) -> Problem:
+    """The op where the request's non-finite answer started (the engine's diagnosis)."""
+    if kind in ALGORITHMS:
+        session = _tapes(context)[payload["tape_id"]]
+        found = session.program.find_nonfinite(session.request, session.leaves)
+        if found.op is None:  # the tape is sound: the algorithm's own arithmetic is not
+            return Problem(
+                f"the tape's value and first derivatives are finite, but the "
+                f"{ALGORITHMS[kind]} overflowed: its arguments (damping, tol, the vector) "
+                "are out of a usable range", "request", kind="nonfinite")
+        return found
+    if kind.startswith("tape_"):
+        session = _tapes(context)[payload["tape_id"]]  # the handler has just used it
+        request = _other_request(session, payload) if payload.get("target") else session.request
+        return session.program.find_nonfinite(request, session.leaves)
+    prepared = _prepare(payload, context, "zero")
+    return prepared.program.find_nonfinite(prepared.request, prepared.leaves)
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
@@ -281,7 +324,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
     """The jacobians of y over the watched sources, from a persistent tape, on the host."""
     if batch:
         jacobians = {
-            key: tape.batch_jacobian(y, source, unconnected_gradients=unconnected)
+            key: per_example_jacobian(tape, y, source)
             for key, source in watched.items()
         }
     else:
@@ -382,8 +425,10 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         for k, p in zip(keys, primals, strict=True)
     ]
     products = operator.hvp_many(*stacked)  # all vectors in one batched pass
+    # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
+    # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [
-        {k: products[j].numpy()[i] for j, k in enumerate(keys)} for i in range(len(vectors))
+        {k: products[j].numpy()[i, ...] for j, k in enumerate(keys)} for i in range(len(vectors))
     ]
     return {
         "value": operator.value.numpy(),
@@ -431,5 +476,6 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
 
 # The tapes' handlers (issue 6) use the helpers above.
 from service.compute_tapes import HANDLERS as TAPE_HANDLERS
+from service.compute_tapes import _other_request, _tapes
 
 HANDLERS.update(TAPE_HANDLERS)

@@ -247,7 +247,10 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     ]
     products = session.operator.hvp_many(*stacked)  # one batched pass, nothing recorded
     host = [p.numpy() for p in products]
-    answers = [{k: host[j][i] for j, k in enumerate(session.keys)} for i in range(len(vectors))]
+    # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
+    answers = [
+        {k: host[j][i, ...] for j, k in enumerate(session.keys)} for i in range(len(vectors))
+    ]
     result = {"hvp": answers[0] if single else None, "hvps": None if single else answers}
     return _done(session, rebuilt, result, hvp_only=True)
 

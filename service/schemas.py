@@ -562,11 +562,20 @@ class ModelCreateRequest(RequestModel):
 # ----------------------------------------------------------------------------------------
 
 
+def _nonfinite_flag() -> Any:
+    return Field(
+        None, description="Only with allow_nonfinite, when the answer holds NaN or infinite "
+        "values: the dotted fields that hold them (without allow_nonfinite such an answer "
+        "is a 422 naming the op where the first one appeared)."
+    )
+
+
 class GradientResponse(BaseModel):
     """The target's value and one gradient per source (null when unconnected)."""
 
     value: Tensor
     gradients: dict[str, Tensor | None]
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class JacobianResponse(BaseModel):
@@ -575,6 +584,7 @@ class JacobianResponse(BaseModel):
 
     value: Tensor
     jacobians: dict[str, Tensor | None]
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class HessianResponse(BaseModel):
@@ -587,6 +597,7 @@ class HessianResponse(BaseModel):
     newton_step: dict[str, Tensor] | None = Field(
         None, description="(H + damping I)^-1 g per source, when asked."
     )
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class HVPResponse(BaseModel):
@@ -596,6 +607,7 @@ class HVPResponse(BaseModel):
     gradients: dict[str, Tensor | None]
     hvp: dict[str, Tensor] | None = None
     hvps: list[dict[str, Tensor]] | None = None
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 # Tapes ----------------------------------------------------------------------------------
@@ -613,6 +625,7 @@ class TapeCreateResponse(BaseModel):
     expires_at: datetime = Field(description="When it expires unless used before.")
     device: str
     worker: int
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class TapeInfo(BaseModel):
@@ -647,6 +660,7 @@ class TapeHVPResponse(BaseModel):
 
     hvp: dict[str, Tensor] | None = None
     hvps: list[dict[str, Tensor]] | None = None
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class Stopped(StrEnum):
@@ -674,6 +688,7 @@ class EigenvaluesResponse(BaseModel):
     iterations: int
     hvps: int = Field(description="HVPs used.")
     seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class TraceResponse(BaseModel):
@@ -688,6 +703,7 @@ class TraceResponse(BaseModel):
     stopped: Stopped = Field(description="tolerance, max_hvps or time_limit.")
     hvps: int
     seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class SolveResponse(BaseModel):
@@ -702,6 +718,7 @@ class SolveResponse(BaseModel):
     residuals: list[float] = Field(description="||b - (H + damping I) x|| / ||b|| from x = 0 "
                                    "and after each iteration.")
     seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
 
 
 # Stored models --------------------------------------------------------------------------
@@ -805,3 +822,7 @@ class Problem(BaseModel):
     detail: str | None = None
     instance: str | None = None
     errors: list[ProblemItem] | None = None
+    omitted: int | None = Field(
+        None, description="Problems found beyond those listed in `errors` (the server lists "
+        "at most max_reported_problems)."
+    )

@@ -25,6 +25,8 @@ from engine.language.catalogue import suggest
 from engine.language.definition import Definition, as_definition, structure_key
 from engine.language.errors import DefinitionError, Problem
 from engine.language.limits import DEFAULT_LIMITS, Limits
+from engine.language.memory import MemoryModel
+from engine.language.nonfinite import NonFiniteCheck, find_culprit
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
 from engine.language.shapes import TensorType
 from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
@@ -57,6 +59,7 @@ class CompiledProgram:
         self._line_numbers = {line.target: line.number for line in checked.lines}
         self._line_columns = {line.target: line.pos.column for line in checked.lines}
         self._reads = checked.reads
+        self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self._sites = checked.grad_sites
         functions = {name: user_function(fn) for name, fn in checked.functions.items()}
         site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}
@@ -134,13 +137,17 @@ class CompiledProgram:
 
     # Running --------------------------------------------------------------------------
     def run(
-        self, leaves: Mapping[str, Tensor], targets: Iterable[str] | None = None
+        self,
+        leaves: Mapping[str, Tensor],
+        targets: Iterable[str] | None = None,
+        check: NonFiniteCheck | None = None,
     ) -> dict[str, Tensor]:
         """Run the program on these leaf tensors under whatever tapes the caller holds
-        open; return every name's tensor. With `targets`, only the lines they need run."""
+        open; return every name's tensor. With `targets`, only the lines they need run.
+        `check` (diagnosis only) stops the run at the first op with a non-finite result."""
         self._check_leaves(leaves)
         wanted = self._needed(targets)
-        frame = Frame(dict(leaves))
+        frame = Frame(dict(leaves), check)
         pending = sorted(
             (site.opens_before, key, site.source)
             for key, site in enumerate(self._sites)
@@ -191,6 +198,23 @@ class CompiledProgram:
             return self.run(env, targets=[target])[target]
 
         return f
+
+    def find_nonfinite(self, request: Request, leaves: Mapping[str, Tensor]) -> Problem:
+        """Why the request's value or derivatives are not finite at these leaves: the op
+        (line, column, name) where a NaN or an infinity first appears, forward or backward
+        (see engine/language/nonfinite.py). Runs the program again; call it only then."""
+        sources = [leaves[name] for name in request.sources.values()]
+        found = find_culprit(
+            lambda check: self.run(leaves, targets=[request.target], check=check),
+            request.target, sources,
+        )
+        if found is not None:
+            return found
+        return Problem(
+            "no op's value or first derivative is NaN or infinite at these values, so a "
+            "second derivative is (or an input or variable itself is not finite)",
+            "target", kind="nonfinite",
+        )
 
     def hessian_operator(self, request: Request, leaves: Mapping[str, Tensor]) -> HessianOperator:
         """The forward pass and gradient of the request's target recorded once, for any

@@ -22,6 +22,7 @@ KINDS = (
     "request",  # a target, source or option of the request
     "unused",  # a line whose result nothing uses
     "runtime",  # a checked program that failed while running (singular matrix, bad label)
+    "nonfinite",  # an op whose value or derivative is NaN or infinite at the values given
 )
 
 

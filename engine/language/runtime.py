@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.language.catalogue import SIGNATURES, bind
 from engine.language.errors import DefinitionError, ExecutionError, Problem
+from engine.language.nonfinite import NonFiniteCheck
 from engine.language.parse import Call, Name, Node, Number, Pos, Subscript
 from engine.language.validate import GRAD_PREFIX, UPSTREAM, CheckedFunction, GradSite
 from engine.ops.elementwise import multiply
@@ -30,12 +31,13 @@ RUNTIME_ERRORS = (ValueError, TypeError, IndexError, ArithmeticError, NotImpleme
 class Frame:
     """The state of one run: values by name, and the tapes of open grad calls."""
 
-    __slots__ = ("ids", "tapes", "values")
+    __slots__ = ("check", "ids", "tapes", "values")
 
-    def __init__(self, values: dict[str, Tensor]):
+    def __init__(self, values: dict[str, Tensor], check: NonFiniteCheck | None = None):
         self.values = values
         self.tapes: dict[int, GradientTape] = {}
         self.ids = {id(v) for v in values.values()}
+        self.check = check  # set only when diagnosing a non-finite answer
 
     def assign(self, name: str, value: Any) -> None:
         value = as_tensor(value)
@@ -65,7 +67,10 @@ Evaluator = Callable[[Frame], Any]
 def located(evaluate: Evaluator, section: str, pos: Pos, op: str) -> Evaluator:
     def run(frame: Frame) -> Any:
         try:
-            return evaluate(frame)
+            out = evaluate(frame)
+            if frame.check is not None:
+                frame.check.after(out, section, pos, op)
+            return out
         except DefinitionError:
             raise
         except RUNTIME_ERRORS as exc:
@@ -138,7 +143,10 @@ class Builder:
                 name: [a(frame) for a in arg] if isinstance(arg, list) else arg(frame)
                 for name, arg in tensors.items()
             }
-            return fn(**kwargs, **constants)
+            out = fn(**kwargs, **constants)
+            if frame.check is not None:
+                frame.check.note_inputs(kwargs, lambda **again: fn(**again, **constants))
+            return out
 
         return run
 
@@ -186,8 +194,9 @@ def clip_grad_norm(x: Any, max_norm: float) -> Tensor:
 
 def user_function(fn: CheckedFunction) -> Callable[..., Any]:
     """A user function as an engine custom gradient: its forward program computes the
-    value (unrecorded, as tf.custom_gradient does) and its backward program the
-    gradients, from the forward's names and `upstream`."""
+    value and its backward program the gradients, from the forward's names and
+    `upstream`. The forward is recorded by the open tapes (as tf.custom_gradient does),
+    so a backward that uses forward names is differentiated through them again."""
     forward = Builder(f"functions.{fn.name}.forward", {})
     backward = Builder(f"functions.{fn.name}.backward", {})
     forward_steps = [(line.target, forward.expr(line.expr)) for line in fn.forward]

@@ -158,6 +158,8 @@ def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] 
 def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload: dict[str, Any],
               limit: float) -> Prepared:
     decoder.check()
+    # The worker refuses a non-finite answer unless non-finite values are allowed.
+    payload["allow_nonfinite"] = decoder.allow_nonfinite
     if body.response_encoding is not None:
         encoding = Encoding(body.response_encoding.value)
     else:

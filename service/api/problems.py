@@ -75,6 +75,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "execution": ProblemType(
         422, "Computation failed",
         "A checked definition failed while running (a singular matrix, a label out of range)."),
+    "non-finite": ProblemType(
+        422, "Non-finite result",
+        "The answer would hold NaN or infinite values: `errors` names the op (line, column, "
+        "op) where the first one appeared, in the forward pass or in a derivative. Send "
+        "allow_nonfinite: true to receive such answers, with `nonfinite` listing the fields."),
     "batch-dependence": ProblemType(
         422, "Examples are not independent",
         "A batch jacobian was asked of a computation that mixes the examples of the batch "
@@ -109,7 +114,7 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         507, "Out of memory", "The computation needs more memory than the worker has."),
 }
 
-_STATUS_SLUGS = {404: "not-found", 405: "method-not-allowed", 406: "not-acceptable",
+_STATUS_SLUGS = {400: "malformed-body", 404: "not-found", 405: "method-not-allowed", 406: "not-acceptable",
                  413: "body-too-large", 415: "unsupported-media-type"}
 
 

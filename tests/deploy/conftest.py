@@ -85,12 +85,9 @@ def copy_files(paths: Iterable[str], dest: Path) -> Path:
     return dest
 
 
-def make_venv(path: Path, *, system_site_packages: bool = False) -> Path:
+def make_venv(path: Path) -> Path:
     """A fresh virtualenv; returns its bin directory."""
-    args = [sys.executable, "-m", "venv", str(path)]
-    if system_site_packages:
-        args.insert(3, "--system-site-packages")
-    run(args, timeout=120)
+    run([sys.executable, "-m", "venv", str(path)], timeout=120)
     return path / "bin"
 
 

@@ -6,8 +6,9 @@
   the README says so, and their arguments are checked against the Dockerfile and the
   compose file, which test_docker.py lints and validates.
 - Every other `bash` and `python` block runs, in README order, in ONE shell session (as a
-  newcomer pastes them into one terminal): in a copy of the checkout, with a throwaway
-  virtualenv active, against the live server, `http://localhost:8000` pointing at it.
+  newcomer pastes them into one terminal): in a copy of the checkout, under the suite's
+  own interpreter (where the README's set-up installed the checkout), against the live
+  server, `http://localhost:8000` pointing at it.
 - A `json` block right after a run block is that block's expected output: the JSON
   documents it printed must equal it ("<...>" strings stand for any value).
 - The settings and problem-type tables are regenerated and compared.
@@ -20,14 +21,16 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from tests.deploy import readme_tables
-from tests.deploy.conftest import ROOT, Server, copy_files, make_venv, repo_files, run
+from tests.deploy.conftest import ROOT, Server, copy_files, repo_files, run
 from tests.deploy.files import Block, Dockerfile, readme_blocks
 
 pytestmark = pytest.mark.deploy
@@ -78,6 +81,20 @@ def test_blocks_are_of_known_kinds() -> None:
 def test_two_setup_commands() -> None:
     setup = [b for b in BLOCKS if is_setup(b)]
     assert len(setup) == 1 and len(setup[0].commands()) == 2
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv() -> None:
+    """CI is a new user: a virtualenv of its own, then the README's test command as is."""
+    (setup,) = [b for b in BLOCKS if is_setup(b)]
+    test_command = setup.commands()[1]
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    steps = [line for line in lines if line and not line.startswith("#")]
+    made = next(i for i, line in enumerate(steps) if re.match(r"python3? -m venv ", line))
+    activated = next(i for i, line in enumerate(steps) if re.match(r"\. .*/bin/activate", line))
+    assert made < activated < steps.index(test_command), steps
+    assert steps[-1] == test_command, "the README's test command is the last step of .ci/run"
+    # The virtualenv is new for each run: under a fresh temporary directory.
+    assert any("mktemp -d" in line for line in steps[:made]), steps
 
 
 def test_run_blocks_use_the_local_url() -> None:
@@ -187,7 +204,11 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
     """Runs the README's run blocks; the result of each, keyed by its line."""
     tmp = tmp_path_factory.mktemp("readme")
     checkout = copy_files(repo_files(), tmp / "checkout")
-    bin_dir = make_venv(tmp / "venv", system_site_packages=True)
+    # The blocks run under the suite's own interpreter: the environment the README's
+    # set-up commands made, with this checkout installed. (A venv made with
+    # --system-site-packages from inside a venv would see the *base* interpreter's
+    # packages instead: whatever happens to lie around, or nothing.)
+    bin_dir = Path(sys.executable).parent
     blocks = [b for b in RUN_BLOCKS if NODE or not needs_node(b)]
     env = {
         k: v
@@ -196,7 +217,7 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
     }
     env |= {
         "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
-        "VIRTUAL_ENV": str(bin_dir.parent),
+        "VIRTUAL_ENV": sys.prefix,
         "XDG_DATA_HOME": str(tmp / "xdg-data"),  # what a block stores stays in tmp
     }
     (tmp / "session.sh").write_text(_script(blocks, live_server.base_url))

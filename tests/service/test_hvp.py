@@ -60,3 +60,46 @@ def test_vector_problems_name_the_field(client) -> None:
     assert "exactly one" in both["detail"]
     many = [{"b": t(np.ones(3))}] * 33  # the tests' server answers up to 32
     problem(client.post("/v1/hvp", json={**base, "vectors": many}), 422, "too-large")
+
+
+# A 0-d parameter beside a 1-d one (issue 18): loss = sum(w^3) b^2, its HVP in closed form.
+ZERO_D = {"variables": {"w": [1.0, 2.0], "b": 0.5}, "program": ["loss = sum(w * w * w) * b * b"]}
+
+
+def _zero_d_hvp(vw: np.ndarray, vb: float) -> dict[str, np.ndarray]:
+    w, b = np.array([1.0, 2.0]), 0.5
+    return {"w": 6 * w * b * b * vw + 6 * w * w * b * vb,
+            "b": np.asarray(np.sum(6 * w * w * b * vw) + 2 * np.sum(w**3) * vb)}
+
+
+def _assert_zero_d_answer(product: dict, vw: list[float], vb: float) -> None:
+    expected = _zero_d_hvp(np.array(vw), vb)
+    for key in ("w", "b"):
+        assert isinstance(product[key], dict), f"{key}: {product[key]!r} is not a tensor"
+        assert product[key]["shape"] == list(expected[key].shape)
+        np.testing.assert_allclose(arr(product[key]), expected[key], rtol=1e-6)
+
+
+def test_a_0d_parameter_answers_a_0d_tensor_single_and_batched(client) -> None:
+    body = {"definition": ZERO_D, "target": "loss"}
+    single = post(client, "/v1/hvp", {**body, "vector": {"w": [1, 0], "b": 1.0}})
+    _assert_zero_d_answer(single["hvp"], [1, 0], 1.0)
+    vectors = [{"w": [1, 0], "b": 1.0}, {"w": [0, 1], "b": -2.0}]
+    batched = post(client, "/v1/hvp", {**body, "vectors": vectors})
+    for vector, product in zip(vectors, batched["hvps"], strict=True):
+        _assert_zero_d_answer(product, vector["w"], vector["b"])
+
+
+def test_a_0d_parameter_on_a_tape_answers_a_0d_tensor(client) -> None:
+    created = client.post("/v1/tapes", json={"definition": ZERO_D, "target": "loss"})
+    assert created.status_code == 201, created.text
+    tape = created.json()["tape_id"]
+    try:
+        single = post(client, f"/v1/tapes/{tape}/hvp", {"vector": {"w": [1, 0], "b": 1.0}})
+        _assert_zero_d_answer(single["hvp"], [1, 0], 1.0)
+        vectors = [{"w": [1, 0], "b": 1.0}, {"w": [0.5, 1], "b": 3.0}]
+        batched = post(client, f"/v1/tapes/{tape}/hvp", {"vectors": vectors})
+        for vector, product in zip(vectors, batched["hvps"], strict=True):
+            _assert_zero_d_answer(product, vector["w"], vector["b"])
+    finally:
+        client.delete(f"/v1/tapes/{tape}")

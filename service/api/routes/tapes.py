@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
+from service.api.bodies import BoundedRoute
 from service.api.deps import (
     ModelsDep,
     NegotiatedDep,
@@ -41,7 +42,7 @@ from service.schemas import (
     TraceResponse,
 )
 
-router = APIRouter(tags=["tapes"])
+router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
 
 TAPE_ERRORS = (401, 404)
 
@@ -56,6 +57,7 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
         "expires_at": info["expires_at"],
         "device": info["device"],
         "worker": info["worker"],
+        **({"nonfinite": result["nonfinite"]} if "nonfinite" in result else {}),
     }
 
 
