@@ -257,3 +257,37 @@ def test_the_issue_request_over_msgpack(client, unharmed) -> None:
     assert response.status_code == 200, response.content[:300]
     gradient = msgpack.unpackb(response.content)["gradients"]["__nd__"]
     assert gradient["shape"] == [2]
+
+
+LONG = "n" * 100_000
+
+
+@pytest.mark.parametrize("where", ["alias", "source", "target", "variable", "vector-key",
+                                   "function"])
+def test_a_long_name_is_refused_not_echoed(client, unharmed, where) -> None:
+    body: dict = {"definition": {"variables": {"w": [1.0, 2.0]},
+                                 "program": ["loss = sum(w * w)"]}, "target": "loss"}
+    if where == "alias":
+        body["sources"] = {LONG: "w"}
+    elif where == "source":
+        body["sources"] = [LONG]
+    elif where == "target":
+        body["target"] = LONG
+    elif where == "variable":
+        body["definition"]["variables"][LONG] = [1.0]
+    elif where == "function":
+        body["definition"]["functions"] = {LONG: {"params": ["a"], "forward": ["out = a"]}}
+    else:
+        body["vector"] = {LONG: [1.0, 1.0]}
+    path = "/v1/hvp" if where == "vector-key" else "/v1/gradient"
+    response = client.post(path, json=body)
+    assert response.status_code == 422, response.text[:500]
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert len(response.content) < 4_000, f"{len(response.content)} bytes echoed"
+
+
+@pytest.mark.parametrize("path", [f"/v1/tapes/{LONG[:10_000]}", f"/v1/models/{LONG[:10_000]}"])
+def test_a_long_id_in_the_path_is_not_echoed(client, unharmed, path) -> None:
+    response = client.get(path)
+    assert response.status_code in (404, 422), response.text[:500]
+    assert len(response.content) < 4_000, f"{len(response.content)} bytes echoed"
