@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from service import docs
 from service.api import errors, openapi
+from service.api.fairness import Fairness
 from service.api.router import api_router
 from service.auth import KeyRing
 from service.core.config import Settings, get_settings
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.pool = pool = WorkerPool(settings, observer=metrics)
+    app.state.fairness = Fairness(settings, pool.size)
     app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
     app.state.store = store = Store(settings.resolved_store_path())
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)

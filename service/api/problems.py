@@ -97,6 +97,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "This API key holds as many tapes, tape bytes or models as its quota allows "
         "(max_tapes_per_key, max_tape_bytes_per_key, max_models_per_key); delete some or "
         "let tapes expire. `quota` names which."),
+    "rate-limited": ProblemType(
+        429, "Too many requests",
+        "This API key sent requests faster than its rate (rate_limit_per_second, "
+        "rate_limit_burst) or has too many waiting (max_waiting_per_key): retry after "
+        "`Retry-After` seconds."),
     "internal": ProblemType(500, "Internal error", "A bug: please report it with the detail."),
     "worker-crashed": ProblemType(
         502, "Worker crashed",
