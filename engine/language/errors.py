@@ -86,3 +86,8 @@ class DefinitionError(ValueError):
 class ExecutionError(DefinitionError):
     """A definition that passed every check failed while running (a singular matrix in
     solve, a label out of range, an error in a user function's backward program)."""
+
+
+class OverBudget(DefinitionError):
+    """A run that would need more memory than it may use, even one item at a time: refused
+    before it starts (its problem names the largest op, its shape and the budget)."""

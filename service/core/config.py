@@ -109,6 +109,13 @@ class Settings(BaseSettings):
         default=1024, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
     )
     hvp_max_vectors: int = Field(default=1024, ge=1, description="most vectors in one /v1/hvp")
+    request_memory_budget: int = Field(
+        default=0, ge=0,
+        description="bytes one request's recording and derivative passes may use, as the "
+        "memory model estimates them from the inferred shapes: batched passes (HVP vectors, "
+        "jacobian rows, Hessian rows, trace probes) are split to fit, and what cannot fit "
+        "one at a time is a 422; 0: half the tape_memory_budget",
+    )
     definition_limits: dict[str, int] = Field(
         default_factory=dict,
         description="overrides of the definition language's limits (max_lines, "
@@ -212,6 +219,9 @@ class Settings(BaseSettings):
                 f"tape_ttl ({self.tape_ttl}) is above tape_max_ttl ({self.tape_max_ttl})"
             )
         return self
+
+    def resolved_request_memory_budget(self) -> int:
+        return self.request_memory_budget or max(1, self.tape_memory_budget // 2)
 
     def resolved_store_path(self) -> str:
         if self.store_path:
