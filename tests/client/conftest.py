@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "clients" / "python"
 sys.path.insert(0, str(SDK))
 
-import gradtape.client  # noqa: E402
+import gradtape.client
 
 assert Path(gradtape.client.__file__).is_relative_to(SDK), gradtape.client.__file__
 

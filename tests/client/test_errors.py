@@ -8,7 +8,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 from gradtape.client import (
     Client,
     ComputeTimeout,
@@ -23,6 +22,7 @@ from gradtape.client import (
     Unauthorized,
     function,
 )
+
 from tests.client.conftest import KEY, heavy
 from tests.service.conftest import Server
 
@@ -41,22 +41,26 @@ def test_definition_error_lists_every_problem_with_a_caret(client: Client) -> No
     assert error.status == 422 and error.type == "/problems/definition"
     assert [(e["line"], e["column"]) for e in error.errors] == [(1, 5), (2, 16)]
     assert error.errors[0]["op"] == "matmul" and error.errors[0]["shapes"] == [[3, 2], [3]]
-    assert str(error) == "\n".join([
-        "422 Invalid definition: 2 problem(s)",
-        "  program line 1, column 5: matmul: inner dimensions differ: (3, 2) @ (3,) (2 != 3)",
-        "    y = w @ x",
-        "        ^",
-        "  program line 2, column 16: undefined name 'q'",
-        "    loss = sum(y * q)",
-        "                   ^",
-    ])
+    assert str(error) == "\n".join(
+        [
+            "422 Invalid definition: 2 problem(s)",
+            "  program line 1, column 5: matmul: inner dimensions differ: (3, 2) @ (3,) (2 != 3)",
+            "    y = w @ x",
+            "        ^",
+            "  program line 2, column 16: undefined name 'q'",
+            "    loss = sum(y * q)",
+            "                   ^",
+        ]
+    )
 
 
 def test_definition_error_in_a_user_function(client: Client) -> None:
     """A line of a function body is shown from the function the client sent."""
-    d = {"variables": {"v": 2.0},
-         "functions": {"clipped": function(["x"], "y = x", "grad_x = clip_by_norm(upstrem, 0.5)")},
-         "program": ["out = clipped(v * v)"]}
+    d = {
+        "variables": {"v": 2.0},
+        "functions": {"clipped": function(["x"], "y = x", "grad_x = clip_by_norm(upstrem, 0.5)")},
+        "program": ["out = clipped(v * v)"],
+    }
     with pytest.raises(DefinitionError) as caught:
         client.gradient(d, "out")
     text = str(caught.value)
@@ -133,7 +137,8 @@ def test_service_busy_retried_honouring_retry_after(strict: Server) -> None:
     slow_answer: list = []
     with Client(strict.base_url, api_key=KEY) as client:
         slow = threading.Thread(
-            target=lambda: slow_answer.append(client.gradient(heavy(700, 12), "loss", ["x"])))
+            target=lambda: slow_answer.append(client.gradient(heavy(700, 12), "loss", ["x"]))
+        )
         slow.start()
         try:
             deadline = time.monotonic() + 10
@@ -175,10 +180,13 @@ def test_retries_are_bounded(strict: Server) -> None:
             while httpx.get(f"{strict.base_url}/readyz").json()["workers"][0]["state"] != "busy":
                 time.sleep(0.01)
             started = time.monotonic()
-            with Client(strict.base_url, api_key=KEY,
-                        retry=Retry(attempts=3, backoff=0.1, jitter=0.0)) as c:
-                with pytest.raises(ServiceBusy) as busy:
-                    c.gradient(small, "y")
+            with (
+                Client(
+                    strict.base_url, api_key=KEY, retry=Retry(attempts=3, backoff=0.1, jitter=0.0)
+                ) as c,
+                pytest.raises(ServiceBusy) as busy,
+            ):
+                c.gradient(small, "y")
             waited = time.monotonic() - started
         finally:
             slow.join()

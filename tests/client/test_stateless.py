@@ -9,8 +9,8 @@ import json
 import msgpack
 import numpy as np
 import pytest
-
 from gradtape.client import Client, Definition, Gradient
+
 from tests.client.conftest import TRANSPORTS
 from tests.service.conftest import Server
 
@@ -49,8 +49,9 @@ def test_float64_round_trips_exactly(client: Client, rng: np.random.Generator) -
     """float64 stays float64 both ways: values float32 cannot hold come back bit-exact."""
     w = 1.0 + rng.standard_normal(5) * 1e-9
     x = np.array([1.0 + 2.0**-40, 3.0, -1.0 / 3.0, 1e-300, 1e300])
-    answer = client.gradient({"variables": {"w": w}, "inputs": {"x": x},
-                              "program": ["y = sum(w * x)"]}, "y", ["w", "x"])
+    answer = client.gradient(
+        {"variables": {"w": w}, "inputs": {"x": x}, "program": ["y = sum(w * x)"]}, "y", ["w", "x"]
+    )
     assert answer.value.dtype == np.float64
     assert answer.gradients["w"].dtype == np.float64
     assert np.array_equal(answer.gradients["w"], x)  # d(w.x)/dw = x, exactly
@@ -60,9 +61,11 @@ def test_float64_round_trips_exactly(client: Client, rng: np.random.Generator) -
 
 def test_other_dtypes_are_sent_as_they_are(client: Client) -> None:
     """An int32 input and a float16 variable keep their dtypes on the server."""
-    d = Definition("y = sum(w * cast(k, dtype='float16'))",
-                   variables={"w": np.array([0.5, 0.25], dtype=np.float16)},
-                   inputs={"k": np.array([2, 4], dtype=np.int32)})
+    d = Definition(
+        "y = sum(w * cast(k, dtype='float16'))",
+        variables={"w": np.array([0.5, 0.25], dtype=np.float16)},
+        inputs={"k": np.array([2, 4], dtype=np.int32)},
+    )
     value, grads = client.gradient(d, "y")
     assert value.dtype == np.float16 and value == 2.0
     assert grads["w"].dtype == np.float16 and grads["w"].tolist() == [2.0, 4.0]
@@ -78,8 +81,9 @@ def test_gradient_of_a_cubic(client: Client, rng: np.random.Generator) -> None:
 def test_jacobian(client: Client, rng: np.random.Generator) -> None:
     """y = tanh(A @ w): J = diag(1 - y^2) A."""
     A, w = rng.standard_normal((4, 3)), rng.standard_normal(3)
-    value, jac = client.jacobian({"variables": {"w": w}, "inputs": {"A": A},
-                                  "program": ["y = tanh(A @ w)"]}, "y", "w")
+    value, jac = client.jacobian(
+        {"variables": {"w": w}, "inputs": {"A": A}, "program": ["y = tanh(A @ w)"]}, "y", "w"
+    )
     y = np.tanh(A @ w)
     np.testing.assert_allclose(value, y, rtol=1e-14)
     assert jac.shape == (4, 3) and jac.dtype == np.float64
@@ -120,9 +124,11 @@ def test_hessian_blocks_and_matrix(client: Client, rng: np.random.Generator) -> 
     A = rng.standard_normal((5, 5))
     A = A @ A.T + np.eye(5)
     v = rng.standard_normal(5)
-    d = {"variables": {"a": v[:2], "b": v[2:].reshape(3, 1)}, "inputs": {"A": A},
-         "program": ["v = concatenate([a, reshape(b, shape=(3,))])",
-                     "loss = sum(v * (A @ v)) / 2"]}
+    d = {
+        "variables": {"a": v[:2], "b": v[2:].reshape(3, 1)},
+        "inputs": {"A": A},
+        "program": ["v = concatenate([a, reshape(b, shape=(3,))])", "loss = sum(v * (A @ v)) / 2"],
+    }
     answer = client.hessian(d, "loss", ["a", "b"], newton_damping=0.5)
     assert answer.hessian["a"]["b"].shape == (2, 3, 1)
     np.testing.assert_allclose(answer.matrix(), A, rtol=1e-13)
@@ -148,14 +154,16 @@ def test_hvp_one_and_many(client: Client, rng: np.random.Generator) -> None:
 
 
 def test_transports_answer_equal_arrays(server: Server, rng: np.random.Generator) -> None:
-    definition, w, *_ = logistic(20, 3, rng)
+    definition, *_ = logistic(20, 3, rng)
     v = {"w": rng.standard_normal(3)}
     answers = {}
     for transport in TRANSPORTS:
         with Client(server.base_url, transport=transport) as c:
-            answers[transport] = (c.gradient(definition, "loss"),
-                                  c.hessian(definition, "loss").matrix(),
-                                  c.hvp(definition, "loss", v).hvp["w"])
+            answers[transport] = (
+                c.gradient(definition, "loss"),
+                c.hessian(definition, "loss").matrix(),
+                c.hvp(definition, "loss", v).hvp["w"],
+            )
     (g1, h1, p1), (g2, h2, p2) = answers.values()
     assert isinstance(g1, Gradient) and np.array_equal(g1.value, g2.value)
     assert np.array_equal(g1.gradients["w"], g2.gradients["w"])
@@ -176,5 +184,8 @@ def test_msgpack_sends_raw_bytes_and_json_base64(server: Server) -> None:
     sent = json.loads(request.content)
     assert sent["response_encoding"] == "base64"  # exact answers too
     tensor = sent["definition"]["variables"]["w"]
-    assert tensor == {"dtype": "float64", "shape": [2],
-                      "base64": base64.b64encode(w.astype("<f8").tobytes()).decode()}
+    assert tensor == {
+        "dtype": "float64",
+        "shape": [2],
+        "base64": base64.b64encode(w.astype("<f8").tobytes()).decode(),
+    }

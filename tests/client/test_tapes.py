@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradtape.client import Client, Definition, TapeGone
 from scipy.optimize import minimize
 from scipy.sparse.linalg import LinearOperator, cg, eigsh
 
-from gradtape.client import Client, Definition, TapeGone
 from tests.client.test_stateless import logistic
 
 
@@ -65,7 +65,7 @@ def test_update_records_again(client: Client, rng: np.random.Generator) -> None:
 
 
 def test_other_targets_of_the_recording(client: Client, rng: np.random.Generator) -> None:
-    definition, w, _, _, _ = logistic(10, 3, rng)
+    definition, *_ = logistic(10, 3, rng)
     X = definition["inputs"]["X"]
     with client.tape(definition, "loss") as tape:
         margins = tape.jacobian("margin", "w").jacobians
@@ -76,7 +76,7 @@ def test_other_targets_of_the_recording(client: Client, rng: np.random.Generator
 
 
 def test_eigenvalues_trace_solve(client: Client, rng: np.random.Generator) -> None:
-    definition, values, H = quartic(rng)
+    definition, _, H = quartic(rng)
     exact = np.linalg.eigvalsh(H)
     with client.tape(definition, "loss") as tape:
         assert tape.sources == ["u", "m"]
@@ -99,8 +99,7 @@ def test_eigenvalues_trace_solve(client: Client, rng: np.random.Generator) -> No
         np.testing.assert_allclose(tape.flatten(x.solution), want, rtol=1e-7)
         newton = tape.solve(damping=0.0, tol=1e-10)  # b: the gradient
         g = tape.flatten(tape.gradients)
-        np.testing.assert_allclose(tape.flatten(newton.solution), np.linalg.solve(H, g),
-                                   rtol=1e-7)
+        np.testing.assert_allclose(tape.flatten(newton.solution), np.linalg.solve(H, g), rtol=1e-7)
 
 
 def test_progress_is_reserved_for_jobs(client: Client, rng: np.random.Generator) -> None:
@@ -122,7 +121,7 @@ def test_linear_operator_drives_eigsh_and_cg(server, rng: np.random.Generator) -
         assert tape.info()["hits"] == hits + 1  # five columns, one request (GET is no hit)
         np.testing.assert_allclose(op.T @ X[:, 0], H @ X[:, 0], rtol=1e-10)
 
-        vals, vecs = eigsh(op, k=3, which="LA", tol=1e-10)
+        vals, _ = eigsh(op, k=3, which="LA", tol=1e-10)
         np.testing.assert_allclose(np.sort(vals), np.linalg.eigvalsh(H)[-3:], rtol=1e-8)
         b = rng.standard_normal(12)
         x, info = cg(op, b, rtol=1e-10, maxiter=500)
@@ -134,8 +133,11 @@ def test_linear_operator_of_a_float32_tape(client: Client, rng: np.random.Genera
     """The operator is float64 whatever the tape computes in (float32 here)."""
     A = rng.standard_normal((6, 6)).astype(np.float32)
     A = A @ A.T
-    d = {"variables": {"w": np.ones(6, np.float32)}, "inputs": {"A": A},
-         "program": ["loss = sum(w * (A @ w)) / 2"]}
+    d = {
+        "variables": {"w": np.ones(6, np.float32)},
+        "inputs": {"A": A},
+        "program": ["loss = sum(w * (A @ w)) / 2"],
+    }
     with client.tape(d, "loss") as tape:
         op = tape.linear_operator()
         out = op @ np.eye(6)[:, 0]
@@ -144,8 +146,9 @@ def test_linear_operator_of_a_float32_tape(client: Client, rng: np.random.Genera
 
 
 @pytest.mark.parametrize("method", ["Newton-CG", "trust-krylov"])
-def test_minimize_with_remote_hessian_products(server, rng: np.random.Generator,
-                                               method: str) -> None:
+def test_minimize_with_remote_hessian_products(
+    server, rng: np.random.Generator, method: str
+) -> None:
     """scipy.optimize.minimize(fun, jac, hessp) on a remote tape, re-recorded (PATCH) as x
     moves, reaches the optimum a dense NumPy Newton iteration finds."""
     definition, w0, loss, grad, hess = logistic(60, 4, rng)
@@ -153,9 +156,14 @@ def test_minimize_with_remote_hessian_products(server, rng: np.random.Generator,
     for _ in range(50):
         w = w - np.linalg.solve(hess(w), grad(w))
     with Client(server.base_url) as client, client.tape(definition, "loss") as tape:
-        result = minimize(tape.fun, tape.flatten({"w": w0}), jac=tape.jac, hessp=tape.hessp,
-                          method=method, options={"gtol": 1e-8} if method == "trust-krylov"
-                          else {"xtol": 1e-12})
+        result = minimize(
+            tape.fun,
+            tape.flatten({"w": w0}),
+            jac=tape.jac,
+            hessp=tape.hessp,
+            method=method,
+            options={"gtol": 1e-8} if method == "trust-krylov" else {"xtol": 1e-12},
+        )
     assert result.success, result
     assert np.linalg.norm(grad(result.x)) < 1e-7  # stationary by NumPy's own gradient
     np.testing.assert_allclose(result.x, w, atol=1e-7)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Generator
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -35,67 +35,125 @@ class _Methods:
 
     # --------------------------------------------------------------------- stateless
 
-    def gradient(self, definition: Any = None, target: str = "", sources: Any = None, *,
-                 model: str | None = None, unconnected: str | None = None,
-                 allow_unused: bool | None = None, allow_nonfinite: bool | None = None,
-                 time_limit: float | None = None) -> Any:
+    def gradient(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        model: str | None = None,
+        unconnected: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """The target's value and gradients (`Gradient`: `value, grads = ...`). `sources`:
         None (every trainable variable; a dict by name), a list of names (a dict by
         name), a dict alias -> name (a dict by alias) or one name (the array)."""
-        options = dict(unconnected=unconnected, allow_unused=allow_unused,
-                       allow_nonfinite=allow_nonfinite, time_limit=time_limit)
-        return self._run(_core.gradient(self._core, definition, target, sources, model,
-                                        options))
+        options = {
+            "unconnected": unconnected,
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(_core.gradient(self._core, definition, target, sources, model, options))
 
-    def jacobian(self, definition: Any = None, target: str = "", sources: Any = None, *,
-                 batch: bool = False, model: str | None = None,
-                 unconnected: str | None = None, allow_unused: bool | None = None,
-                 allow_nonfinite: bool | None = None, time_limit: float | None = None) -> Any:
+    def jacobian(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        batch: bool = False,
+        model: str | None = None,
+        unconnected: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """The target's value and jacobians (`Jacobian`), each of shape
         target.shape + source.shape (per example with batch=True)."""
-        options = dict(batch=batch or None, unconnected=unconnected, allow_unused=allow_unused,
-                       allow_nonfinite=allow_nonfinite, time_limit=time_limit)
-        return self._run(_core.jacobian(self._core, definition, target, sources, model,
-                                        options))
+        options = {
+            "batch": batch or None,
+            "unconnected": unconnected,
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(_core.jacobian(self._core, definition, target, sources, model, options))
 
-    def hessian(self, definition: Any = None, target: str = "", sources: Any = None, *,
-                newton_damping: float | None = None, model: str | None = None,
-                allow_unused: bool | None = None, allow_nonfinite: bool | None = None,
-                time_limit: float | None = None) -> Any:
+    def hessian(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        newton_damping: float | None = None,
+        model: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """Value, gradients and the Hessian blocks (`Hessian`; `.matrix()` is the dense
         float64 matrix); with newton_damping, also the damped Newton step."""
-        options = dict(allow_unused=allow_unused, allow_nonfinite=allow_nonfinite,
-                       time_limit=time_limit)
-        return self._run(_core.hessian(self._core, definition, target, sources, model,
-                                       newton_damping, options))
+        options = {
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(
+            _core.hessian(self._core, definition, target, sources, model, newton_damping, options)
+        )
 
-    def hvp(self, definition: Any = None, target: str = "", vector: Any = None, *,
-            vectors: Any = None, sources: Any = None, model: str | None = None,
-            allow_unused: bool | None = None, allow_nonfinite: bool | None = None,
-            time_limit: float | None = None) -> Any:
+    def hvp(
+        self,
+        definition: Any = None,
+        target: str = "",
+        vector: Any = None,
+        *,
+        vectors: Any = None,
+        sources: Any = None,
+        model: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """H v without keeping a tape (`HVP`: `.hvp`), or [H v_i] for `vectors=` in one
         batched pass (`.hvps`). A vector is a tensor per source (a bare array with a
         single source name)."""
-        options = dict(allow_unused=allow_unused, allow_nonfinite=allow_nonfinite,
-                       time_limit=time_limit)
-        return self._run(_core.hvp(self._core, definition, target, vector, vectors, sources,
-                                   model, options))
+        options = {
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(
+            _core.hvp(self._core, definition, target, vector, vectors, sources, model, options)
+        )
 
     # ------------------------------------------------------------------------- tapes
 
-    def _tape_op(self, definition: Any, target: str, sources: Any, model: str | None,
-                 options: dict[str, Any]) -> Generator[Any, Any, RemoteTape]:
+    def _tape_op(
+        self, definition: Any, target: str, sources: Any, model: str | None, options: dict[str, Any]
+    ) -> Generator[Any, Any, RemoteTape]:
         body = _core.compute_body(definition, target, sources, model, **options)
         answer = yield from self._core.call("POST", "/v1/tapes", body, definition=definition)
         return RemoteTape(self, answer, definition, target, sources)
 
-    def tape(self, definition: Any = None, target: str = "", sources: Any = None, *,
-             ttl: float | None = None, model: str | None = None,
-             allow_nonfinite: bool | None = None, time_limit: float | None = None) -> Any:
+    def tape(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        ttl: float | None = None,
+        model: str | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
         exit): `with client.tape(d, "loss") as tape:` (async: `async with await
         client.tape(d, "loss") as tape:`)."""
-        options = dict(ttl=ttl, allow_nonfinite=allow_nonfinite, time_limit=time_limit)
+        options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit}
         return self._run(self._tape_op(definition, target, sources, model, options))
 
     def _get_op(self, path: str) -> Generator[Any, Any, Any]:
@@ -117,8 +175,7 @@ class _Methods:
 
 
 def _response(r: httpx.Response) -> HTTPResponse:
-    return HTTPResponse(r.status_code, {k.lower(): v for k, v in r.headers.items()},
-                        r.content)
+    return HTTPResponse(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content)
 
 
 def _client_options(url: str, timeout: Any) -> dict[str, Any]:
@@ -134,15 +191,23 @@ class Client(_Methods):
     `GradtapeError`; a 503 is retried first as `retry` says.
     """
 
-    def __init__(self, url: str, api_key: str | None = None, *, transport: str = "msgpack",
-                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-                 retry: Retry | None = None, http: httpx.Client | None = None):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        transport: str = "msgpack",
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        retry: Retry | None = None,
+        http: httpx.Client | None = None,
+    ):
         self._core = _core.Core(transport, api_key, retry or Retry())
         self._http = http or httpx.Client(**_client_options(url, timeout))
 
     def _send(self, request: HTTPRequest) -> HTTPResponse:
-        r = self._http.request(request.method, request.path, headers=request.headers,
-                               content=request.content)
+        r = self._http.request(
+            request.method, request.path, headers=request.headers, content=request.content
+        )
         return _response(r)
 
     def _run(self, op: Generator[Any, Any, Any]) -> Any:
@@ -161,7 +226,7 @@ class Client(_Methods):
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -174,15 +239,23 @@ class AsyncClient(_Methods):
 
     is_async = True
 
-    def __init__(self, url: str, api_key: str | None = None, *, transport: str = "msgpack",
-                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-                 retry: Retry | None = None, http: httpx.AsyncClient | None = None):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        transport: str = "msgpack",
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        retry: Retry | None = None,
+        http: httpx.AsyncClient | None = None,
+    ):
         self._core = _core.Core(transport, api_key, retry or Retry())
         self._http = http or httpx.AsyncClient(**_client_options(url, timeout))
 
     async def _send(self, request: HTTPRequest) -> HTTPResponse:
-        r = await self._http.request(request.method, request.path, headers=request.headers,
-                                     content=request.content)
+        r = await self._http.request(
+            request.method, request.path, headers=request.headers, content=request.content
+        )
         return _response(r)
 
     async def _drive(self, op: Generator[Any, Any, Any]) -> Any:
@@ -204,7 +277,7 @@ class AsyncClient(_Methods):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

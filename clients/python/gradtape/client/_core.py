@@ -103,9 +103,7 @@ class Core:
             content, headers["content-type"] = _wire.encode_body(body, self.binary)
         return HTTPRequest(method, path, headers, content)
 
-    def call(
-        self, method: str, path: str, body: Any = None, *, definition: Any = None
-    ) -> Op[Any]:
+    def call(self, method: str, path: str, body: Any = None, *, definition: Any = None) -> Op[Any]:
         """One API call, retried on 503 as `self.retry` says; the answer with its tensors
         as arrays, or the problem raised. `definition` (what was sent) lets a
         DefinitionError show the offending lines."""
@@ -116,8 +114,9 @@ class Core:
             response: HTTPResponse = yield request
             if response.status != 503:
                 break
-            wait = self.retry.delay(retry, parse_retry_after(response.headers.get("retry-after")),
-                                    waited)
+            wait = self.retry.delay(
+                retry, parse_retry_after(response.headers.get("retry-after")), waited
+            )
             if wait is None:
                 break
             yield Sleep(wait)
@@ -140,7 +139,7 @@ class Core:
             problem = _wire.decode_body(
                 response.content, response.headers.get("content-type", "application/json")
             )
-        except Exception:  # not a problem document (a proxy's HTML page, ...)
+        except (ValueError, TypeError):  # not a problem document (a proxy's HTML page, ...)
             problem = None
         if not isinstance(problem, dict):
             text = response.content[:500].decode("utf-8", "replace")
@@ -152,8 +151,12 @@ class Core:
             program = definition.get("program")
             if isinstance(program, str):
                 program = program.splitlines()
-            return DefinitionError(problem, headers=response.headers, program=program,
-                                   functions=definition.get("functions"))
+            return DefinitionError(
+                problem,
+                headers=response.headers,
+                program=program,
+                functions=definition.get("functions"),
+            )
         return cls(problem, headers=response.headers)
 
 
@@ -163,8 +166,10 @@ class Core:
 def as_definition(definition: Any) -> dict[str, Any]:
     """A definition as a request body part: a dict (or a `Definition`, which is one)."""
     if not isinstance(definition, Mapping):
-        raise TypeError(f"a definition is a dict (or gradtape.client.Definition), "
-                        f"not {type(definition).__name__}")
+        raise TypeError(
+            f"a definition is a dict (or gradtape.client.Definition), "
+            f"not {type(definition).__name__}"
+        )
     return dict(definition)
 
 
@@ -191,29 +196,49 @@ def vector_of(vector: Any, sources: Any) -> dict[str, Any]:
         return dict(vector)
     if isinstance(sources, str):
         return {sources: vector}
-    raise TypeError("a vector is a dict {source: array} (a bare array only with a single "
-                    "source name)")
+    raise TypeError(
+        "a vector is a dict {source: array} (a bare array only with a single source name)"
+    )
 
 
 # ------------------------------------------------------------------ stateless operations
 
 
-def gradient(core: Core, definition: Any, target: str, sources: Any, model: str | None,
-             options: dict[str, Any]) -> Op[Gradient]:
+def gradient(
+    core: Core,
+    definition: Any,
+    target: str,
+    sources: Any,
+    model: str | None,
+    options: dict[str, Any],
+) -> Op[Gradient]:
     body = compute_body(definition, target, sources, model, **options)
     a = yield from core.call("POST", "/v1/gradient", body, definition=definition)
     return Gradient(a["value"], shaped(a["gradients"], sources), a.get("nonfinite"))
 
 
-def jacobian(core: Core, definition: Any, target: str, sources: Any, model: str | None,
-             options: dict[str, Any]) -> Op[Jacobian]:
+def jacobian(
+    core: Core,
+    definition: Any,
+    target: str,
+    sources: Any,
+    model: str | None,
+    options: dict[str, Any],
+) -> Op[Jacobian]:
     body = compute_body(definition, target, sources, model, **options)
     a = yield from core.call("POST", "/v1/jacobian", body, definition=definition)
     return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
 
 
-def hessian(core: Core, definition: Any, target: str, sources: Any, model: str | None,
-            damping: float | None, options: dict[str, Any]) -> Op[Hessian]:
+def hessian(
+    core: Core,
+    definition: Any,
+    target: str,
+    sources: Any,
+    model: str | None,
+    damping: float | None,
+    options: dict[str, Any],
+) -> Op[Hessian]:
     body = compute_body(definition, target, sources, model, **options)
     if damping is not None:
         body["newton"] = {"damping": damping}
@@ -223,12 +248,26 @@ def hessian(core: Core, definition: Any, target: str, sources: Any, model: str |
         matrix = shaped({k: shaped(v, sources) for k, v in blocks.items()}, sources)
     else:
         matrix = blocks
-    return Hessian(a["value"], shaped(a["gradients"], sources), matrix,
-                   shaped(a.get("newton_step"), sources), a.get("nonfinite"), blocks)
+    return Hessian(
+        a["value"],
+        shaped(a["gradients"], sources),
+        matrix,
+        shaped(a.get("newton_step"), sources),
+        a.get("nonfinite"),
+        blocks,
+    )
 
 
-def hvp(core: Core, definition: Any, target: str, vector: Any, vectors: Any, sources: Any,
-        model: str | None, options: dict[str, Any]) -> Op[HVP]:
+def hvp(
+    core: Core,
+    definition: Any,
+    target: str,
+    vector: Any,
+    vectors: Any,
+    sources: Any,
+    model: str | None,
+    options: dict[str, Any],
+) -> Op[HVP]:
     if (vector is None) == (vectors is None):
         raise TypeError("give vector= (one) or vectors= (several), not both")
     body = compute_body(definition, target, sources, model, **options)
@@ -238,10 +277,13 @@ def hvp(core: Core, definition: Any, target: str, vector: Any, vectors: Any, sou
         body["vectors"] = [vector_of(v, sources) for v in vectors]
     a = yield from core.call("POST", "/v1/hvp", body, definition=definition)
     hvps = a.get("hvps")
-    return HVP(a.get("value"), shaped(a.get("gradients"), sources),
-               shaped(a.get("hvp"), sources),
-               None if hvps is None else [shaped(h, sources) for h in hvps],
-               a.get("nonfinite"))
+    return HVP(
+        a.get("value"),
+        shaped(a.get("gradients"), sources),
+        shaped(a.get("hvp"), sources),
+        None if hvps is None else [shaped(h, sources) for h in hvps],
+        a.get("nonfinite"),
+    )
 
 
 def arrays_equal(a: np.ndarray | None, b: np.ndarray) -> bool:

@@ -81,8 +81,9 @@ def from_tensor(tensor: Mapping[str, Any]) -> np.ndarray:
         return array.astype(dtype.newbyteorder("="), copy=True)
     data = np.asarray(raw, dtype=object if dtype.kind == "f" else None)
     if dtype.kind == "f" and data.size:
-        data = np.vectorize(lambda v: NONFINITE.get(v, v) if isinstance(v, str) else v,
-                            otypes=[np.float64])(data)
+        data = np.vectorize(
+            lambda v: NONFINITE.get(v, v) if isinstance(v, str) else v, otypes=[np.float64]
+        )(data)
     return np.asarray(data, dtype=dtype).reshape(shape)
 
 

@@ -30,12 +30,16 @@ def program_lines(program: str | Sequence[str]) -> list[str]:
     return list(program)
 
 
-def function(params: Sequence[str], forward: str | Sequence[str],
-             backward: str | Sequence[str]) -> dict[str, Any]:
+def function(
+    params: Sequence[str], forward: str | Sequence[str], backward: str | Sequence[str]
+) -> dict[str, Any]:
     """A user function with a custom gradient: `backward` sees `upstream` and assigns
     `grad_<param>` for each parameter."""
-    return {"params": list(params), "forward": program_lines(forward),
-            "backward": program_lines(backward)}
+    return {
+        "params": list(params),
+        "forward": program_lines(forward),
+        "backward": program_lines(backward),
+    }
 
 
 class Definition(dict[str, Any]):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import email.utils
 import time
-
 from collections.abc import Mapping, Sequence
 from typing import Any
 

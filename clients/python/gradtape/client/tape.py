@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -42,8 +42,9 @@ def _no_progress(progress: bool) -> None:
 class RemoteTape:
     """A recorded tape on the server (made by `client.tape(...)`)."""
 
-    def __init__(self, client: _Methods, answer: dict[str, Any], definition: Any,
-                 target: str, sources: Any):
+    def __init__(
+        self, client: _Methods, answer: dict[str, Any], definition: Any, target: str, sources: Any
+    ):
         self._client = client
         self._core: _core.Core = client._core
         self.id: str = answer["tape_id"]
@@ -106,7 +107,7 @@ class RemoteTape:
             raise ValueError(f"expected {self.size} parameters, got {x.size}")
         out, start = {}, 0
         for k, g in self._gradients.items():
-            part = x[start: start + g.size].reshape(g.shape)
+            part = x[start : start + g.size].reshape(g.shape)
             out[k] = part.astype(g.dtype if dtype is None else dtype)
             start += g.size
         return out
@@ -174,14 +175,20 @@ class RemoteTape:
     def hvp(self, v: Any, *, time_limit: float | None = None) -> Any:
         """H v at the recorded point: one second-order pass. `v` is a tensor per source
         (a bare array with a single source name); the answer is in the same structure."""
-        return self._run(self._hvp_op(
-            {"vector": self._vector(v), **self._options(time_limit=time_limit)}))
+        return self._run(
+            self._hvp_op({"vector": self._vector(v), **self._options(time_limit=time_limit)})
+        )
 
     def hvp_many(self, vectors: Any, *, time_limit: float | None = None) -> list[Any]:
         """[H v_i] for several vectors in one batched pass (one request)."""
-        return self._run(self._hvp_op(
-            {"vectors": [self._vector(v) for v in vectors],
-             **self._options(time_limit=time_limit)}))
+        return self._run(
+            self._hvp_op(
+                {
+                    "vectors": [self._vector(v) for v in vectors],
+                    **self._options(time_limit=time_limit),
+                }
+            )
+        )
 
     def _update_op(self, body: dict[str, Any], x: np.ndarray | None) -> _core.Op[RemoteTape]:
         a = yield from self._core.call("PATCH", self._path(), body, definition=self._definition)
@@ -189,14 +196,19 @@ class RemoteTape:
         self._x = x
         return self
 
-    def update(self, values: Mapping[str, Any] | None = None, /, *,
-               time_limit: float | None = None, **new_values: Any) -> Any:
+    def update(
+        self,
+        values: Mapping[str, Any] | None = None,
+        /,
+        *,
+        time_limit: float | None = None,
+        **new_values: Any,
+    ) -> Any:
         """Record the tape again at new values of some variables (or inputs), by name:
         `tape.update(w=w_new)`; value and gradients are then the new ones. Values are
         cast to the recorded dtypes by the server. Answers the tape."""
         merged = {**(values or {}), **new_values}
-        body: dict[str, Any] = {**self._split_names(merged),
-                                **self._options(time_limit=time_limit)}
+        body: dict[str, Any] = {**self._split_names(merged), **self._options(time_limit=time_limit)}
         x = None
         if self._x is not None and set(merged) >= set(self._gradients):
             try:
@@ -216,27 +228,44 @@ class RemoteTape:
         a = yield from self._core.call("POST", self._path("/gradient"), body)
         return Gradient(a["value"], shaped(a["gradients"], sources), a.get("nonfinite"))
 
-    def gradient(self, target: str | None = None, sources: Any = None, *,
-                 unconnected: str | None = None, time_limit: float | None = None) -> Any:
+    def gradient(
+        self,
+        target: str | None = None,
+        sources: Any = None,
+        *,
+        unconnected: str | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """The gradient of any target of the recording (default: the tape's) over any
         variables or inputs (default: its sources), from the recording."""
-        body = self._options(target=target, sources=sources, unconnected=unconnected,
-                             time_limit=time_limit)
-        return self._run(self._gradient_op(body, sources if sources is not None
-                                           else self._sources))
+        body = self._options(
+            target=target, sources=sources, unconnected=unconnected, time_limit=time_limit
+        )
+        return self._run(self._gradient_op(body, sources if sources is not None else self._sources))
 
     def _jacobian_op(self, body: dict[str, Any], sources: Any) -> _core.Op[Jacobian]:
         a = yield from self._core.call("POST", self._path("/jacobian"), body)
         return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
 
-    def jacobian(self, target: str | None = None, sources: Any = None, *, batch: bool = False,
-                 unconnected: str | None = None, time_limit: float | None = None) -> Any:
+    def jacobian(
+        self,
+        target: str | None = None,
+        sources: Any = None,
+        *,
+        batch: bool = False,
+        unconnected: str | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
         """The jacobian of any target of the recording over any sources (per example with
         batch=True)."""
-        body = self._options(target=target, sources=sources, unconnected=unconnected,
-                             batch=batch or None, time_limit=time_limit)
-        return self._run(self._jacobian_op(body, sources if sources is not None
-                                           else self._sources))
+        body = self._options(
+            target=target,
+            sources=sources,
+            unconnected=unconnected,
+            batch=batch or None,
+            time_limit=time_limit,
+        )
+        return self._run(self._jacobian_op(body, sources if sources is not None else self._sources))
 
     def _eigen_op(self, body: dict[str, Any]) -> _core.Op[Eigenvalues]:
         a = yield from self._core.call("POST", self._path("/eigenvalues"), body)
@@ -245,56 +274,120 @@ class RemoteTape:
             np.asarray(a["eigenvalues"], dtype=np.float64),
             np.asarray(a["residuals"], dtype=np.float64),
             None if vectors is None else [shaped(v, self._sources) for v in vectors],
-            a["converged"], a["stopped"], a["iterations"], a["hvps"], a["seconds"])
+            a["converged"],
+            a["stopped"],
+            a["iterations"],
+            a["hvps"],
+            a["seconds"],
+        )
 
-    def eigenvalues(self, k: int = 1, which: str = "LA", *, tol: float | None = None,
-                    max_hvps: int | None = None, max_seconds: float | None = None,
-                    eigenvectors: bool = False, seed: int | None = 0,
-                    time_limit: float | None = None, progress: bool = False) -> Any:
+    def eigenvalues(
+        self,
+        k: int = 1,
+        which: str = "LA",
+        *,
+        tol: float | None = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        eigenvectors: bool = False,
+        seed: int | None = 0,
+        time_limit: float | None = None,
+        progress: bool = False,
+    ) -> Any:
         """The k extreme eigenvalues of the Hessian at the recorded point, by Lanczos on
         the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
         largest magnitude. `progress=True` is reserved for server-side jobs (not yet
         offered: raises NotImplementedError)."""
         _no_progress(progress)
-        body = self._options(k=k, which=which, tol=tol, max_hvps=max_hvps,
-                             max_seconds=max_seconds, eigenvectors=eigenvectors or None,
-                             time_limit=time_limit)
+        body = self._options(
+            k=k,
+            which=which,
+            tol=tol,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            eigenvectors=eigenvectors or None,
+            time_limit=time_limit,
+        )
         body["seed"] = seed
         return self._run(self._eigen_op(body))
 
     def _trace_op(self, body: dict[str, Any]) -> _core.Op[Trace]:
         a = yield from self._core.call("POST", self._path("/trace"), body)
-        return Trace(a["trace"], a.get("stderr"), a["samples"], a["batches"], a["batch_size"],
-                     a["converged"], a["stopped"], a["hvps"], a["seconds"])
+        return Trace(
+            a["trace"],
+            a.get("stderr"),
+            a["samples"],
+            a["batches"],
+            a["batch_size"],
+            a["converged"],
+            a["stopped"],
+            a["hvps"],
+            a["seconds"],
+        )
 
-    def trace(self, *, batch_size: int | None = None, max_hvps: int | None = None,
-              rtol: float | None = None, atol: float | None = None,
-              max_seconds: float | None = None, seed: int | None = 0,
-              time_limit: float | None = None, progress: bool = False) -> Any:
+    def trace(
+        self,
+        *,
+        batch_size: int | None = None,
+        max_hvps: int | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = 0,
+        time_limit: float | None = None,
+        progress: bool = False,
+    ) -> Any:
         """Hutchinson's estimate of the Hessian's trace (Rademacher vectors, batched
         HVPs on the server), with its standard error. `progress` as in `eigenvalues`."""
         _no_progress(progress)
-        body = self._options(batch_size=batch_size, max_hvps=max_hvps, rtol=rtol, atol=atol,
-                             max_seconds=max_seconds, time_limit=time_limit)
+        body = self._options(
+            batch_size=batch_size,
+            max_hvps=max_hvps,
+            rtol=rtol,
+            atol=atol,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
         body["seed"] = seed
         return self._run(self._trace_op(body))
 
     def _solve_op(self, body: dict[str, Any]) -> _core.Op[Solve]:
         a = yield from self._core.call("POST", self._path("/solve"), body)
-        return Solve(shaped(a["solution"], self._sources), a["rhs"], a["converged"],
-                     a["stopped"], a["iterations"], a["hvps"],
-                     np.asarray(a["residuals"], dtype=np.float64), a["seconds"])
+        return Solve(
+            shaped(a["solution"], self._sources),
+            a["rhs"],
+            a["converged"],
+            a["stopped"],
+            a["iterations"],
+            a["hvps"],
+            np.asarray(a["residuals"], dtype=np.float64),
+            a["seconds"],
+        )
 
-    def solve(self, b: Any = None, *, damping: float | None = None, tol: float | None = None,
-              max_iterations: int | None = None, max_hvps: int | None = None,
-              max_seconds: float | None = None, time_limit: float | None = None,
-              progress: bool = False) -> Any:
+    def solve(
+        self,
+        b: Any = None,
+        *,
+        damping: float | None = None,
+        tol: float | None = None,
+        max_iterations: int | None = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        time_limit: float | None = None,
+        progress: bool = False,
+    ) -> Any:
         """x of (H + damping I) x = b by conjugate gradient on the server (b: a tensor
         per source; default the gradient, making x the damped Newton step; the server's
         default damping is 1e-3). `progress` as in `eigenvalues`."""
         _no_progress(progress)
-        body = self._options(damping=damping, tol=tol, max_iterations=max_iterations,
-                             max_hvps=max_hvps, max_seconds=max_seconds, time_limit=time_limit)
+        body = self._options(
+            damping=damping,
+            tol=tol,
+            max_iterations=max_iterations,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
         if b is not None:
             body["vector"] = self._vector(b)
         return self._run(self._solve_op(body))
@@ -314,14 +407,14 @@ class RemoteTape:
 
     # ------------------------------------------------------------- context managers
 
-    def __enter__(self) -> RemoteTape:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         if not self._deleted:
             self.delete(missing_ok=True)
 
-    async def __aenter__(self) -> RemoteTape:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -335,8 +428,9 @@ class RemoteTape:
 
     def _sync(self, what: str) -> None:
         if getattr(self._client, "is_async", False):
-            raise TypeError(f"{what} needs a tape of the synchronous Client (SciPy calls it "
-                            "synchronously)")
+            raise TypeError(
+                f"{what} needs a tape of the synchronous Client (SciPy calls it synchronously)"
+            )
 
     def _hvp_flat(self, X: np.ndarray) -> np.ndarray:
         """H X for X of shape (n,) or (n, k): one request (batched for k columns)."""
