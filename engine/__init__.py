@@ -25,10 +25,12 @@ from engine.ops.creation import (
     zeros,
     zeros_like,
 )
-from engine.ops.nn import one_hot
+from engine.ops.nn import clip_by_global_norm, moments, one_hot
+from engine.ops.shape import split, top_k, unstack
 from engine.registry import MissingRuleError, public_ops
-from engine.tape import BatchDependenceError, GradientTape, custom_gradient
+from engine.tape import BatchDependenceError, GradientTape, UnconnectedGradients, custom_gradient
 from engine.tensor import Tensor, Variable, as_tensor, constant
+from engine.trace import Interrupted, interruptible
 from engine.transforms import (
     HessianOperator,
     grad,
@@ -55,11 +57,14 @@ __all__ = [
     "ForwardAccumulator",
     "GradientTape",
     "HessianOperator",
+    "Interrupted",
     "MissingRuleError",
     "Tensor",
+    "UnconnectedGradients",
     "Variable",
     "arange",
     "as_tensor",
+    "clip_by_global_norm",
     "constant",
     "cuda_available",
     "custom_gradient",
@@ -71,17 +76,22 @@ __all__ = [
     "hvp",
     "implicit_gradients",
     "implicit_value_and_gradients",
+    "interruptible",
     "jacfwd",
     "jacobian",
     "jacrev",
     "jvp",
     "linearize",
     "linspace",
+    "moments",
     "one_hot",
     "ones",
     "ones_like",
     "random",
+    "split",
+    "top_k",
     "tune_allocator",
+    "unstack",
     "value_and_grad",
     "vjp",
     "zeros",

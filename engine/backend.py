@@ -134,3 +134,19 @@ def random_generator(seed: int | None, device: str | None = None) -> Any:
     """A seeded generator of the device's array module (NumPy's PCG64 or CuPy's)."""
     xp = xp_for_device(device)
     return xp.random.default_rng(seed)
+
+
+def erf(xp: Any, x: Any) -> Any:
+    """The error function on NumPy or CuPy arrays (SciPy's when installed; NumPy has
+    none, so without SciPy the standard library's, element by element)."""
+    if xp is not np:
+        from cupyx.scipy.special import erf as cupy_erf
+
+        return cupy_erf(x)
+    try:
+        from scipy.special import erf as scipy_erf
+    except ImportError:
+        import math
+
+        return np.vectorize(math.erf, otypes=[x.dtype])(x).astype(x.dtype, copy=False)
+    return np.asarray(scipy_erf(x), dtype=x.dtype)

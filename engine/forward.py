@@ -16,7 +16,6 @@ from typing import Any
 from engine import trace, tree
 from engine.ops.shape import broadcast_to, reshape
 from engine.registry import BROADCASTING, NONDIFFERENTIABLE, Primitive, get_jvp
-from engine.tape import GradientTape
 from engine.tensor import Tensor, as_tensor
 
 
@@ -79,7 +78,10 @@ class ForwardAccumulator:
         out = []
         for p in flat:
             t = self._tangents.get(id(p)) if isinstance(p, Tensor) else None
-            if t is None and unconnected_gradients == "zero":
+            if (
+                t is None
+                and str(getattr(unconnected_gradients, "value", unconnected_gradients)) == "zero"
+            ):
                 t = _zeros_tangent(p, self)
             out.append(t)
         return tree.unflatten(treedef, out)
@@ -104,30 +106,13 @@ class ForwardAccumulator:
         if out is not None:
             self._set(ans, self._fit(out, ans))
 
-    def _propagate_custom(self, record: Any) -> None:
-        """Through a custom gradient: J u from the VJP g -> J^T g, which is linear in g,
-        by differentiating <J^T g, u> with respect to g."""
-        ts = [self._tangents.get(id(a)) for a in record.inputs]
-        if all(t is None for t in ts):
-            return
-        with trace.paused(self):
-            gs = [_zeros_like(o) for o in record.outputs]
-            with GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(gs)
-                grads = record.custom_vjp(*gs)
-            grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
-            pairs = [
-                (as_tensor(g), t)
-                for g, t in zip(grads, ts, strict=True)
-                if g is not None and t is not None
-            ]
-            if not pairs:
-                return
-            cts = tape._run([g for g, _ in pairs], [t for _, t in pairs], gs, self.batch_ndim)
-        for g, o in zip(gs, record.outputs, strict=True):
-            tangent = cts.get(id(g))
+    def _propagate_custom(self, record: Any, body: list[Tensor]) -> None:
+        """Through a custom gradient: the tangents of the body's outputs (the body ran
+        under this accumulator), as TensorFlow's forward mode does."""
+        for b, o in zip(body, record.outputs, strict=True):
+            tangent = self._tangents.get(id(b))
             if tangent is not None:
-                self._set(o, self._fit(tangent, o))
+                self._set(o, tangent)
 
     def _fit(self, t: Tensor, ans: Tensor) -> Tensor:
         """Broadcast a tangent to (*batch, *ans.shape): rules may return it unbroadcast."""

@@ -51,6 +51,25 @@ NONDIFFERENTIABLE: set[Primitive] = set()
 BROADCASTING: set[Primitive] = set()
 
 
+class _Zero:
+    """A cotangent that is zero by construction (sign's, relu_grad's for x): the tape
+    does not compute with it, but a source it reaches gets zeros, not None (TensorFlow
+    propagates real zeros there; the answer is the same without the arithmetic)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ZERO"
+
+
+ZERO = _Zero()
+
+
+def zero_vjp(g: Any) -> _Zero:
+    """The VJP of an argument whose derivative is identically zero."""
+    return ZERO
+
+
 class MissingRuleError(NotImplementedError):
     """A derivative was asked of a primitive (and argument) that has no rule."""
 

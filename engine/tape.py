@@ -17,7 +17,9 @@ and batch jacobians are one backward pass with a stack of cotangents.
 
 from __future__ import annotations
 
+import enum
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,10 +30,17 @@ import numpy as np
 from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
-from engine.registry import NONDIFFERENTIABLE, Primitive, get_vjp
+from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, get_vjp
 from engine.tensor import Tensor, Variable, as_tensor, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
+
+
+class UnconnectedGradients(enum.Enum):
+    """What a source the target does not depend on gets (tf.UnconnectedGradients)."""
+
+    NONE = "none"
+    ZERO = "zero"
 
 
 class Record:
@@ -168,16 +177,28 @@ def backward(
     for t, s in zip(targets, seeds, strict=True):
         _accumulate(cts, id(t), s)
     keep = {id(s) for s in sources}
+    zero: set[int] = set()  # reached only by ZERO cotangents so far
     cacheable = not trace.anything_active()
     for rec, needed in plan:
         gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
         if all(g is None for g in gs):
+            if any(id(o) in zero for o in rec.outputs):
+                zero.update(id(rec.inputs[i]) for i in needed)
             continue
         for i, gi in zip(needed, rec.input_cotangents(gs, needed, cacheable), strict=True):
-            if gi is not None:
-                x = rec.inputs[i]
+            x = rec.inputs[i]
+            if gi is ZERO:
+                zero.add(id(x))
+            elif gi is not None:
                 _accumulate(cts, id(x), _fit(gi, x.shape, batch_ndim))
-    return {k: cts[k] for k in keep if k in cts}
+    out = {k: cts[k] for k in keep if k in cts}
+    if zero & keep:
+        # Connected through a zero derivative only: zeros, as TensorFlow answers.
+        lead = seeds[0].shape[:batch_ndim]
+        for s in sources:
+            if id(s) in zero and id(s) not in out:
+                out[id(s)] = _zeros(s, lead + s.shape)
+    return out
 
 
 def _check_source(s: Any, where: str) -> Tensor:
@@ -233,8 +254,8 @@ class GradientTape:
             self._variables.setdefault(id(t), t)
 
     def watched_variables(self) -> tuple[Variable, ...]:
-        """The variables this tape watches, in the order it first saw them."""
-        return tuple(self._variables.values())
+        """The variables this tape watches, in creation order (as TensorFlow)."""
+        return tuple(sorted(self._variables.values(), key=lambda v: v._uid))
 
     @contextmanager
     def stop_recording(self) -> Iterator[None]:
@@ -247,7 +268,12 @@ class GradientTape:
             yield
 
     def reset(self) -> None:
-        """Forget everything recorded and watched so far; keep recording if active."""
+        """Forget everything recorded and watched so far; keep recording.
+
+        Only inside `with tape:`; outside it raises ValueError, as TensorFlow does.
+        """
+        if self not in trace.active_tapes:
+            raise ValueError("reset: the tape is not recording (call it inside `with tape:`)")
         self._records.clear()
         self._watched.clear()
         self._variables.clear()
@@ -351,6 +377,11 @@ class GradientTape:
                 raise ValueError(
                     f"gradient: {len(seeds)} output_gradients for {len(targets)} target(s)"
                 )
+            # A scalar cotangent for a larger target is broadcast, as TensorFlow does.
+            seeds = [
+                broadcast_to(s, t.shape) if s.ndim == 0 and t.ndim else s
+                for s, t in zip(seeds, targets, strict=True)
+            ]
             for s, t in zip(seeds, targets, strict=True):
                 if s.shape != t.shape:
                     raise ValueError(
@@ -372,12 +403,17 @@ class GradientTape:
         target: Tensor,
         sources: Any,
         unconnected_gradients: str = "none",
+        parallel_iterations: int | None = None,
+        experimental_use_pfor: bool = True,
+        *,
         chunk_size: int | None = None,
     ) -> Any:
         """d target / d sources with shape target.shape + source.shape for each source.
 
         All rows come from one backward pass with a stacked cotangent (the identity), in
-        chunks of `chunk_size` rows when given, to bound memory.
+        chunks of `chunk_size` rows when given, to bound memory. parallel_iterations and
+        experimental_use_pfor are accepted for TensorFlow code and ignored: the engine is
+        always vectorized.
         """
         self._start_call("jacobian")
         unconnected = _check_unconnected(unconnected_gradients)
@@ -399,33 +435,53 @@ class GradientTape:
         target: Tensor,
         source: Tensor,
         unconnected_gradients: str = "none",
+        parallel_iterations: int | None = None,
+        experimental_use_pfor: bool = True,
+        *,
         check_independence: bool = True,
-    ) -> Tensor | None:
+    ) -> Tensor:
         """Per-example jacobians: (B, *target.shape[1:], *source.shape[1:]).
 
         Assumes example b of the target depends only on example b of the source, and
         computes all examples in one backward pass. When that assumption is false (batch
         normalization, a mean over the batch axis, a matmul mixing rows) the answer has
         no meaning: with check_independence, one extra random probe row in the same pass
-        detects this and raises BatchDependenceError instead.
+        detects this and raises BatchDependenceError instead. An unconnected source answers
+        zeros whatever `unconnected_gradients` says (as TensorFlow). parallel_iterations
+        and experimental_use_pfor are accepted and ignored (always vectorized).
         """
         self._start_call("batch_jacobian")
-        unconnected = _check_unconnected(unconnected_gradients)
+        _check_unconnected(unconnected_gradients)
         (target,) = _targets(target, "batch_jacobian", single=True)
         source = _check_source(source, "batch_jacobian")
-        if target.ndim < 1 or source.ndim < 1 or target.shape[0] != source.shape[0]:
+        if target.ndim < 2:
+            # TensorFlow reads the target's second dimension and fails on a rank-1 target.
             raise ValueError(
-                f"batch_jacobian: target {target.shape} and source {source.shape} must share "
-                "their first (batch) axis"
+                f"batch_jacobian: target must have rank 2 or more (batch, ...), got shape "
+                f"{target.shape}"
             )
-        try:
-            result = _batch_jacobian(self, target, source, check_independence)
-        finally:
-            self._finish_call()
-        out_shape = target.shape + source.shape[1:]
-        if result is None:
-            return None if unconnected == "none" else _zeros(source, out_shape)
-        return result if result.shape == out_shape else reshape(result, out_shape)
+        return per_example_jacobian(self, target, source, check_independence)
+
+
+def per_example_jacobian(
+    tape: GradientTape, target: Tensor, source: Tensor, check_independence: bool = True
+) -> Tensor:
+    """batch_jacobian's computation, for targets of any rank >= 1 (the service answers
+    rank-1 targets too: one number per example)."""
+    if target.ndim < 1 or source.ndim < 1 or target.shape[0] != source.shape[0]:
+        raise ValueError(
+            f"batch_jacobian: target {target.shape} and source {source.shape} must share "
+            "their first (batch) axis"
+        )
+    tape._start_call("batch_jacobian")
+    try:
+        result = _batch_jacobian(tape, target, source, check_independence)
+    finally:
+        tape._finish_call()
+    out_shape = target.shape + source.shape[1:]
+    if result is None:
+        return _zeros(source, out_shape)
+    return result if result.shape == out_shape else reshape(result, out_shape)
 
 
 class BatchDependenceError(ValueError):
@@ -564,24 +620,73 @@ def _result(ct: Tensor | None, source: Tensor, unconnected: str, lead: tuple) ->
 def custom_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: `f(*xs)` returns `(y, grad_fn)`; `grad_fn(*dy)` returns one gradient per x.
 
-    As tf.custom_gradient: f's own operations are not recorded; every active tape records
-    one node whose backward is grad_fn. grad_fn is made of engine ops, so it is
-    differentiated again by outer tapes (nested tapes work). Forward-mode tangents flow
-    through it by transposing grad_fn (it is linear in dy).
+    As tf.custom_gradient: f's own operations are recorded by the active tapes, so a
+    grad_fn that uses forward values is differentiated through them by outer tapes;
+    the outputs are fresh tensors whose backward is grad_fn. Forward-mode tangents are
+    the body's own derivative (as TensorFlow's ForwardAccumulator). When f reads
+    trainable Variables, grad_fn must accept `variables=` and return
+    `(input_grads, variable_grads)`.
     """
 
     @functools.wraps(f)
     def wrapper(*args: Any) -> Any:
         inputs = tuple(unaliased(as_tensor(a)) for a in args)
-        with trace.nothing_recording():
+        # A private tape sees which trainable variables the body reads (TensorFlow's
+        # VariableWatcher); it records nothing anyone differentiates.
+        with GradientTape(watch_accessed_variables=True) as watcher:
             result, grad_fn = f(*inputs)
+        variables = watcher.watched_variables()
         flat, treedef = tree.flatten(result)
-        outputs = tuple(Tensor(as_tensor(o).value) for o in flat)  # fresh identities
-        record = Record(None, inputs, {}, outputs, custom_vjp=grad_fn)
+        body = [as_tensor(o) for o in flat]
+        outputs = tuple(Tensor(o.value) for o in body)  # fresh identities
+        backward_fn = grad_fn
+        if variables:
+            if "variables" not in _parameters(grad_fn):
+                raise TypeError(
+                    f"custom_gradient {f.__qualname__}: the function reads variables "
+                    f"{[v.name or v.shape for v in variables]}, so its grad_fn must accept a "
+                    "`variables` keyword argument"
+                )
+            backward_fn = _with_variables(grad_fn, variables, len(inputs))
+        record = Record(None, inputs + variables, {}, outputs, custom_vjp=backward_fn)
         for tape in tuple(trace.active_tapes):
             tape._record_custom(record)
         for accumulator in tuple(trace.active_accumulators):
-            accumulator._propagate_custom(record)
+            accumulator._propagate_custom(record, body)
         return tree.unflatten(treedef, list(outputs))
 
     return wrapper
+
+
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    names = {p.name for p in params}
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        names.add("variables")
+    return names
+
+
+def _with_variables(grad_fn: Callable[..., Any], variables: tuple, n_inputs: int) -> Any:
+    """grad_fn(*dy, variables=...) -> (input_grads, variable_grads), as one flat list."""
+
+    def backward(*dy: Any) -> list:
+        result = grad_fn(*dy, variables=list(variables))
+        if not (isinstance(result, (list, tuple)) and len(result) == 2):
+            raise ValueError(
+                "custom gradient with variables: grad_fn must return (input_grads, variable_grads)"
+            )
+        input_grads, variable_grads = result
+        input_grads = list(input_grads) if isinstance(input_grads, (list, tuple)) else [input_grads]
+        variable_grads = list(variable_grads)
+        if len(variable_grads) != len(variables):
+            raise ValueError(
+                f"custom gradient: {len(variable_grads)} variable gradient(s) for "
+                f"{len(variables)} variable(s)"
+            )
+        return input_grads + variable_grads
+
+    backward.__qualname__ = getattr(grad_fn, "__qualname__", "grad_fn")
+    return backward

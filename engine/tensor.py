@@ -13,6 +13,7 @@ error, never a silent cast: use `cast`.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,9 @@ class Tensor:
         return f"{type(self).__name__}({body}, dtype={self.dtype}, shape={self.shape})"
 
 
+_variable_ids = itertools.count()
+
+
 class Variable(Tensor):
     """A mutable tensor: a model parameter. Tapes watch trainable variables they touch.
 
@@ -97,10 +101,11 @@ class Variable(Tensor):
     was recorded, and gradients still flow to the Variable.
     """
 
-    __slots__ = ("trainable", "name", "_read")
+    __slots__ = ("trainable", "name", "_read", "_uid")
 
     def __init__(self, value: Any, trainable: bool = True, dtype: Any = None, name: str = ""):
         super().__init__(_to_array(value, dtype, None))
+        self._uid = next(_variable_ids)  # creation order, for watched_variables()
         self.trainable = bool(trainable)
         self.name = name
         self._read: VariableRead | None = None
@@ -236,6 +241,8 @@ def _device_index(array: Any) -> int:
 
 def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
     """Apply a primitive: forward on the arrays, then record on every active recorder."""
+    if trace.interrupt_check is not None:
+        trace.interrupt_check()
     for a in args:
         if isinstance(a, Variable):
             args = tuple(read(a) if isinstance(a, Variable) else a for a in args)

@@ -7,12 +7,34 @@ accumulator is "active" while it is in its list; pausing one removes it for a wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 active_tapes: list[Any] = []
 active_accumulators: list[Any] = []
+
+# A host (the service's worker) may install a check that runs before every primitive is
+# applied and raises to stop the computation at that op boundary: a cancelled request
+# frees its worker within one op instead of running to its time limit. None (the
+# default) costs one attribute test per op.
+interrupt_check: Callable[[], None] | None = None
+
+
+class Interrupted(Exception):
+    """Raised by an interrupt check: the computation was stopped between two ops."""
+
+
+@contextmanager
+def interruptible(check: Callable[[], None]) -> Iterator[None]:
+    """Run the block with `check()` called before every primitive; it stops the block by
+    raising (Interrupted, say). Tapes opened in the block close as the exception leaves."""
+    global interrupt_check
+    saved, interrupt_check = interrupt_check, check
+    try:
+        yield
+    finally:
+        interrupt_check = saved
 
 
 def anything_active() -> bool:

@@ -36,6 +36,7 @@ from engine.language import (
     compile_definition,
     evaluate,
 )
+from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from service import nonfinite
 
@@ -136,6 +137,10 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
     }
 
 
+ALGORITHMS = {"tape_eigenvalues": "Lanczos iteration", "tape_trace": "trace estimate",
+              "tape_solve": "conjugate-gradient solve"}
+
+
 class NonFiniteAnswer(RequestError):
     """An answer holding NaN or infinity, refused (the request did not allow them)."""
 
@@ -147,6 +152,15 @@ def refuse_nonfinite(detail: str, problem: Problem) -> NonFiniteAnswer:
 def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext
                        ) -> Problem:
     """The op where the request's non-finite answer started (the engine's diagnosis)."""
+    if kind in ALGORITHMS:
+        session = _tapes(context)[payload["tape_id"]]
+        found = session.program.find_nonfinite(session.request, session.leaves)
+        if found.op is None:  # the tape is sound: the algorithm's own arithmetic is not
+            return Problem(
+                f"the tape's value and first derivatives are finite, but the "
+                f"{ALGORITHMS[kind]} overflowed: its arguments (damping, tol, the vector) "
+                "are out of a usable range", "request", kind="nonfinite")
+        return found
     if kind.startswith("tape_"):
         session = _tapes(context)[payload["tape_id"]]  # the handler has just used it
         request = _other_request(session, payload) if payload.get("target") else session.request
@@ -310,7 +324,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
     """The jacobians of y over the watched sources, from a persistent tape, on the host."""
     if batch:
         jacobians = {
-            key: tape.batch_jacobian(y, source, unconnected_gradients=unconnected)
+            key: per_example_jacobian(tape, y, source)
             for key, source in watched.items()
         }
     else:

@@ -822,3 +822,7 @@ class Problem(BaseModel):
     detail: str | None = None
     instance: str | None = None
     errors: list[ProblemItem] | None = None
+    omitted: int | None = Field(
+        None, description="Problems found beyond those listed in `errors` (the server lists "
+        "at most max_reported_problems)."
+    )

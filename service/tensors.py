@@ -46,8 +46,28 @@ def little_endian(dtype: str) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
 
 
+# NumPy's own bounds on an array's shape: past them it raises ValueError mid-request.
+MAX_DIMENSION = 2**31 - 1
+MAX_RANK = 32
+
+
 def expected_size(shape: Sequence[int]) -> int:
+    """Elements of `shape`, once it is known to be a shape NumPy can make."""
+    if len(shape) > MAX_RANK:
+        raise TensorError(f"shape has {len(shape)} dimensions; at most {MAX_RANK} are allowed")
+    bad = next((d for d in shape if not 0 <= d <= MAX_DIMENSION), None)
+    if bad is not None:
+        raise TensorError(
+            f"shape {_short(shape)} has a dimension of {bad}; each must be within "
+            f"0..{MAX_DIMENSION}"
+        )
     return math.prod(shape)
+
+
+def _short(shape: Sequence[int]) -> str:
+    """A shape for a message, never longer than a line whatever the client sent."""
+    text = str(list(shape))
+    return text if len(text) <= 80 else text[:77] + "...]"
 
 
 # ----------------------------------------------------------------------------------------
@@ -70,6 +90,7 @@ def from_data(data: Any, dtype: str, shape: Sequence[int] | None) -> np.ndarray:
     if shape is None:
         return array
     shape = tuple(shape)
+    expected_size(shape)  # a shape NumPy can make, before it is compared or used
     if array.shape != shape:
         if array.ndim > 1 or array.size != expected_size(shape):
             raise TensorError(
@@ -114,7 +135,8 @@ def _cast(raw: np.ndarray, target: np.dtype) -> np.ndarray:
     if raw.dtype.kind == "f" and not (np.isfinite(raw).all() and (raw == np.round(raw)).all()):
         raise TensorError(f"data for a {target} tensor must hold whole numbers")
     info = np.iinfo(target)
-    if raw.size and (raw.min() < info.min or raw.max() > info.max):
+    # As Python ints: NumPy would convert uint64's bound to a C long and overflow.
+    if raw.size and (int(raw.min()) < info.min or int(raw.max()) > info.max):
         raise TensorError(f"data holds values outside the range of {target}")
     return raw.astype(target)
 

@@ -25,6 +25,7 @@ from engine.language.catalogue import suggest
 from engine.language.definition import Definition, as_definition, structure_key
 from engine.language.errors import DefinitionError, Problem
 from engine.language.limits import DEFAULT_LIMITS, Limits
+from engine.language.memory import MemoryModel
 from engine.language.nonfinite import NonFiniteCheck, find_culprit
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
 from engine.language.shapes import TensorType
@@ -58,6 +59,7 @@ class CompiledProgram:
         self._line_numbers = {line.target: line.number for line in checked.lines}
         self._line_columns = {line.target: line.pos.column for line in checked.lines}
         self._reads = checked.reads
+        self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self._sites = checked.grad_sites
         functions = {name: user_function(fn) for name, fn in checked.functions.items()}
         site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}

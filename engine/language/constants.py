@@ -105,6 +105,14 @@ def _indices(node: Node) -> Any:
     return _int(node) if isinstance(node, Number) else list(_ints(node))
 
 
+def _pairs(node: Node) -> tuple[tuple[int, int], ...]:
+    if isinstance(node, Sequence):
+        pairs = tuple(_ints(item) for item in node.items)
+        if all(len(p) == 2 for p in pairs):
+            return pairs  # type: ignore[return-value]
+    raise _Mismatch
+
+
 # kind -> (the type as the catalogue shows it, converter)
 KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     "int": ("int", _int),
@@ -122,6 +130,10 @@ KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     "index": ("int | None | tuple[int | None, ...]", _index),
     # take's indices: constant ints here, or else an integer tensor (see catalogue.bind)
     "indices": ("int | tuple[int, ...] | tensor (integer)", _indices),
+    # issue 19
+    "direction": ("'ASCENDING' | 'DESCENDING'", _choice(("ASCENDING", "DESCENDING"))),
+    "paddings": ("tuple[tuple[int, int], ...]", _pairs),
+    "pad_mode": ("'CONSTANT'", _choice(("CONSTANT",))),
 }
 
 

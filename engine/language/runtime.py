@@ -194,8 +194,9 @@ def clip_grad_norm(x: Any, max_norm: float) -> Tensor:
 
 def user_function(fn: CheckedFunction) -> Callable[..., Any]:
     """A user function as an engine custom gradient: its forward program computes the
-    value (unrecorded, as tf.custom_gradient does) and its backward program the
-    gradients, from the forward's names and `upstream`."""
+    value and its backward program the gradients, from the forward's names and
+    `upstream`. The forward is recorded by the open tapes (as tf.custom_gradient does),
+    so a backward that uses forward names is differentiated through them again."""
     forward = Builder(f"functions.{fn.name}.forward", {})
     backward = Builder(f"functions.{fn.name}.backward", {})
     forward_steps = [(line.target, forward.expr(line.expr)) for line in fn.forward]

@@ -643,6 +643,68 @@ def _clip_by_norm(b: dict[str, Any]) -> TensorType:
     return x
 
 
+# ---- issue 19's ops (self-contained, to port into the registry with the rest) ----
+def _cumsum(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "numeric")
+    if x.ndim == 0:
+        raise RuleError("cumsum needs a tensor of rank >= 1", "op")
+    axis_of(b.get("axis", 0), x.ndim)
+    return x
+
+
+def _sort(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "numeric")
+    if x.ndim:
+        axis_of(b.get("axis", -1), x.ndim)
+    return x
+
+
+def _pad(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    pairs = tuple(b.get("paddings", ()))
+    if len(pairs) != x.ndim or any(lo < 0 or hi < 0 for lo, hi in pairs):
+        raise RuleError(f"paddings {pairs} for a tensor of shape {x.shape}", "op")
+    return TensorType(tuple(d + lo + hi for d, (lo, hi) in zip(x.shape, pairs)), x.dtype)
+
+
+def _tile(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    multiples = b.get("multiples", ())
+    multiples = (multiples,) if isinstance(multiples, int) else tuple(multiples)
+    if len(multiples) != x.ndim or any(m < 0 for m in multiples):
+        raise RuleError(f"multiples {multiples} for a tensor of shape {x.shape}", "op")
+    return TensorType(tuple(m * d for m, d in zip(multiples, x.shape)), x.dtype)
+
+
+def _nd_indices(indices: TensorType, shape: tuple[int, ...]) -> int:
+    indices = concrete(indices)
+    if indices.dtype.kind not in "iu" or indices.ndim < 1:
+        raise RuleError(f"indices must be an integer tensor of rank >= 1, got {indices}", "dtype")
+    depth = indices.shape[-1]
+    if depth > len(shape):
+        raise RuleError(f"indices of depth {depth} for a tensor of shape {shape}", "shape")
+    return depth
+
+
+def _gather_nd(b: dict[str, Any]) -> TensorType:
+    params = concrete(b["params"])
+    depth = _nd_indices(b["indices"], params.shape)
+    return TensorType(b["indices"].shape[:-1] + params.shape[depth:], params.dtype)
+
+
+def _scatter_nd(b: dict[str, Any]) -> TensorType:
+    updates = concrete(b["updates"])
+    shape = b.get("shape", ())
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    depth = _nd_indices(b["indices"], shape)
+    expected = b["indices"].shape[:-1] + shape[depth:]
+    if updates.shape != expected:
+        raise RuleError(f"updates must have shape {expected}, got {updates.shape}", "shape")
+    return TensorType(shape, updates.dtype)
+
+
 # ----------------------------------------------------------------------------------------
 # The table
 # ----------------------------------------------------------------------------------------
@@ -676,7 +738,8 @@ FLOAT_UNARY = [
     "softplus",
     "log_sigmoid",
     "silu",
-    "gelu",
+    "erf",
+    "rsqrt",
 ]
 
 RULES: dict[str, OpRule] = {
@@ -750,4 +813,15 @@ RULES: dict[str, OpRule] = {
     "batch_norm": OpRule(_normalization(batch=True), {"eps": "float"}),
     "layer_norm": OpRule(_normalization(batch=False), {"eps": "float"}),
     "clip_by_norm": OpRule(_clip_by_norm, {"clip_norm": "float", "axis": "axes"}),
+    # issue 19 (TensorFlow's ops)
+    "gelu": OpRule(unary("float"), {"approximate": "bool"}),
+    "identity": OpRule(unary("any")),
+    "xlogy": OpRule(binary("float")),
+    "divide_no_nan": OpRule(binary("float")),
+    "cumsum": OpRule(_cumsum, {"axis": "axis", "exclusive": "bool", "reverse": "bool"}),
+    "sort": OpRule(_sort, {"axis": "axis", "direction": "direction"}),
+    "pad": OpRule(_pad, {"paddings": "paddings", "mode": "pad_mode", "constant_values": "float"}),
+    "tile": OpRule(_tile, {"multiples": "shape"}),
+    "gather_nd": OpRule(_gather_nd),
+    "scatter_nd": OpRule(_scatter_nd, {"shape": "shape"}),
 }

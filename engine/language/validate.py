@@ -93,6 +93,18 @@ class CheckedProgram:
     reads: dict[str, frozenset[str]]  # line target -> the names its expression reads
     grad_sites: list[GradSite]
     functions: dict[str, CheckedFunction]
+    intermediates: list[Intermediate] = field(default_factory=list)  # every op's result
+
+
+@dataclass(frozen=True)
+class Intermediate:
+    """One op's result as inference sized it: what a run holds in memory."""
+
+    section: str
+    line: int
+    column: int
+    op: str
+    type: TensorType
 
 
 @dataclass
@@ -121,6 +133,7 @@ class _Checker:
         self.problems: list[Problem] = []
         self.seen: set[tuple] = set()
         self.total_elements = 0
+        self.intermediates: list[Intermediate] = []  # every op result sized, in order
         self.functions: dict[str, CheckedFunction] = {}
         self.function_types: dict[tuple, TensorType | None] = {}
         self.grad_sites: list[GradSite] = []
@@ -183,7 +196,8 @@ class _Checker:
                 kind="limit",
             )
         self.fail_if_problems()
-        return CheckedProgram(leaves, lines, types, reads, self.grad_sites, self.functions)
+        return CheckedProgram(leaves, lines, types, reads, self.grad_sites, self.functions,
+                              self.intermediates)
 
     def check_sizes(self) -> None:
         self.problems.extend(size_problems(self.defn, self.limits))
@@ -444,6 +458,9 @@ class _Checker:
     def sized(self, out: TensorType, node: Node, scope: _Scope, op: str) -> TensorType:
         """Count an intermediate against the limits."""
         self.total_elements += out.size
+        self.intermediates.append(
+            Intermediate(scope.section, node.pos.line, node.pos.column, op, out)
+        )
         if out.size > self.limits.max_elements:
             self.oversized = True
             self.add(

@@ -16,6 +16,7 @@ from engine.ops.elementwise import (
     greater,
     less_equal,
     maximum,
+    minimum,
     multiply,
     negative,
     softplus,
@@ -26,6 +27,7 @@ from engine.ops.elementwise import (
     where,
 )
 from engine.ops.reduce import logsumexp, mean, sum, var
+from engine.ops.shape import reshape
 from engine.registry import public
 from engine.tensor import Tensor, as_tensor
 
@@ -179,6 +181,42 @@ def clip_by_norm(x: Any, clip_norm: float = 1.0, axis: Any = None) -> Tensor:
     positive = greater(l2, 0)
     n = where(positive, sqrt(where(positive, l2, 1)), 0)
     return divide(multiply(x, clip_norm), maximum(n, as_tensor(clip_norm, like=n)))
+
+
+def moments(x: Any, axes: Any = None, keepdims: bool = False) -> tuple[Tensor, Tensor]:
+    """(mean, variance) over `axes` (tf.nn.moments).
+
+    TensorFlow computes the variance around stop_gradient(mean), which leaves its second
+    derivative without the -1/n term; here the variance is differentiated exactly (the
+    first derivatives agree)."""
+    x = as_tensor(x)
+    axes = normalize_axes(axes, x.ndim, "moments")
+    m = mean(x, axes, keepdims=True)
+    v = mean(square(subtract(x, m)), axes, keepdims=True)
+    if not keepdims:
+        kept = tuple(d for i, d in enumerate(x.shape) if i - x.ndim not in axes)
+        m, v = reshape(m, kept), reshape(v, kept)
+    return m, v
+
+
+def clip_by_global_norm(
+    t_list: Any, clip_norm: float, use_norm: Any = None
+) -> tuple[list[Tensor], Tensor]:
+    """(tensors scaled so their joint L2 norm is at most clip_norm, the joint norm), with
+    TensorFlow's formula (its derivatives included)."""
+    tensors = [as_tensor(t) for t in t_list]
+    if use_norm is None:
+        half_squares = [multiply(sum(multiply(t, t)), 0.5) for t in tensors]
+        total = half_squares[0]
+        for h in half_squares[1:]:
+            total = add(total, h)
+        use_norm = sqrt(multiply(total, 2.0))
+    use_norm = as_tensor(use_norm)
+    limit = as_tensor(1.0 / clip_norm, like=use_norm)
+    scale = multiply(minimum(divide(as_tensor(1.0, like=use_norm), use_norm), limit), clip_norm)
+    # A no-op for a finite norm; NaN for an infinite one, as in TensorFlow.
+    scale = add(scale, subtract(use_norm, use_norm))
+    return [multiply(t, scale) for t in tensors], use_norm
 
 
 def one_hot(labels: Any, depth: int, dtype: Any = host.float32) -> Tensor:

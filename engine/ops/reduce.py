@@ -166,6 +166,40 @@ def prod(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     return bind(prod_p, x, axes=axes, keepdims=bool(keepdims))
 
 
+# ---- cumsum ----
+# Its transpose is the cumulative sum the other way round, so both rules are cumsums.
+def _cumsum_impl(xp: Any, x: Any, *, axis: int, exclusive: bool, reverse: bool) -> Any:
+    if reverse:
+        x = xp.flip(x, axis)
+    out = xp.cumsum(x, axis=axis, dtype=x.dtype)  # NumPy would widen int32
+    if exclusive:
+        out = xp.roll(out, 1, axis=axis)
+        first = [slice(None)] * out.ndim
+        first[axis] = 0
+        out[tuple(first)] = 0
+    return xp.flip(out, axis) if reverse else out
+
+
+cumsum_p = primitive("cumsum", _cumsum_impl)
+defvjp(
+    cumsum_p,
+    lambda ans, x, *, axis, exclusive, reverse: (
+        lambda g: bind(cumsum_p, g, axis=axis, exclusive=exclusive, reverse=not reverse)
+    ),
+)
+defjvp(cumsum_p, lambda t, ans, x, **params: bind(cumsum_p, t[0], **params))
+
+
+@public("reduction")
+def cumsum(x: Any, axis: int = 0, exclusive: bool = False, reverse: bool = False) -> Tensor:
+    """Cumulative sum along `axis` (TensorFlow's exclusive and reverse options)."""
+    x = as_tensor(x)
+    if x.ndim == 0:
+        raise ValueError("cumsum: needs a tensor of rank >= 1")
+    axis = normalize_axes(axis, x.ndim, "cumsum")[0]
+    return bind(cumsum_p, x, axis=axis, exclusive=bool(exclusive), reverse=bool(reverse))
+
+
 # ---- non-differentiable reductions ----
 argmax_p = primitive("argmax", lambda xp, x, *, axis: xp.argmax(x, axis=axis))
 argmin_p = primitive("argmin", lambda xp, x, *, axis: xp.argmin(x, axis=axis))

@@ -6,9 +6,10 @@ ranks (`batch_ndim`) and keep them in front.
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine import backend
 from engine.backend import host
@@ -365,3 +366,179 @@ def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
     ):
         raise IndexError(f"take: an index is out of bounds for axis {axis} of size {x.shape[axis]}")
     return getitem(x, (slice(None),) * axis + (indices,))
+
+
+# ---- gather_nd / scatter_nd (TensorFlow's): getitem and scatter_add with index tuples ----
+def _nd_index(indices: Any, shape: tuple[int, ...], opname: str, device: str) -> tuple:
+    """(Ellipsis, i_0, ..., i_{K-1}, :, ...) from an integer (..., K) index array."""
+    idx = backend.asarray(indices.value if isinstance(indices, Tensor) else indices, None, device)
+    if idx.dtype.kind not in "iu" or idx.ndim < 1:
+        raise TypeError(f"{opname}: indices must be an integer tensor of rank >= 1")
+    depth = idx.shape[-1]
+    if depth > len(shape):
+        raise ValueError(f"{opname}: indices of depth {depth} for a tensor of shape {shape}")
+    for k in range(depth):
+        if idx.size and (int(idx[..., k].min()) < 0 or int(idx[..., k].max()) >= shape[k]):
+            raise IndexError(f"{opname}: an index is out of bounds for axis {k} of size {shape[k]}")
+    parts = tuple(idx[..., k] for k in range(depth))
+    return (Ellipsis, *parts) + (slice(None),) * (len(shape) - depth)
+
+
+@public("indexing")
+def gather_nd(params: Any, indices: Any) -> Tensor:
+    """Slices of params at the integer (..., K) `indices`: shape indices[:-1] + params[K:]."""
+    params = as_tensor(params)
+    index = _nd_index(indices, params.shape, "gather_nd", params.device)
+    if len(index) == 1:  # no index axes (K = 0): every slice is the whole tensor
+        return unaliased(params)
+    return bind(getitem_p, params, index=index)
+
+
+@public("indexing")
+def scatter_nd(indices: Any, updates: Any, shape: Sequence[int] = ()) -> Tensor:
+    """Zeros of `shape` with `updates` added at `indices` (repeats add up), as TensorFlow."""
+    updates = as_tensor(updates)
+    shape = tuple(int(d) for d in shape)
+    index = _nd_index(indices, shape, "scatter_nd", updates.device)
+    depth = builtins.sum(1 for i in index if backend.is_array(i))
+    idx = indices.value if isinstance(indices, Tensor) else host.asarray(indices)
+    expected = tuple(idx.shape[:-1]) + shape[depth:]
+    if updates.shape != expected:
+        raise ValueError(f"scatter_nd: updates must have shape {expected}, got {updates.shape}")
+    return bind(scatter_add_p, updates, index=index, shape=shape, result_ndim=updates.ndim)
+
+
+# ---- sort / top_k: a constant permutation, then a gather ----
+def _take_along(x: Tensor, order: Any, axis: int) -> Tensor:
+    """x's elements in `order` (an integer array of x's shape but `axis`) along `axis`."""
+    xp = backend.array_module(order)
+    index = []
+    for i in range(x.ndim):
+        if i == axis:
+            index.append(order)
+        else:
+            shape = [1] * x.ndim
+            shape[i] = order.shape[i]
+            index.append(xp.arange(order.shape[i]).reshape(shape))
+    return bind(getitem_p, x, index=(Ellipsis, *index))
+
+
+def _descending_order(xp: Any, values: Any, axis: int) -> Any:
+    # Stable on the negated values: ties keep their index order, as TensorFlow's top_k.
+    return xp.argsort(-values, axis=axis, kind="stable")
+
+
+@public("indexing")
+def sort(x: Any, axis: int = -1, direction: str = "ASCENDING") -> Tensor:
+    """x sorted along `axis`; the gradient follows each element to its place."""
+    x = as_tensor(x)
+    if direction not in ("ASCENDING", "DESCENDING"):
+        raise ValueError(f"sort: direction must be 'ASCENDING' or 'DESCENDING', got {direction!r}")
+    if x.ndim == 0:
+        return unaliased(x)
+    axis = normalize_axis(axis, x.ndim, "sort") + x.ndim
+    xp = backend.array_module(x.value)
+    if direction == "ASCENDING":
+        order = xp.argsort(x.value, axis=axis, kind="stable")
+    else:
+        order = _descending_order(xp, x.value, axis)
+    return _take_along(x, order, axis)
+
+
+class TopK(NamedTuple):
+    values: Tensor
+    indices: Tensor
+
+
+def top_k(x: Any, k: int = 1, sorted: bool = True) -> TopK:
+    """(values, indices) of the k largest entries along the last axis, largest first
+    (a namedtuple, as tf.math.top_k's); `sorted` is accepted, the answer is sorted."""
+    x = as_tensor(x)
+    if x.ndim == 0 or not 0 <= k <= x.shape[-1]:
+        raise ValueError(f"top_k: k={k} for a tensor of shape {x.shape}")
+    xp = backend.array_module(x.value)
+    order = _descending_order(xp, x.value, x.ndim - 1)[..., :k]
+    return TopK(_take_along(x, order, x.ndim - 1), Tensor(order.astype(host.int32)))
+
+
+# ---- pad ----
+def _pad_impl(xp: Any, x: Any, *, paddings: tuple, value: float) -> Any:
+    lead = ((0, 0),) * (x.ndim - len(paddings))
+    return xp.pad(x, lead + paddings, constant_values=value)
+
+
+pad_p = primitive("pad", _pad_impl)
+
+
+def pad_vjp(ans: Tensor, x: Tensor, *, paddings: tuple, value: float) -> Any:
+    index = (Ellipsis,) + tuple(slice(lo, lo + d) for (lo, _), d in zip(paddings, x.shape))
+    return lambda g: bind(getitem_p, g, index=index)
+
+
+defvjp(pad_p, pad_vjp)
+# The padding value is a constant: a tangent is padded with zeros (batch axes untouched).
+defjvp(pad_p, lambda t, ans, x, *, paddings, value: bind(pad_p, t[0], paddings=paddings, value=0.0))
+
+
+@public("shape")
+def pad(
+    x: Any,
+    paddings: Sequence[Sequence[int]] = (),
+    mode: str = "CONSTANT",
+    constant_values: float = 0.0,
+) -> Tensor:
+    """x with paddings[i] = (before, after) entries of constant_values around axis i."""
+    x = as_tensor(x)
+    if str(mode).upper() != "CONSTANT":
+        raise ValueError(f"pad: only mode 'CONSTANT' is supported, got {mode!r}")
+    pairs = tuple((int(lo), int(hi)) for lo, hi in paddings)
+    if len(pairs) != x.ndim or any(lo < 0 or hi < 0 for lo, hi in pairs):
+        raise ValueError(f"pad: paddings {pairs} for a tensor of shape {x.shape}")
+    return bind(pad_p, x, paddings=pairs, value=float(constant_values))
+
+
+# ---- tile, split, unstack: composites of reshape, broadcast and slices ----
+@public("shape")
+def tile(x: Any, multiples: Sequence[int] = ()) -> Tensor:
+    """x repeated multiples[i] times along axis i."""
+    x = as_tensor(x)
+    multiples = tuple(int(m) for m in multiples)
+    if len(multiples) != x.ndim or any(m < 0 for m in multiples):
+        raise ValueError(f"tile: multiples {multiples} for a tensor of shape {x.shape}")
+    spread = tuple(d for pair in ((1, n) for n in x.shape) for d in pair)
+    repeated = tuple(d for pair in zip(multiples, x.shape) for d in pair)
+    out = broadcast_to(_reshape(x, spread), repeated)
+    return _reshape(out, tuple(m * n for m, n in zip(multiples, x.shape)))
+
+
+def split(x: Any, num_or_size_splits: Any, axis: int = 0) -> list[Tensor]:
+    """Pieces of x along `axis`: that many equal ones, or of the given sizes (one -1)."""
+    x = as_tensor(x)
+    axis = normalize_axis(axis, x.ndim, "split")
+    n = x.shape[axis]
+    if isinstance(num_or_size_splits, int):
+        count = num_or_size_splits
+        if count <= 0 or n % count:
+            raise ValueError(f"split: {n} entries along axis {axis} do not split into {count}")
+        sizes = [n // count] * count
+    else:
+        sizes = [int(s) for s in num_or_size_splits]
+        if sizes.count(-1) == 1:
+            sizes[sizes.index(-1)] = n - (sum(sizes) + 1)
+        if sum(sizes) != n or any(s < 0 for s in sizes):
+            raise ValueError(f"split: sizes {sizes} do not add up to {n} along axis {axis}")
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(bind(getitem_p, x, index=_axis_slice(axis, start, start + size)))
+        start += size
+    return pieces
+
+
+def unstack(x: Any, num: int | None = None, axis: int = 0) -> list[Tensor]:
+    """The slices of x along `axis`, each without that axis."""
+    x = as_tensor(x)
+    axis = normalize_axis(axis, x.ndim, "unstack")
+    if num is not None and num != x.shape[axis]:
+        raise ValueError(f"unstack: num={num} but axis {axis} has size {x.shape[axis]}")
+    rest = (slice(None),) * (-axis - 1)
+    return [bind(getitem_p, x, index=(Ellipsis, i) + rest) for i in range(x.shape[axis])]

@@ -45,7 +45,12 @@ _PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op"
 
 def _field(loc: tuple[Any, ...]) -> str:
     parts = list(loc[1:] if loc and loc[0] == "body" else loc)
-    return ".".join(str(p) for p in parts) or "body"
+    return ".".join(_short(str(p)) for p in parts) or "body"
+
+
+def _short(name: str, limit: int = 64) -> str:
+    """A client's key as a problem names it: never echoed at length."""
+    return name if len(name) <= limit else f"{name[:limit - 3]}..."
 
 
 def _validation_problem(request: Request, exc: RequestValidationError) -> Response:
@@ -61,15 +66,20 @@ def _validation_problem(request: Request, exc: RequestValidationError) -> Respon
             )
         if kind == "msgpack_invalid":
             return problem_response(request.scope, "malformed-body", err["msg"])
+    # The first few problems, and how many more: a body under the size limits can still
+    # hold a great many mistakes, and the answer must stay small.
+    shown = errors[: request.app.state.settings.max_reported_problems]
     items = [
-        {"field": _field(tuple(err.get("loc", ()))), "message": err.get("msg", ""),
+        {"field": _field(tuple(err.get("loc", ()))), "message": err.get("msg", "")[:500],
          "kind": err.get("type")}
-        for err in errors
+        for err in shown
     ]
     first = items[0] if items else {"field": "body", "message": "invalid request"}
-    more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    extra = {"omitted": len(errors) - len(shown)} if len(errors) > len(shown) else {}
     return problem_response(
-        request.scope, "validation", f"{first['field']}: {first['message']}{more}", errors=items
+        request.scope, "validation", f"{first['field']}: {first['message']}{more}",
+        errors=items, **extra,
     )
 
 
@@ -147,6 +157,9 @@ def install(app: FastAPI) -> None:
         detail = str(exc.detail)
         if exc.status_code == 404:
             detail = f"no such path: {request.url.path} (the API is described at /docs)"
+        if exc.status_code == 400:  # FastAPI's own: a body its JSON parser gave up on
+            detail = ("the body could not be parsed as JSON (nested too deeply, or "
+                      f"otherwise malformed): {detail}")
         headers = dict(exc.headers) if exc.headers else None
         if exc.status_code == 405:
             # Starlette names the methods of the first route matching the path only; a

@@ -114,7 +114,7 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         507, "Out of memory", "The computation needs more memory than the worker has."),
 }
 
-_STATUS_SLUGS = {404: "not-found", 405: "method-not-allowed", 406: "not-acceptable",
+_STATUS_SLUGS = {400: "malformed-body", 404: "not-found", 405: "method-not-allowed", 406: "not-acceptable",
                  413: "body-too-large", 415: "unsupported-media-type"}
 
 

@@ -84,6 +84,16 @@ class Settings(BaseSettings):
     )
     retry_after: int = Field(default=1, ge=0, description="Retry-After seconds on a 503")
     max_body_bytes: int = Field(default=64 * 2**20, ge=1, description="request body limit (413)")
+    max_body_depth: int = Field(
+        default=64, ge=8, description="deepest nesting of lists/objects a body may have (400)"
+    )
+    max_body_containers: int = Field(
+        default=200_000, ge=100,
+        description="most lists and objects in one body, counted off the event loop (422)",
+    )
+    max_reported_problems: int = Field(
+        default=50, ge=1, description="problems listed in one 422; the rest are counted"
+    )
     allow_nonfinite: bool = Field(
         default=False, description="default for requests that do not say: accept NaN/Inf inputs"
     )

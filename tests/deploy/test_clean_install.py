@@ -193,25 +193,11 @@ def test_gradtape_openapi_matches_the_contract(install: Install) -> None:
     assert done.stdout == (ROOT / "openapi" / "openapi.json").read_text()
 
 
-def test_second_setup_command_is_what_ci_runs() -> None:
-    """The README's test command installs and runs what .ci/run does."""
+def test_setup_commands_are_valid_shell() -> None:
+    """The first command installs the checkout; both parse as shell. (That .ci/run runs
+    the second one, verbatim, in a fresh virtualenv is test_readme.py's to check.)"""
     readme = setup_commands()
     assert len(readme) == 2, readme
-
-    def normalized(command: str) -> list[list[str]]:
-        steps = []
-        for step in command.split("&&"):
-            words = [w for w in shlex.split(step) if w != "--quiet"]
-            if words[:3] == ["python", "-m", "pip"]:
-                words = ["pip", *words[3:]]
-            steps.append(words)
-        return steps
-
-    ci = [
-        line
-        for line in (ROOT / ".ci" / "run").read_text().splitlines()
-        if line.startswith("python")
-    ]
-    assert normalized(readme[1]) == [w for line in ci for w in normalized(line)]
-    assert normalized(readme[0])[0] == ["pip", "install", "."]
-    assert subprocess.run(["bash", "-n", "-c", readme[0]], check=False).returncode == 0
+    assert shlex.split(readme[0].split("&&")[0]) == ["pip", "install", "."]
+    for command in readme:
+        assert subprocess.run(["bash", "-n", "-c", command], check=False).returncode == 0

@@ -8,6 +8,7 @@ tolerances say why.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +39,15 @@ def _logsumexp(x: np.ndarray, axis: Any = None, keepdims: bool = False) -> np.nd
     return out if keepdims else np.squeeze(out, axis=axis)
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + _erf(x / np.sqrt(2)))
 
 
 @dataclass
@@ -94,6 +102,27 @@ ROWS = [
     unary("tan", np.tan, domain="unit"),
     unary("tanh", np.tanh),
     unary("abs", np.abs, domain="away_from_zero"),
+    unary("identity", lambda x: x),
+    unary("erf", _erf),
+    unary("rsqrt", lambda x: 1 / np.sqrt(x), domain="positive"),
+    binary("xlogy", lambda x, y: x * np.log(y), domain="positive"),
+    Row(
+        "xlogy_zero",
+        lambda x, y: gt.xlogy(x * gt.constant(np.array([0.0, 1.0, 0.0, 1.0])), y),
+        lambda x, y: np.where(np.array([0, 1, 0, 1]) == 0, 0.0, x * np.log(y)),
+        [((3, 4), (3, 4))],
+        "positive",
+    ),
+    binary("divide_no_nan", np.divide, domain="positive"),
+    Row(
+        "divide_no_nan_zero",
+        lambda x, y: gt.divide_no_nan(x, y * gt.constant(np.array([1.0, 0.0, 1.0, 0.0]))),
+        lambda x, y: np.where(
+            np.array([1, 0, 1, 0]) == 0, 0.0, x / np.where(np.array([1, 0, 1, 0]) == 0, 1, y)
+        ),
+        [((3, 4), (3, 4))],
+        "positive",
+    ),
     unary("sigmoid", _sigmoid),
     unary("relu", lambda x: np.maximum(x, 0), domain="away_from_zero"),
     unary("elu", lambda x: np.where(x > 0, x, np.expm1(x)), domain="away_from_zero"),
@@ -101,6 +130,12 @@ ROWS = [
     unary("softplus", _softplus),
     unary("log_sigmoid", lambda x: -_softplus(-x)),
     unary("gelu", _gelu),
+    Row(
+        "gelu_tanh",
+        lambda x: gt.gelu(x, approximate=True),
+        _gelu_tanh,
+        [(s,) for s in UNARY_SHAPES],
+    ),
     unary("silu", lambda x: x * _sigmoid(x)),
     Row(
         "clip",
@@ -117,6 +152,30 @@ ROWS = [
         "distinct",
     ),
     # ---- reductions ----
+    Row(
+        "cumsum",
+        lambda x: gt.cumsum(x, axis=1),
+        lambda x: np.cumsum(x, axis=1),
+        [((3, 4),), ((2, 3, 4),)],
+    ),
+    Row(
+        "cumsum_exclusive_reverse",
+        lambda x: gt.cumsum(x, axis=0, exclusive=True, reverse=True),
+        lambda x: np.flip(np.cumsum(np.flip(x, 0), 0), 0) - x,
+        [((3, 4),)],
+    ),
+    Row(
+        "moments",
+        lambda x: gt.moments(x, axes=0)[0] * gt.moments(x, axes=0)[1],
+        lambda x: np.mean(x, 0) * np.var(x, 0),
+        [((3, 4),)],
+    ),
+    Row(
+        "moments_keepdims",
+        lambda x: gt.moments(x, axes=(0, 2), keepdims=True)[1],
+        lambda x: np.var(x, axis=(0, 2), keepdims=True),
+        [((2, 3, 4),)],
+    ),
     Row("sum", lambda x: gt.sum(x), np.sum, [(s,) for s in UNARY_SHAPES]),
     Row(
         "sum_axis",
@@ -250,6 +309,63 @@ ROWS = [
         lambda x: np.take(x, np.array([[3, 1], [0, 0]]), axis=1),
         [((3, 4),)],
     ),
+    Row(
+        "gather_nd",
+        lambda x: gt.gather_nd(x, np.array([[2, 1], [0, 3], [2, 1]])),
+        lambda x: x[np.array([2, 0, 2]), np.array([1, 3, 1])],
+        [((3, 4),), ((3, 4, 2),)],
+    ),
+    Row(
+        "scatter_nd",
+        lambda u: gt.scatter_nd(np.array([[2], [0], [2]]), u, (4, 3)),
+        lambda u: np.stack([u[1], np.zeros(3), u[0] + u[2], np.zeros(3)]),
+        [((3, 3),)],
+    ),
+    Row(
+        "sort",
+        lambda x: gt.sort(x, axis=0),
+        lambda x: np.sort(x, axis=0),
+        [((3, 4),), ((5,),)],
+        "distinct",
+    ),
+    Row(
+        "sort_descending",
+        lambda x: gt.sort(x, direction="DESCENDING"),
+        lambda x: -np.sort(-x, axis=-1),
+        [((3, 4),)],
+        "distinct",
+    ),
+    Row(
+        "top_k",
+        lambda x: gt.top_k(x, 2)[0],
+        lambda x: -np.sort(-x, axis=-1)[..., :2],
+        [((3, 4),), ((5,),)],
+        "distinct",
+    ),
+    Row(
+        "pad",
+        lambda x: gt.pad(x, ((1, 0), (2, 1)), constant_values=0.5),
+        lambda x: np.pad(x, ((1, 0), (2, 1)), constant_values=0.5),
+        [((3, 4),)],
+    ),
+    Row(
+        "tile",
+        lambda x: gt.tile(x, (2, 1, 3)),
+        lambda x: np.tile(x, (2, 1, 3)),
+        [((2, 3, 4),)],
+    ),
+    Row(
+        "split",
+        lambda x: gt.split(x, [1, -1, 1], axis=1)[1] * 2.0 + gt.split(x, 2, axis=1)[0],
+        lambda x: x[:, 1:3] * 2 + x[:, :2],
+        [((3, 4),)],
+    ),
+    Row(
+        "unstack",
+        lambda x: gt.unstack(x, axis=-1)[2][:3] * gt.unstack(x)[0],
+        lambda x: x[:3, 2] * x[0],
+        [((4, 3),)],
+    ),
     # ---- linear algebra ----
     Row(
         "matmul",
@@ -366,6 +482,18 @@ ROWS = [
         lambda x: x * 0.5 / max(np.linalg.norm(x), 0.5),
         [((3, 4),)],
     ),
+    Row(
+        "clip_by_global_norm",
+        lambda x, y: gt.concatenate(
+            [gt.reshape(t, (-1,)) for t in gt.clip_by_global_norm([x, y], 1.5)[0]]
+            + [gt.reshape(gt.clip_by_global_norm([x, y], 1.5)[1], (1,))]
+        ),
+        lambda x, y: np.concatenate(
+            [t.ravel() * 1.5 / max(np.sqrt(np.sum(x**2) + np.sum(y**2)), 1.5) for t in (x, y)]
+            + [[np.sqrt(np.sum(x**2) + np.sum(y**2))]]
+        ),
+        [((3, 4), (2,))],
+    ),
 ]
 
 
@@ -458,7 +586,7 @@ def test_float32_stays_float32() -> None:
         args = [gt.constant(a.astype(np.float32)) for a in _args(row, shapes)]
         if row.name == "solve":
             continue  # the row adds a float64 identity on purpose
-        if row.name.startswith(("prod_zero",)):
+        if row.name.startswith(("prod_zero", "xlogy_zero", "divide_no_nan_zero")):
             continue  # the row multiplies by a float64 constant on purpose
         with gt.GradientTape() as tape:
             tape.watch(args)

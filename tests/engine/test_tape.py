@@ -117,11 +117,11 @@ def test_custom_gradient_with_two_inputs_and_forward_mode() -> None:
         y = scaled_product(a, b)
     ga, gb = tape.gradient(y, [a, b])
     assert float(ga) == 50.0 and float(gb) == 2.0
-    # Forward mode goes through the transpose of grad_fn: J = [10 b, a].
+    # Forward mode uses the body's own derivative, as TensorFlow: J = [b, a].
     _, t = gt.jvp(
         scaled_product, (a, b), (gt.constant(1.0, "float64"), gt.constant(1.0, "float64"))
     )
-    assert float(t) == pytest.approx(52.0)
+    assert float(t) == pytest.approx(7.0)
     with pytest.raises(ValueError, match="returned 1 gradient"):
 
         @gt.custom_gradient
@@ -376,3 +376,87 @@ def test_index_arrays_are_bounds_checked_and_tensors_iterate() -> None:
     assert [r.shape for r in x] == [(2,), (2,), (2,)]
     with pytest.raises(TypeError, match="0-d"):
         list(gt.constant(1.0))
+
+
+# ---- TensorFlow's behaviour (issue 19); the numbers are in test_tf_parity.py ----
+
+
+def test_custom_gradient_reading_a_variable_needs_a_variables_keyword() -> None:
+    v = gt.Variable(np.array([1.0, 2.0]))
+
+    @gt.custom_gradient
+    def scale(x):
+        return x * v, lambda dy: dy * v
+
+    with gt.GradientTape() as tape:
+        tape.watch(x := gt.constant(np.array([3.0, 4.0])))
+        with pytest.raises(TypeError, match="variables"):
+            scale(x)
+
+    @gt.custom_gradient
+    def scale_ok(x):
+        def grad_fn(dy, variables=None):
+            (var,) = variables
+            assert var is v
+            return dy * v, [dy * x]
+
+        return x * v, grad_fn
+
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        y = gt.sum(scale_ok(x))
+    gx, gv = tape.gradient(y, [x, v])
+    assert gx.numpy().tolist() == [1.0, 2.0] and gv.numpy().tolist() == [3.0, 4.0]
+
+
+def test_custom_gradient_body_is_recorded_for_outer_tapes() -> None:
+    @gt.custom_gradient
+    def f(x):
+        e = gt.exp(x)
+        return e, lambda g: g * e
+
+    x = gt.constant(np.array([0.5, -1.0]))
+    with gt.GradientTape() as outer:
+        outer.watch(x)
+        with gt.GradientTape() as inner:
+            inner.watch(x)
+            y = gt.sum(f(x))
+        g = inner.gradient(y, x)
+    np.testing.assert_allclose(outer.gradient(g, x).numpy(), np.exp([0.5, -1.0]))
+
+
+def test_tensorflow_misuse_raises_as_tensorflow() -> None:
+    x = gt.constant(np.array([1.0, 2.0]))
+    tape = gt.GradientTape(persistent=True)
+    with tape:
+        tape.watch(x)
+        y = x * x
+        tape.reset()  # inside the context: fine
+        tape.watch(x)
+        y = x * x
+    with pytest.raises(ValueError, match="not recording"):
+        tape.reset()
+    with pytest.raises(ValueError, match="rank 2"):
+        tape.batch_jacobian(y, x)
+    np.testing.assert_allclose(
+        tape.gradient(y, x, output_gradients=gt.constant(3.0, "float64")).numpy(), [6.0, 12.0]
+    )
+
+
+def test_namedtuple_sources_and_enum() -> None:
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+    x, z = gt.constant(np.array(2.0)), gt.constant(np.array(5.0))
+    with gt.GradientTape() as tape:
+        tape.watch([x, z])
+        y = x * x
+    out = tape.gradient(y, Pair(x, z), unconnected_gradients=gt.UnconnectedGradients.ZERO)
+    assert isinstance(out, Pair) and float(out.a) == 4.0 and float(out.b) == 0.0
+
+
+def test_watched_variables_in_creation_order() -> None:
+    a, b, c = gt.Variable(1.0), gt.Variable(2.0), gt.Variable(3.0)
+    with gt.GradientTape() as tape:
+        _ = c * b * a
+    assert tape.watched_variables() == (a, b, c)

@@ -80,6 +80,9 @@ CONSTANTS: dict[str, st.SearchStrategy] = {
     "ord": st.sampled_from([None, 1, 2, "inf"]),
     "index": st.none() | small_int | st.lists(st.none() | small_int, max_size=3).map(tuple),
     "indices": st.integers(-1, 4) | st.lists(st.integers(-1, 4), max_size=4),
+    "direction": st.sampled_from(["ASCENDING", "DESCENDING"]),
+    "paddings": st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), max_size=3).map(tuple),
+    "pad_mode": st.just("CONSTANT"),
 }
 
 

@@ -88,3 +88,24 @@ def test_needs_a_scalar_target(client) -> None:
     found = problem(client.post("/v1/hessian", json={"definition": defn, "target": "f"}),
                     422, "invalid-request")
     assert "scalar" in found["detail"] and "[3]" in found["detail"]
+
+
+def test_user_function_backward_is_differentiated_through_its_forward(client) -> None:
+    """Issue 19: a function's forward is recorded (as tf.custom_gradient's), so the
+    Hessian of a backward that uses forward names has TensorFlow's values."""
+    defn = {
+        "variables": {"x": t(np.array([-1.0, 0.5, 2.0]), "float64")},
+        "functions": {
+            "log1pexp": {
+                "params": ["z"],
+                "forward": ["e = exp(z)", "out = log(1 + e)"],
+                "backward": ["grad_z = upstream * (1 - 1 / (1 + e))"],
+                "output": "out",
+            }
+        },
+        "program": ["y = sum(log1pexp(x) + x ** 3)"],
+    }
+    answer = post(client, "/v1/hessian", {"definition": defn, "target": "y", "sources": ["x"]})
+    h = arr(answer["hessian"]["x"]["x"])
+    # TensorFlow 2.21: diag(sigmoid'(x)) + 6x
+    np.testing.assert_allclose(np.diag(h), [-5.80338, 3.23500, 12.10499], atol=1e-5)

@@ -6,12 +6,13 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from service.api.bodies import BoundedRoute
 from service.api.deps import PoolDep
 from service.api.openapi import problem_responses
 from service.api.problems import problem_response
 from service.schemas import HealthResponse, ReadinessResponse, WorkerStatus
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], route_class=BoundedRoute)
 
 
 @router.get("/healthz", response_model=HealthResponse, summary="Liveness")

@@ -4,12 +4,13 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
+from service.api.bodies import BoundedRoute
 from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
 from service.api.routes._compute import run, stored_definition
 from service.schemas import HessianRequest, HessianResponse
 
-router = APIRouter(tags=["derivatives"])
+router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 
 
 @router.post(

@@ -9,13 +9,14 @@ from fastapi import APIRouter, Path
 from starlette.responses import Response
 
 from service.api import payloads
+from service.api.bodies import BoundedRoute
 from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, SettingsDep
 from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
 from service.schemas import ModelCreateRequest, ModelInfo, ModelList
 from service.sessions import model_info
 
-router = APIRouter(tags=["models"])
+router = APIRouter(tags=["models"], route_class=BoundedRoute)
 
 NameParam = Annotated[str, Path(description="The model's name.")]
 

@@ -4,12 +4,13 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from service.api.bodies import BoundedRoute
 from service.api.deps import PoolDep
 from service.api.negotiation import JSON
 from service.api.openapi import problem_responses
 from service.schemas import OpCatalogue
 
-router = APIRouter(tags=["definitions"])
+router = APIRouter(tags=["definitions"], route_class=BoundedRoute)
 
 
 @router.get(

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.api import payloads
+from service.api.bodies import BoundedRoute
 from service.api.deps import (
     ModelsDep,
     NegotiatedDep,
@@ -41,7 +42,7 @@ from service.schemas import (
     TraceResponse,
 )
 
-router = APIRouter(tags=["tapes"])
+router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
 
 TAPE_ERRORS = (401, 404)
 
