@@ -276,6 +276,14 @@ def _response_encoding_field() -> Any:
     )
 
 
+def _async_field() -> Any:
+    return Field(
+        False, alias="async", description="Run as a job: answer 202 at once with "
+        "`Location: /v1/jobs/{job_id}` and follow its progress there (as the header "
+        "`Prefer: respond-async` asks)."
+    )
+
+
 class CallOptions(RequestModel):
     """Options every request on a tape takes."""
 
@@ -333,6 +341,7 @@ class JacobianRequest(ComputeRequest):
     """The jacobian of a (tensor) target with respect to each source."""
 
     unconnected: Unconnected = UNCONNECTED_FIELD
+    run_async: StrictBool = _async_field()
 
     batch: StrictBool = Field(
         False, description="Per-example jacobians: target and source share their first "
@@ -355,6 +364,7 @@ class HessianRequest(ComputeRequest):
     newton: NewtonOptions | None = Field(
         None, description="Also answer the damped Newton step (subtract it from the sources)."
     )
+    run_async: StrictBool = _async_field()
 
 
 class HVPRequest(ComputeRequest):
@@ -458,6 +468,7 @@ class TapeJacobianRequest(TapeGradientRequest):
         False, description="Per-example jacobians (target and sources share their first "
         "axis); refused (422) when the examples are not independent."
     )
+    run_async: StrictBool = _async_field()
 
 
 class Which(StrEnum):
@@ -493,6 +504,7 @@ class EigenvaluesRequest(CallOptions):
                                      "tensors per source (unit norm over all sources).")
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random start vector "
                                    "(null: a fresh one).")
+    run_async: StrictBool = _async_field()
 
 
 class TraceRequest(CallOptions):
@@ -512,6 +524,7 @@ class TraceRequest(CallOptions):
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
+    run_async: StrictBool = _async_field()
 
 
 class SolveRequest(CallOptions):
@@ -530,6 +543,7 @@ class SolveRequest(CallOptions):
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: max_iterations.")
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    run_async: StrictBool = _async_field()
 
 
 # Stored models --------------------------------------------------------------------------
@@ -826,3 +840,61 @@ class Problem(BaseModel):
         None, description="Problems found beyond those listed in `errors` (the server lists "
         "at most max_reported_problems)."
     )
+
+
+# Jobs ------------------------------------------------------------------------------------
+
+
+class JobState(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class JobProgress(BaseModel):
+    """Where a running job stands (the last report of its worker)."""
+
+    done: int = Field(description="Units of work done: HVPs (vectors) for eigenvalues, trace "
+                      "and solve; rows for a Hessian.")
+    total: int | None = Field(None, description="The budget of units (max_hvps, rows), when "
+                              "known; an algorithm may stop sooner, on convergence.")
+    unit: str = Field(description="hvps or rows.", examples=["hvps"])
+    estimate: float | list[float | None] | None = Field(
+        None, description="What the algorithm would answer now: the Ritz values (eigenvalues), "
+        "the trace estimate; null when there is none yet (solve: see error).")
+    error: float | list[float | None] | None = Field(
+        None, description="The estimate's error: Ritz residuals, the trace's standard error, "
+        "the solve's relative residual ||b - A x|| / ||b||.")
+    seconds: float = Field(description="Seconds the computation has run in its worker.")
+    eta: float | None = Field(
+        None, description="Seconds left at the current pace if the whole budget is used "
+        "(within max_seconds); null when unknown.")
+
+
+class JobInfo(BaseModel):
+    """A job: a long computation run in the background (`"async": true` or `Prefer:
+    respond-async`)."""
+
+    job_id: str
+    state: JobState = Field(description="queued, running, succeeded, failed or cancelled.")
+    operation: str = Field(description="The request that started it.",
+                           examples=["POST /v1/tapes/{tape_id}/trace"])
+    tape_id: str | None = Field(None, description="The tape it runs on, if any.")
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    expires_at: str | None = Field(None, description="When a finished job is forgotten "
+                                   "(job_ttl after it ended).")
+    elapsed: float = Field(description="Seconds since it started running (until it ended).")
+    progress: JobProgress | None = None
+    result: dict[str, Any] | None = Field(
+        None, description="When succeeded: the answer the synchronous request gives (also at "
+        "GET /v1/jobs/{job_id}/result).")
+    error: Problem | None = Field(None, description="When failed: the problem the synchronous "
+                                  "request would have answered.")
+
+
+class JobList(BaseModel):
+    jobs: list[JobInfo] = Field(description="The caller's jobs, oldest first (without results).")

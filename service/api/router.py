@@ -5,10 +5,20 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from service.api.routes import gradient, health, hessian, hvp, jacobian, models, ops, tapes
+from service.api.routes import (
+    gradient,
+    health,
+    hessian,
+    hvp,
+    jacobian,
+    jobs,
+    models,
+    ops,
+    tapes,
+)
 from service.auth import authenticate
 
 api_router = APIRouter()
-for module in (gradient, jacobian, hessian, hvp, tapes, models, ops):
+for module in (gradient, jacobian, hessian, hvp, tapes, jobs, models, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate)])
 api_router.include_router(health.router)
