@@ -1,10 +1,12 @@
 """Every resource's router, registered in one place. The /v1 routes take the caller's
-API key (when the server requires keys); the operational ones do not."""
+API key (when the server requires keys) and pass its fair-sharing gate; the operational
+ones do neither."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from service.api.fairness import admit
 from service.api.routes import (
     gradient,
     health,
@@ -19,6 +21,9 @@ from service.api.routes import (
 from service.auth import authenticate
 
 api_router = APIRouter()
-for module in (gradient, jacobian, hessian, hvp, tapes, jobs, models, ops):
-    api_router.include_router(module.router, dependencies=[Depends(authenticate)])
+for module in (gradient, jacobian, hessian, hvp, tapes, models, ops):
+    api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
+# Following a job uses no worker (and its event stream lasts as long as the job): no slot.
+# A job takes its key's slot while it computes (service/jobs.py).
+api_router.include_router(jobs.router, dependencies=[Depends(authenticate)])
 api_router.include_router(health.router)

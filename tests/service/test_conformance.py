@@ -672,12 +672,11 @@ def test_unconnected_hessian_blocks_are_zeros(client, enc: Encoding) -> None:
     shapes = {"a": (), **{n: v.shape for n, v in UNCONNECTED.items()}}
     close(tensor_of(answer["hessian"]["a"]["a"], "hessian[a][a]", ()), _hess("a", "a"),
           "hessian[a][a]", rtol=1e-4, atol=1e-5)
-    for p in shapes:
-        for q in shapes:
+    for p, p_shape in shapes.items():
+        for q, q_shape in shapes.items():
             if p == q == "a":
                 continue
-            got = tensor_of(answer["hessian"][p][q], f"hessian[{p}][{q}]",
-                            shapes[p] + shapes[q])
+            got = tensor_of(answer["hessian"][p][q], f"hessian[{p}][{q}]", p_shape + q_shape)
             assert not got.any(), f"hessian[{p}][{q}]: {got}"
 
 

@@ -50,8 +50,11 @@ async def respond(request: Request, body: Any, negotiated: Negotiated, prepared:
         reply = await call()
         return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
 
+    fairness = request.app.state.fairness
+
     async def run_job() -> tuple[dict[str, Any], float]:
-        reply = await call()
+        async with fairness.slot(owner):  # a job computes within its key's fair share
+            reply = await call()
         return reply.result, reply.seconds
 
     jobs: JobRegistry = request.app.state.jobs
