@@ -189,6 +189,20 @@ Variable = TypeAliasType(
 )
 
 
+NamedTensors = TypeAliasType(
+    "NamedTensors",
+    Annotated[dict[Name, TensorValue], Field(description="Tensors by name.")],
+)
+Variables = TypeAliasType(
+    "Variables",
+    Annotated[dict[Name, Variable], Field(description="Parameters by name.")],
+)
+Functions = TypeAliasType(
+    "Functions",
+    Annotated[dict[Name, FunctionSpec], Field(description="User functions by name.")],
+)
+
+
 class Definition(_Strict):
     """A model/loss: variables, inputs and program lines (`name = expression`)."""
 
@@ -197,23 +211,59 @@ class Definition(_Strict):
         "line breaks).",
         examples=[["h = relu(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"]],
     )
-    variables: dict[Name, Variable] = Field(default_factory=dict)
-    inputs: dict[Name, TensorValue] = Field(
-        default_factory=dict, description="Data: never a default source."
-    )
-    functions: dict[Name, FunctionSpec] = Field(default_factory=dict)
+    variables: Variables = Field(default_factory=dict)
+    inputs: NamedTensors = Field(default_factory=dict,
+                                 description="Data: never a default source.")
+    functions: Functions = Field(default_factory=dict)
 
+
+Aliases = TypeAliasType(
+    "Aliases",
+    Annotated[dict[Name, Name],
+              Field(description="Alias -> variable or input name: answers are keyed by alias.")],
+)
 
 Sources = TypeAliasType(
     "Sources",
     Annotated[
-        Name | list[Name] | dict[Name, Name],
+        Name | list[Name] | Aliases,
         Field(
             description="What to differentiate with respect to: a name, a list of names "
             "(answers keyed by name) or a mapping alias -> name (answers keyed by alias). "
             "Absent: every trainable variable."
         ),
     ],
+)
+
+# Named maps, so that generated clients read like these docs (no `...Type0` classes).
+Vector = TypeAliasType(
+    "Vector",
+    Annotated[dict[Name, TensorValue],
+              Field(description="A vector in the sources' space: a tensor per source, keyed "
+                    "like the gradients.")],
+)
+Tensors = TypeAliasType(
+    "Tensors",
+    Annotated[dict[str, Tensor],
+              Field(description="A tensor per source (an HVP, a solution, an eigenvector, a "
+                    "Newton step), keyed like the gradients.")],
+)
+Gradients = TypeAliasType(
+    "Gradients",
+    Annotated[dict[str, Tensor | None],
+              Field(description="A tensor per source, keyed by name or alias as `sources` "
+                    "was given; null for a source the target does not depend on (unless "
+                    "zeros were asked for).")],
+)
+HessianBlocks = TypeAliasType(
+    "HessianBlocks",
+    Annotated[dict[str, Tensors],
+              Field(description="hessian[a][b]: the block of sources a and b, shape "
+                    "a.shape + b.shape.")],
+)
+SourceMap = TypeAliasType(
+    "SourceMap",
+    Annotated[dict[str, str], Field(description="Answer key (alias) -> variable or input.")],
 )
 
 # ----------------------------------------------------------------------------------------
@@ -378,10 +428,10 @@ class HVPRequest(ComputeRequest):
     """Hessian-vector products of a scalar target: give `vector` or `vectors`. Gradients
     and products of unconnected sources are zeros."""
 
-    vector: dict[Name, TensorValue] | None = Field(
+    vector: Vector | None = Field(
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
-    vectors: list[dict[Name, TensorValue]] | None = Field(
+    vectors: list[Vector] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
 
@@ -395,10 +445,10 @@ class HVPRequest(ComputeRequest):
 
 
 class _Vectors(CallOptions):
-    vector: dict[Name, TensorValue] | None = Field(
+    vector: Vector | None = Field(
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
-    vectors: list[dict[Name, TensorValue]] | None = Field(
+    vectors: list[Vector] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
 
@@ -438,8 +488,9 @@ class TapeUpdateRequest(CallOptions):
     """New values for some of the tape's variables and inputs (same names and shapes;
     values are cast to the recorded dtype): the tape is recorded again at them."""
 
-    variables: dict[Name, TensorValue] = Field(default_factory=dict)
-    inputs: dict[Name, TensorValue] = Field(default_factory=dict)
+    variables: NamedTensors = Field(default_factory=dict,
+                                    description="New values by variable name.")
+    inputs: NamedTensors = Field(default_factory=dict, description="New values by input name.")
 
     @model_validator(mode="after")
     def _something(self) -> TapeUpdateRequest:
@@ -539,7 +590,7 @@ class SolveRequest(CallOptions):
     defaults to the recorded gradient: x is then the damped Newton step (subtract it
     from the sources)."""
 
-    vector: dict[Name, TensorValue] | None = Field(
+    vector: Vector | None = Field(
         None, description="b, a tensor per source (keyed like the gradients); default: the "
         "gradient."
     )
@@ -595,7 +646,7 @@ class GradientResponse(BaseModel):
     """The target's value and one gradient per source (null when unconnected)."""
 
     value: Tensor
-    gradients: dict[str, Tensor | None]
+    gradients: Gradients
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -604,7 +655,7 @@ class JacobianResponse(BaseModel):
     or target.shape + source.shape[1:] for a batch jacobian; null when unconnected)."""
 
     value: Tensor
-    jacobians: dict[str, Tensor | None]
+    jacobians: Gradients
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -613,9 +664,9 @@ class HessianResponse(BaseModel):
     a.shape + b.shape."""
 
     value: Tensor
-    gradients: dict[str, Tensor | None]
-    hessian: dict[str, dict[str, Tensor]]
-    newton_step: dict[str, Tensor] | None = Field(
+    gradients: Gradients
+    hessian: HessianBlocks
+    newton_step: Tensors | None = Field(
         None, description="(H + damping I)^-1 g per source, when asked."
     )
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -625,9 +676,9 @@ class HVPResponse(BaseModel):
     """Value, gradients and H @ v per vector (`hvp` for `vector`, `hvps` for `vectors`)."""
 
     value: Tensor
-    gradients: dict[str, Tensor | None]
-    hvp: dict[str, Tensor] | None = None
-    hvps: list[dict[str, Tensor]] | None = None
+    gradients: Gradients
+    hvp: Tensors | None = None
+    hvps: list[Tensors] | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -640,7 +691,7 @@ class TapeCreateResponse(BaseModel):
 
     tape_id: str = Field(description="Unguessable (192 random bits): keep it secret.")
     value: Tensor
-    gradients: dict[str, Tensor | None]
+    gradients: Gradients
     bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
     ttl: float = Field(description="Seconds the tape lives after its last use.")
     expires_at: datetime = Field(description="When it expires unless used before.")
@@ -654,7 +705,7 @@ class TapeInfo(BaseModel):
 
     tape_id: str
     target: str
-    sources: dict[str, str] = Field(description="Answer key -> variable or input.")
+    sources: SourceMap
     model: str | None = Field(None, description="The stored model it was recorded from.")
     created_at: datetime
     last_used_at: datetime
@@ -679,8 +730,8 @@ class TapeList(BaseModel):
 class TapeHVPResponse(BaseModel):
     """H @ v per vector (`hvp` for `vector`, `hvps` for `vectors`)."""
 
-    hvp: dict[str, Tensor] | None = None
-    hvps: list[dict[str, Tensor]] | None = None
+    hvp: Tensors | None = None
+    hvps: list[Tensors] | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -702,7 +753,7 @@ class EigenvaluesResponse(BaseModel):
     eigenvalues: list[float]
     residuals: list[float] = Field(description="||H y - theta y|| per Ritz pair (estimates "
                                    "from the Lanczos recurrence).")
-    eigenvectors: list[dict[str, Tensor]] | None = None
+    eigenvectors: list[Tensors] | None = None
     converged: bool
     stopped: Stopped = Field(description="converged; exhausted (every direction was spanned: "
                              "exact); max_hvps; time_limit.")
@@ -728,7 +779,7 @@ class TraceResponse(BaseModel):
 
 
 class SolveResponse(BaseModel):
-    solution: dict[str, Tensor] = Field(description="x, per source.")
+    solution: Tensors = Field(description="x, per source.")
     rhs: str = Field(description="gradient (x is the damped Newton step) or vector.")
     converged: bool
     stopped: Stopped = Field(description="converged, max_iterations, max_hvps, time_limit, "
@@ -754,6 +805,18 @@ class VariableInfo(TypeInfo):
     trainable: bool
 
 
+Types = TypeAliasType(
+    "Types", Annotated[dict[str, TypeInfo], Field(description="Shape and dtype by name.")]
+)
+
+
+VariableTypes = TypeAliasType(
+    "VariableTypes",
+    Annotated[dict[str, VariableInfo],
+              Field(description="Shape, dtype and trainable by variable name.")],
+)
+
+
 class ModelInfo(BaseModel):
     """A stored model: what its program defines."""
 
@@ -762,9 +825,9 @@ class ModelInfo(BaseModel):
     digest: str = Field(description="SHA-256 of the stored definition (values included).")
     created_at: datetime
     updated_at: datetime
-    variables: dict[str, VariableInfo]
-    inputs: dict[str, TypeInfo]
-    names: dict[str, TypeInfo] = Field(description="Every program line's name, shape, dtype.")
+    variables: VariableTypes
+    inputs: Types
+    names: Types = Field(description="Every program line's name, shape, dtype.")
     functions: list[str]
     trainable: list[str] = Field(description="The default sources.")
 
@@ -860,6 +923,13 @@ class JobState(StrEnum):
     cancelled = "cancelled"
 
 
+# The answer of a request that may run as a job: what the synchronous request answers.
+JobResult = TypeAliasType(
+    "JobResult",
+    EigenvaluesResponse | TraceResponse | SolveResponse | JacobianResponse | HessianResponse,
+)
+
+
 class JobProgress(BaseModel):
     """Where a running job stands (the last report of its worker)."""
 
@@ -896,7 +966,7 @@ class JobInfo(BaseModel):
                                    "(job_ttl after it ended).")
     elapsed: float = Field(description="Seconds since it started running (until it ended).")
     progress: JobProgress | None = None
-    result: dict[str, Any] | None = Field(
+    result: JobResult | None = Field(
         None, description="When succeeded: the answer the synchronous request gives (also at "
         "GET /v1/jobs/{job_id}/result).")
     error: Problem | None = Field(None, description="When failed: the problem the synchronous "

@@ -20,9 +20,6 @@ from service.schemas import JobInfo, JobList
 
 router = APIRouter(tags=["jobs"])
 
-# The answers of the requests that may run as jobs.
-JOB_ANSWERS = ("EigenvaluesResponse", "TraceResponse", "SolveResponse", "JacobianResponse",
-               "HessianResponse")
 KEEP_ALIVE = 15.0  # seconds between comments on a quiet event stream (proxies close idle ones)
 
 
@@ -81,8 +78,7 @@ async def read_job(job: JobDep, negotiated: AnswerDep, settings: SettingsDep) ->
 @router.get(
     "/v1/jobs/{job_id}/result",
     responses={200: {"description": "The synchronous request's answer.", "content": {
-        media: {"schema": {"anyOf": [{"$ref": f"#/components/schemas/{name}"}
-                                     for name in JOB_ANSWERS]}}
+        media: {"schema": {"$ref": "#/components/schemas/JobResult"}}
         for media in ("application/json", MSGPACK)}},
         **problem_responses(401, 404, 406, 409)},
     summary="A finished job's answer",
