@@ -46,6 +46,21 @@ log = logging.getLogger("gradtape.compute")
 # What engine ops raise for data the checks cannot see; anything else is a bug (500).
 RUNTIME_ERRORS = (ValueError, TypeError, IndexError, ArithmeticError)
 
+PROGRESS_INTERVAL = 0.05  # seconds between two progress reports of one request
+
+
+def _plain(value: Any) -> Any:
+    """A progress field as msgpack carries it: floats (None for non-finite), lists."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
 
 @dataclass
 class WorkerContext:
@@ -62,6 +77,20 @@ class WorkerContext:
     lanczos_max_basis_bytes: int = 1 << 30
     memory_budget: int | None = None  # bytes of one request's passes (None: unbounded)
     state: dict[str, Any] = field(default_factory=dict)
+    # Where the running request's progress goes (a job's caller asked for it), or None.
+    report: Callable[[dict[str, Any]], None] | None = None
+    _last_report: float = 0.0
+
+    def progress(self, final: bool = False, **report: Any) -> None:
+        """Send a progress report of the running request (at most one per 50 ms, except
+        `final` ones), when its caller asked for them; a no-op otherwise."""
+        if self.report is None:
+            return
+        now = time.perf_counter()
+        if not final and now - self._last_report < PROGRESS_INTERVAL:
+            return
+        self._last_report = now
+        self.report({k: _plain(v) for k, v in report.items()})
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -111,22 +140,35 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     return context
 
 
-def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]:
-    """The reply to one request message; never raises."""
+def answer(context: WorkerContext, message: Mapping[str, Any],
+           cancelled: Callable[[], bool] | None = None,
+           report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The reply to one request message; never raises. `cancelled()` is asked before
+    every engine op: once it says yes the request stops there and answers the error
+    type "cancelled" (nothing half-done is kept: a tape is stored only once recorded).
+    `report` receives the request's progress reports (WorkerContext.progress)."""
     started = time.perf_counter()
     request_id = message.get("id")
     handler = HANDLERS.get(message.get("kind", ""))
+    context.report, context._last_report = report, 0.0
+
+    def check() -> None:
+        if cancelled is not None and cancelled():
+            raise gt.Interrupted("the request was cancelled")
+
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
         payload = message.get("payload")
-        result = handler(payload, context)
-        result = nonfinite.guard(
-            result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
-            refuse_nonfinite,
-        )
+        with gt.interruptible(check):
+            result = handler(payload, context)
+            result = nonfinite.guard(
+                result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
+                refuse_nonfinite,
+            )
     except BaseException as exc:  # every failure becomes an error reply
-        if isinstance(exc, NonFiniteAnswer) and message.get("kind") == "tape_create":
+        if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
+                and message.get("kind") == "tape_create"):
             # A refused recording is not kept; a replaced tape is rebuilt from the store.
             _tapes(context).pop(message["payload"]["tape_id"], None)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -178,6 +220,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, OverBudget):
         return {"type": "too-large", "message": str(exc.problems[0]),
                 "problems": exc.to_list()}
+    if isinstance(exc, gt.Interrupted):
+        return {"type": "cancelled", "message": str(exc)}
     if isinstance(exc, DefinitionError):
         kind = "execution" if isinstance(exc, ExecutionError) else "definition"
         problems = exc.to_list()
@@ -369,6 +413,7 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
                                                  context.memory_budget)
     primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
     rows = []  # H in row chunks, (chunk, n) each, on the host
+    t0 = time.perf_counter()
     offsets = np.cumsum([0, *sizes])
     for start in range(0, n, context.chunk_size):
         stop = min(start + context.chunk_size, n)
@@ -384,6 +429,8 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
         rows.append(np.concatenate(
             [c.numpy().reshape(stop - start, -1).astype(np.float64) for c in columns], axis=1
         ))
+        context.progress(final=stop == n, done=stop, total=n, unit="rows",
+                         seconds=time.perf_counter() - t0)
     h = np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
     grads = [g.numpy() for g in operator.grad]
     blocks: dict[str, dict[str, np.ndarray]] = {}

@@ -32,8 +32,10 @@ from typing import Any
 import numpy as np
 
 import engine as gt
+from engine import trace
 from engine.hessian_algorithms import (
     FlatOperator,
+    Progress,
     conjugate_gradient,
     hutchinson_trace,
     lanczos,
@@ -176,6 +178,8 @@ def held_bytes(*roots: Any) -> int:
     buffers: dict[int, int] = {}
     stack = list(roots)
     while stack:
+        if len(seen) % 4096 == 0:
+            trace.check_interrupt()  # a walk over a large recording stops when cancelled
         obj = stack.pop()
         if id(obj) in seen:
             continue
@@ -305,6 +309,19 @@ def _seconds_left(payload: Mapping[str, Any], started: float) -> float:
     return max(0.05, budget - (time.perf_counter() - started))
 
 
+def _relay(context: WorkerContext) -> Callable[[Progress], None] | None:
+    """An algorithm's progress callback that forwards to the request's caller (a job),
+    or None when nobody asked."""
+    if context.report is None:
+        return None
+
+    def relay(p: Progress) -> None:
+        context.progress(hvps=p.hvps, max_hvps=p.max_hvps, estimate=p.estimate, error=p.error,
+                         seconds=p.seconds, max_seconds=p.max_seconds, unit="hvps")
+
+    return relay
+
+
 def _check_max_hvps(value: int, at_least: int, what: str) -> None:
     if value < at_least:
         raise RequestError("request", f"max_hvps: {what} needs at least {at_least}, got {value}",
@@ -335,7 +352,7 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
         flat.matvec, flat.n, k=k, which=payload["which"], tol=float(payload["tol"]),
         max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
         eigenvectors=bool(payload["eigenvectors"]), seed=payload.get("seed"),
-        max_basis_bytes=context.lanczos_max_basis_bytes,
+        max_basis_bytes=context.lanczos_max_basis_bytes, callback=_relay(context),
     )
     vectors = None
     if out.eigenvectors is not None:
@@ -363,7 +380,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         session.flat.matvec, session.flat.n, batch_size=batch,
         max_hvps=int(payload["max_hvps"]), rtol=payload.get("rtol"),
         atol=float(payload.get("atol") or 0.0), max_seconds=_seconds_left(payload, started),
-        seed=payload.get("seed"),
+        seed=payload.get("seed"), callback=_relay(context),
     )
     result = {
         "trace": out.trace,
@@ -394,7 +411,7 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     out = conjugate_gradient(
         flat.matvec, b, damping=float(payload["damping"]), tol=float(payload["tol"]),
         max_iterations=int(payload["max_iterations"]), max_hvps=int(payload["max_hvps"]),
-        max_seconds=_seconds_left(payload, started),
+        max_seconds=_seconds_left(payload, started), callback=_relay(context),
     )
     result = {
         "solution": dict(zip(session.keys, flat.unflatten(out.x), strict=True)),

@@ -22,6 +22,7 @@ it costs; and the stored models. No math here: the recordings live in the worker
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 import secrets
@@ -427,7 +428,8 @@ class TapeRegistry:
             except PoolError as exc:  # a worker that is gone has dropped them already
                 log.debug("dropping tapes on worker %d: %s", worker, exc)
 
-        task = asyncio.get_running_loop().create_task(drop())
+        # A context of its own: the drop is not cancelled with the request that caused it.
+        task = asyncio.get_running_loop().create_task(drop(), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from engine import trace
 from engine.language.catalogue import (
     SIGNATURES,
     Signature,
@@ -392,6 +393,7 @@ class _Checker:
                 scope.later.setdefault(line.target, line.number)
         orders: dict[str, int] = {}
         for index, line in enumerate(lines):
+            trace.check_interrupt()  # a long program stops between two lines when cancelled
             scope.line_index = index
             out = self.infer(line.expr, scope)
             if line.target in scope.types:

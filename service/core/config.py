@@ -97,6 +97,15 @@ class Settings(BaseSettings):
     allow_nonfinite: bool = Field(
         default=False, description="default for requests that do not say: accept NaN/Inf inputs"
     )
+    cancel_grace: float = Field(
+        default=10.0, gt=0,
+        description="seconds a cancelled request's worker has to stop (at its next op) before "
+        "it is killed and replaced",
+    )
+    disconnect_poll: float = Field(
+        default=0.05, gt=0,
+        description="seconds between checks that a waiting request's client is still connected",
+    )
 
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
@@ -154,6 +163,15 @@ class Settings(BaseSettings):
     tombstone_ttl: float = Field(
         default=7 * 86400.0, ge=0,
         description="seconds an ended tape's id keeps answering why it is gone",
+    )
+
+    # Jobs ---------------------------------------------------------------------------------
+    job_ttl: float = Field(
+        default=3600.0, gt=0,
+        description="seconds a finished job (and its answer) is kept for GET /v1/jobs/{id}",
+    )
+    max_jobs_per_key: int = Field(
+        default=8, ge=0, description="queued or running jobs per API key (or in all, without keys)"
     )
 
     # Storage ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -503,6 +504,43 @@ def test_tape_algorithms(client, enc: Encoding, sources: Any) -> None:
         check(client.delete(url), 204)
 
 
+@pytest.mark.parametrize("enc", ENC)
+def test_jobs(client, enc: Encoding) -> None:
+    """A trace run as a job: 202 with the job's document, its state and progress, its
+    answer inline and at /result, the list, the events stream, DELETE."""
+    sources = SOURCES["dict-all"]
+    keys = answer_keys(sources)
+    h = dense_hessian(keys)
+    tape_id = new_tape(client, enc, sources)["tape_id"]
+    accept = {"accept": MSGPACK if enc.name == "msgpack" else JSON}
+    try:
+        r = enc.request(client, "POST", f"/v1/tapes/{tape_id}/trace",
+                        {"max_hvps": 64, "batch_size": 16, "seed": 1, "async": True})
+        job = check(r, 202, enc.name)
+        location = f"/v1/jobs/{job['job_id']}"
+        assert r.headers["location"] == location
+        for _ in range(500):
+            job = check(client.get(location, headers=accept), 200, enc.name)
+            if job["state"] not in ("queued", "running"):
+                break
+            time.sleep(0.02)
+        assert job["state"] == "succeeded", job
+        trace = job["result"]
+        bound = 6 * (trace["stderr"] or 0.0) + 1e-4 * abs(np.trace(h)) + 1e-6
+        assert abs(trace["trace"] - np.trace(h)) <= bound, (trace, np.trace(h))
+        assert job["progress"]["done"] == 64 and job["progress"]["total"] == 64
+        result = check(client.get(f"{location}/result", headers=accept), 200, enc.name)
+        assert result == trace
+        listed = check(client.get("/v1/jobs", headers=accept), 200)
+        assert job["job_id"] in [j["job_id"] for j in listed["jobs"]]
+        events = check(client.get(f"{location}/events"), 200)
+        assert events.rstrip().splitlines()[1] == "event: succeeded", events
+        check(client.delete(location), 204)
+        check(client.get(location), 404)
+    finally:
+        check(client.delete(f"/v1/tapes/{tape_id}"), 204)
+
+
 # -- models -----------------------------------------------------------------------------------
 
 
@@ -780,6 +818,11 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/tapes/{tape_id}/eigenvalues"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/trace"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/solve"): ("test_tape_algorithms",),
+    ("GET", "/v1/jobs"): ("test_jobs",),
+    ("GET", "/v1/jobs/{job_id}"): ("test_jobs",),
+    ("GET", "/v1/jobs/{job_id}/result"): ("test_jobs",),
+    ("GET", "/v1/jobs/{job_id}/events"): ("test_jobs",),
+    ("DELETE", "/v1/jobs/{job_id}"): ("test_jobs",),
     ("GET", "/v1/models"): ("test_models",),
     ("POST", "/v1/models"): ("test_models",),
     ("GET", "/v1/models/{name}"): ("test_models",),
