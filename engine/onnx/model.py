@@ -96,9 +96,15 @@ class OnnxModel:
         )
         self.params: dict[str, np.ndarray] = {}
         self.consts: dict[str, np.ndarray] = {}
+        # A float initializer only ever read as a shape, pads, a pad value or a dropout
+        # ratio is a constant, not a parameter.
+        differentiable = {
+            name for n in graph.node for i, name in enumerate(n.input)
+            if i not in STATIC.get(n.op_type, ())
+        }
         for init in graph.initializer:
             value = numpy_helper.to_array(init)
-            if value.dtype.kind == "f":
+            if value.dtype.kind == "f" and init.name in differentiable:
                 self.params[init.name] = np.array(value)  # writable, owned
             else:
                 self.consts[init.name] = np.array(value)

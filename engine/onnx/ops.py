@@ -247,7 +247,7 @@ HANDLERS["Softmax"] = _softmax_like("softmax")
 HANDLERS["LogSoftmax"] = _softmax_like("log_softmax")
 
 
-@handler("Dropout")
+@handler("Dropout", static=(1, 2))
 def _dropout(ins, attrs, opset):
     # The loader refused training mode; in inference Dropout is the identity and the
     # mask is all true.
