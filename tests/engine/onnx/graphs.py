@@ -15,6 +15,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 def graph_model(
     nodes: list, inputs: dict[str, np.ndarray], consts: dict[str, np.ndarray] | None = None,
     opset: int = 17, outputs: tuple[str, ...] = ("out",), dynamic: dict[str, list] | None = None,
+    domains: dict[str, int] | None = None,
 ) -> bytes:
     """A model of `nodes` whose graph inputs are `inputs` (shapes as given, or the dims
     in `dynamic`) and whose initializers are `consts`; outputs of unknown shape."""
@@ -29,14 +30,18 @@ def graph_model(
                      for n in outputs]
     inits = [numpy_helper.from_array(np.asarray(a), name) for name, a in (consts or {}).items()]
     graph = helper.make_graph(nodes, "g", graph_inputs, graph_outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid(d, v) for d, v in {"": opset, **(domains or {})}.items()
+    ])
     model.ir_version = 8
     # The outputs' types from shape inference (an output needs one for the checker).
     inferred = onnx.shape_inference.infer_shapes(model)
     types = {v.name: v.type for v in inferred.graph.value_info}
     for value in model.graph.output:
-        if value.name in types:
+        if value.name in types and types[value.name].tensor_type.HasField("shape"):
             value.type.CopyFrom(types[value.name])
+        else:  # what inference cannot tell (an unsupported op): some float tensor
+            value.CopyFrom(helper.make_tensor_value_info(value.name, TensorProto.FLOAT, ["d"]))
     return model.SerializeToString()
 
 
