@@ -128,7 +128,7 @@ def test_gradient_and_hvp_match_finite_differences(name: str) -> None:
 
 
 def test_jacobian_forward_and_reverse_agree_on_the_transformer() -> None:
-    _, record, prog, leaves = program("transformer", "float64")
+    _, _, prog, leaves = program("transformer", "float64")
     f = prog.function("logits", ["ln1.weight"], leaves)
     w = leaves["ln1.weight"]
     fwd = gt.jacfwd(f)(w).numpy()
