@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from engine.onnx.errors import ModelError, ModelProblem
-from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, run_node
+from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
 from engine.tensor import Tensor, constant
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -151,6 +151,8 @@ class OnnxModel:
                     if node.op_type in FOLD_ONLY else "not supported",
                     self.opset,
                 ))
+            elif (why := refusal(node.op_type, node.attrs, node.outputs)) is not None:
+                problems.append(node.problem(why, self.opset))
             problems.extend(self._mode_problems(node, values))
         if problems:
             raise ModelError(problems)

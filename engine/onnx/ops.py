@@ -255,6 +255,73 @@ def _dropout(ins, attrs, opset):
     return [x, np.ones(shape_of(x), dtype=bool)]
 
 
+# ----------------------------------------------------------------------------------------
+# Convolution and pooling (the engine's conv, max_pool, avg_pool: im2col + GEMM)
+# ----------------------------------------------------------------------------------------
+
+
+def _window_pads(x: Any, kernel: Sequence[int], attrs: dict[str, Any]) -> tuple:
+    """((begin, end), ...) per spatial axis from pads or auto_pad (Operators.md, Conv:
+    SAME_UPPER/SAME_LOWER keep ceil(in / stride) outputs, the odd cell at the end or
+    the beginning; VALID pads nothing)."""
+    nd = len(kernel)
+    auto = attrs.get("auto_pad", "NOTSET")
+    if auto in ("NOTSET", ""):
+        pads = list(attrs.get("pads", [0] * 2 * nd))
+        return tuple((pads[i], pads[i + nd]) for i in range(nd))
+    if auto == "VALID":
+        return ((0, 0),) * nd
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        raise OpError(f"auto_pad {auto!r} is not NOTSET, SAME_UPPER, SAME_LOWER or VALID")
+    strides = list(attrs.get("strides", [1] * nd))
+    dilations = list(attrs.get("dilations", [1] * nd))
+    out = []
+    for size, k, s, d in zip(shape_of(x)[2:], kernel, strides, dilations):
+        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        small, large = total // 2, total - total // 2
+        out.append((small, large) if auto == "SAME_UPPER" else (large, small))
+    return tuple(out)
+
+
+@handler("Conv")
+def _conv(ins, attrs, opset):
+    x, w = ins[0], ins[1]
+    b = ins[2] if len(ins) > 2 else None
+    kernel = shape_of(w)[2:]
+    return [OP["conv"](
+        x, w, b, strides=attrs.get("strides"), pads=_window_pads(x, kernel, attrs),
+        dilations=attrs.get("dilations"), groups=int(attrs.get("group", 1)),
+    )]
+
+
+@handler("MaxPool")
+def _max_pool(ins, attrs, opset):
+    x = ins[0]
+    kernel = list(attrs["kernel_shape"])
+    if attrs.get("storage_order", 0):
+        raise OpError("storage_order=1 (column-major Indices) is not supported")
+    y = OP["max_pool"](
+        x, kernel_shape=kernel, strides=attrs.get("strides"),
+        pads=_window_pads(x, kernel, attrs), dilations=attrs.get("dilations"),
+        ceil_mode=bool(attrs.get("ceil_mode", 0)),
+    )
+    return [y, None]  # Indices: refused by the loader when a node uses them
+
+
+@handler("AveragePool")
+def _avg_pool(ins, attrs, opset):
+    x = ins[0]
+    kernel = list(attrs["kernel_shape"])
+    if any(d != 1 for d in attrs.get("dilations", [])):
+        raise OpError("dilations other than 1 are not supported by AveragePool here")
+    return [OP["avg_pool"](
+        x, kernel_shape=kernel, strides=attrs.get("strides"),
+        pads=_window_pads(x, kernel, attrs),
+        count_include_pad=bool(attrs.get("count_include_pad", 0)),
+        ceil_mode=bool(attrs.get("ceil_mode", 0)),
+    )]
+
+
 @handler("GlobalAveragePool")
 def _global_average_pool(ins, attrs, opset):
     x = ins[0]
@@ -501,6 +568,30 @@ def _size(ins, attrs, opset):
 
 HANDLERS["Split"] = lambda ins, attrs, opset: split(ins, attrs, opset, 0)
 STATIC["Split"] = (1,)
+
+
+def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str | None:
+    """Why a node of a supported op cannot run here (an attribute or output this runtime
+    does not implement), known from the node alone; None when it can."""
+    used = [bool(n) for n in outputs]
+    if op_type == "MaxPool":
+        if len(used) > 1 and any(used[1:]):
+            return "the Indices output is not supported"
+        if attrs.get("storage_order", 0):
+            return "storage_order=1 is not supported"
+    if op_type == "AveragePool" and any(d != 1 for d in attrs.get("dilations", [])):
+        return "dilations other than 1 are not supported"
+    if op_type == "Pad" and attrs.get("mode", "constant") != "constant":
+        return f"mode {attrs['mode']!r} is not supported (only 'constant')"
+    if op_type in ("Conv", "MaxPool", "AveragePool") and attrs.get("auto_pad", "NOTSET") not in (
+        "NOTSET", "", "VALID", "SAME_UPPER", "SAME_LOWER"
+    ):
+        return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
+    if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
+        return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
+    if op_type == "LayerNormalization" and any(used[1:]):
+        return None  # Mean and InvStdDev are computed too
+    return None
 
 
 def run_node(op_type: str, ins: Sequence[Any], attrs: dict[str, Any], opset: int,
