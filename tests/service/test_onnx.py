@@ -128,10 +128,10 @@ def test_unsupported_ops_are_one_422_listing_each(client) -> None:
     body = problem(client.post("/v1/gradient", json=inline(data)), 422, "definition")
     found = [(e["section"], e["kind"], e["message"]) for e in body["errors"]]
     assert found == [
-        ("models.net", "op", "node 'hard' (op_type Hardmax, domain ai.onnx, opset 18): not "
-         "supported"),
-        ("models.net", "op", "node 'lp' (op_type LpNormalization, domain ai.onnx, opset 18): "
-         "not supported"),
+        ("models.net", "op",
+         "node 'hard' (op_type Hardmax, domain ai.onnx, opset 18): not supported"),
+        ("models.net", "op",
+         "node 'lp' (op_type LpNormalization, domain ai.onnx, opset 18): not supported"),
     ]
     stored = problem(client.put("/v1/models/unsupported", content=data, headers=ONNX), 422)
     assert len(stored["errors"]) == 2 and "Hardmax" in stored["errors"][0]["message"]
