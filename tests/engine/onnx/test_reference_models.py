@@ -29,6 +29,7 @@ MODELS = [
     pytest.param("lenet", marks=NEEDS_CONV),
     pytest.param("resnet", marks=NEEDS_CONV),
     "transformer",
+    "transformer_opset18",  # the dynamo exporter: axes, splits and shapes as inputs
 ]
 
 
