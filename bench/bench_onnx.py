@@ -30,9 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine as gt  # noqa: E402
-from engine.language import as_definition, compile_definition  # noqa: E402
-from tests.engine.onnx.graphs import fixture  # noqa: E402
+import engine as gt
+from engine.language import as_definition, compile_definition
+from tests.engine.onnx.graphs import fixture
 
 PROGRAM = ["logits = net(x)", "loss = softmax_cross_entropy(logits, y)"]
 
@@ -156,7 +156,7 @@ def main() -> None:
         wall = {k: statistics.median(s[0] for s in v) * 1e3 for k, v in samples.items()}
         cpu = {k: statistics.median(s[1] for s in v) * 1e3 for k, v in samples.items()}
 
-        def cell(k: str) -> str:
+        def cell(k: str, wall=wall, cpu=cpu) -> str:
             return f"{wall[k]:.2f} ({cpu[k]:.2f})"
 
         print(f"| {name} | {cell('gt forward')} | {cell('gt gradient')} | "

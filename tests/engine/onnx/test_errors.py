@@ -137,3 +137,16 @@ def test_language_reports_model_problems_located() -> None:
     found = [(p.line, p.op, p.kind) for p in info.value.problems]
     assert found == [(1, "net", "shape"), (2, "net", "shape"), (3, "net", "op")]
     assert "input 'x' axis 1 must be 3, got 4" in info.value.problems[0].message
+
+
+def test_attributes_this_runtime_does_not_implement_are_refused_at_load() -> None:
+    x4 = np.zeros((1, 1, 4, 4), np.float32)
+    data = graph_model(
+        [N("MaxPool", ["x"], ["out", "idx"], name="pool", kernel_shape=[2, 2]),
+         N("Pad", ["x", "pads"], ["padded"], name="pad", mode="reflect")],
+        {"x": x4}, {"pads": np.zeros(8, np.int64)}, opset=13, outputs=("out", "idx", "padded"))
+    found = problems_of(data)
+    assert [(p.node, p.message) for p in found] == [
+        ("pool", "the Indices output is not supported"),
+        ("pad", "mode 'reflect' is not supported (only 'constant')"),
+    ]
