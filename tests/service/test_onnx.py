@@ -208,3 +208,29 @@ def test_a_model_over_max_onnx_bytes_is_a_413(tmp_path) -> None:
             assert "max_onnx_bytes" in body["detail"]
     finally:
         stop_server(srv)
+
+
+def test_jacobians_of_a_model_over_http(client) -> None:
+    """d logits / d head.bias is the identity for every example (closed form); the
+    per-example jacobian with respect to the input images of a CNN whose batch norm
+    runs in inference mode equals the full jacobian's diagonal blocks."""
+    data, record = fixture("transformer")
+    defn = definition("transformer", {"onnx": b64(data)})
+    defn["program"] = defn["program"][:1]
+    del defn["inputs"]["y"]
+    answer = post(client, "/v1/jacobian", {"definition": defn, "target": "logits",
+                                           "sources": ["head.bias"]})
+    jac = arr(answer["jacobians"]["head.bias"])
+    np.testing.assert_allclose(jac, np.broadcast_to(np.eye(10), (4, 10, 10)), atol=1e-6)
+
+    data, record = fixture("resnet")
+    x = record["x"][:2]
+    body = {"definition": {"models": {"net": {"onnx": b64(data)}},
+                           "inputs": {"x": t(x)}, "program": ["logits = net(x)"]},
+            "target": "logits", "sources": ["x"]}
+    full = arr(post(client, "/v1/jacobian", body)["jacobians"]["x"])
+    per_example = arr(post(client, "/v1/jacobian", {**body, "batch": True})["jacobians"]["x"])
+    assert full.shape == (2, 10, 2, 3, 8, 8) and per_example.shape == (2, 10, 3, 8, 8)
+    for i in range(2):
+        np.testing.assert_allclose(per_example[i], full[i, :, i], rtol=1e-5, atol=1e-7)
+        assert not full[i, :, 1 - i].any()
