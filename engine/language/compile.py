@@ -63,7 +63,9 @@ class CompiledProgram:
         self._sites = checked.grad_sites
         functions = {name: user_function(fn) for name, fn in checked.functions.items()}
         site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}
-        builder = Builder("program", functions, site_keys, checked.grad_sites)
+        models = {name: m.model for name, m in checked.models.items()}
+        builder = Builder("program", functions, site_keys, checked.grad_sites, models,
+                          checked.model_calls)
         self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
 
     # What the program defines -------------------------------------------------------------

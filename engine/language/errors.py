@@ -23,6 +23,7 @@ KINDS = (
     "unused",  # a line whose result nothing uses
     "runtime",  # a checked program that failed while running (singular matrix, bad label)
     "nonfinite",  # an op whose value or derivative is NaN or infinite at the values given
+    "model",  # an imported (ONNX) model that is invalid or runs an op in training mode
 )
 
 

@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     )
     retry_after: int = Field(default=1, ge=0, description="Retry-After seconds on a 503")
     max_body_bytes: int = Field(default=64 * 2**20, ge=1, description="request body limit (413)")
+    max_onnx_bytes: int = Field(
+        default=32 * 2**20, ge=1,
+        description="largest ONNX file a definition may carry or PUT /v1/models may store (413)",
+    )
     max_body_depth: int = Field(
         default=64, ge=8, description="deepest nesting of lists/objects a body may have (400)"
     )
