@@ -67,6 +67,12 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "GRADTAPE_WORKERS": "1",
             "GRADTAPE_QUEUE_SIZE": "0",
             "GRADTAPE_RETRY_AFTER": "1",
+            # The pool's own 503 is under test: one key may have more requests in flight
+            # than the one worker (by default its fair-sharing slots hold it to one).
+            "GRADTAPE_MAX_CONCURRENT_PER_KEY": "4",
+            # heavy(800, 60) holds the worker for seconds; the memory model puts it just
+            # over the default request budget (1 GiB), so the budget here is larger.
+            "GRADTAPE_REQUEST_MEMORY_BUDGET": str(4 * 2**30),
         },
         tmp / "server.log",
     )
