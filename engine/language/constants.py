@@ -17,6 +17,7 @@ from engine.language.parse import Constant, Node, Number, Sequence
 DTYPE_NAMES = tuple(sorted(str(d) for d in ALLOWED_DTYPES))
 REDUCTIONS = ("mean", "sum", "none")
 ORDS = (None, 1, 2, "inf", "euclidean", "fro")
+PAD_MODES = ("CONSTANT", "REFLECT", "SYMMETRIC", "EDGE")
 
 
 class ArgError(Exception):
@@ -133,7 +134,7 @@ KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     # issue 19
     "direction": ("'ASCENDING' | 'DESCENDING'", _choice(("ASCENDING", "DESCENDING"))),
     "paddings": ("tuple[tuple[int, int], ...]", _pairs),
-    "pad_mode": ("'CONSTANT'", _choice(("CONSTANT",))),
+    "pad_mode": (" | ".join(repr(m) for m in PAD_MODES), _choice(PAD_MODES)),
 }
 
 
