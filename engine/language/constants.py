@@ -114,6 +114,17 @@ def _pairs(node: Node) -> tuple[tuple[int, int], ...]:
     raise _Mismatch
 
 
+def _pads(node: Node) -> Any:
+    """An int, ints, or (begin, end) pairs (issue 13's convolution and pooling pads)."""
+    if (
+        isinstance(node, Sequence)
+        and node.items
+        and all(isinstance(item, Sequence) for item in node.items)
+    ):
+        return _pairs(node)
+    return _int_or_ints(node)
+
+
 # kind -> (the type as the catalogue shows it, converter)
 KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     "int": ("int", _int),
@@ -135,6 +146,14 @@ KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     "direction": ("'ASCENDING' | 'DESCENDING'", _choice(("ASCENDING", "DESCENDING"))),
     "paddings": ("tuple[tuple[int, int], ...]", _pairs),
     "pad_mode": (" | ".join(repr(m) for m in PAD_MODES), _choice(PAD_MODES)),
+    # issue 13: convolution and pooling windows
+    "ints": ("tuple[int, ...]", _ints),
+    "window": ("int | tuple[int, ...]", _int_or_ints),
+    "window?": ("int | tuple[int, ...] | None", _optional(_int_or_ints)),
+    "pads": (
+        "int | tuple[int, ...] | tuple[tuple[int, int], ...] | None",
+        _optional(_pads),
+    ),
 }
 
 

@@ -365,6 +365,11 @@ def avg_pool(
 
 
 # ---- PyTorch's spellings (torch.nn.functional), for definitions written by hand ----
+def conv_rank(nd: int, w: tuple) -> None:
+    if len(w) != nd + 2:
+        raise ValueError(f"weight {w} must be [C_out, C_in/groups{', k' * nd}]")
+
+
 def _conv_nd(
     nd: int,
     opname: str,
@@ -377,8 +382,7 @@ def _conv_nd(
     groups: int,
 ) -> Tensor:
     w = as_tensor(w)
-    if w.ndim != nd + 2:
-        raise ValueError(f"{opname}: weight {w.shape} must be [C_out, C_in/groups{', k' * nd}]")
+    _checked(opname, conv_rank, nd, w.shape)
     return conv(x, w, b, strides=stride, pads=padding, dilations=dilation, groups=groups)
 
 
@@ -410,16 +414,18 @@ def conv2d(
     return _conv_nd(2, "conv2d", x, w, b, stride, padding, dilation, groups)
 
 
-def _pair(value: Any, name: str, opname: str) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value, value)
+def pool2d_window(kernel_size: Any, stride: Any) -> tuple[tuple[int, int], Any]:
+    """(kernel, stride) of the 2-D pools: an int means a square; stride None means the
+    kernel. ValueError otherwise (shared with the language's rule)."""
+    if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
+        kernel_size = (kernel_size, kernel_size)
     try:
-        out = tuple(_int(v) for v in value)
+        kernel = tuple(_int(v) for v in kernel_size)
     except TypeError:
-        out = ()
-    if len(out) != 2:
-        raise ValueError(f"{opname}: {name} must be an int or 2 ints, got {value!r}")
-    return out  # type: ignore[return-value]
+        kernel = ()
+    if len(kernel) != 2:
+        raise ValueError(f"kernel_size must be an int or 2 ints, got {kernel_size!r}")
+    return kernel, kernel if stride is None else stride  # type: ignore[return-value]
 
 
 @public("nn")
@@ -433,8 +439,7 @@ def max_pool2d(
 ) -> Tensor:
     """2-D max pooling over the last two axes, as torch.nn.functional.max_pool2d (stride
     defaults to the kernel size)."""
-    kernel = _pair(kernel_size, "kernel_size", "max_pool2d")
-    stride = kernel if stride is None else stride
+    kernel, stride = _checked("max_pool2d", pool2d_window, kernel_size, stride)
     return max_pool(x, kernel, stride, padding, dilation, ceil_mode)
 
 
@@ -449,6 +454,5 @@ def avg_pool2d(
 ) -> Tensor:
     """2-D average pooling over the last two axes, as torch.nn.functional.avg_pool2d
     (stride defaults to the kernel size; padding counts in the divisor by default)."""
-    kernel = _pair(kernel_size, "kernel_size", "avg_pool2d")
-    stride = kernel if stride is None else stride
+    kernel, stride = _checked("avg_pool2d", pool2d_window, kernel_size, stride)
     return avg_pool(x, kernel, stride, padding, count_include_pad, ceil_mode)

@@ -236,6 +236,10 @@ def embedding(table: Any, ids: Any) -> Tensor:
         raise ValueError(f"embedding: table must have rank >= 1, got shape {table.shape}")
     if ids.dtype.kind not in "iu":
         raise TypeError(f"embedding: ids must be an integer tensor, got {ids.dtype}")
+    rows = table.shape[0]
+    if ids.size and (int(ids.value.min()) < 0 or int(ids.value.max()) >= rows):
+        bad = int(ids.value.min()) if int(ids.value.min()) < 0 else int(ids.value.max())
+        raise IndexError(f"embedding: id {bad} is out of bounds for a table of {rows} rows")
     return take(table, ids, axis=0)
 
 
