@@ -519,7 +519,12 @@ def pad(
     return out
 
 
-_PAD_MODES = {"CONSTANT": "constant", "REFLECT": "reflect", "SYMMETRIC": "symmetric", "EDGE": "edge"}
+_PAD_MODES = {
+    "CONSTANT": "constant",
+    "REFLECT": "reflect",
+    "SYMMETRIC": "symmetric",
+    "EDGE": "edge",
+}
 
 
 # ---- tile, split, unstack: composites of reshape, broadcast and slices ----
