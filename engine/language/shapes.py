@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.ops.conv import conv_rank, conv_shape, pool2d_window, pool_shape
 from engine.ops.nn import attention_shape
-from engine.ops.shape import resolve_shape
+from engine.ops.shape import check_pad_mode, resolve_shape
 
 INT32, FLOAT32, BOOL = (np.dtype(d) for d in ("int32", "float32", "bool"))
 INDEX = np.dtype(np.intp)  # what argmax returns
@@ -668,6 +668,7 @@ def _pad(b: dict[str, Any]) -> TensorType:
     pairs = tuple(b.get("paddings", ()))
     if len(pairs) != x.ndim or any(lo < 0 or hi < 0 for lo, hi in pairs):
         raise RuleError(f"paddings {pairs} for a tensor of shape {x.shape}", "op")
+    _shared(check_pad_mode, x.shape, pairs, b.get("mode", "CONSTANT"))
     return TensorType(tuple(d + lo + hi for d, (lo, hi) in zip(x.shape, pairs)), x.dtype)
 
 
