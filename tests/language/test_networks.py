@@ -197,3 +197,15 @@ L1 = "program line 1, column 5"
 )
 def test_bad_calls_name_the_line_op_and_shapes(line: str, message: str) -> None:
     assert problems([line], IMG) == [message]
+
+
+def test_im2col_workspace_counts_against_the_limit() -> None:
+    inputs = {"z": np.zeros((1, 1, 1, 1)), "w": np.zeros((16, 16, 5, 5))}
+    line = "y = conv2d(broadcast_to(z, (16, 16, 128, 128)), w)"
+    assert problems([line], inputs) == [
+        f"{L1}: conv2d: its gradient needs 98406400 elements of workspace; the limit is 16777216"
+    ]
+    pooled = "y = max_pool(broadcast_to(z, (16, 16, 128, 128)), (8, 8), strides=1)"
+    assert problems([pooled], inputs) == [
+        f"{L1}: max_pool: its gradient needs 239878144 elements of workspace; the limit is 16777216"
+    ]
