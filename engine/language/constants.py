@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.language.definition import ALLOWED_DTYPES
 from engine.language.parse import Constant, Node, Number, Sequence
+from engine.ops.conv import AUTO_PADS
 
 DTYPE_NAMES = tuple(sorted(str(d) for d in ALLOWED_DTYPES))
 REDUCTIONS = ("mean", "sum", "none")
@@ -115,7 +116,10 @@ def _pairs(node: Node) -> tuple[tuple[int, int], ...]:
 
 
 def _pads(node: Node) -> Any:
-    """An int, ints, or (begin, end) pairs (issue 13's convolution and pooling pads)."""
+    """An int, ints, (begin, end) pairs or an auto_pad name (issue 13's convolution and
+    pooling pads)."""
+    if isinstance(node, Constant) and isinstance(node.value, str):
+        return _choice(AUTO_PADS)(node)
     if (
         isinstance(node, Sequence)
         and node.items
@@ -151,7 +155,9 @@ KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     "window": ("int | tuple[int, ...]", _int_or_ints),
     "window?": ("int | tuple[int, ...] | None", _optional(_int_or_ints)),
     "pads": (
-        "int | tuple[int, ...] | tuple[tuple[int, int], ...] | None",
+        "int | tuple[int, ...] | tuple[tuple[int, int], ...] | "
+        + " | ".join(repr(m) for m in AUTO_PADS)
+        + " | None",
         _optional(_pads),
     ),
 }

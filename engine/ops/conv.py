@@ -11,6 +11,7 @@ leading axis is left alone by both primitives, so batched cotangents and tangent
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import math
 from collections.abc import Sequence
@@ -161,6 +162,29 @@ def normalize_pads(pads: Any, nd: int) -> Pads:
     return out
 
 
+AUTO_PADS = ("SAME_UPPER", "SAME_LOWER", "VALID", "same", "valid")
+
+
+def auto_pads(
+    spatial: tuple, kernel: tuple, strides: tuple, dilations: tuple, auto_pad: str
+) -> Pads:
+    """ONNX's auto_pad (SAME_UPPER, SAME_LOWER: out = ceil(in / stride), the odd cell at
+    the end or the beginning; VALID: none) and PyTorch's padding='same' (SAME_UPPER, for
+    stride 1) / 'valid' as explicit (begin, end) pads."""
+    if auto_pad not in AUTO_PADS:
+        raise ValueError(f"pads must be ints, (begin, end) pairs or one of {AUTO_PADS}")
+    if auto_pad.upper() == "VALID":
+        return ((0, 0),) * len(kernel)
+    if auto_pad == "same" and any(s != 1 for s in strides):
+        raise ValueError(f"padding='same' needs strides of 1, got {strides}")
+    out = []
+    for n, k, s, d in zip(spatial, kernel, strides, dilations):
+        total = builtins.max(0, (-(-n // s) - 1) * s + d * (k - 1) + 1 - n)
+        small, large = total // 2, total - total // 2
+        out.append((large, small) if auto_pad == "SAME_LOWER" else (small, large))
+    return tuple(out)
+
+
 def _window(
     spatial: tuple, kernel: tuple, strides: Any, pads: Any, dilations: Any
 ) -> tuple[tuple, Pads, tuple, tuple]:
@@ -168,6 +192,8 @@ def _window(
     nd = len(kernel)
     strides = _tuple(strides, nd, "strides", 1)
     dilations = _tuple(dilations, nd, "dilations", 1)
+    if isinstance(pads, str):
+        pads = auto_pads(spatial, kernel, strides, dilations, pads)
     pads = normalize_pads(pads, nd)
     out = tuple(
         _out_size(n, k, s, lo, hi, d)
@@ -272,7 +298,8 @@ def conv(
     groups: int = 1,
 ) -> Tensor:
     """N-d cross-correlation (ONNX Conv): x [N, C, *spatial], w [O, C/groups, *kernel],
-    optional bias b [O]; pads an int, per-axis ints, (begin, end) pairs or ONNX's list."""
+    optional bias b [O]; pads an int, per-axis ints, (begin, end) pairs, ONNX's flat list
+    or an auto_pad name ('SAME_UPPER', 'SAME_LOWER', 'VALID'; PyTorch's 'same', 'valid')."""
     x, w = coerce_pair("conv", x, w)
     if b is not None:
         b = as_tensor(b, like=x)

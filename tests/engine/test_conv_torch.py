@@ -18,6 +18,7 @@ CASES = {
         x, w, b, stride=(2, 1), padding=(1, 2), dilation=(2, 1), groups=2
     ),
     "conv1d": lambda x, w: gt.conv1d(x, w, stride=3, padding=2, dilation=2),
+    "conv1d_same": lambda x, w: gt.conv1d(x, w, padding="same", dilation=2),
     "conv3d": lambda x, w: gt.conv(x, w, pads=1, groups=3),
     "max_pool2d": lambda x: gt.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True),
     "max_pool2d_dilated": lambda x: gt.max_pool2d(

@@ -527,6 +527,18 @@ ROWS = [
         [((1, 2, 3, 4, 5), (2, 1, 2, 2, 2))],
     ),
     Row(
+        "conv_auto_pad",
+        lambda x, w: (
+            gt.conv(x, w, strides=2, pads="SAME_LOWER")
+            + gt.conv(x, w, strides=2, pads="SAME_UPPER")
+        ),
+        lambda x, w: (
+            naive_conv.conv(x, w, None, (2,), ((2, 1),))
+            + naive_conv.conv(x, w, None, (2,), ((1, 2),))
+        ),
+        [((2, 2, 7), (3, 2, 4))],
+    ),
+    Row(
         "max_pool",
         lambda x: gt.max_pool(x, (2, 3), strides=(2, 1), pads=((1, 0), (1, 1))),
         lambda x: naive_conv.pool(x, "max", (2, 3), (2, 1), ((1, 0), (1, 1))),

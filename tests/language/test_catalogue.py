@@ -170,7 +170,10 @@ EXAMPLES = {
         "conv(seq, reshape(filt, (4, 3, 6)), pads=[1, 2])",
         "conv(img, reshape(filt, (6, 1, 6, 2)), groups=3, pads=1)",
     ],
-    "conv1d": ["conv1d(seq, reshape(filt, (4, 3, 6)), stride=2, padding=3)"],
+    "conv1d": [
+        "conv1d(seq, reshape(filt, (4, 3, 6)), stride=2, padding=3)",
+        "conv1d(seq, reshape(filt, (4, 3, 6)), padding='same')",
+    ],
     "conv2d": ["conv2d(img, filt, c, padding=(1, 0), dilation=(1, 2))", "conv2d(img, filt)"],
     "max_pool": [
         "max_pool(img, (2, 2))",
@@ -180,6 +183,7 @@ EXAMPLES = {
     "avg_pool": [
         "avg_pool(img, (3, 3), strides=2, pads=1, count_include_pad=True, ceil_mode=True)",
         "avg_pool(a, (2, 3))",
+        "avg_pool(img, (2, 3), strides=2, pads='SAME_LOWER')",
     ],
     "max_pool2d": ["max_pool2d(img, 2)", "max_pool2d(img, (3, 2), stride=1, padding=1)"],
     "avg_pool2d": ["avg_pool2d(img, 3, 2, 1, ceil_mode=True)", "avg_pool2d(t, (2, 2))"],

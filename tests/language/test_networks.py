@@ -22,7 +22,7 @@ CNN = {
     },
     "inputs": {"x": rng.standard_normal((2, 1, 6, 6)), "y": np.array([2, 0], np.int32)},
     "program": [
-        "h = relu(conv2d(x, w1, b1, padding=1))",
+        "h = relu(conv2d(x, w1, b1, padding='same'))",
         "p = max_pool2d(h, 2)",
         "logits = reshape(p, (2, 36)) @ w2 + b2",
         "loss = softmax_cross_entropy(logits, y)",
@@ -146,7 +146,7 @@ L1 = "program line 1, column 5"
             "y = conv2d(x, w, padding=((1, 2), (3,)))",
             (
                 f"{L1}: conv2d: padding must be int | tuple[int, ...] | tuple[tuple[int, int], ...] "
-                "| None, got a tuple or list"
+                "| 'SAME_UPPER' | 'SAME_LOWER' | 'VALID' | 'same' | 'valid' | None, got a tuple or list"
             ),
         ),
         (

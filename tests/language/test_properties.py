@@ -89,7 +89,8 @@ CONSTANTS: dict[str, st.SearchStrategy] = {
     "pads": st.none()
     | st.integers(0, 2)
     | st.lists(st.integers(0, 1), max_size=4).map(tuple)
-    | st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1)), max_size=3).map(tuple),
+    | st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1)), max_size=3).map(tuple)
+    | st.sampled_from(["SAME_UPPER", "SAME_LOWER", "VALID", "same", "valid"]),
 }
 
 
