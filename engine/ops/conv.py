@@ -69,7 +69,26 @@ def _col2im_impl(
     lead = p.shape[: p.ndim - 2 * nd]
     out = p.shape[p.ndim - nd :]
     padded = tuple(n + lo + hi for n, (lo, hi) in zip(spatial, pads))
+    expected = tuple(
+        (n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(padded, kernel, strides, dilations)
+    )
+    if p.shape[len(lead) :] != kernel + expected:  # the strided writes below trust the shape
+        raise ValueError(f"col2im: windows {p.shape} do not fit the spatial shape {spatial}")
     buf = xp.zeros(lead + padded, dtype=p.dtype)
+    if all(s >= d * (k - 1) + 1 for k, s, d in zip(kernel, strides, dilations)):
+        # Disjoint windows (pooling with stride = kernel): every cell is written at most
+        # once, so one strided assignment replaces the adds.
+        st = buf.strides[len(lead) :]
+        view = xp.lib.stride_tricks.as_strided(
+            buf,
+            p.shape,
+            buf.strides[: len(lead)]
+            + tuple(t * d for t, d in zip(st, dilations))
+            + tuple(t * s for t, s in zip(st, strides)),
+        )
+        view[...] = p
+        crop = tuple(slice(lo, lo + n) for (lo, _), n in zip(pads, spatial))
+        return buf[(Ellipsis, *crop)]
     for offset in itertools.product(*(range(k) for k in kernel)):
         window = tuple(
             slice(o * d, o * d + s * (m - 1) + 1, s)
