@@ -7,6 +7,10 @@ influence-function code do with HVPs, run next to the recorded tape.
     tr = hutchinson_trace(flat.matvec, flat.n)        # tr(H) with a standard error
     step = conjugate_gradient(flat.matvec, flat.flatten(op.grad), damping=1e-3)
 
+Each algorithm may report its progress to a `callback(Progress)` after every HVP pass
+(HVPs used of the budget, the current estimate and its error, elapsed seconds): a host
+relays it (the service's jobs) or stops the run by raising from it.
+
 Each algorithm takes `matvec(V) -> H @ V` for a batch `V` of shape (K, n) (host NumPy,
 float64): the shape of `HessianOperator.hvp_many` on flattened vectors, so K vectors
 cost one batched second-order pass. Each stops at a limit on HVPs (`max_hvps`, counted
@@ -31,6 +35,25 @@ from engine.tensor import Tensor
 from engine.transforms import HessianOperator
 
 Matvec = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a running algorithm stands: `hvps` used of at most `max_hvps` (None: no
+    HVP limit), `estimate` (Ritz values, the trace, the relative residual: what the
+    algorithm would answer now, None before there is one), its `error` (residuals, the
+    standard error, the relative residual), and the seconds elapsed of `max_seconds`."""
+
+    algorithm: str  # lanczos, hutchinson_trace, conjugate_gradient
+    hvps: int
+    max_hvps: int | None
+    estimate: Any
+    error: Any
+    seconds: float
+    max_seconds: float | None
+
+
+Callback = Callable[[Progress], None]
 
 WHICH = ("LA", "LM", "SA")  # largest algebraic, largest magnitude, smallest algebraic
 
@@ -121,6 +144,12 @@ class _Budget:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+    def report(self, callback: Callback | None, algorithm: str, estimate: Any, error: Any
+               ) -> None:
+        if callback is not None:
+            callback(Progress(algorithm, self.hvps, self.max_hvps, estimate, error,
+                              self.seconds, self.max_seconds))
 
     def apply(self, matvec: Matvec, vectors: np.ndarray) -> np.ndarray:
         out = np.asarray(matvec(vectors), dtype=np.float64)
@@ -215,6 +244,7 @@ def lanczos(
     eigenvectors: bool = False,
     seed: int | None = 0,
     max_basis_bytes: int | None = None,
+    callback: Callback | None = None,
 ) -> EigenResult:
     """The k eigenvalues of the symmetric H (n x n) that `which` asks for: "LA" largest
     algebraic, "LM" largest magnitude, "SA" smallest algebraic.
@@ -222,7 +252,8 @@ def lanczos(
     Lanczos with full reorthogonalization from a random start (`seed`), one HVP per
     iteration. Converged when the k Ritz values' residuals are at most
     tol * max |theta|. Stops early at max_hvps (default n), max_seconds, or when the
-    basis (iterations x n float64) would exceed max_basis_bytes. When the Krylov space
+    basis (iterations x n float64) would exceed max_basis_bytes. `callback` gets the
+    current Ritz values and residuals whenever they are computed (else the HVP count). When the Krylov space
     closes (an invariant subspace) it restarts with a random vector orthogonal to it, so
     every eigenvalue can be reached; a repeated eigenvalue is found with its
     multiplicity only once such a restart reaches its other eigenvectors.
@@ -234,6 +265,7 @@ def lanczos(
     if not 1 <= k <= n:
         raise ValueError(f"k must be between 1 and n = {n}, got {k}")
     budget = _Budget(max_hvps, max_seconds)
+    budget.max_hvps = n if max_hvps is None else min(n, max_hvps)  # reported of these
     steps = n if max_hvps is None else min(n, max_hvps)
     if max_basis_bytes is not None:
         steps = min(steps, max(1, max_basis_bytes // (8 * n)))
@@ -275,9 +307,13 @@ def lanczos(
             theta, s = np.linalg.eigh(_tridiagonal(alpha, beta))
             picked = _pick(theta, k, which)
             top = max(float(np.max(np.abs(theta))), np.finfo(float).tiny)
+            budget.report(callback, "lanczos", theta[picked], last_b * np.abs(s[-1, picked]))
             if not exhausted and np.all(last_b * np.abs(s[-1, picked]) <= tol * top):
                 stopped = "converged"
                 break
+        elif callback is not None:
+            budget.report(callback, "lanczos", None if picked is None else theta[picked],
+                          None)
         if exhausted:
             stopped = "exhausted"
             break
@@ -349,6 +385,7 @@ def hutchinson_trace(
     atol: float = 0.0,
     max_seconds: float | None = None,
     seed: int | None = 0,
+    callback: Callback | None = None,
 ) -> TraceResult:
     """tr(H) ~ mean of z^T H z over Rademacher vectors z (entries +-1), drawn
     `batch_size` at a time (one batched HVP pass each).
@@ -381,6 +418,7 @@ def hutchinson_trace(
         samples = np.concatenate(values)
         mean = float(samples.mean())
         stderr = float(samples.std(ddof=1) / math.sqrt(count)) if count > 1 else math.inf
+        budget.report(callback, "hutchinson_trace", mean, stderr)
         if rtol is not None and batches >= 2 and stderr <= rtol * abs(mean) + atol:
             stopped = "tolerance"
             break
@@ -428,6 +466,7 @@ def conjugate_gradient(
     max_iterations: int | None = None,
     max_hvps: int | None = None,
     max_seconds: float | None = None,
+    callback: Callback | None = None,
 ) -> SolveResult:
     """Solve (H + damping I) x = b by conjugate gradient from x = 0, one HVP per
     iteration. Converged when ||residual|| <= tol * ||b||.
@@ -472,6 +511,7 @@ def conjugate_gradient(
         iterations += 1
         rs_new = float(r @ r)
         residuals.append(math.sqrt(rs_new) / b_norm)
+        budget.report(callback, "conjugate_gradient", None, residuals[-1])
         if math.sqrt(rs_new) <= tol * b_norm:
             stopped = "converged"
             break
@@ -490,8 +530,10 @@ def conjugate_gradient(
 
 __all__ = [
     "WHICH",
+    "Callback",
     "EigenResult",
     "FlatOperator",
+    "Progress",
     "SolveResult",
     "TraceResult",
     "conjugate_gradient",

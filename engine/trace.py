@@ -37,6 +37,13 @@ def interruptible(check: Callable[[], None]) -> Iterator[None]:
         interrupt_check = saved
 
 
+def check_interrupt() -> None:
+    """Run the installed check at a boundary that is no op (a program line being parsed or
+    validated, a step of host-side bookkeeping): long work without ops stops there too."""
+    if interrupt_check is not None:
+        interrupt_check()
+
+
 def anything_active() -> bool:
     return bool(active_tapes or active_accumulators)
 

@@ -29,6 +29,7 @@ from engine.language import (
     DefinitionError,
     ExecutionError,
     Limits,
+    OverBudget,
     Problem,
     Request,
     as_definition,
@@ -45,6 +46,21 @@ log = logging.getLogger("gradtape.compute")
 # What engine ops raise for data the checks cannot see; anything else is a bug (500).
 RUNTIME_ERRORS = (ValueError, TypeError, IndexError, ArithmeticError)
 
+PROGRESS_INTERVAL = 0.05  # seconds between two progress reports of one request
+
+
+def _plain(value: Any) -> Any:
+    """A progress field as msgpack carries it: floats (None for non-finite), lists."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
 
 @dataclass
 class WorkerContext:
@@ -59,7 +75,22 @@ class WorkerContext:
     jacobian_max_elements: int
     hvp_max_vectors: int = 1024
     lanczos_max_basis_bytes: int = 1 << 30
+    memory_budget: int | None = None  # bytes of one request's passes (None: unbounded)
     state: dict[str, Any] = field(default_factory=dict)
+    # Where the running request's progress goes (a job's caller asked for it), or None.
+    report: Callable[[dict[str, Any]], None] | None = None
+    _last_report: float = 0.0
+
+    def progress(self, final: bool = False, **report: Any) -> None:
+        """Send a progress report of the running request (at most one per 50 ms, except
+        `final` ones), when its caller asked for them; a no-op otherwise."""
+        if self.report is None:
+            return
+        now = time.perf_counter()
+        if not final and now - self._last_report < PROGRESS_INTERVAL:
+            return
+        self._last_report = now
+        self.report({k: _plain(v) for k, v in report.items()})
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -102,28 +133,42 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
         hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
         lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
+        memory_budget=options.get("memory_budget"),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
     return context
 
 
-def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]:
-    """The reply to one request message; never raises."""
+def answer(context: WorkerContext, message: Mapping[str, Any],
+           cancelled: Callable[[], bool] | None = None,
+           report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The reply to one request message; never raises. `cancelled()` is asked before
+    every engine op: once it says yes the request stops there and answers the error
+    type "cancelled" (nothing half-done is kept: a tape is stored only once recorded).
+    `report` receives the request's progress reports (WorkerContext.progress)."""
     started = time.perf_counter()
     request_id = message.get("id")
     handler = HANDLERS.get(message.get("kind", ""))
+    context.report, context._last_report = report, 0.0
+
+    def check() -> None:
+        if cancelled is not None and cancelled():
+            raise gt.Interrupted("the request was cancelled")
+
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
         payload = message.get("payload")
-        result = handler(payload, context)
-        result = nonfinite.guard(
-            result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
-            refuse_nonfinite,
-        )
+        with gt.interruptible(check):
+            result = handler(payload, context)
+            result = nonfinite.guard(
+                result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
+                refuse_nonfinite,
+            )
     except BaseException as exc:  # every failure becomes an error reply
-        if isinstance(exc, NonFiniteAnswer) and message.get("kind") == "tape_create":
+        if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
+                and message.get("kind") == "tape_create"):
             # A refused recording is not kept; a replaced tape is rebuilt from the store.
             _tapes(context).pop(message["payload"]["tape_id"], None)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -172,6 +217,11 @@ def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerCon
 def describe_error(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, RequestError):
         return {"type": exc.type, "message": str(exc), **exc.extra}
+    if isinstance(exc, OverBudget):
+        return {"type": "too-large", "message": str(exc.problems[0]),
+                "problems": exc.to_list()}
+    if isinstance(exc, gt.Interrupted):
+        return {"type": "cancelled", "message": str(exc)}
     if isinstance(exc, DefinitionError):
         kind = "execution" if isinstance(exc, ExecutionError) else "definition"
         problems = exc.to_list()
@@ -259,6 +309,9 @@ def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
 
 
 def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    program = compile_definition(as_definition(payload["definition"]), context.limits)
+    program.batch_within(context.memory_budget, "its forward and backward pass",
+                         first_order=True)
     result = evaluate(
         as_definition(payload["definition"]),
         payload["target"],
@@ -284,8 +337,10 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         tape.watch(list(watched.values()))
         env = prepared.program.run(prepared.leaves, targets=[prepared.request.target])
     y = env[prepared.request.target]
+    rows = prepared.program.batch_within(context.memory_budget, "a jacobian pass of one row",
+                                         first_order=True)
     return {"value": y.numpy(), "jacobians": jacobians_on(tape, y, watched, batch, unconnected,
-                                                          context)}
+                                                          context, rows)}
 
 
 def check_jacobian_size(target: str, target_shape: tuple[int, ...],
@@ -320,8 +375,11 @@ def check_jacobian_size(target: str, target_shape: tuple[int, ...],
 
 
 def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor], batch: bool,
-                 unconnected: str, context: WorkerContext) -> dict[str, np.ndarray | None]:
-    """The jacobians of y over the watched sources, from a persistent tape, on the host."""
+                 unconnected: str, context: WorkerContext, most_rows: int | None = None
+                 ) -> dict[str, np.ndarray | None]:
+    """The jacobians of y over the watched sources, from a persistent tape, on the host,
+    at most `most_rows` rows (the memory budget's) per backward pass."""
+    chunk_size = min(context.chunk_size, most_rows or context.chunk_size)
     if batch:
         jacobians = {
             key: per_example_jacobian(tape, y, source)
@@ -329,7 +387,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
         }
     else:
         jacobians = tape.jacobian(
-            y, dict(watched), unconnected_gradients=unconnected, chunk_size=context.chunk_size
+            y, dict(watched), unconnected_gradients=unconnected, chunk_size=chunk_size
         )
     return {k: _host(j) for k, j in jacobians.items()}
 
@@ -351,9 +409,11 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
             limit=context.hessian_max_size,
             size=n,
         )
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
+    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
+                                                 context.memory_budget)
     primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
     rows = []  # H in row chunks, (chunk, n) each, on the host
+    t0 = time.perf_counter()
     offsets = np.cumsum([0, *sizes])
     for start in range(0, n, context.chunk_size):
         stop = min(start + context.chunk_size, n)
@@ -369,6 +429,8 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
         rows.append(np.concatenate(
             [c.numpy().reshape(stop - start, -1).astype(np.float64) for c in columns], axis=1
         ))
+        context.progress(final=stop == n, done=stop, total=n, unit="rows",
+                         seconds=time.perf_counter() - t0)
     h = np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
     grads = [g.numpy() for g in operator.grad]
     blocks: dict[str, dict[str, np.ndarray]] = {}
@@ -419,12 +481,13 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
+    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
+                                                 context.memory_budget)
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(keys, primals, strict=True)
     ]
-    products = operator.hvp_many(*stacked)  # all vectors in one batched pass
+    products = operator.hvp_many(*stacked)  # batched passes, as many vectors as fit each
     # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
     # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [

@@ -32,8 +32,10 @@ from typing import Any
 import numpy as np
 
 import engine as gt
+from engine import trace
 from engine.hessian_algorithms import (
     FlatOperator,
+    Progress,
     conjugate_gradient,
     hutchinson_trace,
     lanczos,
@@ -106,7 +108,9 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
             recorded["env"] = program.run(env)
         return recorded["env"][request.target]
 
-    operator = gt.hessian_operator(f, *[leaves[n] for n in names])
+    # Batched passes over the tape (HVP vectors, probes) are split to fit the memory budget.
+    most = program.batch_within(context.memory_budget, "recording the tape and one HVP pass")
+    operator = gt.hessian_operator(f, *[leaves[n] for n in names], max_batch=most)
     session = TapeSession(
         tape_id=tape_id,
         program=program,
@@ -174,6 +178,8 @@ def held_bytes(*roots: Any) -> int:
     buffers: dict[int, int] = {}
     stack = list(roots)
     while stack:
+        if len(seen) % 4096 == 0:
+            trace.check_interrupt()  # a walk over a large recording stops when cancelled
         obj = stack.pop()
         if id(obj) in seen:
             continue
@@ -245,7 +251,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    products = session.operator.hvp_many(*stacked)  # one batched pass, nothing recorded
+    products = session.operator.hvp_many(*stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
     answers = [
@@ -288,7 +294,9 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     batch = bool(payload.get("batch"))
     check_jacobian_size(request.target, tuple(y.shape),
                         {k: tuple(t.shape) for k, t in watched.items()}, batch, context)
-    jacobians = jacobians_on(session.recording, y, watched, batch, request.unconnected, context)
+    rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
+    jacobians = jacobians_on(session.recording, y, watched, batch, request.unconnected, context,
+                             rows)
     return _done(session, rebuilt, {"value": y.numpy(), "jacobians": jacobians}, hvp_only=False)
 
 
@@ -299,6 +307,19 @@ def _seconds_left(payload: Mapping[str, Any], started: float) -> float:
     """The algorithm's own time budget, less what a rebuild took (at least 0.05 s)."""
     budget = float(payload["max_seconds"])
     return max(0.05, budget - (time.perf_counter() - started))
+
+
+def _relay(context: WorkerContext) -> Callable[[Progress], None] | None:
+    """An algorithm's progress callback that forwards to the request's caller (a job),
+    or None when nobody asked."""
+    if context.report is None:
+        return None
+
+    def relay(p: Progress) -> None:
+        context.progress(hvps=p.hvps, max_hvps=p.max_hvps, estimate=p.estimate, error=p.error,
+                         seconds=p.seconds, max_seconds=p.max_seconds, unit="hvps")
+
+    return relay
 
 
 def _check_max_hvps(value: int, at_least: int, what: str) -> None:
@@ -331,7 +352,7 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
         flat.matvec, flat.n, k=k, which=payload["which"], tol=float(payload["tol"]),
         max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
         eigenvectors=bool(payload["eigenvectors"]), seed=payload.get("seed"),
-        max_basis_bytes=context.lanczos_max_basis_bytes,
+        max_basis_bytes=context.lanczos_max_basis_bytes, callback=_relay(context),
     )
     vectors = None
     if out.eigenvectors is not None:
@@ -359,7 +380,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         session.flat.matvec, session.flat.n, batch_size=batch,
         max_hvps=int(payload["max_hvps"]), rtol=payload.get("rtol"),
         atol=float(payload.get("atol") or 0.0), max_seconds=_seconds_left(payload, started),
-        seed=payload.get("seed"),
+        seed=payload.get("seed"), callback=_relay(context),
     )
     result = {
         "trace": out.trace,
@@ -390,7 +411,7 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     out = conjugate_gradient(
         flat.matvec, b, damping=float(payload["damping"]), tol=float(payload["tol"]),
         max_iterations=int(payload["max_iterations"]), max_hvps=int(payload["max_hvps"]),
-        max_seconds=_seconds_left(payload, started),
+        max_seconds=_seconds_left(payload, started), callback=_relay(context),
     )
     result = {
         "solution": dict(zip(session.keys, flat.unflatten(out.x), strict=True)),

@@ -22,8 +22,9 @@ from service.api.fairness import Fairness
 from service.api.router import api_router
 from service.auth import KeyRing
 from service.core.config import Settings, get_settings
+from service.jobs import JobRegistry
 from service.metrics import Metrics
-from service.middleware import BodyLimitMiddleware, MetricsMiddleware
+from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
 from service.sessions import ModelCatalog, TapeRegistry
 from service.store import Store
 from service.workers import WorkerPool
@@ -44,7 +45,9 @@ unless `Accept` or `response_encoding` ask otherwise.
 
 **Tapes** keep a recording in a worker: `POST /v1/tapes` records the forward pass and
 gradient once; `/v1/tapes/{id}/hvp`, `/gradient`, `/jacobian`, `/eigenvalues`, `/trace`
-and `/solve` reuse it. **Models** stored with `POST /v1/models` can be named
+and `/solve` reuse it. **Jobs**: eigenvalues, trace, solve, jacobians and Hessians run in
+the background with `"async": true` or `Prefer: respond-async` (202, `Location:
+/v1/jobs/{id}`): progress, server-sent events, cancel. **Models** stored with `POST /v1/models` can be named
 (`"model": name`) instead of sending a definition.
 
 **API keys** (when the server requires them): `Authorization: Bearer <key>` or
@@ -91,6 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool: WorkerPool = app.state.pool
         store: Store = app.state.store
         tapes: TapeRegistry = app.state.tapes
+        jobs: JobRegistry = app.state.jobs
         await asyncio.to_thread(store.open)
         _reload_keys_on_sighup(app.state.keyring)
         try:
@@ -99,9 +103,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.info("%d worker(s) ready; limits: %s; store: %s", pool.size,
                      json.dumps(pool.hello(0).get("definition_limits")), store.path)
             await tapes.open()
+            await jobs.open()
             try:
                 yield
             finally:
+                await jobs.close()
                 await tapes.close()
                 await pool.close()
         finally:
@@ -126,10 +132,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store = Store(settings.resolved_store_path())
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)
     app.state.models = ModelCatalog(settings, pool, store)
+    app.state.jobs = JobRegistry(settings)
     errors.install(app)
     docs.install(app)
     openapi.install(app)
     app.include_router(api_router)
+    app.add_middleware(DisconnectMiddleware)  # innermost: the routes see its watch
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every answer
     return app

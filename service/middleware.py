@@ -1,12 +1,14 @@
-"""Pure ASGI middleware (no per-request task or body copy): the request body limit and
-the per-route metrics."""
+"""Pure ASGI middleware (no per-request task or body copy): the request body limit, the
+per-route metrics, and the watch on each client's connection."""
 
 from __future__ import annotations
 
 import time
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import calls
 from service.api.problems import problem_response
 from service.metrics import Metrics
 
@@ -106,3 +108,57 @@ class MetricsMiddleware:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             self.metrics.observe(scope["method"], path, status, time.perf_counter() - started)
+
+
+class DisconnectMiddleware:
+    """Gives every HTTP request a calls.Watch whose `gone()` says whether its client has
+    disconnected, so that the pool cancels the computation of a client that left
+    (service/calls.py). `gone()` peeks at the ASGI receive channel without waiting:
+    once the body is read, the next message a server sends is http.disconnect. A body
+    message seen by the peek (a request the app has not read yet) is kept for the app.
+    Once the answer has started, the request is answered: work it left running in the
+    background is not the client's to cancel."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        kept: list[Message] = []
+        disconnected = answering = False
+
+        async def receive_kept() -> Message:
+            nonlocal disconnected
+            message = kept.pop(0) if kept else await receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+            return message
+
+        async def send_noting(message: Message) -> None:
+            nonlocal answering
+            if message["type"] == "http.response.start":
+                answering = True
+            await send(message)
+
+        async def gone() -> bool:
+            nonlocal disconnected
+            while not disconnected and not answering:
+                message: Message | None = None
+                with anyio.CancelScope() as peek:
+                    peek.cancel()  # take a message only if one is there already
+                    message = await receive()
+                if message is None:
+                    return False
+                if message["type"] == "http.disconnect":
+                    disconnected = True
+                else:
+                    kept.append(message)
+            return disconnected and not answering
+
+        token = calls.current.set(calls.Watch(gone))
+        try:
+            await self.app(scope, receive_kept, send_noting)
+        finally:
+            calls.current.reset(token)

@@ -23,8 +23,10 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictBytes,
     StrictFloat,
     StrictInt,
+    StrictStr,
     StringConstraints,
     Tag,
     WithJsonSchema,
@@ -189,6 +191,47 @@ Variable = TypeAliasType(
 )
 
 
+class ImportedModel(_Strict):
+    """An ONNX model (torch.onnx.export, tf2onnx, jax2onnx, skl2onnx) the program calls
+    as a function: `logits = net(x)`. Its floating-point initializers become variables
+    named by their ONNX names, trainable unless listed in `frozen`."""
+
+    onnx: StrictBytes | StrictStr | None = Field(
+        None, description="The .onnx file: bytes in a msgpack body, base64 in JSON. Give "
+        "this or `stored`."
+    )
+    stored: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="The name of an ONNX model stored with PUT /v1/models/{name} "
+        "(Content-Type: application/onnx).",
+    )
+    frozen: list[Name] = Field(
+        default_factory=list,
+        description="Initializers that are not trainable (batch-norm statistics, "
+        "embeddings you keep fixed): never default sources.",
+    )
+
+    @model_validator(mode="after")
+    def _onnx_or_stored(self) -> ImportedModel:
+        if (self.onnx is None) == (self.stored is None):
+            raise ValueError("give exactly one of 'onnx' (the file) or 'stored' (a name)")
+        return self
+
+
+NamedTensors = TypeAliasType(
+    "NamedTensors",
+    Annotated[dict[Name, TensorValue], Field(description="Tensors by name.")],
+)
+Variables = TypeAliasType(
+    "Variables",
+    Annotated[dict[Name, Variable], Field(description="Parameters by name.")],
+)
+Functions = TypeAliasType(
+    "Functions",
+    Annotated[dict[Name, FunctionSpec], Field(description="User functions by name.")],
+)
+
+
 class Definition(_Strict):
     """A model/loss: variables, inputs and program lines (`name = expression`)."""
 
@@ -197,23 +240,63 @@ class Definition(_Strict):
         "line breaks).",
         examples=[["h = relu(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"]],
     )
-    variables: dict[Name, Variable] = Field(default_factory=dict)
-    inputs: dict[Name, TensorValue] = Field(
-        default_factory=dict, description="Data: never a default source."
+    variables: Variables = Field(default_factory=dict)
+    inputs: NamedTensors = Field(default_factory=dict,
+                                 description="Data: never a default source.")
+    functions: Functions = Field(default_factory=dict)
+    models: dict[Name, ImportedModel] = Field(
+        default_factory=dict,
+        description="Imported ONNX models, called from the program by these names.",
     )
-    functions: dict[Name, FunctionSpec] = Field(default_factory=dict)
 
+
+Aliases = TypeAliasType(
+    "Aliases",
+    Annotated[dict[Name, Name],
+              Field(description="Alias -> variable or input name: answers are keyed by alias.")],
+)
 
 Sources = TypeAliasType(
     "Sources",
     Annotated[
-        Name | list[Name] | dict[Name, Name],
+        Name | list[Name] | Aliases,
         Field(
             description="What to differentiate with respect to: a name, a list of names "
             "(answers keyed by name) or a mapping alias -> name (answers keyed by alias). "
             "Absent: every trainable variable."
         ),
     ],
+)
+
+# Named maps, so that generated clients read like these docs (no `...Type0` classes).
+Vector = TypeAliasType(
+    "Vector",
+    Annotated[dict[Name, TensorValue],
+              Field(description="A vector in the sources' space: a tensor per source, keyed "
+                    "like the gradients.")],
+)
+Tensors = TypeAliasType(
+    "Tensors",
+    Annotated[dict[str, Tensor],
+              Field(description="A tensor per source (an HVP, a solution, an eigenvector, a "
+                    "Newton step), keyed like the gradients.")],
+)
+Gradients = TypeAliasType(
+    "Gradients",
+    Annotated[dict[str, Tensor | None],
+              Field(description="A tensor per source, keyed by name or alias as `sources` "
+                    "was given; null for a source the target does not depend on (unless "
+                    "zeros were asked for).")],
+)
+HessianBlocks = TypeAliasType(
+    "HessianBlocks",
+    Annotated[dict[str, Tensors],
+              Field(description="hessian[a][b]: the block of sources a and b, shape "
+                    "a.shape + b.shape.")],
+)
+SourceMap = TypeAliasType(
+    "SourceMap",
+    Annotated[dict[str, str], Field(description="Answer key (alias) -> variable or input.")],
 )
 
 # ----------------------------------------------------------------------------------------
@@ -283,6 +366,14 @@ def _response_encoding_field() -> Any:
     )
 
 
+def _async_field() -> Any:
+    return Field(
+        False, alias="async", description="Run as a job: answer 202 at once with "
+        "`Location: /v1/jobs/{job_id}` and follow its progress there (as the header "
+        "`Prefer: respond-async` asks)."
+    )
+
+
 class CallOptions(RequestModel):
     """Options every request on a tape takes."""
 
@@ -340,6 +431,7 @@ class JacobianRequest(ComputeRequest):
     """The jacobian of a (tensor) target with respect to each source."""
 
     unconnected: Unconnected = UNCONNECTED_FIELD
+    run_async: StrictBool = _async_field()
 
     batch: StrictBool = Field(
         False, description="Per-example jacobians: target and source share their first "
@@ -362,16 +454,17 @@ class HessianRequest(ComputeRequest):
     newton: NewtonOptions | None = Field(
         None, description="Also answer the damped Newton step (subtract it from the sources)."
     )
+    run_async: StrictBool = _async_field()
 
 
 class HVPRequest(ComputeRequest):
     """Hessian-vector products of a scalar target: give `vector` or `vectors`. Gradients
     and products of unconnected sources are zeros."""
 
-    vector: dict[Name, TensorValue] | None = Field(
+    vector: Vector | None = Field(
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
-    vectors: list[dict[Name, TensorValue]] | None = Field(
+    vectors: list[Vector] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
 
@@ -385,10 +478,10 @@ class HVPRequest(ComputeRequest):
 
 
 class _Vectors(CallOptions):
-    vector: dict[Name, TensorValue] | None = Field(
+    vector: Vector | None = Field(
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
-    vectors: list[dict[Name, TensorValue]] | None = Field(
+    vectors: list[Vector] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
 
@@ -428,8 +521,9 @@ class TapeUpdateRequest(CallOptions):
     """New values for some of the tape's variables and inputs (same names and shapes;
     values are cast to the recorded dtype): the tape is recorded again at them."""
 
-    variables: dict[Name, TensorValue] = Field(default_factory=dict)
-    inputs: dict[Name, TensorValue] = Field(default_factory=dict)
+    variables: NamedTensors = Field(default_factory=dict,
+                                    description="New values by variable name.")
+    inputs: NamedTensors = Field(default_factory=dict, description="New values by input name.")
 
     @model_validator(mode="after")
     def _something(self) -> TapeUpdateRequest:
@@ -465,6 +559,7 @@ class TapeJacobianRequest(TapeGradientRequest):
         False, description="Per-example jacobians (target and sources share their first "
         "axis); refused (422) when the examples are not independent."
     )
+    run_async: StrictBool = _async_field()
 
 
 class Which(StrEnum):
@@ -500,6 +595,7 @@ class EigenvaluesRequest(CallOptions):
                                      "tensors per source (unit norm over all sources).")
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random start vector "
                                    "(null: a fresh one).")
+    run_async: StrictBool = _async_field()
 
 
 class TraceRequest(CallOptions):
@@ -519,6 +615,7 @@ class TraceRequest(CallOptions):
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
+    run_async: StrictBool = _async_field()
 
 
 class SolveRequest(CallOptions):
@@ -526,7 +623,7 @@ class SolveRequest(CallOptions):
     defaults to the recorded gradient: x is then the damped Newton step (subtract it
     from the sources)."""
 
-    vector: dict[Name, TensorValue] | None = Field(
+    vector: Vector | None = Field(
         None, description="b, a tensor per source (keyed like the gradients); default: the "
         "gradient."
     )
@@ -537,6 +634,7 @@ class SolveRequest(CallOptions):
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: max_iterations.")
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    run_async: StrictBool = _async_field()
 
 
 # Stored models --------------------------------------------------------------------------
@@ -581,7 +679,7 @@ class GradientResponse(BaseModel):
     """The target's value and one gradient per source (null when unconnected)."""
 
     value: Tensor
-    gradients: dict[str, Tensor | None]
+    gradients: Gradients
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -590,7 +688,7 @@ class JacobianResponse(BaseModel):
     or target.shape + source.shape[1:] for a batch jacobian; null when unconnected)."""
 
     value: Tensor
-    jacobians: dict[str, Tensor | None]
+    jacobians: Gradients
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -599,9 +697,9 @@ class HessianResponse(BaseModel):
     a.shape + b.shape."""
 
     value: Tensor
-    gradients: dict[str, Tensor | None]
-    hessian: dict[str, dict[str, Tensor]]
-    newton_step: dict[str, Tensor] | None = Field(
+    gradients: Gradients
+    hessian: HessianBlocks
+    newton_step: Tensors | None = Field(
         None, description="(H + damping I)^-1 g per source, when asked."
     )
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -611,9 +709,9 @@ class HVPResponse(BaseModel):
     """Value, gradients and H @ v per vector (`hvp` for `vector`, `hvps` for `vectors`)."""
 
     value: Tensor
-    gradients: dict[str, Tensor | None]
-    hvp: dict[str, Tensor] | None = None
-    hvps: list[dict[str, Tensor]] | None = None
+    gradients: Gradients
+    hvp: Tensors | None = None
+    hvps: list[Tensors] | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -626,7 +724,7 @@ class TapeCreateResponse(BaseModel):
 
     tape_id: str = Field(description="Unguessable (192 random bits): keep it secret.")
     value: Tensor
-    gradients: dict[str, Tensor | None]
+    gradients: Gradients
     bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
     ttl: float = Field(description="Seconds the tape lives after its last use.")
     expires_at: datetime = Field(description="When it expires unless used before.")
@@ -640,7 +738,7 @@ class TapeInfo(BaseModel):
 
     tape_id: str
     target: str
-    sources: dict[str, str] = Field(description="Answer key -> variable or input.")
+    sources: SourceMap
     model: str | None = Field(None, description="The stored model it was recorded from.")
     created_at: datetime
     last_used_at: datetime
@@ -665,8 +763,8 @@ class TapeList(BaseModel):
 class TapeHVPResponse(BaseModel):
     """H @ v per vector (`hvp` for `vector`, `hvps` for `vectors`)."""
 
-    hvp: dict[str, Tensor] | None = None
-    hvps: list[dict[str, Tensor]] | None = None
+    hvp: Tensors | None = None
+    hvps: list[Tensors] | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -688,7 +786,7 @@ class EigenvaluesResponse(BaseModel):
     eigenvalues: list[float]
     residuals: list[float] = Field(description="||H y - theta y|| per Ritz pair (estimates "
                                    "from the Lanczos recurrence).")
-    eigenvectors: list[dict[str, Tensor]] | None = None
+    eigenvectors: list[Tensors] | None = None
     converged: bool
     stopped: Stopped = Field(description="converged; exhausted (every direction was spanned: "
                              "exact); max_hvps; time_limit.")
@@ -714,7 +812,7 @@ class TraceResponse(BaseModel):
 
 
 class SolveResponse(BaseModel):
-    solution: dict[str, Tensor] = Field(description="x, per source.")
+    solution: Tensors = Field(description="x, per source.")
     rhs: str = Field(description="gradient (x is the damped Newton step) or vector.")
     converged: bool
     stopped: Stopped = Field(description="converged, max_iterations, max_hvps, time_limit, "
@@ -740,6 +838,18 @@ class VariableInfo(TypeInfo):
     trainable: bool
 
 
+Types = TypeAliasType(
+    "Types", Annotated[dict[str, TypeInfo], Field(description="Shape and dtype by name.")]
+)
+
+
+VariableTypes = TypeAliasType(
+    "VariableTypes",
+    Annotated[dict[str, VariableInfo],
+              Field(description="Shape, dtype and trainable by variable name.")],
+)
+
+
 class ModelInfo(BaseModel):
     """A stored model: what its program defines."""
 
@@ -748,9 +858,9 @@ class ModelInfo(BaseModel):
     digest: str = Field(description="SHA-256 of the stored definition (values included).")
     created_at: datetime
     updated_at: datetime
-    variables: dict[str, VariableInfo]
-    inputs: dict[str, TypeInfo]
-    names: dict[str, TypeInfo] = Field(description="Every program line's name, shape, dtype.")
+    variables: VariableTypes
+    inputs: Types
+    names: Types = Field(description="Every program line's name, shape, dtype.")
     functions: list[str]
     trainable: list[str] = Field(description="The default sources.")
 
@@ -833,3 +943,68 @@ class Problem(BaseModel):
         None, description="Problems found beyond those listed in `errors` (the server lists "
         "at most max_reported_problems)."
     )
+
+
+# Jobs ------------------------------------------------------------------------------------
+
+
+class JobState(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+# The answer of a request that may run as a job: what the synchronous request answers.
+JobResult = TypeAliasType(
+    "JobResult",
+    EigenvaluesResponse | TraceResponse | SolveResponse | JacobianResponse | HessianResponse,
+)
+
+
+class JobProgress(BaseModel):
+    """Where a running job stands (the last report of its worker)."""
+
+    done: int = Field(description="Units of work done: HVPs (vectors) for eigenvalues, trace "
+                      "and solve; rows for a Hessian.")
+    total: int | None = Field(None, description="The budget of units (max_hvps, rows), when "
+                              "known; an algorithm may stop sooner, on convergence.")
+    unit: str = Field(description="hvps or rows.", examples=["hvps"])
+    estimate: float | list[float | None] | None = Field(
+        None, description="What the algorithm would answer now: the Ritz values (eigenvalues), "
+        "the trace estimate; null when there is none yet (solve: see error).")
+    error: float | list[float | None] | None = Field(
+        None, description="The estimate's error: Ritz residuals, the trace's standard error, "
+        "the solve's relative residual ||b - A x|| / ||b||.")
+    seconds: float = Field(description="Seconds the computation has run in its worker.")
+    eta: float | None = Field(
+        None, description="Seconds left at the current pace if the whole budget is used "
+        "(within max_seconds); null when unknown.")
+
+
+class JobInfo(BaseModel):
+    """A job: a long computation run in the background (`"async": true` or `Prefer:
+    respond-async`)."""
+
+    job_id: str
+    state: JobState = Field(description="queued, running, succeeded, failed or cancelled.")
+    operation: str = Field(description="The request that started it.",
+                           examples=["POST /v1/tapes/{tape_id}/trace"])
+    tape_id: str | None = Field(None, description="The tape it runs on, if any.")
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    expires_at: str | None = Field(None, description="When a finished job is forgotten "
+                                   "(job_ttl after it ended).")
+    elapsed: float = Field(description="Seconds since it started running (until it ended).")
+    progress: JobProgress | None = None
+    result: JobResult | None = Field(
+        None, description="When succeeded: the answer the synchronous request gives (also at "
+        "GET /v1/jobs/{job_id}/result).")
+    error: Problem | None = Field(None, description="When failed: the problem the synchronous "
+                                  "request would have answered.")
+
+
+class JobList(BaseModel):
+    jobs: list[JobInfo] = Field(description="The caller's jobs, oldest first (without results).")

@@ -16,6 +16,13 @@ the event loop never runs engine code, it only waits on sockets.
   others take any request. A free worker takes the oldest request it may serve.
 - A request running past its time limit gets ComputeTimeout; its worker is killed and
   replaced. A worker that dies gives its request WorkerCrashed and is replaced.
+- A request whose caller stops waiting (calls.Watch: the HTTP client disconnected, the
+  job was cancelled) is cancelled: taken out of the queue, or, when it runs, stopped at
+  its worker's next op through the worker's cancel flag (a shared integer the worker
+  compares with the id of the request it runs), and the caller gets Cancelled at once.
+  A worker that does not stop within `cancel_grace` seconds is killed and replaced.
+- A worker may send progress reports of the request it runs (`{"id", "progress"}`,
+  when the request asked with `"progress": true`); they go to the caller's Watch.
 - Each worker keeps a dict of state between requests (compute.WorkerContext.state) for
   requests routed back to it (issue 6's tapes); `generation` counts its restarts, so a
   caller can tell that the state it left there is gone.
@@ -24,6 +31,7 @@ the event loop never runs engine code, it only waits on sockets.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import multiprocessing
@@ -36,7 +44,7 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from service import ipc
+from service import calls, ipc
 from service.core.config import Settings
 
 log = logging.getLogger("gradtape.workers")
@@ -86,6 +94,10 @@ class ComputeFailed(PoolError):
 
 class WorkerStartError(PoolError):
     pass
+
+
+class Cancelled(PoolError):
+    """The caller stopped waiting (its client disconnected, its job was cancelled)."""
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -140,6 +152,8 @@ class _Job:
     time_limit: float
     future: asyncio.Future[Reply]
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    watch: calls.Watch | None = None
+    running_on: _Worker | None = None  # the worker computing it, once dispatched
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -162,7 +176,12 @@ class _Worker:
         self.writer: asyncio.StreamWriter | None = None
         self.reader_task: asyncio.Task[None] | None = None
         self.request_id = 0
+        self.job: _Job | None = None  # the request it computes now
         self.reply: asyncio.Future[dict[str, Any]] | None = None
+        # The id of a request to stop; the worker compares it with the one it runs, so a
+        # late cancel can never stop the next request. Shared memory: the worker reads it
+        # before every op while its socket is busy with nothing.
+        self.cancel: Any = None
         self.hello: dict[str, Any] = {}
 
     def info(self) -> WorkerInfo:
@@ -176,6 +195,8 @@ class WorkerPool:
         self.observer = observer or PoolObserver()
         self._ctx = multiprocessing.get_context("spawn")
         self._workers = [_Worker(i, d) for i, d in enumerate(settings.worker_devices())]
+        for w in self._workers:
+            w.cancel = self._ctx.RawValue(ctypes.c_int64, 0)
         self._queue: deque[_Job] = deque()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -254,29 +275,78 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         limit = self.settings.time_limit if time_limit is None else time_limit
         request_id = next(self._ids)
+        watch = calls.current.get()
+        message = {"id": request_id, "kind": kind, "payload": payload}
+        if watch is not None and watch.progress is not None:
+            message["progress"] = True
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
-        frame = ipc.frame({"id": request_id, "kind": kind, "payload": payload})
-        job = _Job(request_id, frame, worker, limit, loop.create_future())
+        frame = ipc.frame(message)
+        job = _Job(request_id, frame, worker, limit, loop.create_future(), watch=watch)
         self._queue.append(job)
         self._dispatch()
-        if not job.started.is_set():
-            if queue_bound and len(self._queue) > self.settings.queue_size:
-                self._queue.remove(job)
-                raise PoolBusy(
-                    f"all {len(self._workers)} workers are busy and {self.settings.queue_size} "
-                    "requests are already waiting"
-                )
-            try:
-                await asyncio.wait_for(job.started.wait(), self.settings.queue_timeout)
-            except (TimeoutError, asyncio.CancelledError) as exc:
-                if job in self._queue:
-                    self._queue.remove(job)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                raise PoolBusy(
-                    f"no worker became free within {self.settings.queue_timeout:g} s"
-                ) from None
-        return await job.future
+        if not job.started.is_set() and queue_bound and len(self._queue) > self.settings.queue_size:
+            self._queue.remove(job)
+            raise PoolBusy(
+                f"all {len(self._workers)} workers are busy and {self.settings.queue_size} "
+                "requests are already waiting"
+            )
+        try:
+            return await self._wait(job)
+        except asyncio.CancelledError:
+            self._cancel(job, "the request was abandoned")
+            raise
+
+    async def _wait(self, job: _Job) -> Reply:
+        """The job's reply; PoolBusy when it waits in the queue past queue_timeout;
+        Cancelled (and the job cancelled) as soon as its caller's watch says gone."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.queue_timeout
+        watch = job.watch
+        poll = self.settings.disconnect_poll if watch and watch.gone else None
+        started = loop.create_task(job.started.wait())
+        try:
+            while not job.future.done():
+                timeout = poll
+                if not job.started.is_set():
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        if job in self._queue:
+                            self._queue.remove(job)
+                        raise PoolBusy(
+                            f"no worker became free within {self.settings.queue_timeout:g} s")
+                    timeout = left if poll is None else min(left, poll)
+                    await asyncio.wait([job.future, started], timeout=timeout,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.wait([job.future], timeout=timeout)
+                if job.future.done():
+                    break
+                if watch is not None and watch.gone is not None and await watch.gone():
+                    self._cancel(job, watch.reason)
+        finally:
+            started.cancel()
+        return job.future.result()
+
+    def _cancel(self, job: _Job, reason: str) -> None:
+        """Stop the job: out of the queue, or at its worker's next op (killed when it
+        does not stop within cancel_grace); its caller gets Cancelled."""
+        if job.future.done():
+            return
+        if job in self._queue:
+            self._queue.remove(job)
+        w = job.running_on
+        if w is not None and w.job is job:
+            w.cancel.value = job.id
+            self._spawn_task(self._enforce_cancel(w, job, w.generation))
+            log.info("request %d cancelled on worker %d (%s)", job.id, w.index, reason)
+        job.fail(Cancelled(reason))
+
+    async def _enforce_cancel(self, w: _Worker, job: _Job, generation: int) -> None:
+        await asyncio.sleep(self.settings.cancel_grace)
+        if w.job is job and w.generation == generation:
+            log.warning("worker %d did not stop its cancelled request within %g s",
+                        w.index, self.settings.cancel_grace)
+            await self._replace(w, generation, "cancel")
 
     async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
         """Ping every idle worker (a busy one is answering its request, within its time
@@ -314,7 +384,10 @@ class WorkerPool:
                 continue
             self._queue.remove(job)
             w.state = "busy"
+            job.running_on = w
             job.started.set()
+            if job.watch is not None and job.watch.started is not None:
+                job.watch.started()
             self._spawn_task(self._execute(w, job))
 
     def _spawn_task(self, coro: Any) -> None:
@@ -326,6 +399,7 @@ class WorkerPool:
         assert w.writer is not None
         generation = w.generation
         w.request_id = job.id
+        w.job = job
         w.reply = reply = asyncio.get_running_loop().create_future()
         started = time.perf_counter()
         try:
@@ -346,6 +420,7 @@ class WorkerPool:
         finally:
             self.observer.worker_busy(w.index, time.perf_counter() - started)
             w.reply = None
+            w.job = None
         w.state = "idle"
         if message.get("ok"):
             if not job.future.done():
@@ -364,6 +439,7 @@ class WorkerPool:
             "hessian_max_size": s.hessian_max_size,
             "jacobian_max_elements": s.jacobian_max_elements,
             "hvp_max_vectors": s.hvp_max_vectors,
+            "memory_budget": s.resolved_request_memory_budget(),
             "lanczos_max_basis_bytes": s.lanczos_max_basis_bytes,
             "tune_allocator": s.worker_tune_allocator,
             "definition_limits": dict(s.definition_limits),
@@ -373,9 +449,10 @@ class WorkerPool:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
         parent_sock, child_sock = socket.socketpair()
+        w.cancel.value = 0
         process = self._ctx.Process(
             target=worker_main,
-            args=(child_sock, w.index, w.device, self._options()),
+            args=(child_sock, w.index, w.device, self._options(), w.cancel),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
         )
@@ -409,6 +486,12 @@ class WorkerPool:
         try:
             while True:
                 message = await ipc.read_message(w.reader)
+                if "progress" in message:
+                    job = w.job
+                    if (job is not None and message.get("id") == job.id and job.watch is not None
+                            and job.watch.progress is not None and not job.future.done()):
+                        job.watch.progress(message["progress"])
+                    continue
                 reply = w.reply
                 if reply is not None and not reply.done() and message.get("id") == w.request_id:
                     reply.set_result(message)
@@ -482,9 +565,11 @@ class WorkerPool:
 # ----------------------------------------------------------------------------------------
 
 
-def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any]) -> None:
+def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any],
+                cancel: Any = None) -> None:
     """A worker's life: load the engine for `device`, say hello, answer until told to
-    stop or until the HTTP process goes away."""
+    stop or until the HTTP process goes away. `cancel` (a shared int) holds the id of a
+    request the HTTP process wants stopped."""
     # Signals sent to the server's process group (Ctrl-C, `timeout`, a supervisor) are the
     # HTTP process's to handle: it stops its workers itself. Signals sent to this process
     # (the pool's kill, multiprocessing's exit handler) still apply.
@@ -502,9 +587,30 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
         message = ipc.recv_message(sock)
         if message is None or message.get("kind") == "shutdown":
             return
-        reply = compute.answer(context, message)
+        reply = compute.answer(context, message, cancelled=_cancel_check(cancel, message),
+                               report=_reporter(sock, message))
         try:
             ipc.send_message(sock, reply)
         except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
             error = compute.internal_error(exc)
             ipc.send_message(sock, {"id": message.get("id"), "ok": False, "error": error})
+
+
+def _cancel_check(cancel: Any, message: dict[str, Any]) -> Any:
+    """Whether the HTTP process asks to stop this request (its id in the cancel flag)."""
+    if cancel is None:
+        return None
+    request_id = message.get("id")
+    return lambda: cancel.value == request_id
+
+
+def _reporter(sock: socket.socket, message: dict[str, Any]) -> Any:
+    """Sends the request's progress reports, when it asked for them."""
+    if not message.get("progress"):
+        return None
+    request_id = message.get("id")
+
+    def report(progress: dict[str, Any]) -> None:
+        ipc.send_message(sock, {"id": request_id, "progress": progress})
+
+    return report

@@ -24,12 +24,11 @@ from gradtape_client.api.derivatives import compute_gradient, compute_jacobian
 from gradtape_client.api.tapes import compute_tape_hvp, create_tape, delete_tape, read_tape
 from gradtape_client.models import (
     Definition,
-    DefinitionInputs,
-    DefinitionVariables,
     GradientRequest,
     GradientResponse,
     JacobianRequest,
     JacobianResponse,
+    NamedTensors,
     Problem,
     TapeCreateRequest,
     TapeCreateResponse,
@@ -37,6 +36,7 @@ from gradtape_client.models import (
     TapeHVPResponse,
     TapeInfo,
     TensorData,
+    Variables,
     VariableSpec,
 )
 
@@ -56,10 +56,10 @@ def main(base_url: str) -> dict[str, Any]:
     token = os.environ.get("GRADTAPE_API_KEY", "no-key")
     with AuthenticatedClient(base_url, token, raise_on_unexpected_status=True) as client:
         # SCENARIOS.md 15 with the typed models: s = w1*x1 + w2*x2 at w = (2, 3), x = (5, 7).
-        variables = DefinitionVariables()
+        variables = Variables()
         variables["w1"] = VariableSpec(value=2.0)
         variables["w2"] = VariableSpec(value=3.0, trainable=True)
-        inputs = DefinitionInputs()
+        inputs = NamedTensors()
         inputs["x1"] = 5.0
         inputs["x2"] = 7.0
         request = GradientRequest(

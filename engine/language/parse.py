@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine import trace
 from engine.language.errors import Problem
 from engine.language.limits import Limits
 
@@ -171,6 +172,7 @@ def parse_lines(
     problems: list[Problem] = []
     nodes = 0
     for number, text in enumerate(lines, start=1):
+        trace.check_interrupt()  # a long program stops between two lines when cancelled
         line, line_problems, count = parse_line(text, number, section, limits)
         parsed.append(line)
         problems.extend(line_problems)

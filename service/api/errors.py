@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -15,6 +17,7 @@ from starlette.responses import Response
 
 from service.api.problems import PROBLEM_TYPES, ProblemError, problem_response, slug_for_status
 from service.workers import (
+    Cancelled,
     ComputeFailed,
     ComputeTimeout,
     PoolBusy,
@@ -38,6 +41,7 @@ _COMPUTE_TYPES = {
     "out-of-memory": "out-of-memory",
     "device": "device",
     "internal": "internal",
+    "cancelled": "cancelled",
 }
 
 _PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op", "shapes")
@@ -119,11 +123,34 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
             "memory it will fail the same way",
             headers=retry,
         )
+    if isinstance(exc, Cancelled):
+        return problem_response(scope, "cancelled", f"the computation was cancelled: {exc}")
     if isinstance(exc, PoolBusy):
         return problem_response(scope, "busy", str(exc), headers=retry)
     if isinstance(exc, PoolUnavailable):
         return problem_response(scope, "unavailable", str(exc), headers=retry)
     return problem_response(scope, "internal", f"{type(exc).__name__}: {exc}")
+
+
+def explainer(request: Request) -> Callable[[BaseException], tuple[int, dict[str, Any]]]:
+    """For a job started by `request`: its failure as (status, problem body), the problem
+    the synchronous request would have answered."""
+    scope = {"type": "http", "method": request.method, "path": request.url.path,
+             "headers": [], "query_string": b"", "app": request.app}
+
+    def explain(exc: BaseException) -> tuple[int, dict[str, Any]]:
+        if isinstance(exc, ProblemError):
+            response = problem_response(scope, exc.slug, exc.detail, status=exc.status,
+                                        errors=exc.errors, **exc.extensions)
+        elif isinstance(exc, PoolError):
+            response = pool_problem(Request(scope), exc)
+        else:
+            log.error("unhandled error in a job on %s", scope["path"], exc_info=exc)
+            response = problem_response(
+                scope, "internal", f"{type(exc).__name__} while answering; see server logs")
+        return response.status_code, orjson.loads(response.body)
+
+    return explain
 
 
 def _allowed_methods(request: Request) -> str:

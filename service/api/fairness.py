@@ -95,6 +95,24 @@ class Fairness:
                 self._keys.pop(owner, None)
 
 
+    @asynccontextmanager
+    async def slot(self, owner: str) -> AsyncIterator[None]:
+        """One of the key's slots, for a job while it computes (its request paid its
+        token already; it waits in its key's line however long the line is)."""
+        if not self.enabled:
+            yield
+            return
+        state = self._state(owner, time.monotonic())
+        state.users += 1
+        try:
+            async with state.slots:
+                yield
+        finally:
+            state.users -= 1
+            if state.users == 0 and (self.rate <= 0 or state.tokens >= self.burst):
+                self._keys.pop(owner, None)
+
+
 def _limited(detail: str, wait: float) -> ProblemError:
     return ProblemError("rate-limited", detail,
                         headers={"Retry-After": str(max(1, math.ceil(wait)))})

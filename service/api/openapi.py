@@ -38,6 +38,23 @@ def compute_responses(response_schema: str, status: int = 200
     }
 
 
+def job_responses(response_schema: str) -> dict[int | str, dict[str, Any]]:
+    """compute_responses of a route that may run as a job: 202 with the job's document
+    (`"async": true` or `Prefer: respond-async`), 429 past the key's job quota."""
+    ref = {"$ref": "#/components/schemas/JobInfo"}
+    return {
+        **compute_responses(response_schema),
+        202: {
+            "description": "Started as a job (`\"async\": true` or `Prefer: respond-async`): "
+            "follow it at the Location, GET /v1/jobs/{job_id}",
+            "headers": {"Location": {"description": "/v1/jobs/{job_id}",
+                                     "schema": {"type": "string"}}},
+            "content": {"application/json": {"schema": ref}, MSGPACK: {"schema": ref}},
+        },
+        **problem_responses(429),
+    }
+
+
 def msgpack_body(request_schema: str) -> dict[str, Any]:
     """openapi_extra adding the msgpack form of a JSON request body."""
     ref = {"$ref": f"#/components/schemas/{request_schema}"}

@@ -102,6 +102,15 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "This API key sent requests faster than its rate (rate_limit_per_second, "
         "rate_limit_burst) or has too many waiting (max_waiting_per_key): retry after "
         "`Retry-After` seconds."),
+    "job-not-found": ProblemType(
+        404, "Job not found",
+        "No such job for this API key: never started, or expired (job_ttl) after it ended."),
+    "job-not-finished": ProblemType(
+        409, "Job not finished", "The job has no answer yet: it is queued or running."),
+    "cancelled": ProblemType(
+        409, "Cancelled",
+        "The computation was cancelled before it finished (DELETE /v1/jobs/{id}, or its "
+        "client disconnected); its worker stopped at its next op and is free."),
     "internal": ProblemType(500, "Internal error", "A bug: please report it with the detail."),
     "worker-crashed": ProblemType(
         502, "Worker crashed",

@@ -7,10 +7,23 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from service.api.fairness import admit
-from service.api.routes import gradient, health, hessian, hvp, jacobian, models, ops, tapes
+from service.api.routes import (
+    gradient,
+    health,
+    hessian,
+    hvp,
+    jacobian,
+    jobs,
+    models,
+    ops,
+    tapes,
+)
 from service.auth import authenticate
 
 api_router = APIRouter()
 for module in (gradient, jacobian, hessian, hvp, tapes, models, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
+# Following a job uses no worker (and its event stream lasts as long as the job): no slot.
+# A job takes its key's slot while it computes (service/jobs.py).
+api_router.include_router(jobs.router, dependencies=[Depends(authenticate)])
 api_router.include_router(health.router)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -503,6 +504,43 @@ def test_tape_algorithms(client, enc: Encoding, sources: Any) -> None:
         check(client.delete(url), 204)
 
 
+@pytest.mark.parametrize("enc", ENC)
+def test_jobs(client, enc: Encoding) -> None:
+    """A trace run as a job: 202 with the job's document, its state and progress, its
+    answer inline and at /result, the list, the events stream, DELETE."""
+    sources = SOURCES["dict-all"]
+    keys = answer_keys(sources)
+    h = dense_hessian(keys)
+    tape_id = new_tape(client, enc, sources)["tape_id"]
+    accept = {"accept": MSGPACK if enc.name == "msgpack" else JSON}
+    try:
+        r = enc.request(client, "POST", f"/v1/tapes/{tape_id}/trace",
+                        {"max_hvps": 64, "batch_size": 16, "seed": 1, "async": True})
+        job = check(r, 202, enc.name)
+        location = f"/v1/jobs/{job['job_id']}"
+        assert r.headers["location"] == location
+        for _ in range(500):
+            job = check(client.get(location, headers=accept), 200, enc.name)
+            if job["state"] not in ("queued", "running"):
+                break
+            time.sleep(0.02)
+        assert job["state"] == "succeeded", job
+        trace = job["result"]
+        bound = 6 * (trace["stderr"] or 0.0) + 1e-4 * abs(np.trace(h)) + 1e-6
+        assert abs(trace["trace"] - np.trace(h)) <= bound, (trace, np.trace(h))
+        assert job["progress"]["done"] == 64 and job["progress"]["total"] == 64
+        result = check(client.get(f"{location}/result", headers=accept), 200, enc.name)
+        assert result == trace
+        listed = check(client.get("/v1/jobs", headers=accept), 200)
+        assert job["job_id"] in [j["job_id"] for j in listed["jobs"]]
+        events = check(client.get(f"{location}/events"), 200)
+        assert events.rstrip().splitlines()[1] == "event: succeeded", events
+        check(client.delete(location), 204)
+        check(client.get(location), 404)
+    finally:
+        check(client.delete(f"/v1/tapes/{tape_id}"), 204)
+
+
 # -- models -----------------------------------------------------------------------------------
 
 
@@ -542,6 +580,31 @@ def _use_model(client, enc: Encoding, name: str, body: dict, info: dict) -> None
         check_hvps(products["hvp"], keys, vector(keys), "hvp of a stored model's tape")
     finally:
         check(client.delete(f"/v1/tapes/{tape['tape_id']}"), 204)
+
+
+def test_onnx_model(client) -> None:
+    """PUT /v1/models/{name} with an ONNX file; a definition calls it by reference, and
+    the answer's gradients are PyTorch's (tests/engine/onnx/fixtures)."""
+    from tests.engine.onnx.graphs import fixture
+    from tests.service.conformance import check_tensor
+
+    data, record = fixture("transformer")
+    name = "conformance-onnx"
+    info = check(client.put(f"/v1/models/{name}", content=data,
+                            headers={"content-type": "application/onnx"}), (200, 201))
+    try:
+        assert info["variables"]["head.bias"]["shape"] == [10]
+        grad = check(client.post("/v1/gradient", json={"definition": {
+            "models": {"net": {"stored": name}},
+            "inputs": {"x": {"dtype": "int64", "shape": list(record["x"].shape),
+                             "data": record["x"].reshape(-1).tolist()},
+                       "y": {"dtype": "int64", "shape": [4], "data": record["y"].tolist()}},
+            "program": ["logits = net(x)", "loss = softmax_cross_entropy(logits, y)"],
+        }, "target": "loss", "sources": ["head.bias"]}), 200)
+        got = check_tensor(grad["gradients"]["head.bias"], "head.bias", "json")
+        np.testing.assert_allclose(got, record["f32/grad/head.bias"], rtol=1e-4, atol=1e-7)
+    finally:
+        check(client.delete(f"/v1/models/{name}"), 204)
 
 
 # -- around them ----------------------------------------------------------------------------
@@ -780,10 +843,16 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/tapes/{tape_id}/eigenvalues"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/trace"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/solve"): ("test_tape_algorithms",),
+    ("GET", "/v1/jobs"): ("test_jobs",),
+    ("GET", "/v1/jobs/{job_id}"): ("test_jobs",),
+    ("GET", "/v1/jobs/{job_id}/result"): ("test_jobs",),
+    ("GET", "/v1/jobs/{job_id}/events"): ("test_jobs",),
+    ("DELETE", "/v1/jobs/{job_id}"): ("test_jobs",),
     ("GET", "/v1/models"): ("test_models",),
     ("POST", "/v1/models"): ("test_models",),
     ("GET", "/v1/models/{name}"): ("test_models",),
-    ("DELETE", "/v1/models/{name}"): ("test_models",),
+    ("DELETE", "/v1/models/{name}"): ("test_models", "test_onnx_model"),
+    ("PUT", "/v1/models/{name}"): ("test_onnx_model",),
     ("GET", "/v1/ops"): ("test_operations_endpoints",),
     ("GET", "/healthz"): ("test_operations_endpoints",),
     ("GET", "/readyz"): ("test_operations_endpoints",),

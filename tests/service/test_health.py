@@ -69,4 +69,6 @@ def test_openapi_document(client) -> None:
                           "update_tape", "delete_tape", "compute_tape_hvp",
                           "compute_tape_gradient", "compute_tape_jacobian",
                           "compute_tape_eigenvalues", "estimate_tape_trace", "solve_tape",
-                          "create_model", "list_models", "read_model", "delete_model"}
+                          "create_model", "list_models", "read_model", "delete_model",
+                          "list_jobs", "read_job", "read_job_result", "stream_job_events",
+                          "cancel_job", "put_onnx_model"}

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
 from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
-from service.api.openapi import compute_responses, msgpack_body
-from service.api.routes._compute import run, stored_definition
+from service.api.openapi import job_responses, msgpack_body
+from service.api.routes._compute import respond, stored_definition
 from service.schemas import HessianRequest, HessianResponse
 
 router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
@@ -16,13 +16,13 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 @router.post(
     "/v1/hessian",
     response_model=HessianResponse,
-    responses=compute_responses("HessianResponse"),
+    responses=job_responses("HessianResponse"),
     openapi_extra=msgpack_body("HessianRequest"),
     summary="Hessian and damped Newton step",
 )
 async def compute_hessian(
-    body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
-    owner: OwnerDep, models: ModelsDep,
+    request: Request, body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep,
+    settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
 ) -> Response:
     """The Hessian of a scalar target over the sources, as blocks: `hessian[a][b]` has
     shape `a.shape + b.shape`. Refused (422, too-large) above the server's
@@ -32,4 +32,8 @@ async def compute_hessian(
     it from the sources to take the step).
     """
     stored = await stored_definition(body, owner, models)
-    return await run(pool, "hessian", payloads.hessian(body, settings, stored), negotiated)
+    prepared = payloads.hessian(body, settings, stored)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner,
+        call=lambda: pool.submit("hessian", prepared.payload, time_limit=prepared.time_limit),
+    )

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
 from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
-from service.api.openapi import compute_responses, msgpack_body
-from service.api.routes._compute import run, stored_definition
+from service.api.openapi import job_responses, msgpack_body
+from service.api.routes._compute import respond, stored_definition
 from service.schemas import JacobianRequest, JacobianResponse
 
 router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
@@ -16,13 +16,13 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 @router.post(
     "/v1/jacobian",
     response_model=JacobianResponse,
-    responses=compute_responses("JacobianResponse"),
+    responses=job_responses("JacobianResponse"),
     openapi_extra=msgpack_body("JacobianRequest"),
     summary="Jacobians, full or per example",
 )
 async def compute_jacobian(
-    body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
-    owner: OwnerDep, models: ModelsDep,
+    request: Request, body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep,
+    settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
 ) -> Response:
     """The jacobian of the target with respect to each source, shape
     `target.shape + source.shape`, computed in batched backward passes of the server's
@@ -34,4 +34,8 @@ async def compute_jacobian(
     not, e.g. with batch normalization between the layers.
     """
     stored = await stored_definition(body, owner, models)
-    return await run(pool, "jacobian", payloads.jacobian(body, settings, stored), negotiated)
+    prepared = payloads.jacobian(body, settings, stored)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner,
+        call=lambda: pool.submit("jacobian", prepared.payload, time_limit=prepared.time_limit),
+    )

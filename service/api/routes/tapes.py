@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api import payloads
@@ -20,8 +20,13 @@ from service.api.deps import (
     TapesDep,
 )
 from service.api.negotiation import answer
-from service.api.openapi import compute_responses, msgpack_body, problem_responses
-from service.api.routes._compute import stored_definition
+from service.api.openapi import (
+    compute_responses,
+    job_responses,
+    msgpack_body,
+    problem_responses,
+)
+from service.api.routes._compute import respond, stored_definition
 from service.schemas import (
     EigenvaluesRequest,
     EigenvaluesResponse,
@@ -196,31 +201,33 @@ async def compute_tape_gradient(
 @router.post(
     "/v1/tapes/{tape_id}/jacobian",
     response_model=JacobianResponse,
-    responses={**compute_responses("JacobianResponse"), **problem_responses(*TAPE_ERRORS)},
+    responses={**job_responses("JacobianResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("TapeJacobianRequest"),
     summary="Jacobian of any target on a tape",
 )
 async def compute_tape_jacobian(
-    body: TapeJacobianRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
+    request: Request, body: TapeJacobianRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
     """The jacobian (full, or per example with `batch`) of any name of the tape's
     program over variables or inputs, from the recording."""
     prepared = payloads.tape_gradient(body, settings)
-    reply = await tapes.call(tape, "tape_jacobian", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_jacobian", prepared.payload, prepared.time_limit),
+    )
 
 
 @router.post(
     "/v1/tapes/{tape_id}/eigenvalues",
     response_model=EigenvaluesResponse,
-    responses={**compute_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
+    responses={**job_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("EigenvaluesRequest"),
     summary="Top eigenvalues of a tape's Hessian (Lanczos)",
 )
 async def compute_tape_eigenvalues(
-    body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
+    request: Request, body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
     """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
     Hessian of the tape's target over its sources, by Lanczos with full
@@ -229,38 +236,42 @@ async def compute_tape_eigenvalues(
     the HVPs used and the residuals. A repeated eigenvalue may be found once only
     unless the whole space is spanned."""
     prepared = payloads.eigenvalues(body, settings)
-    reply = await tapes.call(tape, "tape_eigenvalues", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_eigenvalues", prepared.payload, prepared.time_limit),
+    )
 
 
 @router.post(
     "/v1/tapes/{tape_id}/trace",
     response_model=TraceResponse,
-    responses={**compute_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
+    responses={**job_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("TraceRequest"),
     summary="Trace of a tape's Hessian (Hutchinson)",
 )
 async def estimate_tape_trace(
-    body: TraceRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
+    request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
     """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
     HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`."""
     prepared = payloads.trace(body, settings)
-    reply = await tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit),
+    )
 
 
 @router.post(
     "/v1/tapes/{tape_id}/solve",
     response_model=SolveResponse,
-    responses={**compute_responses("SolveResponse"), **problem_responses(*TAPE_ERRORS)},
+    responses={**job_responses("SolveResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("SolveRequest"),
     summary="Solve (H + damping I) x = b on a tape (CG)",
 )
 async def solve_tape(
-    body: SolveRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
+    request: Request, body: SolveRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
     """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
     HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
@@ -268,6 +279,8 @@ async def solve_tape(
     `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
     non-positive curvature (raise the damping)."""
     prepared = payloads.solve(body, settings)
-    reply = await tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit),
+    )
 

@@ -1,0 +1,53 @@
+"""gradtape.client: the Python SDK of the gradtape service.
+
+NumPy arrays in and out, remote tapes as SciPy operators, problems as exceptions:
+
+    import numpy as np
+    from gradtape.client import Client
+
+    with Client("http://localhost:8000") as client:
+        value, grads = client.gradient(
+            {"variables": {"w": np.array([1.0, 2.0])}, "program": ["loss = sum(w ** 3)"]},
+            "loss")
+        with client.tape({"variables": {"w": np.array([1.0, 2.0])},
+                          "program": ["loss = sum(w ** 3)"]}, "loss") as tape:
+            tape.hvp({"w": np.array([1.0, 0.0])})       # {"w": array([6., 0.])}
+
+`AsyncClient` is the asyncio twin. Long-running work as server-side jobs with progress
+(issue 14, item 2) is not offered by the server yet; the `progress=` parameters of the
+tape's estimators are reserved for it.
+"""
+
+from ._client import AsyncClient, Client
+from ._core import Retry
+from .definition import Definition, function
+from .errors import (
+    ComputeError,
+    ComputeTimeout,
+    Conflict,
+    DefinitionError,
+    GradtapeError,
+    InvalidRequest,
+    ModelNotFound,
+    NonFiniteResult,
+    NotFound,
+    QuotaExceeded,
+    ServerError,
+    ServiceBusy,
+    TapeGone,
+    TooLarge,
+    Unauthorized,
+    WorkerCrashed,
+)
+from .results import HVP, Eigenvalues, Gradient, Hessian, Jacobian, Solve, Trace
+from .tape import RemoteTape
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
+    "Definition", "DefinitionError", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
+    "InvalidRequest", "Jacobian", "ModelNotFound", "NonFiniteResult", "NotFound",
+    "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve",
+    "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "function",
+]  # fmt: skip

@@ -1,0 +1,287 @@
+"""`Client` and `AsyncClient`: thin shells over the sans-I/O core.
+
+Each API method is written once, in `_Methods`, as "run this core operation"; `Client`
+runs operations with blocking httpx calls and answers values, `AsyncClient` with awaited
+ones and answers awaitables. One `httpx.Client` / `httpx.AsyncClient` per client keeps
+connections alive across calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Generator
+from typing import Any, Self
+
+import httpx
+
+from . import _core
+from ._core import HTTPRequest, HTTPResponse, Retry, Sleep
+from .tape import RemoteTape
+
+# Long enough for a computation at the server's default max_time_limit (300 s).
+DEFAULT_TIMEOUT = httpx.Timeout(330.0, connect=10.0)
+
+
+class _Methods:
+    """The API, once for both clients. `_run(op)` is the value (Client) or an awaitable
+    of it (AsyncClient)."""
+
+    _core: _core.Core
+    is_async = False
+
+    def _run(self, op: Generator[Any, Any, Any]) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------- stateless
+
+    def gradient(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        model: str | None = None,
+        unconnected: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """The target's value and gradients (`Gradient`: `value, grads = ...`). `sources`:
+        None (every trainable variable; a dict by name), a list of names (a dict by
+        name), a dict alias -> name (a dict by alias) or one name (the array)."""
+        options = {
+            "unconnected": unconnected,
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(_core.gradient(self._core, definition, target, sources, model, options))
+
+    def jacobian(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        batch: bool = False,
+        model: str | None = None,
+        unconnected: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """The target's value and jacobians (`Jacobian`), each of shape
+        target.shape + source.shape (per example with batch=True)."""
+        options = {
+            "batch": batch or None,
+            "unconnected": unconnected,
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(_core.jacobian(self._core, definition, target, sources, model, options))
+
+    def hessian(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        newton_damping: float | None = None,
+        model: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """Value, gradients and the Hessian blocks (`Hessian`; `.matrix()` is the dense
+        float64 matrix); with newton_damping, also the damped Newton step."""
+        options = {
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(
+            _core.hessian(self._core, definition, target, sources, model, newton_damping, options)
+        )
+
+    def hvp(
+        self,
+        definition: Any = None,
+        target: str = "",
+        vector: Any = None,
+        *,
+        vectors: Any = None,
+        sources: Any = None,
+        model: str | None = None,
+        allow_unused: bool | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """H v without keeping a tape (`HVP`: `.hvp`), or [H v_i] for `vectors=` in one
+        batched pass (`.hvps`). A vector is a tensor per source (a bare array with a
+        single source name)."""
+        options = {
+            "allow_unused": allow_unused,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+        }
+        return self._run(
+            _core.hvp(self._core, definition, target, vector, vectors, sources, model, options)
+        )
+
+    # ------------------------------------------------------------------------- tapes
+
+    def _tape_op(
+        self, definition: Any, target: str, sources: Any, model: str | None, options: dict[str, Any]
+    ) -> Generator[Any, Any, RemoteTape]:
+        body = _core.compute_body(definition, target, sources, model, **options)
+        answer = yield from self._core.call("POST", "/v1/tapes", body, definition=definition)
+        return RemoteTape(self, answer, definition, target, sources)
+
+    def tape(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        ttl: float | None = None,
+        model: str | None = None,
+        allow_nonfinite: bool | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
+        exit): `with client.tape(d, "loss") as tape:` (async: `async with await
+        client.tape(d, "loss") as tape:`)."""
+        options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit}
+        return self._run(self._tape_op(definition, target, sources, model, options))
+
+    def _get_op(self, path: str) -> Generator[Any, Any, Any]:
+        return (yield from self._core.call("GET", path))
+
+    def tapes(self) -> Any:
+        """This key's live tapes (GET /v1/tapes)."""
+        return self._run(self._get_op("/v1/tapes"))
+
+    # ------------------------------------------------------------------ around them
+
+    def ready(self) -> Any:
+        """GET /readyz: every worker's state (raises ServiceBusy while not ready)."""
+        return self._run(self._get_op("/readyz"))
+
+    def ops(self) -> Any:
+        """The op catalogue (GET /v1/ops)."""
+        return self._run(self._get_op("/v1/ops"))
+
+
+def _response(r: httpx.Response) -> HTTPResponse:
+    return HTTPResponse(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content)
+
+
+def _client_options(url: str, timeout: Any) -> dict[str, Any]:
+    return {"base_url": url.rstrip("/"), "timeout": timeout}
+
+
+class Client(_Methods):
+    """A synchronous gradtape client.
+
+    `Client(url, api_key=None, transport="msgpack" | "json", timeout=..., retry=Retry())`;
+    `with Client(...) as client:` closes its connections at the end. msgpack sends tensors
+    as raw bytes; json as base64 (both exact). Every error answer raises a
+    `GradtapeError`; a 503 is retried first as `retry` says.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        transport: str = "msgpack",
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        retry: Retry | None = None,
+        http: httpx.Client | None = None,
+    ):
+        self._core = _core.Core(transport, api_key, retry or Retry())
+        self._http = http or httpx.Client(**_client_options(url, timeout))
+
+    def _send(self, request: HTTPRequest) -> HTTPResponse:
+        r = self._http.request(
+            request.method, request.path, headers=request.headers, content=request.content
+        )
+        return _response(r)
+
+    def _run(self, op: Generator[Any, Any, Any]) -> Any:
+        reply: Any = None
+        try:
+            while True:
+                step = op.send(reply)
+                if isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                    reply = None
+                else:
+                    reply = self._send(step)
+        except StopIteration as done:
+            return done.value
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Methods):
+    """The asyncio twin of `Client`: the same methods, each answering an awaitable
+    (`await client.gradient(...)`); `async with AsyncClient(...) as client:`."""
+
+    is_async = True
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        transport: str = "msgpack",
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        retry: Retry | None = None,
+        http: httpx.AsyncClient | None = None,
+    ):
+        self._core = _core.Core(transport, api_key, retry or Retry())
+        self._http = http or httpx.AsyncClient(**_client_options(url, timeout))
+
+    async def _send(self, request: HTTPRequest) -> HTTPResponse:
+        r = await self._http.request(
+            request.method, request.path, headers=request.headers, content=request.content
+        )
+        return _response(r)
+
+    async def _drive(self, op: Generator[Any, Any, Any]) -> Any:
+        reply: Any = None
+        try:
+            while True:
+                step = op.send(reply)
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    reply = None
+                else:
+                    reply = await self._send(step)
+        except StopIteration as done:
+            return done.value
+
+    def _run(self, op: Generator[Any, Any, Any]) -> Any:
+        return self._drive(op)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["AsyncClient", "Client", "Retry"]

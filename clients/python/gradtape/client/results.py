@@ -1,0 +1,148 @@
+"""What the client's methods answer: NumPy arrays, keyed like the request's sources.
+
+`sources` shapes the answers: None (every trainable variable) or a list of names gives a
+dict keyed by name, a mapping alias -> name a dict keyed by alias, a single name (a str)
+the array itself. Each result unpacks like a tuple of its main fields:
+`value, gradients = client.gradient(...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def shaped(answer: Mapping[str, Any] | None, sources: Any) -> Any:
+    """An answer keyed by source (name or alias), in the structure of `sources`."""
+    if answer is None:
+        return None
+    if isinstance(sources, str):
+        if sources in answer:
+            return answer[sources]
+        if len(answer) == 1:
+            return next(iter(answer.values()))
+    return dict(answer)
+
+
+def flat_matrix(blocks: Mapping[str, Mapping[str, np.ndarray]], order: list[str]) -> np.ndarray:
+    """Hessian blocks hessian[a][b] (shape a.shape + b.shape) as one dense float64 matrix
+    over the flattened sources in `order`."""
+    sizes = {a: int(np.prod(blocks[a][a].shape[: blocks[a][a].ndim // 2])) for a in order}
+    rows = [
+        np.concatenate(
+            [np.asarray(blocks[a][b], dtype=np.float64).reshape(sizes[a], sizes[b]) for b in order],
+            axis=1,
+        )
+        for a in order
+    ]
+    return np.concatenate(rows, axis=0)
+
+
+class _Unpack:
+    _unpack: tuple[str, ...] = ()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(getattr(self, name) for name in self._unpack)
+
+
+@dataclass(frozen=True)
+class Gradient(_Unpack):
+    """The target's value and its gradients."""
+
+    value: np.ndarray
+    gradients: Any
+    nonfinite: list[str] | None = None
+    _unpack = ("value", "gradients")
+
+
+@dataclass(frozen=True)
+class Jacobian(_Unpack):
+    """The target's value and its jacobians (target.shape + source.shape, or per example
+    with batch=True)."""
+
+    value: np.ndarray
+    jacobians: Any
+    nonfinite: list[str] | None = None
+    _unpack = ("value", "jacobians")
+
+
+@dataclass(frozen=True)
+class Hessian(_Unpack):
+    """Value, gradients and the Hessian as blocks `hessian[a][b]` of shape
+    a.shape + b.shape (a single source: the one block itself); `matrix()` is the dense
+    float64 matrix over the flattened sources."""
+
+    value: np.ndarray
+    gradients: Any
+    hessian: Any
+    newton_step: Any = None
+    nonfinite: list[str] | None = None
+    blocks: dict[str, dict[str, np.ndarray]] = field(default_factory=dict, repr=False)
+    _unpack = ("value", "gradients", "hessian")
+
+    def matrix(self) -> np.ndarray:
+        return flat_matrix(self.blocks, list(self.blocks))
+
+
+@dataclass(frozen=True)
+class HVP(_Unpack):
+    """Value, gradients and H v (`hvp`, for one vector) or [H v_i] (`hvps`)."""
+
+    value: np.ndarray | None
+    gradients: Any
+    hvp: Any = None
+    hvps: list[Any] | None = None
+    nonfinite: list[str] | None = None
+    _unpack = ("value", "gradients", "hvp")
+
+
+@dataclass(frozen=True)
+class Eigenvalues(_Unpack):
+    """Extreme eigenvalues of a tape's Hessian (Lanczos): sorted as asked (LA descending,
+    SA ascending, LM by magnitude), with residual estimates, eigenvectors when asked (one
+    per eigenvalue, in the tape's source structure), and how it stopped."""
+
+    eigenvalues: np.ndarray
+    residuals: np.ndarray
+    eigenvectors: list[Any] | None
+    converged: bool
+    stopped: str
+    iterations: int
+    hvps: int
+    seconds: float
+    _unpack = ("eigenvalues", "eigenvectors")
+
+
+@dataclass(frozen=True)
+class Trace(_Unpack):
+    """Hutchinson's estimate of a tape's Hessian trace and its standard error."""
+
+    trace: float
+    stderr: float | None
+    samples: int
+    batches: int
+    batch_size: int
+    converged: bool
+    stopped: str
+    hvps: int
+    seconds: float
+    _unpack = ("trace", "stderr")
+
+
+@dataclass(frozen=True)
+class Solve(_Unpack):
+    """x of (H + damping I) x = b by conjugate gradient, in the tape's source structure;
+    `residuals` the relative residual from x = 0 and after each iteration."""
+
+    solution: Any
+    rhs: str
+    converged: bool
+    stopped: str
+    iterations: int
+    hvps: int
+    residuals: np.ndarray
+    seconds: float
+    _unpack = ("solution", "converged")

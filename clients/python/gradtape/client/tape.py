@@ -1,0 +1,508 @@
+"""A tape kept on the server: its forward pass and gradient recorded once, then HVPs,
+curvature estimates and SciPy operators over it.
+
+`RemoteTape` serves both clients: with a `Client` its methods answer values, with an
+`AsyncClient` awaitables (`await tape.hvp(v)`), and it is a context manager of both kinds
+(`with` / `async with`) that deletes the tape on exit.
+
+The parameters, flattened: the tape's sources in the order of `tape.sources` (the order
+the server answered its gradients: the `sources` as given, or the definition's trainable
+variables in definition order), each raveled row-major, as one float64 vector.
+`flatten`, `unflatten`, `linear_operator`, `fun`, `jac` and `hessp` use that order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Self
+
+import numpy as np
+
+from . import _core, _wire
+from .errors import TapeGone
+from .results import Eigenvalues, Gradient, Jacobian, Solve, Trace, shaped
+
+if TYPE_CHECKING:
+    from scipy.sparse.linalg import LinearOperator
+
+    from ._client import _Methods
+
+JOBS_NOTE = (
+    "progress bars need server-side jobs (issue 14, item 2: /v1/jobs with progress "
+    "events), which this server does not offer yet; call without progress="
+)
+
+
+def _no_progress(progress: bool) -> None:
+    if progress:
+        raise NotImplementedError(JOBS_NOTE)
+
+
+class RemoteTape:
+    """A recorded tape on the server (made by `client.tape(...)`)."""
+
+    def __init__(
+        self, client: _Methods, answer: dict[str, Any], definition: Any, target: str, sources: Any
+    ):
+        self._client = client
+        self._core: _core.Core = client._core
+        self.id: str = answer["tape_id"]
+        self.target = target
+        self._definition = definition
+        self._sources = sources
+        self._deleted = False
+        self._x: np.ndarray | None = None
+        self._set(answer)
+        keys = list(answer["gradients"])
+        if isinstance(sources, Mapping):
+            self._names = {k: sources.get(k, k) for k in keys}
+        else:
+            self._names = {k: k for k in keys}
+        self._x = self._initial_point()
+
+    # ------------------------------------------------------------------ state and shape
+
+    def _set(self, answer: dict[str, Any]) -> None:
+        self._answer = answer
+        self.value: np.ndarray = answer["value"]
+        self._gradients: dict[str, np.ndarray] = answer["gradients"]
+        self.bytes: int = answer.get("bytes", 0)
+        self.ttl: float = answer.get("ttl", 0.0)
+        self.expires_at: str = answer.get("expires_at", "")
+        self.device: str = answer.get("device", "")
+        self.nonfinite: list[str] | None = answer.get("nonfinite")
+
+    @property
+    def gradients(self) -> Any:
+        """The gradients at the recorded point, in the sources' structure."""
+        return shaped(self._gradients, self._sources)
+
+    @property
+    def sources(self) -> list[str]:
+        """The source keys (names, or aliases) in flattening order."""
+        return list(self._gradients)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(g.shape) for k, g in self._gradients.items()}
+
+    @property
+    def size(self) -> int:
+        """n: the number of parameters, flattened."""
+        return sum(int(g.size) for g in self._gradients.values())
+
+    def flatten(self, values: Mapping[str, Any]) -> np.ndarray:
+        """A tensor per source -> one float64 vector (in `sources` order)."""
+        return np.concatenate(
+            [np.asarray(values[k], dtype=np.float64).reshape(-1) for k in self._gradients]
+            or [np.zeros(0)]
+        )
+
+    def unflatten(self, x: Any, dtype: Any = np.float64) -> dict[str, np.ndarray]:
+        """One vector (length `size`) -> a tensor per source, of `dtype` (None: each
+        source's own dtype)."""
+        x = np.asarray(x).reshape(-1)
+        if x.size != self.size:
+            raise ValueError(f"expected {self.size} parameters, got {x.size}")
+        out, start = {}, 0
+        for k, g in self._gradients.items():
+            part = x[start : start + g.size].reshape(g.shape)
+            out[k] = part.astype(g.dtype if dtype is None else dtype)
+            start += g.size
+        return out
+
+    def _vector(self, v: Any) -> dict[str, Any]:
+        return _core.vector_of(v, self._sources)
+
+    def _initial_point(self) -> np.ndarray | None:
+        """The recorded point, flattened, where the definition sent shows it."""
+        definition = self._definition
+        if not isinstance(definition, Mapping):
+            return None
+        values = {}
+        for key, name in self._names.items():
+            for section in ("variables", "inputs"):
+                spec = (definition.get(section) or {}).get(name)
+                if spec is not None:
+                    break
+            else:
+                return None
+            if isinstance(spec, Mapping) and "value" in spec:
+                spec = spec["value"]
+            if isinstance(spec, Mapping):
+                if not _wire.is_tensor(spec):
+                    return None
+                spec = _wire.from_tensor(spec)
+            values[key] = spec
+        try:
+            return self.flatten(values)
+        except (ValueError, TypeError):
+            return None
+
+    def _split_names(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """New values by name (or alias) -> {"variables": ..., "inputs": ...} as the
+        definition sent has them (unknown names go to variables: the server says)."""
+        inputs = set()
+        if isinstance(self._definition, Mapping):
+            inputs = set(self._definition.get("inputs") or {})
+        body: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            name = self._names.get(key, key)
+            section = "inputs" if name in inputs else "variables"
+            body.setdefault(section, {})[name] = value
+        return body
+
+    def _run(self, op: Any) -> Any:
+        return self._client._run(op)
+
+    def _path(self, tail: str = "") -> str:
+        return f"/v1/tapes/{self.id}{tail}"
+
+    @staticmethod
+    def _options(**options: Any) -> dict[str, Any]:
+        return {k: v for k, v in options.items() if v is not None}
+
+    # -------------------------------------------------------------------------- calls
+
+    def _hvp_op(self, body: dict[str, Any], shape: bool = True) -> _core.Op[Any]:
+        a = yield from self._core.call("POST", self._path("/hvp"), body)
+        sources = self._sources if shape else None
+        if a.get("hvps") is not None:
+            return [shaped(h, sources) for h in a["hvps"]]
+        return shaped(a["hvp"], sources)
+
+    def hvp(self, v: Any, *, time_limit: float | None = None) -> Any:
+        """H v at the recorded point: one second-order pass. `v` is a tensor per source
+        (a bare array with a single source name); the answer is in the same structure."""
+        return self._run(
+            self._hvp_op({"vector": self._vector(v), **self._options(time_limit=time_limit)})
+        )
+
+    def hvp_many(self, vectors: Any, *, time_limit: float | None = None) -> list[Any]:
+        """[H v_i] for several vectors in one batched pass (one request)."""
+        return self._run(
+            self._hvp_op(
+                {
+                    "vectors": [self._vector(v) for v in vectors],
+                    **self._options(time_limit=time_limit),
+                }
+            )
+        )
+
+    def _update_op(self, body: dict[str, Any], x: np.ndarray | None) -> _core.Op[RemoteTape]:
+        a = yield from self._core.call("PATCH", self._path(), body, definition=self._definition)
+        self._set(a)
+        self._x = x
+        return self
+
+    def update(
+        self,
+        values: Mapping[str, Any] | None = None,
+        /,
+        *,
+        time_limit: float | None = None,
+        **new_values: Any,
+    ) -> Any:
+        """Record the tape again at new values of some variables (or inputs), by name:
+        `tape.update(w=w_new)`; value and gradients are then the new ones. Values are
+        cast to the recorded dtypes by the server. Answers the tape."""
+        merged = {**(values or {}), **new_values}
+        body: dict[str, Any] = {**self._split_names(merged), **self._options(time_limit=time_limit)}
+        x = None
+        if self._x is not None and set(merged) >= set(self._gradients):
+            try:
+                x = self.flatten(merged)
+            except (ValueError, TypeError):
+                x = None
+        return self._run(self._update_op(body, x))
+
+    def _info_op(self) -> _core.Op[dict[str, Any]]:
+        return (yield from self._core.call("GET", self._path()))
+
+    def info(self) -> Any:
+        """The tape's record on the server (GET): hits, bytes, expiry, worker, ..."""
+        return self._run(self._info_op())
+
+    def _gradient_op(self, body: dict[str, Any], sources: Any) -> _core.Op[Gradient]:
+        a = yield from self._core.call("POST", self._path("/gradient"), body)
+        return Gradient(a["value"], shaped(a["gradients"], sources), a.get("nonfinite"))
+
+    def gradient(
+        self,
+        target: str | None = None,
+        sources: Any = None,
+        *,
+        unconnected: str | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """The gradient of any target of the recording (default: the tape's) over any
+        variables or inputs (default: its sources), from the recording."""
+        body = self._options(
+            target=target, sources=sources, unconnected=unconnected, time_limit=time_limit
+        )
+        return self._run(self._gradient_op(body, sources if sources is not None else self._sources))
+
+    def _jacobian_op(self, body: dict[str, Any], sources: Any) -> _core.Op[Jacobian]:
+        a = yield from self._core.call("POST", self._path("/jacobian"), body)
+        return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
+
+    def jacobian(
+        self,
+        target: str | None = None,
+        sources: Any = None,
+        *,
+        batch: bool = False,
+        unconnected: str | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """The jacobian of any target of the recording over any sources (per example with
+        batch=True)."""
+        body = self._options(
+            target=target,
+            sources=sources,
+            unconnected=unconnected,
+            batch=batch or None,
+            time_limit=time_limit,
+        )
+        return self._run(self._jacobian_op(body, sources if sources is not None else self._sources))
+
+    def _eigen_op(self, body: dict[str, Any]) -> _core.Op[Eigenvalues]:
+        a = yield from self._core.call("POST", self._path("/eigenvalues"), body)
+        vectors = a.get("eigenvectors")
+        return Eigenvalues(
+            np.asarray(a["eigenvalues"], dtype=np.float64),
+            np.asarray(a["residuals"], dtype=np.float64),
+            None if vectors is None else [shaped(v, self._sources) for v in vectors],
+            a["converged"],
+            a["stopped"],
+            a["iterations"],
+            a["hvps"],
+            a["seconds"],
+        )
+
+    def eigenvalues(
+        self,
+        k: int = 1,
+        which: str = "LA",
+        *,
+        tol: float | None = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        eigenvectors: bool = False,
+        seed: int | None = 0,
+        time_limit: float | None = None,
+        progress: bool = False,
+    ) -> Any:
+        """The k extreme eigenvalues of the Hessian at the recorded point, by Lanczos on
+        the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
+        largest magnitude. `progress=True` is reserved for server-side jobs (not yet
+        offered: raises NotImplementedError)."""
+        _no_progress(progress)
+        body = self._options(
+            k=k,
+            which=which,
+            tol=tol,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            eigenvectors=eigenvectors or None,
+            time_limit=time_limit,
+        )
+        body["seed"] = seed
+        return self._run(self._eigen_op(body))
+
+    def _trace_op(self, body: dict[str, Any]) -> _core.Op[Trace]:
+        a = yield from self._core.call("POST", self._path("/trace"), body)
+        return Trace(
+            a["trace"],
+            a.get("stderr"),
+            a["samples"],
+            a["batches"],
+            a["batch_size"],
+            a["converged"],
+            a["stopped"],
+            a["hvps"],
+            a["seconds"],
+        )
+
+    def trace(
+        self,
+        *,
+        batch_size: int | None = None,
+        max_hvps: int | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = 0,
+        time_limit: float | None = None,
+        progress: bool = False,
+    ) -> Any:
+        """Hutchinson's estimate of the Hessian's trace (Rademacher vectors, batched
+        HVPs on the server), with its standard error. `progress` as in `eigenvalues`."""
+        _no_progress(progress)
+        body = self._options(
+            batch_size=batch_size,
+            max_hvps=max_hvps,
+            rtol=rtol,
+            atol=atol,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        body["seed"] = seed
+        return self._run(self._trace_op(body))
+
+    def _solve_op(self, body: dict[str, Any]) -> _core.Op[Solve]:
+        a = yield from self._core.call("POST", self._path("/solve"), body)
+        return Solve(
+            shaped(a["solution"], self._sources),
+            a["rhs"],
+            a["converged"],
+            a["stopped"],
+            a["iterations"],
+            a["hvps"],
+            np.asarray(a["residuals"], dtype=np.float64),
+            a["seconds"],
+        )
+
+    def solve(
+        self,
+        b: Any = None,
+        *,
+        damping: float | None = None,
+        tol: float | None = None,
+        max_iterations: int | None = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        time_limit: float | None = None,
+        progress: bool = False,
+    ) -> Any:
+        """x of (H + damping I) x = b by conjugate gradient on the server (b: a tensor
+        per source; default the gradient, making x the damped Newton step; the server's
+        default damping is 1e-3). `progress` as in `eigenvalues`."""
+        _no_progress(progress)
+        body = self._options(
+            damping=damping,
+            tol=tol,
+            max_iterations=max_iterations,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        if b is not None:
+            body["vector"] = self._vector(b)
+        return self._run(self._solve_op(body))
+
+    def _delete_op(self, missing_ok: bool) -> _core.Op[None]:
+        try:
+            yield from self._core.call("DELETE", self._path())
+        except TapeGone:
+            if not missing_ok:
+                raise
+        self._deleted = True
+
+    def delete(self, *, missing_ok: bool = False) -> Any:
+        """Delete the tape on the server (its id then answers TapeGone, reason
+        "deleted"). With missing_ok, a tape already gone is no error."""
+        return self._run(self._delete_op(missing_ok))
+
+    # ------------------------------------------------------------- context managers
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._deleted:
+            self.delete(missing_ok=True)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._deleted:
+            await self.delete(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return f"RemoteTape({self.id!r}, target={self.target!r}, sources={self.sources})"
+
+    # ---------------------------------------------------------------- SciPy (sync only)
+
+    def _sync(self, what: str) -> None:
+        if getattr(self._client, "is_async", False):
+            raise TypeError(
+                f"{what} needs a tape of the synchronous Client (SciPy calls it synchronously)"
+            )
+
+    def _hvp_flat(self, X: np.ndarray) -> np.ndarray:
+        """H X for X of shape (n,) or (n, k): one request (batched for k columns)."""
+        single = X.ndim == 1
+        columns = X.reshape(self.size, 1) if single else X
+        vectors = [self.unflatten(columns[:, j], dtype=None) for j in range(columns.shape[1])]
+        if single:
+            return self.flatten(self._run(self._hvp_op({"vector": vectors[0]}, shape=False)))
+        answers = self._run(self._hvp_op({"vectors": vectors}, shape=False))
+        return np.stack([self.flatten(h) for h in answers], axis=1)
+
+    def linear_operator(self) -> LinearOperator:
+        """The Hessian at the recorded point as a `scipy.sparse.linalg.LinearOperator`
+        (n x n, float64, symmetric) over the flattened parameters (`sources` order):
+        matvec is one HVP request, matmat one batched request (at most the server's
+        hvp_max_vectors columns). Vectors are sent in each source's own dtype, the
+        precision the tape computes in. Needs scipy (`pip install gradtape-client[scipy]`)."""
+        self._sync("linear_operator()")
+        return _operator_class()(self)
+
+    def _at(self, x: Any) -> None:
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        if not _core.arrays_equal(self._x, x):
+            self.update(self.unflatten(x, dtype=None))
+            self._x = x.copy()
+
+    def fun(self, x: Any) -> float:
+        """The target's value at the flattened parameters x (re-recording the tape there
+        when x moved): for `scipy.optimize.minimize(tape.fun, x0, jac=tape.jac,
+        hessp=tape.hessp, method="Newton-CG" / "trust-krylov" / ...)`."""
+        self._sync("fun()")
+        self._at(x)
+        return float(self.value)
+
+    def jac(self, x: Any) -> np.ndarray:
+        """The gradient at x, flattened (float64)."""
+        self._sync("jac()")
+        self._at(x)
+        return self.flatten(self._gradients)
+
+    def hessp(self, x: Any, p: Any) -> np.ndarray:
+        """H(x) p, flattened (float64): one HVP request (after re-recording at x if it
+        moved)."""
+        self._sync("hessp()")
+        self._at(x)
+        return self._hvp_flat(np.asarray(p, dtype=np.float64).reshape(-1))
+
+
+@functools.cache
+def _operator_class() -> type:
+    from scipy.sparse.linalg import LinearOperator
+
+    class HessianOperator(LinearOperator):
+        """A remote tape's Hessian: H x by HVP requests."""
+
+        def __init__(self, tape: RemoteTape):
+            self.tape = tape
+            super().__init__(dtype=np.dtype(np.float64), shape=(tape.size, tape.size))
+
+        def _matvec(self, x: np.ndarray) -> np.ndarray:
+            return self.tape._hvp_flat(np.asarray(x).reshape(-1))
+
+        def _rmatvec(self, x: np.ndarray) -> np.ndarray:
+            return self._matvec(x)
+
+        def _matmat(self, X: np.ndarray) -> np.ndarray:
+            return self.tape._hvp_flat(np.asarray(X).reshape(self.shape[1], -1))
+
+        def _rmatmat(self, X: np.ndarray) -> np.ndarray:
+            return self._matmat(X)
+
+        def _adjoint(self) -> HessianOperator:
+            return self
+
+    return HessianOperator

@@ -1,0 +1,97 @@
+"""The SDK (clients/python, `gradtape.client`) against the real service: `gradtape serve`
+(uvicorn and its worker processes) on loopback, as tests/service starts it.
+
+The suite's environment is the server's (`pip install -e '.[dev]'`), which cannot name
+the SDK's directory as a dependency; so the SDK is imported from this checkout's
+clients/python (put first on sys.path here), and tests/deploy/test_sdk_install.py proves
+that the directory also installs on its own into a fresh virtualenv with only its
+declared dependencies.
+
+Two servers: `server` (two workers, the limits of tests/service) and `strict` (API keys
+required, one worker, no queue: a second concurrent request is a 503).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.service import conftest as service_conftest
+from tests.service.conftest import Server, start_server, stop_server
+
+ROOT = Path(__file__).resolve().parents[2]
+SDK = ROOT / "clients" / "python"
+sys.path.insert(0, str(SDK))
+
+import gradtape.client
+
+assert Path(gradtape.client.__file__).is_relative_to(SDK), gradtape.client.__file__
+
+KEY = "sdk-test-key"
+
+# Both transports; answers must not depend on the transport.
+TRANSPORTS = ["msgpack", "json"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _service_data_dir() -> Iterator[None]:
+    """The temporary directory tests/service/conftest.py makes on import (removed there
+    by its own fixture, which is not active when only tests/client runs)."""
+    yield
+    shutil.rmtree(service_conftest.DATA_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("sdk-server")
+    srv = start_server({"GRADTAPE_DATA_DIR": str(tmp / "data")}, tmp / "server.log")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("sdk-strict")
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": KEY,
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_QUEUE_SIZE": "0",
+            "GRADTAPE_RETRY_AFTER": "1",
+        },
+        tmp / "server.log",
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def client(request: pytest.FixtureRequest, server: Server) -> Iterator[gradtape.client.Client]:
+    with gradtape.client.Client(server.base_url, transport=request.param) as c:
+        yield c
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(14)
+
+
+def heavy(n: int, lines: int) -> dict:
+    """A definition whose gradient takes a while: `lines` n x n matmuls of a projection
+    (outer(x, x) with |x| = 1, so every product stays the projection: no overflow)."""
+    x = np.full(n, 1 / np.sqrt(n))
+    program = ["a0 = outer(x, x)"]
+    program += [f"a{i} = a{i - 1} @ a0" for i in range(1, lines)]
+    program += [f"loss = sum(a{lines - 1} * w)"]
+    return {"variables": {"w": np.float64(1.0)}, "inputs": {"x": x}, "program": program}

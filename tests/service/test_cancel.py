@@ -1,0 +1,155 @@
+"""Cancellation (issue 11, item 4): a client that disconnects does not leave its worker
+busy until the time limit. The HTTP process notices the disconnect while it waits for
+the worker, sets the worker's cancel flag, and the worker stops at its next op: on a
+one-worker server, the next request is answered at once, and the tape the cancelled
+request ran on still answers exactly as before.
+
+Real server, real sockets: the disconnect is a client closing its TCP connection in the
+middle of a long Hutchinson trace or a long gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.conftest import Server, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One worker and a long time limit: a request nobody cancels holds it for minutes."""
+    tmp = tmp_path_factory.mktemp("cancel")
+    srv = start_server(
+        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_WORKERS": "1",
+         "GRADTAPE_TIME_LIMIT": "120", "GRADTAPE_MAX_TIME_LIMIT": "300",
+         "GRADTAPE_ALGORITHM_MAX_HVPS": "100000"},
+        tmp / "server.log",
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+N = 64  # parameters
+
+
+def chain(lines: int, depth: int = 1) -> dict:
+    """sum(tanh(A ... tanh(A w)...)^2): `lines` lines of `depth` matrix products each, so
+    one HVP applies hundreds of ops (and 700 x 15 take seconds to compile and record)."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((N, N)) / np.sqrt(N)
+    program = ["h0 = w"]
+    for i in range(1, lines + 1):
+        expr = f"h{i - 1}"
+        for _ in range(depth):
+            expr = f"tanh(a @ {expr})"
+        program.append(f"h{i} = {expr}")
+    program += [f"loss = sum(h{lines} * h{lines})"]
+    return {
+        "variables": {"w": {"dtype": "float64", "shape": [N], "data": list(np.linspace(-1, 1, N))}},
+        "inputs": {"a": {"dtype": "float64", "shape": [N, N], "data": a.ravel().tolist()}},
+        "program": program,
+    }
+
+
+def send_and_hang_up(srv: Server, path: str, body: dict, after: float) -> None:
+    """POST `body` on a raw socket, wait `after` seconds (the server computes), close."""
+    url = urlsplit(srv.base_url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        time.sleep(after)
+        # The answer has not come: the request is still computing.
+        sock.setblocking(False)
+        try:
+            early = sock.recv(4096)
+        except BlockingIOError:
+            return
+        raise AssertionError(f"answered before the hang-up: {early[:500]!r}")
+
+
+def busy(srv: Server) -> bool:
+    workers = httpx.get(f"{srv.base_url}/readyz", timeout=5).json()["workers"]
+    return any(w["state"] == "busy" for w in workers)
+
+
+def quick_gradient(srv: Server) -> float:
+    """Seconds a small gradient takes end to end (it needs the one worker)."""
+    started = time.perf_counter()
+    r = httpx.post(f"{srv.base_url}/v1/gradient", timeout=60, json={
+        "definition": {"variables": {"x": 3.0}, "program": ["y = x * x"]}, "target": "y"})
+    elapsed = time.perf_counter() - started
+    assert r.status_code == 200, r.text
+    assert r.json()["gradients"]["x"]["data"] == [6.0]
+    return elapsed
+
+
+def test_a_disconnected_trace_frees_the_worker_and_keeps_the_tape(solo: Server) -> None:
+    base = solo.base_url
+    r = httpx.post(f"{base}/v1/tapes", json={"definition": chain(40), "target": "loss"},
+                   timeout=60)
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
+    v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.cos(np.arange(N)))}}
+    before = httpx.post(f"{base}/v1/tapes/{tape}/hvp", json={"vector": v}, timeout=60)
+    assert before.status_code == 200, before.text
+
+    # Alone, this trace runs for minutes (100,000 HVPs one at a time, 300 s allowed).
+    send_and_hang_up(solo, f"/v1/tapes/{tape}/trace", {
+        "max_hvps": 100000, "batch_size": 1, "max_seconds": 300, "time_limit": 300}, after=1.0)
+    hung_up = time.perf_counter()
+    # The worker is free again within a fraction of a second of the disconnect: the next
+    # request (which needs that one worker) is answered at once.
+    elapsed = quick_gradient(solo)
+    assert time.perf_counter() - hung_up < 1.0, elapsed
+    assert not busy(solo)
+    # The tape is whole: the same HVP, bit for bit.
+    after = httpx.post(f"{base}/v1/tapes/{tape}/hvp", json={"vector": v}, timeout=60)
+    assert after.status_code == 200, after.text
+    assert after.json() == before.json()
+    assert "Traceback" not in Path(solo.log).read_text()
+
+
+def test_a_disconnected_tape_recording_leaves_no_tape(solo: Server) -> None:
+    base = solo.base_url
+    held = len(httpx.get(f"{base}/v1/tapes", timeout=10).json()["tapes"])
+    # Compiling and recording 10,500 products takes seconds: hang up in the middle.
+    send_and_hang_up(solo, "/v1/tapes", {"definition": chain(700, 15), "target": "loss",
+                                         "time_limit": 300}, after=0.5)
+    hung_up = time.perf_counter()
+    quick_gradient(solo)
+    assert time.perf_counter() - hung_up < 1.0
+    assert len(httpx.get(f"{base}/v1/tapes", timeout=10).json()["tapes"]) == held
+
+
+def test_a_queued_request_whose_client_left_never_runs(solo: Server) -> None:
+    """Two long requests: the first computes, the second waits; both clients hang up.
+    Neither holds the worker afterwards."""
+    import threading
+
+    threads = [
+        threading.Thread(target=send_and_hang_up, args=(
+            solo, "/v1/gradient",
+            {"definition": chain(700, 14), "target": "loss", "time_limit": 300}, 1.0))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hung_up = time.perf_counter()
+    quick_gradient(solo)
+    assert time.perf_counter() - hung_up < 1.0

@@ -1,0 +1,301 @@
+"""Jobs (issue 14, item 2) against the real server: `"async": true` or `Prefer:
+respond-async` answer 202 with a Location; GET follows state and progress (HVPs or rows
+done of the budget, the running estimate and its error, an ETA) and ends with the same
+answer the synchronous request gives; the events stream sends each change; DELETE
+stops the worker at its next op; jobs are the key's own, counted, expire, and a killed
+worker is a failed job (never a hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.conftest import Server, start_server, stop_server
+from tests.service.test_cancel import N, chain
+
+KEY_A, KEY_B = "jobs-key-a", "jobs-key-b"
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One worker (a job that holds it is seen by everyone), two API keys, a job quota
+    of 3 and jobs forgotten 8 s after they end. A computing job holds one of its key's
+    fair-sharing slots, as a plain request does: with 4 of them, a key can start more jobs
+    while one computes."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    srv = start_server(
+        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_WORKERS": "1",
+         "GRADTAPE_TIME_LIMIT": "120", "GRADTAPE_MAX_TIME_LIMIT": "300",
+         "GRADTAPE_ALGORITHM_MAX_HVPS": "100000", "GRADTAPE_API_KEYS_ENABLED": "true",
+         "GRADTAPE_API_KEYS": f"{KEY_A},{KEY_B}", "GRADTAPE_MAX_JOBS_PER_KEY": "3",
+         "GRADTAPE_JOB_TTL": "8", "GRADTAPE_TAPE_SWEEP_INTERVAL": "0.5",
+         "GRADTAPE_MAX_CONCURRENT_PER_KEY": "4"},
+        tmp / "server.log",
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture
+def a(solo: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=solo.base_url, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        yield c
+
+
+@pytest.fixture
+def b(solo: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=solo.base_url, timeout=120, headers={"X-API-Key": KEY_B}) as c:
+        yield c
+
+
+@pytest.fixture
+def tape(a: httpx.Client) -> Iterator[str]:
+    r = a.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
+    assert r.status_code == 201, r.text
+    yield r.json()["tape_id"]
+    a.delete(f"/v1/tapes/{r.json()['tape_id']}")
+
+
+def start(client: httpx.Client, path: str, body: dict[str, Any], prefer: bool = False
+          ) -> str:
+    headers = {"Prefer": "respond-async"} if prefer else {}
+    r = client.post(path, json=body if prefer else {**body, "async": True}, headers=headers)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['job_id']}"
+    assert job["state"] in ("queued", "running") and job["result"] is None
+    if prefer:
+        assert r.headers["preference-applied"] == "respond-async"
+    return r.headers["location"]
+
+
+def wait(client: httpx.Client, location: str, until: tuple[str, ...], timeout: float = 60
+         ) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(location).json()
+        if job["state"] in until:
+            return job
+        time.sleep(0.02)
+    raise TimeoutError(f"job {location} is still {job['state']}")
+
+
+def same_answer(job_answer: dict[str, Any], sync: dict[str, Any]) -> None:
+    """Equal but for the compute seconds (measured anew)."""
+    assert {k: v for k, v in job_answer.items() if k != "seconds"} == {
+        k: v for k, v in sync.items() if k != "seconds"}
+
+
+def test_a_trace_job_reports_progress_and_answers_as_the_synchronous_request(
+        a: httpx.Client, tape: str) -> None:
+    body = {"max_hvps": 600, "batch_size": 2, "max_seconds": 100}
+    location = start(a, f"/v1/tapes/{tape}/trace", body)
+    seen = []
+    job = wait(a, location, ("running",))
+    while job["state"] == "running":
+        if job["progress"] is not None:
+            seen.append(job["progress"])
+        time.sleep(0.05)
+        job = a.get(location).json()
+    assert job["state"] == "succeeded", job
+    # Progress grew in steps of the batch, toward the budget, with a finite estimate, its
+    # standard error and an ETA, while it ran.
+    assert len(seen) >= 3, seen
+    done = [p["done"] for p in seen]
+    assert done == sorted(done) and done[0] < 600 and all(d % 2 == 0 for d in done)
+    for p in seen:
+        assert p["total"] == 600 and p["unit"] == "hvps"
+        assert np.isfinite(p["estimate"]) and p["error"] > 0 and p["eta"] is not None
+    # Standard errors shrink as samples grow (1/sqrt(n), up to noise).
+    assert seen[-1]["error"] < seen[0]["error"] * 1.5
+    assert job["progress"]["done"] == 600 and job["progress"]["eta"] == 0.0
+    assert job["finished_at"] and job["expires_at"] and job["elapsed"] > 0
+    result = a.get(f"{location}/result")
+    assert result.status_code == 200 and "server-timing" in result.headers
+    # The answer: the synchronous request's, bit for bit (same seed), inline and at /result.
+    sync = a.post(f"/v1/tapes/{tape}/trace", json=body)
+    assert sync.status_code == 200
+    same_answer(job["result"], sync.json())
+    same_answer(result.json(), sync.json())
+    # The last estimate reported is the answer's.
+    assert job["result"]["trace"] == pytest.approx(seen[-1]["estimate"], rel=0.2)
+
+
+def test_eigenvalue_progress_as_server_sent_events(a: httpx.Client, tape: str) -> None:
+    body = {"k": 3, "max_hvps": N, "tol": 1e-300}  # runs to the whole space: N HVPs
+    location = start(a, f"/v1/tapes/{tape}/eigenvalues", body, prefer=True)
+    events = []
+    with a.stream("GET", f"{location}/events") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    names = [n for n, _ in events]
+    assert names[-1] == "succeeded" and set(names[:-1]) <= {"queued", "progress"}
+    progress = [d["progress"] for n, d in events if n == "progress" and d["progress"]]
+    assert len(progress) >= 2
+    done = [p["done"] for p in progress]
+    assert done == sorted(done) and progress[0]["total"] == N
+    # Ritz values as they converge: k of them, with their residuals.
+    ritz = [p for p in progress if p["estimate"] is not None]
+    assert ritz and all(len(p["estimate"]) == 3 and len(p["error"]) == 3 for p in ritz)
+    assert all(d["result"] is None for _, d in events)  # the stream never carries answers
+    job = a.get(location).json()
+    sync = a.post(f"/v1/tapes/{tape}/eigenvalues", json=body).json()
+    same_answer(job["result"], sync)
+    np.testing.assert_allclose(ritz[-1]["estimate"], sync["eigenvalues"], rtol=1e-6)
+
+
+def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
+        a: httpx.Client, tape: str) -> None:
+    v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}}
+    before = a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}).json()
+    # Alone it would run for minutes.
+    location = start(a, f"/v1/tapes/{tape}/trace",
+                     {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
+                      "time_limit": 300})
+    wait(a, location, ("running",))
+    time.sleep(0.3)
+    assert a.get(location).json()["progress"]["done"] > 0
+    cancelled = time.perf_counter()
+    assert a.delete(location).status_code == 204
+    assert a.get(location).json()["state"] == "cancelled"
+    # The one worker takes the next request at once.
+    r = a.post("/v1/gradient", json={"definition": {"variables": {"x": 3.0},
+                                                    "program": ["y = x * x"]}, "target": "y"})
+    assert r.status_code == 200 and r.json()["gradients"]["x"]["data"] == [6.0]
+    assert time.perf_counter() - cancelled < 1.0
+    assert a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}).json() == before
+    r = a.get(f"{location}/result")
+    assert r.status_code == 409 and r.json()["type"] == "/problems/cancelled"
+    # DELETE of an ended job forgets it.
+    assert a.delete(location).status_code == 204
+    assert a.get(location).status_code == 404
+
+
+def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
+        a: httpx.Client, b: httpx.Client, tape: str) -> None:
+    long = {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300, "time_limit": 300}
+    locations = [start(a, f"/v1/tapes/{tape}/trace", long) for _ in range(3)]
+    # Another key sees none of them: 404 everywhere, as if they did not exist.
+    for location in locations:
+        for r in (b.get(location), b.get(f"{location}/result"), b.delete(location),
+                  b.get(f"{location}/events")):
+            assert r.status_code == 404 and r.json()["type"] == "/problems/job-not-found"
+    assert b.get("/v1/jobs").json()["jobs"] == []
+    listed = [j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]]
+    assert [loc.rsplit("/", 1)[1] for loc in locations] == listed[-3:]
+    # Three queued or running jobs is this server's quota.
+    r = a.post(f"/v1/tapes/{tape}/trace", json={**long, "async": True})
+    assert r.status_code == 429 and r.json()["quota"] == "jobs", r.text
+    r = a.get(f"{locations[0]}/result")
+    assert r.status_code == 409 and r.json()["type"] == "/problems/job-not-finished"
+    for location in locations:
+        assert a.delete(location).status_code == 204
+    assert all(a.get(loc).json()["state"] == "cancelled" for loc in locations)
+    # Ended jobs are kept job_ttl (8 s here), then forgotten.
+    time.sleep(8.5)
+    for location in locations:
+        assert a.get(location).status_code == 404
+    assert locations[0].rsplit("/", 1)[1] not in [
+        j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]]
+
+
+def test_a_killed_worker_fails_its_job_with_the_synchronous_problem(
+        a: httpx.Client, tape: str) -> None:
+    location = start(a, f"/v1/tapes/{tape}/trace",
+                     {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
+                      "time_limit": 300})
+    wait(a, location, ("running",))
+    pid = a.get("/readyz").json()["workers"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    job = wait(a, location, ("failed", "succeeded", "cancelled"), timeout=30)
+    assert job["state"] == "failed"
+    assert job["error"]["type"] == "/problems/worker-crashed" and job["error"]["status"] == 502
+    r = a.get(f"{location}/result")
+    assert r.status_code == 502 and r.json()["type"] == "/problems/worker-crashed"
+    # The tape is recorded again in the replacement worker: jobs on it go on.
+    sync = a.post(f"/v1/tapes/{tape}/trace", json={"max_hvps": 8, "batch_size": 4})
+    assert sync.status_code == 200, sync.text
+
+
+def test_a_failing_job_keeps_the_problem_and_bad_requests_are_refused_at_once(
+        a: httpx.Client, tape: str) -> None:
+    # Checked before any job starts: a 422 at once, not a job.
+    r = a.post(f"/v1/tapes/{tape}/trace", json={"max_hvps": 1, "async": True})
+    assert r.status_code == 422
+    # Found by the worker: the job fails with the synchronous request's problem.
+    body = {"k": N + 1, "max_hvps": 200}
+    sync = a.post(f"/v1/tapes/{tape}/eigenvalues", json=body)
+    assert sync.status_code == 422
+    location = start(a, f"/v1/tapes/{tape}/eigenvalues", body)
+    job = wait(a, location, ("failed", "succeeded"))
+    assert job["state"] == "failed"
+    assert {k: v for k, v in job["error"].items() if k != "instance"} == {
+        k: v for k, v in sync.json().items() if k != "instance"}
+    r = a.get(f"{location}/result")
+    assert r.status_code == 422 and r.json()["detail"] == sync.json()["detail"]
+
+
+def test_stateless_hessian_and_jacobian_jobs(a: httpx.Client) -> None:
+    rng = np.random.default_rng(3)
+    n = 60
+    m = rng.standard_normal((n, n))
+    definition = {
+        "variables": {"w": {"dtype": "float64", "shape": [n],
+                            "data": rng.standard_normal(n).tolist()}},
+        "inputs": {"m": {"dtype": "float64", "shape": [n, n], "data": m.ravel().tolist()}},
+        "program": ["z = tanh(m @ w)", "loss = sum(z * z)"],
+    }
+    body = {"definition": definition, "target": "loss"}
+    location = start(a, "/v1/hessian", body)
+    job = wait(a, location, ("succeeded", "failed"))
+    assert job["state"] == "succeeded", job
+    # Rows of H, in the server's chunks (16 here), up to all n.
+    assert job["progress"]["unit"] == "rows" and job["progress"]["done"] == n
+    assert job["progress"]["total"] == n
+    sync = a.post("/v1/hessian", json=body).json()
+    assert job["result"] == sync
+    # A closed form: loss = |tanh(m w)|^2, H = m^T diag(2 (1 - 3 z^2)(1 - z^2)) m.
+    w = np.asarray(definition["variables"]["w"]["data"])
+    z = np.tanh(m @ w)
+    h = m.T @ np.diag(2 * (1 - 3 * z**2) * (1 - z**2)) @ m
+    got = np.asarray(job["result"]["hessian"]["w"]["w"]["data"]).reshape(n, n)
+    np.testing.assert_allclose(got, h, rtol=1e-9, atol=1e-9)
+
+    body = {"definition": definition, "target": "z", "sources": ["w"], "allow_unused": True}
+    location = start(a, "/v1/jacobian", body, prefer=True)
+    job = wait(a, location, ("succeeded", "failed"))
+    assert job["state"] == "succeeded"
+    assert job["result"] == a.post("/v1/jacobian", json=body).json()
+    got = np.asarray(job["result"]["jacobians"]["w"]["data"]).reshape(n, n)
+    np.testing.assert_allclose(got, (1 - z**2)[:, None] * m, rtol=1e-12, atol=1e-12)
+
+
+def test_a_job_answer_in_msgpack(a: httpx.Client, tape: str) -> None:
+    import msgpack
+
+    location = start(a, f"/v1/tapes/{tape}/solve", {"damping": 10.0, "max_iterations": 30})
+    wait(a, location, ("succeeded",))
+    r = a.get(location, headers={"Accept": "application/msgpack"})
+    assert r.headers["content-type"] == "application/msgpack"
+    job = msgpack.unpackb(r.content)
+    x = job["result"]["solution"]["w"]
+    assert x["dtype"] == "float64" and len(x["data"]) == 8 * N  # raw bytes
+    sync = a.post(f"/v1/tapes/{tape}/solve", json={"damping": 10.0, "max_iterations": 30},
+                  headers={"Accept": "application/msgpack"})
+    assert msgpack.unpackb(sync.content)["solution"] == job["result"]["solution"]
