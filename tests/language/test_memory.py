@@ -31,6 +31,15 @@ PROGRAMS = {
         "inputs": {"x": rng.random((400, 32))},
         "program": ["z = x @ w + b", "loss = sum(logsumexp(z, axis=1) - z[:, 0])"],
     },
+    # issue 13: a conv net, whose im2col patches are temporaries of composite ops
+    "small cnn": {
+        "variables": {"w1": rng.random((16, 3, 3, 3)), "w2": rng.random((1024, 10))},
+        "inputs": {"x": rng.random((16, 3, 16, 16))},
+        "program": [
+            "h = max_pool2d(relu(conv2d(x, w1, padding=1)), 2)",
+            "loss = mean((reshape(h, (16, 1024)) @ w2) ** 2)",
+        ],
+    },
 }
 
 
