@@ -13,10 +13,12 @@ from typing import Any
 
 from engine.language.definition import ALLOWED_DTYPES
 from engine.language.parse import Constant, Node, Number, Sequence
+from engine.ops.conv import AUTO_PADS
 
 DTYPE_NAMES = tuple(sorted(str(d) for d in ALLOWED_DTYPES))
 REDUCTIONS = ("mean", "sum", "none")
 ORDS = (None, 1, 2, "inf", "euclidean", "fro")
+PAD_MODES = ("CONSTANT", "REFLECT", "SYMMETRIC", "EDGE")
 
 
 class ArgError(Exception):
@@ -113,6 +115,20 @@ def _pairs(node: Node) -> tuple[tuple[int, int], ...]:
     raise _Mismatch
 
 
+def _pads(node: Node) -> Any:
+    """An int, ints, (begin, end) pairs or an auto_pad name (issue 13's convolution and
+    pooling pads)."""
+    if isinstance(node, Constant) and isinstance(node.value, str):
+        return _choice(AUTO_PADS)(node)
+    if (
+        isinstance(node, Sequence)
+        and node.items
+        and all(isinstance(item, Sequence) for item in node.items)
+    ):
+        return _pairs(node)
+    return _int_or_ints(node)
+
+
 # kind -> (the type as the catalogue shows it, converter)
 KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     "int": ("int", _int),
@@ -133,7 +149,17 @@ KINDS: dict[str, tuple[str, Callable[[Node], Any]]] = {
     # issue 19
     "direction": ("'ASCENDING' | 'DESCENDING'", _choice(("ASCENDING", "DESCENDING"))),
     "paddings": ("tuple[tuple[int, int], ...]", _pairs),
-    "pad_mode": ("'CONSTANT'", _choice(("CONSTANT",))),
+    "pad_mode": (" | ".join(repr(m) for m in PAD_MODES), _choice(PAD_MODES)),
+    # issue 13: convolution and pooling windows
+    "ints": ("tuple[int, ...]", _ints),
+    "window": ("int | tuple[int, ...]", _int_or_ints),
+    "window?": ("int | tuple[int, ...] | None", _optional(_int_or_ints)),
+    "pads": (
+        "int | tuple[int, ...] | tuple[tuple[int, int], ...] | "
+        + " | ".join(repr(m) for m in AUTO_PADS)
+        + " | None",
+        _optional(_pads),
+    ),
 }
 
 

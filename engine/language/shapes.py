@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.ops.shape import resolve_shape
+from engine.ops.conv import conv_rank, conv_shape, pool2d_window, pool_shape
+from engine.ops.nn import attention_shape
+from engine.ops.shape import check_pad_mode, resolve_shape
 
 INT32, FLOAT32, BOOL = (np.dtype(d) for d in ("int32", "float32", "bool"))
 INDEX = np.dtype(np.intp)  # what argmax returns
@@ -666,6 +668,7 @@ def _pad(b: dict[str, Any]) -> TensorType:
     pairs = tuple(b.get("paddings", ()))
     if len(pairs) != x.ndim or any(lo < 0 or hi < 0 for lo, hi in pairs):
         raise RuleError(f"paddings {pairs} for a tensor of shape {x.shape}", "op")
+    _shared(check_pad_mode, x.shape, pairs, b.get("mode", "CONSTANT"))
     return TensorType(tuple(d + lo + hi for d, (lo, hi) in zip(x.shape, pairs)), x.dtype)
 
 
@@ -705,6 +708,125 @@ def _scatter_nd(b: dict[str, Any]) -> TensorType:
     return TensorType(shape, updates.dtype)
 
 
+# ---- issue 13: convolution, pooling, embedding, attention ----
+# The shape checks are the engine's own (engine/ops/conv.py, nn.py), so the two agree.
+def _shared(check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise RuleError(str(exc), "shape") from None
+
+
+def _conv_types(b: dict[str, Any]) -> tuple[TensorType, TensorType, TensorType | None]:
+    x, w = pair(b["x"], b["w"])
+    require(x, "float")
+    bias = b.get("b")
+    if bias is not None:
+        bias = like(bias, x)
+        if bias.dtype != x.dtype:
+            raise RuleError(f"bias dtype {bias.dtype} differs from the input's {x.dtype}", "dtype")
+    return x, w, bias
+
+
+def _conv(b: dict[str, Any]) -> TensorType:
+    x, w, bias = _conv_types(b)
+    bias_shape = None if bias is None else bias.shape
+    shape = _shared(
+        conv_shape,
+        x.shape,
+        w.shape,
+        bias_shape,
+        b.get("strides"),
+        b.get("pads"),
+        b.get("dilations"),
+        b.get("groups", 1),
+    )[0]
+    return TensorType(shape, x.dtype)
+
+
+def _conv_nd(nd: int) -> Rule:
+    def rule(b: dict[str, Any]) -> TensorType:
+        _shared(conv_rank, nd, concrete(b["w"]).shape)
+        renamed = {"strides": b["stride"], "pads": b["padding"], "dilations": b["dilation"]}
+        return _conv({**b, **renamed})
+
+    return rule
+
+
+def _conv_workspace(b: dict[str, Any], out: TensorType) -> int:
+    """The im2col patches: every input channel times every kernel cell, per output cell."""
+    x, w = b["x"], b["w"]
+    return x.shape[0] * x.shape[1] * math.prod(w.shape[2:]) * math.prod(out.shape[2:])
+
+
+def _pool_input(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "float")
+    return x
+
+
+def _max_pool(b: dict[str, Any]) -> TensorType:
+    x = _pool_input(b)
+    window = _shared(
+        pool_shape,
+        x.shape,
+        b["kernel_shape"],
+        b.get("strides"),
+        b.get("pads"),
+        b.get("dilations"),
+        b.get("ceil_mode", False),
+    )
+    return TensorType(window.out, x.dtype)
+
+
+def _avg_pool(b: dict[str, Any]) -> TensorType:
+    return _max_pool({**b, "dilations": None})
+
+
+def _pool2d(b: dict[str, Any]) -> TensorType:
+    kernel, stride = _shared(pool2d_window, b["kernel_size"], b.get("stride"))
+    return _max_pool(
+        {
+            "x": b["x"],
+            "kernel_shape": kernel,
+            "strides": stride,
+            "pads": b.get("padding", 0),
+            "dilations": b.get("dilation", 1),
+            "ceil_mode": b.get("ceil_mode", False),
+        }
+    )
+
+
+def _pool_workspace(b: dict[str, Any], out: TensorType) -> int:
+    kernel = b.get("kernel_shape")
+    if kernel is None:
+        kernel = pool2d_window(b["kernel_size"], None)[0]
+    return out.size * math.prod(kernel)
+
+
+def _embedding(b: dict[str, Any]) -> TensorType:
+    table, ids = concrete(b["table"]), concrete(b["ids"])
+    if ids.dtype.kind not in "iu":
+        raise RuleError(f"ids must be an integer tensor, got {ids.dtype}", "dtype")
+    if table.ndim < 1:
+        raise RuleError(f"table must have rank >= 1, got shape {table.shape}", "shape")
+    return TensorType(ids.shape + table.shape[1:], table.dtype)
+
+
+def _attention(b: dict[str, Any]) -> TensorType:
+    q, k, v = (concrete(b[n]) for n in ("q", "k", "v"))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require(t, "float", name)
+    if len({q.dtype, k.dtype, v.dtype}) > 1:
+        raise RuleError(f"dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); use cast first", "dtype")
+    return TensorType(_shared(attention_shape, q.shape, k.shape, v.shape), q.dtype)
+
+
+def _attention_workspace(b: dict[str, Any], out: TensorType) -> int:
+    """The score matrix (and its softmax): [..., Lq, Lk]."""
+    return out.size // max(b["v"].shape[-1], 1) * b["k"].shape[-2]
+
+
 # ----------------------------------------------------------------------------------------
 # The table
 # ----------------------------------------------------------------------------------------
@@ -722,6 +844,10 @@ class OpRule:
 
 
 REDUCE = {"axis": "axes", "keepdims": "bool"}
+CONV = {"strides": "window?", "pads": "pads", "dilations": "window?", "groups": "int"}
+CONV_TORCH = {"stride": "window", "padding": "pads", "dilation": "window", "groups": "int"}
+POOL = {"kernel_shape": "ints", "strides": "window?", "pads": "pads", "ceil_mode": "bool"}
+POOL_TORCH = {"kernel_size": "window", "stride": "window?", "padding": "pads", "ceil_mode": "bool"}
 FLOAT_UNARY = [
     "exp",
     "log",
@@ -824,4 +950,22 @@ RULES: dict[str, OpRule] = {
     "tile": OpRule(_tile, {"multiples": "shape"}),
     "gather_nd": OpRule(_gather_nd),
     "scatter_nd": OpRule(_scatter_nd, {"shape": "shape"}),
+    # issue 13 (convolutional networks and transformers)
+    "conv": OpRule(_conv, CONV, workspace=_conv_workspace),
+    "conv1d": OpRule(_conv_nd(1), CONV_TORCH, workspace=_conv_workspace),
+    "conv2d": OpRule(_conv_nd(2), CONV_TORCH, workspace=_conv_workspace),
+    "max_pool": OpRule(
+        _max_pool,
+        {**POOL, "dilations": "window?"},
+        workspace=_pool_workspace,
+    ),
+    "avg_pool": OpRule(_avg_pool, {**POOL, "count_include_pad": "bool"}, workspace=_pool_workspace),
+    "max_pool2d": OpRule(_pool2d, {**POOL_TORCH, "dilation": "window"}, workspace=_pool_workspace),
+    "avg_pool2d": OpRule(
+        _pool2d, {**POOL_TORCH, "count_include_pad": "bool"}, workspace=_pool_workspace
+    ),
+    "embedding": OpRule(_embedding),
+    "scaled_dot_product_attention": OpRule(
+        _attention, {"causal": "bool"}, workspace=_attention_workspace
+    ),
 }

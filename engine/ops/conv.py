@@ -11,12 +11,14 @@ leading axis is left alone by both primitives, so batched cotangents and tangent
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine import backend
+from engine.backend import host
 from engine.ops._util import coerce_pair
 from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
@@ -67,7 +69,26 @@ def _col2im_impl(
     lead = p.shape[: p.ndim - 2 * nd]
     out = p.shape[p.ndim - nd :]
     padded = tuple(n + lo + hi for n, (lo, hi) in zip(spatial, pads))
+    expected = tuple(
+        (n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(padded, kernel, strides, dilations)
+    )
+    if p.shape[len(lead) :] != kernel + expected:  # the strided writes below trust the shape
+        raise ValueError(f"col2im: windows {p.shape} do not fit the spatial shape {spatial}")
     buf = xp.zeros(lead + padded, dtype=p.dtype)
+    if all(s >= d * (k - 1) + 1 for k, s, d in zip(kernel, strides, dilations)):
+        # Disjoint windows (pooling with stride = kernel): every cell is written at most
+        # once, so one strided assignment replaces the adds.
+        st = buf.strides[len(lead) :]
+        view = xp.lib.stride_tricks.as_strided(
+            buf,
+            p.shape,
+            buf.strides[: len(lead)]
+            + tuple(t * d for t, d in zip(st, dilations))
+            + tuple(t * s for t, s in zip(st, strides)),
+        )
+        view[...] = p
+        crop = tuple(slice(lo, lo + n) for (lo, _), n in zip(pads, spatial))
+        return buf[(Ellipsis, *crop)]
     for offset in itertools.product(*(range(k) for k in kernel)):
         window = tuple(
             slice(o * d, o * d + s * (m - 1) + 1, s)
@@ -104,22 +125,30 @@ defvjp(col2im_p, col2im_vjp)
 defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 
 
-# ---- argument normalization (ONNX spellings and PyTorch's shorthands) ----
-def _tuple(value: Any, nd: int, name: str, opname: str, default: int, low: int) -> tuple:
+# ---- shapes: shared by the wrappers and the definition language's rules ----
+# The functions below raise ValueError with a message that does not name the op; the
+# wrappers prefix it, the language reports it at the call's line and column.
+def _tuple(value: Any, nd: int, name: str, default: int) -> tuple:
     if value is None:
         return (default,) * nd
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,) * nd
     try:
-        out = tuple(int(v) for v in value)
+        out = tuple(_int(v) for v in value)
     except (TypeError, ValueError):
-        raise TypeError(f"{opname}: {name} must be an int or {nd} ints, got {value!r}") from None
-    if len(out) != nd or any(v < low for v in out):
-        raise ValueError(f"{opname}: {name} must be {nd} ints >= {low}, got {value!r}")
+        raise ValueError(f"{name} must be an int or {nd} ints, got {value!r}") from None
+    if len(out) != nd or any(v < 1 for v in out):
+        raise ValueError(f"{name} must be {nd} positive ints, got {value!r}")
     return out
 
 
-def normalize_pads(pads: Any, nd: int, opname: str) -> Pads:
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, host.integer)):
+        raise TypeError
+    return int(v)
+
+
+def normalize_pads(pads: Any, nd: int) -> Pads:
     """Pads as ((begin, end), ...) per spatial axis, from an int (every side), nd ints
     (both sides of each axis), nd (begin, end) pairs, or ONNX's flat
     [x1_begin, x2_begin, ..., x1_end, x2_end]."""
@@ -130,9 +159,12 @@ def normalize_pads(pads: Any, nd: int, opname: str) -> Pads:
     try:
         items = list(pads)
         if items and all(isinstance(p, (list, tuple)) for p in items):
-            out = tuple((int(lo), int(hi)) for lo, hi in items)
+            pairs = [tuple(p) for p in items]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError
+            out = tuple((_int(lo), _int(hi)) for lo, hi in pairs)
         else:
-            flat = [int(p) for p in items]
+            flat = [_int(p) for p in items]
             if len(flat) == nd:
                 out = tuple((p, p) for p in flat)
             elif len(flat) == 2 * nd:
@@ -140,35 +172,137 @@ def normalize_pads(pads: Any, nd: int, opname: str) -> Pads:
             else:
                 out = ()
     except (TypeError, ValueError):
-        raise TypeError(
-            f"{opname}: pads must be ints or (begin, end) pairs, got {pads!r}"
-        ) from None
+        raise ValueError(f"pads must be ints or (begin, end) pairs, got {pads!r}") from None
     if len(out) != nd or any(lo < 0 or hi < 0 for lo, hi in out):
         raise ValueError(
-            f"{opname}: pads must give a non-negative (begin, end) for each of {nd} spatial "
-            f"axes, got {pads!r}"
+            f"pads must give a non-negative (begin, end) for each of {nd} spatial axes, "
+            f"got {pads!r}"
         )
     return out
 
 
+AUTO_PADS = ("SAME_UPPER", "SAME_LOWER", "VALID", "same", "valid")
+
+
+def auto_pads(
+    spatial: tuple, kernel: tuple, strides: tuple, dilations: tuple, auto_pad: str
+) -> Pads:
+    """ONNX's auto_pad (SAME_UPPER, SAME_LOWER: out = ceil(in / stride), the odd cell at
+    the end or the beginning; VALID: none) and PyTorch's padding='same' (SAME_UPPER, for
+    stride 1) / 'valid' as explicit (begin, end) pads."""
+    if auto_pad not in AUTO_PADS:
+        raise ValueError(f"pads must be ints, (begin, end) pairs or one of {AUTO_PADS}")
+    if auto_pad.upper() == "VALID":
+        return ((0, 0),) * len(kernel)
+    if auto_pad == "same" and any(s != 1 for s in strides):
+        raise ValueError(f"padding='same' needs strides of 1, got {strides}")
+    out = []
+    for n, k, s, d in zip(spatial, kernel, strides, dilations):
+        total = builtins.max(0, (-(-n // s) - 1) * s + d * (k - 1) + 1 - n)
+        small, large = total // 2, total - total // 2
+        out.append((large, small) if auto_pad == "SAME_LOWER" else (small, large))
+    return tuple(out)
+
+
 def _window(
-    opname: str, spatial: tuple, kernel: tuple, strides: Any, pads: Any, dilations: Any
+    spatial: tuple, kernel: tuple, strides: Any, pads: Any, dilations: Any
 ) -> tuple[tuple, Pads, tuple, tuple]:
     """(strides, pads, dilations, output spatial shape), checked."""
     nd = len(kernel)
-    strides = _tuple(strides, nd, "strides", opname, 1, 1)
-    dilations = _tuple(dilations, nd, "dilations", opname, 1, 1)
-    pads = normalize_pads(pads, nd, opname)
+    strides = _tuple(strides, nd, "strides", 1)
+    dilations = _tuple(dilations, nd, "dilations", 1)
+    if isinstance(pads, str):
+        pads = auto_pads(spatial, kernel, strides, dilations, pads)
+    pads = normalize_pads(pads, nd)
     out = tuple(
         _out_size(n, k, s, lo, hi, d)
         for n, k, s, (lo, hi), d in zip(spatial, kernel, strides, pads, dilations)
     )
     if any(o < 1 for o in out):
         raise ValueError(
-            f"{opname}: a window of {kernel} (dilations {dilations}) does not fit the spatial "
-            f"shape {spatial} padded by {pads}"
+            f"a window of {kernel} (dilations {dilations}) does not fit the spatial shape "
+            f"{spatial} padded by {pads}"
         )
     return strides, pads, dilations, out
+
+
+def conv_shape(
+    x: tuple, w: tuple, b: tuple | None, strides: Any, pads: Any, dilations: Any, groups: Any
+) -> tuple[tuple, tuple, Pads, tuple]:
+    """(output shape, strides, pads, dilations) of conv on these shapes, or ValueError."""
+    nd = len(w) - 2
+    if nd < 1 or len(x) != nd + 2:
+        raise ValueError(
+            f"input {x} and weight {w} must be [N, C, *spatial] and "
+            "[C_out, C_in/groups, *kernel] with as many spatial axes"
+        )
+    n, c = x[:2]
+    o, cg = w[:2]
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    if c % groups or o % groups:
+        raise ValueError(
+            f"groups={groups} must divide the input channels ({c}) and the output channels ({o})"
+        )
+    if cg != c // groups:
+        raise ValueError(
+            f"weight {w} must have C_in/groups = {c // groups} channels for input {x} with "
+            f"groups={groups}"
+        )
+    if b is not None and tuple(b) != (o,):
+        raise ValueError(f"bias {b} must have shape ({o},) for weight {w}")
+    if any(k < 1 for k in w[2:]):
+        raise ValueError(f"weight {w} has an empty kernel")
+    strides, pads, dilations, out = _window(x[2:], w[2:], strides, pads, dilations)
+    return (n, o) + out, strides, pads, dilations
+
+
+class PoolWindow(NamedTuple):
+    out: tuple  # the output shape
+    kernel: tuple
+    strides: tuple
+    given: Pads  # the pads asked for
+    pads: Pads  # grown at the end for ceil_mode
+    dilations: tuple
+    spatial: tuple
+
+
+def pool_shape(
+    x: tuple, kernel_shape: Any, strides: Any, pads: Any, dilations: Any, ceil_mode: bool
+) -> PoolWindow:
+    """The window of a pool over the last len(kernel_shape) axes of x, or ValueError."""
+    try:
+        kernel = tuple(_int(k) for k in kernel_shape)
+    except TypeError:
+        kernel = ()
+    nd = len(kernel)
+    if nd < 1 or len(x) < nd or any(k < 1 for k in kernel):
+        raise ValueError(f"kernel_shape {kernel_shape!r} for an input of shape {x}")
+    spatial = tuple(x[len(x) - nd :])
+    strides, given, dilations, out = _window(spatial, kernel, strides, pads, dilations)
+    for k, d, (lo, hi) in zip(kernel, dilations, given):
+        if max(lo, hi) >= d * (k - 1) + 1:  # a window would see padding only
+            raise ValueError(f"pads {given} must be smaller than the window {kernel}")
+    pads = given
+    if ceil_mode:  # extra end padding, counted nowhere, so the last partial window is kept
+        grown, out = [], list(out)
+        for i, (n, k, s, (lo, hi), d) in enumerate(zip(spatial, kernel, strides, given, dilations)):
+            o_ceil = -(-(n + lo + hi - d * (k - 1) - 1) // s) + 1
+            if (o_ceil - 1) * s >= n + lo:  # no window starts in the end padding (PyTorch)
+                o_ceil -= 1
+            grown.append((lo, hi + (o_ceil - out[i]) * s))
+            out[i] = o_ceil
+        pads, out = tuple(grown), tuple(out)
+    return PoolWindow(
+        tuple(x[: len(x) - nd]) + out, kernel, strides, given, pads, dilations, spatial
+    )
+
+
+def _checked(opname: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        raise ValueError(f"{opname}: {exc}") from None
 
 
 # ---- conv: im2col, then one GEMM per group ----
@@ -182,65 +316,43 @@ def conv(
     dilations: Sequence[int] | int | None = None,
     groups: int = 1,
 ) -> Tensor:
-    """N-d cross-correlation (ONNX Conv): x [N, C, *spatial], w [O, C/groups, *kernel]."""
+    """N-d cross-correlation (ONNX Conv): x [N, C, *spatial], w [O, C/groups, *kernel],
+    optional bias b [O]; pads an int, per-axis ints, (begin, end) pairs, ONNX's flat list
+    or an auto_pad name ('SAME_UPPER', 'SAME_LOWER', 'VALID'; PyTorch's 'same', 'valid')."""
     x, w = coerce_pair("conv", x, w)
-    nd = w.ndim - 2
-    if nd < 1 or x.ndim != nd + 2:
-        raise ValueError(
-            f"conv: input {x.shape} and weight {w.shape} must be [N, C, *spatial] and "
-            "[C_out, C_in/groups, *kernel] with as many spatial axes"
-        )
-    n, c = x.shape[:2]
-    o, cg = w.shape[:2]
-    kernel = w.shape[2:]
-    if not isinstance(groups, int) or groups < 1 or c % groups or o % groups:
-        raise ValueError(
-            f"conv: groups={groups!r} must divide the input channels ({c}) and the output "
-            f"channels ({o})"
-        )
-    if cg != c // groups:
-        raise ValueError(
-            f"conv: weight {w.shape} must have C_in/groups = {c // groups} channels for input "
-            f"{x.shape} with groups={groups}"
-        )
-    strides, pads, dilations, out = _window("conv", x.shape[2:], kernel, strides, pads, dilations)
+    if b is not None:
+        b = as_tensor(b, like=x)
+        if b.dtype != x.dtype:
+            raise TypeError(f"conv: bias dtype {b.dtype} differs from the input's {x.dtype}")
+    shape, strides, pads, dilations = _checked(
+        "conv",
+        conv_shape,
+        x.shape,
+        w.shape,
+        None if b is None else b.shape,
+        strides,
+        pads,
+        dilations,
+        groups,
+    )
+    n, (o, cg), kernel, out = x.shape[0], w.shape[:2], w.shape[2:], shape[2:]
+    nd = len(kernel)
     g, og, p, ck = groups, o // groups, math.prod(out), cg * math.prod(kernel)
     patches = _im2col(x, kernel, strides, pads, dilations, 0.0)  # [N, C, *kernel, *out]
     cols = reshape(transpose(reshape(patches, (n, g, ck, p)), (1, 2, 0, 3)), (g, ck, n * p))
     y = bind(matmul_p, reshape(w, (g, og, ck)), cols)  # [G, Og, N*P]: a GEMM per group
-    y = reshape(transpose(reshape(y, (g, og, n, p)), (2, 0, 1, 3)), (n, o) + out)
+    y = reshape(transpose(reshape(y, (g, og, n, p)), (2, 0, 1, 3)), shape)
     if b is not None:
-        b = as_tensor(b, like=y)
-        if b.shape != (o,):
-            raise ValueError(f"conv: bias {b.shape} must have shape ({o},) for weight {w.shape}")
         y = add(y, reshape(b, (o,) + (1,) * nd))
     return y
 
 
 # ---- pooling over the last len(kernel_shape) axes ----
-def _pool_setup(
-    opname: str, x: Tensor, kernel_shape: Any, strides: Any, pads: Any, dilations: Any, ceil: bool
-) -> tuple:
-    """(kernel, strides, pads as given, pads grown for ceil_mode, dilations, spatial)."""
-    try:
-        kernel = tuple(int(k) for k in kernel_shape)
-    except (TypeError, ValueError):
-        kernel = ()
-    nd = len(kernel)
-    if nd < 1 or x.ndim < nd or any(k < 1 for k in kernel):
-        raise ValueError(f"{opname}: kernel_shape {kernel_shape!r} for an input of shape {x.shape}")
-    spatial = x.shape[x.ndim - nd :]
-    strides, pads, dilations, out = _window(opname, spatial, kernel, strides, pads, dilations)
-    given = pads
-    if ceil:  # extra end padding, counted nowhere, so the last partial window is kept
-        grown = []
-        for n, k, s, (lo, hi), d, o in zip(spatial, kernel, strides, pads, dilations, out):
-            o_ceil = -(-(n + lo + hi - d * (k - 1) - 1) // s) + 1
-            if (o_ceil - 1) * s >= n + lo:  # a window may not start in the end padding
-                o_ceil -= 1
-            grown.append((lo, hi + (o_ceil - o) * s))
-        pads = tuple(grown)
-    return kernel, strides, given, pads, dilations, spatial
+def _float_input(opname: str, x: Any) -> Tensor:
+    x = as_tensor(x)
+    if x.dtype.kind != "f":
+        raise TypeError(f"{opname}: needs a floating-point tensor, got {x.dtype}")
+    return x
 
 
 @public("nn")
@@ -254,14 +366,13 @@ def max_pool(
 ) -> Tensor:
     """Largest element of each window of the last len(kernel_shape) axes (ONNX MaxPool);
     ties share the gradient."""
-    x = as_tensor(x)
-    kernel, strides, _, pads, dilations, _ = _pool_setup(
-        "max_pool", x, kernel_shape, strides, pads, dilations, ceil_mode
+    x = _float_input("max_pool", x)
+    win = _checked(
+        "max_pool", pool_shape, x.shape, kernel_shape, strides, pads, dilations, ceil_mode
     )
-    patches = _im2col(x, kernel, strides, pads, dilations, -math.inf)
-    nd = len(kernel)
-    axes = tuple(range(-2 * nd, -nd))
-    return bind(max_p, patches, axes=axes, keepdims=False)
+    patches = _im2col(x, win.kernel, win.strides, win.pads, win.dilations, -math.inf)
+    nd = len(win.kernel)
+    return bind(max_p, patches, axes=tuple(range(-2 * nd, -nd)), keepdims=False)
 
 
 @public("nn")
@@ -275,30 +386,119 @@ def avg_pool(
 ) -> Tensor:
     """Mean of each window of the last len(kernel_shape) axes (ONNX AveragePool); padding
     counts in the divisor only with count_include_pad (ceil_mode's extra end never does)."""
-    x = as_tensor(x)
-    kernel, strides, given, pads, dilations, spatial = _pool_setup(
-        "avg_pool", x, kernel_shape, strides, pads, None, ceil_mode
-    )
-    nd = len(kernel)
-    axes = tuple(range(-2 * nd, -nd))
-    total = bind(
-        sum_p, _im2col(x, kernel, strides, pads, dilations, 0.0), axes=axes, keepdims=False
-    )
+    x = _float_input("avg_pool", x)
+    win = _checked("avg_pool", pool_shape, x.shape, kernel_shape, strides, pads, None, ceil_mode)
+    nd = len(win.kernel)
+    patches = _im2col(x, win.kernel, win.strides, win.pads, win.dilations, 0.0)
+    total = bind(sum_p, patches, axes=tuple(range(-2 * nd, -nd)), keepdims=False)
     # The divisor: how many counted cells each window covers, a constant of the shapes.
     xp = backend.array_module(x.value)
-    counted = xp.ones(spatial, dtype=x.dtype)
+    counted = xp.ones(win.spatial, dtype=x.dtype)
+    window_pads = win.pads
     if count_include_pad:
-        counted = xp.pad(counted, given, constant_values=1)
-        window_pads = tuple((0, hi - g_hi) for (_, hi), (_, g_hi) in zip(pads, given))
-    else:
-        window_pads = pads
+        counted = xp.pad(counted, win.given, constant_values=1)
+        window_pads = tuple((0, hi - g_hi) for (_, hi), (_, g_hi) in zip(win.pads, win.given))
     count = _im2col_impl(
         xp,
         counted,
-        kernel=kernel,
-        strides=strides,
+        kernel=win.kernel,
+        strides=win.strides,
         pads=window_pads,
-        dilations=dilations,
+        dilations=win.dilations,
         value=0.0,
     ).sum(axis=tuple(range(nd)))
     return divide(total, Tensor(count))
+
+
+# ---- PyTorch's spellings (torch.nn.functional), for definitions written by hand ----
+def conv_rank(nd: int, w: tuple) -> None:
+    if len(w) != nd + 2:
+        raise ValueError(f"weight {w} must be [C_out, C_in/groups{', k' * nd}]")
+
+
+def _conv_nd(
+    nd: int,
+    opname: str,
+    x: Any,
+    w: Any,
+    b: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+) -> Tensor:
+    w = as_tensor(w)
+    _checked(opname, conv_rank, nd, w.shape)
+    return conv(x, w, b, strides=stride, pads=padding, dilations=dilation, groups=groups)
+
+
+@public("nn")
+def conv1d(
+    x: Any,
+    w: Any,
+    b: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> Tensor:
+    """1-D convolution as torch.nn.functional.conv1d: x [N, C, L], w [O, C/groups, k]."""
+    return _conv_nd(1, "conv1d", x, w, b, stride, padding, dilation, groups)
+
+
+@public("nn")
+def conv2d(
+    x: Any,
+    w: Any,
+    b: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> Tensor:
+    """2-D convolution as torch.nn.functional.conv2d: x [N, C, H, W], w [O, C/groups, kh, kw]."""
+    return _conv_nd(2, "conv2d", x, w, b, stride, padding, dilation, groups)
+
+
+def pool2d_window(kernel_size: Any, stride: Any) -> tuple[tuple[int, int], Any]:
+    """(kernel, stride) of the 2-D pools: an int means a square; stride None means the
+    kernel. ValueError otherwise (shared with the language's rule)."""
+    if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
+        kernel_size = (kernel_size, kernel_size)
+    try:
+        kernel = tuple(_int(v) for v in kernel_size)
+    except TypeError:
+        kernel = ()
+    if len(kernel) != 2:
+        raise ValueError(f"kernel_size must be an int or 2 ints, got {kernel_size!r}")
+    return kernel, kernel if stride is None else stride  # type: ignore[return-value]
+
+
+@public("nn")
+def max_pool2d(
+    x: Any,
+    kernel_size: Any = 2,
+    stride: Any = None,
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+) -> Tensor:
+    """2-D max pooling over the last two axes, as torch.nn.functional.max_pool2d (stride
+    defaults to the kernel size)."""
+    kernel, stride = _checked("max_pool2d", pool2d_window, kernel_size, stride)
+    return max_pool(x, kernel, stride, padding, dilation, ceil_mode)
+
+
+@public("nn")
+def avg_pool2d(
+    x: Any,
+    kernel_size: Any = 2,
+    stride: Any = None,
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+) -> Tensor:
+    """2-D average pooling over the last two axes, as torch.nn.functional.avg_pool2d
+    (stride defaults to the kernel size; padding counts in the divisor by default)."""
+    kernel, stride = _checked("avg_pool2d", pool2d_window, kernel_size, stride)
+    return avg_pool(x, kernel, stride, padding, count_include_pad, ceil_mode)

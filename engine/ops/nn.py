@@ -26,8 +26,9 @@ from engine.ops.elementwise import (
     subtract,
     where,
 )
+from engine.ops.linalg import matmul
 from engine.ops.reduce import logsumexp, mean, sum, var
-from engine.ops.shape import reshape
+from engine.ops.shape import reshape, swapaxes, take
 from engine.registry import public
 from engine.tensor import Tensor, as_tensor
 
@@ -224,3 +225,56 @@ def one_hot(labels: Any, depth: int, dtype: Any = host.float32) -> Tensor:
     labels = as_tensor(labels)
     xp = backend.array_module(labels.value)
     return Tensor((labels.value[..., None] == xp.arange(depth)).astype(dtype))
+
+
+# ---- embedding and attention ----
+@public("nn")
+def embedding(table: Any, ids: Any) -> Tensor:
+    """Rows of `table` [V, ...] at integer `ids` (any shape): shape ids.shape + table.shape[1:]."""
+    table, ids = as_tensor(table), as_tensor(ids)
+    if table.ndim < 1:
+        raise ValueError(f"embedding: table must have rank >= 1, got shape {table.shape}")
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"embedding: ids must be an integer tensor, got {ids.dtype}")
+    rows = table.shape[0]
+    if ids.size and (int(ids.value.min()) < 0 or int(ids.value.max()) >= rows):
+        bad = int(ids.value.min()) if int(ids.value.min()) < 0 else int(ids.value.max())
+        raise IndexError(f"embedding: id {bad} is out of bounds for a table of {rows} rows")
+    return take(table, ids, axis=0)
+
+
+def attention_shape(q: tuple, k: tuple, v: tuple) -> tuple:
+    """The output shape of scaled_dot_product_attention, or ValueError (shared with the
+    definition language's rule)."""
+    if min(len(q), len(k), len(v)) < 2:
+        raise ValueError(f"q {q}, k {k} and v {v} must have rank >= 2 ([..., L, d])")
+    if q[-1] != k[-1] or q[-1] < 1:
+        raise ValueError(f"q {q} and k {k} must share a non-empty last axis (d)")
+    if k[-2] != v[-2] or k[-2] < 1:
+        raise ValueError(f"k {k} and v {v} must have the same non-zero number of keys")
+    try:
+        lead = host.broadcast_shapes(q[:-2], k[:-2], v[:-2])
+    except ValueError:
+        raise ValueError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast") from None
+    return tuple(lead) + (q[-2], v[-1])
+
+
+@public("nn")
+def scaled_dot_product_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v over leading batch (and head) axes; with causal, query i
+    sees keys 0..i only (torch's is_causal, top-left aligned)."""
+    q, k, v = (as_tensor(t) for t in (q, k, v))
+    for t in (q, k, v):
+        if t.dtype.kind != "f":
+            raise TypeError(f"scaled_dot_product_attention: needs float tensors, got {t.dtype}")
+    try:
+        attention_shape(q.shape, k.shape, v.shape)
+    except ValueError as exc:
+        raise ValueError(f"scaled_dot_product_attention: {exc}") from None
+    scores = multiply(matmul(q, swapaxes(k, -1, -2)), 1.0 / float(q.shape[-1]) ** 0.5)
+    if causal:
+        xp = backend.array_module(scores.value)
+        lq, lk = q.shape[-2], k.shape[-2]
+        mask = Tensor(xp.tril(xp.ones((lq, lk), dtype=bool)))
+        scores = where(mask, scores, as_tensor(-host.inf, like=scores))
+    return matmul(softmax(scores, -1), v)

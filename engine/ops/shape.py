@@ -487,14 +487,56 @@ def pad(
     mode: str = "CONSTANT",
     constant_values: float = 0.0,
 ) -> Tensor:
-    """x with paddings[i] = (before, after) entries of constant_values around axis i."""
+    """x with paddings[i] = (before, after) entries around axis i: constant_values, or
+    mirrored (REFLECT, SYMMETRIC, as TensorFlow) or repeated (EDGE, as ONNX) entries."""
     x = as_tensor(x)
-    if str(mode).upper() != "CONSTANT":
-        raise ValueError(f"pad: only mode 'CONSTANT' is supported, got {mode!r}")
+    mode = str(mode).upper()
+    if mode not in _PAD_MODES:
+        raise ValueError(f"pad: mode must be one of {sorted(_PAD_MODES)}, got {mode!r}")
     pairs = tuple((int(lo), int(hi)) for lo, hi in paddings)
     if len(pairs) != x.ndim or any(lo < 0 or hi < 0 for lo, hi in pairs):
         raise ValueError(f"pad: paddings {pairs} for a tensor of shape {x.shape}")
-    return bind(pad_p, x, paddings=pairs, value=float(constant_values))
+    try:
+        check_pad_mode(x.shape, pairs, mode)
+    except ValueError as exc:
+        raise ValueError(f"pad: {exc}") from None
+    if mode == "CONSTANT":
+        return bind(pad_p, x, paddings=pairs, value=float(constant_values))
+    # The other modes copy entries of x: one gather per padded axis, of the source index
+    # of each output entry (NumPy's pad of an arange), so the rules are getitem's.
+    xp = backend.array_module(x.value)
+    out = x
+    for axis, (lo, hi) in enumerate(pairs):
+        if not lo and not hi:
+            continue
+        n = x.shape[axis]
+        source = host.pad(host.arange(n), (lo, hi), mode=_PAD_MODES[mode])
+        index = (Ellipsis,) + (slice(None),) * axis + (xp.asarray(source),)
+        index += (slice(None),) * (x.ndim - axis - 1)
+        out = bind(getitem_p, out, index=index)
+    return out
+
+
+def check_pad_mode(shape: tuple, pairs: tuple, mode: str) -> None:
+    """ValueError where a mirrored or repeated padding has too few entries to copy
+    (shared with the definition language's rule)."""
+    if mode == "CONSTANT":
+        return
+    for axis, ((lo, hi), n) in enumerate(zip(pairs, shape)):
+        limit = n - 1 if mode == "REFLECT" else n
+        if (lo or hi) and (n == 0 or (mode != "EDGE" and builtins.max(lo, hi) > limit)):
+            raise ValueError(
+                f"{mode} padding of ({lo}, {hi}) needs at most {limit} entries on each side "
+                f"of axis {axis} (size {n})"
+            )
+
+
+_PAD_MODES = {
+    "CONSTANT": "constant",
+    "REFLECT": "reflect",
+    "SYMMETRIC": "symmetric",
+    "EDGE": "edge",
+}
 
 
 # ---- tile, split, unstack: composites of reshape, broadcast and slices ----

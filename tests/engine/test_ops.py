@@ -350,6 +350,18 @@ ROWS = [
         [((3, 4),)],
     ),
     Row(
+        "pad_reflect",
+        lambda x: gt.pad(x, ((2, 1), (0, 3)), mode="REFLECT"),
+        lambda x: np.pad(x, ((2, 1), (0, 3)), mode="reflect"),
+        [((3, 4),)],
+    ),
+    Row(
+        "pad_symmetric_edge",
+        lambda x: gt.pad(gt.pad(x, ((1, 3), (0, 0)), mode="SYMMETRIC"), ((0, 0), (2, 1)), "EDGE"),
+        lambda x: np.pad(np.pad(x, ((1, 3), (0, 0)), mode="symmetric"), ((0, 0), (2, 1)), "edge"),
+        [((3, 4),)],
+    ),
+    Row(
         "tile",
         lambda x: gt.tile(x, (2, 1, 3)),
         lambda x: np.tile(x, (2, 1, 3)),
@@ -515,6 +527,18 @@ ROWS = [
         [((1, 2, 3, 4, 5), (2, 1, 2, 2, 2))],
     ),
     Row(
+        "conv_auto_pad",
+        lambda x, w: (
+            gt.conv(x, w, strides=2, pads="SAME_LOWER")
+            + gt.conv(x, w, strides=2, pads="SAME_UPPER")
+        ),
+        lambda x, w: (
+            naive_conv.conv(x, w, None, (2,), ((2, 1),))
+            + naive_conv.conv(x, w, None, (2,), ((1, 2),))
+        ),
+        [((2, 2, 7), (3, 2, 4))],
+    ),
+    Row(
         "max_pool",
         lambda x: gt.max_pool(x, (2, 3), strides=(2, 1), pads=((1, 0), (1, 1))),
         lambda x: naive_conv.pool(x, "max", (2, 3), (2, 1), ((1, 0), (1, 1))),
@@ -533,6 +557,52 @@ ROWS = [
         lambda x: gt.avg_pool(x, (3, 2), strides=2, pads=1),
         lambda x: naive_conv.pool(x, "avg", (3, 2), (2, 2), ((1, 1), (1, 1))),
         [((2, 2, 5, 4),)],
+    ),
+    # PyTorch's spellings (defaults: stride = kernel for pools, count_include_pad=True)
+    Row(
+        "conv1d",
+        lambda x, w: gt.conv1d(x, w, stride=2, padding=1, dilation=2),
+        lambda x, w: naive_conv.conv(x, w, None, (2,), ((1, 1),), (2,)),
+        [((2, 3, 9), (2, 3, 3))],
+    ),
+    Row(
+        "conv2d",
+        lambda x, w, b: gt.conv2d(x, w, b, padding=(1, 0), groups=3),
+        lambda x, w, b: naive_conv.conv(x, w, b, None, ((1, 1), (0, 0)), None, 3),
+        [((2, 3, 4, 5), (6, 1, 3, 2), (6,))],
+    ),
+    Row(
+        "max_pool2d",
+        lambda x: gt.max_pool2d(x, 2, padding=1),
+        lambda x: naive_conv.pool(x, "max", (2, 2), (2, 2), ((1, 1), (1, 1))),
+        [((2, 2, 5, 4),), ((3, 4, 4),)],
+        "distinct",
+    ),
+    Row(
+        "avg_pool2d",
+        lambda x: gt.avg_pool2d(x, (3, 2), stride=1, padding=1),
+        lambda x: naive_conv.pool(
+            x, "avg", (3, 2), (1, 1), ((1, 1), (1, 1)), count_include_pad=True
+        ),
+        [((2, 2, 5, 4),)],
+    ),
+    Row(
+        "embedding",
+        lambda t: gt.embedding(t, gt.constant(np.array([[0, 4, 4], [2, 1, 0]], np.int32))),
+        lambda t: t[np.array([[0, 4, 4], [2, 1, 0]])],
+        [((5, 3),), ((5,),)],
+    ),
+    Row(
+        "scaled_dot_product_attention",
+        lambda q, k, v: gt.scaled_dot_product_attention(q, k, v),
+        naive_conv.attention,
+        [((2, 3, 4), (2, 5, 4), (2, 5, 6)), ((3, 2), (4, 2), (1, 4, 3))],
+    ),
+    Row(
+        "scaled_dot_product_attention_causal",
+        lambda q, k, v: gt.scaled_dot_product_attention(q, k, v, causal=True),
+        lambda q, k, v: naive_conv.attention(q, k, v, causal=True),
+        [((2, 2, 4, 3), (2, 1, 4, 3), (2, 2, 4, 5)), ((5, 2), (3, 2), (3, 2))],
     ),
     Row(
         "avg_pool_include_pad_ceil",

@@ -26,6 +26,12 @@ def leaves_for_ops() -> dict[str, np.ndarray]:
         "k": rng.integers(-3, 4, (3, 4)).astype(np.int32),
         "lab": np.array([0, 3, 1], dtype=np.int32),
         "m": rng.standard_normal((3, 4)) > 0,
+        # issue 13: images, filters, a token batch and attention heads
+        "img": rng.standard_normal((2, 3, 6, 5)),
+        "filt": rng.standard_normal((4, 3, 3, 2)),
+        "seq": rng.standard_normal((2, 3, 7)),
+        "ids": np.array([[0, 2, 1], [3, 3, 0]], dtype=np.int32),
+        "heads": rng.standard_normal((2, 2, 5, 4)),
     }
 
 

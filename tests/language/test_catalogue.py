@@ -66,7 +66,12 @@ EXAMPLES = {
     "divide_no_nan": ["divide_no_nan(a, b)", "divide_no_nan(a, 0.0)"],
     "cumsum": ["cumsum(a)", "cumsum(t, axis=-1, exclusive=True, reverse=True)"],
     "sort": ["sort(a)", "sort(t, axis=0, direction='DESCENDING')", "sort(s)"],
-    "pad": ["pad(a, ((1, 0), (0, 2)))", "pad(c, ((2, 2),), constant_values=1.5)"],
+    "pad": [
+        "pad(a, ((1, 0), (0, 2)))",
+        "pad(c, ((2, 2),), constant_values=1.5)",
+        "pad(a, ((2, 1), (3, 0)), mode='REFLECT')",
+        "pad(t, ((0, 0), (1, 3), (0, 1)), 'EDGE')",
+    ],
     "tile": ["tile(a, (2, 1))", "tile(t, (1, 2, 3))"],
     "gather_nd": ["gather_nd(transpose(a), reshape(lab, (3, 1)))"],
     "scatter_nd": ["scatter_nd(reshape(lab, (3, 1)), a, (4, 4))"],
@@ -158,6 +163,36 @@ EXAMPLES = {
     "batch_norm": ["batch_norm(a)", "batch_norm(t, c, c)", "batch_norm(a, gamma=col)"],
     "layer_norm": ["layer_norm(t, c)", "layer_norm(a, beta=c)"],
     "clip_by_norm": ["clip_by_norm(a, 0.5)", "clip_by_norm(a, clip_norm=2.0, axis=1)"],
+    # issue 13
+    "conv": [
+        "conv(img, filt)",
+        "conv(img, filt, c, strides=(2, 1), pads=((1, 0), (2, 1)), dilations=2)",
+        "conv(seq, reshape(filt, (4, 3, 6)), pads=[1, 2])",
+        "conv(img, reshape(filt, (6, 1, 6, 2)), groups=3, pads=1)",
+    ],
+    "conv1d": [
+        "conv1d(seq, reshape(filt, (4, 3, 6)), stride=2, padding=3)",
+        "conv1d(seq, reshape(filt, (4, 3, 6)), padding='same')",
+    ],
+    "conv2d": ["conv2d(img, filt, c, padding=(1, 0), dilation=(1, 2))", "conv2d(img, filt)"],
+    "max_pool": [
+        "max_pool(img, (2, 2))",
+        "max_pool(seq, (3,), strides=2, pads=1, ceil_mode=True)",
+        "max_pool(t, (2, 2), dilations=(1, 2), pads=((1, 0), (0, 1)))",
+    ],
+    "avg_pool": [
+        "avg_pool(img, (3, 3), strides=2, pads=1, count_include_pad=True, ceil_mode=True)",
+        "avg_pool(a, (2, 3))",
+        "avg_pool(img, (2, 3), strides=2, pads='SAME_LOWER')",
+    ],
+    "max_pool2d": ["max_pool2d(img, 2)", "max_pool2d(img, (3, 2), stride=1, padding=1)"],
+    "avg_pool2d": ["avg_pool2d(img, 3, 2, 1, ceil_mode=True)", "avg_pool2d(t, (2, 2))"],
+    "embedding": ["embedding(transpose(a), ids)", "embedding(c, lab)", "embedding(t, 1)"],
+    "scaled_dot_product_attention": [
+        "scaled_dot_product_attention(heads, heads, heads)",
+        "scaled_dot_product_attention(heads, heads[..., :3, :], heads[0, :, :3], causal=True)",
+        "scaled_dot_product_attention(a, b, col)",
+    ],
     # built-ins
     "grad": ["grad(sum(a * a), a)", "grad(a, c)"],
     "clip_grad_norm": ["clip_grad_norm(a, 1.0)"],

@@ -38,8 +38,9 @@ def measured_hvp_peak(definition: dict, k: int) -> tuple[int, object]:
     program = compile_definition(definition)
     leaves = program.leaves(definition)
     sources = {name: name for name in definition["variables"]}
-    vectors = [gt.constant(rng.random((k, *leaves[n].shape)).astype(leaves[n].dtype))
-               for n in sources]
+    vectors = [
+        gt.constant(rng.random((k, *leaves[n].shape)).astype(leaves[n].dtype)) for n in sources
+    ]
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -71,7 +72,9 @@ def test_a_refusal_names_the_largest_op_its_shape_and_the_budget() -> None:
     assert memory.max_batch(memory.recording_bytes) == 0
     problem = memory.refusal(2**20, "an HVP pass")
     assert (problem.line, problem.op, problem.shapes) in {
-        (1, "matmul", ((384, 384),)), (1, "tanh", ((384, 384),))}
+        (1, "matmul", ((384, 384),)),
+        (1, "tanh", ((384, 384),)),
+    }
     assert "[384, 384]" in problem.message and "(float32, 0.6 MiB)" in problem.message
     assert "budget of a request is 1.0 MiB" in problem.message
     assert problem.kind == "limit"

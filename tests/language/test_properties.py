@@ -82,7 +82,15 @@ CONSTANTS: dict[str, st.SearchStrategy] = {
     "indices": st.integers(-1, 4) | st.lists(st.integers(-1, 4), max_size=4),
     "direction": st.sampled_from(["ASCENDING", "DESCENDING"]),
     "paddings": st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), max_size=3).map(tuple),
-    "pad_mode": st.just("CONSTANT"),
+    "pad_mode": st.sampled_from(["CONSTANT", "REFLECT", "SYMMETRIC", "EDGE"]),
+    "ints": st.lists(st.integers(0, 3), max_size=3).map(tuple),
+    "window": st.integers(0, 2) | st.lists(st.integers(0, 2), max_size=3).map(tuple),
+    "window?": st.none() | st.integers(0, 2) | st.lists(st.integers(0, 2), max_size=3).map(tuple),
+    "pads": st.none()
+    | st.integers(0, 2)
+    | st.lists(st.integers(0, 1), max_size=4).map(tuple)
+    | st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1)), max_size=3).map(tuple)
+    | st.sampled_from(["SAME_UPPER", "SAME_LOWER", "VALID", "same", "valid"]),
 }
 
 
@@ -126,8 +134,9 @@ def subscript(draw: Any, names: list[str]) -> tuple[str, Callable]:
 
     def show(i: Any) -> str:
         if isinstance(i, slice):
-            parts = ["" if b is None else str(b) for b in (i.start, i.stop, i.step)]
-            return ":".join(parts).rstrip(":") or ":"
+            # slice(0, None) is "0:", not "0" (stripping every colon made it an int index)
+            start, stop, step = ("" if b is None else str(b) for b in (i.start, i.stop, i.step))
+            return f"{start}:{stop}" + (f":{step}" if step else "")
         return "..." if i is Ellipsis else str(i)
 
     text = f"{name}[{', '.join(show(i) for i in index)}]"
