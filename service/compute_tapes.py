@@ -40,7 +40,14 @@ from engine.hessian_algorithms import (
     hutchinson_trace,
     lanczos,
 )
-from engine.language import CompiledProgram, Request, as_definition, compile_definition
+from engine.language import (
+    CompiledProgram,
+    DefinitionError,
+    Problem,
+    Request,
+    as_definition,
+    compile_definition,
+)
 from engine.registry import Primitive
 from engine.tensor import Tensor
 from service.compute import (
@@ -77,6 +84,14 @@ def _tapes(context: WorkerContext) -> dict[str, TapeSession]:
 def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> TapeSession:
     """Run the definition once under the tapes; raise on any problem (nothing is kept)."""
     definition = as_definition(spec["definition"])
+    owned = definition.model_params
+    unknown = [n for n in spec.get("initializers", ()) if n not in owned]
+    if unknown:  # a PATCH named variables that are neither given nor initializers
+        raise DefinitionError([
+            Problem(f"the tape's definition has no variable {n!r} (neither a variable nor "
+                    "an initializer of its models)", f"variables.{n}", kind="request")
+            for n in unknown
+        ])
     program = compile_definition(definition, context.limits)
     # A tape serves other targets too: lines the target does not use are expected.
     request = program.check_request(spec["target"], spec.get("sources"), "zero",

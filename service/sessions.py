@@ -324,10 +324,17 @@ class TapeRegistry:
         spec = await self._spec(tape)
         definition = spec["definition"]
         errors = []
+        initializers = []  # names only the worker can check: ONNX initializers
         for section, values in (("variables", variables), ("inputs", inputs)):
             held = definition[section]
             for name, value in values.items():
                 field = f"{section}.{name}"
+                if name not in held and section == "variables" and definition.get("models"):
+                    # Maybe an initializer of an imported model (the worker loads the file,
+                    # checks the name, shape and dtype; its frozen flag stays).
+                    held[name] = {"value": value, "trainable": True}
+                    initializers.append(name)
+                    continue
                 if name not in held:
                     known = ", ".join(map(repr, held)) or "none"
                     errors.append({"field": field, "message": f"the tape's definition has no "
@@ -356,7 +363,8 @@ class TapeRegistry:
         tape.busy += 1
         try:
             worker = self._worker_of(tape)
-            reply = await self.pool.submit("tape_create", {"tape_id": tape.id, **spec},
+            reply = await self.pool.submit("tape_create", {"tape_id": tape.id, **spec,
+                                                           "initializers": initializers},
                                            worker=worker, time_limit=time_limit)
             digest = await asyncio.to_thread(self.store.set_tape_definition, tape.id, definition)
         finally:

@@ -282,6 +282,8 @@ def _add_model_variables(
                     f"{value.dtype}{list(value.shape)}; got "
                     f"{given.value.dtype}{list(given.value.shape)}",
                 ))
+            elif given.trainable and param in m.frozen:  # frozen wins over a new value
+                variables[param] = VariableDef(given.value, False)
 
 
 def to_array(value: Any, section: str, problems: list[Problem]) -> Any:

@@ -566,7 +566,8 @@ def _size(ins, attrs, opset):
     return [np.array(int(np.prod(shape_of(ins[0]), dtype=np.int64)), dtype=np.int64)]
 
 
-HANDLERS["Split"] = lambda ins, attrs, opset: split(ins, attrs, opset, 0)
+# Split needs its number of outputs (run_node passes it); listed here as supported.
+HANDLERS["Split"] = lambda ins, attrs, opset: split(ins, attrs, opset, len(ins))
 STATIC["Split"] = (1,)
 
 
@@ -589,8 +590,6 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
         return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
     if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
         return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
-    if op_type == "LayerNormalization" and any(used[1:]):
-        return None  # Mean and InvStdDev are computed too
     return None
 
 

@@ -234,3 +234,32 @@ def test_jacobians_of_a_model_over_http(client) -> None:
     for i in range(2):
         np.testing.assert_allclose(per_example[i], full[i, :, i], rtol=1e-5, atol=1e-7)
         assert not full[i, :, 1 - i].any()
+
+
+def test_patching_a_tape_sets_an_initializer(client) -> None:
+    """PATCH a tape's variable named by its ONNX name: the tape records again there, and
+    answers what a definition carrying that value answers (a variable of the same name
+    replaces the initializer's value)."""
+    data, record = fixture("transformer")
+    defn = definition("transformer", {"onnx": b64(data)})
+    created = client.post("/v1/tapes", json={"definition": defn, "target": "loss"})
+    assert created.status_code == 201, created.text
+    tape = created.json()["tape_id"]
+    bias = np.linspace(-1, 1, 10).astype(np.float32)
+    updated = ok(client.patch(f"/v1/tapes/{tape}", json={"variables": {"head.bias": t(bias)}}))
+    moved = {**defn, "variables": {"head.bias": t(bias)}}
+    fresh = post(client, "/v1/gradient", {"definition": moved, "target": "loss"})
+    np.testing.assert_allclose(arr(updated["value"]), arr(fresh["value"]), rtol=1e-6)
+    assert abs(float(arr(updated["value"])) - float(record["f32/loss"])) > 1e-3
+    again = post(client, f"/v1/tapes/{tape}/gradient", {"target": "loss"})
+    for key in ("head.bias", "ln1.weight"):
+        np.testing.assert_allclose(arr(again["gradients"][key]), arr(fresh["gradients"][key]),
+                                   rtol=1e-5, atol=1e-7)
+    wrong = problem(client.patch(f"/v1/tapes/{tape}", json={
+        "variables": {"head.bais": t(bias)}}), 422)
+    assert "head.bais" in wrong["detail"] and "initializer" in wrong["detail"]
+    shape = problem(client.patch(f"/v1/tapes/{tape}", json={
+        "variables": {"head.weight": t(bias)}}), 422)
+    assert "replaces initializer 'head.weight'" in shape["detail"]
+    after = post(client, f"/v1/tapes/{tape}/gradient", {"target": "loss"})  # unharmed
+    np.testing.assert_allclose(arr(after["value"]), arr(fresh["value"]), rtol=1e-6)

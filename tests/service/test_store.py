@@ -104,6 +104,27 @@ def test_blobs_are_shared_and_garbage_is_collected(store: Store) -> None:
     assert store._query("SELECT COUNT(*) FROM blobs")[0][0] == 4
 
 
+def test_onnx_models_round_trip_shared_and_collected(store: Store) -> None:
+    """A definition's imported ONNX files: stored once by content, back as bytes with
+    their frozen lists, part of the definition's hash, collected with it."""
+    file = b"\x08\x08 not really onnx, the store does not look \x00\xff"
+    one = {**definition(3), "models": {"net": {"onnx": file, "frozen": ["bn.mean"]}}}
+    two = {**definition(3), "models": {"net": {"onnx": file, "frozen": []}}}
+    a, b = store.put_definition(one), store.put_definition(two)
+    assert len({a, b, store.put_definition(definition(3))}) == 3
+    back = store.get_definition(a)
+    assert back["models"] == {"net": {"onnx": file, "frozen": ["bn.mean"]}}
+    assert "models" not in store.get_definition(store.put_definition(definition(3)))
+    assert store._query("SELECT COUNT(*) FROM onnx_files")[0][0] == 1
+    store.put_model("", "keep", one, None, {})
+    store.collect_garbage()
+    assert store.get_definition(b) is None and store.get_definition(a) is not None
+    assert store._query("SELECT COUNT(*) FROM onnx_files")[0][0] == 1
+    store.delete_model("", "keep")
+    store.collect_garbage()
+    assert store._query("SELECT COUNT(*) FROM onnx_files")[0][0] == 0
+
+
 def test_tapes_end_as_tombstones(store: Store) -> None:
     live = tape("t1", owner="o")
     store.insert_tape(live, definition())

@@ -14,7 +14,7 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 import engine as gt
-from engine.language import as_definition, compile_definition
+from engine.language import DefinitionError, as_definition, compile_definition
 from engine.registry import public_ops
 from tests.engine.onnx.graphs import fixture, float64_model
 
@@ -137,3 +137,24 @@ def test_jacobian_forward_and_reverse_agree_on_the_transformer() -> None:
     assert fwd.shape == (4, 10, 16)
     np.testing.assert_allclose(fwd, rev, rtol=1e-10, atol=1e-12)
     assert np.abs(fwd).max() > 1e-3  # not trivially zero
+
+
+def test_a_variable_replaces_an_initializer_and_frozen_stays_frozen() -> None:
+    data, record = fixture("resnet")
+    stat = str(record["frozen"][0])  # a batch-norm running statistic
+    value = np.full((6,), 0.5, np.float32)  # the stem's 6 channels
+    defn = as_definition({
+        "models": {"net": {"onnx": data, "frozen": [str(f) for f in record["frozen"]]}},
+        "variables": {stat: {"value": value, "trainable": True},
+                      "head.bias": np.zeros(10, np.float32)},
+        "inputs": {"x": record["x"], "y": record["y"]}, "program": PROGRAM,
+    })
+    assert not defn.variables[stat].trainable and defn.variables["head.bias"].trainable
+    prog = compile_definition(defn)
+    assert stat not in prog.trainable
+    moved = prog.run(prog.leaves(defn))["loss"].numpy()
+    assert abs(float(moved) - float(record["f32/loss"])) > 1e-4  # the values were used
+    with pytest.raises(DefinitionError) as info:
+        as_definition({"models": {"net": {"onnx": data}},
+                       "variables": {"head.bias": np.zeros(3, np.float32)}, "program": []})
+    assert "replaces initializer 'head.bias'" in str(info.value)
