@@ -20,7 +20,7 @@ import numpy as np
 
 from engine import backend, trace, tree
 from engine.forward import ForwardAccumulator
-from engine.ops.shape import reshape, transpose
+from engine.ops.shape import concatenate, reshape, transpose
 from engine.tape import GradientTape, _check_source
 from engine.tensor import Tensor, as_tensor
 
@@ -331,14 +331,19 @@ class HessianOperator:
     Each `hvp(v)` afterwards is one backward pass over that recording
     (reverse-over-reverse, H being symmetric): no forward pass, nothing new recorded, so
     memory stays flat however many HVPs are asked. `hvp_many(V)` answers K vectors in one
-    batched pass (each leaf of V has a leading axis of size K).
+    batched pass (each leaf of V has a leading axis of size K), or, when `max_batch` is
+    set (a memory bound: a pass's temporaries grow with its batch), in passes of at most
+    `max_batch` vectors whose products are joined.
 
     `fun(x)`, `jac(x)` and `hessp(x, p)` take flat float64 vectors, for
     scipy.optimize.minimize(method="trust-ncg" / "newton-cg"); a new x re-records there.
     """
 
-    def __init__(self, f: Callable[..., Any], *primals: Any):
+    def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None):
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._f = f
+        self.max_batch = max_batch
         self._record(primals)
 
     def _record(self, primals: tuple) -> None:
@@ -371,7 +376,20 @@ class HessianOperator:
 
     def hvp_many(self, *vectors: Any) -> tuple:
         """H @ v for K vectors at once: each leaf has shape (K, *primal.shape)."""
-        return self._apply(vectors, 1)
+        leaves, treedef = tree.flatten(list(vectors))
+        count = as_tensor(leaves[0]).shape[0] if leaves else 0
+        if self.max_batch is None or count <= self.max_batch:
+            return self._apply(vectors, 1)
+        leaves = [as_tensor(v) for v in leaves]
+        passes = [
+            tree.flatten(list(self._apply(
+                tuple(tree.unflatten(treedef, [v[start:start + self.max_batch]
+                                               for v in leaves])), 1)))[0]
+            for start in range(0, count, self.max_batch)
+        ]
+        with trace.nothing_recording():
+            joined = [concatenate(list(products), axis=0) for products in zip(*passes, strict=True)]
+        return tuple(tree.unflatten(treedef, joined))
 
     def _apply(self, vectors: tuple, batch_ndim: int) -> tuple:
         # Nothing that happens to be recording around this call sees the HVP pass: it
@@ -435,9 +453,10 @@ class HessianOperator:
         return self._flatten(tree.flatten(self._apply(tuple(vectors), 0))[0])
 
 
-def hessian_operator(f: Callable[..., Any], *primals: Any) -> HessianOperator:
+def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None
+                     ) -> HessianOperator:
     """Record f and its gradient at primals once; return the reusable HessianOperator."""
-    return HessianOperator(f, *primals)
+    return HessianOperator(f, *primals, max_batch=max_batch)
 
 
 def _zeros(o: Tensor, lead: tuple = ()) -> Tensor:

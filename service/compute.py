@@ -29,6 +29,7 @@ from engine.language import (
     DefinitionError,
     ExecutionError,
     Limits,
+    OverBudget,
     Problem,
     Request,
     as_definition,
@@ -74,6 +75,7 @@ class WorkerContext:
     jacobian_max_elements: int
     hvp_max_vectors: int = 1024
     lanczos_max_basis_bytes: int = 1 << 30
+    memory_budget: int | None = None  # bytes of one request's passes (None: unbounded)
     state: dict[str, Any] = field(default_factory=dict)
     # Where the running request's progress goes (a job's caller asked for it), or None.
     report: Callable[[dict[str, Any]], None] | None = None
@@ -131,6 +133,7 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
         hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
         lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
+        memory_budget=options.get("memory_budget"),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
@@ -214,6 +217,9 @@ def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerCon
 def describe_error(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, RequestError):
         return {"type": exc.type, "message": str(exc), **exc.extra}
+    if isinstance(exc, OverBudget):
+        return {"type": "too-large", "message": str(exc.problems[0]),
+                "problems": exc.to_list()}
     if isinstance(exc, gt.Interrupted):
         return {"type": "cancelled", "message": str(exc)}
     if isinstance(exc, DefinitionError):
@@ -303,6 +309,9 @@ def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
 
 
 def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    program = compile_definition(as_definition(payload["definition"]), context.limits)
+    program.batch_within(context.memory_budget, "its forward and backward pass",
+                         first_order=True)
     result = evaluate(
         as_definition(payload["definition"]),
         payload["target"],
@@ -328,8 +337,10 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         tape.watch(list(watched.values()))
         env = prepared.program.run(prepared.leaves, targets=[prepared.request.target])
     y = env[prepared.request.target]
+    rows = prepared.program.batch_within(context.memory_budget, "a jacobian pass of one row",
+                                         first_order=True)
     return {"value": y.numpy(), "jacobians": jacobians_on(tape, y, watched, batch, unconnected,
-                                                          context)}
+                                                          context, rows)}
 
 
 def check_jacobian_size(target: str, target_shape: tuple[int, ...],
@@ -364,8 +375,11 @@ def check_jacobian_size(target: str, target_shape: tuple[int, ...],
 
 
 def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor], batch: bool,
-                 unconnected: str, context: WorkerContext) -> dict[str, np.ndarray | None]:
-    """The jacobians of y over the watched sources, from a persistent tape, on the host."""
+                 unconnected: str, context: WorkerContext, most_rows: int | None = None
+                 ) -> dict[str, np.ndarray | None]:
+    """The jacobians of y over the watched sources, from a persistent tape, on the host,
+    at most `most_rows` rows (the memory budget's) per backward pass."""
+    chunk_size = min(context.chunk_size, most_rows or context.chunk_size)
     if batch:
         jacobians = {
             key: per_example_jacobian(tape, y, source)
@@ -373,7 +387,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
         }
     else:
         jacobians = tape.jacobian(
-            y, dict(watched), unconnected_gradients=unconnected, chunk_size=context.chunk_size
+            y, dict(watched), unconnected_gradients=unconnected, chunk_size=chunk_size
         )
     return {k: _host(j) for k, j in jacobians.items()}
 
@@ -395,7 +409,8 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
             limit=context.hessian_max_size,
             size=n,
         )
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
+    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
+                                                 context.memory_budget)
     primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
     rows = []  # H in row chunks, (chunk, n) each, on the host
     t0 = time.perf_counter()
@@ -466,12 +481,13 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves)
+    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
+                                                 context.memory_budget)
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(keys, primals, strict=True)
     ]
-    products = operator.hvp_many(*stacked)  # all vectors in one batched pass
+    products = operator.hvp_many(*stacked)  # batched passes, as many vectors as fit each
     # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
     # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [

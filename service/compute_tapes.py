@@ -108,7 +108,9 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
             recorded["env"] = program.run(env)
         return recorded["env"][request.target]
 
-    operator = gt.hessian_operator(f, *[leaves[n] for n in names])
+    # Batched passes over the tape (HVP vectors, probes) are split to fit the memory budget.
+    most = program.batch_within(context.memory_budget, "recording the tape and one HVP pass")
+    operator = gt.hessian_operator(f, *[leaves[n] for n in names], max_batch=most)
     session = TapeSession(
         tape_id=tape_id,
         program=program,
@@ -249,7 +251,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    products = session.operator.hvp_many(*stacked)  # one batched pass, nothing recorded
+    products = session.operator.hvp_many(*stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
     answers = [
@@ -292,7 +294,9 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     batch = bool(payload.get("batch"))
     check_jacobian_size(request.target, tuple(y.shape),
                         {k: tuple(t.shape) for k, t in watched.items()}, batch, context)
-    jacobians = jacobians_on(session.recording, y, watched, batch, request.unconnected, context)
+    rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
+    jacobians = jacobians_on(session.recording, y, watched, batch, request.unconnected, context,
+                             rows)
     return _done(session, rebuilt, {"value": y.numpy(), "jacobians": jacobians}, hvp_only=False)
 
 

@@ -23,8 +23,10 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictBytes,
     StrictFloat,
     StrictInt,
+    StrictStr,
     StringConstraints,
     Tag,
     WithJsonSchema,
@@ -189,6 +191,33 @@ Variable = TypeAliasType(
 )
 
 
+class ImportedModel(_Strict):
+    """An ONNX model (torch.onnx.export, tf2onnx, jax2onnx, skl2onnx) the program calls
+    as a function: `logits = net(x)`. Its floating-point initializers become variables
+    named by their ONNX names, trainable unless listed in `frozen`."""
+
+    onnx: StrictBytes | StrictStr | None = Field(
+        None, description="The .onnx file: bytes in a msgpack body, base64 in JSON. Give "
+        "this or `stored`."
+    )
+    stored: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="The name of an ONNX model stored with PUT /v1/models/{name} "
+        "(Content-Type: application/onnx).",
+    )
+    frozen: list[Name] = Field(
+        default_factory=list,
+        description="Initializers that are not trainable (batch-norm statistics, "
+        "embeddings you keep fixed): never default sources.",
+    )
+
+    @model_validator(mode="after")
+    def _onnx_or_stored(self) -> ImportedModel:
+        if (self.onnx is None) == (self.stored is None):
+            raise ValueError("give exactly one of 'onnx' (the file) or 'stored' (a name)")
+        return self
+
+
 NamedTensors = TypeAliasType(
     "NamedTensors",
     Annotated[dict[Name, TensorValue], Field(description="Tensors by name.")],
@@ -215,6 +244,10 @@ class Definition(_Strict):
     inputs: NamedTensors = Field(default_factory=dict,
                                  description="Data: never a default source.")
     functions: Functions = Field(default_factory=dict)
+    models: dict[Name, ImportedModel] = Field(
+        default_factory=dict,
+        description="Imported ONNX models, called from the program by these names.",
+    )
 
 
 Aliases = TypeAliasType(

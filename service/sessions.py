@@ -532,6 +532,28 @@ class ModelCatalog:
         await asyncio.to_thread(self.store.delete_model, owner, name)
         await asyncio.to_thread(self.store.collect_garbage)
 
+    async def put_onnx(self, owner: str, name: str, data: bytes, description: str | None,
+                       time_limit: float) -> tuple[ModelRow, bool]:
+        """Store an ONNX file as a model: a definition with no program whose one imported
+        model is the file (checked in a worker: loads, and every node is supported).
+        Definitions then call it with {"models": {"net": {"stored": name}}}."""
+        definition = {"program": [], "models": {"onnx": {"onnx": data, "frozen": []}}}
+        return await self.put(owner, name, definition, description, True, time_limit)
+
+
+    async def onnx_file(self, owner: str, name: str, field: str) -> bytes:
+        """The ONNX file of the stored model `name` (422 when it is not an ONNX model)."""
+        definition = await self.definition(owner, name)
+        files = list((definition.get("models") or {}).values())
+        if definition.get("program") or len(files) != 1:
+            raise ProblemError(
+                "validation",
+                f"{field}: the stored model {name!r} is a definition, not an ONNX file (store "
+                "one with PUT /v1/models/{name} and Content-Type: application/onnx)",
+                errors=[{"field": field, "message": "not an ONNX model"}],
+            )
+        return files[0]["onnx"]
+
     async def definition(self, owner: str, name: str) -> dict[str, Any]:
         """The model's definition in the worker form, for a request that names it."""
         row = await self.get(owner, name)

@@ -58,6 +58,18 @@ CREATE TABLE IF NOT EXISTS definition_tensors (
     PRIMARY KEY (definition, section, name)
 );
 CREATE INDEX IF NOT EXISTS definition_tensors_blob ON definition_tensors(blob);
+CREATE TABLE IF NOT EXISTS onnx_files (  -- imported ONNX models, content-addressed
+    hash TEXT PRIMARY KEY,  -- sha256 of the file
+    data BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS definition_models (  -- a definition's imported models
+    definition TEXT NOT NULL REFERENCES definitions(hash) ON DELETE CASCADE,
+    name       TEXT NOT NULL,
+    position   INTEGER NOT NULL,
+    frozen     TEXT NOT NULL,  -- JSON list of initializer names
+    file       TEXT NOT NULL REFERENCES onnx_files(hash),
+    PRIMARY KEY (definition, name)
+);
 CREATE TABLE IF NOT EXISTS models (
     owner       TEXT NOT NULL,  -- sha256 of the API key ('' without keys)
     name        TEXT NOT NULL,
@@ -237,6 +249,10 @@ class Store:
                 "WHERE t.definition = ? ORDER BY t.section, t.position",
                 (digest,),
             ).fetchall()
+            files = db.execute(
+                "SELECT m.name, m.frozen, f.data FROM definition_models m JOIN onnx_files f "
+                "ON f.hash = m.file WHERE m.definition = ? ORDER BY m.position", (digest,),
+            ).fetchall()
         out: dict[str, Any] = {
             "program": json.loads(row[0]),
             "variables": {},
@@ -249,6 +265,11 @@ class Store:
                 out["variables"][name] = {"value": array, "trainable": bool(trainable)}
             else:
                 out["inputs"][name] = array
+        if files:
+            out["models"] = {
+                name: {"onnx": bytes(data), "frozen": json.loads(frozen)}
+                for name, frozen, data in files
+            }
         return out
 
     def collect_garbage(self) -> int:
@@ -263,6 +284,9 @@ class Store:
             if gone:
                 db.execute(
                     "DELETE FROM blobs WHERE hash NOT IN (SELECT blob FROM definition_tensors)"
+                )
+                db.execute(
+                    "DELETE FROM onnx_files WHERE hash NOT IN (SELECT file FROM definition_models)"
                 )
         return gone
 
@@ -382,11 +406,16 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
         dtype, shape, data = array_bytes(value)
         tensors.append(("inputs", name, position, None,
                         _blob_hash(dtype, shape, data), dtype, shape, data))
-    header = json.dumps(
-        {"program": program, "functions": functions,
-         "tensors": [t[:5] for t in tensors]},
-        sort_keys=True, separators=(",", ":"),
-    )
+    models = [
+        (name, position, json.dumps(list(m.get("frozen") or [])),
+         hashlib.sha256(m["onnx"]).hexdigest(), m["onnx"])
+        for position, (name, m) in enumerate((definition.get("models") or {}).items())
+    ]
+    head: dict[str, Any] = {"program": program, "functions": functions,
+                            "tensors": [t[:5] for t in tensors]}
+    if models:  # a definition without models keeps the hash it always had
+        head["models"] = [m[:4] for m in models]
+    header = json.dumps(head, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(header.encode()).hexdigest()
     if db.execute("SELECT 1 FROM definitions WHERE hash = ?", (digest,)).fetchone():
         return digest
@@ -403,6 +432,13 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
             "INSERT INTO definition_tensors (definition, section, name, position, "
             "trainable, blob) VALUES (?, ?, ?, ?, ?, ?)",
             (digest, section, name, position, trainable, blob),
+        )
+    for name, position, frozen, file, data in models:
+        db.execute("INSERT OR IGNORE INTO onnx_files (hash, data) VALUES (?, ?)",
+                   (file, sqlite3.Binary(data)))
+        db.execute(
+            "INSERT INTO definition_models (definition, name, position, frozen, file) "
+            "VALUES (?, ?, ?, ?, ?)", (digest, name, position, frozen, file),
         )
     return digest
 

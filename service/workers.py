@@ -439,6 +439,7 @@ class WorkerPool:
             "hessian_max_size": s.hessian_max_size,
             "jacobian_max_elements": s.jacobian_max_elements,
             "hvp_max_vectors": s.hvp_max_vectors,
+            "memory_budget": s.resolved_request_memory_budget(),
             "lanczos_max_basis_bytes": s.lanczos_max_basis_bytes,
             "tune_allocator": s.worker_tune_allocator,
             "definition_limits": dict(s.definition_limits),

@@ -44,7 +44,7 @@ from engine.language.definition import (
     as_definition,
     content_hash,
 )
-from engine.language.errors import DefinitionError, ExecutionError, Problem
+from engine.language.errors import DefinitionError, ExecutionError, OverBudget, Problem
 from engine.language.evaluate import Evaluation, evaluate
 from engine.language.limits import DEFAULT_LIMITS, Limits
 from engine.language.shapes import TensorType
@@ -58,6 +58,7 @@ __all__ = [
     "ExecutionError",
     "FunctionDef",
     "Limits",
+    "OverBudget",
     "Problem",
     "Request",
     "TensorType",

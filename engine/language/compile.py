@@ -23,7 +23,7 @@ from typing import Any
 
 from engine.language.catalogue import suggest
 from engine.language.definition import Definition, as_definition, structure_key
-from engine.language.errors import DefinitionError, Problem
+from engine.language.errors import DefinitionError, OverBudget, Problem
 from engine.language.limits import DEFAULT_LIMITS, Limits
 from engine.language.memory import MemoryModel
 from engine.language.nonfinite import NonFiniteCheck, find_culprit
@@ -63,7 +63,9 @@ class CompiledProgram:
         self._sites = checked.grad_sites
         functions = {name: user_function(fn) for name, fn in checked.functions.items()}
         site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}
-        builder = Builder("program", functions, site_keys, checked.grad_sites)
+        models = {name: m.model for name, m in checked.models.items()}
+        builder = Builder("program", functions, site_keys, checked.grad_sites, models,
+                          checked.model_calls)
         self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
 
     # What the program defines -------------------------------------------------------------
@@ -216,12 +218,29 @@ class CompiledProgram:
             "target", kind="nonfinite",
         )
 
-    def hessian_operator(self, request: Request, leaves: Mapping[str, Tensor]) -> HessianOperator:
+    def hessian_operator(self, request: Request, leaves: Mapping[str, Tensor],
+                         memory_budget: int | None = None) -> HessianOperator:
         """The forward pass and gradient of the request's target recorded once, for any
-        number of HVPs over its sources (in the order of request.sources)."""
+        number of HVPs over its sources (in the order of request.sources).
+
+        With a memory budget (bytes), batched HVP passes are split to fit it, and a
+        program that cannot fit even one HVP is refused (OverBudget) before it runs."""
         names = list(request.sources.values())
         f = self.function(request.target, names, leaves)
-        return hessian_operator(f, *[leaves[n] for n in names])
+        max_batch = self.batch_within(memory_budget, "recording it and one HVP pass")
+        return hessian_operator(f, *[leaves[n] for n in names], max_batch=max_batch)
+
+    def batch_within(self, memory_budget: int | None, what: str, first_order: bool = False
+                     ) -> int | None:
+        """The most items (HVP vectors, probes; with first_order, gradients or jacobian
+        rows over the forward pass alone) one pass may batch within the budget; None
+        without a budget. OverBudget when not even one fits."""
+        if memory_budget is None:
+            return None
+        most = self.memory.max_batch(memory_budget, first_order)
+        if most < 1:
+            raise OverBudget([self.memory.refusal(memory_budget, what, first_order)])
+        return most
 
     # Requests ---------------------------------------------------------------------------
     def check_request(

@@ -61,11 +61,30 @@ class FunctionDef:
 
 
 @dataclass(frozen=True)
+class ModelDef:
+    """An imported (ONNX) model the program calls as a function, `logits = net(x)`.
+
+    model: a loaded engine.onnx.OnnxModel. Its floating-point initializers are the
+    definition's variables, named by their ONNX names (as_definition adds them; a
+    variable of the same name given in `variables` replaces the initializer's value),
+    trainable unless listed in `frozen`."""
+
+    model: Any
+    frozen: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Definition:
     program: tuple[str, ...]
     variables: Mapping[str, VariableDef] = field(default_factory=dict)
     inputs: Mapping[str, Any] = field(default_factory=dict)
     functions: Mapping[str, FunctionDef] = field(default_factory=dict)
+    models: Mapping[str, ModelDef] = field(default_factory=dict)
+
+    @property
+    def model_params(self) -> dict[str, str]:
+        """Every model parameter's name -> the model it belongs to."""
+        return {p: name for name, m in self.models.items() for p in m.model.params}
 
 
 # ----------------------------------------------------------------------------------------
@@ -73,25 +92,30 @@ class Definition:
 # ----------------------------------------------------------------------------------------
 
 
+FIELDS = ("program", "variables", "inputs", "functions", "models")
+
+
 def as_definition(obj: Any) -> Definition:
     """A Definition from a Definition or a mapping with keys program, variables, inputs,
-    functions. Raises DefinitionError listing every structural problem."""
+    functions, models. Raises DefinitionError listing every structural problem."""
     problems: list[Problem] = []
+    expand = not isinstance(obj, Definition)  # a Definition has its models' variables
     if isinstance(obj, Definition):
         obj = {
             "program": obj.program,
             "variables": obj.variables,
             "inputs": obj.inputs,
             "functions": obj.functions,
+            "models": obj.models,
         }
     if not isinstance(obj, Mapping):
         raise DefinitionError([_problem("definition", "a definition must be a mapping")])
     for key in obj:
-        if key not in ("program", "variables", "inputs", "functions"):
+        if key not in FIELDS:
             problems.append(
                 _problem(
                     "definition",
-                    f"unknown field {key!r}; expected program, variables, inputs, functions",
+                    f"unknown field {key!r}; expected {', '.join(FIELDS)}",
                 )
             )
     program = _lines(obj.get("program"), "program", problems, required=True)
@@ -110,9 +134,16 @@ def as_definition(obj: Any) -> Definition:
         for name, raw in _mapping(obj.get("functions"), "functions", problems).items()
         if (fn := _function(raw, f"functions.{name}", problems)) is not None
     }
+    models = {
+        name: model
+        for name, raw in _mapping(obj.get("models"), "models", problems).items()
+        if (model := _model(raw, f"models.{name}", problems)) is not None
+    }
+    if expand:
+        _add_model_variables(models, variables, problems)
     if problems:
         raise DefinitionError(problems)
-    return Definition(program, variables, inputs, functions)
+    return Definition(program, variables, inputs, functions, models)
 
 
 def _problem(section: str, message: str) -> Problem:
@@ -191,6 +222,68 @@ def _function(raw: Any, section: str, problems: list[Problem]) -> FunctionDef | 
     return FunctionDef(params, forward, backward, output)
 
 
+def _model(raw: Any, section: str, problems: list[Problem]) -> ModelDef | None:
+    """{"onnx": bytes of an .onnx file, "frozen": [initializer names]} -> a loaded model."""
+    if isinstance(raw, ModelDef):
+        return raw
+    if not isinstance(raw, Mapping):
+        problems.append(_problem(section, "a model is {onnx: <bytes of an .onnx file>, frozen}"))
+        return None
+    unknown = sorted(set(raw) - {"onnx", "frozen"})
+    if unknown:
+        problems.append(_problem(section, f"unknown field(s) {unknown}; expected onnx, frozen"))
+    frozen = raw.get("frozen") or ()
+    if isinstance(frozen, str) or not all(isinstance(f, str) for f in frozen):
+        problems.append(_problem(f"{section}.frozen", "frozen must be a list of names"))
+        return None
+    from engine.onnx import ModelError, load_model  # needs the onnx package
+
+    try:
+        model = load_model(raw.get("onnx"))
+    except ModelError as exc:
+        problems.extend(Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model"))
+                        for p in exc.problems)
+        return None
+    unknown = [f for f in frozen if f not in model.params]
+    if unknown:
+        problems.append(_problem(
+            f"{section}.frozen",
+            f"{unknown} are not floating-point initializers of the model",
+        ))
+        return None
+    return ModelDef(model, tuple(frozen))
+
+
+_MODEL_KINDS = {"op": "op", "shape": "shape", "mode": "model", "model": "model"}
+
+
+def _add_model_variables(
+    models: Mapping[str, ModelDef], variables: dict[str, VariableDef], problems: list[Problem]
+) -> None:
+    """Each model's floating-point initializers become variables named by their ONNX
+    names; a variable given under that name supplies the value instead (same shape)."""
+    owner: dict[str, str] = {}
+    for name, m in models.items():
+        for param, value in m.model.params.items():
+            section = f"models.{name}"
+            if param in owner:
+                problems.append(_problem(
+                    section, f"initializer {param!r} is also one of model {owner[param]!r}'s",
+                ))
+                continue
+            owner[param] = name
+            given = variables.get(param)
+            if given is None:
+                variables[param] = VariableDef(value, param not in m.frozen)
+            elif tuple(given.value.shape) != value.shape or given.value.dtype != value.dtype:
+                problems.append(_problem(
+                    f"variables.{param}",
+                    f"replaces initializer {param!r} of model {name!r}, which is "
+                    f"{value.dtype}{list(value.shape)}; got "
+                    f"{given.value.dtype}{list(given.value.shape)}",
+                ))
+
+
 def to_array(value: Any, section: str, problems: list[Problem]) -> Any:
     """A NumPy (or device) array for a value, or None after recording a problem."""
     if isinstance(value, Tensor):
@@ -235,6 +328,10 @@ def structure_key(defn: Definition, limits: Limits) -> str:
         },
         "limits": _limits_items(limits),
     }
+    if defn.models:  # the graph's own hash: its structure, not its weights
+        canonical["models"] = {
+            name: [m.model.structure, sorted(m.frozen)] for name, m in defn.models.items()
+        }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

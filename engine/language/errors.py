@@ -23,6 +23,7 @@ KINDS = (
     "unused",  # a line whose result nothing uses
     "runtime",  # a checked program that failed while running (singular matrix, bad label)
     "nonfinite",  # an op whose value or derivative is NaN or infinite at the values given
+    "model",  # an imported (ONNX) model that is invalid or runs an op in training mode
 )
 
 
@@ -86,3 +87,8 @@ class DefinitionError(ValueError):
 class ExecutionError(DefinitionError):
     """A definition that passed every check failed while running (a singular matrix in
     solve, a label out of range, an error in a user function's backward program)."""
+
+
+class OverBudget(DefinitionError):
+    """A run that would need more memory than it may use, even one item at a time: refused
+    before it starts (its problem names the largest op, its shape and the budget)."""

@@ -4,7 +4,9 @@ Validation infers the shape and dtype of every op's result; from them:
 
 - a *recording* (the forward pass and its gradient recorded under tapes, as an HVP
   operator or a stored tape holds them) keeps the leaves plus about RECORDING_FACTOR
-  times the intermediates;
+  times the intermediates; a first-order run (a gradient, jacobian rows) keeps only the
+  forward pass, the leaves plus about FORWARD_FACTOR times the intermediates (the
+  results, and what composite ops' rules keep of their own temporaries);
 - a derivative pass over it (one jacobian row, HVP vector, Hessian row or trace probe of
   a batched pass) needs about PASS_FACTOR times the intermediates again: cotangents,
   tangents and the rules' temporaries. Batched passes scale with the batch, which is
@@ -26,6 +28,7 @@ from engine.language.errors import Problem
 from engine.language.validate import CheckedProgram, Intermediate
 
 RECORDING_FACTOR = 4
+FORWARD_FACTOR = 1.5  # gradients peaked at 0.64-0.95x of the estimate it gives (the tests)
 PASS_FACTOR = 2
 
 
@@ -56,24 +59,35 @@ class MemoryModel:
         return self.leaves_bytes + RECORDING_FACTOR * self.intermediates_bytes
 
     @property
+    def forward_bytes(self) -> int:
+        """The forward pass alone, kept for first-order passes (gradients, jacobians)."""
+        return self.leaves_bytes + int(FORWARD_FACTOR * self.intermediates_bytes)
+
+    def held_bytes(self, first_order: bool = False) -> int:
+        return self.forward_bytes if first_order else self.recording_bytes
+
+    @property
     def per_item_bytes(self) -> int:
         """One derivative pass: one gradient, HVP vector, jacobian row or probe."""
         return PASS_FACTOR * self.intermediates_bytes
 
-    def peak_bytes(self, batch: int = 1) -> int:
-        """The estimated peak of a recording and a pass over `batch` items at once."""
-        return self.recording_bytes + batch * self.per_item_bytes
+    def peak_bytes(self, batch: int = 1, first_order: bool = False) -> int:
+        """The estimated peak of a recording (or a forward pass, for first-order runs)
+        and a pass over `batch` items at once."""
+        return self.held_bytes(first_order) + batch * self.per_item_bytes
 
-    def max_batch(self, budget: int) -> int:
+    def max_batch(self, budget: int, first_order: bool = False) -> int:
         """The most items one pass may batch within `budget` bytes (0: not even one)."""
-        room = budget - self.recording_bytes
+        room = budget - self.held_bytes(first_order)
         if room < self.per_item_bytes:
             return 0
         return room // max(self.per_item_bytes, 1)
 
-    def refusal(self, budget: int, what: str = "a derivative pass") -> Problem:
+    def refusal(self, budget: int, what: str = "a derivative pass",
+                first_order: bool = False) -> Problem:
         """Why even one item does not fit: the largest op, its shape, and the budget."""
-        need = self.peak_bytes(1)
+        need = self.peak_bytes(1, first_order)
+        held = "forward pass" if first_order else "recording"
         where = "program"
         line = column = op = None
         shapes = None
@@ -86,7 +100,7 @@ class MemoryModel:
                       f"{list(biggest.type.shape)} ({biggest.type.dtype}, "
                       f"{_mib(_nbytes(biggest))})")
         return Problem(
-            f"{what} needs about {_mib(need)} (recording {_mib(self.recording_bytes)} + "
+            f"{what} needs about {_mib(need)} ({held} {_mib(self.held_bytes(first_order))} + "
             f"{_mib(self.per_item_bytes)} per item){detail}; the memory budget of a "
             f"request is {_mib(budget)}",
             where, line, column, op, shapes, kind="limit",

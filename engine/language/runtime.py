@@ -90,9 +90,13 @@ class Builder:
         functions: dict[str, Callable[..., Any]],
         sites: dict[Call, int] | None = None,
         grad_sites: list[GradSite] | None = None,
+        models: dict[str, Any] | None = None,
+        model_calls: dict[Call, Any] | None = None,
     ):
         self.section = section
         self.functions = functions
+        self.models = models or {}  # name -> engine.onnx.OnnxModel
+        self.model_calls = model_calls or {}  # call node -> its Specialization
         self.sites = sites or {}  # grad call node -> its index in grad_sites
         self.grad_sites = grad_sites or []
 
@@ -116,6 +120,11 @@ class Builder:
     def call(self, node: Call) -> Evaluator:
         if node.func == "grad":
             return self.grad(node)
+        if node.func in self.models:
+            model, spec = self.models[node.func], self.model_calls[node]
+            args = [self.expr(a) for a in node.args]
+            # The model's parameters are variables of the run, by their ONNX names.
+            return lambda frame: model.run(spec, [a(frame) for a in args], frame.values)[0]
         if node.func in self.functions:
             fn = self.functions[node.func]
             args = [self.expr(a) for a in node.args]

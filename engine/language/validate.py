@@ -12,9 +12,12 @@ the caller's argument types (shapes and dtypes). `grad(y, x)` calls are recorded
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine import trace
 from engine.language.catalogue import (
@@ -95,6 +98,8 @@ class CheckedProgram:
     grad_sites: list[GradSite]
     functions: dict[str, CheckedFunction]
     intermediates: list[Intermediate] = field(default_factory=list)  # every op's result
+    model_calls: dict[Call, object] = field(default_factory=dict)  # call -> Specialization
+    models: dict[str, object] = field(default_factory=dict)  # name -> definition.ModelDef
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,8 @@ class _Checker:
         self.functions: dict[str, CheckedFunction] = {}
         self.function_types: dict[tuple, TensorType | None] = {}
         self.grad_sites: list[GradSite] = []
+        self.model_calls: dict[Call, object] = {}
+        self.owned = set(defn.model_params)  # variables named by a model's initializers
         self.nodes = 0  # syntax nodes in the function bodies
         self.oversized = False  # one tensor over the limit already says it all
 
@@ -187,6 +194,7 @@ class _Checker:
         self.check_sizes()
         self.fail_if_problems()  # nothing below is safe on an oversized definition
         leaves = self.check_leaves()
+        self.check_models()
         self.check_functions()
         lines, types, reads = self.check_program(leaves)
         if self.total_elements > self.limits.max_total_elements and not self.oversized:
@@ -198,7 +206,7 @@ class _Checker:
             )
         self.fail_if_problems()
         return CheckedProgram(leaves, lines, types, reads, self.grad_sites, self.functions,
-                              self.intermediates)
+                              self.intermediates, self.model_calls, dict(self.defn.models))
 
     def check_sizes(self) -> None:
         self.problems.extend(size_problems(self.defn, self.limits))
@@ -227,7 +235,14 @@ class _Checker:
         entries += [(n, a, "input", False) for n, a in self.defn.inputs.items()]
         for name, value, role, trainable in entries:
             section = f"{role}s.{name}"
-            if not self.check_name(name, section, role):
+            if name in self.owned and role == "variable":
+                # ONNX names ("fc1.weight", "onnx::MatMul_7") are never written in a
+                # program; they are only request keys, so only their length is bounded.
+                if len(name) > self.limits.max_name_chars:
+                    self.add(f"variable name is {len(name)} characters; the limit is "
+                             f"{self.limits.max_name_chars}", section, kind="limit")
+                    continue
+            elif not self.check_name(name, section, role):
                 continue
             if name in leaves:
                 self.add(f"{name!r} is both a variable and an input", section)
@@ -249,6 +264,56 @@ class _Checker:
                 )
             leaves[name] = Leaf(name, leaf_type, role, trainable)
         return leaves
+
+    # Models -----------------------------------------------------------------------------
+    def check_models(self) -> None:
+        for name in self.defn.models:
+            section = f"models.{name}"
+            if not self.check_name(name, section, "model"):
+                continue
+            if name in SIGNATURES or name in self.defn.functions:
+                self.add(f"model name {name!r} is already an op or a function; choose another",
+                         section)
+
+    def model_call(self, node: Call, scope: _Scope) -> TensorType | None:
+        """A call of an imported model: its outputs' types from ONNX shape inference for
+        the arguments' shapes (the model is specialized, and its shape subgraphs folded,
+        once per call signature)."""
+        from engine.onnx import ModelError
+
+        model = self.defn.models[node.func].model
+        if scope.in_function or node.kwargs:
+            self.infer_all(node, scope)
+            why = ("a function body cannot call a model" if scope.in_function else
+                   "a model takes its inputs by position: " +
+                   f"{node.func}({', '.join(i.name for i in model.inputs)})")
+            self.add(why, scope, node.pos, "op", node.func)
+            return None
+        types = [self.infer(arg, scope) for arg in node.args]
+        if any(t is None for t in types):
+            return None
+        types = [concrete(t) for t in types]
+        try:
+            spec = model.specialize([(t.shape, t.dtype) for t in types])
+        except ModelError as exc:
+            for p in exc.problems:
+                kind = "shape" if p.kind == "shape" else "model"
+                self.add(str(p), scope, node.pos, kind, node.func,
+                         tuple(t.shape for t in types))
+            return None
+        if len(spec.outputs) != 1:
+            self.add(f"the model has {len(spec.outputs)} outputs; a program calls models "
+                     "with one output", scope, node.pos, "op", node.func)
+            return None
+        self.model_calls[node] = spec
+        for _, shape, dtype in spec.sizes:  # the graph's intermediates count as ops do
+            self.total_elements += math.prod(shape)
+            self.intermediates.append(Intermediate(
+                scope.section, node.pos.line, node.pos.column, node.func,
+                TensorType(tuple(shape), dtype),
+            ))
+        shape, dtype = spec.outputs[0]
+        return self.sized(TensorType(tuple(shape), np.dtype(dtype)), node, scope, node.func)
 
     # Functions --------------------------------------------------------------------------
     def check_functions(self) -> None:
@@ -450,7 +515,7 @@ class _Checker:
                     scope,
                     node.pos,
                 )
-        elif node.id in SIGNATURES or node.id in self.defn.functions:
+        elif node.id in SIGNATURES or node.id in self.defn.functions or node.id in self.defn.models:
             self.add(f"{node.id!r} is an op; call it: {node.id}(...)", scope, node.pos)
         else:
             hint = suggest(node.id, list(scope.types))
@@ -488,12 +553,15 @@ class _Checker:
     def call(self, node: Call, scope: _Scope) -> TensorType | None:
         if node.func == "grad":
             return self.grad(node, scope)
+        if node.func in self.defn.models:
+            return self.model_call(node, scope)
         if node.func in self.defn.functions:
             return self.user_call(node, scope)
         sig = SIGNATURES.get(node.func)
         if sig is None:
             self.infer_all(node, scope)  # problems inside the arguments still count
-            hint = suggest(node.func, list(SIGNATURES) + list(self.defn.functions))
+            known = list(SIGNATURES) + list(self.defn.functions) + list(self.defn.models)
+            hint = suggest(node.func, known)
             self.add(f"unknown op {node.func!r}{hint}", scope, node.pos, "op", node.func)
             return None
         types = self.bind_and_infer(sig, node, scope)

@@ -1,5 +1,5 @@
 """The op families. Importing this package registers every primitive and public op."""
 
-from engine.ops import creation, elementwise, linalg, nn, operators, reduce, shape
+from engine.ops import conv, creation, elementwise, linalg, nn, operators, reduce, shape
 
-__all__ = ["creation", "elementwise", "linalg", "nn", "operators", "reduce", "shape"]
+__all__ = ["conv", "creation", "elementwise", "linalg", "nn", "operators", "reduce", "shape"]

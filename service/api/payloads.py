@@ -4,6 +4,8 @@ the server's limits on the request are applied. Nothing here computes."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from service.schemas import (
     GradientRequest,
     HessianRequest,
     HVPRequest,
+    ImportedModel,
     JacobianRequest,
     ModelCreateRequest,
     SolveRequest,
@@ -54,8 +57,9 @@ class Prepared:
 class _Decoder:
     """Decodes the tensors of one request, collecting every problem before failing."""
 
-    def __init__(self, allow_nonfinite: bool):
+    def __init__(self, allow_nonfinite: bool, max_onnx_bytes: int = 0):
         self.allow_nonfinite = allow_nonfinite
+        self.max_onnx_bytes = max_onnx_bytes
         self.errors: list[dict[str, Any]] = []
         self.binary = False  # some tensor came as base64 or raw bytes
 
@@ -106,7 +110,34 @@ class _Decoder:
             },
             "inputs": self.tensors(d.inputs, "definition.inputs"),
             "functions": {name: fn.model_dump() for name, fn in d.functions.items()},
+            **({"models": {
+                name: self.onnx_model(m, f"definition.models.{name}")
+                for name, m in d.models.items()
+            }} if d.models else {}),
         }
+
+    def onnx_model(self, m: ImportedModel, field: str) -> dict[str, Any]:
+        """{onnx: the file's bytes, frozen}: base64 decoded and the size bounded here;
+        the file itself is loaded and checked in the worker. A `stored` reference was
+        replaced by the stored file's bytes (routes/_compute.py) before this."""
+        data = m.onnx
+        if isinstance(data, str):
+            try:
+                data = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                self.errors.append({"field": f"{field}.onnx", "kind": "value",
+                                    "message": f"not base64: {exc}"})
+                data = b""
+        if data is None:  # an unresolved reference: a bug in the route, not the client
+            raise ProblemError("internal", f"{field}: the stored model was not resolved")
+        if len(data) > self.max_onnx_bytes:
+            raise ProblemError(
+                "body-too-large",
+                f"{field}.onnx: {len(data):,} bytes; this server takes ONNX files of at most "
+                f"{self.max_onnx_bytes:,} bytes (max_onnx_bytes)",
+                errors=[{"field": f"{field}.onnx", "message": "too large"}],
+            )
+        return {"onnx": bytes(data), "frozen": list(m.frozen)}
 
     def check(self) -> None:
         if self.errors:
@@ -132,7 +163,7 @@ def _time_limit(requested: float | None, settings: Settings) -> float:
 def _decoder(body: CallOptions | DefinitionRequest | ModelCreateRequest, settings: Settings
              ) -> _Decoder:
     allow = settings.allow_nonfinite if body.allow_nonfinite is None else body.allow_nonfinite
-    return _Decoder(allow)
+    return _Decoder(allow, settings.max_onnx_bytes)
 
 
 def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] | None = None

@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     )
     retry_after: int = Field(default=1, ge=0, description="Retry-After seconds on a 503")
     max_body_bytes: int = Field(default=64 * 2**20, ge=1, description="request body limit (413)")
+    max_onnx_bytes: int = Field(
+        default=32 * 2**20, ge=1,
+        description="largest ONNX file a definition may carry or PUT /v1/models may store (413)",
+    )
     max_body_depth: int = Field(
         default=64, ge=8, description="deepest nesting of lists/objects a body may have (400)"
     )
@@ -118,6 +122,13 @@ class Settings(BaseSettings):
         default=1024, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
     )
     hvp_max_vectors: int = Field(default=1024, ge=1, description="most vectors in one /v1/hvp")
+    request_memory_budget: int = Field(
+        default=0, ge=0,
+        description="bytes one request's recording and derivative passes may use, as the "
+        "memory model estimates them from the inferred shapes: batched passes (HVP vectors, "
+        "jacobian rows, Hessian rows, trace probes) are split to fit, and what cannot fit "
+        "one at a time is a 422; 0: half the tape_memory_budget",
+    )
     definition_limits: dict[str, int] = Field(
         default_factory=dict,
         description="overrides of the definition language's limits (max_lines, "
@@ -230,6 +241,9 @@ class Settings(BaseSettings):
                 f"tape_ttl ({self.tape_ttl}) is above tape_max_ttl ({self.tape_max_ttl})"
             )
         return self
+
+    def resolved_request_memory_budget(self) -> int:
+        return self.request_memory_budget or max(1, self.tape_memory_budget // 2)
 
     def resolved_store_path(self) -> str:
         if self.store_path:

@@ -18,6 +18,7 @@ import pytest
 
 import engine as gt
 from engine.testing import check_grads
+from tests.engine import naive_conv
 
 SCALAR = ((),)
 MATRIX = ((3, 4),)
@@ -493,6 +494,53 @@ ROWS = [
             + [[np.sqrt(np.sum(x**2) + np.sum(y**2))]]
         ),
         [((3, 4), (2,))],
+    ),
+    # ---- convolution and pooling (references: loops in tests/engine/naive_conv.py) ----
+    Row(
+        "conv",
+        lambda x, w, b: gt.conv(x, w, b, strides=2, pads=[1, 2], groups=2),
+        lambda x, w, b: naive_conv.conv(x, w, b, (2,), ((1, 2),), None, 2),
+        [((2, 4, 7), (6, 2, 3), (6,))],
+    ),
+    Row(
+        "conv_2d",
+        lambda x, w: gt.conv(x, w, strides=(1, 2), pads=((1, 0), (2, 1)), dilations=(2, 1)),
+        lambda x, w: naive_conv.conv(x, w, None, (1, 2), ((1, 0), (2, 1)), (2, 1)),
+        [((2, 2, 6, 5), (3, 2, 3, 2))],
+    ),
+    Row(
+        "conv_3d",
+        lambda x, w: gt.conv(x, w, pads=[0, 1, 1, 1, 0, 1], dilations=(1, 1, 2), groups=2),
+        lambda x, w: naive_conv.conv(x, w, None, None, ((0, 1), (1, 0), (1, 1)), (1, 1, 2), 2),
+        [((1, 2, 3, 4, 5), (2, 1, 2, 2, 2))],
+    ),
+    Row(
+        "max_pool",
+        lambda x: gt.max_pool(x, (2, 3), strides=(2, 1), pads=((1, 0), (1, 1))),
+        lambda x: naive_conv.pool(x, "max", (2, 3), (2, 1), ((1, 0), (1, 1))),
+        [((2, 2, 5, 4),), ((3, 5),)],
+        "distinct",
+    ),
+    Row(
+        "max_pool_dilated_ceil",
+        lambda x: gt.max_pool(x, (2,), strides=2, dilations=2, ceil_mode=True),
+        lambda x: naive_conv.pool(x, "max", (2,), (2,), None, (2,), ceil_mode=True),
+        [((2, 3, 8),)],
+        "distinct",
+    ),
+    Row(
+        "avg_pool",
+        lambda x: gt.avg_pool(x, (3, 2), strides=2, pads=1),
+        lambda x: naive_conv.pool(x, "avg", (3, 2), (2, 2), ((1, 1), (1, 1))),
+        [((2, 2, 5, 4),)],
+    ),
+    Row(
+        "avg_pool_include_pad_ceil",
+        lambda x: gt.avg_pool(x, (3, 3), strides=2, pads=1, count_include_pad=True, ceil_mode=True),
+        lambda x: naive_conv.pool(
+            x, "avg", (3, 3), (2, 2), ((1, 1), (1, 1)), ceil_mode=True, count_include_pad=True
+        ),
+        [((1, 2, 6, 5),)],
     ),
 ]
 

@@ -75,3 +75,66 @@ def test_a_refusal_names_the_largest_op_its_shape_and_the_budget() -> None:
     assert "[384, 384]" in problem.message and "(float32, 0.6 MiB)" in problem.message
     assert "budget of a request is 1.0 MiB" in problem.message
     assert problem.kind == "limit"
+
+
+# -- the budget applied: batched passes split to fit, what cannot fit refused -------------
+
+
+def bounded_hvp(definition: dict, k: int, budget: int | None) -> tuple[list, int]:
+    """The products of k vectors through an operator held to `budget`, and the peak."""
+    program = compile_definition(definition)
+    leaves = program.leaves(definition)
+    sources = {name: name for name in definition["variables"]}
+    g = np.random.default_rng(5)
+    vectors = [gt.constant(g.random((k, *leaves[n].shape)).astype(leaves[n].dtype))
+               for n in sources]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        operator = program.hessian_operator(Request("loss", sources), leaves, budget)
+        products = [p.numpy() for p in operator.hvp_many(*vectors)]
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return products, peak
+
+
+def test_a_budget_splits_a_batched_hvp_and_keeps_its_products() -> None:
+    definition = PROGRAMS["two-layer mlp"]
+    memory = compile_definition(definition).memory
+    budget = memory.peak_bytes(4)  # room for 4 vectors a pass: 32 take 8 passes
+    free, free_peak = bounded_hvp(definition, 32, None)
+    held, held_peak = bounded_hvp(definition, 32, budget)
+    for a, b in zip(free, held, strict=True):
+        assert a.shape == b.shape == (32, *a.shape[1:])
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+    assert held_peak <= budget, (held_peak, budget)
+    assert held_peak < free_peak / 2, (held_peak, free_peak)
+
+
+def test_a_program_that_cannot_fit_one_pass_is_refused_naming_its_largest_op() -> None:
+    definition = PROGRAMS["tanh of a matmul"]
+    program = compile_definition(definition)
+    budget = program.memory.recording_bytes  # the recording fits, not one pass over it
+    with pytest.raises(gt.language.OverBudget) as caught:
+        program.hessian_operator(Request("loss", {"w": "w"}), program.leaves(definition), budget)
+    problem = caught.value.problems[0]
+    assert problem.kind == "limit" and problem.line == 1 and problem.shapes == ((384, 384),)
+    assert "memory budget" in problem.message and "384, 384" in problem.message
+    assert program.batch_within(program.memory.peak_bytes(3), "x") == 3
+    assert program.batch_within(None, "x") is None
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_the_first_order_estimate_bounds_a_gradient_from_above_within_3x(name: str) -> None:
+    definition = PROGRAMS[name]
+    program = compile_definition(definition)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        gt.language.evaluate(definition, "loss")
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    estimate = program.memory.peak_bytes(1, first_order=True)
+    assert peak <= estimate <= 3 * peak, (name, peak, estimate)

@@ -44,6 +44,9 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "GRADTAPE_MAX_TAPE_BYTES_PER_KEY": str(BYTES_QUOTA),
         "GRADTAPE_MAX_MODELS_PER_KEY": "2",
         "GRADTAPE_TAPE_MEMORY_BUDGET": str(BUDGET),
+        # The tape budget is what these tests are about; a request's own budget (by
+        # default half of it) must not refuse their tapes first.
+        "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * MIB),
     }, folder / "server.log")
     try:
         yield srv

@@ -582,6 +582,31 @@ def _use_model(client, enc: Encoding, name: str, body: dict, info: dict) -> None
         check(client.delete(f"/v1/tapes/{tape['tape_id']}"), 204)
 
 
+def test_onnx_model(client) -> None:
+    """PUT /v1/models/{name} with an ONNX file; a definition calls it by reference, and
+    the answer's gradients are PyTorch's (tests/engine/onnx/fixtures)."""
+    from tests.engine.onnx.graphs import fixture
+    from tests.service.conformance import check_tensor
+
+    data, record = fixture("transformer")
+    name = "conformance-onnx"
+    info = check(client.put(f"/v1/models/{name}", content=data,
+                            headers={"content-type": "application/onnx"}), (200, 201))
+    try:
+        assert info["variables"]["head.bias"]["shape"] == [10]
+        grad = check(client.post("/v1/gradient", json={"definition": {
+            "models": {"net": {"stored": name}},
+            "inputs": {"x": {"dtype": "int64", "shape": list(record["x"].shape),
+                             "data": record["x"].reshape(-1).tolist()},
+                       "y": {"dtype": "int64", "shape": [4], "data": record["y"].tolist()}},
+            "program": ["logits = net(x)", "loss = softmax_cross_entropy(logits, y)"],
+        }, "target": "loss", "sources": ["head.bias"]}), 200)
+        got = check_tensor(grad["gradients"]["head.bias"], "head.bias", "json")
+        np.testing.assert_allclose(got, record["f32/grad/head.bias"], rtol=1e-4, atol=1e-7)
+    finally:
+        check(client.delete(f"/v1/models/{name}"), 204)
+
+
 # -- around them ----------------------------------------------------------------------------
 
 ACCEPT = [pytest.param(JSON, id="json"), pytest.param(MSGPACK, id="msgpack")]
@@ -826,7 +851,8 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/models"): ("test_models",),
     ("POST", "/v1/models"): ("test_models",),
     ("GET", "/v1/models/{name}"): ("test_models",),
-    ("DELETE", "/v1/models/{name}"): ("test_models",),
+    ("DELETE", "/v1/models/{name}"): ("test_models", "test_onnx_model"),
+    ("PUT", "/v1/models/{name}"): ("test_onnx_model",),
     ("GET", "/v1/ops"): ("test_operations_endpoints",),
     ("GET", "/healthz"): ("test_operations_endpoints",),
     ("GET", "/readyz"): ("test_operations_endpoints",),

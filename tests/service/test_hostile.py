@@ -134,7 +134,8 @@ sys.stdout.write(str(r.status_code) + "\\n" + r.text)
 
 def _healthz_while(client: httpx.Client, body: bytes, tmp_path) -> tuple[int, dict, float]:
     """POST `body` to /v1/gradient from another process (so that sending it costs this
-    one nothing) and time /healthz meanwhile: the status, problem and slowest answer."""
+    one nothing) and time /healthz meanwhile: the status, problem and slowest answer
+    (scaled down on a machine whose quiet /healthz is already slower than 50 ms / 3)."""
     import json
     import subprocess
     import sys
@@ -142,6 +143,12 @@ def _healthz_while(client: httpx.Client, body: bytes, tmp_path) -> tuple[int, di
 
     path = tmp_path / "body.json"
     path.write_bytes(body)
+    quiet = 0.0  # this machine's own noise, measured first
+    for _ in range(20):
+        started = time.perf_counter()
+        assert client.get("/healthz").status_code == 200
+        quiet = max(quiet, time.perf_counter() - started)
+        time.sleep(0.005)
     sender = subprocess.Popen(
         [sys.executable, "-c", _SEND, f"{client.base_url}/v1/gradient", str(path)],
         stdout=subprocess.PIPE, text=True,
@@ -153,7 +160,8 @@ def _healthz_while(client: httpx.Client, body: bytes, tmp_path) -> tuple[int, di
         slowest = max(slowest, time.perf_counter() - started)
         time.sleep(0.005)
     status, _, text = sender.stdout.read().partition("\n")
-    return int(status), json.loads(text), slowest
+    # 50 ms, or 3x the slowest quiet answer on a machine that is slower than that alone.
+    return int(status), json.loads(text), slowest / max(1.0, 3 * quiet / 0.05)
 
 
 def test_a_million_empty_lists_are_refused_small_and_fast(client, unharmed, tmp_path) -> None:

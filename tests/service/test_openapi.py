@@ -71,6 +71,7 @@ def test_operation_ids_are_stable_and_readable() -> None:
         ("/v1/models", "get"): "list_models",
         ("/v1/models/{name}", "get"): "read_model",
         ("/v1/models/{name}", "delete"): "delete_model",
+        ("/v1/models/{name}", "put"): "put_onnx_model",
         ("/v1/ops", "get"): "list_ops",
         ("/healthz", "get"): "check_health",
         ("/readyz", "get"): "check_readiness",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from service.api import payloads
@@ -13,6 +13,7 @@ from service.api.bodies import BoundedRoute
 from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, SettingsDep
 from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
+from service.api.problems import ProblemError
 from service.schemas import ModelCreateRequest, ModelInfo, ModelList
 from service.sessions import model_info
 
@@ -42,6 +43,56 @@ async def create_model(
     definition = payloads.model_definition(body, settings)
     row, created = await models.put(owner, body.name, definition, body.description,
                                     body.replace, settings.time_limit)
+    info = ModelInfo.model_validate(model_info(row))
+    return Response(info.model_dump_json(), status_code=201 if created else 200,
+                    media_type=JSON, headers={"Location": f"/v1/models/{row.name}"})
+
+
+ONNX = "application/onnx"
+OnnxNameParam = Annotated[str, Path(
+    description="The model's name: letters, digits, '_', '.', '-' (at most 64).",
+    pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+)]
+
+
+@router.put(
+    "/v1/models/{name}",
+    status_code=201,
+    response_model=ModelInfo,
+    responses={200: {"model": ModelInfo, "description": "Replaced"},
+               **problem_responses(401, 404, 413, 415, 422, 429, 502, 503, 504)},
+    openapi_extra={"requestBody": {"required": True, "content": {
+        ONNX: {"schema": {"type": "string", "format": "binary"}}}}},
+    summary="Store an ONNX model",
+)
+async def put_onnx_model(
+    name: OnnxNameParam, request: Request, owner: OwnerDep, models: ModelsDep,
+    settings: SettingsDep,
+    description: Annotated[str | None, Query(max_length=1000)] = None,
+) -> Response:
+    """Store the body, an .onnx file (`Content-Type: application/onnx`, at most
+    max_onnx_bytes), under `name` for this API key: 201, or 200 when it replaced one.
+    A worker loads and checks it first: an invalid or truncated file, or unsupported
+    nodes (all listed, with name, op_type, domain and opset), are a 422. Its
+    initializers are the variables GET /v1/models/{name} lists. Definitions call it with
+    `"models": {"net": {"stored": name}}` and `logits = net(x)` in their program."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != ONNX:
+        raise ProblemError(
+            "unsupported-media-type",
+            f"PUT /v1/models/{{name}} takes an ONNX file with Content-Type: {ONNX}, got "
+            f"{media or 'none'!r} (POST /v1/models stores a definition)",
+        )
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > settings.max_onnx_bytes:
+            raise ProblemError(
+                "body-too-large",
+                f"the ONNX file is over {settings.max_onnx_bytes:,} bytes (max_onnx_bytes)",
+            )
+    row, created = await models.put_onnx(owner, name, bytes(data), description,
+                                         settings.time_limit)
     info = ModelInfo.model_validate(model_info(row))
     return Response(info.model_dump_json(), status_code=201 if created else 200,
                     media_type=JSON, headers={"Location": f"/v1/models/{row.name}"})

@@ -1,0 +1,460 @@
+"""An ONNX model as an engine function.
+
+    model = load_model(data)                    # check, list every unsupported node
+    spec = model.specialize([((8, 1, 28, 28), np.float32)])   # per input shapes
+    spec.outputs                                # [(shape, dtype)] from shape inference
+    model.run(spec, [x], params)                # engine Tensors in, engine Tensors out
+
+Loading checks the file (onnx.checker), reads the initializers (floating-point ones
+become the model's parameters, the rest are constants) and refuses, all at once, every
+node this runtime cannot run and every training-mode op. Specializing fixes the input
+shapes, runs ONNX shape inference and folds every subgraph whose inputs are known at load
+time (Shape -> Gather -> Concat -> Reshape, Constant, ConstantOfShape, Range, Cast ...)
+with ONNX's reference evaluator: those values are NumPy constants, never differentiated.
+What is left runs as engine ops (ops.py), so every derivative comes from their rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from engine.onnx.errors import ModelError, ModelProblem
+from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
+from engine.tensor import Tensor, constant
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+# Ops with a random or stateful result: never folded.
+NOT_FOLDABLE = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)  # fmt: skip
+MAX_SPECIALIZATIONS = 16
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    name: str
+    op_type: str
+    domain: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any]
+    proto: Any  # the NodeProto, for folding by the reference evaluator
+
+    def problem(self, message: str, opset: int, kind: str = "op") -> ModelProblem:
+        return ModelProblem(
+            message, kind, self.name or f"#{self.index}", self.op_type, self.domain or "ai.onnx",
+            opset,
+        )
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    name: str
+    dtype: np.dtype
+    dims: tuple[int | str | None, ...]  # a size, a symbolic name, or unknown
+
+
+@dataclass(frozen=True)
+class Step:
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any]
+
+
+@dataclass
+class Specialization:
+    """The model for fixed input shapes: what runs, and the output types."""
+
+    steps: list[Step]
+    consts: dict[str, np.ndarray]
+    outputs: list[tuple[tuple[int, ...], np.dtype]]
+    intermediate_elements: int = 0
+    folded: int = 0
+    sizes: list[tuple[str, tuple[int, ...], np.dtype]] = field(default_factory=list)
+
+
+class OnnxModel:
+    def __init__(self, proto: Any, digest: str):
+        from onnx import helper, numpy_helper
+
+        self.proto = proto
+        self.digest = digest
+        graph = proto.graph
+        self.opset = next(
+            (o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), 1
+        )
+        self.params: dict[str, np.ndarray] = {}
+        self.consts: dict[str, np.ndarray] = {}
+        # A float initializer only ever read as a shape, pads, a pad value or a dropout
+        # ratio is a constant, not a parameter.
+        differentiable = {
+            name for n in graph.node for i, name in enumerate(n.input)
+            if i not in STATIC.get(n.op_type, ())
+        }
+        for init in graph.initializer:
+            value = numpy_helper.to_array(init)
+            if value.dtype.kind == "f" and init.name in differentiable:
+                self.params[init.name] = np.array(value)  # writable, owned
+            else:
+                self.consts[init.name] = np.array(value)
+        initialized = set(self.params) | set(self.consts)
+        self.inputs = [_graph_input(v) for v in graph.input if v.name not in initialized]
+        self.outputs = [v.name for v in graph.output]
+        self.nodes = [
+            Node(
+                i, n.name, n.op_type, n.domain, tuple(n.input), tuple(n.output),
+                {a.name: _attr(helper.get_attribute_value(a)) for a in n.attribute}, n,
+            )
+            for i, n in enumerate(graph.node)
+        ]
+        self.structure = self._structure_hash()
+        self._specs: OrderedDict[tuple, Specialization] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # Load-time checks -------------------------------------------------------------------
+    def check(self) -> None:
+        """Every node that cannot run and every training-mode op, at once."""
+        problems: list[ModelProblem] = []
+        static = set(self.consts)
+        values = dict(self.consts)  # what is known without shapes (for training_mode)
+        for node in self.nodes:
+            ins = [n for n in node.inputs if n]
+            if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
+                value = _constant_value(node)
+                if value is not None:
+                    values[node.outputs[0]] = value
+            is_static = node.domain in DEFAULT_DOMAINS and node.op_type not in NOT_FOLDABLE and (
+                node.op_type in ("Shape", "Size") or all(n in static for n in ins)
+            )
+            if is_static:
+                static.update(n for n in node.outputs if n)
+                continue
+            if node.domain not in DEFAULT_DOMAINS:
+                problems.append(node.problem(
+                    f"domain {node.domain!r} is not supported (only the default ONNX domain)",
+                    self._opset(node.domain),
+                ))
+            elif node.op_type not in HANDLERS or node.op_type in FOLD_ONLY:
+                problems.append(node.problem(
+                    "not supported on computed values (only where its inputs are constants)"
+                    if node.op_type in FOLD_ONLY else "not supported",
+                    self.opset,
+                ))
+            elif (why := refusal(node.op_type, node.attrs, node.outputs)) is not None:
+                problems.append(node.problem(why, self.opset))
+            problems.extend(self._mode_problems(node, values))
+        if problems:
+            raise ModelError(problems)
+
+    def _opset(self, domain: str) -> int | None:
+        return next((o.version for o in self.proto.opset_import if o.domain == domain), None)
+
+    def _mode_problems(self, node: Node, values: Mapping[str, np.ndarray]) -> list[ModelProblem]:
+        """Training-mode ops run differently from inference: refused, never changed."""
+        if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2]:
+            mode = values.get(node.inputs[2])
+            if mode is None:
+                return [node.problem(
+                    "training_mode must be a constant false (inference); it is computed",
+                    self.opset, "mode",
+                )]
+            if bool(np.asarray(mode).reshape(-1)[0]):
+                return [node.problem(
+                    "training_mode is true: dropout in training mode is random and is not "
+                    "supported; export the model in eval mode", self.opset, "mode",
+                )]
+        if node.op_type == "BatchNormalization":
+            training = node.attrs.get("training_mode", 0) or (
+                self.opset < 14 and sum(1 for n in node.outputs[1:] if n) > 0
+            )
+            if training:
+                return [node.problem(
+                    "training mode (batch statistics) is not supported; export the model in "
+                    "eval mode so it uses its running mean and variance", self.opset, "mode",
+                )]
+        return []
+
+    def _structure_hash(self) -> str:
+        """Graph, opsets, constants and the parameters' names, shapes and dtypes (not
+        their values): what compiling a program that calls the model depends on."""
+        import onnx
+
+        graph = onnx.GraphProto()
+        graph.CopyFrom(self.proto.graph)
+        del graph.initializer[:]
+        digest = hashlib.sha256(graph.SerializeToString(deterministic=True))
+        for o in self.proto.opset_import:
+            digest.update(f"{o.domain}:{o.version};".encode())
+        for name, value in self.params.items():
+            digest.update(f"{name}:{value.shape}:{value.dtype};".encode())
+        for name, value in self.consts.items():
+            digest.update(f"{name}:{value.shape}:{value.dtype};".encode() + value.tobytes())
+        return digest.hexdigest()
+
+    # Specializing -----------------------------------------------------------------------
+    def specialize(self, types: Sequence[tuple[tuple[int, ...], Any]]) -> Specialization:
+        """The model for these input (shape, dtype)s; raises ModelError (the inputs that
+        do not fit, naming input and axis; shapes that do not follow from them)."""
+        key = tuple((tuple(s), np.dtype(d).str) for s, d in types)
+        with self._lock:
+            if key in self._specs:
+                self._specs.move_to_end(key)
+                return self._specs[key]
+        spec = self._specialize([(tuple(s), np.dtype(d)) for s, d in types])
+        with self._lock:
+            self._specs[key] = spec
+            while len(self._specs) > MAX_SPECIALIZATIONS:
+                self._specs.popitem(last=False)
+        return spec
+
+    def _check_inputs(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> None:
+        problems = []
+        if len(types) != len(self.inputs):
+            names = ", ".join(i.name for i in self.inputs)
+            raise ModelError([ModelProblem(
+                f"the model takes {len(self.inputs)} input(s) ({names}), got {len(types)}",
+                "shape",
+            )])
+        symbols: dict[str, tuple[int, str, int]] = {}
+        for spec, (shape, dtype) in zip(self.inputs, types):
+            if dtype != spec.dtype:
+                problems.append(ModelProblem(
+                    f"input {spec.name!r} must be {spec.dtype}, got {dtype}", "shape",
+                    tensor=spec.name,
+                ))
+            if len(shape) != len(spec.dims):
+                problems.append(ModelProblem(
+                    f"input {spec.name!r} must have rank {len(spec.dims)} "
+                    f"(dims {list(spec.dims)}), got shape {list(shape)}", "shape",
+                    tensor=spec.name,
+                ))
+                continue
+            for axis, (want, got) in enumerate(zip(spec.dims, shape)):
+                if isinstance(want, int) and want != got:
+                    problems.append(ModelProblem(
+                        f"input {spec.name!r} axis {axis} must be {want}, got {got}", "shape",
+                        tensor=spec.name, axis=axis,
+                    ))
+                elif isinstance(want, str):
+                    seen = symbols.setdefault(want, (got, spec.name, axis))
+                    if seen[0] != got:
+                        problems.append(ModelProblem(
+                            f"input {spec.name!r} axis {axis} is the dimension {want!r}, which "
+                            f"is {seen[0]} at input {seen[1]!r} axis {seen[2]}; got {got}",
+                            "shape", tensor=spec.name, axis=axis,
+                        ))
+        if problems:
+            raise ModelError(problems)
+
+    def _specialize(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> Specialization:
+        self._check_inputs(types)
+        shapes = self._infer_shapes(types)
+        consts: dict[str, np.ndarray] = dict(self.consts)
+        steps: list[Step] = []
+        problems: list[ModelProblem] = []
+        folded = 0
+        for node in self.nodes:
+            ins = [n for n in node.inputs if n]
+            if node.op_type in ("Shape", "Size") and node.inputs[0] not in consts:
+                shape = shapes.get(node.inputs[0])
+                if shape is not None and None not in shape[0]:
+                    fake = SimpleNamespace(shape=shape[0])
+                    out = run_node(node.op_type, [fake], node.attrs, self.opset, 1)
+                    consts[node.outputs[0]] = out[0]
+                    folded += 1
+                    continue
+                problems.append(node.problem(
+                    f"the shape of {node.inputs[0]!r} does not follow from the inputs' shapes",
+                    self.opset, "shape",
+                ))
+                continue
+            if node.op_type not in NOT_FOLDABLE and all(n in consts for n in ins):
+                try:
+                    outs = _fold(node, consts, self.opset)
+                except Exception as exc:  # noqa: BLE001 (the reference evaluator raises anything)
+                    problems.append(node.problem(f"cannot be computed at load time: {exc}",
+                                                 self.opset))
+                    continue
+                consts.update((n, v) for n, v in zip(node.outputs, outs) if n)
+                folded += 1
+                continue
+            for i in STATIC.get(node.op_type, ()):
+                if i < len(node.inputs) and node.inputs[i] and node.inputs[i] not in consts:
+                    problems.append(node.problem(
+                        f"input {i} ({node.inputs[i]!r}) must be known at load time (a shape, "
+                        "axes or pads), but it depends on values computed at run time",
+                        self.opset, "shape",
+                    ))
+            if node.op_type == "Dropout":
+                problems.extend(self._mode_problems(node, consts))
+            steps.append(Step(node.op_type, node.inputs, node.outputs, node.attrs))
+        outputs = []
+        for name in self.outputs:
+            if name in consts:
+                outputs.append((tuple(consts[name].shape), consts[name].dtype))
+                continue
+            shape, dtype = shapes.get(name, (None, None))
+            if shape is None:
+                problems.append(ModelProblem(
+                    f"the shape of output {name!r} does not follow from the inputs' shapes",
+                    "shape", tensor=name,
+                ))
+                continue
+            for axis, d in enumerate(shape):
+                if d is None:
+                    problems.append(ModelProblem(
+                        f"output {name!r} axis {axis} has a size that does not follow from "
+                        "the inputs' shapes", "shape", tensor=name, axis=axis,
+                    ))
+            outputs.append((shape, dtype))
+        if problems:
+            raise ModelError(problems)
+        sizes = [
+            (n, shapes[n][0], shapes[n][1])
+            for step in steps for n in step.outputs
+            if n and n in shapes and None not in shapes[n][0]
+        ]
+        elements = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in sizes)
+        return Specialization(steps, consts, outputs, elements, folded, sizes)
+
+    def _infer_shapes(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> dict:
+        """ONNX shape inference with the inputs' shapes fixed: name -> (shape, dtype),
+        with None for a size it could not infer."""
+        import onnx
+        from onnx import helper
+
+        model = onnx.ModelProto()
+        model.CopyFrom(self.proto)
+        by_name = {i.name: t for i, t in zip(self.inputs, types)}
+        for value in model.graph.input:
+            if value.name in by_name:
+                dims = value.type.tensor_type.shape.dim
+                for dim, size in zip(dims, by_name[value.name][0]):
+                    dim.Clear()
+                    dim.dim_value = size
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+            raise ModelError([ModelProblem(f"ONNX shape inference failed: {exc}", "shape")])
+        out = {}
+        graph = inferred.graph
+        for value in (*graph.input, *graph.value_info, *graph.output):
+            t = value.type.tensor_type
+            if not t.HasField("shape"):
+                continue
+            shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+            out[value.name] = (shape, np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)))
+        return out
+
+    # Running ----------------------------------------------------------------------------
+    def run(
+        self, spec: Specialization, args: Sequence[Any], params: Mapping[str, Tensor]
+    ) -> list[Tensor]:
+        """The outputs for these inputs, with the parameters taken from `params` (engine
+        Variables or tensors by ONNX name), recorded by whatever tapes are open."""
+        env: dict[str, Any] = dict(spec.consts)
+        env.update((name, params[name]) for name in self.params)
+        env.update((i.name, a) for i, a in zip(self.inputs, args))
+        for step in spec.steps:
+            ins = [env[n] if n else None for n in step.inputs]
+            outs = run_node(step.op_type, ins, step.attrs, self.opset, len(step.outputs))
+            for name, value in zip(step.outputs, outs):
+                if name:
+                    env[name] = value
+        return [v if isinstance(v, Tensor) else constant(v) for v in (env[n] for n in self.outputs)]
+
+
+def _graph_input(value: Any) -> GraphInput:
+    from onnx import helper
+
+    t = value.type.tensor_type
+    dims: tuple[int | str | None, ...] = tuple(
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
+    )
+    return GraphInput(value.name, np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)), dims)
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+def _constant_value(node: Node) -> np.ndarray | None:
+    try:
+        return _fold(node, {}, 13)[0]
+    except Exception:  # noqa: BLE001 (an unusual Constant is checked at specialization)
+        return None
+
+
+def _fold(node: Node, consts: Mapping[str, np.ndarray], opset: int) -> list[np.ndarray]:
+    """The node's outputs from constant inputs, by ONNX's reference evaluator (the
+    spec's own semantics for every op, at this opset)."""
+    from onnx.reference import ReferenceEvaluator
+
+    evaluator = ReferenceEvaluator(node.proto, opsets={"": opset})
+    feeds = {n: consts[n] for n in node.inputs if n}
+    return [np.asarray(v) for v in evaluator.run(None, feeds)]
+
+
+# ----------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------
+
+_CACHE: OrderedDict[str, OnnxModel] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+CACHE_SIZE = 8
+
+
+def load_model(data: bytes) -> OnnxModel:
+    """A checked model from the bytes of an .onnx file (cached by content); raises
+    ModelError naming the checker's complaint or every unsupported node."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ModelError([ModelProblem(f"an ONNX model is bytes, got {type(data).__name__}")])
+    data = bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    with _CACHE_LOCK:
+        if digest in _CACHE:
+            _CACHE.move_to_end(digest)
+            return _CACHE[digest]
+    model = OnnxModel(_parse(data), digest)
+    model.check()
+    with _CACHE_LOCK:
+        _CACHE[digest] = model
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return model
+
+
+def _parse(data: bytes) -> Any:
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        proto = onnx.load_model_from_string(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise ModelError([ModelProblem(
+            f"not a valid ONNX file ({len(data)} bytes; is it truncated?): {exc}"
+        )]) from None
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelError([ModelProblem(
+            f"not a valid ONNX file ({len(data)} bytes; is it truncated?): it has no graph"
+        )])
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError([ModelProblem(f"the ONNX checker refuses the model: {exc}")]) from None
+    return proto

@@ -1,0 +1,609 @@
+"""ONNX operators as engine ops: one handler per op_type, written in differentiable
+engine ops (so gradients, jacobians and HVPs of every order come from the ops' own
+rules), following the semantics of onnx/docs/Operators.md for opsets 7 to 23+.
+
+A handler takes (inputs, attrs, opset): inputs are engine Tensors (computed values),
+NumPy arrays (constants known at load time: folded shape subgraphs, integer
+initializers, Constant nodes) or None (an omitted optional input), and returns one
+value per output (None for an output it does not produce). STATIC lists the inputs that
+must be constants (shapes, axes, pads): the loader refuses a model where one is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.registry import public_ops
+
+OP = {name: info.fn for name, info in public_ops.items()}
+
+Handler = Callable[[list[Any], dict[str, Any], int], list[Any]]
+HANDLERS: dict[str, Handler] = {}
+# op_type -> indices of inputs that must be known at load time.
+STATIC: dict[str, tuple[int, ...]] = {}
+
+
+def handler(*names: str, static: tuple[int, ...] = ()) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for name in names:
+            HANDLERS[name] = fn
+            if static:
+                STATIC[name] = static
+        return fn
+
+    return register
+
+
+class OpError(ValueError):
+    """A node whose attributes or inputs this runtime does not handle (caught by the
+    loader, which names the node)."""
+
+
+def ints(value: Any) -> list[int]:
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Elementwise
+# ----------------------------------------------------------------------------------------
+
+_UNARY = {
+    "Sqrt": "sqrt", "Exp": "exp", "Log": "log", "Neg": "negative", "Abs": "abs",
+    "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid", "Relu": "relu",
+    "Softplus": "softplus", "Reciprocal": "reciprocal", "Sin": "sin", "Cos": "cos",
+    "Tan": "tan", "Sign": "sign", "Not": "logical_not",
+}  # fmt: skip
+_BINARY = {
+    "Add": "add", "Sub": "subtract", "Mul": "multiply", "Div": "divide", "Pow": "power",
+    "Equal": "equal", "Less": "less", "Greater": "greater", "LessOrEqual": "less_equal",
+    "GreaterOrEqual": "greater_equal", "And": "logical_and", "Or": "logical_or",
+}  # fmt: skip
+
+
+def _unary(op: str) -> Handler:
+    fn = OP[op]
+    return lambda ins, attrs, opset: [fn(ins[0])]
+
+
+def _binary(op: str) -> Handler:
+    fn = OP[op]
+    return lambda ins, attrs, opset: [fn(ins[0], ins[1])]
+
+
+for _name, _op in _UNARY.items():
+    HANDLERS[_name] = _unary(_op)
+for _name, _op in _BINARY.items():
+    HANDLERS[_name] = _binary(_op)
+
+
+@handler("Identity")
+def _identity(ins, attrs, opset):
+    return [ins[0]]
+
+
+@handler("LeakyRelu")
+def _leaky_relu(ins, attrs, opset):
+    return [OP["leaky_relu"](ins[0], alpha=float(attrs.get("alpha", 0.01)))]
+
+
+@handler("Elu")
+def _elu(ins, attrs, opset):
+    return [OP["elu"](ins[0], alpha=float(attrs.get("alpha", 1.0)))]
+
+
+@handler("Gelu")
+def _gelu(ins, attrs, opset):
+    approximate = attrs.get("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        raise OpError(f"approximate={approximate!r} is not 'none' or 'tanh'")
+    return [OP["gelu"](ins[0], approximate=approximate == "tanh")]
+
+
+def _variadic(op: str) -> Handler:
+    fn = OP[op]
+
+    def run(ins, attrs, opset):
+        out = ins[0]
+        for x in ins[1:]:
+            out = fn(out, x)
+        return [out]
+
+    return run
+
+
+HANDLERS["Max"] = _variadic("maximum")
+HANDLERS["Min"] = _variadic("minimum")
+HANDLERS["Sum"] = _variadic("add")
+
+
+@handler("Clip")
+def _clip(ins, attrs, opset):
+    x = ins[0]
+    if opset < 11:
+        lo, hi = attrs.get("min"), attrs.get("max")
+    else:
+        lo = ins[1] if len(ins) > 1 else None
+        hi = ins[2] if len(ins) > 2 else None
+    for bound, fn in ((lo, OP["maximum"]), (hi, OP["minimum"])):
+        if bound is not None:
+            x = fn(x, _like(bound, x))
+    return [x]
+
+
+def _like(value: Any, x: Any) -> Any:
+    """A constant in x's dtype (ONNX constants are typed; NumPy would promote)."""
+    if isinstance(value, np.ndarray | np.generic | float | int):
+        return np.asarray(value, dtype=x.dtype)
+    return value
+
+
+@handler("Where")
+def _where(ins, attrs, opset):
+    return [OP["where"](ins[0], ins[1], ins[2])]
+
+
+@handler("Cast")
+def _cast(ins, attrs, opset):
+    from onnx import helper
+
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(attrs["to"]))
+    return [OP["cast"](ins[0], dtype=dtype)]
+
+
+# ----------------------------------------------------------------------------------------
+# Linear algebra and normalization
+# ----------------------------------------------------------------------------------------
+
+
+@handler("MatMul")
+def _matmul(ins, attrs, opset):
+    return [OP["matmul"](ins[0], ins[1])]
+
+
+@handler("Gemm")
+def _gemm(ins, attrs, opset):
+    a, b = ins[0], ins[1]
+    if attrs.get("transA", 0):
+        a = OP["transpose"](a)
+    if attrs.get("transB", 0):
+        b = OP["transpose"](b)
+    y = OP["matmul"](a, b)
+    alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+    if alpha != 1.0:
+        y = OP["multiply"](y, _like(alpha, y))
+    c = ins[2] if len(ins) > 2 else None
+    if c is not None and beta != 0.0:
+        if beta != 1.0:
+            c = OP["multiply"](c, _like(beta, c))
+        y = OP["add"](y, c)
+    return [y]
+
+
+@handler("Einsum")
+def _einsum(ins, attrs, opset):
+    return [OP["einsum"](attrs["equation"], *ins)]
+
+
+def _channel(v: Any, rank: int) -> Any:
+    """A per-channel vector shaped (C, 1, ..., 1) to broadcast over N, C, spatial..."""
+    return OP["reshape"](v, (-1,) + (1,) * (rank - 2))
+
+
+@handler("BatchNormalization")
+def _batch_norm(ins, attrs, opset):
+    x, scale, bias, mean, var = ins[:5]
+    rank = len(x.shape)
+    eps = float(attrs.get("epsilon", 1e-5))
+    inv = OP["rsqrt"](OP["add"](_channel(var, rank), _like(eps, x)))
+    y = OP["multiply"](OP["subtract"](x, _channel(mean, rank)), inv)
+    y = OP["add"](OP["multiply"](y, _channel(scale, rank)), _channel(bias, rank))
+    return [y]
+
+
+@handler("LayerNormalization")
+def _layer_norm(ins, attrs, opset):
+    x, scale = ins[0], ins[1]
+    bias = ins[2] if len(ins) > 2 else None
+    rank = len(x.shape)
+    axis = int(attrs.get("axis", -1)) % rank
+    axes = tuple(range(axis, rank))
+    eps = _like(float(attrs.get("epsilon", 1e-5)), x)
+    mean = OP["mean"](x, axis=axes, keepdims=True)
+    d = OP["subtract"](x, mean)
+    var = OP["mean"](OP["multiply"](d, d), axis=axes, keepdims=True)
+    inv = OP["rsqrt"](OP["add"](var, eps))
+    y = OP["multiply"](OP["multiply"](d, inv), scale)
+    if bias is not None:
+        y = OP["add"](y, bias)
+    return [y, mean, inv]
+
+
+def _softmax_like(op: str) -> Handler:
+    fn = OP[op]
+
+    def run(ins, attrs, opset):
+        x = ins[0]
+        rank = len(x.shape)
+        if opset >= 13:  # one axis, default the last
+            return [fn(x, axis=int(attrs.get("axis", -1)))]
+        # Before 13: the input is coerced to 2-D at `axis` (default 1), normalized per row.
+        axis = int(attrs.get("axis", 1)) % max(rank, 1)
+        shape = shape_of(x)
+        rows = int(np.prod(shape[:axis], dtype=np.int64))
+        y = fn(OP["reshape"](x, (rows, -1)), axis=-1)
+        return [OP["reshape"](y, shape)]
+
+    return run
+
+
+HANDLERS["Softmax"] = _softmax_like("softmax")
+HANDLERS["LogSoftmax"] = _softmax_like("log_softmax")
+
+
+@handler("Dropout", static=(1, 2))
+def _dropout(ins, attrs, opset):
+    # The loader refused training mode; in inference Dropout is the identity and the
+    # mask is all true.
+    x = ins[0]
+    return [x, np.ones(shape_of(x), dtype=bool)]
+
+
+# ----------------------------------------------------------------------------------------
+# Convolution and pooling (the engine's conv, max_pool, avg_pool: im2col + GEMM)
+# ----------------------------------------------------------------------------------------
+
+
+def _window_pads(x: Any, kernel: Sequence[int], attrs: dict[str, Any]) -> tuple:
+    """((begin, end), ...) per spatial axis from pads or auto_pad (Operators.md, Conv:
+    SAME_UPPER/SAME_LOWER keep ceil(in / stride) outputs, the odd cell at the end or
+    the beginning; VALID pads nothing)."""
+    nd = len(kernel)
+    auto = attrs.get("auto_pad", "NOTSET")
+    if auto in ("NOTSET", ""):
+        pads = list(attrs.get("pads", [0] * 2 * nd))
+        return tuple((pads[i], pads[i + nd]) for i in range(nd))
+    if auto == "VALID":
+        return ((0, 0),) * nd
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        raise OpError(f"auto_pad {auto!r} is not NOTSET, SAME_UPPER, SAME_LOWER or VALID")
+    strides = list(attrs.get("strides", [1] * nd))
+    dilations = list(attrs.get("dilations", [1] * nd))
+    out = []
+    for size, k, s, d in zip(shape_of(x)[2:], kernel, strides, dilations):
+        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        small, large = total // 2, total - total // 2
+        out.append((small, large) if auto == "SAME_UPPER" else (large, small))
+    return tuple(out)
+
+
+@handler("Conv")
+def _conv(ins, attrs, opset):
+    x, w = ins[0], ins[1]
+    b = ins[2] if len(ins) > 2 else None
+    kernel = shape_of(w)[2:]
+    return [OP["conv"](
+        x, w, b, strides=attrs.get("strides"), pads=_window_pads(x, kernel, attrs),
+        dilations=attrs.get("dilations"), groups=int(attrs.get("group", 1)),
+    )]
+
+
+@handler("MaxPool")
+def _max_pool(ins, attrs, opset):
+    x = ins[0]
+    kernel = list(attrs["kernel_shape"])
+    if attrs.get("storage_order", 0):
+        raise OpError("storage_order=1 (column-major Indices) is not supported")
+    y = OP["max_pool"](
+        x, kernel_shape=kernel, strides=attrs.get("strides"),
+        pads=_window_pads(x, kernel, attrs), dilations=attrs.get("dilations"),
+        ceil_mode=bool(attrs.get("ceil_mode", 0)),
+    )
+    return [y, None]  # Indices: refused by the loader when a node uses them
+
+
+@handler("AveragePool")
+def _avg_pool(ins, attrs, opset):
+    x = ins[0]
+    kernel = list(attrs["kernel_shape"])
+    if any(d != 1 for d in attrs.get("dilations", [])):
+        raise OpError("dilations other than 1 are not supported by AveragePool here")
+    return [OP["avg_pool"](
+        x, kernel_shape=kernel, strides=attrs.get("strides"),
+        pads=_window_pads(x, kernel, attrs),
+        count_include_pad=bool(attrs.get("count_include_pad", 0)),
+        ceil_mode=bool(attrs.get("ceil_mode", 0)),
+    )]
+
+
+@handler("GlobalAveragePool")
+def _global_average_pool(ins, attrs, opset):
+    x = ins[0]
+    return [OP["mean"](x, axis=tuple(range(2, len(x.shape))), keepdims=True)]
+
+
+@handler("GlobalMaxPool")
+def _global_max_pool(ins, attrs, opset):
+    x = ins[0]
+    return [OP["max"](x, axis=tuple(range(2, len(x.shape))), keepdims=True)]
+
+
+# ----------------------------------------------------------------------------------------
+# Reductions: axes an attribute before opset 18 (ReduceSum: before 13), an input after
+# ----------------------------------------------------------------------------------------
+
+
+def _reduce(op: str, input_since: int) -> Handler:
+    fn = OP[op]
+
+    def run(ins, attrs, opset):
+        x = ins[0]
+        if opset >= input_since:
+            axes = ins[1] if len(ins) > 1 else None
+            axes = None if axes is None else ints(axes)
+        else:
+            axes = attrs.get("axes")
+        keepdims = bool(attrs.get("keepdims", 1))
+        if not axes:
+            if attrs.get("noop_with_empty_axes", 0):
+                return [x]
+            axes = None
+        axis = None if axes is None else tuple(axes)
+        return [fn(x, axis=axis, keepdims=keepdims)]
+
+    return run
+
+
+for _name, _op, _since in (
+    ("ReduceSum", "sum", 13), ("ReduceMean", "mean", 18), ("ReduceMax", "max", 18),
+    ("ReduceMin", "min", 18), ("ReduceProd", "prod", 18),
+):  # fmt: skip
+    HANDLERS[_name] = _reduce(_op, _since)
+    STATIC[_name] = (1,)
+
+
+@handler("CumSum", static=(1,))
+def _cumsum(ins, attrs, opset):
+    return [
+        OP["cumsum"](
+            ins[0],
+            axis=ints(ins[1])[0],
+            exclusive=bool(attrs.get("exclusive", 0)),
+            reverse=bool(attrs.get("reverse", 0)),
+        )
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# Shapes and indexing (their shape arguments are constants: folded or initializers)
+# ----------------------------------------------------------------------------------------
+
+
+@handler("Reshape", static=(1,))
+def _reshape(ins, attrs, opset):
+    x = ins[0]
+    target = ints(ins[1])
+    if not attrs.get("allowzero", 0):  # 0 copies the input's dimension
+        target = [shape_of(x)[i] if d == 0 else d for i, d in enumerate(target)]
+    return [OP["reshape"](x, tuple(target))]
+
+
+@handler("Flatten")
+def _flatten(ins, attrs, opset):
+    x = ins[0]
+    shape = shape_of(x)
+    axis = int(attrs.get("axis", 1)) % (len(shape) + 1) if shape else 0
+    rows = int(np.prod(shape[:axis], dtype=np.int64))
+    return [OP["reshape"](x, (rows, int(np.prod(shape[axis:], dtype=np.int64))))]
+
+
+@handler("Transpose")
+def _transpose(ins, attrs, opset):
+    perm = attrs.get("perm")
+    return [OP["transpose"](ins[0], axes=None if perm is None else tuple(perm))]
+
+
+def _axes(ins, attrs, opset, since=13) -> list[int] | None:
+    if opset >= since:
+        return ints(ins[1]) if len(ins) > 1 and ins[1] is not None else None
+    axes = attrs.get("axes")
+    return None if axes is None else list(axes)
+
+
+@handler("Squeeze", static=(1,))
+def _squeeze(ins, attrs, opset):
+    x = ins[0]
+    axes = _axes(ins, attrs, opset)
+    shape = shape_of(x)
+    if axes is None:
+        axes = [i for i, d in enumerate(shape) if d == 1]
+    axes = {a % len(shape) for a in axes}
+    return [OP["reshape"](x, tuple(d for i, d in enumerate(shape) if i not in axes))]
+
+
+@handler("Unsqueeze", static=(1,))
+def _unsqueeze(ins, attrs, opset):
+    x = ins[0]
+    axes = _axes(ins, attrs, opset)
+    rank = len(x.shape) + len(axes)
+    axes = sorted(a % rank for a in axes)
+    shape = list(shape_of(x))
+    for a in axes:
+        shape.insert(a, 1)
+    return [OP["reshape"](x, tuple(shape))]
+
+
+@handler("Concat")
+def _concat(ins, attrs, opset):
+    parts = [x for x in ins if x is not None]
+    ref = next((x for x in parts if not isinstance(x, np.ndarray)), parts[0])
+    parts = [_like(x, ref) if isinstance(x, np.ndarray) else x for x in parts]
+    return [OP["concatenate"](parts, axis=int(attrs["axis"]))]
+
+
+def split(ins, attrs, opset, outputs: int) -> list[Any]:
+    x = ins[0]
+    shape = shape_of(x)
+    axis = int(attrs.get("axis", 0)) % len(shape)
+    if opset >= 13:
+        sizes = ints(ins[1]) if len(ins) > 1 and ins[1] is not None else None
+    else:
+        sizes = attrs.get("split")
+    dim = shape[axis]
+    if sizes is None:
+        n = int(attrs.get("num_outputs", outputs))
+        chunk = -(-dim // n)  # ceil: the last chunk is smaller when dim % n != 0
+        sizes = [min(chunk, dim - i * chunk) for i in range(n)]
+    out, start = [], 0
+    for size in sizes:
+        index = [slice(None)] * len(shape)
+        index[axis] = slice(start, start + size)
+        out.append(OP["getitem"](x, tuple(index)))
+        start += size
+    return out
+
+
+@handler("Slice", static=(1, 2, 3, 4))
+def _slice(ins, attrs, opset):
+    x = ins[0]
+    shape = shape_of(x)
+    if opset < 10:
+        starts, ends = list(attrs["starts"]), list(attrs["ends"])
+        axes = list(attrs.get("axes", range(len(starts))))
+        steps = [1] * len(starts)
+    else:
+        starts, ends = ints(ins[1]), ints(ins[2])
+        axes = ints(ins[3]) if len(ins) > 3 and ins[3] is not None else list(range(len(starts)))
+        steps = ints(ins[4]) if len(ins) > 4 and ins[4] is not None else [1] * len(starts)
+    index = [slice(None)] * len(shape)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis %= len(shape)
+        dim = shape[axis]
+        if step == 0:
+            raise OpError("a step of 0")
+        start = start + dim if start < 0 else start
+        end = end + dim if end < 0 else end
+        if step > 0:  # clamped to [0, dim]
+            start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+            index[axis] = slice(start, end, step)
+        else:  # clamped to [0, dim-1] and [-1, dim-1]; -1 means "past the front"
+            start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+            index[axis] = slice(start, None if end < 0 else end, step)
+    return [OP["getitem"](x, tuple(index))]
+
+
+@handler("Gather")
+def _gather(ins, attrs, opset):
+    x, indices = ins[0], ins[1]
+    axis = int(attrs.get("axis", 0))
+    if isinstance(indices, np.ndarray):  # negative indices count from the end
+        dim = shape_of(x)[axis]
+        indices = np.where(indices < 0, indices + dim, indices)
+    return [OP["take"](x, indices, axis=axis)]
+
+
+@handler("Expand", static=(1,))
+def _expand(ins, attrs, opset):
+    x = ins[0]
+    shape = np.broadcast_shapes(shape_of(x), tuple(ints(ins[1])))
+    return [OP["broadcast_to"](x, shape)]
+
+
+@handler("Tile", static=(1,))
+def _tile(ins, attrs, opset):
+    return [OP["tile"](ins[0], multiples=tuple(ints(ins[1])))]
+
+
+@handler("Pad", static=(1, 2, 3))
+def _pad(ins, attrs, opset):
+    x = ins[0]
+    rank = len(x.shape)
+    mode = attrs.get("mode", "constant")
+    if mode != "constant":
+        raise OpError(f"mode {mode!r}: only 'constant' padding is supported")
+    if opset < 11:
+        pads, value = list(attrs["pads"]), float(attrs.get("value", 0.0))
+        axes = list(range(rank))
+    else:
+        pads = ints(ins[1])
+        value = ins[2] if len(ins) > 2 and ins[2] is not None else 0.0
+        value = float(np.asarray(value).reshape(-1)[0]) if np.size(value) else 0.0
+        axes = ints(ins[3]) if len(ins) > 3 and ins[3] is not None else list(range(rank))
+    n = len(axes)
+    widths = [[0, 0] for _ in range(rank)]
+    for i, axis in enumerate(axes):
+        widths[axis % rank] = [pads[i], pads[i + n]]
+    if any(w < 0 for pair in widths for w in pair):
+        raise OpError("negative pads (cropping) are not supported")
+    return [OP["pad"](x, paddings=tuple(map(tuple, widths)), constant_values=value)]
+
+
+@handler("Trilu", static=(1,))
+def _trilu(ins, attrs, opset):
+    x = ins[0]
+    k = ints(ins[1])[0] if len(ins) > 1 and ins[1] is not None else 0
+    rows, cols = shape_of(x)[-2:]
+    tri = np.triu if attrs.get("upper", 1) else np.tril
+    mask = tri(np.ones((rows, cols), dtype=bool), k)
+    return [OP["where"](mask, x, np.zeros((), dtype=x.dtype))]
+
+
+@handler("Shape")
+def _shape(ins, attrs, opset):
+    shape = np.array(shape_of(ins[0]), dtype=np.int64)
+    start, end = attrs.get("start", 0), attrs.get("end")
+    return [shape[start:end]]
+
+
+@handler("Size")
+def _size(ins, attrs, opset):
+    return [np.array(int(np.prod(shape_of(ins[0]), dtype=np.int64)), dtype=np.int64)]
+
+
+HANDLERS["Split"] = lambda ins, attrs, opset: split(ins, attrs, opset, 0)
+STATIC["Split"] = (1,)
+
+
+def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str | None:
+    """Why a node of a supported op cannot run here (an attribute or output this runtime
+    does not implement), known from the node alone; None when it can."""
+    used = [bool(n) for n in outputs]
+    if op_type == "MaxPool":
+        if len(used) > 1 and any(used[1:]):
+            return "the Indices output is not supported"
+        if attrs.get("storage_order", 0):
+            return "storage_order=1 is not supported"
+    if op_type == "AveragePool" and any(d != 1 for d in attrs.get("dilations", [])):
+        return "dilations other than 1 are not supported"
+    if op_type == "Pad" and attrs.get("mode", "constant") != "constant":
+        return f"mode {attrs['mode']!r} is not supported (only 'constant')"
+    if op_type in ("Conv", "MaxPool", "AveragePool") and attrs.get("auto_pad", "NOTSET") not in (
+        "NOTSET", "", "VALID", "SAME_UPPER", "SAME_LOWER"
+    ):
+        return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
+    if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
+        return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
+    if op_type == "LayerNormalization" and any(used[1:]):
+        return None  # Mean and InvStdDev are computed too
+    return None
+
+
+def run_node(op_type: str, ins: Sequence[Any], attrs: dict[str, Any], opset: int,
+             outputs: int) -> list[Any]:
+    if op_type == "Split":
+        return split(list(ins), attrs, opset, outputs)
+    return HANDLERS[op_type](list(ins), attrs, opset)
+
+
+# Ops whose value is only ever computed at load time (from constants): folded by the
+# reference evaluator, never run on tensors. Listed so a graph using them on computed
+# values says so precisely.
+FOLD_ONLY = frozenset(
+    {"Constant", "ConstantOfShape", "Range", "NonZero", "OneHot", "EyeLike"}
+)

@@ -1,0 +1,74 @@
+"""Small ONNX graphs for the tests, built with onnx.helper, and a float64 copy of a model
+(so finite differences and the float64 PyTorch answers can be compared tightly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def graph_model(
+    nodes: list, inputs: dict[str, np.ndarray], consts: dict[str, np.ndarray] | None = None,
+    opset: int = 17, outputs: tuple[str, ...] = ("out",), dynamic: dict[str, list] | None = None,
+    domains: dict[str, int] | None = None,
+) -> bytes:
+    """A model of `nodes` whose graph inputs are `inputs` (shapes as given, or the dims
+    in `dynamic`) and whose initializers are `consts`; outputs of unknown shape."""
+    dynamic = dynamic or {}
+    graph_inputs = [
+        helper.make_tensor_value_info(
+            name, helper.np_dtype_to_tensor_dtype(a.dtype), dynamic.get(name, list(a.shape))
+        )
+        for name, a in inputs.items()
+    ]
+    graph_outputs = [helper.make_empty_tensor_value_info(n)
+                     for n in outputs]
+    inits = [numpy_helper.from_array(np.asarray(a), name) for name, a in (consts or {}).items()]
+    graph = helper.make_graph(nodes, "g", graph_inputs, graph_outputs, inits)
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid(d, v) for d, v in {"": opset, **(domains or {})}.items()
+    ])
+    model.ir_version = 8
+    # The outputs' types from shape inference (an output needs one for the checker).
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type for v in inferred.graph.value_info}
+    for value in model.graph.output:
+        if value.name in types and types[value.name].tensor_type.HasField("shape"):
+            value.type.CopyFrom(types[value.name])
+        else:  # what inference cannot tell (an unsupported op): some float tensor
+            value.CopyFrom(helper.make_tensor_value_info(value.name, TensorProto.FLOAT, ["d"]))
+    return model.SerializeToString()
+
+
+def float64_model(data: bytes) -> bytes:
+    """The same model computing in float64: float initializers, inputs, outputs, value
+    infos, Cast targets and float Constant values switched to double."""
+    model = onnx.load_model_from_string(data)
+    graph = model.graph
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT:
+            value = numpy_helper.to_array(init).astype(np.float64)
+            graph.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                value = numpy_helper.to_array(attr.t).astype(np.float64)
+                attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
+    return model.SerializeToString()
+
+
+def fixture(name: str) -> tuple[bytes, dict[str, np.ndarray]]:
+    data = (FIXTURES / f"{name}.onnx").read_bytes()
+    with np.load(FIXTURES / f"{name}.npz") as z:
+        record = {k: z[k] for k in z.files}
+    return data, record

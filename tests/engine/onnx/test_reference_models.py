@@ -1,0 +1,139 @@
+"""The reference models exported from PyTorch (fixtures/export.py), through the language:
+`logits = net(x)`, `loss = softmax_cross_entropy(logits, y)`.
+
+Forward values against onnx.reference.ReferenceEvaluator; the loss, every parameter's
+gradient and an HVP against PyTorch's own answers stored beside each model (float32 as
+exported, and a float64 copy of the model against PyTorch's float64 answers); and the
+gradient and HVP against central finite differences (float64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+import engine as gt
+from engine.language import as_definition, compile_definition
+from engine.registry import public_ops
+from tests.engine.onnx.graphs import fixture, float64_model
+
+PROGRAM = ["logits = net(x)", "loss = softmax_cross_entropy(logits, y)"]
+# The CNNs need the convolution and pooling primitives of issue 13, item 4.
+NEEDS_CONV = pytest.mark.skipif(
+    "conv" not in public_ops,
+    reason="the engine has no `conv`/`max_pool`/`avg_pool` primitives yet (issue 13 item 4, "
+    "branch issue-13-prims): ONNX Conv, MaxPool and AveragePool cannot run",
+)
+MODELS = [
+    pytest.param("lenet", marks=NEEDS_CONV),
+    pytest.param("resnet", marks=NEEDS_CONV),
+    "transformer",
+    "transformer_opset18",  # the dynamo exporter: axes, splits and shapes as inputs
+]
+
+
+def program(name: str, dtype: str = "float32"):
+    data, record = fixture(name)
+    x = record["x"]
+    if dtype == "float64":
+        data = float64_model(data)
+        x = x.astype(np.float64) if x.dtype.kind == "f" else x
+    defn = as_definition({
+        "models": {"net": {"onnx": data, "frozen": [str(f) for f in record["frozen"]]}},
+        "inputs": {"x": x, "y": record["y"]},
+        "program": PROGRAM,
+    })
+    prog = compile_definition(defn)
+    return data, record, prog, prog.leaves(defn)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_matches_the_reference_evaluator(name: str) -> None:
+    data, record, prog, leaves = program(name)
+    expected = ReferenceEvaluator(onnx.load_model_from_string(data)).run(
+        None, {"x": record["x"]})[0]
+    env = prog.run(leaves)
+    np.testing.assert_allclose(env["logits"].numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(env["loss"].numpy(), record["f32/loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sources_are_the_parameters_not_the_buffers(name: str) -> None:
+    _, record, prog, _ = program(name)
+    grads = {k.removeprefix("f32/grad/") for k in record if k.startswith("f32/grad/")}
+    assert set(prog.check_request("loss").sources) == grads
+    assert not set(prog.trainable) & {str(f) for f in record["frozen"]}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_matches_pytorch_float32(name: str) -> None:
+    _, record, prog, leaves = program(name)
+    request = prog.check_request("loss")
+    names = list(request.sources.values())
+    with gt.GradientTape() as tape:
+        env = prog.run(leaves)
+    grads = tape.gradient(env["loss"], [leaves[n] for n in names])
+    for n, g in zip(names, grads):
+        want = record[f"f32/grad/{n}"]
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max(),
+                                   err_msg=n)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_and_hvp_match_pytorch_float64(name: str) -> None:
+    _, record, prog, leaves = program(name, "float64")
+    request = prog.check_request("loss")
+    names = list(request.sources.values())
+    op = prog.hessian_operator(request, leaves)
+    np.testing.assert_allclose(op.value.numpy(), record["f64/loss"], rtol=1e-9)
+    hvps = op.hvp(*[gt.constant(record[f"v/{n}"].astype(np.float64)) for n in names])
+    # The file keeps float32 constants (the attention scale, layer-norm epsilon), which
+    # PyTorch's float64 run takes exactly: agreement is ~1e-8 relative, not 1e-15.
+    for n, g, h in zip(names, op.grad, hvps):
+        for got, key in ((g, "grad"), (h, "hvp")):
+            want = record[f"f64/{key}/{n}"]
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6,
+                                       atol=1e-8 * np.abs(want).max(), err_msg=f"{key} {n}")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_and_hvp_match_finite_differences(name: str) -> None:
+    _, record, prog, leaves = program(name, "float64")
+    request = prog.check_request("loss")
+    names = list(request.sources.values())
+    f = prog.function("loss", names, leaves)
+    point = [leaves[n].numpy() for n in names]
+    v = [record[f"v/{n}"].astype(np.float64) for n in names]
+    eps = 1e-5
+
+    def at(t: float) -> list:
+        return [gt.constant(p + t * d) for p, d in zip(point, v)]
+
+    def loss(t: float) -> float:
+        return float(f(*at(t)).numpy())
+
+    def grads(t: float) -> list:
+        return gt.grad(f, argnums=tuple(range(len(names))))(*at(t))
+
+    directional = (loss(eps) - loss(-eps)) / (2 * eps)
+    exact = sum(float(np.vdot(g.numpy(), d)) for g, d in zip(grads(0.0), v))
+    np.testing.assert_allclose(exact, directional, rtol=1e-6)
+    op = prog.hessian_operator(request, leaves)
+    hvps = op.hvp(*[gt.constant(d) for d in v])
+    plus, minus = grads(eps), grads(-eps)
+    for n, h, gp, gm in zip(names, hvps, plus, minus):
+        numeric = (gp.numpy() - gm.numpy()) / (2 * eps)
+        np.testing.assert_allclose(h.numpy(), numeric, rtol=1e-5,
+                                   atol=1e-6 * max(np.abs(numeric).max(), 1.0), err_msg=n)
+
+
+def test_jacobian_forward_and_reverse_agree_on_the_transformer() -> None:
+    _, _, prog, leaves = program("transformer", "float64")
+    f = prog.function("logits", ["ln1.weight"], leaves)
+    w = leaves["ln1.weight"]
+    fwd = gt.jacfwd(f)(w).numpy()
+    rev = gt.jacrev(f)(w).numpy()
+    assert fwd.shape == (4, 10, 16)
+    np.testing.assert_allclose(fwd, rev, rtol=1e-10, atol=1e-12)
+    assert np.abs(fwd).max() > 1e-3  # not trivially zero
