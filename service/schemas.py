@@ -232,6 +232,11 @@ Functions = TypeAliasType(
 )
 
 
+Models = TypeAliasType(
+    "Models", Annotated[dict[Name, ImportedModel], Field(description="ONNX models by name.")]
+)
+
+
 class Definition(_Strict):
     """A model/loss: variables, inputs and program lines (`name = expression`)."""
 
@@ -244,7 +249,7 @@ class Definition(_Strict):
     inputs: NamedTensors = Field(default_factory=dict,
                                  description="Data: never a default source.")
     functions: Functions = Field(default_factory=dict)
-    models: dict[Name, ImportedModel] = Field(
+    models: Models = Field(
         default_factory=dict,
         description="Imported ONNX models, called from the program by these names.",
     )

@@ -39,7 +39,7 @@ from service.api.problems import ProblemError
 from service.core.config import Settings
 from service.metrics import Metrics
 from service.store import ModelRow, Store, TapeRow
-from service.workers import ComputeFailed, PoolError, Reply, WorkerPool
+from service.workers import Cancelled, ComputeFailed, PoolError, Reply, WorkerPool
 
 log = logging.getLogger("gradtape.sessions")
 
@@ -192,9 +192,15 @@ class TapeRegistry:
         try:
             tape_id = secrets.token_urlsafe(24)
             worker = self._choose_worker()
-            reply = await self.pool.submit(
-                "tape_create", {"tape_id": tape_id, **spec}, worker=worker, time_limit=time_limit
-            )
+            try:
+                reply = await self.pool.submit(
+                    "tape_create", {"tape_id": tape_id, **spec}, worker=worker,
+                    time_limit=time_limit,
+                )
+            except Cancelled:
+                # The worker may have finished recording as the cancel arrived.
+                self._drop_later(worker, [tape_id])
+                raise
             result: dict[str, Any] = reply.result
             size = int(result.pop("tape")["bytes"])
             try:
@@ -363,9 +369,15 @@ class TapeRegistry:
         tape.busy += 1
         try:
             worker = self._worker_of(tape)
-            reply = await self.pool.submit("tape_create", {"tape_id": tape.id, **spec,
-                                                           "initializers": initializers},
-                                           worker=worker, time_limit=time_limit)
+            try:
+                reply = await self.pool.submit(
+                    "tape_create", {"tape_id": tape.id, **spec, "initializers": initializers},
+                    worker=worker, time_limit=time_limit)
+            except Cancelled:
+                # The worker may hold the new recording while the store keeps the old
+                # definition: let it go, so that the next use records the stored one.
+                self._drop_later(worker, [tape.id])
+                raise
             digest = await asyncio.to_thread(self.store.set_tape_definition, tape.id, definition)
         finally:
             tape.busy -= 1

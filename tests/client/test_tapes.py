@@ -102,11 +102,14 @@ def test_eigenvalues_trace_solve(client: Client, rng: np.random.Generator) -> No
         np.testing.assert_allclose(tape.flatten(newton.solution), np.linalg.solve(H, g), rtol=1e-7)
 
 
-def test_progress_is_reserved_for_jobs(client: Client, rng: np.random.Generator) -> None:
-    definition, *_ = quartic(rng)
+def test_progress_runs_lanczos_as_a_job(client: Client, rng: np.random.Generator) -> None:
+    """progress= (tests/client/test_jobs.py has the rest): the same eigenvalues."""
+    definition, _, H = quartic(rng)
     with client.tape(definition, "loss") as tape:
-        with pytest.raises(NotImplementedError, match="jobs"):
-            tape.eigenvalues(1, progress=True)
+        states: list[str] = []
+        eig = tape.eigenvalues(2, tol=1e-10, progress=lambda s: states.append(s.state))
+        np.testing.assert_allclose(eig.eigenvalues, np.linalg.eigvalsh(H)[::-1][:2], rtol=1e-6)
+        assert states[-1] == "succeeded"
 
 
 def test_linear_operator_drives_eigsh_and_cg(server, rng: np.random.Generator) -> None:

@@ -13,9 +13,9 @@ NumPy arrays in and out, remote tapes as SciPy operators, problems as exceptions
                           "program": ["loss = sum(w ** 3)"]}, "loss") as tape:
             tape.hvp({"w": np.array([1.0, 0.0])})       # {"w": array([6., 0.])}
 
-`AsyncClient` is the asyncio twin. Long-running work as server-side jobs with progress
-(issue 14, item 2) is not offered by the server yet; the `progress=` parameters of the
-tape's estimators are reserved for it.
+`AsyncClient` is the asyncio twin. Long work (eigenvalues, trace, solve, jacobians,
+Hessians) runs as a server-side job with `progress=True` (a tqdm bar; Ctrl-C cancels
+it); `client.job(id)` follows a job by id.
 """
 
 from ._client import AsyncClient, Client
@@ -28,6 +28,8 @@ from .errors import (
     DefinitionError,
     GradtapeError,
     InvalidRequest,
+    JobCancelled,
+    JobNotFound,
     ModelNotFound,
     NonFiniteResult,
     NotFound,
@@ -39,6 +41,7 @@ from .errors import (
     Unauthorized,
     WorkerCrashed,
 )
+from .jobs import Job, JobStatus
 from .results import HVP, Eigenvalues, Gradient, Hessian, Jacobian, Solve, Trace
 from .tape import RemoteTape
 
@@ -47,7 +50,8 @@ __version__ = "0.1.0"
 __all__ = [
     "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
     "Definition", "DefinitionError", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
-    "InvalidRequest", "Jacobian", "ModelNotFound", "NonFiniteResult", "NotFound",
+    "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
+    "ModelNotFound", "NonFiniteResult", "NotFound",
     "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve",
     "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "function",
 ]  # fmt: skip

@@ -17,6 +17,7 @@ import httpx
 
 from . import _core
 from ._core import HTTPRequest, HTTPResponse, Retry, Sleep
+from .jobs import Job, JobStatus
 from .tape import RemoteTape
 
 # Long enough for a computation at the server's default max_time_limit (300 s).
@@ -70,9 +71,11 @@ class _Methods:
         allow_unused: bool | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
+        progress: Any = False,
     ) -> Any:
         """The target's value and jacobians (`Jacobian`), each of shape
-        target.shape + source.shape (per example with batch=True)."""
+        target.shape + source.shape (per example with batch=True). `progress=True` runs
+        it as a server-side job (see `RemoteTape.eigenvalues`)."""
         options = {
             "batch": batch or None,
             "unconnected": unconnected,
@@ -80,7 +83,9 @@ class _Methods:
             "allow_nonfinite": allow_nonfinite,
             "time_limit": time_limit,
         }
-        return self._run(_core.jacobian(self._core, definition, target, sources, model, options))
+        return self._run(
+            _core.jacobian(self._core, definition, target, sources, model, options, progress)
+        )
 
     def hessian(
         self,
@@ -93,16 +98,19 @@ class _Methods:
         allow_unused: bool | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
+        progress: Any = False,
     ) -> Any:
         """Value, gradients and the Hessian blocks (`Hessian`; `.matrix()` is the dense
-        float64 matrix); with newton_damping, also the damped Newton step."""
+        float64 matrix); with newton_damping, also the damped Newton step. `progress=True`
+        runs it as a server-side job with a bar of the Hessian's rows."""
         options = {
             "allow_unused": allow_unused,
             "allow_nonfinite": allow_nonfinite,
             "time_limit": time_limit,
         }
         return self._run(
-            _core.hessian(self._core, definition, target, sources, model, newton_damping, options)
+            _core.hessian(self._core, definition, target, sources, model, newton_damping, options,
+                          progress)
         )
 
     def hvp(
@@ -163,6 +171,22 @@ class _Methods:
         """This key's live tapes (GET /v1/tapes)."""
         return self._run(self._get_op("/v1/tapes"))
 
+    # -------------------------------------------------------------------------- jobs
+
+    def job(self, job_id: str) -> Job:
+        """A server-side job by id (`Job`: `.status()`, `.wait(progress=True)`,
+        `.cancel()`)."""
+        return Job(self, job_id)
+
+    def _jobs_op(self) -> Generator[Any, Any, list[JobStatus]]:
+        answer = yield from self._core.call("GET", "/v1/jobs")
+        return [JobStatus.of(doc) for doc in answer["jobs"]]
+
+    def jobs(self) -> Any:
+        """This key's jobs (`JobStatus` each, oldest first): running ones and those that
+        ended recently."""
+        return self._run(self._jobs_op())
+
     # ------------------------------------------------------------------ around them
 
     def ready(self) -> Any:
@@ -212,14 +236,21 @@ class Client(_Methods):
 
     def _run(self, op: Generator[Any, Any, Any]) -> Any:
         reply: Any = None
+        interrupt: BaseException | None = None
         try:
             while True:
-                step = op.send(reply)
-                if isinstance(step, Sleep):
-                    time.sleep(step.seconds)
-                    reply = None
-                else:
-                    reply = self._send(step)
+                # A Ctrl-C during I/O goes into the operation, so that it can clean up
+                # (a job cancels itself on the server) before it propagates.
+                step = op.throw(interrupt) if interrupt is not None else op.send(reply)
+                interrupt = None
+                try:
+                    if isinstance(step, Sleep):
+                        time.sleep(step.seconds)
+                        reply = None
+                    else:
+                        reply = self._send(step)
+                except KeyboardInterrupt as exc:
+                    interrupt = exc
         except StopIteration as done:
             return done.value
 
@@ -260,14 +291,21 @@ class AsyncClient(_Methods):
 
     async def _drive(self, op: Generator[Any, Any, Any]) -> Any:
         reply: Any = None
+        interrupt: BaseException | None = None
         try:
             while True:
-                step = op.send(reply)
-                if isinstance(step, Sleep):
-                    await asyncio.sleep(step.seconds)
-                    reply = None
-                else:
-                    reply = await self._send(step)
+                # A cancelled task's CancelledError goes into the operation first (a job
+                # cancels itself on the server), as Client does with Ctrl-C.
+                step = op.throw(interrupt) if interrupt is not None else op.send(reply)
+                interrupt = None
+                try:
+                    if isinstance(step, Sleep):
+                        await asyncio.sleep(step.seconds)
+                        reply = None
+                    else:
+                        reply = await self._send(step)
+                except (asyncio.CancelledError, KeyboardInterrupt) as exc:
+                    interrupt = exc
         except StopIteration as done:
             return done.value
 

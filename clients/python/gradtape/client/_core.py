@@ -133,6 +133,23 @@ class Core:
             _wire.decode_body(response.content, response.headers.get("content-type", ""))
         )
 
+    def compute(self, method: str, path: str, body: dict[str, Any], *, definition: Any = None,
+                progress: Any = None, description: str = "") -> Op[Any]:
+        """`call`, or with `progress` (True: a tqdm bar; a callable taking a JobStatus) the
+        same request run as a server-side job, followed until it ends (jobs.follow); the
+        answer is the same either way."""
+        if progress is None or progress is False:
+            return (yield from self.call(method, path, body, definition=definition))
+        from .jobs import follow, reporter
+
+        report, close = reporter(progress, description)
+        try:
+            doc = yield from self.call(method, path, {**body, "async": True},
+                                       definition=definition)
+            return (yield from follow(self, doc, report))
+        finally:
+            close()
+
     @staticmethod
     def problem(response: HTTPResponse, definition: Any = None) -> GradtapeError:
         try:
@@ -224,9 +241,11 @@ def jacobian(
     sources: Any,
     model: str | None,
     options: dict[str, Any],
+    progress: Any = None,
 ) -> Op[Jacobian]:
     body = compute_body(definition, target, sources, model, **options)
-    a = yield from core.call("POST", "/v1/jacobian", body, definition=definition)
+    a = yield from core.compute("POST", "/v1/jacobian", body, definition=definition,
+                                progress=progress, description="jacobian")
     return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
 
 
@@ -238,11 +257,13 @@ def hessian(
     model: str | None,
     damping: float | None,
     options: dict[str, Any],
+    progress: Any = None,
 ) -> Op[Hessian]:
     body = compute_body(definition, target, sources, model, **options)
     if damping is not None:
         body["newton"] = {"damping": damping}
-    a = yield from core.call("POST", "/v1/hessian", body, definition=definition)
+    a = yield from core.compute("POST", "/v1/hessian", body, definition=definition,
+                                progress=progress, description="hessian")
     blocks = a["hessian"]
     if isinstance(sources, str):
         matrix = shaped({k: shaped(v, sources) for k, v in blocks.items()}, sources)

@@ -13,8 +13,10 @@ Every error answer becomes a `GradtapeError` (or a subclass picked by the proble
     ├── Unauthorized            401
     ├── NotFound                404
     │   ├── TapeGone            404 tape-expired / tape-evicted / tape-not-found
-    │   └── ModelNotFound       404 model-not-found
-    ├── Conflict                409 model-exists
+    │   ├── ModelNotFound       404 model-not-found
+    │   └── JobNotFound         404 job-not-found
+    ├── Conflict                409 model-exists, job-not-finished
+    │   └── JobCancelled        409 cancelled
     ├── QuotaExceeded           429
     ├── ServerError             500, 507, and other 5xx
     │   ├── WorkerCrashed       502
@@ -162,6 +164,14 @@ class WorkerCrashed(ServerError):
     """The worker computing the request died and is being replaced."""
 
 
+class JobNotFound(NotFound):
+    """No such job for this API key (never started, or forgotten job_ttl after it ended)."""
+
+
+class JobCancelled(Conflict):
+    """The job was cancelled (DELETE /v1/jobs/{id}, or Ctrl-C while the client waited)."""
+
+
 class ServiceBusy(ServerError):
     """503: every worker busy and the queue full (or the service starting). Raised only
     after the client's retries (`Retry`) are used up; `attempts` says how many it made."""
@@ -199,6 +209,9 @@ _BY_SLUG: dict[str, type[GradtapeError]] = {
     "tape-evicted": TapeGone,
     "model-not-found": ModelNotFound,
     "model-exists": Conflict,
+    "job-not-found": JobNotFound,
+    "job-not-finished": Conflict,
+    "cancelled": JobCancelled,
     "quota-exceeded": QuotaExceeded,
     "worker-crashed": WorkerCrashed,
     "busy": ServiceBusy,

@@ -28,17 +28,6 @@ if TYPE_CHECKING:
 
     from ._client import _Methods
 
-JOBS_NOTE = (
-    "progress bars need server-side jobs (issue 14, item 2: /v1/jobs with progress "
-    "events), which this server does not offer yet; call without progress="
-)
-
-
-def _no_progress(progress: bool) -> None:
-    if progress:
-        raise NotImplementedError(JOBS_NOTE)
-
-
 class RemoteTape:
     """A recorded tape on the server (made by `client.tape(...)`)."""
 
@@ -243,8 +232,10 @@ class RemoteTape:
         )
         return self._run(self._gradient_op(body, sources if sources is not None else self._sources))
 
-    def _jacobian_op(self, body: dict[str, Any], sources: Any) -> _core.Op[Jacobian]:
-        a = yield from self._core.call("POST", self._path("/jacobian"), body)
+    def _jacobian_op(self, body: dict[str, Any], sources: Any, progress: Any = None
+                     ) -> _core.Op[Jacobian]:
+        a = yield from self._core.compute("POST", self._path("/jacobian"), body,
+                                          progress=progress, description="jacobian")
         return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
 
     def jacobian(
@@ -255,9 +246,10 @@ class RemoteTape:
         batch: bool = False,
         unconnected: str | None = None,
         time_limit: float | None = None,
+        progress: Any = False,
     ) -> Any:
         """The jacobian of any target of the recording over any sources (per example with
-        batch=True)."""
+        batch=True). `progress=True` runs it as a server-side job (as `eigenvalues`)."""
         body = self._options(
             target=target,
             sources=sources,
@@ -265,10 +257,13 @@ class RemoteTape:
             batch=batch or None,
             time_limit=time_limit,
         )
-        return self._run(self._jacobian_op(body, sources if sources is not None else self._sources))
+        return self._run(
+            self._jacobian_op(body, sources if sources is not None else self._sources, progress)
+        )
 
-    def _eigen_op(self, body: dict[str, Any]) -> _core.Op[Eigenvalues]:
-        a = yield from self._core.call("POST", self._path("/eigenvalues"), body)
+    def _eigen_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Eigenvalues]:
+        a = yield from self._core.compute("POST", self._path("/eigenvalues"), body,
+                                          progress=progress, description="eigenvalues")
         vectors = a.get("eigenvectors")
         return Eigenvalues(
             np.asarray(a["eigenvalues"], dtype=np.float64),
@@ -292,13 +287,16 @@ class RemoteTape:
         eigenvectors: bool = False,
         seed: int | None = 0,
         time_limit: float | None = None,
-        progress: bool = False,
+        progress: Any = False,
     ) -> Any:
         """The k extreme eigenvalues of the Hessian at the recorded point, by Lanczos on
         the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
-        largest magnitude. `progress=True` is reserved for server-side jobs (not yet
-        offered: raises NotImplementedError)."""
-        _no_progress(progress)
+        largest magnitude.
+
+        `progress=True` runs it as a server-side job and shows a tqdm bar (HVPs of the
+        budget, the current Ritz values and residuals; `pip install
+        'gradtape-client[progress]'`); a callable instead receives each `JobStatus`.
+        Ctrl-C (or cancelling the awaiting task) cancels the job on the server."""
         body = self._options(
             k=k,
             which=which,
@@ -309,10 +307,11 @@ class RemoteTape:
             time_limit=time_limit,
         )
         body["seed"] = seed
-        return self._run(self._eigen_op(body))
+        return self._run(self._eigen_op(body, progress))
 
-    def _trace_op(self, body: dict[str, Any]) -> _core.Op[Trace]:
-        a = yield from self._core.call("POST", self._path("/trace"), body)
+    def _trace_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Trace]:
+        a = yield from self._core.compute("POST", self._path("/trace"), body,
+                                          progress=progress, description="trace")
         return Trace(
             a["trace"],
             a.get("stderr"),
@@ -335,11 +334,10 @@ class RemoteTape:
         max_seconds: float | None = None,
         seed: int | None = 0,
         time_limit: float | None = None,
-        progress: bool = False,
+        progress: Any = False,
     ) -> Any:
         """Hutchinson's estimate of the Hessian's trace (Rademacher vectors, batched
         HVPs on the server), with its standard error. `progress` as in `eigenvalues`."""
-        _no_progress(progress)
         body = self._options(
             batch_size=batch_size,
             max_hvps=max_hvps,
@@ -349,10 +347,11 @@ class RemoteTape:
             time_limit=time_limit,
         )
         body["seed"] = seed
-        return self._run(self._trace_op(body))
+        return self._run(self._trace_op(body, progress))
 
-    def _solve_op(self, body: dict[str, Any]) -> _core.Op[Solve]:
-        a = yield from self._core.call("POST", self._path("/solve"), body)
+    def _solve_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Solve]:
+        a = yield from self._core.compute("POST", self._path("/solve"), body,
+                                          progress=progress, description="solve")
         return Solve(
             shaped(a["solution"], self._sources),
             a["rhs"],
@@ -374,12 +373,11 @@ class RemoteTape:
         max_hvps: int | None = None,
         max_seconds: float | None = None,
         time_limit: float | None = None,
-        progress: bool = False,
+        progress: Any = False,
     ) -> Any:
         """x of (H + damping I) x = b by conjugate gradient on the server (b: a tensor
         per source; default the gradient, making x the damped Newton step; the server's
         default damping is 1e-3). `progress` as in `eigenvalues`."""
-        _no_progress(progress)
         body = self._options(
             damping=damping,
             tol=tol,
@@ -390,7 +388,7 @@ class RemoteTape:
         )
         if b is not None:
             body["vector"] = self._vector(b)
-        return self._run(self._solve_op(body))
+        return self._run(self._solve_op(body, progress))
 
     def _delete_op(self, missing_ok: bool) -> _core.Op[None]:
         try:

@@ -1,0 +1,154 @@
+"""The SDK's side of jobs (issue 14, item 2) against the live server: `progress=` runs
+an estimator, a jacobian or a Hessian as a server-side job and answers exactly what the
+synchronous call answers; `progress=True` draws a tqdm bar; Ctrl-C (a real
+KeyboardInterrupt in the main thread) and a cancelled asyncio task cancel the job on
+the server and free its worker; `client.job(id)` and `client.jobs()` follow jobs."""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import threading
+import time
+
+import gradtape.client as gc
+import numpy as np
+import pytest
+
+from tests.service.conftest import Server
+from tests.service.test_cancel import N, chain
+
+LONG = {"max_hvps": 5000, "batch_size": 1, "max_seconds": 55.0, "time_limit": 60.0}
+
+
+def definition() -> dict:
+    """chain(40) with NumPy arrays (the SDK sends them in their dtype)."""
+    d = chain(40)
+    return {
+        "variables": {"w": np.asarray(d["variables"]["w"]["data"], dtype=np.float64)},
+        "inputs": {"a": np.asarray(d["inputs"]["a"]["data"], dtype=np.float64).reshape(N, N)},
+        "program": d["program"],
+    }
+
+
+def idle_soon(client: gc.Client, within: float) -> float:
+    """Seconds until every worker is idle (fails past `within`)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < within:
+        if all(w["state"] == "idle" for w in client.ready()["workers"]):
+            return time.perf_counter() - started
+        time.sleep(0.01)
+    raise AssertionError(f"a worker is still busy {within} s later: {client.ready()}")
+
+
+def test_estimators_as_jobs_answer_as_the_synchronous_calls(client: gc.Client) -> None:
+    with client.tape(definition(), "loss") as tape:
+        seen: list[gc.JobStatus] = []
+        eig = tape.eigenvalues(3, max_hvps=N, tol=1e-300, progress=seen.append)
+        sync = tape.eigenvalues(3, max_hvps=N, tol=1e-300)
+        np.testing.assert_array_equal(eig.eigenvalues, sync.eigenvalues)
+        assert (eig.hvps, eig.stopped) == (sync.hvps, sync.stopped)
+        assert seen[-1].state == "succeeded" and seen[-1].done
+        running = [s for s in seen if s.state == "running" and s.progress]
+        assert running, [s.state for s in seen]
+        assert all(s.progress["total"] == N and s.progress["unit"] == "hvps" for s in running)
+        assert seen[-1].progress["done"] == N
+
+        seen.clear()
+        trace = tape.trace(max_hvps=400, batch_size=4, progress=seen.append)
+        assert trace.trace == tape.trace(max_hvps=400, batch_size=4).trace
+        estimates = [s.progress["estimate"] for s in seen if s.progress]
+        assert estimates and np.isfinite(estimates).all()
+
+        x = tape.solve(damping=10.0, progress=lambda s: None)
+        np.testing.assert_array_equal(x.solution["w"], tape.solve(damping=10.0).solution["w"])
+
+        # A failure is the synchronous call's exception.
+        with pytest.raises(gc.InvalidRequest) as job_error:
+            tape.eigenvalues(N + 1, progress=lambda s: None)
+        with pytest.raises(gc.InvalidRequest) as sync_error:
+            tape.eigenvalues(N + 1)
+        assert job_error.value.detail == sync_error.value.detail
+
+
+def test_stateless_hessian_and_jacobian_as_jobs(client: gc.Client) -> None:
+    rng = np.random.default_rng(5)
+    m = rng.standard_normal((40, 40))
+    d = {"variables": {"w": rng.standard_normal(40)}, "inputs": {"m": m},
+         "program": ["z = tanh(m @ w)", "loss = sum(z * z)"]}
+    rows: list[dict] = []
+    h = client.hessian(d, "loss", "w", progress=lambda s: s.progress and rows.append(s.progress))
+    np.testing.assert_array_equal(h.hessian, client.hessian(d, "loss", "w").hessian)
+    assert rows and rows[-1]["unit"] == "rows" and rows[-1]["total"] == 40
+    j = client.jacobian(d, "z", "w", allow_unused=True, progress=lambda s: None)
+    z = np.tanh(m @ d["variables"]["w"])
+    np.testing.assert_allclose(j.jacobians, (1 - z**2)[:, None] * m, rtol=1e-12, atol=1e-12)
+
+
+def test_progress_true_draws_a_tqdm_bar(client: gc.Client, capsys: pytest.CaptureFixture
+                                        ) -> None:
+    with client.tape(definition(), "loss") as tape:
+        tape.trace(max_hvps=200, batch_size=2, progress=True)
+    err = capsys.readouterr().err
+    assert "trace" in err and "200/200" in err and "estimate=" in err, err[-500:]
+
+
+def test_ctrl_c_cancels_the_job_and_frees_the_worker(server: Server) -> None:
+    with gc.Client(server.base_url) as client, client.tape(definition(), "loss") as tape:
+        statuses: list[gc.JobStatus] = []
+        # A real Ctrl-C: KeyboardInterrupt raised in this (the main) thread while the
+        # client sleeps between polls or waits for an answer.
+        timer = threading.Timer(1.0, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                tape.trace(**LONG, progress=statuses.append)
+        finally:
+            timer.cancel()
+        interrupted = time.perf_counter()
+        job = client.job(statuses[-1].id)
+        assert job.status().state == "cancelled"
+        assert statuses[-1].state == "running" and statuses[-1].progress["done"] > 0
+        idle_soon(client, within=1.0)
+        assert time.perf_counter() - interrupted < 2.0
+        with pytest.raises(gc.JobCancelled):
+            job.wait()
+        assert job.id in [s.id for s in client.jobs()]
+        job.cancel()  # an ended job is forgotten
+        with pytest.raises(gc.JobNotFound):
+            job.status()
+
+
+def test_a_cancelled_task_cancels_its_job(server: Server) -> None:
+    async def main() -> None:
+        async with gc.AsyncClient(server.base_url) as client:
+            tape = await client.tape(definition(), "loss")
+            async with tape:
+                statuses: list[gc.JobStatus] = []
+                task = asyncio.ensure_future(tape.trace(**LONG, progress=statuses.append))
+                while not (statuses and statuses[-1].progress):
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                status = await client.job(statuses[-1].id).status()
+                assert status.state == "cancelled"
+                started = time.perf_counter()
+                while not all(w["state"] == "idle" for w in (await client.ready())["workers"]):
+                    assert time.perf_counter() - started < 1.0
+                    await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+
+
+def test_a_job_by_id(client: gc.Client) -> None:
+    with client.tape(definition(), "loss") as tape:
+        # Started by some other program: the raw API's "async": true.
+        doc = client._run(client._core.call("POST", f"/v1/tapes/{tape.id}/trace",
+                                            {"max_hvps": 64, "async": True}))
+        job = client.job(doc["job_id"])
+        assert repr(job) == f"Job({doc['job_id']!r})"
+        answer = job.wait(progress=lambda s: None)
+        assert answer["trace"] == tape.trace(max_hvps=64).trace
+        assert job.status().state == "succeeded"
+        assert job.result() == answer
