@@ -79,7 +79,10 @@ def test_sdk_installs_alone_and_beside_the_server(live_server: Server, tmp_path:
     listed = run([str(python), "-m", "pip", "list", "--format=json"], env=env, timeout=60)
     installed = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
     assert installed <= ALLOWED, installed - ALLOWED
-    absent = run([str(python), "-c", "import engine"], env=env, timeout=60, check=False)
+    # From tmp_path: `python -c` puts the working directory on sys.path, and the
+    # checkout's own engine/ must not count as installed.
+    absent = run([str(python), "-c", "import engine"], env=env, cwd=tmp_path, timeout=60,
+                 check=False)
     assert absent.returncode != 0  # the SDK brings no server code
 
     done = run([str(python), "-c", DRIVE, live_server.base_url], env=env, cwd=tmp_path,
