@@ -5,12 +5,21 @@
 A key's owner id is the SHA-256 of the key: that is what the store keeps beside each
 tape and model (never the key itself), and what makes another key's tapes invisible.
 Without keys every request has the owner id "" (one anonymous owner).
+
+Keys from `api_keys_file` are read again when the file changes (its mtime and size are
+looked at on each authenticated request, a stat call) or on SIGHUP, without a restart:
+a key added works on the next request, a key removed is refused on the next request. A
+file that cannot be read, or holds no key, keeps the keys in force (a half-written file
+must not lock every client out) and logs an error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
+import threading
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -20,6 +29,8 @@ from service.api.problems import ProblemError
 from service.core.config import Settings
 
 ANONYMOUS = ""
+
+log = logging.getLogger("gradtape.auth")
 
 bearer_scheme = HTTPBearer(
     auto_error=False, scheme_name="bearerAuth",
@@ -36,11 +47,14 @@ def owner_id(key: str) -> str:
 
 
 class KeyRing:
-    """The accepted keys, held as their digests."""
+    """The accepted keys, held as their digests; reloaded when the keys file changes."""
 
     def __init__(self, settings: Settings):
         self.enabled = settings.api_keys_enabled
-        self._owners: dict[str, str] = {}
+        self._settings = settings
+        self._owners: frozenset[str] = frozenset()
+        self._file_stamp: tuple[int, int] | None = None
+        self._lock = threading.Lock()
         if self.enabled:
             keys = settings.load_api_keys()
             if not keys:
@@ -48,19 +62,53 @@ class KeyRing:
                     "api_keys_enabled is set but no key is configured: set GRADTAPE_API_KEYS "
                     "or GRADTAPE_API_KEYS_FILE"
                 )
-            for key in keys:
-                digest = owner_id(key)
-                self._owners[digest] = digest
+            self._file_stamp = self._stamp()
+            self._owners = frozenset(map(owner_id, keys))
 
     def __len__(self) -> int:
         return len(self._owners)
 
+    def _stamp(self) -> tuple[int, int] | None:
+        path = self._settings.api_keys_file
+        if path is None:
+            return None
+        try:
+            status = os.stat(path)
+        except OSError:
+            return None
+        return status.st_mtime_ns, status.st_size
+
+    def reload(self, *, force: bool = False) -> None:
+        """Read the keys again if the keys file changed (or always, with force)."""
+        if not self.enabled or self._settings.api_keys_file is None:
+            return
+        stamp = self._stamp()
+        if not force and stamp == self._file_stamp:
+            return
+        with self._lock:
+            try:
+                keys = self._settings.load_api_keys()
+            except (OSError, UnicodeDecodeError) as exc:
+                log.error("API keys file not reloaded, the keys in force stay: %s", exc)
+                return
+            self._file_stamp = stamp
+            if not keys:
+                log.error("API keys file holds no key; the %d key(s) in force stay",
+                          len(self._owners))
+                return
+            owners = frozenset(map(owner_id, keys))
+            if owners != self._owners:
+                log.info("API keys reloaded: %d key(s)", len(owners))
+            self._owners = owners
+
     def owner(self, key: str) -> str | None:
+        self.reload()
         digest = owner_id(key)
+        found = None
         for known in self._owners:  # compare every digest, in constant time each
             if hmac.compare_digest(known, digest):
-                return known
-        return None
+                found = known
+        return found
 
 
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Bearer realm="gradtape"'}

@@ -1,8 +1,10 @@
 """Messages between the HTTP process and the engine workers.
 
 A message is one msgpack document behind a 4-byte big-endian length. NumPy arrays
-travel as `{"__nd__": [dtype, shape, bytes]}`, so client data is never pickled and an
-array costs one copy into the frame. Both sides use this module: the asyncio side reads
+travel as a msgpack extension type (code ARRAY_EXT: a length-prefixed msgpack header
+`[dtype, shape]`, then the raw bytes), out of band: no client string, whatever key or
+value it is, can be taken for an array or any other protocol element. Client data is
+never pickled. Both sides use this module: the asyncio side reads
 and writes frames on stream objects, a worker on a blocking socket.
 
 Requests: {"id": int, "kind": str, "payload": ...} (kind "shutdown": exit).
@@ -23,7 +25,8 @@ import numpy as np
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 2**32 - 1
-ARRAY_KEY = "__nd__"
+ARRAY_EXT = 1  # the msgpack extension type code of a NumPy array
+_ARRAY_HEADER = struct.Struct("!H")  # the length of the array's [dtype, shape] header
 
 
 class FrameError(ConnectionError):
@@ -35,8 +38,10 @@ def _default(obj: Any) -> Any:
         array = obj if obj.flags.c_contiguous else obj.copy(order="C")  # keeps 0-d arrays 0-d
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
+        header = msgpack.packb([array.dtype.str, list(array.shape)])
         raw = array.reshape(-1).view(np.uint8).data  # a memoryview, no copy; empty arrays too
-        return {ARRAY_KEY: [array.dtype.str, list(array.shape), raw]}
+        return msgpack.ExtType(
+            ARRAY_EXT, b"".join((_ARRAY_HEADER.pack(len(header)), header, raw)))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, tuple | set | frozenset):
@@ -44,12 +49,13 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot send a {type(obj).__name__} to or from a worker")
 
 
-def _object_hook(obj: dict[str, Any]) -> Any:
-    spec = obj.get(ARRAY_KEY)
-    if spec is not None and len(obj) == 1:
-        dtype, shape, raw = spec
-        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
-    return obj
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != ARRAY_EXT:
+        raise FrameError(f"unknown msgpack extension type {code} in a worker message")
+    (size,) = _ARRAY_HEADER.unpack_from(data)
+    start = _ARRAY_HEADER.size + size
+    dtype, shape = msgpack.unpackb(data[_ARRAY_HEADER.size:start])
+    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
 
 
 def pack(message: Any) -> bytes:
@@ -58,7 +64,7 @@ def pack(message: Any) -> bytes:
 
 
 def unpack(body: bytes | bytearray) -> Any:
-    return msgpack.unpackb(body, object_hook=_object_hook, raw=False, strict_map_key=False)
+    return msgpack.unpackb(body, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
 def frame(message: Any) -> tuple[bytes, bytes]:

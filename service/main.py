@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 
 from service import docs
 from service.api import errors, openapi
+from service.api.fairness import Fairness
 from service.api.router import api_router
 from service.auth import KeyRing
 from service.core.config import Settings, get_settings
@@ -69,6 +71,15 @@ def _ensure_logging(level: str) -> None:
         logger.addHandler(handler)
 
 
+def _reload_keys_on_sighup(keyring: KeyRing) -> None:
+    """`kill -HUP` reads the API keys file again (it is also read when it changes)."""
+    try:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, lambda: keyring.reload(force=True))
+    except (NotImplementedError, RuntimeError, AttributeError):  # no SIGHUP (Windows), or
+        pass  # not the main thread (a test's in-process app): the file check still works
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     metrics = Metrics()
@@ -81,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store: Store = app.state.store
         tapes: TapeRegistry = app.state.tapes
         await asyncio.to_thread(store.open)
+        _reload_keys_on_sighup(app.state.keyring)
         try:
             await pool.start()
             metrics.bind(pool)
@@ -109,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.pool = pool = WorkerPool(settings, observer=metrics)
+    app.state.fairness = Fairness(settings, pool.size)
     app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
     app.state.store = store = Store(settings.resolved_store_path())
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)

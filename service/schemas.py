@@ -25,6 +25,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    StringConstraints,
     Tag,
     WithJsonSchema,
     model_validator,
@@ -140,6 +141,12 @@ TensorValue = TypeAliasType(
 
 Tensor = TypeAliasType("Tensor", TensorData | TensorBase64)
 
+# A name a client chooses (variable, input, function, target, source, alias, vector key):
+# bounded so that no name is carried, stored or echoed at length. The language refuses
+# program names past its own (smaller) limit with a located problem.
+MAX_NAME_CHARS = 256
+Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+
 # ----------------------------------------------------------------------------------------
 # Definitions
 # ----------------------------------------------------------------------------------------
@@ -190,17 +197,17 @@ class Definition(_Strict):
         "line breaks).",
         examples=[["h = relu(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"]],
     )
-    variables: dict[str, Variable] = Field(default_factory=dict)
-    inputs: dict[str, TensorValue] = Field(
+    variables: dict[Name, Variable] = Field(default_factory=dict)
+    inputs: dict[Name, TensorValue] = Field(
         default_factory=dict, description="Data: never a default source."
     )
-    functions: dict[str, FunctionSpec] = Field(default_factory=dict)
+    functions: dict[Name, FunctionSpec] = Field(default_factory=dict)
 
 
 Sources = TypeAliasType(
     "Sources",
     Annotated[
-        str | list[str] | dict[str, str],
+        Name | list[Name] | dict[Name, Name],
         Field(
             description="What to differentiate with respect to: a name, a list of names "
             "(answers keyed by name) or a mapping alias -> name (answers keyed by alias). "
@@ -294,7 +301,7 @@ class DefinitionRequest(RequestModel):
         None, description="The name of a stored model (POST /v1/models) to use instead of "
         "sending its definition."
     )
-    target: str = Field(description="The name (a program line, variable or input) to differentiate.")
+    target: Name = Field(description="The name (a program line, variable or input) to differentiate.")
     sources: Sources | None = None
     time_limit: StrictFloat | None = _time_limit_field()
     allow_nonfinite: StrictBool | None = _allow_nonfinite_field()
@@ -361,10 +368,10 @@ class HVPRequest(ComputeRequest):
     """Hessian-vector products of a scalar target: give `vector` or `vectors`. Gradients
     and products of unconnected sources are zeros."""
 
-    vector: dict[str, TensorValue] | None = Field(
+    vector: dict[Name, TensorValue] | None = Field(
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
-    vectors: list[dict[str, TensorValue]] | None = Field(
+    vectors: list[dict[Name, TensorValue]] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
 
@@ -378,10 +385,10 @@ class HVPRequest(ComputeRequest):
 
 
 class _Vectors(CallOptions):
-    vector: dict[str, TensorValue] | None = Field(
+    vector: dict[Name, TensorValue] | None = Field(
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
-    vectors: list[dict[str, TensorValue]] | None = Field(
+    vectors: list[dict[Name, TensorValue]] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
 
@@ -421,8 +428,8 @@ class TapeUpdateRequest(CallOptions):
     """New values for some of the tape's variables and inputs (same names and shapes;
     values are cast to the recorded dtype): the tape is recorded again at them."""
 
-    variables: dict[str, TensorValue] = Field(default_factory=dict)
-    inputs: dict[str, TensorValue] = Field(default_factory=dict)
+    variables: dict[Name, TensorValue] = Field(default_factory=dict)
+    inputs: dict[Name, TensorValue] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _something(self) -> TapeUpdateRequest:
@@ -440,7 +447,7 @@ class TapeGradientRequest(CallOptions):
     """The gradient of a name of the tape's program (default: the tape's target) over
     variables or inputs (default: the tape's sources), from the recording."""
 
-    target: str | None = Field(None, description="Any name of the program; default: the "
+    target: Name | None = Field(None, description="Any name of the program; default: the "
                                "tape's target.")
     sources: Sources | None = Field(None, description="Variables or inputs (names, list or "
                                     "alias mapping); default: the tape's sources.")
@@ -519,7 +526,7 @@ class SolveRequest(CallOptions):
     defaults to the recorded gradient: x is then the damped Newton step (subtract it
     from the sources)."""
 
-    vector: dict[str, TensorValue] | None = Field(
+    vector: dict[Name, TensorValue] | None = Field(
         None, description="b, a tensor per source (keyed like the gradients); default: the "
         "gradient."
     )

@@ -97,6 +97,11 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "This API key holds as many tapes, tape bytes or models as its quota allows "
         "(max_tapes_per_key, max_tape_bytes_per_key, max_models_per_key); delete some or "
         "let tapes expire. `quota` names which."),
+    "rate-limited": ProblemType(
+        429, "Too many requests",
+        "This API key sent requests faster than its rate (rate_limit_per_second, "
+        "rate_limit_burst) or has too many waiting (max_waiting_per_key): retry after "
+        "`Retry-After` seconds."),
     "internal": ProblemType(500, "Internal error", "A bug: please report it with the detail."),
     "worker-crashed": ProblemType(
         502, "Worker crashed",
@@ -148,6 +153,17 @@ class ProblemError(Exception):
         self.extensions = extensions
 
 
+# What a problem echoes of a request is bounded: the detail, each error's message and the
+# instance (the request's path, which a client chose) are cut with "..." past these.
+MAX_DETAIL_CHARS = 2000
+MAX_MESSAGE_CHARS = 500
+MAX_INSTANCE_CHARS = 256
+
+
+def _capped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def problem_body(
     slug: str | None,
     status: int,
@@ -161,12 +177,16 @@ def problem_body(
         "type": type_uri(slug) if slug and known else "about:blank",
         "title": known.title if known else HTTPStatus(status).phrase,
         "status": status,
-        "detail": detail,
+        "detail": _capped(detail, MAX_DETAIL_CHARS),
     }
     if instance is not None:
-        body["instance"] = instance
+        body["instance"] = _capped(instance, MAX_INSTANCE_CHARS)
     if errors is not None:
-        body["errors"] = [{k: v for k, v in e.items() if v is not None} for e in errors]
+        body["errors"] = [
+            {k: _capped(v, MAX_MESSAGE_CHARS) if isinstance(v, str) else v
+             for k, v in e.items() if v is not None}
+            for e in errors
+        ]
     body.update(extensions)
     return body
 

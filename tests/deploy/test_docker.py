@@ -283,6 +283,24 @@ def test_compose_gpu_reservation(compose: dict) -> None:
     )
 
 
+def _bytes(size: str) -> int:
+    units = {"b": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+    size = size.lower().rstrip("b") or "0"
+    return int(float(size[:-1]) * units[size[-1]]) if size[-1] in units else int(size)
+
+
+def test_compose_bounds_memory_and_cpus(compose: dict) -> None:
+    """Each service has limits, and the CPU one's memory holds its workers' tape budgets."""
+    for name, service in resolved(compose)["services"].items():
+        limits = service["deploy"]["resources"]["limits"]
+        assert float(limits["cpus"]) > 0, name
+        assert _bytes(str(limits["memory"])) >= 2**30, name
+    cpu = resolved(compose)["services"]["gradtape"]
+    settings = settings_from({k: str(v) for k, v in cpu["environment"].items()})
+    budgets = settings.workers * settings.tape_memory_budget
+    assert _bytes(str(cpu["deploy"]["resources"]["limits"]["memory"])) >= budgets + 2**30
+
+
 def test_compose_environment_is_valid_settings(compose: dict) -> None:
     for name, service in resolved(compose)["services"].items():
         env = {k: str(v) for k, v in service["environment"].items()}

@@ -9,7 +9,11 @@ environment and from a file), one worker, small quotas and a small tape budget.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -176,3 +180,64 @@ def test_least_recently_used_tapes_are_evicted(keyed) -> None:
         assert again["tape_id"] != second["tape_id"]
         metrics = httpx.get(f"{keyed.base_url}/metrics").text
         assert 'gradtape_tape_events_total{event="evicted"}' in metrics
+
+
+# -- operational defaults (issue 11) -----------------------------------------------------------
+
+
+def test_readyz_shows_process_ids_only_to_a_key(keyed) -> None:
+    with client(keyed, None) as anonymous, client(keyed, "alice-key") as alice:
+        hidden = ok(anonymous.get("/readyz"))["workers"]
+        shown = ok(alice.get("/readyz"))["workers"]
+    assert hidden and all(w["pid"] is None for w in hidden)
+    assert all(isinstance(w["pid"], int) and w["pid"] > 0 for w in shown)
+    assert [w["state"] for w in hidden] == [w["state"] for w in shown]
+
+
+@pytest.fixture
+def reloading(tmp_path) -> Iterator[tuple[Server, Path]]:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("first-key\n")
+    srv = start_server({
+        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+        "GRADTAPE_WORKERS": "1",
+        "GRADTAPE_API_KEYS_ENABLED": "true",
+        "GRADTAPE_API_KEYS_FILE": str(keys),
+    }, tmp_path / "server.log")
+    try:
+        yield srv, keys
+    finally:
+        stop_server(srv)
+
+
+def status_for(server: Server, key: str) -> int:
+    with client(server, key) as c:
+        return c.get("/v1/tapes").status_code
+
+
+def test_api_keys_reload_when_their_file_changes(reloading) -> None:
+    server, keys = reloading
+    assert status_for(server, "first-key") == 200
+    assert status_for(server, "second-key") == 401
+    keys.write_text("second-key\nthird-key\n")  # first revoked, two added: no restart
+    assert status_for(server, "second-key") == 200
+    assert status_for(server, "third-key") == 200
+    assert status_for(server, "first-key") == 401
+    keys.write_text("")  # an empty (e.g. half-written) file locks nobody out
+    assert status_for(server, "second-key") == 200
+    assert "holds no key" in server.log.read_text()
+
+
+def test_api_keys_reload_on_sighup(reloading) -> None:
+    server, keys = reloading
+    assert status_for(server, "first-key") == 200
+    stamp = keys.stat()
+    keys.write_text("other-key\n")  # same size, and the old mtime put back: unseen...
+    os.utime(keys, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert status_for(server, "other-key") == 401
+    server.process.send_signal(signal.SIGHUP)  # ...until the operator says so
+    deadline = time.monotonic() + 10
+    while status_for(server, "other-key") != 200:
+        assert time.monotonic() < deadline, "SIGHUP did not reload the keys"
+        time.sleep(0.05)
+    assert status_for(server, "first-key") == 401

@@ -219,3 +219,75 @@ def test_a_body_that_is_not_utf8_is_a_malformed_body(client, unharmed) -> None:
                         headers={"Content-Type": "application/json"})
     assert reply.status_code == 400, reply.text
     assert reply.json()["type"] == "/problems/malformed-body"
+
+
+# -- client keys cross the worker protocol as data (issue 11, item 1) ------------------------
+
+CUBIC = {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w * w)"]}
+
+
+@pytest.mark.parametrize("alias", ["__nd__", "__array__", "id", "ok", "error", "fatal"])
+def test_a_key_that_looks_like_protocol_is_only_a_key(client, unharmed, alias) -> None:
+    """The issue's request killed a worker when "__nd__" was the array marker. Every field
+    that becomes a key on the way to a worker (a source alias, an HVP vector key, a tape's
+    aliases) now answers as any other name would: d/dw sum(w^3) = 3 w^2, H v = 6 w v."""
+    base = {"definition": CUBIC, "target": "loss", "sources": {alias: "w"}}
+    grad = client.post("/v1/gradient", json=base)
+    assert grad.status_code == 200, grad.text
+    assert grad.json()["gradients"][alias]["data"] == [3.0, 12.0]
+    hvp = client.post("/v1/hvp", json={**base, "vector": {alias: [1.0, 1.0]}})
+    assert hvp.status_code == 200, hvp.text
+    assert hvp.json()["hvp"][alias]["data"] == [6.0, 12.0]
+    tape = client.post("/v1/tapes", json=base)
+    assert tape.status_code == 201, tape.text
+    tape_id = tape.json()["tape_id"]
+    try:
+        on_tape = client.post(f"/v1/tapes/{tape_id}/hvp", json={"vectors": [{alias: [0.0, 1.0]}]})
+        assert on_tape.status_code == 200, on_tape.text
+        assert on_tape.json()["hvps"][0][alias]["data"] == [0.0, 12.0]
+    finally:
+        client.delete(f"/v1/tapes/{tape_id}")
+
+
+def test_the_issue_request_over_msgpack(client, unharmed) -> None:
+    body = {"definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w*w)"]},
+            "target": "loss", "sources": {"__nd__": "w"}}
+    response = client.post("/v1/gradient", content=msgpack.packb(body),
+                           headers={"content-type": MSGPACK, "accept": MSGPACK})
+    assert response.status_code == 200, response.content[:300]
+    gradient = msgpack.unpackb(response.content)["gradients"]["__nd__"]
+    assert gradient["shape"] == [2]
+
+
+LONG = "n" * 100_000
+
+
+@pytest.mark.parametrize("where", ["alias", "source", "target", "variable", "vector-key",
+                                   "function"])
+def test_a_long_name_is_refused_not_echoed(client, unharmed, where) -> None:
+    body: dict = {"definition": {"variables": {"w": [1.0, 2.0]},
+                                 "program": ["loss = sum(w * w)"]}, "target": "loss"}
+    if where == "alias":
+        body["sources"] = {LONG: "w"}
+    elif where == "source":
+        body["sources"] = [LONG]
+    elif where == "target":
+        body["target"] = LONG
+    elif where == "variable":
+        body["definition"]["variables"][LONG] = [1.0]
+    elif where == "function":
+        body["definition"]["functions"] = {LONG: {"params": ["a"], "forward": ["out = a"]}}
+    else:
+        body["vector"] = {LONG: [1.0, 1.0]}
+    path = "/v1/hvp" if where == "vector-key" else "/v1/gradient"
+    response = client.post(path, json=body)
+    assert response.status_code == 422, response.text[:500]
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert len(response.content) < 4_000, f"{len(response.content)} bytes echoed"
+
+
+@pytest.mark.parametrize("path", [f"/v1/tapes/{LONG[:10_000]}", f"/v1/models/{LONG[:10_000]}"])
+def test_a_long_id_in_the_path_is_not_echoed(client, unharmed, path) -> None:
+    response = client.get(path)
+    assert response.status_code in (404, 422), response.text[:500]
+    assert len(response.content) < 4_000, f"{len(response.content)} bytes echoed"

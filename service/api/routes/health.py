@@ -9,7 +9,8 @@ from starlette.responses import Response
 from service.api.bodies import BoundedRoute
 from service.api.deps import PoolDep
 from service.api.openapi import problem_responses
-from service.api.problems import problem_response
+from service.api.problems import ProblemError, problem_response
+from service.auth import api_key_scheme, authenticate, bearer_scheme
 from service.schemas import HealthResponse, ReadinessResponse, WorkerStatus
 
 router = APIRouter(tags=["operations"], route_class=BoundedRoute)
@@ -30,8 +31,11 @@ async def check_health() -> HealthResponse:
 async def check_readiness(request: Request, pool: PoolDep) -> ReadinessResponse | Response:
     """Every worker is up and answering: idle workers are pinged, busy ones are computing
     within their time limit. 503 (with the workers' states) while one is starting, being
-    replaced or silent."""
-    workers = [WorkerStatus(**asdict(w)) for w in await pool.check()]
+    replaced or silent. On a server that requires API keys, the workers' process ids are
+    shown only to a caller with a valid key (`pid` is null otherwise)."""
+    show_pids = await _may_see_processes(request)
+    workers = [WorkerStatus(**{**asdict(w), "pid": w.pid if show_pids else None})
+               for w in await pool.check()]
     if pool.running and all(w.state in ("idle", "busy") for w in workers):
         return ReadinessResponse(status="ready", workers=workers)
     down = [str(w.index) for w in workers if w.state not in ("idle", "busy")]
@@ -41,6 +45,17 @@ async def check_readiness(request: Request, pool: PoolDep) -> ReadinessResponse 
         + ("" if pool.running else "; the pool is not running"),
         workers=[w.model_dump() for w in workers],
     )
+
+
+async def _may_see_processes(request: Request) -> bool:
+    keyring = request.app.state.keyring
+    if not keyring.enabled:
+        return True  # a server without keys trusts every caller alike
+    try:
+        await authenticate(request, await bearer_scheme(request), await api_key_scheme(request))
+    except ProblemError:
+        return False
+    return True
 
 
 @router.get(

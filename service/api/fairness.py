@@ -1,0 +1,110 @@
+"""Fair sharing between API keys: a token-bucket rate limit and a bound on the requests
+one key has computing or queued at once, both per key, in the HTTP process.
+
+Without them one key's flood fills the workers' queue and every other key waits behind
+it. With them a key has at most `max_concurrent_per_key` requests past this gate (by
+default as many as there are workers: it may fill the workers, never the queue), so
+another key's request waits for at most one of the flood's requests to finish. Requests
+beyond the slots wait here, in their own key's line (bounded by `max_waiting_per_key`);
+beyond the rate or the line, a 429 `rate-limited` with `Retry-After`.
+
+Off on a server without API keys (every caller is the same owner there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from service.api.problems import ProblemError
+from service.auth import OwnerDep
+from service.core.config import Settings
+
+
+@dataclass
+class _KeyState:
+    tokens: float
+    stamp: float
+    slots: asyncio.Semaphore
+    waiting: int = 0
+    users: int = 0  # requests holding this state (to forget idle keys)
+
+
+class Fairness:
+    def __init__(self, settings: Settings, workers: int):
+        self.enabled = settings.api_keys_enabled
+        self.rate = settings.rate_limit_per_second
+        self.burst = settings.rate_limit_burst
+        self.concurrent = settings.max_concurrent_per_key or max(1, workers)
+        self.max_waiting = settings.max_waiting_per_key
+        self._keys: dict[str, _KeyState] = {}
+
+    def _state(self, owner: str, now: float) -> _KeyState:
+        state = self._keys.get(owner)
+        if state is None:
+            state = _KeyState(float(self.burst), now, asyncio.Semaphore(self.concurrent))
+            self._keys[owner] = state
+        return state
+
+    def _refill(self, state: _KeyState, now: float) -> None:
+        state.tokens = min(float(self.burst), state.tokens + (now - state.stamp) * self.rate)
+        state.stamp = now
+
+    def _take_token(self, state: _KeyState, now: float) -> None:
+        if self.rate <= 0:
+            return
+        self._refill(state, now)
+        if state.tokens < 1.0:
+            wait = (1.0 - state.tokens) / self.rate
+            raise _limited(f"this API key is over its rate of {self.rate:g} requests per "
+                           f"second (burst {self.burst})", wait)
+        state.tokens -= 1.0
+
+    @asynccontextmanager
+    async def admit(self, owner: str) -> AsyncIterator[None]:
+        now = time.monotonic()
+        state = self._state(owner, now)
+        self._take_token(state, now)
+        if state.slots.locked() and state.waiting >= self.max_waiting:
+            raise _limited(f"this API key has {self.concurrent} requests computing and "
+                           f"{state.waiting} waiting (max_waiting_per_key)", 1.0)
+        state.users += 1
+        state.waiting += 1
+        try:
+            try:
+                await state.slots.acquire()
+            finally:
+                state.waiting -= 1
+            try:
+                yield
+            finally:
+                state.slots.release()
+        finally:
+            state.users -= 1
+            if self.rate > 0:
+                self._refill(state, time.monotonic())
+            if state.users == 0 and (self.rate <= 0 or state.tokens >= self.burst):
+                # Idle with a full bucket: nothing to remember, so the table holds only
+                # the keys that are active or still paying back a burst.
+                self._keys.pop(owner, None)
+
+
+def _limited(detail: str, wait: float) -> ProblemError:
+    return ProblemError("rate-limited", detail,
+                        headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+
+async def admit(request: Request, owner: OwnerDep) -> AsyncIterator[None]:
+    """The route dependency: pass the caller's key through its rate and its slots."""
+    fairness: Fairness = request.app.state.fairness
+    if not fairness.enabled:
+        yield
+        return
+    async with fairness.admit(owner):
+        yield
