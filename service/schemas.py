@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgpack
 from pydantic import (
@@ -41,6 +41,7 @@ from service.tensors import DTYPES
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
+FloatDType = Literal["float16", "float32", "float64"]
 
 
 class TensorEncoding(StrEnum):
@@ -162,13 +163,17 @@ class VariableSpec(_Strict):
 
 
 class FunctionSpec(_Strict):
-    """A user function with a custom gradient (the analogue of tf.custom_gradient)."""
+    """A user function. Without `backward` it is a plain function, differentiated through
+    (to any order); its body may call other functions (never itself) and use the variables
+    it owns (`"<function>.<name>"` in `variables`, `<name>` in its body). With `backward`
+    it has a custom gradient (the analogue of tf.custom_gradient)."""
 
     params: list[str] = Field(description="Parameter names.")
     forward: list[str] = Field(description="Program lines computing the value from params.")
-    backward: list[str] = Field(
-        description="Program lines that see params, forward names and `upstream` and "
-        "assign `grad_<param>` for each floating-point param."
+    backward: list[str] | None = Field(
+        None,
+        description="Optional: program lines that see params, forward names and `upstream` "
+        "and assign `grad_<param>` for each floating-point param (a custom gradient).",
     )
     output: str | None = Field(
         None, description="The forward name that is the value (default: the last assigned)."
@@ -197,11 +202,19 @@ class Definition(_Strict):
         "line breaks).",
         examples=[["h = relu(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"]],
     )
-    variables: dict[Name, Variable] = Field(default_factory=dict)
+    variables: dict[Name, Variable] = Field(
+        default_factory=dict, description="Parameters by name; `<function>.<name>` is a "
+        "variable the function owns (its body calls it `<name>`)."
+    )
     inputs: dict[Name, TensorValue] = Field(
         default_factory=dict, description="Data: never a default source."
     )
     functions: dict[Name, FunctionSpec] = Field(default_factory=dict)
+    dtype: FloatDType | None = Field(
+        None, description="The dtype of bare numbers and lists in this definition (default "
+        "float32); tensors that name their dtype keep it. Mixing dtypes in an op stays an "
+        "error (use cast)."
+    )
 
 
 Sources = TypeAliasType(
@@ -301,6 +314,12 @@ class DefinitionRequest(RequestModel):
         None, description="The name of a stored model (POST /v1/models) to use instead of "
         "sending its definition."
     )
+    variables: dict[Name, TensorValue] | None = Field(
+        None, description="With `model`: new values for some or all of its variables (the "
+        "rest keep their stored values). Each keeps its stored shape and dtype: a bare "
+        "number or list takes the variable's dtype, and a different shape or dtype is a 422 "
+        "naming both."
+    )
     target: Name = Field(description="The name (a program line, variable or input) to differentiate.")
     sources: Sources | None = None
     time_limit: StrictFloat | None = _time_limit_field()
@@ -311,6 +330,9 @@ class DefinitionRequest(RequestModel):
     def _definition_or_model(self) -> DefinitionRequest:
         if (self.definition is None) == (self.model is None):
             raise ValueError("give exactly one of 'definition' or 'model' (a stored model's name)")
+        if self.variables is not None and self.model is None:
+            raise ValueError("'variables' gives a stored model new values and goes with "
+                             "'model'; with a definition, set them in definition.variables")
         return self
 
 

@@ -59,7 +59,9 @@ class _Decoder:
         self.errors: list[dict[str, Any]] = []
         self.binary = False  # some tensor came as base64 or raw bytes
 
-    def tensor(self, value: Any, field: str) -> np.ndarray | None:
+    def tensor(self, value: Any, field: str, default: str = "float32") -> np.ndarray | None:
+        """The array of a wire tensor; a bare number or list has dtype `default` (the
+        definition's dtype)."""
         try:
             if isinstance(value, TensorData):
                 shape = value.shape
@@ -73,8 +75,8 @@ class _Decoder:
             elif isinstance(value, TensorBase64):
                 self.binary = True
                 array = from_base64(value.base64, value.dtype.value, value.shape)
-            else:  # a bare number or nested list: float32
-                array = from_data(value, "float32", None)
+            else:  # a bare number or nested list
+                array = from_data(value, default, None)
         except TensorError as exc:
             self.errors.append({"field": field, "message": str(exc), "kind": "value"})
             return None
@@ -89,23 +91,29 @@ class _Decoder:
                 })
         return array
 
-    def tensors(self, values: dict[str, Any], field: str) -> dict[str, np.ndarray | None]:
-        return {name: self.tensor(v, f"{field}.{name}") for name, v in values.items()}
+    def tensors(self, values: dict[str, Any], field: str, default: str = "float32"
+                ) -> dict[str, np.ndarray | None]:
+        return {name: self.tensor(v, f"{field}.{name}", default) for name, v in values.items()}
 
-    def variable(self, var: Any, field: str) -> dict[str, Any]:
+    def variable(self, var: Any, field: str, default: str) -> dict[str, Any]:
         if isinstance(var, VariableSpec):
-            return {"value": self.tensor(var.value, f"{field}.value"), "trainable": var.trainable}
-        return {"value": self.tensor(var, field), "trainable": True}
+            return {"value": self.tensor(var.value, f"{field}.value", default),
+                    "trainable": var.trainable}
+        return {"value": self.tensor(var, field, default), "trainable": True}
 
     def definition(self, d: Definition) -> dict[str, Any]:
+        # The worker form carries typed arrays only: the default dtype is applied here.
+        default = d.dtype or "float32"
         return {
             "program": d.program,
             "variables": {
-                name: self.variable(var, f"definition.variables.{name}")
+                name: self.variable(var, f"definition.variables.{name}", default)
                 for name, var in d.variables.items()
             },
-            "inputs": self.tensors(d.inputs, "definition.inputs"),
-            "functions": {name: fn.model_dump() for name, fn in d.functions.items()},
+            "inputs": self.tensors(d.inputs, "definition.inputs", default),
+            "functions": {
+                name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
+            },
         }
 
     def check(self) -> None:
@@ -115,6 +123,32 @@ class _Decoder:
             raise ProblemError(
                 "validation", f"{first['field']}: {first['message']}{more}", errors=self.errors
             )
+
+
+def _at_new_point(stored: dict[str, Any], values: dict[str, Any], decoder: _Decoder
+                  ) -> dict[str, Any]:
+    """The stored model's definition with new values for some of its variables (each of
+    its stored shape and dtype; a bare number or list takes the stored dtype)."""
+    variables = dict(stored["variables"])
+    for name, raw in values.items():
+        field = f"variables.{name}"
+        if name not in variables:
+            known = ", ".join(variables) or "none"
+            decoder.errors.append({"field": field, "kind": "name", "message":
+                                   f"the model has no variable {name!r} (its variables: "
+                                   f"{known})"})
+            continue
+        old = variables[name]["value"]
+        array = decoder.tensor(raw, field, old.dtype.name)
+        if array is None:
+            continue
+        if array.shape != old.shape or array.dtype != old.dtype:
+            decoder.errors.append({"field": field, "kind": "shape", "message":
+                                   f"{array.dtype.name}{list(array.shape)} given, but the "
+                                   f"model's variable is {old.dtype.name}{list(old.shape)}"})
+            continue
+        variables[name] = {**variables[name], "value": array}
+    return {**stored, "variables": variables}
 
 
 def _time_limit(requested: float | None, settings: Settings) -> float:
@@ -146,6 +180,8 @@ def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] 
     else:
         assert stored is not None, "a request naming a model needs its stored definition"
         definition = stored
+        if body.variables:
+            definition = _at_new_point(stored, body.variables, decoder)
     payload = {
         "definition": definition,
         "target": body.target,
