@@ -39,6 +39,7 @@ from engine.language import (
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from service import nonfinite
+from service.dataset_cache import DatasetCache, DatasetUnavailable, resolve
 
 log = logging.getLogger("gradtape.compute")
 
@@ -60,6 +61,7 @@ class WorkerContext:
     hvp_max_vectors: int = 1024
     lanczos_max_basis_bytes: int = 1 << 30
     state: dict[str, Any] = field(default_factory=dict)
+    datasets: DatasetCache = field(default_factory=lambda: DatasetCache(None, 0))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -102,6 +104,8 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
         hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
         lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
+        datasets=DatasetCache(options.get("store_path"),
+                              int(options.get("dataset_memory_budget", 1 << 30))),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
@@ -116,7 +120,7 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
-        payload = message.get("payload")
+        payload = bind_datasets(message.get("payload"), context)
         result = handler(payload, context)
         result = nonfinite.guard(
             result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
@@ -167,6 +171,24 @@ def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerCon
         return session.program.find_nonfinite(request, session.leaves)
     prepared = _prepare(payload, context, "zero")
     return prepared.program.find_nonfinite(prepared.request, prepared.leaves)
+
+
+def bind_datasets(payload: Any, context: WorkerContext) -> Any:
+    """The payload with the inputs bound to datasets (of its definition, and of the
+    definition a tape is rebuilt from) replaced by their arrays, rows taken."""
+    if not isinstance(payload, Mapping):
+        return payload
+    out = dict(payload)
+    try:
+        if isinstance(out.get("definition"), Mapping):
+            out["definition"] = resolve(out["definition"], context.datasets)
+        rebuild = out.get("rebuild")
+        if isinstance(rebuild, Mapping) and isinstance(rebuild.get("definition"), Mapping):
+            out["rebuild"] = {**rebuild,
+                              "definition": resolve(rebuild["definition"], context.datasets)}
+    except (ValueError, DatasetUnavailable) as exc:
+        raise RequestError("request", str(exc)) from None
+    return out
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:

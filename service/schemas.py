@@ -194,6 +194,82 @@ Variable = TypeAliasType(
 )
 
 
+DatasetName = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="A stored dataset's name: letters, digits, '_', '.', '-' (at most 64, "
+        "starting with a letter or digit).",
+        examples=["breast_cancer"],
+    ),
+]
+
+
+class RowSlice(_Strict):
+    """Rows start:stop:step of axis 0 (Python's slice; start and stop within 0..rows)."""
+
+    start: StrictInt | None = Field(None, ge=0)
+    stop: StrictInt | None = Field(None, ge=0)
+    step: StrictInt | None = Field(None, ge=1)
+
+
+Rows = TypeAliasType(
+    "Rows",
+    Annotated[
+        list[Annotated[StrictInt, Field(ge=0)]] | RowSlice,
+        Field(description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
+              "step}; a row past the array's end is a 422 naming the bound."),
+    ],
+)
+
+
+class DatasetArray(_Strict):
+    """An input bound to one array of a stored dataset (PUT /v1/datasets/{name})."""
+
+    dataset: DatasetName
+    array: Name = Field(description="The array's name in the dataset.")
+    rows: Rows | None = None
+
+
+class DatasetInputs(_Strict):
+    """Every array of a stored dataset, each an input of the same name."""
+
+    dataset: DatasetName
+    rows: Rows | None = Field(None, description="The same rows of every array.")
+
+
+def _input_form(value: Any) -> str:
+    return "DatasetArray" if isinstance(value, dict) and "dataset" in value else "TensorValue"
+
+
+InputValue = TypeAliasType(
+    "InputValue",
+    Annotated[
+        Annotated[DatasetArray, Tag("DatasetArray")] | Annotated[TensorValue, Tag("TensorValue")],
+        Discriminator(_input_form),
+        Field(description="A tensor, or {dataset, array, rows} to bind a stored dataset's "
+              "array without sending it."),
+    ],
+)
+
+
+def _inputs_form(value: Any) -> str:
+    bound = isinstance(value, dict) and isinstance(value.get("dataset"), str)
+    return "DatasetInputs" if bound else "map"
+
+
+Inputs = TypeAliasType(
+    "Inputs",
+    Annotated[
+        Annotated[DatasetInputs, Tag("DatasetInputs")]
+        | Annotated[dict[Name, InputValue], Tag("map")],
+        Discriminator(_inputs_form),
+        Field(description="Data (never a default source): name -> tensor or dataset array; "
+              "or {dataset, rows} binding every array of a stored dataset by its name."),
+    ],
+)
+
+
 class Definition(_Strict):
     """A model/loss: variables, inputs and program lines (`name = expression`)."""
 
@@ -206,9 +282,7 @@ class Definition(_Strict):
         default_factory=dict, description="Parameters by name; `<function>.<name>` is a "
         "variable the function owns (its body calls it `<name>`)."
     )
-    inputs: dict[Name, TensorValue] = Field(
-        default_factory=dict, description="Data: never a default source."
-    )
+    inputs: Inputs = Field(default_factory=dict)
     functions: dict[Name, FunctionSpec] = Field(default_factory=dict)
     dtype: FloatDType | None = Field(
         None, description="The dtype of bare numbers and lists in this definition (default "
@@ -779,6 +853,25 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelInfo]
+
+
+class DatasetArrayInfo(TypeInfo):
+    bytes: int
+
+
+class DatasetInfo(BaseModel):
+    """A stored dataset: its arrays (name, dtype, shape, bytes)."""
+
+    name: str
+    version: str = Field(description="SHA-256 over its arrays: changes whenever they do.")
+    bytes: int = Field(description="Bytes of all its arrays.")
+    arrays: dict[str, DatasetArrayInfo]
+    created_at: datetime
+    updated_at: datetime
+
+
+class DatasetList(BaseModel):
+    datasets: list[DatasetInfo]
 
 
 class OpParam(BaseModel):

@@ -4,7 +4,7 @@ the server's limits on the request are applied. Nothing here computes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,8 @@ from service.api.problems import ProblemError
 from service.core.config import Settings
 from service.schemas import (
     CallOptions,
+    DatasetArray,
+    DatasetInputs,
     Definition,
     DefinitionRequest,
     EigenvaluesRequest,
@@ -43,12 +45,26 @@ from service.tensors import (
 
 
 @dataclass(frozen=True)
+class Binding:
+    """Inputs a definition binds to a stored dataset, not yet looked up: one array (as
+    input `name`), or every array (`name` and `array` None), with the rows to take."""
+
+    dataset: str
+    name: str | None
+    array: str | None
+    rows: Any
+    field: str
+
+
+@dataclass(frozen=True)
 class Prepared:
-    """What a route hands the pool, and how to write the answer's tensors."""
+    """What a route hands the pool, and how to write the answer's tensors. `bindings`:
+    the dataset inputs of payload["definition"], for DatasetCatalog.bind to look up."""
 
     payload: dict[str, Any]
     time_limit: float
     encoding: Encoding
+    bindings: list[Binding] = field(default_factory=list)
 
 
 class _Decoder:
@@ -58,6 +74,7 @@ class _Decoder:
         self.allow_nonfinite = allow_nonfinite
         self.errors: list[dict[str, Any]] = []
         self.binary = False  # some tensor came as base64 or raw bytes
+        self.bindings: list[Binding] = []
 
     def tensor(self, value: Any, field: str, default: str = "float32") -> np.ndarray | None:
         """The array of a wire tensor; a bare number or list has dtype `default` (the
@@ -110,11 +127,27 @@ class _Decoder:
                 name: self.variable(var, f"definition.variables.{name}", default)
                 for name, var in d.variables.items()
             },
-            "inputs": self.tensors(d.inputs, "definition.inputs", default),
+            "inputs": self.inputs(d.inputs, default),
             "functions": {
                 name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
             },
         }
+
+    def inputs(self, inputs: Any, default: str) -> dict[str, Any]:
+        """The arrays of the inputs; those bound to datasets are left to the bindings."""
+        if isinstance(inputs, DatasetInputs):
+            self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows),
+                                         "definition.inputs"))
+            return {}
+        out: dict[str, Any] = {}
+        for name, value in inputs.items():
+            if isinstance(value, DatasetArray):
+                self.bindings.append(Binding(value.dataset, name, value.array, rows(value.rows),
+                                             f"definition.inputs.{name}"))
+                out[name] = None  # keeps the input's place; bound before the pool sees it
+            else:
+                out[name] = self.tensor(value, f"definition.inputs.{name}", default)
+        return out
 
     def check(self) -> None:
         if self.errors:
@@ -149,6 +182,11 @@ def _at_new_point(stored: dict[str, Any], values: dict[str, Any], decoder: _Deco
             continue
         variables[name] = {**variables[name], "value": array}
     return {**stored, "variables": variables}
+
+
+def rows(value: Any) -> Any:
+    """Rows as the worker takes them: a list of indices, or {start, stop, step}."""
+    return value if value is None or isinstance(value, list) else value.model_dump()
 
 
 def _time_limit(requested: float | None, settings: Settings) -> float:
@@ -200,7 +238,7 @@ def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload:
         encoding = Encoding(body.response_encoding.value)
     else:
         encoding = Encoding.BASE64 if decoder.binary else Encoding.DATA
-    return Prepared(payload, limit, encoding)
+    return Prepared(payload, limit, encoding, decoder.bindings)
 
 
 def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] | None = None
@@ -347,8 +385,9 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
     return _prepared(body, decoder, payload, limit)
 
 
-def model_definition(body: ModelCreateRequest, settings: Settings) -> dict[str, Any]:
+def model_definition(body: ModelCreateRequest, settings: Settings
+                     ) -> tuple[dict[str, Any], list[Binding]]:
     decoder = _decoder(body, settings)
     definition = decoder.definition(body.definition)
     decoder.check()
-    return definition
+    return definition, decoder.bindings

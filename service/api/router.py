@@ -7,10 +7,20 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from service.api.fairness import admit
-from service.api.routes import gradient, health, hessian, hvp, jacobian, models, ops, tapes
+from service.api.routes import (
+    datasets,
+    gradient,
+    health,
+    hessian,
+    hvp,
+    jacobian,
+    models,
+    ops,
+    tapes,
+)
 from service.auth import authenticate
 
 api_router = APIRouter()
-for module in (gradient, jacobian, hessian, hvp, tapes, models, ops):
+for module in (gradient, jacobian, hessian, hvp, tapes, models, datasets, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
 api_router.include_router(health.router)

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from service.api.negotiation import Negotiated, answer
 from service.api.payloads import Prepared
+from service.datasets import DatasetCatalog
 from service.schemas import DefinitionRequest
 from service.sessions import ModelCatalog
 from service.workers import WorkerPool
@@ -23,7 +24,8 @@ async def stored_definition(body: DefinitionRequest, owner: str, models: ModelCa
     return await models.definition(owner, body.model)
 
 
-async def run(pool: WorkerPool, kind: str, prepared: Prepared, negotiated: Negotiated
-              ) -> Response:
+async def run(pool: WorkerPool, kind: str, prepared: Prepared, negotiated: Negotiated,
+              owner: str, datasets: DatasetCatalog) -> Response:
+    await datasets.bind_prepared(owner, prepared)
     reply = await pool.submit(kind, prepared.payload, time_limit=prepared.time_limit)
     return answer(reply.result, negotiated, prepared.encoding, reply.seconds)

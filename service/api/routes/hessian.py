@@ -5,7 +5,7 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
-from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
+from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
 from service.api.routes._compute import run, stored_definition
 from service.schemas import HessianRequest, HessianResponse
@@ -22,7 +22,7 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 )
 async def compute_hessian(
     body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
-    owner: OwnerDep, models: ModelsDep,
+    owner: OwnerDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """The Hessian of a scalar target over the sources, as blocks: `hessian[a][b]` has
     shape `a.shape + b.shape`. Refused (422, too-large) above the server's
@@ -32,4 +32,5 @@ async def compute_hessian(
     it from the sources to take the step).
     """
     stored = await stored_definition(body, owner, models)
-    return await run(pool, "hessian", payloads.hessian(body, settings, stored), negotiated)
+    return await run(pool, "hessian", payloads.hessian(body, settings, stored), negotiated,
+                     owner, datasets)

@@ -5,7 +5,7 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
-from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
+from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
 from service.api.routes._compute import run, stored_definition
 from service.schemas import JacobianRequest, JacobianResponse
@@ -22,7 +22,7 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 )
 async def compute_jacobian(
     body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
-    owner: OwnerDep, models: ModelsDep,
+    owner: OwnerDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """The jacobian of the target with respect to each source, shape
     `target.shape + source.shape`, computed in batched backward passes of the server's
@@ -34,4 +34,5 @@ async def compute_jacobian(
     not, e.g. with batch normalization between the layers.
     """
     stored = await stored_definition(body, owner, models)
-    return await run(pool, "jacobian", payloads.jacobian(body, settings, stored), negotiated)
+    return await run(pool, "jacobian", payloads.jacobian(body, settings, stored), negotiated,
+                     owner, datasets)

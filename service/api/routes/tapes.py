@@ -12,6 +12,7 @@ from starlette.responses import Response
 from service.api import payloads
 from service.api.bodies import BoundedRoute
 from service.api.deps import (
+    DatasetsDep,
     ModelsDep,
     NegotiatedDep,
     OwnerDep,
@@ -72,7 +73,7 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
 )
 async def create_tape(
     body: TapeCreateRequest, negotiated: NegotiatedDep, settings: SettingsDep,
-    owner: OwnerDep, tapes: TapesDep, models: ModelsDep,
+    owner: OwnerDep, tapes: TapesDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """Record the definition's forward pass and the gradient of its scalar `target` over
     the `sources` (as /v1/gradient takes them; or name a stored `model`), and keep the
@@ -87,6 +88,7 @@ async def create_tape(
     """
     stored = await stored_definition(body, owner, models)
     prepared, ttl = payloads.tape_create(body, settings, stored)
+    await datasets.bind_prepared(owner, prepared)
     tape, result = await tapes.create(owner, prepared.payload, ttl, body.model,
                                       prepared.time_limit)
     response = answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
