@@ -37,7 +37,7 @@ import numpy as np
 from service.api.problems import ProblemError
 from service.core.config import Settings
 from service.metrics import Metrics
-from service.store import ModelRow, Store, TapeRow
+from service.store import ModelRow, Store, TapeRow, is_ref
 from service.workers import ComputeFailed, PoolError, Reply, WorkerPool
 
 log = logging.getLogger("gradtape.sessions")
@@ -331,6 +331,12 @@ class TapeRegistry:
                     known = ", ".join(map(repr, held)) or "none"
                     errors.append({"field": field, "message": f"the tape's definition has no "
                                    f"{section[:-1]} {name!r} (it has: {known})"})
+                    continue
+                if section == "inputs" and is_ref(held[name]):
+                    ref = held[name]
+                    errors.append({"field": field, "message": f"the input {name!r} is bound "
+                                   f"to array {ref['array']!r} of dataset {ref['dataset']!r}; "
+                                   "record a new tape to bind other data or rows"})
                     continue
                 old = held[name]["value"] if section == "variables" else held[name]
                 if value.shape != old.shape:
