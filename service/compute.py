@@ -38,8 +38,9 @@ from engine.language import (
 )
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
-from service import nonfinite
+from service import flat, nonfinite
 from service.dataset_cache import DatasetCache, DatasetUnavailable, resolve
+from service.flat import flatten
 
 log = logging.getLogger("gradtape.compute")
 
@@ -120,12 +121,14 @@ def answer(context: WorkerContext, message: Mapping[str, Any]) -> dict[str, Any]
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
-        payload = bind_datasets(message.get("payload"), context)
+        payload = apply_point(bind_datasets(message.get("payload"), context), context)
         result = handler(payload, context)
         result = nonfinite.guard(
             result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
             refuse_nonfinite,
         )
+        if isinstance(payload, Mapping) and payload.get("flat"):
+            result = flatten(result)
     except BaseException as exc:  # every failure becomes an error reply
         if isinstance(exc, NonFiniteAnswer) and message.get("kind") == "tape_create":
             # A refused recording is not kept; a replaced tape is rebuilt from the store.
@@ -189,6 +192,34 @@ def bind_datasets(payload: Any, context: WorkerContext) -> Any:
     except (ValueError, DatasetUnavailable) as exc:
         raise RequestError("request", str(exc)) from None
     return out
+
+
+def apply_point(payload: Any, context: WorkerContext) -> Any:
+    """The payload with its flat `point` split over the request's sources (in their
+    resolved order, as flat answers list them) into their values in the definition."""
+    if not isinstance(payload, Mapping) or payload.get("point") is None \
+            or "definition" not in payload:
+        return payload
+    program = compile_definition(as_definition(payload["definition"]), context.limits)
+    request = program.check_request(payload["target"], payload.get("sources"), "zero",
+                                    allow_unused=True)
+    keys = list(request.sources)
+    leaves = [program.leaf_info[request.sources[k]] for k in keys]
+    try:
+        values = flat.split(payload["point"], keys, [leaf.type.shape for leaf in leaves],
+                            "point")
+    except flat.FlatError as exc:
+        raise RequestError("request", str(exc)) from None
+    definition = dict(payload["definition"])
+    variables, inputs = dict(definition["variables"]), dict(definition["inputs"])
+    for key, leaf in zip(keys, leaves, strict=True):
+        value = values[key].astype(leaf.type.dtype)
+        if leaf.name in variables:
+            variables[leaf.name] = {**variables[leaf.name], "value": value}
+        else:
+            inputs[leaf.name] = value
+    definition.update(variables=variables, inputs=inputs)
+    return {**payload, "definition": definition}
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
@@ -436,8 +467,7 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     _scalar_target(prepared, "/v1/hvp")
     keys = list(prepared.request.sources)
     primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
-    single = payload.get("vector") is not None
-    vectors: list[Mapping[str, Any]] = [payload["vector"]] if single else payload["vectors"]
+    single, vectors = given_vectors(payload, keys, primals)
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
@@ -458,6 +488,21 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         "hvp": answers[0] if single else None,
         "hvps": None if single else answers,
     }
+
+
+def given_vectors(payload: Mapping[str, Any], keys: list[str], primals: list[Tensor]
+                  ) -> tuple[bool, list[Mapping[str, Any]]]:
+    """(one vector?, the vectors keyed by source), a flat_vector split by the sources."""
+    if payload.get("flat_vector") is not None:
+        try:
+            vector = flat.split(payload["flat_vector"], keys,
+                                [tuple(p.shape) for p in primals], "flat_vector")
+        except flat.FlatError as exc:
+            raise RequestError("request", str(exc)) from None
+        return True, [vector]
+    if payload.get("vector") is not None:
+        return True, [payload["vector"]]
+    return False, payload["vectors"]
 
 
 def check_vector(vector: Mapping[str, Any], keys: list[str], primals: list[Tensor],

@@ -415,6 +415,11 @@ class ComputeRequest(DefinitionRequest):
         False, description="Accept program lines the target does not use (they are skipped); "
         "by default such a line is reported as a likely mistake."
     )
+    point: TensorValue | None = Field(
+        None, description="New values for the sources as one flat vector, in the order "
+        "`flat.order` lists (cast to each source's dtype): the point an optimizer asks "
+        "about, without naming each variable."
+    )
 
 
 UNCONNECTED_FIELD = Field(
@@ -430,6 +435,11 @@ class GradientRequest(ComputeRequest):
     model_config = ConfigDict(json_schema_extra={"examples": [GRADIENT_EXAMPLE]})
 
     unconnected: Unconnected = UNCONNECTED_FIELD
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
 
 class JacobianRequest(ComputeRequest):
@@ -470,11 +480,21 @@ class HVPRequest(ComputeRequest):
     vectors: list[dict[Name, TensorValue]] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
+    flat_vector: TensorValue | None = Field(
+        None, description="One vector as a flat vector over the sources (in `flat.order`)."
+    )
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
     @model_validator(mode="after")
     def _one_of(self) -> HVPRequest:
-        if (self.vector is None) == (self.vectors is None):
-            raise ValueError("give exactly one of 'vector' (one) or 'vectors' (a list)")
+        given = [self.vector, self.vectors, self.flat_vector]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give exactly one of 'vector' (one), 'vectors' (a list) or "
+                             "'flat_vector' (one, flat)")
         if self.vectors is not None and not self.vectors:
             raise ValueError("'vectors' is empty")
         return self
@@ -487,11 +507,16 @@ class _Vectors(CallOptions):
     vectors: list[dict[Name, TensorValue]] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
+    flat_vector: TensorValue | None = Field(
+        None, description="One vector as a flat vector over the sources (in `flat.order`)."
+    )
 
     @model_validator(mode="after")
     def _one_of(self) -> _Vectors:
-        if (self.vector is None) == (self.vectors is None):
-            raise ValueError("give exactly one of 'vector' (one) or 'vectors' (a list)")
+        given = [self.vector, self.vectors, self.flat_vector]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give exactly one of 'vector' (one), 'vectors' (a list) or "
+                             "'flat_vector' (one, flat)")
         if self.vectors is not None and not self.vectors:
             raise ValueError("'vectors' is empty")
         return self
@@ -518,6 +543,11 @@ class TapeCreateRequest(DefinitionRequest):
         None, gt=0, description="Seconds the tape lives after its last use (default and "
         "maximum: server settings tape_ttl and tape_max_ttl)."
     )
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
 
 class TapeUpdateRequest(CallOptions):
@@ -526,17 +556,34 @@ class TapeUpdateRequest(CallOptions):
 
     variables: dict[Name, TensorValue] = Field(default_factory=dict)
     inputs: dict[Name, TensorValue] = Field(default_factory=dict)
+    point: TensorValue | None = Field(
+        None, description="New values for the tape's sources as one flat vector, in the "
+        "order `flat.order` lists (instead of naming them in variables/inputs)."
+    )
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
     @model_validator(mode="after")
     def _something(self) -> TapeUpdateRequest:
-        if not self.variables and not self.inputs:
-            raise ValueError("give new values in 'variables' and/or 'inputs'")
+        if not self.variables and not self.inputs and self.point is None:
+            raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
+        if self.point is not None and (self.variables or self.inputs):
+            raise ValueError("give 'point' (every source, flat) or 'variables'/'inputs' "
+                             "(by name), not both")
         return self
 
 
 class TapeHVPRequest(_Vectors):
-    """Hessian-vector products of the tape's target over its sources: `vector` or
-    `vectors`. Only the second-order pass runs; nothing is recorded."""
+    """Hessian-vector products of the tape's target over its sources: `vector`,
+    `vectors` or `flat_vector`. Only the second-order pass runs; nothing is recorded."""
+
+    flat: StrictBool = Field(
+        False, description="Answer the products as flat float64 vectors in `flat`, in the "
+        "order `flat.order` lists (the tape's sources); `hvp`/`hvps` are then null."
+    )
 
 
 class TapeGradientRequest(CallOptions):
@@ -673,11 +720,28 @@ def _nonfinite_flag() -> Any:
     )
 
 
+class FlatSlot(BaseModel):
+    source: str = Field(description="The source (its answer key).")
+    shape: list[int]
+    offset: int = Field(description="Where its elements start in the flat vectors.")
+    size: int
+
+
+class FlatAnswer(BaseModel):
+    """With `flat: true`: the answer as flat float64 vectors over the sources."""
+
+    order: list[FlatSlot] = Field(description="The sources, in the flat vectors' order.")
+    gradient: Tensor | None = None
+    hvp: Tensor | None = None
+    hvps: Tensor | None = Field(None, description="One row per vector.")
+
+
 class GradientResponse(BaseModel):
     """The target's value and one gradient per source (null when unconnected)."""
 
     value: Tensor
     gradients: dict[str, Tensor | None]
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -710,6 +774,7 @@ class HVPResponse(BaseModel):
     gradients: dict[str, Tensor | None]
     hvp: dict[str, Tensor] | None = None
     hvps: list[dict[str, Tensor]] | None = None
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -728,6 +793,7 @@ class TapeCreateResponse(BaseModel):
     expires_at: datetime = Field(description="When it expires unless used before.")
     device: str
     worker: int
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -763,6 +829,7 @@ class TapeHVPResponse(BaseModel):
 
     hvp: dict[str, Tensor] | None = None
     hvps: list[dict[str, Tensor]] | None = None
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 

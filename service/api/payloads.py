@@ -225,7 +225,11 @@ def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] 
         "target": body.target,
         "sources": body.sources,
         "allow_unused": getattr(body, "allow_unused", False),
+        "flat": getattr(body, "flat", False),
     }
+    point = getattr(body, "point", None)
+    if point is not None:  # split by the sources' shapes in the worker, which knows them
+        payload["point"] = decoder.tensor(point, "point", "float64")
     return decoder, payload, limit
 
 
@@ -244,7 +248,8 @@ def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload:
 def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] | None = None
              ) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
-    payload["unconnected"] = body.unconnected.value
+    # a flat vector has a place for every source: an unconnected one holds zeros
+    payload["unconnected"] = "zero" if body.flat else body.unconnected.value
     return _prepared(body, decoder, payload, limit)
 
 
@@ -279,7 +284,11 @@ def _vectors(body: HVPRequest | TapeHVPRequest, decoder: _Decoder, payload: dict
             f"{settings.hvp_max_vectors} in one request",
             errors=[{"field": "vectors", "message": f"at most {settings.hvp_max_vectors}"}],
         )
-    if body.vector is not None:
+    payload["flat_vector"] = None
+    if body.flat_vector is not None:
+        payload["flat_vector"] = decoder.tensor(body.flat_vector, "flat_vector", "float64")
+        payload["vector"] = payload["vectors"] = None
+    elif body.vector is not None:
         payload["vector"] = decoder.tensors(body.vector, "vector")
         payload["vectors"] = None
     else:
@@ -312,7 +321,7 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
 
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
-    payload: dict[str, Any] = {}
+    payload: dict[str, Any] = {"flat": body.flat}
     _vectors(body, decoder, payload, settings)
     return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
 
@@ -331,7 +340,10 @@ def tape_update(body: TapeUpdateRequest, settings: Settings
     decoder = _decoder(body, settings)
     variables = decoder.tensors(body.variables, "variables")
     inputs = decoder.tensors(body.inputs, "inputs")
-    prepared = _prepared(body, decoder, {}, _time_limit(body.time_limit, settings))
+    payload: dict[str, Any] = {"flat": body.flat}
+    if body.point is not None:
+        payload["point"] = decoder.tensor(body.point, "point", "float64")
+    prepared = _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
     return (
         {k: v for k, v in variables.items() if v is not None},
         {k: v for k, v in inputs.items() if v is not None},

@@ -58,6 +58,7 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
         "expires_at": info["expires_at"],
         "device": info["device"],
         "worker": info["worker"],
+        **({"flat": result["flat"]} if "flat" in result else {}),
         **({"nonfinite": result["nonfinite"]} if "nonfinite" in result else {}),
     }
 
@@ -152,7 +153,9 @@ async def update_tape(
     step of an optimizer: one request instead of delete + create). Answers the new value
     and gradients. A failed recording keeps the tape as it was."""
     variables, inputs, prepared = payloads.tape_update(body, settings)
-    result = await tapes.update(tape, variables, inputs, prepared.time_limit)
+    result = await tapes.update(tape, variables, inputs, prepared.time_limit,
+                                point=prepared.payload.get("point"),
+                                flat=prepared.payload["flat"])
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 
 
