@@ -69,4 +69,5 @@ def test_openapi_document(client) -> None:
                           "update_tape", "delete_tape", "compute_tape_hvp",
                           "compute_tape_gradient", "compute_tape_jacobian",
                           "compute_tape_eigenvalues", "estimate_tape_trace", "solve_tape",
-                          "create_model", "list_models", "read_model", "delete_model"}
+                          "create_model", "list_models", "read_model", "delete_model",
+                          "put_dataset", "list_datasets", "read_dataset", "delete_dataset"}
