@@ -108,7 +108,7 @@ async def list_datasets(owner: OwnerDep, datasets: DatasetsDep) -> DatasetList:
 
 
 @router.get("/v1/datasets/{name}", response_model=DatasetInfo,
-            responses=problem_responses(401, 404), summary="A dataset's metadata")
+            responses=problem_responses(401, 404, 422), summary="A dataset's metadata")
 async def read_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) -> DatasetInfo:
     """Its arrays (name, dtype, shape, bytes), total bytes, version (changes with the
     arrays) and times; not the arrays themselves."""
@@ -116,7 +116,7 @@ async def read_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) 
 
 
 @router.delete("/v1/datasets/{name}", status_code=204, response_class=Response,
-               responses=problem_responses(401, 404), summary="Delete a dataset")
+               responses=problem_responses(401, 404, 422), summary="Delete a dataset")
 async def delete_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) -> Response:
     """Forget the dataset (tapes and models bound to it keep the arrays they were bound
     to)."""

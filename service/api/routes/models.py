@@ -26,7 +26,8 @@ NameParam = Annotated[str, Path(description="The model's name.")]
     status_code=201,
     response_model=ModelInfo,
     responses={200: {"model": ModelInfo, "description": "Replaced (with replace: true)"},
-               **problem_responses(400, 401, 406, 409, 413, 415, 422, 429, 502, 503, 504)},
+               **problem_responses(400, 401, 404, 406, 409, 413, 415, 422, 429, 502, 503,
+                                  504)},
     openapi_extra=msgpack_body("ModelCreateRequest"),
     summary="Store a model",
 )
