@@ -39,7 +39,9 @@ from engine.language import (
 )
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
-from service import nonfinite
+from service import flat, nonfinite
+from service.dataset_cache import DatasetCache, DatasetUnavailable, resolve
+from service.flat import flatten
 
 log = logging.getLogger("gradtape.compute")
 
@@ -91,6 +93,7 @@ class WorkerContext:
             return
         self._last_report = now
         self.report({k: _plain(v) for k, v in report.items()})
+    datasets: DatasetCache = field(default_factory=lambda: DatasetCache(None, 0))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -134,6 +137,8 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
         lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
         memory_budget=options.get("memory_budget"),
+        datasets=DatasetCache(options.get("store_path"),
+                              int(options.get("dataset_memory_budget", 1 << 30))),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
@@ -159,13 +164,15 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
-        payload = message.get("payload")
         with gt.interruptible(check):
+            payload = apply_point(bind_datasets(message.get("payload"), context), context)
             result = handler(payload, context)
             result = nonfinite.guard(
                 result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
                 refuse_nonfinite,
             )
+        if isinstance(payload, Mapping) and payload.get("flat"):
+            result = flatten(result)
     except BaseException as exc:  # every failure becomes an error reply
         if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
                 and message.get("kind") == "tape_create"):
@@ -212,6 +219,52 @@ def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerCon
         return session.program.find_nonfinite(request, session.leaves)
     prepared = _prepare(payload, context, "zero")
     return prepared.program.find_nonfinite(prepared.request, prepared.leaves)
+
+
+def bind_datasets(payload: Any, context: WorkerContext) -> Any:
+    """The payload with the inputs bound to datasets (of its definition, and of the
+    definition a tape is rebuilt from) replaced by their arrays, rows taken."""
+    if not isinstance(payload, Mapping):
+        return payload
+    out = dict(payload)
+    try:
+        if isinstance(out.get("definition"), Mapping):
+            out["definition"] = resolve(out["definition"], context.datasets)
+        rebuild = out.get("rebuild")
+        if isinstance(rebuild, Mapping) and isinstance(rebuild.get("definition"), Mapping):
+            out["rebuild"] = {**rebuild,
+                              "definition": resolve(rebuild["definition"], context.datasets)}
+    except (ValueError, DatasetUnavailable) as exc:
+        raise RequestError("request", str(exc)) from None
+    return out
+
+
+def apply_point(payload: Any, context: WorkerContext) -> Any:
+    """The payload with its flat `point` split over the request's sources (in their
+    resolved order, as flat answers list them) into their values in the definition."""
+    if not isinstance(payload, Mapping) or payload.get("point") is None \
+            or "definition" not in payload:
+        return payload
+    program = compile_definition(as_definition(payload["definition"]), context.limits)
+    request = program.check_request(payload["target"], payload.get("sources"), "zero",
+                                    allow_unused=True)
+    keys = list(request.sources)
+    leaves = [program.leaf_info[request.sources[k]] for k in keys]
+    try:
+        values = flat.split(payload["point"], keys, [leaf.type.shape for leaf in leaves],
+                            "point")
+    except flat.FlatError as exc:
+        raise RequestError("request", str(exc)) from None
+    definition = dict(payload["definition"])
+    variables, inputs = dict(definition["variables"]), dict(definition["inputs"])
+    for key, leaf in zip(keys, leaves, strict=True):
+        value = values[key].astype(leaf.type.dtype)
+        if leaf.name in variables:
+            variables[leaf.name] = {**variables[leaf.name], "value": value}
+        else:
+            inputs[leaf.name] = value
+    definition.update(variables=variables, inputs=inputs)
+    return {**payload, "definition": definition}
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
@@ -476,8 +529,7 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     _scalar_target(prepared, "/v1/hvp")
     keys = list(prepared.request.sources)
     primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
-    single = payload.get("vector") is not None
-    vectors: list[Mapping[str, Any]] = [payload["vector"]] if single else payload["vectors"]
+    single, vectors = given_vectors(payload, keys, primals)
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
@@ -499,6 +551,21 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         "hvp": answers[0] if single else None,
         "hvps": None if single else answers,
     }
+
+
+def given_vectors(payload: Mapping[str, Any], keys: list[str], primals: list[Tensor]
+                  ) -> tuple[bool, list[Mapping[str, Any]]]:
+    """(one vector?, the vectors keyed by source), a flat_vector split by the sources."""
+    if payload.get("flat_vector") is not None:
+        try:
+            vector = flat.split(payload["flat_vector"], keys,
+                                [tuple(p.shape) for p in primals], "flat_vector")
+        except flat.FlatError as exc:
+            raise RequestError("request", str(exc)) from None
+        return True, [vector]
+    if payload.get("vector") is not None:
+        return True, [payload["vector"]]
+    return False, payload["vectors"]
 
 
 def check_vector(vector: Mapping[str, Any], keys: list[str], primals: list[Tensor],

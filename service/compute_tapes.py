@@ -55,6 +55,7 @@ from service.compute import (
     WorkerContext,
     check_jacobian_size,
     check_vector,
+    given_vectors,
     jacobians_on,
     on_device,
 )
@@ -258,8 +259,7 @@ def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
 
 def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = _session(payload, context)
-    single = payload.get("vector") is not None
-    vectors: list[Mapping[str, Any]] = [payload["vector"]] if single else payload["vectors"]
+    single, vectors = given_vectors(payload, session.keys, session.primals)
     for i, vector in enumerate(vectors):
         check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
     stacked = [

@@ -22,6 +22,7 @@ from service.api.fairness import Fairness
 from service.api.router import api_router
 from service.auth import KeyRing
 from service.core.config import Settings, get_settings
+from service.datasets import DatasetCatalog
 from service.jobs import JobRegistry
 from service.metrics import Metrics
 from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
@@ -133,6 +134,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)
     app.state.models = ModelCatalog(settings, pool, store)
     app.state.jobs = JobRegistry(settings)
+    app.state.datasets = DatasetCatalog(settings, store)
     errors.install(app)
     docs.install(app)
     openapi.install(app)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgpack
 from pydantic import (
@@ -43,6 +43,7 @@ from service.tensors import DTYPES
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
+FloatDType = Literal["float16", "float32", "float64"]
 
 
 class TensorEncoding(StrEnum):
@@ -164,13 +165,17 @@ class VariableSpec(_Strict):
 
 
 class FunctionSpec(_Strict):
-    """A user function with a custom gradient (the analogue of tf.custom_gradient)."""
+    """A user function. Without `backward` it is a plain function, differentiated through
+    (to any order); its body may call other functions (never itself) and use the variables
+    it owns (`"<function>.<name>"` in `variables`, `<name>` in its body). With `backward`
+    it has a custom gradient (the analogue of tf.custom_gradient)."""
 
     params: list[str] = Field(description="Parameter names.")
     forward: list[str] = Field(description="Program lines computing the value from params.")
-    backward: list[str] = Field(
-        description="Program lines that see params, forward names and `upstream` and "
-        "assign `grad_<param>` for each floating-point param."
+    backward: list[str] | None = Field(
+        None,
+        description="Optional: program lines that see params, forward names and `upstream` "
+        "and assign `grad_<param>` for each floating-point param (a custom gradient).",
     )
     output: str | None = Field(
         None, description="The forward name that is the value (default: the last assigned)."
@@ -237,6 +242,82 @@ Models = TypeAliasType(
 )
 
 
+DatasetName = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="A stored dataset's name: letters, digits, '_', '.', '-' (at most 64, "
+        "starting with a letter or digit).",
+        examples=["breast_cancer"],
+    ),
+]
+
+
+class RowSlice(_Strict):
+    """Rows start:stop:step of axis 0 (Python's slice; start and stop within 0..rows)."""
+
+    start: StrictInt | None = Field(None, ge=0)
+    stop: StrictInt | None = Field(None, ge=0)
+    step: StrictInt | None = Field(None, ge=1)
+
+
+Rows = TypeAliasType(
+    "Rows",
+    Annotated[
+        list[Annotated[StrictInt, Field(ge=0)]] | RowSlice,
+        Field(description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
+              "step}; a row past the array's end is a 422 naming the bound."),
+    ],
+)
+
+
+class DatasetArray(_Strict):
+    """An input bound to one array of a stored dataset (PUT /v1/datasets/{name})."""
+
+    dataset: DatasetName
+    array: Name = Field(description="The array's name in the dataset.")
+    rows: Rows | None = None
+
+
+class DatasetInputs(_Strict):
+    """Every array of a stored dataset, each an input of the same name."""
+
+    dataset: DatasetName
+    rows: Rows | None = Field(None, description="The same rows of every array.")
+
+
+def _input_form(value: Any) -> str:
+    return "DatasetArray" if isinstance(value, dict) and "dataset" in value else "TensorValue"
+
+
+InputValue = TypeAliasType(
+    "InputValue",
+    Annotated[
+        Annotated[DatasetArray, Tag("DatasetArray")] | Annotated[TensorValue, Tag("TensorValue")],
+        Discriminator(_input_form),
+        Field(description="A tensor, or {dataset, array, rows} to bind a stored dataset's "
+              "array without sending it."),
+    ],
+)
+
+
+def _inputs_form(value: Any) -> str:
+    bound = isinstance(value, dict) and isinstance(value.get("dataset"), str)
+    return "DatasetInputs" if bound else "map"
+
+
+Inputs = TypeAliasType(
+    "Inputs",
+    Annotated[
+        Annotated[DatasetInputs, Tag("DatasetInputs")]
+        | Annotated[dict[Name, InputValue], Tag("map")],
+        Discriminator(_inputs_form),
+        Field(description="Data (never a default source): name -> tensor or dataset array; "
+              "or {dataset, rows} binding every array of a stored dataset by its name."),
+    ],
+)
+
+
 class Definition(_Strict):
     """A model/loss: variables, inputs and program lines (`name = expression`)."""
 
@@ -245,13 +326,20 @@ class Definition(_Strict):
         "line breaks).",
         examples=[["h = relu(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"]],
     )
-    variables: Variables = Field(default_factory=dict)
-    inputs: NamedTensors = Field(default_factory=dict,
-                                 description="Data: never a default source.")
+    variables: Variables = Field(
+        default_factory=dict, description="Parameters by name; `<function>.<name>` is a "
+        "variable the function owns (its body calls it `<name>`)."
+    )
+    inputs: Inputs = Field(default_factory=dict)
     functions: Functions = Field(default_factory=dict)
     models: Models = Field(
         default_factory=dict,
         description="Imported ONNX models, called from the program by these names.",
+    )
+    dtype: FloatDType | None = Field(
+        None, description="The dtype of bare numbers and lists in this definition (default "
+        "float32); tensors that name their dtype keep it. Mixing dtypes in an op stays an "
+        "error (use cast)."
     )
 
 
@@ -397,6 +485,12 @@ class DefinitionRequest(RequestModel):
         None, description="The name of a stored model (POST /v1/models) to use instead of "
         "sending its definition."
     )
+    variables: dict[Name, TensorValue] | None = Field(
+        None, description="With `model`: new values for some or all of its variables (the "
+        "rest keep their stored values). Each keeps its stored shape and dtype: a bare "
+        "number or list takes the variable's dtype, and a different shape or dtype is a 422 "
+        "naming both."
+    )
     target: Name = Field(description="The name (a program line, variable or input) to differentiate.")
     sources: Sources | None = None
     time_limit: StrictFloat | None = _time_limit_field()
@@ -407,6 +501,9 @@ class DefinitionRequest(RequestModel):
     def _definition_or_model(self) -> DefinitionRequest:
         if (self.definition is None) == (self.model is None):
             raise ValueError("give exactly one of 'definition' or 'model' (a stored model's name)")
+        if self.variables is not None and self.model is None:
+            raise ValueError("'variables' gives a stored model new values and goes with "
+                             "'model'; with a definition, set them in definition.variables")
         return self
 
 
@@ -414,6 +511,11 @@ class ComputeRequest(DefinitionRequest):
     allow_unused: StrictBool = Field(
         False, description="Accept program lines the target does not use (they are skipped); "
         "by default such a line is reported as a likely mistake."
+    )
+    point: TensorValue | None = Field(
+        None, description="New values for the sources as one flat vector, in the order "
+        "`flat.order` lists (cast to each source's dtype): the point an optimizer asks "
+        "about, without naming each variable."
     )
 
 
@@ -430,6 +532,11 @@ class GradientRequest(ComputeRequest):
     model_config = ConfigDict(json_schema_extra={"examples": [GRADIENT_EXAMPLE]})
 
     unconnected: Unconnected = UNCONNECTED_FIELD
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
 
 class JacobianRequest(ComputeRequest):
@@ -472,11 +579,21 @@ class HVPRequest(ComputeRequest):
     vectors: list[Vector] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
+    flat_vector: TensorValue | None = Field(
+        None, description="One vector as a flat vector over the sources (in `flat.order`)."
+    )
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
     @model_validator(mode="after")
     def _one_of(self) -> HVPRequest:
-        if (self.vector is None) == (self.vectors is None):
-            raise ValueError("give exactly one of 'vector' (one) or 'vectors' (a list)")
+        given = [self.vector, self.vectors, self.flat_vector]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give exactly one of 'vector' (one), 'vectors' (a list) or "
+                             "'flat_vector' (one, flat)")
         if self.vectors is not None and not self.vectors:
             raise ValueError("'vectors' is empty")
         return self
@@ -489,11 +606,16 @@ class _Vectors(CallOptions):
     vectors: list[Vector] | None = Field(
         None, description="Several vectors, answered together in one batched pass."
     )
+    flat_vector: TensorValue | None = Field(
+        None, description="One vector as a flat vector over the sources (in `flat.order`)."
+    )
 
     @model_validator(mode="after")
     def _one_of(self) -> _Vectors:
-        if (self.vector is None) == (self.vectors is None):
-            raise ValueError("give exactly one of 'vector' (one) or 'vectors' (a list)")
+        given = [self.vector, self.vectors, self.flat_vector]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give exactly one of 'vector' (one), 'vectors' (a list) or "
+                             "'flat_vector' (one, flat)")
         if self.vectors is not None and not self.vectors:
             raise ValueError("'vectors' is empty")
         return self
@@ -520,6 +642,11 @@ class TapeCreateRequest(DefinitionRequest):
         None, gt=0, description="Seconds the tape lives after its last use (default and "
         "maximum: server settings tape_ttl and tape_max_ttl)."
     )
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
 
 class TapeUpdateRequest(CallOptions):
@@ -529,17 +656,34 @@ class TapeUpdateRequest(CallOptions):
     variables: NamedTensors = Field(default_factory=dict,
                                     description="New values by variable name.")
     inputs: NamedTensors = Field(default_factory=dict, description="New values by input name.")
+    point: TensorValue | None = Field(
+        None, description="New values for the tape's sources as one flat vector, in the "
+        "order `flat.order` lists (instead of naming them in variables/inputs)."
+    )
+    flat: StrictBool = Field(
+        False, description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening."
+    )
 
     @model_validator(mode="after")
     def _something(self) -> TapeUpdateRequest:
-        if not self.variables and not self.inputs:
-            raise ValueError("give new values in 'variables' and/or 'inputs'")
+        if not self.variables and not self.inputs and self.point is None:
+            raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
+        if self.point is not None and (self.variables or self.inputs):
+            raise ValueError("give 'point' (every source, flat) or 'variables'/'inputs' "
+                             "(by name), not both")
         return self
 
 
 class TapeHVPRequest(_Vectors):
-    """Hessian-vector products of the tape's target over its sources: `vector` or
-    `vectors`. Only the second-order pass runs; nothing is recorded."""
+    """Hessian-vector products of the tape's target over its sources: `vector`,
+    `vectors` or `flat_vector`. Only the second-order pass runs; nothing is recorded."""
+
+    flat: StrictBool = Field(
+        False, description="Answer the products as flat float64 vectors in `flat`, in the "
+        "order `flat.order` lists (the tape's sources); `hvp`/`hvps` are then null."
+    )
 
 
 class TapeGradientRequest(CallOptions):
@@ -680,11 +824,28 @@ def _nonfinite_flag() -> Any:
     )
 
 
+class FlatSlot(BaseModel):
+    source: str = Field(description="The source (its answer key).")
+    shape: list[int]
+    offset: int = Field(description="Where its elements start in the flat vectors.")
+    size: int
+
+
+class FlatAnswer(BaseModel):
+    """With `flat: true`: the answer as flat float64 vectors over the sources."""
+
+    order: list[FlatSlot] = Field(description="The sources, in the flat vectors' order.")
+    gradient: Tensor | None = None
+    hvp: Tensor | None = None
+    hvps: Tensor | None = Field(None, description="One row per vector.")
+
+
 class GradientResponse(BaseModel):
     """The target's value and one gradient per source (null when unconnected)."""
 
     value: Tensor
     gradients: Gradients
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -717,6 +878,7 @@ class HVPResponse(BaseModel):
     gradients: Gradients
     hvp: Tensors | None = None
     hvps: list[Tensors] | None = None
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -735,6 +897,7 @@ class TapeCreateResponse(BaseModel):
     expires_at: datetime = Field(description="When it expires unless used before.")
     device: str
     worker: int
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -770,6 +933,7 @@ class TapeHVPResponse(BaseModel):
 
     hvp: Tensors | None = None
     hvps: list[Tensors] | None = None
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
@@ -872,6 +1036,25 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelInfo]
+
+
+class DatasetArrayInfo(TypeInfo):
+    bytes: int
+
+
+class DatasetInfo(BaseModel):
+    """A stored dataset: its arrays (name, dtype, shape, bytes)."""
+
+    name: str
+    version: str = Field(description="SHA-256 over its arrays: changes whenever they do.")
+    bytes: int = Field(description="Bytes of all its arrays.")
+    arrays: dict[str, DatasetArrayInfo]
+    created_at: datetime
+    updated_at: datetime
+
+
+class DatasetList(BaseModel):
+    datasets: list[DatasetInfo]
 
 
 class OpParam(BaseModel):

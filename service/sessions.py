@@ -37,8 +37,9 @@ import numpy as np
 
 from service.api.problems import ProblemError
 from service.core.config import Settings
+from service.flat import FlatError, split
 from service.metrics import Metrics
-from service.store import ModelRow, Store, TapeRow
+from service.store import ModelRow, Store, TapeRow, is_ref
 from service.workers import Cancelled, ComputeFailed, PoolError, Reply, WorkerPool
 
 log = logging.getLogger("gradtape.sessions")
@@ -308,6 +309,28 @@ class TapeRegistry:
             await self._enforce_budget(worker, keep=tape)
         return reply
 
+    @staticmethod
+    def _split_point(tape: Tape, definition: dict[str, Any], point: np.ndarray
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """A flat point -> new values by name, in the tape's source order (the order of
+        its flat answers); only views and reshapes, cast later to the recorded dtypes."""
+        names = list(tape.row.sources.values())
+        shapes = []
+        for name in names:
+            held = (definition["variables"][name]["value"] if name in definition["variables"]
+                    else definition["inputs"][name])
+            shapes.append(tuple(held["shape"]) if is_ref(held) else held.shape)
+        try:
+            values = split(point, list(tape.row.sources), shapes, "point")
+        except FlatError as exc:
+            raise ProblemError("validation", str(exc),
+                               errors=[{"field": "point", "message": str(exc)}]) from None
+        variables = {n: values[k] for k, n in tape.row.sources.items()
+                     if n in definition["variables"]}
+        inputs = {n: values[k] for k, n in tape.row.sources.items()
+                  if n not in definition["variables"]}
+        return variables, inputs
+
     def _worker_of(self, tape: Tape) -> int:
         if tape.row.worker >= self.pool.size:  # restarted with fewer workers
             tape.row.worker = self._choose_worker()
@@ -324,13 +347,17 @@ class TapeRegistry:
         return {"definition": definition, "target": tape.row.target, "sources": tape.row.sources}
 
     async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
-                     inputs: Mapping[str, np.ndarray], time_limit: float) -> dict[str, Any]:
-        """New values for some variables and inputs: record the tape again (in place, same
-        id); the stored definition changes only once the new recording succeeded."""
+                     inputs: Mapping[str, np.ndarray], time_limit: float,
+                     point: np.ndarray | None = None, flat: bool = False) -> dict[str, Any]:
+        """New values for some variables and inputs (or for every source, as one flat
+        `point`): record the tape again (in place, same id); the stored definition changes
+        only once the new recording succeeded. `flat`: answer flat vectors."""
         spec = await self._spec(tape)
         definition = spec["definition"]
         errors = []
         initializers = []  # names only the worker can check: ONNX initializers
+        if point is not None:
+            variables, inputs = self._split_point(tape, definition, point)
         for section, values in (("variables", variables), ("inputs", inputs)):
             held = definition[section]
             for name, value in values.items():
@@ -345,6 +372,12 @@ class TapeRegistry:
                     known = ", ".join(map(repr, held)) or "none"
                     errors.append({"field": field, "message": f"the tape's definition has no "
                                    f"{section[:-1]} {name!r} (it has: {known})"})
+                    continue
+                if section == "inputs" and is_ref(held[name]):
+                    ref = held[name]
+                    errors.append({"field": field, "message": f"the input {name!r} is bound "
+                                   f"to array {ref['array']!r} of dataset {ref['dataset']!r}; "
+                                   "record a new tape to bind other data or rows"})
                     continue
                 old = held[name]["value"] if section == "variables" else held[name]
                 if value.shape != old.shape:
@@ -371,7 +404,8 @@ class TapeRegistry:
             worker = self._worker_of(tape)
             try:
                 reply = await self.pool.submit(
-                    "tape_create", {"tape_id": tape.id, **spec, "initializers": initializers},
+                    "tape_create",
+                    {"tape_id": tape.id, **spec, "initializers": initializers, "flat": flat},
                     worker=worker, time_limit=time_limit)
             except Cancelled:
                 # The worker may hold the new recording while the store keeps the old

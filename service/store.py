@@ -99,7 +99,43 @@ CREATE TABLE IF NOT EXISTS tapes (
     ended      REAL
 );
 CREATE INDEX IF NOT EXISTS tapes_owner ON tapes(owner, state);
+CREATE TABLE IF NOT EXISTS datasets (
+    owner   TEXT NOT NULL,
+    name    TEXT NOT NULL,
+    version TEXT NOT NULL,     -- sha256 over its arrays' names and blobs
+    bytes   INTEGER NOT NULL,  -- of all its arrays
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (owner, name)
+);
+CREATE TABLE IF NOT EXISTS dataset_arrays (
+    owner    TEXT NOT NULL,
+    dataset  TEXT NOT NULL,
+    name     TEXT NOT NULL,
+    position INTEGER NOT NULL,
+    blob     TEXT NOT NULL REFERENCES blobs(hash),
+    PRIMARY KEY (owner, dataset, name),
+    FOREIGN KEY (owner, dataset) REFERENCES datasets(owner, name) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS dataset_arrays_blob ON dataset_arrays(blob);
+-- Inputs bound to a dataset's array: the blob it was bound to, and the rows (JSON).
+CREATE TABLE IF NOT EXISTS definition_refs (
+    definition TEXT NOT NULL REFERENCES definitions(hash) ON DELETE CASCADE,
+    name       TEXT NOT NULL,
+    position   INTEGER NOT NULL,
+    ref        TEXT NOT NULL,  -- JSON: {dataset, array, blob, dtype, shape, rows}
+    blob       TEXT NOT NULL REFERENCES blobs(hash),
+    PRIMARY KEY (definition, name)
+);
+CREATE INDEX IF NOT EXISTS definition_refs_blob ON definition_refs(blob);
 """
+
+# Blobs nothing refers to any longer (a definition, a dataset, a bound input).
+_UNUSED_BLOBS = (
+    "DELETE FROM blobs WHERE hash NOT IN (SELECT blob FROM definition_tensors) "
+    "AND hash NOT IN (SELECT blob FROM dataset_arrays) "
+    "AND hash NOT IN (SELECT blob FROM definition_refs)"
+)
 
 SECTIONS = ("variables", "inputs")
 
@@ -126,6 +162,31 @@ class TapeRow:
     rebuilds: int
     state: str
     ended: float | None
+
+
+@dataclass
+class ArrayRow:
+    name: str
+    dtype: str
+    shape: list[int]
+    blob: str
+    bytes: int
+
+
+@dataclass
+class DatasetRow:
+    owner: str
+    name: str
+    version: str
+    bytes: int
+    created: float
+    updated: float
+    arrays: list[ArrayRow]
+
+
+def is_ref(value: Any) -> bool:
+    """An input bound to a dataset's array (the worker form), not an array."""
+    return isinstance(value, Mapping) and "blob" in value
 
 
 @dataclass
@@ -244,7 +305,7 @@ class Store:
             if row is None:
                 return None
             tensors = db.execute(
-                "SELECT t.section, t.name, t.trainable, b.dtype, b.shape, b.data "
+                "SELECT t.section, t.name, t.position, t.trainable, b.dtype, b.shape, b.data "
                 "FROM definition_tensors t JOIN blobs b ON b.hash = t.blob "
                 "WHERE t.definition = ? ORDER BY t.section, t.position",
                 (digest,),
@@ -253,18 +314,26 @@ class Store:
                 "SELECT m.name, m.frozen, f.data FROM definition_models m JOIN onnx_files f "
                 "ON f.hash = m.file WHERE m.definition = ? ORDER BY m.position", (digest,),
             ).fetchall()
+            refs = db.execute(
+                "SELECT name, position, ref FROM definition_refs WHERE definition = ?",
+                (digest,),
+            ).fetchall()
         out: dict[str, Any] = {
             "program": json.loads(row[0]),
             "variables": {},
             "inputs": {},
             "functions": json.loads(row[1]),
         }
-        for section, name, trainable, dtype, shape, data in tensors:
+        inputs: list[tuple[int, str, Any]] = []
+        for section, name, position, trainable, dtype, shape, data in tensors:
             array = array_from_bytes(dtype, json.loads(shape), data)
             if section == "variables":
                 out["variables"][name] = {"value": array, "trainable": bool(trainable)}
             else:
-                out["inputs"][name] = array
+                inputs.append((position, name, array))
+        # arrays and inputs bound to datasets, back in their order
+        inputs += [(position, name, json.loads(ref)) for name, position, ref in refs]
+        out["inputs"] = {name: value for _, name, value in sorted(inputs, key=lambda i: i[0])}
         if files:
             out["models"] = {
                 name: {"onnx": bytes(data), "frozen": json.loads(frozen)}
@@ -282,13 +351,95 @@ class Store:
                 "AND hash NOT IN (SELECT definition FROM models)"
             ).rowcount
             if gone:
-                db.execute(
-                    "DELETE FROM blobs WHERE hash NOT IN (SELECT blob FROM definition_tensors)"
-                )
+                db.execute(_UNUSED_BLOBS)
                 db.execute(
                     "DELETE FROM onnx_files WHERE hash NOT IN (SELECT file FROM definition_models)"
                 )
         return gone
+
+    def get_blob(self, digest: str) -> np.ndarray | None:
+        rows = self._query("SELECT dtype, shape, data FROM blobs WHERE hash = ?", (digest,))
+        if not rows:
+            return None
+        dtype, shape, data = rows[0]
+        return array_from_bytes(dtype, json.loads(shape), data)
+
+    # Datasets -----------------------------------------------------------------------------
+    def put_dataset(self, owner: str, name: str, arrays: Mapping[str, np.ndarray]
+                    ) -> DatasetRow:
+        """Create or replace a dataset (one transaction); keep its creation time."""
+        now = time.time()
+        rows: list[ArrayRow] = []
+        with self._transaction() as db:
+            version = hashlib.sha256()
+            for array_name, array in arrays.items():
+                dtype, shape, data = array_bytes(array)
+                blob = _blob_hash(dtype, shape, data)
+                db.execute(
+                    "INSERT OR IGNORE INTO blobs (hash, dtype, shape, data) VALUES (?, ?, ?, ?)",
+                    (blob, dtype, json.dumps(shape), sqlite3.Binary(data)),
+                )
+                rows.append(ArrayRow(array_name, dtype, shape, blob, len(data)))
+                version.update(f"{array_name}\0{blob}\0".encode())
+            old = db.execute("SELECT created FROM datasets WHERE owner = ? AND name = ?",
+                             (owner, name)).fetchone()
+            created = old[0] if old else now
+            db.execute("DELETE FROM datasets WHERE owner = ? AND name = ?", (owner, name))
+            total = sum(r.bytes for r in rows)
+            db.execute(
+                "INSERT INTO datasets (owner, name, version, bytes, created, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (owner, name, version.hexdigest(), total, created, now),
+            )
+            db.executemany(
+                "INSERT INTO dataset_arrays (owner, dataset, name, position, blob) "
+                "VALUES (?, ?, ?, ?, ?)",
+                [(owner, name, r.name, i, r.blob) for i, r in enumerate(rows)],
+            )
+            if old:
+                db.execute(_UNUSED_BLOBS)
+        return DatasetRow(owner, name, version.hexdigest(), total, created, now, rows)
+
+    def get_dataset(self, owner: str, name: str) -> DatasetRow | None:
+        with self._lock:
+            db = self._db
+            if db is None:
+                raise StoreError("the store is not open")
+            row = db.execute(
+                "SELECT version, bytes, created, updated FROM datasets "
+                "WHERE owner = ? AND name = ?", (owner, name),
+            ).fetchone()
+            if row is None:
+                return None
+            arrays = db.execute(
+                "SELECT a.name, b.dtype, b.shape, a.blob, length(b.data) FROM dataset_arrays a "
+                "JOIN blobs b ON b.hash = a.blob WHERE a.owner = ? AND a.dataset = ? "
+                "ORDER BY a.position", (owner, name),
+            ).fetchall()
+        return DatasetRow(owner, name, row[0], row[1], row[2], row[3],
+                          [ArrayRow(a, d, json.loads(s), b, n) for a, d, s, b, n in arrays])
+
+    def list_datasets(self, owner: str) -> list[DatasetRow]:
+        names = self._query("SELECT name FROM datasets WHERE owner = ? ORDER BY name", (owner,))
+        found = (self.get_dataset(owner, n[0]) for n in names)
+        return [row for row in found if row is not None]
+
+    def dataset_usage(self, owner: str, excluding: str | None = None) -> tuple[int, int]:
+        """(datasets, bytes) this owner stores, leaving out one name (being replaced)."""
+        count, total = self._query(
+            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM datasets "
+            "WHERE owner = ? AND name IS NOT ?", (owner, excluding),
+        )[0]
+        return int(count), int(total)
+
+    def delete_dataset(self, owner: str, name: str) -> bool:
+        with self._transaction() as db:
+            gone = db.execute(
+                "DELETE FROM datasets WHERE owner = ? AND name = ?", (owner, name)
+            ).rowcount
+            if gone:
+                db.execute(_UNUSED_BLOBS)
+        return gone > 0
 
     # Models -------------------------------------------------------------------------------
     def put_model(self, owner: str, name: str, definition: Mapping[str, Any],
@@ -402,7 +553,11 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
         flag = int(bool(var.get("trainable", True)))
         tensors.append(("variables", name, position, flag,
                         _blob_hash(dtype, shape, data), dtype, shape, data))
+    refs: list[tuple[str, int, dict[str, Any]]] = []
     for position, (name, value) in enumerate((definition.get("inputs") or {}).items()):
+        if is_ref(value):  # bound to a dataset's array: its blob is stored already
+            refs.append((name, position, dict(value)))
+            continue
         dtype, shape, data = array_bytes(value)
         tensors.append(("inputs", name, position, None,
                         _blob_hash(dtype, shape, data), dtype, shape, data))
@@ -415,6 +570,8 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
                             "tensors": [t[:5] for t in tensors]}
     if models:  # a definition without models keeps the hash it always had
         head["models"] = [m[:4] for m in models]
+    if refs:  # nor one without dataset references
+        head["refs"] = refs
     header = json.dumps(head, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(header.encode()).hexdigest()
     if db.execute("SELECT 1 FROM definitions WHERE hash = ?", (digest,)).fetchone():
@@ -439,6 +596,12 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
         db.execute(
             "INSERT INTO definition_models (definition, name, position, frozen, file) "
             "VALUES (?, ?, ?, ?, ?)", (digest, name, position, frozen, file),
+        )
+    for name, position, ref in refs:
+        db.execute(
+            "INSERT INTO definition_refs (definition, name, position, ref, blob) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (digest, name, position, json.dumps(ref), ref["blob"]),
         )
     return digest
 

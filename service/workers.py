@@ -443,6 +443,9 @@ class WorkerPool:
             "lanczos_max_basis_bytes": s.lanczos_max_basis_bytes,
             "tune_allocator": s.worker_tune_allocator,
             "definition_limits": dict(s.definition_limits),
+            # a worker reads the arrays of datasets from the store's file (read-only)
+            "store_path": s.resolved_store_path(),
+            "dataset_memory_budget": s.worker_dataset_memory,
         }
 
     async def _spawn(self, w: _Worker) -> None:

@@ -61,7 +61,9 @@ class CompiledProgram:
         self._reads = checked.reads
         self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self._sites = checked.grad_sites
-        functions = {name: user_function(fn) for name, fn in checked.functions.items()}
+        functions: dict[str, Callable[..., Any]] = {}
+        for name, fn in checked.functions.items():
+            functions[name] = user_function(fn, functions)
         site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}
         models = {name: m.model for name, m in checked.models.items()}
         builder = Builder("program", functions, site_keys, checked.grad_sites, models,

@@ -4,8 +4,9 @@
 its tensors into NumPy arrays) or a `Definition`, and checks its *structure* only; the
 language checks (names, ops, shapes) are in validate.py.
 
-Values: a NumPy array keeps its dtype; a bare number or (nested) list is float32, as on
-the wire; an engine Tensor keeps its dtype and device.
+Values: a NumPy array keeps its dtype; a bare number or (nested) list takes the
+definition's `dtype` (float32 unless it says "float16" or "float64"), as on the wire; an
+engine Tensor keeps its dtype and device.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ ALLOWED_DTYPES = frozenset(
     )
 )  # fmt: skip
 FLOAT32 = np.dtype("float32")
+# what `"dtype"` may make bare numbers and lists (the engine's floating-point dtypes)
+DEFAULT_DTYPES = ("float16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -45,19 +48,24 @@ class VariableDef:
 
 @dataclass(frozen=True)
 class FunctionDef:
-    """A user function with a custom gradient (the analogue of tf.custom_gradient).
+    """A user function: a plain one (differentiated through, to any order) or, with a
+    backward program, one with a custom gradient (the analogue of tf.custom_gradient).
 
-    forward: lines over `params`; the function's value is `output` (default: the name the
-    last forward line assigns).
-    backward: lines that see the params, every forward name and `upstream` (the incoming
-    gradient, shaped like the output) and assign `grad_<param>` for each floating-point
-    param (an integer or bool param gets no gradient).
+    forward: lines over `params` (and the variables the function owns, `<name>.<var>`);
+    the function's value is `output` (default: the name the last forward line assigns).
+    backward (optional): lines that see the params, every forward name and `upstream`
+    (the incoming gradient, shaped like the output) and assign `grad_<param>` for each
+    floating-point param (an integer or bool param gets no gradient).
     """
 
     params: tuple[str, ...]
     forward: tuple[str, ...]
-    backward: tuple[str, ...]
+    backward: tuple[str, ...] | None = None
     output: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.backward is None
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ class Definition:
 # ----------------------------------------------------------------------------------------
 
 
-FIELDS = ("program", "variables", "inputs", "functions", "models")
+FIELDS = ("program", "variables", "inputs", "functions", "models", "dtype")
 
 
 def as_definition(obj: Any) -> Definition:
@@ -118,16 +126,17 @@ def as_definition(obj: Any) -> Definition:
                     f"unknown field {key!r}; expected {', '.join(FIELDS)}",
                 )
             )
+    default = default_dtype(obj.get("dtype"), problems)
     program = _lines(obj.get("program"), "program", problems, required=True)
     variables = {
         name: var
         for name, raw in _mapping(obj.get("variables"), "variables", problems).items()
-        if (var := _variable(raw, f"variables.{name}", problems)) is not None
+        if (var := _variable(raw, f"variables.{name}", problems, default)) is not None
     }
     inputs = {
         name: value
         for name, raw in _mapping(obj.get("inputs"), "inputs", problems).items()
-        if (value := to_array(raw, f"inputs.{name}", problems)) is not None
+        if (value := to_array(raw, f"inputs.{name}", problems, default)) is not None
     }
     functions = {
         name: fn
@@ -144,6 +153,19 @@ def as_definition(obj: Any) -> Definition:
     if problems:
         raise DefinitionError(problems)
     return Definition(program, variables, inputs, functions, models)
+
+
+def default_dtype(raw: Any, problems: list[Problem]) -> np.dtype:
+    """The dtype of bare numbers and lists: the definition's `dtype`, float32 without."""
+    if raw is None:
+        return FLOAT32
+    name = raw.name if isinstance(raw, np.dtype) else raw
+    if name not in DEFAULT_DTYPES:
+        problems.append(
+            _problem("dtype", f"dtype must be one of {', '.join(DEFAULT_DTYPES)}, got {raw!r}")
+        )
+        return FLOAT32
+    return np.dtype(name)
 
 
 def _problem(section: str, message: str) -> Problem:
@@ -177,11 +199,13 @@ def _lines(raw: Any, section: str, problems: list[Problem], required: bool = Fal
     return ()
 
 
-def _variable(raw: Any, section: str, problems: list[Problem]) -> VariableDef | None:
+def _variable(
+    raw: Any, section: str, problems: list[Problem], default: np.dtype = FLOAT32
+) -> VariableDef | None:
     if isinstance(raw, VariableDef):
         raw = {"value": raw.value, "trainable": raw.trainable}
     if not isinstance(raw, Mapping):
-        value = to_array(raw, section, problems)
+        value = to_array(raw, section, problems, default)
         return None if value is None else VariableDef(value)
     unknown = sorted(set(raw) - {"value", "trainable"})
     if unknown:
@@ -193,7 +217,7 @@ def _variable(raw: Any, section: str, problems: list[Problem]) -> VariableDef | 
     if not isinstance(trainable, (bool, np.bool_)):
         problems.append(_problem(section, f"trainable must be true or false, got {trainable!r}"))
         return None
-    value = to_array(raw["value"], section, problems)
+    value = to_array(raw["value"], section, problems, default)
     return None if value is None else VariableDef(value, bool(trainable))
 
 
@@ -201,7 +225,7 @@ def _function(raw: Any, section: str, problems: list[Problem]) -> FunctionDef | 
     if isinstance(raw, FunctionDef):
         return raw
     if not isinstance(raw, Mapping):
-        problems.append(_problem(section, "a function needs params, forward and backward"))
+        problems.append(_problem(section, "a function needs params and forward"))
         return None
     unknown = sorted(set(raw) - {"params", "forward", "backward", "output"})
     if unknown:
@@ -213,7 +237,11 @@ def _function(raw: Any, section: str, problems: list[Problem]) -> FunctionDef | 
     count = len(problems)
     params = _lines(raw.get("params"), f"{section}.params", problems, required=True)
     forward = _lines(raw.get("forward"), f"{section}.forward", problems, required=True)
-    backward = _lines(raw.get("backward"), f"{section}.backward", problems, required=True)
+    backward = (
+        None
+        if raw.get("backward") is None
+        else _lines(raw.get("backward"), f"{section}.backward", problems, required=True)
+    )
     output = raw.get("output")
     if output is not None and not isinstance(output, str):
         problems.append(_problem(f"{section}.output", "output must be a name"))
@@ -286,15 +314,18 @@ def _add_model_variables(
                 variables[param] = VariableDef(given.value, False)
 
 
-def to_array(value: Any, section: str, problems: list[Problem]) -> Any:
-    """A NumPy (or device) array for a value, or None after recording a problem."""
+def to_array(
+    value: Any, section: str, problems: list[Problem], default: np.dtype = FLOAT32
+) -> Any:
+    """A NumPy (or device) array for a value (a bare number or list: of dtype `default`),
+    or None after recording a problem."""
     if isinstance(value, Tensor):
         array = value.value
     elif backend.is_array(value) or isinstance(value, np.generic):
         array = value if backend.is_array(value) else np.asarray(value)
     else:
         try:
-            array = np.asarray(value, dtype=FLOAT32)
+            array = np.asarray(value, dtype=default)
         except (TypeError, ValueError, OverflowError) as exc:
             problems.append(_problem(section, f"not a number or a (nested) list of numbers: {exc}"))
             return None
@@ -325,7 +356,7 @@ def structure_key(defn: Definition, limits: Limits) -> str:
         },
         "inputs": {name: [list(a.shape), str(a.dtype)] for name, a in defn.inputs.items()},
         "functions": {
-            name: [list(f.params), list(f.forward), list(f.backward), f.output]
+            name: [list(f.params), list(f.forward), f.backward and list(f.backward), f.output]
             for name, f in defn.functions.items()
         },
         "limits": _limits_items(limits),

@@ -1,6 +1,7 @@
 """What a compiled program runs on: evaluators built from the checked expression tree
 (plain closures over engine ops; no Python code is generated), the built-ins grad and
-clip_grad_norm, and user functions as engine custom gradients.
+clip_grad_norm, and user functions: plain ones run inline (their ops are recorded like the
+program's), those with a backward program as engine custom gradients.
 
 An evaluator takes a `Frame` (the values computed so far, and the tapes of the grad
 calls still open) and returns a tensor. Every op call is wrapped so that an error while
@@ -31,10 +32,17 @@ RUNTIME_ERRORS = (ValueError, TypeError, IndexError, ArithmeticError, NotImpleme
 class Frame:
     """The state of one run: values by name, and the tapes of open grad calls."""
 
-    __slots__ = ("check", "ids", "tapes", "values")
+    __slots__ = ("check", "ids", "root", "tapes", "values")
 
-    def __init__(self, values: dict[str, Tensor], check: NonFiniteCheck | None = None):
+    def __init__(
+        self,
+        values: dict[str, Tensor],
+        check: NonFiniteCheck | None = None,
+        root: dict[str, Tensor] | None = None,
+    ):
         self.values = values
+        # the program's values, where a function finds the variables it owns
+        self.root = values if root is None else root
         self.tapes: dict[int, GradientTape] = {}
         self.ids = {id(v) for v in values.values()}
         self.check = check  # set only when diagnosing a non-finite answer
@@ -126,9 +134,9 @@ class Builder:
             # The model's parameters are variables of the run, by their ONNX names.
             return lambda frame: model.run(spec, [a(frame) for a in args], frame.values)[0]
         if node.func in self.functions:
-            fn = self.functions[node.func]
-            args = [self.expr(a) for a in node.args]
-            return lambda frame: fn(*[a(frame) for a in args])
+            # Looked up when run: functions may call functions defined after them.
+            functions, name, args = self.functions, node.func, [self.expr(a) for a in node.args]
+            return lambda frame: functions[name](frame.root, *[a(frame) for a in args])
         sig = SIGNATURES[node.func]
         bound = bind(sig, node)
         tensors = {
@@ -201,19 +209,53 @@ def clip_grad_norm(x: Any, max_norm: float) -> Tensor:
     return identity(x)
 
 
-def user_function(fn: CheckedFunction) -> Callable[..., Any]:
+def user_function(
+    fn: CheckedFunction, functions: dict[str, Callable[..., Any]]
+) -> Callable[..., Any]:
+    """A user function, called as f(root, *args) (root: the program's values, where the
+    variables it owns are). `functions`: every user function by name, for the calls in
+    its body (filled in by the caller; the checks refused recursion)."""
+    if fn.plain:
+        return plain_function(fn, functions)
+    return custom_function(fn, functions)
+
+
+def plain_function(
+    fn: CheckedFunction, functions: dict[str, Callable[..., Any]]
+) -> Callable[..., Any]:
+    """A function without a backward program: its lines run inline, under whatever tapes
+    are open, so it is differentiated through like the program (to any order)."""
+    forward = Builder(f"functions.{fn.name}.forward", functions)
+    steps = [(line.target, forward.expr(line.expr)) for line in fn.forward]
+    params, owned, output = fn.params, fn.owned, fn.output
+
+    def call(root: dict[str, Tensor], *args: Any) -> Any:
+        values = dict(zip(params, args))
+        values.update({local: root[leaf] for local, leaf in owned})
+        frame = Frame(values, root=root)
+        for name, step in steps:
+            frame.assign(name, step(frame))
+        return frame.values[output]
+
+    call.__name__ = fn.name
+    return call
+
+
+def custom_function(
+    fn: CheckedFunction, functions: dict[str, Callable[..., Any]]
+) -> Callable[..., Any]:
     """A user function as an engine custom gradient: its forward program computes the
     value and its backward program the gradients, from the forward's names and
     `upstream`. The forward is recorded by the open tapes (as tf.custom_gradient does),
     so a backward that uses forward names is differentiated through them again."""
-    forward = Builder(f"functions.{fn.name}.forward", {})
-    backward = Builder(f"functions.{fn.name}.backward", {})
+    forward = Builder(f"functions.{fn.name}.forward", functions)
+    backward = Builder(f"functions.{fn.name}.backward", functions)
     forward_steps = [(line.target, forward.expr(line.expr)) for line in fn.forward]
     backward_steps = [(line.target, backward.expr(line.expr)) for line in fn.backward]
     params, output = fn.params, fn.output
 
     @custom_gradient
-    def call(*args: Tensor) -> Any:
+    def gradient_of(*args: Tensor) -> Any:
         frame = Frame(dict(zip(params, args)))
         for name, step in forward_steps:
             frame.assign(name, step(frame))
@@ -225,6 +267,11 @@ def user_function(fn: CheckedFunction) -> Callable[..., Any]:
             return tuple(back.values.get(GRAD_PREFIX + p) for p in params)
 
         return frame.values[output], grad_fn
+
+    gradient_of.__name__ = fn.name
+
+    def call(root: dict[str, Tensor], *args: Any) -> Any:
+        return gradient_of(*args)
 
     call.__name__ = fn.name
     return call

@@ -80,11 +80,16 @@ class GradSite:
 
 @dataclass(frozen=True)
 class CheckedFunction:
+    """plain: no backward program (differentiated through). owned: the variables the
+    function owns, as (the name in its body, the variable's name `<function>.<name>`)."""
+
     name: str
     params: tuple[str, ...]
     forward: tuple[Line, ...]
     backward: tuple[Line, ...]
     output: str
+    plain: bool = False
+    owned: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -145,6 +150,7 @@ class _Checker:
         self.grad_sites: list[GradSite] = []
         self.model_calls: dict[Call, object] = {}
         self.owned = set(defn.model_params)  # variables named by a model's initializers
+        self.leaves: dict[str, Leaf] = {}
         self.nodes = 0  # syntax nodes in the function bodies
         self.oversized = False  # one tensor over the limit already says it all
 
@@ -193,7 +199,7 @@ class _Checker:
     def run(self) -> CheckedProgram:
         self.check_sizes()
         self.fail_if_problems()  # nothing below is safe on an oversized definition
-        leaves = self.check_leaves()
+        leaves = self.leaves = self.check_leaves()
         self.check_models()
         self.check_functions()
         lines, types, reads = self.check_program(leaves)
@@ -235,12 +241,27 @@ class _Checker:
         entries += [(n, a, "input", False) for n, a in self.defn.inputs.items()]
         for name, value, role, trainable in entries:
             section = f"{role}s.{name}"
+            owner, dot, local = name.partition(".")
             if name in self.owned and role == "variable":
                 # ONNX names ("fc1.weight", "onnx::MatMul_7") are never written in a
                 # program; they are only request keys, so only their length is bounded.
                 if len(name) > self.limits.max_name_chars:
                     self.add(f"variable name is {len(name)} characters; the limit is "
                              f"{self.limits.max_name_chars}", section, kind="limit")
+                    continue
+            elif dot and role == "variable":
+                # A function's own variable, `<function>.<name>` (as tf.Module's
+                # `critic/w1`, flax's params["critic"]["w1"]): `name` in its body only.
+                if not (self.check_name(owner, section, "function")
+                        and self.check_name(local, section, "variable")):
+                    continue
+                if owner not in self.defn.functions:
+                    hint = suggest(owner, list(self.defn.functions))
+                    self.add(
+                        "a dotted variable belongs to the function before the dot, and "
+                        f"no function is named {owner!r}{hint}",
+                        section,
+                    )
                     continue
             elif not self.check_name(name, section, role):
                 continue
@@ -318,6 +339,7 @@ class _Checker:
     # Functions --------------------------------------------------------------------------
     def check_functions(self) -> None:
         nodes = 0
+        parsed: dict[str, tuple[list, list, bool, bool]] = {}
         for name, fn in self.defn.functions.items():
             section = f"functions.{name}"
             if not self.check_name(name, section, "function"):
@@ -337,15 +359,57 @@ class _Checker:
                 self.add("a parameter is listed twice", section + ".params")
                 params_ok = False
             forward, problems, count = parse_lines(fn.forward, section + ".forward", self.limits)
-            backward, more, count2 = parse_lines(fn.backward, section + ".backward", self.limits)
+            backward, more, count2 = parse_lines(
+                fn.backward or (), section + ".backward", self.limits
+            )
             nodes += count + count2
             self.problems.extend(problems + more)
+            parsed[name] = (forward, backward, params_ok, not problems and not more)
+        self.nodes = nodes
+        recursive = self.check_recursion(
+            {name: [line for lines in body[:2] for line in lines if line is not None]
+             for name, body in parsed.items()}
+        )
+        for name, (forward, backward, params_ok, clean) in parsed.items():
+            fn = self.defn.functions[name]
             if not params_ok:
                 continue
             checked = self.check_function_body(name, fn, forward, backward)
-            if checked is not None and not problems and not more:
+            if checked is not None and clean and name not in recursive:
                 self.functions[name] = checked  # only a clean function is checked per call
-        self.nodes = nodes
+
+    def check_recursion(self, bodies: dict[str, list[Line]]) -> set[str]:
+        """Functions may call functions, but not themselves through any chain: report each
+        cycle once, naming it; return the functions on one."""
+        calls = {
+            name: sorted({c for line in lines for c in calls_made(line.expr) if c in bodies})
+            for name, lines in bodies.items()
+        }
+        on_cycle: set[str] = set()
+        state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+        def visit(name: str, path: list[str]) -> None:
+            state[name] = 1
+            path.append(name)
+            for callee in calls[name]:
+                if state.get(callee) == 1:
+                    cycle = path[path.index(callee):] + [callee]
+                    on_cycle.update(cycle)
+                    self.add(
+                        f"recursion: {' -> '.join(cycle)}; a function may call other "
+                        "functions but never itself, directly or through others",
+                        f"functions.{callee}",
+                        kind="op",
+                    )
+                elif callee not in state:
+                    visit(callee, path)
+            path.pop()
+            state[name] = 2
+
+        for name in calls:
+            if name not in state:
+                visit(name, [])
+        return on_cycle
 
     def check_function_body(
         self,
@@ -362,9 +426,30 @@ class _Checker:
         if output is None:
             self.add("the forward program is empty and no output is named", section)
             return None
-        checked = CheckedFunction(name, fn.params, fwd, bwd, output)
+        prefix = name + "."
+        owned = tuple(
+            (leaf[len(prefix):], leaf) for leaf in self.leaves if leaf.startswith(prefix)
+        )
+        if owned and not fn.plain:
+            self.add(
+                f"a function with a backward program takes its variables as parameters "
+                f"({', '.join(leaf for _, leaf in owned)} belong to it)",
+                section,
+            )
+            return None
+        for local, leaf in owned:
+            if local in fn.params:
+                self.add(
+                    f"{local!r} is both a parameter and the function's own variable {leaf!r}",
+                    section + ".params",
+                )
+                return None
+        checked = CheckedFunction(name, fn.params, fwd, bwd, output, fn.plain, owned)
         before = len(self.problems)
-        refused = (recovered_targets(fn.forward, forward), recovered_targets(fn.backward, backward))
+        refused = (
+            recovered_targets(fn.forward, forward),
+            recovered_targets(fn.backward or (), backward),
+        )
         self.run_function(checked, {p: None for p in fn.params}, note="", refused=refused)
         if output not in fn.params and output not in {line.target for line in fwd}:
             self.add(f"the output {output!r} is not assigned by the forward program", section)
@@ -382,13 +467,19 @@ class _Checker:
         did not parse, known to exist with an unknown type."""
         base = f"functions.{fn.name}"
         origins = {p: "a parameter" for p in fn.params}
+        types = dict(params)
+        for local, leaf in fn.owned:
+            types[local] = self.leaves[leaf].type
+            origins[local] = f"the function's variable {leaf!r}"
         forward = _Scope(
-            base + ".forward", dict(params), dict(origins), in_function=True, call_note=note
+            base + ".forward", types, dict(origins), in_function=True, call_note=note
         )
         forward.later.update(dict.fromkeys(refused[0], -1))
         self.check_lines(fn.forward, forward)
         forward.types.update({n: None for n in refused[0] if n not in forward.types})
         out = forward.types.get(fn.output)
+        if fn.plain:
+            return out
         backward = _Scope(
             base + ".backward",
             dict(forward.types),
@@ -681,12 +772,6 @@ class _Checker:
 
     def user_call(self, node: Call, scope: _Scope) -> TensorType | None:
         fn = self.functions.get(node.func)
-        if scope.in_function:
-            self.infer_all(node, scope)
-            self.add(
-                "a function body cannot call a user function", scope, node.pos, "op", node.func
-            )
-            return None
         sig = function_signature(node.func, self.defn.functions[node.func])
         types = self.bind_and_infer(sig, node, scope)
         if types is None or fn is None:  # fn is None: its body has problems of its own
@@ -695,7 +780,9 @@ class _Checker:
         params = {p: concrete(values[p]) for p in fn.params}
         key = (fn.name, tuple((t.shape, t.dtype) for t in params.values()))
         if key not in self.function_types:
-            note = f"when called from program line {node.pos.line}"
+            where = scope.section.replace("functions.", "function ").replace(".", " ")
+            note = f"when called from {'program' if where == 'program' else where} line " \
+                f"{node.pos.line}"
             self.function_types[key] = self.run_function(fn, params, note)
         out = self.function_types[key]
         return None if out is None else self.sized(out, node, scope, fn.name)
@@ -713,7 +800,7 @@ def recovered_targets(texts: tuple[str, ...], parsed: list[Line | None]) -> set[
 def size_problems(defn: Definition, limits: Limits) -> list[Problem]:
     """The limits that are checked before anything else (even before hashing)."""
     problems = []
-    bodies = [f.forward + f.backward for f in defn.functions.values()]
+    bodies = [f.forward + (f.backward or ()) for f in defn.functions.values()]
     lines = len(defn.program) + sum(len(b) for b in bodies)
     if lines > limits.max_lines:
         problems.append(
@@ -770,6 +857,19 @@ def call_args(node: Call) -> Iterator[Node]:
     yield from node.args
     for _, value in node.kwargs:
         yield value
+
+
+def calls_made(node: Node) -> Iterator[str]:
+    """The ops and functions an expression calls."""
+    if isinstance(node, Subscript):
+        yield from calls_made(node.value)
+    elif isinstance(node, Sequence):
+        for item in node.items:
+            yield from calls_made(item)
+    elif isinstance(node, Call):
+        yield node.func
+        for arg in call_args(node):
+            yield from calls_made(arg)
 
 
 def names_read(node: Node) -> Iterator[str]:

@@ -18,6 +18,7 @@ from fastapi import Depends, Path, Request
 from service.api.negotiation import Negotiated, negotiate
 from service.auth import OwnerDep
 from service.core.config import Settings
+from service.datasets import DatasetCatalog
 from service.sessions import ModelCatalog, Tape, TapeRegistry
 from service.workers import WorkerPool
 
@@ -42,7 +43,13 @@ async def get_models(request: Request) -> ModelCatalog:
     return models
 
 
+async def get_datasets(request: Request) -> DatasetCatalog:
+    datasets: DatasetCatalog = request.app.state.datasets
+    return datasets
+
+
 SettingsDep = Annotated[Settings, Depends(app_settings)]
+DatasetsDep = Annotated[DatasetCatalog, Depends(get_datasets)]
 PoolDep = Annotated[WorkerPool, Depends(get_pool)]
 NegotiatedDep = Annotated[Negotiated, Depends(negotiate)]
 TapesDep = Annotated[TapeRegistry, Depends(get_tapes)]
@@ -61,6 +68,7 @@ async def get_tape(
 TapeDep = Annotated[Tape, Depends(get_tape)]
 
 __all__ = [
+    "DatasetsDep",
     "ModelsDep",
     "NegotiatedDep",
     "OwnerDep",

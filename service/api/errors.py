@@ -48,8 +48,22 @@ _PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op"
 
 
 def _field(loc: tuple[Any, ...]) -> str:
-    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
-    return ".".join(_short(str(p)) for p in parts) or "body"
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] == "body" else loc)]
+    return ".".join(_short(p) for p in _without_input_tags(parts)) or "body"
+
+
+def _without_input_tags(parts: list[str]) -> list[str]:
+    """`inputs` is a map of tensors or a dataset binding, and each input a tensor or a
+    dataset's array: the tags of those two unions ("map", "TensorValue") say nothing a
+    client wrote, so `definition.inputs.x.TensorData.dtype` stays the path."""
+    out: list[str] = []
+    for part in parts:
+        if part == "map" and out[-1:] == ["inputs"]:
+            continue
+        if part == "TensorValue" and out[-2:-1] == ["inputs"]:
+            continue
+        out.append(part)
+    return out
 
 
 def _short(name: str, limit: int = 64) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,8 @@ from service.api.problems import ProblemError
 from service.core.config import Settings
 from service.schemas import (
     CallOptions,
+    DatasetArray,
+    DatasetInputs,
     Definition,
     DefinitionRequest,
     EigenvaluesRequest,
@@ -46,12 +48,26 @@ from service.tensors import (
 
 
 @dataclass(frozen=True)
+class Binding:
+    """Inputs a definition binds to a stored dataset, not yet looked up: one array (as
+    input `name`), or every array (`name` and `array` None), with the rows to take."""
+
+    dataset: str
+    name: str | None
+    array: str | None
+    rows: Any
+    field: str
+
+
+@dataclass(frozen=True)
 class Prepared:
-    """What a route hands the pool, and how to write the answer's tensors."""
+    """What a route hands the pool, and how to write the answer's tensors. `bindings`:
+    the dataset inputs of payload["definition"], for DatasetCatalog.bind to look up."""
 
     payload: dict[str, Any]
     time_limit: float
     encoding: Encoding
+    bindings: list[Binding] = field(default_factory=list)
 
 
 class _Decoder:
@@ -62,8 +78,11 @@ class _Decoder:
         self.max_onnx_bytes = max_onnx_bytes
         self.errors: list[dict[str, Any]] = []
         self.binary = False  # some tensor came as base64 or raw bytes
+        self.bindings: list[Binding] = []
 
-    def tensor(self, value: Any, field: str) -> np.ndarray | None:
+    def tensor(self, value: Any, field: str, default: str = "float32") -> np.ndarray | None:
+        """The array of a wire tensor; a bare number or list has dtype `default` (the
+        definition's dtype)."""
         try:
             if isinstance(value, TensorData):
                 shape = value.shape
@@ -77,8 +96,8 @@ class _Decoder:
             elif isinstance(value, TensorBase64):
                 self.binary = True
                 array = from_base64(value.base64, value.dtype.value, value.shape)
-            else:  # a bare number or nested list: float32
-                array = from_data(value, "float32", None)
+            else:  # a bare number or nested list
+                array = from_data(value, default, None)
         except TensorError as exc:
             self.errors.append({"field": field, "message": str(exc), "kind": "value"})
             return None
@@ -93,23 +112,29 @@ class _Decoder:
                 })
         return array
 
-    def tensors(self, values: dict[str, Any], field: str) -> dict[str, np.ndarray | None]:
-        return {name: self.tensor(v, f"{field}.{name}") for name, v in values.items()}
+    def tensors(self, values: dict[str, Any], field: str, default: str = "float32"
+                ) -> dict[str, np.ndarray | None]:
+        return {name: self.tensor(v, f"{field}.{name}", default) for name, v in values.items()}
 
-    def variable(self, var: Any, field: str) -> dict[str, Any]:
+    def variable(self, var: Any, field: str, default: str) -> dict[str, Any]:
         if isinstance(var, VariableSpec):
-            return {"value": self.tensor(var.value, f"{field}.value"), "trainable": var.trainable}
-        return {"value": self.tensor(var, field), "trainable": True}
+            return {"value": self.tensor(var.value, f"{field}.value", default),
+                    "trainable": var.trainable}
+        return {"value": self.tensor(var, field, default), "trainable": True}
 
     def definition(self, d: Definition) -> dict[str, Any]:
+        # The worker form carries typed arrays only: the default dtype is applied here.
+        default = d.dtype or "float32"
         return {
             "program": d.program,
             "variables": {
-                name: self.variable(var, f"definition.variables.{name}")
+                name: self.variable(var, f"definition.variables.{name}", default)
                 for name, var in d.variables.items()
             },
-            "inputs": self.tensors(d.inputs, "definition.inputs"),
-            "functions": {name: fn.model_dump() for name, fn in d.functions.items()},
+            "inputs": self.inputs(d.inputs, default),
+            "functions": {
+                name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
+            },
             **({"models": {
                 name: self.onnx_model(m, f"definition.models.{name}")
                 for name, m in d.models.items()
@@ -139,6 +164,22 @@ class _Decoder:
             )
         return {"onnx": bytes(data), "frozen": list(m.frozen)}
 
+    def inputs(self, inputs: Any, default: str) -> dict[str, Any]:
+        """The arrays of the inputs; those bound to datasets are left to the bindings."""
+        if isinstance(inputs, DatasetInputs):
+            self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows),
+                                         "definition.inputs"))
+            return {}
+        out: dict[str, Any] = {}
+        for name, value in inputs.items():
+            if isinstance(value, DatasetArray):
+                self.bindings.append(Binding(value.dataset, name, value.array, rows(value.rows),
+                                             f"definition.inputs.{name}"))
+                out[name] = None  # keeps the input's place; bound before the pool sees it
+            else:
+                out[name] = self.tensor(value, f"definition.inputs.{name}", default)
+        return out
+
     def check(self) -> None:
         if self.errors:
             first = self.errors[0]
@@ -146,6 +187,37 @@ class _Decoder:
             raise ProblemError(
                 "validation", f"{first['field']}: {first['message']}{more}", errors=self.errors
             )
+
+
+def _at_new_point(stored: dict[str, Any], values: dict[str, Any], decoder: _Decoder
+                  ) -> dict[str, Any]:
+    """The stored model's definition with new values for some of its variables (each of
+    its stored shape and dtype; a bare number or list takes the stored dtype)."""
+    variables = dict(stored["variables"])
+    for name, raw in values.items():
+        field = f"variables.{name}"
+        if name not in variables:
+            known = ", ".join(variables) or "none"
+            decoder.errors.append({"field": field, "kind": "name", "message":
+                                   f"the model has no variable {name!r} (its variables: "
+                                   f"{known})"})
+            continue
+        old = variables[name]["value"]
+        array = decoder.tensor(raw, field, old.dtype.name)
+        if array is None:
+            continue
+        if array.shape != old.shape or array.dtype != old.dtype:
+            decoder.errors.append({"field": field, "kind": "shape", "message":
+                                   f"{array.dtype.name}{list(array.shape)} given, but the "
+                                   f"model's variable is {old.dtype.name}{list(old.shape)}"})
+            continue
+        variables[name] = {**variables[name], "value": array}
+    return {**stored, "variables": variables}
+
+
+def rows(value: Any) -> Any:
+    """Rows as the worker takes them: a list of indices, or {start, stop, step}."""
+    return value if value is None or isinstance(value, list) else value.model_dump()
 
 
 def _time_limit(requested: float | None, settings: Settings) -> float:
@@ -177,12 +249,18 @@ def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] 
     else:
         assert stored is not None, "a request naming a model needs its stored definition"
         definition = stored
+        if body.variables:
+            definition = _at_new_point(stored, body.variables, decoder)
     payload = {
         "definition": definition,
         "target": body.target,
         "sources": body.sources,
         "allow_unused": getattr(body, "allow_unused", False),
+        "flat": getattr(body, "flat", False),
     }
+    point = getattr(body, "point", None)
+    if point is not None:  # split by the sources' shapes in the worker, which knows them
+        payload["point"] = decoder.tensor(point, "point", "float64")
     return decoder, payload, limit
 
 
@@ -195,13 +273,14 @@ def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload:
         encoding = Encoding(body.response_encoding.value)
     else:
         encoding = Encoding.BASE64 if decoder.binary else Encoding.DATA
-    return Prepared(payload, limit, encoding)
+    return Prepared(payload, limit, encoding, decoder.bindings)
 
 
 def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] | None = None
              ) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
-    payload["unconnected"] = body.unconnected.value
+    # a flat vector has a place for every source: an unconnected one holds zeros
+    payload["unconnected"] = "zero" if body.flat else body.unconnected.value
     return _prepared(body, decoder, payload, limit)
 
 
@@ -236,7 +315,11 @@ def _vectors(body: HVPRequest | TapeHVPRequest, decoder: _Decoder, payload: dict
             f"{settings.hvp_max_vectors} in one request",
             errors=[{"field": "vectors", "message": f"at most {settings.hvp_max_vectors}"}],
         )
-    if body.vector is not None:
+    payload["flat_vector"] = None
+    if body.flat_vector is not None:
+        payload["flat_vector"] = decoder.tensor(body.flat_vector, "flat_vector", "float64")
+        payload["vector"] = payload["vectors"] = None
+    elif body.vector is not None:
         payload["vector"] = decoder.tensors(body.vector, "vector")
         payload["vectors"] = None
     else:
@@ -269,7 +352,7 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
 
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
-    payload: dict[str, Any] = {}
+    payload: dict[str, Any] = {"flat": body.flat}
     _vectors(body, decoder, payload, settings)
     return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
 
@@ -288,7 +371,10 @@ def tape_update(body: TapeUpdateRequest, settings: Settings
     decoder = _decoder(body, settings)
     variables = decoder.tensors(body.variables, "variables")
     inputs = decoder.tensors(body.inputs, "inputs")
-    prepared = _prepared(body, decoder, {}, _time_limit(body.time_limit, settings))
+    payload: dict[str, Any] = {"flat": body.flat}
+    if body.point is not None:
+        payload["point"] = decoder.tensor(body.point, "point", "float64")
+    prepared = _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
     return (
         {k: v for k, v in variables.items() if v is not None},
         {k: v for k, v in inputs.items() if v is not None},
@@ -342,8 +428,9 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
     return _prepared(body, decoder, payload, limit)
 
 
-def model_definition(body: ModelCreateRequest, settings: Settings) -> dict[str, Any]:
+def model_definition(body: ModelCreateRequest, settings: Settings
+                     ) -> tuple[dict[str, Any], list[Binding]]:
     decoder = _decoder(body, settings)
     definition = decoder.definition(body.definition)
     decoder.check()
-    return definition
+    return definition, decoder.bindings

@@ -51,6 +51,14 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "model-exists": ProblemType(
         409, "Model exists",
         "A model with this name is stored already; send replace: true to replace it."),
+    "dataset-not-found": ProblemType(
+        404, "Dataset not found",
+        "No stored dataset with this name is visible to this API key (PUT /v1/datasets/{name} "
+        "stores one)."),
+    "dataset-too-large": ProblemType(
+        413, "Dataset too large",
+        "The dataset is larger than this server stores (max_dataset_bytes), or this API key's "
+        "datasets would exceed max_dataset_bytes_per_key or max_datasets_per_key."),
     "method-not-allowed": ProblemType(
         405, "Method not allowed", "The path exists but not with this method (see Allow)."),
     "not-acceptable": ProblemType(

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends
 
 from service.api.fairness import admit
 from service.api.routes import (
+    datasets,
     gradient,
     health,
     hessian,
@@ -21,7 +22,7 @@ from service.api.routes import (
 from service.auth import authenticate
 
 api_router = APIRouter()
-for module in (gradient, jacobian, hessian, hvp, tapes, models, ops):
+for module in (gradient, jacobian, hessian, hvp, tapes, models, datasets, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
 # Following a job uses no worker (and its event stream lasts as long as the job): no slot.
 # A job takes its key's slot while it computes (service/jobs.py).

@@ -154,6 +154,17 @@ class Settings(BaseSettings):
         default=8 * 2**30, ge=0, description="bytes of live tapes per API key"
     )
     max_models_per_key: int = Field(default=100, ge=0, description="stored models per API key")
+    max_datasets_per_key: int = Field(default=100, ge=0, description="stored datasets per API key")
+    max_dataset_bytes: int = Field(
+        default=1 << 30, ge=1, description="bytes of one dataset's arrays (413 past it)"
+    )
+    max_dataset_bytes_per_key: int = Field(
+        default=4 << 30, ge=1, description="bytes of all of one API key's datasets (413 past it)"
+    )
+    worker_dataset_memory: int = Field(
+        default=1 << 30, ge=0, description="bytes of dataset arrays one worker keeps in memory "
+        "(least recently used out first)"
+    )
     algorithm_max_hvps: int = Field(
         default=10000, ge=1, description="most HVPs one eigenvalues/trace/solve request may use"
     )

@@ -319,7 +319,7 @@ def test_undefined_names_suggest() -> None:
         ("nope", ["definition: a definition must be a mapping"]),
         (
             {"program": "y = x", "extra": 1},
-            ["definition: unknown field 'extra'; expected program, variables, inputs, functions, models"],
+            ["definition: unknown field 'extra'; expected program, variables, inputs, functions, models, dtype"],
         ),
         ({"program": [1, 2]}, ["program: program must be a list of strings (one line each)"]),
         (
@@ -354,7 +354,6 @@ def test_undefined_names_suggest() -> None:
             {"program": [], "functions": {"f": {"params": ["x"]}}},
             [
                 "functions.f.forward: functions.f.forward must be a list of strings (one line each)",
-                "functions.f.backward: functions.f.backward must be a list of strings (one line each)",
             ],
         ),
     ],
@@ -438,8 +437,11 @@ def test_function_errors() -> None:
         },
         ["y = f(x)"],
     ) == [
+        (
+            "functions.f: recursion: f -> f; a function may call other functions but never "
+            "itself, directly or through others"
+        ),
         "functions.f.forward line 1, column 5: grad: grad is not allowed inside a function body",
-        "functions.f.forward line 2, column 5: f: a function body cannot call a user function",
         "functions.f.forward line 3, column 5: undefined name 'nope'",
         (
             "functions.f.backward line 1, column 1: 'upstream' is already defined (the incoming "

@@ -607,6 +607,32 @@ def test_onnx_model(client) -> None:
         check(client.delete(f"/v1/models/{name}"), 204)
 
 
+# -- datasets -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enc", ENC)
+def test_datasets(client, enc: Encoding) -> None:
+    name = f"conformance-{enc.name}"
+    arrays = {n: enc.tensor(POINT[n]) for n in INPUTS}
+    info = check(enc.request(client, "PUT", f"/v1/datasets/{name}", arrays), (200, 201),
+                 enc.name)
+    try:
+        assert {k: v["shape"] for k, v in info["arrays"].items()} == {
+            n: list(POINT[n].shape) for n in INPUTS}
+        assert check(enc.request(client, "GET", f"/v1/datasets/{name}"), 200,
+                     enc.name)["version"] == info["version"]
+        listed = check(enc.request(client, "GET", "/v1/datasets"), 200, enc.name)
+        assert name in [d["name"] for d in listed["datasets"]]
+        bound = {**definition(enc), "inputs": {"dataset": name}}
+        keys = answer_keys(None)
+        grad = check(enc.request(client, "POST", "/v1/gradient",
+                                 {"definition": bound, "target": "loss"}), 200, enc.name)
+        check_gradients(grad["gradients"], keys, "gradients with inputs from a dataset")
+    finally:
+        check(enc.request(client, "DELETE", f"/v1/datasets/{name}"), 204, enc.name)
+    check(enc.request(client, "GET", f"/v1/datasets/{name}"), 404, enc.name)
+
+
 # -- around them ----------------------------------------------------------------------------
 
 ACCEPT = [pytest.param(JSON, id="json"), pytest.param(MSGPACK, id="msgpack")]
@@ -853,6 +879,10 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/models/{name}"): ("test_models",),
     ("DELETE", "/v1/models/{name}"): ("test_models", "test_onnx_model"),
     ("PUT", "/v1/models/{name}"): ("test_onnx_model",),
+    ("PUT", "/v1/datasets/{name}"): ("test_datasets",),
+    ("GET", "/v1/datasets"): ("test_datasets",),
+    ("GET", "/v1/datasets/{name}"): ("test_datasets",),
+    ("DELETE", "/v1/datasets/{name}"): ("test_datasets",),
     ("GET", "/v1/ops"): ("test_operations_endpoints",),
     ("GET", "/healthz"): ("test_operations_endpoints",),
     ("GET", "/readyz"): ("test_operations_endpoints",),

@@ -71,4 +71,5 @@ def test_openapi_document(client) -> None:
                           "compute_tape_eigenvalues", "estimate_tape_trace", "solve_tape",
                           "create_model", "list_models", "read_model", "delete_model",
                           "list_jobs", "read_job", "read_job_result", "stream_job_events",
-                          "cancel_job", "put_onnx_model"}
+                          "cancel_job", "put_onnx_model",
+                          "put_dataset", "list_datasets", "read_dataset", "delete_dataset"}

@@ -263,3 +263,31 @@ def test_patching_a_tape_sets_an_initializer(client) -> None:
     assert "replaces initializer 'head.weight'" in shape["detail"]
     after = post(client, f"/v1/tapes/{tape}/gradient", {"target": "loss"})  # unharmed
     np.testing.assert_allclose(arr(after["value"]), arr(fresh["value"]), rtol=1e-6)
+
+
+def test_a_stored_model_may_call_a_stored_onnx_file(client) -> None:
+    """POST /v1/models with a definition whose ONNX model is `stored` (found by
+    schemathesis: it was a 500); an unknown stored file is a 404 naming it."""
+    data, record = fixture("transformer")
+    put = client.put("/v1/models/story-onnx", content=data,
+                     headers={"content-type": "application/onnx"})
+    assert put.status_code in (200, 201), put.text
+    try:
+        body = {"name": "story-def", "replace": True, "definition": {
+            "models": {"net": {"stored": "story-onnx"}},
+            "inputs": {"x": {"dtype": "int64", "shape": list(record["x"].shape),
+                             "data": record["x"].reshape(-1).tolist()},
+                       "y": {"dtype": "int64", "shape": [4], "data": record["y"].tolist()}},
+            "program": ["logits = net(x)", "loss = softmax_cross_entropy(logits, y)"]}}
+        created = client.post("/v1/models", json=body)
+        assert created.status_code in (200, 201), created.text
+        grad = client.post("/v1/gradient", json={"model": "story-def", "target": "loss",
+                                                 "sources": ["head.bias"]})
+        assert grad.status_code == 200, grad.text
+        missing = {**body, "name": "story-missing", "definition": {
+            **body["definition"], "models": {"net": {"stored": "no-such-onnx"}}}}
+        gone = client.post("/v1/models", json=missing)
+        assert gone.status_code == 404 and "no-such-onnx" in gone.text, gone.text
+    finally:
+        client.delete("/v1/models/story-def")
+        client.delete("/v1/models/story-onnx")

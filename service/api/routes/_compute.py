@@ -13,6 +13,7 @@ from starlette.responses import Response
 from service.api.errors import explainer
 from service.api.negotiation import Negotiated, answer
 from service.api.payloads import Prepared
+from service.datasets import DatasetCatalog
 from service.jobs import JobRegistry
 from service.schemas import Definition, DefinitionRequest
 from service.sessions import ModelCatalog
@@ -38,8 +39,9 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
                                                 f"definition.models.{name}.stored")
 
 
-async def run(pool: WorkerPool, kind: str, prepared: Prepared, negotiated: Negotiated
-              ) -> Response:
+async def run(pool: WorkerPool, kind: str, prepared: Prepared, negotiated: Negotiated,
+              owner: str, datasets: DatasetCatalog) -> Response:
+    await datasets.bind_prepared(owner, prepared)
     reply = await pool.submit(kind, prepared.payload, time_limit=prepared.time_limit)
     return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
 

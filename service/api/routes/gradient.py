@@ -5,7 +5,7 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
-from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
+from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
 from service.api.routes._compute import run, stored_definition
 from service.schemas import GradientRequest, GradientResponse
@@ -22,7 +22,7 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 )
 async def compute_gradient(
     body: GradientRequest, negotiated: NegotiatedDep, pool: PoolDep, settings: SettingsDep,
-    owner: OwnerDep, models: ModelsDep,
+    owner: OwnerDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """Run the definition and answer the target's value and its gradient with respect to
     each source (a non-scalar target is differentiated as its sum, as tf.GradientTape
@@ -34,4 +34,5 @@ async def compute_gradient(
     `"unconnected": "zero"`.
     """
     stored = await stored_definition(body, owner, models)
-    return await run(pool, "gradient", payloads.gradient(body, settings, stored), negotiated)
+    return await run(pool, "gradient", payloads.gradient(body, settings, stored), negotiated,
+                     owner, datasets)

@@ -5,7 +5,14 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
-from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
+from service.api.deps import (
+    DatasetsDep,
+    ModelsDep,
+    NegotiatedDep,
+    OwnerDep,
+    PoolDep,
+    SettingsDep,
+)
 from service.api.openapi import job_responses, msgpack_body
 from service.api.routes._compute import respond, stored_definition
 from service.schemas import HessianRequest, HessianResponse
@@ -22,7 +29,7 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 )
 async def compute_hessian(
     request: Request, body: HessianRequest, negotiated: NegotiatedDep, pool: PoolDep,
-    settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
+    settings: SettingsDep, owner: OwnerDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """The Hessian of a scalar target over the sources, as blocks: `hessian[a][b]` has
     shape `a.shape + b.shape`. Refused (422, too-large) above the server's
@@ -33,6 +40,7 @@ async def compute_hessian(
     """
     stored = await stored_definition(body, owner, models)
     prepared = payloads.hessian(body, settings, stored)
+    await datasets.bind_prepared(owner, prepared)
     return await respond(
         request, body, negotiated, prepared, owner=owner,
         call=lambda: pool.submit("hessian", prepared.payload, time_limit=prepared.time_limit),

@@ -5,7 +5,14 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
-from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
+from service.api.deps import (
+    DatasetsDep,
+    ModelsDep,
+    NegotiatedDep,
+    OwnerDep,
+    PoolDep,
+    SettingsDep,
+)
 from service.api.openapi import job_responses, msgpack_body
 from service.api.routes._compute import respond, stored_definition
 from service.schemas import JacobianRequest, JacobianResponse
@@ -22,7 +29,7 @@ router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 )
 async def compute_jacobian(
     request: Request, body: JacobianRequest, negotiated: NegotiatedDep, pool: PoolDep,
-    settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
+    settings: SettingsDep, owner: OwnerDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """The jacobian of the target with respect to each source, shape
     `target.shape + source.shape`, computed in batched backward passes of the server's
@@ -35,6 +42,7 @@ async def compute_jacobian(
     """
     stored = await stored_definition(body, owner, models)
     prepared = payloads.jacobian(body, settings, stored)
+    await datasets.bind_prepared(owner, prepared)
     return await respond(
         request, body, negotiated, prepared, owner=owner,
         call=lambda: pool.submit("jacobian", prepared.payload, time_limit=prepared.time_limit),

@@ -10,10 +10,11 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import BoundedRoute
-from service.api.deps import ModelsDep, NegotiatedDep, OwnerDep, SettingsDep
+from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, SettingsDep
 from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
 from service.api.problems import ProblemError
+from service.api.routes._compute import resolve_onnx
 from service.schemas import ModelCreateRequest, ModelInfo, ModelList
 from service.sessions import model_info
 
@@ -27,20 +28,23 @@ NameParam = Annotated[str, Path(description="The model's name.")]
     status_code=201,
     response_model=ModelInfo,
     responses={200: {"model": ModelInfo, "description": "Replaced (with replace: true)"},
-               **problem_responses(400, 401, 406, 409, 413, 415, 422, 429, 502, 503, 504)},
+               **problem_responses(400, 401, 404, 406, 409, 413, 415, 422, 429, 502, 503,
+                                  504)},
     openapi_extra=msgpack_body("ModelCreateRequest"),
     summary="Store a model",
 )
 async def create_model(
     body: ModelCreateRequest, negotiated: NegotiatedDep, owner: OwnerDep, models: ModelsDep,
-    settings: SettingsDep,
+    settings: SettingsDep, datasets: DatasetsDep,
 ) -> Response:
     """Check the definition (every problem at once, as a 422) and store it under `name`
     for this API key: 201, or 200 when `replace` replaced a model of that name (409
     without it). Requests (gradient, jacobian, hessian, hvp, tapes) then send
     `"model": name` instead of the definition. Models survive restarts; tapes recorded
     from a model keep the definition they were recorded with."""
-    definition = payloads.model_definition(body, settings)
+    await resolve_onnx(body.definition, owner, models)  # `stored` ONNX files, by reference
+    definition, bindings = payloads.model_definition(body, settings)
+    await datasets.bind(owner, definition, bindings)
     row, created = await models.put(owner, body.name, definition, body.description,
                                     body.replace, settings.time_limit)
     info = ModelInfo.model_validate(model_info(row))

@@ -12,6 +12,7 @@ from starlette.responses import Response
 from service.api import payloads
 from service.api.bodies import BoundedRoute
 from service.api.deps import (
+    DatasetsDep,
     ModelsDep,
     NegotiatedDep,
     OwnerDep,
@@ -62,6 +63,7 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
         "expires_at": info["expires_at"],
         "device": info["device"],
         "worker": info["worker"],
+        **({"flat": result["flat"]} if "flat" in result else {}),
         **({"nonfinite": result["nonfinite"]} if "nonfinite" in result else {}),
     }
 
@@ -77,7 +79,7 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
 )
 async def create_tape(
     body: TapeCreateRequest, negotiated: NegotiatedDep, settings: SettingsDep,
-    owner: OwnerDep, tapes: TapesDep, models: ModelsDep,
+    owner: OwnerDep, tapes: TapesDep, models: ModelsDep, datasets: DatasetsDep,
 ) -> Response:
     """Record the definition's forward pass and the gradient of its scalar `target` over
     the `sources` (as /v1/gradient takes them; or name a stored `model`), and keep the
@@ -92,6 +94,7 @@ async def create_tape(
     """
     stored = await stored_definition(body, owner, models)
     prepared, ttl = payloads.tape_create(body, settings, stored)
+    await datasets.bind_prepared(owner, prepared)
     tape, result = await tapes.create(owner, prepared.payload, ttl, body.model,
                                       prepared.time_limit)
     response = answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
@@ -155,7 +158,9 @@ async def update_tape(
     step of an optimizer: one request instead of delete + create). Answers the new value
     and gradients. A failed recording keeps the tape as it was."""
     variables, inputs, prepared = payloads.tape_update(body, settings)
-    result = await tapes.update(tape, variables, inputs, prepared.time_limit)
+    result = await tapes.update(tape, variables, inputs, prepared.time_limit,
+                                point=prepared.payload.get("point"),
+                                flat=prepared.payload["flat"])
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 
 

@@ -1,0 +1,124 @@
+"""Datasets: named maps of arrays kept on the server per API key, so that a definition
+(or a tape) binds its inputs to them by name and a request carries only parameters."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import anyio
+import msgpack
+from fastapi import APIRouter, Path, Query, Request
+from pydantic import TypeAdapter, ValidationError
+from starlette.responses import Response
+
+from service.api.bodies import BoundedRoute
+from service.api.deps import DatasetsDep
+from service.api.negotiation import JSON, MSGPACK_ALIASES, _media_type
+from service.api.openapi import problem_responses
+from service.api.payloads import _Decoder
+from service.api.problems import ProblemError
+from service.auth import OwnerDep
+from service.datasets import dataset_info, load_numpy
+from service.schemas import DatasetInfo, DatasetList, DatasetName, Name, TensorValue
+
+router = APIRouter(tags=["datasets"], route_class=BoundedRoute)
+
+
+NameParam = Annotated[DatasetName, Path(description="The dataset's name.")]
+_ARRAYS = TypeAdapter(dict[Name, TensorValue])
+OCTET = "application/octet-stream"
+
+_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The arrays: a map name -> tensor (JSON or msgpack, as tensors travel "
+        "in requests), or the bytes of a .npz (arrays by their names) or .npy (one array, "
+        "named by the `array` query parameter) as application/octet-stream. Never unpickled.",
+        "content": {
+            "application/json": {"schema": {"type": "object", "additionalProperties": {
+                "$ref": "#/components/schemas/TensorValue"}}},
+            "application/msgpack": {"schema": {"type": "object", "additionalProperties": {
+                "$ref": "#/components/schemas/TensorValue"}}},
+            OCTET: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+def _parse(body: bytes, media: str, array: str) -> dict[str, Any]:
+    """Runs in a thread: the body's arrays, decoded (tensor problems as a 422)."""
+    if media == OCTET:
+        return load_numpy(body, array)
+    try:
+        raw = (msgpack.unpackb(body, raw=False, strict_map_key=True) if media in MSGPACK_ALIASES
+               else json.loads(body))
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        raise ProblemError("malformed-body", f"the body cannot be parsed: {exc}") from None
+    try:
+        tensors = _ARRAYS.validate_python(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        raise ProblemError("validation", f"{field}: {err['msg']}",
+                           errors=[{"field": field, "message": err["msg"]}]) from None
+    decoder = _Decoder(allow_nonfinite=True)
+    arrays = decoder.tensors(tensors, "body")
+    decoder.check()
+    return {k: v for k, v in arrays.items() if v is not None}
+
+
+@router.put(
+    "/v1/datasets/{name}",
+    status_code=201,
+    response_model=DatasetInfo,
+    responses={200: {"model": DatasetInfo, "description": "Replaced"},
+               **problem_responses(400, 401, 413, 415, 422, 429)},
+    openapi_extra=_BODY,
+    summary="Store a dataset",
+)
+async def put_dataset(
+    name: NameParam, request: Request, owner: OwnerDep, datasets: DatasetsDep,
+    array: Annotated[Name, Query(description="The name of a .npy body's array.")] = "x",
+) -> Response:
+    """Store the arrays under `name` for this API key (201), or replace them (200).
+    Definitions and tapes then bind inputs to them: `"inputs": {"dataset": name}` (every
+    array, by its name) or `"inputs": {"X": {"dataset": name, "array": "X"}}`, with
+    `"rows": [...]` or `{"start", "stop", "step"}` for a mini-batch. Datasets survive
+    restarts; workers keep recently used ones in memory. Limits: max_dataset_bytes per
+    dataset, max_dataset_bytes_per_key and max_datasets_per_key (413 past them)."""
+    media = _media_type(request.headers.get("content-type") or "")
+    if media != OCTET and media != JSON and media not in MSGPACK_ALIASES:
+        raise ProblemError("unsupported-media-type", "a dataset is application/json, "
+                           f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}")
+    body = await request.body()
+    arrays = await anyio.to_thread.run_sync(_parse, body, media, array)
+    row, created = await datasets.put(owner, name, arrays)
+    info = DatasetInfo.model_validate(dataset_info(row))
+    return Response(info.model_dump_json(), status_code=201 if created else 200,
+                    media_type=JSON, headers={"Location": f"/v1/datasets/{name}"})
+
+
+@router.get("/v1/datasets", response_model=DatasetList, responses=problem_responses(401),
+            summary="List your datasets")
+async def list_datasets(owner: OwnerDep, datasets: DatasetsDep) -> DatasetList:
+    """The caller's datasets, by name, with their arrays' dtypes, shapes and bytes."""
+    return DatasetList.model_validate(
+        {"datasets": [dataset_info(row) for row in await datasets.list(owner)]})
+
+
+@router.get("/v1/datasets/{name}", response_model=DatasetInfo,
+            responses=problem_responses(401, 404, 422), summary="A dataset's metadata")
+async def read_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) -> DatasetInfo:
+    """Its arrays (name, dtype, shape, bytes), total bytes, version (changes with the
+    arrays) and times; not the arrays themselves."""
+    return DatasetInfo.model_validate(dataset_info(await datasets.get(owner, name)))
+
+
+@router.delete("/v1/datasets/{name}", status_code=204, response_class=Response,
+               responses=problem_responses(401, 404, 422), summary="Delete a dataset")
+async def delete_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) -> Response:
+    """Forget the dataset (tapes and models bound to it keep the arrays they were bound
+    to)."""
+    await datasets.delete(owner, name)
+    return Response(status_code=204)
