@@ -43,7 +43,8 @@ from service.tensors import DTYPES
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
-FloatDType = Literal["float16", "float32", "float64"]
+# Named, so that generated clients get one FloatDType enum (not a `...DtypeType0`).
+FloatDType = TypeAliasType("FloatDType", Literal["float16", "float32", "float64"])
 
 
 class TensorEncoding(StrEnum):
@@ -301,6 +302,12 @@ InputValue = TypeAliasType(
 )
 
 
+InputMap = TypeAliasType(
+    "InputMap",
+    Annotated[dict[Name, InputValue], Field(description="Input name -> tensor or dataset array.")],
+)
+
+
 def _inputs_form(value: Any) -> str:
     bound = isinstance(value, dict) and isinstance(value.get("dataset"), str)
     return "DatasetInputs" if bound else "map"
@@ -310,7 +317,7 @@ Inputs = TypeAliasType(
     "Inputs",
     Annotated[
         Annotated[DatasetInputs, Tag("DatasetInputs")]
-        | Annotated[dict[Name, InputValue], Tag("map")],
+        | Annotated[InputMap, Tag("map")],
         Discriminator(_inputs_form),
         Field(description="Data (never a default source): name -> tensor or dataset array; "
               "or {dataset, rows} binding every array of a stored dataset by its name."),
@@ -485,7 +492,7 @@ class DefinitionRequest(RequestModel):
         None, description="The name of a stored model (POST /v1/models) to use instead of "
         "sending its definition."
     )
-    variables: dict[Name, TensorValue] | None = Field(
+    variables: NamedTensors | None = Field(
         None, description="With `model`: new values for some or all of its variables (the "
         "rest keep their stored values). Each keeps its stored shape and dtype: a bare "
         "number or list takes the variable's dtype, and a different shape or dtype is a 422 "
@@ -1042,13 +1049,19 @@ class DatasetArrayInfo(TypeInfo):
     bytes: int
 
 
+DatasetArrays = TypeAliasType(
+    "DatasetArrays",
+    Annotated[dict[str, DatasetArrayInfo], Field(description="The arrays by name.")],
+)
+
+
 class DatasetInfo(BaseModel):
     """A stored dataset: its arrays (name, dtype, shape, bytes)."""
 
     name: str
     version: str = Field(description="SHA-256 over its arrays: changes whenever they do.")
     bytes: int = Field(description="Bytes of all its arrays.")
-    arrays: dict[str, DatasetArrayInfo]
+    arrays: DatasetArrays
     created_at: datetime
     updated_at: datetime
 

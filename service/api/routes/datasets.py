@@ -36,10 +36,8 @@ _BODY = {
         "in requests), or the bytes of a .npz (arrays by their names) or .npy (one array, "
         "named by the `array` query parameter) as application/octet-stream. Never unpickled.",
         "content": {
-            "application/json": {"schema": {"type": "object", "additionalProperties": {
-                "$ref": "#/components/schemas/TensorValue"}}},
-            "application/msgpack": {"schema": {"type": "object", "additionalProperties": {
-                "$ref": "#/components/schemas/TensorValue"}}},
+            "application/json": {"schema": {"$ref": "#/components/schemas/NamedTensors"}},
+            "application/msgpack": {"schema": {"$ref": "#/components/schemas/NamedTensors"}},
             OCTET: {"schema": {"type": "string", "format": "binary"}},
         },
     }
