@@ -377,19 +377,20 @@ class HessianOperator:
     def hvp_many(self, *vectors: Any) -> tuple:
         """H @ v for K vectors at once: each leaf has shape (K, *primal.shape)."""
         leaves, treedef = tree.flatten(list(vectors))
-        count = as_tensor(leaves[0]).shape[0] if leaves else 0
-        if self.max_batch is None or count <= self.max_batch:
-            return self._apply(vectors, 1)
         leaves = [as_tensor(v) for v in leaves]
-        passes = [
-            tree.flatten(list(self._apply(
-                tuple(tree.unflatten(treedef, [v[start:start + self.max_batch]
-                                               for v in leaves])), 1)))[0]
-            for start in range(0, count, self.max_batch)
-        ]
+        counts = {v.shape[0] if v.ndim else None for v in leaves}
+        if self.max_batch is None or len(counts) != 1 or max(counts, default=0) <= self.max_batch:
+            return self._apply(vectors, 1)  # (mismatched leading axes raise there)
+        count = counts.pop()
+        passes = []
+        for start in range(0, count, self.max_batch):
+            part = tree.unflatten(treedef, [v[start:start + self.max_batch] for v in leaves])
+            passes.append(tree.flatten(self._apply(tuple(part), 1)))
+        structure = passes[0][1]  # the primals' structure, as one pass answers
         with trace.nothing_recording():
-            joined = [concatenate(list(products), axis=0) for products in zip(*passes, strict=True)]
-        return tuple(tree.unflatten(treedef, joined))
+            joined = [concatenate([p[0][i] for p in passes], axis=0)
+                      for i in range(len(passes[0][0]))]
+        return tree.unflatten(structure, joined)
 
     def _apply(self, vectors: tuple, batch_ndim: int) -> tuple:
         # Nothing that happens to be recording around this call sees the HVP pass: it

@@ -53,7 +53,7 @@ class KeyRing:
         self.enabled = settings.api_keys_enabled
         self._settings = settings
         self._owners: frozenset[str] = frozenset()
-        self._file_stamp: tuple[int, int] | None = None
+        self._file_stamp: tuple[int, ...] | None = None
         self._lock = threading.Lock()
         if self.enabled:
             keys = settings.load_api_keys()
@@ -68,7 +68,7 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def _stamp(self) -> tuple[int, int] | None:
+    def _stamp(self) -> tuple[int, ...] | None:
         path = self._settings.api_keys_file
         if path is None:
             return None
@@ -76,7 +76,7 @@ class KeyRing:
             status = os.stat(path)
         except OSError:
             return None
-        return status.st_mtime_ns, status.st_size
+        return status.st_mtime_ns, status.st_ctime_ns, status.st_ino, status.st_size
 
     def reload(self, *, force: bool = False) -> None:
         """Read the keys again if the keys file changed (or always, with force)."""
@@ -89,6 +89,7 @@ class KeyRing:
             try:
                 keys = self._settings.load_api_keys()
             except (OSError, UnicodeDecodeError) as exc:
+                self._file_stamp = stamp  # logged once per change, not once per request
                 log.error("API keys file not reloaded, the keys in force stay: %s", exc)
                 return
             self._file_stamp = stamp

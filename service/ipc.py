@@ -52,10 +52,13 @@ def _default(obj: Any) -> Any:
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != ARRAY_EXT:
         raise FrameError(f"unknown msgpack extension type {code} in a worker message")
-    (size,) = _ARRAY_HEADER.unpack_from(data)
-    start = _ARRAY_HEADER.size + size
-    dtype, shape = msgpack.unpackb(data[_ARRAY_HEADER.size:start])
-    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+    try:
+        (size,) = _ARRAY_HEADER.unpack_from(data)
+        start = _ARRAY_HEADER.size + size
+        dtype, shape = msgpack.unpackb(data[_ARRAY_HEADER.size:start])
+        return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+    except (struct.error, TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise FrameError(f"a malformed array in a worker message: {exc}") from None
 
 
 def pack(message: Any) -> bytes:

@@ -68,8 +68,10 @@ class BodyShape:
         while stack:
             item, depth = stack.pop()
             if isinstance(item, dict):
+                _encodable(item.keys())
                 children: Any = item.values()
             elif isinstance(item, list | tuple):
+                _encodable(item)
                 children = item
             else:
                 continue
@@ -84,6 +86,21 @@ class BodyShape:
                 )
             stack.extend((child, depth + 1) for child in children
                          if isinstance(child, dict | list | tuple))
+
+
+def _encodable(items: Any) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no UTF-8 frame (to the
+    workers, to the store) can carry: a malformed body, said here, not a 500 later."""
+    for item in items:
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                raise ProblemError(
+                    "malformed-body",
+                    "the body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                    "that is not half of a pair), which is not text",
+                ) from None
 
 
 def _parse(body: bytes, fmt: Format, shape: BodyShape) -> Any:

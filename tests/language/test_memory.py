@@ -147,3 +147,22 @@ def test_the_first_order_estimate_bounds_a_gradient_from_above_within_3x(name: s
         tracemalloc.stop()
     estimate = program.memory.peak_bytes(1, first_order=True)
     assert peak <= estimate <= 3 * peak, (name, peak, estimate)
+
+
+def test_a_split_hvp_keeps_the_primals_structure() -> None:
+    g = np.random.default_rng(2)
+    a, b = gt.constant(g.random(3)), gt.constant(g.random((2, 2)))
+
+    def f(pair):
+        x, y = pair
+        return gt.sum(gt.tanh(x) ** 2) + gt.sum(y ** 3) * gt.sum(x)
+
+    vectors = ([gt.constant(g.random((5, 3))), gt.constant(g.random((5, 2, 2)))],)
+    whole = gt.hessian_operator(f, (a, b)).hvp_many(*vectors)
+    split = gt.hessian_operator(f, (a, b), max_batch=2).hvp_many(*vectors)
+    assert type(split) is type(whole) and len(split) == len(whole)
+    for p, q in zip(gt.tree.flatten(whole)[0], gt.tree.flatten(split)[0], strict=True):
+        np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-12)
+    ragged = ([gt.constant(g.random((4, 3))), gt.constant(g.random((6, 2, 2)))],)
+    with pytest.raises(ValueError):
+        gt.hessian_operator(f, (a, b), max_batch=2).hvp_many(*ragged)

@@ -299,3 +299,12 @@ def test_a_long_id_in_the_path_is_not_echoed(client, unharmed, path) -> None:
     response = client.get(path)
     assert response.status_code in (404, 422), response.text[:500]
     assert len(response.content) < 4_000, f"{len(response.content)} bytes echoed"
+
+
+def test_a_lone_surrogate_is_a_malformed_body_not_a_500(client, unharmed) -> None:
+    # Found in review: "\ud800" passed validation and broke the UTF-8 frame to the worker.
+    body = ('{"definition": {"variables": {"w": [1.0]}, "program": ["loss = sum(w)\\ud800"]},'
+            ' "target": "loss"}')
+    response = client.post("/v1/gradient", content=body,
+                           headers={"content-type": "application/json"})
+    assert "surrogate" in problem(response, 400, "malformed-body")["detail"]

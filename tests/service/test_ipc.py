@@ -60,3 +60,13 @@ def test_arrays_keep_dtype_shape_and_byte_order() -> None:
         back = ipc.unpack(ipc.pack({"a": array}))["a"]
         assert back.shape == array.shape and np.array_equal(back, array)
         assert back.dtype == array.dtype.newbyteorder("=")
+
+
+def test_a_malformed_array_is_a_frame_error() -> None:
+    import msgpack
+    import pytest
+
+    for data in (b"", b"\x00", b"\x00\x05[1,2]", b"\x00\x01\xc0"):
+        frame = msgpack.packb(msgpack.ExtType(ipc.ARRAY_EXT, data))
+        with pytest.raises(ipc.FrameError):
+            ipc.unpack(frame)
