@@ -70,7 +70,7 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             # Two requests of the key reach the pool at once (fair sharing would otherwise
             # hold the second in the key's line, where no 503 is answered).
             "GRADTAPE_MAX_CONCURRENT_PER_KEY": "2",
-            # heavy(800, 60) holds the worker for seconds; the memory model puts it just
+            # heavy(1000, 80) holds the worker for seconds; the memory model puts it
             # over the default request budget (1 GiB), so the budget here is larger.
             "GRADTAPE_REQUEST_MEMORY_BUDGET": str(4 * 2**30),
         },

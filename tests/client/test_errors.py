@@ -170,7 +170,7 @@ def test_retries_are_bounded(strict: Server) -> None:
 
     def hold() -> None:
         with pytest.raises(ComputeTimeout) as caught:
-            client.gradient(heavy(800, 60), "loss", ["x"], time_limit=3.0)
+            client.gradient(heavy(1000, 80), "loss", ["x"], time_limit=3.0)
         slow_error.append(caught.value)
 
     with Client(strict.base_url, api_key=KEY) as client:
