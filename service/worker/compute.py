@@ -39,9 +39,10 @@ from engine.language import (
 )
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
-from service.worker import flat, nonfinite
+from service.core import flat
+from service.core.flat import flatten
+from service.worker import nonfinite
 from service.worker.datasets import DatasetCache, DatasetUnavailable, resolve
-from service.worker.flat import flatten
 
 log = logging.getLogger("gradtape.compute")
 

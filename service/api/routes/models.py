@@ -16,7 +16,7 @@ from service.api.openapi import msgpack_body, problem_responses
 from service.api.problems import ProblemError
 from service.api.routes._compute import resolve_onnx
 from service.api.schemas import ModelCreateRequest, ModelInfo, ModelList
-from service.api.sessions import model_info
+from service.domain.sessions import model_info
 
 router = APIRouter(tags=["models"], route_class=BoundedRoute)
 
