@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # `engine` itself (the package facade, `import engine as gt`) sits on the transforms
 # floor: it exports everything up to there.
 ENGINE_FLOORS: list[tuple[str, ...]] = [
-    ("engine.backend", "engine.registry", "engine.trace", "engine.tree", "engine.allocator"),
+    ("engine.backend", "engine.registry", "engine.trace", "engine.tree", "engine.allocator",
+     "engine.footprint"),
     ("engine.tensor",),
     ("engine.ops", "engine.random"),
     ("engine.tape",),
