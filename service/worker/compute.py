@@ -40,7 +40,7 @@ from engine.language import (
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from engine.transforms import SingularHessianError
-from service.core import flat
+from service.core import defaults, flat
 from service.core.flat import flatten
 from service.worker import nonfinite
 from service.worker.datasets import DatasetCache, DatasetUnavailable, resolve
@@ -118,7 +118,7 @@ class RequestError(Exception):
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     """Set up a worker: check its device, build its limits, tune the allocator (unless
     told not to), warm the engine up."""
-    if options.get("tune_allocator", False):
+    if options.get("tune_allocator", defaults.WORKER_TUNE_ALLOCATOR):
         gt.tune_allocator()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
@@ -133,14 +133,16 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         index=index,
         device=device,
         limits=limits,
-        chunk_size=int(options.get("chunk_size", 1024)),
-        hessian_max_size=int(options.get("hessian_max_size", 2048)),
-        jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
-        hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
-        lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
+        chunk_size=int(options.get("chunk_size", defaults.CHUNK_SIZE)),
+        hessian_max_size=int(options.get("hessian_max_size", defaults.HESSIAN_MAX_SIZE)),
+        jacobian_max_elements=int(
+            options.get("jacobian_max_elements", defaults.JACOBIAN_MAX_ELEMENTS)),
+        hvp_max_vectors=int(options.get("hvp_max_vectors", defaults.HVP_MAX_VECTORS)),
+        lanczos_max_basis_bytes=int(
+            options.get("lanczos_max_basis_bytes", defaults.LANCZOS_MAX_BASIS_BYTES)),
         memory_budget=options.get("memory_budget"),
-        datasets=DatasetCache(options.get("store_path"),
-                              int(options.get("dataset_memory_budget", 1 << 30))),
+        datasets=DatasetCache(options.get("store_path"), int(
+            options.get("dataset_memory_budget", defaults.WORKER_DATASET_MEMORY))),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
