@@ -24,8 +24,8 @@ Public ops (primitive wrappers and composites) are registered in `public_ops` by
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -74,10 +74,15 @@ class MissingRuleError(NotImplementedError):
     """A derivative was asked of a primitive (and argument) that has no rule."""
 
 
-def primitive(name: str, impl: Callable[..., Any]) -> Primitive:
-    """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`."""
+def primitive(name: str, impl: Callable[..., Any], *, broadcasting: bool = False) -> Primitive:
+    """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`.
+
+    broadcasting: its arguments broadcast against each other (NumPy's trailing-axis rule).
+    """
     prim = Primitive(name)
     impl_rules[prim] = impl
+    if broadcasting:
+        BROADCASTING.add(prim)
     return prim
 
 
@@ -103,10 +108,6 @@ def defvjp_argnum(prim: Primitive, rule: Callable[..., Any]) -> None:
 
 def defjvp(prim: Primitive, rule: Callable[..., Any]) -> None:
     jvp_rules[prim] = rule
-
-
-def defbroadcasting(*prims: Primitive) -> None:
-    BROADCASTING.update(prims)
 
 
 def defnondiff(prim: Primitive) -> None:
@@ -135,7 +136,16 @@ def get_jvp(prim: Primitive) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class OpInfo:
-    """What a client needs to call an op: name, tensor arity, keyword arguments, doc."""
+    """What a client needs to call an op (name, tensor arity, keyword arguments, doc) and
+    what the definition language needs to check a call before running it.
+
+    shape_rule: `rule(bound) -> TensorType` (engine/shapes.py), bound maps parameter
+    names to TensorTypes (tensors) or Python values (constants).
+    kinds: the constant parameters and their kinds (engine/language/constants.py); every
+    other parameter is a tensor.
+    workspace: `workspace(bound, out) -> int`, the elements the op's gradient needs
+    beyond its output (the language holds it to the same per-tensor limit).
+    """
 
     name: str
     family: str
@@ -144,13 +154,23 @@ class OpInfo:
     variadic: bool
     keywords: dict[str, Any]  # name -> default (inspect.Parameter.empty when required)
     doc: str
+    shape_rule: Callable[[dict[str, Any]], Any] | None = None
+    kinds: Mapping[str, str] = field(default_factory=dict)
+    workspace: Callable[[dict[str, Any], Any], int] | None = None
 
 
 public_ops: dict[str, OpInfo] = {}
 
 
-def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., Any]], Any]:
-    """Register a public op.
+def public(
+    family: str,
+    tensors: int | None = None,
+    *,
+    shape_rule: Callable[[dict[str, Any]], Any] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    workspace: Callable[[dict[str, Any], Any], int] | None = None,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Register a public op with its shape rule and its constants' kinds (see OpInfo).
 
     Tensor parameters are the positional ones annotated `Any` (they take tensors, arrays
     or numbers); the others (`axis: int`, `shape: Sequence[int]`, `reduction: str`) are
@@ -173,7 +193,16 @@ def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., A
         }
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
         public_ops[fn.__name__] = OpInfo(
-            fn.__name__, family, fn, tensor_args, variadic, keywords, doc
+            fn.__name__,
+            family,
+            fn,
+            tensor_args,
+            variadic,
+            keywords,
+            doc,
+            shape_rule,
+            dict(kinds or {}),
+            workspace,
         )
         return fn
 

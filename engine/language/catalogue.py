@@ -1,6 +1,7 @@
 """The op catalogue: what a program can call, with signatures, generated from the
-engine's registry (names, parameter order, defaults, docs) and the language's rule table
-(which parameters are constants, and of what kind), plus the language's built-ins.
+engine's registry (names, parameter order, defaults, docs, and which parameters are
+constants of what kind, as each op declares beside its shape rule), plus the language's
+built-ins.
 
 `catalogue()` is what the service serves at GET /v1/ops; `bind` matches a call in a
 program against a signature.
@@ -26,7 +27,6 @@ from engine.language.parse import (
     Sequence,
     Subscript,
 )
-from engine.language.shapes import RULES
 from engine.registry import public_ops
 
 REQUIRED = inspect.Parameter.empty
@@ -72,14 +72,13 @@ class Signature:
 
 def _from_registry(name: str) -> Signature | None:
     info = public_ops[name]
-    rule = RULES.get(name)
-    if rule is None:  # a new engine op without a shape rule is not callable (a test fails)
+    if info.shape_rule is None:  # an engine op without a shape rule is not callable (a test fails)
         return None
     params = []
     for p in inspect.signature(info.fn).parameters.values():
         if p.kind is p.VAR_KEYWORD:
             continue
-        kind = rule.kinds.get(p.name, "tensor")
+        kind = info.kinds.get(p.name, "tensor")
         params.append(Param(p.name, kind, p.default, variadic=p.kind is p.VAR_POSITIONAL))
     return Signature(name, info.family, info.doc, tuple(params))
 
