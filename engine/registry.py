@@ -1,4 +1,4 @@
-"""Primitives and their rule tables.
+"""Primitives and their rule tables, and the public op catalogue.
 
 A primitive is a name; what it does lives in plain dicts keyed by the Primitive object
 (autodidax's `jvp_rules`, autograd's `primitive_vjps`):
@@ -18,7 +18,35 @@ Rules are written with the engine's own differentiable ops, so derivatives of de
 work to any order. Primitives in `NONDIFFERENTIABLE` are never recorded.
 
 Public ops (primitive wrappers and composites) are registered in `public_ops` by the
-`public` decorator; the package's export list and the op catalogue are built from it.
+`public` decorator, with their shape rule; the package's export list, the op catalogue
+(GET /v1/ops) and the definition language's checks are built from it.
+
+Adding an op is one block in its family's `engine/ops/<family>.py` (atan2 in
+elementwise.py is an example) and one row in tests/engine/test_ops.py:
+
+    atan2_p = primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
+    defvjp(atan2_p, atan2_vjp_y, atan2_vjp_x)       # one rule per argument
+    defjvp(atan2_p, atan2_jvp)                      # optional (else double VJP)
+
+    @public("math", shape_rule=binary("float"))     # + kinds={...} for constants
+    def atan2(y: Any, x: Any) -> Tensor:
+        # a one-line docstring here: the contract, and the op's doc in the catalogue
+        return bind(atan2_p, *coerce_pair("atan2", y, x))
+
+- broadcasting=True: the arguments broadcast against each other (batched tangents are
+  aligned for it in one place, the forward accumulator).
+- shape_rule: `rule(bound) -> TensorType` on shapes and dtypes alone (engine/shapes.py
+  has the families: unary, binary, ...). A check the wrapper makes too is one function
+  raising RuleError, called by the rule as is and by the wrapper through
+  `checked(opname, check, ...)`, so the two never drift apart.
+- kinds: which parameters are constants and of what kind ("axis", "axes", "shape",
+  "float", ...: engine/language/constants.py); the rest are tensors. workspace: the
+  elements the gradient needs beyond the output, when that is large (conv, attention).
+- A composite (a plain function of primitives) is the same block without the
+  primitive: `@public(..., shape_rule=...)` on the function.
+
+The row's forward, gradients to second order, batched VJPs and JVPs and the shape rule
+are then checked; the language, the catalogue and the property tests pick the op up.
 """
 
 from __future__ import annotations

@@ -106,11 +106,12 @@ CATEGORIES = {
 }
 
 
-def require(t: TensorType, category: str, what: str = "x") -> None:
+def require(t: Any, category: str, what: str = "x") -> None:
+    """t (a TensorType or a Tensor) has a dtype of `category` (CATEGORIES)."""
     kinds, description = CATEGORIES[category]
     if t.dtype.kind not in kinds:
         hint = "; cast it first" if category == "float" else ""
-        raise RuleError(f"{what} must be {description}, got {t.dtype}{hint}", "dtype")
+        raise RuleError(f"{what} must be {description}, got {t.dtype}{hint}", "dtype", TypeError)
 
 
 def like(v: TensorType, other: TensorType) -> TensorType:
@@ -252,12 +253,12 @@ def unary(category: str) -> Rule:
     return infer
 
 
-def binary(category: str, result: Any = None) -> Rule:
-    """An elementwise op of two broadcast tensors; the result has their dtype, or
-    `result` (comparisons give bool)."""
+def binary(category: str, result: Any = None, names: tuple[str, str] = ("x", "y")) -> Rule:
+    """An elementwise op of two broadcast tensors (parameters `names`); the result has
+    their dtype, or `result` (comparisons give bool)."""
 
     def infer(b: dict[str, Any]) -> TensorType:
-        x, y = pair(b["x"], b["y"])
+        x, y = pair(b[names[0]], b[names[1]])
         require(x, category, "the operands")
         return TensorType(broadcast(x.shape, y.shape), result or x.dtype)
 

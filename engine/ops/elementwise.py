@@ -746,6 +746,45 @@ def divide_no_nan(x: Any, y: Any) -> Tensor:
     return bind(divide_no_nan_p, x, y)
 
 
+# ---- atan2 ----
+# The angle of the point (x, y); both partial derivatives share 1 / (x^2 + y^2).
+atan2_p = primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
+
+
+def _atan2_scale(y: Tensor, x: Tensor) -> Tensor:
+    return reciprocal(add(multiply(x, x), multiply(y, y)))
+
+
+def atan2_vjp_y(ans: Tensor, y: Tensor, x: Tensor) -> Any:
+    slope = multiply(x, _atan2_scale(y, x))
+    return lambda g: multiply(g, slope)
+
+
+def atan2_vjp_x(ans: Tensor, y: Tensor, x: Tensor) -> Any:
+    slope = negative(multiply(y, _atan2_scale(y, x)))
+    return lambda g: multiply(g, slope)
+
+
+def atan2_jvp(t: list, ans: Tensor, y: Tensor, x: Tensor) -> Tensor | None:
+    scale = _atan2_scale(y, x)
+    return _tsum(
+        None if t[0] is None else multiply(t[0], multiply(x, scale)),
+        None if t[1] is None else negative(multiply(t[1], multiply(y, scale))),
+    )
+
+
+defvjp(atan2_p, atan2_vjp_y, atan2_vjp_x)
+defjvp(atan2_p, atan2_jvp)
+
+
+@public("math", shape_rule=binary("float", names=("y", "x")))
+def atan2(y: Any, x: Any) -> Tensor:
+    """The angle of the point (x, y) in radians, in [-pi, pi], with broadcasting."""
+    y, x = coerce_pair("atan2", y, x)
+    checked("atan2", require, y, "float", "the operands")
+    return bind(atan2_p, y, x)
+
+
 # ========================================================================================
 # Selection
 # ========================================================================================

@@ -117,6 +117,7 @@ ROWS = [
         "positive",
     ),
     binary("divide_no_nan", np.divide, domain="positive"),
+    binary("atan2", np.arctan2),
     Row(
         "divide_no_nan_zero",
         lambda x, y: gt.divide_no_nan(x, y * gt.constant(np.array([1.0, 0.0, 1.0, 0.0]))),
