@@ -128,6 +128,8 @@ def matmul_shape(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[int, ...]:
         return ys[:-2] + ys[-1:]
     if len(ys) == 1:
         return xs[:-1]
+    if len(xs) == 2 or len(ys) == 2:  # one stack is empty: the other is the result's
+        return (xs[:-2] or ys[:-2]) + (xs[-2], ys[-1])
     try:
         stack = broadcast(xs[:-2], ys[:-2])
     except RuleError:
