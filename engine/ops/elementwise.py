@@ -1,8 +1,10 @@
 """Elementwise primitives: arithmetic, unary math, comparisons, where, cast.
 
-Each block holds one primitive: its forward, its VJP for each argument and its JVP.
-Broadcasting between arguments is undone by the tape (VJP) and the accumulator (JVP),
-so binary rules may return cotangents and tangents in the broadcast shape.
+Each block holds one primitive: its forward (with broadcasting=True where its arguments
+broadcast), its VJP for each argument, its JVP, and its public wrapper with the shape
+rule the definition language infers it by. Broadcasting between arguments is undone by
+the tape (VJP) and the accumulator (JVP), so binary rules may return cotangents and
+tangents in the broadcast shape.
 """
 
 from __future__ import annotations
@@ -168,6 +170,8 @@ defjvp(power_p, power_jvp)
 
 
 def power_rule(b: dict[str, Any]) -> TensorType:
+    # NumPy refuses an integer to a negative power only when it runs; a literal exponent
+    # is known here, so the program is refused before it runs.
     out = binary("numeric")(b)
     exponent = b["y"].literal
     if out.dtype.kind in "iu" and exponent is not None and exponent < 0:

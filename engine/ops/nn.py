@@ -7,7 +7,7 @@ from typing import Any
 
 from engine import backend
 from engine.backend import host
-from engine.ops._util import normalize_axes as checked_axes
+from engine.ops._util import normalize_axes
 from engine.ops.elementwise import (
     abs,
     add,
@@ -40,11 +40,11 @@ from engine.shapes import (
     check_same_shape,
     checked,
     concrete,
-    normalize_axes,
     pair,
     require,
     same_type,
 )
+from engine.shapes import normalize_axes as axes_of  # the rules' (RuleError, no op name)
 from engine.tensor import Tensor, as_tensor
 
 LOSS = {"reduction": "reduction"}
@@ -60,7 +60,7 @@ def stop_gradient(x: Any) -> Tensor:
 def softmax_rule(b: dict[str, Any]) -> TensorType:
     x = concrete(b["x"])
     require(x, "float")
-    check_nonempty(x.shape, normalize_axes(b.get("axis", -1), x.ndim))
+    check_nonempty(x.shape, axes_of(b.get("axis", -1), x.ndim))
     return x
 
 
@@ -95,7 +95,7 @@ def _reduced_loss(losses: TensorType, reduction: str) -> TensorType:
     if reduction == "none":
         return losses
     if reduction == "mean":
-        check_nonempty(losses.shape, normalize_axes(None, losses.ndim))
+        check_nonempty(losses.shape, axes_of(None, losses.ndim))
     return TensorType((), losses.dtype)
 
 
@@ -159,7 +159,7 @@ def softmax_cross_entropy(
     shape.
     """
     logits, labels = as_tensor(logits), as_tensor(labels)
-    (axis,) = checked_axes(axis, logits.ndim, "softmax_cross_entropy")
+    (axis,) = normalize_axes(axis, logits.ndim, "softmax_cross_entropy")
     logp = log_softmax(logits, axis)
     if labels.dtype.kind in "iu":
         expected = tuple(d for i, d in enumerate(logits.shape) if i - logits.ndim != axis)
@@ -227,7 +227,7 @@ def _normalization_rule(batch: bool) -> Any:
         require(x, "float")
         if batch:
             check_batch_rank(x.shape)
-        axes = tuple(range(-x.ndim, -1)) if batch else normalize_axes(-1, x.ndim)
+        axes = tuple(range(-x.ndim, -1)) if batch else axes_of(-1, x.ndim)
         check_nonempty(x.shape, axes)
         out = x
         for name in ("gamma", "beta"):
@@ -267,7 +267,7 @@ def clip_by_norm_rule(b: dict[str, Any]) -> TensorType:
     x = concrete(b["x"])
     require(x, "float")
     check_positive("clip_norm", b.get("clip_norm", 1.0))
-    normalize_axes(b.get("axis"), x.ndim)
+    axes_of(b.get("axis"), x.ndim)
     return x
 
 
@@ -291,7 +291,7 @@ def moments(x: Any, axes: Any = None, keepdims: bool = False) -> tuple[Tensor, T
     derivative without the -1/n term; here the variance is differentiated exactly (the
     first derivatives agree)."""
     x = as_tensor(x)
-    axes = checked_axes(axes, x.ndim, "moments")
+    axes = normalize_axes(axes, x.ndim, "moments")
     m = mean(x, axes, keepdims=True)
     v = mean(square(subtract(x, m)), axes, keepdims=True)
     if not keepdims:

@@ -43,7 +43,7 @@ from engine.shapes import (
     reduced_shape,
     require,
 )
-from engine.shapes import normalize_axes as axes_of
+from engine.shapes import normalize_axes as axes_of  # the rules' (RuleError, no op name)
 from engine.tensor import Tensor, as_tensor, bind, unaliased
 
 Axis = int | Sequence[int] | None
