@@ -162,10 +162,27 @@ def get_jvp(prim: Primitive) -> Callable[..., Any]:
 # ----------------------------------------------------------------------------------------
 
 
+REQUIRED = inspect.Parameter.empty
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of an op as a caller sees it."""
+
+    name: str
+    kind: str  # "tensor", "tensors" (a list of them) or a constant kind (OpInfo.kinds)
+    default: Any = REQUIRED
+    variadic: bool = False  # *operands
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED and not self.variadic
+
+
 @dataclass(frozen=True)
 class OpInfo:
-    """What a client needs to call an op (name, tensor arity, keyword arguments, doc) and
-    what the definition language needs to check a call before running it.
+    """Everything about a public op outside its rules: what a caller sees (parameters,
+    doc) and what the definition language needs to check a call before running it.
 
     shape_rule: `rule(bound) -> TensorType` (engine/shapes.py), bound maps parameter
     names to TensorTypes (tensors) or Python values (constants).
@@ -178,10 +195,8 @@ class OpInfo:
     name: str
     family: str
     fn: Callable[..., Any]
-    tensor_args: tuple[str, ...]
-    variadic: bool
-    keywords: dict[str, Any]  # name -> default (inspect.Parameter.empty when required)
     doc: str
+    params: tuple[Param, ...]
     shape_rule: Callable[[dict[str, Any]], Any] | None = None
     kinds: Mapping[str, str] = field(default_factory=dict)
     workspace: Callable[[dict[str, Any], Any], int] | None = None
@@ -192,7 +207,6 @@ public_ops: dict[str, OpInfo] = {}
 
 def public(
     family: str,
-    tensors: int | None = None,
     *,
     shape_rule: Callable[[dict[str, Any]], Any] | None = None,
     kinds: Mapping[str, str] | None = None,
@@ -200,37 +214,20 @@ def public(
 ) -> Callable[[Callable[..., Any]], Any]:
     """Register a public op with its shape rule and its constants' kinds (see OpInfo).
 
-    Tensor parameters are the positional ones annotated `Any` (they take tensors, arrays
-    or numbers); the others (`axis: int`, `shape: Sequence[int]`, `reduction: str`) are
-    metadata. `tensors` overrides the count (ops taking a list of tensors say 0).
+    Parameters, defaults and the one-line doc come from the function itself; a
+    parameter not named in `kinds` is a tensor.
     """
+    kinds = dict(kinds or {})
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
-        params = list(sig.parameters.values())
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if tensors is None:
-            tensor_args = tuple(p.name for p in positional if p.annotation in ("Any", Any))
-        else:
-            tensor_args = tuple(p.name for p in positional[:tensors])
-        variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
-        keywords = {
-            p.name: p.default
-            for p in params
-            if p.name not in tensor_args and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        }
+        params = tuple(
+            Param(p.name, kinds.get(p.name, "tensor"), p.default, p.kind is p.VAR_POSITIONAL)
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind is not p.VAR_KEYWORD
+        )
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
         public_ops[fn.__name__] = OpInfo(
-            fn.__name__,
-            family,
-            fn,
-            tensor_args,
-            variadic,
-            keywords,
-            doc,
-            shape_rule,
-            dict(kinds or {}),
-            workspace,
+            fn.__name__, family, fn, doc, params, shape_rule, kinds, workspace
         )
         return fn
 

@@ -10,7 +10,6 @@ program against a signature.
 from __future__ import annotations
 
 import difflib
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,25 +26,12 @@ from engine.language.parse import (
     Sequence,
     Subscript,
 )
-from engine.registry import public_ops
+from engine.registry import Param, public_ops
 
-REQUIRED = inspect.Parameter.empty
 TENSOR_NODES = (Name, Number, Call, Subscript)  # what can stand where a tensor is expected
 OPERATORS = {op: symbol for op, symbol in [*BINARY_OPS.values(), *COMPARE_OPS.values()]}
 OPERATORS.update({"negative": "-x", "getitem": "x[index]"})
 BUILTIN_FAMILY = "builtin"
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kind: str  # "tensor", "tensors" (a list of them) or a constant kind of constants.py
-    default: Any = REQUIRED
-    variadic: bool = False  # *operands
-
-    @property
-    def required(self) -> bool:
-        return self.default is REQUIRED and not self.variadic
 
 
 @dataclass(frozen=True)
@@ -74,13 +60,7 @@ def _from_registry(name: str) -> Signature | None:
     info = public_ops[name]
     if info.shape_rule is None:  # an engine op without a shape rule is not callable (a test fails)
         return None
-    params = []
-    for p in inspect.signature(info.fn).parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            continue
-        kind = info.kinds.get(p.name, "tensor")
-        params.append(Param(p.name, kind, p.default, variadic=p.kind is p.VAR_POSITIONAL))
-    return Signature(name, info.family, info.doc, tuple(params))
+    return Signature(name, info.family, info.doc, info.params)
 
 
 BUILTINS = {

@@ -292,7 +292,7 @@ def einsum_rule(b: dict[str, Any]) -> TensorType:
     return TensorType(tuple(sizes[c] for c in _parse(explicit)[1]), ops[0].dtype)
 
 
-@public("linalg", tensors=0, shape_rule=einsum_rule, kinds={"spec": "spec"})
+@public("linalg", shape_rule=einsum_rule, kinds={"spec": "spec"})
 def einsum(spec: str, *operands: Any) -> Tensor:
     """Einstein summation, e.g. einsum('bij,jk->bik', x, w)."""
     tensors = coerce_all("einsum", operands)

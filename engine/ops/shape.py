@@ -313,7 +313,7 @@ def concatenated_shape(shapes: list[tuple[int, ...]], axis: int = 0) -> tuple[in
     return first[:axis] + (total,) + first[axis + 1 :]
 
 
-@public("shape", tensors=0, shape_rule=_joined(concatenated_shape), kinds=JOIN)
+@public("shape", shape_rule=_joined(concatenated_shape), kinds=JOIN)
 def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along an existing axis."""
     tensors = coerce_all("concatenate", xs)
@@ -333,7 +333,7 @@ def stacked_shape(shapes: list[tuple[int, ...]], axis: int = 0) -> tuple[int, ..
     return shapes[0][:position] + (len(shapes),) + shapes[0][position:]
 
 
-@public("shape", tensors=0, shape_rule=_joined(stacked_shape), kinds=JOIN)
+@public("shape", shape_rule=_joined(stacked_shape), kinds=JOIN)
 def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
     """Join same-shaped tensors along a new axis."""
     tensors = coerce_all("stack", xs)
@@ -477,7 +477,7 @@ def index_shape(shape: tuple[int, ...], index: Any = ()) -> tuple[int, ...]:
     return tuple(out)
 
 
-@public("indexing", tensors=1, shape_rule=_keep_dtype(index_shape), kinds={"index": "index"})
+@public("indexing", shape_rule=_keep_dtype(index_shape), kinds={"index": "index"})
 def getitem(x: Any, index: Any = ()) -> Tensor:
     """x[index]: ints, slices, None, Ellipsis, integer arrays and bool masks."""
     x = as_tensor(x)
