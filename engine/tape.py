@@ -92,7 +92,7 @@ class Record:
         self, gs: list[Tensor | None], needed: tuple[int, ...]
     ) -> list[Tensor | None]:
         upstream = [
-            Tensor(backend.array_module(o.value).zeros_like(o.value)) if g is None else g
+            _constant_zeros(o.shape, o) if g is None else g
             for g, o in zip(gs, self.outputs, strict=True)
         ]
         result = self.custom_vjp(*upstream)
@@ -197,7 +197,7 @@ def backward(
         lead = seeds[0].shape[:batch_ndim]
         for s in sources:
             if id(s) in zero and id(s) not in out:
-                out[id(s)] = _zeros(s, lead + s.shape)
+                out[id(s)] = _constant_zeros(lead + s.shape, s)
     return out
 
 
@@ -600,6 +600,15 @@ def _check_unconnected(value: Any) -> str:
 
 def _ones_like(t: Tensor) -> Tensor:
     return Tensor(backend.array_module(t.value).ones_like(t.value))
+
+
+def _constant_zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Zeros a pass makes whatever its data: a pass being captured for replay is told so
+    (any other array made outside the ops would stop the capture)."""
+    zeros = _zeros(like, shape)
+    if trace.capture is not None:
+        trace.capture.constant(zeros)
+    return zeros
 
 
 def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:

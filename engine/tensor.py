@@ -54,6 +54,8 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The value as a NumPy array (copied from the device for CuPy tensors)."""
+        if trace.capture is not None:  # a rule branching on data cannot be replayed
+            trace.capture.host_read(self)
         return backend.to_host(self.value)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -260,6 +262,8 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
     if isinstance(out, np.generic):  # NumPy returns scalars from 0-d operations
         out = np.asarray(out)
     ans = Tensor(out)
+    if trace.capture is not None:
+        trace.capture.record(prim, args, params, ans)
     if trace.active_tapes:  # recording never changes these lists, so no copies
         for tape in trace.active_tapes:
             tape._record_primitive(prim, args, params, ans)

@@ -20,6 +20,10 @@ active_accumulators: list[Any] = []
 # default) costs one attribute test per op.
 interrupt_check: Callable[[], None] | None = None
 
+# While a pass is being captured for replay (engine/replay.py), the Capture that sees
+# every primitive `bind` applies and every host read of a tensor; None otherwise.
+capture: Any = None
+
 
 class Interrupted(Exception):
     """Raised by an interrupt check: the computation was stopped between two ops."""

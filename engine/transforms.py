@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import backend, trace, tree
+from engine import backend, replay, trace, tree
 from engine.footprint import held_bytes
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import concatenate, reshape, transpose
@@ -338,13 +338,19 @@ class HessianOperator:
 
     `fun(x)`, `jac(x)` and `hessp(x, p)` take flat float64 vectors, for
     scipy.optimize.minimize(method="trust-ncg" / "newton-cg"); a new x re-records there.
+
+    compiled: the first pass of each vector layout is captured (engine/replay.py) and
+    later passes of that layout replay its array calls, with the same answers; a pass
+    that cannot be captured stays dynamic. False: every pass is the dynamic sweep.
     """
 
-    def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None):
+    def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
+                 compiled: bool = True):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._f = f
         self.max_batch = max_batch
+        self.compiled = compiled
         self._record(primals)
 
     def _record(self, primals: tuple) -> None:
@@ -360,6 +366,9 @@ class HessianOperator:
         self._value, self._grads = value, grads
         self.primals = _regroup(flat, defs, False)
         self._point: np.ndarray | None = None
+        # Per vector layout: its replay.Schedule, or why the pass is not replayable (and
+        # how many captures were tried).
+        self._schedules: dict[tuple, Any] = {}
 
     @property
     def value(self) -> Tensor:
@@ -411,9 +420,50 @@ class HessianOperator:
                 )
             if v.dtype != p.dtype:
                 raise TypeError(f"hvp: vector dtype {v.dtype} differs from the primal's {p.dtype}")
-        cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
-        out = [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
+        products = self._second_order_pass(flat_v, batch_ndim)
+        out = [_zeros(p, lead) if h is None else h for h, p in zip(products, self._flat,
+                                                                   strict=True)]
         return _regroup(out, self._defs, False)
+
+    def _dynamic_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
+        cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
+        return [cts.get(id(p)) for p in self._flat]
+
+    def _second_order_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
+        """H v per primal (None where unreached): replayed when this layout's pass was
+        captured, captured when it is new, dynamic when it cannot be."""
+        arrays = [v.value for v in flat_v]
+        if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
+            return self._dynamic_pass(flat_v, batch_ndim)
+        key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))
+        entry = self._schedules.get(key)
+        if isinstance(entry, replay.Schedule):
+            if entry.busy:  # a pass re-entered from inside this one
+                return self._dynamic_pass(flat_v, batch_ndim)
+            entry.busy = True
+            try:
+                return [None if h is None else Tensor(h) for h in entry.run(arrays)]
+            finally:
+                entry.busy = False
+        if entry is not None and entry[1] >= 2:
+            return self._dynamic_pass(flat_v, batch_ndim)
+        # Captured while it runs. A second try sees what the first pass cached (rules'
+        # outer stages made outside the ops are recorded values by then).
+        known = replay.known_tensors(self._tape, self._grads, self._flat)
+        products, schedule = replay.capture(
+            lambda seeds: self._dynamic_pass(seeds, batch_ndim), flat_v, known)
+        tries = 1 if entry is None else entry[1] + 1
+        self._schedules[key] = schedule if isinstance(schedule, replay.Schedule) else (
+            schedule, tries)
+        return products
+
+    def replay_status(self) -> dict[str, str]:
+        """Per captured vector layout, "compiled" or why its passes stay dynamic."""
+        return {
+            f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}":
+                "compiled" if isinstance(v, replay.Schedule) else v[0]
+            for k, v in self._schedules.items()
+        }
 
     # SciPy adapter ----------------------------------------------------------------------
     @property
@@ -513,10 +563,10 @@ class SingularHessianError(ValueError):
     """H + damping I cannot be solved (raise the damping)."""
 
 
-def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None
-                     ) -> HessianOperator:
+def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
+                     compiled: bool = True) -> HessianOperator:
     """Record f and its gradient at primals once; return the reusable HessianOperator."""
-    return HessianOperator(f, *primals, max_batch=max_batch)
+    return HessianOperator(f, *primals, max_batch=max_batch, compiled=compiled)
 
 
 def _zeros(o: Tensor, lead: tuple = ()) -> Tensor:
