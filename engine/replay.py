@@ -194,23 +194,37 @@ def capture(
 
 # ----------------------------------------------------------------------------------------
 # Replayable forms: out= versions of the calls that dominate a pass. Each maker sees the
-# call's parameters, its capture-time operands (None where the operand varies between
-# passes) and result, and returns `form(out, *operands)`, the same NumPy call writing
-# into `out` (None: allocate), or None where the call has no such form.
+# call's parameters, its operands (arrays for constants, _Layouts for what varies
+# between passes) and its result's _Layout, and returns `form(*operands, out)`, the same NumPy call writing
+# into `out` (None: allocate), or None where the call has no such form. A ufunc is its
+# own form (its positional out).
 # ----------------------------------------------------------------------------------------
 
 
-def _ufunc(fn: Any) -> Callable[..., Any]:
-    def make(params: dict, consts: list, value: Any) -> Any:
-        return lambda out, *xs: fn(*xs, out=out)
+_UFUNCS = {
+    "add": np.add,
+    "subtract": np.subtract,
+    "multiply": np.multiply,
+    "divide": np.divide,
+    "negative": np.negative,
+    "tanh": np.tanh,
+    "exp": np.exp,
+}
 
-    return make
 
-
-def _matmul_form(params: dict, consts: list, value: Any) -> Any:
+def _matmul_form(params: dict, operands: list, value: Any) -> Any:
     ta, tb = params.get("ta", False), params.get("tb", False)
+    matmul = np.matmul
+    if all(len(o.shape) == 2 for o in operands):  # _matmul_impl on matrices: one GEMM
+        if ta and tb:
+            return lambda x, y, out: matmul(x.T, y.T, out)
+        if ta:
+            return lambda x, y, out: matmul(x.T, y, out)
+        if tb:
+            return lambda x, y, out: matmul(x, y.T, out)
+        return matmul
 
-    def form(out: Any, x: Any, y: Any) -> Any:
+    def form(x: Any, y: Any, out: Any) -> Any:
         # _matmul_impl's choices, taken on the operands' layouts (fixed by the schedule's
         # key), so the GEMM calls are the dynamic pass's.
         if ta:
@@ -228,41 +242,33 @@ def _matmul_form(params: dict, consts: list, value: Any) -> Any:
     return form
 
 
-def _sum_form(params: dict, consts: list, value: Any) -> Any:
+def _sum_form(params: dict, operands: list, value: Any) -> Any:
     if value.dtype.kind != "f":  # _sum_impl picks the dtype of integer sums
         return None
     axes, keepdims = params["axes"], params["keepdims"]
-    return lambda out, x: np.sum(x, axis=axes, keepdims=keepdims, out=out)
+    reduce = np.add.reduce  # what np.sum calls for a float array, without its wrapper
+    return lambda x, out: reduce(x, axes, None, out, keepdims)
 
 
-def _relu_grad_form(params: dict, consts: list, value: Any) -> Any:
-    g, x = consts
-    if params["alpha"] != 0 or g is not None or x is None:
+def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
+    g, x = operands
+    if params["alpha"] != 0 or isinstance(g, np.ndarray) or not isinstance(x, np.ndarray):
         return None
-    mask = None  # (x > 0) as g's dtype, made once: x is a recorded value
+    mask = (x > 0).astype(value.dtype)  # made once: x is a recorded value
+    return lambda g, x_, out: np.multiply(g, mask, out)
 
-    def form(out: Any, g: Any, x_: Any) -> Any:
-        nonlocal mask
-        if mask is None or mask.dtype != g.dtype:
-            mask = (x > 0).astype(g.dtype)
-        return np.multiply(g, mask, out=out)
 
-    return form
+def _ufunc_form(fn: Any) -> Callable[[dict, list, Any], Any]:
+    return lambda params, operands, value: fn
 
 
 _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
-    "add": _ufunc(np.add),
-    "subtract": _ufunc(np.subtract),
-    "multiply": _ufunc(np.multiply),
-    "divide": _ufunc(np.divide),
-    "negative": _ufunc(np.negative),
-    "tanh": _ufunc(np.tanh),
-    "exp": _ufunc(np.exp),
+    **{name: _ufunc_form(fn) for name, fn in _UFUNCS.items()},
     "matmul": _matmul_form,
     "sum": _sum_form,
     "relu_grad": _relu_grad_form,
 }
-_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "negative", "tanh", "exp", "relu_grad"}
+_ELEMENTWISE = {*_UFUNCS, "relu_grad"}
 
 
 class Schedule:
@@ -297,12 +303,12 @@ class Schedule:
         for slot in cap.step_slot:
             members.setdefault(owner[slot], []).append(slot)
         freed: set[int] = set()
-        steps = []
+        plan: list[list[Any]] = []
         for k, ((prim, ins, params), slot) in enumerate(zip(cap.steps, cap.step_slot, strict=True)):
             value = values[slot]
             maker = _FORMS.get(prim.name)
-            consts = [values[i] if kinds[i] == _CONST else None for i in ins]
-            form = None if maker is None else maker(params, consts, value)
+            # constants as arrays, the pass's own operands as their _Layouts
+            form = None if maker is None else maker(params, [values[i] for i in ins], value)
             owns = owner[slot] == slot
             key = value.key
             target: Any = None  # a persistent buffer, or ("inplace", operand position)
@@ -326,7 +332,7 @@ class Schedule:
                     target = buffer_of[slot] = _Buffer(value)
                     self.buffers.append(target)
                     pooled_bytes += value.nbytes
-            steps.append(_compile_step(prim, params, ins, slot, form, target))
+            plan.append([prim, params, list(ins), slot, form, target, frees[k], value])
             # A buffer whose last reader is this step (or that nobody reads) returns to
             # the pool, and the slots of it and its views are dropped (the dynamic sweep
             # frees its cotangents the same way).
@@ -337,11 +343,42 @@ class Schedule:
                     b = buffer_of.pop(o, None)
                     if b is not None:
                         pool.setdefault(b.layout.key, []).append(b)
-        self.steps = [
-            (run, ins, slot, tuple(f)) for (run, ins, slot), f in zip(steps, frees, strict=True)
-        ]
+        self._elide_broadcasts(plan)
+        self.plan = plan
+        self.steps: list[Callable[[list[Any]], None]] | None = None
         self.pooled_bytes = pooled_bytes
         self.busy = False
+
+    @staticmethod
+    def _elide_broadcasts(plan: list[list[Any]]) -> None:
+        """A broadcast_to read only by ufuncs that write into a buffer of the full shape
+        is left out: the ufunc broadcasts its operand itself, to the same values
+        (np.broadcast_to is a Python function, as slow as the add it feeds)."""
+        readers: dict[int, list[list[Any]]] = {}
+        for entry in plan:
+            for i in entry[2]:
+                readers.setdefault(i, []).append(entry)
+        for entry in plan:
+            prim, _, ins, slot, *_ = entry
+            if prim.name != "broadcast_to":
+                continue
+            users = readers.get(slot, [])
+            if users and all(
+                u[0].name in _UFUNCS and u[5] is not None and u[4] is not None for u in users
+            ):
+                for u in users:
+                    u[2] = [ins[0] if i == slot else i for i in u[2]]
+                entry[0] = None  # dropped
+
+    def _compile(self) -> None:
+        for b in self.buffers:
+            b.allocate()
+        self.steps = [
+            _compile_step(prim, params, tuple(ins), slot, form, target, tuple(frees), value)
+            for prim, params, ins, slot, form, target, frees, value in self.plan
+            if prim is not None
+        ]
+        # Dropped steps' frees still apply (their slots were never written: harmless).
 
     def matches(self, arrays: Sequence[Any]) -> bool:
         """Whether these seeds have the layouts the schedule was captured with."""
@@ -352,19 +389,19 @@ class Schedule:
 
     def run(self, arrays: Sequence[Any]) -> list[Any]:
         """The pass's outputs (None for an output the pass did not reach)."""
-        if self.buffers and self.buffers[0].array is None:
-            for b in self.buffers:
-                b.allocate()
+        if self.steps is None:
+            self._compile()
         env = self.template.copy()
         for slot, a in zip(self.seed_slots, arrays, strict=True):
             env[slot] = a
         check = trace.interrupt_check
-        for run, ins, slot, frees in self.steps:
-            if check is not None:
+        if check is None:
+            for step in self.steps:
+                step(env)
+        else:
+            for step in self.steps:
                 check()
-            env[slot] = run(*[env[i] for i in ins])
-            for i in frees:
-                env[i] = None
+                step(env)
         # A constant output (zeros, a recorded value) is copied: answers are fresh arrays.
         return [
             None if s is None else env[s].copy() if s in self.constant_outs else env[s]
@@ -396,17 +433,113 @@ class _Buffer:
 
 
 def _compile_step(
-    prim: Primitive, params: dict, ins: tuple[int, ...], slot: int, form: Any, target: Any
-) -> tuple[Callable[..., Any], tuple[int, ...], int]:
-    if form is not None and type(target) is tuple:  # in place, into a dying operand
-        position = target[1]
-        return (lambda *xs: form(xs[position], *xs)), ins, slot
-    if form is not None and target is not None:
-        return (lambda *xs: form(target.array, *xs)), ins, slot
-    if form is not None:
-        return (lambda *xs: _as_array(form(None, *xs))), ins, slot
-    impl = impl_rules[prim]
-    return (lambda *xs: _as_array(impl(np, *xs, **params))), ins, slot
+    prim: Primitive,
+    params: dict,
+    ins: tuple[int, ...],
+    slot: int,
+    form: Any,
+    target: Any,
+    frees: tuple[int, ...],
+    value: Any,
+) -> Callable[[list[Any]], None]:
+    """One call of the schedule as `step(env)`: operands read from env, the result
+    written to env[slot], dead slots dropped. Specialised by arity and by where the
+    result goes, so a step is one Python call around the NumPy one."""
+    scalar = value.shape == ()  # NumPy answers 0-d operations with scalars; bind wraps them
+    if form is not None and target is None:
+        call = form if isinstance(form, np.ufunc) else (lambda *xs: form(*xs, None))
+    elif form is not None:
+        call = None
+    else:
+        impl = impl_rules[prim]
+        if prim.name == "reshape":
+            shape = params["shape"]
+            call = lambda x: x.reshape(shape)  # the impl without its xp
+        else:
+            call = lambda *xs: impl(np, *xs, **params)
+    if call is not None:
+        if scalar:
+            inner = call
+            call = lambda *xs: _as_array(inner(*xs))
+        return _allocating(call, ins, slot, frees)
+    if type(target) is tuple:  # in place, into the operand that dies here
+        return _in_place(form, ins, slot, frees, ins[target[1]])
+    return _into(form, ins, slot, frees, target.array)
+
+
+def _allocating(call: Any, ins: tuple, slot: int, frees: tuple) -> Callable[[list], None]:
+    if len(ins) == 1:
+        (a,) = ins
+
+        def step(env: list) -> None:
+            env[slot] = call(env[a])
+            for i in frees:
+                env[i] = None
+
+    elif len(ins) == 2:
+        a, b = ins
+
+        def step(env: list) -> None:
+            env[slot] = call(env[a], env[b])
+            for i in frees:
+                env[i] = None
+
+    else:
+
+        def step(env: list) -> None:
+            env[slot] = call(*[env[i] for i in ins])
+            for i in frees:
+                env[i] = None
+
+    return step
+
+
+def _into(fn: Any, ins: tuple, slot: int, frees: tuple, out: Any) -> Callable[[list], None]:
+    """fn(*operands, out) into a buffer the schedule keeps (a ufunc's positional out)."""
+    if len(ins) == 1:
+        (a,) = ins
+
+        def step(env: list) -> None:
+            env[slot] = fn(env[a], out)
+            for i in frees:
+                env[i] = None
+
+    elif len(ins) == 2:
+        a, b = ins
+
+        def step(env: list) -> None:
+            env[slot] = fn(env[a], env[b], out)
+            for i in frees:
+                env[i] = None
+
+    else:
+
+        def step(env: list) -> None:
+            env[slot] = fn(*[env[i] for i in ins], out)
+            for i in frees:
+                env[i] = None
+
+    return step
+
+
+def _in_place(fn: Any, ins: tuple, slot: int, frees: tuple, dying: int) -> Callable[[list], None]:
+    """fn(*operands, out=the operand's own array): a cotangent accumulated in place."""
+    if len(ins) == 2:
+        a, b = ins
+
+        def step(env: list) -> None:
+            env[slot] = fn(env[a], env[b], env[dying])
+            for i in frees:
+                env[i] = None
+
+    else:
+
+        def step(env: list) -> None:
+            env[slot] = fn(*[env[i] for i in ins], env[dying])
+            for i in frees:
+                env[i] = None
+
+    return step
 
 
 def _as_array(out: Any) -> Any:

@@ -229,5 +229,5 @@ def test_schedule_keeps_buffers_and_reuses_them() -> None:
     assert isinstance(schedule, replay.Schedule)
     # Fewer persistent buffers than calls that write into one: liveness reuses them.
     assert (
-        0 < schedule.pooled_bytes < sum(8 * np.prod(p.shape) for p in params) * len(schedule.steps)
+        0 < schedule.pooled_bytes < sum(8 * np.prod(p.shape) for p in params) * len(schedule.plan)
     )
