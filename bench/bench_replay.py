@@ -6,7 +6,8 @@ same calls); only the harness differs: every (case, framework) cell is timed onc
 round, rounds interleave all cells, and the table gives medians over rounds of the wall
 time and of the process CPU time per call (per vector for xK), with the ratios that
 were measured in the same run. `gradtape-dynamic` is the same engine with
-`compiled=False` (every pass the dynamic sweep): the before/after of the replay.
+`compiled=False` (every pass the dynamic sweep) and no deferred products (a fresh HVP
+computes its gradients' GEMMs): the before/after of issue 17's items 1 and 2.
 
 Run from the repository root, in the peers' virtualenv, on one thread:
 
@@ -40,9 +41,25 @@ CASES = {
 
 
 class GradtapeDynamic(be.Gradtape):
-    """The engine with every HVP pass dynamic (no capture, no replay)."""
+    """The engine as it was before issue 17's items 1-2: every HVP pass dynamic (no
+    capture, no replay), and a fresh HVP computing its gradients' own GEMMs."""
 
     name = "gradtape-dynamic"
+
+    def hvp_fresh(self):
+        from engine.registry import DEFERRED_SHAPES
+
+        fresh = super().hvp_fresh()
+
+        def run():
+            saved = dict(DEFERRED_SHAPES)
+            DEFERRED_SHAPES.clear()
+            try:
+                return fresh()
+            finally:
+                DEFERRED_SHAPES.update(saved)
+
+        return run
 
     def hvp_reused(self):
         op = self.gt.hessian_operator(self.loss, *self.consts, compiled=False)

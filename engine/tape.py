@@ -64,9 +64,14 @@ class Record:
         self.vjp_cache: dict[int, Any] | None = None
 
     def input_cotangents(
-        self, gs: list[Tensor | None], needed: tuple[int, ...], cacheable: bool
+        self,
+        gs: list[Tensor | None],
+        needed: tuple[int, ...],
+        cacheable: bool,
+        deferred: tuple[int, ...] = (),
     ) -> list[Tensor | None]:
-        """Cotangents for the inputs in `needed`, given the outputs' cotangents `gs`."""
+        """Cotangents for the inputs in `needed`, given the outputs' cotangents `gs`;
+        those of the inputs in `deferred` computed lazily where their ops allow."""
         if self.prim is None:
             return self._custom_cotangents(gs, needed)
         (g,) = gs
@@ -85,7 +90,11 @@ class Record:
                     vjp = self.vjp_cache[i] = rule(i, ans, *self.inputs, **self.params)
             else:
                 vjp = rule(i, ans, *self.inputs, **self.params)
-            out.append(vjp(g))
+            if i in deferred:
+                with trace.deferring():
+                    out.append(vjp(g))
+            else:
+                out.append(vjp(g))
         return out
 
     def _custom_cotangents(
@@ -171,8 +180,13 @@ def backward(
     seeds: list[Tensor],
     sources: list[Tensor],
     batch_ndim: int,
+    defer_sources: bool = False,
 ) -> dict[int, Tensor]:
-    """Run the reverse sweep; return the cotangents of the sources, keyed by id."""
+    """Run the reverse sweep; return the cotangents of the sources, keyed by id.
+
+    defer_sources: the caller wants the sources' cotangents only for what is computed
+    from them by recorders (their tangents), so the ops that make them are deferred
+    (tensor.DeferredTensor): a product nobody reads is never computed."""
     cts: dict[int, Tensor] = {}
     for t, s in zip(targets, seeds, strict=True):
         _accumulate(cts, id(t), s)
@@ -185,7 +199,9 @@ def backward(
             if any(id(o) in zero for o in rec.outputs):
                 zero.update(id(rec.inputs[i]) for i in needed)
             continue
-        for i, gi in zip(needed, rec.input_cotangents(gs, needed, cacheable), strict=True):
+        deferred = tuple(i for i in needed if id(rec.inputs[i]) in keep) if defer_sources else ()
+        cotangents = rec.input_cotangents(gs, needed, cacheable, deferred)
+        for i, gi in zip(needed, cotangents, strict=True):
             x = rec.inputs[i]
             if gi is ZERO:
                 zero.add(id(x))
@@ -229,6 +245,8 @@ class GradientTape:
         self._variables: dict[int, Variable] = {}
         self._plans: dict[tuple, tuple[int, list]] = {}
         self._used = False
+        # Set by a transform that reads the gradients' tangents only (tensor.DeferredTensor)
+        self._defer_source_primals = False
 
     # Recording --------------------------------------------------------------------------
     def __enter__(self) -> GradientTape:
@@ -348,7 +366,7 @@ class GradientTape:
                 return backward(plan, targets, seeds, sources, batch_ndim)
             trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
         with trace.paused(self):
-            return backward(plan, targets, seeds, sources, batch_ndim)
+            return backward(plan, targets, seeds, sources, batch_ndim, self._defer_source_primals)
 
     def gradient(
         self,

@@ -293,6 +293,7 @@ def hessian(f: Callable[..., Any], argnums: Argnums = 0) -> Callable[..., Any]:
             with GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(flat)
                 value = _scalar(f(*args), "hessian")
+            tape._defer_source_primals = True  # only the gradients' tangents are used
             grads = tape.gradient(value, flat, unconnected_gradients="zero")
         rows = []
         for g in grads:
@@ -320,6 +321,9 @@ def hvp(f: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) 
         with GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(flat)
             value = _scalar(f(*args), "hvp")
+        # Only the gradients' tangents are used: the GEMMs of the gradients themselves
+        # (the weights' products) are deferred and never run.
+        tape._defer_source_primals = True
         grads = tape.gradient(value, flat, unconnected_gradients="zero")
     out = [acc.jvp(g, unconnected_gradients="zero") for g in grads]
     return _regroup(out, defs, False)

@@ -231,3 +231,58 @@ def test_schedule_keeps_buffers_and_reuses_them() -> None:
     assert (
         0 < schedule.pooled_bytes < sum(8 * np.prod(p.shape) for p in params) * len(schedule.plan)
     )
+
+
+# ---- no dead work: a fresh HVP's gradient GEMMs --------------------------------------
+def test_a_fresh_hvp_never_runs_the_gradients_own_gemms(monkeypatch) -> None:
+    """gt.hvp wants the gradient's tangent only: the weight-gradient products are
+    deferred (tensor.DeferredTensor) and never computed, and the answer is bit-equal to
+    forward-over-reverse computing everything."""
+    from engine import tensor
+
+    loss, params = _mlp(gt.tanh)
+    v = [gt.constant(np.random.default_rng(3).standard_normal(p.shape)) for p in params]
+    made, computed = [], []
+    real_init = tensor.DeferredTensor.__init__
+    real_value = tensor.DeferredTensor.value.fget
+
+    def init(self, *args):
+        made.append(self)
+        real_init(self, *args)
+
+    def value(self):
+        if self._thunk is not None:
+            computed.append(self)
+        return real_value(self)
+
+    monkeypatch.setattr(tensor.DeferredTensor, "__init__", init)
+    monkeypatch.setattr(tensor.DeferredTensor, "value", property(value))
+    fresh = gt.hvp(loss, params, v)
+    assert len(made) == 3 and not computed, "the three weight GEMMs are deferred, none run"
+
+    # The same forward-over-reverse with every primal computed.
+    with gt.ForwardAccumulator(params, v) as acc:
+        with gt.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(params)
+            value = loss(*params)
+        grads = tape.gradient(value, params)
+    _assert_same(fresh, [acc.jvp(g) for g in grads])
+    # A deferred product read later is the product (the first made: the last layer's).
+    assert not computed
+    np.testing.assert_array_equal(made[0].numpy(), grads[4].numpy())
+    assert computed == [made[0]]
+
+
+def test_a_deferred_gradient_that_is_read_is_computed() -> None:
+    """gt.hessian (forward-over-reverse too) defers the same products; a source used
+    twice accumulates its deferred products, which computes them: right either way."""
+    rng = np.random.default_rng(5)
+    x = gt.constant(rng.standard_normal((5, 3)))
+
+    def loss(w):
+        return gt.sum(gt.tanh(x @ w) ** 2) + gt.sum((x @ w) * (x @ w))
+
+    w = gt.constant(rng.standard_normal((3, 2)))
+    h = gt.hessian(loss)(w).numpy().reshape(6, 6)
+    dense = gt.hessian_operator(loss, w, compiled=False).dense()
+    np.testing.assert_allclose(h, dense, rtol=1e-10, atol=1e-12)
