@@ -286,3 +286,46 @@ def test_a_deferred_gradient_that_is_read_is_computed() -> None:
     h = gt.hessian(loss)(w).numpy().reshape(6, 6)
     dense = gt.hessian_operator(loss, w, compiled=False).dense()
     np.testing.assert_allclose(h, dense, rtol=1e-10, atol=1e-12)
+
+
+# ---- definitions: what the service's tapes run -----------------------------------------
+_rng = np.random.default_rng(21)
+DEFINITIONS = {
+    "relu mlp": {
+        "variables": {"w1": _rng.random((4, 8)), "w2": _rng.random((8, 2))},
+        "inputs": {"x": _rng.random((5, 4)), "y": _rng.random((5, 2))},
+        "program": ["h = relu(x @ w1)", "o = h @ w2", "loss = mean((o - y) ** 2)"],
+    },
+    "clip_grad_norm": {
+        "variables": {"w": _rng.random((4, 3))},
+        "inputs": {"x": _rng.random((5, 4))},
+        "program": ["h = clip_grad_norm(tanh(x @ w), 0.5)", "loss = sum(h * h * h)"],
+    },
+    "gradient penalty": {
+        "variables": {"w": _rng.random((4, 3))},
+        "inputs": {"x": _rng.random((5, 4))},
+        "program": ["o = sum(tanh(x @ w))", "g = grad(o, x)", "loss = o + sum(g * g)"],
+    },
+    "softmax regression": {
+        "variables": {"w": _rng.random((4, 3)), "b": _rng.random(3)},
+        "inputs": {"x": _rng.random((6, 4))},
+        "program": ["z = x @ w + b", "loss = sum(logsumexp(z, axis=1) - z[:, 0])"],
+    },
+}
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_definitions_tapes_replay_exactly(name) -> None:
+    from engine.language import compile_definition
+    from engine.language.compile import Request
+
+    definition = DEFINITIONS[name]
+    program = compile_definition(definition)
+    leaves = program.leaves(definition)
+    request = Request("loss", {n: n for n in definition["variables"]})
+    compiled = program.hessian_operator(request, leaves)
+    dynamic = program.hessian_operator(request, leaves)
+    dynamic.compiled = False
+    shapes = [leaves[n].shape for n in definition["variables"]]
+    _both_ways(compiled, dynamic, shapes, np.random.default_rng(2))
+    assert set(compiled.replay_status().values()) == {"compiled"}, compiled.replay_status()
