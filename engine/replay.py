@@ -30,6 +30,7 @@ captured; CuPy passes stay dynamic.
 from __future__ import annotations
 
 import gc
+import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -115,12 +116,20 @@ class Capture:
         if id(t) not in self.slots:
             self._new(t, _CONST)
 
+    def alias(self, t: Tensor, of: Tensor) -> None:
+        """t is a new identity for of's array (a custom gradient's outputs)."""
+        if self.failure is None:
+            try:
+                self.slots[id(t)] = (self._slot_of(of), weakref.ref(t))
+            except CaptureFailed as exc:
+                self.failure = str(exc)
+
     def host_read(self, t: Tensor) -> None:
         entry = self.slots.get(id(t))
         if entry is not None and entry[1]() is t and self.kinds[entry[0]] != _CONST:
             self.failure = "a rule read a value of the pass on the host (data-dependent)"
 
-    def schedule(self, outputs: Sequence[Tensor | None]) -> Schedule:
+    def schedule(self, outputs: Sequence[Tensor | None], pool_limit: int) -> Schedule:
         if self.failure is not None:
             raise CaptureFailed(self.failure)
         out_slots: list[int | None] = []
@@ -128,7 +137,7 @@ class Capture:
             out_slots.append(None if t is None else self._slot_of(t))
         if self.failure is not None:
             raise CaptureFailed(self.failure)
-        return Schedule(self, out_slots)
+        return Schedule(self, out_slots, pool_limit)
 
 
 def known_tensors(*roots: Any) -> set[int]:
@@ -173,10 +182,14 @@ def known_tensors(*roots: Any) -> set[int]:
 
 
 def capture(
-    run: Callable[[list[Tensor]], list[Tensor | None]], seeds: Sequence[Tensor], known: set[int]
+    run: Callable[[list[Tensor]], list[Tensor | None]],
+    seeds: Sequence[Tensor],
+    known: set[int],
+    pool_limit: int | None = None,
 ) -> tuple[list[Tensor | None], Schedule | str]:
     """Run `run(seeds)` dynamically under a Capture: its outputs, and the Schedule (or the
-    reason the pass cannot be replayed)."""
+    reason the pass cannot be replayed). pool_limit: bytes of buffers the schedule may
+    keep between passes (POOL_LIMIT by default)."""
     # Fresh identities: a seed passed twice, or a seed that is also a recorded value,
     # must still be one slot per seed.
     fresh = [Tensor(s.value) for s in seeds]
@@ -187,7 +200,7 @@ def capture(
     finally:
         trace.capture = saved
     try:
-        return outputs, cap.schedule(outputs)
+        return outputs, cap.schedule(outputs, POOL_LIMIT if pool_limit is None else pool_limit)
     except CaptureFailed as exc:
         return outputs, str(exc)
 
@@ -274,7 +287,7 @@ _ELEMENTWISE = {*_UFUNCS, "relu_grad"}
 class Schedule:
     """A captured pass as a flat list of array calls; `run(seed arrays)` replays it."""
 
-    def __init__(self, cap: Capture, out_slots: list[int | None]):
+    def __init__(self, cap: Capture, out_slots: list[int | None], pool_limit: int):
         values, kinds = cap.values, cap.kinds
         n = len(kinds)
         self.seed_slots = cap.seed_slots
@@ -328,7 +341,7 @@ class Schedule:
                         buffer_of[slot] = buffer_of.pop(ins[dying[0]])
                 elif pool.get(key):
                     target = buffer_of[slot] = pool[key].pop()
-                elif pooled_bytes + value.nbytes <= POOL_LIMIT:
+                elif pooled_bytes + value.nbytes <= pool_limit:
                     target = buffer_of[slot] = _Buffer(value)
                     self.buffers.append(target)
                     pooled_bytes += value.nbytes
@@ -347,7 +360,7 @@ class Schedule:
         self.plan = plan
         self.steps: list[Callable[[list[Any]], None]] | None = None
         self.pooled_bytes = pooled_bytes
-        self.busy = False
+        self._lock = threading.Lock()
 
     @staticmethod
     def _elide_broadcasts(plan: list[list[Any]]) -> None:
@@ -378,14 +391,17 @@ class Schedule:
             for prim, params, ins, slot, form, target, frees, value in self.plan
             if prim is not None
         ]
-        # Dropped steps' frees still apply (their slots were never written: harmless).
+        # A dropped broadcast frees nothing: its operand (whose view it was) is read later.
 
-    def matches(self, arrays: Sequence[Any]) -> bool:
-        """Whether these seeds have the layouts the schedule was captured with."""
-        return all(
-            type(a) is np.ndarray and (a.shape, a.strides) == layout
-            for a, layout in zip(arrays, self.seed_layouts, strict=True)
-        )
+    def try_run(self, arrays: Sequence[Any]) -> list[Any] | None:
+        """run(), or None when the schedule is running already (its buffers are in use:
+        a pass re-entered from inside one, or another thread's)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.run(arrays)
+        finally:
+            self._lock.release()
 
     def run(self, arrays: Sequence[Any]) -> list[Any]:
         """The pass's outputs (None for an output the pass did not reach)."""

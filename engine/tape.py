@@ -617,7 +617,10 @@ def _check_unconnected(value: Any) -> str:
 
 
 def _ones_like(t: Tensor) -> Tensor:
-    return Tensor(backend.array_module(t.value).ones_like(t.value))
+    ones = Tensor(backend.array_module(t.value).ones_like(t.value))
+    if trace.capture is not None:  # a gradient's seed: a constant of a captured pass
+        trace.capture.constant(ones)
+    return ones
 
 
 def _constant_zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -636,7 +639,7 @@ def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _result(ct: Tensor | None, source: Tensor, unconnected: str, lead: tuple) -> Tensor | None:
     if ct is not None:
         return ct
-    return None if unconnected == "none" else _zeros(source, lead + source.shape)
+    return None if unconnected == "none" else _constant_zeros(lead + source.shape, source)
 
 
 # ----------------------------------------------------------------------------------------
@@ -666,6 +669,9 @@ def custom_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
         flat, treedef = tree.flatten(result)
         body = [as_tensor(o) for o in flat]
         outputs = tuple(Tensor(o.value) for o in body)  # fresh identities
+        if trace.capture is not None:
+            for o, b in zip(outputs, body, strict=True):
+                trace.capture.alias(o, b)
         backward_fn = grad_fn
         if variables:
             if "variables" not in _parameters(grad_fn):

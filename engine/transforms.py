@@ -442,13 +442,10 @@ class HessianOperator:
         key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))
         entry = self._schedules.get(key)
         if isinstance(entry, replay.Schedule):
-            if entry.busy:  # a pass re-entered from inside this one
+            products = entry.try_run(arrays)
+            if products is None:  # running already (a pass re-entered from inside one)
                 return self._dynamic_pass(flat_v, batch_ndim)
-            entry.busy = True
-            try:
-                return [None if h is None else Tensor(h) for h in entry.run(arrays)]
-            finally:
-                entry.busy = False
+            return [None if h is None else Tensor(h) for h in products]
         if entry is not None and entry[1] >= 2:
             return self._dynamic_pass(flat_v, batch_ndim)
         # Captured while it runs. A second try sees what the first pass cached (rules'
