@@ -5,7 +5,9 @@ The problems and the peers' implementations are bench_engine.py's (same seeded M
 same calls); only the harness differs: every (case, framework) cell is timed once per
 round, rounds interleave all cells, and the table gives medians over rounds of the wall
 time and of the process CPU time per call (per vector for xK), with the ratios that
-were measured in the same run. `gradtape-dynamic` is the same engine with
+were measured in the same run. `grad_program` is a definition's gradient
+(CompiledProgram.value_and_gradients, what POST /v1/gradient runs) against the peers'
+gradients. `gradtape-dynamic` is the same engine with
 `compiled=False` (every pass the dynamic sweep) and no deferred products (a fresh HVP
 computes its gradients' GEMMs): the before/after of issue 17's items 1 and 2.
 
@@ -33,7 +35,43 @@ import numpy as np
 
 from bench import bench_engine as be
 
+
+def _definition(prob) -> dict:
+    """The benchmark MLP as a definition (what a /v1/gradient request sends)."""
+    n_layers = len(prob.params) // 2
+    variables = {}
+    for i in range(n_layers):
+        variables[f"w{i}"] = prob.params[2 * i]
+        variables[f"b{i}"] = prob.params[2 * i + 1]
+    lines, h = [], "x"
+    for i in range(n_layers):
+        z = f"{h} @ w{i} + b{i}"
+        if i < n_layers - 1:
+            lines.append(f"h{i} = {prob.activation}({z})")
+            h = f"h{i}"
+        else:
+            lines.append(f"out = {z}")
+    lines.append("loss = mean((out - y) ** 2)")
+    return {"variables": variables, "inputs": {"x": prob.x, "y": prob.y}, "program": lines}
+
+
+def _program_gradient(prob, compiled: bool):
+    from engine.language import compile_definition
+
+    definition = _definition(prob)
+    program = compile_definition(definition)
+    request = program.check_request("loss", None, "none")
+    leaves = program.leaves(definition)
+    return lambda: program.value_and_gradients(request, leaves, compiled)
+
+
+be.Gradtape.grad_program = lambda self: _program_gradient(self.prob, True)
+be.NumpyFloor.grad_program = be.NumpyFloor.grad
+be.TorchPeer.grad_program = be.TorchPeer.grad
+be.JaxPeer.grad_program = be.JaxPeer.grad
+
 CASES = {
+    "grad_program": "gradient of a definition",
     "hvp_reused": "HVP reused (1 vector)",
     "hvp_batched": f"HVP reused x{be.K_VECTORS}, per vector",
     "hvp_fresh": "HVP fresh",
@@ -60,6 +98,9 @@ class GradtapeDynamic(be.Gradtape):
                 DEFERRED_SHAPES.update(saved)
 
         return run
+
+    def grad_program(self):
+        return _program_gradient(self.prob, False)
 
     def hvp_reused(self):
         op = self.gt.hessian_operator(self.loss, *self.consts, compiled=False)
@@ -93,7 +134,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--activation", default="tanh")
     parser.add_argument("--frameworks", default="gradtape,gradtape-dynamic,floor,torch,jax")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default="hvp_reused,hvp_batched,hvp_fresh")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seconds", type=float, default=0.2, help="per cell per round, about")
     args = parser.parse_args()
