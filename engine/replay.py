@@ -33,7 +33,8 @@ import gc
 import threading
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,57 @@ class Capture:
         if self.failure is not None:
             raise CaptureFailed(self.failure)
         return Schedule(self, out_slots, pool_limit)
+
+
+NOT_YET = "run once, dynamically: captured on its next pass"
+
+
+class Passes:
+    """What the passes of each layout (a Hashable key) do: the first runs dynamically
+    (a one-off pass, as a stateless request makes, costs nothing extra), the second runs
+    under a capture, later ones replay its Schedule. A pass that cannot be captured is
+    tried once more (the first capture's pass fills caches, e.g. rules' outer stages),
+    then stays dynamic. At most `limit` layouts are kept (least recently used go)."""
+
+    def __init__(self, limit: int | None = None, pool_limit: int | None = None):
+        self.entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.limit = limit
+        self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
+        self._lock = threading.Lock()
+
+    def run(
+        self,
+        key: Hashable,
+        seeds: Sequence[Tensor],
+        dynamic: Callable[[list[Tensor]], list[Tensor | None]],
+        known: Callable[[], set[int]],
+    ) -> list[Tensor | None]:
+        """dynamic(seeds)'s outputs, computed the way this layout's state says."""
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                self.entries[key] = (NOT_YET, 0)
+                while self.limit is not None and len(self.entries) > self.limit:
+                    self.entries.popitem(last=False)
+            else:
+                self.entries.move_to_end(key)
+        if isinstance(entry, Schedule):
+            outputs = entry.try_run([s.value for s in seeds])
+            if outputs is not None:
+                return [None if o is None else Tensor(o) for o in outputs]
+        if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
+            return dynamic(list(seeds))
+        outputs, schedule = capture(dynamic, seeds, known(), self.pool_limit)
+        with self._lock:
+            if key in self.entries:  # (the second element counts failed captures)
+                self.entries[key] = (
+                    schedule if isinstance(schedule, Schedule) else (schedule, entry[1] + 1)
+                )
+        return outputs
+
+    def status(self) -> dict[Hashable, str]:
+        """Per layout: "compiled", or why (or that) its passes are dynamic so far."""
+        return {k: "compiled" if isinstance(v, Schedule) else v[0] for k, v in self.entries.items()}
 
 
 def known_tensors(*roots: Any) -> set[int]:

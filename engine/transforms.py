@@ -372,7 +372,7 @@ class HessianOperator:
         self._point: np.ndarray | None = None
         # Per vector layout: its replay.Schedule, or why the pass is not replayable (and
         # how many captures were tried).
-        self._schedules: dict[tuple, Any] = {}
+        self._passes = replay.Passes()
 
     @property
     def value(self) -> Tensor:
@@ -434,37 +434,20 @@ class HessianOperator:
         return [cts.get(id(p)) for p in self._flat]
 
     def _second_order_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
-        """H v per primal (None where unreached): replayed when this layout's pass was
-        captured, captured when it is new, dynamic when it cannot be."""
+        """H v per primal (None where unreached): the first pass of a vector layout is
+        dynamic, the second captured, later ones replayed (replay.Passes)."""
         arrays = [v.value for v in flat_v]
         if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
             return self._dynamic_pass(flat_v, batch_ndim)
         key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))
-        entry = self._schedules.get(key)
-        if isinstance(entry, replay.Schedule):
-            products = entry.try_run(arrays)
-            if products is None:  # running already (a pass re-entered from inside one)
-                return self._dynamic_pass(flat_v, batch_ndim)
-            return [None if h is None else Tensor(h) for h in products]
-        if entry is not None and entry[1] >= 2:
-            return self._dynamic_pass(flat_v, batch_ndim)
-        # Captured while it runs. A second try sees what the first pass cached (rules'
-        # outer stages made outside the ops are recorded values by then).
-        known = replay.known_tensors(self._tape, self._grads, self._flat)
-        products, schedule = replay.capture(
-            lambda seeds: self._dynamic_pass(seeds, batch_ndim), flat_v, known)
-        tries = 1 if entry is None else entry[1] + 1
-        self._schedules[key] = schedule if isinstance(schedule, replay.Schedule) else (
-            schedule, tries)
-        return products
+        return self._passes.run(
+            key, flat_v, lambda seeds: self._dynamic_pass(seeds, batch_ndim),
+            lambda: replay.known_tensors(self._tape, self._grads, self._flat))
 
     def replay_status(self) -> dict[str, str]:
-        """Per captured vector layout, "compiled" or why its passes stay dynamic."""
-        return {
-            f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}":
-                "compiled" if isinstance(v, replay.Schedule) else v[0]
-            for k, v in self._schedules.items()
-        }
+        """Per vector layout: "compiled", or why (or that) its passes are dynamic."""
+        return {f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}": v
+                for k, v in self._passes.status().items()}
 
     # SciPy adapter ----------------------------------------------------------------------
     @property

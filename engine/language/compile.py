@@ -77,9 +77,8 @@ class CompiledProgram:
         builder = Builder("program", functions, site_keys, checked.grad_sites, models,
                           checked.model_calls)
         self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
-        # request and leaf layouts -> replay.Schedule, or (why not, captures tried)
-        self._gradient_passes: OrderedDict[tuple, Any] = OrderedDict()
-        self._passes_lock = threading.Lock()
+        # per request and leaf layout: dynamic, captured or replayed (replay.Passes)
+        self._gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
 
     # What the program defines -------------------------------------------------------------
     @property
@@ -185,9 +184,9 @@ class CompiledProgram:
     ) -> tuple[Tensor, dict[str, Tensor | None]]:
         """The target's value and its gradient per answer key of request.sources.
 
-        The first pass of a request and leaf layout runs under a capture
-        (engine/replay.py); later ones replay its array calls with the new leaf values,
-        with the same answers. Integer and boolean leaves (labels, indices) are part of
+        The first pass of a request and leaf layout runs dynamically, the second under a
+        capture (engine/replay.py), later ones replay its array calls with the new leaf
+        values, with the same answers. Integer and boolean leaves (labels, indices) are part of
         the layout by value: a program may branch on them. A pass that cannot be captured
         (an op that makes an array outside the ops, as one-hot labels do) stays dynamic.
         """
@@ -205,33 +204,14 @@ class CompiledProgram:
             ),
         )
         keys = list(request.sources)
-        with self._passes_lock:
-            entry = self._gradient_passes.get(key)
-            if entry is not None:
-                self._gradient_passes.move_to_end(key)
-        if isinstance(entry, replay.Schedule):
-            outputs = entry.try_run(arrays)
-            if outputs is not None:
-                value, *grads = (None if o is None else Tensor(o) for o in outputs)
-                return value, dict(zip(keys, grads, strict=True))
-        if isinstance(entry, replay.Schedule) or (entry is not None and entry[1] >= 2):
-            return self._value_and_gradients(request, dict(leaves))
 
         def run(seeds: list[Tensor]) -> list[Tensor | None]:
             value, grads = self._value_and_gradients(request, dict(zip(names, seeds)))
             return [value, *(grads[k] for k in keys)]
 
-        known = replay.known_tensors(self)
-        (value, *grads), schedule = replay.capture(
-            run, [leaves[n] for n in names], known, GRADIENT_POOL_LIMIT
+        value, *grads = self._gradient_passes.run(
+            key, [leaves[n] for n in names], run, lambda: replay.known_tensors(self)
         )
-        tries = 1 if entry is None else entry[1] + 1
-        with self._passes_lock:
-            self._gradient_passes[key] = (
-                schedule if isinstance(schedule, replay.Schedule) else (schedule, tries)
-            )
-            while len(self._gradient_passes) > GRADIENT_PASSES:
-                self._gradient_passes.popitem(last=False)
         return value, dict(zip(keys, grads, strict=True))
 
     def _value_and_gradients(

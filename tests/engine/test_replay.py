@@ -225,7 +225,9 @@ def test_schedule_keeps_buffers_and_reuses_them() -> None:
     op = gt.hessian_operator(loss, *params)
     v = [np.ones(p.shape) for p in params]
     op.hvp(*v)
-    (schedule,) = op._schedules.values()
+    assert set(op.replay_status().values()) == {replay.NOT_YET}, "a one-off pass: dynamic"
+    op.hvp(*v)
+    (schedule,) = op._passes.entries.values()
     assert isinstance(schedule, replay.Schedule)
     # Fewer persistent buffers than calls that write into one: liveness reuses them.
     assert (
@@ -369,7 +371,7 @@ def test_definition_gradients_replay_exactly(name) -> None:
     definition = DEFINITIONS[name]
     for _ in range(3):  # captured, then replayed with new values
         _evaluate_both_ways(_with_values(definition, rng))
-    passes = compile_definition(definition)._gradient_passes
+    passes = compile_definition(definition)._gradient_passes.entries
     if name == "softmax regression":
         # logsumexp shifts by a max it computes on the arrays, outside the ops (a
         # constant of the forward that depends on the data): that pass stays dynamic.
@@ -412,7 +414,7 @@ def test_integer_leaves_are_part_of_the_compiled_layout() -> None:
         definition = {**base, "inputs": {"i": np.array(idx, dtype=np.int32)}}
         result = _evaluate_both_ways(_with_values(definition, rng))
         assert result.gradients["w"].shape == (5, 3)
-    assert len(compile_definition(base)._gradient_passes) == 2
+    assert len(compile_definition(base)._gradient_passes.entries) == 2
     with pytest.raises((DefinitionError, ExecutionError, IndexError, ValueError)):
         from engine.language.evaluate import evaluate
 
@@ -432,7 +434,7 @@ def test_a_definition_that_cannot_be_captured_stays_dynamic() -> None:
     }
     for _ in range(3):
         _evaluate_both_ways(_with_values(definition, rng))
-    passes = compile_definition(definition)._gradient_passes
+    passes = compile_definition(definition)._gradient_passes.entries
     assert passes and all(isinstance(p, tuple) and "outside" in p[0] for p in passes.values()), (
         passes
     )
