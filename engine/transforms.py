@@ -372,7 +372,8 @@ class HessianOperator:
         self._point: np.ndarray | None = None
         # Per vector layout: its replay.Schedule, or why the pass is not replayable (and
         # how many captures were tried).
-        self._passes = replay.Passes()
+        # at most 8 vector layouts keep a schedule (and its buffers) at once
+        self._passes = replay.Passes(limit=8)
 
     @property
     def value(self) -> Tensor:
