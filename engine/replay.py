@@ -4,10 +4,12 @@ A reused tape answers many passes that differ only in their seed arrays (a
 HessianOperator's HVPs at one point). The dynamic sweep pays, per primitive, the
 tape's bookkeeping, `bind`'s dispatch and wrapping, the rules' closures and the
 undoing of broadcasts; the NumPy work itself is a fraction of it at small sizes. So
-the first pass of a given seed layout runs dynamically under a `Capture`, which sees
-every primitive applied (`bind` reports to `trace.capture`) and keeps, per call, the
-primitive, its parameters and where its operands come from: a seed, an earlier call,
-or a constant (a recorded value, a rule's cached outer stage, an engine scalar). Calls
+a pass of a given seed layout (its second: see `Passes`) runs dynamically under a
+`Capture`, which sees every primitive applied (`bind` reports to `trace.capture`) and
+keeps, per call, the primitive, its parameters and where its operands come from: a
+seed, an earlier call, or a constant (a recorded value, a rule's cached outer stage, an
+engine scalar). The same machinery compiles a definition's gradient pass (forward and
+backward; engine/language/compile.py), its leaves being the seeds. Calls
 whose operands are all constant are folded: their result is a constant. What is left
 is a `Schedule`: a list of array calls with every broadcasting, dtype, shape and layout
 decision already taken, run on the next passes with no engine objects in the loop.

@@ -343,9 +343,11 @@ class HessianOperator:
     `fun(x)`, `jac(x)` and `hessp(x, p)` take flat float64 vectors, for
     scipy.optimize.minimize(method="trust-ncg" / "newton-cg"); a new x re-records there.
 
-    compiled: the first pass of each vector layout is captured (engine/replay.py) and
-    later passes of that layout replay its array calls, with the same answers; a pass
-    that cannot be captured stays dynamic. False: every pass is the dynamic sweep.
+    compiled: the second pass of each vector layout is captured (engine/replay.py) and
+    later passes of that layout replay its array calls, with the same answers (the first
+    runs dynamically: a one-off product pays nothing for a capture); a pass that cannot
+    be captured stays dynamic (`replay_status()` says why). False: every pass is the
+    dynamic sweep.
     """
 
     def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
