@@ -145,6 +145,7 @@ def main() -> None:
         f"numpy {np.__version__}; threads: OMP={os.environ.get('OMP_NUM_THREADS')} "
         f"OPENBLAS={os.environ.get('OPENBLAS_NUM_THREADS')}; "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; "
+        f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}; "
         f"{args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     for size_name in args.sizes.split(","):
