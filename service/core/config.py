@@ -61,7 +61,9 @@ class Settings(BaseSettings):
         "'cpu', 'cuda' (all GPUs) or 'cuda:N' (one GPU)",
     )
     workers: int | None = Field(
-        default=None, ge=1, le=256, description="worker processes; default: one per GPU, else 2"
+        default=None, ge=1, le=256,
+        description="engine workers (processes, or Ray actors); default: one per GPU of this "
+        "host, else 2"
     )
     worker_threads: int | None = Field(
         default=None, ge=1, description="BLAS threads per CPU worker; default: cores / workers"

@@ -151,7 +151,7 @@ class EngineActor:
         self._stopped.set()
 
 
-RemoteEngineActor = ray.remote(EngineActor)
+RemoteEngineActor: Any = ray.remote(EngineActor)
 
 
 # ----------------------------------------------------------------------------------------
