@@ -64,6 +64,7 @@ from service.pool.local import BLAS_THREAD_VARIABLES, WorkerPool, _Job, _Worker
 log = logging.getLogger("gradtape.workers")
 
 NAMESPACE = "gradtape"
+LOOPBACK = "127.0.0.2"  # the node address of a Ray this server starts (see _connect)
 PROGRESS_POLL = 0.1  # seconds between two collections of a running job's progress
 MAX_HELD_REPORTS = 256  # progress reports an actor keeps for the next collection
 # cancel, progress, wait_stopped and hello beside the one running request
@@ -243,11 +244,13 @@ class RayPool(WorkerPool):
             if address:
                 ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
             else:
-                # A Ray of this host for this server alone: one CPU per worker, on
-                # loopback, no dashboard, and an object store sized for requests in flight.
-                ray.init(num_cpus=len(self._workers), namespace=NAMESPACE,
+                # A new Ray of this host for this server alone ("local": never one that
+                # runs here already): one CPU per worker, no dashboard, an object store
+                # sized for the requests in flight, and on loopback: Ray swaps 127.0.0.1
+                # for the host's reachable address, but keeps any other 127.x address.
+                ray.init(address="local", num_cpus=len(self._workers), namespace=NAMESPACE,
                          object_store_memory=self.settings.ray_object_store_memory,
-                         include_dashboard=False, _node_ip_address="127.0.0.1",
+                         include_dashboard=False, _node_ip_address=LOOPBACK,
                          log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; each stops startup
             where = f"the Ray cluster at {address!r}" if address else "a local Ray"
