@@ -8,7 +8,8 @@ gradients, tapes and their HVPs, the tape algorithms against the dense Hessian, 
 limit (the actor is killed with ray.kill and replaced), an idle actor killed under a tape.
 Then what is the Ray backend's own: a job's progress and its cancel through the actor's
 cancel flag, an actor SIGKILLed mid-request (502, replaced, and the tape's next HVP
-gives the same numbers), and the startup errors an operator meets.
+gives the same numbers), the startup errors an operator meets, and, on a three-node
+cluster of its own joined by address, a worker node removed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -190,3 +192,61 @@ def test_the_ray_pool_is_chosen_by_the_executor_setting() -> None:
     assert type(make_pool(Settings(executor="ray", workers=3))) is RayPool
     assert make_pool(Settings(executor="ray", workers=3)).size == 3
     assert type(make_pool(Settings())) is WorkerPool
+
+
+def _raylet_of(pid: int) -> int:
+    """The parent of a Ray worker process: the raylet of its node."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster of its own (ray.cluster_utils: a head with no CPU and two worker nodes
+    of one CPU, on loopback), joined by address, as a deployment joins its cluster. A
+    node is removed: its actor dies with it, the pool starts a replacement that waits
+    for room, a new node joins, the replacement lands there, and the tape that lived on
+    the lost node answers its next HVP with the same numbers."""
+    from ray.cluster_utils import Cluster
+
+    # Said outright for the nodes and the server alike: this process reads Ray's auth
+    # mode once, when Ray first loads (an earlier test may have loaded it), so a token
+    # mode set here would reach the nodes but not this process. A loopback cluster of
+    # this test alone.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    node_args: dict[str, Any] = {"num_cpus": 1, "node_ip_address": "127.0.0.2",
+                 "object_store_memory": 80 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **node_args, "num_cpus": 0, "include_dashboard": False})
+    srv = None
+    try:
+        nodes = [cluster.add_node(**node_args) for _ in range(2)]
+        raylets = {n.all_processes["raylet"][0].process.pid: n for n in nodes}
+        srv = start_server({"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_RAY_ADDRESS": cluster.address,
+                            "GRADTAPE_DATA_DIR": str(tmp_path / "data")}, tmp_path / "server.log")
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            workers = srv.wait_ready()["workers"]
+            # One actor per worker node (each has room for one).
+            assert {_raylet_of(w["pid"]) for w in workers} == set(raylets)
+            tape, worker = _tape(c)
+            before = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
+            victim = next(w for w in workers if w["index"] == worker)
+            cluster.remove_node(raylets[_raylet_of(victim["pid"])], allow_graceful=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # Ray reports the death; no room is left
+                states = {w["index"]: w["state"] for w in c.get("/readyz").json()["workers"]}
+                if states[worker] in ("down", "starting"):
+                    break
+                time.sleep(0.1)
+            assert states[worker] in ("down", "starting"), states
+            joined = cluster.add_node(**node_args)
+            after = {w["index"]: w for w in srv.wait_ready()["workers"]}
+            assert after[worker]["generation"] == victim["generation"] + 1
+            assert _raylet_of(after[worker]["pid"]) == joined.all_processes["raylet"][0].process.pid
+            again = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
+            np.testing.assert_array_equal(arr(again["hvp"]["w"]), arr(before["hvp"]["w"]))
+            assert c.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
+    finally:
+        if srv is not None:
+            stop_server(srv)
+        cluster.shutdown()
