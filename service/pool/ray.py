@@ -4,7 +4,7 @@ Ray actor on any node of a Ray cluster instead of a process of this host.
 
     GRADTAPE_EXECUTOR=ray                      # a local Ray, started with the server
     GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=auto              # the cluster of this node
-    GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=ray://head:10001  # Ray Client
+    GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=ray://head:10001  # Ray Client (ray[client])
 
 What differs from local processes, and why:
 
@@ -19,8 +19,8 @@ What differs from local processes, and why:
   per op; an actor method call reaches the actor wherever Ray placed it, and the check
   stays a plain attribute read.
 - Progress. The actor keeps the running request's reports; the pool collects them every
-  PROGRESS_POLL seconds while a caller that wants them (a job) waits. A poll, not a
-  streaming generator, so the same code works through Ray Client.
+  PROGRESS_POLL seconds while a caller that wants them (a job) waits: plain actor calls,
+  the core of Ray's API, rather than a streaming generator.
 - Death. Each actor has one call that blocks until the actor stops (`wait_stopped`); it
   raises as soon as Ray sees the actor die, however (SIGKILL, OOM, its node gone), so a
   dead idle actor is replaced at once and a dead busy one gives its request
