@@ -15,12 +15,12 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
+from service.api.auth import OwnerDep
+from service.api.datasets import DatasetCatalog
 from service.api.negotiation import Negotiated, negotiate
-from service.auth import OwnerDep
+from service.api.sessions import ModelCatalog, Tape, TapeRegistry
 from service.core.config import Settings
-from service.datasets import DatasetCatalog
-from service.sessions import ModelCatalog, Tape, TapeRegistry
-from service.workers import WorkerPool
+from service.pool.local import WorkerPool
 
 
 async def app_settings(request: Request) -> Settings:

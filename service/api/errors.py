@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from service.api.problems import PROBLEM_TYPES, ProblemError, problem_response, slug_for_status
-from service.workers import (
+from service.pool.local import (
     Cancelled,
     ComputeFailed,
     ComputeTimeout,

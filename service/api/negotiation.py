@@ -20,7 +20,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from service.api.problems import ProblemError
-from service.tensors import Encoding, to_wire
+from service.api.tensors import Encoding, to_wire
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 from service.api.problems import ProblemError
-from service.core.config import Settings
-from service.schemas import (
+from service.api.schemas import (
     CallOptions,
     DatasetArray,
     DatasetInputs,
@@ -37,7 +36,7 @@ from service.schemas import (
     TraceRequest,
     VariableSpec,
 )
-from service.tensors import (
+from service.api.tensors import (
     Encoding,
     TensorError,
     from_base64,
@@ -45,6 +44,7 @@ from service.tensors import (
     from_data,
     nonfinite_count,
 )
+from service.core.config import Settings
 
 
 @dataclass(frozen=True)

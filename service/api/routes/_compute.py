@@ -10,14 +10,14 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
+from service.api.datasets import DatasetCatalog
 from service.api.errors import explainer
+from service.api.jobs import JobRegistry
 from service.api.negotiation import Negotiated, answer
 from service.api.payloads import Prepared
-from service.datasets import DatasetCatalog
-from service.jobs import JobRegistry
-from service.schemas import Definition, DefinitionRequest
-from service.sessions import ModelCatalog
-from service.workers import Reply, WorkerPool
+from service.api.schemas import Definition, DefinitionRequest
+from service.api.sessions import ModelCatalog
+from service.pool.local import Reply, WorkerPool
 
 
 async def stored_definition(body: DefinitionRequest, owner: str, models: ModelCatalog

@@ -1,6 +1,6 @@
 """Tapes on the HTTP side: which worker holds each, who owns it, when it expires, what
 it costs; and the stored models. No math here: the recordings live in the workers
-(service/compute_tapes.py), their definitions in the store (service/store.py).
+(service/worker/tapes.py), their definitions in the store (service/core/store.py).
 
 - A tape lives in one worker; every request for it is routed there
   (`pool.submit(..., worker=i)`). The registry remembers the worker's `generation` when
@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from service.api.metrics import Metrics
 from service.api.problems import ProblemError
 from service.core.config import Settings
-from service.flat import FlatError, split
-from service.metrics import Metrics
-from service.store import ModelRow, Store, TapeRow, is_ref
-from service.workers import Cancelled, ComputeFailed, PoolError, Reply, WorkerPool
+from service.core.store import ModelRow, Store, TapeRow, is_ref
+from service.pool.local import Cancelled, ComputeFailed, PoolError, Reply, WorkerPool
+from service.worker.flat import FlatError, split
 
 log = logging.getLogger("gradtape.sessions")
 

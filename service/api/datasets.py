@@ -3,7 +3,7 @@ in the store beside models, and the binding of a definition's inputs to them.
 
 A binding is looked up here (the dataset, its array, the blob holding it) and travels to
 the worker as a reference (store.is_ref); the worker reads the array from the store once
-and keeps it hot (service/dataset_cache.py), and takes the rows. No array work here.
+and keeps it hot (service/worker/datasets.py), and takes the rows. No array work here.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import numpy as np
 
 from service.api.payloads import Binding, Prepared
 from service.api.problems import ProblemError
+from service.api.sessions import iso
+from service.api.tensors import DTYPES
 from service.core.config import Settings
-from service.sessions import iso
-from service.store import DatasetRow, Store
-from service.tensors import DTYPES
+from service.core.store import DatasetRow, Store
 
 
 def dataset_info(row: DatasetRow) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The FastAPI application: `create_app(settings)` builds it; uvicorn serves it
-(`gradtape serve`, or `uvicorn --factory service.main:create_app`).
+(`gradtape serve`, or `uvicorn --factory service.api.app:create_app`).
 
 The app validates requests, hands them to the worker pool and writes the answers; the
-engine runs only in the pool's worker processes (service/compute.py)."""
+engine runs only in the pool's worker processes (service/worker/compute.py)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,18 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 
-from service import docs
-from service.api import errors, openapi
+from service.api import docs, errors, openapi
+from service.api.auth import KeyRing
+from service.api.datasets import DatasetCatalog
 from service.api.fairness import Fairness
+from service.api.jobs import JobRegistry
+from service.api.metrics import Metrics
+from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
 from service.api.router import api_router
-from service.auth import KeyRing
+from service.api.sessions import ModelCatalog, TapeRegistry
 from service.core.config import Settings, get_settings
-from service.datasets import DatasetCatalog
-from service.jobs import JobRegistry
-from service.metrics import Metrics
-from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
-from service.sessions import ModelCatalog, TapeRegistry
-from service.store import Store
-from service.workers import WorkerPool
+from service.core.store import Store
+from service.pool.local import WorkerPool
 
 log = logging.getLogger("gradtape.service")
 

@@ -8,7 +8,7 @@ that relays the worker's progress reports and marks it running when a worker tak
   against `max_jobs_per_key` while queued or running (429 past it), and is forgotten
   `job_ttl` seconds after it ended (then 404, like a job that never was).
 - Cancelling (DELETE, or shutdown) cancels the job's task; the pool then cancels its
-  request, and the worker stops at its next op (service/workers.py).
+  request, and the worker stops at its next op (service/pool/local.py).
 - A failure keeps the problem body the synchronous request would have answered (a
   worker crash: worker-crashed; the time limit: time-limit): a job never hangs, since
   the pool's time limit bounds every request it runs.
@@ -28,11 +28,11 @@ from typing import Any
 
 import orjson
 
-from service import calls
 from service.api.problems import ProblemError
+from service.api.sessions import iso
+from service.api.tensors import Encoding
 from service.core.config import Settings
-from service.sessions import iso
-from service.tensors import Encoding
+from service.pool import calls
 
 log = logging.getLogger("gradtape.jobs")
 

@@ -1,8 +1,8 @@
 """The engine worker pool: the only service module that starts worker processes.
 
 Each worker is a process of the "spawn" context that owns one device and computes one
-request at a time with the engine (service/compute.py). The HTTP process talks to it
-over a socket pair in msgpack frames (service/ipc.py): client data is never pickled and
+request at a time with the engine (service/worker/compute.py). The HTTP process talks to it
+over a socket pair in msgpack frames (service/core/ipc.py): client data is never pickled and
 the event loop never runs engine code, it only waits on sockets.
 
     pool = WorkerPool(settings)
@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from service import calls, ipc
+from service.core import ipc
 from service.core.config import Settings
+from service.pool import calls
 
 log = logging.getLogger("gradtape.workers")
 
@@ -262,7 +263,7 @@ class WorkerPool:
         time_limit: float | None = None,
         queue_bound: bool = True,
     ) -> Reply:
-        """Run `kind` (a handler of service.compute) on `payload` in a worker.
+        """Run `kind` (a handler of service.worker.compute) on `payload` in a worker.
 
         worker: run on that worker only (None: any). time_limit: compute seconds
         (default: settings.time_limit). Raises PoolBusy, PoolUnavailable, ComputeTimeout,
@@ -454,7 +455,7 @@ class WorkerPool:
         parent_sock, child_sock = socket.socketpair()
         w.cancel.value = 0
         process = self._ctx.Process(
-            target=worker_main,
+            target=_run_worker,
             args=(child_sock, w.index, w.device, self._options(), w.cancel),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
@@ -563,57 +564,9 @@ class WorkerPool:
         w.reader = w.writer = w.reader_task = None
 
 
-# ----------------------------------------------------------------------------------------
-# Inside a worker process
-# ----------------------------------------------------------------------------------------
+def _run_worker(*args: Any) -> None:
+    """The worker process's entry point. The worker package (and with it the engine) is
+    imported here, in the child: the HTTP process never loads it."""
+    from service.worker.main import worker_main
 
-
-def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any],
-                cancel: Any = None) -> None:
-    """A worker's life: load the engine for `device`, say hello, answer until told to
-    stop or until the HTTP process goes away. `cancel` (a shared int) holds the id of a
-    request the HTTP process wants stopped."""
-    # Signals sent to the server's process group (Ctrl-C, `timeout`, a supervisor) are the
-    # HTTP process's to handle: it stops its workers itself. Signals sent to this process
-    # (the pool's kill, multiprocessing's exit handler) still apply.
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        from service import compute  # the engine loads here, in the worker only
-
-        context = compute.start(index, device, options)
-    except Exception as exc:  # noqa: BLE001 - any failure to start is reported, then exit
-        ipc.send_message(sock, {"fatal": f"{type(exc).__name__}: {exc}"})
-        return
-    ipc.send_message(sock, {"hello": context.describe()})
-    while True:
-        message = ipc.recv_message(sock)
-        if message is None or message.get("kind") == "shutdown":
-            return
-        reply = compute.answer(context, message, cancelled=_cancel_check(cancel, message),
-                               report=_reporter(sock, message))
-        try:
-            ipc.send_message(sock, reply)
-        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
-            error = compute.internal_error(exc)
-            ipc.send_message(sock, {"id": message.get("id"), "ok": False, "error": error})
-
-
-def _cancel_check(cancel: Any, message: dict[str, Any]) -> Any:
-    """Whether the HTTP process asks to stop this request (its id in the cancel flag)."""
-    if cancel is None:
-        return None
-    request_id = message.get("id")
-    return lambda: cancel.value == request_id
-
-
-def _reporter(sock: socket.socket, message: dict[str, Any]) -> Any:
-    """Sends the request's progress reports, when it asked for them."""
-    if not message.get("progress"):
-        return None
-    request_id = message.get("id")
-
-    def report(progress: dict[str, Any]) -> None:
-        ipc.send_message(sock, {"id": request_id, "progress": progress})
-
-    return report
+    worker_main(*args)

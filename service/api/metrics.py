@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from service.workers import PoolObserver
+from service.pool.local import PoolObserver
 
 if TYPE_CHECKING:
-    from service.sessions import TapeRegistry
-    from service.workers import WorkerPool
+    from service.api.sessions import TapeRegistry
+    from service.pool.local import WorkerPool
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

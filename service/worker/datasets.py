@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.store import array_from_bytes, is_ref
+from service.core.store import array_from_bytes, is_ref
 
 
 class DatasetUnavailable(Exception):
