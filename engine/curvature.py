@@ -324,12 +324,13 @@ class Curvature:
             likelihood = self.likelihood()
             rng = np.random.default_rng(seed)
             out = backend.to_host(self.output.value)
-            targets = backend.to_host(as_tensor(self.targets).value)
+            raw_targets, rebuild = _single_target(self.targets)
+            targets = backend.to_host(raw_targets)
             detached = Tensor(self.output.value)
             grads = []
             for _ in range(samples):
                 drawn = _draw(likelihood, out, targets, rng)
-                y = Tensor(backend.asarray(drawn, drawn.dtype, self.output.device))
+                y = rebuild(Tensor(backend.asarray(drawn, drawn.dtype, self.output.device)))
                 with trace.nothing_recording():
                     _, g = value_and_grad(lambda o, y=y: self._loss(o, y))(detached)
                 grads.append(g.value)
@@ -591,10 +592,7 @@ def _candidates(out: np.ndarray, targets: np.ndarray | None) -> list[tuple]:
 
 def _recognise(curv: Curvature) -> tuple[Likelihood | None, str | None]:
     out = np.asarray(backend.to_host(curv.output.value), np.float64)
-    try:
-        raw_targets = as_tensor(curv.targets).value if curv.targets is not None else None
-    except (TypeError, ValueError):
-        raw_targets = None
+    raw_targets, _ = _single_target(curv.targets)
     targets = None if raw_targets is None else np.asarray(backend.to_host(raw_targets))
     if targets is not None and targets.dtype.kind == "f":
         targets = targets.astype(np.float64)
@@ -628,6 +626,19 @@ def _recognise(curv: Curvature) -> tuple[Likelihood | None, str | None]:
         "the Fisher defined from the loss (and equal to the GGN); use curvature 'ggn' or "
         "'empirical_fisher'"
     )
+
+
+def _single_target(targets: Any) -> tuple[Any, Callable[[Tensor], Any]]:
+    """The one array among the targets' leaves (a tensor, or a structure holding one),
+    and how to put a replacement back in that structure; (None, ...) otherwise."""
+    leaves, treedef = tree.flatten(targets)
+    if len(leaves) != 1 or leaves[0] is None:
+        return None, lambda t: t
+    try:
+        value = as_tensor(leaves[0]).value
+    except (TypeError, ValueError):
+        return None, lambda t: t
+    return value, lambda t: tree.unflatten(treedef, [t])
 
 
 def _draw(

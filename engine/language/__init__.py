@@ -32,6 +32,7 @@ This package sits above the tape and the transforms; nothing in the engine impor
 from engine.language.catalogue import catalogue
 from engine.language.compile import (
     CompiledProgram,
+    ModelSplit,
     Request,
     cache_size,
     clear_cache,
@@ -52,6 +53,7 @@ from engine.language.shapes import TensorType
 __all__ = [
     "DEFAULT_LIMITS",
     "CompiledProgram",
+    "ModelSplit",
     "Definition",
     "DefinitionError",
     "Evaluation",
