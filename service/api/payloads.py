@@ -23,6 +23,7 @@ from service.api.schemas import (
     HessianRequest,
     HVPRequest,
     ImportedModel,
+    InfluenceRequest,
     JacobianRequest,
     ModelCreateRequest,
     SolveRequest,
@@ -35,6 +36,7 @@ from service.api.schemas import (
     TensorData,
     TraceRequest,
     VariableSpec,
+    _Curvature,
 )
 from service.api.tensors import (
     Encoding,
@@ -340,6 +342,7 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
     """The payload recording a tape, and its ttl."""
     decoder, payload, limit = _common(body, settings, stored)
     del payload["allow_unused"]  # a tape records every line: other targets may use them
+    payload["output"] = body.output
     ttl = settings.tape_ttl if body.ttl is None else body.ttl
     if ttl > settings.tape_max_ttl:
         raise ProblemError(
@@ -350,9 +353,15 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
     return _prepared(body, decoder, payload, limit), ttl
 
 
+def _curvature(body: _Curvature) -> dict[str, Any]:
+    """Which curvature matrix the worker applies (the Hessian unless asked)."""
+    return {"curvature": body.curvature.value, "samples": body.samples,
+            "fisher_seed": body.fisher_seed}
+
+
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
-    payload: dict[str, Any] = {"flat": body.flat}
+    payload: dict[str, Any] = {"flat": body.flat, **_curvature(body)}
     _vectors(body, decoder, payload, settings)
     return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
 
@@ -403,6 +412,7 @@ def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
         "k": body.k, "which": body.which.value, "tol": body.tol,
         "eigenvectors": body.eigenvectors, "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 
@@ -412,6 +422,7 @@ def trace(body: TraceRequest, settings: Settings) -> Prepared:
     payload = {
         "batch_size": body.batch_size, "rtol": body.rtol, "atol": body.atol, "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 
@@ -424,6 +435,24 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
         "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
         "damping": body.damping, "tol": body.tol, "max_iterations": body.max_iterations,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
+    }
+    return _prepared(body, decoder, payload, limit)
+
+
+def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    decoder = _decoder(body, settings)
+    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
+    payload = {
+        "test_inputs": None if body.test_inputs is None else {
+            name: decoder.tensor(value, f"test_inputs.{name}")
+            for name, value in body.test_inputs.items()
+        },
+        "rows": body.rows, "damping": body.damping, "top_k": body.top_k, "tol": body.tol,
+        "max_iterations": body.max_iterations,
+        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
     }
     return _prepared(body, decoder, payload, limit)
 

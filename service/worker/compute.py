@@ -190,7 +190,7 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
 
 
 ALGORITHMS = {"tape_eigenvalues": "Lanczos iteration", "tape_trace": "trace estimate",
-              "tape_solve": "conjugate-gradient solve"}
+              "tape_solve": "conjugate-gradient solve", "tape_influence": "influence solve"}
 
 
 class NonFiniteAnswer(RequestError):
@@ -281,6 +281,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         first = str(exc.problems[0])
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return {"type": kind, "message": first + more, "problems": problems}
+    if isinstance(exc, gt.CurvatureError):
+        return {"type": "request", "message": str(exc), "field": "curvature"}
     if isinstance(exc, gt.BatchDependenceError):
         return {"type": "batch-dependence", "message": str(exc)}
     if isinstance(exc, gt.MissingRuleError):

@@ -1,6 +1,7 @@
 """Tapes: record a definition once in a worker, then ask it many questions (HVPs,
-gradients and jacobians of other targets, eigenvalues, the trace, Newton steps)
-without running the forward pass again."""
+gradients and jacobians of other targets, eigenvalues, the trace, Newton steps,
+influence functions; on the Hessian or, with a named output, the Gauss-Newton and
+Fisher curvatures) without running the forward pass again."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from service.api.schemas import (
     EigenvaluesRequest,
     EigenvaluesResponse,
     GradientResponse,
+    InfluenceRequest,
+    InfluenceResponse,
     JacobianResponse,
     SolveRequest,
     SolveResponse,
@@ -169,7 +172,7 @@ async def update_tape(
     response_model=TapeHVPResponse,
     responses={**compute_responses("TapeHVPResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("TapeHVPRequest"),
-    summary="Hessian-vector products on a tape",
+    summary="Hessian- (or curvature-) vector products on a tape",
 )
 async def compute_tape_hvp(
     body: TapeHVPRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
@@ -178,7 +181,15 @@ async def compute_tape_hvp(
     """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
     or `vectors` (a list: one batched pass). Only the second-order pass over the
     recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
-    does not grow however many HVPs are asked)."""
+    does not grow however many HVPs are asked).
+
+    With `curvature` (on a tape recorded with `output`), the product of another
+    curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
+    the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
+    cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
+    `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
+    The first such request records the model and loss once more, cut at the output;
+    later ones reuse it."""
     prepared = payloads.tape_hvp(body, settings)
     reply = await tapes.call(tape, "tape_hvp", prepared.payload, prepared.time_limit)
     return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
@@ -235,7 +246,7 @@ async def compute_tape_eigenvalues(
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
     """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-    Hessian of the tape's target over its sources, by Lanczos with full
+    Hessian of the tape's target over its sources (or of the `curvature` asked), by Lanczos with full
     reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
     Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
     the HVPs used and the residuals. A repeated eigenvalue may be found once only
@@ -258,7 +269,8 @@ async def estimate_tape_trace(
     request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
-    """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
+    """Hutchinson's estimate of tr(H) (or of the `curvature` asked) with Rademacher
+    vectors, `batch_size` per batched
     HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`."""
     prepared = payloads.trace(body, settings)
     return await respond(
@@ -278,8 +290,9 @@ async def solve_tape(
     request: Request, body: SolveRequest, tape: TapeDep, tapes: TapesDep,
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
-    """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
-    HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
+    """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
+    Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
+    iteration. Without `vector`, b is the recorded gradient and x the damped
     Newton step (the update is sources - x). Answers the residual history; stops at
     `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
     non-positive curvature (raise the damping)."""
@@ -289,3 +302,28 @@ async def solve_tape(
         call=lambda: tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit),
     )
 
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/influence",
+    response_model=InfluenceResponse,
+    responses={**job_responses("InfluenceResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("InfluenceRequest"),
+    summary="Influence of every training example on test points (Koh and Liang)",
+)
+async def compute_tape_influence(
+    request: Request, body: InfluenceRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
+) -> Response:
+    """On a tape recorded with `output` (its examples along the output's first axis):
+    s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
+    (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
+    tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
+    or at training `rows`; then the scores -g_i . s_test of every training example in one
+    batched pass (no per-example loop), the predicted change of the test loss if each
+    were left out, and the `top_k` most helpful and most harmful examples."""
+    prepared = payloads.influence(body, settings)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_influence", prepared.payload, prepared.time_limit),
+    )

@@ -42,7 +42,7 @@ from .errors import (
     WorkerCrashed,
 )
 from .jobs import Job, JobStatus
-from .results import HVP, Eigenvalues, Gradient, Hessian, Jacobian, Solve, Trace
+from .results import HVP, Eigenvalues, Gradient, Hessian, Influence, Jacobian, Solve, Trace
 from .tape import RemoteTape
 
 __version__ = "0.1.0"
@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
     "Definition", "DefinitionError", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
-    "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
+    "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
     "ModelNotFound", "NonFiniteResult", "NotFound",
     "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve",
     "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "function",

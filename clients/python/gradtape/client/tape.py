@@ -1,5 +1,9 @@
 """A tape kept on the server: its forward pass and gradient recorded once, then HVPs,
-curvature estimates and SciPy operators over it.
+curvature estimates, influence functions and SciPy operators over it.
+
+Every product and estimate takes `curvature`: "hessian" (the default), or, on a tape
+recorded with `output=`, "ggn" (Gauss-Newton), "fisher" (exact for cross-entropy and
+squared error; Monte-Carlo with `samples=`) or "empirical_fisher".
 
 `RemoteTape` serves both clients: with a `Client` its methods answer values, with an
 `AsyncClient` awaitables (`await tape.hvp(v)`), and it is a context manager of both kinds
@@ -21,7 +25,7 @@ import numpy as np
 
 from . import _core, _wire
 from .errors import TapeGone
-from .results import Eigenvalues, Gradient, Jacobian, Solve, Trace, shaped
+from .results import Eigenvalues, Gradient, Influence, Jacobian, Solve, Trace, shaped
 
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
@@ -161,19 +165,49 @@ class RemoteTape:
             return [shaped(h, sources) for h in a["hvps"]]
         return shaped(a["hvp"], sources)
 
-    def hvp(self, v: Any, *, time_limit: float | None = None) -> Any:
-        """H v at the recorded point: one second-order pass. `v` is a tensor per source
-        (a bare array with a single source name); the answer is in the same structure."""
+    @staticmethod
+    def _curvature(
+        curvature: str | None, samples: int | None, fisher_seed: int | None
+    ) -> dict[str, Any]:
+        return RemoteTape._options(curvature=curvature, samples=samples, fisher_seed=fisher_seed)
+
+    def hvp(
+        self,
+        v: Any,
+        *,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """H v at the recorded point: one second-order pass (or the product with another
+        `curvature`, see the module). `v` is a tensor per source (a bare array with a
+        single source name); the answer is in the same structure."""
         return self._run(
-            self._hvp_op({"vector": self._vector(v), **self._options(time_limit=time_limit)})
+            self._hvp_op(
+                {
+                    "vector": self._vector(v),
+                    **self._curvature(curvature, samples, fisher_seed),
+                    **self._options(time_limit=time_limit),
+                }
+            )
         )
 
-    def hvp_many(self, vectors: Any, *, time_limit: float | None = None) -> list[Any]:
+    def hvp_many(
+        self,
+        vectors: Any,
+        *,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+    ) -> list[Any]:
         """[H v_i] for several vectors in one batched pass (one request)."""
         return self._run(
             self._hvp_op(
                 {
                     "vectors": [self._vector(v) for v in vectors],
+                    **self._curvature(curvature, samples, fisher_seed),
                     **self._options(time_limit=time_limit),
                 }
             )
@@ -286,11 +320,14 @@ class RemoteTape:
         max_seconds: float | None = None,
         eigenvectors: bool = False,
         seed: int | None = 0,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
-        """The k extreme eigenvalues of the Hessian at the recorded point, by Lanczos on
-        the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
+        """The k extreme eigenvalues of the Hessian (or of `curvature`) at the recorded
+        point, by Lanczos on the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
         largest magnitude.
 
         `progress=True` runs it as a server-side job and shows a tqdm bar (HVPs of the
@@ -306,6 +343,7 @@ class RemoteTape:
             eigenvectors=eigenvectors or None,
             time_limit=time_limit,
         )
+        body.update(self._curvature(curvature, samples, fisher_seed))
         body["seed"] = seed
         return self._run(self._eigen_op(body, progress))
 
@@ -333,6 +371,9 @@ class RemoteTape:
         atol: float | None = None,
         max_seconds: float | None = None,
         seed: int | None = 0,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
@@ -346,6 +387,7 @@ class RemoteTape:
             max_seconds=max_seconds,
             time_limit=time_limit,
         )
+        body.update(self._curvature(curvature, samples, fisher_seed))
         body["seed"] = seed
         return self._run(self._trace_op(body, progress))
 
@@ -372,6 +414,9 @@ class RemoteTape:
         max_iterations: int | None = None,
         max_hvps: int | None = None,
         max_seconds: float | None = None,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
@@ -386,9 +431,69 @@ class RemoteTape:
             max_seconds=max_seconds,
             time_limit=time_limit,
         )
+        body.update(self._curvature(curvature, samples, fisher_seed))
         if b is not None:
             body["vector"] = self._vector(b)
         return self._run(self._solve_op(body, progress))
+
+    def _influence_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Influence]:
+        a = yield from self._core.compute(
+            "POST", self._path("/influence"), body, progress=progress, description="influence"
+        )
+        return Influence(
+            np.asarray(a["scores"], dtype=np.float64),
+            np.asarray(a["removal"], dtype=np.float64),
+            np.asarray(a["helpful"], dtype=np.int64),
+            np.asarray(a["harmful"], dtype=np.int64),
+            a["test_loss"],
+            shaped(a["s_test"], self._sources),
+            a["curvature"],
+            a["converged"],
+            a["stopped"],
+            a["iterations"],
+            a["hvps"],
+            np.asarray(a["residuals"], dtype=np.float64),
+            a["seconds"],
+        )
+
+    def influence(
+        self,
+        test_inputs: Mapping[str, Any] | None = None,
+        *,
+        rows: Any = None,
+        curvature: str | None = None,
+        damping: float | None = None,
+        top_k: int | None = None,
+        tol: float | None = None,
+        max_iterations: int | None = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """The influence of every training example (a row of the output's first axis) on
+        the loss at test points: `test_inputs` (new rows for the inputs the model and loss
+        read along the examples axis, e.g. {"x": ..., "y": ...}) or training `rows`.
+        s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
+        (Hessian by default; "ggn" is positive semi-definite for convex losses), then
+        every example's score in one batched pass (`Influence`). Needs a tape recorded
+        with `output=`. `progress` as in `eigenvalues`."""
+        body = self._options(
+            rows=None if rows is None else [int(r) for r in np.asarray(rows).reshape(-1)],
+            damping=damping,
+            top_k=top_k,
+            tol=tol,
+            max_iterations=max_iterations,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        if test_inputs is not None:
+            body["test_inputs"] = {name: np.asarray(v) for name, v in test_inputs.items()}
+        body.update(self._curvature(curvature, samples, fisher_seed))
+        return self._run(self._influence_op(body, progress))
 
     def _delete_op(self, missing_ok: bool) -> _core.Op[None]:
         try:
