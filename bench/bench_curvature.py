@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import platform
 import statistics
@@ -51,7 +52,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.bench_engine import SIZES  # noqa: E402 (the sizes shared with bench_engine)
+from bench.bench_engine import SIZES  # the sizes shared with bench_engine
 
 K = 16
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -62,7 +63,7 @@ def problem(size_name: str, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     dims = (size.d_in, *size.hidden, size.d_out)
     params = []
-    for d_in, d_out in zip(dims[:-1], dims[1:], strict=True):
+    for d_in, d_out in itertools.pairwise(dims):
         params.append((rng.standard_normal((d_in, d_out)) / np.sqrt(d_in)).astype(np.float32))
         params.append((0.1 * rng.standard_normal(d_out)).astype(np.float32))
     return {
@@ -135,8 +136,7 @@ def torch_cases(pb: dict) -> dict[str, tuple[Callable, Callable]]:
     grads = torch.autograd.grad(total(leaves), leaves, create_graph=True)
     cases["torch hessian"] = (
         lambda: torch.autograd.grad(grads, leaves, v, retain_graph=True),
-        lambda: torch.autograd.grad(grads, leaves, vs, retain_graph=True,
-                                    is_grads_batched=True),
+        lambda: torch.autograd.grad(grads, leaves, vs, retain_graph=True, is_grads_batched=True),
     )
 
     def hvp_func(w):
@@ -162,8 +162,10 @@ def torch_cases(pb: dict) -> dict[str, tuple[Callable, Callable]]:
             return vjp_fn(hjv)[0]
 
         ggn_linearized(v)
-        cases["torch ggn (lin.)"] = (lambda: ggn_linearized(v),
-                                     lambda: func.vmap(ggn_linearized)(vs))
+        cases["torch ggn (lin.)"] = (
+            lambda: ggn_linearized(v),
+            lambda: func.vmap(ggn_linearized)(vs),
+        )
     except Exception as exc:  # noqa: BLE001 (a peer's missing feature is reported, not fatal)
         print(f"# torch.func.linearize unavailable here: {type(exc).__name__}: {exc}")
     return cases
@@ -184,14 +186,17 @@ def check(gt_cases: dict, torch_cases_: dict) -> list[str]:
     for name, (one, _) in torch_cases_.items():
         kind = "ggn" if "ggn" in name else "hessian"
         theirs = [t.detach().numpy() for t in one()]
-        lines.append(f"{name} vs gradtape {kind}: relative difference "
-                     f"{relative(ours[f'gradtape {kind}'], theirs):.1e}")
+        lines.append(
+            f"{name} vs gradtape {kind}: relative difference "
+            f"{relative(ours[f'gradtape {kind}'], theirs):.1e}"
+        )
     return lines
 
 
 def measure(cases: dict, repeat: int) -> dict[str, dict[str, float]]:
-    calls = [(name, k, fn) for name, (one, many) in cases.items()
-             for k, fn in ((1, one), (K, many))]
+    calls = [
+        (name, k, fn) for name, (one, many) in cases.items() for k, fn in ((1, one), (K, many))
+    ]
     for _, _, fn in calls:
         fn()  # warm-up
     wall: dict[tuple, list[float]] = {(n, k): [] for n, k, _ in calls}
@@ -203,9 +208,13 @@ def measure(cases: dict, repeat: int) -> dict[str, dict[str, float]]:
             fn()
             wall[(name, k)].append(time.perf_counter() - w0)
             cpu[(name, k)].append(time.process_time() - c0)
-    return {f"{n}|{k}": {"wall": statistics.median(wall[(n, k)]) / k,
-                         "cpu": statistics.median(cpu[(n, k)]) / k}
-            for n, k, _ in calls}
+    return {
+        f"{n}|{k}": {
+            "wall": statistics.median(wall[(n, k)]) / k,
+            "cpu": statistics.median(cpu[(n, k)]) / k,
+        }
+        for n, k, _ in calls
+    }
 
 
 def table(results: dict, names: list[str]) -> list[str]:
@@ -215,8 +224,10 @@ def table(results: dict, names: list[str]) -> list[str]:
     ]
     for name in names:
         one, many = results[f"{name}|1"], results[f"{name}|{K}"]
-        lines.append(f"| {name} | {1 / one['wall']:.1f} | {1 / one['cpu']:.1f} | "
-                     f"{1 / many['wall']:.1f} | {1 / many['cpu']:.1f} |")
+        lines.append(
+            f"| {name} | {1 / one['wall']:.1f} | {1 / one['cpu']:.1f} | "
+            f"{1 / many['wall']:.1f} | {1 / many['cpu']:.1f} |"
+        )
     return lines
 
 
@@ -233,17 +244,20 @@ def main() -> None:
     n_params = sum(p.size for p in pb["params"])
     gt_cases, th_cases = gradtape_cases(pb), torch_cases(pb)
     env = " ".join(f"{k}={os.environ.get(k, '')}" for k in ("OPENBLAS_CORETYPE", *THREAD_ENV))
-    print(f"# {args.size} MLP ({pb['size'].describe()}, tanh, softmax cross-entropy), "
-          f"{n_params:,} parameters, float32")
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}, NumPy {np.__version__}, "
-          f"torch {torch.__version__}; {env}")
+    print(
+        f"# {args.size} MLP ({pb['size'].describe()}, tanh, softmax cross-entropy), "
+        f"{n_params:,} parameters, float32"
+    )
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, NumPy {np.__version__}, "
+        f"torch {torch.__version__}; {env}"
+    )
     for line in check(gt_cases, th_cases):
         print("# " + line)
     cases = {**gt_cases, **th_cases}
     results = measure(cases, args.repeat)
-    print(f"# medians of {args.repeat} interleaved rounds; products per second "
-          "(x16: per vector)")
+    print(f"# medians of {args.repeat} interleaved rounds; products per second (x16: per vector)")
     print("\n".join(table(results, list(cases))))
 
 
