@@ -6,7 +6,7 @@ labels (mean over the batch): about 660k parameters. Both frameworks in ONE proc
 
 Rows (products at one point; whatever can be recorded once is, and is not timed):
 
-    gradtape  hessian   gt.Curvature(...).operator("hessian"): the second-order pass over
+    gradtape  hessian   Curvature(...).operator("hessian") (engine.curvature): the second-order pass over
                         the recorded forward and gradient
               ggn       operator("ggn"): J v by one backward pass over the recorded
                         (transposed) VJP, H_L on the output, J^T u by a backward pass
@@ -81,6 +81,7 @@ def problem(size_name: str, seed: int = 0) -> dict:
 
 def gradtape_cases(pb: dict) -> dict[str, Callable[[], object]]:
     import engine as gt
+    from engine.curvature import Curvature
 
     def model(params, x):
         h = x
@@ -92,7 +93,7 @@ def gradtape_cases(pb: dict) -> dict[str, Callable[[], object]]:
         return gt.softmax_cross_entropy(out, y)
 
     params = [gt.constant(p) for p in pb["params"]]
-    curvature = gt.Curvature(model, loss, params, gt.constant(pb["x"]), gt.constant(pb["y"]))
+    curvature = Curvature(model, loss, params, gt.constant(pb["x"]), gt.constant(pb["y"]))
     v = [gt.constant(a) for a in pb["v"]]
     vs = [gt.constant(a) for a in pb["vs"]]
     cases = {}

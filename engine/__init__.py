@@ -14,7 +14,6 @@ from engine import ops as _ops  # registers every primitive and public op
 from engine import random
 from engine.allocator import tune_allocator
 from engine.backend import DeviceError, cuda_available
-from engine.curvature import Curvature, CurvatureError, CurvatureOperator, curvature_operator
 from engine.forward import ForwardAccumulator
 from engine.ops.creation import (
     arange,
@@ -54,9 +53,6 @@ jacobian = jacrev
 
 __all__ = [
     "BatchDependenceError",
-    "Curvature",
-    "CurvatureError",
-    "CurvatureOperator",
     "DeviceError",
     "ForwardAccumulator",
     "GradientTape",
@@ -71,7 +67,6 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "cuda_available",
-    "curvature_operator",
     "custom_gradient",
     "eye",
     "full",

@@ -2,7 +2,7 @@
 Gauss-Newton matrix (GGN), the Fisher and the empirical Fisher as linear operators, and
 influence functions (Koh and Liang, 2017) on any of them.
 
-    curv = gt.Curvature(model, loss, params, data, targets)  # forward + gradient, once
+    curv = Curvature(model, loss, params, data, targets)  # forward + gradient, once
     ggn = curv.operator("ggn")          # a HessianOperator: hvp, hvp_many, size, primals
     top = lanczos(FlatOperator(ggn).matvec, ggn.size, k=5)
     found = curv.influence(test_data, test_targets, curvature="ggn", damping=1e-3)

@@ -43,7 +43,6 @@ from engine.language.definition import (
     FunctionDef,
     VariableDef,
     as_definition,
-    content_hash,
 )
 from engine.language.errors import DefinitionError, ExecutionError, OverBudget, Problem
 from engine.language.evaluate import Evaluation, evaluate
@@ -70,6 +69,5 @@ __all__ = [
     "catalogue",
     "clear_cache",
     "compile_definition",
-    "content_hash",
     "evaluate",
 ]

@@ -25,6 +25,6 @@ api_router = APIRouter()
 for module in (gradient, jacobian, hessian, hvp, tapes, models, datasets, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
 # Following a job uses no worker (and its event stream lasts as long as the job): no slot.
-# A job takes its key's slot while it computes (service/api/jobs.py).
+# A job takes its key's slot while it computes (service/domain/jobs.py).
 api_router.include_router(jobs.router, dependencies=[Depends(authenticate)])
 api_router.include_router(health.router)

@@ -5,9 +5,13 @@ Fisher curvatures) without running the forward pass again."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from service.api import payloads
@@ -50,6 +54,9 @@ from service.api.schemas import (
     TraceRequest,
     TraceResponse,
 )
+from service.core.config import Settings
+from service.domain.requests import Prepared
+from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
 
@@ -167,163 +174,121 @@ async def update_tape(
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 
 
-@router.post(
-    "/v1/tapes/{tape_id}/hvp",
-    response_model=TapeHVPResponse,
-    responses={**compute_responses("TapeHVPResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeHVPRequest"),
-    summary="Hessian- (or curvature-) vector products on a tape",
+# ----------------------------------------------------------------------------------------
+# Questions to a tape: one table row each. Every one takes its request body, builds the
+# worker payload with `build`, and runs the worker's `kind` handler on the tape's worker;
+# `job` ones may run as jobs ("async": true or Prefer: respond-async).
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TapeOperation:
+    name: str  # the route's name, and so its OpenAPI operationId
+    path: str  # under /v1/tapes/{tape_id}
+    kind: str  # the worker handler (service/worker/tapes.py)
+    request: type[BaseModel]
+    response: type[BaseModel]
+    build: Callable[[Any, Settings], Prepared]  # service/api/payloads.py
+    summary: str
+    description: str
+    job: bool = False
+
+
+def _add(op: TapeOperation) -> None:
+    async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
+                       negotiated: NegotiatedDep, settings: SettingsDep,
+                       owner: OwnerDep) -> Response:
+        prepared = op.build(body, settings)
+
+        def call() -> Awaitable[Reply]:
+            return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+
+        if not op.job:
+            reply = await call()
+            return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+        return await respond(request, body, negotiated, prepared, owner=owner,
+                             tape_id=tape.id, call=call)
+
+    endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
+    endpoint.__name__ = op.name
+    responses = job_responses if op.job else compute_responses
+    router.post(
+        f"/v1/tapes/{{tape_id}}/{op.path}",
+        name=op.name,
+        response_model=op.response,
+        responses={**responses(op.response.__name__), **problem_responses(*TAPE_ERRORS)},
+        openapi_extra=msgpack_body(op.request.__name__),
+        summary=op.summary,
+        description=inspect.cleandoc(op.description),
+    )(endpoint)
+
+
+TAPE_OPERATIONS = (
+    TapeOperation(
+        "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
+        payloads.tape_hvp, "Hessian- (or curvature-) vector products on a tape",
+        """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
+        or `vectors` (a list: one batched pass). Only the second-order pass over the
+        recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
+        does not grow however many HVPs are asked).
+
+        With `curvature` (on a tape recorded with `output`), the product of another
+        curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
+        the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
+        cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
+        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
+        The first such request records the model and loss once more, cut at the output;
+        later ones reuse it."""),
+    TapeOperation(
+        "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
+        GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
+        """The value and gradient of any name of the tape's program (default: its target)
+        over any variables or inputs (default: its sources), from the recording: one
+        backward pass, the program does not run again."""),
+    TapeOperation(
+        "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
+        JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
+        """The jacobian (full, or per example with `batch`) of any name of the tape's
+        program over variables or inputs, from the recording.""", job=True),
+    TapeOperation(
+        "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
+        EigenvaluesResponse, payloads.eigenvalues,
+        "Top eigenvalues of a tape's Hessian (Lanczos)",
+        """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
+        Hessian of the tape's target over its sources (or of the `curvature` asked), by
+        Lanczos with full reorthogonalization, one HVP per iteration, in the worker (no
+        round trip per HVP).
+        Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
+        the HVPs used and the residuals. A repeated eigenvalue may be found once only
+        unless the whole space is spanned.""", job=True),
+    TapeOperation(
+        "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
+        payloads.trace, "Trace of a tape's Hessian (Hutchinson)",
+        """Hutchinson's estimate of tr(H) (or of the `curvature` asked) with Rademacher
+        vectors, `batch_size` per batched HVP pass, and its standard error; stops at
+        `rtol`, `max_hvps` or `max_seconds`.""",
+        job=True),
+    TapeOperation(
+        "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
+        "Solve (H + damping I) x = b on a tape (CG)",
+        """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
+        Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
+        iteration. Without `vector`, b is the recorded gradient and x the damped
+        Newton step (the update is sources - x). Answers the residual history; stops at
+        `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
+        non-positive curvature (raise the damping).""", job=True),
+    TapeOperation(
+        "compute_tape_influence", "influence", "tape_influence", InfluenceRequest,
+        InfluenceResponse, payloads.influence,
+        "Influence of every training example on test points (Koh and Liang)",
+        """On a tape recorded with `output` (its examples along the output's first axis):
+        s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
+        (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
+        tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
+        or at training `rows`; then the scores -g_i . s_test of every training example in
+        one batched pass (no per-example loop), the predicted change of the test loss if
+        each were left out, and the `top_k` most helpful and most harmful examples.""",
+        job=True),
 )
-async def compute_tape_hvp(
-    body: TapeHVPRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
-) -> Response:
-    """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
-    or `vectors` (a list: one batched pass). Only the second-order pass over the
-    recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
-    does not grow however many HVPs are asked).
-
-    With `curvature` (on a tape recorded with `output`), the product of another
-    curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
-    the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
-    cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
-    `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
-    The first such request records the model and loss once more, cut at the output;
-    later ones reuse it."""
-    prepared = payloads.tape_hvp(body, settings)
-    reply = await tapes.call(tape, "tape_hvp", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/gradient",
-    response_model=GradientResponse,
-    responses={**compute_responses("GradientResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeGradientRequest"),
-    summary="Gradient of any target on a tape",
-)
-async def compute_tape_gradient(
-    body: TapeGradientRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
-) -> Response:
-    """The value and gradient of any name of the tape's program (default: its target)
-    over any variables or inputs (default: its sources), from the recording: one
-    backward pass, the program does not run again."""
-    prepared = payloads.tape_gradient(body, settings)
-    reply = await tapes.call(tape, "tape_gradient", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/jacobian",
-    response_model=JacobianResponse,
-    responses={**job_responses("JacobianResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeJacobianRequest"),
-    summary="Jacobian of any target on a tape",
-)
-async def compute_tape_jacobian(
-    request: Request, body: TapeJacobianRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The jacobian (full, or per example with `batch`) of any name of the tape's
-    program over variables or inputs, from the recording."""
-    prepared = payloads.tape_gradient(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_jacobian", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/eigenvalues",
-    response_model=EigenvaluesResponse,
-    responses={**job_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("EigenvaluesRequest"),
-    summary="Top eigenvalues of a tape's Hessian (Lanczos)",
-)
-async def compute_tape_eigenvalues(
-    request: Request, body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-    Hessian of the tape's target over its sources (or of the `curvature` asked), by Lanczos with full
-    reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
-    Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
-    the HVPs used and the residuals. A repeated eigenvalue may be found once only
-    unless the whole space is spanned."""
-    prepared = payloads.eigenvalues(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_eigenvalues", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/trace",
-    response_model=TraceResponse,
-    responses={**job_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TraceRequest"),
-    summary="Trace of a tape's Hessian (Hutchinson)",
-)
-async def estimate_tape_trace(
-    request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """Hutchinson's estimate of tr(H) (or of the `curvature` asked) with Rademacher
-    vectors, `batch_size` per batched
-    HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`."""
-    prepared = payloads.trace(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/solve",
-    response_model=SolveResponse,
-    responses={**job_responses("SolveResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("SolveRequest"),
-    summary="Solve (H + damping I) x = b on a tape (CG)",
-)
-async def solve_tape(
-    request: Request, body: SolveRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
-    Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
-    iteration. Without `vector`, b is the recorded gradient and x the damped
-    Newton step (the update is sources - x). Answers the residual history; stops at
-    `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
-    non-positive curvature (raise the damping)."""
-    prepared = payloads.solve(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit),
-    )
-
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/influence",
-    response_model=InfluenceResponse,
-    responses={**job_responses("InfluenceResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("InfluenceRequest"),
-    summary="Influence of every training example on test points (Koh and Liang)",
-)
-async def compute_tape_influence(
-    request: Request, body: InfluenceRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """On a tape recorded with `output` (its examples along the output's first axis):
-    s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
-    (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
-    tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
-    or at training `rows`; then the scores -g_i . s_test of every training example in one
-    batched pass (no per-example loop), the predicted change of the test loss if each
-    were left out, and the `top_k` most helpful and most harmful examples."""
-    prepared = payloads.influence(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_influence", prepared.payload, prepared.time_limit),
-    )
+for _operation in TAPE_OPERATIONS:
+    _add(_operation)
