@@ -423,3 +423,18 @@ def test_float32_models_give_float32_products_near_the_float64_truth() -> None:
         assert product["w1"].dtype == np.float32
         got = flat_params({k: product[k].numpy() for k in params})
         np.testing.assert_allclose(got, truth[kind] @ np.ones(op.size), rtol=2e-4, atol=2e-5)
+
+
+def test_dense_newton_step_and_nbytes_of_a_curvature_operator() -> None:
+    """HessianOperator's dense(), newton_step() and nbytes() run on the GGN as they do
+    on the Hessian: the Gauss-Newton step (GGN + damping I)^-1 g."""
+    model, loss, params, x, y = mlp_case()
+    truth = dense_truth(model, loss, params, x, y)["ggn"]
+    op = Curvature(model, loss, params, x, y).operator("ggn")
+    np.testing.assert_allclose(op.dense(chunk_size=7), truth, rtol=1e-10, atol=1e-12)
+    (step,) = op.newton_step(0.1)
+    grad = flat_params({k: v.numpy() for k, v in op.grad[0].items()})
+    np.testing.assert_allclose(
+        flat_params(step), np.linalg.solve(truth + 0.1 * np.eye(op.size), grad), rtol=1e-9
+    )
+    assert op.nbytes() > sum(np.asarray(v).nbytes for v in params.values())

@@ -277,3 +277,27 @@ def test_bad_influence_requests(client, tape_id) -> None:
     assert "out of range" in problem(rows, 422)["detail"]
     samples = client.post(url, json={"rows": [0], "curvature": "ggn", "samples": 3})
     problem(samples, 422)
+
+
+def test_a_patched_tape_keeps_its_output(client) -> None:
+    """PATCH records the tape again from its stored definition and output: the GGN at
+    the new point is the dense one there."""
+    created = client.post(
+        "/v1/tapes", json={"definition": DEFN, "target": "loss", "output": "logits"}
+    ).json()
+    moved = {k: v + 0.25 for k, v in VALUES.items()}
+    r = client.patch(
+        f"/v1/tapes/{created['tape_id']}",
+        json={"variables": {k: t(v, "float64") for k, v in moved.items()}},
+    )
+    assert r.status_code == 200, r.text
+    theta = gt.constant(np.concatenate([moved[k].ravel() for k in SHAPES]))
+    jac = gt.jacrev(lambda th: model(unflat(th), X))(theta).numpy().reshape(N * C, P)
+    out = model({k: gt.constant(v) for k, v in moved.items()}, X)
+    h_out = gt.hessian(lambda o: loss(o, Y))(out).numpy().reshape(N * C, N * C)
+    v = np.linspace(-1.0, 1.0, P)
+    answer = post(
+        client, f"/v1/tapes/{created['tape_id']}/hvp", {"vector": split(v), "curvature": "ggn"}
+    )
+    np.testing.assert_allclose(flat(answer["hvp"]), jac.T @ h_out @ jac @ v, rtol=1e-9)
+    assert client.get(f"/v1/tapes/{created['tape_id']}").json()["output"] == "logits"
