@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gradtape.client import Client, Definition, Influence, InvalidRequest
+from scipy.sparse.linalg import eigsh
 
 
 def logistic(rng: np.random.Generator, n: int = 30, d: int = 4) -> tuple:
@@ -49,6 +50,8 @@ def test_curvature_products_and_estimates(client: Client, rng: np.random.Generat
         np.testing.assert_allclose(
             step.solution["w"], np.linalg.solve(ggn + 0.01 * np.eye(4), g.mean(0)), rtol=1e-8
         )
+        top = eigsh(tape.linear_operator(curvature="ggn"), k=1)[0]
+        np.testing.assert_allclose(top, np.linalg.eigvalsh(ggn)[-1:], rtol=1e-8)
         mc = tape.hvp({"w": v[0]}, curvature="fisher", samples=4000, fisher_seed=1)["w"]
         assert np.linalg.norm(mc - ggn @ v[0]) < 0.1 * np.linalg.norm(ggn @ v[0])
 

@@ -535,24 +535,35 @@ class RemoteTape:
                 f"{what} needs a tape of the synchronous Client (SciPy calls it synchronously)"
             )
 
-    def _hvp_flat(self, X: np.ndarray) -> np.ndarray:
-        """H X for X of shape (n,) or (n, k): one request (batched for k columns)."""
+    def _hvp_flat(self, X: np.ndarray, options: dict[str, Any] | None = None) -> np.ndarray:
+        """H X for X of shape (n,) or (n, k): one request (batched for k columns);
+        `options`: the curvature ones of the request."""
         single = X.ndim == 1
         columns = X.reshape(self.size, 1) if single else X
         vectors = [self.unflatten(columns[:, j], dtype=None) for j in range(columns.shape[1])]
+        extra = options or {}
         if single:
-            return self.flatten(self._run(self._hvp_op({"vector": vectors[0]}, shape=False)))
-        answers = self._run(self._hvp_op({"vectors": vectors}, shape=False))
+            answer = self._run(self._hvp_op({"vector": vectors[0], **extra}, shape=False))
+            return self.flatten(answer)
+        answers = self._run(self._hvp_op({"vectors": vectors, **extra}, shape=False))
         return np.stack([self.flatten(h) for h in answers], axis=1)
 
-    def linear_operator(self) -> LinearOperator:
-        """The Hessian at the recorded point as a `scipy.sparse.linalg.LinearOperator`
-        (n x n, float64, symmetric) over the flattened parameters (`sources` order):
-        matvec is one HVP request, matmat one batched request (at most the server's
-        hvp_max_vectors columns). Vectors are sent in each source's own dtype, the
-        precision the tape computes in. Needs scipy (`pip install gradtape-client[scipy]`)."""
+    def linear_operator(
+        self,
+        *,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+    ) -> LinearOperator:
+        """The Hessian (or `curvature`: "ggn", "fisher", "empirical_fisher" on a tape
+        recorded with `output=`) at the recorded point as a
+        `scipy.sparse.linalg.LinearOperator` (n x n, float64, symmetric) over the flattened
+        parameters (`sources` order): matvec is one product request, matmat one batched
+        request (at most the server's hvp_max_vectors columns). Vectors are sent in each
+        source's own dtype, the precision the tape computes in. Needs scipy (`pip install
+        gradtape-client[scipy]`)."""
         self._sync("linear_operator()")
-        return _operator_class()(self)
+        return _operator_class()(self, self._curvature(curvature, samples, fisher_seed))
 
     def _at(self, x: Any) -> None:
         x = np.asarray(x, dtype=np.float64).reshape(-1)
@@ -587,20 +598,21 @@ def _operator_class() -> type:
     from scipy.sparse.linalg import LinearOperator
 
     class HessianOperator(LinearOperator):
-        """A remote tape's Hessian: H x by HVP requests."""
+        """A remote tape's Hessian (or other curvature): H x by product requests."""
 
-        def __init__(self, tape: RemoteTape):
+        def __init__(self, tape: RemoteTape, options: dict[str, Any]):
             self.tape = tape
+            self.options = options
             super().__init__(dtype=np.dtype(np.float64), shape=(tape.size, tape.size))
 
         def _matvec(self, x: np.ndarray) -> np.ndarray:
-            return self.tape._hvp_flat(np.asarray(x).reshape(-1))
+            return self.tape._hvp_flat(np.asarray(x).reshape(-1), self.options)
 
         def _rmatvec(self, x: np.ndarray) -> np.ndarray:
             return self._matvec(x)
 
         def _matmat(self, X: np.ndarray) -> np.ndarray:
-            return self.tape._hvp_flat(np.asarray(X).reshape(self.shape[1], -1))
+            return self.tape._hvp_flat(np.asarray(X).reshape(self.shape[1], -1), self.options)
 
         def _rmatmat(self, X: np.ndarray) -> np.ndarray:
             return self._matmat(X)
