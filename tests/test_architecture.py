@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # floor: it exports everything up to there.
 ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("engine.backend", "engine.registry", "engine.trace", "engine.tree", "engine.allocator",
-     "engine.footprint"),
+     "engine.footprint", "engine.shapes"),
     ("engine.tensor",),
     ("engine.ops", "engine.random"),
     ("engine.tape",),

@@ -47,7 +47,7 @@ from engine.language.definition import (
 from engine.language.errors import DefinitionError, ExecutionError, OverBudget, Problem
 from engine.language.evaluate import Evaluation, evaluate
 from engine.language.limits import DEFAULT_LIMITS, Limits
-from engine.language.shapes import TensorType
+from engine.shapes import TensorType
 
 __all__ = [
     "DEFAULT_LIMITS",

@@ -5,13 +5,10 @@ Fisher curvatures) without running the forward pass again."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
 from starlette.responses import Response
 
 from service.api import payloads
@@ -28,11 +25,10 @@ from service.api.deps import (
 from service.api.negotiation import answer
 from service.api.openapi import (
     compute_responses,
-    job_responses,
     msgpack_body,
     problem_responses,
 )
-from service.api.routes._compute import respond, stored_definition
+from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
     EigenvaluesRequest,
     EigenvaluesResponse,
@@ -54,8 +50,6 @@ from service.api.schemas import (
     TraceRequest,
     TraceResponse,
 )
-from service.core.config import Settings
-from service.domain.requests import Prepared
 from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
@@ -181,20 +175,11 @@ async def update_tape(
 # ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TapeOperation:
-    name: str  # the route's name, and so its OpenAPI operationId
-    path: str  # under /v1/tapes/{tape_id}
-    kind: str  # the worker handler (service/worker/tapes.py)
-    request: type[BaseModel]
-    response: type[BaseModel]
-    build: Callable[[Any, Settings], Prepared]  # service/api/payloads.py
-    summary: str
-    description: str
-    job: bool = False
+def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
+    return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
 
 
-def _add(op: TapeOperation) -> None:
+def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
                        negotiated: NegotiatedDep, settings: SettingsDep,
                        owner: OwnerDep) -> Response:
@@ -203,28 +188,14 @@ def _add(op: TapeOperation) -> None:
         def call() -> Awaitable[Reply]:
             return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
 
-        if not op.job:
-            reply = await call()
-            return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-        return await respond(request, body, negotiated, prepared, owner=owner,
-                             tape_id=tape.id, call=call)
+        return await respond(request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+                             call=call, job=op.job)
 
-    endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
-    endpoint.__name__ = op.name
-    responses = job_responses if op.job else compute_responses
-    router.post(
-        f"/v1/tapes/{{tape_id}}/{op.path}",
-        name=op.name,
-        response_model=op.response,
-        responses={**responses(op.response.__name__), **problem_responses(*TAPE_ERRORS)},
-        openapi_extra=msgpack_body(op.request.__name__),
-        summary=op.summary,
-        description=inspect.cleandoc(op.description),
-    )(endpoint)
+    register(router, op, endpoint, TAPE_ERRORS)
 
 
 TAPE_OPERATIONS = (
-    TapeOperation(
+    _on_tape(
         "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
         payloads.tape_hvp, "Hessian- (or curvature-) vector products on a tape",
         """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
@@ -239,18 +210,18 @@ TAPE_OPERATIONS = (
         `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
         The first such request records the model and loss once more, cut at the output;
         later ones reuse it."""),
-    TapeOperation(
+    _on_tape(
         "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
         GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
         """The value and gradient of any name of the tape's program (default: its target)
         over any variables or inputs (default: its sources), from the recording: one
         backward pass, the program does not run again."""),
-    TapeOperation(
+    _on_tape(
         "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
         JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
         """The jacobian (full, or per example with `batch`) of any name of the tape's
         program over variables or inputs, from the recording.""", job=True),
-    TapeOperation(
+    _on_tape(
         "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
         EigenvaluesResponse, payloads.eigenvalues,
         "Top eigenvalues of a tape's Hessian (Lanczos)",
@@ -261,14 +232,14 @@ TAPE_OPERATIONS = (
         Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
         the HVPs used and the residuals. A repeated eigenvalue may be found once only
         unless the whole space is spanned.""", job=True),
-    TapeOperation(
+    _on_tape(
         "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
         payloads.trace, "Trace of a tape's Hessian (Hutchinson)",
         """Hutchinson's estimate of tr(H) (or of the `curvature` asked) with Rademacher
         vectors, `batch_size` per batched HVP pass, and its standard error; stops at
         `rtol`, `max_hvps` or `max_seconds`.""",
         job=True),
-    TapeOperation(
+    _on_tape(
         "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
         "Solve (H + damping I) x = b on a tape (CG)",
         """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
@@ -277,7 +248,7 @@ TAPE_OPERATIONS = (
         Newton step (the update is sources - x). Answers the residual history; stops at
         `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
         non-positive curvature (raise the damping).""", job=True),
-    TapeOperation(
+    _on_tape(
         "compute_tape_influence", "influence", "tape_influence", InfluenceRequest,
         InfluenceResponse, payloads.influence,
         "Influence of every training example on test points (Koh and Liang)",
