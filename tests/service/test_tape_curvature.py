@@ -301,3 +301,25 @@ def test_a_patched_tape_keeps_its_output(client) -> None:
     )
     np.testing.assert_allclose(flat(answer["hvp"]), jac.T @ h_out @ jac @ v, rtol=1e-9)
     assert client.get(f"/v1/tapes/{created['tape_id']}").json()["output"] == "logits"
+
+
+def test_per_example_curvatures_need_the_loss_inputs_along_the_examples(client) -> None:
+    weighted = {
+        **DEFN,
+        "inputs": {**DEFN["inputs"], "s": t([0.5, 1.5], "float64")},
+        "program": PROGRAM[:2] + ["loss = softmax_cross_entropy(logits, y) * sum(s)"],
+    }
+    tape = client.post(
+        "/v1/tapes", json={"definition": weighted, "target": "loss", "output": "logits"}
+    ).json()
+    url = f"/v1/tapes/{tape['tape_id']}"
+    v = split(np.ones(P))
+    r = client.post(f"{url}/hvp", json={"vector": v, "curvature": "empirical_fisher"})
+    assert (
+        "the loss reads input 's' of shape [2], which is not along it"
+        in (problem(r, 422)["detail"])
+    )
+    r = client.post(f"{url}/influence", json={"rows": [0]})
+    assert "input 's' of shape [2]" in problem(r, 422)["detail"]
+    ggn = post(client, f"{url}/hvp", {"vector": v, "curvature": "ggn"})  # needs no split
+    np.testing.assert_allclose(flat(ggn["hvp"]), 2.0 * TRUTH["ggn"] @ np.ones(P), rtol=1e-9)
