@@ -37,6 +37,7 @@ Regularisers of the parameters are no function of the output: add them as `dampi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,10 +124,13 @@ class Curvature:
     targets' leaves and the output have the examples along axis 0).
 
     Recording: one forward pass on a persistent tape, with the loss's gradient recorded
-    for the Hessian. What the other curvatures need is added on first use and kept: the
-    transposed VJP of the model (for J v without a second forward), the loss on the
-    output (its gradient G and Hessian H_L), the per-example scale c, the recognised
-    likelihood, Monte-Carlo target gradients. `operator(kind)` views share it all.
+    for the Hessian (with `hessian=False` the gradient is not recorded, which halves what
+    is kept when only the other curvatures are wanted; a Hessian asked for later then
+    records the forward once more). What the other curvatures need is added on first use
+    and kept: the transposed VJP of the model (for J v without a second forward), the
+    loss on the output (its gradient G and Hessian H_L), the per-example scale c, the
+    recognised likelihood, Monte-Carlo target gradients. `operator(kind)` views share it
+    all.
     """
 
     def __init__(
@@ -138,10 +142,12 @@ class Curvature:
         targets: Any = None,
         *,
         max_batch: int | None = None,
+        hessian: bool = True,
     ):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._model, self._loss = model, loss
+        self._record_hessian = hessian
         self.data = data
         self.targets = targets
         self.max_batch = max_batch
@@ -153,11 +159,15 @@ class Curvature:
         params = _tensorize(params)
         flat, treedef = tree.flatten(params)
         flat = [_check_source(p, "curvature") for p in flat]
-        outer = GradientTape(persistent=True, watch_accessed_variables=False)
         inner = GradientTape(persistent=True, watch_accessed_variables=False)
         rebuilt = tree.unflatten(treedef, flat)
-        with outer:
+        # The outer tape records the forward and the gradient's backward pass: the
+        # Hessian's second-order pass runs over it.
+        outer = None
+        if self._record_hessian:
+            outer = GradientTape(persistent=True, watch_accessed_variables=False)
             outer.watch(flat)
+        with outer if outer is not None else contextlib.nullcontext():
             with inner:
                 inner.watch(flat)
                 output = self._model(rebuilt, self.data)
@@ -169,6 +179,7 @@ class Curvature:
                 value = _scalar(self._loss(output, self.targets), "curvature")
             grads = inner.gradient(value, flat, unconnected_gradients="zero")
         self._outer, self._inner = outer, inner
+        self._hessian: HessianOperator | None = None  # hessian=False: recorded when asked
         self._flat, self._treedef = flat, treedef
         self._defs = [(treedef, len(flat))]
         self.output, self._value, self._grads = output, value, grads
@@ -236,6 +247,17 @@ class Curvature:
             self.scale()
         if op.kind == "fisher":
             self.likelihood()
+
+    def _hessian_operator(self) -> HessianOperator:
+        """Without the recorded gradient (hessian=False): the forward and gradient
+        recorded once more, on first use."""
+        if self._hessian is None:
+            with trace.nothing_recording():
+                self._hessian = HessianOperator(
+                    lambda params: self._loss(self._model(params, self.data), self.targets),
+                    self.primals[0],
+                )
+        return self._hessian
 
     # The pieces on the output ------------------------------------------------------------
     def _output_loss(self) -> HessianOperator:
@@ -357,6 +379,8 @@ class Curvature:
         self, op: CurvatureOperator, flat_v: list[Tensor], batch_ndim: int, lead: tuple
     ) -> list[Tensor]:
         if op.kind == "hessian":
+            if self._outer is None:
+                return self._hessian_operator()._product(flat_v, batch_ndim, lead)
             cts = self._outer._run(self._grads, flat_v, self._flat, batch_ndim)
             return [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
         jv = self.jvp(flat_v, batch_ndim, lead)

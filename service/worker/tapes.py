@@ -172,8 +172,10 @@ def _curvature(session: TapeSession) -> Curvature:
         params = {name: leaves[name] for name in session.request.sources.values()}
         data = {n: leaves[n] for n in split.data if n in _batched(session)}
         targets = {n: leaves[n] for n in split.targets}
+        # The tape's own operator answers the Hessian: this recording keeps no gradient
+        # for it (influence on the Hessian records one when first asked).
         session.curvature = Curvature(model, loss, params, data, targets,
-                                      max_batch=session.operator.max_batch)
+                                      max_batch=session.operator.max_batch, hessian=False)
         session.flats = {}
         session.hvp_measured = False  # the tape holds more now: measure it again
     return session.curvature

@@ -438,3 +438,23 @@ def test_dense_newton_step_and_nbytes_of_a_curvature_operator() -> None:
         flat_params(step), np.linalg.solve(truth + 0.1 * np.eye(op.size), grad), rtol=1e-9
     )
     assert op.nbytes() > sum(np.asarray(v).nbytes for v in params.values())
+
+
+def test_without_the_hessian_recorded_every_product_is_the_same() -> None:
+    """hessian=False keeps the forward only (less held until a Hessian is asked, then
+    recorded once more): the same four matrices."""
+    model, loss, params, x, y = mlp_case()
+    full = Curvature(model, loss, params, x, y)
+    lean = Curvature(model, loss, params, x, y, hessian=False)
+    for kind in ("ggn", "empirical_fisher", "fisher"):
+        np.testing.assert_allclose(
+            dense_of(lean.operator(kind)), dense_of(full.operator(kind)), rtol=1e-12, atol=1e-14
+        )
+    assert lean.operator("ggn").nbytes() < full.operator("ggn").nbytes()
+    np.testing.assert_allclose(
+        dense_of(lean.operator("hessian")),
+        dense_of(full.operator("hessian")),
+        rtol=1e-12,
+        atol=1e-14,
+    )
+    assert float(lean.value.numpy()) == float(full.value.numpy())
