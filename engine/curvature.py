@@ -446,12 +446,15 @@ class Curvature:
         max_hvps: int | None = None,
         max_seconds: float | None = None,
         callback: Callback | None = None,
+        operator: HessianOperator | None = None,
     ) -> InfluenceResult:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
         loss of those training rows): s_test = (C + damping I)^-1 grad L_test by
         conjugate gradient on the curvature C, then the scores -g_i . s_test of all
-        examples in one batched pass. See InfluenceResult."""
+        examples in one batched pass. See InfluenceResult. `operator`: C given as another
+        HessianOperator over the same parameters in the same flat order (a Hessian
+        recorded elsewhere), instead of `curvature`'s."""
         if rows is not None:
             if test_data is not None or test_targets is not None:
                 raise ValueError("influence: give test data and targets, or rows, not both")
@@ -462,7 +465,7 @@ class Curvature:
             test_data, test_targets = _rows(self.data, index), _rows(self.targets, index)
         if top_k < 0:
             raise ValueError(f"top_k must be non-negative, got {top_k}")
-        op = self.operator(curvature, samples=samples, seed=seed)
+        op = self.operator(curvature, samples=samples, seed=seed) if operator is None else operator
         self.scale()  # the scores need the per-example split of G
 
         def test_loss(params: Any) -> Tensor:
@@ -471,6 +474,11 @@ class Curvature:
         with trace.nothing_recording():
             value, grad_test = value_and_grad(test_loss)(self.primals[0])
         flat = FlatOperator(op)
+        if flat.shapes != [tuple(p.shape) for p in self._flat]:
+            raise ValueError(
+                f"influence: the operator's parameters have shapes {flat.shapes}, the "
+                f"model's {[tuple(p.shape) for p in self._flat]}"
+            )
         solve = conjugate_gradient(
             flat.matvec,
             flat.flatten(grad_test),

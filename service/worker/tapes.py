@@ -552,6 +552,8 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             tol=float(payload["tol"]), max_iterations=int(payload["max_iterations"]),
             max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
             callback=_relay(context),
+            # The tape's own recording answers the Hessian (the same sources, in order).
+            operator=session.operator if kind == "hessian" else None,
         )
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None

@@ -381,6 +381,10 @@ def test_influence_of_training_rows_equals_their_data_as_test_points() -> None:
     s = np.linalg.solve(truth["ggn"] + 0.1 * np.eye(len(test_grad)), test_grad)
     np.testing.assert_allclose(by_rows.scores, -truth["per_example"] @ s, rtol=1e-8, atol=1e-12)
     assert list(by_rows.helpful) == list(np.argsort(by_rows.scores)[:10])
+    # C given as an operator recorded elsewhere: here the GGN of another recording.
+    other = Curvature(model, loss, params, x, y).operator("ggn")
+    given = curv.influence(rows=[2, 5], operator=other, damping=0.1, tol=1e-12)
+    np.testing.assert_allclose(given.scores, by_rows.scores, rtol=1e-10)
 
 
 # ----------------------------------------------------------------------------------------

@@ -166,8 +166,13 @@ def _expected_scores(curvature: str, x_test, y_test, damping: float) -> np.ndarr
     return -TRUTH["per_example"] @ s_test
 
 
-@pytest.mark.parametrize("curvature", ["ggn", "empirical_fisher"])
-def test_influence_on_test_inputs_and_on_rows(client, tape_id, curvature: str) -> None:
+# The Hessian here has eigenvalues down to -0.30: damping 1 keeps H + damping I definite.
+@pytest.mark.parametrize(
+    "curvature, damping", [("ggn", 0.1), ("empirical_fisher", 0.1), ("hessian", 1.0)]
+)
+def test_influence_on_test_inputs_and_on_rows(
+    client, tape_id, curvature: str, damping: float
+) -> None:
     x_test, y_test = rng.standard_normal((3, D)), np.array([0, 2, 1])
     answer = post(
         client,
@@ -175,13 +180,13 @@ def test_influence_on_test_inputs_and_on_rows(client, tape_id, curvature: str) -
         {
             "test_inputs": {"x": t(x_test, "float64"), "y": t(y_test, "int64")},
             "curvature": curvature,
-            "damping": 0.1,
+            "damping": damping,
             "tol": 1e-12,
             "max_iterations": 200,
             "top_k": 4,
         },
     )
-    want = _expected_scores(curvature, x_test, y_test, 0.1)
+    want = _expected_scores(curvature, x_test, y_test, damping)
     np.testing.assert_allclose(answer["scores"], want, rtol=1e-7, atol=1e-10)
     np.testing.assert_allclose(answer["removal"], -np.asarray(want) / N, rtol=1e-7, atol=1e-11)
     assert answer["helpful"] == list(np.argsort(want)[:4])
@@ -194,14 +199,14 @@ def test_influence_on_test_inputs_and_on_rows(client, tape_id, curvature: str) -
         {
             "rows": [1, 4],
             "curvature": curvature,
-            "damping": 0.1,
+            "damping": damping,
             "tol": 1e-12,
             "max_iterations": 200,
         },
     )
     np.testing.assert_allclose(
         by_rows["scores"],
-        _expected_scores(curvature, X[[1, 4]], Y[[1, 4]], 0.1),
+        _expected_scores(curvature, X[[1, 4]], Y[[1, 4]], damping),
         rtol=1e-7,
         atol=1e-10,
     )
