@@ -155,6 +155,7 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
 # ----------------------------------------------------------------------------------------
 
 PER_EXAMPLE = ("fisher", "empirical_fisher")
+MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
 def _curvature(session: TapeSession) -> Curvature:
@@ -205,7 +206,7 @@ def _check_targets(session: TapeSession, what: str) -> None:
                 "is not along it", field="curvature")
 
 
-def _operator(session: TapeSession, payload: Mapping[str, Any]
+def _operator(session: TapeSession, payload: Mapping[str, Any], context: WorkerContext
               ) -> tuple[gt.HessianOperator, FlatOperator]:
     """The operator and flat view of the curvature the request asks for."""
     kind = payload.get("curvature") or "hessian"
@@ -215,6 +216,16 @@ def _operator(session: TapeSession, payload: Mapping[str, Any]
     if kind in PER_EXAMPLE:
         _check_targets(session, f"curvature {kind!r}")
     samples, seed = payload.get("samples"), payload.get("fisher_seed", 0)
+    if samples is not None:
+        # The Monte-Carlo Fisher keeps one output-sized gradient per sample.
+        held = samples * curvature.output.size * curvature.output.dtype.itemsize
+        limit = context.memory_budget or MONTE_CARLO_MAX_BYTES
+        if held > limit:
+            raise RequestError(
+                "too-large", f"samples: {samples} Monte-Carlo targets of the output "
+                f"{list(curvature.output.shape)} hold {held:,} bytes, above this server's "
+                f"{limit:,}; ask for at most {max(1, limit // (held // samples))}",
+                field="samples", limit=limit)
     try:
         operator = curvature.operator(kind, samples=samples, seed=seed)
     except CurvatureError as exc:
@@ -305,7 +316,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    operator, _ = _operator(session, payload)
+    operator, _ = _operator(session, payload, context)
     products = _products(session, operator, stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
@@ -386,7 +397,7 @@ def _check_max_hvps(value: int, at_least: int, what: str) -> None:
 def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
-    _, flat = _operator(session, payload)
+    _, flat = _operator(session, payload, context)
     k = int(payload["k"])
     if k > flat.n:
         raise RequestError(
@@ -431,7 +442,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     session, rebuilt = _session(payload, context)
     _check_max_hvps(int(payload["max_hvps"]), 2, "a standard error")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
-    _, flat = _operator(session, payload)
+    _, flat = _operator(session, payload, context)
     out = hutchinson_trace(
         flat.matvec, flat.n, batch_size=batch,
         max_hvps=int(payload["max_hvps"]), rtol=payload.get("rtol"),
@@ -455,7 +466,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
 def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
-    _, flat = _operator(session, payload)
+    _, flat = _operator(session, payload, context)
     vector = payload.get("vector")
     if vector is None:
         b = flat.flatten(session.operator.grad)
@@ -532,7 +543,7 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
     curvature = _curvature(session)
     _check_targets(session, "influence")
     kind = payload.get("curvature") or "hessian"
-    _operator(session, payload)  # refuses an impossible curvature with its reason
+    _operator(session, payload, context)  # refuses an impossible curvature with its reason
     test_data = test_targets = rows = None
     if payload.get("rows") is not None:
         n = curvature.examples

@@ -328,3 +328,25 @@ def test_per_example_curvatures_need_the_loss_inputs_along_the_examples(client) 
     assert "input 's' of shape [2]" in problem(r, 422)["detail"]
     ggn = post(client, f"{url}/hvp", {"vector": v, "curvature": "ggn"})  # needs no split
     np.testing.assert_allclose(flat(ggn["hvp"]), 2.0 * TRUTH["ggn"] @ np.ones(P), rtol=1e-9)
+
+
+def test_a_monte_carlo_fisher_too_large_for_the_memory_budget_is_refused(client) -> None:
+    """10,000 samples of a 2000 x 10 float64 output would hold 1.6 GB of gradients."""
+    big = {
+        "variables": {"w": t(np.ones((2, 10)), "float64")},
+        "inputs": {"x": t(np.ones((2000, 2)), "float64"), "y": t(np.zeros(2000), "int64")},
+        "program": ["logits = x @ w", "loss = softmax_cross_entropy(logits, y)"],
+    }
+    tape = client.post(
+        "/v1/tapes", json={"definition": big, "target": "loss", "output": "logits"}
+    ).json()
+    r = client.post(
+        f"/v1/tapes/{tape['tape_id']}/hvp",
+        json={
+            "vector": {"w": t(np.ones((2, 10)), "float64")},
+            "curvature": "fisher",
+            "samples": 10_000,
+        },
+    )
+    body = problem(r, 422, "too-large")
+    assert "1,600,000,000 bytes" in body["detail"] and "ask for at most" in body["detail"]
