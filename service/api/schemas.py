@@ -42,9 +42,9 @@ from service.core.wire import DTYPES
 # ----------------------------------------------------------------------------------------
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
+DType.__doc__ = "Element type of a tensor."
 # What a stored model or dataset may be called (a path segment, never an id's shape).
 STORED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
-DType.__doc__ = "Element type of a tensor."
 # Named, so that generated clients get one FloatDType enum (not a `...DtypeType0`).
 FloatDType = TypeAliasType("FloatDType", Literal["float16", "float32", "float64"])
 
