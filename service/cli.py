@@ -51,8 +51,8 @@ def serve(overrides: dict[str, Any]) -> int:
     import uvicorn
     from pydantic import ValidationError
 
+    from service.api.app import create_app
     from service.core.config import Settings
-    from service.main import create_app
 
     try:
         settings = Settings(**overrides)
@@ -78,8 +78,8 @@ def serve(overrides: dict[str, Any]) -> int:
 
 
 def openapi_document() -> str:
+    from service.api.app import create_app
     from service.core.config import Settings
-    from service.main import create_app
 
     # The document does not depend on settings; build the app without reading the env.
     app = create_app(Settings(_env_file=None))  # type: ignore[call-arg]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from service.api.auth import OwnerDep
 from service.api.problems import ProblemError
-from service.auth import OwnerDep
 from service.core.config import Settings
 
 

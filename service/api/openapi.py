@@ -13,7 +13,7 @@ from fastapi.routing import APIRoute
 
 from service.api.negotiation import MSGPACK
 from service.api.problems import PROBLEM_JSON, PROBLEM_TYPES
-from service.schemas import Problem
+from service.api.schemas import Problem
 
 # The statuses a compute route may answer besides 200 (each a Problem).
 COMPUTE_ERRORS = (400, 401, 404, 406, 413, 415, 422, 500, 502, 503, 504, 507)

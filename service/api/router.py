@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from service.api.auth import authenticate
 from service.api.fairness import admit
 from service.api.routes import (
     datasets,
@@ -19,12 +20,11 @@ from service.api.routes import (
     ops,
     tapes,
 )
-from service.auth import authenticate
 
 api_router = APIRouter()
 for module in (gradient, jacobian, hessian, hvp, tapes, models, datasets, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
 # Following a job uses no worker (and its event stream lasts as long as the job): no slot.
-# A job takes its key's slot while it computes (service/jobs.py).
+# A job takes its key's slot while it computes (service/domain/jobs.py).
 api_router.include_router(jobs.router, dependencies=[Depends(authenticate)])
 api_router.include_router(health.router)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import ROOT, Server, copy_files, make_venv, repo_files, run
+from tests.deploy.conftest import Server, copy_files, make_venv, repo_files, run
 
 pytestmark = pytest.mark.deploy
 

@@ -1,4 +1,4 @@
-"""The worker side of tapes (service/compute_tapes.py) in this process: the bytes a tape
+"""The worker side of tapes (service/worker/tapes.py) in this process: the bytes a tape
 holds, dropping it, and rebuilding it from its definition when a worker lacks it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service import compute
-from service.compute_tapes import held_bytes
+from service.worker import compute
+from service.worker.tapes import held_bytes
 
 rng = np.random.default_rng(3)
 DEFINITION = {

@@ -243,8 +243,8 @@ def test_worker_memory_budget_evicts_but_answers_stay_right(limited: Server) -> 
 
 
 def test_the_cache_is_an_lru_by_content(tmp_path) -> None:
-    from service.dataset_cache import DatasetCache
-    from service.store import Store
+    from service.core.store import Store
+    from service.worker.datasets import DatasetCache
 
     store = Store(tmp_path / "store.db")
     store.open()

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from service.schemas import GRADIENT_EXAMPLE
+from service.api.schemas import GRADIENT_EXAMPLE
 from tests.service.wire import MSGPACK, arr, num, post, problem, t, t64
 
 BODY = json.dumps(GRADIENT_EXAMPLE)

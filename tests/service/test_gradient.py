@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.schemas import GRADIENT_EXAMPLE
+from service.api.schemas import GRADIENT_EXAMPLE
 from tests.service.wire import arr, dense, num, nums, post, problem, t
 
 # ---- 15: the DESIGN.md example, exactly ------------------------------------------------

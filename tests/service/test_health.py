@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from service.schemas import GRADIENT_EXAMPLE
+from service.api.schemas import GRADIENT_EXAMPLE
 from tests.service.wire import post
 
 

@@ -1,4 +1,4 @@
-"""The worker protocol (service/ipc.py) has no in-band markers (issue 11): arrays travel as
+"""The worker protocol (service/core/ipc.py) has no in-band markers (issue 11): arrays travel as
 a msgpack extension type, so any client string, as a key or a value, crosses unchanged and
 nothing a client sends can be taken for protocol."""
 
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import ipc
+from service.core import ipc
 
 # Keys a client might choose, weighted towards ones that look like protocol.
 MARKERS = ["__nd__", "__array__", "id", "ok", "kind", "payload", "error", "fatal", "hello",

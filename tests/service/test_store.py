@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from service.store import SCHEMA_VERSION, Store, StoreError, TapeRow
+from service.core.store import SCHEMA_VERSION, Store, StoreError, TapeRow
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
           "uint16", "uint32", "uint64", "bool"]

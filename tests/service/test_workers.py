@@ -15,9 +15,10 @@ import httpx
 import numpy as np
 import pytest
 
+from service.api.schemas import GRADIENT_EXAMPLE
 from service.core.config import Settings
-from service.schemas import GRADIENT_EXAMPLE
-from service.workers import ComputeFailed, PoolBusy, WorkerPool
+from service.pool import ComputeFailed, PoolBusy
+from service.pool.local import WorkerPool
 from tests.service.wire import num, post, problem, t64
 
 # About two seconds of matrix products per pass on one core (2000 x 2000 float32).
@@ -121,7 +122,7 @@ def test_idle_worker_death_spares_the_next_request(server, client) -> None:
 
 def _payload(size: int, products: int) -> dict:
     from service.api.payloads import gradient
-    from service.schemas import GradientRequest
+    from service.api.schemas import GradientRequest
 
     body = {**SLOW, "definition": {
         "inputs": {"v": t64(np.linspace(0, 1, size))},
@@ -182,7 +183,7 @@ def test_requests_wait_in_the_queue_in_order() -> None:
 
 def test_full_queue_answers_503_with_retry_after() -> None:
     """The app in this process (its own pool of one worker, no queue), over ASGI."""
-    from service.main import create_app
+    from service.api.app import create_app
 
     async def scenario() -> None:
         app = create_app(Settings(workers=1, queue_size=0, retry_after=3))

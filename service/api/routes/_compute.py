@@ -12,12 +12,12 @@ from starlette.responses import Response
 
 from service.api.errors import explainer
 from service.api.negotiation import Negotiated, answer
-from service.api.payloads import Prepared
-from service.datasets import DatasetCatalog
-from service.jobs import JobRegistry
-from service.schemas import Definition, DefinitionRequest
-from service.sessions import ModelCatalog
-from service.workers import Reply, WorkerPool
+from service.api.schemas import Definition, DefinitionRequest
+from service.domain.datasets import DatasetCatalog
+from service.domain.jobs import JobRegistry
+from service.domain.requests import Prepared
+from service.domain.sessions import ModelCatalog
+from service.pool import Pool, Reply
 
 
 async def stored_definition(body: DefinitionRequest, owner: str, models: ModelCatalog
@@ -39,7 +39,7 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
                                                 f"definition.models.{name}.stored")
 
 
-async def run(pool: WorkerPool, kind: str, prepared: Prepared, negotiated: Negotiated,
+async def run(pool: Pool, kind: str, prepared: Prepared, negotiated: Negotiated,
               owner: str, datasets: DatasetCatalog) -> Response:
     await datasets.bind_prepared(owner, prepared)
     reply = await pool.submit(kind, prepared.payload, time_limit=prepared.time_limit)

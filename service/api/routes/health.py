@@ -6,12 +6,12 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from service.api.auth import api_key_scheme, authenticate, bearer_scheme
 from service.api.bodies import BoundedRoute
 from service.api.deps import PoolDep
 from service.api.openapi import problem_responses
 from service.api.problems import ProblemError, problem_response
-from service.auth import api_key_scheme, authenticate, bearer_scheme
-from service.schemas import HealthResponse, ReadinessResponse, WorkerStatus
+from service.api.schemas import HealthResponse, ReadinessResponse, WorkerStatus
 
 router = APIRouter(tags=["operations"], route_class=BoundedRoute)
 

@@ -8,7 +8,7 @@ from service.api.bodies import BoundedRoute
 from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, PoolDep, SettingsDep
 from service.api.openapi import compute_responses, msgpack_body
 from service.api.routes._compute import run, stored_definition
-from service.schemas import HVPRequest, HVPResponse
+from service.api.schemas import HVPRequest, HVPResponse
 
 router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 

@@ -15,7 +15,7 @@ from service.api.deps import (
 )
 from service.api.openapi import job_responses, msgpack_body
 from service.api.routes._compute import respond, stored_definition
-from service.schemas import JacobianRequest, JacobianResponse
+from service.api.schemas import JacobianRequest, JacobianResponse
 
 router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 

@@ -1,6 +1,6 @@
 """Jobs: long requests run in the background (`"async": true` or `Prefer:
 respond-async` on eigenvalues, trace, solve, jacobians and Hessians), followed here:
-state and progress, the answer, server-sent events, cancel (service/jobs.py)."""
+state and progress, the answer, server-sent events, cancel (service/domain/jobs.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from service.api.deps import OwnerDep, SettingsDep
 from service.api.negotiation import MSGPACK, Format, Negotiated, answer, answer_format
 from service.api.openapi import problem_responses
 from service.api.problems import ProblemError, problem_response
-from service.jobs import Job, JobRegistry, event
-from service.schemas import JobInfo, JobList
+from service.api.schemas import JobInfo, JobList
+from service.domain.jobs import Job, JobRegistry, event
 
 router = APIRouter(tags=["jobs"])
 

@@ -15,8 +15,8 @@ from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
 from service.api.problems import ProblemError
 from service.api.routes._compute import resolve_onnx
-from service.schemas import ModelCreateRequest, ModelInfo, ModelList
-from service.sessions import model_info
+from service.api.schemas import ModelCreateRequest, ModelInfo, ModelList
+from service.domain.sessions import model_info
 
 router = APIRouter(tags=["models"], route_class=BoundedRoute)
 

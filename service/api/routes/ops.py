@@ -8,7 +8,7 @@ from service.api.bodies import BoundedRoute
 from service.api.deps import PoolDep
 from service.api.negotiation import JSON
 from service.api.openapi import problem_responses
-from service.schemas import OpCatalogue
+from service.api.schemas import OpCatalogue
 
 router = APIRouter(tags=["definitions"], route_class=BoundedRoute)
 

@@ -28,7 +28,7 @@ from service.api.openapi import (
     problem_responses,
 )
 from service.api.routes._compute import respond, stored_definition
-from service.schemas import (
+from service.api.schemas import (
     EigenvaluesRequest,
     EigenvaluesResponse,
     GradientResponse,

@@ -35,7 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
-from service.tensors import DTYPES
+from service.core.wire import DTYPES
 
 # ----------------------------------------------------------------------------------------
 # Tensors

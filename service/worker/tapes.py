@@ -1,5 +1,5 @@
 """Tapes inside a worker (issue 6): record once, then answer many requests from the
-recording. Runs in the worker processes, next to service/compute.py.
+recording. Runs in the worker processes, next to service/worker/compute.py.
 
 A tape is the definition's forward pass and its target's gradient, recorded once:
 
@@ -50,7 +50,7 @@ from engine.language import (
 )
 from engine.registry import Primitive
 from engine.tensor import Tensor
-from service.compute import (
+from service.worker.compute import (
     RequestError,
     WorkerContext,
     check_jacobian_size,

@@ -1,8 +1,8 @@
 """The engine worker pool: the only service module that starts worker processes.
 
 Each worker is a process of the "spawn" context that owns one device and computes one
-request at a time with the engine (service/compute.py). The HTTP process talks to it
-over a socket pair in msgpack frames (service/ipc.py): client data is never pickled and
+request at a time with the engine (service/worker/compute.py). The HTTP process talks to it
+over a socket pair in msgpack frames (service/core/ipc.py): client data is never pickled and
 the event loop never runs engine code, it only waits on sockets.
 
     pool = WorkerPool(settings)
@@ -36,7 +36,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import time
 from collections import deque
@@ -44,8 +43,23 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from service import calls, ipc
+from service.core import ipc
 from service.core.config import Settings
+from service.pool import calls
+from service.pool.base import (
+    Cancelled,
+    ComputeFailed,
+    ComputeTimeout,
+    PoolBusy,
+    PoolError,
+    PoolObserver,
+    PoolUnavailable,
+    Reply,
+    WorkerCrashed,
+    WorkerInfo,
+    WorkerStartError,
+    describe_exit,
+)
 
 log = logging.getLogger("gradtape.workers")
 
@@ -53,95 +67,8 @@ BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THR
 
 
 # ----------------------------------------------------------------------------------------
-# What can go wrong (the HTTP layer maps each to a problem response)
-# ----------------------------------------------------------------------------------------
-
-
-class PoolError(Exception):
-    """Base of the pool's failures."""
-
-
-class PoolBusy(PoolError):
-    """The queue is full, or no worker became free in time."""
-
-
-class PoolUnavailable(PoolError):
-    """The pool is not running (starting up or shutting down)."""
-
-
-class ComputeTimeout(PoolError):
-    def __init__(self, limit: float, worker: int):
-        super().__init__(f"worker {worker} ran past the time limit of {limit:g} s")
-        self.limit = limit
-        self.worker = worker
-
-
-class WorkerCrashed(PoolError):
-    def __init__(self, worker: int, exitcode: int | None):
-        self.worker = worker
-        self.exitcode = exitcode
-        super().__init__(f"worker {worker} stopped unexpectedly ({describe_exit(exitcode)})")
-
-
-class ComputeFailed(PoolError):
-    """The worker answered with an error: `error` is compute.describe_error's dict
-    (type, message, and for definition errors the list of problems)."""
-
-    def __init__(self, error: dict[str, Any]):
-        super().__init__(error.get("message", "the computation failed"))
-        self.error = error
-
-
-class WorkerStartError(PoolError):
-    pass
-
-
-class Cancelled(PoolError):
-    """The caller stopped waiting (its client disconnected, its job was cancelled)."""
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "exit status unknown"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-# ----------------------------------------------------------------------------------------
 # Pool
 # ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    result: Any
-    worker: int
-    generation: int
-    seconds: float  # compute time in the worker
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    index: int
-    pid: int | None
-    device: str
-    state: str  # starting, idle, busy, down
-    generation: int
-    restarts: int
-
-
-class PoolObserver:
-    """Hooks for metrics; the default does nothing."""
-
-    def worker_busy(self, worker: int, seconds: float) -> None:
-        pass
-
-    def worker_restarted(self, worker: int, reason: str) -> None:
-        pass
 
 
 @dataclass(eq=False)
@@ -262,7 +189,7 @@ class WorkerPool:
         time_limit: float | None = None,
         queue_bound: bool = True,
     ) -> Reply:
-        """Run `kind` (a handler of service.compute) on `payload` in a worker.
+        """Run `kind` (a handler of service.worker.compute) on `payload` in a worker.
 
         worker: run on that worker only (None: any). time_limit: compute seconds
         (default: settings.time_limit). Raises PoolBusy, PoolUnavailable, ComputeTimeout,
@@ -454,7 +381,7 @@ class WorkerPool:
         parent_sock, child_sock = socket.socketpair()
         w.cancel.value = 0
         process = self._ctx.Process(
-            target=worker_main,
+            target=_run_worker,
             args=(child_sock, w.index, w.device, self._options(), w.cancel),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
@@ -563,57 +490,9 @@ class WorkerPool:
         w.reader = w.writer = w.reader_task = None
 
 
-# ----------------------------------------------------------------------------------------
-# Inside a worker process
-# ----------------------------------------------------------------------------------------
+def _run_worker(*args: Any) -> None:
+    """The worker process's entry point. The worker package (and with it the engine) is
+    imported here, in the child: the HTTP process never loads it."""
+    from service.worker.main import worker_main
 
-
-def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any],
-                cancel: Any = None) -> None:
-    """A worker's life: load the engine for `device`, say hello, answer until told to
-    stop or until the HTTP process goes away. `cancel` (a shared int) holds the id of a
-    request the HTTP process wants stopped."""
-    # Signals sent to the server's process group (Ctrl-C, `timeout`, a supervisor) are the
-    # HTTP process's to handle: it stops its workers itself. Signals sent to this process
-    # (the pool's kill, multiprocessing's exit handler) still apply.
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        from service import compute  # the engine loads here, in the worker only
-
-        context = compute.start(index, device, options)
-    except Exception as exc:  # noqa: BLE001 - any failure to start is reported, then exit
-        ipc.send_message(sock, {"fatal": f"{type(exc).__name__}: {exc}"})
-        return
-    ipc.send_message(sock, {"hello": context.describe()})
-    while True:
-        message = ipc.recv_message(sock)
-        if message is None or message.get("kind") == "shutdown":
-            return
-        reply = compute.answer(context, message, cancelled=_cancel_check(cancel, message),
-                               report=_reporter(sock, message))
-        try:
-            ipc.send_message(sock, reply)
-        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
-            error = compute.internal_error(exc)
-            ipc.send_message(sock, {"id": message.get("id"), "ok": False, "error": error})
-
-
-def _cancel_check(cancel: Any, message: dict[str, Any]) -> Any:
-    """Whether the HTTP process asks to stop this request (its id in the cancel flag)."""
-    if cancel is None:
-        return None
-    request_id = message.get("id")
-    return lambda: cancel.value == request_id
-
-
-def _reporter(sock: socket.socket, message: dict[str, Any]) -> Any:
-    """Sends the request's progress reports, when it asked for them."""
-    if not message.get("progress"):
-        return None
-    request_id = message.get("id")
-
-    def report(progress: dict[str, Any]) -> None:
-        ipc.send_message(sock, {"id": request_id, "progress": progress})
-
-    return report
+    worker_main(*args)

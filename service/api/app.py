@@ -1,8 +1,8 @@
 """The FastAPI application: `create_app(settings)` builds it; uvicorn serves it
-(`gradtape serve`, or `uvicorn --factory service.main:create_app`).
+(`gradtape serve`, or `uvicorn --factory service.api.app:create_app`).
 
 The app validates requests, hands them to the worker pool and writes the answers; the
-engine runs only in the pool's worker processes (service/compute.py)."""
+engine runs only in the pool's worker processes (service/worker/compute.py)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,18 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 
-from service import docs
-from service.api import errors, openapi
+from service.api import docs, errors, openapi
+from service.api.auth import KeyRing
 from service.api.fairness import Fairness
+from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
 from service.api.router import api_router
-from service.auth import KeyRing
 from service.core.config import Settings, get_settings
-from service.datasets import DatasetCatalog
-from service.jobs import JobRegistry
-from service.metrics import Metrics
-from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
-from service.sessions import ModelCatalog, TapeRegistry
-from service.store import Store
-from service.workers import WorkerPool
+from service.core.store import Store
+from service.domain.datasets import DatasetCatalog
+from service.domain.jobs import JobRegistry
+from service.domain.metrics import Metrics
+from service.domain.sessions import ModelCatalog, TapeRegistry
+from service.pool import Pool, make_pool
 
 log = logging.getLogger("gradtape.service")
 
@@ -92,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         _ensure_logging(settings.log_level)
         log.info("settings: %s", json.dumps(settings.describe()))
-        pool: WorkerPool = app.state.pool
+        pool: Pool = app.state.pool
         store: Store = app.state.store
         tapes: TapeRegistry = app.state.tapes
         jobs: JobRegistry = app.state.jobs
@@ -127,7 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.pool = pool = WorkerPool(settings, observer=metrics)
+    app.state.pool = pool = make_pool(settings, observer=metrics)
     app.state.fairness = Fairness(settings, pool.size)
     app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
     app.state.store = store = Store(settings.resolved_store_path())

@@ -8,9 +8,9 @@ import time
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import calls
 from service.api.problems import problem_response
-from service.metrics import Metrics
+from service.domain.metrics import Metrics
+from service.pool import calls
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -113,7 +113,7 @@ class MetricsMiddleware:
 class DisconnectMiddleware:
     """Gives every HTTP request a calls.Watch whose `gone()` says whether its client has
     disconnected, so that the pool cancels the computation of a client that left
-    (service/calls.py). `gone()` peeks at the ASGI receive channel without waiting:
+    (service/pool/calls.py). `gone()` peeks at the ASGI receive channel without waiting:
     once the body is read, the next message a server sends is http.disconnect. A body
     message seen by the peek (a request the app has not read yet) is kept for the app.
     Once the answer has started, the request is answered: work it left running in the

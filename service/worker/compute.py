@@ -1,4 +1,4 @@
-"""The computations, inside a worker process: with service/compute_tapes.py (the tapes),
+"""The computations, inside a worker process: with service/worker/tapes.py (the tapes),
 the only service modules that import the engine (and the definition language).
 
 A handler takes the payload the HTTP side built (the request with its tensors decoded
@@ -39,9 +39,10 @@ from engine.language import (
 )
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
-from service import flat, nonfinite
-from service.dataset_cache import DatasetCache, DatasetUnavailable, resolve
-from service.flat import flatten
+from service.core import flat
+from service.core.flat import flatten
+from service.worker import nonfinite
+from service.worker.datasets import DatasetCache, DatasetUnavailable, resolve
 
 log = logging.getLogger("gradtape.compute")
 
@@ -605,7 +606,7 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
 }
 
 # The tapes' handlers (issue 6) use the helpers above.
-from service.compute_tapes import HANDLERS as TAPE_HANDLERS
-from service.compute_tapes import _other_request, _tapes
+from service.worker.tapes import HANDLERS as TAPE_HANDLERS
+from service.worker.tapes import _other_request, _tapes
 
 HANDLERS.update(TAPE_HANDLERS)
