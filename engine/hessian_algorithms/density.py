@@ -218,4 +218,4 @@ def _grid(
 def _smooth(grid: np.ndarray, theta: np.ndarray, tau: np.ndarray, sigma: float) -> np.ndarray:
     """sum_j tau_j N(grid; theta_j, sigma^2): a quadrature smoothed into a density."""
     z = (grid[:, None] - theta[None, :]) / sigma
-    return np.exp(-0.5 * z * z) @ tau / (sigma * math.sqrt(2 * math.pi))
+    return np.asarray(np.exp(-0.5 * z * z) @ tau / (sigma * math.sqrt(2 * math.pi)))

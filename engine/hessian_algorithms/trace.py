@@ -260,7 +260,7 @@ class _Deflated:
             self.probes = np.concatenate([self.probes, g.astype(np.int8)])
 
     def values(self) -> np.ndarray:
-        return (
+        return np.asarray(
             self.quad
             - 2 * np.einsum("ms,ms->m", self.c, self.d)
             + np.einsum("ms,st,mt->m", self.c, self.small, self.c)

@@ -1,6 +1,6 @@
 """Tapes: record a definition once in a worker, then ask it many questions (HVPs,
-gradients and jacobians of other targets, eigenvalues, the trace, Newton steps)
-without running the forward pass again."""
+gradients and jacobians of other targets, eigenvalues and eigenvectors, the trace, the
+diagonal, the spectral density, Newton steps) without running the forward pass again."""
 
 from __future__ import annotations
 
@@ -29,12 +29,16 @@ from service.api.openapi import (
 )
 from service.api.routes._compute import respond, stored_definition
 from service.api.schemas import (
+    DiagonalRequest,
+    DiagonalResponse,
     EigenvaluesRequest,
     EigenvaluesResponse,
     GradientResponse,
     JacobianResponse,
     SolveRequest,
     SolveResponse,
+    SpectralDensityRequest,
+    SpectralDensityResponse,
     TapeCreateRequest,
     TapeCreateResponse,
     TapeGradientRequest,
@@ -228,17 +232,19 @@ async def compute_tape_jacobian(
     response_model=EigenvaluesResponse,
     responses={**job_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("EigenvaluesRequest"),
-    summary="Top eigenvalues of a tape's Hessian (Lanczos)",
+    summary="Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
 )
 async def compute_tape_eigenvalues(
     request: Request, body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep,
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
     """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-    Hessian of the tape's target over its sources, by Lanczos with full
-    reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
-    Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
-    the HVPs used and the residuals. A repeated eigenvalue may be found once only
+    Hessian of the tape's target over its sources, in the worker (no round trip per
+    HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
+    (`method: power`) by deflated power iteration, k HVPs per batched step, largest
+    magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
+    at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
+    HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
     unless the whole space is spanned."""
     prepared = payloads.eigenvalues(body, settings)
     return await respond(
@@ -252,18 +258,66 @@ async def compute_tape_eigenvalues(
     response_model=TraceResponse,
     responses={**job_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
     openapi_extra=msgpack_body("TraceRequest"),
-    summary="Trace of a tape's Hessian (Hutchinson)",
+    summary="Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
 )
 async def estimate_tape_trace(
     request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
-    """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
-    HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`."""
+    """tr(H): exact from the n unit vectors in as few batched passes as memory allows
+    (`method: auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson)
+    with its standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or
+    at `max_seconds`."""
     prepared = payloads.trace(body, settings)
     return await respond(
         request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
         call=lambda: tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit),
+    )
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/diagonal",
+    response_model=DiagonalResponse,
+    responses={**job_responses("DiagonalResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("DiagonalRequest"),
+    summary="Diagonal of a tape's Hessian (exact, Hutchinson)",
+)
+async def estimate_tape_diagonal(
+    request: Request, body: DiagonalRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
+) -> Response:
+    """diag(H) as tensors per source: exact from the n unit vectors in as few batched
+    passes as memory allows (`method: auto` picks it when `max_hvps` covers n), else
+    Hutchinson's estimate with a standard error per entry, stopping once the
+    root-mean-square error is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`."""
+    prepared = payloads.trace(body, settings)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_diagonal", prepared.payload, prepared.time_limit),
+    )
+
+
+@router.post(
+    "/v1/tapes/{tape_id}/spectral-density",
+    response_model=SpectralDensityResponse,
+    responses={**job_responses("SpectralDensityResponse"), **problem_responses(*TAPE_ERRORS)},
+    openapi_extra=msgpack_body("SpectralDensityRequest"),
+    summary="Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
+)
+async def estimate_tape_spectral_density(
+    request: Request, body: SpectralDensityRequest, tape: TapeDep, tapes: TapesDep,
+    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
+) -> Response:
+    """The density of the Hessian's eigenvalues by stochastic Lanczos quadrature, as
+    PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
+    the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
+    density (width `sigma`) on a grid with its pointwise standard error, and the raw
+    Ritz nodes and weights of each probe, so a client can plot or re-smooth it."""
+    prepared = payloads.spectral_density(body, settings)
+    return await respond(
+        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+        call=lambda: tapes.call(tape, "tape_spectral_density", prepared.payload,
+                                prepared.time_limit),
     )
 
 
