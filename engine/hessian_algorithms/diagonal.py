@@ -61,8 +61,8 @@ def exact_diagonal(
     max_seconds: float | None = None,
     callback: Callback | None = None,
 ) -> DiagonalResult:
-    """diag(A)_i = (A e_i)_i from the n unit vectors, `batch_size` per pass (default: all
-    at once when they fit 64 MiB, see exact_pass_size): n HVPs, no error. max_hvps below
+    """diag(A)_i = (A e_i)_i from the n unit vectors, `batch_size` per pass (default:
+    exact_pass_size(n): one pass up to 64 parameters): n HVPs, no error. max_hvps below
     n is an error; a run stopped by max_seconds answers the entries it reached (NaN
     elsewhere). Progress carries the fraction of entries done as its estimate."""
     check_operator(n, "exact_diagonal")

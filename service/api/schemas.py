@@ -793,8 +793,8 @@ TOLERANCE_DESCRIPTION = (
 
 
 class TraceRequest(CallOptions):
-    """The trace of the tape's Hessian: exact from the n unit vectors (in as few batched
-    passes as memory allows), or estimated by Hutch++ (the top of the spectrum taken
+    """The trace of the tape's Hessian: exact from the n unit vectors (in batched passes
+    of up to 64), or estimated by Hutch++ (the top of the spectrum taken
     exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean of z^T H z
     over Rademacher vectors z), with its standard error."""
 
@@ -804,7 +804,8 @@ class TraceRequest(CallOptions):
     )
     batch_size: StrictInt = Field(16, ge=1, description="Random vectors per batched HVP pass "
                                   "(at most the server's hvp_max_vectors); exact passes take "
-                                  "as many unit vectors as the server allows.")
+                                  "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+                                  "memory budget is tighter).")
     max_hvps: StrictInt = Field(256, ge=2, description="Most HVPs to use (at most the "
                                 "server's algorithm_max_hvps).")
     rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
@@ -818,7 +819,7 @@ class TraceRequest(CallOptions):
 
 class DiagonalRequest(CallOptions):
     """The diagonal of the tape's Hessian, as tensors per source: exact from the n unit
-    vectors (in as few batched passes as memory allows), or Hutchinson's estimate (the
+    vectors (in batched passes of up to 64), or Hutchinson's estimate (the
     mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
 
     method: DiagonalMethod = Field(
@@ -827,7 +828,8 @@ class DiagonalRequest(CallOptions):
     )
     batch_size: StrictInt = Field(16, ge=1, description="Random vectors per batched HVP pass "
                                   "(at most the server's hvp_max_vectors); exact passes take "
-                                  "as many unit vectors as the server allows.")
+                                  "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+                                  "memory budget is tighter).")
     max_hvps: StrictInt = Field(256, ge=2, description="Most HVPs to use (at most the "
                                 "server's algorithm_max_hvps).")
     rtol: StrictFloat | None = Field(

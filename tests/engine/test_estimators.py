@@ -52,7 +52,7 @@ def sign_aligned(vectors: np.ndarray, reference: np.ndarray) -> np.ndarray:
 # ---- Exact trace and diagonal ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n,batch", [(1, 1), (37, 8), (120, 120), (120, None)])
+@pytest.mark.parametrize("n,batch", [(1, 1), (37, 8), (120, 120), (120, None), (50, None)])
 def test_exact_trace_and_diagonal_equal_numpy(n: int, batch: int | None) -> None:
     a = symmetric(n, seed=n)
     matvec = Counting(a)
@@ -60,7 +60,8 @@ def test_exact_trace_and_diagonal_equal_numpy(n: int, batch: int | None) -> None
     assert tr.stopped == "exhausted" and tr.converged and tr.method == "exact"
     assert tr.trace == pytest.approx(np.trace(a), rel=1e-13, abs=1e-13) and tr.stderr == 0.0
     assert tr.hvps == matvec.vectors == tr.samples == n
-    assert tr.batches == matvec.calls == math.ceil(n / (batch or n))  # one pass when it fits
+    # Passes of `batch` vectors; by default of 64 (one pass for n <= 64).
+    assert tr.batches == matvec.calls == math.ceil(n / (batch or 64))
     diag = exact_diagonal(Counting(a), n, batch_size=batch)
     np.testing.assert_array_equal(diag.diagonal, np.diag(a))  # A e_i picks column i exactly
     assert diag.stopped == "exhausted" and diag.hvps == n and not diag.stderr.any()

@@ -264,8 +264,8 @@ async def estimate_tape_trace(
     request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
-    """tr(H): exact from the n unit vectors in as few batched passes as memory allows
-    (`method: auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson)
+    """tr(H): exact from the n unit vectors in batched passes of up to 64 (`method:
+    auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson)
     with its standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or
     at `max_seconds`."""
     prepared = payloads.trace(body, settings)
@@ -286,8 +286,8 @@ async def estimate_tape_diagonal(
     request: Request, body: DiagonalRequest, tape: TapeDep, tapes: TapesDep,
     negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
 ) -> Response:
-    """diag(H) as tensors per source: exact from the n unit vectors in as few batched
-    passes as memory allows (`method: auto` picks it when `max_hvps` covers n), else
+    """diag(H) as tensors per source: exact from the n unit vectors in batched passes of
+    up to 64 (`method: auto` picks it when `max_hvps` covers n), else
     Hutchinson's estimate with a standard error per entry, stopping once the
     root-mean-square error is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`."""
     prepared = payloads.trace(body, settings)
