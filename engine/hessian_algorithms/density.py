@@ -182,7 +182,8 @@ def _lanczos_side_by_side(
         w -= a[:, None] * current
         if j > 0:
             w -= beta[active, j - 1][:, None] * basis[active, j - 1]
-        held = basis[active, : j + 1]
+        # (a view while every recurrence goes on; fancy indexing copies)
+        held = basis[:, : j + 1] if len(active) == g else basis[active, : j + 1]
         for _ in range(2):  # full reorthogonalization, twice (see budget.orthogonalize)
             w -= np.einsum("gm,gmn->gn", np.einsum("gmn,gn->gm", held, w), held)
         b = np.linalg.norm(w, axis=1)

@@ -265,6 +265,11 @@ class _Deflated:
         if keep:  # only needed while Q may still grow
             self.probes = np.concatenate([self.probes, g.astype(np.int8)])
 
+    def freeze(self) -> None:
+        """Q grows no more: the probes themselves are no longer needed, only their
+        projections (kept in c and d)."""
+        self.probes = np.zeros((0, self.q.shape[1]), dtype=np.int8)
+
     def values(self) -> np.ndarray:
         return np.asarray(
             self.quad
@@ -303,8 +308,9 @@ def hutchpp_trace(
     the probes' std / sqrt(probes): when A's spectrum decays the remainder, and so the
     error, shrinks much faster than Hutchinson's. Stops at the tolerance (stderr <= rtol
     |trace| + atol, after two rounds), when Q spans A's range (exhausted: exact up to
-    rounding), at max_hvps or max_seconds. Q and AQ hold 16 n bytes a row: once they
-    would pass max_basis_bytes the sketch stops growing and only probes follow.
+    rounding), at max_hvps or max_seconds. Q and AQ hold 16 n bytes a row and the probes
+    n bytes each: once they would pass max_basis_bytes the sketch stops growing, the
+    probes are dropped (their projections are kept) and only probes follow.
     """
     check_operator(n, "hutchpp_trace")
     check_batch_size(batch_size)
@@ -326,9 +332,12 @@ def hutchpp_trace(
         assert left is not None
         if left < 1:
             break
-        room = len(state.q) + batch_size if growing else 0
-        if growing and max_basis_bytes is not None and 16 * n * room > max_basis_bytes:
-            growing = False
+        if growing and max_basis_bytes is not None:
+            # Another round holds batch_size more rows of Q and AQ and as many probes.
+            rows, probes_held = len(state.q) + batch_size, len(state.probes) + batch_size
+            if n * (16 * rows + probes_held) > max_basis_bytes:
+                growing = False
+                state.freeze()
         if growing and left >= 3:
             size = min(batch_size, left // 3, n - len(state.q))
             sketch = budget.apply(matvec, rng.standard_normal((size, n)))
@@ -345,7 +354,9 @@ def hutchpp_trace(
                 break
             probes = min(size, budget.left() or 0)
         else:
-            growing = False
+            if growing:
+                growing = False
+                state.freeze()
             probes = min(batch_size, left)
         if probes:
             g = rademacher(rng, probes, n)

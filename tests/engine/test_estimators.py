@@ -175,10 +175,11 @@ def test_hutchpp_limits() -> None:
     assert capped.stopped == "max_hvps" and capped.hvps == 50 and not capped.converged
     slow = hutchpp_trace(Counting(a, delay=0.02), 120, max_hvps=10_000, rtol=1e-6, max_seconds=0.1)
     assert slow.stopped == "time_limit" and slow.hvps < 10_000
-    # Q and AQ hold 16 n bytes a row: under the cap the sketch stops at 20 rows and the
-    # rest of the budget goes to probes.
-    small = hutchpp_trace(Counting(a), 120, max_hvps=600, max_basis_bytes=16 * 120 * 20)
-    assert small.sketch <= 20 and small.hvps == 600 and small.samples > 400
+    # Q and AQ hold 16 n bytes a row, each probe n bytes: under a cap of 320 n bytes the
+    # first round (16 rows, 16 probes: 272 n) fits, the second would not; the sketch
+    # stops at 16 rows and the rest of the budget goes to probes.
+    small = hutchpp_trace(Counting(a), 120, max_hvps=600, max_basis_bytes=320 * 120)
+    assert small.sketch == 16 and small.hvps == 600 and small.samples == 600 - 32
     assert abs(small.trace - np.trace(a)) < 4 * small.stderr
     with pytest.raises(ValueError, match="at least 3"):
         hutchpp_trace(Counting(a), 120, max_hvps=2)
