@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # `engine` itself (the package facade, `import engine as gt`) sits on the transforms
 # floor: it exports everything up to there.
 ENGINE_FLOORS: list[tuple[str, ...]] = [
-    ("engine.backend", "engine.registry", "engine.trace", "engine.tree", "engine.allocator"),
+    ("engine.backend", "engine.registry", "engine.trace", "engine.tree", "engine.allocator",
+     "engine.footprint", "engine.shapes"),
     ("engine.tensor",),
     ("engine.ops", "engine.random"),
     ("engine.tape",),
@@ -161,3 +162,12 @@ def test_the_http_process_never_loads_the_engine(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out == "[]", f"{module} loads {out}"
+
+
+def test_the_wire_carries_exactly_the_engines_dtypes() -> None:
+    """core/wire.DTYPES is the HTTP process's copy of the language's dtypes (it must not
+    import the engine to ask): the two lists stay one fact."""
+    from engine.language.definition import ALLOWED_DTYPES
+    from service.core.wire import DTYPES
+
+    assert set(DTYPES) == {d.name for d in ALLOWED_DTYPES}

@@ -139,7 +139,6 @@ _UNUSED_BLOBS = (
     "AND hash NOT IN (SELECT blob FROM definition_refs)"
 )
 
-SECTIONS = ("variables", "inputs")
 
 
 class StoreError(RuntimeError):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import re
 import secrets
 import time
 from collections import defaultdict
@@ -44,7 +43,6 @@ from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply
 
 log = logging.getLogger("gradtape.sessions")
 
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 def iso(timestamp: float) -> str:

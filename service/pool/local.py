@@ -359,22 +359,6 @@ class WorkerPool:
         self._dispatch()
 
     # Worker processes ---------------------------------------------------------------------
-    def _options(self) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "chunk_size": s.chunk_size,
-            "hessian_max_size": s.hessian_max_size,
-            "jacobian_max_elements": s.jacobian_max_elements,
-            "hvp_max_vectors": s.hvp_max_vectors,
-            "memory_budget": s.resolved_request_memory_budget(),
-            "lanczos_max_basis_bytes": s.lanczos_max_basis_bytes,
-            "tune_allocator": s.worker_tune_allocator,
-            "definition_limits": dict(s.definition_limits),
-            # a worker reads the arrays of datasets from the store's file (read-only)
-            "store_path": s.resolved_store_path(),
-            "dataset_memory_budget": s.worker_dataset_memory,
-        }
-
     async def _spawn(self, w: _Worker) -> None:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
@@ -382,7 +366,7 @@ class WorkerPool:
         w.cancel.value = 0
         process = self._ctx.Process(
             target=_run_worker,
-            args=(child_sock, w.index, w.device, self._options(), w.cancel),
+            args=(child_sock, w.index, w.device, self.settings.worker_options(), w.cancel),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
         )

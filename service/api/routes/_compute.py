@@ -13,11 +13,10 @@ from starlette.responses import Response
 from service.api.errors import explainer
 from service.api.negotiation import Negotiated, answer
 from service.api.schemas import Definition, DefinitionRequest
-from service.domain.datasets import DatasetCatalog
 from service.domain.jobs import JobRegistry
 from service.domain.requests import Prepared
 from service.domain.sessions import ModelCatalog
-from service.pool import Pool, Reply
+from service.pool import Reply
 
 
 async def stored_definition(body: DefinitionRequest, owner: str, models: ModelCatalog
@@ -37,13 +36,6 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
         if model.stored is not None:
             model.onnx = await models.onnx_file(owner, model.stored,
                                                 f"definition.models.{name}.stored")
-
-
-async def run(pool: Pool, kind: str, prepared: Prepared, negotiated: Negotiated,
-              owner: str, datasets: DatasetCatalog) -> Response:
-    await datasets.bind_prepared(owner, prepared)
-    reply = await pool.submit(kind, prepared.payload, time_limit=prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
 
 
 def prefers_async(request: Request) -> bool:

@@ -4,9 +4,13 @@ diagonal, the spectral density, Newton steps) without running the forward pass a
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from service.api import payloads
@@ -51,6 +55,9 @@ from service.api.schemas import (
     TraceRequest,
     TraceResponse,
 )
+from service.core.config import Settings
+from service.domain.requests import Prepared
+from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
 
@@ -168,178 +175,118 @@ async def update_tape(
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 
 
-@router.post(
-    "/v1/tapes/{tape_id}/hvp",
-    response_model=TapeHVPResponse,
-    responses={**compute_responses("TapeHVPResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeHVPRequest"),
-    summary="Hessian-vector products on a tape",
+# ----------------------------------------------------------------------------------------
+# Questions to a tape: one table row each. Every one takes its request body, builds the
+# worker payload with `build`, and runs the worker's `kind` handler on the tape's worker;
+# `job` ones may run as jobs ("async": true or Prefer: respond-async).
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TapeOperation:
+    name: str  # the route's name, and so its OpenAPI operationId
+    path: str  # under /v1/tapes/{tape_id}
+    kind: str  # the worker handler (service/worker/tapes.py)
+    request: type[BaseModel]
+    response: type[BaseModel]
+    build: Callable[[Any, Settings], Prepared]  # service/api/payloads.py
+    summary: str
+    description: str
+    job: bool = False
+
+
+def _add(op: TapeOperation) -> None:
+    async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
+                       negotiated: NegotiatedDep, settings: SettingsDep,
+                       owner: OwnerDep) -> Response:
+        prepared = op.build(body, settings)
+
+        def call() -> Awaitable[Reply]:
+            return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+
+        if not op.job:
+            reply = await call()
+            return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
+        return await respond(request, body, negotiated, prepared, owner=owner,
+                             tape_id=tape.id, call=call)
+
+    endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
+    endpoint.__name__ = op.name
+    responses = job_responses if op.job else compute_responses
+    router.post(
+        f"/v1/tapes/{{tape_id}}/{op.path}",
+        name=op.name,
+        response_model=op.response,
+        responses={**responses(op.response.__name__), **problem_responses(*TAPE_ERRORS)},
+        openapi_extra=msgpack_body(op.request.__name__),
+        summary=op.summary,
+        description=inspect.cleandoc(op.description),
+    )(endpoint)
+
+
+TAPE_OPERATIONS = (
+    TapeOperation(
+        "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
+        payloads.tape_hvp, "Hessian-vector products on a tape",
+        """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
+        or `vectors` (a list: one batched pass). Only the second-order pass over the
+        recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
+        does not grow however many HVPs are asked)."""),
+    TapeOperation(
+        "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
+        GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
+        """The value and gradient of any name of the tape's program (default: its target)
+        over any variables or inputs (default: its sources), from the recording: one
+        backward pass, the program does not run again."""),
+    TapeOperation(
+        "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
+        JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
+        """The jacobian (full, or per example with `batch`) of any name of the tape's
+        program over variables or inputs, from the recording.""", job=True),
+    TapeOperation(
+        "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
+        EigenvaluesResponse, payloads.eigenvalues,
+        "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
+        """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
+        Hessian of the tape's target over its sources, in the worker (no round trip per
+        HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
+        (`method: power`) by deflated power iteration, k HVPs per batched step, largest
+        magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
+        at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
+        HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
+        unless the whole space is spanned.""", job=True),
+    TapeOperation(
+        "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
+        payloads.trace, "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
+        """tr(H): exact from the n unit vectors in batched passes of up to 64 (`method:
+        auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
+        standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`.""", job=True),
+    TapeOperation(
+        "estimate_tape_diagonal", "diagonal", "tape_diagonal", DiagonalRequest,
+        DiagonalResponse, payloads.trace, "Diagonal of a tape's Hessian (exact, Hutchinson)",
+        """diag(H) as tensors per source: exact from the n unit vectors in batched passes of
+        up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
+        estimate with a standard error per entry, stopping once the root-mean-square error
+        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""", job=True),
+    TapeOperation(
+        "estimate_tape_spectral_density", "spectral-density", "tape_spectral_density",
+        SpectralDensityRequest, SpectralDensityResponse, payloads.spectral_density,
+        "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
+        """The density of the Hessian's eigenvalues by stochastic Lanczos quadrature, as
+        PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
+        the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
+        density (width `sigma`) on a grid with its pointwise standard error, and the raw
+        Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
+        job=True),
+    TapeOperation(
+        "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
+        "Solve (H + damping I) x = b on a tape (CG)",
+        """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
+        HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
+        Newton step (the update is sources - x). Answers the residual history; stops at
+        `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
+        non-positive curvature (raise the damping).""", job=True),
 )
-async def compute_tape_hvp(
-    body: TapeHVPRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
-) -> Response:
-    """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
-    or `vectors` (a list: one batched pass). Only the second-order pass over the
-    recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
-    does not grow however many HVPs are asked)."""
-    prepared = payloads.tape_hvp(body, settings)
-    reply = await tapes.call(tape, "tape_hvp", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/gradient",
-    response_model=GradientResponse,
-    responses={**compute_responses("GradientResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeGradientRequest"),
-    summary="Gradient of any target on a tape",
-)
-async def compute_tape_gradient(
-    body: TapeGradientRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
-) -> Response:
-    """The value and gradient of any name of the tape's program (default: its target)
-    over any variables or inputs (default: its sources), from the recording: one
-    backward pass, the program does not run again."""
-    prepared = payloads.tape_gradient(body, settings)
-    reply = await tapes.call(tape, "tape_gradient", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/jacobian",
-    response_model=JacobianResponse,
-    responses={**job_responses("JacobianResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeJacobianRequest"),
-    summary="Jacobian of any target on a tape",
-)
-async def compute_tape_jacobian(
-    request: Request, body: TapeJacobianRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The jacobian (full, or per example with `batch`) of any name of the tape's
-    program over variables or inputs, from the recording."""
-    prepared = payloads.tape_gradient(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_jacobian", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/eigenvalues",
-    response_model=EigenvaluesResponse,
-    responses={**job_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("EigenvaluesRequest"),
-    summary="Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
-)
-async def compute_tape_eigenvalues(
-    request: Request, body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-    Hessian of the tape's target over its sources, in the worker (no round trip per
-    HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
-    (`method: power`) by deflated power iteration, k HVPs per batched step, largest
-    magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
-    at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
-    HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
-    unless the whole space is spanned."""
-    prepared = payloads.eigenvalues(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_eigenvalues", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/trace",
-    response_model=TraceResponse,
-    responses={**job_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TraceRequest"),
-    summary="Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
-)
-async def estimate_tape_trace(
-    request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """tr(H): exact from the n unit vectors in batched passes of up to 64 (`method:
-    auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson)
-    with its standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or
-    at `max_seconds`."""
-    prepared = payloads.trace(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/diagonal",
-    response_model=DiagonalResponse,
-    responses={**job_responses("DiagonalResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("DiagonalRequest"),
-    summary="Diagonal of a tape's Hessian (exact, Hutchinson)",
-)
-async def estimate_tape_diagonal(
-    request: Request, body: DiagonalRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """diag(H) as tensors per source: exact from the n unit vectors in batched passes of
-    up to 64 (`method: auto` picks it when `max_hvps` covers n), else
-    Hutchinson's estimate with a standard error per entry, stopping once the
-    root-mean-square error is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`."""
-    prepared = payloads.trace(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_diagonal", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/spectral-density",
-    response_model=SpectralDensityResponse,
-    responses={**job_responses("SpectralDensityResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("SpectralDensityRequest"),
-    summary="Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
-)
-async def estimate_tape_spectral_density(
-    request: Request, body: SpectralDensityRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The density of the Hessian's eigenvalues by stochastic Lanczos quadrature, as
-    PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
-    the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
-    density (width `sigma`) on a grid with its pointwise standard error, and the raw
-    Ritz nodes and weights of each probe, so a client can plot or re-smooth it."""
-    prepared = payloads.spectral_density(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_spectral_density", prepared.payload,
-                                prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/solve",
-    response_model=SolveResponse,
-    responses={**job_responses("SolveResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("SolveRequest"),
-    summary="Solve (H + damping I) x = b on a tape (CG)",
-)
-async def solve_tape(
-    request: Request, body: SolveRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
-    HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
-    Newton step (the update is sources - x). Answers the residual history; stops at
-    `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
-    non-positive curvature (raise the damping)."""
-    prepared = payloads.solve(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit),
-    )
-
+for _operation in TAPE_OPERATIONS:
+    _add(_operation)
