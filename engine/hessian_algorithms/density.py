@@ -218,5 +218,9 @@ def _grid(
 
 def _smooth(grid: np.ndarray, theta: np.ndarray, tau: np.ndarray, sigma: float) -> np.ndarray:
     """sum_j tau_j N(grid; theta_j, sigma^2): a quadrature smoothed into a density."""
-    z = (grid[:, None] - theta[None, :]) / sigma
-    return np.asarray(np.exp(-0.5 * z * z) @ tau / (sigma * math.sqrt(2 * math.pi)))
+    out = np.empty(len(grid))
+    rows = max(1, (1 << 20) // max(len(theta), 1))  # bounds the grid x nodes temporaries
+    for start in range(0, len(grid), rows):
+        z = (grid[start : start + rows, None] - theta[None, :]) / sigma
+        out[start : start + rows] = np.exp(-0.5 * z * z) @ tau
+    return out / (sigma * math.sqrt(2 * math.pi))

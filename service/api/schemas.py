@@ -862,10 +862,10 @@ class SpectralDensityRequest(CallOptions):
         "Gaussian that smooths the nodes into a density, in eigenvalue units. Default: the "
         "span of the nodes / steps."
     )
-    points: StrictInt = Field(256, ge=2, le=100_000, description="Grid points spanning the "
+    points: StrictInt = Field(256, ge=2, le=10_000, description="Grid points spanning the "
                               "nodes +- 3 sigma (ignored when `grid` is given).")
     grid: list[Annotated[StrictFloat, Field(allow_inf_nan=False)]] | None = Field(
-        None, min_length=1, max_length=100_000, description="Where to evaluate the density "
+        None, min_length=1, max_length=10_000, description="Where to evaluate the density "
         "(eigenvalues, finite); default: `points` points spanning the nodes +- 3 sigma."
     )
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "

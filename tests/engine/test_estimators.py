@@ -20,6 +20,7 @@ from engine.hessian_algorithms import (
     estimate_diagonal,
     estimate_trace,
     exact_diagonal,
+    exact_pass_size,
     exact_trace,
     hutchinson_diagonal,
     hutchinson_trace,
@@ -65,6 +66,14 @@ def test_exact_trace_and_diagonal_equal_numpy(n: int, batch: int | None) -> None
     diag = exact_diagonal(Counting(a), n, batch_size=batch)
     np.testing.assert_array_equal(diag.diagonal, np.diag(a))  # A e_i picks column i exactly
     assert diag.stopped == "exhausted" and diag.hvps == n and not diag.stderr.any()
+
+
+def test_exact_pass_size() -> None:
+    # One pass up to 64 unit vectors; the operator's max_batch (its memory bound) and 64
+    # MiB of host vectors bound it further.
+    assert [exact_pass_size(n) for n in (1, 30, 64, 65, 10_000)] == [1, 30, 64, 64, 64]
+    assert exact_pass_size(1000, max_batch=10) == 10
+    assert exact_pass_size(200_000) == 41 and exact_pass_size(10**8) == 1
 
 
 def test_exact_methods_refuse_a_budget_below_n_and_answer_a_partial_run() -> None:
