@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 
+import engine as gt
 from engine.hessian_algorithms import (
     FlatOperator,
     Progress,
@@ -413,3 +414,36 @@ def test_estimators_on_a_hessian_operator() -> None:
         assert theta.min() == pytest.approx(values.min(), abs=1e-8)
         assert theta.max() == pytest.approx(values.max(), abs=1e-8)
         assert tau.sum() == pytest.approx(1.0)
+
+
+def test_estimators_on_a_gauss_newton_operator() -> None:
+    # Nothing assumes the Hessian: G = J^T J of a small network's outputs (a JVP forward,
+    # a VJP back, never forming J), with exact trace ||J||_F^2, diagonal the column norms
+    # of J squared and top eigenvalue sigma_max(J)^2.
+    rng = np.random.default_rng(22)
+    x = gt.constant(rng.standard_normal((12, 5)))
+
+    def outputs(w: gt.Tensor) -> gt.Tensor:
+        return gt.tanh(x @ gt.reshape(w, (5, 3)))
+
+    w = gt.constant(rng.standard_normal(15))
+    _, pullback = gt.vjp(outputs, w)
+
+    def ggn(vectors: np.ndarray) -> np.ndarray:
+        rows = []
+        for v in vectors:
+            _, jv = gt.jvp(outputs, [w], [gt.constant(v)])
+            rows.append(pullback(jv)[0].numpy())
+        return np.stack(rows)
+
+    j = gt.jacobian(outputs)(w).numpy().reshape(36, 15)
+    g = j.T @ j
+    assert estimate_trace(ggn, 15).trace == pytest.approx(np.sum(j * j), rel=1e-12)
+    np.testing.assert_allclose(
+        estimate_diagonal(ggn, 15).diagonal, np.sum(j * j, axis=0), rtol=1e-12
+    )
+    top = power_iteration(ggn, 15, k=1, tol=1e-10, max_hvps=5000)
+    assert top.eigenvalues[0] == pytest.approx(np.linalg.svd(j, compute_uv=False)[0] ** 2, rel=1e-9)
+    density = spectral_density(ggn, 15, probes=2, steps=15)
+    for theta in density.nodes:
+        assert theta.min() >= np.linalg.eigvalsh(g)[0] - 1e-9  # PSD: no negative nodes

@@ -3,16 +3,19 @@ workers, against the dense Hessian of a small model from /v1/hessian: /trace by 
 (exact equals numpy's, Hutch++ within its standard error, stopping early), /diagonal
 (exact per source, Hutchinson within its per-entry errors), /spectral-density (nodes,
 weights and the smoothed density against the exact eigenvalues), power iteration and
-eigenvectors on /eigenvalues; jobs with progress; and the 422s/413s of bad parameters."""
+eigenvectors on /eigenvalues; jobs with progress; and the 422s of bad parameters and of what would pass the memory bound."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 
-from tests.service.test_tape_algorithms import SHAPES, N, dense, flat, tape_id  # noqa: F401
+from tests.service.conftest import Server, start_server, stop_server
+from tests.service.test_tape_algorithms import DEFN, SHAPES, N, dense, flat, tape_id  # noqa: F401
 from tests.service.wire import arr, post, problem
 
 
@@ -207,3 +210,53 @@ def test_estimators_run_as_jobs(client, tape_id, path: str, body: dict) -> None:
         np.testing.assert_array_equal(
             arr(job["result"]["diagonal"]["w1"]), arr(sync["diagonal"]["w1"])
         )
+
+
+@pytest.fixture(scope="module")
+def small_basis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """A server whose algorithms may hold 2,000 bytes of host vectors: 8 vectors of the
+    tape's 30 parameters (240 bytes each)."""
+    tmp = tmp_path_factory.mktemp("small-basis")
+    srv: Server = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_LANCZOS_MAX_BASIS_BYTES": "2000",
+        },
+        tmp / "server.log",
+    )
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+            yield client
+    finally:
+        stop_server(srv)
+
+
+def test_the_memory_of_stored_vectors_is_bounded(small_basis, dense) -> None:  # noqa: F811
+    h, _ = dense
+    created = small_basis.post("/v1/tapes", json={"definition": DEFN, "target": "loss"})
+    assert created.status_code == 201, created.text
+    tape = created.json()["tape_id"]
+    url = f"/v1/tapes/{tape}"
+    density = problem(
+        small_basis.post(f"{url}/spectral-density", json={"steps": 30}), 422, "too-large"
+    )
+    assert "30 vectors of 30 parameters" in density["detail"]
+    assert "fewer steps" in density["detail"] and density["limit"] == 2000
+    power = problem(
+        small_basis.post(f"{url}/eigenvalues", json={"k": 5, "method": "power"}), 422, "too-large"
+    )
+    assert "power-iteration block of 10 vectors" in power["detail"]
+    lanczos = problem(small_basis.post(f"{url}/eigenvalues", json={"k": 9}), 422, "too-large")
+    assert "Lanczos basis of 9 vectors" in lanczos["detail"]
+    # Within the bound: 8 steps fit; four probes run one at a time.
+    fits = post(small_basis, f"{url}/spectral-density", {"probes": 4, "steps": 8})
+    assert fits["probes"] == 4 and fits["hvps"] == 32 and fits["converged"]
+    # Hutch++ stops growing its sketch at the bound and spends the rest on probes.
+    plus = post(
+        small_basis,
+        f"{url}/trace",
+        {"method": "hutchpp", "batch_size": 2, "max_hvps": 300, "seed": 4},
+    )
+    assert plus["sketch"] <= 4 and plus["hvps"] == 300 and plus["samples"] > 250
+    assert abs(plus["trace"] - np.trace(h)) < 4 * plus["stderr"]
