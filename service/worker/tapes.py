@@ -292,7 +292,7 @@ def _check_max_hvps(value: int, at_least: int, what: str) -> None:
 
 
 def _check_basis(context: WorkerContext, rows: int, n: int, what: str, fewer: str) -> None:
-    """Refuse (413) an algorithm whose host vectors (rows x n float64) would pass the
+    """Refuse (too-large) an algorithm whose host vectors (rows x n float64) would pass the
     server's lanczos_max_basis_bytes."""
     if 8 * rows * n > context.lanczos_max_basis_bytes:
         raise RequestError(
