@@ -6,13 +6,10 @@ jobs ("async": true or Prefer: respond-async)."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
 from starlette.responses import Response
 
 from service.api import payloads
@@ -25,9 +22,7 @@ from service.api.deps import (
     PoolDep,
     SettingsDep,
 )
-from service.api.negotiation import answer
-from service.api.openapi import compute_responses, job_responses, msgpack_body
-from service.api.routes._compute import respond, stored_definition
+from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
     GradientRequest,
     GradientResponse,
@@ -38,26 +33,16 @@ from service.api.schemas import (
     JacobianRequest,
     JacobianResponse,
 )
-from service.core.config import Settings
-from service.domain.requests import Prepared
 from service.pool import Reply
 
 router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
 
 
-@dataclass(frozen=True)
-class Derivative:
-    name: str  # the route's name, and so its OpenAPI operationId
-    kind: str  # the path /v1/{kind} and the worker handler
-    request: type[BaseModel]
-    response: type[BaseModel]
-    build: Callable[[Any, Settings, dict[str, Any] | None], Prepared]
-    summary: str
-    description: str
-    job: bool = False
+def _derivative(name: str, kind: str, *rest: Any, **options: Any) -> Operation:
+    return Operation(name, f"/v1/{kind}", kind, *rest, **options)
 
 
-def _add(op: Derivative) -> None:
+def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, negotiated: NegotiatedDep, pool: PoolDep,
                        settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
                        datasets: DatasetsDep) -> Response:
@@ -68,27 +53,14 @@ def _add(op: Derivative) -> None:
         def call() -> Awaitable[Reply]:
             return pool.submit(op.kind, prepared.payload, time_limit=prepared.time_limit)
 
-        if not op.job:
-            reply = await call()
-            return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-        return await respond(request, body, negotiated, prepared, owner=owner, call=call)
+        return await respond(request, body, negotiated, prepared, owner=owner,
+                             call=call, job=op.job)
 
-    endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
-    endpoint.__name__ = op.name
-    responses = job_responses if op.job else compute_responses
-    router.post(
-        f"/v1/{op.kind}",
-        name=op.name,
-        response_model=op.response,
-        responses=responses(op.response.__name__),
-        openapi_extra=msgpack_body(op.request.__name__),
-        summary=op.summary,
-        description=inspect.cleandoc(op.description),
-    )(endpoint)
+    register(router, op, endpoint)
 
 
 DERIVATIVES = (
-    Derivative(
+    _derivative(
         "compute_gradient", "gradient", GradientRequest, GradientResponse, payloads.gradient,
         "Value and gradients",
         """Run the definition and answer the target's value and its gradient with respect to
@@ -99,7 +71,7 @@ DERIVATIVES = (
         (answers keyed by alias), a single name, or absent (every trainable variable). A
         source the target does not depend on answers `null`, or zeros with
         `"unconnected": "zero"`."""),
-    Derivative(
+    _derivative(
         "compute_jacobian", "jacobian", JacobianRequest, JacobianResponse, payloads.jacobian,
         "Jacobians, full or per example",
         """The jacobian of the target with respect to each source, shape
@@ -110,7 +82,7 @@ DERIVATIVES = (
         `target.shape + source.shape[1:]` (tf.GradientTape.batch_jacobian). The server checks
         that the examples are independent and answers 422 (batch-dependence) when they are
         not, e.g. with batch normalization between the layers.""", job=True),
-    Derivative(
+    _derivative(
         "compute_hessian", "hessian", HessianRequest, HessianResponse, payloads.hessian,
         "Hessian and damped Newton step",
         """The Hessian of a scalar target over the sources, as blocks: `hessian[a][b]` has
@@ -119,7 +91,7 @@ DERIVATIVES = (
 
         With `newton`, also the damped Newton step `(H + damping I)^-1 g` per source (subtract
         it from the sources to take the step).""", job=True),
-    Derivative(
+    _derivative(
         "compute_hvp", "hvp", HVPRequest, HVPResponse, payloads.hvp,
         "Hessian-vector products",
         """H @ v for a scalar target, with `vector` (one tensor per source, keyed like the

@@ -4,13 +4,10 @@ diagonal, the spectral density, Newton steps) without running the forward pass a
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
 from starlette.responses import Response
 
 from service.api import payloads
@@ -27,11 +24,10 @@ from service.api.deps import (
 from service.api.negotiation import answer
 from service.api.openapi import (
     compute_responses,
-    job_responses,
     msgpack_body,
     problem_responses,
 )
-from service.api.routes._compute import respond, stored_definition
+from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
     DiagonalRequest,
     DiagonalResponse,
@@ -55,8 +51,6 @@ from service.api.schemas import (
     TraceRequest,
     TraceResponse,
 )
-from service.core.config import Settings
-from service.domain.requests import Prepared
 from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
@@ -182,20 +176,11 @@ async def update_tape(
 # ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TapeOperation:
-    name: str  # the route's name, and so its OpenAPI operationId
-    path: str  # under /v1/tapes/{tape_id}
-    kind: str  # the worker handler (service/worker/tapes.py)
-    request: type[BaseModel]
-    response: type[BaseModel]
-    build: Callable[[Any, Settings], Prepared]  # service/api/payloads.py
-    summary: str
-    description: str
-    job: bool = False
+def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
+    return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
 
 
-def _add(op: TapeOperation) -> None:
+def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
                        negotiated: NegotiatedDep, settings: SettingsDep,
                        owner: OwnerDep) -> Response:
@@ -204,46 +189,32 @@ def _add(op: TapeOperation) -> None:
         def call() -> Awaitable[Reply]:
             return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
 
-        if not op.job:
-            reply = await call()
-            return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-        return await respond(request, body, negotiated, prepared, owner=owner,
-                             tape_id=tape.id, call=call)
+        return await respond(request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+                             call=call, job=op.job)
 
-    endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
-    endpoint.__name__ = op.name
-    responses = job_responses if op.job else compute_responses
-    router.post(
-        f"/v1/tapes/{{tape_id}}/{op.path}",
-        name=op.name,
-        response_model=op.response,
-        responses={**responses(op.response.__name__), **problem_responses(*TAPE_ERRORS)},
-        openapi_extra=msgpack_body(op.request.__name__),
-        summary=op.summary,
-        description=inspect.cleandoc(op.description),
-    )(endpoint)
+    register(router, op, endpoint, TAPE_ERRORS)
 
 
 TAPE_OPERATIONS = (
-    TapeOperation(
+    _on_tape(
         "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
         payloads.tape_hvp, "Hessian-vector products on a tape",
         """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
         or `vectors` (a list: one batched pass). Only the second-order pass over the
         recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
         does not grow however many HVPs are asked)."""),
-    TapeOperation(
+    _on_tape(
         "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
         GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
         """The value and gradient of any name of the tape's program (default: its target)
         over any variables or inputs (default: its sources), from the recording: one
         backward pass, the program does not run again."""),
-    TapeOperation(
+    _on_tape(
         "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
         JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
         """The jacobian (full, or per example with `batch`) of any name of the tape's
         program over variables or inputs, from the recording.""", job=True),
-    TapeOperation(
+    _on_tape(
         "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
         EigenvaluesResponse, payloads.eigenvalues,
         "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
@@ -255,21 +226,21 @@ TAPE_OPERATIONS = (
         at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
         HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
         unless the whole space is spanned.""", job=True),
-    TapeOperation(
+    _on_tape(
         "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
         payloads.trace, "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
         """tr(H): exact from the n unit vectors in batched passes of up to 64 (`method:
         auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
         standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
         `max_seconds`.""", job=True),
-    TapeOperation(
+    _on_tape(
         "estimate_tape_diagonal", "diagonal", "tape_diagonal", DiagonalRequest,
         DiagonalResponse, payloads.trace, "Diagonal of a tape's Hessian (exact, Hutchinson)",
         """diag(H) as tensors per source: exact from the n unit vectors in batched passes of
         up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
         estimate with a standard error per entry, stopping once the root-mean-square error
         is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""", job=True),
-    TapeOperation(
+    _on_tape(
         "estimate_tape_spectral_density", "spectral-density", "tape_spectral_density",
         SpectralDensityRequest, SpectralDensityResponse, payloads.spectral_density,
         "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
@@ -279,7 +250,7 @@ TAPE_OPERATIONS = (
         density (width `sigma`) on a grid with its pointwise standard error, and the raw
         Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
         job=True),
-    TapeOperation(
+    _on_tape(
         "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
         "Solve (H + damping I) x = b on a tape (CG)",
         """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
