@@ -134,6 +134,16 @@ def test_curvature_estimators(client: Client, rng: np.random.Generator) -> None:
         assert np.trapezoid(density.smoothed(np.linspace(-5, 40, 4000), 0.5),
                             np.linspace(-5, 40, 4000)) == pytest.approx(1.0, abs=1e-3)
 
+        # As jobs with progress: the same answers.
+        seen: list = []
+        job = tape.spectral_density(probes=5, steps=12, sigma=0.1, progress=seen.append)
+        np.testing.assert_array_equal(job.density, density.density)
+        assert seen[-1].state == "succeeded" and seen[-1].progress["done"] == density.hvps
+        job_diagonal = tape.diagonal(method="hutchinson", max_hvps=2000, batch_size=100,
+                                     progress=lambda s: None)
+        np.testing.assert_array_equal(tape.flatten(job_diagonal.diagonal),
+                                      tape.flatten(estimate))
+
         top = tape.eigenvalues(2, method="power", tol=1e-10, max_hvps=5000, eigenvectors=True)
         assert top.method == "power" and top.converged
         np.testing.assert_allclose(top.eigenvalues, values[::-1][:2], rtol=1e-8)
