@@ -174,11 +174,14 @@ class Settings(BaseSettings):
         "(least recently used out first)"
     )
     algorithm_max_hvps: int = Field(
-        default=10000, ge=1, description="most HVPs one eigenvalues/trace/solve request may use"
+        default=10000, ge=1,
+        description="most HVPs one eigenvalues/trace/diagonal/spectral-density/solve request "
+        "may use"
     )
     lanczos_max_basis_bytes: int = Field(
         default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1,
-        description="memory of the Lanczos basis (iterations x n float64)"
+        description="host memory of an algorithm's stored vectors (x n float64): the Lanczos "
+        "basis, the spectral density's bases, the Hutch++ sketch, the power-iteration block"
     )
     tape_sweep_interval: float = Field(
         default=10.0, gt=0,

@@ -195,7 +195,9 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
     }
 
 
-ALGORITHMS = {"tape_eigenvalues": "Lanczos iteration", "tape_trace": "trace estimate",
+ALGORITHMS = {"tape_eigenvalues": "eigenvalue iteration", "tape_trace": "trace estimate",
+              "tape_diagonal": "diagonal estimate",
+              "tape_spectral_density": "spectral density (Lanczos quadrature)",
               "tape_solve": "conjugate-gradient solve"}
 
 
