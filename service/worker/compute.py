@@ -119,7 +119,9 @@ class RequestError(Exception):
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     """Set up a worker: check its device, build its limits, tune the allocator (unless
     told not to), warm the engine up."""
-    if options.get("tune_allocator", defaults.WORKER_TUNE_ALLOCATOR):
+    # The pool always passes the setting (default on); a worker started bare (a test, in its
+    # own process) leaves that process's allocator as it found it.
+    if options.get("tune_allocator", False):
         gt.tune_allocator()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
@@ -194,7 +196,9 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
     }
 
 
-ALGORITHMS = {"tape_eigenvalues": "Lanczos iteration", "tape_trace": "trace estimate",
+ALGORITHMS = {"tape_eigenvalues": "eigenvalue iteration", "tape_trace": "trace estimate",
+              "tape_diagonal": "diagonal estimate",
+              "tape_spectral_density": "spectral density (Lanczos quadrature)",
               "tape_solve": "conjugate-gradient solve", "tape_influence": "influence solve"}
 
 
@@ -478,17 +482,17 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
                          seconds=time.perf_counter() - t0)
 
     h = operator.dense(context.chunk_size, progress)
-    primals = operator.grad  # the sources' shapes and dtypes, in the order of `keys`
+    grads = operator.grad  # the sources' shapes and dtypes, in the order of `keys`
     offsets = np.cumsum([0, *sizes])
     blocks: dict[str, dict[str, np.ndarray]] = {}
-    for i, (ka, sa, pa) in enumerate(zip(keys, shapes, primals, strict=True)):
+    for i, (ka, sa, pa) in enumerate(zip(keys, shapes, grads, strict=True)):
         blocks[ka] = {}
         for j, (kb, sb) in enumerate(zip(keys, shapes, strict=True)):
             block = h[offsets[i]:offsets[i + 1], offsets[j]:offsets[j + 1]]
             blocks[ka][kb] = block.reshape(sa + sb).astype(pa.dtype)
     result: dict[str, Any] = {
         "value": operator.value.numpy(),
-        "gradients": dict(zip(keys, [g.numpy() for g in operator.grad], strict=True)),
+        "gradients": dict(zip(keys, [g.numpy() for g in grads], strict=True)),
         "hessian": blocks,
         "newton_step": None,
     }

@@ -142,12 +142,26 @@ def test_algorithms_run_on_the_ggn(client, tape_id) -> None:
         {"k": 3, "tol": 1e-10, "max_hvps": P, "curvature": "ggn"},
     )
     np.testing.assert_allclose(top["eigenvalues"], np.linalg.eigvalsh(ggn)[::-1][:3], rtol=1e-7)
+    url = f"/v1/tapes/{tape_id}"
+    exact = post(client, f"{url}/trace", {"max_hvps": 200, "curvature": "ggn"})
+    assert exact["method"] == "exact" and exact["trace"] == pytest.approx(np.trace(ggn), 1e-10)
     trace = post(
         client,
-        f"/v1/tapes/{tape_id}/trace",
-        {"max_hvps": 200, "batch_size": 50, "curvature": "ggn"},
+        f"{url}/trace",
+        {"method": "hutchinson", "max_hvps": 200, "batch_size": 50, "curvature": "ggn"},
     )
     assert abs(trace["trace"] - np.trace(ggn)) < 4 * trace["stderr"]
+    diagonal = post(client, f"{url}/diagonal", {"max_hvps": P, "curvature": "empirical_fisher"})
+    np.testing.assert_allclose(
+        flat(diagonal["diagonal"]), np.diag(TRUTH["empirical_fisher"]), rtol=1e-10, atol=1e-14
+    )
+    # With as many Lanczos steps as parameters, a probe's Krylov space is invariant: its
+    # Ritz nodes are eigenvalues of the GGN (the null space's 0 once), the largest too.
+    density = post(client, f"{url}/spectral-density", {"probes": 2, "steps": P, "curvature": "ggn"})
+    exact = np.linalg.eigvalsh(ggn)
+    nodes = np.asarray(density["nodes"][0])
+    assert np.abs(nodes[:, None] - exact[None, :]).min(axis=1).max() < 1e-8
+    assert nodes.max() == pytest.approx(exact[-1], rel=1e-8)
     step = post(
         client,
         f"/v1/tapes/{tape_id}/solve",
