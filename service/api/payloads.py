@@ -13,6 +13,7 @@ import numpy as np
 from service.api.problems import ProblemError
 from service.api.schemas import (
     CallOptions,
+    CurvatureOptions,
     DatasetArray,
     DatasetInputs,
     Definition,
@@ -38,7 +39,6 @@ from service.api.schemas import (
     TensorData,
     TraceRequest,
     VariableSpec,
-    _Curvature,
 )
 from service.api.tensors import from_base64, from_data, nonfinite_count
 from service.core.config import Settings
@@ -327,7 +327,7 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
     return _prepared(body, decoder, payload, limit), ttl
 
 
-def _curvature(body: _Curvature) -> dict[str, Any]:
+def _curvature(body: CurvatureOptions) -> dict[str, Any]:
     """Which curvature matrix the worker applies (the Hessian unless asked)."""
     return {"curvature": body.curvature.value, "samples": body.samples,
             "fisher_seed": body.fisher_seed}

@@ -695,7 +695,7 @@ def _fisher_seed_field() -> Any:
     return Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
 
 
-class _Curvature(RequestModel):
+class CurvatureOptions(RequestModel):
     """The curvature options of a tape's products and algorithms."""
 
     curvature: CurvatureKind = _curvature_field()
@@ -703,7 +703,7 @@ class _Curvature(RequestModel):
     fisher_seed: StrictInt = _fisher_seed_field()
 
     @model_validator(mode="after")
-    def _samples_for_fisher(self) -> _Curvature:
+    def _samples_for_fisher(self) -> CurvatureOptions:
         if self.samples is not None and self.curvature != CurvatureKind.fisher:
             raise ValueError("'samples' draws a Monte-Carlo Fisher: it goes with "
                              "curvature 'fisher'")
@@ -737,7 +737,7 @@ class TapeUpdateRequest(CallOptions):
         return self
 
 
-class TapeHVPRequest(_Vectors, _Curvature):
+class TapeHVPRequest(_Vectors, CurvatureOptions):
     """Curvature-vector products over the tape's sources (the Hessian of its target by
     default; `curvature` picks another): `vector`, `vectors` or `flat_vector`. Only the
     passes over the recording run; nothing is recorded."""
@@ -799,7 +799,7 @@ class EigenMethod(StrEnum):
     power = "power"
 
 
-class EigenvaluesRequest(_Curvature, CallOptions):
+class EigenvaluesRequest(CurvatureOptions, CallOptions):
     """Extreme eigenvalues (and optionally eigenvectors) of the tape's Hessian (or of the
     `curvature` asked): by Lanczos with full reorthogonalization (one HVP per iteration),
     or by deflated power iteration (k HVPs per step in one batched pass; largest
@@ -848,7 +848,7 @@ TOLERANCE_DESCRIPTION = (
 )
 
 
-class TraceRequest(_Curvature, CallOptions):
+class TraceRequest(CurvatureOptions, CallOptions):
     """The trace of the tape's Hessian (or of the `curvature` asked): exact from the n
     unit vectors (in batched passes of up to 64), or estimated by Hutch++ (the top of the
     spectrum taken exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean
@@ -873,7 +873,7 @@ class TraceRequest(_Curvature, CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class DiagonalRequest(_Curvature, CallOptions):
+class DiagonalRequest(CurvatureOptions, CallOptions):
     """The diagonal of the tape's Hessian, as tensors per source: exact from the n unit
     vectors (in batched passes of up to 64), or Hutchinson's estimate (the
     mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
@@ -900,7 +900,7 @@ class DiagonalRequest(_Curvature, CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class SpectralDensityRequest(_Curvature, CallOptions):
+class SpectralDensityRequest(CurvatureOptions, CallOptions):
     """The eigenvalue density of the tape's Hessian by stochastic Lanczos quadrature:
     `steps` Lanczos steps from each of `probes` random vectors (run side by side, one
     batched pass per step) give Ritz nodes and weights; smoothed by a Gaussian of width
@@ -930,7 +930,7 @@ class SpectralDensityRequest(_Curvature, CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class SolveRequest(_Curvature, CallOptions):
+class SolveRequest(CurvatureOptions, CallOptions):
     """Solve (H + damping I) x = b by conjugate gradient on the tape's Hessian. b
     defaults to the recorded gradient: x is then the damped Newton step (subtract it
     from the sources)."""
@@ -949,7 +949,7 @@ class SolveRequest(_Curvature, CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class InfluenceRequest(_Curvature, CallOptions):
+class InfluenceRequest(CurvatureOptions, CallOptions):
     """Influence functions (Koh and Liang, 2017) on a tape recorded with `output`: the
     effect of every training example (a row along the output's first axis) on the loss
     at test points."""
