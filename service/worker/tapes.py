@@ -86,7 +86,7 @@ class TapeSession:
     hvp_measured: bool = False
 
 
-def _tapes(context: WorkerContext) -> dict[str, TapeSession]:
+def sessions(context: WorkerContext) -> dict[str, TapeSession]:
     tapes: dict[str, TapeSession] = context.state.setdefault("tapes", {})
     return tapes
 
@@ -257,7 +257,7 @@ def _products(session: TapeSession, operator: gt.HessianOperator, stacked: list[
 
 def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSession, bool]:
     """The tape the request names, rebuilt from `rebuild` when this worker lacks it."""
-    tapes = _tapes(context)
+    tapes = sessions(context)
     tape_id = payload["tape_id"]
     session = tapes.get(tape_id)
     if session is not None:
@@ -299,14 +299,14 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     """Record a tape (replacing one of the same id only once the new one is recorded:
     a failed update keeps the old tape)."""
     session = record(payload["tape_id"], payload, context)
-    _tapes(context)[session.tape_id] = session
+    sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
     return result
 
 
 def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    tapes = _tapes(context)
+    tapes = sessions(context)
     dropped = [i for i in payload["tape_ids"] if tapes.pop(i, None) is not None]
     if dropped:
         gc.collect()  # hand the arrays back now, cycles included
@@ -333,7 +333,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def _other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
+def other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
     target = payload.get("target") or session.request.target
     sources = payload.get("sources")
     if sources is None:
@@ -347,7 +347,7 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     """The gradient of any name of the program over any floating-point leaves, from the
     recording (one backward pass; the program does not run again)."""
     session, rebuilt = _session(payload, context)
-    request = _other_request(session, payload)
+    request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     grads = session.recording.gradient(y, watched, unconnected_gradients=request.unconnected)
@@ -360,7 +360,7 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
 
 def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = _session(payload, context)
-    request = _other_request(session, payload)
+    request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     batch = bool(payload.get("batch"))
