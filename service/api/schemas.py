@@ -680,27 +680,20 @@ class CurvatureKind(StrEnum):
     empirical_fisher = "empirical_fisher"
 
 
-def _curvature_field() -> Any:
-    return Field(CurvatureKind.hessian, description="Which curvature matrix (see "
-                 "CurvatureKind); all but hessian need a tape recorded with `output`.")
-
-
-def _samples_field() -> Any:
-    return Field(None, ge=1, le=10_000, description="With curvature fisher: targets drawn "
-                 "per example from the model's predictive distribution (a Monte-Carlo "
-                 "Fisher, fixed by `fisher_seed`); absent: the exact Fisher.")
-
-
-def _fisher_seed_field() -> Any:
-    return Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
-
-
 class CurvatureOptions(RequestModel):
     """The curvature options of a tape's products and algorithms."""
 
-    curvature: CurvatureKind = _curvature_field()
-    samples: StrictInt | None = _samples_field()
-    fisher_seed: StrictInt = _fisher_seed_field()
+    curvature: CurvatureKind = Field(
+        CurvatureKind.hessian, description="Which curvature matrix (see CurvatureKind); all "
+        "but hessian need a tape recorded with `output`."
+    )
+    samples: StrictInt | None = Field(
+        None, ge=1, le=10_000, description="With curvature fisher: targets drawn per example "
+        "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
+        "`fisher_seed`); absent: the exact Fisher."
+    )
+    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's "
+                                   "targets.")
 
     @model_validator(mode="after")
     def _samples_for_fisher(self) -> CurvatureOptions:
