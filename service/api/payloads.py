@@ -140,20 +140,20 @@ class _Decoder:
             )
         return {"onnx": bytes(data), "frozen": list(m.frozen)}
 
-    def inputs(self, inputs: Any, default: str) -> dict[str, Any]:
+    def inputs(self, inputs: Any, default: str, field: str = "definition.inputs"
+               ) -> dict[str, Any]:
         """The arrays of the inputs; those bound to datasets are left to the bindings."""
         if isinstance(inputs, DatasetInputs):
-            self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows),
-                                         "definition.inputs"))
+            self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows), field))
             return {}
         out: dict[str, Any] = {}
         for name, value in inputs.items():
             if isinstance(value, DatasetArray):
                 self.bindings.append(Binding(value.dataset, name, value.array, rows(value.rows),
-                                             f"definition.inputs.{name}"))
+                                             f"{field}.{name}"))
                 out[name] = None  # keeps the input's place; bound before the pool sees it
             else:
-                out[name] = self.tensor(value, f"definition.inputs.{name}", default)
+                out[name] = self.tensor(value, f"{field}.{name}", default)
         return out
 
     def check(self) -> None:
@@ -445,10 +445,8 @@ def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
     max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
     payload = {
-        "test_inputs": None if body.test_inputs is None else {
-            name: decoder.tensor(value, f"test_inputs.{name}")
-            for name, value in body.test_inputs.items()
-        },
+        "test_inputs": None if body.test_inputs is None else decoder.inputs(
+            body.test_inputs, "float32", field="test_inputs"),
         "rows": body.rows, "damping": body.damping, "top_k": body.top_k, "tol": body.tol,
         "max_iterations": body.max_iterations,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),

@@ -947,10 +947,12 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     effect of every training example (a row along the output's first axis) on the loss
     at test points."""
 
-    test_inputs: NamedTensors | None = Field(
+    test_inputs: Inputs | None = Field(
         None, description="The test points: new values for the inputs the model and the loss "
         "read along the examples axis (the data and the targets; same trailing shapes, any "
-        "number of rows). The test loss is the tape's loss on them."
+        "number of rows), as tensors, stored dataset arrays ({dataset, array, rows}) or a "
+        "whole dataset ({dataset, rows}: each array the input of its name). The test loss "
+        "is the tape's loss on them."
     )
     rows: list[StrictInt] | None = Field(
         None, min_length=1, max_length=100_000, description="Or: training rows (indices "

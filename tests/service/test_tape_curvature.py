@@ -364,3 +364,45 @@ def test_a_monte_carlo_fisher_too_large_for_the_memory_budget_is_refused(client)
     )
     body = problem(r, 422, "too-large")
     assert "1,600,000,000 bytes" in body["detail"] and "ask for at most" in body["detail"]
+
+
+def test_influence_test_points_from_a_stored_dataset(client, tape_id) -> None:
+    """test_inputs may bind a stored dataset's arrays (rows taken), one by one or the whole
+    dataset: the same scores as the arrays sent inline."""
+    x_test, y_test = rng.standard_normal((5, D)), np.array([0, 1, 2, 1, 0])
+    r = client.put(
+        "/v1/datasets/curvature-test", json={"x": t(x_test, "float64"), "y": t(y_test, "int64")}
+    )
+    assert r.status_code in (200, 201), r.text
+    url = f"/v1/tapes/{tape_id}/influence"
+    options = {"curvature": "ggn", "damping": 0.1, "tol": 1e-12, "max_iterations": 200}
+    inline = post(
+        client,
+        url,
+        {
+            "test_inputs": {"x": t(x_test[[1, 3]], "float64"), "y": t(y_test[[1, 3]], "int64")},
+            **options,
+        },
+    )
+    arrays = post(
+        client,
+        url,
+        {
+            "test_inputs": {
+                "x": {"dataset": "curvature-test", "array": "x", "rows": [1, 3]},
+                "y": {"dataset": "curvature-test", "array": "y", "rows": [1, 3]},
+            },
+            **options,
+        },
+    )
+    whole = post(
+        client, url, {"test_inputs": {"dataset": "curvature-test", "rows": [1, 3]}, **options}
+    )
+    np.testing.assert_allclose(arrays["scores"], inline["scores"], rtol=1e-12)
+    np.testing.assert_allclose(whole["scores"], inline["scores"], rtol=1e-12)
+    missing = client.post(url, json={"test_inputs": {"dataset": "no-such-set"}, **options})
+    assert "no stored dataset 'no-such-set'" in problem(missing, 404)["detail"]
+    past = client.post(
+        url, json={"test_inputs": {"dataset": "curvature-test", "rows": [9]}, **options}
+    )
+    assert "test_inputs.x" in problem(past, 422)["detail"]

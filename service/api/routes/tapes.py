@@ -187,8 +187,8 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
                        negotiated: NegotiatedDep, settings: SettingsDep,
-                       owner: OwnerDep) -> Response:
-        prepared = op.build(body, settings)
+                       owner: OwnerDep, datasets: DatasetsDep) -> Response:
+        prepared = await datasets.bind_prepared(owner, op.build(body, settings))
 
         def call() -> Awaitable[Reply]:
             return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
