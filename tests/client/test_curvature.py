@@ -5,6 +5,7 @@ g_test have closed forms."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 from gradtape.client import Client, Definition, Influence, InvalidRequest
@@ -60,7 +61,7 @@ def test_curvature_products_and_estimates(client: Client, rng: np.random.Generat
         assert np.linalg.norm(mc - ggn @ v[0]) < 0.1 * np.linalg.norm(ggn @ v[0])
 
 
-def test_influence(client: Client, rng: np.random.Generator) -> None:
+def test_influence(client: Client, server, rng: np.random.Generator) -> None:
     definition, X, _, w, ggn, g = logistic(rng)
     x_test, y_test = rng.standard_normal((2, 4)), np.array([1.0, 0.0])
     p_test = 1 / (1 + np.exp(-(x_test @ w)))
@@ -85,5 +86,16 @@ def test_influence(client: Client, rng: np.random.Generator) -> None:
         np.testing.assert_allclose(
             by_rows.scores, -g @ np.linalg.solve(ggn + 0.1 * np.eye(4), g_rows), rtol=1e-8
         )
+        # The SDK has no dataset method: stored with a plain PUT.
+        tensors = {
+            k: {"dtype": "float64", "shape": list(v.shape), "data": v.ravel().tolist()}
+            for k, v in {"X": x_test, "y": y_test}.items()
+        }
+        put = httpx.put(f"{server.base_url}/v1/datasets/influence-test", json=tensors)
+        assert put.status_code in (200, 201), put.text
+        stored = tape.influence(
+            {"dataset": "influence-test"}, curvature="ggn", damping=0.1, tol=1e-12
+        )
+        np.testing.assert_allclose(stored.scores, want, rtol=1e-8)
         with pytest.raises(InvalidRequest, match="missing 'y'"):
             tape.influence({"X": x_test})

@@ -607,7 +607,8 @@ class RemoteTape:
     ) -> Any:
         """The influence of every training example (a row of the output's first axis) on
         the loss at test points: `test_inputs` (new rows for the inputs the model and loss
-        read along the examples axis, e.g. {"x": ..., "y": ...}) or training `rows`.
+        read along the examples axis, e.g. {"x": ..., "y": ...}; arrays, or stored dataset
+        arrays as in definitions) or training `rows`.
         s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
         (Hessian by default; "ggn" is positive semi-definite for convex losses), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
@@ -623,7 +624,12 @@ class RemoteTape:
             time_limit=time_limit,
         )
         if test_inputs is not None:
-            body["test_inputs"] = {name: np.asarray(v) for name, v in test_inputs.items()}
+            # Arrays, or stored dataset arrays ({"dataset", "array", "rows"}) as they are;
+            # {"dataset": ..., "rows": ...} binds every array of a dataset.
+            body["test_inputs"] = dict(test_inputs) if "dataset" in test_inputs else {
+                name: v if isinstance(v, Mapping) else np.asarray(v)
+                for name, v in test_inputs.items()
+            }
         body.update(self._curvature(curvature, samples, fisher_seed))
         return self._run(self._influence_op(body, progress))
 
