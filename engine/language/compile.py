@@ -179,7 +179,8 @@ class CompiledProgram:
         not through the lines `given` (their values are supplied)."""
         if targets is None:
             return set(range(len(self._steps)))
-        targets = [t for t in targets if t not in set(given)]
+        given = set(given)
+        targets = [t for t in targets if t not in given]
         unknown = [t for t in targets if t not in self.types]
         if unknown:
             raise DefinitionError(
