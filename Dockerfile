@@ -11,10 +11,12 @@
 # wheel) on NVIDIA's CUDA runtime image; started with GPUs (`docker run --gpus all`),
 # the service runs one engine worker per visible GPU (GRADTAPE_WORKERS overrides it).
 #
-# Stages: <variant>-build makes a virtualenv in /opt/gradtape with the project in it;
-# <variant>-runtime is the bare base with the interpreter; the last stage copies the
-# virtualenv into the runtime of the chosen variant. BuildKit builds only the stages the
-# chosen variant needs.
+# Stages: cpu-build / cuda-build make a virtualenv in /opt/gradtape with the project and
+# its `service` extra in it; cpu-runtime / cuda-runtime are the bare bases with the
+# interpreter; the last stage copies the virtualenv into the runtime of the chosen
+# variant. The CUDA stages are written once: VARIANT picks NVIDIA's base image
+# (cudaNN-base) and the project's cudaNN extra. BuildKit builds only the stages the chosen
+# variant needs.
 
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -29,7 +31,7 @@ FROM cpu-runtime AS cpu-build
 WORKDIR /src
 COPY . .
 RUN python -m venv /opt/gradtape \
-    && /opt/gradtape/bin/pip install --no-cache-dir /src
+    && /opt/gradtape/bin/pip install --no-cache-dir "/src[service]"
 
 # -------------------------------------------------------------------------- CUDA
 # NVIDIA's runtime images carry the CUDA libraries CuPy loads (cudart, cuBLAS,
@@ -38,21 +40,18 @@ RUN python -m venv /opt/gradtape \
 # Package versions are left to the base image's Ubuntu release (noble), whose archive
 # is the pin: they are not repeated here (DL3008).
 
-FROM ${CUDA12_IMAGE} AS cuda12-runtime
+FROM ${CUDA12_IMAGE} AS cuda12-base
+FROM ${CUDA13_IMAGE} AS cuda13-base
+
+FROM ${VARIANT}-base AS cuda-runtime
 ARG DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
     && rm -rf /var/lib/apt/lists/*
 
-FROM ${CUDA13_IMAGE} AS cuda13-runtime
-ARG DEBIAN_FRONTEND=noninteractive
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
-    && rm -rf /var/lib/apt/lists/*
-
-FROM cuda12-runtime AS cuda12-build
+FROM cuda-runtime AS cuda-build
+ARG VARIANT
 ARG DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -61,18 +60,13 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 RUN python3 -m venv /opt/gradtape \
-    && /opt/gradtape/bin/pip install --no-cache-dir "/src[cuda12]"
+    && /opt/gradtape/bin/pip install --no-cache-dir "/src[service,${VARIANT}]"
 
-FROM cuda13-runtime AS cuda13-build
-ARG DEBIAN_FRONTEND=noninteractive
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3-venv \
-    && rm -rf /var/lib/apt/lists/*
-WORKDIR /src
-COPY . .
-RUN python3 -m venv /opt/gradtape \
-    && /opt/gradtape/bin/pip install --no-cache-dir "/src[cuda13]"
+# The names the final stage picks by VARIANT.
+FROM cuda-runtime AS cuda12-runtime
+FROM cuda-runtime AS cuda13-runtime
+FROM cuda-build AS cuda12-build
+FROM cuda-build AS cuda13-build
 
 # ------------------------------------------------------------------------- final
 

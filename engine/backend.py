@@ -22,7 +22,6 @@ _cupy: Any = None
 _cupy_error: BaseException | None = None
 
 DEFAULT_FLOAT = np.dtype(np.float32)
-FLOAT_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
 
 
 class DeviceError(RuntimeError):

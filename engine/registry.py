@@ -1,4 +1,4 @@
-"""Primitives and their rule tables.
+"""Primitives and their rule tables, and the public op catalogue.
 
 A primitive is a name; what it does lives in plain dicts keyed by the Primitive object
 (autodidax's `jvp_rules`, autograd's `primitive_vjps`):
@@ -18,14 +18,42 @@ Rules are written with the engine's own differentiable ops, so derivatives of de
 work to any order. Primitives in `NONDIFFERENTIABLE` are never recorded.
 
 Public ops (primitive wrappers and composites) are registered in `public_ops` by the
-`public` decorator; the package's export list and the op catalogue are built from it.
+`public` decorator, with their shape rule; the package's export list, the op catalogue
+(GET /v1/ops) and the definition language's checks are built from it.
+
+Adding an op is one block in its family's `engine/ops/<family>.py` (atan2 in
+elementwise.py is an example) and one row in tests/engine/test_ops.py:
+
+    atan2_p = primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
+    defvjp(atan2_p, atan2_vjp_y, atan2_vjp_x)       # one rule per argument
+    defjvp(atan2_p, atan2_jvp)                      # optional (else double VJP)
+
+    @public("math", shape_rule=binary("float"))     # + kinds={...} for constants
+    def atan2(y: Any, x: Any) -> Tensor:
+        # a one-line docstring here: the contract, and the op's doc in the catalogue
+        return bind(atan2_p, *coerce_pair("atan2", y, x))
+
+- broadcasting=True: the arguments broadcast against each other (batched tangents are
+  aligned for it in one place, the forward accumulator).
+- shape_rule: `rule(bound) -> TensorType` on shapes and dtypes alone (engine/shapes.py
+  has the families: unary, binary, ...). A check the wrapper makes too is one function
+  raising RuleError, called by the rule as is and by the wrapper through
+  `checked(opname, check, ...)`, so the two never drift apart.
+- kinds: which parameters are constants and of what kind ("axis", "axes", "shape",
+  "float", ...: engine/language/constants.py); the rest are tensors. workspace: the
+  elements the gradient needs beyond the output, when that is large (conv, attention).
+- A composite (a plain function of primitives) is the same block without the
+  primitive: `@public(..., shape_rule=...)` on the function.
+
+The row's forward, gradients to second order, batched VJPs and JVPs and the shape rule
+are then checked; the language, the catalogue and the property tests pick the op up.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -74,10 +102,15 @@ class MissingRuleError(NotImplementedError):
     """A derivative was asked of a primitive (and argument) that has no rule."""
 
 
-def primitive(name: str, impl: Callable[..., Any]) -> Primitive:
-    """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`."""
+def primitive(name: str, impl: Callable[..., Any], *, broadcasting: bool = False) -> Primitive:
+    """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`.
+
+    broadcasting: its arguments broadcast against each other (NumPy's trailing-axis rule).
+    """
     prim = Primitive(name)
     impl_rules[prim] = impl
+    if broadcasting:
+        BROADCASTING.add(prim)
     return prim
 
 
@@ -105,10 +138,6 @@ def defjvp(prim: Primitive, rule: Callable[..., Any]) -> None:
     jvp_rules[prim] = rule
 
 
-def defbroadcasting(*prims: Primitive) -> None:
-    BROADCASTING.update(prims)
-
-
 def defnondiff(prim: Primitive) -> None:
     """Outputs of `prim` carry no derivative (comparisons, sign, argmax)."""
     NONDIFFERENTIABLE.add(prim)
@@ -133,47 +162,72 @@ def get_jvp(prim: Primitive) -> Callable[..., Any]:
 # ----------------------------------------------------------------------------------------
 
 
+REQUIRED = inspect.Parameter.empty
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of an op as a caller sees it."""
+
+    name: str
+    kind: str  # "tensor", "tensors" (a list of them) or a constant kind (OpInfo.kinds)
+    default: Any = REQUIRED
+    variadic: bool = False  # *operands
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED and not self.variadic
+
+
 @dataclass(frozen=True)
 class OpInfo:
-    """What a client needs to call an op: name, tensor arity, keyword arguments, doc."""
+    """Everything about a public op outside its rules: what a caller sees (parameters,
+    doc) and what the definition language needs to check a call before running it.
+
+    shape_rule: `rule(bound) -> TensorType` (engine/shapes.py), bound maps parameter
+    names to TensorTypes (tensors) or Python values (constants).
+    kinds: the constant parameters and their kinds (engine/language/constants.py); every
+    other parameter is a tensor.
+    workspace: `workspace(bound, out) -> int`, the elements the op's gradient needs
+    beyond its output (the language holds it to the same per-tensor limit).
+    """
 
     name: str
     family: str
     fn: Callable[..., Any]
-    tensor_args: tuple[str, ...]
-    variadic: bool
-    keywords: dict[str, Any]  # name -> default (inspect.Parameter.empty when required)
     doc: str
+    params: tuple[Param, ...]
+    shape_rule: Callable[[dict[str, Any]], Any] | None = None
+    kinds: Mapping[str, str] = field(default_factory=dict)
+    workspace: Callable[[dict[str, Any], Any], int] | None = None
 
 
 public_ops: dict[str, OpInfo] = {}
 
 
-def public(family: str, tensors: int | None = None) -> Callable[[Callable[..., Any]], Any]:
-    """Register a public op.
+def public(
+    family: str,
+    *,
+    shape_rule: Callable[[dict[str, Any]], Any] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    workspace: Callable[[dict[str, Any], Any], int] | None = None,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Register a public op with its shape rule and its constants' kinds (see OpInfo).
 
-    Tensor parameters are the positional ones annotated `Any` (they take tensors, arrays
-    or numbers); the others (`axis: int`, `shape: Sequence[int]`, `reduction: str`) are
-    metadata. `tensors` overrides the count (ops taking a list of tensors say 0).
+    Parameters, defaults and the one-line doc come from the function itself; a
+    parameter not named in `kinds` is a tensor.
     """
+    kinds = dict(kinds or {})
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
-        params = list(sig.parameters.values())
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if tensors is None:
-            tensor_args = tuple(p.name for p in positional if p.annotation in ("Any", Any))
-        else:
-            tensor_args = tuple(p.name for p in positional[:tensors])
-        variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
-        keywords = {
-            p.name: p.default
-            for p in params
-            if p.name not in tensor_args and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        }
+        params = tuple(
+            Param(p.name, kinds.get(p.name, "tensor"), p.default, p.kind is p.VAR_POSITIONAL)
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind is not p.VAR_KEYWORD
+        )
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
         public_ops[fn.__name__] = OpInfo(
-            fn.__name__, family, fn, tensor_args, variadic, keywords, doc
+            fn.__name__, family, fn, doc, params, shape_rule, kinds, workspace
         )
         return fn
 

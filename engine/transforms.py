@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace, tree
+from engine.footprint import held_bytes
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import concatenate, reshape, transpose
 from engine.tape import GradientTape, _check_source
@@ -452,6 +453,64 @@ class HessianOperator:
         self._move_to(x)
         vectors = self._split(np.asarray(p, np.float64).ravel(), self._flat)
         return self._flatten(tree.flatten(self._apply(tuple(vectors), 0))[0])
+
+
+    # Dense forms, for small parameter counts ------------------------------------------
+    def dense(self, chunk_size: int = 1024,
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """H as an (n, n) float64 host matrix over the flattened primals (n = `size`):
+        `chunk_size` rows of the identity per batched HVP pass give those rows of H (it is
+        symmetric). `progress(done, total)` is called after each pass."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+        n = self.size
+        offsets = np.cumsum([0, *(p.size for p in self._flat)])
+        rows = []
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            identity = np.zeros((stop - start, n))
+            identity[np.arange(stop - start), np.arange(start, stop)] = 1.0
+            basis = [
+                Tensor(backend.asarray(identity[:, lo:hi].reshape((stop - start, *p.shape)),
+                                       p.dtype, p.device))
+                for p, lo, hi in zip(self._flat, offsets[:-1], offsets[1:], strict=True)
+            ]
+            columns = tree.flatten(self.hvp_many(*_regroup(basis, self._defs, False)))[0]
+            rows.append(np.concatenate(
+                [np.asarray(c.numpy(), np.float64).reshape(stop - start, -1) for c in columns],
+                axis=1))
+            if progress is not None:
+                progress(stop, n)
+        return np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
+
+    def newton_step(self, damping: float, dense: np.ndarray | None = None) -> tuple:
+        """The step s solving (H + damping I) s = g at the point (x - s is the damped
+        Newton iterate), in the primals' structure and dtypes, as host arrays. `dense`:
+        H already built by `dense()`. Raises SingularHessianError when H + damping I is
+        singular or the step is not finite."""
+        h = self.dense() if dense is None else dense
+        g = self._flatten(self._grads)
+        try:
+            step = np.linalg.solve(h + damping * np.eye(g.size), g)
+        except np.linalg.LinAlgError:
+            raise SingularHessianError(
+                f"H + {damping:g} I is singular, so the Newton step is undefined") from None
+        if not np.isfinite(step).all():
+            raise SingularHessianError("the Newton step is not finite")
+        out, start = [], 0
+        for p in self._flat:
+            out.append(step[start:start + p.size].reshape(p.shape).astype(p.dtype))
+            start += p.size
+        return _regroup(out, self._defs, False)
+
+    def nbytes(self) -> int:
+        """Bytes of the array buffers the recording holds (each buffer once, views
+        counted by their base): what keeping this operator costs."""
+        return held_bytes(self)
+
+
+class SingularHessianError(ValueError):
+    """H + damping I cannot be solved (raise the damping)."""
 
 
 def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None

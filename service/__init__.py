@@ -1,16 +1,18 @@
-"""gradtape's HTTP service.
+"""gradtape's HTTP service, laid out by the process each part runs in (ARCHITECTURE.md):
 
-    main.py          create_app(): the FastAPI app, its lifespan (the worker pool), middleware
-    cli.py           `gradtape serve` / `gradtape openapi`
-    core/config.py   Settings (GRADTAPE_* environment variables), get_settings()
-    schemas.py       request and response models
-    tensors.py       wire tensors <-> NumPy arrays (JSON lists, base64, msgpack bytes)
-    api/             routes (one module per resource), dependencies, payloads, errors
-    workers.py       the worker pool: the only module that starts worker processes
-    ipc.py           msgpack frames between the HTTP process and the workers
-    compute.py       runs inside the workers: the only module that imports the engine
-    metrics.py, middleware.py, docs.py
+    core/     what both processes share: config (GRADTAPE_* settings), errors (the domain
+              error), wire (arrays <-> bytes, dtypes), ipc (worker frames), store (SQLite),
+              flat (flat vectors <-> named arrays)
+    worker/   the engine worker process: main (its loop), compute and tapes (the engine
+              calls), datasets (hot arrays), nonfinite; the only package that imports engine
+    pool/     the HTTP process's side of the workers: the Pool protocol (base) and its
+              local-process backend (local), calls (who waits for a computation)
+    domain/   what the HTTP process remembers and decides: tapes and models (sessions),
+              datasets, jobs, metrics, requests (what a route hands the pool)
+    api/      the HTTP layer: the app, routes, schemas, bodies, negotiation, problems
+    cli.py    `gradtape serve` / `gradtape openapi`
 
-The HTTP process validates, queues and encodes; every derivative is computed in a
-worker process. TRANSPORT.md explains the binary (msgpack) transport.
+Imports run downward only (core < worker; core < pool < domain < api < cli), and the
+HTTP process never loads the engine: tests/test_architecture.py checks both.
+TRANSPORT.md explains the binary (msgpack) transport.
 """

@@ -86,8 +86,24 @@ def openapi_document() -> str:
     return json.dumps(app.openapi(), indent=2, ensure_ascii=False) + "\n"
 
 
+# The packages of the `service` extra that `serve` and `openapi` import first.
+SERVICE_PACKAGES = ("fastapi", "uvicorn", "pydantic_settings", "msgpack", "orjson")
+
+
+def missing_service_packages() -> list[str]:
+    import importlib.util
+
+    return [name for name in SERVICE_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    missing = missing_service_packages()
+    if missing:  # the engine was installed alone (`pip install .`)
+        print(f"gradtape {args.command}: the service needs its extra, which is not installed "
+              f"(missing: {', '.join(missing)}). Install it with: pip install 'gradtape[service]' "
+              "(from a clone: pip install '.[service]')", file=sys.stderr)
+        return 2
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
         return serve(overrides)

@@ -42,12 +42,11 @@ from engine.language.definition import (
     FunctionDef,
     VariableDef,
     as_definition,
-    content_hash,
 )
 from engine.language.errors import DefinitionError, ExecutionError, OverBudget, Problem
 from engine.language.evaluate import Evaluation, evaluate
 from engine.language.limits import DEFAULT_LIMITS, Limits
-from engine.language.shapes import TensorType
+from engine.shapes import TensorType
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -68,6 +67,5 @@ __all__ = [
     "catalogue",
     "clear_cache",
     "compile_definition",
-    "content_hash",
     "evaluate",
 ]

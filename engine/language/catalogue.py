@@ -1,6 +1,7 @@
 """The op catalogue: what a program can call, with signatures, generated from the
-engine's registry (names, parameter order, defaults, docs) and the language's rule table
-(which parameters are constants, and of what kind), plus the language's built-ins.
+engine's registry (names, parameter order, defaults, docs, and which parameters are
+constants of what kind, as each op declares beside its shape rule), plus the language's
+built-ins.
 
 `catalogue()` is what the service serves at GET /v1/ops; `bind` matches a call in a
 program against a signature.
@@ -9,7 +10,6 @@ program against a signature.
 from __future__ import annotations
 
 import difflib
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,26 +26,12 @@ from engine.language.parse import (
     Sequence,
     Subscript,
 )
-from engine.language.shapes import RULES
-from engine.registry import public_ops
+from engine.registry import Param, public_ops
 
-REQUIRED = inspect.Parameter.empty
 TENSOR_NODES = (Name, Number, Call, Subscript)  # what can stand where a tensor is expected
 OPERATORS = {op: symbol for op, symbol in [*BINARY_OPS.values(), *COMPARE_OPS.values()]}
 OPERATORS.update({"negative": "-x", "getitem": "x[index]"})
 BUILTIN_FAMILY = "builtin"
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kind: str  # "tensor", "tensors" (a list of them) or a constant kind of constants.py
-    default: Any = REQUIRED
-    variadic: bool = False  # *operands
-
-    @property
-    def required(self) -> bool:
-        return self.default is REQUIRED and not self.variadic
 
 
 @dataclass(frozen=True)
@@ -72,16 +58,9 @@ class Signature:
 
 def _from_registry(name: str) -> Signature | None:
     info = public_ops[name]
-    rule = RULES.get(name)
-    if rule is None:  # a new engine op without a shape rule is not callable (a test fails)
+    if info.shape_rule is None:  # an engine op without a shape rule is not callable (a test fails)
         return None
-    params = []
-    for p in inspect.signature(info.fn).parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            continue
-        kind = rule.kinds.get(p.name, "tensor")
-        params.append(Param(p.name, kind, p.default, variadic=p.kind is p.VAR_POSITIONAL))
-    return Signature(name, info.family, info.doc, tuple(params))
+    return Signature(name, info.family, info.doc, info.params)
 
 
 BUILTINS = {

@@ -28,8 +28,8 @@ from engine.language.limits import DEFAULT_LIMITS, Limits
 from engine.language.memory import MemoryModel
 from engine.language.nonfinite import NonFiniteCheck, find_culprit
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
-from engine.language.shapes import TensorType
 from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
+from engine.shapes import TensorType
 from engine.tensor import Tensor, Variable, constant
 from engine.transforms import HessianOperator, hessian_operator
 

@@ -367,15 +367,3 @@ def structure_key(defn: Definition, limits: Limits) -> str:
         }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def content_hash(defn: Definition) -> str:
-    """A hash of the whole definition, values included (for storing and deduplicating)."""
-    digest = hashlib.sha256(structure_key(defn, Limits()).encode())
-    for section in (defn.variables, defn.inputs):
-        for name in sorted(section):
-            entry = section[name]
-            value = entry.value if isinstance(entry, VariableDef) else entry
-            host = np.ascontiguousarray(backend.to_host(value))
-            digest.update(name.encode() + b"\0" + host.tobytes())
-    return digest.hexdigest()

@@ -2,8 +2,9 @@
 
 Names are resolved line by line (undefined, redefined, used before defined), calls are
 bound to the catalogue (unknown ops, arity, keywords, constant arguments), and the
-shape and dtype of every intermediate are inferred with the rules of shapes.py, so a
-size limit can refuse a program without allocating anything.
+shape and dtype of every intermediate are inferred with each op's shape rule (registered
+beside the op, engine/ops/), so a size limit can refuse a program without allocating
+anything.
 
 User functions are checked on their own (names and ops) and again at each call, with
 the caller's argument types (shapes and dtypes). `grad(y, x)` calls are recorded as
@@ -44,12 +45,12 @@ from engine.language.parse import (
     Subscript,
     parse_lines,
 )
-from engine.language.shapes import (
-    RULES,
+from engine.registry import public_ops
+from engine.shapes import (
     RuleError,
     TensorType,
+    check_positive,
     concrete,
-    index_shape,
     literal_type,
     require,
 )
@@ -580,11 +581,11 @@ class _Checker:
             if value is None:
                 return None
             try:
-                shape = index_shape(value.shape, node.index)
+                out = public_ops["getitem"].shape_rule({"x": value, "index": node.index})
             except RuleError as exc:
                 self.add(exc.message, scope, node.pos, exc.kind, "getitem", (value.shape,))
                 return None
-            return self.sized(TensorType(shape, value.dtype), node, scope, "getitem")
+            return self.sized(out, node, scope, "getitem")
         if isinstance(node, Call):
             return self.call(node, scope)
         what = "a tuple or list" if isinstance(node, Sequence) else repr(node.value)
@@ -659,17 +660,17 @@ class _Checker:
         if types is None:
             return None
         values, shapes = types
+        op = public_ops.get(node.func)
         try:
-            if node.func == "clip_grad_norm":
+            if op is None:  # a built-in (grad has its own path above)
                 out = _clip_grad_norm_rule(values)
             else:
-                out = RULES[node.func].infer(values)
+                out = op.shape_rule(values)
         except RuleError as exc:
             self.add(exc.message, scope, node.pos, exc.kind, node.func, shapes)
             return None
-        rule = RULES.get(node.func)
-        if rule is not None and rule.workspace is not None:
-            need = rule.workspace(values, out)
+        if op is not None and op.workspace is not None:
+            need = op.workspace(values, out)
             if need > self.limits.max_elements:
                 self.add(
                     f"its gradient needs {need} elements of workspace; the limit is "
@@ -848,8 +849,7 @@ def _reading_order(p: Problem) -> tuple:
 def _clip_grad_norm_rule(values: dict) -> TensorType:
     x = concrete(values["x"])
     require(x, "float")
-    if values["max_norm"] <= 0:
-        raise RuleError(f"max_norm must be positive, got {values['max_norm']}", "op")
+    check_positive("max_norm", values["max_norm"])
     return x
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine import backend
+from engine import backend, shapes
 from engine.tensor import Tensor, as_tensor
 
 
@@ -41,24 +41,12 @@ def coerce_all(opname: str, xs: Sequence[Any]) -> list[Tensor]:
 
 
 def normalize_axes(axis: int | Sequence[int] | None, ndim: int, opname: str) -> tuple[int, ...]:
-    """Axes as a sorted tuple of *negative* ints (None means all axes).
-
-    Negative axes count from the end, so they stay right when leading batch axes are
-    prepended to a cotangent or tangent.
-    """
-    if axis is None:
-        return tuple(range(-ndim, 0))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    out = []
-    for a in axes:
-        if not isinstance(a, int) or isinstance(a, bool):
-            raise TypeError(f"{opname}: axis must be an int or a tuple of ints, got {a!r}")
-        if not -ndim <= a < ndim:
-            raise ValueError(f"{opname}: axis {a} is out of range for a tensor of rank {ndim}")
-        out.append(a - ndim if a >= 0 else a)
-    if len(set(out)) != len(out):
-        raise ValueError(f"{opname}: repeated axis in {axis!r}")
-    return tuple(sorted(out))
+    """Axes as a sorted tuple of *negative* ints (None means all axes): the check the
+    shape rules make (engine/shapes.py), with the op's name on its error."""
+    try:
+        return shapes.normalize_axes(axis, ndim)
+    except shapes.RuleError as exc:
+        raise exc.error(f"{opname}: {exc.message}") from None
 
 
 def normalize_axis(axis: int, ndim: int, opname: str) -> int:
@@ -68,10 +56,3 @@ def normalize_axis(axis: int, ndim: int, opname: str) -> int:
 def batch_ndim(g: Tensor, ans: Tensor) -> int:
     """How many leading batch axes a cotangent (or tangent) carries beyond `ans`."""
     return g.ndim - ans.ndim
-
-
-def keepdims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
-    """`shape` with the (negative) reduced axes set to 1."""
-    ndim = len(shape)
-    reduced = {a + ndim for a in axes}
-    return tuple(1 if i in reduced else d for i, d in enumerate(shape))

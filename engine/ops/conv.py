@@ -25,6 +25,7 @@ from engine.ops.linalg import matmul_p
 from engine.ops.reduce import max_p, sum_p
 from engine.ops.shape import reshape, transpose
 from engine.registry import defjvp, defvjp, primitive, public
+from engine.shapes import RuleError, TensorType, checked, concrete, like, pair, require
 from engine.tensor import Tensor, as_tensor, bind
 
 Pads = tuple[tuple[int, int], ...]
@@ -125,9 +126,9 @@ defvjp(col2im_p, col2im_vjp)
 defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 
 
-# ---- shapes: shared by the wrappers and the definition language's rules ----
-# The functions below raise ValueError with a message that does not name the op; the
-# wrappers prefix it, the language reports it at the call's line and column.
+# ---- shapes: shared by the wrappers and the shape rules ----
+# The functions below raise RuleError with a message that does not name the op; the
+# wrappers prefix it (`checked`), the language reports it at the call's line and column.
 def _tuple(value: Any, nd: int, name: str, default: int) -> tuple:
     if value is None:
         return (default,) * nd
@@ -136,9 +137,9 @@ def _tuple(value: Any, nd: int, name: str, default: int) -> tuple:
     try:
         out = tuple(_int(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an int or {nd} ints, got {value!r}") from None
+        raise RuleError(f"{name} must be an int or {nd} ints, got {value!r}") from None
     if len(out) != nd or any(v < 1 for v in out):
-        raise ValueError(f"{name} must be {nd} positive ints, got {value!r}")
+        raise RuleError(f"{name} must be {nd} positive ints, got {value!r}")
     return out
 
 
@@ -172,9 +173,9 @@ def normalize_pads(pads: Any, nd: int) -> Pads:
             else:
                 out = ()
     except (TypeError, ValueError):
-        raise ValueError(f"pads must be ints or (begin, end) pairs, got {pads!r}") from None
+        raise RuleError(f"pads must be ints or (begin, end) pairs, got {pads!r}") from None
     if len(out) != nd or any(lo < 0 or hi < 0 for lo, hi in out):
-        raise ValueError(
+        raise RuleError(
             f"pads must give a non-negative (begin, end) for each of {nd} spatial axes, "
             f"got {pads!r}"
         )
@@ -191,11 +192,11 @@ def auto_pads(
     the end or the beginning; VALID: none) and PyTorch's padding='same' (SAME_UPPER, for
     stride 1) / 'valid' as explicit (begin, end) pads."""
     if auto_pad not in AUTO_PADS:
-        raise ValueError(f"pads must be ints, (begin, end) pairs or one of {AUTO_PADS}")
+        raise RuleError(f"pads must be ints, (begin, end) pairs or one of {AUTO_PADS}")
     if auto_pad.upper() == "VALID":
         return ((0, 0),) * len(kernel)
     if auto_pad == "same" and any(s != 1 for s in strides):
-        raise ValueError(f"padding='same' needs strides of 1, got {strides}")
+        raise RuleError(f"padding='same' needs strides of 1, got {strides}")
     out = []
     for n, k, s, d in zip(spatial, kernel, strides, dilations):
         total = builtins.max(0, (-(-n // s) - 1) * s + d * (k - 1) + 1 - n)
@@ -219,7 +220,7 @@ def _window(
         for n, k, s, (lo, hi), d in zip(spatial, kernel, strides, pads, dilations)
     )
     if any(o < 1 for o in out):
-        raise ValueError(
+        raise RuleError(
             f"a window of {kernel} (dilations {dilations}) does not fit the spatial shape "
             f"{spatial} padded by {pads}"
         )
@@ -229,30 +230,30 @@ def _window(
 def conv_shape(
     x: tuple, w: tuple, b: tuple | None, strides: Any, pads: Any, dilations: Any, groups: Any
 ) -> tuple[tuple, tuple, Pads, tuple]:
-    """(output shape, strides, pads, dilations) of conv on these shapes, or ValueError."""
+    """(output shape, strides, pads, dilations) of conv on these shapes, or RuleError."""
     nd = len(w) - 2
     if nd < 1 or len(x) != nd + 2:
-        raise ValueError(
+        raise RuleError(
             f"input {x} and weight {w} must be [N, C, *spatial] and "
             "[C_out, C_in/groups, *kernel] with as many spatial axes"
         )
     n, c = x[:2]
     o, cg = w[:2]
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"groups must be a positive int, got {groups!r}")
+        raise RuleError(f"groups must be a positive int, got {groups!r}")
     if c % groups or o % groups:
-        raise ValueError(
+        raise RuleError(
             f"groups={groups} must divide the input channels ({c}) and the output channels ({o})"
         )
     if cg != c // groups:
-        raise ValueError(
+        raise RuleError(
             f"weight {w} must have C_in/groups = {c // groups} channels for input {x} with "
             f"groups={groups}"
         )
     if b is not None and tuple(b) != (o,):
-        raise ValueError(f"bias {b} must have shape ({o},) for weight {w}")
+        raise RuleError(f"bias {b} must have shape ({o},) for weight {w}")
     if any(k < 1 for k in w[2:]):
-        raise ValueError(f"weight {w} has an empty kernel")
+        raise RuleError(f"weight {w} has an empty kernel")
     strides, pads, dilations, out = _window(x[2:], w[2:], strides, pads, dilations)
     return (n, o) + out, strides, pads, dilations
 
@@ -270,19 +271,19 @@ class PoolWindow(NamedTuple):
 def pool_shape(
     x: tuple, kernel_shape: Any, strides: Any, pads: Any, dilations: Any, ceil_mode: bool
 ) -> PoolWindow:
-    """The window of a pool over the last len(kernel_shape) axes of x, or ValueError."""
+    """The window of a pool over the last len(kernel_shape) axes of x, or RuleError."""
     try:
         kernel = tuple(_int(k) for k in kernel_shape)
     except TypeError:
         kernel = ()
     nd = len(kernel)
     if nd < 1 or len(x) < nd or any(k < 1 for k in kernel):
-        raise ValueError(f"kernel_shape {kernel_shape!r} for an input of shape {x}")
+        raise RuleError(f"kernel_shape {kernel_shape!r} for an input of shape {x}")
     spatial = tuple(x[len(x) - nd :])
     strides, given, dilations, out = _window(spatial, kernel, strides, pads, dilations)
     for k, d, (lo, hi) in zip(kernel, dilations, given):
         if max(lo, hi) >= d * (k - 1) + 1:  # a window would see padding only
-            raise ValueError(f"pads {given} must be smaller than the window {kernel}")
+            raise RuleError(f"pads {given} must be smaller than the window {kernel}")
     pads = given
     if ceil_mode:  # extra end padding, counted nowhere, so the last partial window is kept
         grown, out = [], list(out)
@@ -298,15 +299,34 @@ def pool_shape(
     )
 
 
-def _checked(opname: str, fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except ValueError as exc:
-        raise ValueError(f"{opname}: {exc}") from None
-
-
 # ---- conv: im2col, then one GEMM per group ----
-@public("nn")
+CONV = {"strides": "window?", "pads": "pads", "dilations": "window?", "groups": "int"}
+
+
+def check_bias_dtype(bias: Any, x: Any) -> None:
+    if bias != x:
+        raise RuleError(f"bias dtype {bias} differs from the input's {x}", "dtype", TypeError)
+
+
+def conv_rule(b: dict[str, Any]) -> TensorType:
+    x, w = pair(b["x"], b["w"])
+    require(x, "float")
+    bias = b.get("b")
+    if bias is not None:
+        bias = like(bias, x)
+        check_bias_dtype(bias.dtype, x.dtype)
+    bias_shape = None if bias is None else bias.shape
+    window = (b.get("strides"), b.get("pads"), b.get("dilations"), b.get("groups", 1))
+    return TensorType(conv_shape(x.shape, w.shape, bias_shape, *window)[0], x.dtype)
+
+
+def conv_workspace(b: dict[str, Any], out: TensorType) -> int:
+    """The im2col patches: every input channel times every kernel cell, per output cell."""
+    x, w = b["x"], b["w"]
+    return x.shape[0] * x.shape[1] * math.prod(w.shape[2:]) * math.prod(out.shape[2:])
+
+
+@public("nn", shape_rule=conv_rule, kinds=CONV, workspace=conv_workspace)
 def conv(
     x: Any,
     w: Any,
@@ -322,9 +342,8 @@ def conv(
     x, w = coerce_pair("conv", x, w)
     if b is not None:
         b = as_tensor(b, like=x)
-        if b.dtype != x.dtype:
-            raise TypeError(f"conv: bias dtype {b.dtype} differs from the input's {x.dtype}")
-    shape, strides, pads, dilations = _checked(
+        checked("conv", check_bias_dtype, b.dtype, x.dtype)
+    shape, strides, pads, dilations = checked(
         "conv",
         conv_shape,
         x.shape,
@@ -355,7 +374,34 @@ def _float_input(opname: str, x: Any) -> Tensor:
     return x
 
 
-@public("nn")
+POOL = {"kernel_shape": "ints", "strides": "window?", "pads": "pads", "ceil_mode": "bool"}
+
+
+def max_pool_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "float")
+    window = (b.get("strides"), b.get("pads"), b.get("dilations"), b.get("ceil_mode", False))
+    return TensorType(pool_shape(x.shape, b["kernel_shape"], *window).out, x.dtype)
+
+
+def avg_pool_rule(b: dict[str, Any]) -> TensorType:
+    return max_pool_rule({**b, "dilations": None})
+
+
+def pool_workspace(b: dict[str, Any], out: TensorType) -> int:
+    """The windows, one per output cell (im2col)."""
+    kernel = b.get("kernel_shape")
+    if kernel is None:
+        kernel = pool2d_window(b["kernel_size"], None)[0]
+    return out.size * math.prod(kernel)
+
+
+@public(
+    "nn",
+    shape_rule=max_pool_rule,
+    kinds={**POOL, "dilations": "window?"},
+    workspace=pool_workspace,
+)
 def max_pool(
     x: Any,
     kernel_shape: Sequence[int] = (),
@@ -367,7 +413,7 @@ def max_pool(
     """Largest element of each window of the last len(kernel_shape) axes (ONNX MaxPool);
     ties share the gradient."""
     x = _float_input("max_pool", x)
-    win = _checked(
+    win = checked(
         "max_pool", pool_shape, x.shape, kernel_shape, strides, pads, dilations, ceil_mode
     )
     patches = _im2col(x, win.kernel, win.strides, win.pads, win.dilations, -math.inf)
@@ -375,7 +421,12 @@ def max_pool(
     return bind(max_p, patches, axes=tuple(range(-2 * nd, -nd)), keepdims=False)
 
 
-@public("nn")
+@public(
+    "nn",
+    shape_rule=avg_pool_rule,
+    kinds={**POOL, "count_include_pad": "bool"},
+    workspace=pool_workspace,
+)
 def avg_pool(
     x: Any,
     kernel_shape: Sequence[int] = (),
@@ -387,7 +438,7 @@ def avg_pool(
     """Mean of each window of the last len(kernel_shape) axes (ONNX AveragePool); padding
     counts in the divisor only with count_include_pad (ceil_mode's extra end never does)."""
     x = _float_input("avg_pool", x)
-    win = _checked("avg_pool", pool_shape, x.shape, kernel_shape, strides, pads, None, ceil_mode)
+    win = checked("avg_pool", pool_shape, x.shape, kernel_shape, strides, pads, None, ceil_mode)
     nd = len(win.kernel)
     patches = _im2col(x, win.kernel, win.strides, win.pads, win.dilations, 0.0)
     total = bind(sum_p, patches, axes=tuple(range(-2 * nd, -nd)), keepdims=False)
@@ -413,7 +464,7 @@ def avg_pool(
 # ---- PyTorch's spellings (torch.nn.functional), for definitions written by hand ----
 def conv_rank(nd: int, w: tuple) -> None:
     if len(w) != nd + 2:
-        raise ValueError(f"weight {w} must be [C_out, C_in/groups{', k' * nd}]")
+        raise RuleError(f"weight {w} must be [C_out, C_in/groups{', k' * nd}]")
 
 
 def _conv_nd(
@@ -428,11 +479,25 @@ def _conv_nd(
     groups: int,
 ) -> Tensor:
     w = as_tensor(w)
-    _checked(opname, conv_rank, nd, w.shape)
+    checked(opname, conv_rank, nd, w.shape)
     return conv(x, w, b, strides=stride, pads=padding, dilations=dilation, groups=groups)
 
 
-@public("nn")
+CONV_TORCH = {"stride": "window", "padding": "pads", "dilation": "window", "groups": "int"}
+
+
+def _conv_nd_rule(nd: int) -> Any:
+    """conv1d's and conv2d's: conv's with PyTorch's names, and a kernel of rank nd."""
+
+    def rule(b: dict[str, Any]) -> TensorType:
+        conv_rank(nd, concrete(b["w"]).shape)
+        renamed = {"strides": b["stride"], "pads": b["padding"], "dilations": b["dilation"]}
+        return conv_rule({**b, **renamed})
+
+    return rule
+
+
+@public("nn", shape_rule=_conv_nd_rule(1), kinds=CONV_TORCH, workspace=conv_workspace)
 def conv1d(
     x: Any,
     w: Any,
@@ -446,7 +511,7 @@ def conv1d(
     return _conv_nd(1, "conv1d", x, w, b, stride, padding, dilation, groups)
 
 
-@public("nn")
+@public("nn", shape_rule=_conv_nd_rule(2), kinds=CONV_TORCH, workspace=conv_workspace)
 def conv2d(
     x: Any,
     w: Any,
@@ -462,7 +527,7 @@ def conv2d(
 
 def pool2d_window(kernel_size: Any, stride: Any) -> tuple[tuple[int, int], Any]:
     """(kernel, stride) of the 2-D pools: an int means a square; stride None means the
-    kernel. ValueError otherwise (shared with the language's rule)."""
+    kernel. RuleError otherwise."""
     if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
         kernel_size = (kernel_size, kernel_size)
     try:
@@ -470,11 +535,33 @@ def pool2d_window(kernel_size: Any, stride: Any) -> tuple[tuple[int, int], Any]:
     except TypeError:
         kernel = ()
     if len(kernel) != 2:
-        raise ValueError(f"kernel_size must be an int or 2 ints, got {kernel_size!r}")
+        raise RuleError(f"kernel_size must be an int or 2 ints, got {kernel_size!r}")
     return kernel, kernel if stride is None else stride  # type: ignore[return-value]
 
 
-@public("nn")
+POOL_TORCH = {"kernel_size": "window", "stride": "window?", "padding": "pads", "ceil_mode": "bool"}
+
+
+def pool2d_rule(b: dict[str, Any]) -> TensorType:
+    """max_pool2d's and avg_pool2d's: max_pool's with PyTorch's names."""
+    kernel, stride = pool2d_window(b["kernel_size"], b.get("stride"))
+    window = {
+        "x": b["x"],
+        "kernel_shape": kernel,
+        "strides": stride,
+        "pads": b.get("padding", 0),
+        "dilations": b.get("dilation", 1),
+        "ceil_mode": b.get("ceil_mode", False),
+    }
+    return max_pool_rule(window)
+
+
+@public(
+    "nn",
+    shape_rule=pool2d_rule,
+    kinds={**POOL_TORCH, "dilation": "window"},
+    workspace=pool_workspace,
+)
 def max_pool2d(
     x: Any,
     kernel_size: Any = 2,
@@ -485,11 +572,16 @@ def max_pool2d(
 ) -> Tensor:
     """2-D max pooling over the last two axes, as torch.nn.functional.max_pool2d (stride
     defaults to the kernel size)."""
-    kernel, stride = _checked("max_pool2d", pool2d_window, kernel_size, stride)
+    kernel, stride = checked("max_pool2d", pool2d_window, kernel_size, stride)
     return max_pool(x, kernel, stride, padding, dilation, ceil_mode)
 
 
-@public("nn")
+@public(
+    "nn",
+    shape_rule=pool2d_rule,
+    kinds={**POOL_TORCH, "count_include_pad": "bool"},
+    workspace=pool_workspace,
+)
 def avg_pool2d(
     x: Any,
     kernel_size: Any = 2,
@@ -500,5 +592,5 @@ def avg_pool2d(
 ) -> Tensor:
     """2-D average pooling over the last two axes, as torch.nn.functional.avg_pool2d
     (stride defaults to the kernel size; padding counts in the divisor by default)."""
-    kernel, stride = _checked("avg_pool2d", pool2d_window, kernel_size, stride)
+    kernel, stride = checked("avg_pool2d", pool2d_window, kernel_size, stride)
     return avg_pool(x, kernel, stride, padding, count_include_pad, ceil_mode)

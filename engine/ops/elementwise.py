@@ -1,8 +1,10 @@
 """Elementwise primitives: arithmetic, unary math, comparisons, where, cast.
 
-Each block holds one primitive: its forward, its VJP for each argument and its JVP.
-Broadcasting between arguments is undone by the tape (VJP) and the accumulator (JVP),
-so binary rules may return cotangents and tangents in the broadcast shape.
+Each block holds one primitive: its forward (with broadcasting=True where its arguments
+broadcast), its VJP for each argument, its JVP, and its public wrapper with the shape
+rule the definition language infers it by. Broadcasting between arguments is undone by
+the tape (VJP) and the accumulator (JVP), so binary rules may return cotangents and
+tangents in the broadcast shape.
 """
 
 from __future__ import annotations
@@ -16,13 +18,26 @@ from engine.backend import numpy as numpy_module
 from engine.ops._util import coerce_pair
 from engine.registry import (
     Primitive,
-    defbroadcasting,
     defjvp,
     defnondiff,
     defvjp,
     primitive,
     public,
     zero_vjp,
+)
+from engine.shapes import (
+    BOOL,
+    FLOAT32,
+    RuleError,
+    TensorType,
+    binary,
+    broadcast,
+    checked,
+    concrete,
+    like,
+    pair,
+    require,
+    unary,
 )
 from engine.tensor import Tensor, as_tensor, bind, unaliased
 
@@ -52,19 +67,19 @@ def _mask(condition: Tensor, dtype: Any) -> Tensor:
 # ========================================================================================
 
 # ---- add ----
-add_p = primitive("add", lambda xp, x, y: x + y)
+add_p = primitive("add", lambda xp, x, y: x + y, broadcasting=True)
 defvjp(add_p, lambda ans, x, y: lambda g: g, lambda ans, x, y: lambda g: g)
 defjvp(add_p, lambda t, ans, x, y: _tsum(t[0], t[1]))
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("numeric"))
 def add(x: Any, y: Any) -> Tensor:
     """x + y, with NumPy broadcasting."""
     return bind(add_p, *coerce_pair("add", x, y))
 
 
 # ---- subtract ----
-subtract_p = primitive("subtract", lambda xp, x, y: x - y)
+subtract_p = primitive("subtract", lambda xp, x, y: x - y, broadcasting=True)
 defvjp(subtract_p, lambda ans, x, y: lambda g: g, lambda ans, x, y: negative)
 defjvp(
     subtract_p,
@@ -72,14 +87,14 @@ defjvp(
 )
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("numeric"))
 def subtract(x: Any, y: Any) -> Tensor:
     """x - y, with broadcasting."""
     return bind(subtract_p, *coerce_pair("subtract", x, y))
 
 
 # ---- multiply ----
-multiply_p = primitive("multiply", lambda xp, x, y: x * y)
+multiply_p = primitive("multiply", lambda xp, x, y: x * y, broadcasting=True)
 defvjp(
     multiply_p,
     lambda ans, x, y: lambda g: multiply(g, y),
@@ -94,14 +109,14 @@ defjvp(
 )
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("numeric"))
 def multiply(x: Any, y: Any) -> Tensor:
     """x * y, with broadcasting."""
     return bind(multiply_p, *coerce_pair("multiply", x, y))
 
 
 # ---- divide ----
-divide_p = primitive("divide", lambda xp, x, y: x / y)
+divide_p = primitive("divide", lambda xp, x, y: x / y, broadcasting=True)
 defvjp(
     divide_p,
     lambda ans, x, y: lambda g: divide(g, y),
@@ -116,7 +131,7 @@ defjvp(
 )
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("float"))
 def divide(x: Any, y: Any) -> Tensor:
     """x / y (true division), with broadcasting."""
     x, y = coerce_pair("divide", x, y)
@@ -126,7 +141,7 @@ def divide(x: Any, y: Any) -> Tensor:
 
 
 # ---- power ----
-power_p = primitive("power", lambda xp, x, y: xp.power(x, y))
+power_p = primitive("power", lambda xp, x, y: xp.power(x, y), broadcasting=True)
 
 
 def _safe_log(x: Tensor) -> Tensor:
@@ -154,7 +169,19 @@ defvjp(power_p, power_vjp_x, power_vjp_y)
 defjvp(power_p, power_jvp)
 
 
-@public("arithmetic")
+def power_rule(b: dict[str, Any]) -> TensorType:
+    # NumPy refuses an integer to a negative power only when it runs; a literal exponent
+    # is known here, so the program is refused before it runs.
+    out = binary("numeric")(b)
+    exponent = b["y"].literal
+    if out.dtype.kind in "iu" and exponent is not None and exponent < 0:
+        raise RuleError(
+            f"an integer to a negative power ({exponent}); cast to a float first", "dtype"
+        )
+    return out
+
+
+@public("arithmetic", shape_rule=power_rule)
 def power(x: Any, y: Any) -> Tensor:
     """x ** y, with broadcasting."""
     if (
@@ -211,7 +238,7 @@ def stop(x: Tensor) -> Tensor:
 
 # ---- maximum / minimum ----
 # Ties send the whole gradient to the first argument, as TensorFlow does.
-maximum_p = primitive("maximum", lambda xp, x, y: xp.maximum(x, y))
+maximum_p = primitive("maximum", lambda xp, x, y: xp.maximum(x, y), broadcasting=True)
 
 
 def maximum_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
@@ -235,13 +262,13 @@ defjvp(
 )
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("numeric"))
 def maximum(x: Any, y: Any) -> Tensor:
     """Elementwise maximum; on ties the gradient goes to x."""
     return bind(maximum_p, *coerce_pair("maximum", x, y))
 
 
-minimum_p = primitive("minimum", lambda xp, x, y: xp.minimum(x, y))
+minimum_p = primitive("minimum", lambda xp, x, y: xp.minimum(x, y), broadcasting=True)
 
 
 def minimum_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
@@ -265,7 +292,7 @@ defjvp(
 )
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("numeric"))
 def minimum(x: Any, y: Any) -> Tensor:
     """Elementwise minimum; on ties the gradient goes to x."""
     return bind(minimum_p, *coerce_pair("minimum", x, y))
@@ -281,7 +308,7 @@ defvjp(negative_p, lambda ans, x: negative)
 defjvp(negative_p, lambda t, ans, x: negative(t[0]))
 
 
-@public("math")
+@public("math", shape_rule=unary("numeric"))
 def negative(x: Any) -> Tensor:
     """-x."""
     return bind(negative_p, as_tensor(x))
@@ -293,7 +320,7 @@ defvjp(exp_p, lambda ans, x: lambda g: multiply(g, ans))
 defjvp(exp_p, lambda t, ans, x: multiply(t[0], ans))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def exp(x: Any) -> Tensor:
     """e ** x."""
     return bind(exp_p, as_tensor(x))
@@ -308,7 +335,7 @@ defvjp(log_p, lambda ans, x: lambda g: multiply(g, reciprocal(x)))
 defjvp(log_p, lambda t, ans, x: divide(t[0], x))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def log(x: Any) -> Tensor:
     """Natural logarithm."""
     return bind(log_p, as_tensor(x))
@@ -320,7 +347,7 @@ defvjp(log1p_p, lambda ans, x: lambda g: multiply(g, reciprocal(add(x, 1))))
 defjvp(log1p_p, lambda t, ans, x: divide(t[0], add(x, 1)))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def log1p(x: Any) -> Tensor:
     """log(1 + x), accurate for small x."""
     return bind(log1p_p, as_tensor(x))
@@ -332,7 +359,7 @@ defvjp(expm1_p, lambda ans, x: lambda g: multiply(g, add(ans, 1)))
 defjvp(expm1_p, lambda t, ans, x: multiply(t[0], add(ans, 1)))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def expm1(x: Any) -> Tensor:
     """exp(x) - 1, accurate for small x."""
     return bind(expm1_p, as_tensor(x))
@@ -420,13 +447,13 @@ defvjp(reciprocal_p, lambda ans, x: lambda g: bind(reciprocal_grad_p, ans, g))
 defjvp(reciprocal_p, lambda t, ans, x: negative(multiply(t[0], multiply(ans, ans))))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def rsqrt(x: Any) -> Tensor:
     """1 / sqrt(x)."""
     return bind(rsqrt_p, as_tensor(x))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def reciprocal(x: Any) -> Tensor:
     """1 / x."""
     x = as_tensor(x)
@@ -435,7 +462,7 @@ def reciprocal(x: Any) -> Tensor:
     return bind(reciprocal_p, x)
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def sqrt(x: Any) -> Tensor:
     """Square root."""
     return bind(sqrt_p, as_tensor(x))
@@ -447,7 +474,7 @@ defvjp(sin_p, lambda ans, x: lambda g: multiply(g, cos(x)))
 defjvp(sin_p, lambda t, ans, x: multiply(t[0], cos(x)))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def sin(x: Any) -> Tensor:
     """Sine."""
     return bind(sin_p, as_tensor(x))
@@ -458,7 +485,7 @@ defvjp(cos_p, lambda ans, x: lambda g: negative(multiply(g, sin(x))))
 defjvp(cos_p, lambda t, ans, x: negative(multiply(t[0], sin(x))))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def cos(x: Any) -> Tensor:
     """Cosine."""
     return bind(cos_p, as_tensor(x))
@@ -483,7 +510,7 @@ defvjp(tanh_p, tanh_vjp)
 defjvp(tanh_p, lambda t, ans, x: multiply(t[0], _tanh_slope(ans)))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"))
 def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent."""
     return bind(tanh_p, as_tensor(x))
@@ -513,7 +540,7 @@ defvjp(sigmoid_p, sigmoid_vjp)
 defjvp(sigmoid_p, lambda t, ans, x: multiply(t[0], _sigmoid_slope(ans)))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"))
 def sigmoid(x: Any) -> Tensor:
     """Logistic function 1 / (1 + exp(-x))."""
     return bind(sigmoid_p, as_tensor(x))
@@ -564,7 +591,7 @@ defvjp(leaky_relu_p, lambda ans, x, *, alpha: lambda g: _relu_grad(g, x, alpha))
 defjvp(leaky_relu_p, lambda t, ans, x, *, alpha: _relu_grad(t[0], x, alpha))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"))
 def relu(x: Any) -> Tensor:
     """max(x, 0)."""
     return bind(relu_p, as_tensor(x))
@@ -576,7 +603,7 @@ defvjp(abs_p, lambda ans, x: lambda g: multiply(g, sign(x)))
 defjvp(abs_p, lambda t, ans, x: multiply(t[0], sign(x)))
 
 
-@public("math")
+@public("math", shape_rule=unary("numeric"))
 def abs(x: Any) -> Tensor:  # noqa: A001 - the NumPy name
     """|x|; the derivative at 0 is 0."""
     return bind(abs_p, as_tensor(x))
@@ -591,7 +618,11 @@ defjvp(cast_p, lambda t, ans, x, *, dtype: cast(t[0], dtype))
 cast_nondiff_p = primitive("cast_nondiff", lambda xp, x, *, dtype: x.astype(dtype, copy=False))
 
 
-@public("math")
+def cast_rule(b: dict[str, Any]) -> TensorType:
+    return TensorType(concrete(b["x"]).shape, host.dtype(b.get("dtype", "float32")))
+
+
+@public("math", shape_rule=cast_rule, kinds={"dtype": "dtype"})
 def cast(x: Any, dtype: Any = "float32") -> Tensor:
     """x converted to dtype (the only way gradtape changes a dtype)."""
     x = as_tensor(x)
@@ -615,7 +646,7 @@ defvjp(erf_p, lambda ans, x: lambda g: multiply(g, _erf_slope(x)))
 defjvp(erf_p, lambda t, ans, x: multiply(t[0], _erf_slope(x)))
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def erf(x: Any) -> Tensor:
     """The error function 2/sqrt(pi) * integral of exp(-t^2) from 0 to x."""
     return bind(erf_p, as_tensor(x))
@@ -627,7 +658,7 @@ defvjp(identity_p, lambda ans, x: lambda g: g)
 defjvp(identity_p, lambda t, ans, x: t[0])
 
 
-@public("math")
+@public("math", shape_rule=unary("any"))
 def identity(x: Any) -> Tensor:
     """x, as a new tensor (tf.identity)."""
     return bind(identity_p, as_tensor(x))
@@ -645,13 +676,19 @@ def _one_where(xp: Any, c: Any, y: Any) -> Any:
 
 
 xlogy_p = primitive(
-    "xlogy", lambda xp, x, y: _where_zero(xp, x == 0, x * xp.log(_one_where(xp, x == 0, y)))
+    "xlogy",
+    lambda xp, x, y: _where_zero(xp, x == 0, x * xp.log(_one_where(xp, x == 0, y))),
+    broadcasting=True,
 )
 xdivy_p = primitive(
-    "xdivy", lambda xp, x, y: _where_zero(xp, x == 0, x / _one_where(xp, x == 0, y))
+    "xdivy",
+    lambda xp, x, y: _where_zero(xp, x == 0, x / _one_where(xp, x == 0, y)),
+    broadcasting=True,
 )
 divide_no_nan_p = primitive(
-    "divide_no_nan", lambda xp, x, y: _where_zero(xp, y == 0, x / _one_where(xp, y == 0, y))
+    "divide_no_nan",
+    lambda xp, x, y: _where_zero(xp, y == 0, x / _one_where(xp, y == 0, y)),
+    broadcasting=True,
 )
 
 
@@ -698,13 +735,13 @@ _guarded_rules(xdivy_p, _xdivy_slopes)
 _guarded_rules(divide_no_nan_p, _no_nan_slopes)
 
 
-@public("math")
+@public("math", shape_rule=binary("float"))
 def xlogy(x: Any, y: Any) -> Tensor:
     """x * log(y), and 0 where x is 0 (whatever y), with broadcasting."""
     return bind(xlogy_p, *coerce_pair("xlogy", x, y))
 
 
-@public("arithmetic")
+@public("arithmetic", shape_rule=binary("float"))
 def divide_no_nan(x: Any, y: Any) -> Tensor:
     """x / y, and 0 where y is 0, with broadcasting."""
     x, y = coerce_pair("divide_no_nan", x, y)
@@ -713,12 +750,51 @@ def divide_no_nan(x: Any, y: Any) -> Tensor:
     return bind(divide_no_nan_p, x, y)
 
 
+# ---- atan2 ----
+# The angle of the point (x, y); both partial derivatives share 1 / (x^2 + y^2).
+atan2_p = primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
+
+
+def _atan2_scale(y: Tensor, x: Tensor) -> Tensor:
+    return reciprocal(add(multiply(x, x), multiply(y, y)))
+
+
+def atan2_vjp_y(ans: Tensor, y: Tensor, x: Tensor) -> Any:
+    slope = multiply(x, _atan2_scale(y, x))
+    return lambda g: multiply(g, slope)
+
+
+def atan2_vjp_x(ans: Tensor, y: Tensor, x: Tensor) -> Any:
+    slope = negative(multiply(y, _atan2_scale(y, x)))
+    return lambda g: multiply(g, slope)
+
+
+def atan2_jvp(t: list, ans: Tensor, y: Tensor, x: Tensor) -> Tensor | None:
+    scale = _atan2_scale(y, x)
+    return _tsum(
+        None if t[0] is None else multiply(t[0], multiply(x, scale)),
+        None if t[1] is None else negative(multiply(t[1], multiply(y, scale))),
+    )
+
+
+defvjp(atan2_p, atan2_vjp_y, atan2_vjp_x)
+defjvp(atan2_p, atan2_jvp)
+
+
+@public("math", shape_rule=binary("float", names=("y", "x")))
+def atan2(y: Any, x: Any) -> Tensor:
+    """The angle of the point (x, y) in radians, in [-pi, pi], with broadcasting."""
+    y, x = coerce_pair("atan2", y, x)
+    checked("atan2", require, y, "float", "the operands")
+    return bind(atan2_p, y, x)
+
+
 # ========================================================================================
 # Selection
 # ========================================================================================
 
 # ---- where ----
-where_p = primitive("where", lambda xp, c, x, y: xp.where(c, x, y))
+where_p = primitive("where", lambda xp, c, x, y: xp.where(c, x, y), broadcasting=True)
 
 
 # The cotangent is selected (as TensorFlow's SelectV2 grad): the untaken branch gets an
@@ -764,29 +840,25 @@ defjvp(
 )
 
 
-@public("selection")
+def check_condition(dtype: Any) -> None:
+    if dtype != BOOL:
+        raise RuleError(f"condition must be bool, got {dtype}", "dtype", TypeError)
+
+
+def where_rule(b: dict[str, Any]) -> TensorType:
+    condition = concrete(b["condition"])
+    check_condition(condition.dtype)
+    x, y = pair(b["x"], b["y"])
+    return TensorType(broadcast(condition.shape, x.shape, y.shape), x.dtype)
+
+
+@public("selection", shape_rule=where_rule)
 def where(condition: Any, x: Any, y: Any) -> Tensor:
     """x where condition is true, else y (broadcast together)."""
     condition = as_tensor(condition)
-    if condition.dtype != host.bool_:
-        raise TypeError(f"where: condition must be bool, got {condition.dtype}")
+    checked("where", check_condition, condition.dtype)
     x, y = coerce_pair("where", x, y)
     return bind(where_p, condition, x, y)
-
-
-defbroadcasting(
-    add_p,
-    subtract_p,
-    multiply_p,
-    divide_p,
-    power_p,
-    maximum_p,
-    minimum_p,
-    where_p,
-    xlogy_p,
-    xdivy_p,
-    divide_no_nan_p,
-)
 
 
 # ========================================================================================
@@ -820,67 +892,71 @@ logical_not_p = _nondiff("logical_not", lambda xp, x: xp.logical_not(x))
 isfinite_p = _nondiff("isfinite", lambda xp, x: xp.isfinite(x))
 
 
-@public("math")
+@public("math", shape_rule=unary("numeric"))
 def sign(x: Any) -> Tensor:
     """-1, 0 or 1 by the sign of x (no gradient flows through it)."""
     return bind(sign_p, as_tensor(x))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("numeric", BOOL))
 def greater(x: Any, y: Any) -> Tensor:
     """x > y as a bool tensor."""
     return bind(greater_p, *coerce_pair("greater", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("numeric", BOOL))
 def greater_equal(x: Any, y: Any) -> Tensor:
     """x >= y as a bool tensor."""
     return bind(greater_equal_p, *coerce_pair("greater_equal", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("numeric", BOOL))
 def less(x: Any, y: Any) -> Tensor:
     """x < y as a bool tensor."""
     return bind(less_p, *coerce_pair("less", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("numeric", BOOL))
 def less_equal(x: Any, y: Any) -> Tensor:
     """x <= y as a bool tensor."""
     return bind(less_equal_p, *coerce_pair("less_equal", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("any", BOOL))
 def equal(x: Any, y: Any) -> Tensor:
     """x == y elementwise, as a bool tensor."""
     return bind(equal_p, *coerce_pair("equal", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("any", BOOL))
 def not_equal(x: Any, y: Any) -> Tensor:
     """x != y elementwise, as a bool tensor."""
     return bind(not_equal_p, *coerce_pair("not_equal", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("bool", BOOL))
 def logical_and(x: Any, y: Any) -> Tensor:
     """Elementwise and of two bool tensors."""
     return bind(logical_and_p, *coerce_pair("logical_and", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=binary("bool", BOOL))
 def logical_or(x: Any, y: Any) -> Tensor:
     """Elementwise or of two bool tensors."""
     return bind(logical_or_p, *coerce_pair("logical_or", x, y))
 
 
-@public("comparison")
+@public("comparison", shape_rule=unary("bool"))
 def logical_not(x: Any) -> Tensor:
     """Elementwise not of a bool tensor."""
     return bind(logical_not_p, as_tensor(x))
 
 
-@public("comparison")
+def isfinite_rule(b: dict[str, Any]) -> TensorType:
+    return TensorType(unary("numeric")(b).shape, BOOL)
+
+
+@public("comparison", shape_rule=isfinite_rule)
 def isfinite(x: Any) -> Tensor:
     """True where x is neither infinite nor NaN."""
     return bind(isfinite_p, as_tensor(x))
@@ -891,30 +967,44 @@ def isfinite(x: Any) -> Tensor:
 # ========================================================================================
 
 
-@public("math")
+@public("math", shape_rule=unary("numeric"))
 def square(x: Any) -> Tensor:
     """x * x."""
     x = as_tensor(x)
     return multiply(x, x)
 
 
-@public("math")
+@public("math", shape_rule=unary("float"))
 def tan(x: Any) -> Tensor:
     """Tangent."""
     x = as_tensor(x)
     return divide(sin(x), cos(x))
 
 
-@public("math")
+def check_clip_bounds(min_value: float, max_value: float) -> None:
+    if min_value > max_value:
+        raise RuleError(f"min_value {min_value} is greater than max_value {max_value}", "op")
+
+
+def clip_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "numeric")
+    low, high = b["min_value"], b["max_value"]
+    check_clip_bounds(low, high)
+    for bound in (low, high):
+        like(TensorType((), FLOAT32, bound), x)
+    return x
+
+
+@public("math", shape_rule=clip_rule, kinds={"min_value": "float", "max_value": "float"})
 def clip(x: Any, min_value: float, max_value: float) -> Tensor:
     """x limited to [min_value, max_value]; no gradient where it is clipped."""
     x = as_tensor(x)
-    if min_value > max_value:
-        raise ValueError(f"clip: min_value {min_value} is greater than max_value {max_value}")
+    checked("clip", check_clip_bounds, min_value, max_value)
     return minimum(maximum(x, min_value), max_value)
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"))
 def softplus(x: Any) -> Tensor:
     """log(1 + exp(x)), computed without overflow."""
     x = as_tensor(x)
@@ -924,13 +1014,13 @@ def softplus(x: Any) -> Tensor:
     return add(where(nonneg, x, 0), log1p(exp(where(nonneg, negative(x), x))))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"))
 def log_sigmoid(x: Any) -> Tensor:
     """log(sigmoid(x)), computed without overflow."""
     return negative(softplus(negative(as_tensor(x))))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"), kinds={"alpha": "float"})
 def elu(x: Any, alpha: float = 1.0) -> Tensor:
     """x for x > 0, alpha * (exp(x) - 1) otherwise."""
     x = as_tensor(x)
@@ -939,20 +1029,20 @@ def elu(x: Any, alpha: float = 1.0) -> Tensor:
     return where(greater(x, 0), x, multiply(expm1(minimum(x, 0)), alpha))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"), kinds={"alpha": "float"})
 def leaky_relu(x: Any, alpha: float = 0.2) -> Tensor:
     """x for x > 0, alpha * x otherwise (TensorFlow's default alpha 0.2)."""
     return bind(leaky_relu_p, as_tensor(x), alpha=float(alpha))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"))
 def silu(x: Any) -> Tensor:
     """x * sigmoid(x) (swish)."""
     x = as_tensor(x)
     return multiply(x, sigmoid(x))
 
 
-@public("activation")
+@public("activation", shape_rule=unary("float"), kinds={"approximate": "bool"})
 def gelu(x: Any, approximate: bool = False) -> Tensor:
     """Gaussian error linear unit: exact 0.5 x (1 + erf(x / sqrt 2)) by default (as
     tf.nn.gelu); approximate=True gives the tanh form."""

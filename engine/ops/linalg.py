@@ -5,11 +5,11 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from engine.backend import host
 from engine.ops._util import batch_ndim, coerce_all, coerce_pair
 from engine.ops.elementwise import add, multiply, negative
 from engine.ops.shape import broadcast_to, expand_dims, reshape, swapaxes
 from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
+from engine.shapes import RuleError, TensorType, broadcast, checked, pair, require, same_dtypes
 from engine.tensor import Tensor, bind
 
 
@@ -110,41 +110,54 @@ def _tangent_product(
     return reshape(out, lead + ans.shape)
 
 
-def matmul_shape(xs: tuple, ys: tuple) -> tuple:
+defvjp(matmul_p, matmul_vjp_x, matmul_vjp_y)
+defjvp(matmul_p, matmul_jvp)
+
+
+def matmul_shape(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of x @ y (NumPy's rules); RuleError where they do not fit."""
+    if not xs or not ys:
+        raise RuleError(f"operands must not be scalars (shapes {xs} and {ys})")
+    k_x = xs[-1]
+    k_y = ys[0] if len(ys) == 1 else ys[-2]
+    if k_x != k_y:
+        raise RuleError(f"inner dimensions differ: {xs} @ {ys} ({k_x} != {k_y})")
     if len(xs) == 1 and len(ys) == 1:
         return ()
     if len(xs) == 1:
         return ys[:-2] + ys[-1:]
     if len(ys) == 1:
         return xs[:-1]
-    return host.broadcast_shapes(xs[:-2], ys[:-2]) + (xs[-2], ys[-1])
+    if len(xs) == 2 or len(ys) == 2:  # one stack is empty: the other is the result's
+        return (xs[:-2] or ys[:-2]) + (xs[-2], ys[-1])
+    try:
+        stack = broadcast(xs[:-2], ys[:-2])
+    except RuleError:
+        raise RuleError(f"stacked shapes {xs} and {ys} do not broadcast") from None
+    return stack + (xs[-2], ys[-1])
 
 
-defvjp(matmul_p, matmul_vjp_x, matmul_vjp_y)
-defjvp(matmul_p, matmul_jvp)
+def matmul_rule(b: dict[str, Any]) -> TensorType:
+    x, y = pair(b["x"], b["y"])
+    require(x, "numeric", "the operands")
+    return TensorType(matmul_shape(x.shape, y.shape), x.dtype)
 
 
-@public("linalg")
+@public("linalg", shape_rule=matmul_rule)
 def matmul(x: Any, y: Any) -> Tensor:
     """x @ y with NumPy's rules: stacked matrices broadcast, 1-D operands are vectors."""
     x, y = coerce_pair("matmul", x, y)
-    if x.ndim == 0 or y.ndim == 0:
-        raise ValueError(f"matmul: operands must not be scalars (shapes {x.shape} and {y.shape})")
-    k_x = x.shape[-1]
-    k_y = y.shape[0] if y.ndim == 1 else y.shape[-2]
-    if k_x != k_y:
-        raise ValueError(f"matmul: inner dimensions differ: {x.shape} @ {y.shape} ({k_x} != {k_y})")
-    if x.ndim > 2 and y.ndim > 2:
-        try:
-            matmul_shape(x.shape, y.shape)
-        except ValueError:
-            raise ValueError(
-                f"matmul: stacked shapes {x.shape} and {y.shape} do not broadcast"
-            ) from None
+    checked("matmul", matmul_shape, x.shape, y.shape)
     return bind(matmul_p, x, y)
 
 
-@public("linalg")
+def outer_rule(b: dict[str, Any]) -> TensorType:
+    x, y = pair(b["x"], b["y"])
+    require(x, "numeric", "the operands")
+    return TensorType((x.size, y.size), x.dtype)
+
+
+@public("linalg", shape_rule=outer_rule)
 def outer(x: Any, y: Any) -> Tensor:
     """Outer product of two vectors."""
     x, y = coerce_pair("outer", x, y)
@@ -213,72 +226,79 @@ defvjp_argnum(einsum_p, einsum_vjp)
 defjvp(einsum_p, einsum_jvp)
 
 
-def _explicit_spec(spec: str, operands: list[Tensor]) -> str:
-    """Spell out '...' and the implicit output; check ranks and sizes."""
+def einsum_spec(spec: str, shapes: list[tuple[int, ...]]) -> tuple[str, dict[str, int]]:
+    """The spec made explicit (ellipses spelled out, the output named) and each letter's
+    size, size-1 axes broadcast; RuleError where the spec does not fit the shapes."""
+    if not shapes:
+        raise RuleError("needs at least one operand", "op")
     spec = spec.replace(" ", "")
-    if "->" in spec:
-        inputs_part, output = spec.split("->")
-    else:
-        inputs_part, output = spec, None
+    if spec.count("->") > 1:
+        raise RuleError(f"invalid spec {spec!r}", "op")
+    inputs_part, output = spec.split("->") if "->" in spec else (spec, None)
     inputs = inputs_part.split(",")
-    if len(inputs) != len(operands):
-        raise ValueError(f"einsum: spec {spec!r} names {len(inputs)} operands, got {len(operands)}")
+    if len(inputs) != len(shapes):
+        raise RuleError(f"spec {spec!r} names {len(inputs)} operands, got {len(shapes)}", "op")
     used = set(spec) - set(".,->")
     spare = [c for c in string.ascii_letters if c not in used]
-    ellipsis_rank = 0
-    for s, op in zip(inputs, operands, strict=True):
+    ell_rank = 0
+    for s, shape in zip(inputs, shapes, strict=True):
         if "..." in s:
-            ellipsis_rank = max(ellipsis_rank, op.ndim - (len(s) - 3))
-    ell = "".join(spare[:ellipsis_rank])
+            ell_rank = max(ell_rank, len(shape) - (len(s) - 3))
+    ell = "".join(spare[:ell_rank])
     resolved = []
-    for s, op in zip(inputs, operands, strict=True):
+    for s, shape in zip(inputs, shapes, strict=True):
         if "..." in s:
-            n = op.ndim - (len(s) - 3)
-            s = s.replace("...", ell[ellipsis_rank - n :] if n else "")
-        if not s.isalpha() and s:
-            raise ValueError(f"einsum: invalid subscripts {s!r}")
-        if len(s) != op.ndim:
-            raise ValueError(
-                f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}"
-            )
+            n = len(shape) - (len(s) - 3)
+            if n < 0:
+                raise RuleError(f"subscripts {s!r} do not match an operand of shape {shape}")
+            s = s.replace("...", ell[ell_rank - n :] if n else "", 1)
+        if s and not s.isalpha() or not s.isascii():
+            raise RuleError(f"invalid subscripts {s!r}", "op")
+        if len(s) != len(shape):
+            raise RuleError(f"subscripts {s!r} do not match an operand of shape {shape}")
         if len(set(s)) != len(s):
-            raise ValueError(
-                f"einsum: repeated subscript in {s!r} (a diagonal or trace) is not supported; "
-                "multiply by gt.eye and sum instead"
+            raise RuleError(
+                f"repeated subscript in {s!r} (a diagonal or trace) is not supported",
+                hint="multiply by gt.eye and sum instead",
             )
         resolved.append(s)
     if output is None:
-        counts = {c: "".join(resolved).count(c) for c in set("".join(resolved))}
-        output = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+        joined = "".join(resolved)
+        output = ell + "".join(
+            sorted(c for c in set(joined) if joined.count(c) == 1 and c not in ell)
+        )
     else:
-        output = output.replace("...", ell)
+        output = output.replace("...", ell, 1)
+    if output and not (output.isalpha() and output.isascii()) or len(set(output)) != len(output):
+        raise RuleError(f"invalid output subscripts {output!r}", "op")
     sizes: dict[str, int] = {}
-    for s, op in zip(resolved, operands, strict=True):
-        for c, d in zip(s, op.shape, strict=True):
+    for s, shape in zip(resolved, shapes, strict=True):
+        for c, d in zip(s, shape, strict=True):
             if sizes.setdefault(c, d) != d and 1 not in (d, sizes[c]):
-                raise ValueError(f"einsum: index {c!r} has sizes {sizes[c]} and {d}")
+                raise RuleError(f"index {c!r} has sizes {sizes[c]} and {d}")
+            if sizes[c] == 1:
+                sizes[c] = d
     for c in output:
         if c not in sizes:
-            raise ValueError(f"einsum: output index {c!r} does not appear in the inputs")
-    return ",".join(resolved) + "->" + output
+            raise RuleError(f"output index {c!r} does not appear in the inputs", "op")
+    return ",".join(resolved) + "->" + output, sizes
 
 
-@public("linalg", tensors=0)
+def einsum_rule(b: dict[str, Any]) -> TensorType:
+    ops = same_dtypes(list(b.get("operands", ())))
+    if ops:
+        require(ops[0], "numeric", "the operands")
+    explicit, sizes = einsum_spec(b["spec"], [op.shape for op in ops])
+    return TensorType(tuple(sizes[c] for c in _parse(explicit)[1]), ops[0].dtype)
+
+
+@public("linalg", shape_rule=einsum_rule, kinds={"spec": "spec"})
 def einsum(spec: str, *operands: Any) -> Tensor:
     """Einstein summation, e.g. einsum('bij,jk->bik', x, w)."""
     tensors = coerce_all("einsum", operands)
-    for s, op in zip(spec.replace(" ", "").split("->")[0].split(","), tensors, strict=False):
-        if "..." not in s and len(s) != op.ndim:
-            raise ValueError(
-                f"einsum: subscripts {s!r} do not match an operand of shape {op.shape}"
-            )
-    explicit = _explicit_spec(spec, tensors)
+    explicit, sizes = checked("einsum", einsum_spec, spec, [t.shape for t in tensors])
     # Size-1 broadcasting between operands is resolved up front so the rules never see it.
     inputs, _ = _parse(explicit)
-    sizes: dict[str, int] = {}
-    for s, op in zip(inputs, tensors, strict=True):
-        for c, d in zip(s, op.shape, strict=True):
-            sizes[c] = d if sizes.get(c, 1) == 1 else sizes[c]
     tensors = [
         broadcast_to(op, tuple(sizes[c] for c in s)) for s, op in zip(inputs, tensors, strict=True)
     ]
@@ -336,12 +356,23 @@ defvjp(solve_p, solve_vjp_a, solve_vjp_b)
 defjvp(solve_p, solve_jvp)
 
 
-@public("linalg")
+def check_solve(a: tuple[int, ...], b: tuple[int, ...]) -> None:
+    if len(a) != 2 or a[0] != a[1]:
+        raise RuleError(f"a must be a square matrix, got shape {a}")
+    if len(b) not in (1, 2) or b[0] != a[0]:
+        raise RuleError(f"b must be ({a[0]},) or ({a[0]}, k), got {b}")
+
+
+def solve_rule(b: dict[str, Any]) -> TensorType:
+    a, rhs = pair(b["a"], b["b"])
+    require(a, "float", "a and b")
+    check_solve(a.shape, rhs.shape)
+    return rhs
+
+
+@public("linalg", shape_rule=solve_rule)
 def solve(a: Any, b: Any) -> Tensor:
     """x with a @ x = b, for a square (n, n) and b (n,) or (n, k)."""
     a, b = coerce_pair("solve", a, b)
-    if a.ndim != 2 or a.shape[0] != a.shape[1]:
-        raise ValueError(f"solve: a must be a square matrix, got shape {a.shape}")
-    if b.ndim not in (1, 2) or b.shape[0] != a.shape[0]:
-        raise ValueError(f"solve: b must be ({a.shape[0]},) or ({a.shape[0]}, k), got {b.shape}")
+    checked("solve", check_solve, a.shape, b.shape)
     return bind(solve_p, a, b)

@@ -30,24 +30,48 @@ from engine.ops.linalg import matmul
 from engine.ops.reduce import logsumexp, mean, sum, var
 from engine.ops.shape import reshape, swapaxes, take
 from engine.registry import public
+from engine.shapes import (
+    RuleError,
+    TensorType,
+    axis_index,
+    broadcast,
+    check_nonempty,
+    check_positive,
+    check_same_shape,
+    checked,
+    concrete,
+    pair,
+    require,
+    same_type,
+)
+from engine.shapes import normalize_axes as axes_of  # the rules' (RuleError, no op name)
 from engine.tensor import Tensor, as_tensor
 
+LOSS = {"reduction": "reduction"}
 
-@public("control")
+
+@public("control", shape_rule=same_type)
 def stop_gradient(x: Any) -> Tensor:
     """x's value, cut off from every tape: no gradient flows through it."""
     return stop(as_tensor(x))
 
 
 # ---- softmax ----
-@public("nn")
+def softmax_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "float")
+    check_nonempty(x.shape, axes_of(b.get("axis", -1), x.ndim))
+    return x
+
+
+@public("nn", shape_rule=softmax_rule, kinds={"axis": "axis"})
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     """x - logsumexp(x) over `axis`."""
     x = as_tensor(x)
     return subtract(x, logsumexp(x, axis, keepdims=True))
 
 
-@public("nn")
+@public("nn", shape_rule=softmax_rule, kinds={"axis": "axis"})
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """exp(x) / sum(exp(x)) over `axis`, computed stably."""
     return exp(log_softmax(x, axis))
@@ -67,33 +91,65 @@ def _reduce(losses: Tensor, reduction: str, opname: str) -> Tensor:
     raise ValueError(f"{opname}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
-def _check_same_shape(a: Tensor, b: Tensor, opname: str) -> None:
-    if a.shape != b.shape:
-        raise ValueError(f"{opname}: predictions {a.shape} and targets {b.shape} differ in shape")
+def _reduced_loss(losses: TensorType, reduction: str) -> TensorType:
+    if reduction == "none":
+        return losses
+    if reduction == "mean":
+        check_nonempty(losses.shape, axes_of(None, losses.ndim))
+    return TensorType((), losses.dtype)
 
 
-@public("loss")
+def pointwise_loss_rule(b: dict[str, Any]) -> TensorType:
+    p, t = concrete(b["predictions"]), concrete(b["targets"])
+    check_same_shape(p.shape, t.shape)
+    p, t = pair(p, t)
+    require(p, "float", "predictions")
+    check_positive("delta", b.get("delta", 1.0))
+    return _reduced_loss(p, b.get("reduction", "mean"))
+
+
+@public("loss", shape_rule=pointwise_loss_rule, kinds=LOSS)
 def mean_squared_error(predictions: Any, targets: Any, reduction: str = "mean") -> Tensor:
     """(predictions - targets)**2, averaged over all elements by default."""
     predictions, targets = as_tensor(predictions), as_tensor(targets)
-    _check_same_shape(predictions, targets, "mean_squared_error")
+    checked("mean_squared_error", check_same_shape, predictions.shape, targets.shape)
     return _reduce(square(subtract(predictions, targets)), reduction, "mean_squared_error")
 
 
-@public("loss")
+@public("loss", shape_rule=pointwise_loss_rule, kinds={"delta": "float", **LOSS})
 def huber(predictions: Any, targets: Any, delta: float = 1.0, reduction: str = "mean") -> Tensor:
     """Quadratic within `delta` of the target, linear beyond (Huber loss)."""
     predictions, targets = as_tensor(predictions), as_tensor(targets)
-    _check_same_shape(predictions, targets, "huber")
-    if delta <= 0:
-        raise ValueError(f"huber: delta must be positive, got {delta}")
+    checked("huber", check_same_shape, predictions.shape, targets.shape)
+    checked("huber", check_positive, "delta", delta)
     err = abs(subtract(predictions, targets))
     quadratic = multiply(square(err), 0.5)
     linear = subtract(multiply(err, delta), 0.5 * delta * delta)
     return _reduce(where(less_equal(err, delta), quadratic, linear), reduction, "huber")
 
 
-@public("loss")
+def check_label_shape(labels: tuple, expected: tuple, logits: tuple) -> None:
+    if labels != expected:
+        raise RuleError(
+            f"integer labels must have shape {expected} for logits {logits}, got {labels}"
+        )
+
+
+def softmax_cross_entropy_rule(b: dict[str, Any]) -> TensorType:
+    logits, labels = concrete(b["logits"]), concrete(b["labels"])
+    require(logits, "float", "logits")
+    axis = axis_index(b.get("axis", -1), logits.ndim)
+    check_nonempty(logits.shape, (axis - logits.ndim,))
+    rest = logits.shape[:axis] + logits.shape[axis + 1 :]
+    if labels.dtype.kind in "iu":
+        check_label_shape(labels.shape, rest, logits.shape)
+    else:
+        check_same_shape(logits.shape, labels.shape, "logits and labels")
+        pair(logits, labels)
+    return _reduced_loss(TensorType(rest, logits.dtype), b.get("reduction", "mean"))
+
+
+@public("loss", shape_rule=softmax_cross_entropy_rule, kinds={"axis": "axis", **LOSS})
 def softmax_cross_entropy(
     logits: Any, labels: Any, axis: int = -1, reduction: str = "mean"
 ) -> Tensor:
@@ -107,11 +163,7 @@ def softmax_cross_entropy(
     logp = log_softmax(logits, axis)
     if labels.dtype.kind in "iu":
         expected = tuple(d for i, d in enumerate(logits.shape) if i - logits.ndim != axis)
-        if labels.shape != expected:
-            raise ValueError(
-                f"softmax_cross_entropy: integer labels must have shape {expected} for logits "
-                f"{logits.shape}, got {labels.shape}"
-            )
+        checked("softmax_cross_entropy", check_label_shape, labels.shape, expected, logits.shape)
         classes = logits.shape[axis]
         xp = backend.array_module(labels.value)
         if labels.size and (int(labels.value.min()) < 0 or int(labels.value.max()) >= classes):
@@ -121,17 +173,33 @@ def softmax_cross_entropy(
         shape[axis] = classes
         one_hot = Tensor((lab == xp.arange(classes).reshape(shape)).astype(logits.dtype))
     else:
-        _check_same_shape(logits, labels, "softmax_cross_entropy")
+        checked(
+            "softmax_cross_entropy",
+            check_same_shape,
+            logits.shape,
+            labels.shape,
+            "logits and labels",
+        )
         one_hot = labels
     losses = negative(sum(multiply(one_hot, logp), axis))
     return _reduce(losses, reduction, "softmax_cross_entropy")
 
 
-@public("loss")
+def sigmoid_cross_entropy_rule(b: dict[str, Any]) -> TensorType:
+    logits, labels = concrete(b["logits"]), concrete(b["labels"])
+    check_same_shape(logits.shape, labels.shape, "logits and labels")
+    logits, _ = pair(logits, labels)
+    require(logits, "float", "logits")
+    return _reduced_loss(logits, b.get("reduction", "mean"))
+
+
+@public("loss", shape_rule=sigmoid_cross_entropy_rule, kinds=LOSS)
 def sigmoid_cross_entropy(logits: Any, labels: Any, reduction: str = "mean") -> Tensor:
     """Binary cross-entropy of sigmoid(logits) against labels in [0, 1], computed stably."""
     logits, labels = as_tensor(logits), as_tensor(labels)
-    _check_same_shape(logits, labels, "sigmoid_cross_entropy")
+    checked(
+        "sigmoid_cross_entropy", check_same_shape, logits.shape, labels.shape, "logits and labels"
+    )
     losses = subtract(softplus(logits), multiply(logits, labels))
     return _reduce(losses, reduction, "sigmoid_cross_entropy")
 
@@ -145,7 +213,33 @@ def _affine(y: Tensor, gamma: Any, beta: Any) -> Tensor:
     return y
 
 
-@public("nn")
+def check_batch_rank(shape: tuple[int, ...]) -> None:
+    if len(shape) < 2:
+        raise RuleError(f"needs a batch axis and a feature axis, got shape {shape}")
+
+
+def _normalization_rule(batch: bool) -> Any:
+    """batch_norm's and layer_norm's: statistics over every axis but the last, or the
+    last; gamma and beta broadcast against the result."""
+
+    def rule(b: dict[str, Any]) -> TensorType:
+        x = concrete(b["x"])
+        require(x, "float")
+        if batch:
+            check_batch_rank(x.shape)
+        axes = tuple(range(-x.ndim, -1)) if batch else axes_of(-1, x.ndim)
+        check_nonempty(x.shape, axes)
+        out = x
+        for name in ("gamma", "beta"):
+            if b.get(name) is not None:
+                out, other = pair(out, concrete(b[name]))
+                out = TensorType(broadcast(out.shape, other.shape), out.dtype)
+        return out
+
+    return rule
+
+
+@public("nn", shape_rule=_normalization_rule(batch=True), kinds={"eps": "float"})
 def batch_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -> Tensor:
     """Training-mode batch normalization: statistics over every axis but the last.
 
@@ -153,15 +247,14 @@ def batch_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -
     the whole batch), which is what a batch jacobian checks for.
     """
     x = as_tensor(x)
-    if x.ndim < 2:
-        raise ValueError(f"batch_norm: needs a batch axis and a feature axis, got shape {x.shape}")
+    checked("batch_norm", check_batch_rank, x.shape)
     axes = tuple(range(-x.ndim, -1))
     centered = subtract(x, mean(x, axes, keepdims=True))
     scale = sqrt(add(var(x, axes, keepdims=True), eps))
     return _affine(divide(centered, scale), gamma, beta)
 
 
-@public("nn")
+@public("nn", shape_rule=_normalization_rule(batch=False), kinds={"eps": "float"})
 def layer_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -> Tensor:
     """Layer normalization: statistics over the last axis of each example."""
     x = as_tensor(x)
@@ -170,12 +263,19 @@ def layer_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -
     return _affine(divide(centered, scale), gamma, beta)
 
 
-@public("nn")
+def clip_by_norm_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "float")
+    check_positive("clip_norm", b.get("clip_norm", 1.0))
+    axes_of(b.get("axis"), x.ndim)
+    return x
+
+
+@public("nn", shape_rule=clip_by_norm_rule, kinds={"clip_norm": "float", "axis": "axes"})
 def clip_by_norm(x: Any, clip_norm: float = 1.0, axis: Any = None) -> Tensor:
     """x rescaled so its L2 norm (over `axis`) is at most clip_norm."""
     x = as_tensor(x)
-    if clip_norm <= 0:
-        raise ValueError(f"clip_by_norm: clip_norm must be positive, got {clip_norm}")
+    checked("clip_by_norm", check_positive, "clip_norm", clip_norm)
     # A norm that is safe at 0: sqrt's derivative there is 0/0, which would poison the
     # gradient even though maximum() does not pick that branch.
     l2 = sum(multiply(x, x), axis, keepdims=True)
@@ -228,14 +328,29 @@ def one_hot(labels: Any, depth: int, dtype: Any = host.float32) -> Tensor:
 
 
 # ---- embedding and attention ----
-@public("nn")
+def check_table(shape: tuple[int, ...]) -> None:
+    if len(shape) < 1:
+        raise RuleError(f"table must have rank >= 1, got shape {shape}")
+
+
+def check_ids(dtype: Any) -> None:
+    if dtype.kind not in "iu":
+        raise RuleError(f"ids must be an integer tensor, got {dtype}", "dtype", TypeError)
+
+
+def embedding_rule(b: dict[str, Any]) -> TensorType:
+    table, ids = concrete(b["table"]), concrete(b["ids"])
+    check_ids(ids.dtype)
+    check_table(table.shape)
+    return TensorType(ids.shape + table.shape[1:], table.dtype)
+
+
+@public("nn", shape_rule=embedding_rule)
 def embedding(table: Any, ids: Any) -> Tensor:
     """Rows of `table` [V, ...] at integer `ids` (any shape): shape ids.shape + table.shape[1:]."""
     table, ids = as_tensor(table), as_tensor(ids)
-    if table.ndim < 1:
-        raise ValueError(f"embedding: table must have rank >= 1, got shape {table.shape}")
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"embedding: ids must be an integer tensor, got {ids.dtype}")
+    checked("embedding", check_table, table.shape)
+    checked("embedding", check_ids, ids.dtype)
     rows = table.shape[0]
     if ids.size and (int(ids.value.min()) < 0 or int(ids.value.max()) >= rows):
         bad = int(ids.value.min()) if int(ids.value.min()) < 0 else int(ids.value.max())
@@ -244,22 +359,40 @@ def embedding(table: Any, ids: Any) -> Tensor:
 
 
 def attention_shape(q: tuple, k: tuple, v: tuple) -> tuple:
-    """The output shape of scaled_dot_product_attention, or ValueError (shared with the
-    definition language's rule)."""
+    """The output shape of scaled_dot_product_attention, or RuleError."""
     if min(len(q), len(k), len(v)) < 2:
-        raise ValueError(f"q {q}, k {k} and v {v} must have rank >= 2 ([..., L, d])")
+        raise RuleError(f"q {q}, k {k} and v {v} must have rank >= 2 ([..., L, d])")
     if q[-1] != k[-1] or q[-1] < 1:
-        raise ValueError(f"q {q} and k {k} must share a non-empty last axis (d)")
+        raise RuleError(f"q {q} and k {k} must share a non-empty last axis (d)")
     if k[-2] != v[-2] or k[-2] < 1:
-        raise ValueError(f"k {k} and v {v} must have the same non-zero number of keys")
+        raise RuleError(f"k {k} and v {v} must have the same non-zero number of keys")
     try:
-        lead = host.broadcast_shapes(q[:-2], k[:-2], v[:-2])
-    except ValueError:
-        raise ValueError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast") from None
+        lead = broadcast(q[:-2], k[:-2], v[:-2])
+    except RuleError:
+        raise RuleError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast") from None
     return tuple(lead) + (q[-2], v[-1])
 
 
-@public("nn")
+def attention_rule(b: dict[str, Any]) -> TensorType:
+    q, k, v = (concrete(b[n]) for n in ("q", "k", "v"))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require(t, "float", name)
+    if len({q.dtype, k.dtype, v.dtype}) > 1:
+        raise RuleError(f"dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); use cast first", "dtype")
+    return TensorType(attention_shape(q.shape, k.shape, v.shape), q.dtype)
+
+
+def attention_workspace(b: dict[str, Any], out: TensorType) -> int:
+    """The score matrix (and its softmax): [..., Lq, Lk]."""
+    return out.size // max(b["v"].shape[-1], 1) * b["k"].shape[-2]
+
+
+@public(
+    "nn",
+    shape_rule=attention_rule,
+    kinds={"causal": "bool"},
+    workspace=attention_workspace,
+)
 def scaled_dot_product_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(d)) v over leading batch (and head) axes; with causal, query i
     sees keys 0..i only (torch's is_causal, top-left aligned)."""
@@ -267,10 +400,7 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, causal: bool = False) -
     for t in (q, k, v):
         if t.dtype.kind != "f":
             raise TypeError(f"scaled_dot_product_attention: needs float tensors, got {t.dtype}")
-    try:
-        attention_shape(q.shape, k.shape, v.shape)
-    except ValueError as exc:
-        raise ValueError(f"scaled_dot_product_attention: {exc}") from None
+    checked("scaled_dot_product_attention", attention_shape, q.shape, k.shape, v.shape)
     scores = multiply(matmul(q, swapaxes(k, -1, -2)), 1.0 / float(q.shape[-1]) ** 0.5)
     if causal:
         xp = backend.array_module(scores.value)

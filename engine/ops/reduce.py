@@ -6,14 +6,13 @@ tangent with leading batch axes correctly.
 
 from __future__ import annotations
 
-import builtins
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from engine import backend
 from engine.backend import host
-from engine.ops._util import batch_ndim, keepdims_shape, normalize_axes
+from engine.ops._util import batch_ndim, normalize_axes
 from engine.ops.elementwise import (
     abs,
     add,
@@ -31,16 +30,68 @@ from engine.ops.elementwise import (
 )
 from engine.ops.shape import broadcast_to, reshape
 from engine.registry import defjvp, defnondiff, defvjp, primitive, public
+from engine.shapes import (
+    BOOL,
+    INDEX,
+    INT32,
+    RuleError,
+    TensorType,
+    axis_index,
+    check_nonempty,
+    checked,
+    concrete,
+    reduced_shape,
+    require,
+)
+from engine.shapes import normalize_axes as axes_of  # the rules' (RuleError, no op name)
 from engine.tensor import Tensor, as_tensor, bind, unaliased
 
 Axis = int | Sequence[int] | None
+REDUCE = {"axis": "axes", "keepdims": "bool"}  # the constants of every sum-like op
+
+
+def reduction(
+    category: str,
+    *,
+    empty_ok: bool = True,
+    result: Any = None,
+    identity: bool = False,
+) -> Any:
+    """The shape rule of a sum-like op: `axis` (None, int or tuple) and `keepdims`.
+
+    empty_ok: False for reductions without an identity (max, mean). result: the output
+    dtype from the input's. identity: no axes and no keepdims give x itself (sum, prod).
+    """
+
+    def rule(b: dict[str, Any]) -> TensorType:
+        x = concrete(b["x"])
+        require(x, category)
+        axes = axes_of(b.get("axis"), x.ndim)
+        keepdims = b.get("keepdims", False)
+        if not empty_ok:
+            check_nonempty(x.shape, axes)
+        if identity and not axes and not keepdims:
+            return x
+        dtype = result(x.dtype) if result else x.dtype
+        return TensorType(reduced_shape(x.shape, axes, keepdims), dtype)
+
+    return rule
+
+
+def _sum_dtype(dtype: Any) -> Any:
+    """Sums keep integer dtypes and count bools in int32 (NumPy would widen to int64)."""
+    return INT32 if dtype.kind == "b" else dtype
+
+
+def _keepdims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    return reduced_shape(shape, axes, keepdims=True)
 
 
 def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: bool) -> Tensor:
     """Bring a reduced cotangent (with its batch axes) back to x's shape."""
     lead = g.shape[: batch_ndim(g, ans)]
     if not keepdims:
-        g = reshape(g, lead + keepdims_shape(x.shape, axes))
+        g = reshape(g, lead + _keepdims_shape(x.shape, axes))
     return broadcast_to(g, lead + x.shape)
 
 
@@ -59,7 +110,9 @@ defvjp(
 defjvp(sum_p, lambda t, ans, x, *, axes, keepdims: bind(sum_p, t[0], axes=axes, keepdims=keepdims))
 
 
-@public("reduction")
+@public(
+    "reduction", shape_rule=reduction("numeric", result=_sum_dtype, identity=True), kinds=REDUCE
+)
 def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """Sum over `axis` (all axes when None)."""
     x = as_tensor(x)
@@ -73,7 +126,7 @@ def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A
 # The gradient is shared equally among tied maxima (as JAX and autograd do), so the
 # rule stays a valid subgradient whatever the ties.
 def _extremum_weights(ans: Tensor, x: Tensor, axes: tuple, keepdims: bool) -> Tensor:
-    ans_kd = ans if keepdims else reshape(ans, keepdims_shape(x.shape, axes))
+    ans_kd = ans if keepdims else reshape(ans, _keepdims_shape(x.shape, axes))
     hits = cast(equal(x, ans_kd), x.dtype)
     return divide(hits, bind(sum_p, hits, axes=axes, keepdims=True))
 
@@ -96,11 +149,10 @@ for _p in (max_p, min_p):
 
 
 def _check_nonempty(x: Tensor, axes: tuple, opname: str) -> None:
-    if builtins.any(x.shape[a] == 0 for a in axes):
-        raise ValueError(f"{opname}: reduction over an empty axis of shape {x.shape}")
+    checked(opname, check_nonempty, x.shape, axes)
 
 
-@public("reduction")
+@public("reduction", shape_rule=reduction("numeric", empty_ok=False), kinds=REDUCE)
 def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """Largest element over `axis`; ties share the gradient."""
     x = as_tensor(x)
@@ -109,7 +161,7 @@ def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A
     return bind(max_p, x, axes=axes, keepdims=bool(keepdims))
 
 
-@public("reduction")
+@public("reduction", shape_rule=reduction("numeric", empty_ok=False), kinds=REDUCE)
 def min(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """Smallest element over `axis`; ties share the gradient."""
     x = as_tensor(x)
@@ -127,7 +179,7 @@ def _product_of_others(ans: Tensor, x: Tensor, axes: tuple, keepdims: bool) -> T
     pieces are made of recorded ops, so higher derivatives stay right (d(ans / x)
     carries the dependence on a zero elsewhere in the group through ans).
     """
-    ans_kd = ans if keepdims else reshape(ans, keepdims_shape(x.shape, axes))
+    ans_kd = ans if keepdims else reshape(ans, _keepdims_shape(x.shape, axes))
     nonzero = not_equal(x, 0)
     safe_x = where(nonzero, x, 1)
     zeros = bind(sum_p, cast(logical_not(nonzero), x.dtype), axes=axes, keepdims=True)
@@ -156,7 +208,19 @@ defvjp(prod_p, prod_vjp)
 defjvp(prod_p, prod_jvp)
 
 
-@public("reduction")
+def prod_workspace(b: dict[str, Any], out: TensorType) -> int:
+    """prod's gradient lays each reduction group of n elements out as an (n, n) matrix."""
+    x = concrete(b["x"])
+    axes = axes_of(b.get("axis"), x.ndim)
+    return x.size * math.prod(x.shape[a] for a in axes)
+
+
+@public(
+    "reduction",
+    shape_rule=reduction("numeric", result=_sum_dtype, identity=True),
+    kinds=REDUCE,
+    workspace=prod_workspace,
+)
 def prod(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """Product over `axis`; the gradient is exact where elements are zero."""
     x = as_tensor(x)
@@ -190,7 +254,20 @@ defvjp(
 defjvp(cumsum_p, lambda t, ans, x, **params: bind(cumsum_p, t[0], **params))
 
 
-@public("reduction")
+def cumsum_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "numeric")
+    if x.ndim == 0:
+        raise RuleError("cumsum needs a tensor of rank >= 1", "op")
+    axes_of(b.get("axis", 0), x.ndim)
+    return x
+
+
+@public(
+    "reduction",
+    shape_rule=cumsum_rule,
+    kinds={"axis": "axis", "exclusive": "bool", "reverse": "bool"},
+)
 def cumsum(x: Any, axis: int = 0, exclusive: bool = False, reverse: bool = False) -> Tensor:
     """Cumulative sum along `axis` (TensorFlow's exclusive and reverse options)."""
     x = as_tensor(x)
@@ -209,7 +286,20 @@ for _p in (argmax_p, argmin_p, any_p, all_p):
     defnondiff(_p)
 
 
-@public("reduction")
+def arg_extremum_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "numeric")
+    if b.get("axis") is None:
+        if x.size == 0:
+            raise RuleError(f"no elements to choose from in shape {x.shape}")
+        return TensorType((), INDEX)
+    axis = axis_index(b["axis"], x.ndim)
+    if x.shape[axis] == 0:
+        raise RuleError(f"axis {axis} of shape {x.shape} is empty")
+    return TensorType(x.shape[:axis] + x.shape[axis + 1 :], INDEX)
+
+
+@public("reduction", shape_rule=arg_extremum_rule, kinds={"axis": "axis?"})
 def argmax(x: Any, axis: int | None = None) -> Tensor:
     """Index of the largest element (over the flattened tensor when axis is None)."""
     x = as_tensor(x)
@@ -219,7 +309,7 @@ def argmax(x: Any, axis: int | None = None) -> Tensor:
     return bind(argmax_p, x, axis=axis)
 
 
-@public("reduction")
+@public("reduction", shape_rule=arg_extremum_rule, kinds={"axis": "axis?"})
 def argmin(x: Any, axis: int | None = None) -> Tensor:
     """Index of the smallest element (over the flattened tensor when axis is None)."""
     x = as_tensor(x)
@@ -229,14 +319,14 @@ def argmin(x: Any, axis: int | None = None) -> Tensor:
     return bind(argmin_p, x, axis=axis)
 
 
-@public("reduction")
+@public("reduction", shape_rule=reduction("any", result=lambda d: BOOL), kinds=REDUCE)
 def any(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """True where any element over `axis` is true."""
     x = as_tensor(x)
     return bind(any_p, x, axes=normalize_axes(axis, x.ndim, "any"), keepdims=bool(keepdims))
 
 
-@public("reduction")
+@public("reduction", shape_rule=reduction("any", result=lambda d: BOOL), kinds=REDUCE)
 def all(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """True where every element over `axis` is true."""
     x = as_tensor(x)
@@ -248,7 +338,7 @@ def _count(x: Tensor, axes: tuple) -> int:
     return math.prod(x.shape[a] for a in axes)
 
 
-@public("reduction")
+@public("reduction", shape_rule=reduction("float", empty_ok=False), kinds=REDUCE)
 def mean(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """Arithmetic mean over `axis`."""
     x = as_tensor(x)
@@ -257,25 +347,40 @@ def mean(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     return divide(sum(x, axes, keepdims), as_tensor(float(_count(x, axes)), like=x))
 
 
-@public("reduction")
+def check_degrees_of_freedom(n: int, ddof: int) -> None:
+    if n - ddof <= 0:
+        raise RuleError(f"{n} elements with ddof={ddof} leave no degrees of freedom")
+
+
+def statistics_rule(b: dict[str, Any]) -> TensorType:
+    """var and std: divisor n - ddof must stay positive."""
+    x = concrete(b["x"])
+    require(x, "float")
+    axes = axes_of(b.get("axis"), x.ndim)
+    n = math.prod(x.shape[a] for a in axes)
+    check_nonempty(x.shape, axes)
+    check_degrees_of_freedom(n, b.get("ddof", 0))
+    return TensorType(reduced_shape(x.shape, axes, b.get("keepdims", False)), x.dtype)
+
+
+@public("reduction", shape_rule=statistics_rule, kinds={**REDUCE, "ddof": "int"})
 def var(x: Any, axis: Axis = None, keepdims: bool = False, ddof: int = 0) -> Tensor:
     """Variance over `axis` (divisor n - ddof)."""
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "var")
     n = _count(x, axes)
-    if n - ddof <= 0:
-        raise ValueError(f"var: {n} elements with ddof={ddof} leave no degrees of freedom")
+    checked("var", check_degrees_of_freedom, n, ddof)
     centered = subtract(x, mean(x, axes, keepdims=True))
     return divide(sum(multiply(centered, centered), axes, keepdims), float(n - ddof))
 
 
-@public("reduction")
+@public("reduction", shape_rule=statistics_rule, kinds={**REDUCE, "ddof": "int"})
 def std(x: Any, axis: Axis = None, keepdims: bool = False, ddof: int = 0) -> Tensor:
     """Standard deviation over `axis`."""
     return sqrt(var(x, axis, keepdims, ddof))
 
 
-@public("reduction")
+@public("reduction", shape_rule=reduction("float", empty_ok=False), kinds=REDUCE)
 def logsumexp(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """log(sum(exp(x))) over `axis`, without overflow."""
     x = as_tensor(x)
@@ -294,7 +399,20 @@ def logsumexp(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     )
 
 
-@public("reduction")
+NORM_ORDS = (None, 1, 2, "euclidean", "fro", "inf", host.inf)
+
+
+def check_ord(ord: Any) -> None:
+    if ord not in NORM_ORDS:
+        raise RuleError(f"unsupported ord {ord!r}; use None/2, 1 or 'inf'", "op")
+
+
+def norm_rule(b: dict[str, Any]) -> TensorType:
+    check_ord(b.get("ord"))
+    return reduction("float")(b)
+
+
+@public("reduction", shape_rule=norm_rule, kinds={**REDUCE, "ord": "ord"})
 def norm(x: Any, ord: Any = None, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A002
     """Vector norm over `axis`: ord None or 2 (Euclidean), 1, or inf.
 
@@ -302,10 +420,9 @@ def norm(x: Any, ord: Any = None, axis: Axis = None, keepdims: bool = False) -> 
     """
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "norm")
+    checked("norm", check_ord, ord)
     if ord in (None, 2, "euclidean", "fro"):
         return sqrt(sum(multiply(x, x), axes, keepdims))
     if ord == 1:
         return sum(abs(x), axes, keepdims)
-    if ord in (host.inf, "inf"):
-        return max(abs(x), axes, keepdims)
-    raise ValueError(f"norm: unsupported ord {ord!r}; use None/2, 1 or inf")
+    return max(abs(x), axes, keepdims)  # ord inf

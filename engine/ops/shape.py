@@ -15,7 +15,30 @@ from engine import backend
 from engine.backend import host
 from engine.ops._util import batch_ndim, coerce_all, normalize_axis
 from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
+from engine.shapes import (
+    RuleError,
+    TensorType,
+    axis_index,
+    broadcast,
+    checked,
+    concrete,
+    require,
+    same_dtypes,
+)
 from engine.tensor import Tensor, as_tensor, bind, unaliased
+
+
+def _keep_dtype(shape_of: Any) -> Any:
+    """The rule of an op that moves x's elements around: `shape_of(x.shape, **constants)`
+    gives the result's shape, the dtype is x's."""
+
+    def rule(b: dict[str, Any]) -> TensorType:
+        x = concrete(b["x"])
+        constants = {k: v for k, v in b.items() if k != "x"}
+        return TensorType(shape_of(x.shape, **constants), x.dtype)
+
+    return rule
+
 
 # ---- reshape ----
 reshape_p = primitive("reshape", lambda xp, x, *, shape: x.reshape(shape))
@@ -32,31 +55,28 @@ def _reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     return unaliased(x) if x.shape == shape else bind(reshape_p, x, shape=shape)
 
 
-@public("shape")
-def reshape(x: Any, shape: Sequence[int] | int = ()) -> Tensor:
-    """x with a new shape of the same size (one entry may be -1)."""
-    x = as_tensor(x)
-    try:
-        return _reshape(x, resolve_shape(x.shape, shape))
-    except ValueError as exc:
-        raise ValueError(f"reshape: {exc}") from None
-
-
-def resolve_shape(old: tuple[int, ...], shape: Sequence[int] | int) -> tuple[int, ...]:
-    """The target of a reshape of `old`, with a -1 entry filled in; ValueError if the
-    sizes differ. Shared with the definition language's shape inference."""
+def resolve_shape(old: tuple[int, ...], shape: Sequence[int] | int = ()) -> tuple[int, ...]:
+    """The target of a reshape of `old`, with a -1 entry filled in; RuleError if the
+    sizes differ."""
     shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
     size = math.prod(old)
     if shape.count(-1) > 1:
-        raise ValueError(f"at most one -1 in shape {shape}")
+        raise RuleError(f"at most one -1 in shape {shape}")
     if -1 in shape:
         known = math.prod(d for d in shape if d != -1)
         if known == 0 or size % known:
-            raise ValueError(f"cannot reshape {old} into {shape}")
+            raise RuleError(f"cannot reshape {old} into {shape}")
         shape = tuple(size // known if d == -1 else d for d in shape)
     if math.prod(shape) != size or any(d < 0 for d in shape):
-        raise ValueError(f"cannot reshape {old} ({size} elements) into {shape}")
+        raise RuleError(f"cannot reshape {old} ({size} elements) into {shape}")
     return shape
+
+
+@public("shape", shape_rule=_keep_dtype(resolve_shape), kinds={"shape": "shape"})
+def reshape(x: Any, shape: Sequence[int] | int = ()) -> Tensor:
+    """x with a new shape of the same size (one entry may be -1)."""
+    x = as_tensor(x)
+    return _reshape(x, checked("reshape", resolve_shape, x.shape, shape))
 
 
 # ---- transpose ----
@@ -81,39 +101,72 @@ defjvp(
 )
 
 
-@public("shape")
+def permutation(ndim: int, axes: Sequence[int] | None = None) -> tuple[int, ...]:
+    """transpose's axes as non-negative ints (reversed when None); RuleError unless they
+    are a permutation."""
+    if axes is None:
+        return tuple(range(ndim))[::-1]
+    axes = tuple(a + ndim if a < 0 else a for a in axes)
+    if sorted(axes) != list(range(ndim)):
+        raise RuleError(f"axes {axes} are not a permutation of a rank-{ndim} tensor")
+    return axes
+
+
+def _permuted(perm_of: Any) -> Any:
+    """The rule of a transpose whose permutation is `perm_of(ndim, *constants)`."""
+
+    def rule(b: dict[str, Any]) -> TensorType:
+        x = concrete(b["x"])
+        perm = perm_of(x.ndim, **{k: v for k, v in b.items() if k != "x"})
+        return TensorType(tuple(x.shape[a] for a in perm), x.dtype)
+
+    return rule
+
+
+@public("shape", shape_rule=_permuted(permutation), kinds={"axes": "perm"})
 def transpose(x: Any, axes: Sequence[int] | None = None) -> Tensor:
     """Permute the axes (reverse them when axes is None)."""
     x = as_tensor(x)
-    if axes is None:
-        axes = tuple(range(x.ndim))[::-1]
-    axes = tuple(a + x.ndim if a < 0 else a for a in axes)
-    if sorted(axes) != list(range(x.ndim)):
-        raise ValueError(f"transpose: axes {axes} are not a permutation of a rank-{x.ndim} tensor")
+    axes = checked("transpose", permutation, x.ndim, axes)
     if axes == tuple(range(x.ndim)):
         return unaliased(x)
     return bind(transpose_p, x, axes=axes)
 
 
-@public("shape")
+def swapaxes_permutation(ndim: int, axis1: int = -2, axis2: int = -1) -> list[int]:
+    perm = list(range(ndim))
+    a, b = axis_index(axis1, ndim), axis_index(axis2, ndim)
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+@public(
+    "shape",
+    shape_rule=_permuted(swapaxes_permutation),
+    kinds={"axis1": "axis", "axis2": "axis"},
+)
 def swapaxes(x: Any, axis1: int = -2, axis2: int = -1) -> Tensor:
     """Exchange two axes."""
     x = as_tensor(x)
-    perm = list(range(x.ndim))
-    a, b = normalize_axis(axis1, x.ndim, "swapaxes"), normalize_axis(axis2, x.ndim, "swapaxes")
-    perm[a], perm[b] = perm[b], perm[a]
-    return transpose(x, perm)
+    return transpose(x, checked("swapaxes", swapaxes_permutation, x.ndim, axis1, axis2))
 
 
-@public("shape")
+def moveaxis_permutation(ndim: int, source: int = 0, destination: int = -1) -> list[int]:
+    src, dst = axis_index(source, ndim), axis_index(destination, ndim)
+    perm = [i for i in range(ndim) if i != src]
+    perm.insert(dst, src)
+    return perm
+
+
+@public(
+    "shape",
+    shape_rule=_permuted(moveaxis_permutation),
+    kinds={"source": "axis", "destination": "axis"},
+)
 def moveaxis(x: Any, source: int = 0, destination: int = -1) -> Tensor:
     """Move one axis to a new position."""
     x = as_tensor(x)
-    src = normalize_axis(source, x.ndim, "moveaxis") + x.ndim
-    dst = normalize_axis(destination, x.ndim, "moveaxis") + x.ndim
-    perm = [i for i in range(x.ndim) if i != src]
-    perm.insert(dst, src)
-    return transpose(x, perm)
+    return transpose(x, checked("moveaxis", moveaxis_permutation, x.ndim, source, destination))
 
 
 # ---- broadcast_to ----
@@ -132,44 +185,62 @@ def broadcast_to_jvp(t: list, ans: Tensor, x: Tensor, *, shape: tuple) -> Tensor
 defjvp(broadcast_to_p, broadcast_to_jvp)
 
 
-@public("shape")
+def broadcast_target(old: tuple[int, ...], shape: Sequence[int] = ()) -> tuple[int, ...]:
+    """broadcast_to's `shape`, checked: `old` must broadcast to it unchanged."""
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise RuleError(f"negative dimension in shape {shape}")
+    try:
+        fits = broadcast(old, shape) == shape
+    except RuleError:
+        fits = False
+    if not fits:
+        raise RuleError(f"cannot broadcast {old} to {shape}")
+    return shape
+
+
+@public("shape", shape_rule=_keep_dtype(broadcast_target), kinds={"shape": "shape"})
 def broadcast_to(x: Any, shape: Sequence[int] = ()) -> Tensor:
     """x repeated along new or size-1 axes to `shape` (NumPy's broadcasting rules)."""
     x = as_tensor(x)
-    shape = tuple(int(d) for d in shape)
-    try:
-        host.broadcast_shapes(x.shape, shape)
-    except ValueError:
-        raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}") from None
-    if host.broadcast_shapes(x.shape, shape) != shape:
-        raise ValueError(f"broadcast_to: cannot broadcast {x.shape} to {shape}")
+    shape = checked("broadcast_to", broadcast_target, x.shape, shape)
     return unaliased(x) if x.shape == shape else bind(broadcast_to_p, x, shape=shape)
 
 
-@public("shape")
+def expanded_shape(old: tuple[int, ...], axis: int = 0) -> tuple[int, ...]:
+    """`old` with a size-1 axis inserted at `axis` (which may be one past the end)."""
+    if not -len(old) - 1 <= axis <= len(old):
+        raise RuleError(f"axis {axis} out of range for rank {len(old)}")
+    position = axis if axis >= 0 else len(old) + 1 + axis
+    return old[:position] + (1,) + old[position:]
+
+
+@public("shape", shape_rule=_keep_dtype(expanded_shape), kinds={"axis": "axis"})
 def expand_dims(x: Any, axis: int = 0) -> Tensor:
     """Insert a size-1 axis at `axis`."""
     x = as_tensor(x)
-    if not -x.ndim - 1 <= axis <= x.ndim:
-        raise ValueError(f"expand_dims: axis {axis} out of range for rank {x.ndim}")
-    position = axis if axis >= 0 else x.ndim + 1 + axis
-    return _reshape(x, x.shape[:position] + (1,) + x.shape[position:])
+    return _reshape(x, checked("expand_dims", expanded_shape, x.shape, axis))
 
 
-@public("shape")
+def squeezed_shape(old: tuple[int, ...], axis: int | Sequence[int] | None = None) -> tuple:
+    """`old` without its size-1 axes (all of them, or the ones named, which must be 1)."""
+    if axis is None:
+        return tuple(d for d in old if d != 1)
+    axes = {axis_index(a, len(old)) for a in host.atleast_1d(axis).tolist()}
+    for a in sorted(axes):
+        if old[a] != 1:
+            raise RuleError(f"axis {a} of shape {old} has size {old[a]}, not 1")
+    return tuple(d for i, d in enumerate(old) if i not in axes)
+
+
+@public("shape", shape_rule=_keep_dtype(squeezed_shape), kinds={"axis": "axes"})
 def squeeze(x: Any, axis: int | Sequence[int] | None = None) -> Tensor:
     """Remove size-1 axes (all of them, or the ones named)."""
     x = as_tensor(x)
-    if axis is None:
-        return _reshape(x, tuple(d for d in x.shape if d != 1))
-    axes = {normalize_axis(a, x.ndim, "squeeze") + x.ndim for a in host.atleast_1d(axis).tolist()}
-    for a in axes:
-        if x.shape[a] != 1:
-            raise ValueError(f"squeeze: axis {a} of shape {x.shape} has size {x.shape[a]}, not 1")
-    return _reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
+    return _reshape(x, checked("squeeze", squeezed_shape, x.shape, axis))
 
 
-@public("shape")
+@public("shape", shape_rule=_keep_dtype(lambda old: (math.prod(old),)))
 def flatten(x: Any) -> Tensor:
     """x as a 1-D tensor."""
     x = as_tensor(x)
@@ -205,41 +276,68 @@ defvjp_argnum(concatenate_p, concatenate_vjp)
 defjvp(concatenate_p, concatenate_jvp)
 
 
+JOIN = {"xs": "tensors", "axis": "axis"}
+
+
 def zeros_like_shape(like: Tensor, shape: tuple[int, ...]) -> Tensor:
     """A constant zero tensor of `shape` with `like`'s dtype and device."""
     xp = backend.array_module(like.value)
     return Tensor(xp.zeros(shape, dtype=like.dtype))
 
 
-@public("shape", tensors=0)
+def _joined(shape_of: Any) -> Any:
+    """The rule of an op that joins a list of tensors of one dtype."""
+
+    def rule(b: dict[str, Any]) -> TensorType:
+        xs = same_dtypes(b["xs"])
+        shape = shape_of([x.shape for x in xs], b.get("axis", 0))
+        return TensorType(shape, xs[0].dtype)
+
+    return rule
+
+
+def concatenated_shape(shapes: list[tuple[int, ...]], axis: int = 0) -> tuple[int, ...]:
+    if not shapes:
+        raise RuleError("needs at least one tensor", "op")
+    first = shapes[0]
+    if not first:
+        raise RuleError("zero-rank tensors cannot be concatenated; use stack")
+    axis = axis_index(axis, len(first))
+    for shape in shapes[1:]:
+        if len(shape) != len(first) or any(
+            d != e for i, (d, e) in enumerate(zip(shape, first)) if i != axis
+        ):
+            listed = ", ".join(str(u) for u in shapes)
+            raise RuleError(f"shapes {listed} differ off axis {axis}")
+    total = sum(shape[axis] for shape in shapes)
+    return first[:axis] + (total,) + first[axis + 1 :]
+
+
+@public("shape", shape_rule=_joined(concatenated_shape), kinds=JOIN)
 def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along an existing axis."""
     tensors = coerce_all("concatenate", xs)
-    if not tensors:
-        raise ValueError("concatenate: needs at least one tensor")
-    ndim = tensors[0].ndim
-    if ndim == 0:
-        raise ValueError("concatenate: zero-rank tensors cannot be concatenated; use stack")
-    axis = normalize_axis(axis, ndim, "concatenate")
-    for t in tensors[1:]:
-        others = [d for i, d in enumerate(t.shape) if i - t.ndim != axis]
-        firsts = [d for i, d in enumerate(tensors[0].shape) if i - ndim != axis]
-        if t.ndim != ndim or others != firsts:
-            shapes = ", ".join(str(u.shape) for u in tensors)
-            raise ValueError(f"concatenate: shapes {shapes} differ off axis {axis}")
+    checked("concatenate", concatenated_shape, [t.shape for t in tensors], axis)
     if len(tensors) == 1:
         return unaliased(tensors[0])
-    return bind(concatenate_p, *tensors, axis=axis)
+    return bind(concatenate_p, *tensors, axis=normalize_axis(axis, tensors[0].ndim, "concatenate"))
 
 
-@public("shape", tensors=0)
+def stacked_shape(shapes: list[tuple[int, ...]], axis: int = 0) -> tuple[int, ...]:
+    if not shapes:
+        raise RuleError("needs at least one tensor", "op")
+    if len(set(shapes)) > 1:
+        raise RuleError(f"shapes differ: {list(shapes)}")
+    expanded_shape(shapes[0], axis)  # the axis may be one past the end
+    position = axis if axis >= 0 else len(shapes[0]) + 1 + axis
+    return shapes[0][:position] + (len(shapes),) + shapes[0][position:]
+
+
+@public("shape", shape_rule=_joined(stacked_shape), kinds=JOIN)
 def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
     """Join same-shaped tensors along a new axis."""
     tensors = coerce_all("stack", xs)
-    if not tensors:
-        raise ValueError("stack: needs at least one tensor")
-    if len({t.shape for t in tensors}) > 1:
-        raise ValueError(f"stack: shapes differ: {[t.shape for t in tensors]}")
+    checked("stack", stacked_shape, [t.shape for t in tensors], axis)
     expanded = [expand_dims(t, axis) for t in tensors]
     return (
         expanded[0]
@@ -304,17 +402,7 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
             items.append(item)
         else:
             raise IndexError(f"invalid index {item!r} of type {type(item).__name__}")
-    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
-    ellipses = [k for k, i in enumerate(items) if i is Ellipsis]
-    if len(ellipses) > 1:
-        raise IndexError("an index can only have a single Ellipsis")
-    if consumed > x.ndim:
-        raise IndexError(f"too many indices ({consumed}) for a tensor of shape {x.shape}")
-    fill = [slice(None)] * (x.ndim - consumed)
-    if ellipses:
-        items[ellipses[0] : ellipses[0] + 1] = fill
-    else:
-        items.extend(fill)
+    items = _unchecked(expand_index, items, x.shape)
     # With an integer array present, NumPy treats plain ints as advanced indices too.
     arrays = any(backend.is_array(i) for i in items)
     advanced = [
@@ -331,27 +419,97 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
             continue
         if backend.is_array(item) and item.size:
             low, high = int(item.min()), int(item.max())
-            if low < -x.shape[axis] or high >= x.shape[axis]:
-                bad = high if high >= x.shape[axis] else low
-                raise IndexError(
-                    f"index {bad} is out of bounds for axis {axis} of size {x.shape[axis]}"
-                )
-        if isinstance(item, int) and not -x.shape[axis] <= item < x.shape[axis]:
-            raise IndexError(
-                f"index {item} is out of bounds for axis {axis} of size {x.shape[axis]}"
-            )
+            _unchecked(check_index, high if high >= x.shape[axis] else low, axis, x.shape[axis])
+        if isinstance(item, int):
+            _unchecked(check_index, item, axis, x.shape[axis])
         axis += 1
     return (Ellipsis, *items)
 
 
-@public("indexing", tensors=1)
+def _unchecked(check: Any, *args: Any) -> Any:
+    """A shared check whose error keeps NumPy's own wording (no op name in front)."""
+    try:
+        return check(*args)
+    except RuleError as exc:
+        raise exc.error(exc.message) from None
+
+
+def expand_index(items: list, shape: tuple[int, ...]) -> list:
+    """Index items with the Ellipsis spelled out and slices for the axes not named."""
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    ellipses = [k for k, i in enumerate(items) if i is Ellipsis]
+    if len(ellipses) > 1:
+        raise RuleError("an index can only have a single Ellipsis", error=IndexError)
+    if consumed > len(shape):
+        raise RuleError(
+            f"too many indices ({consumed}) for a tensor of shape {shape}", error=IndexError
+        )
+    fill = [slice(None)] * (len(shape) - consumed)
+    items = list(items)
+    if ellipses:
+        items[ellipses[0] : ellipses[0] + 1] = fill
+    else:
+        items.extend(fill)
+    return items
+
+
+def check_index(item: int, axis: int, size: int) -> None:
+    if not -size <= item < size:
+        raise RuleError(
+            f"index {item} is out of bounds for axis {axis} of size {size}", error=IndexError
+        )
+
+
+def index_shape(shape: tuple[int, ...], index: Any = ()) -> tuple[int, ...]:
+    """The shape of x[index] for a constant index (ints, slices, None, Ellipsis)."""
+    items = expand_index(list(index) if isinstance(index, tuple) else [index], shape)
+    out, axis = [], 0
+    for item in items:
+        if item is None:
+            out.append(1)
+            continue
+        size = shape[axis]
+        if isinstance(item, slice):
+            out.append(len(range(*item.indices(size))))
+        else:
+            check_index(item, axis, size)
+        axis += 1
+    return tuple(out)
+
+
+@public("indexing", shape_rule=_keep_dtype(index_shape), kinds={"index": "index"})
 def getitem(x: Any, index: Any = ()) -> Tensor:
     """x[index]: ints, slices, None, Ellipsis, integer arrays and bool masks."""
     x = as_tensor(x)
     return bind(getitem_p, x, index=normalize_index(index, x))
 
 
-@public("indexing")
+def check_take_bounds(low: int, high: int, axis: int, size: int) -> None:
+    if high >= size or low < -size:
+        raise RuleError(
+            f"an index is out of bounds for axis {axis} of size {size}", error=IndexError
+        )
+
+
+def take_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    axis = axis_index(b.get("axis", 0), x.ndim)
+    indices = b.get("indices", ())
+    if isinstance(indices, TensorType):  # an integer tensor: its values are not known yet
+        if indices.dtype.kind not in "iu":
+            raise RuleError(f"indices must be integers, got {indices.dtype}", "dtype")
+        index_shape_ = indices.shape
+    else:
+        values = host.asarray(indices)
+        if values.dtype.kind not in "iu":
+            raise RuleError("indices must be integers", "op")
+        if values.size:
+            check_take_bounds(int(values.min()), int(values.max()), axis, x.shape[axis])
+        index_shape_ = values.shape
+    return TensorType(x.shape[:axis] + index_shape_ + x.shape[axis + 1 :], x.dtype)
+
+
+@public("indexing", shape_rule=take_rule, kinds={"indices": "indices", "axis": "axis"})
 def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
     """Elements of x at integer `indices` along `axis` (NumPy's take, no wrapping)."""
     x = as_tensor(x)
@@ -361,10 +519,9 @@ def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
     indices = backend.asarray(indices, None, x.device)
     if indices.dtype.kind not in "iu":
         raise TypeError(f"take: indices must be integers, got {indices.dtype}")
-    if indices.size and (
-        int(indices.max()) >= x.shape[axis] or int(indices.min()) < -x.shape[axis]
-    ):
-        raise IndexError(f"take: an index is out of bounds for axis {axis} of size {x.shape[axis]}")
+    if indices.size:
+        low, high = int(indices.min()), int(indices.max())
+        checked("take", check_take_bounds, low, high, axis, x.shape[axis])
     return getitem(x, (slice(None),) * axis + (indices,))
 
 
@@ -375,8 +532,7 @@ def _nd_index(indices: Any, shape: tuple[int, ...], opname: str, device: str) ->
     if idx.dtype.kind not in "iu" or idx.ndim < 1:
         raise TypeError(f"{opname}: indices must be an integer tensor of rank >= 1")
     depth = idx.shape[-1]
-    if depth > len(shape):
-        raise ValueError(f"{opname}: indices of depth {depth} for a tensor of shape {shape}")
+    checked(opname, check_depth, depth, shape)
     for k in range(depth):
         if idx.size and (int(idx[..., k].min()) < 0 or int(idx[..., k].max()) >= shape[k]):
             raise IndexError(f"{opname}: an index is out of bounds for axis {k} of size {shape[k]}")
@@ -384,7 +540,27 @@ def _nd_index(indices: Any, shape: tuple[int, ...], opname: str, device: str) ->
     return (Ellipsis, *parts) + (slice(None),) * (len(shape) - depth)
 
 
-@public("indexing")
+def check_depth(depth: int, shape: tuple[int, ...]) -> None:
+    if depth > len(shape):
+        raise RuleError(f"indices of depth {depth} for a tensor of shape {shape}")
+
+
+def _nd_depth(indices: TensorType, shape: tuple[int, ...]) -> int:
+    """The depth K of (..., K) integer indices into `shape` (gather_nd, scatter_nd)."""
+    indices = concrete(indices)
+    if indices.dtype.kind not in "iu" or indices.ndim < 1:
+        raise RuleError(f"indices must be an integer tensor of rank >= 1, got {indices}", "dtype")
+    check_depth(indices.shape[-1], shape)
+    return indices.shape[-1]
+
+
+def gather_nd_rule(b: dict[str, Any]) -> TensorType:
+    params = concrete(b["params"])
+    depth = _nd_depth(b["indices"], params.shape)
+    return TensorType(b["indices"].shape[:-1] + params.shape[depth:], params.dtype)
+
+
+@public("indexing", shape_rule=gather_nd_rule)
 def gather_nd(params: Any, indices: Any) -> Tensor:
     """Slices of params at the integer (..., K) `indices`: shape indices[:-1] + params[K:]."""
     params = as_tensor(params)
@@ -394,7 +570,21 @@ def gather_nd(params: Any, indices: Any) -> Tensor:
     return bind(getitem_p, params, index=index)
 
 
-@public("indexing")
+def check_updates(updates: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if updates != expected:
+        raise RuleError(f"updates must have shape {expected}, got {updates}")
+
+
+def scatter_nd_rule(b: dict[str, Any]) -> TensorType:
+    updates = concrete(b["updates"])
+    shape = b.get("shape", ())
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    depth = _nd_depth(b["indices"], shape)
+    check_updates(updates.shape, b["indices"].shape[:-1] + shape[depth:])
+    return TensorType(shape, updates.dtype)
+
+
+@public("indexing", shape_rule=scatter_nd_rule, kinds={"shape": "shape"})
 def scatter_nd(indices: Any, updates: Any, shape: Sequence[int] = ()) -> Tensor:
     """Zeros of `shape` with `updates` added at `indices` (repeats add up), as TensorFlow."""
     updates = as_tensor(updates)
@@ -402,9 +592,7 @@ def scatter_nd(indices: Any, updates: Any, shape: Sequence[int] = ()) -> Tensor:
     index = _nd_index(indices, shape, "scatter_nd", updates.device)
     depth = builtins.sum(1 for i in index if backend.is_array(i))
     idx = indices.value if isinstance(indices, Tensor) else host.asarray(indices)
-    expected = tuple(idx.shape[:-1]) + shape[depth:]
-    if updates.shape != expected:
-        raise ValueError(f"scatter_nd: updates must have shape {expected}, got {updates.shape}")
+    checked("scatter_nd", check_updates, updates.shape, tuple(idx.shape[:-1]) + shape[depth:])
     return bind(scatter_add_p, updates, index=index, shape=shape, result_ndim=updates.ndim)
 
 
@@ -428,7 +616,15 @@ def _descending_order(xp: Any, values: Any, axis: int) -> Any:
     return xp.argsort(-values, axis=axis, kind="stable")
 
 
-@public("indexing")
+def sort_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    require(x, "numeric")
+    if x.ndim:
+        axis_index(b.get("axis", -1), x.ndim)
+    return x
+
+
+@public("indexing", shape_rule=sort_rule, kinds={"axis": "axis", "direction": "direction"})
 def sort(x: Any, axis: int = -1, direction: str = "ASCENDING") -> Tensor:
     """x sorted along `axis`; the gradient follows each element to its place."""
     x = as_tensor(x)
@@ -480,7 +676,24 @@ defvjp(pad_p, pad_vjp)
 defjvp(pad_p, lambda t, ans, x, *, paddings, value: bind(pad_p, t[0], paddings=paddings, value=0.0))
 
 
-@public("shape")
+def check_paddings(pairs: tuple, shape: tuple[int, ...]) -> None:
+    if len(pairs) != len(shape) or any(lo < 0 or hi < 0 for lo, hi in pairs):
+        raise RuleError(f"paddings {pairs} for a tensor of shape {shape}", "op")
+
+
+def pad_rule(b: dict[str, Any]) -> TensorType:
+    x = concrete(b["x"])
+    pairs = tuple(b.get("paddings", ()))
+    check_paddings(pairs, x.shape)
+    check_pad_mode(x.shape, pairs, b.get("mode", "CONSTANT"))
+    return TensorType(tuple(d + lo + hi for d, (lo, hi) in zip(x.shape, pairs)), x.dtype)
+
+
+@public(
+    "shape",
+    shape_rule=pad_rule,
+    kinds={"paddings": "paddings", "mode": "pad_mode", "constant_values": "float"},
+)
 def pad(
     x: Any,
     paddings: Sequence[Sequence[int]] = (),
@@ -494,12 +707,8 @@ def pad(
     if mode not in _PAD_MODES:
         raise ValueError(f"pad: mode must be one of {sorted(_PAD_MODES)}, got {mode!r}")
     pairs = tuple((int(lo), int(hi)) for lo, hi in paddings)
-    if len(pairs) != x.ndim or any(lo < 0 or hi < 0 for lo, hi in pairs):
-        raise ValueError(f"pad: paddings {pairs} for a tensor of shape {x.shape}")
-    try:
-        check_pad_mode(x.shape, pairs, mode)
-    except ValueError as exc:
-        raise ValueError(f"pad: {exc}") from None
+    checked("pad", check_paddings, pairs, x.shape)
+    checked("pad", check_pad_mode, x.shape, pairs, mode)
     if mode == "CONSTANT":
         return bind(pad_p, x, paddings=pairs, value=float(constant_values))
     # The other modes copy entries of x: one gather per padded axis, of the source index
@@ -518,14 +727,13 @@ def pad(
 
 
 def check_pad_mode(shape: tuple, pairs: tuple, mode: str) -> None:
-    """ValueError where a mirrored or repeated padding has too few entries to copy
-    (shared with the definition language's rule)."""
+    """RuleError where a mirrored or repeated padding has too few entries to copy."""
     if mode == "CONSTANT":
         return
     for axis, ((lo, hi), n) in enumerate(zip(pairs, shape)):
         limit = n - 1 if mode == "REFLECT" else n
         if (lo or hi) and (n == 0 or (mode != "EDGE" and builtins.max(lo, hi) > limit)):
-            raise ValueError(
+            raise RuleError(
                 f"{mode} padding of ({lo}, {hi}) needs at most {limit} entries on each side "
                 f"of axis {axis} (size {n})"
             )
@@ -540,13 +748,19 @@ _PAD_MODES = {
 
 
 # ---- tile, split, unstack: composites of reshape, broadcast and slices ----
-@public("shape")
+def tiled_shape(old: tuple[int, ...], multiples: Sequence[int] | int = ()) -> tuple[int, ...]:
+    multiples = (multiples,) if isinstance(multiples, int) else tuple(int(m) for m in multiples)
+    if len(multiples) != len(old) or any(m < 0 for m in multiples):
+        raise RuleError(f"multiples {multiples} for a tensor of shape {old}", "op")
+    return tuple(m * d for m, d in zip(multiples, old))
+
+
+@public("shape", shape_rule=_keep_dtype(tiled_shape), kinds={"multiples": "shape"})
 def tile(x: Any, multiples: Sequence[int] = ()) -> Tensor:
     """x repeated multiples[i] times along axis i."""
     x = as_tensor(x)
-    multiples = tuple(int(m) for m in multiples)
-    if len(multiples) != x.ndim or any(m < 0 for m in multiples):
-        raise ValueError(f"tile: multiples {multiples} for a tensor of shape {x.shape}")
+    checked("tile", tiled_shape, x.shape, multiples)
+    multiples = (multiples,) if isinstance(multiples, int) else tuple(int(m) for m in multiples)
     spread = tuple(d for pair in ((1, n) for n in x.shape) for d in pair)
     repeated = tuple(d for pair in zip(multiples, x.shape) for d in pair)
     out = broadcast_to(_reshape(x, spread), repeated)

@@ -18,16 +18,16 @@ from fastapi import FastAPI
 
 from service.api import docs, errors, openapi
 from service.api.auth import KeyRing
-from service.api.datasets import DatasetCatalog
 from service.api.fairness import Fairness
-from service.api.jobs import JobRegistry
-from service.api.metrics import Metrics
 from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
 from service.api.router import api_router
-from service.api.sessions import ModelCatalog, TapeRegistry
 from service.core.config import Settings, get_settings
 from service.core.store import Store
-from service.pool.local import WorkerPool
+from service.domain.datasets import DatasetCatalog
+from service.domain.jobs import JobRegistry
+from service.domain.metrics import Metrics
+from service.domain.sessions import ModelCatalog, TapeRegistry
+from service.pool import Pool, make_pool
 
 log = logging.getLogger("gradtape.service")
 
@@ -91,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         _ensure_logging(settings.log_level)
         log.info("settings: %s", json.dumps(settings.describe()))
-        pool: WorkerPool = app.state.pool
+        pool: Pool = app.state.pool
         store: Store = app.state.store
         tapes: TapeRegistry = app.state.tapes
         jobs: JobRegistry = app.state.jobs
@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.pool = pool = WorkerPool(settings, observer=metrics)
+    app.state.pool = pool = make_pool(settings, observer=metrics)
     app.state.fairness = Fairness(settings, pool.size)
     app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
     app.state.store = store = Store(settings.resolved_store_path())

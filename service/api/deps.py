@@ -16,11 +16,11 @@ from typing import Annotated
 from fastapi import Depends, Path, Request
 
 from service.api.auth import OwnerDep
-from service.api.datasets import DatasetCatalog
 from service.api.negotiation import Negotiated, negotiate
-from service.api.sessions import ModelCatalog, Tape, TapeRegistry
 from service.core.config import Settings
-from service.pool.local import WorkerPool
+from service.domain.datasets import DatasetCatalog
+from service.domain.sessions import ModelCatalog, Tape, TapeRegistry
+from service.pool import Pool
 
 
 async def app_settings(request: Request) -> Settings:
@@ -28,8 +28,8 @@ async def app_settings(request: Request) -> Settings:
     return settings
 
 
-async def get_pool(request: Request) -> WorkerPool:
-    pool: WorkerPool = request.app.state.pool
+async def get_pool(request: Request) -> Pool:
+    pool: Pool = request.app.state.pool
     return pool
 
 
@@ -50,7 +50,7 @@ async def get_datasets(request: Request) -> DatasetCatalog:
 
 SettingsDep = Annotated[Settings, Depends(app_settings)]
 DatasetsDep = Annotated[DatasetCatalog, Depends(get_datasets)]
-PoolDep = Annotated[WorkerPool, Depends(get_pool)]
+PoolDep = Annotated[Pool, Depends(get_pool)]
 NegotiatedDep = Annotated[Negotiated, Depends(negotiate)]
 TapesDep = Annotated[TapeRegistry, Depends(get_tapes)]
 ModelsDep = Annotated[ModelCatalog, Depends(get_models)]

@@ -15,8 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from service.api.problems import PROBLEM_TYPES, ProblemError, problem_response, slug_for_status
-from service.pool.local import (
+from service.api.problems import (
+    PROBLEM_TYPES,
+    headers_of,
+    problem_response,
+    slug_for_status,
+    status_of,
+)
+from service.core.errors import ServiceError
+from service.pool import (
     Cancelled,
     ComputeFailed,
     ComputeTimeout,
@@ -153,8 +160,8 @@ def explainer(request: Request) -> Callable[[BaseException], tuple[int, dict[str
              "headers": [], "query_string": b"", "app": request.app}
 
     def explain(exc: BaseException) -> tuple[int, dict[str, Any]]:
-        if isinstance(exc, ProblemError):
-            response = problem_response(scope, exc.slug, exc.detail, status=exc.status,
+        if isinstance(exc, ServiceError):
+            response = problem_response(scope, exc.slug, exc.detail, status=status_of(exc),
                                         errors=exc.errors, **exc.extensions)
         elif isinstance(exc, PoolError):
             response = pool_problem(Request(scope), exc)
@@ -182,10 +189,10 @@ def _allowed_methods(request: Request) -> str:
 
 def install(app: FastAPI) -> None:
     async def on_problem(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ProblemError)
+        assert isinstance(exc, ServiceError)
         return problem_response(
-            request.scope, exc.slug, exc.detail, status=exc.status, errors=exc.errors,
-            headers=exc.headers, **exc.extensions,
+            request.scope, exc.slug, exc.detail, status=status_of(exc), errors=exc.errors,
+            headers=headers_of(exc), **exc.extensions,
         )
 
     async def on_validation(request: Request, exc: Exception) -> Response:
@@ -224,7 +231,7 @@ def install(app: FastAPI) -> None:
             request.scope, "internal", f"{type(exc).__name__} while answering; see server logs"
         )
 
-    app.add_exception_handler(ProblemError, on_problem)
+    app.add_exception_handler(ServiceError, on_problem)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(PoolError, on_pool)

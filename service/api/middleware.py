@@ -8,8 +8,8 @@ import time
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.metrics import Metrics
 from service.api.problems import problem_response
+from service.domain.metrics import Metrics
 from service.pool import calls
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})

@@ -20,7 +20,8 @@ from fastapi import Request
 from starlette.responses import Response
 
 from service.api.problems import ProblemError
-from service.api.tensors import Encoding, to_wire
+from service.api.tensors import to_wire
+from service.core.wire import Encoding
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"

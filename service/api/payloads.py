@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,38 +35,10 @@ from service.api.schemas import (
     TraceRequest,
     VariableSpec,
 )
-from service.api.tensors import (
-    Encoding,
-    TensorError,
-    from_base64,
-    from_bytes,
-    from_data,
-    nonfinite_count,
-)
+from service.api.tensors import from_base64, from_data, nonfinite_count
 from service.core.config import Settings
-
-
-@dataclass(frozen=True)
-class Binding:
-    """Inputs a definition binds to a stored dataset, not yet looked up: one array (as
-    input `name`), or every array (`name` and `array` None), with the rows to take."""
-
-    dataset: str
-    name: str | None
-    array: str | None
-    rows: Any
-    field: str
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What a route hands the pool, and how to write the answer's tensors. `bindings`:
-    the dataset inputs of payload["definition"], for DatasetCatalog.bind to look up."""
-
-    payload: dict[str, Any]
-    time_limit: float
-    encoding: Encoding
-    bindings: list[Binding] = field(default_factory=list)
+from service.core.wire import Encoding, TensorError, from_bytes
+from service.domain.requests import Binding, Prepared
 
 
 class _Decoder:

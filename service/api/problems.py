@@ -9,6 +9,7 @@ as `errors` (one entry per located problem).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 from starlette.types import Scope
+
+from service.core.errors import ServiceError
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -148,8 +151,9 @@ def slug_for_status(status: int) -> str | None:
     return _STATUS_SLUGS.get(status)
 
 
-class ProblemError(Exception):
-    """Raise anywhere in a request to answer with a problem."""
+class ProblemError(ServiceError):
+    """A domain error with HTTP details the domain does not know of: a status other than
+    its type's, or headers (WWW-Authenticate, Retry-After). Raised by the HTTP layer."""
 
     def __init__(
         self,
@@ -161,13 +165,22 @@ class ProblemError(Exception):
         headers: dict[str, str] | None = None,
         **extensions: Any,
     ):
-        super().__init__(detail)
-        self.slug = slug
-        self.status = status or PROBLEM_TYPES[slug].status
-        self.detail = detail
-        self.errors = errors
+        super().__init__(slug, detail, errors=errors, **extensions)
+        self.status = status
         self.headers = headers
-        self.extensions = extensions
+
+
+def status_of(exc: ServiceError) -> int:
+    """The HTTP status a domain error answers with: its problem type's, unless the HTTP
+    layer chose another."""
+    return getattr(exc, "status", None) or PROBLEM_TYPES[exc.slug].status
+
+
+def headers_of(exc: ServiceError) -> dict[str, str] | None:
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.retry_after is not None:
+        headers.setdefault("Retry-After", str(max(1, math.ceil(exc.retry_after))))
+    return headers or None
 
 
 # What a problem echoes of a request is bounded: the detail, each error's message and the

@@ -10,11 +10,8 @@ from service.api.auth import authenticate
 from service.api.fairness import admit
 from service.api.routes import (
     datasets,
-    gradient,
+    derivatives,
     health,
-    hessian,
-    hvp,
-    jacobian,
     jobs,
     models,
     ops,
@@ -22,9 +19,9 @@ from service.api.routes import (
 )
 
 api_router = APIRouter()
-for module in (gradient, jacobian, hessian, hvp, tapes, models, datasets, ops):
+for module in (derivatives, tapes, models, datasets, ops):
     api_router.include_router(module.router, dependencies=[Depends(authenticate), Depends(admit)])
 # Following a job uses no worker (and its event stream lasts as long as the job): no slot.
-# A job takes its key's slot while it computes (service/api/jobs.py).
+# A job takes its key's slot while it computes (service/domain/jobs.py).
 api_router.include_router(jobs.router, dependencies=[Depends(authenticate)])
 api_router.include_router(health.router)

@@ -35,13 +35,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
-from service.api.tensors import DTYPES
+from service.core.wire import DTYPES
 
 # ----------------------------------------------------------------------------------------
 # Tensors
 # ----------------------------------------------------------------------------------------
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
+# What a stored model or dataset may be called (a path segment, never an id's shape).
+STORED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 DType.__doc__ = "Element type of a tensor."
 # Named, so that generated clients get one FloatDType enum (not a `...DtypeType0`).
 FloatDType = TypeAliasType("FloatDType", Literal["float16", "float32", "float64"])
@@ -207,7 +209,7 @@ class ImportedModel(_Strict):
         "this or `stored`."
     )
     stored: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        None, pattern=STORED_NAME_PATTERN,
         description="The name of an ONNX model stored with PUT /v1/models/{name} "
         "(Content-Type: application/onnx).",
     )
@@ -246,7 +248,7 @@ Models = TypeAliasType(
 DatasetName = Annotated[
     str,
     Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        pattern=STORED_NAME_PATTERN,
         description="A stored dataset's name: letters, digits, '_', '.', '-' (at most 64, "
         "starting with a letter or digit).",
         examples=["breast_cancer"],
@@ -438,7 +440,7 @@ class RequestModel(_Strict):
 ModelName = Annotated[
     str,
     Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        pattern=STORED_NAME_PATTERN,
         description="A stored model's name: letters, digits, '_', '.', '-' (at most 64, "
         "starting with a letter or digit).",
         examples=["mlp"],

@@ -16,58 +16,20 @@ import base64
 import binascii
 import math
 from collections.abc import Sequence
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-DTYPES: tuple[str, ...] = (
-    "float16", "float32", "float64",
-    "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64",
-    "bool",
-)  # fmt: skip
+from service.core.wire import (
+    Encoding,
+    TensorError,
+    dtype_name,
+    expected_size,
+    from_bytes,
+    little_endian,
+)
+
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-class Encoding(StrEnum):
-    """How tensors travel in a body: a JSON list, base64 bytes, or raw msgpack bytes."""
-
-    DATA = "data"
-    BASE64 = "base64"
-    BINARY = "binary"
-
-
-class TensorError(ValueError):
-    """A tensor on the wire that does not describe an array (message names the problem)."""
-
-
-def little_endian(dtype: str) -> np.dtype:
-    return np.dtype(dtype).newbyteorder("<")
-
-
-# NumPy's own bounds on an array's shape: past them it raises ValueError mid-request.
-MAX_DIMENSION = 2**31 - 1
-MAX_RANK = 32
-
-
-def expected_size(shape: Sequence[int]) -> int:
-    """Elements of `shape`, once it is known to be a shape NumPy can make."""
-    if len(shape) > MAX_RANK:
-        raise TensorError(f"shape has {len(shape)} dimensions; at most {MAX_RANK} are allowed")
-    bad = next((d for d in shape if not 0 <= d <= MAX_DIMENSION), None)
-    if bad is not None:
-        raise TensorError(
-            f"shape {_short(shape)} has a dimension of {bad}; each must be within "
-            f"0..{MAX_DIMENSION}"
-        )
-    return math.prod(shape)
-
-
-def _short(shape: Sequence[int]) -> str:
-    """A shape for a message, never longer than a line whatever the client sent."""
-    text = str(list(shape))
-    return text if len(text) <= 80 else text[:77] + "...]"
 
 
 # ----------------------------------------------------------------------------------------
@@ -141,21 +103,6 @@ def _cast(raw: np.ndarray, target: np.dtype) -> np.ndarray:
     return raw.astype(target)
 
 
-def from_bytes(raw: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> np.ndarray:
-    """Little-endian row-major bytes -> array (zero-copy where the bytes allow)."""
-    dt = little_endian(dtype)
-    count = expected_size(shape)
-    if len(raw) != count * dt.itemsize:
-        raise TensorError(
-            f"{len(raw)} byte(s) do not hold shape {list(shape)} of {dtype} "
-            f"({count} x {dt.itemsize} = {count * dt.itemsize} bytes)"
-        )
-    array = np.frombuffer(raw, dtype=dt).reshape(tuple(shape))
-    if dtype == "bool" and array.size and array.view(np.uint8).max() > 1:
-        raise TensorError("bool bytes must be 0 or 1")
-    return array.astype(dt.newbyteorder("="), copy=False)
-
-
 def from_base64(text: str, dtype: str, shape: Sequence[int]) -> np.ndarray:
     try:
         raw = base64.b64decode(text, validate=True)
@@ -173,13 +120,6 @@ def nonfinite_count(array: np.ndarray) -> int:
 # ----------------------------------------------------------------------------------------
 # Array -> wire
 # ----------------------------------------------------------------------------------------
-
-
-def dtype_name(array: np.ndarray) -> str:
-    name = array.dtype.name
-    if name not in DTYPES:
-        raise TensorError(f"cannot send a tensor of dtype {name}")
-    return name
 
 
 def to_wire(array: np.ndarray, encoding: Encoding) -> dict[str, Any]:

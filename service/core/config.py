@@ -16,6 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.core import defaults
+
 DEFAULT_CPU_WORKERS = 2
 
 
@@ -66,7 +68,7 @@ class Settings(BaseSettings):
     )
     startup_timeout: float = Field(default=120.0, gt=0, description="for a worker to come up")
     worker_tune_allocator: bool = Field(
-        default=True,
+        default=defaults.WORKER_TUNE_ALLOCATOR,
         description="raise glibc's mmap/trim thresholds in the workers (engine.tune_allocator): "
         "freed array memory is reused instead of page-faulted in again, so repeated requests "
         "run faster and a worker's RSS settles at its working set instead of swinging with "
@@ -113,15 +115,15 @@ class Settings(BaseSettings):
 
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
-        default=2048, ge=1, description="most parameters (n of the n x n Hessian) of /v1/hessian"
+        default=defaults.HESSIAN_MAX_SIZE, ge=1, description="most parameters (n of the n x n Hessian) of /v1/hessian"
     )
     jacobian_max_elements: int = Field(
-        default=1 << 24, ge=1, description="most elements of all the jacobians of one request"
+        default=defaults.JACOBIAN_MAX_ELEMENTS, ge=1, description="most elements of all the jacobians of one request"
     )
     chunk_size: int = Field(
-        default=1024, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
+        default=defaults.CHUNK_SIZE, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
     )
-    hvp_max_vectors: int = Field(default=1024, ge=1, description="most vectors in one /v1/hvp")
+    hvp_max_vectors: int = Field(default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp")
     request_memory_budget: int = Field(
         default=0, ge=0,
         description="bytes one request's recording and derivative passes may use, as the "
@@ -162,14 +164,14 @@ class Settings(BaseSettings):
         default=4 << 30, ge=1, description="bytes of all of one API key's datasets (413 past it)"
     )
     worker_dataset_memory: int = Field(
-        default=1 << 30, ge=0, description="bytes of dataset arrays one worker keeps in memory "
+        default=defaults.WORKER_DATASET_MEMORY, ge=0, description="bytes of dataset arrays one worker keeps in memory "
         "(least recently used out first)"
     )
     algorithm_max_hvps: int = Field(
         default=10000, ge=1, description="most HVPs one eigenvalues/trace/solve request may use"
     )
     lanczos_max_basis_bytes: int = Field(
-        default=1 << 30, ge=1, description="memory of the Lanczos basis (iterations x n float64)"
+        default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1, description="memory of the Lanczos basis (iterations x n float64)"
     )
     tape_sweep_interval: float = Field(
         default=10.0, gt=0,
@@ -255,6 +257,22 @@ class Settings(BaseSettings):
 
     def resolved_request_memory_budget(self) -> int:
         return self.request_memory_budget or max(1, self.tape_memory_budget // 2)
+
+    def worker_options(self) -> dict[str, Any]:
+        """What each worker process is started with (service/worker/compute.start)."""
+        return {
+            "chunk_size": self.chunk_size,
+            "hessian_max_size": self.hessian_max_size,
+            "jacobian_max_elements": self.jacobian_max_elements,
+            "hvp_max_vectors": self.hvp_max_vectors,
+            "memory_budget": self.resolved_request_memory_budget(),
+            "lanczos_max_basis_bytes": self.lanczos_max_basis_bytes,
+            "tune_allocator": self.worker_tune_allocator,
+            "definition_limits": dict(self.definition_limits),
+            # a worker reads the arrays of datasets from the store's file (read-only)
+            "store_path": self.resolved_store_path(),
+            "dataset_memory_budget": self.worker_dataset_memory,
+        }
 
     def resolved_store_path(self) -> str:
         if self.store_path:

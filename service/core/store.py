@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from service.core.wire import from_bytes, to_bytes
+
 SCHEMA_VERSION = 1
 
 SCHEMA = """
@@ -137,7 +139,6 @@ _UNUSED_BLOBS = (
     "AND hash NOT IN (SELECT blob FROM definition_refs)"
 )
 
-SECTIONS = ("variables", "inputs")
 
 
 class StoreError(RuntimeError):
@@ -201,20 +202,8 @@ class ModelRow:
 
 
 # ----------------------------------------------------------------------------------------
-# Arrays <-> bytes
+# Content addresses of arrays (their bytes: service/core/wire.py)
 # ----------------------------------------------------------------------------------------
-
-
-def array_bytes(array: np.ndarray) -> tuple[str, list[int], bytes]:
-    array = np.asarray(array)
-    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    return array.dtype.name, list(array.shape), np.ascontiguousarray(little).tobytes()
-
-
-def array_from_bytes(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
-    little = np.dtype(dtype).newbyteorder("<")
-    array = np.frombuffer(data, dtype=little).reshape(shape)
-    return array.astype(np.dtype(dtype), copy=False)
 
 
 def _blob_hash(dtype: str, shape: list[int], data: bytes) -> str:
@@ -326,7 +315,7 @@ class Store:
         }
         inputs: list[tuple[int, str, Any]] = []
         for section, name, position, trainable, dtype, shape, data in tensors:
-            array = array_from_bytes(dtype, json.loads(shape), data)
+            array = from_bytes(data, dtype, json.loads(shape))
             if section == "variables":
                 out["variables"][name] = {"value": array, "trainable": bool(trainable)}
             else:
@@ -362,7 +351,7 @@ class Store:
         if not rows:
             return None
         dtype, shape, data = rows[0]
-        return array_from_bytes(dtype, json.loads(shape), data)
+        return from_bytes(data, dtype, json.loads(shape))
 
     # Datasets -----------------------------------------------------------------------------
     def put_dataset(self, owner: str, name: str, arrays: Mapping[str, np.ndarray]
@@ -373,7 +362,7 @@ class Store:
         with self._transaction() as db:
             version = hashlib.sha256()
             for array_name, array in arrays.items():
-                dtype, shape, data = array_bytes(array)
+                dtype, shape, data = to_bytes(array)
                 blob = _blob_hash(dtype, shape, data)
                 db.execute(
                     "INSERT OR IGNORE INTO blobs (hash, dtype, shape, data) VALUES (?, ?, ?, ?)",
@@ -549,7 +538,7 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
     functions = definition.get("functions") or {}
     tensors: list[tuple[str, str, int, int | None, str, str, list[int], bytes]] = []
     for position, (name, var) in enumerate((definition.get("variables") or {}).items()):
-        dtype, shape, data = array_bytes(var["value"])
+        dtype, shape, data = to_bytes(var["value"])
         flag = int(bool(var.get("trainable", True)))
         tensors.append(("variables", name, position, flag,
                         _blob_hash(dtype, shape, data), dtype, shape, data))
@@ -558,7 +547,7 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
         if is_ref(value):  # bound to a dataset's array: its blob is stored already
             refs.append((name, position, dict(value)))
             continue
-        dtype, shape, data = array_bytes(value)
+        dtype, shape, data = to_bytes(value)
         tensors.append(("inputs", name, position, None,
                         _blob_hash(dtype, shape, data), dtype, shape, data))
     models = [

@@ -1,7 +1,7 @@
 """Who is waiting for a computation, as the pool sees it (HTTP process only).
 
 A request to the pool runs on behalf of a caller: an HTTP client waiting for its answer,
-or a job (service/api/jobs.py). The caller's `Watch` rides in a context variable, set by
+or a job (service/domain/jobs.py). The caller's `Watch` rides in a context variable, set by
 the ASGI middleware for every HTTP request and by the job runner for every job, so that
 `WorkerPool.submit` finds it without every route and registry passing it along:
 

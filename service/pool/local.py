@@ -36,7 +36,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import time
 from collections import deque
@@ -47,6 +46,20 @@ from typing import Any
 from service.core import ipc
 from service.core.config import Settings
 from service.pool import calls
+from service.pool.base import (
+    Cancelled,
+    ComputeFailed,
+    ComputeTimeout,
+    PoolBusy,
+    PoolError,
+    PoolObserver,
+    PoolUnavailable,
+    Reply,
+    WorkerCrashed,
+    WorkerInfo,
+    WorkerStartError,
+    describe_exit,
+)
 
 log = logging.getLogger("gradtape.workers")
 
@@ -54,95 +67,8 @@ BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THR
 
 
 # ----------------------------------------------------------------------------------------
-# What can go wrong (the HTTP layer maps each to a problem response)
-# ----------------------------------------------------------------------------------------
-
-
-class PoolError(Exception):
-    """Base of the pool's failures."""
-
-
-class PoolBusy(PoolError):
-    """The queue is full, or no worker became free in time."""
-
-
-class PoolUnavailable(PoolError):
-    """The pool is not running (starting up or shutting down)."""
-
-
-class ComputeTimeout(PoolError):
-    def __init__(self, limit: float, worker: int):
-        super().__init__(f"worker {worker} ran past the time limit of {limit:g} s")
-        self.limit = limit
-        self.worker = worker
-
-
-class WorkerCrashed(PoolError):
-    def __init__(self, worker: int, exitcode: int | None):
-        self.worker = worker
-        self.exitcode = exitcode
-        super().__init__(f"worker {worker} stopped unexpectedly ({describe_exit(exitcode)})")
-
-
-class ComputeFailed(PoolError):
-    """The worker answered with an error: `error` is compute.describe_error's dict
-    (type, message, and for definition errors the list of problems)."""
-
-    def __init__(self, error: dict[str, Any]):
-        super().__init__(error.get("message", "the computation failed"))
-        self.error = error
-
-
-class WorkerStartError(PoolError):
-    pass
-
-
-class Cancelled(PoolError):
-    """The caller stopped waiting (its client disconnected, its job was cancelled)."""
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "exit status unknown"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-# ----------------------------------------------------------------------------------------
 # Pool
 # ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    result: Any
-    worker: int
-    generation: int
-    seconds: float  # compute time in the worker
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    index: int
-    pid: int | None
-    device: str
-    state: str  # starting, idle, busy, down
-    generation: int
-    restarts: int
-
-
-class PoolObserver:
-    """Hooks for metrics; the default does nothing."""
-
-    def worker_busy(self, worker: int, seconds: float) -> None:
-        pass
-
-    def worker_restarted(self, worker: int, reason: str) -> None:
-        pass
 
 
 @dataclass(eq=False)
@@ -452,22 +378,6 @@ class WorkerPool:
         self._dispatch()
 
     # Worker processes ---------------------------------------------------------------------
-    def _options(self) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "chunk_size": s.chunk_size,
-            "hessian_max_size": s.hessian_max_size,
-            "jacobian_max_elements": s.jacobian_max_elements,
-            "hvp_max_vectors": s.hvp_max_vectors,
-            "memory_budget": s.resolved_request_memory_budget(),
-            "lanczos_max_basis_bytes": s.lanczos_max_basis_bytes,
-            "tune_allocator": s.worker_tune_allocator,
-            "definition_limits": dict(s.definition_limits),
-            # a worker reads the arrays of datasets from the store's file (read-only)
-            "store_path": s.resolved_store_path(),
-            "dataset_memory_budget": s.worker_dataset_memory,
-        }
-
     async def _spawn(self, w: _Worker) -> None:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
@@ -475,7 +385,7 @@ class WorkerPool:
         w.cancel.value = 0
         process = self._ctx.Process(
             target=_run_worker,
-            args=(child_sock, w.index, w.device, self._options(), w.cancel),
+            args=(child_sock, w.index, w.device, self.settings.worker_options(), w.cancel),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
         )

@@ -39,9 +39,11 @@ from engine.language import (
 )
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
-from service.worker import flat, nonfinite
+from engine.transforms import SingularHessianError
+from service.core import defaults, flat
+from service.core.flat import flatten
+from service.worker import nonfinite
 from service.worker.datasets import DatasetCache, DatasetUnavailable, resolve
-from service.worker.flat import flatten
 
 log = logging.getLogger("gradtape.compute")
 
@@ -116,7 +118,7 @@ class RequestError(Exception):
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     """Set up a worker: check its device, build its limits, tune the allocator (unless
     told not to), warm the engine up."""
-    if options.get("tune_allocator", False):
+    if options.get("tune_allocator", defaults.WORKER_TUNE_ALLOCATOR):
         gt.tune_allocator()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
@@ -131,14 +133,16 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         index=index,
         device=device,
         limits=limits,
-        chunk_size=int(options.get("chunk_size", 1024)),
-        hessian_max_size=int(options.get("hessian_max_size", 2048)),
-        jacobian_max_elements=int(options.get("jacobian_max_elements", 1 << 24)),
-        hvp_max_vectors=int(options.get("hvp_max_vectors", 1024)),
-        lanczos_max_basis_bytes=int(options.get("lanczos_max_basis_bytes", 1 << 30)),
+        chunk_size=int(options.get("chunk_size", defaults.CHUNK_SIZE)),
+        hessian_max_size=int(options.get("hessian_max_size", defaults.HESSIAN_MAX_SIZE)),
+        jacobian_max_elements=int(
+            options.get("jacobian_max_elements", defaults.JACOBIAN_MAX_ELEMENTS)),
+        hvp_max_vectors=int(options.get("hvp_max_vectors", defaults.HVP_MAX_VECTORS)),
+        lanczos_max_basis_bytes=int(
+            options.get("lanczos_max_basis_bytes", defaults.LANCZOS_MAX_BASIS_BYTES)),
         memory_budget=options.get("memory_budget"),
-        datasets=DatasetCache(options.get("store_path"),
-                              int(options.get("dataset_memory_budget", 1 << 30))),
+        datasets=DatasetCache(options.get("store_path"), int(
+            options.get("dataset_memory_budget", defaults.WORKER_DATASET_MEMORY))),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
@@ -464,28 +468,15 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
         )
     operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
                                                  context.memory_budget)
-    primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
-    rows = []  # H in row chunks, (chunk, n) each, on the host
     t0 = time.perf_counter()
-    offsets = np.cumsum([0, *sizes])
-    for start in range(0, n, context.chunk_size):
-        stop = min(start + context.chunk_size, n)
-        # Rows start..stop of the identity, split by source: one batched HVP pass gives
-        # those rows of H (reverse-over-reverse; H is symmetric).
-        identity = np.zeros((stop - start, n))
-        identity[np.arange(stop - start), np.arange(start, stop)] = 1.0
-        basis = [
-            on_device(identity[:, lo:lo + size].reshape((stop - start, *p.shape)), p, context)
-            for p, lo, size in zip(primals, offsets[:-1], sizes, strict=True)
-        ]
-        columns = operator.hvp_many(*basis)
-        rows.append(np.concatenate(
-            [c.numpy().reshape(stop - start, -1).astype(np.float64) for c in columns], axis=1
-        ))
-        context.progress(final=stop == n, done=stop, total=n, unit="rows",
+
+    def progress(done: int, total: int) -> None:
+        context.progress(final=done == total, done=done, total=total, unit="rows",
                          seconds=time.perf_counter() - t0)
-    h = np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
-    grads = [g.numpy() for g in operator.grad]
+
+    h = operator.dense(context.chunk_size, progress)
+    primals = operator.grad  # the sources' shapes and dtypes, in the order of `keys`
+    offsets = np.cumsum([0, *sizes])
     blocks: dict[str, dict[str, np.ndarray]] = {}
     for i, (ka, sa, pa) in enumerate(zip(keys, shapes, primals, strict=True)):
         blocks[ka] = {}
@@ -494,34 +485,18 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
             blocks[ka][kb] = block.reshape(sa + sb).astype(pa.dtype)
     result: dict[str, Any] = {
         "value": operator.value.numpy(),
-        "gradients": dict(zip(keys, grads, strict=True)),
+        "gradients": dict(zip(keys, [g.numpy() for g in operator.grad], strict=True)),
         "hessian": blocks,
         "newton_step": None,
     }
     newton = payload.get("newton")
     if newton is not None:
-        result["newton_step"] = _newton_step(h, grads, keys, float(newton.get("damping", 1e-3)))
+        try:
+            step = operator.newton_step(float(newton.get("damping", 1e-3)), dense=h)
+        except SingularHessianError as exc:
+            raise RequestError("request", f"{exc}; raise newton.damping") from None
+        result["newton_step"] = dict(zip(keys, step, strict=True))
     return result
-
-
-def _newton_step(h: np.ndarray, grads: list[np.ndarray], keys: list[str], damping: float
-                 ) -> dict[str, np.ndarray]:
-    g = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in grads])
-    try:
-        step = np.linalg.solve(h + damping * np.eye(len(g)), g)
-    except np.linalg.LinAlgError:
-        raise RequestError(
-            "request",
-            f"H + {damping:g} I is singular, so the Newton step is undefined; raise "
-            "newton.damping",
-        ) from None
-    if not np.isfinite(step).all():
-        raise RequestError("request", "the Newton step is not finite; raise newton.damping")
-    out, start = {}, 0
-    for key, grad in zip(keys, grads, strict=True):
-        out[key] = step[start:start + grad.size].reshape(grad.shape).astype(grad.dtype)
-        start += grad.size
-    return out
 
 
 def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from service.core.store import array_from_bytes, is_ref
+from service.core.store import is_ref
+from service.core.wire import from_bytes
 
 
 class DatasetUnavailable(Exception):
@@ -70,7 +71,7 @@ class DatasetCache:
         if row is None:
             raise DatasetUnavailable(f"the array {blob[:12]}... is no longer stored")
         dtype, shape, data = row
-        array = array_from_bytes(dtype, json.loads(shape), data)
+        array = from_bytes(data, dtype, json.loads(shape))
         array.flags.writeable = False  # shared by every request that binds it
         return array
 

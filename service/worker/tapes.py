@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import math
 import time
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 import engine as gt
-from engine import trace
+from engine.footprint import held_bytes
 from engine.hessian_algorithms import (
     FlatOperator,
     Progress,
@@ -48,7 +47,6 @@ from engine.language import (
     as_definition,
     compile_definition,
 )
-from engine.registry import Primitive
 from engine.tensor import Tensor
 from service.worker.compute import (
     RequestError,
@@ -139,7 +137,7 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
         recording=recording,
         env=recorded["env"],
     )
-    session.bytes = held_bytes(session)
+    session.bytes = held_bytes(session, shared=(CompiledProgram,))
     return session
 
 
@@ -162,7 +160,7 @@ def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only:
           ) -> dict[str, Any]:
     # HVPs fill the rule caches of the recording once; after the first, bytes stay put.
     if not (hvp_only and session.hvp_measured):
-        session.bytes = held_bytes(session)
+        session.bytes = held_bytes(session, shared=(CompiledProgram,))
         session.hvp_measured = session.hvp_measured or hvp_only
     result["tape"] = {"bytes": session.bytes, "rebuilt": rebuilt}
     return result
@@ -176,62 +174,6 @@ def _recorded_answer(session: TapeSession) -> dict[str, Any]:
         "device": gt.backend.device_of(session.operator.value.value),
         "sources": dict(session.request.sources),
     }
-
-
-# ----------------------------------------------------------------------------------------
-# Memory held
-# ----------------------------------------------------------------------------------------
-
-_ATOMS = (type, types.ModuleType, str, bytes, bytearray, int, float, complex, bool,
-          type(None), CompiledProgram, Primitive)
-
-
-def held_bytes(*roots: Any) -> int:
-    """Bytes of the distinct array buffers reachable from `roots`: through objects,
-    containers and closures (not through module globals, types or compiled programs,
-    which every tape shares)."""
-    seen: set[int] = set()
-    buffers: dict[int, int] = {}
-    stack = list(roots)
-    while stack:
-        if len(seen) % 4096 == 0:
-            trace.check_interrupt()  # a walk over a large recording stops when cancelled
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, _ATOMS):
-            continue
-        if isinstance(obj, np.ndarray):
-            base = obj
-            while isinstance(base.base, np.ndarray):
-                base = base.base
-            buffers[id(base)] = base.nbytes
-            continue
-        memory = _device_memory(obj)
-        if memory is not None:
-            buffers[memory[0]] = memory[1]
-            continue
-        if isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                try:
-                    stack.append(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
-            stack.extend(obj.__defaults__ or ())
-            continue
-        stack.extend(gc.get_referents(obj))
-    return sum(buffers.values())
-
-
-def _device_memory(obj: Any) -> tuple[int, int] | None:
-    """(pointer, size) of a CuPy array's allocation; None for anything else."""
-    if type(obj).__module__.split(".", 1)[0] != "cupy" or not hasattr(obj, "data"):
-        return None
-    mem = getattr(obj.data, "mem", None)
-    if mem is None:
-        return None
-    return int(mem.ptr), int(mem.size)
 
 
 # ----------------------------------------------------------------------------------------

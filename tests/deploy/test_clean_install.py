@@ -76,8 +76,9 @@ class Install:
 
 @pytest.fixture(scope="module")
 def install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
-    """Runs the README's first set-up command (`pip install . && gradtape serve`) in the
-    build context with a fresh virtualenv active, waits for /readyz, stops it."""
+    """Runs the README's first set-up command (`pip install '.[service]' && gradtape
+    serve`) in the build context with a fresh virtualenv active, waits for /readyz, stops
+    it."""
     tmp = tmp_path_factory.mktemp("clean-install")
     included = dockerignore_filter((ROOT / ".dockerignore").read_text())
     context = copy_files([p for p in repo_files() if included(p)], tmp / "context")
@@ -194,10 +195,32 @@ def test_gradtape_openapi_matches_the_contract(install: Install) -> None:
 
 
 def test_setup_commands_are_valid_shell() -> None:
-    """The first command installs the checkout; both parse as shell. (That .ci/run runs
+    """The first command installs the checkout with the service's extra; both parse as
+    shell. (That .ci/run runs
     the second one, verbatim, in a fresh virtualenv is test_readme.py's to check.)"""
     readme = setup_commands()
     assert len(readme) == 2, readme
-    assert shlex.split(readme[0].split("&&")[0]) == ["pip", "install", "."]
+    assert shlex.split(readme[0].split("&&")[0]) == ["pip", "install", ".[service]"]
     for command in readme:
         assert subprocess.run(["bash", "-n", "-c", command], check=False).returncode == 0
+
+
+def test_the_engine_installs_alone_with_numpy(tmp_path: Path) -> None:
+    """`pip install .` is the engine alone: NumPy is the one dependency it brings, the
+    engine computes a gradient with it, and `gradtape serve` says which extra it needs
+    (exit 2) instead of failing on an import."""
+    included = dockerignore_filter((ROOT / ".dockerignore").read_text())
+    context = copy_files([p for p in repo_files() if included(p)], tmp_path / "context")
+    bin_dir = make_venv(tmp_path / "venv")
+    run([str(bin_dir / "pip"), "install", "--quiet", str(context)], timeout=INSTALL_TIMEOUT)
+    listed = run([str(bin_dir / "pip"), "list", "--format=freeze"], timeout=60).stdout
+    names = {line.split("==")[0].lower() for line in listed.split()}
+    assert names - {"pip", "setuptools", "wheel"} == {"gradtape", "numpy"}, names
+    code = ("import engine as gt, numpy as np; w = gt.Variable(np.array([1.0, 2.0]));\n"
+            "with gt.GradientTape() as t: y = gt.sum(w ** 3)\n"
+            "print(t.gradient(y, w).numpy().tolist())")
+    out = run([str(bin_dir / "python"), "-c", code], timeout=60, cwd=tmp_path).stdout
+    assert out.strip() == "[3.0, 12.0]"
+    serve = run([str(bin_dir / "gradtape"), "serve"], timeout=60, check=False, cwd=tmp_path)
+    assert serve.returncode == 2, serve
+    assert "pip install 'gradtape[service]'" in serve.stderr and "fastapi" in serve.stderr

@@ -128,22 +128,27 @@ def test_multi_stage_with_a_variant_argument(dockerfile: Dockerfile) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_installs_its_extra(dockerfile: Dockerfile, variant: str) -> None:
-    """cpu installs the project; cudaNN installs the `cudaNN` extra (the cupy-cudaNNx wheel)
-    on NVIDIA's CUDA NN runtime image, with the same interpreter in build and runtime."""
+    """cpu installs the project with its `service` extra; cudaNN adds the `cudaNN` extra
+    (the cupy-cudaNNx wheel) on NVIDIA's CUDA NN runtime image, with the same interpreter
+    in build and runtime. The CUDA stages are one pair that VARIANT parameterizes."""
     extras = PYPROJECT["project"]["optional-dependencies"]
-    build = dockerfile.chain(f"{variant}-build")
-    installs = [i.args for s in build for i in s.all("RUN") if "pip install" in i.args]
+    build = dockerfile.chain(f"{variant}-build", VARIANT=variant)
+    installs = [dockerfile.expand(i.args, VARIANT=variant)
+                for s in build for i in s.all("RUN") if "pip install" in i.args]
     assert len(installs) == 1, installs
     if variant == "cpu":
-        assert installs[0].endswith("pip install --no-cache-dir /src")
+        assert installs[0].endswith('pip install --no-cache-dir "/src[service]"')
         base = dockerfile.expand(dockerfile.stage("cpu-runtime").base)
         assert re.fullmatch(r"python:3\.1[1-9]-slim-\w+", base), base
         return
-    assert installs[0].endswith(f'pip install --no-cache-dir "/src[{variant}]"')
+    assert installs[0].endswith(f'pip install --no-cache-dir "/src[service,{variant}]"')
     major = variant.removeprefix("cuda")
     assert extras[variant] == [f"cupy-cuda{major}x>=13"]
     # the build stage derives from the runtime stage, so the venv's interpreter is there
-    assert [s.name for s in build] == [f"{variant}-build", f"{variant}-runtime"]
+    assert [s.name for s in build] == [f"{variant}-build", "cuda-build", "cuda-runtime",
+                                       f"{variant}-base"]
+    runtime = dockerfile.chain(f"{variant}-runtime", VARIANT=variant)
+    assert [s.name for s in runtime] == [f"{variant}-runtime", "cuda-runtime", f"{variant}-base"]
     base = dockerfile.expand(build[-1].base)
     assert re.fullmatch(rf"nvidia/cuda:{major}\.\d+\.\d+-runtime-ubuntu\d+\.\d+", base), base
 

@@ -1,4 +1,5 @@
-"""The op table: one row per op, driving gradient checks, forward values and batching.
+"""The op table: one row per op, driving gradient checks, forward values, batching and
+(for a row that calls the op itself) the op's shape rule, as a program infers it.
 
 Each row: a name, the function under test (engine tensors in, tensor out), the NumPy
 reference for its value, the argument shapes, the input domain, the highest derivative
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import engine as gt
+from engine.language import compile_definition
 from engine.testing import check_grads
 from tests.engine import naive_conv
 
@@ -115,6 +117,7 @@ ROWS = [
         "positive",
     ),
     binary("divide_no_nan", np.divide, domain="positive"),
+    binary("atan2", np.arctan2),
     Row(
         "divide_no_nan_zero",
         lambda x, y: gt.divide_no_nan(x, y * gt.constant(np.array([1.0, 0.0, 1.0, 0.0]))),
@@ -645,6 +648,15 @@ def _cases() -> list:
     return cases
 
 
+def calls_the_op(row: Row) -> bool:
+    """The row calls a public op directly (its shape rule can be checked on the row)."""
+    info = gt.public_ops.get(row.name)
+    return info is not None and row.fn is info.fn
+
+
+RULE_ROWS = {row.name for row in ROWS if calls_the_op(row)}
+
+
 def _args(row: Row, shapes: tuple, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [_sample(rng, s, row.domain, i) for i, s in enumerate(shapes)]
@@ -656,6 +668,17 @@ def test_forward_matches_numpy(row: Row, shapes: tuple) -> None:
     out = row.fn(*[gt.constant(a) for a in args])
     np.testing.assert_allclose(out.numpy(), row.ref(*args), rtol=1e-10, atol=1e-12)
     assert out.dtype == np.float64, "float64 in, float64 out"
+
+
+@pytest.mark.parametrize("row, shapes", [c for c in _cases() if calls_the_op(c.values[0])])
+def test_shape_rule_matches_the_forward(row: Row, shapes: tuple) -> None:
+    """The shape rule registered beside the op infers what the forward computes."""
+    args = [np.asarray(a, dtype=np.float64) for a in _args(row, shapes)]
+    names = [f"x{i}" for i in range(len(args))]
+    defn = {"inputs": dict(zip(names, args)), "program": [f"y = {row.name}({', '.join(names)})"]}
+    inferred = compile_definition(defn).types["y"]
+    out = row.fn(*[gt.constant(a) for a in args])
+    assert (inferred.shape, inferred.dtype) == (out.shape, out.dtype)
 
 
 @pytest.mark.parametrize("row, shapes", _cases())

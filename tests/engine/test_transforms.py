@@ -203,3 +203,53 @@ def test_batch_jacobian_detects_row_mixing_ops() -> None:
         tape.watch(x)
         y = gt.softmax(x, axis=1) * gt.sum(x * x, axis=1, keepdims=True)
     assert tape.batch_jacobian(y, x).shape == (5, 3, 3)
+
+
+def _two_source_loss(w, b):
+    return gt.sum(gt.tanh(X_DENSE @ w + b) ** 2) + gt.sum(w**4) / 4
+
+
+X_DENSE = np.random.default_rng(11).standard_normal((6, 3))
+W_DENSE = np.random.default_rng(12).standard_normal((3, 2))
+B_DENSE = np.random.default_rng(13).standard_normal(2)
+
+
+def _hessian_by_finite_differences(eps: float = 1e-5) -> np.ndarray:
+    """Central differences of the analytic gradient (gt.grad), column by column."""
+    x0 = np.concatenate([W_DENSE.ravel(), B_DENSE])
+
+    def grad_at(x: np.ndarray) -> np.ndarray:
+        g = gt.grad(_two_source_loss, argnums=(0, 1))(x[:6].reshape(3, 2), x[6:])
+        return np.concatenate([g[0].numpy().ravel(), g[1].numpy()])
+
+    cols = [(grad_at(x0 + eps * e) - grad_at(x0 - eps * e)) / (2 * eps) for e in np.eye(8)]
+    return np.stack(cols, axis=1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 8, 100])
+def test_dense_hessian_in_row_chunks(chunk_size: int) -> None:
+    op = gt.hessian_operator(_two_source_loss, W_DENSE, B_DENSE)
+    seen = []
+    h = op.dense(chunk_size, progress=lambda done, total: seen.append((done, total)))
+    assert h.shape == (8, 8) and h.dtype == np.float64
+    np.testing.assert_allclose(h, _hessian_by_finite_differences(), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(h, h.T, atol=1e-12)
+    assert seen[-1] == (8, 8) and len(seen) == -(-8 // chunk_size)
+
+
+def test_newton_step_solves_the_damped_system_in_the_sources_structure() -> None:
+    op = gt.hessian_operator(_two_source_loss, W_DENSE, B_DENSE)
+    h = op.dense()
+    g = np.concatenate([op.grad[0].numpy().ravel(), op.grad[1].numpy()])
+    step_w, step_b = op.newton_step(0.5)
+    assert step_w.shape == (3, 2) and step_b.shape == (2,)
+    s = np.concatenate([step_w.ravel(), step_b])
+    np.testing.assert_allclose((h + 0.5 * np.eye(8)) @ s, g, rtol=1e-9, atol=1e-12)
+
+
+def test_newton_step_of_a_singular_hessian_raises() -> None:
+    op = gt.hessian_operator(lambda w: gt.sum(w) * 2.0, np.ones(3))  # H = 0
+    with pytest.raises(gt.transforms.SingularHessianError, match="singular"):
+        op.newton_step(0.0)
+    (step,) = op.newton_step(1.0)  # (0 + 1 I) s = g = (2, 2, 2)
+    np.testing.assert_allclose(step, [2.0, 2.0, 2.0])

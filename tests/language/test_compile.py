@@ -16,7 +16,6 @@ from engine.language import (
     cache_size,
     clear_cache,
     compile_definition,
-    content_hash,
     evaluate,
 )
 
@@ -54,14 +53,6 @@ def test_cached_by_structure_not_values() -> None:
         MLP, variables={**MLP["variables"], "w2": {"value": np.ones((4, 1)), "trainable": False}}
     )
     assert compile_definition(frozen).key != first.key
-
-
-def test_content_hash_sees_values() -> None:
-    from engine.language import as_definition
-
-    a = content_hash(as_definition(MLP))
-    assert a == content_hash(as_definition(dict(MLP)))
-    assert a != content_hash(as_definition(with_values(MLP, x=np.ones((2, 3)))))
 
 
 def test_one_program_runs_many_times() -> None:

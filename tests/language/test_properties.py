@@ -244,6 +244,35 @@ def test_one_call_agrees_with_the_engine(call: tuple[str, Callable]) -> None:
         assert_same(env_of(program, defn)["out"], expected)
 
 
+# Where the engine does not run the op's own check: NumPy finds elementwise broadcasting
+# mismatches (in one place, engine.tensor.bind), and cumsum's rank message stutters in
+# the language ("cumsum: cumsum needs ...") for compatibility.
+ENGINE_OWN_WORDS = ("do not broadcast", "cumsum needs")
+
+
+@SETTINGS
+@given(op_call(list(POOL)))
+def test_a_refused_call_reads_the_same_from_the_engine(call: tuple[str, Callable]) -> None:
+    """One check per op: when the language refuses a call for its shapes or constants
+    (one problem), the engine's wrapper refuses it with the same words, its name in front."""
+    text, direct = call
+    try:
+        compile_definition({"inputs": POOL, "program": [f"out = {text}"]})
+    except DefinitionError as error:
+        problems = error.problems
+    else:
+        return
+    if len(problems) != 1 or problems[0].kind not in ("shape", "op"):
+        return
+    message = problems[0].message
+    if any(words in message for words in ENGINE_OWN_WORDS):
+        return
+    leaves = {n: gt.constant(v) for n, v in POOL.items()}
+    with np.errstate(all="ignore"), pytest.raises(Exception) as refused:
+        direct(leaves)
+    assert message in str(refused.value), f"{text}: {message!r} vs {refused.value!r}"
+
+
 @st.composite
 def programs(draw: Any) -> list[tuple[str, str, Callable]]:
     names = list(POOL)

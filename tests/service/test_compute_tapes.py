@@ -1,5 +1,5 @@
 """The worker side of tapes (service/worker/tapes.py) in this process: the bytes a tape
-holds, dropping it, and rebuilding it from its definition when a worker lacks it."""
+holds (engine/footprint.py counts it), dropping it, and rebuilding it from its definition when a worker lacks it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from service.worker import compute
-from service.worker.tapes import held_bytes
 
 rng = np.random.default_rng(3)
 DEFINITION = {
@@ -20,19 +19,6 @@ DEFINITION = {
 @pytest.fixture(scope="module")
 def context() -> compute.WorkerContext:
     return compute.start(0, "cpu", {})
-
-
-def test_held_bytes_counts_each_buffer_once() -> None:
-    base = np.zeros(1000)
-    view = base[10:20]
-
-    def closure() -> np.ndarray:
-        return view
-
-    assert held_bytes(base, view, [base, (view,)], {"a": base}) == base.nbytes
-    assert held_bytes(closure) == base.nbytes  # through the closure, to the view's base
-    assert held_bytes(np.ones(3), np.ones(5)) == 8 * 8
-    assert held_bytes("text", 3, None, np) == 0  # atoms and modules hold no arrays
 
 
 def test_a_tape_holds_its_recording_and_lets_it_go(context) -> None:

@@ -18,7 +18,8 @@ import pytest
 
 from service.api.schemas import GRADIENT_EXAMPLE
 from service.core.config import Settings
-from service.pool.local import ComputeFailed, PoolBusy, WorkerPool
+from service.pool import ComputeFailed, PoolBusy
+from service.pool.local import WorkerPool
 from tests.service.wire import num, post, problem, t64
 
 # About two seconds of matrix products per pass on one core (2000 x 2000 float32).

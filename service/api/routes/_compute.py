@@ -1,23 +1,60 @@
-"""What the compute routes share: find the stored model a request names, prepare the
-payload, run it on the pool (or start it as a job), write the answer. Failures
-propagate to the handlers in service.api.errors."""
+"""What the compute routes share: the table row that declares one (`Operation`) and its
+registration, finding the stored model a request names, running a prepared payload (or
+starting it as a job), writing the answer. Failures propagate to the handlers in
+service.api.errors."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
-from service.api.datasets import DatasetCatalog
 from service.api.errors import explainer
-from service.api.jobs import JobRegistry
 from service.api.negotiation import Negotiated, answer
-from service.api.payloads import Prepared
+from service.api.openapi import compute_responses, job_responses, msgpack_body, problem_responses
 from service.api.schemas import Definition, DefinitionRequest
-from service.api.sessions import ModelCatalog
-from service.pool.local import Reply, WorkerPool
+from service.domain.jobs import JobRegistry
+from service.domain.requests import Prepared
+from service.domain.sessions import ModelCatalog
+from service.pool import Reply
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One compute route, declared as a table row."""
+
+    name: str  # the route's name, and so its OpenAPI operationId
+    path: str
+    kind: str  # the worker handler (service/worker/compute.py or tapes.py)
+    request: type[BaseModel]
+    response: type[BaseModel]
+    build: Callable[..., Prepared]  # the request's worker payload (service/api/payloads.py)
+    summary: str
+    description: str
+    job: bool = False  # may run as a job ("async": true or Prefer: respond-async)
+
+
+def register(router: APIRouter, op: Operation, endpoint: Callable[..., Awaitable[Response]],
+             problems: tuple[int, ...] = ()) -> None:
+    """Add `endpoint` (whose `body` parameter is typed Any) as op's POST route, with op's
+    request model as its body and op's documentation."""
+    endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
+    endpoint.__name__ = op.name
+    responses = job_responses if op.job else compute_responses
+    router.post(
+        op.path,
+        name=op.name,
+        response_model=op.response,
+        responses={**responses(op.response.__name__), **problem_responses(*problems)},
+        openapi_extra=msgpack_body(op.request.__name__),
+        summary=op.summary,
+        description=inspect.cleandoc(op.description),
+    )(endpoint)
 
 
 async def stored_definition(body: DefinitionRequest, owner: str, models: ModelCatalog
@@ -39,13 +76,6 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
                                                 f"definition.models.{name}.stored")
 
 
-async def run(pool: WorkerPool, kind: str, prepared: Prepared, negotiated: Negotiated,
-              owner: str, datasets: DatasetCatalog) -> Response:
-    await datasets.bind_prepared(owner, prepared)
-    reply = await pool.submit(kind, prepared.payload, time_limit=prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
 def prefers_async(request: Request) -> bool:
     """`Prefer: respond-async` (RFC 7240) among the request's preferences."""
     return any(part.split(";", 1)[0].strip().lower() == "respond-async"
@@ -54,12 +84,12 @@ def prefers_async(request: Request) -> bool:
 
 async def respond(request: Request, body: Any, negotiated: Negotiated, prepared: Prepared,
                   call: Callable[[], Awaitable[Reply]], owner: str,
-                  tape_id: str | None = None) -> Response:
-    """Run `call` and answer its result; or, when the request asks for a job (`"async":
-    true` or `Prefer: respond-async`), start it as one and answer 202 with its
-    Location and document."""
-    preferred = prefers_async(request)
-    if not (preferred or getattr(body, "run_async", False)):
+                  tape_id: str | None = None, job: bool = True) -> Response:
+    """Run `call` and answer its result; or, when the route may run jobs (`job`) and the
+    request asks for one (`"async": true` or `Prefer: respond-async`), start it as one
+    and answer 202 with its Location and document."""
+    preferred = job and prefers_async(request)
+    if not (preferred or (job and getattr(body, "run_async", False))):
         reply = await call()
         return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
 

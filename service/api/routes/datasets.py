@@ -14,13 +14,13 @@ from starlette.responses import Response
 
 from service.api.auth import OwnerDep
 from service.api.bodies import BoundedRoute
-from service.api.datasets import dataset_info, load_numpy
 from service.api.deps import DatasetsDep
 from service.api.negotiation import JSON, MSGPACK_ALIASES, _media_type
 from service.api.openapi import problem_responses
 from service.api.payloads import _Decoder
 from service.api.problems import ProblemError
 from service.api.schemas import DatasetInfo, DatasetList, DatasetName, Name, TensorValue
+from service.domain.datasets import dataset_info, load_numpy
 
 router = APIRouter(tags=["datasets"], route_class=BoundedRoute)
 

@@ -1,6 +1,6 @@
 """Jobs: long requests run in the background (`"async": true` or `Prefer:
 respond-async` on eigenvalues, trace, solve, jacobians and Hessians), followed here:
-state and progress, the answer, server-sent events, cancel (service/api/jobs.py)."""
+state and progress, the answer, server-sent events, cancel (service/domain/jobs.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from fastapi import APIRouter, Depends, Path, Request
 from starlette.responses import Response, StreamingResponse
 
 from service.api.deps import OwnerDep, SettingsDep
-from service.api.jobs import Job, JobRegistry, event
 from service.api.negotiation import MSGPACK, Format, Negotiated, answer, answer_format
 from service.api.openapi import problem_responses
 from service.api.problems import ProblemError, problem_response
 from service.api.schemas import JobInfo, JobList
+from service.domain.jobs import Job, JobRegistry, event
 
 router = APIRouter(tags=["jobs"])
 

@@ -15,8 +15,8 @@ from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
 from service.api.problems import ProblemError
 from service.api.routes._compute import resolve_onnx
-from service.api.schemas import ModelCreateRequest, ModelInfo, ModelList
-from service.api.sessions import model_info
+from service.api.schemas import STORED_NAME_PATTERN, ModelCreateRequest, ModelInfo, ModelList
+from service.domain.sessions import model_info
 
 router = APIRouter(tags=["models"], route_class=BoundedRoute)
 
@@ -55,7 +55,7 @@ async def create_model(
 ONNX = "application/onnx"
 OnnxNameParam = Annotated[str, Path(
     description="The model's name: letters, digits, '_', '.', '-' (at most 64).",
-    pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+    pattern=STORED_NAME_PATTERN,
 )]
 
 

@@ -4,6 +4,7 @@ without running the forward pass again."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,11 +24,10 @@ from service.api.deps import (
 from service.api.negotiation import answer
 from service.api.openapi import (
     compute_responses,
-    job_responses,
     msgpack_body,
     problem_responses,
 )
-from service.api.routes._compute import respond, stored_definition
+from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
     EigenvaluesRequest,
     EigenvaluesResponse,
@@ -47,6 +47,7 @@ from service.api.schemas import (
     TraceRequest,
     TraceResponse,
 )
+from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
 
@@ -164,128 +165,75 @@ async def update_tape(
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 
 
-@router.post(
-    "/v1/tapes/{tape_id}/hvp",
-    response_model=TapeHVPResponse,
-    responses={**compute_responses("TapeHVPResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeHVPRequest"),
-    summary="Hessian-vector products on a tape",
+# ----------------------------------------------------------------------------------------
+# Questions to a tape: one table row each. Every one takes its request body, builds the
+# worker payload with `build`, and runs the worker's `kind` handler on the tape's worker;
+# `job` ones may run as jobs ("async": true or Prefer: respond-async).
+# ----------------------------------------------------------------------------------------
+
+
+def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
+    return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
+
+
+def _add(op: Operation) -> None:
+    async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
+                       negotiated: NegotiatedDep, settings: SettingsDep,
+                       owner: OwnerDep) -> Response:
+        prepared = op.build(body, settings)
+
+        def call() -> Awaitable[Reply]:
+            return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+
+        return await respond(request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
+                             call=call, job=op.job)
+
+    register(router, op, endpoint, TAPE_ERRORS)
+
+
+TAPE_OPERATIONS = (
+    _on_tape(
+        "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
+        payloads.tape_hvp, "Hessian-vector products on a tape",
+        """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
+        or `vectors` (a list: one batched pass). Only the second-order pass over the
+        recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
+        does not grow however many HVPs are asked)."""),
+    _on_tape(
+        "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
+        GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
+        """The value and gradient of any name of the tape's program (default: its target)
+        over any variables or inputs (default: its sources), from the recording: one
+        backward pass, the program does not run again."""),
+    _on_tape(
+        "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
+        JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
+        """The jacobian (full, or per example with `batch`) of any name of the tape's
+        program over variables or inputs, from the recording.""", job=True),
+    _on_tape(
+        "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
+        EigenvaluesResponse, payloads.eigenvalues,
+        "Top eigenvalues of a tape's Hessian (Lanczos)",
+        """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
+        Hessian of the tape's target over its sources, by Lanczos with full
+        reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
+        Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
+        the HVPs used and the residuals. A repeated eigenvalue may be found once only
+        unless the whole space is spanned.""", job=True),
+    _on_tape(
+        "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
+        payloads.trace, "Trace of a tape's Hessian (Hutchinson)",
+        """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
+        HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`.""",
+        job=True),
+    _on_tape(
+        "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
+        "Solve (H + damping I) x = b on a tape (CG)",
+        """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
+        HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
+        Newton step (the update is sources - x). Answers the residual history; stops at
+        `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
+        non-positive curvature (raise the damping).""", job=True),
 )
-async def compute_tape_hvp(
-    body: TapeHVPRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
-) -> Response:
-    """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
-    or `vectors` (a list: one batched pass). Only the second-order pass over the
-    recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
-    does not grow however many HVPs are asked)."""
-    prepared = payloads.tape_hvp(body, settings)
-    reply = await tapes.call(tape, "tape_hvp", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/gradient",
-    response_model=GradientResponse,
-    responses={**compute_responses("GradientResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeGradientRequest"),
-    summary="Gradient of any target on a tape",
-)
-async def compute_tape_gradient(
-    body: TapeGradientRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
-) -> Response:
-    """The value and gradient of any name of the tape's program (default: its target)
-    over any variables or inputs (default: its sources), from the recording: one
-    backward pass, the program does not run again."""
-    prepared = payloads.tape_gradient(body, settings)
-    reply = await tapes.call(tape, "tape_gradient", prepared.payload, prepared.time_limit)
-    return answer(reply.result, negotiated, prepared.encoding, reply.seconds)
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/jacobian",
-    response_model=JacobianResponse,
-    responses={**job_responses("JacobianResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TapeJacobianRequest"),
-    summary="Jacobian of any target on a tape",
-)
-async def compute_tape_jacobian(
-    request: Request, body: TapeJacobianRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The jacobian (full, or per example with `batch`) of any name of the tape's
-    program over variables or inputs, from the recording."""
-    prepared = payloads.tape_gradient(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_jacobian", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/eigenvalues",
-    response_model=EigenvaluesResponse,
-    responses={**job_responses("EigenvaluesResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("EigenvaluesRequest"),
-    summary="Top eigenvalues of a tape's Hessian (Lanczos)",
-)
-async def compute_tape_eigenvalues(
-    request: Request, body: EigenvaluesRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-    Hessian of the tape's target over its sources, by Lanczos with full
-    reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
-    Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
-    the HVPs used and the residuals. A repeated eigenvalue may be found once only
-    unless the whole space is spanned."""
-    prepared = payloads.eigenvalues(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_eigenvalues", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/trace",
-    response_model=TraceResponse,
-    responses={**job_responses("TraceResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("TraceRequest"),
-    summary="Trace of a tape's Hessian (Hutchinson)",
-)
-async def estimate_tape_trace(
-    request: Request, body: TraceRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
-    HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`."""
-    prepared = payloads.trace(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_trace", prepared.payload, prepared.time_limit),
-    )
-
-
-@router.post(
-    "/v1/tapes/{tape_id}/solve",
-    response_model=SolveResponse,
-    responses={**job_responses("SolveResponse"), **problem_responses(*TAPE_ERRORS)},
-    openapi_extra=msgpack_body("SolveRequest"),
-    summary="Solve (H + damping I) x = b on a tape (CG)",
-)
-async def solve_tape(
-    request: Request, body: SolveRequest, tape: TapeDep, tapes: TapesDep,
-    negotiated: NegotiatedDep, settings: SettingsDep, owner: OwnerDep,
-) -> Response:
-    """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
-    HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
-    Newton step (the update is sources - x). Answers the residual history; stops at
-    `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
-    non-positive curvature (raise the damping)."""
-    prepared = payloads.solve(body, settings)
-    return await respond(
-        request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-        call=lambda: tapes.call(tape, "tape_solve", prepared.payload, prepared.time_limit),
-    )
-
+for _operation in TAPE_OPERATIONS:
+    _add(_operation)

@@ -28,10 +28,10 @@ from typing import Any
 
 import orjson
 
-from service.api.problems import ProblemError
-from service.api.sessions import iso
-from service.api.tensors import Encoding
 from service.core.config import Settings
+from service.core.errors import ServiceError
+from service.core.wire import Encoding
+from service.domain.sessions import iso
 from service.pool import calls
 
 log = logging.getLogger("gradtape.jobs")
@@ -145,7 +145,7 @@ class JobRegistry:
         active = sum(1 for j in self._jobs.values() if j.owner == owner and not j.ended)
         limit = self.settings.max_jobs_per_key
         if active >= limit:
-            raise ProblemError(
+            raise ServiceError(
                 "quota-exceeded",
                 f"this API key has {active} job(s) queued or running; the quota is {limit} "
                 "(max_jobs_per_key). Wait for one to end, or cancel one (DELETE "
@@ -204,7 +204,7 @@ class JobRegistry:
     def get(self, job_id: str, owner: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None or job.owner != owner or self._expired(job, time.time()):
-            raise ProblemError(
+            raise ServiceError(
                 "job-not-found",
                 f"no job {job_id[:64]!r} (job ids come from a 202 answer's Location; GET "
                 f"/v1/jobs lists yours; a job is kept {self.settings.job_ttl:g} s after it "

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from service.pool.local import PoolObserver
+from service.pool import PoolObserver
 
 if TYPE_CHECKING:
-    from service.api.sessions import TapeRegistry
-    from service.pool.local import WorkerPool
+    from service.domain.sessions import TapeRegistry
+    from service.pool import Pool
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -59,7 +59,7 @@ class Metrics(PoolObserver):
             "gradtape_tape_bytes", "Bytes of the tapes held in workers now", registry=r
         )
 
-    def bind(self, pool: WorkerPool) -> None:
+    def bind(self, pool: Pool) -> None:
         """Read the pool's gauges when scraped."""
         self.queue_depth.set_function(lambda: pool.queue_depth)
         self.workers_busy.set_function(

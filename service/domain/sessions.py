@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import re
 import secrets
 import time
 from collections import defaultdict
@@ -35,16 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from service.api.metrics import Metrics
-from service.api.problems import ProblemError
 from service.core.config import Settings
+from service.core.errors import ServiceError
+from service.core.flat import FlatError, split
 from service.core.store import ModelRow, Store, TapeRow, is_ref
-from service.pool.local import Cancelled, ComputeFailed, PoolError, Reply, WorkerPool
-from service.worker.flat import FlatError, split
+from service.domain.metrics import Metrics
+from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply
 
 log = logging.getLogger("gradtape.sessions")
 
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 def iso(timestamp: float) -> str:
@@ -91,7 +89,7 @@ class Tape:
 
 
 class TapeRegistry:
-    def __init__(self, settings: Settings, pool: WorkerPool, store: Store, metrics: Metrics):
+    def __init__(self, settings: Settings, pool: Pool, store: Store, metrics: Metrics):
         self.settings = settings
         self.pool = pool
         self.store = store
@@ -157,30 +155,30 @@ class TapeRegistry:
             row = await asyncio.to_thread(self.store.get_tape, tape_id)
             if row is not None and row.owner == owner and row.state != "live":
                 raise self._gone(row)
-        raise ProblemError(
+        raise ServiceError(
             "tape-not-found",
             f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists "
             "yours)",
         )
 
-    def _gone(self, row: TapeRow) -> ProblemError:
+    def _gone(self, row: TapeRow) -> ServiceError:
         when = iso(row.ended or time.time())
         again = "; record it again with POST /v1/tapes"
         if row.state == "expired":
-            return ProblemError(
+            return ServiceError(
                 "tape-expired",
                 f"tape {row.id} expired at {when}: it was not used for {row.ttl:g} s (its "
                 f"ttl){again}", reason="expired", ended_at=when,
             )
         if row.state == "evicted":
-            return ProblemError(
+            return ServiceError(
                 "tape-evicted",
                 f"tape {row.id} was evicted at {when}: worker {row.worker} needed room for "
                 f"more recently used tapes within its memory budget "
                 f"(tape_memory_budget = {self.settings.tape_memory_budget:,} bytes){again}",
                 reason="evicted", ended_at=when,
             )
-        return ProblemError("tape-not-found", f"tape {row.id} was deleted at {when}",
+        return ServiceError("tape-not-found", f"tape {row.id} was deleted at {when}",
                             reason="deleted", ended_at=when)
 
     # Creating -----------------------------------------------------------------------------
@@ -229,7 +227,7 @@ class TapeRegistry:
         limit = self.settings.max_tapes_per_key
         held = sum(1 for t in self._tapes.values() if t.row.owner == owner)
         if held + self._creating[owner] >= limit:
-            raise ProblemError(
+            raise ServiceError(
                 "quota-exceeded",
                 f"this API key holds {held} live tape(s) (with {self._creating[owner]} being "
                 f"recorded); the quota is {limit} (max_tapes_per_key). DELETE tapes you no "
@@ -240,7 +238,7 @@ class TapeRegistry:
     def _check_size(self, owner: str, size: int) -> None:
         budget = self.settings.tape_memory_budget
         if size > budget:
-            raise ProblemError(
+            raise ServiceError(
                 "too-large",
                 f"the tape holds {size:,} bytes, more than a worker may hold in tapes "
                 f"(tape_memory_budget = {budget:,} bytes); use a smaller batch or model, or "
@@ -250,7 +248,7 @@ class TapeRegistry:
         limit = self.settings.max_tape_bytes_per_key
         used = sum(t.row.bytes for t in self._tapes.values() if t.row.owner == owner)
         if used + size > limit:
-            raise ProblemError(
+            raise ServiceError(
                 "quota-exceeded",
                 f"this tape holds {size:,} bytes and this API key's live tapes already hold "
                 f"{used:,}; the quota is {limit:,} bytes (max_tape_bytes_per_key). DELETE "
@@ -323,7 +321,7 @@ class TapeRegistry:
         try:
             values = split(point, list(tape.row.sources), shapes, "point")
         except FlatError as exc:
-            raise ProblemError("validation", str(exc),
+            raise ServiceError("validation", str(exc),
                                errors=[{"field": "point", "message": str(exc)}]) from None
         variables = {n: values[k] for k, n in tape.row.sources.items()
                      if n in definition["variables"]}
@@ -343,7 +341,7 @@ class TapeRegistry:
             raise self._gone(tape.row)
         definition = await asyncio.to_thread(self.store.get_definition, tape.row.definition)
         if definition is None:
-            raise ProblemError("internal", f"the stored definition of tape {tape.id} is missing")
+            raise ServiceError("internal", f"the stored definition of tape {tape.id} is missing")
         return {"definition": definition, "target": tape.row.target, "sources": tape.row.sources}
 
     async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
@@ -397,7 +395,7 @@ class TapeRegistry:
                     held[name] = value
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise ProblemError("validation", f"{errors[0]['field']}: {errors[0]['message']}"
+            raise ServiceError("validation", f"{errors[0]['field']}: {errors[0]['message']}"
                                f"{more}", errors=errors)
         tape.busy += 1
         try:
@@ -534,7 +532,7 @@ def model_info(row: ModelRow) -> dict[str, Any]:
 class ModelCatalog:
     """Named definitions, per owner, in the store."""
 
-    def __init__(self, settings: Settings, pool: WorkerPool, store: Store):
+    def __init__(self, settings: Settings, pool: Pool, store: Store):
         self.settings = settings
         self.pool = pool
         self.store = store
@@ -545,7 +543,7 @@ class ModelCatalog:
         """Check the definition in a worker and store it; (row, created)."""
         existing = await asyncio.to_thread(self.store.get_model, owner, name)
         if existing is not None and not replace:
-            raise ProblemError(
+            raise ServiceError(
                 "model-exists",
                 f"a model named {name!r} exists already; send \"replace\": true to replace "
                 f"it, or DELETE /v1/models/{name} first",
@@ -554,7 +552,7 @@ class ModelCatalog:
             count = await asyncio.to_thread(self.store.count_models, owner)
             limit = self.settings.max_models_per_key
             if count >= limit:
-                raise ProblemError(
+                raise ServiceError(
                     "quota-exceeded",
                     f"this API key stores {count} model(s); the quota is {limit} "
                     "(max_models_per_key). DELETE models you no longer need",
@@ -571,7 +569,7 @@ class ModelCatalog:
     async def get(self, owner: str, name: str) -> ModelRow:
         row = await asyncio.to_thread(self.store.get_model, owner, name)
         if row is None:
-            raise ProblemError(
+            raise ServiceError(
                 "model-not-found",
                 f"no stored model {name!r} (POST /v1/models stores one; GET /v1/models lists "
                 "yours)",
@@ -600,7 +598,7 @@ class ModelCatalog:
         definition = await self.definition(owner, name)
         files = list((definition.get("models") or {}).values())
         if definition.get("program") or len(files) != 1:
-            raise ProblemError(
+            raise ServiceError(
                 "validation",
                 f"{field}: the stored model {name!r} is a definition, not an ONNX file (store "
                 "one with PUT /v1/models/{name} and Content-Type: application/onnx)",
@@ -613,5 +611,5 @@ class ModelCatalog:
         row = await self.get(owner, name)
         definition = await asyncio.to_thread(self.store.get_definition, row.definition)
         if definition is None:
-            raise ProblemError("internal", f"the stored definition of model {name!r} is missing")
+            raise ServiceError("internal", f"the stored definition of model {name!r} is missing")
         return definition

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from service.api.payloads import Binding, Prepared
-from service.api.problems import ProblemError
-from service.api.sessions import iso
-from service.api.tensors import DTYPES
 from service.core.config import Settings
+from service.core.errors import ServiceError
 from service.core.store import DatasetRow, Store
+from service.core.wire import DTYPES
+from service.domain.requests import Binding, Prepared
+from service.domain.sessions import iso
 
 
 def dataset_info(row: DatasetRow) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def load_numpy(body: bytes, array: str) -> dict[str, np.ndarray]:
         with loaded:
             return {name: loaded[name] for name in loaded.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise ProblemError(
+        raise ServiceError(
             "validation", f"body: not a .npy or .npz file NumPy reads without pickle: {exc}",
             errors=[{"field": "body", "message": str(exc)}],
         ) from None
@@ -60,29 +60,29 @@ class DatasetCatalog:
                   ) -> tuple[DatasetRow, bool]:
         """Store (or replace) a dataset within the limits; (row, created)."""
         if not arrays:
-            raise ProblemError("validation", "body: a dataset needs at least one array",
+            raise ServiceError("validation", "body: a dataset needs at least one array",
                                errors=[{"field": "body", "message": "no arrays"}])
         for array_name, array in arrays.items():
             if array.dtype.name not in DTYPES or array.dtype.hasobject:
-                raise ProblemError(
+                raise ServiceError(
                     "validation", f"{array_name}: dtype {array.dtype} is not one of "
                     f"{', '.join(DTYPES)}", errors=[{"field": array_name,
                                                      "message": f"dtype {array.dtype}"}])
         size = sum(int(a.nbytes) for a in arrays.values())
         s = self.settings
         if size > s.max_dataset_bytes:
-            raise ProblemError(
+            raise ServiceError(
                 "dataset-too-large", f"the dataset holds {size:,} bytes; this server stores "
                 f"at most {s.max_dataset_bytes:,} per dataset (max_dataset_bytes)")
         existing = await asyncio.to_thread(self.store.get_dataset, owner, name)
         count, held = await asyncio.to_thread(self.store.dataset_usage, owner, name)
         if held + size > s.max_dataset_bytes_per_key:
-            raise ProblemError(
+            raise ServiceError(
                 "dataset-too-large", f"this API key's datasets would hold {held + size:,} "
                 f"bytes; its quota is {s.max_dataset_bytes_per_key:,} "
                 "(max_dataset_bytes_per_key). DELETE datasets you no longer need")
         if existing is None and count >= s.max_datasets_per_key:
-            raise ProblemError(
+            raise ServiceError(
                 "dataset-too-large", f"this API key stores {count} dataset(s); the quota is "
                 f"{s.max_datasets_per_key} (max_datasets_per_key)")
         row = await asyncio.to_thread(self.store.put_dataset, owner, name, dict(arrays))
@@ -92,7 +92,7 @@ class DatasetCatalog:
         row = await asyncio.to_thread(self.store.get_dataset, owner, name)
         if row is None:
             where = f"{field}: " if field else ""
-            raise ProblemError(
+            raise ServiceError(
                 "dataset-not-found",
                 f"{where}no stored dataset {name!r} (PUT /v1/datasets/{name} stores one; "
                 "GET /v1/datasets lists yours)",
@@ -117,13 +117,13 @@ class DatasetCatalog:
             for array_name in names:
                 a = arrays.get(array_name)
                 if a is None:
-                    raise ProblemError(
+                    raise ServiceError(
                         "validation", f"{b.field}.array: the dataset {b.dataset!r} has no "
                         f"array {array_name!r} (its arrays: {', '.join(arrays)})",
                         errors=[{"field": f"{b.field}.array", "message": "unknown array"}])
                 input_name = array_name if b.name is None else b.name
                 if b.name is None and input_name in inputs:
-                    raise ProblemError(
+                    raise ServiceError(
                         "validation", f"{b.field}: the dataset's array {input_name!r} is an "
                         "input already", errors=[{"field": b.field, "message": "twice"}])
                 inputs[input_name] = {"dataset": b.dataset, "array": array_name,

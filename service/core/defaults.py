@@ -1,0 +1,14 @@
+"""Defaults that both processes need: the settings (service/core/config.py) take them
+as their field defaults, and a worker started without an option (a test, a future pool
+backend) falls back to the same value. Plain values, so a worker process reads them
+without importing pydantic."""
+
+from __future__ import annotations
+
+CHUNK_SIZE = 1024  # jacobian / Hessian rows per backward pass
+HESSIAN_MAX_SIZE = 2048  # n of the n x n Hessian of /v1/hessian
+JACOBIAN_MAX_ELEMENTS = 1 << 24  # elements of all the jacobians of one request
+HVP_MAX_VECTORS = 1024  # vectors in one /v1/hvp
+LANCZOS_MAX_BASIS_BYTES = 1 << 30  # memory of the Lanczos basis
+WORKER_DATASET_MEMORY = 1 << 30  # bytes of hot dataset arrays per worker
+WORKER_TUNE_ALLOCATOR = True  # engine.tune_allocator in the workers

@@ -1,0 +1,92 @@
+"""Arrays as bytes, the one codec of the service: the HTTP bodies (base64 and msgpack
+tensors, service/api/tensors.py), the worker protocol (service/core/ipc.py) and the store
+(service/core/store.py) all write an array as its dtype name, its shape and its raw
+little-endian, row-major bytes, and read it back here, checked.
+
+DTYPES is the wire's dtype vocabulary. It equals the definition language's
+(engine.language.definition.ALLOWED_DTYPES; tests/service/test_architecture.py pins the
+two together): the HTTP process must not import the engine, so it cannot ask it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+DTYPES: tuple[str, ...] = (
+    "float16", "float32", "float64",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "bool",
+)  # fmt: skip
+class Encoding(StrEnum):
+    """How tensors travel in a body: a JSON list, base64 bytes, or raw msgpack bytes."""
+
+    DATA = "data"
+    BASE64 = "base64"
+    BINARY = "binary"
+
+
+class TensorError(ValueError):
+    """Bytes, a shape or a dtype that do not describe an array (the message says how)."""
+
+
+def little_endian(dtype: str | np.dtype) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
+
+
+# NumPy's own bounds on an array's shape: past them it raises ValueError mid-request.
+MAX_DIMENSION = 2**31 - 1
+MAX_RANK = 32
+
+
+def expected_size(shape: Sequence[int]) -> int:
+    """Elements of `shape`, once it is known to be a shape NumPy can make."""
+    if len(shape) > MAX_RANK:
+        raise TensorError(f"shape has {len(shape)} dimensions; at most {MAX_RANK} are allowed")
+    bad = next((d for d in shape if not 0 <= d <= MAX_DIMENSION), None)
+    if bad is not None:
+        raise TensorError(
+            f"shape {short_shape(shape)} has a dimension of {bad}; each must be within "
+            f"0..{MAX_DIMENSION}"
+        )
+    return math.prod(shape)
+
+
+def short_shape(shape: Sequence[int]) -> str:
+    """A shape for a message, never longer than a line whatever the client sent."""
+    text = str(list(shape))
+    return text if len(text) <= 80 else text[:77] + "...]"
+
+
+def from_bytes(raw: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    """Little-endian row-major bytes -> array (zero-copy where the bytes allow)."""
+    dt = little_endian(dtype)
+    count = expected_size(shape)
+    if len(raw) != count * dt.itemsize:
+        raise TensorError(
+            f"{len(raw)} byte(s) do not hold shape {list(shape)} of {dtype} "
+            f"({count} x {dt.itemsize} = {count * dt.itemsize} bytes)"
+        )
+    array = np.frombuffer(raw, dtype=dt).reshape(tuple(shape))
+    if dtype == "bool" and array.size and array.view(np.uint8).max() > 1:
+        raise TensorError("bool bytes must be 0 or 1")
+    return array.astype(dt.newbyteorder("="), copy=False)
+
+
+def dtype_name(array: np.ndarray) -> str:
+    name = array.dtype.name
+    if name not in DTYPES:
+        raise TensorError(f"cannot send a tensor of dtype {name}")
+    return name
+
+
+def to_bytes(array: Any) -> tuple[str, list[int], bytes]:
+    """(dtype name, shape, little-endian row-major bytes): what from_bytes reads back."""
+    array = np.asarray(array)
+    raw = np.ascontiguousarray(array.astype(little_endian(array.dtype), copy=False))
+    return dtype_name(array), list(array.shape), raw.tobytes()

@@ -1,0 +1,141 @@
+"""The pool's interface: what the HTTP process may ask of its engine workers, whatever
+runs them. `Pool` is the protocol; service/pool/local.py (worker processes of this host)
+is its first backend, and a second one (Ray actors) is one more module beside it.
+The failures, the reply and the worker description below are the protocol's too: the
+HTTP layer maps each failure to a problem once (service/api/errors.py).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# ----------------------------------------------------------------------------------------
+# What can go wrong (the HTTP layer maps each to a problem response)
+# ----------------------------------------------------------------------------------------
+
+
+class PoolError(Exception):
+    """Base of the pool's failures."""
+
+
+class PoolBusy(PoolError):
+    """The queue is full, or no worker became free in time."""
+
+
+class PoolUnavailable(PoolError):
+    """The pool is not running (starting up or shutting down)."""
+
+
+class ComputeTimeout(PoolError):
+    def __init__(self, limit: float, worker: int):
+        super().__init__(f"worker {worker} ran past the time limit of {limit:g} s")
+        self.limit = limit
+        self.worker = worker
+
+
+class WorkerCrashed(PoolError):
+    def __init__(self, worker: int, exitcode: int | None):
+        self.worker = worker
+        self.exitcode = exitcode
+        super().__init__(f"worker {worker} stopped unexpectedly ({describe_exit(exitcode)})")
+
+
+class ComputeFailed(PoolError):
+    """The worker answered with an error: `error` is compute.describe_error's dict
+    (type, message, and for definition errors the list of problems)."""
+
+    def __init__(self, error: dict[str, Any]):
+        super().__init__(error.get("message", "the computation failed"))
+        self.error = error
+
+
+class WorkerStartError(PoolError):
+    pass
+
+
+class Cancelled(PoolError):
+    """The caller stopped waiting (its client disconnected, its job was cancelled)."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@dataclass(frozen=True)
+class Reply:
+    result: Any
+    worker: int
+    generation: int
+    seconds: float  # compute time in the worker
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    index: int
+    pid: int | None
+    device: str
+    state: str  # starting, idle, busy, down
+    generation: int
+    restarts: int
+
+
+class PoolObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def worker_busy(self, worker: int, seconds: float) -> None:
+        pass
+
+    def worker_restarted(self, worker: int, reason: str) -> None:
+        pass
+
+
+class Pool(Protocol):
+    """Engine workers that compute requests. A request may be routed to one worker
+    (`worker=i`: where a tape lives); `generation` in each Reply and WorkerInfo counts
+    that worker's restarts, so a caller can tell that state it left there is gone."""
+
+    async def start(self) -> None:
+        """Start every worker; raises WorkerStartError if one cannot start."""
+
+    async def close(self) -> None:
+        """Stop the workers; requests still waiting get PoolUnavailable."""
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def size(self) -> int:
+        """How many workers (the valid `worker=` indices are 0..size-1)."""
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    def workers(self) -> list[WorkerInfo]: ...
+
+    def hello(self, index: int = 0) -> dict[str, Any]:
+        """What worker `index` reported when it started (device, limits, engine)."""
+
+    async def submit(
+        self,
+        kind: str,
+        payload: Any,
+        *,
+        worker: int | None = None,
+        time_limit: float | None = None,
+        queue_bound: bool = True,
+    ) -> Reply:
+        """Run `kind` (a handler of service.worker.compute) on `payload`; raises a
+        PoolError (PoolBusy, PoolUnavailable, ComputeTimeout, WorkerCrashed, Cancelled,
+        ComputeFailed with the worker's description of the error)."""
+
+    async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
+        """Health: ping the idle workers, replace the ones that do not answer."""
