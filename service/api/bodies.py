@@ -307,9 +307,14 @@ async def read_bounded(request: Request) -> None:
             request._body = await anyio.to_thread.run_sync(_unpacked, body, shape)
 
 
-def parsed_body(request: Request) -> Any:
-    """The JSON or msgpack body read_bounded parsed (for a route that takes the request
-    rather than a body model); 400 for an empty one."""
+async def parsed_body(request: Request) -> Any:
+    """The JSON or msgpack body, read, sized and parsed as read_bounded does, for a route
+    that takes the request rather than a body model (its route class parses only the
+    bodies of body models); 400 for an empty one."""
+    if not hasattr(request, "_json") and not isinstance(
+        getattr(request, "_body", None), UnpackedBody
+    ):
+        await read_bounded(request)
     if hasattr(request, "_json"):
         return request._json
     body = getattr(request, "_body", None)
@@ -326,10 +331,14 @@ def _unpacked(body: bytes, shape: BodyShape) -> UnpackedBody:
 
 
 class BoundedRoute(APIRoute):
-    """An APIRoute that parses and sizes its body in a thread before FastAPI runs."""
+    """An APIRoute that parses and sizes its body in a thread before FastAPI runs (when
+    it takes a body model: a route that reads its body itself, as an ONNX upload does,
+    gets it unread, or parses it with parsed_body)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
 
         async def bounded(request: Request) -> Response:
             await read_bounded(request)
@@ -344,6 +353,7 @@ class GatedRoute(BoundedRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = APIRoute.get_route_handler(self)
+        reads_body = self.body_field is not None
 
         async def gated(request: Request) -> Response:
             # The same dependency the route declares (it answers from the request's
@@ -353,7 +363,8 @@ class GatedRoute(BoundedRoute):
             )
             fairness: Fairness = request.app.state.fairness
             async with fairness.admit(owner):
-                await read_bounded(request)
+                if reads_body:
+                    await read_bounded(request)
                 return await handler(request)
 
         return gated

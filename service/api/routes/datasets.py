@@ -82,8 +82,8 @@ async def put_dataset(
                            f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}")
     if media == OCTET:
         arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array)
-    else:  # parsed and sized by the route class, before this runs
-        arrays = await anyio.to_thread.run_sync(_decode, parsed_body(request))
+    else:  # sized and parsed in a thread, as the route class does for body models
+        arrays = await anyio.to_thread.run_sync(_decode, await parsed_body(request))
     row, created = await datasets.put(owner, name, arrays)
     info = DatasetInfo.model_validate(dataset_info(row))
     return Response(info.model_dump_json(), status_code=201 if created else 200,
