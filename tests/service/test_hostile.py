@@ -413,15 +413,18 @@ def gated(tmp_path_factory):
         stop_server(srv)
 
 
-def open_upload(server, length: int, key: str | None = None, first: bytes = b"") -> socket.socket:
+def open_upload(server, length: int | None, key: str | None = None, first: bytes = b""
+                ) -> socket.socket:
     """A raw connection that sends a POST /v1/gradient's headers (a JSON body of `length`
-    bytes) and the first bytes of its body, and sends no more until told."""
+    bytes, or chunked when None) and the first bytes of its body, and no more until told."""
     url = urlsplit(server.base_url)
     sock = socket.create_connection((url.hostname, url.port), timeout=10)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    if length is None:
+        first = b"%x\r\n%s\r\n" % (len(first), first)
     sock.sendall((f"POST /v1/gradient HTTP/1.1\r\nHost: {url.hostname}\r\n{auth}"
-                  f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
-                  ).encode() + first)
+                  f"Content-Type: application/json\r\n{framing}\r\n\r\n").encode() + first)
     return sock
 
 
@@ -463,6 +466,15 @@ def test_a_keyless_client_is_refused_before_its_body_is_read(gated) -> None:
             sent.join()
             assert c.get("/readyz").status_code == 200
     assert slowest < 0.1, f"/healthz took {slowest * 1e3:.0f} ms while the body streamed in"
+
+
+def test_a_keyless_chunked_upload_is_refused_before_its_body_is_read(gated) -> None:
+    """Without a Content-Length the body-size guard once read the whole body ahead of the
+    app (up to max_body_bytes) before the key was looked at; it now counts as the app
+    reads, so the 401 comes after the first chunk."""
+    with open_upload(gated, None, first=big_json()[: 2**20]) as sock:
+        status, answer = read_answer(sock)
+    assert status == 401 and b"www-authenticate" in answer
 
 
 def test_a_key_over_its_rate_is_refused_before_its_body_is_read(gated) -> None:
