@@ -454,7 +454,6 @@ class HessianOperator:
         vectors = self._split(np.asarray(p, np.float64).ravel(), self._flat)
         return self._flatten(tree.flatten(self._apply(tuple(vectors), 0))[0])
 
-
     # Dense forms, for small parameter counts ------------------------------------------
     def dense(self, chunk_size: int = 1024,
               progress: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -483,7 +482,8 @@ class HessianOperator:
                 progress(stop, n)
         return np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
 
-    def newton_step(self, damping: float, dense: np.ndarray | None = None) -> tuple:
+    def newton_step(self, damping: float, dense: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, ...]:
         """The step s solving (H + damping I) s = g at the point (x - s is the damped
         Newton iterate), in the primals' structure and dtypes, as host arrays. `dense`:
         H already built by `dense()`. Raises SingularHessianError when H + damping I is

@@ -17,6 +17,8 @@ from service.api.schemas import (
     DatasetInputs,
     Definition,
     DefinitionRequest,
+    DiagonalRequest,
+    EigenMethod,
     EigenvaluesRequest,
     GradientRequest,
     HessianRequest,
@@ -25,6 +27,7 @@ from service.api.schemas import (
     JacobianRequest,
     ModelCreateRequest,
     SolveRequest,
+    SpectralDensityRequest,
     TapeCreateRequest,
     TapeGradientRequest,
     TapeHVPRequest,
@@ -370,19 +373,44 @@ def _algorithm_limits(max_hvps: int, max_seconds: float | None, limit: float,
 
 def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
     limit = _time_limit(body.time_limit, settings)
+    power = body.method is EigenMethod.power
+    which = body.which.value if body.which is not None else ("LM" if power else "LA")
+    if power and which != "LM":
+        raise ProblemError(
+            "invalid-request",
+            f"which: power iteration finds the eigenvalues of largest magnitude (LM) only; "
+            f"for {which} use method lanczos",
+            errors=[{"field": "which", "message": "LM (or absent) with method power"}],
+        )
     payload = {
-        "k": body.k, "which": body.which.value, "tol": body.tol,
+        "k": body.k, "method": body.method.value, "which": which, "tol": body.tol,
         "eigenvectors": body.eigenvectors, "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 
 
-def trace(body: TraceRequest, settings: Settings) -> Prepared:
+def trace(body: TraceRequest | DiagonalRequest, settings: Settings) -> Prepared:
+    """The payload of /trace and of /diagonal (the same knobs)."""
     limit = _time_limit(body.time_limit, settings)
     payload = {
-        "batch_size": body.batch_size, "rtol": body.rtol, "atol": body.atol, "seed": body.seed,
+        "method": body.method.value, "batch_size": body.batch_size, "rtol": body.rtol,
+        "atol": body.atol, "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+    }
+    return _prepared(body, _decoder(body, settings), payload, limit)
+
+
+def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    # By default every probe may run its steps, within the server's limit (the run then
+    # stops at max_hvps, each probe with the steps it reached, and says so).
+    default = min(body.probes * body.steps, settings.algorithm_max_hvps)
+    max_hvps = default if body.max_hvps is None else body.max_hvps
+    payload = {
+        "probes": body.probes, "steps": body.steps, "sigma": body.sigma,
+        "points": body.points, "grid": body.grid, "seed": body.seed,
+        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 

@@ -4,7 +4,7 @@ tensors, service/api/tensors.py), the worker protocol (service/core/ipc.py) and 
 little-endian, row-major bytes, and read it back here, checked.
 
 DTYPES is the wire's dtype vocabulary. It equals the definition language's
-(engine.language.definition.ALLOWED_DTYPES; tests/service/test_architecture.py pins the
+(engine.language.definition.ALLOWED_DTYPES; tests/test_architecture.py pins the
 two together): the HTTP process must not import the engine, so it cannot ask it.
 """
 

@@ -35,9 +35,15 @@ from engine.footprint import held_bytes
 from engine.hessian_algorithms import (
     FlatOperator,
     Progress,
+    choose_diagonal_method,
+    choose_trace_method,
     conjugate_gradient,
-    hutchinson_trace,
+    estimate_diagonal,
+    estimate_trace,
+    exact_pass_size,
     lanczos,
+    power_iteration,
+    spectral_density,
 )
 from engine.language import (
     CompiledProgram,
@@ -75,7 +81,7 @@ class TapeSession:
     hvp_measured: bool = False
 
 
-def _tapes(context: WorkerContext) -> dict[str, TapeSession]:
+def sessions(context: WorkerContext) -> dict[str, TapeSession]:
     tapes: dict[str, TapeSession] = context.state.setdefault("tapes", {})
     return tapes
 
@@ -143,7 +149,7 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
 
 def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSession, bool]:
     """The tape the request names, rebuilt from `rebuild` when this worker lacks it."""
-    tapes = _tapes(context)
+    tapes = sessions(context)
     tape_id = payload["tape_id"]
     session = tapes.get(tape_id)
     if session is not None:
@@ -185,14 +191,14 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     """Record a tape (replacing one of the same id only once the new one is recorded:
     a failed update keeps the old tape)."""
     session = record(payload["tape_id"], payload, context)
-    _tapes(context)[session.tape_id] = session
+    sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
     return result
 
 
 def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    tapes = _tapes(context)
+    tapes = sessions(context)
     dropped = [i for i in payload["tape_ids"] if tapes.pop(i, None) is not None]
     if dropped:
         gc.collect()  # hand the arrays back now, cycles included
@@ -218,7 +224,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def _other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
+def other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
     target = payload.get("target") or session.request.target
     sources = payload.get("sources")
     if sources is None:
@@ -232,7 +238,7 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     """The gradient of any name of the program over any floating-point leaves, from the
     recording (one backward pass; the program does not run again)."""
     session, rebuilt = _session(payload, context)
-    request = _other_request(session, payload)
+    request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     grads = session.recording.gradient(y, watched, unconnected_gradients=request.unconnected)
@@ -245,7 +251,7 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
 
 def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = _session(payload, context)
-    request = _other_request(session, payload)
+    request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     batch = bool(payload.get("batch"))
@@ -285,6 +291,19 @@ def _check_max_hvps(value: int, at_least: int, what: str) -> None:
                            field="max_hvps")
 
 
+def _check_basis(context: WorkerContext, rows: int, n: int, what: str, fewer: str) -> None:
+    """Refuse (too-large) an algorithm whose host vectors (rows x n float64) would pass the
+    server's lanczos_max_basis_bytes."""
+    if 8 * rows * n > context.lanczos_max_basis_bytes:
+        raise RequestError(
+            "too-large",
+            f"{what} of {rows} vectors of {n:,} parameters ({8 * rows * n:,} bytes) exceeds "
+            f"this server's lanczos_max_basis_bytes ({context.lanczos_max_basis_bytes:,}); "
+            f"{fewer}",
+            limit=context.lanczos_max_basis_bytes,
+        )
+
+
 def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
@@ -296,21 +315,23 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
             field="k",
         )
     _check_max_hvps(int(payload["max_hvps"]), k, f"k = {k} eigenvalues")
-    basis_rows = context.lanczos_max_basis_bytes // (8 * flat.n)
-    if basis_rows < k:
-        raise RequestError(
-            "too-large",
-            f"a Lanczos basis of {k} vectors of {flat.n:,} parameters exceeds this server's "
-            f"lanczos_max_basis_bytes ({context.lanczos_max_basis_bytes:,}); ask for fewer "
-            "eigenvalues",
-            limit=context.lanczos_max_basis_bytes,
-        )
-    out = lanczos(
-        flat.matvec, flat.n, k=k, which=payload["which"], tol=float(payload["tol"]),
-        max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
-        eigenvectors=bool(payload["eigenvectors"]), seed=payload.get("seed"),
-        max_basis_bytes=context.lanczos_max_basis_bytes, callback=_relay(context),
-    )
+    method = payload.get("method", "lanczos")
+    # Lanczos holds at least k basis vectors; power iteration its block of k and A times it.
+    rows = k if method == "lanczos" else 2 * k
+    what = "a Lanczos basis" if method == "lanczos" else "a power-iteration block"
+    _check_basis(context, rows, flat.n, what, "ask for fewer eigenvalues")
+    tol, max_hvps = float(payload["tol"]), int(payload["max_hvps"])
+    max_seconds = _seconds_left(payload, started)
+    eigenvectors, seed = bool(payload["eigenvectors"]), payload.get("seed")
+    if method == "power":
+        out = power_iteration(flat.matvec, flat.n, k=k, tol=tol, max_hvps=max_hvps,
+                              max_seconds=max_seconds, eigenvectors=eigenvectors, seed=seed,
+                              callback=_relay(context))
+    else:
+        out = lanczos(flat.matvec, flat.n, k=k, which=payload["which"], tol=tol,
+                      max_hvps=max_hvps, max_seconds=max_seconds, eigenvectors=eigenvectors,
+                      seed=seed, max_basis_bytes=context.lanczos_max_basis_bytes,
+                      callback=_relay(context))
     vectors = None
     if out.eigenvectors is not None:
         vectors = [dict(zip(session.keys, flat.unflatten(y), strict=True))
@@ -319,6 +340,7 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
         "eigenvalues": [float(v) for v in out.eigenvalues],
         "residuals": [float(r) for r in out.residuals],
         "eigenvectors": vectors,
+        "method": method,
         "converged": out.converged,
         "stopped": out.stopped,
         "iterations": out.iterations,
@@ -328,23 +350,122 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
     return _done(session, rebuilt, result, hvp_only=True)
 
 
+def _exact_pass(flat: FlatOperator, context: WorkerContext) -> int:
+    """Unit vectors per exact pass: as many as the host memory bound, the server's
+    hvp_max_vectors and the tape's memory budget (its max_batch) allow."""
+    return min(exact_pass_size(flat.n, flat.max_batch), context.hvp_max_vectors)
+
+
+def _check_method_budget(method: str, max_hvps: int, n: int, what: str) -> None:
+    if method == "exact":
+        _check_max_hvps(max_hvps, n, f"the exact {what} of a tape with {n} parameters")
+    elif method == "hutchpp":
+        _check_max_hvps(max_hvps, 3, "hutchpp (a sketch, its product and a probe)")
+    else:
+        _check_max_hvps(max_hvps, 2, "a standard error")
+
+
 def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
-    _check_max_hvps(int(payload["max_hvps"]), 2, "a standard error")
+    flat = session.flat
+    max_hvps = int(payload["max_hvps"])
+    method = choose_trace_method(payload.get("method", "auto"), flat.n, max_hvps)
+    _check_method_budget(method, max_hvps, flat.n, "trace")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
-    out = hutchinson_trace(
-        session.flat.matvec, session.flat.n, batch_size=batch,
-        max_hvps=int(payload["max_hvps"]), rtol=payload.get("rtol"),
-        atol=float(payload.get("atol") or 0.0), max_seconds=_seconds_left(payload, started),
-        seed=payload.get("seed"), callback=_relay(context),
+    exact_batch = _exact_pass(flat, context)
+    out = estimate_trace(
+        flat.matvec, flat.n, method=method, batch_size=batch, max_hvps=max_hvps,
+        rtol=payload.get("rtol"), atol=float(payload.get("atol") or 0.0),
+        max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
+        exact_batch_size=exact_batch, max_basis_bytes=context.lanczos_max_basis_bytes,
+        callback=_relay(context),
     )
     result = {
         "trace": out.trace,
         "stderr": out.stderr if math.isfinite(out.stderr) else None,
+        "method": out.method,
+        "samples": out.samples,
+        "sketch": out.sketch,
+        "batches": out.batches,
+        "batch_size": exact_batch if method == "exact" else batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    flat = session.flat
+    max_hvps = int(payload["max_hvps"])
+    method = choose_diagonal_method(payload.get("method", "auto"), flat.n, max_hvps)
+    _check_method_budget(method, max_hvps, flat.n, "diagonal")
+    batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
+    exact_batch = _exact_pass(flat, context)
+    out = estimate_diagonal(
+        flat.matvec, flat.n, method=method, batch_size=batch, max_hvps=max_hvps,
+        rtol=payload.get("rtol"), atol=float(payload.get("atol") or 0.0),
+        max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
+        exact_batch_size=exact_batch, callback=_relay(context),
+    )
+    # An exact run stopped by its time limit reached the first entries only: the rest are
+    # answered as 0 (JSON has no NaN) and counted out by `reached`.
+    reached = int(np.count_nonzero(~np.isnan(out.diagonal)))
+    diagonal = np.where(np.isnan(out.diagonal), 0.0, out.diagonal)
+
+    def per_source(x: np.ndarray) -> dict[str, np.ndarray]:
+        return dict(zip(session.keys, flat.unflatten(x), strict=True))
+
+    result = {
+        "diagonal": per_source(diagonal),
+        "stderr": per_source(out.stderr) if method == "hutchinson" else None,
+        "error": out.error if math.isfinite(out.error) else None,
+        "method": out.method,
+        "reached": reached,
         "samples": out.samples,
         "batches": out.batches,
-        "batch_size": batch,
+        "batch_size": exact_batch if method == "exact" else batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+    if method == "hutchinson" and not np.isfinite(out.stderr).all():
+        result["stderr"] = None  # a single probe has no standard error
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
+                          ) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    flat = session.flat
+    steps = min(int(payload["steps"]), flat.n)
+    _check_basis(context, steps, flat.n, "a Lanczos basis", "ask for fewer steps")
+    probes = int(payload["probes"])
+    grid = payload.get("grid")
+    out = spectral_density(
+        flat.matvec, flat.n, probes=probes, steps=steps, sigma=payload.get("sigma"),
+        points=int(payload["points"]), grid=None if grid is None else np.asarray(grid),
+        batch_size=min(probes, context.hvp_max_vectors), max_hvps=int(payload["max_hvps"]),
+        max_seconds=_seconds_left(payload, started),
+        max_basis_bytes=context.lanczos_max_basis_bytes, seed=payload.get("seed"),
+        callback=_relay(context),
+    )
+    result = {
+        "grid": [float(x) for x in out.grid],
+        "density": [float(x) for x in out.density],
+        "stderr": None if out.stderr is None else [float(x) for x in out.stderr],
+        "nodes": [[float(x) for x in t] for t in out.nodes],
+        "weights": [[float(x) for x in w] for w in out.weights],
+        "sigma": out.sigma,
+        "probes": out.probes,
+        "steps": out.steps,
+        "parameters": flat.n,
         "converged": out.converged,
         "stopped": out.stopped,
         "hvps": out.hvps,
@@ -413,6 +534,8 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "tape_jacobian": tape_jacobian,
     "tape_eigenvalues": tape_eigenvalues,
     "tape_trace": tape_trace,
+    "tape_diagonal": tape_diagonal,
+    "tape_spectral_density": tape_spectral_density,
     "tape_solve": tape_solve,
     "check_definition": check_definition,
 }

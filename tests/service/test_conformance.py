@@ -482,6 +482,19 @@ def test_tape_algorithms(client, enc: Encoding, sources: Any) -> None:
         bound = 6 * (trace["stderr"] or 0.0) + 1e-4 * abs(np.trace(h)) + 1e-6
         assert abs(trace["trace"] - np.trace(h)) <= bound, (trace, np.trace(h))
 
+        diagonal = check(enc.request(client, "POST", f"{url}/diagonal", {}), 200, enc.name)
+        assert diagonal["method"] == "exact" and diagonal["reached"] == n, diagonal
+        for kk, nn in keys.items():
+            close(tensor_of(diagonal["diagonal"][kk], f"diagonal[{kk}]", POINT[nn].shape),
+                  unflat(np.diag(h), keys)[kk], f"diagonal[{kk}]", rtol=1e-4, atol=1e-5)
+
+        density = check(enc.request(client, "POST", f"{url}/spectral-density",
+                                    {"probes": 3, "steps": n, "points": 50}), 200, enc.name)
+        assert density["parameters"] == n and len(density["density"]) == 50, density
+        for nodes, weights in zip(density["nodes"], density["weights"], strict=True):
+            assert len(nodes) == len(weights) and abs(sum(weights) - 1) < 1e-6
+            assert exact[0] - 1e-4 <= min(nodes) and max(nodes) <= exact[-1] + 1e-4
+
         damping = 0.5
         g = flat({kk: _jac("loss", nn) for kk, nn in keys.items()}, keys)
         solved = check(enc.request(client, "POST", f"{url}/solve",
@@ -515,7 +528,8 @@ def test_jobs(client, enc: Encoding) -> None:
     accept = {"accept": MSGPACK if enc.name == "msgpack" else JSON}
     try:
         r = enc.request(client, "POST", f"/v1/tapes/{tape_id}/trace",
-                        {"max_hvps": 64, "batch_size": 16, "seed": 1, "async": True})
+                        {"method": "hutchinson", "max_hvps": 64, "batch_size": 16,
+                         "seed": 1, "async": True})
         job = check(r, 202, enc.name)
         location = f"/v1/jobs/{job['job_id']}"
         assert r.headers["location"] == location
@@ -868,6 +882,8 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
                                                "test_tape_batch_jacobian"),
     ("POST", "/v1/tapes/{tape_id}/eigenvalues"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/trace"): ("test_tape_algorithms",),
+    ("POST", "/v1/tapes/{tape_id}/diagonal"): ("test_tape_algorithms",),
+    ("POST", "/v1/tapes/{tape_id}/spectral-density"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/solve"): ("test_tape_algorithms",),
     ("GET", "/v1/jobs"): ("test_jobs",),
     ("GET", "/v1/jobs/{job_id}"): ("test_jobs",),

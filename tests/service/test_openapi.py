@@ -61,6 +61,8 @@ def test_operation_ids_are_stable_and_readable() -> None:
         ("/v1/tapes/{tape_id}/jacobian", "post"): "compute_tape_jacobian",
         ("/v1/tapes/{tape_id}/eigenvalues", "post"): "compute_tape_eigenvalues",
         ("/v1/tapes/{tape_id}/trace", "post"): "estimate_tape_trace",
+        ("/v1/tapes/{tape_id}/diagonal", "post"): "estimate_tape_diagonal",
+        ("/v1/tapes/{tape_id}/spectral-density", "post"): "estimate_tape_spectral_density",
         ("/v1/tapes/{tape_id}/solve", "post"): "solve_tape",
         ("/v1/jobs", "get"): "list_jobs",
         ("/v1/jobs/{job_id}", "get"): "read_job",

@@ -98,5 +98,5 @@ DERIVATIVES = (
         gradients) or `vectors` (a list of them). The forward pass and the gradient are
         recorded once and all vectors are answered in one batched second-order pass."""),
 )
-for _derivative in DERIVATIVES:
-    _add(_derivative)
+for _operation in DERIVATIVES:
+    _add(_operation)

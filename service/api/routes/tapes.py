@@ -1,6 +1,6 @@
 """Tapes: record a definition once in a worker, then ask it many questions (HVPs,
-gradients and jacobians of other targets, eigenvalues, the trace, Newton steps)
-without running the forward pass again."""
+gradients and jacobians of other targets, eigenvalues and eigenvectors, the trace, the
+diagonal, the spectral density, Newton steps) without running the forward pass again."""
 
 from __future__ import annotations
 
@@ -29,12 +29,16 @@ from service.api.openapi import (
 )
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
+    DiagonalRequest,
+    DiagonalResponse,
     EigenvaluesRequest,
     EigenvaluesResponse,
     GradientResponse,
     JacobianResponse,
     SolveRequest,
     SolveResponse,
+    SpectralDensityRequest,
+    SpectralDensityResponse,
     TapeCreateRequest,
     TapeCreateResponse,
     TapeGradientRequest,
@@ -213,18 +217,38 @@ TAPE_OPERATIONS = (
     _on_tape(
         "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
         EigenvaluesResponse, payloads.eigenvalues,
-        "Top eigenvalues of a tape's Hessian (Lanczos)",
+        "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
         """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-        Hessian of the tape's target over its sources, by Lanczos with full
-        reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
-        Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
-        the HVPs used and the residuals. A repeated eigenvalue may be found once only
+        Hessian of the tape's target over its sources, in the worker (no round trip per
+        HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
+        (`method: power`) by deflated power iteration, k HVPs per batched step, largest
+        magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
+        at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
+        HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
         unless the whole space is spanned.""", job=True),
     _on_tape(
         "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
-        payloads.trace, "Trace of a tape's Hessian (Hutchinson)",
-        """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
-        HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`.""",
+        payloads.trace, "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
+        """tr(H): exact from the n unit vectors in batched passes of up to 64 (`method:
+        auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
+        standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`.""", job=True),
+    _on_tape(
+        "estimate_tape_diagonal", "diagonal", "tape_diagonal", DiagonalRequest,
+        DiagonalResponse, payloads.trace, "Diagonal of a tape's Hessian (exact, Hutchinson)",
+        """diag(H) as tensors per source: exact from the n unit vectors in batched passes of
+        up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
+        estimate with a standard error per entry, stopping once the root-mean-square error
+        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""", job=True),
+    _on_tape(
+        "estimate_tape_spectral_density", "spectral-density", "tape_spectral_density",
+        SpectralDensityRequest, SpectralDensityResponse, payloads.spectral_density,
+        "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
+        """The density of the Hessian's eigenvalues by stochastic Lanczos quadrature, as
+        PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
+        the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
+        density (width `sigma`) on a grid with its pointwise standard error, and the raw
+        Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
         job=True),
     _on_tape(
         "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,

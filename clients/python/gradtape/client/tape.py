@@ -21,7 +21,16 @@ import numpy as np
 
 from . import _core, _wire
 from .errors import TapeGone
-from .results import Eigenvalues, Gradient, Jacobian, Solve, Trace, shaped
+from .results import (
+    Diagonal,
+    Eigenvalues,
+    Gradient,
+    Jacobian,
+    Solve,
+    SpectralDensity,
+    Trace,
+    shaped,
+)
 
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
@@ -274,13 +283,15 @@ class RemoteTape:
             a["iterations"],
             a["hvps"],
             a["seconds"],
+            a.get("method", "lanczos"),
         )
 
     def eigenvalues(
         self,
         k: int = 1,
-        which: str = "LA",
+        which: str | None = None,
         *,
+        method: str | None = None,
         tol: float | None = None,
         max_hvps: int | None = None,
         max_seconds: float | None = None,
@@ -289,9 +300,12 @@ class RemoteTape:
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
-        """The k extreme eigenvalues of the Hessian at the recorded point, by Lanczos on
-        the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
-        largest magnitude.
+        """The k extreme eigenvalues of the Hessian at the recorded point, on the server:
+        `method` "lanczos" (the default; one HVP per iteration) or "power" (deflated power
+        iteration, k HVPs per batched step, largest magnitude only). `which`: "LA"
+        largest (Lanczos' default), "SA" smallest, "LM" largest magnitude. With
+        `eigenvectors=True`, one eigenvector per eigenvalue in the tape's source
+        structure.
 
         `progress=True` runs it as a server-side job and shows a tqdm bar (HVPs of the
         budget, the current Ritz values and residuals; `pip install
@@ -299,6 +313,7 @@ class RemoteTape:
         Ctrl-C (or cancelling the awaiting task) cancels the job on the server."""
         body = self._options(
             k=k,
+            method=method,
             which=which,
             tol=tol,
             max_hvps=max_hvps,
@@ -322,11 +337,14 @@ class RemoteTape:
             a["stopped"],
             a["hvps"],
             a["seconds"],
+            a.get("method", "hutchinson"),
+            a.get("sketch", 0),
         )
 
     def trace(
         self,
         *,
+        method: str | None = None,
         batch_size: int | None = None,
         max_hvps: int | None = None,
         rtol: float | None = None,
@@ -336,9 +354,12 @@ class RemoteTape:
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
-        """Hutchinson's estimate of the Hessian's trace (Rademacher vectors, batched
-        HVPs on the server), with its standard error. `progress` as in `eigenvalues`."""
+        """The Hessian's trace on the server: `method` "auto" (the server's default: exact
+        when `max_hvps` covers the parameter count, else Hutch++), "exact", "hutchpp" or
+        "hutchinson", with its standard error; the stochastic methods stop once it is
+        within `rtol`/`atol`. `progress` as in `eigenvalues`."""
         body = self._options(
+            method=method,
             batch_size=batch_size,
             max_hvps=max_hvps,
             rtol=rtol,
@@ -348,6 +369,108 @@ class RemoteTape:
         )
         body["seed"] = seed
         return self._run(self._trace_op(body, progress))
+
+    def _diagonal_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Diagonal]:
+        a = yield from self._core.compute("POST", self._path("/diagonal"), body,
+                                          progress=progress, description="diagonal")
+        stderr = a.get("stderr")
+        return Diagonal(
+            shaped(a["diagonal"], self._sources),
+            None if stderr is None else shaped(stderr, self._sources),
+            a.get("error"),
+            a["method"],
+            a["reached"],
+            a["samples"],
+            a["batches"],
+            a["batch_size"],
+            a["converged"],
+            a["stopped"],
+            a["hvps"],
+            a["seconds"],
+        )
+
+    def diagonal(
+        self,
+        *,
+        method: str | None = None,
+        batch_size: int | None = None,
+        max_hvps: int | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = 0,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """The Hessian's diagonal on the server, in the tape's source structure: `method`
+        "auto" (the server's default: exact when `max_hvps` covers the parameter count,
+        else Hutchinson), "exact" or "hutchinson" (with a standard error per entry; it
+        stops once the root-mean-square error is within `rtol`/`atol`). `progress` as in
+        `eigenvalues`."""
+        body = self._options(
+            method=method,
+            batch_size=batch_size,
+            max_hvps=max_hvps,
+            rtol=rtol,
+            atol=atol,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        body["seed"] = seed
+        return self._run(self._diagonal_op(body, progress))
+
+    def _density_op(self, body: dict[str, Any], progress: Any = None
+                    ) -> _core.Op[SpectralDensity]:
+        a = yield from self._core.compute("POST", self._path("/spectral-density"), body,
+                                          progress=progress, description="spectral density")
+        stderr = a.get("stderr")
+        return SpectralDensity(
+            np.asarray(a["grid"], dtype=np.float64),
+            np.asarray(a["density"], dtype=np.float64),
+            None if stderr is None else np.asarray(stderr, dtype=np.float64),
+            [np.asarray(t, dtype=np.float64) for t in a["nodes"]],
+            [np.asarray(w, dtype=np.float64) for w in a["weights"]],
+            a["sigma"],
+            a["probes"],
+            a["steps"],
+            a["parameters"],
+            a["converged"],
+            a["stopped"],
+            a["hvps"],
+            a["seconds"],
+        )
+
+    def spectral_density(
+        self,
+        *,
+        probes: int | None = None,
+        steps: int | None = None,
+        sigma: float | None = None,
+        points: int | None = None,
+        grid: Any = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = 0,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """The density of the Hessian's eigenvalues by stochastic Lanczos quadrature on
+        the server (`probes` random vectors, `steps` Lanczos steps each; server defaults
+        8 and 64): the density smoothed with `sigma` on `grid` (or `points` points), and
+        the raw Ritz nodes and weights (`SpectralDensity.smoothed` re-smooths them
+        locally). `progress` as in `eigenvalues`."""
+        body = self._options(
+            probes=probes,
+            steps=steps,
+            sigma=sigma,
+            points=points,
+            grid=None if grid is None else [float(x) for x in np.asarray(grid).reshape(-1)],
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        body["seed"] = seed
+        return self._run(self._density_op(body, progress))
 
     def _solve_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Solve]:
         a = yield from self._core.compute("POST", self._path("/solve"), body,
