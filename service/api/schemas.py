@@ -419,13 +419,23 @@ GRADIENT_EXAMPLE: dict[str, Any] = {
 }
 
 
+class UnpackedBody(bytes):
+    """A msgpack body with its `value`, unpacked (and sized) once, off the event loop, by
+    service/api/bodies.py: the request model takes the value instead of unpacking the
+    bytes again."""
+
+    value: Any
+
+
 class RequestModel(_Strict):
-    """Base of request bodies: a msgpack body arrives as bytes and is unpacked here, so
-    both encodings go through the same validation."""
+    """Base of request bodies: a msgpack body arrives as bytes (over HTTP, unpacked
+    already: an UnpackedBody), so both encodings go through the same validation."""
 
     @model_validator(mode="before")
     @classmethod
     def _unpack_msgpack(cls, data: Any) -> Any:
+        if isinstance(data, UnpackedBody):
+            return data.value
         if isinstance(data, bytes | bytearray):
             try:
                 return msgpack.unpackb(data, raw=False, strict_map_key=True)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute
 from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, SettingsDep
 from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
@@ -18,7 +18,7 @@ from service.api.routes._compute import resolve_onnx
 from service.api.schemas import STORED_NAME_PATTERN, ModelCreateRequest, ModelInfo, ModelList
 from service.domain.sessions import model_info
 
-router = APIRouter(tags=["models"], route_class=BoundedRoute)
+router = APIRouter(tags=["models"], route_class=GatedRoute)
 
 NameParam = Annotated[str, Path(description="The model's name.")]
 

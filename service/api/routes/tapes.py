@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute
 from service.api.deps import (
     DatasetsDep,
     ModelsDep,
@@ -57,7 +57,7 @@ from service.api.schemas import (
 )
 from service.pool import Reply
 
-router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
+router = APIRouter(tags=["tapes"], route_class=GatedRoute)
 
 TAPE_ERRORS = (401, 404)
 
