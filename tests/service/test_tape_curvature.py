@@ -406,3 +406,26 @@ def test_influence_test_points_from_a_stored_dataset(client, tape_id) -> None:
         url, json={"test_inputs": {"dataset": "curvature-test", "rows": [9]}, **options}
     )
     assert "test_inputs.x" in problem(past, 422)["detail"]
+
+
+def test_bare_list_labels_are_cast_to_the_inputs_dtype(client, tape_id) -> None:
+    """Bare JSON lists arrive as float32: whole numbers become the int64 labels; others
+    are a 422 naming the input."""
+    url = f"/v1/tapes/{tape_id}/influence"
+    x_test = rng.standard_normal((3, D))
+    options = {"curvature": "ggn", "damping": 0.1, "tol": 1e-12, "max_iterations": 200}
+    typed = post(
+        client,
+        url,
+        {"test_inputs": {"x": t(x_test, "float64"), "y": t([0, 2, 1], "int64")}, **options},
+    )
+    bare = post(
+        client, url, {"test_inputs": {"x": t(x_test, "float64"), "y": [0, 2, 1]}, **options}
+    )
+    np.testing.assert_allclose(bare["scores"], typed["scores"], rtol=1e-12)
+    r = client.post(
+        url, json={"test_inputs": {"x": t(x_test, "float64"), "y": [0, 2.5, 1]}, **options}
+    )
+    assert (
+        "input 'y' is int64; the values given are not whole numbers" in (problem(r, 422)["detail"])
+    )
