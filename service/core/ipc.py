@@ -3,9 +3,10 @@
 A message is one msgpack document behind a 4-byte big-endian length. NumPy arrays
 travel as a msgpack extension type (code ARRAY_EXT: the lengths of a msgpack header
 `[dtype, shape]` and of what precedes the raw bytes, the header, zero padding, then the
-raw bytes at a multiple of 16 bytes into the extension's data), out of band: no client string, whatever key or
-value it is, can be taken for an array or any other protocol element. Client data is
-never pickled. Both sides use this module: the asyncio side reads
+raw bytes at a multiple of 16 bytes into the extension's data; dtype names and bytes as
+service/core/wire.py writes and checks them), out of band: no client string, whatever
+key or value it is, can be taken for an array or any other protocol element. Client
+data is never pickled. Both sides use this module: the asyncio side reads
 and writes frames on stream objects, a worker on a blocking socket.
 
 Requests: {"id": int, "kind": str, "payload": ...} (kind "shutdown": exit).
@@ -24,6 +25,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from service.core import wire
+
 HEADER = struct.Struct("!I")
 MAX_FRAME = 2**32 - 1
 ARRAY_EXT = 1  # the msgpack extension type code of a NumPy array
@@ -41,13 +44,10 @@ class FrameError(ConnectionError):
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
-        array = obj if obj.flags.c_contiguous else obj.copy(order="C")  # keeps 0-d arrays 0-d
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
-        header = msgpack.packb([array.dtype.str, list(array.shape)])
+        dtype, shape, raw = wire.raw_view(obj)  # no copy of a contiguous little-endian array
+        header = msgpack.packb([dtype, shape])
         used = _ARRAY_PREFIX.size + len(header)
         start = -(-used // ALIGNMENT) * ALIGNMENT
-        raw = array.reshape(-1).view(np.uint8).data  # a memoryview, no copy; empty arrays too
         return msgpack.ExtType(ARRAY_EXT, b"".join(
             (_ARRAY_PREFIX.pack(len(header), start), header, bytes(start - used), raw)))
     if isinstance(obj, np.generic):
@@ -66,7 +66,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
             raise ValueError(f"its raw bytes start at {start}, inside its header")
         dtype, shape = msgpack.unpackb(data[_ARRAY_PREFIX.size:_ARRAY_PREFIX.size + size])
         # Read-only (a view of msgpack's bytes, no copy): no receiver writes into them.
-        return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+        return wire.from_bytes(memoryview(data)[start:], dtype, shape)
     except (struct.error, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise FrameError(f"a malformed array in a worker message: {exc}") from None
 
