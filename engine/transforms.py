@@ -411,9 +411,13 @@ class HessianOperator:
                 )
             if v.dtype != p.dtype:
                 raise TypeError(f"hvp: vector dtype {v.dtype} differs from the primal's {p.dtype}")
+        return _regroup(self._product(flat_v, batch_ndim, lead), self._defs, False)
+
+    def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
+        """The product on checked flat vectors, one per primal (the curvature operators
+        of engine.curvature override this and keep the rest)."""
         cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
-        out = [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
-        return _regroup(out, self._defs, False)
+        return [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
 
     # SciPy adapter ----------------------------------------------------------------------
     @property

@@ -25,7 +25,7 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("engine.tape",),
     ("engine.forward",),
     ("engine.transforms", "engine.testing", "engine"),
-    ("engine.hessian_algorithms", "engine.onnx"),
+    ("engine.hessian_algorithms", "engine.curvature", "engine.onnx"),
     ("engine.language",),
 ]
 

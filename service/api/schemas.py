@@ -657,6 +657,15 @@ class TapeCreateRequest(DefinitionRequest):
         "target": "loss",
     }]})
 
+    output: Name | None = Field(
+        None, description="The program line that is the model's output (the logits, the "
+        "predictions): the lines after it that the target needs form the loss, which must "
+        "then read only the output and inputs (the targets; variables that are not sources "
+        "are held fixed). Naming it lets the tape answer the Gauss-Newton and Fisher "
+        "curvatures (`curvature` on its products and algorithms) and influence functions; "
+        "the examples are along the output's first axis. Refused (422, naming the line) "
+        "when a loss line reads a source or a line of the model."
+    )
     ttl: StrictFloat | None = Field(
         None, gt=0, description="Seconds the tape lives after its last use (default and "
         "maximum: server settings tape_ttl and tape_max_ttl)."
@@ -666,6 +675,42 @@ class TapeCreateRequest(DefinitionRequest):
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
         "then empty. For SciPy's minimize, without unflattening."
     )
+
+
+class CurvatureKind(StrEnum):
+    """The matrix a tape's products and algorithms use: the Hessian of the target, or,
+    on a tape that names its `output`, the generalized Gauss-Newton matrix J^T H_L J,
+    the Fisher (exact for softmax/sigmoid cross-entropy and squared error, where it is
+    the GGN; Monte-Carlo with `samples`), or the empirical Fisher c sum_i g_i g_i^T
+    (c = 1/N for a mean loss, 1 for a sum)."""
+
+    hessian = "hessian"
+    ggn = "ggn"
+    fisher = "fisher"
+    empirical_fisher = "empirical_fisher"
+
+
+class CurvatureOptions(RequestModel):
+    """The curvature options of a tape's products and algorithms."""
+
+    curvature: CurvatureKind = Field(
+        CurvatureKind.hessian, description="Which curvature matrix (see CurvatureKind); all "
+        "but hessian need a tape recorded with `output`."
+    )
+    samples: StrictInt | None = Field(
+        None, ge=1, le=10_000, description="With curvature fisher: targets drawn per example "
+        "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
+        "`fisher_seed`); absent: the exact Fisher."
+    )
+    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's "
+                                   "targets.")
+
+    @model_validator(mode="after")
+    def _samples_for_fisher(self) -> CurvatureOptions:
+        if self.samples is not None and self.curvature != CurvatureKind.fisher:
+            raise ValueError("'samples' draws a Monte-Carlo Fisher: it goes with "
+                             "curvature 'fisher'")
+        return self
 
 
 class TapeUpdateRequest(CallOptions):
@@ -695,9 +740,10 @@ class TapeUpdateRequest(CallOptions):
         return self
 
 
-class TapeHVPRequest(_Vectors):
-    """Hessian-vector products of the tape's target over its sources: `vector`,
-    `vectors` or `flat_vector`. Only the second-order pass runs; nothing is recorded."""
+class TapeHVPRequest(_Vectors, CurvatureOptions):
+    """Curvature-vector products over the tape's sources (the Hessian of its target by
+    default; `curvature` picks another): `vector`, `vectors` or `flat_vector`. Only the
+    passes over the recording run; nothing is recorded."""
 
     flat: StrictBool = Field(
         False, description="Answer the products as flat float64 vectors in `flat`, in the "
@@ -756,10 +802,11 @@ class EigenMethod(StrEnum):
     power = "power"
 
 
-class EigenvaluesRequest(CallOptions):
-    """Extreme eigenvalues (and optionally eigenvectors) of the tape's Hessian: by Lanczos
-    with full reorthogonalization (one HVP per iteration), or by deflated power
-    iteration (k HVPs per step in one batched pass; largest magnitude only)."""
+class EigenvaluesRequest(CurvatureOptions, CallOptions):
+    """Extreme eigenvalues (and optionally eigenvectors) of the tape's Hessian (or of the
+    `curvature` asked): by Lanczos with full reorthogonalization (one HVP per iteration),
+    or by deflated power iteration (k HVPs per step in one batched pass; largest
+    magnitude only)."""
 
     k: StrictInt = Field(1, ge=1, le=1024, description="How many eigenvalues.")
     method: EigenMethod = Field(
@@ -804,11 +851,11 @@ TOLERANCE_DESCRIPTION = (
 )
 
 
-class TraceRequest(CallOptions):
-    """The trace of the tape's Hessian: exact from the n unit vectors (in batched passes
-    of up to 64), or estimated by Hutch++ (the top of the spectrum taken
-    exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean of z^T H z
-    over Rademacher vectors z), with its standard error."""
+class TraceRequest(CurvatureOptions, CallOptions):
+    """The trace of the tape's Hessian (or of the `curvature` asked): exact from the n
+    unit vectors (in batched passes of up to 64), or estimated by Hutch++ (the top of the
+    spectrum taken exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean
+    of z^T H z over Rademacher vectors z), with its standard error."""
 
     method: TraceMethod = Field(
         TraceMethod.auto, description="auto: exact when max_hvps covers the n HVPs it "
@@ -829,7 +876,7 @@ class TraceRequest(CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class DiagonalRequest(CallOptions):
+class DiagonalRequest(CurvatureOptions, CallOptions):
     """The diagonal of the tape's Hessian, as tensors per source: exact from the n unit
     vectors (in batched passes of up to 64), or Hutchinson's estimate (the
     mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
@@ -856,7 +903,7 @@ class DiagonalRequest(CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class SpectralDensityRequest(CallOptions):
+class SpectralDensityRequest(CurvatureOptions, CallOptions):
     """The eigenvalue density of the tape's Hessian by stochastic Lanczos quadrature:
     `steps` Lanczos steps from each of `probes` random vectors (run side by side, one
     batched pass per step) give Ritz nodes and weights; smoothed by a Gaussian of width
@@ -886,7 +933,7 @@ class SpectralDensityRequest(CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class SolveRequest(CallOptions):
+class SolveRequest(CurvatureOptions, CallOptions):
     """Solve (H + damping I) x = b by conjugate gradient on the tape's Hessian. b
     defaults to the recorded gradient: x is then the damped Newton step (subtract it
     from the sources)."""
@@ -903,6 +950,43 @@ class SolveRequest(CallOptions):
                                        "Default: max_iterations.")
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
+
+
+class InfluenceRequest(CurvatureOptions, CallOptions):
+    """Influence functions (Koh and Liang, 2017) on a tape recorded with `output`: the
+    effect of every training example (a row along the output's first axis) on the loss
+    at test points."""
+
+    test_inputs: Inputs | None = Field(
+        None, description="The test points: new values for the inputs the model and the loss "
+        "read along the examples axis (the data and the targets; same trailing shapes, any "
+        "number of rows), as tensors, stored dataset arrays ({dataset, array, rows}) or a "
+        "whole dataset ({dataset, rows}: each array the input of its name). The test loss "
+        "is the tape's loss on them."
+    )
+    rows: list[StrictInt] | None = Field(
+        None, min_length=1, max_length=100_000, description="Or: training rows (indices "
+        "along the examples axis) whose loss is the test loss."
+    )
+    damping: StrictFloat = Field(1e-3, ge=0, description="Added to the curvature's diagonal "
+                                 "(an L2 term (lam/2)|w|^2 of the training loss is damping "
+                                 "lam).")
+    top_k: StrictInt = Field(10, ge=0, le=10_000, description="How many most helpful and "
+                             "most harmful examples to list.")
+    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="CG converged when ||b - (C + "
+                             "damping I) s|| <= tol * ||b||.")
+    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
+    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
+                                       "Default: max_iterations.")
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    run_async: StrictBool = _async_field()
+
+    @model_validator(mode="after")
+    def _test_points(self) -> InfluenceRequest:
+        if (self.test_inputs is None) == (self.rows is None):
+            raise ValueError("give the test points as 'test_inputs' or as training 'rows' "
+                             "(exactly one of them)")
+        return self
 
 
 # Stored models --------------------------------------------------------------------------
@@ -1025,6 +1109,8 @@ class TapeInfo(BaseModel):
 
     tape_id: str
     target: str
+    output: str | None = Field(None, description="The model output it names, if any "
+                               "(curvatures beyond the Hessian).")
     sources: SourceMap
     model: str | None = Field(None, description="The stored model it was recorded from.")
     created_at: datetime
@@ -1171,6 +1257,30 @@ class SolveResponse(BaseModel):
     hvps: int
     residuals: list[float] = Field(description="||b - (H + damping I) x|| / ||b|| from x = 0 "
                                    "and after each iteration.")
+    seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
+
+
+class InfluenceResponse(BaseModel):
+    """Per training example i: `scores[i]` = I_up,loss(z_i, z_test) = -g_i . s_test with
+    s_test = (C + damping I)^-1 grad L_test (positive: harmful, up-weighting it raises the
+    test loss; negative: helpful), and `removal[i]`, the predicted change of the test
+    loss if example i were left out of the training loss (-c * scores[i], c = 1/N for a
+    mean loss, 1 for a sum)."""
+
+    scores: list[float]
+    removal: list[float]
+    helpful: list[int] = Field(description="The top_k most helpful examples, most first.")
+    harmful: list[int] = Field(description="The top_k most harmful examples, most first.")
+    test_loss: float
+    s_test: Tensors = Field(description="(C + damping I)^-1 grad L_test, per source.")
+    curvature: CurvatureKind
+    converged: bool
+    stopped: Stopped = Field(description="Of the CG solve: converged, max_iterations, "
+                             "max_hvps, time_limit or negative_curvature (raise the damping).")
+    iterations: int
+    hvps: int
+    residuals: list[float]
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
 

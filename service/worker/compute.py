@@ -25,6 +25,7 @@ import numpy as np
 
 import engine as gt
 from engine import backend
+from engine.curvature import CurvatureError
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -160,8 +161,9 @@ def refuse_nonfinite(detail: str, problem: Problem) -> NonFiniteAnswer:
 
 
 def bind_datasets(payload: Any, context: WorkerContext) -> Any:
-    """The payload with the inputs bound to datasets (of its definition, and of the
-    definition a tape is rebuilt from) replaced by their arrays, rows taken."""
+    """The payload with the inputs bound to datasets (of its definition, of the
+    definition a tape is rebuilt from, and of an influence request's test points)
+    replaced by their arrays, rows taken."""
     if not isinstance(payload, Mapping):
         return payload
     out = dict(payload)
@@ -172,6 +174,9 @@ def bind_datasets(payload: Any, context: WorkerContext) -> Any:
         if isinstance(rebuild, Mapping) and isinstance(rebuild.get("definition"), Mapping):
             out["rebuild"] = {**rebuild,
                               "definition": resolve(rebuild["definition"], context.datasets)}
+        if isinstance(out.get("test_inputs"), Mapping):
+            out["test_inputs"] = resolve({"inputs": out["test_inputs"]}, context.datasets,
+                                         "test_inputs")["inputs"]
     except (ValueError, DatasetUnavailable) as exc:
         raise RequestError("request", str(exc)) from None
     return out
@@ -219,6 +224,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         first = str(exc.problems[0])
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return {"type": kind, "message": first + more, "problems": problems}
+    if isinstance(exc, CurvatureError):
+        return {"type": "request", "message": str(exc), "field": "curvature"}
     if isinstance(exc, gt.BatchDependenceError):
         return {"type": "batch-dependence", "message": str(exc)}
     if isinstance(exc, gt.MissingRuleError):

@@ -74,7 +74,7 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
 ALGORITHMS = {"tape_eigenvalues": "eigenvalue iteration", "tape_trace": "trace estimate",
               "tape_diagonal": "diagonal estimate",
               "tape_spectral_density": "spectral density (Lanczos quadrature)",
-              "tape_solve": "conjugate-gradient solve"}
+              "tape_solve": "conjugate-gradient solve", "tape_influence": "influence solve"}
 
 
 

@@ -70,7 +70,7 @@ def test_openapi_document(client) -> None:
                           "compute_tape_gradient", "compute_tape_jacobian",
                           "compute_tape_eigenvalues", "estimate_tape_trace",
                           "estimate_tape_diagonal", "estimate_tape_spectral_density",
-                          "solve_tape",
+                          "solve_tape", "compute_tape_influence",
                           "create_model", "list_models", "read_model", "delete_model",
                           "list_jobs", "read_job", "read_job_result", "stream_job_events",
                           "cancel_job", "put_onnx_model",

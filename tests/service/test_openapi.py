@@ -64,6 +64,7 @@ def test_operation_ids_are_stable_and_readable() -> None:
         ("/v1/tapes/{tape_id}/diagonal", "post"): "estimate_tape_diagonal",
         ("/v1/tapes/{tape_id}/spectral-density", "post"): "estimate_tape_spectral_density",
         ("/v1/tapes/{tape_id}/solve", "post"): "solve_tape",
+        ("/v1/tapes/{tape_id}/influence", "post"): "compute_tape_influence",
         ("/v1/jobs", "get"): "list_jobs",
         ("/v1/jobs/{job_id}", "get"): "read_job",
         ("/v1/jobs/{job_id}", "delete"): "cancel_job",

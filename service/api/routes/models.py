@@ -44,7 +44,7 @@ async def create_model(
     from a model keep the definition they were recorded with."""
     await resolve_onnx(body.definition, owner, models)  # `stored` ONNX files, by reference
     definition, bindings = payloads.model_definition(body, settings)
-    await datasets.bind(owner, definition, bindings)
+    await datasets.bind(owner, definition["inputs"], bindings)
     row, created = await models.put(owner, body.name, definition, body.description,
                                     body.replace, settings.time_limit)
     info = ModelInfo.model_validate(model_info(row))

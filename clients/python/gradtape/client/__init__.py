@@ -48,6 +48,7 @@ from .results import (
     Eigenvalues,
     Gradient,
     Hessian,
+    Influence,
     Jacobian,
     Solve,
     SpectralDensity,
@@ -60,7 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
     "Definition", "DefinitionError", "Diagonal", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
-    "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
+    "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
     "ModelNotFound", "NonFiniteResult", "NotFound",
     "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve", "SpectralDensity",
     "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "function",

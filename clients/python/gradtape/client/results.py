@@ -204,3 +204,27 @@ class Solve(_Unpack):
     residuals: np.ndarray
     seconds: float
     _unpack = ("solution", "converged")
+
+
+@dataclass(frozen=True)
+class Influence(_Unpack):
+    """Influence functions (Koh and Liang) on a tape recorded with an output: per training
+    example i, `scores[i]` = -g_i . s_test (positive: harmful, up-weighting example i
+    raises the test loss; negative: helpful) and `removal[i]`, the predicted change of
+    the test loss if it were left out; the top `helpful` and `harmful` indices, strongest
+    first; s_test = (C + damping I)^-1 grad L_test per source, and the CG solve's report."""
+
+    scores: np.ndarray
+    removal: np.ndarray
+    helpful: np.ndarray
+    harmful: np.ndarray
+    test_loss: float
+    s_test: Any
+    curvature: str
+    converged: bool
+    stopped: str
+    iterations: int
+    hvps: int
+    residuals: np.ndarray
+    seconds: float
+    _unpack = ("scores", "helpful", "harmful")
