@@ -21,7 +21,9 @@
 # interpreter; the last stage copies the virtualenv into the runtime of the chosen
 # variant. The CUDA stages are written once: VARIANT picks NVIDIA's base image
 # (cudaNN-base) and the project's cudaNN extra. BuildKit builds only the stages the chosen
-# variant needs.
+# variant needs (so cuda-runtime's `${VARIANT}-base`, which names no stage for the cpu
+# variant, is never resolved there; the legacy builder, which builds every stage, is not
+# supported).
 
 ARG VARIANT=cpu
 ARG EXTRAS=

@@ -6,6 +6,7 @@ such nesting; the answer comes back in the same structure.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 # A treedef is ("leaf",), ("none",), ("dict", keys, children), ("list"/"tuple", children),
@@ -13,35 +14,40 @@ from typing import Any
 TreeDef = tuple
 
 
+# The walks are module-level functions that take their accumulator as an argument, not
+# nested closures: a recursive closure refers to itself through its cell, a reference
+# cycle that would keep the leaves (a call's gradients, say) alive until the garbage
+# collector runs, long after the call returned.
+
+
 def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
     leaves: list[Any] = []
+    return leaves, _walk(tree, leaves)
 
-    def walk(node: Any) -> TreeDef:
-        if isinstance(node, dict):
-            keys = list(node.keys())
-            return ("dict", keys, [walk(node[k]) for k in keys])
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return ("namedtuple", type(node), [walk(child) for child in node])
-        if isinstance(node, (list, tuple)):
-            kind = "list" if isinstance(node, list) else "tuple"
-            return (kind, [walk(child) for child in node])
-        leaves.append(node)
-        return ("leaf",)
 
-    return leaves, walk(tree)
+def _walk(node: Any, leaves: list[Any]) -> TreeDef:
+    if isinstance(node, dict):
+        keys = list(node.keys())
+        return ("dict", keys, [_walk(node[k], leaves) for k in keys])
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return ("namedtuple", type(node), [_walk(child, leaves) for child in node])
+    if isinstance(node, (list, tuple)):
+        kind = "list" if isinstance(node, list) else "tuple"
+        return (kind, [_walk(child, leaves) for child in node])
+    leaves.append(node)
+    return ("leaf",)
 
 
 def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
-    it = iter(leaves)
+    return _build(treedef, iter(leaves))
 
-    def build(d: TreeDef) -> Any:
-        if d[0] == "leaf":
-            return next(it)
-        if d[0] == "dict":
-            return {k: build(c) for k, c in zip(d[1], d[2], strict=True)}
-        if d[0] == "namedtuple":
-            return d[1](*[build(c) for c in d[2]])
-        children = [build(c) for c in d[1]]
-        return children if d[0] == "list" else tuple(children)
 
-    return build(treedef)
+def _build(d: TreeDef, it: Iterator[Any]) -> Any:
+    if d[0] == "leaf":
+        return next(it)
+    if d[0] == "dict":
+        return {k: _build(c, it) for k, c in zip(d[1], d[2], strict=True)}
+    if d[0] == "namedtuple":
+        return d[1](*[_build(c, it) for c in d[2]])
+    children = [_build(c, it) for c in d[1]]
+    return children if d[0] == "list" else tuple(children)

@@ -90,7 +90,8 @@ def openapi_document() -> str:
 
 
 # The packages of the `service` extra that `serve` and `openapi` import first.
-SERVICE_PACKAGES = ("fastapi", "uvicorn", "pydantic_settings", "msgpack", "orjson")
+SERVICE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "pydantic_settings", "msgpack", "orjson",
+                    "prometheus_client", "fastapi_offline")
 
 
 def missing_service_packages() -> list[str]:

@@ -134,15 +134,20 @@ class Settings(BaseSettings):
 
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
-        default=defaults.HESSIAN_MAX_SIZE, ge=1, description="most parameters (n of the n x n Hessian) of /v1/hessian"
+        default=defaults.HESSIAN_MAX_SIZE, ge=1,
+        description="most parameters (n of the n x n Hessian) of /v1/hessian"
     )
     jacobian_max_elements: int = Field(
-        default=defaults.JACOBIAN_MAX_ELEMENTS, ge=1, description="most elements of all the jacobians of one request"
+        default=defaults.JACOBIAN_MAX_ELEMENTS, ge=1,
+        description="most elements of all the jacobians of one request"
     )
     chunk_size: int = Field(
-        default=defaults.CHUNK_SIZE, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
+        default=defaults.CHUNK_SIZE, ge=1,
+        description="jacobian rows per backward pass (bounds worker memory)"
     )
-    hvp_max_vectors: int = Field(default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp")
+    hvp_max_vectors: int = Field(
+        default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp"
+    )
     request_memory_budget: int = Field(
         default=0, ge=0,
         description="bytes one request's recording and derivative passes may use, as the "
@@ -183,14 +188,19 @@ class Settings(BaseSettings):
         default=4 << 30, ge=1, description="bytes of all of one API key's datasets (413 past it)"
     )
     worker_dataset_memory: int = Field(
-        default=defaults.WORKER_DATASET_MEMORY, ge=0, description="bytes of dataset arrays one worker keeps in memory "
+        default=defaults.WORKER_DATASET_MEMORY, ge=0,
+        description="bytes of dataset arrays one worker keeps in memory "
         "(least recently used out first)"
     )
     algorithm_max_hvps: int = Field(
-        default=10000, ge=1, description="most HVPs one eigenvalues/trace/solve request may use"
+        default=10000, ge=1,
+        description="most HVPs one eigenvalues/trace/diagonal/spectral-density/solve request "
+        "may use"
     )
     lanczos_max_basis_bytes: int = Field(
-        default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1, description="memory of the Lanczos basis (iterations x n float64)"
+        default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1,
+        description="host memory of an algorithm's stored vectors (x n float64): the Lanczos "
+        "basis, the spectral density's bases, the Hutch++ sketch, the power-iteration block"
     )
     tape_sweep_interval: float = Field(
         default=10.0, gt=0,

@@ -137,9 +137,14 @@ class Pool(Protocol):
         time_limit: float | None = None,
         queue_bound: bool = True,
     ) -> Reply:
-        """Run `kind` (a handler of service.worker.compute) on `payload`; raises a
-        PoolError (PoolBusy, PoolUnavailable, ComputeTimeout, WorkerCrashed, Cancelled,
-        ComputeFailed with the worker's description of the error)."""
+        """Run `kind` (a worker handler: service/worker/compute.py or tapes.py) on
+        `payload`; raises a PoolError (PoolBusy, PoolUnavailable, ComputeTimeout,
+        WorkerCrashed, Cancelled, ComputeFailed with the worker's description of the error).
+
+        A backend must honour the caller's watch (service.pool.calls.current()): cancel
+        the request when `gone()` says so (out of the queue, or stopped at its worker's
+        next op, raising Cancelled), call `started()` when a worker takes it, and pass the
+        worker's progress reports to `progress` when the payload asked for them."""
 
     async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
         """Health: ping the idle workers, replace the ones that do not answer."""

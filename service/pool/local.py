@@ -218,7 +218,7 @@ class WorkerPool:
         try:
             return await self._wait(job)
         except asyncio.CancelledError:
-            self._cancel(job, "the request was abandoned")
+            self._cancel(job, "the request was abandoned", abandoned=True)
             raise
 
     async def _wait(self, job: _Job) -> Reply:
@@ -252,19 +252,26 @@ class WorkerPool:
             started.cancel()
         return job.future.result()
 
-    def _cancel(self, job: _Job, reason: str) -> None:
+    def _cancel(self, job: _Job, reason: str, abandoned: bool = False) -> None:
         """Stop the job: out of the queue, or at its worker's next op (killed when it
-        does not stop within cancel_grace); its caller gets Cancelled."""
+        does not stop within cancel_grace); its caller gets Cancelled (an abandoned
+        caller, whose task was cancelled, reads no answer: its future is cancelled)."""
         if job.future.done():
             return
         if job in self._queue:
             self._queue.remove(job)
         w = job.running_on
         if w is not None and w.job is job:
+            # Dispatched: its frame is on the way or sent (_execute sends none for a job
+            # already cancelled), so the worker is told to stop it.
             self._signal_cancel(w, job)
             self._spawn_task(self._enforce_cancel(w, job, w.generation))
             log.info("request %d cancelled on worker %d (%s)", job.id, w.index, reason)
-        job.fail(Cancelled(reason))
+        if abandoned:
+            job.future.cancel()
+            job.started.set()
+        else:
+            job.fail(Cancelled(reason))
 
     def _signal_cancel(self, w: _Worker, job: _Job) -> None:
         """Tell worker `w` to stop `job` at its next op: its shared cancel flag."""
@@ -312,7 +319,11 @@ class WorkerPool:
             if job is None:
                 continue
             self._queue.remove(job)
+            # Bound to the worker now, not when _execute first runs: a cancel in between
+            # (the `started` callback below, or any task the loop runs first) must find
+            # the job on its worker, or the worker would compute it for nobody.
             w.state = "busy"
+            w.job = job
             job.running_on = w
             job.started.set()
             if job.watch is not None and job.watch.started is not None:
@@ -328,9 +339,17 @@ class WorkerPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _execute(self, w: _Worker, job: _Job) -> None:
+        if job.future.done():
+            # Cancelled between its dispatch and now: its frame is never sent, and the
+            # worker, which never saw it, is free at once.
+            if w.job is job:
+                w.job = None
+                if w.state == "busy":
+                    w.state = "idle"
+            self._dispatch()
+            return
         generation = w.generation
         w.request_id = job.id
-        w.job = job
         started = time.perf_counter()
         try:
             message = await asyncio.wait_for(self._roundtrip(w, job), job.time_limit)
