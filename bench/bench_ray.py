@@ -39,8 +39,11 @@ from bench.bench_sessions import MSGPACK, compute_seconds, free_port, model, vec
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
-    "definition": {"variables": {"w1": {"value": 2.0}, "w2": {"value": 3.0}},
-                   "inputs": {"x1": 5.0, "x2": 7.0}, "program": ["s = w1 * x1 + w2 * x2"]},
+    "definition": {
+        "variables": {"w1": {"value": 2.0}, "w2": {"value": 3.0}},
+        "inputs": {"x1": 5.0, "x2": 7.0},
+        "program": ["s = w1 * x1 + w2 * x2"],
+    },
     "target": "s",
 }
 
@@ -49,14 +52,24 @@ class Server:
     def __init__(self, executor: str, data_dir: str):
         self.executor = executor
         self.port = free_port()
-        env = {**os.environ, "GRADTAPE_WORKERS": "1", "GRADTAPE_ACCESS_LOG": "false",
-               "GRADTAPE_LOG_LEVEL": "warning", "GRADTAPE_DATA_DIR": data_dir,
-               "GRADTAPE_EXECUTOR": executor, "GRADTAPE_MAX_BODY_BYTES": str(512 * 2**20),
-               "GRADTAPE_TIME_LIMIT": "120", "GRADTAPE_MAX_TIME_LIMIT": "300",
-               "GRADTAPE_HVP_MAX_VECTORS": "64"}
+        env = {
+            **os.environ,
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_ACCESS_LOG": "false",
+            "GRADTAPE_LOG_LEVEL": "warning",
+            "GRADTAPE_DATA_DIR": data_dir,
+            "GRADTAPE_EXECUTOR": executor,
+            "GRADTAPE_MAX_BODY_BYTES": str(512 * 2**20),
+            "GRADTAPE_TIME_LIMIT": "120",
+            "GRADTAPE_MAX_TIME_LIMIT": "300",
+            "GRADTAPE_HVP_MAX_VECTORS": "64",
+        }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600.0)
         deadline = time.monotonic() + 180
@@ -84,15 +97,19 @@ class Server:
         return response
 
     def packed(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        response = self.client.post(path, content=msgpack.packb(body, use_bin_type=True),
-                                    headers={"content-type": MSGPACK, "accept": MSGPACK})
+        response = self.client.post(
+            path,
+            content=msgpack.packb(body, use_bin_type=True),
+            headers={"content-type": MSGPACK, "accept": MSGPACK},
+        )
         if response.status_code >= 300:
             raise RuntimeError(f"{path}: {response.status_code} {response.text[:300]}")
         return response
 
 
-def turns(servers: list[Server], send: Any, repeat: int, warmup: int = 2
-          ) -> dict[str, tuple[float, float]]:
+def turns(
+    servers: list[Server], send: Any, repeat: int, warmup: int = 2
+) -> dict[str, tuple[float, float]]:
     """Per server: medians of (latency, latency beyond compute), the servers taking
     turns request by request."""
     for _ in range(warmup):
@@ -105,8 +122,10 @@ def turns(servers: list[Server], send: Any, repeat: int, warmup: int = 2
             response = send(s)
             latency = time.perf_counter() - started
             samples[s.executor].append((latency, latency - compute_seconds(response)))
-    return {k: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
-            for k, v in samples.items()}
+    return {
+        k: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+        for k, v in samples.items()
+    }
 
 
 def ms(seconds: float) -> str:
@@ -125,38 +144,57 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         servers = [Server("local", f"{tmp}/local"), Server("ray", f"{tmp}/ray")]
         try:
-            tapes = {s.executor: msgpack.unpackb(s.packed(
-                "/v1/tapes", {"definition": definition, "target": "loss"}).content)["tape_id"]
-                for s in servers}
+            tapes = {
+                s.executor: msgpack.unpackb(
+                    s.packed("/v1/tapes", {"definition": definition, "target": "loss"}).content
+                )["tape_id"]
+                for s in servers
+            }
             cases = [
-                ("small /v1/gradient (JSON)", args.small,
-                 lambda s: s.json("/v1/gradient", SMALL)),
-                ("medium /v1/gradient", args.repeat,
-                 lambda s: s.packed("/v1/gradient", {"definition": definition,
-                                                     "target": "loss"})),
-                ("medium tape HVP, K=1", args.repeat,
-                 lambda s: s.packed(f"/v1/tapes/{tapes[s.executor]}/hvp", {"vector": one})),
-                ("medium tape HVP, K=16", max(3, args.repeat // 4),
-                 lambda s: s.packed(f"/v1/tapes/{tapes[s.executor]}/hvp",
-                                    {"vectors": sixteen})),
+                ("small /v1/gradient (JSON)", args.small, lambda s: s.json("/v1/gradient", SMALL)),
+                (
+                    "medium /v1/gradient",
+                    args.repeat,
+                    lambda s: s.packed(
+                        "/v1/gradient", {"definition": definition, "target": "loss"}
+                    ),
+                ),
+                (
+                    "medium tape HVP, K=1",
+                    args.repeat,
+                    lambda s: s.packed(f"/v1/tapes/{tapes[s.executor]}/hvp", {"vector": one}),
+                ),
+                (
+                    "medium tape HVP, K=16",
+                    max(3, args.repeat // 4),
+                    lambda s: s.packed(f"/v1/tapes/{tapes[s.executor]}/hvp", {"vectors": sixteen}),
+                ),
             ]
             results = [(name, n, turns(servers, send, n)) for name, n, send in cases]
         finally:
             for s in servers:
                 s.stop()
     print(f"- command: `{' '.join(['python', *sys.argv])}`")
-    print(f"- date: {started.isoformat(timespec='seconds')}; load average at start: "
-          f"{', '.join(f'{x:.2f}' for x in load)}")
-    print(f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"python {platform.python_version()}")
+    print(
+        f"- date: {started.isoformat(timespec='seconds')}; load average at start: "
+        f"{', '.join(f'{x:.2f}' for x in load)}"
+    )
+    print(
+        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"python {platform.python_version()}"
+    )
     print()
-    print("| request | n | local p50 ms | ray p50 ms | ray - local ms | beyond compute: "
-          "local / ray ms |")
+    print(
+        "| request | n | local p50 ms | ray p50 ms | ray - local ms | beyond compute: "
+        "local / ray ms |"
+    )
     print("|---|---|---|---|---|---|")
     for name, n, r in results:
         (local, local_over), (ray, ray_over) = r["local"], r["ray"]
-        print(f"| {name} | {n} | {ms(local)} | {ms(ray)} | {ms(ray - local)} | "
-              f"{ms(local_over)} / {ms(ray_over)} |")
+        print(
+            f"| {name} | {n} | {ms(local)} | {ms(ray)} | {ms(ray - local)} | "
+            f"{ms(local_over)} / {ms(ray_over)} |"
+        )
     return 0
 
 

@@ -45,6 +45,7 @@ SERVICE_MAY_IMPORT: dict[str, set[str]] = {
 EXCEPTIONS = {
     ("service.pool.local", "service.worker.main"),  # in _run_worker, in the child
     ("service.pool.ray", "service.worker.compute"),  # in EngineActor, in the actor
+    ("service.pool.ray", "service.worker.dispatch"),
 }
 
 # Third-party packages the engine may import: the array libraries and, lazily, the ONNX

@@ -11,7 +11,7 @@ What differs from local processes, and why:
 - Transport. A request crosses as the msgpack bytes of service/core/ipc.py, and the
   reply comes back as such bytes: Ray pickles only a `bytes` object, never a client's
   data, so the no-pickle rule holds on every wire. The actor runs the worker's own code
-  (compute.start, compute.answer) on one engine thread of its own.
+  (compute.start, dispatch.answer) on one engine thread of its own.
 - Cancellation. Each actor keeps its cancel flag (the id of the request to stop) in its
   own memory; `cancel(id)` sets it from another of the actor's threads, and the running
   request reads it before every engine op. A flag in shared memory would reach only
@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 from service.core import ipc
 from service.core.config import Settings
@@ -97,8 +97,9 @@ class EngineActor:
             self._context = self._engine.submit(self._start).result()
         except Exception as exc:  # noqa: BLE001 - any failure to start is reported
             return ipc.pack({"fatal": f"{type(exc).__name__}: {exc}"})
-        return ipc.pack({"hello": {**self._context.describe(),
-                                   "node": ray.get_runtime_context().get_node_id()}})
+        return ipc.pack(
+            {"hello": {**self._context.describe(), "node": ray.get_runtime_context().get_node_id()}}
+        )
 
     def _start(self) -> Any:
         from service.worker import compute  # the engine loads here, in the actor
@@ -115,12 +116,13 @@ class EngineActor:
         return self._engine.submit(self._answer, message).result()
 
     def _answer(self, message: dict[str, Any]) -> bytes:
-        from service.worker import compute
+        from service.worker import compute, dispatch
 
         request_id = message.get("id")
         report = self._report if message.get("progress") else None
-        reply = compute.answer(self._context, message,
-                               cancelled=lambda: self._cancel_id == request_id, report=report)
+        reply = dispatch.answer(
+            self._context, message, cancelled=lambda: self._cancel_id == request_id, report=report
+        )
         try:
             return ipc.pack(reply)
         except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
@@ -184,7 +186,8 @@ def _check_reachable(address: str) -> None:
     except OSError as exc:
         raise WorkerStartError(
             f"cannot start the Ray cluster at {address!r}: nothing answers at {host}:{port} "
-            f"({exc.strerror or exc}); is its head node up (`ray start --head`)?") from None
+            f"({exc.strerror or exc}); is its head node up (`ray start --head`)?"
+        ) from None
 
 
 def _process_gone(pid: Any) -> bool:
@@ -248,14 +251,18 @@ class RayPool(WorkerPool):
                 # runs here already): one CPU per worker, no dashboard, an object store
                 # sized for the requests in flight, and on loopback: Ray swaps 127.0.0.1
                 # for the host's reachable address, but keeps any other 127.x address.
-                ray.init(address="local", num_cpus=len(self._workers), namespace=NAMESPACE,
-                         object_store_memory=self.settings.ray_object_store_memory,
-                         include_dashboard=False, _node_ip_address=LOOPBACK,
-                         log_to_driver=False)
+                ray.init(
+                    address="local",
+                    num_cpus=len(self._workers),
+                    namespace=NAMESPACE,
+                    object_store_memory=self.settings.ray_object_store_memory,
+                    include_dashboard=False,
+                    _node_ip_address=LOOPBACK,
+                    log_to_driver=False,
+                )
         except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; each stops startup
             where = f"the Ray cluster at {address!r}" if address else "a local Ray"
-            raise WorkerStartError(f"cannot start {where}: {type(exc).__name__}: {exc}"
-                                   ) from None
+            raise WorkerStartError(f"cannot start {where}: {type(exc).__name__}: {exc}") from None
         self._started_ray = True
         log.info("joined Ray %s (%s)", ray.__version__, address or "started locally")
 
@@ -288,6 +295,18 @@ class RayPool(WorkerPool):
                 raise PoolUnavailable("the service is shutting down") from None
             self._spawn_task(self._replace(w, generation, "crash"))
             raise WorkerCrashed(w.index, None, how_it_died(exc)) from None
+        except RayError as exc:
+            # The actor's own code raised (dispatch.answer never does): a bug, answered
+            # as one (500), and the actor, alive, takes the next request.
+            log.error("worker %d: the Ray actor's call failed: %s", w.index, exc)
+            return {
+                "id": job.id,
+                "ok": False,
+                "error": {
+                    "type": "internal",
+                    "message": f"the worker's Ray actor failed: {type(exc).__name__}",
+                },
+            }
         reply: dict[str, Any] = ipc.unpack(body)
         return reply
 
@@ -325,7 +344,8 @@ class RayPool(WorkerPool):
     # Actors -------------------------------------------------------------------------------
     def _actor_options(self, device: str) -> dict[str, Any]:
         threads = self.settings.worker_threads or (
-            self.settings.blas_threads() if not self.settings.ray_address else 1)
+            self.settings.blas_threads() if not self.settings.ray_address else 1
+        )
         options: dict[str, Any] = {
             "num_cpus": 1,
             "max_concurrency": ACTOR_THREADS,
@@ -342,32 +362,41 @@ class RayPool(WorkerPool):
         w.state = "starting"
         options = self._actor_options(w.device)
         actor = RemoteEngineActor.options(**options).remote(
-            w.index, w.device, self.settings.worker_options())
+            w.index, w.device, self.settings.worker_options()
+        )
         w.actor = actor
         try:
-            hello = ipc.unpack(await asyncio.wait_for(actor.hello.remote(),
-                                                      self.settings.startup_timeout))
+            hello = ipc.unpack(
+                await asyncio.wait_for(actor.hello.remote(), self.settings.startup_timeout)
+            )
         except TimeoutError:
             ray.kill(actor, no_restart=True)
             wanted = {k: options[k] for k in ("num_cpus", "num_gpus") if k in options}
             raise WorkerStartError(
                 f"worker {w.index} ({w.device}) did not start within "
                 f"{self.settings.startup_timeout:g} s: no node of the Ray cluster had "
-                f"{wanted} free") from None
+                f"{wanted} free"
+            ) from None
         except RayActorError as exc:
-            raise WorkerStartError(f"worker {w.index} ({w.device}) did not start: "
-                                   f"{how_it_died(exc)}") from None
+            raise WorkerStartError(
+                f"worker {w.index} ({w.device}) did not start: {how_it_died(exc)}"
+            ) from None
         if "fatal" in hello:
             ray.kill(actor, no_restart=True)
             raise WorkerStartError(
-                f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}")
+                f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}"
+            )
         w.hello = hello.get("hello", {})
         w.generation += 1
         w.state = "idle"
-        w.watch = asyncio.get_running_loop().create_task(
-            self._watch(w, actor, w.generation))
-        log.info("worker %d up: Ray actor pid %s on node %s (%s)", w.index,
-                 w.hello.get("pid"), str(w.hello.get("node"))[:12], w.device)
+        w.watch = asyncio.get_running_loop().create_task(self._watch(w, actor, w.generation))
+        log.info(
+            "worker %d up: Ray actor pid %s on node %s (%s)",
+            w.index,
+            w.hello.get("pid"),
+            str(w.hello.get("node"))[:12],
+            w.device,
+        )
 
     async def _watch(self, w: _ActorWorker, actor: Any, generation: int) -> None:
         """Notice when the actor dies (busy or idle) and replace it."""

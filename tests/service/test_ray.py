@@ -58,10 +58,15 @@ pytestmark = pytest.mark.ray
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("ray")
     srv = start_server(
-        {"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_DATA_DIR": str(tmp / "data"),
-         "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(200 * 2**20),
-         "GRADTAPE_TIME_LIMIT": "60", "GRADTAPE_MAX_TIME_LIMIT": "300",
-         "GRADTAPE_ALGORITHM_MAX_HVPS": "100000", "GRADTAPE_LOG_LEVEL": "info"},
+        {
+            "GRADTAPE_EXECUTOR": "ray",
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(200 * 2**20),
+            "GRADTAPE_TIME_LIMIT": "60",
+            "GRADTAPE_MAX_TIME_LIMIT": "300",
+            "GRADTAPE_ALGORITHM_MAX_HVPS": "100000",
+            "GRADTAPE_LOG_LEVEL": "info",
+        },
         tmp / "server.log",
     )
     try:
@@ -100,9 +105,10 @@ V = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}
 
 
 def test_a_job_reports_progress_and_answers_as_the_synchronous_request(
-        client: httpx.Client) -> None:
+    client: httpx.Client,
+) -> None:
     tape, _ = _tape(client)
-    body = {"max_hvps": 400, "batch_size": 2, "max_seconds": 100}
+    body = {"method": "hutchinson", "max_hvps": 1000, "batch_size": 2, "max_seconds": 100}
     location = start(client, f"/v1/tapes/{tape}/trace", body)
     seen = []
     job = wait(client, location, ("running", "succeeded"))
@@ -115,21 +121,30 @@ def test_a_job_reports_progress_and_answers_as_the_synchronous_request(
     # Reports came from the actor while it ran (collected every 0.1 s), in order.
     assert len(seen) >= 2, seen
     done = [p["done"] for p in seen]
-    assert done == sorted(done) and done[0] < 400 and all(d % 2 == 0 for d in done)
-    assert all(p["total"] == 400 and np.isfinite(p["estimate"]) for p in seen)
+    assert done == sorted(done) and done[0] < 1000 and all(d % 2 == 0 for d in done)
+    assert all(p["total"] == 1000 and np.isfinite(p["estimate"]) for p in seen)
     # The last report (sent once the loop ends) reached the job before its answer.
-    assert job["progress"]["done"] == 400 and job["progress"]["eta"] == 0.0
+    assert job["progress"]["done"] == 1000 and job["progress"]["eta"] == 0.0
     same_answer(job["result"], post(client, f"/v1/tapes/{tape}/trace", body))
 
 
 def test_cancel_stops_the_actor_at_its_next_op_and_keeps_it(
-        server: Server, client: httpx.Client) -> None:
+    server: Server, client: httpx.Client
+) -> None:
     tape, worker = _tape(client)
     before = post(client, f"/v1/tapes/{tape}/hvp", {"vector": V})
     actor = next(w for w in server.wait_ready()["workers"] if w["index"] == worker)
-    location = start(client, f"/v1/tapes/{tape}/trace",  # alone, minutes
-                     {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
-                      "time_limit": 300})
+    location = start(
+        client,
+        f"/v1/tapes/{tape}/trace",  # alone, minutes
+        {
+            "method": "hutchinson",
+            "max_hvps": 100000,
+            "batch_size": 1,
+            "max_seconds": 300,
+            "time_limit": 300,
+        },
+    )
     wait(client, location, ("running",))
     time.sleep(0.5)
     assert client.get(location).json()["progress"]["done"] > 0
@@ -145,16 +160,26 @@ def test_cancel_stops_the_actor_at_its_next_op_and_keeps_it(
 
 
 def test_an_actor_killed_mid_request_is_a_502_and_its_tape_comes_back(
-        server: Server, client: httpx.Client) -> None:
+    server: Server, client: httpx.Client
+) -> None:
     tape, worker = _tape(client)
     before = post(client, f"/v1/tapes/{tape}/hvp", {"vector": V})
     result: list[httpx.Response] = []
 
     def long_trace() -> None:
         with httpx.Client(base_url=server.base_url, timeout=120) as c:
-            result.append(c.post(f"/v1/tapes/{tape}/trace",
-                                 json={"max_hvps": 100000, "batch_size": 1,
-                                       "max_seconds": 120, "time_limit": 120}))
+            result.append(
+                c.post(
+                    f"/v1/tapes/{tape}/trace",
+                    json={
+                        "method": "hutchinson",
+                        "max_hvps": 100000,
+                        "batch_size": 1,
+                        "max_seconds": 120,
+                        "time_limit": 120,
+                    },
+                )
+            )
 
     thread = threading.Thread(target=long_trace)
     thread.start()
@@ -181,8 +206,14 @@ def test_an_actor_killed_mid_request_is_a_502_and_its_tape_comes_back(
 def test_a_ray_it_cannot_reach_stops_startup_with_the_address(tmp_path) -> None:
     """An address where no Ray listens: the server exits at startup, naming it."""
     with pytest.raises(RuntimeError, match=r"cannot start the Ray cluster at '127\.0\.0\.1:9'"):
-        start_server({"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_RAY_ADDRESS": "127.0.0.1:9",
-                      "GRADTAPE_DATA_DIR": str(tmp_path)}, tmp_path / "server.log")
+        start_server(
+            {
+                "GRADTAPE_EXECUTOR": "ray",
+                "GRADTAPE_RAY_ADDRESS": "127.0.0.1:9",
+                "GRADTAPE_DATA_DIR": str(tmp_path),
+            },
+            tmp_path / "server.log",
+        )
 
 
 def test_the_ray_pool_is_chosen_by_the_executor_setting() -> None:
@@ -201,7 +232,8 @@ def _raylet_of(pid: int) -> int:
 
 
 def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
-        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A cluster of its own (ray.cluster_utils: a head with no CPU and two worker nodes
     of one CPU, on loopback), joined by address, as a deployment joins its cluster. A
     node is removed: its actor dies with it, the pool starts a replacement that waits
@@ -214,16 +246,27 @@ def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
     # mode set here would reach the nodes but not this process. A loopback cluster of
     # this test alone.
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    node_args: dict[str, Any] = {"num_cpus": 1, "node_ip_address": "127.0.0.2",
-                 "object_store_memory": 80 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **node_args, "num_cpus": 0, "include_dashboard": False})
+    node_args: dict[str, Any] = {
+        "num_cpus": 1,
+        "node_ip_address": "127.0.0.2",
+        "object_store_memory": 80 * 2**20,
+    }
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**node_args, "num_cpus": 0, "include_dashboard": False},
+    )
     srv = None
     try:
         nodes = [cluster.add_node(**node_args) for _ in range(2)]
         raylets = {n.all_processes["raylet"][0].process.pid: n for n in nodes}
-        srv = start_server({"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_RAY_ADDRESS": cluster.address,
-                            "GRADTAPE_DATA_DIR": str(tmp_path / "data")}, tmp_path / "server.log")
+        srv = start_server(
+            {
+                "GRADTAPE_EXECUTOR": "ray",
+                "GRADTAPE_RAY_ADDRESS": cluster.address,
+                "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            },
+            tmp_path / "server.log",
+        )
         with httpx.Client(base_url=srv.base_url, timeout=120) as c:
             workers = srv.wait_ready()["workers"]
             # One actor per worker node (each has room for one).
