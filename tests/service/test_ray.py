@@ -293,3 +293,30 @@ def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
         if srv is not None:
             stop_server(srv)
         cluster.shutdown()
+
+
+def test_gpu_workers_are_actors_with_one_gpu_each() -> None:
+    """What the pool asks Ray for (no GPU here to run one): with device 'cuda', or 'auto'
+    on a cluster that has GPUs, each actor takes one GPU, which Ray makes its cuda:0."""
+    from service.pool.ray import RayPool
+
+    cuda = RayPool(Settings(executor="ray", device="cuda", workers=2))
+    assert cuda._device(cluster_gpus=0) == "cuda:0"
+    assert cuda._actor_options("cuda:0")["num_gpus"] == 1
+    auto = RayPool(Settings(executor="ray", workers=2))
+    assert auto._device(cluster_gpus=4) == "cuda:0" and auto._device(cluster_gpus=0) == "cpu"
+    options = auto._actor_options("cpu")
+    assert "num_gpus" not in options and options["num_cpus"] == 1
+    assert options["max_restarts"] == 0  # the pool replaces a dead actor itself
+    assert RayPool(Settings(executor="ray", device="cpu"))._device(cluster_gpus=4) == "cpu"
+
+
+def test_without_ray_installed_the_setting_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.delitem(sys.modules, "service.pool.ray", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ValueError, match=r"needs Ray .*pip install 'gradtape\[ray\]'"):
+        make_pool(Settings(executor="ray"))
