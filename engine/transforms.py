@@ -427,10 +427,14 @@ class HessianOperator:
                 )
             if v.dtype != p.dtype:
                 raise TypeError(f"hvp: vector dtype {v.dtype} differs from the primal's {p.dtype}")
+        return _regroup(self._product(flat_v, batch_ndim, lead), self._defs, False)
+
+    def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
+        """The product on checked flat vectors, one per primal (the curvature operators
+        of engine.curvature override this and keep the rest)."""
         products = self._second_order_pass(flat_v, batch_ndim)
-        out = [_zeros(p, lead) if h is None else h for h, p in zip(products, self._flat,
-                                                                   strict=True)]
-        return _regroup(out, self._defs, False)
+        return [_zeros(p, lead) if h is None else h
+                for h, p in zip(products, self._flat, strict=True)]
 
     def _dynamic_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
         cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
@@ -491,7 +495,6 @@ class HessianOperator:
         vectors = self._split(np.asarray(p, np.float64).ravel(), self._flat)
         return self._flatten(tree.flatten(self._apply(tuple(vectors), 0))[0])
 
-
     # Dense forms, for small parameter counts ------------------------------------------
     def dense(self, chunk_size: int = 1024,
               progress: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -520,7 +523,8 @@ class HessianOperator:
                 progress(stop, n)
         return np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
 
-    def newton_step(self, damping: float, dense: np.ndarray | None = None) -> tuple:
+    def newton_step(self, damping: float, dense: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, ...]:
         """The step s solving (H + damping I) s = g at the point (x - s is the damped
         Newton iterate), in the primals' structure and dtypes, as host arrays. `dense`:
         H already built by `dense()`. Raises SingularHessianError when H + damping I is

@@ -21,6 +21,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--port": ("port", int, "port to bind (default 8000)"),
     "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
+    "--executor": ("executor", str, "what runs the workers: local (processes) or ray (actors)"),
+    "--ray-address": ("ray_address", str,
+                      "with --executor ray: auto, ray://host:10001, or empty: a local Ray"),
     "--time-limit": ("time_limit", float, "compute seconds per request"),
     "--max-time-limit": ("max_time_limit", float, "most a request may ask for"),
     "--queue-size": ("queue_size", int, "requests that may wait for a worker"),
@@ -87,7 +90,8 @@ def openapi_document() -> str:
 
 
 # The packages of the `service` extra that `serve` and `openapi` import first.
-SERVICE_PACKAGES = ("fastapi", "uvicorn", "pydantic_settings", "msgpack", "orjson")
+SERVICE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "pydantic_settings", "msgpack", "orjson",
+                    "prometheus_client", "fastapi_offline")
 
 
 def missing_service_packages() -> list[str]:

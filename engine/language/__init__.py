@@ -32,6 +32,7 @@ This package sits above the tape and the transforms; nothing in the engine impor
 from engine.language.catalogue import catalogue
 from engine.language.compile import (
     CompiledProgram,
+    ModelSplit,
     Request,
     cache_size,
     clear_cache,
@@ -57,6 +58,7 @@ __all__ = [
     "ExecutionError",
     "FunctionDef",
     "Limits",
+    "ModelSplit",
     "OverBudget",
     "Problem",
     "Request",

@@ -160,8 +160,13 @@ class CompiledProgram:
         open; return every name's tensor. With `targets`, only the lines they need run.
         `check` (diagnosis only) stops the run at the first op with a non-finite result."""
         self._check_leaves(leaves)
-        wanted = self._needed(targets)
-        frame = Frame(dict(leaves), check)
+        return self._run_lines(leaves, self._needed(targets), check)
+
+    def _run_lines(self, values: Mapping[str, Tensor], wanted: set[int],
+                   check: NonFiniteCheck | None = None) -> dict[str, Tensor]:
+        """Run the lines `wanted` (indices) on these values (no leaf check: the split
+        halves of a program run on other values, see ModelSplit)."""
+        frame = Frame(dict(values), check)
         pending = sorted(
             (site.opens_before, key, site.source)
             for key, site in enumerate(self._sites)
@@ -186,9 +191,10 @@ class CompiledProgram:
 
         The first pass of a request and leaf layout runs dynamically, the second under a
         capture (engine/replay.py), later ones replay its array calls with the new leaf
-        values, with the same answers. Integer and boolean leaves (labels, indices) are part of
-        the layout by value: a program may branch on them. A pass that cannot be captured
-        (an op that makes an array outside the ops, as one-hot labels do) stays dynamic.
+        values, with the same answers. Integer and boolean leaves (labels, indices) are
+        part of the layout by value: a program may branch on them. A pass that cannot be
+        captured (an op that makes an array outside the ops, as one-hot labels do) stays
+        dynamic.
         """
         names = sorted(leaves)
         arrays = [leaves[n].value for n in names]
@@ -224,11 +230,13 @@ class CompiledProgram:
         value = env[request.target]
         return value, tape.gradient(value, watched, unconnected_gradients=request.unconnected)
 
-    def _needed(self, targets: Iterable[str] | None) -> set[int]:
-        """Indices of the lines the targets depend on (all lines when targets is None)."""
+    def _needed(self, targets: Iterable[str] | None, given: Iterable[str] = ()) -> set[int]:
+        """Indices of the lines the targets depend on (all lines when targets is None),
+        not through the lines `given` (their values are supplied)."""
         if targets is None:
             return set(range(len(self._steps)))
-        targets = list(targets)
+        given = set(given)
+        targets = [t for t in targets if t not in given]
         unknown = [t for t in targets if t not in self.types]
         if unknown:
             raise DefinitionError(
@@ -241,8 +249,69 @@ class CompiledProgram:
             i = index[stack.pop()]
             if i not in needed:
                 needed.add(i)
-                stack.extend(n for n in self._reads[self.line_names[i]] if n in index)
+                stack.extend(
+                    n for n in self._reads[self.line_names[i]] if n in index and n not in given
+                )
         return needed
+
+    def split(self, output: Any, target: str, sources: Mapping[str, str]) -> ModelSplit:
+        """The program as model (the lines the `output` needs) and loss (the lines after
+        it that the target needs), for the curvatures that factor through the output.
+        DefinitionError naming each problem: the output is no line, or not floating, or
+        the target does not use it, or a loss line reads a variable or a line of the
+        model other than the output (the loss must be a function of the output and the
+        inputs, its targets)."""
+        problems: list[Problem] = []
+        if not isinstance(output, str) or output not in self._line_numbers:
+            names = list(self.line_names)
+            hint = suggest(output, names) if isinstance(output, str) else ""
+            what = "an input or variable" if output in self.leaf_info else "no line"
+            problems.append(Problem(
+                f"output {output!r} is {what} of the program{hint}; name the line that "
+                "computes the model's output (the loss's lines follow it)",
+                "output", kind="request"))
+            raise DefinitionError(problems)
+        if self.types[output].dtype.kind != "f":
+            problems.append(Problem(f"output {output!r} is {self.types[output]}; the model's "
+                                    "output must be floating-point", "output", kind="dtype"))
+        model_lines = self._needed([output])
+        # The loss's lines stop at the output and at every line of the model: a loss line
+        # that reads one of those (other than the output) is refused below.
+        model_names = {self.line_names[i] for i in model_lines}
+        loss_lines = self._needed([target], given=model_names)
+        index = {name: i for i, name in enumerate(self.line_names)}
+        if output == target or output not in {
+            n for i in loss_lines for n in self._reads[self.line_names[i]]
+        }:
+            problems.append(Problem(
+                f"the target {target!r} does not use the output {output!r}: the loss must be "
+                "computed from the model's output", "output", kind="request"))
+        targets: set[str] = set()
+        source_names = set(sources.values())
+        for i in sorted(loss_lines):
+            name = self.line_names[i]
+            for read in sorted(self._reads[name]):
+                if read == output or (read in index and index[read] in loss_lines):
+                    continue
+                leaf = self.leaf_info.get(read)
+                if leaf is not None and read not in source_names:
+                    if leaf.role == "input":
+                        targets.add(read)
+                    continue  # a variable that is no source: held fixed
+                what = "a source" if read in source_names else "a line of the model"
+                problems.append(Problem(
+                    f"the loss line {name!r} reads {read!r}, {what}: with an output named, "
+                    f"the lines after {output!r} must be a function of it and of inputs (the "
+                    "targets) only; move the term into the model, or add a regulariser of "
+                    "the sources as damping",
+                    "program", self._line_numbers[name], self._line_columns[name],
+                    kind="request"))
+        if problems:
+            raise DefinitionError(problems)
+        data = {n for i in model_lines for n in self._reads[self.line_names[i]]
+                if n in self.leaf_info and n not in source_names}
+        return ModelSplit(self, output, target, model_lines, loss_lines,
+                          tuple(sorted(data)), tuple(sorted(targets)))
 
     def function(
         self, target: str, sources: list[str], leaves: Mapping[str, Tensor]
@@ -411,6 +480,39 @@ class CompiledProgram:
             else:
                 resolved[key] = name
         return resolved
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """A program cut at its output: `model(params, data)` runs the model's lines and
+    `loss(output, targets)` the loss's (engine.curvature's two functions). params, data
+    and targets are mappings name -> tensor; leaves none of them gives come from
+    `fixed`. `data` names the leaves the model reads (sources aside), `targets` the
+    inputs the loss reads."""
+
+    program: CompiledProgram
+    output: str
+    target: str
+    model_lines: set[int]
+    loss_lines: set[int]
+    data: tuple[str, ...]
+    targets: tuple[str, ...]
+
+    def functions(self, fixed: Mapping[str, Tensor]) -> tuple[Callable[..., Tensor],
+                                                                Callable[..., Tensor]]:
+        def model(params: Mapping[str, Tensor], data: Mapping[str, Tensor]) -> Tensor:
+            env = dict(fixed)
+            env.update(data)
+            env.update(params)
+            return self.program._run_lines(env, self.model_lines)[self.output]
+
+        def loss(output: Tensor, targets: Mapping[str, Tensor]) -> Tensor:
+            env = dict(fixed)
+            env.update(targets)
+            env[self.output] = output
+            return self.program._run_lines(env, self.loss_lines)[self.target]
+
+        return model, loss
 
 
 # ----------------------------------------------------------------------------------------

@@ -120,8 +120,20 @@ async def authenticate(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
     api_key: Annotated[str | None, Depends(api_key_scheme)],
 ) -> str:
-    """The caller's owner id; 401 when keys are required and none valid was sent."""
-    keyring: KeyRing = request.app.state.keyring
+    """The caller's owner id; 401 when keys are required and none valid was sent.
+
+    Called first by the /v1 routes' gate, before the body is read (service/api/bodies.py),
+    then as the routes' dependency, which finds the owner in the request's state."""
+    known: str | None = getattr(request.state, "owner", None)
+    if known is not None:
+        return known
+    owner = _owner_of(request.app.state.keyring, bearer, api_key)
+    request.state.owner = owner
+    return owner
+
+
+def _owner_of(keyring: KeyRing, bearer: HTTPAuthorizationCredentials | None,
+              api_key: str | None) -> str:
     if not keyring.enabled:
         return ANONYMOUS
     key = bearer.credentials if bearer is not None else api_key

@@ -1,20 +1,35 @@
-"""Request bodies are parsed and sized off the event loop, before validation sees them.
+"""Who may send a body, and how much of one, settled before FastAPI reads it.
 
-FastAPI parses a JSON body with `json.loads` on the event loop and hands it to pydantic,
-also on the loop; a small body can be costly there (a 3 MB list of a million empty lists
-makes a million validation errors, a deeply nested one exhausts the recursion limit).
-BoundedRoute, the route class of every router, does this first in a worker thread:
+FastAPI reads and parses a request's body before it solves the route's dependencies, so
+an API key checked by a dependency is checked after the work a body costs: a keyless
+client could make the server parse 20 MB of JSON only to be told 401. And it parses JSON
+with `json.loads` on the event loop, then validates on the loop too, where a small body
+can be costly (a 3 MB list of a million empty lists makes a million validation errors).
 
-- parse (JSON or msgpack) and walk the result iteratively, refusing bodies nested deeper
-  than `max_body_depth` or holding more than `max_body_containers` lists and objects
-  (settings), with a precise problem, so that validation only ever sees bounded bodies;
-- leave the parsed JSON in Starlette's request cache, so FastAPI does not parse it again.
+The route classes here do it in order instead:
+
+1. GatedRoute (every /v1 resource but jobs) authenticates the caller and passes its fair
+   share (service/api/fairness.py: a token, then one of its key's slots) *before a byte
+   of the body is read*: a 401 or 429 goes out while the client is still sending, and
+   the server discards the rest of the body unparsed. The slot is held while the body is
+   read, parsed and computed, so one key parses at most its slots' worth at a time.
+2. BoundedRoute (every route) then reads the body and parses it in a worker thread,
+   refusing a body nested deeper than `max_body_depth` or holding more than
+   `max_body_containers` lists and objects (settings) with a precise problem:
+   - JSON: brackets are counted per received chunk, so a body of millions of empty
+     lists is refused before it is joined or parsed;
+   - msgpack: containers are counted from their headers while the body is unpacked,
+     and refused before the next one is built (a 7.6 MiB body of empty arrays would
+     otherwise become half a GiB of lists).
+   A body that does not parse is a 400 from that thread. The parsed value is handed to
+   FastAPI (Starlette's JSON cache; for msgpack an UnpackedBody), never parsed again.
 
 Meanwhile the loop keeps answering other requests (/healthz included).
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -23,17 +38,21 @@ import anyio
 import msgpack
 from fastapi import Request
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from service.api.auth import api_key_scheme, authenticate, bearer_scheme
+from service.api.fairness import Fairness
 from service.api.negotiation import Format, body_format
 from service.api.problems import ProblemError
+from service.api.schemas import UnpackedBody
 
 _WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 _SLICE = 1 << 20
 
 
 class BodyShape:
-    """Depth and container count of a parsed body, refused past the limits."""
+    """Depth and container count of a body, refused past the limits."""
 
     def __init__(self, max_depth: int, max_containers: int):
         self.max_depth = max_depth
@@ -45,6 +64,13 @@ class BodyShape:
             f"body: more than {self.max_containers:,} lists and objects (the server's "
             "max_body_containers); send large tensors flat, as base64, or in a msgpack body",
             errors=[{"field": "body", "message": "too many lists and objects"}],
+        )
+
+    def too_deep(self) -> ProblemError:
+        return ProblemError(
+            "malformed-body",
+            f"the body is nested more than {self.max_depth} levels deep (the server's "
+            "max_body_depth)",
         )
 
     def count_brackets(self, chunk: bytes, found: int) -> int:
@@ -63,6 +89,7 @@ class BodyShape:
         return found
 
     def check(self, value: Any) -> None:
+        """Depth, container count and text of a parsed JSON body."""
         containers = 0
         stack: list[tuple[Any, int]] = [(value, 1)]
         while stack:
@@ -79,13 +106,10 @@ class BodyShape:
             if containers > self.max_containers:
                 raise self.too_many()
             if depth > self.max_depth:
-                raise ProblemError(
-                    "malformed-body",
-                    f"the body is nested more than {self.max_depth} levels deep (the "
-                    "server's max_body_depth)",
-                )
-            stack.extend((child, depth + 1) for child in children
-                         if isinstance(child, dict | list | tuple))
+                raise self.too_deep()
+            stack.extend(
+                (child, depth + 1) for child in children if isinstance(child, dict | list | tuple)
+            )
 
 
 def _encodable(items: Any) -> None:
@@ -103,27 +127,145 @@ def _encodable(items: Any) -> None:
                 ) from None
 
 
-def _parse(body: bytes, fmt: Format, shape: BodyShape) -> Any:
-    """Runs in a worker thread: parse and size the body, or raise the problem."""
-    if fmt is Format.JSON:
-        try:
-            value = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None  # FastAPI reports it with the position (a 400 malformed-body)
-        except RecursionError:
-            raise ProblemError(
-                "malformed-body",
-                "the body could not be parsed as JSON: it is nested too deeply",
-            ) from None
-    else:
-        try:
-            # Sized after unpacking: a msgpack body of millions of tiny containers still
-            # costs its memory here, in this thread (a streaming count would avoid it).
-            value = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        except (ValueError, TypeError, msgpack.UnpackException, RecursionError):
-            return None  # the request model reports it (a 400 malformed-body)
+# ----------------------------------------------------------------------------------------
+# JSON
+# ----------------------------------------------------------------------------------------
+
+
+def parse_json(body: bytes, shape: BodyShape) -> Any:
+    """Runs in a worker thread: the parsed body, or the problem (400 or 422)."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ProblemError(
+            "malformed-body",
+            f"the body is not valid JSON: {exc.msg} at character {exc.pos}",
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ProblemError(
+            "malformed-body",
+            f"the body is not valid JSON: it is not UTF-8 text (byte {exc.start})",
+        ) from None
+    except RecursionError:
+        raise ProblemError(
+            "malformed-body",
+            "the body could not be parsed as JSON: it is nested too deeply",
+        ) from None
     shape.check(value)
     return value
+
+
+# ----------------------------------------------------------------------------------------
+# msgpack
+# ----------------------------------------------------------------------------------------
+
+_SCALAR, _ARRAY, _MAP = 0, 1, 2
+# What each msgpack type byte opens: fixarray, array 16/32; fixmap, map 16/32; else one
+# scalar (nil, bool, int, float, str, bin, ext), which Unpacker.unpack builds whole.
+_KIND = bytes(
+    _ARRAY
+    if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD)
+    else _MAP
+    if 0x80 <= b <= 0x8F or b in (0xDE, 0xDF)
+    else _SCALAR
+    for b in range(256)
+)
+
+
+def _malformed_msgpack(reason: str) -> ProblemError:
+    return ProblemError("malformed-body", f"the body is not valid msgpack: {reason}")
+
+
+def unpack_msgpack(body: bytes, shape: BodyShape) -> Any:
+    """Runs in a worker thread: the unpacked body, built container by container from
+    the headers, each counted (and its depth checked) before it is built: a body past
+    max_body_containers or max_body_depth is refused having built at most that many
+    (empty) containers, and no header's claimed length is allocated ahead."""
+    try:
+        return _unpack_walk(body, shape)
+    except ProblemError:
+        raise
+    except msgpack.OutOfData:
+        raise _malformed_msgpack("it ends inside a value") from None
+    except IndexError:  # the type byte of a value past the end
+        raise _malformed_msgpack("it ends inside a list or map") from None
+    except UnicodeDecodeError as exc:
+        raise _malformed_msgpack(f"a string is not UTF-8 ({exc.reason})") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise _malformed_msgpack(str(exc) or type(exc).__name__) from None
+
+
+def _unpack_walk(body: bytes, shape: BodyShape) -> Any:
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(body), raw=False, strict_map_key=True, max_buffer_size=max(1, len(body))
+    )
+    tell, unpack = unpacker.tell, unpacker.unpack
+    containers = 0
+
+    def open_container(kind: int, depth: int) -> tuple[Any, int]:
+        nonlocal containers
+        containers += 1
+        if containers > shape.max_containers:
+            raise shape.too_many()
+        if depth > shape.max_depth:
+            raise shape.too_deep()
+        if kind == _ARRAY:
+            return [], unpacker.read_array_header()
+        return {}, 2 * unpacker.read_map_header()  # keys and values
+
+    # One frame per open container: [container, values still to read, the pending key,
+    # its depth] (a container is let go once its last value is opened, so the depth is
+    # its own, not the stack's).
+    stack: list[list[Any]] = []
+    kind = _KIND[body[0]]
+    if kind == _SCALAR:
+        root = unpack()
+    else:
+        root, count = open_container(kind, 1)
+        if count:
+            stack.append([root, count, None, 1])
+    while stack:
+        frame = stack[-1]
+        container, left = frame[0], frame[1]
+        if isinstance(container, list):
+            append = container.append
+            while left and not _KIND[body[tell()]]:  # a run of scalars, the common case
+                append(unpack())
+                left -= 1
+            if not left:
+                stack.pop()
+                continue
+            child, count = open_container(_KIND[body[tell()]], frame[3] + 1)
+            append(child)
+        elif left % 2 == 0:  # a map's key
+            if _KIND[body[tell()]]:
+                raise _malformed_msgpack("a map key is a list or a map")
+            key = unpack()
+            if not isinstance(key, str | bytes):
+                raise _malformed_msgpack(f"a map key is a {type(key).__name__}, not a string")
+            frame[1], frame[2] = left - 1, key
+            continue
+        else:  # a map's value
+            kind = _KIND[body[tell()]]
+            if kind == _SCALAR:
+                container[frame[2]] = unpack()
+                count = 0
+            else:
+                child, count = open_container(kind, frame[3] + 1)
+                container[frame[2]] = child
+        frame[1] = left - 1
+        if frame[1] == 0:
+            stack.pop()
+        if count:
+            stack.append([child, count, None, frame[3] + 1])
+    if tell() != len(body):
+        raise _malformed_msgpack(f"{len(body) - tell():,} bytes follow the document")
+    return root
+
+
+# ----------------------------------------------------------------------------------------
+# Route classes
+# ----------------------------------------------------------------------------------------
 
 
 async def _read_counting(request: Request, shape: BodyShape) -> bytes:
@@ -138,30 +280,91 @@ async def _read_counting(request: Request, shape: BodyShape) -> bytes:
     return body
 
 
+async def read_bounded(request: Request) -> None:
+    """Read, size and parse the request's body (in a thread), leaving the value where
+    FastAPI and the routes read it; the problem when it is malformed or too large."""
+    content_type = request.headers.get("content-type")
+    if request.method not in _WITH_BODY or not content_type:
+        return
+    try:
+        fmt = body_format(content_type)
+    except ProblemError:
+        return  # not JSON or msgpack: the route answers (415, or its own media type)
+    settings = request.app.state.settings
+    shape = BodyShape(settings.max_body_depth, settings.max_body_containers)
+    try:
+        body = await (_read_counting(request, shape) if fmt is Format.JSON else request.body())
+    except ClientDisconnect:
+        # Nobody reads this answer; it only keeps a client that left from being an error.
+        raise ProblemError(
+            "malformed-body", "the client disconnected before its body ended"
+        ) from None
+    if fmt is Format.JSON:
+        if body:
+            request._json = await anyio.to_thread.run_sync(parse_json, body, shape)
+    else:
+        if body:
+            request._body = await anyio.to_thread.run_sync(_unpacked, body, shape)
+
+
+async def parsed_body(request: Request) -> Any:
+    """The JSON or msgpack body, read, sized and parsed as read_bounded does, for a route
+    that takes the request rather than a body model (its route class parses only the
+    bodies of body models); 400 for an empty one."""
+    if not hasattr(request, "_json") and not isinstance(
+        getattr(request, "_body", None), UnpackedBody
+    ):
+        await read_bounded(request)
+    if hasattr(request, "_json"):
+        return request._json
+    body = getattr(request, "_body", None)
+    if isinstance(body, UnpackedBody):
+        return body.value
+    raise ProblemError("malformed-body", "the body is empty")
+
+
+def _unpacked(body: bytes, shape: BodyShape) -> UnpackedBody:
+    value = unpack_msgpack(body, shape)
+    unpacked = UnpackedBody(body)
+    unpacked.value = value
+    return unpacked
+
+
 class BoundedRoute(APIRoute):
-    """An APIRoute that parses and sizes its body in a thread before FastAPI runs."""
+    """An APIRoute that parses and sizes its body in a thread before FastAPI runs (when
+    it takes a body model: a route that reads its body itself, as an ONNX upload does,
+    gets it unread, or parses it with parsed_body)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
 
         async def bounded(request: Request) -> Response:
-            content_type = request.headers.get("content-type")
-            if request.method not in _WITH_BODY or not content_type:
-                return await handler(request)
-            try:
-                fmt = body_format(content_type)
-            except ProblemError:
-                return await handler(request)  # the route answers 415 itself
-            settings = request.app.state.settings
-            shape = BodyShape(settings.max_body_depth, settings.max_body_containers)
-            if fmt is Format.JSON:
-                body = await _read_counting(request, shape)
-            else:
-                body = await request.body()
-            if body:
-                value = await anyio.to_thread.run_sync(_parse, body, fmt, shape)
-                if fmt is Format.JSON and value is not None:
-                    request._json = value  # Starlette's cache: FastAPI parses no more
+            await read_bounded(request)
             return await handler(request)
 
         return bounded
+
+
+class GatedRoute(BoundedRoute):
+    """A BoundedRoute whose caller is authenticated and admitted by its fair share
+    before its body is read (the /v1 resources)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = APIRoute.get_route_handler(self)
+        reads_body = self.body_field is not None
+
+        async def gated(request: Request) -> Response:
+            # The same dependency the route declares (it answers from the request's
+            # state the second time): 401 before anything is read.
+            owner = await authenticate(
+                request, await bearer_scheme(request), await api_key_scheme(request)
+            )
+            fairness: Fairness = request.app.state.fairness
+            async with fairness.admit(owner):
+                if reads_body:
+                    await read_bounded(request)
+                return await handler(request)
+
+        return gated

@@ -6,7 +6,9 @@ it. With them a key has at most `max_concurrent_per_key` requests past this gate
 default as many as there are workers: it may fill the workers, never the queue), so
 another key's request waits for at most one of the flood's requests to finish. Requests
 beyond the slots wait here, in their own key's line (bounded by `max_waiting_per_key`);
-beyond the rate or the line, a 429 `rate-limited` with `Retry-After`.
+beyond the rate or the line, a 429 `rate-limited` with `Retry-After` (a request refused
+for a full line spends no token). The /v1 routes pass this gate before their body is
+read (GatedRoute, service/api/bodies.py), and hold their slot until they are answered.
 
 Off on a server without API keys (every caller is the same owner there).
 """
@@ -20,9 +22,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import Request
-
-from service.api.auth import OwnerDep
 from service.api.problems import ProblemError
 from service.core.config import Settings
 
@@ -56,7 +55,8 @@ class Fairness:
         state.tokens = min(float(self.burst), state.tokens + (now - state.stamp) * self.rate)
         state.stamp = now
 
-    def _take_token(self, state: _KeyState, now: float) -> None:
+    def _check_rate(self, state: _KeyState, now: float) -> None:
+        """429 unless the key has a token to spend (the bucket refilled first)."""
         if self.rate <= 0:
             return
         self._refill(state, now)
@@ -64,16 +64,24 @@ class Fairness:
             wait = (1.0 - state.tokens) / self.rate
             raise _limited(f"this API key is over its rate of {self.rate:g} requests per "
                            f"second (burst {self.burst})", wait)
-        state.tokens -= 1.0
 
     @asynccontextmanager
     async def admit(self, owner: str) -> AsyncIterator[None]:
+        """Pass the key's rate and slots (off on a server without keys): 429 over the
+        rate or past a full waiting line, else wait in the key's line for a slot."""
+        if not self.enabled:
+            yield
+            return
         now = time.monotonic()
         state = self._state(owner, now)
-        self._take_token(state, now)
+        self._check_rate(state, now)
         if state.slots.locked() and state.waiting >= self.max_waiting:
+            # Refused before it costs a token: a client told to come back later keeps
+            # its rate for when it does.
             raise _limited(f"this API key has {self.concurrent} requests computing and "
                            f"{state.waiting} waiting (max_waiting_per_key)", 1.0)
+        if self.rate > 0:
+            state.tokens -= 1.0
         state.users += 1
         state.waiting += 1
         try:
@@ -93,7 +101,6 @@ class Fairness:
                 # Idle with a full bucket: nothing to remember, so the table holds only
                 # the keys that are active or still paying back a burst.
                 self._keys.pop(owner, None)
-
 
     @asynccontextmanager
     async def slot(self, owner: str) -> AsyncIterator[None]:
@@ -116,13 +123,3 @@ class Fairness:
 def _limited(detail: str, wait: float) -> ProblemError:
     return ProblemError("rate-limited", detail,
                         headers={"Retry-After": str(max(1, math.ceil(wait)))})
-
-
-async def admit(request: Request, owner: OwnerDep) -> AsyncIterator[None]:
-    """The route dependency: pass the caller's key through its rate and its slots."""
-    fairness: Fairness = request.app.state.fairness
-    if not fairness.enabled:
-        yield
-        return
-    async with fairness.admit(owner):
-        yield

@@ -8,7 +8,7 @@ import time
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.problems import problem_response
+from service.api.problems import ProblemError, problem_response
 from service.domain.metrics import Metrics
 from service.pool import calls
 
@@ -17,7 +17,9 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 class BodyLimitMiddleware:
     """413 for a body over `max_bytes`: at once from Content-Length, or, for a chunked
-    body, after reading at most max_bytes + 1 bytes of it (then replayed to the app)."""
+    body, as soon as the app has read past the limit (its receive raises the problem,
+    which the app's handlers answer). A chunked body is not read ahead of the app: the
+    /v1 routes refuse a keyless or over-rate caller before they read a byte of it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -30,46 +32,30 @@ class BodyLimitMiddleware:
         length = _content_length(scope)
         if length is not None:
             if length > self.max_bytes:
-                await self._refuse(scope, receive, send, f"{length:,} bytes")
+                response = problem_response(scope, "body-too-large", self._detail(f"{length:,} bytes"),
+                                            limit=self.max_bytes)
+                await response(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
         size = 0
-        more = True
-        while more:
+
+        async def receive_counted() -> Message:
+            nonlocal size
             message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send, "larger than that")
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        replayed = False
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    raise ProblemError("body-too-large", self._detail("larger than that"),
+                                       limit=self.max_bytes)
+            return message
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, receive_counted, send)
 
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
-        response = problem_response(
-            scope,
-            "body-too-large",
-            f"this server accepts bodies of up to {self.max_bytes:,} bytes (setting "
-            f"max_body_bytes); this one is {size}. Send large tensors as binary "
-            "(application/msgpack) or split the request",
-            limit=self.max_bytes,
-        )
-        await response(scope, receive, send)
+    def _detail(self, size: str) -> str:
+        return (f"this server accepts bodies of up to {self.max_bytes:,} bytes (setting "
+                f"max_body_bytes); this one is {size}. Send large tensors as binary "
+                "(application/msgpack) or split the request")
 
 
 def _content_length(scope: Scope) -> int | None:

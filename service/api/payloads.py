@@ -13,18 +13,23 @@ import numpy as np
 from service.api.problems import ProblemError
 from service.api.schemas import (
     CallOptions,
+    CurvatureOptions,
     DatasetArray,
     DatasetInputs,
     Definition,
     DefinitionRequest,
+    DiagonalRequest,
+    EigenMethod,
     EigenvaluesRequest,
     GradientRequest,
     HessianRequest,
     HVPRequest,
     ImportedModel,
+    InfluenceRequest,
     JacobianRequest,
     ModelCreateRequest,
     SolveRequest,
+    SpectralDensityRequest,
     TapeCreateRequest,
     TapeGradientRequest,
     TapeHVPRequest,
@@ -135,20 +140,20 @@ class _Decoder:
             )
         return {"onnx": bytes(data), "frozen": list(m.frozen)}
 
-    def inputs(self, inputs: Any, default: str) -> dict[str, Any]:
+    def inputs(self, inputs: Any, default: str, field: str = "definition.inputs"
+               ) -> dict[str, Any]:
         """The arrays of the inputs; those bound to datasets are left to the bindings."""
         if isinstance(inputs, DatasetInputs):
-            self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows),
-                                         "definition.inputs"))
+            self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows), field))
             return {}
         out: dict[str, Any] = {}
         for name, value in inputs.items():
             if isinstance(value, DatasetArray):
                 self.bindings.append(Binding(value.dataset, name, value.array, rows(value.rows),
-                                             f"definition.inputs.{name}"))
+                                             f"{field}.{name}"))
                 out[name] = None  # keeps the input's place; bound before the pool sees it
             else:
-                out[name] = self.tensor(value, f"definition.inputs.{name}", default)
+                out[name] = self.tensor(value, f"{field}.{name}", default)
         return out
 
     def check(self) -> None:
@@ -311,6 +316,7 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
     """The payload recording a tape, and its ttl."""
     decoder, payload, limit = _common(body, settings, stored)
     del payload["allow_unused"]  # a tape records every line: other targets may use them
+    payload["output"] = body.output
     ttl = settings.tape_ttl if body.ttl is None else body.ttl
     if ttl > settings.tape_max_ttl:
         raise ProblemError(
@@ -321,9 +327,15 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
     return _prepared(body, decoder, payload, limit), ttl
 
 
+def _curvature(body: CurvatureOptions) -> dict[str, Any]:
+    """Which curvature matrix the worker applies (the Hessian unless asked)."""
+    return {"curvature": body.curvature.value, "samples": body.samples,
+            "fisher_seed": body.fisher_seed}
+
+
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
-    payload: dict[str, Any] = {"flat": body.flat}
+    payload: dict[str, Any] = {"flat": body.flat, **_curvature(body)}
     _vectors(body, decoder, payload, settings)
     return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
 
@@ -370,19 +382,47 @@ def _algorithm_limits(max_hvps: int, max_seconds: float | None, limit: float,
 
 def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
     limit = _time_limit(body.time_limit, settings)
+    power = body.method is EigenMethod.power
+    which = body.which.value if body.which is not None else ("LM" if power else "LA")
+    if power and which != "LM":
+        raise ProblemError(
+            "invalid-request",
+            f"which: power iteration finds the eigenvalues of largest magnitude (LM) only; "
+            f"for {which} use method lanczos",
+            errors=[{"field": "which", "message": "LM (or absent) with method power"}],
+        )
     payload = {
-        "k": body.k, "which": body.which.value, "tol": body.tol,
+        "k": body.k, "method": body.method.value, "which": which, "tol": body.tol,
         "eigenvectors": body.eigenvectors, "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 
 
-def trace(body: TraceRequest, settings: Settings) -> Prepared:
+def trace(body: TraceRequest | DiagonalRequest, settings: Settings) -> Prepared:
+    """The payload of /trace and of /diagonal (the same knobs)."""
     limit = _time_limit(body.time_limit, settings)
     payload = {
-        "batch_size": body.batch_size, "rtol": body.rtol, "atol": body.atol, "seed": body.seed,
+        "method": body.method.value, "batch_size": body.batch_size, "rtol": body.rtol,
+        "atol": body.atol, "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
+    }
+    return _prepared(body, _decoder(body, settings), payload, limit)
+
+
+def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    # By default every probe may run its steps, within the server's limit (the run then
+    # stops at max_hvps, each probe with the steps it reached, and says so).
+    default = min(body.probes * body.steps, settings.algorithm_max_hvps)
+    max_hvps = default if body.max_hvps is None else body.max_hvps
+    payload = {
+        "probes": body.probes, "steps": body.steps, "sigma": body.sigma,
+        "points": body.points, "grid": body.grid, "seed": body.seed,
+        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 
@@ -395,6 +435,22 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
         "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
         "damping": body.damping, "tol": body.tol, "max_iterations": body.max_iterations,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
+    }
+    return _prepared(body, decoder, payload, limit)
+
+
+def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
+    limit = _time_limit(body.time_limit, settings)
+    decoder = _decoder(body, settings)
+    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
+    payload = {
+        "test_inputs": None if body.test_inputs is None else decoder.inputs(
+            body.test_inputs, "float32", field="test_inputs"),
+        "rows": body.rows, "damping": body.damping, "top_k": body.top_k, "tol": body.tol,
+        "max_iterations": body.max_iterations,
+        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
+        **_curvature(body),
     }
     return _prepared(body, decoder, payload, limit)
 

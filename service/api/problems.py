@@ -9,7 +9,6 @@ as `errors` (one entry per located problem).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -173,14 +172,12 @@ class ProblemError(ServiceError):
 def status_of(exc: ServiceError) -> int:
     """The HTTP status a domain error answers with: its problem type's, unless the HTTP
     layer chose another."""
-    return getattr(exc, "status", None) or PROBLEM_TYPES[exc.slug].status
+    known = PROBLEM_TYPES.get(exc.slug)  # an unknown slug is our bug: a 500, still a problem
+    return getattr(exc, "status", None) or (known.status if known else 500)
 
 
 def headers_of(exc: ServiceError) -> dict[str, str] | None:
-    headers = dict(getattr(exc, "headers", None) or {})
-    if exc.retry_after is not None:
-        headers.setdefault("Retry-After", str(max(1, math.ceil(exc.retry_after))))
-    return headers or None
+    return getattr(exc, "headers", None)
 
 
 # What a problem echoes of a request is bounded: the detail, each error's message and the

@@ -42,9 +42,9 @@ from service.core.wire import DTYPES
 # ----------------------------------------------------------------------------------------
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
+DType.__doc__ = "Element type of a tensor."
 # What a stored model or dataset may be called (a path segment, never an id's shape).
 STORED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
-DType.__doc__ = "Element type of a tensor."
 # Named, so that generated clients get one FloatDType enum (not a `...DtypeType0`).
 FloatDType = TypeAliasType("FloatDType", Literal["float16", "float32", "float64"])
 
@@ -419,13 +419,23 @@ GRADIENT_EXAMPLE: dict[str, Any] = {
 }
 
 
+class UnpackedBody(bytes):
+    """A msgpack body with its `value`, unpacked (and sized) once, off the event loop, by
+    service/api/bodies.py: the request model takes the value instead of unpacking the
+    bytes again."""
+
+    value: Any
+
+
 class RequestModel(_Strict):
-    """Base of request bodies: a msgpack body arrives as bytes and is unpacked here, so
-    both encodings go through the same validation."""
+    """Base of request bodies: a msgpack body arrives as bytes (over HTTP, unpacked
+    already: an UnpackedBody), so both encodings go through the same validation."""
 
     @model_validator(mode="before")
     @classmethod
     def _unpack_msgpack(cls, data: Any) -> Any:
+        if isinstance(data, UnpackedBody):
+            return data.value
         if isinstance(data, bytes | bytearray):
             try:
                 return msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -647,6 +657,15 @@ class TapeCreateRequest(DefinitionRequest):
         "target": "loss",
     }]})
 
+    output: Name | None = Field(
+        None, description="The program line that is the model's output (the logits, the "
+        "predictions): the lines after it that the target needs form the loss, which must "
+        "then read only the output and inputs (the targets; variables that are not sources "
+        "are held fixed). Naming it lets the tape answer the Gauss-Newton and Fisher "
+        "curvatures (`curvature` on its products and algorithms) and influence functions; "
+        "the examples are along the output's first axis. Refused (422, naming the line) "
+        "when a loss line reads a source or a line of the model."
+    )
     ttl: StrictFloat | None = Field(
         None, gt=0, description="Seconds the tape lives after its last use (default and "
         "maximum: server settings tape_ttl and tape_max_ttl)."
@@ -656,6 +675,42 @@ class TapeCreateRequest(DefinitionRequest):
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
         "then empty. For SciPy's minimize, without unflattening."
     )
+
+
+class CurvatureKind(StrEnum):
+    """The matrix a tape's products and algorithms use: the Hessian of the target, or,
+    on a tape that names its `output`, the generalized Gauss-Newton matrix J^T H_L J,
+    the Fisher (exact for softmax/sigmoid cross-entropy and squared error, where it is
+    the GGN; Monte-Carlo with `samples`), or the empirical Fisher c sum_i g_i g_i^T
+    (c = 1/N for a mean loss, 1 for a sum)."""
+
+    hessian = "hessian"
+    ggn = "ggn"
+    fisher = "fisher"
+    empirical_fisher = "empirical_fisher"
+
+
+class CurvatureOptions(RequestModel):
+    """The curvature options of a tape's products and algorithms."""
+
+    curvature: CurvatureKind = Field(
+        CurvatureKind.hessian, description="Which curvature matrix (see CurvatureKind); all "
+        "but hessian need a tape recorded with `output`."
+    )
+    samples: StrictInt | None = Field(
+        None, ge=1, le=10_000, description="With curvature fisher: targets drawn per example "
+        "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
+        "`fisher_seed`); absent: the exact Fisher."
+    )
+    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's "
+                                   "targets.")
+
+    @model_validator(mode="after")
+    def _samples_for_fisher(self) -> CurvatureOptions:
+        if self.samples is not None and self.curvature != CurvatureKind.fisher:
+            raise ValueError("'samples' draws a Monte-Carlo Fisher: it goes with "
+                             "curvature 'fisher'")
+        return self
 
 
 class TapeUpdateRequest(CallOptions):
@@ -685,9 +740,10 @@ class TapeUpdateRequest(CallOptions):
         return self
 
 
-class TapeHVPRequest(_Vectors):
-    """Hessian-vector products of the tape's target over its sources: `vector`,
-    `vectors` or `flat_vector`. Only the second-order pass runs; nothing is recorded."""
+class TapeHVPRequest(_Vectors, CurvatureOptions):
+    """Curvature-vector products over the tape's sources (the Hessian of its target by
+    default; `curvature` picks another): `vector`, `vectors` or `flat_vector`. Only the
+    passes over the recording run; nothing is recorded."""
 
     flat: StrictBool = Field(
         False, description="Answer the products as flat float64 vectors in `flat`, in the "
@@ -738,13 +794,29 @@ MAX_SECONDS_DESCRIPTION = (
 )
 
 
-class EigenvaluesRequest(CallOptions):
-    """Extreme eigenvalues of the tape's Hessian by Lanczos with full
-    reorthogonalization (one HVP per iteration)."""
+class EigenMethod(StrEnum):
+    """How eigenvalues are found: Lanczos with full reorthogonalization, or deflated
+    (block) power iteration."""
+
+    lanczos = "lanczos"
+    power = "power"
+
+
+class EigenvaluesRequest(CurvatureOptions, CallOptions):
+    """Extreme eigenvalues (and optionally eigenvectors) of the tape's Hessian (or of the
+    `curvature` asked): by Lanczos with full reorthogonalization (one HVP per iteration),
+    or by deflated power iteration (k HVPs per step in one batched pass; largest
+    magnitude only)."""
 
     k: StrictInt = Field(1, ge=1, le=1024, description="How many eigenvalues.")
-    which: Which = Field(Which.LA, description="LA: largest algebraic, LM: largest "
-                         "magnitude, SA: smallest algebraic.")
+    method: EigenMethod = Field(
+        EigenMethod.lanczos, description="lanczos (fewest HVPs; any `which`) or power "
+        "(deflated power iteration, as hessian-eigenthings and PyHessian run it: the k "
+        "largest in magnitude, which = LM)."
+    )
+    which: Which | None = Field(None, description="LA: largest algebraic, LM: largest "
+                                "magnitude, SA: smallest algebraic. Default: LA for lanczos, "
+                                "LM for power (the only one it finds).")
     tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when each Ritz "
                              "residual ||H y - theta y|| <= tol * max |theta|.")
     max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION)
@@ -756,27 +828,112 @@ class EigenvaluesRequest(CallOptions):
     run_async: StrictBool = _async_field()
 
 
-class TraceRequest(CallOptions):
-    """Hutchinson's estimate of the trace of the tape's Hessian: the mean of z^T H z
-    over random Rademacher vectors z, drawn batch_size at a time (one batched pass
-    each), with its standard error."""
+class TraceMethod(StrEnum):
+    """How the trace is taken: exact (n unit vectors), Hutch++, Hutchinson, or auto."""
 
-    batch_size: StrictInt = Field(16, ge=1, description="Vectors per batched HVP pass (at "
-                                  "most the server's hvp_max_vectors).")
-    max_hvps: StrictInt = Field(256, ge=2, description="Most samples (HVPs) to draw (at most "
-                                "the server's algorithm_max_hvps).")
-    rtol: StrictFloat | None = Field(
-        None, gt=0, description="Stop early once stderr <= rtol * |trace| + atol (after two "
-        "batches at least)."
+    auto = "auto"
+    exact = "exact"
+    hutchpp = "hutchpp"
+    hutchinson = "hutchinson"
+
+
+class DiagonalMethod(StrEnum):
+    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto."""
+
+    auto = "auto"
+    exact = "exact"
+    hutchinson = "hutchinson"
+
+
+TOLERANCE_DESCRIPTION = (
+    "Stop early once the standard error is at most rtol * |estimate| + atol (after two "
+    "rounds at least; stochastic methods only)."
+)
+
+
+class TraceRequest(CurvatureOptions, CallOptions):
+    """The trace of the tape's Hessian (or of the `curvature` asked): exact from the n
+    unit vectors (in batched passes of up to 64), or estimated by Hutch++ (the top of the
+    spectrum taken exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean
+    of z^T H z over Rademacher vectors z), with its standard error."""
+
+    method: TraceMethod = Field(
+        TraceMethod.auto, description="auto: exact when max_hvps covers the n HVPs it "
+        "takes (n = the tape's parameters), else hutchpp; exact; hutchpp; hutchinson."
     )
-    atol: StrictFloat = Field(0.0, ge=0, description="Absolute part of the stopping tolerance.")
+    batch_size: StrictInt = Field(16, ge=1, description="Random vectors per batched HVP pass "
+                                  "(at most the server's hvp_max_vectors); exact passes take "
+                                  "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+                                  "memory budget is tighter).")
+    max_hvps: StrictInt = Field(256, ge=2, description="Most HVPs to use (at most the "
+                                "server's algorithm_max_hvps).")
+    rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
+    atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
+                              description="Absolute part of the stopping tolerance.")
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
     run_async: StrictBool = _async_field()
 
 
-class SolveRequest(CallOptions):
+class DiagonalRequest(CurvatureOptions, CallOptions):
+    """The diagonal of the tape's Hessian, as tensors per source: exact from the n unit
+    vectors (in batched passes of up to 64), or Hutchinson's estimate (the
+    mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
+
+    method: DiagonalMethod = Field(
+        DiagonalMethod.auto, description="auto: exact when max_hvps covers the n HVPs it "
+        "takes (n = the tape's parameters), else hutchinson; exact; hutchinson."
+    )
+    batch_size: StrictInt = Field(16, ge=1, description="Random vectors per batched HVP pass "
+                                  "(at most the server's hvp_max_vectors); exact passes take "
+                                  "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+                                  "memory budget is tighter).")
+    max_hvps: StrictInt = Field(256, ge=2, description="Most HVPs to use (at most the "
+                                "server's algorithm_max_hvps).")
+    rtol: StrictFloat | None = Field(
+        None, gt=0, description="Stop early once the root-mean-square standard error is at "
+        "most rtol * rms(diagonal) + atol (after two batches at least; hutchinson only)."
+    )
+    atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
+                              description="Absolute part of the stopping tolerance.")
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
+                                   "fresh ones).")
+    run_async: StrictBool = _async_field()
+
+
+class SpectralDensityRequest(CurvatureOptions, CallOptions):
+    """The eigenvalue density of the tape's Hessian by stochastic Lanczos quadrature:
+    `steps` Lanczos steps from each of `probes` random vectors (run side by side, one
+    batched pass per step) give Ritz nodes and weights; smoothed by a Gaussian of width
+    `sigma`, they are a density to plot."""
+
+    probes: StrictInt = Field(8, ge=1, le=1024, description="Random start vectors (more: a "
+                              "smaller standard error of the density).")
+    steps: StrictInt = Field(64, ge=1, le=4096, description="Lanczos steps per probe (capped "
+                             "at the tape's parameter count): the nodes per probe, i.e. the "
+                             "resolution.")
+    sigma: StrictFloat | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Width (standard deviation) of the "
+        "Gaussian that smooths the nodes into a density, in eigenvalue units. Default: the "
+        "span of the nodes / steps."
+    )
+    points: StrictInt = Field(256, ge=2, le=10_000, description="Grid points spanning the "
+                              "nodes +- 3 sigma (ignored when `grid` is given).")
+    grid: list[Annotated[StrictFloat, Field(allow_inf_nan=False)]] | None = Field(
+        None, min_length=1, max_length=10_000, description="Where to evaluate the density "
+        "(eigenvalues, finite); default: `points` points spanning the nodes +- 3 sigma."
+    )
+    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
+                                       "Default: probes x steps, within algorithm_max_hvps.")
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    seed: StrictInt | None = Field(0, ge=0, description="Seed of the probes (null: fresh "
+                                   "ones).")
+    run_async: StrictBool = _async_field()
+
+
+class SolveRequest(CurvatureOptions, CallOptions):
     """Solve (H + damping I) x = b by conjugate gradient on the tape's Hessian. b
     defaults to the recorded gradient: x is then the damped Newton step (subtract it
     from the sources)."""
@@ -793,6 +950,43 @@ class SolveRequest(CallOptions):
                                        "Default: max_iterations.")
     max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
+
+
+class InfluenceRequest(CurvatureOptions, CallOptions):
+    """Influence functions (Koh and Liang, 2017) on a tape recorded with `output`: the
+    effect of every training example (a row along the output's first axis) on the loss
+    at test points."""
+
+    test_inputs: Inputs | None = Field(
+        None, description="The test points: new values for the inputs the model and the loss "
+        "read along the examples axis (the data and the targets; same trailing shapes, any "
+        "number of rows), as tensors, stored dataset arrays ({dataset, array, rows}) or a "
+        "whole dataset ({dataset, rows}: each array the input of its name). The test loss "
+        "is the tape's loss on them."
+    )
+    rows: list[StrictInt] | None = Field(
+        None, min_length=1, max_length=100_000, description="Or: training rows (indices "
+        "along the examples axis) whose loss is the test loss."
+    )
+    damping: StrictFloat = Field(1e-3, ge=0, description="Added to the curvature's diagonal "
+                                 "(an L2 term (lam/2)|w|^2 of the training loss is damping "
+                                 "lam).")
+    top_k: StrictInt = Field(10, ge=0, le=10_000, description="How many most helpful and "
+                             "most harmful examples to list.")
+    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="CG converged when ||b - (C + "
+                             "damping I) s|| <= tol * ||b||.")
+    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
+    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
+                                       "Default: max_iterations.")
+    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    run_async: StrictBool = _async_field()
+
+    @model_validator(mode="after")
+    def _test_points(self) -> InfluenceRequest:
+        if (self.test_inputs is None) == (self.rows is None):
+            raise ValueError("give the test points as 'test_inputs' or as training 'rows' "
+                             "(exactly one of them)")
+        return self
 
 
 # Stored models --------------------------------------------------------------------------
@@ -915,6 +1109,8 @@ class TapeInfo(BaseModel):
 
     tape_id: str
     target: str
+    output: str | None = Field(None, description="The model output it names, if any "
+                               "(curvatures beyond the Hessian).")
     sources: SourceMap
     model: str | None = Field(None, description="The stored model it was recorded from.")
     created_at: datetime
@@ -951,6 +1147,7 @@ class Stopped(StrEnum):
 
     converged = "converged"
     exhausted = "exhausted"
+    complete = "complete"
     tolerance = "tolerance"
     max_hvps = "max_hvps"
     max_iterations = "max_iterations"
@@ -962,28 +1159,88 @@ class EigenvaluesResponse(BaseModel):
     """Ritz values sorted as asked (LA: descending; SA: ascending; LM: by magnitude)."""
 
     eigenvalues: list[float]
-    residuals: list[float] = Field(description="||H y - theta y|| per Ritz pair (estimates "
-                                   "from the Lanczos recurrence).")
+    residuals: list[float] = Field(description="||H y - theta y|| per Ritz pair (lanczos: "
+                                   "estimates from the recurrence; power: computed).")
     eigenvectors: list[Tensors] | None = None
+    method: EigenMethod
     converged: bool
     stopped: Stopped = Field(description="converged; exhausted (every direction was spanned: "
                              "exact); max_hvps; time_limit.")
-    iterations: int
+    iterations: int = Field(description="Lanczos iterations, or power steps (batched passes).")
     hvps: int = Field(description="HVPs used.")
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
 
 
 class TraceResponse(BaseModel):
+    """The trace and its standard error, with what it cost and why it stopped."""
+
     trace: float
-    stderr: float | None = Field(description="Standard error of the estimate (sample "
-                                 "standard deviation / sqrt(samples)).")
-    samples: int
+    stderr: float | None = Field(description="Standard error of the estimate: 0 when exact; "
+                                 "hutchinson: sample std / sqrt(samples); hutchpp: that of the "
+                                 "probes of the remainder; exact stopped by max_seconds: that "
+                                 "of n x the mean diagonal entry seen (they are visited in a "
+                                 "random order); null when there are too few samples.")
+    method: TraceMethod = Field(description="The method that ran (auto resolved).")
+    samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
+    sketch: int = Field(0, description="hutchpp: the rank of the part taken exactly.")
+    batches: int = Field(description="Batched passes (exact, hutchinson) or rounds (hutchpp).")
+    batch_size: int = Field(description="Vectors per batched pass.")
+    converged: bool = Field(description="Exact, or the tolerance was met (without one: every "
+                            "sample asked for was drawn).")
+    stopped: Stopped = Field(description="exhausted (exact: every direction was taken), "
+                             "tolerance, max_hvps or time_limit.")
+    hvps: int
+    seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
+
+
+class DiagonalResponse(BaseModel):
+    """The diagonal, as tensors per source, and its standard error."""
+
+    diagonal: Tensors
+    stderr: Tensors | None = Field(description="Standard error per entry (hutchinson); null "
+                                   "when exact.")
+    error: float | None = Field(description="Root-mean-square standard error over the "
+                                "entries (what rtol is compared with); 0 when exact; null "
+                                "when unknown.")
+    method: DiagonalMethod = Field(description="The method that ran (auto resolved).")
+    reached: int = Field(description="Entries computed, counted over the sources in the "
+                         "order of `diagonal`, each row-major: all n unless an exact run "
+                         "was stopped by max_seconds (the entries past them are 0).")
+    samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     batches: int
-    batch_size: int
-    converged: bool = Field(description="The tolerance was met (without rtol: every sample "
-                            "asked for was drawn).")
-    stopped: Stopped = Field(description="tolerance, max_hvps or time_limit.")
+    batch_size: int = Field(description="Vectors per batched pass.")
+    converged: bool
+    stopped: Stopped = Field(description="exhausted (exact), tolerance, max_hvps or "
+                             "time_limit.")
+    hvps: int
+    seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
+
+
+class SpectralDensityResponse(BaseModel):
+    """The smoothed eigenvalue density on a grid, and the raw quadrature it comes from."""
+
+    grid: list[float] = Field(description="Eigenvalues where the density is given.")
+    density: list[float] = Field(description="The density of eigenvalues, normalized to "
+                                 "integrate to 1 (times the parameter count: eigenvalues per "
+                                 "unit).")
+    stderr: list[float] | None = Field(description="Pointwise standard error of the density "
+                                       "across probes (null with one probe).")
+    nodes: list[list[float]] = Field(description="Per probe, its Ritz values (the "
+                                     "quadrature's nodes).")
+    weights: list[list[float]] = Field(description="Per probe, its nodes' weights (squared "
+                                       "first components; they sum to 1).")
+    sigma: float = Field(description="The smoothing width used.")
+    probes: int = Field(description="Probes that ran.")
+    steps: int = Field(description="Lanczos steps per probe asked (capped at the parameter "
+                       "count); a probe whose Krylov space closes sooner has fewer nodes, "
+                       "and its quadrature is then exact.")
+    parameters: int = Field(description="n, the tape's parameter count.")
+    converged: bool = Field(description="Every probe ran its steps.")
+    stopped: Stopped = Field(description="complete, max_hvps or time_limit (the probes run "
+                             "so far, each with the steps it reached).")
     hvps: int
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -1000,6 +1257,30 @@ class SolveResponse(BaseModel):
     hvps: int
     residuals: list[float] = Field(description="||b - (H + damping I) x|| / ||b|| from x = 0 "
                                    "and after each iteration.")
+    seconds: float
+    nonfinite: list[str] | None = _nonfinite_flag()
+
+
+class InfluenceResponse(BaseModel):
+    """Per training example i: `scores[i]` = I_up,loss(z_i, z_test) = -g_i . s_test with
+    s_test = (C + damping I)^-1 grad L_test (positive: harmful, up-weighting it raises the
+    test loss; negative: helpful), and `removal[i]`, the predicted change of the test
+    loss if example i were left out of the training loss (-c * scores[i], c = 1/N for a
+    mean loss, 1 for a sum)."""
+
+    scores: list[float]
+    removal: list[float]
+    helpful: list[int] = Field(description="The top_k most helpful examples, most first.")
+    harmful: list[int] = Field(description="The top_k most harmful examples, most first.")
+    test_loss: float
+    s_test: Tensors = Field(description="(C + damping I)^-1 grad L_test, per source.")
+    curvature: CurvatureKind
+    converged: bool
+    stopped: Stopped = Field(description="Of the CG solve: converged, max_iterations, "
+                             "max_hvps, time_limit or negative_curvature (raise the damping).")
+    iterations: int
+    hvps: int
+    residuals: list[float]
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
 
@@ -1162,24 +1443,28 @@ class JobState(StrEnum):
 # The answer of a request that may run as a job: what the synchronous request answers.
 JobResult = TypeAliasType(
     "JobResult",
-    EigenvaluesResponse | TraceResponse | SolveResponse | JacobianResponse | HessianResponse,
+    EigenvaluesResponse | TraceResponse | DiagonalResponse | SpectralDensityResponse
+    | SolveResponse | JacobianResponse | HessianResponse,
 )
 
 
 class JobProgress(BaseModel):
     """Where a running job stands (the last report of its worker)."""
 
-    done: int = Field(description="Units of work done: HVPs (vectors) for eigenvalues, trace "
-                      "and solve; rows for a Hessian.")
+    done: int = Field(description="Units of work done: HVPs (vectors) for eigenvalues, trace, "
+                      "diagonal, spectral density and solve; rows for a Hessian.")
     total: int | None = Field(None, description="The budget of units (max_hvps, rows), when "
                               "known; an algorithm may stop sooner, on convergence.")
     unit: str = Field(description="hvps or rows.", examples=["hvps"])
     estimate: float | list[float | None] | None = Field(
         None, description="What the algorithm would answer now: the Ritz values (eigenvalues), "
-        "the trace estimate; null when there is none yet (solve: see error).")
+        "the trace estimate; exact diagonal: the fraction of entries done; spectral density: "
+        "the probes finished; null when there is none yet (solve, hutchinson diagonal: see "
+        "error).")
     error: float | list[float | None] | None = Field(
         None, description="The estimate's error: Ritz residuals, the trace's standard error, "
-        "the solve's relative residual ||b - A x|| / ||b||.")
+        "the diagonal's relative error rms(stderr) / rms(diagonal), the solve's relative "
+        "residual ||b - A x|| / ||b||.")
     seconds: float = Field(description="Seconds the computation has run in its worker.")
     eta: float | None = Field(
         None, description="Seconds left at the current pace if the whole budget is used "

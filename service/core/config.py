@@ -61,12 +61,31 @@ class Settings(BaseSettings):
         "'cpu', 'cuda' (all GPUs) or 'cuda:N' (one GPU)",
     )
     workers: int | None = Field(
-        default=None, ge=1, le=256, description="worker processes; default: one per GPU, else 2"
+        default=None, ge=1, le=256,
+        description="engine workers (processes, or Ray actors); default: one per GPU of this "
+        "host, else 2"
     )
     worker_threads: int | None = Field(
         default=None, ge=1, description="BLAS threads per CPU worker; default: cores / workers"
     )
     startup_timeout: float = Field(default=120.0, gt=0, description="for a worker to come up")
+    executor: Literal["local", "ray"] = Field(
+        default="local",
+        description="what runs the workers: 'local' (processes of this host) or 'ray' (Ray "
+        "actors, on this host or across a Ray cluster; needs the `ray` extra)",
+    )
+    ray_address: str = Field(
+        default="",
+        description="with executor 'ray': the cluster to join ('auto': the one this node "
+        "belongs to, 'ray://host:10001': through Ray Client); empty: start a Ray of this "
+        "host for this server alone",
+    )
+    ray_object_store_memory: int = Field(
+        default=256 * 2**20, ge=80 * 2**20,
+        description="bytes of the object store of a Ray this server starts itself (the "
+        "requests and replies in flight pass through it); a cluster's own is set with "
+        "`ray start`",
+    )
     worker_tune_allocator: bool = Field(
         default=defaults.WORKER_TUNE_ALLOCATOR,
         description="raise glibc's mmap/trim thresholds in the workers (engine.tune_allocator): "
@@ -115,15 +134,20 @@ class Settings(BaseSettings):
 
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
-        default=defaults.HESSIAN_MAX_SIZE, ge=1, description="most parameters (n of the n x n Hessian) of /v1/hessian"
+        default=defaults.HESSIAN_MAX_SIZE, ge=1,
+        description="most parameters (n of the n x n Hessian) of /v1/hessian"
     )
     jacobian_max_elements: int = Field(
-        default=defaults.JACOBIAN_MAX_ELEMENTS, ge=1, description="most elements of all the jacobians of one request"
+        default=defaults.JACOBIAN_MAX_ELEMENTS, ge=1,
+        description="most elements of all the jacobians of one request"
     )
     chunk_size: int = Field(
-        default=defaults.CHUNK_SIZE, ge=1, description="jacobian rows per backward pass (bounds worker memory)"
+        default=defaults.CHUNK_SIZE, ge=1,
+        description="jacobian rows per backward pass (bounds worker memory)"
     )
-    hvp_max_vectors: int = Field(default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp")
+    hvp_max_vectors: int = Field(
+        default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp"
+    )
     request_memory_budget: int = Field(
         default=0, ge=0,
         description="bytes one request's recording and derivative passes may use, as the "
@@ -164,14 +188,19 @@ class Settings(BaseSettings):
         default=4 << 30, ge=1, description="bytes of all of one API key's datasets (413 past it)"
     )
     worker_dataset_memory: int = Field(
-        default=defaults.WORKER_DATASET_MEMORY, ge=0, description="bytes of dataset arrays one worker keeps in memory "
+        default=defaults.WORKER_DATASET_MEMORY, ge=0,
+        description="bytes of dataset arrays one worker keeps in memory "
         "(least recently used out first)"
     )
     algorithm_max_hvps: int = Field(
-        default=10000, ge=1, description="most HVPs one eigenvalues/trace/solve request may use"
+        default=10000, ge=1,
+        description="most HVPs one eigenvalues/trace/diagonal/spectral-density/solve request "
+        "may use"
     )
     lanczos_max_basis_bytes: int = Field(
-        default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1, description="memory of the Lanczos basis (iterations x n float64)"
+        default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1,
+        description="host memory of an algorithm's stored vectors (x n float64): the Lanczos "
+        "basis, the spectral density's bases, the Hutch++ sketch, the power-iteration block"
     )
     tape_sweep_interval: float = Field(
         default=10.0, gt=0,

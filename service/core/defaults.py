@@ -11,4 +11,4 @@ JACOBIAN_MAX_ELEMENTS = 1 << 24  # elements of all the jacobians of one request
 HVP_MAX_VECTORS = 1024  # vectors in one /v1/hvp
 LANCZOS_MAX_BASIS_BYTES = 1 << 30  # memory of the Lanczos basis
 WORKER_DATASET_MEMORY = 1 << 30  # bytes of hot dataset arrays per worker
-WORKER_TUNE_ALLOCATOR = True  # engine.tune_allocator in the workers
+WORKER_TUNE_ALLOCATOR = True  # engine.tune_allocator in the workers the pool starts

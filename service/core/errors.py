@@ -12,8 +12,7 @@ from typing import Any
 class ServiceError(Exception):
     """A request cannot be answered: `slug` names the problem type, `detail` says why
     (naming the field, the line or the shape), `errors` lists located problems and
-    `extensions` are extra members of the problem (`quota`, `reason`, ...).
-    `retry_after` (seconds) tells the client when trying again may succeed."""
+    `extensions` are extra members of the problem (`quota`, `reason`, ...)."""
 
     def __init__(
         self,
@@ -21,12 +20,10 @@ class ServiceError(Exception):
         detail: str,
         *,
         errors: list[dict[str, Any]] | None = None,
-        retry_after: float | None = None,
         **extensions: Any,
     ):
         super().__init__(detail)
         self.slug = slug
         self.detail = detail
         self.errors = errors
-        self.retry_after = retry_after
         self.extensions = extensions

@@ -35,7 +35,9 @@ import numpy as np
 
 from service.core.wire import from_bytes, to_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What each older version lacks, applied in order on open (the tapes' model output).
+MIGRATIONS = {1: ["ALTER TABLE tapes ADD COLUMN output TEXT"]}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (
@@ -98,7 +100,8 @@ CREATE TABLE IF NOT EXISTS tapes (
     device     TEXT NOT NULL,
     rebuilds   INTEGER NOT NULL DEFAULT 0,
     state      TEXT NOT NULL CHECK (state IN ('live', 'expired', 'evicted', 'deleted')),
-    ended      REAL
+    ended      REAL,
+    output     TEXT            -- the model output it names (curvatures), if any
 );
 CREATE INDEX IF NOT EXISTS tapes_owner ON tapes(owner, state);
 CREATE TABLE IF NOT EXISTS datasets (
@@ -163,6 +166,7 @@ class TapeRow:
     rebuilds: int
     state: str
     ended: float | None
+    output: str | None = None
 
 
 @dataclass
@@ -238,11 +242,14 @@ class Store:
                 db.execute("PRAGMA journal_mode = WAL")
                 db.execute("PRAGMA synchronous = NORMAL")
             version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
+            if version not in (0, SCHEMA_VERSION, *MIGRATIONS):
                 raise StoreError(
                     f"{self.path} has store schema version {version}; this gradtape reads "
-                    f"version {SCHEMA_VERSION}"
+                    f"versions up to {SCHEMA_VERSION}"
                 )
+            for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):
+                for statement in MIGRATIONS[old]:
+                    db.execute(statement)
             db.executescript(SCHEMA)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -481,11 +488,12 @@ class Store:
             tape.definition = _put_definition(db, definition)
             db.execute(
                 "INSERT INTO tapes (id, owner, definition, model, target, sources, ttl, "
-                "created, last_used, hits, bytes, worker, device, rebuilds, state, ended) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created, last_used, hits, bytes, worker, device, rebuilds, state, ended, "
+                "output) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (tape.id, tape.owner, tape.definition, tape.model, tape.target,
                  json.dumps(tape.sources), tape.ttl, tape.created, tape.last_used, tape.hits,
-                 tape.bytes, tape.worker, tape.device, tape.rebuilds, tape.state, tape.ended),
+                 tape.bytes, tape.worker, tape.device, tape.rebuilds, tape.state, tape.ended,
+                 tape.output),
             )
 
     def set_tape_definition(self, tape_id: str, definition: Mapping[str, Any]) -> str:
@@ -597,7 +605,7 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
 
 _TAPE_SELECT = (
     "SELECT id, owner, definition, model, target, sources, ttl, created, last_used, hits, "
-    "bytes, worker, device, rebuilds, state, ended FROM tapes"
+    "bytes, worker, device, rebuilds, state, ended, output FROM tapes"
 )
 
 

@@ -4,7 +4,7 @@ tensors, service/api/tensors.py), the worker protocol (service/core/ipc.py) and 
 little-endian, row-major bytes, and read it back here, checked.
 
 DTYPES is the wire's dtype vocabulary. It equals the definition language's
-(engine.language.definition.ALLOWED_DTYPES; tests/service/test_architecture.py pins the
+(engine.language.definition.ALLOWED_DTYPES; tests/test_architecture.py pins the
 two together): the HTTP process must not import the engine, so it cannot ask it.
 """
 
@@ -64,7 +64,10 @@ def short_shape(shape: Sequence[int]) -> str:
 
 
 def from_bytes(raw: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> np.ndarray:
-    """Little-endian row-major bytes -> array (zero-copy where the bytes allow)."""
+    """Little-endian row-major bytes -> array (zero-copy where the bytes allow: a view of
+    `raw`, read-only when `raw` is)."""
+    if dtype not in DTYPES:
+        raise TensorError(f"dtype {dtype!r} is none of {', '.join(DTYPES)}")
     dt = little_endian(dtype)
     count = expected_size(shape)
     if len(raw) != count * dt.itemsize:
@@ -85,8 +88,16 @@ def dtype_name(array: np.ndarray) -> str:
     return name
 
 
-def to_bytes(array: Any) -> tuple[str, list[int], bytes]:
-    """(dtype name, shape, little-endian row-major bytes): what from_bytes reads back."""
+def raw_view(array: Any) -> tuple[str, list[int], memoryview]:
+    """(dtype name, shape, its little-endian row-major bytes): what from_bytes reads back,
+    as a view of the array's own memory where it already is that (no copy)."""
     array = np.asarray(array)
+    name = dtype_name(array)
     raw = np.ascontiguousarray(array.astype(little_endian(array.dtype), copy=False))
-    return dtype_name(array), list(array.shape), raw.tobytes()
+    return name, list(array.shape), raw.reshape(-1).view(np.uint8).data
+
+
+def to_bytes(array: Any) -> tuple[str, list[int], bytes]:
+    """raw_view's bytes as an immutable copy (what a store keeps)."""
+    name, shape, raw = raw_view(array)
+    return name, shape, bytes(raw)

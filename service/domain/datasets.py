@@ -106,10 +106,10 @@ class DatasetCatalog:
         if not await asyncio.to_thread(self.store.delete_dataset, owner, name):
             await self.get(owner, name)  # the 404
 
-    async def bind(self, owner: str, definition: dict[str, Any], bindings: list[Binding]
+    async def bind(self, owner: str, inputs: dict[str, Any], bindings: list[Binding]
                    ) -> None:
-        """Replace the definition's dataset inputs by references to the arrays."""
-        inputs = definition["inputs"]
+        """Replace the dataset inputs (of a definition, or an influence request's test
+        points) by references to the arrays."""
         for b in bindings:
             row = await self.get(owner, b.dataset, b.field)
             arrays = {a.name: a for a in row.arrays}
@@ -132,5 +132,8 @@ class DatasetCatalog:
 
     async def bind_prepared(self, owner: str, prepared: Prepared) -> Prepared:
         if prepared.bindings:
-            await self.bind(owner, prepared.payload["definition"], prepared.bindings)
+            payload = prepared.payload
+            inputs = (payload["definition"]["inputs"] if "definition" in payload
+                      else payload["test_inputs"])
+            await self.bind(owner, inputs, prepared.bindings)
         return prepared

@@ -73,6 +73,7 @@ class Tape:
         return {
             "tape_id": r.id,
             "target": r.target,
+            "output": r.output,
             "sources": r.sources,
             "model": r.model,
             "created_at": iso(r.created),
@@ -210,6 +211,7 @@ class TapeRegistry:
                     target=spec["target"], sources=dict(result.pop("sources")), ttl=ttl,
                     created=now, last_used=now, hits=0, bytes=size, worker=reply.worker,
                     device=str(result.pop("device")), rebuilds=0, state="live", ended=None,
+                    output=spec.get("output"),
                 )
                 await asyncio.to_thread(self.store.insert_tape, row, spec["definition"])
             except BaseException:
@@ -342,7 +344,8 @@ class TapeRegistry:
         definition = await asyncio.to_thread(self.store.get_definition, tape.row.definition)
         if definition is None:
             raise ServiceError("internal", f"the stored definition of tape {tape.id} is missing")
-        return {"definition": definition, "target": tape.row.target, "sources": tape.row.sources}
+        return {"definition": definition, "target": tape.row.target, "sources": tape.row.sources,
+                "output": tape.row.output}
 
     async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
                      inputs: Mapping[str, np.ndarray], time_limit: float,

@@ -1,6 +1,6 @@
 """The pool's interface: what the HTTP process may ask of its engine workers, whatever
 runs them. `Pool` is the protocol; service/pool/local.py (worker processes of this host)
-is its first backend, and a second one (Ray actors) is one more module beside it.
+and service/pool/ray.py (Ray actors, on one host or a cluster) are its backends.
 The failures, the reply and the worker description below are the protocol's too: the
 HTTP layer maps each failure to a problem once (service/api/errors.py).
 """
@@ -36,10 +36,14 @@ class ComputeTimeout(PoolError):
 
 
 class WorkerCrashed(PoolError):
-    def __init__(self, worker: int, exitcode: int | None):
+    """`how`: what the backend knows of the death (by default the process's exit status;
+    a Ray actor on another node has none to read, Ray's own account stands in)."""
+
+    def __init__(self, worker: int, exitcode: int | None, how: str | None = None):
         self.worker = worker
         self.exitcode = exitcode
-        super().__init__(f"worker {worker} stopped unexpectedly ({describe_exit(exitcode)})")
+        self.how = how or describe_exit(exitcode)
+        super().__init__(f"worker {worker} stopped unexpectedly ({self.how})")
 
 
 class ComputeFailed(PoolError):
@@ -133,9 +137,14 @@ class Pool(Protocol):
         time_limit: float | None = None,
         queue_bound: bool = True,
     ) -> Reply:
-        """Run `kind` (a handler of service.worker.compute) on `payload`; raises a
-        PoolError (PoolBusy, PoolUnavailable, ComputeTimeout, WorkerCrashed, Cancelled,
-        ComputeFailed with the worker's description of the error)."""
+        """Run `kind` (a worker handler: service/worker/compute.py or tapes.py) on
+        `payload`; raises a PoolError (PoolBusy, PoolUnavailable, ComputeTimeout,
+        WorkerCrashed, Cancelled, ComputeFailed with the worker's description of the error).
+
+        A backend must honour the caller's watch (service.pool.calls.current()): cancel
+        the request when `gone()` says so (out of the queue, or stopped at its worker's
+        next op, raising Cancelled), call `started()` when a worker takes it, and pass the
+        worker's progress reports to `progress` when the payload asked for them."""
 
     async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
         """Health: ping the idle workers, replace the ones that do not answer."""

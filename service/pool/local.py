@@ -122,8 +122,6 @@ class WorkerPool:
         self.observer = observer or PoolObserver()
         self._ctx = multiprocessing.get_context("spawn")
         self._workers = [_Worker(i, d) for i, d in enumerate(settings.worker_devices())]
-        for w in self._workers:
-            w.cancel = self._ctx.RawValue(ctypes.c_int64, 0)
         self._queue: deque[_Job] = deque()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -220,7 +218,7 @@ class WorkerPool:
         try:
             return await self._wait(job)
         except asyncio.CancelledError:
-            self._cancel(job, "the request was abandoned")
+            self._cancel(job, "the request was abandoned", abandoned=True)
             raise
 
     async def _wait(self, job: _Job) -> Reply:
@@ -254,19 +252,30 @@ class WorkerPool:
             started.cancel()
         return job.future.result()
 
-    def _cancel(self, job: _Job, reason: str) -> None:
+    def _cancel(self, job: _Job, reason: str, abandoned: bool = False) -> None:
         """Stop the job: out of the queue, or at its worker's next op (killed when it
-        does not stop within cancel_grace); its caller gets Cancelled."""
+        does not stop within cancel_grace); its caller gets Cancelled (an abandoned
+        caller, whose task was cancelled, reads no answer: its future is cancelled)."""
         if job.future.done():
             return
         if job in self._queue:
             self._queue.remove(job)
         w = job.running_on
         if w is not None and w.job is job:
-            w.cancel.value = job.id
+            # Dispatched: its frame is on the way or sent (_execute sends none for a job
+            # already cancelled), so the worker is told to stop it.
+            self._signal_cancel(w, job)
             self._spawn_task(self._enforce_cancel(w, job, w.generation))
             log.info("request %d cancelled on worker %d (%s)", job.id, w.index, reason)
-        job.fail(Cancelled(reason))
+        if abandoned:
+            job.future.cancel()
+            job.started.set()
+        else:
+            job.fail(Cancelled(reason))
+
+    def _signal_cancel(self, w: _Worker, job: _Job) -> None:
+        """Tell worker `w` to stop `job` at its next op: its shared cancel flag."""
+        w.cancel.value = job.id
 
     async def _enforce_cancel(self, w: _Worker, job: _Job, generation: int) -> None:
         await asyncio.sleep(self.settings.cancel_grace)
@@ -301,7 +310,7 @@ class WorkerPool:
                 return
             if w.state != "idle":
                 continue
-            if w.process is not None and not w.process.is_alive():
+            if self._died_idle(w):
                 # Died while idle, and its reader has not noticed yet: no job goes there.
                 w.state = "down"
                 self._spawn_task(self._replace(w, w.generation, "crash"))
@@ -310,12 +319,19 @@ class WorkerPool:
             if job is None:
                 continue
             self._queue.remove(job)
+            # Bound to the worker now, not when _execute first runs: a cancel in between
+            # (the `started` callback below, or any task the loop runs first) must find
+            # the job on its worker, or the worker would compute it for nobody.
             w.state = "busy"
+            w.job = job
             job.running_on = w
             job.started.set()
             if job.watch is not None and job.watch.started is not None:
                 job.watch.started()
             self._spawn_task(self._execute(w, job))
+
+    def _died_idle(self, w: _Worker) -> bool:
+        return w.process is not None and not w.process.is_alive()
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -323,16 +339,20 @@ class WorkerPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _execute(self, w: _Worker, job: _Job) -> None:
-        assert w.writer is not None
+        if job.future.done():
+            # Cancelled between its dispatch and now: its frame is never sent, and the
+            # worker, which never saw it, is free at once.
+            if w.job is job:
+                w.job = None
+                if w.state == "busy":
+                    w.state = "idle"
+            self._dispatch()
+            return
         generation = w.generation
         w.request_id = job.id
-        w.job = job
-        w.reply = reply = asyncio.get_running_loop().create_future()
         started = time.perf_counter()
         try:
-            w.writer.writelines(job.frame)
-            await w.writer.drain()
-            message = await asyncio.wait_for(reply, job.time_limit)
+            message = await asyncio.wait_for(self._roundtrip(w, job), job.time_limit)
         except TimeoutError:
             job.fail(ComputeTimeout(job.time_limit, w.index))
             self._spawn_task(self._replace(w, generation, "timeout"))
@@ -359,10 +379,21 @@ class WorkerPool:
         self._dispatch()
 
     # Worker processes ---------------------------------------------------------------------
+    async def _roundtrip(self, w: _Worker, job: _Job) -> dict[str, Any]:
+        """Send the job's request to worker `w` and wait for its reply message (its
+        progress reports go to the job's watch on the way, by the reader)."""
+        assert w.writer is not None
+        w.reply = reply = asyncio.get_running_loop().create_future()
+        w.writer.writelines(job.frame)
+        await w.writer.drain()
+        return await reply
+
     async def _spawn(self, w: _Worker) -> None:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
         parent_sock, child_sock = socket.socketpair()
+        if w.cancel is None:
+            w.cancel = self._ctx.RawValue(ctypes.c_int64, 0)
         w.cancel.value = 0
         process = self._ctx.Process(
             target=_run_worker,

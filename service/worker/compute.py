@@ -1,11 +1,13 @@
-"""The computations, inside a worker process: with service/worker/tapes.py (the tapes),
-the only service modules that import the engine (and the definition language).
+"""The stateless computations, inside a worker process, and what every handler shares
+(the worker's context, preparing a definition, describing errors); the tapes' handlers
+build on it in service/worker/tapes.py, and service/worker/dispatch.py routes each
+request message to its handler.
 
 A handler takes the payload the HTTP side built (the request with its tensors decoded
-to NumPy arrays) and returns plain data with NumPy arrays, or raises. `answer` wraps a
-handler into the reply message and turns every exception into an error description
-`{"type", "message", ...}` that the HTTP side maps to a problem response; the error
-classes of the engine never cross the process boundary.
+to NumPy arrays) and returns plain data with NumPy arrays, or raises. Every exception
+becomes an error description `{"type", "message", ...}` (describe_error) that the HTTP
+side maps to a problem response; the error classes of the engine never cross the
+process boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 import engine as gt
 from engine import backend
+from engine.curvature import CurvatureError
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -41,8 +44,6 @@ from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from engine.transforms import SingularHessianError
 from service.core import defaults, flat
-from service.core.flat import flatten
-from service.worker import nonfinite
 from service.worker.datasets import DatasetCache, DatasetUnavailable, resolve
 
 log = logging.getLogger("gradtape.compute")
@@ -118,7 +119,9 @@ class RequestError(Exception):
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     """Set up a worker: check its device, build its limits, tune the allocator (unless
     told not to), warm the engine up."""
-    if options.get("tune_allocator", defaults.WORKER_TUNE_ALLOCATOR):
+    # The pool always passes the setting (default on); a worker started bare (a test, in its
+    # own process) leaves that process's allocator as it found it.
+    if options.get("tune_allocator", False):
         gt.tune_allocator()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
@@ -149,54 +152,6 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     return context
 
 
-def answer(context: WorkerContext, message: Mapping[str, Any],
-           cancelled: Callable[[], bool] | None = None,
-           report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """The reply to one request message; never raises. `cancelled()` is asked before
-    every engine op: once it says yes the request stops there and answers the error
-    type "cancelled" (nothing half-done is kept: a tape is stored only once recorded).
-    `report` receives the request's progress reports (WorkerContext.progress)."""
-    started = time.perf_counter()
-    request_id = message.get("id")
-    handler = HANDLERS.get(message.get("kind", ""))
-    context.report, context._last_report = report, 0.0
-
-    def check() -> None:
-        if cancelled is not None and cancelled():
-            raise gt.Interrupted("the request was cancelled")
-
-    try:
-        if handler is None:
-            raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
-        with gt.interruptible(check):
-            payload = apply_point(bind_datasets(message.get("payload"), context), context)
-            result = handler(payload, context)
-            result = nonfinite.guard(
-                result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
-                refuse_nonfinite,
-            )
-        if isinstance(payload, Mapping) and payload.get("flat"):
-            result = flatten(result)
-    except BaseException as exc:  # every failure becomes an error reply
-        if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
-                and message.get("kind") == "tape_create"):
-            # A refused recording is not kept; a replaced tape is rebuilt from the store.
-            _tapes(context).pop(message["payload"]["tape_id"], None)
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        return {"id": request_id, "ok": False, "error": describe_error(exc)}
-    return {
-        "id": request_id,
-        "ok": True,
-        "result": result,
-        "seconds": time.perf_counter() - started,
-    }
-
-
-ALGORITHMS = {"tape_eigenvalues": "Lanczos iteration", "tape_trace": "trace estimate",
-              "tape_solve": "conjugate-gradient solve"}
-
-
 class NonFiniteAnswer(RequestError):
     """An answer holding NaN or infinity, refused (the request did not allow them)."""
 
@@ -205,29 +160,10 @@ def refuse_nonfinite(detail: str, problem: Problem) -> NonFiniteAnswer:
     return NonFiniteAnswer("non-finite", detail, problems=[problem.to_dict()])
 
 
-def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext
-                       ) -> Problem:
-    """The op where the request's non-finite answer started (the engine's diagnosis)."""
-    if kind in ALGORITHMS:
-        session = _tapes(context)[payload["tape_id"]]
-        found = session.program.find_nonfinite(session.request, session.leaves)
-        if found.op is None:  # the tape is sound: the algorithm's own arithmetic is not
-            return Problem(
-                f"the tape's value and first derivatives are finite, but the "
-                f"{ALGORITHMS[kind]} overflowed: its arguments (damping, tol, the vector) "
-                "are out of a usable range", "request", kind="nonfinite")
-        return found
-    if kind.startswith("tape_"):
-        session = _tapes(context)[payload["tape_id"]]  # the handler has just used it
-        request = _other_request(session, payload) if payload.get("target") else session.request
-        return session.program.find_nonfinite(request, session.leaves)
-    prepared = _prepare(payload, context, "zero")
-    return prepared.program.find_nonfinite(prepared.request, prepared.leaves)
-
-
 def bind_datasets(payload: Any, context: WorkerContext) -> Any:
-    """The payload with the inputs bound to datasets (of its definition, and of the
-    definition a tape is rebuilt from) replaced by their arrays, rows taken."""
+    """The payload with the inputs bound to datasets (of its definition, of the
+    definition a tape is rebuilt from, and of an influence request's test points)
+    replaced by their arrays, rows taken."""
     if not isinstance(payload, Mapping):
         return payload
     out = dict(payload)
@@ -238,6 +174,9 @@ def bind_datasets(payload: Any, context: WorkerContext) -> Any:
         if isinstance(rebuild, Mapping) and isinstance(rebuild.get("definition"), Mapping):
             out["rebuild"] = {**rebuild,
                               "definition": resolve(rebuild["definition"], context.datasets)}
+        if isinstance(out.get("test_inputs"), Mapping):
+            out["test_inputs"] = resolve({"inputs": out["test_inputs"]}, context.datasets,
+                                         "test_inputs")["inputs"]
     except (ValueError, DatasetUnavailable) as exc:
         raise RequestError("request", str(exc)) from None
     return out
@@ -285,6 +224,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         first = str(exc.problems[0])
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return {"type": kind, "message": first + more, "problems": problems}
+    if isinstance(exc, CurvatureError):
+        return {"type": "request", "message": str(exc), "field": "curvature"}
     if isinstance(exc, gt.BatchDependenceError):
         return {"type": "batch-dependence", "message": str(exc)}
     if isinstance(exc, gt.MissingRuleError):
@@ -309,7 +250,7 @@ def internal_error(exc: BaseException) -> dict[str, Any]:
 
 
 @dataclass
-class _Prepared:
+class Prepared:
     definition: Definition
     program: CompiledProgram
     request: Request
@@ -319,26 +260,26 @@ class _Prepared:
         return tuple(self.leaves[self.request.sources[key]].shape)
 
 
-def _prepare(payload: Mapping[str, Any], context: WorkerContext, unconnected: str = "none"
-             ) -> _Prepared:
+def prepare(payload: Mapping[str, Any], context: WorkerContext, unconnected: str = "none"
+             ) -> Prepared:
     definition = as_definition(payload["definition"])
     program = compile_definition(definition, context.limits)
     request = program.check_request(
         payload["target"], payload.get("sources"), unconnected,
         allow_unused=bool(payload.get("allow_unused")),
     )
-    return _Prepared(definition, program, request, program.leaves(definition, context.device))
+    return Prepared(definition, program, request, program.leaves(definition, context.device))
 
 
 def _host(tensor: Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
-def _target_shape(prepared: _Prepared) -> tuple[int, ...]:
+def _target_shape(prepared: Prepared) -> tuple[int, ...]:
     return tuple(prepared.program.types[prepared.request.target].shape)
 
 
-def _scalar_target(prepared: _Prepared, endpoint: str) -> None:
+def _scalar_target(prepared: Prepared, endpoint: str) -> None:
     shape = _target_shape(prepared)
     if math.prod(shape) != 1:
         raise RequestError(
@@ -383,7 +324,7 @@ def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
 
 def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     unconnected = payload.get("unconnected", "none")
-    prepared = _prepare(payload, context, unconnected)
+    prepared = prepare(payload, context, unconnected)
     watched = {key: prepared.leaves[name] for key, name in prepared.request.sources.items()}
     batch = bool(payload.get("batch"))
     check_jacobian_size(
@@ -450,7 +391,7 @@ def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor]
 
 
 def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    prepared = _prepare(payload, context, "zero")
+    prepared = prepare(payload, context, "zero")
     _scalar_target(prepared, "/v1/hessian")
     keys = list(prepared.request.sources)
     shapes = [prepared.source_shape(k) for k in keys]
@@ -475,17 +416,17 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
                          seconds=time.perf_counter() - t0)
 
     h = operator.dense(context.chunk_size, progress)
-    primals = operator.grad  # the sources' shapes and dtypes, in the order of `keys`
+    grads = operator.grad  # the sources' shapes and dtypes, in the order of `keys`
     offsets = np.cumsum([0, *sizes])
     blocks: dict[str, dict[str, np.ndarray]] = {}
-    for i, (ka, sa, pa) in enumerate(zip(keys, shapes, primals, strict=True)):
+    for i, (ka, sa, pa) in enumerate(zip(keys, shapes, grads, strict=True)):
         blocks[ka] = {}
         for j, (kb, sb) in enumerate(zip(keys, shapes, strict=True)):
             block = h[offsets[i]:offsets[i + 1], offsets[j]:offsets[j + 1]]
             blocks[ka][kb] = block.reshape(sa + sb).astype(pa.dtype)
     result: dict[str, Any] = {
         "value": operator.value.numpy(),
-        "gradients": dict(zip(keys, [g.numpy() for g in operator.grad], strict=True)),
+        "gradients": dict(zip(keys, [g.numpy() for g in grads], strict=True)),
         "hessian": blocks,
         "newton_step": None,
     }
@@ -500,7 +441,7 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
 
 
 def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    prepared = _prepare(payload, context, "zero")
+    prepared = prepare(payload, context, "zero")
     _scalar_target(prepared, "/v1/hvp")
     keys = list(prepared.request.sources)
     primals = [prepared.leaves[prepared.request.sources[k]] for k in keys]
@@ -578,9 +519,3 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "hessian": hessian,
     "hvp": hvp,
 }
-
-# The tapes' handlers (issue 6) use the helpers above.
-from service.worker.tapes import HANDLERS as TAPE_HANDLERS
-from service.worker.tapes import _other_request, _tapes
-
-HANDLERS.update(TAPE_HANDLERS)

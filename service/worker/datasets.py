@@ -110,15 +110,17 @@ def take_rows(array: np.ndarray, rows: Any, where: str) -> np.ndarray:
     return array[indices]
 
 
-def resolve(definition: Mapping[str, Any], cache: DatasetCache) -> dict[str, Any]:
-    """The definition with every bound input replaced by its array (rows taken)."""
+def resolve(definition: Mapping[str, Any], cache: DatasetCache, section: str = "inputs"
+            ) -> dict[str, Any]:
+    """The definition with every bound input replaced by its array (rows taken);
+    `section` names the inputs in errors."""
     inputs = definition.get("inputs") or {}
     if not any(is_ref(v) for v in inputs.values()):
         return dict(definition)
     resolved = {}
     for name, value in inputs.items():
         if is_ref(value):
-            where = f"inputs.{name} (dataset {value['dataset']!r}, array {value['array']!r})"
+            where = f"{section}.{name} (dataset {value['dataset']!r}, array {value['array']!r})"
             resolved[name] = take_rows(cache.array(value["blob"]), value.get("rows"), where)
         else:
             resolved[name] = value

@@ -24,7 +24,7 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from service.worker import compute  # the engine loads here
+        from service.worker import compute, dispatch  # the engine loads here
 
         context = compute.start(index, device, options)
     except Exception as exc:  # noqa: BLE001 - any failure to start is reported, then exit
@@ -35,7 +35,7 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
         message = ipc.recv_message(sock)
         if message is None or message.get("kind") == "shutdown":
             return
-        reply = compute.answer(context, message, cancelled=_cancel_check(cancel, message),
+        reply = dispatch.answer(context, message, cancelled=_cancel_check(cancel, message),
                                report=_reporter(sock, message))
         try:
             ipc.send_message(sock, reply)

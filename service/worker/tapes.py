@@ -31,17 +31,25 @@ from typing import Any
 import numpy as np
 
 import engine as gt
+from engine.curvature import Curvature, CurvatureError
 from engine.footprint import held_bytes
 from engine.hessian_algorithms import (
     FlatOperator,
     Progress,
+    choose_diagonal_method,
+    choose_trace_method,
     conjugate_gradient,
-    hutchinson_trace,
+    estimate_diagonal,
+    estimate_trace,
+    exact_pass_size,
     lanczos,
+    power_iteration,
+    spectral_density,
 )
 from engine.language import (
     CompiledProgram,
     DefinitionError,
+    ModelSplit,
     Problem,
     Request,
     as_definition,
@@ -71,11 +79,14 @@ class TapeSession:
     flat: FlatOperator
     recording: gt.GradientTape  # persistent; watches every floating-point leaf
     env: dict[str, Tensor]  # every name of the program, as recorded
+    split: ModelSplit | None = None  # the program cut at its output, when one is named
+    curvature: Curvature | None = None  # recorded on the first non-Hessian request
+    flats: dict[tuple, FlatOperator] | None = None  # per curvature, on first use
     bytes: int = 0
     hvp_measured: bool = False
 
 
-def _tapes(context: WorkerContext) -> dict[str, TapeSession]:
+def sessions(context: WorkerContext) -> dict[str, TapeSession]:
     tapes: dict[str, TapeSession] = context.state.setdefault("tapes", {})
     return tapes
 
@@ -109,6 +120,9 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
             "the tape has no sources: the definition has no trainable floating-point "
             "variable; name the sources",
         )
+    # With an output named, the program is cut there now, so a bad cut is a 422 at once.
+    split = None if spec.get("output") is None else program.split(
+        spec["output"], request.target, request.sources)
     leaves = program.leaves(definition, context.device)
     names = list(request.sources.values())
     recording = gt.GradientTape(persistent=True, watch_accessed_variables=False)
@@ -136,14 +150,114 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
         flat=FlatOperator(operator),
         recording=recording,
         env=recorded["env"],
+        split=split,
     )
     session.bytes = held_bytes(session, shared=(CompiledProgram,))
     return session
 
 
+# ----------------------------------------------------------------------------------------
+# Curvatures beyond the Hessian (engine/curvature.py on the program cut at its output)
+# ----------------------------------------------------------------------------------------
+
+PER_EXAMPLE = ("fisher", "empirical_fisher")
+MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
+
+
+def _curvature(session: TapeSession) -> Curvature:
+    """The model and loss recorded once more, cut at the output (on the first request
+    that needs it; kept with the tape). The model's inputs along the examples axis (the
+    output's first) are its data, the loss's inputs its targets."""
+    if session.split is None:
+        raise RequestError(
+            "request", "curvatures other than the Hessian, and influence, need a tape that "
+            "names its model output: record it with \"output\": the line of the model's "
+            "output (the loss's lines follow it)", field="curvature")
+    if session.curvature is None:
+        split, leaves = session.split, session.leaves
+        model, loss = split.functions(leaves)
+        params = {name: leaves[name] for name in session.request.sources.values()}
+        data = {n: leaves[n] for n in split.data if n in _batched(session)}
+        targets = {n: leaves[n] for n in split.targets}
+        # The tape's own operator answers the Hessian: this recording keeps no gradient
+        # for it (influence on the Hessian records one when first asked).
+        session.curvature = Curvature(model, loss, params, data, targets,
+                                      max_batch=session.operator.max_batch, hessian=False)
+        session.flats = {}
+        session.hvp_measured = False  # the tape holds more now: measure it again
+    return session.curvature
+
+
+def _batched(session: TapeSession) -> set[str]:
+    """The inputs along the examples axis: first axis the output's."""
+    assert session.split is not None
+    shape = session.program.types[session.split.output].shape
+    if not shape:
+        return set()
+    return {n for n, leaf in session.program.inputs.items()
+            if leaf.type.shape[:1] == shape[:1]}
+
+
+def _check_targets(session: TapeSession, what: str) -> None:
+    """Per-example curvatures slice the loss's inputs by example: all must be batched."""
+    assert session.split is not None
+    shape = session.program.types[session.split.output].shape
+    batched = _batched(session)
+    for name in session.split.targets:
+        if name not in batched:
+            raise RequestError(
+                "request", f"{what} splits the loss by example along the first axis of the "
+                f"output {session.split.output!r} ({list(shape)}); the loss reads input "
+                f"{name!r} of shape {list(session.program.inputs[name].type.shape)}, which "
+                "is not along it", field="curvature")
+
+
+def _operator(session: TapeSession, payload: Mapping[str, Any], context: WorkerContext
+              ) -> tuple[gt.HessianOperator, FlatOperator]:
+    """The operator and flat view of the curvature the request asks for."""
+    kind = payload.get("curvature") or "hessian"
+    if kind == "hessian":
+        return session.operator, session.flat
+    curvature = _curvature(session)
+    if kind in PER_EXAMPLE:
+        _check_targets(session, f"curvature {kind!r}")
+    samples, seed = payload.get("samples"), payload.get("fisher_seed", 0)
+    if samples is not None:
+        # The Monte-Carlo Fisher keeps one output-sized gradient per sample.
+        held = samples * curvature.output.size * curvature.output.dtype.itemsize
+        limit = context.memory_budget or MONTE_CARLO_MAX_BYTES
+        if held > limit:
+            raise RequestError(
+                "too-large", f"samples: {samples} Monte-Carlo targets of the output "
+                f"{list(curvature.output.shape)} hold {held:,} bytes, above this server's "
+                f"{limit:,}; ask for at most {max(1, limit // (held // samples))}",
+                field="samples", limit=limit)
+    try:
+        operator = curvature.operator(kind, samples=samples, seed=seed)
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="curvature") from None
+    assert session.flats is not None
+    key = (kind, samples, seed)
+    if key not in session.flats:
+        session.flats[key] = FlatOperator(operator)
+        session.hvp_measured = False
+    return operator, session.flats[key]
+
+
+def _products(session: TapeSession, operator: gt.HessianOperator, stacked: list[Tensor]
+              ) -> list[Tensor]:
+    """hvp_many in the sources' order: the tape's Hessian takes one primal per source, a
+    curvature operator one mapping name -> tensor."""
+    if operator is session.operator:
+        return list(operator.hvp_many(*stacked))
+    names = list(session.request.sources.values())
+    (products,) = operator.hvp_many(dict(zip(names, stacked, strict=True)))
+    return [products[n] for n in names]
+
+
 def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSession, bool]:
     """The tape the request names, rebuilt from `rebuild` when this worker lacks it."""
-    tapes = _tapes(context)
+    tapes = sessions(context)
     tape_id = payload["tape_id"]
     session = tapes.get(tape_id)
     if session is not None:
@@ -185,14 +299,14 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     """Record a tape (replacing one of the same id only once the new one is recorded:
     a failed update keeps the old tape)."""
     session = record(payload["tape_id"], payload, context)
-    _tapes(context)[session.tape_id] = session
+    sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
     return result
 
 
 def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    tapes = _tapes(context)
+    tapes = sessions(context)
     dropped = [i for i in payload["tape_ids"] if tapes.pop(i, None) is not None]
     if dropped:
         gc.collect()  # hand the arrays back now, cycles included
@@ -208,7 +322,8 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    products = session.operator.hvp_many(*stacked)  # batched passes, nothing recorded
+    operator, _ = _operator(session, payload, context)
+    products = _products(session, operator, stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
     answers = [
@@ -218,7 +333,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def _other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
+def other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
     target = payload.get("target") or session.request.target
     sources = payload.get("sources")
     if sources is None:
@@ -232,7 +347,7 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     """The gradient of any name of the program over any floating-point leaves, from the
     recording (one backward pass; the program does not run again)."""
     session, rebuilt = _session(payload, context)
-    request = _other_request(session, payload)
+    request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     grads = session.recording.gradient(y, watched, unconnected_gradients=request.unconnected)
@@ -245,7 +360,7 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
 
 def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = _session(payload, context)
-    request = _other_request(session, payload)
+    request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     batch = bool(payload.get("batch"))
@@ -285,10 +400,23 @@ def _check_max_hvps(value: int, at_least: int, what: str) -> None:
                            field="max_hvps")
 
 
+def _check_basis(context: WorkerContext, rows: int, n: int, what: str, fewer: str) -> None:
+    """Refuse (too-large) an algorithm whose host vectors (rows x n float64) would pass the
+    server's lanczos_max_basis_bytes."""
+    if 8 * rows * n > context.lanczos_max_basis_bytes:
+        raise RequestError(
+            "too-large",
+            f"{what} of {rows} vectors of {n:,} parameters ({8 * rows * n:,} bytes) exceeds "
+            f"this server's lanczos_max_basis_bytes ({context.lanczos_max_basis_bytes:,}); "
+            f"{fewer}",
+            limit=context.lanczos_max_basis_bytes,
+        )
+
+
 def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
-    flat = session.flat
+    _, flat = _operator(session, payload, context)
     k = int(payload["k"])
     if k > flat.n:
         raise RequestError(
@@ -296,21 +424,23 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
             field="k",
         )
     _check_max_hvps(int(payload["max_hvps"]), k, f"k = {k} eigenvalues")
-    basis_rows = context.lanczos_max_basis_bytes // (8 * flat.n)
-    if basis_rows < k:
-        raise RequestError(
-            "too-large",
-            f"a Lanczos basis of {k} vectors of {flat.n:,} parameters exceeds this server's "
-            f"lanczos_max_basis_bytes ({context.lanczos_max_basis_bytes:,}); ask for fewer "
-            "eigenvalues",
-            limit=context.lanczos_max_basis_bytes,
-        )
-    out = lanczos(
-        flat.matvec, flat.n, k=k, which=payload["which"], tol=float(payload["tol"]),
-        max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
-        eigenvectors=bool(payload["eigenvectors"]), seed=payload.get("seed"),
-        max_basis_bytes=context.lanczos_max_basis_bytes, callback=_relay(context),
-    )
+    method = payload.get("method", "lanczos")
+    # Lanczos holds at least k basis vectors; power iteration its block of k and A times it.
+    rows = k if method == "lanczos" else 2 * k
+    what = "a Lanczos basis" if method == "lanczos" else "a power-iteration block"
+    _check_basis(context, rows, flat.n, what, "ask for fewer eigenvalues")
+    tol, max_hvps = float(payload["tol"]), int(payload["max_hvps"])
+    max_seconds = _seconds_left(payload, started)
+    eigenvectors, seed = bool(payload["eigenvectors"]), payload.get("seed")
+    if method == "power":
+        out = power_iteration(flat.matvec, flat.n, k=k, tol=tol, max_hvps=max_hvps,
+                              max_seconds=max_seconds, eigenvectors=eigenvectors, seed=seed,
+                              callback=_relay(context))
+    else:
+        out = lanczos(flat.matvec, flat.n, k=k, which=payload["which"], tol=tol,
+                      max_hvps=max_hvps, max_seconds=max_seconds, eigenvectors=eigenvectors,
+                      seed=seed, max_basis_bytes=context.lanczos_max_basis_bytes,
+                      callback=_relay(context))
     vectors = None
     if out.eigenvectors is not None:
         vectors = [dict(zip(session.keys, flat.unflatten(y), strict=True))
@@ -319,6 +449,7 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
         "eigenvalues": [float(v) for v in out.eigenvalues],
         "residuals": [float(r) for r in out.residuals],
         "eigenvectors": vectors,
+        "method": method,
         "converged": out.converged,
         "stopped": out.stopped,
         "iterations": out.iterations,
@@ -328,23 +459,122 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
     return _done(session, rebuilt, result, hvp_only=True)
 
 
+def _exact_pass(flat: FlatOperator, context: WorkerContext) -> int:
+    """Unit vectors per exact pass: as many as the host memory bound, the server's
+    hvp_max_vectors and the tape's memory budget (its max_batch) allow."""
+    return min(exact_pass_size(flat.n, flat.max_batch), context.hvp_max_vectors)
+
+
+def _check_method_budget(method: str, max_hvps: int, n: int, what: str) -> None:
+    if method == "exact":
+        _check_max_hvps(max_hvps, n, f"the exact {what} of a tape with {n} parameters")
+    elif method == "hutchpp":
+        _check_max_hvps(max_hvps, 3, "hutchpp (a sketch, its product and a probe)")
+    else:
+        _check_max_hvps(max_hvps, 2, "a standard error")
+
+
 def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
-    _check_max_hvps(int(payload["max_hvps"]), 2, "a standard error")
+    _, flat = _operator(session, payload, context)
+    max_hvps = int(payload["max_hvps"])
+    method = choose_trace_method(payload.get("method", "auto"), flat.n, max_hvps)
+    _check_method_budget(method, max_hvps, flat.n, "trace")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
-    out = hutchinson_trace(
-        session.flat.matvec, session.flat.n, batch_size=batch,
-        max_hvps=int(payload["max_hvps"]), rtol=payload.get("rtol"),
-        atol=float(payload.get("atol") or 0.0), max_seconds=_seconds_left(payload, started),
-        seed=payload.get("seed"), callback=_relay(context),
+    exact_batch = _exact_pass(flat, context)
+    out = estimate_trace(
+        flat.matvec, flat.n, method=method, batch_size=batch, max_hvps=max_hvps,
+        rtol=payload.get("rtol"), atol=float(payload.get("atol") or 0.0),
+        max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
+        exact_batch_size=exact_batch, max_basis_bytes=context.lanczos_max_basis_bytes,
+        callback=_relay(context),
     )
     result = {
         "trace": out.trace,
         "stderr": out.stderr if math.isfinite(out.stderr) else None,
+        "method": out.method,
+        "samples": out.samples,
+        "sketch": out.sketch,
+        "batches": out.batches,
+        "batch_size": exact_batch if method == "exact" else batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    _, flat = _operator(session, payload, context)
+    max_hvps = int(payload["max_hvps"])
+    method = choose_diagonal_method(payload.get("method", "auto"), flat.n, max_hvps)
+    _check_method_budget(method, max_hvps, flat.n, "diagonal")
+    batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
+    exact_batch = _exact_pass(flat, context)
+    out = estimate_diagonal(
+        flat.matvec, flat.n, method=method, batch_size=batch, max_hvps=max_hvps,
+        rtol=payload.get("rtol"), atol=float(payload.get("atol") or 0.0),
+        max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
+        exact_batch_size=exact_batch, callback=_relay(context),
+    )
+    # An exact run stopped by its time limit reached the first entries only: the rest are
+    # answered as 0 (JSON has no NaN) and counted out by `reached`.
+    reached = int(np.count_nonzero(~np.isnan(out.diagonal)))
+    diagonal = np.where(np.isnan(out.diagonal), 0.0, out.diagonal)
+
+    def per_source(x: np.ndarray) -> dict[str, np.ndarray]:
+        return dict(zip(session.keys, flat.unflatten(x), strict=True))
+
+    result = {
+        "diagonal": per_source(diagonal),
+        "stderr": per_source(out.stderr) if method == "hutchinson" else None,
+        "error": out.error if math.isfinite(out.error) else None,
+        "method": out.method,
+        "reached": reached,
         "samples": out.samples,
         "batches": out.batches,
-        "batch_size": batch,
+        "batch_size": exact_batch if method == "exact" else batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+    if method == "hutchinson" and not np.isfinite(out.stderr).all():
+        result["stderr"] = None  # a single probe has no standard error
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
+                          ) -> dict[str, Any]:
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    _, flat = _operator(session, payload, context)
+    steps = min(int(payload["steps"]), flat.n)
+    _check_basis(context, steps, flat.n, "a Lanczos basis", "ask for fewer steps")
+    probes = int(payload["probes"])
+    grid = payload.get("grid")
+    out = spectral_density(
+        flat.matvec, flat.n, probes=probes, steps=steps, sigma=payload.get("sigma"),
+        points=int(payload["points"]), grid=None if grid is None else np.asarray(grid),
+        batch_size=min(probes, context.hvp_max_vectors), max_hvps=int(payload["max_hvps"]),
+        max_seconds=_seconds_left(payload, started),
+        max_basis_bytes=context.lanczos_max_basis_bytes, seed=payload.get("seed"),
+        callback=_relay(context),
+    )
+    result = {
+        "grid": [float(x) for x in out.grid],
+        "density": [float(x) for x in out.density],
+        "stderr": None if out.stderr is None else [float(x) for x in out.stderr],
+        "nodes": [[float(x) for x in t] for t in out.nodes],
+        "weights": [[float(x) for x in w] for w in out.weights],
+        "sigma": out.sigma,
+        "probes": out.probes,
+        "steps": out.steps,
+        "parameters": flat.n,
         "converged": out.converged,
         "stopped": out.stopped,
         "hvps": out.hvps,
@@ -356,7 +586,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
 def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
-    flat = session.flat
+    _, flat = _operator(session, payload, context)
     vector = payload.get("vector")
     if vector is None:
         b = flat.flatten(session.operator.grad)
@@ -379,6 +609,100 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         "hvps": out.hvps,
         "residuals": out.residuals,
         "seconds": out.seconds,
+    }
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def _test_points(session: TapeSession, curvature: Curvature, given: Mapping[str, Any],
+                 context: WorkerContext) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The test inputs as the model's data and the loss's targets: every batched input
+    the two read, each with its input's trailing shape and the same number of rows."""
+    wanted = list(curvature.data) + [n for n in curvature.targets if n not in curvature.data]
+    missing = [n for n in wanted if n not in given]
+    extra = [n for n in given if n not in wanted]
+    if missing or extra:
+        parts = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
+            [f"not read along the examples axis: {', '.join(map(repr, extra))}"]
+            if extra else [])
+        raise RequestError(
+            "request", f"test_inputs must give the inputs the model and the loss read along "
+            f"the examples axis ({', '.join(map(repr, wanted))}): " + "; ".join(parts),
+            field="test_inputs")
+    values: dict[str, Tensor] = {}
+    rows = None
+    for name in wanted:
+        leaf = session.program.inputs[name].type
+        array = np.asarray(given[name])
+        field = f"test_inputs.{name}"
+        if array.ndim != len(leaf.shape) or array.shape[1:] != tuple(leaf.shape[1:]):
+            raise RequestError(
+                "request", f"{field} has shape {list(array.shape)}; input {name!r} is "
+                f"{list(leaf.shape)}: the test points need its shape after the first axis "
+                f"([M, {', '.join(map(str, leaf.shape[1:]))}])", field=field)
+        if rows is not None and array.shape[0] != rows[1]:
+            raise RequestError(
+                "request", f"{field} has {array.shape[0]} rows but test_inputs.{rows[0]} has "
+                f"{rows[1]}: every test input needs one row per test point", field=field)
+        rows = rows or (name, array.shape[0])
+        if array.shape[0] == 0:
+            raise RequestError("request", f"{field} has no rows", field=field)
+        if leaf.dtype.kind in "iub" and array.dtype.kind == "f" and (
+            not np.all(np.isfinite(array)) or np.any(array != np.round(array))
+        ):
+            raise RequestError("request", f"{field}: input {name!r} is {leaf.dtype}; the "
+                               "values given are not whole numbers", field=field)
+        values[name] = gt.constant(array.astype(leaf.dtype), device=context.device)
+    return ({n: values[n] for n in curvature.data},
+            {n: values[n] for n in curvature.targets})
+
+
+def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """Koh and Liang's influence of every example on the test loss (engine.curvature)."""
+    started = time.perf_counter()
+    session, rebuilt = _session(payload, context)
+    curvature = _curvature(session)
+    _check_targets(session, "influence")
+    kind = payload.get("curvature") or "hessian"
+    _operator(session, payload, context)  # refuses an impossible curvature with its reason
+    test_data = test_targets = rows = None
+    if payload.get("rows") is not None:
+        n = curvature.examples
+        rows = [int(r) for r in payload["rows"]]
+        bad = [r for r in rows if not 0 <= r < n]
+        if bad:
+            raise RequestError("request", f"rows: {bad[:5]} out of range; the tape has {n} "
+                               "examples (rows 0 to N - 1)", field="rows")
+    else:
+        test_data, test_targets = _test_points(session, curvature, payload["test_inputs"],
+                                               context)
+    try:
+        out = curvature.influence(
+            test_data, test_targets, rows=rows, curvature=kind,
+            samples=payload.get("samples"), seed=payload.get("fisher_seed", 0),
+            damping=float(payload["damping"]), top_k=int(payload["top_k"]),
+            tol=float(payload["tol"]), max_iterations=int(payload["max_iterations"]),
+            max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
+            callback=_relay(context),
+            # The tape's own recording answers the Hessian (the same sources, in order).
+            operator=session.operator if kind == "hessian" else None,
+        )
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="curvature") from None
+    names = session.request.sources
+    result = {
+        "scores": out.scores.tolist(),
+        "removal": out.removal.tolist(),
+        "helpful": [int(i) for i in out.helpful],
+        "harmful": [int(i) for i in out.harmful],
+        "test_loss": out.test_loss,
+        "s_test": {key: out.s_test[name] for key, name in names.items()},
+        "curvature": kind,
+        "converged": out.solve.converged,
+        "stopped": out.solve.stopped,
+        "iterations": out.solve.iterations,
+        "hvps": out.solve.hvps,
+        "residuals": out.solve.residuals,
+        "seconds": out.solve.seconds,
     }
     return _done(session, rebuilt, result, hvp_only=True)
 
@@ -413,6 +737,9 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "tape_jacobian": tape_jacobian,
     "tape_eigenvalues": tape_eigenvalues,
     "tape_trace": tape_trace,
+    "tape_diagonal": tape_diagonal,
+    "tape_spectral_density": tape_spectral_density,
     "tape_solve": tape_solve,
+    "tape_influence": tape_influence,
     "check_definition": check_definition,
 }

@@ -18,7 +18,8 @@ import pytest
 from tests.service.conftest import Server
 from tests.service.test_cancel import N, chain
 
-LONG = {"max_hvps": 5000, "batch_size": 1, "max_seconds": 55.0, "time_limit": 60.0}
+LONG = {"method": "hutchinson", "max_hvps": 5000, "batch_size": 1, "max_seconds": 55.0,
+        "time_limit": 60.0}
 
 
 def definition() -> dict:
@@ -55,8 +56,9 @@ def test_estimators_as_jobs_answer_as_the_synchronous_calls(client: gc.Client) -
         assert seen[-1].progress["done"] == N
 
         seen.clear()
-        trace = tape.trace(max_hvps=400, batch_size=4, progress=seen.append)
-        assert trace.trace == tape.trace(max_hvps=400, batch_size=4).trace
+        trace = tape.trace(method="hutchinson", max_hvps=400, batch_size=4,
+                           progress=seen.append)
+        assert trace.trace == tape.trace(method="hutchinson", max_hvps=400, batch_size=4).trace
         estimates = [s.progress["estimate"] for s in seen if s.progress]
         assert estimates and np.isfinite(estimates).all()
 
@@ -88,7 +90,7 @@ def test_stateless_hessian_and_jacobian_as_jobs(client: gc.Client) -> None:
 def test_progress_true_draws_a_tqdm_bar(client: gc.Client, capsys: pytest.CaptureFixture
                                         ) -> None:
     with client.tape(definition(), "loss") as tape:
-        tape.trace(max_hvps=200, batch_size=2, progress=True)
+        tape.trace(method="hutchinson", max_hvps=200, batch_size=2, progress=True)
     err = capsys.readouterr().err
     assert "trace" in err and "200/200" in err and "estimate=" in err, err[-500:]
 

@@ -88,7 +88,7 @@ def test_eigenvalues_trace_solve(client: Client, rng: np.random.Generator) -> No
         bottom = tape.eigenvalues(2, "SA")
         np.testing.assert_allclose(bottom.eigenvalues, exact[:2], rtol=1e-8)
 
-        estimate = tape.trace(max_hvps=256, batch_size=32)
+        estimate = tape.trace(method="hutchinson", max_hvps=256, batch_size=32)
         assert estimate.hvps == 256 and estimate.stderr is not None
         assert abs(estimate.trace - np.trace(H)) <= 5 * estimate.stderr + 1e-9
 
@@ -100,6 +100,56 @@ def test_eigenvalues_trace_solve(client: Client, rng: np.random.Generator) -> No
         newton = tape.solve(damping=0.0, tol=1e-10)  # b: the gradient
         g = tape.flatten(tape.gradients)
         np.testing.assert_allclose(tape.flatten(newton.solution), np.linalg.solve(H, g), rtol=1e-7)
+
+
+def test_curvature_estimators(client: Client, rng: np.random.Generator) -> None:
+    """trace(method=), diagonal(), spectral_density() and power iteration with
+    eigenvectors, in the tape's source structure, against the dense Hessian."""
+    definition, _, H = quartic(rng)
+    values, vectors = np.linalg.eigh(H)
+    with client.tape(definition, "loss") as tape:
+        exact = tape.trace()  # auto: 12 parameters fit the budget
+        assert exact.method == "exact" and exact.stderr == 0.0 and exact.hvps == 12
+        assert exact.trace == pytest.approx(np.trace(H), rel=1e-12)
+        plus = tape.trace(method="hutchpp", max_hvps=9, batch_size=3)
+        assert plus.method == "hutchpp" and plus.hvps == 9 and plus.sketch == 3
+        assert abs(plus.trace - np.trace(H)) <= 4 * plus.stderr + 1e-9
+
+        diagonal = tape.diagonal()
+        assert diagonal.method == "exact" and diagonal.stderr is None
+        assert diagonal.diagonal["m"].shape == (2, 4)
+        np.testing.assert_allclose(tape.flatten(diagonal.diagonal), np.diag(H), rtol=1e-12)
+        estimate, stderr = tape.diagonal(method="hutchinson", max_hvps=2000, batch_size=100)
+        err = tape.flatten(stderr)
+        assert np.all(np.abs(tape.flatten(estimate) - np.diag(H)) <= 4.5 * err + 1e-12)
+
+        density = tape.spectral_density(probes=5, steps=12, sigma=0.1)
+        assert density.probes == 5 and density.steps == 12 and density.parameters == 12
+        for nodes, weights in zip(density.nodes, density.weights, strict=True):
+            np.testing.assert_allclose(nodes[[0, -1]], values[[0, -1]], rtol=1e-7)
+            assert weights.sum() == pytest.approx(1.0)
+        # Re-smoothed locally from the raw quadrature: the server's density, and any other.
+        np.testing.assert_allclose(density.smoothed(density.grid, 0.1), density.density,
+                                   rtol=1e-9, atol=1e-12)
+        assert np.trapezoid(density.smoothed(np.linspace(-5, 40, 4000), 0.5),
+                            np.linspace(-5, 40, 4000)) == pytest.approx(1.0, abs=1e-3)
+
+        # As jobs with progress: the same answers.
+        seen: list = []
+        job = tape.spectral_density(probes=5, steps=12, sigma=0.1, progress=seen.append)
+        np.testing.assert_array_equal(job.density, density.density)
+        assert seen[-1].state == "succeeded" and seen[-1].progress["done"] == density.hvps
+        job_diagonal = tape.diagonal(method="hutchinson", max_hvps=2000, batch_size=100,
+                                     progress=lambda s: None)
+        np.testing.assert_array_equal(tape.flatten(job_diagonal.diagonal),
+                                      tape.flatten(estimate))
+
+        top = tape.eigenvalues(2, method="power", tol=1e-10, max_hvps=5000, eigenvectors=True)
+        assert top.method == "power" and top.converged
+        np.testing.assert_allclose(top.eigenvalues, values[::-1][:2], rtol=1e-8)
+        for vector, want in zip(top.eigenvectors, vectors[:, ::-1].T[:2], strict=True):
+            got = tape.flatten(vector)
+            np.testing.assert_allclose(got * np.sign(got @ want), want, atol=1e-6)
 
 
 def test_progress_runs_lanczos_as_a_job(client: Client, rng: np.random.Generator) -> None:

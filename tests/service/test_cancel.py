@@ -109,7 +109,8 @@ def test_a_disconnected_trace_frees_the_worker_and_keeps_the_tape(solo: Server) 
 
     # Alone, this trace runs for minutes (100,000 HVPs one at a time, 300 s allowed).
     send_and_hang_up(solo, f"/v1/tapes/{tape}/trace", {
-        "max_hvps": 100000, "batch_size": 1, "max_seconds": 300, "time_limit": 300}, after=1.0)
+        "method": "hutchinson", "max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
+        "time_limit": 300}, after=1.0)
     hung_up = time.perf_counter()
     # The worker is free again within a fraction of a second of the disconnect: the next
     # request (which needs that one worker) is answered at once.

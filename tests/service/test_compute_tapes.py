@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.worker import compute
+from service.worker import compute, dispatch
 
 rng = np.random.default_rng(3)
 DEFINITION = {
@@ -23,45 +23,45 @@ def context() -> compute.WorkerContext:
 
 def test_a_tape_holds_its_recording_and_lets_it_go(context) -> None:
     spec = {"tape_id": "t1", "definition": DEFINITION, "target": "loss"}
-    created = compute.answer(context, {"id": 1, "kind": "tape_create", "payload": spec})
+    created = dispatch.answer(context, {"id": 1, "kind": "tape_create", "payload": spec})
     assert created["ok"], created
     size = created["result"]["tape"]["bytes"]
     assert size >= DEFINITION["inputs"]["x"].nbytes + 2 * 32 * 4 * 8  # x, x @ w, h at least
     vector = {"w": np.ones((8, 4))}
     sizes = []
     for _ in range(5):
-        reply = compute.answer(context, {"id": 2, "kind": "tape_hvp",
+        reply = dispatch.answer(context, {"id": 2, "kind": "tape_hvp",
                                          "payload": {"tape_id": "t1", "vector": vector}})
         assert reply["ok"] and not reply["result"]["tape"]["rebuilt"]
         sizes.append(reply["result"]["tape"]["bytes"])
     assert len(set(sizes)) == 1 and sizes[0] >= size
-    dropped = compute.answer(context, {"id": 3, "kind": "tape_drop",
+    dropped = dispatch.answer(context, {"id": 3, "kind": "tape_drop",
                                        "payload": {"tape_ids": ["t1", "nope"]}})
     assert dropped["result"] == {"dropped": ["t1"], "held": 0}
 
 
 def test_a_missing_tape_is_rebuilt_from_its_definition(context) -> None:
     payload = {"tape_id": "t2", "vector": {"w": np.ones((8, 4))}}
-    missing = compute.answer(context, {"id": 1, "kind": "tape_hvp", "payload": payload})
+    missing = dispatch.answer(context, {"id": 1, "kind": "tape_hvp", "payload": payload})
     assert not missing["ok"] and missing["error"]["type"] == "tape-missing"
     rebuild = {"definition": DEFINITION, "target": "loss", "sources": {"w": "w"}}
-    rebuilt = compute.answer(context, {"id": 2, "kind": "tape_hvp",
+    rebuilt = dispatch.answer(context, {"id": 2, "kind": "tape_hvp",
                                        "payload": {**payload, "rebuild": rebuild}})
     assert rebuilt["ok"] and rebuilt["result"]["tape"]["rebuilt"]
-    again = compute.answer(context, {"id": 3, "kind": "tape_hvp",
+    again = dispatch.answer(context, {"id": 3, "kind": "tape_hvp",
                                      "payload": {**payload, "rebuild": rebuild}})
     assert not again["result"]["tape"]["rebuilt"]  # held now: the definition is not used
     np.testing.assert_array_equal(again["result"]["hvp"]["w"], rebuilt["result"]["hvp"]["w"])
-    compute.answer(context, {"id": 4, "kind": "tape_drop", "payload": {"tape_ids": ["t2"]}})
+    dispatch.answer(context, {"id": 4, "kind": "tape_drop", "payload": {"tape_ids": ["t2"]}})
 
 
 def test_a_failed_update_keeps_the_old_tape(context) -> None:
     spec = {"tape_id": "t3", "definition": DEFINITION, "target": "loss"}
-    assert compute.answer(context, {"id": 1, "kind": "tape_create", "payload": spec})["ok"]
+    assert dispatch.answer(context, {"id": 1, "kind": "tape_create", "payload": spec})["ok"]
     broken = {**spec, "definition": {**DEFINITION, "program": ["loss = sum(nope)"]}}
-    failed = compute.answer(context, {"id": 2, "kind": "tape_create", "payload": broken})
+    failed = dispatch.answer(context, {"id": 2, "kind": "tape_create", "payload": broken})
     assert not failed["ok"] and failed["error"]["type"] == "definition"
-    still = compute.answer(context, {"id": 3, "kind": "tape_gradient",
+    still = dispatch.answer(context, {"id": 3, "kind": "tape_gradient",
                                      "payload": {"tape_id": "t3"}})
     assert still["ok"] and set(still["result"]["gradients"]) == {"w"}
-    compute.answer(context, {"id": 4, "kind": "tape_drop", "payload": {"tape_ids": ["t3"]}})
+    dispatch.answer(context, {"id": 4, "kind": "tape_drop", "payload": {"tape_ids": ["t3"]}})

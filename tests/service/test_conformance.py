@@ -482,6 +482,19 @@ def test_tape_algorithms(client, enc: Encoding, sources: Any) -> None:
         bound = 6 * (trace["stderr"] or 0.0) + 1e-4 * abs(np.trace(h)) + 1e-6
         assert abs(trace["trace"] - np.trace(h)) <= bound, (trace, np.trace(h))
 
+        diagonal = check(enc.request(client, "POST", f"{url}/diagonal", {}), 200, enc.name)
+        assert diagonal["method"] == "exact" and diagonal["reached"] == n, diagonal
+        for kk, nn in keys.items():
+            close(tensor_of(diagonal["diagonal"][kk], f"diagonal[{kk}]", POINT[nn].shape),
+                  unflat(np.diag(h), keys)[kk], f"diagonal[{kk}]", rtol=1e-4, atol=1e-5)
+
+        density = check(enc.request(client, "POST", f"{url}/spectral-density",
+                                    {"probes": 3, "steps": n, "points": 50}), 200, enc.name)
+        assert density["parameters"] == n and len(density["density"]) == 50, density
+        for nodes, weights in zip(density["nodes"], density["weights"], strict=True):
+            assert len(nodes) == len(weights) and abs(sum(weights) - 1) < 1e-6
+            assert exact[0] - 1e-4 <= min(nodes) and max(nodes) <= exact[-1] + 1e-4
+
         damping = 0.5
         g = flat({kk: _jac("loss", nn) for kk, nn in keys.items()}, keys)
         solved = check(enc.request(client, "POST", f"{url}/solve",
@@ -504,6 +517,45 @@ def test_tape_algorithms(client, enc: Encoding, sources: Any) -> None:
         check(client.delete(url), 204)
 
 
+# A logistic regression with its output named: the GGN X^T diag(p(1-p)) X / N and the
+# per-example gradients (p_i - y_i) x_i are closed forms.
+LOGISTIC_X = np.array([[0.5, -1.0], [1.5, 0.2], [-0.3, 0.8], [0.0, -0.4], [1.0, 1.0]])
+LOGISTIC_Y = np.array([1.0, 0.0, 1.0, 0.0, 1.0])
+LOGISTIC_W = np.array([0.4, -0.3])
+
+
+@pytest.mark.parametrize("enc", ENC)
+def test_tape_influence(client, enc: Encoding) -> None:
+    """/influence on a tape recorded with `output`, on test inputs and on training rows,
+    with the GGN as the curvature: the scores -g_i . (GGN + damping I)^-1 grad L_test."""
+    body = {"definition": {"variables": {"w": enc.tensor(LOGISTIC_W)},
+                           "inputs": {"x": enc.tensor(LOGISTIC_X), "y": enc.tensor(LOGISTIC_Y)},
+                           "program": ["z = x @ w", "loss = sigmoid_cross_entropy(z, y)"]},
+            "target": "loss", "output": "z"}
+    tape_id = check(enc.request(client, "POST", "/v1/tapes", body), 201, enc.name)["tape_id"]
+    p = 1 / (1 + np.exp(-LOGISTIC_X @ LOGISTIC_W))
+    ggn = (LOGISTIC_X.T * (p * (1 - p))) @ LOGISTIC_X / len(p)
+    per_example = LOGISTIC_X * (p - LOGISTIC_Y)[:, None]
+    try:
+        x_test, y_test = np.array([[0.2, 0.9]]), np.array([0.0])
+        p_test = 1 / (1 + np.exp(-x_test @ LOGISTIC_W))
+        for test, g_test in (
+            ({"test_inputs": enc.tensors({"x": x_test, "y": y_test})},
+             x_test.T @ (p_test - y_test)),
+            ({"rows": [1, 3]}, per_example[[1, 3]].mean(axis=0)),
+        ):
+            found = check(enc.request(client, "POST", f"/v1/tapes/{tape_id}/influence",
+                                      {**test, "curvature": "ggn", "damping": 0.1,
+                                       "tol": 1e-12, "top_k": 2}), 200, enc.name)
+            want = -per_example @ np.linalg.solve(ggn + 0.1 * np.eye(2), g_test)
+            close(np.asarray(found["scores"]), want, "influence scores", rtol=1e-8, atol=1e-12)
+            assert found["harmful"] == list(np.argsort(-want)[:2]), found
+            assert set(found["s_test"]) == {"w"}
+            tensor_of(found["s_test"]["w"], "s_test[w]", (2,))
+    finally:
+        check(client.delete(f"/v1/tapes/{tape_id}"), 204)
+
+
 @pytest.mark.parametrize("enc", ENC)
 def test_jobs(client, enc: Encoding) -> None:
     """A trace run as a job: 202 with the job's document, its state and progress, its
@@ -515,7 +567,8 @@ def test_jobs(client, enc: Encoding) -> None:
     accept = {"accept": MSGPACK if enc.name == "msgpack" else JSON}
     try:
         r = enc.request(client, "POST", f"/v1/tapes/{tape_id}/trace",
-                        {"max_hvps": 64, "batch_size": 16, "seed": 1, "async": True})
+                        {"method": "hutchinson", "max_hvps": 64, "batch_size": 16,
+                         "seed": 1, "async": True})
         job = check(r, 202, enc.name)
         location = f"/v1/jobs/{job['job_id']}"
         assert r.headers["location"] == location
@@ -868,7 +921,10 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
                                                "test_tape_batch_jacobian"),
     ("POST", "/v1/tapes/{tape_id}/eigenvalues"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/trace"): ("test_tape_algorithms",),
+    ("POST", "/v1/tapes/{tape_id}/diagonal"): ("test_tape_algorithms",),
+    ("POST", "/v1/tapes/{tape_id}/spectral-density"): ("test_tape_algorithms",),
     ("POST", "/v1/tapes/{tape_id}/solve"): ("test_tape_algorithms",),
+    ("POST", "/v1/tapes/{tape_id}/influence"): ("test_tape_influence",),
     ("GET", "/v1/jobs"): ("test_jobs",),
     ("GET", "/v1/jobs/{job_id}"): ("test_jobs",),
     ("GET", "/v1/jobs/{job_id}/result"): ("test_jobs",),

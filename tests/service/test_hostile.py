@@ -5,6 +5,11 @@ afterwards /readyz is ready with the same worker processes: nobody else paid for
 from __future__ import annotations
 
 import base64
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import msgpack
@@ -175,17 +180,22 @@ def test_a_million_empty_lists_are_refused_small_and_fast(client, unharmed, tmp_
 
 
 @pytest.fixture(scope="module")
-def default_body_limit(tmp_path_factory):
+def large_bodies(tmp_path_factory):
     """A server with the default 64 MiB body limit (the shared one takes 4 MiB)."""
     from tests.service.conftest import start_server, stop_server
 
     srv = start_server({"GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20), "GRADTAPE_WORKERS": "1"},
                        tmp_path_factory.mktemp("bodies") / "server.log")
     try:
-        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
-            yield c
+        yield srv
     finally:
         stop_server(srv)
+
+
+@pytest.fixture
+def default_body_limit(large_bodies):
+    with httpx.Client(base_url=large_bodies.base_url, timeout=60.0) as c:
+        yield c
 
 
 def test_sixty_megabytes_of_nesting_do_not_take_the_service_down(default_body_limit,
@@ -308,3 +318,194 @@ def test_a_lone_surrogate_is_a_malformed_body_not_a_500(client, unharmed) -> Non
     response = client.post("/v1/gradient", content=body,
                            headers={"content-type": "application/json"})
     assert "surrogate" in problem(response, 400, "malformed-body")["detail"]
+
+
+# -- msgpack bodies are sized while they are unpacked (issue 11) ------------------------------
+
+
+def peak_rss_growth(pid: int, send) -> tuple[int, httpx.Response]:
+    """The HTTP process's peak RSS growth (bytes) over `send()`: its high-water mark is
+    reset first (/proc/<pid>/clear_refs), then read back from /proc/<pid>/status."""
+    def hwm() -> int:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmHWM")
+
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = hwm()
+    response = send()
+    return hwm() - before, response
+
+
+def test_a_msgpack_body_of_empty_arrays_is_refused_before_it_is_built(large_bodies) -> None:
+    # 7.6 MiB: one array of 8 million empty arrays. Unpacked whole before it was sized,
+    # it grew the HTTP process by about half a GiB before the 422.
+    count = 8_000_000
+    body = b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
+    with httpx.Client(base_url=large_bodies.base_url, timeout=60.0) as client:
+        growth, response = peak_rss_growth(large_bodies.process.pid, lambda: client.post(
+            "/v1/gradient", content=body, headers={"content-type": MSGPACK}))
+        answer = problem(response, 422, "too-large")
+        assert "max_body_containers" in answer["detail"]
+        assert growth < 80 * 2**20, f"the HTTP process grew by {growth / 2**20:.0f} MiB"
+        assert client.get("/readyz").status_code == 200
+
+
+def test_a_msgpack_body_nested_past_the_limit_allocates_nothing_ahead(large_bodies) -> None:
+    # Each level claims 7 million elements: an unpacker that allocates what a header
+    # claims reserves 56 MB per level before it finds the body is nested too deep.
+    claim = 7_000_000
+    body = (b"\xdd" + claim.to_bytes(4, "big")) * 1000 + b"\xc4\x00" * claim
+    with httpx.Client(base_url=large_bodies.base_url, timeout=60.0) as client:
+        growth, response = peak_rss_growth(large_bodies.process.pid, lambda: client.post(
+            "/v1/gradient", content=body, headers={"content-type": MSGPACK}))
+        assert "max_body_depth" in problem(response, 400, "malformed-body")["detail"]
+        assert growth < 80 * 2**20, f"the HTTP process grew by {growth / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (msgpack.packb({"definition": W, "target": "loss"})[:-3], "ends inside"),
+    (msgpack.packb({"definition": W, "target": "loss"}) + b"\xc0", "follow the document"),
+    (b"\x81\x01\xa1x", "not a string"),
+    (b"\x81\x90\xa1x", "map key is a list"),
+    (b"\x81\xa1x\xa2\xff\xfe", "not UTF-8"),
+    (b"\xc1", "not valid msgpack"),
+], ids=["truncated", "trailing", "int-key", "list-key", "bad-utf8", "reserved-byte"])
+def test_malformed_msgpack_is_a_400_from_the_parse(client, unharmed, body, says) -> None:
+    response = client.post("/v1/gradient", content=body, headers={"content-type": MSGPACK})
+    answer = problem(response, 400, "malformed-body")
+    assert "not valid msgpack" in answer["detail"] and says in answer["detail"], answer
+
+
+def test_invalid_json_is_a_400_naming_the_position(client, unharmed) -> None:
+    response = client.post("/v1/gradient", content=b'{"target": "loss",, }',
+                           headers={"content-type": "application/json"})
+    answer = problem(response, 400, "malformed-body")
+    assert answer["detail"] == ("the body is not valid JSON: Expecting property name "
+                                "enclosed in double quotes at character 18")
+
+
+# -- the key and the rate are checked before the body is read (issue 11) ----------------------
+
+GATE_KEYS = {"rate": "gate-rate-key", "line": "gate-line-key", "ok": "gate-ok-key"}
+BIG = 22 * 2**20
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """Keys on, 64 MiB bodies, one slot and a line of one per key, and a bucket of 3
+    tokens that refills one every 100 s (so no test here sees it refill)."""
+    from tests.service.conftest import start_server, stop_server
+
+    folder = tmp_path_factory.mktemp("gated")
+    srv = start_server({"GRADTAPE_DATA_DIR": str(folder / "data"), "GRADTAPE_WORKERS": "1",
+                        "GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20),
+                        "GRADTAPE_API_KEYS_ENABLED": "true",
+                        "GRADTAPE_API_KEYS": ",".join(GATE_KEYS.values()),
+                        "GRADTAPE_RATE_LIMIT_PER_SECOND": "0.01",
+                        "GRADTAPE_RATE_LIMIT_BURST": "3",
+                        "GRADTAPE_MAX_CONCURRENT_PER_KEY": "1",
+                        "GRADTAPE_MAX_WAITING_PER_KEY": "1"}, folder / "server.log")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def open_upload(server, length: int | None, key: str | None = None, first: bytes = b""
+                ) -> socket.socket:
+    """A raw connection that sends a POST /v1/gradient's headers (a JSON body of `length`
+    bytes, or chunked when None) and the first bytes of its body, and no more until told."""
+    url = urlsplit(server.base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    if length is None:
+        first = b"%x\r\n%s\r\n" % (len(first), first)
+    sock.sendall((f"POST /v1/gradient HTTP/1.1\r\nHost: {url.hostname}\r\n{auth}"
+                  f"Content-Type: application/json\r\n{framing}\r\n\r\n").encode() + first)
+    return sock
+
+
+def read_answer(sock) -> tuple[int, bytes]:
+    """The status and the whole answer (headers and body, lower case)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            data.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0):
+        chunk = sock.recv(65536)  # times out (the socket's 10 s) when nothing comes
+        assert chunk, data
+        data += chunk
+    return int(data.split(b" ", 2)[1]), data.lower()
+
+
+def big_json() -> bytes:
+    """22 MiB of valid JSON (a list of numbers): about 2 s of json.loads, under the GIL."""
+    head, tail = b'{"definition": {"variables": {"w": [', b"1.0]}}}"
+    return head + b"1.0," * ((BIG - len(head) - len(tail)) // 4) + tail
+
+
+def test_a_keyless_client_is_refused_before_its_body_is_read(gated) -> None:
+    """The 401 comes while 21 of the 22 MiB are still unsent: nothing of the body was
+    read before the key was checked, let alone parsed. The rest is then discarded
+    unparsed (/healthz stays fast while it streams in), and the server is unharmed."""
+    body = big_json()
+    sock = open_upload(gated, len(body), first=body[:2**20])
+    with sock:
+        status, answer = read_answer(sock)
+        assert status == 401 and b"problem+json" in answer and b"www-authenticate" in answer
+        sent = threading.Thread(target=sock.sendall, args=(body[2**20:],))
+        sent.start()
+        slowest = 0.0
+        with httpx.Client(base_url=gated.base_url, timeout=10) as c:
+            while sent.is_alive():
+                started = time.perf_counter()
+                assert c.get("/healthz").status_code == 200
+                slowest = max(slowest, time.perf_counter() - started)
+                time.sleep(0.005)
+            sent.join()
+            assert c.get("/readyz").status_code == 200
+    assert slowest < 0.1, f"/healthz took {slowest * 1e3:.0f} ms while the body streamed in"
+
+
+def test_a_keyless_chunked_upload_is_refused_before_its_body_is_read(gated) -> None:
+    """Without a Content-Length the body-size guard once read the whole body ahead of the
+    app (up to max_body_bytes) before the key was looked at; it now counts as the app
+    reads, so the 401 comes after the first chunk."""
+    with open_upload(gated, None, first=big_json()[: 2**20]) as sock:
+        status, answer = read_answer(sock)
+    assert status == 401 and b"www-authenticate" in answer
+
+
+def test_a_key_over_its_rate_is_refused_before_its_body_is_read(gated) -> None:
+    key = GATE_KEYS["rate"]
+    with httpx.Client(base_url=gated.base_url, timeout=10,
+                      headers={"Authorization": f"Bearer {key}"}) as c:
+        assert [c.get("/v1/ops").status_code for _ in range(3)] == [200] * 3  # the burst
+    with open_upload(gated, BIG, key, first=b"[" * 1000) as sock:
+        status, answer = read_answer(sock)
+    assert status == 429 and b"retry-after" in answer and b"requests per second" in answer
+
+
+def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
+    """One upload holds the key's slot (its body never finishes), another waits in its
+    line: what comes next is refused for the line, and keeps its token. The bucket
+    (3, no refill to speak of) paid for those two only, so one request passes after."""
+    key = GATE_KEYS["line"]
+    with httpx.Client(base_url=gated.base_url, timeout=10,
+                      headers={"Authorization": f"Bearer {key}"}) as c:
+        holding = open_upload(gated, 1000, key, first=b"{")
+        time.sleep(0.5)  # admitted: it holds the slot, reading its body
+        waiting = open_upload(gated, 1000, key, first=b"{")
+        time.sleep(0.5)  # in the line
+        refused = [c.get("/v1/ops") for _ in range(5)]
+        for r in refused:
+            assert "1 waiting" in problem(r, 429, "rate-limited")["detail"], r.text
+        holding.close()
+        waiting.close()
+        deadline = time.monotonic() + 10
+        while (r := c.get("/v1/ops")).status_code == 429 and "waiting" in r.text:
+            assert time.monotonic() < deadline, r.text  # the closed uploads let go
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text  # the third token
+        assert "requests per second" in problem(c.get("/v1/ops"), 429, "rate-limited")["detail"]

@@ -70,3 +70,67 @@ def test_a_malformed_array_is_a_frame_error() -> None:
         frame = msgpack.packb(msgpack.ExtType(ipc.ARRAY_EXT, data))
         with pytest.raises(ipc.FrameError):
             ipc.unpack(frame)
+
+
+# -- arrays arrive 16-byte aligned, on both sides ------------------------------------------------
+
+ALIGNED_CASES = [(np.arange(n) % 3).astype(dtype).reshape(shape)
+                 for n, dtype, shape in [(1, "float64", ()), (7, "float32", (7,)),
+                                         (12, "float16", (3, 4)), (30, "int8", (2, 3, 5)),
+                                         (5, "bool", (5,)), (0, "float64", (0, 4)),
+                                         (1000, "float64", (10, 100))]]
+
+
+def aligned_everywhere(document: Any) -> list[np.ndarray]:
+    found: list[np.ndarray] = []
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, np.ndarray):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    assert found and all(a.ctypes.data % 16 == 0 for a in found if a.size), [
+        (a.dtype, a.shape, a.ctypes.data % 16) for a in found]
+    return found
+
+
+def test_arrays_a_worker_receives_are_16_byte_aligned() -> None:
+    """The worker's side: recv_message on a blocking socket (service/worker/main.py)."""
+    import socket
+
+    message = {"id": 7, "kind": "x", "payload": {"a": ALIGNED_CASES, "k": {"b": ALIGNED_CASES[3]}}}
+    left, right = socket.socketpair()
+    with left, right:
+        ipc.send_message(left, message)
+        got = ipc.recv_message(right)
+    assert same(got, message)
+    assert len(aligned_everywhere(got)) == len(ALIGNED_CASES) + 1
+
+
+def test_arrays_the_http_process_receives_are_16_byte_aligned() -> None:
+    """The HTTP process's side: read_message on an asyncio stream (service/pool/local.py)."""
+    import asyncio
+
+    gradients = {str(i): a for i, a in enumerate(ALIGNED_CASES)}
+    message = {"id": 1, "ok": True, "result": {"gradients": gradients}}
+
+    async def scenario() -> Any:
+        reader = asyncio.StreamReader()
+        header, body = ipc.frame(message)
+        reader.feed_data(header + body)
+        reader.feed_eof()
+        return await ipc.read_message(reader)
+
+    got = asyncio.run(scenario())
+    assert same(got, message)
+    assert len(aligned_everywhere(got)) == len(ALIGNED_CASES)
+
+
+@settings(max_examples=100, deadline=None)
+@given(documents)
+def test_every_array_of_any_document_is_aligned(document: Any) -> None:
+    back = ipc.unpack(ipc.pack({"doc": document, "pin": np.ones(3)}))
+    aligned_everywhere(back)

@@ -99,7 +99,7 @@ def same_answer(job_answer: dict[str, Any], sync: dict[str, Any]) -> None:
 
 def test_a_trace_job_reports_progress_and_answers_as_the_synchronous_request(
         a: httpx.Client, tape: str) -> None:
-    body = {"max_hvps": 600, "batch_size": 2, "max_seconds": 100}
+    body = {"method": "hutchinson", "max_hvps": 600, "batch_size": 2, "max_seconds": 100}
     location = start(a, f"/v1/tapes/{tape}/trace", body)
     seen = []
     job = wait(a, location, ("running",))
@@ -166,8 +166,8 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
     before = a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}).json()
     # Alone it would run for minutes.
     location = start(a, f"/v1/tapes/{tape}/trace",
-                     {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
-                      "time_limit": 300})
+                     {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1,
+                      "max_seconds": 300, "time_limit": 300})
     wait(a, location, ("running",))
     time.sleep(0.3)
     assert a.get(location).json()["progress"]["done"] > 0
@@ -189,7 +189,8 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
 
 def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
         a: httpx.Client, b: httpx.Client, tape: str) -> None:
-    long = {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300, "time_limit": 300}
+    long = {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
+            "time_limit": 300}
     locations = [start(a, f"/v1/tapes/{tape}/trace", long) for _ in range(3)]
     # Another key sees none of them: 404 everywhere, as if they did not exist.
     for location in locations:
@@ -218,8 +219,8 @@ def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
 def test_a_killed_worker_fails_its_job_with_the_synchronous_problem(
         a: httpx.Client, tape: str) -> None:
     location = start(a, f"/v1/tapes/{tape}/trace",
-                     {"max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
-                      "time_limit": 300})
+                     {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1,
+                      "max_seconds": 300, "time_limit": 300})
     wait(a, location, ("running",))
     pid = a.get("/readyz").json()["workers"][0]["pid"]
     os.kill(pid, signal.SIGKILL)

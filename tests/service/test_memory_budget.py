@@ -75,7 +75,8 @@ def test_a_tape_splits_its_hvps_and_probes(tight, client) -> None:
         try:
             hvps = products(send(c, f"/v1/tapes/{tape['tape_id']}/hvp", {"vectors": VECTORS}))
             trace = send(c, f"/v1/tapes/{tape['tape_id']}/trace",
-                         {"max_hvps": 32, "batch_size": 16, "seed": 7})
+                         {"method": "hutchinson", "max_hvps": 32, "batch_size": 16,
+                          "seed": 7})
         finally:
             c.delete(f"/v1/tapes/{tape['tape_id']}")
         answers.append((hvps, trace))

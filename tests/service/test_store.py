@@ -164,3 +164,26 @@ def test_versions(tmp_path) -> None:
     memory.close()
     with pytest.raises(StoreError, match="not open"):
         memory.live_tapes()
+
+
+def test_a_version_1_store_gains_the_tapes_output_column(tmp_path) -> None:
+    """Version 1 had no tapes.output: opening it adds the column, keeps the tapes (their
+    output null) and stores new ones with theirs."""
+    path = tmp_path / "v1.sqlite3"
+    s = Store(path)
+    s.open()
+    s.insert_tape(tape("old"), definition())
+    s.close()
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE tapes DROP COLUMN output")
+        db.execute("PRAGMA user_version = 1")
+    s = Store(path)
+    s.open()
+    assert s.get_tape("old").output is None
+    named = tape("new")
+    named.output = "logits"
+    s.insert_tape(named, definition())
+    assert s.get_tape("new").output == "logits"
+    s.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2

@@ -95,20 +95,21 @@ def test_eigenvalue_limits(client, tape_id) -> None:
 def test_trace_within_its_standard_error(client, dense, tape_id) -> None:
     h, _ = dense
     answer = post(client, f"/v1/tapes/{tape_id}/trace",
-                  {"batch_size": 32, "max_hvps": 2048, "seed": 5})
-    assert answer["samples"] == answer["hvps"] == 2048 and answer["batches"] == 64
+                  {"method": "hutchinson", "batch_size": 32, "max_hvps": 2048, "seed": 5})
+    assert answer["method"] == "hutchinson" and answer["samples"] == answer["hvps"] == 2048 and answer["batches"] == 64
     assert answer["batch_size"] == 32 and answer["stopped"] == "max_hvps"
     assert abs(answer["trace"] - np.trace(h)) < 4 * answer["stderr"]
     expected = np.sqrt(2 * (np.sum(h * h) - np.sum(np.diag(h) ** 2)) / 2048)
     assert answer["stderr"] == pytest.approx(expected, rel=0.15)
     again = post(client, f"/v1/tapes/{tape_id}/trace",
-                 {"batch_size": 32, "max_hvps": 2048, "seed": 5})
+                 {"method": "hutchinson", "batch_size": 32, "max_hvps": 2048, "seed": 5})
     assert again["trace"] == answer["trace"]  # seeded
     early = post(client, f"/v1/tapes/{tape_id}/trace",
-                 {"batch_size": 16, "max_hvps": 5000, "rtol": 0.05})
+                 {"method": "hutchinson", "batch_size": 16, "max_hvps": 5000, "rtol": 0.05})
     assert early["stopped"] == "tolerance" and early["converged"]
     assert early["stderr"] <= 0.05 * abs(early["trace"]) and early["samples"] < 5000
-    capped = post(client, f"/v1/tapes/{tape_id}/trace", {"batch_size": 64})
+    capped = post(client, f"/v1/tapes/{tape_id}/trace", {"method": "hutchinson",
+                                                           "batch_size": 64})
     assert capped["batch_size"] == 32  # the tests' server does 32 vectors per pass at most
 
 

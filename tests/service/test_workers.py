@@ -6,6 +6,7 @@ bound."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import signal
 import threading
@@ -204,5 +205,38 @@ def test_full_queue_answers_503_with_retry_after() -> None:
         unavailable = httpx.ASGITransport(app=app)  # after shutdown: 503, not a crash
         async with httpx.AsyncClient(transport=unavailable, base_url="http://app") as c:
             problem(await c.post("/v1/gradient", json=GRADIENT_EXAMPLE), 503, "unavailable")
+
+    asyncio.run(scenario())
+
+
+def test_a_request_cancelled_as_a_worker_takes_it_never_reaches_the_worker() -> None:
+    """The flake of tests/service/test_jobs.py: a job queued behind another, cancelled in
+    the very moment the freed worker took it (dispatched, its frame not yet written), was
+    sent anyway, and the worker computed it for nobody up to its time limit (the cancel
+    flag named no request yet). Here the cancel comes from the job's own `started`
+    callback, which the pool calls as it hands the request to the worker: the worker must
+    answer the next request at once."""
+    from service.pool import calls
+
+    async def scenario() -> None:
+        pool = WorkerPool(Settings(workers=1, time_limit=60))
+        await pool.start()
+        try:
+            first = asyncio.create_task(pool.submit("gradient", _payload(1000, 2)))
+            while pool.workers()[0].state != "busy":
+                await asyncio.sleep(0.001)
+            taken: list[asyncio.Task] = []
+            context = contextvars.Context()
+            context.run(calls.current.set, calls.Watch(started=lambda: taken[0].cancel()))
+            long = _payload(1000, 24)  # seconds of matrix products, if it ever ran
+            taken.append(asyncio.create_task(pool.submit("gradient", long), context=context))
+            await first
+            with pytest.raises(asyncio.CancelledError):
+                await taken[0]
+            started = time.perf_counter()
+            reply = await asyncio.wait_for(pool.submit("ping", None), 10)
+            assert reply.worker == 0 and time.perf_counter() - started < 1.0
+        finally:
+            await pool.close()
 
     asyncio.run(scenario())

@@ -44,7 +44,7 @@ def register(router: APIRouter, op: Operation, endpoint: Callable[..., Awaitable
     """Add `endpoint` (whose `body` parameter is typed Any) as op's POST route, with op's
     request model as its body and op's documentation."""
     endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
-    endpoint.__name__ = op.name
+    endpoint.__name__ = endpoint.__qualname__ = op.name  # for tracebacks and logs
     responses = job_responses if op.job else compute_responses
     router.post(
         op.path,
@@ -84,7 +84,7 @@ def prefers_async(request: Request) -> bool:
 
 async def respond(request: Request, body: Any, negotiated: Negotiated, prepared: Prepared,
                   call: Callable[[], Awaitable[Reply]], owner: str,
-                  tape_id: str | None = None, job: bool = True) -> Response:
+                  tape_id: str | None = None, *, job: bool) -> Response:
     """Run `call` and answer its result; or, when the route may run jobs (`job`) and the
     request asks for one (`"async": true` or `Prefer: respond-async`), start it as one
     and answer 202 with its Location and document."""
@@ -103,10 +103,11 @@ async def respond(request: Request, body: Any, negotiated: Negotiated, prepared:
     jobs: JobRegistry = request.app.state.jobs
     route = request.scope.get("route")
     operation = f"{request.method} {getattr(route, 'path', request.url.path)}"
-    job = jobs.start(owner, operation, run_job, explainer(request), prepared.encoding, tape_id)
-    response = answer(job.info(jobs.settings.job_ttl), negotiated, prepared.encoding)
+    started = jobs.start(owner, operation, run_job, explainer(request), prepared.encoding,
+                         tape_id)
+    response = answer(started.info(jobs.settings.job_ttl), negotiated, prepared.encoding)
     response.status_code = 202
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    response.headers["Location"] = f"/v1/jobs/{started.id}"
     if preferred:
         response.headers["Preference-Applied"] = "respond-async"
     return response

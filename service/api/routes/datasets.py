@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import anyio
-import msgpack
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import TypeAdapter, ValidationError
 from starlette.responses import Response
 
 from service.api.auth import OwnerDep
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute, parsed_body
 from service.api.deps import DatasetsDep
 from service.api.negotiation import JSON, MSGPACK_ALIASES, _media_type
 from service.api.openapi import problem_responses
@@ -22,7 +20,7 @@ from service.api.problems import ProblemError
 from service.api.schemas import DatasetInfo, DatasetList, DatasetName, Name, TensorValue
 from service.domain.datasets import dataset_info, load_numpy
 
-router = APIRouter(tags=["datasets"], route_class=BoundedRoute)
+router = APIRouter(tags=["datasets"], route_class=GatedRoute)
 
 
 NameParam = Annotated[DatasetName, Path(description="The dataset's name.")]
@@ -44,15 +42,8 @@ _BODY = {
 }
 
 
-def _parse(body: bytes, media: str, array: str) -> dict[str, Any]:
-    """Runs in a thread: the body's arrays, decoded (tensor problems as a 422)."""
-    if media == OCTET:
-        return load_numpy(body, array)
-    try:
-        raw = (msgpack.unpackb(body, raw=False, strict_map_key=True) if media in MSGPACK_ALIASES
-               else json.loads(body))
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        raise ProblemError("malformed-body", f"the body cannot be parsed: {exc}") from None
+def _decode(raw: Any) -> dict[str, Any]:
+    """Runs in a thread: the parsed body's arrays, decoded (tensor problems as a 422)."""
     try:
         tensors = _ARRAYS.validate_python(raw)
     except ValidationError as exc:
@@ -89,8 +80,10 @@ async def put_dataset(
     if media != OCTET and media != JSON and media not in MSGPACK_ALIASES:
         raise ProblemError("unsupported-media-type", "a dataset is application/json, "
                            f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}")
-    body = await request.body()
-    arrays = await anyio.to_thread.run_sync(_parse, body, media, array)
+    if media == OCTET:
+        arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array)
+    else:  # sized and parsed in a thread, as the route class does for body models
+        arrays = await anyio.to_thread.run_sync(_decode, await parsed_body(request))
     row, created = await datasets.put(owner, name, arrays)
     info = DatasetInfo.model_validate(dataset_info(row))
     return Response(info.model_dump_json(), status_code=201 if created else 200,

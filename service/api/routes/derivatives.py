@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute
 from service.api.deps import (
     DatasetsDep,
     ModelsDep,
@@ -35,7 +35,7 @@ from service.api.schemas import (
 )
 from service.pool import Reply
 
-router = APIRouter(tags=["derivatives"], route_class=BoundedRoute)
+router = APIRouter(tags=["derivatives"], route_class=GatedRoute)
 
 
 def _derivative(name: str, kind: str, *rest: Any, **options: Any) -> Operation:
@@ -98,5 +98,5 @@ DERIVATIVES = (
         gradients) or `vectors` (a list of them). The forward pass and the gradient are
         recorded once and all vectors are answered in one batched second-order pass."""),
 )
-for _derivative in DERIVATIVES:
-    _add(_derivative)
+for _operation in DERIVATIVES:
+    _add(_operation)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute
 from service.api.deps import DatasetsDep, ModelsDep, NegotiatedDep, OwnerDep, SettingsDep
 from service.api.negotiation import JSON
 from service.api.openapi import msgpack_body, problem_responses
@@ -18,7 +18,7 @@ from service.api.routes._compute import resolve_onnx
 from service.api.schemas import STORED_NAME_PATTERN, ModelCreateRequest, ModelInfo, ModelList
 from service.domain.sessions import model_info
 
-router = APIRouter(tags=["models"], route_class=BoundedRoute)
+router = APIRouter(tags=["models"], route_class=GatedRoute)
 
 NameParam = Annotated[str, Path(description="The model's name.")]
 
@@ -44,7 +44,7 @@ async def create_model(
     from a model keep the definition they were recorded with."""
     await resolve_onnx(body.definition, owner, models)  # `stored` ONNX files, by reference
     definition, bindings = payloads.model_definition(body, settings)
-    await datasets.bind(owner, definition, bindings)
+    await datasets.bind(owner, definition["inputs"], bindings)
     row, created = await models.put(owner, body.name, definition, body.description,
                                     body.replace, settings.time_limit)
     info = ModelInfo.model_validate(model_info(row))

@@ -4,13 +4,13 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute
 from service.api.deps import PoolDep
 from service.api.negotiation import JSON
 from service.api.openapi import problem_responses
 from service.api.schemas import OpCatalogue
 
-router = APIRouter(tags=["definitions"], route_class=BoundedRoute)
+router = APIRouter(tags=["definitions"], route_class=GatedRoute)
 
 
 @router.get(

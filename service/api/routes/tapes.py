@@ -1,6 +1,8 @@
 """Tapes: record a definition once in a worker, then ask it many questions (HVPs,
-gradients and jacobians of other targets, eigenvalues, the trace, Newton steps)
-without running the forward pass again."""
+gradients and jacobians of other targets, eigenvalues and eigenvectors, the trace, the
+diagonal, the spectral density, Newton steps, influence functions; on the Hessian or,
+with a named output, the Gauss-Newton and Fisher curvatures) without running the
+forward pass again."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api import payloads
-from service.api.bodies import BoundedRoute
+from service.api.bodies import GatedRoute
 from service.api.deps import (
     DatasetsDep,
     ModelsDep,
@@ -29,12 +31,18 @@ from service.api.openapi import (
 )
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
+    DiagonalRequest,
+    DiagonalResponse,
     EigenvaluesRequest,
     EigenvaluesResponse,
     GradientResponse,
+    InfluenceRequest,
+    InfluenceResponse,
     JacobianResponse,
     SolveRequest,
     SolveResponse,
+    SpectralDensityRequest,
+    SpectralDensityResponse,
     TapeCreateRequest,
     TapeCreateResponse,
     TapeGradientRequest,
@@ -49,7 +57,7 @@ from service.api.schemas import (
 )
 from service.pool import Reply
 
-router = APIRouter(tags=["tapes"], route_class=BoundedRoute)
+router = APIRouter(tags=["tapes"], route_class=GatedRoute)
 
 TAPE_ERRORS = (401, 404)
 
@@ -179,8 +187,8 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
                        negotiated: NegotiatedDep, settings: SettingsDep,
-                       owner: OwnerDep) -> Response:
-        prepared = op.build(body, settings)
+                       owner: OwnerDep, datasets: DatasetsDep) -> Response:
+        prepared = await datasets.bind_prepared(owner, op.build(body, settings))
 
         def call() -> Awaitable[Reply]:
             return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
@@ -194,11 +202,19 @@ def _add(op: Operation) -> None:
 TAPE_OPERATIONS = (
     _on_tape(
         "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
-        payloads.tape_hvp, "Hessian-vector products on a tape",
+        payloads.tape_hvp, "Hessian- (or curvature-) vector products on a tape",
         """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
         or `vectors` (a list: one batched pass). Only the second-order pass over the
         recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
-        does not grow however many HVPs are asked)."""),
+        does not grow however many HVPs are asked).
+
+        With `curvature` (on a tape recorded with `output`), the product of another
+        curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
+        the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
+        cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
+        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
+        The first such request records the model and loss once more, cut at the output;
+        later ones reuse it."""),
     _on_tape(
         "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
         GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
@@ -213,27 +229,61 @@ TAPE_OPERATIONS = (
     _on_tape(
         "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
         EigenvaluesResponse, payloads.eigenvalues,
-        "Top eigenvalues of a tape's Hessian (Lanczos)",
+        "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
         """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-        Hessian of the tape's target over its sources, by Lanczos with full
-        reorthogonalization, one HVP per iteration, in the worker (no round trip per HVP).
-        Stops at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with
-        the HVPs used and the residuals. A repeated eigenvalue may be found once only
+        Hessian of the tape's target over its sources (or of the `curvature` asked), in the
+        worker (no round trip per HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
+        (`method: power`) by deflated power iteration, k HVPs per batched step, largest
+        magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
+        at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
+        HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
         unless the whole space is spanned.""", job=True),
     _on_tape(
         "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
-        payloads.trace, "Trace of a tape's Hessian (Hutchinson)",
-        """Hutchinson's estimate of tr(H) with Rademacher vectors, `batch_size` per batched
-        HVP pass, and its standard error; stops at `rtol`, `max_hvps` or `max_seconds`.""",
+        payloads.trace, "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
+        """tr(H) (or of the `curvature` asked): exact from the n unit vectors in batched passes of up to 64 (`method:
+        auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
+        standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`.""", job=True),
+    _on_tape(
+        "estimate_tape_diagonal", "diagonal", "tape_diagonal", DiagonalRequest,
+        DiagonalResponse, payloads.trace, "Diagonal of a tape's Hessian (exact, Hutchinson)",
+        """diag(H) (or of the `curvature` asked) as tensors per source: exact from the n unit vectors in batched passes of
+        up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
+        estimate with a standard error per entry, stopping once the root-mean-square error
+        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""", job=True),
+    _on_tape(
+        "estimate_tape_spectral_density", "spectral-density", "tape_spectral_density",
+        SpectralDensityRequest, SpectralDensityResponse, payloads.spectral_density,
+        "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
+        """The density of the Hessian's (or the `curvature`'s) eigenvalues by stochastic
+        Lanczos quadrature, as
+        PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
+        the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
+        density (width `sigma`) on a grid with its pointwise standard error, and the raw
+        Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
         job=True),
     _on_tape(
         "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
         "Solve (H + damping I) x = b on a tape (CG)",
-        """Conjugate gradient on the tape's Hessian plus `damping` times the identity, one
-        HVP per iteration. Without `vector`, b is the recorded gradient and x the damped
+        """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
+        Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
+        iteration. Without `vector`, b is the recorded gradient and x the damped
         Newton step (the update is sources - x). Answers the residual history; stops at
         `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
         non-positive curvature (raise the damping).""", job=True),
+    _on_tape(
+        "compute_tape_influence", "influence", "tape_influence", InfluenceRequest,
+        InfluenceResponse, payloads.influence,
+        "Influence of every training example on test points (Koh and Liang)",
+        """On a tape recorded with `output` (its examples along the output's first axis):
+        s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
+        (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
+        tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
+        or at training `rows`; then the scores -g_i . s_test of every training example in
+        one batched pass (no per-example loop), the predicted change of the test loss if
+        each were left out, and the `top_k` most helpful and most harmful examples.""",
+        job=True),
 )
 for _operation in TAPE_OPERATIONS:
     _add(_operation)

@@ -42,16 +42,27 @@ from .errors import (
     WorkerCrashed,
 )
 from .jobs import Job, JobStatus
-from .results import HVP, Eigenvalues, Gradient, Hessian, Jacobian, Solve, Trace
+from .results import (
+    HVP,
+    Diagonal,
+    Eigenvalues,
+    Gradient,
+    Hessian,
+    Influence,
+    Jacobian,
+    Solve,
+    SpectralDensity,
+    Trace,
+)
 from .tape import RemoteTape
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
-    "Definition", "DefinitionError", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
-    "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
+    "Definition", "DefinitionError", "Diagonal", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
+    "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
     "ModelNotFound", "NonFiniteResult", "NotFound",
-    "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve",
+    "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve", "SpectralDensity",
     "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "function",
 ]  # fmt: skip

@@ -155,13 +155,17 @@ class _Methods:
         *,
         ttl: float | None = None,
         model: str | None = None,
+        output: str | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
     ) -> Any:
         """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
         exit): `with client.tape(d, "loss") as tape:` (async: `async with await
-        client.tape(d, "loss") as tape:`)."""
-        options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit}
+        client.tape(d, "loss") as tape:`). `output` names the program line of the model's
+        output (the loss's lines follow it): the tape then answers the Gauss-Newton and
+        Fisher curvatures (`curvature=` on its methods) and `influence`."""
+        options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit,
+                   "output": output}
         return self._run(self._tape_op(definition, target, sources, model, options))
 
     def _get_op(self, path: str) -> Generator[Any, Any, Any]:

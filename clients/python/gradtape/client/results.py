@@ -101,9 +101,10 @@ class HVP(_Unpack):
 
 @dataclass(frozen=True)
 class Eigenvalues(_Unpack):
-    """Extreme eigenvalues of a tape's Hessian (Lanczos): sorted as asked (LA descending,
-    SA ascending, LM by magnitude), with residual estimates, eigenvectors when asked (one
-    per eigenvalue, in the tape's source structure), and how it stopped."""
+    """Extreme eigenvalues of a tape's Hessian (Lanczos, or deflated power iteration):
+    sorted as asked (LA descending, SA ascending, LM by magnitude), with residuals,
+    eigenvectors when asked (one per eigenvalue, in the tape's source structure), and
+    how it stopped."""
 
     eigenvalues: np.ndarray
     residuals: np.ndarray
@@ -113,12 +114,14 @@ class Eigenvalues(_Unpack):
     iterations: int
     hvps: int
     seconds: float
+    method: str = "lanczos"
     _unpack = ("eigenvalues", "eigenvectors")
 
 
 @dataclass(frozen=True)
 class Trace(_Unpack):
-    """Hutchinson's estimate of a tape's Hessian trace and its standard error."""
+    """A tape's Hessian trace (exact, or estimated by Hutch++ or Hutchinson) and its
+    standard error (0 when exact); `method` is the one that ran."""
 
     trace: float
     stderr: float | None
@@ -129,7 +132,62 @@ class Trace(_Unpack):
     stopped: str
     hvps: int
     seconds: float
+    method: str = "hutchinson"
+    sketch: int = 0
     _unpack = ("trace", "stderr")
+
+
+@dataclass(frozen=True)
+class Diagonal(_Unpack):
+    """A tape's Hessian diagonal in the tape's source structure (exact, or Hutchinson's
+    estimate with a standard error per entry: `stderr`, None when exact); `error` is the
+    root-mean-square standard error."""
+
+    diagonal: Any
+    stderr: Any
+    error: float | None
+    method: str
+    reached: int
+    samples: int
+    batches: int
+    batch_size: int
+    converged: bool
+    stopped: str
+    hvps: int
+    seconds: float
+    _unpack = ("diagonal", "stderr")
+
+
+@dataclass(frozen=True)
+class SpectralDensity(_Unpack):
+    """The eigenvalue density of a tape's Hessian by stochastic Lanczos quadrature: the
+    Gaussian-smoothed `density` on `grid` (integrating to 1) with its pointwise `stderr`,
+    and per probe the Ritz `nodes` and their `weights` (each probe's sum to 1)."""
+
+    grid: np.ndarray
+    density: np.ndarray
+    stderr: np.ndarray | None
+    nodes: list[np.ndarray]
+    weights: list[np.ndarray]
+    sigma: float
+    probes: int
+    steps: int
+    parameters: int
+    converged: bool
+    stopped: str
+    hvps: int
+    seconds: float
+    _unpack = ("grid", "density")
+
+    def smoothed(self, grid: Any, sigma: float) -> np.ndarray:
+        """The density re-smoothed with another `sigma` on another `grid`, from the raw
+        nodes and weights (no request)."""
+        grid = np.asarray(grid, dtype=np.float64)
+        total = np.zeros_like(grid)
+        for theta, tau in zip(self.nodes, self.weights, strict=True):
+            z = (grid[:, None] - theta[None, :]) / sigma
+            total += np.exp(-0.5 * z * z) @ tau
+        return total / (len(self.nodes) * sigma * np.sqrt(2 * np.pi))
 
 
 @dataclass(frozen=True)
@@ -146,3 +204,27 @@ class Solve(_Unpack):
     residuals: np.ndarray
     seconds: float
     _unpack = ("solution", "converged")
+
+
+@dataclass(frozen=True)
+class Influence(_Unpack):
+    """Influence functions (Koh and Liang) on a tape recorded with an output: per training
+    example i, `scores[i]` = -g_i . s_test (positive: harmful, up-weighting example i
+    raises the test loss; negative: helpful) and `removal[i]`, the predicted change of
+    the test loss if it were left out; the top `helpful` and `harmful` indices, strongest
+    first; s_test = (C + damping I)^-1 grad L_test per source, and the CG solve's report."""
+
+    scores: np.ndarray
+    removal: np.ndarray
+    helpful: np.ndarray
+    harmful: np.ndarray
+    test_loss: float
+    s_test: Any
+    curvature: str
+    converged: bool
+    stopped: str
+    iterations: int
+    hvps: int
+    residuals: np.ndarray
+    seconds: float
+    _unpack = ("scores", "helpful", "harmful")

@@ -1,5 +1,9 @@
 """A tape kept on the server: its forward pass and gradient recorded once, then HVPs,
-curvature estimates and SciPy operators over it.
+curvature estimates, influence functions and SciPy operators over it.
+
+Every product and estimate takes `curvature`: "hessian" (the default), or, on a tape
+recorded with `output=`, "ggn" (Gauss-Newton), "fisher" (exact for cross-entropy and
+squared error; Monte-Carlo with `samples=`) or "empirical_fisher".
 
 `RemoteTape` serves both clients: with a `Client` its methods answer values, with an
 `AsyncClient` awaitables (`await tape.hvp(v)`), and it is a context manager of both kinds
@@ -21,7 +25,17 @@ import numpy as np
 
 from . import _core, _wire
 from .errors import TapeGone
-from .results import Eigenvalues, Gradient, Jacobian, Solve, Trace, shaped
+from .results import (
+    Diagonal,
+    Eigenvalues,
+    Gradient,
+    Influence,
+    Jacobian,
+    Solve,
+    SpectralDensity,
+    Trace,
+    shaped,
+)
 
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
@@ -161,19 +175,49 @@ class RemoteTape:
             return [shaped(h, sources) for h in a["hvps"]]
         return shaped(a["hvp"], sources)
 
-    def hvp(self, v: Any, *, time_limit: float | None = None) -> Any:
-        """H v at the recorded point: one second-order pass. `v` is a tensor per source
-        (a bare array with a single source name); the answer is in the same structure."""
+    @staticmethod
+    def _curvature(
+        curvature: str | None, samples: int | None, fisher_seed: int | None
+    ) -> dict[str, Any]:
+        return RemoteTape._options(curvature=curvature, samples=samples, fisher_seed=fisher_seed)
+
+    def hvp(
+        self,
+        v: Any,
+        *,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+    ) -> Any:
+        """H v at the recorded point: one second-order pass (or the product with another
+        `curvature`, see the module). `v` is a tensor per source (a bare array with a
+        single source name); the answer is in the same structure."""
         return self._run(
-            self._hvp_op({"vector": self._vector(v), **self._options(time_limit=time_limit)})
+            self._hvp_op(
+                {
+                    "vector": self._vector(v),
+                    **self._curvature(curvature, samples, fisher_seed),
+                    **self._options(time_limit=time_limit),
+                }
+            )
         )
 
-    def hvp_many(self, vectors: Any, *, time_limit: float | None = None) -> list[Any]:
+    def hvp_many(
+        self,
+        vectors: Any,
+        *,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+    ) -> list[Any]:
         """[H v_i] for several vectors in one batched pass (one request)."""
         return self._run(
             self._hvp_op(
                 {
                     "vectors": [self._vector(v) for v in vectors],
+                    **self._curvature(curvature, samples, fisher_seed),
                     **self._options(time_limit=time_limit),
                 }
             )
@@ -274,24 +318,32 @@ class RemoteTape:
             a["iterations"],
             a["hvps"],
             a["seconds"],
+            a.get("method", "lanczos"),
         )
 
     def eigenvalues(
         self,
         k: int = 1,
-        which: str = "LA",
+        which: str | None = None,
         *,
+        method: str | None = None,
         tol: float | None = None,
         max_hvps: int | None = None,
         max_seconds: float | None = None,
         eigenvectors: bool = False,
         seed: int | None = 0,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
-        """The k extreme eigenvalues of the Hessian at the recorded point, by Lanczos on
-        the server (one HVP per iteration). `which`: "LA" largest, "SA" smallest, "LM"
-        largest magnitude.
+        """The k extreme eigenvalues of the Hessian (or of `curvature`) at the recorded
+        point, on the server: `method` "lanczos" (the default; one HVP per iteration) or
+        "power" (deflated power iteration, k HVPs per batched step, largest magnitude only). `which`: "LA"
+        largest (Lanczos' default), "SA" smallest, "LM" largest magnitude. With
+        `eigenvectors=True`, one eigenvector per eigenvalue in the tape's source
+        structure.
 
         `progress=True` runs it as a server-side job and shows a tqdm bar (HVPs of the
         budget, the current Ritz values and residuals; `pip install
@@ -299,6 +351,7 @@ class RemoteTape:
         Ctrl-C (or cancelling the awaiting task) cancels the job on the server."""
         body = self._options(
             k=k,
+            method=method,
             which=which,
             tol=tol,
             max_hvps=max_hvps,
@@ -306,6 +359,7 @@ class RemoteTape:
             eigenvectors=eigenvectors or None,
             time_limit=time_limit,
         )
+        body.update(self._curvature(curvature, samples, fisher_seed))
         body["seed"] = seed
         return self._run(self._eigen_op(body, progress))
 
@@ -322,23 +376,32 @@ class RemoteTape:
             a["stopped"],
             a["hvps"],
             a["seconds"],
+            a.get("method", "hutchinson"),
+            a.get("sketch", 0),
         )
 
     def trace(
         self,
         *,
+        method: str | None = None,
         batch_size: int | None = None,
         max_hvps: int | None = None,
         rtol: float | None = None,
         atol: float | None = None,
         max_seconds: float | None = None,
         seed: int | None = 0,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
-        """Hutchinson's estimate of the Hessian's trace (Rademacher vectors, batched
-        HVPs on the server), with its standard error. `progress` as in `eigenvalues`."""
+        """The Hessian's (or `curvature`'s) trace on the server: `method` "auto" (the server's default: exact
+        when `max_hvps` covers the parameter count, else Hutch++), "exact", "hutchpp" or
+        "hutchinson", with its standard error; the stochastic methods stop once it is
+        within `rtol`/`atol`. `progress` as in `eigenvalues`."""
         body = self._options(
+            method=method,
             batch_size=batch_size,
             max_hvps=max_hvps,
             rtol=rtol,
@@ -346,8 +409,119 @@ class RemoteTape:
             max_seconds=max_seconds,
             time_limit=time_limit,
         )
+        body.update(self._curvature(curvature, samples, fisher_seed))
         body["seed"] = seed
         return self._run(self._trace_op(body, progress))
+
+    def _diagonal_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Diagonal]:
+        a = yield from self._core.compute("POST", self._path("/diagonal"), body,
+                                          progress=progress, description="diagonal")
+        stderr = a.get("stderr")
+        return Diagonal(
+            shaped(a["diagonal"], self._sources),
+            None if stderr is None else shaped(stderr, self._sources),
+            a.get("error"),
+            a["method"],
+            a["reached"],
+            a["samples"],
+            a["batches"],
+            a["batch_size"],
+            a["converged"],
+            a["stopped"],
+            a["hvps"],
+            a["seconds"],
+        )
+
+    def diagonal(
+        self,
+        *,
+        method: str | None = None,
+        batch_size: int | None = None,
+        max_hvps: int | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = 0,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """The Hessian's (or `curvature`'s) diagonal on the server, in the tape's source structure: `method`
+        "auto" (the server's default: exact when `max_hvps` covers the parameter count,
+        else Hutchinson), "exact" or "hutchinson" (with a standard error per entry; it
+        stops once the root-mean-square error is within `rtol`/`atol`). `progress` as in
+        `eigenvalues`."""
+        body = self._options(
+            method=method,
+            batch_size=batch_size,
+            max_hvps=max_hvps,
+            rtol=rtol,
+            atol=atol,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        body.update(self._curvature(curvature, samples, fisher_seed))
+        body["seed"] = seed
+        return self._run(self._diagonal_op(body, progress))
+
+    def _density_op(self, body: dict[str, Any], progress: Any = None
+                    ) -> _core.Op[SpectralDensity]:
+        a = yield from self._core.compute("POST", self._path("/spectral-density"), body,
+                                          progress=progress, description="spectral density")
+        stderr = a.get("stderr")
+        return SpectralDensity(
+            np.asarray(a["grid"], dtype=np.float64),
+            np.asarray(a["density"], dtype=np.float64),
+            None if stderr is None else np.asarray(stderr, dtype=np.float64),
+            [np.asarray(t, dtype=np.float64) for t in a["nodes"]],
+            [np.asarray(w, dtype=np.float64) for w in a["weights"]],
+            a["sigma"],
+            a["probes"],
+            a["steps"],
+            a["parameters"],
+            a["converged"],
+            a["stopped"],
+            a["hvps"],
+            a["seconds"],
+        )
+
+    def spectral_density(
+        self,
+        *,
+        probes: int | None = None,
+        steps: int | None = None,
+        sigma: float | None = None,
+        points: int | None = None,
+        grid: Any = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = 0,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """The density of the Hessian's (or `curvature`'s) eigenvalues by stochastic
+        Lanczos quadrature on the server (`probes` random vectors, `steps` Lanczos steps each; server defaults
+        8 and 64): the density smoothed with `sigma` on `grid` (or `points` points), and
+        the raw Ritz nodes and weights (`SpectralDensity.smoothed` re-smooths them
+        locally). `progress` as in `eigenvalues`."""
+        body = self._options(
+            probes=probes,
+            steps=steps,
+            sigma=sigma,
+            points=points,
+            grid=None if grid is None else [float(x) for x in np.asarray(grid).reshape(-1)],
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        body.update(self._curvature(curvature, samples, fisher_seed))
+        body["seed"] = seed
+        return self._run(self._density_op(body, progress))
 
     def _solve_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Solve]:
         a = yield from self._core.compute("POST", self._path("/solve"), body,
@@ -372,6 +546,9 @@ class RemoteTape:
         max_iterations: int | None = None,
         max_hvps: int | None = None,
         max_seconds: float | None = None,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
@@ -386,9 +563,75 @@ class RemoteTape:
             max_seconds=max_seconds,
             time_limit=time_limit,
         )
+        body.update(self._curvature(curvature, samples, fisher_seed))
         if b is not None:
             body["vector"] = self._vector(b)
         return self._run(self._solve_op(body, progress))
+
+    def _influence_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Influence]:
+        a = yield from self._core.compute(
+            "POST", self._path("/influence"), body, progress=progress, description="influence"
+        )
+        return Influence(
+            np.asarray(a["scores"], dtype=np.float64),
+            np.asarray(a["removal"], dtype=np.float64),
+            np.asarray(a["helpful"], dtype=np.int64),
+            np.asarray(a["harmful"], dtype=np.int64),
+            a["test_loss"],
+            shaped(a["s_test"], self._sources),
+            a["curvature"],
+            a["converged"],
+            a["stopped"],
+            a["iterations"],
+            a["hvps"],
+            np.asarray(a["residuals"], dtype=np.float64),
+            a["seconds"],
+        )
+
+    def influence(
+        self,
+        test_inputs: Mapping[str, Any] | None = None,
+        *,
+        rows: Any = None,
+        curvature: str | None = None,
+        damping: float | None = None,
+        top_k: int | None = None,
+        tol: float | None = None,
+        max_iterations: int | None = None,
+        max_hvps: int | None = None,
+        max_seconds: float | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """The influence of every training example (a row of the output's first axis) on
+        the loss at test points: `test_inputs` (new rows for the inputs the model and loss
+        read along the examples axis, e.g. {"x": ..., "y": ...}; arrays, or stored dataset
+        arrays as in definitions) or training `rows`.
+        s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
+        (Hessian by default; "ggn" is positive semi-definite for convex losses), then
+        every example's score in one batched pass (`Influence`). Needs a tape recorded
+        with `output=`. `progress` as in `eigenvalues`."""
+        body = self._options(
+            rows=None if rows is None else [int(r) for r in np.asarray(rows).reshape(-1)],
+            damping=damping,
+            top_k=top_k,
+            tol=tol,
+            max_iterations=max_iterations,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            time_limit=time_limit,
+        )
+        if test_inputs is not None:
+            # Arrays, or stored dataset arrays ({"dataset", "array", "rows"}) as they are;
+            # {"dataset": ..., "rows": ...} binds every array of a dataset.
+            body["test_inputs"] = dict(test_inputs) if "dataset" in test_inputs else {
+                name: v if isinstance(v, Mapping) else np.asarray(v)
+                for name, v in test_inputs.items()
+            }
+        body.update(self._curvature(curvature, samples, fisher_seed))
+        return self._run(self._influence_op(body, progress))
 
     def _delete_op(self, missing_ok: bool) -> _core.Op[None]:
         try:
@@ -430,24 +673,35 @@ class RemoteTape:
                 f"{what} needs a tape of the synchronous Client (SciPy calls it synchronously)"
             )
 
-    def _hvp_flat(self, X: np.ndarray) -> np.ndarray:
-        """H X for X of shape (n,) or (n, k): one request (batched for k columns)."""
+    def _hvp_flat(self, X: np.ndarray, options: dict[str, Any] | None = None) -> np.ndarray:
+        """H X for X of shape (n,) or (n, k): one request (batched for k columns);
+        `options`: the curvature ones of the request."""
         single = X.ndim == 1
         columns = X.reshape(self.size, 1) if single else X
         vectors = [self.unflatten(columns[:, j], dtype=None) for j in range(columns.shape[1])]
+        extra = options or {}
         if single:
-            return self.flatten(self._run(self._hvp_op({"vector": vectors[0]}, shape=False)))
-        answers = self._run(self._hvp_op({"vectors": vectors}, shape=False))
+            answer = self._run(self._hvp_op({"vector": vectors[0], **extra}, shape=False))
+            return self.flatten(answer)
+        answers = self._run(self._hvp_op({"vectors": vectors, **extra}, shape=False))
         return np.stack([self.flatten(h) for h in answers], axis=1)
 
-    def linear_operator(self) -> LinearOperator:
-        """The Hessian at the recorded point as a `scipy.sparse.linalg.LinearOperator`
-        (n x n, float64, symmetric) over the flattened parameters (`sources` order):
-        matvec is one HVP request, matmat one batched request (at most the server's
-        hvp_max_vectors columns). Vectors are sent in each source's own dtype, the
-        precision the tape computes in. Needs scipy (`pip install gradtape-client[scipy]`)."""
+    def linear_operator(
+        self,
+        *,
+        curvature: str | None = None,
+        samples: int | None = None,
+        fisher_seed: int | None = None,
+    ) -> LinearOperator:
+        """The Hessian (or `curvature`: "ggn", "fisher", "empirical_fisher" on a tape
+        recorded with `output=`) at the recorded point as a
+        `scipy.sparse.linalg.LinearOperator` (n x n, float64, symmetric) over the flattened
+        parameters (`sources` order): matvec is one product request, matmat one batched
+        request (at most the server's hvp_max_vectors columns). Vectors are sent in each
+        source's own dtype, the precision the tape computes in. Needs scipy (`pip install
+        gradtape-client[scipy]`)."""
         self._sync("linear_operator()")
-        return _operator_class()(self)
+        return _operator_class()(self, self._curvature(curvature, samples, fisher_seed))
 
     def _at(self, x: Any) -> None:
         x = np.asarray(x, dtype=np.float64).reshape(-1)
@@ -482,20 +736,21 @@ def _operator_class() -> type:
     from scipy.sparse.linalg import LinearOperator
 
     class HessianOperator(LinearOperator):
-        """A remote tape's Hessian: H x by HVP requests."""
+        """A remote tape's Hessian (or other curvature): H x by product requests."""
 
-        def __init__(self, tape: RemoteTape):
+        def __init__(self, tape: RemoteTape, options: dict[str, Any]):
             self.tape = tape
+            self.options = options
             super().__init__(dtype=np.dtype(np.float64), shape=(tape.size, tape.size))
 
         def _matvec(self, x: np.ndarray) -> np.ndarray:
-            return self.tape._hvp_flat(np.asarray(x).reshape(-1))
+            return self.tape._hvp_flat(np.asarray(x).reshape(-1), self.options)
 
         def _rmatvec(self, x: np.ndarray) -> np.ndarray:
             return self._matvec(x)
 
         def _matmat(self, X: np.ndarray) -> np.ndarray:
-            return self.tape._hvp_flat(np.asarray(X).reshape(self.shape[1], -1))
+            return self.tape._hvp_flat(np.asarray(X).reshape(self.shape[1], -1), self.options)
 
         def _rmatmat(self, X: np.ndarray) -> np.ndarray:
             return self._matmat(X)

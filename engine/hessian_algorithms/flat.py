@@ -1,0 +1,86 @@
+"""A HessianOperator seen as an n x n matrix on flat float64 vectors: the `matvec` and `n`
+that every estimator of this package takes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from engine import backend, tree
+from engine.tensor import Tensor
+from engine.transforms import HessianOperator
+
+
+class FlatOperator:
+    """A HessianOperator seen as an n x n matrix on flat float64 vectors.
+
+    `matvec(V)` with V of shape (K, n) splits each row into the primals' shapes, casts
+    to their dtype and device, runs one `hvp_many` pass and returns H @ V as (K, n)
+    float64 on the host. `flatten` and `unflatten` convert single vectors.
+    """
+
+    def __init__(self, operator: HessianOperator):
+        self.operator = operator
+        self.primals: list[Tensor] = tree.flatten(operator.primals)[0]
+        self._treedef = tree.flatten(operator.primals)[1]
+        self.shapes = [tuple(p.shape) for p in self.primals]
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.offsets = np.cumsum([0, *self.sizes])
+        self.n = int(self.offsets[-1])
+
+    @property
+    def max_batch(self) -> int | None:
+        """The most vectors one pass of the operator takes (its memory bound), or None."""
+        return self.operator.max_batch
+
+    def matvec(self, vectors: np.ndarray) -> np.ndarray:
+        """H @ V for V of shape (K, n), in one batched HVP pass."""
+        vectors = np.asarray(vectors, dtype=np.float64)
+        if vectors.ndim != 2 or vectors.shape[1] != self.n:
+            raise ValueError(f"matvec: expected shape (K, {self.n}), got {vectors.shape}")
+        k = vectors.shape[0]
+        parts = []
+        for p, shape, lo, size in zip(
+            self.primals, self.shapes, self.offsets[:-1], self.sizes, strict=True
+        ):
+            block = vectors[:, lo : lo + size].reshape((k, *shape))
+            parts.append(Tensor(backend.asarray(block, p.dtype, p.device)))
+        products = tree.flatten(self.operator.hvp_many(*tree.unflatten(self._treedef, parts)))[0]
+        out = np.empty((k, self.n), dtype=np.float64)
+        for product, lo, size in zip(products, self.offsets[:-1], self.sizes, strict=True):
+            out[:, lo : lo + size] = product.numpy().reshape(k, size)
+        return out
+
+    def flatten(self, tensors: Any) -> np.ndarray:
+        """One vector in the primals' structure (tensors or arrays) -> (n,) float64."""
+        leaves = tree.flatten(tensors)[0]
+        if len(leaves) != len(self.primals):
+            raise ValueError(f"flatten: {len(leaves)} leaves for {len(self.primals)} primals")
+        return (
+            np.concatenate(
+                [np.asarray(backend.to_host(_raw(x)), np.float64).reshape(-1) for x in leaves]
+            )
+            if leaves
+            else np.zeros(0)
+        )
+
+    def unflatten(self, x: np.ndarray) -> list[np.ndarray]:
+        """(n,) -> one host array per primal, in the primal's shape and dtype."""
+        x = np.asarray(x)
+        return [
+            x[lo : lo + size].reshape(shape).astype(p.dtype)
+            for p, shape, lo, size in zip(
+                self.primals, self.shapes, self.offsets[:-1], self.sizes, strict=True
+            )
+        ]
+
+    def structured(self, x: np.ndarray) -> Any:
+        """(n,) -> host arrays in the primals' own structure (as `operator.primals`): an
+        eigenvector or a diagonal as tensors per parameter."""
+        return tree.unflatten(self._treedef, self.unflatten(x))
+
+
+def _raw(x: Any) -> Any:
+    return x.value if isinstance(x, Tensor) else x
