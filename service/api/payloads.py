@@ -263,7 +263,7 @@ def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] |
 def jacobian(body: JacobianRequest, settings: Settings, stored: dict[str, Any] | None = None
              ) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
-    payload["unconnected"] = body.unconnected.value
+    payload["unconnected"] = "zero" if body.flat else body.unconnected.value
     payload["batch"] = body.batch
     return _prepared(body, decoder, payload, limit)
 
@@ -341,8 +341,9 @@ def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
 
 
 def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
-    payload: dict[str, Any] = {"target": body.target, "sources": body.sources,
-                               "unconnected": body.unconnected.value}
+    # a flat vector has a place for every source: an unconnected one holds zeros
+    payload: dict[str, Any] = {"target": body.target, "sources": body.sources, "flat": body.flat,
+                               "unconnected": "zero" if body.flat else body.unconnected.value}
     if isinstance(body, TapeJacobianRequest):
         payload["batch"] = body.batch
     return _prepared(body, _decoder(body, settings), payload,
