@@ -742,7 +742,14 @@ class TapeUpdateRequest(CallOptions):
 
     variables: NamedTensors = Field(default_factory=dict,
                                     description="New values by variable name.")
-    inputs: NamedTensors = Field(default_factory=dict, description="New values by input name.")
+    inputs: Inputs = Field(
+        default_factory=dict, description="New values by input name, as a definition takes "
+        "them: a tensor (of the recorded shape; an input bound to a dataset may take any "
+        "number of rows and is then bound no more), `{dataset, array, rows}` to bind the "
+        "input to (other rows of) a stored dataset's array, or `{dataset, rows}` to bind "
+        "every array of a dataset to the input of its name. Bound inputs may change their "
+        "number of rows (a last, smaller mini-batch); the program's shape checks apply."
+    )
     point: TensorValue | None = Field(
         None, description="New values for the tape's sources as one flat vector, in the "
         "order `flat.order` lists (instead of naming them in variables/inputs)."

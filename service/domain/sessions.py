@@ -340,11 +340,13 @@ class TapeRegistry:
                 "output": tape.row.output}
 
     async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
-                     inputs: Mapping[str, np.ndarray], time_limit: float,
+                     inputs: Mapping[str, Any], time_limit: float,
                      point: np.ndarray | None = None, flat: bool = False) -> dict[str, Any]:
         """New values for some variables and inputs (or for every source, as one flat
         `point`): record the tape again (in place, same id); the stored definition changes
-        only once the new recording succeeded. `flat`: answer flat vectors."""
+        only once the new recording succeeded. An input may be an array or a reference to
+        a dataset's array (store.is_ref): a bound input may be rebound or replaced by an
+        array of any number of rows. `flat`: answer flat vectors."""
         spec = await self._spec(tape)
         definition = spec["definition"]
         errors = []
@@ -366,11 +368,19 @@ class TapeRegistry:
                     errors.append({"field": field, "message": f"the tape's definition has no "
                                    f"{section[:-1]} {name!r} (it has: {known})"})
                     continue
+                if section == "inputs" and is_ref(value):
+                    # Bound to (other rows of) a dataset's array: its shape is the rows
+                    # taken, which the worker checks against the program.
+                    held[name] = value
+                    continue
                 if section == "inputs" and is_ref(held[name]):
-                    ref = held[name]
-                    errors.append({"field": field, "message": f"the input {name!r} is bound "
-                                   f"to array {ref['array']!r} of dataset {ref['dataset']!r}; "
-                                   "record a new tape to bind other data or rows"})
+                    # Sent data replaces a binding: any number of rows, the bound dtype.
+                    bound = np.dtype(held[name]["dtype"])
+                    if value.dtype.kind != bound.kind:
+                        errors.append({"field": field, "message": f"dtype {value.dtype} "
+                                       f"cannot replace the bound array's {bound}"})
+                        continue
+                    held[name] = value.astype(bound)
                     continue
                 old = held[name]["value"] if section == "variables" else held[name]
                 if value.shape != old.shape:
