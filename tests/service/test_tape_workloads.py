@@ -447,3 +447,39 @@ def test_datasets_with_an_in_memory_store(tmp_path) -> None:
         assert not list(tmp_path.rglob("*.sqlite3*"))  # nothing on disk: the store is memory
     finally:
         stop_server(srv)
+
+
+def test_point_over_onnx_initializers(server, client) -> None:
+    """A point over sources that are initializers of an imported model (not variables of
+    the definition): POST and PATCH record there, and a rebuild too."""
+    from tests.engine.onnx.graphs import fixture
+    from tests.service.test_onnx import b64, definition
+
+    data, _ = fixture("transformer")
+    defn = definition("transformer", {"onnx": b64(data)})
+    bias = np.linspace(-1, 1, 10)
+
+    def at(b: np.ndarray) -> dict:
+        return post(
+            client,
+            "/v1/gradient",
+            {
+                "definition": {**defn, "variables": {"head.bias": t(b)}},
+                "target": "loss",
+                "sources": ["head.bias"],
+            },
+        )
+
+    tape = create(
+        client,
+        {"definition": defn, "target": "loss", "sources": ["head.bias"], "point": bias.tolist()},
+    )
+    want = at(bias)
+    assert tape["value"] == want["value"] and tape["gradients"] == want["gradients"]
+    patched = ok(client.patch(f"/v1/tapes/{tape['tape_id']}", json={"point": (2 * bias).tolist()}))
+    want = at(2 * bias)
+    assert patched["value"] == want["value"] and patched["gradients"] == want["gradients"]
+    kill_worker_of(server, client, tape["tape_id"])
+    again = post(client, f"/v1/tapes/{tape['tape_id']}/gradient", {})
+    assert again["value"] == want["value"] and again["gradients"] == want["gradients"]
+    client.delete(f"/v1/tapes/{tape['tape_id']}")
