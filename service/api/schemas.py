@@ -752,7 +752,8 @@ class TapeUpdateRequest(CallOptions):
     )
     point: TensorValue | None = Field(
         None, description="New values for the tape's sources as one flat vector, in the "
-        "order `flat.order` lists (instead of naming them in variables/inputs)."
+        "order `flat.order` lists (instead of naming them in `variables`; with `inputs`, "
+        "new data and a new point in one request)."
     )
     flat: StrictBool = Field(
         False, description="Answer gradients (and products) as one flat float64 vector in "
@@ -764,9 +765,9 @@ class TapeUpdateRequest(CallOptions):
     def _something(self) -> TapeUpdateRequest:
         if not self.variables and not self.inputs and self.point is None:
             raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
-        if self.point is not None and (self.variables or self.inputs):
-            raise ValueError("give 'point' (every source, flat) or 'variables'/'inputs' "
-                             "(by name), not both")
+        if self.point is not None and self.variables:
+            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), "
+                             "not both")
         return self
 
 

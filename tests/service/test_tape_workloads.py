@@ -292,17 +292,17 @@ def test_dataset_tape_survives_a_killed_worker_and_an_overwrite(server, client) 
 # ---- PATCH of inputs bound to a dataset -------------------------------------------------------
 
 
-def logistic(rows) -> tuple[float, np.ndarray, np.ndarray]:
-    """Value, gradient and Hessian of the mean logistic loss at W on X[rows], by NumPy."""
+def logistic(rows, w: np.ndarray = W) -> tuple[float, np.ndarray, np.ndarray]:
+    """Value, gradient and Hessian of the mean logistic loss at w on X[rows], by NumPy."""
     x, y = X[rows], Y[rows]
-    z = x @ W
+    z = x @ w
     p = 1 / (1 + np.exp(-z))
     value = np.mean(np.logaddexp(0, z) - y * z)
     return value, x.T @ (p - y) / len(y), x.T @ (x * (p * (1 - p))[:, None]) / len(y)
 
 
-def check_at(client, tape_id: str, answer: dict, rows) -> None:
-    value, gradient, hessian = logistic(rows)
+def check_at(client, tape_id: str, answer: dict, rows, w: np.ndarray = W) -> None:
+    value, gradient, hessian = logistic(rows, w)
     np.testing.assert_allclose(arr(answer["value"]), value, rtol=1e-12)
     np.testing.assert_allclose(arr(answer["gradients"]["w"]), gradient, rtol=1e-12, atol=1e-15)
     hvps = post(
@@ -347,6 +347,21 @@ def test_patch_rebinds_dataset_inputs(client) -> None:
     # ... and a dataset binds it again, with the flat answer of an optimizer step
     moved = ok(client.patch(patch, json={"inputs": {"dataset": "batches"}, "flat": True}))
     np.testing.assert_allclose(arr(moved["flat"]["gradient"]), logistic(slice(None))[1], rtol=1e-12)
+
+    # new data and a new point in one PATCH (an optimizer's mini-batch step)
+    moved = ok(
+        client.patch(
+            patch,
+            json={"point": (W + 1).tolist(), "inputs": {"dataset": "batches", "rows": [1, 2, 3]}},
+        )
+    )
+    check_at(client, tape_id, moved, [1, 2, 3], W + 1)
+    body = problem(
+        client.patch(patch, json={"point": W.tolist(), "variables": {"w": W.tolist()}}), 422
+    )
+    assert "'point'" in body["detail"] and "'variables'" in body["detail"], body
+    moved = ok(client.patch(patch, json={"point": W.tolist(), "inputs": {"dataset": "batches"}}))
+    check_at(client, tape_id, moved, slice(None))
 
     # problems; a failed PATCH keeps the tape as it was (all 40 rows)
     body = problem(
