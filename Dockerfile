@@ -6,6 +6,11 @@
 #   CPU (default):   docker build -t gradtape .
 #   CUDA 12:         docker build --build-arg VARIANT=cuda12 -t gradtape:cuda12 .
 #   CUDA 13:         docker build --build-arg VARIANT=cuda13 -t gradtape:cuda13 .
+#   + Ray:           docker build --build-arg EXTRAS=,ray -t gradtape:ray .
+#
+# EXTRAS adds the project's extras to what the variant installs: `,ray` for the images of
+# a Ray cluster (GRADTAPE_EXECUTOR=ray; docker-compose.yml's `ray` profiles), whose head
+# and worker nodes must all run the same Python and Ray, so they share one image.
 #
 # A CUDA image installs the project's `cuda12`/`cuda13` extra (the matching cupy-cuda
 # wheel) on NVIDIA's CUDA runtime image; started with GPUs (`docker run --gpus all`),
@@ -21,6 +26,7 @@
 # supported).
 
 ARG VARIANT=cpu
+ARG EXTRAS=
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA12_IMAGE=nvidia/cuda:12.9.1-runtime-ubuntu24.04
 ARG CUDA13_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
@@ -30,10 +36,11 @@ ARG CUDA13_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 FROM ${PYTHON_IMAGE} AS cpu-runtime
 
 FROM cpu-runtime AS cpu-build
+ARG EXTRAS
 WORKDIR /src
 COPY . .
 RUN python -m venv /opt/gradtape \
-    && /opt/gradtape/bin/pip install --no-cache-dir "/src[service]"
+    && /opt/gradtape/bin/pip install --no-cache-dir "/src[service${EXTRAS}]"
 
 # -------------------------------------------------------------------------- CUDA
 # NVIDIA's runtime images carry the CUDA libraries CuPy loads (cudart, cuBLAS,
@@ -54,6 +61,7 @@ RUN apt-get update \
 
 FROM cuda-runtime AS cuda-build
 ARG VARIANT
+ARG EXTRAS
 ARG DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -62,7 +70,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 RUN python3 -m venv /opt/gradtape \
-    && /opt/gradtape/bin/pip install --no-cache-dir "/src[service,${VARIANT}]"
+    && /opt/gradtape/bin/pip install --no-cache-dir "/src[service,${VARIANT}${EXTRAS}]"
 
 # The names the final stage picks by VARIANT.
 FROM cuda-runtime AS cuda12-runtime

@@ -31,7 +31,8 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
 
 # The service: what each package may import (itself included). worker and pool both sit
 # on core and never import each other, except the local pool's spawn entry point, which
-# imports the worker's loop inside the child process (EXCEPTIONS).
+# imports the worker's loop inside the child process, and the Ray pool's actor, which
+# imports the worker's compute inside the actor's process (EXCEPTIONS).
 SERVICE_MAY_IMPORT: dict[str, set[str]] = {
     "service.core": {"service.core"},
     "service.worker": {"service.core", "service.worker"},
@@ -41,7 +42,11 @@ SERVICE_MAY_IMPORT: dict[str, set[str]] = {
     "service.cli": {"service.core", "service.api"},
     "service": set(),
 }
-EXCEPTIONS = {("service.pool.local", "service.worker.main")}  # in _run_worker, in the child
+EXCEPTIONS = {
+    ("service.pool.local", "service.worker.main"),  # in _run_worker, in the child
+    ("service.pool.ray", "service.worker.compute"),  # in EngineActor, in the actor
+    ("service.pool.ray", "service.worker.dispatch"),
+}
 
 # Third-party packages the engine may import: the array libraries and, lazily, the ONNX
 # importer's. None of the service's (fastapi, pydantic, msgpack, ...).
@@ -195,7 +200,8 @@ def test_the_checks_catch_an_upward_import(tmp_path: Path) -> None:
     assert len(engine) == 3, engine
 
 
-@pytest.mark.parametrize("module", ["service.api.app", "service.pool.local", "service.cli"])
+@pytest.mark.parametrize("module", ["service.api.app", "service.pool.local", "service.cli",
+                                    pytest.param("service.pool.ray", marks=pytest.mark.ray)])
 def test_the_http_process_never_loads_the_engine(module: str) -> None:
     """Importing the HTTP side loads no engine module (the workers alone compute)."""
     code = (f"import sys, {module}; "

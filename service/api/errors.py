@@ -31,7 +31,6 @@ from service.pool import (
     PoolError,
     PoolUnavailable,
     WorkerCrashed,
-    describe_exit,
 )
 
 log = logging.getLogger("gradtape.service")
@@ -139,7 +138,7 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
         return problem_response(
             scope, "worker-crashed",
             f"the worker computing this request stopped unexpectedly "
-            f"({describe_exit(exc.exitcode)}) and is being replaced; the request was not "
+            f"({exc.how}) and is being replaced; the request was not "
             "completed. Retrying is safe, but if this request itself exhausts the worker's "
             "memory it will fail the same way",
             headers=retry,

@@ -61,12 +61,31 @@ class Settings(BaseSettings):
         "'cpu', 'cuda' (all GPUs) or 'cuda:N' (one GPU)",
     )
     workers: int | None = Field(
-        default=None, ge=1, le=256, description="worker processes; default: one per GPU, else 2"
+        default=None, ge=1, le=256,
+        description="engine workers (processes, or Ray actors); default: one per GPU of this "
+        "host, else 2"
     )
     worker_threads: int | None = Field(
         default=None, ge=1, description="BLAS threads per CPU worker; default: cores / workers"
     )
     startup_timeout: float = Field(default=120.0, gt=0, description="for a worker to come up")
+    executor: Literal["local", "ray"] = Field(
+        default="local",
+        description="what runs the workers: 'local' (processes of this host) or 'ray' (Ray "
+        "actors, on this host or across a Ray cluster; needs the `ray` extra)",
+    )
+    ray_address: str = Field(
+        default="",
+        description="with executor 'ray': the cluster to join ('auto': the one this node "
+        "belongs to, 'ray://host:10001': through Ray Client); empty: start a Ray of this "
+        "host for this server alone",
+    )
+    ray_object_store_memory: int = Field(
+        default=256 * 2**20, ge=80 * 2**20,
+        description="bytes of the object store of a Ray this server starts itself (the "
+        "requests and replies in flight pass through it); a cluster's own is set with "
+        "`ray start`",
+    )
     worker_tune_allocator: bool = Field(
         default=defaults.WORKER_TUNE_ALLOCATOR,
         description="raise glibc's mmap/trim thresholds in the workers (engine.tune_allocator): "

@@ -1,6 +1,6 @@
 """The pool's interface: what the HTTP process may ask of its engine workers, whatever
 runs them. `Pool` is the protocol; service/pool/local.py (worker processes of this host)
-is its first backend, and a second one (Ray actors) is one more module beside it.
+and service/pool/ray.py (Ray actors, on one host or a cluster) are its backends.
 The failures, the reply and the worker description below are the protocol's too: the
 HTTP layer maps each failure to a problem once (service/api/errors.py).
 """
@@ -36,10 +36,14 @@ class ComputeTimeout(PoolError):
 
 
 class WorkerCrashed(PoolError):
-    def __init__(self, worker: int, exitcode: int | None):
+    """`how`: what the backend knows of the death (by default the process's exit status;
+    a Ray actor on another node has none to read, Ray's own account stands in)."""
+
+    def __init__(self, worker: int, exitcode: int | None, how: str | None = None):
         self.worker = worker
         self.exitcode = exitcode
-        super().__init__(f"worker {worker} stopped unexpectedly ({describe_exit(exitcode)})")
+        self.how = how or describe_exit(exitcode)
+        super().__init__(f"worker {worker} stopped unexpectedly ({self.how})")
 
 
 class ComputeFailed(PoolError):

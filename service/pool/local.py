@@ -122,8 +122,6 @@ class WorkerPool:
         self.observer = observer or PoolObserver()
         self._ctx = multiprocessing.get_context("spawn")
         self._workers = [_Worker(i, d) for i, d in enumerate(settings.worker_devices())]
-        for w in self._workers:
-            w.cancel = self._ctx.RawValue(ctypes.c_int64, 0)
         self._queue: deque[_Job] = deque()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -266,7 +264,7 @@ class WorkerPool:
         if w is not None and w.job is job:
             # Dispatched: its frame is on the way or sent (_execute sends none for a job
             # already cancelled), so the worker is told to stop it.
-            w.cancel.value = job.id
+            self._signal_cancel(w, job)
             self._spawn_task(self._enforce_cancel(w, job, w.generation))
             log.info("request %d cancelled on worker %d (%s)", job.id, w.index, reason)
         if abandoned:
@@ -274,6 +272,10 @@ class WorkerPool:
             job.started.set()
         else:
             job.fail(Cancelled(reason))
+
+    def _signal_cancel(self, w: _Worker, job: _Job) -> None:
+        """Tell worker `w` to stop `job` at its next op: its shared cancel flag."""
+        w.cancel.value = job.id
 
     async def _enforce_cancel(self, w: _Worker, job: _Job, generation: int) -> None:
         await asyncio.sleep(self.settings.cancel_grace)
@@ -308,7 +310,7 @@ class WorkerPool:
                 return
             if w.state != "idle":
                 continue
-            if w.process is not None and not w.process.is_alive():
+            if self._died_idle(w):
                 # Died while idle, and its reader has not noticed yet: no job goes there.
                 w.state = "down"
                 self._spawn_task(self._replace(w, w.generation, "crash"))
@@ -328,6 +330,9 @@ class WorkerPool:
                 job.watch.started()
             self._spawn_task(self._execute(w, job))
 
+    def _died_idle(self, w: _Worker) -> bool:
+        return w.process is not None and not w.process.is_alive()
+
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -343,15 +348,11 @@ class WorkerPool:
                     w.state = "idle"
             self._dispatch()
             return
-        assert w.writer is not None
         generation = w.generation
         w.request_id = job.id
-        w.reply = reply = asyncio.get_running_loop().create_future()
         started = time.perf_counter()
         try:
-            w.writer.writelines(job.frame)
-            await w.writer.drain()
-            message = await asyncio.wait_for(reply, job.time_limit)
+            message = await asyncio.wait_for(self._roundtrip(w, job), job.time_limit)
         except TimeoutError:
             job.fail(ComputeTimeout(job.time_limit, w.index))
             self._spawn_task(self._replace(w, generation, "timeout"))
@@ -378,10 +379,21 @@ class WorkerPool:
         self._dispatch()
 
     # Worker processes ---------------------------------------------------------------------
+    async def _roundtrip(self, w: _Worker, job: _Job) -> dict[str, Any]:
+        """Send the job's request to worker `w` and wait for its reply message (its
+        progress reports go to the job's watch on the way, by the reader)."""
+        assert w.writer is not None
+        w.reply = reply = asyncio.get_running_loop().create_future()
+        w.writer.writelines(job.frame)
+        await w.writer.drain()
+        return await reply
+
     async def _spawn(self, w: _Worker) -> None:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
         parent_sock, child_sock = socket.socketpair()
+        if w.cancel is None:
+            w.cancel = self._ctx.RawValue(ctypes.c_int64, 0)
         w.cancel.value = 0
         process = self._ctx.Process(
             target=_run_worker,

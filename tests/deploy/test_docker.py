@@ -264,9 +264,13 @@ def resolved(compose: dict) -> dict:
     return interpolate_tree(copy.deepcopy(compose), {})  # type: ignore[return-value]
 
 
+RAY_HEADS = {"gradtape-ray": ("ray", "ray-worker"), "gradtape-ray-gpu": ("ray-gpu", "ray-worker-gpu")}
+
+
 def test_compose_services(compose: dict) -> None:
     services = resolved(compose)["services"]
-    assert set(services) == {"gradtape", "gradtape-gpu"}
+    assert set(services) == {"gradtape", "gradtape-gpu", *RAY_HEADS,
+                             *(worker for _, worker in RAY_HEADS.values())}
     cpu, gpu = services["gradtape"], services["gradtape-gpu"]
     assert "profiles" not in cpu and gpu["profiles"] == ["gpu"]
     assert cpu["build"]["context"] == gpu["build"]["context"] == "."
@@ -314,18 +318,59 @@ def test_compose_environment_is_valid_settings(compose: dict) -> None:
 
 
 def test_compose_store_volumes(compose: dict, dockerfile: Dockerfile) -> None:
-    """Each service has its own named volume on the image's data directory (the SQLite
-    store is written by one service)."""
+    """Each HTTP service has its own named volume on the image's data directory (the
+    SQLite store is written by one service); a Ray worker node mounts its head's
+    read-only (its actors read stored datasets from it)."""
     store_dir = exec_form(dockerfile.stages[-1].last("VOLUME").args)[0]  # type: ignore[union-attr]
     doc = resolved(compose)
-    mounts = [service["volumes"] for service in doc["services"].values()]
+    http = {name: s for name, s in doc["services"].items() if "ports" in s}
+    mounts = [service["volumes"] for service in http.values()]
     assert all(len(m) == 1 and m[0].endswith(f":{store_dir}") for m in mounts), mounts
     names = [m[0].split(":")[0] for m in mounts]
     assert len(set(names)) == len(names) and set(names) == set(doc["volumes"])
+    for head, (_, worker) in RAY_HEADS.items():
+        volume = http[head]["volumes"][0].split(":")[0]
+        assert doc["services"][worker]["volumes"] == [f"{volume}:{store_dir}:ro"]
+
+
+def test_compose_ray_profiles(compose: dict) -> None:
+    """A Ray cluster per profile: the head serves HTTP with the Ray executor on the Ray
+    it starts (offering it no CPU, so every actor lands on a worker node); the worker
+    nodes join it; head and workers run one image built with the `ray` extra (Ray needs
+    one Python and one Ray across a cluster), with the same Ray token settings."""
+    services = resolved(compose)["services"]
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert any(d.startswith("ray>=") for d in extras["ray"])
+    for head_name, (profile, worker_name) in RAY_HEADS.items():
+        head, worker = services[head_name], services[worker_name]
+        assert head["profiles"] == worker["profiles"] == [profile]
+        assert head["image"] == worker["image"] and head["build"] == worker["build"]
+        assert head["build"]["args"]["EXTRAS"] == ",ray"
+        assert head["entrypoint"][:2] == ["sh", "-c"]
+        start, serve = head["entrypoint"][2].split(" && ")
+        assert start.startswith("ray start --head --port=6379 --num-cpus=0")
+        assert serve == "exec gradtape serve"
+        settings = settings_from({k: str(v) for k, v in head["environment"].items()})
+        assert settings.executor == "ray" and settings.ray_address == "auto"
+        assert settings.startup_timeout >= 120  # the worker nodes join after the head
+        assert f"--address={head_name}:6379 --block" in worker["entrypoint"][2]
+        assert worker["depends_on"] == [head_name] and worker["healthcheck"] == {"disable": True}
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            assert head["environment"][name] == worker["environment"][name], name
+        assert head["shm_size"] == worker["shm_size"]  # the object store's /dev/shm
+    gpu_head, gpu_worker = services["gradtape-ray-gpu"], services["ray-worker-gpu"]
+    assert gpu_head["build"]["args"]["VARIANT"] in VARIANTS[1:]
+    assert gpu_head["environment"]["GRADTAPE_DEVICE"] == "cuda"
+    devices = gpu_worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert "reservations" not in services["ray-worker"]["deploy"]["resources"]
+    assert "VARIANT" not in services["gradtape-ray"]["build"]["args"]  # the CPU image
 
 
 def test_compose_healthcheck(compose: dict) -> None:
     for service in resolved(compose)["services"].values():
+        if "ports" not in service:
+            continue  # a Ray worker node: no HTTP, Ray watches it
         check = service["healthcheck"]
         assert check["test"][:3] == ["CMD", "python", "-c"]
         assert "http://127.0.0.1:8000/readyz" in check["test"][3]

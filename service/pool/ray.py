@@ -1,0 +1,425 @@
+"""The engine workers as Ray actors: the same pool as service/pool/local.py (its queue,
+routing, time limits, cancellation, replacement and generations), with each worker a
+Ray actor on any node of a Ray cluster instead of a process of this host.
+
+    GRADTAPE_EXECUTOR=ray                      # a local Ray, started with the server
+    GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=auto              # the cluster of this node
+    GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=ray://head:10001  # Ray Client (ray[client])
+
+What differs from local processes, and why:
+
+- Transport. A request crosses as the msgpack bytes of service/core/ipc.py, and the
+  reply comes back as such bytes: Ray pickles only a `bytes` object, never a client's
+  data, so the no-pickle rule holds on every wire. The actor runs the worker's own code
+  (compute.start, dispatch.answer) on one engine thread of its own.
+- Cancellation. Each actor keeps its cancel flag (the id of the request to stop) in its
+  own memory; `cancel(id)` sets it from another of the actor's threads, and the running
+  request reads it before every engine op. A flag in shared memory would reach only
+  actors on this host, and a flag in a separate actor or queue would cost a remote call
+  per op; an actor method call reaches the actor wherever Ray placed it, and the check
+  stays a plain attribute read.
+- Progress. The actor keeps the running request's reports; the pool collects them every
+  PROGRESS_POLL seconds while a caller that wants them (a job) waits: plain actor calls,
+  the core of Ray's API, rather than a streaming generator.
+- Death. Each actor has one call that blocks until the actor stops (`wait_stopped`); it
+  raises as soon as Ray sees the actor die, however (SIGKILL, OOM, its node gone), so a
+  dead idle actor is replaced at once and a dead busy one gives its request
+  WorkerCrashed with Ray's account of why. A request past its time limit gets
+  ComputeTimeout and its actor is killed with `ray.kill` and replaced. A replaced actor
+  starts a new generation: the tapes it held are recorded again from the store on
+  their next use (service/domain/sessions.py), with the same numbers.
+- Devices. A GPU worker is an actor with `num_gpus=1` (Ray gives it one GPU, visible
+  to it as cuda:0); a CPU worker takes `num_cpus=1` and runs
+  `worker_threads` BLAS threads.
+
+The actors import the engine when they start (in their own processes, on their node);
+this module, in the HTTP process, imports only Ray and the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from service.core import ipc
+from service.core.config import Settings
+from service.pool.base import (
+    PoolObserver,
+    PoolUnavailable,
+    WorkerCrashed,
+    WorkerInfo,
+    WorkerStartError,
+)
+from service.pool.local import BLAS_THREAD_VARIABLES, WorkerPool, _Job, _Worker
+
+log = logging.getLogger("gradtape.workers")
+
+NAMESPACE = "gradtape"
+LOOPBACK = "127.0.0.2"  # the node address of a Ray this server starts (see _connect)
+PROGRESS_POLL = 0.1  # seconds between two collections of a running job's progress
+MAX_HELD_REPORTS = 256  # progress reports an actor keeps for the next collection
+# cancel, progress, wait_stopped and hello beside the one running request
+ACTOR_THREADS = 6
+
+
+# ----------------------------------------------------------------------------------------
+# The actor (runs in a Ray worker process, on any node)
+# ----------------------------------------------------------------------------------------
+
+
+class EngineActor:
+    """One engine worker. Methods run on the actor's threads; the engine runs on one
+    thread of its own (`_engine`), so a request always finds the device it started on,
+    while cancel and progress calls are served beside it."""
+
+    def __init__(self, index: int, device: str, options: dict[str, Any]):
+        self._setup = (index, device, options)
+        self._engine = ThreadPoolExecutor(1, thread_name_prefix="gradtape-engine")
+        self._context: Any = None
+        self._cancel_id = 0  # the id of the request the pool wants stopped
+        self._request_id = 0  # the request running, or the last one (its final reports)
+        self._reports: deque[dict[str, Any]] = deque(maxlen=MAX_HELD_REPORTS)
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def hello(self) -> bytes:
+        """Load the engine for the device and describe the worker (ipc's hello or fatal)."""
+        try:
+            self._context = self._engine.submit(self._start).result()
+        except Exception as exc:  # noqa: BLE001 - any failure to start is reported
+            return ipc.pack({"fatal": f"{type(exc).__name__}: {exc}"})
+        return ipc.pack(
+            {"hello": {**self._context.describe(), "node": ray.get_runtime_context().get_node_id()}}
+        )
+
+    def _start(self) -> Any:
+        from service.worker import compute  # the engine loads here, in the actor
+
+        return compute.start(*self._setup)
+
+    def run(self, body: bytes) -> bytes:
+        """Answer one request (ipc bytes in, ipc bytes out)."""
+        message = ipc.unpack(body)
+        request_id = message.get("id")
+        with self._lock:
+            self._request_id = request_id
+            self._reports.clear()
+        return self._engine.submit(self._answer, message).result()
+
+    def _answer(self, message: dict[str, Any]) -> bytes:
+        from service.worker import compute, dispatch
+
+        request_id = message.get("id")
+        report = self._report if message.get("progress") else None
+        reply = dispatch.answer(
+            self._context, message, cancelled=lambda: self._cancel_id == request_id, report=report
+        )
+        try:
+            return ipc.pack(reply)
+        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
+            error = compute.internal_error(exc)
+            return ipc.pack({"id": request_id, "ok": False, "error": error})
+
+    def _report(self, progress: dict[str, Any]) -> None:
+        with self._lock:
+            self._reports.append(progress)
+
+    def cancel(self, request_id: int) -> None:
+        """Stop request `request_id` at its next op (ignored once another one runs)."""
+        self._cancel_id = request_id
+
+    def progress(self, request_id: int) -> bytes:
+        """The reports of request `request_id` since the last call, oldest first."""
+        with self._lock:
+            if request_id != self._request_id:
+                return ipc.pack([])
+            reports = list(self._reports)
+            self._reports.clear()
+        return ipc.pack(reports)
+
+    def wait_stopped(self) -> None:
+        """Returns when the actor is told to stop; raises in the caller if it dies."""
+        self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+RemoteEngineActor: Any = ray.remote(EngineActor)
+
+
+# ----------------------------------------------------------------------------------------
+# The pool (the HTTP process)
+# ----------------------------------------------------------------------------------------
+
+
+class _ActorWorker(_Worker):
+    """The HTTP side's handle on one actor (replaced actors reuse it)."""
+
+    def __init__(self, index: int, device: str):
+        super().__init__(index, device)
+        self.actor: Any = None
+        self.watch: asyncio.Task[None] | None = None
+
+    def info(self) -> WorkerInfo:
+        pid = self.hello.get("pid") if self.actor is not None else None
+        return WorkerInfo(self.index, pid, self.device, self.state, self.generation, self.restarts)
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once when nothing listens at a host:port address: Ray itself would retry
+    for minutes before it gives up ('auto' and an empty address need no network)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address in ("", "auto") or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5.0).close()
+    except OSError as exc:
+        raise WorkerStartError(
+            f"cannot start the Ray cluster at {address!r}: nothing answers at {host}:{port} "
+            f"({exc.strerror or exc}); is its head node up (`ray start --head`)?"
+        ) from None
+
+
+def _process_gone(pid: Any) -> bool:
+    """Whether process `pid` of this host has exited (a zombie until Ray reaps it)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, ValueError, TypeError, IndexError):
+        return True
+
+
+def how_it_died(exc: BaseException) -> str:
+    """Ray's account of an actor's death, in one clause."""
+    text = " ".join(str(exc).split())
+    found = re.search(r"The actor is dead because (.*?)(?:\. |$)", text)
+    reason = found.group(1) if found else "it died"
+    detail = re.search(r"Worker exit detail: (.*?)(?:\. |$)", text)
+    if detail:
+        reason += f": {detail.group(1)}"
+    return f"its Ray actor died: {reason}"
+
+
+class RayPool(WorkerPool):
+    def __init__(self, settings: Settings, observer: PoolObserver | None = None):
+        super().__init__(settings, observer)
+        # The device of each actor is settled at start, once the cluster's GPUs are known.
+        self._workers = [_ActorWorker(i, d) for i, d in enumerate(settings.worker_devices())]
+        self._started_ray = False
+        self._node: str | None = None  # the Ray node of this process
+
+    # Lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Join (or start) Ray, start one actor per worker and wait for each hello."""
+        await asyncio.to_thread(self._connect)
+        gpus = await asyncio.to_thread(lambda: ray.cluster_resources().get("GPU", 0))
+        try:
+            self._node = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - through Ray Client this process is on no node
+            self._node = None
+        for w in self._workers:
+            w.device = self._device(gpus)
+        results = await asyncio.gather(
+            *(self._spawn(w) for w in self._workers), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self._running = True
+
+    def _connect(self) -> None:
+        if ray.is_initialized():  # embedded in a Ray driver that has joined already
+            return
+        address = self.settings.ray_address
+        _check_reachable(address)
+        try:
+            if address:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                # A new Ray of this host for this server alone ("local": never one that
+                # runs here already): one CPU per worker, no dashboard, an object store
+                # sized for the requests in flight, and on loopback: Ray swaps 127.0.0.1
+                # for the host's reachable address, but keeps any other 127.x address.
+                ray.init(
+                    address="local",
+                    num_cpus=len(self._workers),
+                    namespace=NAMESPACE,
+                    object_store_memory=self.settings.ray_object_store_memory,
+                    include_dashboard=False,
+                    _node_ip_address=LOOPBACK,
+                    log_to_driver=False,
+                )
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; each stops startup
+            where = f"the Ray cluster at {address!r}" if address else "a local Ray"
+            raise WorkerStartError(f"cannot start {where}: {type(exc).__name__}: {exc}") from None
+        self._started_ray = True
+        log.info("joined Ray %s (%s)", ray.__version__, address or "started locally")
+
+    def _device(self, cluster_gpus: float) -> str:
+        """An actor's device: one of the GPUs Ray gives it, or the CPU."""
+        device = self.settings.device
+        if device.startswith("cuda") or (device == "auto" and cluster_gpus):
+            return "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's one GPU
+        return "cpu"
+
+    async def close(self) -> None:
+        await super().close()
+        if self._started_ray:
+            self._started_ray = False
+            await asyncio.to_thread(ray.shutdown)
+
+    # The transport ------------------------------------------------------------------------
+    async def _roundtrip(self, w: _Worker, job: _Job) -> dict[str, Any]:
+        assert isinstance(w, _ActorWorker)
+        actor, generation = w.actor, w.generation
+        try:
+            ref = actor.run.remote(job.frame[1])  # the ipc bytes packed at submit
+            watch = job.watch
+            if watch is None or watch.progress is None:
+                body = await ref
+            else:
+                body = await self._with_progress(actor, ref, job)
+        except RayActorError as exc:
+            if self._closing:
+                raise PoolUnavailable("the service is shutting down") from None
+            self._spawn_task(self._replace(w, generation, "crash"))
+            raise WorkerCrashed(w.index, None, how_it_died(exc)) from None
+        except RayError as exc:
+            # The actor's own code raised (dispatch.answer never does): a bug, answered
+            # as one (500), and the actor, alive, takes the next request.
+            log.error("worker %d: the Ray actor's call failed: %s", w.index, exc)
+            return {
+                "id": job.id,
+                "ok": False,
+                "error": {
+                    "type": "internal",
+                    "message": f"the worker's Ray actor failed: {type(exc).__name__}",
+                },
+            }
+        reply: dict[str, Any] = ipc.unpack(body)
+        return reply
+
+    async def _with_progress(self, actor: Any, ref: Any, job: _Job) -> bytes:
+        """The reply of `ref`, handing the request's progress reports to its watch as
+        they come (collected every PROGRESS_POLL seconds, and once more at the end)."""
+        assert job.watch is not None and job.watch.progress is not None
+        answer = asyncio.ensure_future(ref)
+        try:
+            while True:
+                await asyncio.wait([answer], timeout=PROGRESS_POLL)
+                reports = ipc.unpack(await actor.progress.remote(job.id))
+                for report in reports:
+                    if not job.future.done():
+                        job.watch.progress(report)
+                if answer.done():
+                    body: bytes = answer.result()
+                    return body
+        finally:
+            answer.cancel()
+
+    def _signal_cancel(self, w: _Worker, job: _Job) -> None:
+        assert isinstance(w, _ActorWorker)
+        if w.actor is not None:
+            w.actor.cancel.remote(job.id)  # no wait: _enforce_cancel kills it if need be
+
+    def _died_idle(self, w: _Worker) -> bool:
+        """Whether an idle actor is known dead: its watch has seen it, or, on this host,
+        its process is gone (a moment before Ray tells the watch)."""
+        assert isinstance(w, _ActorWorker)
+        if w.watch is not None and w.watch.done():
+            return True
+        return w.hello.get("node") == self._node and _process_gone(w.hello.get("pid"))
+
+    # Actors -------------------------------------------------------------------------------
+    def _actor_options(self, device: str) -> dict[str, Any]:
+        threads = self.settings.worker_threads or (
+            self.settings.blas_threads() if not self.settings.ray_address else 1
+        )
+        options: dict[str, Any] = {
+            "num_cpus": 1,
+            "max_concurrency": ACTOR_THREADS,
+            "max_restarts": 0,  # the pool replaces a dead actor itself (a new generation)
+            "runtime_env": {"env_vars": {name: str(threads) for name in BLAS_THREAD_VARIABLES}},
+        }
+        if device.startswith("cuda"):
+            options["num_gpus"] = 1
+        return options
+
+    async def _spawn(self, w: _Worker) -> None:
+        """Start an actor for `w` and wait for its hello."""
+        assert isinstance(w, _ActorWorker)
+        w.state = "starting"
+        options = self._actor_options(w.device)
+        actor = RemoteEngineActor.options(**options).remote(
+            w.index, w.device, self.settings.worker_options()
+        )
+        w.actor = actor
+        try:
+            hello = ipc.unpack(
+                await asyncio.wait_for(actor.hello.remote(), self.settings.startup_timeout)
+            )
+        except TimeoutError:
+            ray.kill(actor, no_restart=True)
+            wanted = {k: options[k] for k in ("num_cpus", "num_gpus") if k in options}
+            raise WorkerStartError(
+                f"worker {w.index} ({w.device}) did not start within "
+                f"{self.settings.startup_timeout:g} s: no node of the Ray cluster had "
+                f"{wanted} free"
+            ) from None
+        except RayActorError as exc:
+            raise WorkerStartError(
+                f"worker {w.index} ({w.device}) did not start: {how_it_died(exc)}"
+            ) from None
+        if "fatal" in hello:
+            ray.kill(actor, no_restart=True)
+            raise WorkerStartError(
+                f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}"
+            )
+        w.hello = hello.get("hello", {})
+        w.generation += 1
+        w.state = "idle"
+        w.watch = asyncio.get_running_loop().create_task(self._watch(w, actor, w.generation))
+        log.info(
+            "worker %d up: Ray actor pid %s on node %s (%s)",
+            w.index,
+            w.hello.get("pid"),
+            str(w.hello.get("node"))[:12],
+            w.device,
+        )
+
+    async def _watch(self, w: _ActorWorker, actor: Any, generation: int) -> None:
+        """Notice when the actor dies (busy or idle) and replace it."""
+        try:
+            await actor.wait_stopped.remote()
+            return  # stopped on purpose
+        except RayActorError as exc:
+            how = how_it_died(exc)
+        if self._closing or w.generation != generation or w.retired == generation:
+            return
+        w.state = "down"  # at once: nothing more is dispatched to it
+        log.warning("worker %d: %s", w.index, how)
+        # A request it was computing learns it from its own call (WorkerCrashed).
+        await self._replace(w, generation, "crash")
+
+    async def _stop(self, w: _Worker, graceful: bool) -> None:
+        assert isinstance(w, _ActorWorker)
+        w.state = "down"
+        w.retired = w.generation
+        actor, w.actor = w.actor, None
+        if actor is not None:
+            # Actors keep nothing that needs saving: killed at once, either way.
+            ray.kill(actor, no_restart=True)
+        if w.watch is not None and w.watch is not asyncio.current_task():
+            w.watch.cancel()
+        w.watch = None

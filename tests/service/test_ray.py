@@ -1,0 +1,322 @@
+"""The service on the Ray executor (GRADTAPE_EXECUTOR=ray; issue 16): one real server whose
+workers are actors of a local Ray it starts itself (2 CPUs, a small object store, no
+dashboard, loopback), for the whole module.
+
+The suites that matter run here unchanged against it (their functions are imported, and
+this module's `server` and `client` fixtures stand in for the session's local ones):
+gradients, tapes and their HVPs, the tape algorithms against the dense Hessian, a time
+limit (the actor is killed with ray.kill and replaced), an idle actor killed under a tape.
+Then what is the Ray backend's own: a job's progress and its cancel through the actor's
+cancel flag, an actor SIGKILLed mid-request (502, replaced, and the tape's next HVP
+gives the same numbers), the startup errors an operator meets, and, on a three-node
+cluster of its own joined by address, a worker node removed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from service.core.config import Settings
+from service.pool import make_pool
+from tests.service.conftest import Server, start_server, stop_server
+from tests.service.test_cancel import N, chain
+from tests.service.test_gradient import (  # noqa: F401 - run here against the Ray server
+    test_design_example_exactly,
+    test_higher_order,
+    test_input_gradient_regularisation,
+)
+from tests.service.test_jobs import same_answer, start, wait
+from tests.service.test_tape_algorithms import (  # noqa: F401
+    dense,
+    tape_id,
+    test_eigenvalues_match_the_dense_hessian,
+    test_trace_within_its_standard_error,
+)
+from tests.service.test_tapes import (  # noqa: F401
+    test_killed_worker_loses_nothing,
+    test_tape_hvps_equal_fresh_ones,
+)
+from tests.service.test_workers import _busy_worker, _wait_dead
+from tests.service.test_workers import (  # noqa: F401
+    test_time_limit as test_time_limit_kills_the_actor,
+)
+from tests.service.wire import arr, post, problem
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("ray")
+    srv = start_server(
+        {
+            "GRADTAPE_EXECUTOR": "ray",
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(200 * 2**20),
+            "GRADTAPE_TIME_LIMIT": "60",
+            "GRADTAPE_MAX_TIME_LIMIT": "300",
+            "GRADTAPE_ALGORITHM_MAX_HVPS": "100000",
+            "GRADTAPE_LOG_LEVEL": "info",
+        },
+        tmp / "server.log",
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)  # the server shuts its Ray down on the way out
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120.0) as c:
+        yield c
+
+
+def test_the_workers_are_ray_actors(server: Server) -> None:
+    """Not local children: each pid is a Ray worker process running the engine actor."""
+    workers = server.wait_ready()["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    for w in workers:
+        with open(f"/proc/{w['pid']}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode()
+        assert cmdline.startswith("ray::EngineActor"), cmdline  # Ray's process title
+        with open(f"/proc/{w['pid']}/stat") as f:
+            parent = int(f.read().rpartition(")")[2].split()[1])
+        assert parent != server.process.pid
+    assert "joined Ray" in server.log.read_text()
+
+
+def _tape(client: httpx.Client) -> tuple[str, int]:
+    r = client.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
+    assert r.status_code == 201, r.text
+    return r.json()["tape_id"], r.json()["worker"]
+
+
+V = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}}
+
+
+def test_a_job_reports_progress_and_answers_as_the_synchronous_request(
+    client: httpx.Client,
+) -> None:
+    tape, _ = _tape(client)
+    body = {"method": "hutchinson", "max_hvps": 1000, "batch_size": 2, "max_seconds": 100}
+    location = start(client, f"/v1/tapes/{tape}/trace", body)
+    seen = []
+    job = wait(client, location, ("running", "succeeded"))
+    while job["state"] == "running":
+        if job["progress"] is not None:
+            seen.append(job["progress"])
+        time.sleep(0.05)
+        job = client.get(location).json()
+    assert job["state"] == "succeeded", job
+    # Reports came from the actor while it ran (collected every 0.1 s), in order.
+    assert len(seen) >= 2, seen
+    done = [p["done"] for p in seen]
+    assert done == sorted(done) and done[0] < 1000 and all(d % 2 == 0 for d in done)
+    assert all(p["total"] == 1000 and np.isfinite(p["estimate"]) for p in seen)
+    # The last report (sent once the loop ends) reached the job before its answer.
+    assert job["progress"]["done"] == 1000 and job["progress"]["eta"] == 0.0
+    same_answer(job["result"], post(client, f"/v1/tapes/{tape}/trace", body))
+
+
+def test_cancel_stops_the_actor_at_its_next_op_and_keeps_it(
+    server: Server, client: httpx.Client
+) -> None:
+    tape, worker = _tape(client)
+    before = post(client, f"/v1/tapes/{tape}/hvp", {"vector": V})
+    actor = next(w for w in server.wait_ready()["workers"] if w["index"] == worker)
+    location = start(
+        client,
+        f"/v1/tapes/{tape}/trace",  # alone, minutes
+        {
+            "method": "hutchinson",
+            "max_hvps": 100000,
+            "batch_size": 1,
+            "max_seconds": 300,
+            "time_limit": 300,
+        },
+    )
+    wait(client, location, ("running",))
+    time.sleep(0.5)
+    assert client.get(location).json()["progress"]["done"] > 0
+    cancelled = time.perf_counter()
+    assert client.delete(location).status_code == 204
+    assert client.get(location).json()["state"] == "cancelled"
+    # The same actor (the tape's) answers at once: stopped by its flag, not killed.
+    assert post(client, f"/v1/tapes/{tape}/hvp", {"vector": V}) == before
+    assert time.perf_counter() - cancelled < 2.0
+    after = next(w for w in server.wait_ready()["workers"] if w["index"] == worker)
+    assert (after["pid"], after["generation"]) == (actor["pid"], actor["generation"])
+    assert problem(client.get(f"{location}/result"), 409, "cancelled")
+
+
+def test_an_actor_killed_mid_request_is_a_502_and_its_tape_comes_back(
+    server: Server, client: httpx.Client
+) -> None:
+    tape, worker = _tape(client)
+    before = post(client, f"/v1/tapes/{tape}/hvp", {"vector": V})
+    result: list[httpx.Response] = []
+
+    def long_trace() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            result.append(
+                c.post(
+                    f"/v1/tapes/{tape}/trace",
+                    json={
+                        "method": "hutchinson",
+                        "max_hvps": 100000,
+                        "batch_size": 1,
+                        "max_seconds": 120,
+                        "time_limit": 120,
+                    },
+                )
+            )
+
+    thread = threading.Thread(target=long_trace)
+    thread.start()
+    victim = _busy_worker(client)
+    assert victim["index"] == worker  # the tape's actor computes it
+    time.sleep(0.3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    thread.join(60)
+    found = problem(result[0], 502, "worker-crashed")
+    assert "Ray actor died" in found["detail"] and "being replaced" in found["detail"]
+    assert result[0].headers["retry-after"] == "1"
+    _wait_dead(victim["pid"])
+    # Recorded again in the new actor from the stored definition: the same numbers.
+    again = post(client, f"/v1/tapes/{tape}/hvp", {"vector": V})
+    np.testing.assert_array_equal(arr(again["hvp"]["w"]), arr(before["hvp"]["w"]))
+    about = client.get(f"/v1/tapes/{tape}").json()
+    assert about["rebuilds"] == 1 and about["loaded"]
+    replaced = next(w for w in server.wait_ready()["workers"] if w["index"] == worker)
+    assert replaced["pid"] != victim["pid"]
+    assert replaced["generation"] == victim["generation"] + 1
+    assert 'gradtape_worker_restarts_total{reason="crash"' in client.get("/metrics").text
+
+
+def test_a_ray_it_cannot_reach_stops_startup_with_the_address(tmp_path) -> None:
+    """An address where no Ray listens: the server exits at startup, naming it."""
+    with pytest.raises(RuntimeError, match=r"cannot start the Ray cluster at '127\.0\.0\.1:9'"):
+        start_server(
+            {
+                "GRADTAPE_EXECUTOR": "ray",
+                "GRADTAPE_RAY_ADDRESS": "127.0.0.1:9",
+                "GRADTAPE_DATA_DIR": str(tmp_path),
+            },
+            tmp_path / "server.log",
+        )
+
+
+def test_the_ray_pool_is_chosen_by_the_executor_setting() -> None:
+    from service.pool.local import WorkerPool
+    from service.pool.ray import RayPool
+
+    assert type(make_pool(Settings(executor="ray", workers=3))) is RayPool
+    assert make_pool(Settings(executor="ray", workers=3)).size == 3
+    assert type(make_pool(Settings())) is WorkerPool
+
+
+def _raylet_of(pid: int) -> int:
+    """The parent of a Ray worker process: the raylet of its node."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster of its own (ray.cluster_utils: a head with no CPU and two worker nodes
+    of one CPU, on loopback), joined by address, as a deployment joins its cluster. A
+    node is removed: its actor dies with it, the pool starts a replacement that waits
+    for room, a new node joins, the replacement lands there, and the tape that lived on
+    the lost node answers its next HVP with the same numbers."""
+    from ray.cluster_utils import Cluster
+
+    # Said outright for the nodes and the server alike: this process reads Ray's auth
+    # mode once, when Ray first loads (an earlier test may have loaded it), so a token
+    # mode set here would reach the nodes but not this process. A loopback cluster of
+    # this test alone.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    node_args: dict[str, Any] = {
+        "num_cpus": 1,
+        "node_ip_address": "127.0.0.2",
+        "object_store_memory": 80 * 2**20,
+    }
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**node_args, "num_cpus": 0, "include_dashboard": False},
+    )
+    srv = None
+    try:
+        nodes = [cluster.add_node(**node_args) for _ in range(2)]
+        raylets = {n.all_processes["raylet"][0].process.pid: n for n in nodes}
+        srv = start_server(
+            {
+                "GRADTAPE_EXECUTOR": "ray",
+                "GRADTAPE_RAY_ADDRESS": cluster.address,
+                "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            },
+            tmp_path / "server.log",
+        )
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            workers = srv.wait_ready()["workers"]
+            # One actor per worker node (each has room for one).
+            assert {_raylet_of(w["pid"]) for w in workers} == set(raylets)
+            tape, worker = _tape(c)
+            before = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
+            victim = next(w for w in workers if w["index"] == worker)
+            cluster.remove_node(raylets[_raylet_of(victim["pid"])], allow_graceful=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # Ray reports the death; no room is left
+                states = {w["index"]: w["state"] for w in c.get("/readyz").json()["workers"]}
+                if states[worker] in ("down", "starting"):
+                    break
+                time.sleep(0.1)
+            assert states[worker] in ("down", "starting"), states
+            joined = cluster.add_node(**node_args)
+            after = {w["index"]: w for w in srv.wait_ready()["workers"]}
+            assert after[worker]["generation"] == victim["generation"] + 1
+            assert _raylet_of(after[worker]["pid"]) == joined.all_processes["raylet"][0].process.pid
+            again = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
+            np.testing.assert_array_equal(arr(again["hvp"]["w"]), arr(before["hvp"]["w"]))
+            assert c.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
+    finally:
+        if srv is not None:
+            stop_server(srv)
+        cluster.shutdown()
+
+
+def test_gpu_workers_are_actors_with_one_gpu_each() -> None:
+    """What the pool asks Ray for (no GPU here to run one): with device 'cuda', or 'auto'
+    on a cluster that has GPUs, each actor takes one GPU, which Ray makes its cuda:0."""
+    from service.pool.ray import RayPool
+
+    cuda = RayPool(Settings(executor="ray", device="cuda", workers=2))
+    assert cuda._device(cluster_gpus=0) == "cuda:0"
+    assert cuda._actor_options("cuda:0")["num_gpus"] == 1
+    auto = RayPool(Settings(executor="ray", workers=2))
+    assert auto._device(cluster_gpus=4) == "cuda:0" and auto._device(cluster_gpus=0) == "cpu"
+    options = auto._actor_options("cpu")
+    assert "num_gpus" not in options and options["num_cpus"] == 1
+    assert options["max_restarts"] == 0  # the pool replaces a dead actor itself
+    assert RayPool(Settings(executor="ray", device="cpu"))._device(cluster_gpus=4) == "cpu"
+
+
+def test_without_ray_installed_the_setting_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.delitem(sys.modules, "service.pool.ray", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ValueError, match=r"needs Ray .*pip install 'gradtape\[ray\]'"):
+        make_pool(Settings(executor="ray"))
