@@ -286,6 +286,15 @@ def test_dataset_tape_survives_a_killed_worker_and_an_overwrite(server, client) 
         },
     )
     assert fresh == want
+    # deleted: the tape still holds its arrays in the store, through one more worker death
+    assert client.delete("/v1/datasets/restart-data").status_code == 204
+    kill_worker_of(server, client, tape_id)
+    assert post(client, f"/v1/tapes/{tape_id}/hvp", vectors)["hvps"] == hessian
+    problem(
+        client.post("/v1/gradient", json={"definition": defn, "target": "loss"}),
+        404,
+        "dataset-not-found",
+    )
     client.delete(f"/v1/tapes/{tape_id}")
 
 
