@@ -132,7 +132,12 @@ def test_a_trace_job_reports_progress_and_answers_as_the_synchronous_request(
     assert job["result"]["trace"] == pytest.approx(seen[-1]["estimate"], rel=0.2)
 
 
-def test_eigenvalue_progress_as_server_sent_events(a: httpx.Client, tape: str) -> None:
+def test_eigenvalue_progress_as_server_sent_events(a: httpx.Client) -> None:
+    # A deep chain, so that N HVPs take long enough to report progress more than once
+    # even once the HVP pass is compiled (reports are at least 50 ms apart).
+    r = a.post("/v1/tapes", json={"definition": chain(400), "target": "loss"})
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
     body = {"k": 3, "max_hvps": N, "tol": 1e-300}  # runs to the whole space: N HVPs
     location = start(a, f"/v1/tapes/{tape}/eigenvalues", body, prefer=True)
     events = []
@@ -158,6 +163,7 @@ def test_eigenvalue_progress_as_server_sent_events(a: httpx.Client, tape: str) -
     sync = a.post(f"/v1/tapes/{tape}/eigenvalues", json=body).json()
     same_answer(job["result"], sync)
     np.testing.assert_allclose(ritz[-1]["estimate"], sync["eigenvalues"], rtol=1e-6)
+    a.delete(f"/v1/tapes/{tape}")
 
 
 def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
