@@ -8,6 +8,7 @@ the n HVPs it needs, else Hutch++.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from engine.hessian_algorithms.budget import (
     Budget,
     Callback,
     Matvec,
+    Progress,
     check_batch_size,
     check_operator,
     check_tolerance,
@@ -369,7 +371,7 @@ def hutchpp_trace(
                 if max_seconds is None
                 else max(max_seconds - budget.seconds, 1e-9),
                 seed=seed,
-                callback=callback,
+                callback=_shifted(callback, budget.hvps, max_hvps, max_seconds, budget.seconds),
             )
             exact.hvps += budget.hvps
             exact.seconds = budget.seconds
@@ -421,6 +423,27 @@ def hutchpp_trace(
         sketch=len(state.q),
         values=values,
     )
+
+
+def _shifted(
+    callback: Callback | None, hvps: int, max_hvps: int, max_seconds: float | None, seconds: float
+) -> Callback | None:
+    """A callback for a run that continues another: its counts start at hvps, seconds."""
+    if callback is None:
+        return None
+
+    def report(p: Progress) -> None:
+        callback(
+            dataclasses.replace(
+                p,
+                hvps=p.hvps + hvps,
+                max_hvps=max_hvps,
+                seconds=p.seconds + seconds,
+                max_seconds=max_seconds,
+            )
+        )
+
+    return report
 
 
 def _new_directions(sketch: np.ndarray, q: np.ndarray) -> np.ndarray:
