@@ -103,7 +103,9 @@ class InfluenceResult:
     Positive: harmful (up-weighting it raises the test loss); negative: helpful.
     `removal[i]` = -c * scores[i], the predicted change of the test loss when example i
     is left out of the training loss (c = 1/N for a mean loss, 1 for a sum).
-    `helpful` and `harmful` are the top indices, strongest first.
+    `helpful`: the indices of negative scores, most negative first; `harmful`: those of
+    positive scores, largest first; at most top_k each, fewer when fewer examples have
+    that sign (a zero score is neither), so the two never share an index.
     """
 
     scores: np.ndarray
@@ -495,17 +497,27 @@ class Curvature:
             for s, p in zip(s_test, self._flat, strict=True)
         ]
         scores = -self.example_dots(tree.unflatten(self._treedef, batched))[0]
-        order = np.argsort(scores, kind="stable")
-        k = min(top_k, scores.size)
+        helpful, harmful = top_by_sign(scores, top_k)
         return InfluenceResult(
             scores=scores,
             removal=-self.scale() * scores,
-            helpful=order[:k],
-            harmful=order[::-1][:k],
+            helpful=helpful,
+            harmful=harmful,
             test_loss=float(value.numpy()),
             s_test=tree.unflatten(self._treedef, s_test),
             solve=solve,
         )
+
+
+def top_by_sign(scores: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(helpful, harmful): the indices of the at most top_k most negative scores, most
+    negative first, and of the at most top_k most positive, largest first (ties in index
+    order)."""
+    order = np.argsort(scores, kind="stable")
+    helpful = order[scores[order] < 0][:top_k]
+    descending = np.argsort(-scores, kind="stable")
+    harmful = descending[scores[descending] > 0][:top_k]
+    return helpful, harmful
 
 
 class CurvatureOperator(HessianOperator):

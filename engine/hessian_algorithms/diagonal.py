@@ -172,7 +172,8 @@ def hutchinson_diagonal(
         error=error,
         samples=count,
         batches=batches,
-        converged=stopped == "tolerance" or (not tolerance and stopped == "max_hvps"),
+        converged=stopped == "tolerance"
+        or (not tolerance and stopped == "max_hvps" and math.isfinite(error)),
         stopped=stopped,
         hvps=budget.hvps,
         seconds=budget.seconds,

@@ -197,7 +197,7 @@ def hutchinson_trace(
     is given; from MIN_STDERR_SAMPLES samples on: before that the standard error is
     unknown, inf), at max_hvps samples, or at max_seconds.
     `converged` says the tolerance was met (or, without one, that every sample asked for
-    was taken).
+    was taken and they were enough for a standard error).
     """
     check_operator(n, "hutchinson_trace")
     check_batch_size(batch_size)
@@ -234,7 +234,9 @@ def hutchinson_trace(
         stderr=stderr,
         samples=count,
         batches=batches,
-        converged=stopped == "tolerance" or (not tolerance and stopped == "max_hvps"),
+        # without a tolerance: every sample asked for, and enough for a standard error
+        converged=stopped == "tolerance"
+        or (not tolerance and stopped == "max_hvps" and math.isfinite(stderr)),
         stopped=stopped,
         hvps=budget.hvps,
         seconds=budget.seconds,
@@ -415,7 +417,7 @@ def hutchpp_trace(
         samples=len(values),
         batches=rounds,
         converged=stopped in ("tolerance", "exhausted")
-        or (not tolerance and stopped == "max_hvps"),
+        or (not tolerance and stopped == "max_hvps" and math.isfinite(stderr)),
         stopped=stopped,
         hvps=budget.hvps,
         seconds=budget.seconds,

@@ -971,8 +971,9 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     damping: StrictFloat = Field(1e-3, ge=0, description="Added to the curvature's diagonal "
                                  "(an L2 term (lam/2)|w|^2 of the training loss is damping "
                                  "lam).")
-    top_k: StrictInt = Field(10, ge=0, le=10_000, description="How many most helpful and "
-                             "most harmful examples to list.")
+    top_k: StrictInt = Field(10, ge=0, le=10_000, description="At most how many helpful "
+                             "(negative score) and harmful (positive score) examples to list "
+                             "each; fewer when fewer examples have that sign.")
     tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="CG converged when ||b - (C + "
                              "damping I) s|| <= tol * ||b||.")
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
@@ -1270,8 +1271,12 @@ class InfluenceResponse(BaseModel):
 
     scores: list[float]
     removal: list[float]
-    helpful: list[int] = Field(description="The top_k most helpful examples, most first.")
-    harmful: list[int] = Field(description="The top_k most harmful examples, most first.")
+    helpful: list[int] = Field(description="Examples with a negative score, most negative "
+                               "first: at most top_k, fewer (even none) when fewer are "
+                               "negative.")
+    harmful: list[int] = Field(description="Examples with a positive score, largest first: "
+                               "at most top_k, fewer (even none) when fewer are positive; "
+                               "never one of `helpful`.")
     test_loss: float
     s_test: Tensors = Field(description="(C + damping I)^-1 grad L_test, per source.")
     curvature: CurvatureKind

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import engine as gt
-from engine.curvature import Curvature, CurvatureError
+from engine.curvature import Curvature, CurvatureError, top_by_sign
 from engine.hessian_algorithms import (
     FlatOperator,
     conjugate_gradient,
@@ -377,6 +377,17 @@ def test_influence_matches_leave_one_out_retraining(curvature: str) -> None:
     assert set(found.helpful[:3]) <= set(np.argsort(-actual)[:5])
 
 
+def test_helpful_and_harmful_follow_the_signs_of_the_scores() -> None:
+    scores = np.array([0.5, -2.0, 3.0, 0.0, -0.1, 1.0, 2.0])
+    helpful, harmful = top_by_sign(scores, 10)
+    assert list(helpful) == [1, 4] and list(harmful) == [2, 6, 5, 0]  # 0.0 is neither
+    helpful, harmful = top_by_sign(scores, 2)
+    assert list(helpful) == [1, 4] and list(harmful) == [2, 6]
+    helpful, harmful = top_by_sign(np.array([1.0, 2.0]), 5)
+    assert list(helpful) == [] and list(harmful) == [1, 0]
+    assert [list(x) for x in top_by_sign(scores, 0)] == [[], []]
+
+
 def test_influence_of_training_rows_equals_their_data_as_test_points() -> None:
     model, loss, params, x, y = mlp_case()
     curv = Curvature(model, loss, params, x, y)
@@ -390,7 +401,14 @@ def test_influence_of_training_rows_equals_their_data_as_test_points() -> None:
     ).numpy()
     s = np.linalg.solve(truth["ggn"] + 0.1 * np.eye(len(test_grad)), test_grad)
     np.testing.assert_allclose(by_rows.scores, -truth["per_example"] @ s, rtol=1e-8, atol=1e-12)
-    assert list(by_rows.helpful) == list(np.argsort(by_rows.scores)[:10])
+    # helpful: the negative scores, most negative first; harmful: the positive ones. With
+    # top_k 10 of 12 examples they once overlapped and each held scores of both signs.
+    scores = by_rows.scores
+    negative, positive = np.flatnonzero(scores < 0), np.flatnonzero(scores > 0)
+    assert 0 < len(negative) < 10 and 0 < len(positive) < 10  # mixed, fewer than top_k
+    assert list(by_rows.helpful) == list(negative[np.argsort(scores[negative])])
+    assert list(by_rows.harmful) == list(positive[np.argsort(-scores[positive])])
+    assert not set(by_rows.helpful) & set(by_rows.harmful)
     # C given as an operator recorded elsewhere: here the GGN of another recording.
     other = Curvature(model, loss, params, x, y).operator("ggn")
     given = curv.influence(rows=[2, 5], operator=other, damping=0.1, tol=1e-12)

@@ -196,6 +196,10 @@ def test_too_few_samples_give_an_unknown_error_never_zero(estimator) -> None:
     for budget in (3, per_probe * (MIN_STDERR_SAMPLES - 1)):
         out = estimator(Counting(d), 60, batch_size=1, max_hvps=budget, rtol=0.1)
         assert out.stderr == math.inf and not out.converged and out.stopped == "max_hvps"
+        no_tolerance = estimator(Counting(d), 60, batch_size=1, max_hvps=budget)
+        assert no_tolerance.stderr == math.inf and not no_tolerance.converged
+    few = hutchinson_diagonal(Counting(d), 60, batch_size=1, max_hvps=2)
+    assert few.error == math.inf and not few.converged
     plain = hutchinson_trace(Counting(d), 60, batch_size=1, max_hvps=100, rtol=0.1)
     assert plain.stopped == "tolerance" and plain.samples == MIN_STDERR_SAMPLES
     assert plain.stderr == pytest.approx(0.0, abs=1e-12)

@@ -211,8 +211,9 @@ class Influence(_Unpack):
     """Influence functions (Koh and Liang) on a tape recorded with an output: per training
     example i, `scores[i]` = -g_i . s_test (positive: harmful, up-weighting example i
     raises the test loss; negative: helpful) and `removal[i]`, the predicted change of
-    the test loss if it were left out; the top `helpful` and `harmful` indices, strongest
-    first; s_test = (C + damping I)^-1 grad L_test per source, and the CG solve's report."""
+    the test loss if it were left out; `helpful` (negative scores, most negative
+    first) and `harmful` (positive scores, largest first), at most top_k each, fewer
+    when fewer examples have that sign; s_test = (C + damping I)^-1 grad L_test per source, and the CG solve's report."""
 
     scores: np.ndarray
     removal: np.ndarray
