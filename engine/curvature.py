@@ -20,9 +20,13 @@ of `hvp_many` in one pass each, never forming J:
                       as the negative log-likelihood of a categorical (softmax
                       cross-entropy), Bernoulli (sigmoid cross-entropy) or Gaussian
                       (squared error) model of the targets, where the Fisher is the GGN;
-                      Monte-Carlo (samples=S, seed): M = (1/(c S)) sum_s blockdiag_i(G_si
-                      G_si^T), G_s = d loss(output, y_s) / d output for targets y_s drawn
-                      from that predictive distribution (curvlinops' FisherMC)
+                      the loss may average over examples and over each example's labels
+                      or positions (multi-label sigmoids over (N, D), a softmax over
+                      (N, T, C)): the Fisher is then scaled like the loss, as curvlinops
+                      does; Monte-Carlo (samples=S, seed): M = (1/(k S)) sum_s
+                      blockdiag_i(G_si G_si^T), G_s = d loss(output, y_s) / d output for
+                      targets y_s drawn from that predictive distribution, k the
+                      likelihood's scale (curvlinops' FisherMC)
     empirical_fisher  M = (1/c) blockdiag_i(G_i G_i^T), G = d loss(output, targets) / d output
 
 Per-example conventions. The loss of example i is that of a batch of it alone,
@@ -87,10 +91,14 @@ def _relative(a: Any, b: Any) -> float:
 @dataclass(frozen=True)
 class Likelihood:
     """The predictive distribution the loss was recognised as the negative log-likelihood
-    of: `family` (categorical, bernoulli, gaussian) and, for the Gaussian, the variance
-    that makes the squared error its negative log-likelihood."""
+    of: `family` (categorical, bernoulli, gaussian), `scale` (the loss is scale x that
+    negative log-likelihood summed over examples and over each example's independent
+    terms: c for a sum or a mean over examples, c/m for a mean over the m sigmoids or
+    softmaxes of each example too, as curvlinops scales it) and, for the Gaussian, the
+    variance that makes the squared error its negative log-likelihood (scale c)."""
 
     family: str
+    scale: float = 1.0
     variance: float | None = None
 
 
@@ -390,7 +398,7 @@ class Curvature:
             mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
         elif op.kind == "fisher" and op.samples is not None:
             gs = self._sample_gradients(op.samples, op.seed)
-            mjv = _outer_products(gs, jv.value, self.scale() * op.samples)
+            mjv = _outer_products(gs, jv.value, self.likelihood().scale * op.samples)
         else:  # ggn, and the exact Fisher (the GGN of a recognised likelihood)
             mjv = self._output_loss()._apply((jv,), batch_ndim)[0].value
         return self.vjp(Tensor(mjv), batch_ndim, lead)
@@ -659,16 +667,21 @@ def _recognise(curv: Curvature) -> tuple[Likelihood | None, str | None]:
         if k <= 0 or _relative(hu, k * fu) > tol or _relative(g, k * direction) > tol:
             continue
         if family == "gaussian":
-            return Likelihood(family, variance=c / k), None
-        if abs(k - c) <= tol * c:
-            return Likelihood(family), None
+            return Likelihood(family, scale=c, variance=c / k), None
+        # The loss is k x the summed NLL: k = c for a sum or mean over examples, c / m
+        # when it also averages over the m terms of each example (multi-label sigmoids,
+        # a softmax per sequence position). Either way the Fisher of k x NLL is the GGN.
+        terms = out[0].size if family == "bernoulli" else out[0].size // out.shape[-1]
+        for scale in {c, c / max(terms, 1)}:
+            if abs(k - scale) <= tol * scale:
+                return Likelihood(family, scale=scale), None
     return None, (
         "fisher: the loss is not recognised as the negative log-likelihood of the targets "
         "under a categorical (softmax cross-entropy on logits, with class indices or "
         "probabilities as targets), Bernoulli (sigmoid cross-entropy on logits) or "
-        "Gaussian (squared error) model, summed or averaged over examples: only there is "
-        "the Fisher defined from the loss (and equal to the GGN); use curvature 'ggn' or "
-        "'empirical_fisher'"
+        "Gaussian (squared error) model, summed or averaged over examples (and over each "
+        "example's labels or positions): only there is the Fisher defined from the loss (and "
+        "equal to the GGN); use curvature 'ggn' or 'empirical_fisher'"
     )
 
 

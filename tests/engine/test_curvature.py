@@ -239,6 +239,56 @@ def test_the_recognised_likelihoods() -> None:
     assert likelihood.variance == pytest.approx(2 / 2, rel=1e-9)
 
 
+def multilabel_case(seed: int = 3, n: int = 10, d: int = 4, labels: int = 3):
+    """Multi-label logistic regression: sigmoid cross-entropy averaged over (N, D)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d))
+    y = (rng.random((n, labels)) < 0.5).astype(float)
+    params = {"w": 0.5 * rng.standard_normal((d, labels)), "b": 0.1 * rng.standard_normal(labels)}
+
+    def model(p, x):
+        return x @ p["w"] + p["b"]
+
+    def loss(out, y):
+        return gt.sigmoid_cross_entropy(out, y, reduction="mean")
+
+    return model, loss, params, x, y
+
+
+def sequence_case(seed: int = 4, n: int = 6, steps: int = 5, d: int = 3, classes: int = 4):
+    """A softmax per sequence position: cross-entropy averaged over (N, T)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, steps, d))
+    y = rng.integers(0, classes, (n, steps))
+    params = {"w": 0.5 * rng.standard_normal((d, classes))}
+
+    def model(p, x):
+        return gt.tanh(x) @ p["w"]
+
+    def loss(out, y):
+        return gt.softmax_cross_entropy(out, y)
+
+    return model, loss, params, x, y
+
+
+@pytest.mark.parametrize("case", [multilabel_case, sequence_case])
+def test_the_fisher_of_a_mean_over_labels_or_positions_is_the_ggn(case) -> None:
+    # Such losses were refused (the scale 1/(N D) is not the per-example 1/N). The Fisher
+    # is the GGN, scaled like the loss (curvlinops), and the Monte-Carlo one converges to
+    # the dense GGN: with the per-example scale instead it would be D (or T) times off.
+    model, loss, params, x, y = case()
+    curv = Curvature(model, loss, params, x, y)
+    terms = y[0].size
+    assert curv.likelihood().scale == pytest.approx(1 / (len(x) * terms), rel=1e-9)
+    truth = dense_truth(model, loss, params, x, y)["ggn"]
+    np.testing.assert_allclose(dense_of(curv.operator("fisher")), truth, rtol=1e-10, atol=1e-13)
+    errors = []
+    for samples in (16, 2048):
+        mc = dense_of(curv.operator("fisher", samples=samples, seed=5))
+        errors.append(np.linalg.norm(mc - truth) / np.linalg.norm(truth))
+    assert errors[1] < 0.06 and errors[1] < errors[0] / 4, errors
+
+
 def test_monte_carlo_fisher_converges_to_the_exact_fisher() -> None:
     for case in (mlp_case, logistic_case, regression_case):
         curv = Curvature(*case())
