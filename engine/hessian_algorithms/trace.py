@@ -316,6 +316,7 @@ def hutchpp_trace(
     seed: int | None = 0,
     max_basis_bytes: int | None = None,
     callback: Callback | None = None,
+    exact_batch_size: int | None = None,
 ) -> TraceResult:
     """tr(A) by Hutch++ (Meyer, Musco, Musco, Woodruff 2021), grown in rounds so that it
     can stop at a tolerance.
@@ -333,8 +334,9 @@ def hutchpp_trace(
     n bytes each: once they would pass max_basis_bytes the sketch stops growing, the
     probes are dropped (their projections are kept) and only probes follow. Once the
     sketch would pass n/3 directions with n HVPs still in the budget, the rest is the
-    exact trace (`exact_trace`: n more HVPs, where Hutch++ would take up to 2n; the
-    answer then says method "exact", its hvps count both parts).
+    exact trace (`exact_trace`, `exact_batch_size` unit vectors a pass: n more HVPs,
+    where Hutch++ would take up to 2n; the answer then says method "exact", its hvps
+    count both parts).
     """
     check_operator(n, "hutchpp_trace")
     check_batch_size(batch_size)
@@ -368,6 +370,7 @@ def hutchpp_trace(
             exact = exact_trace(
                 matvec,
                 n,
+                batch_size=exact_batch_size,
                 max_hvps=left,
                 max_seconds=None
                 if max_seconds is None
@@ -513,6 +516,7 @@ def estimate_trace(
             seed=seed,
             max_basis_bytes=max_basis_bytes,
             callback=callback,
+            exact_batch_size=exact_batch_size,
         )
     return hutchinson_trace(
         matvec,

@@ -497,7 +497,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         "samples": out.samples,
         "sketch": out.sketch,
         "batches": out.batches,
-        "batch_size": exact_batch if method == "exact" else batch,
+        "batch_size": exact_batch if out.method == "exact" else batch,  # hutchpp may hand over
         "converged": out.converged,
         "stopped": out.stopped,
         "hvps": out.hvps,

@@ -32,19 +32,48 @@ def test_trace_auto_is_exact_for_a_small_tape(client, dense, tape_id) -> None:  
 
 def test_trace_by_hutchpp(client, dense, tape_id) -> None:  # noqa: F811
     h, _ = dense
-    # auto with a budget below n = 30: Hutch++.
+    # auto with a budget below n = 30: Hutch++, whose 8 probes are too few for a
+    # standard error (fewer than 30): unknown, and not converged.
     small = post(client, f"/v1/tapes/{tape_id}/trace", {"max_hvps": 24, "batch_size": 4})
     assert small["method"] == "hutchpp" and small["hvps"] == 24 and small["sketch"] > 0
-    assert abs(small["trace"] - np.trace(h)) < 4 * small["stderr"]
-    # With a tolerance it stops as soon as its standard error meets it.
-    early = post(
+    assert small["samples"] == 8 and small["stderr"] is None and not small["converged"]
+    # With n HVPs left once its sketch would span n/3, Hutch++ takes the exact trace:
+    # 2 rounds of 12 (a third would take Q to 12 > 10), then one pass of the 30 unit
+    # vectors (it used to grow on to the whole space, 3n).
+    handed = post(
         client,
         f"/v1/tapes/{tape_id}/trace",
         {"method": "hutchpp", "batch_size": 4, "max_hvps": 3000, "rtol": 0.05},
     )
-    assert early["stopped"] in ("tolerance", "exhausted") and early["converged"]
-    assert early["stderr"] <= 0.05 * abs(early["trace"]) and early["hvps"] < 3000
-    assert abs(early["trace"] - np.trace(h)) <= 4 * early["stderr"] + 1e-9
+    assert handed["method"] == "exact" and handed["stopped"] == "exhausted"
+    assert handed["converged"] and handed["stderr"] == 0.0
+    assert handed["hvps"] == 24 + N and handed["batch_size"] == N
+    assert handed["trace"] == pytest.approx(np.trace(h), rel=1e-12)
+
+
+def test_trace_by_hutchinson_stops_at_its_tolerance(client, dense, tape_id) -> None:  # noqa: F811
+    h, _ = dense
+    # Hutchinson has no exact hand-over: with a tolerance it must stop on it, once its
+    # standard error is known (30 samples on), long before the budget.
+    early = post(
+        client,
+        f"/v1/tapes/{tape_id}/trace",
+        {"method": "hutchinson", "batch_size": 1, "max_hvps": 3000, "rtol": 0.1, "seed": 1},
+    )
+    assert early["stopped"] == "tolerance" and early["converged"]
+    assert 30 <= early["samples"] == early["hvps"] < 3000
+    assert early["stderr"] <= 0.1 * abs(early["trace"])
+    assert abs(early["trace"] - np.trace(h)) <= 4 * early["stderr"]
+    # Two probes are no standard error: the reviewer's probe answered 0 and converged.
+    two = post(client, f"/v1/tapes/{tape_id}/trace", {"method": "hutchinson", "max_hvps": 2})
+    assert two["samples"] == 2 and two["stderr"] is None and not two["converged"]
+    few = post(
+        client,
+        f"/v1/tapes/{tape_id}/diagonal",
+        {"method": "hutchinson", "max_hvps": 2, "batch_size": 1, "rtol": 0.5},
+    )
+    assert few["stderr"] is None and few["error"] is None and not few["converged"]
+    assert few["stopped"] == "max_hvps"
 
 
 def test_trace_parameters_are_checked(client, tape_id) -> None:  # noqa: F811
