@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
+from service.core import defaults
 from service.core.wire import DTYPES
 
 # ----------------------------------------------------------------------------------------
@@ -790,7 +791,9 @@ MAX_HVPS_DESCRIPTION = (
 )
 MAX_SECONDS_DESCRIPTION = (
     "Seconds the algorithm may run; it then stops and answers what it has "
-    "(default and maximum: 90% of the request's time limit)."
+    "(default and maximum: 90% of the request's time limit; at least "
+    f"{defaults.ALGORITHM_MIN_SECONDS}, smaller values are refused; after a tape rebuild "
+    f"the algorithm still gets at least {defaults.ALGORITHM_MIN_SECONDS} s)."
 )
 
 
@@ -820,7 +823,8 @@ class EigenvaluesRequest(CurvatureOptions, CallOptions):
     tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when each Ritz "
                              "residual ||H y - theta y|| <= tol * max |theta|.")
     max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION)
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     eigenvectors: StrictBool = Field(False, description="Also answer the eigenvectors, as "
                                      "tensors per source (unit norm over all sources).")
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random start vector "
@@ -870,7 +874,8 @@ class TraceRequest(CurvatureOptions, CallOptions):
     rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
     atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
                               description="Absolute part of the stopping tolerance.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
     run_async: StrictBool = _async_field()
@@ -897,7 +902,8 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
     )
     atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
                               description="Absolute part of the stopping tolerance.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
     run_async: StrictBool = _async_field()
@@ -927,7 +933,8 @@ class SpectralDensityRequest(CurvatureOptions, CallOptions):
     )
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: probes x steps, within algorithm_max_hvps.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the probes (null: fresh "
                                    "ones).")
     run_async: StrictBool = _async_field()
@@ -948,7 +955,8 @@ class SolveRequest(CurvatureOptions, CallOptions):
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: max_iterations.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
 
 
@@ -979,7 +987,8 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: max_iterations.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
 
     @model_validator(mode="after")
@@ -1199,16 +1208,22 @@ class TraceResponse(BaseModel):
 class DiagonalResponse(BaseModel):
     """The diagonal, as tensors per source, and its standard error."""
 
-    diagonal: Tensors
+    diagonal: Tensors | None = Field(description="The diagonal per source; null when an "
+                                     "exact run was stopped by max_seconds before reaching "
+                                     "every entry (see `partial`).")
+    partial: Tensor | None = Field(None, description="Only when an exact run was stopped by "
+                                   "max_seconds: the `reached` entries computed, flat, in the "
+                                   "order of the sources (as the tape lists them), each "
+                                   "row-major; the entries past them are unknown.")
     stderr: Tensors | None = Field(description="Standard error per entry (hutchinson); null "
-                                   "when exact.")
+                                   "when exact, and when it is unknown (fewer than 30 probes).")
     error: float | None = Field(description="Root-mean-square standard error over the "
                                 "entries (what rtol is compared with); 0 when exact; null "
                                 "when unknown.")
     method: DiagonalMethod = Field(description="The method that ran (auto resolved).")
-    reached: int = Field(description="Entries computed, counted over the sources in the "
-                         "order of `diagonal`, each row-major: all n unless an exact run "
-                         "was stopped by max_seconds (the entries past them are 0).")
+    reached: int = Field(description="Entries computed, counted over the sources in their "
+                         "order, each row-major: all n unless an exact run was stopped by "
+                         "max_seconds (then `diagonal` is null and `partial` holds them).")
     samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     batches: int
     batch_size: int = Field(description="Vectors per batched pass.")

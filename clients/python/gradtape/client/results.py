@@ -140,8 +140,10 @@ class Trace(_Unpack):
 @dataclass(frozen=True)
 class Diagonal(_Unpack):
     """A tape's Hessian diagonal in the tape's source structure (exact, or Hutchinson's
-    estimate with a standard error per entry: `stderr`, None when exact); `error` is the
-    root-mean-square standard error."""
+    estimate with a standard error per entry: `stderr`, None when exact or unknown);
+    `error` is the root-mean-square standard error. An exact run stopped by max_seconds
+    has `diagonal` None and the `reached` entries it computed, flat in the sources'
+    order (each row-major), in `partial`."""
 
     diagonal: Any
     stderr: Any
@@ -155,6 +157,7 @@ class Diagonal(_Unpack):
     stopped: str
     hvps: int
     seconds: float
+    partial: np.ndarray | None = None
     _unpack = ("diagonal", "stderr")
 
 
