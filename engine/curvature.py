@@ -462,7 +462,11 @@ class Curvature:
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
         loss of those training rows): s_test = (C + damping I)^-1 grad L_test by
         conjugate gradient on the curvature C, then the scores -g_i . s_test of all
-        examples in one batched pass. See InfluenceResult. `operator`: C given as another
+        examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
+        products (solve.hvps); besides them it takes the test loss's gradient (a forward
+        and backward pass), one JVP for the scores, and, once per recording, the
+        per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the
+        output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
         recorded elsewhere), instead of `curvature`'s."""
         if rows is not None:

@@ -850,8 +850,9 @@ class DiagonalMethod(StrEnum):
 
 
 TOLERANCE_DESCRIPTION = (
-    "Stop early once the standard error is at most rtol * |estimate| + atol (after two "
-    "rounds at least; stochastic methods only)."
+    "Stop early once the standard error is at most rtol * |estimate| + atol (from 30 "
+    "samples on, whatever the batch size: fewer give no standard error; stochastic "
+    "methods only)."
 )
 
 
@@ -898,7 +899,8 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
                                 "server's algorithm_max_hvps).")
     rtol: StrictFloat | None = Field(
         None, gt=0, description="Stop early once the root-mean-square standard error is at "
-        "most rtol * rms(diagonal) + atol (after two batches at least; hutchinson only)."
+        "most rtol * rms(diagonal) + atol (from 30 probes on, whatever the batch size: "
+        "fewer give no standard error; hutchinson only)."
     )
     atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
                               description="Absolute part of the stopping tolerance.")
@@ -986,7 +988,9 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
                              "damping I) s|| <= tol * ||b||.")
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
-                                       "Default: max_iterations.")
+                                       "Default: max_iterations. It bounds the CG solve's "
+                                       "curvature products only; the passes around it are "
+                                       "fixed (see the answer's `hvps`).")
     max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
                                               description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
@@ -1190,14 +1194,20 @@ class TraceResponse(BaseModel):
                                  "hutchinson: sample std / sqrt(samples); hutchpp: that of the "
                                  "probes of the remainder; exact stopped by max_seconds: that "
                                  "of n x the mean diagonal entry seen (they are visited in a "
-                                 "random order); null when there are too few samples.")
-    method: TraceMethod = Field(description="The method that ran (auto resolved).")
+                                 "random order); null (unknown) from fewer than 30 samples, "
+                                 "which are too few for one.")
+    method: TraceMethod = Field(description="The method that ran (auto resolved; hutchpp "
+                                "hands over to exact once its sketch would span a third of "
+                                "the parameters with n HVPs still in the budget: then exact, "
+                                "and hvps count both).")
     samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     sketch: int = Field(0, description="hutchpp: the rank of the part taken exactly.")
     batches: int = Field(description="Batched passes (exact, hutchinson) or rounds (hutchpp).")
     batch_size: int = Field(description="Vectors per batched pass.")
     converged: bool = Field(description="Exact, or the tolerance was met (without one: every "
-                            "sample asked for was drawn).")
+                            "sample asked for was drawn, and a standard error is known). "
+                            "The tolerance is checked from 30 samples on, whatever the "
+                            "batch size.")
     stopped: Stopped = Field(description="exhausted (exact: every direction was taken), "
                              "tolerance, max_hvps or time_limit.")
     hvps: int
@@ -1299,7 +1309,13 @@ class InfluenceResponse(BaseModel):
     stopped: Stopped = Field(description="Of the CG solve: converged, max_iterations, "
                              "max_hvps, time_limit or negative_curvature (raise the damping).")
     iterations: int
-    hvps: int
+    hvps: int = Field(description="Curvature-vector products of the CG solve (what max_hvps "
+                      "bounds). Besides them every request takes a fixed few passes, not "
+                      "counted here: the test loss's gradient (one forward and backward pass "
+                      "over the model at the test points), the scores (one JVP through the "
+                      "model at the training data), the per-example scale (two loss gradients "
+                      "on the output, no pass over the model), and for the Monte-Carlo Fisher "
+                      "`samples` loss gradients on the output (no pass over the model).")
     residuals: list[float]
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
