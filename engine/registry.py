@@ -73,6 +73,10 @@ impl_rules: dict[Primitive, Callable[..., Any]] = {}
 vjp_rules: dict[Primitive, Callable[..., Any]] = {}
 jvp_rules: dict[Primitive, Callable[..., Any]] = {}
 NONDIFFERENTIABLE: set[Primitive] = set()
+# Primitives whose result can be left uncomputed until read (trace.defer_primal):
+# `shape(*args, **params) -> shape` gives its shape without computing it (its dtype is
+# its first argument's).
+DEFERRED_SHAPES: dict[Primitive, Callable[..., tuple[int, ...]]] = {}
 # Elementwise primitives whose arguments broadcast against each other by NumPy's
 # trailing-axis rule. Batched tangents of lower-rank arguments get size-1 axes inserted
 # after their batch axes (in one place, the accumulator) so the rule sees them aligned.

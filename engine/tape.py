@@ -64,9 +64,14 @@ class Record:
         self.vjp_cache: dict[int, Any] | None = None
 
     def input_cotangents(
-        self, gs: list[Tensor | None], needed: tuple[int, ...], cacheable: bool
+        self,
+        gs: list[Tensor | None],
+        needed: tuple[int, ...],
+        cacheable: bool,
+        deferred: tuple[int, ...] = (),
     ) -> list[Tensor | None]:
-        """Cotangents for the inputs in `needed`, given the outputs' cotangents `gs`."""
+        """Cotangents for the inputs in `needed`, given the outputs' cotangents `gs`;
+        those of the inputs in `deferred` computed lazily where their ops allow."""
         if self.prim is None:
             return self._custom_cotangents(gs, needed)
         (g,) = gs
@@ -85,14 +90,18 @@ class Record:
                     vjp = self.vjp_cache[i] = rule(i, ans, *self.inputs, **self.params)
             else:
                 vjp = rule(i, ans, *self.inputs, **self.params)
-            out.append(vjp(g))
+            if i in deferred:
+                with trace.deferring():
+                    out.append(vjp(g))
+            else:
+                out.append(vjp(g))
         return out
 
     def _custom_cotangents(
         self, gs: list[Tensor | None], needed: tuple[int, ...]
     ) -> list[Tensor | None]:
         upstream = [
-            Tensor(backend.array_module(o.value).zeros_like(o.value)) if g is None else g
+            _constant_zeros(o.shape, o) if g is None else g
             for g, o in zip(gs, self.outputs, strict=True)
         ]
         result = self.custom_vjp(*upstream)
@@ -171,8 +180,13 @@ def backward(
     seeds: list[Tensor],
     sources: list[Tensor],
     batch_ndim: int,
+    defer_sources: bool = False,
 ) -> dict[int, Tensor]:
-    """Run the reverse sweep; return the cotangents of the sources, keyed by id."""
+    """Run the reverse sweep; return the cotangents of the sources, keyed by id.
+
+    defer_sources: the caller wants the sources' cotangents only for what is computed
+    from them by recorders (their tangents), so the ops that make them are deferred
+    (tensor.DeferredTensor): a product nobody reads is never computed."""
     cts: dict[int, Tensor] = {}
     for t, s in zip(targets, seeds, strict=True):
         _accumulate(cts, id(t), s)
@@ -185,7 +199,9 @@ def backward(
             if any(id(o) in zero for o in rec.outputs):
                 zero.update(id(rec.inputs[i]) for i in needed)
             continue
-        for i, gi in zip(needed, rec.input_cotangents(gs, needed, cacheable), strict=True):
+        deferred = tuple(i for i in needed if id(rec.inputs[i]) in keep) if defer_sources else ()
+        cotangents = rec.input_cotangents(gs, needed, cacheable, deferred)
+        for i, gi in zip(needed, cotangents, strict=True):
             x = rec.inputs[i]
             if gi is ZERO:
                 zero.add(id(x))
@@ -197,7 +213,7 @@ def backward(
         lead = seeds[0].shape[:batch_ndim]
         for s in sources:
             if id(s) in zero and id(s) not in out:
-                out[id(s)] = _zeros(s, lead + s.shape)
+                out[id(s)] = _constant_zeros(lead + s.shape, s)
     return out
 
 
@@ -229,6 +245,8 @@ class GradientTape:
         self._variables: dict[int, Variable] = {}
         self._plans: dict[tuple, tuple[int, list]] = {}
         self._used = False
+        # Set by a transform that reads the gradients' tangents only (tensor.DeferredTensor)
+        self._defer_source_primals = False
 
     # Recording --------------------------------------------------------------------------
     def __enter__(self) -> GradientTape:
@@ -348,7 +366,7 @@ class GradientTape:
                 return backward(plan, targets, seeds, sources, batch_ndim)
             trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
         with trace.paused(self):
-            return backward(plan, targets, seeds, sources, batch_ndim)
+            return backward(plan, targets, seeds, sources, batch_ndim, self._defer_source_primals)
 
     def gradient(
         self,
@@ -599,7 +617,19 @@ def _check_unconnected(value: Any) -> str:
 
 
 def _ones_like(t: Tensor) -> Tensor:
-    return Tensor(backend.array_module(t.value).ones_like(t.value))
+    ones = Tensor(backend.array_module(t.value).ones_like(t.value))
+    if trace.capture is not None:  # a gradient's seed: a constant of a captured pass
+        trace.capture.constant(ones)
+    return ones
+
+
+def _constant_zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Zeros a pass makes whatever its data: a pass being captured for replay is told so
+    (any other array made outside the ops would stop the capture)."""
+    zeros = _zeros(like, shape)
+    if trace.capture is not None:
+        trace.capture.constant(zeros)
+    return zeros
 
 
 def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -609,7 +639,7 @@ def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _result(ct: Tensor | None, source: Tensor, unconnected: str, lead: tuple) -> Tensor | None:
     if ct is not None:
         return ct
-    return None if unconnected == "none" else _zeros(source, lead + source.shape)
+    return None if unconnected == "none" else _constant_zeros(lead + source.shape, source)
 
 
 # ----------------------------------------------------------------------------------------
@@ -639,6 +669,9 @@ def custom_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
         flat, treedef = tree.flatten(result)
         body = [as_tensor(o) for o in flat]
         outputs = tuple(Tensor(o.value) for o in body)  # fresh identities
+        if trace.capture is not None:
+            for o, b in zip(outputs, body, strict=True):
+                trace.capture.alias(o, b)
         backward_fn = grad_fn
         if variables:
             if "variables" not in _parameters(grad_fn):

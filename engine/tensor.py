@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace
-from engine.registry import Primitive, defjvp, defvjp, impl_rules, primitive
+from engine.registry import DEFERRED_SHAPES, Primitive, defjvp, defvjp, impl_rules, primitive
 
 
 class Tensor:
@@ -54,6 +54,8 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The value as a NumPy array (copied from the device for CuPy tensors)."""
+        if trace.capture is not None:  # a rule branching on data cannot be replayed
+            trace.capture.host_read(self)
         return backend.to_host(self.value)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -87,6 +89,47 @@ class Tensor:
     def __repr__(self) -> str:
         body = np.array2string(self.numpy(), separator=", ", prefix="  ")
         return f"{type(self).__name__}({body}, dtype={self.dtype}, shape={self.shape})"
+
+
+_stored_value = Tensor.__dict__["value"]  # the slot, beneath DeferredTensor's property
+
+
+class DeferredTensor(Tensor):
+    """A primitive's result whose array is computed the first time it is read.
+
+    Its shape and dtype are known without it, so rules, tapes and accumulators that look
+    only at those (a tangent's rule, undoing broadcasting) leave it uncomputed; a result
+    nobody reads is never computed (bind makes these only under trace.defer_primal).
+    """
+
+    __slots__ = ("_dtype", "_shape", "_thunk")
+
+    def __init__(self, thunk: Any, shape: tuple[int, ...], dtype: Any):
+        self._thunk, self._shape, self._dtype = thunk, shape, dtype
+
+    @property
+    def value(self) -> Any:
+        thunk = self._thunk
+        if thunk is not None:
+            _stored_value.__set__(self, thunk())
+            self._thunk = None
+        return _stored_value.__get__(self, DeferredTensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64))
 
 
 _variable_ids = itertools.count()
@@ -247,6 +290,22 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
         if isinstance(a, Variable):
             args = tuple(read(a) if isinstance(a, Variable) else a for a in args)
             break
+    if trace.defer_primal and prim in DEFERRED_SHAPES:
+        return _bind_deferred(prim, args, params)
+    ans = Tensor(_apply(prim, args, params))
+    if trace.capture is not None:
+        trace.capture.record(prim, args, params, ans)
+    if trace.active_tapes:  # recording never changes these lists, so no copies
+        for tape in trace.active_tapes:
+            tape._record_primitive(prim, args, params, ans)
+    if trace.active_accumulators:
+        for accumulator in trace.active_accumulators:
+            accumulator._propagate(prim, args, params, ans)
+    return ans
+
+
+def _apply(prim: Primitive, args: tuple[Tensor, ...], params: dict) -> Any:
+    """The primitive's forward on the arguments' arrays."""
     values = [a.value for a in args]
     first = values[0]
     xp = np if type(first) is np.ndarray else backend.array_module(first)
@@ -259,11 +318,22 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
         raise ValueError(f"{prim.name}: {exc} (operand shapes {shapes})") from None
     if isinstance(out, np.generic):  # NumPy returns scalars from 0-d operations
         out = np.asarray(out)
-    ans = Tensor(out)
-    if trace.active_tapes:  # recording never changes these lists, so no copies
+    return out
+
+
+def _bind_deferred(prim: Primitive, args: tuple[Tensor, ...], params: dict) -> Tensor:
+    """bind, with the forward left for when the result is read. The recorders run as in
+    bind, not deferring: a tangent is wanted, not left for later."""
+    shape = DEFERRED_SHAPES[prim](*args, **params)
+    ans = DeferredTensor(lambda: _apply(prim, args, params), shape, args[0].dtype)
+    trace.defer_primal = False
+    try:
+        if trace.capture is not None:
+            trace.capture.record(prim, args, params, ans)
         for tape in trace.active_tapes:
             tape._record_primitive(prim, args, params, ans)
-    if trace.active_accumulators:
         for accumulator in trace.active_accumulators:
             accumulator._propagate(prim, args, params, ans)
+    finally:
+        trace.defer_primal = True
     return ans

@@ -20,6 +20,27 @@ active_accumulators: list[Any] = []
 # default) costs one attribute test per op.
 interrupt_check: Callable[[], None] | None = None
 
+# While True, a primitive with a deferred form (registry.DEFERRED_SHAPES) gives a result
+# whose array is computed only when something reads it: set around the rules that make
+# the gradients of a computation that wants only their tangents (a fresh HVP's primal
+# weight-gradient GEMMs are then never run). See `deferring`.
+defer_primal = False
+
+
+@contextmanager
+def deferring() -> Iterator[None]:
+    global defer_primal
+    saved, defer_primal = defer_primal, True
+    try:
+        yield
+    finally:
+        defer_primal = saved
+
+
+# While a pass is being captured for replay (engine/replay.py), the Capture that sees
+# every primitive `bind` applies and every host read of a tensor; None otherwise.
+capture: Any = None
+
 
 class Interrupted(Exception):
     """Raised by an interrupt check: the computation was stopped between two ops."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import backend, trace, tree
+from engine import backend, replay, trace, tree
 from engine.footprint import held_bytes
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import concatenate, reshape, transpose
@@ -293,6 +293,7 @@ def hessian(f: Callable[..., Any], argnums: Argnums = 0) -> Callable[..., Any]:
             with GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(flat)
                 value = _scalar(f(*args), "hessian")
+            tape._defer_source_primals = True  # only the gradients' tangents are used
             grads = tape.gradient(value, flat, unconnected_gradients="zero")
         rows = []
         for g in grads:
@@ -320,6 +321,9 @@ def hvp(f: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) 
         with GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(flat)
             value = _scalar(f(*args), "hvp")
+        # Only the gradients' tangents are used: the GEMMs of the gradients themselves
+        # (the weights' products) are deferred and never run.
+        tape._defer_source_primals = True
         grads = tape.gradient(value, flat, unconnected_gradients="zero")
     out = [acc.jvp(g, unconnected_gradients="zero") for g in grads]
     return _regroup(out, defs, False)
@@ -338,13 +342,21 @@ class HessianOperator:
 
     `fun(x)`, `jac(x)` and `hessp(x, p)` take flat float64 vectors, for
     scipy.optimize.minimize(method="trust-ncg" / "newton-cg"); a new x re-records there.
+
+    compiled: the second pass of each vector layout is captured (engine/replay.py) and
+    later passes of that layout replay its array calls, with the same answers (the first
+    runs dynamically: a one-off product pays nothing for a capture); a pass that cannot
+    be captured stays dynamic (`replay_status()` says why). False: every pass is the
+    dynamic sweep.
     """
 
-    def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None):
+    def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
+                 compiled: bool = True):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._f = f
         self.max_batch = max_batch
+        self.compiled = compiled
         self._record(primals)
 
     def _record(self, primals: tuple) -> None:
@@ -360,6 +372,10 @@ class HessianOperator:
         self._value, self._grads = value, grads
         self.primals = _regroup(flat, defs, False)
         self._point: np.ndarray | None = None
+        # Per vector layout: its replay.Schedule, or why the pass is not replayable (and
+        # how many captures were tried).
+        # at most 8 vector layouts keep a schedule (and its buffers) at once
+        self._passes = replay.Passes(limit=8)
 
     @property
     def value(self) -> Tensor:
@@ -416,8 +432,29 @@ class HessianOperator:
     def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
         """The product on checked flat vectors, one per primal (the curvature operators
         of engine.curvature override this and keep the rest)."""
+        products = self._second_order_pass(flat_v, batch_ndim)
+        return [_zeros(p, lead) if h is None else h
+                for h, p in zip(products, self._flat, strict=True)]
+
+    def _dynamic_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
         cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
-        return [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
+        return [cts.get(id(p)) for p in self._flat]
+
+    def _second_order_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
+        """H v per primal (None where unreached): the first pass of a vector layout is
+        dynamic, the second captured, later ones replayed (replay.Passes)."""
+        arrays = [v.value for v in flat_v]
+        if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
+            return self._dynamic_pass(flat_v, batch_ndim)
+        key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))
+        return self._passes.run(
+            key, flat_v, lambda seeds: self._dynamic_pass(seeds, batch_ndim),
+            lambda: replay.known_tensors(self._tape, self._grads, self._flat))
+
+    def replay_status(self) -> dict[str, str]:
+        """Per vector layout: "compiled", or why (or that) its passes are dynamic."""
+        return {f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}": v
+                for k, v in self._passes.status().items()}
 
     # SciPy adapter ----------------------------------------------------------------------
     @property
@@ -517,10 +554,10 @@ class SingularHessianError(ValueError):
     """H + damping I cannot be solved (raise the damping)."""
 
 
-def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None
-                     ) -> HessianOperator:
+def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
+                     compiled: bool = True) -> HessianOperator:
     """Record f and its gradient at primals once; return the reusable HessianOperator."""
-    return HessianOperator(f, *primals, max_batch=max_batch)
+    return HessianOperator(f, *primals, max_batch=max_batch, compiled=compiled)
 
 
 def _zeros(o: Tensor, lead: tuple = ()) -> Tensor:

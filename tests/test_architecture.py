@@ -23,7 +23,7 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("engine.tensor",),
     ("engine.ops", "engine.random"),
     ("engine.tape",),
-    ("engine.forward",),
+    ("engine.forward", "engine.replay"),
     ("engine.transforms", "engine.testing", "engine"),
     ("engine.hessian_algorithms", "engine.curvature", "engine.onnx"),
     ("engine.language",),

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine import replay
+from engine.backend import host
 from engine.language.catalogue import suggest
 from engine.language.definition import Definition, as_definition, structure_key
 from engine.language.errors import DefinitionError, OverBudget, Problem
@@ -30,11 +32,16 @@ from engine.language.nonfinite import NonFiniteCheck, find_culprit
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
 from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
 from engine.shapes import TensorType
+from engine.tape import GradientTape
 from engine.tensor import Tensor, Variable, constant
 from engine.transforms import HessianOperator, hessian_operator
 
 CACHE_SIZE = 256
 UNCONNECTED = ("none", "zero")
+# Compiled gradient passes a program keeps (one per request shape and leaf layout), and
+# the scratch buffers each may keep between passes: a cached program stays small.
+GRADIENT_PASSES = 8
+GRADIENT_POOL_LIMIT = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class Request:
 
 
 class CompiledProgram:
-    """A checked, compiled definition. Holds no tensor values: `run` takes them."""
+    """A checked, compiled definition. Holds no tensor values (`run` takes them), only
+    the compiled forms of its gradient passes (`value_and_gradients`)."""
 
     def __init__(self, key: str, limits: Limits, checked: CheckedProgram):
         self.key = key
@@ -69,6 +77,8 @@ class CompiledProgram:
         builder = Builder("program", functions, site_keys, checked.grad_sites, models,
                           checked.model_calls)
         self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
+        # per request and leaf layout: dynamic, captured or replayed (replay.Passes)
+        self._gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
 
     # What the program defines -------------------------------------------------------------
     @property
@@ -173,6 +183,52 @@ class CompiledProgram:
         finally:
             frame.close()  # a failed run must not leave a tape recording
         return frame.values
+
+    def value_and_gradients(
+        self, request: Request, leaves: Mapping[str, Tensor], compiled: bool = True
+    ) -> tuple[Tensor, dict[str, Tensor | None]]:
+        """The target's value and its gradient per answer key of request.sources.
+
+        The first pass of a request and leaf layout runs dynamically, the second under a
+        capture (engine/replay.py), later ones replay its array calls with the new leaf
+        values, with the same answers. Integer and boolean leaves (labels, indices) are
+        part of the layout by value: a program may branch on them. A pass that cannot be
+        captured (an op that makes an array outside the ops, as one-hot labels do) stays
+        dynamic.
+        """
+        names = sorted(leaves)
+        arrays = [leaves[n].value for n in names]
+        if not compiled or not all(type(a) is host.ndarray for a in arrays):
+            return self._value_and_gradients(request, dict(leaves))
+        key = (
+            request.target,
+            tuple(request.sources.items()),
+            request.unconnected,
+            tuple(
+                (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else a.tobytes())
+                for n, a in zip(names, arrays, strict=True)
+            ),
+        )
+        keys = list(request.sources)
+
+        def run(seeds: list[Tensor]) -> list[Tensor | None]:
+            value, grads = self._value_and_gradients(request, dict(zip(names, seeds)))
+            return [value, *(grads[k] for k in keys)]
+
+        value, *grads = self._gradient_passes.run(
+            key, [leaves[n] for n in names], run, lambda: replay.known_tensors(self)
+        )
+        return value, dict(zip(keys, grads, strict=True))
+
+    def _value_and_gradients(
+        self, request: Request, leaves: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor | None]]:
+        watched = {key: leaves[name] for key, name in request.sources.items()}
+        with GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(list(watched.values()))
+            env = self.run(leaves, targets=[request.target])
+        value = env[request.target]
+        return value, tape.gradient(value, watched, unconnected_gradients=request.unconnected)
 
     def _needed(self, targets: Iterable[str] | None, given: Iterable[str] = ()) -> set[int]:
         """Indices of the lines the targets depend on (all lines when targets is None),

@@ -12,7 +12,6 @@ from engine.language.definition import as_definition
 from engine.language.errors import DefinitionError, ExecutionError, Problem
 from engine.language.limits import Limits
 from engine.language.runtime import RUNTIME_ERRORS
-from engine.tape import GradientTape
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,7 @@ def evaluate(
     limits: Limits | None = None,
     device: str | None = None,
     allow_unused: bool = False,
+    compiled: bool = True,
 ) -> Evaluation:
     """Run the definition and differentiate `target` with respect to `sources`.
 
@@ -45,13 +45,9 @@ def evaluate(
     program = compile_definition(defn, limits)
     request = program.check_request(target, sources, unconnected, allow_unused)
     leaves = program.leaves(defn, device)
-    watched = {key: leaves[name] for key, name in request.sources.items()}
-    with GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(list(watched.values()))
-        env = program.run(leaves, targets=[request.target])
-    value = env[request.target]
     try:
-        grads = tape.gradient(value, watched, unconnected_gradients=request.unconnected)
+        # compiled: the second request of this shape replays the first one's array calls
+        value, grads = program.value_and_gradients(request, leaves, compiled)
     except DefinitionError:
         raise
     except RUNTIME_ERRORS as exc:

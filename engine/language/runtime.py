@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine import trace
 from engine.language.catalogue import SIGNATURES, bind
 from engine.language.errors import DefinitionError, ExecutionError, Problem
 from engine.language.nonfinite import NonFiniteCheck
@@ -66,7 +67,10 @@ class Frame:
 def _fresh(value: Tensor) -> Tensor:
     if value.dtype.kind == "f":
         return multiply(value, as_tensor(1, like=value))  # recorded: gradients flow through
-    return Tensor(value.value)  # integers and bools carry no gradient
+    fresh = Tensor(value.value)  # integers and bools carry no gradient
+    if trace.capture is not None:  # the same array under a new identity
+        trace.capture.alias(fresh, value)
+    return fresh
 
 
 Evaluator = Callable[[Frame], Any]

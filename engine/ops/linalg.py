@@ -8,7 +8,7 @@ from typing import Any
 from engine.ops._util import batch_ndim, coerce_all, coerce_pair
 from engine.ops.elementwise import add, multiply, negative
 from engine.ops.shape import broadcast_to, expand_dims, reshape, swapaxes
-from engine.registry import defjvp, defvjp, defvjp_argnum, primitive, public
+from engine.registry import DEFERRED_SHAPES, defjvp, defvjp, defvjp_argnum, primitive, public
 from engine.shapes import RuleError, TensorType, broadcast, checked, pair, require, same_dtypes
 from engine.tensor import Tensor, bind
 
@@ -112,6 +112,19 @@ def _tangent_product(
 
 defvjp(matmul_p, matmul_vjp_x, matmul_vjp_y)
 defjvp(matmul_p, matmul_jvp)
+
+
+def _matmul_deferred_shape(x: Tensor, y: Tensor, *, ta: bool = False, tb: bool = False) -> tuple:
+    xs, ys = x.shape, y.shape
+    if ta:
+        xs = xs[:-2] + xs[-1:] + xs[-2:-1]
+    if tb:
+        ys = ys[:-2] + ys[-1:] + ys[-2:-1]
+    return matmul_shape(xs, ys)
+
+
+# A gradient wanted only for its tangent (a fresh HVP) leaves its weight GEMMs unrun.
+DEFERRED_SHAPES[matmul_p] = _matmul_deferred_shape
 
 
 def matmul_shape(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[int, ...]:

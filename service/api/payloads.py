@@ -263,7 +263,7 @@ def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] |
 def jacobian(body: JacobianRequest, settings: Settings, stored: dict[str, Any] | None = None
              ) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
-    payload["unconnected"] = body.unconnected.value
+    payload["unconnected"] = "zero" if body.flat else body.unconnected.value
     payload["batch"] = body.batch
     return _prepared(body, decoder, payload, limit)
 
@@ -341,8 +341,9 @@ def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
 
 
 def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
-    payload: dict[str, Any] = {"target": body.target, "sources": body.sources,
-                               "unconnected": body.unconnected.value}
+    # a flat vector has a place for every source: an unconnected one holds zeros
+    payload: dict[str, Any] = {"target": body.target, "sources": body.sources, "flat": body.flat,
+                               "unconnected": "zero" if body.flat else body.unconnected.value}
     if isinstance(body, TapeJacobianRequest):
         payload["batch"] = body.batch
     return _prepared(body, _decoder(body, settings), payload,
@@ -350,19 +351,19 @@ def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
 
 
 def tape_update(body: TapeUpdateRequest, settings: Settings
-                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Prepared]:
+                ) -> tuple[dict[str, np.ndarray], dict[str, Any], Prepared]:
+    """(variables, inputs, prepared): the inputs bound to datasets are None until the
+    route binds them (prepared.bindings, as for a definition)."""
     decoder = _decoder(body, settings)
-    variables = decoder.tensors(body.variables, "variables")
-    inputs = decoder.tensors(body.inputs, "inputs")
+    # Bare numbers and lists are read as float64, then cast to the recorded dtype (as
+    # float32 reads them, for a float32 tape): a float64 tape loses no digits.
+    variables = decoder.tensors(body.variables, "variables", "float64")
+    inputs = decoder.inputs(body.inputs, "float64", field="inputs")
     payload: dict[str, Any] = {"flat": body.flat}
     if body.point is not None:
         payload["point"] = decoder.tensor(body.point, "point", "float64")
     prepared = _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
-    return (
-        {k: v for k, v in variables.items() if v is not None},
-        {k: v for k, v in inputs.items() if v is not None},
-        prepared,
-    )
+    return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
 
 
 def _algorithm_limits(max_hvps: int, max_seconds: float | None, limit: float,

@@ -539,6 +539,14 @@ class ComputeRequest(DefinitionRequest):
     )
 
 
+FLAT_JACOBIAN_DESCRIPTION = (
+    "Answer the jacobian as one float64 matrix in `flat.jacobian`: [target size, n], row i "
+    "the target's element i (row-major), the columns the sources' elements in the order "
+    "`flat.order` lists (SciPy's least_squares `jac`); with `batch`, [B, target size per "
+    "example, n per example], the order over the sources' shapes without their batch "
+    "axis. `jacobians` is then empty and unconnected sources hold zeros."
+)
+
 UNCONNECTED_FIELD = Field(
     Unconnected.none,
     description="For a source the target does not depend on: null (none) or zeros (zero).",
@@ -564,6 +572,7 @@ class JacobianRequest(ComputeRequest):
 
     unconnected: Unconnected = UNCONNECTED_FIELD
     run_async: StrictBool = _async_field()
+    flat: StrictBool = Field(False, description=FLAT_JACOBIAN_DESCRIPTION)
 
     batch: StrictBool = Field(
         False, description="Per-example jacobians: target and source share their first "
@@ -667,6 +676,13 @@ class TapeCreateRequest(DefinitionRequest):
         "the examples are along the output's first axis. Refused (422, naming the line) "
         "when a loss line reads a source or a line of the model."
     )
+    point: TensorValue | None = Field(
+        None, description="Record the tape at new values for its sources given as one flat "
+        "vector, in the order `flat.order` lists (cast to each source's dtype; PATCH takes "
+        "the same): with `model`, a stored model at a new point without naming each "
+        "variable. A length that does not fit the sources is a 422 naming both. The tape "
+        "keeps these values (a rebuild records the same point)."
+    )
     ttl: StrictFloat | None = Field(
         None, gt=0, description="Seconds the tape lives after its last use (default and "
         "maximum: server settings tape_ttl and tape_max_ttl)."
@@ -676,6 +692,13 @@ class TapeCreateRequest(DefinitionRequest):
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
         "then empty. For SciPy's minimize, without unflattening."
     )
+
+    @model_validator(mode="after")
+    def _point_or_variables(self) -> TapeCreateRequest:
+        if self.point is not None and self.variables:
+            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), "
+                             "not both")
+        return self
 
 
 class CurvatureKind(StrEnum):
@@ -720,10 +743,18 @@ class TapeUpdateRequest(CallOptions):
 
     variables: NamedTensors = Field(default_factory=dict,
                                     description="New values by variable name.")
-    inputs: NamedTensors = Field(default_factory=dict, description="New values by input name.")
+    inputs: Inputs = Field(
+        default_factory=dict, description="New values by input name, as a definition takes "
+        "them: a tensor (of the recorded shape; an input bound to a dataset may take any "
+        "number of rows and is then bound no more), `{dataset, array, rows}` to bind the "
+        "input to (other rows of) a stored dataset's array, or `{dataset, rows}` to bind "
+        "every array of a dataset to the input of its name. Bound inputs may change their "
+        "number of rows (a last, smaller mini-batch); the program's shape checks apply."
+    )
     point: TensorValue | None = Field(
         None, description="New values for the tape's sources as one flat vector, in the "
-        "order `flat.order` lists (instead of naming them in variables/inputs)."
+        "order `flat.order` lists (instead of naming them in `variables`; with `inputs`, "
+        "new data and a new point in one request)."
     )
     flat: StrictBool = Field(
         False, description="Answer gradients (and products) as one flat float64 vector in "
@@ -735,9 +766,9 @@ class TapeUpdateRequest(CallOptions):
     def _something(self) -> TapeUpdateRequest:
         if not self.variables and not self.inputs and self.point is None:
             raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
-        if self.point is not None and (self.variables or self.inputs):
-            raise ValueError("give 'point' (every source, flat) or 'variables'/'inputs' "
-                             "(by name), not both")
+        if self.point is not None and self.variables:
+            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), "
+                             "not both")
         return self
 
 
@@ -763,6 +794,12 @@ class TapeGradientRequest(CallOptions):
     unconnected: Unconnected = Field(
         Unconnected.none,
         description="For a source the target does not depend on: null (none) or zeros (zero).",
+    )
+    flat: StrictBool = Field(
+        False, description="Answer the gradient as one flat float64 vector in "
+        "`flat.gradient`, in the order `flat.order` lists (the sources as resolved: the "
+        "list or mapping given, else the tape's sources); `gradients` is then empty and "
+        "unconnected sources hold zeros. On /jacobian: " + FLAT_JACOBIAN_DESCRIPTION
     )
 
 
@@ -1055,6 +1092,9 @@ class FlatAnswer(BaseModel):
     gradient: Tensor | None = None
     hvp: Tensor | None = None
     hvps: Tensor | None = Field(None, description="One row per vector.")
+    jacobian: Tensor | None = Field(
+        None, description="The jacobian: [target size, n], or [B, target size per example, "
+        "n per example] for a batch jacobian.")
 
 
 class GradientResponse(BaseModel):
@@ -1072,6 +1112,7 @@ class JacobianResponse(BaseModel):
 
     value: Tensor
     jacobians: Gradients
+    flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
 

@@ -228,8 +228,9 @@ class Settings(BaseSettings):
     )
     store_path: str | None = Field(
         default=None,
-        description="the SQLite file of tapes and models (default <data_dir>/gradtape.sqlite3; "
-        "':memory:' keeps nothing across restarts)",
+        description="the SQLite file of tapes, models and datasets (default "
+        "<data_dir>/gradtape.sqlite3; ':memory:' keeps nothing across restarts, and bound "
+        "dataset arrays then travel to the workers with each request)",
     )
 
     # Fair sharing between API keys (off without keys) -------------------------------------

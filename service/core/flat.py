@@ -50,9 +50,29 @@ def _concat(parts: Mapping[str, Any]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
-def flatten(result: dict[str, Any]) -> dict[str, Any]:
-    """The answer with its per-source gradients and products as one flat float64 vector
-    each, under `flat` (with the order); the per-source forms are emptied."""
+def _flat_jacobian(value: Any, jacobians: Mapping[str, Any], batch: bool
+                   ) -> tuple[list[dict[str, Any]], np.ndarray]:
+    """Jacobians keyed by source -> (order, one matrix): [target size, n] with the sources'
+    elements along the columns in order (SciPy's least_squares `jac`); per example with
+    `batch`: [B, target size per example, n per example], the order over source.shape[1:]."""
+    y_shape = tuple(np.shape(value))
+    shapes = [tuple(np.shape(j))[len(y_shape):] for j in jacobians.values()]
+    lead = (y_shape[0],) if batch else ()
+    rows = math.prod(y_shape[len(lead):])
+    blocks = [np.asarray(j, dtype=np.float64).reshape(*lead, rows, math.prod(s))
+              for j, s in zip(jacobians.values(), shapes, strict=True)]
+    matrix = (np.concatenate(blocks, axis=-1) if blocks
+              else np.zeros((*lead, rows, 0)))
+    return order(list(jacobians), shapes), matrix
+
+
+def flatten(result: dict[str, Any], batch: bool = False) -> dict[str, Any]:
+    """The answer with its per-source gradients, products and jacobians as one flat
+    float64 vector (or matrix) each, under `flat` (with the order); the per-source forms
+    are emptied. `batch`: the jacobians are per example (their first axis)."""
+    if result.get("jacobians"):
+        slots, matrix = _flat_jacobian(result["value"], result["jacobians"], batch)
+        return {**result, "jacobians": {}, "flat": {"order": slots, "jacobian": matrix}}
     keyed = result.get("gradients") or result.get("hvp") or (result.get("hvps") or [None])[0]
     if not keyed:
         return result

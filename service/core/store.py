@@ -328,7 +328,7 @@ class Store:
             else:
                 inputs.append((position, name, array))
         # arrays and inputs bound to datasets, back in their order
-        inputs += [(position, name, json.loads(ref)) for name, position, ref in refs]
+        inputs += [(position, name, self.attach(json.loads(ref))) for name, position, ref in refs]
         out["inputs"] = {name: value for _, name, value in sorted(inputs, key=lambda i: i[0])}
         if files:
             out["models"] = {
@@ -352,6 +352,22 @@ class Store:
                     "DELETE FROM onnx_files WHERE hash NOT IN (SELECT file FROM definition_models)"
                 )
         return gone
+
+    @property
+    def in_memory(self) -> bool:
+        """An in-memory store (':memory:'): the workers cannot read it."""
+        return self.path == ":memory:"
+
+    def attach(self, ref: dict[str, Any]) -> dict[str, Any]:
+        """A reference to a dataset's array as it goes to a worker: with an in-memory
+        store, which the workers cannot open, the array travels in it (`value`); with a
+        store file, the worker reads the blob itself (once: it keeps it hot)."""
+        if self.in_memory:
+            value = self.get_blob(ref["blob"])
+            if value is None:
+                raise StoreError(f"the array {ref['blob'][:12]}... of a dataset is missing")
+            ref["value"] = value
+        return ref
 
     def get_blob(self, digest: str) -> np.ndarray | None:
         rows = self._query("SELECT dtype, shape, data FROM blobs WHERE hash = ?", (digest,))
@@ -553,7 +569,7 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
     refs: list[tuple[str, int, dict[str, Any]]] = []
     for position, (name, value) in enumerate((definition.get("inputs") or {}).items()):
         if is_ref(value):  # bound to a dataset's array: its blob is stored already
-            refs.append((name, position, dict(value)))
+            refs.append((name, position, {k: v for k, v in value.items() if k != "value"}))
             continue
         dtype, shape, data = to_bytes(value)
         tensors.append(("inputs", name, position, None,

@@ -126,9 +126,9 @@ class DatasetCatalog:
                     raise ServiceError(
                         "validation", f"{b.field}: the dataset's array {input_name!r} is an "
                         "input already", errors=[{"field": b.field, "message": "twice"}])
-                inputs[input_name] = {"dataset": b.dataset, "array": array_name,
-                                      "blob": a.blob, "dtype": a.dtype, "shape": a.shape,
-                                      "rows": b.rows}
+                inputs[input_name] = await asyncio.to_thread(self.store.attach, {
+                    "dataset": b.dataset, "array": array_name, "blob": a.blob,
+                    "dtype": a.dtype, "shape": a.shape, "rows": b.rows})
 
     async def bind_prepared(self, owner: str, prepared: Prepared) -> Prepared:
         if prepared.bindings:

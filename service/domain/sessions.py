@@ -36,7 +36,6 @@ import numpy as np
 
 from service.core.config import Settings
 from service.core.errors import ServiceError
-from service.core.flat import FlatError, split
 from service.core.store import ModelRow, Store, TapeRow, is_ref
 from service.domain.metrics import Metrics
 from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply
@@ -87,6 +86,20 @@ class Tape:
             "loaded": loaded,
             "rebuilds": r.rebuilds,
         }
+
+
+def with_applied(definition: dict[str, Any], applied: Mapping[str, Any] | None
+                 ) -> dict[str, Any]:
+    """The definition with the values a flat point gave its sources (the worker split
+    the point and says which names it set), as the tape's stored definition: a rebuild
+    then records the same point."""
+    if not applied:
+        return definition
+    variables = dict(definition["variables"])
+    for name, value in applied["variables"].items():
+        variables[name] = {**variables.get(name, {"trainable": True}), "value": value}
+    return {**definition, "variables": variables,
+            "inputs": {**definition["inputs"], **applied["inputs"]}}
 
 
 class TapeRegistry:
@@ -203,6 +216,7 @@ class TapeRegistry:
                 raise
             result: dict[str, Any] = reply.result
             size = int(result.pop("tape")["bytes"])
+            definition = with_applied(spec["definition"], result.pop("applied", None))
             try:
                 self._check_size(owner, size)
                 now = time.time()
@@ -213,7 +227,7 @@ class TapeRegistry:
                     device=str(result.pop("device")), rebuilds=0, state="live", ended=None,
                     output=spec.get("output"),
                 )
-                await asyncio.to_thread(self.store.insert_tape, row, spec["definition"])
+                await asyncio.to_thread(self.store.insert_tape, row, definition)
             except BaseException:
                 self._drop_later(reply.worker, [tape_id])
                 raise
@@ -309,28 +323,6 @@ class TapeRegistry:
             await self._enforce_budget(worker, keep=tape)
         return reply
 
-    @staticmethod
-    def _split_point(tape: Tape, definition: dict[str, Any], point: np.ndarray
-                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """A flat point -> new values by name, in the tape's source order (the order of
-        its flat answers); only views and reshapes, cast later to the recorded dtypes."""
-        names = list(tape.row.sources.values())
-        shapes = []
-        for name in names:
-            held = (definition["variables"][name]["value"] if name in definition["variables"]
-                    else definition["inputs"][name])
-            shapes.append(tuple(held["shape"]) if is_ref(held) else held.shape)
-        try:
-            values = split(point, list(tape.row.sources), shapes, "point")
-        except FlatError as exc:
-            raise ServiceError("validation", str(exc),
-                               errors=[{"field": "point", "message": str(exc)}]) from None
-        variables = {n: values[k] for k, n in tape.row.sources.items()
-                     if n in definition["variables"]}
-        inputs = {n: values[k] for k, n in tape.row.sources.items()
-                  if n not in definition["variables"]}
-        return variables, inputs
-
     def _worker_of(self, tape: Tape) -> int:
         if tape.row.worker >= self.pool.size:  # restarted with fewer workers
             tape.row.worker = self._choose_worker()
@@ -348,17 +340,19 @@ class TapeRegistry:
                 "output": tape.row.output}
 
     async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
-                     inputs: Mapping[str, np.ndarray], time_limit: float,
+                     inputs: Mapping[str, Any], time_limit: float,
                      point: np.ndarray | None = None, flat: bool = False) -> dict[str, Any]:
         """New values for some variables and inputs (or for every source, as one flat
         `point`): record the tape again (in place, same id); the stored definition changes
-        only once the new recording succeeded. `flat`: answer flat vectors."""
+        only once the new recording succeeded. An input may be an array or a reference to
+        a dataset's array (store.is_ref): a bound input may be rebound or replaced by an
+        array of any number of rows. `flat`: answer flat vectors."""
         spec = await self._spec(tape)
         definition = spec["definition"]
         errors = []
         initializers = []  # names only the worker can check: ONNX initializers
-        if point is not None:
-            variables, inputs = self._split_point(tape, definition, point)
+        if point is not None:  # split over the sources in the worker, which knows them
+            spec["point"] = point
         for section, values in (("variables", variables), ("inputs", inputs)):
             held = definition[section]
             for name, value in values.items():
@@ -374,11 +368,19 @@ class TapeRegistry:
                     errors.append({"field": field, "message": f"the tape's definition has no "
                                    f"{section[:-1]} {name!r} (it has: {known})"})
                     continue
+                if section == "inputs" and is_ref(value):
+                    # Bound to (other rows of) a dataset's array: its shape is the rows
+                    # taken, which the worker checks against the program.
+                    held[name] = value
+                    continue
                 if section == "inputs" and is_ref(held[name]):
-                    ref = held[name]
-                    errors.append({"field": field, "message": f"the input {name!r} is bound "
-                                   f"to array {ref['array']!r} of dataset {ref['dataset']!r}; "
-                                   "record a new tape to bind other data or rows"})
+                    # Sent data replaces a binding: any number of rows, the bound dtype.
+                    bound = np.dtype(held[name]["dtype"])
+                    if value.dtype.kind != bound.kind:
+                        errors.append({"field": field, "message": f"dtype {value.dtype} "
+                                       f"cannot replace the bound array's {bound}"})
+                        continue
+                    held[name] = value.astype(bound)
                     continue
                 old = held[name]["value"] if section == "variables" else held[name]
                 if value.shape != old.shape:
@@ -413,10 +415,11 @@ class TapeRegistry:
                 # definition: let it go, so that the next use records the stored one.
                 self._drop_later(worker, [tape.id])
                 raise
+            result: dict[str, Any] = reply.result
+            definition = with_applied(definition, result.pop("applied", None))
             digest = await asyncio.to_thread(self.store.set_tape_definition, tape.id, definition)
         finally:
             tape.busy -= 1
-        result: dict[str, Any] = reply.result
         tape.row.definition = digest
         tape.row.bytes = int(result.pop("tape")["bytes"])
         result.pop("sources")

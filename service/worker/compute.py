@@ -184,7 +184,11 @@ def bind_datasets(payload: Any, context: WorkerContext) -> Any:
 
 def apply_point(payload: Any, context: WorkerContext) -> Any:
     """The payload with its flat `point` split over the request's sources (in their
-    resolved order, as flat answers list them) into their values in the definition."""
+    resolved order, as flat answers list them) into their values in the definition, cast
+    to each source's dtype. The values set are listed under `applied` ({variables,
+    inputs}: a recorded tape's stored definition takes them, so a rebuild records the
+    same point). A variable the definition does not list is an initializer of one of
+    its imported models, which the value replaces."""
     if not isinstance(payload, Mapping) or payload.get("point") is None \
             or "definition" not in payload:
         return payload
@@ -197,17 +201,17 @@ def apply_point(payload: Any, context: WorkerContext) -> Any:
         values = flat.split(payload["point"], keys, [leaf.type.shape for leaf in leaves],
                             "point")
     except flat.FlatError as exc:
-        raise RequestError("request", str(exc)) from None
-    definition = dict(payload["definition"])
-    variables, inputs = dict(definition["variables"]), dict(definition["inputs"])
+        raise RequestError("request", str(exc), field="point") from None
+    applied: dict[str, dict[str, Any]] = {"variables": {}, "inputs": {}}
     for key, leaf in zip(keys, leaves, strict=True):
-        value = values[key].astype(leaf.type.dtype)
-        if leaf.name in variables:
-            variables[leaf.name] = {**variables[leaf.name], "value": value}
-        else:
-            inputs[leaf.name] = value
-    definition.update(variables=variables, inputs=inputs)
-    return {**payload, "definition": definition}
+        applied[f"{leaf.role}s"][leaf.name] = values[key].astype(leaf.type.dtype)
+    definition = dict(payload["definition"])
+    variables = dict(definition["variables"])
+    for name, value in applied["variables"].items():
+        variables[name] = {**variables.get(name, {"trainable": True}), "value": value}
+    definition.update(variables=variables,
+                      inputs={**definition["inputs"], **applied["inputs"]})
+    return {**payload, "definition": definition, "applied": applied}
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 in memory (LRU within a byte budget) and read from the store's SQLite file on a miss.
 
 An input bound to a dataset reaches the worker as a reference (store.is_ref): the blob
-(the content hash of the array's bytes), its dtype and shape, and the rows to take. The
+(the content hash of the array's bytes), its dtype and shape, and the rows to take; from
+an in-memory store (':memory:', which no worker can open) the array itself comes along. The
 cache is keyed by the blob, so a dataset replaced under the same name is never served
 stale: its new arrays have new hashes. Rows are taken here, in the worker (the HTTP side
 does no array work): a list of row indices or a slice {start, stop, step} of axis 0.
@@ -121,7 +122,9 @@ def resolve(definition: Mapping[str, Any], cache: DatasetCache, section: str = "
     for name, value in inputs.items():
         if is_ref(value):
             where = f"{section}.{name} (dataset {value['dataset']!r}, array {value['array']!r})"
-            resolved[name] = take_rows(cache.array(value["blob"]), value.get("rows"), where)
+            # The array itself comes along from an in-memory store (store.attach).
+            array = value["value"] if "value" in value else cache.array(value["blob"])
+            resolved[name] = take_rows(array, value.get("rows"), where)
         else:
             resolved[name] = value
     return {**definition, "inputs": resolved}

@@ -53,8 +53,11 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
                 result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
                 refuse_nonfinite,
             )
+        if message.get("kind") == "tape_create" and isinstance(payload, Mapping) \
+                and "applied" in payload:
+            result["applied"] = payload["applied"]  # stored with the tape (sessions.py)
         if isinstance(payload, Mapping) and payload.get("flat"):
-            result = flatten(result)
+            result = flatten(result, batch=bool(payload.get("batch")))
     except BaseException as exc:  # every failure becomes an error reply
         if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
                 and message.get("kind") == "tape_create"):

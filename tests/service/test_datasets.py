@@ -153,9 +153,6 @@ def test_overwrite_is_never_stale_and_tapes_keep_their_data(client) -> None:
         **inline(), "variables": {"w": t(w2, "float64")}}, "target": "loss"})
     assert arr(patched["value"]) == arr(at_w2["value"])
     np.testing.assert_array_equal(arr(patched["gradients"]["w"]), arr(at_w2["gradients"]["w"]))
-    body = problem(client.patch(f"/v1/tapes/{tape_id}",
-                                json={"inputs": {"X": t(X, "float64")}}), 422)
-    assert "bound to array 'X' of dataset 'moving'" in body["detail"]
     client.delete(f"/v1/tapes/{tape_id}")
 
 

@@ -160,13 +160,16 @@ async def delete_tape(tape: TapeDep, tapes: TapesDep) -> Response:
 )
 async def update_tape(
     body: TapeUpdateRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep,
+    settings: SettingsDep, owner: OwnerDep, datasets: DatasetsDep,
 ) -> Response:
     """Give some variables and inputs new values (same names and shapes; values are
-    cast to the recorded dtype) and record the tape again at them, keeping its id (the
-    step of an optimizer: one request instead of delete + create). Answers the new value
-    and gradients. A failed recording keeps the tape as it was."""
+    cast to the recorded dtype), or all sources one flat `point`, and record the tape
+    again at them, keeping its id (the step of an optimizer: one request instead of
+    delete + create). An input may be bound to (other rows of) a stored dataset, or a
+    bound one replaced by sent data: the next mini-batch without resending anything.
+    Answers the new value and gradients. A failed recording keeps the tape as it was."""
     variables, inputs, prepared = payloads.tape_update(body, settings)
+    await datasets.bind(owner, inputs, prepared.bindings)
     result = await tapes.update(tape, variables, inputs, prepared.time_limit,
                                 point=prepared.payload.get("point"),
                                 flat=prepared.payload["flat"])

@@ -20,7 +20,7 @@ it); `client.job(id)` follows a job by id.
 
 from ._client import AsyncClient, Client
 from ._core import Retry
-from .definition import Definition, function
+from .definition import Definition, dataset, function
 from .errors import (
     ComputeError,
     ComputeTimeout,
@@ -64,5 +64,5 @@ __all__ = [
     "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
     "ModelNotFound", "NonFiniteResult", "NotFound",
     "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve", "SpectralDensity",
-    "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "function",
+    "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "dataset", "function",
 ]  # fmt: skip

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import Any, Self
 
 import httpx
+import numpy as np
 
 from . import _core
-from ._core import HTTPRequest, HTTPResponse, Retry, Sleep
+from ._core import HTTPRequest, HTTPResponse, Retry, Sleep, flat_point
 from .jobs import Job, JobStatus
 from .tape import RemoteTape
 
@@ -72,12 +73,16 @@ class _Methods:
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
         progress: Any = False,
+        flat: bool = False,
     ) -> Any:
         """The target's value and jacobians (`Jacobian`), each of shape
-        target.shape + source.shape (per example with batch=True). `progress=True` runs
-        it as a server-side job (see `RemoteTape.eigenvalues`)."""
+        target.shape + source.shape (per example with batch=True). `flat=True`: one
+        float64 matrix [target size, n] over the sources in `Jacobian.order` (SciPy's
+        least_squares `jac`). `progress=True` runs it as a server-side job (see
+        `RemoteTape.eigenvalues`)."""
         options = {
             "batch": batch or None,
+            "flat": flat or None,
             "unconnected": unconnected,
             "allow_unused": allow_unused,
             "allow_nonfinite": allow_nonfinite,
@@ -145,7 +150,10 @@ class _Methods:
     ) -> Generator[Any, Any, RemoteTape]:
         body = _core.compute_body(definition, target, sources, model, **options)
         answer = yield from self._core.call("POST", "/v1/tapes", body, definition=definition)
-        return RemoteTape(self, answer, definition, target, sources)
+        tape = RemoteTape(self, answer, definition, target, sources)
+        if options.get("point") is not None:  # recorded there: fun/jac/hessp start from it
+            tape._x = options["point"]
+        return tape
 
     def tape(
         self,
@@ -155,18 +163,43 @@ class _Methods:
         *,
         ttl: float | None = None,
         model: str | None = None,
+        variables: Mapping[str, Any] | None = None,
+        point: Any = None,
         output: str | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
     ) -> Any:
         """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
         exit): `with client.tape(d, "loss") as tape:` (async: `async with await
-        client.tape(d, "loss") as tape:`). `output` names the program line of the model's
-        output (the loss's lines follow it): the tape then answers the Gauss-Newton and
-        Fisher curvatures (`curvature=` on its methods) and `influence`."""
+        client.tape(d, "loss") as tape:`). A stored `model` may be recorded at new values
+        of some `variables` (by name), or of all its sources at once as one flat `point`
+        (in the order `tape.sources` then lists). `output` names the program line of the
+        model's output (the loss's lines follow it): the tape then answers the
+        Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`."""
         options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit,
-                   "output": output}
+                   "output": output, "variables": None if variables is None else dict(variables),
+                   "point": flat_point(point)}
         return self._run(self._tape_op(definition, target, sources, model, options))
+
+    # ----------------------------------------------------------------------- datasets
+
+    def _dataset_op(self, name: str, arrays: Mapping[str, Any]) -> Generator[Any, Any, Any]:
+        body = {k: np.asarray(v) for k, v in arrays.items()}
+        return (yield from self._core.call("PUT", f"/v1/datasets/{name}", body, options=False))
+
+    def put_dataset(self, name: str, arrays: Mapping[str, Any]) -> Any:
+        """Store (or replace) a dataset of named arrays on the server, in their own
+        dtypes: definitions and tapes then bind inputs to it (`dataset(name, ...)`) and
+        requests carry only the parameters. Answers its record (arrays, bytes, version)."""
+        return self._run(self._dataset_op(name, arrays))
+
+    def _delete_dataset_op(self, name: str) -> Generator[Any, Any, Any]:
+        return (yield from self._core.call("DELETE", f"/v1/datasets/{name}"))
+
+    def delete_dataset(self, name: str) -> Any:
+        """Delete a stored dataset (tapes recorded on it keep the arrays they were bound
+        to)."""
+        return self._run(self._delete_dataset_op(name))
 
     def _get_op(self, path: str) -> Generator[Any, Any, Any]:
         return (yield from self._core.call("GET", path))

@@ -94,20 +94,23 @@ class Core:
             out["authorization"] = f"Bearer {self.api_key}"
         return out
 
-    def request(self, method: str, path: str, body: Any = None) -> HTTPRequest:
+    def request(self, method: str, path: str, body: Any = None, *, options: bool = True
+                ) -> HTTPRequest:
+        """`options`: the body takes request options (not so a dataset's map of arrays)."""
         headers = self.headers()
         content = None
         if body is not None:
-            if not self.binary and isinstance(body, dict):
+            if options and not self.binary and isinstance(body, dict):
                 body = {"response_encoding": "base64", **body}  # exact floats, fast
             content, headers["content-type"] = _wire.encode_body(body, self.binary)
         return HTTPRequest(method, path, headers, content)
 
-    def call(self, method: str, path: str, body: Any = None, *, definition: Any = None) -> Op[Any]:
+    def call(self, method: str, path: str, body: Any = None, *, definition: Any = None,
+             options: bool = True) -> Op[Any]:
         """One API call, retried on 503 as `self.retry` says; the answer with its tensors
         as arrays, or the problem raised. `definition` (what was sent) lets a
-        DefinitionError show the offending lines."""
-        request = self.request(method, path, body)
+        DefinitionError show the offending lines; `options` as in `request`."""
+        request = self.request(method, path, body, options=options)
         waited = 0.0
         retry = 0
         while True:
@@ -207,6 +210,11 @@ def compute_body(
     return body
 
 
+def flat_point(point: Any) -> np.ndarray | None:
+    """A flat point over the sources as sent: one float64 vector (None stays None)."""
+    return None if point is None else np.asarray(point, dtype=np.float64).reshape(-1)
+
+
 def vector_of(vector: Any, sources: Any) -> dict[str, Any]:
     """A vector keyed by source: a dict as is; a bare array for a single source (str)."""
     if isinstance(vector, Mapping):
@@ -231,7 +239,7 @@ def gradient(
 ) -> Op[Gradient]:
     body = compute_body(definition, target, sources, model, **options)
     a = yield from core.call("POST", "/v1/gradient", body, definition=definition)
-    return Gradient(a["value"], shaped(a["gradients"], sources), a.get("nonfinite"))
+    return Gradient.of(a, sources)
 
 
 def jacobian(
@@ -246,7 +254,7 @@ def jacobian(
     body = compute_body(definition, target, sources, model, **options)
     a = yield from core.compute("POST", "/v1/jacobian", body, definition=definition,
                                 progress=progress, description="jacobian")
-    return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
+    return Jacobian.of(a, sources)
 
 
 def hessian(

@@ -22,6 +22,8 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 
 def program_lines(program: str | Sequence[str]) -> list[str]:
     """A program as its list of lines: a block of text dedented, blank lines dropped."""
@@ -68,3 +70,20 @@ class Definition(dict[str, Any]):
             self["inputs"] = dict(inputs)
         if functions:
             self["functions"] = dict(functions)
+
+
+def dataset(name: str, array: str | None = None, *, rows: Any = None) -> dict[str, Any]:
+    """An input bound to a stored dataset (`client.put_dataset`), in a definition's
+    `inputs` or in `tape.update(inputs=...)`: `dataset("d", "X")` one array (as the value
+    of an input), `dataset("d")` every array, each the input of its name (as `inputs`
+    itself). `rows`: a mini-batch of axis 0, as row indices (a list, range or integer
+    array) or a Python slice (`slice(0, 64)`)."""
+    out: dict[str, Any] = {"dataset": name}
+    if array is not None:
+        out["array"] = array
+    if isinstance(rows, slice):
+        out["rows"] = {k: v for k, v in (("start", rows.start), ("stop", rows.stop),
+                                         ("step", rows.step)) if v is not None}
+    elif rows is not None:
+        out["rows"] = [int(r) for r in np.asarray(rows).reshape(-1)]
+    return out

@@ -50,23 +50,42 @@ class _Unpack:
 
 @dataclass(frozen=True)
 class Gradient(_Unpack):
-    """The target's value and its gradients."""
+    """The target's value and its gradients; with flat=True, `gradients` is one float64
+    vector over the sources and `order` lists them ({source, shape, offset, size})."""
 
     value: np.ndarray
     gradients: Any
     nonfinite: list[str] | None = None
+    order: list[dict[str, Any]] | None = None
     _unpack = ("value", "gradients")
+
+    @classmethod
+    def of(cls, answer: Mapping[str, Any], sources: Any) -> Gradient:
+        flat = answer.get("flat")
+        if flat:
+            return cls(answer["value"], flat["gradient"], answer.get("nonfinite"), flat["order"])
+        return cls(answer["value"], shaped(answer["gradients"], sources), answer.get("nonfinite"))
 
 
 @dataclass(frozen=True)
 class Jacobian(_Unpack):
     """The target's value and its jacobians (target.shape + source.shape, or per example
-    with batch=True)."""
+    with batch=True); with flat=True, `jacobians` is one float64 matrix [target size, n]
+    (per example: [B, target size per example, n per example]) whose columns are the
+    sources in `order` (SciPy's least_squares `jac`)."""
 
     value: np.ndarray
     jacobians: Any
     nonfinite: list[str] | None = None
+    order: list[dict[str, Any]] | None = None
     _unpack = ("value", "jacobians")
+
+    @classmethod
+    def of(cls, answer: Mapping[str, Any], sources: Any) -> Jacobian:
+        flat = answer.get("flat")
+        if flat:
+            return cls(answer["value"], flat["jacobian"], answer.get("nonfinite"), flat["order"])
+        return cls(answer["value"], shaped(answer["jacobians"], sources), answer.get("nonfinite"))
 
 
 @dataclass(frozen=True)

@@ -234,16 +234,36 @@ class RemoteTape:
         values: Mapping[str, Any] | None = None,
         /,
         *,
+        point: Any = None,
+        inputs: Mapping[str, Any] | None = None,
         time_limit: float | None = None,
         **new_values: Any,
     ) -> Any:
         """Record the tape again at new values of some variables (or inputs), by name:
-        `tape.update(w=w_new)`; value and gradients are then the new ones. Values are
-        cast to the recorded dtypes by the server. Answers the tape."""
+        `tape.update(w=w_new)`, or of every source as one flat `point` (in `sources`
+        order); value and gradients are then the new ones. Values are cast to the
+        recorded dtypes by the server. `inputs`: new data by input name, or bindings to
+        stored datasets (`dataset("d", "X", rows=...)` per input, or `dataset("d",
+        rows=...)` for every array of a dataset): the next mini-batch without sending
+        it. Answers the tape."""
         merged = {**(values or {}), **new_values}
         body: dict[str, Any] = {**self._split_names(merged), **self._options(time_limit=time_limit)}
+        if inputs is not None:
+            if "dataset" in inputs:  # every array of a dataset: the form is the binding
+                if body.get("inputs"):
+                    raise TypeError("inputs=dataset(...) binds every input of a dataset; give "
+                                    "other inputs as dataset(..., array) per input instead")
+                body["inputs"] = dict(inputs)
+            else:
+                body["inputs"] = {**body.get("inputs", {}), **inputs}
         x = None
-        if self._x is not None and set(merged) >= set(self._gradients):
+        if point is not None:
+            if merged:
+                raise TypeError("give a flat point or values by name, not both")
+            x = body["point"] = _core.flat_point(point)
+        elif not merged:  # only data moved: the parameters are where they were
+            x = self._x
+        elif self._x is not None and set(merged) >= set(self._gradients):
             try:
                 x = self.flatten(merged)
             except (ValueError, TypeError):
@@ -259,7 +279,7 @@ class RemoteTape:
 
     def _gradient_op(self, body: dict[str, Any], sources: Any) -> _core.Op[Gradient]:
         a = yield from self._core.call("POST", self._path("/gradient"), body)
-        return Gradient(a["value"], shaped(a["gradients"], sources), a.get("nonfinite"))
+        return Gradient.of(a, sources)
 
     def gradient(
         self,
@@ -267,12 +287,15 @@ class RemoteTape:
         sources: Any = None,
         *,
         unconnected: str | None = None,
+        flat: bool = False,
         time_limit: float | None = None,
     ) -> Any:
         """The gradient of any target of the recording (default: the tape's) over any
-        variables or inputs (default: its sources), from the recording."""
+        variables or inputs (default: its sources), from the recording. `flat=True`: one
+        float64 vector over the sources in `Gradient.order` (unconnected ones zeros)."""
         body = self._options(
-            target=target, sources=sources, unconnected=unconnected, time_limit=time_limit
+            target=target, sources=sources, unconnected=unconnected, time_limit=time_limit,
+            flat=flat or None,
         )
         return self._run(self._gradient_op(body, sources if sources is not None else self._sources))
 
@@ -280,7 +303,7 @@ class RemoteTape:
                      ) -> _core.Op[Jacobian]:
         a = yield from self._core.compute("POST", self._path("/jacobian"), body,
                                           progress=progress, description="jacobian")
-        return Jacobian(a["value"], shaped(a["jacobians"], sources), a.get("nonfinite"))
+        return Jacobian.of(a, sources)
 
     def jacobian(
         self,
@@ -289,16 +312,20 @@ class RemoteTape:
         *,
         batch: bool = False,
         unconnected: str | None = None,
+        flat: bool = False,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
         """The jacobian of any target of the recording over any sources (per example with
-        batch=True). `progress=True` runs it as a server-side job (as `eigenvalues`)."""
+        batch=True). `flat=True`: one float64 matrix [target size, n] (per example: [B,
+        target size per example, n per example]) over the sources in `Jacobian.order`.
+        `progress=True` runs it as a server-side job (as `eigenvalues`)."""
         body = self._options(
             target=target,
             sources=sources,
             unconnected=unconnected,
             batch=batch or None,
+            flat=flat or None,
             time_limit=time_limit,
         )
         return self._run(

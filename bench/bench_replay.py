@@ -1,0 +1,200 @@
+"""Reused and fresh HVPs, interleaved: gradtape compiled (replayed) and dynamic against
+the NumPy floor, PyTorch eager and JAX jit (issue 17's targets).
+
+The problems and the peers' implementations are bench_engine.py's (same seeded MLP,
+same calls); only the harness differs: every (case, framework) cell is timed once per
+round, rounds interleave all cells, and the table gives medians over rounds of the wall
+time and of the process CPU time per call (per vector for xK), with the ratios that
+were measured in the same run. `grad_program` is a definition's gradient
+(CompiledProgram.value_and_gradients, what POST /v1/gradient runs) against the peers'
+gradients. `gradtape-dynamic` is the same engine with
+`compiled=False` (every pass the dynamic sweep) and no deferred products (a fresh HVP
+computes its gradients' GEMMs): the before/after of issue 17's items 1 and 2.
+
+Run from the repository root, in the peers' virtualenv, on one thread:
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \\
+        MKL_NUM_THREADS=1 XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \\
+        /work/wt/peers-venv/bin/python bench/bench_replay.py --sizes small,medium
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from bench import bench_engine as be
+
+
+def _definition(prob) -> dict:
+    """The benchmark MLP as a definition (what a /v1/gradient request sends)."""
+    n_layers = len(prob.params) // 2
+    variables = {}
+    for i in range(n_layers):
+        variables[f"w{i}"] = prob.params[2 * i]
+        variables[f"b{i}"] = prob.params[2 * i + 1]
+    lines, h = [], "x"
+    for i in range(n_layers):
+        z = f"{h} @ w{i} + b{i}"
+        if i < n_layers - 1:
+            lines.append(f"h{i} = {prob.activation}({z})")
+            h = f"h{i}"
+        else:
+            lines.append(f"out = {z}")
+    lines.append("loss = mean((out - y) ** 2)")
+    return {"variables": variables, "inputs": {"x": prob.x, "y": prob.y}, "program": lines}
+
+
+def _program_gradient(prob, compiled: bool):
+    from engine.language import compile_definition
+
+    definition = _definition(prob)
+    program = compile_definition(definition)
+    request = program.check_request("loss", None, "none")
+    leaves = program.leaves(definition)
+    return lambda: program.value_and_gradients(request, leaves, compiled)
+
+
+be.Gradtape.grad_program = lambda self: _program_gradient(self.prob, True)
+be.NumpyFloor.grad_program = be.NumpyFloor.grad
+be.TorchPeer.grad_program = be.TorchPeer.grad
+be.JaxPeer.grad_program = be.JaxPeer.grad
+
+CASES = {
+    "grad_program": "gradient of a definition",
+    "hvp_reused": "HVP reused (1 vector)",
+    "hvp_batched": f"HVP reused x{be.K_VECTORS}, per vector",
+    "hvp_fresh": "HVP fresh",
+}
+
+
+class GradtapeDynamic(be.Gradtape):
+    """The engine as it was before issue 17's items 1-2: every HVP pass dynamic (no
+    capture, no replay), and a fresh HVP computing its gradients' own GEMMs."""
+
+    name = "gradtape-dynamic"
+
+    def hvp_fresh(self):
+        from engine.registry import DEFERRED_SHAPES
+
+        fresh = super().hvp_fresh()
+
+        def run():
+            saved = dict(DEFERRED_SHAPES)
+            DEFERRED_SHAPES.clear()
+            try:
+                return fresh()
+            finally:
+                DEFERRED_SHAPES.update(saved)
+
+        return run
+
+    def grad_program(self):
+        return _program_gradient(self.prob, False)
+
+    def hvp_reused(self):
+        op = self.gt.hessian_operator(self.loss, *self.consts, compiled=False)
+        return lambda: op.hvp(self.v)
+
+    def hvp_batched(self):
+        op = self.gt.hessian_operator(self.loss, *self.consts, compiled=False)
+        return lambda: op.hvp_many(self.vs)
+
+
+PEERS = {**be.PEERS, GradtapeDynamic.name: GradtapeDynamic}
+
+
+def timed(fn, inner: int) -> tuple[float, float]:
+    """(wall, cpu) seconds per call over `inner` calls."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(inner):
+        out = fn()
+    be_block(out)
+    return (time.perf_counter() - w0) / inner, (time.process_time() - c0) / inner
+
+
+def be_block(out) -> None:
+    for leaf in out if isinstance(out, (list, tuple)) else [out]:
+        if hasattr(leaf, "block_until_ready"):
+            leaf.block_until_ready()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="small,medium")
+    parser.add_argument("--activation", default="tanh")
+    parser.add_argument("--frameworks", default="gradtape,gradtape-dynamic,floor,torch,jax")
+    parser.add_argument("--cases", default="hvp_reused,hvp_batched,hvp_fresh")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--seconds", type=float, default=0.2, help="per cell per round, about")
+    args = parser.parse_args()
+    frameworks = args.frameworks.split(",")
+    cases = args.cases.split(",")
+    print(
+        f"# bench_replay: {platform.machine()}, python {platform.python_version()}, "
+        f"numpy {np.__version__}; threads: OMP={os.environ.get('OMP_NUM_THREADS')} "
+        f"OPENBLAS={os.environ.get('OPENBLAS_NUM_THREADS')}; "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; "
+        f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}; "
+        f"{args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    for size_name in args.sizes.split(","):
+        prob = be.make_problem(be.SIZES[size_name], args.activation)
+        peers = {name: PEERS[name](prob) for name in frameworks}
+        calls, inner = {}, {}
+        for case in cases:
+            for name, peer in peers.items():
+                fn = getattr(peer, case)()
+                fn()  # warm-up (captures gradtape's pass; compiles JAX's)
+                wall, _ = timed(fn, 1)
+                calls[case, name] = fn
+                inner[case, name] = max(1, int(args.seconds / max(wall, 1e-6)))
+        samples = {key: [] for key in calls}
+        for _ in range(args.rounds):
+            for key, fn in calls.items():
+                gc.collect()
+                samples[key].append(timed(fn, inner[key]))
+        per = {case: be.K_VECTORS if case == "hvp_batched" else 1 for case in cases}
+        print(
+            f"\n## {size_name} ({prob.size.describe()}, {args.activation}): ms per call "
+            "(per vector for xK), median wall (CPU)\n"
+        )
+        print(
+            "| case | " + " | ".join(frameworks) + " | gt/floor | gt/torch | gt/jax "
+            "| dynamic/compiled |"
+        )
+        print("|---|" + "---|" * (len(frameworks) + 4))
+        for case in cases:
+            med = {}
+            cells = []
+            for name in frameworks:
+                wall = statistics.median(s[0] for s in samples[case, name]) / per[case]
+                cpu = statistics.median(s[1] for s in samples[case, name]) / per[case]
+                med[name] = (wall, cpu)
+                cells.append(f"{wall * 1e3:.3f} ({cpu * 1e3:.3f})")
+
+            def ratio(a, b, med=med):
+                if a not in med or b not in med:
+                    return "n/a"
+                return f"{med[a][0] / med[b][0]:.2f}x ({med[a][1] / med[b][1]:.2f}x)"
+
+            print(
+                f"| {CASES[case]} | " + " | ".join(cells) + f" | {ratio('gradtape', 'floor')} "
+                f"| {ratio('gradtape', 'torch')} | {ratio('gradtape', 'jax')} "
+                f"| {ratio('gradtape-dynamic', 'gradtape')} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

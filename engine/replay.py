@@ -1,0 +1,616 @@
+"""Compiled replay: a pass of array calls captured once, then run as a flat schedule.
+
+A reused tape answers many passes that differ only in their seed arrays (a
+HessianOperator's HVPs at one point). The dynamic sweep pays, per primitive, the
+tape's bookkeeping, `bind`'s dispatch and wrapping, the rules' closures and the
+undoing of broadcasts; the NumPy work itself is a fraction of it at small sizes. So
+a pass of a given seed layout (its second: see `Passes`) runs dynamically under a
+`Capture`, which sees every primitive applied (`bind` reports to `trace.capture`) and
+keeps, per call, the primitive, its parameters and where its operands come from: a
+seed, an earlier call, or a constant (a recorded value, a rule's cached outer stage, an
+engine scalar). The same machinery compiles a definition's gradient pass (forward and
+backward; engine/language/compile.py), its leaves being the seeds. Calls
+whose operands are all constant are folded: their result is a constant. What is left
+is a `Schedule`: a list of array calls with every broadcasting, dtype, shape and layout
+decision already taken, run on the next passes with no engine objects in the loop.
+
+Memory: each call's result is dropped after its last use, as the dynamic sweep drops
+cotangents. Calls with a replayable form (ufuncs, GEMMs, sums: `_FORMS`) write into
+buffers with `out=`: buffers kept by the schedule between passes (reused across calls
+by liveness, up to `POOL_LIMIT` bytes), or, in place, the buffer of an operand that
+dies at that call (cotangents accumulate in place). A result handed back to the caller
+is always a fresh array.
+
+The answers are those of the dynamic pass exactly: the same NumPy calls on the same
+operands in the same order, into buffers of the same layout. A pass that cannot be
+captured runs dynamically, always: one that reads a seed-dependent value on the host
+(a rule branching on data), or one that feeds an operation an array made outside the
+engine's ops during the pass (which may depend on the data). Only NumPy arrays are
+captured; CuPy passes stay dynamic.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine import trace
+from engine.registry import Primitive, impl_rules
+from engine.tensor import Tensor, _scalars
+
+# Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
+# its result each pass, as the dynamic sweep does (large K-vector passes would otherwise
+# hold several of their largest temporaries per tape for the tape's lifetime).
+POOL_LIMIT = 64 * 1024 * 1024
+
+_CONST, _SEED, _STEP = 0, 1, 2
+
+
+class CaptureFailed(Exception):
+    """The pass cannot be replayed; the reason says why (the dynamic path answers)."""
+
+
+class Capture:
+    """Watches one dynamic pass (as `trace.capture`) and builds its Schedule."""
+
+    def __init__(self, seeds: Sequence[Tensor], known: set[int]):
+        self.known = known  # ids of tensors alive before the pass (constants)
+        self.kinds: list[int] = []
+        # Per slot: the array for constants; for the pass's own arrays only their layout
+        # (holding them would keep every intermediate of the pass alive at once).
+        self.values: list[Any] = []
+        self.owner: list[int] = []  # the slot whose memory a slot's array is (views)
+        self.slots: dict[int, tuple[int, Any]] = {}  # id(tensor) -> (slot, weakref)
+        self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
+        self.step_slot: list[int] = []
+        self.failure: str | None = None
+        self.seed_slots = [self._new(s, _SEED) for s in seeds]
+
+    def _new(self, t: Tensor, kind: int) -> int:
+        slot = len(self.kinds)
+        self.kinds.append(kind)
+        self.values.append(t.value if kind == _CONST else _Layout(t.value))
+        self.owner.append(slot)
+        # A weak reference: the pass frees its intermediates as it goes, and a dead
+        # tensor's id may be reused by a new one, which must not inherit its slot.
+        self.slots[id(t)] = (slot, weakref.ref(t))
+        return slot
+
+    def _slot_of(self, t: Tensor) -> int:
+        entry = self.slots.get(id(t))
+        if entry is not None and entry[1]() is t:
+            return entry[0]
+        if id(t) in self.known:
+            return self._new(t, _CONST)
+        raise CaptureFailed(
+            "an operation received an array made outside the engine's ops during the pass"
+        )
+
+    def record(self, prim: Primitive, args: tuple[Tensor, ...], params: dict, ans: Tensor) -> None:
+        if self.failure is not None:
+            return
+        try:
+            if type(ans.value) is not np.ndarray:
+                raise CaptureFailed("only NumPy passes are captured")
+            ins = tuple(self._slot_of(a) for a in args)
+        except CaptureFailed as exc:
+            self.failure = str(exc)
+            return
+        if all(self.kinds[i] == _CONST for i in ins):
+            self._new(ans, _CONST)  # folded: its value is known now
+            return
+        self.steps.append((prim, ins, params))
+        slot = self._new(ans, _STEP)
+        self.step_slot.append(slot)
+        for a, i in zip(args, ins, strict=True):
+            if np.may_share_memory(ans.value, a.value):  # a view: its operand's memory
+                self.owner[slot] = self.owner[i]
+                break
+
+    def constant(self, t: Tensor) -> None:
+        """t was made during the pass but depends on nothing in it (zeros of a shape)."""
+        if id(t) not in self.slots:
+            self._new(t, _CONST)
+
+    def alias(self, t: Tensor, of: Tensor) -> None:
+        """t is a new identity for of's array (a custom gradient's outputs)."""
+        if self.failure is None:
+            try:
+                self.slots[id(t)] = (self._slot_of(of), weakref.ref(t))
+            except CaptureFailed as exc:
+                self.failure = str(exc)
+
+    def host_read(self, t: Tensor) -> None:
+        entry = self.slots.get(id(t))
+        if entry is not None and entry[1]() is t and self.kinds[entry[0]] != _CONST:
+            self.failure = "a rule read a value of the pass on the host (data-dependent)"
+
+    def schedule(self, outputs: Sequence[Tensor | None], pool_limit: int) -> Schedule:
+        if self.failure is not None:
+            raise CaptureFailed(self.failure)
+        out_slots: list[int | None] = []
+        for t in outputs:
+            out_slots.append(None if t is None else self._slot_of(t))
+        if self.failure is not None:
+            raise CaptureFailed(self.failure)
+        return Schedule(self, out_slots, pool_limit)
+
+
+NOT_YET = "run once, dynamically: captured on its next pass"
+
+
+class Passes:
+    """What the passes of each layout (a Hashable key) do: the first runs dynamically
+    (a one-off pass, as a stateless request makes, costs nothing extra), the second runs
+    under a capture, later ones replay its Schedule. A pass that cannot be captured is
+    tried once more (the first capture's pass fills caches, e.g. rules' outer stages),
+    then stays dynamic. At most `limit` layouts are kept (least recently used go)."""
+
+    def __init__(self, limit: int | None = None, pool_limit: int | None = None):
+        self.entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.limit = limit
+        self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
+        self._lock = threading.Lock()
+
+    def run(
+        self,
+        key: Hashable,
+        seeds: Sequence[Tensor],
+        dynamic: Callable[[list[Tensor]], list[Tensor | None]],
+        known: Callable[[], set[int]],
+    ) -> list[Tensor | None]:
+        """dynamic(seeds)'s outputs, computed the way this layout's state says."""
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                self.entries[key] = (NOT_YET, 0)
+                while self.limit is not None and len(self.entries) > self.limit:
+                    self.entries.popitem(last=False)
+            else:
+                self.entries.move_to_end(key)
+        if isinstance(entry, Schedule):
+            outputs = entry.try_run([s.value for s in seeds])
+            if outputs is not None:
+                return [None if o is None else Tensor(o) for o in outputs]
+        if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
+            return dynamic(list(seeds))
+        outputs, schedule = capture(dynamic, seeds, known(), self.pool_limit)
+        with self._lock:
+            if key in self.entries:  # (the second element counts failed captures)
+                self.entries[key] = (
+                    schedule if isinstance(schedule, Schedule) else (schedule, entry[1] + 1)
+                )
+        return outputs
+
+    def status(self) -> dict[Hashable, str]:
+        """Per layout: "compiled", or why (or that) its passes are dynamic so far."""
+        return {k: "compiled" if isinstance(v, Schedule) else v[0] for k, v in self.entries.items()}
+
+
+def known_tensors(*roots: Any) -> set[int]:
+    """Ids of the tensors reachable from `roots` (through objects, containers and
+    closures, as engine.footprint walks): the values a pass may use as constants."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(
+            obj,
+            (
+                type,
+                types.ModuleType,
+                str,
+                bytes,
+                int,
+                float,
+                bool,
+                Primitive,
+                np.ndarray,
+                type(None),
+            ),
+        ):
+            continue
+        if isinstance(obj, Tensor):
+            found.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:
+                    pass
+            stack.extend(obj.__defaults__ or ())
+            continue
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+def capture(
+    run: Callable[[list[Tensor]], list[Tensor | None]],
+    seeds: Sequence[Tensor],
+    known: set[int],
+    pool_limit: int | None = None,
+) -> tuple[list[Tensor | None], Schedule | str]:
+    """Run `run(seeds)` dynamically under a Capture: its outputs, and the Schedule (or the
+    reason the pass cannot be replayed). pool_limit: bytes of buffers the schedule may
+    keep between passes (POOL_LIMIT by default)."""
+    # Fresh identities: a seed passed twice, or a seed that is also a recorded value,
+    # must still be one slot per seed.
+    fresh = [Tensor(s.value) for s in seeds]
+    cap = Capture(fresh, known | {id(t) for t in _scalars.values()})
+    saved, trace.capture = trace.capture, cap
+    try:
+        outputs = run(fresh)
+    finally:
+        trace.capture = saved
+    try:
+        return outputs, cap.schedule(outputs, POOL_LIMIT if pool_limit is None else pool_limit)
+    except CaptureFailed as exc:
+        return outputs, str(exc)
+
+
+# ----------------------------------------------------------------------------------------
+# Replayable forms: out= versions of the calls that dominate a pass. Each maker sees the
+# call's parameters, its operands (arrays for constants, _Layouts for what varies
+# between passes) and its result's _Layout, and returns `form(*operands, out)`, the same NumPy call writing
+# into `out` (None: allocate), or None where the call has no such form. A ufunc is its
+# own form (its positional out).
+# ----------------------------------------------------------------------------------------
+
+
+_UFUNCS = {
+    "add": np.add,
+    "subtract": np.subtract,
+    "multiply": np.multiply,
+    "divide": np.divide,
+    "negative": np.negative,
+    "tanh": np.tanh,
+    "exp": np.exp,
+}
+
+
+def _matmul_form(params: dict, operands: list, value: Any) -> Any:
+    ta, tb = params.get("ta", False), params.get("tb", False)
+    matmul = np.matmul
+    if all(len(o.shape) == 2 for o in operands):  # _matmul_impl on matrices: one GEMM
+        if ta and tb:
+            return lambda x, y, out: matmul(x.T, y.T, out)
+        if ta:
+            return lambda x, y, out: matmul(x.T, y, out)
+        if tb:
+            return lambda x, y, out: matmul(x, y.T, out)
+        return matmul
+
+    def form(x: Any, y: Any, out: Any) -> Any:
+        # _matmul_impl's choices, taken on the operands' layouts (fixed by the schedule's
+        # key), so the GEMM calls are the dynamic pass's.
+        if ta:
+            x = x.swapaxes(-1, -2)
+        if tb:
+            y = y.swapaxes(-1, -2)
+        if y.ndim == 2 and x.ndim > 2 and x.flags.c_contiguous:
+            rows = x.reshape(-1, x.shape[-1])
+            if out is None:
+                return (rows @ y).reshape(x.shape[:-1] + (y.shape[-1],))
+            np.matmul(rows, y, out=out.reshape(-1, y.shape[-1]))
+            return out
+        return np.matmul(x, y, out=out)
+
+    return form
+
+
+def _sum_form(params: dict, operands: list, value: Any) -> Any:
+    if value.dtype.kind != "f":  # _sum_impl picks the dtype of integer sums
+        return None
+    axes, keepdims = params["axes"], params["keepdims"]
+    reduce = np.add.reduce  # what np.sum calls for a float array, without its wrapper
+    return lambda x, out: reduce(x, axes, None, out, keepdims)
+
+
+def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
+    g, x = operands
+    if params["alpha"] != 0 or isinstance(g, np.ndarray) or not isinstance(x, np.ndarray):
+        return None
+    mask = (x > 0).astype(value.dtype)  # made once: x is a recorded value
+    return lambda g, x_, out: np.multiply(g, mask, out)
+
+
+def _ufunc_form(fn: Any) -> Callable[[dict, list, Any], Any]:
+    return lambda params, operands, value: fn
+
+
+_FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
+    **{name: _ufunc_form(fn) for name, fn in _UFUNCS.items()},
+    "matmul": _matmul_form,
+    "sum": _sum_form,
+    "relu_grad": _relu_grad_form,
+}
+_ELEMENTWISE = {*_UFUNCS, "relu_grad"}
+
+
+class Schedule:
+    """A captured pass as a flat list of array calls; `run(seed arrays)` replays it."""
+
+    def __init__(self, cap: Capture, out_slots: list[int | None], pool_limit: int):
+        values, kinds = cap.values, cap.kinds
+        n = len(kinds)
+        self.seed_slots = cap.seed_slots
+        self.out_slots = out_slots
+        self.template: list[Any] = [values[i] if kinds[i] == _CONST else None for i in range(n)]
+        self.constant_outs = {s for s in out_slots if s is not None and kinds[s] == _CONST}
+        self.seed_layouts = [(values[i].shape, values[i].strides) for i in cap.seed_slots]
+        owner = cap.owner  # which buffer each slot's memory belongs to (views share)
+        # The last step that reads each buffer (through any view of it); outputs live on.
+        last = [-1] * n
+        for k, (_, ins, _) in enumerate(cap.steps):
+            for i in ins:
+                last[owner[i]] = k
+        escaping = {owner[s] for s in out_slots if s is not None}
+        for s in escaping:
+            last[s] = len(cap.steps)
+
+        # Persistent buffers are made on the first replay (the capture pass allocates what
+        # the dynamic sweep does, no more); a _Buffer is where each will live.
+        pool: dict[tuple, list[_Buffer]] = {}  # free buffers by layout
+        pooled_bytes = 0
+        buffer_of: dict[int, _Buffer] = {}  # slot -> the persistent buffer its step writes
+        self.buffers: list[_Buffer] = []
+        frees: list[list[int]] = [[] for _ in cap.steps]
+        members: dict[int, list[int]] = {}
+        for slot in cap.step_slot:
+            members.setdefault(owner[slot], []).append(slot)
+        freed: set[int] = set()
+        plan: list[list[Any]] = []
+        for k, ((prim, ins, params), slot) in enumerate(zip(cap.steps, cap.step_slot, strict=True)):
+            value = values[slot]
+            maker = _FORMS.get(prim.name)
+            # constants as arrays, the pass's own operands as their _Layouts
+            form = None if maker is None else maker(params, [values[i] for i in ins], value)
+            owns = owner[slot] == slot
+            key = value.key
+            target: Any = None  # a persistent buffer, or ("inplace", operand position)
+            if form is not None and owns and slot not in escaping and value.order:
+                dying = [
+                    p
+                    for p, i in enumerate(ins)
+                    if kinds[i] == _STEP
+                    and owner[i] == i
+                    and last[i] == k
+                    and values[i].key == key
+                    and prim.name in _ELEMENTWISE
+                ]
+                if dying:
+                    target = ("inplace", dying[0])
+                    if ins[dying[0]] in buffer_of:  # the buffer passes on to this slot
+                        buffer_of[slot] = buffer_of.pop(ins[dying[0]])
+                elif pool.get(key):
+                    target = buffer_of[slot] = pool[key].pop()
+                elif pooled_bytes + value.nbytes <= pool_limit:
+                    target = buffer_of[slot] = _Buffer(value)
+                    self.buffers.append(target)
+                    pooled_bytes += value.nbytes
+            plan.append([prim, params, list(ins), slot, form, target, frees[k], value])
+            # A buffer whose last reader is this step (or that nobody reads) returns to
+            # the pool, and the slots of it and its views are dropped (the dynamic sweep
+            # frees its cotangents the same way).
+            for o in {owner[i] for i in (*ins, slot) if kinds[i] == _STEP}:
+                if last[o] <= k and o not in freed:
+                    freed.add(o)
+                    frees[k].extend(members[o])
+                    b = buffer_of.pop(o, None)
+                    if b is not None:
+                        pool.setdefault(b.layout.key, []).append(b)
+        self._elide_broadcasts(plan)
+        self.plan = plan
+        self.steps: list[Callable[[list[Any]], None]] | None = None
+        self.pooled_bytes = pooled_bytes
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _elide_broadcasts(plan: list[list[Any]]) -> None:
+        """A broadcast_to read only by ufuncs that write into a buffer of the full shape
+        is left out: the ufunc broadcasts its operand itself, to the same values
+        (np.broadcast_to is a Python function, as slow as the add it feeds)."""
+        readers: dict[int, list[list[Any]]] = {}
+        for entry in plan:
+            for i in entry[2]:
+                readers.setdefault(i, []).append(entry)
+        for entry in plan:
+            prim, _, ins, slot, *_ = entry
+            if prim.name != "broadcast_to":
+                continue
+            users = readers.get(slot, [])
+            if users and all(
+                u[0].name in _UFUNCS and u[5] is not None and u[4] is not None for u in users
+            ):
+                for u in users:
+                    u[2] = [ins[0] if i == slot else i for i in u[2]]
+                entry[0] = None  # dropped
+
+    def _compile(self) -> None:
+        for b in self.buffers:
+            b.allocate()
+        self.steps = [
+            _compile_step(prim, params, tuple(ins), slot, form, target, tuple(frees), value)
+            for prim, params, ins, slot, form, target, frees, value in self.plan
+            if prim is not None
+        ]
+        # A dropped broadcast frees nothing: its operand (whose view it was) is read later.
+
+    def try_run(self, arrays: Sequence[Any]) -> list[Any] | None:
+        """run(), or None when the schedule is running already (its buffers are in use:
+        a pass re-entered from inside one, or another thread's)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.run(arrays)
+        finally:
+            self._lock.release()
+
+    def run(self, arrays: Sequence[Any]) -> list[Any]:
+        """The pass's outputs (None for an output the pass did not reach)."""
+        if self.steps is None:
+            self._compile()
+        env = self.template.copy()
+        for slot, a in zip(self.seed_slots, arrays, strict=True):
+            env[slot] = a
+        check = trace.interrupt_check
+        if check is None:
+            for step in self.steps:
+                step(env)
+        else:
+            for step in self.steps:
+                check()
+                step(env)
+        # A constant output (zeros, a recorded value) is copied: answers are fresh arrays.
+        return [
+            None if s is None else env[s].copy() if s in self.constant_outs else env[s]
+            for s in self.out_slots
+        ]
+
+
+class _Layout:
+    """What a schedule needs to know of an array of the pass, without holding it."""
+
+    __slots__ = ("dtype", "key", "nbytes", "order", "shape", "strides")
+
+    def __init__(self, a: np.ndarray):
+        self.shape, self.strides, self.dtype, self.nbytes = a.shape, a.strides, a.dtype, a.nbytes
+        self.order = "C" if a.flags.c_contiguous else "F" if a.flags.f_contiguous else None
+        self.key = (a.shape, a.strides, a.dtype)
+
+
+class _Buffer:
+    """A persistent buffer of one layout, allocated on the schedule's first run."""
+
+    __slots__ = ("array", "layout")
+
+    def __init__(self, layout: _Layout):
+        self.layout, self.array = layout, None
+
+    def allocate(self) -> None:
+        self.array = np.empty(self.layout.shape, self.layout.dtype, order=self.layout.order)
+
+
+def _compile_step(
+    prim: Primitive,
+    params: dict,
+    ins: tuple[int, ...],
+    slot: int,
+    form: Any,
+    target: Any,
+    frees: tuple[int, ...],
+    value: Any,
+) -> Callable[[list[Any]], None]:
+    """One call of the schedule as `step(env)`: operands read from env, the result
+    written to env[slot], dead slots dropped. Specialised by arity and by where the
+    result goes, so a step is one Python call around the NumPy one."""
+    scalar = value.shape == ()  # NumPy answers 0-d operations with scalars; bind wraps them
+    if form is not None and target is None:
+        call = form if isinstance(form, np.ufunc) else (lambda *xs: form(*xs, None))
+    elif form is not None:
+        call = None
+    else:
+        impl = impl_rules[prim]
+        if prim.name == "reshape":
+            shape = params["shape"]
+            call = lambda x: x.reshape(shape)  # the impl without its xp
+        else:
+            call = lambda *xs: impl(np, *xs, **params)
+    if call is not None:
+        if scalar:
+            inner = call
+            call = lambda *xs: _as_array(inner(*xs))
+        return _allocating(call, ins, slot, frees)
+    if type(target) is tuple:  # in place, into the operand that dies here
+        return _in_place(form, ins, slot, frees, ins[target[1]])
+    return _into(form, ins, slot, frees, target.array)
+
+
+def _allocating(call: Any, ins: tuple, slot: int, frees: tuple) -> Callable[[list], None]:
+    if len(ins) == 1:
+        (a,) = ins
+
+        def step(env: list) -> None:
+            env[slot] = call(env[a])
+            for i in frees:
+                env[i] = None
+
+    elif len(ins) == 2:
+        a, b = ins
+
+        def step(env: list) -> None:
+            env[slot] = call(env[a], env[b])
+            for i in frees:
+                env[i] = None
+
+    else:
+
+        def step(env: list) -> None:
+            env[slot] = call(*[env[i] for i in ins])
+            for i in frees:
+                env[i] = None
+
+    return step
+
+
+def _into(fn: Any, ins: tuple, slot: int, frees: tuple, out: Any) -> Callable[[list], None]:
+    """fn(*operands, out) into a buffer the schedule keeps (a ufunc's positional out)."""
+    if len(ins) == 1:
+        (a,) = ins
+
+        def step(env: list) -> None:
+            env[slot] = fn(env[a], out)
+            for i in frees:
+                env[i] = None
+
+    elif len(ins) == 2:
+        a, b = ins
+
+        def step(env: list) -> None:
+            env[slot] = fn(env[a], env[b], out)
+            for i in frees:
+                env[i] = None
+
+    else:
+
+        def step(env: list) -> None:
+            env[slot] = fn(*[env[i] for i in ins], out)
+            for i in frees:
+                env[i] = None
+
+    return step
+
+
+def _in_place(fn: Any, ins: tuple, slot: int, frees: tuple, dying: int) -> Callable[[list], None]:
+    """fn(*operands, out=the operand's own array): a cotangent accumulated in place."""
+    if len(ins) == 2:
+        a, b = ins
+
+        def step(env: list) -> None:
+            env[slot] = fn(env[a], env[b], env[dying])
+            for i in frees:
+                env[i] = None
+
+    else:
+
+        def step(env: list) -> None:
+            env[slot] = fn(*[env[i] for i in ins], env[dying])
+            for i in frees:
+                env[i] = None
+
+    return step
+
+
+def _as_array(out: Any) -> Any:
+    return np.asarray(out) if isinstance(out, np.generic) else out

@@ -1,0 +1,440 @@
+"""Compiled replay of a HessianOperator's passes (engine/replay.py) answers exactly what
+the dynamic sweep answers: every op-table row and the scenarios, both ways, bit for bit
+(the replay makes the same NumPy calls in the same order). Passes that cannot be
+captured fall back to the dynamic sweep and still answer right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine as gt
+from engine import replay
+from tests.engine.test_ops import _args, _cases
+
+
+def _pair(f, *primals, **kw):
+    return (
+        gt.hessian_operator(f, *primals, compiled=True, **kw),
+        gt.hessian_operator(f, *primals, compiled=False, **kw),
+    )
+
+
+def _assert_same(a, b) -> None:
+    for x, y in zip(gt.tree.flatten(a)[0], gt.tree.flatten(b)[0], strict=True):
+        x, y = x.numpy(), y.numpy()
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x, y, equal_nan=True), f"max diff {np.max(np.abs(x - y))}"
+
+
+def _both_ways(compiled, dynamic, shapes, rng, k: int = 3, passes: int = 3) -> None:
+    """Several passes of one vector and of K vectors: the first is captured, the later
+    ones replayed; each equals the dynamic operator's answer."""
+    for _ in range(passes):
+        v = [rng.standard_normal(s) for s in shapes]
+        _assert_same(compiled.hvp(*v), dynamic.hvp(*v))
+        vs = [rng.standard_normal((k, *s)) for s in shapes]
+        _assert_same(compiled.hvp_many(*vs), dynamic.hvp_many(*vs))
+
+
+def _row_loss(row, shapes):
+    args = _args(row, shapes)
+    out_shape = np.shape(row.fn(*[gt.constant(a) for a in args]).numpy())
+    # A weighted sum: the Hessian of every output element takes part.
+    weights = gt.constant(np.random.default_rng(5).uniform(0.5, 1.5, out_shape))
+    return (lambda *xs: gt.sum(row.fn(*xs) * weights)), args
+
+
+@pytest.mark.parametrize("row, shapes", [c for c in _cases() if c.values[0].order >= 2])
+def test_every_op_row_replays_exactly(row, shapes) -> None:
+    f, args = _row_loss(row, shapes)
+    compiled, dynamic = _pair(f, *[gt.constant(a) for a in args])
+    _both_ways(compiled, dynamic, [a.shape for a in args], np.random.default_rng(3))
+
+
+def test_every_row_is_compiled() -> None:
+    """The replay is not a fallback in disguise: every row's pass is captured (rows whose
+    Hessian is zero by construction, relu's and abs's, included)."""
+    dynamic_rows = {}
+    cases = [c for c in _cases() if c.values[0].order >= 2]
+    for case in cases:
+        row, shapes = case.values
+        f, args = _row_loss(row, shapes)
+        op = gt.hessian_operator(f, *[gt.constant(a) for a in args])
+        for _ in range(2):
+            op.hvp(*[np.ones(a.shape) for a in args])
+        status = set(op.replay_status().values())
+        if status != {"compiled"}:
+            dynamic_rows[case.id] = status
+    assert not dynamic_rows, dynamic_rows
+
+
+# ---- scenarios -------------------------------------------------------------------------
+def _mlp(act, dtype=np.float64):
+    rng = np.random.default_rng(14)
+    x = gt.constant(rng.standard_normal((16, 6)).astype(dtype))
+    y = gt.constant(rng.standard_normal((16, 3)).astype(dtype))
+    shapes = [(6, 8), (8,), (8, 8), (8,), (8, 3), (3,)]
+    params = [gt.constant((rng.standard_normal(s) * 0.5).astype(dtype)) for s in shapes]
+
+    def loss(w1, b1, w2, b2, w3, b3):
+        h = act(x @ w1 + b1)
+        h = act(h @ w2 + b2)
+        return gt.mean((h @ w3 + b3 - y) ** 2)
+
+    return loss, params
+
+
+def _softmax_classifier():
+    rng = np.random.default_rng(7)
+    x = gt.constant(rng.standard_normal((10, 5)))
+    labels = gt.constant(rng.integers(0, 4, 10).astype(np.int32))
+    params = [gt.constant(rng.standard_normal(s) * 0.5) for s in [(5, 4), (4,)]]
+
+    def loss(w, b):
+        return gt.softmax_cross_entropy(x @ w + b, labels)
+
+    return loss, params
+
+
+def _input_gradient_penalty():
+    """Scenario 7: a gradient inside the loss (third derivatives in the HVP pass)."""
+    rng = np.random.default_rng(9)
+    x = gt.constant(rng.standard_normal((6, 3)))
+    params = [gt.constant(rng.standard_normal(s) * 0.5) for s in [(3, 5), (5, 1)]]
+
+    def loss(w1, w2):
+        with gt.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(x)
+            out = gt.sum(gt.tanh(x @ w1) @ w2)
+        gx = tape.gradient(out, x)
+        return out + gt.sum(gx * gx)
+
+    return loss, params
+
+
+def _variables_and_broadcasting():
+    rng = np.random.default_rng(11)
+    x = gt.constant(rng.standard_normal((4, 3)))
+    params = [gt.constant(rng.standard_normal(s)) for s in [(3,), (1, 3), ()]]
+
+    def loss(a, b, c):
+        z = gt.sigmoid(x * a + b) * c
+        return gt.sum(gt.exp(z) / (1.0 + z * z)) + gt.sum(gt.log1p(a * a)) * c
+
+    return loss, params
+
+
+SCENARIOS = {
+    "mlp_tanh": lambda: _mlp(gt.tanh),
+    "mlp_relu": lambda: _mlp(gt.relu),
+    "mlp_softplus": lambda: _mlp(gt.softplus),
+    "softmax_cross_entropy": _softmax_classifier,
+    "input_gradient_penalty": _input_gradient_penalty,
+    "broadcasting": _variables_and_broadcasting,
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenarios_replay_exactly(name) -> None:
+    loss, params = SCENARIOS[name]()
+    compiled, dynamic = _pair(loss, *params)
+    _both_ways(compiled, dynamic, [p.shape for p in params], np.random.default_rng(4))
+    assert set(compiled.replay_status().values()) == {"compiled"}, compiled.replay_status()
+
+
+def test_float32_and_max_batch_replay_exactly() -> None:
+    loss, params = _mlp(gt.tanh, np.float32)
+    compiled, dynamic = _pair(loss, *params, max_batch=4)
+    rng = np.random.default_rng(8)
+    for _ in range(3):  # 10 vectors: passes of 4, 4 and 2, each layout captured once
+        vs = [rng.standard_normal((10, *p.shape)).astype(np.float32) for p in params]
+        _assert_same(compiled.hvp_many(*vs), dynamic.hvp_many(*vs))
+    assert len(compiled.replay_status()) == 2
+
+
+def test_replayed_products_are_hessian_times_v_and_fresh_arrays() -> None:
+    loss, params = _mlp(gt.tanh)
+    op = gt.hessian_operator(loss, *params)
+    h = op.dense()
+    rng = np.random.default_rng(2)
+    answers = []
+    for _ in range(3):
+        v = [rng.standard_normal(p.shape) for p in params]
+        hv = op.hvp(*v)
+        flat = np.concatenate([t.numpy().ravel() for t in hv])
+        np.testing.assert_allclose(
+            flat, h @ np.concatenate([a.ravel() for a in v]), rtol=1e-10, atol=1e-12
+        )
+        answers.append((hv, flat))
+    # A later pass never writes into an answer already handed out (buffers are internal).
+    for hv, flat in answers:
+        np.testing.assert_array_equal(np.concatenate([t.numpy().ravel() for t in hv]), flat)
+
+
+def test_a_data_dependent_rule_falls_back_and_answers_right() -> None:
+    """A custom gradient whose backward branches in Python on the cotangent's norm: the
+    HVP pass runs it with the vector's cotangent, so the schedule would depend on the
+    data. The pass is not captured; it stays dynamic and answers right."""
+
+    @gt.custom_gradient
+    def halve_large(x):
+        def grad_fn(dy):
+            return dy * 0.5 if float(gt.sum(dy * dy)) > 1.0 else dy
+
+        return x, grad_fn
+
+    rng = np.random.default_rng(6)
+    x = gt.constant(rng.standard_normal((4,)))
+
+    def loss(w):
+        return gt.sum(halve_large(x * w) ** 3)
+
+    w = gt.constant(rng.standard_normal(4))
+    compiled, dynamic = _pair(loss, w)
+    _both_ways(compiled, dynamic, [(4,)], np.random.default_rng(1))
+    status = compiled.replay_status()
+    assert status and all("host" in s for s in status.values()), status
+    # Small and large vectors take different branches: a replay would get one wrong.
+    for scale in (1e-3, 1e3):
+        v = np.full(4, scale)
+        _assert_same(compiled.hvp(v), dynamic.hvp(v))
+
+
+def test_an_array_made_outside_the_ops_falls_back() -> None:
+    """A custom gradient that builds an array from the cotangent's values with NumPy:
+    the capture cannot know what that array depends on, so the pass stays dynamic."""
+
+    @gt.custom_gradient
+    def scaled(x):
+        def grad_fn(dy):
+            return gt.constant(np.tanh(dy.value) * 3.0) * x
+
+        return x * x, grad_fn
+
+    rng = np.random.default_rng(12)
+    w = gt.constant(rng.standard_normal(3))
+    compiled, dynamic = _pair(lambda w: gt.sum(scaled(w) * w), w)
+    _both_ways(compiled, dynamic, [(3,)], rng)
+    status = compiled.replay_status()
+    assert status and all("outside" in s for s in status.values()), status
+
+
+def test_schedule_keeps_buffers_and_reuses_them() -> None:
+    loss, params = _mlp(gt.tanh)
+    op = gt.hessian_operator(loss, *params)
+    v = [np.ones(p.shape) for p in params]
+    op.hvp(*v)
+    assert set(op.replay_status().values()) == {replay.NOT_YET}, "a one-off pass: dynamic"
+    op.hvp(*v)
+    (schedule,) = op._passes.entries.values()
+    assert isinstance(schedule, replay.Schedule)
+    # Fewer persistent buffers than calls that write into one: liveness reuses them.
+    assert (
+        0 < schedule.pooled_bytes < sum(8 * np.prod(p.shape) for p in params) * len(schedule.plan)
+    )
+
+
+# ---- no dead work: a fresh HVP's gradient GEMMs --------------------------------------
+def test_a_fresh_hvp_never_runs_the_gradients_own_gemms(monkeypatch) -> None:
+    """gt.hvp wants the gradient's tangent only: the weight-gradient products are
+    deferred (tensor.DeferredTensor) and never computed, and the answer is bit-equal to
+    forward-over-reverse computing everything."""
+    from engine import tensor
+
+    loss, params = _mlp(gt.tanh)
+    v = [gt.constant(np.random.default_rng(3).standard_normal(p.shape)) for p in params]
+    made, computed = [], []
+    real_init = tensor.DeferredTensor.__init__
+    real_value = tensor.DeferredTensor.value.fget
+
+    def init(self, *args):
+        made.append(self)
+        real_init(self, *args)
+
+    def value(self):
+        if self._thunk is not None:
+            computed.append(self)
+        return real_value(self)
+
+    monkeypatch.setattr(tensor.DeferredTensor, "__init__", init)
+    monkeypatch.setattr(tensor.DeferredTensor, "value", property(value))
+    fresh = gt.hvp(loss, params, v)
+    assert len(made) == 3 and not computed, "the three weight GEMMs are deferred, none run"
+
+    # The same forward-over-reverse with every primal computed.
+    with gt.ForwardAccumulator(params, v) as acc:
+        with gt.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(params)
+            value = loss(*params)
+        grads = tape.gradient(value, params)
+    _assert_same(fresh, [acc.jvp(g) for g in grads])
+    # A deferred product read later is the product (the first made: the last layer's).
+    assert not computed
+    np.testing.assert_array_equal(made[0].numpy(), grads[4].numpy())
+    assert computed == [made[0]]
+
+
+def test_a_deferred_gradient_that_is_read_is_computed() -> None:
+    """gt.hessian (forward-over-reverse too) defers the same products; a source used
+    twice accumulates its deferred products, which computes them: right either way."""
+    rng = np.random.default_rng(5)
+    x = gt.constant(rng.standard_normal((5, 3)))
+
+    def loss(w):
+        return gt.sum(gt.tanh(x @ w) ** 2) + gt.sum((x @ w) * (x @ w))
+
+    w = gt.constant(rng.standard_normal((3, 2)))
+    h = gt.hessian(loss)(w).numpy().reshape(6, 6)
+    dense = gt.hessian_operator(loss, w, compiled=False).dense()
+    np.testing.assert_allclose(h, dense, rtol=1e-10, atol=1e-12)
+
+
+# ---- definitions: what the service's tapes run -----------------------------------------
+_rng = np.random.default_rng(21)
+DEFINITIONS = {
+    "relu mlp": {
+        "variables": {"w1": _rng.random((4, 8)), "w2": _rng.random((8, 2))},
+        "inputs": {"x": _rng.random((5, 4)), "y": _rng.random((5, 2))},
+        "program": ["h = relu(x @ w1)", "o = h @ w2", "loss = mean((o - y) ** 2)"],
+    },
+    "clip_grad_norm": {
+        "variables": {"w": _rng.random((4, 3))},
+        "inputs": {"x": _rng.random((5, 4))},
+        "program": ["h = clip_grad_norm(tanh(x @ w), 0.5)", "loss = sum(h * h * h)"],
+    },
+    "gradient penalty": {
+        "variables": {"w": _rng.random((4, 3))},
+        "inputs": {"x": _rng.random((5, 4))},
+        "program": ["o = sum(tanh(x @ w))", "g = grad(o, x)", "loss = o + sum(g * g)"],
+    },
+    "softmax regression": {
+        "variables": {"w": _rng.random((4, 3)), "b": _rng.random(3)},
+        "inputs": {"x": _rng.random((6, 4))},
+        "program": ["z = x @ w + b", "loss = sum(logsumexp(z, axis=1) - z[:, 0])"],
+    },
+}
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_definitions_tapes_replay_exactly(name) -> None:
+    from engine.language import compile_definition
+    from engine.language.compile import Request
+
+    definition = DEFINITIONS[name]
+    program = compile_definition(definition)
+    leaves = program.leaves(definition)
+    request = Request("loss", {n: n for n in definition["variables"]})
+    compiled = program.hessian_operator(request, leaves)
+    dynamic = program.hessian_operator(request, leaves)
+    dynamic.compiled = False
+    shapes = [leaves[n].shape for n in definition["variables"]]
+    _both_ways(compiled, dynamic, shapes, np.random.default_rng(2))
+    assert set(compiled.replay_status().values()) == {"compiled"}, compiled.replay_status()
+
+
+# ---- item 3: a definition's gradient pass, compiled ------------------------------------
+def _evaluate_both_ways(definition, target="loss", sources=None, **kw):
+    from engine.language.evaluate import evaluate
+
+    compiled = evaluate(definition, target, sources, **kw)
+    dynamic = evaluate(definition, target, sources, compiled=False, **kw)
+    np.testing.assert_array_equal(compiled.value, dynamic.value)
+    assert compiled.gradients.keys() == dynamic.gradients.keys()
+    for key, g in compiled.gradients.items():
+        if g is None:
+            assert dynamic.gradients[key] is None
+        else:
+            assert g.dtype == dynamic.gradients[key].dtype
+            np.testing.assert_array_equal(g, dynamic.gradients[key])
+    return compiled
+
+
+def _with_values(definition, rng):
+    """The same structure with new values (what a service's later requests send)."""
+    fresh = {**definition}
+    for section in ("variables", "inputs"):
+        fresh[section] = {
+            n: rng.standard_normal(np.shape(v)).astype(np.asarray(v).dtype)
+            if np.asarray(v).dtype.kind == "f"
+            else v
+            for n, v in definition[section].items()
+        }
+    return fresh
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_definition_gradients_replay_exactly(name) -> None:
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(31)
+    definition = DEFINITIONS[name]
+    for _ in range(3):  # captured, then replayed with new values
+        _evaluate_both_ways(_with_values(definition, rng))
+    passes = compile_definition(definition)._gradient_passes.entries
+    if name == "softmax regression":
+        # logsumexp shifts by a max it computes on the arrays, outside the ops (a
+        # constant of the forward that depends on the data): that pass stays dynamic.
+        assert all("outside" in p[0] for p in passes.values()), passes
+    else:
+        assert passes and all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+
+
+def test_definition_gradients_with_aliases_and_zero_unconnected() -> None:
+    rng = np.random.default_rng(32)
+    definition = {
+        "variables": {"w": rng.random((3, 2)), "unused": rng.random(2)},
+        "inputs": {"x": rng.random((4, 3))},
+        "program": ["loss = sum(tanh(x @ w) ** 2)"],
+    }
+    for _ in range(3):
+        result = _evaluate_both_ways(
+            _with_values(definition, rng),
+            sources={"a": "w", "b": "unused", "c": "w"},
+            unconnected="zero",
+            allow_unused=True,
+        )
+        np.testing.assert_array_equal(result.gradients["b"], np.zeros(2))
+        np.testing.assert_array_equal(result.gradients["a"], result.gradients["c"])
+
+
+def test_integer_leaves_are_part_of_the_compiled_layout() -> None:
+    """Indices are read on the host by their op's checks: a pass is compiled per index
+    value, so new indices are captured afresh (and a bad one is still refused)."""
+    from engine.language import compile_definition
+    from engine.language.errors import DefinitionError, ExecutionError
+
+    rng = np.random.default_rng(33)
+    base = {
+        "variables": {"w": rng.random((5, 3))},
+        "inputs": {"i": np.array([0, 2, 4], dtype=np.int32)},
+        "program": ["loss = sum(take(w, i, axis=0) ** 2)"],
+    }
+    for idx in ([0, 2, 4], [1, 1, 3], [0, 2, 4]):
+        definition = {**base, "inputs": {"i": np.array(idx, dtype=np.int32)}}
+        result = _evaluate_both_ways(_with_values(definition, rng))
+        assert result.gradients["w"].shape == (5, 3)
+    assert len(compile_definition(base)._gradient_passes.entries) == 2
+    with pytest.raises((DefinitionError, ExecutionError, IndexError, ValueError)):
+        from engine.language.evaluate import evaluate
+
+        evaluate({**base, "inputs": {"i": np.array([0, 9, 4], dtype=np.int32)}}, "loss")
+
+
+def test_a_definition_that_cannot_be_captured_stays_dynamic() -> None:
+    """softmax_cross_entropy makes its one-hot labels outside the ops: its gradient pass
+    falls back to the dynamic path, with the same answers."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(34)
+    definition = {
+        "variables": {"w": rng.random((4, 3))},
+        "inputs": {"x": rng.random((6, 4)), "y": rng.integers(0, 3, 6).astype(np.int32)},
+        "program": ["loss = softmax_cross_entropy(x @ w, y)"],
+    }
+    for _ in range(3):
+        _evaluate_both_ways(_with_values(definition, rng))
+    passes = compile_definition(definition)._gradient_passes.entries
+    assert passes and all(isinstance(p, tuple) and "outside" in p[0] for p in passes.values()), (
+        passes
+    )
