@@ -38,10 +38,14 @@ from engine.transforms import HessianOperator, hessian_operator
 
 CACHE_SIZE = 256
 UNCONNECTED = ("none", "zero")
-# Compiled gradient passes a program keeps (one per request shape and leaf layout), and
-# the scratch buffers each may keep between passes: a cached program stays small.
-GRADIENT_PASSES = 8
+# Compiled gradient passes (one per program, request shape and leaf layout), kept for all
+# programs together, least recently used out, and the scratch buffers each may keep
+# between passes: whatever programs a process is sent, their kept buffers stay within
+# GRADIENT_PASSES x GRADIENT_POOL_LIMIT (256 MiB), not per cached program (the compile
+# cache holds CACHE_SIZE programs).
+GRADIENT_PASSES = 16
 GRADIENT_POOL_LIMIT = 16 * 1024 * 1024
+_gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,6 @@ class CompiledProgram:
         builder = Builder("program", functions, site_keys, checked.grad_sites, models,
                           checked.model_calls)
         self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
-        # per request and leaf layout: dynamic, captured or replayed (replay.Passes)
-        self._gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
 
     # What the program defines -------------------------------------------------------------
     @property
@@ -201,6 +203,7 @@ class CompiledProgram:
         if not compiled or not all(type(a) is host.ndarray for a in arrays):
             return self._value_and_gradients(request, dict(leaves))
         key = (
+            self.key,
             request.target,
             tuple(request.sources.items()),
             request.unconnected,
@@ -215,10 +218,15 @@ class CompiledProgram:
             value, grads = self._value_and_gradients(request, dict(zip(names, seeds)))
             return [value, *(grads[k] for k in keys)]
 
-        value, *grads = self._gradient_passes.run(
+        value, *grads = _gradient_passes.run(
             key, [leaves[n] for n in names], run, lambda: replay.known_tensors(self)
         )
         return value, dict(zip(keys, grads, strict=True))
+
+    def gradient_passes(self) -> dict[Any, Any]:
+        """This program's kept gradient passes: request and leaf layout -> its Schedule, or
+        (why it is not compiled yet, failed captures)."""
+        return {k[1:]: v for k, v in list(_gradient_passes.entries.items()) if k[0] == self.key}
 
     def _value_and_gradients(
         self, request: Request, leaves: dict[str, Tensor]

@@ -371,7 +371,7 @@ def test_definition_gradients_replay_exactly(name) -> None:
     definition = DEFINITIONS[name]
     for _ in range(3):  # captured, then replayed with new values
         _evaluate_both_ways(_with_values(definition, rng))
-    passes = compile_definition(definition)._gradient_passes.entries
+    passes = compile_definition(definition).gradient_passes()
     if name == "softmax regression":
         # logsumexp shifts by a max it computes on the arrays, outside the ops (a
         # constant of the forward that depends on the data): that pass stays dynamic.
@@ -414,7 +414,7 @@ def test_integer_leaves_are_part_of_the_compiled_layout() -> None:
         definition = {**base, "inputs": {"i": np.array(idx, dtype=np.int32)}}
         result = _evaluate_both_ways(_with_values(definition, rng))
         assert result.gradients["w"].shape == (5, 3)
-    assert len(compile_definition(base)._gradient_passes.entries) == 2
+    assert len(compile_definition(base).gradient_passes()) == 2
     with pytest.raises((DefinitionError, ExecutionError, IndexError, ValueError)):
         from engine.language.evaluate import evaluate
 
@@ -434,7 +434,26 @@ def test_a_definition_that_cannot_be_captured_stays_dynamic() -> None:
     }
     for _ in range(3):
         _evaluate_both_ways(_with_values(definition, rng))
-    passes = compile_definition(definition)._gradient_passes.entries
+    passes = compile_definition(definition).gradient_passes()
     assert passes and all(isinstance(p, tuple) and "outside" in p[0] for p in passes.values()), (
         passes
     )
+
+
+def test_kept_gradient_passes_are_bounded_across_programs() -> None:
+    """Whatever programs a worker is sent, the compiled gradient passes it keeps (and their
+    buffers) are bounded for all of them together, least recently used out."""
+    from engine.language import compile as compile_module
+    from engine.language.evaluate import evaluate
+
+    rng = np.random.default_rng(35)
+    count = compile_module.GRADIENT_PASSES + 4
+    for k in range(count):  # distinct programs: a different constant in each
+        definition = {"variables": {"w": rng.random((3, 3))}, "inputs": {"x": rng.random(3)},
+                      "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"]}
+        for _ in range(3):
+            evaluate(definition, "loss")
+    kept = compile_module._gradient_passes.entries
+    assert len(kept) == compile_module.GRADIENT_PASSES
+    pooled = sum(p.pooled_bytes for p in kept.values() if isinstance(p, replay.Schedule))
+    assert 0 < pooled <= compile_module.GRADIENT_PASSES * compile_module.GRADIENT_POOL_LIMIT
