@@ -20,9 +20,13 @@ of `hvp_many` in one pass each, never forming J:
                       as the negative log-likelihood of a categorical (softmax
                       cross-entropy), Bernoulli (sigmoid cross-entropy) or Gaussian
                       (squared error) model of the targets, where the Fisher is the GGN;
-                      Monte-Carlo (samples=S, seed): M = (1/(c S)) sum_s blockdiag_i(G_si
-                      G_si^T), G_s = d loss(output, y_s) / d output for targets y_s drawn
-                      from that predictive distribution (curvlinops' FisherMC)
+                      the loss may average over examples and over each example's labels
+                      or positions (multi-label sigmoids over (N, D), a softmax over
+                      (N, T, C)): the Fisher is then scaled like the loss, as curvlinops
+                      does; Monte-Carlo (samples=S, seed): M = (1/(k S)) sum_s
+                      blockdiag_i(G_si G_si^T), G_s = d loss(output, y_s) / d output for
+                      targets y_s drawn from that predictive distribution, k the
+                      likelihood's scale (curvlinops' FisherMC)
     empirical_fisher  M = (1/c) blockdiag_i(G_i G_i^T), G = d loss(output, targets) / d output
 
 Per-example conventions. The loss of example i is that of a batch of it alone,
@@ -87,10 +91,14 @@ def _relative(a: Any, b: Any) -> float:
 @dataclass(frozen=True)
 class Likelihood:
     """The predictive distribution the loss was recognised as the negative log-likelihood
-    of: `family` (categorical, bernoulli, gaussian) and, for the Gaussian, the variance
-    that makes the squared error its negative log-likelihood."""
+    of: `family` (categorical, bernoulli, gaussian), `scale` (the loss is scale x that
+    negative log-likelihood summed over examples and over each example's independent
+    terms: c for a sum or a mean over examples, c/m for a mean over the m sigmoids or
+    softmaxes of each example too, as curvlinops scales it) and, for the Gaussian, the
+    variance that makes the squared error its negative log-likelihood (scale c)."""
 
     family: str
+    scale: float = 1.0
     variance: float | None = None
 
 
@@ -103,7 +111,9 @@ class InfluenceResult:
     Positive: harmful (up-weighting it raises the test loss); negative: helpful.
     `removal[i]` = -c * scores[i], the predicted change of the test loss when example i
     is left out of the training loss (c = 1/N for a mean loss, 1 for a sum).
-    `helpful` and `harmful` are the top indices, strongest first.
+    `helpful`: the indices of negative scores, most negative first; `harmful`: those of
+    positive scores, largest first; at most top_k each, fewer when fewer examples have
+    that sign (a zero score is neither), so the two never share an index.
     """
 
     scores: np.ndarray
@@ -388,7 +398,7 @@ class Curvature:
             mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
         elif op.kind == "fisher" and op.samples is not None:
             gs = self._sample_gradients(op.samples, op.seed)
-            mjv = _outer_products(gs, jv.value, self.scale() * op.samples)
+            mjv = _outer_products(gs, jv.value, self.likelihood().scale * op.samples)
         else:  # ggn, and the exact Fisher (the GGN of a recognised likelihood)
             mjv = self._output_loss()._apply((jv,), batch_ndim)[0].value
         return self.vjp(Tensor(mjv), batch_ndim, lead)
@@ -452,7 +462,11 @@ class Curvature:
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
         loss of those training rows): s_test = (C + damping I)^-1 grad L_test by
         conjugate gradient on the curvature C, then the scores -g_i . s_test of all
-        examples in one batched pass. See InfluenceResult. `operator`: C given as another
+        examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
+        products (solve.hvps); besides them it takes the test loss's gradient (a forward
+        and backward pass), one JVP for the scores, and, once per recording, the
+        per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the
+        output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
         recorded elsewhere), instead of `curvature`'s."""
         if rows is not None:
@@ -495,17 +509,27 @@ class Curvature:
             for s, p in zip(s_test, self._flat, strict=True)
         ]
         scores = -self.example_dots(tree.unflatten(self._treedef, batched))[0]
-        order = np.argsort(scores, kind="stable")
-        k = min(top_k, scores.size)
+        helpful, harmful = top_by_sign(scores, top_k)
         return InfluenceResult(
             scores=scores,
             removal=-self.scale() * scores,
-            helpful=order[:k],
-            harmful=order[::-1][:k],
+            helpful=helpful,
+            harmful=harmful,
             test_loss=float(value.numpy()),
             s_test=tree.unflatten(self._treedef, s_test),
             solve=solve,
         )
+
+
+def top_by_sign(scores: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(helpful, harmful): the indices of the at most top_k most negative scores, most
+    negative first, and of the at most top_k most positive, largest first (ties in index
+    order)."""
+    order = np.argsort(scores, kind="stable")
+    helpful = order[scores[order] < 0][:top_k]
+    descending = np.argsort(-scores, kind="stable")
+    harmful = descending[scores[descending] > 0][:top_k]
+    return helpful, harmful
 
 
 class CurvatureOperator(HessianOperator):
@@ -647,16 +671,21 @@ def _recognise(curv: Curvature) -> tuple[Likelihood | None, str | None]:
         if k <= 0 or _relative(hu, k * fu) > tol or _relative(g, k * direction) > tol:
             continue
         if family == "gaussian":
-            return Likelihood(family, variance=c / k), None
-        if abs(k - c) <= tol * c:
-            return Likelihood(family), None
+            return Likelihood(family, scale=c, variance=c / k), None
+        # The loss is k x the summed NLL: k = c for a sum or mean over examples, c / m
+        # when it also averages over the m terms of each example (multi-label sigmoids,
+        # a softmax per sequence position). Either way the Fisher of k x NLL is the GGN.
+        terms = out[0].size if family == "bernoulli" else out[0].size // out.shape[-1]
+        for scale in {c, c / max(terms, 1)}:
+            if abs(k - scale) <= tol * scale:
+                return Likelihood(family, scale=scale), None
     return None, (
         "fisher: the loss is not recognised as the negative log-likelihood of the targets "
         "under a categorical (softmax cross-entropy on logits, with class indices or "
         "probabilities as targets), Bernoulli (sigmoid cross-entropy on logits) or "
-        "Gaussian (squared error) model, summed or averaged over examples: only there is "
-        "the Fisher defined from the loss (and equal to the GGN); use curvature 'ggn' or "
-        "'empirical_fisher'"
+        "Gaussian (squared error) model, summed or averaged over examples (and over each "
+        "example's labels or positions): only there is the Fisher defined from the loss (and "
+        "equal to the GGN); use curvature 'ggn' or 'empirical_fisher'"
     )
 
 

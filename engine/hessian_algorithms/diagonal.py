@@ -22,7 +22,7 @@ from engine.hessian_algorithms.budget import (
     check_tolerance,
     rademacher,
 )
-from engine.hessian_algorithms.trace import exact_pass_size
+from engine.hessian_algorithms.trace import MIN_STDERR_SAMPLES, exact_pass_size
 
 DIAGONAL_METHODS = ("auto", "exact", "hutchinson")
 
@@ -120,8 +120,9 @@ def hutchinson_diagonal(
     entry i is sum_{j != i} A_ij^2: a diagonal A is exact from one probe).
 
     Stops when the root-mean-square standard error is at most rtol * rms(diagonal) + atol
-    (when rtol or atol is given; after two batches at least), at max_hvps probes or at
-    max_seconds. Holds three n-vectors (running sums), whatever the number of probes.
+    (when rtol or atol is given; from MIN_STDERR_SAMPLES probes on: before that the
+    standard errors are unknown, inf), at max_hvps probes or at max_seconds. Holds three
+    n-vectors (running sums), whatever the number of probes.
     Progress carries the relative error rms(stderr) / rms(diagonal).
     """
     check_operator(n, "hutchinson_diagonal")
@@ -152,13 +153,13 @@ def hutchinson_diagonal(
         squares = squares + batch_squares + delta**2 * (count * size / total)
         count = total
         batches += 1
-        if count > 1:
+        if count >= MIN_STDERR_SAMPLES:  # fewer: unknown (see MIN_STDERR_SAMPLES)
             stderr = np.sqrt(squares / (count - 1) / count)
             error = _rms(stderr)
         scale = _rms(mean)
         budget.report(callback, "hutchinson_diagonal", None, error / scale if scale > 0 else error)
         tolerance = rtol is not None or atol > 0
-        if tolerance and batches >= 2 and error <= (rtol or 0.0) * scale + atol:
+        if tolerance and math.isfinite(error) and error <= (rtol or 0.0) * scale + atol:
             stopped = "tolerance"
             break
         if budget.out_of_time() and count < max_hvps:
@@ -171,7 +172,8 @@ def hutchinson_diagonal(
         error=error,
         samples=count,
         batches=batches,
-        converged=stopped == "tolerance" or (not tolerance and stopped == "max_hvps"),
+        converged=stopped == "tolerance"
+        or (not tolerance and stopped == "max_hvps" and math.isfinite(error)),
         stopped=stopped,
         hvps=budget.hvps,
         seconds=budget.seconds,

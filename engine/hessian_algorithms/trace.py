@@ -8,6 +8,7 @@ the n HVPs it needs, else Hutch++.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from engine.hessian_algorithms.budget import (
     Budget,
     Callback,
     Matvec,
+    Progress,
     check_batch_size,
     check_operator,
     check_tolerance,
@@ -60,16 +62,31 @@ class TraceResult:
     values: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
 
+# Samples a standard error needs before it is trusted, whatever the batch size. The
+# sample std of a few probes is itself very noisy (from 3 samples it is off by a factor of
+# 2 one time in five) and stopping on it picks the runs where it happened to come out
+# small: with the old "two batches" rule and batch_size 1, 14.5% of runs stopped ~3 samples
+# in, more than 4 (true) standard errors off, and two equal probes answered stderr 0,
+# converged. From 30 samples the std is within ~25% nine times in ten and the rule's
+# coverage is near nominal (tests/engine/test_estimators.py). Fewer samples: the standard
+# error is unknown (inf), and no tolerance is met.
+MIN_STDERR_SAMPLES = 30
+
+
 def tolerance_met(stderr: float, estimate: float, rtol: float | None, atol: float) -> bool:
     """The stopping rule every stochastic estimator shares: stderr <= rtol |estimate| +
-    atol, when a tolerance was given at all."""
+    atol, when a tolerance was given at all (and the stderr is known: finite)."""
     if rtol is None and atol == 0:
         return False
-    return stderr <= (rtol or 0.0) * abs(estimate) + atol
+    return math.isfinite(stderr) and stderr <= (rtol or 0.0) * abs(estimate) + atol
 
 
 def _stderr(values: np.ndarray) -> float:
-    return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.inf
+    """The standard error of the mean of i.i.d. samples; inf (unknown) from fewer than
+    MIN_STDERR_SAMPLES."""
+    if len(values) < MIN_STDERR_SAMPLES:
+        return math.inf
+    return float(values.std(ddof=1) / math.sqrt(len(values)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -151,7 +168,7 @@ def _partial_sum(seen: np.ndarray, n: int) -> tuple[float, float]:
     m = len(seen)
     if m == n:
         return float(np.sum(seen)), 0.0
-    if m < 2:
+    if m < MIN_STDERR_SAMPLES:  # too few for a standard error (see MIN_STDERR_SAMPLES)
         return float(n * seen.mean()), math.inf
     variance = float(seen.var(ddof=1))
     return float(n * seen.mean()), n * math.sqrt((1 - m / n) * variance / m)
@@ -177,9 +194,10 @@ def hutchinson_trace(
     `batch_size` at a time (one batched HVP pass each); stderr = sample std / sqrt(N).
 
     Stops when the standard error is at most rtol * |estimate| + atol (when rtol or atol
-    is given; after two batches at least), at max_hvps samples, or at max_seconds.
+    is given; from MIN_STDERR_SAMPLES samples on: before that the standard error is
+    unknown, inf), at max_hvps samples, or at max_seconds.
     `converged` says the tolerance was met (or, without one, that every sample asked for
-    was taken).
+    was taken and they were enough for a standard error).
     """
     check_operator(n, "hutchinson_trace")
     check_batch_size(batch_size)
@@ -204,7 +222,7 @@ def hutchinson_trace(
         samples = np.concatenate(values)
         mean, stderr = float(samples.mean()), _stderr(samples)
         budget.report(callback, "hutchinson_trace", mean, stderr)
-        if batches >= 2 and tolerance_met(stderr, mean, rtol, atol):
+        if tolerance_met(stderr, mean, rtol, atol):
             stopped = "tolerance"
             break
         if budget.out_of_time() and count < max_hvps:
@@ -216,7 +234,9 @@ def hutchinson_trace(
         stderr=stderr,
         samples=count,
         batches=batches,
-        converged=stopped == "tolerance" or (not tolerance and stopped == "max_hvps"),
+        # without a tolerance: every sample asked for, and enough for a standard error
+        converged=stopped == "tolerance"
+        or (not tolerance and stopped == "max_hvps" and math.isfinite(stderr)),
         stopped=stopped,
         hvps=budget.hvps,
         seconds=budget.seconds,
@@ -296,6 +316,7 @@ def hutchpp_trace(
     seed: int | None = 0,
     max_basis_bytes: int | None = None,
     callback: Callback | None = None,
+    exact_batch_size: int | None = None,
 ) -> TraceResult:
     """tr(A) by Hutch++ (Meyer, Musco, Musco, Woodruff 2021), grown in rounds so that it
     can stop at a tolerance.
@@ -305,12 +326,17 @@ def hutchpp_trace(
     probes estimate the trace of the remainder (I - QQ^T) A (I - QQ^T) by Hutchinson.
     After each round every probe drawn so far is re-evaluated against the grown Q for no
     HVP, so the estimate is tr(Q A Q^T) + the probes' mean and its standard error is
-    the probes' std / sqrt(probes): when A's spectrum decays the remainder, and so the
-    error, shrinks much faster than Hutchinson's. Stops at the tolerance (stderr <= rtol
-    |trace| + atol, after two rounds), when Q spans A's range (exhausted: exact up to
+    the probes' std / sqrt(probes) (unknown, inf, below MIN_STDERR_SAMPLES probes): when
+    A's spectrum decays the remainder, and so the error, shrinks much faster than
+    Hutchinson's. Stops at the tolerance (stderr <= rtol |trace| + atol, once the
+    standard error is known), when Q spans A's range (exhausted: exact up to
     rounding), at max_hvps or max_seconds. Q and AQ hold 16 n bytes a row and the probes
     n bytes each: once they would pass max_basis_bytes the sketch stops growing, the
-    probes are dropped (their projections are kept) and only probes follow.
+    probes are dropped (their projections are kept) and only probes follow. Once the
+    sketch would pass n/3 directions with n HVPs still in the budget, the rest is the
+    exact trace (`exact_trace`, `exact_batch_size` unit vectors a pass: n more HVPs,
+    where Hutch++ would take up to 2n; the answer then says method "exact", its hvps
+    count both parts).
     """
     check_operator(n, "hutchpp_trace")
     check_batch_size(batch_size)
@@ -338,6 +364,23 @@ def hutchpp_trace(
             if n * (16 * rows + probes_held) > max_basis_bytes:
                 growing = False
                 state.freeze()
+        if growing and 3 * (len(state.q) + batch_size) > n and left >= n:
+            # The sketch would span a third of the space: about n HVPs are spent, and
+            # growing on towards the whole space costs up to 2n more, the exact trace n.
+            exact = exact_trace(
+                matvec,
+                n,
+                batch_size=exact_batch_size,
+                max_hvps=left,
+                max_seconds=None
+                if max_seconds is None
+                else max(max_seconds - budget.seconds, 1e-9),
+                seed=seed,
+                callback=_shifted(callback, budget.hvps, max_hvps, max_seconds, budget.seconds),
+            )
+            exact.hvps += budget.hvps
+            exact.seconds = budget.seconds
+            return exact
         if growing and left >= 3:
             size = min(batch_size, left // 3, n - len(state.q))
             sketch = budget.apply(matvec, rng.standard_normal((size, n)))
@@ -364,7 +407,7 @@ def hutchpp_trace(
         rounds += 1
         estimate, stderr, values = state.estimate()
         budget.report(callback, "hutchpp_trace", estimate, stderr)
-        if rounds >= 2 and len(values) >= 2 and tolerance_met(stderr, estimate, rtol, atol):
+        if tolerance_met(stderr, estimate, rtol, atol):
             stopped = "tolerance"
             break
         if budget.out_of_time() and (budget.left() or 0) > 0:
@@ -377,7 +420,7 @@ def hutchpp_trace(
         samples=len(values),
         batches=rounds,
         converged=stopped in ("tolerance", "exhausted")
-        or (not tolerance and stopped == "max_hvps"),
+        or (not tolerance and stopped == "max_hvps" and math.isfinite(stderr)),
         stopped=stopped,
         hvps=budget.hvps,
         seconds=budget.seconds,
@@ -385,6 +428,27 @@ def hutchpp_trace(
         sketch=len(state.q),
         values=values,
     )
+
+
+def _shifted(
+    callback: Callback | None, hvps: int, max_hvps: int, max_seconds: float | None, seconds: float
+) -> Callback | None:
+    """A callback for a run that continues another: its counts start at hvps, seconds."""
+    if callback is None:
+        return None
+
+    def report(p: Progress) -> None:
+        callback(
+            dataclasses.replace(
+                p,
+                hvps=p.hvps + hvps,
+                max_hvps=max_hvps,
+                seconds=p.seconds + seconds,
+                max_seconds=max_seconds,
+            )
+        )
+
+    return report
 
 
 def _new_directions(sketch: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -452,6 +516,7 @@ def estimate_trace(
             seed=seed,
             max_basis_bytes=max_basis_bytes,
             callback=callback,
+            exact_batch_size=exact_batch_size,
         )
     return hutchinson_trace(
         matvec,

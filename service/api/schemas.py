@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
+from service.core import defaults
 from service.core.wire import DTYPES
 
 # ----------------------------------------------------------------------------------------
@@ -827,7 +828,9 @@ MAX_HVPS_DESCRIPTION = (
 )
 MAX_SECONDS_DESCRIPTION = (
     "Seconds the algorithm may run; it then stops and answers what it has "
-    "(default and maximum: 90% of the request's time limit)."
+    "(default and maximum: 90% of the request's time limit; at least "
+    f"{defaults.ALGORITHM_MIN_SECONDS}, smaller values are refused; after a tape rebuild "
+    f"the algorithm still gets at least {defaults.ALGORITHM_MIN_SECONDS} s)."
 )
 
 
@@ -857,7 +860,8 @@ class EigenvaluesRequest(CurvatureOptions, CallOptions):
     tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when each Ritz "
                              "residual ||H y - theta y|| <= tol * max |theta|.")
     max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION)
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     eigenvectors: StrictBool = Field(False, description="Also answer the eigenvectors, as "
                                      "tensors per source (unit norm over all sources).")
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random start vector "
@@ -883,8 +887,9 @@ class DiagonalMethod(StrEnum):
 
 
 TOLERANCE_DESCRIPTION = (
-    "Stop early once the standard error is at most rtol * |estimate| + atol (after two "
-    "rounds at least; stochastic methods only)."
+    "Stop early once the standard error is at most rtol * |estimate| + atol (from 30 "
+    "samples on, whatever the batch size: fewer give no standard error; stochastic "
+    "methods only)."
 )
 
 
@@ -907,7 +912,8 @@ class TraceRequest(CurvatureOptions, CallOptions):
     rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
     atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
                               description="Absolute part of the stopping tolerance.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
     run_async: StrictBool = _async_field()
@@ -930,11 +936,13 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
                                 "server's algorithm_max_hvps).")
     rtol: StrictFloat | None = Field(
         None, gt=0, description="Stop early once the root-mean-square standard error is at "
-        "most rtol * rms(diagonal) + atol (after two batches at least; hutchinson only)."
+        "most rtol * rms(diagonal) + atol (from 30 probes on, whatever the batch size: "
+        "fewer give no standard error; hutchinson only)."
     )
     atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
                               description="Absolute part of the stopping tolerance.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
                                    "fresh ones).")
     run_async: StrictBool = _async_field()
@@ -964,7 +972,8 @@ class SpectralDensityRequest(CurvatureOptions, CallOptions):
     )
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: probes x steps, within algorithm_max_hvps.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     seed: StrictInt | None = Field(0, ge=0, description="Seed of the probes (null: fresh "
                                    "ones).")
     run_async: StrictBool = _async_field()
@@ -985,7 +994,8 @@ class SolveRequest(CurvatureOptions, CallOptions):
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
                                        "Default: max_iterations.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
 
 
@@ -1008,14 +1018,18 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     damping: StrictFloat = Field(1e-3, ge=0, description="Added to the curvature's diagonal "
                                  "(an L2 term (lam/2)|w|^2 of the training loss is damping "
                                  "lam).")
-    top_k: StrictInt = Field(10, ge=0, le=10_000, description="How many most helpful and "
-                             "most harmful examples to list.")
+    top_k: StrictInt = Field(10, ge=0, le=10_000, description="At most how many helpful "
+                             "(negative score) and harmful (positive score) examples to list "
+                             "each; fewer when fewer examples have that sign.")
     tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="CG converged when ||b - (C + "
                              "damping I) s|| <= tol * ||b||.")
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
     max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
-                                       "Default: max_iterations.")
-    max_seconds: StrictFloat | None = Field(None, gt=0, description=MAX_SECONDS_DESCRIPTION)
+                                       "Default: max_iterations. It bounds the CG solve's "
+                                       "curvature products only; the passes around it are "
+                                       "fixed (see the answer's `hvps`).")
+    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
+                                              description=MAX_SECONDS_DESCRIPTION)
     run_async: StrictBool = _async_field()
 
     @model_validator(mode="after")
@@ -1221,14 +1235,20 @@ class TraceResponse(BaseModel):
                                  "hutchinson: sample std / sqrt(samples); hutchpp: that of the "
                                  "probes of the remainder; exact stopped by max_seconds: that "
                                  "of n x the mean diagonal entry seen (they are visited in a "
-                                 "random order); null when there are too few samples.")
-    method: TraceMethod = Field(description="The method that ran (auto resolved).")
+                                 "random order); null (unknown) from fewer than 30 samples, "
+                                 "which are too few for one.")
+    method: TraceMethod = Field(description="The method that ran (auto resolved; hutchpp "
+                                "hands over to exact once its sketch would span a third of "
+                                "the parameters with n HVPs still in the budget: then exact, "
+                                "and hvps count both).")
     samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     sketch: int = Field(0, description="hutchpp: the rank of the part taken exactly.")
     batches: int = Field(description="Batched passes (exact, hutchinson) or rounds (hutchpp).")
     batch_size: int = Field(description="Vectors per batched pass.")
     converged: bool = Field(description="Exact, or the tolerance was met (without one: every "
-                            "sample asked for was drawn).")
+                            "sample asked for was drawn, and a standard error is known). "
+                            "The tolerance is checked from 30 samples on, whatever the "
+                            "batch size.")
     stopped: Stopped = Field(description="exhausted (exact: every direction was taken), "
                              "tolerance, max_hvps or time_limit.")
     hvps: int
@@ -1239,16 +1259,22 @@ class TraceResponse(BaseModel):
 class DiagonalResponse(BaseModel):
     """The diagonal, as tensors per source, and its standard error."""
 
-    diagonal: Tensors
+    diagonal: Tensors | None = Field(description="The diagonal per source; null when an "
+                                     "exact run was stopped by max_seconds before reaching "
+                                     "every entry (see `partial`).")
+    partial: Tensor | None = Field(None, description="Only when an exact run was stopped by "
+                                   "max_seconds: the `reached` entries computed, flat, in the "
+                                   "order of the sources (as the tape lists them), each "
+                                   "row-major; the entries past them are unknown.")
     stderr: Tensors | None = Field(description="Standard error per entry (hutchinson); null "
-                                   "when exact.")
+                                   "when exact, and when it is unknown (fewer than 30 probes).")
     error: float | None = Field(description="Root-mean-square standard error over the "
                                 "entries (what rtol is compared with); 0 when exact; null "
                                 "when unknown.")
     method: DiagonalMethod = Field(description="The method that ran (auto resolved).")
-    reached: int = Field(description="Entries computed, counted over the sources in the "
-                         "order of `diagonal`, each row-major: all n unless an exact run "
-                         "was stopped by max_seconds (the entries past them are 0).")
+    reached: int = Field(description="Entries computed, counted over the sources in their "
+                         "order, each row-major: all n unless an exact run was stopped by "
+                         "max_seconds (then `diagonal` is null and `partial` holds them).")
     samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     batches: int
     batch_size: int = Field(description="Vectors per batched pass.")
@@ -1311,8 +1337,12 @@ class InfluenceResponse(BaseModel):
 
     scores: list[float]
     removal: list[float]
-    helpful: list[int] = Field(description="The top_k most helpful examples, most first.")
-    harmful: list[int] = Field(description="The top_k most harmful examples, most first.")
+    helpful: list[int] = Field(description="Examples with a negative score, most negative "
+                               "first: at most top_k, fewer (even none) when fewer are "
+                               "negative.")
+    harmful: list[int] = Field(description="Examples with a positive score, largest first: "
+                               "at most top_k, fewer (even none) when fewer are positive; "
+                               "never one of `helpful`.")
     test_loss: float
     s_test: Tensors = Field(description="(C + damping I)^-1 grad L_test, per source.")
     curvature: CurvatureKind
@@ -1320,7 +1350,13 @@ class InfluenceResponse(BaseModel):
     stopped: Stopped = Field(description="Of the CG solve: converged, max_iterations, "
                              "max_hvps, time_limit or negative_curvature (raise the damping).")
     iterations: int
-    hvps: int
+    hvps: int = Field(description="Curvature-vector products of the CG solve (what max_hvps "
+                      "bounds). Besides them every request takes a fixed few passes, not "
+                      "counted here: the test loss's gradient (one forward and backward pass "
+                      "over the model at the test points), the scores (one JVP through the "
+                      "model at the training data), the per-example scale (two loss gradients "
+                      "on the output, no pass over the model), and for the Monte-Carlo Fisher "
+                      "`samples` loss gradients on the output (no pass over the model).")
     residuals: list[float]
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()

@@ -11,4 +11,8 @@ JACOBIAN_MAX_ELEMENTS = 1 << 24  # elements of all the jacobians of one request
 HVP_MAX_VECTORS = 1024  # vectors in one /v1/hvp
 LANCZOS_MAX_BASIS_BYTES = 1 << 30  # memory of the Lanczos basis
 WORKER_DATASET_MEMORY = 1 << 30  # bytes of hot dataset arrays per worker
+# The shortest time an algorithm (/eigenvalues, /trace, ...) may be given: a request's
+# max_seconds below it is refused (422), and after a tape rebuild the algorithm still
+# gets this long (a rebuild that ate the budget would otherwise leave it none).
+ALGORITHM_MIN_SECONDS = 0.05
 WORKER_TUNE_ALLOCATOR = True  # engine.tune_allocator in the workers the pool starts

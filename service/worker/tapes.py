@@ -56,6 +56,7 @@ from engine.language import (
     compile_definition,
 )
 from engine.tensor import Tensor
+from service.core import defaults
 from service.worker.compute import (
     RequestError,
     WorkerContext,
@@ -388,9 +389,10 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
 
 
 def _seconds_left(payload: Mapping[str, Any], started: float) -> float:
-    """The algorithm's own time budget, less what a rebuild took (at least 0.05 s)."""
+    """The algorithm's own time budget, less what a rebuild took (at least
+    ALGORITHM_MIN_SECONDS, the smallest max_seconds a request may give)."""
     budget = float(payload["max_seconds"])
-    return max(0.05, budget - (time.perf_counter() - started))
+    return max(defaults.ALGORITHM_MIN_SECONDS, budget - (time.perf_counter() - started))
 
 
 def _relay(context: WorkerContext) -> Callable[[Progress], None] | None:
@@ -509,7 +511,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         "samples": out.samples,
         "sketch": out.sketch,
         "batches": out.batches,
-        "batch_size": exact_batch if method == "exact" else batch,
+        "batch_size": exact_batch if out.method == "exact" else batch,  # hutchpp may hand over
         "converged": out.converged,
         "stopped": out.stopped,
         "hvps": out.hvps,
@@ -533,16 +535,17 @@ def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
         max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
         exact_batch_size=exact_batch, callback=_relay(context),
     )
-    # An exact run stopped by its time limit reached the first entries only: the rest are
-    # answered as 0 (JSON has no NaN) and counted out by `reached`.
+    # An exact run stopped by its time limit reached the first entries only (NaN past
+    # them, which JSON cannot carry): then no per-source diagonal, the reached entries
+    # flat in `partial`, never a made-up value for the others.
     reached = int(np.count_nonzero(~np.isnan(out.diagonal)))
-    diagonal = np.where(np.isnan(out.diagonal), 0.0, out.diagonal)
 
     def per_source(x: np.ndarray) -> dict[str, np.ndarray]:
         return dict(zip(session.keys, flat.unflatten(x), strict=True))
 
     result = {
-        "diagonal": per_source(diagonal),
+        "diagonal": per_source(out.diagonal) if reached == flat.n else None,
+        "partial": out.diagonal[:reached] if reached < flat.n else None,
         "stderr": per_source(out.stderr) if method == "hutchinson" else None,
         "error": out.error if math.isfinite(out.error) else None,
         "method": out.method,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import engine as gt
-from engine.curvature import Curvature, CurvatureError
+from engine.curvature import Curvature, CurvatureError, top_by_sign
 from engine.hessian_algorithms import (
     FlatOperator,
     conjugate_gradient,
@@ -239,6 +239,56 @@ def test_the_recognised_likelihoods() -> None:
     assert likelihood.variance == pytest.approx(2 / 2, rel=1e-9)
 
 
+def multilabel_case(seed: int = 3, n: int = 10, d: int = 4, labels: int = 3):
+    """Multi-label logistic regression: sigmoid cross-entropy averaged over (N, D)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d))
+    y = (rng.random((n, labels)) < 0.5).astype(float)
+    params = {"w": 0.5 * rng.standard_normal((d, labels)), "b": 0.1 * rng.standard_normal(labels)}
+
+    def model(p, x):
+        return x @ p["w"] + p["b"]
+
+    def loss(out, y):
+        return gt.sigmoid_cross_entropy(out, y, reduction="mean")
+
+    return model, loss, params, x, y
+
+
+def sequence_case(seed: int = 4, n: int = 6, steps: int = 5, d: int = 3, classes: int = 4):
+    """A softmax per sequence position: cross-entropy averaged over (N, T)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, steps, d))
+    y = rng.integers(0, classes, (n, steps))
+    params = {"w": 0.5 * rng.standard_normal((d, classes))}
+
+    def model(p, x):
+        return gt.tanh(x) @ p["w"]
+
+    def loss(out, y):
+        return gt.softmax_cross_entropy(out, y)
+
+    return model, loss, params, x, y
+
+
+@pytest.mark.parametrize("case", [multilabel_case, sequence_case])
+def test_the_fisher_of_a_mean_over_labels_or_positions_is_the_ggn(case) -> None:
+    # Such losses were refused (the scale 1/(N D) is not the per-example 1/N). The Fisher
+    # is the GGN, scaled like the loss (curvlinops), and the Monte-Carlo one converges to
+    # the dense GGN: with the per-example scale instead it would be D (or T) times off.
+    model, loss, params, x, y = case()
+    curv = Curvature(model, loss, params, x, y)
+    terms = y[0].size
+    assert curv.likelihood().scale == pytest.approx(1 / (len(x) * terms), rel=1e-9)
+    truth = dense_truth(model, loss, params, x, y)["ggn"]
+    np.testing.assert_allclose(dense_of(curv.operator("fisher")), truth, rtol=1e-10, atol=1e-13)
+    errors = []
+    for samples in (16, 2048):
+        mc = dense_of(curv.operator("fisher", samples=samples, seed=5))
+        errors.append(np.linalg.norm(mc - truth) / np.linalg.norm(truth))
+    assert errors[1] < 0.06 and errors[1] < errors[0] / 4, errors
+
+
 def test_monte_carlo_fisher_converges_to_the_exact_fisher() -> None:
     for case in (mlp_case, logistic_case, regression_case):
         curv = Curvature(*case())
@@ -377,6 +427,17 @@ def test_influence_matches_leave_one_out_retraining(curvature: str) -> None:
     assert set(found.helpful[:3]) <= set(np.argsort(-actual)[:5])
 
 
+def test_helpful_and_harmful_follow_the_signs_of_the_scores() -> None:
+    scores = np.array([0.5, -2.0, 3.0, 0.0, -0.1, 1.0, 2.0])
+    helpful, harmful = top_by_sign(scores, 10)
+    assert list(helpful) == [1, 4] and list(harmful) == [2, 6, 5, 0]  # 0.0 is neither
+    helpful, harmful = top_by_sign(scores, 2)
+    assert list(helpful) == [1, 4] and list(harmful) == [2, 6]
+    helpful, harmful = top_by_sign(np.array([1.0, 2.0]), 5)
+    assert list(helpful) == [] and list(harmful) == [1, 0]
+    assert [list(x) for x in top_by_sign(scores, 0)] == [[], []]
+
+
 def test_influence_of_training_rows_equals_their_data_as_test_points() -> None:
     model, loss, params, x, y = mlp_case()
     curv = Curvature(model, loss, params, x, y)
@@ -390,7 +451,14 @@ def test_influence_of_training_rows_equals_their_data_as_test_points() -> None:
     ).numpy()
     s = np.linalg.solve(truth["ggn"] + 0.1 * np.eye(len(test_grad)), test_grad)
     np.testing.assert_allclose(by_rows.scores, -truth["per_example"] @ s, rtol=1e-8, atol=1e-12)
-    assert list(by_rows.helpful) == list(np.argsort(by_rows.scores)[:10])
+    # helpful: the negative scores, most negative first; harmful: the positive ones. With
+    # top_k 10 of 12 examples they once overlapped and each held scores of both signs.
+    scores = by_rows.scores
+    negative, positive = np.flatnonzero(scores < 0), np.flatnonzero(scores > 0)
+    assert 0 < len(negative) < 10 and 0 < len(positive) < 10  # mixed, fewer than top_k
+    assert list(by_rows.helpful) == list(negative[np.argsort(scores[negative])])
+    assert list(by_rows.harmful) == list(positive[np.argsort(-scores[positive])])
+    assert not set(by_rows.helpful) & set(by_rows.harmful)
     # C given as an operator recorded elsewhere: here the GGN of another recording.
     other = Curvature(model, loss, params, x, y).operator("ggn")
     given = curv.influence(rows=[2, 5], operator=other, damping=0.1, tol=1e-12)

@@ -31,6 +31,7 @@ from engine.hessian_algorithms import (
     power_iteration,
     spectral_density,
 )
+from engine.hessian_algorithms.trace import MIN_STDERR_SAMPLES
 from tests.engine.test_hessian_algorithms import Counting, mlp_operator, symmetric
 
 
@@ -162,21 +163,77 @@ def test_stochastic_traces_stop_early_on_an_easy_problem() -> None:
     # Hutchinson on a diagonally dominant matrix: z^T A z barely varies.
     d = np.diag(np.linspace(1.0, 3.0, 400)) + 0.001 * symmetric(400, seed=9)
     easy = hutchinson_trace(Counting(d), 400, max_hvps=5000, rtol=0.01)
-    assert easy.stopped == "tolerance" and easy.hvps == 32  # two batches of 16
+    assert easy.stopped == "tolerance" and easy.hvps == 32  # MIN_STDERR_SAMPLES, in 16s
     assert abs(easy.trace - np.trace(d)) < 4 * easy.stderr
+
+
+@pytest.mark.parametrize("estimator", [hutchinson_trace, hutchpp_trace])
+def test_one_probe_a_batch_stops_no_earlier_than_the_minimum_and_covers(estimator) -> None:
+    # With batch_size 1 the old rule ("two batches") stopped ~3 samples in, on a
+    # standard error from 2-3 probes: one run in seven was more than 4 true standard
+    # errors off. Now no run stops before MIN_STDERR_SAMPLES, and over 300 seeds the
+    # truth lies within 2 reported standard errors about 95% of the time.
+    a = symmetric(200, seed=1, spectrum=np.random.default_rng(1).uniform(-1.0, 3.0, 200))
+    truth = np.trace(a)
+    z, samples = [], []
+    for seed in range(300):
+        out = estimator(Counting(a), 200, batch_size=1, max_hvps=5000, rtol=0.05, seed=seed)
+        assert out.stopped == "tolerance" and out.converged
+        z.append((out.trace - truth) / out.stderr)
+        samples.append(out.samples)
+    z = np.asarray(z)
+    assert min(samples) >= MIN_STDERR_SAMPLES
+    assert 0.9 <= np.mean(np.abs(z) < 2) <= 0.99
+    assert np.all(np.abs(z) < 4.5)
+
+
+@pytest.mark.parametrize("estimator", [hutchinson_trace, hutchpp_trace])
+def test_too_few_samples_give_an_unknown_error_never_zero(estimator) -> None:
+    # Two (or 29) equal probe values once answered stderr 0, converged: a matrix whose
+    # z^T A z is the same for every z (a diagonal one) shows it.
+    d = np.diag(np.linspace(1.0, 2.0, 60))
+    per_probe = 3 if estimator is hutchpp_trace else 1  # a sketch, its product, a probe
+    for budget in (3, per_probe * (MIN_STDERR_SAMPLES - 1)):
+        out = estimator(Counting(d), 60, batch_size=1, max_hvps=budget, rtol=0.1)
+        assert out.stderr == math.inf and not out.converged and out.stopped == "max_hvps"
+        no_tolerance = estimator(Counting(d), 60, batch_size=1, max_hvps=budget)
+        assert no_tolerance.stderr == math.inf and not no_tolerance.converged
+    few = hutchinson_diagonal(Counting(d), 60, batch_size=1, max_hvps=2)
+    assert few.error == math.inf and not few.converged
+    plain = hutchinson_trace(Counting(d), 60, batch_size=1, max_hvps=100, rtol=0.1)
+    assert plain.stopped == "tolerance" and plain.samples == MIN_STDERR_SAMPLES
+    assert plain.stderr == pytest.approx(0.0, abs=1e-12)
+
+
+def test_hutchpp_switches_to_exact_before_its_sketch_fills_the_space() -> None:
+    # A full-rank matrix and a budget above n: Hutch++ used to grow its sketch to the
+    # whole space (3n HVPs, 888 for n = 300); once the sketch would pass n/3 it takes the
+    # exact trace instead: about n for the sketch so far + n.
+    a = hard(300, seed=2)
+    matvec = Counting(a)
+    out = hutchpp_trace(matvec, 300, max_hvps=3000, seed=0)
+    assert out.method == "exact" and out.stopped == "exhausted" and out.converged
+    assert out.trace == pytest.approx(np.trace(a), rel=1e-10) and out.stderr == 0.0
+    assert out.hvps == matvec.vectors <= 2 * 300
+    # Without n HVPs left it stays Hutch++.
+    capped = hutchpp_trace(Counting(a), 300, max_hvps=350, seed=0)
+    assert capped.method == "hutchpp" and capped.hvps == 350
 
 
 @pytest.mark.parametrize("estimator", [hutchinson_trace, hutchpp_trace])
 def test_stochastic_traces_reach_their_target_on_a_hard_problem(estimator) -> None:
     a = hard(600, seed=10)
     truth = np.trace(a)
-    out = estimator(Counting(a), 600, max_hvps=40_000, rtol=0.02, seed=3)
+    # (Hutch++ with n = 600 HVPs left once its sketch reaches n/3 takes the exact trace
+    # instead: tested above; under 1100 it has to meet the tolerance.)
+    budget = 1100 if estimator is hutchpp_trace else 40_000
+    out = estimator(Counting(a), 600, max_hvps=budget, rtol=0.02, seed=3)
     assert out.stopped == "tolerance" and out.converged
     assert out.stderr <= 0.02 * abs(out.trace)
     assert abs(out.trace - truth) < 4 * out.stderr
     assert out.hvps > 500  # far more than an easy problem takes
     # An absolute tolerance alone stops it too.
-    by_atol = estimator(Counting(a), 600, max_hvps=40_000, atol=2.0, seed=3)
+    by_atol = estimator(Counting(a), 600, max_hvps=budget, atol=2.0, seed=3)
     assert by_atol.stopped == "tolerance" and by_atol.stderr <= 2.0
 
 
@@ -200,8 +257,12 @@ def test_hutchpp_limits() -> None:
 
 def test_hutchinson_diagonal() -> None:
     # Exact from the first probe on a diagonal matrix (z_i^2 = 1).
+    # Its error is known (zero) only from MIN_STDERR_SAMPLES probes on.
     d = np.diag(np.arange(1.0, 51.0))
-    out = hutchinson_diagonal(Counting(d), 50, batch_size=4, max_hvps=8)
+    few = hutchinson_diagonal(Counting(d), 50, batch_size=4, max_hvps=8, rtol=0.1)
+    np.testing.assert_allclose(few.diagonal, np.arange(1.0, 51.0))
+    assert few.error == math.inf and np.all(few.stderr == math.inf) and not few.converged
+    out = hutchinson_diagonal(Counting(d), 50, batch_size=4, max_hvps=32)
     np.testing.assert_allclose(out.diagonal, np.arange(1.0, 51.0))
     assert out.error == pytest.approx(0.0, abs=1e-12)
     # Each entry within its own standard error; the per-entry error is what theory says:
@@ -374,7 +435,9 @@ def test_slq_limits() -> None:
     "run",
     [
         lambda m, cb: exact_trace(m, 40, batch_size=8, callback=cb),
-        lambda m, cb: hutchpp_trace(m, 40, max_hvps=90, callback=cb),
+        lambda m, cb: hutchpp_trace(m, 40, batch_size=4, max_hvps=36, callback=cb),
+        # ... and after Hutch++ hands over to the exact trace (3 rounds, one exact pass)
+        lambda m, cb: hutchpp_trace(m, 40, batch_size=4, max_hvps=90, callback=cb),
         lambda m, cb: hutchinson_diagonal(m, 40, max_hvps=64, callback=cb),
         lambda m, cb: exact_diagonal(m, 40, batch_size=8, callback=cb),
         lambda m, cb: power_iteration(m, 40, k=2, max_hvps=40, callback=cb),

@@ -143,8 +143,11 @@ def test_hutchinson_estimates_the_trace_with_its_standard_error() -> None:
 
 def test_hutchinson_is_exact_for_a_diagonal_matrix() -> None:
     a = np.diag(np.arange(1.0, 11.0))  # z^T A z = sum a_ii z_i^2 = trace, for any z
-    out = hutchinson_trace(Counting(a), 10, batch_size=4, max_hvps=8)
+    out = hutchinson_trace(Counting(a), 10, batch_size=4, max_hvps=32)
     assert out.trace == pytest.approx(55.0) and out.stderr == pytest.approx(0.0, abs=1e-12)
+    # ... though from fewer than 30 samples its standard error is unknown, not 0.
+    few = hutchinson_trace(Counting(a), 10, batch_size=4, max_hvps=8)
+    assert few.trace == pytest.approx(55.0) and few.stderr == np.inf and not few.converged
 
 
 def test_hutchinson_stops_at_the_tolerance_and_the_time_limit() -> None:

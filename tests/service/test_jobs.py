@@ -116,9 +116,12 @@ def test_a_trace_job_reports_progress_and_answers_as_the_synchronous_request(
     assert done == sorted(done) and done[0] < 600 and all(d % 2 == 0 for d in done)
     for p in seen:
         assert p["total"] == 600 and p["unit"] == "hvps"
-        assert np.isfinite(p["estimate"]) and p["error"] > 0 and p["eta"] is not None
+        assert np.isfinite(p["estimate"]) and p["eta"] is not None
+        # No standard error from fewer than 30 samples: unknown (null), never a guess.
+        assert (p["error"] > 0) if p["done"] >= 30 else (p["error"] is None), p
     # Standard errors shrink as samples grow (1/sqrt(n), up to noise).
-    assert seen[-1]["error"] < seen[0]["error"] * 1.5
+    known = [p["error"] for p in seen if p["done"] >= 30]
+    assert len(known) >= 2 and known[-1] < known[0] * 1.5
     assert job["progress"]["done"] == 600 and job["progress"]["eta"] == 0.0
     assert job["finished_at"] and job["expires_at"] and job["elapsed"] > 0
     result = a.get(f"{location}/result")

@@ -16,7 +16,7 @@ import pytest
 
 from tests.service.conftest import Server, start_server, stop_server
 from tests.service.test_tape_algorithms import DEFN, SHAPES, N, dense, flat, tape_id  # noqa: F401
-from tests.service.wire import arr, post, problem
+from tests.service.wire import arr, post, problem, t64
 
 
 def test_trace_auto_is_exact_for_a_small_tape(client, dense, tape_id) -> None:  # noqa: F811
@@ -32,19 +32,48 @@ def test_trace_auto_is_exact_for_a_small_tape(client, dense, tape_id) -> None:  
 
 def test_trace_by_hutchpp(client, dense, tape_id) -> None:  # noqa: F811
     h, _ = dense
-    # auto with a budget below n = 30: Hutch++.
+    # auto with a budget below n = 30: Hutch++, whose 8 probes are too few for a
+    # standard error (fewer than 30): unknown, and not converged.
     small = post(client, f"/v1/tapes/{tape_id}/trace", {"max_hvps": 24, "batch_size": 4})
     assert small["method"] == "hutchpp" and small["hvps"] == 24 and small["sketch"] > 0
-    assert abs(small["trace"] - np.trace(h)) < 4 * small["stderr"]
-    # With a tolerance it stops as soon as its standard error meets it.
-    early = post(
+    assert small["samples"] == 8 and small["stderr"] is None and not small["converged"]
+    # With n HVPs left once its sketch would span n/3, Hutch++ takes the exact trace:
+    # 2 rounds of 12 (a third would take Q to 12 > 10), then one pass of the 30 unit
+    # vectors (it used to grow on to the whole space, 3n).
+    handed = post(
         client,
         f"/v1/tapes/{tape_id}/trace",
         {"method": "hutchpp", "batch_size": 4, "max_hvps": 3000, "rtol": 0.05},
     )
-    assert early["stopped"] in ("tolerance", "exhausted") and early["converged"]
-    assert early["stderr"] <= 0.05 * abs(early["trace"]) and early["hvps"] < 3000
-    assert abs(early["trace"] - np.trace(h)) <= 4 * early["stderr"] + 1e-9
+    assert handed["method"] == "exact" and handed["stopped"] == "exhausted"
+    assert handed["converged"] and handed["stderr"] == 0.0
+    assert handed["hvps"] == 24 + N and handed["batch_size"] == N
+    assert handed["trace"] == pytest.approx(np.trace(h), rel=1e-12)
+
+
+def test_trace_by_hutchinson_stops_at_its_tolerance(client, dense, tape_id) -> None:  # noqa: F811
+    h, _ = dense
+    # Hutchinson has no exact hand-over: with a tolerance it must stop on it, once its
+    # standard error is known (30 samples on), long before the budget.
+    early = post(
+        client,
+        f"/v1/tapes/{tape_id}/trace",
+        {"method": "hutchinson", "batch_size": 1, "max_hvps": 3000, "rtol": 0.1, "seed": 1},
+    )
+    assert early["stopped"] == "tolerance" and early["converged"]
+    assert 30 <= early["samples"] == early["hvps"] < 3000
+    assert early["stderr"] <= 0.1 * abs(early["trace"])
+    assert abs(early["trace"] - np.trace(h)) <= 4 * early["stderr"]
+    # Two probes are no standard error: the reviewer's probe answered 0 and converged.
+    two = post(client, f"/v1/tapes/{tape_id}/trace", {"method": "hutchinson", "max_hvps": 2})
+    assert two["samples"] == 2 and two["stderr"] is None and not two["converged"]
+    few = post(
+        client,
+        f"/v1/tapes/{tape_id}/diagonal",
+        {"method": "hutchinson", "max_hvps": 2, "batch_size": 1, "rtol": 0.5},
+    )
+    assert few["stderr"] is None and few["error"] is None and not few["converged"]
+    assert few["stopped"] == "max_hvps"
 
 
 def test_trace_parameters_are_checked(client, tape_id) -> None:  # noqa: F811
@@ -57,6 +86,15 @@ def test_trace_parameters_are_checked(client, tape_id) -> None:  # noqa: F811
         client.post(url, json={"method": "hutchpp", "max_hvps": 2}), 422, "invalid-request"
     )
     assert "max_hvps" in hutchpp["detail"] and "at least 3" in hutchpp["detail"]
+    # max_seconds below the floor an algorithm always gets was silently raised to it.
+    for path in ("trace", "diagonal", "eigenvalues", "spectral-density", "solve", "influence"):
+        short = problem(
+            client.post(f"/v1/tapes/{tape_id}/{path}", json={"max_seconds": 1e-9}),
+            422,
+            "validation",
+        )
+        assert short["errors"][0]["field"] == "max_seconds", short
+        assert "0.05" in short["errors"][0]["message"], short
     unknown = problem(client.post(url, json={"method": "lanczos"}), 422, "validation")
     assert unknown["errors"][0]["field"] == "method"
     problem(client.post(url, json={"atol": -1.0}), 422, "validation")
@@ -260,3 +298,38 @@ def test_the_memory_of_stored_vectors_is_bounded(small_basis, dense) -> None:  #
     )
     assert plus["sketch"] <= 4 and plus["hvps"] == 300 and plus["samples"] > 250
     assert abs(plus["trace"] - np.trace(h)) < 4 * plus["stderr"]
+
+
+def test_an_exact_diagonal_stopped_by_time_answers_only_what_it_reached(client) -> None:
+    # 4800 parameters, 4000 rows: one exact pass (32 unit vectors on the tests' server)
+    # takes longer than max_seconds, so the run stops after it. The entries past the
+    # reached ones were answered 0.0; now `diagonal` is null and `partial` holds only the
+    # reached entries, which match the closed form
+    # d^2/dW_aj^2 sum tanh(x W)^2 = sum_n x_na^2 f''(z_nj), f'' = 2 (1 - t^2)(1 - 3 t^2).
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4000, 60)) * 0.3
+    w = rng.standard_normal((60, 80)) * 0.3
+    defn = {
+        "variables": {"w": t64(w, "float64")},
+        "inputs": {"x": t64(x, "float64")},
+        "program": ["loss = sum(tanh(x @ w) ** 2)"],
+    }
+    created = client.post("/v1/tapes", json={"definition": defn, "target": "loss"})
+    assert created.status_code == 201, created.text[:300]
+    tape = created.json()["tape_id"]
+    answer = post(
+        client,
+        f"/v1/tapes/{tape}/diagonal",
+        {"method": "exact", "max_hvps": 4800, "max_seconds": 0.05},
+    )
+    assert answer["stopped"] == "time_limit" and not answer["converged"]
+    assert answer["diagonal"] is None and answer["error"] is None
+    reached = answer["reached"]
+    assert 0 < reached < 4800 and answer["hvps"] == answer["samples"] == reached
+    th = np.tanh(x @ w)
+    truth = ((x**2).T @ (2 * (1 - th**2) * (1 - 3 * th**2))).reshape(-1)  # (a, j) row-major
+    partial = arr(answer["partial"])
+    assert partial.shape == (reached,)
+    np.testing.assert_allclose(partial, truth[:reached], rtol=1e-9, atol=1e-9)
+    complete = post(client, f"/v1/tapes/{tape}/diagonal", {"method": "hutchinson"})
+    assert complete["partial"] is None and complete["diagonal"] is not None

@@ -159,8 +159,10 @@ class Trace(_Unpack):
 @dataclass(frozen=True)
 class Diagonal(_Unpack):
     """A tape's Hessian diagonal in the tape's source structure (exact, or Hutchinson's
-    estimate with a standard error per entry: `stderr`, None when exact); `error` is the
-    root-mean-square standard error."""
+    estimate with a standard error per entry: `stderr`, None when exact or unknown);
+    `error` is the root-mean-square standard error. An exact run stopped by max_seconds
+    has `diagonal` None and the `reached` entries it computed, flat in the sources'
+    order (each row-major), in `partial`."""
 
     diagonal: Any
     stderr: Any
@@ -174,6 +176,7 @@ class Diagonal(_Unpack):
     stopped: str
     hvps: int
     seconds: float
+    partial: np.ndarray | None = None
     _unpack = ("diagonal", "stderr")
 
 
@@ -230,8 +233,9 @@ class Influence(_Unpack):
     """Influence functions (Koh and Liang) on a tape recorded with an output: per training
     example i, `scores[i]` = -g_i . s_test (positive: harmful, up-weighting example i
     raises the test loss; negative: helpful) and `removal[i]`, the predicted change of
-    the test loss if it were left out; the top `helpful` and `harmful` indices, strongest
-    first; s_test = (C + damping I)^-1 grad L_test per source, and the CG solve's report."""
+    the test loss if it were left out; `helpful` (negative scores, most negative
+    first) and `harmful` (positive scores, largest first), at most top_k each, fewer
+    when fewer examples have that sign; s_test = (C + damping I)^-1 grad L_test per source, and the CG solve's report."""
 
     scores: np.ndarray
     removal: np.ndarray

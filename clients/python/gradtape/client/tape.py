@@ -457,6 +457,7 @@ class RemoteTape:
             a["stopped"],
             a["hvps"],
             a["seconds"],
+            None if a.get("partial") is None else np.asarray(a["partial"], dtype=np.float64),
         )
 
     def diagonal(
