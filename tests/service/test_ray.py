@@ -147,9 +147,15 @@ def test_cancel_stops_the_actor_at_its_next_op_and_keeps_it(
             "time_limit": 300,
         },
     )
-    wait(client, location, ("running",))
-    time.sleep(0.5)
-    assert client.get(location).json()["progress"]["done"] > 0
+    try:
+        wait(client, location, ("running",))
+        deadline = time.monotonic() + 10  # reports are collected every 0.1 s
+        while not ((job := client.get(location).json())["progress"] or {}).get("done"):
+            assert job["state"] == "running" and time.monotonic() < deadline, job
+            time.sleep(0.05)
+    except BaseException:
+        client.delete(location)  # a failed test leaves no job computing for minutes
+        raise
     cancelled = time.perf_counter()
     assert client.delete(location).status_code == 204
     assert client.get(location).json()["state"] == "cancelled"
