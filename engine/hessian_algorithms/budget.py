@@ -97,6 +97,16 @@ def check_tolerance(rtol: float | None, atol: float) -> None:
         raise ValueError(f"atol must be non-negative, got {atol}")
 
 
+def diagonal_entries(matvec: Callable[[np.ndarray], np.ndarray], n: int,
+                     indices: np.ndarray, budget: Budget) -> np.ndarray:
+    """A_ii for i in `indices`: one batched pass over the unit vectors e_i (what the exact
+    trace and the exact diagonal are made of)."""
+    rows = np.arange(len(indices))
+    units = np.zeros((len(indices), n))
+    units[rows, indices] = 1.0
+    return budget.apply(matvec, units)[rows, indices]
+
+
 def rademacher(rng: np.random.Generator, size: int, n: int) -> np.ndarray:
     """`size` random vectors of +-1 entries, (size, n) float64."""
     return rng.integers(0, 2, size=(size, n)).astype(np.float64) * 2.0 - 1.0

@@ -20,6 +20,7 @@ from engine.hessian_algorithms.budget import (
     check_batch_size,
     check_operator,
     check_tolerance,
+    diagonal_entries,
     rademacher,
 )
 from engine.hessian_algorithms.trace import MIN_STDERR_SAMPLES, exact_pass_size
@@ -79,9 +80,7 @@ def exact_diagonal(
     stopped = "exhausted"
     while done < n:
         rows = np.arange(done, min(n, done + batch_size))
-        units = np.zeros((len(rows), n))
-        units[np.arange(len(rows)), rows] = 1.0
-        diagonal[rows] = budget.apply(matvec, units)[np.arange(len(rows)), rows]
+        diagonal[rows] = diagonal_entries(matvec, n, rows, budget)
         done += len(rows)
         batches += 1
         budget.report(callback, "exact_diagonal", done / n, None)

@@ -22,6 +22,7 @@ from engine.hessian_algorithms.budget import (
     check_batch_size,
     check_operator,
     check_tolerance,
+    diagonal_entries,
     orthogonalize,
     rademacher,
 )
@@ -135,10 +136,7 @@ def exact_trace(
     stopped = "exhausted"
     while seen < n:
         chunk = order[seen : seen + batch_size]
-        units = np.zeros((len(chunk), n))
-        units[np.arange(len(chunk)), chunk] = 1.0
-        products = budget.apply(matvec, units)
-        values[seen : seen + len(chunk)] = products[np.arange(len(chunk)), chunk]
+        values[seen : seen + len(chunk)] = diagonal_entries(matvec, n, chunk, budget)
         seen += len(chunk)
         batches += 1
         estimate, stderr = _partial_sum(values[:seen], n)
