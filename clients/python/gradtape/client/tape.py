@@ -394,17 +394,17 @@ class RemoteTape:
         a = yield from self._core.compute("POST", self._path("/trace"), body,
                                           progress=progress, description="trace")
         return Trace(
-            a["trace"],
-            a.get("stderr"),
-            a["samples"],
-            a["batches"],
-            a["batch_size"],
-            a["converged"],
-            a["stopped"],
-            a["hvps"],
-            a["seconds"],
-            a.get("method", "hutchinson"),
-            a.get("sketch", 0),
+            trace=a["trace"],
+            stderr=a.get("stderr"),
+            samples=a["samples"],
+            batches=a["batches"],
+            batch_size=a["batch_size"],
+            converged=a["converged"],
+            stopped=a["stopped"],
+            hvps=a["hvps"],
+            seconds=a["seconds"],
+            method=a.get("method", "hutchinson"),
+            sketch=a.get("sketch", 0),
         )
 
     def trace(
@@ -445,19 +445,20 @@ class RemoteTape:
                                           progress=progress, description="diagonal")
         stderr = a.get("stderr")
         return Diagonal(
-            shaped(a["diagonal"], self._sources),
-            None if stderr is None else shaped(stderr, self._sources),
-            a.get("error"),
-            a["method"],
-            a["reached"],
-            a["samples"],
-            a["batches"],
-            a["batch_size"],
-            a["converged"],
-            a["stopped"],
-            a["hvps"],
-            a["seconds"],
-            None if a.get("partial") is None else np.asarray(a["partial"], dtype=np.float64),
+            diagonal=shaped(a["diagonal"], self._sources),
+            stderr=None if stderr is None else shaped(stderr, self._sources),
+            error=a.get("error"),
+            method=a["method"],
+            reached=a["reached"],
+            samples=a["samples"],
+            batches=a["batches"],
+            batch_size=a["batch_size"],
+            converged=a["converged"],
+            stopped=a["stopped"],
+            hvps=a["hvps"],
+            seconds=a["seconds"],
+            partial=(None if a.get("partial") is None
+                     else np.asarray(a["partial"], dtype=np.float64)),
         )
 
     def diagonal(
@@ -500,19 +501,19 @@ class RemoteTape:
                                           progress=progress, description="spectral density")
         stderr = a.get("stderr")
         return SpectralDensity(
-            np.asarray(a["grid"], dtype=np.float64),
-            np.asarray(a["density"], dtype=np.float64),
-            None if stderr is None else np.asarray(stderr, dtype=np.float64),
-            [np.asarray(t, dtype=np.float64) for t in a["nodes"]],
-            [np.asarray(w, dtype=np.float64) for w in a["weights"]],
-            a["sigma"],
-            a["probes"],
-            a["steps"],
-            a["parameters"],
-            a["converged"],
-            a["stopped"],
-            a["hvps"],
-            a["seconds"],
+            grid=np.asarray(a["grid"], dtype=np.float64),
+            density=np.asarray(a["density"], dtype=np.float64),
+            stderr=None if stderr is None else np.asarray(stderr, dtype=np.float64),
+            nodes=[np.asarray(t, dtype=np.float64) for t in a["nodes"]],
+            weights=[np.asarray(w, dtype=np.float64) for w in a["weights"]],
+            sigma=a["sigma"],
+            probes=a["probes"],
+            steps=a["steps"],
+            parameters=a["parameters"],
+            converged=a["converged"],
+            stopped=a["stopped"],
+            hvps=a["hvps"],
+            seconds=a["seconds"],
         )
 
     def spectral_density(
@@ -601,19 +602,19 @@ class RemoteTape:
             "POST", self._path("/influence"), body, progress=progress, description="influence"
         )
         return Influence(
-            np.asarray(a["scores"], dtype=np.float64),
-            np.asarray(a["removal"], dtype=np.float64),
-            np.asarray(a["helpful"], dtype=np.int64),
-            np.asarray(a["harmful"], dtype=np.int64),
-            a["test_loss"],
-            shaped(a["s_test"], self._sources),
-            a["curvature"],
-            a["converged"],
-            a["stopped"],
-            a["iterations"],
-            a["hvps"],
-            np.asarray(a["residuals"], dtype=np.float64),
-            a["seconds"],
+            scores=np.asarray(a["scores"], dtype=np.float64),
+            removal=np.asarray(a["removal"], dtype=np.float64),
+            helpful=np.asarray(a["helpful"], dtype=np.int64),
+            harmful=np.asarray(a["harmful"], dtype=np.int64),
+            test_loss=a["test_loss"],
+            s_test=shaped(a["s_test"], self._sources),
+            curvature=a["curvature"],
+            converged=a["converged"],
+            stopped=a["stopped"],
+            iterations=a["iterations"],
+            hvps=a["hvps"],
+            residuals=np.asarray(a["residuals"], dtype=np.float64),
+            seconds=a["seconds"],
         )
 
     def influence(
