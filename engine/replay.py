@@ -157,6 +157,10 @@ class Passes:
         self.entries: OrderedDict[Hashable, Any] = OrderedDict()
         self.limit = limit
         self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
+        # Counts every change of what the passes keep (a layout seen or evicted, a capture
+        # stored, a schedule's buffers allocated): an owner that accounts for memory
+        # measures again when it moves, and only then.
+        self.changes = 0
         self._lock = threading.Lock()
 
     def run(
@@ -171,12 +175,16 @@ class Passes:
             entry = self.entries.get(key)
             if entry is None:
                 self.entries[key] = (NOT_YET, 0)
+                self.changes += 1
                 while self.limit is not None and len(self.entries) > self.limit:
                     self.entries.popitem(last=False)
             else:
                 self.entries.move_to_end(key)
         if isinstance(entry, Schedule):
+            allocated = entry.steps is not None
             outputs = entry.try_run([s.value for s in seeds])
+            if not allocated and entry.steps is not None:
+                self.changes += 1  # its first run allocated its buffers
             if outputs is not None:
                 return [None if o is None else Tensor(o) for o in outputs]
         if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
@@ -187,6 +195,7 @@ class Passes:
                 self.entries[key] = (
                     schedule if isinstance(schedule, Schedule) else (schedule, entry[1] + 1)
                 )
+                self.changes += 1
         return outputs
 
     def status(self) -> dict[Hashable, str]:

@@ -451,6 +451,12 @@ class HessianOperator:
             key, flat_v, lambda seeds: self._dynamic_pass(seeds, batch_ndim),
             lambda: replay.known_tensors(self._tape, self._grads, self._flat))
 
+    @property
+    def replay_changes(self) -> int:
+        """Moves whenever what the compiled passes keep changes (a layout seen, captured or
+        evicted, a schedule's buffers allocated): when to count `nbytes()` again."""
+        return self._passes.changes
+
     def replay_status(self) -> dict[str, str]:
         """Per vector layout: "compiled", or why (or that) its passes are dynamic."""
         return {f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}": v

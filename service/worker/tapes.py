@@ -67,10 +67,6 @@ from service.worker.compute import (
     on_device,
 )
 
-# HVPs measured after a change of the replay status: the layout's capture, then its first
-# replay (which allocates the schedule's buffers), then one to see them settled.
-MEASURED_HVPS = 3
-
 
 @dataclass(eq=False)
 class TapeSession:
@@ -88,9 +84,8 @@ class TapeSession:
     curvature: Curvature | None = None  # recorded on the first non-Hessian request
     flats: dict[tuple, FlatOperator] | None = None  # per curvature, on first use
     bytes: int = 0
-    # HVPs still to measure after (see _done): what a tape holds settles within a few.
-    hvps_to_measure: int = MEASURED_HVPS
-    replay_seen: dict[str, str] | None = None  # the operator's replay status when measured
+    remeasure: bool = True  # count the bytes at the next HVP too (see _done)
+    replay_seen: int = -1  # the operator's replay_changes when its bytes were counted
 
 
 def sessions(context: WorkerContext) -> dict[str, TapeSession]:
@@ -191,7 +186,7 @@ def _curvature(session: TapeSession) -> Curvature:
         session.curvature = Curvature(model, loss, params, data, targets,
                                       max_batch=session.operator.max_batch, hessian=False)
         session.flats = {}
-        session.hvps_to_measure = MEASURED_HVPS  # the tape holds more now: measure again
+        session.remeasure = True  # the tape holds more now: count again
     return session.curvature
 
 
@@ -247,7 +242,7 @@ def _operator(session: TapeSession, payload: Mapping[str, Any], context: WorkerC
     key = (kind, samples, seed)
     if key not in session.flats:
         session.flats[key] = FlatOperator(operator)
-        session.hvps_to_measure = MEASURED_HVPS
+        session.remeasure = True
     return operator, session.flats[key]
 
 
@@ -279,16 +274,15 @@ def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSe
 
 def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only: bool
           ) -> dict[str, Any]:
-    # HVPs fill the rule caches of the recording, and the compiled replay of each vector
-    # layout keeps its schedule's buffers (engine/replay.py: captured at the layout's
-    # second pass, its buffers kept from the third): so the bytes are measured again for
-    # MEASURED_HVPS HVPs after the replay status last changed, then they stay put.
-    status = session.operator.replay_status() if hvp_only else None
-    if status != session.replay_seen:
-        session.hvps_to_measure, session.replay_seen = MEASURED_HVPS, status
-    if not hvp_only or session.hvps_to_measure > 0:
+    # An HVP records nothing. What it may add: the rule stages' caches (filled by the
+    # first HVP after a recording), and what the compiled replay keeps for a vector
+    # layout (engine/replay.py: seen, captured, its buffers allocated on the first
+    # replay), whose changes the operator counts. So the bytes are counted after anything
+    # else, after the first HVP that follows, and when replay_changes moves.
+    changes = session.operator.replay_changes
+    if not hvp_only or session.remeasure or changes != session.replay_seen:
         session.bytes = held_bytes(session, shared=(CompiledProgram,))
-        session.hvps_to_measure -= hvp_only
+        session.remeasure, session.replay_seen = not hvp_only, changes
     result["tape"] = {"bytes": session.bytes, "rebuilt": rebuilt}
     return result
 

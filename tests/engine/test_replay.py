@@ -457,3 +457,20 @@ def test_kept_gradient_passes_are_bounded_across_programs() -> None:
     assert len(kept) == compile_module.GRADIENT_PASSES
     pooled = sum(p.pooled_bytes for p in kept.values() if isinstance(p, replay.Schedule))
     assert 0 < pooled <= compile_module.GRADIENT_PASSES * compile_module.GRADIENT_POOL_LIMIT
+
+
+def test_replay_changes_count_what_the_passes_keep() -> None:
+    """replay_changes moves when a layout is first seen, when its pass is captured and
+    when the schedule's first replay allocates its buffers, and then stays put: what an
+    owner that accounts for memory (the service's tapes) measures again by."""
+    from engine.footprint import held_bytes
+
+    x = np.random.default_rng(36).standard_normal((64, 64))
+    op = gt.hessian_operator(lambda w: gt.sum(gt.tanh(gt.constant(x) @ w) ** 2), x)
+    seen, sizes = [op.replay_changes], [held_bytes(op)]
+    for _ in range(5):
+        op.hvp(np.ones((64, 64)))
+        seen.append(op.replay_changes)
+        sizes.append(held_bytes(op))
+    assert seen == [0, 1, 2, 3, 3, 3], seen
+    assert sizes[3] > sizes[2] and sizes[3:] == [sizes[3]] * 3, sizes  # buffers, then flat
