@@ -15,6 +15,7 @@ or checking again.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -46,6 +47,12 @@ UNCONNECTED = ("none", "zero")
 GRADIENT_PASSES = 16
 GRADIENT_POOL_LIMIT = 16 * 1024 * 1024
 _gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
+
+
+def _digest(values: Any) -> bytes:
+    """An integer leaf's values in a pass's key (a program may branch on labels or
+    indices), as 16 bytes: a kept key never holds a copy of a large label array."""
+    return hashlib.blake2b(values.tobytes(), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -208,7 +215,7 @@ class CompiledProgram:
             tuple(request.sources.items()),
             request.unconnected,
             tuple(
-                (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else a.tobytes())
+                (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else _digest(a))
                 for n, a in zip(names, arrays, strict=True)
             ),
         )
