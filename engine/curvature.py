@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import backend, trace, tree
+from engine import backend, replay, trace, tree
 from engine.hessian_algorithms import Callback, FlatOperator, SolveResult, conjugate_gradient
 from engine.tape import GradientTape, _check_source
 from engine.tensor import Tensor, as_tensor
@@ -545,6 +545,10 @@ class CurvatureOperator(HessianOperator):
         self.samples = samples
         self.seed = seed
         self.max_batch = curvature.max_batch
+        # Its products are the Curvature's (_product below), computed dynamically: no
+        # compiled pass, an empty record of them (replay_status {}, replay_changes 0).
+        self.compiled = False
+        self._passes = replay.Passes()
 
     # The recording is the Curvature's: read through, so every view sees a new point.
     _flat = property(lambda self: self.curvature._flat)

@@ -566,3 +566,18 @@ def test_the_issue_12_estimators_run_on_the_curvature_operators() -> None:
         density = spectral_density(flat.matvec, flat.n, probes=2, steps=flat.n)
         nodes = np.asarray(density.nodes[0])
         assert np.abs(nodes[:, None] - exact[None, :]).min(axis=1).max() < 1e-8
+
+
+def test_a_curvature_operator_answers_the_operator_interface_in_full() -> None:
+    """Everything a HessianOperator answers, a CurvatureOperator answers too (it is one):
+    its passes are not compiled, and it says so instead of failing."""
+    from engine.curvature import curvature_operator
+
+    rng = np.random.default_rng(40)
+    x, y = rng.standard_normal((8, 3)), rng.standard_normal((8, 2))
+    op = curvature_operator(lambda w, x: x @ w, lambda o, y: gt.mean((o - y) ** 2),
+                            np.ones((3, 2)), x, y, "ggn")
+    (product,) = op.hvp(np.ones((3, 2)))
+    # GGN of a linear model under mean squared error: (2 / (N * 2)) X^T X V per output
+    np.testing.assert_allclose(product.numpy(), x.T @ x @ np.ones((3, 2)) / 8, rtol=1e-10)
+    assert op.replay_status() == {} and op.replay_changes == 0
