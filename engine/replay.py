@@ -60,8 +60,11 @@ class CaptureFailed(Exception):
 class Capture:
     """Watches one dynamic pass (as `trace.capture`) and builds its Schedule."""
 
-    def __init__(self, seeds: Sequence[Tensor], known: set[int]):
-        self.known = known  # ids of tensors alive before the pass (constants)
+    def __init__(self, seeds: Sequence[Tensor], known: dict[int, Tensor]):
+        # The tensors alive before the pass (constants), by id. Held, not just their ids:
+        # one that died during the pass could hand its id to an array made outside the
+        # ops, which would then pass for a constant.
+        self.known = known
         self.kinds: list[int] = []
         # Per slot: the array for constants; for the pass's own arrays only their layout
         # (holding them would keep every intermediate of the pass alive at once).
@@ -87,7 +90,7 @@ class Capture:
         entry = self.slots.get(id(t))
         if entry is not None and entry[1]() is t:
             return entry[0]
-        if id(t) in self.known:
+        if self.known.get(id(t)) is t:
             return self._new(t, _CONST)
         raise CaptureFailed(
             "an operation received an array made outside the engine's ops during the pass"
@@ -116,7 +119,9 @@ class Capture:
 
     def constant(self, t: Tensor) -> None:
         """t was made during the pass but depends on nothing in it (zeros of a shape)."""
-        if id(t) not in self.slots:
+        entry = self.slots.get(id(t))
+        # (A dead tensor's entry may carry t's id: t is new all the same.)
+        if entry is None or entry[1]() is not t:
             self._new(t, _CONST)
 
     def alias(self, t: Tensor, of: Tensor) -> None:
@@ -168,7 +173,7 @@ class Passes:
         key: Hashable,
         seeds: Sequence[Tensor],
         dynamic: Callable[[list[Tensor]], list[Tensor | None]],
-        known: Callable[[], set[int]],
+        known: Callable[[], dict[int, Tensor]],
     ) -> list[Tensor | None]:
         """dynamic(seeds)'s outputs, computed the way this layout's state says."""
         with self._lock:
@@ -203,10 +208,10 @@ class Passes:
         return {k: "compiled" if isinstance(v, Schedule) else v[0] for k, v in self.entries.items()}
 
 
-def known_tensors(*roots: Any) -> set[int]:
-    """Ids of the tensors reachable from `roots` (through objects, containers and
-    closures, as engine.footprint walks): the values a pass may use as constants."""
-    found: set[int] = set()
+def known_tensors(*roots: Any) -> dict[int, Tensor]:
+    """The tensors reachable from `roots` (through objects, containers and closures, as
+    engine.footprint walks), by id: the values a pass may use as constants."""
+    found: dict[int, Tensor] = {}
     seen: set[int] = set()
     stack = list(roots)
     while stack:
@@ -231,7 +236,7 @@ def known_tensors(*roots: Any) -> set[int]:
         ):
             continue
         if isinstance(obj, Tensor):
-            found.add(id(obj))
+            found[id(obj)] = obj
         if isinstance(obj, types.FunctionType):
             for cell in obj.__closure__ or ():
                 try:
@@ -247,7 +252,7 @@ def known_tensors(*roots: Any) -> set[int]:
 def capture(
     run: Callable[[list[Tensor]], list[Tensor | None]],
     seeds: Sequence[Tensor],
-    known: set[int],
+    known: dict[int, Tensor],
     pool_limit: int | None = None,
 ) -> tuple[list[Tensor | None], Schedule | str]:
     """Run `run(seeds)` dynamically under a Capture: its outputs, and the Schedule (or the
@@ -256,7 +261,7 @@ def capture(
     # Fresh identities: a seed passed twice, or a seed that is also a recorded value,
     # must still be one slot per seed.
     fresh = [Tensor(s.value) for s in seeds]
-    cap = Capture(fresh, known | {id(t) for t in _scalars.values()})
+    cap = Capture(fresh, {**known, **{id(t): t for t in _scalars.values()}})
     saved, trace.capture = trace.capture, cap
     try:
         outputs = run(fresh)

@@ -220,6 +220,34 @@ def test_an_array_made_outside_the_ops_falls_back() -> None:
     assert status and all("outside" in s for s in status.values()), status
 
 
+def test_a_dead_tensors_id_is_not_inherited_by_a_new_one() -> None:
+    """CPython hands a freed object's id to the next one. A pass's intermediates die as
+    it goes: an array made during the pass with such an id is still new (a constant
+    made in the pass is registered, one made outside the ops fails the capture), and a
+    constant is only ever the known tensor itself, held for the capture's length."""
+    from engine.tensor import Tensor
+
+    cap = replay.Capture([Tensor(np.ones(2))], {})
+    for _ in range(1000):
+        dead = Tensor(np.zeros(2))
+        cap._new(dead, replay._STEP)
+        dead_id = id(dead)
+        del dead
+        new = Tensor(np.zeros(2))
+        if id(new) == dead_id:
+            break
+    else:
+        raise AssertionError("CPython reused no id in 1000 tries: the test proves nothing")
+    with pytest.raises(replay.CaptureFailed, match="outside"):
+        cap._slot_of(new)
+    cap.constant(new)
+    assert cap.kinds[cap._slot_of(new)] == replay._CONST
+    other = Tensor(np.zeros(2))
+    impostor = replay.Capture([Tensor(np.ones(2))], {id(other): Tensor(np.zeros(2))})
+    with pytest.raises(replay.CaptureFailed, match="outside"):
+        impostor._slot_of(other)
+
+
 def test_schedule_keeps_buffers_and_reuses_them() -> None:
     loss, params = _mlp(gt.tanh)
     op = gt.hessian_operator(loss, *params)
