@@ -1,0 +1,256 @@
+"""Shared memory for the large arrays of worker messages (service/core/ipc.py).
+
+An array of at least `threshold` bytes crosses between the HTTP process and a local
+worker through an *arena*: a file of /dev/shm (POSIX shared memory) that its sender
+keeps mapped and writes each message's large arrays into (one memcpy), while the frame on
+the socket carries only the arena's name and where each array lies in it. The receiver
+maps the arena once and hands out NumPy views of it, read-only and with no copy. Ray
+actors, on any node, never use it (service/pool/ray.py).
+
+Why arenas that are reused, not a fresh segment per message: filling fresh tmpfs pages
+costs a page allocation and a fault per 4 KiB, which on this machine made a 4 MB
+segment as slow as the socket pair (bench/bench_ipc.py); an arena's pages are allocated
+once and stay mapped on both sides, so a message costs one copy into memory already
+there. Why named files rather than memfd passed with SCM_RIGHTS: fd passing needs
+recvmsg on the HTTP process's side, which asyncio's stream transports do not offer; the
+names exist only for the moment between an arena's creation and its mapping by the
+receiver, which unlinks it at once (so /dev/shm holds nothing of a running pool), and
+sweeps (below) cover that moment.
+
+An arena is reused only while none of the arrays the receiver was handed from it is
+alive (a tape, a job's stored answer, a response still being written may keep one):
+the receiver says so with its next message (`held`), and the sender then leaves that
+arena to the arrays that hold it (the kernel frees it when the last of them goes) and
+writes the next message into a new one. A strict alternation makes this safe: a worker
+writes its reply arena only after the request that the HTTP process sent once it had
+read the previous reply; the HTTP process writes a worker's request arena only after that
+worker's reply to the previous request.
+
+Names: `<prefix>-a<worker index>-<n>` (an arena the HTTP process writes for a worker)
+and `<prefix>-w<worker pid>-<n>` (one a worker writes), where the prefix is the pool's
+own, `gradtape-<pid of the HTTP process>-<random>`. What could be left in /dev/shm, and
+who removes it:
+- an arena created but not yet mapped when its receiver died: the HTTP process unlinks
+  its own when it replaces the worker; a dead worker's (`-w<pid>-`) are swept once the
+  process is reaped; a pool that closes sweeps its whole prefix;
+- everything of an HTTP process killed outright (SIGKILL, OOM): the next pool to start on
+  the host sweeps every `gradtape-<pid>-` whose process is gone (never a live server's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import re
+import secrets
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("gradtape.workers")
+
+DIRECTORY = "/dev/shm"
+FAMILY = "gradtape-"  # every segment of every gradtape pool starts with it
+# Each array's offset in an arena: a cache line, so that the receiver's arrays start
+# 64-byte aligned (the mapping itself is page aligned).
+ALIGNMENT = 64
+MIN_ARENA = 1 << 20
+# An arena above this size is replaced by a smaller one when a message needs less than
+# an eighth of it: one huge request must not pin its memory for the worker's lifetime.
+KEEP_ARENA = 16 << 20
+_NAME = re.compile(r"gradtape-[0-9]+-[0-9a-f]+-[aw][0-9]+-[0-9]+\Z")
+
+
+def available() -> bool:
+    """Whether this host has POSIX shared memory as a directory (Linux's tmpfs)."""
+    return os.path.isdir(DIRECTORY) and os.access(DIRECTORY, os.W_OK | os.X_OK)
+
+
+@dataclass(frozen=True)
+class Channel:
+    """A pool's shared memory: the names it may open (under `prefix`) and which arrays go
+    there (at least `threshold` bytes; 0: none)."""
+
+    prefix: str
+    threshold: int
+
+    @classmethod
+    def for_new_pool(cls, threshold: int) -> Channel:
+        return cls(f"{FAMILY}{os.getpid()}-{secrets.token_hex(4)}", threshold)
+
+    def takes(self, nbytes: int) -> bool:
+        # An empty array has no bytes to map: always inline.
+        return self.threshold > 0 and nbytes >= self.threshold and nbytes > 0
+
+    def owns(self, name: str) -> bool:
+        return name.startswith(self.prefix + "-") and _NAME.match(name) is not None
+
+    def names(self, tag: str) -> Iterator[str]:
+        """Fresh arena names `<prefix>-<tag>-<n>` (tag: `a<worker index>` or `w<pid>`)."""
+        return (f"{self.prefix}-{tag}-{n}" for n in itertools.count())
+
+
+class Outbox:
+    """The arena one side writes its large arrays into, for one peer; `tag` names its
+    arenas (`a<worker index>` for the HTTP process's, `w<pid>` for a worker's)."""
+
+    def __init__(self, channel: Channel, tag: str):
+        self.channel = channel
+        self._names = channel.names(tag)
+        self.name: str | None = None
+        self._mapping: mmap.mmap | None = None
+        self.held = False  # the peer still holds arrays of the current arena
+
+    def write(self, pieces: Sequence[tuple[int, memoryview]], end: int) -> str:
+        """Copy each (offset, bytes) into the arena, a new one if the current one is held
+        or of the wrong size; its name. OSError (a full /dev/shm) when none can be made."""
+        size = self._mapping.size() if self._mapping is not None else 0
+        if self.held or end > size or (size > KEEP_ARENA and end * 8 < size):
+            self._create(max(MIN_ARENA, 1 << (end - 1).bit_length()))
+        assert self._mapping is not None and self.name is not None
+        for offset, raw in pieces:
+            self._mapping[offset : offset + len(raw)] = raw
+        return self.name
+
+    def _create(self, size: int) -> None:
+        self.close()
+        name = next(self._names)
+        fd = os.open(
+            path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            # Every page allocated now: a full /dev/shm is an ENOSPC here, never a
+            # SIGBUS in a reader later; MAP_POPULATE maps them all in one call.
+            os.posix_fallocate(fd, 0, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except OSError:
+            unlink(name)
+            raise
+        finally:
+            os.close(fd)
+        self.name, self._mapping, self.held = name, mapping, False
+
+    def close(self) -> None:
+        """Give the arena up (the receiver's arrays keep their own mapping of it)."""
+        if self.name is not None:
+            unlink(self.name)  # unless the receiver has already
+        if self._mapping is not None:
+            self._mapping.close()
+        self.name, self._mapping, self.held = None, None, False
+
+
+class Inbox:
+    """The peer's arena as this side maps it, and the arrays handed out from it."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self.name: str | None = None
+        self._view: memoryview | None = None
+        self._handed: list[weakref.ref[Any]] = []
+
+    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
+        """Bytes offset..offset+nbytes of arena `name` (mapped, and unlinked, the first
+        time it is seen). ValueError/OSError when they are not there."""
+        if name != self.name:
+            if not self.channel.owns(name):
+                raise ValueError(f"{name!r} is no arena of this pool")
+            mapping = open_mapping(name)
+            unlink(name)  # mapped on both sides now: the name has done its work
+            # The previous arena's arrays keep their own reference to its mapping.
+            self.name, self._view, self._handed = name, memoryview(mapping), []
+        assert self._view is not None
+        if offset + nbytes > len(self._view):
+            raise ValueError(
+                f"bytes {offset}..{offset + nbytes} lie past the arena's {len(self._view)}"
+            )
+        return self._view[offset : offset + nbytes]
+
+    def handed(self, array: np.ndarray) -> None:
+        """Track `array` (made from view()): the arena is held while it, or any array
+        viewing it, lives. NumPy keeps the memoryview it made at the root of the
+        array's bases, which a weak reference watches."""
+        root: Any = array
+        while isinstance(root, np.ndarray) and root.base is not None:
+            root = root.base
+        self._handed.append(weakref.ref(root))
+
+    def held(self) -> bool:
+        """Whether an array from the current arena is still alive (then the sender must
+        not write into it again)."""
+        self._handed = [r for r in self._handed if r() is not None]
+        return bool(self._handed)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def path_of(name: str) -> str:
+    return os.path.join(DIRECTORY, name)
+
+
+def open_mapping(name: str) -> mmap.mmap:
+    """Map arena `name` read-only (the caller unlinks it once it has it)."""
+    fd = os.open(path_of(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        # ACCESS_READ: the mapping's buffer is read-only, so the arrays over it are too.
+        # (Mapped once per arena: its pages fault in on the first message only.)
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)  # the mapping keeps the memory; no descriptor is held
+
+
+def unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path_of(name))
+
+
+def sweep(prefix: str) -> int:
+    """Unlink every segment whose name starts with `prefix`; how many there were."""
+    count = 0
+    for name in _names():
+        if name.startswith(prefix):
+            unlink(name)
+            count += 1
+    return count
+
+
+def sweep_orphans() -> int:
+    """Unlink the segments of pools whose HTTP process is gone (killed before it could
+    clean up); those of live processes, this one's included, stay."""
+    count = 0
+    for name in _names():
+        if not name.startswith(FAMILY):
+            continue
+        pid = name[len(FAMILY) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            unlink(name)
+            count += 1
+    if count:
+        log.warning(
+            "removed %d shared-memory segment(s) of gradtape processes that are gone", count
+        )
+    return count
+
+
+def _names() -> list[str]:
+    try:
+        return os.listdir(DIRECTORY)
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, and not ours to judge
+    return True
