@@ -41,8 +41,9 @@ HEADER = struct.Struct("!I")
 MAX_FRAME = 2**32 - 1
 ARRAY_EXT = 1  # the msgpack extension type code of a NumPy array
 SHARED_ARRAY_EXT = 2  # ... of a NumPy array in a shared-memory arena
-# The kind of the pool's message that tells a worker the HTTP process still holds arrays
-# of its reply arena (service/core/shm.py); a reply says the same with "held": true.
+# The kind of the pool's message that tells a worker which of its reply arenas the HTTP
+# process still holds arrays of (service/core/shm.py); a reply says the same of the
+# request arenas with "held": [names].
 HELD = "shm-held"
 # The length of the array's [dtype, shape] header, and the offset of its raw bytes.
 _ARRAY_PREFIX = struct.Struct("!HH")
@@ -177,7 +178,7 @@ def _shared_array(data: bytes, inbox: shm.Inbox) -> Any:
         array = wire.from_bytes(inbox.view(name, offset, nbytes), dtype, shape)
     except (OSError, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise FrameError(f"a malformed shared-memory array in a worker message: {exc}") from None
-    inbox.handed(array)
+    inbox.handed(name, array)
     return array
 
 

@@ -17,14 +17,15 @@ names exist only for the moment between an arena's creation and its mapping by t
 receiver, which unlinks it at once (so /dev/shm holds nothing of a running pool), and
 sweeps (below) cover that moment.
 
-An arena is reused only while none of the arrays the receiver was handed from it is
-alive (a tape, a job's stored answer, a response still being written may keep one):
-the receiver says so with its next message (`held`), and the sender then leaves that
-arena to the arrays that hold it (the kernel frees it when the last of them goes) and
-writes the next message into a new one. A strict alternation makes this safe: a worker
-writes its reply arena only after the request that the HTTP process sent once it had
-read the previous reply; the HTTP process writes a worker's request arena only after that
-worker's reply to the previous request.
+An arena is written again only when none of the arrays the receiver was handed from it
+is alive (a tape, a job's stored answer, a response still being written may keep one):
+the receiver names the arenas it holds with its next message (`held`), and the sender
+writes into another of its ARENAS, or a new one (the oldest then is left to the arrays
+that hold it: the kernel frees it when the last of them goes). A strict alternation
+makes the word timely: a worker writes a reply only after the request that the HTTP
+process sent once it had read the previous reply (with the held names before it); the
+HTTP process writes a worker's request arena only after that worker's reply to the
+previous request (which carries them).
 
 Names: `<prefix>-a<worker index>-<n>` (an arena the HTTP process writes for a worker)
 and `<prefix>-w<worker pid>-<n>` (one a worker writes), where the prefix is the pool's
@@ -61,6 +62,7 @@ FAMILY = "gradtape-"  # every segment of every gradtape pool starts with it
 # 64-byte aligned (the mapping itself is page aligned).
 ALIGNMENT = 64
 MIN_ARENA = 1 << 20
+ARENAS = 2  # arenas per side and peer (Outbox)
 # An arena above this size is replaced by a smaller one when a message needs less than
 # an eighth of it: one huge request must not pin its memory for the worker's lifetime.
 KEEP_ARENA = 16 << 20
@@ -97,29 +99,38 @@ class Channel:
 
 
 class Outbox:
-    """The arena one side writes its large arrays into, for one peer; `tag` names its
-    arenas (`a<worker index>` for the HTTP process's, `w<pid>` for a worker's)."""
+    """The arenas one side writes its large arrays into, for one peer; `tag` names them
+    (`a<worker index>` for the HTTP process's, `w<pid>` for a worker's).
+
+    It keeps the ARENAS most recently created and writes each message into one the peer
+    does not hold (`held`: the names the peer said it holds, for the next message only),
+    creating one when none is free: two, so that a reply can be written while the
+    previous one is still being read (the HTTP process dispatches the next request to a
+    worker the moment a reply has come, before the route has written the answer out)."""
 
     def __init__(self, channel: Channel, tag: str):
         self.channel = channel
         self._names = channel.names(tag)
-        self.name: str | None = None
-        self._mapping: mmap.mmap | None = None
-        self.held = False  # the peer still holds arrays of the current arena
+        self._arenas: list[tuple[str, mmap.mmap]] = []  # oldest first
+        self.held: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self._arenas]
 
     def write(self, pieces: Sequence[tuple[int, memoryview]], end: int) -> str:
-        """Copy each (offset, bytes) into the arena, a new one if the current one is held
-        or of the wrong size; its name. OSError (a full /dev/shm) when none can be made."""
-        size = self._mapping.size() if self._mapping is not None else 0
-        if self.held or end > size or (size > KEEP_ARENA and end * 8 < size):
-            self._create(max(MIN_ARENA, 1 << (end - 1).bit_length()))
-        assert self._mapping is not None and self.name is not None
+        """Copy each (offset, bytes) into a free arena of a fitting size (a new one if
+        none is); its name. OSError (a full /dev/shm) when none can be made."""
+        arena = next((a for a in self._arenas if a[0] not in self.held and _fits(a[1], end)), None)
+        if arena is None:
+            arena = self._create(max(MIN_ARENA, 1 << (end - 1).bit_length()))
+        self.held = set()  # the peer's word was for this message
+        name, mapping = arena
         for offset, raw in pieces:
-            self._mapping[offset : offset + len(raw)] = raw
-        return self.name
+            mapping[offset : offset + len(raw)] = raw
+        return name
 
-    def _create(self, size: int) -> None:
-        self.close()
+    def _create(self, size: int) -> tuple[str, mmap.mmap]:
         name = next(self._names)
         fd = os.open(
             path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
@@ -134,57 +145,78 @@ class Outbox:
             raise
         finally:
             os.close(fd)
-        self.name, self._mapping, self.held = name, mapping, False
+        self._arenas.append((name, mapping))
+        if len(self._arenas) > ARENAS:
+            # The oldest goes; the peer forgets it at the same moment (Inbox keeps the
+            # arenas it saw last, in the order they were made), its arrays keep theirs.
+            self._drop(*self._arenas.pop(0))
+        return name, mapping
 
     def close(self) -> None:
-        """Give the arena up (the receiver's arrays keep their own mapping of it)."""
-        if self.name is not None:
-            unlink(self.name)  # unless the receiver has already
-        if self._mapping is not None:
-            self._mapping.close()
-        self.name, self._mapping, self.held = None, None, False
+        """Give every arena up (the receiver's arrays keep their own mappings)."""
+        while self._arenas:
+            self._drop(*self._arenas.pop())
+        self.held = set()
+
+    @staticmethod
+    def _drop(name: str, mapping: mmap.mmap) -> None:
+        unlink(name)  # unless the receiver has already
+        mapping.close()
+
+
+def _fits(mapping: mmap.mmap, end: int) -> bool:
+    size = mapping.size()
+    return end <= size and (size <= KEEP_ARENA or end * 8 >= size)
 
 
 class Inbox:
-    """The peer's arena as this side maps it, and the arrays handed out from it."""
+    """The peer's arenas as this side maps them (the ARENAS it saw last: those its peer
+    still writes into), and the arrays handed out from each."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
-        self.name: str | None = None
-        self._view: memoryview | None = None
-        self._handed: list[weakref.ref[Any]] = []
+        self._arenas: dict[str, tuple[memoryview, list[weakref.ref[Any]]]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._arenas)
 
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
         """Bytes offset..offset+nbytes of arena `name` (mapped, and unlinked, the first
         time it is seen). ValueError/OSError when they are not there."""
-        if name != self.name:
+        arena = self._arenas.get(name)
+        if arena is None:
             if not self.channel.owns(name):
                 raise ValueError(f"{name!r} is no arena of this pool")
             mapping = open_mapping(name)
             unlink(name)  # mapped on both sides now: the name has done its work
-            # The previous arena's arrays keep their own reference to its mapping.
-            self.name, self._view, self._handed = name, memoryview(mapping), []
-        assert self._view is not None
-        if offset + nbytes > len(self._view):
-            raise ValueError(
-                f"bytes {offset}..{offset + nbytes} lie past the arena's {len(self._view)}"
-            )
-        return self._view[offset : offset + nbytes]
+            arena = self._arenas[name] = (memoryview(mapping), [])
+            while len(self._arenas) > ARENAS:
+                # The sender has given it up; the arrays from it keep their mapping.
+                del self._arenas[next(iter(self._arenas))]
+        view = arena[0]
+        if offset + nbytes > len(view):
+            raise ValueError(f"bytes {offset}..{offset + nbytes} lie past the arena's {len(view)}")
+        return view[offset : offset + nbytes]
 
-    def handed(self, array: np.ndarray) -> None:
-        """Track `array` (made from view()): the arena is held while it, or any array
-        viewing it, lives. NumPy keeps the memoryview it made at the root of the
+    def handed(self, name: str, array: np.ndarray) -> None:
+        """Track `array` (made from view(name, ...)): the arena is held while it, or any
+        array viewing it, lives. NumPy keeps the memoryview it made at the root of the
         array's bases, which a weak reference watches."""
         root: Any = array
         while isinstance(root, np.ndarray) and root.base is not None:
             root = root.base
-        self._handed.append(weakref.ref(root))
+        self._arenas[name][1].append(weakref.ref(root))
 
-    def held(self) -> bool:
-        """Whether an array from the current arena is still alive (then the sender must
-        not write into it again)."""
-        self._handed = [r for r in self._handed if r() is not None]
-        return bool(self._handed)
+    def held(self) -> list[str]:
+        """The arenas an array handed out from is still alive (the sender must not
+        write into them again)."""
+        held = []
+        for name, (_, handed) in self._arenas.items():
+            handed[:] = [r for r in handed if r() is not None]
+            if handed:
+                held.append(name)
+        return held
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

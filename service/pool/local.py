@@ -404,10 +404,11 @@ class WorkerPool:
         progress reports go to the job's watch on the way, by the reader)."""
         assert w.writer is not None
         w.reply = reply = asyncio.get_running_loop().create_future()
-        if w.inbox is not None and w.inbox.held():
-            # Arrays of the worker's last reply are still in use here (a response being
-            # written, a job's stored answer): it must write the next into a new arena.
-            ipc.write_message(w.writer, {"id": 0, "kind": ipc.HELD, "payload": None})
+        held = w.inbox.held() if w.inbox is not None else None
+        if held:
+            # Arrays of the worker's reply arenas still in use here (the answer to its
+            # last request being written, a job's stored answer): not for the next reply.
+            ipc.write_message(w.writer, {"id": 0, "kind": ipc.HELD, "payload": held})
         # The worker has answered its previous request (or is new), so nothing reads the
         # request arena now: the large arrays are copied into it here.
         w.writer.writelines(job.outgoing.frame(w.outbox))
@@ -468,8 +469,9 @@ class WorkerPool:
                             and job.watch.progress is not None and not job.future.done()):
                         job.watch.progress(message["progress"])
                     continue
-                if message.pop("held", False) and w.outbox is not None:
-                    w.outbox.held = True  # the worker keeps arrays of the request arena
+                held = message.pop("held", None)
+                if held and w.outbox is not None:
+                    w.outbox.held = set(held)  # request arenas the worker keeps arrays of
                 reply = w.reply
                 if reply is not None and not reply.done() and message.get("id") == w.request_id:
                     reply.set_result(message)

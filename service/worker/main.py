@@ -42,21 +42,22 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
             if message is None or message.get("kind") == "shutdown":
                 return
             if message.get("kind") == ipc.HELD:
-                # The HTTP process still holds arrays of the last reply's arena.
+                # Reply arenas the HTTP process still reads arrays of: not for this reply.
                 if outbox is not None:
-                    outbox.held = True
+                    outbox.held = set(message.get("payload") or ())
                 continue
             reply = dispatch.answer(context, message, cancelled=_cancel_check(cancel, message),
                                    report=_reporter(sock, message))
             del message  # with it the request's arrays, unless the engine keeps them
-            if inbox is not None and inbox.held():
-                reply["held"] = True  # kept (a tape): the HTTP process must not reuse it
+            held = inbox.held() if inbox is not None else None
+            if held:
+                reply["held"] = held  # kept (a tape): the HTTP process must not reuse them
             try:
                 ipc.send_message(sock, reply, outbox)
             except (TypeError, ValueError, OverflowError) as exc:  # what msgpack cannot carry
                 error = compute.internal_error(exc)
                 ipc.send_message(sock, {"id": reply.get("id"), "ok": False, "error": error,
-                                        "held": reply.get("held", False)})
+                                        "held": held})
             del reply
     finally:
         if outbox is not None:
