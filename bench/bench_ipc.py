@@ -12,7 +12,8 @@ machine hits every variant alike), medians, with CPU time beside wall time:
 2. End to end over loopback HTTP: the same request as a msgpack body (`s = sum(w * w)`,
    as bench/bench_service.py sends it) to a server with each transport, against
    bench/_floor_app.py's raw octet-stream echo. CPU is the server's (its HTTP process
-   and workers, /proc), not the client's.
+   and workers, /proc), not the client's. The ratios to the echo are medians of each
+   round's ratio (steadier than a ratio of medians while other sessions' load varies).
 
 Run by hand (not in CI):
 
@@ -257,12 +258,20 @@ def http_rows(rounds: int) -> list[tuple[str, str]]:
     ]
     for name in ("socket", "shared memory"):
         wall, cpu = median(samples[name]["wall"]), median(samples[name]["cpu"])
+        # Each round's ratio to the echo of the same round, then their median: steadier
+        # than a ratio of medians while other sessions' load comes and goes.
+        ratio = statistics.median(
+            a / b for a, b in zip(samples[name]["wall"], samples["echo"]["wall"], strict=True)
+        )
+        cpu_ratio = statistics.median(
+            a / b for a, b in zip(samples[name]["cpu"], samples["echo"]["cpu"], strict=True)
+        )
         rows.append(
             (
                 f"msgpack gradient round trip, {name}",
                 (
-                    f"wall {wall:.2f} ms ({wall / echo:.2f}x the echo), server CPU {cpu:.2f} ms "
-                    f"({cpu / echo_cpu:.2f}x)"
+                    f"wall {wall:.2f} ms ({ratio:.2f}x the echo), server CPU {cpu:.2f} ms "
+                    f"({cpu_ratio:.2f}x)"
                 ),
             )
         )

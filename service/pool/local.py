@@ -470,8 +470,8 @@ class WorkerPool:
                         job.watch.progress(message["progress"])
                     continue
                 held = message.pop("held", None)
-                if held and w.outbox is not None:
-                    w.outbox.held = set(held)  # request arenas the worker keeps arrays of
+                if w.outbox is not None:  # request arenas the worker keeps arrays of
+                    w.outbox.held = set(held or ())
                 reply = w.reply
                 if reply is not None and not reply.done() and message.get("id") == w.request_id:
                     reply.set_result(message)

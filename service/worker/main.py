@@ -59,6 +59,8 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
                 ipc.send_message(sock, {"id": reply.get("id"), "ok": False, "error": error,
                                         "held": held})
             del reply
+            if outbox is not None:
+                outbox.held = set()  # the HTTP process's word was for that reply only
     finally:
         if outbox is not None:
             outbox.close()  # unlinks an arena the HTTP process never mapped

@@ -211,6 +211,19 @@ def test_only_arrays_over_the_threshold_go_to_shared_memory() -> None:
     assert our_segments(os.getpid()) == []
 
 
+def test_without_room_in_dev_shm_arrays_go_inline(monkeypatch, tmp_path: Path) -> None:
+    """A /dev/shm that cannot take an arena (Docker's 64 MB full, or none at all): the
+    message is sent whole through the socket instead, never lost or half-written."""
+    channel = shm.Channel.for_new_pool(1)
+    outbox = shm.Outbox(channel, "a0")
+    monkeypatch.setattr(shm, "DIRECTORY", str(tmp_path / "absent"))
+    a = np.arange(100_000.0)
+    _, body = ipc.prepare({"a": a, "b": [a[::2]]}, channel).frame(outbox)
+    back = ipc.unpack(body)  # no arena: readable without one
+    assert np.array_equal(back["a"], a) and np.array_equal(back["b"][0], a[::2])
+    assert outbox.names == []
+
+
 # ---- the pool: a real worker --------------------------------------------------------------
 
 
