@@ -230,7 +230,10 @@ def recv_message(sock: socket.socket, inbox: shm.Inbox | None = None) -> Any | N
 
 def send_message(sock: socket.socket, message: Any, outbox: shm.Outbox | None = None) -> None:
     """Send `message`; with `outbox` (and its channel), its large arrays through it."""
-    header, body = frame(message) if outbox is None else prepare(message, outbox.channel).frame(outbox)
+    if outbox is None:
+        header, body = frame(message)
+    else:
+        header, body = prepare(message, outbox.channel).frame(outbox)
     sock.sendall(header)
     sock.sendall(body)
 

@@ -27,11 +27,16 @@ process sent once it had read the previous reply (with the held names before it)
 HTTP process writes a worker's request arena only after that worker's reply to the
 previous request (which carries them).
 
+A message with more than MAX_ARENA bytes of large arrays gets a segment of its own
+instead (name ending in `x`): written once, mapped and unlinked by the receiver, freed
+by the kernel with the last array over it; its sender unlinks it again with its next
+message, for a receiver that died before it mapped it.
+
 Names: `<prefix>-a<worker index>-<n>` (an arena the HTTP process writes for a worker)
 and `<prefix>-w<worker pid>-<n>` (one a worker writes), where the prefix is the pool's
 own, `gradtape-<pid of the HTTP process>-<random>`. What could be left in /dev/shm, and
 who removes it:
-- an arena created but not yet mapped when its receiver died: the HTTP process unlinks
+- a segment created but not yet mapped when its receiver died: the HTTP process unlinks
   its own when it replaces the worker; a dead worker's (`-w<pid>-`) are swept once the
   process is reaped; a pool that closes sweeps its whole prefix;
 - everything of an HTTP process killed outright (SIGKILL, OOM): the next pool to start on
@@ -63,10 +68,12 @@ FAMILY = "gradtape-"  # every segment of every gradtape pool starts with it
 ALIGNMENT = 64
 MIN_ARENA = 1 << 20
 ARENAS = 2  # arenas per side and peer (Outbox)
-# An arena above this size is replaced by a smaller one when a message needs less than
-# an eighth of it: one huge request must not pin its memory for the worker's lifetime.
-KEEP_ARENA = 16 << 20
-_NAME = re.compile(r"gradtape-[0-9]+-[0-9a-f]+-[aw][0-9]+-[0-9]+\Z")
+# The largest arena: a message with more large-array bytes gets a segment of its own
+# (written, mapped once, freed with its arrays), so that one huge request does not pin
+# its size in /dev/shm for a worker's lifetime. Twice the issue's 10^6 float32.
+MAX_ARENA = 8 << 20
+ONE_OFF = "x"  # the end of the name of a message's own segment
+_NAME = re.compile(r"gradtape-[0-9]+-[0-9a-f]+-[aw][0-9]+-[0-9]+x?\Z")
 
 
 def available() -> bool:
@@ -106,12 +113,14 @@ class Outbox:
     does not hold (`held`: the names the peer said it holds, for the next message only),
     creating one when none is free: two, so that a reply can be written while the
     previous one is still being read (the HTTP process dispatches the next request to a
-    worker the moment a reply has come, before the route has written the answer out)."""
+    worker the moment a reply has come, before the route has written the answer out).
+    A message past MAX_ARENA gets a segment of its own instead."""
 
     def __init__(self, channel: Channel, tag: str):
         self.channel = channel
         self._names = channel.names(tag)
         self._arenas: list[tuple[str, mmap.mmap]] = []  # oldest first
+        self._one_off: str | None = None  # the last message's own segment
         self.held: set[str] = set()
 
     @property
@@ -119,12 +128,20 @@ class Outbox:
         return [name for name, _ in self._arenas]
 
     def write(self, pieces: Sequence[tuple[int, memoryview]], end: int) -> str:
-        """Copy each (offset, bytes) into a free arena of a fitting size (a new one if
-        none is); its name. OSError (a full /dev/shm) when none can be made."""
-        arena = next((a for a in self._arenas if a[0] not in self.held and _fits(a[1], end)), None)
+        """Copy each (offset, bytes) into a free arena large enough (a new one if none
+        is), or past MAX_ARENA into a segment of the message's own; its name. OSError
+        (a full /dev/shm) when none can be made."""
+        if self._one_off is not None:
+            unlink(self._one_off)  # the previous message has been read, or never will be
+            self._one_off = None
+        held, self.held = self.held, set()  # the peer's word was for this message
+        if end > MAX_ARENA:
+            self._one_off = name = next(self._names) + ONE_OFF
+            _write_file(name, pieces)
+            return name
+        arena = next((a for a in self._arenas if a[0] not in held and end <= a[1].size()), None)
         if arena is None:
             arena = self._create(max(MIN_ARENA, 1 << (end - 1).bit_length()))
-        self.held = set()  # the peer's word was for this message
         name, mapping = arena
         for offset, raw in pieces:
             mapping[offset : offset + len(raw)] = raw
@@ -132,9 +149,7 @@ class Outbox:
 
     def _create(self, size: int) -> tuple[str, mmap.mmap]:
         name = next(self._names)
-        fd = os.open(
-            path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+        fd = _create_file(name)
         try:
             # Every page allocated now: a full /dev/shm is an ENOSPC here, never a
             # SIGBUS in a reader later; MAP_POPULATE maps them all in one call.
@@ -156,17 +171,15 @@ class Outbox:
         """Give every arena up (the receiver's arrays keep their own mappings)."""
         while self._arenas:
             self._drop(*self._arenas.pop())
+        if self._one_off is not None:
+            unlink(self._one_off)
+            self._one_off = None
         self.held = set()
 
     @staticmethod
     def _drop(name: str, mapping: mmap.mmap) -> None:
         unlink(name)  # unless the receiver has already
         mapping.close()
-
-
-def _fits(mapping: mmap.mmap, end: int) -> bool:
-    size = mapping.size()
-    return end <= size and (size <= KEEP_ARENA or end * 8 >= size)
 
 
 class Inbox:
@@ -176,33 +189,39 @@ class Inbox:
     def __init__(self, channel: Channel):
         self.channel = channel
         self._arenas: dict[str, tuple[memoryview, list[weakref.ref[Any]]]] = {}
+        # The last message's own segment, while arrays over it live (weakly: it is never
+        # written again, so nothing here needs to keep it).
+        self._one_off: tuple[str, weakref.ref[mmap.mmap]] | None = None
 
     @property
     def names(self) -> list[str]:
         return list(self._arenas)
 
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
-        """Bytes offset..offset+nbytes of arena `name` (mapped, and unlinked, the first
+        """Bytes offset..offset+nbytes of segment `name` (mapped, and unlinked, the first
         time it is seen). ValueError/OSError when they are not there."""
+        if not self.channel.owns(name):
+            raise ValueError(f"{name!r} is no segment of this pool")
+        if name.endswith(ONE_OFF):
+            mapping = self._one_off[1]() if self._one_off and self._one_off[0] == name else None
+            if mapping is None:
+                mapping = _map(name)
+                self._one_off = (name, weakref.ref(mapping))
+            return _slice(memoryview(mapping), offset, nbytes)
         arena = self._arenas.get(name)
         if arena is None:
-            if not self.channel.owns(name):
-                raise ValueError(f"{name!r} is no arena of this pool")
-            mapping = open_mapping(name)
-            unlink(name)  # mapped on both sides now: the name has done its work
-            arena = self._arenas[name] = (memoryview(mapping), [])
+            arena = self._arenas[name] = (memoryview(_map(name)), [])
             while len(self._arenas) > ARENAS:
                 # The sender has given it up; the arrays from it keep their mapping.
                 del self._arenas[next(iter(self._arenas))]
-        view = arena[0]
-        if offset + nbytes > len(view):
-            raise ValueError(f"bytes {offset}..{offset + nbytes} lie past the arena's {len(view)}")
-        return view[offset : offset + nbytes]
+        return _slice(arena[0], offset, nbytes)
 
     def handed(self, name: str, array: np.ndarray) -> None:
         """Track `array` (made from view(name, ...)): the arena is held while it, or any
         array viewing it, lives. NumPy keeps the memoryview it made at the root of the
         array's bases, which a weak reference watches."""
+        if name not in self._arenas:
+            return  # a message's own segment is never written again
         root: Any = array
         while isinstance(root, np.ndarray) and root.base is not None:
             root = root.base
@@ -217,6 +236,41 @@ class Inbox:
             if handed:
                 held.append(name)
         return held
+
+
+def _map(name: str) -> mmap.mmap:
+    mapping = open_mapping(name)
+    unlink(name)  # mapped on both sides now: the name has done its work
+    return mapping
+
+
+def _slice(view: memoryview, offset: int, nbytes: int) -> memoryview:
+    if offset + nbytes > len(view):
+        raise ValueError(f"bytes {offset}..{offset + nbytes} lie past the segment's {len(view)}")
+    return view[offset : offset + nbytes]
+
+
+def _create_file(name: str) -> int:
+    return os.open(
+        path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+
+
+def _write_file(name: str, pieces: Sequence[tuple[int, memoryview]]) -> None:
+    """A message's own segment: written, not mapped, so the kernel fills the pages (a
+    full /dev/shm is an ENOSPC here); the gaps between arrays (< ALIGNMENT) share pages
+    with them, so every page of the file is allocated before anyone maps it."""
+    fd = _create_file(name)
+    try:
+        for offset, raw in pieces:
+            done = 0
+            while done < len(raw):
+                done += os.pwrite(fd, raw[done:], offset + done)
+    except OSError:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

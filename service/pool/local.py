@@ -436,8 +436,7 @@ class WorkerPool:
         w.process = process
         reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
         try:
-            hello = await asyncio.wait_for(ipc.read_message(reader),
-                                           self.settings.startup_timeout)
+            hello = await asyncio.wait_for(ipc.read_message(reader), self.settings.startup_timeout)
         except (TimeoutError, ipc.FrameError) as exc:
             writer.close()
             process.kill()

@@ -43,6 +43,13 @@ def mapped_arenas(pid: int) -> list[str]:
         return [line.split(None, 5)[-1].strip() for line in f if "/dev/shm/gradtape-" in line]
 
 
+def mapped_spans(pid: int, prefix: str) -> list[int]:
+    """The sizes of the mappings process `pid` has of segments under `prefix`."""
+    with open(f"/proc/{pid}/maps") as f:
+        spans = [line.split()[0].split("-") for line in f if f"/dev/shm/{prefix}-" in line]
+    return [int(end, 16) - int(start, 16) for start, end in spans]
+
+
 # ---- the protocol between two real processes ----------------------------------------------
 
 
@@ -164,10 +171,22 @@ def test_arenas_are_reused_while_nothing_holds_them(peer: Peer) -> None:
 
 
 def test_large_arrays_of_every_float_dtype(peer: Peer) -> None:
+    """Up to 8 MiB in all, a message goes through the reused arenas (which grow to it);
+    past that, through a segment of its own, so no arena grows past shm.MAX_ARENA."""
     for dtype in ("float16", "float32", "float64"):
-        big = sample(dtype, (1024, 1031), 3)  # 2-8 MB: the arenas grow
+        big = sample(dtype, (1024, 1031), 3)  # 2.1, 4.2 and 8.4 MB
         (got,) = peer.ask("echo", [big])
         assert got.dtype == big.dtype and np.array_equal(got, big)
+        del got
+    twice = [sample("float64", (600, 1000), 4), sample("float32", (1000, 999), 5)]
+    back = peer.ask("copy", twice)  # 8.8 MB in one message
+    assert all(np.array_equal(a, b) for a, b in zip(twice, back, strict=True))
+    del back
+    assert our_segments(os.getpid()) == []
+    # This side maps the arenas of both directions, none past MAX_ARENA, and no
+    # message's own segment once its arrays are gone.
+    spans = mapped_spans(os.getpid(), peer.channel.prefix)
+    assert spans and max(spans) <= shm.MAX_ARENA and len(spans) <= 2 * shm.ARENAS, spans
 
 
 def test_an_array_its_receiver_keeps_is_never_overwritten(peer: Peer) -> None:
@@ -204,7 +223,7 @@ def test_only_arrays_over_the_threshold_go_to_shared_memory() -> None:
                 ipc.SHARED_ARRAY_EXT, msgpack.packb(["gradtape-1-00-a0-0", 0, "float32", [1]])
             )
         )
-        with pytest.raises(ipc.FrameError, match="no arena of this pool"):
+        with pytest.raises(ipc.FrameError, match="no segment of this pool"):
             ipc.unpack(forged, shm.Inbox(channel))
     finally:
         outbox.close()
