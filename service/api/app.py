@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from service.api import docs, errors, openapi
 from service.api.auth import KeyRing
+from service.api.deps import Services
 from service.api.fairness import Fairness
 from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
 from service.api.router import api_router
@@ -134,6 +135,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.models = ModelCatalog(settings, pool, store)
     app.state.jobs = JobRegistry(settings)
     app.state.datasets = DatasetCatalog(settings, store)
+    app.state.services = Services(settings, pool, app.state.tapes, app.state.models,
+                                  app.state.datasets)
     errors.install(app)
     docs.install(app)
     openapi.install(app)

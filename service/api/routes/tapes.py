@@ -19,6 +19,7 @@ from service.api.deps import (
     ModelsDep,
     NegotiatedDep,
     OwnerDep,
+    ServicesDep,
     SettingsDep,
     TapeDep,
     TapesDep,
@@ -188,13 +189,13 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 
 
 def _add(op: Operation) -> None:
-    async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
-                       negotiated: NegotiatedDep, settings: SettingsDep,
-                       owner: OwnerDep, datasets: DatasetsDep) -> Response:
-        prepared = await datasets.bind_prepared(owner, op.build(body, settings))
+    async def endpoint(request: Request, body: Any, tape: TapeDep, negotiated: NegotiatedDep,
+                       owner: OwnerDep, services: ServicesDep) -> Response:
+        prepared = await services.datasets.bind_prepared(owner,
+                                                         op.build(body, services.settings))
 
         def call() -> Awaitable[Reply]:
-            return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+            return services.tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
 
         return await respond(request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
                              call=call, job=op.job)
