@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import GatedRoute
-from service.api.deps import NegotiatedDep, OwnerDep, ServicesDep
+from service.api.deps import ComputeDep
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
     GradientRequest,
@@ -36,8 +36,8 @@ def _derivative(name: str, kind: str, *rest: Any, **options: Any) -> Operation:
 
 
 def _add(op: Operation) -> None:
-    async def endpoint(request: Request, body: Any, negotiated: NegotiatedDep, owner: OwnerDep,
-                       services: ServicesDep) -> Response:
+    async def endpoint(request: Request, body: Any, compute: ComputeDep) -> Response:
+        owner, services = compute.owner, compute.services
         stored = await stored_definition(body, owner, services.models)
         prepared = op.build(body, services.settings, stored)
         await services.datasets.bind_prepared(owner, prepared)
@@ -46,7 +46,7 @@ def _add(op: Operation) -> None:
             return services.pool.submit(op.kind, prepared.payload,
                                         time_limit=prepared.time_limit)
 
-        return await respond(request, body, negotiated, prepared, owner=owner,
+        return await respond(request, body, compute.negotiated, prepared, owner=owner,
                              call=call, job=op.job)
 
     register(router, op, endpoint)
