@@ -10,14 +10,17 @@ loopback ports, then sends interleaved requests over keep-alive httpx connection
   out 4, mean squared error), JSON and msgpack;
 - `POST /v1/tapes/{id}/hvp` on the small MLP's tape, one vector, JSON and msgpack.
 
-Each round sends every row once, in a shuffled order; the table gives the p50 and p90
-wall latency, the client's CPU time per request (the client shares the machine's cores
-with both servers), the worker's own compute time (its Server-Timing header), and each
-row's p50 minus its floor's p50 (the target: within 1.0 ms).
+With `--baseline TREE`, the server of another checkout (a worktree of the commit before a
+change) runs beside this one and its rows are interleaved with the others: a before and
+after from one run. Each round sends every row once, in a shuffled order; the table gives
+the p50 and p90 wall latency, the client's CPU time per request (the client shares the
+machine's cores with the servers), the worker's own compute time (its Server-Timing
+header), and each row's p50 minus its floor's p50 (the target: within 1.0 ms).
 
 Run by hand (not in CI), with OpenBLAS's core type left to autodetect:
 
-    env -u OPENBLAS_CORETYPE .venv/bin/python bench/bench_request.py [--rounds 600] [--write PATH]
+    env -u OPENBLAS_CORETYPE .venv/bin/python bench/bench_request.py [--rounds 600]
+        [--baseline ../main-worktree] [--write PATH]
 """
 
 from __future__ import annotations
@@ -102,9 +105,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
+def start(
+    args: list[str], env: dict[str, str], url: str, cwd: Path = ROOT
+) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -166,28 +171,26 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def rows_for(base: str, floor: str, tape_id: str, bodies: dict[str, Any]) -> list[Row]:
-    def pair(name: str, url: str, body: Any, binary: bool = False) -> list[Row]:
+def rows_for(servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, Any]) -> list[Row]:
+    """The floor's rows, and for each server (label, base URL, tape id) its compute rows,
+    each beside the floor's row for the same body."""
+    rows = [Row("floor GET /ping", f"{floor}/ping", None)]
+    cases = [
+        ("gradient, SCENARIOS 15, JSON", "gradient", SCENARIO_15, False),
+        ("gradient, small MLP, JSON", "gradient", bodies["mlp_json"], False),
+        ("gradient, small MLP, msgpack", "gradient", bodies["mlp_msgpack"], True),
+        ("tape HVP, small MLP, JSON", "hvp", {"vector": bodies["vector_json"]}, False),
+        ("tape HVP, small MLP, msgpack", "hvp", {"vector": bodies["vector_msgpack"]}, True),
+    ]
+    for name, route, body, binary in cases:
         content = msgpack.packb(body, use_bin_type=True) if binary else orjson.dumps(body)
         kind = MSGPACK if binary else "application/json"
         twin = f"floor POST /trivial, body of: {name}"
-        return [
-            Row(twin, f"{floor}/trivial", content, kind),
-            Row(name, url, content, kind, floor=twin),
-        ]
-
-    grad = f"{base}/v1/gradient"
-    hvp = f"{base}/v1/tapes/{tape_id}/hvp"
-    return [
-        Row("floor GET /ping", f"{floor}/ping", None),
-        *pair("gradient, SCENARIOS 15, JSON", grad, SCENARIO_15),
-        *pair("gradient, small MLP, JSON", grad, bodies["mlp_json"]),
-        *pair("gradient, small MLP, msgpack", grad, bodies["mlp_msgpack"], binary=True),
-        *pair("tape HVP, small MLP, JSON", hvp, {"vector": bodies["vector_json"]}),
-        *pair(
-            "tape HVP, small MLP, msgpack", hvp, {"vector": bodies["vector_msgpack"]}, binary=True
-        ),
-    ]
+        rows.append(Row(twin, f"{floor}/trivial", content, kind))
+        for label, base, tape_id in servers:
+            url = f"{base}/v1/gradient" if route == "gradient" else f"{base}/v1/tapes/{tape_id}/hvp"
+            rows.append(Row(f"{name}{label}", url, content, kind, floor=twin))
+    return rows
 
 
 def main() -> None:
@@ -195,6 +198,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=600, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=50, help="untimed rounds first")
     parser.add_argument("--write", type=Path, help="append the markdown table to this file")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. a worktree of main) whose server is measured beside "
+        "this one's, interleaved: its rows are marked [baseline]",
+    )
     args = parser.parse_args()
     if os.environ.get("OPENBLAS_CORETYPE"):
         print(
@@ -202,53 +211,63 @@ def main() -> None:
             file=sys.stderr,
         )
 
-    data_dir = tempfile.mkdtemp(prefix="gradtape-bench-request-")
+    trees = [("", ROOT)] + ([(" [baseline]", args.baseline.resolve())] if args.baseline else [])
     env = {
         **os.environ,
         "GRADTAPE_ACCESS_LOG": "false",
         "GRADTAPE_LOG_LEVEL": "warning",
         "GRADTAPE_WORKERS": "1",
-        "GRADTAPE_DATA_DIR": data_dir,
     }
-    port, floor_port = free_port(), free_port()
-    base, floor = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{floor_port}"
-    server = start(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)], env, f"{base}/readyz"
-    )
-    floor_server = None
+    floor_port = free_port()
+    floor = f"http://127.0.0.1:{floor_port}"
+    processes: list[subprocess.Popen[bytes]] = []
+    servers: list[tuple[str, str, str]] = []
     try:
-        floor_server = start(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "bench._floor_app:app",
-                "--port",
-                str(floor_port),
-                "--no-access-log",
-                "--log-level",
-                "warning",
-            ],
-            env,
-            f"{floor}/ping",
+        processes.append(
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "bench._floor_app:app",
+                    "--port",
+                    str(floor_port),
+                    "--no-access-log",
+                    "--log-level",
+                    "warning",
+                ],
+                env,
+                f"{floor}/ping",
+            )
         )
         mlp_json, vector_json = small_mlp(binary=False)
         mlp_msgpack, vector_msgpack = small_mlp(binary=True)
-        with httpx.Client(timeout=60) as client:
-            created = client.post(f"{base}/v1/tapes", json=mlp_json)
-            created.raise_for_status()
-            tape_id = created.json()["tape_id"]
-            rows = rows_for(
-                base,
-                floor,
-                tape_id,
-                {
-                    "mlp_json": mlp_json,
-                    "mlp_msgpack": mlp_msgpack,
-                    "vector_json": vector_json,
-                    "vector_msgpack": vector_msgpack,
-                },
+        for label, tree in trees:
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            data_dir = tempfile.mkdtemp(prefix="gradtape-bench-request-")
+            processes.append(
+                start(
+                    [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+                    {**env, "GRADTAPE_DATA_DIR": data_dir},
+                    f"{base}/readyz",
+                    cwd=tree,
+                )
             )
+            created = httpx.post(f"{base}/v1/tapes", json=mlp_json, timeout=60)
+            created.raise_for_status()
+            servers.append((label, base, created.json()["tape_id"]))
+        rows = rows_for(
+            servers,
+            floor,
+            {
+                "mlp_json": mlp_json,
+                "mlp_msgpack": mlp_msgpack,
+                "vector_json": vector_json,
+                "vector_msgpack": vector_msgpack,
+            },
+        )
+        with httpx.Client(timeout=60) as client:
             order = list(rows)
             rng = random.Random(0)
             for _ in range(args.warmup):
@@ -259,9 +278,8 @@ def main() -> None:
                 for row in order:
                     row.timed(client)
     finally:
-        stop(server)
-        if floor_server is not None:
-            stop(floor_server)
+        for process in processes:
+            stop(process)
 
     by_name = {row.name: row for row in rows}
     lines = [
