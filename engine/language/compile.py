@@ -47,12 +47,28 @@ UNCONNECTED = ("none", "zero")
 GRADIENT_PASSES = 16
 GRADIENT_POOL_LIMIT = 16 * 1024 * 1024
 _gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
+# Compiled fresh HVP passes (forward, gradient and the second-order pass of one request:
+# POST /v1/hvp), bounded the same way and apart from the gradient passes, so that HVP
+# requests never evict a worker's gradient passes: at most HVP_PASSES x HVP_POOL_LIMIT
+# (256 MiB) of kept buffers.
+HVP_PASSES = 16
+HVP_POOL_LIMIT = 16 * 1024 * 1024
+_hvp_passes = replay.Passes(HVP_PASSES, HVP_POOL_LIMIT)
 
 
 def _digest(values: Any) -> bytes:
     """An integer leaf's values in a pass's key (a program may branch on labels or
     indices), as 16 bytes: a kept key never holds a copy of a large label array."""
     return hashlib.blake2b(values.tobytes(), digest_size=16).digest()
+
+
+def _leaf_layout(names: list[str], arrays: list[Any]) -> tuple:
+    """The leaves' part of a compiled pass's key: each one's layout, and an integer leaf's
+    values by digest (a program may branch on labels or indices)."""
+    return tuple(
+        (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else _digest(a))
+        for n, a in zip(names, arrays, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -214,10 +230,7 @@ class CompiledProgram:
             request.target,
             tuple(request.sources.items()),
             request.unconnected,
-            tuple(
-                (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else _digest(a))
-                for n, a in zip(names, arrays, strict=True)
-            ),
+            _leaf_layout(names, arrays),
         )
         keys = list(request.sources)
 
@@ -234,6 +247,69 @@ class CompiledProgram:
         """This program's kept gradient passes: request and leaf layout -> its Schedule, or
         (why it is not compiled yet, failed captures)."""
         return {k[1:]: v for k, v in list(_gradient_passes.entries.items()) if k[0] == self.key}
+
+    def hessian_vector_products(
+        self,
+        request: Request,
+        leaves: Mapping[str, Tensor],
+        vectors: list[Tensor],
+        memory_budget: int | None = None,
+        compiled: bool = True,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """A fresh HVP: the target's value, its gradient per source and H @ v for K vectors
+        at once, in the order of request.sources. `vectors` holds one tensor per source of
+        shape (K, *source shape). What a HessianOperator recorded for the request and asked
+        for hvp_many answers (reverse-over-reverse; with a memory budget, in passes of as
+        many vectors as fit, refused with OverBudget when not even one fits).
+
+        compiled: like value_and_gradients, the whole pass (forward, gradient, and the
+        second-order pass seeded by the vectors) of a request, leaf layout and vector
+        layout runs dynamically the first time, under a capture the second, and as a
+        replayed schedule afterwards, with the same answers; a pass that cannot be
+        captured stays dynamic.
+        """
+        max_batch = self.batch_within(memory_budget, "recording it and one HVP pass")
+        names = sorted(leaves)
+        arrays = [leaves[n].value for n in names]
+        if not compiled or not all(type(a) is host.ndarray for a in (*arrays, *(
+                v.value for v in vectors))):
+            return self._hessian_vector_products(request, dict(leaves), vectors, max_batch)
+        key = (
+            self.key,
+            request.target,
+            tuple(request.sources.items()),
+            max_batch,
+            _leaf_layout(names, arrays),
+            tuple((v.value.shape, v.value.strides, v.value.dtype.str) for v in vectors),
+        )
+        count = len(request.sources)
+
+        def run(seeds: list[Tensor]) -> list[Tensor | None]:
+            value, grads, products = self._hessian_vector_products(
+                request, dict(zip(names, seeds)), seeds[len(names):], max_batch)
+            return [value, *grads, *products]
+
+        value, *rest = _hvp_passes.run(
+            key, [*(leaves[n] for n in names), *vectors], run,
+            lambda: replay.known_tensors(self))
+        return value, rest[:count], rest[count:]  # type: ignore[return-value]
+
+    def hvp_passes(self) -> dict[Any, Any]:
+        """This program's kept fresh-HVP passes, as gradient_passes lists its gradients'."""
+        return {k[1:]: v for k, v in list(_hvp_passes.entries.items()) if k[0] == self.key}
+
+    def _hessian_vector_products(
+        self, request: Request, leaves: dict[str, Tensor], vectors: list[Tensor],
+        max_batch: int | None
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        names = list(request.sources.values())
+        f = self.function(request.target, names, leaves)
+        # compiled=False: this operator answers one pass; the request's pass as a whole is
+        # what hessian_vector_products compiles.
+        operator = hessian_operator(f, *[leaves[n] for n in names], max_batch=max_batch,
+                                    compiled=False)
+        products = operator.hvp_many(*vectors)
+        return operator.value, list(operator.grad), list(products)
 
     def _value_and_gradients(
         self, request: Request, leaves: dict[str, Tensor]

@@ -453,21 +453,22 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
-                                                 context.memory_budget)
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(keys, primals, strict=True)
     ]
-    products = operator.hvp_many(*stacked)  # batched passes, as many vectors as fit each
+    # Forward, gradient and batched second-order passes (as many vectors as fit each);
+    # compiled: a definition's later requests of the same layout replay the captured pass.
+    value, grads, products = prepared.program.hessian_vector_products(
+        prepared.request, prepared.leaves, stacked, context.memory_budget)
     # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
     # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [
         {k: products[j].numpy()[i, ...] for j, k in enumerate(keys)} for i in range(len(vectors))
     ]
     return {
-        "value": operator.value.numpy(),
-        "gradients": dict(zip(keys, [g.numpy() for g in operator.grad], strict=True)),
+        "value": value.numpy(),
+        "gradients": dict(zip(keys, [g.numpy() for g in grads], strict=True)),
         "hvp": answers[0] if single else None,
         "hvps": None if single else answers,
     }
