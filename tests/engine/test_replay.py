@@ -502,3 +502,122 @@ def test_replay_changes_count_what_the_passes_keep() -> None:
         sizes.append(held_bytes(op))
     assert seen == [0, 1, 2, 3, 3, 3], seen
     assert sizes[3] > sizes[2] and sizes[3:] == [sizes[3]] * 3, sizes  # buffers, then flat
+
+
+# ---- a fresh HVP of a definition (POST /v1/hvp), compiled ------------------------------
+def _hvps_both_ways(program, request, leaves, vectors, **kw):
+    compiled = program.hessian_vector_products(request, leaves, vectors, **kw)
+    dynamic = program.hessian_vector_products(request, leaves, vectors, compiled=False, **kw)
+    _assert_same([compiled[0], *compiled[1], *compiled[2]],
+                 [dynamic[0], *dynamic[1], *dynamic[2]])
+    return compiled
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_definition_hvps_replay_exactly(name) -> None:
+    """Requests of one structure with new values and new vectors, one vector and K: the
+    second of each layout is captured, later ones replayed, all equal to the dynamic
+    path bit for bit."""
+    from engine.language import compile_definition
+    from engine.language.compile import Request
+
+    rng = np.random.default_rng(37)
+    program = compile_definition(DEFINITIONS[name])
+    request = Request("loss", {n: n for n in DEFINITIONS[name]["variables"]}, "zero")
+    for _ in range(4):
+        definition = _with_values(DEFINITIONS[name], rng)
+        leaves = program.leaves(definition)
+        for k in (1, 3):
+            vectors = [gt.constant(rng.standard_normal((k, *leaves[n].shape)))
+                       for n in request.sources.values()]
+            _hvps_both_ways(program, request, leaves, vectors)
+    passes = program.request_passes()
+    assert len(passes) == 2, passes
+    if name == "softmax regression":  # logsumexp's shift is made outside the ops
+        assert all("outside" in p[0] for p in passes.values()), passes
+    else:
+        assert all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+
+
+def test_replayed_fresh_hvps_are_the_hessian_times_v() -> None:
+    """Against the closed form of loss = sum(tanh(x @ k + b) ** 2): value, gradients and
+    products of every request, the replayed ones included, with a source under two
+    aliases and a parameter the target does not reach (zeros)."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(38)
+    base = {
+        "variables": {"k": rng.random((4, 3)), "b": rng.random(3), "unused": rng.random(2)},
+        "inputs": {"x": rng.random((6, 4))},
+        "program": ["loss = sum(tanh(x @ k + b) ** 2)"],
+    }
+    program = compile_definition(base)
+    request = program.check_request("loss", {"k": "k", "b": "b", "again": "k", "u": "unused"},
+                                    "zero", allow_unused=True)
+    for _ in range(4):
+        definition = _with_values(base, rng)
+        leaves = program.leaves(definition)
+        x, k, b = definition["inputs"]["x"], definition["variables"]["k"], definition[
+            "variables"]["b"]
+        vk, vb, vk2, vu = (rng.standard_normal((2, *s)) for s in [(4, 3), (3,), (4, 3), (2,)])
+        value, grads, products = program.hessian_vector_products(
+            request, leaves, [gt.constant(v) for v in (vk, vb, vk2, vu)])
+        t = np.tanh(x @ k + b)
+        dz = 2 * t * (1 - t**2)
+        s = 2 * (1 - t**2) * (1 - 3 * t**2)  # d2 loss / dz2, elementwise
+        np.testing.assert_allclose(value.numpy(), np.sum(t**2), rtol=1e-12)
+        for g, want in zip(grads, [x.T @ dz, dz.sum(0), x.T @ dz, np.zeros(2)], strict=True):
+            np.testing.assert_allclose(g.numpy(), want, rtol=1e-12, atol=1e-14)
+        # the Hessian's product with the stacked vector (vk + vk2 both move k)
+        dzv = s * (x @ (vk + vk2) + vb[:, None, :])
+        hk = np.einsum("ij,kil->kjl", x, dzv)
+        for p, want in zip(products, [hk, dzv.sum(1), hk, np.zeros((2, 2))], strict=True):
+            np.testing.assert_allclose(p.numpy(), want, rtol=1e-10, atol=1e-12)
+    assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
+
+
+def test_fresh_hvps_in_passes_of_the_memory_budget_replay_exactly() -> None:
+    """A memory budget that fits two vectors per pass: five vectors in three passes,
+    joined, compiled as one schedule per budget (part of its key)."""
+    from engine.language import compile_definition
+    from engine.language.errors import OverBudget
+
+    rng = np.random.default_rng(39)
+    definition = {
+        "variables": {"w": rng.random((8, 8))},
+        "inputs": {"x": rng.random((16, 8))},
+        "program": ["loss = sum(tanh(x @ w) ** 2)"],
+    }
+    program = compile_definition(definition)
+    request = program.check_request("loss", None, "zero")
+    budget = next(b for b in range(1 << 10, 1 << 24, 256) if program.memory.max_batch(b) == 2)
+    leaves = program.leaves(definition)
+    for _ in range(3):
+        vectors = [gt.constant(rng.standard_normal((5, 8, 8)))]
+        _, _, (batched,) = _hvps_both_ways(program, request, leaves, vectors,
+                                           memory_budget=budget)
+        _, _, (whole,) = program.hessian_vector_products(request, leaves, vectors)
+        np.testing.assert_allclose(batched.numpy(), whole.numpy(), rtol=1e-12)
+    assert {k[3] for k in program.request_passes()} == {2, None}
+    with pytest.raises(OverBudget):
+        program.hessian_vector_products(request, leaves, vectors, memory_budget=64)
+
+
+def test_kept_request_passes_are_bounded_across_programs() -> None:
+    from engine.language import compile as compile_module
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(40)
+    for k in range(compile_module.REQUEST_PASSES + 3):
+        definition = {"variables": {"w": rng.random((3, 3))}, "inputs": {"x": rng.random(3)},
+                      "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"]}
+        program = compile_definition(definition)
+        request = program.check_request("loss", None, "zero")
+        leaves = program.leaves(definition)
+        for _ in range(3):
+            program.hessian_vector_products(request, leaves,
+                                            [gt.constant(rng.standard_normal((1, 3, 3)))])
+    kept = compile_module._request_passes.entries
+    assert len(kept) == compile_module.REQUEST_PASSES
+    pooled = sum(p.pooled_bytes for p in kept.values() if isinstance(p, replay.Schedule))
+    assert 0 < pooled <= compile_module.REQUEST_PASSES * compile_module.REQUEST_POOL_LIMIT
