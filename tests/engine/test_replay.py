@@ -621,3 +621,73 @@ def test_kept_request_passes_are_bounded_across_programs() -> None:
     assert len(kept) == compile_module.REQUEST_PASSES
     pooled = sum(p.pooled_bytes for p in kept.values() if isinstance(p, replay.Schedule))
     assert 0 < pooled <= compile_module.REQUEST_PASSES * compile_module.REQUEST_POOL_LIMIT
+
+
+# ---- jacobians of a definition (POST /v1/jacobian), compiled ---------------------------
+def _jacobians_both_ways(program, request, leaves, batch, chunk_size=None):
+    compiled = program.jacobians(request, leaves, batch, chunk_size)
+    dynamic = program.jacobians(request, leaves, batch, chunk_size, compiled=False)
+    assert compiled[1].keys() == dynamic[1].keys()
+    _assert_same([compiled[0], *compiled[1].values()], [dynamic[0], *dynamic[1].values()])
+    return compiled
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_definition_jacobians_replay_exactly(name, chunk_size) -> None:
+    """A full jacobian of every variable, in one backward pass or in chunks of rows."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(41)
+    program = compile_definition(DEFINITIONS[name])
+    target = {"relu mlp": "o", "clip_grad_norm": "h", "gradient penalty": "g",
+              "softmax regression": "z"}[name]
+    request = program.check_request(target, list(DEFINITIONS[name]["variables"]), "zero",
+                                    allow_unused=True)
+    for _ in range(4):
+        leaves = program.leaves(_with_values(DEFINITIONS[name], rng))
+        _jacobians_both_ways(program, request, leaves, False, chunk_size)
+    passes = [p for k, p in program.request_passes().items()
+              if k[0] == "jacobian" and k[5] == chunk_size]
+    assert len(passes) == 1 and isinstance(passes[0], replay.Schedule), passes
+
+
+def test_replayed_batch_jacobians_are_the_closed_form_and_fresh() -> None:
+    """Per-example jacobians of o = tanh(x @ w) (with a source the target does not reach:
+    zeros), replayed, against diag(1 - t_b^2) w^T per example."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(42)
+    base = {"variables": {"w": rng.random((4, 3))},
+            "inputs": {"x": rng.random((5, 4)), "z": rng.random((5, 2))},
+            "program": ["o = tanh(x @ w)"]}
+    program = compile_definition(base)
+    request = program.check_request("o", ["x", "z"], "zero")
+    answers = []
+    for _ in range(4):
+        definition = _with_values(base, rng)
+        x, w = definition["inputs"]["x"], definition["variables"]["w"]
+        _, found = _jacobians_both_ways(program, request, program.leaves(definition), True)
+        t = np.tanh(x @ w)
+        np.testing.assert_allclose(found["x"].numpy(),
+                                   (1 - t**2)[:, :, None] * w.T[None], rtol=1e-12)
+        np.testing.assert_array_equal(found["z"].numpy(), np.zeros((5, 3, 2)))
+        answers.append(found["x"].numpy())
+    assert not any(np.shares_memory(a, b) for a in answers for b in answers if a is not b)
+    assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
+
+
+def test_a_replayed_batch_jacobian_still_checks_the_examples_independence() -> None:
+    """The check reads the pass's rows: it runs after the replayed pass too, so a batch
+    that mixes its examples is refused on every request."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(43)
+    base = {"variables": {"w": rng.random((4, 3))}, "inputs": {"x": rng.random((5, 4))},
+            "program": ["h = tanh(x @ w)", "o = h - mean(h, axis=0)"]}
+    program = compile_definition(base)
+    request = program.check_request("o", ["x"], "zero")
+    for _ in range(4):
+        with pytest.raises(gt.BatchDependenceError):
+            program.jacobians(request, program.leaves(_with_values(base, rng)), True)
+    assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
