@@ -452,7 +452,9 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
     stacked = [
-        on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        # (one vector: a view with the batch axis, not np.stack's copy)
+        on_device(np.asarray(vectors[0][k])[None] if single
+                  else np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(keys, primals, strict=True)
     ]
     # Forward, gradient and batched second-order passes (as many vectors as fit each);
