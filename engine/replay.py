@@ -74,6 +74,7 @@ class Capture:
         self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
         self.step_slot: list[int] = []
         self.failure: str | None = None
+        self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
 
     def _new(self, t: Tensor, kind: int) -> int:
@@ -108,6 +109,7 @@ class Capture:
             return
         if all(self.kinds[i] == _CONST for i in ins):
             self._new(ans, _CONST)  # folded: its value is known now
+            self.made_bytes += ans.value.nbytes
             return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
@@ -123,6 +125,7 @@ class Capture:
         # (A dead tensor's entry may carry t's id: t is new all the same.)
         if entry is None or entry[1]() is not t:
             self._new(t, _CONST)
+            self.made_bytes += t.value.nbytes
 
     def alias(self, t: Tensor, of: Tensor) -> None:
         """t is a new identity for of's array (a custom gradient's outputs)."""
@@ -156,12 +159,17 @@ class Passes:
     (a one-off pass, as a stateless request makes, costs nothing extra), the second runs
     under a capture, later ones replay its Schedule. A pass that cannot be captured is
     tried once more (the first capture's pass fills caches, e.g. rules' outer stages),
-    then stays dynamic. At most `limit` layouts are kept (least recently used go)."""
+    then stays dynamic. At most `limit` layouts are kept (least recently used go).
+    With `constant_limit`, a pass whose own constants (folded results, seeds made from
+    shapes: a jacobian's identity rows) take more bytes stays dynamic: a schedule holds
+    its constants as long as it is kept."""
 
-    def __init__(self, limit: int | None = None, pool_limit: int | None = None):
+    def __init__(self, limit: int | None = None, pool_limit: int | None = None,
+                 constant_limit: int | None = None):
         self.entries: OrderedDict[Hashable, Any] = OrderedDict()
         self.limit = limit
         self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
+        self.constant_limit = constant_limit
         # Counts every change of what the passes keep (a layout seen or evicted, a capture
         # stored, a schedule's buffers allocated): an owner that accounts for memory
         # measures again when it moves, and only then.
@@ -195,6 +203,10 @@ class Passes:
         if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
             return dynamic(list(seeds))
         outputs, schedule = capture(dynamic, seeds, known(), self.pool_limit)
+        if (isinstance(schedule, Schedule) and self.constant_limit is not None
+                and schedule.constant_bytes > self.constant_limit):
+            schedule = (f"its constants take {schedule.constant_bytes:,} bytes, more than a "
+                        f"kept pass may hold ({self.constant_limit:,})")
         with self._lock:
             if key in self.entries:  # (the second element counts failed captures)
                 self.entries[key] = (
@@ -428,6 +440,7 @@ class Schedule:
         self.plan = plan
         self.steps: list[Callable[[list[Any]], None]] | None = None
         self.pooled_bytes = pooled_bytes
+        self.constant_bytes = cap.made_bytes
         self._lock = threading.Lock()
 
     @staticmethod

@@ -50,10 +50,12 @@ _gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
 # Compiled fresh HVP and jacobian passes (the whole pass of one POST /v1/hvp or
 # /v1/jacobian request: forward, gradient, second-order or jacobian rows), bounded the
 # same way and apart from the gradient passes, so that they never evict a worker's
-# gradient passes: at most REQUEST_PASSES x REQUEST_POOL_LIMIT (256 MiB) of kept buffers.
+# gradient passes: at most REQUEST_PASSES x REQUEST_POOL_LIMIT (256 MiB) of kept buffers,
+# and as much of the constants a pass makes (a jacobian's identity rows grow with its
+# chunk: a pass with more stays dynamic).
 REQUEST_PASSES = 16
 REQUEST_POOL_LIMIT = 16 * 1024 * 1024
-_request_passes = replay.Passes(REQUEST_PASSES, REQUEST_POOL_LIMIT)
+_request_passes = replay.Passes(REQUEST_PASSES, REQUEST_POOL_LIMIT, REQUEST_POOL_LIMIT)
 
 
 def _digest(values: Any) -> bytes:

@@ -691,3 +691,21 @@ def test_a_replayed_batch_jacobian_still_checks_the_examples_independence() -> N
         with pytest.raises(gt.BatchDependenceError):
             program.jacobians(request, program.leaves(_with_values(base, rng)), True)
     assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
+
+
+def test_a_pass_whose_constants_exceed_the_limit_stays_dynamic(monkeypatch) -> None:
+    """A jacobian's identity rows are constants its schedule would hold while kept: a
+    pass that makes more than the request passes' constant limit is never compiled."""
+    from engine.language import compile as compile_module
+    from engine.language import compile_definition
+
+    monkeypatch.setattr(compile_module._request_passes, "constant_limit", 1000)
+    rng = np.random.default_rng(44)
+    base = {"variables": {"w": rng.random((4, 3))}, "inputs": {"x": rng.random((5, 4))},
+            "program": ["o = tanh(x @ w)"]}  # 15 rows of 15 float64 seeds: 1,800 bytes
+    program = compile_definition(base)
+    request = program.check_request("o", ["w"], "zero")
+    for _ in range(4):
+        _jacobians_both_ways(program, request, program.leaves(_with_values(base, rng)), False)
+    (status,) = program.request_passes().values()
+    assert isinstance(status, tuple) and "1,800 bytes" in status[0], status
