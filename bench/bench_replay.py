@@ -79,15 +79,20 @@ def _value_sets(prob, definition: dict) -> list[tuple[dict, list]]:
     rng = np.random.default_rng(7)
     sets = []
     for _ in range(NEW_VALUES):
+
         def other(a):
             return (a * rng.uniform(0.9, 1.1, a.shape)).astype(a.dtype)
 
-        sets.append((
-            {**definition,
-             "variables": {n: other(v) for n, v in definition["variables"].items()},
-             "inputs": {n: other(v) for n, v in definition["inputs"].items()}},
-            [other(v)[None] for v in prob.v],  # one vector, stacked: what /v1/hvp sends
-        ))
+        sets.append(
+            (
+                {
+                    **definition,
+                    "variables": {n: other(v) for n, v in definition["variables"].items()},
+                    "inputs": {n: other(v) for n, v in definition["inputs"].items()},
+                },
+                [other(v)[None] for v in prob.v],  # one vector, stacked: what /v1/hvp sends
+            )
+        )
     return sets
 
 
@@ -100,10 +105,12 @@ def _program_hvp(prob, compiled: bool):
     definition = _definition(prob)
     program = compile_definition(definition)
     request = program.check_request("loss", None, "zero")
-    calls = itertools.cycle([
-        (program.leaves(d), [gt.constant(v) for v in vectors])
-        for d, vectors in _value_sets(prob, definition)
-    ])
+    calls = itertools.cycle(
+        [
+            (program.leaves(d), [gt.constant(v) for v in vectors])
+            for d, vectors in _value_sets(prob, definition)
+        ]
+    )
 
     def run():
         leaves, vectors = next(calls)
@@ -115,8 +122,11 @@ def _program_hvp(prob, compiled: bool):
 def _batch_definition(prob) -> dict:
     """The benchmark MLP's output as a definition (a batch jacobian's target)."""
     definition = _definition(prob)
-    return {"variables": definition["variables"], "inputs": {"x": prob.x},
-            "program": definition["program"][:-1]}
+    return {
+        "variables": definition["variables"],
+        "inputs": {"x": prob.x},
+        "program": definition["program"][:-1],
+    }
 
 
 def _program_batch_jacobian(prob, compiled: bool):
@@ -142,13 +152,18 @@ def _worker_request(prob, handler: str):
         definition = _definition(prob)
         names = list(definition["variables"])
         payloads = [
-            {"definition": d, "target": "loss",
-             "vector": {n: v[0] for n, v in zip(names, vectors, strict=True)}}
+            {
+                "definition": d,
+                "target": "loss",
+                "vector": {n: v[0] for n, v in zip(names, vectors, strict=True)},
+            }
             for d, vectors in _value_sets(prob, definition)
         ]
     else:
-        payloads = [{"definition": d, "target": "out", "sources": ["x"], "batch": True}
-                    for d, _ in _value_sets(prob, _batch_definition(prob))]
+        payloads = [
+            {"definition": d, "target": "out", "sources": ["x"], "batch": True}
+            for d, _ in _value_sets(prob, _batch_definition(prob))
+        ]
     calls = itertools.cycle(payloads)
     fn = getattr(compute, handler)
     return lambda: fn(next(calls), context)

@@ -164,8 +164,12 @@ class Passes:
     shapes: a jacobian's identity rows) take more bytes stays dynamic: a schedule holds
     its constants as long as it is kept."""
 
-    def __init__(self, limit: int | None = None, pool_limit: int | None = None,
-                 constant_limit: int | None = None):
+    def __init__(
+        self,
+        limit: int | None = None,
+        pool_limit: int | None = None,
+        constant_limit: int | None = None,
+    ):
         self.entries: OrderedDict[Hashable, Any] = OrderedDict()
         self.limit = limit
         self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
@@ -203,10 +207,15 @@ class Passes:
         if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
             return dynamic(list(seeds))
         outputs, schedule = capture(dynamic, seeds, known(), self.pool_limit)
-        if (isinstance(schedule, Schedule) and self.constant_limit is not None
-                and schedule.constant_bytes > self.constant_limit):
-            schedule = (f"its constants take {schedule.constant_bytes:,} bytes, more than a "
-                        f"kept pass may hold ({self.constant_limit:,})")
+        if (
+            isinstance(schedule, Schedule)
+            and self.constant_limit is not None
+            and schedule.constant_bytes > self.constant_limit
+        ):
+            schedule = (
+                f"its constants take {schedule.constant_bytes:,} bytes, more than a "
+                f"kept pass may hold ({self.constant_limit:,})"
+            )
         with self._lock:
             if key in self.entries:  # (the second element counts failed captures)
                 self.entries[key] = (
