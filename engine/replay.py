@@ -9,7 +9,9 @@ a pass of a given seed layout (its second: see `Passes`) runs dynamically under 
 keeps, per call, the primitive, its parameters and where its operands come from: a
 seed, an earlier call, or a constant (a recorded value, a rule's cached outer stage, an
 engine scalar). The same machinery compiles a definition's gradient pass (forward and
-backward; engine/language/compile.py), its leaves being the seeds. Calls
+backward; engine/language/compile.py), its leaves being the seeds, and its fresh HVP and
+jacobian passes (forward, gradient, and the second-order pass or the jacobian rows), the
+HVP's vectors being seeds too. Calls
 whose operands are all constant are folded: their result is a constant. What is left
 is a `Schedule`: a list of array calls with every broadcasting, dtype, shape and layout
 decision already taken, run on the next passes with no engine objects in the loop.
