@@ -341,6 +341,14 @@ DEFINITIONS = {
         "inputs": {"x": _rng.random((6, 4))},
         "program": ["z = x @ w + b", "loss = sum(logsumexp(z, axis=1) - z[:, 0])"],
     },
+    "user function": {  # a forward and a backward program (tf.custom_gradient's analogue)
+        "variables": {"w": _rng.random((4, 3))},
+        "inputs": {"x": _rng.random((5, 4))},
+        "functions": {"log1pexp": {"params": ["z"], "forward": ["e = exp(z)", "out = log(1 + e)"],
+                                   "backward": ["grad_z = upstream * (1 - 1 / (1 + e))"],
+                                   "output": "out"}},
+        "program": ["h = log1pexp(x @ w)", "loss = sum(h * h)"],
+    },
 }
 
 
@@ -641,7 +649,7 @@ def test_definition_jacobians_replay_exactly(name, chunk_size) -> None:
     rng = np.random.default_rng(41)
     program = compile_definition(DEFINITIONS[name])
     target = {"relu mlp": "o", "clip_grad_norm": "h", "gradient penalty": "g",
-              "softmax regression": "z"}[name]
+              "softmax regression": "z", "user function": "h"}[name]
     request = program.check_request(target, list(DEFINITIONS[name]["variables"]), "zero",
                                     allow_unused=True)
     for _ in range(4):
