@@ -499,7 +499,7 @@ def per_example_rows(
     seeds e_j (m = the size of one target example), and with check_independence one probe
     row more; None when the source is unconnected. Its seeds depend on shapes only, so a
     captured pass (engine/replay.py) replays it; the check, which reads the rows, is
-    per_example_result's, run after every pass."""
+    check_per_example's, run after every pass."""
     if target.ndim < 1 or source.ndim < 1 or target.shape[0] != source.shape[0]:
         raise ValueError(
             f"batch_jacobian: target {target.shape} and source {source.shape} must share "
