@@ -606,7 +606,9 @@ def test_fresh_hvps_in_passes_of_the_memory_budget_replay_exactly() -> None:
                                            memory_budget=budget)
         _, _, (whole,) = program.hessian_vector_products(request, leaves, vectors)
         np.testing.assert_allclose(batched.numpy(), whole.numpy(), rtol=1e-12)
-    assert {k[3] for k in program.request_passes()} == {2, None}
+    passes = program.request_passes()
+    assert {k[3] for k in passes} == {2, None}
+    assert all(isinstance(p, replay.Schedule) for p in passes.values()), passes
     with pytest.raises(OverBudget):
         program.hessian_vector_products(request, leaves, vectors, memory_budget=64)
 
