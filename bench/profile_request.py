@@ -33,6 +33,7 @@ import fastapi.routing
 import msgpack
 import orjson
 
+from bench._floor_app import app as floor
 from bench.bench_request import MSGPACK, SCENARIO_15, small_mlp
 from service.api import bodies, negotiation
 from service.api.app import create_app
@@ -148,6 +149,10 @@ async def run(args: argparse.Namespace) -> None:
         assert status == 201, created
         tape = orjson.loads(created)["tape_id"]
         rows = {
+            # the floor app (bench/_floor_app.py) given the same bodies, in-process too
+            "floor-s15": ("/trivial", orjson.dumps(SCENARIO_15), "application/json", floor),
+            "floor-json": ("/trivial", orjson.dumps(mlp_json), "application/json", floor),
+            "floor-msgpack": ("/trivial", msgpack.packb(mlp_msgpack), MSGPACK, floor),
             "gradient-s15": ("/v1/gradient", orjson.dumps(SCENARIO_15), "application/json"),
             "gradient-json": ("/v1/gradient", orjson.dumps(mlp_json), "application/json"),
             "gradient-msgpack": ("/v1/gradient", msgpack.packb(mlp_msgpack), MSGPACK),
@@ -163,9 +168,9 @@ async def run(args: argparse.Namespace) -> None:
             ),
         }
         names = args.rows.split(",")
-        chosen = [(name, *rows[name]) for name in names]
-        for _, path, body, kind in chosen * 50:  # warm-up
-            status, answer = await call(app, path, body, kind)
+        chosen = [(name, *rows[name], app)[:5] for name in names]
+        for _, path, body, kind, target in chosen * 50:  # warm-up
+            status, answer = await call(target, path, body, kind)
             assert status == 200, answer
         _spent.clear()
         profile = cProfile.Profile() if args.profile else None
@@ -175,9 +180,9 @@ async def run(args: argparse.Namespace) -> None:
         if profile:
             profile.enable()
         for _ in range(args.requests):
-            for name, path, body, kind in chosen:
+            for name, path, body, kind, target in chosen:
                 c, t = time.thread_time(), time.perf_counter()
-                await call(app, path, body, kind)
+                await call(target, path, body, kind)
                 times[name].append(time.perf_counter() - t)
                 cpu[name].append(time.thread_time() - c)
                 for stage, seconds in _spent.items():
@@ -221,8 +226,8 @@ def main() -> None:
     parser.add_argument(
         "--rows",
         default="gradient-json,hvp-json",
-        help="gradient-s15, gradient-json, gradient-msgpack, hvp-json, "
-        "hvp-msgpack (comma-separated)",
+        help="floor-s15, floor-json, floor-msgpack, gradient-s15, gradient-json, "
+        "gradient-msgpack, hvp-json, hvp-msgpack (comma-separated)",
     )
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--profile", action="store_true")
