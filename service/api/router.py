@@ -4,10 +4,10 @@ fair-sharing gate, before their body is read (their route class, GatedRoute, doe
 service/api/bodies.py); the operational ones do neither.
 
 GatedRoute authenticates every request of the gated routers before FastAPI sees it, so
-those routers declare only the two key schemes (for the OpenAPI document, and for the
-routes' owner dependency, which then reads what the gate found); `authenticate` as a
-dependency would only repeat the gate's work, three FastAPI solves per request. The job
-routes are not gated: their dependency authenticates."""
+those routers declare only the two key schemes (for the OpenAPI document), and their
+routes' owner dependency reads what the gate found: `authenticate` as a dependency would
+only repeat the gate's work, at three FastAPI solves per request. The job routes are not
+gated: their dependency authenticates."""
 
 from __future__ import annotations
 
