@@ -363,8 +363,9 @@ async def _unpack(body: bytes, shape: BodyShape) -> UnpackedBody:
 
 
 async def read_bounded(request: Request) -> None:
-    """Read, size and parse the request's body (a large one in a thread), leaving the value where
-    FastAPI and the routes read it; the problem when it is malformed or too large."""
+    """Read, size and parse the request's body (a large one in a thread), leaving the
+    value where FastAPI and the routes read it; the problem when it is malformed or too
+    large."""
     content_type = request.headers.get("content-type")
     if request.method not in _WITH_BODY or not content_type:
         return
@@ -416,9 +417,9 @@ def _unpacked(body: bytes, shape: BodyShape) -> UnpackedBody:
 
 
 class BoundedRoute(APIRoute):
-    """An APIRoute that parses and sizes its body (a large one in a thread) before FastAPI runs (when
-    it takes a body model: a route that reads its body itself, as an ONNX upload does,
-    gets it unread, or parses it with parsed_body)."""
+    """An APIRoute that parses and sizes its body (a large one in a thread) before
+    FastAPI runs (when it takes a body model: a route that reads its body itself, as an
+    ONNX upload does, gets it unread, or parses it with parsed_body)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
