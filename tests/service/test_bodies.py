@@ -6,6 +6,7 @@ answer, value for value and type for type, or leave the body to them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -16,8 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api.bodies import (
+    _INLINE_JSON_BRACKETS,
+    _INLINE_JSON_BYTES,
     _UNPARSED,
     BodyShape,
+    _parse_json,
     _unpack_walk,
     parse_json,
     parse_json_fast,
@@ -175,3 +179,14 @@ def test_json_problems_come_from_the_parse_with_the_position() -> None:
     assert str(bad.value) == "the body is not valid JSON: Expecting value at character 12"
     with pytest.raises(ProblemError, match="not UTF-8 text"):
         parse_json(b'{"a": "\xff"}', LOOSE)
+
+
+def test_bodies_parsed_on_the_loop_or_in_a_thread_read_alike() -> None:
+    shape = BodyShape(max_depth=64, max_containers=10**6)
+    small = json.dumps({"a": [0.5] * 10, "b": "x"}).encode()
+    large = json.dumps({"a": [0.25] * 20_000}).encode()
+    bracketed = json.dumps([[1]] * (_INLINE_JSON_BRACKETS + 1)).encode()
+    assert len(small) < _INLINE_JSON_BYTES < len(large) and len(bracketed) < _INLINE_JSON_BYTES
+    for body in (small, large, bracketed, b"[1, NaN, 12345678901234567890]"):
+        brackets = body.count(b"[") + body.count(b"{")
+        assert same(asyncio.run(_parse_json(body, shape, brackets)), json.loads(body))
