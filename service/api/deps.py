@@ -7,8 +7,8 @@ the formats, the app's parts): FastAPI solves each dependency anew for every req
 
 They are `async def` on purpose: FastAPI runs a plain `def` dependency in a thread,
 which costs more than the whole lookup. The settings are the app's (`create_app`
-takes them, by default from the lru_cached `get_settings`); a test overrides
-`app_settings` to change them for one app.
+takes them, by default from the lru_cached `get_settings`, and builds `Services` with
+them): a test passes its own Settings to `create_app` to change them for one app.
 """
 
 from __future__ import annotations
