@@ -18,9 +18,10 @@ from fastapi import FastAPI
 
 from service.api import docs, errors, openapi
 from service.api.auth import KeyRing
+from service.api.deps import Services
 from service.api.fairness import Fairness
 from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
-from service.api.router import api_router
+from service.api.router import include_routers
 from service.core.config import Settings, get_settings
 from service.core.store import Store
 from service.domain.datasets import DatasetCatalog
@@ -134,10 +135,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.models = ModelCatalog(settings, pool, store)
     app.state.jobs = JobRegistry(settings)
     app.state.datasets = DatasetCatalog(settings, store)
+    app.state.services = Services(settings, pool, app.state.tapes, app.state.models,
+                                  app.state.datasets)
     errors.install(app)
     docs.install(app)
     openapi.install(app)
-    app.include_router(api_router)
+    include_routers(app)
     app.add_middleware(DisconnectMiddleware)  # innermost: the routes see its watch
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every answer

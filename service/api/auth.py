@@ -153,4 +153,15 @@ def _owner_of(keyring: KeyRing, bearer: HTTPAuthorizationCredentials | None,
     return owner
 
 
-OwnerDep = Annotated[str, Depends(authenticate)]
+async def current_owner(request: Request) -> str:
+    """The caller's owner id, as the /v1 routers' `authenticate` dependency (or the gate
+    before it) found it: one cheap dependency for the routes and their dependencies,
+    rather than `authenticate` and its two header schemes solved again for each."""
+    known: str | None = getattr(request.state, "owner", None)
+    if known is not None:
+        return known
+    return await authenticate(request, await bearer_scheme(request),
+                              await api_key_scheme(request))
+
+
+OwnerDep = Annotated[str, Depends(current_owner)]

@@ -1,21 +1,24 @@
 """Dependencies shared by the routes, as Annotated aliases (the FastAPI template's
 `SessionDep` pattern): the settings, the worker pool, the negotiated body formats, the
 caller (its API key's owner id), the tape registry, the stored models, and the tape a
-path names.
+path names. The compute routes take what they need as one `ComputeDep` (the caller,
+the formats, the app's parts): FastAPI solves each dependency anew for every request
+(~10 us each, cached or not), which a small request notices.
 
 They are `async def` on purpose: FastAPI runs a plain `def` dependency in a thread,
 which costs more than the whole lookup. The settings are the app's (`create_app`
-takes them, by default from the lru_cached `get_settings`); a test overrides
-`app_settings` to change them for one app.
+takes them, by default from the lru_cached `get_settings`, and builds `Services` with
+them): a test passes its own Settings to `create_app` to change them for one app.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from service.api.auth import OwnerDep
+from service.api.auth import OwnerDep, current_owner
 from service.api.negotiation import Negotiated, negotiate
 from service.core.config import Settings
 from service.domain.datasets import DatasetCatalog
@@ -48,7 +51,34 @@ async def get_datasets(request: Request) -> DatasetCatalog:
     return datasets
 
 
+@dataclass(frozen=True)
+class Services:
+    """The parts of the app a compute route uses (create_app builds it once)."""
+
+    settings: Settings
+    pool: Pool
+    tapes: TapeRegistry
+    models: ModelCatalog
+    datasets: DatasetCatalog
+
+
+@dataclass(frozen=True)
+class Compute:
+    """What a compute route needs of its request and of the app."""
+
+    owner: str
+    negotiated: Negotiated
+    services: Services
+
+
+async def get_compute(request: Request) -> Compute:
+    """The caller's owner id, the negotiated formats (415 or 406 first), the app's parts."""
+    owner = await current_owner(request)
+    return Compute(owner, await negotiate(request), request.app.state.services)
+
+
 SettingsDep = Annotated[Settings, Depends(app_settings)]
+ComputeDep = Annotated[Compute, Depends(get_compute)]
 DatasetsDep = Annotated[DatasetCatalog, Depends(get_datasets)]
 PoolDep = Annotated[Pool, Depends(get_pool)]
 NegotiatedDep = Annotated[Negotiated, Depends(negotiate)]
@@ -58,21 +88,24 @@ ModelsDep = Annotated[ModelCatalog, Depends(get_models)]
 
 async def get_tape(
     tape_id: Annotated[str, Path(description="The id POST /v1/tapes answered.")],
-    owner: OwnerDep,
-    tapes: TapesDep,
+    request: Request,
 ) -> Tape:
     """The caller's live tape named by the path; 404 (saying why) otherwise."""
-    return await tapes.get(tape_id, owner)
+    tapes: TapeRegistry = request.app.state.tapes
+    return await tapes.get(tape_id, await current_owner(request))
 
 
 TapeDep = Annotated[Tape, Depends(get_tape)]
 
 __all__ = [
+    "Compute",
+    "ComputeDep",
     "DatasetsDep",
     "ModelsDep",
     "NegotiatedDep",
     "OwnerDep",
     "PoolDep",
+    "Services",
     "SettingsDep",
     "TapeDep",
     "TapesDep",

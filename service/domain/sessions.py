@@ -38,7 +38,7 @@ from service.core.config import Settings
 from service.core.errors import ServiceError
 from service.core.store import ModelRow, Store, TapeRow, is_ref
 from service.domain.metrics import Metrics
-from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply
+from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply, WorkerInfo
 
 log = logging.getLogger("gradtape.sessions")
 
@@ -146,8 +146,10 @@ class TapeRegistry:
             key=lambda t: t.row.created,
         )
 
-    def loaded(self, tape: Tape) -> bool:
-        workers = self.pool.workers()
+    def loaded(self, tape: Tape, workers: list[WorkerInfo] | None = None) -> bool:
+        """Whether the tape's worker still holds it. `workers`: pool.workers(), when the
+        caller asks for many tapes (it costs a few us a worker each time)."""
+        workers = self.pool.workers() if workers is None else workers
         return (tape.row.worker < len(workers)
                 and tape.generation == workers[tape.row.worker].generation)
 
@@ -155,7 +157,8 @@ class TapeRegistry:
         return len(self._tapes)
 
     def total_bytes(self) -> int:
-        return sum(t.row.bytes for t in self._tapes.values() if self.loaded(t))
+        workers = self.pool.workers()
+        return sum(t.row.bytes for t in self._tapes.values() if self.loaded(t, workers))
 
     async def get(self, tape_id: str, owner: str) -> Tape:
         """The caller's live tape, or a 404 problem that says why there is none."""
@@ -277,7 +280,7 @@ class TapeRegistry:
         workers = self.pool.workers()
         held = [0] * len(workers)
         for t in self._tapes.values():
-            if self.loaded(t):
+            if self.loaded(t, workers):
                 held[t.row.worker] += t.row.bytes
         return min(range(len(workers)),
                    key=lambda i: (workers[i].state != "idle", held[i], i))
@@ -460,10 +463,13 @@ class TapeRegistry:
         """Evict the worker's least recently used tapes while it holds more than its
         budget (never `keep`, nor a tape with a request in flight)."""
         budget = self.settings.tape_memory_budget
-        held = sorted((t for t in self._tapes.values()
-                       if t.row.worker == worker and self.loaded(t)),
-                      key=lambda t: t.row.last_used)
+        workers = self.pool.workers()
+        held = [t for t in self._tapes.values()
+                if t.row.worker == worker and self.loaded(t, workers)]
         total = sum(t.row.bytes for t in held)
+        if total <= budget:  # the common case, after every request on a tape: no sort
+            return
+        held.sort(key=lambda t: t.row.last_used)
         victims = []
         for t in held:
             if total <= budget:

@@ -1,9 +1,14 @@
 """service/api/bodies.py on its own: the msgpack walk builds what msgpack.unpackb builds,
 counts every list and map before building it, and refuses at exactly the limits; JSON
-problems are raised where the body is parsed, with the position."""
+problems are raised where the body is parsed, with the position. The fast paths (orjson
+for JSON, msgpack.unpackb for a small msgpack body) answer exactly what json and the walk
+answer, value for value and type for type, or leave the body to them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
 from typing import Any
 
 import msgpack
@@ -11,7 +16,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.api.bodies import BodyShape, parse_json, unpack_msgpack
+from service.api.bodies import (
+    _INLINE_JSON_BRACKETS,
+    _INLINE_JSON_BYTES,
+    _UNPARSED,
+    BodyShape,
+    _parse_json,
+    _unpack_walk,
+    parse_json,
+    parse_json_fast,
+    unpack_msgpack,
+)
 from service.api.problems import ProblemError
 
 LOOSE = BodyShape(max_depth=10_000, max_containers=10**9)
@@ -37,7 +52,90 @@ documents = st.recursive(
 @given(documents)
 def test_the_walk_builds_what_unpackb_builds(document: Any) -> None:
     packed = msgpack.packb(document, use_bin_type=True)
+    assert _unpack_walk(packed, LOOSE) == msgpack.unpackb(packed, raw=False)
     assert unpack_msgpack(packed, LOOSE) == msgpack.unpackb(packed, raw=False)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal values of equal types all the way down (1 is not 1.0; NaN is NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
+
+
+json_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),  # unbounded: past 64 bits too, which orjson would read as floats
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+json_documents = st.recursive(
+    json_leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=12), st.dictionaries(st.text(max_size=6), inner, max_size=5)
+    ),
+    max_leaves=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_documents, st.booleans())
+def test_parse_json_reads_what_json_reads(document: Any, ascii_only: bool) -> None:
+    body = json.dumps(document, ensure_ascii=ascii_only).encode()
+    assert same(parse_json(body, LOOSE), json.loads(body))
+    brackets = body.count(b"[") + body.count(b"{")
+    assert same(parse_json(body, LOOSE, brackets), json.loads(body))
+
+
+@pytest.mark.parametrize("text", [
+    "[12345678901234567890]",  # past 64 bits: an int, not orjson's float
+    '{"a": -98765432109876543210}',
+    "1234567890123456789012",
+    "[1e400, -1e400]",  # json's infinities (orjson refuses them)
+    "[1.0, NaN, Infinity]",  # json's non-standard literals
+    "\ufeff[1, 2]",  # a UTF-8 byte order mark, which json skips
+    "[0.0011135332752019167, 1.00000000000000000000001, 1e-0000000000000000000001]",
+])
+def test_parse_json_edge_cases_read_as_json_reads_them(text: str) -> None:
+    body = text.encode()
+    assert same(parse_json(body, LOOSE), json.loads(body))
+
+
+def test_fast_json_leaves_long_integers_and_lone_surrogates_to_json() -> None:
+    assert parse_json_fast(b"[1, 12345678901234567890]", LOOSE) is _UNPARSED
+    assert parse_json_fast(b'{"a": -1234567890123456789}', LOOSE) is _UNPARSED
+    assert parse_json_fast(b'["\\ud800"]', LOOSE) is _UNPARSED
+    assert same(parse_json_fast(b"[123456789012345678, 0.00123456789012345678]", LOOSE),
+                [123456789012345678, 0.00123456789012345678])
+    with pytest.raises(ProblemError, match="surrogate") as lone:
+        parse_json(b'{"program": ["s = x\\udc00"]}', LOOSE)
+    assert lone.value.slug == "malformed-body"
+
+
+def test_json_limits_are_exact_on_either_path() -> None:
+    shape = BodyShape(max_depth=5, max_containers=7)
+    five, six = b"[" * 5 + b"]" * 5, b"[" * 6 + b"]" * 6
+    for brackets in (None, 5, 6):
+        assert parse_json(five, shape, brackets) == [[[[[]]]]]
+    for brackets in (None, 6):
+        with pytest.raises(ProblemError, match="more than 5 levels") as deep:
+            parse_json(six, shape, brackets)
+        assert deep.value.slug == "malformed-body"
+    with pytest.raises(ProblemError, match="more than 7 lists and objects"):
+        parse_json(b'[[], {}, [1], {"a": [2]}, [], []]', shape)
+    # a list of a thousand numbers and one list deep inside is searched for containers
+    deep_inside = [0.5] * 1000 + [[[[["x"]]]]]  # 5 levels
+    assert parse_json(json.dumps(deep_inside).encode(), shape) == deep_inside
+    deep_inside[-1] = [deep_inside[-1]]  # 6
+    with pytest.raises(ProblemError, match="more than 5 levels"):
+        parse_json(json.dumps(deep_inside).encode(), shape)
 
 
 def test_long_headers_and_every_length_form() -> None:
@@ -81,3 +179,14 @@ def test_json_problems_come_from_the_parse_with_the_position() -> None:
     assert str(bad.value) == "the body is not valid JSON: Expecting value at character 12"
     with pytest.raises(ProblemError, match="not UTF-8 text"):
         parse_json(b'{"a": "\xff"}', LOOSE)
+
+
+def test_bodies_parsed_on_the_loop_or_in_a_thread_read_alike() -> None:
+    shape = BodyShape(max_depth=64, max_containers=10**6)
+    small = json.dumps({"a": [0.5] * 10, "b": "x"}).encode()
+    large = json.dumps({"a": [0.25] * 20_000}).encode()
+    bracketed = json.dumps([[1]] * (_INLINE_JSON_BRACKETS + 1)).encode()
+    assert len(small) < _INLINE_JSON_BYTES < len(large) and len(bracketed) < _INLINE_JSON_BYTES
+    for body in (small, large, bracketed, b"[1, NaN, 12345678901234567890]"):
+        brackets = body.count(b"[") + body.count(b"{")
+        assert same(asyncio.run(_parse_json(body, shape, brackets)), json.loads(body))

@@ -14,14 +14,7 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import GatedRoute
-from service.api.deps import (
-    DatasetsDep,
-    ModelsDep,
-    NegotiatedDep,
-    OwnerDep,
-    PoolDep,
-    SettingsDep,
-)
+from service.api.deps import ComputeDep
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
     GradientRequest,
@@ -43,17 +36,17 @@ def _derivative(name: str, kind: str, *rest: Any, **options: Any) -> Operation:
 
 
 def _add(op: Operation) -> None:
-    async def endpoint(request: Request, body: Any, negotiated: NegotiatedDep, pool: PoolDep,
-                       settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
-                       datasets: DatasetsDep) -> Response:
-        stored = await stored_definition(body, owner, models)
-        prepared = op.build(body, settings, stored)
-        await datasets.bind_prepared(owner, prepared)
+    async def endpoint(request: Request, body: Any, compute: ComputeDep) -> Response:
+        owner, services = compute.owner, compute.services
+        stored = await stored_definition(body, owner, services.models)
+        prepared = op.build(body, services.settings, stored)
+        await services.datasets.bind_prepared(owner, prepared)
 
         def call() -> Awaitable[Reply]:
-            return pool.submit(op.kind, prepared.payload, time_limit=prepared.time_limit)
+            return services.pool.submit(op.kind, prepared.payload,
+                                        time_limit=prepared.time_limit)
 
-        return await respond(request, body, negotiated, prepared, owner=owner,
+        return await respond(request, body, compute.negotiated, prepared, owner=owner,
                              call=call, job=op.job)
 
     register(router, op, endpoint)

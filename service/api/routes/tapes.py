@@ -15,6 +15,7 @@ from starlette.responses import Response
 from service.api import payloads
 from service.api.bodies import GatedRoute
 from service.api.deps import (
+    ComputeDep,
     DatasetsDep,
     ModelsDep,
     NegotiatedDep,
@@ -188,16 +189,17 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 
 
 def _add(op: Operation) -> None:
-    async def endpoint(request: Request, body: Any, tape: TapeDep, tapes: TapesDep,
-                       negotiated: NegotiatedDep, settings: SettingsDep,
-                       owner: OwnerDep, datasets: DatasetsDep) -> Response:
-        prepared = await datasets.bind_prepared(owner, op.build(body, settings))
+    async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep
+                       ) -> Response:
+        owner, services = compute.owner, compute.services
+        prepared = await services.datasets.bind_prepared(owner,
+                                                         op.build(body, services.settings))
 
         def call() -> Awaitable[Reply]:
-            return tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+            return services.tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
 
-        return await respond(request, body, negotiated, prepared, owner=owner, tape_id=tape.id,
-                             call=call, job=op.job)
+        return await respond(request, body, compute.negotiated, prepared, owner=owner,
+                             tape_id=tape.id, call=call, job=op.job)
 
     register(router, op, endpoint, TAPE_ERRORS)
 
