@@ -27,6 +27,11 @@ process sent once it had read the previous reply (with the held names before it)
 HTTP process writes a worker's request arena only after that worker's reply to the
 previous request (which carries them).
 
+What is known to outlive its request is copied out of the arena instead (`detached`):
+a tape's definition in the worker, a job's answer in the HTTP process. Held arenas are
+for the rest (a response still being written, a reference cycle the collector has not
+freed yet), so that an arena's memory is never pinned for long by a small array.
+
 A message with more than MAX_ARENA bytes of large arrays gets a segment of its own
 instead (name ending in `x`): written once, mapped and unlinked by the receiver, freed
 by the kernel with the last array over it; its sender unlinks it again with its next
@@ -271,6 +276,27 @@ def _write_file(name: str, pieces: Sequence[tuple[int, memoryview]]) -> None:
         raise
     finally:
         os.close(fd)
+
+
+def detached(tree: Any) -> Any:
+    """`tree` (dicts, lists) with every array that views a shared-memory mapping replaced
+    by a copy of its own: for what a worker keeps past its request (a tape), which would
+    otherwise pin the whole arena it came in (up to MAX_ARENA, and take it out of reuse)
+    for as long as it lives, bytes that no memory budget counts."""
+    if isinstance(tree, np.ndarray):
+        root: Any = tree
+        while isinstance(root, np.ndarray) and root.base is not None:
+            root = root.base
+        if isinstance(root, memoryview) and isinstance(root.obj, mmap.mmap):
+            copy = np.array(tree)
+            copy.flags.writeable = False  # as the view was
+            return copy
+        return tree
+    if isinstance(tree, dict):
+        return {k: detached(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [detached(v) for v in tree]
+    return tree
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

@@ -326,9 +326,11 @@ def test_a_pool_sweeps_what_a_killed_server_left() -> None:
 # ---- over HTTP: tapes keep their arrays; workers killed mid-transfer ------------------------
 
 
-def test_a_tape_keeps_its_arrays_while_later_requests_reuse_the_arenas(client) -> None:
-    """A tape records views of the request arena; the requests after it must not write
-    over them (the worker says it holds them, the next request gets a new arena)."""
+def test_tapes_keep_their_arrays_and_pin_no_arena(client, server) -> None:
+    """A tape's arrays outlive their request: the later requests, which reuse the
+    arenas, must not change them, and the tapes must not pin an arena each (the worker
+    copies what a tape keeps out of shared memory: at most shm.ARENAS arenas per
+    direction stay mapped in a worker, however many tapes it holds)."""
     n = 150_000  # 600 KB each: above the default 64 KiB threshold
     rng = np.random.default_rng(7)
     w, x, v = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
@@ -345,6 +347,17 @@ def test_a_tape_keeps_its_arrays_while_later_requests_reuse_the_arenas(client) -
         return msgpack.unpackb(response.content)
 
     tape = send("/v1/tapes", {"definition": definition, "target": "loss", "sources": ["w"]})
+    others = [
+        send(
+            "/v1/tapes",
+            {
+                "definition": {**definition, "inputs": {"x": tbin(x * k)}},
+                "target": "loss",
+                "sources": ["w"],
+            },
+        )
+        for k in range(6)
+    ]
     for k in range(4):  # both workers, several times: every arena is written again
         other = rng.standard_normal(n).astype(np.float32)
         got = send(
@@ -360,6 +373,11 @@ def test_a_tape_keeps_its_arrays_while_later_requests_reuse_the_arenas(client) -
     assert np.array_equal(arr(hvp["hvp"]["w"]), x * v)
     again = send(f"/v1/tapes/{tape['tape_id']}/gradient", {})
     assert np.array_equal(arr(again["gradients"]["w"]), x * w)
+    for k, other in enumerate(others):
+        got = send(f"/v1/tapes/{other['tape_id']}/gradient", {})
+        assert np.array_equal(arr(got["gradients"]["w"]), x * k * w)
+    for worker in server.wait_ready()["workers"]:
+        assert len(mapped_arenas(worker["pid"])) <= 2 * shm.ARENAS, mapped_arenas(worker["pid"])
 
 
 @pytest.fixture(scope="module")
