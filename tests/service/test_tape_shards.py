@@ -144,30 +144,49 @@ def test_sum_reduction_and_two_shards(client) -> None:
         client.delete(f"/v1/tapes/{tape['tape_id']}")
 
 
-def test_a_killed_shard_is_rebuilt_alone(server, client, pair) -> None:
-    _, sharded = pair
-    v = {"vectors": [wire(x) for x in vectors(5, 2)]}
-    before = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)
-    info = ok(client.get(f"/v1/tapes/{sharded['tape_id']}"))
-    # Kill the worker of the last part (the parts on other workers are untouched).
-    alone = info["shards"][-1]["worker"]
-    lone = [i for i, s in enumerate(info["shards"]) if s["worker"] == alone]
-    victim = next(w for w in server.wait_ready()["workers"] if w["index"] == alone)
+def kill_worker(server, index: int) -> None:
+    """SIGKILL worker `index` and wait until the pool has replaced it."""
+    victim = next(w for w in server.wait_ready()["workers"] if w["index"] == index)
     os.kill(victim["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         workers = {w["index"]: w for w in server.wait_ready()["workers"]}
-        if workers[alone]["pid"] != victim["pid"]:
-            break
+        if workers[index]["pid"] != victim["pid"]:
+            return
         time.sleep(0.05)
-    after = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)
+    raise TimeoutError("the killed worker was not replaced")
+
+
+def test_a_killed_shard_is_rebuilt_alone(server, client, pair) -> None:
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    v = {"vectors": [wire(x) for x in vectors(5, 2)]}
+    before = post(client, f"{base}/hvp", v)
+    eigen = {"k": 2, "tol": 1e-10, "max_hvps": 60}
+    top = post(client, f"{base}/eigenvalues", eigen)
+    info = ok(client.get(base))
+
+    def rebuilt_since(old: dict) -> list[int]:
+        now = ok(client.get(base))
+        return [s["rebuilds"] - s0["rebuilds"]
+                for s, s0 in zip(now["shards"], old["shards"], strict=True)]
+
+    # The middle part is alone on its worker (parts on a, b, a): only it is recorded again.
+    workers = [s["worker"] for s in info["shards"]]
+    assert workers[0] == workers[2] != workers[1], workers
+    kill_worker(server, workers[1])
+    after = post(client, f"{base}/hvp", v)
     for g, w in zip(after["hvps"], before["hvps"], strict=True):
         close_tensors(g, w, 1e-13)
-    rebuilt = ok(client.get(f"/v1/tapes/{sharded['tape_id']}"))
-    counts = [s["rebuilds"] - s0["rebuilds"]
-              for s, s0 in zip(rebuilt["shards"], info["shards"], strict=True)]
-    assert counts == [1 if i in lone else 0 for i in range(len(counts))], counts
-    assert rebuilt["rebuilds"] == info["rebuilds"] + len(lone)
+    assert rebuilt_since(info) == [0, 1, 0]
+    # The coordinator's worker (holding parts 0 and 2): they are recorded again, and an
+    # algorithm across the shards gives the same numbers.
+    middle = ok(client.get(base))
+    kill_worker(server, workers[0])
+    again = post(client, f"{base}/eigenvalues", eigen)
+    close(again["eigenvalues"], top["eigenvalues"], 1e-12)
+    assert rebuilt_since(middle) == [1, 0, 1]
+    assert ok(client.get(base))["rebuilds"] == info["rebuilds"] + 3
 
 
 def test_sharded_tape_over_a_stored_dataset(client) -> None:

@@ -168,6 +168,9 @@ class _Methods:
         output: str | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
+        shards: int | None = None,
+        shard_by: Any = None,
+        shard_reduction: str | None = None,
     ) -> Any:
         """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
         exit): `with client.tape(d, "loss") as tape:` (async: `async with await
@@ -175,10 +178,15 @@ class _Methods:
         of some `variables` (by name), or of all its sources at once as one flat `point`
         (in the order `tape.sources` then lists). `output` names the program line of the
         model's output (the loss's lines follow it): the tape then answers the
-        Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`."""
+        Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`.
+        `shards=n` splits the batch (the inputs `shard_by` names, default every input with
+        an axis) over n workers; `shard_reduction` says how the parts add up ("mean", the
+        default, for a mean loss; "sum" for a sum): every answer equals the unsharded one."""
         options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit,
                    "output": output, "variables": None if variables is None else dict(variables),
-                   "point": flat_point(point)}
+                   "point": flat_point(point), "shards": shards,
+                   "shard_by": None if shard_by is None or isinstance(shard_by, str)
+                   else list(shard_by), "shard_reduction": shard_reduction}
         return self._run(self._tape_op(definition, target, sources, model, options))
 
     # ----------------------------------------------------------------------- datasets
