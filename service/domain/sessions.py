@@ -166,7 +166,7 @@ class TapeRegistry:
                 and tape.generation == workers[tape.row.worker].generation)
 
     def count(self) -> int:
-        return len(self._tapes)
+        return sum(1 for t in self._tapes.values() if t.parent is None)
 
     def total_bytes(self) -> int:
         return sum(t.row.bytes for t in self._tapes.values()

@@ -441,6 +441,37 @@ class Sharding:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    # Stateless requests -------------------------------------------------------------------
+    async def stateless(self, owner: str, kind: str, payload: Mapping[str, Any],
+                        time_limit: float, sharding: Mapping[str, Any]) -> Reply:
+        """POST /v1/gradient or /v1/hvp with `shards`: a sharded tape recorded for the
+        request, asked, and let go (its definition is not kept)."""
+        started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + time_limit
+        flat = bool(payload.get("flat"))
+        spec = {"definition": payload["definition"], "target": payload["target"],
+                "sources": payload.get("sources"), "flat": flat, "output": None,
+                "allow_nonfinite": payload.get("allow_nonfinite", False),
+                **({"point": payload["point"]} if payload.get("point") is not None else {})}
+        tape, result = await self.registry.create_sharded(
+            owner, spec, self.registry.settings.tape_ttl, None, time_limit, sharding)
+        try:
+            if kind == "hvp":
+                products = await self.call(tape, "tape_hvp", {
+                    "vector": payload.get("vector"), "vectors": payload.get("vectors"),
+                    "flat_vector": payload.get("flat_vector"), "flat": flat,
+                    "curvature": None, "samples": None, "fisher_seed": 0,
+                    "allow_nonfinite": spec["allow_nonfinite"]},
+                    deadline - asyncio.get_running_loop().time())
+                answer = products.result
+                result = {**result, "hvp": answer.get("hvp"), "hvps": answer.get("hvps")}
+                if flat:  # one flat answer: the gradient's and the products'
+                    result["flat"] = {**result.get("flat", {}), **answer["flat"]}
+        finally:
+            await self.registry.delete(tape)
+        assert tape.shards is not None
+        return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
+
     # Updating -----------------------------------------------------------------------------
     async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
                      inputs: Mapping[str, Any], time_limit: float, point: Any, flat: bool

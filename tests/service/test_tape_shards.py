@@ -8,9 +8,11 @@ import os
 import signal
 import time
 
+import httpx
 import numpy as np
 import pytest
 
+from tests.service.conftest import start_server, stop_server
 from tests.service.wire import arr, num, ok, post, problem, t
 
 rng = np.random.default_rng(16)
@@ -275,3 +277,60 @@ def test_what_a_sharded_tape_refuses(client, pair) -> None:
     assert "target" in found["detail"]
     found = problem(client.post(f"{base}/gradient", json={"sources": ["x"]}), 422)
     assert "'x' is split" in found["detail"]
+
+
+def test_a_sharded_tape_survives_a_restart(tmp_path) -> None:
+    """The store keeps the sharded tape and its parts: after a restart each part is
+    recorded again on first use and the answers are the same."""
+    settings = {"GRADTAPE_DATA_DIR": str(tmp_path / "data")}
+    log = tmp_path / "server.log"
+    v = {"vector": wire(vectors(9, 1)[0])}
+    srv = start_server(settings, log)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            sharded = record(c, shards=2, ttl=600.0)
+            base = f"/v1/tapes/{sharded['tape_id']}"
+            hvp = post(c, f"{base}/hvp", v)["hvp"]
+            trace = post(c, f"{base}/trace", {"method": "exact"})["trace"]
+            assert 'gradtape_tapes 1.0' in c.get("/metrics").text  # the parts not counted
+    finally:
+        stop_server(srv)
+    srv = start_server(settings, log)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            about = ok(c.get(base))
+            assert not about["loaded"] and [s["rows"] for s in about["shards"]] == [6, 5]
+            close_tensors(post(c, f"{base}/hvp", v)["hvp"], hvp, 1e-14)
+            close(post(c, f"{base}/trace", {"method": "exact"})["trace"], trace, 1e-14)
+            about = ok(c.get(base))
+            assert about["loaded"] and [s["rebuilds"] for s in about["shards"]] == [1, 1]
+            assert [x["tape_id"] for x in ok(c.get("/v1/tapes"))["tapes"]] == [
+                sharded["tape_id"]]
+    finally:
+        stop_server(srv)
+
+
+def test_stateless_requests_with_shards(client) -> None:
+    """POST /v1/gradient and /v1/hvp with shards: temporary shards, the same answers."""
+    held = len(ok(client.get("/v1/tapes"))["tapes"])
+    body = {"definition": definition(), "target": "loss"}
+    want = post(client, "/v1/gradient", body)
+    got = post(client, "/v1/gradient", {**body, "shards": 3})
+    close(num(got["value"]), num(want["value"]))
+    close_tensors(got["gradients"], want["gradients"])
+    vs = [wire(v) for v in vectors(11, 3)]
+    want = post(client, "/v1/hvp", {**body, "vectors": vs})
+    got = post(client, "/v1/hvp", {**body, "vectors": vs, "shards": 2, "shard_by": ["x", "y"]})
+    close(num(got["value"]), num(want["value"]))
+    close_tensors(got["gradients"], want["gradients"])
+    for g, w in zip(got["hvps"], want["hvps"], strict=True):
+        close_tensors(g, w)
+    flat = {**body, "vector": vs[0], "flat": True}
+    want = post(client, "/v1/hvp", flat)
+    got = post(client, "/v1/hvp", {**flat, "shards": 2})
+    close(arr(got["flat"]["hvp"]), arr(want["flat"]["hvp"]))
+    close(arr(got["flat"]["gradient"]), arr(want["flat"]["gradient"]))
+    assert got["flat"]["order"] == want["flat"]["order"]
+    assert len(ok(client.get("/v1/tapes"))["tapes"]) == held  # nothing left behind
+    found = problem(client.post("/v1/gradient", json={**body, "shards": 40}), 422)
+    assert "shards" in found["detail"] and "at most 11" in found["detail"]

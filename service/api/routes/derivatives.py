@@ -21,6 +21,7 @@ from service.api.deps import (
     OwnerDep,
     PoolDep,
     SettingsDep,
+    TapesDep,
 )
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas import (
@@ -32,6 +33,7 @@ from service.api.schemas import (
     HVPResponse,
     JacobianRequest,
     JacobianResponse,
+    ShardOptions,
 )
 from service.pool import Reply
 
@@ -45,12 +47,17 @@ def _derivative(name: str, kind: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, negotiated: NegotiatedDep, pool: PoolDep,
                        settings: SettingsDep, owner: OwnerDep, models: ModelsDep,
-                       datasets: DatasetsDep) -> Response:
+                       datasets: DatasetsDep, tapes: TapesDep) -> Response:
         stored = await stored_definition(body, owner, models)
         prepared = op.build(body, settings, stored)
+        sharding = (payloads.sharding(body, settings) if isinstance(body, ShardOptions)
+                    else None)
         await datasets.bind_prepared(owner, prepared)
 
         def call() -> Awaitable[Reply]:
+            if sharding is not None:  # a sharded tape for this request (domain/shards.py)
+                return tapes.sharding.stateless(owner, op.kind, prepared.payload,
+                                                prepared.time_limit, sharding)
             return pool.submit(op.kind, prepared.payload, time_limit=prepared.time_limit)
 
         return await respond(request, body, negotiated, prepared, owner=owner,
@@ -70,7 +77,11 @@ DERIVATIVES = (
         `sources` is a list of names (answers keyed by name), a mapping alias -> name
         (answers keyed by alias), a single name, or absent (every trainable variable). A
         source the target does not depend on answers `null`, or zeros with
-        `"unconnected": "zero"`."""),
+        `"unconnected": "zero"`.
+
+        With `shards`, the batch is split over that many workers and their parts summed
+        (`shard_reduction`), as a sharded tape does (the target must then be a scalar,
+        and unconnected sources answer zeros)."""),
     _derivative(
         "compute_jacobian", "jacobian", JacobianRequest, JacobianResponse, payloads.jacobian,
         "Jacobians, full or per example",
@@ -96,7 +107,10 @@ DERIVATIVES = (
         "Hessian-vector products",
         """H @ v for a scalar target, with `vector` (one tensor per source, keyed like the
         gradients) or `vectors` (a list of them). The forward pass and the gradient are
-        recorded once and all vectors are answered in one batched second-order pass."""),
+        recorded once and all vectors are answered in one batched second-order pass.
+
+        With `shards`, the batch is split over that many workers and their parts summed
+        (`shard_reduction`), as a sharded tape does."""),
 )
 for _operation in DERIVATIVES:
     _add(_operation)
