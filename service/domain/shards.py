@@ -148,6 +148,7 @@ def split(definition: Mapping[str, Any], shard_by: Sequence[str] | None, shards:
         raise _invalid("shard_by", f"the inputs split must have the same first-axis length "
                        f"(the batch); they have {listed}: {how}")
     total = next(iter(lengths.values()))
+    assert total is not None  # scalars were refused above
     if shards > total:
         raise _invalid("shards", f"{shards} shards of a batch of {total}: at most {total} (one "
                        "example per shard)")
@@ -161,6 +162,25 @@ def split(definition: Mapping[str, Any], shard_by: Sequence[str] | None, shards:
 # ----------------------------------------------------------------------------------------
 # A sharded tape
 # ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A request's time limit, which covers every step it takes across the workers."""
+
+    at: float  # the event loop's clock
+    limit: float
+
+    @classmethod
+    def after(cls, limit: float) -> Deadline:
+        return cls(asyncio.get_running_loop().time() + limit, limit)
+
+    def left(self, worker: int) -> float:
+        """The time left for the next step (on `worker`); past it, the request's timeout."""
+        left = self.at - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise ComputeTimeout(self.limit, worker)
+        return left
 
 
 @dataclass(eq=False)
@@ -221,7 +241,7 @@ class Sharding:
         shards = int(sharding["shards"])
         self.check(shards)
         definitions, rows, names = split(spec["definition"], sharding.get("shard_by"), shards)
-        deadline = asyncio.get_running_loop().time() + time_limit
+        deadline = Deadline.after(time_limit)
         now = time.time()
         parent = self.registry.new_tape(TapeRow(
             id=secrets.token_urlsafe(24), owner=owner, definition=None, model=model,
@@ -241,7 +261,7 @@ class Sharding:
         async def record(i: int) -> tuple[Tape, dict[str, Any]]:
             return await self.registry.create(
                 owner, {**part_spec, "definition": definitions[i]}, ttl, model,
-                self._left(deadline, workers[i]), worker=workers[i], part_of=(parent, i))
+                deadline.left(workers[i]), worker=workers[i], part_of=(parent, i))
 
         outcomes = await asyncio.gather(*(record(i) for i in range(shards)),
                                         return_exceptions=True)
@@ -298,7 +318,7 @@ class Sharding:
         if kind in NOT_SHARDED:
             raise ServiceError("invalid-request", f"not on a sharded tape: {NOT_SHARDED[kind]}")
         started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + time_limit
+        deadline = Deadline.after(time_limit)
         tape.busy += 1
         try:
             if kind in SUMS:
@@ -331,7 +351,7 @@ class Sharding:
             raise _invalid("sources", f"input {split_ones[0]!r} is split over the shards: its "
                            "gradient is not a sum of theirs")
 
-    async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: float
+    async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:
         assert tape.shards is not None
         part = {**payload, "flat": False}
@@ -339,7 +359,7 @@ class Sharding:
         return await self._combine(tape, [r.result for r in replies], payload, deadline)
 
     async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
-                       payload: Mapping[str, Any], deadline: float) -> dict[str, Any]:
+                       payload: Mapping[str, Any], deadline: Deadline) -> dict[str, Any]:
         """The parts' answers summed by the coordinator (flattened there when asked)."""
         assert tape.shards is not None
         worker = tape.shards.coordinator
@@ -347,12 +367,12 @@ class Sharding:
             "shard_combine",
             {"parts": answers, "weights": tape.shards.weights, "flat": payload.get("flat"),
              "allow_nonfinite": payload.get("allow_nonfinite", False)},
-            worker=worker, time_limit=self._left(deadline, worker))
+            worker=worker, time_limit=deadline.left(worker))
         result: dict[str, Any] = reply.result
         return result
 
     async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
-                   deadline: float) -> list[Reply]:
+                   deadline: Deadline) -> list[Reply]:
         """`kind` on every part at once (a part's worker lost meanwhile: asked again once,
         which records that part again alone); the first failure, once all answered."""
         assert tape.shards is not None
@@ -360,12 +380,12 @@ class Sharding:
         async def ask(part: Tape, payload: dict[str, Any]) -> Reply:
             try:
                 return await self.registry.call(part, kind, payload,
-                                                self._left(deadline, part.row.worker))
+                                                deadline.left(part.row.worker))
             except WorkerCrashed:
                 log.info("shard %s... lost with worker %d: asking again", part.id[:8],
                          part.row.worker)
                 return await self.registry.call(part, kind, payload,
-                                                self._left(deadline, part.row.worker))
+                                                deadline.left(part.row.worker))
 
         outcomes = await asyncio.gather(
             *(ask(p, q) for p, q in zip(tape.shards.parts, payloads, strict=True)),
@@ -375,7 +395,7 @@ class Sharding:
                 raise outcome
         return list(outcomes)  # type: ignore[arg-type]
 
-    async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: float
+    async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:
         """An algorithm in the coordinator, its products asked of the parts."""
         shards = tape.shards
@@ -398,7 +418,7 @@ class Sharding:
             try:
                 reply = await self.pool.submit("shard_run", {"run": run_id, **start},
                                                worker=worker,
-                                               time_limit=self._left(deadline, worker))
+                                               time_limit=deadline.left(worker))
                 while reply.result["run"] is not None:
                     asked = [{**product, "vectors": reply.result["need"]}] * len(shards.parts)
                     replies = await self._fan(tape, "tape_hvp", asked, deadline)
@@ -406,7 +426,7 @@ class Sharding:
                         "shard_step",
                         {"run": run_id, "parts": [r.result["flat"]["hvps"] for r in replies],
                          "weights": shards.weights, "allow_nonfinite": True},
-                        worker=worker, time_limit=self._left(deadline, worker))
+                        worker=worker, time_limit=deadline.left(worker))
                 answer: dict[str, Any] = reply.result["answer"]
                 return answer
             except WorkerCrashed as exc:
@@ -420,12 +440,6 @@ class Sharding:
                 self._drop_run(worker, run_id)
                 raise
         raise AssertionError("unreachable")
-
-    def _left(self, deadline: float, worker: int) -> float:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            raise ComputeTimeout(0.0, worker)
-        return left
 
     def _drop_run(self, worker: int, run_id: str) -> None:
         """Let the coordinator's run go (after what it is doing now)."""
@@ -447,7 +461,7 @@ class Sharding:
         """POST /v1/gradient or /v1/hvp with `shards`: a sharded tape recorded for the
         request, asked, and let go (its definition is not kept)."""
         started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + time_limit
+        deadline = Deadline.after(time_limit)
         flat = bool(payload.get("flat"))
         spec = {"definition": payload["definition"], "target": payload["target"],
                 "sources": payload.get("sources"), "flat": flat, "output": None,
@@ -462,7 +476,7 @@ class Sharding:
                     "flat_vector": payload.get("flat_vector"), "flat": flat,
                     "curvature": None, "samples": None, "fisher_seed": 0,
                     "allow_nonfinite": spec["allow_nonfinite"]},
-                    deadline - asyncio.get_running_loop().time())
+                    deadline.left(tape.shards.coordinator))
                 answer = products.result
                 result = {**result, "hvp": answer.get("hvp"), "hvps": answer.get("hvps")}
                 if flat:  # one flat answer: the gradient's and the products'
@@ -483,11 +497,11 @@ class Sharding:
         if inputs:
             raise _invalid("inputs", "a sharded tape's inputs are split over its shards: "
                            "record a new sharded tape for new data")
-        deadline = asyncio.get_running_loop().time() + time_limit
+        deadline = Deadline.after(time_limit)
         tape.busy += 1
         try:
             answers = await asyncio.gather(*(
-                self.registry.update(p, variables, {}, self._left(deadline, p.row.worker),
+                self.registry.update(p, variables, {}, deadline.left(p.row.worker),
                                      point=point, flat=False)
                 for p in shards.parts), return_exceptions=True)
             for answer in answers:
