@@ -40,7 +40,7 @@ import numpy as np
 
 from service.core.errors import ServiceError
 from service.core.store import TapeRow, is_ref
-from service.pool import ComputeTimeout, PoolError, Reply, WorkerCrashed
+from service.pool import ComputeTimeout, PoolError, Reply, WorkerCrashed, calls
 
 # sessions.Tape and sessions.TapeRegistry: sessions.py imports this module, so they are
 # named here only (the registry hands over what it makes: new_tape).
@@ -374,8 +374,14 @@ class Sharding:
     async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
                    deadline: Deadline) -> list[Reply]:
         """`kind` on every part at once (a part's worker lost meanwhile: asked again once,
-        which records that part again alone); the first failure, once all answered."""
-        assert tape.shards is not None
+        which records that part again alone); the first failure, once all answered. The
+        parts in the coordinator's worker keep their answers there (`stash`: they are
+        summed there next), answering {"stashed": key}: their bytes never travel."""
+        shards = tape.shards
+        assert shards is not None
+        prefix = secrets.token_urlsafe(9)
+        payloads = [{**q, "stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
+                    else q for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
 
         async def ask(part: Tape, payload: dict[str, Any]) -> Reply:
             try:
@@ -388,10 +394,13 @@ class Sharding:
                                                 deadline.left(part.row.worker))
 
         outcomes = await asyncio.gather(
-            *(ask(p, q) for p, q in zip(tape.shards.parts, payloads, strict=True)),
+            *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
             return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
+                kept = [q["stash"] for q in payloads if "stash" in q]
+                if kept:
+                    self._drop_later(shards.coordinator, {"stash": kept})
                 raise outcome
         return list(outcomes)  # type: ignore[arg-type]
 
@@ -420,33 +429,42 @@ class Sharding:
                                                worker=worker,
                                                time_limit=deadline.left(worker))
                 while reply.result["run"] is not None:
+                    self._report(reply.result.get("progress"))
                     asked = [{**product, "vectors": reply.result["need"]}] * len(shards.parts)
                     replies = await self._fan(tape, "tape_hvp", asked, deadline)
+                    parts = [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
+                             for r in replies]
                     reply = await self.pool.submit(
                         "shard_step",
-                        {"run": run_id, "parts": [r.result["flat"]["hvps"] for r in replies],
+                        {"run": run_id, "parts": parts,
                          "weights": shards.weights, "allow_nonfinite": True},
                         worker=worker, time_limit=deadline.left(worker))
                 answer: dict[str, Any] = reply.result["answer"]
                 return answer
             except WorkerCrashed as exc:
                 if exc.worker != worker or attempt == 2:
-                    self._drop_run(worker, run_id)
+                    self._drop_later(worker, {"run": run_id})
                     raise
                 # The coordinator died with the run: start it again (seeded: same numbers).
                 log.info("sharded run's coordinator, worker %d, was lost: running again",
                          worker)
             except BaseException:
-                self._drop_run(worker, run_id)
+                self._drop_later(worker, {"run": run_id})
                 raise
         raise AssertionError("unreachable")
 
-    def _drop_run(self, worker: int, run_id: str) -> None:
-        """Let the coordinator's run go (after what it is doing now)."""
+    def _report(self, progress: dict[str, Any] | None) -> None:
+        """The algorithm's progress to the caller, when it is a job that wants it."""
+        watch = calls.current.get()
+        if progress and watch is not None and watch.progress is not None:
+            watch.progress(progress)
+
+    def _drop_later(self, worker: int, what: dict[str, Any]) -> None:
+        """Let the coordinator's run or kept answers go (after what it is doing now)."""
 
         async def drop() -> None:
             try:
-                await self.pool.submit("shard_drop", {"run": run_id}, worker=worker,
+                await self.pool.submit("shard_drop", what, worker=worker,
                                        time_limit=30.0, queue_bound=False)
             except PoolError as exc:  # a worker that is gone has dropped it already
                 log.debug("dropping sharded run on worker %d: %s", worker, exc)

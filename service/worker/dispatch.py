@@ -59,6 +59,8 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
             result["applied"] = payload["applied"]  # stored with the tape (sessions.py)
         if isinstance(payload, Mapping) and payload.get("flat"):
             result = flatten(result, batch=bool(payload.get("batch")))
+        if isinstance(payload, Mapping) and payload.get("stash"):
+            result = shards.stash(context, payload["stash"], result)  # a part, summed here next
     except BaseException as exc:  # every failure becomes an error reply
         if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
                 and message.get("kind") == "tape_create"):

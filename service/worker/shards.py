@@ -23,6 +23,7 @@ import math
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from service.worker import tapes
 from service.worker.compute import RequestError, WorkerContext, check_vector
 
 RUN_IDLE_SECONDS = 600.0  # a run whose caller went away is let go after this
+STASH_MOST = 32  # answers kept for a sum that is coming (see stash), oldest out first
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,8 +86,34 @@ def combine(parts: Sequence[Mapping[str, Any]], weights: Sequence[float]) -> dic
     return out
 
 
+def stash(context: WorkerContext, key: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Keep a part's answer in this worker, the coordinator, for the sum that comes next
+    (shard_combine or shard_step name it by `key`), so that its bytes do not travel to
+    the HTTP process and back; answer the bookkeeping only."""
+    kept: OrderedDict[str, Any] = context.state.setdefault("shard_stash", OrderedDict())
+    meta = result.pop("tape", None)
+    kept[key] = result
+    while len(kept) > STASH_MOST:
+        kept.popitem(last=False)
+    return {"stashed": key, "tape": meta}
+
+
+def _part(context: WorkerContext, part: Any, path: Sequence[str] = ()) -> Any:
+    """A part's answer as sent, or the one kept here under {"stashed": key}."""
+    if not (isinstance(part, Mapping) and "stashed" in part):
+        return part
+    kept = context.state.get("shard_stash", {})
+    found = kept.pop(part["stashed"], None)
+    if found is None:
+        raise RequestError("internal", f"worker {context.index} no longer keeps the shard's "
+                           "answer to sum (it was restarted meanwhile); ask again")
+    for key in path:
+        found = found[key]
+    return found
+
+
 def shard_combine(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    return combine(payload["parts"], payload["weights"])
+    return combine([_part(context, p) for p in payload["parts"]], payload["weights"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -135,15 +163,21 @@ class ShardedFlat:
 class Run:
     """One algorithm in its thread, and the two queues between it and the handlers."""
 
-    def __init__(self, run_id: str, work: Callable[[ShardedFlat], dict[str, Any]],
-                 layout: Sequence[Sequence[Any]]):
+    def __init__(self, run_id: str, layout: Sequence[Sequence[Any]]):
         self.id = run_id
         self.flat = ShardedFlat(layout, self)
         self.products: queue.Queue[Any] = queue.Queue()  # to the algorithm
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()  # from it
         self.asked: np.ndarray | None = None
-        self.thread = threading.Thread(target=self._main, args=(work,), daemon=True,
-                                       name=f"shard-run-{run_id[:8]}")
+        self.progress: dict[str, Any] | None = None  # the algorithm's latest report
+
+    def start(self, work: Callable[[ShardedFlat], dict[str, Any]]) -> None:
+        threading.Thread(target=self._main, args=(work,), daemon=True,
+                         name=f"shard-run-{self.id[:8]}").start()
+
+    def note(self, report: dict[str, Any]) -> None:
+        """The algorithm's progress (handed to the caller with the next need)."""
+        self.progress = report
 
     def _main(self, work: Callable[[ShardedFlat], dict[str, Any]]) -> None:
         try:
@@ -172,12 +206,12 @@ def _runs(context: WorkerContext) -> dict[str, Run]:
     return runs
 
 
-def _work(kind: str, payload: Mapping[str, Any], context: WorkerContext
+def _work(kind: str, payload: Mapping[str, Any], context: WorkerContext, run: Run
           ) -> Callable[[ShardedFlat], dict[str, Any]]:
     """The algorithm `kind` (a tape handler's name) on a ShardedFlat."""
     started = time.perf_counter()
-    # Progress reports belong to the request in flight, which a run outlives: none.
-    quiet = dataclasses.replace(context, report=None)
+    # A run outlives the request in flight: its progress goes out with its next need.
+    quiet = dataclasses.replace(context, report=run.note)
 
     def eigenvalues(flat: ShardedFlat) -> dict[str, Any]:
         return tapes.eigenvalues_of(flat, flat.keys, payload, quiet, started)
@@ -212,7 +246,9 @@ def _advance(run: Run, context: WorkerContext) -> dict[str, Any]:
     """Wait for the run's next event: a need (answered to the caller) or its end."""
     event, value = run.next_event()
     if event == "need":  # as the shards' tape_hvp takes it: one tensor per source
-        return {"run": run.id, "need": [run.flat.keyed(v) for v in value]}
+        progress, run.progress = run.progress, None
+        return {"run": run.id, "need": [run.flat.keyed(v) for v in value],
+                "progress": progress}
     _runs(context).pop(run.id, None)
     if event == "error":
         raise value
@@ -225,10 +261,10 @@ def shard_run(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
     old = runs.pop(payload["run"], None)
     if old is not None:  # the same run started again (its first try's caller went away)
         old.products.put(None)
-    run = Run(payload["run"], _work(payload["kind"], payload["payload"], context),
-              payload["layout"])
+    run = Run(payload["run"], payload["layout"])
+    work = _work(payload["kind"], payload["payload"], context, run)
     runs[run.id] = run
-    run.thread.start()
+    run.start(work)
     return _advance(run, context)
 
 
@@ -239,7 +275,7 @@ def shard_step(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     if run is None:
         raise RequestError("internal",
                            f"worker {context.index} holds no sharded run {payload['run']}")
-    parts = payload["parts"]
+    parts = [_part(context, p, ("flat", "hvps")) for p in payload["parts"]]
     product = weighted_sum(parts, payload["weights"], "products")
     assert run.asked is not None
     if np.shape(product) != run.asked.shape:
@@ -250,9 +286,13 @@ def shard_step(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
 
 
 def shard_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    run = _runs(context).pop(payload["run"], None)
+    """Let a run (`run`) or kept answers (`stash`: keys) go."""
+    run = _runs(context).pop(payload.get("run") or "", None)
     if run is not None:
         run.products.put(None)
+    kept = context.state.get("shard_stash", {})
+    for key in payload.get("stash") or ():
+        kept.pop(key, None)
     return {"dropped": run is not None}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.service.conftest import start_server, stop_server
+from tests.service.test_jobs import same_answer, start, wait
 from tests.service.wire import arr, num, ok, post, problem, t
 
 rng = np.random.default_rng(16)
@@ -334,3 +335,32 @@ def test_stateless_requests_with_shards(client) -> None:
     assert len(ok(client.get("/v1/tapes"))["tapes"]) == held  # nothing left behind
     found = problem(client.post("/v1/gradient", json={**body, "shards": 40}), 422)
     assert "shards" in found["detail"] and "at most 11" in found["detail"]
+
+
+def test_a_sharded_job_reports_progress_and_is_cancelled_whole(client, pair) -> None:
+    """An algorithm across the shards as a job: progress on the way, the synchronous
+    answer at the end; a cancelled one stops its fan-out and leaves the tape as it was."""
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    body = {"method": "hutchinson", "max_hvps": 300, "batch_size": 1, "seed": 4,
+            "max_seconds": 60}
+    location = start(client, f"{base}/trace", body)
+    seen = []
+    job = client.get(location).json()
+    while job["state"] in ("queued", "running"):
+        if job["progress"] is not None:
+            seen.append(job["progress"])
+        time.sleep(0.02)
+        job = client.get(location).json()
+    assert job["state"] == "succeeded", job
+    assert seen and all(p["unit"] == "hvps" and p["total"] == 300 for p in seen), seen
+    same_answer(job["result"], post(client, f"{base}/trace", body))
+    v = {"vector": wire(vectors(3, 1)[0])}
+    before = post(client, f"{base}/hvp", v)
+    long = {**body, "max_hvps": 4000, "max_seconds": 120, "time_limit": 60}
+    location = start(client, f"{base}/trace", long)
+    wait(client, location, ("running",))
+    time.sleep(0.3)
+    assert client.delete(location).status_code == 204
+    assert client.get(location).json()["state"] == "cancelled"
+    close_tensors(post(client, f"{base}/hvp", v)["hvp"], before["hvp"], 0)
