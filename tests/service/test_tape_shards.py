@@ -132,6 +132,28 @@ def test_sharded_algorithms_equal_unsharded(client, pair) -> None:
         assert got["hvps"] == want["hvps"], path
 
 
+def test_curvature_products_and_eigenvalues_equal_unsharded(client) -> None:
+    """With the model's output named, the Gauss-Newton and empirical Fisher products
+    (1/N sum_i g_i g_i^T v: the parts' own 1/n_i reweighted by n_i / N) and an algorithm
+    on the GGN equal the unsharded tape's."""
+    program = ["h = tanh(x @ w1 + b1)", "out = h @ w2", "loss = mean((out - y) ** 2)"]
+    plain = record(client, program=program, output="out")
+    sharded = record(client, program=program, output="out", shards=3)
+    vs = [wire(v) for v in vectors(13, 2)]
+    for curvature in ("ggn", "empirical_fisher"):
+        body = {"vectors": vs, "curvature": curvature}
+        want = post(client, f"/v1/tapes/{plain['tape_id']}/hvp", body)["hvps"]
+        got = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", body)["hvps"]
+        for g, w in zip(got, want, strict=True):
+            close_tensors(g, w)
+    body = {"k": 2, "curvature": "ggn", "tol": 1e-10, "max_hvps": 60}
+    close(post(client, f"/v1/tapes/{sharded['tape_id']}/eigenvalues", body)["eigenvalues"],
+          post(client, f"/v1/tapes/{plain['tape_id']}/eigenvalues", body)["eigenvalues"],
+          1e-9)
+    for tape in (plain, sharded):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
 def test_sum_reduction_and_two_shards(client) -> None:
     plain = record(client, program=SUM_PROGRAM)
     sharded = record(client, program=SUM_PROGRAM, shards=2, shard_reduction="sum")
