@@ -10,6 +10,10 @@ were measured in the same run. `grad_program` is a definition's gradient
 gradients. `gradtape-dynamic` is the same engine with
 `compiled=False` (every pass the dynamic sweep) and no deferred products (a fresh HVP
 computes its gradients' GEMMs): the before/after of issue 17's items 1 and 2.
+`hvp_program` and `bjac_program` are a definition's fresh HVP (one vector) and batch
+jacobian (d out / d x per example) through CompiledProgram, cycling over NEW_VALUES
+sets of values, as a stateless client sends them; `hvp_request` and `bjac_request` are
+the worker's whole handler for those requests (checks, leaves, the compiled pass).
 
 Run from the repository root, in the peers' virtualenv, on one thread:
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import platform
 import statistics
@@ -65,16 +70,124 @@ def _program_gradient(prob, compiled: bool):
     return lambda: program.value_and_gradients(request, leaves, compiled)
 
 
+NEW_VALUES = 4  # the stateless rows cycle over this many sets of values
+
+
+def _value_sets(prob, definition: dict) -> list[tuple[dict, list]]:
+    """NEW_VALUES (definition, HVP vectors) pairs of one structure with other values: a
+    stateless client's requests (the compiled pass must not depend on them)."""
+    rng = np.random.default_rng(7)
+    sets = []
+    for _ in range(NEW_VALUES):
+
+        def other(a):
+            return (a * rng.uniform(0.9, 1.1, a.shape)).astype(a.dtype)
+
+        sets.append(
+            (
+                {
+                    **definition,
+                    "variables": {n: other(v) for n, v in definition["variables"].items()},
+                    "inputs": {n: other(v) for n, v in definition["inputs"].items()},
+                },
+                [other(v)[None] for v in prob.v],  # one vector, stacked: what /v1/hvp sends
+            )
+        )
+    return sets
+
+
+def _program_hvp(prob, compiled: bool):
+    """A fresh HVP of a definition (CompiledProgram.hessian_vector_products, what POST
+    /v1/hvp runs), with new values and a new vector on every call."""
+    import engine as gt
+    from engine.language import compile_definition
+
+    definition = _definition(prob)
+    program = compile_definition(definition)
+    request = program.check_request("loss", None, "zero")
+    calls = itertools.cycle(
+        [
+            (program.leaves(d), [gt.constant(v) for v in vectors])
+            for d, vectors in _value_sets(prob, definition)
+        ]
+    )
+
+    def run():
+        leaves, vectors = next(calls)
+        return program.hessian_vector_products(request, leaves, vectors, compiled=compiled)
+
+    return run
+
+
+def _batch_definition(prob) -> dict:
+    """The benchmark MLP's output as a definition (a batch jacobian's target)."""
+    definition = _definition(prob)
+    return {
+        "variables": definition["variables"],
+        "inputs": {"x": prob.x},
+        "program": definition["program"][:-1],
+    }
+
+
+def _program_batch_jacobian(prob, compiled: bool):
+    """d out_b / d x_b per example of a definition (CompiledProgram.jacobians with batch,
+    what POST /v1/jacobian with batch: true runs), new values on every call."""
+    from engine.language import compile_definition
+
+    definition = _batch_definition(prob)
+    program = compile_definition(definition)
+    request = program.check_request("out", ["x"], "none")
+    calls = itertools.cycle([program.leaves(d) for d, _ in _value_sets(prob, definition)])
+    return lambda: program.jacobians(request, next(calls), batch=True, compiled=compiled)
+
+
+def _worker_request(prob, handler: str):
+    """The worker's whole stateless handler (service/worker/compute.py: the definition
+    checked and its leaves made, then the compiled pass), new values on every call: all
+    of a request's cost but the HTTP process's and the IPC."""
+    from service.worker import compute
+
+    context = compute.start(0, "cpu", {})
+    if handler == "hvp":
+        definition = _definition(prob)
+        names = list(definition["variables"])
+        payloads = [
+            {
+                "definition": d,
+                "target": "loss",
+                "vector": {n: v[0] for n, v in zip(names, vectors, strict=True)},
+            }
+            for d, vectors in _value_sets(prob, definition)
+        ]
+    else:
+        payloads = [
+            {"definition": d, "target": "out", "sources": ["x"], "batch": True}
+            for d, _ in _value_sets(prob, _batch_definition(prob))
+        ]
+    calls = itertools.cycle(payloads)
+    fn = getattr(compute, handler)
+    return lambda: fn(next(calls), context)
+
+
 be.Gradtape.grad_program = lambda self: _program_gradient(self.prob, True)
-be.NumpyFloor.grad_program = be.NumpyFloor.grad
-be.TorchPeer.grad_program = be.TorchPeer.grad
-be.JaxPeer.grad_program = be.JaxPeer.grad
+be.Gradtape.hvp_program = lambda self: _program_hvp(self.prob, True)
+be.Gradtape.bjac_program = lambda self: _program_batch_jacobian(self.prob, True)
+be.Gradtape.hvp_request = lambda self: _worker_request(self.prob, "hvp")
+be.Gradtape.bjac_request = lambda self: _worker_request(self.prob, "jacobian")
+for _peer in (be.NumpyFloor, be.TorchPeer, be.JaxPeer):
+    _peer.grad_program = _peer.grad
+    _peer.hvp_program = _peer.hvp_request = _peer.hvp_fresh
+    _peer.bjac_program = _peer.bjac_request = _peer.batch_jac
 
 CASES = {
     "grad_program": "gradient of a definition",
     "hvp_reused": "HVP reused (1 vector)",
     "hvp_batched": f"HVP reused x{be.K_VECTORS}, per vector",
     "hvp_fresh": "HVP fresh",
+    "hvp_program": "HVP fresh of a definition, new values",
+    "hvp_request": "HVP fresh, worker's /v1/hvp handler",
+    "bjac_program": "batch jacobian of a definition, new values",
+    "bjac_request": "batch jacobian, worker's /v1/jacobian handler",
 }
 
 
@@ -101,6 +214,18 @@ class GradtapeDynamic(be.Gradtape):
 
     def grad_program(self):
         return _program_gradient(self.prob, False)
+
+    def hvp_program(self):
+        return _program_hvp(self.prob, False)
+
+    def bjac_program(self):
+        return _program_batch_jacobian(self.prob, False)
+
+    def hvp_request(self):
+        return None  # (the handler has no switch: the dynamic pass is hvp_program's)
+
+    def bjac_request(self):
+        return None
 
     def hvp_reused(self):
         op = self.gt.hessian_operator(self.loss, *self.consts, compiled=False)
@@ -155,7 +280,10 @@ def main() -> None:
         for case in cases:
             for name, peer in peers.items():
                 fn = getattr(peer, case)()
-                fn()  # warm-up (captures gradtape's pass; compiles JAX's)
+                if fn is None:
+                    continue
+                for _ in range(NEW_VALUES + 1):  # warm-up: captures gradtape's pass (its
+                    fn()  # second call), compiles JAX's; every set of values seen once
                 wall, _ = timed(fn, 1)
                 calls[case, name] = fn
                 inner[case, name] = max(1, int(args.seconds / max(wall, 1e-6)))
@@ -178,6 +306,9 @@ def main() -> None:
             med = {}
             cells = []
             for name in frameworks:
+                if (case, name) not in samples:
+                    cells.append("n/a")
+                    continue
                 wall = statistics.median(s[0] for s in samples[case, name]) / per[case]
                 cpu = statistics.median(s[1] for s in samples[case, name]) / per[case]
                 med[name] = (wall, cpu)

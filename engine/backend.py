@@ -7,6 +7,7 @@ first time a CUDA device is asked for, so a CPU-only install never pays for it.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -58,7 +59,13 @@ def parse_device(device: str | None) -> tuple[str, int]:
     """'cpu' -> ('cpu', 0); 'cuda' / 'gpu' -> ('cuda', 0); 'cuda:N' -> ('cuda', N)."""
     if device is None:
         return ("cpu", 0)
-    match = re.fullmatch(r"(cpu|cuda|gpu)(?::(\d+))?", str(device).strip().lower())
+    return _parse_device(str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_device(device: str) -> tuple[str, int]:
+    # cached: every tensor a request makes on a named device asks (a regex each time)
+    match = re.fullmatch(r"(cpu|cuda|gpu)(?::(\d+))?", device.strip().lower())
     if match is None:
         raise DeviceError(f"unknown device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
     kind = "cuda" if match.group(1) == "gpu" else match.group(1)

@@ -9,7 +9,9 @@ a pass of a given seed layout (its second: see `Passes`) runs dynamically under 
 keeps, per call, the primitive, its parameters and where its operands come from: a
 seed, an earlier call, or a constant (a recorded value, a rule's cached outer stage, an
 engine scalar). The same machinery compiles a definition's gradient pass (forward and
-backward; engine/language/compile.py), its leaves being the seeds. Calls
+backward; engine/language/compile.py), its leaves being the seeds, and its fresh HVP and
+jacobian passes (forward, gradient, and the second-order pass or the jacobian rows), the
+HVP's vectors being seeds too. Calls
 whose operands are all constant are folded: their result is a constant. What is left
 is a `Schedule`: a list of array calls with every broadcasting, dtype, shape and layout
 decision already taken, run on the next passes with no engine objects in the loop.
@@ -74,6 +76,7 @@ class Capture:
         self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
         self.step_slot: list[int] = []
         self.failure: str | None = None
+        self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
 
     def _new(self, t: Tensor, kind: int) -> int:
@@ -108,6 +111,7 @@ class Capture:
             return
         if all(self.kinds[i] == _CONST for i in ins):
             self._new(ans, _CONST)  # folded: its value is known now
+            self.made_bytes += ans.value.nbytes
             return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
@@ -123,6 +127,7 @@ class Capture:
         # (A dead tensor's entry may carry t's id: t is new all the same.)
         if entry is None or entry[1]() is not t:
             self._new(t, _CONST)
+            self.made_bytes += t.value.nbytes
 
     def alias(self, t: Tensor, of: Tensor) -> None:
         """t is a new identity for of's array (a custom gradient's outputs)."""
@@ -156,12 +161,21 @@ class Passes:
     (a one-off pass, as a stateless request makes, costs nothing extra), the second runs
     under a capture, later ones replay its Schedule. A pass that cannot be captured is
     tried once more (the first capture's pass fills caches, e.g. rules' outer stages),
-    then stays dynamic. At most `limit` layouts are kept (least recently used go)."""
+    then stays dynamic. At most `limit` layouts are kept (least recently used go).
+    With `constant_limit`, a pass whose own constants (folded results, seeds made from
+    shapes: a jacobian's identity rows) take more bytes stays dynamic: a schedule holds
+    its constants as long as it is kept."""
 
-    def __init__(self, limit: int | None = None, pool_limit: int | None = None):
+    def __init__(
+        self,
+        limit: int | None = None,
+        pool_limit: int | None = None,
+        constant_limit: int | None = None,
+    ):
         self.entries: OrderedDict[Hashable, Any] = OrderedDict()
         self.limit = limit
         self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
+        self.constant_limit = constant_limit
         # Counts every change of what the passes keep (a layout seen or evicted, a capture
         # stored, a schedule's buffers allocated): an owner that accounts for memory
         # measures again when it moves, and only then.
@@ -195,6 +209,15 @@ class Passes:
         if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
             return dynamic(list(seeds))
         outputs, schedule = capture(dynamic, seeds, known(), self.pool_limit)
+        if (
+            isinstance(schedule, Schedule)
+            and self.constant_limit is not None
+            and schedule.constant_bytes > self.constant_limit
+        ):
+            schedule = (
+                f"its constants take {schedule.constant_bytes:,} bytes, more than a "
+                f"kept pass may hold ({self.constant_limit:,})"
+            )
         with self._lock:
             if key in self.entries:  # (the second element counts failed captures)
                 self.entries[key] = (
@@ -428,6 +451,7 @@ class Schedule:
         self.plan = plan
         self.steps: list[Callable[[list[Any]], None]] | None = None
         self.pooled_bytes = pooled_bytes
+        self.constant_bytes = cap.made_bytes
         self._lock = threading.Lock()
 
     @staticmethod

@@ -486,6 +486,20 @@ def per_example_jacobian(
 ) -> Tensor:
     """batch_jacobian's computation, for targets of any rank >= 1 (the service answers
     rank-1 targets too: one number per example)."""
+    rows = per_example_rows(tape, target, source, check_independence)
+    if rows is not None and check_independence:
+        check_per_example(rows, target)
+    return per_example_layout(rows, target, source, check_independence)
+
+
+def per_example_rows(
+    tape: GradientTape, target: Tensor, source: Tensor, check_independence: bool = True
+) -> Tensor | None:
+    """per_example_jacobian's backward pass alone: (m, B, *source.shape[1:]) for the m
+    seeds e_j (m = the size of one target example), and with check_independence one probe
+    row more; None when the source is unconnected. Its seeds depend on shapes only, so a
+    captured pass (engine/replay.py) replays it; the check, which reads the rows, is
+    check_per_example's, run after every pass."""
     if target.ndim < 1 or source.ndim < 1 or target.shape[0] != source.shape[0]:
         raise ValueError(
             f"batch_jacobian: target {target.shape} and source {source.shape} must share "
@@ -493,12 +507,32 @@ def per_example_jacobian(
         )
     tape._start_call("batch_jacobian")
     try:
-        result = _batch_jacobian(tape, target, source, check_independence)
+        return _batch_jacobian_rows(tape, target, source, check_independence)
     finally:
         tape._finish_call()
+
+
+def check_per_example(rows: Tensor, target: Tensor) -> None:
+    """BatchDependenceError when per_example_rows' probe row (checked rows only) shows
+    that the examples of the batch are not independent. Reads the rows' values: a pass
+    replayed from a capture runs it after every pass."""
+    m = math.prod(target.shape[1:])
+    xp = backend.array_module(rows.value)
+    _check_batch_independence(rows, m, _probe_weights(xp, target.shape[0], m, target.dtype))
+
+
+def per_example_layout(
+    rows: Tensor | None, target: Tensor, source: Tensor, check_independence: bool = True
+) -> Tensor:
+    """The per-example jacobians (B, *target.shape[1:], *source.shape[1:]) as a view of
+    per_example_rows' rows (without the probe row)."""
     out_shape = target.shape + source.shape[1:]
-    if result is None:
-        return _zeros(source, out_shape)
+    if rows is None:
+        return _constant_zeros(out_shape, source)
+    if check_independence:
+        rows = rows[: math.prod(target.shape[1:])]
+    # rows: (m, B, *source.shape[1:]) -> (B, m, *source.shape[1:])
+    result = transpose(rows, [1, 0] + list(range(2, rows.ndim)))
     return result if result.shape == out_shape else reshape(result, out_shape)
 
 
@@ -506,7 +540,25 @@ class BatchDependenceError(ValueError):
     """A batch jacobian was asked of a computation that mixes the examples of a batch."""
 
 
-def _batch_jacobian(
+def _probe_weights(xp: Any, batch: int, m: int, dtype: Any) -> tuple[Any, Any]:
+    """The probe row's weights per example and per seed: fixed, so the pass's seeds are
+    the same every time (and a captured pass replays them)."""
+    c, u = _host_probe_weights(batch, m, np.dtype(dtype).str)
+    return xp.asarray(c), xp.asarray(u)
+
+
+@functools.lru_cache(maxsize=32)
+def _host_probe_weights(batch: int, m: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    # cached: a generator costs more than a small batch jacobian's whole replayed pass
+    rng = np.random.default_rng(0x6A7)
+    c = rng.uniform(0.5, 1.5, size=batch) * rng.choice([-1.0, 1.0], size=batch)
+    u = rng.uniform(-1.0, 1.0, size=m)
+    c, u = c.astype(dtype), u.astype(dtype)
+    c.flags.writeable = u.flags.writeable = False
+    return c, u
+
+
+def _batch_jacobian_rows(
     tape: GradientTape, target: Tensor, source: Tensor, check: bool
 ) -> Tensor | None:
     xp = backend.array_module(target.value)
@@ -516,24 +568,12 @@ def _batch_jacobian(
     # exactly when examples are independent.
     eye = xp.eye(m, dtype=target.dtype).reshape((m, 1) + target.shape[1:])
     seeds = xp.broadcast_to(eye, (m,) + target.shape)
-    probe_weights = None
     if check:
-        rng = np.random.default_rng(0x6A7)
-        c = rng.uniform(0.5, 1.5, size=batch) * rng.choice([-1.0, 1.0], size=batch)
-        u = rng.uniform(-1.0, 1.0, size=m)
-        probe_weights = (xp.asarray(c, dtype=target.dtype), xp.asarray(u, dtype=target.dtype))
-        probe = (probe_weights[0][:, None] * probe_weights[1][None, :]).reshape((1,) + target.shape)
+        c, u = _probe_weights(xp, batch, m, target.dtype)
+        probe = (c[:, None] * u[None, :]).reshape((1,) + target.shape)
         seeds = xp.concatenate([seeds, probe], axis=0)
-    cts = tape._run([target], [Tensor(xp.ascontiguousarray(seeds))], [source], 1)
-    rows = cts.get(id(source))
-    if rows is None:
-        return None
-    if check:
-        _check_batch_independence(rows, m, probe_weights)
-        rows = rows[:m]
-    # rows: (m, B, *source.shape[1:]) -> (B, m, *source.shape[1:])
-    perm = [1, 0] + list(range(2, rows.ndim))
-    return transpose(rows, perm)
+    cts = tape._run([target], [_constant_seed(xp.ascontiguousarray(seeds))], [source], 1)
+    return cts.get(id(source))
 
 
 def _check_batch_independence(rows: Tensor, m: int, weights: tuple) -> None:
@@ -575,14 +615,14 @@ def _jacobian_rows(
         stop = min(start + step, n)
         seeds = xp.zeros((stop - start, n), dtype=target.dtype)
         seeds[xp.arange(stop - start), xp.arange(start, stop)] = 1
-        seeds = Tensor(seeds.reshape((stop - start,) + target.shape))
+        seeds = _constant_seed(seeds.reshape((stop - start,) + target.shape))
         cts = tape._run([target], [seeds], sources, 1)
         for k, s in enumerate(sources):
             part = cts.get(id(s))
             if part is not None:
                 connected[k] = True
             else:
-                part = _zeros(s, (stop - start,) + s.shape)
+                part = _constant_zeros((stop - start,) + s.shape, s)
             pieces[k].append(part)
         if n == 0:
             break
@@ -621,6 +661,15 @@ def _ones_like(t: Tensor) -> Tensor:
     if trace.capture is not None:  # a gradient's seed: a constant of a captured pass
         trace.capture.constant(ones)
     return ones
+
+
+def _constant_seed(array: Any) -> Tensor:
+    """A pass's seed made from shapes alone (a jacobian's identity rows): a constant of a
+    pass being captured."""
+    seed = Tensor(array)
+    if trace.capture is not None:
+        trace.capture.constant(seed)
+    return seed
 
 
 def _constant_zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:

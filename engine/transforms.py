@@ -22,7 +22,7 @@ from engine import backend, replay, trace, tree
 from engine.footprint import held_bytes
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import concatenate, reshape, transpose
-from engine.tape import GradientTape, _check_source
+from engine.tape import GradientTape, _check_source, _constant_zeros
 from engine.tensor import Tensor, as_tensor
 
 Argnums = int | Sequence[int]
@@ -567,7 +567,8 @@ def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None
 
 
 def _zeros(o: Tensor, lead: tuple = ()) -> Tensor:
-    return Tensor(backend.array_module(o.value).zeros(lead + o.shape, dtype=o.dtype))
+    # (a constant of a pass being captured: an unreached product is zeros whatever the data)
+    return _constant_zeros(lead + o.shape, o)
 
 
 __all__ = [

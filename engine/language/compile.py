@@ -33,7 +33,7 @@ from engine.language.nonfinite import NonFiniteCheck, find_culprit
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
 from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
 from engine.shapes import TensorType
-from engine.tape import GradientTape
+from engine.tape import GradientTape, check_per_example, per_example_layout, per_example_rows
 from engine.tensor import Tensor, Variable, constant
 from engine.transforms import HessianOperator, hessian_operator
 
@@ -47,12 +47,30 @@ UNCONNECTED = ("none", "zero")
 GRADIENT_PASSES = 16
 GRADIENT_POOL_LIMIT = 16 * 1024 * 1024
 _gradient_passes = replay.Passes(GRADIENT_PASSES, GRADIENT_POOL_LIMIT)
+# Compiled fresh HVP and jacobian passes (the whole pass of one POST /v1/hvp or
+# /v1/jacobian request: forward, gradient, second-order or jacobian rows), bounded the
+# same way and apart from the gradient passes, so that they never evict a worker's
+# gradient passes: at most REQUEST_PASSES x REQUEST_POOL_LIMIT (256 MiB) of kept buffers,
+# and as much of the constants a pass makes (a jacobian's identity rows grow with its
+# chunk: a pass with more stays dynamic).
+REQUEST_PASSES = 16
+REQUEST_POOL_LIMIT = 16 * 1024 * 1024
+_request_passes = replay.Passes(REQUEST_PASSES, REQUEST_POOL_LIMIT, REQUEST_POOL_LIMIT)
 
 
 def _digest(values: Any) -> bytes:
     """An integer leaf's values in a pass's key (a program may branch on labels or
     indices), as 16 bytes: a kept key never holds a copy of a large label array."""
     return hashlib.blake2b(values.tobytes(), digest_size=16).digest()
+
+
+def _leaf_layout(names: list[str], arrays: list[Any]) -> tuple:
+    """The leaves' part of a compiled pass's key: each one's layout, and an integer leaf's
+    values by digest (a program may branch on labels or indices)."""
+    return tuple(
+        (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else _digest(a))
+        for n, a in zip(names, arrays, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -214,10 +232,7 @@ class CompiledProgram:
             request.target,
             tuple(request.sources.items()),
             request.unconnected,
-            tuple(
-                (n, a.shape, a.strides, a.dtype.str, None if a.dtype.kind == "f" else _digest(a))
-                for n, a in zip(names, arrays, strict=True)
-            ),
+            _leaf_layout(names, arrays),
         )
         keys = list(request.sources)
 
@@ -234,6 +249,124 @@ class CompiledProgram:
         """This program's kept gradient passes: request and leaf layout -> its Schedule, or
         (why it is not compiled yet, failed captures)."""
         return {k[1:]: v for k, v in list(_gradient_passes.entries.items()) if k[0] == self.key}
+
+    def hessian_vector_products(
+        self,
+        request: Request,
+        leaves: Mapping[str, Tensor],
+        vectors: list[Tensor],
+        memory_budget: int | None = None,
+        compiled: bool = True,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """A fresh HVP: the target's value, its gradient per source and H @ v for K vectors
+        at once, in the order of request.sources. `vectors` holds one tensor per source of
+        shape (K, *source shape). What a HessianOperator recorded for the request and asked
+        for hvp_many answers (reverse-over-reverse; with a memory budget, in passes of as
+        many vectors as fit, refused with OverBudget when not even one fits).
+
+        compiled: like value_and_gradients, the whole pass (forward, gradient, and the
+        second-order pass seeded by the vectors) of a request, leaf layout and vector
+        layout runs dynamically the first time, under a capture the second, and as a
+        replayed schedule afterwards, with the same answers; a pass that cannot be
+        captured stays dynamic.
+        """
+        max_batch = self.batch_within(memory_budget, "recording it and one HVP pass")
+        count = len(request.sources)
+
+        def run(leaves: dict[str, Tensor], vectors: list[Tensor]) -> list[Tensor | None]:
+            value, grads, products = self._hessian_vector_products(
+                request, leaves, vectors, max_batch)
+            return [value, *grads, *products]
+
+        value, *rest = self._request_pass(
+            ("hvp", request.target, tuple(request.sources.items()), max_batch),
+            leaves, vectors, run, compiled)
+        return value, rest[:count], rest[count:]  # type: ignore[return-value]
+
+    def jacobians(
+        self,
+        request: Request,
+        leaves: Mapping[str, Tensor],
+        batch: bool = False,
+        chunk_size: int | None = None,
+        compiled: bool = True,
+    ) -> tuple[Tensor, dict[str, Tensor | None]]:
+        """The target's value and its jacobian per answer key of request.sources: full
+        (target.shape + source.shape; `chunk_size` rows per backward pass), or with
+        `batch` per example (GradientTape.batch_jacobian's, for a target and sources that
+        share their first axis; BatchDependenceError when the examples mix). Compiled like
+        hessian_vector_products; the batch check runs on every pass's rows."""
+        keys = list(request.sources)
+
+        def run(leaves: dict[str, Tensor], _: list[Tensor]) -> list[Tensor | None]:
+            watched = {key: leaves[name] for key, name in request.sources.items()}
+            with GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+                tape.watch(list(watched.values()))
+                y = self.run(leaves, targets=[request.target])[request.target]
+            if batch:  # the jacobians, and the rows they are views of (to check)
+                rows = [per_example_rows(tape, y, s) for s in watched.values()]
+                return [y, *(per_example_layout(r, y, s)
+                             for r, s in zip(rows, watched.values(), strict=True)), *rows]
+            found = tape.jacobian(y, watched, unconnected_gradients=request.unconnected,
+                                  chunk_size=chunk_size)
+            return [y, *(found[k] for k in keys)]
+
+        y, *found = self._request_pass(
+            ("jacobian", request.target, tuple(request.sources.items()), request.unconnected,
+             batch, chunk_size), leaves, [], run, compiled)
+        assert y is not None
+        if batch:  # the examples' independence, checked on every pass's rows
+            for rows in found[len(keys):]:
+                if rows is not None:
+                    check_per_example(rows, y)
+        return y, dict(zip(keys, found[: len(keys)], strict=True))
+
+    def request_passes(self) -> dict[Any, Any]:
+        """This program's kept HVP and jacobian passes (kind, request, leaf and seed
+        layouts -> its Schedule, or why it is not compiled yet), as gradient_passes."""
+        return {k[1:]: v for k, v in list(_request_passes.entries.items()) if k[0] == self.key}
+
+    def _request_pass(
+        self,
+        request_key: tuple,
+        leaves: Mapping[str, Tensor],
+        seeds: list[Tensor],
+        run: Callable[[dict[str, Tensor], list[Tensor]], list[Tensor | None]],
+        compiled: bool,
+    ) -> list[Tensor | None]:
+        """run(leaves, seeds)'s outputs, compiled per request, leaf layout and seed layout
+        (the leaves and the seeds being the pass's inputs) in _request_passes."""
+        names = sorted(leaves)
+        arrays = [leaves[n].value for n in names]
+        if not compiled or not all(
+            type(a) is host.ndarray for a in (*arrays, *(s.value for s in seeds))
+        ):
+            return run(dict(leaves), list(seeds))
+        key = (
+            self.key,
+            *request_key,
+            _leaf_layout(names, arrays),
+            tuple((s.value.shape, s.value.strides, s.value.dtype.str) for s in seeds),
+        )
+        return _request_passes.run(
+            key,
+            [*(leaves[n] for n in names), *seeds],
+            lambda fresh: run(dict(zip(names, fresh)), fresh[len(names):]),
+            lambda: replay.known_tensors(self),
+        )
+
+    def _hessian_vector_products(
+        self, request: Request, leaves: dict[str, Tensor], vectors: list[Tensor],
+        max_batch: int | None
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        names = list(request.sources.values())
+        f = self.function(request.target, names, leaves)
+        # compiled=False: this operator answers one pass; the request's pass as a whole is
+        # what hessian_vector_products compiles.
+        operator = hessian_operator(f, *[leaves[n] for n in names], max_batch=max_batch,
+                                    compiled=False)
+        products = operator.hvp_many(*vectors)
+        return operator.value, list(operator.grad), list(products)
 
     def _value_and_gradients(
         self, request: Request, leaves: dict[str, Tensor]

@@ -350,11 +350,16 @@ def structure_key(defn: Definition, limits: Limits) -> str:
     dtypes and trainable flags of the leaves (not their values), and the limits."""
     canonical = {
         "program": list(defn.program),
-        "variables": {
-            name: [list(v.value.shape), str(v.value.dtype), v.trainable]
+        # Leaves as lists, in the definition's order (sort_keys below sorts dict keys): the
+        # order is part of the program, since the default sources, flat answers and a
+        # flat `point` follow it; two definitions that differ only in it must not share
+        # one compiled program.
+        "variables": [
+            [name, list(v.value.shape), v.value.dtype.str, v.trainable]
             for name, v in defn.variables.items()
-        },
-        "inputs": {name: [list(a.shape), str(a.dtype)] for name, a in defn.inputs.items()},
+        ],
+        # (dtype.str: str(dtype) costs microseconds per leaf on every request)
+        "inputs": [[name, list(a.shape), a.dtype.str] for name, a in defn.inputs.items()],
         "functions": {
             name: [list(f.params), list(f.forward), f.backward and list(f.backward), f.output]
             for name, f in defn.functions.items()

@@ -4,7 +4,7 @@ Ray actor on any node of a Ray cluster instead of a process of this host.
 
     GRADTAPE_EXECUTOR=ray                      # a local Ray, started with the server
     GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=auto              # the cluster of this node
-    GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=ray://head:10001  # Ray Client (ray[client])
+    GRADTAPE_EXECUTOR=ray GRADTAPE_RAY_ADDRESS=ray://head:10001  # through Ray Client
 
 What differs from local processes, and why:
 

@@ -335,14 +335,12 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         prepared.request.target, _target_shape(prepared),
         {key: tuple(t.shape) for key, t in watched.items()}, batch, context,
     )
-    with gt.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-        tape.watch(list(watched.values()))
-        env = prepared.program.run(prepared.leaves, targets=[prepared.request.target])
-    y = env[prepared.request.target]
     rows = prepared.program.batch_within(context.memory_budget, "a jacobian pass of one row",
                                          first_order=True)
-    return {"value": y.numpy(), "jacobians": jacobians_on(tape, y, watched, batch, unconnected,
-                                                          context, rows)}
+    # compiled: a definition's later requests of the same layout replay the captured pass
+    chunk_size = min(context.chunk_size, rows or context.chunk_size)
+    y, jacobians = prepared.program.jacobians(prepared.request, prepared.leaves, batch, chunk_size)
+    return {"value": y.numpy(), "jacobians": {k: _host(j) for k, j in jacobians.items()}}
 
 
 def check_jacobian_size(target: str, target_shape: tuple[int, ...],
@@ -453,21 +451,24 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
-                                                 context.memory_budget)
     stacked = [
-        on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        # (one vector: a view with the batch axis, not np.stack's copy)
+        on_device(np.asarray(vectors[0][k])[None] if single
+                  else np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(keys, primals, strict=True)
     ]
-    products = operator.hvp_many(*stacked)  # batched passes, as many vectors as fit each
+    # Forward, gradient and batched second-order passes (as many vectors as fit each);
+    # compiled: a definition's later requests of the same layout replay the captured pass.
+    value, grads, products = prepared.program.hessian_vector_products(
+        prepared.request, prepared.leaves, stacked, context.memory_budget)
     # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
     # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [
         {k: products[j].numpy()[i, ...] for j, k in enumerate(keys)} for i in range(len(vectors))
     ]
     return {
-        "value": operator.value.numpy(),
-        "gradients": dict(zip(keys, [g.numpy() for g in operator.grad], strict=True)),
+        "value": value.numpy(),
+        "gradients": dict(zip(keys, [g.numpy() for g in grads], strict=True)),
         "hvp": answers[0] if single else None,
         "hvps": None if single else answers,
     }

@@ -340,7 +340,7 @@ def test_compose_ray_profiles(compose: dict) -> None:
     one Python and one Ray across a cluster), with the same Ray token settings."""
     services = resolved(compose)["services"]
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert any(d.startswith("ray>=") for d in extras["ray"])
+    assert any(d.startswith(("ray>=", "ray[client]>=")) for d in extras["ray"])
     for head_name, (profile, worker_name) in RAY_HEADS.items():
         head, worker = services[head_name], services[worker_name]
         assert head["profiles"] == worker["profiles"] == [profile]

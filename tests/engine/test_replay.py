@@ -341,6 +341,14 @@ DEFINITIONS = {
         "inputs": {"x": _rng.random((6, 4))},
         "program": ["z = x @ w + b", "loss = sum(logsumexp(z, axis=1) - z[:, 0])"],
     },
+    "user function": {  # a forward and a backward program (tf.custom_gradient's analogue)
+        "variables": {"w": _rng.random((4, 3))},
+        "inputs": {"x": _rng.random((5, 4))},
+        "functions": {"log1pexp": {"params": ["z"], "forward": ["e = exp(z)", "out = log(1 + e)"],
+                                   "backward": ["grad_z = upstream * (1 - 1 / (1 + e))"],
+                                   "output": "out"}},
+        "program": ["h = log1pexp(x @ w)", "loss = sum(h * h)"],
+    },
 }
 
 
@@ -502,3 +510,212 @@ def test_replay_changes_count_what_the_passes_keep() -> None:
         sizes.append(held_bytes(op))
     assert seen == [0, 1, 2, 3, 3, 3], seen
     assert sizes[3] > sizes[2] and sizes[3:] == [sizes[3]] * 3, sizes  # buffers, then flat
+
+
+# ---- a fresh HVP of a definition (POST /v1/hvp), compiled ------------------------------
+def _hvps_both_ways(program, request, leaves, vectors, **kw):
+    compiled = program.hessian_vector_products(request, leaves, vectors, **kw)
+    dynamic = program.hessian_vector_products(request, leaves, vectors, compiled=False, **kw)
+    _assert_same([compiled[0], *compiled[1], *compiled[2]],
+                 [dynamic[0], *dynamic[1], *dynamic[2]])
+    return compiled
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_definition_hvps_replay_exactly(name) -> None:
+    """Requests of one structure with new values and new vectors, one vector and K: the
+    second of each layout is captured, later ones replayed, all equal to the dynamic
+    path bit for bit."""
+    from engine.language import compile_definition
+    from engine.language.compile import Request
+
+    rng = np.random.default_rng(37)
+    program = compile_definition(DEFINITIONS[name])
+    request = Request("loss", {n: n for n in DEFINITIONS[name]["variables"]}, "zero")
+    for _ in range(4):
+        definition = _with_values(DEFINITIONS[name], rng)
+        leaves = program.leaves(definition)
+        for k in (1, 3):
+            vectors = [gt.constant(rng.standard_normal((k, *leaves[n].shape)))
+                       for n in request.sources.values()]
+            _hvps_both_ways(program, request, leaves, vectors)
+    passes = program.request_passes()
+    assert len(passes) == 2, passes
+    if name == "softmax regression":  # logsumexp's shift is made outside the ops
+        assert all("outside" in p[0] for p in passes.values()), passes
+    else:
+        assert all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+
+
+def test_replayed_fresh_hvps_are_the_hessian_times_v() -> None:
+    """Against the closed form of loss = sum(tanh(x @ k + b) ** 2): value, gradients and
+    products of every request, the replayed ones included, with a source under two
+    aliases and a parameter the target does not reach (zeros)."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(38)
+    base = {
+        "variables": {"k": rng.random((4, 3)), "b": rng.random(3), "unused": rng.random(2)},
+        "inputs": {"x": rng.random((6, 4))},
+        "program": ["loss = sum(tanh(x @ k + b) ** 2)"],
+    }
+    program = compile_definition(base)
+    request = program.check_request("loss", {"k": "k", "b": "b", "again": "k", "u": "unused"},
+                                    "zero", allow_unused=True)
+    for _ in range(4):
+        definition = _with_values(base, rng)
+        leaves = program.leaves(definition)
+        x, k, b = definition["inputs"]["x"], definition["variables"]["k"], definition[
+            "variables"]["b"]
+        vk, vb, vk2, vu = (rng.standard_normal((2, *s)) for s in [(4, 3), (3,), (4, 3), (2,)])
+        value, grads, products = program.hessian_vector_products(
+            request, leaves, [gt.constant(v) for v in (vk, vb, vk2, vu)])
+        t = np.tanh(x @ k + b)
+        dz = 2 * t * (1 - t**2)
+        s = 2 * (1 - t**2) * (1 - 3 * t**2)  # d2 loss / dz2, elementwise
+        np.testing.assert_allclose(value.numpy(), np.sum(t**2), rtol=1e-12)
+        for g, want in zip(grads, [x.T @ dz, dz.sum(0), x.T @ dz, np.zeros(2)], strict=True):
+            np.testing.assert_allclose(g.numpy(), want, rtol=1e-12, atol=1e-14)
+        # the Hessian's product with the stacked vector (vk + vk2 both move k)
+        dzv = s * (x @ (vk + vk2) + vb[:, None, :])
+        hk = np.einsum("ij,kil->kjl", x, dzv)
+        for p, want in zip(products, [hk, dzv.sum(1), hk, np.zeros((2, 2))], strict=True):
+            np.testing.assert_allclose(p.numpy(), want, rtol=1e-10, atol=1e-12)
+    assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
+
+
+def test_fresh_hvps_in_passes_of_the_memory_budget_replay_exactly() -> None:
+    """A memory budget that fits two vectors per pass: five vectors in three passes,
+    joined, compiled as one schedule per budget (part of its key)."""
+    from engine.language import compile_definition
+    from engine.language.errors import OverBudget
+
+    rng = np.random.default_rng(39)
+    definition = {
+        "variables": {"w": rng.random((8, 8))},
+        "inputs": {"x": rng.random((16, 8))},
+        "program": ["loss = sum(tanh(x @ w) ** 2)"],
+    }
+    program = compile_definition(definition)
+    request = program.check_request("loss", None, "zero")
+    budget = next(b for b in range(1 << 10, 1 << 24, 256) if program.memory.max_batch(b) == 2)
+    leaves = program.leaves(definition)
+    for _ in range(3):
+        vectors = [gt.constant(rng.standard_normal((5, 8, 8)))]
+        _, _, (batched,) = _hvps_both_ways(program, request, leaves, vectors,
+                                           memory_budget=budget)
+        _, _, (whole,) = program.hessian_vector_products(request, leaves, vectors)
+        np.testing.assert_allclose(batched.numpy(), whole.numpy(), rtol=1e-12)
+    passes = program.request_passes()
+    assert {k[3] for k in passes} == {2, None}
+    assert all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+    with pytest.raises(OverBudget):
+        program.hessian_vector_products(request, leaves, vectors, memory_budget=64)
+
+
+def test_kept_request_passes_are_bounded_across_programs() -> None:
+    from engine.language import compile as compile_module
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(40)
+    for k in range(compile_module.REQUEST_PASSES + 3):
+        definition = {"variables": {"w": rng.random((3, 3))}, "inputs": {"x": rng.random(3)},
+                      "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"]}
+        program = compile_definition(definition)
+        request = program.check_request("loss", None, "zero")
+        leaves = program.leaves(definition)
+        for _ in range(3):
+            program.hessian_vector_products(request, leaves,
+                                            [gt.constant(rng.standard_normal((1, 3, 3)))])
+    kept = compile_module._request_passes.entries
+    assert len(kept) == compile_module.REQUEST_PASSES
+    pooled = sum(p.pooled_bytes for p in kept.values() if isinstance(p, replay.Schedule))
+    assert 0 < pooled <= compile_module.REQUEST_PASSES * compile_module.REQUEST_POOL_LIMIT
+
+
+# ---- jacobians of a definition (POST /v1/jacobian), compiled ---------------------------
+def _jacobians_both_ways(program, request, leaves, batch, chunk_size=None):
+    compiled = program.jacobians(request, leaves, batch, chunk_size)
+    dynamic = program.jacobians(request, leaves, batch, chunk_size, compiled=False)
+    assert compiled[1].keys() == dynamic[1].keys()
+    _assert_same([compiled[0], *compiled[1].values()], [dynamic[0], *dynamic[1].values()])
+    return compiled
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_definition_jacobians_replay_exactly(name, chunk_size) -> None:
+    """A full jacobian of every variable, in one backward pass or in chunks of rows."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(41)
+    program = compile_definition(DEFINITIONS[name])
+    target = {"relu mlp": "o", "clip_grad_norm": "h", "gradient penalty": "g",
+              "softmax regression": "z", "user function": "h"}[name]
+    request = program.check_request(target, list(DEFINITIONS[name]["variables"]), "zero",
+                                    allow_unused=True)
+    for _ in range(4):
+        leaves = program.leaves(_with_values(DEFINITIONS[name], rng))
+        _jacobians_both_ways(program, request, leaves, False, chunk_size)
+    passes = [p for k, p in program.request_passes().items()
+              if k[0] == "jacobian" and k[5] == chunk_size]
+    assert len(passes) == 1 and isinstance(passes[0], replay.Schedule), passes
+
+
+def test_replayed_batch_jacobians_are_the_closed_form_and_fresh() -> None:
+    """Per-example jacobians of o = tanh(x @ w) (with a source the target does not reach:
+    zeros), replayed, against diag(1 - t_b^2) w^T per example."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(42)
+    base = {"variables": {"w": rng.random((4, 3))},
+            "inputs": {"x": rng.random((5, 4)), "z": rng.random((5, 2))},
+            "program": ["o = tanh(x @ w)"]}
+    program = compile_definition(base)
+    request = program.check_request("o", ["x", "z"], "zero")
+    answers = []
+    for _ in range(4):
+        definition = _with_values(base, rng)
+        x, w = definition["inputs"]["x"], definition["variables"]["w"]
+        _, found = _jacobians_both_ways(program, request, program.leaves(definition), True)
+        t = np.tanh(x @ w)
+        np.testing.assert_allclose(found["x"].numpy(),
+                                   (1 - t**2)[:, :, None] * w.T[None], rtol=1e-12)
+        np.testing.assert_array_equal(found["z"].numpy(), np.zeros((5, 3, 2)))
+        answers.append(found["x"].numpy())
+    assert not any(np.shares_memory(a, b) for a in answers for b in answers if a is not b)
+    assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
+
+
+def test_a_replayed_batch_jacobian_still_checks_the_examples_independence() -> None:
+    """The check reads the pass's rows: it runs after the replayed pass too, so a batch
+    that mixes its examples is refused on every request."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(43)
+    base = {"variables": {"w": rng.random((4, 3))}, "inputs": {"x": rng.random((5, 4))},
+            "program": ["h = tanh(x @ w)", "o = h - mean(h, axis=0)"]}
+    program = compile_definition(base)
+    request = program.check_request("o", ["x"], "zero")
+    for _ in range(4):
+        with pytest.raises(gt.BatchDependenceError):
+            program.jacobians(request, program.leaves(_with_values(base, rng)), True)
+    assert all(isinstance(p, replay.Schedule) for p in program.request_passes().values())
+
+
+def test_a_pass_whose_constants_exceed_the_limit_stays_dynamic(monkeypatch) -> None:
+    """A jacobian's identity rows are constants its schedule would hold while kept: a
+    pass that makes more than the request passes' constant limit is never compiled."""
+    from engine.language import compile as compile_module
+    from engine.language import compile_definition
+
+    monkeypatch.setattr(compile_module._request_passes, "constant_limit", 1000)
+    rng = np.random.default_rng(44)
+    base = {"variables": {"w": rng.random((4, 3))}, "inputs": {"x": rng.random((5, 4))},
+            "program": ["o = tanh(x @ w)"]}  # 15 rows of 15 float64 seeds: 1,800 bytes
+    program = compile_definition(base)
+    request = program.check_request("o", ["w"], "zero")
+    for _ in range(4):
+        _jacobians_both_ways(program, request, program.leaves(_with_values(base, rng)), False)
+    (status,) = program.request_passes().values()
+    assert isinstance(status, tuple) and "1,800 bytes" in status[0], status

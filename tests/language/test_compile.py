@@ -225,3 +225,22 @@ def test_dtypes_flow_through(dtype: str) -> None:
     result = evaluate(defn, "y")
     assert result.value.dtype == np.dtype(dtype)
     assert result.gradients["w"].dtype == np.dtype(dtype)
+
+
+def test_the_order_of_the_leaves_is_part_of_the_structure() -> None:
+    """Two definitions that differ only in the order of their variables are two programs:
+    the default sources, a flat answer and a flat `point` follow each one's own order (a
+    shared program would split one client's point in another client's order)."""
+    reordered = {**MLP, "variables": dict(reversed(list(MLP["variables"].items())))}
+    first = compile_definition(MLP)
+    second = compile_definition(reordered)
+    assert first.trainable == ["w1", "b1", "w2"]
+    assert second.trainable == ["w2", "b1", "w1"]
+    value, grads = second.value_and_gradients(
+        second.check_request("loss", None), second.leaves(reordered)
+    )
+    assert list(grads) == ["w2", "b1", "w1"]
+    ref, ref_grads = first.value_and_gradients(first.check_request("loss", None), first.leaves(MLP))
+    assert float(value.value) == float(ref.value)
+    for name in ref_grads:
+        np.testing.assert_array_equal(grads[name].value, ref_grads[name].value)

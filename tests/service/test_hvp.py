@@ -103,3 +103,26 @@ def test_a_0d_parameter_on_a_tape_answers_a_0d_tensor(client) -> None:
             _assert_zero_d_answer(product, vector["w"], vector["b"])
     finally:
         client.delete(f"/v1/tapes/{tape}")
+
+
+def test_repeated_requests_with_new_values_answer_the_closed_form(client) -> None:
+    """One structure, new values each time (a worker compiles the pass on its second
+    request and replays it afterwards): every answer is the closed form's, for one vector
+    and for two."""
+    for i in range(6):
+        x, k, b = (rng.standard_normal(s) for s in [(6, 4), (4, 3), (3,)])
+        vectors = [{"k": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+                   for _ in range(1 + i % 2)]
+        body = {"definition": {**DEFN, "variables": {"k": t(k, "float64"), "b": t(b, "float64")},
+                               "inputs": {"x": t(x, "float64")}},
+                "target": "loss",
+                "vectors": [{n: t(v, "float64") for n, v in vec.items()} for vec in vectors]}
+        answer = post(client, "/v1/hvp", body)
+        th = np.tanh(x @ k + b)
+        dz, s = 2 * th * (1 - th**2), 2 * (1 - th**2) * (1 - 3 * th**2)
+        np.testing.assert_allclose(arr(answer["value"]), np.sum(th**2), rtol=1e-12)
+        np.testing.assert_allclose(arr(answer["gradients"]["k"]), x.T @ dz, rtol=1e-10)
+        for vec, product in zip(vectors, answer["hvps"], strict=True):
+            dzv = s * (x @ vec["k"] + vec["b"])
+            np.testing.assert_allclose(arr(product["k"]), x.T @ dzv, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(arr(product["b"]), dzv.sum(0), rtol=1e-10, atol=1e-12)

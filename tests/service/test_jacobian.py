@@ -99,3 +99,22 @@ def test_too_large(client) -> None:  # the tests' server answers up to 200,000 e
                     422, "too-large")
     assert "250,000" in found["detail"] and "200,000" in found["detail"]
     assert found["limit"] == 200_000
+
+
+def test_repeated_batch_jacobians_with_new_values(client) -> None:
+    """One structure, new values each time (compiled on a worker's second request,
+    replayed after): per-example jacobians of tanh(x @ w) against diag(1 - t^2) w^T, and
+    a batch that mixes its examples refused every time."""
+    for _ in range(5):
+        x, w = rng.standard_normal((6, 4)), rng.standard_normal((4, 3))
+        defn = {"variables": {"w": t(w, "float64")}, "inputs": {"x": t(x, "float64")},
+                "program": ["o = tanh(x @ w)"]}
+        answer = post(client, "/v1/jacobian",
+                      {"definition": defn, "target": "o", "sources": ["x"], "batch": True})
+        th = np.tanh(x @ w)
+        np.testing.assert_allclose(arr(answer["jacobians"]["x"]),
+                                   (1 - th**2)[:, :, None] * w.T[None], rtol=1e-12)
+        mixed = {**defn, "program": ["h = tanh(x @ w)", "o = h - mean(h, axis=0)"]}
+        problem(client.post("/v1/jacobian", json={"definition": mixed, "target": "o",
+                                                  "sources": ["x"], "batch": True}),
+                422, "batch-dependence")

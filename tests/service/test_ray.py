@@ -310,6 +310,70 @@ def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
         cluster.shutdown()
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def test_through_ray_client_a_ray_address(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRADTAPE_RAY_ADDRESS=ray://host:port: the server joins a cluster through Ray Client
+    (the HTTP process is then on no node of it), as a deployment outside the cluster does.
+    Gradients and a tape's HVPs give the numbers the local server gives, and an actor
+    killed under a tape is replaced and the tape recorded again with the same numbers."""
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # (see the node-removal test)
+    port = _free_port("127.0.0.2")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "node_ip_address": "127.0.0.2",
+            "object_store_memory": 80 * 2**20,
+            "include_dashboard": False,
+            "ray_client_server_port": port,
+        },
+    )
+    srv = None
+    try:
+        srv = start_server(
+            {
+                "GRADTAPE_EXECUTOR": "ray",
+                "GRADTAPE_RAY_ADDRESS": f"ray://127.0.0.2:{port}",
+                "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            },
+            tmp_path / "server.log",
+        )
+        workers = srv.wait_ready()["workers"]
+        assert len(workers) == 2 and all(w["state"] == "idle" for w in workers)
+        head = cluster.head_node.all_processes["raylet"][0].process.pid
+        assert {_raylet_of(w["pid"]) for w in workers} == {head}  # actors of that cluster
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            test_design_example_exactly(c)  # a gradient, to the scenario's numbers
+            tape, worker = _tape(c)
+            before = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
+            victim = next(w for w in workers if w["index"] == worker)
+            os.kill(victim["pid"], signal.SIGKILL)  # the actor's process, on this host
+            _wait_dead(victim["pid"])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # Ray reports the death; a new actor starts
+                now = {w["index"]: w for w in c.get("/readyz").json()["workers"]}[worker]
+                if now["generation"] > victim["generation"] and now["state"] == "idle":
+                    break
+                time.sleep(0.1)
+            assert now["generation"] == victim["generation"] + 1, now
+            again = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
+            np.testing.assert_array_equal(arr(again["hvp"]["w"]), arr(before["hvp"]["w"]))
+            assert c.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
+    finally:
+        if srv is not None:
+            stop_server(srv)
+        cluster.shutdown()
+
+
 def test_gpu_workers_are_actors_with_one_gpu_each() -> None:
     """What the pool asks Ray for (no GPU here to run one): with device 'cuda', or 'auto'
     on a cluster that has GPUs, each actor takes one GPU, which Ray makes its cuda:0."""

@@ -185,6 +185,22 @@ def test_flat_answers_follow_the_sources_order(client) -> None:
         [arr(by_name["hvp"]["a"]).reshape(-1), arr(by_name["hvp"]["b"]).reshape(-1)]))
 
 
+def test_a_point_follows_the_requests_own_variable_order(client) -> None:
+    """One client's definition must not decide how another's flat point is read: the same
+    program with its variables in the other order reads the point in its own order."""
+    program = ["loss = sum(a * a) + 10 * b * b"]
+    first = {"variables": {"a": [1.0, 2.0], "b": 0.5}, "program": program}
+    second = {"variables": {"b": 0.5, "a": [1.0, 2.0]}, "program": program}
+    one = post(client, "/v1/gradient", {"definition": first, "target": "loss",
+                                         "point": [3.0, 4.0, 1.0], "flat": True})
+    assert [o["source"] for o in one["flat"]["order"]] == ["a", "b"]
+    np.testing.assert_array_equal(arr(one["flat"]["gradient"]), [6.0, 8.0, 20.0])
+    other = post(client, "/v1/gradient", {"definition": second, "target": "loss",
+                                           "point": [1.0, 3.0, 4.0], "flat": True})
+    assert [o["source"] for o in other["flat"]["order"]] == ["b", "a"]
+    np.testing.assert_array_equal(arr(other["flat"]["gradient"]), [20.0, 6.0, 8.0])
+
+
 def test_flat_vectors_of_the_wrong_length_name_both(client) -> None:
     defn = {"variables": {"a": [1.0, 2.0], "b": 0.5}, "program": ["loss = sum(a) * b"]}
     body = problem(client.post("/v1/gradient", json={"definition": defn, "target": "loss",
