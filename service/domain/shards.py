@@ -40,7 +40,7 @@ import numpy as np
 
 from service.core.errors import ServiceError
 from service.core.store import TapeRow, is_ref
-from service.pool import ComputeTimeout, PoolError, Reply, WorkerCrashed, calls
+from service.pool import ComputeFailed, ComputeTimeout, PoolError, Reply, WorkerCrashed, calls
 
 # sessions.Tape and sessions.TapeRegistry: sessions.py imports this module, so they are
 # named here only (the registry hands over what it makes: new_tape).
@@ -50,6 +50,7 @@ TapeRegistry = Any
 log = logging.getLogger("gradtape.shards")
 
 REDUCTIONS = ("mean", "sum")
+LOST = "shard-state-lost"  # the coordinator no longer holds a run or a kept part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
               "tape_solve")
@@ -355,8 +356,16 @@ class Sharding:
                    ) -> dict[str, Any]:
         assert tape.shards is not None
         part = {**payload, "flat": False}
-        replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
-        return await self._combine(tape, [r.result for r in replies], payload, deadline)
+        for attempt in (1, 2):
+            replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
+            try:
+                return await self._combine(tape, [r.result for r in replies], payload, deadline)
+            except ComputeFailed as exc:
+                # The coordinator was replaced between the two steps (its kept parts went
+                # with it): ask the parts again, once.
+                if exc.error.get("type") != LOST or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
                        payload: Mapping[str, Any], deadline: Deadline) -> dict[str, Any]:
@@ -441,11 +450,14 @@ class Sharding:
                         worker=worker, time_limit=deadline.left(worker))
                 answer: dict[str, Any] = reply.result["answer"]
                 return answer
-            except WorkerCrashed as exc:
-                if exc.worker != worker or attempt == 2:
+            except (WorkerCrashed, ComputeFailed) as exc:
+                # The coordinator died with the run (computing, or between two steps):
+                # start it again (seeded: the same numbers).
+                lost = (exc.worker == worker if isinstance(exc, WorkerCrashed)
+                        else exc.error.get("type") == LOST)
+                if not lost or attempt == 2:
                     self._drop_later(worker, {"run": run_id})
                     raise
-                # The coordinator died with the run: start it again (seeded: same numbers).
                 log.info("sharded run's coordinator, worker %d, was lost: running again",
                          worker)
             except BaseException:

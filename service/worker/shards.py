@@ -33,6 +33,9 @@ from service.worker import tapes
 from service.worker.compute import RequestError, WorkerContext, check_vector
 
 RUN_IDLE_SECONDS = 600.0  # a run whose caller went away is let go after this
+# The error type of a run or kept part this worker no longer holds (it was replaced
+# between two steps): the HTTP side starts the request's steps again.
+LOST = "shard-state-lost"
 STASH_MOST = 32  # answers kept for a sum that is coming (see stash), oldest out first
 
 
@@ -105,8 +108,8 @@ def _part(context: WorkerContext, part: Any, path: Sequence[str] = ()) -> Any:
     kept = context.state.get("shard_stash", {})
     found = kept.pop(part["stashed"], None)
     if found is None:
-        raise RequestError("internal", f"worker {context.index} no longer keeps the shard's "
-                           "answer to sum (it was restarted meanwhile); ask again")
+        raise RequestError(LOST, f"worker {context.index} no longer keeps the shard's answer "
+                           "to sum (it was restarted meanwhile); ask again")
     for key in path:
         found = found[key]
     return found
@@ -273,8 +276,8 @@ def shard_step(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     answers its next need or its answer."""
     run = _runs(context).get(payload["run"])
     if run is None:
-        raise RequestError("internal",
-                           f"worker {context.index} holds no sharded run {payload['run']}")
+        raise RequestError(LOST, f"worker {context.index} holds no sharded run "
+                           f"{payload['run']} (it was restarted meanwhile); ask again")
     parts = [_part(context, p, ("flat", "hvps")) for p in payload["parts"]]
     product = weighted_sum(parts, payload["weights"], "products")
     assert run.asked is not None

@@ -386,3 +386,26 @@ def test_a_sharded_job_reports_progress_and_is_cancelled_whole(client, pair) -> 
     assert client.delete(location).status_code == 204
     assert client.get(location).json()["state"] == "cancelled"
     close_tensors(post(client, f"{base}/hvp", v)["hvp"], before["hvp"], 0)
+
+
+def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -> None:
+    """The coordinator's worker killed while an algorithm runs across the shards: the run
+    starts again from scratch (its parts there recorded again) and, seeded, answers what
+    an undisturbed run answers."""
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    body = {"method": "hutchinson", "max_hvps": 3000, "batch_size": 1, "seed": 8,
+            "max_seconds": 50, "time_limit": 60}
+    location = start(client, f"{base}/trace", body)
+    coordinator = ok(client.get(base))["shards"][0]["worker"]
+    job = wait(client, location, ("running",))
+    while not (job["progress"] or {}).get("done"):  # well into the run
+        job = client.get(location).json()
+    assert job["state"] == "running", job
+    # Not kill_worker: it waits for every worker to be idle, i.e. for the run to end.
+    victim = next(w for w in client.get("/readyz").json()["workers"]
+                  if w["index"] == coordinator)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job = wait(client, location, ("succeeded", "failed"), timeout=120)
+    assert job["state"] == "succeeded", job
+    same_answer(job["result"], post(client, f"{base}/trace", body))
