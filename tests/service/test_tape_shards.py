@@ -409,3 +409,27 @@ def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -
     job = wait(client, location, ("succeeded", "failed"), timeout=120)
     assert job["state"] == "succeeded", job
     same_answer(job["result"], post(client, f"{base}/trace", body))
+
+
+def test_a_sharded_tape_is_evicted_whole(client, tmp_path) -> None:
+    """A part evicted for a newer tape's room takes its sharded tape with it: the id
+    answers 404 tape-evicted, never a tape missing one of its parts."""
+    probe = record(client, shards=2)
+    part = max(s["bytes"] for s in ok(client.get(f"/v1/tapes/{probe['tape_id']}"))["shards"])
+    client.delete(f"/v1/tapes/{probe['tape_id']}")
+    # Room for one part per worker, not two.
+    settings = {"GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(part * 1.5)),
+                "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20)}
+    srv = start_server(settings, tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            old = record(c, shards=2)
+            new = record(c, shards=2)
+            gone = problem(c.post(f"/v1/tapes/{old['tape_id']}/hvp",
+                                  json={"vector": wire(vectors(1, 1)[0])}), 404)
+            assert gone["type"].endswith("tape-evicted"), gone
+            assert [t["tape_id"] for t in ok(c.get("/v1/tapes"))["tapes"]] == [new["tape_id"]]
+            post(c, f"/v1/tapes/{new['tape_id']}/hvp", {"vector": wire(vectors(1, 1)[0])})
+    finally:
+        stop_server(srv)
