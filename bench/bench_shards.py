@@ -127,8 +127,8 @@ def answer(response: httpx.Response) -> dict[str, Any]:
 
 def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     worst = 0.0
-    for key in b:
-        x, y = decode(a[key]).astype(np.float64), decode(b[key]).astype(np.float64)
+    for key, want in b.items():
+        x, y = decode(a[key]).astype(np.float64), decode(want).astype(np.float64)
         worst = max(worst, float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
     return worst
 
