@@ -1193,11 +1193,13 @@ class TapeCreateResponse(BaseModel):
     tape_id: str = Field(description="Unguessable (192 random bits): keep it secret.")
     value: Tensor
     gradients: Gradients
-    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
+    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker (a "
+                       "sharded tape: its parts, in theirs).")
     ttl: float = Field(description="Seconds the tape lives after its last use.")
     expires_at: datetime = Field(description="When it expires unless used before.")
     device: str
-    worker: int
+    worker: int = Field(description="The worker holding it (a sharded tape: its "
+                        "coordinator, which holds its first part).")
     flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
@@ -1227,9 +1229,11 @@ class TapeInfo(BaseModel):
     expires_at: datetime
     ttl: float
     hits: int = Field(description="Requests answered from the tape.")
-    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
+    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker (a "
+                       "sharded tape: its parts, in theirs).")
     device: str
-    worker: int
+    worker: int = Field(description="The worker holding it (a sharded tape: its "
+                        "coordinator, which holds its first part).")
     loaded: bool = Field(description="Held in the worker's memory now (false: recorded "
                          "again, transparently, on the next request).")
     rebuilds: int = Field(description="Times it was recorded again after a worker or "
