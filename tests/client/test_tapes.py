@@ -66,6 +66,13 @@ def test_sharded_tape_answers_as_one(client: Client, rng: np.random.Generator) -
         np.testing.assert_allclose(top.eigenvalues, np.linalg.eigvalsh(hess(w))[::-1][:2],
                                    rtol=1e-9)
 
+    # The stateless requests take the same fields.
+    value, grads = client.gradient(definition, "loss", shards=2)
+    assert value == pytest.approx(loss(w), rel=1e-12)
+    np.testing.assert_allclose(grads["w"], grad(w), rtol=1e-11)
+    answer = client.hvp(definition, "loss", {"w": v[0]}, shards=3, shard_by=("X", "y"))
+    np.testing.assert_allclose(answer.hvp["w"], hess(w) @ v[0], rtol=1e-11)
+
 
 def test_update_records_again(client: Client, rng: np.random.Generator) -> None:
     definition, w, loss, grad, hess = logistic(40, 5, rng)
