@@ -433,3 +433,15 @@ def test_a_sharded_tape_is_evicted_whole(client, tmp_path) -> None:
             post(c, f"/v1/tapes/{new['tape_id']}/hvp", {"vector": wire(vectors(1, 1)[0])})
     finally:
         stop_server(srv)
+
+
+def test_a_sharded_algorithm_stops_within_its_time(client, pair) -> None:
+    """max_seconds covers the whole run across the shards (the waits for the parts'
+    products included): it stops there and answers what it has."""
+    _, sharded = pair
+    body = {"method": "hutchinson", "max_hvps": 5000, "batch_size": 1, "max_seconds": 0.5}
+    started = time.monotonic()
+    got = post(client, f"/v1/tapes/{sharded['tape_id']}/trace", body)
+    assert got["stopped"] == "time_limit" and 0 < got["hvps"] < 5000, got
+    assert time.monotonic() - started < 3.0
+    assert np.isfinite(got["trace"])
