@@ -49,7 +49,6 @@ TapeRegistry = Any
 
 log = logging.getLogger("gradtape.shards")
 
-REDUCTIONS = ("mean", "sum")
 LOST = "shard-state-lost"  # the coordinator no longer holds a run or a kept part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
