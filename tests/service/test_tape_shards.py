@@ -394,7 +394,7 @@ def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -
     an undisturbed run answers."""
     _, sharded = pair
     base = f"/v1/tapes/{sharded['tape_id']}"
-    body = {"method": "hutchinson", "max_hvps": 3000, "batch_size": 1, "seed": 8,
+    body = {"method": "hutchinson", "max_hvps": 1500, "batch_size": 1, "seed": 8,
             "max_seconds": 50, "time_limit": 60}
     location = start(client, f"{base}/trace", body)
     coordinator = ok(client.get(base))["shards"][0]["worker"]
