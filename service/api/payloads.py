@@ -28,6 +28,7 @@ from service.api.schemas import (
     InfluenceRequest,
     JacobianRequest,
     ModelCreateRequest,
+    ShardOptions,
     SolveRequest,
     SpectralDensityRequest,
     TapeCreateRequest,
@@ -325,6 +326,21 @@ def tape_create(body: TapeCreateRequest, settings: Settings,
             errors=[{"field": "ttl", "message": f"at most {settings.tape_max_ttl:g}"}],
         )
     return _prepared(body, decoder, payload, limit), ttl
+
+
+def sharding(body: ShardOptions, settings: Settings) -> dict[str, Any] | None:
+    """How a request splits its batch (service/domain/shards.py), or None: not sharded.
+    The inputs it names are checked against the definition there, once bound."""
+    if body.shards is None or body.shards == 1:
+        return None
+    if body.shards > settings.max_shards:
+        raise ProblemError(
+            "validation", f"shards: {body.shards} is above this server's max_shards of "
+            f"{settings.max_shards}",
+            errors=[{"field": "shards", "message": f"at most {settings.max_shards}"}])
+    shard_by = [body.shard_by] if isinstance(body.shard_by, str) else body.shard_by
+    return {"shards": body.shards, "shard_by": shard_by,
+            "reduction": body.shard_reduction.value}
 
 
 def _curvature(body: CurvatureOptions) -> dict[str, Any]:

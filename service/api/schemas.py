@@ -527,6 +527,49 @@ class DefinitionRequest(RequestModel):
         return self
 
 
+class ShardReduction(StrEnum):
+    """How a sharded batch's parts add up to the loss."""
+
+    mean = "mean"
+    sum = "sum"
+
+
+class ShardOptions(RequestModel):
+    """Split the batch over several workers (issue 16): each records its part; answers
+    are the parts' answers combined as `shard_reduction` says."""
+
+    shards: StrictInt | None = Field(
+        None, ge=1, description="Split the batch into this many parts, each recorded in "
+        "its own worker (distinct workers while there are enough; with Ray, on other "
+        "nodes); the loss, gradients, HVPs, curvature products and the tape's algorithms "
+        "combine the parts, and equal the unsharded answers up to float rounding. At most "
+        "the batch size and the server's max_shards. 1 or absent: not sharded. The parts' "
+        "sizes differ by one at most.", examples=[2],
+    )
+    shard_by: list[Name] | Name | None = Field(
+        None, description="The inputs split along their first axis (the batch), which "
+        "must all have the same length; inputs bound to a stored dataset are split by their "
+        "rows, so each worker reads only its part from the store. Default: every input "
+        "that has an axis (a 422 asks you to name them when their first axes differ).",
+        examples=[["x", "y"]],
+    )
+    shard_reduction: ShardReduction = Field(
+        ShardReduction.mean, description="How the parts add up. `mean` (default): the "
+        "target is a mean over the batch, the parts are weighted by their share n_i / N "
+        "(terms that do not depend on the batch, such as a weight penalty, stay exact). "
+        "`sum`: the target is a sum over the batch, the parts are added (a term that does "
+        "not depend on the batch would count once per part: keep such terms out of a "
+        "sum-reduced sharded target).",
+    )
+
+    @model_validator(mode="after")
+    def _shards_named(self) -> ShardOptions:
+        if self.shards is None and (self.shard_by is not None
+                                    or "shard_reduction" in self.model_fields_set):
+            raise ValueError("'shard_by' and 'shard_reduction' need 'shards' (how many parts)")
+        return self
+
+
 class ComputeRequest(DefinitionRequest):
     allow_unused: StrictBool = Field(
         False, description="Accept program lines the target does not use (they are skipped); "
@@ -553,7 +596,7 @@ UNCONNECTED_FIELD = Field(
 )
 
 
-class GradientRequest(ComputeRequest):
+class GradientRequest(ComputeRequest, ShardOptions):
     """The target's value and its gradients with respect to the sources (a non-scalar
     target is differentiated as its sum)."""
 
@@ -598,7 +641,7 @@ class HessianRequest(ComputeRequest):
     run_async: StrictBool = _async_field()
 
 
-class HVPRequest(ComputeRequest):
+class HVPRequest(ComputeRequest, ShardOptions):
     """Hessian-vector products of a scalar target: give `vector` or `vectors`. Gradients
     and products of unconnected sources are zeros."""
 
@@ -653,7 +696,7 @@ class _Vectors(CallOptions):
 # Tapes ----------------------------------------------------------------------------------
 
 
-class TapeCreateRequest(DefinitionRequest):
+class TapeCreateRequest(DefinitionRequest, ShardOptions):
     """Record a tape: the definition's forward pass and the gradient of its (scalar)
     target over the sources, kept in a worker for later requests. Lines the target does
     not use are recorded too (other targets can be asked of the tape)."""
@@ -1150,13 +1193,26 @@ class TapeCreateResponse(BaseModel):
     tape_id: str = Field(description="Unguessable (192 random bits): keep it secret.")
     value: Tensor
     gradients: Gradients
-    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
+    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker (a "
+                       "sharded tape: its parts, in theirs).")
     ttl: float = Field(description="Seconds the tape lives after its last use.")
     expires_at: datetime = Field(description="When it expires unless used before.")
     device: str
-    worker: int
+    worker: int = Field(description="The worker holding it (a sharded tape: its "
+                        "coordinator, which holds its first part).")
     flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
+
+
+class ShardInfo(BaseModel):
+    """One part of a sharded tape."""
+
+    rows: int = Field(description="Its part of the batch (examples).")
+    worker: int
+    bytes: int = Field(description="Bytes of the arrays it holds in its worker.")
+    rebuilds: int = Field(description="Times it was recorded again (a lost worker's part "
+                          "is recorded again alone).")
+    hits: int
 
 
 class TapeInfo(BaseModel):
@@ -1173,13 +1229,20 @@ class TapeInfo(BaseModel):
     expires_at: datetime
     ttl: float
     hits: int = Field(description="Requests answered from the tape.")
-    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker.")
+    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker (a "
+                       "sharded tape: its parts, in theirs).")
     device: str
-    worker: int
+    worker: int = Field(description="The worker holding it (a sharded tape: its "
+                        "coordinator, which holds its first part).")
     loaded: bool = Field(description="Held in the worker's memory now (false: recorded "
                          "again, transparently, on the next request).")
     rebuilds: int = Field(description="Times it was recorded again after a worker or "
-                          "service restart.")
+                          "service restart (of a sharded tape: of all its shards).")
+    shard_reduction: ShardReduction | None = Field(
+        None, description="A sharded tape: how its parts add up (absent otherwise).")
+    shard_by: list[str] | None = Field(None, description="A sharded tape: the inputs split.")
+    shards: list[ShardInfo] | None = Field(
+        None, description="A sharded tape: its parts, each an ordinary tape in a worker.")
 
 
 class TapeList(BaseModel):

@@ -154,6 +154,10 @@ class Settings(BaseSettings):
     hvp_max_vectors: int = Field(
         default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp"
     )
+    max_shards: int = Field(
+        default=64, ge=1,
+        description="most shards one sharded tape or request may split its batch into"
+    )
     request_memory_budget: int = Field(
         default=0, ge=0,
         description="bytes one request's recording and derivative passes may use, as the "

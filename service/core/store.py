@@ -35,9 +35,11 @@ import numpy as np
 
 from service.core.wire import from_bytes, to_bytes
 
-SCHEMA_VERSION = 2
-# What each older version lacks, applied in order on open (the tapes' model output).
-MIGRATIONS = {1: ["ALTER TABLE tapes ADD COLUMN output TEXT"]}
+SCHEMA_VERSION = 3
+# What each older version lacks, applied in order on open (the tapes' model output; the
+# shards of a sharded tape).
+MIGRATIONS = {1: ["ALTER TABLE tapes ADD COLUMN output TEXT"],
+              2: ["ALTER TABLE tapes ADD COLUMN shards TEXT"]}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (
@@ -101,7 +103,8 @@ CREATE TABLE IF NOT EXISTS tapes (
     rebuilds   INTEGER NOT NULL DEFAULT 0,
     state      TEXT NOT NULL CHECK (state IN ('live', 'expired', 'evicted', 'deleted')),
     ended      REAL,
-    output     TEXT            -- the model output it names (curvatures), if any
+    output     TEXT,           -- the model output it names (curvatures), if any
+    shards     TEXT            -- JSON: a sharded tape's parts, or a part's parent
 );
 CREATE INDEX IF NOT EXISTS tapes_owner ON tapes(owner, state);
 CREATE TABLE IF NOT EXISTS datasets (
@@ -167,6 +170,9 @@ class TapeRow:
     state: str
     ended: float | None
     output: str | None = None
+    # A sharded tape: {"ids", "rows", "reduction", "layout"} (service/domain/shards.py);
+    # one of its parts: {"parent", "index"}. None for an ordinary tape.
+    shards: dict[str, Any] | None = None
 
 
 @dataclass
@@ -497,19 +503,20 @@ class Store:
         return gone > 0
 
     # Tapes --------------------------------------------------------------------------------
-    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any]) -> None:
+    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any] | None) -> None:
         """Store a new live tape with its definition (one transaction, so that the
-        garbage collection never sees the definition without its tape)."""
+        garbage collection never sees the definition without its tape). A sharded tape
+        has none of its own: its parts hold theirs."""
         with self._transaction() as db:
-            tape.definition = _put_definition(db, definition)
+            tape.definition = None if definition is None else _put_definition(db, definition)
             db.execute(
                 "INSERT INTO tapes (id, owner, definition, model, target, sources, ttl, "
                 "created, last_used, hits, bytes, worker, device, rebuilds, state, ended, "
-                "output) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "output, shards) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (tape.id, tape.owner, tape.definition, tape.model, tape.target,
                  json.dumps(tape.sources), tape.ttl, tape.created, tape.last_used, tape.hits,
                  tape.bytes, tape.worker, tape.device, tape.rebuilds, tape.state, tape.ended,
-                 tape.output),
+                 tape.output, None if tape.shards is None else json.dumps(tape.shards)),
             )
 
     def set_tape_definition(self, tape_id: str, definition: Mapping[str, Any]) -> str:
@@ -621,13 +628,14 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
 
 _TAPE_SELECT = (
     "SELECT id, owner, definition, model, target, sources, ttl, created, last_used, hits, "
-    "bytes, worker, device, rebuilds, state, ended, output FROM tapes"
+    "bytes, worker, device, rebuilds, state, ended, output, shards FROM tapes"
 )
 
 
 def _tape(row: Any) -> TapeRow:
     values = list(row)
     values[5] = json.loads(values[5])
+    values[17] = None if values[17] is None else json.loads(values[17])
     return TapeRow(*values)
 
 

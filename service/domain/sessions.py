@@ -38,6 +38,7 @@ from service.core.config import Settings
 from service.core.errors import ServiceError
 from service.core.store import ModelRow, Store, TapeRow, is_ref
 from service.domain.metrics import Metrics
+from service.domain.shards import Sharding, ShardSet
 from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply, WorkerInfo
 
 log = logging.getLogger("gradtape.sessions")
@@ -54,6 +55,8 @@ class Tape:
     generation: int | None = None  # the worker generation holding the recording
     busy: int = 0  # requests in flight (never evicted meanwhile)
     dirty: bool = False  # usage not yet written to the store
+    shards: ShardSet | None = None  # a sharded tape: its parts (service/domain/shards.py)
+    parent: Tape | None = None  # a part of a sharded tape: never seen by clients
 
     @property
     def id(self) -> str:
@@ -85,6 +88,7 @@ class Tape:
             "worker": r.worker,
             "loaded": loaded,
             "rebuilds": r.rebuilds,
+            **(self.shards.info() if self.shards is not None else {}),
         }
 
 
@@ -112,6 +116,7 @@ class TapeRegistry:
         self._creating: defaultdict[str, int] = defaultdict(int)
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.sharding = Sharding(self)
 
     # Lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -124,6 +129,12 @@ class TapeRegistry:
         for row in rows:
             if row.last_used + row.ttl > now:
                 self._tapes[row.id] = Tape(row)
+        # A sharded tape and its parts come back together, or not at all.
+        broken = [t for t in self._tapes.values() if t.row.shards and "ids" in t.row.shards
+                  and not self.sharding.restore(t, self._tapes)]
+        orphans = [t for t in self._tapes.values()
+                   if t.row.shards and "parent" in t.row.shards and t.parent is None]
+        await self._end(broken + orphans, "expired")
         if rows:
             log.info("%d tape(s) restored from the store (%d had expired)",
                      len(self._tapes), len(expired))
@@ -142,27 +153,34 @@ class TapeRegistry:
     def live(self, owner: str) -> list[Tape]:
         now = time.time()
         return sorted(
-            (t for t in self._tapes.values() if t.row.owner == owner and t.expires > now),
+            (t for t in self._tapes.values()
+             if t.row.owner == owner and t.expires > now and t.parent is None),
             key=lambda t: t.row.created,
         )
 
     def loaded(self, tape: Tape, workers: list[WorkerInfo] | None = None) -> bool:
-        """Whether the tape's worker still holds it. `workers`: pool.workers(), when the
-        caller asks for many tapes (it costs a few us a worker each time)."""
+        """Whether the tape's worker still holds it (a sharded tape: every part's).
+        `workers`: pool.workers(), when the caller asks for many tapes (it costs a few us
+        a worker each time)."""
         workers = self.pool.workers() if workers is None else workers
+        if tape.shards is not None:
+            return all(self.loaded(p, workers) for p in tape.shards.parts)
         return (tape.row.worker < len(workers)
                 and tape.generation == workers[tape.row.worker].generation)
 
     def count(self) -> int:
-        return len(self._tapes)
+        return sum(1 for t in self._tapes.values() if t.parent is None)
 
     def total_bytes(self) -> int:
         workers = self.pool.workers()
-        return sum(t.row.bytes for t in self._tapes.values() if self.loaded(t, workers))
+        return sum(t.row.bytes for t in self._tapes.values()
+                   if t.shards is None and self.loaded(t, workers))
 
     async def get(self, tape_id: str, owner: str) -> Tape:
         """The caller's live tape, or a 404 problem that says why there is none."""
         tape = self._tapes.get(tape_id)
+        if tape is not None and tape.parent is not None:
+            tape = None  # a shard is the sharded tape's business, never a client's
         if tape is not None and tape.row.owner == owner:
             if tape.expires > time.time() or tape.busy:
                 return tape
@@ -200,14 +218,18 @@ class TapeRegistry:
 
     # Creating -----------------------------------------------------------------------------
     async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
-                     time_limit: float) -> tuple[Tape, dict[str, Any]]:
-        """Record a tape in a worker, store it, and register it; answer the worker's
-        result (value, gradients, device, resolved sources)."""
-        self._check_count(owner)
+                     time_limit: float, worker: int | None = None,
+                     part_of: tuple[Tape, int] | None = None) -> tuple[Tape, dict[str, Any]]:
+        """Record a tape in a worker (`worker`, else the least loaded), store it, and
+        register it; answer the worker's result (value, gradients, device, resolved
+        sources). `part_of`: the tape is part `index` of the sharded tape `parent`,
+        counted in the quotas through it."""
+        if part_of is None:
+            self._check_count(owner)
         self._creating[owner] += 1
         try:
             tape_id = secrets.token_urlsafe(24)
-            worker = self._choose_worker()
+            worker = self._choose_worker() if worker is None else worker
             try:
                 reply = await self.pool.submit(
                     "tape_create", {"tape_id": tape_id, **spec}, worker=worker,
@@ -229,6 +251,8 @@ class TapeRegistry:
                     created=now, last_used=now, hits=0, bytes=size, worker=reply.worker,
                     device=str(result.pop("device")), rebuilds=0, state="live", ended=None,
                     output=spec.get("output"),
+                    shards=None if part_of is None else {"parent": part_of[0].id,
+                                                         "index": part_of[1]},
                 )
                 await asyncio.to_thread(self.store.insert_tape, row, definition)
             except BaseException:
@@ -236,15 +260,37 @@ class TapeRegistry:
                 raise
         finally:
             self._creating[owner] -= 1
-        tape = Tape(row, generation=reply.generation)
+        tape = Tape(row, generation=reply.generation,
+                    parent=None if part_of is None else part_of[0])
         self._tapes[tape_id] = tape
-        self.metrics.tape_event("created")
+        if part_of is None:
+            self.metrics.tape_event("created")
         await self._enforce_budget(reply.worker, keep=tape)
         return tape, result
 
+    async def create_sharded(self, owner: str, spec: dict[str, Any], ttl: float,
+                             model: str | None, time_limit: float, sharding: dict[str, Any]
+                             ) -> tuple[Tape, dict[str, Any]]:
+        """A tape whose batch is split over `sharding["shards"]` tapes in distinct
+        workers (service/domain/shards.py): answers as `create` does."""
+        self._check_count(owner)
+        self._creating[owner] += 1
+        try:
+            return await self.sharding.create(owner, spec, ttl, model, time_limit, sharding)
+        finally:
+            self._creating[owner] -= 1
+
+    def new_tape(self, row: TapeRow) -> Tape:
+        return Tape(row)
+
+    def register(self, tape: Tape) -> None:
+        """A tape recorded and stored elsewhere (a sharded tape, by shards.py)."""
+        self._tapes[tape.id] = tape
+        self.metrics.tape_event("created")
+
     def _check_count(self, owner: str) -> None:
         limit = self.settings.max_tapes_per_key
-        held = sum(1 for t in self._tapes.values() if t.row.owner == owner)
+        held = sum(1 for t in self._tapes.values() if t.row.owner == owner and t.parent is None)
         if held + self._creating[owner] >= limit:
             raise ServiceError(
                 "quota-exceeded",
@@ -265,7 +311,8 @@ class TapeRegistry:
                 limit=budget,
             )
         limit = self.settings.max_tape_bytes_per_key
-        used = sum(t.row.bytes for t in self._tapes.values() if t.row.owner == owner)
+        used = sum(t.row.bytes for t in self._tapes.values()
+                   if t.row.owner == owner and t.shards is None)
         if used + size > limit:
             raise ServiceError(
                 "quota-exceeded",
@@ -275,21 +322,27 @@ class TapeRegistry:
                 quota="bytes", limit=limit,
             )
 
-    def _choose_worker(self) -> int:
-        """An idle worker holding the fewest tape bytes (else any, by bytes)."""
+    def _choose_worker(self, avoid: Mapping[int, int] | None = None) -> int:
+        """An idle worker holding the fewest tape bytes (else any, by bytes); with
+        `avoid` (worker -> parts of one sharded tape placed there already), the worker
+        holding the fewest of those first, so that its parts run side by side."""
         workers = self.pool.workers()
         held = [0] * len(workers)
         for t in self._tapes.values():
-            if self.loaded(t, workers):
+            if t.shards is None and self.loaded(t, workers):
                 held[t.row.worker] += t.row.bytes
+        avoid = avoid or {}
         return min(range(len(workers)),
-                   key=lambda i: (workers[i].state != "idle", held[i], i))
+                   key=lambda i: (avoid.get(i, 0), workers[i].state != "idle", held[i], i))
 
     # Using --------------------------------------------------------------------------------
     async def call(self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
                    ) -> Reply:
         """Run `kind` on the tape in its worker, recording it again there first when the
-        worker lost it; update its usage. The reply's result is the answer."""
+        worker lost it; update its usage. The reply's result is the answer. A sharded
+        tape asks its parts (service/domain/shards.py)."""
+        if tape.shards is not None:
+            return await self.sharding.call(tape, kind, payload, time_limit)
         tape.busy += 1
         try:
             worker = self._worker_of(tape)
@@ -326,6 +379,15 @@ class TapeRegistry:
             await self._enforce_budget(worker, keep=tape)
         return reply
 
+    def touch(self, tape: Tape) -> None:
+        """A sharded tape was used (its parts count their own use)."""
+        assert tape.shards is not None
+        tape.row.bytes = sum(p.row.bytes for p in tape.shards.parts)
+        tape.row.rebuilds = sum(p.row.rebuilds for p in tape.shards.parts)
+        tape.row.hits += 1
+        tape.row.last_used = time.time()
+        tape.dirty = True
+
     def _worker_of(self, tape: Tape) -> int:
         if tape.row.worker >= self.pool.size:  # restarted with fewer workers
             tape.row.worker = self._choose_worker()
@@ -347,9 +409,11 @@ class TapeRegistry:
                      point: np.ndarray | None = None, flat: bool = False) -> dict[str, Any]:
         """New values for some variables and inputs (or for every source, as one flat
         `point`): record the tape again (in place, same id); the stored definition changes
-        only once the new recording succeeded. An input may be an array or a reference to
+        only once the new recording succeeded. A sharded tape updates its parts. An input may be an array or a reference to
         a dataset's array (store.is_ref): a bound input may be rebound or replaced by an
         array of any number of rows. `flat`: answer flat vectors."""
+        if tape.shards is not None:
+            return await self.sharding.update(tape, variables, inputs, time_limit, point, flat)
         spec = await self._spec(tape)
         definition = spec["definition"]
         errors = []
@@ -445,16 +509,21 @@ class TapeRegistry:
         now = time.time()
         drops: defaultdict[int, list[str]] = defaultdict(list)
         ended = []
+        # A sharded tape ends whole: with its parts, and when one of them must go.
+        whole = [t.parent if t.parent is not None else t for t in tapes]
+        tapes = list({id(t): t for t in [*whole, *(p for t in whole if t.shards is not None
+                                                   for p in t.shards.parts)]}.values())
         for tape in tapes:
             if tape.ended:
                 continue
-            if self.loaded(tape):
+            if tape.shards is None and self.loaded(tape):
                 drops[tape.row.worker].append(tape.id)
             tape.row.state = state
             tape.row.ended = now
             self._tapes.pop(tape.id, None)
             ended.append(tape.row)
-            self.metrics.tape_event(state)
+            if tape.parent is None:
+                self.metrics.tape_event(state)
         await asyncio.to_thread(self.store.end_tapes, ended, state, now)
         for worker, ids in drops.items():
             self._drop_later(worker, ids)
@@ -465,7 +534,7 @@ class TapeRegistry:
         budget = self.settings.tape_memory_budget
         workers = self.pool.workers()
         held = [t for t in self._tapes.values()
-                if t.row.worker == worker and self.loaded(t, workers)]
+                if t.row.worker == worker and t.shards is None and self.loaded(t, workers)]
         total = sum(t.row.bytes for t in held)
         if total <= budget:  # the common case, after every request on a tape: no sort
             return
@@ -474,7 +543,8 @@ class TapeRegistry:
         for t in held:
             if total <= budget:
                 break
-            if t is keep or t.busy:
+            if t is keep or t.busy or (t.parent is not None and (
+                    t.parent is keep.parent or t.parent.busy)):
                 continue
             victims.append(t)
             total -= t.row.bytes
@@ -510,7 +580,9 @@ class TapeRegistry:
         """Expire tapes past their ttl, save usage, prune old tombstones and collect
         unused definitions."""
         now = time.time()
-        expired = [t for t in self._tapes.values() if t.expires <= now and not t.busy]
+        # The parts of a sharded tape end with it (never on their own clock).
+        expired = [t for t in self._tapes.values()
+                   if t.expires <= now and not t.busy and t.parent is None]
         if expired:
             await self._end(expired, "expired")
         await self.flush()

@@ -13,7 +13,7 @@ from typing import Any
 import engine as gt
 from engine.language import Problem
 from service.core.flat import flatten
-from service.worker import compute, nonfinite, tapes
+from service.worker import compute, nonfinite, shards, tapes
 from service.worker.compute import (
     NonFiniteAnswer,
     RequestError,
@@ -24,7 +24,8 @@ from service.worker.compute import (
     refuse_nonfinite,
 )
 
-HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {**compute.HANDLERS, **tapes.HANDLERS}
+HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
+    **compute.HANDLERS, **tapes.HANDLERS, **shards.HANDLERS}
 
 
 def answer(context: WorkerContext, message: Mapping[str, Any],
@@ -58,6 +59,8 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
             result["applied"] = payload["applied"]  # stored with the tape (sessions.py)
         if isinstance(payload, Mapping) and payload.get("flat"):
             result = flatten(result, batch=bool(payload.get("batch")))
+        if isinstance(payload, Mapping) and payload.get("stash"):
+            result = shards.stash(context, payload["stash"], result)  # a part, summed here next
     except BaseException as exc:  # every failure becomes an error reply
         if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
                 and message.get("kind") == "tape_create"):
@@ -84,6 +87,9 @@ ALGORITHMS = {"tape_eigenvalues": "eigenvalue iteration", "tape_trace": "trace e
 def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext
                        ) -> Problem:
     """The op where the request's non-finite answer started (the engine's diagnosis)."""
+    if kind.startswith("shard_"):  # sums of answers the shards checked already
+        return Problem("the shards' answers are finite, but their weighted sum is not",
+                       "request", kind="nonfinite")
     if kind in ALGORITHMS:
         session = tapes.sessions(context)[payload["tape_id"]]
         found = session.program.find_nonfinite(session.request, session.leaves)

@@ -427,6 +427,16 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
     _, flat = _operator(session, payload, context)
+    result = eigenvalues_of(flat, session.keys, payload, context, started)
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+# The algorithms on a flat operator (a tape's, or a sharded tape's whose matvec asks its
+# shards: service/worker/shards.py): `keys` name the sources, in the flat order.
+
+
+def eigenvalues_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
+                   context: WorkerContext, started: float) -> dict[str, Any]:
     k = int(payload["k"])
     if k > flat.n:
         raise RequestError(
@@ -453,9 +463,8 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
                       callback=_relay(context))
     vectors = None
     if out.eigenvectors is not None:
-        vectors = [dict(zip(session.keys, flat.unflatten(y), strict=True))
-                   for y in out.eigenvectors]
-    result = {
+        vectors = [dict(zip(keys, flat.unflatten(y), strict=True)) for y in out.eigenvectors]
+    return {
         "eigenvalues": [float(v) for v in out.eigenvalues],
         "residuals": [float(r) for r in out.residuals],
         "eigenvectors": vectors,
@@ -466,7 +475,6 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
-    return _done(session, rebuilt, result, hvp_only=True)
 
 
 def _exact_pass(flat: FlatOperator, context: WorkerContext) -> int:
@@ -488,6 +496,12 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
     _, flat = _operator(session, payload, context)
+    result = trace_of(flat, session.keys, payload, context, started)
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def trace_of(flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext,
+             started: float) -> dict[str, Any]:
     max_hvps = int(payload["max_hvps"])
     method = choose_trace_method(payload.get("method", "auto"), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "trace")
@@ -500,7 +514,7 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         exact_batch_size=exact_batch, max_basis_bytes=context.lanczos_max_basis_bytes,
         callback=_relay(context),
     )
-    result = {
+    return {
         "trace": out.trace,
         "stderr": out.stderr if math.isfinite(out.stderr) else None,
         "method": out.method,
@@ -513,13 +527,18 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
-    return _done(session, rebuilt, result, hvp_only=True)
 
 
 def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
     _, flat = _operator(session, payload, context)
+    result = diagonal_of(flat, session.keys, payload, context, started)
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def diagonal_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
+                context: WorkerContext, started: float) -> dict[str, Any]:
     max_hvps = int(payload["max_hvps"])
     method = choose_diagonal_method(payload.get("method", "auto"), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
@@ -537,7 +556,7 @@ def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     reached = int(np.count_nonzero(~np.isnan(out.diagonal)))
 
     def per_source(x: np.ndarray) -> dict[str, np.ndarray]:
-        return dict(zip(session.keys, flat.unflatten(x), strict=True))
+        return dict(zip(keys, flat.unflatten(x), strict=True))
 
     result = {
         "diagonal": per_source(out.diagonal) if reached == flat.n else None,
@@ -556,7 +575,7 @@ def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     }
     if method == "hutchinson" and not np.isfinite(out.stderr).all():
         result["stderr"] = None  # a single probe has no standard error
-    return _done(session, rebuilt, result, hvp_only=True)
+    return result
 
 
 def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
@@ -564,6 +583,12 @@ def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
     _, flat = _operator(session, payload, context)
+    result = spectral_density_of(flat, session.keys, payload, context, started)
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def spectral_density_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
+                        context: WorkerContext, started: float) -> dict[str, Any]:
     steps = min(int(payload["steps"]), flat.n)
     _check_basis(context, steps, flat.n, "a Lanczos basis", "ask for fewer steps")
     probes = int(payload["probes"])
@@ -576,7 +601,7 @@ def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
         max_basis_bytes=context.lanczos_max_basis_bytes, seed=payload.get("seed"),
         callback=_relay(context),
     )
-    result = {
+    return {
         "grid": [float(x) for x in out.grid],
         "density": [float(x) for x in out.density],
         "stderr": None if out.stderr is None else [float(x) for x in out.stderr],
@@ -591,7 +616,6 @@ def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
-    return _done(session, rebuilt, result, hvp_only=True)
 
 
 def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -606,13 +630,19 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         check_vector(vector, session.keys, session.primals, "vector")
         b = flat.flatten([np.asarray(vector[k]) for k in session.keys])
         rhs = "vector"
+    result = solve_of(flat, session.keys, b, rhs, payload, context, started)
+    return _done(session, rebuilt, result, hvp_only=True)
+
+
+def solve_of(flat: Any, keys: list[str], b: np.ndarray, rhs: str, payload: Mapping[str, Any],
+             context: WorkerContext, started: float) -> dict[str, Any]:
     out = conjugate_gradient(
         flat.matvec, b, damping=float(payload["damping"]), tol=float(payload["tol"]),
         max_iterations=int(payload["max_iterations"]), max_hvps=int(payload["max_hvps"]),
         max_seconds=_seconds_left(payload, started), callback=_relay(context),
     )
-    result = {
-        "solution": dict(zip(session.keys, flat.unflatten(out.x), strict=True)),
+    return {
+        "solution": dict(zip(keys, flat.unflatten(out.x), strict=True)),
         "rhs": rhs,
         "converged": out.converged,
         "stopped": out.stopped,
@@ -621,7 +651,6 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         "residuals": out.residuals,
         "seconds": out.seconds,
     }
-    return _done(session, rebuilt, result, hvp_only=True)
 
 
 def _test_points(session: TapeSession, curvature: Curvature, given: Mapping[str, Any],

@@ -49,6 +49,31 @@ def test_tape_value_gradients_hvps(client: Client, rng: np.random.Generator) -> 
     assert gone.value.reason == "deleted" and gone.value.status == 404
 
 
+def test_sharded_tape_answers_as_one(client: Client, rng: np.random.Generator) -> None:
+    """shards=2: the batch split over the server's two workers; the value, gradient,
+    HVPs and the server's Lanczos equal the unsharded tape's."""
+    definition, w, loss, grad, hess = logistic(41, 5, rng)
+    v = rng.standard_normal((3, 5))
+    with client.tape(definition, "loss", shards=2, shard_by=["X", "y"],
+                     shard_reduction="mean") as tape:
+        assert tape.value == pytest.approx(loss(w), rel=1e-12)
+        np.testing.assert_allclose(tape.gradients["w"], grad(w), rtol=1e-11)
+        np.testing.assert_allclose(tape.hvp({"w": v[0]})["w"], hess(w) @ v[0], rtol=1e-11)
+        many = tape.hvp_many([{"w": row} for row in v])
+        np.testing.assert_allclose(np.stack([h["w"] for h in many]), v @ hess(w), rtol=1e-11)
+        assert [s["rows"] for s in tape.info()["shards"]] == [21, 20]
+        top = tape.eigenvalues(k=2, tol=1e-10)
+        np.testing.assert_allclose(top.eigenvalues, np.linalg.eigvalsh(hess(w))[::-1][:2],
+                                   rtol=1e-9)
+
+    # The stateless requests take the same fields.
+    value, grads = client.gradient(definition, "loss", shards=2)
+    assert value == pytest.approx(loss(w), rel=1e-12)
+    np.testing.assert_allclose(grads["w"], grad(w), rtol=1e-11)
+    answer = client.hvp(definition, "loss", {"w": v[0]}, shards=3, shard_by=("X", "y"))
+    np.testing.assert_allclose(answer.hvp["w"], hess(w) @ v[0], rtol=1e-11)
+
+
 def test_update_records_again(client: Client, rng: np.random.Generator) -> None:
     definition, w, loss, grad, hess = logistic(40, 5, rng)
     with client.tape(definition, "loss", "w") as tape:  # a single source: bare arrays

@@ -176,6 +176,7 @@ def test_a_version_1_store_gains_the_tapes_output_column(tmp_path) -> None:
     s.close()
     with sqlite3.connect(path) as db:
         db.execute("ALTER TABLE tapes DROP COLUMN output")
+        db.execute("ALTER TABLE tapes DROP COLUMN shards")  # version 3's
         db.execute("PRAGMA user_version = 1")
     s = Store(path)
     s.open()
@@ -186,4 +187,13 @@ def test_a_version_1_store_gains_the_tapes_output_column(tmp_path) -> None:
     assert s.get_tape("new").output == "logits"
     s.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert Store(path).path  # and a sharded tape's record survives the round trip:
+    s = Store(path)
+    s.open()
+    parent = tape("sharded")
+    parent.shards = {"ids": ["a", "b"], "rows": [3, 2], "reduction": "mean"}
+    s.insert_tape(parent, None)
+    assert s.get_tape("sharded").shards == parent.shards
+    assert s.get_tape("sharded").definition is None
+    s.close()

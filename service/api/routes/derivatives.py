@@ -25,6 +25,7 @@ from service.api.schemas import (
     HVPResponse,
     JacobianRequest,
     JacobianResponse,
+    ShardOptions,
 )
 from service.pool import Reply
 
@@ -40,9 +41,14 @@ def _add(op: Operation) -> None:
         owner, services = compute.owner, compute.services
         stored = await stored_definition(body, owner, services.models)
         prepared = op.build(body, services.settings, stored)
+        sharding = (payloads.sharding(body, services.settings)
+                    if isinstance(body, ShardOptions) else None)
         await services.datasets.bind_prepared(owner, prepared)
 
         def call() -> Awaitable[Reply]:
+            if sharding is not None:  # a sharded tape for this request (domain/shards.py)
+                return services.tapes.sharding.stateless(owner, op.kind, prepared.payload,
+                                                         prepared.time_limit, sharding)
             return services.pool.submit(op.kind, prepared.payload,
                                         time_limit=prepared.time_limit)
 
@@ -63,7 +69,11 @@ DERIVATIVES = (
         `sources` is a list of names (answers keyed by name), a mapping alias -> name
         (answers keyed by alias), a single name, or absent (every trainable variable). A
         source the target does not depend on answers `null`, or zeros with
-        `"unconnected": "zero"`."""),
+        `"unconnected": "zero"`.
+
+        With `shards`, the batch is split over that many workers and their parts summed
+        (`shard_reduction`), as a sharded tape does (the target must then be a scalar,
+        and unconnected sources answer zeros)."""),
     _derivative(
         "compute_jacobian", "jacobian", JacobianRequest, JacobianResponse, payloads.jacobian,
         "Jacobians, full or per example",
@@ -89,7 +99,10 @@ DERIVATIVES = (
         "Hessian-vector products",
         """H @ v for a scalar target, with `vector` (one tensor per source, keyed like the
         gradients) or `vectors` (a list of them). The forward pass and the gradient are
-        recorded once and all vectors are answered in one batched second-order pass."""),
+        recorded once and all vectors are answered in one batched second-order pass.
+
+        With `shards`, the batch is split over that many workers and their parts summed
+        (`shard_reduction`), as a sharded tape does."""),
 )
 for _operation in DERIVATIVES:
     _add(_operation)

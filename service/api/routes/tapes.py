@@ -101,12 +101,22 @@ async def create_tape(
     use, and may be evicted when its worker needs the memory for more recently used
     tapes; its definition is stored, so a restarted worker or service records it again
     transparently. Quotas per API key: 429 past them.
+
+    With `shards`, the batch (the inputs `shard_by` names) is split over that many
+    workers, each recording its part as a tape of its own; every later request asks the
+    parts and combines their answers (`shard_reduction`), so the answers equal the
+    unsharded tape's. A part whose worker is lost is recorded again alone.
     """
     stored = await stored_definition(body, owner, models)
     prepared, ttl = payloads.tape_create(body, settings, stored)
+    sharding = payloads.sharding(body, settings)
     await datasets.bind_prepared(owner, prepared)
-    tape, result = await tapes.create(owner, prepared.payload, ttl, body.model,
-                                      prepared.time_limit)
+    if sharding is None:
+        tape, result = await tapes.create(owner, prepared.payload, ttl, body.model,
+                                          prepared.time_limit)
+    else:
+        tape, result = await tapes.create_sharded(owner, prepared.payload, ttl, body.model,
+                                                  prepared.time_limit, sharding)
     response = answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
     response.status_code = 201
     response.headers["Location"] = f"/v1/tapes/{tape.id}"

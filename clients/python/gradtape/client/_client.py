@@ -48,15 +48,20 @@ class _Methods:
         allow_unused: bool | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
+        shards: int | None = None,
+        shard_by: Any = None,
+        shard_reduction: str | None = None,
     ) -> Any:
         """The target's value and gradients (`Gradient`: `value, grads = ...`). `sources`:
         None (every trainable variable; a dict by name), a list of names (a dict by
-        name), a dict alias -> name (a dict by alias) or one name (the array)."""
+        name), a dict alias -> name (a dict by alias) or one name (the array).
+        `shards=n` splits the batch over n workers (see `tape`)."""
         options = {
             "unconnected": unconnected,
             "allow_unused": allow_unused,
             "allow_nonfinite": allow_nonfinite,
             "time_limit": time_limit,
+            **_sharding(shards, shard_by, shard_reduction),
         }
         return self._run(_core.gradient(self._core, definition, target, sources, model, options))
 
@@ -130,14 +135,18 @@ class _Methods:
         allow_unused: bool | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
+        shards: int | None = None,
+        shard_by: Any = None,
+        shard_reduction: str | None = None,
     ) -> Any:
         """H v without keeping a tape (`HVP`: `.hvp`), or [H v_i] for `vectors=` in one
         batched pass (`.hvps`). A vector is a tensor per source (a bare array with a
-        single source name)."""
+        single source name). `shards=n` splits the batch over n workers (see `tape`)."""
         options = {
             "allow_unused": allow_unused,
             "allow_nonfinite": allow_nonfinite,
             "time_limit": time_limit,
+            **_sharding(shards, shard_by, shard_reduction),
         }
         return self._run(
             _core.hvp(self._core, definition, target, vector, vectors, sources, model, options)
@@ -168,6 +177,9 @@ class _Methods:
         output: str | None = None,
         allow_nonfinite: bool | None = None,
         time_limit: float | None = None,
+        shards: int | None = None,
+        shard_by: Any = None,
+        shard_reduction: str | None = None,
     ) -> Any:
         """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
         exit): `with client.tape(d, "loss") as tape:` (async: `async with await
@@ -175,10 +187,13 @@ class _Methods:
         of some `variables` (by name), or of all its sources at once as one flat `point`
         (in the order `tape.sources` then lists). `output` names the program line of the
         model's output (the loss's lines follow it): the tape then answers the
-        Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`."""
+        Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`.
+        `shards=n` splits the batch (the inputs `shard_by` names, default every input with
+        an axis) over n workers; `shard_reduction` says how the parts add up ("mean", the
+        default, for a mean loss; "sum" for a sum): every answer equals the unsharded one."""
         options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit,
                    "output": output, "variables": None if variables is None else dict(variables),
-                   "point": flat_point(point)}
+                   "point": flat_point(point), **_sharding(shards, shard_by, shard_reduction)}
         return self._run(self._tape_op(definition, target, sources, model, options))
 
     # ----------------------------------------------------------------------- datasets
@@ -360,3 +375,11 @@ class AsyncClient(_Methods):
 
 
 __all__ = ["AsyncClient", "Client", "Retry"]
+
+
+def _sharding(shards: int | None, shard_by: Any, reduction: str | None) -> dict[str, Any]:
+    """The request's sharding fields (None ones are left out of the body)."""
+    return {"shards": shards,
+            "shard_by": shard_by if shard_by is None or isinstance(shard_by, str)
+            else list(shard_by),
+            "shard_reduction": reduction}

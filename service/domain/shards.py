@@ -1,0 +1,544 @@
+"""Sharded tapes on the HTTP side (issue 16): a tape whose batch is split over several
+workers. No math here: the parts are ordinary tapes (service/domain/sessions.py records,
+stores, rebuilds and evicts them as any other), and what they answer is summed in a
+worker, the coordinator (service/worker/shards.py). This module splits the batch,
+places the parts, routes each request to them and back.
+
+- Splitting: the inputs named by `shard_by` (default: every input with an axis) are cut
+  along their first axis into `shards` contiguous parts of sizes differing by one at
+  most; all must have the same first-axis length N. An input bound to a stored dataset
+  is split by its rows (the part's reference takes its slice of them), so the data goes
+  from the store to the part's worker and no process holds all of it.
+- Reduction: the request says how the parts add up. "mean" (the default): the loss is
+  a mean over the batch, so the parts are weighted n_i / N (exact too for terms that do
+  not depend on the batch, such as a weight penalty); "sum": the loss is a sum over the
+  batch, the parts are added (a batch-independent term would then count once per part).
+- A product that is a sum (the value, the gradient, HVPs, curvature products): the
+  request goes to every part at once, and their answers to the coordinator, which sums
+  them. An algorithm (eigenvalues, trace, diagonal, spectral density, solve) runs in the
+  coordinator, which answers each product it needs as a request for it; the product is
+  asked of every part and the answers sent back to it (see service/worker/shards.py).
+- A part whose worker was replaced is recorded again on its next use, alone (sessions.py
+  does that for every tape); a coordinator lost mid-run restarts the run (the algorithms
+  are seeded: the same numbers). A sharded tape ends whole: with its parts, and when one
+  of its parts is evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.core.errors import ServiceError
+from service.core.store import TapeRow, is_ref
+from service.pool import ComputeFailed, ComputeTimeout, PoolError, Reply, WorkerCrashed, calls
+
+# sessions.Tape and sessions.TapeRegistry: sessions.py imports this module, so they are
+# named here only (the registry hands over what it makes: new_tape).
+Tape = Any
+TapeRegistry = Any
+
+log = logging.getLogger("gradtape.shards")
+
+LOST = "shard-state-lost"  # the coordinator no longer holds a run or a kept part
+SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
+ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
+              "tape_solve")
+NOT_SHARDED = {
+    "tape_jacobian": "a jacobian of a sharded tape's outputs (its rows are split over the "
+    "shards); record an unsharded tape for jacobians",
+    "tape_influence": "influence functions score every example of one recording; record an "
+    "unsharded tape for them",
+}
+
+
+def _invalid(field: str, message: str) -> ServiceError:
+    return ServiceError("validation", f"{field}: {message}",
+                        errors=[{"field": field, "message": message}])
+
+
+# ----------------------------------------------------------------------------------------
+# Splitting a batch
+# ----------------------------------------------------------------------------------------
+
+
+def _ref_rows(ref: Mapping[str, Any]) -> range | list[int]:
+    """The rows of its array a dataset reference takes (as indices)."""
+    n = int(ref["shape"][0]) if ref.get("shape") else 0
+    rows = ref.get("rows")
+    if rows is None:
+        return range(n)
+    if isinstance(rows, Mapping):
+        start = rows.get("start") or 0
+        stop = n if rows.get("stop") is None else min(int(rows["stop"]), n)
+        return range(start, stop, rows.get("step") or 1)
+    return list(rows)
+
+
+def batch_length(value: Any) -> int | None:
+    """The first-axis length of an input (an array or a dataset reference); None for a
+    scalar."""
+    if is_ref(value):
+        return len(_ref_rows(value)) if value.get("shape") else None
+    shape = np.shape(value)
+    return int(shape[0]) if shape else None
+
+
+def take(value: Any, lo: int, hi: int) -> Any:
+    """Rows lo:hi of an input: a view of an array, or a reference to fewer rows."""
+    if not is_ref(value):
+        return value[lo:hi]
+    rows = _ref_rows(value)
+    part = rows[lo:hi]
+    taken: Any
+    if isinstance(part, range):
+        taken = {"start": part.start, "stop": part.start + (len(part) - 1) * part.step + 1,
+                 "step": part.step}
+    else:
+        taken = part
+    return {**value, "rows": taken}
+
+
+def bounds(total: int, shards: int) -> list[tuple[int, int]]:
+    """Contiguous parts of sizes differing by one at most (the first ones larger)."""
+    size, extra = divmod(total, shards)
+    out, lo = [], 0
+    for i in range(shards):
+        hi = lo + size + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def split(definition: Mapping[str, Any], shard_by: Sequence[str] | None, shards: int
+          ) -> tuple[list[dict[str, Any]], list[int], list[str]]:
+    """(the parts' definitions, their batch sizes, the inputs split). 422s name the field."""
+    inputs = definition.get("inputs") or {}
+    if shard_by is None:
+        names = [n for n, v in inputs.items() if batch_length(v) is not None]
+        if not names:
+            raise _invalid("shards", "the definition has no input with a batch axis to split "
+                           "(shard_by names the inputs to split along their first axis)")
+    else:
+        names = list(shard_by)
+        unknown = [n for n in names if n not in inputs]
+        if unknown:
+            known = ", ".join(map(repr, inputs)) or "none"
+            raise _invalid("shard_by", f"no input {unknown[0]!r} in the definition (its "
+                           f"inputs: {known})")
+        if len(set(names)) != len(names):
+            raise _invalid("shard_by", "an input is named twice")
+    lengths = {n: batch_length(inputs[n]) for n in names}
+    scalar = [n for n, length in lengths.items() if length is None]
+    if scalar:
+        raise _invalid("shard_by", f"input {scalar[0]!r} is a scalar: it has no batch axis to "
+                       "split")
+    if len(set(lengths.values())) != 1:
+        listed = ", ".join(f"{n!r}: {length}" for n, length in lengths.items())
+        how = "name the batch inputs in shard_by" if shard_by is None else "name inputs of one batch"
+        raise _invalid("shard_by", f"the inputs split must have the same first-axis length "
+                       f"(the batch); they have {listed}: {how}")
+    total = next(iter(lengths.values()))
+    assert total is not None  # scalars were refused above
+    if shards > total:
+        raise _invalid("shards", f"{shards} shards of a batch of {total}: at most {total} (one "
+                       "example per shard)")
+    parts = []
+    for lo, hi in bounds(total, shards):
+        part_inputs = {n: take(v, lo, hi) if n in lengths else v for n, v in inputs.items()}
+        parts.append({**definition, "inputs": part_inputs})
+    return parts, [hi - lo for lo, hi in bounds(total, shards)], names
+
+
+# ----------------------------------------------------------------------------------------
+# A sharded tape
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A request's time limit, which covers every step it takes across the workers."""
+
+    at: float  # the event loop's clock
+    limit: float
+
+    @classmethod
+    def after(cls, limit: float) -> Deadline:
+        return cls(asyncio.get_running_loop().time() + limit, limit)
+
+    def left(self, worker: int) -> float:
+        """The time left for the next step (on `worker`); past it, the request's timeout."""
+        left = self.at - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise ComputeTimeout(self.limit, worker)
+        return left
+
+
+@dataclass(eq=False)
+class ShardSet:
+    parts: list[Tape]
+    rows: list[int]  # each part's batch size
+    reduction: str  # "mean" or "sum"
+    shard_by: list[str]
+    layout: list[list[Any]]  # [key, shape, dtype] per source, in the flat order
+
+    @property
+    def weights(self) -> list[float]:
+        if self.reduction == "sum":
+            return [1.0] * len(self.rows)
+        total = sum(self.rows)
+        return [r / total for r in self.rows]
+
+    @property
+    def coordinator(self) -> int:
+        """The worker that sums the parts' answers (the first part's)."""
+        return self.parts[0].row.worker
+
+    def record(self) -> dict[str, Any]:
+        """What the store keeps with the sharded tape (TapeRow.shards)."""
+        return {"ids": [p.id for p in self.parts], "rows": self.rows,
+                "reduction": self.reduction, "shard_by": self.shard_by, "layout": self.layout}
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "shard_reduction": self.reduction,
+            "shard_by": self.shard_by,
+            "shards": [{"rows": r, "worker": p.row.worker, "bytes": p.row.bytes,
+                        "rebuilds": p.row.rebuilds, "hits": p.row.hits}
+                       for p, r in zip(self.parts, self.rows, strict=True)],
+        }
+
+
+class Sharding:
+    """The sharded tapes of one TapeRegistry (which routes their requests here)."""
+
+    def __init__(self, registry: TapeRegistry):
+        self.registry = registry
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def pool(self) -> Any:
+        return self.registry.pool
+
+    # Creating -----------------------------------------------------------------------------
+    def check(self, shards: int) -> None:
+        limit = self.registry.settings.max_shards
+        if shards > limit:
+            raise _invalid("shards", f"at most {limit} on this server (max_shards)")
+
+    async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
+                     time_limit: float, sharding: Mapping[str, Any]
+                     ) -> tuple[Tape, dict[str, Any]]:
+        shards = int(sharding["shards"])
+        self.check(shards)
+        definitions, rows, names = split(spec["definition"], sharding.get("shard_by"), shards)
+        deadline = Deadline.after(time_limit)
+        now = time.time()
+        parent = self.registry.new_tape(TapeRow(
+            id=secrets.token_urlsafe(24), owner=owner, definition=None, model=model,
+            target=spec["target"], sources={}, ttl=ttl, created=now, last_used=now, hits=0,
+            bytes=0, worker=0, device="", rebuilds=0, state="live", ended=None,
+            output=spec.get("output"),
+        ))
+        parent.busy += 1  # its parts are not evicted while their siblings are recorded
+        placed: Counter[int] = Counter()
+        workers = []
+        for _ in range(shards):  # distinct workers while there are enough
+            worker = self.registry._choose_worker(placed)
+            placed[worker] += 1
+            workers.append(worker)
+        part_spec = {**spec, "flat": False}  # the coordinator flattens the sum
+
+        async def record(i: int) -> tuple[Tape, dict[str, Any]]:
+            return await self.registry.create(
+                owner, {**part_spec, "definition": definitions[i]}, ttl, model,
+                deadline.left(workers[i]), worker=workers[i], part_of=(parent, i))
+
+        outcomes = await asyncio.gather(*(record(i) for i in range(shards)),
+                                        return_exceptions=True)
+        made = [o[0] for o in outcomes if not isinstance(o, BaseException)]
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        try:
+            if failed:
+                raise failed[0]
+            parts = [o[0] for o in outcomes]  # type: ignore[index]
+            answers = [o[1] for o in outcomes]  # type: ignore[index]
+            first = parts[0].row
+            layout = [[k, list(np.shape(g)), str(np.asarray(g).dtype)]
+                      for k, g in answers[0]["gradients"].items()]
+            parent.shards = ShardSet(parts, rows, str(sharding.get("reduction") or "mean"),
+                                     names, layout)
+            combined = await self._combine(parent, answers, spec, deadline)
+            parent.row.sources = dict(first.sources)
+            parent.row.device = first.device
+            parent.row.worker = first.worker
+            parent.row.bytes = sum(p.row.bytes for p in parts)
+            parent.row.shards = parent.shards.record()
+            await asyncio.to_thread(self.registry.store.insert_tape, parent.row, None)
+        except BaseException:
+            parent.shards = None
+            for part in made:
+                part.parent = None  # ends alone
+            await self.registry._end(made, "deleted")
+            raise
+        finally:
+            parent.busy -= 1
+        self.registry.register(parent)
+        return parent, combined
+
+    def restore(self, parent: Tape, tapes: Mapping[str, Tape]) -> bool:
+        """Link a sharded tape loaded from the store to its parts; False when one is gone."""
+        record = parent.row.shards
+        assert record is not None
+        parts = [tapes.get(i) for i in record["ids"]]
+        if any(p is None for p in parts):
+            return False
+        linked = [p for p in parts if p is not None]
+        for part in linked:
+            part.parent = parent
+        parent.shards = ShardSet(linked, list(record["rows"]), record["reduction"],
+                                 list(record["shard_by"]), record["layout"])
+        return True
+
+    # Asking -------------------------------------------------------------------------------
+    async def call(self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
+                   ) -> Reply:
+        """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
+        across them; the time limit covers the whole run."""
+        assert tape.shards is not None
+        if kind in NOT_SHARDED:
+            raise ServiceError("invalid-request", f"not on a sharded tape: {NOT_SHARDED[kind]}")
+        started = time.perf_counter()
+        deadline = Deadline.after(time_limit)
+        tape.busy += 1
+        try:
+            if kind in SUMS:
+                if kind == "tape_gradient":
+                    self._check_gradient(tape, payload)
+                result = await self._sum(tape, kind, payload, deadline)
+            elif kind in ALGORITHMS:
+                result = await self._run(tape, kind, payload, deadline)
+            else:
+                raise ServiceError("internal", f"no sharded form of {kind!r}")
+        finally:
+            tape.busy -= 1
+        self.registry.touch(tape)
+        return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
+
+    def _check_gradient(self, tape: Tape, payload: Mapping[str, Any]) -> None:
+        """Only the loss's gradient is a sum of the parts': other targets may reduce
+        the batch otherwise, and a split input's gradient has the part's rows."""
+        assert tape.shards is not None
+        target = payload.get("target")
+        if target is not None and target != tape.row.target:
+            raise _invalid("target", f"a sharded tape answers gradients of its target "
+                           f"{tape.row.target!r} only (the parts are combined as its "
+                           f"{tape.shards.reduction}); record an unsharded tape for others")
+        sources = payload.get("sources")
+        names = (list(sources.values()) if isinstance(sources, Mapping)
+                 else [sources] if isinstance(sources, str) else list(sources or ()))
+        split_ones = [n for n in names if n in tape.shards.shard_by]
+        if split_ones:
+            raise _invalid("sources", f"input {split_ones[0]!r} is split over the shards: its "
+                           "gradient is not a sum of theirs")
+
+    async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
+                   ) -> dict[str, Any]:
+        assert tape.shards is not None
+        part = {**payload, "flat": False}
+        for attempt in (1, 2):
+            replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
+            try:
+                return await self._combine(tape, [r.result for r in replies], payload, deadline)
+            except ComputeFailed as exc:
+                # The coordinator was replaced between the two steps (its kept parts went
+                # with it): ask the parts again, once.
+                if exc.error.get("type") != LOST or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
+                       payload: Mapping[str, Any], deadline: Deadline) -> dict[str, Any]:
+        """The parts' answers summed by the coordinator (flattened there when asked)."""
+        assert tape.shards is not None
+        worker = tape.shards.coordinator
+        reply = await self.pool.submit(
+            "shard_combine",
+            {"parts": answers, "weights": tape.shards.weights, "flat": payload.get("flat"),
+             "allow_nonfinite": payload.get("allow_nonfinite", False)},
+            worker=worker, time_limit=deadline.left(worker))
+        result: dict[str, Any] = reply.result
+        return result
+
+    async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
+                   deadline: Deadline) -> list[Reply]:
+        """`kind` on every part at once (a part's worker lost meanwhile: asked again once,
+        which records that part again alone); the first failure, once all answered. The
+        parts in the coordinator's worker keep their answers there (`stash`: they are
+        summed there next), answering {"stashed": key}: their bytes never travel."""
+        shards = tape.shards
+        assert shards is not None
+        prefix = secrets.token_urlsafe(9)
+        payloads = [{**q, "stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
+                    else q for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
+
+        async def ask(part: Tape, payload: dict[str, Any]) -> Reply:
+            try:
+                return await self.registry.call(part, kind, payload,
+                                                deadline.left(part.row.worker))
+            except WorkerCrashed:
+                log.info("shard %s... lost with worker %d: asking again", part.id[:8],
+                         part.row.worker)
+                return await self.registry.call(part, kind, payload,
+                                                deadline.left(part.row.worker))
+
+        outcomes = await asyncio.gather(
+            *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
+            return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                kept = [q["stash"] for q in payloads if "stash" in q]
+                if kept:
+                    self._drop_later(shards.coordinator, {"stash": kept})
+                raise outcome
+        return list(outcomes)  # type: ignore[arg-type]
+
+    async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
+                   ) -> dict[str, Any]:
+        """An algorithm in the coordinator, its products asked of the parts."""
+        shards = tape.shards
+        assert shards is not None
+        body = dict(payload)
+        if kind == "tape_solve" and payload.get("vector") is None:
+            # b is the sharded tape's gradient: the parts' gradients, summed.
+            gradient = await self._sum(tape, "tape_gradient", {
+                "target": None, "sources": None, "unconnected": "zero", "flat": False,
+                "allow_nonfinite": payload.get("allow_nonfinite", False)}, deadline)
+            body["vector"], body["rhs"] = gradient["gradients"], "gradient"
+        product = {"curvature": payload.get("curvature"), "samples": payload.get("samples"),
+                   "fisher_seed": payload.get("fisher_seed", 0), "flat": True,
+                   "vector": None, "flat_vector": None,
+                   "allow_nonfinite": payload.get("allow_nonfinite", False)}
+        start = {"kind": kind, "payload": body, "layout": shards.layout}
+        for attempt in (1, 2):
+            run_id = secrets.token_urlsafe(12)
+            worker = shards.coordinator
+            try:
+                reply = await self.pool.submit("shard_run", {"run": run_id, **start},
+                                               worker=worker,
+                                               time_limit=deadline.left(worker))
+                while reply.result["run"] is not None:
+                    self._report(reply.result.get("progress"))
+                    asked = [{**product, "vectors": reply.result["need"]}] * len(shards.parts)
+                    replies = await self._fan(tape, "tape_hvp", asked, deadline)
+                    parts = [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
+                             for r in replies]
+                    reply = await self.pool.submit(
+                        "shard_step",
+                        {"run": run_id, "parts": parts,
+                         "weights": shards.weights, "allow_nonfinite": True},
+                        worker=worker, time_limit=deadline.left(worker))
+                answer: dict[str, Any] = reply.result["answer"]
+                return answer
+            except (WorkerCrashed, ComputeFailed) as exc:
+                # The coordinator died with the run (computing, or between two steps):
+                # start it again (seeded: the same numbers).
+                lost = (exc.worker == worker if isinstance(exc, WorkerCrashed)
+                        else exc.error.get("type") == LOST)
+                if not lost or attempt == 2:
+                    self._drop_later(worker, {"run": run_id})
+                    raise
+                log.info("sharded run's coordinator, worker %d, was lost: running again",
+                         worker)
+            except BaseException:
+                self._drop_later(worker, {"run": run_id})
+                raise
+        raise AssertionError("unreachable")
+
+    def _report(self, progress: dict[str, Any] | None) -> None:
+        """The algorithm's progress to the caller, when it is a job that wants it."""
+        watch = calls.current.get()
+        if progress and watch is not None and watch.progress is not None:
+            watch.progress(progress)
+
+    def _drop_later(self, worker: int, what: dict[str, Any]) -> None:
+        """Let the coordinator's run or kept answers go (after what it is doing now)."""
+
+        async def drop() -> None:
+            try:
+                await self.pool.submit("shard_drop", what, worker=worker,
+                                       time_limit=30.0, queue_bound=False)
+            except PoolError as exc:  # a worker that is gone has dropped it already
+                log.debug("dropping sharded run on worker %d: %s", worker, exc)
+
+        task = asyncio.get_running_loop().create_task(drop(), context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # Stateless requests -------------------------------------------------------------------
+    async def stateless(self, owner: str, kind: str, payload: Mapping[str, Any],
+                        time_limit: float, sharding: Mapping[str, Any]) -> Reply:
+        """POST /v1/gradient or /v1/hvp with `shards`: a sharded tape recorded for the
+        request, asked, and let go (its definition is not kept)."""
+        started = time.perf_counter()
+        deadline = Deadline.after(time_limit)
+        flat = bool(payload.get("flat"))
+        spec = {"definition": payload["definition"], "target": payload["target"],
+                "sources": payload.get("sources"), "flat": flat, "output": None,
+                "allow_nonfinite": payload.get("allow_nonfinite", False),
+                **({"point": payload["point"]} if payload.get("point") is not None else {})}
+        tape, result = await self.registry.create_sharded(
+            owner, spec, self.registry.settings.tape_ttl, None, time_limit, sharding)
+        try:
+            if kind == "hvp":
+                products = await self.call(tape, "tape_hvp", {
+                    "vector": payload.get("vector"), "vectors": payload.get("vectors"),
+                    "flat_vector": payload.get("flat_vector"), "flat": flat,
+                    "curvature": None, "samples": None, "fisher_seed": 0,
+                    "allow_nonfinite": spec["allow_nonfinite"]},
+                    deadline.left(tape.shards.coordinator))
+                answer = products.result
+                result = {**result, "hvp": answer.get("hvp"), "hvps": answer.get("hvps")}
+                if flat:  # one flat answer: the gradient's and the products'
+                    result["flat"] = {**result.get("flat", {}), **answer["flat"]}
+        finally:
+            await self.registry.delete(tape)
+        assert tape.shards is not None
+        return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
+
+    # Updating -----------------------------------------------------------------------------
+    async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
+                     inputs: Mapping[str, Any], time_limit: float, point: Any, flat: bool
+                     ) -> dict[str, Any]:
+        """New variable values (or a flat point) for every part, recorded again in
+        place; the value and gradients summed."""
+        shards = tape.shards
+        assert shards is not None
+        if inputs:
+            raise _invalid("inputs", "a sharded tape's inputs are split over its shards: "
+                           "record a new sharded tape for new data")
+        deadline = Deadline.after(time_limit)
+        tape.busy += 1
+        try:
+            answers = await asyncio.gather(*(
+                self.registry.update(p, variables, {}, deadline.left(p.row.worker),
+                                     point=point, flat=False)
+                for p in shards.parts), return_exceptions=True)
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+            combined = await self._combine(
+                tape, list(answers), {"flat": flat}, deadline)  # type: ignore[arg-type]
+        finally:
+            tape.busy -= 1
+        self.registry.touch(tape)
+        return combined

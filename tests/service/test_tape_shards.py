@@ -1,0 +1,447 @@
+"""Sharded tapes (issue 16): a batch split over the workers, each recording its part; the
+loss, gradients, HVPs and the tapes' algorithms combine the parts and equal the
+unsharded tape's answers (float64: to rounding). Real server, real workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.conftest import start_server, stop_server
+from tests.service.test_jobs import same_answer, start, wait
+from tests.service.wire import arr, num, ok, post, problem, t
+
+rng = np.random.default_rng(16)
+N = 11  # not divisible by 2 or 3: uneven parts
+X = rng.standard_normal((N, 3))
+Y = rng.standard_normal((N, 2))
+W1 = rng.standard_normal((3, 4)) * 0.7
+B1 = rng.standard_normal(4) * 0.1
+W2 = rng.standard_normal((4, 2)) * 0.7
+
+PROGRAM = ["h = tanh(x @ w1 + b1)", "out = h @ w2",
+           "loss = mean((out - y) ** 2) + 0.01 * sum(w1 ** 2)"]
+SUM_PROGRAM = ["h = tanh(x @ w1 + b1)", "out = h @ w2", "loss = sum((out - y) ** 2)"]
+KEYS = ("w1", "b1", "w2")
+SHAPES = {"w1": (3, 4), "b1": (4,), "w2": (4, 2)}
+
+
+def definition(program: list[str] = PROGRAM) -> dict:
+    return {"variables": {"w1": t(W1, "float64"), "b1": t(B1, "float64"),
+                          "w2": t(W2, "float64")},
+            "inputs": {"x": t(X, "float64"), "y": t(Y, "float64")},
+            "program": program}
+
+
+def record(client, **extra) -> dict:
+    body = {"definition": definition(extra.pop("program", PROGRAM)), "target": "loss",
+            **extra}
+    r = client.post("/v1/tapes", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def vectors(seed: int, k: int) -> list[dict[str, np.ndarray]]:
+    g = np.random.default_rng(seed)
+    return [{key: g.standard_normal(SHAPES[key]) for key in KEYS} for _ in range(k)]
+
+
+def wire(v: dict[str, np.ndarray]) -> dict:
+    return {key: t(value, "float64") for key, value in v.items()}
+
+
+def close(a, b, rtol: float = 1e-11) -> None:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+    assert np.abs(a - b).max(initial=0.0) <= rtol * scale, (a, b)
+
+
+def close_tensors(a: dict, b: dict, rtol: float = 1e-11) -> None:
+    assert set(a) == set(b)
+    for key, value in a.items():
+        close(arr(value), arr(b[key]), rtol)
+
+
+@pytest.fixture(scope="module")
+def pair(client):
+    """The same mean-loss tape unsharded and in 3 shards (11 = 4 + 4 + 3 examples)."""
+    plain = record(client)
+    sharded = record(client, shards=3, shard_by=["x", "y"])
+    yield plain, sharded
+    for tape in (plain, sharded):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
+def test_sharded_loss_and_gradient_equal_unsharded(client, pair) -> None:
+    plain, sharded = pair
+    close(num(sharded["value"]), num(plain["value"]))
+    close_tensors(sharded["gradients"], plain["gradients"])
+    info = ok(client.get(f"/v1/tapes/{sharded['tape_id']}"))
+    assert [s["rows"] for s in info["shards"]] == [4, 4, 3]
+    assert info["shard_reduction"] == "mean" and info["shard_by"] == ["x", "y"]
+    assert info["bytes"] == sum(s["bytes"] for s in info["shards"]) > 0
+    # Distinct workers while there are enough (the test server has 2).
+    assert {s["worker"] for s in info["shards"]} == {0, 1}
+    # The parts are not tapes of their own in the caller's list.
+    listed = [x["tape_id"] for x in ok(client.get("/v1/tapes"))["tapes"]]
+    assert sharded["tape_id"] in listed and len(listed) == len(set(listed))
+    again = post(client, f"/v1/tapes/{sharded['tape_id']}/gradient", {})
+    close_tensors(again["gradients"], plain["gradients"])
+
+
+def test_sharded_hvp_and_batched_hvps_equal_unsharded(client, pair) -> None:
+    plain, sharded = pair
+    vs = vectors(1, 4)
+    for body in ({"vector": wire(vs[0])}, {"vectors": [wire(v) for v in vs]}):
+        want = post(client, f"/v1/tapes/{plain['tape_id']}/hvp", body)
+        got = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", body)
+        if "vector" in body:
+            close_tensors(got["hvp"], want["hvp"])
+        else:
+            assert len(got["hvps"]) == 4
+            for g, w in zip(got["hvps"], want["hvps"], strict=True):
+                close_tensors(g, w)
+    flat = {"flat_vector": t(np.concatenate([vs[1][k].ravel() for k in KEYS]), "float64"),
+            "flat": True}
+    want = post(client, f"/v1/tapes/{plain['tape_id']}/hvp", flat)
+    got = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", flat)
+    close(arr(got["flat"]["hvp"]), arr(want["flat"]["hvp"]))
+
+
+def test_sharded_algorithms_equal_unsharded(client, pair) -> None:
+    plain, sharded = pair
+    for path, body, pick in (
+        ("eigenvalues", {"k": 3, "tol": 1e-10, "max_hvps": 60}, lambda r: r["eigenvalues"]),
+        ("trace", {"method": "exact"}, lambda r: r["trace"]),
+        ("trace", {"method": "hutchinson", "max_hvps": 32, "seed": 3}, lambda r: r["trace"]),
+        ("solve", {"damping": 0.5, "tol": 1e-12},
+         lambda r: np.concatenate([arr(r["solution"][k]).ravel() for k in KEYS])),
+        ("diagonal", {"method": "exact"},
+         lambda r: np.concatenate([arr(r["diagonal"][k]).ravel() for k in KEYS])),
+        ("spectral-density", {"probes": 2, "steps": 6, "points": 16},
+         lambda r: r["density"]),
+    ):
+        want = post(client, f"/v1/tapes/{plain['tape_id']}/{path}", body)
+        got = post(client, f"/v1/tapes/{sharded['tape_id']}/{path}", body)
+        close(pick(got), pick(want), 1e-9)
+        assert got["hvps"] == want["hvps"], path
+
+
+def test_curvature_products_and_eigenvalues_equal_unsharded(client) -> None:
+    """With the model's output named, the Gauss-Newton and empirical Fisher products
+    (1/N sum_i g_i g_i^T v: the parts' own 1/n_i reweighted by n_i / N) and an algorithm
+    on the GGN equal the unsharded tape's."""
+    program = ["h = tanh(x @ w1 + b1)", "out = h @ w2", "loss = mean((out - y) ** 2)"]
+    plain = record(client, program=program, output="out")
+    sharded = record(client, program=program, output="out", shards=3)
+    vs = [wire(v) for v in vectors(13, 2)]
+    for curvature in ("ggn", "empirical_fisher"):
+        body = {"vectors": vs, "curvature": curvature}
+        want = post(client, f"/v1/tapes/{plain['tape_id']}/hvp", body)["hvps"]
+        got = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", body)["hvps"]
+        for g, w in zip(got, want, strict=True):
+            close_tensors(g, w)
+    body = {"k": 2, "curvature": "ggn", "tol": 1e-10, "max_hvps": 60}
+    close(post(client, f"/v1/tapes/{sharded['tape_id']}/eigenvalues", body)["eigenvalues"],
+          post(client, f"/v1/tapes/{plain['tape_id']}/eigenvalues", body)["eigenvalues"],
+          1e-9)
+    for tape in (plain, sharded):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
+def test_sum_reduction_and_two_shards(client) -> None:
+    plain = record(client, program=SUM_PROGRAM)
+    sharded = record(client, program=SUM_PROGRAM, shards=2, shard_reduction="sum")
+    close(num(sharded["value"]), num(plain["value"]))
+    close_tensors(sharded["gradients"], plain["gradients"])
+    v = {"vector": wire(vectors(2, 1)[0])}
+    close_tensors(post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
+                  post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"])
+    # The same loss read as a mean is the wrong sum: the reduction is the request's word.
+    wrong = record(client, program=SUM_PROGRAM, shards=2)
+    assert abs(num(wrong["value"]) - num(plain["value"])) > 1e-3
+    for tape in (plain, sharded, wrong):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
+def kill_worker(server, index: int) -> None:
+    """SIGKILL worker `index` and wait until the pool has replaced it."""
+    victim = next(w for w in server.wait_ready()["workers"] if w["index"] == index)
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        workers = {w["index"]: w for w in server.wait_ready()["workers"]}
+        if workers[index]["pid"] != victim["pid"]:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("the killed worker was not replaced")
+
+
+def test_a_killed_shard_is_rebuilt_alone(server, client, pair) -> None:
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    v = {"vectors": [wire(x) for x in vectors(5, 2)]}
+    before = post(client, f"{base}/hvp", v)
+    eigen = {"k": 2, "tol": 1e-10, "max_hvps": 60}
+    top = post(client, f"{base}/eigenvalues", eigen)
+    info = ok(client.get(base))
+
+    def rebuilt_since(old: dict) -> list[int]:
+        now = ok(client.get(base))
+        return [s["rebuilds"] - s0["rebuilds"]
+                for s, s0 in zip(now["shards"], old["shards"], strict=True)]
+
+    # The middle part is alone on its worker (parts on a, b, a): only it is recorded again.
+    workers = [s["worker"] for s in info["shards"]]
+    assert workers[0] == workers[2] != workers[1], workers
+    kill_worker(server, workers[1])
+    after = post(client, f"{base}/hvp", v)
+    for g, w in zip(after["hvps"], before["hvps"], strict=True):
+        close_tensors(g, w, 1e-13)
+    assert rebuilt_since(info) == [0, 1, 0]
+    # The coordinator's worker (holding parts 0 and 2): they are recorded again, and an
+    # algorithm across the shards gives the same numbers.
+    middle = ok(client.get(base))
+    kill_worker(server, workers[0])
+    again = post(client, f"{base}/eigenvalues", eigen)
+    close(again["eigenvalues"], top["eigenvalues"], 1e-12)
+    assert rebuilt_since(middle) == [1, 0, 1]
+    assert ok(client.get(base))["rebuilds"] == info["rebuilds"] + 3
+
+
+def test_sharded_tape_over_a_stored_dataset(client) -> None:
+    r = client.put("/v1/datasets/shard-batch", json={"X": t(X, "float64"),
+                                                     "Y": t(Y, "float64")})
+    assert r.status_code in (200, 201), r.text
+    program = ["h = tanh(X @ w1 + b1)", "out = h @ w2", "loss = mean((out - Y) ** 2)"]
+    variables = definition()["variables"]
+    rows = {"start": 1, "stop": 11, "step": 1}
+    inline = {"variables": variables, "program": program,
+              "inputs": {"X": t(X[1:], "float64"), "Y": t(Y[1:], "float64")}}
+    bound = {"variables": variables, "program": program,
+             "inputs": {"dataset": "shard-batch", "rows": rows}}
+    plain = record(client, definition=inline)
+    sharded = record(client, definition=bound, shards=3)
+    close(num(sharded["value"]), num(plain["value"]))
+    close_tensors(sharded["gradients"], plain["gradients"])
+    v = {"vector": wire(vectors(7, 1)[0])}
+    close_tensors(post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
+                  post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"])
+    assert [s["rows"] for s in ok(client.get(f"/v1/tapes/{sharded['tape_id']}"))["shards"]] \
+        == [4, 3, 3]
+    for tape in (plain, sharded):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
+def test_patch_updates_every_shard(client) -> None:
+    plain = record(client)
+    sharded = record(client, shards=2)
+    new = {"variables": {"w2": t(W2 * 0.5, "float64")}}
+    want = ok(client.patch(f"/v1/tapes/{plain['tape_id']}", json=new))
+    got = ok(client.patch(f"/v1/tapes/{sharded['tape_id']}", json=new))
+    close(num(got["value"]), num(want["value"]))
+    close_tensors(got["gradients"], want["gradients"])
+    for tape in (plain, sharded):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
+def test_deleting_a_sharded_tape(client) -> None:
+    sharded = record(client, shards=2)
+    assert client.delete(f"/v1/tapes/{sharded['tape_id']}").status_code == 204
+    problem(client.get(f"/v1/tapes/{sharded['tape_id']}"), 404)
+    problem(client.post(f"/v1/tapes/{sharded['tape_id']}/hvp",
+                        json={"vector": wire(vectors(1, 1)[0])}), 404)
+
+
+@pytest.mark.parametrize(("extra", "field", "words"), [
+    ({"shards": 0}, "shards", "greater than or equal to 1"),
+    ({"shards": 12}, "shards", "at most 11"),
+    ({"shards": 100000}, "shards", "max_shards"),
+    ({"shards": 2, "shard_by": ["x", "nope"]}, "shard_by", "no input 'nope'"),
+    ({"shards": 2, "shard_reduction": "median"}, "shard_reduction", "mean"),
+    ({"shard_by": ["x"]}, "", "need 'shards'"),
+])
+def test_validation(client, extra, field, words) -> None:
+    body = {"definition": definition(), "target": "loss", **extra}
+    found = problem(client.post("/v1/tapes", json=body), 422)
+    assert words in found["detail"] or any(words in e.get("message", "")
+                                            for e in found.get("errors") or []), found
+    if field:
+        assert field in found["detail"] or any(field in str(e.get("field", e.get("loc")))
+                                                for e in found.get("errors") or []), found
+
+
+def test_axes_must_agree_and_scalars_cannot_split(client) -> None:
+    d = definition()
+    d["inputs"]["z"] = t(np.ones(5), "float64")
+    d["inputs"]["s"] = t(2.0, "float64")
+    found = problem(client.post("/v1/tapes", json={"definition": d, "target": "loss",
+                                                   "shards": 2}), 422)
+    assert "shard_by" in found["detail"] and "'z': 5" in found["detail"], found
+    found = problem(client.post("/v1/tapes", json={"definition": d, "target": "loss",
+                                                   "shards": 2, "shard_by": ["x", "s"]}), 422)
+    assert "'s' is a scalar" in found["detail"], found
+    # Naming the batch inputs splits them only.
+    ok_tape = record(client, definition=d, shards=2, shard_by=["x", "y"])
+    client.delete(f"/v1/tapes/{ok_tape['tape_id']}")
+
+
+def test_what_a_sharded_tape_refuses(client, pair) -> None:
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    found = problem(client.post(f"{base}/jacobian", json={"target": "out"}), 422)
+    assert "sharded" in found["detail"]
+    found = problem(client.post(f"{base}/gradient", json={"target": "out"}), 422)
+    assert "target" in found["detail"]
+    found = problem(client.post(f"{base}/gradient", json={"sources": ["x"]}), 422)
+    assert "'x' is split" in found["detail"]
+
+
+def test_a_sharded_tape_survives_a_restart(tmp_path) -> None:
+    """The store keeps the sharded tape and its parts: after a restart each part is
+    recorded again on first use and the answers are the same."""
+    settings = {"GRADTAPE_DATA_DIR": str(tmp_path / "data")}
+    log = tmp_path / "server.log"
+    v = {"vector": wire(vectors(9, 1)[0])}
+    srv = start_server(settings, log)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            sharded = record(c, shards=2, ttl=600.0)
+            base = f"/v1/tapes/{sharded['tape_id']}"
+            hvp = post(c, f"{base}/hvp", v)["hvp"]
+            trace = post(c, f"{base}/trace", {"method": "exact"})["trace"]
+            assert 'gradtape_tapes 1.0' in c.get("/metrics").text  # the parts not counted
+    finally:
+        stop_server(srv)
+    srv = start_server(settings, log)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            about = ok(c.get(base))
+            assert not about["loaded"] and [s["rows"] for s in about["shards"]] == [6, 5]
+            close_tensors(post(c, f"{base}/hvp", v)["hvp"], hvp, 1e-14)
+            close(post(c, f"{base}/trace", {"method": "exact"})["trace"], trace, 1e-14)
+            about = ok(c.get(base))
+            assert about["loaded"] and [s["rebuilds"] for s in about["shards"]] == [1, 1]
+            assert [x["tape_id"] for x in ok(c.get("/v1/tapes"))["tapes"]] == [
+                sharded["tape_id"]]
+    finally:
+        stop_server(srv)
+
+
+def test_stateless_requests_with_shards(client) -> None:
+    """POST /v1/gradient and /v1/hvp with shards: temporary shards, the same answers."""
+    held = len(ok(client.get("/v1/tapes"))["tapes"])
+    body = {"definition": definition(), "target": "loss"}
+    want = post(client, "/v1/gradient", body)
+    got = post(client, "/v1/gradient", {**body, "shards": 3})
+    close(num(got["value"]), num(want["value"]))
+    close_tensors(got["gradients"], want["gradients"])
+    vs = [wire(v) for v in vectors(11, 3)]
+    want = post(client, "/v1/hvp", {**body, "vectors": vs})
+    got = post(client, "/v1/hvp", {**body, "vectors": vs, "shards": 2, "shard_by": ["x", "y"]})
+    close(num(got["value"]), num(want["value"]))
+    close_tensors(got["gradients"], want["gradients"])
+    for g, w in zip(got["hvps"], want["hvps"], strict=True):
+        close_tensors(g, w)
+    flat = {**body, "vector": vs[0], "flat": True}
+    want = post(client, "/v1/hvp", flat)
+    got = post(client, "/v1/hvp", {**flat, "shards": 2})
+    close(arr(got["flat"]["hvp"]), arr(want["flat"]["hvp"]))
+    close(arr(got["flat"]["gradient"]), arr(want["flat"]["gradient"]))
+    assert got["flat"]["order"] == want["flat"]["order"]
+    assert len(ok(client.get("/v1/tapes"))["tapes"]) == held  # nothing left behind
+    found = problem(client.post("/v1/gradient", json={**body, "shards": 40}), 422)
+    assert "shards" in found["detail"] and "at most 11" in found["detail"]
+
+
+def test_a_sharded_job_reports_progress_and_is_cancelled_whole(client, pair) -> None:
+    """An algorithm across the shards as a job: progress on the way, the synchronous
+    answer at the end; a cancelled one stops its fan-out and leaves the tape as it was."""
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    body = {"method": "hutchinson", "max_hvps": 300, "batch_size": 1, "seed": 4,
+            "max_seconds": 60}
+    location = start(client, f"{base}/trace", body)
+    seen = []
+    job = client.get(location).json()
+    while job["state"] in ("queued", "running"):
+        if job["progress"] is not None:
+            seen.append(job["progress"])
+        time.sleep(0.02)
+        job = client.get(location).json()
+    assert job["state"] == "succeeded", job
+    assert seen and all(p["unit"] == "hvps" and p["total"] == 300 for p in seen), seen
+    same_answer(job["result"], post(client, f"{base}/trace", body))
+    v = {"vector": wire(vectors(3, 1)[0])}
+    before = post(client, f"{base}/hvp", v)
+    long = {**body, "max_hvps": 4000, "max_seconds": 120, "time_limit": 60}
+    location = start(client, f"{base}/trace", long)
+    wait(client, location, ("running",))
+    time.sleep(0.3)
+    assert client.delete(location).status_code == 204
+    assert client.get(location).json()["state"] == "cancelled"
+    close_tensors(post(client, f"{base}/hvp", v)["hvp"], before["hvp"], 0)
+
+
+def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -> None:
+    """The coordinator's worker killed while an algorithm runs across the shards: the run
+    starts again from scratch (its parts there recorded again) and, seeded, answers what
+    an undisturbed run answers."""
+    _, sharded = pair
+    base = f"/v1/tapes/{sharded['tape_id']}"
+    body = {"method": "hutchinson", "max_hvps": 1500, "batch_size": 1, "seed": 8,
+            "max_seconds": 50, "time_limit": 60}
+    location = start(client, f"{base}/trace", body)
+    coordinator = ok(client.get(base))["shards"][0]["worker"]
+    job = wait(client, location, ("running",))
+    while not (job["progress"] or {}).get("done"):  # well into the run
+        job = client.get(location).json()
+    assert job["state"] == "running", job
+    # Not kill_worker: it waits for every worker to be idle, i.e. for the run to end.
+    victim = next(w for w in client.get("/readyz").json()["workers"]
+                  if w["index"] == coordinator)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job = wait(client, location, ("succeeded", "failed"), timeout=120)
+    assert job["state"] == "succeeded", job
+    same_answer(job["result"], post(client, f"{base}/trace", body))
+
+
+def test_a_sharded_tape_is_evicted_whole(client, tmp_path) -> None:
+    """A part evicted for a newer tape's room takes its sharded tape with it: the id
+    answers 404 tape-evicted, never a tape missing one of its parts."""
+    probe = record(client, shards=2)
+    part = max(s["bytes"] for s in ok(client.get(f"/v1/tapes/{probe['tape_id']}"))["shards"])
+    client.delete(f"/v1/tapes/{probe['tape_id']}")
+    # Room for one part per worker, not two.
+    settings = {"GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(part * 1.5)),
+                "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20)}
+    srv = start_server(settings, tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            old = record(c, shards=2)
+            new = record(c, shards=2)
+            gone = problem(c.post(f"/v1/tapes/{old['tape_id']}/hvp",
+                                  json={"vector": wire(vectors(1, 1)[0])}), 404)
+            assert gone["type"].endswith("tape-evicted"), gone
+            assert [t["tape_id"] for t in ok(c.get("/v1/tapes"))["tapes"]] == [new["tape_id"]]
+            post(c, f"/v1/tapes/{new['tape_id']}/hvp", {"vector": wire(vectors(1, 1)[0])})
+    finally:
+        stop_server(srv)
+
+
+def test_a_sharded_algorithm_stops_within_its_time(client, pair) -> None:
+    """max_seconds covers the whole run across the shards (the waits for the parts'
+    products included): it stops there and answers what it has."""
+    _, sharded = pair
+    body = {"method": "hutchinson", "max_hvps": 5000, "batch_size": 1, "max_seconds": 0.5}
+    started = time.monotonic()
+    got = post(client, f"/v1/tapes/{sharded['tape_id']}/trace", body)
+    assert got["stopped"] == "time_limit" and 0 < got["hvps"] < 5000, got
+    assert time.monotonic() - started < 3.0
+    assert np.isfinite(got["trace"])
