@@ -270,8 +270,12 @@ def _unpack_small(body: bytes, shape: BodyShape) -> Any:
 
 
 def _unpack_walk(body: bytes, shape: BodyShape) -> Any:
+    # The whole body in one read: BytesIO hands over `body` itself (no copy) and the
+    # unpacker copies it once into its buffer, where its default 16 KiB reads made two
+    # copies of every tensor's bytes (each chunk read out, then appended).
+    size = max(1, len(body))
     unpacker = msgpack.Unpacker(
-        io.BytesIO(body), raw=False, strict_map_key=True, max_buffer_size=max(1, len(body))
+        io.BytesIO(body), raw=False, strict_map_key=True, max_buffer_size=size, read_size=size
     )
     tell, unpack = unpacker.tell, unpacker.unpack
     containers = 0

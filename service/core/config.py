@@ -86,6 +86,12 @@ class Settings(BaseSettings):
         "requests and replies in flight pass through it); a cluster's own is set with "
         "`ray start`",
     )
+    shm_threshold: int = Field(
+        default=64 * 2**10, ge=0,
+        description="arrays of at least this many bytes cross between the HTTP process and "
+        "a local worker through shared memory (/dev/shm, read in place) instead of the "
+        "socket; 0: always the socket (Ray actors always use their own transport)",
+    )
     worker_tune_allocator: bool = Field(
         default=defaults.WORKER_TUNE_ALLOCATOR,
         description="raise glibc's mmap/trim thresholds in the workers (engine.tune_allocator): "

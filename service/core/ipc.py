@@ -9,6 +9,12 @@ key or value it is, can be taken for an array or any other protocol element. Cli
 data is never pickled. Both sides use this module: the asyncio side reads
 and writes frames on stream objects, a worker on a blocking socket.
 
+Between the HTTP process and a local worker, an array of at least the pool's threshold
+(settings.shm_threshold) travels through shared memory instead (service/core/shm.py):
+extension type SHARED_ARRAY_EXT holds `[arena name, offset, dtype, shape]` and the
+receiver reads the array in place, read-only, from its mapping of the arena. Only a side
+with the pool's shm.Inbox accepts one (Ray's bytes never carry one).
+
 Requests: {"id": int, "kind": str, "payload": ...} (kind "shutdown": exit).
 Replies: {"id": int, "ok": true, "result": ..., "seconds": float}
       or {"id": int, "ok": false, "error": {"type": str, "message": str, ...}}.
@@ -18,18 +24,27 @@ A worker that has started says {"hello": {...}}, or {"fatal": message} and exits
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from service.core import wire
+from service.core import shm, wire
+
+log = logging.getLogger("gradtape.workers")
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 2**32 - 1
 ARRAY_EXT = 1  # the msgpack extension type code of a NumPy array
+SHARED_ARRAY_EXT = 2  # ... of a NumPy array in a shared-memory arena
+# The kind of the pool's message that tells a worker which of its reply arenas the HTTP
+# process still holds arrays of (service/core/shm.py); a reply says the same of the
+# request arenas with "held": [names].
+HELD = "shm-held"
 # The length of the array's [dtype, shape] header, and the offset of its raw bytes.
 _ARRAY_PREFIX = struct.Struct("!HH")
 # The raw bytes' offset in the extension's data: the receiver's array then starts 16-byte
@@ -59,6 +74,8 @@ def _default(obj: Any) -> Any:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != ARRAY_EXT:
+        if code == SHARED_ARRAY_EXT:
+            raise FrameError("an array in shared memory, where none is accepted")
         raise FrameError(f"unknown msgpack extension type {code} in a worker message")
     try:
         size, start = _ARRAY_PREFIX.unpack_from(data)
@@ -76,12 +93,100 @@ def pack(message: Any) -> bytes:
     return packed
 
 
-def unpack(body: bytes | bytearray) -> Any:
-    return msgpack.unpackb(body, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+@dataclass(eq=False)
+class Outgoing:
+    """A message packed for a peer with a shared-memory arena (prepare()): `body` is final
+    when no array is large enough for the arena; otherwise frame() copies the large
+    arrays into the peer's arena and packs the message again around their places (cheap:
+    the large arrays' bytes are not in it)."""
+
+    message: Any
+    body: bytes
+    channel: shm.Channel | None = None
+    pieces: list[tuple[int, memoryview]] = field(default_factory=list)
+    places: list[list[Any]] = field(default_factory=list)  # [offset, dtype, shape] each
+    end: int = 0
+
+    def frame(self, outbox: shm.Outbox | None) -> tuple[bytes, bytes]:
+        if not self.pieces:
+            return _framed(self.body)
+        if outbox is None:
+            return frame(self.message)
+        try:
+            name = outbox.write(self.pieces, self.end)
+        except OSError as exc:
+            log.warning("cannot write %d bytes to shared memory (%s); sending them inline",
+                        self.end, exc.strerror or exc)
+            return frame(self.message)
+        places = iter(self.places)
+
+        def default(obj: Any) -> Any:
+            if isinstance(obj, np.ndarray) and self.channel is not None \
+                    and self.channel.takes(obj.nbytes):
+                return msgpack.ExtType(SHARED_ARRAY_EXT, msgpack.packb([name, *next(places)]))
+            return _default(obj)
+
+        return _framed(msgpack.packb(self.message, default=default, use_bin_type=True))
+
+
+def prepare(message: Any, channel: shm.Channel | None) -> Outgoing:
+    """Pack `message` once (so that what msgpack cannot carry fails here), noting where
+    each array of at least the channel's threshold will lie in an arena."""
+    if channel is None or channel.threshold == 0:
+        return Outgoing(message, pack(message))
+    out = Outgoing(message, b"", channel)
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray) and channel.takes(obj.nbytes):
+            dtype, shape, raw = wire.raw_view(obj)  # no copy of a contiguous array
+            offset = -(-out.end // shm.ALIGNMENT) * shm.ALIGNMENT
+            out.pieces.append((offset, raw))
+            out.places.append([offset, dtype, shape])
+            out.end = offset + len(raw)
+            return msgpack.ExtType(SHARED_ARRAY_EXT, b"")  # its place, until frame()
+        return _default(obj)
+
+    out.body = msgpack.packb(message, default=default, use_bin_type=True)
+    if len(out.body) > MAX_FRAME:
+        raise ValueError(f"message of {len(out.body)} bytes is too large for one frame")
+    return out
+
+
+def unpack(body: bytes | bytearray, inbox: shm.Inbox | None = None) -> Any:
+    """The message; with `inbox`, its arrays in the peer's arena are read in place
+    (read-only views of the mapping, tracked so that the arena is not written again
+    while one of them lives)."""
+    if inbox is None:
+        return msgpack.unpackb(body, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == SHARED_ARRAY_EXT:
+            return _shared_array(data, inbox)
+        return _ext_hook(code, data)
+
+    return msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False)
+
+
+def _shared_array(data: bytes, inbox: shm.Inbox) -> Any:
+    try:
+        name, offset, dtype, shape = msgpack.unpackb(data)
+        if not isinstance(name, str) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"arena {name!r}, offset {offset!r}")
+        if dtype not in wire.DTYPES:
+            raise ValueError(f"dtype {dtype!r}")
+        nbytes = wire.expected_size(shape) * wire.little_endian(dtype).itemsize
+        array = wire.from_bytes(inbox.view(name, offset, nbytes), dtype, shape)
+    except (OSError, TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise FrameError(f"a malformed shared-memory array in a worker message: {exc}") from None
+    inbox.handed(name, array)
+    return array
 
 
 def frame(message: Any) -> tuple[bytes, bytes]:
-    body = pack(message)
+    return _framed(pack(message))
+
+
+def _framed(body: bytes) -> tuple[bytes, bytes]:
     if len(body) > MAX_FRAME:
         raise ValueError(f"message of {len(body)} bytes is too large for one frame")
     return HEADER.pack(len(body)), body
@@ -92,14 +197,14 @@ def frame(message: Any) -> tuple[bytes, bytes]:
 # ----------------------------------------------------------------------------------------
 
 
-async def read_message(reader: asyncio.StreamReader) -> Any:
+async def read_message(reader: asyncio.StreamReader, inbox: shm.Inbox | None = None) -> Any:
     try:
         header = await reader.readexactly(HEADER.size)
         (size,) = HEADER.unpack(header)
         body = await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise FrameError("the worker closed its connection") from exc
-    return unpack(body)
+    return unpack(body, inbox)
 
 
 def write_message(writer: asyncio.StreamWriter, message: Any) -> None:
@@ -111,7 +216,7 @@ def write_message(writer: asyncio.StreamWriter, message: Any) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def recv_message(sock: socket.socket) -> Any | None:
+def recv_message(sock: socket.socket, inbox: shm.Inbox | None = None) -> Any | None:
     """The next message, or None when the HTTP process has gone."""
     header = _recv_exactly(sock, HEADER.size)
     if header is None:
@@ -120,11 +225,15 @@ def recv_message(sock: socket.socket) -> Any | None:
     body = _recv_exactly(sock, size)
     if body is None:
         return None
-    return unpack(body)
+    return unpack(body, inbox)
 
 
-def send_message(sock: socket.socket, message: Any) -> None:
-    header, body = frame(message)
+def send_message(sock: socket.socket, message: Any, outbox: shm.Outbox | None = None) -> None:
+    """Send `message`; with `outbox` (and its channel), its large arrays through it."""
+    if outbox is None:
+        header, body = frame(message)
+    else:
+        header, body = prepare(message, outbox.channel).frame(outbox)
     sock.sendall(header)
     sock.sendall(body)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from service.core import shm
 from service.core.config import Settings
 from service.core.errors import ServiceError
 from service.core.wire import Encoding
@@ -182,7 +183,8 @@ class JobRegistry:
             self._end(job, "failed")
             log.info("job %s... failed (%d): %s", job.id[:8], status, body.get("detail"))
             return
-        job.result, job.seconds = result, seconds
+        # Kept for job_ttl: out of the worker's shared-memory arena, which it would pin.
+        job.result, job.seconds = shm.detached(result), seconds
         if job.progress is not None:
             # Reports are sent at most every 50 ms: the answer says where it ended.
             if isinstance(result.get("hvps"), int):

@@ -23,6 +23,11 @@ the event loop never runs engine code, it only waits on sockets.
   A worker that does not stop within `cancel_grace` seconds is killed and replaced.
 - A worker may send progress reports of the request it runs (`{"id", "progress"}`,
   when the request asked with `"progress": true`); they go to the caller's Watch.
+- Arrays of at least settings.shm_threshold bytes cross through shared memory, not the
+  socket (service/core/shm.py): an arena per worker and direction, written at dispatch
+  (a queued request holds its arrays, not shared memory); the pool drops a worker's
+  arenas when it stops it, sweeps a dead worker's leftovers once it is reaped, its own
+  prefix when it closes, and those of dead servers when it starts.
 - Each worker keeps a dict of state between requests (compute.WorkerContext.state) for
   requests routed back to it (issue 6's tapes); `generation` counts its restarts, so a
   caller can tell that the state it left there is gone.
@@ -43,7 +48,7 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from service.core import ipc
+from service.core import ipc, shm
 from service.core.config import Settings
 from service.pool import calls
 from service.pool.base import (
@@ -74,7 +79,7 @@ BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THR
 @dataclass(eq=False)
 class _Job:
     id: int
-    frame: tuple[bytes, bytes]  # the request message, packed once at submit time
+    outgoing: ipc.Outgoing  # the request message, packed once at submit time
     worker: int | None
     time_limit: float
     future: asyncio.Future[Reply]
@@ -110,6 +115,10 @@ class _Worker:
         # before every op while its socket is busy with nothing.
         self.cancel: Any = None
         self.hello: dict[str, Any] = {}
+        # Its process's shared memory (service/core/shm.py): the arena this side writes
+        # requests into, and its view of the arena the worker writes replies into.
+        self.outbox: shm.Outbox | None = None
+        self.inbox: shm.Inbox | None = None
 
     def info(self) -> WorkerInfo:
         pid = self.process.pid if self.process is not None else None
@@ -127,6 +136,11 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
         self._closing = False
+        # The pool's shared memory for large arrays (None: every array goes through the
+        # socket); a backend whose workers may be on other hosts sets it to None.
+        self._channel: shm.Channel | None = None
+        if settings.shm_threshold and shm.available():
+            self._channel = shm.Channel.for_new_pool(settings.shm_threshold)
 
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +153,9 @@ class WorkerPool:
                 os.environ[name] = threads
             else:
                 os.environ.setdefault(name, threads)
+        if self._channel is not None:
+            # What a server killed outright (SIGKILL, OOM) left in /dev/shm.
+            await asyncio.to_thread(shm.sweep_orphans)
         results = await asyncio.gather(
             *(self._spawn(w) for w in self._workers), return_exceptions=True
         )
@@ -157,6 +174,9 @@ class WorkerPool:
         await asyncio.gather(*(self._stop(w, graceful=True) for w in self._workers))
         for task in list(self._tasks):
             task.cancel()
+        if self._channel is not None:
+            # Every worker is gone: whatever arena of this pool is left, nobody reads.
+            await asyncio.to_thread(shm.sweep, self._channel.prefix + "-")
 
     @property
     def running(self) -> bool:
@@ -205,8 +225,8 @@ class WorkerPool:
         if watch is not None and watch.progress is not None:
             message["progress"] = True
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
-        frame = ipc.frame(message)
-        job = _Job(request_id, frame, worker, limit, loop.create_future(), watch=watch)
+        outgoing = ipc.prepare(message, self._channel)
+        job = _Job(request_id, outgoing, worker, limit, loop.create_future(), watch=watch)
         self._queue.append(job)
         self._dispatch()
         if not job.started.is_set() and queue_bound and len(self._queue) > self.settings.queue_size:
@@ -384,7 +404,14 @@ class WorkerPool:
         progress reports go to the job's watch on the way, by the reader)."""
         assert w.writer is not None
         w.reply = reply = asyncio.get_running_loop().create_future()
-        w.writer.writelines(job.frame)
+        held = w.inbox.held() if w.inbox is not None else None
+        if held:
+            # Arrays of the worker's reply arenas still in use here (the answer to its
+            # last request being written, a job's stored answer): not for the next reply.
+            ipc.write_message(w.writer, {"id": 0, "kind": ipc.HELD, "payload": held})
+        # The worker has answered its previous request (or is new), so nothing reads the
+        # request arena now: the large arrays are copied into it here.
+        w.writer.writelines(job.outgoing.frame(w.outbox))
         await w.writer.drain()
         return await reply
 
@@ -397,7 +424,8 @@ class WorkerPool:
         w.cancel.value = 0
         process = self._ctx.Process(
             target=_run_worker,
-            args=(child_sock, w.index, w.device, self.settings.worker_options(), w.cancel),
+            args=(child_sock, w.index, w.device, self.settings.worker_options(), w.cancel,
+                  self._channel),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
         )
@@ -420,6 +448,9 @@ class WorkerPool:
             await self._exitcode(w)
             raise WorkerStartError(f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}")
         w.reader, w.writer, w.hello = reader, writer, hello.get("hello", {})
+        if self._channel is not None:
+            w.outbox = shm.Outbox(self._channel, f"a{w.index}")
+            w.inbox = shm.Inbox(self._channel)
         w.generation += 1
         w.state = "idle"
         w.reader_task = asyncio.get_running_loop().create_task(self._read_replies(w, w.generation))
@@ -430,16 +461,22 @@ class WorkerPool:
         assert w.reader is not None
         try:
             while True:
-                message = await ipc.read_message(w.reader)
+                message = await ipc.read_message(w.reader, w.inbox)
                 if "progress" in message:
                     job = w.job
                     if (job is not None and message.get("id") == job.id and job.watch is not None
                             and job.watch.progress is not None and not job.future.done()):
                         job.watch.progress(message["progress"])
                     continue
+                held = message.pop("held", None)
+                if w.outbox is not None:  # request arenas the worker keeps arrays of
+                    w.outbox.held = set(held or ())
                 reply = w.reply
                 if reply is not None and not reply.done() and message.get("id") == w.request_id:
                     reply.set_result(message)
+                # Not kept while waiting for the next one: the arrays of the worker's
+                # reply arena must die with their request's use (shm.Inbox.held).
+                message = reply = None
         except (ConnectionError, OSError, ValueError):
             pass
         if self._closing or w.generation != generation or w.retired == generation:
@@ -498,11 +535,18 @@ class WorkerPool:
             if process.is_alive():
                 process.kill()
             await asyncio.to_thread(process.join, 5.0)
+            if self._channel is not None and not process.is_alive():
+                # Reaped: it writes nothing more. An arena it had made and not yet
+                # sent (killed mid-transfer) is left to no one else.
+                await asyncio.to_thread(shm.sweep, f"{self._channel.prefix}-w{process.pid}-")
         if w.reader_task is not None and w.reader_task is not asyncio.current_task():
             w.reader_task.cancel()
         if w.reply is not None and not w.reply.done():
             w.reply.set_exception(PoolUnavailable("the service is shutting down"))
         w.reader = w.writer = w.reader_task = None
+        if w.outbox is not None:
+            w.outbox.close()  # unlinked, if the worker died before it mapped it
+        w.outbox = w.inbox = None  # arrays from its arena keep their own mapping
 
 
 def _run_worker(*args: Any) -> None:

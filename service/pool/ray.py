@@ -10,7 +10,8 @@ What differs from local processes, and why:
 
 - Transport. A request crosses as the msgpack bytes of service/core/ipc.py, and the
   reply comes back as such bytes: Ray pickles only a `bytes` object, never a client's
-  data, so the no-pickle rule holds on every wire. The actor runs the worker's own code
+  data, so the no-pickle rule holds on every wire. Arrays stay inline in those bytes
+  (the local pool's shared memory is one host's; Ray's object store moves them). The actor runs the worker's own code
   (compute.start, dispatch.answer) on one engine thread of its own.
 - Cancellation. Each actor keeps its cancel flag (the id of the request to stop) in its
   own memory; `cancel(id)` sets it from another of the actor's threads, and the running
@@ -213,6 +214,9 @@ def how_it_died(exc: BaseException) -> str:
 class RayPool(WorkerPool):
     def __init__(self, settings: Settings, observer: PoolObserver | None = None):
         super().__init__(settings, observer)
+        # Requests and replies stay msgpack bytes, arrays inline: an actor may run on any
+        # node, where this host's /dev/shm is not (Ray's own object store carries them).
+        self._channel = None
         # The device of each actor is settled at start, once the cluster's GPUs are known.
         self._workers = [_ActorWorker(i, d) for i, d in enumerate(settings.worker_devices())]
         self._started_ray = False
@@ -284,7 +288,7 @@ class RayPool(WorkerPool):
         assert isinstance(w, _ActorWorker)
         actor, generation = w.actor, w.generation
         try:
-            ref = actor.run.remote(job.frame[1])  # the ipc bytes packed at submit
+            ref = actor.run.remote(job.outgoing.body)  # the ipc bytes packed at submit
             watch = job.watch
             if watch is None or watch.progress is None:
                 body = await ref

@@ -10,14 +10,15 @@ import signal
 import socket
 from typing import Any
 
-from service.core import ipc
+from service.core import ipc, shm
 
 
 def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any],
-                cancel: Any = None) -> None:
+                cancel: Any = None, channel: shm.Channel | None = None) -> None:
     """A worker's life: load the engine for `device`, say hello, answer until told to
     stop or until the HTTP process goes away. `cancel` (a shared int) holds the id of a
-    request the HTTP process wants stopped."""
+    request the HTTP process wants stopped; `channel`, the pool's shared memory for large
+    arrays (service/core/shm.py)."""
     # Signals sent to the server's process group (Ctrl-C, `timeout`, a supervisor) are the
     # HTTP process's to handle: it stops its workers itself. Signals sent to this process
     # (the pool's kill, multiprocessing's exit handler) still apply.
@@ -30,18 +31,39 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
     except Exception as exc:  # noqa: BLE001 - any failure to start is reported, then exit
         ipc.send_message(sock, {"fatal": f"{type(exc).__name__}: {exc}"})
         return
+    # The pool's shared memory: requests' large arrays come in through the HTTP process's
+    # arena (inbox), replies' go out through this process's own (outbox).
+    inbox = shm.Inbox(channel) if channel is not None else None
+    outbox = shm.Outbox(channel, f"w{os.getpid()}") if channel is not None else None
     ipc.send_message(sock, {"hello": context.describe()})
-    while True:
-        message = ipc.recv_message(sock)
-        if message is None or message.get("kind") == "shutdown":
-            return
-        reply = dispatch.answer(context, message, cancelled=_cancel_check(cancel, message),
-                               report=_reporter(sock, message))
-        try:
-            ipc.send_message(sock, reply)
-        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
-            error = compute.internal_error(exc)
-            ipc.send_message(sock, {"id": message.get("id"), "ok": False, "error": error})
+    try:
+        while True:
+            message = ipc.recv_message(sock, inbox)
+            if message is None or message.get("kind") == "shutdown":
+                return
+            if message.get("kind") == ipc.HELD:
+                # Reply arenas the HTTP process still reads arrays of: not for this reply.
+                if outbox is not None:
+                    outbox.held = set(message.get("payload") or ())
+                continue
+            reply = dispatch.answer(context, message, cancelled=_cancel_check(cancel, message),
+                                   report=_reporter(sock, message))
+            del message  # with it the request's arrays, unless the engine keeps them
+            held = inbox.held() if inbox is not None else None
+            if held:
+                reply["held"] = held  # kept (a tape): the HTTP process must not reuse them
+            try:
+                ipc.send_message(sock, reply, outbox)
+            except (TypeError, ValueError, OverflowError) as exc:  # what msgpack cannot carry
+                error = compute.internal_error(exc)
+                ipc.send_message(sock, {"id": reply.get("id"), "ok": False, "error": error,
+                                        "held": held})
+            del reply
+            if outbox is not None:
+                outbox.held = set()  # the HTTP process's word was for that reply only
+    finally:
+        if outbox is not None:
+            outbox.close()  # unlinks an arena the HTTP process never mapped
 
 
 def _cancel_check(cancel: Any, message: dict[str, Any]) -> Any:
@@ -53,7 +75,8 @@ def _cancel_check(cancel: Any, message: dict[str, Any]) -> Any:
 
 
 def _reporter(sock: socket.socket, message: dict[str, Any]) -> Any:
-    """Sends the request's progress reports, when it asked for them."""
+    """Sends the request's progress reports, when it asked for them (inline: only a
+    reply, the last message of a request, may use the arena)."""
     if not message.get("progress"):
         return None
     request_id = message.get("id")

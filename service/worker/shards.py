@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core import shm
 from service.worker import tapes
 from service.worker.compute import RequestError, WorkerContext, check_vector
 
@@ -265,7 +266,8 @@ def shard_run(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
     if old is not None:  # the same run started again (its first try's caller went away)
         old.products.put(None)
     run = Run(payload["run"], payload["layout"])
-    work = _work(payload["kind"], payload["payload"], context, run)
+    # The run outlives this request: its arrays out of the request's shared memory.
+    work = _work(payload["kind"], shm.detached(payload["payload"]), context, run)
     runs[run.id] = run
     run.start(work)
     return _advance(run, context)

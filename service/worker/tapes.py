@@ -56,7 +56,7 @@ from engine.language import (
     compile_definition,
 )
 from engine.tensor import Tensor
-from service.core import defaults
+from service.core import defaults, shm
 from service.worker.compute import (
     RequestError,
     WorkerContext,
@@ -95,6 +95,8 @@ def sessions(context: WorkerContext) -> dict[str, TapeSession]:
 
 def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> TapeSession:
     """Run the definition once under the tapes; raise on any problem (nothing is kept)."""
+    # Its arrays live as long as the tape: out of the request's shared memory first.
+    spec = shm.detached(spec)
     definition = as_definition(spec["definition"])
     owned = definition.model_params
     unknown = [n for n in spec.get("initializers", ()) if n not in owned]
