@@ -433,15 +433,18 @@ class Sharding:
                 return await self.registry.call(part, kind, payload,
                                                 deadline.left(part.row.worker))
 
-        outcomes = await asyncio.gather(
-            *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
-            return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                kept = [q["stash"] for q in payloads if "stash" in q]
-                if kept:
-                    self._drop_later(shards.coordinator, {"stash": kept})
-                raise outcome
+        kept = [q["stash"] for q in payloads if "stash" in q]
+        try:
+            outcomes = await asyncio.gather(
+                *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
+                return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        except BaseException:  # a part failed, or the request was cancelled
+            if kept:
+                self._drop_later(shards.coordinator, {"stash": kept})
+            raise
         return list(outcomes)  # type: ignore[arg-type]
 
     async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline

@@ -8,11 +8,19 @@ import os
 import signal
 import sqlite3
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
+from starlette.requests import Request
 
+from engine.language.limits import Limits
+from service.api.errors import pool_problem
+from service.core.config import Settings
+from service.pool import ComputeFailed
+from service.worker import shards as worker_shards
+from service.worker.compute import WorkerContext
 from tests.service.conftest import start_server, stop_server
 from tests.service.test_jobs import same_answer, start, wait
 from tests.service.wire import arr, num, ok, post, problem, t
@@ -546,3 +554,67 @@ def test_a_non_scalar_target_with_shards_says_so(client) -> None:
                                                 "shards": 2}), 422)
         assert "sharded" in found["detail"] and "'s'" in found["detail"], found
         assert "a tape's target" not in found["detail"], found
+
+
+def _worker_context() -> WorkerContext:
+    return WorkerContext(index=0, device="cpu", limits=Limits(), chunk_size=64,
+                         hessian_max_size=100, jacobian_max_elements=1000)
+
+
+def test_the_coordinators_stash_keeps_every_pending_answer(monkeypatch) -> None:
+    """Many requests' parts kept at once (more than the 32 a count bound kept): none is
+    lost before its sum; past the byte bound a part's answer is sent back instead, and
+    the sum takes it as well."""
+    context = _worker_context()
+    answers = [{"value": np.array(float(i)), "gradients": {"w": np.full(3, float(i))},
+                "tape": {"bytes": 1}} for i in range(80)]
+    kept = [worker_shards.stash(context, f"req{i}:0", dict(a)) for i, a in enumerate(answers)]
+    assert all("stashed" in k for k in kept)
+    for i in (0, 40, 79):  # the oldest too
+        summed = worker_shards.shard_combine(
+            {"parts": [kept[i], {"value": np.array(1.0), "gradients": {"w": np.ones(3)}}],
+             "weights": [0.5, 0.5]}, context)
+        assert float(summed["value"]) == (i + 1) / 2
+        close(summed["gradients"]["w"], np.full(3, (i + 1) / 2))
+    worker_shards.shard_drop({"stash": [f"req{i}:0" for i in range(80)]}, context)
+    assert not context.state["shard_stash"]
+    monkeypatch.setattr(worker_shards, "STASH_MOST_BYTES", 100)
+    big = {"value": np.array(2.0), "gradients": {"w": np.ones(20)}, "tape": {"bytes": 1}}
+    sent = worker_shards.stash(context, "big:0", big)
+    assert "stashed" not in sent and not context.state["shard_stash"]
+    summed = worker_shards.shard_combine({"parts": [sent, sent], "weights": [1.0, 1.0]},
+                                         context)
+    close(summed["gradients"]["w"], np.full(20, 2.0))
+
+
+def test_an_idle_sharded_run_leaves_the_worker(monkeypatch) -> None:
+    """A run whose caller never sends the products it needs stops after
+    RUN_IDLE_SECONDS and is no longer among the worker's runs."""
+    monkeypatch.setattr(worker_shards, "RUN_IDLE_SECONDS", 0.05)
+    context = _worker_context()
+    runs = worker_shards._runs(context)
+    run = worker_shards.Run("idle", [["w", [3], "float64"]], runs)
+    runs[run.id] = run
+    run.start(lambda flat: {"product": flat.matvec(np.ones((1, 3)))})
+    deadline = time.monotonic() + 5
+    while runs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runs == {}
+    assert run.next_event()[0] == "need"
+    event, error = run.next_event()
+    assert event == "error" and isinstance(error, worker_shards.RunDropped)
+
+
+def test_a_lost_shard_state_is_a_503_to_retry() -> None:
+    """A coordinator that lost a request's state twice over: 503 with Retry-After (the
+    request was fine; asking again works), never a 500."""
+    settings = Settings()
+    app = SimpleNamespace(state=SimpleNamespace(settings=settings))
+    request = Request({"type": "http", "method": "POST", "path": "/v1/gradient",
+                       "headers": [], "query_string": b"", "app": app})
+    response = pool_problem(request, ComputeFailed({
+        "type": "shard-state-lost", "message": "worker 0 holds no sharded run r1"}))
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == str(settings.retry_after)
+    assert response.headers["Content-Type"] == "application/problem+json"
+    assert b"holds no sharded run" in response.body
