@@ -96,12 +96,18 @@ def test_killed_worker(server, client) -> None:
 
 
 def _wait_dead(pid: int) -> None:
-    """Until the process has exited (a zombie until the server reaps it, or gone)."""
-    for _ in range(500):
+    """Until the process has exited: every thread of it a zombie (until the server reaps
+    it), or gone. Not the main thread alone: it turns zombie while the process's other
+    threads are still exiting, and until the last one has, the process holds its sockets
+    and its parent's waitpid does not report it (a request sent then still reaches it)."""
+    for _ in range(1000):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[-1].startswith(("Z", "X")):
-                    return
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rpartition(") ")[2][:1])
+            if all(s in ("Z", "X") for s in states):
+                return
         except (FileNotFoundError, ProcessLookupError):  # reaped already
             return
         time.sleep(0.01)
