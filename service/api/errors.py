@@ -123,6 +123,11 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
             errors = [{"field": error["field"], "message": error.get("message", "")}]
         extra = {k: v for k, v in error.items()
                  if k not in ("type", "message", "problems", "field")}
+        if error.get("type") == "shard-state-lost":
+            # A sharded request's coordinator lost what it kept between two steps (it
+            # was replaced) twice over: nothing wrong with the request; ask again.
+            return problem_response(scope, "unavailable", error.get("message", ""),
+                                    headers=retry)
         if slug == "internal":
             log.error("internal error in a worker: %s", error.get("message"))
         return problem_response(scope, slug, error.get("message", ""), errors=errors, **extra)

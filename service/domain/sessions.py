@@ -57,6 +57,10 @@ class Tape:
     dirty: bool = False  # usage not yet written to the store
     shards: ShardSet | None = None  # a sharded tape: its parts (service/domain/shards.py)
     parent: Tape | None = None  # a part of a sharded tape: never seen by clients
+    # A stateless request's sharded tape or part: not stored, registered or counted; a
+    # part keeps its recording's spec here (for a rebuild if its worker is replaced).
+    transient: bool = False
+    kept_spec: dict[str, Any] | None = None
 
     @property
     def id(self) -> str:
@@ -219,14 +223,16 @@ class TapeRegistry:
     # Creating -----------------------------------------------------------------------------
     async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
                      time_limit: float, worker: int | None = None,
-                     part_of: tuple[Tape, int] | None = None) -> tuple[Tape, dict[str, Any]]:
+                     part_of: tuple[Tape, int] | None = None, transient: bool = False
+                     ) -> tuple[Tape, dict[str, Any]]:
         """Record a tape in a worker (`worker`, else the least loaded), store it, and
         register it; answer the worker's result (value, gradients, device, resolved
         sources). `part_of`: the tape is part `index` of the sharded tape `parent`,
-        counted in the quotas through it."""
+        counted in the quotas through it. `transient` (a part of a stateless request):
+        kept in memory only, out of the quotas, the store and the eviction accounts."""
         if part_of is None:
             self._check_count(owner)
-        self._creating[owner] += 1
+        self._creating[owner] += 0 if transient else 1
         try:
             tape_id = secrets.token_urlsafe(24)
             worker = self._choose_worker() if worker is None else worker
@@ -243,7 +249,7 @@ class TapeRegistry:
             size = int(result.pop("tape")["bytes"])
             definition = with_applied(spec["definition"], result.pop("applied", None))
             try:
-                self._check_size(owner, size)
+                self._check_size(owner, size, quota=not transient)
                 now = time.time()
                 row = TapeRow(
                     id=tape_id, owner=owner, definition=None, model=model,
@@ -254,14 +260,19 @@ class TapeRegistry:
                     shards=None if part_of is None else {"parent": part_of[0].id,
                                                          "index": part_of[1]},
                 )
-                await asyncio.to_thread(self.store.insert_tape, row, definition)
+                if not transient:
+                    await asyncio.to_thread(self.store.insert_tape, row, definition)
             except BaseException:
                 self._drop_later(reply.worker, [tape_id])
                 raise
         finally:
-            self._creating[owner] -= 1
+            self._creating[owner] -= 0 if transient else 1
         tape = Tape(row, generation=reply.generation,
                     parent=None if part_of is None else part_of[0])
+        if transient:
+            tape.transient = True
+            tape.kept_spec = {**spec, "definition": definition}
+            return tape, result
         self._tapes[tape_id] = tape
         if part_of is None:
             self.metrics.tape_event("created")
@@ -300,7 +311,7 @@ class TapeRegistry:
                 quota="tapes", limit=limit,
             )
 
-    def _check_size(self, owner: str, size: int) -> None:
+    def _check_size(self, owner: str, size: int, quota: bool = True) -> None:
         budget = self.settings.tape_memory_budget
         if size > budget:
             raise ServiceError(
@@ -310,6 +321,8 @@ class TapeRegistry:
                 "the stateless /v1/hvp",
                 limit=budget,
             )
+        if not quota:
+            return
         limit = self.settings.max_tape_bytes_per_key
         used = sum(t.row.bytes for t in self._tapes.values()
                    if t.row.owner == owner and t.shards is None)
@@ -375,7 +388,7 @@ class TapeRegistry:
         tape.dirty = True
         if tape.ended:  # deleted or evicted while this request ran: let it go again
             self._drop_later(worker, [tape.id])
-        else:
+        elif not tape.transient:  # a transient part is out of the eviction accounts
             await self._enforce_budget(worker, keep=tape)
         return reply
 
@@ -396,6 +409,11 @@ class TapeRegistry:
 
     async def _spec(self, tape: Tape) -> dict[str, Any]:
         """What the worker needs to record the tape again: its stored definition."""
+        if tape.kept_spec is not None and not tape.ended:
+            kept = tape.kept_spec
+            return {"definition": kept["definition"], "target": kept["target"],
+                    "sources": tape.row.sources, "output": kept.get("output"),
+                    "shards": kept.get("shards")}
         if tape.ended or tape.row.definition is None:
             raise self._gone(tape.row)
         definition = await asyncio.to_thread(self.store.get_definition, tape.row.definition)

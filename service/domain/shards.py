@@ -159,6 +159,15 @@ def split(definition: Mapping[str, Any], shard_by: Sequence[str] | None, shards:
     return parts, [hi - lo for lo, hi in bounds(total, shards)], names
 
 
+def _source_names(sources: Any) -> list[str]:
+    """The names a request's `sources` take derivatives over (a list, a dict, a name)."""
+    if isinstance(sources, Mapping):
+        return [str(v) for v in sources.values()]
+    if isinstance(sources, str):
+        return [sources]
+    return [str(n) for n in sources or ()]
+
+
 # ----------------------------------------------------------------------------------------
 # A sharded tape
 # ----------------------------------------------------------------------------------------
@@ -236,11 +245,14 @@ class Sharding:
             raise _invalid("shards", f"at most {limit} on this server (max_shards)")
 
     async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
-                     time_limit: float, sharding: Mapping[str, Any]
+                     time_limit: float, sharding: Mapping[str, Any], transient: bool = False
                      ) -> tuple[Tape, dict[str, Any]]:
+        """Record the parts and combine their answers. `transient` (a stateless request's
+        sharded tape): nothing stored, registered or counted; the caller releases it."""
         shards = int(sharding["shards"])
         self.check(shards)
         definitions, rows, names = split(spec["definition"], sharding.get("shard_by"), shards)
+        self._check_sources(_source_names(spec.get("sources")), names)
         deadline = Deadline.after(time_limit)
         now = time.time()
         parent = self.registry.new_tape(TapeRow(
@@ -249,6 +261,7 @@ class Sharding:
             bytes=0, worker=0, device="", rebuilds=0, state="live", ended=None,
             output=spec.get("output"),
         ))
+        parent.transient = transient
         parent.busy += 1  # its parts are not evicted while their siblings are recorded
         placed: Counter[int] = Counter()
         workers = []
@@ -256,23 +269,29 @@ class Sharding:
             worker = self.registry._choose_worker(placed)
             placed[worker] += 1
             workers.append(worker)
-        part_spec = {**spec, "flat": False}  # the coordinator flattens the sum
+        # The coordinator flattens the sum; `shards` words a part's errors for the whole.
+        part_spec = {**spec, "flat": False, "shards": shards}
+        made: list[Tape] = []
 
         async def record(i: int) -> tuple[Tape, dict[str, Any]]:
-            return await self.registry.create(
+            tape, answer = await self.registry.create(
                 owner, {**part_spec, "definition": definitions[i]}, ttl, model,
-                deadline.left(workers[i]), worker=workers[i], part_of=(parent, i))
+                deadline.left(workers[i]), worker=workers[i], part_of=(parent, i),
+                transient=transient)
+            made.append(tape)  # recorded: dropped with the others if the rest fails
+            return tape, answer
 
-        outcomes = await asyncio.gather(*(record(i) for i in range(shards)),
-                                        return_exceptions=True)
-        made = [o[0] for o in outcomes if not isinstance(o, BaseException)]
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
         try:
+            outcomes = await asyncio.gather(*(record(i) for i in range(shards)),
+                                            return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
             parts = [o[0] for o in outcomes]  # type: ignore[index]
             answers = [o[1] for o in outcomes]  # type: ignore[index]
             first = parts[0].row
+            # Default sources are resolved by the workers: checked once they answered.
+            self._check_sources(list(first.sources.values()), names)
             layout = [[k, list(np.shape(g)), str(np.asarray(g).dtype)]
                       for k, g in answers[0]["gradients"].items()]
             parent.shards = ShardSet(parts, rows, str(sharding.get("reduction") or "mean"),
@@ -283,17 +302,36 @@ class Sharding:
             parent.row.worker = first.worker
             parent.row.bytes = sum(p.row.bytes for p in parts)
             parent.row.shards = parent.shards.record()
-            await asyncio.to_thread(self.registry.store.insert_tape, parent.row, None)
+            if not transient:
+                await asyncio.to_thread(self.registry.store.insert_tape, parent.row, None)
         except BaseException:
             parent.shards = None
             for part in made:
                 part.parent = None  # ends alone
-            await self.registry._end(made, "deleted")
+            if transient:
+                self.release_parts(made)
+            else:
+                await self.registry._end(made, "deleted")
             raise
         finally:
             parent.busy -= 1
-        self.registry.register(parent)
+        if not transient:
+            self.registry.register(parent)
         return parent, combined
+
+    def _check_sources(self, sources: Sequence[str], split_inputs: Sequence[str]) -> None:
+        """A split input's gradient has each part's rows: never a sum of the parts'."""
+        split_ones = [n for n in sources if n in split_inputs]
+        if split_ones:
+            raise _invalid("sources", f"input {split_ones[0]!r} is split over the shards "
+                           "(shard_by): its gradient is not a sum of the parts'; take "
+                           "derivatives over the variables, or leave it out of shard_by")
+
+    def release_parts(self, parts: Sequence[Tape]) -> None:
+        """Let a transient sharded tape's parts go from their workers (nothing stored)."""
+        for part in parts:
+            part.row.state = "deleted"
+            self.registry._drop_later(part.row.worker, [part.id])
 
     def restore(self, parent: Tape, tapes: Mapping[str, Tape]) -> bool:
         """Link a sharded tape loaded from the store to its parts; False when one is gone."""
@@ -343,13 +381,7 @@ class Sharding:
             raise _invalid("target", f"a sharded tape answers gradients of its target "
                            f"{tape.row.target!r} only (the parts are combined as its "
                            f"{tape.shards.reduction}); record an unsharded tape for others")
-        sources = payload.get("sources")
-        names = (list(sources.values()) if isinstance(sources, Mapping)
-                 else [sources] if isinstance(sources, str) else list(sources or ()))
-        split_ones = [n for n in names if n in tape.shards.shard_by]
-        if split_ones:
-            raise _invalid("sources", f"input {split_ones[0]!r} is split over the shards: its "
-                           "gradient is not a sum of theirs")
+        self._check_sources(_source_names(payload.get("sources")), tape.shards.shard_by)
 
     async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:
@@ -401,15 +433,18 @@ class Sharding:
                 return await self.registry.call(part, kind, payload,
                                                 deadline.left(part.row.worker))
 
-        outcomes = await asyncio.gather(
-            *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
-            return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                kept = [q["stash"] for q in payloads if "stash" in q]
-                if kept:
-                    self._drop_later(shards.coordinator, {"stash": kept})
-                raise outcome
+        kept = [q["stash"] for q in payloads if "stash" in q]
+        try:
+            outcomes = await asyncio.gather(
+                *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
+                return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        except BaseException:  # a part failed, or the request was cancelled
+            if kept:
+                self._drop_later(shards.coordinator, {"stash": kept})
+            raise
         return list(outcomes)  # type: ignore[arg-type]
 
     async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
@@ -487,8 +522,8 @@ class Sharding:
     # Stateless requests -------------------------------------------------------------------
     async def stateless(self, owner: str, kind: str, payload: Mapping[str, Any],
                         time_limit: float, sharding: Mapping[str, Any]) -> Reply:
-        """POST /v1/gradient or /v1/hvp with `shards`: a sharded tape recorded for the
-        request, asked, and let go (its definition is not kept)."""
+        """POST /v1/gradient or /v1/hvp with `shards`: a transient sharded tape recorded
+        for the request, asked, and let go (on an error or a cancel too)."""
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         flat = bool(payload.get("flat"))
@@ -496,8 +531,9 @@ class Sharding:
                 "sources": payload.get("sources"), "flat": flat, "output": None,
                 "allow_nonfinite": payload.get("allow_nonfinite", False),
                 **({"point": payload["point"]} if payload.get("point") is not None else {})}
-        tape, result = await self.registry.create_sharded(
-            owner, spec, self.registry.settings.tape_ttl, None, time_limit, sharding)
+        # Transient: nothing stored, no quota, no eviction of other tapes on its account.
+        tape, result = await self.create(owner, spec, self.registry.settings.tape_ttl, None,
+                                         time_limit, sharding, transient=True)
         try:
             if kind == "hvp":
                 products = await self.call(tape, "tape_hvp", {
@@ -511,8 +547,8 @@ class Sharding:
                 if flat:  # one flat answer: the gradient's and the products'
                     result["flat"] = {**result.get("flat", {}), **answer["flat"]}
         finally:
-            await self.registry.delete(tape)
-        assert tape.shards is not None
+            assert tape.shards is not None
+            self.release_parts(tape.shards.parts)
         return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
 
     # Updating -----------------------------------------------------------------------------
@@ -527,18 +563,42 @@ class Sharding:
             raise _invalid("inputs", "a sharded tape's inputs are split over its shards: "
                            "record a new sharded tape for new data")
         deadline = Deadline.after(time_limit)
+        store = self.registry.store
         tape.busy += 1
         try:
+            # Every part takes the new values or none does: the old definitions are put
+            # back on the parts that took them when another part (or the sum) fails.
+            old = [await asyncio.to_thread(store.get_definition, p.row.definition)
+                   for p in shards.parts]
             answers = await asyncio.gather(*(
                 self.registry.update(p, variables, {}, deadline.left(p.row.worker),
                                      point=point, flat=False)
                 for p in shards.parts), return_exceptions=True)
-            for answer in answers:
-                if isinstance(answer, BaseException):
-                    raise answer
-            combined = await self._combine(
-                tape, list(answers), {"flat": flat}, deadline)  # type: ignore[arg-type]
+            try:
+                for answer in answers:
+                    if isinstance(answer, BaseException):
+                        raise answer
+                combined = await self._combine(
+                    tape, list(answers), {"flat": flat}, deadline)  # type: ignore[arg-type]
+            except BaseException:
+                updated = [(p, d) for p, d, a in zip(shards.parts, old, answers, strict=True)
+                           if not isinstance(a, BaseException)]
+                await self._restore(updated)
+                raise
         finally:
             tape.busy -= 1
         self.registry.touch(tape)
         return combined
+
+    async def _restore(self, parts: Sequence[tuple[Tape, dict[str, Any] | None]]) -> None:
+        """Give parts their old definitions back (a PATCH failed on a sibling): stored
+        at once, their workers' new recordings dropped, so that the next use records the
+        old values again."""
+        for part, definition in parts:
+            if definition is None:  # cannot happen for a live part; end it rather than mix
+                raise ServiceError("internal", f"the stored definition of shard {part.id} "
+                                   "is missing")
+            part.row.definition = await asyncio.to_thread(
+                self.registry.store.set_tape_definition, part.id, definition)
+            part.generation = None  # recorded again, with the old values, on next use
+            self.registry._drop_later(part.row.worker, [part.id])

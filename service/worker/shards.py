@@ -23,7 +23,6 @@ import math
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +36,12 @@ RUN_IDLE_SECONDS = 600.0  # a run whose caller went away is let go after this
 # The error type of a run or kept part this worker no longer holds (it was replaced
 # between two steps): the HTTP side starts the request's steps again.
 LOST = "shard-state-lost"
-STASH_MOST = 32  # answers kept for a sum that is coming (see stash), oldest out first
+# Answers kept for a sum that is coming (see stash), shared by every request on this
+# worker: an entry is never evicted while its request may still sum it (that was a
+# shard-state-lost under load); past this many bytes a part's answer is sent back
+# instead (it travels, nothing is lost), and an entry whose sum never came (its caller
+# went away) is let go after RUN_IDLE_SECONDS.
+STASH_MOST_BYTES = 256 * 2**20
 
 
 # ----------------------------------------------------------------------------------------
@@ -90,15 +94,40 @@ def combine(parts: Sequence[Mapping[str, Any]], weights: Sequence[float]) -> dic
     return out
 
 
+@dataclasses.dataclass
+class Kept:
+    result: dict[str, Any]
+    bytes: int
+    at: float  # time.monotonic() when kept
+
+
+def _nbytes(tree: Any) -> int:
+    if isinstance(tree, Mapping):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_nbytes(v) for v in tree)
+    return int(tree.nbytes) if isinstance(tree, np.ndarray) else 0
+
+
+def _stash(context: WorkerContext) -> dict[str, Kept]:
+    kept: dict[str, Kept] = context.state.setdefault("shard_stash", {})
+    return kept
+
+
 def stash(context: WorkerContext, key: str, result: dict[str, Any]) -> dict[str, Any]:
     """Keep a part's answer in this worker, the coordinator, for the sum that comes next
-    (shard_combine or shard_step name it by `key`), so that its bytes do not travel to
-    the HTTP process and back; answer the bookkeeping only."""
-    kept: OrderedDict[str, Any] = context.state.setdefault("shard_stash", OrderedDict())
+    (shard_combine or shard_step name it by `key`, unique to the request), so that its
+    bytes do not travel to the HTTP process and back; answer the bookkeeping only. Past
+    STASH_MOST_BYTES the answer itself goes back (the sum takes either)."""
+    kept = _stash(context)
+    now = time.monotonic()
+    for old in [k for k, entry in kept.items() if now - entry.at > RUN_IDLE_SECONDS]:
+        del kept[old]  # its request went away without dropping it
+    size = _nbytes(result)
+    if sum(entry.bytes for entry in kept.values()) + size > STASH_MOST_BYTES:
+        return result
     meta = result.pop("tape", None)
-    kept[key] = result
-    while len(kept) > STASH_MOST:
-        kept.popitem(last=False)
+    kept[key] = Kept(result, size, now)
     return {"stashed": key, "tape": meta}
 
 
@@ -106,11 +135,11 @@ def _part(context: WorkerContext, part: Any, path: Sequence[str] = ()) -> Any:
     """A part's answer as sent, or the one kept here under {"stashed": key}."""
     if not (isinstance(part, Mapping) and "stashed" in part):
         return part
-    kept = context.state.get("shard_stash", {})
-    found = kept.pop(part["stashed"], None)
-    if found is None:
+    entry = _stash(context).pop(part["stashed"], None)
+    if entry is None:
         raise RequestError(LOST, f"worker {context.index} no longer keeps the shard's answer "
                            "to sum (it was restarted meanwhile); ask again")
+    found: Any = entry.result
     for key in path:
         found = found[key]
     return found
@@ -167,8 +196,10 @@ class ShardedFlat:
 class Run:
     """One algorithm in its thread, and the two queues between it and the handlers."""
 
-    def __init__(self, run_id: str, layout: Sequence[Sequence[Any]]):
+    def __init__(self, run_id: str, layout: Sequence[Sequence[Any]],
+                 runs: dict[str, Run] | None = None):
         self.id = run_id
+        self.runs = runs  # the worker's runs (this one leaves them when it is let go)
         self.flat = ShardedFlat(layout, self)
         self.products: queue.Queue[Any] = queue.Queue()  # to the algorithm
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()  # from it
@@ -186,6 +217,12 @@ class Run:
     def _main(self, work: Callable[[ShardedFlat], dict[str, Any]]) -> None:
         try:
             self.events.put(("answer", work(self.flat)))
+        except RunDropped as exc:
+            # Nobody reads its events any more (dropped, or no step came for
+            # RUN_IDLE_SECONDS): it leaves the worker's runs (unless started again).
+            if self.runs is not None and self.runs.get(self.id) is self:
+                self.runs.pop(self.id, None)
+            self.events.put(("error", exc))
         except BaseException as exc:  # noqa: BLE001 - handed to the handler, which raises it
             self.events.put(("error", exc))
 
@@ -265,7 +302,7 @@ def shard_run(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
     old = runs.pop(payload["run"], None)
     if old is not None:  # the same run started again (its first try's caller went away)
         old.products.put(None)
-    run = Run(payload["run"], payload["layout"])
+    run = Run(payload["run"], payload["layout"], runs)
     # The run outlives this request: its arrays out of the request's shared memory.
     work = _work(payload["kind"], shm.detached(payload["payload"]), context, run)
     runs[run.id] = run
@@ -295,7 +332,7 @@ def shard_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     run = _runs(context).pop(payload.get("run") or "", None)
     if run is not None:
         run.products.put(None)
-    kept = context.state.get("shard_stash", {})
+    kept = _stash(context)
     for key in payload.get("stash") or ():
         kept.pop(key, None)
     return {"dropped": run is not None}

@@ -111,6 +111,15 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
     request = program.check_request(spec["target"], spec.get("sources"), "zero",
                                     allow_unused=True)
     target_type = program.types[request.target]
+    if math.prod(target_type.shape) != 1 and spec.get("shards"):
+        # A part of a sharded tape or request: its shape is the part's, not the batch's.
+        raise RequestError(
+            "request",
+            f"the target of a sharded tape or request must be a scalar (the shards' losses "
+            f"are combined into one); {request.target!r} is not: on one of the "
+            f"{spec['shards']} shards of the batch it has shape {list(target_type.shape)}. "
+            "Reduce it over the batch (mean() or sum(), and shard_reduction to match)",
+        )
     if math.prod(target_type.shape) != 1:
         raise RequestError(
             "request",

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
+from starlette.requests import Request
 
+from engine.language.limits import Limits
+from service.api.errors import pool_problem
+from service.core.config import Settings
+from service.pool import ComputeFailed
+from service.worker import shards as worker_shards
+from service.worker.compute import WorkerContext
 from tests.service.conftest import start_server, stop_server
 from tests.service.test_jobs import same_answer, start, wait
 from tests.service.wire import arr, num, ok, post, problem, t
@@ -39,8 +48,8 @@ def definition(program: list[str] = PROGRAM) -> dict:
 
 
 def record(client, **extra) -> dict:
-    body = {"definition": definition(extra.pop("program", PROGRAM)), "target": "loss",
-            **extra}
+    body = {"definition": extra.pop("definition", None) or definition(
+        extra.pop("program", PROGRAM)), "target": "loss", **extra}
     r = client.post("/v1/tapes", json=body)
     assert r.status_code == 201, r.text
     return r.json()
@@ -445,3 +454,167 @@ def test_a_sharded_algorithm_stops_within_its_time(client, pair) -> None:
     assert got["stopped"] == "time_limit" and 0 < got["hvps"] < 5000, got
     assert time.monotonic() - started < 3.0
     assert np.isfinite(got["trace"])
+
+
+@pytest.mark.parametrize("shard_by", [None, ["x", "y"]])
+def test_a_split_input_is_refused_as_a_source(client, shard_by) -> None:
+    """The gradient over a split input has each part's rows, never a sum of the parts':
+    refused (422 naming sources and the input) wherever the sources are given."""
+    held = len(ok(client.get("/v1/tapes"))["tapes"])
+    split = {"shards": 2, **({"shard_by": shard_by} if shard_by else {})}
+    body = {"definition": definition(), "target": "loss", "sources": ["x", "w1"], **split}
+    v = {"x": t(X, "float64"), "w1": t(W1, "float64")}
+    for path, extra in (("/v1/tapes", {}), ("/v1/gradient", {}), ("/v1/hvp", {"vector": v}),
+                        ("/v1/tapes", {"sources": {"a": "w1", "b": "x"}})):
+        found = problem(client.post(path, json={**body, **extra}), 422)
+        assert "sources" in found["detail"] and "'x' is split" in found["detail"], found
+        assert found["errors"][0]["field"] == "sources", found
+    assert len(ok(client.get("/v1/tapes"))["tapes"]) == held  # no parts left behind
+    # An input that is not split is an ordinary source: its gradient is the parts' sum.
+    d = definition()
+    d["inputs"]["c"] = t(np.array(0.3), "float64")
+    d["program"] = [*PROGRAM[:-1], "loss = mean((out - y) ** 2) * c"]
+    plain = post(client, "/v1/gradient", {"definition": d, "target": "loss",
+                                          "sources": ["c", "w1"]})
+    sharded = post(client, "/v1/gradient", {"definition": d, "target": "loss",
+                                            "sources": ["c", "w1"], "shards": 3})
+    close_tensors(sharded["gradients"], plain["gradients"])
+
+
+def test_a_patch_failing_on_one_shard_changes_none(client) -> None:
+    """A PATCH whose new values make one part's loss non-finite fails whole: every part
+    keeps its old values, and the sharded tape answers as the unsharded one still does."""
+    x = np.array([[1.0], [1.0], [-1.0], [-1.0]])  # the second part holds the negatives
+    d = {"variables": {"w": t(np.array([0.1]), "float64")}, "inputs": {"x": t(x, "float64")},
+         "program": ["loss = mean(log(1.0 + x @ w))"]}
+    plain = record(client, definition=d)
+    sharded = record(client, definition=d, shards=2)
+    bad = {"variables": {"w": t(np.array([2.0]), "float64")}}  # log(1 - 2) on part 2
+    for tape in (plain, sharded):
+        found = problem(client.patch(f"/v1/tapes/{tape['tape_id']}", json=bad), 422)
+        assert "non-finite" in found["type"], found
+    want = post(client, f"/v1/tapes/{plain['tape_id']}/gradient", {})
+    got = post(client, f"/v1/tapes/{sharded['tape_id']}/gradient", {})
+    close(num(got["value"]), num(want["value"]))
+    close_tensors(got["gradients"], want["gradients"])
+    v = {"vector": {"w": t(np.array([1.0]), "float64")}}
+    close_tensors(post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
+                  post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"])
+    # ...and a good PATCH afterwards still updates every part.
+    good = {"variables": {"w": t(np.array([0.4]), "float64")}}
+    want = ok(client.patch(f"/v1/tapes/{plain['tape_id']}", json=good))
+    got = ok(client.patch(f"/v1/tapes/{sharded['tape_id']}", json=good))
+    close(num(got["value"]), num(want["value"]))
+    for tape in (plain, sharded):
+        client.delete(f"/v1/tapes/{tape['tape_id']}")
+
+
+def test_stateless_shards_are_out_of_the_quotas_and_the_store(tmp_path) -> None:
+    """A stateless sharded request records no stored tape: a key at its tape quota may
+    make one, and the store holds no row (live or tombstone) and no definition after."""
+    settings = {"GRADTAPE_DATA_DIR": str(tmp_path / "data"), "GRADTAPE_MAX_TAPES_PER_KEY": "1"}
+    srv = start_server(settings, tmp_path / "server.log")
+    db = tmp_path / "data" / "gradtape.sqlite3"
+
+    def rows() -> tuple[int, int]:
+        with sqlite3.connect(db) as con:
+            return (con.execute("SELECT count(*) FROM tapes").fetchone()[0],
+                    con.execute("SELECT count(*) FROM definitions").fetchone()[0])
+
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
+            tape = record(c)
+            found = problem(c.post("/v1/tapes", json={"definition": definition(),
+                                                      "target": "loss"}), 429)
+            assert "max_tapes_per_key" in found["detail"]
+            before = rows()
+            body = {"definition": definition(), "target": "loss"}
+            want = post(c, "/v1/gradient", body)
+            got = post(c, "/v1/gradient", {**body, "shards": 2})
+            close_tensors(got["gradients"], want["gradients"])
+            vs = [wire(v) for v in vectors(5, 2)]
+            want = post(c, "/v1/hvp", {**body, "vectors": vs})
+            got = post(c, "/v1/hvp", {**body, "vectors": vs, "shards": 2})
+            for g, w in zip(got["hvps"], want["hvps"], strict=True):
+                close_tensors(g, w)
+            problem(c.post("/v1/gradient", json={**body, "target": "out", "shards": 2}), 422)
+            assert rows() == before
+            # The stored tape is untouched and still the key's only one.
+            assert [x["tape_id"] for x in ok(c.get("/v1/tapes"))["tapes"]] == [tape["tape_id"]]
+            post(c, f"/v1/tapes/{tape['tape_id']}/gradient", {})
+    finally:
+        stop_server(srv)
+
+
+def test_a_non_scalar_target_with_shards_says_so(client) -> None:
+    d = definition()
+    d["program"] = [*PROGRAM[:-1], "s = sum(out, axis=1)"]
+    for path in ("/v1/tapes", "/v1/gradient"):
+        found = problem(client.post(path, json={"definition": d, "target": "s",
+                                                "shards": 2}), 422)
+        assert "sharded" in found["detail"] and "'s'" in found["detail"], found
+        assert "a tape's target" not in found["detail"], found
+
+
+def _worker_context() -> WorkerContext:
+    return WorkerContext(index=0, device="cpu", limits=Limits(), chunk_size=64,
+                         hessian_max_size=100, jacobian_max_elements=1000)
+
+
+def test_the_coordinators_stash_keeps_every_pending_answer(monkeypatch) -> None:
+    """Many requests' parts kept at once (more than the 32 a count bound kept): none is
+    lost before its sum; past the byte bound a part's answer is sent back instead, and
+    the sum takes it as well."""
+    context = _worker_context()
+    answers = [{"value": np.array(float(i)), "gradients": {"w": np.full(3, float(i))},
+                "tape": {"bytes": 1}} for i in range(80)]
+    kept = [worker_shards.stash(context, f"req{i}:0", dict(a)) for i, a in enumerate(answers)]
+    assert all("stashed" in k for k in kept)
+    for i in (0, 40, 79):  # the oldest too
+        summed = worker_shards.shard_combine(
+            {"parts": [kept[i], {"value": np.array(1.0), "gradients": {"w": np.ones(3)}}],
+             "weights": [0.5, 0.5]}, context)
+        assert float(summed["value"]) == (i + 1) / 2
+        close(summed["gradients"]["w"], np.full(3, (i + 1) / 2))
+    worker_shards.shard_drop({"stash": [f"req{i}:0" for i in range(80)]}, context)
+    assert not context.state["shard_stash"]
+    monkeypatch.setattr(worker_shards, "STASH_MOST_BYTES", 100)
+    big = {"value": np.array(2.0), "gradients": {"w": np.ones(20)}, "tape": {"bytes": 1}}
+    sent = worker_shards.stash(context, "big:0", big)
+    assert "stashed" not in sent and not context.state["shard_stash"]
+    summed = worker_shards.shard_combine({"parts": [sent, sent], "weights": [1.0, 1.0]},
+                                         context)
+    close(summed["gradients"]["w"], np.full(20, 2.0))
+
+
+def test_an_idle_sharded_run_leaves_the_worker(monkeypatch) -> None:
+    """A run whose caller never sends the products it needs stops after
+    RUN_IDLE_SECONDS and is no longer among the worker's runs."""
+    monkeypatch.setattr(worker_shards, "RUN_IDLE_SECONDS", 0.05)
+    context = _worker_context()
+    runs = worker_shards._runs(context)
+    run = worker_shards.Run("idle", [["w", [3], "float64"]], runs)
+    runs[run.id] = run
+    run.start(lambda flat: {"product": flat.matvec(np.ones((1, 3)))})
+    deadline = time.monotonic() + 5
+    while runs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runs == {}
+    assert run.next_event()[0] == "need"
+    event, error = run.next_event()
+    assert event == "error" and isinstance(error, worker_shards.RunDropped)
+
+
+def test_a_lost_shard_state_is_a_503_to_retry() -> None:
+    """A coordinator that lost a request's state twice over: 503 with Retry-After (the
+    request was fine; asking again works), never a 500."""
+    settings = Settings()
+    app = SimpleNamespace(state=SimpleNamespace(settings=settings))
+    request = Request({"type": "http", "method": "POST", "path": "/v1/gradient",
+                       "headers": [], "query_string": b"", "app": app})
+    response = pool_problem(request, ComputeFailed({
+        "type": "shard-state-lost", "message": "worker 0 holds no sharded run r1"}))
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == str(settings.retry_after)
+    assert response.headers["Content-Type"] == "application/problem+json"
+    assert b"holds no sharded run" in response.body
