@@ -49,12 +49,22 @@ SMALL = {
 
 
 class Server:
-    def __init__(self, executor: str, data_dir: str):
+    """A real `gradtape serve` on loopback with the given executor (bench_shards.py uses it
+    too, with two workers and its own limits in `settings`)."""
+
+    def __init__(
+        self,
+        executor: str,
+        data_dir: str,
+        workers: int = 1,
+        settings: dict[str, str] | None = None,
+        timeout: float = 600.0,
+    ):
         self.executor = executor
         self.port = free_port()
         env = {
             **os.environ,
-            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_WORKERS": str(workers),
             "GRADTAPE_ACCESS_LOG": "false",
             "GRADTAPE_LOG_LEVEL": "warning",
             "GRADTAPE_DATA_DIR": data_dir,
@@ -63,6 +73,7 @@ class Server:
             "GRADTAPE_TIME_LIMIT": "120",
             "GRADTAPE_MAX_TIME_LIMIT": "300",
             "GRADTAPE_HVP_MAX_VECTORS": "64",
+            **(settings or {}),
         }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)],
@@ -71,7 +82,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600.0)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             try:
@@ -87,7 +98,7 @@ class Server:
         self.client.close()
         self.process.terminate()  # the server stops its workers (and its Ray) itself
         try:
-            self.process.wait(30)
+            self.process.wait(60)
         except subprocess.TimeoutExpired:
             self.process.kill()
 

@@ -32,7 +32,6 @@ import os
 import platform
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,10 @@ import numpy as np
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_service import free_port, start
+
 MSGPACK = "application/msgpack"
 
 SCENARIO_15 = {
@@ -97,30 +100,6 @@ def small_mlp(binary: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         "target": "loss",
     }
     return body, vector
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(
-    args: list[str], env: dict[str, str], url: str, cwd: Path = ROOT
-) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"{args} did not come up at {url}")
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

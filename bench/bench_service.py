@@ -53,9 +53,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
+def start(
+    args: list[str], env: dict[str, str], url: str, cwd: Path = ROOT
+) -> subprocess.Popen[bytes]:
+    """`args` started in `cwd` (another checkout: bench_request.py's --baseline), once
+    `url` answers 200."""
     process = subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -26,20 +26,18 @@ import itertools
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import msgpack
 import numpy as np
 
-from bench.bench_sessions import MSGPACK, compute_seconds, free_port
+from bench.bench_ray import Server
+from bench.bench_sessions import compute_seconds
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = {  # batch, dims (d, hidden..., out)
     "medium": (256, (256, 512, 512, 512, 10)),
     "large": (1024, (1024, 2048, 2048, 2048, 10)),
@@ -80,45 +78,19 @@ def vectors(shapes: dict[str, tuple[int, ...]], k: int, seed: int) -> list[dict[
     return [{n: tensor(rng.standard_normal(s)) for n, s in shapes.items()} for _ in range(k)]
 
 
-class Server:
-    def __init__(self, executor: str, data_dir: str):
-        self.executor = executor
-        self.port = free_port()
-        env = {**os.environ, "GRADTAPE_WORKERS": "2", "GRADTAPE_ACCESS_LOG": "false",
-               "GRADTAPE_LOG_LEVEL": "warning", "GRADTAPE_DATA_DIR": data_dir,
-               "GRADTAPE_EXECUTOR": executor, "GRADTAPE_MAX_BODY_BYTES": str(512 * 2**20),
-               "GRADTAPE_TIME_LIMIT": "300", "GRADTAPE_MAX_TIME_LIMIT": "600",
-               "GRADTAPE_HVP_MAX_VECTORS": "64",
-               "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(1 << 30)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=900.0)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if self.client.get("/readyz").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the {executor} server did not come up")
-
-    def stop(self) -> None:
-        self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        response = self.client.post(path, content=msgpack.packb(body, use_bin_type=True),
-                                    headers={"content-type": MSGPACK, "accept": MSGPACK})
-        if response.status_code >= 300:
-            raise RuntimeError(f"{path}: {response.status_code} {response.text[:300]}")
-        return response
+def shard_server(executor: str, data_dir: str) -> Server:
+    """Two workers (the shards' room) and limits for the large K=8 rows."""
+    return Server(
+        executor,
+        data_dir,
+        workers=2,
+        settings={
+            "GRADTAPE_TIME_LIMIT": "300",
+            "GRADTAPE_MAX_TIME_LIMIT": "600",
+            "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(1 << 30),
+        },
+        timeout=900.0,
+    )
 
 
 def answer(response: httpx.Response) -> dict[str, Any]:
@@ -136,18 +108,18 @@ def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
 def run(size: str, executor: str, repeat: int, tmp: str) -> list[tuple[str, ...]]:
     definition, shapes = model(size)
     one, eight = vectors(shapes, 1, 1), vectors(shapes, 8, 2)
-    server = Server(executor, f"{tmp}/{executor}-{size}")
+    server = shard_server(executor, f"{tmp}/{executor}-{size}")
     rows = []
     try:
         body = {"definition": definition, "target": "loss"}
-        tapes = {n: answer(server.post("/v1/tapes", {**body, "shards": n}))["tape_id"]
+        tapes = {n: answer(server.packed("/v1/tapes", {**body, "shards": n}))["tape_id"]
                  for n in (1, 2)}
         # The sharded answers against the unsharded ones (float32: rounding only).
         checks = {}
-        grads = {n: answer(server.post(f"/v1/tapes/{tapes[n]}/gradient", {}))["gradients"]
+        grads = {n: answer(server.packed(f"/v1/tapes/{tapes[n]}/gradient", {}))["gradients"]
                  for n in (1, 2)}
         checks["gradient"] = largest_difference(grads[2], grads[1])
-        hvps = {n: answer(server.post(f"/v1/tapes/{tapes[n]}/hvp", {"vector": one[0]}))["hvp"]
+        hvps = {n: answer(server.packed(f"/v1/tapes/{tapes[n]}/hvp", {"vector": one[0]}))["hvp"]
                 for n in (1, 2)}
         checks["hvp"] = largest_difference(hvps[2], hvps[1])
         cases = [
@@ -162,7 +134,7 @@ def run(size: str, executor: str, repeat: int, tmp: str) -> list[tuple[str, ...]
                 for n in (1, 2):
                     path, payload = request(n)
                     started = time.perf_counter()
-                    response = server.post(path, payload)
+                    response = server.packed(path, payload)
                     latency = time.perf_counter() - started
                     if i:
                         samples[n].append((latency, compute_seconds(response)))
