@@ -45,7 +45,7 @@ def mlp(hidden: int, seed: int = 0) -> FlatOperator:
     return FlatOperator(gt.hessian_operator(loss, w1, w2))
 
 
-def timed(f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+def timed(f, *args, **kwargs):
     started = time.perf_counter()
     out = f(*args, **kwargs)
     return out, time.perf_counter() - started

@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_service import free_port, start
+from bench.bench_service import free_port, start, start_floor
 
 N = 10**6
 
@@ -173,23 +173,7 @@ def http_rows(rounds: int) -> list[tuple[str, str]]:
                 f"{base}/readyz",
             )
             servers[name] = (process, base)
-        floor_port = free_port()
-        floor = f"http://127.0.0.1:{floor_port}"
-        floor_process = start(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "bench._floor_app:app",
-                "--port",
-                str(floor_port),
-                "--no-access-log",
-                "--log-level",
-                "warning",
-            ],
-            env,
-            f"{floor}/ping",
-        )
+        floor_process, floor = start_floor(env)
         servers["echo"] = (floor_process, floor)
 
         w = np.random.default_rng(0).standard_normal(N).astype(np.float32)

@@ -49,7 +49,8 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_service import free_port, start
+# (imported after the path is set: run as `python bench/bench_request.py`)
+from bench.bench_service import free_port, start, start_floor
 
 MSGPACK = "application/msgpack"
 
@@ -197,28 +198,11 @@ def main() -> None:
         "GRADTAPE_LOG_LEVEL": "warning",
         "GRADTAPE_WORKERS": "1",
     }
-    floor_port = free_port()
-    floor = f"http://127.0.0.1:{floor_port}"
     processes: list[subprocess.Popen[bytes]] = []
     servers: list[tuple[str, str, str]] = []
     try:
-        processes.append(
-            start(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    "bench._floor_app:app",
-                    "--port",
-                    str(floor_port),
-                    "--no-access-log",
-                    "--log-level",
-                    "warning",
-                ],
-                env,
-                f"{floor}/ping",
-            )
-        )
+        floor_process, floor = start_floor(env)
+        processes.append(floor_process)
         mlp_json, vector_json = small_mlp(binary=False)
         mlp_msgpack, vector_msgpack = small_mlp(binary=True)
         for label, tree in trees:

@@ -11,6 +11,7 @@ without one, every call ends where the first did.
 from __future__ import annotations
 
 import argparse
+import itertools
 import resource
 
 import numpy as np
@@ -39,7 +40,7 @@ def main() -> None:
     x = rng.standard_normal((1024, 1024)).astype(np.float32)
     y = rng.standard_normal((1024, 10)).astype(np.float32)
     weights = [gt.Variable((rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32))
-               for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
+               for a, b in itertools.pairwise(sizes)]
 
     def loss() -> gt.Tensor:
         h = gt.constant(x)

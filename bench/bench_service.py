@@ -73,6 +73,16 @@ def start(
     raise RuntimeError(f"{args} did not come up at {url}")
 
 
+def start_floor(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """bench/_floor_app.py (the trivial endpoints every request is compared with) under
+    uvicorn, as the service runs: its process and base URL."""
+    port = free_port()
+    args = [sys.executable, "-m", "uvicorn", "bench._floor_app:app", "--port", str(port),
+            "--no-access-log", "--log-level", "warning"]
+    url = f"http://127.0.0.1:{port}"
+    return start(args, env, f"{url}/ping"), url
+
+
 def percentiles(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     return ordered[len(ordered) // 2] * 1e3, ordered[int(len(ordered) * 0.99) - 1] * 1e3
@@ -188,26 +198,12 @@ def main() -> None:
         "GRADTAPE_MAX_BODY_BYTES": str(256 * 2**20),
         "GRADTAPE_WORKERS": "1",
     }
-    port, floor_port = free_port(), free_port()
-    base, floor = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{floor_port}"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
     server = start(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port)], env, f"{base}/readyz"
     )
-    floor_server = start(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "bench._floor_app:app",
-            "--port",
-            str(floor_port),
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ],
-        env,
-        f"{floor}/ping",
-    )
+    floor_server, floor = start_floor(env)
     rows: list[tuple[str, str]] = []
     try:
         with httpx.Client(timeout=120) as client:
