@@ -14,6 +14,7 @@ error, never a silent cast: use `cast`.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import numpy as np
@@ -151,7 +152,12 @@ class Variable(Tensor):
         self._uid = next(_variable_ids)  # creation order, for watched_variables()
         self.trainable = bool(trainable)
         self.name = name
-        self._read: VariableRead | None = None
+        # The current read, weakly: the read refers to its variable, so a strong link back
+        # would make every variable a reference cycle, alive until the garbage collector
+        # runs (with its array: a worker's request arrays are views of shared memory it
+        # must give back). While anything uses the read (an op, a tape's record) it lives
+        # and stays the current one.
+        self._read: weakref.ref[VariableRead] | None = None
 
     def assign(self, value: Any) -> Variable:
         """Replace the value (same shape and dtype). What tapes recorded keeps the old one."""
@@ -192,9 +198,10 @@ defjvp(read_variable_p, lambda t, ans, v: t[0])
 
 def read(variable: Variable) -> VariableRead:
     """The Variable's current read, linked to it on every active tape and accumulator."""
-    r = variable._read
+    r = variable._read() if variable._read is not None else None
     if r is None:
-        r = variable._read = VariableRead(variable)
+        r = VariableRead(variable)
+        variable._read = weakref.ref(r)
     for tape in trace.active_tapes:
         tape._record_read(variable, r)
     for accumulator in trace.active_accumulators:

@@ -410,6 +410,11 @@ class _Checker:
         for name in calls:
             if name not in state:
                 visit(name, [])
+        # `visit` refers to itself through its cell: a cycle that would keep this checker,
+        # and the definition's arrays with it, alive until the garbage collector runs (the
+        # service's workers receive those arrays as views of shared memory they must give
+        # back). Emptying the cell breaks it.
+        del visit
         return on_cycle
 
     def check_function_body(

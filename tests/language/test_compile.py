@@ -244,3 +244,29 @@ def test_the_order_of_the_leaves_is_part_of_the_structure() -> None:
     assert float(value.value) == float(ref.value)
     for name in ref_grads:
         np.testing.assert_array_equal(grads[name].value, ref_grads[name].value)
+
+
+def test_a_definitions_arrays_are_freed_without_the_garbage_collector() -> None:
+    """Checking and running a definition leaves no reference cycle holding its arrays (a
+    recursive checker closure and a variable's cached read were two): a service worker
+    receives them as views of shared memory, which it gives back when they die."""
+    import gc
+    import weakref
+
+    clear_cache()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):  # compiled once, then from the cache; dynamic pass, then capture
+            w = np.full((3, 4), 0.5)
+            alive = weakref.ref(w)
+            definition = {**MLP, "variables": {**MLP["variables"], "w1": w}}
+            program = compile_definition(definition)
+            value, grads = program.value_and_gradients(
+                program.check_request("loss", None), program.leaves(definition)
+            )
+            assert grads["w1"].shape == (3, 4) and np.isfinite(value.value)
+            del w, definition, value, grads
+            assert alive() is None
+    finally:
+        gc.enable()
