@@ -330,13 +330,13 @@ class WorkerPool:
                 return
             if w.state != "idle":
                 continue
+            job = next((j for j in self._queue if j.worker in (None, w.index)), None)
+            if job is None:
+                continue
             if self._died_idle(w):
                 # Died while idle, and its reader has not noticed yet: no job goes there.
                 w.state = "down"
                 self._spawn_task(self._replace(w, w.generation, "crash"))
-                continue
-            job = next((j for j in self._queue if j.worker in (None, w.index)), None)
-            if job is None:
                 continue
             self._queue.remove(job)
             # Bound to the worker now, not when _execute first runs: a cancel in between
@@ -351,7 +351,8 @@ class WorkerPool:
             self._spawn_task(self._execute(w, job))
 
     def _died_idle(self, w: _Worker) -> bool:
-        return w.process is not None and not w.process.is_alive()
+        process = w.process
+        return process is not None and (not process.is_alive() or _exiting(process.pid))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -547,6 +548,17 @@ class WorkerPool:
         if w.outbox is not None:
             w.outbox.close()  # unlinked, if the worker died before it mapped it
         w.outbox = w.inbox = None  # arrays from its arena keep their own mapping
+
+
+def _exiting(pid: int | None) -> bool:
+    """Whether the process's main thread has exited (Linux). A killed worker's main thread
+    turns zombie while its other threads are still on their way out; until the last has
+    gone, waitpid does not report the process and its socket still takes a request."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b") ")[2][:1] in (b"Z", b"X")
+    except OSError:  # not Linux, or reaped already (is_alive answers for that)
+        return False
 
 
 def _run_worker(*args: Any) -> None:
