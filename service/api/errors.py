@@ -123,9 +123,10 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
             errors = [{"field": error["field"], "message": error.get("message", "")}]
         extra = {k: v for k, v in error.items()
                  if k not in ("type", "message", "problems", "field")}
-        if error.get("type") == "shard-state-lost":
+        if error.get("type") in ("shard-state-lost", "unavailable"):
             # A sharded request's coordinator lost what it kept between two steps (it
-            # was replaced) twice over: nothing wrong with the request; ask again.
+            # was replaced) twice over, or a process could not map the other's shared
+            # memory (out of descriptors): nothing wrong with the request; ask again.
             return problem_response(scope, "unavailable", error.get("message", ""),
                                     headers=retry)
         if slug == "internal":

@@ -24,6 +24,7 @@ A worker that has started says {"hello": {...}}, or {"fatal": message} and exits
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import struct
@@ -51,6 +52,17 @@ _ARRAY_PREFIX = struct.Struct("!HH")
 # aligned (msgpack hands the data over as a bytes object, whose buffer is 16-byte aligned
 # in CPython), as SIMD loops want it; at 2 mod 8, as it was, elementwise math is slower.
 ALIGNMENT = 16
+
+
+# The key of a message this side received whole but could not read (unpack()): set by
+# the reader only, beside the message's id, never sent.
+UNREADABLE = "unreadable"
+# What running out of, rather than a bad reference, looks like when mapping an arena.
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+class ArenaUnavailable(Exception):
+    """This process could not map the peer's arena for want of descriptors or memory."""
 
 
 class FrameError(ConnectionError):
@@ -147,8 +159,11 @@ def prepare(message: Any, channel: shm.Channel | None) -> Outgoing:
         return _default(obj)
 
     out.body = msgpack.packb(message, default=default, use_bin_type=True)
-    if len(out.body) > MAX_FRAME:
-        raise ValueError(f"message of {len(out.body)} bytes is too large for one frame")
+    # Refused here, at submit, if it could not travel inline: shared memory may refuse
+    # the arrays at dispatch (no room), and then the whole message goes in one frame.
+    inline = len(out.body) + out.end + 64 * len(out.pieces)  # (64: an array's header)
+    if inline > MAX_FRAME:
+        raise ValueError(f"message of {inline} bytes is too large for one frame")
     return out
 
 
@@ -164,7 +179,17 @@ def unpack(body: bytes | bytearray, inbox: shm.Inbox | None = None) -> Any:
             return _shared_array(data, inbox)
         return _ext_hook(code, data)
 
-    return msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    try:
+        return msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    except ArenaUnavailable as exc:
+        # This side could not map the peer's arena (out of descriptors or memory): the
+        # frame was read whole, so the stream is in step and only this message is lost.
+        # Its envelope, read again without its shared arrays, says whose it was; the
+        # reader answers its request with an error instead of taking the peer for dead.
+        envelope = msgpack.unpackb(body, ext_hook=lambda code, data: None, raw=False,
+                                   strict_map_key=False)
+        request_id = envelope.get("id") if isinstance(envelope, dict) else None
+        return {"id": request_id, UNREADABLE: str(exc)}
 
 
 def _shared_array(data: bytes, inbox: shm.Inbox) -> Any:
@@ -176,7 +201,11 @@ def _shared_array(data: bytes, inbox: shm.Inbox) -> Any:
             raise ValueError(f"dtype {dtype!r}")
         nbytes = wire.expected_size(shape) * wire.little_endian(dtype).itemsize
         array = wire.from_bytes(inbox.view(name, offset, nbytes), dtype, shape)
-    except (OSError, TypeError, ValueError, msgpack.UnpackException) as exc:
+    except OSError as exc:
+        if exc.errno in _EXHAUSTED:
+            raise ArenaUnavailable(f"cannot map the peer's shared memory: {exc}") from None
+        raise FrameError(f"a malformed shared-memory array in a worker message: {exc}") from None
+    except (TypeError, ValueError, msgpack.UnpackException) as exc:
         raise FrameError(f"a malformed shared-memory array in a worker message: {exc}") from None
     inbox.handed(name, array)
     return array

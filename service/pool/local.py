@@ -330,13 +330,13 @@ class WorkerPool:
                 return
             if w.state != "idle":
                 continue
-            job = next((j for j in self._queue if j.worker in (None, w.index)), None)
-            if job is None:
-                continue
             if self._died_idle(w):
                 # Died while idle, and its reader has not noticed yet: no job goes there.
                 w.state = "down"
                 self._spawn_task(self._replace(w, w.generation, "crash"))
+                continue
+            job = next((j for j in self._queue if j.worker in (None, w.index)), None)
+            if job is None:
                 continue
             self._queue.remove(job)
             # Bound to the worker now, not when _execute first runs: a cancel in between
@@ -351,8 +351,7 @@ class WorkerPool:
             self._spawn_task(self._execute(w, job))
 
     def _died_idle(self, w: _Worker) -> bool:
-        process = w.process
-        return process is not None and (not process.is_alive() or _exiting(process.pid))
+        return w.process is not None and not w.process.is_alive()
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -378,6 +377,11 @@ class WorkerPool:
             job.fail(ComputeTimeout(job.time_limit, w.index))
             self._spawn_task(self._replace(w, generation, "timeout"))
             return
+        except _NotSent as exc:
+            # Its frame could not be made (nothing of it was written): answered as the
+            # worker's refusal below, the worker free at once, not a wait for a reply
+            # that never comes.
+            message = {"ok": False, "error": {"type": "too-large", "message": str(exc)}}
         except (PoolError, ConnectionError, OSError) as exc:
             # The reader saw the worker go (it replaces it), or writing to it failed.
             if not isinstance(exc, PoolError):
@@ -412,7 +416,11 @@ class WorkerPool:
             ipc.write_message(w.writer, {"id": 0, "kind": ipc.HELD, "payload": held})
         # The worker has answered its previous request (or is new), so nothing reads the
         # request arena now: the large arrays are copied into it here.
-        w.writer.writelines(job.outgoing.frame(w.outbox))
+        try:
+            frames = job.outgoing.frame(w.outbox)
+        except ValueError as exc:  # too large for one frame once shared memory refused it
+            raise _NotSent(str(exc)) from None
+        w.writer.writelines(frames)
         await w.writer.drain()
         return await reply
 
@@ -469,6 +477,11 @@ class WorkerPool:
                             and job.watch.progress is not None and not job.future.done()):
                         job.watch.progress(message["progress"])
                     continue
+                if ipc.UNREADABLE in message:  # its arrays could not be mapped here
+                    message = {"id": message["id"], "ok": False, "error": {
+                        "type": "unavailable",
+                        "message": f"the worker's answer could not be read: "
+                                   f"{message[ipc.UNREADABLE]}; retry shortly"}}
                 held = message.pop("held", None)
                 if w.outbox is not None:  # request arenas the worker keeps arrays of
                     w.outbox.held = set(held or ())
@@ -550,15 +563,8 @@ class WorkerPool:
         w.outbox = w.inbox = None  # arrays from its arena keep their own mapping
 
 
-def _exiting(pid: int | None) -> bool:
-    """Whether the process's main thread has exited (Linux). A killed worker's main thread
-    turns zombie while its other threads are still on their way out; until the last has
-    gone, waitpid does not report the process and its socket still takes a request."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b") ")[2][:1] in (b"Z", b"X")
-    except OSError:  # not Linux, or reaped already (is_alive answers for that)
-        return False
+class _NotSent(Exception):
+    """A request's frame could not be made at dispatch."""
 
 
 def _run_worker(*args: Any) -> None:

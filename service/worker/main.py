@@ -41,6 +41,11 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
             message = ipc.recv_message(sock, inbox)
             if message is None or message.get("kind") == "shutdown":
                 return
+            if ipc.UNREADABLE in message:  # its arrays could not be mapped here
+                error = {"type": "unavailable", "message": "the worker could not read the "
+                         f"request: {message[ipc.UNREADABLE]}; retry shortly"}
+                ipc.send_message(sock, {"id": message["id"], "ok": False, "error": error})
+                continue
             if message.get("kind") == ipc.HELD:
                 # Reply arenas the HTTP process still reads arrays of: not for this reply.
                 if outbox is not None:

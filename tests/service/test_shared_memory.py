@@ -243,6 +243,19 @@ def test_without_room_in_dev_shm_arrays_go_inline(monkeypatch, tmp_path: Path) -
     assert outbox.names == []
 
 
+def test_a_message_that_could_not_travel_inline_is_refused_at_submit(monkeypatch) -> None:
+    """Shared memory may refuse a message's arrays at dispatch (no room), and then the whole
+    message goes in one frame: one that would not fit a frame is refused when it is
+    submitted (as before shared memory), never at dispatch, where it left the worker busy
+    and the caller waiting for ever. Scaled down: frames of 1 MiB, 2.4 MB of arrays."""
+    monkeypatch.setattr(ipc, "MAX_FRAME", 1 << 20)
+    channel = shm.Channel.for_new_pool(1)
+    with pytest.raises(ValueError, match="too large for one frame"):
+        ipc.prepare({"a": np.zeros(300_000)}, channel)
+    small = ipc.prepare({"a": np.zeros(100_000)}, channel)  # 0.8 MB: fits either way
+    assert small.pieces
+
+
 # ---- the pool: a real worker --------------------------------------------------------------
 
 
@@ -296,6 +309,42 @@ def test_the_threshold_setting_and_the_worker_answers() -> None:
             for pool in pools.values():
                 await pool.close()
         assert our_segments(os.getpid()) == []
+
+    asyncio.run(scenario())
+
+
+def test_an_answer_this_process_cannot_map_fails_alone(tmp_path: Path) -> None:
+    """Out of file descriptors (a flood of client connections), the HTTP process cannot
+    map the worker's reply arena: that request gets an 'unavailable' error to retry, and
+    the worker, which did nothing wrong, is kept with its generation (it was taken for a
+    dead one and replaced, losing its tapes); the next request is answered."""
+    import resource
+
+    from service.pool import ComputeFailed
+
+    async def scenario() -> None:
+        pool = WorkerPool(Settings(workers=1))
+        await pool.start()
+        try:
+            before = pool.workers()[0]
+            rng = np.random.default_rng(5)
+            w, x = (rng.standard_normal(100_000).astype(np.float32) for _ in range(2))
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+            try:
+                with pytest.raises(ComputeFailed) as failed:
+                    await pool.submit("gradient", gradient_payload(w, x))
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert failed.value.error["type"] == "unavailable"
+            assert "Too many open files" in failed.value.error["message"]
+            reply = await pool.submit("gradient", gradient_payload(w, x))
+            assert np.array_equal(reply.result["gradients"]["w"], x)
+            after = pool.workers()[0]
+            assert (after.pid, after.generation, after.restarts) == (
+                before.pid, before.generation, before.restarts)
+        finally:
+            await pool.close()
 
     asyncio.run(scenario())
 

@@ -305,6 +305,14 @@ def test_killed_worker_loses_nothing(server, client) -> None:
     victim = next(w for w in server.wait_ready()["workers"] if w["index"] == worker)
     os.kill(victim["pid"], signal.SIGKILL)
     _wait_dead(victim["pid"])
+    # Until the server has seen it go (a request sent while the kernel still finishes the
+    # process's exit could reach it: a 502 to retry, not what this test is about).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = {w["index"]: w for w in client.get("/readyz").json()["workers"]}[worker]
+        if now["generation"] != victim["generation"] or now["state"] != "idle":
+            break
+        time.sleep(0.01)
     after = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": v})  # rebuilt, transparently
     for key in ("k", "b"):
         np.testing.assert_array_equal(arr(after["hvp"][key]), arr(before["hvp"][key]))
