@@ -326,27 +326,37 @@ def test_through_ray_client_a_ray_address(tmp_path, monkeypatch: pytest.MonkeyPa
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # (see the node-removal test)
-    port = _free_port("127.0.0.2")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "node_ip_address": "127.0.0.2",
-            "object_store_memory": 80 * 2**20,
-            "include_dashboard": False,
-            "ray_client_server_port": port,
-        },
-    )
-    srv = None
-    try:
-        srv = start_server(
-            {
-                "GRADTAPE_EXECUTOR": "ray",
-                "GRADTAPE_RAY_ADDRESS": f"ray://127.0.0.2:{port}",
-                "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+    # Ray's client proxy starts a server process per client; that process has been seen
+    # to exit at once, logging nothing (once in five runs of the suite here): the server
+    # then stops with "Starting Ray client server failed", and a fresh cluster is tried,
+    # three at most. Any other failure fails the test at once.
+    for attempt in range(3):
+        port = _free_port("127.0.0.2")
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "node_ip_address": "127.0.0.2",
+                "object_store_memory": 80 * 2**20,
+                "include_dashboard": False,
+                "ray_client_server_port": port,
             },
-            tmp_path / "server.log",
         )
+        try:
+            srv = start_server(
+                {
+                    "GRADTAPE_EXECUTOR": "ray",
+                    "GRADTAPE_RAY_ADDRESS": f"ray://127.0.0.2:{port}",
+                    "GRADTAPE_DATA_DIR": str(tmp_path / f"data{attempt}"),
+                },
+                tmp_path / f"server{attempt}.log",
+            )
+            break
+        except RuntimeError as exc:
+            cluster.shutdown()
+            if "Starting Ray client server failed" not in str(exc) or attempt == 2:
+                raise
+    try:
         workers = srv.wait_ready()["workers"]
         assert len(workers) == 2 and all(w["state"] == "idle" for w in workers)
         head = cluster.head_node.all_processes["raylet"][0].process.pid
@@ -369,8 +379,7 @@ def test_through_ray_client_a_ray_address(tmp_path, monkeypatch: pytest.MonkeyPa
             np.testing.assert_array_equal(arr(again["hvp"]["w"]), arr(before["hvp"]["w"]))
             assert c.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
     finally:
-        if srv is not None:
-            stop_server(srv)
+        stop_server(srv)
         cluster.shutdown()
 
 
