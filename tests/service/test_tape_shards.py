@@ -23,6 +23,7 @@ from service.worker import shards as worker_shards
 from service.worker.compute import WorkerContext
 from tests.service.conftest import start_server, stop_server
 from tests.service.test_jobs import same_answer, start, wait
+from tests.service.test_tape_workloads import kill_worker
 from tests.service.wire import arr, num, ok, post, problem, t
 
 rng = np.random.default_rng(16)
@@ -176,19 +177,6 @@ def test_sum_reduction_and_two_shards(client) -> None:
     assert abs(num(wrong["value"]) - num(plain["value"])) > 1e-3
     for tape in (plain, sharded, wrong):
         client.delete(f"/v1/tapes/{tape['tape_id']}")
-
-
-def kill_worker(server, index: int) -> None:
-    """SIGKILL worker `index` and wait until the pool has replaced it."""
-    victim = next(w for w in server.wait_ready()["workers"] if w["index"] == index)
-    os.kill(victim["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        workers = {w["index"]: w for w in server.wait_ready()["workers"]}
-        if workers[index]["pid"] != victim["pid"]:
-            return
-        time.sleep(0.05)
-    raise TimeoutError("the killed worker was not replaced")
 
 
 def test_a_killed_shard_is_rebuilt_alone(server, client, pair) -> None:

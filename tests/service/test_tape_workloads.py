@@ -208,7 +208,11 @@ def test_post_tape_with_model_and_point(client) -> None:
 
 def kill_worker_of(server, client, tape_id: str) -> None:
     """SIGKILL the worker holding the tape, and wait until the pool has replaced it."""
-    index = ok(client.get(f"/v1/tapes/{tape_id}"))["worker"]
+    kill_worker(server, ok(client.get(f"/v1/tapes/{tape_id}"))["worker"])
+
+
+def kill_worker(server, index: int) -> None:
+    """SIGKILL worker `index` and wait until the pool has replaced it."""
     victim = next(w for w in server.wait_ready()["workers"] if w["index"] == index)
     os.kill(victim["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 30
