@@ -572,13 +572,18 @@ class TapeRegistry:
 
     def _drop_later(self, worker: int, tape_ids: list[str]) -> None:
         """Tell the worker to let the recordings go (after what it is doing now)."""
+        self.send_later(worker, "tape_drop", {"tape_ids": tape_ids})
+
+    def send_later(self, worker: int, kind: str, payload: dict[str, Any]) -> None:
+        """Ask the worker to let something go (a `tape_drop`, a `shard_drop`), after what it
+        is doing now, answering no one."""
 
         async def drop() -> None:
             try:
-                await self.pool.submit("tape_drop", {"tape_ids": tape_ids}, worker=worker,
-                                       time_limit=30.0, queue_bound=False)
-            except PoolError as exc:  # a worker that is gone has dropped them already
-                log.debug("dropping tapes on worker %d: %s", worker, exc)
+                await self.pool.submit(kind, payload, worker=worker, time_limit=30.0,
+                                       queue_bound=False)
+            except PoolError as exc:  # a worker that is gone has let it go already
+                log.debug("%s on worker %d: %s", kind, worker, exc)
 
         # A context of its own: the drop is not cancelled with the request that caused it.
         task = asyncio.get_running_loop().create_task(drop(), context=contextvars.Context())

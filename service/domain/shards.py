@@ -27,7 +27,6 @@ places the parts, routes each request to them and back.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import secrets
 import time
@@ -40,7 +39,7 @@ import numpy as np
 
 from service.core.errors import ServiceError
 from service.core.store import TapeRow, is_ref
-from service.pool import ComputeFailed, ComputeTimeout, PoolError, Reply, WorkerCrashed, calls
+from service.pool import ComputeFailed, ComputeTimeout, Reply, WorkerCrashed, calls
 
 # sessions.Tape and sessions.TapeRegistry: sessions.py imports this module, so they are
 # named here only (the registry hands over what it makes: new_tape).
@@ -232,7 +231,6 @@ class Sharding:
 
     def __init__(self, registry: TapeRegistry):
         self.registry = registry
-        self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def pool(self) -> Any:
@@ -507,17 +505,7 @@ class Sharding:
 
     def _drop_later(self, worker: int, what: dict[str, Any]) -> None:
         """Let the coordinator's run or kept answers go (after what it is doing now)."""
-
-        async def drop() -> None:
-            try:
-                await self.pool.submit("shard_drop", what, worker=worker,
-                                       time_limit=30.0, queue_bound=False)
-            except PoolError as exc:  # a worker that is gone has dropped it already
-                log.debug("dropping sharded run on worker %d: %s", worker, exc)
-
-        task = asyncio.get_running_loop().create_task(drop(), context=contextvars.Context())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.registry.send_later(worker, "shard_drop", what)
 
     # Stateless requests -------------------------------------------------------------------
     async def stateless(self, owner: str, kind: str, payload: Mapping[str, Any],
