@@ -50,19 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # (imported after the path is set: run as `python bench/bench_request.py`)
-from bench.bench_service import free_port, start, start_floor
+from bench.bench_service import SMALL_GRADIENT, free_port, start, start_floor
 
 MSGPACK = "application/msgpack"
 
-SCENARIO_15 = {
-    "definition": {
-        "variables": {"w1": {"value": 2.0}, "w2": {"value": 3.0}},
-        "inputs": {"x1": 5.0, "x2": 7.0},
-        "program": ["s = w1 * x1 + w2 * x2"],
-    },
-    "target": "s",
-    "sources": ["w1", "w2"],
-}
+SCENARIO_15 = SMALL_GRADIENT  # (SCENARIOS.md 15, as bench_service.py sends it)
 DIMS = (16, 32, 32, 4)  # d, hidden x 2, out
 BATCH = 32
 
