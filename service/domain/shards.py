@@ -17,7 +17,11 @@ places the parts, routes each request to them and back.
   request goes to every part at once, and their answers to the coordinator, which sums
   them. An algorithm (eigenvalues, trace, diagonal, spectral density, solve) runs in the
   coordinator, which answers each product it needs as a request for it; the product is
-  asked of every part and the answers sent back to it (see service/worker/shards.py).
+  asked of every part and the answers handed to it (see service/worker/shards.py).
+- The parts' answers do not pass through here: the coordinator's own part keeps its
+  answer in its worker (`stash`), the others' are kept by the pool (`keep`, then
+  `gather` with the sum: service/pool/base.py), which on Ray hands them from node to
+  node as object references; this process routes their keys.
 - A part whose worker was replaced is recorded again on its next use, alone (sessions.py
   does that for every tape); a coordinator lost mid-run restarts the run (the algorithms
   are seeded: the same numbers). A sharded tape ends whole: with its parts, and when one
@@ -39,7 +43,15 @@ import numpy as np
 
 from service.core.errors import ServiceError
 from service.core.store import TapeRow, is_ref
-from service.pool import ComputeFailed, ComputeTimeout, Reply, WorkerCrashed, calls
+from service.pool import (
+    KEEP,
+    KEPT_LOST,
+    ComputeFailed,
+    ComputeTimeout,
+    Reply,
+    WorkerCrashed,
+    calls,
+)
 
 # sessions.Tape and sessions.TapeRegistry: sessions.py imports this module, so they are
 # named here only (the registry hands over what it makes: new_tape).
@@ -48,7 +60,7 @@ TapeRegistry = Any
 
 log = logging.getLogger("gradtape.shards")
 
-LOST = "shard-state-lost"  # the coordinator no longer holds a run or a kept part
+LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
               "tape_solve")
@@ -226,6 +238,12 @@ class ShardSet:
         }
 
 
+def kept_keys(replies: Sequence[Reply]) -> list[str]:
+    """The keys of the parts' answers the pool kept (those the coordinator's worker
+    stashed itself are found there): what the sum gathers."""
+    return [r.result["stashed"] for r in replies if r.result.get("kept")]
+
+
 class Sharding:
     """The sharded tapes of one TapeRegistry (which routes their requests here)."""
 
@@ -388,7 +406,8 @@ class Sharding:
         for attempt in (1, 2):
             replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
             try:
-                return await self._combine(tape, [r.result for r in replies], payload, deadline)
+                return await self._combine(tape, [r.result for r in replies], payload, deadline,
+                                           gather=kept_keys(replies))
             except ComputeFailed as exc:
                 # The coordinator was replaced between the two steps (its kept parts went
                 # with it): ask the parts again, once.
@@ -397,29 +416,38 @@ class Sharding:
         raise AssertionError("unreachable")
 
     async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
-                       payload: Mapping[str, Any], deadline: Deadline) -> dict[str, Any]:
-        """The parts' answers summed by the coordinator (flattened there when asked)."""
+                       payload: Mapping[str, Any], deadline: Deadline,
+                       gather: Sequence[str] = ()) -> dict[str, Any]:
+        """The parts' answers summed by the coordinator (flattened there when asked);
+        `gather`: the keys of those the pool kept (their answers go to it from there)."""
         assert tape.shards is not None
         worker = tape.shards.coordinator
-        reply = await self.pool.submit(
-            "shard_combine",
-            {"parts": answers, "weights": tape.shards.weights, "flat": payload.get("flat"),
-             "allow_nonfinite": payload.get("allow_nonfinite", False)},
-            worker=worker, time_limit=deadline.left(worker))
+        try:
+            reply = await self.pool.submit(
+                "shard_combine",
+                {"parts": answers, "weights": tape.shards.weights, "flat": payload.get("flat"),
+                 "allow_nonfinite": payload.get("allow_nonfinite", False)},
+                worker=worker, time_limit=deadline.left(worker), gather=gather)
+        except BaseException:
+            self.pool.release(gather)  # not taken if the request never left (its deadline)
+            raise
         result: dict[str, Any] = reply.result
         return result
 
     async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
                    deadline: Deadline) -> list[Reply]:
         """`kind` on every part at once (a part's worker lost meanwhile: asked again once,
-        which records that part again alone); the first failure, once all answered. The
-        parts in the coordinator's worker keep their answers there (`stash`: they are
-        summed there next), answering {"stashed": key}: their bytes never travel."""
+        which records that part again alone); the first failure, once all answered. Each
+        part's answer waits for the sum where it is best kept, answering {"stashed":
+        key}: in the coordinator's worker for the parts there (`stash`), and by the pool
+        for the others (`keep`: on Ray, in the object store of the part's node, from
+        where the sum gathers it; kept_keys names them)."""
         shards = tape.shards
         assert shards is not None
         prefix = secrets.token_urlsafe(9)
-        payloads = [{**q, "stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
-                    else q for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
+        payloads = [{**q, "stash" if p.row.worker == shards.coordinator else KEEP:
+                     f"{prefix}:{i}"}
+                    for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
 
         async def ask(part: Tape, payload: dict[str, Any]) -> Reply:
             try:
@@ -442,6 +470,7 @@ class Sharding:
         except BaseException:  # a part failed, or the request was cancelled
             if kept:
                 self._drop_later(shards.coordinator, {"stash": kept})
+            self.pool.release(q[KEEP] for q in payloads if KEEP in q)
             raise
         return list(outcomes)  # type: ignore[arg-type]
 
@@ -475,11 +504,16 @@ class Sharding:
                     replies = await self._fan(tape, "tape_hvp", asked, deadline)
                     parts = [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
                              for r in replies]
-                    reply = await self.pool.submit(
-                        "shard_step",
-                        {"run": run_id, "parts": parts,
-                         "weights": shards.weights, "allow_nonfinite": True},
-                        worker=worker, time_limit=deadline.left(worker))
+                    gather = kept_keys(replies)
+                    try:
+                        reply = await self.pool.submit(
+                            "shard_step",
+                            {"run": run_id, "parts": parts,
+                             "weights": shards.weights, "allow_nonfinite": True},
+                            worker=worker, time_limit=deadline.left(worker), gather=gather)
+                    except BaseException:
+                        self.pool.release(gather)
+                        raise
                 answer: dict[str, Any] = reply.result["answer"]
                 return answer
             except (WorkerCrashed, ComputeFailed) as exc:

@@ -43,10 +43,13 @@ from tests.service.test_tape_algorithms import (  # noqa: F401
     test_trace_within_its_standard_error,
 )
 from tests.service.test_tape_shards import (  # noqa: F401 - sharded over the actors
+    close,
+    hvp_traffic,
     pair,
     test_sharded_algorithms_equal_unsharded,
     test_sharded_hvp_and_batched_hvps_equal_unsharded,
     test_sharded_loss_and_gradient_equal_unsharded,
+    traffic,
 )
 from tests.service.test_tapes import (  # noqa: F401
     test_killed_worker_loses_nothing,
@@ -56,7 +59,7 @@ from tests.service.test_workers import _busy_worker, _wait_dead
 from tests.service.test_workers import (  # noqa: F401
     test_time_limit as test_time_limit_kills_the_actor,
 )
-from tests.service.wire import arr, post, problem
+from tests.service.wire import arr, ok, post, problem, t
 
 pytestmark = pytest.mark.ray
 
@@ -408,3 +411,135 @@ def test_without_ray_installed_the_setting_says_what_to_install(
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ValueError, match=r"needs Ray .*pip install 'gradtape\[ray\]'"):
         make_pool(Settings(executor="ray"))
+
+
+# ----------------------------------------------------------------------------------------
+# Sums between the actors: the parts' answers never come to the HTTP process
+# ----------------------------------------------------------------------------------------
+
+
+def test_the_parts_answers_go_between_the_actors(
+    client: httpx.Client,
+    pair: tuple[dict, dict],  # noqa: F811 - the fixture imported above
+) -> None:
+    """The answer of the part off the coordinator's actor stays in Ray's object store and
+    goes to the coordinator as an object reference: the HTTP process receives the sum
+    only, exactly as for the unsharded tape (test_tape_shards has the local pool's
+    figures, where it passes through once)."""
+    size, plain, sharded = hvp_traffic(client, pair)
+    assert plain == {"to_workers": size, "from_workers": size, "between_workers": 0}
+    assert sharded == {"to_workers": 3 * size, "from_workers": size, "between_workers": size}
+
+
+MLP_ROWS, MLP_IN, MLP_HIDDEN, MLP_OUT = 256, 48, 256, 4  # 13,572 parameters, 106 KiB
+MLP_KEYS = {"w1": (MLP_IN, MLP_HIDDEN), "b1": (MLP_HIDDEN,), "w2": (MLP_HIDDEN, MLP_OUT)}
+
+
+@pytest.fixture(scope="module")
+def mlp(client: httpx.Client) -> Iterator[tuple[str, str]]:
+    """A tanh MLP's mean loss, unsharded and in two shards (one per actor): a parameter
+    vector of 106 KiB, so that a part's answer is an object of Ray's store, not one Ray
+    inlines into its caller's memory (under 100 KiB)."""
+    g = np.random.default_rng(1616)
+    definition = {
+        "variables": {
+            k: t(g.standard_normal(shape) * 0.2, "float64") for k, shape in MLP_KEYS.items()
+        },
+        "inputs": {
+            "x": t(g.standard_normal((MLP_ROWS, MLP_IN)), "float64"),
+            "y": t(g.standard_normal((MLP_ROWS, MLP_OUT)), "float64"),
+        },
+        "program": ["h = tanh(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"],
+    }
+    tapes = []
+    for extra in ({}, {"shards": 2}):
+        r = client.post("/v1/tapes", json={"definition": definition, "target": "loss", **extra})
+        assert r.status_code == 201, r.text
+        tapes.append(r.json()["tape_id"])
+    yield tapes[0], tapes[1]
+    for tape in tapes:
+        client.delete(f"/v1/tapes/{tape}")
+
+
+def _mlp_vectors(k: int, seed: int) -> dict:
+    g = np.random.default_rng(seed)
+    return {
+        "vectors": [
+            {key: t(g.standard_normal(shape), "float64") for key, shape in MLP_KEYS.items()}
+            for _ in range(k)
+        ]
+    }
+
+
+def test_a_large_sharded_hvp_is_summed_between_the_actors(
+    client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    plain, sharded = mlp
+    body = _mlp_vectors(3, 5)
+    size = 3 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
+    want = post(client, f"/v1/tapes/{plain}/hvp", body)["hvps"]
+    before = traffic(client)
+    got = post(client, f"/v1/tapes/{sharded}/hvp", body)["hvps"]
+    after = traffic(client)
+    for g_, w_ in zip(got, want, strict=True):
+        for key in MLP_KEYS:
+            close(arr(g_[key]), arr(w_[key]))
+    moved = {k: after[k] - before[k] for k in after}
+    assert moved == {"to_workers": 2 * size, "from_workers": size, "between_workers": size}
+
+
+def _trace_in_background(base_url: str, tape: str, body: dict) -> tuple[threading.Thread, list]:
+    result: list[httpx.Response] = []
+
+    def run() -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as c:
+            result.append(c.post(f"/v1/tapes/{tape}/trace", json=body))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def _kill_actor(server: Server, index: int) -> dict:
+    victim = next(w for w in server.wait_ready()["workers"] if w["index"] == index)
+    os.kill(victim["pid"], signal.SIGKILL)  # as ray.kill: Ray sees its actor die
+    return victim
+
+
+def test_an_actor_killed_mid_product_and_the_next_answer_is_the_same(
+    server: Server, client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    """A seeded Hutchinson trace over the sharded tape (one product per step, each the
+    two parts' answers summed between the actors); an actor is killed while the run
+    asks its products: the part's, then the coordinator's. The run answers the same
+    numbers (a part lost is asked again, recorded again alone; a coordinator lost runs
+    again) or a clear 5xx, and the next request answers the same as before the kills."""
+    _, sharded = mlp
+    body = {
+        "method": "hutchinson",
+        "max_hvps": 240,
+        "batch_size": 2,
+        "seed": 3,
+        "time_limit": 120,
+        "max_seconds": 120,
+    }
+    reference = post(client, f"/v1/tapes/{sharded}/trace", body)
+    workers = [s["worker"] for s in ok(client.get(f"/v1/tapes/{sharded}"))["shards"]]
+    assert len(set(workers)) == 2  # one part per actor; the first is the coordinator's
+    for victim_index in (workers[1], workers[0]):
+        thread, result = _trace_in_background(server.base_url, sharded, body)
+        time.sleep(reference["seconds"] / 3)  # some of its 120 steps in
+        assert thread.is_alive(), "the run ended before the kill: make it longer"
+        victim = _kill_actor(server, victim_index)
+        thread.join(120)
+        answer = result[0]
+        if answer.status_code == 200:
+            assert answer.json()["trace"] == reference["trace"]
+        else:  # the coordinator's summing request itself was lost: a clear, retryable 5xx
+            found = problem(answer, answer.status_code)
+            assert answer.status_code in (502, 503), found
+        _wait_dead(victim["pid"])
+        again = post(client, f"/v1/tapes/{sharded}/trace", body)
+        assert again["trace"] == reference["trace"]
+        assert again["hvps"] == reference["hvps"]
+    assert ok(client.get(f"/v1/tapes/{sharded}"))["rebuilds"] >= 2
