@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from engine.language.limits import Limits
 from service.api.errors import pool_problem
+from service.core import shm
 from service.core.config import Settings
 from service.pool import ComputeFailed
 from service.worker import shards as worker_shards
@@ -142,6 +143,8 @@ def hvp_traffic(client, pair) -> tuple[int, dict[str, float], dict[str, float]]:
     size = 4 * 8 * sum(int(np.prod(SHAPES[k])) for k in KEYS)  # float64
     deltas, answers = [], []
     for tape in (plain, sharded):
+        # Recorded again first if an earlier test's kill took it (its definition travels).
+        post(client, f"/v1/tapes/{tape['tape_id']}/gradient", {})
         before = traffic(client)
         answers.append(post(client, f"/v1/tapes/{tape['tape_id']}/hvp", body)["hvps"])
         after = traffic(client)
@@ -646,3 +649,59 @@ def test_a_lost_shard_state_is_a_503_to_retry() -> None:
     assert response.headers["Retry-After"] == str(settings.retry_after)
     assert response.headers["Content-Type"] == "application/problem+json"
     assert b"holds no sharded run" in response.body
+
+
+def test_the_pools_kept_answers_are_gathered_once_released_and_lost_clearly() -> None:
+    """The pool protocol under the sums (service/pool/base.py), on a real local pool of
+    two workers: an answer kept from worker 1 (arrays past the shared-memory threshold)
+    is summed in worker 0 when gathered; gathered twice, released, or never kept: the
+    request fails with shard-state-lost (the sharded tape then asks its parts again);
+    nothing is left in /dev/shm."""
+    import asyncio
+
+    from service.pool import KEEP, KEPT_LOST
+    from service.pool.local import WorkerPool
+
+    big = np.arange(50_000, dtype=np.float64)  # 400 KB: through the workers' arenas
+
+    def part(scale: float) -> dict:
+        return {"parts": [{"value": np.array(scale), "gradients": {"w": big * scale}}],
+                "weights": [1.0]}
+
+    async def scenario() -> None:
+        pool = WorkerPool(Settings(workers=2))
+        await pool.start()
+        try:
+            kept = await pool.submit("shard_combine", {**part(2.0), KEEP: "a"}, worker=1)
+            assert kept.result == {"stashed": "a", "kept": True}
+            summed = await pool.submit(
+                "shard_combine",
+                {"parts": [{"stashed": "a"}, part(1.0)["parts"][0]], "weights": [0.5, 0.5]},
+                worker=0, gather=["a"])
+            assert float(summed.result["value"]) == 1.5
+            np.testing.assert_array_equal(summed.result["gradients"]["w"], big * 1.5)
+            for keys in (["a"], ["never"]):  # gathered already; never kept
+                with pytest.raises(ComputeFailed) as lost:
+                    await pool.submit("shard_combine", {"parts": [{"stashed": keys[0]}],
+                                                        "weights": [1.0]}, worker=0,
+                                      gather=keys)
+                assert lost.value.error["type"] == KEPT_LOST
+            await pool.submit("shard_combine", {**part(3.0), KEEP: "b"}, worker=1)
+            pool.release(["b", "unknown"])
+            with pytest.raises(ComputeFailed) as lost:
+                await pool.submit("shard_combine", {"parts": [{"stashed": "b"}],
+                                                    "weights": [1.0]}, worker=0, gather=["b"])
+            assert lost.value.error["type"] == KEPT_LOST
+            # A kept answer's error is answered as ever, and nothing is kept.
+            with pytest.raises(ComputeFailed) as failed:
+                await pool.submit("shard_combine", {"parts": [{"stashed": "nowhere"}],
+                                                    "weights": [1.0], KEEP: "c"}, worker=1)
+            assert failed.value.error["type"] == KEPT_LOST  # the worker's own: no stash
+            assert "c" not in pool._kept
+            prefix = pool._channel.prefix if pool._channel is not None else None
+        finally:
+            await pool.close()
+        if prefix is not None:
+            assert not [n for n in os.listdir(shm.DIRECTORY) if n.startswith(prefix)]
+
+    asyncio.run(scenario())
