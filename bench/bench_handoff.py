@@ -70,20 +70,21 @@ def one_round(n: int, sides: Sides) -> dict[str, tuple[float, float]]:
         return 0.5 * own.astype(np.float64) + 0.5 * np.asarray(result["hvp"]["w"], np.float64)
 
     # The part writes its reply (both ways alike).
-    (_, body), *t = timed(
-        lambda: ipc.prepare({"result": answer}, channel).frame(sides.part_routed))
+    (_, body), *t = timed(lambda: ipc.prepare({"result": answer}, channel).frame(sides.part_routed))
     out["part writes its answer"] = (t[0], t[1])
     # Routed: the HTTP process reads it and packs it for the coordinator.
     result, *t1 = timed(lambda: ipc.unpack(body, sides.http_in)["result"])
     (_, body2), *t2 = timed(
-        lambda: ipc.prepare({"kept": {"k": result}}, channel).frame(sides.http_out))
+        lambda: ipc.prepare({"kept": {"k": result}}, channel).frame(sides.http_out)
+    )
     out["HTTP process: read + forward"] = (t1[0] + t2[0], t1[1] + t2[1])
     _, *t = timed(lambda: summed(ipc.unpack(body2, sides.coordinator_in)["kept"]["k"]))
     out["coordinator reads + sums (routed)"] = (t[0], t[1])
     result = None  # its arena free again, as the pool lets it go once forwarded
     # Handoff: the coordinator maps the part's segment itself.
     (_, body), *_ = timed(
-        lambda: ipc.prepare({"result": answer}, channel).frame(sides.part_handoff))
+        lambda: ipc.prepare({"result": answer}, channel).frame(sides.part_handoff)
+    )
     _, *t = timed(lambda: summed(ipc.unpack(body, sides.coordinator_from_part)["result"]))
     out["coordinator reads + sums (handoff)"] = (t[0], t[1])
     return out
@@ -93,8 +94,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args()
-    print(f"load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"{os.cpu_count()} CPUs"
+    )
     print()
     print("| vector | step | wall ms (p50) | CPU ms (p50) |")
     print("|---|---|---|---|")
