@@ -445,8 +445,10 @@ class Sharding:
         shards = tape.shards
         assert shards is not None
         prefix = secrets.token_urlsafe(9)
-        payloads = [{**q, "stash" if p.row.worker == shards.coordinator else KEEP:
-                     f"{prefix}:{i}"}
+        # A coordinator's part past its stash's room (STASH_MOST_BYTES) is kept by the pool.
+        payloads = [{**q, KEEP: f"{prefix}:{i}",
+                     **({"stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
+                        else {})}
                     for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
 
         async def ask(part: Tape, payload: dict[str, Any]) -> Reply:

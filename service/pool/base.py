@@ -182,9 +182,11 @@ class Pool(Protocol):
         WorkerCrashed, Cancelled, ComputeFailed with the worker's description of the error).
 
         Kept answers, for a sum in another worker (service/domain/shards.py): a payload
-        (a dict) with `"keep": key` asks that the answer be kept by the pool, not returned:
-        the Reply's result is then `{"stashed": key, "kept": True, **its KEPT_FIELDS}` (an error is
-        answered as ever). A later request that names the key in `gather` finds the kept
+        (a dict) with `"keep": key` asks that the answer be kept by the pool, not
+        returned: the Reply's result is then `{"stashed": key, "kept": True, **its
+        KEPT_FIELDS}` (an error is answered as ever; an answer its worker stashed itself,
+        `"stash"` in the payload too, comes back as the worker's `{"stashed": key}`,
+        not kept again). A later request that names the key in `gather` finds the kept
         answer in its worker's stash under that key (service/worker/shards.py reads
         `{"stashed": key}` there); each is gathered once. Where it waits meanwhile is the
         backend's: Ray's object store on the node that computed it, moved node to node

@@ -340,6 +340,8 @@ class WorkerPool:
         """A kept request's reply: its answer kept here, its handle returned."""
         assert job.keep is not None
         result = message.get("result")
+        if isinstance(result, dict) and "stashed" in result:
+            return result  # its worker stashed it itself: nothing to keep here
         kept = {k: v for k, v in result.items() if k not in KEPT_FIELDS} \
             if isinstance(result, dict) else result
         self._keep(job.keep, kept, array_bytes(kept))

@@ -165,8 +165,8 @@ class EngineActor:
     def _answer_kept(self, message: dict[str, Any]) -> tuple[bytes, bytes]:
         reply = self._reply(message)
         result = reply.get("result")
-        if not reply.get("ok") or not isinstance(result, dict):
-            return self._answer_of(reply), b""
+        if not reply.get("ok") or not isinstance(result, dict) or "stashed" in result:
+            return self._answer_of(reply), b""  # an error, or stashed here: nothing kept
         small = {k: result.pop(k) for k in KEPT_FIELDS if k in result}
         try:
             kept = ipc.pack(result)
@@ -389,7 +389,7 @@ class RayPool(WorkerPool):
                 },
             }
         reply: dict[str, Any] = ipc.unpack(body)
-        if kept_ref is not None and reply.get("ok"):
+        if kept_ref is not None and "kept_bytes" in reply:
             reply["kept_ref"] = kept_ref  # for _kept_answer, which keeps it (or lets it go)
         return reply
 
@@ -407,6 +407,8 @@ class RayPool(WorkerPool):
     def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
         """The kept answer's ref, kept; its handle and bookkeeping returned."""
         assert job.keep is not None
+        if "kept_ref" not in message:
+            return message.get("result")  # its actor stashed it itself: nothing kept
         ref = message.pop("kept_ref")
         self._keep(job.keep, ref, int(message.get("kept_bytes", 0)))
         return kept_reply(job.keep, message.get("result"))

@@ -698,6 +698,14 @@ def test_the_pools_kept_answers_are_gathered_once_released_and_lost_clearly() ->
                                                     "weights": [1.0], KEEP: "c"}, worker=1)
             assert failed.value.error["type"] == KEPT_LOST  # the worker's own: no stash
             assert "c" not in pool._kept
+            # Stashed by its worker itself (the coordinator's own part): not kept again;
+            # the sum in that worker finds it there.
+            own = await pool.submit("shard_combine", {**part(4.0), KEEP: "d", "stash": "d"},
+                                    worker=0)
+            assert own.result == {"stashed": "d", "tape": None} and "d" not in pool._kept
+            summed = await pool.submit(
+                "shard_combine", {"parts": [{"stashed": "d"}], "weights": [0.25]}, worker=0)
+            np.testing.assert_array_equal(summed.result["gradients"]["w"], big)
             prefix = pool._channel.prefix if pool._channel is not None else None
         finally:
             await pool.close()
