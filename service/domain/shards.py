@@ -238,10 +238,10 @@ class ShardSet:
         }
 
 
-def kept_keys(replies: Sequence[Reply]) -> list[str]:
+def kept_keys(parts: Sequence[Any]) -> list[str]:
     """The keys of the parts' answers the pool kept (those the coordinator's worker
     stashed itself are found there): what the sum gathers."""
-    return [r.result["stashed"] for r in replies if r.result.get("kept")]
+    return [p["stashed"] for p in parts if isinstance(p, Mapping) and p.get("kept")]
 
 
 class Sharding:
@@ -406,8 +406,10 @@ class Sharding:
         for attempt in (1, 2):
             replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
             try:
-                return await self._combine(tape, [r.result for r in replies], payload, deadline,
-                                           gather=kept_keys(replies))
+                parts, weights = await self._merge_kept(
+                    [r.result for r in replies], tape.shards.weights,
+                    [r.worker for r in replies], deadline)
+                return await self._combine(tape, parts, payload, deadline, weights)
             except ComputeFailed as exc:
                 # The coordinator was replaced between the two steps (its kept parts went
                 # with it): ask the parts again, once.
@@ -417,15 +419,18 @@ class Sharding:
 
     async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
                        payload: Mapping[str, Any], deadline: Deadline,
-                       gather: Sequence[str] = ()) -> dict[str, Any]:
+                       weights: Sequence[float] | None = None) -> dict[str, Any]:
         """The parts' answers summed by the coordinator (flattened there when asked);
-        `gather`: the keys of those the pool kept (their answers go to it from there)."""
+        those the pool kept ({"stashed": key, "kept": true}) go to it from where they
+        are. `weights`: the answers' own (default: the shards')."""
         assert tape.shards is not None
         worker = tape.shards.coordinator
+        gather = kept_keys(answers)
         try:
             reply = await self.pool.submit(
                 "shard_combine",
-                {"parts": answers, "weights": tape.shards.weights, "flat": payload.get("flat"),
+                {"parts": answers, "weights": list(weights or tape.shards.weights),
+                 "flat": payload.get("flat"),
                  "allow_nonfinite": payload.get("allow_nonfinite", False)},
                 worker=worker, time_limit=deadline.left(worker), gather=gather)
         except BaseException:
@@ -433,6 +438,51 @@ class Sharding:
             raise
         result: dict[str, Any] = reply.result
         return result
+
+    async def _merge_kept(self, parts: list[Any], weights: Sequence[float],
+                          workers: Sequence[int], deadline: Deadline
+                          ) -> tuple[list[Any], list[float]]:
+        """Sum the kept answers pairwise where they are, level by level, until one is
+        left (the coordinator then receives one answer and its own parts', not n - 1:
+        log2(n) steps of one answer each instead of n - 1 into one worker). Only where
+        the pool moves kept answers between workers (Ray); through this process (the
+        local pool) each merge would add hops. A merge's failure fails the sum as the
+        sum's own would (every kept answer let go)."""
+        kept = [i for i, p in enumerate(parts) if isinstance(p, Mapping) and p.get("kept")]
+        if len(kept) < 2 or not self.pool.kept_between_workers:
+            return parts, list(weights)
+        parts, weights, where = list(parts), list(weights), list(workers)
+        prefix = secrets.token_urlsafe(9)
+
+        async def merge(a: int, b: int, key: str) -> None:
+            worker = where[a]  # a's answer is there already: only b's moves
+            reply = await self.pool.submit(
+                "shard_combine",
+                {"parts": [parts[a], parts[b]], "weights": [weights[a], weights[b]],
+                 KEEP: key, "allow_nonfinite": True},
+                worker=worker, time_limit=deadline.left(worker),
+                gather=[parts[a]["stashed"], parts[b]["stashed"]])
+            parts[a], weights[a] = reply.result, 1.0
+
+        merged: set[int] = set()  # answers summed into another's: out of the sum
+        level = 0
+        try:
+            while len(kept) > 1:
+                pairs = list(zip(kept[0::2], kept[1::2], strict=False))
+                outcomes = await asyncio.gather(
+                    *(merge(a, b, f"{prefix}:{level}:{a}") for a, b in pairs),
+                    return_exceptions=True)
+                merged.update(b for _, b in pairs)  # gathered: consumed either way
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                kept = [i for i in kept if i not in merged]
+                level += 1
+        except BaseException:
+            self.pool.release(kept_keys(parts))
+            raise
+        left = [i for i in range(len(parts)) if i not in merged]
+        return [parts[i] for i in left], [weights[i] for i in left]
 
     async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
                    deadline: Deadline) -> list[Reply]:
@@ -504,14 +554,16 @@ class Sharding:
                     self._report(reply.result.get("progress"))
                     asked = [{**product, "vectors": reply.result["need"]}] * len(shards.parts)
                     replies = await self._fan(tape, "tape_hvp", asked, deadline)
-                    parts = [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
-                             for r in replies]
-                    gather = kept_keys(replies)
+                    parts, weights = await self._merge_kept(
+                        [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
+                         for r in replies], shards.weights, [r.worker for r in replies],
+                        deadline)
+                    gather = kept_keys(parts)
                     try:
                         reply = await self.pool.submit(
                             "shard_step",
                             {"run": run_id, "parts": parts,
-                             "weights": shards.weights, "allow_nonfinite": True},
+                             "weights": weights, "allow_nonfinite": True},
                             worker=worker, time_limit=deadline.left(worker), gather=gather)
                     except BaseException:
                         self.pool.release(gather)

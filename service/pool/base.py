@@ -198,6 +198,11 @@ class Pool(Protocol):
         next op, raising Cancelled), call `started()` when a worker takes it, and pass the
         worker's progress reports to `progress` when the payload asked for them."""
 
+    @property
+    def kept_between_workers(self) -> bool:
+        """Whether kept answers go from worker to worker without this process (a sum
+        is then worth splitting into a tree of merges where the answers are)."""
+
     def release(self, keys: Iterable[str]) -> None:
         """Let kept answers go that no request will gather (their request failed or was
         cancelled); unknown keys are ignored."""

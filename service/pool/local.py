@@ -347,6 +347,10 @@ class WorkerPool:
         self._keep(job.keep, kept, array_bytes(kept))
         return kept_reply(job.keep, result)
 
+    @property
+    def kept_between_workers(self) -> bool:
+        return False  # kept here: each hop passes through this process
+
     def release(self, keys: Iterable[str]) -> None:
         """Let kept answers go that no request will gather; unknown keys are ignored."""
         for key in keys:

@@ -130,10 +130,11 @@ class EngineActor:
         return self._engine.submit(self._answer, message).result()
 
     @ray.method(num_returns=2)  # type: ignore[misc]
-    def run_keep(self, body: bytes) -> tuple[bytes, bytes]:
+    def run_keep(self, body: bytes, *kept: bytes) -> tuple[bytes, bytes]:
         """Answer one request whose answer is kept: (the reply without it, the answer's
-        ipc bytes; b"" for an error reply)."""
-        message = self._received(body, ())
+        ipc bytes; b"" for an error reply). `kept`: as `run`'s (a merge of kept answers
+        is kept in turn)."""
+        message = self._received(body, kept)
         return self._engine.submit(self._answer_kept, message).result()
 
     def _received(self, body: bytes, kept: tuple[bytes, ...]) -> dict[str, Any]:
@@ -350,7 +351,7 @@ class RayPool(WorkerPool):
         try:
             # The ipc bytes packed at submit (and the refs of the answers it gathers).
             if job.keep is not None:
-                ref, kept_ref = actor.run_keep.remote(job.outgoing.body)
+                ref, kept_ref = actor.run_keep.remote(job.outgoing.body, *job.gathered)
             else:
                 ref = actor.run.remote(job.outgoing.body, *job.gathered)
             watch = job.watch
@@ -403,6 +404,10 @@ class RayPool(WorkerPool):
         message["gather"] = list(keys)
         self.observer.arrays_moved("between_workers", sum(k.nbytes for k in kept))
         return [k.value for k in kept]
+
+    @property
+    def kept_between_workers(self) -> bool:
+        return True  # node to node, as object references
 
     def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
         """The kept answer's ref, kept; its handle and bookkeeping returned."""

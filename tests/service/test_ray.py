@@ -435,13 +435,9 @@ MLP_ROWS, MLP_IN, MLP_HIDDEN, MLP_OUT = 256, 48, 256, 4  # 13,572 parameters, 10
 MLP_KEYS = {"w1": (MLP_IN, MLP_HIDDEN), "b1": (MLP_HIDDEN,), "w2": (MLP_HIDDEN, MLP_OUT)}
 
 
-@pytest.fixture(scope="module")
-def mlp(client: httpx.Client) -> Iterator[tuple[str, str]]:
-    """A tanh MLP's mean loss, unsharded and in two shards (one per actor): a parameter
-    vector of 106 KiB, so that a part's answer is an object of Ray's store, not one Ray
-    inlines into its caller's memory (under 100 KiB)."""
+def mlp_definition() -> dict:
     g = np.random.default_rng(1616)
-    definition = {
+    return {
         "variables": {
             k: t(g.standard_normal(shape) * 0.2, "float64") for k, shape in MLP_KEYS.items()
         },
@@ -451,6 +447,14 @@ def mlp(client: httpx.Client) -> Iterator[tuple[str, str]]:
         },
         "program": ["h = tanh(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"],
     }
+
+
+@pytest.fixture(scope="module")
+def mlp(client: httpx.Client) -> Iterator[tuple[str, str]]:
+    """A tanh MLP's mean loss, unsharded and in two shards (one per actor): a parameter
+    vector of 106 KiB, so that a part's answer is an object of Ray's store, not one Ray
+    inlines into its caller's memory (under 100 KiB)."""
+    definition = mlp_definition()
     tapes = []
     for extra in ({}, {"shards": 2}):
         r = client.post("/v1/tapes", json={"definition": definition, "target": "loss", **extra})
@@ -543,3 +547,44 @@ def test_an_actor_killed_mid_product_and_the_next_answer_is_the_same(
         assert again["trace"] == reference["trace"]
         assert again["hvps"] == reference["hvps"]
     assert ok(client.get(f"/v1/tapes/{sharded}"))["rebuilds"] >= 2
+
+
+def test_four_shards_sum_their_kept_answers_in_a_tree(
+    client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    """Four shards on the two actors (parts on a, b, a, b): the two kept answers of b's
+    parts are summed on b first (a merge where they are), and the coordinator receives
+    that one answer beside its own two parts'; the HVP and an algorithm's products equal
+    the unsharded tape's. The HTTP process still receives the sum only."""
+    plain, _ = mlp
+    r = client.post(
+        "/v1/tapes", json={"definition": mlp_definition(), "target": "loss", "shards": 4}
+    )
+    assert r.status_code == 201, r.text
+    four = r.json()["tape_id"]
+    try:
+        assert [s["worker"] for s in ok(client.get(f"/v1/tapes/{four}"))["shards"]] in (
+            [0, 1, 0, 1],
+            [1, 0, 1, 0],
+        )
+        vectors = _mlp_vectors(2, 9)
+        size = 2 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
+        want = post(client, f"/v1/tapes/{plain}/hvp", vectors)["hvps"]
+        post(client, f"/v1/tapes/{four}/gradient", {})  # warm: nothing recorded again below
+        before = traffic(client)
+        got = post(client, f"/v1/tapes/{four}/hvp", vectors)["hvps"]
+        after = traffic(client)
+        for g_, w_ in zip(got, want, strict=True):
+            for key in MLP_KEYS:
+                close(arr(g_[key]), arr(w_[key]))
+        moved = {k: after[k] - before[k] for k in after}
+        # Two kept answers into the merge, the merged one into the coordinator.
+        assert moved == {"to_workers": 4 * size, "from_workers": size, "between_workers": 3 * size}
+        eigen = {"k": 2, "tol": 1e-10, "max_hvps": 80}
+        close(
+            post(client, f"/v1/tapes/{four}/eigenvalues", eigen)["eigenvalues"],
+            post(client, f"/v1/tapes/{plain}/eigenvalues", eigen)["eigenvalues"],
+            1e-9,
+        )
+    finally:
+        client.delete(f"/v1/tapes/{four}")
