@@ -442,14 +442,14 @@ class Sharding:
     async def _merge_kept(self, parts: list[Any], weights: Sequence[float],
                           workers: Sequence[int], deadline: Deadline
                           ) -> tuple[list[Any], list[float]]:
-        """Sum the kept answers pairwise where they are, level by level, until one is
-        left (the coordinator then receives one answer and its own parts', not n - 1:
-        log2(n) steps of one answer each instead of n - 1 into one worker). Only where
-        the pool moves kept answers between workers (Ray); through this process (the
-        local pool) each merge would add hops. A merge's failure fails the sum as the
-        sum's own would (every kept answer let go)."""
+        """Sum the kept answers pairwise where they are, level by level, until two are
+        left for the coordinator to gather beside its own parts' (not n - 1 into one
+        worker: about log2(n) steps of one answer each). Only where the pool moves kept
+        answers between workers (Ray); through this process (the local pool) each merge
+        would add hops. A merge's failure fails the sum as the sum's own would (every
+        kept answer let go)."""
         kept = [i for i, p in enumerate(parts) if isinstance(p, Mapping) and p.get("kept")]
-        if len(kept) < 2 or not self.pool.kept_between_workers:
+        if len(kept) <= 2 or not self.pool.kept_between_workers:
             return parts, list(weights)
         parts, weights, where = list(parts), list(weights), list(workers)
         prefix = secrets.token_urlsafe(9)
@@ -467,7 +467,7 @@ class Sharding:
         merged: set[int] = set()  # answers summed into another's: out of the sum
         level = 0
         try:
-            while len(kept) > 1:
+            while len(kept) > 2:
                 pairs = list(zip(kept[0::2], kept[1::2], strict=False))
                 outcomes = await asyncio.gather(
                     *(merge(a, b, f"{prefix}:{level}:{a}") for a, b in pairs),

@@ -549,42 +549,43 @@ def test_an_actor_killed_mid_product_and_the_next_answer_is_the_same(
     assert ok(client.get(f"/v1/tapes/{sharded}"))["rebuilds"] >= 2
 
 
-def test_four_shards_sum_their_kept_answers_in_a_tree(
+def test_six_shards_sum_their_kept_answers_in_a_tree(
     client: httpx.Client, mlp: tuple[str, str]
 ) -> None:
-    """Four shards on the two actors (parts on a, b, a, b): the two kept answers of b's
-    parts are summed on b first (a merge where they are), and the coordinator receives
-    that one answer beside its own two parts'; the HVP and an algorithm's products equal
-    the unsharded tape's. The HTTP process still receives the sum only."""
+    """Six shards on the two actors (parts on a, b, a, b, a, b): two of the three kept
+    answers of b's parts are summed on b first (a merge where they are), and the
+    coordinator gathers that one and the third beside its own three parts'; the HVP and
+    an algorithm's products equal the unsharded tape's. The HTTP process still receives
+    the sum only."""
     plain, _ = mlp
     r = client.post(
-        "/v1/tapes", json={"definition": mlp_definition(), "target": "loss", "shards": 4}
+        "/v1/tapes", json={"definition": mlp_definition(), "target": "loss", "shards": 6}
     )
     assert r.status_code == 201, r.text
-    four = r.json()["tape_id"]
+    six = r.json()["tape_id"]
     try:
-        assert [s["worker"] for s in ok(client.get(f"/v1/tapes/{four}"))["shards"]] in (
-            [0, 1, 0, 1],
-            [1, 0, 1, 0],
+        assert [s["worker"] for s in ok(client.get(f"/v1/tapes/{six}"))["shards"]] in (
+            [0, 1, 0, 1, 0, 1],
+            [1, 0, 1, 0, 1, 0],
         )
         vectors = _mlp_vectors(2, 9)
         size = 2 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
         want = post(client, f"/v1/tapes/{plain}/hvp", vectors)["hvps"]
-        post(client, f"/v1/tapes/{four}/gradient", {})  # warm: nothing recorded again below
+        post(client, f"/v1/tapes/{six}/gradient", {})  # warm: nothing recorded again below
         before = traffic(client)
-        got = post(client, f"/v1/tapes/{four}/hvp", vectors)["hvps"]
+        got = post(client, f"/v1/tapes/{six}/hvp", vectors)["hvps"]
         after = traffic(client)
         for g_, w_ in zip(got, want, strict=True):
             for key in MLP_KEYS:
                 close(arr(g_[key]), arr(w_[key]))
         moved = {k: after[k] - before[k] for k in after}
-        # Two kept answers into the merge, the merged one into the coordinator.
-        assert moved == {"to_workers": 4 * size, "from_workers": size, "between_workers": 3 * size}
+        # Two kept answers into the merge; the merged one and the third into the sum.
+        assert moved == {"to_workers": 6 * size, "from_workers": size, "between_workers": 4 * size}
         eigen = {"k": 2, "tol": 1e-10, "max_hvps": 80}
         close(
-            post(client, f"/v1/tapes/{four}/eigenvalues", eigen)["eigenvalues"],
+            post(client, f"/v1/tapes/{six}/eigenvalues", eigen)["eigenvalues"],
             post(client, f"/v1/tapes/{plain}/eigenvalues", eigen)["eigenvalues"],
             1e-9,
         )
     finally:
-        client.delete(f"/v1/tapes/{four}")
+        client.delete(f"/v1/tapes/{six}")
