@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
+    "--http-workers": ("http_workers", int,
+                       "HTTP processes sharing the port and the store (default 1)"),
     "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--executor": ("executor", str, "what runs the workers: local (processes) or ray (actors)"),
@@ -69,15 +72,37 @@ def serve(overrides: dict[str, Any]) -> int:
     except ValueError as exc:
         print(f"gradtape: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=10,
-    )
+    options: dict[str, Any] = {
+        "host": settings.host, "port": settings.port, "log_level": settings.log_level,
+        "access_log": settings.access_log, "timeout_graceful_shutdown": 10,
+    }
+    if settings.http_workers == 1:
+        uvicorn.run(app, **options)
+        return 0
+    # Several processes: uvicorn starts each with the factory, which reads its settings
+    # from the environment (the flags go there), and they share the store file, created
+    # or migrated here once before they open it together.
+    from service.core.store import Store, StoreError
+
+    store = Store(settings.resolved_store_path())
+    try:
+        store.open()
+    except StoreError as exc:
+        print(f"gradtape: {exc}", file=sys.stderr)
+        return 2
+    store.close()
+    os.environ.update(settings_environment(overrides))
+    uvicorn.run("service.api.app:create_app", factory=True, workers=settings.http_workers,
+                **options)
     return 0
+
+
+def settings_environment(overrides: dict[str, Any]) -> dict[str, str]:
+    """The GRADTAPE_* variables that give a child process these flag overrides."""
+    return {f"GRADTAPE_{name.upper()}": (json.dumps(value) if isinstance(value, dict | list)
+                                         else str(value).lower() if isinstance(value, bool)
+                                         else str(value))
+            for name, value in overrides.items()}
 
 
 def openapi_document() -> str:
