@@ -1,6 +1,6 @@
 """`gradtape`: serve the API, or write its OpenAPI document.
 
-    gradtape serve [--host H] [--port P] [--workers N] [--device D] [--time-limit S] ...
+    gradtape serve [--host H] [--port P] [--http-workers N] [--workers N] [--device D] ...
     gradtape openapi [--out openapi/openapi.json]
 
 Flags override GRADTAPE_* environment variables. Imports stay inside the commands: a
@@ -21,7 +21,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
     "--http-workers": ("http_workers", int,
-                       "HTTP processes sharing the port and the store (default 1)"),
+                       "HTTP processes (uvicorn workers) sharing the port and the store file, "
+                       "each with its own engine workers; tapes, jobs and rate limits are then "
+                       "read from the store (default 1)"),
     "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--executor": ("executor", str, "what runs the workers: local (processes) or ray (actors)"),

@@ -252,19 +252,22 @@ class Settings(BaseSettings):
     # Fair sharing between API keys (off without keys) -------------------------------------
     rate_limit_per_second: float = Field(
         default=100.0, ge=0,
-        description="requests per second per API key (a token bucket); 0: no rate limit",
+        description="requests per second per API key (a token bucket; with several HTTP "
+        "processes one bucket in the store, shared by them); 0: no rate limit",
     )
     rate_limit_burst: int = Field(
         default=200, ge=1, description="requests a key may send at once beyond its rate"
     )
     max_concurrent_per_key: int = Field(
         default=0, ge=0,
-        description="requests of one key computing or queued for a worker at once; 0: the "
-        "number of workers (a key may fill the workers, never the queue)",
+        description="requests of one key computing or queued for a worker at once, per HTTP "
+        "process (each has its own workers); 0: the number of workers (a key may fill the "
+        "workers, never the queue)",
     )
     max_waiting_per_key: int = Field(
         default=64, ge=0,
-        description="requests of one key waiting for one of its concurrent slots; beyond, 429",
+        description="requests of one key waiting for one of its concurrent slots (per HTTP "
+        "process); beyond, 429",
     )
 
     # API keys -----------------------------------------------------------------------------

@@ -529,7 +529,8 @@ class TapeRegistry:
         tape.row.hits += 1
         tape.row.last_used = time.time()
         tape.dirty = not self.shared
-        await self._used(tape, bool(meta["rebuilt"]))
+        if self.shared:
+            await self._used(tape, bool(meta["rebuilt"]))
         if tape.ended:  # deleted or evicted while this request ran: let it go again
             self._drop_later(worker, [tape.id])
         elif not tape.transient:  # a transient part is out of the eviction accounts
@@ -668,7 +669,8 @@ class TapeRegistry:
         tape.row.hits += 1
         tape.row.last_used = time.time()
         tape.dirty = not self.shared
-        await self._used(tape)
+        if self.shared:
+            await self._used(tape)
         if tape.ended:
             self._drop_later(worker, [tape.id])
         else:
