@@ -76,17 +76,21 @@ def _connection(response: httpx.Response) -> int:
 
 
 def _process_of(client: httpx.Client) -> tuple[int, int]:
-    """(HTTP process pid, connection port) of the client's (one) connection."""
+    """(the HTTP process, as the pid of its first engine worker: a local process or a Ray
+    actor, each HTTP process has its own; connection port) of the client's connection."""
     r = client.get("/readyz")
     assert r.status_code == 200, r.text
-    worker = r.json()["workers"][0]["pid"]
-    with open(f"/proc/{worker}/stat") as f:  # a local worker is the HTTP process's child
-        parent = int(f.read().rpartition(")")[2].split()[1])
-    return parent, _connection(r)
+    return r.json()["workers"][0]["pid"], _connection(r)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
 
 
 class Pinned:
-    """Requests over one keep-alive connection to one HTTP process (checked each time)."""
+    """Requests over one keep-alive connection to one HTTP process (checked each time),
+    the process known by its first engine worker's pid (`pid`)."""
 
     def __init__(self, base_url: str, key: str, pid: int):
         self.base_url, self.key, self.pid = base_url, key, pid
@@ -129,7 +133,8 @@ class Pinned:
 
 
 def _processes(base_url: str, timeout: float = 60.0) -> list[int]:
-    """The two HTTP processes' pids (fresh connections until both answered)."""
+    """The two HTTP processes (as Pinned knows them: fresh connections until both
+    answered)."""
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(seen) < 2 and time.monotonic() < deadline:
@@ -362,14 +367,20 @@ def test_the_job_quota_counts_every_process(pair) -> None:
 
 def test_the_rate_limit_is_shared_by_the_processes(pair) -> None:
     """burst 30 at 4 requests/s: alternating between the processes, the key is refused
-    near its 31st request, not its 61st as two buckets of its own would allow."""
+    once it has spent its burst and what refilled meanwhile, not twice that as two
+    buckets of its own (one per process) would allow."""
     a, b = pair
-    answers = [(a if i % 2 else b).get("/v1/tapes") for i in range(40)]
+    started = time.monotonic()
+    answers = []
+    while len(answers) < 100 and (not answers or answers[-1].status_code != 429):
+        answers.append((a if len(answers) % 2 else b).get("/v1/tapes"))
+    elapsed = time.monotonic() - started
     statuses = [r.status_code for r in answers]
-    first = statuses.index(429)
-    assert 30 <= first <= 36, statuses
-    assert "counted over every HTTP process" in answers[first].json()["detail"]
-    assert int(answers[first].headers["retry-after"]) >= 1
+    assert statuses[-1] == 429, statuses
+    allowed = len(answers) - 1
+    assert 30 <= allowed <= min(59, 30 + 4 * elapsed + 1), (allowed, elapsed)
+    assert "counted over every HTTP process" in answers[-1].json()["detail"]
+    assert int(answers[-1].headers["retry-after"]) >= 1
 
 
 # ---- settings ------------------------------------------------------------------------------
@@ -400,12 +411,12 @@ def test_the_job_of_a_killed_http_process_reads_failed(server: Server, pair) -> 
     assert r.status_code == 202, r.text
     location = r.headers["location"]
     _wait(b, location, ("running",))
-    worker = a.get("/readyz").json()["workers"][0]["pid"]
-    os.kill(a.pid, signal.SIGKILL)
-    os.kill(worker, signal.SIGKILL)  # (it would compute the lost job for minutes)
+    process = _parent(a.pid)  # a local worker is its HTTP process's child
+    os.kill(process, signal.SIGKILL)
+    os.kill(a.pid, signal.SIGKILL)  # its worker (it would compute the lost job for minutes)
     job = _wait(b, location, ("failed",), timeout=30)
     assert job["error"]["type"] == "/problems/job-lost" and job["error"]["status"] == 502
-    assert f"pid {a.pid}" in job["error"]["detail"]
+    assert f"pid {process}" in job["error"]["detail"]
     assert problem(b.get(f"{location}/result"), 502, "job-lost")
     # uvicorn starts a new process in its place, which serves the tape from the store
     replacement = Pinned(
