@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
     "--http-workers": ("http_workers", int,
-                       "HTTP processes (uvicorn workers) sharing the port and the store file, "
-                       "each with its own engine workers; tapes, jobs and rate limits are then "
-                       "read from the store (default 1)"),
+                       ("HTTP processes (uvicorn workers) sharing the port and the store file, "
+                        "each with its own engine workers; tapes, jobs and rate limits are "
+                        "then read from the store (default 1)")),
     "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--executor": ("executor", str, "what runs the workers: local (processes) or ray (actors)"),
@@ -94,9 +95,38 @@ def serve(overrides: dict[str, Any]) -> int:
         return 2
     store.close()
     os.environ.update(settings_environment(overrides))
-    uvicorn.run("service.api.app:create_app", factory=True, workers=settings.http_workers,
-                **options)
+    from uvicorn.supervisors import Multiprocess
+
+    config = uvicorn.Config("service.api.app:create_app", factory=True,
+                            workers=settings.http_workers, **options)
+    try:
+        sock = _listening_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"gradtape: cannot listen on {settings.host}:{settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d with %d HTTP processes (Press CTRL+C to quit)",
+        settings.host, sock.getsockname()[1], settings.http_workers)
+    Multiprocess(config, sockets=[sock]).run()
     return 0
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The socket the HTTP processes share, made here rather than by uvicorn: its own has
+    protocol 0, which survives the hand-over to the processes, and asyncio then leaves
+    Nagle's algorithm on for every connection (TCP_NODELAY only for IPPROTO_TCP): each
+    answer written in two sends waited ~40 ms for the client's delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def settings_environment(overrides: dict[str, Any]) -> dict[str, str]:

@@ -219,8 +219,8 @@ class JobRegistry:
             except Exception:
                 log.exception("could not write job %s... to the store", job.id[:8])
                 continue
-            if not kept and not job.ended and job.task is not None:
-                job.task.cancel()  # cancelled through another process meanwhile
+            if not kept and not job.ended:
+                self.cancel_here(job)  # cancelled through another process meanwhile
 
     async def _watch_cancel(self, job: Job) -> None:
         """Poll the store for a cancel asked through another process."""
@@ -228,10 +228,16 @@ class JobRegistry:
         while not job.ended:
             await asyncio.sleep(CANCEL_POLL)
             found = await asyncio.to_thread(self.store.job_version, job.id)
-            if (found is None or found[1]) and not job.ended and job.task is not None:
-                log.info("job %s... cancelled through another process", job.id[:8])
-                job.task.cancel()
+            if (found is None or found[1]) and not job.ended:
+                self.cancel_here(job)
                 return
+
+    def cancel_here(self, job: Job) -> None:
+        """A job of this process cancelled through another one: stop it now."""
+        log.info("job %s... cancelled through another process", job.id[:8])
+        if job.task is not None:
+            job.task.cancel()
+        self._end(job, "cancelled")
 
     def _spawn(self, work: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
@@ -333,6 +339,12 @@ class JobRegistry:
     # Reading ------------------------------------------------------------------------------
     async def get(self, job_id: str, owner: str) -> Job:
         job = self._jobs.get(job_id)
+        if job is not None and not job.ended and self.shared:
+            # Cancelled through another process a moment ago (before the poll saw it)?
+            assert self.store is not None
+            found = await asyncio.to_thread(self.store.job_version, job.id)
+            if found is not None and found[1] and not job.ended:
+                self.cancel_here(job)
         if job is not None and job.ended and self.shared and job._writer is not None and (
                 job._writer.done()):
             # Ended here, maybe forgotten through another process since (DELETE).

@@ -31,7 +31,7 @@ from tests.service.test_jobs import same_answer
 from tests.service.test_tapes import DEFN, K, vec, wire
 from tests.service.wire import arr, ok, problem, t
 
-KEYS = [f"multi-key-{i}-0123456789abcdef" for i in range(12)]
+KEYS = [f"multi-key-{i}-0123456789abcdef" for i in range(24)]
 LONG_TRACE = {
     "method": "hutchinson",
     "max_hvps": 100000,
@@ -381,6 +381,19 @@ def test_the_rate_limit_is_shared_by_the_processes(pair) -> None:
     assert 30 <= allowed <= min(59, 30 + 4 * elapsed + 1), (allowed, elapsed)
     assert "counted over every HTTP process" in answers[-1].json()["detail"]
     assert int(answers[-1].headers["retry-after"]) >= 1
+
+
+def test_small_answers_are_not_held_back_by_nagle(pair) -> None:
+    """The processes' shared socket is a TCP one (service/cli.py): with uvicorn's own,
+    every answer waited ~40 ms for the client's delayed ACK."""
+    a, _ = pair
+    a.get("/v1/tapes")
+    times = []
+    for _ in range(15):
+        started = time.perf_counter()
+        assert a.client.get("/healthz").status_code == 200
+        times.append(time.perf_counter() - started)
+    assert sorted(times)[len(times) // 2] < 0.02, times
 
 
 # ---- settings ------------------------------------------------------------------------------
