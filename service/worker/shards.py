@@ -28,9 +28,17 @@ from typing import Any
 
 import numpy as np
 
+from engine.curvature import Curvature, CurvatureError, top_by_sign
+from engine.language import DefinitionError, compile_definition
 from service.core import shm
 from service.worker import tapes
-from service.worker.compute import RequestError, WorkerContext, check_vector
+from service.worker.compute import (
+    RequestError,
+    WorkerContext,
+    check_jacobian_size,
+    check_vector,
+    on_device,
+)
 
 RUN_IDLE_SECONDS = 600.0  # a run whose caller went away is let go after this
 # The error type of a run or kept part this worker no longer holds (it was replaced
@@ -338,9 +346,252 @@ def shard_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     return {"dropped": run is not None}
 
 
+# ----------------------------------------------------------------------------------------
+# Jacobians across shards
+# ----------------------------------------------------------------------------------------
+# The parts answer tape_jacobian as any tape does; the unsharded jacobian is assembled
+# from theirs according to what the target is (tape_jacobian_plan decides, on the first
+# part, from the program; shard_jacobian assembles, in the coordinator):
+#   "sum":  the tape's target (its loss): weighted as the gradients are; over a split
+#           input, each part's rows, weighted, in part order;
+#   "same": a name that reads no split input (a weight penalty, a variable): every part
+#           answers the unsharded jacobian (over a split input: zeros, N rows of them);
+#   "rows": a name whose first axis is the split batch axis (per-example outputs): the
+#           parts' rows in part order; over a split input the full jacobian is block
+#           diagonal (an example depends on its own rows only, as the sharded loss
+#           already takes), and per example (batch) the parts' blocks follow each other.
+# Any other name mixes the examples (a sum or mean over the batch that is not the tape's
+# loss): its parts' jacobians do not make it, and it is refused with what to ask instead.
+
+
+def _along_batch(session: tapes.TapeSession, target: str, split: set[str], rows: int,
+                 context: WorkerContext) -> bool:
+    """Whether the target's first axis is the batch the shards split: it has the part's
+    rows there, and one more when the split inputs have one more (the program's shapes
+    inferred again from the part's skeleton: no data, nothing run)."""
+    shape = tuple(session.env[target].shape)
+    if session.skeleton is None or not shape or shape[0] != rows:
+        return False
+    skeleton = session.skeleton
+    grown = {name: np.broadcast_to(np.zeros((), a.dtype), (a.shape[0] + 1, *a.shape[1:]))
+             if name in split else a for name, a in skeleton.inputs.items()}
+    try:
+        program = compile_definition(dataclasses.replace(skeleton, inputs=grown),
+                                     context.limits)
+    except DefinitionError:  # the program fixes the batch size somewhere: cannot tell
+        return False
+    return tuple(program.types[target].shape) == (rows + 1, *shape[1:])
+
+
+def tape_jacobian_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """On the first part: how the parts' jacobians of the request's target make the
+    unsharded one ("mode", see above; "split_keys": the sources that are split inputs),
+    the request checked against the jacobian size limit at the unsharded shapes."""
+    session, rebuilt = tapes._session(payload, context)
+    request = tapes.other_request(session, payload)
+    target, split = request.target, set(payload["split"])
+    rows, total = int(payload["rows"][0]), sum(int(r) for r in payload["rows"])
+    shape = tuple(session.env[target].shape)
+    split_keys = [k for k, name in request.sources.items() if name in split]
+    if target == session.request.target:
+        mode = "sum"
+    elif not session.program.leaves_read(target) & split:
+        mode = "same"
+    elif _along_batch(session, target, split, rows, context):
+        mode = "rows"
+    else:
+        raise RequestError(
+            "request", f"target: {target!r} reads the split inputs "
+            f"({', '.join(map(repr, sorted(split)))}) but is neither the tape's target "
+            f"{session.request.target!r} nor along the batch axis (on the first shard it has "
+            f"shape {list(shape)}, its rows of the batch {rows}): it mixes the examples "
+            "(a sum or mean over the batch), so its jacobian is not made of the shards' "
+            "jacobians. Ask for the tape's target, or for a per-example name (the batch "
+            "along its first axis) and reduce its jacobian, or record an unsharded tape",
+            field="target")
+    if payload.get("batch"):
+        unsplit = [k for k in request.sources if k not in split_keys]
+        if mode != "rows" or unsplit:
+            what = (f"source {unsplit[0]!r} is not a split input" if mode == "rows"
+                    else f"target {target!r} is not along the batch axis")
+            raise RequestError(
+                "request", f"batch: per-example jacobians of a sharded tape are taken of a "
+                "target along the batch axis over the split inputs "
+                f"({', '.join(map(repr, sorted(split)))}); {what}", field="batch")
+    full_y = (total, *shape[1:]) if mode == "rows" else shape
+    full_sources = {
+        key: (total, *session.leaves[name].shape[1:]) if name in split
+        else tuple(session.leaves[name].shape)
+        for key, name in request.sources.items()
+    }
+    check_jacobian_size(target, full_y, full_sources, bool(payload.get("batch")), context)
+    return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys},
+                       hvp_only=True)
+
+
+def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
+    if weight == 1.0:
+        return array
+    scaled = weight * array.astype(np.float64)
+    return scaled.astype(array.dtype) if array.dtype.kind == "f" else scaled
+
+
+def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarray:
+    """Per-part jacobians (n_k, *y[1:], n_k, *x[1:]) of a per-example target over a
+    split input as the full (N, *y[1:], N, *x[1:]): each part's on the diagonal, zeros
+    elsewhere (an example does not read the others' rows)."""
+    first = blocks[0]
+    total = sum(b.shape[0] for b in blocks)
+    shape = (total, *first.shape[1:target_ndim], total, *first.shape[target_ndim + 1:])
+    full = np.zeros(shape, first.dtype)
+    lo = 0
+    for block in blocks:
+        hi = lo + block.shape[0]
+        full[(slice(lo, hi),) + (slice(None),) * (target_ndim - 1) + (slice(lo, hi),)] = block
+        lo = hi
+    return full
+
+
+def shard_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The parts' jacobians assembled as the unsharded tape's (see above)."""
+    parts = [_part(context, p) for p in payload["parts"]]
+    mode, weights = payload["mode"], payload["weights"]
+    split, batch = set(payload["split_keys"]), bool(payload.get("batch"))
+    values = [np.asarray(p["value"]) for p in parts]
+    if mode == "sum":
+        value = weighted_sum(values, weights, "value")
+    elif mode == "same":
+        value = values[0]
+    else:
+        value = np.concatenate(values, axis=0)
+    jacobians: dict[str, np.ndarray | None] = {}
+    for key in parts[0]["jacobians"]:
+        found = [p["jacobians"][key] for p in parts]
+        if any(j is None for j in found):  # unconnected (in every part: one program)
+            jacobians[key] = None
+            continue
+        blocks = [np.asarray(j) for j in found]
+        if key in split:
+            if mode == "rows" and not batch:
+                jacobians[key] = _block_diagonal(blocks, values[0].ndim)
+            else:  # the split input's axis: the target's rank on (0 per example)
+                axis = 0 if batch else values[0].ndim
+                scale = weights if mode == "sum" else [1.0] * len(blocks)
+                jacobians[key] = np.concatenate(
+                    [_scaled(b, w) for b, w in zip(blocks, scale, strict=True)], axis=axis)
+        elif mode == "sum":
+            jacobians[key] = weighted_sum(blocks, weights, f"jacobians.{key}")
+        elif mode == "same":
+            jacobians[key] = blocks[0]
+        else:
+            jacobians[key] = np.concatenate(blocks, axis=0)
+    return {"value": value, "jacobians": jacobians}
+
+
+# ----------------------------------------------------------------------------------------
+# Influence across shards
+# ----------------------------------------------------------------------------------------
+# grad L_test from the parts (test inputs: the first part's loss on them; training rows:
+# each part's loss on its own rows, summed as the reduction sums the batch), s_test by the
+# sharded CG run above (tape_solve on "ask the parts and sum"), then each part scores its
+# own examples against s_test and the coordinator puts the scores in part order.
+
+
+def _influence_curvature(session: tapes.TapeSession, payload: Mapping[str, Any],
+                         context: WorkerContext) -> Curvature:
+    """The part's curvature recording, checked as tape_influence checks it, and its
+    examples checked to be the part's rows of the split batch."""
+    curvature = tapes._curvature(session)
+    tapes._check_targets(session, "influence")
+    tapes._operator(session, payload, context)  # refuses an impossible curvature
+    if curvature.examples != int(payload["examples"]):
+        assert session.split is not None
+        raise RequestError(
+            "request", f"influence on a sharded tape scores the examples along the first "
+            f"axis of the output {session.split.output!r}, which has {curvature.examples} on "
+            f"a shard that holds {payload['examples']} rows of the split inputs: the "
+            "examples must be the batch the shards split (shard_by)", field="shard_by")
+    return curvature
+
+
+def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext
+                        ) -> dict[str, Any]:
+    """A part's test loss and its gradient ("value", "gradients" by source key): on the
+    test inputs, or on the part's own training `rows` (zeros when it holds none)."""
+    session, rebuilt = tapes._session(payload, context)
+    curvature = _influence_curvature(session, payload, context)
+    names = session.request.sources
+    try:
+        rows = payload.get("rows")
+        if rows is not None and not rows:
+            result = {"value": np.zeros((), session.operator.value.dtype),
+                      "gradients": {k: np.zeros(p.shape, p.dtype)
+                                    for k, p in zip(session.keys, session.primals,
+                                                    strict=True)}}
+            return tapes._done(session, rebuilt, result, hvp_only=True)
+        if rows is not None:
+            value, grad = curvature.test_gradient(rows=[int(r) for r in rows])
+        else:
+            data, targets = tapes._test_points(session, curvature, payload["test_inputs"],
+                                               context)
+            value, grad = curvature.test_gradient(data, targets)
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="curvature") from None
+    result = {"value": value.numpy(),
+              "gradients": {key: grad[name].numpy() for key, name in names.items()}}
+    return tapes._done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext
+                          ) -> dict[str, Any]:
+    """A part's examples scored against s_test (-g_i . s_test, one batched JVP), and its
+    per-example scale c (its loss = c sum_i l_i over its own rows)."""
+    session, rebuilt = tapes._session(payload, context)
+    curvature = _influence_curvature(session, payload, context)
+    s_test = payload["s_test"]
+    batched = {name: on_device(np.asarray(s_test[key])[None], session.leaves[name], context)
+               for key, name in session.request.sources.items()}
+    try:
+        dots = curvature.example_dots(batched)
+        scale = curvature.scale()
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="curvature") from None
+    return tapes._done(session, rebuilt, {"scores": -dots[0], "scale": scale},
+                       hvp_only=True)
+
+
+def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The parts' scores in part order (the unsharded tape's example indices), and the
+    answer tape_influence gives. A part's removal is its weight times its own scale
+    (n_k / N times 1 / n_k for a mean: the unsharded 1 / N)."""
+    parts = [_part(context, p) for p in payload["parts"]]
+    scores = np.concatenate([np.asarray(p["scores"], np.float64) for p in parts])
+    removal = np.concatenate([
+        -(w * float(p["scale"])) * np.asarray(p["scores"], np.float64)
+        for p, w in zip(parts, payload["weights"], strict=True)])
+    helpful, harmful = top_by_sign(scores, int(payload["top_k"]))
+    solve = payload["solve"]
+    return {
+        "scores": scores.tolist(),
+        "removal": removal.tolist(),
+        "helpful": [int(i) for i in helpful],
+        "harmful": [int(i) for i in harmful],
+        "test_loss": float(payload["test_loss"]),
+        "s_test": solve["solution"],
+        "curvature": payload["curvature"],
+        **{k: solve[k] for k in ("converged", "stopped", "iterations", "hvps", "residuals",
+                                 "seconds")},
+    }
+
+
 HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "shard_combine": shard_combine,
     "shard_run": shard_run,
     "shard_step": shard_step,
     "shard_drop": shard_drop,
+    "tape_jacobian_plan": tape_jacobian_plan,
+    "shard_jacobian": shard_jacobian,
+    "tape_influence_test": tape_influence_test,
+    "tape_influence_scores": tape_influence_scores,
+    "shard_influence": shard_influence,
 }

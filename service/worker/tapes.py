@@ -21,6 +21,7 @@ side uses for the memory budget, the quotas and GET /v1/tapes/{id}.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -48,6 +49,7 @@ from engine.hessian_algorithms import (
 )
 from engine.language import (
     CompiledProgram,
+    Definition,
     DefinitionError,
     ModelSplit,
     Problem,
@@ -86,6 +88,9 @@ class TapeSession:
     bytes: int = 0
     remeasure: bool = True  # count the bytes at the next HVP too (see _done)
     replay_seen: int = -1  # the operator's replay_changes when its bytes were counted
+    # A shard's definition with its leaves as shapes only (no data): the program's shapes
+    # inferred again at other batch sizes (service/worker/shards.py, jacobians).
+    skeleton: Definition | None = None
 
 
 def sessions(context: WorkerContext) -> dict[str, TapeSession]:
@@ -165,8 +170,25 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
         env=recorded["env"],
         split=split,
     )
+    if spec.get("shards"):
+        session.skeleton = skeleton(definition)
     session.bytes = held_bytes(session, shared=(CompiledProgram,))
     return session
+
+
+def _shape_only(array: Any) -> np.ndarray:
+    return np.broadcast_to(np.zeros((), np.asarray(array).dtype), np.shape(array))
+
+
+def skeleton(definition: Definition) -> Definition:
+    """The definition with every variable and input a read-only zero of its shape and
+    dtype (a broadcast: no memory): enough to compile it, nothing to run."""
+    return dataclasses.replace(
+        definition,
+        variables={n: dataclasses.replace(v, value=_shape_only(v.value))
+                   for n, v in definition.variables.items()},
+        inputs={n: _shape_only(a) for n, a in definition.inputs.items()},
+    )
 
 
 # ----------------------------------------------------------------------------------------
