@@ -18,6 +18,10 @@ places the parts, routes each request to them and back.
   them. An algorithm (eigenvalues, trace, diagonal, spectral density, solve) runs in the
   coordinator, which answers each product it needs as a request for it; the product is
   asked of every part and the answers sent back to it (see service/worker/shards.py).
+- Jacobians and influence functions: pieces asked of the parts (the first part's plan
+  of how the jacobians combine; the parts' jacobians; the influence's test gradient and
+  each part's scores of its own examples, around a CG run as above), put together in
+  the coordinator.
 - A part whose worker was replaced is recorded again on its next use, alone (sessions.py
   does that for every tape); a coordinator lost mid-run restarts the run (the algorithms
   are seeded: the same numbers). A sharded tape ends whole: with its parts, and when one

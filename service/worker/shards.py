@@ -14,6 +14,9 @@ no math.
   Between steps this worker is free (it may hold a shard and serve its part), so no
   worker ever waits for another. A run is dropped on its answer, on an error, on
   `shard_drop`, and when no step came for RUN_IDLE_SECONDS.
+- Jacobians (`tape_jacobian_plan` on the first part, `shard_jacobian`) and influence
+  (`tape_influence_test`, `tape_influence_scores` on the parts, `shard_influence`): the
+  parts' pieces put together as the unsharded tape answers (see their sections).
 """
 
 from __future__ import annotations
