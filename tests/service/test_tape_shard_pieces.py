@@ -4,6 +4,9 @@ over 3 shards (4 + 3 + 3), both reductions. Real server, real workers."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
@@ -250,3 +253,31 @@ def test_a_killed_part_is_rebuilt_and_answers_the_same(server, client) -> None:
         assert ok(client.get(base))["rebuilds"] == info["rebuilds"] + 3
     finally:
         client.delete(base)
+
+
+def test_a_part_killed_mid_influence_is_asked_again(client, influence_pair) -> None:
+    """A part's worker (not the coordinator's) killed while an influence solve runs
+    across the shards: that part is recorded again and asked again, the run goes on,
+    and the answer is the undisturbed one."""
+    plain, sharded, _ = influence_pair
+    base = f"/v1/tapes/{sharded}"
+    # Past convergence on purpose (tol out of reach): long enough to be killed in.
+    body = {"rows": [1, 6], "curvature": "ggn", "damping": 1.0, "tol": 1e-30,
+            "max_iterations": 1500, "max_seconds": 50, "time_limit": 60}
+    info = ok(client.get(base))
+    middle = info["shards"][1]["worker"]
+    assert middle != info["shards"][0]["worker"]  # alone on its worker: not the coordinator
+    location = start(client, f"{base}/influence", body)
+    job = wait(client, location, ("running",))
+    while not (job["progress"] or {}).get("done"):  # well into the solve
+        job = client.get(location).json()
+    assert job["state"] == "running", job
+    # Not kill_worker: it waits for every worker to be idle, i.e. for the run to end.
+    victim = next(w for w in client.get("/readyz").json()["workers"] if w["index"] == middle)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job = wait(client, location, ("succeeded", "failed"), timeout=120)
+    assert job["state"] == "succeeded", job
+    assert ok(client.get(base))["shards"][1]["rebuilds"] == info["shards"][1]["rebuilds"] + 1
+    want = post(client, f"/v1/tapes/{plain}/influence", body)
+    close(job["result"]["scores"], want["scores"], 1e-10)
+    close(job["result"]["removal"], want["removal"], 1e-10)
