@@ -57,7 +57,7 @@ def close(a, b, rtol: float = 1e-10) -> None:
 
 
 @pytest.fixture(scope="module", params=["mean", "sum"])
-def pair(request, client):
+def jacobian_pair(request, client):
     """(unsharded, sharded over 3 parts) tapes of the same data, with `reduction`."""
     program = MEAN if request.param == "mean" else SUM
     plain = record(client, program)
@@ -101,8 +101,8 @@ def same_jacobian(client, plain: str, sharded: str, body: dict) -> dict:
     {"target": "out", "sources": ["w1", "b1", "w2"], "flat": True},
     {"target": "out", "sources": ["x"], "batch": True, "flat": True},
 ])
-def test_sharded_jacobians_equal_unsharded(client, pair, body) -> None:
-    plain, sharded = pair
+def test_sharded_jacobians_equal_unsharded(client, jacobian_pair, body) -> None:
+    plain, sharded = jacobian_pair
     got = same_jacobian(client, plain, sharded, body)
     if body.get("target") == "out" and not body.get("batch") and not body.get("flat"):
         # The full jacobian over a split input: zero between different examples.
@@ -111,8 +111,8 @@ def test_sharded_jacobians_equal_unsharded(client, pair, body) -> None:
         assert not dx[:4, :, 4:].any() and np.abs(dx[:4, :, :4]).max() > 0
 
 
-def test_a_sharded_jacobian_as_a_job(client, pair) -> None:
-    plain, sharded = pair
+def test_a_sharded_jacobian_as_a_job(client, jacobian_pair) -> None:
+    plain, sharded = jacobian_pair
     body = {"target": "out", "sources": ["w1", "x"]}
     job = wait(client, start(client, f"/v1/tapes/{sharded}/jacobian", body),
                ("succeeded", "failed"))
@@ -128,8 +128,8 @@ def test_a_sharded_jacobian_as_a_job(client, pair) -> None:
     ({"target": "loss", "sources": ["x"], "batch": True}, "batch", "not along the batch"),
     ({"target": "nope"}, "target", "unknown target"),
 ])
-def test_what_a_sharded_jacobian_refuses(client, pair, body, field, words) -> None:
-    _, sharded = pair
+def test_what_a_sharded_jacobian_refuses(client, jacobian_pair, body, field, words) -> None:
+    _, sharded = jacobian_pair
     found = problem(client.post(f"/v1/tapes/{sharded}/jacobian", json=body), 422)
     assert words in found["detail"], found
     assert field in found["detail"] or any(field == e.get("field")
@@ -217,7 +217,7 @@ def test_sharded_influence_equals_unsharded(client, influence_pair, body) -> Non
     close(c, np.full(N, 1 / N if reduction == "mean" else 1.0), 1e-12)
 
 
-def test_what_sharded_influence_refuses(client, influence_pair, pair) -> None:
+def test_what_sharded_influence_refuses(client, influence_pair, jacobian_pair) -> None:
     _, sharded, _ = influence_pair
     found = problem(client.post(f"/v1/tapes/{sharded}/influence",
                                 json={"rows": [3, 10, -1]}), 422)
@@ -227,7 +227,7 @@ def test_what_sharded_influence_refuses(client, influence_pair, pair) -> None:
                                 json={"test_inputs": {"x": t(X_TEST, "float64")}}), 422)
     assert "test_inputs" in found["detail"] and "'y'" in found["detail"], found
     # A tape recorded without `output`: the unsharded tape's refusal.
-    _, no_output = pair
+    _, no_output = jacobian_pair
     found = problem(client.post(f"/v1/tapes/{no_output}/influence", json={"rows": [1]}), 422)
     assert "output" in found["detail"], found
 
