@@ -18,8 +18,9 @@ places the parts, routes each request to them and back.
   them. An algorithm (eigenvalues, trace, diagonal, spectral density, solve) runs in the
   coordinator, which answers each product it needs as a request for it; the product is
   asked of every part and the answers sent back to it (see service/worker/shards.py).
-- Jacobians and influence functions: pieces asked of the parts (the first part's plan
-  of how the jacobians combine; the parts' jacobians; the influence's test gradient and
+- Jacobians, gradients of other targets (or over a split input) and influence
+  functions: pieces asked of the parts (the first part's plan of how the parts'
+  derivatives combine; the parts' own; the influence's test gradient and
   each part's scores of its own examples, around a CG run as above), put together in
   the coordinator.
 - A part whose worker was replaced is recorded again on its next use, alone (sessions.py
@@ -56,8 +57,6 @@ LOST = "shard-state-lost"  # the coordinator no longer holds a run or a kept par
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
               "tape_solve")
-# Answers put together from several requests to the parts (see _jacobian, _influence).
-PIECED = ("tape_jacobian", "tape_influence")
 
 
 def _invalid(field: str, message: str) -> ServiceError:
@@ -355,14 +354,14 @@ class Sharding:
         deadline = Deadline.after(time_limit)
         tape.busy += 1
         try:
-            if kind in SUMS:
-                if kind == "tape_gradient":
-                    self._check_gradient(tape, payload)
+            if kind == "tape_gradient" and not self._gradient_is_a_sum(tape, payload):
+                result = await self._pieced(tape, "gradient", payload, deadline)
+            elif kind in SUMS:
                 result = await self._sum(tape, kind, payload, deadline)
             elif kind in ALGORITHMS:
                 result = await self._run(tape, kind, payload, deadline)
             elif kind == "tape_jacobian":
-                result = await self._jacobian(tape, payload, deadline)
+                result = await self._pieced(tape, "jacobian", payload, deadline)
             elif kind == "tape_influence":
                 result = await self._influence(tape, payload, deadline)
             else:
@@ -372,16 +371,15 @@ class Sharding:
         self.registry.touch(tape)
         return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
 
-    def _check_gradient(self, tape: Tape, payload: Mapping[str, Any]) -> None:
-        """Only the loss's gradient is a sum of the parts': other targets may reduce
-        the batch otherwise, and a split input's gradient has the part's rows."""
+    def _gradient_is_a_sum(self, tape: Tape, payload: Mapping[str, Any]) -> bool:
+        """The loss's gradient over unsplit sources is the parts' weighted sum; another
+        target's, or one over a split input (each part's rows), is put together by
+        _pieced."""
         assert tape.shards is not None
         target = payload.get("target")
-        if target is not None and target != tape.row.target:
-            raise _invalid("target", f"a sharded tape answers gradients of its target "
-                           f"{tape.row.target!r} only (the parts are combined as its "
-                           f"{tape.shards.reduction}); record an unsharded tape for others")
-        self._check_sources(_source_names(payload.get("sources")), tape.shards.shard_by)
+        split = set(tape.shards.shard_by)
+        return (target is None or target == tape.row.target) and not any(
+            name in split for name in _source_names(payload.get("sources")))
 
     async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:
@@ -534,23 +532,23 @@ class Sharding:
                     raise
         raise AssertionError("unreachable")
 
-    async def _jacobian(self, tape: Tape, payload: Mapping[str, Any], deadline: Deadline
-                        ) -> dict[str, Any]:
-        """The jacobian of any name over any sources, as the unsharded tape answers it:
-        the first part says from the program how the parts' jacobians make it (summed as
-        the loss, rows in part order, block diagonal over a split input; or refused, for
-        a name that mixes the examples), then every part computes its own and the
-        coordinator assembles them (service/worker/shards.py)."""
+    async def _pieced(self, tape: Tape, of: str, payload: Mapping[str, Any],
+                      deadline: Deadline) -> dict[str, Any]:
+        """The jacobian, or gradient (`of`), of any name over any sources, as the
+        unsharded tape answers it: the first part says from the program how the parts'
+        make it (combined as the loss, rows in part order, block diagonal over a split
+        input, ...; or refused, for a name that mixes the examples), then every part
+        answers its own and the coordinator assembles them (service/worker/shards.py)."""
         shards = tape.shards
         assert shards is not None
         question = {k: payload.get(k) for k in ("target", "sources", "unconnected", "batch")}
-        plan = (await self._ask(shards.parts[0], "tape_jacobian_plan",
-                                {**question, "split": shards.shard_by, "rows": shards.rows},
-                                deadline)).result
+        plan = (await self._ask(shards.parts[0], "tape_shard_plan", {
+            **question, "of": of, "split": shards.shard_by, "rows": shards.rows},
+            deadline)).result
         part = {**payload, "flat": False}
         return await self._assemble(
-            tape, "tape_jacobian", [part] * len(shards.parts),
-            {"kind": "shard_jacobian", "payload": {
+            tape, f"tape_{of}", [part] * len(shards.parts),
+            {"kind": f"shard_{of}", "payload": {
                 "mode": plan["mode"], "split_keys": plan["split_keys"],
                 "weights": shards.weights, "batch": payload.get("batch"),
                 "flat": payload.get("flat"),

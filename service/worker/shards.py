@@ -14,7 +14,8 @@ no math.
   Between steps this worker is free (it may hold a shard and serve its part), so no
   worker ever waits for another. A run is dropped on its answer, on an error, on
   `shard_drop`, and when no step came for RUN_IDLE_SECONDS.
-- Jacobians (`tape_jacobian_plan` on the first part, `shard_jacobian`) and influence
+- Jacobians and gradients of other targets (`tape_shard_plan` on the first part,
+  `shard_jacobian`, `shard_gradient`) and influence
   (`tape_influence_test`, `tape_influence_scores` on the parts, `shard_influence`): the
   parts' pieces put together as the unsharded tape answers (see their sections).
 """
@@ -350,21 +351,25 @@ def shard_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
 
 
 # ----------------------------------------------------------------------------------------
-# Jacobians across shards
+# Jacobians, and gradients of other targets, across shards
 # ----------------------------------------------------------------------------------------
-# The parts answer tape_jacobian as any tape does; the unsharded jacobian is assembled
-# from theirs according to what the target is (tape_jacobian_plan decides, on the first
-# part, from the program; shard_jacobian assembles, in the coordinator):
-#   "sum":  the tape's target (its loss): weighted as the gradients are; over a split
+# The parts answer tape_jacobian (tape_gradient) as any tape does; the unsharded answer is
+# assembled from theirs according to what the target is (tape_shard_plan decides, on the
+# first part, from the program; shard_jacobian and shard_gradient assemble, in the
+# coordinator):
+#   "sum":  the tape's target (its loss): weighted as its gradient is; over a split
 #           input, each part's rows, weighted, in part order;
 #   "same": a name that reads no split input (a weight penalty, a variable): every part
-#           answers the unsharded jacobian (over a split input: zeros, N rows of them);
+#           answers the unsharded one (over a split input: zeros, N rows of them);
 #   "rows": a name whose first axis is the split batch axis (per-example outputs): the
-#           parts' rows in part order; over a split input the full jacobian is block
-#           diagonal (an example depends on its own rows only, as the sharded loss
-#           already takes), and per example (batch) the parts' blocks follow each other.
+#           parts' rows in part order; its gradient (of the sum of its elements) is the
+#           parts' added. Over a split input the full jacobian is block diagonal (an
+#           example depends on its own rows only, as the sharded loss already takes),
+#           per example (batch) the parts' blocks follow each other, and the gradient is
+#           each part's rows in order.
 # Any other name mixes the examples (a sum or mean over the batch that is not the tape's
-# loss): its parts' jacobians do not make it, and it is refused with what to ask instead.
+# loss): its parts' derivatives do not make its own, and it is refused with what to ask
+# instead.
 
 
 def _along_batch(session: tapes.TapeSession, target: str, split: set[str], rows: int,
@@ -386,48 +391,55 @@ def _along_batch(session: tapes.TapeSession, target: str, split: set[str], rows:
     return tuple(program.types[target].shape) == (rows + 1, *shape[1:])
 
 
-def tape_jacobian_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    """On the first part: how the parts' jacobians of the request's target make the
-    unsharded one ("mode", see above; "split_keys": the sources that are split inputs),
-    the request checked against the jacobian size limit at the unsharded shapes."""
+def _mode(session: tapes.TapeSession, target: str, split: set[str], rows: int,
+          context: WorkerContext) -> str:
+    """How the parts' derivatives of `target` make the unsharded ones (see above)."""
+    if target == session.request.target:
+        return "sum"
+    if not session.program.leaves_read(target) & split:
+        return "same"
+    if _along_batch(session, target, split, rows, context):
+        return "rows"
+    shape = list(session.env[target].shape)
+    raise RequestError(
+        "request", f"target: {target!r} reads the split inputs "
+        f"({', '.join(map(repr, sorted(split)))}) but is neither the tape's target "
+        f"{session.request.target!r} nor along the batch axis (on the first shard it has "
+        f"shape {shape}, for {rows} rows of the batch): it mixes the examples (a sum or "
+        "mean over the batch), so its derivatives are not made of the shards'. Ask for "
+        "the tape's target, or for a per-example name (the batch along its first axis) "
+        "and reduce its derivatives, or record an unsharded tape", field="target")
+
+
+def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """On the first part: how the parts' jacobians (`of`: "jacobian") or gradients
+    ("gradient") of the request's target make the unsharded ones ("mode", see above;
+    "split_keys": the sources that are split inputs); a jacobian checked against the
+    jacobian size limit at the unsharded shapes."""
     session, rebuilt = tapes._session(payload, context)
     request = tapes.other_request(session, payload)
     target, split = request.target, set(payload["split"])
     rows, total = int(payload["rows"][0]), sum(int(r) for r in payload["rows"])
-    shape = tuple(session.env[target].shape)
     split_keys = [k for k, name in request.sources.items() if name in split]
-    if target == session.request.target:
-        mode = "sum"
-    elif not session.program.leaves_read(target) & split:
-        mode = "same"
-    elif _along_batch(session, target, split, rows, context):
-        mode = "rows"
-    else:
-        raise RequestError(
-            "request", f"target: {target!r} reads the split inputs "
-            f"({', '.join(map(repr, sorted(split)))}) but is neither the tape's target "
-            f"{session.request.target!r} nor along the batch axis (on the first shard it has "
-            f"shape {list(shape)}, its rows of the batch {rows}): it mixes the examples "
-            "(a sum or mean over the batch), so its jacobian is not made of the shards' "
-            "jacobians. Ask for the tape's target, or for a per-example name (the batch "
-            "along its first axis) and reduce its jacobian, or record an unsharded tape",
-            field="target")
-    if payload.get("batch"):
+    mode = _mode(session, target, split, rows, context)
+    if payload["of"] == "jacobian":
+        batch = bool(payload.get("batch"))
         unsplit = [k for k in request.sources if k not in split_keys]
-        if mode != "rows" or unsplit:
+        if batch and (mode != "rows" or unsplit):
             what = (f"source {unsplit[0]!r} is not a split input" if mode == "rows"
                     else f"target {target!r} is not along the batch axis")
             raise RequestError(
                 "request", f"batch: per-example jacobians of a sharded tape are taken of a "
                 "target along the batch axis over the split inputs "
                 f"({', '.join(map(repr, sorted(split)))}); {what}", field="batch")
-    full_y = (total, *shape[1:]) if mode == "rows" else shape
-    full_sources = {
-        key: (total, *session.leaves[name].shape[1:]) if name in split
-        else tuple(session.leaves[name].shape)
-        for key, name in request.sources.items()
-    }
-    check_jacobian_size(target, full_y, full_sources, bool(payload.get("batch")), context)
+        shape = tuple(session.env[target].shape)
+        full_sources = {
+            key: (total, *session.leaves[name].shape[1:]) if name in split
+            else tuple(session.leaves[name].shape)
+            for key, name in request.sources.items()
+        }
+        check_jacobian_size(target, (total, *shape[1:]) if mode == "rows" else shape,
+                            full_sources, batch, context)
     return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys},
                        hvp_only=True)
 
@@ -437,6 +449,13 @@ def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
         return array
     scaled = weight * array.astype(np.float64)
     return scaled.astype(array.dtype) if array.dtype.kind == "f" else scaled
+
+
+def _stacked(blocks: Sequence[np.ndarray], weights: Sequence[float], axis: int
+             ) -> np.ndarray:
+    """The parts' blocks, each times its weight, one after the other along `axis`."""
+    return np.concatenate([_scaled(b, w) for b, w in zip(blocks, weights, strict=True)],
+                          axis=axis)
 
 
 def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarray:
@@ -455,40 +474,69 @@ def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarra
     return full
 
 
+def _value(parts: Sequence[Mapping[str, Any]], mode: str, weights: Sequence[float]
+           ) -> np.ndarray:
+    values = [np.asarray(p["value"]) for p in parts]
+    if mode == "sum":
+        return np.asarray(weighted_sum(values, weights, "value"))
+    if mode == "same":
+        return values[0]
+    return np.concatenate(values, axis=0)
+
+
+def _per_source(parts: Sequence[Mapping[str, Any]], field: str,
+                assemble: Callable[[str, list[np.ndarray]], np.ndarray]
+                ) -> dict[str, np.ndarray | None]:
+    """`assemble(key, the parts' arrays)` for every source; None where the parts answer
+    None (unconnected: in every part alike, as they run one program)."""
+    out: dict[str, np.ndarray | None] = {}
+    for key in parts[0][field]:
+        found = [p[field][key] for p in parts]
+        out[key] = (None if any(f is None for f in found)
+                    else assemble(key, [np.asarray(f) for f in found]))
+    return out
+
+
 def shard_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """The parts' jacobians assembled as the unsharded tape's (see above)."""
     parts = [_part(context, p) for p in payload["parts"]]
     mode, weights = payload["mode"], payload["weights"]
     split, batch = set(payload["split_keys"]), bool(payload.get("batch"))
-    values = [np.asarray(p["value"]) for p in parts]
-    if mode == "sum":
-        value = weighted_sum(values, weights, "value")
-    elif mode == "same":
-        value = values[0]
-    else:
-        value = np.concatenate(values, axis=0)
-    jacobians: dict[str, np.ndarray | None] = {}
-    for key in parts[0]["jacobians"]:
-        found = [p["jacobians"][key] for p in parts]
-        if any(j is None for j in found):  # unconnected (in every part: one program)
-            jacobians[key] = None
-            continue
-        blocks = [np.asarray(j) for j in found]
+    value = _value(parts, mode, weights)
+    ones = [1.0] * len(parts)
+
+    def assemble(key: str, blocks: list[np.ndarray]) -> np.ndarray:
         if key in split:
             if mode == "rows" and not batch:
-                jacobians[key] = _block_diagonal(blocks, values[0].ndim)
-            else:  # the split input's axis: the target's rank on (0 per example)
-                axis = 0 if batch else values[0].ndim
-                scale = weights if mode == "sum" else [1.0] * len(blocks)
-                jacobians[key] = np.concatenate(
-                    [_scaled(b, w) for b, w in zip(blocks, scale, strict=True)], axis=axis)
-        elif mode == "sum":
-            jacobians[key] = weighted_sum(blocks, weights, f"jacobians.{key}")
-        elif mode == "same":
-            jacobians[key] = blocks[0]
-        else:
-            jacobians[key] = np.concatenate(blocks, axis=0)
-    return {"value": value, "jacobians": jacobians}
+                return _block_diagonal(blocks, value.ndim)
+            # The split input's axis follows the target's (is the first per example).
+            return _stacked(blocks, weights if mode == "sum" else ones,
+                            0 if batch else value.ndim)
+        if mode == "sum":
+            return np.asarray(weighted_sum(blocks, weights, f"jacobians.{key}"))
+        return blocks[0] if mode == "same" else np.concatenate(blocks, axis=0)
+
+    return {"value": value, "jacobians": _per_source(parts, "jacobians", assemble)}
+
+
+def shard_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The parts' gradients of another target than the loss, or over a split input,
+    assembled as the unsharded tape's (see above)."""
+    parts = [_part(context, p) for p in payload["parts"]]
+    mode, weights = payload["mode"], payload["weights"]
+    split = set(payload["split_keys"])
+    ones = [1.0] * len(parts)
+    scale = weights if mode == "sum" else ones
+
+    def assemble(key: str, blocks: list[np.ndarray]) -> np.ndarray:
+        if key in split:  # each part's rows of the input
+            return _stacked(blocks, scale, 0)
+        if mode == "same":
+            return blocks[0]
+        return np.asarray(weighted_sum(blocks, scale, f"gradients.{key}"))
+
+    return {"value": _value(parts, mode, weights),
+            "gradients": _per_source(parts, "gradients", assemble)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -592,8 +640,9 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "shard_run": shard_run,
     "shard_step": shard_step,
     "shard_drop": shard_drop,
-    "tape_jacobian_plan": tape_jacobian_plan,
+    "tape_shard_plan": tape_shard_plan,
     "shard_jacobian": shard_jacobian,
+    "shard_gradient": shard_gradient,
     "tape_influence_test": tape_influence_test,
     "tape_influence_scores": tape_influence_scores,
     "shard_influence": shard_influence,

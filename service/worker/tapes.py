@@ -88,9 +88,15 @@ class TapeSession:
     bytes: int = 0
     remeasure: bool = True  # count the bytes at the next HVP too (see _done)
     replay_seen: int = -1  # the operator's replay_changes when its bytes were counted
-    # A shard's definition with its leaves as shapes only (no data): the program's shapes
-    # inferred again at other batch sizes (service/worker/shards.py, jacobians).
+    # The definition with its leaves as shapes only (no data): a shard's program shapes
+    # inferred again at other batch sizes (service/worker/shards.py, jacobians). A
+    # rebuilt part is told nothing of its sharding: every tape keeps one.
     skeleton: Definition | None = None
+
+
+# What a tape's bytes leave out: the compiled program (shared by every tape of its
+# definition) and the skeleton (shapes only; its models are the program's).
+SHARED = (CompiledProgram, Definition)
 
 
 def sessions(context: WorkerContext) -> dict[str, TapeSession]:
@@ -169,10 +175,9 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
         recording=recording,
         env=recorded["env"],
         split=split,
+        skeleton=skeleton(definition),
     )
-    if spec.get("shards"):
-        session.skeleton = skeleton(definition)
-    session.bytes = held_bytes(session, shared=(CompiledProgram,))
+    session.bytes = held_bytes(session, shared=SHARED)
     return session
 
 
@@ -314,7 +319,7 @@ def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only:
     # else, after the first HVP that follows, and when replay_changes moves.
     changes = session.operator.replay_changes
     if not hvp_only or session.remeasure or changes != session.replay_seen:
-        session.bytes = held_bytes(session, shared=(CompiledProgram,))
+        session.bytes = held_bytes(session, shared=SHARED)
         session.remeasure, session.replay_seen = not hvp_only, changes
     result["tape"] = {"bytes": session.bytes, "rebuilt": rebuilt}
     return result

@@ -1,6 +1,7 @@
-"""Jacobians and influence functions on sharded tapes (issue 16): answers assembled
-from the parts' pieces equal the unsharded tape's (float64: to rounding). 10 examples
-over 3 shards (4 + 3 + 3), both reductions. Real server, real workers."""
+"""Jacobians, gradients of any target and influence functions on sharded tapes
+(issue 16): answers assembled from the parts' pieces equal the unsharded tape's
+(float64: to rounding). 10 examples over 3 shards (4 + 3 + 3), both reductions. Real
+server, real workers."""
 
 from __future__ import annotations
 
@@ -109,6 +110,39 @@ def test_sharded_jacobians_equal_unsharded(client, jacobian_pair, body) -> None:
         dx = arr(got["jacobians"]["x"])
         assert dx.shape == (N, 2, N, 3)
         assert not dx[:4, :, 4:].any() and np.abs(dx[:4, :, :4]).max() > 0
+
+
+@pytest.mark.parametrize("body", [
+    {"target": "out", "sources": ["w1", "x"]},  # the parts' added; x: each part's rows
+    {"target": "err", "sources": ["b1", "y"], "unconnected": "zero"},
+    {"target": "pen", "sources": ["w1", "x"]},  # any part's; x: unconnected
+    {"target": "pen", "sources": ["w1", "x"], "unconnected": "zero"},
+    {"sources": ["x", "w2"]},  # the loss over a split input: each part's rows, weighted
+    {"target": "out", "sources": ["w1", "x"], "flat": True},
+])
+def test_sharded_gradients_of_any_target_equal_unsharded(client, jacobian_pair, body) -> None:
+    plain, sharded = jacobian_pair
+    want = post(client, f"/v1/tapes/{plain}/gradient", body)
+    got = post(client, f"/v1/tapes/{sharded}/gradient", body)
+    close(arr(got["value"]), arr(want["value"]))
+    if body.get("flat"):
+        assert got["flat"]["order"] == want["flat"]["order"]
+        close(arr(got["flat"]["gradient"]), arr(want["flat"]["gradient"]))
+        return
+    assert set(got["gradients"]) == set(want["gradients"])
+    for key, value in want["gradients"].items():
+        if value is None:
+            assert got["gradients"][key] is None, key
+        else:
+            close(arr(got["gradients"][key]), arr(value))
+
+
+def test_a_gradient_of_a_name_that_mixes_the_examples_is_refused(client, jacobian_pair
+                                                                 ) -> None:
+    _, sharded = jacobian_pair
+    found = problem(client.post(f"/v1/tapes/{sharded}/gradient", json={"target": "hm"}), 422)
+    assert "mixes the examples" in found["detail"], found
+    assert found["errors"][0]["field"] == "target", found
 
 
 def test_a_sharded_jacobian_as_a_job(client, jacobian_pair) -> None:
@@ -250,6 +284,9 @@ def test_a_killed_part_is_rebuilt_and_answers_the_same(server, client) -> None:
         kill_worker(server, info["shards"][0]["worker"])  # the coordinator's
         again = post(client, f"{base}/influence", influence)
         close(again["scores"], before[1]["scores"], 1e-12)
+        # The first part, recorded again, still reads its program's batch axis.
+        again = post(client, f"{base}/jacobian", jac)
+        close(arr(again["jacobians"]["x"]), arr(before[0]["jacobians"]["x"]), 1e-13)
         assert ok(client.get(base))["rebuilds"] == info["rebuilds"] + 3
     finally:
         client.delete(base)
