@@ -235,7 +235,12 @@ TAPE_OPERATIONS = (
         GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
         """The value and gradient of any name of the tape's program (default: its target)
         over any variables or inputs (default: its sources), from the recording: one
-        backward pass, the program does not run again."""),
+        backward pass, the program does not run again.
+
+        On a sharded tape, as the jacobian: its target's gradient combines the parts'
+        (over a split input, their rows in order); a name along the split batch axis has
+        the parts' gradients added; a name that mixes the examples otherwise is refused
+        (422, `target`)."""),
     _on_tape(
         "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
         JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
