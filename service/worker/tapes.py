@@ -182,7 +182,7 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
 
 
 def _shape_only(array: Any) -> np.ndarray:
-    return np.broadcast_to(np.zeros((), np.asarray(array).dtype), np.shape(array))
+    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
 
 
 def skeleton(definition: Definition) -> Definition:
