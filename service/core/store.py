@@ -191,6 +191,14 @@ class StoreError(RuntimeError):
     """The store cannot be opened or is from an incompatible version."""
 
 
+class QuotaFull(Exception):
+    """insert_tape: the owner holds `held` live tapes already, its quota."""
+
+    def __init__(self, held: int):
+        super().__init__(held)
+        self.held = held
+
+
 @dataclass
 class TapeRow:
     id: str
@@ -578,11 +586,21 @@ class Store:
         return gone > 0
 
     # Tapes --------------------------------------------------------------------------------
-    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any] | None) -> None:
+    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any] | None,
+                    max_tapes: int | None = None) -> None:
         """Store a new live tape with its definition (one transaction, so that the
         garbage collection never sees the definition without its tape). A sharded tape
-        has none of its own: its parts hold theirs."""
+        has none of its own: its parts hold theirs. `max_tapes`: QuotaFull when the owner
+        holds that many live tapes already, counted in the same transaction (several
+        HTTP processes recording at once cannot pass the quota together)."""
         with self._transaction() as db:
+            if max_tapes is not None:
+                held = int(db.execute(
+                    "SELECT COUNT(*) FROM tapes WHERE owner = ? AND state = 'live' AND "
+                    "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)",
+                    (tape.owner,)).fetchone()[0])
+                if held >= max_tapes:
+                    raise QuotaFull(held)
             tape.definition = None if definition is None else _put_definition(db, definition)
             db.execute(
                 "INSERT INTO tapes (id, owner, definition, model, target, sources, ttl, "

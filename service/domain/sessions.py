@@ -48,7 +48,7 @@ import numpy as np
 
 from service.core.config import Settings
 from service.core.errors import ServiceError
-from service.core.store import ModelRow, Store, TapeRow, is_ref
+from service.core.store import ModelRow, QuotaFull, Store, TapeRow, is_ref
 from service.domain.metrics import Metrics
 from service.domain.shards import Sharding, ShardSet
 from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply, WorkerInfo
@@ -394,7 +394,14 @@ class TapeRegistry:
                                                          "index": part_of[1]},
                 )
                 if not transient:
-                    await asyncio.to_thread(self.store.insert_tape, row, definition)
+                    # Several processes: the quota counted again as the row goes in.
+                    limit = (self.settings.max_tapes_per_key
+                             if self.shared and part_of is None else None)
+                    try:
+                        await asyncio.to_thread(self.store.insert_tape, row, definition,
+                                                limit)
+                    except QuotaFull as full:
+                        raise self._quota_error(full.held, 0) from None
             except BaseException:
                 self._drop_later(reply.worker, [tape_id])
                 raise
@@ -440,13 +447,17 @@ class TapeRegistry:
             held = sum(1 for t in self._tapes.values()
                        if t.row.owner == owner and t.parent is None)
         if held + self._creating[owner] >= limit:
-            raise ServiceError(
-                "quota-exceeded",
-                f"this API key holds {held} live tape(s) (with {self._creating[owner]} being "
-                f"recorded); the quota is {limit} (max_tapes_per_key). DELETE tapes you no "
-                "longer need (GET /v1/tapes lists them), or let them expire",
-                quota="tapes", limit=limit,
-            )
+            raise self._quota_error(held, self._creating[owner])
+
+    def _quota_error(self, held: int, creating: int) -> ServiceError:
+        limit = self.settings.max_tapes_per_key
+        return ServiceError(
+            "quota-exceeded",
+            f"this API key holds {held} live tape(s) (with {creating} being recorded); the "
+            f"quota is {limit} (max_tapes_per_key). DELETE tapes you no longer need (GET "
+            "/v1/tapes lists them), or let them expire",
+            quota="tapes", limit=limit,
+        )
 
     async def _check_size(self, owner: str, size: int, quota: bool = True) -> None:
         budget = self.settings.tape_memory_budget

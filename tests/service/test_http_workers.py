@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -265,6 +266,27 @@ def test_the_tape_quota_counts_every_process(pair) -> None:
         assert b.delete(f"/v1/tapes/{tape}").status_code == 204
 
 
+def test_the_tape_quota_holds_for_creations_racing_in_both_processes(server, pair) -> None:
+    """Six tapes recorded at once, three through each process, with a quota of 3: the
+    quota is counted again in the transaction that stores each, so exactly three are."""
+    a, b = pair
+    pinned = [a, b] + [Pinned(server.base_url, a.key, p.pid) for p in (a, b) for _ in (1, 2)]
+    answers: list[httpx.Response] = []
+    # Recordings of some length, so that the two processes' requests overlap.
+    body = {"definition": chain(40, depth=3), "target": "loss"}
+    threads = [threading.Thread(target=lambda c=c: answers.append(c.post(
+        "/v1/tapes", json=body))) for c in pinned]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(r.status_code for r in answers) == [201, 201, 201, 429, 429, 429]
+    made = sorted(r.json()["tape_id"] for r in answers if r.status_code == 201)
+    assert sorted(x["tape_id"] for x in ok(b.get("/v1/tapes"))["tapes"]) == made
+    for c in pinned[2:]:
+        c.client.close()
+
+
 def test_a_sharded_tape_made_through_one_process_answers_through_the_other(pair) -> None:
     a, b = pair
     tape = _create(a, shards=2)["tape_id"]
@@ -397,6 +419,25 @@ def test_small_answers_are_not_held_back_by_nagle(pair) -> None:
 
 
 # ---- settings ------------------------------------------------------------------------------
+
+
+def test_the_flags_reach_the_processes_and_ray_needs_an_address(monkeypatch) -> None:
+    """serve gives its flags to the processes through GRADTAPE_* variables; with the Ray
+    executor, several processes must join one cluster by address."""
+    from service.cli import settings_environment
+    from service.core.config import Settings
+
+    env = settings_environment({"time_limit": 5.0, "access_log": False, "data_dir": "/srv/x",
+                                "http_workers": 3, "executor": "ray", "ray_address": "auto"})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert (settings.time_limit, settings.access_log, str(settings.data_dir)) == (
+        5.0, False, "/srv/x")
+    assert settings.http_workers == 3 and settings.shared
+    with pytest.raises(ValueError, match="with executor 'ray' needs ray_address"):
+        Settings(http_workers=2, executor="ray", ray_address="")
+    assert not Settings(http_workers=1).shared
 
 
 def test_several_http_processes_need_a_store_file(tmp_path) -> None:
