@@ -298,6 +298,39 @@ def test_a_sharded_tape_made_through_one_process_answers_through_the_other(pair)
     assert problem(b.get(f"/v1/tapes/{tape}"), 404, "tape-not-found")["reason"] == "deleted"
 
 
+def test_eviction_unloads_one_process_copy_and_ends_no_tape(server, pair, tmp_path) -> None:
+    """A server whose workers hold about two of these tapes: a third recorded through one
+    process unloads that process's least recently used copy, and the tape lives on: the
+    other process serves it, and its next use here records it again, same numbers."""
+    probe = pair[0]
+    measured = _create(probe)["tape_id"]
+    _hvp(probe, measured, vec(6))  # (a tape's bytes are counted again after its first HVP)
+    size = ok(probe.get(f"/v1/tapes/{measured}"))["bytes"]
+    small = start_server({"GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
+                          "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                          "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(size * 2.5)),
+                          "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20)},
+                         tmp_path / "server.log")
+    try:
+        first, second = _processes(small.base_url)
+        a, b = Pinned(small.base_url, "no-keys", first), Pinned(small.base_url, "no-keys", second)
+        tapes = [_create(a)["tape_id"] for _ in range(2)]
+        answers = [_hvp(a, tape, vec(6)) for tape in tapes]
+        assert all(ok(a.get(f"/v1/tapes/{tape}"))["loaded"] for tape in tapes)
+        third = _create(a)["tape_id"]
+        _hvp(a, third, vec(6))
+        oldest = ok(a.get(f"/v1/tapes/{tapes[0]}"))
+        assert not oldest["loaded"] and ok(a.get(f"/v1/tapes/{tapes[1]}"))["loaded"]
+        _equal(_hvp(b, tapes[0], vec(6)), answers[0])  # live for the other process
+        _equal(_hvp(a, tapes[0], vec(6)), answers[0])  # and recorded again here
+        assert ok(a.get(f"/v1/tapes/{tapes[0]}"))["rebuilds"] == 2  # b's copy, a's again
+        assert len(ok(a.get("/v1/tapes"))["tapes"]) == 3
+        a.client.close()
+        b.client.close()
+    finally:
+        stop_server(small)
+
+
 # ---- jobs --------------------------------------------------------------------------------
 
 
