@@ -185,7 +185,10 @@ class TapeRegistry:
             families = [[r, *(by_id[i] for i in r.shards["ids"] if i in by_id)]
                         if r.shards and "ids" in r.shards else [r]
                         for r in rows if not r.is_part and r.last_used + r.ttl > now]
-            return sorted((self._sync(f) for f in families), key=lambda t: t.row.created)
+            # (a sharded tape ending elsewhere as this was read: left out, not half-listed)
+            whole = [f for f in families
+                     if len(f) == 1 + len((f[0].shards or {}).get("ids", []))]
+            return sorted((self._sync(f) for f in whole), key=lambda t: t.row.created)
         return sorted(
             (t for t in self._tapes.values()
              if t.row.owner == owner and t.expires > now and t.parent is None),
