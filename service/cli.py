@@ -95,6 +95,7 @@ def serve(overrides: dict[str, Any]) -> int:
         return 2
     store.close()
     os.environ.update(settings_environment(overrides))
+    from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
     config = uvicorn.Config("service.api.app:create_app", factory=True,
@@ -108,8 +109,10 @@ def serve(overrides: dict[str, Any]) -> int:
     logging.getLogger("uvicorn.error").info(
         "Uvicorn running on http://%s:%d with %d HTTP processes (Press CTRL+C to quit)",
         settings.host, sock.getsockname()[1], settings.http_workers)
-    Multiprocess(config, sockets=[sock]).run()
-    return 0
+    supervisor = Multiprocess(config, sockets=[sock])
+    supervisor.run()
+    # A process that could not start (its workers, its store) stops them all: say so.
+    return 3 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -473,6 +473,24 @@ def test_the_flags_reach_the_processes_and_ray_needs_an_address(monkeypatch) -> 
     assert not Settings(http_workers=1).shared
 
 
+def test_a_process_that_cannot_start_stops_the_server(tmp_path) -> None:
+    """Workers that cannot start (an unknown definition limit) stop every process and the
+    parent, with the reason in the log and a failing exit status, as with one process."""
+    with pytest.raises(RuntimeError, match="the server exited") as failed:
+        start_server({"GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
+                      "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                      "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}'},
+                     tmp_path / "server.log")
+    assert "max_wishes" in str(failed.value)
+    assert "failed to start, stopping the parent process" in str(failed.value)
+    env = {**os.environ, **SERVER_SETTINGS, "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+           "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}'}
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--http-workers", "2", "--port", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 3, done.stderr[-2000:]  # uvicorn's startup failure
+
+
 def test_several_http_processes_need_a_store_file(tmp_path) -> None:
     env = {**os.environ, **SERVER_SETTINGS, "GRADTAPE_STORE_PATH": ":memory:"}
     done = subprocess.run(
