@@ -23,7 +23,7 @@ authority, each process's `_tapes` only its copies. Every use reads the tape's r
 (and its parts'), one indexed read: a tape another process made is adopted (recorded on
 one of this process's workers on first use, as after a restart), a copy whose stored
 `version` moved (new values, PATCHed elsewhere) is recorded again, an ended one answers
-its 404/410. Uses are written at once (last use: the latest of every process's; hits
+its 404 (deleted, expired). Uses are written at once (last use: the latest of every process's; hits
 add up); the sweeper ends only tapes whose stored last use is older than their ttl,
 and forgets the copies of tapes ended elsewhere; quotas count the store's rows.
 Eviction unloads this process's copy only (the tape stays live in the store, and its
@@ -245,7 +245,7 @@ class TapeRegistry:
     # Several HTTP processes: the store's rows are the tapes -----------------------------
     async def _get_shared(self, tape_id: str, owner: str) -> Tape:
         """The caller's live tape as the store has it now (this process's copy brought
-        up to date, or adopted); its 404/410 when it ended, wherever that happened."""
+        up to date, or adopted); its 404 when it ended, wherever that happened."""
         if len(tape_id) > 128:
             raise self._not_found(tape_id)
         rows = await asyncio.to_thread(self.store.get_tape_family, tape_id)
@@ -285,8 +285,9 @@ class TapeRegistry:
             if row.version != copy.row.version:
                 copy.row.definition = row.definition
                 copy.row.version = row.version
-                copy.stale = copy.generation is not None
-                copy.generation = None if copy.stale else copy.generation
+                # (still stale if it moved twice before a use here recorded it again)
+                copy.stale = copy.stale or copy.generation is not None
+                copy.generation = None
             copy.row.last_used = max(copy.row.last_used, row.last_used)
             copy.row.hits = row.hits
             copy.row.rebuilds = row.rebuilds

@@ -222,6 +222,19 @@ def test_new_values_patched_through_one_process_are_used_by_the_other(pair) -> N
     assert ok(a.get(f"/v1/tapes/{tape}"))["hits"] == 6  # every use, through either
 
 
+def test_values_patched_twice_between_two_uses_in_the_other_process(pair) -> None:
+    """b's copy goes stale (a PATCH through a, seen by a GET through b), then stale again
+    (a second PATCH) before b uses it: b records the latest values, not its old ones."""
+    a, b = pair
+    tape = _create(a)["tape_id"]
+    _hvp(b, tape, vec(7))
+    ok(a.patch(f"/v1/tapes/{tape}", json={"variables": {"k": t(K + 1.0, "float64")}}))
+    assert ok(b.get(f"/v1/tapes/{tape}"))["tape_id"] == tape  # b sees the new version
+    ok(a.patch(f"/v1/tapes/{tape}", json={"variables": {"k": t(K - 1.0, "float64")}}))
+    latest = {**DEFN, "variables": {**DEFN["variables"], "k": t(K - 1.0, "float64")}}
+    _equal(_hvp(b, tape, vec(7)), _hvp(a, _create(a, definition=latest)["tape_id"], vec(7)))
+
+
 def test_a_tape_deleted_through_one_process_is_gone_through_the_other(pair) -> None:
     a, b = pair
     tape = _create(a)["tape_id"]
