@@ -23,8 +23,8 @@ authority, each process's `_tapes` only its copies. Every use reads the tape's r
 (and its parts'), one indexed read: a tape another process made is adopted (recorded on
 one of this process's workers on first use, as after a restart), a copy whose stored
 `version` moved (new values, PATCHed elsewhere) is recorded again, an ended one answers
-its 404 (deleted, expired). Uses are written at once (last use: the latest of every process's; hits
-add up); the sweeper ends only tapes whose stored last use is older than their ttl,
+its 404 (deleted, expired). Uses are written at once (last use: the latest of every
+process's; hits add up); the sweeper ends only tapes whose stored last use is older than their ttl,
 and forgets the copies of tapes ended elsewhere; quotas count the store's rows.
 Eviction unloads this process's copy only (the tape stays live in the store, and its
 next use here records it again): one process's memory pressure ends no tape that the
