@@ -30,7 +30,7 @@ from tests.service.conftest import ROOT, SERVER_SETTINGS, Server, start_server, 
 from tests.service.test_cancel import N, chain
 from tests.service.test_jobs import same_answer
 from tests.service.test_tapes import DEFN, K, vec, wire
-from tests.service.wire import arr, ok, problem, t
+from tests.service.wire import MSGPACK, arr, ok, problem, t
 
 KEYS = [f"multi-key-{i}-0123456789abcdef" for i in range(24)]
 LONG_TRACE = {
@@ -384,6 +384,33 @@ def test_a_job_started_through_one_process_is_followed_through_the_other(pair) -
     # an ended job forgotten through b is gone for a too
     assert b.delete(location).status_code == 204
     assert problem(a.get(location), 404, "job-not-found")
+
+
+def test_a_job_answer_with_arrays_read_through_the_other_process(pair) -> None:
+    """A Hessian job's answer crosses the store as msgpack (arrays as raw bytes): read
+    through the other process, in JSON and in msgpack, it is the synchronous answer, bit
+    for bit, and the closed form."""
+    a, b = pair
+    rng = np.random.default_rng(3)
+    n = 40
+    m = rng.standard_normal((n, n))
+    w = rng.standard_normal(n)
+    body = {"definition": {"variables": {"w": t(w, "float64")}, "inputs": {"m": t(m, "float64")},
+                           "program": ["z = tanh(m @ w)", "loss = sum(z * z)"]},
+            "target": "loss"}
+    r = a.post("/v1/hessian", json={**body, "async": True})
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    job = _wait(b, location, ("succeeded", "failed"))
+    assert job["state"] == "succeeded", job
+    sync = ok(b.post("/v1/hessian", json=body))
+    assert job["result"] == sync
+    packed = ok(b.get(f"{location}/result", headers={"Accept": MSGPACK}))
+    got = arr(packed["hessian"]["w"]["w"])
+    np.testing.assert_array_equal(got, arr(sync["hessian"]["w"]["w"]))
+    z = np.tanh(m @ w)
+    np.testing.assert_allclose(got, m.T @ np.diag(2 * (1 - 3 * z**2) * (1 - z**2)) @ m,
+                               rtol=1e-9, atol=1e-9)
 
 
 def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
