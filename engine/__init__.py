@@ -15,6 +15,7 @@ from engine import random
 from engine.allocator import tune_allocator
 from engine.backend import DeviceError, cuda_available
 from engine.forward import ForwardAccumulator
+from engine.jit import Jit, jit
 from engine.ops.creation import (
     arange,
     eye,
@@ -58,6 +59,7 @@ __all__ = [
     "GradientTape",
     "HessianOperator",
     "Interrupted",
+    "Jit",
     "MissingRuleError",
     "Tensor",
     "UnconnectedGradients",
@@ -80,6 +82,7 @@ __all__ = [
     "jacfwd",
     "jacobian",
     "jacrev",
+    "jit",
     "jvp",
     "linearize",
     "linspace",
