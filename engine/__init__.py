@@ -12,7 +12,7 @@ registered in `engine.registry.public_ops` and exported here from that registry.
 
 from engine import ops as _ops  # registers every primitive and public op
 from engine import random
-from engine.allocator import tune_allocator
+from engine.allocator import tune_allocator, tune_by_default
 from engine.backend import DeviceError, cuda_available
 from engine.forward import ForwardAccumulator
 from engine.jit import Jit, jit
@@ -49,6 +49,10 @@ from engine.transforms import (
 )
 
 globals().update({name: info.fn for name, info in public_ops.items()})
+
+# glibc's thresholds raised, so large temporaries are reused rather than faulted in every
+# call (engine/allocator.py: the trade-off, and GRADTAPE_TUNE_ALLOCATOR=0 to opt out).
+tune_by_default()
 
 jacobian = jacrev
 
