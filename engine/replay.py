@@ -407,14 +407,16 @@ class Schedule:
         self.constant_outs = {s for s in out_slots if s is not None and kinds[s] == _CONST}
         self.seed_layouts = [(values[i].shape, values[i].strides) for i in cap.seed_slots]
         owner = cap.owner  # which buffer each slot's memory belongs to (views share)
+        steps, step_slot = self._live(cap, out_slots)
+        self.dropped = len(cap.steps) - len(steps)
         # The last step that reads each buffer (through any view of it); outputs live on.
         last = [-1] * n
-        for k, (_, ins, _) in enumerate(cap.steps):
+        for k, (_, ins, _) in enumerate(steps):
             for i in ins:
                 last[owner[i]] = k
         escaping = {owner[s] for s in out_slots if s is not None}
         for s in escaping:
-            last[s] = len(cap.steps)
+            last[s] = len(steps)
 
         # Persistent buffers are made on the first replay (the capture pass allocates what
         # the dynamic sweep does, no more); a _Buffer is where each will live.
@@ -422,13 +424,13 @@ class Schedule:
         pooled_bytes = 0
         buffer_of: dict[int, _Buffer] = {}  # slot -> the persistent buffer its step writes
         self.buffers: list[_Buffer] = []
-        frees: list[list[int]] = [[] for _ in cap.steps]
+        frees: list[list[int]] = [[] for _ in steps]
         members: dict[int, list[int]] = {}
-        for slot in cap.step_slot:
+        for slot in step_slot:
             members.setdefault(owner[slot], []).append(slot)
         freed: set[int] = set()
         plan: list[list[Any]] = []
-        for k, ((prim, ins, params), slot) in enumerate(zip(cap.steps, cap.step_slot, strict=True)):
+        for k, ((prim, ins, params), slot) in enumerate(zip(steps, step_slot, strict=True)):
             value = values[slot]
             maker = _FORMS.get(prim.name)
             # constants as arrays, the pass's own operands as their _Layouts
@@ -473,6 +475,21 @@ class Schedule:
         self.pooled_bytes = pooled_bytes
         self.constant_bytes = cap.made_bytes
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _live(cap: Capture, out_slots: list[int | None]) -> tuple[list, list[int]]:
+        """The steps some output needs (and their slots): a call whose result nothing
+        reads is left out (a fresh HVP's deferred weight-gradient products, which the
+        capture's own pass computed to see their layouts)."""
+        needed = {s for s in out_slots if s is not None}
+        keep = [False] * len(cap.steps)
+        for k in range(len(cap.steps) - 1, -1, -1):
+            if cap.step_slot[k] in needed:
+                keep[k] = True
+                needed.update(cap.steps[k][1])
+        steps = [st for st, kept in zip(cap.steps, keep, strict=True) if kept]
+        slots = [sl for sl, kept in zip(cap.step_slot, keep, strict=True) if kept]
+        return steps, slots
 
     @staticmethod
     def _elide_broadcasts(plan: list[list[Any]]) -> None:

@@ -386,3 +386,25 @@ def test_compiled_calls_are_faster_than_dynamic_ones() -> None:
     compiled(params, x, y)
     best = min(cpu(dynamic) / cpu(compiled) for _ in range(3))
     assert best > 1.5, best
+
+
+def test_a_replayed_fresh_hvp_runs_no_dead_calls() -> None:
+    """gt.hvp defers the gradients' own weight products (only their tangents are
+    wanted); the capture's pass computes them to see their layouts, and the schedule
+    leaves out every call no output needs, so a replay never runs them."""
+    loss, draw = _mlp_with_data(gt.tanh)
+    rng = np.random.default_rng(10)
+    params, x, y = draw(rng)
+    flat = gt.tree.flatten(params)[0]
+    jitted = gt.jit(lambda *ps: loss(gt.tree.unflatten(gt.tree.flatten(params)[1], ps), x, y))
+    for _ in range(3):
+        ps = [gt.constant(rng.standard_normal(p.shape)) for p in flat]
+        vs = [gt.constant(rng.standard_normal(p.shape)) for p in flat]
+        _same(jitted.hvp(ps, vs), gt.hvp(jitted.fun, ps, vs))
+    (schedule,) = jitted._passes.entries.values()
+    gemms = [e for e in schedule.plan if e[0] is not None and e[0].name == "matmul"]
+    assert schedule.dropped >= 3, schedule.dropped  # the three weight-gradient GEMMs
+    # what is left: the forward's 3 GEMMs and their tangents' 5 (x is no primal), the
+    # backward's 2 (no cotangent for x) and their tangents' 4, the weight gradients'
+    # tangents' 5; not the 3 weight gradients themselves
+    assert len(gemms) == 19, len(gemms)
