@@ -329,12 +329,17 @@ def main() -> None:
     args = parser.parse_args()
     frameworks = args.frameworks.split(",")
     cases = args.cases.split(",")
+    # import engine tunes glibc's allocator for the whole process, peers included, unless
+    # GRADTAPE_TUNE_ALLOCATOR=0 (engine/allocator.py): done before anything is timed
+    from engine import allocator
+
     print(
         f"# bench_replay: {platform.machine()}, python {platform.python_version()}, "
         f"numpy {np.__version__}; threads: OMP={os.environ.get('OMP_NUM_THREADS')} "
         f"OPENBLAS={os.environ.get('OPENBLAS_NUM_THREADS')}; "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; "
         f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}; "
+        f"allocator tuned at import: {allocator.tuned_at_import}; "
         f"{args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     for size_name in args.sizes.split(","):

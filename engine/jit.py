@@ -83,6 +83,7 @@ class Jit:
         # one of them is differentiated at both uses by the dynamic transform, which a
         # replay (seeing the closure's use as a constant) cannot do.
         self._reached: weakref.WeakValueDictionary[int, Tensor] | None = None
+        self._reached_ids: frozenset[int] = frozenset()
         self._lock = threading.Lock()
         self.__wrapped__ = f
         self.__doc__ = getattr(f, "__doc__", None)
@@ -236,7 +237,7 @@ class Jit:
         # dynamically so that they see every op.
         if trace.anything_active() or trace.capture is not None or self._reaches(seeds):
             return dynamic(*args, **kwargs)
-        key = (tag, _hashable(treedef), tuple(layout))
+        key = (tag, treedef, tuple(layout))
 
         def run(fresh: list[Tensor]) -> list[Tensor | None]:
             it = iter(fresh)
@@ -263,14 +264,15 @@ class Jit:
         self._reached = weakref.WeakValueDictionary(
             {k: t for k, t in known.items() if isinstance(t, Tensor)}
         )
+        self._reached_ids = frozenset(self._reached.keys())
         return known
 
     def _reaches(self, seeds: list[Tensor]) -> bool:
         """Whether an argument is also a tensor f reaches (see __init__)."""
         if self._reached is None:
             self._known()
-        reached = self._reached
-        return any(reached.get(id(s)) is s for s in seeds)  # type: ignore[union-attr]
+        ids, reached = self._reached_ids, self._reached
+        return any(id(s) in ids and reached.get(id(s)) is s for s in seeds)  # type: ignore[union-attr]
 
 
 def _tensorized(args: tuple, nums: tuple[int, ...]) -> tuple:
@@ -278,6 +280,8 @@ def _tensorized(args: tuple, nums: tuple[int, ...]) -> tuple:
     tensors, as the dynamic transforms make them), Variables as their current values."""
     args = list(args)
     for i in nums:
+        if type(args[i]) is Tensor:
+            continue  # (the common case, as it is)
         leaves, treedef = tree.flatten(args[i])
         args[i] = tree.unflatten(
             treedef, [Tensor(x.value) if isinstance(x, Variable) else as_tensor(x) for x in leaves]
@@ -307,12 +311,6 @@ def _static_key(x: Any) -> tuple:
             "hashable"
         ) from None
     return (type(x), x)  # 1, 1.0 and True are equal, but f may treat them apart
-
-
-def _hashable(treedef: Any) -> Any:
-    if isinstance(treedef, (list, tuple)):
-        return tuple(_hashable(x) for x in treedef)
-    return treedef
 
 
 def _describe(label: str, leaves: list[Any]) -> str:
