@@ -60,9 +60,12 @@ POOL_LIMIT = 16 * 1024 * 1024
 CONSTANT_LIMIT = 16 * 1024 * 1024
 
 
-def jit(f: Callable[..., Any], *, cache_size: int = CACHE_SIZE) -> Jit:
+def jit(f: Callable[..., Any] | None = None, *, cache_size: int = CACHE_SIZE) -> Any:
     """f compiled per argument layout, with its transforms (see the module docstring for
-    the contract: f's control flow must not depend on tensor values or outside state)."""
+    the contract: f's control flow must not depend on tensor values or outside state).
+    Also a decorator: `@gt.jit` or `@gt.jit(cache_size=8)`."""
+    if f is None:
+        return lambda g: Jit(g, cache_size=cache_size)
     return Jit(f, cache_size=cache_size)
 
 

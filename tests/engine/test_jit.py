@@ -257,6 +257,28 @@ def test_each_layout_is_its_own_key_and_the_cache_is_bounded() -> None:
     assert len(jitted.status()) == 5, jitted.status()
 
 
+def test_decorator_forms_and_bad_arguments() -> None:
+    @gt.jit
+    def square(w):
+        return gt.sum(w * w)
+
+    @gt.jit(cache_size=1)
+    def cube(w):
+        return gt.sum(w * w * w)
+
+    w = gt.constant(np.array([1.0, -2.0]))
+    for _ in range(3):
+        np.testing.assert_array_equal(square.grad()(w).numpy(), [2.0, -4.0])
+        np.testing.assert_array_equal(cube.grad()(w).numpy(), [3.0, 12.0])
+    assert cube.cache_size == 1 and "compiled" in repr(cube.status())
+    with pytest.raises(TypeError, match="function"):
+        gt.jit(3)
+    with pytest.raises(ValueError, match="cache_size"):
+        gt.jit(square.fun, cache_size=0)
+    with pytest.raises(ValueError, match="argnums"):
+        square.grad(argnums=2)(w)
+
+
 def test_a_changed_outside_value_is_not_seen_once_compiled() -> None:
     """As jax.jit documents: what f reads outside its arguments is a constant of the
     compiled call. A number changed after the capture is not seen (the dynamic calls
