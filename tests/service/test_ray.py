@@ -5,7 +5,8 @@ dashboard, loopback), for the whole module.
 The suites that matter run here unchanged against it (their functions are imported, and
 this module's `server` and `client` fixtures stand in for the session's local ones):
 gradients, tapes and their HVPs, the tape algorithms against the dense Hessian, sharded
-tapes over the actors (equal to unsharded ones, algorithms included), a time
+tapes over the actors (equal to unsharded ones, algorithms, jacobians and influence
+included), a time
 limit (the actor is killed with ray.kill and replaced), an idle actor killed under a tape.
 Then what is the Ray backend's own: a job's progress and its cancel through the actor's
 cancel flag, an actor SIGKILLed mid-request (502, replaced, and the tape's next HVP
@@ -41,6 +42,12 @@ from tests.service.test_tape_algorithms import (  # noqa: F401
     tape_id,
     test_eigenvalues_match_the_dense_hessian,
     test_trace_within_its_standard_error,
+)
+from tests.service.test_tape_shard_pieces import (  # noqa: F401 - pieces over the actors
+    influence_pair,
+    jacobian_pair,
+    test_sharded_influence_equals_unsharded,
+    test_sharded_jacobians_equal_unsharded,
 )
 from tests.service.test_tape_shards import (  # noqa: F401 - sharded over the actors
     pair,
