@@ -430,3 +430,33 @@ def test_a_replayed_fresh_hvp_runs_no_dead_calls() -> None:
     # backward's 2 (no cotangent for x) and their tangents' 4, the weight gradients'
     # tangents' 5; not the 3 weight gradients themselves
     assert len(gemms) == 19, len(gemms)
+
+
+def test_any_function_of_tapes_and_transforms_compiles() -> None:
+    """gt.jit(f)(...) is f compiled, whatever f does with tapes inside: a GradientTape
+    step, gt.hessian and gt.jacfwd (their basis tangents are constants of the shapes)."""
+    rng = np.random.default_rng(11)
+    x = gt.constant(rng.standard_normal((5, 3)))
+
+    def step(w, lr):
+        with gt.GradientTape() as tape:
+            tape.watch(w)
+            loss = gt.sum(gt.tanh(x @ w) ** 2)
+        return w - lr * tape.gradient(loss, w), loss
+
+    def loss(w):
+        return gt.sum(gt.tanh(x @ w) ** 2)
+
+    functions = {
+        "tape step": lambda w: step(w, 0.1),
+        "hessian": gt.hessian(loss),
+        "jacfwd": gt.jacfwd(lambda w: gt.tanh(x @ w)),
+    }
+    for name, f in functions.items():
+        jitted = gt.jit(f)
+        for _ in range(4):
+            w = gt.constant(rng.standard_normal((3, 2)))
+            _same(jitted(w), f(w))
+        assert list(jitted.status().values()) == ["compiled"], (name, jitted.status())
+    h = gt.jit(gt.hessian(loss))(w).numpy().reshape(6, 6)
+    np.testing.assert_allclose(h, gt.hessian_operator(loss, w).dense(), rtol=1e-10, atol=1e-12)
