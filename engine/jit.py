@@ -50,7 +50,7 @@ from engine.tape import (
     per_example_layout,
     per_example_rows,
 )
-from engine.tensor import Tensor, Variable, as_tensor
+from engine.tensor import Tensor, as_tensor
 
 # Per jit object: the keys kept (each a schedule once compiled) and what each schedule
 # may keep between calls: scratch buffers, and its own constants (a jacobian's identity
@@ -238,7 +238,7 @@ class Jit:
                 layout.append(_static_key(leaf))
         # A replay records nothing: under an outer tape, accumulator or capture, f runs
         # dynamically so that they see every op.
-        if trace.anything_active() or trace.capture is not None or self._reaches(seeds):
+        if trace.anything_active() or trace.capture is not None or self._reaches(leaves):
             return dynamic(*args, **kwargs)
         key = (tag, treedef, tuple(layout))
 
@@ -254,10 +254,13 @@ class Jit:
 
         outputs = self._passes.run(key, seeds, run, self._known)
         with self._lock:
-            _, out_def, statics = self._outputs[key]
+            found = self._outputs.get(key)
             if len(self._outputs) > len(self._passes.entries) + self.cache_size:
                 for k in [k for k in self._outputs if k not in self._passes.entries]:
                     del self._outputs[k]
+        if found is None:  # (forgotten meanwhile by another thread's call or clear())
+            return dynamic(*args, **kwargs)
+        _, out_def, statics = found
         result = [statics.get(i, o) for i, o in enumerate(outputs)]
         return tree.unflatten(out_def, result)
 
@@ -270,25 +273,23 @@ class Jit:
         self._reached_ids = frozenset(self._reached.keys())
         return known
 
-    def _reaches(self, seeds: list[Tensor]) -> bool:
+    def _reaches(self, leaves: list[Any]) -> bool:
         """Whether an argument is also a tensor f reaches (see __init__)."""
         if self._reached is None:
             self._known()
         ids, reached = self._reached_ids, self._reached
-        return any(id(s) in ids and reached.get(id(s)) is s for s in seeds)  # type: ignore[union-attr]
+        return any(id(x) in ids and reached.get(id(x)) is x for x in leaves)  # type: ignore[union-attr]
 
 
 def _tensorized(args: tuple, nums: tuple[int, ...]) -> tuple:
     """The differentiated arguments' leaves as tensors (Python numbers become float32
-    tensors, as the dynamic transforms make them), Variables as their current values."""
+    tensors, as the dynamic transforms make them)."""
     args = list(args)
     for i in nums:
         if type(args[i]) is Tensor:
             continue  # (the common case, as it is)
         leaves, treedef = tree.flatten(args[i])
-        args[i] = tree.unflatten(
-            treedef, [Tensor(x.value) if isinstance(x, Variable) else as_tensor(x) for x in leaves]
-        )
+        args[i] = tree.unflatten(treedef, [as_tensor(x) for x in leaves])
     return tuple(args)
 
 

@@ -317,6 +317,14 @@ def test_closed_over_tensors_and_arrays_are_constants_and_arguments_are_not() ->
         _same(jitted.value_and_grad()(w), gt.value_and_grad(f)(w))
     assert set(jitted.status().values()) == {"compiled"}
     _same(jitted.value_and_grad()(c), gt.value_and_grad(f)(c))  # c at both uses
+    # A Variable argument enters as its value; one f also closes over is used at both.
+    v = gt.Variable(rng.standard_normal(3))
+    for _ in range(3):
+        _same(jitted.value_and_grad()(v), gt.value_and_grad(f)(v))
+    shared = gt.Variable(c.numpy())
+    g = gt.jit(lambda w: gt.sum(w * shared) + gt.sum(w * w))
+    for _ in range(3):
+        _same(g.grad()(shared), gt.grad(g.fun)(shared))
     np.testing.assert_allclose(
         jitted.grad()(c).numpy(), gt.grad(f)(gt.constant(c.numpy())).numpy() + c.numpy(), rtol=1e-12
     )
