@@ -22,8 +22,10 @@ The contract (jax.jit's): f's Python control flow may depend on shapes, dtypes a
 static arguments, never on tensor values, and f reads no state outside its arguments
 that changes between calls. What f closes over (tensors, NumPy arrays, Python numbers,
 globals) is a constant of the compiled call: a later change to it is not seen by a key
-already compiled (it is by the one or two dynamic calls before). Side effects (printing,
-appending to a list) happen on the dynamic and capturing calls only.
+already compiled (it is by the one or two dynamic calls before). Variables are the
+exception, as tf.function reads them: an `assign` to a Variable f reaches is seen (every
+key is forgotten and captured again). Side effects (printing, appending to a list)
+happen on the dynamic and capturing calls only.
 
 What the capture can see, it refuses to compile: a read of a value of the pass on the
 host (`float(t)`, `bool(t)`, `t.numpy()`: a branch on data) or an array made outside
@@ -50,7 +52,7 @@ from engine.tape import (
     per_example_layout,
     per_example_rows,
 )
-from engine.tensor import Tensor, as_tensor
+from engine.tensor import Tensor, Variable, as_tensor
 
 # Per jit object: the keys kept (each a schedule once compiled) and what each schedule
 # may keep between calls: scratch buffers, and its own constants (a jacobian's identity
@@ -87,6 +89,10 @@ class Jit:
         # replay (seeing the closure's use as a constant) cannot do.
         self._reached: weakref.WeakValueDictionary[int, Tensor] | None = None
         self._reached_ids: frozenset[int] = frozenset()
+        # The Variables f reaches, with the arrays they held when last walked: an assign
+        # gives a Variable a new array, and every compiled key (which read the old one as a
+        # constant) is forgotten, as tf.function reads variables anew on every call.
+        self._variables: list[tuple[weakref.ref[Variable], Any]] = []
         self._lock = threading.Lock()
         self.__wrapped__ = f
         self.__doc__ = getattr(f, "__doc__", None)
@@ -240,6 +246,12 @@ class Jit:
         # dynamically so that they see every op.
         if trace.anything_active() or trace.capture is not None or self._reaches(leaves):
             return dynamic(*args, **kwargs)
+        for ref, array in self._variables:
+            variable = ref()
+            if variable is not None and variable.value is not array:
+                self.clear()  # (this call runs dynamically, the next one captures again)
+                self._known()
+                break
         key = (tag, treedef, tuple(layout))
 
         def run(fresh: list[Tensor]) -> list[Tensor | None]:
@@ -271,6 +283,9 @@ class Jit:
             {k: t for k, t in known.items() if isinstance(t, Tensor)}
         )
         self._reached_ids = frozenset(self._reached.keys())
+        self._variables = [
+            (weakref.ref(t), t.value) for t in known.values() if isinstance(t, Variable)
+        ]
         return known
 
     def _reaches(self, leaves: list[Any]) -> bool:

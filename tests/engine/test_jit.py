@@ -300,6 +300,27 @@ def test_a_changed_outside_value_is_not_seen_once_compiled() -> None:
     assert float(jitted(w).numpy()) == 15.0
 
 
+def test_an_assigned_variable_is_seen() -> None:
+    """Variables are read anew, as tf.function reads them: an assign to one f reaches
+    forgets the compiled keys (which held its old array as a constant), and the answers
+    follow the new value."""
+    rng = np.random.default_rng(12)
+    weights = gt.Variable(rng.standard_normal((3, 2)))
+    x = gt.constant(rng.standard_normal((4, 3)))
+
+    def loss(scale):
+        return gt.sum(gt.tanh(x @ weights) ** 2) * scale
+
+    jitted = gt.jit(loss)
+    scale = gt.constant(np.array(1.5))
+    for step in range(4):
+        for _ in range(3):
+            _same(jitted.value_and_grad()(scale), gt.value_and_grad(loss)(scale))
+        assert list(jitted.status().values()) == ["compiled"], (step, jitted.status())
+        weights.assign(weights.value - 0.1)
+    _same(jitted(scale), loss(scale))
+
+
 def test_closed_over_tensors_and_arrays_are_constants_and_arguments_are_not() -> None:
     """Data closed over as a tensor or as a NumPy array is compiled in; an argument that
     is also a closed-over tensor is differentiated at both uses, as the dynamic transform
