@@ -56,8 +56,11 @@ from engine.tensor import Tensor, Variable, as_tensor
 
 # Per jit object: the keys kept (each a schedule once compiled) and what each schedule
 # may keep between calls: scratch buffers, and its own constants (a jacobian's identity
-# rows grow with the output; a pass whose constants exceed this stays dynamic).
-CACHE_SIZE = 32
+# rows grow with the output; a pass whose constants exceed this stays dynamic). So a jit
+# object keeps at most cache_size x 32 MiB (512 MiB by default) beyond what f itself
+# holds; the large arrays of a big model's pass are not kept (they are allocated per
+# call, as the dynamic pass does).
+CACHE_SIZE = 16
 POOL_LIMIT = 16 * 1024 * 1024
 CONSTANT_LIMIT = 16 * 1024 * 1024
 
