@@ -418,27 +418,6 @@ def test_jacobians_and_batch_jacobians() -> None:
     assert set(mixing.status().values()) == {"compiled"}
 
 
-def test_compiled_calls_are_faster_than_dynamic_ones() -> None:
-    """Not a benchmark (bench/bench_replay.py is): a guard that the replay is in use. A
-    small MLP's gradient replays several times faster than the dynamic sweep."""
-    import time
-
-    loss, draw = _mlp_with_data(gt.tanh)
-    params, x, y = draw(np.random.default_rng(9))
-    compiled, dynamic = gt.jit(loss).value_and_grad(), gt.value_and_grad(loss)
-
-    def cpu(fn, n=60):
-        fn(params, x, y)
-        start = time.process_time()
-        for _ in range(n):
-            fn(params, x, y)
-        return time.process_time() - start
-
-    compiled(params, x, y)
-    best = min(cpu(dynamic) / cpu(compiled) for _ in range(3))
-    assert best > 1.5, best
-
-
 def test_a_replayed_fresh_hvp_runs_no_dead_calls() -> None:
     """gt.hvp defers the gradients' own weight products (only their tangents are
     wanted); the capture's pass computes them to see their layouts, and the schedule
