@@ -300,7 +300,9 @@ def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSe
     tapes = sessions(context)
     tape_id = payload["tape_id"]
     session = tapes.get(tape_id)
-    if session is not None:
+    # `rerecord`: the recording here is of older values (another HTTP process changed
+    # the tape): the one in `rebuild` replaces it.
+    if session is not None and not payload.get("rerecord"):
         return session, False
     spec = payload.get("rebuild")
     if spec is None:

@@ -390,6 +390,52 @@ def test_through_ray_client_a_ray_address(tmp_path, monkeypatch: pytest.MonkeyPa
         cluster.shutdown()
 
 
+def test_two_http_processes_share_tapes_over_one_cluster(tmp_path, monkeypatch) -> None:
+    """GRADTAPE_HTTP_WORKERS=2 against one cluster (ray.cluster_utils, loopback, joined by
+    address): each HTTP process has its own actor on it; a tape recorded through one
+    answers through the other with the same numbers (recorded again on that process's
+    actor from the store), and a PATCH through that one is seen by the first."""
+    from ray.cluster_utils import Cluster
+
+    from tests.service.test_http_workers import Pinned, _processes
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # (see the node-removal test)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "node_ip_address": "127.0.0.2", "object_store_memory": 80 * 2**20,
+        "include_dashboard": False})
+    srv = None
+    try:
+        srv = start_server(
+            {"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_RAY_ADDRESS": cluster.address,
+             "GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
+             "GRADTAPE_DATA_DIR": str(tmp_path / "data")},
+            tmp_path / "server.log",
+        )
+        first, second = _processes(srv.base_url)
+        head = cluster.head_node.all_processes["raylet"][0].process.pid
+        assert _raylet_of(first) == _raylet_of(second) == head  # two actors, one cluster
+        a, b = Pinned(srv.base_url, "no-keys", first), Pinned(srv.base_url, "no-keys", second)
+        r = a.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
+        assert r.status_code == 201, r.text
+        tape = r.json()["tape_id"]
+        before = a.post(f"/v1/tapes/{tape}/hvp", json={"vector": V}).json()
+        through_b = b.post(f"/v1/tapes/{tape}/hvp", json={"vector": V}).json()
+        np.testing.assert_array_equal(arr(through_b["hvp"]["w"]), arr(before["hvp"]["w"]))
+        assert b.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
+        w = {"dtype": "float64", "shape": [N], "data": list(np.cos(np.arange(N)))}
+        patched = b.patch(f"/v1/tapes/{tape}", json={"variables": {"w": w}})
+        assert patched.status_code == 200, patched.text
+        gradient = a.post(f"/v1/tapes/{tape}/gradient", json={}).json()
+        np.testing.assert_array_equal(arr(gradient["gradients"]["w"]),
+                                      arr(patched.json()["gradients"]["w"]))
+        a.client.close()
+        b.client.close()
+    finally:
+        if srv is not None:
+            stop_server(srv)
+        cluster.shutdown()
+
+
 def test_gpu_workers_are_actors_with_one_gpu_each() -> None:
     """What the pool asks Ray for (no GPU here to run one): with device 'cuda', or 'auto'
     on a cluster that has GPUs, each actor takes one GPU, which Ray makes its cuda:0."""

@@ -132,7 +132,7 @@ async def create_tape(
 async def list_tapes(owner: OwnerDep, tapes: TapesDep) -> TapeList:
     """The caller's live tapes (those of its API key), oldest first."""
     return TapeList.model_validate(
-        {"tapes": [t.info(tapes.loaded(t)) for t in tapes.live(owner)]}
+        {"tapes": [t.info(tapes.loaded(t)) for t in await tapes.live(owner)]}
     )
 
 
