@@ -14,6 +14,10 @@ computes its gradients' GEMMs): the before/after of issue 17's items 1 and 2.
 jacobian (d out / d x per example) through CompiledProgram, cycling over NEW_VALUES
 sets of values, as a stateless client sends them; `hvp_request` and `bjac_request` are
 the worker's whole handler for those requests (checks, leaves, the compiled pass).
+`grad_jit`, `hvp_jit` and `bjac_jit` are the Python API compiled by gt.jit (its
+value_and_grad, hvp and batch_jacobian), cycling over NEW_VALUES sets of parameters
+and vectors (inputs for the batch jacobian); their `gradtape-dynamic` cells are
+gt.value_and_grad, gt.hvp and GradientTape.batch_jacobian on the same values.
 
 Run from the repository root, in the peers' virtualenv, on one thread:
 
@@ -169,13 +173,61 @@ def _worker_request(prob, handler: str):
     return lambda: fn(next(calls), context)
 
 
+def _jit_cases(gradtape, compiled: bool, case: str):
+    """The Python API (gt.jit's transforms, or with compiled=False the dynamic ones) on
+    the benchmark MLP, cycling over NEW_VALUES sets of parameters and vectors (the data
+    closed over, as bench_engine's gradtape rows have it), or of inputs x for the batch
+    jacobian."""
+    gt, prob = gradtape.gt, gradtape.prob
+    rng = np.random.default_rng(11)
+
+    def other(t):
+        return gt.constant((t.numpy() * rng.uniform(0.9, 1.1, t.shape)).astype(t.dtype))
+
+    if case == "bjac":
+        model = gt.jit(lambda x: be.mlp(x, gradtape.consts, gradtape.act))
+        xs = itertools.cycle([other(gradtape.x) for _ in range(NEW_VALUES)])
+        if compiled:
+            bjac = model.batch_jacobian()
+            return lambda: bjac(next(xs))
+
+        def dynamic():
+            x = next(xs)
+            with gt.GradientTape() as tape:
+                tape.watch(x)
+                out = be.mlp(x, gradtape.consts, gradtape.act)
+            return tape.batch_jacobian(out, x)
+
+        return dynamic
+    sets = itertools.cycle(
+        [
+            ([other(p) for p in gradtape.consts], [other(v) for v in gradtape.v])
+            for _ in range(NEW_VALUES)
+        ]
+    )
+    loss = gradtape.loss
+    nums = tuple(range(len(prob.params)))
+    if case == "grad":
+        vg = gt.jit(loss).value_and_grad(nums) if compiled else gt.value_and_grad(loss, nums)
+        return lambda: vg(*next(sets)[0])
+    if compiled:
+        jitted = gt.jit(loss)
+        return lambda: jitted.hvp(*next(sets))
+    return lambda: gt.hvp(loss, *next(sets))
+
+
+be.Gradtape.grad_jit = lambda self: _jit_cases(self, True, "grad")
+be.Gradtape.hvp_jit = lambda self: _jit_cases(self, True, "hvp")
+be.Gradtape.bjac_jit = lambda self: _jit_cases(self, True, "bjac")
 be.Gradtape.grad_program = lambda self: _program_gradient(self.prob, True)
 be.Gradtape.hvp_program = lambda self: _program_hvp(self.prob, True)
 be.Gradtape.bjac_program = lambda self: _program_batch_jacobian(self.prob, True)
 be.Gradtape.hvp_request = lambda self: _worker_request(self.prob, "hvp")
 be.Gradtape.bjac_request = lambda self: _worker_request(self.prob, "jacobian")
 for _peer in (be.NumpyFloor, be.TorchPeer, be.JaxPeer):
-    _peer.grad_program = _peer.grad
+    _peer.grad_program = _peer.grad_jit = _peer.grad
+    _peer.hvp_jit = _peer.hvp_fresh
+    _peer.bjac_jit = _peer.batch_jac
     _peer.hvp_program = _peer.hvp_request = _peer.hvp_fresh
     _peer.bjac_program = _peer.bjac_request = _peer.batch_jac
 
@@ -188,6 +240,9 @@ CASES = {
     "hvp_request": "HVP fresh, worker's /v1/hvp handler",
     "bjac_program": "batch jacobian of a definition, new values",
     "bjac_request": "batch jacobian, worker's /v1/jacobian handler",
+    "grad_jit": "gradient, gt.jit(f).value_and_grad, new params",
+    "hvp_jit": "HVP fresh, gt.jit(f).hvp, new params and vector",
+    "bjac_jit": "batch jacobian, gt.jit(f).batch_jacobian, new x",
 }
 
 
@@ -214,6 +269,15 @@ class GradtapeDynamic(be.Gradtape):
 
     def grad_program(self):
         return _program_gradient(self.prob, False)
+
+    def grad_jit(self):
+        return _jit_cases(self, False, "grad")
+
+    def hvp_jit(self):
+        return _jit_cases(self, False, "hvp")
+
+    def bjac_jit(self):
+        return _jit_cases(self, False, "bjac")
 
     def hvp_program(self):
         return _program_hvp(self.prob, False)
@@ -265,12 +329,17 @@ def main() -> None:
     args = parser.parse_args()
     frameworks = args.frameworks.split(",")
     cases = args.cases.split(",")
+    # import engine tunes glibc's allocator for the whole process, peers included, unless
+    # GRADTAPE_TUNE_ALLOCATOR=0 (engine/allocator.py): done before anything is timed
+    from engine import allocator
+
     print(
         f"# bench_replay: {platform.machine()}, python {platform.python_version()}, "
         f"numpy {np.__version__}; threads: OMP={os.environ.get('OMP_NUM_THREADS')} "
         f"OPENBLAS={os.environ.get('OPENBLAS_NUM_THREADS')}; "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}; "
         f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}; "
+        f"allocator tuned at import: {allocator.tuned_at_import}; "
         f"{args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     for size_name in args.sizes.split(","):

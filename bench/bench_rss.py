@@ -6,6 +6,12 @@ without one, every call ends where the first did.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 \\
         python bench/bench_rss.py --calls 11
+
+`--case hvp_fresh` runs gt.hvp of the same loss instead (forward, gradient and the
+tangent pass, all fresh) and prints each call's CPU time and minor page faults beside
+the RSS: what glibc's allocator costs when its thresholds are not raised. `import
+engine` raises them by default (engine/allocator.py); GRADTAPE_TUNE_ALLOCATOR=0 in the
+environment measures glibc's defaults.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import resource
+import time
 
 import numpy as np
 
@@ -30,11 +37,9 @@ def rss_mib() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=11)
-    parser.add_argument("--tune-allocator", action="store_true",
-                        help="engine.tune_allocator() first (the service's workers do)")
+    parser.add_argument("--case", choices=["gradient", "hvp_fresh"], default="gradient")
     args = parser.parse_args()
-    if args.tune_allocator:
-        gt.tune_allocator()
+    print(f"allocator tuned at import: {gt.allocator.tuned_at_import}")
     rng = np.random.default_rng(0)
     sizes = [1024, 2048, 2048, 2048, 10]
     x = rng.standard_normal((1024, 1024)).astype(np.float32)
@@ -50,7 +55,26 @@ def main() -> None:
 
     base = rss_mib()
     growth = []
-    for _ in range(args.calls):
+    if args.case == "hvp_fresh":
+        params = [gt.constant(w.value) for w in weights]
+        vectors = [gt.constant(rng.standard_normal(w.shape).astype(np.float32))
+                   for w in weights]
+
+        def of_params(*ws: gt.Tensor) -> gt.Tensor:
+            h = gt.constant(x)
+            for w in ws[:-1]:
+                h = gt.tanh(h @ w)
+            return gt.mean((h @ ws[-1] - y) ** 2)
+
+        for _ in range(args.calls):
+            cpu, faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            out = gt.hvp(of_params, params, vectors)
+            del out
+            used = resource.getrusage(resource.RUSAGE_SELF)
+            print(f"call: {1e3 * (time.process_time() - cpu):.0f} ms CPU, "
+                  f"{used.ru_minflt - faults.ru_minflt} minor faults")
+            growth.append(rss_mib() - base)
+    for _ in range(args.calls if args.case == "gradient" else 0):
         with gt.GradientTape() as tape:
             value = loss()
         grads = tape.gradient(value, {"w": weights})

@@ -12,9 +12,10 @@ registered in `engine.registry.public_ops` and exported here from that registry.
 
 from engine import ops as _ops  # registers every primitive and public op
 from engine import random
-from engine.allocator import tune_allocator
+from engine.allocator import tune_allocator, tune_by_default
 from engine.backend import DeviceError, cuda_available
 from engine.forward import ForwardAccumulator
+from engine.jit import Jit, jit
 from engine.ops.creation import (
     arange,
     eye,
@@ -49,6 +50,10 @@ from engine.transforms import (
 
 globals().update({name: info.fn for name, info in public_ops.items()})
 
+# glibc's thresholds raised, so large temporaries are reused rather than faulted in every
+# call (engine/allocator.py: the trade-off, and GRADTAPE_TUNE_ALLOCATOR=0 to opt out).
+tune_by_default()
+
 jacobian = jacrev
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "GradientTape",
     "HessianOperator",
     "Interrupted",
+    "Jit",
     "MissingRuleError",
     "Tensor",
     "UnconnectedGradients",
@@ -80,6 +86,7 @@ __all__ = [
     "jacfwd",
     "jacobian",
     "jacrev",
+    "jit",
     "jvp",
     "linearize",
     "linspace",

@@ -440,6 +440,28 @@ class Curvature:
         dots = (jv.reshape(k, n, -1) * g.reshape(1, n, -1)).sum(axis=2) / self.scale()
         return np.asarray(backend.to_host(dots), dtype=np.float64)
 
+    def test_gradient(
+        self, test_data: Any = None, test_targets: Any = None, *, rows: Any = None
+    ) -> tuple[Tensor, Any]:
+        """(L_test, grad L_test) at the recorded parameters, L_test = loss(model(params,
+        test_data), test_targets) or, with `rows`, the loss of those training examples:
+        the right-hand side of influence's solve (a sharded tape sums its parts')."""
+        if rows is not None:
+            if test_data is not None or test_targets is not None:
+                raise ValueError("influence: give test data and targets, or rows, not both")
+            index = np.asarray(rows, dtype=np.int64).reshape(-1)
+            n = self.examples
+            if index.size == 0 or index.min() < -n or index.max() >= n:
+                raise ValueError(f"influence: rows must be non-empty indices below {n}")
+            test_data, test_targets = _rows(self.data, index), _rows(self.targets, index)
+
+        def test_loss(params: Any) -> Tensor:
+            return self._loss(self._model(params, test_data), test_targets)
+
+        with trace.nothing_recording():
+            value, grad = value_and_grad(test_loss)(self.primals[0])
+        return value, grad
+
     def influence(
         self,
         test_data: Any = None,
@@ -469,24 +491,11 @@ class Curvature:
         output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
         recorded elsewhere), instead of `curvature`'s."""
-        if rows is not None:
-            if test_data is not None or test_targets is not None:
-                raise ValueError("influence: give test data and targets, or rows, not both")
-            index = np.asarray(rows, dtype=np.int64).reshape(-1)
-            n = self.examples
-            if index.size == 0 or index.min() < -n or index.max() >= n:
-                raise ValueError(f"influence: rows must be non-empty indices below {n}")
-            test_data, test_targets = _rows(self.data, index), _rows(self.targets, index)
         if top_k < 0:
             raise ValueError(f"top_k must be non-negative, got {top_k}")
         op = self.operator(curvature, samples=samples, seed=seed) if operator is None else operator
         self.scale()  # the scores need the per-example split of G
-
-        def test_loss(params: Any) -> Tensor:
-            return self._loss(self._model(params, test_data), test_targets)
-
-        with trace.nothing_recording():
-            value, grad_test = value_and_grad(test_loss)(self.primals[0])
+        value, grad_test = self.test_gradient(test_data, test_targets, rows=rows)
         flat = FlatOperator(op)
         if flat.shapes != [tuple(p.shape) for p in self._flat]:
             raise ValueError(

@@ -135,15 +135,12 @@ def _align(ts: list, args: tuple, batch_ndim: int) -> list:
     return out
 
 
-def _zeros_like(t: Tensor) -> Tensor:
-    from engine import backend
-
-    return Tensor(backend.array_module(t.value).zeros_like(t.value))
-
-
 def _zeros_tangent(p: Any, acc: ForwardAccumulator) -> Tensor:
     from engine import backend
 
     p = as_tensor(p)
     lead = next(iter(acc._tangents.values())).shape[: acc.batch_ndim] if acc._tangents else ()
-    return Tensor(backend.array_module(p.value).zeros(lead + p.shape, dtype=p.dtype))
+    zeros = Tensor(backend.array_module(p.value).zeros(lead + p.shape, dtype=p.dtype))
+    if trace.capture is not None:  # zeros whatever the data: a constant of a captured pass
+        trace.capture.constant(zeros)
+    return zeros

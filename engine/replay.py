@@ -62,11 +62,15 @@ class CaptureFailed(Exception):
 class Capture:
     """Watches one dynamic pass (as `trace.capture`) and builds its Schedule."""
 
-    def __init__(self, seeds: Sequence[Tensor], known: dict[int, Tensor]):
-        # The tensors alive before the pass (constants), by id. Held, not just their ids:
-        # one that died during the pass could hand its id to an array made outside the
-        # ops, which would then pass for a constant.
+    def __init__(self, seeds: Sequence[Tensor], known: dict[int, Any]):
+        # The tensors (and NumPy arrays: a function's closed-over data) alive before the
+        # pass (constants), by id. Held, not just their ids: one that died during the pass
+        # could hand its id to an array made outside the ops, which would then pass for a
+        # constant. A seed's own array is never a constant, even when it is also known.
         self.known = known
+        for s in seeds:
+            if known.get(id(s.value)) is s.value:
+                del known[id(s.value)]
         self.kinds: list[int] = []
         # Per slot: the array for constants; for the pass's own arrays only their layout
         # (holding them would keep every intermediate of the pass alive at once).
@@ -78,6 +82,11 @@ class Capture:
         self.failure: str | None = None
         self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
+        # Integer and boolean seeds (labels, indices) are keyed by their values by every
+        # caller (definitions, engine.jit): reading them on the host depends on nothing
+        # that changes between the passes of one key.
+        self.pinned = {slot for slot, s in zip(self.seed_slots, seeds, strict=True)
+                       if s.value.dtype.kind not in "fc"}
 
     def _new(self, t: Tensor, kind: int) -> int:
         slot = len(self.kinds)
@@ -93,8 +102,8 @@ class Capture:
         entry = self.slots.get(id(t))
         if entry is not None and entry[1]() is t:
             return entry[0]
-        if self.known.get(id(t)) is t:
-            return self._new(t, _CONST)
+        if self.known.get(id(t)) is t or self.known.get(id(t.value)) is t.value:
+            return self._new(t, _CONST)  # (a known array: made into a tensor by the pass)
         raise CaptureFailed(
             "an operation received an array made outside the engine's ops during the pass"
         )
@@ -139,7 +148,12 @@ class Capture:
 
     def host_read(self, t: Tensor) -> None:
         entry = self.slots.get(id(t))
-        if entry is not None and entry[1]() is t and self.kinds[entry[0]] != _CONST:
+        if (
+            entry is not None
+            and entry[1]() is t
+            and self.kinds[entry[0]] != _CONST
+            and entry[0] not in self.pinned
+        ):
             self.failure = "a rule read a value of the pass on the host (data-dependent)"
 
     def schedule(self, outputs: Sequence[Tensor | None], pool_limit: int) -> Schedule:
@@ -187,7 +201,7 @@ class Passes:
         key: Hashable,
         seeds: Sequence[Tensor],
         dynamic: Callable[[list[Tensor]], list[Tensor | None]],
-        known: Callable[[], dict[int, Tensor]],
+        known: Callable[[], dict[int, Any]],
     ) -> list[Tensor | None]:
         """dynamic(seeds)'s outputs, computed the way this layout's state says."""
         with self._lock:
@@ -231,10 +245,11 @@ class Passes:
         return {k: "compiled" if isinstance(v, Schedule) else v[0] for k, v in self.entries.items()}
 
 
-def known_tensors(*roots: Any) -> dict[int, Tensor]:
-    """The tensors reachable from `roots` (through objects, containers and closures, as
-    engine.footprint walks), by id: the values a pass may use as constants."""
-    found: dict[int, Tensor] = {}
+def known_tensors(*roots: Any) -> dict[int, Any]:
+    """The tensors and NumPy arrays reachable from `roots` (through objects, containers,
+    and functions' closures, defaults and the globals their code names), by id: the
+    values a pass may use as constants."""
+    found: dict[int, Any] = {}
     seen: set[int] = set()
     stack = list(roots)
     while stack:
@@ -253,10 +268,12 @@ def known_tensors(*roots: Any) -> dict[int, Tensor]:
                 float,
                 bool,
                 Primitive,
-                np.ndarray,
                 type(None),
             ),
         ):
+            continue
+        if isinstance(obj, np.ndarray):
+            found[id(obj)] = obj
             continue
         if isinstance(obj, Tensor):
             found[id(obj)] = obj
@@ -267,6 +284,9 @@ def known_tensors(*roots: Any) -> dict[int, Tensor]:
                 except ValueError:
                     pass
             stack.extend(obj.__defaults__ or ())
+            stack.extend(obj.__kwdefaults__.values() if obj.__kwdefaults__ else ())
+            names = obj.__globals__
+            stack.extend(names[n] for n in obj.__code__.co_names if n in names)
             continue
         stack.extend(gc.get_referents(obj))
     return found
@@ -275,7 +295,7 @@ def known_tensors(*roots: Any) -> dict[int, Tensor]:
 def capture(
     run: Callable[[list[Tensor]], list[Tensor | None]],
     seeds: Sequence[Tensor],
-    known: dict[int, Tensor],
+    known: dict[int, Any],
     pool_limit: int | None = None,
 ) -> tuple[list[Tensor | None], Schedule | str]:
     """Run `run(seeds)` dynamically under a Capture: its outputs, and the Schedule (or the
@@ -387,14 +407,16 @@ class Schedule:
         self.constant_outs = {s for s in out_slots if s is not None and kinds[s] == _CONST}
         self.seed_layouts = [(values[i].shape, values[i].strides) for i in cap.seed_slots]
         owner = cap.owner  # which buffer each slot's memory belongs to (views share)
+        steps, step_slot = self._live(cap, out_slots)
+        self.dropped = len(cap.steps) - len(steps)
         # The last step that reads each buffer (through any view of it); outputs live on.
         last = [-1] * n
-        for k, (_, ins, _) in enumerate(cap.steps):
+        for k, (_, ins, _) in enumerate(steps):
             for i in ins:
                 last[owner[i]] = k
         escaping = {owner[s] for s in out_slots if s is not None}
         for s in escaping:
-            last[s] = len(cap.steps)
+            last[s] = len(steps)
 
         # Persistent buffers are made on the first replay (the capture pass allocates what
         # the dynamic sweep does, no more); a _Buffer is where each will live.
@@ -402,13 +424,13 @@ class Schedule:
         pooled_bytes = 0
         buffer_of: dict[int, _Buffer] = {}  # slot -> the persistent buffer its step writes
         self.buffers: list[_Buffer] = []
-        frees: list[list[int]] = [[] for _ in cap.steps]
+        frees: list[list[int]] = [[] for _ in steps]
         members: dict[int, list[int]] = {}
-        for slot in cap.step_slot:
+        for slot in step_slot:
             members.setdefault(owner[slot], []).append(slot)
         freed: set[int] = set()
         plan: list[list[Any]] = []
-        for k, ((prim, ins, params), slot) in enumerate(zip(cap.steps, cap.step_slot, strict=True)):
+        for k, ((prim, ins, params), slot) in enumerate(zip(steps, step_slot, strict=True)):
             value = values[slot]
             maker = _FORMS.get(prim.name)
             # constants as arrays, the pass's own operands as their _Layouts
@@ -453,6 +475,21 @@ class Schedule:
         self.pooled_bytes = pooled_bytes
         self.constant_bytes = cap.made_bytes
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _live(cap: Capture, out_slots: list[int | None]) -> tuple[list, list[int]]:
+        """The steps some output needs (and their slots): a call whose result nothing
+        reads is left out (a fresh HVP's deferred weight-gradient products, which the
+        capture's own pass computed to see their layouts)."""
+        needed = {s for s in out_slots if s is not None}
+        keep = [False] * len(cap.steps)
+        for k in range(len(cap.steps) - 1, -1, -1):
+            if cap.step_slot[k] in needed:
+                keep[k] = True
+                needed.update(cap.steps[k][1])
+        steps = [st for st, kept in zip(cap.steps, keep, strict=True) if kept]
+        slots = [sl for sl, kept in zip(cap.step_slot, keep, strict=True) if kept]
+        return steps, slots
 
     @staticmethod
     def _elide_broadcasts(plan: list[list[Any]]) -> None:

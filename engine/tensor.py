@@ -267,6 +267,26 @@ def as_tensor(value: Any, like: Tensor | None = None) -> Tensor:
     return constant(value)
 
 
+def host_value(t: Tensor) -> Any:
+    """t's array, read to steer an op on the host (indices that become a gather's
+    parameters, a sort's order): a pass being captured is told, since a replay would
+    keep the order or indices of the captured call (engine/replay.py)."""
+    if trace.capture is not None:
+        trace.capture.host_read(t)
+    return t.value
+
+
+def pass_constant(array: Any) -> Tensor:
+    """A tensor of an array made outside the ops from shapes and dtypes alone (zeros, an
+    identity, a causal mask) or from values read with host_value (one-hot labels): a
+    constant of a pass being captured for replay (engine/replay.py), which refuses any
+    other array made outside the ops."""
+    t = Tensor(array)
+    if trace.capture is not None:
+        trace.capture.constant(t)
+    return t
+
+
 _scalars: dict[tuple, Tensor] = {}
 
 

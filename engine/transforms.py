@@ -23,7 +23,7 @@ from engine.footprint import held_bytes
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import concatenate, reshape, transpose
 from engine.tape import GradientTape, _check_source, _constant_zeros
-from engine.tensor import Tensor, as_tensor
+from engine.tensor import Tensor, as_tensor, pass_constant
 
 Argnums = int | Sequence[int]
 
@@ -251,7 +251,7 @@ def _basis_tangents(flat: list[Tensor]) -> list[Tensor]:
         xp = backend.array_module(s.value)
         rows = xp.zeros((total, n), dtype=s.dtype)
         rows[xp.arange(start, start + n), xp.arange(n)] = 1
-        out.append(Tensor(rows.reshape((total,) + s.shape)))
+        out.append(pass_constant(rows.reshape((total,) + s.shape)))  # shapes alone
         start += n
     return out
 

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 # A treedef is ("leaf",), ("none",), ("dict", keys, children), ("list"/"tuple", children),
-# or ("namedtuple", type, children): a namedtuple comes back as the same namedtuple.
+# or ("namedtuple", type, children): a namedtuple comes back as the same namedtuple. All
+# tuples, so a treedef is hashable (engine.jit keys its compiled calls by it).
 TreeDef = tuple
 
 
@@ -27,13 +28,13 @@ def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
 
 def _walk(node: Any, leaves: list[Any]) -> TreeDef:
     if isinstance(node, dict):
-        keys = list(node.keys())
-        return ("dict", keys, [_walk(node[k], leaves) for k in keys])
+        keys = list(node)
+        return ("dict", tuple(keys), tuple([_walk(node[k], leaves) for k in keys]))
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return ("namedtuple", type(node), [_walk(child, leaves) for child in node])
+        return ("namedtuple", type(node), tuple([_walk(child, leaves) for child in node]))
     if isinstance(node, (list, tuple)):
         kind = "list" if isinstance(node, list) else "tuple"
-        return (kind, [_walk(child, leaves) for child in node])
+        return (kind, tuple([_walk(child, leaves) for child in node]))
     leaves.append(node)
     return ("leaf",)
 

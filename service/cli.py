@@ -1,6 +1,6 @@
 """`gradtape`: serve the API, or write its OpenAPI document.
 
-    gradtape serve [--host H] [--port P] [--workers N] [--device D] [--time-limit S] ...
+    gradtape serve [--host H] [--port P] [--http-workers N] [--workers N] [--device D] ...
     gradtape openapi [--out openapi/openapi.json]
 
 Flags override GRADTAPE_* environment variables. Imports stay inside the commands: a
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,10 @@ from typing import Any
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
+    "--http-workers": ("http_workers", int,
+                       ("HTTP processes (uvicorn workers) sharing the port and the store file, "
+                        "each with its own engine workers; tapes, jobs and rate limits are "
+                        "then read from the store (default 1)")),
     "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--executor": ("executor", str, "what runs the workers: local (processes) or ray (actors)"),
@@ -69,15 +75,69 @@ def serve(overrides: dict[str, Any]) -> int:
     except ValueError as exc:
         print(f"gradtape: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=10,
-    )
-    return 0
+    options: dict[str, Any] = {
+        "host": settings.host, "port": settings.port, "log_level": settings.log_level,
+        "access_log": settings.access_log, "timeout_graceful_shutdown": 10,
+    }
+    if settings.http_workers == 1:
+        uvicorn.run(app, **options)
+        return 0
+    # Several processes: uvicorn starts each with the factory, which reads its settings
+    # from the environment (the flags go there), and they share the store file, created
+    # or migrated here once before they open it together.
+    from service.core.store import Store, StoreError
+
+    store = Store(settings.resolved_store_path())
+    try:
+        store.open()
+    except StoreError as exc:
+        print(f"gradtape: {exc}", file=sys.stderr)
+        return 2
+    store.close()
+    os.environ.update(settings_environment(overrides))
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    config = uvicorn.Config("service.api.app:create_app", factory=True,
+                            workers=settings.http_workers, **options)
+    try:
+        sock = _listening_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"gradtape: cannot listen on {settings.host}:{settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d with %d HTTP processes (Press CTRL+C to quit)",
+        settings.host, sock.getsockname()[1], settings.http_workers)
+    supervisor = Multiprocess(config, sockets=[sock])
+    supervisor.run()
+    # A process that could not start (its workers, its store) stops them all: say so.
+    return 3 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The socket the HTTP processes share, made here rather than by uvicorn: its own has
+    protocol 0, which survives the hand-over to the processes, and asyncio then leaves
+    Nagle's algorithm on for every connection (TCP_NODELAY only for IPPROTO_TCP): each
+    answer written in two sends waited ~40 ms for the client's delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def settings_environment(overrides: dict[str, Any]) -> dict[str, str]:
+    """The GRADTAPE_* variables that give a child process these flag overrides."""
+    return {f"GRADTAPE_{name.upper()}": (json.dumps(value) if isinstance(value, dict | list)
+                                         else str(value).lower() if isinstance(value, bool)
+                                         else str(value))
+            for name, value in overrides.items()}
 
 
 def openapi_document() -> str:

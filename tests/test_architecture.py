@@ -24,7 +24,7 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("engine.ops", "engine.random"),
     ("engine.tape",),
     ("engine.forward", "engine.replay"),
-    ("engine.transforms", "engine.testing", "engine"),
+    ("engine.transforms", "engine.jit", "engine.testing", "engine"),
     ("engine.hessian_algorithms", "engine.curvature", "engine.onnx"),
     ("engine.language",),
 ]

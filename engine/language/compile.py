@@ -402,6 +402,14 @@ class CompiledProgram:
                 )
         return needed
 
+    def leaves_read(self, name: str) -> set[str]:
+        """The variables and inputs `name` (a line or a leaf) depends on."""
+        if name in self.leaf_info:
+            return {name}
+        lines = self._needed([name])
+        return {n for i in lines for n in self._reads[self.line_names[i]]
+                if n in self.leaf_info}
+
     def split(self, output: Any, target: str, sources: Mapping[str, str]) -> ModelSplit:
         """The program as model (the lines the `output` needs) and loss (the lines after
         it that the target needs), for the curvatures that factor through the output.

@@ -26,7 +26,7 @@ from engine.ops.reduce import max_p, sum_p
 from engine.ops.shape import reshape, transpose
 from engine.registry import defjvp, defvjp, primitive, public
 from engine.shapes import RuleError, TensorType, checked, concrete, like, pair, require
-from engine.tensor import Tensor, as_tensor, bind
+from engine.tensor import Tensor, as_tensor, bind, pass_constant
 
 Pads = tuple[tuple[int, int], ...]
 
@@ -458,7 +458,7 @@ def avg_pool(
         dilations=win.dilations,
         value=0.0,
     ).sum(axis=tuple(range(nd)))
-    return divide(total, Tensor(count))
+    return divide(total, pass_constant(count))  # counts of the windows: shapes alone
 
 
 # ---- PyTorch's spellings (torch.nn.functional), for definitions written by hand ----

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine import backend
 from engine.backend import host
-from engine.tensor import Tensor, as_tensor
+from engine.tensor import Tensor, as_tensor, pass_constant
 
 Shape = int | Sequence[int]
 
@@ -21,35 +21,35 @@ def _shape(shape: Shape) -> tuple[int, ...]:
 
 def zeros(shape: Shape, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor of zeros."""
-    return Tensor(backend.xp_for_device(device).zeros(_shape(shape), dtype=host.dtype(dtype)))
+    return pass_constant(backend.xp_for_device(device).zeros(_shape(shape), dtype=host.dtype(dtype)))
 
 
 def ones(shape: Shape, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor of ones."""
-    return Tensor(backend.xp_for_device(device).ones(_shape(shape), dtype=host.dtype(dtype)))
+    return pass_constant(backend.xp_for_device(device).ones(_shape(shape), dtype=host.dtype(dtype)))
 
 
 def full(shape: Shape, value: float, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor filled with `value`."""
     xp = backend.xp_for_device(device)
-    return Tensor(xp.full(_shape(shape), value, dtype=host.dtype(dtype)))
+    return pass_constant(xp.full(_shape(shape), value, dtype=host.dtype(dtype)))
 
 
 def zeros_like(x: Any) -> Tensor:
     """Zeros with x's shape, dtype and device."""
     x = as_tensor(x)
-    return Tensor(backend.array_module(x.value).zeros_like(x.value))
+    return pass_constant(backend.array_module(x.value).zeros_like(x.value))
 
 
 def ones_like(x: Any) -> Tensor:
     """Ones with x's shape, dtype and device."""
     x = as_tensor(x)
-    return Tensor(backend.array_module(x.value).ones_like(x.value))
+    return pass_constant(backend.array_module(x.value).ones_like(x.value))
 
 
 def eye(n: int, m: int | None = None, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """The identity matrix (n, m)."""
-    return Tensor(backend.xp_for_device(device).eye(n, m, dtype=host.dtype(dtype)))
+    return pass_constant(backend.xp_for_device(device).eye(n, m, dtype=host.dtype(dtype)))
 
 
 def linspace(
@@ -57,7 +57,7 @@ def linspace(
 ) -> Tensor:
     """`num` evenly spaced values from start to stop, inclusive."""
     xp = backend.xp_for_device(device)
-    return Tensor(xp.linspace(start, stop, num, dtype=host.dtype(dtype)))
+    return pass_constant(xp.linspace(start, stop, num, dtype=host.dtype(dtype)))
 
 
 def arange(
@@ -73,7 +73,7 @@ def arange(
         dtype = "int32" if ints else "float32"
     xp = backend.xp_for_device(device)
     args = (start,) if stop is None else (start, stop)
-    return Tensor(xp.arange(*args, step, dtype=host.dtype(dtype)))
+    return pass_constant(xp.arange(*args, step, dtype=host.dtype(dtype)))
 
 
 def random_normal(

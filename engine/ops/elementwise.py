@@ -39,7 +39,7 @@ from engine.shapes import (
     require,
     unary,
 )
-from engine.tensor import Tensor, as_tensor, bind, unaliased
+from engine.tensor import Tensor, as_tensor, bind, pass_constant, unaliased
 
 
 def _tsum(*terms: Tensor | None) -> Tensor | None:
@@ -569,7 +569,7 @@ def _relu_grad(g: Tensor, x: Tensor, alpha: float) -> Tensor:
 
 def _zeros_of(t: Tensor) -> Tensor:
     """A constant zero cotangent or tangent: connected, but with no derivative."""
-    return Tensor(array_module(t.value).zeros_like(t.value))
+    return pass_constant(array_module(t.value).zeros_like(t.value))
 
 
 defvjp(

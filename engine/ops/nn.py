@@ -45,7 +45,7 @@ from engine.shapes import (
     same_type,
 )
 from engine.shapes import normalize_axes as axes_of  # the rules' (RuleError, no op name)
-from engine.tensor import Tensor, as_tensor
+from engine.tensor import Tensor, as_tensor, host_value, pass_constant
 
 LOSS = {"reduction": "reduction"}
 
@@ -166,12 +166,13 @@ def softmax_cross_entropy(
         checked("softmax_cross_entropy", check_label_shape, labels.shape, expected, logits.shape)
         classes = logits.shape[axis]
         xp = backend.array_module(labels.value)
-        if labels.size and (int(labels.value.min()) < 0 or int(labels.value.max()) >= classes):
+        values = host_value(labels)
+        if labels.size and (int(values.min()) < 0 or int(values.max()) >= classes):
             raise ValueError(f"softmax_cross_entropy: labels must lie in [0, {classes})")
-        lab = xp.expand_dims(labels.value, axis)
+        lab = xp.expand_dims(values, axis)
         shape = [1] * logits.ndim
         shape[axis] = classes
-        one_hot = Tensor((lab == xp.arange(classes).reshape(shape)).astype(logits.dtype))
+        one_hot = pass_constant((lab == xp.arange(classes).reshape(shape)).astype(logits.dtype))
     else:
         checked(
             "softmax_cross_entropy",
@@ -324,7 +325,7 @@ def one_hot(labels: Any, depth: int, dtype: Any = host.float32) -> Tensor:
     """A constant one-hot encoding of integer labels (no gradient)."""
     labels = as_tensor(labels)
     xp = backend.array_module(labels.value)
-    return Tensor((labels.value[..., None] == xp.arange(depth)).astype(dtype))
+    return pass_constant((host_value(labels)[..., None] == xp.arange(depth)).astype(dtype))
 
 
 # ---- embedding and attention ----
@@ -352,8 +353,9 @@ def embedding(table: Any, ids: Any) -> Tensor:
     checked("embedding", check_table, table.shape)
     checked("embedding", check_ids, ids.dtype)
     rows = table.shape[0]
-    if ids.size and (int(ids.value.min()) < 0 or int(ids.value.max()) >= rows):
-        bad = int(ids.value.min()) if int(ids.value.min()) < 0 else int(ids.value.max())
+    values = host_value(ids)
+    if ids.size and (int(values.min()) < 0 or int(values.max()) >= rows):
+        bad = int(values.min()) if int(values.min()) < 0 else int(values.max())
         raise IndexError(f"embedding: id {bad} is out of bounds for a table of {rows} rows")
     return take(table, ids, axis=0)
 
@@ -405,6 +407,6 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, causal: bool = False) -
     if causal:
         xp = backend.array_module(scores.value)
         lq, lk = q.shape[-2], k.shape[-2]
-        mask = Tensor(xp.tril(xp.ones((lq, lk), dtype=bool)))
+        mask = pass_constant(xp.tril(xp.ones((lq, lk), dtype=bool)))
         scores = where(mask, scores, as_tensor(-host.inf, like=scores))
     return matmul(softmax(scores, -1), v)

@@ -25,7 +25,7 @@ from engine.shapes import (
     require,
     same_dtypes,
 )
-from engine.tensor import Tensor, as_tensor, bind, unaliased
+from engine.tensor import Tensor, as_tensor, bind, host_value, pass_constant, unaliased
 
 
 def _keep_dtype(shape_of: Any) -> Any:
@@ -282,7 +282,7 @@ JOIN = {"xs": "tensors", "axis": "axis"}
 def zeros_like_shape(like: Tensor, shape: tuple[int, ...]) -> Tensor:
     """A constant zero tensor of `shape` with `like`'s dtype and device."""
     xp = backend.array_module(like.value)
-    return Tensor(xp.zeros(shape, dtype=like.dtype))
+    return pass_constant(xp.zeros(shape, dtype=like.dtype))
 
 
 def _joined(shape_of: Any) -> Any:
@@ -385,7 +385,7 @@ def normalize_index(index: Any, x: Tensor) -> tuple:
     items: list[Any] = []
     for item in index:
         if isinstance(item, Tensor):
-            item = item.value
+            item = host_value(item)
         if isinstance(item, list) or (backend.is_array(item) and not host.isscalar(item)):
             arr = backend.asarray(item, None, x.device)
             if arr.dtype == host.bool_:
@@ -515,7 +515,7 @@ def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
     x = as_tensor(x)
     axis = normalize_axis(axis, x.ndim, "take") + x.ndim
     if isinstance(indices, Tensor):
-        indices = indices.value
+        indices = host_value(indices)
     indices = backend.asarray(indices, None, x.device)
     if indices.dtype.kind not in "iu":
         raise TypeError(f"take: indices must be integers, got {indices.dtype}")
@@ -528,7 +528,8 @@ def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
 # ---- gather_nd / scatter_nd (TensorFlow's): getitem and scatter_add with index tuples ----
 def _nd_index(indices: Any, shape: tuple[int, ...], opname: str, device: str) -> tuple:
     """(Ellipsis, i_0, ..., i_{K-1}, :, ...) from an integer (..., K) index array."""
-    idx = backend.asarray(indices.value if isinstance(indices, Tensor) else indices, None, device)
+    idx = backend.asarray(host_value(indices) if isinstance(indices, Tensor) else indices, None,
+                          device)
     if idx.dtype.kind not in "iu" or idx.ndim < 1:
         raise TypeError(f"{opname}: indices must be an integer tensor of rank >= 1")
     depth = idx.shape[-1]
@@ -635,9 +636,9 @@ def sort(x: Any, axis: int = -1, direction: str = "ASCENDING") -> Tensor:
     axis = normalize_axis(axis, x.ndim, "sort") + x.ndim
     xp = backend.array_module(x.value)
     if direction == "ASCENDING":
-        order = xp.argsort(x.value, axis=axis, kind="stable")
+        order = xp.argsort(host_value(x), axis=axis, kind="stable")
     else:
-        order = _descending_order(xp, x.value, axis)
+        order = _descending_order(xp, host_value(x), axis)
     return _take_along(x, order, axis)
 
 
@@ -653,7 +654,7 @@ def top_k(x: Any, k: int = 1, sorted: bool = True) -> TopK:
     if x.ndim == 0 or not 0 <= k <= x.shape[-1]:
         raise ValueError(f"top_k: k={k} for a tensor of shape {x.shape}")
     xp = backend.array_module(x.value)
-    order = _descending_order(xp, x.value, x.ndim - 1)[..., :k]
+    order = _descending_order(xp, host_value(x), x.ndim - 1)[..., :k]
     return TopK(_take_along(x, order, x.ndim - 1), Tensor(order.astype(host.int32)))
 
 

@@ -13,6 +13,7 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -21,6 +22,7 @@ from service.api.auth import KeyRing
 from service.api.deps import Services
 from service.api.fairness import Fairness
 from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
+from service.api.problems import PROBLEM_TYPES, problem_body
 from service.api.router import include_routers
 from service.core.config import Settings, get_settings
 from service.core.store import Store
@@ -84,6 +86,11 @@ def _reload_keys_on_sighup(keyring: KeyRing) -> None:
         pass  # not the main thread (a test's in-process app): the file check still works
 
 
+def _job_problem(slug: str, detail: str, instance: str) -> dict[str, Any]:
+    """A job's problem body written without a request (a job whose process is gone)."""
+    return problem_body(slug, PROBLEM_TYPES[slug].status, detail, instance, None)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     metrics = Metrics()
@@ -128,12 +135,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.pool = pool = make_pool(settings, observer=metrics)
-    app.state.fairness = Fairness(settings, pool.size)
     app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
     app.state.store = store = Store(settings.resolved_store_path())
+    app.state.fairness = Fairness(settings, pool.size, store)
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)
     app.state.models = ModelCatalog(settings, pool, store)
-    app.state.jobs = JobRegistry(settings)
+    app.state.jobs = JobRegistry(settings, store, _job_problem)
     app.state.datasets = DatasetCatalog(settings, store)
     app.state.services = Services(settings, pool, app.state.tapes, app.state.models,
                                   app.state.datasets)

@@ -11,6 +11,11 @@ for a full line spends no token). The /v1 routes pass this gate before their bod
 read (GatedRoute, service/api/bodies.py), and hold their slot until they are answered.
 
 Off on a server without API keys (every caller is the same owner there).
+
+Several HTTP processes (`http_workers` > 1): the rate is shared, a key's bucket kept in
+the store (one small write per request), so a key's rate is the same however its
+connections spread over the processes; the slots and the waiting line stay per
+process, since they bound a key's share of that process's own workers.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 from service.api.problems import ProblemError
 from service.core.config import Settings
+from service.core.store import Store
 
 
 @dataclass
@@ -36,8 +42,9 @@ class _KeyState:
 
 
 class Fairness:
-    def __init__(self, settings: Settings, workers: int):
+    def __init__(self, settings: Settings, workers: int, store: Store | None = None):
         self.enabled = settings.api_keys_enabled
+        self.store = store if settings.shared else None  # the shared buckets
         self.rate = settings.rate_limit_per_second
         self.burst = settings.rate_limit_burst
         self.concurrent = settings.max_concurrent_per_key or max(1, workers)
@@ -74,13 +81,21 @@ class Fairness:
             return
         now = time.monotonic()
         state = self._state(owner, now)
-        self._check_rate(state, now)
+        if self.store is None:
+            self._check_rate(state, now)
         if state.slots.locked() and state.waiting >= self.max_waiting:
             # Refused before it costs a token: a client told to come back later keeps
             # its rate for when it does.
             raise _limited(f"this API key has {self.concurrent} requests computing and "
                            f"{state.waiting} waiting (max_waiting_per_key)", 1.0)
-        if self.rate > 0:
+        if self.store is not None and self.rate > 0:
+            wait = await asyncio.to_thread(self.store.take_token, owner, self.rate,
+                                           self.burst, time.time())
+            if wait > 0:
+                raise _limited(f"this API key is over its rate of {self.rate:g} requests per "
+                               f"second (burst {self.burst}), counted over every HTTP "
+                               "process", wait)
+        elif self.rate > 0:
             state.tokens -= 1.0
         state.users += 1
         state.waiting += 1

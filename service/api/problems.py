@@ -125,6 +125,10 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     "worker-crashed": ProblemType(
         502, "Worker crashed",
         "The worker process computing the request died; it has been replaced."),
+    "job-lost": ProblemType(
+        502, "Job lost",
+        "The HTTP process that ran the job exited before the job ended (with several HTTP "
+        "processes, another one answers for it); start the request again."),
     "busy": ProblemType(
         503, "Service busy", "Every worker is busy and the queue is full: retry after a while."),
     "unavailable": ProblemType(

@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = True
+    http_workers: int = Field(
+        default=1, ge=1, le=64,
+        description="HTTP processes (uvicorn workers) sharing the port; each runs its own "
+        "engine workers (or Ray actors on the shared cluster), and all share the store file: "
+        "tapes, jobs and rate limits are then read from it (README: Several HTTP processes)",
+    )
 
     # Workers ------------------------------------------------------------------------------
     device: str = Field(
@@ -246,19 +252,22 @@ class Settings(BaseSettings):
     # Fair sharing between API keys (off without keys) -------------------------------------
     rate_limit_per_second: float = Field(
         default=100.0, ge=0,
-        description="requests per second per API key (a token bucket); 0: no rate limit",
+        description="requests per second per API key (a token bucket; with several HTTP "
+        "processes one bucket in the store, shared by them); 0: no rate limit",
     )
     rate_limit_burst: int = Field(
         default=200, ge=1, description="requests a key may send at once beyond its rate"
     )
     max_concurrent_per_key: int = Field(
         default=0, ge=0,
-        description="requests of one key computing or queued for a worker at once; 0: the "
-        "number of workers (a key may fill the workers, never the queue)",
+        description="requests of one key computing or queued for a worker at once, per HTTP "
+        "process (each has its own workers); 0: the number of workers (a key may fill the "
+        "workers, never the queue)",
     )
     max_waiting_per_key: int = Field(
         default=64, ge=0,
-        description="requests of one key waiting for one of its concurrent slots; beyond, 429",
+        description="requests of one key waiting for one of its concurrent slots (per HTTP "
+        "process); beyond, 429",
     )
 
     # API keys -----------------------------------------------------------------------------
@@ -293,7 +302,26 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"tape_ttl ({self.tape_ttl}) is above tape_max_ttl ({self.tape_max_ttl})"
             )
+        if self.http_workers > 1 and self.resolved_store_path() == ":memory:":
+            raise ValueError(
+                f"http_workers = {self.http_workers} needs a store file that the HTTP "
+                "processes share, but store_path is ':memory:' (each process would have a "
+                "store of its own): set GRADTAPE_STORE_PATH to a file, or GRADTAPE_HTTP_WORKERS=1"
+            )
+        if self.http_workers > 1 and self.executor == "ray" and not self.ray_address:
+            raise ValueError(
+                f"http_workers = {self.http_workers} with executor 'ray' needs ray_address: "
+                "the HTTP processes join one cluster (start it with `ray start --head` and set "
+                "GRADTAPE_RAY_ADDRESS=auto or its address); an empty ray_address would start "
+                "one Ray per process"
+            )
         return self
+
+    @property
+    def shared(self) -> bool:
+        """Several HTTP processes share the store: tapes, jobs and rate limits are read
+        from it at each use (one process keeps them in its memory)."""
+        return self.http_workers > 1
 
     def resolved_request_memory_budget(self) -> int:
         return self.request_memory_budget or max(1, self.tape_memory_budget // 2)

@@ -35,11 +35,13 @@ import numpy as np
 
 from service.core.wire import from_bytes, to_bytes
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # What each older version lacks, applied in order on open (the tapes' model output; the
-# shards of a sharded tape).
+# shards of a sharded tape; the tapes' version, which several HTTP processes compare).
+# Tables a version adds (jobs, processes, rate_buckets) come with the SCHEMA script.
 MIGRATIONS = {1: ["ALTER TABLE tapes ADD COLUMN output TEXT"],
-              2: ["ALTER TABLE tapes ADD COLUMN shards TEXT"]}
+              2: ["ALTER TABLE tapes ADD COLUMN shards TEXT"],
+              3: ["ALTER TABLE tapes ADD COLUMN version INTEGER NOT NULL DEFAULT 0"]}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (
@@ -104,9 +106,47 @@ CREATE TABLE IF NOT EXISTS tapes (
     state      TEXT NOT NULL CHECK (state IN ('live', 'expired', 'evicted', 'deleted')),
     ended      REAL,
     output     TEXT,           -- the model output it names (curvatures), if any
-    shards     TEXT            -- JSON: a sharded tape's parts, or a part's parent
+    shards     TEXT,           -- JSON: a sharded tape's parts, or a part's parent
+    -- +1 at every change of its recording (new values, ended): an HTTP process whose
+    -- copy has an older version records it again (http_workers > 1)
+    version    INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS tapes_owner ON tapes(owner, state);
+-- Jobs, when several HTTP processes share the store: the process that runs one writes
+-- its state, progress and answer here, any process reads them and asks for a cancel.
+CREATE TABLE IF NOT EXISTS jobs (
+    id        TEXT PRIMARY KEY,
+    owner     TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    tape_id   TEXT,
+    encoding  TEXT NOT NULL,   -- the request's tensor encoding (the answer's default)
+    created   REAL NOT NULL,
+    state     TEXT NOT NULL CHECK (state IN ('queued', 'running', 'succeeded', 'failed',
+                                             'cancelled')),
+    started   REAL,
+    finished  REAL,
+    progress  TEXT,            -- JSON
+    result    BLOB,            -- the answer, msgpack (arrays as bytes: service/core/ipc.py)
+    seconds   REAL,
+    error     TEXT,            -- JSON: the problem body
+    process   TEXT NOT NULL,   -- the boot token of the HTTP process running it
+    cancel    INTEGER NOT NULL DEFAULT 0,  -- another process asked for a cancel
+    version   INTEGER NOT NULL DEFAULT 0   -- +1 at every change (the events stream)
+);
+CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner);
+-- The HTTP processes sharing the store: a job whose process is gone has failed.
+CREATE TABLE IF NOT EXISTS processes (
+    token   TEXT PRIMARY KEY,  -- random, per process start
+    pid     INTEGER NOT NULL,
+    started REAL NOT NULL,
+    seen    REAL NOT NULL      -- its last heartbeat
+);
+-- Each API key's rate-limit bucket, shared by the HTTP processes (service/api/fairness.py).
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    owner  TEXT PRIMARY KEY,
+    tokens REAL NOT NULL,
+    stamp  REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS datasets (
     owner   TEXT NOT NULL,
     name    TEXT NOT NULL,
@@ -151,6 +191,14 @@ class StoreError(RuntimeError):
     """The store cannot be opened or is from an incompatible version."""
 
 
+class QuotaFull(Exception):
+    """insert_tape: the owner holds `held` live tapes already, its quota."""
+
+    def __init__(self, held: int):
+        super().__init__(held)
+        self.held = held
+
+
 @dataclass
 class TapeRow:
     id: str
@@ -173,6 +221,31 @@ class TapeRow:
     # A sharded tape: {"ids", "rows", "reduction", "layout"} (service/domain/shards.py);
     # one of its parts: {"parent", "index"}. None for an ordinary tape.
     shards: dict[str, Any] | None = None
+    version: int = 0  # +1 at every change of its recording in the store
+
+    @property
+    def is_part(self) -> bool:
+        return self.shards is not None and "parent" in self.shards
+
+
+@dataclass
+class JobRow:
+    id: str
+    owner: str
+    operation: str
+    tape_id: str | None
+    encoding: str
+    created: float
+    state: str
+    started: float | None
+    finished: float | None
+    progress: dict[str, Any] | None
+    result: bytes | None
+    seconds: float | None
+    error: dict[str, Any] | None
+    process: str
+    cancel: bool
+    version: int
 
 
 @dataclass
@@ -247,17 +320,27 @@ class Store:
             if self.path != ":memory:":
                 db.execute("PRAGMA journal_mode = WAL")
                 db.execute("PRAGMA synchronous = NORMAL")
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION, *MIGRATIONS):
-                raise StoreError(
-                    f"{self.path} has store schema version {version}; this gradtape reads "
-                    f"versions up to {SCHEMA_VERSION}"
-                )
-            for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):
-                for statement in MIGRATIONS[old]:
-                    db.execute(statement)
-            db.executescript(SCHEMA)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            # One transaction: several HTTP processes may open the file at once, and only
+            # the first migrates it (the others then read the new version).
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version not in (0, SCHEMA_VERSION, *MIGRATIONS):
+                    raise StoreError(
+                        f"{self.path} has store schema version {version}; this gradtape "
+                        f"reads versions up to {SCHEMA_VERSION}"
+                    )
+                for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):
+                    for statement in MIGRATIONS[old]:
+                        db.execute(statement)
+                for statement in SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
         self._db = db
@@ -503,11 +586,21 @@ class Store:
         return gone > 0
 
     # Tapes --------------------------------------------------------------------------------
-    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any] | None) -> None:
+    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any] | None,
+                    max_tapes: int | None = None) -> None:
         """Store a new live tape with its definition (one transaction, so that the
         garbage collection never sees the definition without its tape). A sharded tape
-        has none of its own: its parts hold theirs."""
+        has none of its own: its parts hold theirs. `max_tapes`: QuotaFull when the owner
+        holds that many live tapes already, counted in the same transaction (several
+        HTTP processes recording at once cannot pass the quota together)."""
         with self._transaction() as db:
+            if max_tapes is not None:
+                held = int(db.execute(
+                    "SELECT COUNT(*) FROM tapes WHERE owner = ? AND state = 'live' AND "
+                    "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)",
+                    (tape.owner,)).fetchone()[0])
+                if held >= max_tapes:
+                    raise QuotaFull(held)
             tape.definition = None if definition is None else _put_definition(db, definition)
             db.execute(
                 "INSERT INTO tapes (id, owner, definition, model, target, sources, ttl, "
@@ -521,10 +614,18 @@ class Store:
 
     def set_tape_definition(self, tape_id: str, definition: Mapping[str, Any]) -> str:
         """Give a tape a new definition (new values); return its hash."""
+        return self.replace_tape_definition(tape_id, definition)[0]
+
+    def replace_tape_definition(self, tape_id: str, definition: Mapping[str, Any]
+                                ) -> tuple[str, int]:
+        """Give a tape a new definition (new values): its hash and the tape's new version
+        (read in the same transaction, so that it is this change's)."""
         with self._transaction() as db:
             digest = _put_definition(db, definition)
-            db.execute("UPDATE tapes SET definition = ? WHERE id = ?", (digest, tape_id))
-        return digest
+            row = db.execute(
+                "UPDATE tapes SET definition = ?, version = version + 1 WHERE id = ? "
+                "RETURNING version", (digest, tape_id)).fetchone()
+        return digest, int(row[0]) if row else 0
 
     def save_usage(self, tapes: list[TapeRow]) -> None:
         """Write the usage of live tapes (last use, hits, bytes, where they live)."""
@@ -544,13 +645,191 @@ class Store:
             return
         with self._transaction() as db:
             db.executemany(
-                "UPDATE tapes SET state = ?, ended = ?, definition = NULL, last_used = ?, "
-                "hits = ?, bytes = ? WHERE id = ?",
+                "UPDATE tapes SET state = ?, ended = ?, definition = NULL, "
+                "last_used = MAX(last_used, ?), hits = MAX(hits, ?), bytes = ?, "
+                "version = version + 1 WHERE id = ? AND state = 'live'",
                 [(state, when, t.last_used, t.hits, t.bytes, t.id) for t in tapes],
             )
 
-    def live_tapes(self) -> list[TapeRow]:
-        return [_tape(r) for r in self._query(_TAPE_SELECT + " WHERE state = 'live'")]
+    def live_tapes(self, owner: str | None = None) -> list[TapeRow]:
+        if owner is None:
+            return [_tape(r) for r in self._query(_TAPE_SELECT + " WHERE state = 'live'")]
+        return [_tape(r) for r in self._query(
+            _TAPE_SELECT + " WHERE owner = ? AND state = 'live'", (owner,))]
+
+    # Tapes shared by several HTTP processes (http_workers > 1) ------------------------------
+    def get_tape_family(self, tape_id: str) -> list[TapeRow]:
+        """The tape's row and, for a sharded tape, its parts' rows after it, in order
+        (one read: a use compares their versions with its copies'); [] when unknown."""
+        with self._lock:
+            db = self._db
+            if db is None:
+                raise StoreError("the store is not open")
+            found = db.execute(_TAPE_SELECT + " WHERE id = ?", (tape_id,)).fetchone()
+            if found is None:
+                return []
+            row = _tape(found)
+            if not row.shards or "ids" not in row.shards:
+                return [row]
+            ids = list(row.shards["ids"])
+            parts = {r[0]: _tape(r) for r in db.execute(
+                _TAPE_SELECT + f" WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()}
+        return [row, *(parts[i] for i in ids if i in parts)]
+
+    def touch_tape(self, tape_id: str, when: float, size: int, rebuilt: bool) -> None:
+        """A use of a live tape, written at once: another process's sweeper reads its
+        last use here (the latest of every process's), and hits add up."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE tapes SET last_used = MAX(last_used, ?), hits = hits + 1, bytes = ?, "
+                "rebuilds = rebuilds + ? WHERE id = ? AND state = 'live'",
+                (when, size, int(rebuilt), tape_id))
+
+    def keep_alive(self, tape_ids: list[str], when: float) -> None:
+        """Tapes with a request in flight here count as used now (a long request must
+        not let another process's sweeper expire its tape)."""
+        if not tape_ids:
+            return
+        with self._transaction() as db:
+            db.executemany("UPDATE tapes SET last_used = MAX(last_used, ?) "
+                           "WHERE id = ? AND state = 'live'", [(when, i) for i in tape_ids])
+
+    def tape_usage(self, owner: str) -> tuple[int, int]:
+        """(live tapes, their bytes) of an owner, as the quotas count them: a sharded
+        tape is one tape, its bytes its parts'."""
+        count, total = self._query(
+            "SELECT COALESCE(SUM(shards IS NULL OR json_extract(shards, '$.parent') IS NULL), 0), "
+            "COALESCE(SUM(CASE WHEN shards IS NULL OR json_extract(shards, '$.ids') IS NULL "
+            "THEN bytes ELSE 0 END), 0) FROM tapes WHERE owner = ? AND state = 'live'",
+            (owner,))[0]
+        return int(count), int(total)
+
+    def expire_tapes(self, now: float) -> list[TapeRow]:
+        """End every live tape whose last use (by any process) is older than its ttl,
+        with its parts; return the rows ended (one transaction: each ends once)."""
+        with self._transaction() as db:
+            rows = [_tape(r) for r in db.execute(
+                _TAPE_SELECT + " WHERE state = 'live' AND last_used + ttl <= ? AND "
+                "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)", (now,))]
+            ids = [r.id for r in rows]
+            for r in rows:
+                if r.shards and "ids" in r.shards:
+                    ids += r.shards["ids"]
+            db.executemany(
+                "UPDATE tapes SET state = 'expired', ended = ?, definition = NULL, "
+                "version = version + 1 WHERE id = ? AND state = 'live'",
+                [(now, i) for i in ids])
+        return rows
+
+    def tape_states(self, tape_ids: list[str]) -> dict[str, tuple[str, int]]:
+        """id -> (state, version) of these tapes (those the store still knows)."""
+        found: dict[str, tuple[str, int]] = {}
+        for lo in range(0, len(tape_ids), 500):
+            chunk = tape_ids[lo:lo + 500]
+            for i, state, version in self._query(
+                    f"SELECT id, state, version FROM tapes WHERE id IN "
+                    f"({','.join('?' * len(chunk))})", tuple(chunk)):
+                found[i] = (state, int(version))
+        return found
+
+    # Jobs (http_workers > 1) ----------------------------------------------------------------
+    def insert_job(self, job: JobRow) -> None:
+        with self._transaction() as db:
+            db.execute(
+                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES ({', '.join('?' * 16)})",
+                _job_values(job))
+
+    def save_job(self, job: JobRow, only_active: bool = False) -> bool:
+        """Write a job's state, progress and answer (its version +1); `only_active`: not
+        over a job that ended meanwhile (a cancel from another process). False when no
+        row changed."""
+        with self._transaction() as db:
+            changed = db.execute(
+                "UPDATE jobs SET state = ?, started = ?, finished = ?, progress = ?, "
+                "result = ?, seconds = ?, error = ?, version = version + 1 WHERE id = ?"
+                + (" AND state IN ('queued', 'running')" if only_active else ""),
+                (job.state, job.started, job.finished, _json(job.progress),
+                 None if job.result is None else sqlite3.Binary(job.result), job.seconds,
+                 _json(job.error), job.id)).rowcount
+        return changed > 0
+
+    def get_job(self, job_id: str) -> JobRow | None:
+        rows = self._query(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,))
+        return _job(rows[0]) if rows else None
+
+    def job_version(self, job_id: str) -> tuple[int, bool] | None:
+        """(version, cancel asked) of a job, or None: the cheap poll."""
+        rows = self._query("SELECT version, cancel FROM jobs WHERE id = ?", (job_id,))
+        return (int(rows[0][0]), bool(rows[0][1])) if rows else None
+
+    def list_jobs(self, owner: str) -> list[JobRow]:
+        """An owner's jobs, without their answers (oldest first)."""
+        columns = _JOB_COLUMNS.replace("result", "NULL")
+        return [_job(r) for r in self._query(
+            f"SELECT {columns} FROM jobs WHERE owner = ? ORDER BY created", (owner,))]
+
+    def count_active_jobs(self, owner: str) -> int:
+        return int(self._query("SELECT COUNT(*) FROM jobs WHERE owner = ? AND state IN "
+                               "('queued', 'running')", (owner,))[0][0])
+
+    def cancel_job(self, job_id: str, when: float) -> bool:
+        """Cancel a queued or running job of another process: it reads as cancelled at
+        once, and its process, which polls the flag, stops it. False if it had ended."""
+        with self._transaction() as db:
+            return db.execute(
+                "UPDATE jobs SET state = 'cancelled', cancel = 1, finished = ?, "
+                "started = COALESCE(started, ?), version = version + 1 "
+                "WHERE id = ? AND state IN ('queued', 'running')",
+                (when, when, job_id)).rowcount > 0
+
+    def fail_orphan_job(self, job_id: str, when: float, error: dict[str, Any]) -> bool:
+        with self._transaction() as db:
+            return db.execute(
+                "UPDATE jobs SET state = 'failed', finished = ?, error = ?, "
+                "started = COALESCE(started, ?), version = version + 1 "
+                "WHERE id = ? AND state IN ('queued', 'running')",
+                (when, _json(error), when, job_id)).rowcount > 0
+
+    def delete_job(self, job_id: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def prune_jobs(self, before: float) -> int:
+        with self._transaction() as db:
+            return int(db.execute("DELETE FROM jobs WHERE finished IS NOT NULL AND finished < ?",
+                                  (before,)).rowcount)
+
+    # HTTP processes (http_workers > 1) ------------------------------------------------------
+    def heartbeat(self, token: str, pid: int, started: float, when: float) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT INTO processes (token, pid, started, seen) VALUES (?, ?, ?, ?) "
+                       "ON CONFLICT (token) DO UPDATE SET seen = excluded.seen",
+                       (token, pid, started, when))
+
+    def process(self, token: str) -> tuple[int, float] | None:
+        """(pid, last heartbeat) of an HTTP process, or None."""
+        rows = self._query("SELECT pid, seen FROM processes WHERE token = ?", (token,))
+        return (int(rows[0][0]), float(rows[0][1])) if rows else None
+
+    def forget_process(self, token: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM processes WHERE token = ?", (token,))
+
+    # Rate limits (http_workers > 1) ---------------------------------------------------------
+    def take_token(self, owner: str, rate: float, burst: int, now: float) -> float:
+        """Spend one of the key's tokens (the bucket refilled at `rate` up to `burst`
+        first): 0.0 when spent, else the seconds until one is there (none spent)."""
+        with self._transaction() as db:
+            row = db.execute("SELECT tokens, stamp FROM rate_buckets WHERE owner = ?",
+                             (owner,)).fetchone()
+            tokens = float(burst) if row is None else min(
+                float(burst), row[0] + max(0.0, now - row[1]) * rate)
+            wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / rate
+            if wait == 0.0:
+                tokens -= 1.0
+            db.execute("INSERT OR REPLACE INTO rate_buckets (owner, tokens, stamp) "
+                       "VALUES (?, ?, ?)", (owner, tokens, now))
+        return wait
 
     def get_tape(self, tape_id: str) -> TapeRow | None:
         rows = self._query(_TAPE_SELECT + " WHERE id = ?", (tape_id,))
@@ -628,8 +907,30 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
 
 _TAPE_SELECT = (
     "SELECT id, owner, definition, model, target, sources, ttl, created, last_used, hits, "
-    "bytes, worker, device, rebuilds, state, ended, output, shards FROM tapes"
+    "bytes, worker, device, rebuilds, state, ended, output, shards, version FROM tapes"
 )
+_JOB_COLUMNS = ("id, owner, operation, tape_id, encoding, created, state, started, finished, "
+                "progress, result, seconds, error, process, cancel, version")
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _job_values(job: JobRow) -> tuple[Any, ...]:
+    return (job.id, job.owner, job.operation, job.tape_id, job.encoding, job.created,
+            job.state, job.started, job.finished, _json(job.progress),
+            None if job.result is None else sqlite3.Binary(job.result), job.seconds,
+            _json(job.error), job.process, int(job.cancel), job.version)
+
+
+def _job(row: Any) -> JobRow:
+    values = list(row)
+    for i in (9, 12):
+        values[i] = None if values[i] is None else json.loads(values[i])
+    values[10] = None if values[10] is None else bytes(values[10])
+    values[14] = bool(values[14])
+    return JobRow(*values)
 
 
 def _tape(row: Any) -> TapeRow:

@@ -13,6 +13,14 @@ that relays the worker's progress reports and marks it running when a worker tak
   worker crash: worker-crashed; the time limit: time-limit): a job never hangs, since
   the pool's time limit bounds every request it runs.
 - Jobs live in memory: a restart of the service forgets them (their tapes survive).
+
+Several HTTP processes (`http_workers` > 1, settings.shared): a job runs in the process
+that started it, which also writes it to the store (state, progress, the answer as
+msgpack: service/core/ipc.py) at every change; any other process reads it from there
+(GET, /result, the events stream, which polls the row), and cancels it by writing the
+row cancelled with a flag, which the running process polls (every CANCEL_POLL s) and
+obeys. A job whose process is gone (its pid dead, or silent for PROCESS_SILENT_AFTER
+sweeps) reads as failed (job-lost). The quota counts the store's jobs.
 """
 
 from __future__ import annotations
@@ -20,17 +28,19 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from service.core import shm
+from service.core import ipc, shm
 from service.core.config import Settings
 from service.core.errors import ServiceError
+from service.core.store import JobRow, Store
 from service.core.wire import Encoding
 from service.domain.sessions import iso
 from service.pool import calls
@@ -42,6 +52,12 @@ ACTIVE = ("queued", "running")
 Run = Callable[[], Awaitable[tuple[dict[str, Any], float]]]
 # Turns an exception into (status, problem body) as the synchronous route answers it.
 Explain = Callable[[BaseException], tuple[int, dict[str, Any]]]
+# A problem body from (type slug, detail, instance), for a job whose process is gone.
+Problem = Callable[[str, str, str], dict[str, Any]]
+
+CANCEL_POLL = 0.2  # seconds between a running job's looks at the store for a cancel
+FOLLOW_POLL = 0.1  # seconds between an events stream's looks at another process's job
+PROCESS_SILENT_AFTER = 6  # sweeps without a heartbeat: that HTTP process is gone
 
 
 @dataclass(eq=False)
@@ -62,6 +78,25 @@ class Job:
     task: asyncio.Task[None] | None = None
     version: int = 0  # +1 at every change; the events stream sends each
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Several HTTP processes: the job is another process's, read from the store.
+    remote: bool = False
+    _dirty: bool = False  # a change not yet written to the store
+    _writer: asyncio.Task[None] | None = None
+    _on_change: Callable[[Job], None] | None = None
+
+    @classmethod
+    def from_row(cls, row: JobRow) -> Job:
+        job = cls(row.id, row.owner, row.operation, row.tape_id, Encoding(row.encoding),
+                  row.created, row.state, row.started, row.finished, row.progress,
+                  None if row.result is None else ipc.unpack(row.result), row.seconds,
+                  row.error, version=row.version, remote=True)
+        return job
+
+    def to_row(self, process: str) -> JobRow:
+        result = None if self.result is None else ipc.pack(self.result)
+        return JobRow(self.id, self.owner, self.operation, self.tape_id, str(self.encoding),
+                      self.created, self.state, self.started, self.finished, self.progress,
+                      result, self.seconds, self.error, process, False, self.version)
 
     @property
     def ended(self) -> bool:
@@ -75,6 +110,8 @@ class Job:
         self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
+        if self._on_change is not None:
+            self._on_change(self)
 
     def elapsed(self) -> float:
         if self.started is None:
@@ -124,12 +161,23 @@ class Job:
 
 
 class JobRegistry:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, store: Store | None = None,
+                 problem: Problem | None = None):
         self.settings = settings
         self._jobs: dict[str, Job] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self.shared = settings.shared and store is not None
+        self.store = store
+        self.problem = problem
+        # This HTTP process, as the store's jobs name it (a pid may be reused).
+        self.process = secrets.token_urlsafe(12)
+        self.pid = os.getpid()
+        self.booted = time.time()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def open(self) -> None:
+        if self.shared:
+            await self._heartbeat()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def close(self) -> None:
@@ -139,11 +187,92 @@ class JobRegistry:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.shared:  # the last writes of the jobs cancelled above, then goodbye
+            writers = [j._writer for j in self._jobs.values() if j._writer is not None]
+            await asyncio.gather(*writers, return_exceptions=True)
+            for task in list(self._tasks):
+                task.cancel()
+            assert self.store is not None
+            await asyncio.to_thread(self.store.forget_process, self.process)
+
+    # Several HTTP processes: the store's copy ---------------------------------------------
+    async def _heartbeat(self) -> None:
+        assert self.store is not None
+        now = time.time()
+        self.pid = os.getpid()  # (uvicorn may build the app before it forks)
+        await asyncio.to_thread(self.store.heartbeat, self.process, self.pid, self.booted, now)
+
+    def _write(self, job: Job) -> None:
+        """The job changed: write it to the store (one writer per job at a time, which
+        writes the latest state when it gets its turn: bursts of progress coalesce)."""
+        job._dirty = True
+        if job._writer is None or job._writer.done():
+            job._writer = self._spawn(self._writer_loop(job))
+
+    async def _writer_loop(self, job: Job) -> None:
+        assert self.store is not None
+        while job._dirty:
+            job._dirty = False
+            row = job.to_row(self.process)
+            try:
+                kept = await asyncio.to_thread(self.store.save_job, row, True)
+            except Exception:
+                log.exception("could not write job %s... to the store", job.id[:8])
+                continue
+            if not kept and not job.ended:
+                self.cancel_here(job)  # cancelled through another process meanwhile
+
+    async def _watch_cancel(self, job: Job) -> None:
+        """Poll the store for a cancel asked through another process."""
+        assert self.store is not None
+        while not job.ended:
+            await asyncio.sleep(CANCEL_POLL)
+            found = await asyncio.to_thread(self.store.job_version, job.id)
+            if (found is None or found[1]) and not job.ended:
+                self.cancel_here(job)
+                return
+
+    def cancel_here(self, job: Job) -> None:
+        """A job of this process cancelled through another one: stop it now."""
+        log.info("job %s... cancelled through another process", job.id[:8])
+        if job.task is not None:
+            job.task.cancel()
+        self._end(job, "cancelled")
+
+    def _spawn(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _settle(self, row: JobRow) -> JobRow:
+        """Another process's queued or running job, failed if that process is gone."""
+        if row.state not in ACTIVE or row.process == self.process:
+            return row
+        assert self.store is not None
+        found = await asyncio.to_thread(self.store.process, row.process)
+        silent = PROCESS_SILENT_AFTER * min(self.settings.tape_sweep_interval,
+                                            self.settings.job_ttl)
+        if found is not None and _alive(found[0]) and time.time() - found[1] < silent:
+            return row
+        pid = f" (pid {found[0]})" if found is not None else ""
+        detail = (f"the HTTP process{pid} that ran job {row.id} exited before the job "
+                  "ended (killed, or crashed); its work is lost: start the request again")
+        error = (self.problem("job-lost", detail, f"/v1/jobs/{row.id}")
+                 if self.problem is not None else {"status": 502, "detail": detail})
+        await asyncio.to_thread(self.store.fail_orphan_job, row.id, time.time(), error)
+        log.info("job %s... failed: its HTTP process%s is gone", row.id[:8], pid)
+        fresh = await asyncio.to_thread(self.store.get_job, row.id)
+        return fresh if fresh is not None else row
 
     # Starting -----------------------------------------------------------------------------
-    def start(self, owner: str, operation: str, run: Run, explain: Explain,
-              encoding: Encoding, tape_id: str | None = None) -> Job:
-        active = sum(1 for j in self._jobs.values() if j.owner == owner and not j.ended)
+    async def start(self, owner: str, operation: str, run: Run, explain: Explain,
+                    encoding: Encoding, tape_id: str | None = None) -> Job:
+        if self.shared:  # every process's jobs
+            assert self.store is not None
+            active = await asyncio.to_thread(self.store.count_active_jobs, owner)
+        else:
+            active = sum(1 for j in self._jobs.values() if j.owner == owner and not j.ended)
         limit = self.settings.max_jobs_per_key
         if active >= limit:
             raise ServiceError(
@@ -155,6 +284,11 @@ class JobRegistry:
             )
         job = Job(secrets.token_urlsafe(18), owner, operation, tape_id, encoding)
         self._jobs[job.id] = job
+        if self.shared:
+            assert self.store is not None
+            await asyncio.to_thread(self.store.insert_job, job.to_row(self.process))
+            job._on_change = self._write
+            self._spawn(self._watch_cancel(job))
         # A context of its own: the job outlives the request that started it, and its
         # watch (progress, running) is not the request's (whose client may go at once).
         context = contextvars.Context()
@@ -203,8 +337,26 @@ class JobRegistry:
         job.touch()
 
     # Reading ------------------------------------------------------------------------------
-    def get(self, job_id: str, owner: str) -> Job:
+    async def get(self, job_id: str, owner: str) -> Job:
         job = self._jobs.get(job_id)
+        if job is not None and not job.ended and self.shared:
+            # Cancelled through another process a moment ago (before the poll saw it)?
+            assert self.store is not None
+            found = await asyncio.to_thread(self.store.job_version, job.id)
+            if found is not None and found[1] and not job.ended:
+                self.cancel_here(job)
+        if job is not None and job.ended and self.shared and job._writer is not None and (
+                job._writer.done()):
+            # Ended here, maybe forgotten through another process since (DELETE).
+            assert self.store is not None
+            if await asyncio.to_thread(self.store.job_version, job.id) is None:
+                self._jobs.pop(job.id, None)
+                job = None
+        if job is None and self.shared and len(job_id) <= 64:
+            assert self.store is not None
+            row = await asyncio.to_thread(self.store.get_job, job_id)
+            if row is not None and row.owner == owner:
+                job = Job.from_row(await self._settle(row))
         if job is None or job.owner != owner or self._expired(job, time.time()):
             raise ServiceError(
                 "job-not-found",
@@ -214,17 +366,81 @@ class JobRegistry:
             )
         return job
 
-    def list(self, owner: str) -> list[Job]:
+    async def list(self, owner: str) -> list[Job]:
         now = time.time()
-        return sorted((j for j in self._jobs.values()
-                       if j.owner == owner and not self._expired(j, now)),
+        jobs = {j.id: j for j in self._jobs.values() if j.owner == owner}
+        if self.shared:  # every process's (this one's from memory: the freshest)
+            assert self.store is not None
+            rows = await asyncio.to_thread(self.store.list_jobs, owner)
+            stored = {row.id for row in rows}
+            for job in [j for j in jobs.values() if j.ended and j.id not in stored
+                        and j._writer is not None and j._writer.done()]:
+                del jobs[job.id]  # forgotten through another process
+                self._jobs.pop(job.id, None)
+            for row in rows:
+                if row.id not in jobs:
+                    jobs[row.id] = Job.from_row(await self._settle(row))
+        return sorted((j for j in jobs.values() if not self._expired(j, now)),
                       key=lambda j: j.created)
 
-    def cancel(self, job: Job) -> None:
+    async def updates(self, job: Job, keep_alive: float) -> AsyncIterator[Job | None]:
+        """The job now and at each change until it ends (None after `keep_alive` quiet
+        seconds). Another process's job: its stored row, polled."""
+        sent = -1
+        if job.remote:
+            assert self.store is not None
+            quiet = 0.0
+            while True:
+                if job.version != sent:
+                    sent, quiet = job.version, 0.0
+                    yield job
+                    if job.ended:
+                        return
+                await asyncio.sleep(FOLLOW_POLL)
+                quiet += FOLLOW_POLL
+                if quiet >= keep_alive:
+                    quiet = 0.0
+                    yield None
+                found = await asyncio.to_thread(self.store.job_version, job.id)
+                if found is None:
+                    return  # forgotten meanwhile
+                if found[0] != job.version:
+                    row = await asyncio.to_thread(self.store.get_job, job.id)
+                    if row is None:
+                        return
+                    job = Job.from_row(await self._settle(row))
+                elif job.state in ACTIVE and quiet == 0.0:
+                    # Quiet for a while: its process may be gone.
+                    row = await asyncio.to_thread(self.store.get_job, job.id)
+                    if row is not None:
+                        job = Job.from_row(await self._settle(row))
+        while True:
+            changed = job.changed()
+            if job.version != sent:
+                sent = job.version
+                yield job
+                if job.ended:
+                    return
+            try:
+                await asyncio.wait_for(changed.wait(), keep_alive)
+            except TimeoutError:
+                yield None
+
+    async def cancel(self, job: Job) -> None:
         """Cancel a queued or running job (its worker stops at its next op); forget an
         ended one."""
+        if job.remote:  # another process's: through the store, which that one polls
+            assert self.store is not None
+            if job.ended:
+                await asyncio.to_thread(self.store.delete_job, job.id)
+            else:
+                await asyncio.to_thread(self.store.cancel_job, job.id, time.time())
+            return
         if job.ended:
             self._jobs.pop(job.id, None)
+            if self.shared:
+                assert self.store is not None
+                await asyncio.to_thread(self.store.delete_job, job.id)
             return
         assert job.task is not None
         job.task.cancel()
@@ -241,12 +457,31 @@ class JobRegistry:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(min(self.settings.tape_sweep_interval, self.settings.job_ttl))
-            self.sweep()
+            try:
+                await self.sweep()
+            except Exception:  # the sweeper must survive a bad round
+                log.exception("the job sweep failed")
 
-    def sweep(self) -> None:
+    async def sweep(self) -> None:
         now = time.time()
         for job in [j for j in self._jobs.values() if self._expired(j, now)]:
             del self._jobs[job.id]
+        if self.shared:
+            assert self.store is not None
+            await self._heartbeat()
+            await asyncio.to_thread(self.store.prune_jobs, now - self.settings.job_ttl)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this host has this pid (the HTTP processes share a host:
+    they share a SQLite file)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def event(job: Job, ttl: float) -> bytes:

@@ -17,6 +17,18 @@ it costs; and the stored models. No math here: the recordings live in the worker
 - Usage (last use, hits, bytes) is kept in memory and written to the store by the
   sweeper every `tape_sweep_interval` seconds and at shutdown; tapes, tombstones and
   definitions are written at once.
+
+Several HTTP processes (`http_workers` > 1, settings.shared): the store is the
+authority, each process's `_tapes` only its copies. Every use reads the tape's row
+(and its parts'), one indexed read: a tape another process made is adopted (recorded on
+one of this process's workers on first use, as after a restart), a copy whose stored
+`version` moved (new values, PATCHed elsewhere) is recorded again, an ended one answers
+its 404 (deleted, expired). Uses are written at once (last use: the latest of every
+process's; hits add up); the sweeper ends only tapes whose stored last use is older than their ttl,
+and forgets the copies of tapes ended elsewhere; quotas count the store's rows.
+Eviction unloads this process's copy only (the tape stays live in the store, and its
+next use here records it again): one process's memory pressure ends no tape that the
+others serve.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ import numpy as np
 
 from service.core.config import Settings
 from service.core.errors import ServiceError
-from service.core.store import ModelRow, Store, TapeRow, is_ref
+from service.core.store import ModelRow, QuotaFull, Store, TapeRow, is_ref
 from service.domain.metrics import Metrics
 from service.domain.shards import Sharding, ShardSet
 from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply, WorkerInfo
@@ -61,6 +73,9 @@ class Tape:
     # part keeps its recording's spec here (for a rebuild if its worker is replaced).
     transient: bool = False
     kept_spec: dict[str, Any] | None = None
+    # Several HTTP processes: the worker's recording is of an older stored version; the
+    # next use records the stored definition again in its place.
+    stale: bool = False
 
     @property
     def id(self) -> str:
@@ -121,11 +136,19 @@ class TapeRegistry:
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.sharding = Sharding(self)
+        self.shared = settings.shared
 
     # Lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
         """Load the live tapes of the store (none is in a worker yet: each is recorded
         again on its first use) and start the sweeper."""
+        if self.shared:  # nothing to load: each tape is adopted on its first use here
+            ended = await asyncio.to_thread(self.store.expire_tapes, time.time())
+            if ended:
+                log.info("%d tape(s) expired while no process used them", len(ended))
+            self.metrics.bind_tapes(self)
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+            return
         rows = await asyncio.to_thread(self.store.live_tapes)
         now = time.time()
         expired = [r for r in rows if r.last_used + r.ttl <= now]
@@ -154,8 +177,18 @@ class TapeRegistry:
         await self.flush()
 
     # Reading ------------------------------------------------------------------------------
-    def live(self, owner: str) -> list[Tape]:
+    async def live(self, owner: str) -> list[Tape]:
         now = time.time()
+        if self.shared:  # every process's tapes, from the store
+            rows = await asyncio.to_thread(self.store.live_tapes, owner)
+            by_id = {r.id: r for r in rows}
+            families = [[r, *(by_id[i] for i in r.shards["ids"] if i in by_id)]
+                        if r.shards and "ids" in r.shards else [r]
+                        for r in rows if not r.is_part and r.last_used + r.ttl > now]
+            # (a sharded tape ending elsewhere as this was read: left out, not half-listed)
+            whole = [f for f in families
+                     if len(f) == 1 + len((f[0].shards or {}).get("ids", []))]
+            return sorted((self._sync(f) for f in whole), key=lambda t: t.row.created)
         return sorted(
             (t for t in self._tapes.values()
              if t.row.owner == owner and t.expires > now and t.parent is None),
@@ -182,6 +215,8 @@ class TapeRegistry:
 
     async def get(self, tape_id: str, owner: str) -> Tape:
         """The caller's live tape, or a 404 problem that says why there is none."""
+        if self.shared:
+            return await self._get_shared(tape_id, owner)
         tape = self._tapes.get(tape_id)
         if tape is not None and tape.parent is not None:
             tape = None  # a shard is the sharded tape's business, never a client's
@@ -199,6 +234,108 @@ class TapeRegistry:
             f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists "
             "yours)",
         )
+
+    def _not_found(self, tape_id: str) -> ServiceError:
+        return ServiceError(
+            "tape-not-found",
+            f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists "
+            "yours)",
+        )
+
+    # Several HTTP processes: the store's rows are the tapes -----------------------------
+    async def _get_shared(self, tape_id: str, owner: str) -> Tape:
+        """The caller's live tape as the store has it now (this process's copy brought
+        up to date, or adopted); its 404 when it ended, wherever that happened."""
+        if len(tape_id) > 128:
+            raise self._not_found(tape_id)
+        rows = await asyncio.to_thread(self.store.get_tape_family, tape_id)
+        if not rows or rows[0].owner != owner or rows[0].is_part:
+            raise self._not_found(tape_id)
+        row = rows[0]
+        local = self._tapes.get(tape_id)
+        if row.state != "live":
+            if local is not None:
+                self._forget(local, row.state)
+            raise self._gone(row)
+        now = time.time()
+        if row.last_used + row.ttl <= now and not (local is not None and local.busy):
+            # Unused by every process for its ttl: ended in one transaction that looks at
+            # the stored last use again (a use elsewhere meanwhile keeps it).
+            ended = await asyncio.to_thread(self.store.expire_tapes, now)
+            self._forget_rows(ended)
+            fresh = await asyncio.to_thread(self.store.get_tape, tape_id)
+            if fresh is not None and fresh.state != "live":
+                raise self._gone(fresh)
+            rows = await asyncio.to_thread(self.store.get_tape_family, tape_id)
+        if rows[0].shards and "ids" in rows[0].shards and len(rows) != 1 + len(
+                rows[0].shards["ids"]):
+            raise ServiceError("internal", f"the stored parts of sharded tape {tape_id} are "
+                               "missing")
+        return self._sync(rows)
+
+    def _sync(self, rows: list[TapeRow]) -> Tape:
+        """This process's copy of the tape (and parts) in `rows`, the store's rows read
+        now: made when there is none, its recording marked stale where a version moved."""
+        head = rows[0]
+        tape = self._tapes.get(head.id)
+        if tape is None:
+            return self._adopt(rows)
+        copies = [tape] if tape.shards is None else [tape, *tape.shards.parts]
+        for copy, row in zip(copies, rows, strict=True):
+            if row.version != copy.row.version:
+                copy.row.definition = row.definition
+                copy.row.version = row.version
+                # (still stale if it moved twice before a use here recorded it again)
+                copy.stale = copy.stale or copy.generation is not None
+                copy.generation = None
+            copy.row.last_used = max(copy.row.last_used, row.last_used)
+            copy.row.hits = row.hits
+            copy.row.rebuilds = row.rebuilds
+            copy.row.ttl = row.ttl
+        return tape
+
+    def _adopt(self, rows: list[TapeRow]) -> Tape:
+        """A tape made (or last recorded) by another process: a copy here, on this
+        process's least loaded worker(s), recorded there on its first use."""
+        head = self.new_tape(rows[0])
+        placed: defaultdict[int, int] = defaultdict(int)
+        parts = []
+        for row in rows[1:]:
+            part = Tape(row, parent=head)
+            row.worker = self._choose_worker(placed)
+            placed[row.worker] += 1
+            parts.append(part)
+        if parts:
+            self.sharding.restore(head, {p.id: p for p in parts})
+            for part in parts:
+                self._tapes[part.id] = part
+        else:
+            head.row.worker = self._choose_worker()
+        self._tapes[head.id] = head
+        return head
+
+    def _forget(self, tape: Tape, state: str) -> None:
+        """Let this process's copy of a tape ended elsewhere go (`state`: the store's)."""
+        copies = [tape] if tape.shards is None else [tape, *tape.shards.parts]
+        for copy in copies:
+            if self._tapes.pop(copy.id, None) is None:
+                continue
+            copy.row.state = state  # a request in flight here drops its recording after
+            if copy.shards is None and self.loaded(copy):
+                self._drop_later(copy.row.worker, [copy.id])
+
+    def _forget_rows(self, rows: list[TapeRow]) -> None:
+        for row in rows:
+            local = self._tapes.get(row.id)
+            if local is not None:
+                self._forget(local, "expired")
+                self.metrics.tape_event("expired")
+
+    async def _used(self, tape: Tape, rebuilt: bool = False) -> None:
+        """Several HTTP processes: write a use at once (others' sweepers read it)."""
+        if self.shared and not tape.transient:
+            await asyncio.to_thread(self.store.touch_tape, tape.id, tape.row.last_used,
+                                    tape.row.bytes, rebuilt)
 
     def _gone(self, row: TapeRow) -> ServiceError:
         when = iso(row.ended or time.time())
@@ -231,7 +368,7 @@ class TapeRegistry:
         counted in the quotas through it. `transient` (a part of a stateless request):
         kept in memory only, out of the quotas, the store and the eviction accounts."""
         if part_of is None:
-            self._check_count(owner)
+            await self._check_count(owner)
         self._creating[owner] += 0 if transient else 1
         try:
             tape_id = secrets.token_urlsafe(24)
@@ -249,7 +386,7 @@ class TapeRegistry:
             size = int(result.pop("tape")["bytes"])
             definition = with_applied(spec["definition"], result.pop("applied", None))
             try:
-                self._check_size(owner, size, quota=not transient)
+                await self._check_size(owner, size, quota=not transient)
                 now = time.time()
                 row = TapeRow(
                     id=tape_id, owner=owner, definition=None, model=model,
@@ -261,7 +398,14 @@ class TapeRegistry:
                                                          "index": part_of[1]},
                 )
                 if not transient:
-                    await asyncio.to_thread(self.store.insert_tape, row, definition)
+                    # Several processes: the quota counted again as the row goes in.
+                    limit = (self.settings.max_tapes_per_key
+                             if self.shared and part_of is None else None)
+                    try:
+                        await asyncio.to_thread(self.store.insert_tape, row, definition,
+                                                limit)
+                    except QuotaFull as full:
+                        raise self._quota_error(full.held, 0) from None
             except BaseException:
                 self._drop_later(reply.worker, [tape_id])
                 raise
@@ -284,7 +428,7 @@ class TapeRegistry:
                              ) -> tuple[Tape, dict[str, Any]]:
         """A tape whose batch is split over `sharding["shards"]` tapes in distinct
         workers (service/domain/shards.py): answers as `create` does."""
-        self._check_count(owner)
+        await self._check_count(owner)
         self._creating[owner] += 1
         try:
             return await self.sharding.create(owner, spec, ttl, model, time_limit, sharding)
@@ -299,19 +443,27 @@ class TapeRegistry:
         self._tapes[tape.id] = tape
         self.metrics.tape_event("created")
 
-    def _check_count(self, owner: str) -> None:
+    async def _check_count(self, owner: str) -> None:
         limit = self.settings.max_tapes_per_key
-        held = sum(1 for t in self._tapes.values() if t.row.owner == owner and t.parent is None)
+        if self.shared:  # every process's tapes (those being recorded: this one's)
+            held = (await asyncio.to_thread(self.store.tape_usage, owner))[0]
+        else:
+            held = sum(1 for t in self._tapes.values()
+                       if t.row.owner == owner and t.parent is None)
         if held + self._creating[owner] >= limit:
-            raise ServiceError(
-                "quota-exceeded",
-                f"this API key holds {held} live tape(s) (with {self._creating[owner]} being "
-                f"recorded); the quota is {limit} (max_tapes_per_key). DELETE tapes you no "
-                "longer need (GET /v1/tapes lists them), or let them expire",
-                quota="tapes", limit=limit,
-            )
+            raise self._quota_error(held, self._creating[owner])
 
-    def _check_size(self, owner: str, size: int, quota: bool = True) -> None:
+    def _quota_error(self, held: int, creating: int) -> ServiceError:
+        limit = self.settings.max_tapes_per_key
+        return ServiceError(
+            "quota-exceeded",
+            f"this API key holds {held} live tape(s) (with {creating} being recorded); the "
+            f"quota is {limit} (max_tapes_per_key). DELETE tapes you no longer need (GET "
+            "/v1/tapes lists them), or let them expire",
+            quota="tapes", limit=limit,
+        )
+
+    async def _check_size(self, owner: str, size: int, quota: bool = True) -> None:
         budget = self.settings.tape_memory_budget
         if size > budget:
             raise ServiceError(
@@ -324,8 +476,11 @@ class TapeRegistry:
         if not quota:
             return
         limit = self.settings.max_tape_bytes_per_key
-        used = sum(t.row.bytes for t in self._tapes.values()
-                   if t.row.owner == owner and t.shards is None)
+        if self.shared:
+            used = (await asyncio.to_thread(self.store.tape_usage, owner))[1]
+        else:
+            used = sum(t.row.bytes for t in self._tapes.values()
+                       if t.row.owner == owner and t.shards is None)
         if used + size > limit:
             raise ServiceError(
                 "quota-exceeded",
@@ -362,6 +517,8 @@ class TapeRegistry:
             message = {"tape_id": tape.id, **payload}
             if not self.loaded(tape):
                 message["rebuild"] = await self._spec(tape)
+                if tape.stale:
+                    message["rerecord"] = True
             try:
                 reply = await self.pool.submit(kind, message, worker=worker,
                                                time_limit=time_limit)
@@ -382,10 +539,13 @@ class TapeRegistry:
             tape.row.rebuilds += 1
             self.metrics.tape_event("rebuilt")
             log.info("tape %s... recorded again in worker %d", tape.id[:8], worker)
+        tape.stale = False
         tape.row.bytes = int(meta["bytes"])
         tape.row.hits += 1
         tape.row.last_used = time.time()
-        tape.dirty = True
+        tape.dirty = not self.shared
+        if self.shared:
+            await self._used(tape, bool(meta["rebuilt"]))
         if tape.ended:  # deleted or evicted while this request ran: let it go again
             self._drop_later(worker, [tape.id])
         elif not tape.transient:  # a transient part is out of the eviction accounts
@@ -400,6 +560,14 @@ class TapeRegistry:
         tape.row.hits += 1
         tape.row.last_used = time.time()
         tape.dirty = True
+        if self.shared:  # written at once (its parts wrote theirs)
+            tape.dirty = False
+            self._later(self._used(tape))
+
+    def _later(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _worker_of(self, tape: Tape) -> int:
         if tape.row.worker >= self.pool.size:  # restarted with fewer workers
@@ -502,17 +670,22 @@ class TapeRegistry:
                 raise
             result: dict[str, Any] = reply.result
             definition = with_applied(definition, result.pop("applied", None))
-            digest = await asyncio.to_thread(self.store.set_tape_definition, tape.id, definition)
+            digest, version = await asyncio.to_thread(
+                self.store.replace_tape_definition, tape.id, definition)
         finally:
             tape.busy -= 1
         tape.row.definition = digest
+        tape.row.version = version
+        tape.stale = False
         tape.row.bytes = int(result.pop("tape")["bytes"])
         result.pop("sources")
         tape.row.device = str(result.pop("device"))
         tape.generation = reply.generation
         tape.row.hits += 1
         tape.row.last_used = time.time()
-        tape.dirty = True
+        tape.dirty = not self.shared
+        if self.shared:
+            await self._used(tape)
         if tape.ended:
             self._drop_later(worker, [tape.id])
         else:
@@ -566,7 +739,16 @@ class TapeRegistry:
                 continue
             victims.append(t)
             total -= t.row.bytes
-        if victims:
+        if victims and self.shared:
+            # Only this process's copies: the tapes stay live in the store (another
+            # process may serve them), and a next use here records them again.
+            log.info("worker %d over its tape budget: unloading %d tape(s)", worker,
+                     len(victims))
+            for victim in victims:
+                victim.generation = None
+                self.metrics.tape_event("unloaded")
+            self._drop_later(worker, [v.id for v in victims])
+        elif victims:
             log.info("worker %d over its tape budget: evicting %d tape(s)", worker, len(victims))
             await self._end(victims, "evicted")
 
@@ -603,15 +785,31 @@ class TapeRegistry:
         """Expire tapes past their ttl, save usage, prune old tombstones and collect
         unused definitions."""
         now = time.time()
-        # The parts of a sharded tape end with it (never on their own clock).
-        expired = [t for t in self._tapes.values()
-                   if t.expires <= now and not t.busy and t.parent is None]
-        if expired:
-            await self._end(expired, "expired")
+        if self.shared:
+            await self._sweep_shared(now)
+        else:
+            # The parts of a sharded tape end with it (never on their own clock).
+            expired = [t for t in self._tapes.values()
+                       if t.expires <= now and not t.busy and t.parent is None]
+            if expired:
+                await self._end(expired, "expired")
         await self.flush()
         if self.settings.tombstone_ttl:
             await asyncio.to_thread(self.store.prune_tombstones, now - self.settings.tombstone_ttl)
         await asyncio.to_thread(self.store.collect_garbage)
+
+    async def _sweep_shared(self, now: float) -> None:
+        """Keep the tapes in use here alive in the store, end those no process used for
+        their ttl, and forget this process's copies of tapes ended anywhere."""
+        busy = [t.id for t in self._tapes.values() if t.busy]
+        await asyncio.to_thread(self.store.keep_alive, busy, now)
+        self._forget_rows(await asyncio.to_thread(self.store.expire_tapes, now))
+        held = [t for t in self._tapes.values() if t.parent is None]
+        states = await asyncio.to_thread(self.store.tape_states, [t.id for t in held])
+        for tape in held:
+            state = states.get(tape.id, ("deleted", 0))[0]
+            if state != "live":
+                self._forget(tape, state)
 
     async def flush(self) -> None:
         dirty = [t for t in self._tapes.values() if t.dirty]

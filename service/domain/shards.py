@@ -22,6 +22,11 @@ places the parts, routes each request to them and back.
   answer in its worker (`stash`), the others' are kept by the pool (`keep`, then
   `gather` with the sum: service/pool/base.py), which on Ray hands them from node to
   node as object references; this process routes their keys.
+- Jacobians, gradients of other targets (or over a split input) and influence
+  functions: pieces asked of the parts (the first part's plan of how the parts'
+  derivatives combine; the parts' own; the influence's test gradient and
+  each part's scores of its own examples, around a CG run as above), put together in
+  the coordinator.
 - A part whose worker was replaced is recorded again on its next use, alone (sessions.py
   does that for every tape); a coordinator lost mid-run restarts the run (the algorithms
   are seeded: the same numbers). A sharded tape ends whole: with its parts, and when one
@@ -64,12 +69,6 @@ LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor th
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
               "tape_solve")
-NOT_SHARDED = {
-    "tape_jacobian": "a jacobian of a sharded tape's outputs (its rows are split over the "
-    "shards); record an unsharded tape for jacobians",
-    "tape_influence": "influence functions score every example of one recording; record an "
-    "unsharded tape for them",
-}
 
 
 def _invalid(field: str, message: str) -> ServiceError:
@@ -369,18 +368,20 @@ class Sharding:
         """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
         across them; the time limit covers the whole run."""
         assert tape.shards is not None
-        if kind in NOT_SHARDED:
-            raise ServiceError("invalid-request", f"not on a sharded tape: {NOT_SHARDED[kind]}")
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         tape.busy += 1
         try:
-            if kind in SUMS:
-                if kind == "tape_gradient":
-                    self._check_gradient(tape, payload)
+            if kind == "tape_gradient" and not self._gradient_is_a_sum(tape, payload):
+                result = await self._pieced(tape, "gradient", payload, deadline)
+            elif kind in SUMS:
                 result = await self._sum(tape, kind, payload, deadline)
             elif kind in ALGORITHMS:
                 result = await self._run(tape, kind, payload, deadline)
+            elif kind == "tape_jacobian":
+                result = await self._pieced(tape, "jacobian", payload, deadline)
+            elif kind == "tape_influence":
+                result = await self._influence(tape, payload, deadline)
             else:
                 raise ServiceError("internal", f"no sharded form of {kind!r}")
         finally:
@@ -388,16 +389,15 @@ class Sharding:
         self.registry.touch(tape)
         return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
 
-    def _check_gradient(self, tape: Tape, payload: Mapping[str, Any]) -> None:
-        """Only the loss's gradient is a sum of the parts': other targets may reduce
-        the batch otherwise, and a split input's gradient has the part's rows."""
+    def _gradient_is_a_sum(self, tape: Tape, payload: Mapping[str, Any]) -> bool:
+        """The loss's gradient over unsplit sources is the parts' weighted sum; another
+        target's, or one over a split input (each part's rows), is put together by
+        _pieced."""
         assert tape.shards is not None
         target = payload.get("target")
-        if target is not None and target != tape.row.target:
-            raise _invalid("target", f"a sharded tape answers gradients of its target "
-                           f"{tape.row.target!r} only (the parts are combined as its "
-                           f"{tape.shards.reduction}); record an unsharded tape for others")
-        self._check_sources(_source_names(payload.get("sources")), tape.shards.shard_by)
+        split = set(tape.shards.shard_by)
+        return (target is None or target == tape.row.target) and not any(
+            name in split for name in _source_names(payload.get("sources")))
 
     async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:
@@ -584,6 +584,116 @@ class Sharding:
                 self._drop_later(worker, {"run": run_id})
                 raise
         raise AssertionError("unreachable")
+
+    # Jacobians and influence: pieces from the parts, put together in the coordinator ----
+    async def _ask(self, part: Tape, kind: str, payload: dict[str, Any], deadline: Deadline
+                   ) -> Reply:
+        """`kind` on one part (its worker lost meanwhile: asked again once, which records
+        the part again)."""
+        try:
+            return await self.registry.call(part, kind, payload, deadline.left(part.row.worker))
+        except WorkerCrashed:
+            log.info("shard %s... lost with worker %d: asking again", part.id[:8],
+                     part.row.worker)
+            return await self.registry.call(part, kind, payload, deadline.left(part.row.worker))
+
+    async def _assemble(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
+                        assemble: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+        """`kind` on every part, their answers put together by the coordinator's
+        `assemble` handler (its payload, with the parts' answers as "parts"). The
+        coordinator replaced between the two steps (the answers it kept went with it):
+        the parts are asked again, once."""
+        shards = tape.shards
+        assert shards is not None
+        worker = shards.coordinator
+        for attempt in (1, 2):
+            replies = await self._fan(tape, kind, payloads, deadline)
+            parts = [r.result for r in replies]
+            gather = kept_keys(parts)  # the parts' answers the pool kept: to the coordinator
+            try:
+                reply = await self.pool.submit(
+                    assemble["kind"], {**assemble["payload"], "parts": parts},
+                    worker=worker, time_limit=deadline.left(worker), gather=gather)
+                result: dict[str, Any] = reply.result
+                return result
+            except ComputeFailed as exc:
+                self.pool.release(gather)
+                if exc.error.get("type") != LOST or attempt == 2:
+                    raise
+            except BaseException:
+                self.pool.release(gather)
+                raise
+        raise AssertionError("unreachable")
+
+    async def _pieced(self, tape: Tape, of: str, payload: Mapping[str, Any],
+                      deadline: Deadline) -> dict[str, Any]:
+        """The jacobian, or gradient (`of`), of any name over any sources, as the
+        unsharded tape answers it: the first part says from the program how the parts'
+        make it (combined as the loss, rows in part order, block diagonal over a split
+        input, ...; or refused, for a name that mixes the examples), then every part
+        answers its own and the coordinator assembles them (service/worker/shards.py)."""
+        shards = tape.shards
+        assert shards is not None
+        question = {k: payload.get(k) for k in ("target", "sources", "unconnected", "batch")}
+        plan = (await self._ask(shards.parts[0], "tape_shard_plan", {
+            **question, "of": of, "split": shards.shard_by, "rows": shards.rows},
+            deadline)).result
+        part = {**payload, "flat": False}
+        return await self._assemble(
+            tape, f"tape_{of}", [part] * len(shards.parts),
+            {"kind": f"shard_{of}", "payload": {
+                "mode": plan["mode"], "split_keys": plan["split_keys"],
+                "weights": shards.weights, "batch": payload.get("batch"),
+                "flat": payload.get("flat"),
+                "allow_nonfinite": payload.get("allow_nonfinite", False)}},
+            deadline)
+
+    async def _influence(self, tape: Tape, payload: Mapping[str, Any], deadline: Deadline
+                         ) -> dict[str, Any]:
+        """Influence as the unsharded tape answers it: grad L_test from the parts, s_test
+        by the CG run across the shards (the curvature's products summed), then every
+        part scores its own examples, in part order (the unsharded example indices)."""
+        shards = tape.shards
+        assert shards is not None
+        options = {k: payload.get(k) for k in ("curvature", "samples", "fisher_seed")}
+        starts = [sum(shards.rows[:k]) for k in range(len(shards.rows))]
+        test_rows = payload.get("rows")
+        if test_rows is None:  # the tape's loss on new points: one part computes it
+            test = (await self._ask(shards.parts[0], "tape_influence_test", {
+                **options, "test_inputs": payload["test_inputs"],
+                "examples": shards.rows[0]}, deadline)).result
+        else:
+            total = sum(shards.rows)
+            bad = [r for r in test_rows if not 0 <= r < total]
+            if bad:
+                raise _invalid("rows", f"{bad[:5]} out of range; the tape has {total} "
+                               "examples (rows 0 to N - 1)")
+            # Each part's loss on its own rows, weighted as the reduction adds the batch
+            # (a mean over |R| rows: the part's mean over its |R_k| times |R_k| / |R|).
+            local = [[r - lo for r in test_rows if lo <= r < lo + n]
+                     for lo, n in zip(starts, shards.rows, strict=True)]
+            weights = ([len(rows) / len(test_rows) for rows in local]
+                       if shards.reduction == "mean" else [1.0] * len(local))
+            test = await self._assemble(
+                tape, "tape_influence_test",
+                [{**options, "rows": rows, "examples": n}
+                 for rows, n in zip(local, shards.rows, strict=True)],
+                {"kind": "shard_combine", "payload": {
+                    "weights": weights, "flat": False,
+                    "allow_nonfinite": payload.get("allow_nonfinite", False)}},
+                deadline)
+        solve = {k: payload.get(k) for k in ("damping", "tol", "max_iterations", "max_hvps",
+                                             "max_seconds", "allow_nonfinite")}
+        solved = await self._run(tape, "tape_solve",
+                                 {**solve, **options, "vector": test["gradients"]}, deadline)
+        return await self._assemble(
+            tape, "tape_influence_scores",
+            [{**options, "s_test": solved["solution"], "examples": n} for n in shards.rows],
+            {"kind": "shard_influence", "payload": {
+                "weights": shards.weights, "top_k": payload["top_k"],
+                "test_loss": test["value"], "solve": solved,
+                "curvature": payload.get("curvature") or "hessian"}},
+            deadline)
 
     def _report(self, progress: dict[str, Any] | None) -> None:
         """The algorithm's progress to the caller, when it is a job that wants it."""

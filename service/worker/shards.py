@@ -14,6 +14,10 @@ no math.
   Between steps this worker is free (it may hold a shard and serve its part), so no
   worker ever waits for another. A run is dropped on its answer, on an error, on
   `shard_drop`, and when no step came for RUN_IDLE_SECONDS.
+- Jacobians and gradients of other targets (`tape_shard_plan` on the first part,
+  `shard_jacobian`, `shard_gradient`) and influence
+  (`tape_influence_test`, `tape_influence_scores` on the parts, `shard_influence`): the
+  parts' pieces put together as the unsharded tape answers (see their sections).
 """
 
 from __future__ import annotations
@@ -28,9 +32,17 @@ from typing import Any
 
 import numpy as np
 
+from engine.curvature import Curvature, CurvatureError, top_by_sign
+from engine.language import DefinitionError, compile_definition
 from service.core import shm
 from service.worker import tapes
-from service.worker.compute import RequestError, WorkerContext, check_vector
+from service.worker.compute import (
+    RequestError,
+    WorkerContext,
+    check_jacobian_size,
+    check_vector,
+    on_device,
+)
 
 RUN_IDLE_SECONDS = 600.0  # a run whose caller went away is let go after this
 # The error type of a run or kept part this worker no longer holds (it was replaced
@@ -358,9 +370,300 @@ def shard_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     return {"dropped": run is not None}
 
 
+# ----------------------------------------------------------------------------------------
+# Jacobians, and gradients of other targets, across shards
+# ----------------------------------------------------------------------------------------
+# The parts answer tape_jacobian (tape_gradient) as any tape does; the unsharded answer is
+# assembled from theirs according to what the target is (tape_shard_plan decides, on the
+# first part, from the program; shard_jacobian and shard_gradient assemble, in the
+# coordinator):
+#   "sum":  the tape's target (its loss): weighted as its gradient is; over a split
+#           input, each part's rows, weighted, in part order;
+#   "same": a name that reads no split input (a weight penalty, a variable): every part
+#           answers the unsharded one (over a split input: zeros, N rows of them);
+#   "rows": a name whose first axis is the split batch axis (per-example outputs): the
+#           parts' rows in part order; its gradient (of the sum of its elements) is the
+#           parts' added. Over a split input the full jacobian is block diagonal (an
+#           example depends on its own rows only, as the sharded loss already takes),
+#           per example (batch) the parts' blocks follow each other, and the gradient is
+#           each part's rows in order.
+# Any other name mixes the examples (a sum or mean over the batch that is not the tape's
+# loss): its parts' derivatives do not make its own, and it is refused with what to ask
+# instead.
+
+
+def _along_batch(session: tapes.TapeSession, target: str, split: set[str], rows: int,
+                 context: WorkerContext) -> bool:
+    """Whether the target's first axis is the batch the shards split: it has the part's
+    rows there, and one more when the split inputs have one more (the program's shapes
+    inferred again from the part's skeleton: no data, nothing run)."""
+    shape = tuple(session.env[target].shape)
+    if session.skeleton is None or not shape or shape[0] != rows:
+        return False
+    skeleton = session.skeleton
+    grown = {name: np.broadcast_to(np.zeros((), a.dtype), (a.shape[0] + 1, *a.shape[1:]))
+             if name in split else a for name, a in skeleton.inputs.items()}
+    try:
+        program = compile_definition(dataclasses.replace(skeleton, inputs=grown),
+                                     context.limits)
+    except DefinitionError:  # the program fixes the batch size somewhere: cannot tell
+        return False
+    return tuple(program.types[target].shape) == (rows + 1, *shape[1:])
+
+
+def _mode(session: tapes.TapeSession, target: str, split: set[str], rows: int,
+          context: WorkerContext) -> str:
+    """How the parts' derivatives of `target` make the unsharded ones (see above)."""
+    if target == session.request.target:
+        return "sum"
+    if not session.program.leaves_read(target) & split:
+        return "same"
+    if _along_batch(session, target, split, rows, context):
+        return "rows"
+    shape = list(session.env[target].shape)
+    raise RequestError(
+        "request", f"target: {target!r} reads the split inputs "
+        f"({', '.join(map(repr, sorted(split)))}) but is neither the tape's target "
+        f"{session.request.target!r} nor along the batch axis (on the first shard it has "
+        f"shape {shape}, for {rows} rows of the batch): it mixes the examples (a sum or "
+        "mean over the batch), so its derivatives are not made of the shards'. Ask for "
+        "the tape's target, or for a per-example name (the batch along its first axis) "
+        "and reduce its derivatives, or record an unsharded tape", field="target")
+
+
+def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """On the first part: how the parts' jacobians (`of`: "jacobian") or gradients
+    ("gradient") of the request's target make the unsharded ones ("mode", see above;
+    "split_keys": the sources that are split inputs); a jacobian checked against the
+    jacobian size limit at the unsharded shapes."""
+    session, rebuilt = tapes._session(payload, context)
+    request = tapes.other_request(session, payload)
+    target, split = request.target, set(payload["split"])
+    rows, total = int(payload["rows"][0]), sum(int(r) for r in payload["rows"])
+    split_keys = [k for k, name in request.sources.items() if name in split]
+    mode = _mode(session, target, split, rows, context)
+    if payload["of"] == "jacobian":
+        batch = bool(payload.get("batch"))
+        unsplit = [k for k in request.sources if k not in split_keys]
+        if batch and (mode != "rows" or unsplit):
+            what = (f"source {unsplit[0]!r} is not a split input" if mode == "rows"
+                    else f"target {target!r} is not along the batch axis")
+            raise RequestError(
+                "request", f"batch: per-example jacobians of a sharded tape are taken of a "
+                "target along the batch axis over the split inputs "
+                f"({', '.join(map(repr, sorted(split)))}); {what}", field="batch")
+        shape = tuple(session.env[target].shape)
+        full_sources = {
+            key: (total, *session.leaves[name].shape[1:]) if name in split
+            else tuple(session.leaves[name].shape)
+            for key, name in request.sources.items()
+        }
+        check_jacobian_size(target, (total, *shape[1:]) if mode == "rows" else shape,
+                            full_sources, batch, context)
+    return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys},
+                       hvp_only=True)
+
+
+def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
+    if weight == 1.0:
+        return array
+    scaled = weight * array.astype(np.float64)
+    return scaled.astype(array.dtype) if array.dtype.kind == "f" else scaled
+
+
+def _stacked(blocks: Sequence[np.ndarray], weights: Sequence[float], axis: int
+             ) -> np.ndarray:
+    """The parts' blocks, each times its weight, one after the other along `axis`."""
+    return np.concatenate([_scaled(b, w) for b, w in zip(blocks, weights, strict=True)],
+                          axis=axis)
+
+
+def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarray:
+    """Per-part jacobians (n_k, *y[1:], n_k, *x[1:]) of a per-example target over a
+    split input as the full (N, *y[1:], N, *x[1:]): each part's on the diagonal, zeros
+    elsewhere (an example does not read the others' rows)."""
+    first = blocks[0]
+    total = sum(b.shape[0] for b in blocks)
+    shape = (total, *first.shape[1:target_ndim], total, *first.shape[target_ndim + 1:])
+    full = np.zeros(shape, first.dtype)
+    lo = 0
+    for block in blocks:
+        hi = lo + block.shape[0]
+        full[(slice(lo, hi),) + (slice(None),) * (target_ndim - 1) + (slice(lo, hi),)] = block
+        lo = hi
+    return full
+
+
+def _value(parts: Sequence[Mapping[str, Any]], mode: str, weights: Sequence[float]
+           ) -> np.ndarray:
+    values = [np.asarray(p["value"]) for p in parts]
+    if mode == "sum":
+        return np.asarray(weighted_sum(values, weights, "value"))
+    if mode == "same":
+        return values[0]
+    return np.concatenate(values, axis=0)
+
+
+def _per_source(parts: Sequence[Mapping[str, Any]], field: str,
+                assemble: Callable[[str, list[np.ndarray]], np.ndarray]
+                ) -> dict[str, np.ndarray | None]:
+    """`assemble(key, the parts' arrays)` for every source; None where the parts answer
+    None (unconnected: in every part alike, as they run one program)."""
+    out: dict[str, np.ndarray | None] = {}
+    for key in parts[0][field]:
+        found = [p[field][key] for p in parts]
+        out[key] = (None if any(f is None for f in found)
+                    else assemble(key, [np.asarray(f) for f in found]))
+    return out
+
+
+def shard_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The parts' jacobians assembled as the unsharded tape's (see above)."""
+    parts = [_part(context, p) for p in payload["parts"]]
+    mode, weights = payload["mode"], payload["weights"]
+    split, batch = set(payload["split_keys"]), bool(payload.get("batch"))
+    value = _value(parts, mode, weights)
+    ones = [1.0] * len(parts)
+
+    def assemble(key: str, blocks: list[np.ndarray]) -> np.ndarray:
+        if key in split:
+            if mode == "rows" and not batch:
+                return _block_diagonal(blocks, value.ndim)
+            # The split input's axis follows the target's (is the first per example).
+            return _stacked(blocks, weights if mode == "sum" else ones,
+                            0 if batch else value.ndim)
+        if mode == "sum":
+            return np.asarray(weighted_sum(blocks, weights, f"jacobians.{key}"))
+        return blocks[0] if mode == "same" else np.concatenate(blocks, axis=0)
+
+    return {"value": value, "jacobians": _per_source(parts, "jacobians", assemble)}
+
+
+def shard_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The parts' gradients of another target than the loss, or over a split input,
+    assembled as the unsharded tape's (see above)."""
+    parts = [_part(context, p) for p in payload["parts"]]
+    mode, weights = payload["mode"], payload["weights"]
+    split = set(payload["split_keys"])
+    ones = [1.0] * len(parts)
+    scale = weights if mode == "sum" else ones
+
+    def assemble(key: str, blocks: list[np.ndarray]) -> np.ndarray:
+        if key in split:  # each part's rows of the input
+            return _stacked(blocks, scale, 0)
+        if mode == "same":
+            return blocks[0]
+        return np.asarray(weighted_sum(blocks, scale, f"gradients.{key}"))
+
+    return {"value": _value(parts, mode, weights),
+            "gradients": _per_source(parts, "gradients", assemble)}
+
+
+# ----------------------------------------------------------------------------------------
+# Influence across shards
+# ----------------------------------------------------------------------------------------
+# grad L_test from the parts (test inputs: the first part's loss on them; training rows:
+# each part's loss on its own rows, summed as the reduction sums the batch), s_test by the
+# sharded CG run above (tape_solve on "ask the parts and sum"), then each part scores its
+# own examples against s_test and the coordinator puts the scores in part order.
+
+
+def _influence_curvature(session: tapes.TapeSession, payload: Mapping[str, Any],
+                         context: WorkerContext) -> Curvature:
+    """The part's curvature recording, checked as tape_influence checks it, and its
+    examples checked to be the part's rows of the split batch."""
+    curvature = tapes._curvature(session)
+    tapes._check_targets(session, "influence")
+    tapes._operator(session, payload, context)  # refuses an impossible curvature
+    if curvature.examples != int(payload["examples"]):
+        assert session.split is not None
+        raise RequestError(
+            "request", f"influence on a sharded tape scores the examples along the first "
+            f"axis of the output {session.split.output!r}, which has {curvature.examples} on "
+            f"a shard that holds {payload['examples']} rows of the split inputs: the "
+            "examples must be the batch the shards split (shard_by)", field="shard_by")
+    return curvature
+
+
+def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext
+                        ) -> dict[str, Any]:
+    """A part's test loss and its gradient ("value", "gradients" by source key): on the
+    test inputs, or on the part's own training `rows` (zeros when it holds none)."""
+    session, rebuilt = tapes._session(payload, context)
+    curvature = _influence_curvature(session, payload, context)
+    names = session.request.sources
+    try:
+        rows = payload.get("rows")
+        if rows is not None and not rows:
+            result = {"value": np.zeros((), session.operator.value.dtype),
+                      "gradients": {k: np.zeros(p.shape, p.dtype)
+                                    for k, p in zip(session.keys, session.primals,
+                                                    strict=True)}}
+            return tapes._done(session, rebuilt, result, hvp_only=True)
+        if rows is not None:
+            value, grad = curvature.test_gradient(rows=[int(r) for r in rows])
+        else:
+            data, targets = tapes._test_points(session, curvature, payload["test_inputs"],
+                                               context)
+            value, grad = curvature.test_gradient(data, targets)
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="curvature") from None
+    result = {"value": value.numpy(),
+              "gradients": {key: grad[name].numpy() for key, name in names.items()}}
+    return tapes._done(session, rebuilt, result, hvp_only=True)
+
+
+def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext
+                          ) -> dict[str, Any]:
+    """A part's examples scored against s_test (-g_i . s_test, one batched JVP), and its
+    per-example scale c (its loss = c sum_i l_i over its own rows)."""
+    session, rebuilt = tapes._session(payload, context)
+    curvature = _influence_curvature(session, payload, context)
+    s_test = payload["s_test"]
+    batched = {name: on_device(np.asarray(s_test[key])[None], session.leaves[name], context)
+               for key, name in session.request.sources.items()}
+    try:
+        dots = curvature.example_dots(batched)
+        scale = curvature.scale()
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="curvature") from None
+    return tapes._done(session, rebuilt, {"scores": -dots[0], "scale": scale},
+                       hvp_only=True)
+
+
+def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The parts' scores in part order (the unsharded tape's example indices), and the
+    answer tape_influence gives. A part's removal is its weight times its own scale
+    (n_k / N times 1 / n_k for a mean: the unsharded 1 / N)."""
+    parts = [_part(context, p) for p in payload["parts"]]
+    scores = np.concatenate([np.asarray(p["scores"], np.float64) for p in parts])
+    removal = np.concatenate([
+        -(w * float(p["scale"])) * np.asarray(p["scores"], np.float64)
+        for p, w in zip(parts, payload["weights"], strict=True)])
+    helpful, harmful = top_by_sign(scores, int(payload["top_k"]))
+    solve = payload["solve"]
+    return {
+        "scores": scores.tolist(),
+        "removal": removal.tolist(),
+        "helpful": [int(i) for i in helpful],
+        "harmful": [int(i) for i in harmful],
+        "test_loss": float(payload["test_loss"]),
+        "s_test": solve["solution"],
+        "curvature": payload["curvature"],
+        **{k: solve[k] for k in ("converged", "stopped", "iterations", "hvps", "residuals",
+                                 "seconds")},
+    }
+
+
 HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "shard_combine": shard_combine,
     "shard_run": shard_run,
     "shard_step": shard_step,
     "shard_drop": shard_drop,
+    "tape_shard_plan": tape_shard_plan,
+    "shard_jacobian": shard_jacobian,
+    "shard_gradient": shard_gradient,
+    "tape_influence_test": tape_influence_test,
+    "tape_influence_scores": tape_influence_scores,
+    "shard_influence": shard_influence,
 }

@@ -21,6 +21,7 @@ side uses for the memory budget, the quotas and GET /v1/tapes/{id}.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -48,6 +49,7 @@ from engine.hessian_algorithms import (
 )
 from engine.language import (
     CompiledProgram,
+    Definition,
     DefinitionError,
     ModelSplit,
     Problem,
@@ -86,6 +88,15 @@ class TapeSession:
     bytes: int = 0
     remeasure: bool = True  # count the bytes at the next HVP too (see _done)
     replay_seen: int = -1  # the operator's replay_changes when its bytes were counted
+    # The definition with its leaves as shapes only (no data): a shard's program shapes
+    # inferred again at other batch sizes (service/worker/shards.py, jacobians). A
+    # rebuilt part is told nothing of its sharding: every tape keeps one.
+    skeleton: Definition | None = None
+
+
+# What a tape's bytes leave out: the compiled program (shared by every tape of its
+# definition) and the skeleton (shapes only; its models are the program's).
+SHARED = (CompiledProgram, Definition)
 
 
 def sessions(context: WorkerContext) -> dict[str, TapeSession]:
@@ -164,9 +175,25 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
         recording=recording,
         env=recorded["env"],
         split=split,
+        skeleton=skeleton(definition),
     )
-    session.bytes = held_bytes(session, shared=(CompiledProgram,))
+    session.bytes = held_bytes(session, shared=SHARED)
     return session
+
+
+def _shape_only(array: Any) -> np.ndarray:
+    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
+
+
+def skeleton(definition: Definition) -> Definition:
+    """The definition with every variable and input a read-only zero of its shape and
+    dtype (a broadcast: no memory): enough to compile it, nothing to run."""
+    return dataclasses.replace(
+        definition,
+        variables={n: dataclasses.replace(v, value=_shape_only(v.value))
+                   for n, v in definition.variables.items()},
+        inputs={n: _shape_only(a) for n, a in definition.inputs.items()},
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -273,7 +300,9 @@ def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSe
     tapes = sessions(context)
     tape_id = payload["tape_id"]
     session = tapes.get(tape_id)
-    if session is not None:
+    # `rerecord`: the recording here is of older values (another HTTP process changed
+    # the tape): the one in `rebuild` replaces it.
+    if session is not None and not payload.get("rerecord"):
         return session, False
     spec = payload.get("rebuild")
     if spec is None:
@@ -292,7 +321,7 @@ def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only:
     # else, after the first HVP that follows, and when replay_changes moves.
     changes = session.operator.replay_changes
     if not hvp_only or session.remeasure or changes != session.replay_seen:
-        session.bytes = held_bytes(session, shared=(CompiledProgram,))
+        session.bytes = held_bytes(session, shared=SHARED)
         session.remeasure, session.replay_seen = not hvp_only, changes
     result["tape"] = {"bytes": session.bytes, "rebuilt": rebuilt}
     return result

@@ -353,6 +353,9 @@ def test_compose_ray_profiles(compose: dict) -> None:
         settings = settings_from({k: str(v) for k, v in head["environment"].items()})
         assert settings.executor == "ray" and settings.ray_address == "auto"
         assert settings.startup_timeout >= 120  # the worker nodes join after the head
+        # several HTTP processes share the head's store volume (README: Several HTTP
+        # processes); every one of them joins the head's Ray
+        assert settings.http_workers >= 1 and settings.resolved_store_path() != ":memory:"
         assert f"--address={head_name}:6379 --block" in worker["entrypoint"][2]
         assert worker["depends_on"] == [head_name] and worker["healthcheck"] == {"disable": True}
         for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
@@ -361,6 +364,8 @@ def test_compose_ray_profiles(compose: dict) -> None:
     gpu_head, gpu_worker = services["gradtape-ray-gpu"], services["ray-worker-gpu"]
     assert gpu_head["build"]["args"]["VARIANT"] in VARIANTS[1:]
     assert gpu_head["environment"]["GRADTAPE_DEVICE"] == "cuda"
+    cpu_head = settings_from({k: str(v) for k, v in services["gradtape-ray"]["environment"].items()})
+    assert cpu_head.http_workers == 2 and cpu_head.workers == 1  # 2 actors: one 2-CPU node
     devices = gpu_worker["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert "reservations" not in services["ray-worker"]["deploy"]["resources"]

@@ -56,3 +56,23 @@ def test_hessian_operator_on_gpu() -> None:
         op = gt.hessian_operator(loss, gt.constant(w, device=device))
         answers.append(op.hvp(gt.constant(v, device=device))[0].numpy())
     np.testing.assert_allclose(answers[1], answers[0], rtol=1e-4, atol=1e-6)
+
+
+def test_jit_runs_cupy_arguments_dynamically_with_numpys_answers() -> None:
+    """gt.jit captures NumPy passes only: CuPy arguments take the dynamic transforms
+    (no key is kept), and answer as the NumPy ones, which are compiled."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 4))
+
+    def loss(w, x):
+        return gt.sum(gt.tanh(x @ w) ** 2)
+
+    jitted = gt.jit(loss)
+    for _ in range(3):
+        w = rng.standard_normal((4, 2))
+        cpu = jitted.value_and_grad()(gt.constant(w), gt.constant(x))
+        gpu = jitted.value_and_grad()(gt.constant(w, device="cuda"), gt.constant(x, device="cuda"))
+        assert gpu[1].device == "cuda:0"
+        np.testing.assert_allclose(gpu[0].numpy(), cpu[0].numpy(), rtol=1e-10)
+        np.testing.assert_allclose(gpu[1].numpy(), cpu[1].numpy(), rtol=1e-10)
+    assert list(jitted.status().values()) == ["compiled"]  # the NumPy key only

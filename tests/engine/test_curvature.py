@@ -581,3 +581,25 @@ def test_a_curvature_operator_answers_the_operator_interface_in_full() -> None:
     # GGN of a linear model under mean squared error: (2 / (N * 2)) X^T X V per output
     np.testing.assert_allclose(product.numpy(), x.T @ x @ np.ones((3, 2)) / 8, rtol=1e-10)
     assert op.replay_status() == {} and op.replay_changes == 0
+
+
+def test_test_gradients_of_row_subsets_add_up_as_the_loss_does() -> None:
+    """Curvature.test_gradient on training rows is influence's right-hand side: the
+    gradient of the loss on those rows; for a mean loss, subsets weighted by their share
+    of the rows add up to the whole set's (what a sharded tape sums its parts' by)."""
+    model, loss, params, x, y = mlp_case()
+    curv = Curvature(model, loss, params, x, y)
+    rows = [0, 3, 7, 3, 10]
+    value, grad = curv.test_gradient(rows=rows)
+    want = gt.value_and_grad(lambda p: loss(model(p, x[rows]), y[rows]))(
+        {k: gt.constant(v) for k, v in params.items()})
+    assert float(value.numpy()) == pytest.approx(float(want[0].numpy()), rel=1e-12)
+    for k in params:
+        np.testing.assert_allclose(grad[k].numpy(), want[1][k].numpy(), rtol=1e-12)
+    parts = [[0, 3, 3], [7, 10]]
+    pieces = [curv.test_gradient(rows=r) for r in parts]
+    for k in params:
+        summed = sum(len(r) / len(rows) * g[k].numpy() for r, (_, g) in zip(parts, pieces))
+        np.testing.assert_allclose(summed, grad[k].numpy(), rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="rows"):
+        curv.test_gradient(x[:2], y[:2], rows=[1])

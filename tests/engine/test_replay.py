@@ -719,3 +719,21 @@ def test_a_pass_whose_constants_exceed_the_limit_stays_dynamic(monkeypatch) -> N
         _jacobians_both_ways(program, request, program.leaves(_with_values(base, rng)), False)
     (status,) = program.request_passes().values()
     assert isinstance(status, tuple) and "1,800 bytes" in status[0], status
+
+
+def test_a_definition_that_sorts_its_values_stays_dynamic_and_right() -> None:
+    """sort's order comes from the data and becomes its gather's indices: a replay kept
+    the captured call's order (stale gradients from the third call on). The order is read
+    through host_value, so the capture fails and every call answers like the dynamic
+    path."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(45)
+    base = {"variables": {"w": rng.standard_normal(5)}, "inputs": {"c": np.arange(1.0, 6.0)},
+            "program": ["s = sort(w)", "loss = sum(s * s * s * c)"]}
+    for _ in range(5):
+        result = _evaluate_both_ways({**base, "variables": {"w": rng.standard_normal(5)}})
+        w = result.gradients["w"]
+        assert w.shape == (5,)
+    passes = compile_definition(base).gradient_passes()
+    assert passes and all("host" in p[0] for p in passes.values()), passes

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from engine.footprint import held_bytes
-from engine.language import CompiledProgram
-from service.worker import compute, dispatch
+from service.worker import compute, dispatch, tapes
 
 rng = np.random.default_rng(3)
 DEFINITION = {
@@ -88,7 +87,7 @@ def test_a_tapes_bytes_count_the_compiled_replays_buffers(context) -> None:
         sizes.append(reply["result"]["tape"]["bytes"])
     session = context.state["tapes"]["big"]
     assert "compiled" in session.operator.replay_status().values()
-    assert sizes[-1] == held_bytes(session, shared=(CompiledProgram,))  # the truth, now
+    assert sizes[-1] == held_bytes(session, shared=tapes.SHARED)  # the truth, now
     assert sizes[-1] >= sizes[0] + 256 * 256 * 8  # at least one (256, 256) buffer more
     assert sizes[-3:] == [sizes[-1]] * 3  # settled
     dispatch.answer(context, {"id": 9, "kind": "tape_drop", "payload": {"tape_ids": ["big"]}})

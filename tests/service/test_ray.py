@@ -5,7 +5,8 @@ dashboard, loopback), for the whole module.
 The suites that matter run here unchanged against it (their functions are imported, and
 this module's `server` and `client` fixtures stand in for the session's local ones):
 gradients, tapes and their HVPs, the tape algorithms against the dense Hessian, sharded
-tapes over the actors (equal to unsharded ones, algorithms included), a time
+tapes over the actors (equal to unsharded ones, algorithms, jacobians and influence
+included), a time
 limit (the actor is killed with ray.kill and replaced), an idle actor killed under a tape.
 Then what is the Ray backend's own: a job's progress and its cancel through the actor's
 cancel flag, an actor SIGKILLed mid-request (502, replaced, and the tape's next HVP
@@ -41,6 +42,12 @@ from tests.service.test_tape_algorithms import (  # noqa: F401
     tape_id,
     test_eigenvalues_match_the_dense_hessian,
     test_trace_within_its_standard_error,
+)
+from tests.service.test_tape_shard_pieces import (  # noqa: F401 - pieces over the actors
+    influence_pair,
+    jacobian_pair,
+    test_sharded_influence_equals_unsharded,
+    test_sharded_jacobians_equal_unsharded,
 )
 from tests.service.test_tape_shards import (  # noqa: F401 - sharded over the actors
     close,
@@ -383,6 +390,52 @@ def test_through_ray_client_a_ray_address(tmp_path, monkeypatch: pytest.MonkeyPa
             assert c.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
     finally:
         stop_server(srv)
+        cluster.shutdown()
+
+
+def test_two_http_processes_share_tapes_over_one_cluster(tmp_path, monkeypatch) -> None:
+    """GRADTAPE_HTTP_WORKERS=2 against one cluster (ray.cluster_utils, loopback, joined by
+    address): each HTTP process has its own actor on it; a tape recorded through one
+    answers through the other with the same numbers (recorded again on that process's
+    actor from the store), and a PATCH through that one is seen by the first."""
+    from ray.cluster_utils import Cluster
+
+    from tests.service.test_http_workers import Pinned, _processes
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # (see the node-removal test)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "node_ip_address": "127.0.0.2", "object_store_memory": 80 * 2**20,
+        "include_dashboard": False})
+    srv = None
+    try:
+        srv = start_server(
+            {"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_RAY_ADDRESS": cluster.address,
+             "GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
+             "GRADTAPE_DATA_DIR": str(tmp_path / "data")},
+            tmp_path / "server.log",
+        )
+        first, second = _processes(srv.base_url)
+        head = cluster.head_node.all_processes["raylet"][0].process.pid
+        assert _raylet_of(first) == _raylet_of(second) == head  # two actors, one cluster
+        a, b = Pinned(srv.base_url, "no-keys", first), Pinned(srv.base_url, "no-keys", second)
+        r = a.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
+        assert r.status_code == 201, r.text
+        tape = r.json()["tape_id"]
+        before = a.post(f"/v1/tapes/{tape}/hvp", json={"vector": V}).json()
+        through_b = b.post(f"/v1/tapes/{tape}/hvp", json={"vector": V}).json()
+        np.testing.assert_array_equal(arr(through_b["hvp"]["w"]), arr(before["hvp"]["w"]))
+        assert b.get(f"/v1/tapes/{tape}").json()["rebuilds"] == 1
+        w = {"dtype": "float64", "shape": [N], "data": list(np.cos(np.arange(N)))}
+        patched = b.patch(f"/v1/tapes/{tape}", json={"variables": {"w": w}})
+        assert patched.status_code == 200, patched.text
+        gradient = a.post(f"/v1/tapes/{tape}/gradient", json={}).json()
+        np.testing.assert_array_equal(arr(gradient["gradients"]["w"]),
+                                      arr(patched.json()["gradients"]["w"]))
+        a.client.close()
+        b.client.close()
+    finally:
+        if srv is not None:
+            stop_server(srv)
         cluster.shutdown()
 
 

@@ -177,17 +177,19 @@ def test_a_version_1_store_gains_the_tapes_output_column(tmp_path) -> None:
     with sqlite3.connect(path) as db:
         db.execute("ALTER TABLE tapes DROP COLUMN output")
         db.execute("ALTER TABLE tapes DROP COLUMN shards")  # version 3's
+        db.execute("ALTER TABLE tapes DROP COLUMN version")  # version 4's
         db.execute("PRAGMA user_version = 1")
     s = Store(path)
     s.open()
     assert s.get_tape("old").output is None
+    assert s.get_tape("old").version == 0
     named = tape("new")
     named.output = "logits"
     s.insert_tape(named, definition())
     assert s.get_tape("new").output == "logits"
     s.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     assert Store(path).path  # and a sharded tape's record survives the round trip:
     s = Store(path)
     s.open()

@@ -331,15 +331,17 @@ def test_axes_must_agree_and_scalars_cannot_split(client) -> None:
     client.delete(f"/v1/tapes/{ok_tape['tape_id']}")
 
 
-def test_what_a_sharded_tape_refuses(client, pair) -> None:
-    _, sharded = pair
-    base = f"/v1/tapes/{sharded['tape_id']}"
-    found = problem(client.post(f"{base}/jacobian", json={"target": "out"}), 422)
-    assert "sharded" in found["detail"]
-    found = problem(client.post(f"{base}/gradient", json={"target": "out"}), 422)
-    assert "target" in found["detail"]
-    found = problem(client.post(f"{base}/gradient", json={"sources": ["x"]}), 422)
-    assert "'x' is split" in found["detail"]
+def test_gradients_of_other_targets_and_split_inputs(client, pair) -> None:
+    """Another target's gradient (the output's: the parts' added) and the loss's over a
+    split input (each part's rows, weighted n_i / N) equal the unsharded tape's; more in
+    test_tape_shard_pieces.py."""
+    plain, sharded = pair
+    for body in ({"target": "out"}, {"sources": ["x", "w1"]},
+                 {"target": "out", "sources": {"a": "x", "b": "b1"}}):
+        want = post(client, f"/v1/tapes/{plain['tape_id']}/gradient", body)
+        got = post(client, f"/v1/tapes/{sharded['tape_id']}/gradient", body)
+        close(arr(got["value"]), arr(want["value"]))
+        close_tensors(got["gradients"], want["gradients"])
 
 
 def test_a_sharded_tape_survives_a_restart(tmp_path) -> None:

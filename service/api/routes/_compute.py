@@ -103,7 +103,7 @@ async def respond(request: Request, body: Any, negotiated: Negotiated, prepared:
     jobs: JobRegistry = request.app.state.jobs
     route = request.scope.get("route")
     operation = f"{request.method} {getattr(route, 'path', request.url.path)}"
-    started = jobs.start(owner, operation, run_job, explainer(request), prepared.encoding,
+    started = await jobs.start(owner, operation, run_job, explainer(request), prepared.encoding,
                          tape_id)
     response = answer(started.info(jobs.settings.job_ttl), negotiated, prepared.encoding)
     response.status_code = 202

@@ -4,7 +4,6 @@ state and progress, the answer, server-sent events, cancel (service/domain/jobs.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -35,7 +34,7 @@ async def get_job(
     job_id: Annotated[str, Path(description="The id in the 202 answer's Location.")],
     owner: OwnerDep, jobs: JobsDep,
 ) -> Job:
-    return jobs.get(job_id, owner)
+    return await jobs.get(job_id, owner)
 
 
 JobDep = Annotated[Job, Depends(get_job)]
@@ -56,7 +55,7 @@ async def list_jobs(owner: OwnerDep, jobs: JobsDep, settings: SettingsDep) -> Jo
     that ended less than `job_ttl` seconds ago. Results are left out: GET a job for its
     answer."""
     return JobList.model_validate(
-        {"jobs": [j.info(settings.job_ttl, with_result=False) for j in jobs.list(owner)]})
+        {"jobs": [j.info(settings.job_ttl, with_result=False) for j in await jobs.list(owner)]})
 
 
 @router.get(
@@ -119,25 +118,16 @@ async def read_job_result(request: Request, job: JobDep, negotiated: AnswerDep) 
                **problem_responses(401, 404)},
     summary="A job's progress as server-sent events",
 )
-async def stream_job_events(job: JobDep, settings: SettingsDep) -> StreamingResponse:
+async def stream_job_events(job: JobDep, jobs: JobsDep, settings: SettingsDep
+                            ) -> StreamingResponse:
     """Server-sent events (text/event-stream): the job's document at once, then at every
     change (progress reports come at most every 50 ms), with a comment every 15 s on a
     quiet stream; the last event is named succeeded, failed or cancelled, and the stream
     ends there. Its data never holds the result: GET the job or its /result for that."""
 
     async def events() -> AsyncIterator[bytes]:
-        sent = -1
-        while True:
-            changed = job.changed()
-            if job.version != sent:
-                sent = job.version
-                yield event(job, settings.job_ttl)
-                if job.ended:
-                    return
-            try:
-                await asyncio.wait_for(changed.wait(), KEEP_ALIVE)
-            except TimeoutError:
-                yield b": keep-alive\n\n"
+        async for current in jobs.updates(job, KEEP_ALIVE):
+            yield b": keep-alive\n\n" if current is None else event(current, settings.job_ttl)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -154,5 +144,5 @@ async def cancel_job(job: JobDep, jobs: JobsDep) -> Response:
     """A queued or running job is cancelled: its worker stops at its next op (between
     two HVPs at the latest) and is free again; the job stays listed as cancelled until
     it expires. An ended job is forgotten (its id then answers 404)."""
-    jobs.cancel(job)
+    await jobs.cancel(job)
     return Response(status_code=204)

@@ -132,7 +132,7 @@ async def create_tape(
 async def list_tapes(owner: OwnerDep, tapes: TapesDep) -> TapeList:
     """The caller's live tapes (those of its API key), oldest first."""
     return TapeList.model_validate(
-        {"tapes": [t.info(tapes.loaded(t)) for t in tapes.live(owner)]}
+        {"tapes": [t.info(tapes.loaded(t)) for t in await tapes.live(owner)]}
     )
 
 
@@ -235,12 +235,24 @@ TAPE_OPERATIONS = (
         GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
         """The value and gradient of any name of the tape's program (default: its target)
         over any variables or inputs (default: its sources), from the recording: one
-        backward pass, the program does not run again."""),
+        backward pass, the program does not run again.
+
+        On a sharded tape, as the jacobian: its target's gradient combines the parts'
+        (over a split input, their rows in order); a name along the split batch axis has
+        the parts' gradients added; a name that mixes the examples otherwise is refused
+        (422, `target`)."""),
     _on_tape(
         "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
         JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
         """The jacobian (full, or per example with `batch`) of any name of the tape's
-        program over variables or inputs, from the recording.""", job=True),
+        program over variables or inputs, from the recording.
+
+        On a sharded tape, the parts' jacobians make the unsharded one: of its target
+        (the loss), combined as its gradient; of a name along the split batch axis (the
+        output, a per-example loss), the parts' rows in order (block diagonal over a
+        split input; per-example blocks with `batch`); of a name that reads no split
+        input, any part's. A name that mixes the examples otherwise is refused (422,
+        `target`).""", job=True),
     _on_tape(
         "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
         EigenvaluesResponse, payloads.eigenvalues,
@@ -297,7 +309,11 @@ TAPE_OPERATIONS = (
         tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
         or at training `rows`; then the scores -g_i . s_test of every training example in
         one batched pass (no per-example loop), the predicted change of the test loss if
-        each were left out, and the `top_k` most helpful and most harmful examples.""",
+        each were left out, and the `top_k` most helpful and most harmful examples.
+
+        On a sharded tape: the test gradient from the parts, the solve across them
+        (products summed), and each part's examples scored by it, in part order (the
+        unsharded tape's indices and numbers).""",
         job=True),
 )
 for _operation in TAPE_OPERATIONS:

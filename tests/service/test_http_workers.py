@@ -1,0 +1,572 @@
+"""Several HTTP processes against one store (`gradtape serve --http-workers 2`; issue 16,
+item 1): a real uvicorn with two worker processes, each with its own engine worker, all
+sharing one SQLite file.
+
+Which process answers a connection is the kernel's choice, so each test holds one
+keep-alive connection per process (`Pinned`): a connection's process is known from the
+engine worker pids /readyz shows it (distinct in each process), and every request is
+checked to have gone over that very connection (its local port). A tape made through
+one process then answers through the other bit for bit; PATCH, DELETE, expiry, quotas,
+jobs (polled, streamed, cancelled through the other process), a killed process's job,
+and the rate limit are all seen across the two.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.conftest import ROOT, SERVER_SETTINGS, Server, start_server, stop_server
+from tests.service.test_cancel import N, chain
+from tests.service.test_jobs import same_answer
+from tests.service.test_tapes import DEFN, K, vec, wire
+from tests.service.wire import MSGPACK, arr, ok, problem, t
+
+KEYS = [f"multi-key-{i}-0123456789abcdef" for i in range(24)]
+LONG_TRACE = {
+    "method": "hutchinson",
+    "max_hvps": 100000,
+    "batch_size": 1,
+    "max_seconds": 60,
+    "time_limit": 60,
+    "async": True,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("http-workers")
+    srv = start_server(
+        {
+            "GRADTAPE_HTTP_WORKERS": "2",
+            "GRADTAPE_WORKERS": "1",  # per HTTP process
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": " ".join(KEYS),
+            "GRADTAPE_MAX_TAPES_PER_KEY": "3",
+            "GRADTAPE_MAX_JOBS_PER_KEY": "2",
+            "GRADTAPE_TAPE_SWEEP_INTERVAL": "0.5",
+            "GRADTAPE_RATE_LIMIT_PER_SECOND": "4",
+            "GRADTAPE_RATE_LIMIT_BURST": "30",
+            "GRADTAPE_ALGORITHM_MAX_HVPS": "100000",
+            # a computing job holds one of its key's slots: room for a request beside it
+            "GRADTAPE_MAX_CONCURRENT_PER_KEY": "4",
+            "GRADTAPE_LOG_LEVEL": "info",
+        },
+        tmp / "server.log",
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def _connection(response: httpx.Response) -> int:
+    """The local port of the connection the response came over."""
+    return int(response.extensions["network_stream"].get_extra_info("socket").getsockname()[1])
+
+
+def _process_of(client: httpx.Client) -> tuple[int, int]:
+    """(the HTTP process, as the pid of its first engine worker: a local process or a Ray
+    actor, each HTTP process has its own; connection port) of the client's connection."""
+    r = client.get("/readyz")
+    assert r.status_code == 200, r.text
+    return r.json()["workers"][0]["pid"], _connection(r)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+class Pinned:
+    """Requests over one keep-alive connection to one HTTP process (checked each time),
+    the process known by its first engine worker's pid (`pid`)."""
+
+    def __init__(self, base_url: str, key: str, pid: int):
+        self.base_url, self.key, self.pid = base_url, key, pid
+        self.client = self._connect()
+
+    def _connect(self) -> httpx.Client:
+        for _ in range(200):
+            client = httpx.Client(
+                base_url=self.base_url,
+                timeout=120.0,
+                headers={"Authorization": f"Bearer {self.key}"},
+                limits=httpx.Limits(max_connections=1),
+            )
+            if _process_of(client)[0] == self.pid:
+                return client
+            client.close()
+        raise AssertionError(f"no connection reached HTTP process {self.pid}")
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        pid, port = _process_of(self.client)
+        if pid != self.pid:  # the connection was closed (idle) and opened elsewhere
+            self.client.close()
+            self.client = self._connect()
+            port = _process_of(self.client)[1]
+        response = self.client.request(method, url, **kwargs)
+        assert _connection(response) == port, "the request went over another connection"
+        return response
+
+    def get(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("POST", url, **kwargs)
+
+    def patch(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("PATCH", url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("DELETE", url, **kwargs)
+
+
+def _processes(base_url: str, timeout: float = 60.0) -> list[int]:
+    """The two HTTP processes (as Pinned knows them: fresh connections until both
+    answered)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < 2 and time.monotonic() < deadline:
+        with httpx.Client(
+            base_url=base_url, timeout=30.0, headers={"Authorization": f"Bearer {KEYS[0]}"}
+        ) as c:
+            try:
+                r = c.get("/readyz")
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and r.json()["workers"][0]["state"] in ("idle", "busy"):
+                seen.add(_process_of(c)[0])
+    assert len(seen) == 2, seen
+    return sorted(seen)
+
+
+_next_key = iter(KEYS[1:])
+
+
+@pytest.fixture
+def pair(server: Server) -> Iterator[tuple[Pinned, Pinned]]:
+    """One connection to each HTTP process, under an API key of this test alone."""
+    key = next(_next_key)
+    first, second = _processes(server.base_url)
+    a, b = Pinned(server.base_url, key, first), Pinned(server.base_url, key, second)
+    yield a, b
+    a.client.close()
+    b.client.close()
+
+
+def _create(c: Pinned, **extra: Any) -> dict[str, Any]:
+    r = c.post("/v1/tapes", json={"definition": DEFN, "target": "loss", **extra})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _hvp(c: Pinned, tape: str, v: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        k: arr(x)
+        for k, x in ok(c.post(f"/v1/tapes/{tape}/hvp", json={"vector": wire(v)}))["hvp"].items()
+    }
+
+
+def _equal(x: dict[str, np.ndarray], y: dict[str, np.ndarray]) -> None:
+    assert x.keys() == y.keys()
+    for k, value in x.items():
+        np.testing.assert_array_equal(value, y[k])
+
+
+# ---- tapes -------------------------------------------------------------------------------
+
+
+def test_a_tape_made_through_one_process_answers_through_the_other(pair) -> None:
+    a, b = pair
+    assert a.pid != b.pid
+    tape = _create(a)["tape_id"]
+    through_a = _hvp(a, tape, vec(1))
+    through_b = _hvp(b, tape, vec(1))  # adopted: recorded on b's worker from the store
+    _equal(through_a, through_b)
+    about = ok(b.get(f"/v1/tapes/{tape}"))
+    assert about["loaded"] and about["hits"] == 2 and about["rebuilds"] == 1
+    assert [x["tape_id"] for x in ok(b.get("/v1/tapes"))["tapes"]] == [tape]
+    # and again through a: its copy is still current (no second recording)
+    _equal(_hvp(a, tape, vec(1)), through_a)
+    assert ok(a.get(f"/v1/tapes/{tape}"))["rebuilds"] == 1
+
+
+def test_new_values_patched_through_one_process_are_used_by_the_other(pair) -> None:
+    a, b = pair
+    tape = _create(a)["tape_id"]
+    old = _hvp(b, tape, vec(2))  # b holds a recording of the old values
+    new_k = K + 0.5
+    patched = ok(a.patch(f"/v1/tapes/{tape}", json={"variables": {"k": t(new_k, "float64")}}))
+    fresh = {**DEFN, "variables": {**DEFN["variables"], "k": t(new_k, "float64")}}
+    truth = _hvp(a, _create(a, definition=fresh)["tape_id"], vec(2))
+    through_b = _hvp(b, tape, vec(2))  # b records the stored new values in its place
+    _equal(through_b, truth)
+    assert not np.array_equal(through_b["k"], old["k"])
+    gradient = ok(b.post(f"/v1/tapes/{tape}/gradient", json={}))
+    np.testing.assert_array_equal(arr(gradient["gradients"]["k"]), arr(patched["gradients"]["k"]))
+    # and back through b: a, which recorded the new values itself, records the old again
+    ok(b.patch(f"/v1/tapes/{tape}", json={"variables": {"k": t(K, "float64")}}))
+    _equal(_hvp(a, tape, vec(2)), old)
+    assert ok(a.get(f"/v1/tapes/{tape}"))["hits"] == 6  # every use, through either
+
+
+def test_values_patched_twice_between_two_uses_in_the_other_process(pair) -> None:
+    """b's copy goes stale (a PATCH through a, seen by a GET through b), then stale again
+    (a second PATCH) before b uses it: b records the latest values, not its old ones."""
+    a, b = pair
+    tape = _create(a)["tape_id"]
+    _hvp(b, tape, vec(7))
+    ok(a.patch(f"/v1/tapes/{tape}", json={"variables": {"k": t(K + 1.0, "float64")}}))
+    assert ok(b.get(f"/v1/tapes/{tape}"))["tape_id"] == tape  # b sees the new version
+    ok(a.patch(f"/v1/tapes/{tape}", json={"variables": {"k": t(K - 1.0, "float64")}}))
+    latest = {**DEFN, "variables": {**DEFN["variables"], "k": t(K - 1.0, "float64")}}
+    _equal(_hvp(b, tape, vec(7)), _hvp(a, _create(a, definition=latest)["tape_id"], vec(7)))
+
+
+def test_a_tape_deleted_through_one_process_is_gone_through_the_other(pair) -> None:
+    a, b = pair
+    tape = _create(a)["tape_id"]
+    _hvp(b, tape, vec(3))
+    assert a.delete(f"/v1/tapes/{tape}").status_code == 204
+    found = problem(
+        b.post(f"/v1/tapes/{tape}/hvp", json={"vector": wire(vec(3))}), 404, "tape-not-found"
+    )
+    assert found["reason"] == "deleted"
+    assert ok(b.get("/v1/tapes"))["tapes"] == []
+    assert problem(b.delete(f"/v1/tapes/{tape}"), 404, "tape-not-found")["reason"] == "deleted"
+
+
+def test_a_tape_used_through_one_process_does_not_expire_in_the_other(pair) -> None:
+    """ttl 2 s, used through b every 0.5 s for 4 s: a, which made it and saw none of those
+    uses, must not expire it (its sweeper runs every 0.5 s); once unused, it expires."""
+    a, b = pair
+    tape = _create(a, ttl=2.0)["tape_id"]
+    first = _hvp(b, tape, vec(4))
+    until = time.monotonic() + 4.0
+    while time.monotonic() < until:
+        _equal(_hvp(b, tape, vec(4)), first)
+        time.sleep(0.5)
+    _equal(_hvp(a, tape, vec(4)), first)  # alive for a too
+    time.sleep(3.0)  # unused for more than its ttl: a sweeper ended it
+    gone = problem(b.get(f"/v1/tapes/{tape}"), 404, "tape-expired")
+    assert gone["reason"] == "expired"
+    assert problem(a.get(f"/v1/tapes/{tape}"), 404, "tape-expired")
+
+
+def test_the_tape_quota_counts_every_process(pair) -> None:
+    a, b = pair  # max_tapes_per_key = 3
+    made = [_create(a)["tape_id"], _create(b)["tape_id"], _create(a)["tape_id"]]
+    refused = problem(
+        b.post("/v1/tapes", json={"definition": DEFN, "target": "loss"}), 429, "quota-exceeded"
+    )
+    assert "holds 3 live tape(s)" in refused["detail"] and refused["limit"] == 3
+    assert a.delete(f"/v1/tapes/{made[0]}").status_code == 204
+    made.append(_create(b)["tape_id"])
+    assert sorted(x["tape_id"] for x in ok(a.get("/v1/tapes"))["tapes"]) == sorted(made[1:])
+    for tape in made[1:]:
+        assert b.delete(f"/v1/tapes/{tape}").status_code == 204
+
+
+def test_the_tape_quota_holds_for_creations_racing_in_both_processes(server, pair) -> None:
+    """Six tapes recorded at once, three through each process, with a quota of 3: the
+    quota is counted again in the transaction that stores each, so exactly three are."""
+    a, b = pair
+    pinned = [a, b] + [Pinned(server.base_url, a.key, p.pid) for p in (a, b) for _ in (1, 2)]
+    answers: list[httpx.Response] = []
+    # Recordings of some length, so that the two processes' requests overlap.
+    body = {"definition": chain(40, depth=3), "target": "loss"}
+    threads = [threading.Thread(target=lambda c=c: answers.append(c.post(
+        "/v1/tapes", json=body))) for c in pinned]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(r.status_code for r in answers) == [201, 201, 201, 429, 429, 429]
+    made = sorted(r.json()["tape_id"] for r in answers if r.status_code == 201)
+    assert sorted(x["tape_id"] for x in ok(b.get("/v1/tapes"))["tapes"]) == made
+    for c in pinned[2:]:
+        c.client.close()
+
+
+def test_a_sharded_tape_made_through_one_process_answers_through_the_other(pair) -> None:
+    a, b = pair
+    tape = _create(a, shards=2)["tape_id"]
+    through_a = _hvp(a, tape, vec(5))
+    _equal(_hvp(b, tape, vec(5)), through_a)
+    about = ok(b.get(f"/v1/tapes/{tape}"))
+    assert len(about["shards"]) == 2 and about["loaded"]
+    assert a.delete(f"/v1/tapes/{tape}").status_code == 204
+    assert problem(b.get(f"/v1/tapes/{tape}"), 404, "tape-not-found")["reason"] == "deleted"
+
+
+def test_eviction_unloads_one_process_copy_and_ends_no_tape(server, pair, tmp_path) -> None:
+    """A server whose workers hold about two of these tapes: a third recorded through one
+    process unloads that process's least recently used copy, and the tape lives on: the
+    other process serves it, and its next use here records it again, same numbers."""
+    probe = pair[0]
+    measured = _create(probe)["tape_id"]
+    _hvp(probe, measured, vec(6))  # (a tape's bytes are counted again after its first HVP)
+    size = ok(probe.get(f"/v1/tapes/{measured}"))["bytes"]
+    small = start_server({"GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
+                          "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                          "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(size * 2.5)),
+                          "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20)},
+                         tmp_path / "server.log")
+    try:
+        first, second = _processes(small.base_url)
+        a, b = Pinned(small.base_url, "no-keys", first), Pinned(small.base_url, "no-keys", second)
+        tapes = [_create(a)["tape_id"] for _ in range(2)]
+        answers = [_hvp(a, tape, vec(6)) for tape in tapes]
+        assert all(ok(a.get(f"/v1/tapes/{tape}"))["loaded"] for tape in tapes)
+        third = _create(a)["tape_id"]
+        _hvp(a, third, vec(6))
+        oldest = ok(a.get(f"/v1/tapes/{tapes[0]}"))
+        assert not oldest["loaded"] and ok(a.get(f"/v1/tapes/{tapes[1]}"))["loaded"]
+        _equal(_hvp(b, tapes[0], vec(6)), answers[0])  # live for the other process
+        _equal(_hvp(a, tapes[0], vec(6)), answers[0])  # and recorded again here
+        assert ok(a.get(f"/v1/tapes/{tapes[0]}"))["rebuilds"] == 2  # b's copy, a's again
+        assert len(ok(a.get("/v1/tapes"))["tapes"]) == 3
+        a.client.close()
+        b.client.close()
+    finally:
+        stop_server(small)
+
+
+# ---- jobs --------------------------------------------------------------------------------
+
+
+def _chain_tape(c: Pinned) -> str:
+    r = c.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
+    assert r.status_code == 201, r.text
+    return r.json()["tape_id"]
+
+
+def _wait(c: Pinned, location: str, until: tuple[str, ...], timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = ok(c.get(location))
+        if job["state"] in until:
+            return job
+        time.sleep(0.25)
+    raise TimeoutError(f"job {location} is still {job['state']}")
+
+
+def test_a_job_started_through_one_process_is_followed_through_the_other(pair) -> None:
+    a, b = pair
+    tape = _chain_tape(a)
+    body = {"method": "hutchinson", "max_hvps": 600, "batch_size": 2, "max_seconds": 100}
+    r = a.post(f"/v1/tapes/{tape}/trace", json={**body, "async": True})
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    with b.client.stream("GET", f"{location}/events") as events:  # streamed through b
+        names = [
+            line.split(": ", 1)[1] for line in events.iter_lines() if line.startswith("event: ")
+        ]
+    assert names[-1] == "succeeded" and set(names) <= {"queued", "progress", "succeeded"}
+    job = ok(b.get(location))
+    assert job["state"] == "succeeded" and job["progress"]["done"] == 600
+    assert job["job_id"] in [j["job_id"] for j in ok(b.get("/v1/jobs"))["jobs"]]
+    sync = ok(b.post(f"/v1/tapes/{tape}/trace", json=body))
+    same_answer(job["result"], sync)
+    same_answer(ok(b.get(f"{location}/result")), sync)
+    # an ended job forgotten through b is gone for a too
+    assert b.delete(location).status_code == 204
+    assert problem(a.get(location), 404, "job-not-found")
+
+
+def test_a_job_answer_with_arrays_read_through_the_other_process(pair) -> None:
+    """A Hessian job's answer crosses the store as msgpack (arrays as raw bytes): read
+    through the other process, in JSON and in msgpack, it is the synchronous answer, bit
+    for bit, and the closed form."""
+    a, b = pair
+    rng = np.random.default_rng(3)
+    n = 40
+    m = rng.standard_normal((n, n))
+    w = rng.standard_normal(n)
+    body = {"definition": {"variables": {"w": t(w, "float64")}, "inputs": {"m": t(m, "float64")},
+                           "program": ["z = tanh(m @ w)", "loss = sum(z * z)"]},
+            "target": "loss"}
+    r = a.post("/v1/hessian", json={**body, "async": True})
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    job = _wait(b, location, ("succeeded", "failed"))
+    assert job["state"] == "succeeded", job
+    sync = ok(b.post("/v1/hessian", json=body))
+    assert job["result"] == sync
+    packed = ok(b.get(f"{location}/result", headers={"Accept": MSGPACK}))
+    got = arr(packed["hessian"]["w"]["w"])
+    np.testing.assert_array_equal(got, arr(sync["hessian"]["w"]["w"]))
+    z = np.tanh(m @ w)
+    np.testing.assert_allclose(got, m.T @ np.diag(2 * (1 - 3 * z**2) * (1 - z**2)) @ m,
+                               rtol=1e-9, atol=1e-9)
+
+
+def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
+    a, b = pair
+    tape = _chain_tape(a)
+    v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}}
+    before = ok(a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}))
+    r = a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    try:
+        deadline = time.monotonic() + 30
+        while not (((job := ok(b.get(location)))["progress"] or {}).get("done")):
+            assert job["state"] in ("queued", "running") and time.monotonic() < deadline, job
+            time.sleep(0.3)
+    except BaseException:
+        a.delete(location)
+        raise
+    assert b.delete(location).status_code == 204
+    assert ok(b.get(location))["state"] == "cancelled"
+    assert ok(a.get(location))["state"] == "cancelled"
+    # a's worker stopped (at its next op): the tape answers at once, the same numbers
+    started = time.perf_counter()
+    assert ok(a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v})) == before
+    assert time.perf_counter() - started < 5.0
+    assert problem(b.get(f"{location}/result"), 409, "cancelled")
+
+
+def test_the_job_quota_counts_every_process(pair) -> None:
+    a, b = pair  # max_jobs_per_key = 2
+    tape = _chain_tape(a)
+    locations = []
+    try:
+        for c in (a, b):
+            r = c.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
+            assert r.status_code == 202, r.text
+            locations.append(r.headers["location"])
+        states = [ok(b.get(x))["state"] for x in locations]
+        assert states in (["running", "running"], ["running", "queued"]), states
+        refused = problem(a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE), 429, "quota-exceeded")
+        assert "has 2 job(s) queued or running" in refused["detail"]
+    finally:
+        for location in locations:
+            b.delete(location)
+
+
+# ---- rate limit ----------------------------------------------------------------------------
+
+
+def test_the_rate_limit_is_shared_by_the_processes(pair) -> None:
+    """burst 30 at 4 requests/s: alternating between the processes, the key is refused
+    once it has spent its burst and what refilled meanwhile, not twice that as two
+    buckets of its own (one per process) would allow."""
+    a, b = pair
+    started = time.monotonic()
+    answers = []
+    while len(answers) < 100 and (not answers or answers[-1].status_code != 429):
+        answers.append((a if len(answers) % 2 else b).get("/v1/tapes"))
+    elapsed = time.monotonic() - started
+    statuses = [r.status_code for r in answers]
+    assert statuses[-1] == 429, statuses
+    allowed = len(answers) - 1
+    assert 30 <= allowed <= min(59, 30 + 4 * elapsed + 1), (allowed, elapsed)
+    assert "counted over every HTTP process" in answers[-1].json()["detail"]
+    assert int(answers[-1].headers["retry-after"]) >= 1
+
+
+def test_small_answers_are_not_held_back_by_nagle(pair) -> None:
+    """The processes' shared socket is a TCP one (service/cli.py): with uvicorn's own,
+    every answer waited ~40 ms for the client's delayed ACK."""
+    a, _ = pair
+    a.get("/v1/tapes")
+    times = []
+    for _ in range(15):
+        started = time.perf_counter()
+        assert a.client.get("/healthz").status_code == 200
+        times.append(time.perf_counter() - started)
+    assert sorted(times)[len(times) // 2] < 0.02, times
+
+
+# ---- settings ------------------------------------------------------------------------------
+
+
+def test_the_flags_reach_the_processes_and_ray_needs_an_address(monkeypatch) -> None:
+    """serve gives its flags to the processes through GRADTAPE_* variables; with the Ray
+    executor, several processes must join one cluster by address."""
+    from service.cli import settings_environment
+    from service.core.config import Settings
+
+    env = settings_environment({"time_limit": 5.0, "access_log": False, "data_dir": "/srv/x",
+                                "http_workers": 3, "executor": "ray", "ray_address": "auto"})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert (settings.time_limit, settings.access_log, str(settings.data_dir)) == (
+        5.0, False, "/srv/x")
+    assert settings.http_workers == 3 and settings.shared
+    with pytest.raises(ValueError, match="with executor 'ray' needs ray_address"):
+        Settings(http_workers=2, executor="ray", ray_address="")
+    assert not Settings(http_workers=1).shared
+
+
+def test_a_process_that_cannot_start_stops_the_server(tmp_path) -> None:
+    """Workers that cannot start (an unknown definition limit) stop every process and the
+    parent, with the reason in the log and a failing exit status, as with one process."""
+    with pytest.raises(RuntimeError, match="the server exited") as failed:
+        start_server({"GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
+                      "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                      "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}'},
+                     tmp_path / "server.log")
+    assert "max_wishes" in str(failed.value)
+    assert "failed to start, stopping the parent process" in str(failed.value)
+    env = {**os.environ, **SERVER_SETTINGS, "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+           "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}'}
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--http-workers", "2", "--port", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 3, done.stderr[-2000:]  # uvicorn's startup failure
+
+
+def test_several_http_processes_need_a_store_file(tmp_path) -> None:
+    env = {**os.environ, **SERVER_SETTINGS, "GRADTAPE_STORE_PATH": ":memory:"}
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--http-workers", "2", "--port", "9"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "http_workers = 2" in done.stderr and "store_path is ':memory:'" in done.stderr
+
+
+# ---- last: it kills one of the processes ------------------------------------------------
+
+
+def test_the_job_of_a_killed_http_process_reads_failed(server: Server, pair) -> None:
+    a, b = pair
+    tape = _chain_tape(a)
+    r = a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    _wait(b, location, ("running",))
+    process = _parent(a.pid)  # a local worker is its HTTP process's child
+    os.kill(process, signal.SIGKILL)
+    os.kill(a.pid, signal.SIGKILL)  # its worker (it would compute the lost job for minutes)
+    job = _wait(b, location, ("failed",), timeout=30)
+    assert job["error"]["type"] == "/problems/job-lost" and job["error"]["status"] == 502
+    assert f"pid {process}" in job["error"]["detail"]
+    assert problem(b.get(f"{location}/result"), 502, "job-lost")
+    # uvicorn starts a new process in its place, which serves the tape from the store
+    replacement = Pinned(
+        server.base_url, b.key, next(p for p in _processes(server.base_url) if p != b.pid)
+    )
+    assert ok(replacement.get(location))["state"] == "failed"
+    assert ok(replacement.get(f"/v1/tapes/{tape}"))["tape_id"] == tape
+    replacement.client.close()
