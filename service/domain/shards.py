@@ -51,6 +51,7 @@ from service.core.store import TapeRow, is_ref
 from service.pool import (
     KEEP,
     KEPT_LOST,
+    SHARED,
     ComputeFailed,
     ComputeTimeout,
     Reply,
@@ -66,6 +67,7 @@ TapeRegistry = Any
 log = logging.getLogger("gradtape.shards")
 
 LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
+SHARED_FIELDS = ("vector", "vectors", "flat_vector")  # a product's, alike for every part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
               "tape_solve")
@@ -491,10 +493,16 @@ class Sharding:
         part's answer waits for the sum where it is best kept, answering {"stashed":
         key}: in the coordinator's worker for the parts there (`stash`), and by the pool
         for the others (`keep`: on Ray, in the object store of the part's node, from
-        where the sum gathers it; kept_keys names them)."""
+        where the sum gathers it; kept_keys names them). The vectors every part is asked
+        with alike go to the pool once (`share`: on Ray, one object that each node
+        fetches), not once per part."""
         shards = tape.shards
         assert shards is not None
         prefix = secrets.token_urlsafe(9)
+        shared = await self._share(payloads)
+        if shared is not None:
+            payloads = [{k: v for k, v in q.items() if k not in SHARED_FIELDS}
+                        | {SHARED: shared} for q in payloads]
         # A coordinator's part past its stash's room (STASH_MOST_BYTES) is kept by the pool.
         payloads = [{**q, KEEP: f"{prefix}:{i}",
                      **({"stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
@@ -524,7 +532,18 @@ class Sharding:
                 self._drop_later(shards.coordinator, {"stash": kept})
             self.pool.release(q[KEEP] for q in payloads if KEEP in q)
             raise
+        finally:
+            if shared is not None:
+                self.pool.release([shared])  # every part has answered (or will not)
         return list(outcomes)  # type: ignore[arg-type]
+
+    async def _share(self, payloads: Sequence[dict[str, Any]]) -> str | None:
+        """The pool's key for the vectors every part is asked with (the same request to
+        each), or None: sent with each part's request."""
+        if len(payloads) < 2 or any(q is not payloads[0] for q in payloads):
+            return None
+        fields = {k: payloads[0][k] for k in SHARED_FIELDS if payloads[0].get(k) is not None}
+        return await self.pool.share(fields) if fields else None
 
     async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:

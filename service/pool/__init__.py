@@ -8,6 +8,7 @@ from service.core.config import Settings
 from service.pool.base import (
     KEEP,
     KEPT_LOST,
+    SHARED,
     Cancelled,
     ComputeFailed,
     ComputeTimeout,
@@ -24,7 +25,7 @@ from service.pool.base import (
 )
 
 __all__ = [
-    "KEEP", "KEPT_LOST", "Cancelled", "ComputeFailed", "ComputeTimeout", "Pool", "PoolBusy", "PoolError",
+    "KEEP", "KEPT_LOST", "SHARED", "Cancelled", "ComputeFailed", "ComputeTimeout", "Pool", "PoolBusy", "PoolError",
     "PoolObserver", "PoolUnavailable", "Reply", "WorkerCrashed", "WorkerInfo",
     "WorkerStartError", "describe_exit", "make_pool",
 ]  # fmt: skip

@@ -98,6 +98,7 @@ class WorkerInfo:
 # ----------------------------------------------------------------------------------------
 
 KEEP = "keep"  # the payload key that asks the pool to keep the answer (see Pool.submit)
+SHARED = "shared"  # the payload key naming fields the pool holds for many requests (share)
 # What of a kept answer still comes back to the caller: the tape's bookkeeping (its size,
 # whether it was recorded again), which service/domain/sessions.py reads from every answer.
 KEPT_FIELDS = ("tape",)
@@ -203,9 +204,17 @@ class Pool(Protocol):
         """Whether kept answers go from worker to worker without this process (a sum
         is then worth splitting into a tree of merges where the answers are)."""
 
+    async def share(self, fields: dict[str, Any]) -> str | None:
+        """Hold payload fields that many requests carry alike (the vector of a product
+        asked of every shard): a payload with `"shared": key` is run as if it held them.
+        Ray puts them into the object store once (each node fetches them, not one copy per
+        request from this process); None where that does not pay (the local pool, whose
+        workers read this process's memory anyway; objects Ray would inline): the
+        caller then sends the fields with each request. `release(key)` when done."""
+
     def release(self, keys: Iterable[str]) -> None:
-        """Let kept answers go that no request will gather (their request failed or was
-        cancelled); unknown keys are ignored."""
+        """Let kept answers (or shared fields) go that no request will need (their
+        request failed or was cancelled, or answered); unknown keys are ignored."""
 
     async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
         """Health: ping the idle workers, replace the ones that do not answer."""

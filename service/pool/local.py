@@ -63,6 +63,7 @@ from service.pool.base import (
     KEEP,
     KEPT_FIELDS,
     KEPT_LOST,
+    SHARED,
     Cancelled,
     ComputeFailed,
     ComputeTimeout,
@@ -253,12 +254,15 @@ class WorkerPool:
         request_id = next(self._ids)
         watch = calls.current.get()
         keep = payload.get(KEEP) if isinstance(payload, dict) else None
-        if keep is not None:  # the pool's word, not the worker's
-            payload = {k: v for k, v in payload.items() if k != KEEP}
+        shared = payload.get(SHARED) if isinstance(payload, dict) else None
+        if keep is not None or shared is not None:  # the pool's words, not the worker's
+            payload = {k: v for k, v in payload.items() if k not in (KEEP, SHARED)}
         message: dict[str, Any] = {"id": request_id, "kind": kind, "payload": payload}
         if watch is not None and watch.progress is not None:
             message["progress"] = True
         gathered = self._gather(message, gather)
+        if shared is not None:
+            gathered += self._shared_fields(message, shared)
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
         outgoing = ipc.prepare(message, self._channel)
         self.observer.arrays_moved("to_workers", array_bytes(message))
@@ -350,6 +354,14 @@ class WorkerPool:
     @property
     def kept_between_workers(self) -> bool:
         return False  # kept here: each hop passes through this process
+
+    async def share(self, fields: dict[str, Any]) -> str | None:
+        return None  # each request carries them: its worker reads them from an arena
+
+    def _shared_fields(self, message: dict[str, Any], key: str) -> list[Any]:
+        """Where a request's shared fields go (the payload, here); what the job carries
+        besides (Ray: their ref)."""
+        raise ComputeFailed({"type": KEPT_LOST, "message": f"no shared fields {key}"})
 
     def release(self, keys: Iterable[str]) -> None:
         """Let kept answers go that no request will gather; unknown keys are ignored."""

@@ -52,10 +52,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import socket
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -67,6 +68,7 @@ from service.core.config import Settings
 from service.pool.base import (
     KEPT_FIELDS,
     KEPT_LOST,
+    ComputeFailed,
     PoolObserver,
     PoolUnavailable,
     WorkerCrashed,
@@ -85,6 +87,9 @@ PROGRESS_POLL = 0.1  # seconds between two collections of a running job's progre
 MAX_HELD_REPORTS = 256  # progress reports an actor keeps for the next collection
 # cancel, progress, wait_stopped and hello beside the one running request
 ACTOR_THREADS = 6
+# Fields shared by many requests go into the object store from this many bytes: Ray
+# inlines smaller objects in its messages (max_direct_call_object_size).
+SHARE_MIN_BYTES = 100 * 1024
 
 
 # ----------------------------------------------------------------------------------------
@@ -138,7 +143,12 @@ class EngineActor:
         return self._engine.submit(self._answer_kept, message).result()
 
     def _received(self, body: bytes, kept: tuple[bytes, ...]) -> dict[str, Any]:
+        """The request, with the objects Ray fetched for it: the answers it gathers (in
+        its "gather" order) and, last, the fields it shares with others ("shared")."""
         message: dict[str, Any] = ipc.unpack(body)
+        if message.get("shared"):
+            *kept, fields = kept
+            message["payload"] = {**message["payload"], **ipc.unpack(fields)}
         if kept:
             keys = message.get("gather") or []
             message["kept"] = {k: ipc.unpack(b) for k, b in zip(keys, kept, strict=True)}
@@ -281,6 +291,7 @@ class RayPool(WorkerPool):
         self._workers = [_ActorWorker(i, d) for i, d in enumerate(settings.worker_devices())]
         self._started_ray = False
         self._node: str | None = None  # the Ray node of this process
+        self._shared: dict[str, Any] = {}  # shared fields' ObjectRefs by key (share)
 
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -339,6 +350,7 @@ class RayPool(WorkerPool):
 
     async def close(self) -> None:
         await super().close()
+        self._shared.clear()
         if self._started_ray:
             self._started_ray = False
             await asyncio.to_thread(ray.shutdown)
@@ -408,6 +420,35 @@ class RayPool(WorkerPool):
     @property
     def kept_between_workers(self) -> bool:
         return True  # node to node, as object references
+
+    async def share(self, fields: dict[str, Any]) -> str | None:
+        """Put the fields into the object store once; None below Ray's inline limit
+        (such objects travel inside each request's message anyway)."""
+        nbytes = array_bytes(fields)
+        if nbytes < SHARE_MIN_BYTES:
+            return None
+        body = ipc.pack(fields)
+        ref = await asyncio.to_thread(ray.put, body)  # a copy into the store: off the loop
+        key = secrets.token_urlsafe(12)
+        self._shared[key] = ref
+        self.observer.arrays_moved("to_workers", nbytes)  # once, whatever the requests
+        return key
+
+    def _shared_fields(self, message: dict[str, Any], key: str) -> list[Any]:
+        """The shared fields' ref, handed to the actor after the gathered answers."""
+        ref = self._shared.get(key)
+        if ref is None:
+            raise ComputeFailed(
+                {"type": KEPT_LOST, "message": f"the shared fields {key} are gone; ask again"}
+            )
+        message["shared"] = True
+        return [ref]
+
+    def release(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        super().release(keys)
+        for key in keys:
+            self._shared.pop(key, None)
 
     def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
         """The kept answer's ref, kept; its handle and bookkeeping returned."""

@@ -478,7 +478,8 @@ def test_the_parts_answers_go_between_the_actors(
     """The answer of the part off the coordinator's actor stays in Ray's object store and
     goes to the coordinator as an object reference: the HTTP process receives the sum
     only, exactly as for the unsharded tape (test_tape_shards has the local pool's
-    figures, where it passes through once)."""
+    figures, where it passes through once). These vectors are small: each part's request
+    carries them (Ray would inline them anyway)."""
     size, plain, sharded = hvp_traffic(client, pair)
     assert plain == {"to_workers": size, "from_workers": size, "between_workers": 0}
     assert sharded == {"to_workers": 3 * size, "from_workers": size, "between_workers": size}
@@ -542,7 +543,9 @@ def test_a_large_sharded_hvp_is_summed_between_the_actors(
         for key in MLP_KEYS:
             close(arr(g_[key]), arr(w_[key]))
     moved = {k: after[k] - before[k] for k in after}
-    assert moved == {"to_workers": 2 * size, "from_workers": size, "between_workers": size}
+    # The vectors put into Ray's object store once for both parts; one part's answer
+    # from its actor to the coordinator's; the sum to the HTTP process.
+    assert moved == {"to_workers": size, "from_workers": size, "between_workers": size}
 
 
 def _trace_in_background(base_url: str, tape: str, body: dict) -> tuple[threading.Thread, list]:
@@ -633,7 +636,7 @@ def test_six_shards_sum_their_kept_answers_in_a_tree(
                 close(arr(g_[key]), arr(w_[key]))
         moved = {k: after[k] - before[k] for k in after}
         # Two kept answers into the merge; the merged one and the third into the sum.
-        assert moved == {"to_workers": 6 * size, "from_workers": size, "between_workers": 4 * size}
+        assert moved == {"to_workers": size, "from_workers": size, "between_workers": 4 * size}
         eigen = {"k": 2, "tol": 1e-10, "max_hvps": 80}
         close(
             post(client, f"/v1/tapes/{six}/eigenvalues", eigen)["eigenvalues"],
