@@ -23,6 +23,10 @@ What differs from local processes, and why:
   never come here (unless smaller than Ray's inline limit, 100 KiB, which Ray returns to
   the caller's memory store by itself). One that cannot be fetched (its node gone) fails
   the gathering request with KEPT_LOST, and the caller asks the parts again.
+- Shared fields (the vector asked of every shard: base.Pool.share) are packed and put
+  into the object store once, and each request that names them passes their ref as
+  its last argument: one copy from this process, whatever the number of parts (Ray's
+  object manager serves the nodes' pulls, from any node that holds a copy already).
 - Cancellation. Each actor keeps its cancel flag (the id of the request to stop) in its
   own memory; `cancel(id)` sets it from another of the actor's threads, and the running
   request reads it before every engine op. A flag in shared memory would reach only
