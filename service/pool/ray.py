@@ -150,14 +150,16 @@ class EngineActor:
         """The request, with the objects Ray fetched for it: the answers it gathers (in
         its "gather" order) and, last, the fields it shares with others ("shared")."""
         message: dict[str, Any] = ipc.unpack(body)
+        answers = list(kept)
         if message.get("shared"):
-            *kept, fields = kept
+            fields = answers.pop()
             message["payload"] = {**message["payload"], **ipc.unpack(fields)}
-        if kept:
+        if answers:
             keys = message.get("gather") or []
-            message["kept"] = {k: ipc.unpack(b) for k, b in zip(keys, kept, strict=True)}
+            message["kept"] = {k: ipc.unpack(b) for k, b in zip(keys, answers, strict=True)}
+        request_id: int = message.get("id") or 0
         with self._lock:
-            self._request_id = message.get("id")
+            self._request_id = request_id
             self._reports.clear()
         return message
 
