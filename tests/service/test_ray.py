@@ -53,6 +53,8 @@ from tests.service.test_tape_shards import (  # noqa: F401 - sharded over the ac
     close,
     hvp_traffic,
     pair,
+    test_a_coordinator_lost_mid_run_starts_the_run_again,
+    test_a_sharded_job_reports_progress_and_is_cancelled_whole,
     test_sharded_algorithms_equal_unsharded,
     test_sharded_hvp_and_batched_hvps_equal_unsharded,
     test_sharded_loss_and_gradient_equal_unsharded,
