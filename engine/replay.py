@@ -247,30 +247,21 @@ class Passes:
 
 def known_tensors(*roots: Any) -> dict[int, Any]:
     """The tensors and NumPy arrays reachable from `roots` (through objects, containers,
-    and functions' closures, defaults and the globals their code names), by id: the
-    values a pass may use as constants."""
+    and functions' closures and defaults), by id: the values a pass may use as constants.
+    The globals a function's code names are looked at shallowly: an array or tensor, a
+    list, tuple or dict of them, another function; never walked through as objects (a
+    module-level registry or cache would lead the walk over the whole interpreter: seconds
+    and tens of MB per capture in a process with many modules loaded). A global held
+    deeper (an attribute of a global object) is not known: its pass stays dynamic."""
     found: dict[int, Any] = {}
     seen: set[int] = set()
-    stack = list(roots)
+    stack: list[tuple[Any, bool]] = [(root, False) for root in roots]  # (object, shallow)
     while stack:
-        obj = stack.pop()
+        obj, shallow = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(
-            obj,
-            (
-                type,
-                types.ModuleType,
-                str,
-                bytes,
-                int,
-                float,
-                bool,
-                Primitive,
-                type(None),
-            ),
-        ):
+        if isinstance(obj, _NEVER_CONSTANT):
             continue
         if isinstance(obj, np.ndarray):
             found[id(obj)] = obj
@@ -280,16 +271,28 @@ def known_tensors(*roots: Any) -> dict[int, Any]:
         if isinstance(obj, types.FunctionType):
             for cell in obj.__closure__ or ():
                 try:
-                    stack.append(cell.cell_contents)
-                except ValueError:
+                    stack.append((cell.cell_contents, shallow))
+                except ValueError:  # an empty cell
                     pass
-            stack.extend(obj.__defaults__ or ())
-            stack.extend(obj.__kwdefaults__.values() if obj.__kwdefaults__ else ())
+            stack.extend((d, shallow) for d in obj.__defaults__ or ())
+            if obj.__kwdefaults__:
+                stack.extend((d, shallow) for d in obj.__kwdefaults__.values())
             names = obj.__globals__
-            stack.extend(names[n] for n in obj.__code__.co_names if n in names)
+            stack.extend((names[n], True) for n in obj.__code__.co_names if n in names)
             continue
-        stack.extend(gc.get_referents(obj))
+        if shallow:
+            if isinstance(obj, (list, tuple)):
+                stack.extend((item, True) for item in obj)
+            elif isinstance(obj, dict):
+                stack.extend((item, True) for item in obj.values())
+            elif isinstance(obj, Tensor):
+                stack.append((obj.value, True))
+            continue
+        stack.extend((r, False) for r in gc.get_referents(obj))
     return found
+
+
+_NEVER_CONSTANT = (type, types.ModuleType, str, bytes, int, float, bool, Primitive, type(None))
 
 
 def capture(

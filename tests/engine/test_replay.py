@@ -737,3 +737,31 @@ def test_a_definition_that_sorts_its_values_stays_dynamic_and_right() -> None:
         assert w.shape == (5,)
     passes = compile_definition(base).gradient_passes()
     assert passes and all("host" in p[0] for p in passes.values()), passes
+
+
+class _Holder:
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+_GLOBAL_ARRAY = np.arange(3.0)
+_GLOBAL_TABLE = {"w": np.ones(2), "pair": (np.zeros(1),)}
+_GLOBAL_OBJECT = _Holder(np.full(4, 7.0))
+
+
+def _names_globals() -> object:
+    return _GLOBAL_ARRAY, _GLOBAL_TABLE, _GLOBAL_OBJECT
+
+
+def test_known_tensors_look_at_globals_shallowly() -> None:
+    """A function's globals are looked at, not walked through: arrays and containers of
+    them are constants; an array inside a global object is not (walking global objects
+    reached every module's registries: seconds and tens of MB per capture)."""
+    found = replay.known_tensors(_names_globals)
+    ids = set(found)
+    assert id(_GLOBAL_ARRAY) in ids
+    assert id(_GLOBAL_TABLE["w"]) in ids and id(_GLOBAL_TABLE["pair"][0]) in ids
+    assert id(_GLOBAL_OBJECT.array) not in ids
+    # through a closure (not a global), an object is walked as before
+    holder = _Holder(np.ones(5))
+    assert id(holder.array) in replay.known_tensors(lambda: holder)
