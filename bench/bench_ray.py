@@ -50,7 +50,8 @@ SMALL = {
 
 class Server:
     """A real `gradtape serve` on loopback with the given executor (bench_shards.py uses it
-    too, with two workers and its own limits in `settings`)."""
+    too, with two workers and its own limits in `settings`, and `root`: the checkout whose
+    code it runs, to compare a change with the code before it)."""
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class Server:
         workers: int = 1,
         settings: dict[str, str] | None = None,
         timeout: float = 600.0,
+        root: Path = ROOT,
     ):
         self.executor = executor
         self.port = free_port()
@@ -77,7 +79,7 @@ class Server:
         }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)],
-            cwd=ROOT,
+            cwd=root,  # `-m` runs the service (and engine) of this checkout
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

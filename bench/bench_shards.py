@@ -12,10 +12,16 @@ Each sharded answer is checked against the unsharded one first (largest relative
 difference printed). Sizes: bench_engine.py's medium (B=256, d=256, 3 x 512 tanh, out
 10) and large (B=1024, d=1024, 3 x 2048, out 10), float32, msgpack with raw bytes.
 
+Beside each latency: the HTTP process's CPU time for the request (/proc, all its
+threads), and the array bytes it moved to and from the workers (its /metrics, where the
+code counts them). `--base DIR` runs a second server from another checkout (the code
+before a change) beside this one's, the requests taking turns between all four tapes.
+
 Run by hand (not in CI):
 
-    env -u OPENBLAS_CORETYPE .venv/bin/python -m bench.bench_shards \
-        [--sizes medium,large] [--executors local,ray] [--repeat 5]
+    env -u OPENBLAS_CORETYPE GRADTAPE_WORKER_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+        .venv/bin/python -m bench.bench_shards \
+        [--sizes medium,large] [--executors local,ray] [--repeat 5] [--base ../main]
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgpack
 import numpy as np
 
-from bench.bench_ray import Server
+from bench.bench_ray import ROOT, Server
 from bench.bench_sessions import compute_seconds
 
 SIZES = {  # batch, dims (d, hidden..., out)
@@ -78,7 +85,7 @@ def vectors(shapes: dict[str, tuple[int, ...]], k: int, seed: int) -> list[dict[
     return [{n: tensor(rng.standard_normal(s)) for n, s in shapes.items()} for _ in range(k)]
 
 
-def shard_server(executor: str, data_dir: str) -> Server:
+def shard_server(executor: str, data_dir: str, root: Path = ROOT) -> Server:
     """Two workers (the shards' room) and limits for the large K=8 rows."""
     return Server(
         executor,
@@ -90,7 +97,26 @@ def shard_server(executor: str, data_dir: str) -> Server:
             "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(1 << 30),
         },
         timeout=900.0,
+        root=root,
     )
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, all its threads (the HTTP process:
+    uvicorn, the pool, and on Ray its core worker's threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def moved_bytes(server: Server) -> float | None:
+    """The array bytes the pool has moved through the HTTP process so far (to and from the
+    workers), from /metrics; None for code that does not count them."""
+    text = server.client.get("/metrics").text
+    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("gradtape_pool_array_bytes_total{")
+             and ('"to_workers"' in line or '"from_workers"' in line)]
+    return sum(found) if found else None
 
 
 def answer(response: httpx.Response) -> dict[str, Any]:
@@ -105,49 +131,75 @@ def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return worst
 
 
-def run(size: str, executor: str, repeat: int, tmp: str) -> list[tuple[str, ...]]:
+def run(size: str, executor: str, repeat: int, tmp: str, roots: dict[str, Path]
+        ) -> list[tuple[str, ...]]:
+    """The rows of one size and executor, for each checkout in `roots` (label -> root):
+    one server each, all up at once, the requests taking turns between them."""
     definition, shapes = model(size)
     one, eight = vectors(shapes, 1, 1), vectors(shapes, 8, 2)
-    server = shard_server(executor, f"{tmp}/{executor}-{size}")
+    servers: dict[str, Server] = {}
     rows = []
     try:
+        for label, root in roots.items():
+            servers[label] = shard_server(executor, f"{tmp}/{label}-{executor}-{size}", root)
         body = {"definition": definition, "target": "loss"}
-        tapes = {n: answer(server.packed("/v1/tapes", {**body, "shards": n}))["tape_id"]
-                 for n in (1, 2)}
-        # The sharded answers against the unsharded ones (float32: rounding only).
-        checks = {}
-        grads = {n: answer(server.packed(f"/v1/tapes/{tapes[n]}/gradient", {}))["gradients"]
-                 for n in (1, 2)}
-        checks["gradient"] = largest_difference(grads[2], grads[1])
-        hvps = {n: answer(server.packed(f"/v1/tapes/{tapes[n]}/hvp", {"vector": one[0]}))["hvp"]
-                for n in (1, 2)}
-        checks["hvp"] = largest_difference(hvps[2], hvps[1])
+        tapes, checks = {}, {}
+        for label, server in servers.items():
+            tapes[label] = {n: answer(server.packed("/v1/tapes", {**body, "shards": n}))["tape_id"]
+                            for n in (1, 2)}
+            # The sharded answers against the unsharded ones (float32: rounding only).
+            grads = {n: answer(server.packed(f"/v1/tapes/{tapes[label][n]}/gradient",
+                                             {}))["gradients"] for n in (1, 2)}
+            hvps = {n: answer(server.packed(f"/v1/tapes/{tapes[label][n]}/hvp",
+                                            {"vector": one[0]}))["hvp"] for n in (1, 2)}
+            checks[label] = {"gradient": largest_difference(grads[2], grads[1]),
+                             "hvp": largest_difference(hvps[2], hvps[1])}
         cases = [
-            ("tape gradient", lambda n: (f"/v1/tapes/{tapes[n]}/gradient", {})),
-            ("tape HVP, K=1", lambda n: (f"/v1/tapes/{tapes[n]}/hvp", {"vector": one[0]})),
-            ("tape HVP, K=8", lambda n: (f"/v1/tapes/{tapes[n]}/hvp", {"vectors": eight})),
-            ("/v1/gradient", lambda n: ("/v1/gradient", {**body, "shards": n})),
+            ("tape gradient", lambda t, n: (f"/v1/tapes/{t[n]}/gradient", {})),
+            ("tape HVP, K=1", lambda t, n: (f"/v1/tapes/{t[n]}/hvp", {"vector": one[0]})),
+            ("tape HVP, K=8", lambda t, n: (f"/v1/tapes/{t[n]}/hvp", {"vectors": eight})),
+            ("/v1/gradient", lambda t, n: ("/v1/gradient", {**body, "shards": n})),
         ]
         for name, request in cases:
-            samples: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
+            # (latency, compute, HTTP process CPU, bytes through it) per checkout and n
+            samples: dict[tuple[str, int], list[tuple[float, ...]]] = {
+                (label, n): [] for label in servers for n in (1, 2)}
             for i in range(repeat + 1):  # the first round warms up
+                for label, server in servers.items():
+                    for n in (1, 2):
+                        path, payload = request(tapes[label], n)
+                        moved = moved_bytes(server)
+                        cpu = cpu_seconds(server.process.pid)
+                        started = time.perf_counter()
+                        response = server.packed(path, payload)
+                        latency = time.perf_counter() - started
+                        cpu = cpu_seconds(server.process.pid) - cpu
+                        after = moved_bytes(server)
+                        if i:
+                            samples[label, n].append((
+                                latency, compute_seconds(response), cpu,
+                                float("nan") if moved is None or after is None
+                                else after - moved))
+            for label in servers:
+                # Medians; the CPU time's mean (the kernel counts it in 10 ms ticks).
+                med = {n: [statistics.median(x[j] for x in samples[label, n]) for j in range(4)]
+                       for n in (1, 2)}
                 for n in (1, 2):
-                    path, payload = request(n)
-                    started = time.perf_counter()
-                    response = server.packed(path, payload)
-                    latency = time.perf_counter() - started
-                    if i:
-                        samples[n].append((latency, compute_seconds(response)))
-            med = {n: (statistics.median(a for a, _ in s), statistics.median(c for _, c in s))
-                   for n, s in samples.items()}
-            check = checks.get("gradient" if "gradient" in name else "hvp")
-            rows.append((size, executor, name, f"{med[1][0] * 1e3:,.0f}",
-                         f"{med[1][1] * 1e3:,.0f}", f"{med[2][0] * 1e3:,.0f}",
-                         f"{med[1][0] / med[2][0]:.2f}",
-                         "" if name == "/v1/gradient" else f"{check:.1e}"))
-            print(" | ".join(rows[-1]), flush=True)
+                    med[n][2] = statistics.fmean(x[2] for x in samples[label, n])
+                check = checks[label]["gradient" if "gradient" in name else "hvp"]
+                mb = [f"{med[n][3] / 1e6:,.1f}" if med[n][3] == med[n][3] else "" for n in (1, 2)]
+                rows.append((
+                    size, executor, name, label,
+                    f"{med[1][0] * 1e3:,.0f}", f"{med[1][2] * 1e3:,.0f}",
+                    f"{med[1][1] * 1e3:,.0f}",
+                    f"{med[2][0] * 1e3:,.0f}", f"{med[2][2] * 1e3:,.0f}",
+                    f"{med[1][0] / med[2][0]:.2f}",
+                    f"{mb[0]} / {mb[1]}" if mb[0] else "",
+                    "" if name == "/v1/gradient" else f"{check:.1e}"))
+                print(" | ".join(rows[-1]), flush=True)
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     return rows
 
 
@@ -156,14 +208,18 @@ def main() -> int:
     parser.add_argument("--sizes", default="medium,large")
     parser.add_argument("--executors", default="local,ray")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a checkout of the code before a change: its server runs beside "
+                             "this checkout's, the requests taking turns between them")
     args = parser.parse_args()
+    roots = {"this": ROOT} if args.base is None else {"before": args.base, "after": ROOT}
     started = datetime.datetime.now(datetime.UTC)
     load = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
             for executor in args.executors.split(","):
-                rows += run(size, executor, args.repeat, tmp)
+                rows += run(size, executor, args.repeat, tmp, roots)
     print()
     print(f"- command: `{' '.join(['python', *sys.argv])}`")
     print(f"- date: {started.isoformat(timespec='seconds')}; load average at start: "
@@ -171,9 +227,12 @@ def main() -> int:
     print(f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"python {platform.python_version()}")
     print()
-    print("| size | executor | request | 1 shard p50 ms | 1 shard compute ms | "
-          "2 shards p50 ms | speedup | max rel. diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"- BLAS threads: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+    print()
+    print("| size | executor | request | code | 1 shard p50 ms | 1 shard HTTP CPU ms (mean) | "
+          "1 shard compute ms | 2 shards p50 ms | 2 shards HTTP CPU ms (mean) | speedup | "
+          "MB through HTTP, 1 / 2 shards | max rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0

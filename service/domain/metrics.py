@@ -54,6 +54,12 @@ class Metrics(PoolObserver):
             "Tapes created, rebuilt (after a worker or service restart), expired, evicted, "
             "deleted", ["event"], registry=r,
         )
+        self.array_bytes = Counter(
+            "gradtape_pool_array_bytes",
+            "Bytes of arrays moved to and from the workers through this process, and "
+            "between workers without it (a shard's answer handed to its sum)",
+            ["route"], registry=r,
+        )
         self.tapes = Gauge("gradtape_tapes", "Live tapes", registry=r)
         self.tape_bytes = Gauge(
             "gradtape_tape_bytes", "Bytes of the tapes held in workers now", registry=r
@@ -89,3 +95,6 @@ class Metrics(PoolObserver):
 
     def worker_restarted(self, worker: int, reason: str) -> None:
         self.worker_restarts.labels(str(worker), reason).inc()
+
+    def arrays_moved(self, route: str, nbytes: int) -> None:
+        self.array_bytes.labels(route).inc(nbytes)

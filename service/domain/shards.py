@@ -17,7 +17,11 @@ places the parts, routes each request to them and back.
   request goes to every part at once, and their answers to the coordinator, which sums
   them. An algorithm (eigenvalues, trace, diagonal, spectral density, solve) runs in the
   coordinator, which answers each product it needs as a request for it; the product is
-  asked of every part and the answers sent back to it (see service/worker/shards.py).
+  asked of every part and the answers handed to it (see service/worker/shards.py).
+- The parts' answers do not pass through here: the coordinator's own part keeps its
+  answer in its worker (`stash`), the others' are kept by the pool (`keep`, then
+  `gather` with the sum: service/pool/base.py), which on Ray hands them from node to
+  node as object references; this process routes their keys.
 - Jacobians, gradients of other targets (or over a split input) and influence
   functions: pieces asked of the parts (the first part's plan of how the parts'
   derivatives combine; the parts' own; the influence's test gradient and
@@ -44,7 +48,16 @@ import numpy as np
 
 from service.core.errors import ServiceError
 from service.core.store import TapeRow, is_ref
-from service.pool import ComputeFailed, ComputeTimeout, Reply, WorkerCrashed, calls
+from service.pool import (
+    KEEP,
+    KEPT_LOST,
+    SHARED,
+    ComputeFailed,
+    ComputeTimeout,
+    Reply,
+    WorkerCrashed,
+    calls,
+)
 
 # sessions.Tape and sessions.TapeRegistry: sessions.py imports this module, so they are
 # named here only (the registry hands over what it makes: new_tape).
@@ -53,7 +66,8 @@ TapeRegistry = Any
 
 log = logging.getLogger("gradtape.shards")
 
-LOST = "shard-state-lost"  # the coordinator no longer holds a run or a kept part
+LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
+SHARED_FIELDS = ("vector", "vectors", "flat_vector")  # a product's, alike for every part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
 ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
               "tape_solve")
@@ -225,6 +239,12 @@ class ShardSet:
         }
 
 
+def kept_keys(parts: Sequence[Any]) -> list[str]:
+    """The keys of the parts' answers the pool kept (those the coordinator's worker
+    stashed itself are found there): what the sum gathers."""
+    return [p["stashed"] for p in parts if isinstance(p, Mapping) and p.get("kept")]
+
+
 class Sharding:
     """The sharded tapes of one TapeRegistry (which routes their requests here)."""
 
@@ -388,7 +408,10 @@ class Sharding:
         for attempt in (1, 2):
             replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
             try:
-                return await self._combine(tape, [r.result for r in replies], payload, deadline)
+                parts, weights = await self._merge_kept(
+                    [r.result for r in replies], tape.shards.weights,
+                    [r.worker for r in replies], deadline)
+                return await self._combine(tape, parts, payload, deadline, weights)
             except ComputeFailed as exc:
                 # The coordinator was replaced between the two steps (its kept parts went
                 # with it): ask the parts again, once.
@@ -397,29 +420,94 @@ class Sharding:
         raise AssertionError("unreachable")
 
     async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
-                       payload: Mapping[str, Any], deadline: Deadline) -> dict[str, Any]:
-        """The parts' answers summed by the coordinator (flattened there when asked)."""
+                       payload: Mapping[str, Any], deadline: Deadline,
+                       weights: Sequence[float] | None = None) -> dict[str, Any]:
+        """The parts' answers summed by the coordinator (flattened there when asked);
+        those the pool kept ({"stashed": key, "kept": true}) go to it from where they
+        are. `weights`: the answers' own (default: the shards')."""
         assert tape.shards is not None
         worker = tape.shards.coordinator
-        reply = await self.pool.submit(
-            "shard_combine",
-            {"parts": answers, "weights": tape.shards.weights, "flat": payload.get("flat"),
-             "allow_nonfinite": payload.get("allow_nonfinite", False)},
-            worker=worker, time_limit=deadline.left(worker))
+        gather = kept_keys(answers)
+        try:
+            reply = await self.pool.submit(
+                "shard_combine",
+                {"parts": answers, "weights": list(weights or tape.shards.weights),
+                 "flat": payload.get("flat"),
+                 "allow_nonfinite": payload.get("allow_nonfinite", False)},
+                worker=worker, time_limit=deadline.left(worker), gather=gather)
+        except BaseException:
+            self.pool.release(gather)  # not taken if the request never left (its deadline)
+            raise
         result: dict[str, Any] = reply.result
         return result
+
+    async def _merge_kept(self, parts: list[Any], weights: Sequence[float],
+                          workers: Sequence[int], deadline: Deadline
+                          ) -> tuple[list[Any], list[float]]:
+        """Sum the kept answers pairwise where they are, level by level, until two are
+        left for the coordinator to gather beside its own parts' (not n - 1 into one
+        worker: about log2(n) steps of one answer each). Only where the pool moves kept
+        answers between workers (Ray); through this process (the local pool) each merge
+        would add hops. A merge's failure fails the sum as the sum's own would (every
+        kept answer let go)."""
+        kept = [i for i, p in enumerate(parts) if isinstance(p, Mapping) and p.get("kept")]
+        if len(kept) <= 2 or not self.pool.kept_between_workers:
+            return parts, list(weights)
+        parts, weights, where = list(parts), list(weights), list(workers)
+        prefix = secrets.token_urlsafe(9)
+
+        async def merge(a: int, b: int, key: str) -> None:
+            worker = where[a]  # a's answer is there already: only b's moves
+            reply = await self.pool.submit(
+                "shard_combine",
+                {"parts": [parts[a], parts[b]], "weights": [weights[a], weights[b]],
+                 KEEP: key, "allow_nonfinite": True},
+                worker=worker, time_limit=deadline.left(worker),
+                gather=[parts[a]["stashed"], parts[b]["stashed"]])
+            parts[a], weights[a] = reply.result, 1.0
+
+        merged: set[int] = set()  # answers summed into another's: out of the sum
+        level = 0
+        try:
+            while len(kept) > 2:
+                pairs = list(zip(kept[0::2], kept[1::2], strict=False))
+                outcomes = await asyncio.gather(
+                    *(merge(a, b, f"{prefix}:{level}:{a}") for a, b in pairs),
+                    return_exceptions=True)
+                merged.update(b for _, b in pairs)  # gathered: consumed either way
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                kept = [i for i in kept if i not in merged]
+                level += 1
+        except BaseException:
+            self.pool.release(kept_keys(parts))
+            raise
+        left = [i for i in range(len(parts)) if i not in merged]
+        return [parts[i] for i in left], [weights[i] for i in left]
 
     async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
                    deadline: Deadline) -> list[Reply]:
         """`kind` on every part at once (a part's worker lost meanwhile: asked again once,
-        which records that part again alone); the first failure, once all answered. The
-        parts in the coordinator's worker keep their answers there (`stash`: they are
-        summed there next), answering {"stashed": key}: their bytes never travel."""
+        which records that part again alone); the first failure, once all answered. Each
+        part's answer waits for the sum where it is best kept, answering {"stashed":
+        key}: in the coordinator's worker for the parts there (`stash`), and by the pool
+        for the others (`keep`: on Ray, in the object store of the part's node, from
+        where the sum gathers it; kept_keys names them). The vectors every part is asked
+        with alike go to the pool once (`share`: on Ray, one object that each node
+        fetches), not once per part."""
         shards = tape.shards
         assert shards is not None
         prefix = secrets.token_urlsafe(9)
-        payloads = [{**q, "stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
-                    else q for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
+        shared = await self._share(payloads)
+        if shared is not None:
+            payloads = [{k: v for k, v in q.items() if k not in SHARED_FIELDS}
+                        | {SHARED: shared} for q in payloads]
+        # A coordinator's part past its stash's room (STASH_MOST_BYTES) is kept by the pool.
+        payloads = [{**q, KEEP: f"{prefix}:{i}",
+                     **({"stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
+                        else {})}
+                    for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
 
         async def ask(part: Tape, payload: dict[str, Any]) -> Reply:
             try:
@@ -442,8 +530,20 @@ class Sharding:
         except BaseException:  # a part failed, or the request was cancelled
             if kept:
                 self._drop_later(shards.coordinator, {"stash": kept})
+            self.pool.release(q[KEEP] for q in payloads if KEEP in q)
             raise
+        finally:
+            if shared is not None:
+                self.pool.release([shared])  # every part has answered (or will not)
         return list(outcomes)  # type: ignore[arg-type]
+
+    async def _share(self, payloads: Sequence[dict[str, Any]]) -> str | None:
+        """The pool's key for the vectors every part is asked with (the same request to
+        each), or None: sent with each part's request."""
+        if len(payloads) < 2 or any(q is not payloads[0] for q in payloads):
+            return None
+        fields = {k: payloads[0][k] for k in SHARED_FIELDS if payloads[0].get(k) is not None}
+        return await self.pool.share(fields) if fields else None
 
     async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
                    ) -> dict[str, Any]:
@@ -473,13 +573,20 @@ class Sharding:
                     self._report(reply.result.get("progress"))
                     asked = [{**product, "vectors": reply.result["need"]}] * len(shards.parts)
                     replies = await self._fan(tape, "tape_hvp", asked, deadline)
-                    parts = [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
-                             for r in replies]
-                    reply = await self.pool.submit(
-                        "shard_step",
-                        {"run": run_id, "parts": parts,
-                         "weights": shards.weights, "allow_nonfinite": True},
-                        worker=worker, time_limit=deadline.left(worker))
+                    parts, weights = await self._merge_kept(
+                        [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
+                         for r in replies], shards.weights, [r.worker for r in replies],
+                        deadline)
+                    gather = kept_keys(parts)
+                    try:
+                        reply = await self.pool.submit(
+                            "shard_step",
+                            {"run": run_id, "parts": parts,
+                             "weights": weights, "allow_nonfinite": True},
+                            worker=worker, time_limit=deadline.left(worker), gather=gather)
+                    except BaseException:
+                        self.pool.release(gather)
+                        raise
                 answer: dict[str, Any] = reply.result["answer"]
                 return answer
             except (WorkerCrashed, ComputeFailed) as exc:
@@ -520,16 +627,21 @@ class Sharding:
         worker = shards.coordinator
         for attempt in (1, 2):
             replies = await self._fan(tape, kind, payloads, deadline)
+            parts = [r.result for r in replies]
+            gather = kept_keys(parts)  # the parts' answers the pool kept: to the coordinator
             try:
                 reply = await self.pool.submit(
-                    assemble["kind"], {**assemble["payload"],
-                                       "parts": [r.result for r in replies]},
-                    worker=worker, time_limit=deadline.left(worker))
+                    assemble["kind"], {**assemble["payload"], "parts": parts},
+                    worker=worker, time_limit=deadline.left(worker), gather=gather)
                 result: dict[str, Any] = reply.result
                 return result
             except ComputeFailed as exc:
+                self.pool.release(gather)
                 if exc.error.get("type") != LOST or attempt == 2:
                     raise
+            except BaseException:
+                self.pool.release(gather)
+                raise
         raise AssertionError("unreachable")
 
     async def _pieced(self, tape: Tape, of: str, payload: Mapping[str, Any],

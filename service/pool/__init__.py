@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from service.core.config import Settings
 from service.pool.base import (
+    KEEP,
+    KEPT_LOST,
+    SHARED,
     Cancelled,
     ComputeFailed,
     ComputeTimeout,
@@ -22,7 +25,7 @@ from service.pool.base import (
 )
 
 __all__ = [
-    "Cancelled", "ComputeFailed", "ComputeTimeout", "Pool", "PoolBusy", "PoolError",
+    "KEEP", "KEPT_LOST", "SHARED", "Cancelled", "ComputeFailed", "ComputeTimeout", "Pool", "PoolBusy", "PoolError",
     "PoolObserver", "PoolUnavailable", "Reply", "WorkerCrashed", "WorkerInfo",
     "WorkerStartError", "describe_exit", "make_pool",
 ]  # fmt: skip

@@ -8,6 +8,7 @@ HTTP layer maps each failure to a problem once (service/api/errors.py).
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,6 +93,40 @@ class WorkerInfo:
     restarts: int
 
 
+# ----------------------------------------------------------------------------------------
+# Kept answers: one worker's answer handed to a request on another (sharded tapes' sums)
+# ----------------------------------------------------------------------------------------
+
+KEEP = "keep"  # the payload key that asks the pool to keep the answer (see Pool.submit)
+SHARED = "shared"  # the payload key naming fields the pool holds for many requests (share)
+# What of a kept answer still comes back to the caller: the tape's bookkeeping (its size,
+# whether it was recorded again), which service/domain/sessions.py reads from every answer.
+KEPT_FIELDS = ("tape",)
+# The error type of a request that names a kept answer the pool no longer has (released,
+# or lost with the node that held it): the caller asks for it again. The same string as a
+# coordinator's lost state (service/worker/shards.py), which callers treat alike.
+KEPT_LOST = "shard-state-lost"
+
+
+def kept_reply(key: str, result: Any) -> dict[str, Any]:
+    """The small answer a kept request returns: its handle and the KEPT_FIELDS."""
+    small: dict[str, Any] = {"stashed": key, "kept": True}
+    if isinstance(result, dict):
+        small.update({k: result[k] for k in KEPT_FIELDS if k in result})
+    return small
+
+
+def array_bytes(tree: Any) -> int:
+    """The bytes of the arrays in a message (dicts, lists): what a hop moves, give or take
+    its msgpack envelope."""
+    if isinstance(tree, dict):
+        return sum(array_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(array_bytes(v) for v in tree)
+    nbytes = getattr(tree, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
 class PoolObserver:
     """Hooks for metrics; the default does nothing."""
 
@@ -100,6 +135,11 @@ class PoolObserver:
 
     def worker_restarted(self, worker: int, reason: str) -> None:
         pass
+
+    def arrays_moved(self, route: str, nbytes: int) -> None:
+        """`nbytes` of arrays moved: "to_workers" and "from_workers" (through this
+        process), or "between_workers" (a kept answer handed from one worker to another
+        without passing through it)."""
 
 
 class Pool(Protocol):
@@ -136,15 +176,45 @@ class Pool(Protocol):
         worker: int | None = None,
         time_limit: float | None = None,
         queue_bound: bool = True,
+        gather: Sequence[str] = (),
     ) -> Reply:
         """Run `kind` (a worker handler: service/worker/compute.py or tapes.py) on
         `payload`; raises a PoolError (PoolBusy, PoolUnavailable, ComputeTimeout,
         WorkerCrashed, Cancelled, ComputeFailed with the worker's description of the error).
 
+        Kept answers, for a sum in another worker (service/domain/shards.py): a payload
+        (a dict) with `"keep": key` asks that the answer be kept by the pool, not
+        returned: the Reply's result is then `{"stashed": key, "kept": True, **its
+        KEPT_FIELDS}` (an error is answered as ever; an answer its worker stashed itself,
+        `"stash"` in the payload too, comes back as the worker's `{"stashed": key}`,
+        not kept again). A later request that names the key in `gather` finds the kept
+        answer in its worker's stash under that key (service/worker/shards.py reads
+        `{"stashed": key}` there); each is gathered once. Where it waits meanwhile is the
+        backend's: Ray's object store on the node that computed it, moved node to node
+        (it never comes here); the local pool, this process (its worker's shared memory
+        arena). A key the pool no longer has fails the request with KEPT_LOST.
+
         A backend must honour the caller's watch (service.pool.calls.current()): cancel
         the request when `gone()` says so (out of the queue, or stopped at its worker's
         next op, raising Cancelled), call `started()` when a worker takes it, and pass the
         worker's progress reports to `progress` when the payload asked for them."""
+
+    @property
+    def kept_between_workers(self) -> bool:
+        """Whether kept answers go from worker to worker without this process (a sum
+        is then worth splitting into a tree of merges where the answers are)."""
+
+    async def share(self, fields: dict[str, Any]) -> str | None:
+        """Hold payload fields that many requests carry alike (the vector of a product
+        asked of every shard): a payload with `"shared": key` is run as if it held them.
+        Ray puts them into the object store once (each node fetches them, not one copy per
+        request from this process); None where that does not pay (the local pool, whose
+        workers read this process's memory anyway; objects Ray would inline): the
+        caller then sends the fields with each request. `release(key)` when done."""
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Let kept answers (or shared fields) go that no request will need (their
+        request failed or was cancelled, or answered); unknown keys are ignored."""
 
     async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
         """Health: ping the idle workers, replace the ones that do not answer."""

@@ -31,6 +31,13 @@ the event loop never runs engine code, it only waits on sockets.
 - Each worker keeps a dict of state between requests (compute.WorkerContext.state) for
   requests routed back to it (issue 6's tapes); `generation` counts its restarts, so a
   caller can tell that the state it left there is gone.
+- Kept answers (a shard's product for the sum in another worker; base.Pool.submit): this
+  pool keeps them here, as they came (views of the worker's reply arena), and sends them
+  with the request that gathers them (the message's "kept"). A handoff from worker to
+  worker through a segment the gathering worker maps, with only its name passing here,
+  was measured and did not pay enough for its lifecycle (bench/RESULTS.md, "Sharded
+  tapes"); the Ray pool, whose workers may be nodes apart, keeps them where they were
+  computed (service/pool/ray.py).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -52,6 +60,10 @@ from service.core import ipc, shm
 from service.core.config import Settings
 from service.pool import calls
 from service.pool.base import (
+    KEEP,
+    KEPT_FIELDS,
+    KEPT_LOST,
+    SHARED,
     Cancelled,
     ComputeFailed,
     ComputeTimeout,
@@ -63,17 +75,31 @@ from service.pool.base import (
     WorkerCrashed,
     WorkerInfo,
     WorkerStartError,
+    array_bytes,
     describe_exit,
+    kept_reply,
 )
 
 log = logging.getLogger("gradtape.workers")
 
 BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# A kept answer no request gathered (its caller went away without releasing it) is let go
+# after this long (the sharded runs' own idle limit, service/worker/shards.py).
+KEPT_SECONDS = 600.0
 
 
 # ----------------------------------------------------------------------------------------
 # Pool
 # ----------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Kept:
+    """A kept answer: the answer itself (this pool) or where it is (Ray: an ObjectRef)."""
+
+    value: Any
+    nbytes: int
+    at: float  # time.monotonic() when kept
 
 
 @dataclass(eq=False)
@@ -86,6 +112,8 @@ class _Job:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     watch: calls.Watch | None = None
     running_on: _Worker | None = None  # the worker computing it, once dispatched
+    keep: str | None = None  # its answer is kept under this key (Pool.submit)
+    gathered: list[Any] = field(default_factory=list)  # kept answers it carries (Ray: refs)
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -136,6 +164,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
         self._closing = False
+        self._kept: dict[str, _Kept] = {}  # kept answers by key (Pool.submit's keep)
         # The pool's shared memory for large arrays (None: every array goes through the
         # socket); a backend whose workers may be on other hosts sets it to None.
         self._channel: shm.Channel | None = None
@@ -174,6 +203,7 @@ class WorkerPool:
         await asyncio.gather(*(self._stop(w, graceful=True) for w in self._workers))
         for task in list(self._tasks):
             task.cancel()
+        self._kept.clear()
         if self._channel is not None:
             # Every worker is gone: whatever arena of this pool is left, nobody reads.
             await asyncio.to_thread(shm.sweep, self._channel.prefix + "-")
@@ -206,12 +236,14 @@ class WorkerPool:
         worker: int | None = None,
         time_limit: float | None = None,
         queue_bound: bool = True,
+        gather: Sequence[str] = (),
     ) -> Reply:
         """Run `kind` (a handler of service.worker.compute) on `payload` in a worker.
 
         worker: run on that worker only (None: any). time_limit: compute seconds
         (default: settings.time_limit). Raises PoolBusy, PoolUnavailable, ComputeTimeout,
         WorkerCrashed, or ComputeFailed with the worker's description of the error.
+        `keep` in the payload and `gather`: kept answers (base.Pool.submit).
         """
         if not self._running:
             raise PoolUnavailable("the worker pool is not running")
@@ -221,12 +253,21 @@ class WorkerPool:
         limit = self.settings.time_limit if time_limit is None else time_limit
         request_id = next(self._ids)
         watch = calls.current.get()
-        message = {"id": request_id, "kind": kind, "payload": payload}
+        keep = payload.get(KEEP) if isinstance(payload, dict) else None
+        shared = payload.get(SHARED) if isinstance(payload, dict) else None
+        if keep is not None or shared is not None:  # the pool's words, not the worker's
+            payload = {k: v for k, v in payload.items() if k not in (KEEP, SHARED)}
+        message: dict[str, Any] = {"id": request_id, "kind": kind, "payload": payload}
         if watch is not None and watch.progress is not None:
             message["progress"] = True
+        gathered = self._gather(message, gather)
+        if shared is not None:
+            gathered += self._shared_fields(message, shared)
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
         outgoing = ipc.prepare(message, self._channel)
-        job = _Job(request_id, outgoing, worker, limit, loop.create_future(), watch=watch)
+        self.observer.arrays_moved("to_workers", array_bytes(message))
+        job = _Job(request_id, outgoing, worker, limit, loop.create_future(), watch=watch,
+                   keep=keep, gathered=gathered)
         self._queue.append(job)
         self._dispatch()
         if not job.started.is_set() and queue_bound and len(self._queue) > self.settings.queue_size:
@@ -271,6 +312,61 @@ class WorkerPool:
         finally:
             started.cancel()
         return job.future.result()
+
+    # Kept answers ---------------------------------------------------------------------------
+    def _gather(self, message: dict[str, Any], keys: Sequence[str]) -> list[Any]:
+        """Take the kept answers `keys` for `message` (each is gathered once): here, they
+        ride in the message itself, under "kept" (the worker stashes them before it
+        answers). What the job must carry besides (Ray: the answers' refs)."""
+        if not keys:
+            return []
+        message["kept"] = {key: kept.value for key, kept in zip(keys, self._take(keys),
+                                                                strict=True)}
+        return []
+
+    def _take(self, keys: Sequence[str]) -> list[_Kept]:
+        """The kept answers `keys`, out of the pool; ComputeFailed(KEPT_LOST) when one is
+        gone (released, expired, lost with its node), and then none is taken."""
+        missing = [key for key in keys if key not in self._kept]
+        if missing:
+            raise ComputeFailed({"type": KEPT_LOST, "message": f"the kept answer {missing[0]} "
+                                 "is gone (its worker was replaced, or it waited too long); "
+                                 "ask again"})
+        return [self._kept.pop(key) for key in keys]
+
+    def _keep(self, key: str, value: Any, nbytes: int) -> None:
+        now = time.monotonic()
+        for old in [k for k, kept in self._kept.items() if now - kept.at > KEPT_SECONDS]:
+            del self._kept[old]  # its caller went away without releasing it
+        self._kept[key] = _Kept(value, nbytes, now)
+
+    def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
+        """A kept request's reply: its answer kept here, its handle returned."""
+        assert job.keep is not None
+        result = message.get("result")
+        if isinstance(result, dict) and "stashed" in result:
+            return result  # its worker stashed it itself: nothing to keep here
+        kept = {k: v for k, v in result.items() if k not in KEPT_FIELDS} \
+            if isinstance(result, dict) else result
+        self._keep(job.keep, kept, array_bytes(kept))
+        return kept_reply(job.keep, result)
+
+    @property
+    def kept_between_workers(self) -> bool:
+        return False  # kept here: each hop passes through this process
+
+    async def share(self, fields: dict[str, Any]) -> str | None:
+        return None  # each request carries them: its worker reads them from an arena
+
+    def _shared_fields(self, message: dict[str, Any], key: str) -> list[Any]:
+        """Where a request's shared fields go (the payload, here); what the job carries
+        besides (Ray: their ref)."""
+        raise ComputeFailed({"type": KEPT_LOST, "message": f"no shared fields {key}"})
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Let kept answers go that no request will gather; unknown keys are ignored."""
+        for key in keys:
+            self._kept.pop(key, None)
 
     def _cancel(self, job: _Job, reason: str, abandoned: bool = False) -> None:
         """Stop the job: out of the queue, or at its worker's next op (killed when it
@@ -395,9 +491,13 @@ class WorkerPool:
             w.job = None
         w.state = "idle"
         if message.get("ok"):
+            result = message.get("result")
+            self.observer.arrays_moved("from_workers", array_bytes(result))
+            if job.keep is not None and not job.future.done():
+                result = self._kept_answer(job, message)
             if not job.future.done():
                 job.future.set_result(
-                    Reply(message.get("result"), w.index, generation, message.get("seconds", 0.0))
+                    Reply(result, w.index, generation, message.get("seconds", 0.0))
                 )
         else:
             job.fail(ComputeFailed(message.get("error") or {}))

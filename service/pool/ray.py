@@ -11,8 +11,22 @@ What differs from local processes, and why:
 - Transport. A request crosses as the msgpack bytes of service/core/ipc.py, and the
   reply comes back as such bytes: Ray pickles only a `bytes` object, never a client's
   data, so the no-pickle rule holds on every wire. Arrays stay inline in those bytes
-  (the local pool's shared memory is one host's; Ray's object store moves them). The actor runs the worker's own code
-  (compute.start, dispatch.answer) on one engine thread of its own.
+  (the local pool's shared memory is one host's; Ray's object store moves them). The
+  actor runs the worker's own code (compute.start, dispatch.answer) on one engine
+  thread of its own.
+- Kept answers (a shard's product, for the sum in its coordinator: base.Pool.submit).
+  A kept request runs as `run_keep`, which returns two objects: the small reply (ok or
+  the error, the tape's bookkeeping), which this process reads, and the answer's bytes,
+  which stay in the object store of the actor's node; this process holds only their
+  ObjectRef. The request that gathers them passes the refs as arguments of its `run`,
+  so Ray moves the bytes from node to node, to the coordinator's, before it runs; they
+  never come here (unless smaller than Ray's inline limit, 100 KiB, which Ray returns to
+  the caller's memory store by itself). One that cannot be fetched (its node gone) fails
+  the gathering request with KEPT_LOST, and the caller asks the parts again.
+- Shared fields (the vector asked of every shard: base.Pool.share) are packed and put
+  into the object store once, and each request that names them passes their ref as
+  its last argument: one copy from this process, whatever the number of parts (Ray's
+  object manager serves the nodes' pulls, from any node that holds a copy already).
 - Cancellation. Each actor keeps its cancel flag (the id of the request to stop) in its
   own memory; `cancel(id)` sets it from another of the actor's threads, and the running
   request reads it before every engine op. A flag in shared memory would reach only
@@ -42,9 +56,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import socket
 import threading
 from collections import deque
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,11 +70,16 @@ from ray.exceptions import RayActorError, RayError
 from service.core import ipc
 from service.core.config import Settings
 from service.pool.base import (
+    KEPT_FIELDS,
+    KEPT_LOST,
+    ComputeFailed,
     PoolObserver,
     PoolUnavailable,
     WorkerCrashed,
     WorkerInfo,
     WorkerStartError,
+    array_bytes,
+    kept_reply,
 )
 from service.pool.local import BLAS_THREAD_VARIABLES, WorkerPool, _Job, _Worker
 
@@ -70,6 +91,9 @@ PROGRESS_POLL = 0.1  # seconds between two collections of a running job's progre
 MAX_HELD_REPORTS = 256  # progress reports an actor keeps for the next collection
 # cancel, progress, wait_stopped and hello beside the one running request
 ACTOR_THREADS = 6
+# Fields shared by many requests go into the object store from this many bytes: Ray
+# inlines smaller objects in its messages (max_direct_call_object_size).
+SHARE_MIN_BYTES = 100 * 1024
 
 
 # ----------------------------------------------------------------------------------------
@@ -107,28 +131,80 @@ class EngineActor:
 
         return compute.start(*self._setup)
 
-    def run(self, body: bytes) -> bytes:
-        """Answer one request (ipc bytes in, ipc bytes out)."""
-        message = ipc.unpack(body)
-        request_id = message.get("id")
+    def run(self, body: bytes, *kept: bytes) -> bytes:
+        """Answer one request (ipc bytes in, ipc bytes out). `kept`: the answers the
+        request gathers (its "gather" keys, in order), which Ray has fetched to this
+        node as the bytes of `run_keep`'s second object."""
+        message = self._received(body, kept)
+        return self._engine.submit(self._answer, message).result()
+
+    @ray.method(num_returns=2)  # type: ignore[misc]
+    def run_keep(self, body: bytes, *kept: bytes) -> tuple[bytes, bytes]:
+        """Answer one request whose answer is kept: (the reply without it, the answer's
+        ipc bytes; b"" for an error reply). `kept`: as `run`'s (a merge of kept answers
+        is kept in turn)."""
+        message = self._received(body, kept)
+        return self._engine.submit(self._answer_kept, message).result()
+
+    def _received(self, body: bytes, kept: tuple[bytes, ...]) -> dict[str, Any]:
+        """The request, with the objects Ray fetched for it: the answers it gathers (in
+        its "gather" order) and, last, the fields it shares with others ("shared")."""
+        message: dict[str, Any] = ipc.unpack(body)
+        answers = list(kept)
+        if message.get("shared"):
+            fields = answers.pop()
+            message["payload"] = {**message["payload"], **ipc.unpack(fields)}
+        if answers:
+            keys = message.get("gather") or []
+            message["kept"] = {k: ipc.unpack(b) for k, b in zip(keys, answers, strict=True)}
+        request_id: int = message.get("id") or 0
         with self._lock:
             self._request_id = request_id
             self._reports.clear()
-        return self._engine.submit(self._answer, message).result()
+        return message
 
-    def _answer(self, message: dict[str, Any]) -> bytes:
-        from service.worker import compute, dispatch
+    def _reply(self, message: dict[str, Any]) -> dict[str, Any]:
+        from service.worker import dispatch
 
         request_id = message.get("id")
         report = self._report if message.get("progress") else None
-        reply = dispatch.answer(
+        return dispatch.answer(
             self._context, message, cancelled=lambda: self._cancel_id == request_id, report=report
         )
+
+    def _answer(self, message: dict[str, Any]) -> bytes:
+        reply = self._reply(message)
         try:
             return ipc.pack(reply)
         except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry
-            error = compute.internal_error(exc)
-            return ipc.pack({"id": request_id, "ok": False, "error": error})
+            return self._unpackable(reply, exc)
+
+    def _answer_kept(self, message: dict[str, Any]) -> tuple[bytes, bytes]:
+        reply = self._reply(message)
+        result = reply.get("result")
+        if not reply.get("ok") or not isinstance(result, dict) or "stashed" in result:
+            return self._answer_of(reply), b""  # an error, or stashed here: nothing kept
+        small = {k: result.pop(k) for k in KEPT_FIELDS if k in result}
+        try:
+            kept = ipc.pack(result)
+        except (TypeError, ValueError, OverflowError) as exc:
+            return self._unpackable(reply, exc), b""
+        # Its arrays' bytes, as the pool counts every hop's (array_bytes).
+        return self._answer_of({**reply, "result": small, "kept_bytes": array_bytes(result)}), kept
+
+    def _answer_of(self, reply: dict[str, Any]) -> bytes:
+        try:
+            return ipc.pack(reply)
+        except (TypeError, ValueError, OverflowError) as exc:
+            return self._unpackable(reply, exc)
+
+    @staticmethod
+    def _unpackable(reply: dict[str, Any], exc: Exception) -> bytes:
+        """The error reply for an answer msgpack cannot carry."""
+        from service.worker import compute
+
+        error = compute.internal_error(exc)
+        return ipc.pack({"id": reply.get("id"), "ok": False, "error": error})
 
     def _report(self, progress: dict[str, Any]) -> None:
         with self._lock:
@@ -221,6 +297,7 @@ class RayPool(WorkerPool):
         self._workers = [_ActorWorker(i, d) for i, d in enumerate(settings.worker_devices())]
         self._started_ray = False
         self._node: str | None = None  # the Ray node of this process
+        self._shared: dict[str, Any] = {}  # shared fields' ObjectRefs by key (share)
 
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -279,6 +356,7 @@ class RayPool(WorkerPool):
 
     async def close(self) -> None:
         await super().close()
+        self._shared.clear()
         if self._started_ray:
             self._started_ray = False
             await asyncio.to_thread(ray.shutdown)
@@ -287,8 +365,13 @@ class RayPool(WorkerPool):
     async def _roundtrip(self, w: _Worker, job: _Job) -> dict[str, Any]:
         assert isinstance(w, _ActorWorker)
         actor, generation = w.actor, w.generation
+        kept_ref = None
         try:
-            ref = actor.run.remote(job.outgoing.body)  # the ipc bytes packed at submit
+            # The ipc bytes packed at submit (and the refs of the answers it gathers).
+            if job.keep is not None:
+                ref, kept_ref = actor.run_keep.remote(job.outgoing.body, *job.gathered)
+            else:
+                ref = actor.run.remote(job.outgoing.body, *job.gathered)
             watch = job.watch
             if watch is None or watch.progress is None:
                 body = await ref
@@ -300,6 +383,19 @@ class RayPool(WorkerPool):
             self._spawn_task(self._replace(w, generation, "crash"))
             raise WorkerCrashed(w.index, None, how_it_died(exc)) from None
         except RayError as exc:
+            if job.gathered:
+                # A kept answer it gathers could not be fetched (lost with its node, or
+                # its owner): the caller asks its part again.
+                log.warning("worker %d: a kept answer was lost: %s", w.index, exc)
+                return {
+                    "id": job.id,
+                    "ok": False,
+                    "error": {
+                        "type": KEPT_LOST,
+                        "message": "a shard's kept answer was lost before "
+                        f"its sum ({type(exc).__name__}); ask again",
+                    },
+                }
             # The actor's own code raised (dispatch.answer never does): a bug, answered
             # as one (500), and the actor, alive, takes the next request.
             log.error("worker %d: the Ray actor's call failed: %s", w.index, exc)
@@ -312,7 +408,62 @@ class RayPool(WorkerPool):
                 },
             }
         reply: dict[str, Any] = ipc.unpack(body)
+        if kept_ref is not None and "kept_bytes" in reply:
+            reply["kept_ref"] = kept_ref  # for _kept_answer, which keeps it (or lets it go)
         return reply
+
+    # Kept answers -------------------------------------------------------------------------
+    def _gather(self, message: dict[str, Any], keys: Sequence[str]) -> list[Any]:
+        """The kept answers' refs, handed to the actor's `run` with the request (their
+        keys in the message, in the same order): Ray moves the bytes, not this process."""
+        if not keys:
+            return []
+        kept = self._take(keys)
+        message["gather"] = list(keys)
+        self.observer.arrays_moved("between_workers", sum(k.nbytes for k in kept))
+        return [k.value for k in kept]
+
+    @property
+    def kept_between_workers(self) -> bool:
+        return True  # node to node, as object references
+
+    async def share(self, fields: dict[str, Any]) -> str | None:
+        """Put the fields into the object store once; None below Ray's inline limit
+        (such objects travel inside each request's message anyway)."""
+        nbytes = array_bytes(fields)
+        if nbytes < SHARE_MIN_BYTES:
+            return None
+        body = ipc.pack(fields)
+        ref = await asyncio.to_thread(ray.put, body)  # a copy into the store: off the loop
+        key = secrets.token_urlsafe(12)
+        self._shared[key] = ref
+        self.observer.arrays_moved("to_workers", nbytes)  # once, whatever the requests
+        return key
+
+    def _shared_fields(self, message: dict[str, Any], key: str) -> list[Any]:
+        """The shared fields' ref, handed to the actor after the gathered answers."""
+        ref = self._shared.get(key)
+        if ref is None:
+            raise ComputeFailed(
+                {"type": KEPT_LOST, "message": f"the shared fields {key} are gone; ask again"}
+            )
+        message["shared"] = True
+        return [ref]
+
+    def release(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        super().release(keys)
+        for key in keys:
+            self._shared.pop(key, None)
+
+    def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
+        """The kept answer's ref, kept; its handle and bookkeeping returned."""
+        assert job.keep is not None
+        if "kept_ref" not in message:
+            return message.get("result")  # its actor stashed it itself: nothing kept
+        ref = message.pop("kept_ref")
+        self._keep(job.keep, ref, int(message.get("kept_bytes", 0)))
+        return kept_reply(job.keep, message.get("result"))
 
     async def _with_progress(self, actor: Any, ref: Any, job: _Job) -> bytes:
         """The reply of `ref`, handing the request's progress reports to its watch as

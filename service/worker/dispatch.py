@@ -44,6 +44,9 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
         if cancelled is not None and cancelled():
             raise gt.Interrupted("the request was cancelled")
 
+    # Other workers' answers the pool hands with the request (a shard's products, summed
+    # here): stashed for the handler, let go once it has answered.
+    received = shards.receive(context, message.get("kept") or {})
     try:
         if handler is None:
             raise RequestError("internal", f"unknown request kind {message.get('kind')!r}")
@@ -69,6 +72,8 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         return {"id": request_id, "ok": False, "error": describe_error(exc)}
+    finally:
+        shards.forget(context, received)
     return {
         "id": request_id,
         "ok": True,

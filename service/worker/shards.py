@@ -143,6 +143,26 @@ def stash(context: WorkerContext, key: str, result: dict[str, Any]) -> dict[str,
     return {"stashed": key, "tape": meta}
 
 
+def receive(context: WorkerContext, kept: Mapping[str, Any]) -> list[str]:
+    """Stash the kept answers the pool hands with a request (other shards' answers,
+    computed in other workers: service/pool/base.py's `gather`), for its sum to find
+    under their keys as it finds this worker's own; their keys, for `forget` once the
+    request has answered. Never refused for size: they are summed now."""
+    stash_ = _stash(context)
+    now = time.monotonic()
+    for key, result in kept.items():
+        stash_[key] = Kept(result, 0, now)  # 0: out of STASH_MOST_BYTES' account
+    return list(kept)
+
+
+def forget(context: WorkerContext, keys: Sequence[str]) -> None:
+    """Let go of what `receive` stashed for a request that has answered (unused on an
+    error: it would otherwise hold the request's memory, or its arena, until it expires)."""
+    stash_ = _stash(context)
+    for key in keys:
+        stash_.pop(key, None)
+
+
 def _part(context: WorkerContext, part: Any, path: Sequence[str] = ()) -> Any:
     """A part's answer as sent, or the one kept here under {"stashed": key}."""
     if not (isinstance(part, Mapping) and "stashed" in part):

@@ -50,10 +50,15 @@ from tests.service.test_tape_shard_pieces import (  # noqa: F401 - pieces over t
     test_sharded_jacobians_equal_unsharded,
 )
 from tests.service.test_tape_shards import (  # noqa: F401 - sharded over the actors
+    close,
+    hvp_traffic,
     pair,
+    test_a_coordinator_lost_mid_run_starts_the_run_again,
+    test_a_sharded_job_reports_progress_and_is_cancelled_whole,
     test_sharded_algorithms_equal_unsharded,
     test_sharded_hvp_and_batched_hvps_equal_unsharded,
     test_sharded_loss_and_gradient_equal_unsharded,
+    traffic,
 )
 from tests.service.test_tapes import (  # noqa: F401
     test_killed_worker_loses_nothing,
@@ -63,7 +68,7 @@ from tests.service.test_workers import _busy_worker, _wait_dead
 from tests.service.test_workers import (  # noqa: F401
     test_time_limit as test_time_limit_kills_the_actor,
 )
-from tests.service.wire import arr, post, problem
+from tests.service.wire import arr, ok, post, problem, t
 
 pytestmark = pytest.mark.ray
 
@@ -461,3 +466,184 @@ def test_without_ray_installed_the_setting_says_what_to_install(
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ValueError, match=r"needs Ray .*pip install 'gradtape\[ray\]'"):
         make_pool(Settings(executor="ray"))
+
+
+# ----------------------------------------------------------------------------------------
+# Sums between the actors: the parts' answers never come to the HTTP process
+# ----------------------------------------------------------------------------------------
+
+
+def test_the_parts_answers_go_between_the_actors(
+    client: httpx.Client,
+    pair: tuple[dict, dict],  # noqa: F811 - the fixture imported above
+) -> None:
+    """The answer of the part off the coordinator's actor stays in Ray's object store and
+    goes to the coordinator as an object reference: the HTTP process receives the sum
+    only, exactly as for the unsharded tape (test_tape_shards has the local pool's
+    figures, where it passes through once). These vectors are small: each part's request
+    carries them (Ray would inline them anyway)."""
+    size, plain, sharded = hvp_traffic(client, pair)
+    assert plain == {"to_workers": size, "from_workers": size, "between_workers": 0}
+    assert sharded == {"to_workers": 3 * size, "from_workers": size, "between_workers": size}
+
+
+MLP_ROWS, MLP_IN, MLP_HIDDEN, MLP_OUT = 256, 48, 256, 4  # 13,572 parameters, 106 KiB
+MLP_KEYS = {"w1": (MLP_IN, MLP_HIDDEN), "b1": (MLP_HIDDEN,), "w2": (MLP_HIDDEN, MLP_OUT)}
+
+
+def mlp_definition() -> dict:
+    g = np.random.default_rng(1616)
+    return {
+        "variables": {
+            k: t(g.standard_normal(shape) * 0.2, "float64") for k, shape in MLP_KEYS.items()
+        },
+        "inputs": {
+            "x": t(g.standard_normal((MLP_ROWS, MLP_IN)), "float64"),
+            "y": t(g.standard_normal((MLP_ROWS, MLP_OUT)), "float64"),
+        },
+        "program": ["h = tanh(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"],
+    }
+
+
+@pytest.fixture(scope="module")
+def mlp(client: httpx.Client) -> Iterator[tuple[str, str]]:
+    """A tanh MLP's mean loss, unsharded and in two shards (one per actor): a parameter
+    vector of 106 KiB, so that a part's answer is an object of Ray's store, not one Ray
+    inlines into its caller's memory (under 100 KiB)."""
+    definition = mlp_definition()
+    tapes = []
+    for extra in ({}, {"shards": 2}):
+        r = client.post("/v1/tapes", json={"definition": definition, "target": "loss", **extra})
+        assert r.status_code == 201, r.text
+        tapes.append(r.json()["tape_id"])
+    yield tapes[0], tapes[1]
+    for tape in tapes:
+        client.delete(f"/v1/tapes/{tape}")
+
+
+def _mlp_vectors(k: int, seed: int) -> dict:
+    g = np.random.default_rng(seed)
+    return {
+        "vectors": [
+            {key: t(g.standard_normal(shape), "float64") for key, shape in MLP_KEYS.items()}
+            for _ in range(k)
+        ]
+    }
+
+
+def test_a_large_sharded_hvp_is_summed_between_the_actors(
+    client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    plain, sharded = mlp
+    body = _mlp_vectors(3, 5)
+    size = 3 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
+    want = post(client, f"/v1/tapes/{plain}/hvp", body)["hvps"]
+    before = traffic(client)
+    got = post(client, f"/v1/tapes/{sharded}/hvp", body)["hvps"]
+    after = traffic(client)
+    for g_, w_ in zip(got, want, strict=True):
+        for key in MLP_KEYS:
+            close(arr(g_[key]), arr(w_[key]))
+    moved = {k: after[k] - before[k] for k in after}
+    # The vectors put into Ray's object store once for both parts; one part's answer
+    # from its actor to the coordinator's; the sum to the HTTP process.
+    assert moved == {"to_workers": size, "from_workers": size, "between_workers": size}
+
+
+def _trace_in_background(base_url: str, tape: str, body: dict) -> tuple[threading.Thread, list]:
+    result: list[httpx.Response] = []
+
+    def run() -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as c:
+            result.append(c.post(f"/v1/tapes/{tape}/trace", json=body))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def _kill_actor(server: Server, index: int) -> dict:
+    victim = next(w for w in server.wait_ready()["workers"] if w["index"] == index)
+    os.kill(victim["pid"], signal.SIGKILL)  # as ray.kill: Ray sees its actor die
+    return victim
+
+
+def test_an_actor_killed_mid_product_and_the_next_answer_is_the_same(
+    server: Server, client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    """A seeded Hutchinson trace over the sharded tape (one product per step, each the
+    two parts' answers summed between the actors); an actor is killed while the run
+    asks its products: the part's, then the coordinator's. The run answers the same
+    numbers (a part lost is asked again, recorded again alone; a coordinator lost runs
+    again) or a clear 5xx, and the next request answers the same as before the kills."""
+    _, sharded = mlp
+    body = {
+        "method": "hutchinson",
+        "max_hvps": 240,
+        "batch_size": 2,
+        "seed": 3,
+        "time_limit": 120,
+        "max_seconds": 120,
+    }
+    reference = post(client, f"/v1/tapes/{sharded}/trace", body)
+    workers = [s["worker"] for s in ok(client.get(f"/v1/tapes/{sharded}"))["shards"]]
+    assert len(set(workers)) == 2  # one part per actor; the first is the coordinator's
+    for victim_index in (workers[1], workers[0]):
+        thread, result = _trace_in_background(server.base_url, sharded, body)
+        time.sleep(reference["seconds"] / 3)  # some of its 120 steps in
+        assert thread.is_alive(), "the run ended before the kill: make it longer"
+        victim = _kill_actor(server, victim_index)
+        thread.join(120)
+        answer = result[0]
+        if answer.status_code == 200:
+            assert answer.json()["trace"] == reference["trace"]
+        else:  # the coordinator's summing request itself was lost: a clear, retryable 5xx
+            found = problem(answer, answer.status_code)
+            assert answer.status_code in (502, 503), found
+        _wait_dead(victim["pid"])
+        again = post(client, f"/v1/tapes/{sharded}/trace", body)
+        assert again["trace"] == reference["trace"]
+        assert again["hvps"] == reference["hvps"]
+    assert ok(client.get(f"/v1/tapes/{sharded}"))["rebuilds"] >= 2
+
+
+def test_six_shards_sum_their_kept_answers_in_a_tree(
+    client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    """Six shards on the two actors (parts on a, b, a, b, a, b): two of the three kept
+    answers of b's parts are summed on b first (a merge where they are), and the
+    coordinator gathers that one and the third beside its own three parts'; the HVP and
+    an algorithm's products equal the unsharded tape's. The HTTP process still receives
+    the sum only."""
+    plain, _ = mlp
+    r = client.post(
+        "/v1/tapes", json={"definition": mlp_definition(), "target": "loss", "shards": 6}
+    )
+    assert r.status_code == 201, r.text
+    six = r.json()["tape_id"]
+    try:
+        assert [s["worker"] for s in ok(client.get(f"/v1/tapes/{six}"))["shards"]] in (
+            [0, 1, 0, 1, 0, 1],
+            [1, 0, 1, 0, 1, 0],
+        )
+        vectors = _mlp_vectors(2, 9)
+        size = 2 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
+        want = post(client, f"/v1/tapes/{plain}/hvp", vectors)["hvps"]
+        post(client, f"/v1/tapes/{six}/gradient", {})  # warm: nothing recorded again below
+        before = traffic(client)
+        got = post(client, f"/v1/tapes/{six}/hvp", vectors)["hvps"]
+        after = traffic(client)
+        for g_, w_ in zip(got, want, strict=True):
+            for key in MLP_KEYS:
+                close(arr(g_[key]), arr(w_[key]))
+        moved = {k: after[k] - before[k] for k in after}
+        # Two kept answers into the merge; the merged one and the third into the sum.
+        assert moved == {"to_workers": size, "from_workers": size, "between_workers": 4 * size}
+        eigen = {"k": 2, "tol": 1e-10, "max_hvps": 80}
+        close(
+            post(client, f"/v1/tapes/{six}/eigenvalues", eigen)["eigenvalues"],
+            post(client, f"/v1/tapes/{plain}/eigenvalues", eigen)["eigenvalues"],
+            1e-9,
+        )
+    finally:
+        client.delete(f"/v1/tapes/{six}")

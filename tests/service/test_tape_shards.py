@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from engine.language.limits import Limits
 from service.api.errors import pool_problem
+from service.core import shm
 from service.core.config import Settings
 from service.pool import ComputeFailed
 from service.worker import shards as worker_shards
@@ -121,6 +122,48 @@ def test_sharded_hvp_and_batched_hvps_equal_unsharded(client, pair) -> None:
     want = post(client, f"/v1/tapes/{plain['tape_id']}/hvp", flat)
     got = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", flat)
     close(arr(got["flat"]["hvp"]), arr(want["flat"]["hvp"]))
+
+
+def traffic(client) -> dict[str, float]:
+    """The pool's array bytes so far, by route (GET /metrics)."""
+    found = {"to_workers": 0.0, "from_workers": 0.0, "between_workers": 0.0}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("gradtape_pool_array_bytes_total{"):
+            route = line.split('route="', 1)[1].split('"', 1)[0]
+            found[route] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def hvp_traffic(client, pair) -> tuple[int, dict[str, float], dict[str, float]]:
+    """(the bytes of 4 vectors, the unsharded tape's HVP traffic, the sharded one's),
+    both answers checked equal. The sharded tape's parts lie on workers a, b, a: the
+    coordinator's worker holds two of the three parts."""
+    plain, sharded = pair
+    body = {"vectors": [wire(v) for v in vectors(7, 4)]}
+    size = 4 * 8 * sum(int(np.prod(SHAPES[k])) for k in KEYS)  # float64
+    deltas, answers = [], []
+    for tape in (plain, sharded):
+        # Recorded again first if an earlier test's kill took it (its definition travels).
+        post(client, f"/v1/tapes/{tape['tape_id']}/gradient", {})
+        before = traffic(client)
+        answers.append(post(client, f"/v1/tapes/{tape['tape_id']}/hvp", body)["hvps"])
+        after = traffic(client)
+        deltas.append({k: after[k] - before[k] for k in after})
+    for g, w in zip(*answers, strict=True):
+        close_tensors(g, w)
+    return size, deltas[0], deltas[1]
+
+
+def test_local_pool_routes_the_off_coordinator_parts_answer_once(client, pair) -> None:
+    """The local pool keeps the answer of the part off the coordinator's worker here and
+    sends it on with the sum (bench/RESULTS.md: a handoff between workers did not pay on
+    one host); the coordinator's own two parts never travel. /metrics counts it."""
+    size, plain, sharded = hvp_traffic(client, pair)
+    assert plain == {"to_workers": size, "from_workers": size, "between_workers": 0}
+    # In: the vectors to each part, the kept part's answer to the sum; out: the kept
+    # part's answer and the sum.
+    assert sharded == {"to_workers": 4 * size, "from_workers": 2 * size,
+                       "between_workers": 0}
 
 
 def test_sharded_algorithms_equal_unsharded(client, pair) -> None:
@@ -608,3 +651,67 @@ def test_a_lost_shard_state_is_a_503_to_retry() -> None:
     assert response.headers["Retry-After"] == str(settings.retry_after)
     assert response.headers["Content-Type"] == "application/problem+json"
     assert b"holds no sharded run" in response.body
+
+
+def test_the_pools_kept_answers_are_gathered_once_released_and_lost_clearly() -> None:
+    """The pool protocol under the sums (service/pool/base.py), on a real local pool of
+    two workers: an answer kept from worker 1 (arrays past the shared-memory threshold)
+    is summed in worker 0 when gathered; gathered twice, released, or never kept: the
+    request fails with shard-state-lost (the sharded tape then asks its parts again);
+    nothing is left in /dev/shm."""
+    import asyncio
+
+    from service.pool import KEEP, KEPT_LOST
+    from service.pool.local import WorkerPool
+
+    big = np.arange(50_000, dtype=np.float64)  # 400 KB: through the workers' arenas
+
+    def part(scale: float) -> dict:
+        return {"parts": [{"value": np.array(scale), "gradients": {"w": big * scale}}],
+                "weights": [1.0]}
+
+    async def scenario() -> None:
+        pool = WorkerPool(Settings(workers=2))
+        await pool.start()
+        try:
+            kept = await pool.submit("shard_combine", {**part(2.0), KEEP: "a"}, worker=1)
+            assert kept.result == {"stashed": "a", "kept": True}
+            summed = await pool.submit(
+                "shard_combine",
+                {"parts": [{"stashed": "a"}, part(1.0)["parts"][0]], "weights": [0.5, 0.5]},
+                worker=0, gather=["a"])
+            assert float(summed.result["value"]) == 1.5
+            np.testing.assert_array_equal(summed.result["gradients"]["w"], big * 1.5)
+            for keys in (["a"], ["never"]):  # gathered already; never kept
+                with pytest.raises(ComputeFailed) as lost:
+                    await pool.submit("shard_combine", {"parts": [{"stashed": keys[0]}],
+                                                        "weights": [1.0]}, worker=0,
+                                      gather=keys)
+                assert lost.value.error["type"] == KEPT_LOST
+            await pool.submit("shard_combine", {**part(3.0), KEEP: "b"}, worker=1)
+            pool.release(["b", "unknown"])
+            with pytest.raises(ComputeFailed) as lost:
+                await pool.submit("shard_combine", {"parts": [{"stashed": "b"}],
+                                                    "weights": [1.0]}, worker=0, gather=["b"])
+            assert lost.value.error["type"] == KEPT_LOST
+            # A kept answer's error is answered as ever, and nothing is kept.
+            with pytest.raises(ComputeFailed) as failed:
+                await pool.submit("shard_combine", {"parts": [{"stashed": "nowhere"}],
+                                                    "weights": [1.0], KEEP: "c"}, worker=1)
+            assert failed.value.error["type"] == KEPT_LOST  # the worker's own: no stash
+            assert "c" not in pool._kept
+            # Stashed by its worker itself (the coordinator's own part): not kept again;
+            # the sum in that worker finds it there.
+            own = await pool.submit("shard_combine", {**part(4.0), KEEP: "d", "stash": "d"},
+                                    worker=0)
+            assert own.result == {"stashed": "d", "tape": None} and "d" not in pool._kept
+            summed = await pool.submit(
+                "shard_combine", {"parts": [{"stashed": "d"}], "weights": [0.25]}, worker=0)
+            np.testing.assert_array_equal(summed.result["gradients"]["w"], big)
+            prefix = pool._channel.prefix if pool._channel is not None else None
+        finally:
+            await pool.close()
+        if prefix is not None:
+            assert not [n for n in os.listdir(shm.DIRECTORY) if n.startswith(prefix)]
+
+    asyncio.run(scenario())
