@@ -100,10 +100,11 @@ class Settings(BaseSettings):
     )
     worker_tune_allocator: bool = Field(
         default=defaults.WORKER_TUNE_ALLOCATOR,
-        description="raise glibc's mmap/trim thresholds in the workers (engine.tune_allocator): "
-        "freed array memory is reused instead of page-faulted in again, so repeated requests "
-        "run faster and a worker's RSS settles at its working set instead of swinging with "
-        "each request; off: memory goes back to the system sooner",
+        description="raise glibc's mmap/trim thresholds in the workers (the engine's default "
+        "at import, engine/allocator.py): freed array memory is reused instead of "
+        "page-faulted in again, so repeated requests run faster and a worker's RSS settles "
+        "at its working set instead of swinging with each request; off: the workers start "
+        "with GRADTAPE_TUNE_ALLOCATOR=0 and memory goes back to the system sooner",
     )
 
     # Requests -----------------------------------------------------------------------------

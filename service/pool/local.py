@@ -83,6 +83,14 @@ from service.pool.base import (
 log = logging.getLogger("gradtape.workers")
 
 BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Read by the engine once, at its import (engine/allocator.py's OPT_OUT): a worker imports
+# the engine before it hears its options, so worker_tune_allocator travels this way.
+ALLOCATOR_VARIABLE = "GRADTAPE_TUNE_ALLOCATOR"
+
+
+def worker_environment(settings: Settings) -> dict[str, str]:
+    """What a worker's environment must say before it imports the engine."""
+    return {ALLOCATOR_VARIABLE: "1" if settings.worker_tune_allocator else "0"}
 # A kept answer no request gathered (its caller went away without releasing it) is let go
 # after this long (the sharded runs' own idle limit, service/worker/shards.py).
 KEPT_SECONDS = 600.0
@@ -182,6 +190,7 @@ class WorkerPool:
                 os.environ[name] = threads
             else:
                 os.environ.setdefault(name, threads)
+        os.environ.update(worker_environment(self.settings))  # inherited, as the above
         if self._channel is not None:
             # What a server killed outright (SIGKILL, OOM) left in /dev/shm.
             await asyncio.to_thread(shm.sweep_orphans)

@@ -81,7 +81,13 @@ from service.pool.base import (
     array_bytes,
     kept_reply,
 )
-from service.pool.local import BLAS_THREAD_VARIABLES, WorkerPool, _Job, _Worker
+from service.pool.local import (
+    BLAS_THREAD_VARIABLES,
+    WorkerPool,
+    _Job,
+    _Worker,
+    worker_environment,
+)
 
 log = logging.getLogger("gradtape.workers")
 
@@ -505,7 +511,9 @@ class RayPool(WorkerPool):
             "num_cpus": 1,
             "max_concurrency": ACTOR_THREADS,
             "max_restarts": 0,  # the pool replaces a dead actor itself (a new generation)
-            "runtime_env": {"env_vars": {name: str(threads) for name in BLAS_THREAD_VARIABLES}},
+            "runtime_env": {"env_vars": {
+                **{name: str(threads) for name in BLAS_THREAD_VARIABLES},
+                **worker_environment(self.settings)}},
         }
         if device.startswith("cuda"):
             options["num_gpus"] = 1

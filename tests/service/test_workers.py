@@ -246,3 +246,34 @@ def test_a_request_cancelled_as_a_worker_takes_it_never_reaches_the_worker() -> 
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def _environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = f.read().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs Linux /proc")
+@pytest.mark.parametrize("setting, expected", [("true", "1"), ("false", "0")])
+def test_the_allocator_setting_reaches_the_workers_before_the_engine(
+    setting: str, expected: str, tmp_path, client: httpx.Client
+) -> None:
+    """The engine tunes the allocator at import unless GRADTAPE_TUNE_ALLOCATOR says no; a
+    worker imports it before it hears its options, so worker_tune_allocator must be in its
+    environment from the start; its answers are the same either way."""
+    from engine.allocator import OPT_OUT
+    from service.pool.local import ALLOCATOR_VARIABLE
+    from tests.service.conftest import start_server, stop_server
+
+    assert ALLOCATOR_VARIABLE == OPT_OUT  # the service names it without importing the engine
+    srv = start_server({"GRADTAPE_WORKER_TUNE_ALLOCATOR": setting, "GRADTAPE_WORKERS": "1"},
+                       tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as own:
+            pid = own.get("/readyz").json()["workers"][0]["pid"]
+            assert _environment(pid)[OPT_OUT] == expected
+            body = post(own, "/v1/gradient", GRADIENT_EXAMPLE)
+        assert body == post(client, "/v1/gradient", GRADIENT_EXAMPLE)
+    finally:
+        stop_server(srv)
