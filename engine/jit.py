@@ -246,8 +246,12 @@ class Jit:
             else:
                 layout.append(_static_key(leaf))
         # A replay records nothing: under an outer tape, accumulator or capture, f runs
-        # dynamically so that they see every op.
-        if trace.anything_active() or trace.capture is not None or self._reaches(leaves):
+        # dynamically so that they see every op. One Tensor given as two arguments (tied
+        # weights) is differentiated at both uses by the dynamic transform; the capture
+        # would give each argument its own seed: dynamic too.
+        tensors = [id(x) for x in leaves if isinstance(x, Tensor)]
+        if (trace.anything_active() or trace.capture is not None or self._reaches(leaves)
+                or len(set(tensors)) != len(tensors)):
             return dynamic(*args, **kwargs)
         for ref, array in self._variables:
             variable = ref()

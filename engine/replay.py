@@ -148,12 +148,15 @@ class Capture:
 
     def host_read(self, t: Tensor) -> None:
         entry = self.slots.get(id(t))
-        if (
-            entry is not None
-            and entry[1]() is t
-            and self.kinds[entry[0]] != _CONST
-            and entry[0] not in self.pinned
-        ):
+        if entry is None or entry[1]() is not t:
+            # Not made by the pass's ops: a known constant is fine; anything else was made
+            # outside the ops from the pass's values (`x.value` read by the caller, say),
+            # and what a rule derives from it (a one-hot) would be frozen in a replay.
+            if not (self.known.get(id(t)) is t or self.known.get(id(t.value)) is t.value):
+                self.failure = ("a rule read, on the host, an array made outside the ops "
+                                "during the pass (data-dependent)")
+            return
+        if self.kinds[entry[0]] != _CONST and entry[0] not in self.pinned:
             self.failure = "a rule read a value of the pass on the host (data-dependent)"
 
     def schedule(self, outputs: Sequence[Tensor | None], pool_limit: int) -> Schedule:

@@ -55,8 +55,11 @@ MADE_OUTSIDE = {
     "prod_zero",
 }
 # Rows whose gather indices come from the data (a sort's order): a replay would keep the
-# captured call's order, so the capture sees the read and the calls stay dynamic.
-READ_ON_HOST = {"sort", "sort_descending", "top_k"}
+# captured call's order, so the capture sees the read and the calls stay dynamic. The
+# embedding rows read ids the row makes outside the ops on every call (a literal here, but
+# the capture cannot tell a literal from ids derived from the arguments' values, which a
+# replay would freeze): dynamic too.
+READ_ON_HOST = {"sort", "sort_descending", "top_k", "embedding"}
 
 
 @pytest.mark.parametrize("row, shapes", CASES)
@@ -468,3 +471,44 @@ def test_any_function_of_tapes_and_transforms_compiles() -> None:
         assert list(jitted.status().values()) == ["compiled"], (name, jitted.status())
     h = gt.jit(gt.hessian(loss))(w).numpy().reshape(6, 6)
     np.testing.assert_allclose(h, gt.hessian_operator(loss, w).dense(), rtol=1e-10, atol=1e-12)
+
+
+def test_one_tensor_given_as_two_arguments_is_differentiated_at_both_uses() -> None:
+    """Tied weights: the dynamic transform sums both uses' gradients; a capture would give
+    each argument its own seed, so such calls stay dynamic (found by review: from the
+    second call on, the replay answered one use's share)."""
+    rng = np.random.default_rng(4)
+    w, x = gt.constant(rng.normal(size=(3, 2))), gt.constant(rng.normal(size=(5, 3)))
+
+    def f(p, x):
+        return gt.sum((x @ p["a"]) * (x @ p["b"]))
+
+    jitted, dynamic = gt.jit(f).grad(), gt.grad(f)
+    for _ in range(4):
+        got, want = jitted({"a": w, "b": w}, x), dynamic({"a": w, "b": w}, x)
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(got[k].numpy(), want[k].numpy())
+    product = gt.jit(lambda a, b: gt.sum(a * b)).grad(0)
+    for _ in range(3):  # d/dw sum(w * w) = 2 w: both uses
+        np.testing.assert_array_equal(product(w, w).numpy(), 2 * w.numpy())
+
+
+def test_labels_made_outside_the_ops_from_an_argument_are_not_frozen() -> None:
+    """A one-hot of labels the caller derived from an argument's values (through .value,
+    outside the ops) must follow the new values: such a capture fails and the key stays
+    dynamic (found by review: the replay kept the captured call's one-hot)."""
+    rng = np.random.default_rng(6)
+    w = gt.constant(rng.normal(size=(3, 2)))
+
+    def f(w, x):
+        labels = gt.constant((x.value[:, 0] > 0).astype(np.int64))
+        return gt.sum(gt.one_hot(labels, 2, dtype="float64") * (x @ w))
+
+    compiled = gt.jit(f)
+    jitted, dynamic = compiled.value_and_grad(), gt.value_and_grad(f)
+    for _ in range(5):
+        x = gt.constant(rng.normal(size=(8, 3)))
+        (v1, g1), (v2, g2) = jitted(w, x), dynamic(w, x)
+        assert v1.numpy() == v2.numpy()
+        np.testing.assert_array_equal(g1.numpy(), g2.numpy())
+    assert "compiled" not in compiled.status().values(), compiled.status()
