@@ -138,7 +138,7 @@ CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(owner);
 CREATE TABLE IF NOT EXISTS processes (
     token   TEXT PRIMARY KEY,  -- random, per process start
     pid     INTEGER NOT NULL,
-    started REAL NOT NULL,
+    started REAL NOT NULL,     -- its start: /proc's clock ticks since boot (else a time)
     seen    REAL NOT NULL      -- its last heartbeat
 );
 -- Each API key's rate-limit bucket, shared by the HTTP processes (service/api/fairness.py).
@@ -704,13 +704,13 @@ class Store:
             (owner,))[0]
         return int(count), int(total)
 
-    def expire_tapes(self, now: float) -> list[TapeRow]:
-        """End every live tape whose last use (by any process) is older than its ttl,
-        with its parts; return the rows ended (one transaction: each ends once)."""
+    def expire_tapes(self, now: float, grace: float = 0.0) -> list[TapeRow]:
+        """End every live tape whose last use (by any process) is older than its ttl (and
+        `grace`), with its parts; return the rows ended (one transaction: each ends once)."""
         with self._transaction() as db:
             rows = [_tape(r) for r in db.execute(
-                _TAPE_SELECT + " WHERE state = 'live' AND last_used + ttl <= ? AND "
-                "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)", (now,))]
+                _TAPE_SELECT + " WHERE state = 'live' AND last_used + ttl + ? <= ? AND "
+                "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)", (grace, now))]
             ids = [r.id for r in rows]
             for r in rows:
                 if r.shards and "ids" in r.shards:
@@ -806,10 +806,11 @@ class Store:
                        "ON CONFLICT (token) DO UPDATE SET seen = excluded.seen",
                        (token, pid, started, when))
 
-    def process(self, token: str) -> tuple[int, float] | None:
-        """(pid, last heartbeat) of an HTTP process, or None."""
-        rows = self._query("SELECT pid, seen FROM processes WHERE token = ?", (token,))
-        return (int(rows[0][0]), float(rows[0][1])) if rows else None
+    def process(self, token: str) -> tuple[int, float, float] | None:
+        """(pid, start, last heartbeat) of an HTTP process, or None."""
+        rows = self._query("SELECT pid, started, seen FROM processes WHERE token = ?",
+                           (token,))
+        return (int(rows[0][0]), float(rows[0][1]), float(rows[0][2])) if rows else None
 
     def forget_process(self, token: str) -> None:
         with self._transaction() as db:

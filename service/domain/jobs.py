@@ -57,7 +57,8 @@ Problem = Callable[[str, str, str], dict[str, Any]]
 
 CANCEL_POLL = 0.2  # seconds between a running job's looks at the store for a cancel
 FOLLOW_POLL = 0.1  # seconds between an events stream's looks at another process's job
-PROCESS_SILENT_AFTER = 6  # sweeps without a heartbeat: that HTTP process is gone
+# Without /proc: sweeps without a heartbeat after which that HTTP process is taken for gone
+PROCESS_SILENT_AFTER = 6
 
 
 @dataclass(eq=False)
@@ -200,7 +201,9 @@ class JobRegistry:
         assert self.store is not None
         now = time.time()
         self.pid = os.getpid()  # (uvicorn may build the app before it forks)
-        await asyncio.to_thread(self.store.heartbeat, self.process, self.pid, self.booted, now)
+        ticks = _start_ticks(self.pid)
+        started = self.booted if ticks is None else float(ticks)
+        await asyncio.to_thread(self.store.heartbeat, self.process, self.pid, started, now)
 
     def _write(self, job: Job) -> None:
         """The job changed: write it to the store (one writer per job at a time, which
@@ -211,14 +214,24 @@ class JobRegistry:
 
     async def _writer_loop(self, job: Job) -> None:
         assert self.store is not None
+        failures = 0
         while job._dirty:
             job._dirty = False
             row = job.to_row(self.process)
             try:
                 kept = await asyncio.to_thread(self.store.save_job, row, True)
             except Exception:
-                log.exception("could not write job %s... to the store", job.id[:8])
+                # (A locked or full store.) The state must still land, the last one above
+                # all: other processes would read the job as running for ever. Try again,
+                # backing off.
+                if failures % 10 == 0:
+                    log.exception("could not write job %s... to the store (attempt %d)",
+                                  job.id[:8], failures + 1)
+                failures += 1
+                job._dirty = True
+                await asyncio.sleep(min(0.05 * 2**failures, 2.0))
                 continue
+            failures = 0
             if not kept and not job.ended:
                 self.cancel_here(job)  # cancelled through another process meanwhile
 
@@ -251,10 +264,20 @@ class JobRegistry:
             return row
         assert self.store is not None
         found = await asyncio.to_thread(self.store.process, row.process)
-        silent = PROCESS_SILENT_AFTER * min(self.settings.tape_sweep_interval,
-                                            self.settings.job_ttl)
-        if found is not None and _alive(found[0]) and time.time() - found[1] < silent:
-            return row
+        if found is not None:
+            pid, started, seen = found
+            if PROC_STAT:
+                # The very process (a reused pid has another start): alive, however long
+                # its heartbeats have not reached the store (a store locked for a while
+                # must not make a live process's jobs lost).
+                if _start_ticks(pid) == started:
+                    return row
+            else:
+                silent = PROCESS_SILENT_AFTER * min(self.settings.tape_sweep_interval,
+                                                    self.settings.job_ttl)
+                if _alive(pid) and time.time() - seen < silent:
+                    return row
+            found = (pid, started)
         pid = f" (pid {found[0]})" if found is not None else ""
         detail = (f"the HTTP process{pid} that ran job {row.id} exited before the job "
                   "ended (killed, or crashed); its work is lost: start the request again")
@@ -470,6 +493,25 @@ class JobRegistry:
             assert self.store is not None
             await self._heartbeat()
             await asyncio.to_thread(self.store.prune_jobs, now - self.settings.job_ttl)
+
+
+PROC_STAT = os.path.exists("/proc/self/stat")
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When the process `pid` started, in clock ticks since boot (/proc/<pid>/stat's 22nd
+    field): with the pid, it names one process for good. None: no such live process, or
+    no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # (fields after the command, which is in parentheses and may hold spaces)
+    fields = stat.rpartition(b")")[2].split()
+    if fields[0] in (b"Z", b"X"):  # exited, not yet reaped: gone all the same
+        return None
+    return int(fields[19])
 
 
 def _alive(pid: int) -> bool:

@@ -138,12 +138,22 @@ class TapeRegistry:
         self.sharding = Sharding(self)
         self.shared = settings.shared
 
+    @property
+    def _expiry_grace(self) -> float:
+        """How long past its ttl another process waits before it ends a tape (several
+        processes): a tape with a request in flight here has its stored last use
+        refreshed only by this process's sweeps (keep_alive, every tape_sweep_interval), so
+        a request that began just before the ttl ran out must not see its tape ended
+        under it by a process that has not heard of it."""
+        return 2 * self.settings.tape_sweep_interval
+
     # Lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
         """Load the live tapes of the store (none is in a worker yet: each is recorded
         again on its first use) and start the sweeper."""
         if self.shared:  # nothing to load: each tape is adopted on its first use here
-            ended = await asyncio.to_thread(self.store.expire_tapes, time.time())
+            ended = await asyncio.to_thread(self.store.expire_tapes, time.time(),
+                                            self._expiry_grace)
             if ended:
                 log.info("%d tape(s) expired while no process used them", len(ended))
             self.metrics.bind_tapes(self)
@@ -258,10 +268,11 @@ class TapeRegistry:
                 self._forget(local, row.state)
             raise self._gone(row)
         now = time.time()
-        if row.last_used + row.ttl <= now and not (local is not None and local.busy):
+        if (row.last_used + row.ttl + self._expiry_grace <= now
+                and not (local is not None and local.busy)):
             # Unused by every process for its ttl: ended in one transaction that looks at
             # the stored last use again (a use elsewhere meanwhile keeps it).
-            ended = await asyncio.to_thread(self.store.expire_tapes, now)
+            ended = await asyncio.to_thread(self.store.expire_tapes, now, self._expiry_grace)
             self._forget_rows(ended)
             fresh = await asyncio.to_thread(self.store.get_tape, tape_id)
             if fresh is not None and fresh.state != "live":
@@ -803,7 +814,8 @@ class TapeRegistry:
         their ttl, and forget this process's copies of tapes ended anywhere."""
         busy = [t.id for t in self._tapes.values() if t.busy]
         await asyncio.to_thread(self.store.keep_alive, busy, now)
-        self._forget_rows(await asyncio.to_thread(self.store.expire_tapes, now))
+        self._forget_rows(await asyncio.to_thread(self.store.expire_tapes, now,
+                                                  self._expiry_grace))
         held = [t for t in self._tapes.values() if t.parent is None]
         states = await asyncio.to_thread(self.store.tape_states, [t.id for t in held])
         for tape in held:
