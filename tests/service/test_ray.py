@@ -531,12 +531,10 @@ def _mlp_vectors(k: int, seed: int) -> dict:
     }
 
 
-def test_a_large_sharded_hvp_is_summed_between_the_actors(
-    client: httpx.Client, mlp: tuple[str, str]
-) -> None:
-    plain, sharded = mlp
-    body = _mlp_vectors(3, 5)
-    size = 3 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
+def _sharded_hvp_traffic(client: httpx.Client, plain: str, sharded: str, body: dict
+                         ) -> dict[str, int]:
+    """The sharded tape's HVPs, checked against the unsharded tape's, and the array bytes
+    the pool moved for them (to, from and between the workers)."""
     want = post(client, f"/v1/tapes/{plain}/hvp", body)["hvps"]
     before = traffic(client)
     got = post(client, f"/v1/tapes/{sharded}/hvp", body)["hvps"]
@@ -544,7 +542,16 @@ def test_a_large_sharded_hvp_is_summed_between_the_actors(
     for g_, w_ in zip(got, want, strict=True):
         for key in MLP_KEYS:
             close(arr(g_[key]), arr(w_[key]))
-    moved = {k: after[k] - before[k] for k in after}
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_a_large_sharded_hvp_is_summed_between_the_actors(
+    client: httpx.Client, mlp: tuple[str, str]
+) -> None:
+    plain, sharded = mlp
+    body = _mlp_vectors(3, 5)
+    size = 3 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
+    moved = _sharded_hvp_traffic(client, plain, sharded, body)
     # The vectors put into Ray's object store once for both parts; one part's answer
     # from its actor to the coordinator's; the sum to the HTTP process.
     assert moved == {"to_workers": size, "from_workers": size, "between_workers": size}
@@ -628,15 +635,8 @@ def test_six_shards_sum_their_kept_answers_in_a_tree(
         )
         vectors = _mlp_vectors(2, 9)
         size = 2 * 8 * sum(int(np.prod(s)) for s in MLP_KEYS.values())
-        want = post(client, f"/v1/tapes/{plain}/hvp", vectors)["hvps"]
         post(client, f"/v1/tapes/{six}/gradient", {})  # warm: nothing recorded again below
-        before = traffic(client)
-        got = post(client, f"/v1/tapes/{six}/hvp", vectors)["hvps"]
-        after = traffic(client)
-        for g_, w_ in zip(got, want, strict=True):
-            for key in MLP_KEYS:
-                close(arr(g_[key]), arr(w_[key]))
-        moved = {k: after[k] - before[k] for k in after}
+        moved = _sharded_hvp_traffic(client, plain, six, vectors)
         # Two kept answers into the merge; the merged one and the third into the sum.
         assert moved == {"to_workers": size, "from_workers": size, "between_workers": 4 * size}
         eigen = {"k": 2, "tol": 1e-10, "max_hvps": 80}
