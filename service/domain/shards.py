@@ -508,21 +508,11 @@ class Sharding:
                      **({"stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
                         else {})}
                     for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
-
-        async def ask(part: Tape, payload: dict[str, Any]) -> Reply:
-            try:
-                return await self.registry.call(part, kind, payload,
-                                                deadline.left(part.row.worker))
-            except WorkerCrashed:
-                log.info("shard %s... lost with worker %d: asking again", part.id[:8],
-                         part.row.worker)
-                return await self.registry.call(part, kind, payload,
-                                                deadline.left(part.row.worker))
-
         kept = [q["stash"] for q in payloads if "stash" in q]
         try:
             outcomes = await asyncio.gather(
-                *(ask(p, q) for p, q in zip(shards.parts, payloads, strict=True)),
+                *(self._ask(p, kind, q, deadline)
+                  for p, q in zip(shards.parts, payloads, strict=True)),
                 return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
