@@ -112,19 +112,8 @@ class Jit:
         self, argnums: transforms.Argnums = 0, has_aux: bool = False
     ) -> Callable[..., Any]:
         """gt.value_and_grad(f, argnums, has_aux), compiled."""
-        dynamic = transforms.value_and_grad(self.fun, argnums, has_aux)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            nums, _ = transforms._argnums(argnums, len(args), "value_and_grad")
-            return self._call(
-                ("value_and_grad", nums, isinstance(argnums, int), has_aux),
-                f"value_and_grad(argnums={argnums}, has_aux={has_aux})",
-                dynamic,
-                _tensorized(args, nums),
-                kwargs,
-            )
-
-        return wrapped
+        return self._over_argnums("value_and_grad", argnums, "has_aux", has_aux,
+                                  transforms.value_and_grad(self.fun, argnums, has_aux))
 
     def grad(self, argnums: transforms.Argnums = 0, has_aux: bool = False) -> Callable[..., Any]:
         """gt.grad(f, argnums, has_aux), compiled."""
@@ -152,16 +141,22 @@ class Jit:
         self, argnums: transforms.Argnums = 0, chunk_size: int | None = None
     ) -> Callable[..., Any]:
         """gt.jacrev(f, argnums, chunk_size), compiled."""
-        dynamic = transforms.jacrev(self.fun, argnums, chunk_size)
+        return self._over_argnums("jacrev", argnums, "chunk_size", chunk_size,
+                                  transforms.jacrev(self.fun, argnums, chunk_size))
 
-        def wrapped(*args: Any) -> Any:
-            nums, _ = transforms._argnums(argnums, len(args), "jacrev")
+    def _over_argnums(self, name: str, argnums: transforms.Argnums, option: str,
+                      value: Any, dynamic: Callable[..., Any]) -> Callable[..., Any]:
+        """The transform `name` (with its one `option`) of the arguments `argnums`,
+        compiled: the dynamic transform's call, keyed per argument layout."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            nums, _ = transforms._argnums(argnums, len(args), name)
             return self._call(
-                ("jacrev", nums, isinstance(argnums, int), chunk_size),
-                f"jacrev(argnums={argnums}, chunk_size={chunk_size})",
+                (name, nums, isinstance(argnums, int), value),
+                f"{name}(argnums={argnums}, {option}={value})",
                 dynamic,
                 _tensorized(args, nums),
-                {},
+                kwargs,
             )
 
         return wrapped
