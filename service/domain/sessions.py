@@ -239,11 +239,7 @@ class TapeRegistry:
             row = await asyncio.to_thread(self.store.get_tape, tape_id)
             if row is not None and row.owner == owner and row.state != "live":
                 raise self._gone(row)
-        raise ServiceError(
-            "tape-not-found",
-            f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists "
-            "yours)",
-        )
+        raise self._not_found(tape_id)
 
     def _not_found(self, tape_id: str) -> ServiceError:
         return ServiceError(
