@@ -115,3 +115,14 @@ def to_bytes(array: Any) -> tuple[str, list[int], bytes]:
     """raw_view's bytes as an immutable copy (what a store keeps)."""
     name, shape, raw = raw_view(array)
     return name, shape, bytes(raw)
+
+
+def array_bytes(tree: Any) -> int:
+    """The bytes of the arrays in a message (dicts, lists): what a hop moves, give or take
+    its msgpack envelope."""
+    if isinstance(tree, dict):
+        return sum(array_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(array_bytes(v) for v in tree)
+    nbytes = getattr(tree, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0

@@ -116,17 +116,6 @@ def kept_reply(key: str, result: Any) -> dict[str, Any]:
     return small
 
 
-def array_bytes(tree: Any) -> int:
-    """The bytes of the arrays in a message (dicts, lists): what a hop moves, give or take
-    its msgpack envelope."""
-    if isinstance(tree, dict):
-        return sum(array_bytes(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return sum(array_bytes(v) for v in tree)
-    nbytes = getattr(tree, "nbytes", None)
-    return nbytes if isinstance(nbytes, int) else 0
-
-
 class PoolObserver:
     """Hooks for metrics; the default does nothing."""
 

@@ -58,6 +58,7 @@ from typing import Any
 
 from service.core import ipc, shm
 from service.core.config import Settings
+from service.core.wire import array_bytes
 from service.pool import calls
 from service.pool.base import (
     KEEP,
@@ -75,7 +76,6 @@ from service.pool.base import (
     WorkerCrashed,
     WorkerInfo,
     WorkerStartError,
-    array_bytes,
     describe_exit,
     kept_reply,
 )

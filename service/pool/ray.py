@@ -69,6 +69,7 @@ from ray.exceptions import RayActorError, RayError
 
 from service.core import ipc
 from service.core.config import Settings
+from service.core.wire import array_bytes
 from service.pool.base import (
     KEPT_FIELDS,
     KEPT_LOST,
@@ -78,7 +79,6 @@ from service.pool.base import (
     WorkerCrashed,
     WorkerInfo,
     WorkerStartError,
-    array_bytes,
     kept_reply,
 )
 from service.pool.local import (

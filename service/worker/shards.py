@@ -35,6 +35,7 @@ import numpy as np
 from engine.curvature import Curvature, CurvatureError, top_by_sign
 from engine.language import DefinitionError, compile_definition
 from service.core import shm
+from service.core.wire import array_bytes
 from service.worker import tapes
 from service.worker.compute import (
     RequestError,
@@ -113,14 +114,6 @@ class Kept:
     at: float  # time.monotonic() when kept
 
 
-def _nbytes(tree: Any) -> int:
-    if isinstance(tree, Mapping):
-        return sum(_nbytes(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return sum(_nbytes(v) for v in tree)
-    return int(tree.nbytes) if isinstance(tree, np.ndarray) else 0
-
-
 def _stash(context: WorkerContext) -> dict[str, Kept]:
     kept: dict[str, Kept] = context.state.setdefault("shard_stash", {})
     return kept
@@ -135,7 +128,7 @@ def stash(context: WorkerContext, key: str, result: dict[str, Any]) -> dict[str,
     now = time.monotonic()
     for old in [k for k, entry in kept.items() if now - entry.at > RUN_IDLE_SECONDS]:
         del kept[old]  # its request went away without dropping it
-    size = _nbytes(result)
+    size = array_bytes(result)
     if sum(entry.bytes for entry in kept.values()) + size > STASH_MOST_BYTES:
         return result
     meta = result.pop("tape", None)
