@@ -61,25 +61,53 @@ def main() -> None:
     batched, batched_s = timed(exact_trace, flat.matvec, n)
     single, single_s = timed(exact_trace, flat.matvec, n, batch_size=1)
     assert abs(batched.trace - single.trace) <= 1e-9 * abs(single.trace)
-    print(json.dumps({"what": "exact trace", "n": n, "passes": batched.batches,
-                      "batched_s": round(batched_s, 3), "one_at_a_time_s": round(single_s, 3),
-                      "speedup": round(single_s / batched_s, 1)}))
+    print(
+        json.dumps(
+            {
+                "what": "exact trace",
+                "n": n,
+                "passes": batched.batches,
+                "batched_s": round(batched_s, 3),
+                "one_at_a_time_s": round(single_s, 3),
+                "speedup": round(single_s / batched_s, 1),
+            }
+        )
+    )
     truth = batched.trace
     for estimator in (hutchinson_trace, hutchpp_trace):
         out, seconds = timed(estimator, flat.matvec, n, max_hvps=50 * n, rtol=args.rtol, seed=1)
-        print(json.dumps({"what": estimator.__name__, "n": n, "rtol": args.rtol,
-                          "stopped": out.stopped, "hvps": out.hvps,
-                          "stderr_rel": round(out.stderr / abs(out.trace), 5),
-                          "error_rel": round(abs(out.trace - truth) / abs(truth), 5),
-                          "seconds": round(seconds, 3)}))
+        print(
+            json.dumps(
+                {
+                    "what": estimator.__name__,
+                    "n": n,
+                    "rtol": args.rtol,
+                    "stopped": out.stopped,
+                    "hvps": out.hvps,
+                    "stderr_rel": round(out.stderr / abs(out.trace), 5),
+                    "error_rel": round(abs(out.trace - truth) / abs(truth), 5),
+                    "seconds": round(seconds, 3),
+                }
+            )
+        )
     together, together_s = timed(spectral_density, flat.matvec, n, probes=8, steps=48)
     apart_s = 0.0
     for seed in range(8):
         apart_s += timed(spectral_density, flat.matvec, n, probes=1, steps=48, seed=seed)[1]
-    print(json.dumps({"what": "spectral density", "n": n, "probes": 8, "steps": 48,
-                      "hvps": together.hvps, "side_by_side_s": round(together_s, 3),
-                      "one_probe_at_a_time_s": round(apart_s, 3),
-                      "speedup": round(apart_s / together_s, 1)}))
+    print(
+        json.dumps(
+            {
+                "what": "spectral density",
+                "n": n,
+                "probes": 8,
+                "steps": 48,
+                "hvps": together.hvps,
+                "side_by_side_s": round(together_s, 3),
+                "one_probe_at_a_time_s": round(apart_s, 3),
+                "speedup": round(apart_s / together_s, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

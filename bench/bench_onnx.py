@@ -66,8 +66,13 @@ def contenders(name: str, n: int) -> dict[str, Callable[[], object]]:
     frozen = [str(f) for f in record["frozen"]]
 
     # gradtape
-    defn = as_definition({"models": {"net": {"onnx": data, "frozen": frozen}},
-                          "inputs": {"x": x, "y": y}, "program": PROGRAM})
+    defn = as_definition(
+        {
+            "models": {"net": {"onnx": data, "frozen": frozen}},
+            "inputs": {"x": x, "y": y},
+            "program": PROGRAM,
+        }
+    )
     prog = compile_definition(defn)
     leaves = prog.leaves(defn)
     request = prog.check_request("loss")
@@ -88,12 +93,15 @@ def contenders(name: str, n: int) -> dict[str, Callable[[], object]]:
         return op.hvp(*vectors)
 
     # PyTorch eager, the same weights
-    model = {"lenet": export.LeNet, "resnet": export.ResNet,
-             "transformer": export.Transformer}[name]()
+    model = {"lenet": export.LeNet, "resnet": export.ResNet, "transformer": export.Transformer}[
+        name
+    ]()
     from onnx import load_model_from_string, numpy_helper
 
-    weights = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy())
-               for i in load_model_from_string(data).graph.initializer}
+    weights = {
+        i.name: torch.from_numpy(numpy_helper.to_array(i).copy())
+        for i in load_model_from_string(data).graph.initializer
+    }
     state = model.state_dict()
     model.load_state_dict({k: weights.get(k, v) for k, v in state.items()})
     model.eval()
@@ -123,9 +131,15 @@ def contenders(name: str, n: int) -> dict[str, Callable[[], object]]:
 
     check = float(np.asarray(gt_forward().numpy())), float(torch_forward())
     assert abs(check[0] - check[1]) < 1e-4 * max(1.0, abs(check[1])), check
-    return {"gt forward": gt_forward, "gt gradient": gt_gradient, "gt reused HVP": gt_hvp,
-            "torch forward": torch_forward, "torch gradient": torch_gradient,
-            "torch reused HVP": torch_hvp, "ort forward": ort_forward}
+    return {
+        "gt forward": gt_forward,
+        "gt gradient": gt_gradient,
+        "gt reused HVP": gt_hvp,
+        "torch forward": torch_forward,
+        "torch gradient": torch_gradient,
+        "torch reused HVP": torch_hvp,
+        "ort forward": ort_forward,
+    }
 
 
 def main() -> None:
@@ -138,12 +152,18 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    print(f"- machine: {platform.processor() or platform.machine()}, python "
-          f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}")
-    print(f"- batch {args.batch}, {args.rounds} interleaved rounds of {args.inner} calls; "
-          "medians, ms per call (process time in parentheses)\n")
-    print("| model | gt fwd | gt grad | gt reused HVP | torch fwd | torch grad | "
-          "torch reused HVP | ORT fwd | grad gt/torch | HVP gt/torch | gt fwd / ORT |")
+    print(
+        f"- machine: {platform.processor() or platform.machine()}, python "
+        f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}"
+    )
+    print(
+        f"- batch {args.batch}, {args.rounds} interleaved rounds of {args.inner} calls; "
+        "medians, ms per call (process time in parentheses)\n"
+    )
+    print(
+        "| model | gt fwd | gt grad | gt reused HVP | torch fwd | torch grad | "
+        "torch reused HVP | ORT fwd | grad gt/torch | HVP gt/torch | gt fwd / ORT |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         runs = contenders(name, args.batch)
@@ -159,12 +179,15 @@ def main() -> None:
         def cell(k: str, wall=wall, cpu=cpu) -> str:
             return f"{wall[k]:.2f} ({cpu[k]:.2f})"
 
-        print(f"| {name} | {cell('gt forward')} | {cell('gt gradient')} | "
-              f"{cell('gt reused HVP')} | {cell('torch forward')} | {cell('torch gradient')} | "
-              f"{cell('torch reused HVP')} | {cell('ort forward')} | "
-              f"{wall['gt gradient'] / wall['torch gradient']:.2f}x | "
-              f"{wall['gt reused HVP'] / wall['torch reused HVP']:.2f}x | "
-              f"{wall['gt forward'] / wall['ort forward']:.2f}x |", flush=True)
+        print(
+            f"| {name} | {cell('gt forward')} | {cell('gt gradient')} | "
+            f"{cell('gt reused HVP')} | {cell('torch forward')} | {cell('torch gradient')} | "
+            f"{cell('torch reused HVP')} | {cell('ort forward')} | "
+            f"{wall['gt gradient'] / wall['torch gradient']:.2f}x | "
+            f"{wall['gt reused HVP'] / wall['torch reused HVP']:.2f}x | "
+            f"{wall['gt forward'] / wall['ort forward']:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

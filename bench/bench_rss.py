@@ -44,8 +44,10 @@ def main() -> None:
     sizes = [1024, 2048, 2048, 2048, 10]
     x = rng.standard_normal((1024, 1024)).astype(np.float32)
     y = rng.standard_normal((1024, 10)).astype(np.float32)
-    weights = [gt.Variable((rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32))
-               for a, b in itertools.pairwise(sizes)]
+    weights = [
+        gt.Variable((rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32))
+        for a, b in itertools.pairwise(sizes)
+    ]
 
     def loss() -> gt.Tensor:
         h = gt.constant(x)
@@ -57,8 +59,7 @@ def main() -> None:
     growth = []
     if args.case == "hvp_fresh":
         params = [gt.constant(w.value) for w in weights]
-        vectors = [gt.constant(rng.standard_normal(w.shape).astype(np.float32))
-                   for w in weights]
+        vectors = [gt.constant(rng.standard_normal(w.shape).astype(np.float32)) for w in weights]
 
         def of_params(*ws: gt.Tensor) -> gt.Tensor:
             h = gt.constant(x)
@@ -71,8 +72,10 @@ def main() -> None:
             out = gt.hvp(of_params, params, vectors)
             del out
             used = resource.getrusage(resource.RUSAGE_SELF)
-            print(f"call: {1e3 * (time.process_time() - cpu):.0f} ms CPU, "
-                  f"{used.ru_minflt - faults.ru_minflt} minor faults")
+            print(
+                f"call: {1e3 * (time.process_time() - cpu):.0f} ms CPU, "
+                f"{used.ru_minflt - faults.ru_minflt} minor faults"
+            )
             growth.append(rss_mib() - base)
     for _ in range(args.calls if args.case == "gradient" else 0):
         with gt.GradientTape() as tape:
@@ -82,8 +85,10 @@ def main() -> None:
         growth.append(rss_mib() - base)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     print(f"RSS growth after each call (MiB): {' '.join(f'{g:.0f}' for g in growth)}")
-    print(f"first {growth[0]:.0f} MiB, last {growth[-1]:.0f} MiB, "
-          f"last/first {growth[-1] / growth[0]:.2f}; peak over base {peak:.0f} MiB")
+    print(
+        f"first {growth[0]:.0f} MiB, last {growth[-1]:.0f} MiB, "
+        f"last/first {growth[-1] / growth[0]:.2f}; peak over base {peak:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,17 @@ def start_floor(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
     """bench/_floor_app.py (the trivial endpoints every request is compared with) under
     uvicorn, as the service runs: its process and base URL."""
     port = free_port()
-    args = [sys.executable, "-m", "uvicorn", "bench._floor_app:app", "--port", str(port),
-            "--no-access-log", "--log-level", "warning"]
+    args = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "bench._floor_app:app",
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+    ]
     url = f"http://127.0.0.1:{port}"
     return start(args, env, f"{url}/ping"), url
 

@@ -72,8 +72,10 @@ def model() -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     lines.append("loss = mean((out - y) ** 2)")
     definition = {
         "variables": variables,
-        "inputs": {"x": tensor(rng.standard_normal((BATCH, DIMS[0]))),
-                   "y": tensor(rng.standard_normal((BATCH, DIMS[-1])))},
+        "inputs": {
+            "x": tensor(rng.standard_normal((BATCH, DIMS[0]))),
+            "y": tensor(rng.standard_normal((BATCH, DIMS[-1]))),
+        },
         "program": lines,
     }
     return definition, shapes
@@ -81,8 +83,10 @@ def model() -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
 
 def vectors(shapes: dict[str, tuple[int, ...]], k: int, seed: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
-    return [{name: tensor(rng.standard_normal(shape)) for name, shape in shapes.items()}
-            for _ in range(k)]
+    return [
+        {name: tensor(rng.standard_normal(shape)) for name, shape in shapes.items()}
+        for _ in range(k)
+    ]
 
 
 def free_port() -> int:
@@ -95,13 +99,23 @@ class Server:
     def __init__(self, data_dir: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "GRADTAPE_WORKERS": "1", "GRADTAPE_ACCESS_LOG": "false",
-               "GRADTAPE_LOG_LEVEL": "warning", "GRADTAPE_DATA_DIR": data_dir,
-               "GRADTAPE_MAX_BODY_BYTES": str(512 * 2**20), "GRADTAPE_TIME_LIMIT": "120",
-               "GRADTAPE_MAX_TIME_LIMIT": "300", "GRADTAPE_HVP_MAX_VECTORS": "64"}
+        env = {
+            **os.environ,
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_ACCESS_LOG": "false",
+            "GRADTAPE_LOG_LEVEL": "warning",
+            "GRADTAPE_DATA_DIR": data_dir,
+            "GRADTAPE_MAX_BODY_BYTES": str(512 * 2**20),
+            "GRADTAPE_TIME_LIMIT": "120",
+            "GRADTAPE_MAX_TIME_LIMIT": "300",
+            "GRADTAPE_HVP_MAX_VECTORS": "64",
+        }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.client = httpx.Client(base_url=self.url, timeout=600.0)
         deadline = time.monotonic() + 120
@@ -127,8 +141,11 @@ class Server:
         return msgpack.unpackb(self.request(path, body).content)
 
     def request(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        response = self.client.post(path, content=msgpack.packb(body, use_bin_type=True),
-                                    headers={"content-type": MSGPACK, "accept": MSGPACK})
+        response = self.client.post(
+            path,
+            content=msgpack.packb(body, use_bin_type=True),
+            headers={"content-type": MSGPACK, "accept": MSGPACK},
+        )
         if response.status_code >= 300:
             raise RuntimeError(f"{path}: {response.status_code} {response.text[:500]}")
         return response
@@ -155,8 +172,9 @@ def compute_seconds(response: httpx.Response) -> float:
     return float(match.group(1)) / 1e3 if match else float("nan")
 
 
-def timed(server: Server, requests: list[tuple[str, dict[str, Any]]], repeat: int
-          ) -> list[tuple[float, float, float]]:
+def timed(
+    server: Server, requests: list[tuple[str, dict[str, Any]]], repeat: int
+) -> list[tuple[float, float, float]]:
     """Per request: medians of (latency, worker seconds, compute seconds). The requests
     take turns, after two warm-up rounds, so that each sees the same state of the
     machine (the worker's heap grows during the first large requests)."""
@@ -170,10 +188,10 @@ def timed(server: Server, requests: list[tuple[str, dict[str, Any]]], repeat: in
             started = time.perf_counter()
             response = server.request(path, body)
             latency = time.perf_counter() - started
-            samples[i].append((latency, server.busy_seconds() - before,
-                               compute_seconds(response)))
-    return [tuple(statistics.median(column) for column in zip(*rows, strict=True))
-            for rows in samples]  # type: ignore[misc]
+            samples[i].append((latency, server.busy_seconds() - before, compute_seconds(response)))
+    return [
+        tuple(statistics.median(column) for column in zip(*rows, strict=True)) for rows in samples
+    ]  # type: ignore[misc]
 
 
 def ms(seconds: float) -> str:
@@ -192,7 +210,8 @@ def main() -> int:
     parser.add_argument("--write", type=Path, help="also write the tables to this file")
     args = parser.parse_args()
     command = "env -u OPENBLAS_CORETYPE python bench/bench_sessions.py " + " ".join(
-        shlex.quote(a) for a in sys.argv[1:])
+        shlex.quote(a) for a in sys.argv[1:]
+    )
 
     definition, shapes = model()
     n = sum(int(np.prod(s)) for s in shapes.values())
@@ -203,23 +222,35 @@ def main() -> int:
             created = server.post("/v1/tapes", {"definition": definition, "target": "loss"})
             record_seconds = time.perf_counter() - started
             tape_id = created["tape_id"]
-            print(f"tape {tape_id[:8]}...: {n:,} parameters, {mib(created['bytes'])} MiB "
-                  f"recorded in {record_seconds:.2f} s", file=sys.stderr)
+            print(
+                f"tape {tape_id[:8]}...: {n:,} parameters, {mib(created['bytes'])} MiB "
+                f"recorded in {record_seconds:.2f} s",
+                file=sys.stderr,
+            )
             rows = []
-            (grad,) = timed(server, [("/v1/gradient", {"definition": definition,
-                                                        "target": "loss"})], args.repeat)
+            (grad,) = timed(
+                server,
+                [("/v1/gradient", {"definition": definition, "target": "loss"})],
+                args.repeat,
+            )
             rows.append(("/v1/gradient (forward + gradient)", 1, grad, None))
             for k in (1, 16):
-                body = ({"vector": vectors(shapes, 1, k)[0]} if k == 1
-                        else {"vectors": vectors(shapes, k, k)})
-                tape, fresh = timed(server, [
-                    (f"/v1/tapes/{tape_id}/hvp", body),
-                    ("/v1/hvp", {"definition": definition, "target": "loss", **body}),
-                ], args.repeat)
+                body = (
+                    {"vector": vectors(shapes, 1, k)[0]}
+                    if k == 1
+                    else {"vectors": vectors(shapes, k, k)}
+                )
+                tape, fresh = timed(
+                    server,
+                    [
+                        (f"/v1/tapes/{tape_id}/hvp", body),
+                        ("/v1/hvp", {"definition": definition, "target": "loss", **body}),
+                    ],
+                    args.repeat,
+                )
                 rows.append((f"tape HVP, K={k}", k, tape, fresh))
                 rows.append((f"stateless /v1/hvp, K={k}", k, fresh, None))
-                print(f"K={k}: tape {ms(tape[0])} ms, stateless {ms(fresh[0])} ms",
-                      file=sys.stderr)
+                print(f"K={k}: tape {ms(tape[0])} ms, stateless {ms(fresh[0])} ms", file=sys.stderr)
 
             # Memory over many HVPs on one tape (--rss-hvps 0: none).
             pid, http_pid = server.worker_pid(), server.process.pid
@@ -241,25 +272,33 @@ def main() -> int:
             server.stop()
 
     lines = [
-        (f"Tape sessions ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} "
-         f"cores, Python {platform.python_version()}, NumPy {np.__version__}); one worker, "
-         "msgpack with raw tensor bytes."),
+        (
+            f"Tape sessions ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} "
+            f"cores, Python {platform.python_version()}, NumPy {np.__version__}); one worker, "
+            "msgpack with raw tensor bytes."
+        ),
         "",
-        (f"Medium MLP: B={BATCH}, d={DIMS[0]}, hidden 3 x {DIMS[1]} tanh, out {DIMS[-1]}, "
-         f"float32, HVPs over all {n:,} parameters. Tape: {mib(created['bytes'])} MiB, "
-         f"recorded in {record_seconds:.2f} s. Medians of {args.repeat} requests after two "
-         "warm-up rounds, tape and stateless requests taking turns. worker: seconds the "
-         "worker spent on the request, transfers to and from it included (/metrics); "
-         "compute: the worker's computation alone (the Server-Timing header)."),
+        (
+            f"Medium MLP: B={BATCH}, d={DIMS[0]}, hidden 3 x {DIMS[1]} tanh, out {DIMS[-1]}, "
+            f"float32, HVPs over all {n:,} parameters. Tape: {mib(created['bytes'])} MiB, "
+            f"recorded in {record_seconds:.2f} s. Medians of {args.repeat} requests after two "
+            "warm-up rounds, tape and stateless requests taking turns. worker: seconds the "
+            "worker spent on the request, transfers to and from it included (/metrics); "
+            "compute: the worker's computation alone (the Server-Timing header)."
+        ),
         "",
-        ("| request | K | latency ms | worker ms | compute ms | latency per vector ms "
-         "| saved vs stateless ms |"),
+        (
+            "| request | K | latency ms | worker ms | compute ms | latency per vector ms "
+            "| saved vs stateless ms |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, k, (latency, worker, compute), fresh in rows:
         saved = "" if fresh is None else f"{ms(fresh[0] - latency)} ({fresh[0] / latency:.2f}x)"
-        lines.append(f"| {name} | {k} | {ms(latency)} | {ms(worker)} | {ms(compute)} "
-                     f"| {ms(latency / k)} | {saved} |")
+        lines.append(
+            f"| {name} | {k} | {ms(latency)} | {ms(worker)} | {ms(compute)} "
+            f"| {ms(latency / k)} | {saved} |"
+        )
     if samples:
         first, last = samples[0], samples[-1]
         peak = max(s[1] for s in samples)
@@ -268,8 +307,10 @@ def main() -> int:
         late = (last[1] - settled[1]) / settled[1] * 100
         lines += [
             "",
-            (f"Memory over {last[0]:,} HVPs on one tape ({last[0] // args.rss_k} requests of "
-             f"K={args.rss_k}, {phase:.0f} s):"),
+            (
+                f"Memory over {last[0]:,} HVPs on one tape ({last[0] // args.rss_k} requests of "
+                f"K={args.rss_k}, {phase:.0f} s):"
+            ),
             "",
             "| after HVPs | worker RSS MiB | HTTP process RSS MiB |",
             "|---:|---:|---:|",
@@ -278,10 +319,12 @@ def main() -> int:
         lines += [f"| {d:,} | {mib(w)} | {mib(h)} |" for d, w, h in samples]
         lines += [
             "",
-            (f"Worker RSS from {first[0]:,} to {last[0]:,} HVPs: {growth:+.2f}%; from "
-             f"{settled[0]:,} to {last[0]:,}: {late:+.2f}% (peak {mib(peak)} MiB). The tape's "
-             f"bytes: {bytes_before:,} before, {info['bytes']:,} after; hits "
-             f"{info['hits']:,}."),
+            (
+                f"Worker RSS from {first[0]:,} to {last[0]:,} HVPs: {growth:+.2f}%; from "
+                f"{settled[0]:,} to {last[0]:,}: {late:+.2f}% (peak {mib(peak)} MiB). The tape's "
+                f"bytes: {bytes_before:,} before, {info['bytes']:,} after; hits "
+                f"{info['hits']:,}."
+            ),
         ]
     lines += ["", f"Command: `{command.strip()}`"]
     text = "\n".join(lines) + "\n"

@@ -73,10 +73,14 @@ def model(size: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
         lines.append(f"{out} = tanh({z})" if i < len(dims) - 1 else f"{out} = {z}")
         h = out
     lines.append("loss = mean((out - y) ** 2)")
-    definition = {"variables": variables,
-                  "inputs": {"x": tensor(rng.standard_normal((batch, dims[0]))),
-                             "y": tensor(rng.standard_normal((batch, dims[-1])))},
-                  "program": lines}
+    definition = {
+        "variables": variables,
+        "inputs": {
+            "x": tensor(rng.standard_normal((batch, dims[0]))),
+            "y": tensor(rng.standard_normal((batch, dims[-1]))),
+        },
+        "program": lines,
+    }
     return definition, shapes
 
 
@@ -113,9 +117,12 @@ def moved_bytes(server: Server) -> float | None:
     """The array bytes the pool has moved through the HTTP process so far (to and from the
     workers), from /metrics; None for code that does not count them."""
     text = server.client.get("/metrics").text
-    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("gradtape_pool_array_bytes_total{")
-             and ('"to_workers"' in line or '"from_workers"' in line)]
+    found = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gradtape_pool_array_bytes_total{")
+        and ('"to_workers"' in line or '"from_workers"' in line)
+    ]
     return sum(found) if found else None
 
 
@@ -131,8 +138,9 @@ def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return worst
 
 
-def run(size: str, executor: str, repeat: int, tmp: str, roots: dict[str, Path]
-        ) -> list[tuple[str, ...]]:
+def run(
+    size: str, executor: str, repeat: int, tmp: str, roots: dict[str, Path]
+) -> list[tuple[str, ...]]:
     """The rows of one size and executor, for each checkout in `roots` (label -> root):
     one server each, all up at once, the requests taking turns between them."""
     definition, shapes = model(size)
@@ -145,15 +153,25 @@ def run(size: str, executor: str, repeat: int, tmp: str, roots: dict[str, Path]
         body = {"definition": definition, "target": "loss"}
         tapes, checks = {}, {}
         for label, server in servers.items():
-            tapes[label] = {n: answer(server.packed("/v1/tapes", {**body, "shards": n}))["tape_id"]
-                            for n in (1, 2)}
+            tapes[label] = {
+                n: answer(server.packed("/v1/tapes", {**body, "shards": n}))["tape_id"]
+                for n in (1, 2)
+            }
             # The sharded answers against the unsharded ones (float32: rounding only).
-            grads = {n: answer(server.packed(f"/v1/tapes/{tapes[label][n]}/gradient",
-                                             {}))["gradients"] for n in (1, 2)}
-            hvps = {n: answer(server.packed(f"/v1/tapes/{tapes[label][n]}/hvp",
-                                            {"vector": one[0]}))["hvp"] for n in (1, 2)}
-            checks[label] = {"gradient": largest_difference(grads[2], grads[1]),
-                             "hvp": largest_difference(hvps[2], hvps[1])}
+            grads = {
+                n: answer(server.packed(f"/v1/tapes/{tapes[label][n]}/gradient", {}))["gradients"]
+                for n in (1, 2)
+            }
+            hvps = {
+                n: answer(server.packed(f"/v1/tapes/{tapes[label][n]}/hvp", {"vector": one[0]}))[
+                    "hvp"
+                ]
+                for n in (1, 2)
+            }
+            checks[label] = {
+                "gradient": largest_difference(grads[2], grads[1]),
+                "hvp": largest_difference(hvps[2], hvps[1]),
+            }
         cases = [
             ("tape gradient", lambda t, n: (f"/v1/tapes/{t[n]}/gradient", {})),
             ("tape HVP, K=1", lambda t, n: (f"/v1/tapes/{t[n]}/hvp", {"vector": one[0]})),
@@ -163,7 +181,8 @@ def run(size: str, executor: str, repeat: int, tmp: str, roots: dict[str, Path]
         for name, request in cases:
             # (latency, compute, HTTP process CPU, bytes through it) per checkout and n
             samples: dict[tuple[str, int], list[tuple[float, ...]]] = {
-                (label, n): [] for label in servers for n in (1, 2)}
+                (label, n): [] for label in servers for n in (1, 2)
+            }
             for i in range(repeat + 1):  # the first round warms up
                 for label, server in servers.items():
                     for n in (1, 2):
@@ -176,26 +195,42 @@ def run(size: str, executor: str, repeat: int, tmp: str, roots: dict[str, Path]
                         cpu = cpu_seconds(server.process.pid) - cpu
                         after = moved_bytes(server)
                         if i:
-                            samples[label, n].append((
-                                latency, compute_seconds(response), cpu,
-                                float("nan") if moved is None or after is None
-                                else after - moved))
+                            samples[label, n].append(
+                                (
+                                    latency,
+                                    compute_seconds(response),
+                                    cpu,
+                                    float("nan")
+                                    if moved is None or after is None
+                                    else after - moved,
+                                )
+                            )
             for label in servers:
                 # Medians; the CPU time's mean (the kernel counts it in 10 ms ticks).
-                med = {n: [statistics.median(x[j] for x in samples[label, n]) for j in range(4)]
-                       for n in (1, 2)}
+                med = {
+                    n: [statistics.median(x[j] for x in samples[label, n]) for j in range(4)]
+                    for n in (1, 2)
+                }
                 for n in (1, 2):
                     med[n][2] = statistics.fmean(x[2] for x in samples[label, n])
                 check = checks[label]["gradient" if "gradient" in name else "hvp"]
                 mb = [f"{med[n][3] / 1e6:,.1f}" if med[n][3] == med[n][3] else "" for n in (1, 2)]
-                rows.append((
-                    size, executor, name, label,
-                    f"{med[1][0] * 1e3:,.0f}", f"{med[1][2] * 1e3:,.0f}",
-                    f"{med[1][1] * 1e3:,.0f}",
-                    f"{med[2][0] * 1e3:,.0f}", f"{med[2][2] * 1e3:,.0f}",
-                    f"{med[1][0] / med[2][0]:.2f}",
-                    f"{mb[0]} / {mb[1]}" if mb[0] else "",
-                    "" if name == "/v1/gradient" else f"{check:.1e}"))
+                rows.append(
+                    (
+                        size,
+                        executor,
+                        name,
+                        label,
+                        f"{med[1][0] * 1e3:,.0f}",
+                        f"{med[1][2] * 1e3:,.0f}",
+                        f"{med[1][1] * 1e3:,.0f}",
+                        f"{med[2][0] * 1e3:,.0f}",
+                        f"{med[2][2] * 1e3:,.0f}",
+                        f"{med[1][0] / med[2][0]:.2f}",
+                        f"{mb[0]} / {mb[1]}" if mb[0] else "",
+                        "" if name == "/v1/gradient" else f"{check:.1e}",
+                    )
+                )
                 print(" | ".join(rows[-1]), flush=True)
     finally:
         for server in servers.values():
@@ -208,9 +243,13 @@ def main() -> int:
     parser.add_argument("--sizes", default="medium,large")
     parser.add_argument("--executors", default="local,ray")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--base", type=Path, default=None,
-                        help="a checkout of the code before a change: its server runs beside "
-                             "this checkout's, the requests taking turns between them")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="a checkout of the code before a change: its server runs beside "
+        "this checkout's, the requests taking turns between them",
+    )
     args = parser.parse_args()
     roots = {"this": ROOT} if args.base is None else {"before": args.base, "after": ROOT}
     started = datetime.datetime.now(datetime.UTC)
@@ -222,16 +261,22 @@ def main() -> int:
                 rows += run(size, executor, args.repeat, tmp, roots)
     print()
     print(f"- command: `{' '.join(['python', *sys.argv])}`")
-    print(f"- date: {started.isoformat(timespec='seconds')}; load average at start: "
-          f"{', '.join(f'{x:.2f}' for x in load)}")
-    print(f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"python {platform.python_version()}")
+    print(
+        f"- date: {started.isoformat(timespec='seconds')}; load average at start: "
+        f"{', '.join(f'{x:.2f}' for x in load)}"
+    )
+    print(
+        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"python {platform.python_version()}"
+    )
     print()
     print(f"- BLAS threads: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
     print()
-    print("| size | executor | request | code | 1 shard p50 ms | 1 shard HTTP CPU ms (mean) | "
-          "1 shard compute ms | 2 shards p50 ms | 2 shards HTTP CPU ms (mean) | speedup | "
-          "MB through HTTP, 1 / 2 shards | max rel. diff |")
+    print(
+        "| size | executor | request | code | 1 shard p50 ms | 1 shard HTTP CPU ms (mean) | "
+        "1 shard compute ms | 2 shards p50 ms | 2 shards HTTP CPU ms (mean) | speedup | "
+        "MB through HTTP, 1 / 2 shards | max rel. diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

@@ -16,8 +16,19 @@ from engine.registry import Primitive
 
 # Never walked into: values that hold no arrays of their own, and what every recording
 # shares (types, modules, primitives).
-_ATOMS = (type, types.ModuleType, str, bytes, bytearray, int, float, complex, bool,
-          type(None), Primitive)
+_ATOMS = (
+    type,
+    types.ModuleType,
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    Primitive,
+)
 
 
 def held_bytes(*roots: Any, shared: tuple[type, ...] = ()) -> int:

@@ -112,8 +112,13 @@ class Jit:
         self, argnums: transforms.Argnums = 0, has_aux: bool = False
     ) -> Callable[..., Any]:
         """gt.value_and_grad(f, argnums, has_aux), compiled."""
-        return self._over_argnums("value_and_grad", argnums, "has_aux", has_aux,
-                                  transforms.value_and_grad(self.fun, argnums, has_aux))
+        return self._over_argnums(
+            "value_and_grad",
+            argnums,
+            "has_aux",
+            has_aux,
+            transforms.value_and_grad(self.fun, argnums, has_aux),
+        )
 
     def grad(self, argnums: transforms.Argnums = 0, has_aux: bool = False) -> Callable[..., Any]:
         """gt.grad(f, argnums, has_aux), compiled."""
@@ -141,11 +146,22 @@ class Jit:
         self, argnums: transforms.Argnums = 0, chunk_size: int | None = None
     ) -> Callable[..., Any]:
         """gt.jacrev(f, argnums, chunk_size), compiled."""
-        return self._over_argnums("jacrev", argnums, "chunk_size", chunk_size,
-                                  transforms.jacrev(self.fun, argnums, chunk_size))
+        return self._over_argnums(
+            "jacrev",
+            argnums,
+            "chunk_size",
+            chunk_size,
+            transforms.jacrev(self.fun, argnums, chunk_size),
+        )
 
-    def _over_argnums(self, name: str, argnums: transforms.Argnums, option: str,
-                      value: Any, dynamic: Callable[..., Any]) -> Callable[..., Any]:
+    def _over_argnums(
+        self,
+        name: str,
+        argnums: transforms.Argnums,
+        option: str,
+        value: Any,
+        dynamic: Callable[..., Any],
+    ) -> Callable[..., Any]:
         """The transform `name` (with its one `option`) of the arguments `argnums`,
         compiled: the dynamic transform's call, keyed per argument layout."""
 
@@ -245,8 +261,12 @@ class Jit:
         # weights) is differentiated at both uses by the dynamic transform; the capture
         # would give each argument its own seed: dynamic too.
         tensors = [id(x) for x in leaves if isinstance(x, Tensor)]
-        if (trace.anything_active() or trace.capture is not None or self._reaches(leaves)
-                or len(set(tensors)) != len(tensors)):
+        if (
+            trace.anything_active()
+            or trace.capture is not None
+            or self._reaches(leaves)
+            or len(set(tensors)) != len(tensors)
+        ):
             return dynamic(*args, **kwargs)
         for ref, array in self._variables:
             variable = ref()

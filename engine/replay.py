@@ -85,8 +85,11 @@ class Capture:
         # Integer and boolean seeds (labels, indices) are keyed by their values by every
         # caller (definitions, engine.jit): reading them on the host depends on nothing
         # that changes between the passes of one key.
-        self.pinned = {slot for slot, s in zip(self.seed_slots, seeds, strict=True)
-                       if s.value.dtype.kind not in "fc"}
+        self.pinned = {
+            slot
+            for slot, s in zip(self.seed_slots, seeds, strict=True)
+            if s.value.dtype.kind not in "fc"
+        }
 
     def _new(self, t: Tensor, kind: int) -> int:
         slot = len(self.kinds)
@@ -153,8 +156,10 @@ class Capture:
             # outside the ops from the pass's values (`x.value` read by the caller, say),
             # and what a rule derives from it (a one-hot) would be frozen in a replay.
             if not (self.known.get(id(t)) is t or self.known.get(id(t.value)) is t.value):
-                self.failure = ("a rule read, on the host, an array made outside the ops "
-                                "during the pass (data-dependent)")
+                self.failure = (
+                    "a rule read, on the host, an array made outside the ops "
+                    "during the pass (data-dependent)"
+                )
             return
         if self.kinds[entry[0]] != _CONST and entry[0] not in self.pinned:
             self.failure = "a rule read a value of the pass on the host (data-dependent)"

@@ -350,8 +350,13 @@ class HessianOperator:
     dynamic sweep.
     """
 
-    def __init__(self, f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
-                 compiled: bool = True):
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        *primals: Any,
+        max_batch: int | None = None,
+        compiled: bool = True,
+    ):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._f = f
@@ -401,12 +406,13 @@ class HessianOperator:
         count = counts.pop()
         passes = []
         for start in range(0, count, self.max_batch):
-            part = tree.unflatten(treedef, [v[start:start + self.max_batch] for v in leaves])
+            part = tree.unflatten(treedef, [v[start : start + self.max_batch] for v in leaves])
             passes.append(tree.flatten(self._apply(tuple(part), 1)))
         structure = passes[0][1]  # the primals' structure, as one pass answers
         with trace.nothing_recording():
-            joined = [concatenate([p[0][i] for p in passes], axis=0)
-                      for i in range(len(passes[0][0]))]
+            joined = [
+                concatenate([p[0][i] for p in passes], axis=0) for i in range(len(passes[0][0]))
+            ]
         return tree.unflatten(structure, joined)
 
     def _apply(self, vectors: tuple, batch_ndim: int) -> tuple:
@@ -433,8 +439,9 @@ class HessianOperator:
         """The product on checked flat vectors, one per primal (the curvature operators
         of engine.curvature override this and keep the rest)."""
         products = self._second_order_pass(flat_v, batch_ndim)
-        return [_zeros(p, lead) if h is None else h
-                for h, p in zip(products, self._flat, strict=True)]
+        return [
+            _zeros(p, lead) if h is None else h for h, p in zip(products, self._flat, strict=True)
+        ]
 
     def _dynamic_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
         cts = self._tape._run(self._grads, flat_v, self._flat, batch_ndim)
@@ -448,8 +455,11 @@ class HessianOperator:
             return self._dynamic_pass(flat_v, batch_ndim)
         key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))
         return self._passes.run(
-            key, flat_v, lambda seeds: self._dynamic_pass(seeds, batch_ndim),
-            lambda: replay.known_tensors(self._tape, self._grads, self._flat))
+            key,
+            flat_v,
+            lambda seeds: self._dynamic_pass(seeds, batch_ndim),
+            lambda: replay.known_tensors(self._tape, self._grads, self._flat),
+        )
 
     @property
     def replay_changes(self) -> int:
@@ -459,8 +469,10 @@ class HessianOperator:
 
     def replay_status(self) -> dict[str, str]:
         """Per vector layout: "compiled", or why (or that) its passes are dynamic."""
-        return {f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}": v
-                for k, v in self._passes.status().items()}
+        return {
+            f"batch_ndim={k[0]} shapes={[s for s, _ in k[1]]}": v
+            for k, v in self._passes.status().items()
+        }
 
     # SciPy adapter ----------------------------------------------------------------------
     @property
@@ -502,8 +514,9 @@ class HessianOperator:
         return self._flatten(tree.flatten(self._apply(tuple(vectors), 0))[0])
 
     # Dense forms, for small parameter counts ------------------------------------------
-    def dense(self, chunk_size: int = 1024,
-              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def dense(
+        self, chunk_size: int = 1024, progress: Callable[[int, int], None] | None = None
+    ) -> np.ndarray:
         """H as an (n, n) float64 host matrix over the flattened primals (n = `size`):
         `chunk_size` rows of the identity per batched HVP pass give those rows of H (it is
         symmetric). `progress(done, total)` is called after each pass."""
@@ -517,20 +530,27 @@ class HessianOperator:
             identity = np.zeros((stop - start, n))
             identity[np.arange(stop - start), np.arange(start, stop)] = 1.0
             basis = [
-                Tensor(backend.asarray(identity[:, lo:hi].reshape((stop - start, *p.shape)),
-                                       p.dtype, p.device))
+                Tensor(
+                    backend.asarray(
+                        identity[:, lo:hi].reshape((stop - start, *p.shape)), p.dtype, p.device
+                    )
+                )
                 for p, lo, hi in zip(self._flat, offsets[:-1], offsets[1:], strict=True)
             ]
             columns = tree.flatten(self.hvp_many(*_regroup(basis, self._defs, False)))[0]
-            rows.append(np.concatenate(
-                [np.asarray(c.numpy(), np.float64).reshape(stop - start, -1) for c in columns],
-                axis=1))
+            rows.append(
+                np.concatenate(
+                    [np.asarray(c.numpy(), np.float64).reshape(stop - start, -1) for c in columns],
+                    axis=1,
+                )
+            )
             if progress is not None:
                 progress(stop, n)
         return np.concatenate(rows, axis=0) if rows else np.zeros((0, 0))
 
-    def newton_step(self, damping: float, dense: np.ndarray | None = None
-                    ) -> tuple[np.ndarray, ...]:
+    def newton_step(
+        self, damping: float, dense: np.ndarray | None = None
+    ) -> tuple[np.ndarray, ...]:
         """The step s solving (H + damping I) s = g at the point (x - s is the damped
         Newton iterate), in the primals' structure and dtypes, as host arrays. `dense`:
         H already built by `dense()`. Raises SingularHessianError when H + damping I is
@@ -541,12 +561,13 @@ class HessianOperator:
             step = np.linalg.solve(h + damping * np.eye(g.size), g)
         except np.linalg.LinAlgError:
             raise SingularHessianError(
-                f"H + {damping:g} I is singular, so the Newton step is undefined") from None
+                f"H + {damping:g} I is singular, so the Newton step is undefined"
+            ) from None
         if not np.isfinite(step).all():
             raise SingularHessianError("the Newton step is not finite")
         out, start = [], 0
         for p in self._flat:
-            out.append(step[start:start + p.size].reshape(p.shape).astype(p.dtype))
+            out.append(step[start : start + p.size].reshape(p.shape).astype(p.dtype))
             start += p.size
         return _regroup(out, self._defs, False)
 
@@ -560,8 +581,9 @@ class SingularHessianError(ValueError):
     """H + damping I cannot be solved (raise the damping)."""
 
 
-def hessian_operator(f: Callable[..., Any], *primals: Any, max_batch: int | None = None,
-                     compiled: bool = True) -> HessianOperator:
+def hessian_operator(
+    f: Callable[..., Any], *primals: Any, max_batch: int | None = None, compiled: bool = True
+) -> HessianOperator:
     """Record f and its gradient at primals once; return the reusable HessianOperator."""
     return HessianOperator(f, *primals, max_batch=max_batch, compiled=compiled)
 

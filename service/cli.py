@@ -21,15 +21,23 @@ from typing import Any
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
-    "--http-workers": ("http_workers", int,
-                       ("HTTP processes (uvicorn workers) sharing the port and the store file, "
-                        "each with its own engine workers; tapes, jobs and rate limits are "
-                        "then read from the store (default 1)")),
+    "--http-workers": (
+        "http_workers",
+        int,
+        (
+            "HTTP processes (uvicorn workers) sharing the port and the store file, "
+            "each with its own engine workers; tapes, jobs and rate limits are "
+            "then read from the store (default 1)"
+        ),
+    ),
     "--workers": ("workers", int, "engine worker processes (default: one per GPU, else 2)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--executor": ("executor", str, "what runs the workers: local (processes) or ray (actors)"),
-    "--ray-address": ("ray_address", str,
-                      "with --executor ray: auto, ray://host:10001, or empty: a local Ray"),
+    "--ray-address": (
+        "ray_address",
+        str,
+        "with --executor ray: auto, ray://host:10001, or empty: a local Ray",
+    ),
     "--time-limit": ("time_limit", float, "compute seconds per request"),
     "--max-time-limit": ("max_time_limit", float, "most a request may ask for"),
     "--queue-size": ("queue_size", int, "requests that may wait for a worker"),
@@ -46,11 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the HTTP API with uvicorn")
     for flag, (field, type_, help_) in SERVE_FLAGS.items():
         serve.add_argument(flag, dest=field, type=type_, help=help_)
-    serve.add_argument("--no-access-log", dest="access_log", action="store_false",
-                       default=None, help="do not log each request")
+    serve.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        default=None,
+        help="do not log each request",
+    )
     spec = commands.add_parser("openapi", help="write the OpenAPI document")
-    spec.add_argument("--out", type=Path, default=None,
-                      help="file to write (default: standard output)")
+    spec.add_argument(
+        "--out", type=Path, default=None, help="file to write (default: standard output)"
+    )
     return parser
 
 
@@ -68,16 +82,20 @@ def serve(overrides: dict[str, Any]) -> int:
     except ValidationError as exc:
         print(f"gradtape: bad settings:\n{exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(levelname)s:     %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
+    )
     try:
         app = create_app(settings)
     except ValueError as exc:
         print(f"gradtape: {exc}", file=sys.stderr)
         return 2
     options: dict[str, Any] = {
-        "host": settings.host, "port": settings.port, "log_level": settings.log_level,
-        "access_log": settings.access_log, "timeout_graceful_shutdown": 10,
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": settings.access_log,
+        "timeout_graceful_shutdown": 10,
     }
     if settings.http_workers == 1:
         uvicorn.run(app, **options)
@@ -98,17 +116,20 @@ def serve(overrides: dict[str, Any]) -> int:
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
-    config = uvicorn.Config("service.api.app:create_app", factory=True,
-                            workers=settings.http_workers, **options)
+    config = uvicorn.Config(
+        "service.api.app:create_app", factory=True, workers=settings.http_workers, **options
+    )
     try:
         sock = _listening_socket(settings.host, settings.port)
     except OSError as exc:
-        print(f"gradtape: cannot listen on {settings.host}:{settings.port}: {exc}",
-              file=sys.stderr)
+        print(f"gradtape: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 1
     logging.getLogger("uvicorn.error").info(
         "Uvicorn running on http://%s:%d with %d HTTP processes (Press CTRL+C to quit)",
-        settings.host, sock.getsockname()[1], settings.http_workers)
+        settings.host,
+        sock.getsockname()[1],
+        settings.http_workers,
+    )
     supervisor = Multiprocess(config, sockets=[sock])
     supervisor.run()
     # A process that could not start (its workers, its store) stops them all: say so.
@@ -134,10 +155,16 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def settings_environment(overrides: dict[str, Any]) -> dict[str, str]:
     """The GRADTAPE_* variables that give a child process these flag overrides."""
-    return {f"GRADTAPE_{name.upper()}": (json.dumps(value) if isinstance(value, dict | list)
-                                         else str(value).lower() if isinstance(value, bool)
-                                         else str(value))
-            for name, value in overrides.items()}
+    return {
+        f"GRADTAPE_{name.upper()}": (
+            json.dumps(value)
+            if isinstance(value, dict | list)
+            else str(value).lower()
+            if isinstance(value, bool)
+            else str(value)
+        )
+        for name, value in overrides.items()
+    }
 
 
 def openapi_document() -> str:
@@ -150,8 +177,16 @@ def openapi_document() -> str:
 
 
 # The packages of the `service` extra that `serve` and `openapi` import first.
-SERVICE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "pydantic_settings", "msgpack", "orjson",
-                    "prometheus_client", "fastapi_offline")
+SERVICE_PACKAGES = (
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "pydantic_settings",
+    "msgpack",
+    "orjson",
+    "prometheus_client",
+    "fastapi_offline",
+)
 
 
 def missing_service_packages() -> list[str]:
@@ -164,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     missing = missing_service_packages()
     if missing:  # the engine was installed alone (`pip install .`)
-        print(f"gradtape {args.command}: the service needs its extra, which is not installed "
-              f"(missing: {', '.join(missing)}). Install it with: pip install 'gradtape[service]' "
-              "(from a clone: pip install '.[service]')", file=sys.stderr)
+        print(
+            f"gradtape {args.command}: the service needs its extra, which is not installed "
+            f"(missing: {', '.join(missing)}). Install it with: pip install 'gradtape[service]' "
+            "(from a clone: pip install '.[service]')",
+            file=sys.stderr,
+        )
         return 2
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}

@@ -18,8 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # `engine` itself (the package facade, `import engine as gt`) sits on the transforms
 # floor: it exports everything up to there.
 ENGINE_FLOORS: list[tuple[str, ...]] = [
-    ("engine.backend", "engine.registry", "engine.trace", "engine.tree", "engine.allocator",
-     "engine.footprint", "engine.shapes"),
+    (
+        "engine.backend",
+        "engine.registry",
+        "engine.trace",
+        "engine.tree",
+        "engine.allocator",
+        "engine.footprint",
+        "engine.shapes",
+    ),
     ("engine.tensor",),
     ("engine.ops", "engine.random"),
     ("engine.tape",),
@@ -128,8 +135,10 @@ def violations(name: str, path: Path) -> list[str]:
             if top == "service":
                 found.append(f"{where}:{line} the engine imports the service ({target})")
             elif top == "engine" and engine_floor(target) > engine_floor(name):
-                found.append(f"{where}:{line} {name} (floor {engine_floor(name)}) imports "
-                             f"{target} (floor {engine_floor(target)})")
+                found.append(
+                    f"{where}:{line} {name} (floor {engine_floor(name)}) imports "
+                    f"{target} (floor {engine_floor(target)})"
+                )
             elif top not in stdlib | ENGINE_THIRD_PARTY | {"engine"}:
                 found.append(f"{where}:{line} the engine imports {target}")
             continue
@@ -154,10 +163,13 @@ def test_no_import_cycles() -> None:
     """No circle among our modules, at any depth of the file (an import inside a function
     or at the bottom of a file still ties the two modules together); imports for type
     checking only do not run, and do not count."""
-    graph = {name: {t for t, _ in imports(name, path, runtime=True) if t in ALL and t != name}
-             for name, path in ALL.items()}
-    graph = {name: {t for t in targets if (name, t) not in EXCEPTIONS}
-             for name, targets in graph.items()}
+    graph = {
+        name: {t for t, _ in imports(name, path, runtime=True) if t in ALL and t != name}
+        for name, path in ALL.items()
+    }
+    graph = {
+        name: {t for t in targets if (name, t) not in EXCEPTIONS} for name, targets in graph.items()
+    }
     # Importing a package runs its __init__: a module importing its own package is not a
     # cycle unless the package imports it back, which the search below finds.
     done: set[str] = set()
@@ -165,7 +177,7 @@ def test_no_import_cycles() -> None:
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            cycles.append(" -> ".join([*path[path.index(node):], node]))
+            cycles.append(" -> ".join([*path[path.index(node) :], node]))
             return
         if node in done:
             return
@@ -190,8 +202,9 @@ def _through_a_package_facade(cycle: str, packages: set[str]) -> bool:
 def test_the_checks_catch_an_upward_import(tmp_path: Path) -> None:
     """The checker itself: upward imports in a probe file of each package are found."""
     path = tmp_path / "probe.py"
-    path.write_text("from service.api.app import create_app\nfrom engine.language import x\n"
-                    "import fastapi\n")
+    path.write_text(
+        "from service.api.app import create_app\nfrom engine.language import x\nimport fastapi\n"
+    )
     domain = violations("service.domain.probe", path)
     assert any("imports service.api.app" in v for v in domain), domain
     assert any("imports the engine outside" in v for v in domain), domain
@@ -200,14 +213,24 @@ def test_the_checks_catch_an_upward_import(tmp_path: Path) -> None:
     assert len(engine) == 3, engine
 
 
-@pytest.mark.parametrize("module", ["service.api.app", "service.pool.local", "service.cli",
-                                    pytest.param("service.pool.ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "service.api.app",
+        "service.pool.local",
+        "service.cli",
+        pytest.param("service.pool.ray", marks=pytest.mark.ray),
+    ],
+)
 def test_the_http_process_never_loads_the_engine(module: str) -> None:
     """Importing the HTTP side loads no engine module (the workers alone compute)."""
-    code = (f"import sys, {module}; "
-            "print(sorted(m for m in sys.modules if m == 'engine' or m.startswith('engine.')))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout.strip()
+    code = (
+        f"import sys, {module}; "
+        "print(sorted(m for m in sys.modules if m == 'engine' or m.startswith('engine.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]", f"{module} loads {out}"
 
 

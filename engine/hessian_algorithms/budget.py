@@ -97,8 +97,9 @@ def check_tolerance(rtol: float | None, atol: float) -> None:
         raise ValueError(f"atol must be non-negative, got {atol}")
 
 
-def diagonal_entries(matvec: Callable[[np.ndarray], np.ndarray], n: int,
-                     indices: np.ndarray, budget: Budget) -> np.ndarray:
+def diagonal_entries(
+    matvec: Callable[[np.ndarray], np.ndarray], n: int, indices: np.ndarray, budget: Budget
+) -> np.ndarray:
     """A_ii for i in `indices`: one batched pass over the unit vectors e_i (what the exact
     trace and the exact diagonal are made of)."""
     rows = np.arange(len(indices))

@@ -103,8 +103,9 @@ class CompiledProgram:
             functions[name] = user_function(fn, functions)
         site_keys = {site.node: i for i, site in enumerate(checked.grad_sites)}
         models = {name: m.model for name, m in checked.models.items()}
-        builder = Builder("program", functions, site_keys, checked.grad_sites, models,
-                          checked.model_calls)
+        builder = Builder(
+            "program", functions, site_keys, checked.grad_sites, models, checked.model_calls
+        )
         self._steps = [(line.target, builder.expr(line.expr)) for line in checked.lines]
 
     # What the program defines -------------------------------------------------------------
@@ -189,8 +190,9 @@ class CompiledProgram:
         self._check_leaves(leaves)
         return self._run_lines(leaves, self._needed(targets), check)
 
-    def _run_lines(self, values: Mapping[str, Tensor], wanted: set[int],
-                   check: NonFiniteCheck | None = None) -> dict[str, Tensor]:
+    def _run_lines(
+        self, values: Mapping[str, Tensor], wanted: set[int], check: NonFiniteCheck | None = None
+    ) -> dict[str, Tensor]:
         """Run the lines `wanted` (indices) on these values (no leaf check: the split
         halves of a program run on other values, see ModelSplit)."""
         frame = Frame(dict(values), check)
@@ -275,12 +277,17 @@ class CompiledProgram:
 
         def run(leaves: dict[str, Tensor], vectors: list[Tensor]) -> list[Tensor | None]:
             value, grads, products = self._hessian_vector_products(
-                request, leaves, vectors, max_batch)
+                request, leaves, vectors, max_batch
+            )
             return [value, *grads, *products]
 
         value, *rest = self._request_pass(
             ("hvp", request.target, tuple(request.sources.items()), max_batch),
-            leaves, vectors, run, compiled)
+            leaves,
+            vectors,
+            run,
+            compiled,
+        )
         return value, rest[:count], rest[count:]  # type: ignore[return-value]
 
     def jacobians(
@@ -305,18 +312,36 @@ class CompiledProgram:
                 y = self.run(leaves, targets=[request.target])[request.target]
             if batch:  # the jacobians, and the rows they are views of (to check)
                 rows = [per_example_rows(tape, y, s) for s in watched.values()]
-                return [y, *(per_example_layout(r, y, s)
-                             for r, s in zip(rows, watched.values(), strict=True)), *rows]
-            found = tape.jacobian(y, watched, unconnected_gradients=request.unconnected,
-                                  chunk_size=chunk_size)
+                return [
+                    y,
+                    *(
+                        per_example_layout(r, y, s)
+                        for r, s in zip(rows, watched.values(), strict=True)
+                    ),
+                    *rows,
+                ]
+            found = tape.jacobian(
+                y, watched, unconnected_gradients=request.unconnected, chunk_size=chunk_size
+            )
             return [y, *(found[k] for k in keys)]
 
         y, *found = self._request_pass(
-            ("jacobian", request.target, tuple(request.sources.items()), request.unconnected,
-             batch, chunk_size), leaves, [], run, compiled)
+            (
+                "jacobian",
+                request.target,
+                tuple(request.sources.items()),
+                request.unconnected,
+                batch,
+                chunk_size,
+            ),
+            leaves,
+            [],
+            run,
+            compiled,
+        )
         assert y is not None
         if batch:  # the examples' independence, checked on every pass's rows
-            for rows in found[len(keys):]:
+            for rows in found[len(keys) :]:
                 if rows is not None:
                     check_per_example(rows, y)
         return y, dict(zip(keys, found[: len(keys)], strict=True))
@@ -351,20 +376,24 @@ class CompiledProgram:
         return _request_passes.run(
             key,
             [*(leaves[n] for n in names), *seeds],
-            lambda fresh: run(dict(zip(names, fresh)), fresh[len(names):]),
+            lambda fresh: run(dict(zip(names, fresh)), fresh[len(names) :]),
             lambda: replay.known_tensors(self),
         )
 
     def _hessian_vector_products(
-        self, request: Request, leaves: dict[str, Tensor], vectors: list[Tensor],
-        max_batch: int | None
+        self,
+        request: Request,
+        leaves: dict[str, Tensor],
+        vectors: list[Tensor],
+        max_batch: int | None,
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         names = list(request.sources.values())
         f = self.function(request.target, names, leaves)
         # compiled=False: this operator answers one pass; the request's pass as a whole is
         # what hessian_vector_products compiles.
-        operator = hessian_operator(f, *[leaves[n] for n in names], max_batch=max_batch,
-                                    compiled=False)
+        operator = hessian_operator(
+            f, *[leaves[n] for n in names], max_batch=max_batch, compiled=False
+        )
         products = operator.hvp_many(*vectors)
         return operator.value, list(operator.grad), list(products)
 
@@ -407,8 +436,7 @@ class CompiledProgram:
         if name in self.leaf_info:
             return {name}
         lines = self._needed([name])
-        return {n for i in lines for n in self._reads[self.line_names[i]]
-                if n in self.leaf_info}
+        return {n for i in lines for n in self._reads[self.line_names[i]] if n in self.leaf_info}
 
     def split(self, output: Any, target: str, sources: Mapping[str, str]) -> ModelSplit:
         """The program as model (the lines the `output` needs) and loss (the lines after
@@ -422,14 +450,24 @@ class CompiledProgram:
             names = list(self.line_names)
             hint = suggest(output, names) if isinstance(output, str) else ""
             what = "an input or variable" if output in self.leaf_info else "no line"
-            problems.append(Problem(
-                f"output {output!r} is {what} of the program{hint}; name the line that "
-                "computes the model's output (the loss's lines follow it)",
-                "output", kind="request"))
+            problems.append(
+                Problem(
+                    f"output {output!r} is {what} of the program{hint}; name the line that "
+                    "computes the model's output (the loss's lines follow it)",
+                    "output",
+                    kind="request",
+                )
+            )
             raise DefinitionError(problems)
         if self.types[output].dtype.kind != "f":
-            problems.append(Problem(f"output {output!r} is {self.types[output]}; the model's "
-                                    "output must be floating-point", "output", kind="dtype"))
+            problems.append(
+                Problem(
+                    f"output {output!r} is {self.types[output]}; the model's "
+                    "output must be floating-point",
+                    "output",
+                    kind="dtype",
+                )
+            )
         model_lines = self._needed([output])
         # The loss's lines stop at the output and at every line of the model: a loss line
         # that reads one of those (other than the output) is refused below.
@@ -439,9 +477,14 @@ class CompiledProgram:
         if output == target or output not in {
             n for i in loss_lines for n in self._reads[self.line_names[i]]
         }:
-            problems.append(Problem(
-                f"the target {target!r} does not use the output {output!r}: the loss must be "
-                "computed from the model's output", "output", kind="request"))
+            problems.append(
+                Problem(
+                    f"the target {target!r} does not use the output {output!r}: the loss must be "
+                    "computed from the model's output",
+                    "output",
+                    kind="request",
+                )
+            )
         targets: set[str] = set()
         source_names = set(sources.values())
         for i in sorted(loss_lines):
@@ -455,19 +498,35 @@ class CompiledProgram:
                         targets.add(read)
                     continue  # a variable that is no source: held fixed
                 what = "a source" if read in source_names else "a line of the model"
-                problems.append(Problem(
-                    f"the loss line {name!r} reads {read!r}, {what}: with an output named, "
-                    f"the lines after {output!r} must be a function of it and of inputs (the "
-                    "targets) only; move the term into the model, or add a regulariser of "
-                    "the sources as damping",
-                    "program", self._line_numbers[name], self._line_columns[name],
-                    kind="request"))
+                problems.append(
+                    Problem(
+                        f"the loss line {name!r} reads {read!r}, {what}: with an output named, "
+                        f"the lines after {output!r} must be a function of it and of inputs (the "
+                        "targets) only; move the term into the model, or add a regulariser of "
+                        "the sources as damping",
+                        "program",
+                        self._line_numbers[name],
+                        self._line_columns[name],
+                        kind="request",
+                    )
+                )
         if problems:
             raise DefinitionError(problems)
-        data = {n for i in model_lines for n in self._reads[self.line_names[i]]
-                if n in self.leaf_info and n not in source_names}
-        return ModelSplit(self, output, target, model_lines, loss_lines,
-                          tuple(sorted(data)), tuple(sorted(targets)))
+        data = {
+            n
+            for i in model_lines
+            for n in self._reads[self.line_names[i]]
+            if n in self.leaf_info and n not in source_names
+        }
+        return ModelSplit(
+            self,
+            output,
+            target,
+            model_lines,
+            loss_lines,
+            tuple(sorted(data)),
+            tuple(sorted(targets)),
+        )
 
     def function(
         self, target: str, sources: list[str], leaves: Mapping[str, Tensor]
@@ -490,18 +549,21 @@ class CompiledProgram:
         sources = [leaves[name] for name in request.sources.values()]
         found = find_culprit(
             lambda check: self.run(leaves, targets=[request.target], check=check),
-            request.target, sources,
+            request.target,
+            sources,
         )
         if found is not None:
             return found
         return Problem(
             "no op's value or first derivative is NaN or infinite at these values, so a "
             "second derivative is (or an input or variable itself is not finite)",
-            "target", kind="nonfinite",
+            "target",
+            kind="nonfinite",
         )
 
-    def hessian_operator(self, request: Request, leaves: Mapping[str, Tensor],
-                         memory_budget: int | None = None) -> HessianOperator:
+    def hessian_operator(
+        self, request: Request, leaves: Mapping[str, Tensor], memory_budget: int | None = None
+    ) -> HessianOperator:
         """The forward pass and gradient of the request's target recorded once, for any
         number of HVPs over its sources (in the order of request.sources).
 
@@ -512,8 +574,9 @@ class CompiledProgram:
         max_batch = self.batch_within(memory_budget, "recording it and one HVP pass")
         return hessian_operator(f, *[leaves[n] for n in names], max_batch=max_batch)
 
-    def batch_within(self, memory_budget: int | None, what: str, first_order: bool = False
-                     ) -> int | None:
+    def batch_within(
+        self, memory_budget: int | None, what: str, first_order: bool = False
+    ) -> int | None:
         """The most items (HVP vectors, probes; with first_order, gradients or jacobian
         rows over the forward pass alone) one pass may batch within the budget; None
         without a budget. OverBudget when not even one fits."""
@@ -654,8 +717,9 @@ class ModelSplit:
     data: tuple[str, ...]
     targets: tuple[str, ...]
 
-    def functions(self, fixed: Mapping[str, Tensor]) -> tuple[Callable[..., Tensor],
-                                                                Callable[..., Tensor]]:
+    def functions(
+        self, fixed: Mapping[str, Tensor]
+    ) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
         def model(params: Mapping[str, Tensor], data: Mapping[str, Tensor]) -> Tensor:
             env = dict(fixed)
             env.update(data)

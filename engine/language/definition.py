@@ -269,15 +269,18 @@ def _model(raw: Any, section: str, problems: list[Problem]) -> ModelDef | None:
     try:
         model = load_model(raw.get("onnx"))
     except ModelError as exc:
-        problems.extend(Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model"))
-                        for p in exc.problems)
+        problems.extend(
+            Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model")) for p in exc.problems
+        )
         return None
     unknown = [f for f in frozen if f not in model.params]
     if unknown:
-        problems.append(_problem(
-            f"{section}.frozen",
-            f"{unknown} are not floating-point initializers of the model",
-        ))
+        problems.append(
+            _problem(
+                f"{section}.frozen",
+                f"{unknown} are not floating-point initializers of the model",
+            )
+        )
         return None
     return ModelDef(model, tuple(frozen))
 
@@ -295,28 +298,31 @@ def _add_model_variables(
         for param, value in m.model.params.items():
             section = f"models.{name}"
             if param in owner:
-                problems.append(_problem(
-                    section, f"initializer {param!r} is also one of model {owner[param]!r}'s",
-                ))
+                problems.append(
+                    _problem(
+                        section,
+                        f"initializer {param!r} is also one of model {owner[param]!r}'s",
+                    )
+                )
                 continue
             owner[param] = name
             given = variables.get(param)
             if given is None:
                 variables[param] = VariableDef(value, param not in m.frozen)
             elif tuple(given.value.shape) != value.shape or given.value.dtype != value.dtype:
-                problems.append(_problem(
-                    f"variables.{param}",
-                    f"replaces initializer {param!r} of model {name!r}, which is "
-                    f"{value.dtype}{list(value.shape)}; got "
-                    f"{given.value.dtype}{list(given.value.shape)}",
-                ))
+                problems.append(
+                    _problem(
+                        f"variables.{param}",
+                        f"replaces initializer {param!r} of model {name!r}, which is "
+                        f"{value.dtype}{list(value.shape)}; got "
+                        f"{given.value.dtype}{list(given.value.shape)}",
+                    )
+                )
             elif given.trainable and param in m.frozen:  # frozen wins over a new value
                 variables[param] = VariableDef(given.value, False)
 
 
-def to_array(
-    value: Any, section: str, problems: list[Problem], default: np.dtype = FLOAT32
-) -> Any:
+def to_array(value: Any, section: str, problems: list[Problem], default: np.dtype = FLOAT32) -> Any:
     """A NumPy (or device) array for a value (a bare number or list: of dtype `default`),
     or None after recording a problem."""
     if isinstance(value, Tensor):

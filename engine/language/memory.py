@@ -46,11 +46,9 @@ class MemoryModel:
 
     @classmethod
     def of(cls, checked: CheckedProgram) -> MemoryModel:
-        leaves = sum(leaf.type.size * leaf.type.dtype.itemsize
-                     for leaf in checked.leaves.values())
+        leaves = sum(leaf.type.size * leaf.type.dtype.itemsize for leaf in checked.leaves.values())
         sizes = [_nbytes(i) for i in checked.intermediates]
-        largest = (max(checked.intermediates, key=_nbytes) if checked.intermediates
-                   else None)
+        largest = max(checked.intermediates, key=_nbytes) if checked.intermediates else None
         return cls(leaves, sum(sizes), largest)
 
     @property
@@ -83,8 +81,9 @@ class MemoryModel:
             return 0
         return room // max(self.per_item_bytes, 1)
 
-    def refusal(self, budget: int, what: str = "a derivative pass",
-                first_order: bool = False) -> Problem:
+    def refusal(
+        self, budget: int, what: str = "a derivative pass", first_order: bool = False
+    ) -> Problem:
         """Why even one item does not fit: the largest op, its shape, and the budget."""
         need = self.peak_bytes(1, first_order)
         held = "forward pass" if first_order else "recording"
@@ -96,14 +95,21 @@ class MemoryModel:
             biggest = self.largest
             where, line, column, op = biggest.section, biggest.line, biggest.column, biggest.op
             shapes = (biggest.type.shape,)
-            detail = (f"; its largest result is {biggest.op} of shape "
-                      f"{list(biggest.type.shape)} ({biggest.type.dtype}, "
-                      f"{_mib(_nbytes(biggest))})")
+            detail = (
+                f"; its largest result is {biggest.op} of shape "
+                f"{list(biggest.type.shape)} ({biggest.type.dtype}, "
+                f"{_mib(_nbytes(biggest))})"
+            )
         return Problem(
             f"{what} needs about {_mib(need)} ({held} {_mib(self.held_bytes(first_order))} + "
             f"{_mib(self.per_item_bytes)} per item){detail}; the memory budget of a "
             f"request is {_mib(budget)}",
-            where, line, column, op, shapes, kind="limit",
+            where,
+            line,
+            column,
+            op,
+            shapes,
+            kind="limit",
         )
 
 

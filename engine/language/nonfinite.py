@@ -92,10 +92,17 @@ class NonFiniteCheck:
         if bad:
             args = [t for t in _flat(inputs or {}) if _nonfinite_count(t)]
             origin = "from a non-finite argument" if args else "from finite arguments"
-            raise NonFiniteValue(Problem(
-                f"its result has {bad} of {out.size} element(s) NaN or infinite, {origin}",
-                section, pos.line, pos.column, op, _shapes(inputs), kind="nonfinite",
-            ))
+            raise NonFiniteValue(
+                Problem(
+                    f"its result has {bad} of {out.size} element(s) NaN or infinite, {origin}",
+                    section,
+                    pos.line,
+                    pos.column,
+                    op,
+                    _shapes(inputs),
+                    kind="nonfinite",
+                )
+            )
         self.sites.append(Site(section, pos, op, out, inputs, pending[1] if pending else None))
 
 
@@ -124,8 +131,9 @@ def find_culprit(
     for site, ct in reversed(list(zip(sites, cts, strict=True))):
         if ct is None or _nonfinite_count(ct) or site.inputs is None or site.recompute is None:
             continue
-        args = {k: v for k, v in site.inputs.items()
-                if isinstance(v, Tensor) and v.dtype.kind == "f"}
+        args = {
+            k: v for k, v in site.inputs.items() if isinstance(v, Tensor) and v.dtype.kind == "f"
+        }
         if not args:
             continue
         with GradientTape() as local:
@@ -133,13 +141,20 @@ def find_culprit(
                 local.watch(value)
             out = site.recompute(**site.inputs)
         grads = local.gradient(out, list(args.values()), output_gradients=ct)
-        singular = [name for name, g in zip(args, grads, strict=True)
-                    if g is not None and _nonfinite_count(g)]
+        singular = [
+            name
+            for name, g in zip(args, grads, strict=True)
+            if g is not None and _nonfinite_count(g)
+        ]
         if singular:
             return Problem(
                 f"its derivative with respect to {', '.join(singular)} is NaN or infinite "
                 "at these values (its result is finite)",
-                site.section, site.pos.line, site.pos.column, site.op, _shapes(site.inputs),
+                site.section,
+                site.pos.line,
+                site.pos.column,
+                site.op,
+                _shapes(site.inputs),
                 kind="nonfinite",
             )
     return None

@@ -212,8 +212,17 @@ class _Checker:
                 kind="limit",
             )
         self.fail_if_problems()
-        return CheckedProgram(leaves, lines, types, reads, self.grad_sites, self.functions,
-                              self.intermediates, self.model_calls, dict(self.defn.models))
+        return CheckedProgram(
+            leaves,
+            lines,
+            types,
+            reads,
+            self.grad_sites,
+            self.functions,
+            self.intermediates,
+            self.model_calls,
+            dict(self.defn.models),
+        )
 
     def check_sizes(self) -> None:
         self.problems.extend(size_problems(self.defn, self.limits))
@@ -247,14 +256,20 @@ class _Checker:
                 # ONNX names ("fc1.weight", "onnx::MatMul_7") are never written in a
                 # program; they are only request keys, so only their length is bounded.
                 if len(name) > self.limits.max_name_chars:
-                    self.add(f"variable name is {len(name)} characters; the limit is "
-                             f"{self.limits.max_name_chars}", section, kind="limit")
+                    self.add(
+                        f"variable name is {len(name)} characters; the limit is "
+                        f"{self.limits.max_name_chars}",
+                        section,
+                        kind="limit",
+                    )
                     continue
             elif dot and role == "variable":
                 # A function's own variable, `<function>.<name>` (as tf.Module's
                 # `critic/w1`, flax's params["critic"]["w1"]): `name` in its body only.
-                if not (self.check_name(owner, section, "function")
-                        and self.check_name(local, section, "variable")):
+                if not (
+                    self.check_name(owner, section, "function")
+                    and self.check_name(local, section, "variable")
+                ):
                     continue
                 if owner not in self.defn.functions:
                     hint = suggest(owner, list(self.defn.functions))
@@ -294,8 +309,9 @@ class _Checker:
             if not self.check_name(name, section, "model"):
                 continue
             if name in SIGNATURES or name in self.defn.functions:
-                self.add(f"model name {name!r} is already an op or a function; choose another",
-                         section)
+                self.add(
+                    f"model name {name!r} is already an op or a function; choose another", section
+                )
 
     def model_call(self, node: Call, scope: _Scope) -> TensorType | None:
         """A call of an imported model: its outputs' types from ONNX shape inference for
@@ -306,9 +322,12 @@ class _Checker:
         model = self.defn.models[node.func].model
         if scope.in_function or node.kwargs:
             self.infer_all(node, scope)
-            why = ("a function body cannot call a model" if scope.in_function else
-                   "a model takes its inputs by position: " +
-                   f"{node.func}({', '.join(i.name for i in model.inputs)})")
+            why = (
+                "a function body cannot call a model"
+                if scope.in_function
+                else "a model takes its inputs by position: "
+                + f"{node.func}({', '.join(i.name for i in model.inputs)})"
+            )
             self.add(why, scope, node.pos, "op", node.func)
             return None
         types = [self.infer(arg, scope) for arg in node.args]
@@ -320,20 +339,30 @@ class _Checker:
         except ModelError as exc:
             for p in exc.problems:
                 kind = "shape" if p.kind == "shape" else "model"
-                self.add(str(p), scope, node.pos, kind, node.func,
-                         tuple(t.shape for t in types))
+                self.add(str(p), scope, node.pos, kind, node.func, tuple(t.shape for t in types))
             return None
         if len(spec.outputs) != 1:
-            self.add(f"the model has {len(spec.outputs)} outputs; a program calls models "
-                     "with one output", scope, node.pos, "op", node.func)
+            self.add(
+                f"the model has {len(spec.outputs)} outputs; a program calls models "
+                "with one output",
+                scope,
+                node.pos,
+                "op",
+                node.func,
+            )
             return None
         self.model_calls[node] = spec
         for _, shape, dtype in spec.sizes:  # the graph's intermediates count as ops do
             self.total_elements += math.prod(shape)
-            self.intermediates.append(Intermediate(
-                scope.section, node.pos.line, node.pos.column, node.func,
-                TensorType(tuple(shape), dtype),
-            ))
+            self.intermediates.append(
+                Intermediate(
+                    scope.section,
+                    node.pos.line,
+                    node.pos.column,
+                    node.func,
+                    TensorType(tuple(shape), dtype),
+                )
+            )
         shape, dtype = spec.outputs[0]
         return self.sized(TensorType(tuple(shape), np.dtype(dtype)), node, scope, node.func)
 
@@ -368,8 +397,10 @@ class _Checker:
             parsed[name] = (forward, backward, params_ok, not problems and not more)
         self.nodes = nodes
         recursive = self.check_recursion(
-            {name: [line for lines in body[:2] for line in lines if line is not None]
-             for name, body in parsed.items()}
+            {
+                name: [line for lines in body[:2] for line in lines if line is not None]
+                for name, body in parsed.items()
+            }
         )
         for name, (forward, backward, params_ok, clean) in parsed.items():
             fn = self.defn.functions[name]
@@ -394,7 +425,7 @@ class _Checker:
             path.append(name)
             for callee in calls[name]:
                 if state.get(callee) == 1:
-                    cycle = path[path.index(callee):] + [callee]
+                    cycle = path[path.index(callee) :] + [callee]
                     on_cycle.update(cycle)
                     self.add(
                         f"recursion: {' -> '.join(cycle)}; a function may call other "
@@ -434,7 +465,7 @@ class _Checker:
             return None
         prefix = name + "."
         owned = tuple(
-            (leaf[len(prefix):], leaf) for leaf in self.leaves if leaf.startswith(prefix)
+            (leaf[len(prefix) :], leaf) for leaf in self.leaves if leaf.startswith(prefix)
         )
         if owned and not fn.plain:
             self.add(
@@ -477,9 +508,7 @@ class _Checker:
         for local, leaf in fn.owned:
             types[local] = self.leaves[leaf].type
             origins[local] = f"the function's variable {leaf!r}"
-        forward = _Scope(
-            base + ".forward", types, dict(origins), in_function=True, call_note=note
-        )
+        forward = _Scope(base + ".forward", types, dict(origins), in_function=True, call_note=note)
         forward.later.update(dict.fromkeys(refused[0], -1))
         self.check_lines(fn.forward, forward)
         forward.types.update({n: None for n in refused[0] if n not in forward.types})
@@ -787,8 +816,10 @@ class _Checker:
         key = (fn.name, tuple((t.shape, t.dtype) for t in params.values()))
         if key not in self.function_types:
             where = scope.section.replace("functions.", "function ").replace(".", " ")
-            note = f"when called from {'program' if where == 'program' else where} line " \
+            note = (
+                f"when called from {'program' if where == 'program' else where} line "
                 f"{node.pos.line}"
+            )
             self.function_types[key] = self.run_function(fn, params, note)
         out = self.function_types[key]
         return None if out is None else self.sized(out, node, scope, fn.name)

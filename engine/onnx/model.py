@@ -52,7 +52,11 @@ class Node:
 
     def problem(self, message: str, opset: int, kind: str = "op") -> ModelProblem:
         return ModelProblem(
-            message, kind, self.name or f"#{self.index}", self.op_type, self.domain or "ai.onnx",
+            message,
+            kind,
+            self.name or f"#{self.index}",
+            self.op_type,
+            self.domain or "ai.onnx",
             opset,
         )
 
@@ -91,15 +95,15 @@ class OnnxModel:
         self.proto = proto
         self.digest = digest
         graph = proto.graph
-        self.opset = next(
-            (o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), 1
-        )
+        self.opset = next((o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), 1)
         self.params: dict[str, np.ndarray] = {}
         self.consts: dict[str, np.ndarray] = {}
         # A float initializer only ever read as a shape, pads, a pad value or a dropout
         # ratio is a constant, not a parameter.
         differentiable = {
-            name for n in graph.node for i, name in enumerate(n.input)
+            name
+            for n in graph.node
+            for i, name in enumerate(n.input)
             if i not in STATIC.get(n.op_type, ())
         }
         for init in graph.initializer:
@@ -113,8 +117,14 @@ class OnnxModel:
         self.outputs = [v.name for v in graph.output]
         self.nodes = [
             Node(
-                i, n.name, n.op_type, n.domain, tuple(n.input), tuple(n.output),
-                {a.name: _attr(helper.get_attribute_value(a)) for a in n.attribute}, n,
+                i,
+                n.name,
+                n.op_type,
+                n.domain,
+                tuple(n.input),
+                tuple(n.output),
+                {a.name: _attr(helper.get_attribute_value(a)) for a in n.attribute},
+                n,
             )
             for i, n in enumerate(graph.node)
         ]
@@ -134,23 +144,30 @@ class OnnxModel:
                 value = _constant_value(node)
                 if value is not None:
                     values[node.outputs[0]] = value
-            is_static = node.domain in DEFAULT_DOMAINS and node.op_type not in NOT_FOLDABLE and (
-                node.op_type in ("Shape", "Size") or all(n in static for n in ins)
+            is_static = (
+                node.domain in DEFAULT_DOMAINS
+                and node.op_type not in NOT_FOLDABLE
+                and (node.op_type in ("Shape", "Size") or all(n in static for n in ins))
             )
             if is_static:
                 static.update(n for n in node.outputs if n)
                 continue
             if node.domain not in DEFAULT_DOMAINS:
-                problems.append(node.problem(
-                    f"domain {node.domain!r} is not supported (only the default ONNX domain)",
-                    self._opset(node.domain),
-                ))
+                problems.append(
+                    node.problem(
+                        f"domain {node.domain!r} is not supported (only the default ONNX domain)",
+                        self._opset(node.domain),
+                    )
+                )
             elif node.op_type not in HANDLERS or node.op_type in FOLD_ONLY:
-                problems.append(node.problem(
-                    "not supported on computed values (only where its inputs are constants)"
-                    if node.op_type in FOLD_ONLY else "not supported",
-                    self.opset,
-                ))
+                problems.append(
+                    node.problem(
+                        "not supported on computed values (only where its inputs are constants)"
+                        if node.op_type in FOLD_ONLY
+                        else "not supported",
+                        self.opset,
+                    )
+                )
             elif (why := refusal(node.op_type, node.attrs, node.outputs)) is not None:
                 problems.append(node.problem(why, self.opset))
             problems.extend(self._mode_problems(node, values))
@@ -165,24 +182,35 @@ class OnnxModel:
         if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2]:
             mode = values.get(node.inputs[2])
             if mode is None:
-                return [node.problem(
-                    "training_mode must be a constant false (inference); it is computed",
-                    self.opset, "mode",
-                )]
+                return [
+                    node.problem(
+                        "training_mode must be a constant false (inference); it is computed",
+                        self.opset,
+                        "mode",
+                    )
+                ]
             if bool(np.asarray(mode).reshape(-1)[0]):
-                return [node.problem(
-                    "training_mode is true: dropout in training mode is random and is not "
-                    "supported; export the model in eval mode", self.opset, "mode",
-                )]
+                return [
+                    node.problem(
+                        "training_mode is true: dropout in training mode is random and is not "
+                        "supported; export the model in eval mode",
+                        self.opset,
+                        "mode",
+                    )
+                ]
         if node.op_type == "BatchNormalization":
             training = node.attrs.get("training_mode", 0) or (
                 self.opset < 14 and sum(1 for n in node.outputs[1:] if n) > 0
             )
             if training:
-                return [node.problem(
-                    "training mode (batch statistics) is not supported; export the model in "
-                    "eval mode so it uses its running mean and variance", self.opset, "mode",
-                )]
+                return [
+                    node.problem(
+                        "training mode (batch statistics) is not supported; export the model in "
+                        "eval mode so it uses its running mean and variance",
+                        self.opset,
+                        "mode",
+                    )
+                ]
         return []
 
     def _structure_hash(self) -> str:
@@ -222,38 +250,56 @@ class OnnxModel:
         problems = []
         if len(types) != len(self.inputs):
             names = ", ".join(i.name for i in self.inputs)
-            raise ModelError([ModelProblem(
-                f"the model takes {len(self.inputs)} input(s) ({names}), got {len(types)}",
-                "shape",
-            )])
+            raise ModelError(
+                [
+                    ModelProblem(
+                        f"the model takes {len(self.inputs)} input(s) ({names}), got {len(types)}",
+                        "shape",
+                    )
+                ]
+            )
         symbols: dict[str, tuple[int, str, int]] = {}
         for spec, (shape, dtype) in zip(self.inputs, types):
             if dtype != spec.dtype:
-                problems.append(ModelProblem(
-                    f"input {spec.name!r} must be {spec.dtype}, got {dtype}", "shape",
-                    tensor=spec.name,
-                ))
+                problems.append(
+                    ModelProblem(
+                        f"input {spec.name!r} must be {spec.dtype}, got {dtype}",
+                        "shape",
+                        tensor=spec.name,
+                    )
+                )
             if len(shape) != len(spec.dims):
-                problems.append(ModelProblem(
-                    f"input {spec.name!r} must have rank {len(spec.dims)} "
-                    f"(dims {list(spec.dims)}), got shape {list(shape)}", "shape",
-                    tensor=spec.name,
-                ))
+                problems.append(
+                    ModelProblem(
+                        f"input {spec.name!r} must have rank {len(spec.dims)} "
+                        f"(dims {list(spec.dims)}), got shape {list(shape)}",
+                        "shape",
+                        tensor=spec.name,
+                    )
+                )
                 continue
             for axis, (want, got) in enumerate(zip(spec.dims, shape)):
                 if isinstance(want, int) and want != got:
-                    problems.append(ModelProblem(
-                        f"input {spec.name!r} axis {axis} must be {want}, got {got}", "shape",
-                        tensor=spec.name, axis=axis,
-                    ))
+                    problems.append(
+                        ModelProblem(
+                            f"input {spec.name!r} axis {axis} must be {want}, got {got}",
+                            "shape",
+                            tensor=spec.name,
+                            axis=axis,
+                        )
+                    )
                 elif isinstance(want, str):
                     seen = symbols.setdefault(want, (got, spec.name, axis))
                     if seen[0] != got:
-                        problems.append(ModelProblem(
-                            f"input {spec.name!r} axis {axis} is the dimension {want!r}, which "
-                            f"is {seen[0]} at input {seen[1]!r} axis {seen[2]}; got {got}",
-                            "shape", tensor=spec.name, axis=axis,
-                        ))
+                        problems.append(
+                            ModelProblem(
+                                f"input {spec.name!r} axis {axis} is the dimension {want!r}, which "
+                                f"is {seen[0]} at input {seen[1]!r} axis {seen[2]}; got {got}",
+                                "shape",
+                                tensor=spec.name,
+                                axis=axis,
+                            )
+                        )
         if problems:
             raise ModelError(problems)
 
@@ -274,28 +320,35 @@ class OnnxModel:
                     consts[node.outputs[0]] = out[0]
                     folded += 1
                     continue
-                problems.append(node.problem(
-                    f"the shape of {node.inputs[0]!r} does not follow from the inputs' shapes",
-                    self.opset, "shape",
-                ))
+                problems.append(
+                    node.problem(
+                        f"the shape of {node.inputs[0]!r} does not follow from the inputs' shapes",
+                        self.opset,
+                        "shape",
+                    )
+                )
                 continue
             if node.op_type not in NOT_FOLDABLE and all(n in consts for n in ins):
                 try:
                     outs = _fold(node, consts, self.opset)
                 except Exception as exc:  # noqa: BLE001 (the reference evaluator raises anything)
-                    problems.append(node.problem(f"cannot be computed at load time: {exc}",
-                                                 self.opset))
+                    problems.append(
+                        node.problem(f"cannot be computed at load time: {exc}", self.opset)
+                    )
                     continue
                 consts.update((n, v) for n, v in zip(node.outputs, outs) if n)
                 folded += 1
                 continue
             for i in STATIC.get(node.op_type, ()):
                 if i < len(node.inputs) and node.inputs[i] and node.inputs[i] not in consts:
-                    problems.append(node.problem(
-                        f"input {i} ({node.inputs[i]!r}) must be known at load time (a shape, "
-                        "axes or pads), but it depends on values computed at run time",
-                        self.opset, "shape",
-                    ))
+                    problems.append(
+                        node.problem(
+                            f"input {i} ({node.inputs[i]!r}) must be known at load time (a shape, "
+                            "axes or pads), but it depends on values computed at run time",
+                            self.opset,
+                            "shape",
+                        )
+                    )
             if node.op_type == "Dropout":
                 problems.extend(self._mode_problems(node, consts))
             steps.append(Step(node.op_type, node.inputs, node.outputs, node.attrs))
@@ -306,23 +359,32 @@ class OnnxModel:
                 continue
             shape, dtype = shapes.get(name, (None, None))
             if shape is None:
-                problems.append(ModelProblem(
-                    f"the shape of output {name!r} does not follow from the inputs' shapes",
-                    "shape", tensor=name,
-                ))
+                problems.append(
+                    ModelProblem(
+                        f"the shape of output {name!r} does not follow from the inputs' shapes",
+                        "shape",
+                        tensor=name,
+                    )
+                )
                 continue
             for axis, d in enumerate(shape):
                 if d is None:
-                    problems.append(ModelProblem(
-                        f"output {name!r} axis {axis} has a size that does not follow from "
-                        "the inputs' shapes", "shape", tensor=name, axis=axis,
-                    ))
+                    problems.append(
+                        ModelProblem(
+                            f"output {name!r} axis {axis} has a size that does not follow from "
+                            "the inputs' shapes",
+                            "shape",
+                            tensor=name,
+                            axis=axis,
+                        )
+                    )
             outputs.append((shape, dtype))
         if problems:
             raise ModelError(problems)
         sizes = [
             (n, shapes[n][0], shapes[n][1])
-            for step in steps for n in step.outputs
+            for step in steps
+            for n in step.outputs
             if n and n in shapes and None not in shapes[n][0]
         ]
         elements = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in sizes)
@@ -446,13 +508,17 @@ def _parse(data: bytes) -> Any:
     try:
         proto = onnx.load_model_from_string(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise ModelError([ModelProblem(
-            f"not a valid ONNX file ({len(data)} bytes; is it truncated?): {exc}"
-        )]) from None
+        raise ModelError(
+            [ModelProblem(f"not a valid ONNX file ({len(data)} bytes; is it truncated?): {exc}")]
+        ) from None
     if not proto.graph.node and not proto.graph.output:
-        raise ModelError([ModelProblem(
-            f"not a valid ONNX file ({len(data)} bytes; is it truncated?): it has no graph"
-        )])
+        raise ModelError(
+            [
+                ModelProblem(
+                    f"not a valid ONNX file ({len(data)} bytes; is it truncated?): it has no graph"
+                )
+            ]
+        )
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:

@@ -288,10 +288,17 @@ def _conv(ins, attrs, opset):
     x, w = ins[0], ins[1]
     b = ins[2] if len(ins) > 2 else None
     kernel = shape_of(w)[2:]
-    return [OP["conv"](
-        x, w, b, strides=attrs.get("strides"), pads=_window_pads(x, kernel, attrs),
-        dilations=attrs.get("dilations"), groups=int(attrs.get("group", 1)),
-    )]
+    return [
+        OP["conv"](
+            x,
+            w,
+            b,
+            strides=attrs.get("strides"),
+            pads=_window_pads(x, kernel, attrs),
+            dilations=attrs.get("dilations"),
+            groups=int(attrs.get("group", 1)),
+        )
+    ]
 
 
 @handler("MaxPool")
@@ -301,8 +308,11 @@ def _max_pool(ins, attrs, opset):
     if attrs.get("storage_order", 0):
         raise OpError("storage_order=1 (column-major Indices) is not supported")
     y = OP["max_pool"](
-        x, kernel_shape=kernel, strides=attrs.get("strides"),
-        pads=_window_pads(x, kernel, attrs), dilations=attrs.get("dilations"),
+        x,
+        kernel_shape=kernel,
+        strides=attrs.get("strides"),
+        pads=_window_pads(x, kernel, attrs),
+        dilations=attrs.get("dilations"),
         ceil_mode=bool(attrs.get("ceil_mode", 0)),
     )
     return [y, None]  # Indices: refused by the loader when a node uses them
@@ -314,12 +324,16 @@ def _avg_pool(ins, attrs, opset):
     kernel = list(attrs["kernel_shape"])
     if any(d != 1 for d in attrs.get("dilations", [])):
         raise OpError("dilations other than 1 are not supported by AveragePool here")
-    return [OP["avg_pool"](
-        x, kernel_shape=kernel, strides=attrs.get("strides"),
-        pads=_window_pads(x, kernel, attrs),
-        count_include_pad=bool(attrs.get("count_include_pad", 0)),
-        ceil_mode=bool(attrs.get("ceil_mode", 0)),
-    )]
+    return [
+        OP["avg_pool"](
+            x,
+            kernel_shape=kernel,
+            strides=attrs.get("strides"),
+            pads=_window_pads(x, kernel, attrs),
+            count_include_pad=bool(attrs.get("count_include_pad", 0)),
+            ceil_mode=bool(attrs.get("ceil_mode", 0)),
+        )
+    ]
 
 
 @handler("GlobalAveragePool")
@@ -585,7 +599,11 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
     if op_type == "Pad" and attrs.get("mode", "constant") != "constant":
         return f"mode {attrs['mode']!r} is not supported (only 'constant')"
     if op_type in ("Conv", "MaxPool", "AveragePool") and attrs.get("auto_pad", "NOTSET") not in (
-        "NOTSET", "", "VALID", "SAME_UPPER", "SAME_LOWER"
+        "NOTSET",
+        "",
+        "VALID",
+        "SAME_UPPER",
+        "SAME_LOWER",
     ):
         return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
     if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
@@ -593,8 +611,9 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
     return None
 
 
-def run_node(op_type: str, ins: Sequence[Any], attrs: dict[str, Any], opset: int,
-             outputs: int) -> list[Any]:
+def run_node(
+    op_type: str, ins: Sequence[Any], attrs: dict[str, Any], opset: int, outputs: int
+) -> list[Any]:
     if op_type == "Split":
         return split(list(ins), attrs, opset, outputs)
     return HANDLERS[op_type](list(ins), attrs, opset)
@@ -603,6 +622,4 @@ def run_node(op_type: str, ins: Sequence[Any], attrs: dict[str, Any], opset: int
 # Ops whose value is only ever computed at load time (from constants): folded by the
 # reference evaluator, never run on tensors. Listed so a graph using them on computed
 # values says so precisely.
-FOLD_ONLY = frozenset(
-    {"Constant", "ConstantOfShape", "Range", "NonZero", "OneHot", "EyeLike"}
-)
+FOLD_ONLY = frozenset({"Constant", "ConstantOfShape", "Range", "NonZero", "OneHot", "EyeLike"})

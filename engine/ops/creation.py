@@ -21,7 +21,9 @@ def _shape(shape: Shape) -> tuple[int, ...]:
 
 def zeros(shape: Shape, dtype: Any = "float32", device: str | None = None) -> Tensor:
     """A tensor of zeros."""
-    return pass_constant(backend.xp_for_device(device).zeros(_shape(shape), dtype=host.dtype(dtype)))
+    return pass_constant(
+        backend.xp_for_device(device).zeros(_shape(shape), dtype=host.dtype(dtype))
+    )
 
 
 def ones(shape: Shape, dtype: Any = "float32", device: str | None = None) -> Tensor:

@@ -528,8 +528,9 @@ def take(x: Any, indices: Any, axis: int = 0) -> Tensor:
 # ---- gather_nd / scatter_nd (TensorFlow's): getitem and scatter_add with index tuples ----
 def _nd_index(indices: Any, shape: tuple[int, ...], opname: str, device: str) -> tuple:
     """(Ellipsis, i_0, ..., i_{K-1}, :, ...) from an integer (..., K) index array."""
-    idx = backend.asarray(host_value(indices) if isinstance(indices, Tensor) else indices, None,
-                          device)
+    idx = backend.asarray(
+        host_value(indices) if isinstance(indices, Tensor) else indices, None, device
+    )
     if idx.dtype.kind not in "iu" or idx.ndim < 1:
         raise TypeError(f"{opname}: indices must be an integer tensor of rank >= 1")
     depth = idx.shape[-1]

@@ -81,7 +81,8 @@ def _reload_keys_on_sighup(keyring: KeyRing) -> None:
     """`kill -HUP` reads the API keys file again (it is also read when it changes)."""
     try:
         asyncio.get_running_loop().add_signal_handler(
-            signal.SIGHUP, lambda: keyring.reload(force=True))
+            signal.SIGHUP, lambda: keyring.reload(force=True)
+        )
     except (NotImplementedError, RuntimeError, AttributeError):  # no SIGHUP (Windows), or
         pass  # not the main thread (a test's in-process app): the file check still works
 
@@ -108,8 +109,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             await pool.start()
             metrics.bind(pool)
-            log.info("%d worker(s) ready; limits: %s; store: %s", pool.size,
-                     json.dumps(pool.hello(0).get("definition_limits")), store.path)
+            log.info(
+                "%d worker(s) ready; limits: %s; store: %s",
+                pool.size,
+                json.dumps(pool.hello(0).get("definition_limits")),
+                store.path,
+            )
             await tapes.open()
             await jobs.open()
             try:
@@ -142,8 +147,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.models = ModelCatalog(settings, pool, store)
     app.state.jobs = JobRegistry(settings, store, _job_problem)
     app.state.datasets = DatasetCatalog(settings, store)
-    app.state.services = Services(settings, pool, app.state.tapes, app.state.models,
-                                  app.state.datasets)
+    app.state.services = Services(
+        settings, pool, app.state.tapes, app.state.models, app.state.datasets
+    )
     errors.install(app)
     docs.install(app)
     openapi.install(app)

@@ -33,11 +33,14 @@ ANONYMOUS = ""
 log = logging.getLogger("gradtape.auth")
 
 bearer_scheme = HTTPBearer(
-    auto_error=False, scheme_name="bearerAuth",
+    auto_error=False,
+    scheme_name="bearerAuth",
     description="An API key as a bearer token (when the server requires keys).",
 )
 api_key_scheme = APIKeyHeader(
-    name="X-API-Key", auto_error=False, scheme_name="apiKeyAuth",
+    name="X-API-Key",
+    auto_error=False,
+    scheme_name="apiKeyAuth",
     description="An API key in the X-API-Key header (when the server requires keys).",
 )
 
@@ -94,8 +97,9 @@ class KeyRing:
                 return
             self._file_stamp = stamp
             if not keys:
-                log.error("API keys file holds no key; the %d key(s) in force stay",
-                          len(self._owners))
+                log.error(
+                    "API keys file holds no key; the %d key(s) in force stay", len(self._owners)
+                )
                 return
             owners = frozenset(map(owner_id, keys))
             if owners != self._owners:
@@ -132,8 +136,9 @@ async def authenticate(
     return owner
 
 
-def _owner_of(keyring: KeyRing, bearer: HTTPAuthorizationCredentials | None,
-              api_key: str | None) -> str:
+def _owner_of(
+    keyring: KeyRing, bearer: HTTPAuthorizationCredentials | None, api_key: str | None
+) -> str:
     if not keyring.enabled:
         return ANONYMOUS
     key = bearer.credentials if bearer is not None else api_key
@@ -147,7 +152,8 @@ def _owner_of(keyring: KeyRing, bearer: HTTPAuthorizationCredentials | None,
     owner = keyring.owner(key)
     if owner is None:
         raise ProblemError(
-            "unauthorized", "the API key is not valid for this server",
+            "unauthorized",
+            "the API key is not valid for this server",
             headers=_UNAUTHORIZED_HEADERS,
         )
     return owner
@@ -160,8 +166,7 @@ async def current_owner(request: Request) -> str:
     known: str | None = getattr(request.state, "owner", None)
     if known is not None:
         return known
-    return await authenticate(request, await bearer_scheme(request),
-                              await api_key_scheme(request))
+    return await authenticate(request, await bearer_scheme(request), await api_key_scheme(request))
 
 
 OwnerDep = Annotated[str, Depends(current_owner)]

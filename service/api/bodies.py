@@ -69,8 +69,7 @@ _INLINE_MSGPACK_BYTES = 16 * 1024
 # exponent marks "x" and all else a space: a space then 19 d's (a fraction's digits
 # follow an x; 19-digit exponents after "e-" are sent to json too, needlessly).
 _DIGIT_CLASSES = bytes(
-    ord("d") if b in b"0123456789" else ord("x") if b in b".eE+" else ord(" ")
-    for b in range(256)
+    ord("d") if b in b"0123456789" else ord("x") if b in b".eE+" else ord(" ") for b in range(256)
 )
 _LONG_INTEGER = b" " + b"d" * 19
 
@@ -78,6 +77,8 @@ _LONG_INTEGER = b" " + b"d" * 19
 def _may_hold_long_integer(body: bytes) -> bool:
     classes = body.translate(_DIGIT_CLASSES)
     return _LONG_INTEGER in classes or classes.startswith(_LONG_INTEGER[1:])
+
+
 _CONTAINERS = (dict, list)
 
 
@@ -143,9 +144,7 @@ class BodyShape:
             if depth > self.max_depth:
                 raise self.too_deep()
             if dict in kinds or list in kinds:
-                stack.extend(
-                    (child, depth + 1) for child in children if type(child) in _CONTAINERS
-                )
+                stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
 
 
 def _encodable(items: Any) -> None:

@@ -74,7 +74,7 @@ def _without_input_tags(parts: list[str]) -> list[str]:
 
 def _short(name: str, limit: int = 64) -> str:
     """A client's key as a problem names it: never echoed at length."""
-    return name if len(name) <= limit else f"{name[:limit - 3]}..."
+    return name if len(name) <= limit else f"{name[: limit - 3]}..."
 
 
 def _validation_problem(request: Request, exc: RequestValidationError) -> Response:
@@ -85,7 +85,8 @@ def _validation_problem(request: Request, exc: RequestValidationError) -> Respon
             reason = (err.get("ctx") or {}).get("error", "invalid JSON")
             position = err["loc"][1] if len(err["loc"]) > 1 else "?"
             return problem_response(
-                request.scope, "malformed-body",
+                request.scope,
+                "malformed-body",
                 f"the body is not valid JSON: {reason} at character {position}",
             )
         if kind == "msgpack_invalid":
@@ -94,16 +95,22 @@ def _validation_problem(request: Request, exc: RequestValidationError) -> Respon
     # hold a great many mistakes, and the answer must stay small.
     shown = errors[: request.app.state.settings.max_reported_problems]
     items = [
-        {"field": _field(tuple(err.get("loc", ()))), "message": err.get("msg", "")[:500],
-         "kind": err.get("type")}
+        {
+            "field": _field(tuple(err.get("loc", ()))),
+            "message": err.get("msg", "")[:500],
+            "kind": err.get("type"),
+        }
         for err in shown
     ]
     first = items[0] if items else {"field": "body", "message": "invalid request"}
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     extra = {"omitted": len(errors) - len(shown)} if len(errors) > len(shown) else {}
     return problem_response(
-        request.scope, "validation", f"{first['field']}: {first['message']}{more}",
-        errors=items, **extra,
+        request.scope,
+        "validation",
+        f"{first['field']}: {first['message']}{more}",
+        errors=items,
+        **extra,
     )
 
 
@@ -121,20 +128,21 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
             errors = [{k: p.get(k) for k in _PROBLEM_FIELDS} for p in problems]
         elif error.get("field"):
             errors = [{"field": error["field"], "message": error.get("message", "")}]
-        extra = {k: v for k, v in error.items()
-                 if k not in ("type", "message", "problems", "field")}
+        extra = {
+            k: v for k, v in error.items() if k not in ("type", "message", "problems", "field")
+        }
         if error.get("type") in ("shard-state-lost", "unavailable"):
             # A sharded request's coordinator lost what it kept between two steps (it
             # was replaced) twice over, or a process could not map the other's shared
             # memory (out of descriptors): nothing wrong with the request; ask again.
-            return problem_response(scope, "unavailable", error.get("message", ""),
-                                    headers=retry)
+            return problem_response(scope, "unavailable", error.get("message", ""), headers=retry)
         if slug == "internal":
             log.error("internal error in a worker: %s", error.get("message"))
         return problem_response(scope, slug, error.get("message", ""), errors=errors, **extra)
     if isinstance(exc, ComputeTimeout):
         return problem_response(
-            scope, "time-limit",
+            scope,
+            "time-limit",
             f"the computation ran past its time limit of {exc.limit:g} s; worker {exc.worker} "
             "was stopped and is being replaced. Ask for less, or raise time_limit (up to "
             f"{settings.max_time_limit:g} s on this server)",
@@ -142,7 +150,8 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
         )
     if isinstance(exc, WorkerCrashed):
         return problem_response(
-            scope, "worker-crashed",
+            scope,
+            "worker-crashed",
             f"the worker computing this request stopped unexpectedly "
             f"({exc.how}) and is being replaced; the request was not "
             "completed. Retrying is safe, but if this request itself exhausts the worker's "
@@ -161,19 +170,32 @@ def pool_problem(request: Request, exc: PoolError) -> Response:
 def explainer(request: Request) -> Callable[[BaseException], tuple[int, dict[str, Any]]]:
     """For a job started by `request`: its failure as (status, problem body), the problem
     the synchronous request would have answered."""
-    scope = {"type": "http", "method": request.method, "path": request.url.path,
-             "headers": [], "query_string": b"", "app": request.app}
+    scope = {
+        "type": "http",
+        "method": request.method,
+        "path": request.url.path,
+        "headers": [],
+        "query_string": b"",
+        "app": request.app,
+    }
 
     def explain(exc: BaseException) -> tuple[int, dict[str, Any]]:
         if isinstance(exc, ServiceError):
-            response = problem_response(scope, exc.slug, exc.detail, status=status_of(exc),
-                                        errors=exc.errors, **exc.extensions)
+            response = problem_response(
+                scope,
+                exc.slug,
+                exc.detail,
+                status=status_of(exc),
+                errors=exc.errors,
+                **exc.extensions,
+            )
         elif isinstance(exc, PoolError):
             response = pool_problem(Request(scope), exc)
         else:
             log.error("unhandled error in a job on %s", scope["path"], exc_info=exc)
             response = problem_response(
-                scope, "internal", f"{type(exc).__name__} while answering; see server logs")
+                scope, "internal", f"{type(exc).__name__} while answering; see server logs"
+            )
         return response.status_code, orjson.loads(response.body)
 
     return explain
@@ -182,7 +204,8 @@ def explainer(request: Request) -> Callable[[BaseException], tuple[int, dict[str
 def _allowed_methods(request: Request) -> str:
     """Every documented method on this path (from the OpenAPI document, built once)."""
     table: list[tuple[re.Pattern[str], str]] | None = getattr(
-        request.app.state, "allowed_methods", None)
+        request.app.state, "allowed_methods", None
+    )
     if table is None:
         table = []
         for path, item in request.app.openapi().get("paths", {}).items():
@@ -196,8 +219,13 @@ def install(app: FastAPI) -> None:
     async def on_problem(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ServiceError)
         return problem_response(
-            request.scope, exc.slug, exc.detail, status=status_of(exc), errors=exc.errors,
-            headers=headers_of(exc), **exc.extensions,
+            request.scope,
+            exc.slug,
+            exc.detail,
+            status=status_of(exc),
+            errors=exc.errors,
+            headers=headers_of(exc),
+            **exc.extensions,
         )
 
     async def on_validation(request: Request, exc: Exception) -> Response:
@@ -211,19 +239,28 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 404:
             detail = f"no such path: {request.url.path} (the API is described at /docs)"
         if exc.status_code == 400:  # FastAPI's own: a body its JSON parser gave up on
-            detail = ("the body could not be parsed as JSON (nested too deeply, or "
-                      f"otherwise malformed): {detail}")
+            detail = (
+                "the body could not be parsed as JSON (nested too deeply, or "
+                f"otherwise malformed): {detail}"
+            )
         headers = dict(exc.headers) if exc.headers else None
         if exc.status_code == 405:
             # Starlette names the methods of the first route matching the path only; a
             # path served by several routes (GET, PATCH, DELETE /v1/tapes/{id}) has more.
             allow = _allowed_methods(request) or (headers or {}).get("Allow", "")
-            headers = {**{k: v for k, v in (headers or {}).items() if k.lower() != "allow"},
-                       "Allow": allow}
+            headers = {
+                **{k: v for k, v in (headers or {}).items() if k.lower() != "allow"},
+                "Allow": allow,
+            }
             detail = f"{request.method} is not allowed on {request.url.path}" + (
-                f"; allowed: {allow}" if allow else "")
+                f"; allowed: {allow}" if allow else ""
+            )
         return problem_response(
-            request.scope, slug, detail, status=exc.status_code, headers=headers,
+            request.scope,
+            slug,
+            detail,
+            status=exc.status_code,
+            headers=headers,
         )
 
     async def on_pool(request: Request, exc: Exception) -> Response:

@@ -69,8 +69,11 @@ class Fairness:
         self._refill(state, now)
         if state.tokens < 1.0:
             wait = (1.0 - state.tokens) / self.rate
-            raise _limited(f"this API key is over its rate of {self.rate:g} requests per "
-                           f"second (burst {self.burst})", wait)
+            raise _limited(
+                f"this API key is over its rate of {self.rate:g} requests per "
+                f"second (burst {self.burst})",
+                wait,
+            )
 
     @asynccontextmanager
     async def admit(self, owner: str) -> AsyncIterator[None]:
@@ -86,15 +89,22 @@ class Fairness:
         if state.slots.locked() and state.waiting >= self.max_waiting:
             # Refused before it costs a token: a client told to come back later keeps
             # its rate for when it does.
-            raise _limited(f"this API key has {self.concurrent} requests computing and "
-                           f"{state.waiting} waiting (max_waiting_per_key)", 1.0)
+            raise _limited(
+                f"this API key has {self.concurrent} requests computing and "
+                f"{state.waiting} waiting (max_waiting_per_key)",
+                1.0,
+            )
         if self.store is not None and self.rate > 0:
-            wait = await asyncio.to_thread(self.store.take_token, owner, self.rate,
-                                           self.burst, time.time())
+            wait = await asyncio.to_thread(
+                self.store.take_token, owner, self.rate, self.burst, time.time()
+            )
             if wait > 0:
-                raise _limited(f"this API key is over its rate of {self.rate:g} requests per "
-                               f"second (burst {self.burst}), counted over every HTTP "
-                               "process", wait)
+                raise _limited(
+                    f"this API key is over its rate of {self.rate:g} requests per "
+                    f"second (burst {self.burst}), counted over every HTTP "
+                    "process",
+                    wait,
+                )
         elif self.rate > 0:
             state.tokens -= 1.0
         state.users += 1
@@ -136,5 +146,6 @@ class Fairness:
 
 
 def _limited(detail: str, wait: float) -> ProblemError:
-    return ProblemError("rate-limited", detail,
-                        headers={"Retry-After": str(max(1, math.ceil(wait)))})
+    return ProblemError(
+        "rate-limited", detail, headers={"Retry-After": str(max(1, math.ceil(wait)))}
+    )

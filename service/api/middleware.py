@@ -32,8 +32,9 @@ class BodyLimitMiddleware:
         length = _content_length(scope)
         if length is not None:
             if length > self.max_bytes:
-                response = problem_response(scope, "body-too-large", self._detail(f"{length:,} bytes"),
-                                            limit=self.max_bytes)
+                response = problem_response(
+                    scope, "body-too-large", self._detail(f"{length:,} bytes"), limit=self.max_bytes
+                )
                 await response(scope, receive, send)
                 return
             await self.app(scope, receive, send)
@@ -46,16 +47,19 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
                 if size > self.max_bytes:
-                    raise ProblemError("body-too-large", self._detail("larger than that"),
-                                       limit=self.max_bytes)
+                    raise ProblemError(
+                        "body-too-large", self._detail("larger than that"), limit=self.max_bytes
+                    )
             return message
 
         await self.app(scope, receive_counted, send)
 
     def _detail(self, size: str) -> str:
-        return (f"this server accepts bodies of up to {self.max_bytes:,} bytes (setting "
-                f"max_body_bytes); this one is {size}. Send large tensors as binary "
-                "(application/msgpack) or split the request")
+        return (
+            f"this server accepts bodies of up to {self.max_bytes:,} bytes (setting "
+            f"max_body_bytes); this one is {size}. Send large tensors as binary "
+            "(application/msgpack) or split the request"
+        )
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -116,8 +116,12 @@ def _wire(value: Any, encoding: Encoding) -> Any:
     return value
 
 
-def answer(result: dict[str, Any], negotiated: Negotiated, encoding: Encoding,
-           compute_seconds: float | None = None) -> Response:
+def answer(
+    result: dict[str, Any],
+    negotiated: Negotiated,
+    encoding: Encoding,
+    compute_seconds: float | None = None,
+) -> Response:
     """The response for a worker's result (arrays become wire tensors). With
     `compute_seconds`, a `Server-Timing: compute;dur=<ms>` header says how long the worker
     computed (the rest of the latency is transport and queueing)."""

@@ -28,8 +28,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": Problem, "description": _titles(s)} for s in statuses}
 
 
-def compute_responses(response_schema: str, status: int = 200
-                      ) -> dict[int | str, dict[str, Any]]:
+def compute_responses(response_schema: str, status: int = 200) -> dict[int | str, dict[str, Any]]:
     """`status` in JSON or msgpack, and every problem a compute route can answer."""
     ref = {"$ref": f"#/components/schemas/{response_schema}"}
     return {
@@ -45,10 +44,11 @@ def job_responses(response_schema: str) -> dict[int | str, dict[str, Any]]:
     return {
         **compute_responses(response_schema),
         202: {
-            "description": "Started as a job (`\"async\": true` or `Prefer: respond-async`): "
+            "description": 'Started as a job (`"async": true` or `Prefer: respond-async`): '
             "follow it at the Location, GET /v1/jobs/{job_id}",
-            "headers": {"Location": {"description": "/v1/jobs/{job_id}",
-                                     "schema": {"type": "string"}}},
+            "headers": {
+                "Location": {"description": "/v1/jobs/{job_id}", "schema": {"type": "string"}}
+            },
             "content": {"application/json": {"schema": ref}, MSGPACK: {"schema": ref}},
         },
         **problem_responses(429),

@@ -81,22 +81,27 @@ class _Decoder:
         if not self.allow_nonfinite:
             bad = nonfinite_count(array)
             if bad:
-                self.errors.append({
-                    "field": field,
-                    "kind": "value",
-                    "message": f"{bad} of {array.size} element(s) are NaN or infinite; set "
-                    "allow_nonfinite: true to send them anyway",
-                })
+                self.errors.append(
+                    {
+                        "field": field,
+                        "kind": "value",
+                        "message": f"{bad} of {array.size} element(s) are NaN or infinite; set "
+                        "allow_nonfinite: true to send them anyway",
+                    }
+                )
         return array
 
-    def tensors(self, values: dict[str, Any], field: str, default: str = "float32"
-                ) -> dict[str, np.ndarray | None]:
+    def tensors(
+        self, values: dict[str, Any], field: str, default: str = "float32"
+    ) -> dict[str, np.ndarray | None]:
         return {name: self.tensor(v, f"{field}.{name}", default) for name, v in values.items()}
 
     def variable(self, var: Any, field: str, default: str) -> dict[str, Any]:
         if isinstance(var, VariableSpec):
-            return {"value": self.tensor(var.value, f"{field}.value", default),
-                    "trainable": var.trainable}
+            return {
+                "value": self.tensor(var.value, f"{field}.value", default),
+                "trainable": var.trainable,
+            }
         return {"value": self.tensor(var, field, default), "trainable": True}
 
     def definition(self, d: Definition) -> dict[str, Any]:
@@ -112,10 +117,16 @@ class _Decoder:
             "functions": {
                 name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
             },
-            **({"models": {
-                name: self.onnx_model(m, f"definition.models.{name}")
-                for name, m in d.models.items()
-            }} if d.models else {}),
+            **(
+                {
+                    "models": {
+                        name: self.onnx_model(m, f"definition.models.{name}")
+                        for name, m in d.models.items()
+                    }
+                }
+                if d.models
+                else {}
+            ),
         }
 
     def onnx_model(self, m: ImportedModel, field: str) -> dict[str, Any]:
@@ -127,8 +138,9 @@ class _Decoder:
             try:
                 data = base64.b64decode(data, validate=True)
             except (binascii.Error, ValueError) as exc:
-                self.errors.append({"field": f"{field}.onnx", "kind": "value",
-                                    "message": f"not base64: {exc}"})
+                self.errors.append(
+                    {"field": f"{field}.onnx", "kind": "value", "message": f"not base64: {exc}"}
+                )
                 data = b""
         if data is None:  # an unresolved reference: a bug in the route, not the client
             raise ProblemError("internal", f"{field}: the stored model was not resolved")
@@ -141,8 +153,7 @@ class _Decoder:
             )
         return {"onnx": bytes(data), "frozen": list(m.frozen)}
 
-    def inputs(self, inputs: Any, default: str, field: str = "definition.inputs"
-               ) -> dict[str, Any]:
+    def inputs(self, inputs: Any, default: str, field: str = "definition.inputs") -> dict[str, Any]:
         """The arrays of the inputs; those bound to datasets are left to the bindings."""
         if isinstance(inputs, DatasetInputs):
             self.bindings.append(Binding(inputs.dataset, None, None, rows(inputs.rows), field))
@@ -150,8 +161,9 @@ class _Decoder:
         out: dict[str, Any] = {}
         for name, value in inputs.items():
             if isinstance(value, DatasetArray):
-                self.bindings.append(Binding(value.dataset, name, value.array, rows(value.rows),
-                                             f"{field}.{name}"))
+                self.bindings.append(
+                    Binding(value.dataset, name, value.array, rows(value.rows), f"{field}.{name}")
+                )
                 out[name] = None  # keeps the input's place; bound before the pool sees it
             else:
                 out[name] = self.tensor(value, f"{field}.{name}", default)
@@ -166,8 +178,9 @@ class _Decoder:
             )
 
 
-def _at_new_point(stored: dict[str, Any], values: dict[str, Any], decoder: _Decoder
-                  ) -> dict[str, Any]:
+def _at_new_point(
+    stored: dict[str, Any], values: dict[str, Any], decoder: _Decoder
+) -> dict[str, Any]:
     """The stored model's definition with new values for some of its variables (each of
     its stored shape and dtype; a bare number or list takes the stored dtype)."""
     variables = dict(stored["variables"])
@@ -175,18 +188,27 @@ def _at_new_point(stored: dict[str, Any], values: dict[str, Any], decoder: _Deco
         field = f"variables.{name}"
         if name not in variables:
             known = ", ".join(variables) or "none"
-            decoder.errors.append({"field": field, "kind": "name", "message":
-                                   f"the model has no variable {name!r} (its variables: "
-                                   f"{known})"})
+            decoder.errors.append(
+                {
+                    "field": field,
+                    "kind": "name",
+                    "message": f"the model has no variable {name!r} (its variables: {known})",
+                }
+            )
             continue
         old = variables[name]["value"]
         array = decoder.tensor(raw, field, old.dtype.name)
         if array is None:
             continue
         if array.shape != old.shape or array.dtype != old.dtype:
-            decoder.errors.append({"field": field, "kind": "shape", "message":
-                                   f"{array.dtype.name}{list(array.shape)} given, but the "
-                                   f"model's variable is {old.dtype.name}{list(old.shape)}"})
+            decoder.errors.append(
+                {
+                    "field": field,
+                    "kind": "shape",
+                    "message": f"{array.dtype.name}{list(array.shape)} given, but the "
+                    f"model's variable is {old.dtype.name}{list(old.shape)}",
+                }
+            )
             continue
         variables[name] = {**variables[name], "value": array}
     return {**stored, "variables": variables}
@@ -209,14 +231,16 @@ def _time_limit(requested: float | None, settings: Settings) -> float:
     return limit
 
 
-def _decoder(body: CallOptions | DefinitionRequest | ModelCreateRequest, settings: Settings
-             ) -> _Decoder:
+def _decoder(
+    body: CallOptions | DefinitionRequest | ModelCreateRequest, settings: Settings
+) -> _Decoder:
     allow = settings.allow_nonfinite if body.allow_nonfinite is None else body.allow_nonfinite
     return _Decoder(allow, settings.max_onnx_bytes)
 
 
-def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] | None = None
-            ) -> tuple[_Decoder, dict[str, Any], float]:
+def _common(
+    body: DefinitionRequest, settings: Settings, stored: dict[str, Any] | None = None
+) -> tuple[_Decoder, dict[str, Any], float]:
     """The payload of a definition request; `stored` is the definition of the stored
     model the request names (body.model), in the worker form already."""
     limit = _time_limit(body.time_limit, settings)
@@ -241,8 +265,9 @@ def _common(body: DefinitionRequest, settings: Settings, stored: dict[str, Any] 
     return decoder, payload, limit
 
 
-def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload: dict[str, Any],
-              limit: float) -> Prepared:
+def _prepared(
+    body: CallOptions | DefinitionRequest, decoder: _Decoder, payload: dict[str, Any], limit: float
+) -> Prepared:
     decoder.check()
     # The worker refuses a non-finite answer unless non-finite values are allowed.
     payload["allow_nonfinite"] = decoder.allow_nonfinite
@@ -253,38 +278,44 @@ def _prepared(body: CallOptions | DefinitionRequest, decoder: _Decoder, payload:
     return Prepared(payload, limit, encoding, decoder.bindings)
 
 
-def gradient(body: GradientRequest, settings: Settings, stored: dict[str, Any] | None = None
-             ) -> Prepared:
+def gradient(
+    body: GradientRequest, settings: Settings, stored: dict[str, Any] | None = None
+) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
     # a flat vector has a place for every source: an unconnected one holds zeros
     payload["unconnected"] = "zero" if body.flat else body.unconnected.value
     return _prepared(body, decoder, payload, limit)
 
 
-def jacobian(body: JacobianRequest, settings: Settings, stored: dict[str, Any] | None = None
-             ) -> Prepared:
+def jacobian(
+    body: JacobianRequest, settings: Settings, stored: dict[str, Any] | None = None
+) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
     payload["unconnected"] = "zero" if body.flat else body.unconnected.value
     payload["batch"] = body.batch
     return _prepared(body, decoder, payload, limit)
 
 
-def hessian(body: HessianRequest, settings: Settings, stored: dict[str, Any] | None = None
-            ) -> Prepared:
+def hessian(
+    body: HessianRequest, settings: Settings, stored: dict[str, Any] | None = None
+) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
     payload["newton"] = None if body.newton is None else body.newton.model_dump()
     return _prepared(body, decoder, payload, limit)
 
 
-def hvp(body: HVPRequest, settings: Settings, stored: dict[str, Any] | None = None
-        ) -> Prepared:
+def hvp(body: HVPRequest, settings: Settings, stored: dict[str, Any] | None = None) -> Prepared:
     decoder, payload, limit = _common(body, settings, stored)
     _vectors(body, decoder, payload, settings)
     return _prepared(body, decoder, payload, limit)
 
 
-def _vectors(body: HVPRequest | TapeHVPRequest, decoder: _Decoder, payload: dict[str, Any],
-             settings: Settings) -> None:
+def _vectors(
+    body: HVPRequest | TapeHVPRequest,
+    decoder: _Decoder,
+    payload: dict[str, Any],
+    settings: Settings,
+) -> None:
     if body.vectors is not None and len(body.vectors) > settings.hvp_max_vectors:
         raise ProblemError(
             "too-large",
@@ -312,8 +343,9 @@ def _vectors(body: HVPRequest | TapeHVPRequest, decoder: _Decoder, payload: dict
 # ----------------------------------------------------------------------------------------
 
 
-def tape_create(body: TapeCreateRequest, settings: Settings,
-                stored: dict[str, Any] | None = None) -> tuple[Prepared, float]:
+def tape_create(
+    body: TapeCreateRequest, settings: Settings, stored: dict[str, Any] | None = None
+) -> tuple[Prepared, float]:
     """The payload recording a tape, and its ttl."""
     decoder, payload, limit = _common(body, settings, stored)
     del payload["allow_unused"]  # a tape records every line: other targets may use them
@@ -335,18 +367,21 @@ def sharding(body: ShardOptions, settings: Settings) -> dict[str, Any] | None:
         return None
     if body.shards > settings.max_shards:
         raise ProblemError(
-            "validation", f"shards: {body.shards} is above this server's max_shards of "
-            f"{settings.max_shards}",
-            errors=[{"field": "shards", "message": f"at most {settings.max_shards}"}])
+            "validation",
+            f"shards: {body.shards} is above this server's max_shards of {settings.max_shards}",
+            errors=[{"field": "shards", "message": f"at most {settings.max_shards}"}],
+        )
     shard_by = [body.shard_by] if isinstance(body.shard_by, str) else body.shard_by
-    return {"shards": body.shards, "shard_by": shard_by,
-            "reduction": body.shard_reduction.value}
+    return {"shards": body.shards, "shard_by": shard_by, "reduction": body.shard_reduction.value}
 
 
 def _curvature(body: CurvatureOptions) -> dict[str, Any]:
     """Which curvature matrix the worker applies (the Hessian unless asked)."""
-    return {"curvature": body.curvature.value, "samples": body.samples,
-            "fisher_seed": body.fisher_seed}
+    return {
+        "curvature": body.curvature.value,
+        "samples": body.samples,
+        "fisher_seed": body.fisher_seed,
+    }
 
 
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
@@ -358,16 +393,22 @@ def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
 
 def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
     # a flat vector has a place for every source: an unconnected one holds zeros
-    payload: dict[str, Any] = {"target": body.target, "sources": body.sources, "flat": body.flat,
-                               "unconnected": "zero" if body.flat else body.unconnected.value}
+    payload: dict[str, Any] = {
+        "target": body.target,
+        "sources": body.sources,
+        "flat": body.flat,
+        "unconnected": "zero" if body.flat else body.unconnected.value,
+    }
     if isinstance(body, TapeJacobianRequest):
         payload["batch"] = body.batch
-    return _prepared(body, _decoder(body, settings), payload,
-                     _time_limit(body.time_limit, settings))
+    return _prepared(
+        body, _decoder(body, settings), payload, _time_limit(body.time_limit, settings)
+    )
 
 
-def tape_update(body: TapeUpdateRequest, settings: Settings
-                ) -> tuple[dict[str, np.ndarray], dict[str, Any], Prepared]:
+def tape_update(
+    body: TapeUpdateRequest, settings: Settings
+) -> tuple[dict[str, np.ndarray], dict[str, Any], Prepared]:
     """(variables, inputs, prepared): the inputs bound to datasets are None until the
     route binds them (prepared.bindings, as for a definition)."""
     decoder = _decoder(body, settings)
@@ -382,8 +423,9 @@ def tape_update(body: TapeUpdateRequest, settings: Settings
     return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
 
 
-def _algorithm_limits(max_hvps: int, max_seconds: float | None, limit: float,
-                      settings: Settings) -> dict[str, Any]:
+def _algorithm_limits(
+    max_hvps: int, max_seconds: float | None, limit: float, settings: Settings
+) -> dict[str, Any]:
     if max_hvps > settings.algorithm_max_hvps:
         raise ProblemError(
             "too-large",
@@ -393,8 +435,10 @@ def _algorithm_limits(max_hvps: int, max_seconds: float | None, limit: float,
         )
     # The algorithm stops itself (and answers what it has) before the pool's hard limit.
     budget = 0.9 * limit
-    return {"max_hvps": max_hvps,
-            "max_seconds": budget if max_seconds is None else min(max_seconds, budget)}
+    return {
+        "max_hvps": max_hvps,
+        "max_seconds": budget if max_seconds is None else min(max_seconds, budget),
+    }
 
 
 def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
@@ -409,8 +453,12 @@ def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
             errors=[{"field": "which", "message": "LM (or absent) with method power"}],
         )
     payload = {
-        "k": body.k, "method": body.method.value, "which": which, "tol": body.tol,
-        "eigenvectors": body.eigenvectors, "seed": body.seed,
+        "k": body.k,
+        "method": body.method.value,
+        "which": which,
+        "tol": body.tol,
+        "eigenvectors": body.eigenvectors,
+        "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
         **_curvature(body),
     }
@@ -421,8 +469,11 @@ def trace(body: TraceRequest | DiagonalRequest, settings: Settings) -> Prepared:
     """The payload of /trace and of /diagonal (the same knobs)."""
     limit = _time_limit(body.time_limit, settings)
     payload = {
-        "method": body.method.value, "batch_size": body.batch_size, "rtol": body.rtol,
-        "atol": body.atol, "seed": body.seed,
+        "method": body.method.value,
+        "batch_size": body.batch_size,
+        "rtol": body.rtol,
+        "atol": body.atol,
+        "seed": body.seed,
         **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
         **_curvature(body),
     }
@@ -436,8 +487,12 @@ def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepar
     default = min(body.probes * body.steps, settings.algorithm_max_hvps)
     max_hvps = default if body.max_hvps is None else body.max_hvps
     payload = {
-        "probes": body.probes, "steps": body.steps, "sigma": body.sigma,
-        "points": body.points, "grid": body.grid, "seed": body.seed,
+        "probes": body.probes,
+        "steps": body.steps,
+        "sigma": body.sigma,
+        "points": body.points,
+        "grid": body.grid,
+        "seed": body.seed,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
         **_curvature(body),
     }
@@ -450,7 +505,9 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
     max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
     payload = {
         "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
-        "damping": body.damping, "tol": body.tol, "max_iterations": body.max_iterations,
+        "damping": body.damping,
+        "tol": body.tol,
+        "max_iterations": body.max_iterations,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
         **_curvature(body),
     }
@@ -462,9 +519,13 @@ def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
     max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
     payload = {
-        "test_inputs": None if body.test_inputs is None else decoder.inputs(
-            body.test_inputs, "float32", field="test_inputs"),
-        "rows": body.rows, "damping": body.damping, "top_k": body.top_k, "tol": body.tol,
+        "test_inputs": None
+        if body.test_inputs is None
+        else decoder.inputs(body.test_inputs, "float32", field="test_inputs"),
+        "rows": body.rows,
+        "damping": body.damping,
+        "top_k": body.top_k,
+        "tol": body.tol,
         "max_iterations": body.max_iterations,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
         **_curvature(body),
@@ -472,8 +533,9 @@ def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
     return _prepared(body, decoder, payload, limit)
 
 
-def model_definition(body: ModelCreateRequest, settings: Settings
-                     ) -> tuple[dict[str, Any], list[Binding]]:
+def model_definition(
+    body: ModelCreateRequest, settings: Settings
+) -> tuple[dict[str, Any], list[Binding]]:
     decoder = _decoder(body, settings)
     definition = decoder.definition(body.definition)
     decoder.check()

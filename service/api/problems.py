@@ -31,119 +31,179 @@ class ProblemType:
 
 PROBLEM_TYPES: dict[str, ProblemType] = {
     "malformed-body": ProblemType(
-        400, "Malformed body", "The body is not valid JSON (or msgpack)."),
+        400, "Malformed body", "The body is not valid JSON (or msgpack)."
+    ),
     "unauthorized": ProblemType(
-        401, "Unauthorized",
+        401,
+        "Unauthorized",
         "This server requires an API key (Authorization: Bearer <key>, or X-API-Key) and "
-        "the request has none, or one it does not accept."),
+        "the request has none, or one it does not accept.",
+    ),
     "not-found": ProblemType(404, "Not found", "No such path. See /docs for the API."),
     "tape-not-found": ProblemType(
-        404, "Tape not found",
-        "No tape with this id is visible to this API key (or it was deleted)."),
+        404,
+        "Tape not found",
+        "No tape with this id is visible to this API key (or it was deleted).",
+    ),
     "tape-expired": ProblemType(
-        404, "Tape expired",
+        404,
+        "Tape expired",
         "The tape was not used within its ttl and was dropped; record it again with "
-        "POST /v1/tapes."),
+        "POST /v1/tapes.",
+    ),
     "tape-evicted": ProblemType(
-        404, "Tape evicted",
+        404,
+        "Tape evicted",
         "The tape's worker needed room for more recently used tapes within its memory "
-        "budget; record it again with POST /v1/tapes."),
+        "budget; record it again with POST /v1/tapes.",
+    ),
     "model-not-found": ProblemType(
-        404, "Model not found", "No stored model with this name is visible to this API key."),
+        404, "Model not found", "No stored model with this name is visible to this API key."
+    ),
     "model-exists": ProblemType(
-        409, "Model exists",
-        "A model with this name is stored already; send replace: true to replace it."),
+        409,
+        "Model exists",
+        "A model with this name is stored already; send replace: true to replace it.",
+    ),
     "dataset-not-found": ProblemType(
-        404, "Dataset not found",
+        404,
+        "Dataset not found",
         "No stored dataset with this name is visible to this API key (PUT /v1/datasets/{name} "
-        "stores one)."),
+        "stores one).",
+    ),
     "dataset-too-large": ProblemType(
-        413, "Dataset too large",
+        413,
+        "Dataset too large",
         "The dataset is larger than this server stores (max_dataset_bytes), or this API key's "
-        "datasets would exceed max_dataset_bytes_per_key or max_datasets_per_key."),
+        "datasets would exceed max_dataset_bytes_per_key or max_datasets_per_key.",
+    ),
     "method-not-allowed": ProblemType(
-        405, "Method not allowed", "The path exists but not with this method (see Allow)."),
+        405, "Method not allowed", "The path exists but not with this method (see Allow)."
+    ),
     "not-acceptable": ProblemType(
-        406, "Not acceptable",
+        406,
+        "Not acceptable",
         "The Accept header names no type this service writes (application/json, "
-        "application/msgpack)."),
+        "application/msgpack).",
+    ),
     "body-too-large": ProblemType(
-        413, "Body too large", "The body is larger than the server's limit (max_body_bytes)."),
+        413, "Body too large", "The body is larger than the server's limit (max_body_bytes)."
+    ),
     "unsupported-media-type": ProblemType(
-        415, "Unsupported media type",
-        "The Content-Type is not application/json or application/msgpack."),
+        415,
+        "Unsupported media type",
+        "The Content-Type is not application/json or application/msgpack.",
+    ),
     "validation": ProblemType(
-        422, "Invalid request",
+        422,
+        "Invalid request",
         "A field of the request is missing, unknown or malformed; `errors` lists each with "
-        "its dotted `field` path."),
+        "its dotted `field` path.",
+    ),
     "definition": ProblemType(
-        422, "Invalid definition",
+        422,
+        "Invalid definition",
         "The definition (or its target and sources) cannot run: `errors` lists each problem "
-        "with its section, line, column, op and shapes."),
+        "with its section, line, column, op and shapes.",
+    ),
     "invalid-request": ProblemType(
-        422, "Invalid request", "The request does not fit its definition (shapes, targets)."),
+        422, "Invalid request", "The request does not fit its definition (shapes, targets)."
+    ),
     "execution": ProblemType(
-        422, "Computation failed",
-        "A checked definition failed while running (a singular matrix, a label out of range)."),
+        422,
+        "Computation failed",
+        "A checked definition failed while running (a singular matrix, a label out of range).",
+    ),
     "non-finite": ProblemType(
-        422, "Non-finite result",
+        422,
+        "Non-finite result",
         "The answer would hold NaN or infinite values: `errors` names the op (line, column, "
         "op) where the first one appeared, in the forward pass or in a derivative. Send "
-        "allow_nonfinite: true to receive such answers, with `nonfinite` listing the fields."),
+        "allow_nonfinite: true to receive such answers, with `nonfinite` listing the fields.",
+    ),
     "batch-dependence": ProblemType(
-        422, "Examples are not independent",
+        422,
+        "Examples are not independent",
         "A batch jacobian was asked of a computation that mixes the examples of the batch "
         "(batch normalization, a mean over the batch axis): per-example jacobians would be "
-        "meaningless. Ask for the full jacobian instead."),
+        "meaningless. Ask for the full jacobian instead.",
+    ),
     "unsupported": ProblemType(
-        422, "Unsupported derivative", "An op has no rule for the derivative asked of it."),
+        422, "Unsupported derivative", "An op has no rule for the derivative asked of it."
+    ),
     "too-large": ProblemType(
-        422, "Too large to compute",
+        422,
+        "Too large to compute",
         "The answer would exceed a size limit of this server (hessian_max_size, "
         "jacobian_max_elements, hvp_max_vectors, max_time_limit, tape_memory_budget, "
-        "algorithm_max_hvps, tape_max_ttl)."),
+        "algorithm_max_hvps, tape_max_ttl).",
+    ),
     "quota-exceeded": ProblemType(
-        429, "Quota exceeded",
+        429,
+        "Quota exceeded",
         "This API key holds as many tapes, tape bytes or models as its quota allows "
         "(max_tapes_per_key, max_tape_bytes_per_key, max_models_per_key); delete some or "
-        "let tapes expire. `quota` names which."),
+        "let tapes expire. `quota` names which.",
+    ),
     "rate-limited": ProblemType(
-        429, "Too many requests",
+        429,
+        "Too many requests",
         "This API key sent requests faster than its rate (rate_limit_per_second, "
         "rate_limit_burst) or has too many waiting (max_waiting_per_key): retry after "
-        "`Retry-After` seconds."),
+        "`Retry-After` seconds.",
+    ),
     "job-not-found": ProblemType(
-        404, "Job not found",
-        "No such job for this API key: never started, or expired (job_ttl) after it ended."),
+        404,
+        "Job not found",
+        "No such job for this API key: never started, or expired (job_ttl) after it ended.",
+    ),
     "job-not-finished": ProblemType(
-        409, "Job not finished", "The job has no answer yet: it is queued or running."),
+        409, "Job not finished", "The job has no answer yet: it is queued or running."
+    ),
     "cancelled": ProblemType(
-        409, "Cancelled",
+        409,
+        "Cancelled",
         "The computation was cancelled before it finished (DELETE /v1/jobs/{id}, or its "
-        "client disconnected); its worker stopped at its next op and is free."),
+        "client disconnected); its worker stopped at its next op and is free.",
+    ),
     "internal": ProblemType(500, "Internal error", "A bug: please report it with the detail."),
     "worker-crashed": ProblemType(
-        502, "Worker crashed",
-        "The worker process computing the request died; it has been replaced."),
+        502,
+        "Worker crashed",
+        "The worker process computing the request died; it has been replaced.",
+    ),
     "job-lost": ProblemType(
-        502, "Job lost",
+        502,
+        "Job lost",
         "The HTTP process that ran the job exited before the job ended (with several HTTP "
-        "processes, another one answers for it); start the request again."),
+        "processes, another one answers for it); start the request again.",
+    ),
     "busy": ProblemType(
-        503, "Service busy", "Every worker is busy and the queue is full: retry after a while."),
+        503, "Service busy", "Every worker is busy and the queue is full: retry after a while."
+    ),
     "unavailable": ProblemType(
-        503, "Service unavailable", "The service is starting or shutting down."),
+        503, "Service unavailable", "The service is starting or shutting down."
+    ),
     "not-ready": ProblemType(503, "Not ready", "Some worker is not up and answering."),
     "device": ProblemType(503, "Device unavailable", "The worker's device cannot compute."),
     "time-limit": ProblemType(
-        504, "Time limit exceeded",
-        "The computation ran past its time limit; its worker was stopped and replaced."),
+        504,
+        "Time limit exceeded",
+        "The computation ran past its time limit; its worker was stopped and replaced.",
+    ),
     "out-of-memory": ProblemType(
-        507, "Out of memory", "The computation needs more memory than the worker has."),
+        507, "Out of memory", "The computation needs more memory than the worker has."
+    ),
 }
 
-_STATUS_SLUGS = {400: "malformed-body", 404: "not-found", 405: "method-not-allowed", 406: "not-acceptable",
-                 413: "body-too-large", 415: "unsupported-media-type"}
+_STATUS_SLUGS = {
+    400: "malformed-body",
+    404: "not-found",
+    405: "method-not-allowed",
+    406: "not-acceptable",
+    413: "body-too-large",
+    415: "unsupported-media-type",
+}
 
 
 def type_uri(slug: str) -> str:
@@ -192,7 +252,7 @@ MAX_INSTANCE_CHARS = 256
 
 
 def _capped(text: str, limit: int) -> str:
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def problem_body(
@@ -214,8 +274,11 @@ def problem_body(
         body["instance"] = _capped(instance, MAX_INSTANCE_CHARS)
     if errors is not None:
         body["errors"] = [
-            {k: _capped(v, MAX_MESSAGE_CHARS) if isinstance(v, str) else v
-             for k, v in e.items() if v is not None}
+            {
+                k: _capped(v, MAX_MESSAGE_CHARS) if isinstance(v, str) else v
+                for k, v in e.items()
+                if v is not None
+            }
             for e in errors
         ]
     body.update(extensions)

@@ -206,11 +206,13 @@ class ImportedModel(_Strict):
     named by their ONNX names, trainable unless listed in `frozen`."""
 
     onnx: StrictBytes | StrictStr | None = Field(
-        None, description="The .onnx file: bytes in a msgpack body, base64 in JSON. Give "
-        "this or `stored`."
+        None,
+        description="The .onnx file: bytes in a msgpack body, base64 in JSON. Give "
+        "this or `stored`.",
     )
     stored: str | None = Field(
-        None, pattern=STORED_NAME_PATTERN,
+        None,
+        pattern=STORED_NAME_PATTERN,
         description="The name of an ONNX model stored with PUT /v1/models/{name} "
         "(Content-Type: application/onnx).",
     )
@@ -269,8 +271,10 @@ Rows = TypeAliasType(
     "Rows",
     Annotated[
         list[Annotated[StrictInt, Field(ge=0)]] | RowSlice,
-        Field(description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
-              "step}; a row past the array's end is a 422 naming the bound."),
+        Field(
+            description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
+            "step}; a row past the array's end is a 422 naming the bound."
+        ),
     ],
 )
 
@@ -299,8 +303,10 @@ InputValue = TypeAliasType(
     Annotated[
         Annotated[DatasetArray, Tag("DatasetArray")] | Annotated[TensorValue, Tag("TensorValue")],
         Discriminator(_input_form),
-        Field(description="A tensor, or {dataset, array, rows} to bind a stored dataset's "
-              "array without sending it."),
+        Field(
+            description="A tensor, or {dataset, array, rows} to bind a stored dataset's "
+            "array without sending it."
+        ),
     ],
 )
 
@@ -319,11 +325,12 @@ def _inputs_form(value: Any) -> str:
 Inputs = TypeAliasType(
     "Inputs",
     Annotated[
-        Annotated[DatasetInputs, Tag("DatasetInputs")]
-        | Annotated[InputMap, Tag("map")],
+        Annotated[DatasetInputs, Tag("DatasetInputs")] | Annotated[InputMap, Tag("map")],
         Discriminator(_inputs_form),
-        Field(description="Data (never a default source): name -> tensor or dataset array; "
-              "or {dataset, rows} binding every array of a stored dataset by its name."),
+        Field(
+            description="Data (never a default source): name -> tensor or dataset array; "
+            "or {dataset, rows} binding every array of a stored dataset by its name."
+        ),
     ],
 )
 
@@ -332,13 +339,13 @@ class Definition(_Strict):
     """A model/loss: variables, inputs and program lines (`name = expression`)."""
 
     program: list[str] | str = Field(
-        description="Lines of the program, one assignment each (a string is split at "
-        "line breaks).",
+        description="Lines of the program, one assignment each (a string is split at line breaks).",
         examples=[["h = relu(x @ w1 + b1)", "loss = mean((h @ w2 - y) ** 2)"]],
     )
     variables: Variables = Field(
-        default_factory=dict, description="Parameters by name; `<function>.<name>` is a "
-        "variable the function owns (its body calls it `<name>`)."
+        default_factory=dict,
+        description="Parameters by name; `<function>.<name>` is a "
+        "variable the function owns (its body calls it `<name>`).",
     )
     inputs: Inputs = Field(default_factory=dict)
     functions: Functions = Field(default_factory=dict)
@@ -347,16 +354,19 @@ class Definition(_Strict):
         description="Imported ONNX models, called from the program by these names.",
     )
     dtype: FloatDType | None = Field(
-        None, description="The dtype of bare numbers and lists in this definition (default "
+        None,
+        description="The dtype of bare numbers and lists in this definition (default "
         "float32); tensors that name their dtype keep it. Mixing dtypes in an op stays an "
-        "error (use cast)."
+        "error (use cast).",
     )
 
 
 Aliases = TypeAliasType(
     "Aliases",
-    Annotated[dict[Name, Name],
-              Field(description="Alias -> variable or input name: answers are keyed by alias.")],
+    Annotated[
+        dict[Name, Name],
+        Field(description="Alias -> variable or input name: answers are keyed by alias."),
+    ],
 )
 
 Sources = TypeAliasType(
@@ -374,28 +384,41 @@ Sources = TypeAliasType(
 # Named maps, so that generated clients read like these docs (no `...Type0` classes).
 Vector = TypeAliasType(
     "Vector",
-    Annotated[dict[Name, TensorValue],
-              Field(description="A vector in the sources' space: a tensor per source, keyed "
-                    "like the gradients.")],
+    Annotated[
+        dict[Name, TensorValue],
+        Field(
+            description="A vector in the sources' space: a tensor per source, keyed "
+            "like the gradients."
+        ),
+    ],
 )
 Tensors = TypeAliasType(
     "Tensors",
-    Annotated[dict[str, Tensor],
-              Field(description="A tensor per source (an HVP, a solution, an eigenvector, a "
-                    "Newton step), keyed like the gradients.")],
+    Annotated[
+        dict[str, Tensor],
+        Field(
+            description="A tensor per source (an HVP, a solution, an eigenvector, a "
+            "Newton step), keyed like the gradients."
+        ),
+    ],
 )
 Gradients = TypeAliasType(
     "Gradients",
-    Annotated[dict[str, Tensor | None],
-              Field(description="A tensor per source, keyed by name or alias as `sources` "
-                    "was given; null for a source the target does not depend on (unless "
-                    "zeros were asked for).")],
+    Annotated[
+        dict[str, Tensor | None],
+        Field(
+            description="A tensor per source, keyed by name or alias as `sources` "
+            "was given; null for a source the target does not depend on (unless "
+            "zeros were asked for)."
+        ),
+    ],
 )
 HessianBlocks = TypeAliasType(
     "HessianBlocks",
-    Annotated[dict[str, Tensors],
-              Field(description="hessian[a][b]: the block of sources a and b, shape "
-                    "a.shape + b.shape.")],
+    Annotated[
+        dict[str, Tensors],
+        Field(description="hessian[a][b]: the block of sources a and b, shape a.shape + b.shape."),
+    ],
 )
 SourceMap = TypeAliasType(
     "SourceMap",
@@ -442,7 +465,8 @@ class RequestModel(_Strict):
                 return msgpack.unpackb(data, raw=False, strict_map_key=True)
             except (ValueError, TypeError, msgpack.UnpackException) as exc:
                 raise PydanticCustomError(
-                    "msgpack_invalid", "the body is not valid msgpack: {reason}",
+                    "msgpack_invalid",
+                    "the body is not valid msgpack: {reason}",
                     {"reason": str(exc) or type(exc).__name__},
                 ) from None
         return data
@@ -461,8 +485,10 @@ ModelName = Annotated[
 
 def _time_limit_field() -> Any:
     return Field(
-        None, ge=0.1, description="Compute seconds for this request, at least 0.1 (default "
-        "and maximum: server settings). Past it the answer is 504 and the worker is replaced."
+        None,
+        ge=0.1,
+        description="Compute seconds for this request, at least 0.1 (default "
+        "and maximum: server settings). Past it the answer is 504 and the worker is replaced.",
     )
 
 
@@ -474,16 +500,19 @@ def _allow_nonfinite_field() -> Any:
 
 def _response_encoding_field() -> Any:
     return Field(
-        None, description="Tensor encoding of a JSON answer; default: base64 when the "
-        "request used base64 or binary tensors, else data lists."
+        None,
+        description="Tensor encoding of a JSON answer; default: base64 when the "
+        "request used base64 or binary tensors, else data lists.",
     )
 
 
 def _async_field() -> Any:
     return Field(
-        False, alias="async", description="Run as a job: answer 202 at once with "
+        False,
+        alias="async",
+        description="Run as a job: answer 202 at once with "
         "`Location: /v1/jobs/{job_id}` and follow its progress there (as the header "
-        "`Prefer: respond-async` asks)."
+        "`Prefer: respond-async` asks).",
     )
 
 
@@ -498,20 +527,22 @@ class CallOptions(RequestModel):
 class DefinitionRequest(RequestModel):
     """A definition (or a stored model), a target and sources."""
 
-    definition: Definition | None = Field(
-        None, description="The model/loss. Give this or `model`."
-    )
+    definition: Definition | None = Field(None, description="The model/loss. Give this or `model`.")
     model: ModelName | None = Field(
-        None, description="The name of a stored model (POST /v1/models) to use instead of "
-        "sending its definition."
+        None,
+        description="The name of a stored model (POST /v1/models) to use instead of "
+        "sending its definition.",
     )
     variables: NamedTensors | None = Field(
-        None, description="With `model`: new values for some or all of its variables (the "
+        None,
+        description="With `model`: new values for some or all of its variables (the "
         "rest keep their stored values). Each keeps its stored shape and dtype: a bare "
         "number or list takes the variable's dtype, and a different shape or dtype is a 422 "
-        "naming both."
+        "naming both.",
     )
-    target: Name = Field(description="The name (a program line, variable or input) to differentiate.")
+    target: Name = Field(
+        description="The name (a program line, variable or input) to differentiate."
+    )
     sources: Sources | None = None
     time_limit: StrictFloat | None = _time_limit_field()
     allow_nonfinite: StrictBool | None = _allow_nonfinite_field()
@@ -522,8 +553,10 @@ class DefinitionRequest(RequestModel):
         if (self.definition is None) == (self.model is None):
             raise ValueError("give exactly one of 'definition' or 'model' (a stored model's name)")
         if self.variables is not None and self.model is None:
-            raise ValueError("'variables' gives a stored model new values and goes with "
-                             "'model'; with a definition, set them in definition.variables")
+            raise ValueError(
+                "'variables' gives a stored model new values and goes with "
+                "'model'; with a definition, set them in definition.variables"
+            )
         return self
 
 
@@ -539,22 +572,27 @@ class ShardOptions(RequestModel):
     are the parts' answers combined as `shard_reduction` says."""
 
     shards: StrictInt | None = Field(
-        None, ge=1, description="Split the batch into this many parts, each recorded in "
+        None,
+        ge=1,
+        description="Split the batch into this many parts, each recorded in "
         "its own worker (distinct workers while there are enough; with Ray, on other "
         "nodes); the loss, gradients, HVPs, curvature products and the tape's algorithms "
         "combine the parts, and equal the unsharded answers up to float rounding. At most "
         "the batch size and the server's max_shards. 1 or absent: not sharded. The parts' "
-        "sizes differ by one at most.", examples=[2],
+        "sizes differ by one at most.",
+        examples=[2],
     )
     shard_by: list[Name] | Name | None = Field(
-        None, description="The inputs split along their first axis (the batch), which "
+        None,
+        description="The inputs split along their first axis (the batch), which "
         "must all have the same length; inputs bound to a stored dataset are split by their "
         "rows, so each worker reads only its part from the store. Default: every input "
         "that has an axis (a 422 asks you to name them when their first axes differ).",
         examples=[["x", "y"]],
     )
     shard_reduction: ShardReduction = Field(
-        ShardReduction.mean, description="How the parts add up. `mean` (default): the "
+        ShardReduction.mean,
+        description="How the parts add up. `mean` (default): the "
         "target is a mean over the batch, the parts are weighted by their share n_i / N "
         "(terms that do not depend on the batch, such as a weight penalty, stay exact). "
         "`sum`: the target is a sum over the batch, the parts are added (a term that does "
@@ -564,21 +602,24 @@ class ShardOptions(RequestModel):
 
     @model_validator(mode="after")
     def _shards_named(self) -> ShardOptions:
-        if self.shards is None and (self.shard_by is not None
-                                    or "shard_reduction" in self.model_fields_set):
+        if self.shards is None and (
+            self.shard_by is not None or "shard_reduction" in self.model_fields_set
+        ):
             raise ValueError("'shard_by' and 'shard_reduction' need 'shards' (how many parts)")
         return self
 
 
 class ComputeRequest(DefinitionRequest):
     allow_unused: StrictBool = Field(
-        False, description="Accept program lines the target does not use (they are skipped); "
-        "by default such a line is reported as a likely mistake."
+        False,
+        description="Accept program lines the target does not use (they are skipped); "
+        "by default such a line is reported as a likely mistake.",
     )
     point: TensorValue | None = Field(
-        None, description="New values for the sources as one flat vector, in the order "
+        None,
+        description="New values for the sources as one flat vector, in the order "
         "`flat.order` lists (cast to each source's dtype): the point an optimizer asks "
-        "about, without naming each variable."
+        "about, without naming each variable.",
     )
 
 
@@ -604,9 +645,10 @@ class GradientRequest(ComputeRequest, ShardOptions):
 
     unconnected: Unconnected = UNCONNECTED_FIELD
     flat: StrictBool = Field(
-        False, description="Answer gradients (and products) as one flat float64 vector in "
+        False,
+        description="Answer gradients (and products) as one flat float64 vector in "
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
-        "then empty. For SciPy's minimize, without unflattening."
+        "then empty. For SciPy's minimize, without unflattening.",
     )
 
 
@@ -618,10 +660,11 @@ class JacobianRequest(ComputeRequest):
     flat: StrictBool = Field(False, description=FLAT_JACOBIAN_DESCRIPTION)
 
     batch: StrictBool = Field(
-        False, description="Per-example jacobians: target and source share their first "
+        False,
+        description="Per-example jacobians: target and source share their first "
         "(batch) axis and example b of the target depends only on example b of the source; "
         "the answer has shape target.shape + source.shape[1:]. Refused (422) when the "
-        "examples are not independent."
+        "examples are not independent.",
     )
 
 
@@ -655,17 +698,20 @@ class HVPRequest(ComputeRequest, ShardOptions):
         None, description="One vector as a flat vector over the sources (in `flat.order`)."
     )
     flat: StrictBool = Field(
-        False, description="Answer gradients (and products) as one flat float64 vector in "
+        False,
+        description="Answer gradients (and products) as one flat float64 vector in "
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
-        "then empty. For SciPy's minimize, without unflattening."
+        "then empty. For SciPy's minimize, without unflattening.",
     )
 
     @model_validator(mode="after")
     def _one_of(self) -> HVPRequest:
         given = [self.vector, self.vectors, self.flat_vector]
         if sum(v is not None for v in given) != 1:
-            raise ValueError("give exactly one of 'vector' (one), 'vectors' (a list) or "
-                             "'flat_vector' (one, flat)")
+            raise ValueError(
+                "give exactly one of 'vector' (one), 'vectors' (a list) or "
+                "'flat_vector' (one, flat)"
+            )
         if self.vectors is not None and not self.vectors:
             raise ValueError("'vectors' is empty")
         return self
@@ -686,8 +732,10 @@ class _Vectors(CallOptions):
     def _one_of(self) -> _Vectors:
         given = [self.vector, self.vectors, self.flat_vector]
         if sum(v is not None for v in given) != 1:
-            raise ValueError("give exactly one of 'vector' (one), 'vectors' (a list) or "
-                             "'flat_vector' (one, flat)")
+            raise ValueError(
+                "give exactly one of 'vector' (one), 'vectors' (a list) or "
+                "'flat_vector' (one, flat)"
+            )
         if self.vectors is not None and not self.vectors:
             raise ValueError("'vectors' is empty")
         return self
@@ -701,46 +749,56 @@ class TapeCreateRequest(DefinitionRequest, ShardOptions):
     target over the sources, kept in a worker for later requests. Lines the target does
     not use are recorded too (other targets can be asked of the tape)."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "definition": {
-            "variables": {"w": [[0.5, -0.2], [0.1, 0.3]], "b": [0.0, 0.1]},
-            "inputs": {"x": [[1.0, 2.0], [3.0, -1.0]], "y": [[1.0, 0.0], [0.0, 1.0]]},
-            "program": ["out = tanh(x @ w + b)", "loss = mean((out - y) ** 2)"],
-        },
-        "target": "loss",
-    }]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "definition": {
+                        "variables": {"w": [[0.5, -0.2], [0.1, 0.3]], "b": [0.0, 0.1]},
+                        "inputs": {"x": [[1.0, 2.0], [3.0, -1.0]], "y": [[1.0, 0.0], [0.0, 1.0]]},
+                        "program": ["out = tanh(x @ w + b)", "loss = mean((out - y) ** 2)"],
+                    },
+                    "target": "loss",
+                }
+            ]
+        }
+    )
 
     output: Name | None = Field(
-        None, description="The program line that is the model's output (the logits, the "
+        None,
+        description="The program line that is the model's output (the logits, the "
         "predictions): the lines after it that the target needs form the loss, which must "
         "then read only the output and inputs (the targets; variables that are not sources "
         "are held fixed). Naming it lets the tape answer the Gauss-Newton and Fisher "
         "curvatures (`curvature` on its products and algorithms) and influence functions; "
         "the examples are along the output's first axis. Refused (422, naming the line) "
-        "when a loss line reads a source or a line of the model."
+        "when a loss line reads a source or a line of the model.",
     )
     point: TensorValue | None = Field(
-        None, description="Record the tape at new values for its sources given as one flat "
+        None,
+        description="Record the tape at new values for its sources given as one flat "
         "vector, in the order `flat.order` lists (cast to each source's dtype; PATCH takes "
         "the same): with `model`, a stored model at a new point without naming each "
         "variable. A length that does not fit the sources is a 422 naming both. The tape "
-        "keeps these values (a rebuild records the same point)."
+        "keeps these values (a rebuild records the same point).",
     )
     ttl: StrictFloat | None = Field(
-        None, gt=0, description="Seconds the tape lives after its last use (default and "
-        "maximum: server settings tape_ttl and tape_max_ttl)."
+        None,
+        gt=0,
+        description="Seconds the tape lives after its last use (default and "
+        "maximum: server settings tape_ttl and tape_max_ttl).",
     )
     flat: StrictBool = Field(
-        False, description="Answer gradients (and products) as one flat float64 vector in "
+        False,
+        description="Answer gradients (and products) as one flat float64 vector in "
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
-        "then empty. For SciPy's minimize, without unflattening."
+        "then empty. For SciPy's minimize, without unflattening.",
     )
 
     @model_validator(mode="after")
     def _point_or_variables(self) -> TapeCreateRequest:
         if self.point is not None and self.variables:
-            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), "
-                             "not both")
+            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), not both")
         return self
 
 
@@ -761,22 +819,26 @@ class CurvatureOptions(RequestModel):
     """The curvature options of a tape's products and algorithms."""
 
     curvature: CurvatureKind = Field(
-        CurvatureKind.hessian, description="Which curvature matrix (see CurvatureKind); all "
-        "but hessian need a tape recorded with `output`."
+        CurvatureKind.hessian,
+        description="Which curvature matrix (see CurvatureKind); all "
+        "but hessian need a tape recorded with `output`.",
     )
     samples: StrictInt | None = Field(
-        None, ge=1, le=10_000, description="With curvature fisher: targets drawn per example "
+        None,
+        ge=1,
+        le=10_000,
+        description="With curvature fisher: targets drawn per example "
         "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
-        "`fisher_seed`); absent: the exact Fisher."
+        "`fisher_seed`); absent: the exact Fisher.",
     )
-    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's "
-                                   "targets.")
+    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
 
     @model_validator(mode="after")
     def _samples_for_fisher(self) -> CurvatureOptions:
         if self.samples is not None and self.curvature != CurvatureKind.fisher:
-            raise ValueError("'samples' draws a Monte-Carlo Fisher: it goes with "
-                             "curvature 'fisher'")
+            raise ValueError(
+                "'samples' draws a Monte-Carlo Fisher: it goes with curvature 'fisher'"
+            )
         return self
 
 
@@ -784,25 +846,29 @@ class TapeUpdateRequest(CallOptions):
     """New values for some of the tape's variables and inputs (same names and shapes;
     values are cast to the recorded dtype): the tape is recorded again at them."""
 
-    variables: NamedTensors = Field(default_factory=dict,
-                                    description="New values by variable name.")
+    variables: NamedTensors = Field(
+        default_factory=dict, description="New values by variable name."
+    )
     inputs: Inputs = Field(
-        default_factory=dict, description="New values by input name, as a definition takes "
+        default_factory=dict,
+        description="New values by input name, as a definition takes "
         "them: a tensor (of the recorded shape; an input bound to a dataset may take any "
         "number of rows and is then bound no more), `{dataset, array, rows}` to bind the "
         "input to (other rows of) a stored dataset's array, or `{dataset, rows}` to bind "
         "every array of a dataset to the input of its name. Bound inputs may change their "
-        "number of rows (a last, smaller mini-batch); the program's shape checks apply."
+        "number of rows (a last, smaller mini-batch); the program's shape checks apply.",
     )
     point: TensorValue | None = Field(
-        None, description="New values for the tape's sources as one flat vector, in the "
+        None,
+        description="New values for the tape's sources as one flat vector, in the "
         "order `flat.order` lists (instead of naming them in `variables`; with `inputs`, "
-        "new data and a new point in one request)."
+        "new data and a new point in one request).",
     )
     flat: StrictBool = Field(
-        False, description="Answer gradients (and products) as one flat float64 vector in "
+        False,
+        description="Answer gradients (and products) as one flat float64 vector in "
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
-        "then empty. For SciPy's minimize, without unflattening."
+        "then empty. For SciPy's minimize, without unflattening.",
     )
 
     @model_validator(mode="after")
@@ -810,8 +876,7 @@ class TapeUpdateRequest(CallOptions):
         if not self.variables and not self.inputs and self.point is None:
             raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
         if self.point is not None and self.variables:
-            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), "
-                             "not both")
+            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), not both")
         return self
 
 
@@ -821,8 +886,9 @@ class TapeHVPRequest(_Vectors, CurvatureOptions):
     passes over the recording run; nothing is recorded."""
 
     flat: StrictBool = Field(
-        False, description="Answer the products as flat float64 vectors in `flat`, in the "
-        "order `flat.order` lists (the tape's sources); `hvp`/`hvps` are then null."
+        False,
+        description="Answer the products as flat float64 vectors in `flat`, in the "
+        "order `flat.order` lists (the tape's sources); `hvp`/`hvps` are then null.",
     )
 
 
@@ -830,19 +896,24 @@ class TapeGradientRequest(CallOptions):
     """The gradient of a name of the tape's program (default: the tape's target) over
     variables or inputs (default: the tape's sources), from the recording."""
 
-    target: Name | None = Field(None, description="Any name of the program; default: the "
-                               "tape's target.")
-    sources: Sources | None = Field(None, description="Variables or inputs (names, list or "
-                                    "alias mapping); default: the tape's sources.")
+    target: Name | None = Field(
+        None, description="Any name of the program; default: the tape's target."
+    )
+    sources: Sources | None = Field(
+        None,
+        description="Variables or inputs (names, list or "
+        "alias mapping); default: the tape's sources.",
+    )
     unconnected: Unconnected = Field(
         Unconnected.none,
         description="For a source the target does not depend on: null (none) or zeros (zero).",
     )
     flat: StrictBool = Field(
-        False, description="Answer the gradient as one flat float64 vector in "
+        False,
+        description="Answer the gradient as one flat float64 vector in "
         "`flat.gradient`, in the order `flat.order` lists (the sources as resolved: the "
         "list or mapping given, else the tape's sources); `gradients` is then empty and "
-        "unconnected sources hold zeros. On /jacobian: " + FLAT_JACOBIAN_DESCRIPTION
+        "unconnected sources hold zeros. On /jacobian: " + FLAT_JACOBIAN_DESCRIPTION,
     )
 
 
@@ -851,8 +922,9 @@ class TapeJacobianRequest(TapeGradientRequest):
     recording."""
 
     batch: StrictBool = Field(
-        False, description="Per-example jacobians (target and sources share their first "
-        "axis); refused (422) when the examples are not independent."
+        False,
+        description="Per-example jacobians (target and sources share their first "
+        "axis); refused (422) when the examples are not independent.",
     )
     run_async: StrictBool = _async_field()
 
@@ -893,22 +965,35 @@ class EigenvaluesRequest(CurvatureOptions, CallOptions):
 
     k: StrictInt = Field(1, ge=1, le=1024, description="How many eigenvalues.")
     method: EigenMethod = Field(
-        EigenMethod.lanczos, description="lanczos (fewest HVPs; any `which`) or power "
+        EigenMethod.lanczos,
+        description="lanczos (fewest HVPs; any `which`) or power "
         "(deflated power iteration, as hessian-eigenthings and PyHessian run it: the k "
-        "largest in magnitude, which = LM)."
+        "largest in magnitude, which = LM).",
     )
-    which: Which | None = Field(None, description="LA: largest algebraic, LM: largest "
-                                "magnitude, SA: smallest algebraic. Default: LA for lanczos, "
-                                "LM for power (the only one it finds).")
-    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when each Ritz "
-                             "residual ||H y - theta y|| <= tol * max |theta|.")
+    which: Which | None = Field(
+        None,
+        description="LA: largest algebraic, LM: largest "
+        "magnitude, SA: smallest algebraic. Default: LA for lanczos, "
+        "LM for power (the only one it finds).",
+    )
+    tol: StrictFloat = Field(
+        1e-6,
+        gt=0,
+        lt=1,
+        description="Converged when each Ritz residual ||H y - theta y|| <= tol * max |theta|.",
+    )
     max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION)
-    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
-                                              description=MAX_SECONDS_DESCRIPTION)
-    eigenvectors: StrictBool = Field(False, description="Also answer the eigenvectors, as "
-                                     "tensors per source (unit norm over all sources).")
-    seed: StrictInt | None = Field(0, ge=0, description="Seed of the random start vector "
-                                   "(null: a fresh one).")
+    max_seconds: StrictFloat | None = Field(
+        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
+    )
+    eigenvectors: StrictBool = Field(
+        False,
+        description="Also answer the eigenvectors, as "
+        "tensors per source (unit norm over all sources).",
+    )
+    seed: StrictInt | None = Field(
+        0, ge=0, description="Seed of the random start vector (null: a fresh one)."
+    )
     run_async: StrictBool = _async_field()
 
 
@@ -943,22 +1028,31 @@ class TraceRequest(CurvatureOptions, CallOptions):
     of z^T H z over Rademacher vectors z), with its standard error."""
 
     method: TraceMethod = Field(
-        TraceMethod.auto, description="auto: exact when max_hvps covers the n HVPs it "
-        "takes (n = the tape's parameters), else hutchpp; exact; hutchpp; hutchinson."
+        TraceMethod.auto,
+        description="auto: exact when max_hvps covers the n HVPs it "
+        "takes (n = the tape's parameters), else hutchpp; exact; hutchpp; hutchinson.",
     )
-    batch_size: StrictInt = Field(16, ge=1, description="Random vectors per batched HVP pass "
-                                  "(at most the server's hvp_max_vectors); exact passes take "
-                                  "up to 64 unit vectors (fewer when hvp_max_vectors or the "
-                                  "memory budget is tighter).")
-    max_hvps: StrictInt = Field(256, ge=2, description="Most HVPs to use (at most the "
-                                "server's algorithm_max_hvps).")
+    batch_size: StrictInt = Field(
+        16,
+        ge=1,
+        description="Random vectors per batched HVP pass "
+        "(at most the server's hvp_max_vectors); exact passes take "
+        "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+        "memory budget is tighter).",
+    )
+    max_hvps: StrictInt = Field(
+        256, ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps)."
+    )
     rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
-    atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
-                              description="Absolute part of the stopping tolerance.")
-    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
-                                              description=MAX_SECONDS_DESCRIPTION)
-    seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
-                                   "fresh ones).")
+    atol: StrictFloat = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Absolute part of the stopping tolerance."
+    )
+    max_seconds: StrictFloat | None = Field(
+        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
+    )
+    seed: StrictInt | None = Field(
+        0, ge=0, description="Seed of the random vectors (null: fresh ones)."
+    )
     run_async: StrictBool = _async_field()
 
 
@@ -968,26 +1062,37 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
     mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
 
     method: DiagonalMethod = Field(
-        DiagonalMethod.auto, description="auto: exact when max_hvps covers the n HVPs it "
-        "takes (n = the tape's parameters), else hutchinson; exact; hutchinson."
+        DiagonalMethod.auto,
+        description="auto: exact when max_hvps covers the n HVPs it "
+        "takes (n = the tape's parameters), else hutchinson; exact; hutchinson.",
     )
-    batch_size: StrictInt = Field(16, ge=1, description="Random vectors per batched HVP pass "
-                                  "(at most the server's hvp_max_vectors); exact passes take "
-                                  "up to 64 unit vectors (fewer when hvp_max_vectors or the "
-                                  "memory budget is tighter).")
-    max_hvps: StrictInt = Field(256, ge=2, description="Most HVPs to use (at most the "
-                                "server's algorithm_max_hvps).")
+    batch_size: StrictInt = Field(
+        16,
+        ge=1,
+        description="Random vectors per batched HVP pass "
+        "(at most the server's hvp_max_vectors); exact passes take "
+        "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+        "memory budget is tighter).",
+    )
+    max_hvps: StrictInt = Field(
+        256, ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps)."
+    )
     rtol: StrictFloat | None = Field(
-        None, gt=0, description="Stop early once the root-mean-square standard error is at "
+        None,
+        gt=0,
+        description="Stop early once the root-mean-square standard error is at "
         "most rtol * rms(diagonal) + atol (from 30 probes on, whatever the batch size: "
-        "fewer give no standard error; hutchinson only)."
+        "fewer give no standard error; hutchinson only).",
     )
-    atol: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False,
-                              description="Absolute part of the stopping tolerance.")
-    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
-                                              description=MAX_SECONDS_DESCRIPTION)
-    seed: StrictInt | None = Field(0, ge=0, description="Seed of the random vectors (null: "
-                                   "fresh ones).")
+    atol: StrictFloat = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Absolute part of the stopping tolerance."
+    )
+    max_seconds: StrictFloat | None = Field(
+        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
+    )
+    seed: StrictInt | None = Field(
+        0, ge=0, description="Seed of the random vectors (null: fresh ones)."
+    )
     run_async: StrictBool = _async_field()
 
 
@@ -997,28 +1102,50 @@ class SpectralDensityRequest(CurvatureOptions, CallOptions):
     batched pass per step) give Ritz nodes and weights; smoothed by a Gaussian of width
     `sigma`, they are a density to plot."""
 
-    probes: StrictInt = Field(8, ge=1, le=1024, description="Random start vectors (more: a "
-                              "smaller standard error of the density).")
-    steps: StrictInt = Field(64, ge=1, le=4096, description="Lanczos steps per probe (capped "
-                             "at the tape's parameter count): the nodes per probe, i.e. the "
-                             "resolution.")
+    probes: StrictInt = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Random start vectors (more: a smaller standard error of the density).",
+    )
+    steps: StrictInt = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Lanczos steps per probe (capped "
+        "at the tape's parameter count): the nodes per probe, i.e. the "
+        "resolution.",
+    )
     sigma: StrictFloat | None = Field(
-        None, gt=0, allow_inf_nan=False, description="Width (standard deviation) of the "
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Width (standard deviation) of the "
         "Gaussian that smooths the nodes into a density, in eigenvalue units. Default: the "
-        "span of the nodes / steps."
+        "span of the nodes / steps.",
     )
-    points: StrictInt = Field(256, ge=2, le=10_000, description="Grid points spanning the "
-                              "nodes +- 3 sigma (ignored when `grid` is given).")
+    points: StrictInt = Field(
+        256,
+        ge=2,
+        le=10_000,
+        description="Grid points spanning the nodes +- 3 sigma (ignored when `grid` is given).",
+    )
     grid: list[Annotated[StrictFloat, Field(allow_inf_nan=False)]] | None = Field(
-        None, min_length=1, max_length=10_000, description="Where to evaluate the density "
-        "(eigenvalues, finite); default: `points` points spanning the nodes +- 3 sigma."
+        None,
+        min_length=1,
+        max_length=10_000,
+        description="Where to evaluate the density "
+        "(eigenvalues, finite); default: `points` points spanning the nodes +- 3 sigma.",
     )
-    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
-                                       "Default: probes x steps, within algorithm_max_hvps.")
-    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
-                                              description=MAX_SECONDS_DESCRIPTION)
-    seed: StrictInt | None = Field(0, ge=0, description="Seed of the probes (null: fresh "
-                                   "ones).")
+    max_hvps: StrictInt | None = Field(
+        None,
+        ge=1,
+        description=MAX_HVPS_DESCRIPTION + " Default: probes x steps, within algorithm_max_hvps.",
+    )
+    max_seconds: StrictFloat | None = Field(
+        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
+    )
+    seed: StrictInt | None = Field(0, ge=0, description="Seed of the probes (null: fresh ones).")
     run_async: StrictBool = _async_field()
 
 
@@ -1028,17 +1155,20 @@ class SolveRequest(CurvatureOptions, CallOptions):
     from the sources)."""
 
     vector: Vector | None = Field(
-        None, description="b, a tensor per source (keyed like the gradients); default: the "
-        "gradient."
+        None,
+        description="b, a tensor per source (keyed like the gradients); default: the gradient.",
     )
     damping: StrictFloat = Field(1e-3, ge=0, description="Added to the Hessian's diagonal.")
-    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="Converged when ||b - (H + "
-                             "damping I) x|| <= tol * ||b||.")
+    tol: StrictFloat = Field(
+        1e-6, gt=0, lt=1, description="Converged when ||b - (H + damping I) x|| <= tol * ||b||."
+    )
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
-    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
-                                       "Default: max_iterations.")
-    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
-                                              description=MAX_SECONDS_DESCRIPTION)
+    max_hvps: StrictInt | None = Field(
+        None, ge=1, description=MAX_HVPS_DESCRIPTION + " Default: max_iterations."
+    )
+    max_seconds: StrictFloat | None = Field(
+        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
+    )
     run_async: StrictBool = _async_field()
 
 
@@ -1048,38 +1178,58 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     at test points."""
 
     test_inputs: Inputs | None = Field(
-        None, description="The test points: new values for the inputs the model and the loss "
+        None,
+        description="The test points: new values for the inputs the model and the loss "
         "read along the examples axis (the data and the targets; same trailing shapes, any "
         "number of rows), as tensors, stored dataset arrays ({dataset, array, rows}) or a "
         "whole dataset ({dataset, rows}: each array the input of its name). The test loss "
-        "is the tape's loss on them."
+        "is the tape's loss on them.",
     )
     rows: list[StrictInt] | None = Field(
-        None, min_length=1, max_length=100_000, description="Or: training rows (indices "
-        "along the examples axis) whose loss is the test loss."
+        None,
+        min_length=1,
+        max_length=100_000,
+        description="Or: training rows (indices "
+        "along the examples axis) whose loss is the test loss.",
     )
-    damping: StrictFloat = Field(1e-3, ge=0, description="Added to the curvature's diagonal "
-                                 "(an L2 term (lam/2)|w|^2 of the training loss is damping "
-                                 "lam).")
-    top_k: StrictInt = Field(10, ge=0, le=10_000, description="At most how many helpful "
-                             "(negative score) and harmful (positive score) examples to list "
-                             "each; fewer when fewer examples have that sign.")
-    tol: StrictFloat = Field(1e-6, gt=0, lt=1, description="CG converged when ||b - (C + "
-                             "damping I) s|| <= tol * ||b||.")
+    damping: StrictFloat = Field(
+        1e-3,
+        ge=0,
+        description="Added to the curvature's diagonal "
+        "(an L2 term (lam/2)|w|^2 of the training loss is damping "
+        "lam).",
+    )
+    top_k: StrictInt = Field(
+        10,
+        ge=0,
+        le=10_000,
+        description="At most how many helpful "
+        "(negative score) and harmful (positive score) examples to list "
+        "each; fewer when fewer examples have that sign.",
+    )
+    tol: StrictFloat = Field(
+        1e-6, gt=0, lt=1, description="CG converged when ||b - (C + damping I) s|| <= tol * ||b||."
+    )
     max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
-    max_hvps: StrictInt | None = Field(None, ge=1, description=MAX_HVPS_DESCRIPTION + " "
-                                       "Default: max_iterations. It bounds the CG solve's "
-                                       "curvature products only; the passes around it are "
-                                       "fixed (see the answer's `hvps`).")
-    max_seconds: StrictFloat | None = Field(None, ge=defaults.ALGORITHM_MIN_SECONDS,
-                                              description=MAX_SECONDS_DESCRIPTION)
+    max_hvps: StrictInt | None = Field(
+        None,
+        ge=1,
+        description=MAX_HVPS_DESCRIPTION + " "
+        "Default: max_iterations. It bounds the CG solve's "
+        "curvature products only; the passes around it are "
+        "fixed (see the answer's `hvps`).",
+    )
+    max_seconds: StrictFloat | None = Field(
+        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
+    )
     run_async: StrictBool = _async_field()
 
     @model_validator(mode="after")
     def _test_points(self) -> InfluenceRequest:
         if (self.test_inputs is None) == (self.rows is None):
-            raise ValueError("give the test points as 'test_inputs' or as training 'rows' "
-                             "(exactly one of them)")
+            raise ValueError(
+                "give the test points as 'test_inputs' or as training 'rows' (exactly one of them)"
+            )
         return self
 
 
@@ -1090,16 +1240,27 @@ class ModelCreateRequest(RequestModel):
     """Store a definition (with its custom-gradient functions) under a name; requests
     then name it with `"model"` instead of sending the definition."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "name": "clipped-square",
-        "description": "SCENARIOS.md 4: a custom gradient that clips to norm 0.5",
-        "definition": {
-            "variables": {"v": 2.0},
-            "functions": {"clipped": {"params": ["x"], "forward": ["y = x"],
-                                   "backward": ["grad_x = clip_by_norm(upstream, 0.5)"]}},
-            "program": ["output = clipped(v * v)"],
-        },
-    }]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "clipped-square",
+                    "description": "SCENARIOS.md 4: a custom gradient that clips to norm 0.5",
+                    "definition": {
+                        "variables": {"v": 2.0},
+                        "functions": {
+                            "clipped": {
+                                "params": ["x"],
+                                "forward": ["y = x"],
+                                "backward": ["grad_x = clip_by_norm(upstream, 0.5)"],
+                            }
+                        },
+                        "program": ["output = clipped(v * v)"],
+                    },
+                }
+            ]
+        }
+    )
 
     name: ModelName
     definition: Definition
@@ -1115,9 +1276,10 @@ class ModelCreateRequest(RequestModel):
 
 def _nonfinite_flag() -> Any:
     return Field(
-        None, description="Only with allow_nonfinite, when the answer holds NaN or infinite "
+        None,
+        description="Only with allow_nonfinite, when the answer holds NaN or infinite "
         "values: the dotted fields that hold them (without allow_nonfinite such an answer "
-        "is a 422 naming the op where the first one appeared)."
+        "is a 422 naming the op where the first one appeared).",
     )
 
 
@@ -1136,8 +1298,10 @@ class FlatAnswer(BaseModel):
     hvp: Tensor | None = None
     hvps: Tensor | None = Field(None, description="One row per vector.")
     jacobian: Tensor | None = Field(
-        None, description="The jacobian: [target size, n], or [B, target size per example, "
-        "n per example] for a batch jacobian.")
+        None,
+        description="The jacobian: [target size, n], or [B, target size per example, "
+        "n per example] for a batch jacobian.",
+    )
 
 
 class GradientResponse(BaseModel):
@@ -1193,13 +1357,17 @@ class TapeCreateResponse(BaseModel):
     tape_id: str = Field(description="Unguessable (192 random bits): keep it secret.")
     value: Tensor
     gradients: Gradients
-    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker (a "
-                       "sharded tape: its parts, in theirs).")
+    bytes: int = Field(
+        description="Bytes of the arrays the tape holds in its worker (a "
+        "sharded tape: its parts, in theirs)."
+    )
     ttl: float = Field(description="Seconds the tape lives after its last use.")
     expires_at: datetime = Field(description="When it expires unless used before.")
     device: str
-    worker: int = Field(description="The worker holding it (a sharded tape: its "
-                        "coordinator, which holds its first part).")
+    worker: int = Field(
+        description="The worker holding it (a sharded tape: its "
+        "coordinator, which holds its first part)."
+    )
     flat: FlatAnswer | None = None
     nonfinite: list[str] | None = _nonfinite_flag()
 
@@ -1210,8 +1378,9 @@ class ShardInfo(BaseModel):
     rows: int = Field(description="Its part of the batch (examples).")
     worker: int
     bytes: int = Field(description="Bytes of the arrays it holds in its worker.")
-    rebuilds: int = Field(description="Times it was recorded again (a lost worker's part "
-                          "is recorded again alone).")
+    rebuilds: int = Field(
+        description="Times it was recorded again (a lost worker's part is recorded again alone)."
+    )
     hits: int
 
 
@@ -1220,8 +1389,9 @@ class TapeInfo(BaseModel):
 
     tape_id: str
     target: str
-    output: str | None = Field(None, description="The model output it names, if any "
-                               "(curvatures beyond the Hessian).")
+    output: str | None = Field(
+        None, description="The model output it names, if any (curvatures beyond the Hessian)."
+    )
     sources: SourceMap
     model: str | None = Field(None, description="The stored model it was recorded from.")
     created_at: datetime
@@ -1229,20 +1399,30 @@ class TapeInfo(BaseModel):
     expires_at: datetime
     ttl: float
     hits: int = Field(description="Requests answered from the tape.")
-    bytes: int = Field(description="Bytes of the arrays the tape holds in its worker (a "
-                       "sharded tape: its parts, in theirs).")
+    bytes: int = Field(
+        description="Bytes of the arrays the tape holds in its worker (a "
+        "sharded tape: its parts, in theirs)."
+    )
     device: str
-    worker: int = Field(description="The worker holding it (a sharded tape: its "
-                        "coordinator, which holds its first part).")
-    loaded: bool = Field(description="Held in the worker's memory now (false: recorded "
-                         "again, transparently, on the next request).")
-    rebuilds: int = Field(description="Times it was recorded again after a worker or "
-                          "service restart (of a sharded tape: of all its shards).")
+    worker: int = Field(
+        description="The worker holding it (a sharded tape: its "
+        "coordinator, which holds its first part)."
+    )
+    loaded: bool = Field(
+        description="Held in the worker's memory now (false: recorded "
+        "again, transparently, on the next request)."
+    )
+    rebuilds: int = Field(
+        description="Times it was recorded again after a worker or "
+        "service restart (of a sharded tape: of all its shards)."
+    )
     shard_reduction: ShardReduction | None = Field(
-        None, description="A sharded tape: how its parts add up (absent otherwise).")
+        None, description="A sharded tape: how its parts add up (absent otherwise)."
+    )
     shard_by: list[str] | None = Field(None, description="A sharded tape: the inputs split.")
     shards: list[ShardInfo] | None = Field(
-        None, description="A sharded tape: its parts, each an ordinary tape in a worker.")
+        None, description="A sharded tape: its parts, each an ordinary tape in a worker."
+    )
 
 
 class TapeList(BaseModel):
@@ -1277,13 +1457,17 @@ class EigenvaluesResponse(BaseModel):
     """Ritz values sorted as asked (LA: descending; SA: ascending; LM: by magnitude)."""
 
     eigenvalues: list[float]
-    residuals: list[float] = Field(description="||H y - theta y|| per Ritz pair (lanczos: "
-                                   "estimates from the recurrence; power: computed).")
+    residuals: list[float] = Field(
+        description="||H y - theta y|| per Ritz pair (lanczos: "
+        "estimates from the recurrence; power: computed)."
+    )
     eigenvectors: list[Tensors] | None = None
     method: EigenMethod
     converged: bool
-    stopped: Stopped = Field(description="converged; exhausted (every direction was spanned: "
-                             "exact); max_hvps; time_limit.")
+    stopped: Stopped = Field(
+        description="converged; exhausted (every direction was spanned: "
+        "exact); max_hvps; time_limit."
+    )
     iterations: int = Field(description="Lanczos iterations, or power steps (batched passes).")
     hvps: int = Field(description="HVPs used.")
     seconds: float
@@ -1294,26 +1478,34 @@ class TraceResponse(BaseModel):
     """The trace and its standard error, with what it cost and why it stopped."""
 
     trace: float
-    stderr: float | None = Field(description="Standard error of the estimate: 0 when exact; "
-                                 "hutchinson: sample std / sqrt(samples); hutchpp: that of the "
-                                 "probes of the remainder; exact stopped by max_seconds: that "
-                                 "of n x the mean diagonal entry seen (they are visited in a "
-                                 "random order); null (unknown) from fewer than 30 samples, "
-                                 "which are too few for one.")
-    method: TraceMethod = Field(description="The method that ran (auto resolved; hutchpp "
-                                "hands over to exact once its sketch would span a third of "
-                                "the parameters with n HVPs still in the budget: then exact, "
-                                "and hvps count both).")
+    stderr: float | None = Field(
+        description="Standard error of the estimate: 0 when exact; "
+        "hutchinson: sample std / sqrt(samples); hutchpp: that of the "
+        "probes of the remainder; exact stopped by max_seconds: that "
+        "of n x the mean diagonal entry seen (they are visited in a "
+        "random order); null (unknown) from fewer than 30 samples, "
+        "which are too few for one."
+    )
+    method: TraceMethod = Field(
+        description="The method that ran (auto resolved; hutchpp "
+        "hands over to exact once its sketch would span a third of "
+        "the parameters with n HVPs still in the budget: then exact, "
+        "and hvps count both)."
+    )
     samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     sketch: int = Field(0, description="hutchpp: the rank of the part taken exactly.")
     batches: int = Field(description="Batched passes (exact, hutchinson) or rounds (hutchpp).")
     batch_size: int = Field(description="Vectors per batched pass.")
-    converged: bool = Field(description="Exact, or the tolerance was met (without one: every "
-                            "sample asked for was drawn, and a standard error is known). "
-                            "The tolerance is checked from 30 samples on, whatever the "
-                            "batch size.")
-    stopped: Stopped = Field(description="exhausted (exact: every direction was taken), "
-                             "tolerance, max_hvps or time_limit.")
+    converged: bool = Field(
+        description="Exact, or the tolerance was met (without one: every "
+        "sample asked for was drawn, and a standard error is known). "
+        "The tolerance is checked from 30 samples on, whatever the "
+        "batch size."
+    )
+    stopped: Stopped = Field(
+        description="exhausted (exact: every direction was taken), "
+        "tolerance, max_hvps or time_limit."
+    )
     hvps: int
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -1322,28 +1514,38 @@ class TraceResponse(BaseModel):
 class DiagonalResponse(BaseModel):
     """The diagonal, as tensors per source, and its standard error."""
 
-    diagonal: Tensors | None = Field(description="The diagonal per source; null when an "
-                                     "exact run was stopped by max_seconds before reaching "
-                                     "every entry (see `partial`).")
-    partial: Tensor | None = Field(None, description="Only when an exact run was stopped by "
-                                   "max_seconds: the `reached` entries computed, flat, in the "
-                                   "order of the sources (as the tape lists them), each "
-                                   "row-major; the entries past them are unknown.")
-    stderr: Tensors | None = Field(description="Standard error per entry (hutchinson); null "
-                                   "when exact, and when it is unknown (fewer than 30 probes).")
-    error: float | None = Field(description="Root-mean-square standard error over the "
-                                "entries (what rtol is compared with); 0 when exact; null "
-                                "when unknown.")
+    diagonal: Tensors | None = Field(
+        description="The diagonal per source; null when an "
+        "exact run was stopped by max_seconds before reaching "
+        "every entry (see `partial`)."
+    )
+    partial: Tensor | None = Field(
+        None,
+        description="Only when an exact run was stopped by "
+        "max_seconds: the `reached` entries computed, flat, in the "
+        "order of the sources (as the tape lists them), each "
+        "row-major; the entries past them are unknown.",
+    )
+    stderr: Tensors | None = Field(
+        description="Standard error per entry (hutchinson); null "
+        "when exact, and when it is unknown (fewer than 30 probes)."
+    )
+    error: float | None = Field(
+        description="Root-mean-square standard error over the "
+        "entries (what rtol is compared with); 0 when exact; null "
+        "when unknown."
+    )
     method: DiagonalMethod = Field(description="The method that ran (auto resolved).")
-    reached: int = Field(description="Entries computed, counted over the sources in their "
-                         "order, each row-major: all n unless an exact run was stopped by "
-                         "max_seconds (then `diagonal` is null and `partial` holds them).")
+    reached: int = Field(
+        description="Entries computed, counted over the sources in their "
+        "order, each row-major: all n unless an exact run was stopped by "
+        "max_seconds (then `diagonal` is null and `partial` holds them)."
+    )
     samples: int = Field(description="Random probes averaged, or unit vectors visited (exact).")
     batches: int
     batch_size: int = Field(description="Vectors per batched pass.")
     converged: bool
-    stopped: Stopped = Field(description="exhausted (exact), tolerance, max_hvps or "
-                             "time_limit.")
+    stopped: Stopped = Field(description="exhausted (exact), tolerance, max_hvps or time_limit.")
     hvps: int
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -1353,24 +1555,33 @@ class SpectralDensityResponse(BaseModel):
     """The smoothed eigenvalue density on a grid, and the raw quadrature it comes from."""
 
     grid: list[float] = Field(description="Eigenvalues where the density is given.")
-    density: list[float] = Field(description="The density of eigenvalues, normalized to "
-                                 "integrate to 1 (times the parameter count: eigenvalues per "
-                                 "unit).")
-    stderr: list[float] | None = Field(description="Pointwise standard error of the density "
-                                       "across probes (null with one probe).")
-    nodes: list[list[float]] = Field(description="Per probe, its Ritz values (the "
-                                     "quadrature's nodes).")
-    weights: list[list[float]] = Field(description="Per probe, its nodes' weights (squared "
-                                       "first components; they sum to 1).")
+    density: list[float] = Field(
+        description="The density of eigenvalues, normalized to "
+        "integrate to 1 (times the parameter count: eigenvalues per "
+        "unit)."
+    )
+    stderr: list[float] | None = Field(
+        description="Pointwise standard error of the density across probes (null with one probe)."
+    )
+    nodes: list[list[float]] = Field(
+        description="Per probe, its Ritz values (the quadrature's nodes)."
+    )
+    weights: list[list[float]] = Field(
+        description="Per probe, its nodes' weights (squared first components; they sum to 1)."
+    )
     sigma: float = Field(description="The smoothing width used.")
     probes: int = Field(description="Probes that ran.")
-    steps: int = Field(description="Lanczos steps per probe asked (capped at the parameter "
-                       "count); a probe whose Krylov space closes sooner has fewer nodes, "
-                       "and its quadrature is then exact.")
+    steps: int = Field(
+        description="Lanczos steps per probe asked (capped at the parameter "
+        "count); a probe whose Krylov space closes sooner has fewer nodes, "
+        "and its quadrature is then exact."
+    )
     parameters: int = Field(description="n, the tape's parameter count.")
     converged: bool = Field(description="Every probe ran its steps.")
-    stopped: Stopped = Field(description="complete, max_hvps or time_limit (the probes run "
-                             "so far, each with the steps it reached).")
+    stopped: Stopped = Field(
+        description="complete, max_hvps or time_limit (the probes run "
+        "so far, each with the steps it reached)."
+    )
     hvps: int
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -1380,13 +1591,16 @@ class SolveResponse(BaseModel):
     solution: Tensors = Field(description="x, per source.")
     rhs: str = Field(description="gradient (x is the damped Newton step) or vector.")
     converged: bool
-    stopped: Stopped = Field(description="converged, max_iterations, max_hvps, time_limit, "
-                             "or negative_curvature (H + damping I is not positive definite "
-                             "along a direction CG met: raise the damping).")
+    stopped: Stopped = Field(
+        description="converged, max_iterations, max_hvps, time_limit, "
+        "or negative_curvature (H + damping I is not positive definite "
+        "along a direction CG met: raise the damping)."
+    )
     iterations: int
     hvps: int
-    residuals: list[float] = Field(description="||b - (H + damping I) x|| / ||b|| from x = 0 "
-                                   "and after each iteration.")
+    residuals: list[float] = Field(
+        description="||b - (H + damping I) x|| / ||b|| from x = 0 and after each iteration."
+    )
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
 
@@ -1400,26 +1614,34 @@ class InfluenceResponse(BaseModel):
 
     scores: list[float]
     removal: list[float]
-    helpful: list[int] = Field(description="Examples with a negative score, most negative "
-                               "first: at most top_k, fewer (even none) when fewer are "
-                               "negative.")
-    harmful: list[int] = Field(description="Examples with a positive score, largest first: "
-                               "at most top_k, fewer (even none) when fewer are positive; "
-                               "never one of `helpful`.")
+    helpful: list[int] = Field(
+        description="Examples with a negative score, most negative "
+        "first: at most top_k, fewer (even none) when fewer are "
+        "negative."
+    )
+    harmful: list[int] = Field(
+        description="Examples with a positive score, largest first: "
+        "at most top_k, fewer (even none) when fewer are positive; "
+        "never one of `helpful`."
+    )
     test_loss: float
     s_test: Tensors = Field(description="(C + damping I)^-1 grad L_test, per source.")
     curvature: CurvatureKind
     converged: bool
-    stopped: Stopped = Field(description="Of the CG solve: converged, max_iterations, "
-                             "max_hvps, time_limit or negative_curvature (raise the damping).")
+    stopped: Stopped = Field(
+        description="Of the CG solve: converged, max_iterations, "
+        "max_hvps, time_limit or negative_curvature (raise the damping)."
+    )
     iterations: int
-    hvps: int = Field(description="Curvature-vector products of the CG solve (what max_hvps "
-                      "bounds). Besides them every request takes a fixed few passes, not "
-                      "counted here: the test loss's gradient (one forward and backward pass "
-                      "over the model at the test points), the scores (one JVP through the "
-                      "model at the training data), the per-example scale (two loss gradients "
-                      "on the output, no pass over the model), and for the Monte-Carlo Fisher "
-                      "`samples` loss gradients on the output (no pass over the model).")
+    hvps: int = Field(
+        description="Curvature-vector products of the CG solve (what max_hvps "
+        "bounds). Besides them every request takes a fixed few passes, not "
+        "counted here: the test loss's gradient (one forward and backward pass "
+        "over the model at the test points), the scores (one JVP through the "
+        "model at the training data), the per-example scale (two loss gradients "
+        "on the output, no pass over the model), and for the Monte-Carlo Fisher "
+        "`samples` loss gradients on the output (no pass over the model)."
+    )
     residuals: list[float]
     seconds: float
     nonfinite: list[str] | None = _nonfinite_flag()
@@ -1444,8 +1666,9 @@ Types = TypeAliasType(
 
 VariableTypes = TypeAliasType(
     "VariableTypes",
-    Annotated[dict[str, VariableInfo],
-              Field(description="Shape, dtype and trainable by variable name.")],
+    Annotated[
+        dict[str, VariableInfo], Field(description="Shape, dtype and trainable by variable name.")
+    ],
 )
 
 
@@ -1564,8 +1787,9 @@ class Problem(BaseModel):
     instance: str | None = None
     errors: list[ProblemItem] | None = None
     omitted: int | None = Field(
-        None, description="Problems found beyond those listed in `errors` (the server lists "
-        "at most max_reported_problems)."
+        None,
+        description="Problems found beyond those listed in `errors` (the server lists "
+        "at most max_reported_problems).",
     )
 
 
@@ -1583,32 +1807,48 @@ class JobState(StrEnum):
 # The answer of a request that may run as a job: what the synchronous request answers.
 JobResult = TypeAliasType(
     "JobResult",
-    EigenvaluesResponse | TraceResponse | DiagonalResponse | SpectralDensityResponse
-    | SolveResponse | JacobianResponse | HessianResponse,
+    EigenvaluesResponse
+    | TraceResponse
+    | DiagonalResponse
+    | SpectralDensityResponse
+    | SolveResponse
+    | JacobianResponse
+    | HessianResponse,
 )
 
 
 class JobProgress(BaseModel):
     """Where a running job stands (the last report of its worker)."""
 
-    done: int = Field(description="Units of work done: HVPs (vectors) for eigenvalues, trace, "
-                      "diagonal, spectral density and solve; rows for a Hessian.")
-    total: int | None = Field(None, description="The budget of units (max_hvps, rows), when "
-                              "known; an algorithm may stop sooner, on convergence.")
+    done: int = Field(
+        description="Units of work done: HVPs (vectors) for eigenvalues, trace, "
+        "diagonal, spectral density and solve; rows for a Hessian."
+    )
+    total: int | None = Field(
+        None,
+        description="The budget of units (max_hvps, rows), when "
+        "known; an algorithm may stop sooner, on convergence.",
+    )
     unit: str = Field(description="hvps or rows.", examples=["hvps"])
     estimate: float | list[float | None] | None = Field(
-        None, description="What the algorithm would answer now: the Ritz values (eigenvalues), "
+        None,
+        description="What the algorithm would answer now: the Ritz values (eigenvalues), "
         "the trace estimate; exact diagonal: the fraction of entries done; spectral density: "
         "the probes finished; null when there is none yet (solve, hutchinson diagonal: see "
-        "error).")
+        "error).",
+    )
     error: float | list[float | None] | None = Field(
-        None, description="The estimate's error: Ritz residuals, the trace's standard error, "
+        None,
+        description="The estimate's error: Ritz residuals, the trace's standard error, "
         "the diagonal's relative error rms(stderr) / rms(diagonal), the solve's relative "
-        "residual ||b - A x|| / ||b||.")
+        "residual ||b - A x|| / ||b||.",
+    )
     seconds: float = Field(description="Seconds the computation has run in its worker.")
     eta: float | None = Field(
-        None, description="Seconds left at the current pace if the whole budget is used "
-        "(within max_seconds); null when unknown.")
+        None,
+        description="Seconds left at the current pace if the whole budget is used "
+        "(within max_seconds); null when unknown.",
+    )
 
 
 class JobInfo(BaseModel):
@@ -1617,21 +1857,26 @@ class JobInfo(BaseModel):
 
     job_id: str
     state: JobState = Field(description="queued, running, succeeded, failed or cancelled.")
-    operation: str = Field(description="The request that started it.",
-                           examples=["POST /v1/tapes/{tape_id}/trace"])
+    operation: str = Field(
+        description="The request that started it.", examples=["POST /v1/tapes/{tape_id}/trace"]
+    )
     tape_id: str | None = Field(None, description="The tape it runs on, if any.")
     created_at: str
     started_at: str | None = None
     finished_at: str | None = None
-    expires_at: str | None = Field(None, description="When a finished job is forgotten "
-                                   "(job_ttl after it ended).")
+    expires_at: str | None = Field(
+        None, description="When a finished job is forgotten (job_ttl after it ended)."
+    )
     elapsed: float = Field(description="Seconds since it started running (until it ended).")
     progress: JobProgress | None = None
     result: JobResult | None = Field(
-        None, description="When succeeded: the answer the synchronous request gives (also at "
-        "GET /v1/jobs/{job_id}/result).")
-    error: Problem | None = Field(None, description="When failed: the problem the synchronous "
-                                  "request would have answered.")
+        None,
+        description="When succeeded: the answer the synchronous request gives (also at "
+        "GET /v1/jobs/{job_id}/result).",
+    )
+    error: Problem | None = Field(
+        None, description="When failed: the problem the synchronous request would have answered."
+    )
 
 
 class JobList(BaseModel):

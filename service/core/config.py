@@ -38,8 +38,9 @@ def cuda_device_count() -> int:
 
 def default_data_dir() -> Path:
     """$XDG_DATA_HOME/gradtape, else ~/.local/share/gradtape."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                            "share")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
     return Path(base) / "gradtape"
 
 
@@ -54,7 +55,9 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = True
     http_workers: int = Field(
-        default=1, ge=1, le=64,
+        default=1,
+        ge=1,
+        le=64,
         description="HTTP processes (uvicorn workers) sharing the port; each runs its own "
         "engine workers (or Ray actors on the shared cluster), and all share the store file: "
         "tapes, jobs and rate limits are then read from it (README: Several HTTP processes)",
@@ -67,9 +70,11 @@ class Settings(BaseSettings):
         "'cpu', 'cuda' (all GPUs) or 'cuda:N' (one GPU)",
     )
     workers: int | None = Field(
-        default=None, ge=1, le=256,
+        default=None,
+        ge=1,
+        le=256,
         description="engine workers (processes, or Ray actors); default: one per GPU of this "
-        "host, else 2"
+        "host, else 2",
     )
     worker_threads: int | None = Field(
         default=None, ge=1, description="BLAS threads per CPU worker; default: cores / workers"
@@ -87,13 +92,15 @@ class Settings(BaseSettings):
         "host for this server alone",
     )
     ray_object_store_memory: int = Field(
-        default=256 * 2**20, ge=80 * 2**20,
+        default=256 * 2**20,
+        ge=80 * 2**20,
         description="bytes of the object store of a Ray this server starts itself (the "
         "requests and replies in flight pass through it); a cluster's own is set with "
         "`ray start`",
     )
     shm_threshold: int = Field(
-        default=64 * 2**10, ge=0,
+        default=64 * 2**10,
+        ge=0,
         description="arrays of at least this many bytes cross between the HTTP process and "
         "a local worker through shared memory (/dev/shm, read in place) instead of the "
         "socket; 0: always the socket (Ray actors always use their own transport)",
@@ -119,14 +126,16 @@ class Settings(BaseSettings):
     retry_after: int = Field(default=1, ge=0, description="Retry-After seconds on a 503")
     max_body_bytes: int = Field(default=64 * 2**20, ge=1, description="request body limit (413)")
     max_onnx_bytes: int = Field(
-        default=32 * 2**20, ge=1,
+        default=32 * 2**20,
+        ge=1,
         description="largest ONNX file a definition may carry or PUT /v1/models may store (413)",
     )
     max_body_depth: int = Field(
         default=64, ge=8, description="deepest nesting of lists/objects a body may have (400)"
     )
     max_body_containers: int = Field(
-        default=200_000, ge=100,
+        default=200_000,
+        ge=100,
         description="most lists and objects in one body, counted off the event loop (422)",
     )
     max_reported_problems: int = Field(
@@ -136,37 +145,44 @@ class Settings(BaseSettings):
         default=False, description="default for requests that do not say: accept NaN/Inf inputs"
     )
     cancel_grace: float = Field(
-        default=10.0, gt=0,
+        default=10.0,
+        gt=0,
         description="seconds a cancelled request's worker has to stop (at its next op) before "
         "it is killed and replaced",
     )
     disconnect_poll: float = Field(
-        default=0.05, gt=0,
+        default=0.05,
+        gt=0,
         description="seconds between checks that a waiting request's client is still connected",
     )
 
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
-        default=defaults.HESSIAN_MAX_SIZE, ge=1,
-        description="most parameters (n of the n x n Hessian) of /v1/hessian"
+        default=defaults.HESSIAN_MAX_SIZE,
+        ge=1,
+        description="most parameters (n of the n x n Hessian) of /v1/hessian",
     )
     jacobian_max_elements: int = Field(
-        default=defaults.JACOBIAN_MAX_ELEMENTS, ge=1,
-        description="most elements of all the jacobians of one request"
+        default=defaults.JACOBIAN_MAX_ELEMENTS,
+        ge=1,
+        description="most elements of all the jacobians of one request",
     )
     chunk_size: int = Field(
-        default=defaults.CHUNK_SIZE, ge=1,
-        description="jacobian rows per backward pass (bounds worker memory)"
+        default=defaults.CHUNK_SIZE,
+        ge=1,
+        description="jacobian rows per backward pass (bounds worker memory)",
     )
     hvp_max_vectors: int = Field(
         default=defaults.HVP_MAX_VECTORS, ge=1, description="most vectors in one /v1/hvp"
     )
     max_shards: int = Field(
-        default=64, ge=1,
-        description="most shards one sharded tape or request may split its batch into"
+        default=64,
+        ge=1,
+        description="most shards one sharded tape or request may split its batch into",
     )
     request_memory_budget: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="bytes one request's recording and derivative passes may use, as the "
         "memory model estimates them from the inferred shapes: batched passes (HVP vectors, "
         "jacobian rows, Hessian rows, trace probes) are split to fit, and what cannot fit "
@@ -186,7 +202,8 @@ class Settings(BaseSettings):
         default=86400.0, gt=0, description="most a client may ask for with `ttl`"
     )
     tape_memory_budget: int = Field(
-        default=2 * 2**30, ge=1,
+        default=2 * 2**30,
+        ge=1,
         description="bytes of tapes one worker holds (device memory on a GPU); beyond it the "
         "least recently used tapes are evicted",
     )
@@ -205,32 +222,38 @@ class Settings(BaseSettings):
         default=4 << 30, ge=1, description="bytes of all of one API key's datasets (413 past it)"
     )
     worker_dataset_memory: int = Field(
-        default=defaults.WORKER_DATASET_MEMORY, ge=0,
+        default=defaults.WORKER_DATASET_MEMORY,
+        ge=0,
         description="bytes of dataset arrays one worker keeps in memory "
-        "(least recently used out first)"
+        "(least recently used out first)",
     )
     algorithm_max_hvps: int = Field(
-        default=10000, ge=1,
+        default=10000,
+        ge=1,
         description="most HVPs one eigenvalues/trace/diagonal/spectral-density/solve request "
-        "may use"
+        "may use",
     )
     lanczos_max_basis_bytes: int = Field(
-        default=defaults.LANCZOS_MAX_BASIS_BYTES, ge=1,
+        default=defaults.LANCZOS_MAX_BASIS_BYTES,
+        ge=1,
         description="host memory of an algorithm's stored vectors (x n float64): the Lanczos "
-        "basis, the spectral density's bases, the Hutch++ sketch, the power-iteration block"
+        "basis, the spectral density's bases, the Hutch++ sketch, the power-iteration block",
     )
     tape_sweep_interval: float = Field(
-        default=10.0, gt=0,
+        default=10.0,
+        gt=0,
         description="seconds between sweeps that expire tapes and save their usage",
     )
     tombstone_ttl: float = Field(
-        default=7 * 86400.0, ge=0,
+        default=7 * 86400.0,
+        ge=0,
         description="seconds an ended tape's id keeps answering why it is gone",
     )
 
     # Jobs ---------------------------------------------------------------------------------
     job_ttl: float = Field(
-        default=3600.0, gt=0,
+        default=3600.0,
+        gt=0,
         description="seconds a finished job (and its answer) is kept for GET /v1/jobs/{id}",
     )
     max_jobs_per_key: int = Field(
@@ -252,7 +275,8 @@ class Settings(BaseSettings):
 
     # Fair sharing between API keys (off without keys) -------------------------------------
     rate_limit_per_second: float = Field(
-        default=100.0, ge=0,
+        default=100.0,
+        ge=0,
         description="requests per second per API key (a token bucket; with several HTTP "
         "processes one bucket in the store, shared by them); 0: no rate limit",
     )
@@ -260,13 +284,15 @@ class Settings(BaseSettings):
         default=200, ge=1, description="requests a key may send at once beyond its rate"
     )
     max_concurrent_per_key: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="requests of one key computing or queued for a worker at once, per HTTP "
         "process (each has its own workers); 0: the number of workers (a key may fill the "
         "workers, never the queue)",
     )
     max_waiting_per_key: int = Field(
-        default=64, ge=0,
+        default=64,
+        ge=0,
         description="requests of one key waiting for one of its concurrent slots (per HTTP "
         "process); beyond, 429",
     )
@@ -382,7 +408,9 @@ class Settings(BaseSettings):
     def describe(self) -> dict[str, Any]:
         """The settings as printed at startup (API keys masked: only their count shows)."""
         shown = self.model_dump(mode="json")
-        shown["api_keys"] = f"<{len(self.api_keys.get_secret_value().replace(',', ' ').split())} key(s)>"
+        shown["api_keys"] = (
+            f"<{len(self.api_keys.get_secret_value().replace(',', ' ').split())} key(s)>"
+        )
         shown["worker_devices"] = self.worker_devices()
         shown["store_path"] = self.resolved_store_path()
         return shown

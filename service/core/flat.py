@@ -26,8 +26,9 @@ def order(keys: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> list[dict[s
     return out
 
 
-def split(vector: Any, keys: Sequence[str], shapes: Sequence[tuple[int, ...]], where: str
-          ) -> dict[str, np.ndarray]:
+def split(
+    vector: Any, keys: Sequence[str], shapes: Sequence[tuple[int, ...]], where: str
+) -> dict[str, np.ndarray]:
     """A flat vector -> one array per source (float64, the callers cast)."""
     flat = np.asarray(vector, dtype=np.float64)
     total = sum(math.prod(s) for s in shapes)
@@ -40,7 +41,7 @@ def split(vector: Any, keys: Sequence[str], shapes: Sequence[tuple[int, ...]], w
     out, offset = {}, 0
     for key, shape in zip(keys, shapes, strict=True):
         size = math.prod(shape)
-        out[key] = flat[offset:offset + size].reshape(shape)
+        out[key] = flat[offset : offset + size].reshape(shape)
         offset += size
     return out
 
@@ -50,19 +51,21 @@ def _concat(parts: Mapping[str, Any]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
-def _flat_jacobian(value: Any, jacobians: Mapping[str, Any], batch: bool
-                   ) -> tuple[list[dict[str, Any]], np.ndarray]:
+def _flat_jacobian(
+    value: Any, jacobians: Mapping[str, Any], batch: bool
+) -> tuple[list[dict[str, Any]], np.ndarray]:
     """Jacobians keyed by source -> (order, one matrix): [target size, n] with the sources'
     elements along the columns in order (SciPy's least_squares `jac`); per example with
     `batch`: [B, target size per example, n per example], the order over source.shape[1:]."""
     y_shape = tuple(np.shape(value))
-    shapes = [tuple(np.shape(j))[len(y_shape):] for j in jacobians.values()]
+    shapes = [tuple(np.shape(j))[len(y_shape) :] for j in jacobians.values()]
     lead = (y_shape[0],) if batch else ()
-    rows = math.prod(y_shape[len(lead):])
-    blocks = [np.asarray(j, dtype=np.float64).reshape(*lead, rows, math.prod(s))
-              for j, s in zip(jacobians.values(), shapes, strict=True)]
-    matrix = (np.concatenate(blocks, axis=-1) if blocks
-              else np.zeros((*lead, rows, 0)))
+    rows = math.prod(y_shape[len(lead) :])
+    blocks = [
+        np.asarray(j, dtype=np.float64).reshape(*lead, rows, math.prod(s))
+        for j, s in zip(jacobians.values(), shapes, strict=True)
+    ]
+    matrix = np.concatenate(blocks, axis=-1) if blocks else np.zeros((*lead, rows, 0))
     return order(list(jacobians), shapes), matrix
 
 

@@ -75,8 +75,10 @@ def _default(obj: Any) -> Any:
         header = msgpack.packb([dtype, shape])
         used = _ARRAY_PREFIX.size + len(header)
         start = -(-used // ALIGNMENT) * ALIGNMENT
-        return msgpack.ExtType(ARRAY_EXT, b"".join(
-            (_ARRAY_PREFIX.pack(len(header), start), header, bytes(start - used), raw)))
+        return msgpack.ExtType(
+            ARRAY_EXT,
+            b"".join((_ARRAY_PREFIX.pack(len(header), start), header, bytes(start - used), raw)),
+        )
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, tuple | set | frozenset):
@@ -93,7 +95,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         size, start = _ARRAY_PREFIX.unpack_from(data)
         if start < _ARRAY_PREFIX.size + size:
             raise ValueError(f"its raw bytes start at {start}, inside its header")
-        dtype, shape = msgpack.unpackb(data[_ARRAY_PREFIX.size:_ARRAY_PREFIX.size + size])
+        dtype, shape = msgpack.unpackb(data[_ARRAY_PREFIX.size : _ARRAY_PREFIX.size + size])
         # Read-only (a view of msgpack's bytes, no copy): no receiver writes into them.
         return wire.from_bytes(memoryview(data)[start:], dtype, shape)
     except (struct.error, TypeError, ValueError, msgpack.UnpackException) as exc:
@@ -127,14 +129,20 @@ class Outgoing:
         try:
             name = outbox.write(self.pieces, self.end)
         except OSError as exc:
-            log.warning("cannot write %d bytes to shared memory (%s); sending them inline",
-                        self.end, exc.strerror or exc)
+            log.warning(
+                "cannot write %d bytes to shared memory (%s); sending them inline",
+                self.end,
+                exc.strerror or exc,
+            )
             return frame(self.message)
         places = iter(self.places)
 
         def default(obj: Any) -> Any:
-            if isinstance(obj, np.ndarray) and self.channel is not None \
-                    and self.channel.takes(obj.nbytes):
+            if (
+                isinstance(obj, np.ndarray)
+                and self.channel is not None
+                and self.channel.takes(obj.nbytes)
+            ):
                 return msgpack.ExtType(SHARED_ARRAY_EXT, msgpack.packb([name, *next(places)]))
             return _default(obj)
 
@@ -186,8 +194,9 @@ def unpack(body: bytes | bytearray, inbox: shm.Inbox | None = None) -> Any:
         # frame was read whole, so the stream is in step and only this message is lost.
         # Its envelope, read again without its shared arrays, says whose it was; the
         # reader answers its request with an error instead of taking the peer for dead.
-        envelope = msgpack.unpackb(body, ext_hook=lambda code, data: None, raw=False,
-                                   strict_map_key=False)
+        envelope = msgpack.unpackb(
+            body, ext_hook=lambda code, data: None, raw=False, strict_map_key=False
+        )
         request_id = envelope.get("id") if isinstance(envelope, dict) else None
         return {"id": request_id, UNREADABLE: str(exc)}
 

@@ -39,9 +39,11 @@ SCHEMA_VERSION = 4
 # What each older version lacks, applied in order on open (the tapes' model output; the
 # shards of a sharded tape; the tapes' version, which several HTTP processes compare).
 # Tables a version adds (jobs, processes, rate_buckets) come with the SCHEMA script.
-MIGRATIONS = {1: ["ALTER TABLE tapes ADD COLUMN output TEXT"],
-              2: ["ALTER TABLE tapes ADD COLUMN shards TEXT"],
-              3: ["ALTER TABLE tapes ADD COLUMN version INTEGER NOT NULL DEFAULT 0"]}
+MIGRATIONS = {
+    1: ["ALTER TABLE tapes ADD COLUMN output TEXT"],
+    2: ["ALTER TABLE tapes ADD COLUMN shards TEXT"],
+    3: ["ALTER TABLE tapes ADD COLUMN version INTEGER NOT NULL DEFAULT 0"],
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (
@@ -184,7 +186,6 @@ _UNUSED_BLOBS = (
     "AND hash NOT IN (SELECT blob FROM dataset_arrays) "
     "AND hash NOT IN (SELECT blob FROM definition_refs)"
 )
-
 
 
 class StoreError(RuntimeError):
@@ -397,7 +398,8 @@ class Store:
             ).fetchall()
             files = db.execute(
                 "SELECT m.name, m.frozen, f.data FROM definition_models m JOIN onnx_files f "
-                "ON f.hash = m.file WHERE m.definition = ? ORDER BY m.position", (digest,),
+                "ON f.hash = m.file WHERE m.definition = ? ORDER BY m.position",
+                (digest,),
             ).fetchall()
             refs = db.execute(
                 "SELECT name, position, ref FROM definition_refs WHERE definition = ?",
@@ -466,8 +468,7 @@ class Store:
         return from_bytes(data, dtype, json.loads(shape))
 
     # Datasets -----------------------------------------------------------------------------
-    def put_dataset(self, owner: str, name: str, arrays: Mapping[str, np.ndarray]
-                    ) -> DatasetRow:
+    def put_dataset(self, owner: str, name: str, arrays: Mapping[str, np.ndarray]) -> DatasetRow:
         """Create or replace a dataset (one transaction); keep its creation time."""
         now = time.time()
         rows: list[ArrayRow] = []
@@ -482,8 +483,9 @@ class Store:
                 )
                 rows.append(ArrayRow(array_name, dtype, shape, blob, len(data)))
                 version.update(f"{array_name}\0{blob}\0".encode())
-            old = db.execute("SELECT created FROM datasets WHERE owner = ? AND name = ?",
-                             (owner, name)).fetchone()
+            old = db.execute(
+                "SELECT created FROM datasets WHERE owner = ? AND name = ?", (owner, name)
+            ).fetchone()
             created = old[0] if old else now
             db.execute("DELETE FROM datasets WHERE owner = ? AND name = ?", (owner, name))
             total = sum(r.bytes for r in rows)
@@ -508,17 +510,26 @@ class Store:
                 raise StoreError("the store is not open")
             row = db.execute(
                 "SELECT version, bytes, created, updated FROM datasets "
-                "WHERE owner = ? AND name = ?", (owner, name),
+                "WHERE owner = ? AND name = ?",
+                (owner, name),
             ).fetchone()
             if row is None:
                 return None
             arrays = db.execute(
                 "SELECT a.name, b.dtype, b.shape, a.blob, length(b.data) FROM dataset_arrays a "
                 "JOIN blobs b ON b.hash = a.blob WHERE a.owner = ? AND a.dataset = ? "
-                "ORDER BY a.position", (owner, name),
+                "ORDER BY a.position",
+                (owner, name),
             ).fetchall()
-        return DatasetRow(owner, name, row[0], row[1], row[2], row[3],
-                          [ArrayRow(a, d, json.loads(s), b, n) for a, d, s, b, n in arrays])
+        return DatasetRow(
+            owner,
+            name,
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            [ArrayRow(a, d, json.loads(s), b, n) for a, d, s, b, n in arrays],
+        )
 
     def list_datasets(self, owner: str) -> list[DatasetRow]:
         names = self._query("SELECT name FROM datasets WHERE owner = ? ORDER BY name", (owner,))
@@ -529,7 +540,8 @@ class Store:
         """(datasets, bytes) this owner stores, leaving out one name (being replaced)."""
         count, total = self._query(
             "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM datasets "
-            "WHERE owner = ? AND name IS NOT ?", (owner, excluding),
+            "WHERE owner = ? AND name IS NOT ?",
+            (owner, excluding),
         )[0]
         return int(count), int(total)
 
@@ -543,8 +555,14 @@ class Store:
         return gone > 0
 
     # Models -------------------------------------------------------------------------------
-    def put_model(self, owner: str, name: str, definition: Mapping[str, Any],
-                  description: str | None, info: Mapping[str, Any]) -> ModelRow:
+    def put_model(
+        self,
+        owner: str,
+        name: str,
+        definition: Mapping[str, Any],
+        description: str | None,
+        info: Mapping[str, Any],
+    ) -> ModelRow:
         """Create or replace a model with its definition (one transaction); keep its
         creation time when replacing."""
         now = time.time()
@@ -564,14 +582,16 @@ class Store:
     def get_model(self, owner: str, name: str) -> ModelRow | None:
         rows = self._query(
             "SELECT owner, name, definition, description, info, created, updated FROM models "
-            "WHERE owner = ? AND name = ?", (owner, name),
+            "WHERE owner = ? AND name = ?",
+            (owner, name),
         )
         return _model(rows[0]) if rows else None
 
     def list_models(self, owner: str) -> list[ModelRow]:
         rows = self._query(
             "SELECT owner, name, definition, description, info, created, updated FROM models "
-            "WHERE owner = ? ORDER BY name", (owner,),
+            "WHERE owner = ? ORDER BY name",
+            (owner,),
         )
         return [_model(r) for r in rows]
 
@@ -586,8 +606,9 @@ class Store:
         return gone > 0
 
     # Tapes --------------------------------------------------------------------------------
-    def insert_tape(self, tape: TapeRow, definition: Mapping[str, Any] | None,
-                    max_tapes: int | None = None) -> None:
+    def insert_tape(
+        self, tape: TapeRow, definition: Mapping[str, Any] | None, max_tapes: int | None = None
+    ) -> None:
         """Store a new live tape with its definition (one transaction, so that the
         garbage collection never sees the definition without its tape). A sharded tape
         has none of its own: its parts hold theirs. `max_tapes`: QuotaFull when the owner
@@ -595,10 +616,13 @@ class Store:
         HTTP processes recording at once cannot pass the quota together)."""
         with self._transaction() as db:
             if max_tapes is not None:
-                held = int(db.execute(
-                    "SELECT COUNT(*) FROM tapes WHERE owner = ? AND state = 'live' AND "
-                    "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)",
-                    (tape.owner,)).fetchone()[0])
+                held = int(
+                    db.execute(
+                        "SELECT COUNT(*) FROM tapes WHERE owner = ? AND state = 'live' AND "
+                        "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)",
+                        (tape.owner,),
+                    ).fetchone()[0]
+                )
                 if held >= max_tapes:
                     raise QuotaFull(held)
             tape.definition = None if definition is None else _put_definition(db, definition)
@@ -606,25 +630,44 @@ class Store:
                 "INSERT INTO tapes (id, owner, definition, model, target, sources, ttl, "
                 "created, last_used, hits, bytes, worker, device, rebuilds, state, ended, "
                 "output, shards) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (tape.id, tape.owner, tape.definition, tape.model, tape.target,
-                 json.dumps(tape.sources), tape.ttl, tape.created, tape.last_used, tape.hits,
-                 tape.bytes, tape.worker, tape.device, tape.rebuilds, tape.state, tape.ended,
-                 tape.output, None if tape.shards is None else json.dumps(tape.shards)),
+                (
+                    tape.id,
+                    tape.owner,
+                    tape.definition,
+                    tape.model,
+                    tape.target,
+                    json.dumps(tape.sources),
+                    tape.ttl,
+                    tape.created,
+                    tape.last_used,
+                    tape.hits,
+                    tape.bytes,
+                    tape.worker,
+                    tape.device,
+                    tape.rebuilds,
+                    tape.state,
+                    tape.ended,
+                    tape.output,
+                    None if tape.shards is None else json.dumps(tape.shards),
+                ),
             )
 
     def set_tape_definition(self, tape_id: str, definition: Mapping[str, Any]) -> str:
         """Give a tape a new definition (new values); return its hash."""
         return self.replace_tape_definition(tape_id, definition)[0]
 
-    def replace_tape_definition(self, tape_id: str, definition: Mapping[str, Any]
-                                ) -> tuple[str, int]:
+    def replace_tape_definition(
+        self, tape_id: str, definition: Mapping[str, Any]
+    ) -> tuple[str, int]:
         """Give a tape a new definition (new values): its hash and the tape's new version
         (read in the same transaction, so that it is this change's)."""
         with self._transaction() as db:
             digest = _put_definition(db, definition)
             row = db.execute(
                 "UPDATE tapes SET definition = ?, version = version + 1 WHERE id = ? "
-                "RETURNING version", (digest, tape_id)).fetchone()
+                "RETURNING version",
+                (digest, tape_id),
+            ).fetchone()
         return digest, int(row[0]) if row else 0
 
     def save_usage(self, tapes: list[TapeRow]) -> None:
@@ -635,8 +678,10 @@ class Store:
             db.executemany(
                 "UPDATE tapes SET last_used = ?, hits = ?, bytes = ?, worker = ?, device = ?, "
                 "rebuilds = ? WHERE id = ? AND state = 'live'",
-                [(t.last_used, t.hits, t.bytes, t.worker, t.device, t.rebuilds, t.id)
-                 for t in tapes],
+                [
+                    (t.last_used, t.hits, t.bytes, t.worker, t.device, t.rebuilds, t.id)
+                    for t in tapes
+                ],
             )
 
     def end_tapes(self, tapes: list[TapeRow], state: str, when: float) -> None:
@@ -654,8 +699,10 @@ class Store:
     def live_tapes(self, owner: str | None = None) -> list[TapeRow]:
         if owner is None:
             return [_tape(r) for r in self._query(_TAPE_SELECT + " WHERE state = 'live'")]
-        return [_tape(r) for r in self._query(
-            _TAPE_SELECT + " WHERE owner = ? AND state = 'live'", (owner,))]
+        return [
+            _tape(r)
+            for r in self._query(_TAPE_SELECT + " WHERE owner = ? AND state = 'live'", (owner,))
+        ]
 
     # Tapes shared by several HTTP processes (http_workers > 1) ------------------------------
     def get_tape_family(self, tape_id: str) -> list[TapeRow]:
@@ -672,8 +719,12 @@ class Store:
             if not row.shards or "ids" not in row.shards:
                 return [row]
             ids = list(row.shards["ids"])
-            parts = {r[0]: _tape(r) for r in db.execute(
-                _TAPE_SELECT + f" WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()}
+            parts = {
+                r[0]: _tape(r)
+                for r in db.execute(
+                    _TAPE_SELECT + f" WHERE id IN ({','.join('?' * len(ids))})", ids
+                ).fetchall()
+            }
         return [row, *(parts[i] for i in ids if i in parts)]
 
     def touch_tape(self, tape_id: str, when: float, size: int, rebuilt: bool) -> None:
@@ -683,7 +734,8 @@ class Store:
             db.execute(
                 "UPDATE tapes SET last_used = MAX(last_used, ?), hits = hits + 1, bytes = ?, "
                 "rebuilds = rebuilds + ? WHERE id = ? AND state = 'live'",
-                (when, size, int(rebuilt), tape_id))
+                (when, size, int(rebuilt), tape_id),
+            )
 
     def keep_alive(self, tape_ids: list[str], when: float) -> None:
         """Tapes with a request in flight here count as used now (a long request must
@@ -691,8 +743,10 @@ class Store:
         if not tape_ids:
             return
         with self._transaction() as db:
-            db.executemany("UPDATE tapes SET last_used = MAX(last_used, ?) "
-                           "WHERE id = ? AND state = 'live'", [(when, i) for i in tape_ids])
+            db.executemany(
+                "UPDATE tapes SET last_used = MAX(last_used, ?) WHERE id = ? AND state = 'live'",
+                [(when, i) for i in tape_ids],
+            )
 
     def tape_usage(self, owner: str) -> tuple[int, int]:
         """(live tapes, their bytes) of an owner, as the quotas count them: a sharded
@@ -701,16 +755,22 @@ class Store:
             "SELECT COALESCE(SUM(shards IS NULL OR json_extract(shards, '$.parent') IS NULL), 0), "
             "COALESCE(SUM(CASE WHEN shards IS NULL OR json_extract(shards, '$.ids') IS NULL "
             "THEN bytes ELSE 0 END), 0) FROM tapes WHERE owner = ? AND state = 'live'",
-            (owner,))[0]
+            (owner,),
+        )[0]
         return int(count), int(total)
 
     def expire_tapes(self, now: float, grace: float = 0.0) -> list[TapeRow]:
         """End every live tape whose last use (by any process) is older than its ttl (and
         `grace`), with its parts; return the rows ended (one transaction: each ends once)."""
         with self._transaction() as db:
-            rows = [_tape(r) for r in db.execute(
-                _TAPE_SELECT + " WHERE state = 'live' AND last_used + ttl + ? <= ? AND "
-                "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)", (grace, now))]
+            rows = [
+                _tape(r)
+                for r in db.execute(
+                    _TAPE_SELECT + " WHERE state = 'live' AND last_used + ttl + ? <= ? AND "
+                    "(shards IS NULL OR json_extract(shards, '$.parent') IS NULL)",
+                    (grace, now),
+                )
+            ]
             ids = [r.id for r in rows]
             for r in rows:
                 if r.shards and "ids" in r.shards:
@@ -718,17 +778,19 @@ class Store:
             db.executemany(
                 "UPDATE tapes SET state = 'expired', ended = ?, definition = NULL, "
                 "version = version + 1 WHERE id = ? AND state = 'live'",
-                [(now, i) for i in ids])
+                [(now, i) for i in ids],
+            )
         return rows
 
     def tape_states(self, tape_ids: list[str]) -> dict[str, tuple[str, int]]:
         """id -> (state, version) of these tapes (those the store still knows)."""
         found: dict[str, tuple[str, int]] = {}
         for lo in range(0, len(tape_ids), 500):
-            chunk = tape_ids[lo:lo + 500]
+            chunk = tape_ids[lo : lo + 500]
             for i, state, version in self._query(
-                    f"SELECT id, state, version FROM tapes WHERE id IN "
-                    f"({','.join('?' * len(chunk))})", tuple(chunk)):
+                f"SELECT id, state, version FROM tapes WHERE id IN ({','.join('?' * len(chunk))})",
+                tuple(chunk),
+            ):
                 found[i] = (state, int(version))
         return found
 
@@ -737,7 +799,8 @@ class Store:
         with self._transaction() as db:
             db.execute(
                 f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES ({', '.join('?' * 16)})",
-                _job_values(job))
+                _job_values(job),
+            )
 
     def save_job(self, job: JobRow, only_active: bool = False) -> bool:
         """Write a job's state, progress and answer (its version +1); `only_active`: not
@@ -748,9 +811,17 @@ class Store:
                 "UPDATE jobs SET state = ?, started = ?, finished = ?, progress = ?, "
                 "result = ?, seconds = ?, error = ?, version = version + 1 WHERE id = ?"
                 + (" AND state IN ('queued', 'running')" if only_active else ""),
-                (job.state, job.started, job.finished, _json(job.progress),
-                 None if job.result is None else sqlite3.Binary(job.result), job.seconds,
-                 _json(job.error), job.id)).rowcount
+                (
+                    job.state,
+                    job.started,
+                    job.finished,
+                    _json(job.progress),
+                    None if job.result is None else sqlite3.Binary(job.result),
+                    job.seconds,
+                    _json(job.error),
+                    job.id,
+                ),
+            ).rowcount
         return changed > 0
 
     def get_job(self, job_id: str) -> JobRow | None:
@@ -765,30 +836,46 @@ class Store:
     def list_jobs(self, owner: str) -> list[JobRow]:
         """An owner's jobs, without their answers (oldest first)."""
         columns = _JOB_COLUMNS.replace("result", "NULL")
-        return [_job(r) for r in self._query(
-            f"SELECT {columns} FROM jobs WHERE owner = ? ORDER BY created", (owner,))]
+        return [
+            _job(r)
+            for r in self._query(
+                f"SELECT {columns} FROM jobs WHERE owner = ? ORDER BY created", (owner,)
+            )
+        ]
 
     def count_active_jobs(self, owner: str) -> int:
-        return int(self._query("SELECT COUNT(*) FROM jobs WHERE owner = ? AND state IN "
-                               "('queued', 'running')", (owner,))[0][0])
+        return int(
+            self._query(
+                "SELECT COUNT(*) FROM jobs WHERE owner = ? AND state IN ('queued', 'running')",
+                (owner,),
+            )[0][0]
+        )
 
     def cancel_job(self, job_id: str, when: float) -> bool:
         """Cancel a queued or running job of another process: it reads as cancelled at
         once, and its process, which polls the flag, stops it. False if it had ended."""
         with self._transaction() as db:
-            return db.execute(
-                "UPDATE jobs SET state = 'cancelled', cancel = 1, finished = ?, "
-                "started = COALESCE(started, ?), version = version + 1 "
-                "WHERE id = ? AND state IN ('queued', 'running')",
-                (when, when, job_id)).rowcount > 0
+            return (
+                db.execute(
+                    "UPDATE jobs SET state = 'cancelled', cancel = 1, finished = ?, "
+                    "started = COALESCE(started, ?), version = version + 1 "
+                    "WHERE id = ? AND state IN ('queued', 'running')",
+                    (when, when, job_id),
+                ).rowcount
+                > 0
+            )
 
     def fail_orphan_job(self, job_id: str, when: float, error: dict[str, Any]) -> bool:
         with self._transaction() as db:
-            return db.execute(
-                "UPDATE jobs SET state = 'failed', finished = ?, error = ?, "
-                "started = COALESCE(started, ?), version = version + 1 "
-                "WHERE id = ? AND state IN ('queued', 'running')",
-                (when, _json(error), when, job_id)).rowcount > 0
+            return (
+                db.execute(
+                    "UPDATE jobs SET state = 'failed', finished = ?, error = ?, "
+                    "started = COALESCE(started, ?), version = version + 1 "
+                    "WHERE id = ? AND state IN ('queued', 'running')",
+                    (when, _json(error), when, job_id),
+                ).rowcount
+                > 0
+            )
 
     def delete_job(self, job_id: str) -> None:
         with self._transaction() as db:
@@ -796,20 +883,24 @@ class Store:
 
     def prune_jobs(self, before: float) -> int:
         with self._transaction() as db:
-            return int(db.execute("DELETE FROM jobs WHERE finished IS NOT NULL AND finished < ?",
-                                  (before,)).rowcount)
+            return int(
+                db.execute(
+                    "DELETE FROM jobs WHERE finished IS NOT NULL AND finished < ?", (before,)
+                ).rowcount
+            )
 
     # HTTP processes (http_workers > 1) ------------------------------------------------------
     def heartbeat(self, token: str, pid: int, started: float, when: float) -> None:
         with self._transaction() as db:
-            db.execute("INSERT INTO processes (token, pid, started, seen) VALUES (?, ?, ?, ?) "
-                       "ON CONFLICT (token) DO UPDATE SET seen = excluded.seen",
-                       (token, pid, started, when))
+            db.execute(
+                "INSERT INTO processes (token, pid, started, seen) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (token) DO UPDATE SET seen = excluded.seen",
+                (token, pid, started, when),
+            )
 
     def process(self, token: str) -> tuple[int, float, float] | None:
         """(pid, start, last heartbeat) of an HTTP process, or None."""
-        rows = self._query("SELECT pid, started, seen FROM processes WHERE token = ?",
-                           (token,))
+        rows = self._query("SELECT pid, started, seen FROM processes WHERE token = ?", (token,))
         return (int(rows[0][0]), float(rows[0][1]), float(rows[0][2])) if rows else None
 
     def forget_process(self, token: str) -> None:
@@ -821,15 +912,21 @@ class Store:
         """Spend one of the key's tokens (the bucket refilled at `rate` up to `burst`
         first): 0.0 when spent, else the seconds until one is there (none spent)."""
         with self._transaction() as db:
-            row = db.execute("SELECT tokens, stamp FROM rate_buckets WHERE owner = ?",
-                             (owner,)).fetchone()
-            tokens = float(burst) if row is None else min(
-                float(burst), row[0] + max(0.0, now - row[1]) * rate)
+            row = db.execute(
+                "SELECT tokens, stamp FROM rate_buckets WHERE owner = ?", (owner,)
+            ).fetchone()
+            tokens = (
+                float(burst)
+                if row is None
+                else min(float(burst), row[0] + max(0.0, now - row[1]) * rate)
+            )
             wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / rate
             if wait == 0.0:
                 tokens -= 1.0
-            db.execute("INSERT OR REPLACE INTO rate_buckets (owner, tokens, stamp) "
-                       "VALUES (?, ?, ?)", (owner, tokens, now))
+            db.execute(
+                "INSERT OR REPLACE INTO rate_buckets (owner, tokens, stamp) VALUES (?, ?, ?)",
+                (owner, tokens, now),
+            )
         return wait
 
     def get_tape(self, tape_id: str) -> TapeRow | None:
@@ -838,9 +935,11 @@ class Store:
 
     def prune_tombstones(self, before: float) -> int:
         with self._transaction() as db:
-            return int(db.execute(
-                "DELETE FROM tapes WHERE state != 'live' AND ended < ?", (before,)
-            ).rowcount)
+            return int(
+                db.execute(
+                    "DELETE FROM tapes WHERE state != 'live' AND ended < ?", (before,)
+                ).rowcount
+            )
 
 
 def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> str:
@@ -851,23 +950,33 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
     for position, (name, var) in enumerate((definition.get("variables") or {}).items()):
         dtype, shape, data = to_bytes(var["value"])
         flag = int(bool(var.get("trainable", True)))
-        tensors.append(("variables", name, position, flag,
-                        _blob_hash(dtype, shape, data), dtype, shape, data))
+        tensors.append(
+            ("variables", name, position, flag, _blob_hash(dtype, shape, data), dtype, shape, data)
+        )
     refs: list[tuple[str, int, dict[str, Any]]] = []
     for position, (name, value) in enumerate((definition.get("inputs") or {}).items()):
         if is_ref(value):  # bound to a dataset's array: its blob is stored already
             refs.append((name, position, {k: v for k, v in value.items() if k != "value"}))
             continue
         dtype, shape, data = to_bytes(value)
-        tensors.append(("inputs", name, position, None,
-                        _blob_hash(dtype, shape, data), dtype, shape, data))
+        tensors.append(
+            ("inputs", name, position, None, _blob_hash(dtype, shape, data), dtype, shape, data)
+        )
     models = [
-        (name, position, json.dumps(list(m.get("frozen") or [])),
-         hashlib.sha256(m["onnx"]).hexdigest(), m["onnx"])
+        (
+            name,
+            position,
+            json.dumps(list(m.get("frozen") or [])),
+            hashlib.sha256(m["onnx"]).hexdigest(),
+            m["onnx"],
+        )
         for position, (name, m) in enumerate((definition.get("models") or {}).items())
     ]
-    head: dict[str, Any] = {"program": program, "functions": functions,
-                            "tensors": [t[:5] for t in tensors]}
+    head: dict[str, Any] = {
+        "program": program,
+        "functions": functions,
+        "tensors": [t[:5] for t in tensors],
+    }
     if models:  # a definition without models keeps the hash it always had
         head["models"] = [m[:4] for m in models]
     if refs:  # nor one without dataset references
@@ -891,11 +1000,14 @@ def _put_definition(db: sqlite3.Connection, definition: Mapping[str, Any]) -> st
             (digest, section, name, position, trainable, blob),
         )
     for name, position, frozen, file, data in models:
-        db.execute("INSERT OR IGNORE INTO onnx_files (hash, data) VALUES (?, ?)",
-                   (file, sqlite3.Binary(data)))
+        db.execute(
+            "INSERT OR IGNORE INTO onnx_files (hash, data) VALUES (?, ?)",
+            (file, sqlite3.Binary(data)),
+        )
         db.execute(
             "INSERT INTO definition_models (definition, name, position, frozen, file) "
-            "VALUES (?, ?, ?, ?, ?)", (digest, name, position, frozen, file),
+            "VALUES (?, ?, ?, ?, ?)",
+            (digest, name, position, frozen, file),
         )
     for name, position, ref in refs:
         db.execute(
@@ -910,8 +1022,10 @@ _TAPE_SELECT = (
     "SELECT id, owner, definition, model, target, sources, ttl, created, last_used, hits, "
     "bytes, worker, device, rebuilds, state, ended, output, shards, version FROM tapes"
 )
-_JOB_COLUMNS = ("id, owner, operation, tape_id, encoding, created, state, started, finished, "
-                "progress, result, seconds, error, process, cancel, version")
+_JOB_COLUMNS = (
+    "id, owner, operation, tape_id, encoding, created, state, started, finished, "
+    "progress, result, seconds, error, process, cancel, version"
+)
 
 
 def _json(value: Any) -> str | None:
@@ -919,10 +1033,24 @@ def _json(value: Any) -> str | None:
 
 
 def _job_values(job: JobRow) -> tuple[Any, ...]:
-    return (job.id, job.owner, job.operation, job.tape_id, job.encoding, job.created,
-            job.state, job.started, job.finished, _json(job.progress),
-            None if job.result is None else sqlite3.Binary(job.result), job.seconds,
-            _json(job.error), job.process, int(job.cancel), job.version)
+    return (
+        job.id,
+        job.owner,
+        job.operation,
+        job.tape_id,
+        job.encoding,
+        job.created,
+        job.state,
+        job.started,
+        job.finished,
+        _json(job.progress),
+        None if job.result is None else sqlite3.Binary(job.result),
+        job.seconds,
+        _json(job.error),
+        job.process,
+        int(job.cancel),
+        job.version,
+    )
 
 
 def _job(row: Any) -> JobRow:

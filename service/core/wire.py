@@ -23,6 +23,8 @@ DTYPES: tuple[str, ...] = (
     "uint8", "uint16", "uint32", "uint64",
     "bool",
 )  # fmt: skip
+
+
 class Encoding(StrEnum):
     """How tensors travel in a body: a JSON list, base64 bytes, or raw msgpack bytes."""
 

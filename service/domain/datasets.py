@@ -29,8 +29,9 @@ def dataset_info(row: DatasetRow) -> dict[str, Any]:
         "name": row.name,
         "version": row.version,
         "bytes": row.bytes,
-        "arrays": {a.name: {"dtype": a.dtype, "shape": a.shape, "bytes": a.bytes}
-                   for a in row.arrays},
+        "arrays": {
+            a.name: {"dtype": a.dtype, "shape": a.shape, "bytes": a.bytes} for a in row.arrays
+        },
         "created_at": iso(row.created),
         "updated_at": iso(row.updated),
     }
@@ -46,7 +47,8 @@ def load_numpy(body: bytes, array: str) -> dict[str, np.ndarray]:
             return {name: loaded[name] for name in loaded.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise ServiceError(
-            "validation", f"body: not a .npy or .npz file NumPy reads without pickle: {exc}",
+            "validation",
+            f"body: not a .npy or .npz file NumPy reads without pickle: {exc}",
             errors=[{"field": "body", "message": str(exc)}],
         ) from None
 
@@ -56,35 +58,46 @@ class DatasetCatalog:
         self.settings = settings
         self.store = store
 
-    async def put(self, owner: str, name: str, arrays: Mapping[str, np.ndarray]
-                  ) -> tuple[DatasetRow, bool]:
+    async def put(
+        self, owner: str, name: str, arrays: Mapping[str, np.ndarray]
+    ) -> tuple[DatasetRow, bool]:
         """Store (or replace) a dataset within the limits; (row, created)."""
         if not arrays:
-            raise ServiceError("validation", "body: a dataset needs at least one array",
-                               errors=[{"field": "body", "message": "no arrays"}])
+            raise ServiceError(
+                "validation",
+                "body: a dataset needs at least one array",
+                errors=[{"field": "body", "message": "no arrays"}],
+            )
         for array_name, array in arrays.items():
             if array.dtype.name not in DTYPES or array.dtype.hasobject:
                 raise ServiceError(
-                    "validation", f"{array_name}: dtype {array.dtype} is not one of "
-                    f"{', '.join(DTYPES)}", errors=[{"field": array_name,
-                                                     "message": f"dtype {array.dtype}"}])
+                    "validation",
+                    f"{array_name}: dtype {array.dtype} is not one of {', '.join(DTYPES)}",
+                    errors=[{"field": array_name, "message": f"dtype {array.dtype}"}],
+                )
         size = sum(int(a.nbytes) for a in arrays.values())
         s = self.settings
         if size > s.max_dataset_bytes:
             raise ServiceError(
-                "dataset-too-large", f"the dataset holds {size:,} bytes; this server stores "
-                f"at most {s.max_dataset_bytes:,} per dataset (max_dataset_bytes)")
+                "dataset-too-large",
+                f"the dataset holds {size:,} bytes; this server stores "
+                f"at most {s.max_dataset_bytes:,} per dataset (max_dataset_bytes)",
+            )
         existing = await asyncio.to_thread(self.store.get_dataset, owner, name)
         count, held = await asyncio.to_thread(self.store.dataset_usage, owner, name)
         if held + size > s.max_dataset_bytes_per_key:
             raise ServiceError(
-                "dataset-too-large", f"this API key's datasets would hold {held + size:,} "
+                "dataset-too-large",
+                f"this API key's datasets would hold {held + size:,} "
                 f"bytes; its quota is {s.max_dataset_bytes_per_key:,} "
-                "(max_dataset_bytes_per_key). DELETE datasets you no longer need")
+                "(max_dataset_bytes_per_key). DELETE datasets you no longer need",
+            )
         if existing is None and count >= s.max_datasets_per_key:
             raise ServiceError(
-                "dataset-too-large", f"this API key stores {count} dataset(s); the quota is "
-                f"{s.max_datasets_per_key} (max_datasets_per_key)")
+                "dataset-too-large",
+                f"this API key stores {count} dataset(s); the quota is "
+                f"{s.max_datasets_per_key} (max_datasets_per_key)",
+            )
         row = await asyncio.to_thread(self.store.put_dataset, owner, name, dict(arrays))
         return row, existing is None
 
@@ -106,8 +119,7 @@ class DatasetCatalog:
         if not await asyncio.to_thread(self.store.delete_dataset, owner, name):
             await self.get(owner, name)  # the 404
 
-    async def bind(self, owner: str, inputs: dict[str, Any], bindings: list[Binding]
-                   ) -> None:
+    async def bind(self, owner: str, inputs: dict[str, Any], bindings: list[Binding]) -> None:
         """Replace the dataset inputs (of a definition, or an influence request's test
         points) by references to the arrays."""
         for b in bindings:
@@ -118,22 +130,37 @@ class DatasetCatalog:
                 a = arrays.get(array_name)
                 if a is None:
                     raise ServiceError(
-                        "validation", f"{b.field}.array: the dataset {b.dataset!r} has no "
+                        "validation",
+                        f"{b.field}.array: the dataset {b.dataset!r} has no "
                         f"array {array_name!r} (its arrays: {', '.join(arrays)})",
-                        errors=[{"field": f"{b.field}.array", "message": "unknown array"}])
+                        errors=[{"field": f"{b.field}.array", "message": "unknown array"}],
+                    )
                 input_name = array_name if b.name is None else b.name
                 if b.name is None and input_name in inputs:
                     raise ServiceError(
-                        "validation", f"{b.field}: the dataset's array {input_name!r} is an "
-                        "input already", errors=[{"field": b.field, "message": "twice"}])
-                inputs[input_name] = await asyncio.to_thread(self.store.attach, {
-                    "dataset": b.dataset, "array": array_name, "blob": a.blob,
-                    "dtype": a.dtype, "shape": a.shape, "rows": b.rows})
+                        "validation",
+                        f"{b.field}: the dataset's array {input_name!r} is an input already",
+                        errors=[{"field": b.field, "message": "twice"}],
+                    )
+                inputs[input_name] = await asyncio.to_thread(
+                    self.store.attach,
+                    {
+                        "dataset": b.dataset,
+                        "array": array_name,
+                        "blob": a.blob,
+                        "dtype": a.dtype,
+                        "shape": a.shape,
+                        "rows": b.rows,
+                    },
+                )
 
     async def bind_prepared(self, owner: str, prepared: Prepared) -> Prepared:
         if prepared.bindings:
             payload = prepared.payload
-            inputs = (payload["definition"]["inputs"] if "definition" in payload
-                      else payload["test_inputs"])
+            inputs = (
+                payload["definition"]["inputs"]
+                if "definition" in payload
+                else payload["test_inputs"]
+            )
             await self.bind(owner, inputs, prepared.bindings)
         return prepared

@@ -87,17 +87,45 @@ class Job:
 
     @classmethod
     def from_row(cls, row: JobRow) -> Job:
-        job = cls(row.id, row.owner, row.operation, row.tape_id, Encoding(row.encoding),
-                  row.created, row.state, row.started, row.finished, row.progress,
-                  None if row.result is None else ipc.unpack(row.result), row.seconds,
-                  row.error, version=row.version, remote=True)
+        job = cls(
+            row.id,
+            row.owner,
+            row.operation,
+            row.tape_id,
+            Encoding(row.encoding),
+            row.created,
+            row.state,
+            row.started,
+            row.finished,
+            row.progress,
+            None if row.result is None else ipc.unpack(row.result),
+            row.seconds,
+            row.error,
+            version=row.version,
+            remote=True,
+        )
         return job
 
     def to_row(self, process: str) -> JobRow:
         result = None if self.result is None else ipc.pack(self.result)
-        return JobRow(self.id, self.owner, self.operation, self.tape_id, str(self.encoding),
-                      self.created, self.state, self.started, self.finished, self.progress,
-                      result, self.seconds, self.error, process, False, self.version)
+        return JobRow(
+            self.id,
+            self.owner,
+            self.operation,
+            self.tape_id,
+            str(self.encoding),
+            self.created,
+            self.state,
+            self.started,
+            self.finished,
+            self.progress,
+            result,
+            self.seconds,
+            self.error,
+            process,
+            False,
+            self.version,
+        )
 
     @property
     def ended(self) -> bool:
@@ -162,8 +190,9 @@ class Job:
 
 
 class JobRegistry:
-    def __init__(self, settings: Settings, store: Store | None = None,
-                 problem: Problem | None = None):
+    def __init__(
+        self, settings: Settings, store: Store | None = None, problem: Problem | None = None
+    ):
         self.settings = settings
         self._jobs: dict[str, Job] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -225,8 +254,11 @@ class JobRegistry:
                 # all: other processes would read the job as running for ever. Try again,
                 # backing off.
                 if failures % 10 == 0:
-                    log.exception("could not write job %s... to the store (attempt %d)",
-                                  job.id[:8], failures + 1)
+                    log.exception(
+                        "could not write job %s... to the store (attempt %d)",
+                        job.id[:8],
+                        failures + 1,
+                    )
                 failures += 1
                 job._dirty = True
                 await asyncio.sleep(min(0.05 * 2**failures, 2.0))
@@ -273,24 +305,37 @@ class JobRegistry:
                 if _start_ticks(pid) == started:
                     return row
             else:
-                silent = PROCESS_SILENT_AFTER * min(self.settings.tape_sweep_interval,
-                                                    self.settings.job_ttl)
+                silent = PROCESS_SILENT_AFTER * min(
+                    self.settings.tape_sweep_interval, self.settings.job_ttl
+                )
                 if _alive(pid) and time.time() - seen < silent:
                     return row
             found = (pid, started)
         pid = f" (pid {found[0]})" if found is not None else ""
-        detail = (f"the HTTP process{pid} that ran job {row.id} exited before the job "
-                  "ended (killed, or crashed); its work is lost: start the request again")
-        error = (self.problem("job-lost", detail, f"/v1/jobs/{row.id}")
-                 if self.problem is not None else {"status": 502, "detail": detail})
+        detail = (
+            f"the HTTP process{pid} that ran job {row.id} exited before the job "
+            "ended (killed, or crashed); its work is lost: start the request again"
+        )
+        error = (
+            self.problem("job-lost", detail, f"/v1/jobs/{row.id}")
+            if self.problem is not None
+            else {"status": 502, "detail": detail}
+        )
         await asyncio.to_thread(self.store.fail_orphan_job, row.id, time.time(), error)
         log.info("job %s... failed: its HTTP process%s is gone", row.id[:8], pid)
         fresh = await asyncio.to_thread(self.store.get_job, row.id)
         return fresh if fresh is not None else row
 
     # Starting -----------------------------------------------------------------------------
-    async def start(self, owner: str, operation: str, run: Run, explain: Explain,
-                    encoding: Encoding, tape_id: str | None = None) -> Job:
+    async def start(
+        self,
+        owner: str,
+        operation: str,
+        run: Run,
+        explain: Explain,
+        encoding: Encoding,
+        tape_id: str | None = None,
+    ) -> Job:
         if self.shared:  # every process's jobs
             assert self.store is not None
             active = await asyncio.to_thread(self.store.count_active_jobs, owner)
@@ -303,7 +348,8 @@ class JobRegistry:
                 f"this API key has {active} job(s) queued or running; the quota is {limit} "
                 "(max_jobs_per_key). Wait for one to end, or cancel one (DELETE "
                 "/v1/jobs/{job_id}; GET /v1/jobs lists them)",
-                quota="jobs", limit=limit,
+                quota="jobs",
+                limit=limit,
             )
         job = Job(secrets.token_urlsafe(18), owner, operation, tape_id, encoding)
         self._jobs[job.id] = job
@@ -315,11 +361,17 @@ class JobRegistry:
         # A context of its own: the job outlives the request that started it, and its
         # watch (progress, running) is not the request's (whose client may go at once).
         context = contextvars.Context()
-        context.run(calls.current.set, calls.Watch(
-            progress=job.on_progress, started=lambda: self._running(job),
-            reason="the job was cancelled"))
+        context.run(
+            calls.current.set,
+            calls.Watch(
+                progress=job.on_progress,
+                started=lambda: self._running(job),
+                reason="the job was cancelled",
+            ),
+        )
         job.task = asyncio.get_running_loop().create_task(
-            self._run(job, run, explain), context=context)
+            self._run(job, run, explain), context=context
+        )
         return job
 
     def _running(self, job: Job) -> None:
@@ -368,8 +420,13 @@ class JobRegistry:
             found = await asyncio.to_thread(self.store.job_version, job.id)
             if found is not None and found[1] and not job.ended:
                 self.cancel_here(job)
-        if job is not None and job.ended and self.shared and job._writer is not None and (
-                job._writer.done()):
+        if (
+            job is not None
+            and job.ended
+            and self.shared
+            and job._writer is not None
+            and (job._writer.done())
+        ):
             # Ended here, maybe forgotten through another process since (DELETE).
             assert self.store is not None
             if await asyncio.to_thread(self.store.job_version, job.id) is None:
@@ -396,15 +453,19 @@ class JobRegistry:
             assert self.store is not None
             rows = await asyncio.to_thread(self.store.list_jobs, owner)
             stored = {row.id for row in rows}
-            for job in [j for j in jobs.values() if j.ended and j.id not in stored
-                        and j._writer is not None and j._writer.done()]:
+            for job in [
+                j
+                for j in jobs.values()
+                if j.ended and j.id not in stored and j._writer is not None and j._writer.done()
+            ]:
                 del jobs[job.id]  # forgotten through another process
                 self._jobs.pop(job.id, None)
             for row in rows:
                 if row.id not in jobs:
                     jobs[row.id] = Job.from_row(await self._settle(row))
-        return sorted((j for j in jobs.values() if not self._expired(j, now)),
-                      key=lambda j: j.created)
+        return sorted(
+            (j for j in jobs.values() if not self._expired(j, now)), key=lambda j: j.created
+        )
 
     async def updates(self, job: Job, keep_alive: float) -> AsyncIterator[Job | None]:
         """The job now and at each change until it ends (None after `keep_alive` quiet

@@ -24,23 +24,32 @@ class Metrics(PoolObserver):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "gradtape_http_requests", "HTTP requests answered", ["method", "route", "status"],
+            "gradtape_http_requests",
+            "HTTP requests answered",
+            ["method", "route", "status"],
             registry=r,
         )
         self.latency = Histogram(
-            "gradtape_http_request_duration_seconds", "Time to answer an HTTP request",
-            ["method", "route"], buckets=LATENCY_BUCKETS, registry=r,
+            "gradtape_http_request_duration_seconds",
+            "Time to answer an HTTP request",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.errors = Counter(
             "gradtape_errors", "Problem responses by problem type", ["type"], registry=r
         )
         self.busy_seconds = Counter(
-            "gradtape_worker_busy_seconds", "Seconds each worker spent on requests",
-            ["worker"], registry=r,
+            "gradtape_worker_busy_seconds",
+            "Seconds each worker spent on requests",
+            ["worker"],
+            registry=r,
         )
         self.worker_restarts = Counter(
-            "gradtape_worker_restarts", "Workers replaced, by reason (timeout, crash)",
-            ["worker", "reason"], registry=r,
+            "gradtape_worker_restarts",
+            "Workers replaced, by reason (timeout, crash)",
+            ["worker", "reason"],
+            registry=r,
         )
         self.queue_depth = Gauge(
             "gradtape_queue_depth", "Requests waiting for a worker", registry=r
@@ -51,14 +60,16 @@ class Metrics(PoolObserver):
         )
         self.tape_events = Counter(
             "gradtape_tape_events",
-            "Tapes created, rebuilt (after a worker or service restart), expired, evicted, "
-            "deleted", ["event"], registry=r,
+            "Tapes created, rebuilt (after a worker or service restart), expired, evicted, deleted",
+            ["event"],
+            registry=r,
         )
         self.array_bytes = Counter(
             "gradtape_pool_array_bytes",
             "Bytes of arrays moved to and from the workers through this process, and "
             "between workers without it (a shard's answer handed to its sum)",
-            ["route"], registry=r,
+            ["route"],
+            registry=r,
         )
         self.tapes = Gauge("gradtape_tapes", "Live tapes", registry=r)
         self.tape_bytes = Gauge(
@@ -68,9 +79,7 @@ class Metrics(PoolObserver):
     def bind(self, pool: Pool) -> None:
         """Read the pool's gauges when scraped."""
         self.queue_depth.set_function(lambda: pool.queue_depth)
-        self.workers_busy.set_function(
-            lambda: sum(w.state == "busy" for w in pool.workers())
-        )
+        self.workers_busy.set_function(lambda: sum(w.state == "busy" for w in pool.workers()))
         self.workers_up.set_function(
             lambda: sum(w.state in ("idle", "busy") for w in pool.workers())
         )

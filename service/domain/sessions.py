@@ -56,7 +56,6 @@ from service.pool import Cancelled, ComputeFailed, Pool, PoolError, Reply, Worke
 log = logging.getLogger("gradtape.sessions")
 
 
-
 def iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
 
@@ -111,8 +110,7 @@ class Tape:
         }
 
 
-def with_applied(definition: dict[str, Any], applied: Mapping[str, Any] | None
-                 ) -> dict[str, Any]:
+def with_applied(definition: dict[str, Any], applied: Mapping[str, Any] | None) -> dict[str, Any]:
     """The definition with the values a flat point gave its sources (the worker split
     the point and says which names it set), as the tape's stored definition: a rebuild
     then records the same point."""
@@ -121,8 +119,11 @@ def with_applied(definition: dict[str, Any], applied: Mapping[str, Any] | None
     variables = dict(definition["variables"])
     for name, value in applied["variables"].items():
         variables[name] = {**variables.get(name, {"trainable": True}), "value": value}
-    return {**definition, "variables": variables,
-            "inputs": {**definition["inputs"], **applied["inputs"]}}
+    return {
+        **definition,
+        "variables": variables,
+        "inputs": {**definition["inputs"], **applied["inputs"]},
+    }
 
 
 class TapeRegistry:
@@ -152,8 +153,9 @@ class TapeRegistry:
         """Load the live tapes of the store (none is in a worker yet: each is recorded
         again on its first use) and start the sweeper."""
         if self.shared:  # nothing to load: each tape is adopted on its first use here
-            ended = await asyncio.to_thread(self.store.expire_tapes, time.time(),
-                                            self._expiry_grace)
+            ended = await asyncio.to_thread(
+                self.store.expire_tapes, time.time(), self._expiry_grace
+            )
             if ended:
                 log.info("%d tape(s) expired while no process used them", len(ended))
             self.metrics.bind_tapes(self)
@@ -167,14 +169,23 @@ class TapeRegistry:
             if row.last_used + row.ttl > now:
                 self._tapes[row.id] = Tape(row)
         # A sharded tape and its parts come back together, or not at all.
-        broken = [t for t in self._tapes.values() if t.row.shards and "ids" in t.row.shards
-                  and not self.sharding.restore(t, self._tapes)]
-        orphans = [t for t in self._tapes.values()
-                   if t.row.shards and "parent" in t.row.shards and t.parent is None]
+        broken = [
+            t
+            for t in self._tapes.values()
+            if t.row.shards and "ids" in t.row.shards and not self.sharding.restore(t, self._tapes)
+        ]
+        orphans = [
+            t
+            for t in self._tapes.values()
+            if t.row.shards and "parent" in t.row.shards and t.parent is None
+        ]
         await self._end(broken + orphans, "expired")
         if rows:
-            log.info("%d tape(s) restored from the store (%d had expired)",
-                     len(self._tapes), len(expired))
+            log.info(
+                "%d tape(s) restored from the store (%d had expired)",
+                len(self._tapes),
+                len(expired),
+            )
         self.metrics.bind_tapes(self)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
@@ -192,16 +203,22 @@ class TapeRegistry:
         if self.shared:  # every process's tapes, from the store
             rows = await asyncio.to_thread(self.store.live_tapes, owner)
             by_id = {r.id: r for r in rows}
-            families = [[r, *(by_id[i] for i in r.shards["ids"] if i in by_id)]
-                        if r.shards and "ids" in r.shards else [r]
-                        for r in rows if not r.is_part and r.last_used + r.ttl > now]
+            families = [
+                [r, *(by_id[i] for i in r.shards["ids"] if i in by_id)]
+                if r.shards and "ids" in r.shards
+                else [r]
+                for r in rows
+                if not r.is_part and r.last_used + r.ttl > now
+            ]
             # (a sharded tape ending elsewhere as this was read: left out, not half-listed)
-            whole = [f for f in families
-                     if len(f) == 1 + len((f[0].shards or {}).get("ids", []))]
+            whole = [f for f in families if len(f) == 1 + len((f[0].shards or {}).get("ids", []))]
             return sorted((self._sync(f) for f in whole), key=lambda t: t.row.created)
         return sorted(
-            (t for t in self._tapes.values()
-             if t.row.owner == owner and t.expires > now and t.parent is None),
+            (
+                t
+                for t in self._tapes.values()
+                if t.row.owner == owner and t.expires > now and t.parent is None
+            ),
             key=lambda t: t.row.created,
         )
 
@@ -212,16 +229,21 @@ class TapeRegistry:
         workers = self.pool.workers() if workers is None else workers
         if tape.shards is not None:
             return all(self.loaded(p, workers) for p in tape.shards.parts)
-        return (tape.row.worker < len(workers)
-                and tape.generation == workers[tape.row.worker].generation)
+        return (
+            tape.row.worker < len(workers)
+            and tape.generation == workers[tape.row.worker].generation
+        )
 
     def count(self) -> int:
         return sum(1 for t in self._tapes.values() if t.parent is None)
 
     def total_bytes(self) -> int:
         workers = self.pool.workers()
-        return sum(t.row.bytes for t in self._tapes.values()
-                   if t.shards is None and self.loaded(t, workers))
+        return sum(
+            t.row.bytes
+            for t in self._tapes.values()
+            if t.shards is None and self.loaded(t, workers)
+        )
 
     async def get(self, tape_id: str, owner: str) -> Tape:
         """The caller's live tape, or a 404 problem that says why there is none."""
@@ -244,8 +266,7 @@ class TapeRegistry:
     def _not_found(self, tape_id: str) -> ServiceError:
         return ServiceError(
             "tape-not-found",
-            f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists "
-            "yours)",
+            f"no tape {tape_id!r} (tape ids come from POST /v1/tapes; GET /v1/tapes lists yours)",
         )
 
     # Several HTTP processes: the store's rows are the tapes -----------------------------
@@ -264,8 +285,9 @@ class TapeRegistry:
                 self._forget(local, row.state)
             raise self._gone(row)
         now = time.time()
-        if (row.last_used + row.ttl + self._expiry_grace <= now
-                and not (local is not None and local.busy)):
+        if row.last_used + row.ttl + self._expiry_grace <= now and not (
+            local is not None and local.busy
+        ):
             # Unused by every process for its ttl: ended in one transaction that looks at
             # the stored last use again (a use elsewhere meanwhile keeps it).
             ended = await asyncio.to_thread(self.store.expire_tapes, now, self._expiry_grace)
@@ -274,10 +296,14 @@ class TapeRegistry:
             if fresh is not None and fresh.state != "live":
                 raise self._gone(fresh)
             rows = await asyncio.to_thread(self.store.get_tape_family, tape_id)
-        if rows[0].shards and "ids" in rows[0].shards and len(rows) != 1 + len(
-                rows[0].shards["ids"]):
-            raise ServiceError("internal", f"the stored parts of sharded tape {tape_id} are "
-                               "missing")
+        if (
+            rows[0].shards
+            and "ids" in rows[0].shards
+            and len(rows) != 1 + len(rows[0].shards["ids"])
+        ):
+            raise ServiceError(
+                "internal", f"the stored parts of sharded tape {tape_id} are missing"
+            )
         return self._sync(rows)
 
     def _sync(self, rows: list[TapeRow]) -> Tape:
@@ -341,8 +367,9 @@ class TapeRegistry:
     async def _used(self, tape: Tape, rebuilt: bool = False) -> None:
         """Several HTTP processes: write a use at once (others' sweepers read it)."""
         if self.shared and not tape.transient:
-            await asyncio.to_thread(self.store.touch_tape, tape.id, tape.row.last_used,
-                                    tape.row.bytes, rebuilt)
+            await asyncio.to_thread(
+                self.store.touch_tape, tape.id, tape.row.last_used, tape.row.bytes, rebuilt
+            )
 
     def _gone(self, row: TapeRow) -> ServiceError:
         when = iso(row.ended or time.time())
@@ -351,7 +378,9 @@ class TapeRegistry:
             return ServiceError(
                 "tape-expired",
                 f"tape {row.id} expired at {when}: it was not used for {row.ttl:g} s (its "
-                f"ttl){again}", reason="expired", ended_at=when,
+                f"ttl){again}",
+                reason="expired",
+                ended_at=when,
             )
         if row.state == "evicted":
             return ServiceError(
@@ -359,16 +388,28 @@ class TapeRegistry:
                 f"tape {row.id} was evicted at {when}: worker {row.worker} needed room for "
                 f"more recently used tapes within its memory budget "
                 f"(tape_memory_budget = {self.settings.tape_memory_budget:,} bytes){again}",
-                reason="evicted", ended_at=when,
+                reason="evicted",
+                ended_at=when,
             )
-        return ServiceError("tape-not-found", f"tape {row.id} was deleted at {when}",
-                            reason="deleted", ended_at=when)
+        return ServiceError(
+            "tape-not-found",
+            f"tape {row.id} was deleted at {when}",
+            reason="deleted",
+            ended_at=when,
+        )
 
     # Creating -----------------------------------------------------------------------------
-    async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
-                     time_limit: float, worker: int | None = None,
-                     part_of: tuple[Tape, int] | None = None, transient: bool = False
-                     ) -> tuple[Tape, dict[str, Any]]:
+    async def create(
+        self,
+        owner: str,
+        spec: dict[str, Any],
+        ttl: float,
+        model: str | None,
+        time_limit: float,
+        worker: int | None = None,
+        part_of: tuple[Tape, int] | None = None,
+        transient: bool = False,
+    ) -> tuple[Tape, dict[str, Any]]:
         """Record a tape in a worker (`worker`, else the least loaded), store it, and
         register it; answer the worker's result (value, gradients, device, resolved
         sources). `part_of`: the tape is part `index` of the sharded tape `parent`,
@@ -382,7 +423,9 @@ class TapeRegistry:
             worker = self._choose_worker() if worker is None else worker
             try:
                 reply = await self.pool.submit(
-                    "tape_create", {"tape_id": tape_id, **spec}, worker=worker,
+                    "tape_create",
+                    {"tape_id": tape_id, **spec},
+                    worker=worker,
                     time_limit=time_limit,
                 )
             except Cancelled:
@@ -396,21 +439,34 @@ class TapeRegistry:
                 await self._check_size(owner, size, quota=not transient)
                 now = time.time()
                 row = TapeRow(
-                    id=tape_id, owner=owner, definition=None, model=model,
-                    target=spec["target"], sources=dict(result.pop("sources")), ttl=ttl,
-                    created=now, last_used=now, hits=0, bytes=size, worker=reply.worker,
-                    device=str(result.pop("device")), rebuilds=0, state="live", ended=None,
+                    id=tape_id,
+                    owner=owner,
+                    definition=None,
+                    model=model,
+                    target=spec["target"],
+                    sources=dict(result.pop("sources")),
+                    ttl=ttl,
+                    created=now,
+                    last_used=now,
+                    hits=0,
+                    bytes=size,
+                    worker=reply.worker,
+                    device=str(result.pop("device")),
+                    rebuilds=0,
+                    state="live",
+                    ended=None,
                     output=spec.get("output"),
-                    shards=None if part_of is None else {"parent": part_of[0].id,
-                                                         "index": part_of[1]},
+                    shards=None
+                    if part_of is None
+                    else {"parent": part_of[0].id, "index": part_of[1]},
                 )
                 if not transient:
                     # Several processes: the quota counted again as the row goes in.
-                    limit = (self.settings.max_tapes_per_key
-                             if self.shared and part_of is None else None)
+                    limit = (
+                        self.settings.max_tapes_per_key if self.shared and part_of is None else None
+                    )
                     try:
-                        await asyncio.to_thread(self.store.insert_tape, row, definition,
-                                                limit)
+                        await asyncio.to_thread(self.store.insert_tape, row, definition, limit)
                     except QuotaFull as full:
                         raise self._quota_error(full.held, 0) from None
             except BaseException:
@@ -418,8 +474,9 @@ class TapeRegistry:
                 raise
         finally:
             self._creating[owner] -= 0 if transient else 1
-        tape = Tape(row, generation=reply.generation,
-                    parent=None if part_of is None else part_of[0])
+        tape = Tape(
+            row, generation=reply.generation, parent=None if part_of is None else part_of[0]
+        )
         if transient:
             tape.transient = True
             tape.kept_spec = {**spec, "definition": definition}
@@ -430,9 +487,15 @@ class TapeRegistry:
         await self._enforce_budget(reply.worker, keep=tape)
         return tape, result
 
-    async def create_sharded(self, owner: str, spec: dict[str, Any], ttl: float,
-                             model: str | None, time_limit: float, sharding: dict[str, Any]
-                             ) -> tuple[Tape, dict[str, Any]]:
+    async def create_sharded(
+        self,
+        owner: str,
+        spec: dict[str, Any],
+        ttl: float,
+        model: str | None,
+        time_limit: float,
+        sharding: dict[str, Any],
+    ) -> tuple[Tape, dict[str, Any]]:
         """A tape whose batch is split over `sharding["shards"]` tapes in distinct
         workers (service/domain/shards.py): answers as `create` does."""
         await self._check_count(owner)
@@ -455,8 +518,7 @@ class TapeRegistry:
         if self.shared:  # every process's tapes (those being recorded: this one's)
             held = (await asyncio.to_thread(self.store.tape_usage, owner))[0]
         else:
-            held = sum(1 for t in self._tapes.values()
-                       if t.row.owner == owner and t.parent is None)
+            held = sum(1 for t in self._tapes.values() if t.row.owner == owner and t.parent is None)
         if held + self._creating[owner] >= limit:
             raise self._quota_error(held, self._creating[owner])
 
@@ -467,7 +529,8 @@ class TapeRegistry:
             f"this API key holds {held} live tape(s) (with {creating} being recorded); the "
             f"quota is {limit} (max_tapes_per_key). DELETE tapes you no longer need (GET "
             "/v1/tapes lists them), or let them expire",
-            quota="tapes", limit=limit,
+            quota="tapes",
+            limit=limit,
         )
 
     async def _check_size(self, owner: str, size: int, quota: bool = True) -> None:
@@ -486,15 +549,19 @@ class TapeRegistry:
         if self.shared:
             used = (await asyncio.to_thread(self.store.tape_usage, owner))[1]
         else:
-            used = sum(t.row.bytes for t in self._tapes.values()
-                       if t.row.owner == owner and t.shards is None)
+            used = sum(
+                t.row.bytes
+                for t in self._tapes.values()
+                if t.row.owner == owner and t.shards is None
+            )
         if used + size > limit:
             raise ServiceError(
                 "quota-exceeded",
                 f"this tape holds {size:,} bytes and this API key's live tapes already hold "
                 f"{used:,}; the quota is {limit:,} bytes (max_tape_bytes_per_key). DELETE "
                 "tapes you no longer need, or let them expire",
-                quota="bytes", limit=limit,
+                quota="bytes",
+                limit=limit,
             )
 
     def _choose_worker(self, avoid: Mapping[int, int] | None = None) -> int:
@@ -507,12 +574,15 @@ class TapeRegistry:
             if t.shards is None and self.loaded(t, workers):
                 held[t.row.worker] += t.row.bytes
         avoid = avoid or {}
-        return min(range(len(workers)),
-                   key=lambda i: (avoid.get(i, 0), workers[i].state != "idle", held[i], i))
+        return min(
+            range(len(workers)),
+            key=lambda i: (avoid.get(i, 0), workers[i].state != "idle", held[i], i),
+        )
 
     # Using --------------------------------------------------------------------------------
-    async def call(self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
-                   ) -> Reply:
+    async def call(
+        self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
+    ) -> Reply:
         """Run `kind` on the tape in its worker, recording it again there first when the
         worker lost it; update its usage. The reply's result is the answer. A sharded
         tape asks its parts (service/domain/shards.py)."""
@@ -527,16 +597,14 @@ class TapeRegistry:
                 if tape.stale:
                     message["rerecord"] = True
             try:
-                reply = await self.pool.submit(kind, message, worker=worker,
-                                               time_limit=time_limit)
+                reply = await self.pool.submit(kind, message, worker=worker, time_limit=time_limit)
             except ComputeFailed as exc:
                 if exc.error.get("type") != "tape-missing" or "rebuild" in message:
                     raise
                 if tape.ended:
                     raise self._gone(tape.row) from None
                 message["rebuild"] = await self._spec(tape)
-                reply = await self.pool.submit(kind, message, worker=worker,
-                                               time_limit=time_limit)
+                reply = await self.pool.submit(kind, message, worker=worker, time_limit=time_limit)
         finally:
             tape.busy -= 1
         result: dict[str, Any] = reply.result
@@ -586,20 +654,34 @@ class TapeRegistry:
         """What the worker needs to record the tape again: its stored definition."""
         if tape.kept_spec is not None and not tape.ended:
             kept = tape.kept_spec
-            return {"definition": kept["definition"], "target": kept["target"],
-                    "sources": tape.row.sources, "output": kept.get("output"),
-                    "shards": kept.get("shards")}
+            return {
+                "definition": kept["definition"],
+                "target": kept["target"],
+                "sources": tape.row.sources,
+                "output": kept.get("output"),
+                "shards": kept.get("shards"),
+            }
         if tape.ended or tape.row.definition is None:
             raise self._gone(tape.row)
         definition = await asyncio.to_thread(self.store.get_definition, tape.row.definition)
         if definition is None:
             raise ServiceError("internal", f"the stored definition of tape {tape.id} is missing")
-        return {"definition": definition, "target": tape.row.target, "sources": tape.row.sources,
-                "output": tape.row.output}
+        return {
+            "definition": definition,
+            "target": tape.row.target,
+            "sources": tape.row.sources,
+            "output": tape.row.output,
+        }
 
-    async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
-                     inputs: Mapping[str, Any], time_limit: float,
-                     point: np.ndarray | None = None, flat: bool = False) -> dict[str, Any]:
+    async def update(
+        self,
+        tape: Tape,
+        variables: Mapping[str, np.ndarray],
+        inputs: Mapping[str, Any],
+        time_limit: float,
+        point: np.ndarray | None = None,
+        flat: bool = False,
+    ) -> dict[str, Any]:
         """New values for some variables and inputs (or for every source, as one flat
         `point`): record the tape again (in place, same id); the stored definition changes
         only once the new recording succeeded. A sharded tape updates its parts. An input may be an array or a reference to
@@ -625,8 +707,13 @@ class TapeRegistry:
                     continue
                 if name not in held:
                     known = ", ".join(map(repr, held)) or "none"
-                    errors.append({"field": field, "message": f"the tape's definition has no "
-                                   f"{section[:-1]} {name!r} (it has: {known})"})
+                    errors.append(
+                        {
+                            "field": field,
+                            "message": f"the tape's definition has no "
+                            f"{section[:-1]} {name!r} (it has: {known})",
+                        }
+                    )
                     continue
                 if section == "inputs" and is_ref(value):
                     # Bound to (other rows of) a dataset's array: its shape is the rows
@@ -637,21 +724,36 @@ class TapeRegistry:
                     # Sent data replaces a binding: any number of rows, the bound dtype.
                     bound = np.dtype(held[name]["dtype"])
                     if value.dtype.kind != bound.kind:
-                        errors.append({"field": field, "message": f"dtype {value.dtype} "
-                                       f"cannot replace the bound array's {bound}"})
+                        errors.append(
+                            {
+                                "field": field,
+                                "message": f"dtype {value.dtype} "
+                                f"cannot replace the bound array's {bound}",
+                            }
+                        )
                         continue
                     held[name] = value.astype(bound)
                     continue
                 old = held[name]["value"] if section == "variables" else held[name]
                 if value.shape != old.shape:
-                    errors.append({"field": field, "message": f"shape {list(value.shape)} "
-                                   f"differs from the recorded {list(old.shape)}; record a "
-                                   "new tape to change shapes"})
+                    errors.append(
+                        {
+                            "field": field,
+                            "message": f"shape {list(value.shape)} "
+                            f"differs from the recorded {list(old.shape)}; record a "
+                            "new tape to change shapes",
+                        }
+                    )
                     continue
                 if value.dtype != old.dtype:
                     if value.dtype.kind != old.dtype.kind:
-                        errors.append({"field": field, "message": f"dtype {value.dtype} "
-                                       f"cannot replace the recorded {old.dtype}"})
+                        errors.append(
+                            {
+                                "field": field,
+                                "message": f"dtype {value.dtype} "
+                                f"cannot replace the recorded {old.dtype}",
+                            }
+                        )
                         continue
                     value = value.astype(old.dtype)
                 if section == "variables":
@@ -660,8 +762,9 @@ class TapeRegistry:
                     held[name] = value
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise ServiceError("validation", f"{errors[0]['field']}: {errors[0]['message']}"
-                               f"{more}", errors=errors)
+            raise ServiceError(
+                "validation", f"{errors[0]['field']}: {errors[0]['message']}{more}", errors=errors
+            )
         tape.busy += 1
         try:
             worker = self._worker_of(tape)
@@ -669,7 +772,9 @@ class TapeRegistry:
                 reply = await self.pool.submit(
                     "tape_create",
                     {"tape_id": tape.id, **spec, "initializers": initializers, "flat": flat},
-                    worker=worker, time_limit=time_limit)
+                    worker=worker,
+                    time_limit=time_limit,
+                )
             except Cancelled:
                 # The worker may hold the new recording while the store keeps the old
                 # definition: let it go, so that the next use records the stored one.
@@ -678,7 +783,8 @@ class TapeRegistry:
             result: dict[str, Any] = reply.result
             definition = with_applied(definition, result.pop("applied", None))
             digest, version = await asyncio.to_thread(
-                self.store.replace_tape_definition, tape.id, definition)
+                self.store.replace_tape_definition, tape.id, definition
+            )
         finally:
             tape.busy -= 1
         tape.row.definition = digest
@@ -709,8 +815,15 @@ class TapeRegistry:
         ended = []
         # A sharded tape ends whole: with its parts, and when one of them must go.
         whole = [t.parent if t.parent is not None else t for t in tapes]
-        tapes = list({id(t): t for t in [*whole, *(p for t in whole if t.shards is not None
-                                                   for p in t.shards.parts)]}.values())
+        tapes = list(
+            {
+                id(t): t
+                for t in [
+                    *whole,
+                    *(p for t in whole if t.shards is not None for p in t.shards.parts),
+                ]
+            }.values()
+        )
         for tape in tapes:
             if tape.ended:
                 continue
@@ -731,8 +844,11 @@ class TapeRegistry:
         budget (never `keep`, nor a tape with a request in flight)."""
         budget = self.settings.tape_memory_budget
         workers = self.pool.workers()
-        held = [t for t in self._tapes.values()
-                if t.row.worker == worker and t.shards is None and self.loaded(t, workers)]
+        held = [
+            t
+            for t in self._tapes.values()
+            if t.row.worker == worker and t.shards is None and self.loaded(t, workers)
+        ]
         total = sum(t.row.bytes for t in held)
         if total <= budget:  # the common case, after every request on a tape: no sort
             return
@@ -741,16 +857,18 @@ class TapeRegistry:
         for t in held:
             if total <= budget:
                 break
-            if t is keep or t.busy or (t.parent is not None and (
-                    t.parent is keep.parent or t.parent.busy)):
+            if (
+                t is keep
+                or t.busy
+                or (t.parent is not None and (t.parent is keep.parent or t.parent.busy))
+            ):
                 continue
             victims.append(t)
             total -= t.row.bytes
         if victims and self.shared:
             # Only this process's copies: the tapes stay live in the store (another
             # process may serve them), and a next use here records them again.
-            log.info("worker %d over its tape budget: unloading %d tape(s)", worker,
-                     len(victims))
+            log.info("worker %d over its tape budget: unloading %d tape(s)", worker, len(victims))
             for victim in victims:
                 victim.generation = None
                 self.metrics.tape_event("unloaded")
@@ -769,8 +887,9 @@ class TapeRegistry:
 
         async def drop() -> None:
             try:
-                await self.pool.submit(kind, payload, worker=worker, time_limit=30.0,
-                                       queue_bound=False)
+                await self.pool.submit(
+                    kind, payload, worker=worker, time_limit=30.0, queue_bound=False
+                )
             except PoolError as exc:  # a worker that is gone has let it go already
                 log.debug("%s on worker %d: %s", kind, worker, exc)
 
@@ -796,8 +915,11 @@ class TapeRegistry:
             await self._sweep_shared(now)
         else:
             # The parts of a sharded tape end with it (never on their own clock).
-            expired = [t for t in self._tapes.values()
-                       if t.expires <= now and not t.busy and t.parent is None]
+            expired = [
+                t
+                for t in self._tapes.values()
+                if t.expires <= now and not t.busy and t.parent is None
+            ]
             if expired:
                 await self._end(expired, "expired")
         await self.flush()
@@ -810,8 +932,7 @@ class TapeRegistry:
         their ttl, and forget this process's copies of tapes ended anywhere."""
         busy = [t.id for t in self._tapes.values() if t.busy]
         await asyncio.to_thread(self.store.keep_alive, busy, now)
-        self._forget_rows(await asyncio.to_thread(self.store.expire_tapes, now,
-                                                  self._expiry_grace))
+        self._forget_rows(await asyncio.to_thread(self.store.expire_tapes, now, self._expiry_grace))
         held = [t for t in self._tapes.values() if t.parent is None]
         states = await asyncio.to_thread(self.store.tape_states, [t.id for t in held])
         for tape in held:
@@ -850,15 +971,21 @@ class ModelCatalog:
         self.pool = pool
         self.store = store
 
-    async def put(self, owner: str, name: str, definition: dict[str, Any],
-                  description: str | None, replace: bool, time_limit: float
-                  ) -> tuple[ModelRow, bool]:
+    async def put(
+        self,
+        owner: str,
+        name: str,
+        definition: dict[str, Any],
+        description: str | None,
+        replace: bool,
+        time_limit: float,
+    ) -> tuple[ModelRow, bool]:
         """Check the definition in a worker and store it; (row, created)."""
         existing = await asyncio.to_thread(self.store.get_model, owner, name)
         if existing is not None and not replace:
             raise ServiceError(
                 "model-exists",
-                f"a model named {name!r} exists already; send \"replace\": true to replace "
+                f'a model named {name!r} exists already; send "replace": true to replace '
                 f"it, or DELETE /v1/models/{name} first",
             )
         if existing is None:
@@ -869,12 +996,15 @@ class ModelCatalog:
                     "quota-exceeded",
                     f"this API key stores {count} model(s); the quota is {limit} "
                     "(max_models_per_key). DELETE models you no longer need",
-                    quota="models", limit=limit,
+                    quota="models",
+                    limit=limit,
                 )
-        reply = await self.pool.submit("check_definition", {"definition": definition},
-                                       time_limit=time_limit)
-        row = await asyncio.to_thread(self.store.put_model, owner, name, definition,
-                                      description, reply.result)
+        reply = await self.pool.submit(
+            "check_definition", {"definition": definition}, time_limit=time_limit
+        )
+        row = await asyncio.to_thread(
+            self.store.put_model, owner, name, definition, description, reply.result
+        )
         if existing is not None:
             await asyncio.to_thread(self.store.collect_garbage)
         return row, existing is None
@@ -897,14 +1027,14 @@ class ModelCatalog:
         await asyncio.to_thread(self.store.delete_model, owner, name)
         await asyncio.to_thread(self.store.collect_garbage)
 
-    async def put_onnx(self, owner: str, name: str, data: bytes, description: str | None,
-                       time_limit: float) -> tuple[ModelRow, bool]:
+    async def put_onnx(
+        self, owner: str, name: str, data: bytes, description: str | None, time_limit: float
+    ) -> tuple[ModelRow, bool]:
         """Store an ONNX file as a model: a definition with no program whose one imported
         model is the file (checked in a worker: loads, and every node is supported).
         Definitions then call it with {"models": {"net": {"stored": name}}}."""
         definition = {"program": [], "models": {"onnx": {"onnx": data, "frozen": []}}}
         return await self.put(owner, name, definition, description, True, time_limit)
-
 
     async def onnx_file(self, owner: str, name: str, field: str) -> bytes:
         """The ONNX file of the stored model `name` (422 when it is not an ONNX model)."""

@@ -69,13 +69,19 @@ log = logging.getLogger("gradtape.shards")
 LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
 SHARED_FIELDS = ("vector", "vectors", "flat_vector")  # a product's, alike for every part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
-ALGORITHMS = ("tape_eigenvalues", "tape_trace", "tape_diagonal", "tape_spectral_density",
-              "tape_solve")
+ALGORITHMS = (
+    "tape_eigenvalues",
+    "tape_trace",
+    "tape_diagonal",
+    "tape_spectral_density",
+    "tape_solve",
+)
 
 
 def _invalid(field: str, message: str) -> ServiceError:
-    return ServiceError("validation", f"{field}: {message}",
-                        errors=[{"field": field, "message": message}])
+    return ServiceError(
+        "validation", f"{field}: {message}", errors=[{"field": field, "message": message}]
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -113,8 +119,11 @@ def take(value: Any, lo: int, hi: int) -> Any:
     part = rows[lo:hi]
     taken: Any
     if isinstance(part, range):
-        taken = {"start": part.start, "stop": part.start + (len(part) - 1) * part.step + 1,
-                 "step": part.step}
+        taken = {
+            "start": part.start,
+            "stop": part.start + (len(part) - 1) * part.step + 1,
+            "step": part.step,
+        }
     else:
         taken = part
     return {**value, "rows": taken}
@@ -131,39 +140,52 @@ def bounds(total: int, shards: int) -> list[tuple[int, int]]:
     return out
 
 
-def split(definition: Mapping[str, Any], shard_by: Sequence[str] | None, shards: int
-          ) -> tuple[list[dict[str, Any]], list[int], list[str]]:
+def split(
+    definition: Mapping[str, Any], shard_by: Sequence[str] | None, shards: int
+) -> tuple[list[dict[str, Any]], list[int], list[str]]:
     """(the parts' definitions, their batch sizes, the inputs split). 422s name the field."""
     inputs = definition.get("inputs") or {}
     if shard_by is None:
         names = [n for n, v in inputs.items() if batch_length(v) is not None]
         if not names:
-            raise _invalid("shards", "the definition has no input with a batch axis to split "
-                           "(shard_by names the inputs to split along their first axis)")
+            raise _invalid(
+                "shards",
+                "the definition has no input with a batch axis to split "
+                "(shard_by names the inputs to split along their first axis)",
+            )
     else:
         names = list(shard_by)
         unknown = [n for n in names if n not in inputs]
         if unknown:
             known = ", ".join(map(repr, inputs)) or "none"
-            raise _invalid("shard_by", f"no input {unknown[0]!r} in the definition (its "
-                           f"inputs: {known})")
+            raise _invalid(
+                "shard_by", f"no input {unknown[0]!r} in the definition (its inputs: {known})"
+            )
         if len(set(names)) != len(names):
             raise _invalid("shard_by", "an input is named twice")
     lengths = {n: batch_length(inputs[n]) for n in names}
     scalar = [n for n, length in lengths.items() if length is None]
     if scalar:
-        raise _invalid("shard_by", f"input {scalar[0]!r} is a scalar: it has no batch axis to "
-                       "split")
+        raise _invalid(
+            "shard_by", f"input {scalar[0]!r} is a scalar: it has no batch axis to split"
+        )
     if len(set(lengths.values())) != 1:
         listed = ", ".join(f"{n!r}: {length}" for n, length in lengths.items())
-        how = "name the batch inputs in shard_by" if shard_by is None else "name inputs of one batch"
-        raise _invalid("shard_by", f"the inputs split must have the same first-axis length "
-                       f"(the batch); they have {listed}: {how}")
+        how = (
+            "name the batch inputs in shard_by" if shard_by is None else "name inputs of one batch"
+        )
+        raise _invalid(
+            "shard_by",
+            f"the inputs split must have the same first-axis length "
+            f"(the batch); they have {listed}: {how}",
+        )
     total = next(iter(lengths.values()))
     assert total is not None  # scalars were refused above
     if shards > total:
-        raise _invalid("shards", f"{shards} shards of a batch of {total}: at most {total} (one "
-                       "example per shard)")
+        raise _invalid(
+            "shards",
+            f"{shards} shards of a batch of {total}: at most {total} (one example per shard)",
+        )
     parts = []
     for lo, hi in bounds(total, shards):
         part_inputs = {n: take(v, lo, hi) if n in lengths else v for n, v in inputs.items()}
@@ -226,16 +248,28 @@ class ShardSet:
 
     def record(self) -> dict[str, Any]:
         """What the store keeps with the sharded tape (TapeRow.shards)."""
-        return {"ids": [p.id for p in self.parts], "rows": self.rows,
-                "reduction": self.reduction, "shard_by": self.shard_by, "layout": self.layout}
+        return {
+            "ids": [p.id for p in self.parts],
+            "rows": self.rows,
+            "reduction": self.reduction,
+            "shard_by": self.shard_by,
+            "layout": self.layout,
+        }
 
     def info(self) -> dict[str, Any]:
         return {
             "shard_reduction": self.reduction,
             "shard_by": self.shard_by,
-            "shards": [{"rows": r, "worker": p.row.worker, "bytes": p.row.bytes,
-                        "rebuilds": p.row.rebuilds, "hits": p.row.hits}
-                       for p, r in zip(self.parts, self.rows, strict=True)],
+            "shards": [
+                {
+                    "rows": r,
+                    "worker": p.row.worker,
+                    "bytes": p.row.bytes,
+                    "rebuilds": p.row.rebuilds,
+                    "hits": p.row.hits,
+                }
+                for p, r in zip(self.parts, self.rows, strict=True)
+            ],
         }
 
 
@@ -261,9 +295,16 @@ class Sharding:
         if shards > limit:
             raise _invalid("shards", f"at most {limit} on this server (max_shards)")
 
-    async def create(self, owner: str, spec: dict[str, Any], ttl: float, model: str | None,
-                     time_limit: float, sharding: Mapping[str, Any], transient: bool = False
-                     ) -> tuple[Tape, dict[str, Any]]:
+    async def create(
+        self,
+        owner: str,
+        spec: dict[str, Any],
+        ttl: float,
+        model: str | None,
+        time_limit: float,
+        sharding: Mapping[str, Any],
+        transient: bool = False,
+    ) -> tuple[Tape, dict[str, Any]]:
         """Record the parts and combine their answers. `transient` (a stateless request's
         sharded tape): nothing stored, registered or counted; the caller releases it."""
         shards = int(sharding["shards"])
@@ -272,12 +313,27 @@ class Sharding:
         self._check_sources(_source_names(spec.get("sources")), names)
         deadline = Deadline.after(time_limit)
         now = time.time()
-        parent = self.registry.new_tape(TapeRow(
-            id=secrets.token_urlsafe(24), owner=owner, definition=None, model=model,
-            target=spec["target"], sources={}, ttl=ttl, created=now, last_used=now, hits=0,
-            bytes=0, worker=0, device="", rebuilds=0, state="live", ended=None,
-            output=spec.get("output"),
-        ))
+        parent = self.registry.new_tape(
+            TapeRow(
+                id=secrets.token_urlsafe(24),
+                owner=owner,
+                definition=None,
+                model=model,
+                target=spec["target"],
+                sources={},
+                ttl=ttl,
+                created=now,
+                last_used=now,
+                hits=0,
+                bytes=0,
+                worker=0,
+                device="",
+                rebuilds=0,
+                state="live",
+                ended=None,
+                output=spec.get("output"),
+            )
+        )
         parent.transient = transient
         parent.busy += 1  # its parts are not evicted while their siblings are recorded
         placed: Counter[int] = Counter()
@@ -292,15 +348,22 @@ class Sharding:
 
         async def record(i: int) -> tuple[Tape, dict[str, Any]]:
             tape, answer = await self.registry.create(
-                owner, {**part_spec, "definition": definitions[i]}, ttl, model,
-                deadline.left(workers[i]), worker=workers[i], part_of=(parent, i),
-                transient=transient)
+                owner,
+                {**part_spec, "definition": definitions[i]},
+                ttl,
+                model,
+                deadline.left(workers[i]),
+                worker=workers[i],
+                part_of=(parent, i),
+                transient=transient,
+            )
             made.append(tape)  # recorded: dropped with the others if the rest fails
             return tape, answer
 
         try:
-            outcomes = await asyncio.gather(*(record(i) for i in range(shards)),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(record(i) for i in range(shards)), return_exceptions=True
+            )
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
@@ -309,10 +372,13 @@ class Sharding:
             first = parts[0].row
             # Default sources are resolved by the workers: checked once they answered.
             self._check_sources(list(first.sources.values()), names)
-            layout = [[k, list(np.shape(g)), str(np.asarray(g).dtype)]
-                      for k, g in answers[0]["gradients"].items()]
-            parent.shards = ShardSet(parts, rows, str(sharding.get("reduction") or "mean"),
-                                     names, layout)
+            layout = [
+                [k, list(np.shape(g)), str(np.asarray(g).dtype)]
+                for k, g in answers[0]["gradients"].items()
+            ]
+            parent.shards = ShardSet(
+                parts, rows, str(sharding.get("reduction") or "mean"), names, layout
+            )
             combined = await self._combine(parent, answers, spec, deadline)
             parent.row.sources = dict(first.sources)
             parent.row.device = first.device
@@ -340,9 +406,12 @@ class Sharding:
         """A split input's gradient has each part's rows: never a sum of the parts'."""
         split_ones = [n for n in sources if n in split_inputs]
         if split_ones:
-            raise _invalid("sources", f"input {split_ones[0]!r} is split over the shards "
-                           "(shard_by): its gradient is not a sum of the parts'; take "
-                           "derivatives over the variables, or leave it out of shard_by")
+            raise _invalid(
+                "sources",
+                f"input {split_ones[0]!r} is split over the shards "
+                "(shard_by): its gradient is not a sum of the parts'; take "
+                "derivatives over the variables, or leave it out of shard_by",
+            )
 
     def release_parts(self, parts: Sequence[Tape]) -> None:
         """Let a transient sharded tape's parts go from their workers (nothing stored)."""
@@ -360,13 +429,19 @@ class Sharding:
         linked = [p for p in parts if p is not None]
         for part in linked:
             part.parent = parent
-        parent.shards = ShardSet(linked, list(record["rows"]), record["reduction"],
-                                 list(record["shard_by"]), record["layout"])
+        parent.shards = ShardSet(
+            linked,
+            list(record["rows"]),
+            record["reduction"],
+            list(record["shard_by"]),
+            record["layout"],
+        )
         return True
 
     # Asking -------------------------------------------------------------------------------
-    async def call(self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
-                   ) -> Reply:
+    async def call(
+        self, tape: Tape, kind: str, payload: dict[str, Any], time_limit: float
+    ) -> Reply:
         """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
         across them; the time limit covers the whole run."""
         assert tape.shards is not None
@@ -399,18 +474,23 @@ class Sharding:
         target = payload.get("target")
         split = set(tape.shards.shard_by)
         return (target is None or target == tape.row.target) and not any(
-            name in split for name in _source_names(payload.get("sources")))
+            name in split for name in _source_names(payload.get("sources"))
+        )
 
-    async def _sum(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
-                   ) -> dict[str, Any]:
+    async def _sum(
+        self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
+    ) -> dict[str, Any]:
         assert tape.shards is not None
         part = {**payload, "flat": False}
         for attempt in (1, 2):
             replies = await self._fan(tape, kind, [part] * len(tape.shards.parts), deadline)
             try:
                 parts, weights = await self._merge_kept(
-                    [r.result for r in replies], tape.shards.weights,
-                    [r.worker for r in replies], deadline)
+                    [r.result for r in replies],
+                    tape.shards.weights,
+                    [r.worker for r in replies],
+                    deadline,
+                )
                 return await self._combine(tape, parts, payload, deadline, weights)
             except ComputeFailed as exc:
                 # The coordinator was replaced between the two steps (its kept parts went
@@ -419,9 +499,14 @@ class Sharding:
                     raise
         raise AssertionError("unreachable")
 
-    async def _combine(self, tape: Tape, answers: list[dict[str, Any]],
-                       payload: Mapping[str, Any], deadline: Deadline,
-                       weights: Sequence[float] | None = None) -> dict[str, Any]:
+    async def _combine(
+        self,
+        tape: Tape,
+        answers: list[dict[str, Any]],
+        payload: Mapping[str, Any],
+        deadline: Deadline,
+        weights: Sequence[float] | None = None,
+    ) -> dict[str, Any]:
         """The parts' answers summed by the coordinator (flattened there when asked);
         those the pool kept ({"stashed": key, "kept": true}) go to it from where they
         are. `weights`: the answers' own (default: the shards')."""
@@ -431,19 +516,25 @@ class Sharding:
         try:
             reply = await self.pool.submit(
                 "shard_combine",
-                {"parts": answers, "weights": list(weights or tape.shards.weights),
-                 "flat": payload.get("flat"),
-                 "allow_nonfinite": payload.get("allow_nonfinite", False)},
-                worker=worker, time_limit=deadline.left(worker), gather=gather)
+                {
+                    "parts": answers,
+                    "weights": list(weights or tape.shards.weights),
+                    "flat": payload.get("flat"),
+                    "allow_nonfinite": payload.get("allow_nonfinite", False),
+                },
+                worker=worker,
+                time_limit=deadline.left(worker),
+                gather=gather,
+            )
         except BaseException:
             self.pool.release(gather)  # not taken if the request never left (its deadline)
             raise
         result: dict[str, Any] = reply.result
         return result
 
-    async def _merge_kept(self, parts: list[Any], weights: Sequence[float],
-                          workers: Sequence[int], deadline: Deadline
-                          ) -> tuple[list[Any], list[float]]:
+    async def _merge_kept(
+        self, parts: list[Any], weights: Sequence[float], workers: Sequence[int], deadline: Deadline
+    ) -> tuple[list[Any], list[float]]:
         """Sum the kept answers pairwise where they are, level by level, until two are
         left for the coordinator to gather beside its own parts' (not n - 1 into one
         worker: about log2(n) steps of one answer each). Only where the pool moves kept
@@ -460,10 +551,16 @@ class Sharding:
             worker = where[a]  # a's answer is there already: only b's moves
             reply = await self.pool.submit(
                 "shard_combine",
-                {"parts": [parts[a], parts[b]], "weights": [weights[a], weights[b]],
-                 KEEP: key, "allow_nonfinite": True},
-                worker=worker, time_limit=deadline.left(worker),
-                gather=[parts[a]["stashed"], parts[b]["stashed"]])
+                {
+                    "parts": [parts[a], parts[b]],
+                    "weights": [weights[a], weights[b]],
+                    KEEP: key,
+                    "allow_nonfinite": True,
+                },
+                worker=worker,
+                time_limit=deadline.left(worker),
+                gather=[parts[a]["stashed"], parts[b]["stashed"]],
+            )
             parts[a], weights[a] = reply.result, 1.0
 
         merged: set[int] = set()  # answers summed into another's: out of the sum
@@ -473,7 +570,8 @@ class Sharding:
                 pairs = list(zip(kept[0::2], kept[1::2], strict=False))
                 outcomes = await asyncio.gather(
                     *(merge(a, b, f"{prefix}:{level}:{a}") for a, b in pairs),
-                    return_exceptions=True)
+                    return_exceptions=True,
+                )
                 merged.update(b for _, b in pairs)  # gathered: consumed either way
                 for outcome in outcomes:
                     if isinstance(outcome, BaseException):
@@ -486,8 +584,9 @@ class Sharding:
         left = [i for i in range(len(parts)) if i not in merged]
         return [parts[i] for i in left], [weights[i] for i in left]
 
-    async def _fan(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
-                   deadline: Deadline) -> list[Reply]:
+    async def _fan(
+        self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]], deadline: Deadline
+    ) -> list[Reply]:
         """`kind` on every part at once (a part's worker lost meanwhile: asked again once,
         which records that part again alone); the first failure, once all answered. Each
         part's answer waits for the sum where it is best kept, answering {"stashed":
@@ -501,19 +600,28 @@ class Sharding:
         prefix = secrets.token_urlsafe(9)
         shared = await self._share(payloads)
         if shared is not None:
-            payloads = [{k: v for k, v in q.items() if k not in SHARED_FIELDS}
-                        | {SHARED: shared} for q in payloads]
+            payloads = [
+                {k: v for k, v in q.items() if k not in SHARED_FIELDS} | {SHARED: shared}
+                for q in payloads
+            ]
         # A coordinator's part past its stash's room (STASH_MOST_BYTES) is kept by the pool.
-        payloads = [{**q, KEEP: f"{prefix}:{i}",
-                     **({"stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator
-                        else {})}
-                    for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))]
+        payloads = [
+            {
+                **q,
+                KEEP: f"{prefix}:{i}",
+                **({"stash": f"{prefix}:{i}"} if p.row.worker == shards.coordinator else {}),
+            }
+            for i, (p, q) in enumerate(zip(shards.parts, payloads, strict=True))
+        ]
         kept = [q["stash"] for q in payloads if "stash" in q]
         try:
             outcomes = await asyncio.gather(
-                *(self._ask(p, kind, q, deadline)
-                  for p, q in zip(shards.parts, payloads, strict=True)),
-                return_exceptions=True)
+                *(
+                    self._ask(p, kind, q, deadline)
+                    for p, q in zip(shards.parts, payloads, strict=True)
+                ),
+                return_exceptions=True,
+            )
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -535,45 +643,75 @@ class Sharding:
         fields = {k: payloads[0][k] for k in SHARED_FIELDS if payloads[0].get(k) is not None}
         return await self.pool.share(fields) if fields else None
 
-    async def _run(self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
-                   ) -> dict[str, Any]:
+    async def _run(
+        self, tape: Tape, kind: str, payload: Mapping[str, Any], deadline: Deadline
+    ) -> dict[str, Any]:
         """An algorithm in the coordinator, its products asked of the parts."""
         shards = tape.shards
         assert shards is not None
         body = dict(payload)
         if kind == "tape_solve" and payload.get("vector") is None:
             # b is the sharded tape's gradient: the parts' gradients, summed.
-            gradient = await self._sum(tape, "tape_gradient", {
-                "target": None, "sources": None, "unconnected": "zero", "flat": False,
-                "allow_nonfinite": payload.get("allow_nonfinite", False)}, deadline)
+            gradient = await self._sum(
+                tape,
+                "tape_gradient",
+                {
+                    "target": None,
+                    "sources": None,
+                    "unconnected": "zero",
+                    "flat": False,
+                    "allow_nonfinite": payload.get("allow_nonfinite", False),
+                },
+                deadline,
+            )
             body["vector"], body["rhs"] = gradient["gradients"], "gradient"
-        product = {"curvature": payload.get("curvature"), "samples": payload.get("samples"),
-                   "fisher_seed": payload.get("fisher_seed", 0), "flat": True,
-                   "vector": None, "flat_vector": None,
-                   "allow_nonfinite": payload.get("allow_nonfinite", False)}
+        product = {
+            "curvature": payload.get("curvature"),
+            "samples": payload.get("samples"),
+            "fisher_seed": payload.get("fisher_seed", 0),
+            "flat": True,
+            "vector": None,
+            "flat_vector": None,
+            "allow_nonfinite": payload.get("allow_nonfinite", False),
+        }
         start = {"kind": kind, "payload": body, "layout": shards.layout}
         for attempt in (1, 2):
             run_id = secrets.token_urlsafe(12)
             worker = shards.coordinator
             try:
-                reply = await self.pool.submit("shard_run", {"run": run_id, **start},
-                                               worker=worker,
-                                               time_limit=deadline.left(worker))
+                reply = await self.pool.submit(
+                    "shard_run",
+                    {"run": run_id, **start},
+                    worker=worker,
+                    time_limit=deadline.left(worker),
+                )
                 while reply.result["run"] is not None:
                     self._report(reply.result.get("progress"))
                     asked = [{**product, "vectors": reply.result["need"]}] * len(shards.parts)
                     replies = await self._fan(tape, "tape_hvp", asked, deadline)
                     parts, weights = await self._merge_kept(
-                        [r.result if "stashed" in r.result else r.result["flat"]["hvps"]
-                         for r in replies], shards.weights, [r.worker for r in replies],
-                        deadline)
+                        [
+                            r.result if "stashed" in r.result else r.result["flat"]["hvps"]
+                            for r in replies
+                        ],
+                        shards.weights,
+                        [r.worker for r in replies],
+                        deadline,
+                    )
                     gather = kept_keys(parts)
                     try:
                         reply = await self.pool.submit(
                             "shard_step",
-                            {"run": run_id, "parts": parts,
-                             "weights": weights, "allow_nonfinite": True},
-                            worker=worker, time_limit=deadline.left(worker), gather=gather)
+                            {
+                                "run": run_id,
+                                "parts": parts,
+                                "weights": weights,
+                                "allow_nonfinite": True,
+                            },
+                            worker=worker,
+                            time_limit=deadline.left(worker),
+                            gather=gather,
+                        )
                     except BaseException:
                         self.pool.release(gather)
                         raise
@@ -582,32 +720,40 @@ class Sharding:
             except (WorkerCrashed, ComputeFailed) as exc:
                 # The coordinator died with the run (computing, or between two steps):
                 # start it again (seeded: the same numbers).
-                lost = (exc.worker == worker if isinstance(exc, WorkerCrashed)
-                        else exc.error.get("type") == LOST)
+                lost = (
+                    exc.worker == worker
+                    if isinstance(exc, WorkerCrashed)
+                    else exc.error.get("type") == LOST
+                )
                 if not lost or attempt == 2:
                     self._drop_later(worker, {"run": run_id})
                     raise
-                log.info("sharded run's coordinator, worker %d, was lost: running again",
-                         worker)
+                log.info("sharded run's coordinator, worker %d, was lost: running again", worker)
             except BaseException:
                 self._drop_later(worker, {"run": run_id})
                 raise
         raise AssertionError("unreachable")
 
     # Jacobians and influence: pieces from the parts, put together in the coordinator ----
-    async def _ask(self, part: Tape, kind: str, payload: dict[str, Any], deadline: Deadline
-                   ) -> Reply:
+    async def _ask(
+        self, part: Tape, kind: str, payload: dict[str, Any], deadline: Deadline
+    ) -> Reply:
         """`kind` on one part (its worker lost meanwhile: asked again once, which records
         the part again)."""
         try:
             return await self.registry.call(part, kind, payload, deadline.left(part.row.worker))
         except WorkerCrashed:
-            log.info("shard %s... lost with worker %d: asking again", part.id[:8],
-                     part.row.worker)
+            log.info("shard %s... lost with worker %d: asking again", part.id[:8], part.row.worker)
             return await self.registry.call(part, kind, payload, deadline.left(part.row.worker))
 
-    async def _assemble(self, tape: Tape, kind: str, payloads: Sequence[dict[str, Any]],
-                        assemble: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+    async def _assemble(
+        self,
+        tape: Tape,
+        kind: str,
+        payloads: Sequence[dict[str, Any]],
+        assemble: dict[str, Any],
+        deadline: Deadline,
+    ) -> dict[str, Any]:
         """`kind` on every part, their answers put together by the coordinator's
         `assemble` handler (its payload, with the parts' answers as "parts"). The
         coordinator replaced between the two steps (the answers it kept went with it):
@@ -621,8 +767,12 @@ class Sharding:
             gather = kept_keys(parts)  # the parts' answers the pool kept: to the coordinator
             try:
                 reply = await self.pool.submit(
-                    assemble["kind"], {**assemble["payload"], "parts": parts},
-                    worker=worker, time_limit=deadline.left(worker), gather=gather)
+                    assemble["kind"],
+                    {**assemble["payload"], "parts": parts},
+                    worker=worker,
+                    time_limit=deadline.left(worker),
+                    gather=gather,
+                )
                 result: dict[str, Any] = reply.result
                 return result
             except ComputeFailed as exc:
@@ -634,8 +784,9 @@ class Sharding:
                 raise
         raise AssertionError("unreachable")
 
-    async def _pieced(self, tape: Tape, of: str, payload: Mapping[str, Any],
-                      deadline: Deadline) -> dict[str, Any]:
+    async def _pieced(
+        self, tape: Tape, of: str, payload: Mapping[str, Any], deadline: Deadline
+    ) -> dict[str, Any]:
         """The jacobian, or gradient (`of`), of any name over any sources, as the
         unsharded tape answers it: the first part says from the program how the parts'
         make it (combined as the loss, rows in part order, block diagonal over a split
@@ -644,21 +795,36 @@ class Sharding:
         shards = tape.shards
         assert shards is not None
         question = {k: payload.get(k) for k in ("target", "sources", "unconnected", "batch")}
-        plan = (await self._ask(shards.parts[0], "tape_shard_plan", {
-            **question, "of": of, "split": shards.shard_by, "rows": shards.rows},
-            deadline)).result
+        plan = (
+            await self._ask(
+                shards.parts[0],
+                "tape_shard_plan",
+                {**question, "of": of, "split": shards.shard_by, "rows": shards.rows},
+                deadline,
+            )
+        ).result
         part = {**payload, "flat": False}
         return await self._assemble(
-            tape, f"tape_{of}", [part] * len(shards.parts),
-            {"kind": f"shard_{of}", "payload": {
-                "mode": plan["mode"], "split_keys": plan["split_keys"],
-                "weights": shards.weights, "batch": payload.get("batch"),
-                "flat": payload.get("flat"),
-                "allow_nonfinite": payload.get("allow_nonfinite", False)}},
-            deadline)
+            tape,
+            f"tape_{of}",
+            [part] * len(shards.parts),
+            {
+                "kind": f"shard_{of}",
+                "payload": {
+                    "mode": plan["mode"],
+                    "split_keys": plan["split_keys"],
+                    "weights": shards.weights,
+                    "batch": payload.get("batch"),
+                    "flat": payload.get("flat"),
+                    "allow_nonfinite": payload.get("allow_nonfinite", False),
+                },
+            },
+            deadline,
+        )
 
-    async def _influence(self, tape: Tape, payload: Mapping[str, Any], deadline: Deadline
-                         ) -> dict[str, Any]:
+    async def _influence(
+        self, tape: Tape, payload: Mapping[str, Any], deadline: Deadline
+    ) -> dict[str, Any]:
         """Influence as the unsharded tape answers it: grad L_test from the parts, s_test
         by the CG run across the shards (the curvature's products summed), then every
         part scores its own examples, in part order (the unsharded example indices)."""
@@ -668,41 +834,80 @@ class Sharding:
         starts = [sum(shards.rows[:k]) for k in range(len(shards.rows))]
         test_rows = payload.get("rows")
         if test_rows is None:  # the tape's loss on new points: one part computes it
-            test = (await self._ask(shards.parts[0], "tape_influence_test", {
-                **options, "test_inputs": payload["test_inputs"],
-                "examples": shards.rows[0]}, deadline)).result
+            test = (
+                await self._ask(
+                    shards.parts[0],
+                    "tape_influence_test",
+                    {**options, "test_inputs": payload["test_inputs"], "examples": shards.rows[0]},
+                    deadline,
+                )
+            ).result
         else:
             total = sum(shards.rows)
             bad = [r for r in test_rows if not 0 <= r < total]
             if bad:
-                raise _invalid("rows", f"{bad[:5]} out of range; the tape has {total} "
-                               "examples (rows 0 to N - 1)")
+                raise _invalid(
+                    "rows",
+                    f"{bad[:5]} out of range; the tape has {total} examples (rows 0 to N - 1)",
+                )
             # Each part's loss on its own rows, weighted as the reduction adds the batch
             # (a mean over |R| rows: the part's mean over its |R_k| times |R_k| / |R|).
-            local = [[r - lo for r in test_rows if lo <= r < lo + n]
-                     for lo, n in zip(starts, shards.rows, strict=True)]
-            weights = ([len(rows) / len(test_rows) for rows in local]
-                       if shards.reduction == "mean" else [1.0] * len(local))
+            local = [
+                [r - lo for r in test_rows if lo <= r < lo + n]
+                for lo, n in zip(starts, shards.rows, strict=True)
+            ]
+            weights = (
+                [len(rows) / len(test_rows) for rows in local]
+                if shards.reduction == "mean"
+                else [1.0] * len(local)
+            )
             test = await self._assemble(
-                tape, "tape_influence_test",
-                [{**options, "rows": rows, "examples": n}
-                 for rows, n in zip(local, shards.rows, strict=True)],
-                {"kind": "shard_combine", "payload": {
-                    "weights": weights, "flat": False,
-                    "allow_nonfinite": payload.get("allow_nonfinite", False)}},
-                deadline)
-        solve = {k: payload.get(k) for k in ("damping", "tol", "max_iterations", "max_hvps",
-                                             "max_seconds", "allow_nonfinite")}
-        solved = await self._run(tape, "tape_solve",
-                                 {**solve, **options, "vector": test["gradients"]}, deadline)
+                tape,
+                "tape_influence_test",
+                [
+                    {**options, "rows": rows, "examples": n}
+                    for rows, n in zip(local, shards.rows, strict=True)
+                ],
+                {
+                    "kind": "shard_combine",
+                    "payload": {
+                        "weights": weights,
+                        "flat": False,
+                        "allow_nonfinite": payload.get("allow_nonfinite", False),
+                    },
+                },
+                deadline,
+            )
+        solve = {
+            k: payload.get(k)
+            for k in (
+                "damping",
+                "tol",
+                "max_iterations",
+                "max_hvps",
+                "max_seconds",
+                "allow_nonfinite",
+            )
+        }
+        solved = await self._run(
+            tape, "tape_solve", {**solve, **options, "vector": test["gradients"]}, deadline
+        )
         return await self._assemble(
-            tape, "tape_influence_scores",
+            tape,
+            "tape_influence_scores",
             [{**options, "s_test": solved["solution"], "examples": n} for n in shards.rows],
-            {"kind": "shard_influence", "payload": {
-                "weights": shards.weights, "top_k": payload["top_k"],
-                "test_loss": test["value"], "solve": solved,
-                "curvature": payload.get("curvature") or "hessian"}},
-            deadline)
+            {
+                "kind": "shard_influence",
+                "payload": {
+                    "weights": shards.weights,
+                    "top_k": payload["top_k"],
+                    "test_loss": test["value"],
+                    "solve": solved,
+                    "curvature": payload.get("curvature") or "hessian",
+                },
+            },
+            deadline,
+        )
 
     def _report(self, progress: dict[str, Any] | None) -> None:
         """The algorithm's progress to the caller, when it is a job that wants it."""
@@ -715,28 +920,49 @@ class Sharding:
         self.registry.send_later(worker, "shard_drop", what)
 
     # Stateless requests -------------------------------------------------------------------
-    async def stateless(self, owner: str, kind: str, payload: Mapping[str, Any],
-                        time_limit: float, sharding: Mapping[str, Any]) -> Reply:
+    async def stateless(
+        self,
+        owner: str,
+        kind: str,
+        payload: Mapping[str, Any],
+        time_limit: float,
+        sharding: Mapping[str, Any],
+    ) -> Reply:
         """POST /v1/gradient or /v1/hvp with `shards`: a transient sharded tape recorded
         for the request, asked, and let go (on an error or a cancel too)."""
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         flat = bool(payload.get("flat"))
-        spec = {"definition": payload["definition"], "target": payload["target"],
-                "sources": payload.get("sources"), "flat": flat, "output": None,
-                "allow_nonfinite": payload.get("allow_nonfinite", False),
-                **({"point": payload["point"]} if payload.get("point") is not None else {})}
+        spec = {
+            "definition": payload["definition"],
+            "target": payload["target"],
+            "sources": payload.get("sources"),
+            "flat": flat,
+            "output": None,
+            "allow_nonfinite": payload.get("allow_nonfinite", False),
+            **({"point": payload["point"]} if payload.get("point") is not None else {}),
+        }
         # Transient: nothing stored, no quota, no eviction of other tapes on its account.
-        tape, result = await self.create(owner, spec, self.registry.settings.tape_ttl, None,
-                                         time_limit, sharding, transient=True)
+        tape, result = await self.create(
+            owner, spec, self.registry.settings.tape_ttl, None, time_limit, sharding, transient=True
+        )
         try:
             if kind == "hvp":
-                products = await self.call(tape, "tape_hvp", {
-                    "vector": payload.get("vector"), "vectors": payload.get("vectors"),
-                    "flat_vector": payload.get("flat_vector"), "flat": flat,
-                    "curvature": None, "samples": None, "fisher_seed": 0,
-                    "allow_nonfinite": spec["allow_nonfinite"]},
-                    deadline.left(tape.shards.coordinator))
+                products = await self.call(
+                    tape,
+                    "tape_hvp",
+                    {
+                        "vector": payload.get("vector"),
+                        "vectors": payload.get("vectors"),
+                        "flat_vector": payload.get("flat_vector"),
+                        "flat": flat,
+                        "curvature": None,
+                        "samples": None,
+                        "fisher_seed": 0,
+                        "allow_nonfinite": spec["allow_nonfinite"],
+                    },
+                    deadline.left(tape.shards.coordinator),
+                )
                 answer = products.result
                 result = {**result, "hvp": answer.get("hvp"), "hvps": answer.get("hvps")}
                 if flat:  # one flat answer: the gradient's and the products'
@@ -747,37 +973,55 @@ class Sharding:
         return Reply(result, tape.shards.coordinator, 0, time.perf_counter() - started)
 
     # Updating -----------------------------------------------------------------------------
-    async def update(self, tape: Tape, variables: Mapping[str, np.ndarray],
-                     inputs: Mapping[str, Any], time_limit: float, point: Any, flat: bool
-                     ) -> dict[str, Any]:
+    async def update(
+        self,
+        tape: Tape,
+        variables: Mapping[str, np.ndarray],
+        inputs: Mapping[str, Any],
+        time_limit: float,
+        point: Any,
+        flat: bool,
+    ) -> dict[str, Any]:
         """New variable values (or a flat point) for every part, recorded again in
         place; the value and gradients summed."""
         shards = tape.shards
         assert shards is not None
         if inputs:
-            raise _invalid("inputs", "a sharded tape's inputs are split over its shards: "
-                           "record a new sharded tape for new data")
+            raise _invalid(
+                "inputs",
+                "a sharded tape's inputs are split over its shards: "
+                "record a new sharded tape for new data",
+            )
         deadline = Deadline.after(time_limit)
         store = self.registry.store
         tape.busy += 1
         try:
             # Every part takes the new values or none does: the old definitions are put
             # back on the parts that took them when another part (or the sum) fails.
-            old = [await asyncio.to_thread(store.get_definition, p.row.definition)
-                   for p in shards.parts]
-            answers = await asyncio.gather(*(
-                self.registry.update(p, variables, {}, deadline.left(p.row.worker),
-                                     point=point, flat=False)
-                for p in shards.parts), return_exceptions=True)
+            old = [
+                await asyncio.to_thread(store.get_definition, p.row.definition)
+                for p in shards.parts
+            ]
+            answers = await asyncio.gather(
+                *(
+                    self.registry.update(
+                        p, variables, {}, deadline.left(p.row.worker), point=point, flat=False
+                    )
+                    for p in shards.parts
+                ),
+                return_exceptions=True,
+            )
             try:
                 for answer in answers:
                     if isinstance(answer, BaseException):
                         raise answer
-                combined = await self._combine(
-                    tape, list(answers), {"flat": flat}, deadline)  # type: ignore[arg-type]
+                combined = await self._combine(tape, list(answers), {"flat": flat}, deadline)  # type: ignore[arg-type]
             except BaseException:
-                updated = [(p, d) for p, d, a in zip(shards.parts, old, answers, strict=True)
-                           if not isinstance(a, BaseException)]
+                updated = [
+                    (p, d)
+                    for p, d, a in zip(shards.parts, old, answers, strict=True)
+                    if not isinstance(a, BaseException)
+                ]
                 await self._restore(updated)
                 raise
         finally:
@@ -791,9 +1035,11 @@ class Sharding:
         old values again."""
         for part, definition in parts:
             if definition is None:  # cannot happen for a live part; end it rather than mix
-                raise ServiceError("internal", f"the stored definition of shard {part.id} "
-                                   "is missing")
+                raise ServiceError(
+                    "internal", f"the stored definition of shard {part.id} is missing"
+                )
             part.row.definition = await asyncio.to_thread(
-                self.registry.store.set_tape_definition, part.id, definition)
+                self.registry.store.set_tape_definition, part.id, definition
+            )
             part.generation = None  # recorded again, with the old values, on next use
             self.registry._drop_later(part.row.worker, [part.id])

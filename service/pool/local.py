@@ -91,6 +91,8 @@ ALLOCATOR_VARIABLE = "GRADTAPE_TUNE_ALLOCATOR"
 def worker_environment(settings: Settings) -> dict[str, str]:
     """What a worker's environment must say before it imports the engine."""
     return {ALLOCATOR_VARIABLE: "1" if settings.worker_tune_allocator else "0"}
+
+
 # A kept answer no request gathered (its caller went away without releasing it) is let go
 # after this long (the sharded runs' own idle limit, service/worker/shards.py).
 KEPT_SECONDS = 600.0
@@ -275,8 +277,16 @@ class WorkerPool:
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
         outgoing = ipc.prepare(message, self._channel)
         self.observer.arrays_moved("to_workers", array_bytes(message))
-        job = _Job(request_id, outgoing, worker, limit, loop.create_future(), watch=watch,
-                   keep=keep, gathered=gathered)
+        job = _Job(
+            request_id,
+            outgoing,
+            worker,
+            limit,
+            loop.create_future(),
+            watch=watch,
+            keep=keep,
+            gathered=gathered,
+        )
         self._queue.append(job)
         self._dispatch()
         if not job.started.is_set() and queue_bound and len(self._queue) > self.settings.queue_size:
@@ -308,10 +318,12 @@ class WorkerPool:
                         if job in self._queue:
                             self._queue.remove(job)
                         raise PoolBusy(
-                            f"no worker became free within {self.settings.queue_timeout:g} s")
+                            f"no worker became free within {self.settings.queue_timeout:g} s"
+                        )
                     timeout = left if poll is None else min(left, poll)
-                    await asyncio.wait([job.future, started], timeout=timeout,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        [job.future, started], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    )
                 else:
                     await asyncio.wait([job.future], timeout=timeout)
                 if job.future.done():
@@ -329,8 +341,9 @@ class WorkerPool:
         answers). What the job must carry besides (Ray: the answers' refs)."""
         if not keys:
             return []
-        message["kept"] = {key: kept.value for key, kept in zip(keys, self._take(keys),
-                                                                strict=True)}
+        message["kept"] = {
+            key: kept.value for key, kept in zip(keys, self._take(keys), strict=True)
+        }
         return []
 
     def _take(self, keys: Sequence[str]) -> list[_Kept]:
@@ -338,9 +351,14 @@ class WorkerPool:
         gone (released, expired, lost with its node), and then none is taken."""
         missing = [key for key in keys if key not in self._kept]
         if missing:
-            raise ComputeFailed({"type": KEPT_LOST, "message": f"the kept answer {missing[0]} "
-                                 "is gone (its worker was replaced, or it waited too long); "
-                                 "ask again"})
+            raise ComputeFailed(
+                {
+                    "type": KEPT_LOST,
+                    "message": f"the kept answer {missing[0]} "
+                    "is gone (its worker was replaced, or it waited too long); "
+                    "ask again",
+                }
+            )
         return [self._kept.pop(key) for key in keys]
 
     def _keep(self, key: str, value: Any, nbytes: int) -> None:
@@ -355,8 +373,11 @@ class WorkerPool:
         result = message.get("result")
         if isinstance(result, dict) and "stashed" in result:
             return result  # its worker stashed it itself: nothing to keep here
-        kept = {k: v for k, v in result.items() if k not in KEPT_FIELDS} \
-            if isinstance(result, dict) else result
+        kept = (
+            {k: v for k, v in result.items() if k not in KEPT_FIELDS}
+            if isinstance(result, dict)
+            else result
+        )
         self._keep(job.keep, kept, array_bytes(kept))
         return kept_reply(job.keep, result)
 
@@ -405,8 +426,11 @@ class WorkerPool:
     async def _enforce_cancel(self, w: _Worker, job: _Job, generation: int) -> None:
         await asyncio.sleep(self.settings.cancel_grace)
         if w.job is job and w.generation == generation:
-            log.warning("worker %d did not stop its cancelled request within %g s",
-                        w.index, self.settings.cancel_grace)
+            log.warning(
+                "worker %d did not stop its cancelled request within %g s",
+                w.index,
+                self.settings.cancel_grace,
+            )
             await self._replace(w, generation, "cancel")
 
     async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
@@ -418,8 +442,9 @@ class WorkerPool:
                 return
             try:
                 await asyncio.wait_for(
-                    self.submit("ping", None, worker=w.index, time_limit=timeout,
-                                queue_bound=False),
+                    self.submit(
+                        "ping", None, worker=w.index, time_limit=timeout, queue_bound=False
+                    ),
                     timeout,
                 )
             except (PoolError, TimeoutError):
@@ -542,8 +567,14 @@ class WorkerPool:
         w.cancel.value = 0
         process = self._ctx.Process(
             target=_run_worker,
-            args=(child_sock, w.index, w.device, self.settings.worker_options(), w.cancel,
-                  self._channel),
+            args=(
+                child_sock,
+                w.index,
+                w.device,
+                self.settings.worker_options(),
+                w.cancel,
+                self._channel,
+            ),
             name=f"gradtape-worker-{w.index}",
             daemon=True,
         )
@@ -559,12 +590,18 @@ class WorkerPool:
             writer.close()
             process.kill()
             exitcode = await self._exitcode(w)
-            what = "did not start in time" if isinstance(exc, TimeoutError) else describe_exit(exitcode)
+            what = (
+                "did not start in time"
+                if isinstance(exc, TimeoutError)
+                else describe_exit(exitcode)
+            )
             raise WorkerStartError(f"worker {w.index} ({w.device}) {what}") from None
         if "fatal" in hello:
             writer.close()
             await self._exitcode(w)
-            raise WorkerStartError(f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}")
+            raise WorkerStartError(
+                f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}"
+            )
         w.reader, w.writer, w.hello = reader, writer, hello.get("hello", {})
         if self._channel is not None:
             w.outbox = shm.Outbox(self._channel, f"a{w.index}")
@@ -582,15 +619,25 @@ class WorkerPool:
                 message = await ipc.read_message(w.reader, w.inbox)
                 if "progress" in message:
                     job = w.job
-                    if (job is not None and message.get("id") == job.id and job.watch is not None
-                            and job.watch.progress is not None and not job.future.done()):
+                    if (
+                        job is not None
+                        and message.get("id") == job.id
+                        and job.watch is not None
+                        and job.watch.progress is not None
+                        and not job.future.done()
+                    ):
                         job.watch.progress(message["progress"])
                     continue
                 if ipc.UNREADABLE in message:  # its arrays could not be mapped here
-                    message = {"id": message["id"], "ok": False, "error": {
-                        "type": "unavailable",
-                        "message": f"the worker's answer could not be read: "
-                                   f"{message[ipc.UNREADABLE]}; retry shortly"}}
+                    message = {
+                        "id": message["id"],
+                        "ok": False,
+                        "error": {
+                            "type": "unavailable",
+                            "message": f"the worker's answer could not be read: "
+                            f"{message[ipc.UNREADABLE]}; retry shortly",
+                        },
+                    }
                 held = message.pop("held", None)
                 if w.outbox is not None:  # request arenas the worker keeps arrays of
                     w.outbox.held = set(held or ())

@@ -511,9 +511,12 @@ class RayPool(WorkerPool):
             "num_cpus": 1,
             "max_concurrency": ACTOR_THREADS,
             "max_restarts": 0,  # the pool replaces a dead actor itself (a new generation)
-            "runtime_env": {"env_vars": {
-                **{name: str(threads) for name in BLAS_THREAD_VARIABLES},
-                **worker_environment(self.settings)}},
+            "runtime_env": {
+                "env_vars": {
+                    **{name: str(threads) for name in BLAS_THREAD_VARIABLES},
+                    **worker_environment(self.settings),
+                }
+            },
         }
         if device.startswith("cuda"):
             options["num_gpus"] = 1

@@ -96,6 +96,7 @@ class WorkerContext:
             return
         self._last_report = now
         self.report({k: _plain(v) for k, v in report.items()})
+
     datasets: DatasetCache = field(default_factory=lambda: DatasetCache(None, 0))
 
     def describe(self) -> dict[str, Any]:
@@ -139,13 +140,17 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         chunk_size=int(options.get("chunk_size", defaults.CHUNK_SIZE)),
         hessian_max_size=int(options.get("hessian_max_size", defaults.HESSIAN_MAX_SIZE)),
         jacobian_max_elements=int(
-            options.get("jacobian_max_elements", defaults.JACOBIAN_MAX_ELEMENTS)),
+            options.get("jacobian_max_elements", defaults.JACOBIAN_MAX_ELEMENTS)
+        ),
         hvp_max_vectors=int(options.get("hvp_max_vectors", defaults.HVP_MAX_VECTORS)),
         lanczos_max_basis_bytes=int(
-            options.get("lanczos_max_basis_bytes", defaults.LANCZOS_MAX_BASIS_BYTES)),
+            options.get("lanczos_max_basis_bytes", defaults.LANCZOS_MAX_BASIS_BYTES)
+        ),
         memory_budget=options.get("memory_budget"),
-        datasets=DatasetCache(options.get("store_path"), int(
-            options.get("dataset_memory_budget", defaults.WORKER_DATASET_MEMORY))),
+        datasets=DatasetCache(
+            options.get("store_path"),
+            int(options.get("dataset_memory_budget", defaults.WORKER_DATASET_MEMORY)),
+        ),
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
@@ -172,11 +177,14 @@ def bind_datasets(payload: Any, context: WorkerContext) -> Any:
             out["definition"] = resolve(out["definition"], context.datasets)
         rebuild = out.get("rebuild")
         if isinstance(rebuild, Mapping) and isinstance(rebuild.get("definition"), Mapping):
-            out["rebuild"] = {**rebuild,
-                              "definition": resolve(rebuild["definition"], context.datasets)}
+            out["rebuild"] = {
+                **rebuild,
+                "definition": resolve(rebuild["definition"], context.datasets),
+            }
         if isinstance(out.get("test_inputs"), Mapping):
-            out["test_inputs"] = resolve({"inputs": out["test_inputs"]}, context.datasets,
-                                         "test_inputs")["inputs"]
+            out["test_inputs"] = resolve(
+                {"inputs": out["test_inputs"]}, context.datasets, "test_inputs"
+            )["inputs"]
     except (ValueError, DatasetUnavailable) as exc:
         raise RequestError("request", str(exc)) from None
     return out
@@ -189,17 +197,20 @@ def apply_point(payload: Any, context: WorkerContext) -> Any:
     inputs}: a recorded tape's stored definition takes them, so a rebuild records the
     same point). A variable the definition does not list is an initializer of one of
     its imported models, which the value replaces."""
-    if not isinstance(payload, Mapping) or payload.get("point") is None \
-            or "definition" not in payload:
+    if (
+        not isinstance(payload, Mapping)
+        or payload.get("point") is None
+        or "definition" not in payload
+    ):
         return payload
     program = compile_definition(as_definition(payload["definition"]), context.limits)
-    request = program.check_request(payload["target"], payload.get("sources"), "zero",
-                                    allow_unused=True)
+    request = program.check_request(
+        payload["target"], payload.get("sources"), "zero", allow_unused=True
+    )
     keys = list(request.sources)
     leaves = [program.leaf_info[request.sources[k]] for k in keys]
     try:
-        values = flat.split(payload["point"], keys, [leaf.type.shape for leaf in leaves],
-                            "point")
+        values = flat.split(payload["point"], keys, [leaf.type.shape for leaf in leaves], "point")
     except flat.FlatError as exc:
         raise RequestError("request", str(exc), field="point") from None
     applied: dict[str, dict[str, Any]] = {"variables": {}, "inputs": {}}
@@ -209,8 +220,7 @@ def apply_point(payload: Any, context: WorkerContext) -> Any:
     variables = dict(definition["variables"])
     for name, value in applied["variables"].items():
         variables[name] = {**variables.get(name, {"trainable": True}), "value": value}
-    definition.update(variables=variables,
-                      inputs={**definition["inputs"], **applied["inputs"]})
+    definition.update(variables=variables, inputs={**definition["inputs"], **applied["inputs"]})
     return {**payload, "definition": definition, "applied": applied}
 
 
@@ -218,8 +228,7 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, RequestError):
         return {"type": exc.type, "message": str(exc), **exc.extra}
     if isinstance(exc, OverBudget):
-        return {"type": "too-large", "message": str(exc.problems[0]),
-                "problems": exc.to_list()}
+        return {"type": "too-large", "message": str(exc.problems[0]), "problems": exc.to_list()}
     if isinstance(exc, gt.Interrupted):
         return {"type": "cancelled", "message": str(exc)}
     if isinstance(exc, DefinitionError):
@@ -264,12 +273,15 @@ class Prepared:
         return tuple(self.leaves[self.request.sources[key]].shape)
 
 
-def prepare(payload: Mapping[str, Any], context: WorkerContext, unconnected: str = "none"
-             ) -> Prepared:
+def prepare(
+    payload: Mapping[str, Any], context: WorkerContext, unconnected: str = "none"
+) -> Prepared:
     definition = as_definition(payload["definition"])
     program = compile_definition(definition, context.limits)
     request = program.check_request(
-        payload["target"], payload.get("sources"), unconnected,
+        payload["target"],
+        payload.get("sources"),
+        unconnected,
         allow_unused=bool(payload.get("allow_unused")),
     )
     return Prepared(definition, program, request, program.leaves(definition, context.device))
@@ -312,8 +324,7 @@ def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
 
 def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     program = compile_definition(as_definition(payload["definition"]), context.limits)
-    program.batch_within(context.memory_budget, "its forward and backward pass",
-                         first_order=True)
+    program.batch_within(context.memory_budget, "its forward and backward pass", first_order=True)
     result = evaluate(
         as_definition(payload["definition"]),
         payload["target"],
@@ -332,20 +343,28 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     watched = {key: prepared.leaves[name] for key, name in prepared.request.sources.items()}
     batch = bool(payload.get("batch"))
     check_jacobian_size(
-        prepared.request.target, _target_shape(prepared),
-        {key: tuple(t.shape) for key, t in watched.items()}, batch, context,
+        prepared.request.target,
+        _target_shape(prepared),
+        {key: tuple(t.shape) for key, t in watched.items()},
+        batch,
+        context,
     )
-    rows = prepared.program.batch_within(context.memory_budget, "a jacobian pass of one row",
-                                         first_order=True)
+    rows = prepared.program.batch_within(
+        context.memory_budget, "a jacobian pass of one row", first_order=True
+    )
     # compiled: a definition's later requests of the same layout replay the captured pass
     chunk_size = min(context.chunk_size, rows or context.chunk_size)
     y, jacobians = prepared.program.jacobians(prepared.request, prepared.leaves, batch, chunk_size)
     return {"value": y.numpy(), "jacobians": {k: _host(j) for k, j in jacobians.items()}}
 
 
-def check_jacobian_size(target: str, target_shape: tuple[int, ...],
-                        source_shapes: Mapping[str, tuple[int, ...]], batch: bool,
-                        context: WorkerContext) -> None:
+def check_jacobian_size(
+    target: str,
+    target_shape: tuple[int, ...],
+    source_shapes: Mapping[str, tuple[int, ...]],
+    batch: bool,
+    context: WorkerContext,
+) -> None:
     """Refuse a jacobian request whose answer would exceed jacobian_max_elements, or a
     batch jacobian whose target and sources do not share their first axis."""
     if batch:
@@ -374,17 +393,20 @@ def check_jacobian_size(target: str, target_shape: tuple[int, ...],
         )
 
 
-def jacobians_on(tape: gt.GradientTape, y: Tensor, watched: Mapping[str, Tensor], batch: bool,
-                 unconnected: str, context: WorkerContext, most_rows: int | None = None
-                 ) -> dict[str, np.ndarray | None]:
+def jacobians_on(
+    tape: gt.GradientTape,
+    y: Tensor,
+    watched: Mapping[str, Tensor],
+    batch: bool,
+    unconnected: str,
+    context: WorkerContext,
+    most_rows: int | None = None,
+) -> dict[str, np.ndarray | None]:
     """The jacobians of y over the watched sources, from a persistent tape, on the host,
     at most `most_rows` rows (the memory budget's) per backward pass."""
     chunk_size = min(context.chunk_size, most_rows or context.chunk_size)
     if batch:
-        jacobians = {
-            key: per_example_jacobian(tape, y, source)
-            for key, source in watched.items()
-        }
+        jacobians = {key: per_example_jacobian(tape, y, source) for key, source in watched.items()}
     else:
         jacobians = tape.jacobian(
             y, dict(watched), unconnected_gradients=unconnected, chunk_size=chunk_size
@@ -409,13 +431,19 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
             limit=context.hessian_max_size,
             size=n,
         )
-    operator = prepared.program.hessian_operator(prepared.request, prepared.leaves,
-                                                 context.memory_budget)
+    operator = prepared.program.hessian_operator(
+        prepared.request, prepared.leaves, context.memory_budget
+    )
     t0 = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
-        context.progress(final=done == total, done=done, total=total, unit="rows",
-                         seconds=time.perf_counter() - t0)
+        context.progress(
+            final=done == total,
+            done=done,
+            total=total,
+            unit="rows",
+            seconds=time.perf_counter() - t0,
+        )
 
     h = operator.dense(context.chunk_size, progress)
     grads = operator.grad  # the sources' shapes and dtypes, in the order of `keys`
@@ -424,7 +452,7 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
     for i, (ka, sa, pa) in enumerate(zip(keys, shapes, grads, strict=True)):
         blocks[ka] = {}
         for j, (kb, sb) in enumerate(zip(keys, shapes, strict=True)):
-            block = h[offsets[i]:offsets[i + 1], offsets[j]:offsets[j + 1]]
+            block = h[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]]
             blocks[ka][kb] = block.reshape(sa + sb).astype(pa.dtype)
     result: dict[str, Any] = {
         "value": operator.value.numpy(),
@@ -453,14 +481,20 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         check_vector(vector, keys, primals, where)
     stacked = [
         # (one vector: a view with the batch axis, not np.stack's copy)
-        on_device(np.asarray(vectors[0][k])[None] if single
-                  else np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        on_device(
+            np.asarray(vectors[0][k])[None]
+            if single
+            else np.stack([np.asarray(v[k]) for v in vectors]),
+            p,
+            context,
+        )
         for k, p in zip(keys, primals, strict=True)
     ]
     # Forward, gradient and batched second-order passes (as many vectors as fit each);
     # compiled: a definition's later requests of the same layout replay the captured pass.
     value, grads, products = prepared.program.hessian_vector_products(
-        prepared.request, prepared.leaves, stacked, context.memory_budget)
+        prepared.request, prepared.leaves, stacked, context.memory_budget
+    )
     # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
     # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [
@@ -474,13 +508,15 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     }
 
 
-def given_vectors(payload: Mapping[str, Any], keys: list[str], primals: list[Tensor]
-                  ) -> tuple[bool, list[Mapping[str, Any]]]:
+def given_vectors(
+    payload: Mapping[str, Any], keys: list[str], primals: list[Tensor]
+) -> tuple[bool, list[Mapping[str, Any]]]:
     """(one vector?, the vectors keyed by source), a flat_vector split by the sources."""
     if payload.get("flat_vector") is not None:
         try:
-            vector = flat.split(payload["flat_vector"], keys,
-                                [tuple(p.shape) for p in primals], "flat_vector")
+            vector = flat.split(
+                payload["flat_vector"], keys, [tuple(p.shape) for p in primals], "flat_vector"
+            )
         except flat.FlatError as exc:
             raise RequestError("request", str(exc)) from None
         return True, [vector]
@@ -489,8 +525,9 @@ def given_vectors(payload: Mapping[str, Any], keys: list[str], primals: list[Ten
     return False, payload["vectors"]
 
 
-def check_vector(vector: Mapping[str, Any], keys: list[str], primals: list[Tensor],
-                  where: str) -> None:
+def check_vector(
+    vector: Mapping[str, Any], keys: list[str], primals: list[Tensor], where: str
+) -> None:
     missing = [k for k in keys if k not in vector]
     extra = [k for k in vector if k not in keys]
     if missing or extra:

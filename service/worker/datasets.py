@@ -77,8 +77,13 @@ class DatasetCache:
         return array
 
     def info(self) -> dict[str, Any]:
-        return {"arrays": len(self._arrays), "bytes": self.held, "budget": self.budget,
-                "hits": self.hits, "misses": self.misses}
+        return {
+            "arrays": len(self._arrays),
+            "bytes": self.held,
+            "budget": self.budget,
+            "hits": self.hits,
+            "misses": self.misses,
+        }
 
 
 def take_rows(array: np.ndarray, rows: Any, where: str) -> np.ndarray:
@@ -105,14 +110,14 @@ def take_rows(array: np.ndarray, rows: Any, where: str) -> np.ndarray:
     if indices.size and (indices.min() < 0 or indices.max() >= n):
         bad = int(indices.min()) if indices.min() < 0 else int(indices.max())
         raise ValueError(
-            f"{where}: row {bad} is out of range; the dataset's array has {n} rows "
-            f"(0..{n - 1})"
+            f"{where}: row {bad} is out of range; the dataset's array has {n} rows (0..{n - 1})"
         )
     return array[indices]
 
 
-def resolve(definition: Mapping[str, Any], cache: DatasetCache, section: str = "inputs"
-            ) -> dict[str, Any]:
+def resolve(
+    definition: Mapping[str, Any], cache: DatasetCache, section: str = "inputs"
+) -> dict[str, Any]:
     """The definition with every bound input replaced by its array (rows taken);
     `section` names the inputs in errors."""
     inputs = definition.get("inputs") or {}

@@ -25,12 +25,18 @@ from service.worker.compute import (
 )
 
 HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
-    **compute.HANDLERS, **tapes.HANDLERS, **shards.HANDLERS}
+    **compute.HANDLERS,
+    **tapes.HANDLERS,
+    **shards.HANDLERS,
+}
 
 
-def answer(context: WorkerContext, message: Mapping[str, Any],
-           cancelled: Callable[[], bool] | None = None,
-           report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def answer(
+    context: WorkerContext,
+    message: Mapping[str, Any],
+    cancelled: Callable[[], bool] | None = None,
+    report: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """The reply to one request message; never raises. `cancelled()` is asked before
     every engine op: once it says yes the request stops there and answers the error
     type "cancelled" (nothing half-done is kept: a tape is stored only once recorded).
@@ -54,19 +60,26 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
             payload = apply_point(bind_datasets(message.get("payload"), context), context)
             result = handler(payload, context)
             result = nonfinite.guard(
-                result, payload, lambda: diagnose_nonfinite(message["kind"], payload, context),
+                result,
+                payload,
+                lambda: diagnose_nonfinite(message["kind"], payload, context),
                 refuse_nonfinite,
             )
-        if message.get("kind") == "tape_create" and isinstance(payload, Mapping) \
-                and "applied" in payload:
+        if (
+            message.get("kind") == "tape_create"
+            and isinstance(payload, Mapping)
+            and "applied" in payload
+        ):
             result["applied"] = payload["applied"]  # stored with the tape (sessions.py)
         if isinstance(payload, Mapping) and payload.get("flat"):
             result = flatten(result, batch=bool(payload.get("batch")))
         if isinstance(payload, Mapping) and payload.get("stash"):
             result = shards.stash(context, payload["stash"], result)  # a part, summed here next
     except BaseException as exc:  # every failure becomes an error reply
-        if (isinstance(exc, NonFiniteAnswer | gt.Interrupted)
-                and message.get("kind") == "tape_create"):
+        if (
+            isinstance(exc, NonFiniteAnswer | gt.Interrupted)
+            and message.get("kind") == "tape_create"
+        ):
             # A refused recording is not kept; a replaced tape is rebuilt from the store.
             tapes.sessions(context).pop(message["payload"]["tape_id"], None)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -82,19 +95,24 @@ def answer(context: WorkerContext, message: Mapping[str, Any],
     }
 
 
-ALGORITHMS = {"tape_eigenvalues": "eigenvalue iteration", "tape_trace": "trace estimate",
-              "tape_diagonal": "diagonal estimate",
-              "tape_spectral_density": "spectral density (Lanczos quadrature)",
-              "tape_solve": "conjugate-gradient solve", "tape_influence": "influence solve"}
+ALGORITHMS = {
+    "tape_eigenvalues": "eigenvalue iteration",
+    "tape_trace": "trace estimate",
+    "tape_diagonal": "diagonal estimate",
+    "tape_spectral_density": "spectral density (Lanczos quadrature)",
+    "tape_solve": "conjugate-gradient solve",
+    "tape_influence": "influence solve",
+}
 
 
-
-def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext
-                       ) -> Problem:
+def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext) -> Problem:
     """The op where the request's non-finite answer started (the engine's diagnosis)."""
     if kind.startswith("shard_"):  # sums of answers the shards checked already
-        return Problem("the shards' answers are finite, but their weighted sum is not",
-                       "request", kind="nonfinite")
+        return Problem(
+            "the shards' answers are finite, but their weighted sum is not",
+            "request",
+            kind="nonfinite",
+        )
     if kind in ALGORITHMS:
         session = tapes.sessions(context)[payload["tape_id"]]
         found = session.program.find_nonfinite(session.request, session.leaves)
@@ -102,12 +120,16 @@ def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerCon
             return Problem(
                 f"the tape's value and first derivatives are finite, but the "
                 f"{ALGORITHMS[kind]} overflowed: its arguments (damping, tol, the vector) "
-                "are out of a usable range", "request", kind="nonfinite")
+                "are out of a usable range",
+                "request",
+                kind="nonfinite",
+            )
         return found
     if kind.startswith("tape_"):
         session = tapes.sessions(context)[payload["tape_id"]]  # the handler has just used it
-        request = (tapes.other_request(session, payload) if payload.get("target")
-                   else session.request)
+        request = (
+            tapes.other_request(session, payload) if payload.get("target") else session.request
+        )
         return session.program.find_nonfinite(request, session.leaves)
     prepared = compute.prepare(payload, context, "zero")
     return prepared.program.find_nonfinite(prepared.request, prepared.leaves)

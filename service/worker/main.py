@@ -13,8 +13,14 @@ from typing import Any
 from service.core import ipc, shm
 
 
-def worker_main(sock: socket.socket, index: int, device: str, options: dict[str, Any],
-                cancel: Any = None, channel: shm.Channel | None = None) -> None:
+def worker_main(
+    sock: socket.socket,
+    index: int,
+    device: str,
+    options: dict[str, Any],
+    cancel: Any = None,
+    channel: shm.Channel | None = None,
+) -> None:
     """A worker's life: load the engine for `device`, say hello, answer until told to
     stop or until the HTTP process goes away. `cancel` (a shared int) holds the id of a
     request the HTTP process wants stopped; `channel`, the pool's shared memory for large
@@ -42,8 +48,11 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
             if message is None or message.get("kind") == "shutdown":
                 return
             if ipc.UNREADABLE in message:  # its arrays could not be mapped here
-                error = {"type": "unavailable", "message": "the worker could not read the "
-                         f"request: {message[ipc.UNREADABLE]}; retry shortly"}
+                error = {
+                    "type": "unavailable",
+                    "message": "the worker could not read the "
+                    f"request: {message[ipc.UNREADABLE]}; retry shortly",
+                }
                 ipc.send_message(sock, {"id": message["id"], "ok": False, "error": error})
                 continue
             if message.get("kind") == ipc.HELD:
@@ -51,8 +60,12 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
                 if outbox is not None:
                     outbox.held = set(message.get("payload") or ())
                 continue
-            reply = dispatch.answer(context, message, cancelled=_cancel_check(cancel, message),
-                                   report=_reporter(sock, message))
+            reply = dispatch.answer(
+                context,
+                message,
+                cancelled=_cancel_check(cancel, message),
+                report=_reporter(sock, message),
+            )
             del message  # with it the request's arrays, unless the engine keeps them
             held = inbox.held() if inbox is not None else None
             if held:
@@ -61,8 +74,9 @@ def worker_main(sock: socket.socket, index: int, device: str, options: dict[str,
                 ipc.send_message(sock, reply, outbox)
             except (TypeError, ValueError, OverflowError) as exc:  # what msgpack cannot carry
                 error = compute.internal_error(exc)
-                ipc.send_message(sock, {"id": reply.get("id"), "ok": False, "error": error,
-                                        "held": held})
+                ipc.send_message(
+                    sock, {"id": reply.get("id"), "ok": False, "error": error, "held": held}
+                )
             del reply
             if outbox is not None:
                 outbox.held = set()  # the HTTP process's word was for that reply only

@@ -74,15 +74,18 @@ def weighted_sum(parts: Sequence[Any], weights: Sequence[float], where: str) -> 
     if isinstance(first, Mapping):
         return {k: weighted_sum([p[k] for p in parts], weights, f"{where}.{k}") for k in first}
     if isinstance(first, list | tuple):
-        return [weighted_sum([p[i] for p in parts], weights, f"{where}.{i}")
-                for i in range(len(first))]
+        return [
+            weighted_sum([p[i] for p in parts], weights, f"{where}.{i}") for i in range(len(first))
+        ]
     arrays = [np.asarray(p) for p in parts]
     shapes = {a.shape for a in arrays}
     if len(shapes) != 1:
         raise RequestError(
-            "request", f"{where}: the shards answered shapes "
+            "request",
+            f"{where}: the shards answered shapes "
             f"{sorted(list(s) for s in shapes)}, which do not add up: on a sharded tape ask "
-            "for derivatives of the loss over the variables (not the sharded inputs)")
+            "for derivatives of the loss over the variables (not the sharded inputs)",
+        )
     total = np.zeros(arrays[0].shape, np.float64)
     for a, w in zip(arrays, weights, strict=True):
         total += w * a.astype(np.float64)
@@ -162,8 +165,11 @@ def _part(context: WorkerContext, part: Any, path: Sequence[str] = ()) -> Any:
         return part
     entry = _stash(context).pop(part["stashed"], None)
     if entry is None:
-        raise RequestError(LOST, f"worker {context.index} no longer keeps the shard's answer "
-                           "to sum (it was restarted meanwhile); ask again")
+        raise RequestError(
+            LOST,
+            f"worker {context.index} no longer keeps the shard's answer "
+            "to sum (it was restarted meanwhile); ask again",
+        )
     found: Any = entry.result
     for key in path:
         found = found[key]
@@ -210,9 +216,12 @@ class ShardedFlat:
 
     def unflatten(self, x: np.ndarray) -> list[np.ndarray]:
         x = np.asarray(x)
-        return [x[lo:lo + size].reshape(shape).astype(dtype)
-                for shape, dtype, lo, size in zip(self.shapes, self.dtypes, self.offsets[:-1],
-                                                  self.sizes, strict=True)]
+        return [
+            x[lo : lo + size].reshape(shape).astype(dtype)
+            for shape, dtype, lo, size in zip(
+                self.shapes, self.dtypes, self.offsets[:-1], self.sizes, strict=True
+            )
+        ]
 
     def keyed(self, x: np.ndarray) -> dict[str, np.ndarray]:
         return dict(zip(self.keys, self.unflatten(x), strict=True))
@@ -221,8 +230,9 @@ class ShardedFlat:
 class Run:
     """One algorithm in its thread, and the two queues between it and the handlers."""
 
-    def __init__(self, run_id: str, layout: Sequence[Sequence[Any]],
-                 runs: dict[str, Run] | None = None):
+    def __init__(
+        self, run_id: str, layout: Sequence[Sequence[Any]], runs: dict[str, Run] | None = None
+    ):
         self.id = run_id
         self.runs = runs  # the worker's runs (this one leaves them when it is let go)
         self.flat = ShardedFlat(layout, self)
@@ -232,8 +242,9 @@ class Run:
         self.progress: dict[str, Any] | None = None  # the algorithm's latest report
 
     def start(self, work: Callable[[ShardedFlat], dict[str, Any]]) -> None:
-        threading.Thread(target=self._main, args=(work,), daemon=True,
-                         name=f"shard-run-{self.id[:8]}").start()
+        threading.Thread(
+            target=self._main, args=(work,), daemon=True, name=f"shard-run-{self.id[:8]}"
+        ).start()
 
     def note(self, report: dict[str, Any]) -> None:
         """The algorithm's progress (handed to the caller with the next need)."""
@@ -272,8 +283,9 @@ def _runs(context: WorkerContext) -> dict[str, Run]:
     return runs
 
 
-def _work(kind: str, payload: Mapping[str, Any], context: WorkerContext, run: Run
-          ) -> Callable[[ShardedFlat], dict[str, Any]]:
+def _work(
+    kind: str, payload: Mapping[str, Any], context: WorkerContext, run: Run
+) -> Callable[[ShardedFlat], dict[str, Any]]:
     """The algorithm `kind` (a tape handler's name) on a ShardedFlat."""
     started = time.perf_counter()
     # A run outlives the request in flight: its progress goes out with its next need.
@@ -294,15 +306,23 @@ def _work(kind: str, payload: Mapping[str, Any], context: WorkerContext, run: Ru
     def solve(flat: ShardedFlat) -> dict[str, Any]:
         # b: the vector asked, or the sharded tape's gradient (summed by the caller).
         vector = payload["vector"]
-        primals = [np.broadcast_to(np.zeros((), d), s) for s, d in
-                   zip(flat.shapes, flat.dtypes, strict=True)]
+        primals = [
+            np.broadcast_to(np.zeros((), d), s)
+            for s, d in zip(flat.shapes, flat.dtypes, strict=True)
+        ]
         check_vector(vector, flat.keys, primals, "vector")  # type: ignore[arg-type]
         b = flat.flatten([np.asarray(vector[k]) for k in flat.keys])
-        return tapes.solve_of(flat, flat.keys, b, payload.get("rhs", "vector"), payload, quiet,
-                              started)
+        return tapes.solve_of(
+            flat, flat.keys, b, payload.get("rhs", "vector"), payload, quiet, started
+        )
 
-    table = {"tape_eigenvalues": eigenvalues, "tape_trace": trace, "tape_diagonal": diagonal,
-             "tape_spectral_density": density, "tape_solve": solve}
+    table = {
+        "tape_eigenvalues": eigenvalues,
+        "tape_trace": trace,
+        "tape_diagonal": diagonal,
+        "tape_spectral_density": density,
+        "tape_solve": solve,
+    }
     if kind not in table:
         raise RequestError("internal", f"no sharded algorithm {kind!r}")
     return table[kind]
@@ -313,8 +333,7 @@ def _advance(run: Run, context: WorkerContext) -> dict[str, Any]:
     event, value = run.next_event()
     if event == "need":  # as the shards' tape_hvp takes it: one tensor per source
         progress, run.progress = run.progress, None
-        return {"run": run.id, "need": [run.flat.keyed(v) for v in value],
-                "progress": progress}
+        return {"run": run.id, "need": [run.flat.keyed(v) for v in value], "progress": progress}
     _runs(context).pop(run.id, None)
     if event == "error":
         raise value
@@ -340,14 +359,20 @@ def shard_step(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     answers its next need or its answer."""
     run = _runs(context).get(payload["run"])
     if run is None:
-        raise RequestError(LOST, f"worker {context.index} holds no sharded run "
-                           f"{payload['run']} (it was restarted meanwhile); ask again")
+        raise RequestError(
+            LOST,
+            f"worker {context.index} holds no sharded run "
+            f"{payload['run']} (it was restarted meanwhile); ask again",
+        )
     parts = [_part(context, p, ("flat", "hvps")) for p in payload["parts"]]
     product = weighted_sum(parts, payload["weights"], "products")
     assert run.asked is not None
     if np.shape(product) != run.asked.shape:
-        raise RequestError("internal", f"the shards' products have shape "
-                           f"{list(np.shape(product))}, not {list(run.asked.shape)}")
+        raise RequestError(
+            "internal",
+            f"the shards' products have shape "
+            f"{list(np.shape(product))}, not {list(run.asked.shape)}",
+        )
     run.products.put(np.asarray(product, np.float64))
     return _advance(run, context)
 
@@ -385,8 +410,9 @@ def shard_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
 # instead.
 
 
-def _along_batch(session: tapes.TapeSession, target: str, split: set[str], rows: int,
-                 context: WorkerContext) -> bool:
+def _along_batch(
+    session: tapes.TapeSession, target: str, split: set[str], rows: int, context: WorkerContext
+) -> bool:
     """Whether the target's first axis is the batch the shards split: it has the part's
     rows there, and one more when the split inputs have one more (the program's shapes
     inferred again from the part's skeleton: no data, nothing run)."""
@@ -394,18 +420,22 @@ def _along_batch(session: tapes.TapeSession, target: str, split: set[str], rows:
     if session.skeleton is None or not shape or shape[0] != rows:
         return False
     skeleton = session.skeleton
-    grown = {name: np.broadcast_to(np.zeros((), a.dtype), (a.shape[0] + 1, *a.shape[1:]))
-             if name in split else a for name, a in skeleton.inputs.items()}
+    grown = {
+        name: np.broadcast_to(np.zeros((), a.dtype), (a.shape[0] + 1, *a.shape[1:]))
+        if name in split
+        else a
+        for name, a in skeleton.inputs.items()
+    }
     try:
-        program = compile_definition(dataclasses.replace(skeleton, inputs=grown),
-                                     context.limits)
+        program = compile_definition(dataclasses.replace(skeleton, inputs=grown), context.limits)
     except DefinitionError:  # the program fixes the batch size somewhere: cannot tell
         return False
     return tuple(program.types[target].shape) == (rows + 1, *shape[1:])
 
 
-def _mode(session: tapes.TapeSession, target: str, split: set[str], rows: int,
-          context: WorkerContext) -> str:
+def _mode(
+    session: tapes.TapeSession, target: str, split: set[str], rows: int, context: WorkerContext
+) -> str:
     """How the parts' derivatives of `target` make the unsharded ones (see above)."""
     if target == session.request.target:
         return "sum"
@@ -415,13 +445,16 @@ def _mode(session: tapes.TapeSession, target: str, split: set[str], rows: int,
         return "rows"
     shape = list(session.env[target].shape)
     raise RequestError(
-        "request", f"target: {target!r} reads the split inputs "
+        "request",
+        f"target: {target!r} reads the split inputs "
         f"({', '.join(map(repr, sorted(split)))}) but is neither the tape's target "
         f"{session.request.target!r} nor along the batch axis (on the first shard it has "
         f"shape {shape}, for {rows} rows of the batch): it mixes the examples (a sum or "
         "mean over the batch), so its derivatives are not made of the shards'. Ask for "
         "the tape's target, or for a per-example name (the batch along its first axis) "
-        "and reduce its derivatives, or record an unsharded tape", field="target")
+        "and reduce its derivatives, or record an unsharded tape",
+        field="target",
+    )
 
 
 def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -439,22 +472,29 @@ def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[
         batch = bool(payload.get("batch"))
         unsplit = [k for k in request.sources if k not in split_keys]
         if batch and (mode != "rows" or unsplit):
-            what = (f"source {unsplit[0]!r} is not a split input" if mode == "rows"
-                    else f"target {target!r} is not along the batch axis")
+            what = (
+                f"source {unsplit[0]!r} is not a split input"
+                if mode == "rows"
+                else f"target {target!r} is not along the batch axis"
+            )
             raise RequestError(
-                "request", f"batch: per-example jacobians of a sharded tape are taken of a "
+                "request",
+                f"batch: per-example jacobians of a sharded tape are taken of a "
                 "target along the batch axis over the split inputs "
-                f"({', '.join(map(repr, sorted(split)))}); {what}", field="batch")
+                f"({', '.join(map(repr, sorted(split)))}); {what}",
+                field="batch",
+            )
         shape = tuple(session.env[target].shape)
         full_sources = {
-            key: (total, *session.leaves[name].shape[1:]) if name in split
+            key: (total, *session.leaves[name].shape[1:])
+            if name in split
             else tuple(session.leaves[name].shape)
             for key, name in request.sources.items()
         }
-        check_jacobian_size(target, (total, *shape[1:]) if mode == "rows" else shape,
-                            full_sources, batch, context)
-    return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys},
-                       hvp_only=True)
+        check_jacobian_size(
+            target, (total, *shape[1:]) if mode == "rows" else shape, full_sources, batch, context
+        )
+    return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys}, hvp_only=True)
 
 
 def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
@@ -464,11 +504,9 @@ def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
     return scaled.astype(array.dtype) if array.dtype.kind == "f" else scaled
 
 
-def _stacked(blocks: Sequence[np.ndarray], weights: Sequence[float], axis: int
-             ) -> np.ndarray:
+def _stacked(blocks: Sequence[np.ndarray], weights: Sequence[float], axis: int) -> np.ndarray:
     """The parts' blocks, each times its weight, one after the other along `axis`."""
-    return np.concatenate([_scaled(b, w) for b, w in zip(blocks, weights, strict=True)],
-                          axis=axis)
+    return np.concatenate([_scaled(b, w) for b, w in zip(blocks, weights, strict=True)], axis=axis)
 
 
 def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarray:
@@ -477,7 +515,7 @@ def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarra
     elsewhere (an example does not read the others' rows)."""
     first = blocks[0]
     total = sum(b.shape[0] for b in blocks)
-    shape = (total, *first.shape[1:target_ndim], total, *first.shape[target_ndim + 1:])
+    shape = (total, *first.shape[1:target_ndim], total, *first.shape[target_ndim + 1 :])
     full = np.zeros(shape, first.dtype)
     lo = 0
     for block in blocks:
@@ -487,8 +525,7 @@ def _block_diagonal(blocks: Sequence[np.ndarray], target_ndim: int) -> np.ndarra
     return full
 
 
-def _value(parts: Sequence[Mapping[str, Any]], mode: str, weights: Sequence[float]
-           ) -> np.ndarray:
+def _value(parts: Sequence[Mapping[str, Any]], mode: str, weights: Sequence[float]) -> np.ndarray:
     values = [np.asarray(p["value"]) for p in parts]
     if mode == "sum":
         return np.asarray(weighted_sum(values, weights, "value"))
@@ -497,16 +534,19 @@ def _value(parts: Sequence[Mapping[str, Any]], mode: str, weights: Sequence[floa
     return np.concatenate(values, axis=0)
 
 
-def _per_source(parts: Sequence[Mapping[str, Any]], field: str,
-                assemble: Callable[[str, list[np.ndarray]], np.ndarray]
-                ) -> dict[str, np.ndarray | None]:
+def _per_source(
+    parts: Sequence[Mapping[str, Any]],
+    field: str,
+    assemble: Callable[[str, list[np.ndarray]], np.ndarray],
+) -> dict[str, np.ndarray | None]:
     """`assemble(key, the parts' arrays)` for every source; None where the parts answer
     None (unconnected: in every part alike, as they run one program)."""
     out: dict[str, np.ndarray | None] = {}
     for key in parts[0][field]:
         found = [p[field][key] for p in parts]
-        out[key] = (None if any(f is None for f in found)
-                    else assemble(key, [np.asarray(f) for f in found]))
+        out[key] = (
+            None if any(f is None for f in found) else assemble(key, [np.asarray(f) for f in found])
+        )
     return out
 
 
@@ -523,8 +563,7 @@ def shard_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             if mode == "rows" and not batch:
                 return _block_diagonal(blocks, value.ndim)
             # The split input's axis follows the target's (is the first per example).
-            return _stacked(blocks, weights if mode == "sum" else ones,
-                            0 if batch else value.ndim)
+            return _stacked(blocks, weights if mode == "sum" else ones, 0 if batch else value.ndim)
         if mode == "sum":
             return np.asarray(weighted_sum(blocks, weights, f"jacobians.{key}"))
         return blocks[0] if mode == "same" else np.concatenate(blocks, axis=0)
@@ -548,8 +587,10 @@ def shard_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             return blocks[0]
         return np.asarray(weighted_sum(blocks, scale, f"gradients.{key}"))
 
-    return {"value": _value(parts, mode, weights),
-            "gradients": _per_source(parts, "gradients", assemble)}
+    return {
+        "value": _value(parts, mode, weights),
+        "gradients": _per_source(parts, "gradients", assemble),
+    }
 
 
 # ----------------------------------------------------------------------------------------
@@ -561,8 +602,9 @@ def shard_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
 # own examples against s_test and the coordinator puts the scores in part order.
 
 
-def _influence_curvature(session: tapes.TapeSession, payload: Mapping[str, Any],
-                         context: WorkerContext) -> Curvature:
+def _influence_curvature(
+    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext
+) -> Curvature:
     """The part's curvature recording, checked as tape_influence checks it, and its
     examples checked to be the part's rows of the split batch."""
     curvature = tapes._curvature(session)
@@ -571,15 +613,17 @@ def _influence_curvature(session: tapes.TapeSession, payload: Mapping[str, Any],
     if curvature.examples != int(payload["examples"]):
         assert session.split is not None
         raise RequestError(
-            "request", f"influence on a sharded tape scores the examples along the first "
+            "request",
+            f"influence on a sharded tape scores the examples along the first "
             f"axis of the output {session.split.output!r}, which has {curvature.examples} on "
             f"a shard that holds {payload['examples']} rows of the split inputs: the "
-            "examples must be the batch the shards split (shard_by)", field="shard_by")
+            "examples must be the batch the shards split (shard_by)",
+            field="shard_by",
+        )
     return curvature
 
 
-def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext
-                        ) -> dict[str, Any]:
+def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """A part's test loss and its gradient ("value", "gradients" by source key): on the
     test inputs, or on the part's own training `rows` (zeros when it holds none)."""
     session, rebuilt = tapes._session(payload, context)
@@ -588,40 +632,44 @@ def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext
     try:
         rows = payload.get("rows")
         if rows is not None and not rows:
-            result = {"value": np.zeros((), session.operator.value.dtype),
-                      "gradients": {k: np.zeros(p.shape, p.dtype)
-                                    for k, p in zip(session.keys, session.primals,
-                                                    strict=True)}}
+            result = {
+                "value": np.zeros((), session.operator.value.dtype),
+                "gradients": {
+                    k: np.zeros(p.shape, p.dtype)
+                    for k, p in zip(session.keys, session.primals, strict=True)
+                },
+            }
             return tapes._done(session, rebuilt, result, hvp_only=True)
         if rows is not None:
             value, grad = curvature.test_gradient(rows=[int(r) for r in rows])
         else:
-            data, targets = tapes._test_points(session, curvature, payload["test_inputs"],
-                                               context)
+            data, targets = tapes._test_points(session, curvature, payload["test_inputs"], context)
             value, grad = curvature.test_gradient(data, targets)
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
-    result = {"value": value.numpy(),
-              "gradients": {key: grad[name].numpy() for key, name in names.items()}}
+    result = {
+        "value": value.numpy(),
+        "gradients": {key: grad[name].numpy() for key, name in names.items()},
+    }
     return tapes._done(session, rebuilt, result, hvp_only=True)
 
 
-def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext
-                          ) -> dict[str, Any]:
+def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """A part's examples scored against s_test (-g_i . s_test, one batched JVP), and its
     per-example scale c (its loss = c sum_i l_i over its own rows)."""
     session, rebuilt = tapes._session(payload, context)
     curvature = _influence_curvature(session, payload, context)
     s_test = payload["s_test"]
-    batched = {name: on_device(np.asarray(s_test[key])[None], session.leaves[name], context)
-               for key, name in session.request.sources.items()}
+    batched = {
+        name: on_device(np.asarray(s_test[key])[None], session.leaves[name], context)
+        for key, name in session.request.sources.items()
+    }
     try:
         dots = curvature.example_dots(batched)
         scale = curvature.scale()
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
-    return tapes._done(session, rebuilt, {"scores": -dots[0], "scale": scale},
-                       hvp_only=True)
+    return tapes._done(session, rebuilt, {"scores": -dots[0], "scale": scale}, hvp_only=True)
 
 
 def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -630,9 +678,12 @@ def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[
     (n_k / N times 1 / n_k for a mean: the unsharded 1 / N)."""
     parts = [_part(context, p) for p in payload["parts"]]
     scores = np.concatenate([np.asarray(p["scores"], np.float64) for p in parts])
-    removal = np.concatenate([
-        -(w * float(p["scale"])) * np.asarray(p["scores"], np.float64)
-        for p, w in zip(parts, payload["weights"], strict=True)])
+    removal = np.concatenate(
+        [
+            -(w * float(p["scale"])) * np.asarray(p["scores"], np.float64)
+            for p, w in zip(parts, payload["weights"], strict=True)
+        ]
+    )
     helpful, harmful = top_by_sign(scores, int(payload["top_k"]))
     solve = payload["solve"]
     return {
@@ -643,8 +694,10 @@ def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[
         "test_loss": float(payload["test_loss"]),
         "s_test": solve["solution"],
         "curvature": payload["curvature"],
-        **{k: solve[k] for k in ("converged", "stopped", "iterations", "hvps", "residuals",
-                                 "seconds")},
+        **{
+            k: solve[k]
+            for k in ("converged", "stopped", "iterations", "hvps", "residuals", "seconds")
+        },
     }
 
 

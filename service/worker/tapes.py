@@ -112,15 +112,20 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
     owned = definition.model_params
     unknown = [n for n in spec.get("initializers", ()) if n not in owned]
     if unknown:  # a PATCH named variables that are neither given nor initializers
-        raise DefinitionError([
-            Problem(f"the tape's definition has no variable {n!r} (neither a variable nor "
-                    "an initializer of its models)", f"variables.{n}", kind="request")
-            for n in unknown
-        ])
+        raise DefinitionError(
+            [
+                Problem(
+                    f"the tape's definition has no variable {n!r} (neither a variable nor "
+                    "an initializer of its models)",
+                    f"variables.{n}",
+                    kind="request",
+                )
+                for n in unknown
+            ]
+        )
     program = compile_definition(definition, context.limits)
     # A tape serves other targets too: lines the target does not use are expected.
-    request = program.check_request(spec["target"], spec.get("sources"), "zero",
-                                    allow_unused=True)
+    request = program.check_request(spec["target"], spec.get("sources"), "zero", allow_unused=True)
     target_type = program.types[request.target]
     if math.prod(target_type.shape) != 1 and spec.get("shards"):
         # A part of a sharded tape or request: its shape is the part's, not the batch's.
@@ -145,8 +150,11 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
             "variable; name the sources",
         )
     # With an output named, the program is cut there now, so a bad cut is a 422 at once.
-    split = None if spec.get("output") is None else program.split(
-        spec["output"], request.target, request.sources)
+    split = (
+        None
+        if spec.get("output") is None
+        else program.split(spec["output"], request.target, request.sources)
+    )
     leaves = program.leaves(definition, context.device)
     names = list(request.sources.values())
     recording = gt.GradientTape(persistent=True, watch_accessed_variables=False)
@@ -190,8 +198,10 @@ def skeleton(definition: Definition) -> Definition:
     dtype (a broadcast: no memory): enough to compile it, nothing to run."""
     return dataclasses.replace(
         definition,
-        variables={n: dataclasses.replace(v, value=_shape_only(v.value))
-                   for n, v in definition.variables.items()},
+        variables={
+            n: dataclasses.replace(v, value=_shape_only(v.value))
+            for n, v in definition.variables.items()
+        },
         inputs={n: _shape_only(a) for n, a in definition.inputs.items()},
     )
 
@@ -210,9 +220,12 @@ def _curvature(session: TapeSession) -> Curvature:
     output's first) are its data, the loss's inputs its targets."""
     if session.split is None:
         raise RequestError(
-            "request", "curvatures other than the Hessian, and influence, need a tape that "
-            "names its model output: record it with \"output\": the line of the model's "
-            "output (the loss's lines follow it)", field="curvature")
+            "request",
+            "curvatures other than the Hessian, and influence, need a tape that "
+            'names its model output: record it with "output": the line of the model\'s '
+            "output (the loss's lines follow it)",
+            field="curvature",
+        )
     if session.curvature is None:
         split, leaves = session.split, session.leaves
         model, loss = split.functions(leaves)
@@ -221,8 +234,9 @@ def _curvature(session: TapeSession) -> Curvature:
         targets = {n: leaves[n] for n in split.targets}
         # The tape's own operator answers the Hessian: this recording keeps no gradient
         # for it (influence on the Hessian records one when first asked).
-        session.curvature = Curvature(model, loss, params, data, targets,
-                                      max_batch=session.operator.max_batch, hessian=False)
+        session.curvature = Curvature(
+            model, loss, params, data, targets, max_batch=session.operator.max_batch, hessian=False
+        )
         session.flats = {}
         session.remeasure = True  # the tape holds more now: count again
     return session.curvature
@@ -234,8 +248,7 @@ def _batched(session: TapeSession) -> set[str]:
     shape = session.program.types[session.split.output].shape
     if not shape:
         return set()
-    return {n for n, leaf in session.program.inputs.items()
-            if leaf.type.shape[:1] == shape[:1]}
+    return {n for n, leaf in session.program.inputs.items() if leaf.type.shape[:1] == shape[:1]}
 
 
 def _check_targets(session: TapeSession, what: str) -> None:
@@ -246,14 +259,18 @@ def _check_targets(session: TapeSession, what: str) -> None:
     for name in session.split.targets:
         if name not in batched:
             raise RequestError(
-                "request", f"{what} splits the loss by example along the first axis of the "
+                "request",
+                f"{what} splits the loss by example along the first axis of the "
                 f"output {session.split.output!r} ({list(shape)}); the loss reads input "
                 f"{name!r} of shape {list(session.program.inputs[name].type.shape)}, which "
-                "is not along it", field="curvature")
+                "is not along it",
+                field="curvature",
+            )
 
 
-def _operator(session: TapeSession, payload: Mapping[str, Any], context: WorkerContext
-              ) -> tuple[gt.HessianOperator, FlatOperator]:
+def _operator(
+    session: TapeSession, payload: Mapping[str, Any], context: WorkerContext
+) -> tuple[gt.HessianOperator, FlatOperator]:
     """The operator and flat view of the curvature the request asks for."""
     kind = payload.get("curvature") or "hessian"
     if kind == "hessian":
@@ -268,10 +285,13 @@ def _operator(session: TapeSession, payload: Mapping[str, Any], context: WorkerC
         limit = context.memory_budget or MONTE_CARLO_MAX_BYTES
         if held > limit:
             raise RequestError(
-                "too-large", f"samples: {samples} Monte-Carlo targets of the output "
+                "too-large",
+                f"samples: {samples} Monte-Carlo targets of the output "
                 f"{list(curvature.output.shape)} hold {held:,} bytes, above this server's "
                 f"{limit:,}; ask for at most {max(1, limit // (held // samples))}",
-                field="samples", limit=limit)
+                field="samples",
+                limit=limit,
+            )
     try:
         operator = curvature.operator(kind, samples=samples, seed=seed)
     except CurvatureError as exc:
@@ -284,8 +304,9 @@ def _operator(session: TapeSession, payload: Mapping[str, Any], context: WorkerC
     return operator, session.flats[key]
 
 
-def _products(session: TapeSession, operator: gt.HessianOperator, stacked: list[Tensor]
-              ) -> list[Tensor]:
+def _products(
+    session: TapeSession, operator: gt.HessianOperator, stacked: list[Tensor]
+) -> list[Tensor]:
     """hvp_many in the sources' order: the tape's Hessian takes one primal per source, a
     curvature operator one mapping name -> tensor."""
     if operator is session.operator:
@@ -312,8 +333,9 @@ def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSe
     return session, True
 
 
-def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only: bool
-          ) -> dict[str, Any]:
+def _done(
+    session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only: bool
+) -> dict[str, Any]:
     # An HVP records nothing. What it may add: the rule stages' caches (filled by the
     # first HVP after a recording), and what the compiled replay keeps for a vector
     # layout (engine/replay.py: seen, captured, its buffers allocated on the first
@@ -330,8 +352,9 @@ def _done(session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only:
 def _recorded_answer(session: TapeSession) -> dict[str, Any]:
     return {
         "value": session.operator.value.numpy(),
-        "gradients": dict(zip(session.keys, [g.numpy() for g in session.operator.grad],
-                              strict=True)),
+        "gradients": dict(
+            zip(session.keys, [g.numpy() for g in session.operator.grad], strict=True)
+        ),
         "device": gt.backend.device_of(session.operator.value.value),
         "sources": dict(session.request.sources),
     }
@@ -411,11 +434,17 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
     batch = bool(payload.get("batch"))
-    check_jacobian_size(request.target, tuple(y.shape),
-                        {k: tuple(t.shape) for k, t in watched.items()}, batch, context)
+    check_jacobian_size(
+        request.target,
+        tuple(y.shape),
+        {k: tuple(t.shape) for k, t in watched.items()},
+        batch,
+        context,
+    )
     rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
-    jacobians = jacobians_on(session.recording, y, watched, batch, request.unconnected, context,
-                             rows)
+    jacobians = jacobians_on(
+        session.recording, y, watched, batch, request.unconnected, context, rows
+    )
     return _done(session, rebuilt, {"value": y.numpy(), "jacobians": jacobians}, hvp_only=False)
 
 
@@ -436,16 +465,24 @@ def _relay(context: WorkerContext) -> Callable[[Progress], None] | None:
         return None
 
     def relay(p: Progress) -> None:
-        context.progress(hvps=p.hvps, max_hvps=p.max_hvps, estimate=p.estimate, error=p.error,
-                         seconds=p.seconds, max_seconds=p.max_seconds, unit="hvps")
+        context.progress(
+            hvps=p.hvps,
+            max_hvps=p.max_hvps,
+            estimate=p.estimate,
+            error=p.error,
+            seconds=p.seconds,
+            max_seconds=p.max_seconds,
+            unit="hvps",
+        )
 
     return relay
 
 
 def _check_max_hvps(value: int, at_least: int, what: str) -> None:
     if value < at_least:
-        raise RequestError("request", f"max_hvps: {what} needs at least {at_least}, got {value}",
-                           field="max_hvps")
+        raise RequestError(
+            "request", f"max_hvps: {what} needs at least {at_least}, got {value}", field="max_hvps"
+        )
 
 
 def _check_basis(context: WorkerContext, rows: int, n: int, what: str, fewer: str) -> None:
@@ -473,12 +510,14 @@ def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict
 # shards: service/worker/shards.py): `keys` name the sources, in the flat order.
 
 
-def eigenvalues_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
-                   context: WorkerContext, started: float) -> dict[str, Any]:
+def eigenvalues_of(
+    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
+) -> dict[str, Any]:
     k = int(payload["k"])
     if k > flat.n:
         raise RequestError(
-            "request", f"k: the tape has {flat.n} parameters, so at most {flat.n} eigenvalues",
+            "request",
+            f"k: the tape has {flat.n} parameters, so at most {flat.n} eigenvalues",
             field="k",
         )
     _check_max_hvps(int(payload["max_hvps"]), k, f"k = {k} eigenvalues")
@@ -491,14 +530,31 @@ def eigenvalues_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
     max_seconds = _seconds_left(payload, started)
     eigenvectors, seed = bool(payload["eigenvectors"]), payload.get("seed")
     if method == "power":
-        out = power_iteration(flat.matvec, flat.n, k=k, tol=tol, max_hvps=max_hvps,
-                              max_seconds=max_seconds, eigenvectors=eigenvectors, seed=seed,
-                              callback=_relay(context))
+        out = power_iteration(
+            flat.matvec,
+            flat.n,
+            k=k,
+            tol=tol,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            eigenvectors=eigenvectors,
+            seed=seed,
+            callback=_relay(context),
+        )
     else:
-        out = lanczos(flat.matvec, flat.n, k=k, which=payload["which"], tol=tol,
-                      max_hvps=max_hvps, max_seconds=max_seconds, eigenvectors=eigenvectors,
-                      seed=seed, max_basis_bytes=context.lanczos_max_basis_bytes,
-                      callback=_relay(context))
+        out = lanczos(
+            flat.matvec,
+            flat.n,
+            k=k,
+            which=payload["which"],
+            tol=tol,
+            max_hvps=max_hvps,
+            max_seconds=max_seconds,
+            eigenvectors=eigenvectors,
+            seed=seed,
+            max_basis_bytes=context.lanczos_max_basis_bytes,
+            callback=_relay(context),
+        )
     vectors = None
     if out.eigenvectors is not None:
         vectors = [dict(zip(keys, flat.unflatten(y), strict=True)) for y in out.eigenvectors]
@@ -538,18 +594,26 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def trace_of(flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext,
-             started: float) -> dict[str, Any]:
+def trace_of(
+    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
+) -> dict[str, Any]:
     max_hvps = int(payload["max_hvps"])
     method = choose_trace_method(payload.get("method", "auto"), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "trace")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_trace(
-        flat.matvec, flat.n, method=method, batch_size=batch, max_hvps=max_hvps,
-        rtol=payload.get("rtol"), atol=float(payload.get("atol") or 0.0),
-        max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
-        exact_batch_size=exact_batch, max_basis_bytes=context.lanczos_max_basis_bytes,
+        flat.matvec,
+        flat.n,
+        method=method,
+        batch_size=batch,
+        max_hvps=max_hvps,
+        rtol=payload.get("rtol"),
+        atol=float(payload.get("atol") or 0.0),
+        max_seconds=_seconds_left(payload, started),
+        seed=payload.get("seed"),
+        exact_batch_size=exact_batch,
+        max_basis_bytes=context.lanczos_max_basis_bytes,
         callback=_relay(context),
     )
     return {
@@ -575,18 +639,26 @@ def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def diagonal_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
-                context: WorkerContext, started: float) -> dict[str, Any]:
+def diagonal_of(
+    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
+) -> dict[str, Any]:
     max_hvps = int(payload["max_hvps"])
     method = choose_diagonal_method(payload.get("method", "auto"), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_diagonal(
-        flat.matvec, flat.n, method=method, batch_size=batch, max_hvps=max_hvps,
-        rtol=payload.get("rtol"), atol=float(payload.get("atol") or 0.0),
-        max_seconds=_seconds_left(payload, started), seed=payload.get("seed"),
-        exact_batch_size=exact_batch, callback=_relay(context),
+        flat.matvec,
+        flat.n,
+        method=method,
+        batch_size=batch,
+        max_hvps=max_hvps,
+        rtol=payload.get("rtol"),
+        atol=float(payload.get("atol") or 0.0),
+        max_seconds=_seconds_left(payload, started),
+        seed=payload.get("seed"),
+        exact_batch_size=exact_batch,
+        callback=_relay(context),
     )
     # An exact run stopped by its time limit reached the first entries only (NaN past
     # them, which JSON cannot carry): then no per-source diagonal, the reached entries
@@ -616,8 +688,7 @@ def diagonal_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
     return result
 
 
-def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
-                          ) -> dict[str, Any]:
+def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
     _, flat = _operator(session, payload, context)
@@ -625,18 +696,26 @@ def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def spectral_density_of(flat: Any, keys: list[str], payload: Mapping[str, Any],
-                        context: WorkerContext, started: float) -> dict[str, Any]:
+def spectral_density_of(
+    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
+) -> dict[str, Any]:
     steps = min(int(payload["steps"]), flat.n)
     _check_basis(context, steps, flat.n, "a Lanczos basis", "ask for fewer steps")
     probes = int(payload["probes"])
     grid = payload.get("grid")
     out = spectral_density(
-        flat.matvec, flat.n, probes=probes, steps=steps, sigma=payload.get("sigma"),
-        points=int(payload["points"]), grid=None if grid is None else np.asarray(grid),
-        batch_size=min(probes, context.hvp_max_vectors), max_hvps=int(payload["max_hvps"]),
+        flat.matvec,
+        flat.n,
+        probes=probes,
+        steps=steps,
+        sigma=payload.get("sigma"),
+        points=int(payload["points"]),
+        grid=None if grid is None else np.asarray(grid),
+        batch_size=min(probes, context.hvp_max_vectors),
+        max_hvps=int(payload["max_hvps"]),
         max_seconds=_seconds_left(payload, started),
-        max_basis_bytes=context.lanczos_max_basis_bytes, seed=payload.get("seed"),
+        max_basis_bytes=context.lanczos_max_basis_bytes,
+        seed=payload.get("seed"),
         callback=_relay(context),
     )
     return {
@@ -672,12 +751,24 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     return _done(session, rebuilt, result, hvp_only=True)
 
 
-def solve_of(flat: Any, keys: list[str], b: np.ndarray, rhs: str, payload: Mapping[str, Any],
-             context: WorkerContext, started: float) -> dict[str, Any]:
+def solve_of(
+    flat: Any,
+    keys: list[str],
+    b: np.ndarray,
+    rhs: str,
+    payload: Mapping[str, Any],
+    context: WorkerContext,
+    started: float,
+) -> dict[str, Any]:
     out = conjugate_gradient(
-        flat.matvec, b, damping=float(payload["damping"]), tol=float(payload["tol"]),
-        max_iterations=int(payload["max_iterations"]), max_hvps=int(payload["max_hvps"]),
-        max_seconds=_seconds_left(payload, started), callback=_relay(context),
+        flat.matvec,
+        b,
+        damping=float(payload["damping"]),
+        tol=float(payload["tol"]),
+        max_iterations=int(payload["max_iterations"]),
+        max_hvps=int(payload["max_hvps"]),
+        max_seconds=_seconds_left(payload, started),
+        callback=_relay(context),
     )
     return {
         "solution": dict(zip(keys, flat.unflatten(out.x), strict=True)),
@@ -691,8 +782,9 @@ def solve_of(flat: Any, keys: list[str], b: np.ndarray, rhs: str, payload: Mappi
     }
 
 
-def _test_points(session: TapeSession, curvature: Curvature, given: Mapping[str, Any],
-                 context: WorkerContext) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def _test_points(
+    session: TapeSession, curvature: Curvature, given: Mapping[str, Any], context: WorkerContext
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The test inputs as the model's data and the loss's targets: every batched input
     the two read, each with its input's trailing shape and the same number of rows."""
     wanted = list(curvature.data) + [n for n in curvature.targets if n not in curvature.data]
@@ -700,12 +792,14 @@ def _test_points(session: TapeSession, curvature: Curvature, given: Mapping[str,
     extra = [n for n in given if n not in wanted]
     if missing or extra:
         parts = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
-            [f"not read along the examples axis: {', '.join(map(repr, extra))}"]
-            if extra else [])
+            [f"not read along the examples axis: {', '.join(map(repr, extra))}"] if extra else []
+        )
         raise RequestError(
-            "request", f"test_inputs must give the inputs the model and the loss read along "
+            "request",
+            f"test_inputs must give the inputs the model and the loss read along "
             f"the examples axis ({', '.join(map(repr, wanted))}): " + "; ".join(parts),
-            field="test_inputs")
+            field="test_inputs",
+        )
     values: dict[str, Tensor] = {}
     rows = None
     for name in wanted:
@@ -714,24 +808,34 @@ def _test_points(session: TapeSession, curvature: Curvature, given: Mapping[str,
         field = f"test_inputs.{name}"
         if array.ndim != len(leaf.shape) or array.shape[1:] != tuple(leaf.shape[1:]):
             raise RequestError(
-                "request", f"{field} has shape {list(array.shape)}; input {name!r} is "
+                "request",
+                f"{field} has shape {list(array.shape)}; input {name!r} is "
                 f"{list(leaf.shape)}: the test points need its shape after the first axis "
-                f"([M, {', '.join(map(str, leaf.shape[1:]))}])", field=field)
+                f"([M, {', '.join(map(str, leaf.shape[1:]))}])",
+                field=field,
+            )
         if rows is not None and array.shape[0] != rows[1]:
             raise RequestError(
-                "request", f"{field} has {array.shape[0]} rows but test_inputs.{rows[0]} has "
-                f"{rows[1]}: every test input needs one row per test point", field=field)
+                "request",
+                f"{field} has {array.shape[0]} rows but test_inputs.{rows[0]} has "
+                f"{rows[1]}: every test input needs one row per test point",
+                field=field,
+            )
         rows = rows or (name, array.shape[0])
         if array.shape[0] == 0:
             raise RequestError("request", f"{field} has no rows", field=field)
-        if leaf.dtype.kind in "iub" and array.dtype.kind == "f" and (
-            not np.all(np.isfinite(array)) or np.any(array != np.round(array))
+        if (
+            leaf.dtype.kind in "iub"
+            and array.dtype.kind == "f"
+            and (not np.all(np.isfinite(array)) or np.any(array != np.round(array)))
         ):
-            raise RequestError("request", f"{field}: input {name!r} is {leaf.dtype}; the "
-                               "values given are not whole numbers", field=field)
+            raise RequestError(
+                "request",
+                f"{field}: input {name!r} is {leaf.dtype}; the values given are not whole numbers",
+                field=field,
+            )
         values[name] = gt.constant(array.astype(leaf.dtype), device=context.device)
-    return ({n: values[n] for n in curvature.data},
-            {n: values[n] for n in curvature.targets})
+    return ({n: values[n] for n in curvature.data}, {n: values[n] for n in curvature.targets})
 
 
 def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -748,18 +852,27 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
         rows = [int(r) for r in payload["rows"]]
         bad = [r for r in rows if not 0 <= r < n]
         if bad:
-            raise RequestError("request", f"rows: {bad[:5]} out of range; the tape has {n} "
-                               "examples (rows 0 to N - 1)", field="rows")
+            raise RequestError(
+                "request",
+                f"rows: {bad[:5]} out of range; the tape has {n} examples (rows 0 to N - 1)",
+                field="rows",
+            )
     else:
-        test_data, test_targets = _test_points(session, curvature, payload["test_inputs"],
-                                               context)
+        test_data, test_targets = _test_points(session, curvature, payload["test_inputs"], context)
     try:
         out = curvature.influence(
-            test_data, test_targets, rows=rows, curvature=kind,
-            samples=payload.get("samples"), seed=payload.get("fisher_seed", 0),
-            damping=float(payload["damping"]), top_k=int(payload["top_k"]),
-            tol=float(payload["tol"]), max_iterations=int(payload["max_iterations"]),
-            max_hvps=int(payload["max_hvps"]), max_seconds=_seconds_left(payload, started),
+            test_data,
+            test_targets,
+            rows=rows,
+            curvature=kind,
+            samples=payload.get("samples"),
+            seed=payload.get("fisher_seed", 0),
+            damping=float(payload["damping"]),
+            top_k=int(payload["top_k"]),
+            tol=float(payload["tol"]),
+            max_iterations=int(payload["max_iterations"]),
+            max_hvps=int(payload["max_hvps"]),
+            max_seconds=_seconds_left(payload, started),
             callback=_relay(context),
             # The tape's own recording answers the Hessian (the same sources, in order).
             operator=session.operator if kind == "hessian" else None,
@@ -798,8 +911,9 @@ def check_definition(payload: Mapping[str, Any], context: WorkerContext) -> dict
         return {"dtype": str(t.dtype), "shape": list(t.shape)}
 
     return {
-        "variables": {n: {**describe(n), "trainable": leaf.trainable}
-                      for n, leaf in program.variables.items()},
+        "variables": {
+            n: {**describe(n), "trainable": leaf.trainable} for n, leaf in program.variables.items()
+        },
         "inputs": {n: describe(n) for n in program.inputs},
         "names": {n: describe(n) for n in program.line_names},
         "functions": sorted(definition.functions),

@@ -18,8 +18,13 @@ import pytest
 from tests.service.conftest import Server
 from tests.service.test_cancel import N, chain
 
-LONG = {"method": "hutchinson", "max_hvps": 5000, "batch_size": 1, "max_seconds": 55.0,
-        "time_limit": 60.0}
+LONG = {
+    "method": "hutchinson",
+    "max_hvps": 5000,
+    "batch_size": 1,
+    "max_seconds": 55.0,
+    "time_limit": 60.0,
+}
 
 
 def definition() -> dict:
@@ -56,8 +61,7 @@ def test_estimators_as_jobs_answer_as_the_synchronous_calls(client: gc.Client) -
         assert seen[-1].progress["done"] == N
 
         seen.clear()
-        trace = tape.trace(method="hutchinson", max_hvps=400, batch_size=4,
-                           progress=seen.append)
+        trace = tape.trace(method="hutchinson", max_hvps=400, batch_size=4, progress=seen.append)
         assert trace.trace == tape.trace(method="hutchinson", max_hvps=400, batch_size=4).trace
         estimates = [s.progress["estimate"] for s in seen if s.progress]
         assert estimates and np.isfinite(estimates).all()
@@ -76,8 +80,11 @@ def test_estimators_as_jobs_answer_as_the_synchronous_calls(client: gc.Client) -
 def test_stateless_hessian_and_jacobian_as_jobs(client: gc.Client) -> None:
     rng = np.random.default_rng(5)
     m = rng.standard_normal((40, 40))
-    d = {"variables": {"w": rng.standard_normal(40)}, "inputs": {"m": m},
-         "program": ["z = tanh(m @ w)", "loss = sum(z * z)"]}
+    d = {
+        "variables": {"w": rng.standard_normal(40)},
+        "inputs": {"m": m},
+        "program": ["z = tanh(m @ w)", "loss = sum(z * z)"],
+    }
     rows: list[dict] = []
     h = client.hessian(d, "loss", "w", progress=lambda s: s.progress and rows.append(s.progress))
     np.testing.assert_array_equal(h.hessian, client.hessian(d, "loss", "w").hessian)
@@ -87,8 +94,7 @@ def test_stateless_hessian_and_jacobian_as_jobs(client: gc.Client) -> None:
     np.testing.assert_allclose(j.jacobians, (1 - z**2)[:, None] * m, rtol=1e-12, atol=1e-12)
 
 
-def test_progress_true_draws_a_tqdm_bar(client: gc.Client, capsys: pytest.CaptureFixture
-                                        ) -> None:
+def test_progress_true_draws_a_tqdm_bar(client: gc.Client, capsys: pytest.CaptureFixture) -> None:
     with client.tape(definition(), "loss") as tape:
         tape.trace(method="hutchinson", max_hvps=200, batch_size=2, progress=True)
     err = capsys.readouterr().err
@@ -146,8 +152,9 @@ def test_a_cancelled_task_cancels_its_job(server: Server) -> None:
 def test_a_job_by_id(client: gc.Client) -> None:
     with client.tape(definition(), "loss") as tape:
         # Started by some other program: the raw API's "async": true.
-        doc = client._run(client._core.call("POST", f"/v1/tapes/{tape.id}/trace",
-                                            {"max_hvps": 64, "async": True}))
+        doc = client._run(
+            client._core.call("POST", f"/v1/tapes/{tape.id}/trace", {"max_hvps": 64, "async": True})
+        )
         job = client.job(doc["job_id"])
         assert repr(job) == f"Job({doc['job_id']!r})"
         answer = job.wait(progress=lambda s: None)

@@ -54,8 +54,9 @@ def test_sharded_tape_answers_as_one(client: Client, rng: np.random.Generator) -
     HVPs and the server's Lanczos equal the unsharded tape's."""
     definition, w, loss, grad, hess = logistic(41, 5, rng)
     v = rng.standard_normal((3, 5))
-    with client.tape(definition, "loss", shards=2, shard_by=["X", "y"],
-                     shard_reduction="mean") as tape:
+    with client.tape(
+        definition, "loss", shards=2, shard_by=["X", "y"], shard_reduction="mean"
+    ) as tape:
         assert tape.value == pytest.approx(loss(w), rel=1e-12)
         np.testing.assert_allclose(tape.gradients["w"], grad(w), rtol=1e-11)
         np.testing.assert_allclose(tape.hvp({"w": v[0]})["w"], hess(w) @ v[0], rtol=1e-11)
@@ -63,8 +64,9 @@ def test_sharded_tape_answers_as_one(client: Client, rng: np.random.Generator) -
         np.testing.assert_allclose(np.stack([h["w"] for h in many]), v @ hess(w), rtol=1e-11)
         assert [s["rows"] for s in tape.info()["shards"]] == [21, 20]
         top = tape.eigenvalues(k=2, tol=1e-10)
-        np.testing.assert_allclose(top.eigenvalues, np.linalg.eigvalsh(hess(w))[::-1][:2],
-                                   rtol=1e-9)
+        np.testing.assert_allclose(
+            top.eigenvalues, np.linalg.eigvalsh(hess(w))[::-1][:2], rtol=1e-9
+        )
 
     # The stateless requests take the same fields.
     value, grads = client.gradient(definition, "loss", shards=2)
@@ -158,20 +160,22 @@ def test_curvature_estimators(client: Client, rng: np.random.Generator) -> None:
             np.testing.assert_allclose(nodes[[0, -1]], values[[0, -1]], rtol=1e-7)
             assert weights.sum() == pytest.approx(1.0)
         # Re-smoothed locally from the raw quadrature: the server's density, and any other.
-        np.testing.assert_allclose(density.smoothed(density.grid, 0.1), density.density,
-                                   rtol=1e-9, atol=1e-12)
-        assert np.trapezoid(density.smoothed(np.linspace(-5, 40, 4000), 0.5),
-                            np.linspace(-5, 40, 4000)) == pytest.approx(1.0, abs=1e-3)
+        np.testing.assert_allclose(
+            density.smoothed(density.grid, 0.1), density.density, rtol=1e-9, atol=1e-12
+        )
+        assert np.trapezoid(
+            density.smoothed(np.linspace(-5, 40, 4000), 0.5), np.linspace(-5, 40, 4000)
+        ) == pytest.approx(1.0, abs=1e-3)
 
         # As jobs with progress: the same answers.
         seen: list = []
         job = tape.spectral_density(probes=5, steps=12, sigma=0.1, progress=seen.append)
         np.testing.assert_array_equal(job.density, density.density)
         assert seen[-1].state == "succeeded" and seen[-1].progress["done"] == density.hvps
-        job_diagonal = tape.diagonal(method="hutchinson", max_hvps=2000, batch_size=100,
-                                     progress=lambda s: None)
-        np.testing.assert_array_equal(tape.flatten(job_diagonal.diagonal),
-                                      tape.flatten(estimate))
+        job_diagonal = tape.diagonal(
+            method="hutchinson", max_hvps=2000, batch_size=100, progress=lambda s: None
+        )
+        np.testing.assert_array_equal(tape.flatten(job_diagonal.diagonal), tape.flatten(estimate))
 
         top = tape.eigenvalues(2, method="power", tol=1e-10, max_hvps=5000, eigenvectors=True)
         assert top.method == "power" and top.converged

@@ -221,9 +221,11 @@ def test_the_engine_installs_alone_with_numpy(tmp_path: Path) -> None:
     listed = run([str(bin_dir / "pip"), "list", "--format=freeze"], timeout=60).stdout
     names = {line.split("==")[0].lower() for line in listed.split()}
     assert names - {"pip", "setuptools", "wheel"} == {"gradtape", "numpy"}, names
-    code = ("import engine as gt, numpy as np; w = gt.Variable(np.array([1.0, 2.0]));\n"
-            "with gt.GradientTape() as t: y = gt.sum(w ** 3)\n"
-            "print(t.gradient(y, w).numpy().tolist())")
+    code = (
+        "import engine as gt, numpy as np; w = gt.Variable(np.array([1.0, 2.0]));\n"
+        "with gt.GradientTape() as t: y = gt.sum(w ** 3)\n"
+        "print(t.gradient(y, w).numpy().tolist())"
+    )
     out = run([str(bin_dir / "python"), "-c", code], timeout=60, cwd=tmp_path).stdout
     assert out.strip() == "[3.0, 12.0]"
     serve = run([str(bin_dir / "gradtape"), "serve"], timeout=60, check=False, cwd=tmp_path)

@@ -102,14 +102,17 @@ def test_generator_warns_only_about_msgpack(python_client: tuple[Path, str]) -> 
     _, output = python_client
     warnings = re.findall(
         r"WARNING parsing (\S+ \S+) within \w+\.(?: Endpoint will not be generated\.)?"
-        r"\s+(.+)", output)
+        r"\s+(.+)",
+        output,
+    )
     assert warnings, "expected the msgpack warnings: has the generator changed?"
     assert {reason for _, reason in warnings} == {
         "Unsupported content type application/msgpack",
         "Unsupported content type application/onnx",
     }, output
     assert [op for op, reason in warnings if reason.endswith("application/onnx")] == [
-        "PUT /v1/models/{name}"], output
+        "PUT /v1/models/{name}"
+    ], output
     assert "Unable to" not in output and "ERROR" not in output, output
 
 

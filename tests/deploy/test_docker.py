@@ -133,8 +133,12 @@ def test_each_variant_installs_its_extra(dockerfile: Dockerfile, variant: str) -
     in build and runtime. The CUDA stages are one pair that VARIANT parameterizes."""
     extras = PYPROJECT["project"]["optional-dependencies"]
     build = dockerfile.chain(f"{variant}-build", VARIANT=variant)
-    installs = [dockerfile.expand(i.args, VARIANT=variant)
-                for s in build for i in s.all("RUN") if "pip install" in i.args]
+    installs = [
+        dockerfile.expand(i.args, VARIANT=variant)
+        for s in build
+        for i in s.all("RUN")
+        if "pip install" in i.args
+    ]
     assert len(installs) == 1, installs
     if variant == "cpu":
         assert installs[0].endswith('pip install --no-cache-dir "/src[service]"')
@@ -145,8 +149,12 @@ def test_each_variant_installs_its_extra(dockerfile: Dockerfile, variant: str) -
     major = variant.removeprefix("cuda")
     assert extras[variant] == [f"cupy-cuda{major}x>=13"]
     # the build stage derives from the runtime stage, so the venv's interpreter is there
-    assert [s.name for s in build] == [f"{variant}-build", "cuda-build", "cuda-runtime",
-                                       f"{variant}-base"]
+    assert [s.name for s in build] == [
+        f"{variant}-build",
+        "cuda-build",
+        "cuda-runtime",
+        f"{variant}-base",
+    ]
     runtime = dockerfile.chain(f"{variant}-runtime", VARIANT=variant)
     assert [s.name for s in runtime] == [f"{variant}-runtime", "cuda-runtime", f"{variant}-base"]
     base = dockerfile.expand(build[-1].base)
@@ -264,13 +272,20 @@ def resolved(compose: dict) -> dict:
     return interpolate_tree(copy.deepcopy(compose), {})  # type: ignore[return-value]
 
 
-RAY_HEADS = {"gradtape-ray": ("ray", "ray-worker"), "gradtape-ray-gpu": ("ray-gpu", "ray-worker-gpu")}
+RAY_HEADS = {
+    "gradtape-ray": ("ray", "ray-worker"),
+    "gradtape-ray-gpu": ("ray-gpu", "ray-worker-gpu"),
+}
 
 
 def test_compose_services(compose: dict) -> None:
     services = resolved(compose)["services"]
-    assert set(services) == {"gradtape", "gradtape-gpu", *RAY_HEADS,
-                             *(worker for _, worker in RAY_HEADS.values())}
+    assert set(services) == {
+        "gradtape",
+        "gradtape-gpu",
+        *RAY_HEADS,
+        *(worker for _, worker in RAY_HEADS.values()),
+    }
     cpu, gpu = services["gradtape"], services["gradtape-gpu"]
     assert "profiles" not in cpu and gpu["profiles"] == ["gpu"]
     assert cpu["build"]["context"] == gpu["build"]["context"] == "."
@@ -364,7 +379,9 @@ def test_compose_ray_profiles(compose: dict) -> None:
     gpu_head, gpu_worker = services["gradtape-ray-gpu"], services["ray-worker-gpu"]
     assert gpu_head["build"]["args"]["VARIANT"] in VARIANTS[1:]
     assert gpu_head["environment"]["GRADTAPE_DEVICE"] == "cuda"
-    cpu_head = settings_from({k: str(v) for k, v in services["gradtape-ray"]["environment"].items()})
+    cpu_head = settings_from(
+        {k: str(v) for k, v in services["gradtape-ray"]["environment"].items()}
+    )
     assert cpu_head.http_workers == 2 and cpu_head.workers == 1  # 2 actors: one 2-CPU node
     devices = gpu_worker["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]

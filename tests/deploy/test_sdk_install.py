@@ -54,8 +54,11 @@ def env_for(bin_dir: Path) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("GRADTAPE_", "PYTHON", "VIRTUAL_ENV"))
     }
-    return {**base, "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}",
-            "VIRTUAL_ENV": str(bin_dir.parent)}
+    return {
+        **base,
+        "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}",
+        "VIRTUAL_ENV": str(bin_dir.parent),
+    }
 
 
 def dist_files(python: Path, name: str, env: dict[str, str]) -> set[str]:
@@ -74,28 +77,38 @@ def test_sdk_installs_alone_and_beside_the_server(live_server: Server, tmp_path:
     python = bin_dir / "python"
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 
-    run([*pip, str(checkout / "clients" / "python")], env=env, cwd=tmp_path,
-        timeout=INSTALL_TIMEOUT)
+    run(
+        [*pip, str(checkout / "clients" / "python")], env=env, cwd=tmp_path, timeout=INSTALL_TIMEOUT
+    )
     listed = run([str(python), "-m", "pip", "list", "--format=json"], env=env, timeout=60)
     installed = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
     assert installed <= ALLOWED, installed - ALLOWED
     # From tmp_path: `python -c` puts the working directory on sys.path, and the
     # checkout's own engine/ must not count as installed.
-    absent = run([str(python), "-c", "import engine"], env=env, cwd=tmp_path, timeout=60,
-                 check=False)
+    absent = run(
+        [str(python), "-c", "import engine"], env=env, cwd=tmp_path, timeout=60, check=False
+    )
     assert absent.returncode != 0  # the SDK brings no server code
 
-    done = run([str(python), "-c", DRIVE, live_server.base_url], env=env, cwd=tmp_path,
-               timeout=120)
+    done = run([str(python), "-c", DRIVE, live_server.base_url], env=env, cwd=tmp_path, timeout=120)
     answer = json.loads(done.stdout)
     assert Path(answer["file"]).is_relative_to(tmp_path / "venv")  # the installed copy
-    assert answer | {"file": None} == {"file": None, "value": 9.0, "dtype": "float64",
-                                       "gradient": [3.0, 12.0], "hvp": [6.0, 12.0]}
+    assert answer | {"file": None} == {
+        "file": None,
+        "value": 9.0,
+        "dtype": "float64",
+        "gradient": [3.0, 12.0],
+        "hvp": [6.0, 12.0],
+    }
 
     # The server, editable, into the same virtualenv: both import, no file is shared.
     run([*pip, "-e", str(checkout)], env=env, cwd=checkout, timeout=INSTALL_TIMEOUT)
-    both = run([str(python), "-c", "import engine, service, gradtape.client; print('ok')"],
-               env=env, cwd=tmp_path, timeout=60)
+    both = run(
+        [str(python), "-c", "import engine, service, gradtape.client; print('ok')"],
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert both.stdout.strip() == "ok"
     run([str(python), "-m", "pip", "check"], env=env, timeout=60)
     shared = dist_files(python, "gradtape", env) & dist_files(python, "gradtape-client", env)

@@ -575,8 +575,9 @@ def test_a_curvature_operator_answers_the_operator_interface_in_full() -> None:
 
     rng = np.random.default_rng(40)
     x, y = rng.standard_normal((8, 3)), rng.standard_normal((8, 2))
-    op = curvature_operator(lambda w, x: x @ w, lambda o, y: gt.mean((o - y) ** 2),
-                            np.ones((3, 2)), x, y, "ggn")
+    op = curvature_operator(
+        lambda w, x: x @ w, lambda o, y: gt.mean((o - y) ** 2), np.ones((3, 2)), x, y, "ggn"
+    )
     (product,) = op.hvp(np.ones((3, 2)))
     # GGN of a linear model under mean squared error: (2 / (N * 2)) X^T X V per output
     np.testing.assert_allclose(product.numpy(), x.T @ x @ np.ones((3, 2)) / 8, rtol=1e-10)
@@ -592,7 +593,8 @@ def test_test_gradients_of_row_subsets_add_up_as_the_loss_does() -> None:
     rows = [0, 3, 7, 3, 10]
     value, grad = curv.test_gradient(rows=rows)
     want = gt.value_and_grad(lambda p: loss(model(p, x[rows]), y[rows]))(
-        {k: gt.constant(v) for k, v in params.items()})
+        {k: gt.constant(v) for k, v in params.items()}
+    )
     assert float(value.numpy()) == pytest.approx(float(want[0].numpy()), rel=1e-12)
     for k in params:
         np.testing.assert_allclose(grad[k].numpy(), want[1][k].numpy(), rtol=1e-12)

@@ -156,8 +156,9 @@ def test_hutchinson_stops_at_the_tolerance_and_the_time_limit() -> None:
     assert out.stopped == "tolerance" and out.converged
     assert out.stderr <= 0.02 * abs(out.trace) and out.samples < 10000
     assert out.samples % 8 == 0 and out.batches >= 2
-    slow = hutchinson_trace(Counting(a, delay=0.02), 30, batch_size=2, max_hvps=1000,
-                            max_seconds=0.05)
+    slow = hutchinson_trace(
+        Counting(a, delay=0.02), 30, batch_size=2, max_hvps=1000, max_seconds=0.05
+    )
     assert slow.stopped == "time_limit" and not slow.converged and slow.samples < 1000
     last = hutchinson_trace(Counting(a), 30, batch_size=16, max_hvps=20)
     assert last.samples == 20 and last.batches == 2  # the last batch is cut to fit
@@ -177,8 +178,9 @@ def test_cg_solves_a_positive_definite_system(damping: float) -> None:
     matvec = Counting(a)
     out = conjugate_gradient(matvec, b, damping=damping, tol=1e-10, max_iterations=500)
     assert out.converged and out.stopped == "converged"
-    np.testing.assert_allclose(out.x, np.linalg.solve(a + damping * np.eye(50), b),
-                               rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(
+        out.x, np.linalg.solve(a + damping * np.eye(50), b), rtol=1e-7, atol=1e-9
+    )
     assert out.hvps == matvec.vectors == out.iterations
     assert len(out.residuals) == out.iterations + 1 and out.residuals[0] == 1.0
     assert out.residuals[-1] <= 1e-10
@@ -227,8 +229,15 @@ def mlp_operator(dtype: str = "float64") -> tuple[gt.HessianOperator, np.ndarray
     operator = gt.hessian_operator(loss, w1, b1, w2)
     blocks = gt.hessian(loss, argnums=(0, 1, 2))(w1, b1, w2)
     sizes = [12, 4, 8]
-    h = np.block([[np.asarray(blocks[i][j].numpy(), np.float64).reshape(sizes[i], sizes[j])
-                   for j in range(3)] for i in range(3)])
+    h = np.block(
+        [
+            [
+                np.asarray(blocks[i][j].numpy(), np.float64).reshape(sizes[i], sizes[j])
+                for j in range(3)
+            ]
+            for i in range(3)
+        ]
+    )
     return operator, h
 
 
@@ -257,8 +266,9 @@ def test_algorithms_on_a_hessian_operator() -> None:
     g = flat.flatten(operator.grad)
     step = conjugate_gradient(flat.matvec, g, damping=damping, tol=1e-12, max_iterations=200)
     assert step.converged
-    np.testing.assert_allclose(step.x, np.linalg.solve(h + damping * np.eye(24), g),
-                               rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(
+        step.x, np.linalg.solve(h + damping * np.eye(24), g), rtol=1e-8, atol=1e-10
+    )
 
 
 def test_float32_operator_gives_float32_precision() -> None:

@@ -46,8 +46,11 @@ def test_a_gradient_stops_at_the_next_op_and_the_engine_recovers() -> None:
         y = loss(w)
     g = tape.gradient(y, w).numpy()
     eps, x = 1e-6, w.numpy()
-    fd = [(loss(gt.constant(x + eps * e)).numpy() - loss(gt.constant(x - eps * e)).numpy())
-          / (2 * eps) for e in np.eye(5)]
+    fd = [
+        (loss(gt.constant(x + eps * e)).numpy() - loss(gt.constant(x - eps * e)).numpy())
+        / (2 * eps)
+        for e in np.eye(5)
+    ]
     np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-9)
 
 
@@ -64,8 +67,11 @@ def test_a_lanczos_run_stops_between_hvps() -> None:
     assert check.calls == 3 * counted.calls + 2
     # The recorded operator still answers, unchanged.
     v = np.ones(40)
-    np.testing.assert_allclose(operator.hvp(gt.constant(v))[0].numpy(),
-                               gt.hessian(loss)(gt.constant(w)).numpy() @ v, rtol=1e-9)
+    np.testing.assert_allclose(
+        operator.hvp(gt.constant(v))[0].numpy(),
+        gt.hessian(loss)(gt.constant(w)).numpy() @ v,
+        rtol=1e-9,
+    )
 
 
 def test_no_check_costs_nothing_but_a_test() -> None:

@@ -344,9 +344,14 @@ DEFINITIONS = {
     "user function": {  # a forward and a backward program (tf.custom_gradient's analogue)
         "variables": {"w": _rng.random((4, 3))},
         "inputs": {"x": _rng.random((5, 4))},
-        "functions": {"log1pexp": {"params": ["z"], "forward": ["e = exp(z)", "out = log(1 + e)"],
-                                   "backward": ["grad_z = upstream * (1 - 1 / (1 + e))"],
-                                   "output": "out"}},
+        "functions": {
+            "log1pexp": {
+                "params": ["z"],
+                "forward": ["e = exp(z)", "out = log(1 + e)"],
+                "backward": ["grad_z = upstream * (1 - 1 / (1 + e))"],
+                "output": "out",
+            }
+        },
         "program": ["h = log1pexp(x @ w)", "loss = sum(h * h)"],
     },
 }
@@ -485,8 +490,11 @@ def test_kept_gradient_passes_are_bounded_across_programs() -> None:
     rng = np.random.default_rng(35)
     count = compile_module.GRADIENT_PASSES + 4
     for k in range(count):  # distinct programs: a different constant in each
-        definition = {"variables": {"w": rng.random((3, 3))}, "inputs": {"x": rng.random(3)},
-                      "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"]}
+        definition = {
+            "variables": {"w": rng.random((3, 3))},
+            "inputs": {"x": rng.random(3)},
+            "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"],
+        }
         for _ in range(3):
             evaluate(definition, "loss")
     kept = compile_module._gradient_passes.entries
@@ -516,8 +524,7 @@ def test_replay_changes_count_what_the_passes_keep() -> None:
 def _hvps_both_ways(program, request, leaves, vectors, **kw):
     compiled = program.hessian_vector_products(request, leaves, vectors, **kw)
     dynamic = program.hessian_vector_products(request, leaves, vectors, compiled=False, **kw)
-    _assert_same([compiled[0], *compiled[1], *compiled[2]],
-                 [dynamic[0], *dynamic[1], *dynamic[2]])
+    _assert_same([compiled[0], *compiled[1], *compiled[2]], [dynamic[0], *dynamic[1], *dynamic[2]])
     return compiled
 
 
@@ -536,8 +543,10 @@ def test_definition_hvps_replay_exactly(name) -> None:
         definition = _with_values(DEFINITIONS[name], rng)
         leaves = program.leaves(definition)
         for k in (1, 3):
-            vectors = [gt.constant(rng.standard_normal((k, *leaves[n].shape)))
-                       for n in request.sources.values()]
+            vectors = [
+                gt.constant(rng.standard_normal((k, *leaves[n].shape)))
+                for n in request.sources.values()
+            ]
             _hvps_both_ways(program, request, leaves, vectors)
     passes = program.request_passes()
     assert len(passes) == 2, passes
@@ -560,16 +569,21 @@ def test_replayed_fresh_hvps_are_the_hessian_times_v() -> None:
         "program": ["loss = sum(tanh(x @ k + b) ** 2)"],
     }
     program = compile_definition(base)
-    request = program.check_request("loss", {"k": "k", "b": "b", "again": "k", "u": "unused"},
-                                    "zero", allow_unused=True)
+    request = program.check_request(
+        "loss", {"k": "k", "b": "b", "again": "k", "u": "unused"}, "zero", allow_unused=True
+    )
     for _ in range(4):
         definition = _with_values(base, rng)
         leaves = program.leaves(definition)
-        x, k, b = definition["inputs"]["x"], definition["variables"]["k"], definition[
-            "variables"]["b"]
+        x, k, b = (
+            definition["inputs"]["x"],
+            definition["variables"]["k"],
+            definition["variables"]["b"],
+        )
         vk, vb, vk2, vu = (rng.standard_normal((2, *s)) for s in [(4, 3), (3,), (4, 3), (2,)])
         value, grads, products = program.hessian_vector_products(
-            request, leaves, [gt.constant(v) for v in (vk, vb, vk2, vu)])
+            request, leaves, [gt.constant(v) for v in (vk, vb, vk2, vu)]
+        )
         t = np.tanh(x @ k + b)
         dz = 2 * t * (1 - t**2)
         s = 2 * (1 - t**2) * (1 - 3 * t**2)  # d2 loss / dz2, elementwise
@@ -602,8 +616,7 @@ def test_fresh_hvps_in_passes_of_the_memory_budget_replay_exactly() -> None:
     leaves = program.leaves(definition)
     for _ in range(3):
         vectors = [gt.constant(rng.standard_normal((5, 8, 8)))]
-        _, _, (batched,) = _hvps_both_ways(program, request, leaves, vectors,
-                                           memory_budget=budget)
+        _, _, (batched,) = _hvps_both_ways(program, request, leaves, vectors, memory_budget=budget)
         _, _, (whole,) = program.hessian_vector_products(request, leaves, vectors)
         np.testing.assert_allclose(batched.numpy(), whole.numpy(), rtol=1e-12)
     passes = program.request_passes()
@@ -619,14 +632,18 @@ def test_kept_request_passes_are_bounded_across_programs() -> None:
 
     rng = np.random.default_rng(40)
     for k in range(compile_module.REQUEST_PASSES + 3):
-        definition = {"variables": {"w": rng.random((3, 3))}, "inputs": {"x": rng.random(3)},
-                      "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"]}
+        definition = {
+            "variables": {"w": rng.random((3, 3))},
+            "inputs": {"x": rng.random(3)},
+            "program": [f"loss = sum(tanh(w @ x) ** 2) * {k + 1}.0"],
+        }
         program = compile_definition(definition)
         request = program.check_request("loss", None, "zero")
         leaves = program.leaves(definition)
         for _ in range(3):
-            program.hessian_vector_products(request, leaves,
-                                            [gt.constant(rng.standard_normal((1, 3, 3)))])
+            program.hessian_vector_products(
+                request, leaves, [gt.constant(rng.standard_normal((1, 3, 3)))]
+            )
     kept = compile_module._request_passes.entries
     assert len(kept) == compile_module.REQUEST_PASSES
     pooled = sum(p.pooled_bytes for p in kept.values() if isinstance(p, replay.Schedule))
@@ -650,15 +667,22 @@ def test_definition_jacobians_replay_exactly(name, chunk_size) -> None:
 
     rng = np.random.default_rng(41)
     program = compile_definition(DEFINITIONS[name])
-    target = {"relu mlp": "o", "clip_grad_norm": "h", "gradient penalty": "g",
-              "softmax regression": "z", "user function": "h"}[name]
-    request = program.check_request(target, list(DEFINITIONS[name]["variables"]), "zero",
-                                    allow_unused=True)
+    target = {
+        "relu mlp": "o",
+        "clip_grad_norm": "h",
+        "gradient penalty": "g",
+        "softmax regression": "z",
+        "user function": "h",
+    }[name]
+    request = program.check_request(
+        target, list(DEFINITIONS[name]["variables"]), "zero", allow_unused=True
+    )
     for _ in range(4):
         leaves = program.leaves(_with_values(DEFINITIONS[name], rng))
         _jacobians_both_ways(program, request, leaves, False, chunk_size)
-    passes = [p for k, p in program.request_passes().items()
-              if k[0] == "jacobian" and k[5] == chunk_size]
+    passes = [
+        p for k, p in program.request_passes().items() if k[0] == "jacobian" and k[5] == chunk_size
+    ]
     assert len(passes) == 1 and isinstance(passes[0], replay.Schedule), passes
 
 
@@ -668,9 +692,11 @@ def test_replayed_batch_jacobians_are_the_closed_form_and_fresh() -> None:
     from engine.language import compile_definition
 
     rng = np.random.default_rng(42)
-    base = {"variables": {"w": rng.random((4, 3))},
-            "inputs": {"x": rng.random((5, 4)), "z": rng.random((5, 2))},
-            "program": ["o = tanh(x @ w)"]}
+    base = {
+        "variables": {"w": rng.random((4, 3))},
+        "inputs": {"x": rng.random((5, 4)), "z": rng.random((5, 2))},
+        "program": ["o = tanh(x @ w)"],
+    }
     program = compile_definition(base)
     request = program.check_request("o", ["x", "z"], "zero")
     answers = []
@@ -679,8 +705,9 @@ def test_replayed_batch_jacobians_are_the_closed_form_and_fresh() -> None:
         x, w = definition["inputs"]["x"], definition["variables"]["w"]
         _, found = _jacobians_both_ways(program, request, program.leaves(definition), True)
         t = np.tanh(x @ w)
-        np.testing.assert_allclose(found["x"].numpy(),
-                                   (1 - t**2)[:, :, None] * w.T[None], rtol=1e-12)
+        np.testing.assert_allclose(
+            found["x"].numpy(), (1 - t**2)[:, :, None] * w.T[None], rtol=1e-12
+        )
         np.testing.assert_array_equal(found["z"].numpy(), np.zeros((5, 3, 2)))
         answers.append(found["x"].numpy())
     assert not any(np.shares_memory(a, b) for a in answers for b in answers if a is not b)
@@ -693,8 +720,11 @@ def test_a_replayed_batch_jacobian_still_checks_the_examples_independence() -> N
     from engine.language import compile_definition
 
     rng = np.random.default_rng(43)
-    base = {"variables": {"w": rng.random((4, 3))}, "inputs": {"x": rng.random((5, 4))},
-            "program": ["h = tanh(x @ w)", "o = h - mean(h, axis=0)"]}
+    base = {
+        "variables": {"w": rng.random((4, 3))},
+        "inputs": {"x": rng.random((5, 4))},
+        "program": ["h = tanh(x @ w)", "o = h - mean(h, axis=0)"],
+    }
     program = compile_definition(base)
     request = program.check_request("o", ["x"], "zero")
     for _ in range(4):
@@ -711,8 +741,11 @@ def test_a_pass_whose_constants_exceed_the_limit_stays_dynamic(monkeypatch) -> N
 
     monkeypatch.setattr(compile_module._request_passes, "constant_limit", 1000)
     rng = np.random.default_rng(44)
-    base = {"variables": {"w": rng.random((4, 3))}, "inputs": {"x": rng.random((5, 4))},
-            "program": ["o = tanh(x @ w)"]}  # 15 rows of 15 float64 seeds: 1,800 bytes
+    base = {
+        "variables": {"w": rng.random((4, 3))},
+        "inputs": {"x": rng.random((5, 4))},
+        "program": ["o = tanh(x @ w)"],
+    }  # 15 rows of 15 float64 seeds: 1,800 bytes
     program = compile_definition(base)
     request = program.check_request("o", ["w"], "zero")
     for _ in range(4):
@@ -729,8 +762,11 @@ def test_a_definition_that_sorts_its_values_stays_dynamic_and_right() -> None:
     from engine.language import compile_definition
 
     rng = np.random.default_rng(45)
-    base = {"variables": {"w": rng.standard_normal(5)}, "inputs": {"c": np.arange(1.0, 6.0)},
-            "program": ["s = sort(w)", "loss = sum(s * s * s * c)"]}
+    base = {
+        "variables": {"w": rng.standard_normal(5)},
+        "inputs": {"c": np.arange(1.0, 6.0)},
+        "program": ["s = sort(w)", "loss = sum(s * s * s * c)"],
+    }
     for _ in range(5):
         result = _evaluate_both_ways({**base, "variables": {"w": rng.standard_normal(5)}})
         w = result.gradients["w"]

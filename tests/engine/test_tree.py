@@ -21,7 +21,10 @@ def test_round_trip_of_every_kind_of_node() -> None:
     leaves, treedef = tree.flatten(nested)
     assert leaves == [1, 2, 3, 4, 5, 6]
     assert tree.unflatten(treedef, [10 * v for v in leaves]) == {
-        "x": [10, (20, 30)], "y": Pair(40, {"z": 50}), "n": 60}
+        "x": [10, (20, 30)],
+        "y": Pair(40, {"z": 50}),
+        "n": 60,
+    }
 
 
 def test_a_gradients_results_are_freed_without_the_garbage_collector() -> None:

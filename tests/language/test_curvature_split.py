@@ -150,8 +150,11 @@ def test_a_refused_cut_says_where_and_why(program, output, message, line) -> Non
 def test_leaves_read_follows_the_lines_a_name_needs() -> None:
     """The variables and inputs a name depends on, through the lines it reads (a sharded
     tape's jacobian asks whether a name reads the split batch)."""
-    program = compile_definition(mlp_definition(
-        [*MLP[:2], "pen = 0.1 * sum(w1 ** 2)", "loss = softmax_cross_entropy(logits, y) + pen"]))
+    program = compile_definition(
+        mlp_definition(
+            [*MLP[:2], "pen = 0.1 * sum(w1 ** 2)", "loss = softmax_cross_entropy(logits, y) + pen"]
+        )
+    )
     assert program.leaves_read("pen") == {"w1"}
     assert program.leaves_read("logits") == {"x", "w1", "b1", "w2"}
     assert program.leaves_read("loss") == {"x", "y", "w1", "b1", "w2"}

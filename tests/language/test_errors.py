@@ -319,7 +319,9 @@ def test_undefined_names_suggest() -> None:
         ("nope", ["definition: a definition must be a mapping"]),
         (
             {"program": "y = x", "extra": 1},
-            ["definition: unknown field 'extra'; expected program, variables, inputs, functions, models, dtype"],
+            [
+                "definition: unknown field 'extra'; expected program, variables, inputs, functions, models, dtype"
+            ],
         ),
         ({"program": [1, 2]}, ["program: program must be a list of strings (one line each)"]),
         (

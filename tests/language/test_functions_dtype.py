@@ -81,16 +81,19 @@ def test_wgan_gp_gradient_against_finite_differences() -> None:
         plus = evaluate(wgan({**PARAMS, k: value + step * direction}), "loss").value
         minus = evaluate(wgan({**PARAMS, k: value - step * direction}), "loss").value
         fd = (plus - minus) / (2 * step)
-        np.testing.assert_allclose(np.sum(grads[f"critic.{k}"] * direction), fd, rtol=1e-6,
-                                   atol=1e-8)  # b2's gradient is 0: the bias cancels
+        np.testing.assert_allclose(
+            np.sum(grads[f"critic.{k}"] * direction), fd, rtol=1e-6, atol=1e-8
+        )  # b2's gradient is 0: the bias cancels
 
 
 def hvps(defn: dict, names: list[str], vectors: list[np.ndarray]) -> list[np.ndarray]:
     program = compile_definition(defn)
     request = program.check_request("loss", names)
     leaves = program.leaves(defn)
-    return [np.asarray(h.numpy()) for h in
-            program.hessian_operator(request, leaves).hvp(*[gt.constant(v) for v in vectors])]
+    return [
+        np.asarray(h.numpy())
+        for h in program.hessian_operator(request, leaves).hvp(*[gt.constant(v) for v in vectors])
+    ]
 
 
 def test_wgan_gp_second_order_matches_written_out_and_finite_differences() -> None:
@@ -122,18 +125,32 @@ def test_plain_functions_call_functions_and_take_variables_as_arguments() -> Non
         },
         "program": ["y = block(block(x, w, b), w, b)", "loss = sum(y ** 2)"],
     }
-    written = {**defn, "functions": {},
-               "program": ["h = tanh(x @ w + b)", "y = tanh(h @ w + b)", "loss = sum(y ** 2)"]}
+    written = {
+        **defn,
+        "functions": {},
+        "program": ["h = tanh(x @ w + b)", "y = tanh(h @ w + b)", "loss = sum(y ** 2)"],
+    }
     a, b = evaluate(defn, "loss"), evaluate(written, "loss")
     np.testing.assert_allclose(a.value, b.value, rtol=1e-15)
     for k in ("w", "b"):
         np.testing.assert_allclose(a.gradients[k], b.gradients[k], rtol=1e-13)
     # third order through the nested functions: d/dw of a grad-of-grad
-    defn3 = {**defn, "program": ["y = block(block(x, w, b), w, b)", "l1 = sum(y ** 2)",
-                                 "g1 = grad(l1, b)", "l2 = sum(g1 ** 2)", "g2 = grad(l2, b)",
-                                 "loss = sum(g2 * g2)"]}
-    wr3 = {**defn3, "functions": {},
-           "program": ["h = tanh(x @ w + b)", "y = tanh(h @ w + b)"] + defn3["program"][1:]}
+    defn3 = {
+        **defn,
+        "program": [
+            "y = block(block(x, w, b), w, b)",
+            "l1 = sum(y ** 2)",
+            "g1 = grad(l1, b)",
+            "l2 = sum(g1 ** 2)",
+            "g2 = grad(l2, b)",
+            "loss = sum(g2 * g2)",
+        ],
+    }
+    wr3 = {
+        **defn3,
+        "functions": {},
+        "program": ["h = tanh(x @ w + b)", "y = tanh(h @ w + b)"] + defn3["program"][1:],
+    }
     a, b = evaluate(defn3, "loss", ["w"]), evaluate(wr3, "loss", ["w"])
     np.testing.assert_allclose(a.gradients["w"], b.gradients["w"], rtol=1e-11)
 
@@ -155,51 +172,81 @@ def test_recursion_is_refused_naming_the_cycle() -> None:
         "program": ["y = f(x)"],
     }
     assert problems(defn) == [
-        ("functions.f: recursion: f -> g -> h -> f; a function may call other functions but "
-        "never itself, directly or through others")
+        (
+            "functions.f: recursion: f -> g -> h -> f; a function may call other functions but "
+            "never itself, directly or through others"
+        )
     ]
 
 
 def test_owned_variables_are_checked() -> None:
     body = {"params": ["x"], "forward": ["y = x * w"]}
-    assert problems({
-        "variables": {"critc.w": 1.0}, "inputs": {"x": 1.0},
-        "functions": {"critic": body}, "program": ["y = critic(x)"],
-    }) == [
-        ("variables.critc.w: a dotted variable belongs to the function before the dot, and "
-        "no function is named 'critc'; did you mean 'critic'?"),
+    assert problems(
+        {
+            "variables": {"critc.w": 1.0},
+            "inputs": {"x": 1.0},
+            "functions": {"critic": body},
+            "program": ["y = critic(x)"],
+        }
+    ) == [
+        (
+            "variables.critc.w: a dotted variable belongs to the function before the dot, and "
+            "no function is named 'critc'; did you mean 'critic'?"
+        ),
         "functions.critic.forward line 1, column 9: undefined name 'w'",
     ]
-    found = problems({
-        "variables": {"critic.x": 1.0}, "inputs": {"x": 1.0},
-        "functions": {"critic": body}, "program": ["y = critic(x)"],
-    })
-    assert found[0] == ("functions.critic.params: 'x' is both a parameter and the "
-                        "function's own variable 'critic.x'")
+    found = problems(
+        {
+            "variables": {"critic.x": 1.0},
+            "inputs": {"x": 1.0},
+            "functions": {"critic": body},
+            "program": ["y = critic(x)"],
+        }
+    )
+    assert found[0] == (
+        "functions.critic.params: 'x' is both a parameter and the "
+        "function's own variable 'critic.x'"
+    )
     custom = {**body, "backward": ["grad_x = upstream * w"]}
-    found = problems({
-        "variables": {"critic.w": 1.0}, "inputs": {"x": 1.0},
-        "functions": {"critic": custom}, "program": ["y = critic(x)"],
-    })
-    assert found[0] == ("functions.critic: a function with a backward program takes its "
-                        "variables as parameters (critic.w belong to it)")
+    found = problems(
+        {
+            "variables": {"critic.w": 1.0},
+            "inputs": {"x": 1.0},
+            "functions": {"critic": custom},
+            "program": ["y = critic(x)"],
+        }
+    )
+    assert found[0] == (
+        "functions.critic: a function with a backward program takes its "
+        "variables as parameters (critic.w belong to it)"
+    )
 
 
 def test_default_dtype_makes_bare_values_float64() -> None:
-    defn = {"dtype": "float64", "variables": {"w": [1.0, 2.0]},
-            "inputs": {"x": [0.1, 0.2], "c": 1e-300}, "program": ["y = sum(w * x) + c"]}
+    defn = {
+        "dtype": "float64",
+        "variables": {"w": [1.0, 2.0]},
+        "inputs": {"x": [0.1, 0.2], "c": 1e-300},
+        "program": ["y = sum(w * x) + c"],
+    }
     out = evaluate(defn, "y")
     assert out.value.dtype == np.float64 and out.gradients["w"].dtype == np.float64
     assert float(out.value) == pytest.approx(0.5 + 1e-300, rel=1e-15)
     np.testing.assert_array_equal(out.gradients["w"], np.array([0.1, 0.2]))  # exact in f64
     # without it, float32 as before
-    assert evaluate({**defn, "dtype": None, "inputs": {"x": [0.1, 0.2], "c": 0.0}},
-                    "y").value.dtype == np.float32
+    assert (
+        evaluate({**defn, "dtype": None, "inputs": {"x": [0.1, 0.2], "c": 0.0}}, "y").value.dtype
+        == np.float32
+    )
 
 
 def test_default_dtype_mixing_stays_an_error() -> None:
-    defn = {"dtype": "float64", "variables": {"w": [1.0, 2.0]},
-            "inputs": {"x": np.array([0.1, 0.2], np.float32)}, "program": ["y = sum(w * x)"]}
+    defn = {
+        "dtype": "float64",
+        "variables": {"w": [1.0, 2.0]},
+        "inputs": {"x": np.array([0.1, 0.2], np.float32)},
+        "program": ["y = sum(w * x)"],
+    }
     (only,) = problems(defn)
     assert "float64" in only and "float32" in only and "line 1" in only
 

@@ -47,8 +47,9 @@ def measured_hvp_peak(definition: dict, k: int) -> tuple[int, object]:
     program = compile_definition(definition)
     leaves = program.leaves(definition)
     sources = {name: name for name in definition["variables"]}
-    vectors = [gt.constant(rng.random((k, *leaves[n].shape)).astype(leaves[n].dtype))
-               for n in sources]
+    vectors = [
+        gt.constant(rng.random((k, *leaves[n].shape)).astype(leaves[n].dtype)) for n in sources
+    ]
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -80,7 +81,9 @@ def test_a_refusal_names_the_largest_op_its_shape_and_the_budget() -> None:
     assert memory.max_batch(memory.recording_bytes) == 0
     problem = memory.refusal(2**20, "an HVP pass")
     assert (problem.line, problem.op, problem.shapes) in {
-        (1, "matmul", ((384, 384),)), (1, "tanh", ((384, 384),))}
+        (1, "matmul", ((384, 384),)),
+        (1, "tanh", ((384, 384),)),
+    }
     assert "[384, 384]" in problem.message and "(float32, 0.6 MiB)" in problem.message
     assert "budget of a request is 1.0 MiB" in problem.message
     assert problem.kind == "limit"
@@ -95,8 +98,9 @@ def bounded_hvp(definition: dict, k: int, budget: int | None) -> tuple[list, int
     leaves = program.leaves(definition)
     sources = {name: name for name in definition["variables"]}
     g = np.random.default_rng(5)
-    vectors = [gt.constant(g.random((k, *leaves[n].shape)).astype(leaves[n].dtype))
-               for n in sources]
+    vectors = [
+        gt.constant(g.random((k, *leaves[n].shape)).astype(leaves[n].dtype)) for n in sources
+    ]
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -155,7 +159,7 @@ def test_a_split_hvp_keeps_the_primals_structure() -> None:
 
     def f(pair):
         x, y = pair
-        return gt.sum(gt.tanh(x) ** 2) + gt.sum(y ** 3) * gt.sum(x)
+        return gt.sum(gt.tanh(x) ** 2) + gt.sum(y**3) * gt.sum(x)
 
     vectors = ([gt.constant(g.random((5, 3))), gt.constant(g.random((5, 2, 2)))],)
     whole = gt.hessian_operator(f, (a, b)).hvp_many(*vectors)

@@ -13,8 +13,10 @@ from engine.language.compile import Request
 
 
 def diagnose(program: list[str], target: str = "loss", **variables: object):
-    definition = {"variables": {k: np.asarray(v, dtype=np.float64) for k, v in variables.items()},
-                  "program": program}
+    definition = {
+        "variables": {k: np.asarray(v, dtype=np.float64) for k, v in variables.items()},
+        "program": program,
+    }
     compiled = compile_definition(definition)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's own divide-by-zero notes
@@ -24,8 +26,9 @@ def diagnose(program: list[str], target: str = "loss", **variables: object):
 
 
 def test_the_first_forward_op_with_a_non_finite_value_is_named() -> None:
-    found = diagnose(["a = w * 2.0", "b = exp(a)", "loss = sum(log(w - 10.0) + b)"],
-                     w=[1.0, 2.0, 12.0])
+    found = diagnose(
+        ["a = w * 2.0", "b = exp(a)", "loss = sum(log(w - 10.0) + b)"], w=[1.0, 2.0, 12.0]
+    )
     assert (found.line, found.column, found.op, found.kind) == (3, 12, "log", "nonfinite")
     assert "2 of 3" in found.message and "from finite arguments" in found.message
     assert found.shapes == ((3,),)
@@ -46,8 +49,11 @@ def test_a_singular_derivative_is_traced_to_its_op() -> None:
 
 def test_the_culprit_is_found_behind_finite_ops() -> None:
     # The gradient reaches sqrt through a matmul and a tanh: only sqrt's VJP breaks it.
-    found = diagnose(["r = sqrt(w)", "h = tanh(r @ m)", "loss = sum(h * h)"],
-                     w=[0.0, 1.0], m=[[1.0, 2.0], [3.0, 4.0]])
+    found = diagnose(
+        ["r = sqrt(w)", "h = tanh(r @ m)", "loss = sum(h * h)"],
+        w=[0.0, 1.0],
+        m=[[1.0, 2.0], [3.0, 4.0]],
+    )
     assert (found.line, found.op) == (1, "sqrt")
 
 

@@ -30,7 +30,8 @@ SPEC_PATH = Path(__file__).resolve().parents[2] / "openapi" / "openapi.json"
 SPEC: dict[str, Any] = json.loads(SPEC_PATH.read_text())
 SPEC_URI = "urn:gradtape:openapi"
 REGISTRY: Registry = Registry().with_resource(
-    SPEC_URI, Resource.from_contents(SPEC, default_specification=DRAFT202012))
+    SPEC_URI, Resource.from_contents(SPEC, default_specification=DRAFT202012)
+)
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -44,12 +45,15 @@ COVERED: set[tuple[str, str]] = set()
 
 def spec_operations() -> list[tuple[str, str]]:
     """Every (METHOD, path template) of the spec."""
-    return sorted((method.upper(), path) for path, item in SPEC["paths"].items()
-                  for method in item if method in METHODS)
+    return sorted(
+        (method.upper(), path)
+        for path, item in SPEC["paths"].items()
+        for method in item
+        if method in METHODS
+    )
 
 
-_TEMPLATES = [(re.compile("^" + re.sub(r"\{[^/}]+\}", "[^/]+", p) + "$"), p)
-              for p in SPEC["paths"]]
+_TEMPLATES = [(re.compile("^" + re.sub(r"\{[^/}]+\}", "[^/]+", p) + "$"), p) for p in SPEC["paths"]]
 
 
 def template(path: str) -> str:
@@ -69,14 +73,20 @@ def validate(instance: Any, schema: dict[str, Any], where: str) -> None:
     validator = _validator(schema)
     errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
     if errors:
-        lines = [f"  at {'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message[:300]}"
-                 for e in errors[:8]]
-        raise AssertionError(f"{where}: the answer does not follow its schema:\n"
-                             + "\n".join(lines)
-                             + f"\nanswer: {_excerpt(instance)}")
+        lines = [
+            f"  at {'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message[:300]}"
+            for e in errors[:8]
+        ]
+        raise AssertionError(
+            f"{where}: the answer does not follow its schema:\n"
+            + "\n".join(lines)
+            + f"\nanswer: {_excerpt(instance)}"
+        )
     extra = undocumented(instance, schema)
-    assert not extra, (f"{where}: the answer carries properties its schema does not "
-                       f"document: {extra}\nanswer: {_excerpt(instance)}")
+    assert not extra, (
+        f"{where}: the answer carries properties its schema does not "
+        f"document: {extra}\nanswer: {_excerpt(instance)}"
+    )
 
 
 def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +102,12 @@ def _validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
     """One validator per schema object (the spec's schemas live as long as the run)."""
     cached = _VALIDATORS.get(id(schema))
     if cached is None or cached[0] is not schema:
-        cached = (schema, jsonschema.Draft202012Validator(
-            _rebase(schema), registry=REGISTRY, format_checker=jsonschema.FormatChecker()))
+        cached = (
+            schema,
+            jsonschema.Draft202012Validator(
+                _rebase(schema), registry=REGISTRY, format_checker=jsonschema.FormatChecker()
+            ),
+        )
         _VALIDATORS[id(schema)] = cached
     return cached[1]
 
@@ -132,8 +146,14 @@ def undocumented(instance: Any, schema: dict[str, Any], where: str = "") -> list
 def _rebase(schema: Any) -> Any:
     """Point the spec's local refs ('#/components/...') at the registered spec."""
     if isinstance(schema, dict):
-        return {k: (SPEC_URI + v if k == "$ref" and isinstance(v, str) and v.startswith("#")
-                    else _rebase(v)) for k, v in schema.items()}
+        return {
+            k: (
+                SPEC_URI + v
+                if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rebase(v)
+            )
+            for k, v in schema.items()
+        }
     if isinstance(schema, list):
         return [_rebase(v) for v in schema]
     return schema
@@ -148,7 +168,8 @@ def response_spec(method: str, tmpl: str, status: int) -> dict[str, Any]:
     responses = SPEC["paths"][tmpl][method.lower()]["responses"]
     assert str(status) in responses, (
         f"{method} {tmpl} answered {status}, which openapi.json does not declare "
-        f"(declared: {sorted(responses)})")
+        f"(declared: {sorted(responses)})"
+    )
     return responses[str(status)]
 
 
@@ -180,21 +201,27 @@ class Encoding:
     def tensors(self, values: dict[str, Any], dtype: str = "float64") -> dict[str, Any]:
         return {k: self.tensor(v, dtype) for k, v in values.items()}
 
-    def request(self, client: httpx.Client, method: str, path: str,
-                body: dict[str, Any] | None = None) -> httpx.Response:
+    def request(
+        self, client: httpx.Client, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> httpx.Response:
         """Send `body` in this encoding. A base64 body without a tensor in it asks for
         base64 answers with `response_encoding` where its schema has that field (the
         default answer to a body without tensors is data lists)."""
         headers = {"accept": MSGPACK if self.name == "msgpack" else JSON}
-        if (self.name == "base64" and body is not None and not _has_tensor(body)
-                and "response_encoding" in request_properties(method, path)):
+        if (
+            self.name == "base64"
+            and body is not None
+            and not _has_tensor(body)
+            and "response_encoding" in request_properties(method, path)
+        ):
             body = {**body, "response_encoding": "base64"}
         if body is None:
             return client.request(method, path, headers=headers)
         if self.name == "msgpack":
             headers["content-type"] = MSGPACK
-            return client.request(method, path, headers=headers,
-                                  content=msgpack.packb(body, use_bin_type=True))
+            return client.request(
+                method, path, headers=headers, content=msgpack.packb(body, use_bin_type=True)
+            )
         return client.request(method, path, headers=headers, json=body)
 
 
@@ -235,44 +262,55 @@ def check_tensor(tensor: dict[str, Any], where: str, encoding: str | None) -> np
     dtype = tensor.get("dtype", "float32")
     shape = tensor.get("shape")
     assert isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), (
-        f"{where}: a tensor must claim its shape: {_excerpt(tensor)}")
+        f"{where}: a tensor must claim its shape: {_excerpt(tensor)}"
+    )
     size = math.prod(shape)
     np_dtype = np.dtype(dtype).newbyteorder("<")
     if "base64" in tensor:
         assert encoding in (None, "base64"), (
-            f"{where}: answered in base64 to a {encoding} request: {_excerpt(tensor)}")
+            f"{where}: answered in base64 to a {encoding} request: {_excerpt(tensor)}"
+        )
         try:
             raw = base64.b64decode(tensor["base64"], validate=True)
         except binascii.Error as exc:
             raise AssertionError(f"{where}: bad base64 ({exc})") from exc
         assert len(raw) == size * _itemsize(dtype), (
             f"{where}: base64 holds {len(raw)} bytes, shape {shape} of {dtype} needs "
-            f"{size * _itemsize(dtype)}")
+            f"{size * _itemsize(dtype)}"
+        )
         return np.frombuffer(raw, np_dtype).reshape(shape)
     assert "data" in tensor, f"{where}: a tensor with neither data nor base64"
     data = tensor["data"]
     if isinstance(data, bytes):
-        assert encoding in (None, "msgpack"), (
-            f"{where}: raw bytes answered to a {encoding} request")
+        assert encoding in (None, "msgpack"), f"{where}: raw bytes answered to a {encoding} request"
         assert len(data) == size * _itemsize(dtype), (
-            f"{where}: {len(data)} bytes, shape {shape} of {dtype} needs "
-            f"{size * _itemsize(dtype)}")
+            f"{where}: {len(data)} bytes, shape {shape} of {dtype} needs {size * _itemsize(dtype)}"
+        )
         return np.frombuffer(data, np_dtype).reshape(shape)
     assert encoding in (None, "json"), (
-        f"{where}: data lists answered to a {encoding} request: {_excerpt(tensor)}")
+        f"{where}: data lists answered to a {encoding} request: {_excerpt(tensor)}"
+    )
     assert isinstance(data, list), f"{where}: data is not a list: {_excerpt(tensor)}"
     flat = list(_flatten(data))
     assert len(flat) == size, (
-        f"{where}: {len(flat)} elements, shape {shape} needs {size}: {_excerpt(tensor)}")
+        f"{where}: {len(flat)} elements, shape {shape} needs {size}: {_excerpt(tensor)}"
+    )
     special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
     values = [special.get(v, v) if isinstance(v, str) else v for v in flat]
-    return np.asarray(values, dtype=np.float64 if np_dtype.kind == "f" else np_dtype
-                      ).astype(np_dtype).reshape(shape)
+    return (
+        np.asarray(values, dtype=np.float64 if np_dtype.kind == "f" else np_dtype)
+        .astype(np_dtype)
+        .reshape(shape)
+    )
 
 
 def is_tensor(value: Any) -> bool:
-    return (isinstance(value, dict) and "shape" in value
-            and ("data" in value or "base64" in value) and set(value) <= TENSOR_KEYS)
+    return (
+        isinstance(value, dict)
+        and "shape" in value
+        and ("data" in value or "base64" in value)
+        and set(value) <= TENSOR_KEYS
+    )
 
 
 def _bytes_to_lists(value: Any, where: str) -> Any:
@@ -280,8 +318,12 @@ def _bytes_to_lists(value: Any, where: str) -> Any:
     raw bytes become the list of its elements (after checking their length)."""
     if is_tensor(value) and isinstance(value.get("data"), bytes):
         array = check_tensor(value, where, "msgpack")
-        return {**value, "data": array.reshape(-1).astype(np.float64).tolist()
-                if array.dtype.kind == "f" else array.reshape(-1).tolist()}
+        return {
+            **value,
+            "data": array.reshape(-1).astype(np.float64).tolist()
+            if array.dtype.kind == "f"
+            else array.reshape(-1).tolist(),
+        }
     if isinstance(value, dict):
         return {k: _bytes_to_lists(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, list):
@@ -304,8 +346,9 @@ def walk_tensors(value: Any, where: str = "answer") -> Iterator[tuple[str, dict]
 # -- answers -------------------------------------------------------------------------
 
 
-def check(response: httpx.Response, status: int | tuple[int, ...] = 200,
-          encoding: str | None = None) -> Any:
+def check(
+    response: httpx.Response, status: int | tuple[int, ...] = 200, encoding: str | None = None
+) -> Any:
     """Check an answer against the spec; return its decoded body (tensors as sent:
     lists, base64 or bytes). `encoding` is the tensor encoding the answer must use."""
     request = response.request
@@ -314,7 +357,8 @@ def check(response: httpx.Response, status: int | tuple[int, ...] = 200,
     where = f"{method} {request.url.path}"
     wanted = (status,) if isinstance(status, int) else status
     assert response.status_code in wanted, (
-        f"{where}: {response.status_code} (expected {wanted}): {response.text[:800]}")
+        f"{where}: {response.status_code} (expected {wanted}): {response.text[:800]}"
+    )
     declared = response_spec(method, tmpl, response.status_code)
     content = declared.get("content")
     if not content:
@@ -325,7 +369,8 @@ def check(response: httpx.Response, status: int | tuple[int, ...] = 200,
     ctype = response.headers.get("content-type", "").split(";")[0].strip()
     assert ctype in content, (
         f"{where}: answered {ctype!r}, the spec declares {sorted(content)} for "
-        f"{response.status_code}")
+        f"{response.status_code}"
+    )
     if encoding == "msgpack" and MSGPACK in content:
         assert ctype == MSGPACK, f"{where}: a msgpack request answered {ctype}"
     schema = content[ctype].get("schema", {})

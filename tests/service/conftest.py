@@ -68,9 +68,7 @@ class Server:
             try:
                 r = httpx.get(f"{self.base_url}/readyz", timeout=5.0)
                 last = r.text
-                if r.status_code == 200 and all(
-                    w["state"] == "idle" for w in r.json()["workers"]
-                ):
+                if r.status_code == 200 and all(w["state"] == "idle" for w in r.json()["workers"]):
                     return r.json()
             except httpx.HTTPError as exc:
                 last = repr(exc)
@@ -84,9 +82,20 @@ def start_server(settings: dict[str, str], log: Path) -> Server:
     env = {**os.environ, **SERVER_SETTINGS, **settings}
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(port)],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     srv = Server(f"http://127.0.0.1:{port}", process, log)
     try:

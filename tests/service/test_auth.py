@@ -33,20 +33,23 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("keyed")
     keys = folder / "keys.txt"
     keys.write_text("# one key per line\n" + "\n".join(KEYS_FROM_FILE) + "\n\n")
-    srv = start_server({
-        "GRADTAPE_DATA_DIR": str(folder / "data"),
-        "GRADTAPE_WORKERS": "1",
-        "GRADTAPE_API_KEYS_ENABLED": "true",
-        "GRADTAPE_API_KEYS": ", ".join(KEYS_FROM_ENV),
-        "GRADTAPE_API_KEYS_FILE": str(keys),
-        "GRADTAPE_MAX_TAPES_PER_KEY": "4",
-        "GRADTAPE_MAX_TAPE_BYTES_PER_KEY": str(BYTES_QUOTA),
-        "GRADTAPE_MAX_MODELS_PER_KEY": "2",
-        "GRADTAPE_TAPE_MEMORY_BUDGET": str(BUDGET),
-        # The tape budget is what these tests are about; a request's own budget (by
-        # default half of it) must not refuse their tapes first.
-        "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * MIB),
-    }, folder / "server.log")
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(folder / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": ", ".join(KEYS_FROM_ENV),
+            "GRADTAPE_API_KEYS_FILE": str(keys),
+            "GRADTAPE_MAX_TAPES_PER_KEY": "4",
+            "GRADTAPE_MAX_TAPE_BYTES_PER_KEY": str(BYTES_QUOTA),
+            "GRADTAPE_MAX_MODELS_PER_KEY": "2",
+            "GRADTAPE_TAPE_MEMORY_BUDGET": str(BUDGET),
+            # The tape budget is what these tests are about; a request's own budget (by
+            # default half of it) must not refuse their tapes first.
+            "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * MIB),
+        },
+        folder / "server.log",
+    )
     try:
         yield srv
     finally:
@@ -56,17 +59,18 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def client(server: Server, key: str | None, header: str = "bearer") -> httpx.Client:
     headers = {}
     if key is not None:
-        headers = ({"Authorization": f"Bearer {key}"} if header == "bearer"
-                   else {"X-API-Key": key})
+        headers = {"Authorization": f"Bearer {key}"} if header == "bearer" else {"X-API-Key": key}
     return httpx.Client(base_url=server.base_url, timeout=60.0, headers=headers)
 
 
 def defn(rows: int) -> dict:
     """A tape of about 2.6 kB per row (about 1 MiB at 400 rows)."""
     g = np.random.default_rng(rows)
-    return {"variables": {"w": t64(g.standard_normal((64, 32)), "float64")},
-            "inputs": {"x": t64(g.standard_normal((rows, 64)), "float64")},
-            "program": ["h = tanh(x @ w)", "loss = mean(h ** 2)"]}
+    return {
+        "variables": {"w": t64(g.standard_normal((64, 32)), "float64")},
+        "inputs": {"x": t64(g.standard_normal((rows, 64)), "float64")},
+        "program": ["h = tanh(x @ w)", "loss = mean(h ** 2)"],
+    }
 
 
 def record(c: httpx.Client, rows: int = 4) -> dict:
@@ -76,15 +80,21 @@ def record(c: httpx.Client, rows: int = 4) -> dict:
 
 
 def hvp(c: httpx.Client, tape_id: str) -> httpx.Response:
-    return c.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": {"w": t(np.ones((64, 32)),
-                                                                       "float64")}})
+    return c.post(
+        f"/v1/tapes/{tape_id}/hvp", json={"vector": {"w": t(np.ones((64, 32)), "float64")}}
+    )
 
 
 def test_every_v1_request_needs_a_key(keyed) -> None:
     with client(keyed, None) as anonymous:
-        for method, path in (("GET", "/v1/tapes"), ("GET", "/v1/models"), ("GET", "/v1/ops"),
-                             ("POST", "/v1/gradient"), ("POST", "/v1/tapes"),
-                             ("GET", "/v1/tapes/whatever")):
+        for method, path in (
+            ("GET", "/v1/tapes"),
+            ("GET", "/v1/models"),
+            ("GET", "/v1/ops"),
+            ("POST", "/v1/gradient"),
+            ("POST", "/v1/tapes"),
+            ("GET", "/v1/tapes/whatever"),
+        ):
             response = anonymous.request(method, path, json={} if method == "POST" else None)
             found = problem(response, 401, "unauthorized")
             assert "API key" in found["detail"] and "X-API-Key" in found["detail"]
@@ -102,9 +112,12 @@ def test_every_v1_request_needs_a_key(keyed) -> None:
 def test_a_tape_is_visible_only_to_its_key(keyed) -> None:
     with client(keyed, "alice-key") as alice, client(keyed, "bob-key", "x-api-key") as bob:
         tape_id = record(alice)["tape_id"]
-        for response in (bob.get(f"/v1/tapes/{tape_id}"), hvp(bob, tape_id),
-                         bob.post(f"/v1/tapes/{tape_id}/gradient", json={}),
-                         bob.delete(f"/v1/tapes/{tape_id}")):
+        for response in (
+            bob.get(f"/v1/tapes/{tape_id}"),
+            hvp(bob, tape_id),
+            bob.post(f"/v1/tapes/{tape_id}/gradient", json={}),
+            bob.delete(f"/v1/tapes/{tape_id}"),
+        ):
             found = problem(response, 404, "tape-not-found")  # not 403: it does not exist
             assert "reason" not in found
         assert ok(bob.get("/v1/tapes")) == {"tapes": []}
@@ -119,27 +132,29 @@ def test_a_tape_is_visible_only_to_its_key(keyed) -> None:
 def test_models_are_per_key(keyed) -> None:
     mine = {"variables": {"v": 2.0}, "program": ["y = v * v"]}
     with client(keyed, "alice-key") as alice, client(keyed, "bob-key") as bob:
-        assert alice.post("/v1/models", json={"name": "sq", "definition": mine}
-                          ).status_code == 201
+        assert alice.post("/v1/models", json={"name": "sq", "definition": mine}).status_code == 201
         problem(bob.get("/v1/models/sq"), 404, "model-not-found")
-        problem(bob.post("/v1/gradient", json={"model": "sq", "target": "y"}), 404,
-                "model-not-found")
+        problem(
+            bob.post("/v1/gradient", json={"model": "sq", "target": "y"}), 404, "model-not-found"
+        )
         assert post(alice, "/v1/gradient", {"model": "sq", "target": "y"})["gradients"]
         # bob may have his own "sq"; alice's stays hers.
-        assert bob.post("/v1/models", json={"name": "sq", "definition": mine}
-                        ).status_code == 201
-        assert bob.post("/v1/models", json={"name": "sq2", "definition": mine}
-                        ).status_code == 201
-        full = problem(bob.post("/v1/models", json={"name": "sq3", "definition": mine}), 429,
-                       "quota-exceeded")
+        assert bob.post("/v1/models", json={"name": "sq", "definition": mine}).status_code == 201
+        assert bob.post("/v1/models", json={"name": "sq2", "definition": mine}).status_code == 201
+        full = problem(
+            bob.post("/v1/models", json={"name": "sq3", "definition": mine}), 429, "quota-exceeded"
+        )
         assert full["quota"] == "models" and "max_models_per_key" in full["detail"]
 
 
 def test_quota_on_the_number_of_tapes(keyed) -> None:
     with client(keyed, "carol-key") as carol:
         ids = [record(carol)["tape_id"] for _ in range(4)]
-        full = problem(carol.post("/v1/tapes", json={"definition": defn(4), "target": "loss"}),
-                       429, "quota-exceeded")
+        full = problem(
+            carol.post("/v1/tapes", json={"definition": defn(4), "target": "loss"}),
+            429,
+            "quota-exceeded",
+        )
         assert full["quota"] == "tapes" and full["limit"] == 4
         assert "4 live tape(s)" in full["detail"] and "DELETE" in full["detail"]
         with client(keyed, "alice-key") as alice:  # a quota per key
@@ -153,11 +168,17 @@ def test_quota_on_the_number_of_tapes(keyed) -> None:
 
 def test_quota_on_bytes_and_the_budget(keyed) -> None:
     with client(keyed, "dave-key") as dave:
-        too_big = problem(dave.post("/v1/tapes", json={"definition": defn(1300),
-                                                       "target": "loss"}), 422, "too-large")
+        too_big = problem(
+            dave.post("/v1/tapes", json={"definition": defn(1300), "target": "loss"}),
+            422,
+            "too-large",
+        )
         assert "tape_memory_budget" in too_big["detail"]
-        over = problem(dave.post("/v1/tapes", json={"definition": defn(1100),
-                                                    "target": "loss"}), 429, "quota-exceeded")
+        over = problem(
+            dave.post("/v1/tapes", json={"definition": defn(1100), "target": "loss"}),
+            429,
+            "quota-exceeded",
+        )
         assert over["quota"] == "bytes" and "max_tape_bytes_per_key" in over["detail"]
         assert ok(dave.get("/v1/tapes")) == {"tapes": []}  # nothing kept from either
 
@@ -175,8 +196,9 @@ def test_least_recently_used_tapes_are_evicted(keyed) -> None:
         problem(hvp(frank, second["tape_id"]), 404, "tape-evicted")
         assert hvp(erin, first["tape_id"]).status_code == 200
         assert hvp(frank, third["tape_id"]).status_code == 200
-        loaded = [ok(c.get(f"/v1/tapes/{tape['tape_id']}"))
-                  for c, tape in ((erin, first), (frank, third))]
+        loaded = [
+            ok(c.get(f"/v1/tapes/{tape['tape_id']}")) for c, tape in ((erin, first), (frank, third))
+        ]
         assert all(x["loaded"] for x in loaded) and sum(x["bytes"] for x in loaded) <= BUDGET
         again = record(frank, 400)  # a client can record it again (evicting in turn)
         assert again["tape_id"] != second["tape_id"]
@@ -204,13 +226,16 @@ def test_readyz_shows_process_ids_only_to_a_key(keyed) -> None:
 def reloading(tmp_path) -> Iterator[tuple[Server, Path]]:
     keys = tmp_path / "keys.txt"
     keys.write_text("first-key\n")
-    srv = start_server({
-        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-        "GRADTAPE_WORKERS": "1",
-        "GRADTAPE_API_KEYS_ENABLED": "true",
-        "GRADTAPE_API_KEYS_FILE": str(keys),
-        "GRADTAPE_LOG_LEVEL": "info",  # the SIGHUP test reads the reload's log line
-    }, tmp_path / "server.log")
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS_FILE": str(keys),
+            "GRADTAPE_LOG_LEVEL": "info",  # the SIGHUP test reads the reload's log line
+        },
+        tmp_path / "server.log",
+    )
     try:
         yield srv, keys
     finally:

@@ -94,15 +94,18 @@ def test_parse_json_reads_what_json_reads(document: Any, ascii_only: bool) -> No
     assert same(parse_json(body, LOOSE, brackets), json.loads(body))
 
 
-@pytest.mark.parametrize("text", [
-    "[12345678901234567890]",  # past 64 bits: an int, not orjson's float
-    '{"a": -98765432109876543210}',
-    "1234567890123456789012",
-    "[1e400, -1e400]",  # json's infinities (orjson refuses them)
-    "[1.0, NaN, Infinity]",  # json's non-standard literals
-    "\ufeff[1, 2]",  # a UTF-8 byte order mark, which json skips
-    "[0.0011135332752019167, 1.00000000000000000000001, 1e-0000000000000000000001]",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[12345678901234567890]",  # past 64 bits: an int, not orjson's float
+        '{"a": -98765432109876543210}',
+        "1234567890123456789012",
+        "[1e400, -1e400]",  # json's infinities (orjson refuses them)
+        "[1.0, NaN, Infinity]",  # json's non-standard literals
+        "\ufeff[1, 2]",  # a UTF-8 byte order mark, which json skips
+        "[0.0011135332752019167, 1.00000000000000000000001, 1e-0000000000000000000001]",
+    ],
+)
 def test_parse_json_edge_cases_read_as_json_reads_them(text: str) -> None:
     body = text.encode()
     assert same(parse_json(body, LOOSE), json.loads(body))
@@ -112,8 +115,10 @@ def test_fast_json_leaves_long_integers_and_lone_surrogates_to_json() -> None:
     assert parse_json_fast(b"[1, 12345678901234567890]", LOOSE) is _UNPARSED
     assert parse_json_fast(b'{"a": -1234567890123456789}', LOOSE) is _UNPARSED
     assert parse_json_fast(b'["\\ud800"]', LOOSE) is _UNPARSED
-    assert same(parse_json_fast(b"[123456789012345678, 0.00123456789012345678]", LOOSE),
-                [123456789012345678, 0.00123456789012345678])
+    assert same(
+        parse_json_fast(b"[123456789012345678, 0.00123456789012345678]", LOOSE),
+        [123456789012345678, 0.00123456789012345678],
+    )
     with pytest.raises(ProblemError, match="surrogate") as lone:
         parse_json(b'{"program": ["s = x\\udc00"]}', LOOSE)
     assert lone.value.slug == "malformed-body"

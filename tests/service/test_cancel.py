@@ -29,9 +29,13 @@ def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One worker and a long time limit: a request nobody cancels holds it for minutes."""
     tmp = tmp_path_factory.mktemp("cancel")
     srv = start_server(
-        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_WORKERS": "1",
-         "GRADTAPE_TIME_LIMIT": "120", "GRADTAPE_MAX_TIME_LIMIT": "300",
-         "GRADTAPE_ALGORITHM_MAX_HVPS": "100000"},
+        {
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_TIME_LIMIT": "120",
+            "GRADTAPE_MAX_TIME_LIMIT": "300",
+            "GRADTAPE_ALGORITHM_MAX_HVPS": "100000",
+        },
         tmp / "server.log",
     )
     try:
@@ -69,7 +73,8 @@ def send_and_hang_up(srv: Server, path: str, body: dict, after: float) -> None:
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
         )
         time.sleep(after)
         # The answer has not come: the request is still computing.
@@ -89,8 +94,11 @@ def busy(srv: Server) -> bool:
 def quick_gradient(srv: Server) -> float:
     """Seconds a small gradient takes end to end (it needs the one worker)."""
     started = time.perf_counter()
-    r = httpx.post(f"{srv.base_url}/v1/gradient", timeout=60, json={
-        "definition": {"variables": {"x": 3.0}, "program": ["y = x * x"]}, "target": "y"})
+    r = httpx.post(
+        f"{srv.base_url}/v1/gradient",
+        timeout=60,
+        json={"definition": {"variables": {"x": 3.0}, "program": ["y = x * x"]}, "target": "y"},
+    )
     elapsed = time.perf_counter() - started
     assert r.status_code == 200, r.text
     assert r.json()["gradients"]["x"]["data"] == [6.0]
@@ -99,8 +107,7 @@ def quick_gradient(srv: Server) -> float:
 
 def test_a_disconnected_trace_frees_the_worker_and_keeps_the_tape(solo: Server) -> None:
     base = solo.base_url
-    r = httpx.post(f"{base}/v1/tapes", json={"definition": chain(40), "target": "loss"},
-                   timeout=60)
+    r = httpx.post(f"{base}/v1/tapes", json={"definition": chain(40), "target": "loss"}, timeout=60)
     assert r.status_code == 201, r.text
     tape = r.json()["tape_id"]
     v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.cos(np.arange(N)))}}
@@ -108,9 +115,18 @@ def test_a_disconnected_trace_frees_the_worker_and_keeps_the_tape(solo: Server) 
     assert before.status_code == 200, before.text
 
     # Alone, this trace runs for minutes (100,000 HVPs one at a time, 300 s allowed).
-    send_and_hang_up(solo, f"/v1/tapes/{tape}/trace", {
-        "method": "hutchinson", "max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
-        "time_limit": 300}, after=1.0)
+    send_and_hang_up(
+        solo,
+        f"/v1/tapes/{tape}/trace",
+        {
+            "method": "hutchinson",
+            "max_hvps": 100000,
+            "batch_size": 1,
+            "max_seconds": 300,
+            "time_limit": 300,
+        },
+        after=1.0,
+    )
     hung_up = time.perf_counter()
     # The worker is free again within a fraction of a second of the disconnect: the next
     # request (which needs that one worker) is answered at once.
@@ -128,8 +144,12 @@ def test_a_disconnected_tape_recording_leaves_no_tape(solo: Server) -> None:
     base = solo.base_url
     held = len(httpx.get(f"{base}/v1/tapes", timeout=10).json()["tapes"])
     # Compiling and recording 10,500 products takes seconds: hang up in the middle.
-    send_and_hang_up(solo, "/v1/tapes", {"definition": chain(700, 15), "target": "loss",
-                                         "time_limit": 300}, after=0.5)
+    send_and_hang_up(
+        solo,
+        "/v1/tapes",
+        {"definition": chain(700, 15), "target": "loss", "time_limit": 300},
+        after=0.5,
+    )
     hung_up = time.perf_counter()
     quick_gradient(solo)
     assert time.perf_counter() - hung_up < 1.0
@@ -142,9 +162,15 @@ def test_a_queued_request_whose_client_left_never_runs(solo: Server) -> None:
     import threading
 
     threads = [
-        threading.Thread(target=send_and_hang_up, args=(
-            solo, "/v1/gradient",
-            {"definition": chain(700, 14), "target": "loss", "time_limit": 300}, 1.0))
+        threading.Thread(
+            target=send_and_hang_up,
+            args=(
+                solo,
+                "/v1/gradient",
+                {"definition": chain(700, 14), "target": "loss", "time_limit": 300},
+                1.0,
+            ),
+        )
         for _ in range(2)
     ]
     for t in threads:

@@ -31,14 +31,16 @@ def test_a_tape_holds_its_recording_and_lets_it_go(context) -> None:
     vector = {"w": np.ones((8, 4))}
     sizes = []
     for _ in range(5):
-        reply = dispatch.answer(context, {"id": 2, "kind": "tape_hvp",
-                                         "payload": {"tape_id": "t1", "vector": vector}})
+        reply = dispatch.answer(
+            context, {"id": 2, "kind": "tape_hvp", "payload": {"tape_id": "t1", "vector": vector}}
+        )
         assert reply["ok"] and not reply["result"]["tape"]["rebuilt"]
         sizes.append(reply["result"]["tape"]["bytes"])
     # Settled once the HVP pass is compiled and its buffers kept (the test below).
     assert sizes[-3:] == [sizes[-1]] * 3 and sizes[0] >= size
-    dropped = dispatch.answer(context, {"id": 3, "kind": "tape_drop",
-                                       "payload": {"tape_ids": ["t1", "nope"]}})
+    dropped = dispatch.answer(
+        context, {"id": 3, "kind": "tape_drop", "payload": {"tape_ids": ["t1", "nope"]}}
+    )
     assert dropped["result"] == {"dropped": ["t1"], "held": 0}
 
 
@@ -47,11 +49,13 @@ def test_a_missing_tape_is_rebuilt_from_its_definition(context) -> None:
     missing = dispatch.answer(context, {"id": 1, "kind": "tape_hvp", "payload": payload})
     assert not missing["ok"] and missing["error"]["type"] == "tape-missing"
     rebuild = {"definition": DEFINITION, "target": "loss", "sources": {"w": "w"}}
-    rebuilt = dispatch.answer(context, {"id": 2, "kind": "tape_hvp",
-                                       "payload": {**payload, "rebuild": rebuild}})
+    rebuilt = dispatch.answer(
+        context, {"id": 2, "kind": "tape_hvp", "payload": {**payload, "rebuild": rebuild}}
+    )
     assert rebuilt["ok"] and rebuilt["result"]["tape"]["rebuilt"]
-    again = dispatch.answer(context, {"id": 3, "kind": "tape_hvp",
-                                     "payload": {**payload, "rebuild": rebuild}})
+    again = dispatch.answer(
+        context, {"id": 3, "kind": "tape_hvp", "payload": {**payload, "rebuild": rebuild}}
+    )
     assert not again["result"]["tape"]["rebuilt"]  # held now: the definition is not used
     np.testing.assert_array_equal(again["result"]["hvp"]["w"], rebuilt["result"]["hvp"]["w"])
     dispatch.answer(context, {"id": 4, "kind": "tape_drop", "payload": {"tape_ids": ["t2"]}})
@@ -63,8 +67,9 @@ def test_a_failed_update_keeps_the_old_tape(context) -> None:
     broken = {**spec, "definition": {**DEFINITION, "program": ["loss = sum(nope)"]}}
     failed = dispatch.answer(context, {"id": 2, "kind": "tape_create", "payload": broken})
     assert not failed["ok"] and failed["error"]["type"] == "definition"
-    still = dispatch.answer(context, {"id": 3, "kind": "tape_gradient",
-                                     "payload": {"tape_id": "t3"}})
+    still = dispatch.answer(
+        context, {"id": 3, "kind": "tape_gradient", "payload": {"tape_id": "t3"}}
+    )
     assert still["ok"] and set(still["result"]["gradients"]) == {"w"}
     dispatch.answer(context, {"id": 4, "kind": "tape_drop", "payload": {"tape_ids": ["t3"]}})
 
@@ -74,15 +79,23 @@ def test_a_tapes_bytes_count_the_compiled_replays_buffers(context) -> None:
     buffers from its third pass: the bytes the tape reports (what the memory budget and
     eviction go by) follow, and settle."""
     rng = np.random.default_rng(5)
-    definition = {"program": ["loss = sum(tanh(x @ w) ** 2)"],
-                  "variables": {"w": {"value": rng.standard_normal((256, 256))}},
-                  "inputs": {"x": rng.standard_normal((256, 256))}}
+    definition = {
+        "program": ["loss = sum(tanh(x @ w) ** 2)"],
+        "variables": {"w": {"value": rng.standard_normal((256, 256))}},
+        "inputs": {"x": rng.standard_normal((256, 256))},
+    }
     spec = {"tape_id": "big", "definition": definition, "target": "loss"}
     assert dispatch.answer(context, {"id": 1, "kind": "tape_create", "payload": spec})["ok"]
     sizes = []
     for i in range(7):
-        reply = dispatch.answer(context, {"id": 2 + i, "kind": "tape_hvp", "payload": {
-            "tape_id": "big", "vector": {"w": np.ones((256, 256))}}})
+        reply = dispatch.answer(
+            context,
+            {
+                "id": 2 + i,
+                "kind": "tape_hvp",
+                "payload": {"tape_id": "big", "vector": {"w": np.ones((256, 256))}},
+            },
+        )
         assert reply["ok"], reply
         sizes.append(reply["result"]["tape"]["bytes"])
     session = context.state["tapes"]["big"]

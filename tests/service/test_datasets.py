@@ -23,24 +23,31 @@ PROGRAM = ["z = X @ w", "loss = mean(softplus(z) - Y * z)"]
 
 
 def put_msgpack(client, name: str, arrays: dict) -> dict:
-    r = client.put(f"/v1/datasets/{name}",
-                   content=msgpack.packb({k: tbin(v, "float64") for k, v in arrays.items()}),
-                   headers={"content-type": MSGPACK})
+    r = client.put(
+        f"/v1/datasets/{name}",
+        content=msgpack.packb({k: tbin(v, "float64") for k, v in arrays.items()}),
+        headers={"content-type": MSGPACK},
+    )
     assert r.status_code in (200, 201), r.text
     return r.json()
 
 
 def inline(rows=None) -> dict:
     x, y = (X, Y) if rows is None else (X[rows], Y[rows])
-    return {"variables": {"w": t(W, "float64")},
-            "inputs": {"X": t(x, "float64"), "Y": t(y, "float64")}, "program": PROGRAM}
+    return {
+        "variables": {"w": t(W, "float64")},
+        "inputs": {"X": t(x, "float64"), "Y": t(y, "float64")},
+        "program": PROGRAM,
+    }
 
 
 def test_put_get_list_delete(client) -> None:
     info = put_msgpack(client, "logit", {"X": X, "Y": Y})
     assert info["name"] == "logit" and info["bytes"] == X.nbytes + Y.nbytes
-    assert info["arrays"] == {"X": {"dtype": "float64", "shape": [40, 3], "bytes": X.nbytes},
-                              "Y": {"dtype": "float64", "shape": [40], "bytes": Y.nbytes}}
+    assert info["arrays"] == {
+        "X": {"dtype": "float64", "shape": [40, 3], "bytes": X.nbytes},
+        "Y": {"dtype": "float64", "shape": [40], "bytes": Y.nbytes},
+    }
     assert ok(client.get("/v1/datasets/logit")) == info
     assert "logit" in [d["name"] for d in ok(client.get("/v1/datasets"))["datasets"]]
     # JSON body, replacing: 200, a new version
@@ -57,37 +64,75 @@ def test_put_get_list_delete(client) -> None:
 def test_npz_and_npy_bodies_never_unpickled(client) -> None:
     buf = io.BytesIO()
     np.savez(buf, X=X, Y=Y)
-    r = client.put("/v1/datasets/npz", content=buf.getvalue(),
-                   headers={"content-type": "application/octet-stream"})
+    r = client.put(
+        "/v1/datasets/npz",
+        content=buf.getvalue(),
+        headers={"content-type": "application/octet-stream"},
+    )
     assert r.status_code == 201, r.text
     assert r.json()["arrays"]["X"]["shape"] == [40, 3]
     buf = io.BytesIO()
     np.save(buf, X)
-    r = client.put("/v1/datasets/npy?array=X", content=buf.getvalue(),
-                   headers={"content-type": "application/octet-stream"})
+    r = client.put(
+        "/v1/datasets/npy?array=X",
+        content=buf.getvalue(),
+        headers={"content-type": "application/octet-stream"},
+    )
     assert r.status_code == 201 and list(r.json()["arrays"]) == ["X"]
     buf = io.BytesIO()
     np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    body = problem(client.put("/v1/datasets/evil", content=buf.getvalue(),
-                              headers={"content-type": "application/octet-stream"}), 422)
+    body = problem(
+        client.put(
+            "/v1/datasets/evil",
+            content=buf.getvalue(),
+            headers={"content-type": "application/octet-stream"},
+        ),
+        422,
+    )
     assert "pickle" in body["detail"]
-    problem(client.put("/v1/datasets/junk", content=b"not numpy",
-                       headers={"content-type": "application/octet-stream"}), 422)
-    problem(client.put("/v1/datasets/text", content=b"x",
-                       headers={"content-type": "text/plain"}), 415)
+    problem(
+        client.put(
+            "/v1/datasets/junk",
+            content=b"not numpy",
+            headers={"content-type": "application/octet-stream"},
+        ),
+        422,
+    )
+    problem(
+        client.put("/v1/datasets/text", content=b"x", headers={"content-type": "text/plain"}), 415
+    )
 
 
 def test_inputs_bound_by_dataset_match_inline_data(client) -> None:
     put_msgpack(client, "logit", {"X": X, "Y": Y})
     expected = post(client, "/v1/gradient", {"definition": inline(), "target": "loss"})
-    whole = post(client, "/v1/gradient", {"definition": {
-        "variables": {"w": t(W, "float64")}, "inputs": {"dataset": "logit"},
-        "program": PROGRAM}, "target": "loss"})
-    per_input = post(client, "/v1/gradient", {"definition": {
-        "variables": {"w": t(W, "float64")},
-        "inputs": {"X": {"dataset": "logit", "array": "X"},
-                   "Y": {"dataset": "logit", "array": "Y"}},
-        "program": PROGRAM}, "target": "loss"})
+    whole = post(
+        client,
+        "/v1/gradient",
+        {
+            "definition": {
+                "variables": {"w": t(W, "float64")},
+                "inputs": {"dataset": "logit"},
+                "program": PROGRAM,
+            },
+            "target": "loss",
+        },
+    )
+    per_input = post(
+        client,
+        "/v1/gradient",
+        {
+            "definition": {
+                "variables": {"w": t(W, "float64")},
+                "inputs": {
+                    "X": {"dataset": "logit", "array": "X"},
+                    "Y": {"dataset": "logit", "array": "Y"},
+                },
+                "program": PROGRAM,
+            },
+            "target": "loss",
+        },
+    )
     for got in (whole, per_input):
         assert arr(got["value"]) == arr(expected["value"])
         np.testing.assert_array_equal(arr(got["gradients"]["w"]), arr(expected["gradients"]["w"]))
@@ -96,61 +141,131 @@ def test_inputs_bound_by_dataset_match_inline_data(client) -> None:
 def test_rows_select_a_mini_batch(client) -> None:
     put_msgpack(client, "logit", {"X": X, "Y": Y})
     rows = [3, 0, 17, 39, 17]
-    got = post(client, "/v1/gradient", {"definition": {
-        "variables": {"w": t(W, "float64")}, "inputs": {"dataset": "logit", "rows": rows},
-        "program": PROGRAM}, "target": "loss"})
+    got = post(
+        client,
+        "/v1/gradient",
+        {
+            "definition": {
+                "variables": {"w": t(W, "float64")},
+                "inputs": {"dataset": "logit", "rows": rows},
+                "program": PROGRAM,
+            },
+            "target": "loss",
+        },
+    )
     want = post(client, "/v1/gradient", {"definition": inline(rows), "target": "loss"})
     assert arr(got["value"]) == arr(want["value"])
-    sliced = post(client, "/v1/gradient", {"definition": {
-        "variables": {"w": t(W, "float64")},
-        "inputs": {"dataset": "logit", "rows": {"start": 10, "stop": 30, "step": 2}},
-        "program": PROGRAM}, "target": "loss"})
-    want = post(client, "/v1/gradient", {"definition": inline(slice(10, 30, 2)),
-                                         "target": "loss"})
+    sliced = post(
+        client,
+        "/v1/gradient",
+        {
+            "definition": {
+                "variables": {"w": t(W, "float64")},
+                "inputs": {"dataset": "logit", "rows": {"start": 10, "stop": 30, "step": 2}},
+                "program": PROGRAM,
+            },
+            "target": "loss",
+        },
+    )
+    want = post(client, "/v1/gradient", {"definition": inline(slice(10, 30, 2)), "target": "loss"})
     assert arr(sliced["value"]) == arr(want["value"])
-    body = problem(client.post("/v1/gradient", json={"definition": {
-        "variables": {"w": t(W, "float64")}, "inputs": {"dataset": "logit", "rows": [0, 40]},
-        "program": PROGRAM}, "target": "loss"}), 422)
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={
+                "definition": {
+                    "variables": {"w": t(W, "float64")},
+                    "inputs": {"dataset": "logit", "rows": [0, 40]},
+                    "program": PROGRAM,
+                },
+                "target": "loss",
+            },
+        ),
+        422,
+    )
     assert "row 40 is out of range" in body["detail"] and "40 rows (0..39)" in body["detail"]
-    body = problem(client.post("/v1/gradient", json={"definition": {
-        "variables": {"w": t(W, "float64")},
-        "inputs": {"dataset": "logit", "rows": {"start": 0, "stop": 41}},
-        "program": PROGRAM}, "target": "loss"}), 422)
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={
+                "definition": {
+                    "variables": {"w": t(W, "float64")},
+                    "inputs": {"dataset": "logit", "rows": {"start": 0, "stop": 41}},
+                    "program": PROGRAM,
+                },
+                "target": "loss",
+            },
+        ),
+        422,
+    )
     assert "0..40" in body["detail"], body
 
 
 def test_unknown_dataset_or_array(client) -> None:
-    body = problem(client.post("/v1/gradient", json={"definition": {
-        "variables": {"w": t(W, "float64")}, "inputs": {"dataset": "nope"},
-        "program": PROGRAM}, "target": "loss"}), 404, "dataset-not-found")
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={
+                "definition": {
+                    "variables": {"w": t(W, "float64")},
+                    "inputs": {"dataset": "nope"},
+                    "program": PROGRAM,
+                },
+                "target": "loss",
+            },
+        ),
+        404,
+        "dataset-not-found",
+    )
     assert "'nope'" in body["detail"]
     put_msgpack(client, "logit", {"X": X, "Y": Y})
-    body = problem(client.post("/v1/gradient", json={"definition": {
-        "variables": {"w": t(W, "float64")},
-        "inputs": {"X": {"dataset": "logit", "array": "Z"}}, "program": PROGRAM},
-        "target": "loss"}), 422)
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={
+                "definition": {
+                    "variables": {"w": t(W, "float64")},
+                    "inputs": {"X": {"dataset": "logit", "array": "Z"}},
+                    "program": PROGRAM,
+                },
+                "target": "loss",
+            },
+        ),
+        422,
+    )
     assert "no array 'Z'" in body["detail"] and "X, Y" in body["detail"]
 
 
 def test_overwrite_is_never_stale_and_tapes_keep_their_data(client) -> None:
     put_msgpack(client, "moving", {"X": X, "Y": Y})
-    defn = {"variables": {"w": t(W, "float64")}, "inputs": {"dataset": "moving"},
-            "program": PROGRAM}
+    defn = {
+        "variables": {"w": t(W, "float64")},
+        "inputs": {"dataset": "moving"},
+        "program": PROGRAM,
+    }
     first = post(client, "/v1/gradient", {"definition": defn, "target": "loss"})
     tape = client.post("/v1/tapes", json={"definition": defn, "target": "loss"})
     assert tape.status_code == 201, tape.text
     tape_id = tape.json()["tape_id"]
     put_msgpack(client, "moving", {"X": 2 * X, "Y": Y})
     second = post(client, "/v1/gradient", {"definition": defn, "target": "loss"})
-    want = post(client, "/v1/gradient", {"definition": {
-        **inline(), "inputs": {"X": t(2 * X, "float64"), "Y": t(Y, "float64")}},
-        "target": "loss"})
+    want = post(
+        client,
+        "/v1/gradient",
+        {
+            "definition": {**inline(), "inputs": {"X": t(2 * X, "float64"), "Y": t(Y, "float64")}},
+            "target": "loss",
+        },
+    )
     assert arr(second["value"]) == arr(want["value"]) != arr(first["value"])
     # the tape was bound to the first arrays; PATCH answers value and gradient there
     w2 = W + 0.5
     patched = ok(client.patch(f"/v1/tapes/{tape_id}", json={"variables": {"w": t(w2, "float64")}}))
-    at_w2 = post(client, "/v1/gradient", {"definition": {
-        **inline(), "variables": {"w": t(w2, "float64")}}, "target": "loss"})
+    at_w2 = post(
+        client,
+        "/v1/gradient",
+        {"definition": {**inline(), "variables": {"w": t(w2, "float64")}}, "target": "loss"},
+    )
     assert arr(patched["value"]) == arr(at_w2["value"])
     np.testing.assert_array_equal(arr(patched["gradients"]["w"]), arr(at_w2["gradients"]["w"]))
     client.delete(f"/v1/tapes/{tape_id}")
@@ -158,14 +273,29 @@ def test_overwrite_is_never_stale_and_tapes_keep_their_data(client) -> None:
 
 def test_models_bind_datasets(client) -> None:
     put_msgpack(client, "logit", {"X": X, "Y": Y})
-    r = client.post("/v1/models", json={"name": "logit-model", "replace": True, "definition": {
-        "variables": {"w": t(W, "float64")}, "inputs": {"dataset": "logit"},
-        "program": PROGRAM}})
+    r = client.post(
+        "/v1/models",
+        json={
+            "name": "logit-model",
+            "replace": True,
+            "definition": {
+                "variables": {"w": t(W, "float64")},
+                "inputs": {"dataset": "logit"},
+                "program": PROGRAM,
+            },
+        },
+    )
     assert r.status_code in (200, 201), r.text
-    got = post(client, "/v1/gradient", {"model": "logit-model", "target": "loss",
-                                        "variables": {"w": (W + 1).tolist()}})
-    want = post(client, "/v1/gradient", {"definition": {
-        **inline(), "variables": {"w": t(W + 1, "float64")}}, "target": "loss"})
+    got = post(
+        client,
+        "/v1/gradient",
+        {"model": "logit-model", "target": "loss", "variables": {"w": (W + 1).tolist()}},
+    )
+    want = post(
+        client,
+        "/v1/gradient",
+        {"definition": {**inline(), "variables": {"w": t(W + 1, "float64")}}, "target": "loss"},
+    )
     assert arr(got["value"]) == arr(want["value"])
 
 
@@ -177,16 +307,19 @@ KEYS = ("dataset-key-a", "dataset-key-b")
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("datasets")
-    srv = start_server({
-        "GRADTAPE_DATA_DIR": str(folder / "data"),
-        "GRADTAPE_WORKERS": "1",
-        "GRADTAPE_API_KEYS_ENABLED": "true",
-        "GRADTAPE_API_KEYS": ", ".join(KEYS),
-        "GRADTAPE_MAX_DATASET_BYTES": "4000",
-        "GRADTAPE_MAX_DATASET_BYTES_PER_KEY": "6000",
-        "GRADTAPE_MAX_DATASETS_PER_KEY": "3",
-        "GRADTAPE_WORKER_DATASET_MEMORY": "2500",  # about one 40x3 + 40 float64 dataset
-    }, folder / "server.log")
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(folder / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": ", ".join(KEYS),
+            "GRADTAPE_MAX_DATASET_BYTES": "4000",
+            "GRADTAPE_MAX_DATASET_BYTES_PER_KEY": "6000",
+            "GRADTAPE_MAX_DATASETS_PER_KEY": "3",
+            "GRADTAPE_WORKER_DATASET_MEMORY": "2500",  # about one 40x3 + 40 float64 dataset
+        },
+        folder / "server.log",
+    )
     try:
         yield srv
     finally:
@@ -194,8 +327,9 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def keyed(srv: Server, key: str) -> httpx.Client:
-    return httpx.Client(base_url=srv.base_url, timeout=60.0,
-                        headers={"Authorization": f"Bearer {key}"})
+    return httpx.Client(
+        base_url=srv.base_url, timeout=60.0, headers={"Authorization": f"Bearer {key}"}
+    )
 
 
 def test_owned_by_the_key_and_size_limits(limited: Server) -> None:
@@ -203,16 +337,32 @@ def test_owned_by_the_key_and_size_limits(limited: Server) -> None:
         put_msgpack(a, "mine", {"X": X, "Y": Y})  # 1280 bytes
         problem(b.get("/v1/datasets/mine"), 404, "dataset-not-found")
         assert ok(b.get("/v1/datasets"))["datasets"] == []
-        problem(b.post("/v1/gradient", json={"definition": {
-            "variables": {"w": t(W, "float64")}, "inputs": {"dataset": "mine"},
-            "program": PROGRAM}, "target": "loss"}), 404, "dataset-not-found")
+        problem(
+            b.post(
+                "/v1/gradient",
+                json={
+                    "definition": {
+                        "variables": {"w": t(W, "float64")},
+                        "inputs": {"dataset": "mine"},
+                        "program": PROGRAM,
+                    },
+                    "target": "loss",
+                },
+            ),
+            404,
+            "dataset-not-found",
+        )
         big = np.zeros(501)  # 4008 bytes > max_dataset_bytes
-        body = problem(a.put("/v1/datasets/big", json={"a": t(big, "float64")}), 413,
-                       "dataset-too-large")
+        body = problem(
+            a.put("/v1/datasets/big", json={"a": t(big, "float64")}), 413, "dataset-too-large"
+        )
         assert "4,008 bytes" in body["detail"] and "max_dataset_bytes" in body["detail"]
         put_msgpack(a, "second", {"a": np.zeros(450)})  # 3600: 4880 held
-        body = problem(a.put("/v1/datasets/third", json={"a": t(np.zeros(200), "float64")}),
-                       413, "dataset-too-large")
+        body = problem(
+            a.put("/v1/datasets/third", json={"a": t(np.zeros(200), "float64")}),
+            413,
+            "dataset-too-large",
+        )
         assert "6,480 bytes" in body["detail"] and "max_dataset_bytes_per_key" in body["detail"]
         # replacing counts the new arrays, not the old ones as well
         put_msgpack(a, "second", {"a": np.zeros(500)})
@@ -229,13 +379,31 @@ def test_worker_memory_budget_evicts_but_answers_stay_right(limited: Server) -> 
         put_msgpack(c, "two", {"X": -X, "Y": 1 - Y})
         want = {
             "one": post(c, "/v1/gradient", {"definition": inline(), "target": "loss"}),
-            "two": post(c, "/v1/gradient", {"definition": {**inline(), "inputs": {
-                "X": t(-X, "float64"), "Y": t(1 - Y, "float64")}}, "target": "loss"}),
+            "two": post(
+                c,
+                "/v1/gradient",
+                {
+                    "definition": {
+                        **inline(),
+                        "inputs": {"X": t(-X, "float64"), "Y": t(1 - Y, "float64")},
+                    },
+                    "target": "loss",
+                },
+            ),
         }
         for name in ("one", "two", "one", "two", "two"):
-            got = post(c, "/v1/gradient", {"definition": {
-                "variables": {"w": t(W, "float64")}, "inputs": {"dataset": name},
-                "program": PROGRAM}, "target": "loss"})
+            got = post(
+                c,
+                "/v1/gradient",
+                {
+                    "definition": {
+                        "variables": {"w": t(W, "float64")},
+                        "inputs": {"dataset": name},
+                        "program": PROGRAM,
+                    },
+                    "target": "loss",
+                },
+            )
             assert arr(got["value"]) == arr(want[name]["value"]), name
 
 
@@ -245,8 +413,10 @@ def test_the_cache_is_an_lru_by_content(tmp_path) -> None:
 
     store = Store(tmp_path / "store.db")
     store.open()
-    rows = {n: store.put_dataset("", n, {"a": np.full(100, i, np.float64)})
-            for i, n in enumerate(("p", "q", "r"))}
+    rows = {
+        n: store.put_dataset("", n, {"a": np.full(100, i, np.float64)})
+        for i, n in enumerate(("p", "q", "r"))
+    }
     blobs = {n: row.arrays[0].blob for n, row in rows.items()}
     cache = DatasetCache(str(tmp_path / "store.db"), budget=2000)  # two arrays of 800 bytes
     for n in ("p", "q", "p", "r"):

@@ -14,8 +14,7 @@ rng = np.random.default_rng(3)
 
 def _identity(x_wire, dtype: str = "float32") -> dict:
     """A request whose value is x itself (times one) and whose gradient is ones."""
-    return {"definition": {"variables": {"x": x_wire}, "program": ["y = x * 1"]},
-            "target": "y"}
+    return {"definition": {"variables": {"x": x_wire}, "program": ["y = x * 1"]}, "target": "y"}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
@@ -30,11 +29,18 @@ def test_json_lists(client, dtype: str) -> None:
 
 def test_nested_lists_and_inferred_shapes(client) -> None:
     x = [[1.5, 2.5], [3.5, 4.5]]
-    for wire in (x, {"data": x}, {"dtype": "float32", "shape": [2, 2], "data": x},
-                 {"dtype": "float32", "shape": [2, 2], "data": [1.5, 2.5, 3.5, 4.5]}):
+    for wire in (
+        x,
+        {"data": x},
+        {"dtype": "float32", "shape": [2, 2], "data": x},
+        {"dtype": "float32", "shape": [2, 2], "data": [1.5, 2.5, 3.5, 4.5]},
+    ):
         answer = post(client, "/v1/gradient", _identity(wire))
-        assert answer["value"] == {"dtype": "float32", "shape": [2, 2],
-                                   "data": [1.5, 2.5, 3.5, 4.5]}
+        assert answer["value"] == {
+            "dtype": "float32",
+            "shape": [2, 2],
+            "data": [1.5, 2.5, 3.5, 4.5],
+        }
 
 
 def test_base64_in_base64_out(client) -> None:
@@ -42,12 +48,14 @@ def test_base64_in_base64_out(client) -> None:
     answer = post(client, "/v1/gradient", _identity(t64(x, "float64")))
     assert "base64" in answer["value"] and "data" not in answer["value"]
     np.testing.assert_array_equal(arr(answer["value"]), x)
-    as_lists = post(client, "/v1/gradient",
-                    {**_identity(t64(x, "float64")), "response_encoding": "data"})
+    as_lists = post(
+        client, "/v1/gradient", {**_identity(t64(x, "float64")), "response_encoding": "data"}
+    )
     assert isinstance(as_lists["value"]["data"], list)
     np.testing.assert_array_equal(arr(as_lists["value"]), x)
-    as_base64 = post(client, "/v1/gradient", {**_identity(t(x, "float64")),
-                                              "response_encoding": "base64"})
+    as_base64 = post(
+        client, "/v1/gradient", {**_identity(t(x, "float64")), "response_encoding": "base64"}
+    )
     np.testing.assert_array_equal(arr(as_base64["value"]), x)
 
 
@@ -62,39 +70,50 @@ def test_msgpack_in_msgpack_out(client) -> None:
 
 
 def test_msgpack_accepts_lists_and_answers_json_when_asked(client) -> None:
-    response = post_msgpack(client, "/v1/gradient", _identity([1.0, 2.0]),
-                            accept="application/json")
+    response = post_msgpack(
+        client, "/v1/gradient", _identity([1.0, 2.0]), accept="application/json"
+    )
     assert response.headers["content-type"] == "application/json"
     assert response.json()["value"]["data"] == [1.0, 2.0]  # lists in, lists out
-    response = post_msgpack(client, "/v1/gradient", _identity(tbin([1.0, 2.0])),
-                            accept="application/json")
+    response = post_msgpack(
+        client, "/v1/gradient", _identity(tbin([1.0, 2.0])), accept="application/json"
+    )
     assert "base64" in response.json()["value"]  # bytes in, base64 out
     np.testing.assert_array_equal(arr(response.json()["value"]), [1.0, 2.0])
 
 
 def test_json_in_msgpack_out(client) -> None:
-    response = client.post("/v1/gradient", json=_identity([1.0, 2.0]),
-                           headers={"accept": "application/msgpack"})
+    response = client.post(
+        "/v1/gradient", json=_identity([1.0, 2.0]), headers={"accept": "application/msgpack"}
+    )
     answer = msgpack.unpackb(response.content)
     assert response.headers["content-type"] == MSGPACK
     np.testing.assert_array_equal(arr(answer["value"]), [1.0, 2.0])
 
 
 def test_accept_q_values(client) -> None:
-    response = client.post("/v1/gradient", json=_identity([1.0]),
-                           headers={"accept": "application/json;q=0.5, application/msgpack"})
+    response = client.post(
+        "/v1/gradient",
+        json=_identity([1.0]),
+        headers={"accept": "application/json;q=0.5, application/msgpack"},
+    )
     assert response.headers["content-type"] == MSGPACK
     response = client.post("/v1/gradient", json=_identity([1.0]), headers={"accept": "*/*"})
     assert response.headers["content-type"] == "application/json"
 
 
 def test_integer_and_bool_inputs(client) -> None:
-    body = {"definition": {
-        "variables": {"w": t([1.0, 2.0, 3.0])},
-        "inputs": {"i": {"dtype": "int32", "data": [2, 0]}, "m": {"dtype": "bool",
-                                                                  "data": [True, False, True]}},
-        "program": ["y = sum(take(w, i) ) + sum(where(m, w, 0.0))"]},
-        "target": "y"}
+    body = {
+        "definition": {
+            "variables": {"w": t([1.0, 2.0, 3.0])},
+            "inputs": {
+                "i": {"dtype": "int32", "data": [2, 0]},
+                "m": {"dtype": "bool", "data": [True, False, True]},
+            },
+            "program": ["y = sum(take(w, i) ) + sum(where(m, w, 0.0))"],
+        },
+        "target": "y",
+    }
     answer = post(client, "/v1/gradient", body)
     assert answer["value"]["data"] == [8.0]
     np.testing.assert_array_equal(arr(answer["gradients"]["w"]), [2.0, 0.0, 2.0])

@@ -14,12 +14,15 @@ from tests.service.wire import MSGPACK, arr, num, post, problem, t, t64
 BODY = json.dumps(GRADIENT_EXAMPLE)
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/xml",
-                                          "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/xml", "application/x-www-form-urlencoded"]
+)
 def test_unsupported_media_type(client, content_type: str) -> None:
-    found = problem(client.post("/v1/gradient", content=BODY,
-                                headers={"content-type": content_type}), 415,
-                    "unsupported-media-type")
+    found = problem(
+        client.post("/v1/gradient", content=BODY, headers={"content-type": content_type}),
+        415,
+        "unsupported-media-type",
+    )
     assert content_type in found["detail"] and "application/msgpack" in found["detail"]
 
 
@@ -29,35 +32,48 @@ def test_missing_content_type(client) -> None:
 
 
 def test_json_with_charset_is_json(client) -> None:
-    response = client.post("/v1/gradient", content=BODY,
-                           headers={"content-type": "application/json; charset=utf-8"})
+    response = client.post(
+        "/v1/gradient", content=BODY, headers={"content-type": "application/json; charset=utf-8"}
+    )
     assert response.status_code == 200
 
 
 def test_not_acceptable(client) -> None:
-    found = problem(client.post("/v1/gradient", json=GRADIENT_EXAMPLE,
-                                headers={"accept": "text/html"}), 406, "not-acceptable")
+    found = problem(
+        client.post("/v1/gradient", json=GRADIENT_EXAMPLE, headers={"accept": "text/html"}),
+        406,
+        "not-acceptable",
+    )
     assert "text/html" in found["detail"]
 
 
 def test_malformed_json(client) -> None:
-    found = problem(client.post("/v1/gradient", content=b'{"target": ',
-                                headers={"content-type": "application/json"}), 400,
-                    "malformed-body")
+    found = problem(
+        client.post(
+            "/v1/gradient", content=b'{"target": ', headers={"content-type": "application/json"}
+        ),
+        400,
+        "malformed-body",
+    )
     assert "not valid JSON" in found["detail"]
 
 
 def test_malformed_msgpack(client) -> None:
-    found = problem(client.post("/v1/gradient", content=b"\xc1\xc1\xc1",
-                                headers={"content-type": MSGPACK}), 400, "malformed-body")
+    found = problem(
+        client.post("/v1/gradient", content=b"\xc1\xc1\xc1", headers={"content-type": MSGPACK}),
+        400,
+        "malformed-body",
+    )
     assert "msgpack" in found["detail"]
 
 
 def test_body_too_large(client) -> None:  # the tests' server takes up to 4 MiB
     big = b"x" * (4 * 2**20 + 1)
-    found = problem(client.post("/v1/gradient", content=big,
-                                headers={"content-type": "application/json"}), 413,
-                    "body-too-large")
+    found = problem(
+        client.post("/v1/gradient", content=big, headers={"content-type": "application/json"}),
+        413,
+        "body-too-large",
+    )
     assert "4,194,304" in found["detail"] and found["limit"] == 4 * 2**20
 
 
@@ -66,9 +82,11 @@ def test_chunked_body_too_large(client) -> None:
         for _ in range(5):
             yield b"x" * 2**20
 
-    found = problem(client.post("/v1/gradient", content=chunks(),
-                                headers={"content-type": "application/json"}), 413,
-                    "body-too-large")
+    found = problem(
+        client.post("/v1/gradient", content=chunks(), headers={"content-type": "application/json"}),
+        413,
+        "body-too-large",
+    )
     assert "4,194,304" in found["detail"]
 
 
@@ -77,8 +95,9 @@ def test_chunked_body_within_the_limit_is_read(client) -> None:
         yield BODY[:20].encode()
         yield BODY[20:].encode()
 
-    response = client.post("/v1/gradient", content=chunks(),
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/gradient", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert response.status_code == 200, response.text
 
 
@@ -92,26 +111,37 @@ def test_unknown_field_is_named(client) -> None:
 def test_missing_field_is_named(client) -> None:
     body = {k: v for k, v in GRADIENT_EXAMPLE.items() if k != "target"}
     found = problem(client.post("/v1/gradient", json=body), 422, "validation")
-    assert found["errors"] == [{"field": "target", "message": "Field required",
-                                "kind": "missing"}]
+    assert found["errors"] == [{"field": "target", "message": "Field required", "kind": "missing"}]
 
 
 def test_body_that_is_not_an_object(client) -> None:
     problem(client.post("/v1/gradient", json=[1, 2]), 422, "validation")
     problem(client.post("/v1/gradient", json="text"), 422, "validation")
-    problem(client.post("/v1/gradient", content=b"",
-                        headers={"content-type": "application/json"}), 422, "validation")
+    problem(
+        client.post("/v1/gradient", content=b"", headers={"content-type": "application/json"}),
+        422,
+        "validation",
+    )
 
 
 def _with_input(value) -> dict:
-    return {"definition": {"variables": {"w": 2.0}, "inputs": {"x": value},
-                           "program": ["y = sum(w * x)"]}, "target": "y"}
+    return {
+        "definition": {
+            "variables": {"w": 2.0},
+            "inputs": {"x": value},
+            "program": ["y = sum(w * x)"],
+        },
+        "target": "y",
+    }
 
 
 def test_nan_in_inputs_is_refused(client) -> None:
     raw = json.dumps(_with_input([1.0, 2.0])).replace("2.0]", "NaN]")
-    found = problem(client.post("/v1/gradient", content=raw,
-                                headers={"content-type": "application/json"}), 422, "validation")
+    found = problem(
+        client.post("/v1/gradient", content=raw, headers={"content-type": "application/json"}),
+        422,
+        "validation",
+    )
     assert found["errors"][0]["field"] == "definition.inputs.x"
     assert "allow_nonfinite" in found["detail"]
     found = problem(client.post("/v1/gradient", json=_with_input(t64([1.0, np.inf]))), 422)
@@ -119,30 +149,48 @@ def test_nan_in_inputs_is_refused(client) -> None:
 
 
 def test_nonfinite_allowed_when_asked(client) -> None:
-    body = {**_with_input({"dtype": "float32", "shape": [2], "data": [1.0, "Infinity"]}),
-            "allow_nonfinite": True}
+    body = {
+        **_with_input({"dtype": "float32", "shape": [2], "data": [1.0, "Infinity"]}),
+        "allow_nonfinite": True,
+    }
     answer = post(client, "/v1/gradient", body)
     assert answer["value"]["data"] == ["Infinity"]
     assert answer["gradients"]["w"]["data"] == ["Infinity"]
-    nan = post(client, "/v1/gradient", {**body, "definition": {
-        **body["definition"], "program": ["y = sum(w * x) * 0"]}})
+    nan = post(
+        client,
+        "/v1/gradient",
+        {**body, "definition": {**body["definition"], "program": ["y = sum(w * x) * 0"]}},
+    )
     assert nan["value"]["data"] == ["NaN"]
 
 
-@pytest.mark.parametrize("tensor,field,words", [
-    ({"dtype": "float32", "shape": [3], "data": [1, 2]}, "definition.inputs.x", "2 element"),
-    ({"dtype": "float32", "shape": [2], "base64": "AAAA"}, "definition.inputs.x", "3 byte"),
-    ({"dtype": "float32", "shape": [2], "base64": "not base64!"}, "definition.inputs.x",
-     "not valid base64"),
-    ({"dtype": "int8", "data": [1, 300]}, "definition.inputs.x", "range of int8"),
-    ({"dtype": "int32", "data": [1.5]}, "definition.inputs.x", "whole numbers"),
-    ({"dtype": "float32", "data": [[1, 2], [3]]}, "definition.inputs.x", "regular"),
-    ({"dtype": "float32", "data": ["a"]}, "definition.inputs.x", "'a'"),
-    ({"dtype": "complex64", "data": [1]}, "definition.inputs.x.TensorData.dtype", "Input should be"),
-    ({"dtype": "float32", "shape": [-1], "data": []}, "definition.inputs.x.TensorData.shape.0",
-     "greater than or equal"),
-    (True, "definition.inputs.x", "a tensor is"),
-])
+@pytest.mark.parametrize(
+    "tensor,field,words",
+    [
+        ({"dtype": "float32", "shape": [3], "data": [1, 2]}, "definition.inputs.x", "2 element"),
+        ({"dtype": "float32", "shape": [2], "base64": "AAAA"}, "definition.inputs.x", "3 byte"),
+        (
+            {"dtype": "float32", "shape": [2], "base64": "not base64!"},
+            "definition.inputs.x",
+            "not valid base64",
+        ),
+        ({"dtype": "int8", "data": [1, 300]}, "definition.inputs.x", "range of int8"),
+        ({"dtype": "int32", "data": [1.5]}, "definition.inputs.x", "whole numbers"),
+        ({"dtype": "float32", "data": [[1, 2], [3]]}, "definition.inputs.x", "regular"),
+        ({"dtype": "float32", "data": ["a"]}, "definition.inputs.x", "'a'"),
+        (
+            {"dtype": "complex64", "data": [1]},
+            "definition.inputs.x.TensorData.dtype",
+            "Input should be",
+        ),
+        (
+            {"dtype": "float32", "shape": [-1], "data": []},
+            "definition.inputs.x.TensorData.shape.0",
+            "greater than or equal",
+        ),
+        (True, "definition.inputs.x", "a tensor is"),
+    ],
+)
 def test_malformed_tensors_name_the_field(client, tensor, field: str, words: str) -> None:
     found = problem(client.post("/v1/gradient", json=_with_input(tensor)), 422, "validation")
     assert found["errors"][0]["field"] == field, found
@@ -150,11 +198,13 @@ def test_malformed_tensors_name_the_field(client, tensor, field: str, words: str
 
 
 def test_time_limit_above_the_maximum(client) -> None:
-    found = problem(client.post("/v1/gradient", json={**GRADIENT_EXAMPLE, "time_limit": 61}),
-                    422, "too-large")
+    found = problem(
+        client.post("/v1/gradient", json={**GRADIENT_EXAMPLE, "time_limit": 61}), 422, "too-large"
+    )
     assert found["errors"][0]["field"] == "time_limit" and "60" in found["detail"]
-    problem(client.post("/v1/gradient", json={**GRADIENT_EXAMPLE, "time_limit": 0}), 422,
-            "validation")
+    problem(
+        client.post("/v1/gradient", json={**GRADIENT_EXAMPLE, "time_limit": 0}), 422, "validation"
+    )
 
 
 def test_not_found(client) -> None:
@@ -176,9 +226,14 @@ def test_problem_types_are_documented(client) -> None:
 
 
 def test_execution_errors_are_422(client) -> None:
-    body = {"definition": {"inputs": {"a": t(np.zeros((2, 2))), "b": t([1.0, 1.0])},
-                           "program": ["x = sum(solve(a, b))"]},
-            "target": "x", "sources": ["b"]}
+    body = {
+        "definition": {
+            "inputs": {"a": t(np.zeros((2, 2))), "b": t([1.0, 1.0])},
+            "program": ["x = sum(solve(a, b))"],
+        },
+        "target": "x",
+        "sources": ["b"],
+    }
     found = problem(client.post("/v1/gradient", json=body), 422, "execution")
     assert found["errors"][0]["op"] == "solve" and found["errors"][0]["line"] == 1
 

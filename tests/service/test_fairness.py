@@ -25,28 +25,42 @@ KEYS = ["flood-key", "quiet-key"]
 
 
 def keyed_server(tmp_path: Path, **settings: str) -> Server:
-    return start_server({
-        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-        "GRADTAPE_WORKERS": "2",
-        "GRADTAPE_API_KEYS_ENABLED": "true",
-        "GRADTAPE_API_KEYS": ",".join(KEYS),
-        **{f"GRADTAPE_{k.upper()}": v for k, v in settings.items()},
-    }, tmp_path / "server.log")
+    return start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            "GRADTAPE_WORKERS": "2",
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": ",".join(KEYS),
+            **{f"GRADTAPE_{k.upper()}": v for k, v in settings.items()},
+        },
+        tmp_path / "server.log",
+    )
 
 
 def as_key(server: Server, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.base_url, timeout=60.0,
-                        headers={"Authorization": f"Bearer {key}"})
+    return httpx.Client(
+        base_url=server.base_url, timeout=60.0, headers={"Authorization": f"Bearer {key}"}
+    )
 
 
 def heavy_body(n: int = 400) -> bytes:
     """A msgpack gradient request of some tens of milliseconds in a worker and little
     parsing in the HTTP process: n x n float32 matrix products of one variable."""
     w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32) / np.sqrt(n)
-    return msgpack.packb({"definition": {
-        "variables": {"w": tbin(w)},
-        "program": ["a = tanh(w @ w)", "b = tanh(a @ w)", "c = tanh(b @ a)",
-                    "loss = mean(c ** 2)"]}, "target": "loss"})
+    return msgpack.packb(
+        {
+            "definition": {
+                "variables": {"w": tbin(w)},
+                "program": [
+                    "a = tanh(w @ w)",
+                    "b = tanh(a @ w)",
+                    "c = tanh(b @ a)",
+                    "loss = mean(c ** 2)",
+                ],
+            },
+            "target": "loss",
+        }
+    )
 
 
 def post_heavy(client: httpx.Client, body: bytes) -> httpx.Response:
@@ -93,9 +107,12 @@ def test_a_key_waits_in_its_own_line_and_past_it_gets_429(one_slot) -> None:
     key's share, so its next three are refused at once; the other key is not in that line.
     Then the two finish their bodies and are answered."""
     key = "flood-key"
-    small = json.dumps({"definition": {"variables": {"w": [1.0, 2.0]},
-                                       "program": ["loss = sum(w * w)"]},
-                        "target": "loss"}).encode()
+    small = json.dumps(
+        {
+            "definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w)"]},
+            "target": "loss",
+        }
+    ).encode()
     holding = open_upload(one_slot, len(small), key, first=small[:1])
     time.sleep(0.5)  # admitted: it holds the key's slot, reading its body
     waiting = open_upload(one_slot, len(small), key, first=small[:1])
@@ -170,8 +187,10 @@ def test_a_flooding_key_does_not_starve_another(one_worker, tmp_path) -> None:
         latencies(quiet, body, 3)  # warm up
         calm = latencies(quiet, body, 25)
         flood = subprocess.Popen(
-            [sys.executable, "-c", FLOOD, one_worker.base_url, "flood-key", str(body_file),
-             "16"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            [sys.executable, "-c", FLOOD, one_worker.base_url, "flood-key", str(body_file), "16"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         try:
             assert flood.stdout is not None and flood.stdout.readline() == b"flooding\n"
             time.sleep(1.0)  # the flood fills its slot and its line
@@ -183,4 +202,5 @@ def test_a_flooding_key_does_not_starve_another(one_worker, tmp_path) -> None:
     assert p99(stormy) <= 3 * p99(calm), (
         f"quiet key's p99 {p99(stormy) * 1e3:.0f} ms under a flood, "
         f"{p99(calm) * 1e3:.0f} ms alone; medians {statistics.median(stormy) * 1e3:.0f} "
-        f"and {statistics.median(calm) * 1e3:.0f} ms")
+        f"and {statistics.median(calm) * 1e3:.0f} ms"
+    )

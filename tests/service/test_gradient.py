@@ -38,8 +38,9 @@ def test_three_ways_to_ask(client) -> None:
     one = post(client, "/v1/gradient", {"definition": defn, "target": "s", "sources": "w1"})
     assert num(one["value"]) == 31.0
     assert nums(one["gradients"]) == {"w1": 5.0}
-    args = post(client, "/v1/gradient",
-                {"definition": defn, "target": "s", "sources": ["x1", "x2"]})
+    args = post(
+        client, "/v1/gradient", {"definition": defn, "target": "s", "sources": ["x1", "x2"]}
+    )
     assert nums(args["gradients"]) == {"x1": 2.0, "x2": 3.0}
     implicit = post(client, "/v1/gradient", {"definition": defn, "target": "s"})
     assert num(implicit["value"]) == 31.0  # value and gradients in one call
@@ -54,22 +55,31 @@ def test_only_trainable_variables_by_default(client) -> None:
 
 def test_sources_by_alias(client) -> None:
     defn = {**SUM, "variables": {"w1": 2.0, "w2": 3.0}}
-    body = post(client, "/v1/gradient",
-                {"definition": defn, "target": "s", "sources": {"a": "w2", "b": "x1"}})
+    body = post(
+        client,
+        "/v1/gradient",
+        {"definition": defn, "target": "s", "sources": {"a": "w2", "b": "x1"}},
+    )
     assert nums(body["gradients"]) == {"a": 7.0, "b": 2.0}
 
 
 # ---- 1, 2, 3: values that carry no gradient -----------------------------------------------
 
 
-@pytest.mark.parametrize("program", [
-    ["x_sq = x * x", "y_sq = stop_gradient(y * y)", "z = x_sq + y_sq"],  # 1: stop_recording
-    ["y_sq = stop_gradient(y * y)", "z = x * x + y_sq"],  # 2: reset
-    ["z = x ** 2 + stop_gradient(y ** 2)"],  # 3: stop_gradient
-])
+@pytest.mark.parametrize(
+    "program",
+    [
+        ["x_sq = x * x", "y_sq = stop_gradient(y * y)", "z = x_sq + y_sq"],  # 1: stop_recording
+        ["y_sq = stop_gradient(y * y)", "z = x * x + y_sq"],  # 2: reset
+        ["z = x ** 2 + stop_gradient(y ** 2)"],  # 3: stop_gradient
+    ],
+)
 def test_unconnected_sources(client, program: list[str]) -> None:
-    body = {"definition": {"variables": {"x": 2.0, "y": 3.0}, "program": program},
-            "target": "z", "sources": {"x": "x", "y": "y"}}
+    body = {
+        "definition": {"variables": {"x": 2.0, "y": 3.0}, "program": program},
+        "target": "z",
+        "sources": {"x": "x", "y": "y"},
+    }
     answer = post(client, "/v1/gradient", body)
     assert num(answer["value"]) == 13.0
     assert nums(answer["gradients"]) == {"x": 4.0, "y": None}
@@ -79,8 +89,7 @@ def test_unconnected_sources(client, program: list[str]) -> None:
 
 # ---- 4: custom gradients -------------------------------------------------------------------
 
-CLIP = {"params": ["x"], "forward": ["y = x"],
-        "backward": ["grad_x = clip_by_norm(upstream, 0.5)"]}
+CLIP = {"params": ["x"], "forward": ["y = x"], "backward": ["grad_x = clip_by_norm(upstream, 0.5)"]}
 
 
 def test_custom_gradient_builtin(client) -> None:
@@ -91,8 +100,11 @@ def test_custom_gradient_builtin(client) -> None:
 
 
 def test_custom_gradient_user_function(client) -> None:
-    defn = {"variables": {"v": 2.0}, "functions": {"clip_gradient": CLIP},
-            "program": ["output = clip_gradient(v * v)"]}
+    defn = {
+        "variables": {"v": 2.0},
+        "functions": {"clip_gradient": CLIP},
+        "program": ["output = clip_gradient(v * v)"],
+    }
     answer = post(client, "/v1/gradient", {"definition": defn, "target": "output"})
     assert nums(answer["gradients"]) == {"v": 2.0}
 
@@ -103,11 +115,13 @@ def test_custom_gradient_user_function(client) -> None:
 def test_multiple_tapes(client) -> None:
     defn = {"inputs": {"x0": 0.0, "x1": 0.0}, "program": ["ys = sum(sin(x0) + sigmoid(x1))"]}
     for source, expected in (("x0", 1.0), ("x1", 0.25)):
-        answer = post(client, "/v1/gradient",
-                      {"definition": defn, "target": "ys", "sources": [source]})
+        answer = post(
+            client, "/v1/gradient", {"definition": defn, "target": "ys", "sources": [source]}
+        )
         assert nums(answer["gradients"]) == {source: expected}
-    both = post(client, "/v1/gradient",
-                {"definition": defn, "target": "ys", "sources": ["x0", "x1"]})
+    both = post(
+        client, "/v1/gradient", {"definition": defn, "target": "ys", "sources": ["x0", "x1"]}
+    )
     assert nums(both["gradients"]) == {"x0": 1.0, "x1": 0.25}
 
 
@@ -116,12 +130,22 @@ def test_multiple_tapes(client) -> None:
 HIGHER = ["y = x * x * x", "dy = grad(y, x)", "d2y = grad(dy, x)", "d3y = grad(d2y, x)"]
 
 
-@pytest.mark.parametrize("target,value,derivative", [
-    ("y", 1.0, 3.0), ("dy", 3.0, 6.0), ("d2y", 6.0, 6.0), ("d3y", 6.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "target,value,derivative",
+    [
+        ("y", 1.0, 3.0),
+        ("dy", 3.0, 6.0),
+        ("d2y", 6.0, 6.0),
+        ("d3y", 6.0, 0.0),
+    ],
+)
 def test_higher_order(client, target: str, value: float, derivative: float) -> None:
-    body = {"definition": {"variables": {"x": 1.0}, "program": HIGHER}, "target": target,
-            "allow_unused": True, "unconnected": "zero"}
+    body = {
+        "definition": {"variables": {"x": 1.0}, "program": HIGHER},
+        "target": target,
+        "allow_unused": True,
+        "unconnected": "zero",
+    }
     answer = post(client, "/v1/gradient", body)
     assert (num(answer["value"]), nums(answer["gradients"])) == (value, {"x": derivative})
 
@@ -137,9 +161,16 @@ def test_nested_tapes_by_hand(client) -> None:
     consts = {"x": 3.0, "y": 2.0}
 
     def ask(program, target, sources, inputs=consts):
-        return post(client, "/v1/gradient", {
-            "definition": {"inputs": inputs, "program": program},
-            "target": target, "sources": sources, "allow_unused": True})
+        return post(
+            client,
+            "/v1/gradient",
+            {
+                "definition": {"inputs": inputs, "program": program},
+                "target": target,
+                "sources": sources,
+                "allow_unused": True,
+            },
+        )
 
     assert nums(ask(["z = x * x"], "z", ["x"])["gradients"]) == {"x": 6.0}
     answer = ask(["z = x * y * y", "dz_dx = grad(z, x)"], "dz_dx", ["y"])
@@ -162,13 +193,20 @@ def _g1_mag(x, kernel, bias) -> float:
 
 def test_input_gradient_regularisation(client) -> None:
     rng = np.random.default_rng(7)
-    x, kernel, bias = rng.standard_normal((7, 5)), rng.standard_normal((5, 10)), rng.standard_normal(10)
+    x, kernel, bias = (
+        rng.standard_normal((7, 5)),
+        rng.standard_normal((5, 10)),
+        rng.standard_normal(10),
+    )
     body = {
         "definition": {
             "variables": {"kernel": t(kernel, "float64"), "bias": t(bias, "float64")},
             "inputs": {"x": t(x, "float64")},
-            "program": ["out = sum(relu(x @ kernel + bias) ** 2)", "g1 = grad(out, x)",
-                        "g1_mag = norm(g1)"],
+            "program": [
+                "out = sum(relu(x @ kernel + bias) ** 2)",
+                "g1 = grad(out, x)",
+                "g1_mag = norm(g1)",
+            ],
         },
         "target": "g1_mag",
     }
@@ -179,10 +217,13 @@ def test_input_gradient_regularisation(client) -> None:
     for _ in range(3):  # random directions against central differences
         dk, db = rng.standard_normal(kernel.shape), rng.standard_normal(bias.shape)
         eps = 1e-6
-        fd = (_g1_mag(x, kernel + eps * dk, bias + eps * db)
-              - _g1_mag(x, kernel - eps * dk, bias - eps * db)) / (2 * eps)
+        fd = (
+            _g1_mag(x, kernel + eps * dk, bias + eps * db)
+            - _g1_mag(x, kernel - eps * dk, bias - eps * db)
+        ) / (2 * eps)
         assert np.sum(grads["kernel"] * dk) + np.sum(grads["bias"] * db) == pytest.approx(
-            fd, rel=1e-6, abs=1e-8)
+            fd, rel=1e-6, abs=1e-8
+        )
 
 
 # ---- 17: gradient penalty (WGAN-GP) --------------------------------------------------------
@@ -206,11 +247,22 @@ def _penalty(p: dict[str, np.ndarray]) -> float:
 
 def test_gradient_penalty(client) -> None:
     rng = np.random.default_rng(17)
-    shapes = {"gw1": (3, 8), "gb1": (8,), "gw2": (8, 4), "gb2": (4,),
-              "cw1": (4, 8), "cb1": (8,), "cw2": (8, 1), "cb2": (1,)}
+    shapes = {
+        "gw1": (3, 8),
+        "gb1": (8,),
+        "gw2": (8, 4),
+        "gb2": (4,),
+        "cw1": (4, 8),
+        "cb1": (8,),
+        "cw2": (8, 1),
+        "cb2": (1,),
+    }
     params = {k: rng.standard_normal(s) * 0.7 for k, s in shapes.items()}
-    data = {"z": rng.standard_normal((6, 3)), "real": rng.standard_normal((6, 4)),
-            "eps": rng.uniform(size=(6, 1))}
+    data = {
+        "z": rng.standard_normal((6, 3)),
+        "real": rng.standard_normal((6, 4)),
+        "eps": rng.uniform(size=(6, 1)),
+    }
     critic = ["cw1", "cb1", "cw2", "cb2"]
     body = {
         "definition": {
@@ -247,11 +299,17 @@ def test_gradient_penalty(client) -> None:
 
 def test_float64_and_tensor_shapes(client) -> None:
     rng = np.random.default_rng(0)
-    x, kernel, bias = rng.standard_normal((7, 5)), rng.standard_normal((5, 10)), rng.standard_normal(10)
+    x, kernel, bias = (
+        rng.standard_normal((7, 5)),
+        rng.standard_normal((5, 10)),
+        rng.standard_normal(10),
+    )
     body = {
-        "definition": {"variables": {"kernel": t(kernel, "float64"), "bias": t(bias, "float64")},
-                       "inputs": {"x": t(x, "float64")},
-                       "program": ["y = relu(x @ kernel + bias)"]},
+        "definition": {
+            "variables": {"kernel": t(kernel, "float64"), "bias": t(bias, "float64")},
+            "inputs": {"x": t(x, "float64")},
+            "program": ["y = relu(x @ kernel + bias)"],
+        },
         "target": "y",
     }
     answer = post(client, "/v1/gradient", body)
@@ -270,10 +328,14 @@ def test_same_request_twice_gives_the_same_answer(client) -> None:
 
 
 def test_definition_errors_point_at_line_column_and_shapes(client) -> None:
-    body = {"definition": {"variables": {"w": t(np.ones((2, 3)))},
-                           "inputs": {"x": t(np.ones((4, 5)))},
-                           "program": ["h = x @ w", "loss = sum(h) + nope"]},
-            "target": "loss"}
+    body = {
+        "definition": {
+            "variables": {"w": t(np.ones((2, 3)))},
+            "inputs": {"x": t(np.ones((4, 5)))},
+            "program": ["h = x @ w", "loss = sum(h) + nope"],
+        },
+        "target": "loss",
+    }
     found = problem(client.post("/v1/gradient", json=body), 422, "definition")
     assert "line 1" in found["detail"]
     by_line = {e["line"]: e for e in found["errors"]}
@@ -283,8 +345,11 @@ def test_definition_errors_point_at_line_column_and_shapes(client) -> None:
 
 
 def test_unknown_target_and_source(client) -> None:
-    body = {"definition": {"variables": {"w": 1.0}, "program": ["loss = w * w"]},
-            "target": "los", "sources": ["v"]}
+    body = {
+        "definition": {"variables": {"w": 1.0}, "program": ["loss = w * w"]},
+        "target": "los",
+        "sources": ["v"],
+    }
     found = problem(client.post("/v1/gradient", json=body), 422, "definition")
     sections = {e["section"] for e in found["errors"]}
     assert sections == {"target", "sources"}

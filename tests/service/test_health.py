@@ -31,9 +31,12 @@ def test_metrics(client) -> None:
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
     assert re.search(
-        r'gradtape_http_requests_total\{method="POST",route="/v1/gradient",status="200"\} \d', text)
-    assert 'gradtape_http_request_duration_seconds_bucket{le="0.005",method="POST",' \
-           'route="/v1/gradient"}' in text
+        r'gradtape_http_requests_total\{method="POST",route="/v1/gradient",status="200"\} \d', text
+    )
+    assert (
+        'gradtape_http_request_duration_seconds_bucket{le="0.005",method="POST",'
+        'route="/v1/gradient"}' in text
+    )
     assert 'gradtape_errors_total{type="not-found"}' in text
     assert re.search(r'gradtape_worker_busy_seconds_total\{worker="0"\} [0-9.e-]+', text)
     assert "gradtape_queue_depth 0.0" in text
@@ -63,15 +66,41 @@ def test_openapi_document(client) -> None:
     spec = client.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.1")
     operations = {op["operationId"] for path in spec["paths"].values() for op in path.values()}
-    assert operations == {"compute_gradient", "compute_jacobian", "compute_hessian",
-                          "compute_hvp", "list_ops", "check_health", "check_readiness",
-                          "read_metrics", "create_tape", "list_tapes", "read_tape",
-                          "update_tape", "delete_tape", "compute_tape_hvp",
-                          "compute_tape_gradient", "compute_tape_jacobian",
-                          "compute_tape_eigenvalues", "estimate_tape_trace",
-                          "estimate_tape_diagonal", "estimate_tape_spectral_density",
-                          "solve_tape", "compute_tape_influence",
-                          "create_model", "list_models", "read_model", "delete_model",
-                          "list_jobs", "read_job", "read_job_result", "stream_job_events",
-                          "cancel_job", "put_onnx_model",
-                          "put_dataset", "list_datasets", "read_dataset", "delete_dataset"}
+    assert operations == {
+        "compute_gradient",
+        "compute_jacobian",
+        "compute_hessian",
+        "compute_hvp",
+        "list_ops",
+        "check_health",
+        "check_readiness",
+        "read_metrics",
+        "create_tape",
+        "list_tapes",
+        "read_tape",
+        "update_tape",
+        "delete_tape",
+        "compute_tape_hvp",
+        "compute_tape_gradient",
+        "compute_tape_jacobian",
+        "compute_tape_eigenvalues",
+        "estimate_tape_trace",
+        "estimate_tape_diagonal",
+        "estimate_tape_spectral_density",
+        "solve_tape",
+        "compute_tape_influence",
+        "create_model",
+        "list_models",
+        "read_model",
+        "delete_model",
+        "list_jobs",
+        "read_job",
+        "read_job_result",
+        "stream_job_events",
+        "cancel_job",
+        "put_onnx_model",
+        "put_dataset",
+        "list_datasets",
+        "read_dataset",
+        "delete_dataset",
+    }

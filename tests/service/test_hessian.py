@@ -30,36 +30,44 @@ def test_hessian_of_two_layers_is_symmetric(client) -> None:  # 10
     np.testing.assert_allclose(h_mat, h_mat.T, atol=1e-12)
     # Each row matches the jacobian of the gradient (the scenario's definition).
     grad = post(client, "/v1/gradient", {"definition": defn, "target": "loss", "sources": ["k1"]})
-    np.testing.assert_allclose(arr(answer["gradients"]["k1"]), arr(grad["gradients"]["k1"]),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        arr(answer["gradients"]["k1"]), arr(grad["gradients"]["k1"]), rtol=1e-12
+    )
 
 
 def test_newton_step_solves_a_quadratic(client) -> None:  # 10
     x, y = rng.standard_normal((7, 5)), rng.standard_normal((7, 8))
     kernel = rng.standard_normal((5, 8))
-    defn = {"variables": {"kernel": t(kernel, "float64")},
-            "inputs": {"x": t(x, "float64"), "y": t(y, "float64")},
-            "program": ["loss = mean((x @ kernel - y) ** 2)"]}
+    defn = {
+        "variables": {"kernel": t(kernel, "float64")},
+        "inputs": {"x": t(x, "float64"), "y": t(y, "float64")},
+        "program": ["loss = mean((x @ kernel - y) ** 2)"],
+    }
     body = {"definition": defn, "target": "loss", "newton": {"damping": 1e-9}}
     answer = post(client, "/v1/hessian", body)
     h = arr(answer["hessian"]["kernel"]["kernel"]).reshape(40, 40)
     g = arr(answer["gradients"]["kernel"]).reshape(40)
     step = arr(answer["newton_step"]["kernel"])
-    np.testing.assert_allclose(step.reshape(40), np.linalg.solve(h + 1e-9 * np.eye(40), g),
-                               rtol=1e-9)
+    np.testing.assert_allclose(
+        step.reshape(40), np.linalg.solve(h + 1e-9 * np.eye(40), g), rtol=1e-9
+    )
     stepped = kernel - step
     best = np.linalg.lstsq(x, y, rcond=None)[0]
     np.testing.assert_allclose(stepped, best, rtol=1e-6, atol=1e-8)
-    after = post(client, "/v1/gradient",
-                 {"definition": {**defn, "variables": {"kernel": t(stepped, "float64")}},
-                  "target": "loss"})
+    after = post(
+        client,
+        "/v1/gradient",
+        {"definition": {**defn, "variables": {"kernel": t(stepped, "float64")}}, "target": "loss"},
+    )
     assert num(after["value"]) == pytest.approx(np.mean((x @ best - y) ** 2), rel=1e-9)
     assert np.abs(arr(after["gradients"]["kernel"])).max() < 1e-7  # damping leaves ~1e-9
 
 
 def test_blocks_over_several_sources(client) -> None:
-    defn = {"variables": {"a": t([1.0, 2.0], "float64"), "b": t(3.0, "float64")},
-            "program": ["f = sum(a * a) * b + b ** 3"]}
+    defn = {
+        "variables": {"a": t([1.0, 2.0], "float64"), "b": t(3.0, "float64")},
+        "program": ["f = sum(a * a) * b + b ** 3"],
+    }
     answer = post(client, "/v1/hessian", {"definition": defn, "target": "f"})
     blocks = {(i, j): arr(answer["hessian"][i][j]) for i in "ab" for j in "ab"}
     np.testing.assert_allclose(blocks["a", "a"], 2 * 3.0 * np.eye(2))
@@ -71,22 +79,29 @@ def test_blocks_over_several_sources(client) -> None:
 
 def test_singular_newton_step_says_to_damp(client) -> None:
     defn = {"variables": {"a": t([1.0, 2.0], "float64")}, "program": ["f = sum(a) ** 2"]}
-    found = problem(client.post("/v1/hessian", json={
-        "definition": defn, "target": "f", "newton": {"damping": 0}}), 422, "invalid-request")
+    found = problem(
+        client.post(
+            "/v1/hessian", json={"definition": defn, "target": "f", "newton": {"damping": 0}}
+        ),
+        422,
+        "invalid-request",
+    )
     assert "damping" in found["detail"]
 
 
 def test_too_large_suggests_hvp(client) -> None:
     defn = {"variables": {"w": t(np.ones((11, 10)))}, "program": ["f = sum(w ** 3)"]}
-    found = problem(client.post("/v1/hessian", json={"definition": defn, "target": "f"}),
-                    422, "too-large")
+    found = problem(
+        client.post("/v1/hessian", json={"definition": defn, "target": "f"}), 422, "too-large"
+    )
     assert "110 x 110" in found["detail"] and "/v1/hvp" in found["detail"]
 
 
 def test_needs_a_scalar_target(client) -> None:
     defn = {"variables": {"w": t(np.ones(3))}, "program": ["f = w ** 3"]}
-    found = problem(client.post("/v1/hessian", json={"definition": defn, "target": "f"}),
-                    422, "invalid-request")
+    found = problem(
+        client.post("/v1/hessian", json={"definition": defn, "target": "f"}), 422, "invalid-request"
+    )
     assert "scalar" in found["detail"] and "[3]" in found["detail"]
 
 

@@ -24,6 +24,7 @@ W = {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w)"]}
 @pytest.fixture
 def unharmed(client: httpx.Client):
     """The workers' pids before the case; after it, the service is ready with the same."""
+
     def pids() -> list[int]:
         ready = client.get("/readyz")
         assert ready.status_code == 200, ready.text
@@ -35,16 +36,22 @@ def unharmed(client: httpx.Client):
 
 
 def _definition_with(value: dict) -> dict:
-    return {"definition": {"variables": {"w": value}, "program": ["loss = sum(w)"]},
-            "target": "loss"}
+    return {
+        "definition": {"variables": {"w": value}, "program": ["loss = sum(w)"]},
+        "target": "loss",
+    }
 
 
-@pytest.mark.parametrize("tensor", [
-    {"dtype": "float32", "shape": [0, HUGE], "data": []},
-    {"dtype": "float32", "shape": [0, HUGE], "base64": ""},
-    {"dtype": "float32", "shape": [0] * 40, "data": []},
-    {"dtype": "float32", "shape": [HUGE, HUGE], "data": [1.0]},
-], ids=["huge-dimension", "huge-dimension-base64", "rank-40", "huge-product"])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        {"dtype": "float32", "shape": [0, HUGE], "data": []},
+        {"dtype": "float32", "shape": [0, HUGE], "base64": ""},
+        {"dtype": "float32", "shape": [0] * 40, "data": []},
+        {"dtype": "float32", "shape": [HUGE, HUGE], "data": [1.0]},
+    ],
+    ids=["huge-dimension", "huge-dimension-base64", "rank-40", "huge-product"],
+)
 def test_impossible_shapes_are_422_naming_the_shape(client, unharmed, tensor) -> None:
     body = problem(client.post("/v1/gradient", json=_definition_with(tensor)), 422)
     assert "definition.variables.w" in body["detail"] and "shape" in body["detail"]
@@ -53,39 +60,55 @@ def test_impossible_shapes_are_422_naming_the_shape(client, unharmed, tensor) ->
 
 def test_impossible_shape_in_msgpack_is_422(client, unharmed) -> None:
     tensor = {"dtype": "float32", "shape": [0, 2**62], "data": b""}
-    response = client.post("/v1/gradient", content=msgpack.packb(_definition_with(tensor)),
-                           headers={"content-type": MSGPACK})
+    response = client.post(
+        "/v1/gradient",
+        content=msgpack.packb(_definition_with(tensor)),
+        headers={"content-type": MSGPACK},
+    )
     assert "shape" in problem(response, 422)["detail"]
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
 def test_uint64_from_booleans_is_stored_not_a_500(client, unharmed, encoding) -> None:
-    body = {"name": f"bools-{encoding}",
-            "definition": {"variables": {"w": {"dtype": "uint64", "shape": [2],
-                                               "data": [True, False]}},
-                           "inputs": {"x": [1.0, 2.0]}, "program": ["loss = sum(x * x)"]}}
+    body = {
+        "name": f"bools-{encoding}",
+        "definition": {
+            "variables": {"w": {"dtype": "uint64", "shape": [2], "data": [True, False]}},
+            "inputs": {"x": [1.0, 2.0]},
+            "program": ["loss = sum(x * x)"],
+        },
+    }
     if encoding == "json":
         response = client.post("/v1/models", json=body)
     else:
-        response = client.post("/v1/models", content=msgpack.packb(body),
-                               headers={"content-type": MSGPACK})
+        response = client.post(
+            "/v1/models", content=msgpack.packb(body), headers={"content-type": MSGPACK}
+        )
     assert response.status_code == 201, response.text
     client.delete(f"/v1/models/bools-{encoding}")
 
 
 def test_an_out_of_range_integer_is_422(client, unharmed) -> None:
     tensor = {"dtype": "uint8", "shape": [2], "data": [1, 300]}
-    assert "range of uint8" in problem(
-        client.post("/v1/gradient", json=_definition_with(tensor)), 422)["detail"]
+    assert (
+        "range of uint8"
+        in problem(client.post("/v1/gradient", json=_definition_with(tensor)), 422)["detail"]
+    )
 
 
 def test_a_solve_whose_damping_overflows_is_a_422_not_nan(client, unharmed) -> None:
-    created = client.post("/v1/tapes", json={"definition": {"variables": {"w": [1.0, 2.0]},
-                          "program": ["loss = sum(w * w * w)"]}, "target": "loss"})
+    created = client.post(
+        "/v1/tapes",
+        json={
+            "definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w * w)"]},
+            "target": "loss",
+        },
+    )
     tape = created.json()["tape_id"]
     try:
-        body = problem(client.post(f"/v1/tapes/{tape}/solve", json={"damping": 1.7e308}),
-                       422, "non-finite")
+        body = problem(
+            client.post(f"/v1/tapes/{tape}/solve", json={"damping": 1.7e308}), 422, "non-finite"
+        )
         assert "conjugate-gradient solve overflowed" in body["detail"]
     finally:
         client.delete(f"/v1/tapes/{tape}")
@@ -94,8 +117,9 @@ def test_a_solve_whose_damping_overflows_is_a_422_not_nan(client, unharmed) -> N
 @pytest.mark.parametrize("depth", [10_000, 100_000])
 def test_deeply_nested_json_is_a_malformed_body(client, unharmed, depth) -> None:
     body = "[" * depth + "]" * depth
-    response = client.post("/v1/gradient", content=body,
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/gradient", content=body, headers={"content-type": "application/json"}
+    )
     assert "parsed" in problem(response, 400, "malformed-body")["detail"]
 
 
@@ -107,16 +131,19 @@ def test_deeply_nested_msgpack_is_a_malformed_body(client, unharmed) -> None:
     problem(response, response.status_code)
 
 
-@pytest.mark.parametrize("line", [
-    "loss = __import__('os').system('true')",
-    "loss = (lambda: w)()",
-    "loss = f'{w}'",
-    "import os",
-    "loss = w.__class__",
-    "loss = sum(w) if True else w",
-    "loss = [x for x in w]",
-    "loss = eval('w')",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "loss = __import__('os').system('true')",
+        "loss = (lambda: w)()",
+        "loss = f'{w}'",
+        "import os",
+        "loss = w.__class__",
+        "loss = sum(w) if True else w",
+        "loss = [x for x in w]",
+        "loss = eval('w')",
+    ],
+)
 def test_code_that_is_not_the_language_is_refused(client, unharmed, line) -> None:
     body = {"definition": {"variables": {"w": [1.0]}, "program": [line]}, "target": "loss"}
     problem(client.post("/v1/gradient", json=body), 422, "definition")
@@ -124,8 +151,9 @@ def test_code_that_is_not_the_language_is_refused(client, unharmed, line) -> Non
 
 def test_a_base64_tensor_of_the_wrong_length_is_422(client, unharmed) -> None:
     tensor = {"dtype": "float32", "shape": [3], "base64": base64.b64encode(b"\0" * 8).decode()}
-    assert "byte" in problem(client.post("/v1/gradient", json=_definition_with(tensor)),
-                             422)["detail"]
+    assert (
+        "byte" in problem(client.post("/v1/gradient", json=_definition_with(tensor)), 422)["detail"]
+    )
 
 
 _SEND = """
@@ -156,7 +184,8 @@ def _healthz_while(client: httpx.Client, body: bytes, tmp_path) -> tuple[int, di
         time.sleep(0.005)
     sender = subprocess.Popen(
         [sys.executable, "-c", _SEND, f"{client.base_url}/v1/gradient", str(path)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     slowest = 0.0
     while sender.poll() is None:
@@ -171,8 +200,10 @@ def _healthz_while(client: httpx.Client, body: bytes, tmp_path) -> tuple[int, di
 
 def test_a_million_empty_lists_are_refused_small_and_fast(client, unharmed, tmp_path) -> None:
     # 3 MB: sources as a million empty lists (once a 100 MB 422 after 11-18 s).
-    body = b'{"definition": {"variables": {"w": [1.0]}, "program": ["loss = sum(w)"]}, ' \
-           b'"target": "loss", "sources": [' + b",".join([b"[]"] * 1_000_000) + b"]}"
+    body = (
+        b'{"definition": {"variables": {"w": [1.0]}, "program": ["loss = sum(w)"]}, '
+        b'"target": "loss", "sources": [' + b",".join([b"[]"] * 1_000_000) + b"]}"
+    )
     status, answer, slowest = _healthz_while(client, body, tmp_path)
     assert status == 422 and answer["type"] == "/problems/too-large", answer
     assert "max_body_containers" in answer["detail"] and len(str(answer)) < 2_000
@@ -184,8 +215,10 @@ def large_bodies(tmp_path_factory):
     """A server with the default 64 MiB body limit (the shared one takes 4 MiB)."""
     from tests.service.conftest import start_server, stop_server
 
-    srv = start_server({"GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20), "GRADTAPE_WORKERS": "1"},
-                       tmp_path_factory.mktemp("bodies") / "server.log")
+    srv = start_server(
+        {"GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20), "GRADTAPE_WORKERS": "1"},
+        tmp_path_factory.mktemp("bodies") / "server.log",
+    )
     try:
         yield srv
     finally:
@@ -198,8 +231,9 @@ def default_body_limit(large_bodies):
         yield c
 
 
-def test_sixty_megabytes_of_nesting_do_not_take_the_service_down(default_body_limit,
-                                                                 tmp_path) -> None:
+def test_sixty_megabytes_of_nesting_do_not_take_the_service_down(
+    default_body_limit, tmp_path
+) -> None:
     client = default_body_limit
     body = b"[" + b"[]," * (20 * 2**20) + b"[]]"  # 60 MiB, under the 64 MiB body limit
     status, answer, slowest = _healthz_while(client, body, tmp_path)
@@ -233,8 +267,9 @@ def test_json_nested_past_the_depth_limit_is_a_malformed_body(client, unharmed) 
 
 def test_a_body_that_is_not_utf8_is_a_malformed_body(client, unharmed) -> None:
     # Found by schemathesis: json.loads raises UnicodeDecodeError, not JSONDecodeError.
-    reply = client.post("/v1/hessian", content=b"\xff\x07",
-                        headers={"Content-Type": "application/json"})
+    reply = client.post(
+        "/v1/hessian", content=b"\xff\x07", headers={"Content-Type": "application/json"}
+    )
     assert reply.status_code == 400, reply.text
     assert reply.json()["type"] == "/problems/malformed-body"
 
@@ -268,10 +303,16 @@ def test_a_key_that_looks_like_protocol_is_only_a_key(client, unharmed, alias) -
 
 
 def test_the_issue_request_over_msgpack(client, unharmed) -> None:
-    body = {"definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w*w)"]},
-            "target": "loss", "sources": {"__nd__": "w"}}
-    response = client.post("/v1/gradient", content=msgpack.packb(body),
-                           headers={"content-type": MSGPACK, "accept": MSGPACK})
+    body = {
+        "definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w*w)"]},
+        "target": "loss",
+        "sources": {"__nd__": "w"},
+    }
+    response = client.post(
+        "/v1/gradient",
+        content=msgpack.packb(body),
+        headers={"content-type": MSGPACK, "accept": MSGPACK},
+    )
     assert response.status_code == 200, response.content[:300]
     gradient = msgpack.unpackb(response.content)["gradients"]["__nd__"]
     assert gradient["shape"] == [2]
@@ -280,11 +321,14 @@ def test_the_issue_request_over_msgpack(client, unharmed) -> None:
 LONG = "n" * 100_000
 
 
-@pytest.mark.parametrize("where", ["alias", "source", "target", "variable", "vector-key",
-                                   "function"])
+@pytest.mark.parametrize(
+    "where", ["alias", "source", "target", "variable", "vector-key", "function"]
+)
 def test_a_long_name_is_refused_not_echoed(client, unharmed, where) -> None:
-    body: dict = {"definition": {"variables": {"w": [1.0, 2.0]},
-                                 "program": ["loss = sum(w * w)"]}, "target": "loss"}
+    body: dict = {
+        "definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w)"]},
+        "target": "loss",
+    }
     if where == "alias":
         body["sources"] = {LONG: "w"}
     elif where == "source":
@@ -313,10 +357,13 @@ def test_a_long_id_in_the_path_is_not_echoed(client, unharmed, path) -> None:
 
 def test_a_lone_surrogate_is_a_malformed_body_not_a_500(client, unharmed) -> None:
     # Found in review: "\ud800" passed validation and broke the UTF-8 frame to the worker.
-    body = ('{"definition": {"variables": {"w": [1.0]}, "program": ["loss = sum(w)\\ud800"]},'
-            ' "target": "loss"}')
-    response = client.post("/v1/gradient", content=body,
-                           headers={"content-type": "application/json"})
+    body = (
+        '{"definition": {"variables": {"w": [1.0]}, "program": ["loss = sum(w)\\ud800"]},'
+        ' "target": "loss"}'
+    )
+    response = client.post(
+        "/v1/gradient", content=body, headers={"content-type": "application/json"}
+    )
     assert "surrogate" in problem(response, 400, "malformed-body")["detail"]
 
 
@@ -326,6 +373,7 @@ def test_a_lone_surrogate_is_a_malformed_body_not_a_500(client, unharmed) -> Non
 def peak_rss_growth(pid: int, send) -> tuple[int, httpx.Response]:
     """The HTTP process's peak RSS growth (bytes) over `send()`: its high-water mark is
     reset first (/proc/<pid>/clear_refs), then read back from /proc/<pid>/status."""
+
     def hwm() -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -344,8 +392,10 @@ def test_a_msgpack_body_of_empty_arrays_is_refused_before_it_is_built(large_bodi
     count = 8_000_000
     body = b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
     with httpx.Client(base_url=large_bodies.base_url, timeout=60.0) as client:
-        growth, response = peak_rss_growth(large_bodies.process.pid, lambda: client.post(
-            "/v1/gradient", content=body, headers={"content-type": MSGPACK}))
+        growth, response = peak_rss_growth(
+            large_bodies.process.pid,
+            lambda: client.post("/v1/gradient", content=body, headers={"content-type": MSGPACK}),
+        )
         answer = problem(response, 422, "too-large")
         assert "max_body_containers" in answer["detail"]
         assert growth < 80 * 2**20, f"the HTTP process grew by {growth / 2**20:.0f} MiB"
@@ -358,20 +408,26 @@ def test_a_msgpack_body_nested_past_the_limit_allocates_nothing_ahead(large_bodi
     claim = 7_000_000
     body = (b"\xdd" + claim.to_bytes(4, "big")) * 1000 + b"\xc4\x00" * claim
     with httpx.Client(base_url=large_bodies.base_url, timeout=60.0) as client:
-        growth, response = peak_rss_growth(large_bodies.process.pid, lambda: client.post(
-            "/v1/gradient", content=body, headers={"content-type": MSGPACK}))
+        growth, response = peak_rss_growth(
+            large_bodies.process.pid,
+            lambda: client.post("/v1/gradient", content=body, headers={"content-type": MSGPACK}),
+        )
         assert "max_body_depth" in problem(response, 400, "malformed-body")["detail"]
         assert growth < 80 * 2**20, f"the HTTP process grew by {growth / 2**20:.0f} MiB"
 
 
-@pytest.mark.parametrize(("body", "says"), [
-    (msgpack.packb({"definition": W, "target": "loss"})[:-3], "ends inside"),
-    (msgpack.packb({"definition": W, "target": "loss"}) + b"\xc0", "follow the document"),
-    (b"\x81\x01\xa1x", "not a string"),
-    (b"\x81\x90\xa1x", "map key is a list"),
-    (b"\x81\xa1x\xa2\xff\xfe", "not UTF-8"),
-    (b"\xc1", "not valid msgpack"),
-], ids=["truncated", "trailing", "int-key", "list-key", "bad-utf8", "reserved-byte"])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (msgpack.packb({"definition": W, "target": "loss"})[:-3], "ends inside"),
+        (msgpack.packb({"definition": W, "target": "loss"}) + b"\xc0", "follow the document"),
+        (b"\x81\x01\xa1x", "not a string"),
+        (b"\x81\x90\xa1x", "map key is a list"),
+        (b"\x81\xa1x\xa2\xff\xfe", "not UTF-8"),
+        (b"\xc1", "not valid msgpack"),
+    ],
+    ids=["truncated", "trailing", "int-key", "list-key", "bad-utf8", "reserved-byte"],
+)
 def test_malformed_msgpack_is_a_400_from_the_parse(client, unharmed, body, says) -> None:
     response = client.post("/v1/gradient", content=body, headers={"content-type": MSGPACK})
     answer = problem(response, 400, "malformed-body")
@@ -379,11 +435,16 @@ def test_malformed_msgpack_is_a_400_from_the_parse(client, unharmed, body, says)
 
 
 def test_invalid_json_is_a_400_naming_the_position(client, unharmed) -> None:
-    response = client.post("/v1/gradient", content=b'{"target": "loss",, }',
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/gradient",
+        content=b'{"target": "loss",, }',
+        headers={"content-type": "application/json"},
+    )
     answer = problem(response, 400, "malformed-body")
-    assert answer["detail"] == ("the body is not valid JSON: Expecting property name "
-                                "enclosed in double quotes at character 18")
+    assert answer["detail"] == (
+        "the body is not valid JSON: Expecting property name "
+        "enclosed in double quotes at character 18"
+    )
 
 
 # -- the key and the rate are checked before the body is read (issue 11) ----------------------
@@ -399,22 +460,29 @@ def gated(tmp_path_factory):
     from tests.service.conftest import start_server, stop_server
 
     folder = tmp_path_factory.mktemp("gated")
-    srv = start_server({"GRADTAPE_DATA_DIR": str(folder / "data"), "GRADTAPE_WORKERS": "1",
-                        "GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20),
-                        "GRADTAPE_API_KEYS_ENABLED": "true",
-                        "GRADTAPE_API_KEYS": ",".join(GATE_KEYS.values()),
-                        "GRADTAPE_RATE_LIMIT_PER_SECOND": "0.01",
-                        "GRADTAPE_RATE_LIMIT_BURST": "3",
-                        "GRADTAPE_MAX_CONCURRENT_PER_KEY": "1",
-                        "GRADTAPE_MAX_WAITING_PER_KEY": "1"}, folder / "server.log")
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(folder / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_MAX_BODY_BYTES": str(64 * 2**20),
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": ",".join(GATE_KEYS.values()),
+            "GRADTAPE_RATE_LIMIT_PER_SECOND": "0.01",
+            "GRADTAPE_RATE_LIMIT_BURST": "3",
+            "GRADTAPE_MAX_CONCURRENT_PER_KEY": "1",
+            "GRADTAPE_MAX_WAITING_PER_KEY": "1",
+        },
+        folder / "server.log",
+    )
     try:
         yield srv
     finally:
         stop_server(srv)
 
 
-def open_upload(server, length: int | None, key: str | None = None, first: bytes = b""
-                ) -> socket.socket:
+def open_upload(
+    server, length: int | None, key: str | None = None, first: bytes = b""
+) -> socket.socket:
     """A raw connection that sends a POST /v1/gradient's headers (a JSON body of `length`
     bytes, or chunked when None) and the first bytes of its body, and no more until told."""
     url = urlsplit(server.base_url)
@@ -423,8 +491,13 @@ def open_upload(server, length: int | None, key: str | None = None, first: bytes
     framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
     if length is None:
         first = b"%x\r\n%s\r\n" % (len(first), first)
-    sock.sendall((f"POST /v1/gradient HTTP/1.1\r\nHost: {url.hostname}\r\n{auth}"
-                  f"Content-Type: application/json\r\n{framing}\r\n\r\n").encode() + first)
+    sock.sendall(
+        (
+            f"POST /v1/gradient HTTP/1.1\r\nHost: {url.hostname}\r\n{auth}"
+            f"Content-Type: application/json\r\n{framing}\r\n\r\n"
+        ).encode()
+        + first
+    )
     return sock
 
 
@@ -432,7 +505,8 @@ def read_answer(sock) -> tuple[int, bytes]:
     """The status and the whole answer (headers and body, lower case)."""
     data = b""
     while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
-            data.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0):
+        data.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0
+    ):
         chunk = sock.recv(65536)  # times out (the socket's 10 s) when nothing comes
         assert chunk, data
         data += chunk
@@ -450,11 +524,11 @@ def test_a_keyless_client_is_refused_before_its_body_is_read(gated) -> None:
     read before the key was checked, let alone parsed. The rest is then discarded
     unparsed (/healthz stays fast while it streams in), and the server is unharmed."""
     body = big_json()
-    sock = open_upload(gated, len(body), first=body[:2**20])
+    sock = open_upload(gated, len(body), first=body[: 2**20])
     with sock:
         status, answer = read_answer(sock)
         assert status == 401 and b"problem+json" in answer and b"www-authenticate" in answer
-        sent = threading.Thread(target=sock.sendall, args=(body[2**20:],))
+        sent = threading.Thread(target=sock.sendall, args=(body[2**20 :],))
         sent.start()
         slowest = 0.0
         with httpx.Client(base_url=gated.base_url, timeout=10) as c:
@@ -479,8 +553,9 @@ def test_a_keyless_chunked_upload_is_refused_before_its_body_is_read(gated) -> N
 
 def test_a_key_over_its_rate_is_refused_before_its_body_is_read(gated) -> None:
     key = GATE_KEYS["rate"]
-    with httpx.Client(base_url=gated.base_url, timeout=10,
-                      headers={"Authorization": f"Bearer {key}"}) as c:
+    with httpx.Client(
+        base_url=gated.base_url, timeout=10, headers={"Authorization": f"Bearer {key}"}
+    ) as c:
         assert [c.get("/v1/ops").status_code for _ in range(3)] == [200] * 3  # the burst
     with open_upload(gated, BIG, key, first=b"[" * 1000) as sock:
         status, answer = read_answer(sock)
@@ -492,8 +567,9 @@ def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
     line: what comes next is refused for the line, and keeps its token. The bucket
     (3, no refill to speak of) paid for those two only, so one request passes after."""
     key = GATE_KEYS["line"]
-    with httpx.Client(base_url=gated.base_url, timeout=10,
-                      headers={"Authorization": f"Bearer {key}"}) as c:
+    with httpx.Client(
+        base_url=gated.base_url, timeout=10, headers={"Authorization": f"Bearer {key}"}
+    ) as c:
         holding = open_upload(gated, 1000, key, first=b"{")
         time.sleep(0.5)  # admitted: it holds the slot, reading its body
         waiting = open_upload(gated, 1000, key, first=b"{")

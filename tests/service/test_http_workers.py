@@ -287,8 +287,10 @@ def test_the_tape_quota_holds_for_creations_racing_in_both_processes(server, pai
     answers: list[httpx.Response] = []
     # Recordings of some length, so that the two processes' requests overlap.
     body = {"definition": chain(40, depth=3), "target": "loss"}
-    threads = [threading.Thread(target=lambda c=c: answers.append(c.post(
-        "/v1/tapes", json=body))) for c in pinned]
+    threads = [
+        threading.Thread(target=lambda c=c: answers.append(c.post("/v1/tapes", json=body)))
+        for c in pinned
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -319,11 +321,16 @@ def test_eviction_unloads_one_process_copy_and_ends_no_tape(server, pair, tmp_pa
     measured = _create(probe)["tape_id"]
     _hvp(probe, measured, vec(6))  # (a tape's bytes are counted again after its first HVP)
     size = ok(probe.get(f"/v1/tapes/{measured}"))["bytes"]
-    small = start_server({"GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
-                          "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-                          "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(size * 2.5)),
-                          "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20)},
-                         tmp_path / "server.log")
+    small = start_server(
+        {
+            "GRADTAPE_HTTP_WORKERS": "2",
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(size * 2.5)),
+            "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20),
+        },
+        tmp_path / "server.log",
+    )
     try:
         first, second = _processes(small.base_url)
         a, b = Pinned(small.base_url, "no-keys", first), Pinned(small.base_url, "no-keys", second)
@@ -395,9 +402,14 @@ def test_a_job_answer_with_arrays_read_through_the_other_process(pair) -> None:
     n = 40
     m = rng.standard_normal((n, n))
     w = rng.standard_normal(n)
-    body = {"definition": {"variables": {"w": t(w, "float64")}, "inputs": {"m": t(m, "float64")},
-                           "program": ["z = tanh(m @ w)", "loss = sum(z * z)"]},
-            "target": "loss"}
+    body = {
+        "definition": {
+            "variables": {"w": t(w, "float64")},
+            "inputs": {"m": t(m, "float64")},
+            "program": ["z = tanh(m @ w)", "loss = sum(z * z)"],
+        },
+        "target": "loss",
+    }
     r = a.post("/v1/hessian", json={**body, "async": True})
     assert r.status_code == 202, r.text
     location = r.headers["location"]
@@ -409,8 +421,9 @@ def test_a_job_answer_with_arrays_read_through_the_other_process(pair) -> None:
     got = arr(packed["hessian"]["w"]["w"])
     np.testing.assert_array_equal(got, arr(sync["hessian"]["w"]["w"]))
     z = np.tanh(m @ w)
-    np.testing.assert_allclose(got, m.T @ np.diag(2 * (1 - 3 * z**2) * (1 - z**2)) @ m,
-                               rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        got, m.T @ np.diag(2 * (1 - 3 * z**2) * (1 - z**2)) @ m, rtol=1e-9, atol=1e-9
+    )
 
 
 def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
@@ -465,8 +478,7 @@ def test_a_tape_in_use_in_one_process_is_not_expired_by_the_other(pair) -> None:
     assert b.get(f"/v1/tapes/{tape}").status_code == 200
 
 
-def test_a_job_state_the_store_refused_for_a_while_lands_afterwards(server: Server, pair
-                                                                     ) -> None:
+def test_a_job_state_the_store_refused_for_a_while_lands_afterwards(server: Server, pair) -> None:
     """The store locked by another writer for longer than its busy timeout (5 s) as a job
     ends: the job's writes fail and are tried again until they land (found by review: the
     writer gave up after a failure, and other processes could read the job as running for
@@ -480,8 +492,9 @@ def test_a_job_state_the_store_refused_for_a_while_lands_afterwards(server: Serv
     job = a.post(f"/v1/tapes/{tape}/trace", json={**LONG_TRACE, "max_seconds": 1})
     assert job.status_code == 202, job.text
     location = job.headers["location"]
-    lock = sqlite3.connect(server.log.parent / "data" / "gradtape.sqlite3", timeout=30,
-                           isolation_level=None)
+    lock = sqlite3.connect(
+        server.log.parent / "data" / "gradtape.sqlite3", timeout=30, isolation_level=None
+    )
     lock.execute("BEGIN EXCLUSIVE")
     try:
         time.sleep(7)  # the job ends meanwhile; its writes wait 5 s, then fail
@@ -572,13 +585,24 @@ def test_the_flags_reach_the_processes_and_ray_needs_an_address(monkeypatch) -> 
     from service.cli import settings_environment
     from service.core.config import Settings
 
-    env = settings_environment({"time_limit": 5.0, "access_log": False, "data_dir": "/srv/x",
-                                "http_workers": 3, "executor": "ray", "ray_address": "auto"})
+    env = settings_environment(
+        {
+            "time_limit": 5.0,
+            "access_log": False,
+            "data_dir": "/srv/x",
+            "http_workers": 3,
+            "executor": "ray",
+            "ray_address": "auto",
+        }
+    )
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings = Settings()
     assert (settings.time_limit, settings.access_log, str(settings.data_dir)) == (
-        5.0, False, "/srv/x")
+        5.0,
+        False,
+        "/srv/x",
+    )
     assert settings.http_workers == 3 and settings.shared
     with pytest.raises(ValueError, match="with executor 'ray' needs ray_address"):
         Settings(http_workers=2, executor="ray", ray_address="")
@@ -589,17 +613,32 @@ def test_a_process_that_cannot_start_stops_the_server(tmp_path) -> None:
     """Workers that cannot start (an unknown definition limit) stop every process and the
     parent, with the reason in the log and a failing exit status, as with one process."""
     with pytest.raises(RuntimeError, match="the server exited") as failed:
-        start_server({"GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
-                      "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-                      "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}'},
-                     tmp_path / "server.log")
+        start_server(
+            {
+                "GRADTAPE_HTTP_WORKERS": "2",
+                "GRADTAPE_WORKERS": "1",
+                "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+                "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}',
+            },
+            tmp_path / "server.log",
+        )
     assert "max_wishes" in str(failed.value)
     assert "failed to start, stopping the parent process" in str(failed.value)
-    env = {**os.environ, **SERVER_SETTINGS, "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-           "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}'}
+    env = {
+        **os.environ,
+        **SERVER_SETTINGS,
+        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+        "GRADTAPE_DEFINITION_LIMITS": '{"max_wishes": 3}',
+    }
     done = subprocess.run(
         [sys.executable, "-m", "service.cli", "serve", "--http-workers", "2", "--port", "0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 3, done.stderr[-2000:]  # uvicorn's startup failure
 
 

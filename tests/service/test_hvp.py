@@ -11,8 +11,10 @@ from tests.service.wire import arr, post, problem, t
 rng = np.random.default_rng(14)
 X = rng.standard_normal((6, 4))
 DEFN = {
-    "variables": {"k": t(rng.standard_normal((4, 3)), "float64"),
-                  "b": t(rng.standard_normal(3), "float64")},
+    "variables": {
+        "k": t(rng.standard_normal((4, 3)), "float64"),
+        "b": t(rng.standard_normal(3), "float64"),
+    },
     "inputs": {"x": t(X, "float64")},
     "program": ["loss = sum(tanh(x @ k + b) ** 2)"],
 }
@@ -41,22 +43,33 @@ def test_many_vectors_in_one_pass_equal_single_ones_and_the_hessian(client) -> N
 
 
 def test_vectors_keyed_by_alias(client) -> None:
-    body = {"definition": DEFN, "target": "loss", "sources": {"bias": "b"},
-            "vector": {"bias": t(np.ones(3), "float64")}}
+    body = {
+        "definition": DEFN,
+        "target": "loss",
+        "sources": {"bias": "b"},
+        "vector": {"bias": t(np.ones(3), "float64")},
+    }
     answer = post(client, "/v1/hvp", body)
     assert set(answer["hvp"]) == {"bias"} and set(answer["gradients"]) == {"bias"}
 
 
 def test_vector_problems_name_the_field(client) -> None:
     base = {"definition": DEFN, "target": "loss", "sources": ["b"]}
-    wrong_shape = problem(client.post("/v1/hvp", json={**base, "vector": {"b": t(np.ones(4))}}),
-                          422, "invalid-request")
+    wrong_shape = problem(
+        client.post("/v1/hvp", json={**base, "vector": {"b": t(np.ones(4))}}),
+        422,
+        "invalid-request",
+    )
     assert "vector.b" in wrong_shape["detail"] and "[4]" in wrong_shape["detail"]
-    missing = problem(client.post("/v1/hvp", json={**base, "vectors": [{"k": t(np.ones(3))}]}),
-                      422, "invalid-request")
+    missing = problem(
+        client.post("/v1/hvp", json={**base, "vectors": [{"k": t(np.ones(3))}]}),
+        422,
+        "invalid-request",
+    )
     assert "vectors.0" in missing["detail"] and "'b'" in missing["detail"]
-    both = problem(client.post("/v1/hvp", json={**base, "vector": {}, "vectors": [{}]}),
-                   422, "validation")
+    both = problem(
+        client.post("/v1/hvp", json={**base, "vector": {}, "vectors": [{}]}), 422, "validation"
+    )
     assert "exactly one" in both["detail"]
     many = [{"b": t(np.ones(3))}] * 33  # the tests' server answers up to 32
     problem(client.post("/v1/hvp", json={**base, "vectors": many}), 422, "too-large")
@@ -68,8 +81,10 @@ ZERO_D = {"variables": {"w": [1.0, 2.0], "b": 0.5}, "program": ["loss = sum(w * 
 
 def _zero_d_hvp(vw: np.ndarray, vb: float) -> dict[str, np.ndarray]:
     w, b = np.array([1.0, 2.0]), 0.5
-    return {"w": 6 * w * b * b * vw + 6 * w * w * b * vb,
-            "b": np.asarray(np.sum(6 * w * w * b * vw) + 2 * np.sum(w**3) * vb)}
+    return {
+        "w": 6 * w * b * b * vw + 6 * w * w * b * vb,
+        "b": np.asarray(np.sum(6 * w * w * b * vw) + 2 * np.sum(w**3) * vb),
+    }
 
 
 def _assert_zero_d_answer(product: dict, vw: list[float], vb: float) -> None:
@@ -111,12 +126,19 @@ def test_repeated_requests_with_new_values_answer_the_closed_form(client) -> Non
     and for two."""
     for i in range(6):
         x, k, b = (rng.standard_normal(s) for s in [(6, 4), (4, 3), (3,)])
-        vectors = [{"k": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
-                   for _ in range(1 + i % 2)]
-        body = {"definition": {**DEFN, "variables": {"k": t(k, "float64"), "b": t(b, "float64")},
-                               "inputs": {"x": t(x, "float64")}},
-                "target": "loss",
-                "vectors": [{n: t(v, "float64") for n, v in vec.items()} for vec in vectors]}
+        vectors = [
+            {"k": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+            for _ in range(1 + i % 2)
+        ]
+        body = {
+            "definition": {
+                **DEFN,
+                "variables": {"k": t(k, "float64"), "b": t(b, "float64")},
+                "inputs": {"x": t(x, "float64")},
+            },
+            "target": "loss",
+            "vectors": [{n: t(v, "float64") for n, v in vec.items()} for vec in vectors],
+        }
         answer = post(client, "/v1/hvp", body)
         th = np.tanh(x @ k + b)
         dz, s = 2 * th * (1 - th**2), 2 * (1 - th**2) * (1 - 3 * th**2)

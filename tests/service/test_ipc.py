@@ -13,31 +13,54 @@ from hypothesis import strategies as st
 from service.core import ipc
 
 # Keys a client might choose, weighted towards ones that look like protocol.
-MARKERS = ["__nd__", "__array__", "id", "ok", "kind", "payload", "error", "fatal", "hello",
-           "dtype", "shape", "data", ""]
+MARKERS = [
+    "__nd__",
+    "__array__",
+    "id",
+    "ok",
+    "kind",
+    "payload",
+    "error",
+    "fatal",
+    "hello",
+    "dtype",
+    "shape",
+    "data",
+    "",
+]
 keys = st.one_of(st.sampled_from(MARKERS), st.text(max_size=12))
 arrays = st.builds(
     lambda dtype, shape, seed: np.random.default_rng(seed).standard_normal(shape).astype(dtype),
     st.sampled_from(["float64", "float32", "float16", "int64", "int8", "bool", "uint64"]),
     st.lists(st.integers(0, 3), max_size=3).map(tuple),
-    st.integers(0, 2**32 - 1))
-leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
-                   st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8),
-                   arrays)
+    st.integers(0, 2**32 - 1),
+)
+leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    arrays,
+)
 documents = st.recursive(
     leaves,
-    lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(keys, inner, max_size=4)),
-    max_leaves=20)
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4)),
+    max_leaves=20,
+)
 
 
 def same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray):
-        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
-                and np.array_equal(a, b))
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b)
+        )
     if isinstance(a, dict):
-        return (isinstance(b, dict) and a.keys() == b.keys()
-                and all(same(a[k], b[k]) for k in a))
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
     return type(a) is type(b) and a == b
@@ -55,8 +78,13 @@ def test_the_old_marker_is_just_a_key() -> None:
 
 
 def test_arrays_keep_dtype_shape_and_byte_order() -> None:
-    for array in [np.zeros((0, 3)), np.array(2.5), np.arange(6, dtype=">i4").reshape(2, 3),
-                  np.ones((2, 2), dtype=np.float16)[:, :1], np.array([True, False])]:
+    for array in [
+        np.zeros((0, 3)),
+        np.array(2.5),
+        np.arange(6, dtype=">i4").reshape(2, 3),
+        np.ones((2, 2), dtype=np.float16)[:, :1],
+        np.array([True, False]),
+    ]:
         back = ipc.unpack(ipc.pack({"a": array}))["a"]
         assert back.shape == array.shape and np.array_equal(back, array)
         assert back.dtype == array.dtype.newbyteorder("=")
@@ -74,11 +102,18 @@ def test_a_malformed_array_is_a_frame_error() -> None:
 
 # -- arrays arrive 16-byte aligned, on both sides ------------------------------------------------
 
-ALIGNED_CASES = [(np.arange(n) % 3).astype(dtype).reshape(shape)
-                 for n, dtype, shape in [(1, "float64", ()), (7, "float32", (7,)),
-                                         (12, "float16", (3, 4)), (30, "int8", (2, 3, 5)),
-                                         (5, "bool", (5,)), (0, "float64", (0, 4)),
-                                         (1000, "float64", (10, 100))]]
+ALIGNED_CASES = [
+    (np.arange(n) % 3).astype(dtype).reshape(shape)
+    for n, dtype, shape in [
+        (1, "float64", ()),
+        (7, "float32", (7,)),
+        (12, "float16", (3, 4)),
+        (30, "int8", (2, 3, 5)),
+        (5, "bool", (5,)),
+        (0, "float64", (0, 4)),
+        (1000, "float64", (10, 100)),
+    ]
+]
 
 
 def aligned_everywhere(document: Any) -> list[np.ndarray]:
@@ -93,7 +128,8 @@ def aligned_everywhere(document: Any) -> list[np.ndarray]:
         elif isinstance(item, list):
             stack.extend(item)
     assert found and all(a.ctypes.data % 16 == 0 for a in found if a.size), [
-        (a.dtype, a.shape, a.ctypes.data % 16) for a in found]
+        (a.dtype, a.shape, a.ctypes.data % 16) for a in found
+    ]
     return found
 
 

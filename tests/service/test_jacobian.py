@@ -15,19 +15,32 @@ K2, B2 = rng.standard_normal((8, 6)) * 0.5, rng.standard_normal(6) * 0.1
 
 def _two_layers(extra: list[str] | None = None) -> dict:
     return {
-        "variables": {"k1": t(K1, "float64"), "b1": t(B1, "float64"),
-                      "k2": t(K2, "float64"), "b2": t(B2, "float64")},
+        "variables": {
+            "k1": t(K1, "float64"),
+            "b1": t(B1, "float64"),
+            "k2": t(K2, "float64"),
+            "b2": t(B2, "float64"),
+        },
         "inputs": {"x": t(X, "float64")},
-        "program": ["h = elu(x @ k1 + b1)", *(extra or []), "y = elu(h2 @ k2 + b2)"
-                    if extra else "y = elu(h @ k2 + b2)"],
+        "program": [
+            "h = elu(x @ k1 + b1)",
+            *(extra or []),
+            "y = elu(h2 @ k2 + b2)" if extra else "y = elu(h @ k2 + b2)",
+        ],
     }
 
 
 def test_scalar_source(client) -> None:  # 8
     x = np.linspace(-10, 10, 201)
-    body = {"definition": {"variables": {"delta": 0.0}, "inputs": {"x": t(x)},
-                           "program": ["y = sigmoid(x + delta)"]},
-            "target": "y", "sources": "delta"}
+    body = {
+        "definition": {
+            "variables": {"delta": 0.0},
+            "inputs": {"x": t(x)},
+            "program": ["y = sigmoid(x + delta)"],
+        },
+        "target": "y",
+        "sources": "delta",
+    }
     answer = post(client, "/v1/jacobian", body)
     jac = arr(answer["jacobians"]["delta"])
     assert jac.shape == (201,)
@@ -37,9 +50,14 @@ def test_scalar_source(client) -> None:  # 8
 
 def test_tensor_source(client) -> None:  # 9
     kernel, bias = rng.standard_normal((5, 10)), rng.standard_normal(10)
-    defn = {"variables": {"kernel": t(kernel, "float64"), "bias": t(bias, "float64")},
-            "inputs": {"x": t(X, "float64")}, "program": ["y = relu(x @ kernel + bias)"]}
-    answer = post(client, "/v1/jacobian", {"definition": defn, "target": "y", "sources": ["kernel"]})
+    defn = {
+        "variables": {"kernel": t(kernel, "float64"), "bias": t(bias, "float64")},
+        "inputs": {"x": t(X, "float64")},
+        "program": ["y = relu(x @ kernel + bias)"],
+    }
+    answer = post(
+        client, "/v1/jacobian", {"definition": defn, "target": "y", "sources": ["kernel"]}
+    )
     jac = arr(answer["jacobians"]["kernel"])
     assert jac.shape == (7, 10, 5, 10)
     np.testing.assert_allclose(arr(answer["value"]), dense(X, kernel, bias), rtol=1e-12)
@@ -48,16 +66,20 @@ def test_tensor_source(client) -> None:  # 9
 
 
 def test_batch_jacobian(client) -> None:  # 11
-    full = post(client, "/v1/jacobian",
-                {"definition": _two_layers(), "target": "y", "sources": ["x"]})
+    full = post(
+        client, "/v1/jacobian", {"definition": _two_layers(), "target": "y", "sources": ["x"]}
+    )
     jac = arr(full["jacobians"]["x"])
     assert jac.shape == (7, 6, 7, 5)
     for i in range(7):
         for j in range(7):
             if i != j:
                 assert not jac[i, :, j, :].any()
-    batch = post(client, "/v1/jacobian",
-                 {"definition": _two_layers(), "target": "y", "sources": ["x"], "batch": True})
+    batch = post(
+        client,
+        "/v1/jacobian",
+        {"definition": _two_layers(), "target": "y", "sources": ["x"], "batch": True},
+    )
     per_example = arr(batch["jacobians"]["x"])
     assert per_example.shape == (7, 6, 5)
     np.testing.assert_allclose(per_example, jac.sum(axis=2), rtol=1e-12, atol=1e-14)
@@ -66,9 +88,12 @@ def test_batch_jacobian(client) -> None:  # 11
 def test_batch_jacobian_refuses_dependent_examples(client) -> None:  # 12
     defn = _two_layers(["h2 = batch_norm(h)"])
     found = problem(
-        client.post("/v1/jacobian",
-                    json={"definition": defn, "target": "y", "sources": ["x"], "batch": True}),
-        422, "batch-dependence",
+        client.post(
+            "/v1/jacobian",
+            json={"definition": defn, "target": "y", "sources": ["x"], "batch": True},
+        ),
+        422,
+        "batch-dependence",
     )
     assert "batch normalization" in found["detail"] and "jacobian" in found["detail"]
     full = post(client, "/v1/jacobian", {"definition": defn, "target": "y", "sources": ["x"]})
@@ -87,16 +112,23 @@ def test_unconnected_source(client) -> None:
     none = post(client, "/v1/jacobian", {"definition": defn, "target": "y", "sources": ["a", "b"]})
     assert none["jacobians"]["b"] is None
     np.testing.assert_array_equal(arr(none["jacobians"]["a"]), np.diag([2.0, 4.0]))
-    zero = post(client, "/v1/jacobian",
-                {"definition": defn, "target": "y", "sources": ["b"], "unconnected": "zero"})
+    zero = post(
+        client,
+        "/v1/jacobian",
+        {"definition": defn, "target": "y", "sources": ["b"], "unconnected": "zero"},
+    )
     np.testing.assert_array_equal(arr(zero["jacobians"]["b"]), np.zeros(2))
 
 
 def test_too_large(client) -> None:  # the tests' server answers up to 200,000 elements
-    defn = {"variables": {"w": t(np.ones((500,)))}, "inputs": {"x": t(np.ones((500,)))},
-            "program": ["y = x * w"]}
-    found = problem(client.post("/v1/jacobian", json={"definition": defn, "target": "y"}),
-                    422, "too-large")
+    defn = {
+        "variables": {"w": t(np.ones((500,)))},
+        "inputs": {"x": t(np.ones((500,)))},
+        "program": ["y = x * w"],
+    }
+    found = problem(
+        client.post("/v1/jacobian", json={"definition": defn, "target": "y"}), 422, "too-large"
+    )
     assert "250,000" in found["detail"] and "200,000" in found["detail"]
     assert found["limit"] == 200_000
 
@@ -107,14 +139,26 @@ def test_repeated_batch_jacobians_with_new_values(client) -> None:
     a batch that mixes its examples refused every time."""
     for _ in range(5):
         x, w = rng.standard_normal((6, 4)), rng.standard_normal((4, 3))
-        defn = {"variables": {"w": t(w, "float64")}, "inputs": {"x": t(x, "float64")},
-                "program": ["o = tanh(x @ w)"]}
-        answer = post(client, "/v1/jacobian",
-                      {"definition": defn, "target": "o", "sources": ["x"], "batch": True})
+        defn = {
+            "variables": {"w": t(w, "float64")},
+            "inputs": {"x": t(x, "float64")},
+            "program": ["o = tanh(x @ w)"],
+        }
+        answer = post(
+            client,
+            "/v1/jacobian",
+            {"definition": defn, "target": "o", "sources": ["x"], "batch": True},
+        )
         th = np.tanh(x @ w)
-        np.testing.assert_allclose(arr(answer["jacobians"]["x"]),
-                                   (1 - th**2)[:, :, None] * w.T[None], rtol=1e-12)
+        np.testing.assert_allclose(
+            arr(answer["jacobians"]["x"]), (1 - th**2)[:, :, None] * w.T[None], rtol=1e-12
+        )
         mixed = {**defn, "program": ["h = tanh(x @ w)", "o = h - mean(h, axis=0)"]}
-        problem(client.post("/v1/jacobian", json={"definition": mixed, "target": "o",
-                                                  "sources": ["x"], "batch": True}),
-                422, "batch-dependence")
+        problem(
+            client.post(
+                "/v1/jacobian",
+                json={"definition": mixed, "target": "o", "sources": ["x"], "batch": True},
+            ),
+            422,
+            "batch-dependence",
+        )

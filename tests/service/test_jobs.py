@@ -32,12 +32,19 @@ def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     while one computes."""
     tmp = tmp_path_factory.mktemp("jobs")
     srv = start_server(
-        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_WORKERS": "1",
-         "GRADTAPE_TIME_LIMIT": "120", "GRADTAPE_MAX_TIME_LIMIT": "300",
-         "GRADTAPE_ALGORITHM_MAX_HVPS": "100000", "GRADTAPE_API_KEYS_ENABLED": "true",
-         "GRADTAPE_API_KEYS": f"{KEY_A},{KEY_B}", "GRADTAPE_MAX_JOBS_PER_KEY": "3",
-         "GRADTAPE_JOB_TTL": "8", "GRADTAPE_TAPE_SWEEP_INTERVAL": "0.5",
-         "GRADTAPE_MAX_CONCURRENT_PER_KEY": "4"},
+        {
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_TIME_LIMIT": "120",
+            "GRADTAPE_MAX_TIME_LIMIT": "300",
+            "GRADTAPE_ALGORITHM_MAX_HVPS": "100000",
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": f"{KEY_A},{KEY_B}",
+            "GRADTAPE_MAX_JOBS_PER_KEY": "3",
+            "GRADTAPE_JOB_TTL": "8",
+            "GRADTAPE_TAPE_SWEEP_INTERVAL": "0.5",
+            "GRADTAPE_MAX_CONCURRENT_PER_KEY": "4",
+        },
         tmp / "server.log",
     )
     try:
@@ -48,8 +55,9 @@ def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture
 def a(solo: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=solo.base_url, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+    with httpx.Client(
+        base_url=solo.base_url, timeout=120, headers={"Authorization": f"Bearer {KEY_A}"}
+    ) as c:
         yield c
 
 
@@ -67,8 +75,7 @@ def tape(a: httpx.Client) -> Iterator[str]:
     a.delete(f"/v1/tapes/{r.json()['tape_id']}")
 
 
-def start(client: httpx.Client, path: str, body: dict[str, Any], prefer: bool = False
-          ) -> str:
+def start(client: httpx.Client, path: str, body: dict[str, Any], prefer: bool = False) -> str:
     headers = {"Prefer": "respond-async"} if prefer else {}
     r = client.post(path, json=body if prefer else {**body, "async": True}, headers=headers)
     assert r.status_code == 202, r.text
@@ -80,8 +87,9 @@ def start(client: httpx.Client, path: str, body: dict[str, Any], prefer: bool = 
     return r.headers["location"]
 
 
-def wait(client: httpx.Client, location: str, until: tuple[str, ...], timeout: float = 60
-         ) -> dict[str, Any]:
+def wait(
+    client: httpx.Client, location: str, until: tuple[str, ...], timeout: float = 60
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         job = client.get(location).json()
@@ -94,11 +102,13 @@ def wait(client: httpx.Client, location: str, until: tuple[str, ...], timeout: f
 def same_answer(job_answer: dict[str, Any], sync: dict[str, Any]) -> None:
     """Equal but for the compute seconds (measured anew)."""
     assert {k: v for k, v in job_answer.items() if k != "seconds"} == {
-        k: v for k, v in sync.items() if k != "seconds"}
+        k: v for k, v in sync.items() if k != "seconds"
+    }
 
 
 def test_a_trace_job_reports_progress_and_answers_as_the_synchronous_request(
-        a: httpx.Client, tape: str) -> None:
+    a: httpx.Client, tape: str
+) -> None:
     hvps = 6000  # enough to outlast several 50 ms polls even when the pass is compiled
     body = {"method": "hutchinson", "max_hvps": hvps, "batch_size": 2, "max_seconds": 100}
     location = start(a, f"/v1/tapes/{tape}/trace", body)
@@ -170,14 +180,21 @@ def test_eigenvalue_progress_as_server_sent_events(a: httpx.Client) -> None:
     a.delete(f"/v1/tapes/{tape}")
 
 
-def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
-        a: httpx.Client, tape: str) -> None:
+def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(a: httpx.Client, tape: str) -> None:
     v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}}
     before = a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}).json()
     # Alone it would run for minutes.
-    location = start(a, f"/v1/tapes/{tape}/trace",
-                     {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1,
-                      "max_seconds": 300, "time_limit": 300})
+    location = start(
+        a,
+        f"/v1/tapes/{tape}/trace",
+        {
+            "method": "hutchinson",
+            "max_hvps": 100000,
+            "batch_size": 1,
+            "max_seconds": 300,
+            "time_limit": 300,
+        },
+    )
     wait(a, location, ("running",))
     time.sleep(0.3)
     assert a.get(location).json()["progress"]["done"] > 0
@@ -185,8 +202,10 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
     assert a.delete(location).status_code == 204
     assert a.get(location).json()["state"] == "cancelled"
     # The one worker takes the next request at once.
-    r = a.post("/v1/gradient", json={"definition": {"variables": {"x": 3.0},
-                                                    "program": ["y = x * x"]}, "target": "y"})
+    r = a.post(
+        "/v1/gradient",
+        json={"definition": {"variables": {"x": 3.0}, "program": ["y = x * x"]}, "target": "y"},
+    )
     assert r.status_code == 200 and r.json()["gradients"]["x"]["data"] == [6.0]
     assert time.perf_counter() - cancelled < 1.0
     assert a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}).json() == before
@@ -198,14 +217,24 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(
 
 
 def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
-        a: httpx.Client, b: httpx.Client, tape: str) -> None:
-    long = {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1, "max_seconds": 300,
-            "time_limit": 300}
+    a: httpx.Client, b: httpx.Client, tape: str
+) -> None:
+    long = {
+        "method": "hutchinson",
+        "max_hvps": 100000,
+        "batch_size": 1,
+        "max_seconds": 300,
+        "time_limit": 300,
+    }
     locations = [start(a, f"/v1/tapes/{tape}/trace", long) for _ in range(3)]
     # Another key sees none of them: 404 everywhere, as if they did not exist.
     for location in locations:
-        for r in (b.get(location), b.get(f"{location}/result"), b.delete(location),
-                  b.get(f"{location}/events")):
+        for r in (
+            b.get(location),
+            b.get(f"{location}/result"),
+            b.delete(location),
+            b.get(f"{location}/events"),
+        ):
             assert r.status_code == 404 and r.json()["type"] == "/problems/job-not-found"
     assert b.get("/v1/jobs").json()["jobs"] == []
     listed = [j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]]
@@ -223,14 +252,24 @@ def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
     for location in locations:
         assert a.get(location).status_code == 404
     assert locations[0].rsplit("/", 1)[1] not in [
-        j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]]
+        j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]
+    ]
 
 
 def test_a_killed_worker_fails_its_job_with_the_synchronous_problem(
-        a: httpx.Client, tape: str) -> None:
-    location = start(a, f"/v1/tapes/{tape}/trace",
-                     {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1,
-                      "max_seconds": 300, "time_limit": 300})
+    a: httpx.Client, tape: str
+) -> None:
+    location = start(
+        a,
+        f"/v1/tapes/{tape}/trace",
+        {
+            "method": "hutchinson",
+            "max_hvps": 100000,
+            "batch_size": 1,
+            "max_seconds": 300,
+            "time_limit": 300,
+        },
+    )
     wait(a, location, ("running",))
     pid = a.get("/readyz").json()["workers"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -245,7 +284,8 @@ def test_a_killed_worker_fails_its_job_with_the_synchronous_problem(
 
 
 def test_a_failing_job_keeps_the_problem_and_bad_requests_are_refused_at_once(
-        a: httpx.Client, tape: str) -> None:
+    a: httpx.Client, tape: str
+) -> None:
     # Checked before any job starts: a 422 at once, not a job.
     r = a.post(f"/v1/tapes/{tape}/trace", json={"max_hvps": 1, "async": True})
     assert r.status_code == 422
@@ -257,7 +297,8 @@ def test_a_failing_job_keeps_the_problem_and_bad_requests_are_refused_at_once(
     job = wait(a, location, ("failed", "succeeded"))
     assert job["state"] == "failed"
     assert {k: v for k, v in job["error"].items() if k != "instance"} == {
-        k: v for k, v in sync.json().items() if k != "instance"}
+        k: v for k, v in sync.json().items() if k != "instance"
+    }
     r = a.get(f"{location}/result")
     assert r.status_code == 422 and r.json()["detail"] == sync.json()["detail"]
 
@@ -267,8 +308,9 @@ def test_stateless_hessian_and_jacobian_jobs(a: httpx.Client) -> None:
     n = 60
     m = rng.standard_normal((n, n))
     definition = {
-        "variables": {"w": {"dtype": "float64", "shape": [n],
-                            "data": rng.standard_normal(n).tolist()}},
+        "variables": {
+            "w": {"dtype": "float64", "shape": [n], "data": rng.standard_normal(n).tolist()}
+        },
         "inputs": {"m": {"dtype": "float64", "shape": [n, n], "data": m.ravel().tolist()}},
         "program": ["z = tanh(m @ w)", "loss = sum(z * z)"],
     }
@@ -307,6 +349,9 @@ def test_a_job_answer_in_msgpack(a: httpx.Client, tape: str) -> None:
     job = msgpack.unpackb(r.content)
     x = job["result"]["solution"]["w"]
     assert x["dtype"] == "float64" and len(x["data"]) == 8 * N  # raw bytes
-    sync = a.post(f"/v1/tapes/{tape}/solve", json={"damping": 10.0, "max_iterations": 30},
-                  headers={"Accept": "application/msgpack"})
+    sync = a.post(
+        f"/v1/tapes/{tape}/solve",
+        json={"damping": 10.0, "max_iterations": 30},
+        headers={"Accept": "application/msgpack"},
+    )
     assert msgpack.unpackb(sync.content)["solution"] == job["result"]["solution"]

@@ -22,10 +22,14 @@ BUDGET = 10 * MIB
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     folder = tmp_path_factory.mktemp("tight")
-    srv: Server = start_server({"GRADTAPE_DATA_DIR": str(folder / "data"),
-                                "GRADTAPE_WORKERS": "1",
-                                "GRADTAPE_REQUEST_MEMORY_BUDGET": str(BUDGET)},
-                               folder / "server.log")
+    srv: Server = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(folder / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_REQUEST_MEMORY_BUDGET": str(BUDGET),
+        },
+        folder / "server.log",
+    )
     try:
         with httpx.Client(base_url=srv.base_url, timeout=120.0) as c:
             yield c
@@ -36,12 +40,17 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
 g = np.random.default_rng(3)
 W = g.standard_normal((256, 256)).astype(np.float32) / 16
 X = g.standard_normal((256, 256)).astype(np.float32)
-MEDIUM = {"variables": {"w": tbin(W)}, "inputs": {"x": tbin(X)},
-          "program": ["h = tanh(x @ w)", "loss = sum(h * h)"]}  # 2 or 3 vectors fit a pass
+MEDIUM = {
+    "variables": {"w": tbin(W)},
+    "inputs": {"x": tbin(X)},
+    "program": ["h = tanh(x @ w)", "loss = sum(h * h)"],
+}  # 2 or 3 vectors fit a pass
 VECTORS = [{"w": tbin(g.standard_normal((256, 256)).astype(np.float32))} for _ in range(12)]
-HUGE = {"variables": {"w": t64(np.ones((64, 2048), np.float32) / 64)},
-        "inputs": {"x": t64(np.ones((2048, 64), np.float32))},
-        "program": ["h = x @ w", "loss = sum(tanh(h))"]}  # a 2048 x 2048 intermediate
+HUGE = {
+    "variables": {"w": t64(np.ones((64, 2048), np.float32) / 64)},
+    "inputs": {"x": t64(np.ones((2048, 64), np.float32))},
+    "program": ["h = x @ w", "loss = sum(tanh(h))"],
+}  # a 2048 x 2048 intermediate
 
 
 def products(answer: dict) -> np.ndarray:
@@ -54,8 +63,9 @@ def same_products(split: np.ndarray, whole: np.ndarray) -> None:
 
 
 def send(c: httpx.Client, path: str, body: dict, status: int = 200) -> dict:
-    response = c.post(path, content=msgpack.packb(body),
-                      headers={"content-type": MSGPACK, "accept": MSGPACK})
+    response = c.post(
+        path, content=msgpack.packb(body), headers={"content-type": MSGPACK, "accept": MSGPACK}
+    )
     assert response.status_code == status, response.content[:500]
     return msgpack.unpackb(response.content)
 
@@ -74,9 +84,11 @@ def test_a_tape_splits_its_hvps_and_probes(tight, client) -> None:
         tape = send(c, "/v1/tapes", {"definition": MEDIUM, "target": "loss"}, 201)
         try:
             hvps = products(send(c, f"/v1/tapes/{tape['tape_id']}/hvp", {"vectors": VECTORS}))
-            trace = send(c, f"/v1/tapes/{tape['tape_id']}/trace",
-                         {"method": "hutchinson", "max_hvps": 32, "batch_size": 16,
-                          "seed": 7})
+            trace = send(
+                c,
+                f"/v1/tapes/{tape['tape_id']}/trace",
+                {"method": "hutchinson", "max_hvps": 32, "batch_size": 16, "seed": 7},
+            )
         finally:
             c.delete(f"/v1/tapes/{tape['tape_id']}")
         answers.append((hvps, trace))

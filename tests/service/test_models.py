@@ -11,14 +11,21 @@ from tests.service.wire import arr, num, nums, ok, post, problem, t
 
 CLIPPED = {
     "variables": {"v": 2.0},
-    "functions": {"clipped": {"params": ["x"], "forward": ["y = x"],
-                              "backward": ["grad_x = clip_by_norm(upstream, 0.5)"]}},
+    "functions": {
+        "clipped": {
+            "params": ["x"],
+            "forward": ["y = x"],
+            "backward": ["grad_x = clip_by_norm(upstream, 0.5)"],
+        }
+    },
     "program": ["output = clipped(v * v)"],
 }
 rng = np.random.default_rng(4)
 MLP = {
-    "variables": {"w": t(rng.standard_normal((3, 2)), "float64"),
-                  "b": {"value": t(np.zeros(2), "float64"), "trainable": False}},
+    "variables": {
+        "w": t(rng.standard_normal((3, 2)), "float64"),
+        "b": {"value": t(np.zeros(2), "float64"), "trainable": False},
+    },
     "inputs": {"x": t(rng.standard_normal((5, 3)), "float64")},
     "program": ["h = tanh(x @ w + b)", "loss = sum(h ** 2)"],
 }
@@ -48,9 +55,12 @@ def test_every_route_takes_a_model(client) -> None:
     store(client, "mlp", MLP)
     by_value = {"definition": MLP, "target": "loss"}
     by_name = {"model": "mlp", "target": "loss"}
-    for path, extra in (("/v1/gradient", {}), ("/v1/jacobian", {"sources": ["x"]}),
-                        ("/v1/hessian", {}),
-                        ("/v1/hvp", {"vector": {"w": t(np.ones((3, 2)), "float64")}})):
+    for path, extra in (
+        ("/v1/gradient", {}),
+        ("/v1/jacobian", {"sources": ["x"]}),
+        ("/v1/hessian", {}),
+        ("/v1/hvp", {"vector": {"w": t(np.ones((3, 2)), "float64")}}),
+    ):
         mine = post(client, path, {**by_name, **extra})
         fresh = post(client, path, {**by_value, **extra})
         assert mine == fresh, path
@@ -62,8 +72,9 @@ def test_every_route_takes_a_model(client) -> None:
     assert about["model"] == "mlp"
     # A tape keeps the definition it was recorded from, whatever happens to the model.
     assert client.delete("/v1/models/mlp").status_code == 204
-    hvp = post(client, f"/v1/tapes/{tape['tape_id']}/hvp",
-               {"vector": {"w": t(np.ones((3, 2)), "float64")}})
+    hvp = post(
+        client, f"/v1/tapes/{tape['tape_id']}/hvp", {"vector": {"w": t(np.ones((3, 2)), "float64")}}
+    )
     fresh = post(client, "/v1/hvp", {**by_value, "vector": {"w": t(np.ones((3, 2)), "float64")}})
     np.testing.assert_allclose(arr(hvp["hvp"]["w"]), arr(fresh["hvp"]["w"]), rtol=1e-12)
     gone = problem(client.post("/v1/gradient", json=by_name), 404, "model-not-found")
@@ -74,33 +85,47 @@ def test_every_route_takes_a_model(client) -> None:
 
 def test_names_conflicts_and_replacing(client) -> None:
     first = store(client, "replaced", CLIPPED)
-    clash = problem(client.post("/v1/models", json={"name": "replaced", "definition": MLP}),
-                    409, "model-exists")
+    clash = problem(
+        client.post("/v1/models", json={"name": "replaced", "definition": MLP}), 409, "model-exists"
+    )
     assert "replace" in clash["detail"]
-    response = client.post("/v1/models", json={"name": "replaced", "definition": MLP,
-                                               "replace": True})
+    response = client.post(
+        "/v1/models", json={"name": "replaced", "definition": MLP, "replace": True}
+    )
     assert response.status_code == 200, response.text
     second = response.json()
     assert second["digest"] != first["digest"] and second["created_at"] == first["created_at"]
     assert second["updated_at"] >= first["updated_at"]
     assert post(client, "/v1/gradient", {"model": "replaced", "target": "loss"})["gradients"]
-    bad_name = problem(client.post("/v1/models", json={"name": "no spaces", "definition": MLP}),
-                       422, "validation")
+    bad_name = problem(
+        client.post("/v1/models", json={"name": "no spaces", "definition": MLP}), 422, "validation"
+    )
     assert bad_name["errors"][0]["field"] == "name"
 
 
 def test_a_broken_definition_is_not_stored(client) -> None:
-    found = problem(client.post("/v1/models", json={
-        "name": "broken", "definition": {"variables": {"w": 1.0}, "program": ["y = w @@ 2"]}}),
-        422, "definition")
+    found = problem(
+        client.post(
+            "/v1/models",
+            json={
+                "name": "broken",
+                "definition": {"variables": {"w": 1.0}, "program": ["y = w @@ 2"]},
+            },
+        ),
+        422,
+        "definition",
+    )
     assert found["errors"][0]["line"] == 1
     problem(client.get("/v1/models/broken"), 404, "model-not-found")
 
 
-@pytest.mark.parametrize("body", [
-    {"target": "loss"},
-    {"model": "mlp", "definition": MLP, "target": "loss"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"target": "loss"},
+        {"model": "mlp", "definition": MLP, "target": "loss"},
+    ],
+)
 def test_definition_or_model(client, body: dict) -> None:
     found = problem(client.post("/v1/gradient", json=body), 422, "validation")
     assert "exactly one of 'definition' or 'model'" in found["detail"]

@@ -25,18 +25,42 @@ def test_live_document_is_the_contract(client) -> None:
 def test_named_schemas_and_problem_responses() -> None:
     spec = json.loads(CONTRACT.read_text())
     schemas = spec["components"]["schemas"]
-    for name in ("GradientRequest", "GradientResponse", "JacobianRequest", "HessianRequest",
-                 "HVPRequest", "TensorData", "TensorBase64", "Definition", "Problem",
-                 "TapeCreateRequest", "TapeCreateResponse", "TapeInfo", "TapeList",
-                 "TapeHVPRequest", "TapeHVPResponse", "TapeGradientRequest",
-                 "TapeJacobianRequest", "TapeUpdateRequest", "EigenvaluesRequest",
-                 "EigenvaluesResponse", "TraceRequest", "TraceResponse", "SolveRequest",
-                 "SolveResponse", "ModelCreateRequest", "ModelInfo", "ModelList"):
+    for name in (
+        "GradientRequest",
+        "GradientResponse",
+        "JacobianRequest",
+        "HessianRequest",
+        "HVPRequest",
+        "TensorData",
+        "TensorBase64",
+        "Definition",
+        "Problem",
+        "TapeCreateRequest",
+        "TapeCreateResponse",
+        "TapeInfo",
+        "TapeList",
+        "TapeHVPRequest",
+        "TapeHVPResponse",
+        "TapeGradientRequest",
+        "TapeJacobianRequest",
+        "TapeUpdateRequest",
+        "EigenvaluesRequest",
+        "EigenvaluesResponse",
+        "TraceRequest",
+        "TraceResponse",
+        "SolveRequest",
+        "SolveResponse",
+        "ModelCreateRequest",
+        "ModelInfo",
+        "ModelList",
+    ):
         assert name in schemas
     gradient = spec["paths"]["/v1/gradient"]["post"]
     assert set(gradient["requestBody"]["content"]) == {"application/json", "application/msgpack"}
-    assert set(gradient["responses"]["200"]["content"]) == {"application/json",
-                                                            "application/msgpack"}
+    assert set(gradient["responses"]["200"]["content"]) == {
+        "application/json",
+        "application/msgpack",
+    }
     for status in ("400", "413", "415", "422", "502", "503", "504"):
         assert list(gradient["responses"][status]["content"]) == ["application/problem+json"]
     assert schemas["GradientRequest"]["examples"][0]["target"] == "s"
@@ -44,8 +68,11 @@ def test_named_schemas_and_problem_responses() -> None:
 
 def test_operation_ids_are_stable_and_readable() -> None:
     spec = json.loads(CONTRACT.read_text())
-    ids = {(path, method): op["operationId"] for path, item in spec["paths"].items()
-           for method, op in item.items()}
+    ids = {
+        (path, method): op["operationId"]
+        for path, item in spec["paths"].items()
+        for method, op in item.items()
+    }
     assert ids == {
         ("/v1/gradient", "post"): "compute_gradient",
         ("/v1/jacobian", "post"): "compute_jacobian",

@@ -13,7 +13,13 @@ def test_catalogue(client) -> None:
     assert {"relu", "sigmoid", "batch_norm", "sum", "norm", "solve"} <= set(ops)
     softmax = ops["softmax"]
     axis = next(p for p in softmax["params"] if p["name"] == "axis")
-    assert axis == {"name": "axis", "kind": "constant", "type": axis["type"],
-                    "required": False, "variadic": False, "default": -1}
+    assert axis == {
+        "name": "axis",
+        "kind": "constant",
+        "type": axis["type"],
+        "required": False,
+        "variadic": False,
+        "default": -1,
+    }
     assert all(op["signature"].startswith(op["name"] + "(") for op in ops.values())
     assert client.get("/v1/ops").content == response.content  # served from the cache

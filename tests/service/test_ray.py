@@ -405,15 +405,25 @@ def test_two_http_processes_share_tapes_over_one_cluster(tmp_path, monkeypatch) 
     from tests.service.test_http_workers import Pinned, _processes
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # (see the node-removal test)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "node_ip_address": "127.0.0.2", "object_store_memory": 80 * 2**20,
-        "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "node_ip_address": "127.0.0.2",
+            "object_store_memory": 80 * 2**20,
+            "include_dashboard": False,
+        },
+    )
     srv = None
     try:
         srv = start_server(
-            {"GRADTAPE_EXECUTOR": "ray", "GRADTAPE_RAY_ADDRESS": cluster.address,
-             "GRADTAPE_HTTP_WORKERS": "2", "GRADTAPE_WORKERS": "1",
-             "GRADTAPE_DATA_DIR": str(tmp_path / "data")},
+            {
+                "GRADTAPE_EXECUTOR": "ray",
+                "GRADTAPE_RAY_ADDRESS": cluster.address,
+                "GRADTAPE_HTTP_WORKERS": "2",
+                "GRADTAPE_WORKERS": "1",
+                "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            },
             tmp_path / "server.log",
         )
         first, second = _processes(srv.base_url)
@@ -431,8 +441,9 @@ def test_two_http_processes_share_tapes_over_one_cluster(tmp_path, monkeypatch) 
         patched = b.patch(f"/v1/tapes/{tape}", json={"variables": {"w": w}})
         assert patched.status_code == 200, patched.text
         gradient = a.post(f"/v1/tapes/{tape}/gradient", json={}).json()
-        np.testing.assert_array_equal(arr(gradient["gradients"]["w"]),
-                                      arr(patched.json()["gradients"]["w"]))
+        np.testing.assert_array_equal(
+            arr(gradient["gradients"]["w"]), arr(patched.json()["gradients"]["w"])
+        )
         a.client.close()
         b.client.close()
     finally:
@@ -531,8 +542,9 @@ def _mlp_vectors(k: int, seed: int) -> dict:
     }
 
 
-def _sharded_hvp_traffic(client: httpx.Client, plain: str, sharded: str, body: dict
-                         ) -> dict[str, int]:
+def _sharded_hvp_traffic(
+    client: httpx.Client, plain: str, sharded: str, body: dict
+) -> dict[str, int]:
     """The sharded tape's HVPs, checked against the unsharded tape's, and the array bytes
     the pool moved for them (to, from and between the workers)."""
     want = post(client, f"/v1/tapes/{plain}/hvp", body)["hvps"]

@@ -16,8 +16,13 @@ from tests.service.wire import arr, num, nums, ok, post, problem, t
 
 CLIPPED = {
     "variables": {"v": 2.0},
-    "functions": {"clipped": {"params": ["x"], "forward": ["y = x"],
-                              "backward": ["grad_x = clip_by_norm(upstream, 0.5)"]}},
+    "functions": {
+        "clipped": {
+            "params": ["x"],
+            "forward": ["y = x"],
+            "backward": ["grad_x = clip_by_norm(upstream, 0.5)"],
+        }
+    },
     "program": ["output = clipped(v * v)"],
 }
 rng = np.random.default_rng(10)
@@ -35,8 +40,10 @@ def test_models_and_tapes_survive_restarts(tmp_path) -> None:
     srv = start_server(settings, log)
     try:
         with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
-            assert c.post("/v1/models", json={"name": "clip", "definition": CLIPPED}
-                          ).status_code == 201
+            assert (
+                c.post("/v1/models", json={"name": "clip", "definition": CLIPPED}).status_code
+                == 201
+            )
             before = post(c, "/v1/gradient", {"model": "clip", "target": "output"})
             assert nums(before["gradients"]) == {"v": 2.0}
             created = c.post("/v1/tapes", json={"definition": DEFN, "target": "loss"}).json()
@@ -66,7 +73,7 @@ def test_models_and_tapes_survive_restarts(tmp_path) -> None:
             assert "deleted" in gone["detail"]
             listed = {x["tape_id"] for x in ok(c.get("/v1/tapes"))["tapes"]}
             assert listed == {tape_id, from_model["tape_id"]}
-            assert 'gradtape_tapes 2.0' in c.get("/metrics").text
+            assert "gradtape_tapes 2.0" in c.get("/metrics").text
     finally:
         srv.process.send_signal(signal.SIGKILL)  # a crash: nothing is saved on the way out
         srv.process.wait()
@@ -76,8 +83,9 @@ def test_models_and_tapes_survive_restarts(tmp_path) -> None:
         with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
             third = post(c, f"/v1/tapes/{tape_id}/hvp", {"vector": VECTOR})["hvp"]
             np.testing.assert_array_equal(arr(third["w"]), arr(hvp["w"]))
-            assert nums(post(c, "/v1/gradient", {"model": "clip", "target": "output"}
-                             )["gradients"]) == {"v": 2.0}
+            assert nums(
+                post(c, "/v1/gradient", {"model": "clip", "target": "output"})["gradients"]
+            ) == {"v": 2.0}
     finally:
         stop_server(srv)
 
@@ -89,5 +97,6 @@ def test_a_store_from_a_newer_version_stops_the_server(tmp_path) -> None:
     with sqlite3.connect(path) as db:
         db.execute("PRAGMA user_version = 99")
     with pytest.raises(RuntimeError, match="schema version 99"):
-        start_server({"GRADTAPE_STORE_PATH": str(path), "GRADTAPE_WORKERS": "1"},
-                     tmp_path / "server.log")
+        start_server(
+            {"GRADTAPE_STORE_PATH": str(path), "GRADTAPE_WORKERS": "1"}, tmp_path / "server.log"
+        )

@@ -21,7 +21,7 @@ def _msgpack_ints(value: Any) -> Any:
         return {k: _msgpack_ints(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_msgpack_ints(v) for v in value]
-    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
         return float(value)
     return value
 

@@ -342,7 +342,10 @@ def test_an_answer_this_process_cannot_map_fails_alone(tmp_path: Path) -> None:
             assert np.array_equal(reply.result["gradients"]["w"], x)
             after = pool.workers()[0]
             assert (after.pid, after.generation, after.restarts) == (
-                before.pid, before.generation, before.restarts)
+                before.pid,
+                before.generation,
+                before.restarts,
+            )
         finally:
             await pool.close()
 

@@ -13,8 +13,20 @@ import pytest
 
 from service.core.store import SCHEMA_VERSION, Store, StoreError, TapeRow
 
-DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
-          "uint16", "uint32", "uint64", "bool"]
+DTYPES = [
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+]
 
 
 @pytest.fixture
@@ -34,16 +46,37 @@ def definition(seed: int = 0) -> dict:
             "frozen": {"value": np.float64(2.5), "trainable": False},
         },
         "inputs": {"x": g.standard_normal((4, 3)), "empty": np.zeros((0, 3), np.int64)},
-        "functions": {"f": {"params": ["a"], "forward": ["b = a"], "backward": ["grad_a = upstream"],
-                            "output": None}},
+        "functions": {
+            "f": {
+                "params": ["a"],
+                "forward": ["b = a"],
+                "backward": ["grad_a = upstream"],
+                "output": None,
+            }
+        },
     }
 
 
 def tape(tape_id: str, owner: str = "", state: str = "live") -> TapeRow:
     now = time.time()
-    return TapeRow(id=tape_id, owner=owner, definition=None, model=None, target="loss",
-                   sources={"w": "w"}, ttl=60.0, created=now, last_used=now, hits=0, bytes=10,
-                   worker=0, device="cpu", rebuilds=0, state=state, ended=None)
+    return TapeRow(
+        id=tape_id,
+        owner=owner,
+        definition=None,
+        model=None,
+        target="loss",
+        sources={"w": "w"},
+        ttl=60.0,
+        created=now,
+        last_used=now,
+        hits=0,
+        bytes=10,
+        worker=0,
+        device="cpu",
+        rebuilds=0,
+        state=state,
+        ended=None,
+    )
 
 
 def test_definitions_round_trip(store: Store) -> None:
@@ -78,16 +111,20 @@ def test_every_dtype_is_raw_little_endian_bytes(tmp_path, dtype: str) -> None:
     assert back.dtype == np.dtype(dtype) and back.dtype.isnative
     s.close()
     with sqlite3.connect(tmp_path / "s.sqlite3") as db:
-        (stored_dtype, shape, data), = db.execute("SELECT dtype, shape, data FROM blobs")
+        ((stored_dtype, shape, data),) = db.execute("SELECT dtype, shape, data FROM blobs")
     assert (stored_dtype, shape) == (dtype, "[2, 3]")
     assert bytes(data) == value.astype(value.dtype.newbyteorder("<")).tobytes()  # no pickle
 
 
 def test_blobs_are_shared_and_garbage_is_collected(store: Store) -> None:
     one = definition(1)
-    two = {**one, "variables": {**one["variables"],
-                                "w": {"value": one["variables"]["w"]["value"] + 1,
-                                      "trainable": True}}}
+    two = {
+        **one,
+        "variables": {
+            **one["variables"],
+            "w": {"value": one["variables"]["w"]["value"] + 1, "trainable": True},
+        },
+    }
     a = store.put_definition(one)
     b = store.put_definition(two)
     assert a != b

@@ -27,25 +27,39 @@ KEYS = ("w1", "b1", "w2")
 MODEL = ["h = tanh(x @ w1 + b1)", "out = h @ w2"]
 # Names of every kind a jacobian may ask for: per-example (out, err), batch-independent
 # (pen), and mixing the examples otherwise than the loss (hm).
-MEAN = [*MODEL, "err = sum((out - y) ** 2, axis=1)", "pen = 0.01 * sum(w1 ** 2)",
-        "hm = mean(h, axis=0)", "loss = mean(err) + pen"]
-SUM = [*MODEL, "err = sum((out - y) ** 2, axis=1)", "pen = 0.01 * sum(w1 ** 2)",
-       "hm = mean(h, axis=0)", "loss = sum(err)"]
+MEAN = [
+    *MODEL,
+    "err = sum((out - y) ** 2, axis=1)",
+    "pen = 0.01 * sum(w1 ** 2)",
+    "hm = mean(h, axis=0)",
+    "loss = mean(err) + pen",
+]
+SUM = [
+    *MODEL,
+    "err = sum((out - y) ** 2, axis=1)",
+    "pen = 0.01 * sum(w1 ** 2)",
+    "hm = mean(h, axis=0)",
+    "loss = sum(err)",
+]
 # Influence needs the loss a function of the output (no penalty of the weights).
-INFLUENCE = {"mean": [*MODEL, "loss = mean((out - y) ** 2)"],
-             "sum": [*MODEL, "loss = sum((out - y) ** 2)"]}
+INFLUENCE = {
+    "mean": [*MODEL, "loss = mean((out - y) ** 2)"],
+    "sum": [*MODEL, "loss = sum((out - y) ** 2)"],
+}
 
 
 def definition(program: list[str]) -> dict:
-    return {"variables": {"w1": t(W1, "float64"), "b1": t(B1, "float64"),
-                          "w2": t(W2, "float64")},
-            "inputs": {"x": t(X, "float64"), "y": t(Y, "float64")},
-            "program": program}
+    return {
+        "variables": {"w1": t(W1, "float64"), "b1": t(B1, "float64"), "w2": t(W2, "float64")},
+        "inputs": {"x": t(X, "float64"), "y": t(Y, "float64")},
+        "program": program,
+    }
 
 
 def record(client, program: list[str], **extra) -> str:
-    r = client.post("/v1/tapes", json={"definition": definition(program), "target": "loss",
-                                       **extra})
+    r = client.post(
+        "/v1/tapes", json={"definition": definition(program), "target": "loss", **extra}
+    )
     assert r.status_code == 201, r.text
     return r.json()["tape_id"]
 
@@ -86,22 +100,25 @@ def same_jacobian(client, plain: str, sharded: str, body: dict) -> dict:
     return got
 
 
-@pytest.mark.parametrize("body", [
-    # The loss: the parts' jacobians weighted as gradients; over the split input x,
-    # each part's rows.
-    {"sources": ["w1", "b1", "x"]},
-    # Per-example names: the parts' rows in order; over x, block diagonal.
-    {"target": "out", "sources": ["w2", "x", "y"]},
-    {"target": "err", "sources": {"a": "w1", "b": "y"}},
-    {"target": "out", "sources": ["x"], "batch": True},
-    {"target": "err", "sources": ["x", "y"], "batch": True},
-    # A name that reads no split input: every part's is the unsharded one.
-    {"target": "pen", "sources": ["w1", "x"]},
-    {"target": "pen", "sources": ["w1", "x"], "unconnected": "zero"},
-    # Flat matrices (SciPy's least_squares `jac`), full and per example.
-    {"target": "out", "sources": ["w1", "b1", "w2"], "flat": True},
-    {"target": "out", "sources": ["x"], "batch": True, "flat": True},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        # The loss: the parts' jacobians weighted as gradients; over the split input x,
+        # each part's rows.
+        {"sources": ["w1", "b1", "x"]},
+        # Per-example names: the parts' rows in order; over x, block diagonal.
+        {"target": "out", "sources": ["w2", "x", "y"]},
+        {"target": "err", "sources": {"a": "w1", "b": "y"}},
+        {"target": "out", "sources": ["x"], "batch": True},
+        {"target": "err", "sources": ["x", "y"], "batch": True},
+        # A name that reads no split input: every part's is the unsharded one.
+        {"target": "pen", "sources": ["w1", "x"]},
+        {"target": "pen", "sources": ["w1", "x"], "unconnected": "zero"},
+        # Flat matrices (SciPy's least_squares `jac`), full and per example.
+        {"target": "out", "sources": ["w1", "b1", "w2"], "flat": True},
+        {"target": "out", "sources": ["x"], "batch": True, "flat": True},
+    ],
+)
 def test_sharded_jacobians_equal_unsharded(client, jacobian_pair, body) -> None:
     plain, sharded = jacobian_pair
     got = same_jacobian(client, plain, sharded, body)
@@ -112,14 +129,17 @@ def test_sharded_jacobians_equal_unsharded(client, jacobian_pair, body) -> None:
         assert not dx[:4, :, 4:].any() and np.abs(dx[:4, :, :4]).max() > 0
 
 
-@pytest.mark.parametrize("body", [
-    {"target": "out", "sources": ["w1", "x"]},  # the parts' added; x: each part's rows
-    {"target": "err", "sources": ["b1", "y"], "unconnected": "zero"},
-    {"target": "pen", "sources": ["w1", "x"]},  # any part's; x: unconnected
-    {"target": "pen", "sources": ["w1", "x"], "unconnected": "zero"},
-    {"sources": ["x", "w2"]},  # the loss over a split input: each part's rows, weighted
-    {"target": "out", "sources": ["w1", "x"], "flat": True},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"target": "out", "sources": ["w1", "x"]},  # the parts' added; x: each part's rows
+        {"target": "err", "sources": ["b1", "y"], "unconnected": "zero"},
+        {"target": "pen", "sources": ["w1", "x"]},  # any part's; x: unconnected
+        {"target": "pen", "sources": ["w1", "x"], "unconnected": "zero"},
+        {"sources": ["x", "w2"]},  # the loss over a split input: each part's rows, weighted
+        {"target": "out", "sources": ["w1", "x"], "flat": True},
+    ],
+)
 def test_sharded_gradients_of_any_target_equal_unsharded(client, jacobian_pair, body) -> None:
     plain, sharded = jacobian_pair
     want = post(client, f"/v1/tapes/{plain}/gradient", body)
@@ -137,8 +157,7 @@ def test_sharded_gradients_of_any_target_equal_unsharded(client, jacobian_pair, 
             close(arr(got["gradients"][key]), arr(value))
 
 
-def test_a_gradient_of_a_name_that_mixes_the_examples_is_refused(client, jacobian_pair
-                                                                 ) -> None:
+def test_a_gradient_of_a_name_that_mixes_the_examples_is_refused(client, jacobian_pair) -> None:
     _, sharded = jacobian_pair
     found = problem(client.post(f"/v1/tapes/{sharded}/gradient", json={"target": "hm"}), 422)
     assert "mixes the examples" in found["detail"], found
@@ -148,45 +167,54 @@ def test_a_gradient_of_a_name_that_mixes_the_examples_is_refused(client, jacobia
 def test_a_sharded_jacobian_as_a_job(client, jacobian_pair) -> None:
     plain, sharded = jacobian_pair
     body = {"target": "out", "sources": ["w1", "x"]}
-    job = wait(client, start(client, f"/v1/tapes/{sharded}/jacobian", body),
-               ("succeeded", "failed"))
+    job = wait(
+        client, start(client, f"/v1/tapes/{sharded}/jacobian", body), ("succeeded", "failed")
+    )
     assert job["state"] == "succeeded", job
     want = post(client, f"/v1/tapes/{plain}/jacobian", body)
     for key in ("w1", "x"):
         close(arr(job["result"]["jacobians"][key]), arr(want["jacobians"][key]))
 
 
-@pytest.mark.parametrize(("body", "field", "words"), [
-    ({"target": "hm"}, "target", "mixes the examples"),
-    ({"target": "out", "sources": ["w1"], "batch": True}, "batch", "'w1' is not a split"),
-    ({"target": "loss", "sources": ["x"], "batch": True}, "batch", "not along the batch"),
-    ({"target": "nope"}, "target", "unknown target"),
-])
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"target": "hm"}, "target", "mixes the examples"),
+        ({"target": "out", "sources": ["w1"], "batch": True}, "batch", "'w1' is not a split"),
+        ({"target": "loss", "sources": ["x"], "batch": True}, "batch", "not along the batch"),
+        ({"target": "nope"}, "target", "unknown target"),
+    ],
+)
 def test_what_a_sharded_jacobian_refuses(client, jacobian_pair, body, field, words) -> None:
     _, sharded = jacobian_pair
     found = problem(client.post(f"/v1/tapes/{sharded}/jacobian", json=body), 422)
     assert words in found["detail"], found
-    assert field in found["detail"] or any(field == e.get("field")
-                                           for e in found.get("errors") or []), found
+    assert field in found["detail"] or any(
+        field == e.get("field") for e in found.get("errors") or []
+    ), found
 
 
 def test_a_sharded_jacobian_past_the_size_limit_is_refused_at_the_full_size(client) -> None:
     """The limit (the test server's 200,000 elements) is the unsharded answer's: the
     parts' blocks (100 * 2 * 100 * 3 each) do not slip past it (200 * 2 * 200 * 3)."""
     x = np.random.default_rng(3).standard_normal((200, 3))
-    d = {**definition(MEAN), "inputs": {"x": t(x, "float64"), "y": t(np.zeros((200, 2)),
-                                                                      "float64")}}
+    d = {
+        **definition(MEAN),
+        "inputs": {"x": t(x, "float64"), "y": t(np.zeros((200, 2)), "float64")},
+    }
     r = client.post("/v1/tapes", json={"definition": d, "target": "loss", "shards": 2})
     assert r.status_code == 201, r.text
     tape = r.json()["tape_id"]
     try:
-        found = problem(client.post(f"/v1/tapes/{tape}/jacobian",
-                                    json={"target": "out", "sources": ["x"]}), 422)
+        found = problem(
+            client.post(f"/v1/tapes/{tape}/jacobian", json={"target": "out", "sources": ["x"]}), 422
+        )
         assert found["type"].endswith("too-large"), found
         assert "240,000 elements" in found["detail"], found
         # Per example it fits: 200 blocks of 2 x 3.
-        per_example = post(client, f"/v1/tapes/{tape}/jacobian",
-                           {"target": "out", "sources": ["x"], "batch": True})
+        per_example = post(
+            client, f"/v1/tapes/{tape}/jacobian", {"target": "out", "sources": ["x"], "batch": True}
+        )
         assert arr(per_example["jacobians"]["x"]).shape == (200, 2, 3)
     finally:
         client.delete(f"/v1/tapes/{tape}")
@@ -201,8 +229,7 @@ def test_a_sharded_jacobian_past_the_size_limit_is_refused_at_the_full_size(clie
 def influence_pair(request, client):
     program = INFLUENCE[request.param]
     plain = record(client, program, output="out")
-    sharded = record(client, program, output="out", shards=3,
-                     shard_reduction=request.param)
+    sharded = record(client, program, output="out", shards=3, shard_reduction=request.param)
     yield plain, sharded, request.param
     for tape in (plain, sharded):
         client.delete(f"/v1/tapes/{tape}")
@@ -234,14 +261,20 @@ X_TEST = rng.standard_normal((3, 3))
 Y_TEST = rng.standard_normal((3, 2))
 
 
-@pytest.mark.parametrize("body", [
-    {"test_inputs": {"x": t(X_TEST, "float64"), "y": t(Y_TEST, "float64")},
-     "curvature": "ggn", "damping": 0.1},
-    # Training rows over every part, one twice: each part's loss on its own rows.
-    {"rows": [0, 5, 9, 5], "curvature": "ggn", "damping": 0.1, "top_k": 3},
-    {"rows": [7], "damping": 1.0},  # the Hessian, on the last part only
-    {"rows": [1, 2], "curvature": "empirical_fisher", "damping": 0.5},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {
+            "test_inputs": {"x": t(X_TEST, "float64"), "y": t(Y_TEST, "float64")},
+            "curvature": "ggn",
+            "damping": 0.1,
+        },
+        # Training rows over every part, one twice: each part's loss on its own rows.
+        {"rows": [0, 5, 9, 5], "curvature": "ggn", "damping": 0.1, "top_k": 3},
+        {"rows": [7], "damping": 1.0},  # the Hessian, on the last part only
+        {"rows": [1, 2], "curvature": "empirical_fisher", "damping": 0.5},
+    ],
+)
 def test_sharded_influence_equals_unsharded(client, influence_pair, body) -> None:
     plain, sharded, reduction = influence_pair
     got = same_influence(client, plain, sharded, body)
@@ -253,12 +286,15 @@ def test_sharded_influence_equals_unsharded(client, influence_pair, body) -> Non
 
 def test_what_sharded_influence_refuses(client, influence_pair, jacobian_pair) -> None:
     _, sharded, _ = influence_pair
-    found = problem(client.post(f"/v1/tapes/{sharded}/influence",
-                                json={"rows": [3, 10, -1]}), 422)
+    found = problem(client.post(f"/v1/tapes/{sharded}/influence", json={"rows": [3, 10, -1]}), 422)
     assert "rows" in found["detail"] and "[10, -1]" in found["detail"], found
     assert "10 examples" in found["detail"], found
-    found = problem(client.post(f"/v1/tapes/{sharded}/influence",
-                                json={"test_inputs": {"x": t(X_TEST, "float64")}}), 422)
+    found = problem(
+        client.post(
+            f"/v1/tapes/{sharded}/influence", json={"test_inputs": {"x": t(X_TEST, "float64")}}
+        ),
+        422,
+    )
     assert "test_inputs" in found["detail"] and "'y'" in found["detail"], found
     # A tape recorded without `output`: the unsharded tape's refusal.
     _, no_output = jacobian_pair
@@ -274,8 +310,7 @@ def test_a_killed_part_is_rebuilt_and_answers_the_same(server, client) -> None:
     jac = {"target": "out", "sources": ["w2", "x"]}
     influence = {"rows": [2, 8], "curvature": "ggn", "damping": 0.1, "tol": 1e-12}
     try:
-        before = post(client, f"{base}/jacobian", jac), post(client, f"{base}/influence",
-                                                             influence)
+        before = post(client, f"{base}/jacobian", jac), post(client, f"{base}/influence", influence)
         info = ok(client.get(base))
         kill_worker(server, info["shards"][1]["worker"])
         after = post(client, f"{base}/jacobian", jac)
@@ -299,8 +334,15 @@ def test_a_part_killed_mid_influence_is_asked_again(client, influence_pair) -> N
     plain, sharded, _ = influence_pair
     base = f"/v1/tapes/{sharded}"
     # Past convergence on purpose (tol out of reach): long enough to be killed in.
-    body = {"rows": [1, 6], "curvature": "ggn", "damping": 1.0, "tol": 1e-30,
-            "max_iterations": 1500, "max_seconds": 50, "time_limit": 60}
+    body = {
+        "rows": [1, 6],
+        "curvature": "ggn",
+        "damping": 1.0,
+        "tol": 1e-30,
+        "max_iterations": 1500,
+        "max_seconds": 50,
+        "time_limit": 60,
+    }
     info = ok(client.get(base))
     middle = info["shards"][1]["worker"]
     assert middle != info["shards"][0]["worker"]  # alone on its worker: not the coordinator

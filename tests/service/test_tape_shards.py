@@ -35,23 +35,30 @@ W1 = rng.standard_normal((3, 4)) * 0.7
 B1 = rng.standard_normal(4) * 0.1
 W2 = rng.standard_normal((4, 2)) * 0.7
 
-PROGRAM = ["h = tanh(x @ w1 + b1)", "out = h @ w2",
-           "loss = mean((out - y) ** 2) + 0.01 * sum(w1 ** 2)"]
+PROGRAM = [
+    "h = tanh(x @ w1 + b1)",
+    "out = h @ w2",
+    "loss = mean((out - y) ** 2) + 0.01 * sum(w1 ** 2)",
+]
 SUM_PROGRAM = ["h = tanh(x @ w1 + b1)", "out = h @ w2", "loss = sum((out - y) ** 2)"]
 KEYS = ("w1", "b1", "w2")
 SHAPES = {"w1": (3, 4), "b1": (4,), "w2": (4, 2)}
 
 
 def definition(program: list[str] = PROGRAM) -> dict:
-    return {"variables": {"w1": t(W1, "float64"), "b1": t(B1, "float64"),
-                          "w2": t(W2, "float64")},
-            "inputs": {"x": t(X, "float64"), "y": t(Y, "float64")},
-            "program": program}
+    return {
+        "variables": {"w1": t(W1, "float64"), "b1": t(B1, "float64"), "w2": t(W2, "float64")},
+        "inputs": {"x": t(X, "float64"), "y": t(Y, "float64")},
+        "program": program,
+    }
 
 
 def record(client, **extra) -> dict:
-    body = {"definition": extra.pop("definition", None) or definition(
-        extra.pop("program", PROGRAM)), "target": "loss", **extra}
+    body = {
+        "definition": extra.pop("definition", None) or definition(extra.pop("program", PROGRAM)),
+        "target": "loss",
+        **extra,
+    }
     r = client.post("/v1/tapes", json=body)
     assert r.status_code == 201, r.text
     return r.json()
@@ -117,8 +124,10 @@ def test_sharded_hvp_and_batched_hvps_equal_unsharded(client, pair) -> None:
             assert len(got["hvps"]) == 4
             for g, w in zip(got["hvps"], want["hvps"], strict=True):
                 close_tensors(g, w)
-    flat = {"flat_vector": t(np.concatenate([vs[1][k].ravel() for k in KEYS]), "float64"),
-            "flat": True}
+    flat = {
+        "flat_vector": t(np.concatenate([vs[1][k].ravel() for k in KEYS]), "float64"),
+        "flat": True,
+    }
     want = post(client, f"/v1/tapes/{plain['tape_id']}/hvp", flat)
     got = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", flat)
     close(arr(got["flat"]["hvp"]), arr(want["flat"]["hvp"]))
@@ -162,8 +171,7 @@ def test_local_pool_routes_the_off_coordinator_parts_answer_once(client, pair) -
     assert plain == {"to_workers": size, "from_workers": size, "between_workers": 0}
     # In: the vectors to each part, the kept part's answer to the sum; out: the kept
     # part's answer and the sum.
-    assert sharded == {"to_workers": 4 * size, "from_workers": 2 * size,
-                       "between_workers": 0}
+    assert sharded == {"to_workers": 4 * size, "from_workers": 2 * size, "between_workers": 0}
 
 
 def test_sharded_algorithms_equal_unsharded(client, pair) -> None:
@@ -172,12 +180,17 @@ def test_sharded_algorithms_equal_unsharded(client, pair) -> None:
         ("eigenvalues", {"k": 3, "tol": 1e-10, "max_hvps": 60}, lambda r: r["eigenvalues"]),
         ("trace", {"method": "exact"}, lambda r: r["trace"]),
         ("trace", {"method": "hutchinson", "max_hvps": 32, "seed": 3}, lambda r: r["trace"]),
-        ("solve", {"damping": 0.5, "tol": 1e-12},
-         lambda r: np.concatenate([arr(r["solution"][k]).ravel() for k in KEYS])),
-        ("diagonal", {"method": "exact"},
-         lambda r: np.concatenate([arr(r["diagonal"][k]).ravel() for k in KEYS])),
-        ("spectral-density", {"probes": 2, "steps": 6, "points": 16},
-         lambda r: r["density"]),
+        (
+            "solve",
+            {"damping": 0.5, "tol": 1e-12},
+            lambda r: np.concatenate([arr(r["solution"][k]).ravel() for k in KEYS]),
+        ),
+        (
+            "diagonal",
+            {"method": "exact"},
+            lambda r: np.concatenate([arr(r["diagonal"][k]).ravel() for k in KEYS]),
+        ),
+        ("spectral-density", {"probes": 2, "steps": 6, "points": 16}, lambda r: r["density"]),
     ):
         want = post(client, f"/v1/tapes/{plain['tape_id']}/{path}", body)
         got = post(client, f"/v1/tapes/{sharded['tape_id']}/{path}", body)
@@ -200,9 +213,11 @@ def test_curvature_products_and_eigenvalues_equal_unsharded(client) -> None:
         for g, w in zip(got, want, strict=True):
             close_tensors(g, w)
     body = {"k": 2, "curvature": "ggn", "tol": 1e-10, "max_hvps": 60}
-    close(post(client, f"/v1/tapes/{sharded['tape_id']}/eigenvalues", body)["eigenvalues"],
-          post(client, f"/v1/tapes/{plain['tape_id']}/eigenvalues", body)["eigenvalues"],
-          1e-9)
+    close(
+        post(client, f"/v1/tapes/{sharded['tape_id']}/eigenvalues", body)["eigenvalues"],
+        post(client, f"/v1/tapes/{plain['tape_id']}/eigenvalues", body)["eigenvalues"],
+        1e-9,
+    )
     for tape in (plain, sharded):
         client.delete(f"/v1/tapes/{tape['tape_id']}")
 
@@ -213,8 +228,10 @@ def test_sum_reduction_and_two_shards(client) -> None:
     close(num(sharded["value"]), num(plain["value"]))
     close_tensors(sharded["gradients"], plain["gradients"])
     v = {"vector": wire(vectors(2, 1)[0])}
-    close_tensors(post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
-                  post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"])
+    close_tensors(
+        post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
+        post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"],
+    )
     # The same loss read as a mean is the wrong sum: the reduction is the request's word.
     wrong = record(client, program=SUM_PROGRAM, shards=2)
     assert abs(num(wrong["value"]) - num(plain["value"])) > 1e-3
@@ -233,8 +250,10 @@ def test_a_killed_shard_is_rebuilt_alone(server, client, pair) -> None:
 
     def rebuilt_since(old: dict) -> list[int]:
         now = ok(client.get(base))
-        return [s["rebuilds"] - s0["rebuilds"]
-                for s, s0 in zip(now["shards"], old["shards"], strict=True)]
+        return [
+            s["rebuilds"] - s0["rebuilds"]
+            for s, s0 in zip(now["shards"], old["shards"], strict=True)
+        ]
 
     # The middle part is alone on its worker (parts on a, b, a): only it is recorded again.
     workers = [s["worker"] for s in info["shards"]]
@@ -255,25 +274,35 @@ def test_a_killed_shard_is_rebuilt_alone(server, client, pair) -> None:
 
 
 def test_sharded_tape_over_a_stored_dataset(client) -> None:
-    r = client.put("/v1/datasets/shard-batch", json={"X": t(X, "float64"),
-                                                     "Y": t(Y, "float64")})
+    r = client.put("/v1/datasets/shard-batch", json={"X": t(X, "float64"), "Y": t(Y, "float64")})
     assert r.status_code in (200, 201), r.text
     program = ["h = tanh(X @ w1 + b1)", "out = h @ w2", "loss = mean((out - Y) ** 2)"]
     variables = definition()["variables"]
     rows = {"start": 1, "stop": 11, "step": 1}
-    inline = {"variables": variables, "program": program,
-              "inputs": {"X": t(X[1:], "float64"), "Y": t(Y[1:], "float64")}}
-    bound = {"variables": variables, "program": program,
-             "inputs": {"dataset": "shard-batch", "rows": rows}}
+    inline = {
+        "variables": variables,
+        "program": program,
+        "inputs": {"X": t(X[1:], "float64"), "Y": t(Y[1:], "float64")},
+    }
+    bound = {
+        "variables": variables,
+        "program": program,
+        "inputs": {"dataset": "shard-batch", "rows": rows},
+    }
     plain = record(client, definition=inline)
     sharded = record(client, definition=bound, shards=3)
     close(num(sharded["value"]), num(plain["value"]))
     close_tensors(sharded["gradients"], plain["gradients"])
     v = {"vector": wire(vectors(7, 1)[0])}
-    close_tensors(post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
-                  post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"])
-    assert [s["rows"] for s in ok(client.get(f"/v1/tapes/{sharded['tape_id']}"))["shards"]] \
-        == [4, 3, 3]
+    close_tensors(
+        post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
+        post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"],
+    )
+    assert [s["rows"] for s in ok(client.get(f"/v1/tapes/{sharded['tape_id']}"))["shards"]] == [
+        4,
+        3,
+        3,
+    ]
     for tape in (plain, sharded):
         client.delete(f"/v1/tapes/{tape['tape_id']}")
 
@@ -294,37 +323,50 @@ def test_deleting_a_sharded_tape(client) -> None:
     sharded = record(client, shards=2)
     assert client.delete(f"/v1/tapes/{sharded['tape_id']}").status_code == 204
     problem(client.get(f"/v1/tapes/{sharded['tape_id']}"), 404)
-    problem(client.post(f"/v1/tapes/{sharded['tape_id']}/hvp",
-                        json={"vector": wire(vectors(1, 1)[0])}), 404)
+    problem(
+        client.post(f"/v1/tapes/{sharded['tape_id']}/hvp", json={"vector": wire(vectors(1, 1)[0])}),
+        404,
+    )
 
 
-@pytest.mark.parametrize(("extra", "field", "words"), [
-    ({"shards": 0}, "shards", "greater than or equal to 1"),
-    ({"shards": 12}, "shards", "at most 11"),
-    ({"shards": 100000}, "shards", "max_shards"),
-    ({"shards": 2, "shard_by": ["x", "nope"]}, "shard_by", "no input 'nope'"),
-    ({"shards": 2, "shard_reduction": "median"}, "shard_reduction", "mean"),
-    ({"shard_by": ["x"]}, "", "need 'shards'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "field", "words"),
+    [
+        ({"shards": 0}, "shards", "greater than or equal to 1"),
+        ({"shards": 12}, "shards", "at most 11"),
+        ({"shards": 100000}, "shards", "max_shards"),
+        ({"shards": 2, "shard_by": ["x", "nope"]}, "shard_by", "no input 'nope'"),
+        ({"shards": 2, "shard_reduction": "median"}, "shard_reduction", "mean"),
+        ({"shard_by": ["x"]}, "", "need 'shards'"),
+    ],
+)
 def test_validation(client, extra, field, words) -> None:
     body = {"definition": definition(), "target": "loss", **extra}
     found = problem(client.post("/v1/tapes", json=body), 422)
-    assert words in found["detail"] or any(words in e.get("message", "")
-                                            for e in found.get("errors") or []), found
+    assert words in found["detail"] or any(
+        words in e.get("message", "") for e in found.get("errors") or []
+    ), found
     if field:
-        assert field in found["detail"] or any(field in str(e.get("field", e.get("loc")))
-                                                for e in found.get("errors") or []), found
+        assert field in found["detail"] or any(
+            field in str(e.get("field", e.get("loc"))) for e in found.get("errors") or []
+        ), found
 
 
 def test_axes_must_agree_and_scalars_cannot_split(client) -> None:
     d = definition()
     d["inputs"]["z"] = t(np.ones(5), "float64")
     d["inputs"]["s"] = t(2.0, "float64")
-    found = problem(client.post("/v1/tapes", json={"definition": d, "target": "loss",
-                                                   "shards": 2}), 422)
+    found = problem(
+        client.post("/v1/tapes", json={"definition": d, "target": "loss", "shards": 2}), 422
+    )
     assert "shard_by" in found["detail"] and "'z': 5" in found["detail"], found
-    found = problem(client.post("/v1/tapes", json={"definition": d, "target": "loss",
-                                                   "shards": 2, "shard_by": ["x", "s"]}), 422)
+    found = problem(
+        client.post(
+            "/v1/tapes",
+            json={"definition": d, "target": "loss", "shards": 2, "shard_by": ["x", "s"]},
+        ),
+        422,
+    )
     assert "'s' is a scalar" in found["detail"], found
     # Naming the batch inputs splits them only.
     ok_tape = record(client, definition=d, shards=2, shard_by=["x", "y"])
@@ -336,8 +378,11 @@ def test_gradients_of_other_targets_and_split_inputs(client, pair) -> None:
     split input (each part's rows, weighted n_i / N) equal the unsharded tape's; more in
     test_tape_shard_pieces.py."""
     plain, sharded = pair
-    for body in ({"target": "out"}, {"sources": ["x", "w1"]},
-                 {"target": "out", "sources": {"a": "x", "b": "b1"}}):
+    for body in (
+        {"target": "out"},
+        {"sources": ["x", "w1"]},
+        {"target": "out", "sources": {"a": "x", "b": "b1"}},
+    ):
         want = post(client, f"/v1/tapes/{plain['tape_id']}/gradient", body)
         got = post(client, f"/v1/tapes/{sharded['tape_id']}/gradient", body)
         close(arr(got["value"]), arr(want["value"]))
@@ -357,7 +402,7 @@ def test_a_sharded_tape_survives_a_restart(tmp_path) -> None:
             base = f"/v1/tapes/{sharded['tape_id']}"
             hvp = post(c, f"{base}/hvp", v)["hvp"]
             trace = post(c, f"{base}/trace", {"method": "exact"})["trace"]
-            assert 'gradtape_tapes 1.0' in c.get("/metrics").text  # the parts not counted
+            assert "gradtape_tapes 1.0" in c.get("/metrics").text  # the parts not counted
     finally:
         stop_server(srv)
     srv = start_server(settings, log)
@@ -369,8 +414,7 @@ def test_a_sharded_tape_survives_a_restart(tmp_path) -> None:
             close(post(c, f"{base}/trace", {"method": "exact"})["trace"], trace, 1e-14)
             about = ok(c.get(base))
             assert about["loaded"] and [s["rebuilds"] for s in about["shards"]] == [1, 1]
-            assert [x["tape_id"] for x in ok(c.get("/v1/tapes"))["tapes"]] == [
-                sharded["tape_id"]]
+            assert [x["tape_id"] for x in ok(c.get("/v1/tapes"))["tapes"]] == [sharded["tape_id"]]
     finally:
         stop_server(srv)
 
@@ -406,8 +450,7 @@ def test_a_sharded_job_reports_progress_and_is_cancelled_whole(client, pair) -> 
     answer at the end; a cancelled one stops its fan-out and leaves the tape as it was."""
     _, sharded = pair
     base = f"/v1/tapes/{sharded['tape_id']}"
-    body = {"method": "hutchinson", "max_hvps": 300, "batch_size": 1, "seed": 4,
-            "max_seconds": 60}
+    body = {"method": "hutchinson", "max_hvps": 300, "batch_size": 1, "seed": 4, "max_seconds": 60}
     location = start(client, f"{base}/trace", body)
     seen = []
     job = client.get(location).json()
@@ -436,8 +479,14 @@ def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -
     an undisturbed run answers."""
     _, sharded = pair
     base = f"/v1/tapes/{sharded['tape_id']}"
-    body = {"method": "hutchinson", "max_hvps": 1500, "batch_size": 1, "seed": 8,
-            "max_seconds": 50, "time_limit": 60}
+    body = {
+        "method": "hutchinson",
+        "max_hvps": 1500,
+        "batch_size": 1,
+        "seed": 8,
+        "max_seconds": 50,
+        "time_limit": 60,
+    }
     location = start(client, f"{base}/trace", body)
     coordinator = ok(client.get(base))["shards"][0]["worker"]
     job = wait(client, location, ("running",))
@@ -445,8 +494,7 @@ def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -
         job = client.get(location).json()
     assert job["state"] == "running", job
     # Not kill_worker: it waits for every worker to be idle, i.e. for the run to end.
-    victim = next(w for w in client.get("/readyz").json()["workers"]
-                  if w["index"] == coordinator)
+    victim = next(w for w in client.get("/readyz").json()["workers"] if w["index"] == coordinator)
     os.kill(victim["pid"], signal.SIGKILL)
     job = wait(client, location, ("succeeded", "failed"), timeout=120)
     assert job["state"] == "succeeded", job
@@ -460,16 +508,20 @@ def test_a_sharded_tape_is_evicted_whole(client, tmp_path) -> None:
     part = max(s["bytes"] for s in ok(client.get(f"/v1/tapes/{probe['tape_id']}"))["shards"])
     client.delete(f"/v1/tapes/{probe['tape_id']}")
     # Room for one part per worker, not two.
-    settings = {"GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-                "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(part * 1.5)),
-                "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20)}
+    settings = {
+        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+        "GRADTAPE_TAPE_MEMORY_BUDGET": str(int(part * 1.5)),
+        "GRADTAPE_REQUEST_MEMORY_BUDGET": str(64 * 2**20),
+    }
     srv = start_server(settings, tmp_path / "server.log")
     try:
         with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
             old = record(c, shards=2)
             new = record(c, shards=2)
-            gone = problem(c.post(f"/v1/tapes/{old['tape_id']}/hvp",
-                                  json={"vector": wire(vectors(1, 1)[0])}), 404)
+            gone = problem(
+                c.post(f"/v1/tapes/{old['tape_id']}/hvp", json={"vector": wire(vectors(1, 1)[0])}),
+                404,
+            )
             assert gone["type"].endswith("tape-evicted"), gone
             assert [t["tape_id"] for t in ok(c.get("/v1/tapes"))["tapes"]] == [new["tape_id"]]
             post(c, f"/v1/tapes/{new['tape_id']}/hvp", {"vector": wire(vectors(1, 1)[0])})
@@ -497,8 +549,12 @@ def test_a_split_input_is_refused_as_a_source(client, shard_by) -> None:
     split = {"shards": 2, **({"shard_by": shard_by} if shard_by else {})}
     body = {"definition": definition(), "target": "loss", "sources": ["x", "w1"], **split}
     v = {"x": t(X, "float64"), "w1": t(W1, "float64")}
-    for path, extra in (("/v1/tapes", {}), ("/v1/gradient", {}), ("/v1/hvp", {"vector": v}),
-                        ("/v1/tapes", {"sources": {"a": "w1", "b": "x"}})):
+    for path, extra in (
+        ("/v1/tapes", {}),
+        ("/v1/gradient", {}),
+        ("/v1/hvp", {"vector": v}),
+        ("/v1/tapes", {"sources": {"a": "w1", "b": "x"}}),
+    ):
         found = problem(client.post(path, json={**body, **extra}), 422)
         assert "sources" in found["detail"] and "'x' is split" in found["detail"], found
         assert found["errors"][0]["field"] == "sources", found
@@ -507,10 +563,14 @@ def test_a_split_input_is_refused_as_a_source(client, shard_by) -> None:
     d = definition()
     d["inputs"]["c"] = t(np.array(0.3), "float64")
     d["program"] = [*PROGRAM[:-1], "loss = mean((out - y) ** 2) * c"]
-    plain = post(client, "/v1/gradient", {"definition": d, "target": "loss",
-                                          "sources": ["c", "w1"]})
-    sharded = post(client, "/v1/gradient", {"definition": d, "target": "loss",
-                                            "sources": ["c", "w1"], "shards": 3})
+    plain = post(
+        client, "/v1/gradient", {"definition": d, "target": "loss", "sources": ["c", "w1"]}
+    )
+    sharded = post(
+        client,
+        "/v1/gradient",
+        {"definition": d, "target": "loss", "sources": ["c", "w1"], "shards": 3},
+    )
     close_tensors(sharded["gradients"], plain["gradients"])
 
 
@@ -518,8 +578,11 @@ def test_a_patch_failing_on_one_shard_changes_none(client) -> None:
     """A PATCH whose new values make one part's loss non-finite fails whole: every part
     keeps its old values, and the sharded tape answers as the unsharded one still does."""
     x = np.array([[1.0], [1.0], [-1.0], [-1.0]])  # the second part holds the negatives
-    d = {"variables": {"w": t(np.array([0.1]), "float64")}, "inputs": {"x": t(x, "float64")},
-         "program": ["loss = mean(log(1.0 + x @ w))"]}
+    d = {
+        "variables": {"w": t(np.array([0.1]), "float64")},
+        "inputs": {"x": t(x, "float64")},
+        "program": ["loss = mean(log(1.0 + x @ w))"],
+    }
     plain = record(client, definition=d)
     sharded = record(client, definition=d, shards=2)
     bad = {"variables": {"w": t(np.array([2.0]), "float64")}}  # log(1 - 2) on part 2
@@ -531,8 +594,10 @@ def test_a_patch_failing_on_one_shard_changes_none(client) -> None:
     close(num(got["value"]), num(want["value"]))
     close_tensors(got["gradients"], want["gradients"])
     v = {"vector": {"w": t(np.array([1.0]), "float64")}}
-    close_tensors(post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
-                  post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"])
+    close_tensors(
+        post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", v)["hvp"],
+        post(client, f"/v1/tapes/{plain['tape_id']}/hvp", v)["hvp"],
+    )
     # ...and a good PATCH afterwards still updates every part.
     good = {"variables": {"w": t(np.array([0.4]), "float64")}}
     want = ok(client.patch(f"/v1/tapes/{plain['tape_id']}", json=good))
@@ -551,14 +616,17 @@ def test_stateless_shards_are_out_of_the_quotas_and_the_store(tmp_path) -> None:
 
     def rows() -> tuple[int, int]:
         with sqlite3.connect(db) as con:
-            return (con.execute("SELECT count(*) FROM tapes").fetchone()[0],
-                    con.execute("SELECT count(*) FROM definitions").fetchone()[0])
+            return (
+                con.execute("SELECT count(*) FROM tapes").fetchone()[0],
+                con.execute("SELECT count(*) FROM definitions").fetchone()[0],
+            )
 
     try:
         with httpx.Client(base_url=srv.base_url, timeout=60.0) as c:
             tape = record(c)
-            found = problem(c.post("/v1/tapes", json={"definition": definition(),
-                                                      "target": "loss"}), 429)
+            found = problem(
+                c.post("/v1/tapes", json={"definition": definition(), "target": "loss"}), 429
+            )
             assert "max_tapes_per_key" in found["detail"]
             before = rows()
             body = {"definition": definition(), "target": "loss"}
@@ -583,15 +651,20 @@ def test_a_non_scalar_target_with_shards_says_so(client) -> None:
     d = definition()
     d["program"] = [*PROGRAM[:-1], "s = sum(out, axis=1)"]
     for path in ("/v1/tapes", "/v1/gradient"):
-        found = problem(client.post(path, json={"definition": d, "target": "s",
-                                                "shards": 2}), 422)
+        found = problem(client.post(path, json={"definition": d, "target": "s", "shards": 2}), 422)
         assert "sharded" in found["detail"] and "'s'" in found["detail"], found
         assert "a tape's target" not in found["detail"], found
 
 
 def _worker_context() -> WorkerContext:
-    return WorkerContext(index=0, device="cpu", limits=Limits(), chunk_size=64,
-                         hessian_max_size=100, jacobian_max_elements=1000)
+    return WorkerContext(
+        index=0,
+        device="cpu",
+        limits=Limits(),
+        chunk_size=64,
+        hessian_max_size=100,
+        jacobian_max_elements=1000,
+    )
 
 
 def test_the_coordinators_stash_keeps_every_pending_answer(monkeypatch) -> None:
@@ -599,14 +672,24 @@ def test_the_coordinators_stash_keeps_every_pending_answer(monkeypatch) -> None:
     lost before its sum; past the byte bound a part's answer is sent back instead, and
     the sum takes it as well."""
     context = _worker_context()
-    answers = [{"value": np.array(float(i)), "gradients": {"w": np.full(3, float(i))},
-                "tape": {"bytes": 1}} for i in range(80)]
+    answers = [
+        {
+            "value": np.array(float(i)),
+            "gradients": {"w": np.full(3, float(i))},
+            "tape": {"bytes": 1},
+        }
+        for i in range(80)
+    ]
     kept = [worker_shards.stash(context, f"req{i}:0", dict(a)) for i, a in enumerate(answers)]
     assert all("stashed" in k for k in kept)
     for i in (0, 40, 79):  # the oldest too
         summed = worker_shards.shard_combine(
-            {"parts": [kept[i], {"value": np.array(1.0), "gradients": {"w": np.ones(3)}}],
-             "weights": [0.5, 0.5]}, context)
+            {
+                "parts": [kept[i], {"value": np.array(1.0), "gradients": {"w": np.ones(3)}}],
+                "weights": [0.5, 0.5],
+            },
+            context,
+        )
         assert float(summed["value"]) == (i + 1) / 2
         close(summed["gradients"]["w"], np.full(3, (i + 1) / 2))
     worker_shards.shard_drop({"stash": [f"req{i}:0" for i in range(80)]}, context)
@@ -615,8 +698,7 @@ def test_the_coordinators_stash_keeps_every_pending_answer(monkeypatch) -> None:
     big = {"value": np.array(2.0), "gradients": {"w": np.ones(20)}, "tape": {"bytes": 1}}
     sent = worker_shards.stash(context, "big:0", big)
     assert "stashed" not in sent and not context.state["shard_stash"]
-    summed = worker_shards.shard_combine({"parts": [sent, sent], "weights": [1.0, 1.0]},
-                                         context)
+    summed = worker_shards.shard_combine({"parts": [sent, sent], "weights": [1.0, 1.0]}, context)
     close(summed["gradients"]["w"], np.full(20, 2.0))
 
 
@@ -643,10 +725,20 @@ def test_a_lost_shard_state_is_a_503_to_retry() -> None:
     request was fine; asking again works), never a 500."""
     settings = Settings()
     app = SimpleNamespace(state=SimpleNamespace(settings=settings))
-    request = Request({"type": "http", "method": "POST", "path": "/v1/gradient",
-                       "headers": [], "query_string": b"", "app": app})
-    response = pool_problem(request, ComputeFailed({
-        "type": "shard-state-lost", "message": "worker 0 holds no sharded run r1"}))
+    request = Request(
+        {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/gradient",
+            "headers": [],
+            "query_string": b"",
+            "app": app,
+        }
+    )
+    response = pool_problem(
+        request,
+        ComputeFailed({"type": "shard-state-lost", "message": "worker 0 holds no sharded run r1"}),
+    )
     assert response.status_code == 503
     assert response.headers["Retry-After"] == str(settings.retry_after)
     assert response.headers["Content-Type"] == "application/problem+json"
@@ -667,8 +759,10 @@ def test_the_pools_kept_answers_are_gathered_once_released_and_lost_clearly() ->
     big = np.arange(50_000, dtype=np.float64)  # 400 KB: through the workers' arenas
 
     def part(scale: float) -> dict:
-        return {"parts": [{"value": np.array(scale), "gradients": {"w": big * scale}}],
-                "weights": [1.0]}
+        return {
+            "parts": [{"value": np.array(scale), "gradients": {"w": big * scale}}],
+            "weights": [1.0],
+        }
 
     async def scenario() -> None:
         pool = WorkerPool(Settings(workers=2))
@@ -679,34 +773,48 @@ def test_the_pools_kept_answers_are_gathered_once_released_and_lost_clearly() ->
             summed = await pool.submit(
                 "shard_combine",
                 {"parts": [{"stashed": "a"}, part(1.0)["parts"][0]], "weights": [0.5, 0.5]},
-                worker=0, gather=["a"])
+                worker=0,
+                gather=["a"],
+            )
             assert float(summed.result["value"]) == 1.5
             np.testing.assert_array_equal(summed.result["gradients"]["w"], big * 1.5)
             for keys in (["a"], ["never"]):  # gathered already; never kept
                 with pytest.raises(ComputeFailed) as lost:
-                    await pool.submit("shard_combine", {"parts": [{"stashed": keys[0]}],
-                                                        "weights": [1.0]}, worker=0,
-                                      gather=keys)
+                    await pool.submit(
+                        "shard_combine",
+                        {"parts": [{"stashed": keys[0]}], "weights": [1.0]},
+                        worker=0,
+                        gather=keys,
+                    )
                 assert lost.value.error["type"] == KEPT_LOST
             await pool.submit("shard_combine", {**part(3.0), KEEP: "b"}, worker=1)
             pool.release(["b", "unknown"])
             with pytest.raises(ComputeFailed) as lost:
-                await pool.submit("shard_combine", {"parts": [{"stashed": "b"}],
-                                                    "weights": [1.0]}, worker=0, gather=["b"])
+                await pool.submit(
+                    "shard_combine",
+                    {"parts": [{"stashed": "b"}], "weights": [1.0]},
+                    worker=0,
+                    gather=["b"],
+                )
             assert lost.value.error["type"] == KEPT_LOST
             # A kept answer's error is answered as ever, and nothing is kept.
             with pytest.raises(ComputeFailed) as failed:
-                await pool.submit("shard_combine", {"parts": [{"stashed": "nowhere"}],
-                                                    "weights": [1.0], KEEP: "c"}, worker=1)
+                await pool.submit(
+                    "shard_combine",
+                    {"parts": [{"stashed": "nowhere"}], "weights": [1.0], KEEP: "c"},
+                    worker=1,
+                )
             assert failed.value.error["type"] == KEPT_LOST  # the worker's own: no stash
             assert "c" not in pool._kept
             # Stashed by its worker itself (the coordinator's own part): not kept again;
             # the sum in that worker finds it there.
-            own = await pool.submit("shard_combine", {**part(4.0), KEEP: "d", "stash": "d"},
-                                    worker=0)
+            own = await pool.submit(
+                "shard_combine", {**part(4.0), KEEP: "d", "stash": "d"}, worker=0
+            )
             assert own.result == {"stashed": "d", "tape": None} and "d" not in pool._kept
             summed = await pool.submit(
-                "shard_combine", {"parts": [{"stashed": "d"}], "weights": [0.25]}, worker=0)
+                "shard_combine", {"parts": [{"stashed": "d"}], "weights": [0.25]}, worker=0
+            )
             np.testing.assert_array_equal(summed.result["gradients"]["w"], big)
             prefix = pool._channel.prefix if pool._channel is not None else None
         finally:

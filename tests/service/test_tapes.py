@@ -21,18 +21,24 @@ X = rng.standard_normal((6, 4))
 K = rng.standard_normal((4, 3))
 B = rng.standard_normal(3)
 DEFN = {
-    "variables": {"k": t(K, "float64"), "b": t(B, "float64"),
-                  "frozen": {"value": t(np.ones(3), "float64"), "trainable": False}},
+    "variables": {
+        "k": t(K, "float64"),
+        "b": t(B, "float64"),
+        "frozen": {"value": t(np.ones(3), "float64"), "trainable": False},
+    },
     "inputs": {"x": t(X, "float64")},
-    "program": ["h = tanh(x @ k + b) * frozen",
-                "loss = sum(h ** 2)",
-                "penalty = mean(k ** 2) + mean(x ** 2)"],
+    "program": [
+        "h = tanh(x @ k + b) * frozen",
+        "loss = sum(h ** 2)",
+        "penalty = mean(k ** 2) + mean(x ** 2)",
+    ],
 }
 
 
 def create(client: httpx.Client, body: dict | None = None, **extra) -> dict:
-    response = client.post("/v1/tapes", json={"definition": DEFN, "target": "loss",
-                                              **(body or {}), **extra})
+    response = client.post(
+        "/v1/tapes", json={"definition": DEFN, "target": "loss", **(body or {}), **extra}
+    )
     assert response.status_code == 201, response.text
     created = response.json()
     assert response.headers["location"] == f"/v1/tapes/{created['tape_id']}"
@@ -57,14 +63,16 @@ def info(client: httpx.Client, tape_id: str) -> dict:
 
 def test_create_answers_the_gradient_and_an_unguessable_id(client) -> None:
     created = create(client)
-    fresh = post(client, "/v1/gradient", {"definition": DEFN, "target": "loss",
-                                          "allow_unused": True})
+    fresh = post(
+        client, "/v1/gradient", {"definition": DEFN, "target": "loss", "allow_unused": True}
+    )
     assert len(created["tape_id"]) >= 32 and created["tape_id"].isascii()
     assert num(created["value"]) == pytest.approx(num(fresh["value"]), rel=1e-12)
     assert set(created["gradients"]) == {"k", "b"}  # the trainable variables
     for key in ("k", "b"):
-        np.testing.assert_allclose(arr(created["gradients"][key]), arr(fresh["gradients"][key]),
-                                   rtol=1e-12)
+        np.testing.assert_allclose(
+            arr(created["gradients"][key]), arr(fresh["gradients"][key]), rtol=1e-12
+        )
     assert created["bytes"] > X.nbytes and created["device"] == "cpu"
     assert created["ttl"] == 3600.0 and created["expires_at"].endswith("Z")
     about = info(client, created["tape_id"])
@@ -83,8 +91,11 @@ def test_create_answers_the_gradient_and_an_unguessable_id(client) -> None:
 def test_sources_as_aliases(client) -> None:
     created = create(client, sources={"kernel": "k"})
     assert set(created["gradients"]) == {"kernel"}
-    answer = post(client, f"/v1/tapes/{created['tape_id']}/hvp",
-                  {"vector": {"kernel": t(np.ones((4, 3)), "float64")}})
+    answer = post(
+        client,
+        f"/v1/tapes/{created['tape_id']}/hvp",
+        {"vector": {"kernel": t(np.ones((4, 3)), "float64")}},
+    )
     assert set(answer["hvp"]) == {"kernel"}
 
 
@@ -97,13 +108,16 @@ def test_tape_hvps_equal_fresh_ones(client) -> None:
     for v in vectors:
         mine = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v)})
         assert mine["hvps"] is None and set(mine) == {"hvp", "hvps"}
-        fresh = post(client, "/v1/hvp", {"definition": DEFN, "target": "loss",
-                                          "allow_unused": True, "vector": wire(v)})
+        fresh = post(
+            client,
+            "/v1/hvp",
+            {"definition": DEFN, "target": "loss", "allow_unused": True, "vector": wire(v)},
+        )
         for key in ("k", "b"):
-            np.testing.assert_allclose(arr(mine["hvp"][key]), arr(fresh["hvp"][key]),
-                                       rtol=1e-12, atol=1e-14)
-    batched = post(client, f"/v1/tapes/{tape_id}/hvp",
-                   {"vectors": [wire(v) for v in vectors]})
+            np.testing.assert_allclose(
+                arr(mine["hvp"][key]), arr(fresh["hvp"][key]), rtol=1e-12, atol=1e-14
+            )
+    batched = post(client, f"/v1/tapes/{tape_id}/hvp", {"vectors": [wire(v) for v in vectors]})
     assert batched["hvp"] is None and len(batched["hvps"]) == 6
     for v, product in zip(vectors, batched["hvps"], strict=True):
         single = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v)})
@@ -122,15 +136,23 @@ def _rss(pid: int) -> int:
 
 def test_memory_stays_flat_over_500_hvps(server, client) -> None:
     g = np.random.default_rng(14)
-    defn = {"variables": {"w1": t(g.standard_normal((16, 64)) * 0.3),
-                          "w2": t(g.standard_normal((64, 1)) * 0.3)},
-            "inputs": {"x": t(g.standard_normal((256, 16))), "y": t(g.standard_normal((256, 1)))},
-            "program": ["h = tanh(x @ w1)", "loss = mean((h @ w2 - y) ** 2)"]}
+    defn = {
+        "variables": {
+            "w1": t(g.standard_normal((16, 64)) * 0.3),
+            "w2": t(g.standard_normal((64, 1)) * 0.3),
+        },
+        "inputs": {"x": t(g.standard_normal((256, 16))), "y": t(g.standard_normal((256, 1)))},
+        "program": ["h = tanh(x @ w1)", "loss = mean((h @ w2 - y) ** 2)"],
+    }
     created = create(client, {"definition": defn})
     tape_id, worker = created["tape_id"], created["worker"]
     pid = next(w["pid"] for w in server.wait_ready()["workers"] if w["index"] == worker)
-    body = {"vectors": [{"w1": tbin(g.standard_normal((16, 64))),
-                         "w2": tbin(g.standard_normal((64, 1)))} for _ in range(4)]}
+    body = {
+        "vectors": [
+            {"w1": tbin(g.standard_normal((16, 64))), "w2": tbin(g.standard_normal((64, 1)))}
+            for _ in range(4)
+        ]
+    }
     sizes, rss = [], []
     for i in range(500):
         ok(post_msgpack(client, f"/v1/tapes/{tape_id}/hvp", body))
@@ -153,30 +175,41 @@ def test_other_targets_on_the_same_recording(client) -> None:
     tape_id = create(client)["tape_id"]
     for _ in range(3):  # as often as asked: the recording is persistent
         again = post(client, f"/v1/tapes/{tape_id}/gradient", {})
-        fresh = post(client, "/v1/gradient", {"definition": DEFN, "target": "loss",
-                                              "allow_unused": True})
+        fresh = post(
+            client, "/v1/gradient", {"definition": DEFN, "target": "loss", "allow_unused": True}
+        )
         for key in ("k", "b"):
-            np.testing.assert_allclose(arr(again["gradients"][key]),
-                                       arr(fresh["gradients"][key]), rtol=1e-12)
+            np.testing.assert_allclose(
+                arr(again["gradients"][key]), arr(fresh["gradients"][key]), rtol=1e-12
+            )
     # Another target, over a variable, an input and a non-trainable variable.
-    other = post(client, f"/v1/tapes/{tape_id}/gradient",
-                 {"target": "penalty", "sources": ["k", "x", "frozen"]})
+    other = post(
+        client,
+        f"/v1/tapes/{tape_id}/gradient",
+        {"target": "penalty", "sources": ["k", "x", "frozen"]},
+    )
     assert num(other["value"]) == pytest.approx(np.mean(K**2) + np.mean(X**2), rel=1e-12)
     np.testing.assert_allclose(arr(other["gradients"]["k"]), 2 * K / K.size, rtol=1e-12)
     np.testing.assert_allclose(arr(other["gradients"]["x"]), 2 * X / X.size, rtol=1e-12)
     assert other["gradients"]["frozen"] is None
-    zeros = post(client, f"/v1/tapes/{tape_id}/gradient",
-                 {"target": "penalty", "sources": ["b"], "unconnected": "zero"})
+    zeros = post(
+        client,
+        f"/v1/tapes/{tape_id}/gradient",
+        {"target": "penalty", "sources": ["b"], "unconnected": "zero"},
+    )
     np.testing.assert_array_equal(arr(zeros["gradients"]["b"]), np.zeros(3))
     # A jacobian of a non-scalar name, full and per example.
     jac = post(client, f"/v1/tapes/{tape_id}/jacobian", {"target": "h", "sources": ["x"]})
-    fresh = post(client, "/v1/jacobian", {"definition": DEFN, "target": "h", "sources": ["x"],
-                                          "allow_unused": True})
+    fresh = post(
+        client,
+        "/v1/jacobian",
+        {"definition": DEFN, "target": "h", "sources": ["x"], "allow_unused": True},
+    )
     assert jac["jacobians"]["x"]["shape"] == [6, 3, 6, 4]
-    np.testing.assert_allclose(arr(jac["jacobians"]["x"]), arr(fresh["jacobians"]["x"]),
-                               rtol=1e-12)
-    per_example = post(client, f"/v1/tapes/{tape_id}/jacobian",
-                       {"target": "h", "sources": ["x"], "batch": True})
+    np.testing.assert_allclose(arr(jac["jacobians"]["x"]), arr(fresh["jacobians"]["x"]), rtol=1e-12)
+    per_example = post(
+        client, f"/v1/tapes/{tape_id}/jacobian", {"target": "h", "sources": ["x"], "batch": True}
+    )
     assert per_example["jacobians"]["x"]["shape"] == [6, 3, 4]
     # ... and HVPs still answer from the same tape.
     post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(vec(1))})
@@ -186,13 +219,17 @@ def test_other_targets_on_the_same_recording(client) -> None:
 def test_msgpack_and_base64_on_a_tape(client) -> None:
     tape_id = create(client)["tape_id"]
     v = vec(3)
-    response = post_msgpack(client, f"/v1/tapes/{tape_id}/hvp",
-                            {"vector": {k: tbin(x, "float64") for k, x in v.items()}})
+    response = post_msgpack(
+        client,
+        f"/v1/tapes/{tape_id}/hvp",
+        {"vector": {k: tbin(x, "float64") for k, x in v.items()}},
+    )
     assert response.headers["content-type"].startswith(MSGPACK)
     assert response.headers["server-timing"].startswith("compute;dur=")  # the worker's part
     binary = ok(response)["hvp"]
-    as_json = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v),
-                                                       "response_encoding": "base64"})["hvp"]
+    as_json = post(
+        client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v), "response_encoding": "base64"}
+    )["hvp"]
     assert "base64" in as_json["k"]
     np.testing.assert_array_equal(arr(binary["k"]), arr(as_json["k"]))
 
@@ -204,25 +241,42 @@ def test_patch_records_again_at_new_values(client) -> None:
     created = create(client)
     tape_id = created["tape_id"]
     k2 = K + 0.5
-    updated = ok(client.patch(f"/v1/tapes/{tape_id}", json={
-        "variables": {"k": t(k2, "float64")},
-        "inputs": {"x": t(X * 2)},  # float32 values are cast to the recorded float64
-    }))
+    updated = ok(
+        client.patch(
+            f"/v1/tapes/{tape_id}",
+            json={
+                "variables": {"k": t(k2, "float64")},
+                "inputs": {"x": t(X * 2)},  # float32 values are cast to the recorded float64
+            },
+        )
+    )
     assert updated["tape_id"] == tape_id
-    moved = {**DEFN, "variables": {**DEFN["variables"], "k": t(k2, "float64")},
-             "inputs": {"x": t((X * 2).astype(np.float32).astype(np.float64), "float64")}}
-    fresh = post(client, "/v1/gradient", {"definition": moved, "target": "loss",
-                                          "allow_unused": True})
+    moved = {
+        **DEFN,
+        "variables": {**DEFN["variables"], "k": t(k2, "float64")},
+        "inputs": {"x": t((X * 2).astype(np.float32).astype(np.float64), "float64")},
+    }
+    fresh = post(
+        client, "/v1/gradient", {"definition": moved, "target": "loss", "allow_unused": True}
+    )
     assert num(updated["value"]) == pytest.approx(num(fresh["value"]), rel=1e-12)
     assert num(updated["value"]) != pytest.approx(num(created["value"]))
     v = vec(9)
     mine = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v)})
-    hvp = post(client, "/v1/hvp", {"definition": moved, "target": "loss", "allow_unused": True,
-                                   "vector": wire(v)})
+    hvp = post(
+        client,
+        "/v1/hvp",
+        {"definition": moved, "target": "loss", "allow_unused": True, "vector": wire(v)},
+    )
     np.testing.assert_allclose(arr(mine["hvp"]["k"]), arr(hvp["hvp"]["k"]), rtol=1e-12)
-    unknown = problem(client.patch(f"/v1/tapes/{tape_id}", json={
-        "variables": {"kk": t(K, "float64")}, "inputs": {"x": t(np.ones((2, 2)))}}),
-        422, "validation")
+    unknown = problem(
+        client.patch(
+            f"/v1/tapes/{tape_id}",
+            json={"variables": {"kk": t(K, "float64")}, "inputs": {"x": t(np.ones((2, 2)))}},
+        ),
+        422,
+        "validation",
+    )
     assert "variables.kk" in unknown["detail"] and "'k'" in unknown["detail"]
     assert [e["field"] for e in unknown["errors"]] == ["variables.kk", "inputs.x"]
     assert "shape [2, 2]" in unknown["errors"][1]["message"]
@@ -240,8 +294,11 @@ def test_delete(client) -> None:
     assert response.status_code == 204 and not response.content
     gone = problem(client.get(f"/v1/tapes/{tape_id}"), 404, "tape-not-found")
     assert "deleted" in gone["detail"] and gone["reason"] == "deleted"
-    problem(client.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": wire(vec(0))}), 404,
-            "tape-not-found")
+    problem(
+        client.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": wire(vec(0))}),
+        404,
+        "tape-not-found",
+    )
     problem(client.delete(f"/v1/tapes/{tape_id}"), 404, "tape-not-found")
     assert tape_id not in [x["tape_id"] for x in ok(client.get("/v1/tapes"))["tapes"]]
 
@@ -257,15 +314,19 @@ def test_expiry_says_so_and_a_tape_can_be_made_again(client) -> None:
     assert info(client, tape_id)["ttl"] == 1.0
     post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(vec(0))})  # use renews it
     time.sleep(1.3)
-    gone = problem(client.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": wire(vec(0))}),
-                   404, "tape-expired")
+    gone = problem(
+        client.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": wire(vec(0))}), 404, "tape-expired"
+    )
     assert "expired" in gone["detail"] and "1 s" in gone["detail"]
     assert "POST /v1/tapes" in gone["detail"]
     problem(client.get(f"/v1/tapes/{tape_id}"), 404, "tape-expired")
     again = create(client, ttl=1.0)
     assert again["tape_id"] != tape_id
-    too_long = problem(client.post("/v1/tapes", json={"definition": DEFN, "target": "loss",
-                                                      "ttl": 1e9}), 422, "too-large")
+    too_long = problem(
+        client.post("/v1/tapes", json={"definition": DEFN, "target": "loss", "ttl": 1e9}),
+        422,
+        "too-large",
+    )
     assert "ttl" in too_long["detail"]
 
 
@@ -273,22 +334,32 @@ def test_expiry_says_so_and_a_tape_can_be_made_again(client) -> None:
 
 
 def test_refusals(client) -> None:
-    not_scalar = problem(client.post("/v1/tapes", json={"definition": DEFN, "target": "h"}),
-                         422, "invalid-request")
+    not_scalar = problem(
+        client.post("/v1/tapes", json={"definition": DEFN, "target": "h"}), 422, "invalid-request"
+    )
     assert "scalar" in not_scalar["detail"] and "[6, 3]" in not_scalar["detail"]
-    both = problem(client.post("/v1/tapes", json={"definition": DEFN, "model": "m",
-                                                  "target": "loss"}), 422, "validation")
+    both = problem(
+        client.post("/v1/tapes", json={"definition": DEFN, "model": "m", "target": "loss"}),
+        422,
+        "validation",
+    )
     assert "exactly one of 'definition' or 'model'" in both["detail"]
-    bad = problem(client.post("/v1/tapes", json={"definition": DEFN, "target": "los"}),
-                  422, "definition")
+    bad = problem(
+        client.post("/v1/tapes", json={"definition": DEFN, "target": "los"}), 422, "definition"
+    )
     assert "loss" in bad["detail"]  # the suggestion
     tape_id = create(client)["tape_id"]
-    shape = problem(client.post(f"/v1/tapes/{tape_id}/hvp",
-                                json={"vector": {"k": t(np.ones(3)), "b": t(np.ones(3))}}),
-                    422, "invalid-request")
+    shape = problem(
+        client.post(
+            f"/v1/tapes/{tape_id}/hvp", json={"vector": {"k": t(np.ones(3)), "b": t(np.ones(3))}}
+        ),
+        422,
+        "invalid-request",
+    )
     assert "vector.k" in shape["detail"]
-    unknown = problem(client.post(f"/v1/tapes/{tape_id}/gradient", json={"target": "nope"}),
-                      422, "definition")
+    unknown = problem(
+        client.post(f"/v1/tapes/{tape_id}/gradient", json={"target": "nope"}), 422, "definition"
+    )
     assert "nope" in unknown["detail"]
     many = {"vectors": [wire(vec(0))] * 33}  # the tests' server answers up to 32
     problem(client.post(f"/v1/tapes/{tape_id}/hvp", json=many), 422, "too-large")

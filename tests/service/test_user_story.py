@@ -49,16 +49,23 @@ def numpy_solution() -> np.ndarray:
         s = expit(A @ t)
         return A.T @ (s * (1 - s) * (A @ p)) / N + reg * p
 
-    out = minimize(fun, np.zeros(D + 1), jac=jac, hessp=hessp, method="Newton-CG",
-                   options={"xtol": 1e-13, "maxiter": 200})
+    out = minimize(
+        fun,
+        np.zeros(D + 1),
+        jac=jac,
+        hessp=hessp,
+        method="Newton-CG",
+        options={"xtol": 1e-13, "maxiter": 200},
+    )
     assert out.success, out.message
     return out.x
 
 
 def test_logistic_regression_newton_cg_through_the_api(client) -> None:
     packed = msgpack.packb({"X": tbin(X, "float64"), "y": tbin(Y, "float64")})
-    r = client.put("/v1/datasets/breast_cancer_like", content=packed,
-                   headers={"content-type": MSGPACK})
+    r = client.put(
+        "/v1/datasets/breast_cancer_like", content=packed, headers={"content-type": MSGPACK}
+    )
     assert r.status_code in (200, 201), r.text
     r = client.post("/v1/models", json={"name": "logreg", "definition": MODEL, "replace": True})
     assert r.status_code in (200, 201), r.text
@@ -68,14 +75,18 @@ def test_logistic_regression_newton_cg_through_the_api(client) -> None:
     def call(method: str, path: str, body: dict) -> dict:
         content = json.dumps(body).encode()
         sent.append(len(content))
-        r = client.request(method, path, content=content,
-                           headers={"content-type": "application/json"})
+        r = client.request(
+            method, path, content=content, headers={"content-type": "application/json"}
+        )
         assert r.status_code in (200, 201), r.text
         return r.json()
 
     def fun_and_jac(x: np.ndarray) -> tuple[float, np.ndarray]:
-        answer = call("POST", "/v1/gradient", {"model": "logreg", "target": "loss",
-                                                "point": x.tolist(), "flat": True})
+        answer = call(
+            "POST",
+            "/v1/gradient",
+            {"model": "logreg", "target": "loss", "point": x.tolist(), "flat": True},
+        )
         assert [s["source"] for s in answer["flat"]["order"]] == ["w", "b"]
         gradient = arr(answer["flat"]["gradient"])
         assert gradient.dtype == np.float64 and gradient.shape == (D + 1,)
@@ -91,12 +102,17 @@ def test_logistic_regression_newton_cg_through_the_api(client) -> None:
             moved = call("PATCH", f"/v1/tapes/{tape_id}", {"point": x.tolist(), "flat": True})
             np.testing.assert_array_equal(arr(moved["flat"]["gradient"]), fun_and_jac(x)[1])
             at, patches = x.copy(), patches + 1
-        answer = call("POST", f"/v1/tapes/{tape_id}/hvp",
-                      {"flat_vector": p.tolist(), "flat": True})
+        answer = call("POST", f"/v1/tapes/{tape_id}/hvp", {"flat_vector": p.tolist(), "flat": True})
         return arr(answer["flat"]["hvp"])
 
-    out = minimize(fun_and_jac, np.zeros(D + 1), jac=True, hessp=hessp, method="Newton-CG",
-                   options={"xtol": 1e-13, "maxiter": 200})
+    out = minimize(
+        fun_and_jac,
+        np.zeros(D + 1),
+        jac=True,
+        hessp=hessp,
+        method="Newton-CG",
+        options={"xtol": 1e-13, "maxiter": 200},
+    )
     assert out.success, out.message
     np.testing.assert_allclose(out.x, numpy_solution(), rtol=0, atol=1e-8)
     assert out.nfev < 40 and patches >= 3  # float64 throughout: no precision loss

@@ -26,9 +26,11 @@ from tests.service.wire import num, post, problem, t64
 SLOW = {
     "definition": {
         "inputs": {"v": t64(np.linspace(0, 1, 2000))},
-        "program": ["a = broadcast_to(v, (2000, 2000)) * 0.001",
-                    *[f"m{i} = tanh({'a' if i == 0 else f'm{i - 1}'} @ a)" for i in range(8)],
-                    "s = sum(m7)"],
+        "program": [
+            "a = broadcast_to(v, (2000, 2000)) * 0.001",
+            *[f"m{i} = tanh({'a' if i == 0 else f'm{i - 1}'} @ a)" for i in range(8)],
+            "s = sum(m7)",
+        ],
     },
     "target": "s",
     "sources": ["v"],
@@ -131,12 +133,17 @@ def _payload(size: int, products: int) -> dict:
     from service.api.payloads import gradient
     from service.api.schemas import GradientRequest
 
-    body = {**SLOW, "definition": {
-        "inputs": {"v": t64(np.linspace(0, 1, size))},
-        "program": [f"a = broadcast_to(v, ({size}, {size})) * 0.001",
-                    *[f"m{i} = tanh({'a' if i == 0 else f'm{i - 1}'} @ a)"
-                      for i in range(products)],
-                    f"s = sum(m{products - 1})"]}}
+    body = {
+        **SLOW,
+        "definition": {
+            "inputs": {"v": t64(np.linspace(0, 1, size))},
+            "program": [
+                f"a = broadcast_to(v, ({size}, {size})) * 0.001",
+                *[f"m{i} = tanh({'a' if i == 0 else f'm{i - 1}'} @ a)" for i in range(products)],
+                f"s = sum(m{products - 1})",
+            ],
+        },
+    }
     return gradient(GradientRequest.model_validate(body), Settings()).payload
 
 
@@ -150,8 +157,9 @@ def test_routing_to_a_worker_and_the_queue_bound() -> None:
                 reply = await pool.submit("ping", None, worker=index)
                 assert (reply.worker, reply.result["pid"]) == (index, pids[index])
             payload = _payload(1000, 3)  # a few tenths of a second
-            running = [asyncio.create_task(pool.submit("gradient", payload, worker=i))
-                       for i in (0, 1)]
+            running = [
+                asyncio.create_task(pool.submit("gradient", payload, worker=i)) for i in (0, 1)
+            ]
             await asyncio.sleep(0.02)
             assert [w.state for w in pool.workers()] == ["busy", "busy"]
             with pytest.raises(PoolBusy, match="requests are already waiting"):
@@ -194,9 +202,17 @@ def test_full_queue_answers_503_with_retry_after() -> None:
 
     async def scenario() -> None:
         app = create_app(Settings(workers=1, queue_size=0, retry_after=3))
-        slow = {**SLOW, "definition": {**SLOW["definition"], "program": [
-            "a = broadcast_to(v, (1000, 2000)) * 0.001", "m = tanh(a @ transpose(a))",
-            "s = sum(m)"]}}
+        slow = {
+            **SLOW,
+            "definition": {
+                **SLOW["definition"],
+                "program": [
+                    "a = broadcast_to(v, (1000, 2000)) * 0.001",
+                    "m = tanh(a @ transpose(a))",
+                    "s = sum(m)",
+                ],
+            },
+        }
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
@@ -267,8 +283,10 @@ def test_the_allocator_setting_reaches_the_workers_before_the_engine(
     from tests.service.conftest import start_server, stop_server
 
     assert ALLOCATOR_VARIABLE == OPT_OUT  # the service names it without importing the engine
-    srv = start_server({"GRADTAPE_WORKER_TUNE_ALLOCATOR": setting, "GRADTAPE_WORKERS": "1"},
-                       tmp_path / "server.log")
+    srv = start_server(
+        {"GRADTAPE_WORKER_TUNE_ALLOCATOR": setting, "GRADTAPE_WORKERS": "1"},
+        tmp_path / "server.log",
+    )
     try:
         with httpx.Client(base_url=srv.base_url, timeout=30) as own:
             pid = own.get("/readyz").json()["workers"][0]["pid"]

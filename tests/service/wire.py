@@ -29,8 +29,11 @@ def t64(value: Any, dtype: str = "float32") -> dict[str, Any]:
 def tbin(value: Any, dtype: str = "float32") -> dict[str, Any]:
     """A {dtype, shape, data: bytes} tensor, for msgpack bodies."""
     array = np.asarray(value, dtype=dtype)
-    return {"dtype": dtype, "shape": list(array.shape),
-            "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+    return {
+        "dtype": dtype,
+        "shape": list(array.shape),
+        "data": array.astype(array.dtype.newbyteorder("<")).tobytes(),
+    }
 
 
 def arr(tensor: dict[str, Any] | None) -> np.ndarray | None:
@@ -43,8 +46,11 @@ def arr(tensor: dict[str, Any] | None) -> np.ndarray | None:
     data = tensor["data"]
     if isinstance(data, bytes):
         return np.frombuffer(data, dtype).reshape(tensor["shape"])
-    return np.asarray(data, dtype=np.float64 if dtype.kind == "f" else dtype).astype(
-        dtype).reshape(tensor["shape"])
+    return (
+        np.asarray(data, dtype=np.float64 if dtype.kind == "f" else dtype)
+        .astype(dtype)
+        .reshape(tensor["shape"])
+    )
 
 
 def num(tensor: dict[str, Any] | None) -> float | None:
@@ -66,10 +72,12 @@ def post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any
     return ok(client.post(path, json=body))
 
 
-def post_msgpack(client: httpx.Client, path: str, body: dict[str, Any],
-                 accept: str = MSGPACK) -> httpx.Response:
+def post_msgpack(
+    client: httpx.Client, path: str, body: dict[str, Any], accept: str = MSGPACK
+) -> httpx.Response:
     return client.post(
-        path, content=msgpack.packb(body, use_bin_type=True),
+        path,
+        content=msgpack.packb(body, use_bin_type=True),
         headers={"content-type": MSGPACK, "accept": accept},
     )
 

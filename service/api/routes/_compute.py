@@ -39,8 +39,12 @@ class Operation:
     job: bool = False  # may run as a job ("async": true or Prefer: respond-async)
 
 
-def register(router: APIRouter, op: Operation, endpoint: Callable[..., Awaitable[Response]],
-             problems: tuple[int, ...] = ()) -> None:
+def register(
+    router: APIRouter,
+    op: Operation,
+    endpoint: Callable[..., Awaitable[Response]],
+    problems: tuple[int, ...] = (),
+) -> None:
     """Add `endpoint` (whose `body` parameter is typed Any) as op's POST route, with op's
     request model as its body and op's documentation."""
     endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
@@ -57,8 +61,9 @@ def register(router: APIRouter, op: Operation, endpoint: Callable[..., Awaitable
     )(endpoint)
 
 
-async def stored_definition(body: DefinitionRequest, owner: str, models: ModelCatalog
-                            ) -> dict[str, Any] | None:
+async def stored_definition(
+    body: DefinitionRequest, owner: str, models: ModelCatalog
+) -> dict[str, Any] | None:
     """The definition of the stored model the request names (None: it sent one). The
     ONNX models the sent definition names as `stored` get their files from the store."""
     if body.model is None:
@@ -72,19 +77,31 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
     (PUT /v1/models/{name}), which this key must own."""
     for name, model in (definition.models if definition is not None else {}).items():
         if model.stored is not None:
-            model.onnx = await models.onnx_file(owner, model.stored,
-                                                f"definition.models.{name}.stored")
+            model.onnx = await models.onnx_file(
+                owner, model.stored, f"definition.models.{name}.stored"
+            )
 
 
 def prefers_async(request: Request) -> bool:
     """`Prefer: respond-async` (RFC 7240) among the request's preferences."""
-    return any(part.split(";", 1)[0].strip().lower() == "respond-async"
-               for value in request.headers.getlist("prefer") for part in value.split(","))
+    return any(
+        part.split(";", 1)[0].strip().lower() == "respond-async"
+        for value in request.headers.getlist("prefer")
+        for part in value.split(",")
+    )
 
 
-async def respond(request: Request, body: Any, negotiated: Negotiated, prepared: Prepared,
-                  call: Callable[[], Awaitable[Reply]], owner: str,
-                  tape_id: str | None = None, *, job: bool) -> Response:
+async def respond(
+    request: Request,
+    body: Any,
+    negotiated: Negotiated,
+    prepared: Prepared,
+    call: Callable[[], Awaitable[Reply]],
+    owner: str,
+    tape_id: str | None = None,
+    *,
+    job: bool,
+) -> Response:
     """Run `call` and answer its result; or, when the route may run jobs (`job`) and the
     request asks for one (`"async": true` or `Prefer: respond-async`), start it as one
     and answer 202 with its Location and document."""
@@ -103,8 +120,9 @@ async def respond(request: Request, body: Any, negotiated: Negotiated, prepared:
     jobs: JobRegistry = request.app.state.jobs
     route = request.scope.get("route")
     operation = f"{request.method} {getattr(route, 'path', request.url.path)}"
-    started = await jobs.start(owner, operation, run_job, explainer(request), prepared.encoding,
-                         tape_id)
+    started = await jobs.start(
+        owner, operation, run_job, explainer(request), prepared.encoding, tape_id
+    )
     response = answer(started.info(jobs.settings.job_ttl), negotiated, prepared.encoding)
     response.status_code = 202
     response.headers["Location"] = f"/v1/jobs/{started.id}"

@@ -49,8 +49,9 @@ def _decode(raw: Any) -> dict[str, Any]:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "body"
-        raise ProblemError("validation", f"{field}: {err['msg']}",
-                           errors=[{"field": field, "message": err["msg"]}]) from None
+        raise ProblemError(
+            "validation", f"{field}: {err['msg']}", errors=[{"field": field, "message": err["msg"]}]
+        ) from None
     decoder = _Decoder(allow_nonfinite=True)
     arrays = decoder.tensors(tensors, "body")
     decoder.check()
@@ -61,13 +62,18 @@ def _decode(raw: Any) -> dict[str, Any]:
     "/v1/datasets/{name}",
     status_code=201,
     response_model=DatasetInfo,
-    responses={200: {"model": DatasetInfo, "description": "Replaced"},
-               **problem_responses(400, 401, 413, 415, 422, 429)},
+    responses={
+        200: {"model": DatasetInfo, "description": "Replaced"},
+        **problem_responses(400, 401, 413, 415, 422, 429),
+    },
     openapi_extra=_BODY,
     summary="Store a dataset",
 )
 async def put_dataset(
-    name: NameParam, request: Request, owner: OwnerDep, datasets: DatasetsDep,
+    name: NameParam,
+    request: Request,
+    owner: OwnerDep,
+    datasets: DatasetsDep,
     array: Annotated[Name, Query(description="The name of a .npy body's array.")] = "x",
 ) -> Response:
     """Store the arrays under `name` for this API key (201), or replace them (200).
@@ -78,36 +84,57 @@ async def put_dataset(
     dataset, max_dataset_bytes_per_key and max_datasets_per_key (413 past them)."""
     media = _media_type(request.headers.get("content-type") or "")
     if media != OCTET and media != JSON and media not in MSGPACK_ALIASES:
-        raise ProblemError("unsupported-media-type", "a dataset is application/json, "
-                           f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}")
+        raise ProblemError(
+            "unsupported-media-type",
+            "a dataset is application/json, "
+            f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}",
+        )
     if media == OCTET:
         arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array)
     else:  # sized and parsed in a thread, as the route class does for body models
         arrays = await anyio.to_thread.run_sync(_decode, await parsed_body(request))
     row, created = await datasets.put(owner, name, arrays)
     info = DatasetInfo.model_validate(dataset_info(row))
-    return Response(info.model_dump_json(), status_code=201 if created else 200,
-                    media_type=JSON, headers={"Location": f"/v1/datasets/{name}"})
+    return Response(
+        info.model_dump_json(),
+        status_code=201 if created else 200,
+        media_type=JSON,
+        headers={"Location": f"/v1/datasets/{name}"},
+    )
 
 
-@router.get("/v1/datasets", response_model=DatasetList, responses=problem_responses(401),
-            summary="List your datasets")
+@router.get(
+    "/v1/datasets",
+    response_model=DatasetList,
+    responses=problem_responses(401),
+    summary="List your datasets",
+)
 async def list_datasets(owner: OwnerDep, datasets: DatasetsDep) -> DatasetList:
     """The caller's datasets, by name, with their arrays' dtypes, shapes and bytes."""
     return DatasetList.model_validate(
-        {"datasets": [dataset_info(row) for row in await datasets.list(owner)]})
+        {"datasets": [dataset_info(row) for row in await datasets.list(owner)]}
+    )
 
 
-@router.get("/v1/datasets/{name}", response_model=DatasetInfo,
-            responses=problem_responses(401, 404, 422), summary="A dataset's metadata")
+@router.get(
+    "/v1/datasets/{name}",
+    response_model=DatasetInfo,
+    responses=problem_responses(401, 404, 422),
+    summary="A dataset's metadata",
+)
 async def read_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) -> DatasetInfo:
     """Its arrays (name, dtype, shape, bytes), total bytes, version (changes with the
     arrays) and times; not the arrays themselves."""
     return DatasetInfo.model_validate(dataset_info(await datasets.get(owner, name)))
 
 
-@router.delete("/v1/datasets/{name}", status_code=204, response_class=Response,
-               responses=problem_responses(401, 404, 422), summary="Delete a dataset")
+@router.delete(
+    "/v1/datasets/{name}",
+    status_code=204,
+    response_class=Response,
+    responses=problem_responses(401, 404, 422),
+    summary="Delete a dataset",
+)
 async def delete_dataset(name: NameParam, owner: OwnerDep, datasets: DatasetsDep) -> Response:
     """Forget the dataset (tapes and models bound to it keep the arrays they were bound
     to)."""

@@ -34,13 +34,16 @@ async def check_readiness(request: Request, pool: PoolDep) -> ReadinessResponse 
     replaced or silent. On a server that requires API keys, the workers' process ids are
     shown only to a caller with a valid key (`pid` is null otherwise)."""
     show_pids = await _may_see_processes(request)
-    workers = [WorkerStatus(**{**asdict(w), "pid": w.pid if show_pids else None})
-               for w in await pool.check()]
+    workers = [
+        WorkerStatus(**{**asdict(w), "pid": w.pid if show_pids else None})
+        for w in await pool.check()
+    ]
     if pool.running and all(w.state in ("idle", "busy") for w in workers):
         return ReadinessResponse(status="ready", workers=workers)
     down = [str(w.index) for w in workers if w.state not in ("idle", "busy")]
     return problem_response(
-        request.scope, "not-ready",
+        request.scope,
+        "not-ready",
         f"worker(s) {', '.join(down) or 'all'} not up"
         + ("" if pool.running else "; the pool is not running"),
         workers=[w.model_dump() for w in workers],
@@ -62,8 +65,12 @@ async def _may_see_processes(request: Request) -> bool:
     "/metrics",
     summary="Prometheus metrics",
     response_class=Response,
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                     "description": "Prometheus text exposition format"}},
+    responses={
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition format",
+        }
+    },
 )
 async def read_metrics(request: Request) -> Response:
     """Requests and latency histograms per route, problem responses by type, worker busy

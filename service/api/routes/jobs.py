@@ -32,7 +32,8 @@ JobsDep = Annotated[JobRegistry, Depends(get_jobs)]
 
 async def get_job(
     job_id: Annotated[str, Path(description="The id in the 202 answer's Location.")],
-    owner: OwnerDep, jobs: JobsDep,
+    owner: OwnerDep,
+    jobs: JobsDep,
 ) -> Job:
     return await jobs.get(job_id, owner)
 
@@ -48,21 +49,28 @@ async def negotiate_answer(request: Request) -> Negotiated:
 AnswerDep = Annotated[Negotiated, Depends(negotiate_answer)]
 
 
-@router.get("/v1/jobs", response_model=JobList, responses=problem_responses(401, 406),
-            summary="List your jobs")
+@router.get(
+    "/v1/jobs",
+    response_model=JobList,
+    responses=problem_responses(401, 406),
+    summary="List your jobs",
+)
 async def list_jobs(owner: OwnerDep, jobs: JobsDep, settings: SettingsDep) -> JobList:
     """The caller's jobs (those of its API key), oldest first: running ones and those
     that ended less than `job_ttl` seconds ago. Results are left out: GET a job for its
     answer."""
     return JobList.model_validate(
-        {"jobs": [j.info(settings.job_ttl, with_result=False) for j in await jobs.list(owner)]})
+        {"jobs": [j.info(settings.job_ttl, with_result=False) for j in await jobs.list(owner)]}
+    )
 
 
 @router.get(
     "/v1/jobs/{job_id}",
     response_model=JobInfo,
-    responses={200: {"content": {MSGPACK: {"schema": {"$ref": "#/components/schemas/JobInfo"}}}},
-               **problem_responses(401, 404, 406)},
+    responses={
+        200: {"content": {MSGPACK: {"schema": {"$ref": "#/components/schemas/JobInfo"}}}},
+        **problem_responses(401, 404, 406),
+    },
     summary="A job's state, progress and answer",
 )
 async def read_job(job: JobDep, negotiated: AnswerDep, settings: SettingsDep) -> Response:
@@ -76,10 +84,16 @@ async def read_job(job: JobDep, negotiated: AnswerDep, settings: SettingsDep) ->
 
 @router.get(
     "/v1/jobs/{job_id}/result",
-    responses={200: {"description": "The synchronous request's answer.", "content": {
-        media: {"schema": {"$ref": "#/components/schemas/JobResult"}}
-        for media in ("application/json", MSGPACK)}},
-        **problem_responses(401, 404, 406, 409)},
+    responses={
+        200: {
+            "description": "The synchronous request's answer.",
+            "content": {
+                media: {"schema": {"$ref": "#/components/schemas/JobResult"}}
+                for media in ("application/json", MSGPACK)
+            },
+        },
+        **problem_responses(401, 404, 406, 409),
+    },
     summary="A finished job's answer",
 )
 async def read_job_result(request: Request, job: JobDep, negotiated: AnswerDep) -> Response:
@@ -111,15 +125,18 @@ async def read_job_result(request: Request, job: JobDep, negotiated: AnswerDep) 
 @router.get(
     "/v1/jobs/{job_id}/events",
     response_class=StreamingResponse,
-    responses={200: {"description": "text/event-stream: one event per change, named by the "
-                     "job's state (progress while running), its data the job document "
-                     "without the result; the stream ends with the job",
-                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-               **problem_responses(401, 404)},
+    responses={
+        200: {
+            "description": "text/event-stream: one event per change, named by the "
+            "job's state (progress while running), its data the job document "
+            "without the result; the stream ends with the job",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **problem_responses(401, 404),
+    },
     summary="A job's progress as server-sent events",
 )
-async def stream_job_events(job: JobDep, jobs: JobsDep, settings: SettingsDep
-                            ) -> StreamingResponse:
+async def stream_job_events(job: JobDep, jobs: JobsDep, settings: SettingsDep) -> StreamingResponse:
     """Server-sent events (text/event-stream): the job's document at once, then at every
     change (progress reports come at most every 50 ms), with a comment every 15 s on a
     quiet stream; the last event is named succeeded, failed or cancelled, and the stream
@@ -129,8 +146,11 @@ async def stream_job_events(job: JobDep, jobs: JobsDep, settings: SettingsDep
         async for current in jobs.updates(job, KEEP_ALIVE):
             yield b": keep-alive\n\n" if current is None else event(current, settings.job_ttl)
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.delete(

@@ -27,15 +27,20 @@ NameParam = Annotated[str, Path(description="The model's name.")]
     "/v1/models",
     status_code=201,
     response_model=ModelInfo,
-    responses={200: {"model": ModelInfo, "description": "Replaced (with replace: true)"},
-               **problem_responses(400, 401, 404, 406, 409, 413, 415, 422, 429, 502, 503,
-                                  504)},
+    responses={
+        200: {"model": ModelInfo, "description": "Replaced (with replace: true)"},
+        **problem_responses(400, 401, 404, 406, 409, 413, 415, 422, 429, 502, 503, 504),
+    },
     openapi_extra=msgpack_body("ModelCreateRequest"),
     summary="Store a model",
 )
 async def create_model(
-    body: ModelCreateRequest, negotiated: NegotiatedDep, owner: OwnerDep, models: ModelsDep,
-    settings: SettingsDep, datasets: DatasetsDep,
+    body: ModelCreateRequest,
+    negotiated: NegotiatedDep,
+    owner: OwnerDep,
+    models: ModelsDep,
+    settings: SettingsDep,
+    datasets: DatasetsDep,
 ) -> Response:
     """Check the definition (every problem at once, as a 422) and store it under `name`
     for this API key: 201, or 200 when `replace` replaced a model of that name (409
@@ -45,32 +50,49 @@ async def create_model(
     await resolve_onnx(body.definition, owner, models)  # `stored` ONNX files, by reference
     definition, bindings = payloads.model_definition(body, settings)
     await datasets.bind(owner, definition["inputs"], bindings)
-    row, created = await models.put(owner, body.name, definition, body.description,
-                                    body.replace, settings.time_limit)
+    row, created = await models.put(
+        owner, body.name, definition, body.description, body.replace, settings.time_limit
+    )
     info = ModelInfo.model_validate(model_info(row))
-    return Response(info.model_dump_json(), status_code=201 if created else 200,
-                    media_type=JSON, headers={"Location": f"/v1/models/{row.name}"})
+    return Response(
+        info.model_dump_json(),
+        status_code=201 if created else 200,
+        media_type=JSON,
+        headers={"Location": f"/v1/models/{row.name}"},
+    )
 
 
 ONNX = "application/onnx"
-OnnxNameParam = Annotated[str, Path(
-    description="The model's name: letters, digits, '_', '.', '-' (at most 64).",
-    pattern=STORED_NAME_PATTERN,
-)]
+OnnxNameParam = Annotated[
+    str,
+    Path(
+        description="The model's name: letters, digits, '_', '.', '-' (at most 64).",
+        pattern=STORED_NAME_PATTERN,
+    ),
+]
 
 
 @router.put(
     "/v1/models/{name}",
     status_code=201,
     response_model=ModelInfo,
-    responses={200: {"model": ModelInfo, "description": "Replaced"},
-               **problem_responses(401, 404, 413, 415, 422, 429, 502, 503, 504)},
-    openapi_extra={"requestBody": {"required": True, "content": {
-        ONNX: {"schema": {"type": "string", "format": "binary"}}}}},
+    responses={
+        200: {"model": ModelInfo, "description": "Replaced"},
+        **problem_responses(401, 404, 413, 415, 422, 429, 502, 503, 504),
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {ONNX: {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
     summary="Store an ONNX model",
 )
 async def put_onnx_model(
-    name: OnnxNameParam, request: Request, owner: OwnerDep, models: ModelsDep,
+    name: OnnxNameParam,
+    request: Request,
+    owner: OwnerDep,
+    models: ModelsDep,
     settings: SettingsDep,
     description: Annotated[str | None, Query(max_length=1000)] = None,
 ) -> Response:
@@ -95,15 +117,22 @@ async def put_onnx_model(
                 "body-too-large",
                 f"the ONNX file is over {settings.max_onnx_bytes:,} bytes (max_onnx_bytes)",
             )
-    row, created = await models.put_onnx(owner, name, bytes(data), description,
-                                         settings.time_limit)
+    row, created = await models.put_onnx(owner, name, bytes(data), description, settings.time_limit)
     info = ModelInfo.model_validate(model_info(row))
-    return Response(info.model_dump_json(), status_code=201 if created else 200,
-                    media_type=JSON, headers={"Location": f"/v1/models/{row.name}"})
+    return Response(
+        info.model_dump_json(),
+        status_code=201 if created else 200,
+        media_type=JSON,
+        headers={"Location": f"/v1/models/{row.name}"},
+    )
 
 
-@router.get("/v1/models", response_model=ModelList, responses=problem_responses(401),
-            summary="List your models")
+@router.get(
+    "/v1/models",
+    response_model=ModelList,
+    responses=problem_responses(401),
+    summary="List your models",
+)
 async def list_models(owner: OwnerDep, models: ModelsDep) -> ModelList:
     """The caller's stored models, by name."""
     return ModelList.model_validate(
@@ -111,16 +140,25 @@ async def list_models(owner: OwnerDep, models: ModelsDep) -> ModelList:
     )
 
 
-@router.get("/v1/models/{name}", response_model=ModelInfo, responses=problem_responses(401, 404),
-            summary="A stored model")
+@router.get(
+    "/v1/models/{name}",
+    response_model=ModelInfo,
+    responses=problem_responses(401, 404),
+    summary="A stored model",
+)
 async def read_model(name: NameParam, owner: OwnerDep, models: ModelsDep) -> ModelInfo:
     """What the model's program defines: variables, inputs, every line's shape and dtype,
     its functions and its default sources."""
     return ModelInfo.model_validate(model_info(await models.get(owner, name)))
 
 
-@router.delete("/v1/models/{name}", status_code=204, response_class=Response,
-               responses=problem_responses(401, 404), summary="Delete a stored model")
+@router.delete(
+    "/v1/models/{name}",
+    status_code=204,
+    response_class=Response,
+    responses=problem_responses(401, 404),
+    summary="Delete a stored model",
+)
 async def delete_model(name: NameParam, owner: OwnerDep, models: ModelsDep) -> Response:
     """Forget the model (tapes recorded from it keep their own copy)."""
     await models.delete(owner, name)

@@ -82,14 +82,21 @@ def _created(tape_id: str, info: dict[str, Any], result: dict[str, Any]) -> dict
     "/v1/tapes",
     status_code=201,
     response_model=TapeCreateResponse,
-    responses={**compute_responses("TapeCreateResponse", status=201),
-               **problem_responses(401, 404, 429)},
+    responses={
+        **compute_responses("TapeCreateResponse", status=201),
+        **problem_responses(401, 404, 429),
+    },
     openapi_extra=msgpack_body("TapeCreateRequest"),
     summary="Record a tape",
 )
 async def create_tape(
-    body: TapeCreateRequest, negotiated: NegotiatedDep, settings: SettingsDep,
-    owner: OwnerDep, tapes: TapesDep, models: ModelsDep, datasets: DatasetsDep,
+    body: TapeCreateRequest,
+    negotiated: NegotiatedDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    tapes: TapesDep,
+    models: ModelsDep,
+    datasets: DatasetsDep,
 ) -> Response:
     """Record the definition's forward pass and the gradient of its scalar `target` over
     the `sources` (as /v1/gradient takes them; or name a stored `model`), and keep the
@@ -112,11 +119,13 @@ async def create_tape(
     sharding = payloads.sharding(body, settings)
     await datasets.bind_prepared(owner, prepared)
     if sharding is None:
-        tape, result = await tapes.create(owner, prepared.payload, ttl, body.model,
-                                          prepared.time_limit)
+        tape, result = await tapes.create(
+            owner, prepared.payload, ttl, body.model, prepared.time_limit
+        )
     else:
-        tape, result = await tapes.create_sharded(owner, prepared.payload, ttl, body.model,
-                                                  prepared.time_limit, sharding)
+        tape, result = await tapes.create_sharded(
+            owner, prepared.payload, ttl, body.model, prepared.time_limit, sharding
+        )
     response = answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
     response.status_code = 201
     response.headers["Location"] = f"/v1/tapes/{tape.id}"
@@ -170,8 +179,13 @@ async def delete_tape(tape: TapeDep, tapes: TapesDep) -> Response:
     summary="New variable values: record again",
 )
 async def update_tape(
-    body: TapeUpdateRequest, tape: TapeDep, tapes: TapesDep, negotiated: NegotiatedDep,
-    settings: SettingsDep, owner: OwnerDep, datasets: DatasetsDep,
+    body: TapeUpdateRequest,
+    tape: TapeDep,
+    tapes: TapesDep,
+    negotiated: NegotiatedDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    datasets: DatasetsDep,
 ) -> Response:
     """Give some variables and inputs new values (same names and shapes; values are
     cast to the recorded dtype), or all sources one flat `point`, and record the tape
@@ -181,9 +195,14 @@ async def update_tape(
     Answers the new value and gradients. A failed recording keeps the tape as it was."""
     variables, inputs, prepared = payloads.tape_update(body, settings)
     await datasets.bind(owner, inputs, prepared.bindings)
-    result = await tapes.update(tape, variables, inputs, prepared.time_limit,
-                                point=prepared.payload.get("point"),
-                                flat=prepared.payload["flat"])
+    result = await tapes.update(
+        tape,
+        variables,
+        inputs,
+        prepared.time_limit,
+        point=prepared.payload.get("point"),
+        flat=prepared.payload["flat"],
+    )
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 
 
@@ -199,25 +218,36 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 
 
 def _add(op: Operation) -> None:
-    async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep
-                       ) -> Response:
+    async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep) -> Response:
         owner, services = compute.owner, compute.services
-        prepared = await services.datasets.bind_prepared(owner,
-                                                         op.build(body, services.settings))
+        prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
 
         def call() -> Awaitable[Reply]:
             return services.tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
 
-        return await respond(request, body, compute.negotiated, prepared, owner=owner,
-                             tape_id=tape.id, call=call, job=op.job)
+        return await respond(
+            request,
+            body,
+            compute.negotiated,
+            prepared,
+            owner=owner,
+            tape_id=tape.id,
+            call=call,
+            job=op.job,
+        )
 
     register(router, op, endpoint, TAPE_ERRORS)
 
 
 TAPE_OPERATIONS = (
     _on_tape(
-        "compute_tape_hvp", "hvp", "tape_hvp", TapeHVPRequest, TapeHVPResponse,
-        payloads.tape_hvp, "Hessian- (or curvature-) vector products on a tape",
+        "compute_tape_hvp",
+        "hvp",
+        "tape_hvp",
+        TapeHVPRequest,
+        TapeHVPResponse,
+        payloads.tape_hvp,
+        "Hessian- (or curvature-) vector products on a tape",
         """H @ v of the tape's target over its sources, with `vector` (a tensor per source)
         or `vectors` (a list: one batched pass). Only the second-order pass over the
         recording runs: no forward pass, no gradient, nothing recorded (the worker's memory
@@ -229,10 +259,16 @@ TAPE_OPERATIONS = (
         cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
         `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
         The first such request records the model and loss once more, cut at the output;
-        later ones reuse it."""),
+        later ones reuse it.""",
+    ),
     _on_tape(
-        "compute_tape_gradient", "gradient", "tape_gradient", TapeGradientRequest,
-        GradientResponse, payloads.tape_gradient, "Gradient of any target on a tape",
+        "compute_tape_gradient",
+        "gradient",
+        "tape_gradient",
+        TapeGradientRequest,
+        GradientResponse,
+        payloads.tape_gradient,
+        "Gradient of any target on a tape",
         """The value and gradient of any name of the tape's program (default: its target)
         over any variables or inputs (default: its sources), from the recording: one
         backward pass, the program does not run again.
@@ -240,10 +276,16 @@ TAPE_OPERATIONS = (
         On a sharded tape, as the jacobian: its target's gradient combines the parts'
         (over a split input, their rows in order); a name along the split batch axis has
         the parts' gradients added; a name that mixes the examples otherwise is refused
-        (422, `target`)."""),
+        (422, `target`).""",
+    ),
     _on_tape(
-        "compute_tape_jacobian", "jacobian", "tape_jacobian", TapeJacobianRequest,
-        JacobianResponse, payloads.tape_gradient, "Jacobian of any target on a tape",
+        "compute_tape_jacobian",
+        "jacobian",
+        "tape_jacobian",
+        TapeJacobianRequest,
+        JacobianResponse,
+        payloads.tape_gradient,
+        "Jacobian of any target on a tape",
         """The jacobian (full, or per example with `batch`) of any name of the tape's
         program over variables or inputs, from the recording.
 
@@ -252,10 +294,16 @@ TAPE_OPERATIONS = (
         output, a per-example loss), the parts' rows in order (block diagonal over a
         split input; per-example blocks with `batch`); of a name that reads no split
         input, any part's. A name that mixes the examples otherwise is refused (422,
-        `target`).""", job=True),
+        `target`).""",
+        job=True,
+    ),
     _on_tape(
-        "compute_tape_eigenvalues", "eigenvalues", "tape_eigenvalues", EigenvaluesRequest,
-        EigenvaluesResponse, payloads.eigenvalues,
+        "compute_tape_eigenvalues",
+        "eigenvalues",
+        "tape_eigenvalues",
+        EigenvaluesRequest,
+        EigenvaluesResponse,
+        payloads.eigenvalues,
         "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
         """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
         Hessian of the tape's target over its sources (or of the `curvature` asked), in the
@@ -264,24 +312,44 @@ TAPE_OPERATIONS = (
         magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
         at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
         HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
-        unless the whole space is spanned.""", job=True),
+        unless the whole space is spanned.""",
+        job=True,
+    ),
     _on_tape(
-        "estimate_tape_trace", "trace", "tape_trace", TraceRequest, TraceResponse,
-        payloads.trace, "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
+        "estimate_tape_trace",
+        "trace",
+        "tape_trace",
+        TraceRequest,
+        TraceResponse,
+        payloads.trace,
+        "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
         """tr(H) (or of the `curvature` asked): exact from the n unit vectors in batched passes of up to 64 (`method:
         auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
         standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
-        `max_seconds`.""", job=True),
+        `max_seconds`.""",
+        job=True,
+    ),
     _on_tape(
-        "estimate_tape_diagonal", "diagonal", "tape_diagonal", DiagonalRequest,
-        DiagonalResponse, payloads.trace, "Diagonal of a tape's Hessian (exact, Hutchinson)",
+        "estimate_tape_diagonal",
+        "diagonal",
+        "tape_diagonal",
+        DiagonalRequest,
+        DiagonalResponse,
+        payloads.trace,
+        "Diagonal of a tape's Hessian (exact, Hutchinson)",
         """diag(H) (or of the `curvature` asked) as tensors per source: exact from the n unit vectors in batched passes of
         up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
         estimate with a standard error per entry, stopping once the root-mean-square error
-        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""", job=True),
+        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""",
+        job=True,
+    ),
     _on_tape(
-        "estimate_tape_spectral_density", "spectral-density", "tape_spectral_density",
-        SpectralDensityRequest, SpectralDensityResponse, payloads.spectral_density,
+        "estimate_tape_spectral_density",
+        "spectral-density",
+        "tape_spectral_density",
+        SpectralDensityRequest,
+        SpectralDensityResponse,
+        payloads.spectral_density,
         "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
         """The density of the Hessian's (or the `curvature`'s) eigenvalues by stochastic
         Lanczos quadrature, as
@@ -289,19 +357,31 @@ TAPE_OPERATIONS = (
         the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
         density (width `sigma`) on a grid with its pointwise standard error, and the raw
         Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
-        job=True),
+        job=True,
+    ),
     _on_tape(
-        "solve_tape", "solve", "tape_solve", SolveRequest, SolveResponse, payloads.solve,
+        "solve_tape",
+        "solve",
+        "tape_solve",
+        SolveRequest,
+        SolveResponse,
+        payloads.solve,
         "Solve (H + damping I) x = b on a tape (CG)",
         """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
         Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
         iteration. Without `vector`, b is the recorded gradient and x the damped
         Newton step (the update is sources - x). Answers the residual history; stops at
         `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
-        non-positive curvature (raise the damping).""", job=True),
+        non-positive curvature (raise the damping).""",
+        job=True,
+    ),
     _on_tape(
-        "compute_tape_influence", "influence", "tape_influence", InfluenceRequest,
-        InfluenceResponse, payloads.influence,
+        "compute_tape_influence",
+        "influence",
+        "tape_influence",
+        InfluenceRequest,
+        InfluenceResponse,
+        payloads.influence,
         "Influence of every training example on test points (Koh and Liang)",
         """On a tape recorded with `output` (its examples along the output's first axis):
         s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
@@ -314,7 +394,8 @@ TAPE_OPERATIONS = (
         On a sharded tape: the test gradient from the parts, the solve across them
         (products summed), and each part's examples scored by it, in part order (the
         unsharded tape's indices and numbers).""",
-        job=True),
+        job=True,
+    ),
 )
 for _operation in TAPE_OPERATIONS:
     _add(_operation)

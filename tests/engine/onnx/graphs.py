@@ -13,8 +13,12 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def graph_model(
-    nodes: list, inputs: dict[str, np.ndarray], consts: dict[str, np.ndarray] | None = None,
-    opset: int = 17, outputs: tuple[str, ...] = ("out",), dynamic: dict[str, list] | None = None,
+    nodes: list,
+    inputs: dict[str, np.ndarray],
+    consts: dict[str, np.ndarray] | None = None,
+    opset: int = 17,
+    outputs: tuple[str, ...] = ("out",),
+    dynamic: dict[str, list] | None = None,
     domains: dict[str, int] | None = None,
 ) -> bytes:
     """A model of `nodes` whose graph inputs are `inputs` (shapes as given, or the dims
@@ -26,13 +30,15 @@ def graph_model(
         )
         for name, a in inputs.items()
     ]
-    graph_outputs = [helper.make_empty_tensor_value_info(n)
-                     for n in outputs]
+    graph_outputs = [helper.make_empty_tensor_value_info(n) for n in outputs]
     inits = [numpy_helper.from_array(np.asarray(a), name) for name, a in (consts or {}).items()]
     graph = helper.make_graph(nodes, "g", graph_inputs, graph_outputs, inits)
-    model = helper.make_model(graph, opset_imports=[
-        helper.make_opsetid(d, v) for d, v in {"": opset, **(domains or {})}.items()
-    ])
+    model = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid(d, v) for d, v in {"": opset, **(domains or {})}.items()
+        ],
+    )
     model.ir_version = 8
     # The outputs' types from shape inference (an output needs one for the checker).
     inferred = onnx.shape_inference.infer_shapes(model)

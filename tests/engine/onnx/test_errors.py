@@ -26,11 +26,15 @@ def problems_of(data: bytes, *shapes) -> list:
 
 def test_every_unsupported_node_is_listed_at_once() -> None:
     data = graph_model(
-        [N("Relu", ["x"], ["a"], name="ok"),
-         N("Hardmax", ["a"], ["b"], name="hard"),
-         N("FusedGemm", ["b", "b"], ["c"], name="fused", domain="com.microsoft"),
-         N("LpNormalization", ["c"], ["out"], name="lp")],
-        {"x": X}, opset=17, domains={"com.microsoft": 1},
+        [
+            N("Relu", ["x"], ["a"], name="ok"),
+            N("Hardmax", ["a"], ["b"], name="hard"),
+            N("FusedGemm", ["b", "b"], ["c"], name="fused", domain="com.microsoft"),
+            N("LpNormalization", ["c"], ["out"], name="lp"),
+        ],
+        {"x": X},
+        opset=17,
+        domains={"com.microsoft": 1},
     )
     found = problems_of(data)
     assert [(p.node, p.op_type, p.domain, p.kind) for p in found] == [
@@ -53,19 +57,27 @@ def test_truncated_and_garbage_files_name_the_complaint() -> None:
 
 
 def test_checker_complaint_is_quoted() -> None:
-    model = helper.make_model(helper.make_graph(
-        [N("Relu", ["nowhere"], ["out"])], "g",
-        [helper.make_tensor_value_info("x", 1, [2])],
-        [helper.make_tensor_value_info("out", 1, [2])]),
-        opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(
+            [N("Relu", ["nowhere"], ["out"])],
+            "g",
+            [helper.make_tensor_value_info("x", 1, [2])],
+            [helper.make_tensor_value_info("out", 1, [2])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
     (problem,) = problems_of(model.SerializeToString())
     assert problem.message.startswith("the ONNX checker refuses the model:")
     assert "nowhere" in problem.message
 
 
 def test_dropout_in_training_mode_is_refused() -> None:
-    data = graph_model([N("Dropout", ["x", "ratio", "mode"], ["out"], name="drop")], {"x": X},
-                       {"ratio": np.array(0.5, np.float32), "mode": np.array(True)}, opset=13)
+    data = graph_model(
+        [N("Dropout", ["x", "ratio", "mode"], ["out"], name="drop")],
+        {"x": X},
+        {"ratio": np.array(0.5, np.float32), "mode": np.array(True)},
+        opset=13,
+    )
     (problem,) = problems_of(data)
     assert (problem.node, problem.op_type, problem.kind) == ("drop", "Dropout", "mode")
     assert "training_mode is true" in problem.message
@@ -73,8 +85,14 @@ def test_dropout_in_training_mode_is_refused() -> None:
 
 def test_dropout_with_a_computed_training_mode_is_refused() -> None:
     data = graph_model(
-        [N("ReduceSum", ["x"], ["s"], keepdims=0), N("Cast", ["s"], ["mode"], to=9),
-         N("Dropout", ["x", "", "mode"], ["out"], name="drop")], {"x": X}, opset=13)
+        [
+            N("ReduceSum", ["x"], ["s"], keepdims=0),
+            N("Cast", ["s"], ["mode"], to=9),
+            N("Dropout", ["x", "", "mode"], ["out"], name="drop"),
+        ],
+        {"x": X},
+        opset=13,
+    )
     (problem,) = problems_of(data)
     assert problem.op_type == "Dropout" and "computed" in problem.message
 
@@ -82,32 +100,53 @@ def test_dropout_with_a_computed_training_mode_is_refused() -> None:
 def test_batch_norm_in_training_mode_is_refused() -> None:
     c = np.ones(3, np.float32)
     data = graph_model(
-        [N("BatchNormalization", ["x", "s", "b", "m", "v"], ["out", "rm", "rv"], name="bn",
-           training_mode=1)],
-        {"x": np.zeros((2, 3, 4), np.float32)}, {"s": c, "b": c, "m": c, "v": c}, opset=15,
-        outputs=("out",))
+        [
+            N(
+                "BatchNormalization",
+                ["x", "s", "b", "m", "v"],
+                ["out", "rm", "rv"],
+                name="bn",
+                training_mode=1,
+            )
+        ],
+        {"x": np.zeros((2, 3, 4), np.float32)},
+        {"s": c, "b": c, "m": c, "v": c},
+        opset=15,
+        outputs=("out",),
+    )
     (problem,) = problems_of(data)
     assert (problem.node, problem.kind) == ("bn", "mode")
     assert "eval mode" in problem.message
 
 
 def test_inputs_that_do_not_fit_name_input_and_axis() -> None:
-    data = graph_model([N("Add", ["x", "z"], ["out"])], {"x": X, "z": X}, opset=13,
-                       dynamic={"x": ["batch", 3], "z": ["batch", 3]})
+    data = graph_model(
+        [N("Add", ["x", "z"], ["out"])],
+        {"x": X, "z": X},
+        opset=13,
+        dynamic={"x": ["batch", 3], "z": ["batch", 3]},
+    )
     found = problems_of(data, ((2, 4), np.float32), ((5, 3), np.float64))
     messages = [p.message for p in found]
     assert "input 'x' axis 1 must be 3, got 4" in messages
     assert "input 'z' must be float32, got float64" in messages
-    assert any("input 'z' axis 0 is the dimension 'batch', which is 2 at input 'x' axis 0"
-               in m for m in messages)
+    assert any(
+        "input 'z' axis 0 is the dimension 'batch', which is 2 at input 'x' axis 0" in m
+        for m in messages
+    )
     assert {(p.tensor, p.axis) for p in found} >= {("x", 1), ("z", 0)}
 
 
 def test_a_shape_computed_from_values_is_refused_naming_the_node() -> None:
     data = graph_model(
-        [N("Abs", ["x"], ["a"]), N("Cast", ["a"], ["shape"], to=7),
-         N("Reshape", ["x", "shape"], ["out"], name="reshape")],
-        {"x": np.zeros(2, np.float32)}, opset=13)
+        [
+            N("Abs", ["x"], ["a"]),
+            N("Cast", ["a"], ["shape"], to=7),
+            N("Reshape", ["x", "shape"], ["out"], name="reshape"),
+        ],
+        {"x": np.zeros(2, np.float32)},
+        opset=13,
+    )
     problem, *rest = problems_of(data, ((2,), np.float32))
     assert (problem.node, problem.kind) == ("reshape", "shape")
     assert "must be known at load time" in problem.message
@@ -117,21 +156,25 @@ def test_a_shape_computed_from_values_is_refused_naming_the_node() -> None:
 def test_language_reports_model_problems_located() -> None:
     bad = graph_model([N("Hardmax", ["x"], ["out"], name="hard")], {"x": X}, opset=13)
     with pytest.raises(DefinitionError) as info:
-        as_definition({"models": {"net": {"onnx": bad}}, "inputs": {"x": X},
-                       "program": ["y = net(x)"]})
+        as_definition(
+            {"models": {"net": {"onnx": bad}}, "inputs": {"x": X}, "program": ["y = net(x)"]}
+        )
     (problem,) = info.value.problems
     assert (problem.section, problem.kind) == ("models.net", "op")
     assert "Hardmax" in problem.message
 
     good = graph_model([N("Relu", ["x"], ["out"])], {"x": X}, opset=13)
     with pytest.raises(DefinitionError) as info:
-        as_definition({"models": {"net": {"onnx": good, "frozen": ["nope"]}},
-                       "program": ["y = 1"]})
+        as_definition({"models": {"net": {"onnx": good, "frozen": ["nope"]}}, "program": ["y = 1"]})
     assert info.value.problems[0].section == "models.net.frozen"
 
-    defn = as_definition({"models": {"net": {"onnx": good}},
-                          "inputs": {"x": np.zeros((2, 4), np.float32)},
-                          "program": ["y = net(x)", "z = net(x, x)", "w = net(q=x)"]})
+    defn = as_definition(
+        {
+            "models": {"net": {"onnx": good}},
+            "inputs": {"x": np.zeros((2, 4), np.float32)},
+            "program": ["y = net(x)", "z = net(x, x)", "w = net(q=x)"],
+        }
+    )
     with pytest.raises(DefinitionError) as info:
         compile_definition(defn)
     found = [(p.line, p.op, p.kind) for p in info.value.problems]
@@ -142,9 +185,15 @@ def test_language_reports_model_problems_located() -> None:
 def test_attributes_this_runtime_does_not_implement_are_refused_at_load() -> None:
     x4 = np.zeros((1, 1, 4, 4), np.float32)
     data = graph_model(
-        [N("MaxPool", ["x"], ["out", "idx"], name="pool", kernel_shape=[2, 2]),
-         N("Pad", ["x", "pads"], ["padded"], name="pad", mode="reflect")],
-        {"x": x4}, {"pads": np.zeros(8, np.int64)}, opset=13, outputs=("out", "idx", "padded"))
+        [
+            N("MaxPool", ["x"], ["out", "idx"], name="pool", kernel_shape=[2, 2]),
+            N("Pad", ["x", "pads"], ["padded"], name="pad", mode="reflect"),
+        ],
+        {"x": x4},
+        {"pads": np.zeros(8, np.int64)},
+        opset=13,
+        outputs=("out", "idx", "padded"),
+    )
     found = problems_of(data)
     assert [(p.node, p.message) for p in found] == [
         ("pool", "the Indices output is not supported"),

@@ -39,11 +39,13 @@ def program(name: str, dtype: str = "float32"):
     if dtype == "float64":
         data = float64_model(data)
         x = x.astype(np.float64) if x.dtype.kind == "f" else x
-    defn = as_definition({
-        "models": {"net": {"onnx": data, "frozen": [str(f) for f in record["frozen"]]}},
-        "inputs": {"x": x, "y": record["y"]},
-        "program": PROGRAM,
-    })
+    defn = as_definition(
+        {
+            "models": {"net": {"onnx": data, "frozen": [str(f) for f in record["frozen"]]}},
+            "inputs": {"x": x, "y": record["y"]},
+            "program": PROGRAM,
+        }
+    )
     prog = compile_definition(defn)
     return data, record, prog, prog.leaves(defn)
 
@@ -51,8 +53,9 @@ def program(name: str, dtype: str = "float32"):
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_matches_the_reference_evaluator(name: str) -> None:
     data, record, prog, leaves = program(name)
-    expected = ReferenceEvaluator(onnx.load_model_from_string(data)).run(
-        None, {"x": record["x"]})[0]
+    expected = ReferenceEvaluator(onnx.load_model_from_string(data)).run(None, {"x": record["x"]})[
+        0
+    ]
     env = prog.run(leaves)
     np.testing.assert_allclose(env["logits"].numpy(), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(env["loss"].numpy(), record["f32/loss"], rtol=1e-6)
@@ -76,8 +79,9 @@ def test_gradient_matches_pytorch_float32(name: str) -> None:
     grads = tape.gradient(env["loss"], [leaves[n] for n in names])
     for n, g in zip(names, grads):
         want = record[f"f32/grad/{n}"]
-        np.testing.assert_allclose(g.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max(),
-                                   err_msg=n)
+        np.testing.assert_allclose(
+            g.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max(), err_msg=n
+        )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -93,8 +97,9 @@ def test_gradient_and_hvp_match_pytorch_float64(name: str) -> None:
     for n, g, h in zip(names, op.grad, hvps):
         for got, key in ((g, "grad"), (h, "hvp")):
             want = record[f"f64/{key}/{n}"]
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6,
-                                       atol=1e-8 * np.abs(want).max(), err_msg=f"{key} {n}")
+            np.testing.assert_allclose(
+                got.numpy(), want, rtol=1e-6, atol=1e-8 * np.abs(want).max(), err_msg=f"{key} {n}"
+            )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -124,8 +129,9 @@ def test_gradient_and_hvp_match_finite_differences(name: str) -> None:
     plus, minus = grads(eps), grads(-eps)
     for n, h, gp, gm in zip(names, hvps, plus, minus):
         numeric = (gp.numpy() - gm.numpy()) / (2 * eps)
-        np.testing.assert_allclose(h.numpy(), numeric, rtol=1e-5,
-                                   atol=1e-6 * max(np.abs(numeric).max(), 1.0), err_msg=n)
+        np.testing.assert_allclose(
+            h.numpy(), numeric, rtol=1e-5, atol=1e-6 * max(np.abs(numeric).max(), 1.0), err_msg=n
+        )
 
 
 def test_jacobian_forward_and_reverse_agree_on_the_transformer() -> None:
@@ -143,18 +149,28 @@ def test_a_variable_replaces_an_initializer_and_frozen_stays_frozen() -> None:
     data, record = fixture("resnet")
     stat = str(record["frozen"][0])  # a batch-norm running statistic
     value = np.full((6,), 0.5, np.float32)  # the stem's 6 channels
-    defn = as_definition({
-        "models": {"net": {"onnx": data, "frozen": [str(f) for f in record["frozen"]]}},
-        "variables": {stat: {"value": value, "trainable": True},
-                      "head.bias": np.zeros(10, np.float32)},
-        "inputs": {"x": record["x"], "y": record["y"]}, "program": PROGRAM,
-    })
+    defn = as_definition(
+        {
+            "models": {"net": {"onnx": data, "frozen": [str(f) for f in record["frozen"]]}},
+            "variables": {
+                stat: {"value": value, "trainable": True},
+                "head.bias": np.zeros(10, np.float32),
+            },
+            "inputs": {"x": record["x"], "y": record["y"]},
+            "program": PROGRAM,
+        }
+    )
     assert not defn.variables[stat].trainable and defn.variables["head.bias"].trainable
     prog = compile_definition(defn)
     assert stat not in prog.trainable
     moved = prog.run(prog.leaves(defn))["loss"].numpy()
     assert abs(float(moved) - float(record["f32/loss"])) > 1e-4  # the values were used
     with pytest.raises(DefinitionError) as info:
-        as_definition({"models": {"net": {"onnx": data}},
-                       "variables": {"head.bias": np.zeros(3, np.float32)}, "program": []})
+        as_definition(
+            {
+                "models": {"net": {"onnx": data}},
+                "variables": {"head.bias": np.zeros(3, np.float32)},
+                "program": [],
+            }
+        )
     assert "replaces initializer 'head.bias'" in str(info.value)

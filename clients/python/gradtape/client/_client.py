@@ -119,8 +119,9 @@ class _Methods:
             "time_limit": time_limit,
         }
         return self._run(
-            _core.hessian(self._core, definition, target, sources, model, newton_damping, options,
-                          progress)
+            _core.hessian(
+                self._core, definition, target, sources, model, newton_damping, options, progress
+            )
         )
 
     def hvp(
@@ -191,9 +192,15 @@ class _Methods:
         `shards=n` splits the batch (the inputs `shard_by` names, default every input with
         an axis) over n workers; `shard_reduction` says how the parts add up ("mean", the
         default, for a mean loss; "sum" for a sum): every answer equals the unsharded one."""
-        options = {"ttl": ttl, "allow_nonfinite": allow_nonfinite, "time_limit": time_limit,
-                   "output": output, "variables": None if variables is None else dict(variables),
-                   "point": flat_point(point), **_sharding(shards, shard_by, shard_reduction)}
+        options = {
+            "ttl": ttl,
+            "allow_nonfinite": allow_nonfinite,
+            "time_limit": time_limit,
+            "output": output,
+            "variables": None if variables is None else dict(variables),
+            "point": flat_point(point),
+            **_sharding(shards, shard_by, shard_reduction),
+        }
         return self._run(self._tape_op(definition, target, sources, model, options))
 
     # ----------------------------------------------------------------------- datasets
@@ -379,7 +386,8 @@ __all__ = ["AsyncClient", "Client", "Retry"]
 
 def _sharding(shards: int | None, shard_by: Any, reduction: str | None) -> dict[str, Any]:
     """The request's sharding fields (None ones are left out of the body)."""
-    return {"shards": shards,
-            "shard_by": shard_by if shard_by is None or isinstance(shard_by, str)
-            else list(shard_by),
-            "shard_reduction": reduction}
+    return {
+        "shards": shards,
+        "shard_by": shard_by if shard_by is None or isinstance(shard_by, str) else list(shard_by),
+        "shard_reduction": reduction,
+    }

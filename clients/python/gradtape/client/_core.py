@@ -94,8 +94,9 @@ class Core:
             out["authorization"] = f"Bearer {self.api_key}"
         return out
 
-    def request(self, method: str, path: str, body: Any = None, *, options: bool = True
-                ) -> HTTPRequest:
+    def request(
+        self, method: str, path: str, body: Any = None, *, options: bool = True
+    ) -> HTTPRequest:
         """`options`: the body takes request options (not so a dataset's map of arrays)."""
         headers = self.headers()
         content = None
@@ -105,8 +106,15 @@ class Core:
             content, headers["content-type"] = _wire.encode_body(body, self.binary)
         return HTTPRequest(method, path, headers, content)
 
-    def call(self, method: str, path: str, body: Any = None, *, definition: Any = None,
-             options: bool = True) -> Op[Any]:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        definition: Any = None,
+        options: bool = True,
+    ) -> Op[Any]:
         """One API call, retried on 503 as `self.retry` says; the answer with its tensors
         as arrays, or the problem raised. `definition` (what was sent) lets a
         DefinitionError show the offending lines; `options` as in `request`."""
@@ -136,8 +144,16 @@ class Core:
             _wire.decode_body(response.content, response.headers.get("content-type", ""))
         )
 
-    def compute(self, method: str, path: str, body: dict[str, Any], *, definition: Any = None,
-                progress: Any = None, description: str = "") -> Op[Any]:
+    def compute(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        definition: Any = None,
+        progress: Any = None,
+        description: str = "",
+    ) -> Op[Any]:
         """`call`, or with `progress` (True: a tqdm bar; a callable taking a JobStatus) the
         same request run as a server-side job, followed until it ends (jobs.follow); the
         answer is the same either way."""
@@ -147,8 +163,7 @@ class Core:
 
         report, close = reporter(progress, description)
         try:
-            doc = yield from self.call(method, path, {**body, "async": True},
-                                       definition=definition)
+            doc = yield from self.call(method, path, {**body, "async": True}, definition=definition)
             return (yield from follow(self, doc, report))
         finally:
             close()
@@ -252,8 +267,14 @@ def jacobian(
     progress: Any = None,
 ) -> Op[Jacobian]:
     body = compute_body(definition, target, sources, model, **options)
-    a = yield from core.compute("POST", "/v1/jacobian", body, definition=definition,
-                                progress=progress, description="jacobian")
+    a = yield from core.compute(
+        "POST",
+        "/v1/jacobian",
+        body,
+        definition=definition,
+        progress=progress,
+        description="jacobian",
+    )
     return Jacobian.of(a, sources)
 
 
@@ -270,8 +291,9 @@ def hessian(
     body = compute_body(definition, target, sources, model, **options)
     if damping is not None:
         body["newton"] = {"damping": damping}
-    a = yield from core.compute("POST", "/v1/hessian", body, definition=definition,
-                                progress=progress, description="hessian")
+    a = yield from core.compute(
+        "POST", "/v1/hessian", body, definition=definition, progress=progress, description="hessian"
+    )
     blocks = a["hessian"]
     if isinstance(sources, str):
         matrix = shaped({k: shaped(v, sources) for k, v in blocks.items()}, sources)

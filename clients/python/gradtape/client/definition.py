@@ -82,8 +82,11 @@ def dataset(name: str, array: str | None = None, *, rows: Any = None) -> dict[st
     if array is not None:
         out["array"] = array
     if isinstance(rows, slice):
-        out["rows"] = {k: v for k, v in (("start", rows.start), ("stop", rows.stop),
-                                         ("step", rows.step)) if v is not None}
+        out["rows"] = {
+            k: v
+            for k, v in (("start", rows.start), ("stop", rows.stop), ("step", rows.step))
+            if v is not None
+        }
     elif rows is not None:
         out["rows"] = [int(r) for r in np.asarray(rows).reshape(-1)]
     return out

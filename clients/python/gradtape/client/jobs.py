@@ -47,8 +47,14 @@ class JobStatus:
 
     @classmethod
     def of(cls, doc: dict[str, Any]) -> JobStatus:
-        return cls(doc["job_id"], doc["state"], doc.get("operation", ""), doc.get("progress"),
-                   float(doc.get("elapsed") or 0.0), doc)
+        return cls(
+            doc["job_id"],
+            doc["state"],
+            doc.get("operation", ""),
+            doc.get("progress"),
+            float(doc.get("elapsed") or 0.0),
+            doc,
+        )
 
 
 Reporter = Callable[[JobStatus], None]
@@ -94,7 +100,12 @@ class TqdmReporter:
 
 def _short(value: Any) -> str:
     if isinstance(value, list):
-        return "[" + ", ".join(_short(v) for v in value[:4]) + (", ..." if len(value) > 4 else "") + "]"
+        return (
+            "["
+            + ", ".join(_short(v) for v in value[:4])
+            + (", ..." if len(value) > 4 else "")
+            + "]"
+        )
     return "nan" if value is None else f"{value:.4g}"
 
 
@@ -147,8 +158,15 @@ def outcome(status: JobStatus) -> dict[str, Any]:
         result: dict[str, Any] = status.document["result"]
         return result
     if status.state == "cancelled":
-        raise JobCancelled({"status": 409, "type": "/problems/cancelled", "title": "Cancelled",
-                            "detail": f"job {status.id} was cancelled", "job_id": status.id})
+        raise JobCancelled(
+            {
+                "status": 409,
+                "type": "/problems/cancelled",
+                "title": "Cancelled",
+                "detail": f"job {status.id} was cancelled",
+                "job_id": status.id,
+            }
+        )
     problem = dict(status.document.get("error") or {"status": 500, "detail": "the job failed"})
     raise error_class(int(problem.get("status") or 500), problem.get("type"))(problem)
 
@@ -158,8 +176,9 @@ class Job:
     `client.jobs()`). With a `Client` its methods answer values, with an `AsyncClient`
     awaitables."""
 
-    def __init__(self, client: _Methods, job_id: str,
-                 decode: Callable[[dict[str, Any]], Any] | None = None):
+    def __init__(
+        self, client: _Methods, job_id: str, decode: Callable[[dict[str, Any]], Any] | None = None
+    ):
         self._client = client
         self.id = job_id
         self._decode = decode

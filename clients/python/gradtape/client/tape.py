@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from ._client import _Methods
 
+
 class RemoteTape:
     """A recorded tape on the server (made by `client.tape(...)`)."""
 
@@ -251,8 +252,10 @@ class RemoteTape:
         if inputs is not None:
             if "dataset" in inputs:  # every array of a dataset: the form is the binding
                 if body.get("inputs"):
-                    raise TypeError("inputs=dataset(...) binds every input of a dataset; give "
-                                    "other inputs as dataset(..., array) per input instead")
+                    raise TypeError(
+                        "inputs=dataset(...) binds every input of a dataset; give "
+                        "other inputs as dataset(..., array) per input instead"
+                    )
                 body["inputs"] = dict(inputs)
             else:
                 body["inputs"] = {**body.get("inputs", {}), **inputs}
@@ -294,15 +297,20 @@ class RemoteTape:
         variables or inputs (default: its sources), from the recording. `flat=True`: one
         float64 vector over the sources in `Gradient.order` (unconnected ones zeros)."""
         body = self._options(
-            target=target, sources=sources, unconnected=unconnected, time_limit=time_limit,
+            target=target,
+            sources=sources,
+            unconnected=unconnected,
+            time_limit=time_limit,
             flat=flat or None,
         )
         return self._run(self._gradient_op(body, sources if sources is not None else self._sources))
 
-    def _jacobian_op(self, body: dict[str, Any], sources: Any, progress: Any = None
-                     ) -> _core.Op[Jacobian]:
-        a = yield from self._core.compute("POST", self._path("/jacobian"), body,
-                                          progress=progress, description="jacobian")
+    def _jacobian_op(
+        self, body: dict[str, Any], sources: Any, progress: Any = None
+    ) -> _core.Op[Jacobian]:
+        a = yield from self._core.compute(
+            "POST", self._path("/jacobian"), body, progress=progress, description="jacobian"
+        )
         return Jacobian.of(a, sources)
 
     def jacobian(
@@ -333,8 +341,9 @@ class RemoteTape:
         )
 
     def _eigen_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Eigenvalues]:
-        a = yield from self._core.compute("POST", self._path("/eigenvalues"), body,
-                                          progress=progress, description="eigenvalues")
+        a = yield from self._core.compute(
+            "POST", self._path("/eigenvalues"), body, progress=progress, description="eigenvalues"
+        )
         vectors = a.get("eigenvectors")
         return Eigenvalues(
             np.asarray(a["eigenvalues"], dtype=np.float64),
@@ -391,8 +400,9 @@ class RemoteTape:
         return self._run(self._eigen_op(body, progress))
 
     def _trace_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Trace]:
-        a = yield from self._core.compute("POST", self._path("/trace"), body,
-                                          progress=progress, description="trace")
+        a = yield from self._core.compute(
+            "POST", self._path("/trace"), body, progress=progress, description="trace"
+        )
         return Trace(
             trace=a["trace"],
             stderr=a.get("stderr"),
@@ -441,8 +451,9 @@ class RemoteTape:
         return self._run(self._trace_op(body, progress))
 
     def _diagonal_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Diagonal]:
-        a = yield from self._core.compute("POST", self._path("/diagonal"), body,
-                                          progress=progress, description="diagonal")
+        a = yield from self._core.compute(
+            "POST", self._path("/diagonal"), body, progress=progress, description="diagonal"
+        )
         stderr = a.get("stderr")
         return Diagonal(
             diagonal=shaped(a["diagonal"], self._sources),
@@ -457,8 +468,9 @@ class RemoteTape:
             stopped=a["stopped"],
             hvps=a["hvps"],
             seconds=a["seconds"],
-            partial=(None if a.get("partial") is None
-                     else np.asarray(a["partial"], dtype=np.float64)),
+            partial=(
+                None if a.get("partial") is None else np.asarray(a["partial"], dtype=np.float64)
+            ),
         )
 
     def diagonal(
@@ -495,10 +507,14 @@ class RemoteTape:
         body["seed"] = seed
         return self._run(self._diagonal_op(body, progress))
 
-    def _density_op(self, body: dict[str, Any], progress: Any = None
-                    ) -> _core.Op[SpectralDensity]:
-        a = yield from self._core.compute("POST", self._path("/spectral-density"), body,
-                                          progress=progress, description="spectral density")
+    def _density_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[SpectralDensity]:
+        a = yield from self._core.compute(
+            "POST",
+            self._path("/spectral-density"),
+            body,
+            progress=progress,
+            description="spectral density",
+        )
         stderr = a.get("stderr")
         return SpectralDensity(
             grid=np.asarray(a["grid"], dtype=np.float64),
@@ -553,8 +569,9 @@ class RemoteTape:
         return self._run(self._density_op(body, progress))
 
     def _solve_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Solve]:
-        a = yield from self._core.compute("POST", self._path("/solve"), body,
-                                          progress=progress, description="solve")
+        a = yield from self._core.compute(
+            "POST", self._path("/solve"), body, progress=progress, description="solve"
+        )
         return Solve(
             shaped(a["solution"], self._sources),
             a["rhs"],
@@ -655,10 +672,14 @@ class RemoteTape:
         if test_inputs is not None:
             # Arrays, or stored dataset arrays ({"dataset", "array", "rows"}) as they are;
             # {"dataset": ..., "rows": ...} binds every array of a dataset.
-            body["test_inputs"] = dict(test_inputs) if "dataset" in test_inputs else {
-                name: v if isinstance(v, Mapping) else np.asarray(v)
-                for name, v in test_inputs.items()
-            }
+            body["test_inputs"] = (
+                dict(test_inputs)
+                if "dataset" in test_inputs
+                else {
+                    name: v if isinstance(v, Mapping) else np.asarray(v)
+                    for name, v in test_inputs.items()
+                }
+            )
         body.update(self._curvature(curvature, samples, fisher_seed))
         return self._run(self._influence_op(body, progress))
 
