@@ -50,7 +50,7 @@ class Node:
     attrs: dict[str, Any]
     proto: Any  # the NodeProto, for folding by the reference evaluator
 
-    def problem(self, message: str, opset: int, kind: str = "op") -> ModelProblem:
+    def problem(self, message: str, opset: int | None, kind: str = "op") -> ModelProblem:
         return ModelProblem(
             message,
             kind,
@@ -408,7 +408,9 @@ class OnnxModel:
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise ModelError([ModelProblem(f"ONNX shape inference failed: {exc}", "shape")])
+            raise ModelError(
+                [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
+            ) from exc
         out = {}
         graph = inferred.graph
         for value in (*graph.input, *graph.value_info, *graph.output):
@@ -481,7 +483,7 @@ _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 8
 
 
-def load_model(data: bytes) -> OnnxModel:
+def load_model(data: Any) -> OnnxModel:
     """A checked model from the bytes of an .onnx file (cached by content); raises
     ModelError naming the checker's complaint or every unsupported node."""
     if not isinstance(data, bytes | bytearray | memoryview):
