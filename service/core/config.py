@@ -36,6 +36,10 @@ def cuda_device_count() -> int:
         return 0
 
 
+def _absolute_store(path: str) -> str:
+    return path if path == ":memory:" else os.path.abspath(path)
+
+
 def default_data_dir() -> Path:
     """$XDG_DATA_HOME/gradtape, else ~/.local/share/gradtape."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(
@@ -363,9 +367,11 @@ class Settings(BaseSettings):
             "memory_budget": self.resolved_request_memory_budget(),
             "lanczos_max_basis_bytes": self.lanczos_max_basis_bytes,
             "tune_allocator": self.worker_tune_allocator,
+            "empty_working_directory": True,  # nothing a relative path could reach
             "definition_limits": dict(self.definition_limits),
-            # a worker reads the arrays of datasets from the store's file (read-only)
-            "store_path": self.resolved_store_path(),
+            # a worker reads the arrays of datasets from the store's file (read-only);
+            # absolute, as the worker works in an empty directory of its own
+            "store_path": _absolute_store(self.resolved_store_path()),
             "dataset_memory_budget": self.worker_dataset_memory,
         }
 

@@ -12,9 +12,12 @@ process boundary.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import math
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -117,6 +120,26 @@ class RequestError(Exception):
         self.extra = extra
 
 
+def leave_the_working_directory() -> str:
+    """Move the worker into an empty directory of its own, unwritable, removed at exit.
+
+    Whatever path a request manages to open relative to the working directory then finds
+    nothing (the HTTP process's may be the data directory, with the store in it: the
+    Docker image starts there). The ONNX loader refuses external data outright
+    (engine/onnx/external.py); this is the second wall. Every path a worker is given
+    (the store's) is absolute (Settings.worker_options)."""
+    empty = tempfile.mkdtemp(prefix="gradtape-worker-")
+    os.chmod(empty, 0o500)
+    os.chdir(empty)
+    atexit.register(_remove_quietly, empty)
+    return empty
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     """Set up a worker: check its device, build its limits, tune the allocator (unless
     told not to), warm the engine up."""
@@ -124,6 +147,8 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     # own process) leaves that process's allocator as it found it.
     if options.get("tune_allocator", False):
         gt.tune_allocator()
+    if options.get("empty_working_directory", False):  # the pool's workers: always
+        leave_the_working_directory()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
     if kind == "cuda":
