@@ -118,6 +118,7 @@ class Intermediate:
     column: int
     op: str
     type: TensorType
+    inputs: tuple[tuple[int, ...], ...] = ()  # the op's tensor arguments' shapes (cost.py)
 
 
 @dataclass
@@ -651,11 +652,18 @@ class _Checker:
             self.add(f"undefined name {node.id!r}{hint}", scope, node.pos)
         return None
 
-    def sized(self, out: TensorType, node: Node, scope: _Scope, op: str) -> TensorType:
+    def sized(
+        self,
+        out: TensorType,
+        node: Node,
+        scope: _Scope,
+        op: str,
+        inputs: tuple[tuple[int, ...], ...] = (),
+    ) -> TensorType:
         """Count an intermediate against the limits."""
         self.total_elements += out.size
         self.intermediates.append(
-            Intermediate(scope.section, node.pos.line, node.pos.column, op, out)
+            Intermediate(scope.section, node.pos.line, node.pos.column, op, out, inputs)
         )
         if out.size > self.limits.max_elements:
             self.oversized = True
@@ -719,7 +727,7 @@ class _Checker:
                     node.func,
                     shapes,
                 )
-        return self.sized(out, node, scope, node.func)
+        return self.sized(out, node, scope, node.func, shapes)
 
     def infer_all(self, node: Call, scope: _Scope) -> None:
         for arg in (*node.args, *(value for _, value in node.kwargs)):

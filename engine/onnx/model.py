@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from engine.onnx.errors import ModelError, ModelProblem
+from engine.onnx.external import external_data_problems
 from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
 from engine.tensor import Tensor, constant
 
@@ -521,6 +522,9 @@ def _parse(data: bytes) -> Any:
                 )
             ]
         )
+    # Before the checker (which opens external files itself) and before any array.
+    if refused := external_data_problems(proto):
+        raise ModelError(refused)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:

@@ -90,7 +90,9 @@ async def put_dataset(
             f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}",
         )
     if media == OCTET:
-        arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array)
+        # Sizes are checked from the headers, before anything is decompressed.
+        check_size = await datasets.size_check(owner, name)
+        arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array, check_size)
     else:  # sized and parsed in a thread, as the route class does for body models
         arrays = await anyio.to_thread.run_sync(_decode, await parsed_body(request))
     row, created = await datasets.put(owner, name, arrays)
