@@ -16,9 +16,38 @@ from typing import Any
 
 import numpy as np
 
+from engine import trace
 from engine.registry import public_ops
+from engine.tensor import pass_constant
 
-OP = {name: info.fn for name, info in public_ops.items()}
+
+def _graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, with the NumPy arrays a handler hands it (the graph's constants, and what
+    handlers make from attributes and shapes: an epsilon in x's dtype, a Trilu mask)
+    declared constants of a pass being captured for replay (engine/replay.py), which
+    refuses arrays made outside the ops otherwise. None of them depends on the pass's
+    values: a handler that reads a tensor on the host (np.asarray of one) is seen by the
+    capture, and such a pass stays dynamic."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        if trace.capture is not None:
+            args = tuple(_declared(a) for a in args)
+        return fn(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = getattr(fn, "__name__", "op")
+    op.__doc__ = fn.__doc__
+    return op
+
+
+def _declared(value: Any) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        return pass_constant(np.asarray(value))
+    if isinstance(value, list | tuple) and any(isinstance(v, np.ndarray) for v in value):
+        return type(value)(_declared(v) for v in value)
+    return value
+
+
+OP = {name: _graph_op(info.fn) for name, info in public_ops.items()}
 
 Handler = Callable[[list[Any], dict[str, Any], int], list[Any]]
 HANDLERS: dict[str, Handler] = {}
