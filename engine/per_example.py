@@ -103,6 +103,7 @@ class ExampleFlow:
     plan: list  # the records from the parameters to the output, oldest first
     output: Tensor
     layouts: dict[int, Any] = field(default_factory=dict)  # record id -> MatmulLayout
+    made_by: dict[int, Record] = field(default_factory=dict)  # tensor id -> its record
 
 
 def example_flow(
@@ -169,7 +170,8 @@ def example_flow(
             "per-example: row i of the model's output depends on other examples' data "
             "(the model reorders or mixes the batch)"
         )
-    return ExampleFlow(n, ids, param_only, meetings, plan, output)
+    made_by = {id(o): rec for rec in plan for o in rec.outputs}
+    return ExampleFlow(n, ids, param_only, meetings, plan, output, made_by=made_by)
 
 
 def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
@@ -406,18 +408,21 @@ class PerExample:
             self.output = curv._model(params, tree.unflatten(treedef, data))
         self.flow = example_flow(self.tape._records, curv._flat, self.output, watched)
 
-    def meeting_cotangents(self, seed: Any) -> dict[int, Any]:
-        """The cotangents of the meetings' outputs for the output cotangent `seed`."""
+    def meeting_cotangents(self, seed: Any, batch_ndim: int = 0) -> dict[int, Any]:
+        """The cotangents of the meetings' outputs for the output cotangent `seed`
+        (with `batch_ndim` leading axes: several seeds in one pass)."""
         outs = []
         for m in self.flow.meetings:
             o = m.record.outputs[0]
             if all(o is not x for x in outs):
                 outs.append(o)
         with trace.nothing_recording():
-            cts = self.tape._run([self.output], [Tensor(seed)], outs, 0)
+            cts = self.tape._run([self.output], [Tensor(seed)], outs, batch_ndim)
         xp = backend.array_module(seed)
+        lead = tuple(seed.shape[:batch_ndim])
         return {
-            id(o): (cts[id(o)].value if id(o) in cts else xp.zeros(o.shape, o.dtype)) for o in outs
+            id(o): (cts[id(o)].value if id(o) in cts else xp.zeros(lead + o.shape, o.dtype))
+            for o in outs
         }
 
     def shares(self, cotangents: dict[int, Any], chunk: slice, rows: int) -> list[Tensor]:
