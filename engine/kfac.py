@@ -278,10 +278,9 @@ class KFAC:
         self.names = names
         try:
             curv.scale()
-            engine = curv._per_example if getattr(curv, "_per_example", None) else PerExample(curv)
+            engine = PerExample.of(curv)
         except MixedExamplesError as exc:
             raise CurvatureError(str(exc).replace("per-example:", "kfac:")) from None
-        curv._per_example = engine
         self.layers, self.others = find_layers(engine, params, names)
         for layer in self.layers:
             layer.joint = layer.bias is not None and not separate_bias

@@ -41,7 +41,28 @@ from engine.tensor import Tensor, as_tensor
 # Ops that move elements without computing (the ids ride through their own forwards).
 MOVERS = ("reshape", "transpose", "broadcast_to", "getitem", "pad", "im2col", "concatenate")
 # One input, one output of its shape, each element from the same element.
-UNARY = ["negative", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid", "relu", "leaky_relu", "abs", "cast", "erf", "identity", "sign", "integer_pow"]
+UNARY = [
+    "negative",
+    "exp",
+    "log",
+    "log1p",
+    "expm1",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "sin",
+    "cos",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "leaky_relu",
+    "abs",
+    "cast",
+    "erf",
+    "identity",
+    "sign",
+    "integer_pow",
+]
 REDUCTIONS = ("sum", "max", "min", "prod")
 NONE = -1.0  # the id of an element no example's data reaches
 
@@ -393,20 +414,28 @@ class PerExample:
     """The per-example machinery on one Curvature recording: its flow (once), the
     cotangents at the meetings (one backward pass, once), then shares per chunk."""
 
-    def __init__(self, curv: Any):
-        self.curv = curv
+    def __init__(self, model: Any, flat: list[Tensor], treedef: Any, data: Any):
+        self.flat, self.treedef = flat, treedef
         # The forward once more on a tape that watches the data too, so that the ops
         # between the data and the parameters (im2col's windows) are recorded.
-        leaves, treedef = tree.flatten(curv.data)
-        data = [None if x is None else as_tensor(x) for x in leaves]
+        leaves, data_def = tree.flatten(data)
+        inputs = [None if x is None else as_tensor(x) for x in leaves]
         self.tape = GradientTape(persistent=True, watch_accessed_variables=False)
-        params = tree.unflatten(curv._treedef, curv._flat)
         with self.tape:
-            self.tape.watch(curv._flat)
-            watched = [x for x in data if x is not None and x.dtype.kind == "f"]
+            self.tape.watch(flat)
+            watched = [x for x in inputs if x is not None and x.dtype.kind == "f"]
             self.tape.watch(watched)
-            self.output = curv._model(params, tree.unflatten(treedef, data))
-        self.flow = example_flow(self.tape._records, curv._flat, self.output, watched)
+            self.output = model(tree.unflatten(treedef, flat), tree.unflatten(data_def, inputs))
+        if not isinstance(self.output, Tensor):
+            raise MixedExamplesError("per-example: the model must return one tensor")
+        self.flow = example_flow(self.tape._records, flat, self.output, watched)
+
+    @classmethod
+    def of(cls, curv: Any) -> PerExample:
+        """The machinery of a Curvature recording, built once and kept on it."""
+        if getattr(curv, "_per_example", None) is None:
+            curv._per_example = cls(curv._model, curv._flat, curv._treedef, curv.data)
+        return curv._per_example
 
     def meeting_cotangents(self, seed: Any, batch_ndim: int = 0) -> dict[int, Any]:
         """The cotangents of the meetings' outputs for the output cotangent `seed`
@@ -437,7 +466,7 @@ class PerExample:
                 share = SHARES[m.kind](flow, m, cotangents[id(m.record.outputs[0])], chunk)
             targets[id(p)] = p
             seeds[id(p)] = share if id(p) not in seeds else seeds[id(p)] + share
-        params = self.curv._flat
+        params = self.flat
         xp = backend.array_module(params[0].value)
         plain = {id(p) for p in params}
         out = {k: v for k, v in seeds.items() if k in plain}
@@ -470,10 +499,7 @@ def per_example(
     keep_gradients the answer itself holds N gradients). `seed`: the output cotangent
     to split by example instead of the loss's (the loss Hessian's square-root columns,
     for the GGN's diagonal); default G / c, which gives g_i."""
-    engine = (
-        curv._per_example if getattr(curv, "_per_example", None) is not None else PerExample(curv)
-    )
-    curv._per_example = engine
+    engine = PerExample.of(curv)
     n, c = curv.examples, curv.scale()
     if seed is None:
         seed = curv.output_grad.value / c
