@@ -56,6 +56,7 @@ from engine.per_example import (
     PerExample,
     cotangent_rows,
     matmul_layout,
+    per_example,
 )
 from engine.tensor import Tensor
 from engine.transforms import value_and_grad
@@ -260,6 +261,7 @@ class KFAC:
         names: list[str] | None = None,
         sampled_targets: Any = None,
         separate_bias: bool = True,
+        subset: list[int] | None = None,
     ):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature must be one of {', '.join(CURVATURES)}, got {curvature!r}")
@@ -282,6 +284,15 @@ class KFAC:
         except MixedExamplesError as exc:
             raise CurvatureError(str(exc).replace("per-example:", "kfac:")) from None
         self.layers, self.others = find_layers(engine, params, names)
+        if subset is not None:  # only these parameters' blocks (last-layer Laplace)
+            self.layers = [
+                layer
+                for layer in self.layers
+                if layer.weight in subset and (layer.bias is None or layer.bias in subset)
+            ]
+            inside = {i for layer in self.layers for i in (layer.weight, layer.bias)}
+            self.others = [i for i in subset if i not in inside]
+        self.subset = subset
         for layer in self.layers:
             layer.joint = layer.bias is not None and not separate_bias
         if self.others and others == "refuse":
@@ -468,9 +479,14 @@ class KFAC:
         return float(self.all_eigenvalues().sum())
 
     def logdet(self, damping: float = 0.0) -> float:
-        """sum log(eigenvalue + damping): -inf when a block is singular at this damping."""
+        """sum log(eigenvalue + damping). Undamped, a block with an eigenvalue at the
+        rounding level of its largest (below n * eps * max: a singular factor, as the
+        softmax's G always is) answers -inf, where curvlinops answers NaN (a rounded
+        negative eigenvalue's log) or a large finite number (a rounded positive one)."""
         vals = self.all_eigenvalues(damping)
-        if (vals <= 0).any():
+        top = float(np.abs(vals).max()) if vals.size else 0.0
+        floor = vals.size * np.finfo(np.float64).eps * top if damping == 0.0 else 0.0
+        if (vals <= floor).any():
             return -math.inf
         return float(np.log(vals).sum())
 
@@ -507,9 +523,52 @@ class KFACOperator(CurvatureOperator):
         ]
 
 
+def curvature_diagonal(
+    curv: Any,
+    curvature: str = "ggn",
+    *,
+    samples: int | None = None,
+    seed: int | None = 0,
+    max_bytes: int | None = None,
+) -> list[np.ndarray]:
+    """diag of the GGN (exact: one per-example pass per column of the loss Hessian's
+    square root, BackPACK's DiagGGNExact), of the Monte-Carlo Fisher (`samples` draws,
+    DiagGGNMC) or of the empirical Fisher, per parameter (float64 host arrays): the
+    weighted sum over seeds and examples of the squared per-example shares (module doc's
+    w). Exact in as many passes as the output has entries per example (MC: samples)."""
+    try:
+        seeds, weight = _seeds(curv, curvature, samples, seed, None)
+    except MixedExamplesError as exc:
+        raise CurvatureError(str(exc)) from None
+    out = curv.output
+    total: list[np.ndarray] | None = None
+    for column in seeds:
+        try:
+            found = per_example(
+                curv,
+                keep_gradients=False,
+                max_bytes=max_bytes,
+                seed=backend.asarray(column, out.dtype, out.device),
+            )
+        except MixedExamplesError as exc:
+            raise CurvatureError(str(exc)) from None
+        squares = tree.flatten(found.sum_squares)[0]
+        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
+    assert total is not None
+    return [weight * t for t in total]
+
+
 def kfac(curv: Any, curvature: str = "ggn", **options: Any) -> KFAC:
     """Fit KFAC (or, with ekfac=True, EKFAC) of `curvature` on a Curvature recording."""
     return KFAC(curv, curvature, **options)
 
 
-__all__ = ["KFAC", "KFACOperator", "Layer", "find_layers", "kfac", "loss_hessian_sqrt"]
+__all__ = [
+    "KFAC",
+    "KFACOperator",
+    "Layer",
+    "curvature_diagonal",
+    "find_layers",
+    "kfac",
+    "loss_hessian_sqrt",
+]
