@@ -91,7 +91,7 @@ def test_kfac_and_ekfac_equal_curvlinops(tag, fisher, sharing):
     curv, names = _recording(tag, model, loss)
     for bias in biases:
         key = f"{tag}/{fisher}/{sharing}/{bias}"
-        options = dict(sharing=sharing, names=names, separate_bias=bias == "separate")
+        options = {"sharing": sharing, "names": names, "separate_bias": bias == "separate"}
         if fisher == "mc":
             labels = [ref(f"{key}/labels/{s}") for s in range(2)]
             options.update(sampled_targets=labels)
@@ -250,7 +250,7 @@ def test_per_example_gradients_equal_torch_vmap_grad():
 
 @pytest.mark.parametrize("tag", ["cls", "reg"])
 def test_exact_and_mc_diagonals_equal_the_operators(tag):
-    curv, names = _recording(tag, mlp, LAPLACE[tag][0])
+    curv, _names = _recording(tag, mlp, LAPLACE[tag][0])
     flat = FlatOperator(curv.operator("ggn"))
     exact = np.diag(flat.matvec(np.eye(flat.n)))
     ours = np.concatenate([d.ravel() for d in curvature_diagonal(curv, "ggn")])

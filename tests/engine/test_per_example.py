@@ -86,7 +86,9 @@ def test_per_example_equals_a_loop_of_single_example_gradients(case, max_bytes):
         np.testing.assert_allclose(found.gradients[k], stacked, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(found.mean[k], stacked.mean(0), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(found.variance[k], stacked.var(0), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(found.sum_squares[k], (stacked**2).sum(0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            found.sum_squares[k], (stacked**2).sum(0), rtol=1e-12, atol=1e-12
+        )
         by = np.sqrt((stacked.reshape(n, -1) ** 2).sum(1))
         np.testing.assert_allclose(found.norms_by_source[k], by, rtol=1e-13)
         norms += by**2
