@@ -335,15 +335,17 @@ def _matmul_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> 
     gr = cotangent_rows(flow, layout, g)[:, chunk]  # (K, n, p, m)
     kk, nn, p, k = x.shape
     m = gr.shape[-1]
-    if p == 1:
-        share = x[:, :, 0, :, None] * gr[:, :, 0, None, :]
-    else:
-        share = xp.matmul(xp.swapaxes(x.reshape(kk * nn, p, k), -1, -2), gr.reshape(kk * nn, p, m))
-        share = share.reshape(kk, nn, k, m)
-    share = xp.moveaxis(share, 1, 0)  # (n, K, k, m)
-    if layout.swap:
-        share = xp.swapaxes(share, -1, -2)
-    return share.reshape((nn,) + layout.param_shape)
+    if layout.swap:  # the share is made transposed, (n, K, m, k): no copy afterwards
+        x, gr, k, m = gr, x, m, k
+    if kk == 1:
+        x, gr = x[0], gr[0]  # (n, p, k), (n, p, m)
+        if p == 1:  # outer products x_i^T g_i, one multiply into the answer
+            return (x[:, 0, :, None] * gr[:, 0, None, :]).reshape((nn,) + layout.param_shape)
+        share = xp.matmul(xp.swapaxes(x, -1, -2), gr)  # (n, k, m)
+        return share.reshape((nn,) + layout.param_shape)
+    share = xp.matmul(xp.swapaxes(x.reshape(kk * nn, p, k), -1, -2), gr.reshape(kk * nn, p, m))
+    share = xp.moveaxis(share.reshape(kk, nn, k, m), 1, 0)  # (n, K, k, m)
+    return xp.ascontiguousarray(share).reshape((nn,) + layout.param_shape)
 
 
 def _elementwise_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> Any:
@@ -400,7 +402,7 @@ class PerExampleResult:
 
     n: int
     scale: float
-    norms: np.ndarray
+    norms: np.ndarray | None
     norms_by_source: Any
     mean: Any
     variance: Any
@@ -492,13 +494,17 @@ def per_example(
     keep_gradients: bool = True,
     max_bytes: int | None = None,
     seed: Any = None,
+    statistics: bool = True,
 ) -> PerExampleResult:
     """Per-example gradients of a Curvature recording and their statistics (see
     PerExampleResult). `max_bytes` bounds the per-example gradients held at once: the
     examples run in chunks that fit (the statistics accumulate over chunks; with
     keep_gradients the answer itself holds N gradients). `seed`: the output cotangent
     to split by example instead of the loss's (the loss Hessian's square-root columns,
-    for the GGN's diagonal); default G / c, which gives g_i."""
+    for the GGN's diagonal); default G / c, which gives g_i. statistics=False: the
+    gradients alone (norms, mean, variance and sum_squares None)."""
+    if not (statistics or keep_gradients):
+        raise ValueError("per_example: ask for the gradients, the statistics or both")
     engine = PerExample.of(curv)
     n, c = curv.examples, curv.scale()
     if seed is None:
@@ -508,10 +514,11 @@ def per_example(
     per_row = sum(p.size for p in params) * params[0].dtype.itemsize
     step = n if max_bytes is None else max(1, min(n, max_bytes // max(per_row, 1)))
     xp = backend.array_module(params[0].value)
-    # Mean and variance merged chunk by chunk (Chan et al.), sums of squares summed.
-    mean = [xp.zeros(p.shape, np.float64) for p in params]
-    m2 = [xp.zeros(p.shape, np.float64) for p in params]
-    squares = [xp.zeros(p.shape, np.float64) for p in params]
+    # Mean and variance merged chunk by chunk (Chan et al.), sums of squares summed;
+    # einsum contracts without a temporary the size of the gradients.
+    mean = [xp.zeros(p.size, np.float64) for p in params]
+    m2 = [xp.zeros(p.size, np.float64) for p in params]
+    squares = [xp.zeros(p.size, np.float64) for p in params]
     norms_by = [np.zeros(n) for _ in params]
     kept: list[list[Any]] = [[] for _ in params]
     chunks, seen = 0, 0
@@ -521,37 +528,58 @@ def per_example(
         chunks += 1
         shares = engine.shares(cotangents, slice(start, stop), rows)
         for k, s in enumerate(shares):
-            v = s.value.astype(np.float64, copy=False)
-            squares[k] += (v * v).sum(axis=0)
-            part_mean = v.mean(axis=0)
-            part_m2 = ((v - part_mean) ** 2).sum(axis=0)
-            delta = part_mean - mean[k]
-            total = seen + rows
-            mean[k] = mean[k] + delta * (rows / total)
-            m2[k] = m2[k] + part_m2 + delta * delta * (seen * rows / total)
-            flat = v.reshape(rows, -1)
-            norms_by[k][start:stop] = backend.to_host(xp.sqrt((flat * flat).sum(axis=1)))
+            flat = s.value.reshape(rows, -1)
+            if statistics:
+                flat = flat.astype(np.float64, copy=False)
+                row_squares = xp.einsum("ij,ij->i", flat, flat)
+                col_squares = xp.einsum("ij,ij->j", flat, flat)
+                squares[k] += col_squares
+                part_mean = xp.ones(rows) @ flat / rows
+                # sum (g - mean)^2 = sum g^2 - rows mean^2, except where that cancels
+                # (the examples' gradients nearly equal): there from the differences.
+                part_m2 = col_squares - rows * part_mean * part_mean
+                risky = part_m2 <= 1e-6 * col_squares
+                if risky.any():
+                    diff = flat[:, risky] - part_mean[risky]
+                    part_m2[risky] = xp.einsum("ij,ij->j", diff, diff)
+                delta = part_mean - mean[k]
+                total = seen + rows
+                mean[k] = mean[k] + delta * (rows / total)
+                m2[k] = m2[k] + part_m2 + delta * delta * (seen * rows / total)
+                norms_by[k][start:stop] = backend.to_host(xp.sqrt(row_squares))
             if keep_gradients:
                 kept[k].append(s.value)
         seen += rows
     variance = [m / n for m in m2]
-    host = lambda arrays: tree.unflatten(
-        curv._treedef, [np.asarray(backend.to_host(a)) for a in arrays]
-    )
+
+    def host(arrays: list[Any]) -> Any:
+        return tree.unflatten(
+            curv._treedef,
+            [
+                np.asarray(backend.to_host(a)).reshape(p.shape)
+                for a, p in zip(arrays, params, strict=True)
+            ],
+        )
+
     gradients = None
     if keep_gradients:
         gradients = tree.unflatten(
             curv._treedef,
-            [np.asarray(backend.to_host(xp.concatenate(parts, axis=0))) for parts in kept],
+            [
+                np.asarray(
+                    backend.to_host(parts[0] if len(parts) == 1 else xp.concatenate(parts, 0))
+                )
+                for parts in kept
+            ],
         )
     return PerExampleResult(
         n=n,
         scale=c,
-        norms=np.sqrt(sum(b * b for b in norms_by)),
-        norms_by_source=tree.unflatten(curv._treedef, norms_by),
-        mean=host(mean),
-        variance=host(variance),
-        sum_squares=host(squares),
+        norms=np.sqrt(sum(b * b for b in norms_by)) if statistics else None,
+        norms_by_source=tree.unflatten(curv._treedef, norms_by) if statistics else None,
+        mean=host(mean) if statistics else None,
+        variance=host(variance) if statistics else None,
+        sum_squares=host(squares) if statistics else None,
         gradients=gradients,
         chunks=chunks,
         meetings=[f"{m.record.prim.name}" for m in engine.flow.meetings],
