@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from engine.onnx.errors import ModelError, ModelProblem
+from engine.onnx.external import external_data_problems
 from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
 from engine.tensor import Tensor, constant
 
@@ -50,7 +51,7 @@ class Node:
     attrs: dict[str, Any]
     proto: Any  # the NodeProto, for folding by the reference evaluator
 
-    def problem(self, message: str, opset: int, kind: str = "op") -> ModelProblem:
+    def problem(self, message: str, opset: int | None, kind: str = "op") -> ModelProblem:
         return ModelProblem(
             message,
             kind,
@@ -408,7 +409,9 @@ class OnnxModel:
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise ModelError([ModelProblem(f"ONNX shape inference failed: {exc}", "shape")])
+            raise ModelError(
+                [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
+            ) from exc
         out = {}
         graph = inferred.graph
         for value in (*graph.input, *graph.value_info, *graph.output):
@@ -481,7 +484,7 @@ _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 8
 
 
-def load_model(data: bytes) -> OnnxModel:
+def load_model(data: Any) -> OnnxModel:
     """A checked model from the bytes of an .onnx file (cached by content); raises
     ModelError naming the checker's complaint or every unsupported node."""
     if not isinstance(data, bytes | bytearray | memoryview):
@@ -519,6 +522,9 @@ def _parse(data: bytes) -> Any:
                 )
             ]
         )
+    # Before the checker (which opens external files itself) and before any array.
+    if refused := external_data_problems(proto):
+        raise ModelError(refused)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:
