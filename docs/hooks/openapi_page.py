@@ -2,7 +2,11 @@
 openapi/openapi.json, rendered as Markdown at build time: every operation (by tag, in the
 document's order) with its parameters, body and answers, then every schema with its
 fields, types linked to their schemas. Static text: nothing is fetched when the page is
-read (Swagger UI, which needs the live server, is at /docs on it)."""
+read (Swagger UI, which needs the live server, is at /docs on it).
+
+The SDK reference (reference/sdk.md) gets the server's defaults of the tape methods'
+options: the SDK sends None as "the server's default", so its signatures cannot show
+them; they are read here from the same contract."""
 
 from __future__ import annotations
 
@@ -13,13 +17,51 @@ from typing import Any
 
 CONTRACT = Path(__file__).resolve().parents[2] / "openapi" / "openapi.json"
 PAGE = "reference/http.md"
+SDK_PAGE = "reference/sdk.md"
+# RemoteTape's methods -> the request schema whose defaults the server applies.
+TAPE_METHODS = {
+    "eigenvalues": "EigenvaluesRequest",
+    "trace": "TraceRequest",
+    "diagonal": "DiagonalRequest",
+    "spectral_density": "SpectralDensityRequest",
+    "solve": "SolveRequest",
+    "influence": "InfluenceRequest",
+}
+NOT_OPTIONS = {"async", "curvature", "fisher_seed"}  # the SDK's own: progress=, curvature=
 METHODS = ("get", "put", "post", "patch", "delete")
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if page.file.src_uri != PAGE:
-        return markdown
-    return markdown + "\n" + render(json.loads(CONTRACT.read_text()))
+    if page.file.src_uri == PAGE:
+        return markdown + "\n" + render(json.loads(CONTRACT.read_text()))
+    if page.file.src_uri == SDK_PAGE:
+        return markdown + "\n" + server_defaults(json.loads(CONTRACT.read_text()))
+    return markdown
+
+
+def server_defaults(contract: dict[str, Any]) -> str:
+    schemas = contract["components"]["schemas"]
+    out = [
+        "## The server's defaults",
+        "",
+        (
+            "What a `RemoteTape` method's option means when left at `None`: the server's "
+            "default, from the contract (the HTTP reference has each option's full "
+            "description)."
+        ),
+        "",
+        "| method | request | defaults |",
+        "|---|---|---|",
+    ]
+    for method, schema in TAPE_METHODS.items():
+        properties = schemas[schema]["properties"]
+        defaults = ", ".join(
+            f"`{name}={json.dumps(spec['default'])}`"
+            for name, spec in properties.items()
+            if "default" in spec and name not in NOT_OPTIONS
+        )
+        out.append(f"| `{method}` | [{schema}](http.md#{anchor(schema)}) | {defaults} |")
+    return "\n".join(out) + "\n"
 
 
 def on_config(config: Any) -> Any:

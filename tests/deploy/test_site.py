@@ -72,6 +72,9 @@ def test_the_sdk_reference_shows_signatures_and_defaults(site: Path) -> None:
     assert re.search(r"influence\(\s*test_inputs.*?damping", text, re.DOTALL)
     assert re.search(r"eigenvalues\(\s*k: int = 1,.*?max_hvps: int \| None = None", text, re.DOTALL)
     assert "ProgressLog" in text and "spectral_density" in text
+    # The server's defaults of the options the SDK leaves at None, from the contract.
+    assert "influence\nInfluenceRequest\n" in text and "damping=0.001" in text
+    assert re.search(r"trace\nTraceRequest\n[^\n]*max_hvps=256", text)
 
 
 def test_the_servers_defaults_are_in_the_http_reference(site: Path) -> None:
