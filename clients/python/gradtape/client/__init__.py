@@ -42,6 +42,7 @@ from .errors import (
     WorkerCrashed,
 )
 from .jobs import Job, JobStatus
+from .plots import ProgressLog
 from .results import (
     HVP,
     Diagonal,
@@ -62,7 +63,7 @@ __all__ = [
     "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
     "Definition", "DefinitionError", "Diagonal", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
     "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
-    "ModelNotFound", "NonFiniteResult", "NotFound",
+    "ModelNotFound", "NonFiniteResult", "NotFound", "ProgressLog",
     "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve", "SpectralDensity",
     "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "dataset", "function",
 ]  # fmt: skip
