@@ -144,6 +144,36 @@ def _like(value: Any, x: Any) -> Any:
     return value
 
 
+@handler("CastLike")
+def _cast_like(ins, attrs, opset):
+    # Only the second input's element type is read (the dynamo exporter's scalar
+    # constants are CastLike'd to the tensor they meet).
+    return [OP["cast"](ins[0], dtype=np.dtype(ins[1].dtype))]
+
+
+@handler("HardSigmoid")
+def _hard_sigmoid(ins, attrs, opset):
+    return [_hard_sigmoid_of(ins[0], float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5)))]
+
+
+def _hard_sigmoid_of(x: Any, alpha: float, beta: float) -> Any:
+    """max(0, min(1, alpha x + beta)): an exact composite (no gradient where clipped)."""
+    y = OP["add"](OP["multiply"](x, _like(alpha, x)), _like(beta, x))
+    return OP["minimum"](OP["maximum"](y, _like(0.0, x)), _like(1.0, x))
+
+
+@handler("HardSwish")
+def _hard_swish(ins, attrs, opset):
+    x = ins[0]  # x * HardSigmoid(x) with alpha 1/6, beta 1/2 (torch's x * relu6(x + 3) / 6)
+    return [OP["multiply"](x, _hard_sigmoid_of(x, 1.0 / 6.0, 0.5))]
+
+
+@handler("Mish")
+def _mish(ins, attrs, opset):
+    x = ins[0]
+    return [OP["multiply"](x, OP["tanh"](OP["softplus"](x)))]
+
+
 @handler("Where")
 def _where(ins, attrs, opset):
     return [OP["where"](ins[0], ins[1], ins[2])]
@@ -223,6 +253,36 @@ def _layer_norm(ins, attrs, opset):
     if bias is not None:
         y = OP["add"](y, bias)
     return [y, mean, inv]
+
+
+def _normalized(x: Any, axes: tuple[int, ...], eps: float) -> Any:
+    """(x - mean) / sqrt(var + eps) over `axes` (biased variance, as every ONNX norm)."""
+    d = OP["subtract"](x, OP["mean"](x, axis=axes, keepdims=True))
+    var = OP["mean"](OP["multiply"](d, d), axis=axes, keepdims=True)
+    return OP["multiply"](d, OP["rsqrt"](OP["add"](var, _like(eps, x))))
+
+
+@handler("InstanceNormalization")
+def _instance_norm(ins, attrs, opset):
+    x, scale, bias = ins[:3]
+    rank = len(x.shape)
+    y = _normalized(x, tuple(range(2, rank)), float(attrs.get("epsilon", 1e-5)))
+    return [OP["add"](OP["multiply"](y, _channel(scale, rank)), _channel(bias, rank))]
+
+
+@handler("GroupNormalization")
+def _group_norm(ins, attrs, opset):
+    # Statistics over each group of C/G channels and all spatial positions; scale and
+    # bias per channel (opset 21: the checker refuses version 18's per-group form, which
+    # ONNX deprecated).
+    x, scale, bias = ins[:3]
+    shape = shape_of(x)
+    groups, channels, rank = int(attrs["num_groups"]), shape[1], len(shape)
+    if channels % groups:
+        raise OpError(f"num_groups={groups} does not divide the {channels} channels")
+    grouped = OP["reshape"](x, (shape[0], groups, -1))
+    y = OP["reshape"](_normalized(grouped, (2,), float(attrs.get("epsilon", 1e-5))), shape)
+    return [OP["add"](OP["multiply"](y, _channel(scale, rank)), _channel(bias, rank))]
 
 
 def _softmax_like(op: str) -> Handler:
@@ -520,6 +580,31 @@ def _gather(ins, attrs, opset):
         dim = shape_of(x)[axis]
         indices = np.where(indices < 0, indices + dim, indices)
     return [OP["take"](x, indices, axis=axis)]
+
+
+@handler("GatherND", static=(1,))
+def _gather_nd(ins, attrs, opset):
+    # Constant indices (AdaptiveAvgPool's windows, the dynamo exporter's linear resize):
+    # the batch axes become explicit leading coordinates, negative indices count from the
+    # end, and the engine's gather_nd (a getitem, differentiable in the data) does the rest.
+    x, indices = ins[0], np.asarray(ins[1], dtype=np.int64)
+    batch = int(attrs.get("batch_dims", 0))
+    shape = shape_of(x)
+    depth = indices.shape[-1]
+    dims = np.array(shape[batch : batch + depth], dtype=np.int64)
+    if np.any(indices >= dims) or np.any(indices < -dims):
+        raise OpError(f"an index is out of bounds for the data's shape {list(shape)}")
+    indices = np.where(indices < 0, indices + dims, indices)
+    if batch:
+        grid = np.indices(indices.shape[:batch])  # [batch, *batch shape]
+        lead = np.broadcast_to(
+            np.moveaxis(grid, 0, -1).reshape(
+                indices.shape[:batch] + (1,) * (indices.ndim - batch - 1) + (batch,)
+            ),
+            indices.shape[:-1] + (batch,),
+        )
+        indices = np.concatenate([lead, indices], axis=-1)
+    return [OP["gather_nd"](x, indices)]
 
 
 @handler("Expand", static=(1,))

@@ -391,6 +391,50 @@ CASES = {
         {"x": r(3, 4)},
         {},
     ),
+    "CastLike": (
+        15,
+        [N("CastLike", ["x", "like"], ["c"]), N("Mul", ["c", "c"], ["out"])],
+        {"x": r(3, 4)},
+        {"like": np.zeros((), np.float64)},
+    ),
+    "HardSigmoid": (
+        13,
+        [N("HardSigmoid", ["a"], ["out"], alpha=0.4, beta=0.3)],
+        {"a": 2 * r(7)},
+        {},
+    ),
+    "HardSwish": (14, [N("HardSwish", ["a"], ["out"])], {"a": 4 * r(9)}, {}),
+    "Mish": (18, [N("Mish", ["a"], ["out"])], {"a": 3 * r(7)}, {}),
+    "InstanceNormalization": (
+        13,
+        [N("InstanceNormalization", ["x", "s", "b"], ["out"], epsilon=1e-3)],
+        {"x": r(2, 3, 4, 5), "s": r(3), "b": r(3)},
+        {},
+    ),
+    "InstanceNormalization-1d": (
+        13,
+        [N("InstanceNormalization", ["x", "s", "b"], ["out"])],
+        {"x": r(2, 3, 6), "s": r(3), "b": r(3)},
+        {},
+    ),
+    "GroupNormalization-21-per-channel": (
+        21,
+        [N("GroupNormalization", ["x", "s", "b"], ["out"], num_groups=2, epsilon=1e-3)],
+        {"x": r(2, 4, 3, 2), "s": r(4), "b": r(4)},
+        {},
+    ),
+    "GatherND": (
+        13,
+        [N("GatherND", ["x", "idx"], ["out"])],
+        {"x": r(3, 4, 2)},
+        {"idx": np.array([[[0, 1], [2, -1]], [[1, 0], [0, 0]]], np.int64)},
+    ),
+    "GatherND-batch_dims": (
+        13,
+        [N("GatherND", ["x", "idx"], ["out"], batch_dims=1)],
+        {"x": r(2, 3, 4)},
+        {"idx": np.array([[[1], [0]], [[2], [-1]]], np.int64)},
+    ),
 }
 
 
