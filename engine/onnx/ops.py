@@ -361,6 +361,72 @@ def _conv(ins, attrs, opset):
     ]
 
 
+@handler("ConvTranspose")
+def _conv_transpose(ins, attrs, opset):
+    """The transpose of Conv as a Conv (an exact composite, so every derivative is the
+    conv's own): insert stride - 1 zeros between the input's cells, pad by the kernel's
+    reach less `pads` (cropping where that is negative), and correlate with the kernel
+    flipped and its in/out channels swapped per group, at stride 1 and the dilation."""
+    x, w = ins[0], ins[1]
+    b = ins[2] if len(ins) > 2 else None
+    shape, kernel = shape_of(x), shape_of(w)[2:]
+    nd, groups = len(kernel), int(attrs.get("group", 1))
+    strides = list(attrs.get("strides", [1] * nd))
+    dilations = list(attrs.get("dilations", [1] * nd))
+    extra = list(attrs.get("output_padding", [0] * nd))
+    pads = _transpose_pads(shape[2:], kernel, strides, dilations, extra, attrs)
+    # Zeros between cells, axis by axis: [..., L] -> [..., L, s] (pad) -> [..., L*s] ->
+    # the first (L - 1) s + 1.
+    for axis, s in enumerate(strides):
+        if s == 1:
+            continue
+        axis += 2
+        length = shape_of(x)[axis]
+        moved = OP["moveaxis"](x, axis, -1)
+        widths = ((0, 0),) * len(shape) + ((0, s - 1),)
+        spread = OP["pad"](OP["reshape"](moved, shape_of(moved) + (1,)), paddings=widths)
+        spread = OP["reshape"](spread, shape_of(moved)[:-1] + (length * s,))
+        spread = OP["getitem"](spread, (Ellipsis, slice(0, (length - 1) * s + 1)))
+        x = OP["moveaxis"](spread, -1, axis)
+    reach = [(k - 1) * d for k, d in zip(kernel, dilations)]
+    widths = [(r - lo, r - hi + e) for r, (lo, hi), e in zip(reach, pads, extra)]
+    crop = [
+        slice(max(-lo, 0), shape_of(x)[i + 2] - max(-hi, 0)) for i, (lo, hi) in enumerate(widths)
+    ]
+    if any(sl.start or sl.stop != shape_of(x)[i + 2] for i, sl in enumerate(crop)):
+        x = OP["getitem"](x, (slice(None), slice(None), *crop))
+    widths = [(max(lo, 0), max(hi, 0)) for lo, hi in widths]
+    # w [C_in, C_out/g, *k] -> [C_out, C_in/g, *k], flipped in space.
+    c_in, c_out_g = shape_of(w)[:2]
+    w = OP["reshape"](w, (groups, c_in // groups, c_out_g, *kernel))
+    w = OP["reshape"](OP["swapaxes"](w, 1, 2), (groups * c_out_g, c_in // groups, *kernel))
+    w = OP["getitem"](w, (slice(None), slice(None), *[slice(None, None, -1)] * nd))
+    return [OP["conv"](x, w, b, pads=tuple(widths), dilations=dilations, groups=groups)]
+
+
+def _transpose_pads(size, kernel, strides, dilations, extra, attrs) -> list[tuple[int, int]]:
+    """(begin, end) pads of a ConvTranspose (Operators.md): given, or from output_shape
+    or auto_pad SAME_* (the total split in half, the odd cell at the end for SAME_UPPER
+    and at the beginning otherwise)."""
+    nd = len(kernel)
+    auto = attrs.get("auto_pad", "NOTSET")
+    target = attrs.get("output_shape")
+    if target is None and auto not in ("SAME_UPPER", "SAME_LOWER"):
+        flat = list(attrs.get("pads", [0] * 2 * nd))
+        return [(flat[i], flat[i + nd]) for i in range(nd)]
+    if target is None:
+        target = [n * s for n, s in zip(size, strides)]
+    target = list(target)[-nd:]
+    out = []
+    for n, k, s, d, e, t in zip(size, kernel, strides, dilations, extra, target):
+        total = s * (n - 1) + e + (k - 1) * d + 1 - t
+        if total < 0:
+            raise OpError(f"output_shape {list(target)} is larger than the full output")
+        half = total // 2
+        out.append((total - half, half) if auto != "SAME_UPPER" else (half, total - half))
+    return out
+
+
 @handler("MaxPool")
 def _max_pool(ins, attrs, opset):
     x = ins[0]
