@@ -475,6 +475,136 @@ def _global_max_pool(ins, attrs, opset):
 
 
 # ----------------------------------------------------------------------------------------
+# Resize and Upsample: per resized axis a constant map from input to output cells (an
+# index for nearest, a two-nonzero interpolation matrix for linear), so the result is a
+# take or a matmul and every derivative is theirs.
+# ----------------------------------------------------------------------------------------
+
+RESIZE_MODES = ("nearest", "linear")
+RESIZE_COORDINATES = (
+    "half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_half_pixel_for_nn",
+    "half_pixel_symmetric",
+)  # fmt: skip
+NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+
+
+def _source_coordinates(size: int, out: int, scale: float, mode: str) -> np.ndarray:
+    """x_original for each output cell (Operators.md, Resize: coordinate_transformation_mode)."""
+    x = np.arange(out, dtype=np.float64)
+    if mode == "half_pixel":
+        return (x + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (x + 0.5) / scale - 0.5 if out > 1 else np.zeros(out)
+    if mode == "align_corners":
+        return x * (size - 1) / (out - 1) if out > 1 else np.zeros(out)
+    if mode == "asymmetric":
+        return x / scale
+    if mode == "tf_half_pixel_for_nn":
+        return (x + 0.5) / scale
+    if mode == "half_pixel_symmetric":
+        offset = size / 2 * (1 - out / (scale * size))
+        return offset + (x + 0.5) / scale - 0.5
+    raise OpError(f"coordinate_transformation_mode {mode!r} is not supported")
+
+
+def _nearest_index(x: np.ndarray, size: int, mode: str) -> np.ndarray:
+    frac = x - np.floor(x)
+    if mode == "round_prefer_floor":
+        index = np.where(frac == 0.5, np.floor(x), np.round(x))
+    elif mode == "round_prefer_ceil":
+        index = np.where(frac == 0.5, np.ceil(x), np.round(x))
+    elif mode == "floor":
+        index = np.floor(x)
+    else:
+        index = np.ceil(x)
+    return np.clip(index, 0, size - 1).astype(np.int64)
+
+
+def _linear_matrix(x: np.ndarray, size: int) -> np.ndarray:
+    """[out, size]: each row mixes the two cells around x (clamped to the edge cells, as
+    the spec's edge padding does)."""
+    x = np.clip(x, 0, size - 1)
+    low = np.floor(x).astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    weight = x - low
+    matrix = np.zeros((len(x), size))
+    rows = np.arange(len(x))
+    np.add.at(matrix, (rows, low), 1 - weight)
+    np.add.at(matrix, (rows, high), weight)
+    return matrix
+
+
+def _resize(
+    x: Any, scales: list[float], sizes: list[int], attrs: dict[str, Any], coords: str
+) -> Any:
+    mode = attrs.get("mode", "nearest")
+    nearest = attrs.get("nearest_mode", "round_prefer_floor")
+    for axis, (size, out, scale) in enumerate(zip(shape_of(x), sizes, scales)):
+        if out == size and scale == 1.0:
+            continue
+        source = _source_coordinates(size, out, scale, coords)
+        if mode == "nearest":
+            x = OP["take"](x, _nearest_index(source, size, nearest), axis=axis)
+        else:
+            matrix = np.ascontiguousarray(_linear_matrix(source, size).T, dtype=x.dtype)
+            moved = OP["moveaxis"](x, axis, -1)
+            x = OP["moveaxis"](OP["matmul"](moved, matrix), -1, axis)
+    return x
+
+
+@handler("Resize", static=(1, 2, 3))
+def _resize_handler(ins, attrs, opset):
+    x = ins[0]
+    shape = shape_of(x)
+    rank = len(shape)
+    if opset < 11:  # Resize-10: (X, scales), asymmetric like Upsample
+        scales_in, sizes_in, coords = ins[1], None, "asymmetric"
+        attrs = {**attrs, "nearest_mode": "floor"}
+    else:
+        scales_in = ins[2] if len(ins) > 2 else None
+        sizes_in = ins[3] if len(ins) > 3 else None
+        coords = attrs.get("coordinate_transformation_mode", "half_pixel")
+    axes = [a % rank for a in attrs.get("axes", range(rank))]
+    scales, sizes = [1.0] * rank, list(shape)
+    if sizes_in is not None and np.size(sizes_in):
+        for a, n in zip(axes, ints(sizes_in)):
+            sizes[a], scales[a] = n, n / shape[a]
+    elif scales_in is not None and np.size(scales_in):
+        for a, f in zip(axes, np.asarray(scales_in, dtype=np.float64).reshape(-1)):
+            scales[a], sizes[a] = float(f), int(np.floor(shape[a] * float(f)))
+    else:
+        raise OpError("neither scales nor sizes is given")
+    return [_resize(x, scales, sizes, attrs, coords)]
+
+
+@handler("Upsample", static=(1,))
+def _upsample(ins, attrs, opset):
+    # Deprecated since opset 10: Resize-10 with asymmetric coordinates (nearest: floor);
+    # scales an attribute before opset 9, an input after.
+    x = ins[0]
+    factors = attrs["scales"] if opset < 9 else np.asarray(ins[1], dtype=np.float64).reshape(-1)
+    scales = [float(f) for f in factors]
+    sizes = [int(np.floor(n * f)) for n, f in zip(shape_of(x), scales)]
+    return [_resize(x, scales, sizes, {**attrs, "nearest_mode": "floor"}, "asymmetric")]
+
+
+def _resize_refusal(attrs: dict[str, Any]) -> str | None:
+    mode = attrs.get("mode", "nearest")
+    if mode not in RESIZE_MODES:
+        return f"mode {mode!r} is not supported (only 'nearest' and 'linear')"
+    coords = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if coords not in RESIZE_COORDINATES:
+        return f"coordinate_transformation_mode {coords!r} is not supported"
+    if attrs.get("nearest_mode", "round_prefer_floor") not in NEAREST_MODES:
+        return f"nearest_mode {attrs['nearest_mode']!r} is not a valid value"
+    if attrs.get("antialias", 0):
+        return "antialias=1 is not supported"
+    if attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return f"keep_aspect_ratio_policy {attrs['keep_aspect_ratio_policy']!r} is not supported"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
 # Reductions: axes an attribute before opset 18 (ReduceSum: before 13), an input after
 # ----------------------------------------------------------------------------------------
 
@@ -757,6 +887,8 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
         "SAME_LOWER",
     ):
         return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
+    if op_type in ("Resize", "Upsample"):
+        return _resize_refusal(attrs)
     if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
         return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
     return None

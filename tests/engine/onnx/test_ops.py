@@ -353,6 +353,108 @@ CASES = {
         {"x": r(1, 1, 4), "w": r(1, 1, 4)},
         {},
     ),
+    "Resize-nearest-asymmetric-floor": (
+        13,
+        [
+            N(
+                "Resize",
+                ["x", "", "scales"],
+                ["out"],
+                mode="nearest",
+                coordinate_transformation_mode="asymmetric",
+                nearest_mode="floor",
+            )
+        ],
+        {"x": r(1, 2, 3, 4)},
+        {"scales": np.array([1, 1, 2, 2], np.float32)},
+    ),
+    "Resize-nearest-half_pixel-down": (
+        13,
+        [N("Resize", ["x", "", "scales"], ["out"], mode="nearest")],
+        {"x": r(1, 1, 5, 7)},
+        {"scales": np.array([1, 1, 0.6, 0.5], np.float32)},
+    ),
+    "Resize-nearest-round_prefer_ceil-sizes": (
+        13,
+        [N("Resize", ["x", "", "", "sizes"], ["out"], nearest_mode="round_prefer_ceil")],
+        {"x": r(1, 1, 4, 3)},
+        {"sizes": i64(1, 1, 7, 8)},
+    ),
+    "Resize-nearest-ceil-align_corners": (
+        13,
+        [
+            N(
+                "Resize",
+                ["x", "", "", "sizes"],
+                ["out"],
+                nearest_mode="ceil",
+                coordinate_transformation_mode="align_corners",
+            )
+        ],
+        {"x": r(1, 1, 4, 3)},
+        {"sizes": i64(1, 1, 6, 5)},
+    ),
+    "Resize-linear-pytorch_half_pixel": (
+        13,
+        [
+            N(
+                "Resize",
+                ["x", "", "scales"],
+                ["out"],
+                mode="linear",
+                coordinate_transformation_mode="pytorch_half_pixel",
+            )
+        ],
+        {"x": r(2, 2, 3, 4)},
+        {"scales": np.array([1, 1, 2, 2], np.float32)},
+    ),
+    "Resize-linear-align_corners-sizes": (
+        13,
+        [
+            N(
+                "Resize",
+                ["x", "", "", "sizes"],
+                ["out"],
+                mode="linear",
+                coordinate_transformation_mode="align_corners",
+            )
+        ],
+        {"x": r(1, 2, 3, 4)},
+        {"sizes": i64(1, 2, 5, 9)},
+    ),
+    "Resize-linear-half_pixel-1d-down": (
+        13,
+        [N("Resize", ["x", "", "scales"], ["out"], mode="linear")],
+        {"x": r(2, 3, 8)},
+        {"scales": np.array([1, 1, 0.5], np.float32)},
+    ),
+    "Resize-linear-asymmetric-axes": (
+        18,
+        [
+            N(
+                "Resize",
+                ["x", "", "scales"],
+                ["out"],
+                mode="linear",
+                axes=[2],
+                coordinate_transformation_mode="asymmetric",
+            )
+        ],
+        {"x": r(1, 2, 3, 4)},
+        {"scales": np.array([2.5], np.float32)},
+    ),
+    "Resize-10-nearest": (
+        10,
+        [N("Resize", ["x", "scales"], ["out"])],
+        {"x": r(1, 2, 3, 2)},
+        {"scales": np.array([1, 1, 2, 3], np.float32)},
+    ),
+    "Upsample-9-nearest": (
+        9,
+        [N("Upsample", ["x", "scales"], ["out"])],
+        {"x": r(1, 2, 2, 3)},
+        {"scales": np.array([1, 1, 3, 2], np.float32)},
+    ),
     "MaxPool-2d": (
         13,
         [N("MaxPool", ["x"], ["out"], kernel_shape=[2, 3], strides=[2, 1], pads=[1, 1, 0, 1])],
@@ -534,6 +636,9 @@ CLOSED_FORMS = {
     "ConvTranspose-2d-groups-dilations": _conv_transpose(
         strides=[2, 1], pads=[(1, 0), (0, 1)], dilations=[2, 1], groups=2
     ),
+    # The reference evaluator runs Resize-10 only at opset 11+; at integer scales nearest
+    # is each cell repeated (ONNX's Upsample reference).
+    "Resize-10-nearest": lambda x: np.repeat(np.repeat(x, 2, axis=2), 3, axis=3),
     # output_shape [8, 7] from a full 9 x 9: the spare cells split, the odd one first.
     "ConvTranspose-output_shape": _conv_transpose(
         strides=[2, 2], pads=[(1, 0), (1, 1)], dilations=[1, 1]

@@ -213,3 +213,38 @@ class Decoder(nn.Module):
 def test_conv_transpose_1d_and_2d(dynamo: bool) -> None:
     model = agree_with_torch(Decoder(), torch.randn(2, 2, 5), dynamo=dynamo, reference=False)
     assert sum(n.op_type == "ConvTranspose" for n in model.nodes) == 2
+
+
+# ----------------------------------------------------------------------------------------
+# Upsampling (Resize): the coordinate modes torch emits
+# ----------------------------------------------------------------------------------------
+
+
+class Upsampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        return torch.cat(
+            [
+                F.interpolate(h, scale_factor=2, mode="nearest").flatten(1),  # asymmetric, floor
+                F.interpolate(h, scale_factor=2, mode="bilinear").flatten(1),  # pytorch_half_pixel
+                F.interpolate(h, size=(5, 9), mode="bilinear", align_corners=True).flatten(1),
+                F.interpolate(h[:, :, 0], size=7, mode="linear").flatten(1),
+                F.interpolate(h, size=(2, 3), mode="bilinear").flatten(1),  # downsampling
+            ],
+            dim=1,
+        )
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_upsample_nearest_and_linear(dynamo: bool) -> None:
+    model = agree_with_torch(Upsampler(), torch.randn(2, 2, 3, 4), dynamo=dynamo)
+    modes = {
+        (n.attrs.get("mode"), n.attrs.get("coordinate_transformation_mode"))
+        for n in model.nodes
+        if n.op_type == "Resize"
+    }
+    assert ("nearest", "asymmetric") in modes and ("linear", "align_corners") in modes
