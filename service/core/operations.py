@@ -453,10 +453,12 @@ class Operation:
     kind: str  # the worker message kind, also the key of every table built from this one
     path: str  # POST /v1/tapes/{tape_id}/<path>
     options: type[Budget]  # every operation has a curvature choice and a time budget
-    result: str  # the response schema's name (service/api/schemas)
+    # The answer: a msgspec Struct declared beside the options (the HTTP side makes its
+    # response schema from it), or the name of a response model in service/api/schemas.
+    result: str | type[msgspec.Struct]
     summary: str
     description: str
-    sdk_method: str  # RemoteTape.<sdk_method> in the Python SDK
+    sdk_method: str  # RemoteTape.<sdk_method> in the Python SDK ("": RemoteTape.call only)
     diagnosis: str  # how a non-finite answer of a sound tape is named ("the ... overflowed")
     sharded: Sharded = Sharded.algorithm
     refusal: str = ""  # why a sharded tape refuses it (sharded == refused)
@@ -470,6 +472,10 @@ class Operation:
     @property
     def name(self) -> str:
         return self.route_name or self.kind
+
+    @property
+    def result_name(self) -> str:
+        return self.result if isinstance(self.result, str) else self.result.__name__
 
     @property
     def request(self) -> str:

@@ -60,7 +60,7 @@ def test_routed(op: Any, routes: dict[str, Any]) -> None:
     assert route.name == op.name
     body = route.dependant.body_params[0]
     assert body.field_info.annotation is REQUEST_MODELS[op.kind]
-    assert route.response_model.__name__ == op.result
+    assert route.response_model.__name__ == op.result_name
     # Every option is a field of the request, with the Struct's default.
     fields = REQUEST_MODELS[op.kind].model_fields
     for f in msgspec.structs.fields(op.options):
@@ -129,7 +129,7 @@ def test_in_the_contract(op: Any, contract: dict[str, Any]) -> None:
     assert post is not None, f"{op.kind}: not in openapi/openapi.json (regenerate it)"
     assert post["operationId"] == op.name
     schemas = contract["components"]["schemas"]
-    assert op.request in schemas and op.result in schemas
+    assert op.request in schemas and op.result_name in schemas
     assert set(schemas[op.request]["properties"]) == set(REQUEST_MODELS[op.kind].model_fields) - {
         "run_async"
     } | ({"async"} if op.job else set())

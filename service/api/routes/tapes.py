@@ -44,7 +44,7 @@ from service.api.schemas import (
     TapeList,
     TapeUpdateRequest,
 )
-from service.api.schemas.operations import REQUEST_MODELS
+from service.api.schemas.operations import REQUEST_MODELS, RESPONSE_MODELS
 from service.core.operations import OPERATIONS
 from service.pool import Reply
 
@@ -295,7 +295,7 @@ TAPE_OPERATIONS = (
         op.path,
         op.kind,
         REQUEST_MODELS[op.kind],
-        getattr(schemas, op.result),
+        RESPONSE_MODELS.get(op.kind) or getattr(schemas, op.result_name),
         payloads.operation,
         op.summary,
         op.description,

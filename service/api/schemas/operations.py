@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from service.api.problems import ProblemError
-from service.api.schemas.base import CallOptions, RequestModel, async_field
+from service.api.schemas.base import CallOptions, RequestModel, async_field, nonfinite_flag
 from service.api.schemas.definitions import Inputs, Vector
 from service.core.operations import (
     CURVATURE_FIELDS,
@@ -33,7 +33,6 @@ from service.core.operations import (
     CurvatureChoice,
     Operation,
     OptionError,
-    Options,
 )
 
 _STRICT = {int: StrictInt, float: StrictFloat, bool: StrictBool, str: StrictStr}
@@ -75,12 +74,15 @@ def _pydantic_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
     return _STRICT.get(annotation, annotation), found
 
 
-def struct_fields(options: type[Options], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The Struct's fields as create_model takes them (name -> (type, FieldInfo)): the
     curvature choice first, then the operation's own fields, then its bases'."""
     hints = typing.get_type_hints(options, include_extras=True)
-    defaults = {f.name: f.default for f in msgspec.structs.fields(options)}
-    chain = [c for c in options.__mro__ if isinstance(c, type) and issubclass(c, Options)]
+    defaults = {
+        f.name: ... if f.default is msgspec.NODEFAULT else f.default
+        for f in msgspec.structs.fields(options)
+    }
+    chain = [c for c in options.__mro__ if isinstance(c, type) and issubclass(c, msgspec.Struct)]
     order: list[str] = []
     for cls in [CurvatureChoice, *[c for c in chain if c is not CurvatureChoice]]:
         if cls not in chain:
@@ -166,6 +168,17 @@ def request_model(op: Operation) -> type[OperationRequest]:
     return model
 
 
+def result_model(result: type[msgspec.Struct]) -> type[BaseModel]:
+    """The response model of a result Struct declared in the table (its fields, and the
+    `nonfinite` flag every answer carries)."""
+    fields = struct_fields(result)
+    fields["nonfinite"] = (list[str] | None, nonfinite_flag())
+    model: type[BaseModel] = create_model(
+        result.__name__, __doc__=result.__doc__, __module__=__name__, **fields
+    )
+    return model
+
+
 def curvature_options() -> type[BaseModel]:
     """The curvature fields (service.core.operations.CurvatureChoice) as a pydantic base,
     for the tape requests outside the table (HVPs)."""
@@ -189,4 +202,8 @@ def curvature_options() -> type[BaseModel]:
 
 REQUEST_MODELS: dict[str, type[OperationRequest]] = {
     op.kind: request_model(op) for op in OPERATIONS
+}
+# The answers declared in the table (the others are models of schemas/algorithms.py).
+RESPONSE_MODELS: dict[str, type[BaseModel]] = {
+    op.kind: result_model(op.result) for op in OPERATIONS if not isinstance(op.result, str)
 }
