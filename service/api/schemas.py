@@ -45,6 +45,10 @@ from service.core.wire import DTYPES
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
 # What a stored model or dataset may be called (a path segment, never an id's shape).
+# Every integer option of a request is at most 2^53 - 1: what every JSON reader keeps
+# exactly (the document's bounds are floats) and far inside the 64 bits a worker and NumPy
+# take. A larger one is a 422 naming its field, never a 500 in the worker.
+INT_MAX = 2**53 - 1
 STORED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 # Named, so that generated clients get one FloatDType enum (not a `...DtypeType0`).
 FloatDType = TypeAliasType("FloatDType", Literal["float16", "float32", "float64"])
@@ -80,7 +84,7 @@ _DATA_SCHEMA = {
 }
 
 Shape = Annotated[
-    list[Annotated[StrictInt, Field(ge=0)]],
+    list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]],
     Field(max_length=32, description="Dimensions; [] for a scalar."),
 ]
 
@@ -233,6 +237,13 @@ NamedTensors = TypeAliasType(
     "NamedTensors",
     Annotated[dict[Name, TensorValue], Field(description="Tensors by name.")],
 )
+DatasetUpload = TypeAliasType(
+    "DatasetUpload",
+    Annotated[
+        dict[Name, TensorValue],
+        Field(min_length=1, description="A dataset's arrays by name (at least one)."),
+    ],
+)
 Variables = TypeAliasType(
     "Variables",
     Annotated[dict[Name, Variable], Field(description="Parameters by name.")],
@@ -262,15 +273,15 @@ DatasetName = Annotated[
 class RowSlice(_Strict):
     """Rows start:stop:step of axis 0 (Python's slice; start and stop within 0..rows)."""
 
-    start: StrictInt | None = Field(None, ge=0)
-    stop: StrictInt | None = Field(None, ge=0)
-    step: StrictInt | None = Field(None, ge=1)
+    start: StrictInt | None = Field(None, ge=0, le=INT_MAX)
+    stop: StrictInt | None = Field(None, ge=0, le=INT_MAX)
+    step: StrictInt | None = Field(None, ge=1, le=INT_MAX)
 
 
 Rows = TypeAliasType(
     "Rows",
     Annotated[
-        list[Annotated[StrictInt, Field(ge=0)]] | RowSlice,
+        list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]] | RowSlice,
         Field(
             description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
             "step}; a row past the array's end is a 422 naming the bound."
@@ -581,6 +592,7 @@ class ShardOptions(RequestModel):
         "the batch size and the server's max_shards. 1 or absent: not sharded. The parts' "
         "sizes differ by one at most.",
         examples=[2],
+        le=INT_MAX,
     )
     shard_by: list[Name] | Name | None = Field(
         None,
@@ -831,7 +843,9 @@ class CurvatureOptions(RequestModel):
         "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
         "`fisher_seed`); absent: the exact Fisher.",
     )
-    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
+    fisher_seed: StrictInt = Field(
+        0, ge=0, description="Seed of the Monte-Carlo Fisher's targets.", le=INT_MAX
+    )
 
     @model_validator(mode="after")
     def _samples_for_fisher(self) -> CurvatureOptions:
@@ -982,7 +996,7 @@ class EigenvaluesRequest(CurvatureOptions, CallOptions):
         lt=1,
         description="Converged when each Ritz residual ||H y - theta y|| <= tol * max |theta|.",
     )
-    max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION)
+    max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION, le=INT_MAX)
     max_seconds: StrictFloat | None = Field(
         None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
     )
@@ -992,7 +1006,10 @@ class EigenvaluesRequest(CurvatureOptions, CallOptions):
         "tensors per source (unit norm over all sources).",
     )
     seed: StrictInt | None = Field(
-        0, ge=0, description="Seed of the random start vector (null: a fresh one)."
+        0,
+        ge=0,
+        description="Seed of the random start vector (null: a fresh one).",
+        le=INT_MAX,
     )
     run_async: StrictBool = _async_field()
 
@@ -1039,9 +1056,13 @@ class TraceRequest(CurvatureOptions, CallOptions):
         "(at most the server's hvp_max_vectors); exact passes take "
         "up to 64 unit vectors (fewer when hvp_max_vectors or the "
         "memory budget is tighter).",
+        le=INT_MAX,
     )
     max_hvps: StrictInt = Field(
-        256, ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps)."
+        256,
+        ge=2,
+        description="Most HVPs to use (at most the server's algorithm_max_hvps).",
+        le=INT_MAX,
     )
     rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
     atol: StrictFloat = Field(
@@ -1051,7 +1072,10 @@ class TraceRequest(CurvatureOptions, CallOptions):
         None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
     )
     seed: StrictInt | None = Field(
-        0, ge=0, description="Seed of the random vectors (null: fresh ones)."
+        0,
+        ge=0,
+        description="Seed of the random vectors (null: fresh ones).",
+        le=INT_MAX,
     )
     run_async: StrictBool = _async_field()
 
@@ -1073,9 +1097,13 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
         "(at most the server's hvp_max_vectors); exact passes take "
         "up to 64 unit vectors (fewer when hvp_max_vectors or the "
         "memory budget is tighter).",
+        le=INT_MAX,
     )
     max_hvps: StrictInt = Field(
-        256, ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps)."
+        256,
+        ge=2,
+        description="Most HVPs to use (at most the server's algorithm_max_hvps).",
+        le=INT_MAX,
     )
     rtol: StrictFloat | None = Field(
         None,
@@ -1091,7 +1119,10 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
         None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
     )
     seed: StrictInt | None = Field(
-        0, ge=0, description="Seed of the random vectors (null: fresh ones)."
+        0,
+        ge=0,
+        description="Seed of the random vectors (null: fresh ones).",
+        le=INT_MAX,
     )
     run_async: StrictBool = _async_field()
 
@@ -1141,11 +1172,14 @@ class SpectralDensityRequest(CurvatureOptions, CallOptions):
         None,
         ge=1,
         description=MAX_HVPS_DESCRIPTION + " Default: probes x steps, within algorithm_max_hvps.",
+        le=INT_MAX,
     )
     max_seconds: StrictFloat | None = Field(
         None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
     )
-    seed: StrictInt | None = Field(0, ge=0, description="Seed of the probes (null: fresh ones).")
+    seed: StrictInt | None = Field(
+        0, ge=0, description="Seed of the probes (null: fresh ones).", le=INT_MAX
+    )
     run_async: StrictBool = _async_field()
 
 
@@ -1162,9 +1196,12 @@ class SolveRequest(CurvatureOptions, CallOptions):
     tol: StrictFloat = Field(
         1e-6, gt=0, lt=1, description="Converged when ||b - (H + damping I) x|| <= tol * ||b||."
     )
-    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
+    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.", le=INT_MAX)
     max_hvps: StrictInt | None = Field(
-        None, ge=1, description=MAX_HVPS_DESCRIPTION + " Default: max_iterations."
+        None,
+        ge=1,
+        description=MAX_HVPS_DESCRIPTION + " Default: max_iterations.",
+        le=INT_MAX,
     )
     max_seconds: StrictFloat | None = Field(
         None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
@@ -1185,7 +1222,7 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
         "whole dataset ({dataset, rows}: each array the input of its name). The test loss "
         "is the tape's loss on them.",
     )
-    rows: list[StrictInt] | None = Field(
+    rows: list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX)]] | None = Field(
         None,
         min_length=1,
         max_length=100_000,
@@ -1210,7 +1247,7 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     tol: StrictFloat = Field(
         1e-6, gt=0, lt=1, description="CG converged when ||b - (C + damping I) s|| <= tol * ||b||."
     )
-    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.")
+    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.", le=INT_MAX)
     max_hvps: StrictInt | None = Field(
         None,
         ge=1,
@@ -1218,6 +1255,7 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
         "Default: max_iterations. It bounds the CG solve's "
         "curvature products only; the passes around it are "
         "fixed (see the answer's `hvps`).",
+        le=INT_MAX,
     )
     max_seconds: StrictFloat | None = Field(
         None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
