@@ -247,6 +247,7 @@ class CompiledProgram:
         value, *grads = _gradient_passes.run(
             key, [leaves[n] for n in names], run, lambda: replay.known_tensors(self)
         )
+        assert value is not None  # the loss is every pass's first output
         return value, dict(zip(keys, grads, strict=True))
 
     def gradient_passes(self) -> dict[Any, Any]:

@@ -9,6 +9,7 @@ and keeps it hot (service/worker/datasets.py), and takes the rows. No array work
 from __future__ import annotations
 
 import asyncio
+import builtins  # `list` is also a method of DatasetCatalog below
 import io
 import math
 import zipfile
@@ -272,7 +273,9 @@ class DatasetCatalog:
         if not await asyncio.to_thread(self.store.delete_dataset, owner, name):
             await self.get(owner, name)  # the 404
 
-    async def bind(self, owner: str, inputs: dict[str, Any], bindings: list[Binding]) -> None:
+    async def bind(
+        self, owner: str, inputs: dict[str, Any], bindings: builtins.list[Binding]
+    ) -> None:
         """Replace the dataset inputs (of a definition, or an influence request's test
         points) by references to the arrays."""
         for b in bindings:
