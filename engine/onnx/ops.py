@@ -24,6 +24,8 @@ Handler = Callable[[list[Any], dict[str, Any], int], list[Any]]
 HANDLERS: dict[str, Handler] = {}
 # op_type -> indices of inputs that must be known at load time.
 STATIC: dict[str, tuple[int, ...]] = {}
+# op_type -> why a node's attributes cannot run here (None when they can), asked at load.
+REFUSALS: dict[str, Callable[[dict[str, Any]], str | None]] = {}
 
 
 def handler(*names: str, static: tuple[int, ...] = ()) -> Callable[[Handler], Handler]:
@@ -588,7 +590,7 @@ def _upsample(ins, attrs, opset):
     return [_resize(x, scales, sizes, {**attrs, "nearest_mode": "floor"}, "asymmetric")]
 
 
-def _resize_refusal(attrs: dict[str, Any]) -> str | None:
+def resize_refusal(attrs: dict[str, Any]) -> str | None:
     mode = attrs.get("mode", "nearest")
     if mode not in RESIZE_MODES:
         return f"mode {mode!r} is not supported (only 'nearest' and 'linear')"
@@ -602,6 +604,9 @@ def _resize_refusal(attrs: dict[str, Any]) -> str | None:
     if attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
         return f"keep_aspect_ratio_policy {attrs['keep_aspect_ratio_policy']!r} is not supported"
     return None
+
+
+REFUSALS["Resize"] = REFUSALS["Upsample"] = resize_refusal
 
 
 # ----------------------------------------------------------------------------------------
@@ -887,8 +892,8 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
         "SAME_LOWER",
     ):
         return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
-    if op_type in ("Resize", "Upsample"):
-        return _resize_refusal(attrs)
+    if op_type in REFUSALS:
+        return REFUSALS[op_type](attrs)
     if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
         return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
     return None
@@ -906,3 +911,7 @@ def run_node(
 # reference evaluator, never run on tensors. Listed so a graph using them on computed
 # values says so precisely.
 FOLD_ONLY = frozenset({"Constant", "ConstantOfShape", "Range", "NonZero", "OneHot", "EyeLike"})
+
+
+# The recurrent ops register their handlers, static inputs and refusals on import.
+from engine.onnx import recurrent  # noqa: F401

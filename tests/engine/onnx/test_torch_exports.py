@@ -248,3 +248,57 @@ def test_upsample_nearest_and_linear(dynamo: bool) -> None:
         if n.op_type == "Resize"
     }
     assert ("nearest", "asymmetric") in modes and ("linear", "align_corners") in modes
+
+
+# ----------------------------------------------------------------------------------------
+# Recurrent nets: torch's LSTM/GRU/RNN exported as ONNX LSTM/GRU/RNN (its ifgo/rzn gate
+# blocks re-sliced into ONNX's iofc/zrh by the exported graph)
+# ----------------------------------------------------------------------------------------
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: str, batch_first: bool, bidirectional: bool, layers: int) -> None:
+        super().__init__()
+        kind = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[cell]
+        self.cell = cell
+        self.rnn = kind(
+            3, 4, num_layers=layers, batch_first=batch_first, bidirectional=bidirectional
+        )
+        self.head = nn.Linear(4 * (2 if bidirectional else 1), 2)
+
+    def forward(self, x, h0, *c0):
+        state = (h0, c0[0]) if self.cell == "lstm" else h0
+        y, last = self.rnn(x, state)
+        h = last[0] if self.cell == "lstm" else last
+        return self.head(y), h
+
+
+RECURRENT = [
+    ("lstm", True, True, 2),
+    ("lstm", False, False, 1),
+    ("gru", False, True, 1),
+    ("gru", True, False, 2),
+    ("rnn", True, True, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("cell", "batch_first", "bidirectional", "layers"),
+    RECURRENT,
+    ids=["-".join(map(str, c)) for c in RECURRENT],
+)
+def test_recurrent_with_initial_states(cell, batch_first, bidirectional, layers) -> None:
+    module = Recurrent(cell, batch_first, bidirectional, layers)
+    batch, seq = 2, 5
+    x = torch.randn((batch, seq, 3) if batch_first else (seq, batch, 3))
+    states = [torch.randn(layers * (2 if bidirectional else 1), batch, 4)]
+    if cell == "lstm":
+        states.append(torch.randn_like(states[0]))
+    model = agree_with_torch(module, x, *states)
+    assert cell.upper() in {n.op_type for n in model.nodes}
+
+
+def test_lstm_through_the_dynamo_exporter() -> None:
+    module = Recurrent("lstm", True, True, 1)
+    h0, c0 = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    agree_with_torch(module, torch.randn(2, 4, 3), h0, c0, dynamo=True)
