@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.onnx import recurrent  # noqa: F401 (registers LSTM, GRU and RNN in HANDLERS)
 from engine.onnx.errors import ModelError, ModelProblem
 from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
 from engine.tensor import Tensor, constant

@@ -911,7 +911,3 @@ def run_node(
 # reference evaluator, never run on tensors. Listed so a graph using them on computed
 # values says so precisely.
 FOLD_ONLY = frozenset({"Constant", "ConstantOfShape", "Range", "NonZero", "OneHot", "EyeLike"})
-
-
-# The recurrent ops register their handlers, static inputs and refusals on import.
-from engine.onnx import recurrent  # noqa: F401
