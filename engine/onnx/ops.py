@@ -176,6 +176,23 @@ def _mish(ins, attrs, opset):
     return [OP["multiply"](x, OP["tanh"](OP["softplus"](x)))]
 
 
+@handler("IsNaN")
+def _is_nan(ins, attrs, opset):
+    x = ins[0]  # NaN is the one value unequal to itself (torch's masked attention asks)
+    return [OP["not_equal"](x, x)]
+
+
+@handler("IsInf")
+def _is_inf(ins, attrs, opset):
+    x = ins[0]
+    out = None
+    for sign, wanted in ((1.0, "detect_positive"), (-1.0, "detect_negative")):
+        if attrs.get(wanted, 1):
+            hit = OP["equal"](x, _like(sign * np.inf, x))
+            out = hit if out is None else OP["logical_or"](out, hit)
+    return [out if out is not None else OP["not_equal"](x, x)]
+
+
 @handler("Where")
 def _where(ins, attrs, opset):
     return [OP["where"](ins[0], ins[1], ins[2])]

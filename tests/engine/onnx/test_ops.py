@@ -234,6 +234,23 @@ CASES = {
         {"a": r(3, 4), "b": r(3, 4)},
         {},
     ),
+    "IsNaN-IsInf-masks": (
+        13,
+        [
+            N("Div", ["a", "z"], ["q"]),  # 0/0 = nan, +-1/0 = +-inf
+            N("IsNaN", ["q"], ["nan"]),
+            N("IsInf", ["q"], ["neg"], detect_positive=0),
+            N("IsInf", ["q"], ["inf"]),
+            N("Or", ["nan", "neg"], ["drop"]),
+            N("Where", ["drop", "z", "b"], ["wb"]),
+            N("Where", ["inf", "z", "wb"], ["out"]),
+        ],
+        {"b": r(6)},
+        {
+            "a": np.array([0.0, 1.0, -1.0, 2.0, 0.0, 3.0]),
+            "z": np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]),
+        },
+    ),
     "Greater-Equal-cast": (
         13,
         [

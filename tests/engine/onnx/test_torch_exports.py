@@ -20,6 +20,7 @@ from onnx.reference import ReferenceEvaluator
 
 import engine as gt
 from engine.onnx import load_model
+from tests.engine.onnx.graphs import float64_model
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -54,15 +55,27 @@ def _scalar_engine(outs, weights):
 
 
 def agree_with_torch(
-    module, *args, dynamo: bool = False, opset: int = 17, seed: int = 0, reference: bool = True
+    module,
+    *args,
+    dynamo: bool = False,
+    opset: int = 17,
+    seed: int = 0,
+    reference: bool = True,
+    via_float32: bool = False,
 ):
     """Export `module` (float64, eval mode) and check the engine against torch (and the
     forward against ONNX's reference evaluator unless `reference` is false: it lacks
-    grouped ConvTranspose); returns the loaded model (for further checks)."""
+    grouped ConvTranspose); returns the loaded model (for further checks). via_float32:
+    export in float32 and switch the file to float64 (the TorchScript exporter refuses a
+    float64 attention mask)."""
     torch.manual_seed(seed)
-    module = module.double().eval()
+    module = module.eval()
+    if via_float32:  # exported in float32, the file switched to float64 (graphs.py)
+        data = float64_model(export(module.float(), args, dynamo=dynamo, opset=opset))
+    module = module.double()
     args = tuple(a.double() if a.is_floating_point() else a for a in args)
-    data = export(module, args, dynamo=dynamo, opset=opset)
+    if not via_float32:
+        data = export(module, args, dynamo=dynamo, opset=opset)
     model = load_model(data)
     arrays = [a.detach().numpy() for a in args]
     spec = model.specialize([(a.shape, a.dtype) for a in arrays])
@@ -117,14 +130,16 @@ def agree_with_torch(
     direction = [torch.from_numpy(rng.standard_normal(tuple(p.shape))) for p in leaves]
     # Torch has no double backward for some ops (hardsigmoid); such a module computes
     # the same function with ops that have one when `twice` is set.
+    # The same holds for the fused CPU attention kernel: its math form has one.
     module.twice = True
-    t_outs = module(*call_args)
-    t_outs = [o for o in (t_outs if isinstance(t_outs, tuple) else (t_outs,)) if o is not None]
-    t_loss = _scalar_torch(t_outs, [torch.from_numpy(w) for w in weights])
-    t_grads = torch.autograd.grad(t_loss, leaves, create_graph=True, allow_unused=True)
-    t_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(t_grads, leaves)]
-    dot = sum((g * d).sum() for g, d in zip(t_grads, direction))
-    t_hvp = torch.autograd.grad(dot, leaves, allow_unused=True)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        t_outs = module(*call_args)
+        t_outs = [o for o in (t_outs if isinstance(t_outs, tuple) else (t_outs,)) if o is not None]
+        t_loss = _scalar_torch(t_outs, [torch.from_numpy(w) for w in weights])
+        t_grads = torch.autograd.grad(t_loss, leaves, create_graph=True, allow_unused=True)
+        t_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(t_grads, leaves)]
+        dot = sum((g * d).sum() for g, d in zip(t_grads, direction))
+        t_hvp = torch.autograd.grad(dot, leaves, allow_unused=True)
     t_hvp = [torch.zeros_like(p) if h is None else h for h, p in zip(t_hvp, leaves)]
 
     def loss(*leaves):
@@ -302,3 +317,54 @@ def test_lstm_through_the_dynamo_exporter() -> None:
     module = Recurrent("lstm", True, True, 1)
     h0, c0 = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
     agree_with_torch(module, torch.randn(2, 4, 3), h0, c0, dynamo=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Attention with masks, as nn.MultiheadAttention and scaled_dot_product_attention export
+# them (boolean masks become -inf scores by Where; torch's float-mask path asks IsNaN)
+# ----------------------------------------------------------------------------------------
+
+
+class KeyPadding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, key_padding_mask):
+        y, _ = self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)
+        return y
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.mask = mask
+
+    def forward(self, x, *mask):
+        q, k, v = (t.reshape(2, 4, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        if self.mask == "causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # a boolean or an additive float mask given as an input
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0])
+        return y.transpose(1, 2).reshape(2, 4, 8)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_multihead_attention_with_a_key_padding_mask(dynamo: bool) -> None:
+    padding = torch.tensor([[False, False, False, False], [False, False, True, True]])
+    agree_with_torch(
+        KeyPadding(), torch.randn(2, 4, 8), padding, dynamo=dynamo, via_float32=not dynamo
+    )
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
+def test_scaled_dot_product_attention_masks(mask: str) -> None:
+    args = [torch.randn(2, 4, 8)]
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    if mask == "bool":
+        args.append(causal)
+    elif mask == "float":
+        args.append(torch.where(causal, 0.0, float("-inf")) + 0.1 * torch.randn(4, 4))
+    model = agree_with_torch(CausalAttention(mask), *args, via_float32=mask == "float")
+    assert "Softmax" in {n.op_type for n in model.nodes}
