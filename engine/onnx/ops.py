@@ -293,7 +293,8 @@ def _instance_norm(ins, attrs, opset):
 def _group_norm(ins, attrs, opset):
     # Statistics over each group of C/G channels and all spatial positions; scale and
     # bias per channel (opset 21: the checker refuses version 18's per-group form, which
-    # ONNX deprecated).
+    # ONNX deprecated). The statistics are computed in the input's dtype whatever
+    # stash_type says (its default asks float32, which would round a float64 model).
     x, scale, bias = ins[:3]
     shape = shape_of(x)
     groups, channels, rank = int(attrs["num_groups"]), shape[1], len(shape)
