@@ -368,3 +368,81 @@ def test_scaled_dot_product_attention_masks(mask: str) -> None:
         args.append(torch.where(causal, 0.0, float("-inf")) + 0.1 * torch.randn(4, 4))
     model = agree_with_torch(CausalAttention(mask), *args, via_float32=mask == "float")
     assert "Softmax" in {n.op_type for n in model.nodes}
+
+
+# ----------------------------------------------------------------------------------------
+# A model with several outputs, called from a program: `output=` picks one per call
+# ----------------------------------------------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.cls = nn.Linear(6, 3)
+        self.reg = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.cls(h), self.reg(h)
+
+
+def test_a_program_calls_each_output_of_a_two_output_model() -> None:
+    from engine.language import DefinitionError, as_definition, compile_definition
+
+    torch.manual_seed(3)
+    module = TwoHeads().double().eval()
+    x, y = torch.randn(5, 4).double(), torch.tensor([0, 2, 1, 1, 0])
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            (x,),
+            buffer,
+            dynamo=False,
+            do_constant_folding=False,
+            input_names=["x"],
+            output_names=["logits", "box"],
+        )
+
+    def compiled(program):
+        defn = as_definition(
+            {
+                "models": {"net": {"onnx": buffer.getvalue()}},
+                "inputs": {"x": x.numpy(), "y": y.numpy()},
+                "program": program,
+            }
+        )
+        prog = compile_definition(defn)
+        return prog, prog.leaves(defn)
+
+    prog, leaves = compiled(
+        [
+            "logits = net(x, output='logits')",
+            "box = net(x, output=1)",
+            "loss = softmax_cross_entropy(logits, y) + mean(box * box)",
+        ]
+    )
+    request = prog.check_request("loss")
+    names = list(request.sources.values())
+    assert sorted(names) == sorted(n for n, _ in module.named_parameters())
+    with gt.GradientTape() as tape:
+        env = prog.run(leaves)
+    grads = dict(zip(names, tape.gradient(env["loss"], [leaves[n] for n in names])))
+    logits, box = module(x)
+    loss = F.cross_entropy(logits, y) + (box * box).mean()
+    loss.backward()
+    np.testing.assert_allclose(env["loss"].numpy(), loss.item(), rtol=1e-12)
+    for n, p in module.named_parameters():
+        np.testing.assert_allclose(grads[n].numpy(), p.grad.numpy(), rtol=1e-10, err_msg=n)
+
+    for program, message in (
+        (["out = net(x)"], "the model has 2 outputs ('logits', 'box'); choose one with output="),
+        (["out = net(x, output='boxes')"], "output= must name one of the model's outputs"),
+        (["out = net(x, output=2)"], "or give its position (0 to 1)"),
+        (["out = net(x, head=1)"], "a model takes its inputs by position and one keyword"),
+    ):
+        with pytest.raises(DefinitionError) as info:
+            compiled(program)
+        assert message in str(info.value)
