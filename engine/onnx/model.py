@@ -406,10 +406,20 @@ class OnnxModel:
                 for dim, size in zip(dims, by_name[value.name][0]):
                     dim.Clear()
                     dim.dim_value = size
+        failures = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise ModelError([ModelProblem(f"ONNX shape inference failed: {exc}", "shape")])
+        except failures as exc:
+            # Data propagation (shapes computed from shape-valued tensors) misjudges some
+            # graphs of index arithmetic (the dynamo exporter's AdaptiveAvgPool: "Invalid
+            # rank for Add broadcasting"); inference without it is still exact, if
+            # sometimes less complete.
+            try:
+                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+            except failures:
+                raise ModelError(
+                    [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
+                ) from None
         out = {}
         graph = inferred.graph
         for value in (*graph.input, *graph.value_info, *graph.output):

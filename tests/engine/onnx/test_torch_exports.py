@@ -446,3 +446,19 @@ def test_a_program_calls_each_output_of_a_two_output_model() -> None:
         with pytest.raises(DefinitionError) as info:
             compiled(program)
         assert message in str(info.value)
+
+
+class AdaptivePool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 2)
+
+    def forward(self, x):  # 6x5 -> 4x3: windows that overlap and differ in size
+        return F.adaptive_avg_pool2d(torch.tanh(self.conv(x)), (4, 3))
+
+
+def test_adaptive_average_pool_with_a_non_dividing_size_through_gather_nd() -> None:
+    # Only the dynamo exporter takes it (TorchScript refuses a size that does not divide),
+    # as GatherND over constant window indices.
+    model = agree_with_torch(AdaptivePool(), torch.randn(2, 2, 7, 6), dynamo=True)
+    assert "GatherND" in {n.op_type for n in model.nodes}
