@@ -265,12 +265,19 @@ def _model(raw: Any, section: str, problems: list[Problem]) -> ModelDef | None:
         problems.append(_problem(f"{section}.frozen", "frozen must be a list of names"))
         return None
     from engine.onnx import ModelError, load_model  # needs the onnx package
+    from engine.onnx.errors import grouped, summary
 
     try:
         model = load_model(raw.get("onnx"))
     except ModelError as exc:
+        # First the summary (op types, counts, what to do: the answer's detail), then one
+        # problem per op type and reason, then the rest (shapes, modes, the file).
+        found = grouped(exc.problems)
+        lead = summary(found)
+        if lead is not None:
+            problems.append(Problem(lead, section, kind="op"))
         problems.extend(
-            Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model")) for p in exc.problems
+            Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model")) for p in found
         )
         return None
     unknown = [f for f in frozen if f not in model.params]

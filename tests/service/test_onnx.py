@@ -168,20 +168,29 @@ def test_unsupported_ops_are_one_422_listing_each(client) -> None:
     )
     body = problem(client.post("/v1/gradient", json=inline(data)), 422, "definition")
     found = [(e["section"], e["kind"], e["message"]) for e in body["errors"]]
-    assert found == [
+    summary = (
+        "2 node(s) of 2 op type(s) cannot run here (Hardmax x1, LpNormalization x1): export "
+        "the model again with ops this runtime supports"
+    )
+    assert found[0][:2] == ("models.net", "op") and found[0][2].startswith(summary)
+    assert found[1:] == [
         (
             "models.net",
             "op",
-            "node 'hard' (op_type Hardmax, domain ai.onnx, opset 18): not supported",
+            "op_type Hardmax (domain ai.onnx, opset 18), 1 node(s) ('hard'): not supported",
         ),
         (
             "models.net",
             "op",
-            "node 'lp' (op_type LpNormalization, domain ai.onnx, opset 18): not supported",
+            "op_type LpNormalization (domain ai.onnx, opset 18), 1 node(s) ('lp'): not supported",
         ),
     ]
+    assert body["detail"].startswith(f"models.net: {summary}")
+    # An upload names itself, not the definition it is stored as.
     stored = problem(client.put("/v1/models/unsupported", content=data, headers=ONNX), 422)
-    assert len(stored["errors"]) == 2 and "Hardmax" in stored["errors"][0]["message"]
+    assert stored["detail"].startswith(f"the uploaded model 'unsupported': {summary}")
+    assert {e["section"] for e in stored["errors"]} == {"the uploaded model 'unsupported'"}
+    assert len(stored["errors"]) == 3 and "Hardmax" in stored["errors"][1]["message"]
     assert client.get("/v1/models/unsupported").status_code == 404  # nothing stored
 
 
@@ -193,7 +202,7 @@ def test_truncated_file_is_a_422_naming_the_complaint(client) -> None:
     ):
         body = problem(sent, 422, "definition")
         (error,) = body["errors"]
-        assert error["section"] in ("models.net", "models.onnx")
+        assert error["section"] in ("models.net", "the uploaded model 'truncated'")
         assert "truncated" in error["message"] or "checker" in error["message"]
 
 

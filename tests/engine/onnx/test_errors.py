@@ -154,14 +154,31 @@ def test_a_shape_computed_from_values_is_refused_naming_the_node() -> None:
 
 
 def test_language_reports_model_problems_located() -> None:
-    bad = graph_model([N("Hardmax", ["x"], ["out"], name="hard")], {"x": X}, opset=13)
+    # Five unsupported nodes of two op types: a summary first (op types with counts,
+    # what to do), then one problem per op type with its count and first node names.
+    nodes = [N("Hardmax", ["x"], ["h0"], name="hard0")]
+    for i in range(1, 4):
+        nodes.append(N("Hardmax", [f"h{i - 1}"], [f"h{i}"], name=f"hard{i}"))
+    nodes.append(N("LpNormalization", ["h3"], ["out"], name="lp"))
+    bad = graph_model(nodes, {"x": X}, opset=13)
     with pytest.raises(DefinitionError) as info:
         as_definition(
             {"models": {"net": {"onnx": bad}}, "inputs": {"x": X}, "program": ["y = net(x)"]}
         )
-    (problem,) = info.value.problems
-    assert (problem.section, problem.kind) == ("models.net", "op")
-    assert "Hardmax" in problem.message
+    lead, hard, lp = info.value.problems
+    assert all((p.section, p.kind) == ("models.net", "op") for p in (lead, hard, lp))
+    assert lead.message.startswith(
+        "5 node(s) of 2 op type(s) cannot run here (Hardmax x4, "
+        "LpNormalization x1): export the model again with ops this runtime supports"
+    )
+    assert "do_constant_folding=False" in lead.message
+    assert hard.message == (
+        "op_type Hardmax (domain ai.onnx, opset 13), 4 node(s) ('hard0', 'hard1', 'hard2', "
+        "...): not supported"
+    )
+    assert lp.message == (
+        "op_type LpNormalization (domain ai.onnx, opset 13), 1 node(s) ('lp'): not supported"
+    )
 
     good = graph_model([N("Relu", ["x"], ["out"])], {"x": X}, opset=13)
     with pytest.raises(DefinitionError) as info:
