@@ -492,18 +492,20 @@ _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 8
 
 
-def load_model(data: bytes) -> OnnxModel:
+def load_model(data: bytes, float64: bool = False) -> OnnxModel:
     """A checked model from the bytes of an .onnx file (cached by content); raises
-    ModelError naming the checker's complaint or every unsupported node."""
+    ModelError naming the checker's complaint or every unsupported node. float64: run a
+    float32 model in float64 (as_float64), as a definition with `dtype: float64` asks."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ModelError([ModelProblem(f"an ONNX model is bytes, got {type(data).__name__}")])
     data = bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(data).hexdigest() + (":float64" if float64 else "")
     with _CACHE_LOCK:
         if digest in _CACHE:
             _CACHE.move_to_end(digest)
             return _CACHE[digest]
-    model = OnnxModel(_parse(data), digest)
+    proto = _parse(data)
+    model = OnnxModel(as_float64(proto) if float64 else proto, digest)
     model.check()
     with _CACHE_LOCK:
         _CACHE[digest] = model
@@ -535,3 +537,38 @@ def _parse(data: bytes) -> Any:
     except onnx.checker.ValidationError as exc:
         raise ModelError([ModelProblem(f"the ONNX checker refuses the model: {exc}")]) from None
     return proto
+
+
+def as_float64(proto: Any) -> Any:
+    """The same model computing in float64: float32 initializers, graph inputs, outputs
+    and value infos, Cast targets and float32 constants (Constant, ConstantOfShape
+    values) switched to double. Exact for what the file holds: a float32 constant keeps
+    its float32 value, now in a float64."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    graph = model.graph
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT:
+            value = numpy_helper.to_array(init).astype(np.float64)
+            graph.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                value = numpy_helper.to_array(attr.t).astype(np.float64)
+                attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
+    return model
+
+
+def float_dtypes(model: OnnxModel) -> set[np.dtype]:
+    """The floating-point dtypes of a model's parameters and inputs."""
+    found = {v.dtype for v in model.params.values()}
+    found.update(i.dtype for i in model.inputs if i.dtype.kind == "f")
+    return found

@@ -414,3 +414,28 @@ def test_a_stored_model_may_call_a_stored_onnx_file(client) -> None:
     finally:
         client.delete("/v1/models/story-def")
         client.delete("/v1/models/story-onnx")
+
+
+def test_dtype_float64_runs_a_float32_model_in_float64(client) -> None:
+    # Today's answer to `dtype: float64` on a float32 file is float64 (PyTorch's float64
+    # gradients to 1e-6), where it was float32 without a word.
+    data, record = fixture("lenet")
+    body = {
+        "definition": {
+            "dtype": "float64",
+            "models": {"net": {"onnx": b64(data)}},
+            "inputs": {"x": record["x"].tolist(), "y": t(record["y"], "int64")},
+            "program": PROGRAM,
+        },
+        "target": "loss",
+    }
+    answer = post(client, "/v1/gradient", body)
+    assert answer["value"]["dtype"] == "float64"
+    np.testing.assert_allclose(arr(answer["value"]), record["f64/loss"], rtol=1e-9)
+    for key, got in answer["gradients"].items():
+        assert got["dtype"] == "float64"
+        want = record[f"f64/grad/{key}"]
+        np.testing.assert_allclose(arr(got), want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
+    body["definition"]["dtype"] = "float16"
+    refused = problem(client.post("/v1/gradient", json=body), 422, "definition")
+    assert "dtype float16 is not applied to ONNX models" in refused["detail"]
