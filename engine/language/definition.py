@@ -75,7 +75,8 @@ class ModelDef:
     model: a loaded engine.onnx.OnnxModel. Its floating-point initializers are the
     definition's variables, named by their ONNX names (as_definition adds them; a
     variable of the same name given in `variables` replaces the initializer's value),
-    trainable unless listed in `frozen`."""
+    trainable unless listed in `frozen` (which holds the model's frozen_by_default too:
+    BatchNorm running statistics, initializers only shapes or comparisons read)."""
 
     model: Any
     frozen: tuple[str, ...] = ()
@@ -308,7 +309,10 @@ def _model(
             )
         )
         return None
-    return ModelDef(model, tuple(frozen))
+    # BatchNorm's running statistics and initializers no gradient reaches the outputs
+    # from (shape computations, comparisons, indices) are frozen whether listed or not.
+    defaults = tuple(n for n in model.frozen_by_default if n not in frozen)
+    return ModelDef(model, tuple(frozen) + defaults)
 
 
 _MODEL_KINDS = {"op": "op", "shape": "shape", "mode": "model", "model": "model"}

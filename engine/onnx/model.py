@@ -129,9 +129,37 @@ class OnnxModel:
             )
             for i, n in enumerate(graph.node)
         ]
+        self.frozen_by_default = self._frozen_by_default()
         self.structure = self._structure_hash()
         self._specs: OrderedDict[tuple, Specialization] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _frozen_by_default(self) -> dict[str, str]:
+        """Parameters that no gradient reaches the outputs from, by why: BatchNorm's
+        running statistics (inputs 3 and 4 in inference) and initializers read only by
+        shape computations, comparisons, indices and dtype targets. They stay variables
+        (a request may set them) but are not trainable unless the definition says so."""
+        relevant = set(self.outputs)
+        for node in reversed(self.nodes):  # ONNX graphs are topologically sorted
+            if not any(n in relevant for n in node.outputs if n):
+                continue
+            for i, name in enumerate(node.inputs):
+                if name and differentiable_input(node.op_type, i, node.attrs):
+                    relevant.add(name)
+        statistics = {
+            n.inputs[i]
+            for n in self.nodes
+            if n.op_type == "BatchNormalization"
+            for i in (3, 4)
+            if i < len(n.inputs)
+        }
+        return {
+            name: "a BatchNormalization running statistic"
+            if name in statistics
+            else "read only by shape computations, comparisons or indices"
+            for name in self.params
+            if name not in relevant
+        }
 
     # Load-time checks -------------------------------------------------------------------
     def check(self) -> None:
@@ -446,6 +474,35 @@ class OnnxModel:
                 if name:
                     env[name] = value
         return [v if isinstance(v, Tensor) else constant(v) for v in (env[n] for n in self.outputs)]
+
+
+# Ops whose outputs carry no derivative of any input (shapes, comparisons, logic,
+# rounding, index results), and per op the inputs that carry none (indices, a condition,
+# a dtype target, BatchNorm's running statistics: buffers, not parameters).
+NO_DERIVATIVE = frozenset(
+    {"Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
+     "And", "Or", "Xor", "IsNaN", "IsInf", "Sign", "ArgMax", "ArgMin", "ConstantOfShape",
+     "Range", "NonZero", "OneHot", "EyeLike", "Floor", "Ceil", "Round"}
+)  # fmt: skip
+NO_DERIVATIVE_INPUTS = {
+    "CastLike": (1,),
+    "Where": (0,),
+    "Gather": (1,),
+    "GatherND": (1,),
+    "GatherElements": (1,),
+    "BatchNormalization": (3, 4),
+}
+
+
+def differentiable_input(op_type: str, index: int, attrs: Mapping[str, Any]) -> bool:
+    """Whether a derivative of the node's outputs can reach its input `index`."""
+    if op_type in NO_DERIVATIVE or index in STATIC.get(op_type, ()):
+        return False
+    if op_type == "Cast":
+        from onnx import helper
+
+        return np.dtype(helper.tensor_dtype_to_np_dtype(attrs["to"])).kind == "f"
+    return index not in NO_DERIVATIVE_INPUTS.get(op_type, ())
 
 
 def _graph_input(value: Any) -> GraphInput:

@@ -216,3 +216,39 @@ def test_attributes_this_runtime_does_not_implement_are_refused_at_load() -> Non
         ("pool", "the Indices output is not supported"),
         ("pad", "mode 'reflect' is not supported (only 'constant')"),
     ]
+
+
+def test_statistics_and_shape_only_initializers_are_frozen_by_default() -> None:
+    # BN's running mean/var, a float initializer read only through Shape (the size of a
+    # reshape) and one only compared with: variables, not trainable; the scale, bias and
+    # the weight that meets the input stay trainable.
+    x4 = np.zeros((2, 3, 2, 2), np.float32)
+    consts = {
+        "s": np.ones(3, np.float32),
+        "b": np.zeros(3, np.float32),
+        "m": np.full(3, 0.5, np.float32),
+        "v": np.full(3, 2.0, np.float32),
+        "like": np.zeros((2, 12), np.float32),
+        "limit": np.zeros((), np.float32),
+        "w": np.ones((12, 4), np.float32),
+    }
+    nodes = [
+        N("BatchNormalization", ["x", "s", "b", "m", "v"], ["bn"]),
+        N("Shape", ["like"], ["shape"]),
+        N("Reshape", ["bn", "shape"], ["flat"]),
+        N("Greater", ["flat", "limit"], ["pos"]),
+        N("Where", ["pos", "flat", "b0"], ["kept"]),
+        N("MatMul", ["kept", "w"], ["out"]),
+    ]
+    consts["b0"] = np.zeros((), np.float32)
+    data = graph_model(nodes, {"x": x4}, consts, opset=15)
+    defn = as_definition({"models": {"net": {"onnx": data}}, "program": []})
+    trainable = {n for n, v in defn.variables.items() if v.trainable}
+    assert trainable == {"s", "b", "w", "b0"}
+    model = defn.models["net"].model
+    assert model.frozen_by_default == {
+        "m": "a BatchNormalization running statistic",
+        "v": "a BatchNormalization running statistic",
+        "like": "read only by shape computations, comparisons or indices",
+        "limit": "read only by shape computations, comparisons or indices",
+    }
