@@ -16,9 +16,52 @@ from typing import Any
 
 import numpy as np
 
+from engine import backend, trace
 from engine.registry import public_ops
+from engine.tensor import Tensor, constant, pass_constant
 
-OP = {name: info.fn for name, info in public_ops.items()}
+
+def _graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, taking the NumPy arrays a handler hands it (the graph's constants, and what
+    handlers make from attributes and shapes: an epsilon in x's dtype, a Trilu mask) as
+    constants of the pass: declared to a capture for replay (engine/replay.py), which
+    refuses arrays made outside the ops otherwise, and moved to the device of the
+    tensors they meet (a model run on CuPy). None of them depends on the pass's values:
+    a handler that reads a tensor on the host (np.asarray of one) is seen by the
+    capture, and such a pass stays dynamic."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        if trace.capture is not None or backend.gpu_loaded():
+            device = _device_of(args)
+            args = tuple(_declared(a, device) for a in args)
+        return fn(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = getattr(fn, "__name__", "op")
+    op.__doc__ = fn.__doc__
+    return op
+
+
+def _device_of(args: Sequence[Any]) -> str | None:
+    """The device of the first tensor among args (one level into lists) not in host
+    memory, or None."""
+    for a in args:
+        for t in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(t, Tensor) and type(t.value) is not np.ndarray:
+                return backend.device_of(t.value)
+    return None
+
+
+def _declared(value: Any, device: str | None) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        if device is not None:
+            return constant(value, device=device)
+        return pass_constant(np.asarray(value))
+    if isinstance(value, list | tuple) and any(isinstance(v, np.ndarray) for v in value):
+        return type(value)(_declared(v, device) for v in value)
+    return value
+
+
+OP = {name: _graph_op(info.fn) for name, info in public_ops.items()}
 
 Handler = Callable[[list[Any], dict[str, Any], int], list[Any]]
 HANDLERS: dict[str, Handler] = {}
