@@ -543,7 +543,7 @@ def _global_max_pool(ins, attrs, opset):
 # take or a matmul and every derivative is theirs.
 # ----------------------------------------------------------------------------------------
 
-RESIZE_MODES = ("nearest", "linear")
+RESIZE_MODES = ("nearest", "linear", "cubic")
 RESIZE_COORDINATES = (
     "half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_half_pixel_for_nn",
     "half_pixel_symmetric",
@@ -597,6 +597,29 @@ def _linear_matrix(x: np.ndarray, size: int) -> np.ndarray:
     return matrix
 
 
+def _cubic_matrix(x: np.ndarray, size: int, a: float, exclude_outside: bool) -> np.ndarray:
+    """[out, size]: Keys' cubic convolution (coefficient a) over the four cells around x,
+    cells beyond the edge read as the edge cell (or, with exclude_outside, dropped and
+    the rest renormalized), as the spec and torch's bicubic do."""
+
+    def kernel(d: np.ndarray) -> np.ndarray:
+        d = np.abs(d)
+        near = ((a + 2) * d - (a + 3)) * d * d + 1
+        far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+        return np.where(d <= 1, near, np.where(d < 2, far, 0.0))
+
+    low = np.floor(x).astype(np.int64)
+    cells = low[:, None] + np.arange(-1, 3)[None, :]  # [out, 4]
+    weights = kernel(x[:, None] - cells)
+    if exclude_outside:
+        weights = np.where((cells < 0) | (cells >= size), 0.0, weights)
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    matrix = np.zeros((len(x), size))
+    rows = np.repeat(np.arange(len(x)), 4)
+    np.add.at(matrix, (rows, np.clip(cells, 0, size - 1).reshape(-1)), weights.reshape(-1))
+    return matrix
+
+
 def _resize(
     x: Any, scales: list[float], sizes: list[int], attrs: dict[str, Any], coords: str
 ) -> Any:
@@ -609,7 +632,12 @@ def _resize(
         if mode == "nearest":
             x = OP["take"](x, _nearest_index(source, size, nearest), axis=axis)
         else:
-            matrix = np.ascontiguousarray(_linear_matrix(source, size).T, dtype=x.dtype)
+            if mode == "linear":
+                weights = _linear_matrix(source, size)
+            else:
+                a = float(attrs.get("cubic_coeff_a", -0.75))
+                weights = _cubic_matrix(source, size, a, bool(attrs.get("exclude_outside", 0)))
+            matrix = np.ascontiguousarray(weights.T, dtype=x.dtype)
             moved = OP["moveaxis"](x, axis, -1)
             x = OP["moveaxis"](OP["matmul"](moved, matrix), -1, axis)
     return x
@@ -654,7 +682,7 @@ def _upsample(ins, attrs, opset):
 def resize_refusal(attrs: dict[str, Any]) -> str | None:
     mode = attrs.get("mode", "nearest")
     if mode not in RESIZE_MODES:
-        return f"mode {mode!r} is not supported (only 'nearest' and 'linear')"
+        return f"mode {mode!r} is not supported (only 'nearest', 'linear' and 'cubic')"
     coords = attrs.get("coordinate_transformation_mode", "half_pixel")
     if coords not in RESIZE_COORDINATES:
         return f"coordinate_transformation_mode {coords!r} is not supported"

@@ -466,6 +466,30 @@ CASES = {
         {"x": r(1, 2, 3, 4)},
         {"scales": np.array([2.5], np.float32)},
     ),
+    "Resize-cubic-half_pixel": (
+        13,
+        [N("Resize", ["x", "", "scales"], ["out"], mode="cubic")],
+        {"x": r(1, 2, 4, 5)},
+        {
+            "scales": np.array([1, 1, 2, 0.5], np.float32)
+        },  # exact coordinates: the reference rounds others
+    ),
+    "Resize-cubic-align_corners-exclude_outside": (
+        13,
+        [
+            N(
+                "Resize",
+                ["x", "", "", "sizes"],
+                ["out"],
+                mode="cubic",
+                cubic_coeff_a=-0.5,
+                exclude_outside=1,
+                coordinate_transformation_mode="align_corners",
+            )
+        ],
+        {"x": r(1, 1, 5, 4)},
+        {"sizes": i64(1, 1, 3, 7)},
+    ),
     "Resize-10-nearest": (
         10,
         [N("Resize", ["x", "scales"], ["out"])],

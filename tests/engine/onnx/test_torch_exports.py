@@ -249,13 +249,15 @@ class Upsampler(nn.Module):
                 F.interpolate(h, size=(5, 9), mode="bilinear", align_corners=True).flatten(1),
                 F.interpolate(h[:, :, 0], size=7, mode="linear").flatten(1),
                 F.interpolate(h, size=(2, 3), mode="bilinear").flatten(1),  # downsampling
+                F.interpolate(h, scale_factor=2, mode="bicubic").flatten(1),
+                F.interpolate(h, size=(5, 7), mode="bicubic", align_corners=True).flatten(1),
             ],
             dim=1,
         )
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-def test_upsample_nearest_and_linear(dynamo: bool) -> None:
+def test_upsample_nearest_linear_and_cubic(dynamo: bool) -> None:
     model = agree_with_torch(Upsampler(), torch.randn(2, 2, 3, 4), dynamo=dynamo)
     modes = {
         (n.attrs.get("mode"), n.attrs.get("coordinate_transformation_mode"))
@@ -263,6 +265,7 @@ def test_upsample_nearest_and_linear(dynamo: bool) -> None:
         if n.op_type == "Resize"
     }
     assert ("nearest", "asymmetric") in modes and ("linear", "align_corners") in modes
+    assert ("cubic", "align_corners") in modes
 
 
 # ----------------------------------------------------------------------------------------
