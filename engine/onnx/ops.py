@@ -808,15 +808,16 @@ def _l2(x: Any, axis: Any, keepdims: bool) -> Any:
     return OP["sqrt"](_sum_of(lambda v: OP["multiply"](v, v))(x, axis, keepdims))
 
 
-for _name, _op, _since in (
+_REDUCERS: tuple[tuple[str, str | Callable[..., Any], int], ...] = (
     ("ReduceL1", _sum_of(OP["abs"]), 18),
     ("ReduceL2", _l2, 18),
     ("ReduceSumSquare", _sum_of(lambda v: OP["multiply"](v, v)), 18),
     ("ReduceLogSumExp", "logsumexp", 18),
     ("ReduceSum", "sum", 13), ("ReduceMean", "mean", 18), ("ReduceMax", "max", 18),
     ("ReduceMin", "min", 18), ("ReduceProd", "prod", 18),
-):  # fmt: skip
-    HANDLERS[_name] = _reduce(_op, _since)
+)  # fmt: skip
+for _name, _reducer, _since in _REDUCERS:
+    HANDLERS[_name] = _reduce(_reducer, _since)
     STATIC[_name] = (1,)
 
 
