@@ -433,6 +433,45 @@ class InfluenceOptions(Budget, kw_only=True):
         return self.max_iterations if self.max_hvps is None else self.max_hvps
 
 
+class FrobeniusNormOptions(EstimatorOptions, kw_only=True):
+    """The squared Frobenius norm ||C||_F^2 = tr(C^2) of the tape's Hessian (or of the
+    `curvature` asked), estimated by Hutchinson on C^2: the mean of ||C z||^2 over
+    Rademacher vectors z, with its standard error."""
+
+
+class FrobeniusNormResult(msgspec.Struct, kw_only=True):
+    """The squared Frobenius norm of the tape's curvature and its standard error, with
+    what it cost and why it stopped."""
+
+    frobenius_norm_squared: Annotated[
+        float, Meta(description="||C||_F^2, the mean of ||C z||^2 over the probes z.")
+    ]
+    stderr: (
+        Annotated[
+            float,
+            Meta(
+                description="Its standard error (sample std / sqrt(samples)); null (unknown) "
+                "from fewer than 30 samples."
+            ),
+        ]
+        | None
+    )
+    curvature: Annotated[str, Meta(description="The matrix C (see CurvatureKind).")]
+    samples: Annotated[int, Meta(description="Random probes averaged.")]
+    batches: Annotated[int, Meta(description="Batched HVP passes.")]
+    batch_size: Annotated[int, Meta(description="Vectors per batched pass.")]
+    converged: Annotated[
+        bool,
+        Meta(
+            description="The tolerance was met (without one: every sample asked for was "
+            "drawn, and a standard error is known)."
+        ),
+    ]
+    stopped: Annotated[str, Meta(description="tolerance, max_hvps or time_limit.")]
+    hvps: int
+    seconds: float
+
+
 # ----------------------------------------------------------------------------------------
 # The table
 # ----------------------------------------------------------------------------------------
@@ -475,7 +514,9 @@ class Operation:
 
     @property
     def result_name(self) -> str:
-        return self.result if isinstance(self.result, str) else self.result.__name__
+        if isinstance(self.result, str):
+            return self.result
+        return self.result.__name__.removesuffix("Result") + "Response"
 
     @property
     def request(self) -> str:
@@ -608,6 +649,21 @@ OPERATIONS: tuple[Operation, ...] = (
                 "loss is the test loss.",
             },
         },
+    ),
+    Operation(
+        "tape_frobenius_norm",
+        "frobenius-norm",
+        FrobeniusNormOptions,
+        FrobeniusNormResult,
+        "Squared Frobenius norm of a tape's Hessian (Hutchinson on C^2)",
+        """||C||_F^2 = tr(C^2) of the tape's Hessian (or of the `curvature` asked:
+        `ggn`, `fisher`, `empirical_fisher`), estimated as the mean of ||C z||^2 over
+        Rademacher vectors z (one HVP per vector, in batched passes of `batch_size`), with
+        its standard error; stops once that is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`. The norm itself is the square root of the answer.""",
+        sdk_method="",  # RemoteTape.call("frobenius-norm", ...)
+        diagnosis="Frobenius-norm estimate",
+        route_name="estimate_tape_frobenius_norm",
     ),
 )
 

@@ -47,6 +47,7 @@ from engine.hessian_algorithms import (
     power_iteration,
     spectral_density,
 )
+from engine.hessian_algorithms.hutchinson import FROBENIUS, hutchinson
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -799,6 +800,37 @@ def solve_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
         "iterations": out.iterations,
         "hvps": out.hvps,
         "residuals": out.residuals,
+        "seconds": out.seconds,
+    }
+
+
+@operation("tape_frobenius_norm")
+def frobenius_norm_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o = asked.options
+    batch = min(o.batch_size, asked.context.hvp_max_vectors)
+    out = hutchinson(
+        flat.matvec,
+        flat.n,
+        FROBENIUS,
+        batch_size=batch,
+        max_hvps=o.max_hvps,
+        rtol=o.rtol,
+        atol=o.atol,
+        max_seconds=asked.seconds_left(),
+        seed=o.seed,
+        callback=asked.relay(),
+    )
+    stderr = float(out.stderr[0])
+    return {
+        "frobenius_norm_squared": float(out.mean[0]),
+        "stderr": stderr if math.isfinite(stderr) else None,
+        "curvature": str(o.curvature),
+        "samples": out.samples,
+        "batches": out.batches,
+        "batch_size": batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
         "seconds": out.seconds,
     }
 
