@@ -119,7 +119,7 @@ class Capture:
                 raise CaptureFailed("only NumPy passes are captured")
             ins = tuple(self._slot_of(a) for a in args)
         except CaptureFailed as exc:
-            self.failure = str(exc)
+            self.failure = f"{exc} ({prim.name})"
             return
         if all(self.kinds[i] == _CONST for i in ins):
             self._new(ans, _CONST)  # folded: its value is known now
@@ -139,7 +139,8 @@ class Capture:
         # (A dead tensor's entry may carry t's id: t is new all the same.)
         if entry is None or entry[1]() is not t:
             self._new(t, _CONST)
-            self.made_bytes += t.value.nbytes
+            if self.known.get(id(t.value)) is not t.value:  # (a known array is held anyway)
+                self.made_bytes += t.value.nbytes
 
     def alias(self, t: Tensor, of: Tensor) -> None:
         """t is a new identity for of's array (a custom gradient's outputs)."""

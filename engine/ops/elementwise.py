@@ -12,6 +12,7 @@ from __future__ import annotations
 from builtins import abs as builtin_abs
 from typing import Any
 
+from engine import trace
 from engine.backend import array_module, host
 from engine.backend import erf as erf_impl
 from engine.backend import numpy as numpy_module
@@ -233,7 +234,10 @@ defjvp(integer_pow_p, lambda t, ans, x, *, n: multiply(t[0], _integer_pow_slope(
 
 def stop(x: Tensor) -> Tensor:
     """x's value with no link to any tape (stop_gradient)."""
-    return Tensor(x.value)
+    out = Tensor(x.value)
+    if trace.capture is not None:  # the same array under a new identity: a replay reads x's
+        trace.capture.alias(out, x)
+    return out
 
 
 # ---- maximum / minimum ----

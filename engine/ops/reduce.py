@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from engine import backend
 from engine.backend import host
 from engine.ops._util import batch_ndim, normalize_axes
 from engine.ops.elementwise import (
@@ -20,11 +19,13 @@ from engine.ops.elementwise import (
     divide,
     equal,
     exp,
+    isfinite,
     log,
     logical_not,
     multiply,
     not_equal,
     sqrt,
+    stop,
     subtract,
     where,
 )
@@ -386,11 +387,11 @@ def logsumexp(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "logsumexp")
     _check_nonempty(x, axes, "logsumexp")
-    # The shift is a constant: its derivative cancels exactly, so it is computed on the
-    # raw array, outside every tape and accumulator.
-    xp = backend.array_module(x.value)
-    shift = xp.max(x.value, axis=axes, keepdims=True)
-    shift = Tensor(xp.where(xp.isfinite(shift), shift, 0).astype(x.dtype, copy=False))
+    # The shift is a constant: its derivative cancels exactly, so it is computed from
+    # stop(x), outside every tape and accumulator; with ops, so a captured pass
+    # (engine/replay.py) replays it from the new x instead of freezing it.
+    shift = bind(max_p, stop(x), axes=axes, keepdims=True)
+    shift = where(isfinite(shift), shift, 0)
     out = add(log(sum(exp(subtract(x, shift)), axes, keepdims=True)), shift)
     return (
         out

@@ -108,6 +108,9 @@ class TensorDecoder:
                 for name, var in d.variables.items()
             },
             "inputs": self.inputs(d.inputs, default),
+            # Kept for the engine: an ONNX model runs in the dtype asked (float64), or the
+            # definition is refused saying it cannot (definition.py, _model).
+            **({"dtype": d.dtype} if d.dtype else {}),
             "functions": {
                 name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
             },

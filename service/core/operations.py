@@ -33,6 +33,7 @@ import msgspec
 from msgspec import Meta
 
 from service.core import defaults
+from service.core.defaults import INT_MAX
 
 # ----------------------------------------------------------------------------------------
 # Shared choices
@@ -148,7 +149,7 @@ class CurvatureChoice(Options, kw_only=True):
         | None
     ) = None
     fisher_seed: Annotated[
-        int, Meta(ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
+        int, Meta(le=INT_MAX, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
     ] = 0
 
     def __post_init__(self) -> None:
@@ -176,6 +177,7 @@ class EstimatorOptions(Budget, kw_only=True):
     batch_size: Annotated[
         int,
         Meta(
+            le=INT_MAX,
             ge=1,
             description="Random vectors per batched HVP pass "
             "(at most the server's hvp_max_vectors); exact passes take "
@@ -184,11 +186,16 @@ class EstimatorOptions(Budget, kw_only=True):
         ),
     ] = 16
     max_hvps: Annotated[
-        int, Meta(ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps).")
+        int,
+        Meta(
+            le=INT_MAX,
+            ge=2,
+            description="Most HVPs to use (at most the server's algorithm_max_hvps).",
+        ),
     ] = 256
     rtol: Annotated[float, Meta(gt=0, description=TOLERANCE_DESCRIPTION)] | None = None
     atol: Annotated[float, Meta(ge=0, description="Absolute part of the stopping tolerance.")] = 0.0
-    seed: Annotated[int, Meta(ge=0, description=SEED_DESCRIPTION)] | None = 0
+    seed: Annotated[int, Meta(le=INT_MAX, ge=0, description=SEED_DESCRIPTION)] | None = 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -230,7 +237,7 @@ class EigenvaluesOptions(Budget, kw_only=True):
             description="Converged when each Ritz residual ||H y - theta y|| <= tol * max |theta|.",
         ),
     ] = 1e-6
-    max_hvps: Annotated[int, Meta(ge=1, description=MAX_HVPS_DESCRIPTION)] = 200
+    max_hvps: Annotated[int, Meta(le=INT_MAX, ge=1, description=MAX_HVPS_DESCRIPTION)] = 200
     eigenvectors: Annotated[
         bool,
         Meta(
@@ -240,7 +247,10 @@ class EigenvaluesOptions(Budget, kw_only=True):
     ] = False
     seed: (
         Annotated[
-            int, Meta(ge=0, description="Seed of the random start vector (null: a fresh one).")
+            int,
+            Meta(
+                le=INT_MAX, ge=0, description="Seed of the random start vector (null: a fresh one)."
+            ),
         ]
         | None
     ) = 0
@@ -347,6 +357,7 @@ class SpectralDensityOptions(Budget, kw_only=True):
         Annotated[
             int,
             Meta(
+                le=INT_MAX,
                 ge=1,
                 description=MAX_HVPS_DESCRIPTION
                 + " Default: probes x steps, within algorithm_max_hvps.",
@@ -355,7 +366,8 @@ class SpectralDensityOptions(Budget, kw_only=True):
         | None
     ) = None
     seed: (
-        Annotated[int, Meta(ge=0, description="Seed of the probes (null: fresh ones).")] | None
+        Annotated[int, Meta(le=INT_MAX, ge=0, description="Seed of the probes (null: fresh ones).")]
+        | None
     ) = 0
 
     def hvp_budget(self, server_max: int) -> int:
@@ -376,9 +388,12 @@ class SolveOptions(Budget, kw_only=True):
         float,
         Meta(gt=0, lt=1, description="Converged when ||b - (H + damping I) x|| <= tol * ||b||."),
     ] = 1e-6
-    max_iterations: Annotated[int, Meta(ge=1, description="Most CG iterations.")] = 100
+    max_iterations: Annotated[int, Meta(le=INT_MAX, ge=1, description="Most CG iterations.")] = 100
     max_hvps: (
-        Annotated[int, Meta(ge=1, description=MAX_HVPS_DESCRIPTION + " Default: max_iterations.")]
+        Annotated[
+            int,
+            Meta(le=INT_MAX, ge=1, description=MAX_HVPS_DESCRIPTION + " Default: max_iterations."),
+        ]
         | None
     ) = None
 
@@ -414,11 +429,12 @@ class InfluenceOptions(Budget, kw_only=True):
         float,
         Meta(gt=0, lt=1, description="CG converged when ||b - (C + damping I) s|| <= tol * ||b||."),
     ] = 1e-6
-    max_iterations: Annotated[int, Meta(ge=1, description="Most CG iterations.")] = 100
+    max_iterations: Annotated[int, Meta(le=INT_MAX, ge=1, description="Most CG iterations.")] = 100
     max_hvps: (
         Annotated[
             int,
             Meta(
+                le=INT_MAX,
                 ge=1,
                 description=MAX_HVPS_DESCRIPTION + " "
                 "Default: max_iterations. It bounds the CG solve's "

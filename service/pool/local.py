@@ -268,7 +268,13 @@ class WorkerPool:
         shared = payload.get(SHARED) if isinstance(payload, dict) else None
         if keep is not None or shared is not None:  # the pool's words, not the worker's
             payload = {k: v for k, v in payload.items() if k not in (KEEP, SHARED)}
-        message: dict[str, Any] = {"id": request_id, "kind": kind, "payload": payload}
+        # The time limit travels too: the worker refuses what cannot finish within it.
+        message: dict[str, Any] = {
+            "id": request_id,
+            "kind": kind,
+            "payload": payload,
+            "time_limit": limit,
+        }
         if watch is not None and watch.progress is not None:
             message["progress"] = True
         gathered = self._gather(message, gather)
