@@ -70,6 +70,7 @@ from service.core.operations import (
 from service.worker.compute import (
     RequestError,
     WorkerContext,
+    check_cost,
     check_jacobian_size,
     check_vector,
     given_vectors,
@@ -397,6 +398,9 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     single, vectors = given_vectors(payload, session.keys, session.primals)
     for i, vector in enumerate(vectors):
         check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
+    # (the estimate counts a recording the tape has already: small beside many vectors)
+    count = len(vectors)
+    check_cost(session.program, count, False, context, f"the HVP of {count:,} vector(s)")
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
@@ -450,6 +454,8 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
         batch,
         context,
     )
+    count = math.prod(tuple(y.shape)[1:] if batch else tuple(y.shape))
+    check_cost(session.program, count, True, context, f"the jacobian of {count:,} rows")
     rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
     jacobians = jacobians_on(
         session.recording, y, watched, batch, request.unconnected, context, rows
