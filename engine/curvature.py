@@ -468,7 +468,7 @@ class Curvature:
         test_targets: Any = None,
         *,
         rows: Any = None,
-        curvature: str = "hessian",
+        curvature: str = "ggn",
         damping: float = 0.0,
         samples: int | None = None,
         seed: int | None = 0,
@@ -483,8 +483,10 @@ class Curvature:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
         loss of those training rows): s_test = (C + damping I)^-1 grad L_test by
-        conjugate gradient on the curvature C, then the scores -g_i . s_test of all
-        examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
+        conjugate gradient on the curvature C (the GGN by default: positive
+        semi-definite for convex losses of the output, where a trained non-convex model's
+        Hessian is often indefinite and CG on it stops at negative curvature), then the
+        scores -g_i . s_test of all examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
         products (solve.hvps); besides them it takes the test loss's gradient (a forward
         and backward pass), one JVP for the scores, and, once per recording, the
         per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the

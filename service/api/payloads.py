@@ -44,6 +44,7 @@ from service.api.schemas import (
 from service.api.tensors import from_base64, from_data, nonfinite_count
 from service.core.config import Settings
 from service.core.wire import Encoding, TensorError, from_bytes
+from service.domain.jobs import time_limit_of
 from service.domain.requests import Binding, Prepared
 
 
@@ -219,16 +220,10 @@ def rows(value: Any) -> Any:
     return value if value is None or isinstance(value, list) else value.model_dump()
 
 
-def _time_limit(requested: float | None, settings: Settings) -> float:
-    limit = settings.time_limit if requested is None else requested
-    if limit > settings.max_time_limit:
-        raise ProblemError(
-            "too-large",
-            f"time_limit: {limit:g} s is above this server's maximum of "
-            f"{settings.max_time_limit:g} s",
-            errors=[{"field": "time_limit", "message": f"at most {settings.max_time_limit:g}"}],
-        )
-    return limit
+def _time_limit(body: Any, settings: Settings) -> float:
+    """The request's compute seconds; a job's (body.run_async, which the route sets for
+    Prefer: respond-async too) come from its own budget (jobs.time_limit_of)."""
+    return time_limit_of(body.time_limit, bool(getattr(body, "run_async", False)), settings)
 
 
 def _decoder(
@@ -243,7 +238,7 @@ def _common(
 ) -> tuple[_Decoder, dict[str, Any], float]:
     """The payload of a definition request; `stored` is the definition of the stored
     model the request names (body.model), in the worker form already."""
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     if body.definition is not None:
         definition = decoder.definition(body.definition)
@@ -388,7 +383,7 @@ def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
     payload: dict[str, Any] = {"flat": body.flat, **_curvature(body)}
     _vectors(body, decoder, payload, settings)
-    return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+    return _prepared(body, decoder, payload, _time_limit(body, settings))
 
 
 def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
@@ -401,9 +396,7 @@ def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
     }
     if isinstance(body, TapeJacobianRequest):
         payload["batch"] = body.batch
-    return _prepared(
-        body, _decoder(body, settings), payload, _time_limit(body.time_limit, settings)
-    )
+    return _prepared(body, _decoder(body, settings), payload, _time_limit(body, settings))
 
 
 def tape_update(
@@ -419,7 +412,7 @@ def tape_update(
     payload: dict[str, Any] = {"flat": body.flat}
     if body.point is not None:
         payload["point"] = decoder.tensor(body.point, "point", "float64")
-    prepared = _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+    prepared = _prepared(body, decoder, payload, _time_limit(body, settings))
     return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
 
 
@@ -442,7 +435,7 @@ def _algorithm_limits(
 
 
 def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     power = body.method is EigenMethod.power
     which = body.which.value if body.which is not None else ("LM" if power else "LA")
     if power and which != "LM":
@@ -466,22 +459,27 @@ def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
 
 
 def trace(body: TraceRequest | DiagonalRequest, settings: Settings) -> Prepared:
-    """The payload of /trace and of /diagonal (the same knobs)."""
-    limit = _time_limit(body.time_limit, settings)
+    """The payload of /trace and of /diagonal (the same knobs). The exact method named
+    without a budget takes n HVPs, within algorithm_max_hvps: the worker, which knows n,
+    sizes it (`size_to_n`)."""
+    limit = _time_limit(body, settings)
+    size_to_n = body.method.value == "exact" and "max_hvps" not in body.model_fields_set
+    max_hvps = settings.algorithm_max_hvps if size_to_n else body.max_hvps
     payload = {
         "method": body.method.value,
         "batch_size": body.batch_size,
         "rtol": body.rtol,
         "atol": body.atol,
         "seed": body.seed,
-        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
+        "size_to_n": size_to_n,
+        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
         **_curvature(body),
     }
     return _prepared(body, _decoder(body, settings), payload, limit)
 
 
 def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     # By default every probe may run its steps, within the server's limit (the run then
     # stops at max_hvps, each probe with the steps it reached, and says so).
     default = min(body.probes * body.steps, settings.algorithm_max_hvps)
@@ -500,7 +498,7 @@ def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepar
 
 
 def solve(body: SolveRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
     payload = {
@@ -515,7 +513,7 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
 
 
 def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
     payload = {

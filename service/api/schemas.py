@@ -1041,7 +1041,10 @@ class TraceRequest(CurvatureOptions, CallOptions):
         "memory budget is tighter).",
     )
     max_hvps: StrictInt = Field(
-        256, ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps)."
+        256,
+        ge=2,
+        description="Most HVPs to use (at most the server's algorithm_max_hvps). "
+        "Absent with method exact: n, the parameter count (within algorithm_max_hvps).",
     )
     rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
     atol: StrictFloat = Field(
@@ -1075,7 +1078,10 @@ class DiagonalRequest(CurvatureOptions, CallOptions):
         "memory budget is tighter).",
     )
     max_hvps: StrictInt = Field(
-        256, ge=2, description="Most HVPs to use (at most the server's algorithm_max_hvps)."
+        256,
+        ge=2,
+        description="Most HVPs to use (at most the server's algorithm_max_hvps). "
+        "Absent with method exact: n, the parameter count (within algorithm_max_hvps).",
     )
     rtol: StrictFloat | None = Field(
         None,
@@ -1177,6 +1183,16 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
     effect of every training example (a row along the output's first axis) on the loss
     at test points."""
 
+    # The GGN by default: the Hessian of a trained non-convex model is often indefinite,
+    # and CG on it stops at negative curvature with scores that mean nothing (issue 27).
+    curvature: CurvatureKind = Field(
+        CurvatureKind.ggn,
+        description="Which curvature matrix C (see CurvatureKind): the GGN by default, "
+        "positive semi-definite for convex losses of the output (squared error, "
+        "cross-entropies), so that C + damping I is positive definite; the Hessian of a "
+        "trained non-convex model is often indefinite, and CG on it stops at "
+        "negative_curvature (then raise the damping above minus its smallest eigenvalue).",
+    )
     test_inputs: Inputs | None = Field(
         None,
         description="The test points: new values for the inputs the model and the loss "
@@ -1505,6 +1521,12 @@ class TraceResponse(BaseModel):
     stopped: Stopped = Field(
         description="exhausted (exact: every direction was taken), "
         "tolerance, max_hvps or time_limit."
+    )
+    partial: bool = Field(
+        False,
+        description="True when method exact stopped before taking every direction "
+        "(time_limit): `trace` is then n x the mean diagonal entry seen, with its stderr, "
+        "not the exact trace.",
     )
     hvps: int
     seconds: float
@@ -1848,6 +1870,12 @@ class JobProgress(BaseModel):
         None,
         description="Seconds left at the current pace if the whole budget is used "
         "(within max_seconds); null when unknown.",
+    )
+    max_seconds: float | None = Field(
+        None,
+        description="The seconds the algorithm may run: within the job's own time budget "
+        "(the server's job_time_limit, or the request's time_limit), not the "
+        "synchronous one; null when unknown.",
     )
 
 

@@ -594,10 +594,17 @@ def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
     return _done(session, rebuilt, result, hvp_only=True)
 
 
+def _estimator_budget(payload: Mapping[str, Any], n: int) -> int:
+    """max_hvps of a trace or diagonal: the exact method named without one takes n (the
+    HTTP process sent the server's most, payloads.trace)."""
+    max_hvps = int(payload["max_hvps"])
+    return min(max_hvps, n) if payload.get("size_to_n") else max_hvps
+
+
 def trace_of(
     flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
 ) -> dict[str, Any]:
-    max_hvps = int(payload["max_hvps"])
+    max_hvps = _estimator_budget(payload, flat.n)
     method = choose_trace_method(payload.get("method", "auto"), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "trace")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
@@ -626,6 +633,8 @@ def trace_of(
         "batch_size": exact_batch if out.method == "exact" else batch,  # hutchpp may hand over
         "converged": out.converged,
         "stopped": out.stopped,
+        # The exact method cut short (time_limit) is an estimate from the directions seen.
+        "partial": out.method == "exact" and out.stopped != "exhausted",
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
@@ -642,7 +651,7 @@ def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
 def diagonal_of(
     flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
 ) -> dict[str, Any]:
-    max_hvps = int(payload["max_hvps"])
+    max_hvps = _estimator_budget(payload, flat.n)
     method = choose_diagonal_method(payload.get("method", "auto"), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
     batch = min(int(payload["batch_size"]), context.hvp_max_vectors)

@@ -317,6 +317,22 @@ def test_influence_runs_as_a_job(client, tape_id) -> None:
     assert job["progress"]["done"] == sync["hvps"] and job["progress"]["unit"] == "hvps"
 
 
+def test_influence_defaults_to_the_ggn_where_the_hessian_is_indefinite(client, tape_id) -> None:
+    """Issue 27, item 1: this Hessian has eigenvalues down to -0.30, so with the default
+    damping (1e-3) CG on it stops at negative curvature and its scores mean nothing. The
+    default is the GGN (positive semi-definite for the cross-entropy): it converges."""
+    assert np.linalg.eigvalsh(TRUTH["hessian"])[0] < -0.1
+    url = f"/v1/tapes/{tape_id}/influence"
+    found = post(client, url, {"rows": [0, 1, 2], "tol": 1e-10, "max_iterations": 200})
+    assert found["curvature"] == "ggn" and found["converged"], found["stopped"]
+    np.testing.assert_allclose(
+        found["scores"], _expected_scores("ggn", X[:3], Y[:3], 1e-3), rtol=1e-6, atol=1e-9
+    )
+    # The Hessian, asked by name, says it stopped and why (the SDK warns on it).
+    hessian = post(client, url, {"rows": [0, 1, 2], "curvature": "hessian"})
+    assert not hessian["converged"] and hessian["stopped"] == "negative_curvature"
+
+
 # ----------------------------------------------------------------------------------------
 # Refusals
 # ----------------------------------------------------------------------------------------

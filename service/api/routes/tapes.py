@@ -30,7 +30,13 @@ from service.api.openapi import (
     msgpack_body,
     problem_responses,
 )
-from service.api.routes._compute import Operation, register, respond, stored_definition
+from service.api.routes._compute import (
+    Operation,
+    as_job,
+    register,
+    respond,
+    stored_definition,
+)
 from service.api.schemas import (
     DiagonalRequest,
     DiagonalResponse,
@@ -220,6 +226,7 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep) -> Response:
         owner, services = compute.owner, compute.services
+        as_job(request, body, op)
         prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
 
         def call() -> Awaitable[Reply]:

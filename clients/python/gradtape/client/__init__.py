@@ -53,6 +53,8 @@ from .results import (
     Solve,
     SpectralDensity,
     Trace,
+    Unconverged,
+    UnconvergedWarning,
 )
 from .tape import RemoteTape
 
@@ -64,5 +66,5 @@ __all__ = [
     "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
     "ModelNotFound", "NonFiniteResult", "NotFound",
     "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve", "SpectralDensity",
-    "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "dataset", "function",
+    "TapeGone", "TooLarge", "Trace", "Unauthorized", "Unconverged", "UnconvergedWarning", "WorkerCrashed", "dataset", "function",
 ]  # fmt: skip

@@ -19,6 +19,7 @@ import numpy as np
 from . import _core
 from ._core import HTTPRequest, HTTPResponse, Retry, Sleep, flat_point
 from .jobs import Job, JobStatus
+from .results import STRICT
 from .tape import RemoteTape
 
 # Long enough for a computation at the server's default max_time_limit (300 s).
@@ -271,7 +272,9 @@ class Client(_Methods):
     `Client(url, api_key=None, transport="msgpack" | "json", timeout=..., retry=Retry())`;
     `with Client(...) as client:` closes its connections at the end. msgpack sends tensors
     as raw bytes; json as base64 (both exact). Every error answer raises a
-    `GradtapeError`; a 503 is retried first as `retry` says.
+    `GradtapeError`; a 503 is retried first as `retry` says. An answer whose `converged`
+    is false warns (`UnconvergedWarning`, naming why it stopped); with `strict=True` it
+    raises `Unconverged` instead.
     """
 
     def __init__(
@@ -283,9 +286,11 @@ class Client(_Methods):
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         retry: Retry | None = None,
         http: httpx.Client | None = None,
+        strict: bool = False,
     ):
         self._core = _core.Core(transport, api_key, retry or Retry())
         self._http = http or httpx.Client(**_client_options(url, timeout))
+        self.strict = strict
 
     def _send(self, request: HTTPRequest) -> HTTPResponse:
         r = self._http.request(
@@ -296,6 +301,7 @@ class Client(_Methods):
     def _run(self, op: Generator[Any, Any, Any]) -> Any:
         reply: Any = None
         interrupt: BaseException | None = None
+        strict = STRICT.set(self.strict)  # read where an answer is built (results.py)
         try:
             while True:
                 # A Ctrl-C during I/O goes into the operation, so that it can clean up
@@ -312,6 +318,8 @@ class Client(_Methods):
                     interrupt = exc
         except StopIteration as done:
             return done.value
+        finally:
+            STRICT.reset(strict)
 
     def close(self) -> None:
         self._http.close()
@@ -338,9 +346,11 @@ class AsyncClient(_Methods):
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         retry: Retry | None = None,
         http: httpx.AsyncClient | None = None,
+        strict: bool = False,
     ):
         self._core = _core.Core(transport, api_key, retry or Retry())
         self._http = http or httpx.AsyncClient(**_client_options(url, timeout))
+        self.strict = strict
 
     async def _send(self, request: HTTPRequest) -> HTTPResponse:
         r = await self._http.request(
@@ -351,6 +361,7 @@ class AsyncClient(_Methods):
     async def _drive(self, op: Generator[Any, Any, Any]) -> Any:
         reply: Any = None
         interrupt: BaseException | None = None
+        strict = STRICT.set(self.strict)  # this task's context only
         try:
             while True:
                 # A cancelled task's CancelledError goes into the operation first (a job
@@ -367,6 +378,8 @@ class AsyncClient(_Methods):
                     interrupt = exc
         except StopIteration as done:
             return done.value
+        finally:
+            STRICT.reset(strict)
 
     def _run(self, op: Generator[Any, Any, Any]) -> Any:
         return self._drive(op)
