@@ -270,10 +270,11 @@ class RowSlice(_Strict):
 Rows = TypeAliasType(
     "Rows",
     Annotated[
-        list[Annotated[StrictInt, Field(ge=0)]] | RowSlice,
+        Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | RowSlice,
         Field(
-            description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
-            "step}; a row past the array's end is a 422 naming the bound."
+            description="A mini-batch: row indices of axis 0 (at least one), or a slice "
+            "{start, stop, step} selecting at least one; a row past the array's end is a "
+            "422 naming the bound."
         ),
     ],
 )
@@ -1261,7 +1262,7 @@ class ModelCreateRequest(RequestModel):
             "examples": [
                 {
                     "name": "clipped-square",
-                    "description": "SCENARIOS.md 4: a custom gradient that clips to norm 0.5",
+                    "description": "a custom gradient that clips to norm 0.5",
                     "definition": {
                         "variables": {"v": 2.0},
                         "functions": {
