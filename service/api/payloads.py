@@ -318,18 +318,21 @@ def _vectors(
             f"{settings.hvp_max_vectors} in one request",
             errors=[{"field": "vectors", "message": f"at most {settings.hvp_max_vectors}"}],
         )
+    # Bare numbers take the dtype of the tensor they stand for: read as float64 here, cast
+    # to each source's dtype in the worker (as a float32 parse would round them), so a
+    # float64 source loses no digits. Typed tensors keep their dtype.
     payload["flat_vector"] = None
     if body.flat_vector is not None:
         payload["flat_vector"] = decoder.tensor(body.flat_vector, "flat_vector", "float64")
         payload["vector"] = payload["vectors"] = None
     elif body.vector is not None:
-        payload["vector"] = decoder.tensors(body.vector, "vector")
+        payload["vector"] = decoder.tensors(body.vector, "vector", "float64")
         payload["vectors"] = None
     else:
         assert body.vectors is not None
         payload["vector"] = None
         payload["vectors"] = [
-            decoder.tensors(v, f"vectors.{i}") for i, v in enumerate(body.vectors)
+            decoder.tensors(v, f"vectors.{i}", "float64") for i, v in enumerate(body.vectors)
         ]
 
 
@@ -502,7 +505,10 @@ def solve(body: SolveRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
     max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
     payload = {
-        "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
+        # b, bare numbers as float64 (the solve runs in float64)
+        "vector": None
+        if body.vector is None
+        else decoder.tensors(body.vector, "vector", "float64"),
         "damping": body.damping,
         "tol": body.tol,
         "max_iterations": body.max_iterations,
@@ -519,7 +525,8 @@ def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
     payload = {
         "test_inputs": None
         if body.test_inputs is None
-        else decoder.inputs(body.test_inputs, "float32", field="test_inputs"),
+        # bare numbers as float64, cast to each input's recorded dtype in the worker
+        else decoder.inputs(body.test_inputs, "float64", field="test_inputs"),
         "rows": body.rows,
         "damping": body.damping,
         "top_k": body.top_k,
