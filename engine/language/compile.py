@@ -30,6 +30,7 @@ from engine.language.errors import DefinitionError, OverBudget, Problem
 from engine.language.limits import DEFAULT_LIMITS, Limits
 from engine.language.memory import MemoryModel
 from engine.language.nonfinite import NonFiniteCheck, find_culprit
+from engine.language.reduction import batch_reduction
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
 from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
 from engine.shapes import TensorType
@@ -96,6 +97,7 @@ class CompiledProgram:
         self._line_numbers = {line.target: line.number for line in checked.lines}
         self._line_columns = {line.target: line.pos.column for line in checked.lines}
         self._reads = checked.reads
+        self._exprs = {line.target: line.expr for line in checked.lines}
         self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self._sites = checked.grad_sites
         functions: dict[str, Callable[..., Any]] = {}
@@ -588,6 +590,13 @@ class CompiledProgram:
         return most
 
     # Requests ---------------------------------------------------------------------------
+    def batch_reduction(self, target: str, batch: Iterable[str] | None = None) -> str | None:
+        """How `target` adds up over the batch ("mean", "sum"), where its line says it
+        plainly; None otherwise (engine/language/reduction.py). `batch`: the inputs along
+        the examples (default: every input)."""
+        names = set(self.inputs if batch is None else batch)
+        return batch_reduction(self._exprs, target, names)
+
     def check_request(
         self,
         target: Any,

@@ -370,7 +370,8 @@ def sharding(body: ShardOptions, settings: Settings) -> dict[str, Any] | None:
             errors=[{"field": "shards", "message": f"at most {settings.max_shards}"}],
         )
     shard_by = [body.shard_by] if isinstance(body.shard_by, str) else body.shard_by
-    return {"shards": body.shards, "shard_by": shard_by, "reduction": body.shard_reduction.value}
+    reduction = None if body.shard_reduction is None else body.shard_reduction.value
+    return {"shards": body.shards, "shard_by": shard_by, "reduction": reduction}
 
 
 def _curvature(body: CurvatureOptions) -> dict[str, Any]:

@@ -372,6 +372,10 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
+    if payload.get("shards"):  # a part: how its target adds up over the batch, if it says
+        result["reduction"] = session.program.batch_reduction(
+            session.request.target, payload.get("shard_by")
+        )
     return result
 
 

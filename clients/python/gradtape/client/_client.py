@@ -191,8 +191,9 @@ class _Methods:
         model's output (the loss's lines follow it): the tape then answers the
         Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`.
         `shards=n` splits the batch (the inputs `shard_by` names, default every input with
-        an axis) over n workers; `shard_reduction` says how the parts add up ("mean", the
-        default, for a mean loss; "sum" for a sum): every answer equals the unsharded one."""
+        an axis) over n workers; `shard_reduction` says how the parts add up ("mean" for a
+        mean loss, "sum" for a sum; left out, the server reads it from the target's line,
+        or asks for it): every answer equals the unsharded one."""
         options = {
             "ttl": ttl,
             "allow_nonfinite": allow_nonfinite,
