@@ -810,13 +810,20 @@ class CurvatureKind(StrEnum):
     """The matrix a tape's products and algorithms use: the Hessian of the target, or,
     on a tape that names its `output`, the generalized Gauss-Newton matrix J^T H_L J,
     the Fisher (exact for softmax/sigmoid cross-entropy and squared error, where it is
-    the GGN; Monte-Carlo with `samples`), or the empirical Fisher c sum_i g_i g_i^T
-    (c = 1/N for a mean loss, 1 for a sum)."""
+    the GGN; Monte-Carlo with `samples`), or the empirical Fisher in one of two
+    conventions: `empirical_fisher` (ours) c sum_i g_i g_i^T with one gradient g_i per
+    example (c = 1/N for a mean loss, 1 for a sum); `empirical_fisher_terms`
+    (curvlinops' EFLinearOperator) with one gradient per loss term, the rows along the
+    output's last axis, each of its term's summed loss, times 1/R for a loss that is
+    (1/R) x their sum. They agree where an example is one term; squared error averaged
+    over C outputs gives curvlinops' C times ours, a softmax per position another
+    matrix (README: Curvature)."""
 
     hessian = "hessian"
     ggn = "ggn"
     fisher = "fisher"
     empirical_fisher = "empirical_fisher"
+    empirical_fisher_terms = "empirical_fisher_terms"
 
 
 class CurvatureOptions(RequestModel):

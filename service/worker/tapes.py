@@ -210,7 +210,7 @@ def skeleton(definition: Definition) -> Definition:
 # Curvatures beyond the Hessian (engine/curvature.py on the program cut at its output)
 # ----------------------------------------------------------------------------------------
 
-PER_EXAMPLE = ("fisher", "empirical_fisher")
+PER_EXAMPLE = ("fisher", "empirical_fisher", "empirical_fisher_terms")
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 

@@ -113,6 +113,21 @@ def test_products_match_the_dense_matrices(client, tape_id, curvature: str) -> N
     np.testing.assert_allclose(got, vs @ TRUTH[curvature].T, rtol=1e-9, atol=1e-11)
 
 
+def test_curvlinops_empirical_fisher_by_name(client, tape_id) -> None:
+    """Issue 27, item 7: `empirical_fisher_terms` (curvlinops' convention) is served; on
+    this softmax over (N, C) averaged over the examples each example is one term, so it
+    is the same matrix as ours (tests/engine/test_fisher_conventions.py has the cases
+    where they differ, against curvlinops' recorded answers)."""
+    vs = np.random.default_rng(2).standard_normal((2, P))
+    answer = post(
+        client,
+        f"/v1/tapes/{tape_id}/hvp",
+        {"vectors": [split(v) for v in vs], "curvature": "empirical_fisher_terms"},
+    )
+    got = np.stack([flat(h) for h in answer["hvps"]])
+    np.testing.assert_allclose(got, vs @ TRUTH["empirical_fisher"].T, rtol=1e-9, atol=1e-11)
+
+
 def test_the_hessian_is_the_default_and_unchanged(client, tape_id) -> None:
     v = split(np.linspace(-1, 1, P))
     plain = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": v})

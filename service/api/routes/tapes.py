@@ -264,7 +264,8 @@ TAPE_OPERATIONS = (
         curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
         the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
         cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
-        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
+        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum),
+        or `empirical_fisher_terms` (curvlinops' convention: one gradient per loss term).
         The first such request records the model and loss once more, cut at the output;
         later ones reuse it.""",
     ),
