@@ -19,7 +19,7 @@ from engine.registry import REQUIRED, public_ops
 REDUCTIONS = ("mean", "sum")
 
 
-def _argument(call: Call, name: str) -> Node | None | str:
+def _argument(call: Call, name: str) -> Node | str | None:
     """The node given for parameter `name` of a public op (by keyword or position), None
     when absent, or "?" when the op takes no such parameter."""
     info = public_ops.get(call.func)
