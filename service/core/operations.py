@@ -625,7 +625,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "Influence of every training example on test points (Koh and Liang)",
         """On a tape recorded with `output` (its examples along the output's first axis):
         s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
-        (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
+        (`ggn` by default, or `hessian`, `fisher`, `empirical_fisher`), where L_test is the
         tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
         or at training `rows`; then the scores -g_i . s_test of every training example in
         one batched pass (no per-example loop), the predicted change of the test loss if
