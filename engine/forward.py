@@ -12,7 +12,7 @@ many directional derivatives at once (`jacfwd`, `hessian`).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Self
 
 from engine import trace, tree
 from engine.ops.shape import broadcast_to, reshape
@@ -28,8 +28,8 @@ class ForwardAccumulator:
     """
 
     def __init__(self, primals: Any, tangents: Any, batch_ndim: int = 0):
-        flat_p, treedef_p = tree.flatten(primals)
-        flat_t, treedef_t = tree.flatten(tangents)
+        flat_p, _ = tree.flatten(primals)
+        flat_t, _ = tree.flatten(tangents)
         if len(flat_p) != len(flat_t):
             raise ValueError(
                 f"ForwardAccumulator: {len(flat_t)} tangents for {len(flat_p)} primals"
@@ -79,11 +79,11 @@ class ForwardAccumulator:
         tangents[key] = tangent
         refs[key] = weakref.ref(primal, forget)
 
-    def __enter__(self) -> ForwardAccumulator:
+    def __enter__(self) -> Self:
         trace.active_accumulators.append(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self in trace.active_accumulators:
             trace.active_accumulators.remove(self)
 

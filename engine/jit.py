@@ -170,7 +170,7 @@ class Jit:
         compiled: the dynamic transform's call, keyed per argument layout."""
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            nums, _ = transforms._argnums(argnums, len(args), name)
+            nums, _ = transforms.normalize_argnums(argnums, len(args), name)
             return self._call(
                 (name, nums, isinstance(argnums, int), value),
                 f"{name}(argnums={argnums}, {option}={value})",
@@ -194,7 +194,7 @@ class Jit:
             raise TypeError("batch_jacobian: argnum must be one int (one tensor argument)")
 
         def dynamic(*args: Any, **kwargs: Any) -> list[Any]:
-            args, flat, _ = transforms._prepare(args, (argnum,), "batch_jacobian")
+            args, flat, _ = transforms.prepare_arguments(args, (argnum,), "batch_jacobian")
             if len(flat) != 1:
                 raise TypeError("batch_jacobian: the argument must be one tensor")
             (source,) = flat
@@ -208,7 +208,7 @@ class Jit:
             return [out, jac, rows]
 
         def wrapped(*args: Any, **kwargs: Any) -> Tensor:
-            nums, _ = transforms._argnums(argnum, len(args), "batch_jacobian")
+            nums, _ = transforms.normalize_argnums(argnum, len(args), "batch_jacobian")
             out, jac, rows = self._call(
                 ("batch_jacobian", nums[0], check_independence),
                 f"batch_jacobian(argnum={argnum}, check_independence={check_independence})",
@@ -360,13 +360,13 @@ class Jit:
 def _tensorized(args: tuple, nums: tuple[int, ...]) -> tuple:
     """The differentiated arguments' leaves as tensors (Python numbers become float32
     tensors, as the dynamic transforms make them)."""
-    args = list(args)
+    out = list(args)
     for i in nums:
-        if type(args[i]) is Tensor:
+        if type(out[i]) is Tensor:
             continue  # (the common case, as it is)
-        leaves, treedef = tree.flatten(args[i])
-        args[i] = tree.unflatten(treedef, [as_tensor(x) for x in leaves])
-    return tuple(args)
+        leaves, treedef = tree.flatten(out[i])
+        out[i] = tree.unflatten(treedef, [as_tensor(x) for x in leaves])
+    return tuple(out)
 
 
 def _is_array(x: Any) -> bool:

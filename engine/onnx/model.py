@@ -17,6 +17,7 @@ What is left runs as engine ops (ops.py), so every derivative comes from their r
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.onnx import recurrent  # noqa: F401 (registers LSTM, GRU and RNN in HANDLERS)
 from engine.onnx.errors import ModelError, ModelProblem
+from engine.onnx.external import external_data_problems
 from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
 from engine.tensor import Tensor, constant
 
@@ -37,6 +40,8 @@ NOT_FOLDABLE = frozenset(
      "Bernoulli", "Dropout"}
 )  # fmt: skip
 MAX_SPECIALIZATIONS = 16
+# Rounds of folding and shape inference when shapes are computed from the inputs'.
+MAX_SHAPE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class Node:
     attrs: dict[str, Any]
     proto: Any  # the NodeProto, for folding by the reference evaluator
 
-    def problem(self, message: str, opset: int, kind: str = "op") -> ModelProblem:
+    def problem(self, message: str, opset: int | None, kind: str = "op") -> ModelProblem:
         return ModelProblem(
             message,
             kind,
@@ -128,9 +133,37 @@ class OnnxModel:
             )
             for i, n in enumerate(graph.node)
         ]
+        self.frozen_by_default = self._frozen_by_default()
         self.structure = self._structure_hash()
         self._specs: OrderedDict[tuple, Specialization] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _frozen_by_default(self) -> dict[str, str]:
+        """Parameters that no gradient reaches the outputs from, by why: BatchNorm's
+        running statistics (inputs 3 and 4 in inference) and initializers read only by
+        shape computations, comparisons, indices and dtype targets. They stay variables
+        (a request may set them) but are not trainable unless the definition says so."""
+        relevant = set(self.outputs)
+        for node in reversed(self.nodes):  # ONNX graphs are topologically sorted
+            if not any(n in relevant for n in node.outputs if n):
+                continue
+            for i, name in enumerate(node.inputs):
+                if name and differentiable_input(node.op_type, i, node.attrs):
+                    relevant.add(name)
+        statistics = {
+            n.inputs[i]
+            for n in self.nodes
+            if n.op_type == "BatchNormalization"
+            for i in (3, 4)
+            if i < len(n.inputs)
+        }
+        return {
+            name: "a BatchNormalization running statistic"
+            if name in statistics
+            else "read only by shape computations, comparisons or indices"
+            for name in self.params
+            if name not in relevant
+        }
 
     # Load-time checks -------------------------------------------------------------------
     def check(self) -> None:
@@ -231,15 +264,18 @@ class OnnxModel:
         return digest.hexdigest()
 
     # Specializing -----------------------------------------------------------------------
-    def specialize(self, types: Sequence[tuple[tuple[int, ...], Any]]) -> Specialization:
+    def specialize(
+        self, types: Sequence[tuple[tuple[int, ...], Any]], max_elements: int | None = None
+    ) -> Specialization:
         """The model for these input (shape, dtype)s; raises ModelError (the inputs that
-        do not fit, naming input and axis; shapes that do not follow from them)."""
-        key = tuple((tuple(s), np.dtype(d).str) for s, d in types)
+        do not fit, naming input and axis; shapes that do not follow from them; a constant
+        folded at load time of more than `max_elements`, refused before it is made)."""
+        key = (tuple((tuple(s), np.dtype(d).str) for s, d in types), max_elements)
         with self._lock:
             if key in self._specs:
                 self._specs.move_to_end(key)
                 return self._specs[key]
-        spec = self._specialize([(tuple(s), np.dtype(d)) for s, d in types])
+        spec = self._specialize([(tuple(s), np.dtype(d)) for s, d in types], max_elements)
         with self._lock:
             self._specs[key] = spec
             while len(self._specs) > MAX_SPECIALIZATIONS:
@@ -303,9 +339,36 @@ class OnnxModel:
         if problems:
             raise ModelError(problems)
 
-    def _specialize(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> Specialization:
+    def _specialize(
+        self, types: list[tuple[tuple[int, ...], np.dtype]], max_elements: int | None = None
+    ) -> Specialization:
         self._check_inputs(types)
-        shapes = self._infer_shapes(types)
+        # Exports with a dynamic batch compute shapes from the input's (Shape -> Squeeze
+        # -> Reshape -> Concat -> Reshape), which ONNX shape inference does not follow:
+        # fold what the known shapes allow, infer again with those values in place, and
+        # repeat while that reveals more (a few rounds; each folds at least one more value).
+        known: dict[str, np.ndarray] = {}
+        for _ in range(MAX_SHAPE_ROUNDS):
+            shapes = self._infer_shapes(types, known)
+            spec, problems = self._fold_and_plan(shapes, max_elements)
+            more = {
+                n: v
+                for n, v in spec.consts.items()
+                if n not in self.consts and n not in known and v.dtype.kind in "iub"
+            }
+            if not problems or not more:
+                break
+            known.update(more)
+        if problems:
+            raise ModelError(problems)
+        return spec
+
+    def _fold_and_plan(
+        self, shapes: dict, max_elements: int | None = None
+    ) -> tuple[Specialization, list[ModelProblem]]:
+        """Fold what is known at load time (given these inferred shapes; a constant past
+        max_elements is refused before it is made) and list the steps that run; the
+        problems found instead of raising them."""
         consts: dict[str, np.ndarray] = dict(self.consts)
         steps: list[Step] = []
         problems: list[ModelProblem] = []
@@ -314,6 +377,9 @@ class OnnxModel:
             ins = [n for n in node.inputs if n]
             if node.op_type in ("Shape", "Size") and node.inputs[0] not in consts:
                 shape = shapes.get(node.inputs[0])
+                if node.inputs[0] in self.params:  # a parameter's shape is its own
+                    param = self.params[node.inputs[0]]
+                    shape = (param.shape, param.dtype)
                 if shape is not None and None not in shape[0]:
                     fake = SimpleNamespace(shape=shape[0])
                     out = run_node(node.op_type, [fake], node.attrs, self.opset, 1)
@@ -329,6 +395,9 @@ class OnnxModel:
                 )
                 continue
             if node.op_type not in NOT_FOLDABLE and all(n in consts for n in ins):
+                if (why := _oversized_fold(node, consts, max_elements)) is not None:
+                    problems.append(node.problem(why, self.opset, "shape"))
+                    continue
                 try:
                     outs = _fold(node, consts, self.opset)
                 except Exception as exc:  # noqa: BLE001 (the reference evaluator raises anything)
@@ -379,8 +448,6 @@ class OnnxModel:
                         )
                     )
             outputs.append((shape, dtype))
-        if problems:
-            raise ModelError(problems)
         sizes = [
             (n, shapes[n][0], shapes[n][1])
             for step in steps
@@ -388,16 +455,26 @@ class OnnxModel:
             if n and n in shapes and None not in shapes[n][0]
         ]
         elements = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in sizes)
-        return Specialization(steps, consts, outputs, elements, folded, sizes)
+        return Specialization(steps, consts, outputs, elements, folded, sizes), problems
 
-    def _infer_shapes(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> dict:
+    def _infer_shapes(
+        self,
+        types: list[tuple[tuple[int, ...], np.dtype]],
+        known: Mapping[str, np.ndarray] | None = None,
+    ) -> dict:
         """ONNX shape inference with the inputs' shapes fixed: name -> (shape, dtype),
-        with None for a size it could not infer."""
+        with None for a size it could not infer. `known`: values folded already (shapes,
+        axes), put in place of the nodes that compute them."""
         import onnx
-        from onnx import helper
+        from onnx import helper, numpy_helper
 
         model = onnx.ModelProto()
         model.CopyFrom(self.proto)
+        if known:
+            kept = [n for n in model.graph.node if not all(o in known for o in n.output if o)]
+            del model.graph.node[:]
+            model.graph.node.extend(kept)
+            model.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in known.items())
         by_name = {i.name: t for i, t in zip(self.inputs, types)}
         for value in model.graph.input:
             if value.name in by_name:
@@ -405,10 +482,20 @@ class OnnxModel:
                 for dim, size in zip(dims, by_name[value.name][0]):
                     dim.Clear()
                     dim.dim_value = size
+        failures = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise ModelError([ModelProblem(f"ONNX shape inference failed: {exc}", "shape")])
+        except failures as exc:
+            # Data propagation (shapes computed from shape-valued tensors) misjudges some
+            # graphs of index arithmetic (the dynamo exporter's AdaptiveAvgPool: "Invalid
+            # rank for Add broadcasting"); inference without it is still exact, if
+            # sometimes less complete.
+            try:
+                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+            except failures:
+                raise ModelError(
+                    [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
+                ) from exc
         out = {}
         graph = inferred.graph
         for value in (*graph.input, *graph.value_info, *graph.output):
@@ -437,6 +524,35 @@ class OnnxModel:
         return [v if isinstance(v, Tensor) else constant(v) for v in (env[n] for n in self.outputs)]
 
 
+# Ops whose outputs carry no derivative of any input (shapes, comparisons, logic,
+# rounding, index results), and per op the inputs that carry none (indices, a condition,
+# a dtype target, BatchNorm's running statistics: buffers, not parameters).
+NO_DERIVATIVE = frozenset(
+    {"Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
+     "And", "Or", "Xor", "IsNaN", "IsInf", "Sign", "ArgMax", "ArgMin", "ConstantOfShape",
+     "Range", "NonZero", "OneHot", "EyeLike", "Floor", "Ceil", "Round"}
+)  # fmt: skip
+NO_DERIVATIVE_INPUTS = {
+    "CastLike": (1,),
+    "Where": (0,),
+    "Gather": (1,),
+    "GatherND": (1,),
+    "GatherElements": (1,),
+    "BatchNormalization": (3, 4),
+}
+
+
+def differentiable_input(op_type: str, index: int, attrs: Mapping[str, Any]) -> bool:
+    """Whether a derivative of the node's outputs can reach its input `index`."""
+    if op_type in NO_DERIVATIVE or index in STATIC.get(op_type, ()):
+        return False
+    if op_type == "Cast":
+        from onnx import helper
+
+        return np.dtype(helper.tensor_dtype_to_np_dtype(attrs["to"])).kind == "f"
+    return index not in NO_DERIVATIVE_INPUTS.get(op_type, ())
+
+
 def _graph_input(value: Any) -> GraphInput:
     from onnx import helper
 
@@ -462,6 +578,32 @@ def _constant_value(node: Node) -> np.ndarray | None:
         return None
 
 
+def _oversized_fold(
+    node: Node, consts: Mapping[str, np.ndarray], max_elements: int | None
+) -> str | None:
+    """Why folding this node would make a constant past max_elements, known from its
+    constant inputs before the reference evaluator allocates it (None: it fits)."""
+    if max_elements is None:
+        return None
+    if node.op_type in ("ConstantOfShape", "Expand"):
+        shape_input = node.inputs[0] if node.op_type == "ConstantOfShape" else node.inputs[1]
+        dims = [int(d) for d in np.asarray(consts[shape_input]).reshape(-1)]
+        elements = math.prod(max(d, 0) for d in dims)
+    elif node.op_type == "Range":
+        start, limit, delta = (np.asarray(consts[n]).item() for n in node.inputs[:3])
+        if not delta or not all(math.isfinite(float(v)) for v in (start, limit, delta)):
+            return None  # the evaluator says what is wrong
+        elements = max(0, math.ceil((limit - start) / delta))
+    else:
+        return None
+    if elements <= max_elements:
+        return None
+    return (
+        f"folding it at load time would make a constant of {elements:,} elements; the "
+        f"limit is {max_elements:,} (max_elements)"
+    )
+
+
 def _fold(node: Node, consts: Mapping[str, np.ndarray], opset: int) -> list[np.ndarray]:
     """The node's outputs from constant inputs, by ONNX's reference evaluator (the
     spec's own semantics for every op, at this opset)."""
@@ -481,18 +623,20 @@ _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 8
 
 
-def load_model(data: bytes) -> OnnxModel:
+def load_model(data: Any, float64: bool = False) -> OnnxModel:
     """A checked model from the bytes of an .onnx file (cached by content); raises
-    ModelError naming the checker's complaint or every unsupported node."""
+    ModelError naming the checker's complaint or every unsupported node. float64: run a
+    float32 model in float64 (as_float64), as a definition with `dtype: float64` asks."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ModelError([ModelProblem(f"an ONNX model is bytes, got {type(data).__name__}")])
     data = bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(data).hexdigest() + (":float64" if float64 else "")
     with _CACHE_LOCK:
         if digest in _CACHE:
             _CACHE.move_to_end(digest)
             return _CACHE[digest]
-    model = OnnxModel(_parse(data), digest)
+    proto = _parse(data)
+    model = OnnxModel(as_float64(proto) if float64 else proto, digest)
     model.check()
     with _CACHE_LOCK:
         _CACHE[digest] = model
@@ -519,8 +663,46 @@ def _parse(data: bytes) -> Any:
                 )
             ]
         )
+    # Before the checker (which opens external files itself) and before any array.
+    if refused := external_data_problems(proto):
+        raise ModelError(refused)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:
         raise ModelError([ModelProblem(f"the ONNX checker refuses the model: {exc}")]) from None
     return proto
+
+
+def as_float64(proto: Any) -> Any:
+    """The same model computing in float64: float32 initializers, graph inputs, outputs
+    and value infos, Cast targets and float32 constants (Constant, ConstantOfShape
+    values) switched to double. Exact for what the file holds: a float32 constant keeps
+    its float32 value, now in a float64."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    graph = model.graph
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT:
+            value = numpy_helper.to_array(init).astype(np.float64)
+            graph.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                value = numpy_helper.to_array(attr.t).astype(np.float64)
+                attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
+    return model
+
+
+def float_dtypes(model: OnnxModel) -> set[np.dtype]:
+    """The floating-point dtypes of a model's parameters and inputs."""
+    found = {v.dtype for v in model.params.values()}
+    found.update(i.dtype for i in model.inputs if i.dtype.kind == "f")
+    return found

@@ -608,7 +608,7 @@ defjvp(abs_p, lambda t, ans, x: multiply(t[0], sign(x)))
 
 
 @public("math", shape_rule=unary("numeric"))
-def abs(x: Any) -> Tensor:  # noqa: A001 - the NumPy name
+def abs(x: Any) -> Tensor:
     """|x|; the derivative at 0 is 0."""
     return bind(abs_p, as_tensor(x))
 
@@ -708,7 +708,7 @@ def _xdivy_slopes(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return bind(xdivy_p, _not_zero(x), y), bind(xdivy_p, negative(x), multiply(y, y))
 
 
-def _no_nan_slopes(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+def _no_nan_slopes(x: Tensor, y: Tensor) -> tuple[Tensor | None, Tensor]:
     return None, divide_no_nan(divide_no_nan(negative(x), y), y)
 
 

@@ -35,13 +35,13 @@ import numpy as np
 from engine.curvature import Curvature, CurvatureError, top_by_sign
 from engine.language import DefinitionError, compile_definition
 from service.core import shm
+from service.core.operations import BY_KIND, Sharded, curvature_choice, decode_options
 from service.core.wire import array_bytes
 from service.worker import tapes
 from service.worker.compute import (
     RequestError,
     WorkerContext,
     check_jacobian_size,
-    check_vector,
     on_device,
 )
 
@@ -286,46 +286,16 @@ def _runs(context: WorkerContext) -> dict[str, Run]:
 def _work(
     kind: str, payload: Mapping[str, Any], context: WorkerContext, run: Run
 ) -> Callable[[ShardedFlat], dict[str, Any]]:
-    """The algorithm `kind` (a tape handler's name) on a ShardedFlat."""
-    started = time.perf_counter()
+    """The table operation `kind` (one run as an algorithm over the parts) on a
+    ShardedFlat: the same function the unsharded tape runs (tapes.OPERATION_FUNCTIONS)."""
+    op = BY_KIND.get(kind)
+    if op is None or op.sharded is not Sharded.algorithm:
+        raise RequestError("internal", f"no sharded algorithm {kind!r}")
     # A run outlives the request in flight: its progress goes out with its next need.
     quiet = dataclasses.replace(context, report=run.note)
-
-    def eigenvalues(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.eigenvalues_of(flat, flat.keys, payload, quiet, started)
-
-    def trace(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.trace_of(flat, flat.keys, payload, quiet, started)
-
-    def diagonal(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.diagonal_of(flat, flat.keys, payload, quiet, started)
-
-    def density(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.spectral_density_of(flat, flat.keys, payload, quiet, started)
-
-    def solve(flat: ShardedFlat) -> dict[str, Any]:
-        # b: the vector asked, or the sharded tape's gradient (summed by the caller).
-        vector = payload["vector"]
-        primals = [
-            np.broadcast_to(np.zeros((), d), s)
-            for s, d in zip(flat.shapes, flat.dtypes, strict=True)
-        ]
-        check_vector(vector, flat.keys, primals, "vector")  # type: ignore[arg-type]
-        b = flat.flatten([np.asarray(vector[k]) for k in flat.keys])
-        return tapes.solve_of(
-            flat, flat.keys, b, payload.get("rhs", "vector"), payload, quiet, started
-        )
-
-    table = {
-        "tape_eigenvalues": eigenvalues,
-        "tape_trace": trace,
-        "tape_diagonal": diagonal,
-        "tape_spectral_density": density,
-        "tape_solve": solve,
-    }
-    if kind not in table:
-        raise RequestError("internal", f"no sharded algorithm {kind!r}")
-    return table[kind]
+    asked = tapes.Asked(decode_options(op, payload["options"]), payload, quiet, time.perf_counter())
+    function = tapes.OPERATION_FUNCTIONS[kind]
+    return lambda flat: function(flat, flat.keys, asked)
 
 
 def _advance(run: Run, context: WorkerContext) -> dict[str, Any]:
@@ -462,7 +432,7 @@ def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[
     ("gradient") of the request's target make the unsharded ones ("mode", see above;
     "split_keys": the sources that are split inputs); a jacobian checked against the
     jacobian size limit at the unsharded shapes."""
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     request = tapes.other_request(session, payload)
     target, split = request.target, set(payload["split"])
     rows, total = int(payload["rows"][0]), sum(int(r) for r in payload["rows"])
@@ -494,7 +464,9 @@ def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[
         check_jacobian_size(
             target, (total, *shape[1:]) if mode == "rows" else shape, full_sources, batch, context
         )
-    return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys}, hvp_only=True)
+    return tapes.finish_answer(
+        session, rebuilt, {"mode": mode, "split_keys": split_keys}, hvp_only=True
+    )
 
 
 def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
@@ -607,9 +579,10 @@ def _influence_curvature(
 ) -> Curvature:
     """The part's curvature recording, checked as tape_influence checks it, and its
     examples checked to be the part's rows of the split batch."""
-    curvature = tapes._curvature(session)
-    tapes._check_targets(session, "influence")
-    tapes._operator(session, payload, context)  # refuses an impossible curvature
+    curvature = tapes.session_curvature(session)
+    tapes.check_batched_targets(session, "influence")
+    # refuses an impossible curvature, with its reason
+    tapes.curvature_operator(session, curvature_choice(payload.get("curvature")), context)
     if curvature.examples != int(payload["examples"]):
         assert session.split is not None
         raise RequestError(
@@ -626,7 +599,7 @@ def _influence_curvature(
 def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """A part's test loss and its gradient ("value", "gradients" by source key): on the
     test inputs, or on the part's own training `rows` (zeros when it holds none)."""
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     curvature = _influence_curvature(session, payload, context)
     names = session.request.sources
     try:
@@ -639,11 +612,13 @@ def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> d
                     for k, p in zip(session.keys, session.primals, strict=True)
                 },
             }
-            return tapes._done(session, rebuilt, result, hvp_only=True)
+            return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
         if rows is not None:
             value, grad = curvature.test_gradient(rows=[int(r) for r in rows])
         else:
-            data, targets = tapes._test_points(session, curvature, payload["test_inputs"], context)
+            data, targets = tapes.test_points_of(
+                session, curvature, payload["test_inputs"], context
+            )
             value, grad = curvature.test_gradient(data, targets)
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
@@ -651,13 +626,13 @@ def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> d
         "value": value.numpy(),
         "gradients": {key: grad[name].numpy() for key, name in names.items()},
     }
-    return tapes._done(session, rebuilt, result, hvp_only=True)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """A part's examples scored against s_test (-g_i . s_test, one batched JVP), and its
     per-example scale c (its loss = c sum_i l_i over its own rows)."""
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     curvature = _influence_curvature(session, payload, context)
     s_test = payload["s_test"]
     batched = {
@@ -669,7 +644,9 @@ def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext) ->
         scale = curvature.scale()
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
-    return tapes._done(session, rebuilt, {"scores": -dots[0], "scale": scale}, hvp_only=True)
+    return tapes.finish_answer(
+        session, rebuilt, {"scores": -dots[0], "scale": scale}, hvp_only=True
+    )
 
 
 def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:

@@ -42,6 +42,9 @@ from .errors import (
     WorkerCrashed,
 )
 from .jobs import Job, JobStatus
+from .models import Models
+from .plots import ProgressLog
+from .pytorch import BridgeError, ExportMismatch, TorchModel, TorchTape
 from .results import (
     HVP,
     Diagonal,
@@ -59,10 +62,47 @@ from .tape import RemoteTape
 __version__ = "0.1.0"
 
 __all__ = [
-    "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
-    "Definition", "DefinitionError", "Diagonal", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
-    "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",
-    "ModelNotFound", "NonFiniteResult", "NotFound",
-    "QuotaExceeded", "RemoteTape", "Retry", "ServerError", "ServiceBusy", "Solve", "SpectralDensity",
-    "TapeGone", "TooLarge", "Trace", "Unauthorized", "WorkerCrashed", "dataset", "function",
+    "HVP",
+    "AsyncClient",
+    "BridgeError",
+    "Client",
+    "ComputeError",
+    "ComputeTimeout",
+    "Conflict",
+    "Definition",
+    "DefinitionError",
+    "Diagonal",
+    "Eigenvalues",
+    "ExportMismatch",
+    "Gradient",
+    "GradtapeError",
+    "Hessian",
+    "Influence",
+    "InvalidRequest",
+    "Jacobian",
+    "Job",
+    "JobCancelled",
+    "JobNotFound",
+    "JobStatus",
+    "ModelNotFound",
+    "Models",
+    "NonFiniteResult",
+    "NotFound",
+    "ProgressLog",
+    "QuotaExceeded",
+    "RemoteTape",
+    "Retry",
+    "ServerError",
+    "ServiceBusy",
+    "Solve",
+    "SpectralDensity",
+    "TapeGone",
+    "TooLarge",
+    "TorchModel",
+    "TorchTape",
+    "Trace",
+    "Unauthorized",
+    "WorkerCrashed",
+    "dataset",
+    "function",
 ]  # fmt: skip
