@@ -70,6 +70,9 @@ import numpy as np
 
 from engine import backend, replay, trace, tree
 from engine.hessian_algorithms import Callback, FlatOperator, SolveResult, conjugate_gradient
+from engine.ops.elementwise import cast, divide
+from engine.ops.linalg import einsum
+from engine.ops.shape import expand_dims, reshape
 from engine.tape import GradientTape, check_source
 from engine.tensor import Tensor, as_tensor
 from engine.transforms import HessianOperator, scalar_output, value_and_grad, zeros_with_lead
@@ -221,6 +224,8 @@ class Curvature:
         self._likelihood: Likelihood | None = None
         self._likelihood_problem: str | None = None
         self._samples: dict[tuple, Any] = {}
+        for op in self._operators.values():  # compiled products read the old recording
+            op._passes = replay.Passes(limit=8)
 
     @property
     def value(self) -> Tensor:
@@ -364,14 +369,14 @@ class Curvature:
         the term's summed loss: 1 / scale for a categorical or Bernoulli likelihood; for
         squared error loss = a sum (o - y)^2 with a = c / (2 variance), so R = 1 / a."""
         likelihood = self.likelihood()
-        g = self.output_grad.value
+        g = self.output_grad  # a Tensor: a compiled product replays this step too
         width = g.shape[-1] if g.ndim >= 2 else 1
         if likelihood.family == "gaussian":
             assert likelihood.variance is not None
             factor = 2.0 * likelihood.variance / likelihood.scale
         else:
             factor = 1.0 / likelihood.scale
-        return g.reshape(1, -1, width), factor
+        return reshape(g, (1, -1, width)), factor
 
     def likelihood(self) -> Likelihood:
         """The distribution the loss is the negative log-likelihood of (see LIKELIHOODS),
@@ -434,18 +439,21 @@ class Curvature:
                 for p in self._flat
             ]
         jv = self.jvp(flat_v, batch_ndim, lead)
+        # (Engine ops throughout, on tensors the recording holds: a compiled product
+        # replays every step; see CurvatureOperator._product.)
         if op.kind == "empirical_fisher":
-            mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
+            gs = expand_dims(self.output_grad, 0)
+            mjv = _outer_products(gs, jv, self.scale())
         elif op.kind == "empirical_fisher_terms":
             terms, factor = self._loss_terms()
-            u = jv.value.reshape(lead + terms.shape[1:])
-            mjv = _outer_products(terms, u, 1.0 / factor).reshape(jv.shape)
+            u = reshape(jv, tuple(lead) + tuple(terms.shape[1:]))
+            mjv = reshape(_outer_products(terms, u, 1.0 / factor), jv.shape)
         elif op.kind == "fisher" and op.samples is not None:
-            gs = self._sample_gradients(op.samples, op.seed)
-            mjv = _outer_products(gs, jv.value, self.likelihood().scale * op.samples)
+            gs = Tensor(self._sample_gradients(op.samples, op.seed))
+            mjv = _outer_products(gs, jv, self.likelihood().scale * op.samples)
         else:  # ggn, and the exact Fisher (the GGN of a recognised likelihood)
-            mjv = self._output_loss()._apply((jv,), batch_ndim)[0].value
-        return self.vjp(Tensor(mjv), batch_ndim, lead)
+            mjv = self._output_loss()._apply((jv,), batch_ndim)[0]
+        return self.vjp(mjv, batch_ndim, lead)
 
     # Per-example gradients and influence -------------------------------------------------
     def per_example_gradients(self, chunk_size: int | None = None) -> Any:
@@ -600,10 +608,11 @@ class CurvatureOperator(HessianOperator):
         self.samples = samples
         self.seed = seed
         self.max_batch = curvature.max_batch
-        # Its products are the Curvature's (_product below), computed dynamically: no
-        # compiled pass, an empty record of them (replay_status {}, replay_changes 0).
-        self.compiled = False
-        self._passes = replay.Passes()
+        # Its products are the Curvature's (_product below), compiled per vector layout
+        # as a HessianOperator's are: the whole product (J v, H_L or the outer products,
+        # J^T u; or the second-order pass) is one replayed schedule from its third call.
+        self.compiled = True
+        self._passes = replay.Passes(limit=8)
 
     # The recording is the Curvature's: read through, so every view sees a new point.
     _flat = property(lambda self: self.curvature._flat)
@@ -625,7 +634,20 @@ class CurvatureOperator(HessianOperator):
         self.curvature._prepare(self)
 
     def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
-        return self.curvature._product(self, flat_v, batch_ndim, lead)
+        def dynamic(seeds: list[Tensor]) -> list[Tensor | None]:
+            return list(self.curvature._product(self, seeds, batch_ndim, lead))
+
+        arrays = [v.value for v in flat_v]
+        if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
+            return dynamic(flat_v)
+        key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))  # (dtypes: checked)
+        products = self._passes.run(
+            key, flat_v, dynamic, lambda: replay.known_tensors(self.curvature)
+        )
+        return [
+            zeros_with_lead(p, lead) if h is None else h
+            for h, p in zip(products, self._flat, strict=True)
+        ]
 
 
 def curvature_operator(
@@ -650,16 +672,17 @@ def curvature_operator(
 # ----------------------------------------------------------------------------------------
 
 
-def _outer_products(gs: Any, u: Any, divisor: float) -> Any:
+def _outer_products(gs: Tensor, u: Tensor, divisor: float) -> Tensor:
     """sum_s blockdiag_i(G_si G_si^T) u / divisor for G (S, N, ...) and u (*lead, N, ...):
     per example, the inner products with u, then those multiples of G."""
     s, n = gs.shape[0], gs.shape[1]
-    xp = backend.array_module(u)
-    batched = u.reshape((-1, n, math.prod(gs.shape[2:])))
-    g = gs.reshape(s, n, -1).astype(u.dtype, copy=False)
-    dots = xp.einsum("snr,knr->ksn", g, batched)
-    out = xp.einsum("ksn,snr->knr", dots, g) / divisor
-    return out.reshape(u.shape)
+    batched = reshape(u, (-1, n, math.prod(gs.shape[2:])))
+    g = reshape(gs, (s, n, -1))
+    if g.dtype != u.dtype:
+        g = cast(g, u.dtype)
+    dots = einsum("snr,knr->ksn", g, batched)
+    out = divide(einsum("ksn,snr->knr", dots, g), divisor)
+    return reshape(out, u.shape)
 
 
 def _softmax(o: np.ndarray) -> np.ndarray:
