@@ -706,13 +706,19 @@ def _probe(
 # ------------------------------------------------------------------- verification
 
 
-def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype) -> tuple[bool, str]:
+def _close(
+    got: np.ndarray, want: np.ndarray, dtype: np.dtype, scale: float | None = None
+) -> tuple[bool, str]:
+    """Within the tolerance of `dtype`, relative and absolute (times `scale`: the
+    largest |torch| of the output, or of the whole gradient, so that a parameter whose
+    gradient is zero in exact arithmetic may hold rounding noise)."""
     tol = TOLERANCE[dtype]
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return False, f"shape {got.shape} where torch has {want.shape}"
-    scale = float(np.abs(want).max()) if want.size else 0.0
+    if scale is None:
+        scale = float(np.abs(want).max()) if want.size else 0.0
     err = np.abs(got - want)
     bound = tol * np.abs(want) + tol * scale
     if np.all(err <= bound) and np.all(np.isfinite(got) == np.isfinite(want)):
@@ -752,13 +758,14 @@ def _verify_op(client: _Methods, model: TorchModel) -> Any:
                 f"output {out!r} {why}"
             )
         grads = answer["gradients"] or {}
+        scale = max((float(np.abs(g).max()) for g in want.values() if g.size), default=0.0)
         for name in model.trainable:
             got = grads.get(name)
             if got is None:
                 raise ExportMismatch(
                     f"the service has no gradient of output {out!r} for parameter {name!r}"
                 )
-            ok, why = _close(got, want[name], model.dtype)
+            ok, why = _close(got, want[name], model.dtype, scale)
             if not ok:
                 raise ExportMismatch(
                     f"the service's gradient of output {out!r} for parameter {name!r} "
@@ -862,23 +869,31 @@ class TorchTape:
     # structure -------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
-        """The trainable parameters, in named_parameters() order (the flat order)."""
+        """The parameters the service differentiates, in named_parameters() order."""
         return self.model.trainable
 
     @property
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter that requires grad, in named_parameters() order, with its
+        shape: the order of flat vectors (unused ones included, as zeros)."""
+        return [(p.name, p.shape) for p in self.model.parameters if p.how != "frozen"]
+
+    @property
     def size(self) -> int:
-        return self.remote.size
+        """The length of a flat vector: parameters_to_vector over `layout`."""
+        return sum(int(np.prod(shape, dtype=np.int64)) for _, shape in self.layout)
+
+    def _full(self, answer: Mapping[str, Any]) -> dict[str, Any]:
+        """A dict over `names` -> one over `layout` (zeros for unused parameters)."""
+        return {
+            n: answer[n] if n in answer else np.zeros(shape, self.model.dtype)
+            for n, shape in self.layout
+        }
 
     def _out(self, answer: Any, tensors: bool | None = None) -> Any:
         tensors = self._tensors if tensors is None else tensors
         if isinstance(answer, Mapping):
-            full = {}
-            for rec in self.model.parameters:
-                if rec.name in answer:
-                    full[rec.name] = answer[rec.name]
-                elif rec.how == "unused":  # not read by the forward: zero
-                    full[rec.name] = np.zeros(rec.shape, self.model.dtype)
-            answer = full
+            answer = self._full(answer)
         if not tensors:
             return answer
         torch = _torch()
@@ -886,8 +901,9 @@ class TorchTape:
             return {k: torch.as_tensor(np.asarray(v)) for k, v in answer.items()}
         return torch.as_tensor(np.asarray(answer))
 
-    def _in(self, v: Any) -> tuple[Any, bool]:
-        """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays."""
+    def _in(self, v: Any) -> tuple[dict[str, np.ndarray], bool]:
+        """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays
+        over `layout`, and whether the caller passed tensors."""
         torch = _torch()
         tensors = False
         if isinstance(v, torch.Tensor):
@@ -897,18 +913,32 @@ class TorchTape:
             for k, x in v.items():
                 if isinstance(x, torch.Tensor):
                     x, tensors = _np(x), True
-                out[k] = x
+                out[k] = np.asarray(x)
             missing = [n for n in self.names if n not in out]
             if missing:
                 raise ValueError(f"the vector has no entry for parameter {missing[0]!r}")
-            return {n: out[n] for n in self.names}, tensors
-        return self.remote.unflatten(v, None), tensors
+            return self._full(out), tensors
+        flat = np.asarray(v).reshape(-1)
+        if flat.size != self.size:
+            raise ValueError(
+                f"a flat vector over this module has {self.size} entries "
+                f"(parameters_to_vector order), got {flat.size}"
+            )
+        out, start = {}, 0
+        for n, shape in self.layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            out[n] = flat[start : start + size].reshape(shape)
+            start += size
+        return out, tensors
 
     def vector(self, values: Any) -> Any:
         """A dict by torch name (arrays or tensors) -> one flat float64 vector in
         parameters_to_vector order (a tensor if the dict held tensors)."""
         arrays, tensors = self._in(values)
-        flat = self.remote.flatten(arrays)
+        flat = np.concatenate(
+            [np.asarray(arrays[n], dtype=np.float64).reshape(-1) for n, _ in self.layout]
+            or [np.zeros(0)]
+        )
         return _torch().as_tensor(flat) if tensors else flat
 
     def unflatten(self, x: Any) -> Any:
@@ -918,12 +948,13 @@ class TorchTape:
 
     def state_dict(self, values: Any) -> dict[str, Any]:
         """A flat vector or a dict by torch name -> {torch name: torch.Tensor} in the
-        parameters' dtypes, for `model.load_state_dict(sd, strict=False)` (an
+        parameters' dtype, for `model.load_state_dict(sd, strict=False)` (an
         eigenvector, an influence direction, a Newton step)."""
         torch = _torch()
         arrays, _ = self._in(values)
         return {
-            n: torch.as_tensor(np.asarray(arrays[n], dtype=self.model.dtype)) for n in self.names
+            n: torch.as_tensor(np.asarray(arrays[n], dtype=self.model.dtype))
+            for n, _ in self.layout
         }
 
     # answers --------------------------------------------------------------------
@@ -940,12 +971,13 @@ class TorchTape:
         """H v (or another curvature's product: `curvature="ggn"`, ...); `v` a dict by
         torch name or a flat vector; the answer in the same form."""
         arrays, tensors = self._in(v)
-        flat = not isinstance(v, Mapping)
-        answer = self.remote.hvp(arrays, **options)
-        if flat:
-            out = self.remote.flatten(answer)
-            return _torch().as_tensor(out) if (tensors or self._tensors) else out
-        return self._out(answer, tensors or self._tensors)
+        answer = self._full(self.remote.hvp({n: arrays[n] for n in self.names}, **options))
+        tensors = tensors or self._tensors
+        if not isinstance(v, Mapping):
+            return self.vector(
+                {k: _torch().as_tensor(a) for k, a in answer.items()} if tensors else answer
+            )
+        return self._out(answer, tensors)
 
     def eigenvalues(self, k: int = 1, **options: Any) -> Any:
         """`RemoteTape.eigenvalues`; with `eigenvectors=True` each eigenvector is a dict
@@ -1014,7 +1046,7 @@ def tape_op(
     loss: Any,
     data: Any,
     example_inputs: Any = None,
-    upload_above: int = UPLOAD_BYTES,
+    upload_above: int | None = None,
     **tape_options: Any,
 ) -> TorchTape:
     """`client.tape(module, loss=..., data=...)`: bridge the module (or take a
@@ -1048,7 +1080,8 @@ def tape_op(
         else:
             inputs["y"] = target.astype(model.dtype) if target.dtype.kind == "f" else target
     inputs.update(extra)
-    if sum(a.nbytes for a in inputs.values()) >= upload_above:
+    limit = UPLOAD_BYTES if upload_above is None else upload_above
+    if sum(a.nbytes for a in inputs.values()) >= limit:
         digest = hashlib.sha256()
         for k, a in sorted(inputs.items()):
             digest.update(k.encode() + str(a.dtype).encode() + str(a.shape).encode())
