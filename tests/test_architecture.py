@@ -32,7 +32,14 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("engine.tape",),
     ("engine.forward", "engine.replay"),
     ("engine.transforms", "engine.jit", "engine.testing", "engine"),
-    ("engine.hessian_algorithms", "engine.curvature", "engine.onnx"),
+    (
+        "engine.hessian_algorithms",
+        "engine.curvature",
+        "engine.per_example",
+        "engine.kfac",
+        "engine.laplace",
+        "engine.onnx",
+    ),
     ("engine.language",),
 ]
 

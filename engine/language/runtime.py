@@ -108,7 +108,7 @@ class Builder:
         self.section = section
         self.functions = functions
         self.models = models or {}  # name -> engine.onnx.OnnxModel
-        self.model_calls = model_calls or {}  # call node -> its Specialization
+        self.model_calls = model_calls or {}  # call node -> (its Specialization, output)
         self.sites = sites or {}  # grad call node -> its index in grad_sites
         self.grad_sites = grad_sites or []
 
@@ -120,10 +120,10 @@ class Builder:
             value = node.value
             return lambda frame: value
         if isinstance(node, Subscript):
-            value, index = self.expr(node.value), node.index
+            operand, index = self.expr(node.value), node.index
             getitem = public_ops["getitem"].fn
             return located(
-                lambda frame: getitem(value(frame), index), self.section, node.pos, "getitem"
+                lambda frame: getitem(operand(frame), index), self.section, node.pos, "getitem"
             )
         if isinstance(node, Call):
             return located(self.call(node), self.section, node.pos, node.func)
@@ -133,17 +133,18 @@ class Builder:
         if node.func == "grad":
             return self.grad(node)
         if node.func in self.models:
-            model, spec = self.models[node.func], self.model_calls[node]
+            model, (spec, index) = self.models[node.func], self.model_calls[node]
             args = [self.expr(a) for a in node.args]
-            # The model's parameters are variables of the run, by their ONNX names.
-            return lambda frame: model.run(spec, [a(frame) for a in args], frame.values)[0]
+            # The model's parameters are variables of the run, by their ONNX names; the
+            # call answers the output it chose (validate.model_output).
+            return lambda frame: model.run(spec, [a(frame) for a in args], frame.values)[index]
         if node.func in self.functions:
             # Looked up when run: functions may call functions defined after them.
             functions, name, args = self.functions, node.func, [self.expr(a) for a in node.args]
             return lambda frame: functions[name](frame.root, *[a(frame) for a in args])
         sig = SIGNATURES[node.func]
         bound = bind(sig, node)
-        tensors = {
+        tensors: dict[str, Any] = {
             name: [self.expr(a) for a in arg] if isinstance(arg, list) else self.expr(arg)
             for name, arg in bound.tensors.items()
             if arg is not None

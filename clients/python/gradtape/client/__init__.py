@@ -43,6 +43,7 @@ from .errors import (
 )
 from .jobs import Job, JobStatus
 from .models import Models
+from .plots import ProgressLog
 from .pytorch import BridgeError, ExportMismatch, TorchModel, TorchTape
 from .results import (
     HVP,
@@ -87,6 +88,7 @@ __all__ = [
     "Models",
     "NonFiniteResult",
     "NotFound",
+    "ProgressLog",
     "QuotaExceeded",
     "RemoteTape",
     "Retry",

@@ -1,6 +1,6 @@
 """`Client` and `AsyncClient`: thin shells over the sans-I/O core.
 
-Each API method is written once, in `_Methods`, as "run this core operation"; `Client`
+Each API method is written once, in `ApiMethods`, as "run this core operation"; `Client`
 runs operations with blocking httpx calls and answers values, `AsyncClient` with awaited
 ones and answers awaitables. One `httpx.Client` / `httpx.AsyncClient` per client keeps
 connections alive across calls.
@@ -28,7 +28,7 @@ from .tape import RemoteTape
 DEFAULT_TIMEOUT = httpx.Timeout(330.0, connect=10.0)
 
 
-class _Methods:
+class ApiMethods:
     """The API, once for both clients. `_run(op)` is the value (Client) or an awaitable
     of it (AsyncClient)."""
 
@@ -311,7 +311,7 @@ def _client_options(url: str, timeout: Any) -> dict[str, Any]:
     return {"base_url": url.rstrip("/"), "timeout": timeout}
 
 
-class Client(_Methods):
+class Client(ApiMethods):
     """A synchronous gradtape client.
 
     `Client(url, api_key=None, transport="msgpack" | "json", timeout=..., retry=Retry())`;
@@ -369,7 +369,7 @@ class Client(_Methods):
         self.close()
 
 
-class AsyncClient(_Methods):
+class AsyncClient(ApiMethods):
     """The asyncio twin of `Client`: the same methods, each answering an awaitable
     (`await client.gradient(...)`); `async with AsyncClient(...) as client:`."""
 

@@ -40,14 +40,14 @@ from .results import (
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
 
-    from ._client import _Methods
+    from ._client import ApiMethods
 
 
 class RemoteTape:
     """A recorded tape on the server (made by `client.tape(...)`)."""
 
     def __init__(
-        self, client: _Methods, answer: dict[str, Any], definition: Any, target: str, sources: Any
+        self, client: ApiMethods, answer: dict[str, Any], definition: Any, target: str, sources: Any
     ):
         self._client = client
         self._core: _core.Core = client._core

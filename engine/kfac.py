@@ -1,0 +1,574 @@
+"""Kronecker-factored curvature (KFAC, EKFAC) on the matmul and convolution layers of a
+model, found in its recorded program (curvlinops' KFACLinearOperator, EKFACLinearOperator
+and KFACInverseLinearOperator; Martens and Grosse 2015, George et al. 2018, Eschenhagen
+et al. 2023 for weight sharing).
+
+    curv = Curvature(model, loss, params, data, targets)
+    K = kfac(curv, curvature="ggn", sharing="expand")     # a KFAC, its blocks, products
+    K.operator()       # a HessianOperator: lanczos, traces, CG, influence run on it
+    K.inverse_product(v, damping=1e-3)                    # (K + damping I)^-1 v, exact
+
+A layer is an op where a parameter W (or a reshape of it: a convolution's kernel) meets
+the data as a matrix product, x @ W or W @ x (engine/per_example.py finds them and the
+example each row belongs to), with an optional bias b added to its output through
+reshapes and transposes only. In the layer's own frame, rows a (the data's rows, with a
+1 appended when there is a bias) times the matrix [W; b] (k + 1, m) give the output rows,
+and the block of the curvature on [W; b] is approximated by A (x) G acting as
+M -> A M G, with, for the examples' rows a_ip (example i, shared position p of P) and
+the output rows' cotangents g_ip (one per column of the loss Hessian's square root for
+the type-2 Fisher/GGN, per Monte-Carlo target draw for the MC Fisher, the targets'
+gradient for the empirical Fisher):
+
+    expand   A = (1 / (N P)) sum_ip a_ip a_ip^T        G = w sum_{col,ip} g g^T
+    reduce   A = (1 / N) sum_i abar_i abar_i^T          G = w sum_{col,i} gsum_i gsum_i^T
+             (abar_i the mean of a_ip over p, gsum_i the sum of g_ip over p)
+
+with w = c for the GGN (c: the loss's per-example scale, curvature.py), 1 / (k S) for S
+Monte-Carlo draws (k the likelihood's scale, seeds the batch loss's gradients), 1 / c for
+the empirical Fisher: curvlinops' scaling, and KFAC is exact for a single linear layer
+without weight sharing. EKFAC keeps the eigenvectors of A and G and replaces the
+eigenvalues by the curvature's diagonal in that basis, w sum_{col,i} ((Q_A^T X_i Q_G)^2)
+with X_i the per-example gradient matrix sum_p a_ip g_ip^T.
+
+Parameters outside such layers are never dropped: `others="refuse"` (the default) names
+them and stops; `others="exact"` keeps the exact curvature block on them (its matrix,
+from as many curvature products as they have entries), block-diagonal beside the layers.
+
+The log-determinant is the sum of log(eigenvalue + damping) over every block's
+eigenvalues: -inf (not NaN, as curvlinops answers) when a factor is singular and
+damping is 0; a Laplace posterior always adds a positive prior precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine import backend, trace, tree
+from engine.curvature import CurvatureError, CurvatureOperator, _single_target
+from engine.per_example import (
+    MatmulLayout,
+    Meeting,
+    MixedExamplesError,
+    PerExample,
+    cotangent_rows,
+    matmul_layout,
+    per_example,
+)
+from engine.tensor import Tensor
+from engine.transforms import value_and_grad
+
+SHARING = ("expand", "reduce")
+OTHERS = ("refuse", "exact")
+CURVATURES = ("ggn", "fisher", "empirical_fisher")
+EXACT_OTHERS_MAX = 4096  # the entries an exact block may have (its matrix is held)
+MOVERS = ("reshape", "transpose")
+
+
+@dataclass
+class Layer:
+    """One Kronecker block: the weight's (and bias's) index among the flat parameters,
+    how a weight vector maps to the layer's (k, m) frame, and its factors."""
+
+    name: str
+    weight: int
+    bias: int | None
+    meeting: Meeting
+    layout: MatmulLayout
+    frame: tuple  # (the param-side shape of the matmul, swap): W's flat entries -> (k, m)
+    kind: str  # "linear" or "conv" (the data went through im2col)
+    A: np.ndarray | None = None
+    G: np.ndarray | None = None
+    eig_a: tuple | None = None  # (eigenvalues, eigenvectors)
+    eig_g: tuple | None = None
+    corrected: np.ndarray | None = None  # EKFAC's eigenvalues, (k [+1], m)
+    corrected_bias: np.ndarray | None = None  # (m,), a separate bias's
+    joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
+
+
+def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> int | None:
+    """The parameter `t` is, or is a reshape of (a convolution's kernel), else None."""
+    for i, p in enumerate(params):
+        if p is t:
+            return i
+    rec = flow.made_by.get(id(t))
+    if rec is not None and rec.prim is not None and rec.prim.name == "reshape":
+        for i, p in enumerate(params):
+            if p is rec.inputs[0]:
+                return i
+    return None
+
+
+def _upstream_matmul(flow: Any, t: Tensor, matmuls: dict[int, Meeting]) -> Meeting | None:
+    """The matmul meeting whose output reaches `t` through reshapes and transposes."""
+    seen = 0
+    while seen < 16:
+        rec = flow.made_by.get(id(t))
+        if rec is None:
+            return None
+        if id(rec) in matmuls:
+            return matmuls[id(rec)]
+        if rec.prim is None or rec.prim.name not in MOVERS:
+            return None
+        t, seen = rec.inputs[0], seen + 1
+    return None
+
+
+def find_layers(
+    engine: PerExample, params: list[Tensor], names: list[str]
+) -> tuple[list[Layer], list[int]]:
+    """The Kronecker layers of a recording and the indices of the parameters outside them."""
+    flow = engine.flow
+    matmuls = {id(m.record): m for m in flow.meetings if m.kind == "matmul"}
+    layers: dict[int, Layer] = {}
+    used: set[int] = set()
+    for m in flow.meetings:
+        if m.kind != "matmul":
+            continue
+        w = _param_index(flow, params, m.record.inputs[m.argnum])
+        if w is None or w in used:
+            continue  # a weight used twice (tied) is not one Kronecker block
+        layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
+        flow.layouts[id(m.record)] = layout
+        if math.prod(layout.kept) != 1:
+            continue  # grouped convolutions: one block per group is not built here
+        side = m.record.inputs[m.argnum]
+        # The weight as stored -> the layer's (k, m) frame: x @ W is W itself, W @ x its
+        # transpose, and matmul's own transpose flags flip that once more.
+        transposed = (
+            bool(m.record.params.get("tb")) if m.argnum == 1 else not m.record.params.get("ta")
+        )
+        kind = "conv" if _through_im2col(flow, m.record.inputs[1 - m.argnum]) else "linear"
+        layers[id(m.record)] = Layer(
+            names[w], w, None, m, layout, (tuple(side.shape[-2:]), transposed), kind
+        )
+        used.add(w)
+    for m in flow.meetings:
+        if m.kind != "elementwise" or m.record.prim.name != "add":
+            continue
+        b = _param_index(flow, params, m.record.inputs[m.argnum])
+        if b is None or b in used:
+            continue
+        up = _upstream_matmul(flow, m.record.inputs[1 - m.argnum], matmuls)
+        layer = layers.get(id(up.record)) if up is not None else None
+        if layer is None or layer.bias is not None or params[b].size != _out_width(layer):
+            continue
+        layer.bias = b
+        layer.name = f"{names[layer.weight]}+{names[b]}"
+        used.add(b)
+    others = [i for i in range(len(params)) if i not in used]
+    return list(layers.values()), others
+
+
+def _out_width(layer: Layer) -> int:
+    side, swap = layer.frame
+    return side[0] if swap else side[1]
+
+
+def _through_im2col(flow: Any, t: Tensor) -> bool:
+    for _ in range(16):
+        rec = flow.made_by.get(id(t))
+        if rec is None or rec.prim is None:
+            return False
+        if rec.prim.name == "im2col":
+            return True
+        t = rec.inputs[0]
+    return False
+
+
+# ----------------------------------------------------------------------------------------
+# The seeds: output cotangents whose layer cotangents make G
+# ----------------------------------------------------------------------------------------
+
+
+def loss_hessian_sqrt(curv: Any) -> np.ndarray:
+    """S (N, R, R) with S_i S_i^T the Hessian of example i's loss l_i on its output row
+    (R entries): R loss-Hessian products, one per output coordinate in every row at
+    once, then an eigendecomposition per example (negative eigenvalues, which a convex
+    loss has only from rounding, clipped to 0)."""
+    out = curv.output
+    n, r = out.shape[0], out.size // out.shape[0]
+    xp = backend.array_module(out.value)
+    units = xp.zeros((r, n, r), out.dtype)
+    units[np.arange(r), :, np.arange(r)] = 1.0
+    loss_op = curv._output_loss()
+    cols = loss_op._apply((Tensor(units.reshape((r,) + out.shape)),), 1)[0].value
+    h = np.asarray(backend.to_host(cols), np.float64).reshape(r, n, r).transpose(1, 2, 0)
+    h = (h + np.swapaxes(h, 1, 2)) / (2 * curv.scale())
+    vals, vecs = np.linalg.eigh(h)
+    return vecs * np.sqrt(np.clip(vals, 0.0, None))[:, None, :]
+
+
+def _seeds(
+    curv: Any, curvature: str, samples: int | None, seed: int | None, sampled: Any
+) -> tuple[np.ndarray, float]:
+    """(seeds (C, *output.shape), w): the output cotangents and G's weight (module doc)."""
+    out = curv.output
+    if curvature == "empirical_fisher":
+        return np.asarray(backend.to_host(curv.output_grad.value))[None], 1.0 / curv.scale()
+    if curvature == "fisher" and (samples is not None or sampled is not None):
+        likelihood = curv.likelihood()
+        if sampled is not None:
+            gs = _target_gradients(curv, sampled)
+        else:
+            gs = curv._sample_gradients(samples, seed)
+        gs = np.asarray(backend.to_host(gs))
+        return gs, 1.0 / (likelihood.scale * gs.shape[0])
+    if curvature == "fisher":
+        curv.likelihood()  # the exact Fisher is the GGN of a recognised likelihood
+    s = loss_hessian_sqrt(curv)  # (N, R, R)
+    r = s.shape[1]
+    return np.ascontiguousarray(s.transpose(2, 0, 1)).reshape((r,) + out.shape), curv.scale()
+
+
+def _target_gradients(curv: Any, sampled: Any) -> Any:
+    """d loss(output, y_s) / d output for given target draws y_s (in the targets' form):
+    the Monte-Carlo seeds with draws made elsewhere (a reference's, in tests)."""
+    _, rebuild = _single_target(curv.targets)
+    detached = Tensor(curv.output.value)
+    grads = []
+    for y in sampled:
+        target = rebuild(
+            Tensor(backend.asarray(np.asarray(y), np.asarray(y).dtype, curv.output.device))
+        )
+        with trace.nothing_recording():
+            _, g = value_and_grad(lambda o, t=target: curv._loss(o, t))(detached)
+        grads.append(np.asarray(backend.to_host(g.value)))
+    return np.stack(grads)
+
+
+# ----------------------------------------------------------------------------------------
+# KFAC
+# ----------------------------------------------------------------------------------------
+
+
+class KFAC:
+    """Kronecker factors of one curvature of a Curvature recording (module doc)."""
+
+    def __init__(
+        self,
+        curv: Any,
+        curvature: str = "ggn",
+        *,
+        sharing: str = "expand",
+        samples: int | None = None,
+        seed: int | None = 0,
+        others: str = "refuse",
+        ekfac: bool = False,
+        names: list[str] | None = None,
+        sampled_targets: Any = None,
+        separate_bias: bool = True,
+        subset: list[int] | None = None,
+    ):
+        if curvature not in CURVATURES:
+            raise ValueError(f"curvature must be one of {', '.join(CURVATURES)}, got {curvature!r}")
+        if sharing not in SHARING:
+            raise ValueError(f"sharing must be one of {', '.join(SHARING)}, got {sharing!r}")
+        if others not in OTHERS:
+            raise ValueError(f"others must be one of {', '.join(OTHERS)}, got {others!r}")
+        if samples is not None and curvature != "fisher":
+            raise ValueError("samples is for the Monte-Carlo Fisher (curvature 'fisher')")
+        self.curv, self.curvature, self.sharing = curv, curvature, sharing
+        self.samples, self.seed, self.ekfac = samples, seed, ekfac
+        self.others_mode = others
+        params = curv._flat
+        if names is None:
+            names = [f"param{i}" for i in range(len(params))]
+        self.names = names
+        try:
+            curv.scale()
+            engine = PerExample.of(curv)
+        except MixedExamplesError as exc:
+            raise CurvatureError(str(exc).replace("per-example:", "kfac:")) from None
+        self.layers, self.others = find_layers(engine, params, names)
+        if subset is not None:  # only these parameters' blocks (last-layer Laplace)
+            self.layers = [
+                layer
+                for layer in self.layers
+                if layer.weight in subset and (layer.bias is None or layer.bias in subset)
+            ]
+            inside = {i for layer in self.layers for i in (layer.weight, layer.bias)}
+            self.others = [i for i in subset if i not in inside]
+        self.subset = subset
+        for layer in self.layers:
+            layer.joint = layer.bias is not None and not separate_bias
+        if self.others and others == "refuse":
+            listed = ", ".join(f"{names[i]} {list(params[i].shape)}" for i in self.others)
+            raise CurvatureError(
+                f"kfac: the parameters {listed} are in no matmul or convolution layer (a weight "
+                "meeting the data as x @ W or W @ x, its bias added to that output); ask for "
+                "others='exact' to keep their exact curvature block beside the Kronecker blocks"
+            )
+        size = sum(params[i].size for i in self.others)
+        if size > EXACT_OTHERS_MAX:
+            raise CurvatureError(
+                f"kfac: the parameters outside the layers have {size} entries; their exact "
+                f"block is held as a matrix of at most {EXACT_OTHERS_MAX} entries a side"
+            )
+        seeds, self.weight = _seeds(curv, curvature, samples, seed, sampled_targets)
+        self._factors(engine, seeds)
+        self.other_block = self._exact_others() if self.others else None
+        for layer in self.layers:
+            layer.eig_a = _eigh(layer.A)
+            layer.eig_g = _eigh(layer.G)
+        if ekfac:
+            self._correct(engine, seeds)
+
+    # Factors --------------------------------------------------------------------------
+    def _rows(self, layer: Layer, cot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(a (N, P, k [+1]), g (N, P, m)) of one seed, in the layer's frame."""
+        a = np.asarray(backend.to_host(layer.layout.data[0]), np.float64)
+        if layer.joint:
+            a = np.concatenate([a, np.ones(a.shape[:-1] + (1,))], axis=-1)
+        g = np.asarray(
+            backend.to_host(cotangent_rows(self._flow, layer.layout, cot)[0]), np.float64
+        )
+        return a, g
+
+    def _factors(self, engine: PerExample, seeds: np.ndarray) -> None:
+        out = self.curv.output
+        cots = engine.meeting_cotangents(backend.asarray(seeds, out.dtype, out.device), 1)
+        self._cotangents, self._flow = cots, engine.flow
+        n = self.curv.examples
+        for layer in self.layers:
+            out = layer.meeting.record.outputs[0]
+            a, _ = self._rows(layer, cots[id(out)][0])
+            p = a.shape[1]
+            if self.sharing == "expand":
+                flat = a.reshape(-1, a.shape[-1])
+                layer.A = flat.T @ flat / (n * p)
+            else:
+                mean = a.mean(axis=1)
+                layer.A = mean.T @ mean / n
+            m = _out_width(layer)
+            g_sum = np.zeros((m, m))
+            for c in range(seeds.shape[0]):
+                _, g = self._rows(layer, cots[id(out)][c])
+                rows = g.reshape(-1, m) if self.sharing == "expand" else g.sum(axis=1)
+                g_sum += rows.T @ rows
+            layer.G = self.weight * g_sum
+
+    def _correct(self, engine: PerExample, seeds: np.ndarray) -> None:
+        """EKFAC: the curvature's diagonal in each block's Kronecker eigenbasis."""
+        for layer in self.layers:
+            qa, qg = layer.eig_a[1], layer.eig_g[1]
+            out = layer.meeting.record.outputs[0]
+            total = np.zeros((qa.shape[0], qg.shape[0]))
+            bias_total = np.zeros(qg.shape[0])
+            for c in range(seeds.shape[0]):
+                a, g = self._rows(layer, self._cotangents[id(out)][c])
+                ra, rg = a @ qa, g @ qg  # (N, P, k), (N, P, m)
+                total += (np.matmul(np.swapaxes(ra, 1, 2), rg) ** 2).sum(axis=0)
+                if layer.bias is not None and not layer.joint:
+                    bias_total += (rg.sum(axis=1) ** 2).sum(axis=0)
+            layer.corrected = self.weight * total
+            if layer.bias is not None and not layer.joint:
+                layer.corrected_bias = self.weight * bias_total
+
+    def _exact_others(self) -> np.ndarray:
+        """The exact curvature's block on the parameters outside the layers (a matrix)."""
+        params = self.curv._flat
+        op = self.curv.operator(self.curvature, samples=self.samples, seed=self.seed)
+        sizes = [params[i].size for i in self.others]
+        total = sum(sizes)
+        vectors = []
+        for i, p in enumerate(params):
+            z = np.zeros((total,) + p.shape)
+            if i in self.others:
+                lo = sum(sizes[: self.others.index(i)])
+                z.reshape(total, -1)[np.arange(lo, lo + p.size), np.arange(p.size)] = 1.0
+            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
+        products = tree.flatten(op.hvp_many(tree.unflatten(self.curv._treedef, vectors)))[0]
+        block = np.concatenate(
+            [np.asarray(products[i].numpy(), np.float64).reshape(total, -1) for i in self.others],
+            axis=1,
+        )
+        return (block + block.T) / 2
+
+    # Frames ---------------------------------------------------------------------------
+    def to_frame(self, layer: Layer, flat: list[np.ndarray]) -> np.ndarray:
+        """Vectors (K, *params) of a layer's parameters -> (K, k [+1], m)."""
+        (side, swap), w = layer.frame, flat[layer.weight]
+        k = w.shape[0]
+        mat = w.reshape((k,) + side)
+        if swap:
+            mat = np.swapaxes(mat, -1, -2)
+        if layer.joint:
+            mat = np.concatenate([mat, flat[layer.bias].reshape(k, 1, -1)], axis=1)
+        return mat
+
+    def from_frame(
+        self, layer: Layer, mat: np.ndarray, out: list[np.ndarray | None], shapes: list[tuple]
+    ) -> None:
+        (_, swap), k = layer.frame, mat.shape[0]
+        if layer.joint:
+            out[layer.bias] = mat[:, -1, :].reshape((k,) + shapes[layer.bias])
+            mat = mat[:, :-1, :]
+        if swap:
+            mat = np.swapaxes(mat, -1, -2)
+        out[layer.weight] = np.ascontiguousarray(mat).reshape((k,) + shapes[layer.weight])
+
+    def bias_eigenvalues(self, layer: Layer) -> np.ndarray:
+        """A separate bias block's eigenvalues (G's, or EKFAC's in G's eigenbasis)."""
+        return layer.eig_g[0] if layer.corrected_bias is None else layer.corrected_bias
+
+    def eigenvalues(self, layer: Layer) -> np.ndarray:
+        """The block's eigenvalues in its Kronecker eigenbasis, (k [+1], m)."""
+        if layer.corrected is not None:
+            return layer.corrected
+        return np.outer(layer.eig_a[0], layer.eig_g[0])
+
+    def apply(
+        self, flat: list[np.ndarray], power: float = 1.0, damping: float = 0.0
+    ) -> list[np.ndarray]:
+        """(K + damping I)^power V for V given per parameter with a leading axis: power 1
+        the product, -1 the damped inverse (exact: through each block's eigenbasis)."""
+        shapes = [tuple(p.shape) for p in self.curv._flat]
+        out: list[np.ndarray | None] = [None] * len(shapes)
+        for layer in self.layers:
+            mat = self.to_frame(layer, flat)
+            if power == 1.0 and damping == 0.0 and layer.corrected is None:
+                res = layer.A @ mat @ layer.G
+            else:
+                qa, qg = layer.eig_a[1], layer.eig_g[1]
+                lam = self.eigenvalues(layer) + damping
+                with np.errstate(divide="ignore"):
+                    scaled = (qa.T @ mat @ qg) * lam**power
+                res = qa @ scaled @ qg.T
+            self.from_frame(layer, res, out, shapes)
+            if layer.bias is not None and not layer.joint:  # its own block, G
+                b = flat[layer.bias].reshape(flat[layer.bias].shape[0], -1)
+                if power == 1.0 and damping == 0.0 and layer.corrected_bias is None:
+                    rb = b @ layer.G
+                else:
+                    qg = layer.eig_g[1]
+                    lam = self.bias_eigenvalues(layer) + damping
+                    with np.errstate(divide="ignore"):
+                        rb = ((b @ qg) * lam**power) @ qg.T
+                out[layer.bias] = rb.reshape(flat[layer.bias].shape)
+        if self.others:
+            k = flat[0].shape[0]
+            v = np.concatenate([flat[i].reshape(k, -1) for i in self.others], axis=1)
+            block = self.other_block + damping * np.eye(self.other_block.shape[0])
+            if power == 1.0:
+                res = v @ block
+            else:
+                vals, vecs = np.linalg.eigh(block)
+                res = ((v @ vecs) * vals**power) @ vecs.T
+            lo = 0
+            for i in self.others:
+                size = math.prod(shapes[i])
+                out[i] = res[:, lo : lo + size].reshape((k,) + shapes[i])
+                lo += size
+        return [o for o in out]  # type: ignore[misc]
+
+    def all_eigenvalues(self, damping: float = 0.0) -> np.ndarray:
+        parts = []
+        for layer in self.layers:
+            parts.append(self.eigenvalues(layer).ravel())
+            if layer.bias is not None and not layer.joint:
+                parts.append(self.bias_eigenvalues(layer))
+        if self.others:
+            parts.append(np.linalg.eigvalsh(self.other_block))
+        return np.concatenate(parts) + damping
+
+    def trace(self) -> float:
+        return float(self.all_eigenvalues().sum())
+
+    def logdet(self, damping: float = 0.0) -> float:
+        """sum log(eigenvalue + damping). Undamped, a block with an eigenvalue at the
+        rounding level of its largest (below n * eps * max: a singular factor, as the
+        softmax's G always is) answers -inf, where curvlinops answers NaN (a rounded
+        negative eigenvalue's log) or a large finite number (a rounded positive one)."""
+        vals = self.all_eigenvalues(damping)
+        top = float(np.abs(vals).max()) if vals.size else 0.0
+        floor = vals.size * np.finfo(np.float64).eps * top if damping == 0.0 else 0.0
+        if (vals <= floor).any():
+            return -math.inf
+        return float(np.log(vals).sum())
+
+    def operator(self) -> KFACOperator:
+        return KFACOperator(self)
+
+
+def _eigh(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    vals, vecs = np.linalg.eigh((m + m.T) / 2)
+    return vals, vecs
+
+
+class KFACOperator(CurvatureOperator):
+    """A KFAC as a HessianOperator over the recording's parameters: hvp, hvp_many,
+    FlatOperator, lanczos, traces, conjugate_gradient and influence run on it."""
+
+    def __init__(self, kfac: KFAC):
+        super().__init__(kfac.curv, "kfac", None, None)
+        self.kfac = kfac
+
+    def _record(self, primals: tuple) -> None:
+        raise CurvatureError("kfac: a KFAC is fitted at one point; fit another for a new point")
+
+    def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
+        k = math.prod(lead)
+        host = [
+            np.asarray(v.numpy(), np.float64).reshape((k,) + tuple(p.shape))
+            for v, p in zip(flat_v, self.kfac.curv._flat, strict=True)
+        ]
+        res = self.kfac.apply(host)
+        return [
+            Tensor(backend.asarray(r.reshape(lead + tuple(p.shape)), p.dtype, p.device))
+            for r, p in zip(res, self.kfac.curv._flat, strict=True)
+        ]
+
+
+def curvature_diagonal(
+    curv: Any,
+    curvature: str = "ggn",
+    *,
+    samples: int | None = None,
+    seed: int | None = 0,
+    max_bytes: int | None = None,
+) -> list[np.ndarray]:
+    """diag of the GGN (exact: one per-example pass per column of the loss Hessian's
+    square root, BackPACK's DiagGGNExact), of the Monte-Carlo Fisher (`samples` draws,
+    DiagGGNMC) or of the empirical Fisher, per parameter (float64 host arrays): the
+    weighted sum over seeds and examples of the squared per-example shares (module doc's
+    w). Exact in as many passes as the output has entries per example (MC: samples)."""
+    try:
+        seeds, weight = _seeds(curv, curvature, samples, seed, None)
+    except MixedExamplesError as exc:
+        raise CurvatureError(str(exc)) from None
+    out = curv.output
+    total: list[np.ndarray] | None = None
+    for column in seeds:
+        try:
+            found = per_example(
+                curv,
+                keep_gradients=False,
+                max_bytes=max_bytes,
+                seed=backend.asarray(column, out.dtype, out.device),
+            )
+        except MixedExamplesError as exc:
+            raise CurvatureError(str(exc)) from None
+        squares = tree.flatten(found.sum_squares)[0]
+        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
+    assert total is not None
+    return [weight * t for t in total]
+
+
+def kfac(curv: Any, curvature: str = "ggn", **options: Any) -> KFAC:
+    """Fit KFAC (or, with ekfac=True, EKFAC) of `curvature` on a Curvature recording."""
+    return KFAC(curv, curvature, **options)
+
+
+__all__ = [
+    "KFAC",
+    "KFACOperator",
+    "Layer",
+    "curvature_diagonal",
+    "find_layers",
+    "kfac",
+    "loss_hessian_sqrt",
+]

@@ -1,0 +1,138 @@
+"""Per-example gradients (engine/per_example.py) against a loop of single-example
+gradients, their statistics against NumPy's over those, the chunked path against the
+unchunked one, and the refusals of models that mix examples."""
+
+import numpy as np
+import pytest
+
+import engine as gt
+from engine.curvature import Curvature
+from engine.per_example import MixedExamplesError, per_example
+
+RNG = np.random.default_rng(30)
+
+
+def _tensors(d):
+    return {k: gt.Tensor(v) for k, v in d.items()}
+
+
+def mlp(p, x):
+    h = gt.tanh(x @ p["w1"] + p["b1"])
+    return h @ (p["w2"] * 2.0) + p["b2"]  # a parameter-only op before the data
+
+
+def convnet(p, x):
+    h = gt.relu(gt.conv(x, p["k"], p["kb"], strides=2, pads=1))
+    return gt.reshape(h, (x.shape[0], -1)) @ p["w"]
+
+
+def ce_mean(o, y):
+    return gt.mean(gt.softmax_cross_entropy(o, y))
+
+
+def ce_sum(o, y):
+    return gt.sum(gt.softmax_cross_entropy(o, y))
+
+
+def mse_mean(o, y):
+    return gt.mean((o - y) ** 2)
+
+
+def mse_one(o, y):  # the loss of a batch of one under mse_mean's reduction
+    return gt.sum((o - y) ** 2) / y.shape[-1]
+
+
+CASES = {
+    "mlp-ce-mean": (
+        mlp,
+        {"w1": (5, 4), "b1": (4,), "w2": (4, 3), "b2": (3,)},
+        (9, 5),
+        ce_mean,
+        ce_sum,
+        "labels",
+    ),
+    "conv-mse": (
+        convnet,
+        {"k": (4, 2, 3, 3), "kb": (4,), "w": (36, 3)},
+        (5, 2, 6, 6),
+        mse_mean,
+        mse_one,
+        "values",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("max_bytes", [None, 700])
+def test_per_example_equals_a_loop_of_single_example_gradients(case, max_bytes):
+    model, shapes, xshape, loss, single_loss, kind = CASES[case]
+    params = {k: RNG.standard_normal(s) for k, s in shapes.items()}
+    x = RNG.standard_normal(xshape)
+    n = xshape[0]
+    y = RNG.integers(0, 3, n) if kind == "labels" else RNG.standard_normal((n, 3))
+    curv = Curvature(model, loss, _tensors(params), gt.Tensor(x), gt.Tensor(y))
+    found = per_example(curv, max_bytes=max_bytes)
+    assert (found.chunks > 1) == (max_bytes is not None)
+    loop = {k: [] for k in params}
+    for i in range(n):
+        one = Curvature(
+            model, single_loss, _tensors(params), gt.Tensor(x[i : i + 1]), gt.Tensor(y[i : i + 1])
+        )
+        for k in params:
+            loop[k].append(one.grad[k].numpy())
+    norms = np.zeros(n)
+    for k in params:
+        stacked = np.stack(loop[k])
+        np.testing.assert_allclose(found.gradients[k], stacked, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(found.mean[k], stacked.mean(0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(found.variance[k], stacked.var(0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            found.sum_squares[k], (stacked**2).sum(0), rtol=1e-12, atol=1e-12
+        )
+        by = np.sqrt((stacked.reshape(n, -1) ** 2).sum(1))
+        np.testing.assert_allclose(found.norms_by_source[k], by, rtol=1e-13)
+        norms += by**2
+    np.testing.assert_allclose(found.norms, np.sqrt(norms), rtol=1e-13)
+    # The batch gradient is c * sum_i g_i.
+    for k in params:
+        np.testing.assert_allclose(
+            curv.grad[k].numpy(), found.scale * found.gradients[k].sum(0), atol=1e-12
+        )
+
+
+def test_statistics_only_keep_no_gradients():
+    params = {"w1": (5, 4), "b1": (4,), "w2": (4, 3), "b2": (3,)}
+    params = {k: RNG.standard_normal(s) for k, s in params.items()}
+    x, y = RNG.standard_normal((6, 5)), RNG.integers(0, 3, 6)
+    curv = Curvature(mlp, ce_mean, _tensors(params), gt.Tensor(x), gt.Tensor(y))
+    whole = per_example(curv)
+    light = per_example(curv, keep_gradients=False, max_bytes=300)
+    assert light.gradients is None and light.chunks > 1
+    np.testing.assert_allclose(light.norms, whole.norms, rtol=1e-13)
+    for k in params:
+        np.testing.assert_allclose(light.variance[k], whole.variance[k], atol=1e-13)
+
+
+def _batch_mean(p, x):
+    h = x @ p["w"]
+    return h - gt.mean(h, axis=0)  # batch norm's centring in training mode
+
+
+def _cross(p, x):
+    return gt.transpose(x) @ (x @ p["w"])[:, :1] * 0 + x @ p["w"]  # x^T x mixes rows
+
+
+@pytest.mark.parametrize(
+    ("model", "op"), [(_batch_mean, "sum"), (_cross, "matmul")], ids=["batch-mean", "gram"]
+)
+def test_models_that_mix_examples_are_refused_naming_the_op(model, op):
+    x = RNG.standard_normal((4, 4))
+    curv = Curvature(
+        model,
+        mse_mean,
+        {"w": gt.Tensor(RNG.standard_normal((4, 4)))},
+        gt.Tensor(x),
+        gt.Tensor(RNG.standard_normal((4, 4))),
+    )
+    with pytest.raises(MixedExamplesError, match=f"mixes examples at op '{op}'"):
+        per_example(curv)
