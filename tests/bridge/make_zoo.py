@@ -24,9 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
-from gradtape.client import pytorch
+from gradtape.client import pytorch  # noqa: E402
 
-from tests.bridge import zoo
+from tests.bridge import zoo  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

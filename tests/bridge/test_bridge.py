@@ -265,3 +265,29 @@ def test_stored_module_serves_any_batch_size_and_big_data_goes_up_as_a_dataset(
         client.models.delete("bridge-convbn")
         with pytest.raises(ModelNotFound):
             client.models.get("bridge-convbn")
+
+
+class TwoHeads(nn.Module):
+    """Several outputs: logits and the features they come from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.tanh(self.body(x))
+        return self.head(features), features
+
+
+def test_a_module_with_several_outputs(server) -> None:
+    model = perturbed(TwoHeads(), seed=4)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    logits, features = model(x)
+    want = F.cross_entropy(logits, y) + 0.1 * (features**2).mean()
+    lines = ["loss = softmax_cross_entropy(out0, y) + 0.1 * mean(out1 ** 2)"]
+    with Client(server.base_url) as client, client.tape(model, loss=lines, data=(x, y)) as tape:
+        assert tape.model.outputs == ["out0", "out1"]
+        np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
+        assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, torch_grads(model, want))
