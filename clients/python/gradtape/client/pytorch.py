@@ -14,8 +14,8 @@ How a module gets there (`export`):
 - Exported by `torch.onnx.export(dynamo=True, optimize=False)`: the exporter's
   optimizer is what folds eval-mode BatchNorm into convolution weights, drops all-zero
   biases and merges equal-valued weights; without it every parameter stays an
-  initializer of its own. (The TorchScript exporter always folds constants, BatchNorm
-  included, since PyTorch 2.6.) The batch axis (axis 0 of every input) is dynamic, so one
+  initializer of its own. (The TorchScript exporter's constant folding, on by default,
+  folds BatchNorm too.) The batch axis (axis 0 of every input) is dynamic, so one
   stored model serves any batch size.
 - Every floating-point initializer is matched to `named_parameters()` and
   `named_buffers()` BY VALUE (the initializer's name only breaks ties between equal
