@@ -339,7 +339,9 @@ class _Checker:
             return None
         types = [concrete(t) for t in inferred if t is not None]
         try:
-            spec = model.specialize([(t.shape, t.dtype) for t in types])
+            spec = model.specialize(
+                [(t.shape, t.dtype) for t in types], max_elements=self.limits.max_elements
+            )
         except ModelError as exc:
             for p in exc.problems:
                 kind = "shape" if p.kind == "shape" else "model"

@@ -17,6 +17,7 @@ What is left runs as engine ops (ops.py), so every derivative comes from their r
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -263,15 +264,18 @@ class OnnxModel:
         return digest.hexdigest()
 
     # Specializing -----------------------------------------------------------------------
-    def specialize(self, types: Sequence[tuple[tuple[int, ...], Any]]) -> Specialization:
+    def specialize(
+        self, types: Sequence[tuple[tuple[int, ...], Any]], max_elements: int | None = None
+    ) -> Specialization:
         """The model for these input (shape, dtype)s; raises ModelError (the inputs that
-        do not fit, naming input and axis; shapes that do not follow from them)."""
-        key = tuple((tuple(s), np.dtype(d).str) for s, d in types)
+        do not fit, naming input and axis; shapes that do not follow from them; a constant
+        folded at load time of more than `max_elements`, refused before it is made)."""
+        key = (tuple((tuple(s), np.dtype(d).str) for s, d in types), max_elements)
         with self._lock:
             if key in self._specs:
                 self._specs.move_to_end(key)
                 return self._specs[key]
-        spec = self._specialize([(tuple(s), np.dtype(d)) for s, d in types])
+        spec = self._specialize([(tuple(s), np.dtype(d)) for s, d in types], max_elements)
         with self._lock:
             self._specs[key] = spec
             while len(self._specs) > MAX_SPECIALIZATIONS:
@@ -335,7 +339,9 @@ class OnnxModel:
         if problems:
             raise ModelError(problems)
 
-    def _specialize(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> Specialization:
+    def _specialize(
+        self, types: list[tuple[tuple[int, ...], np.dtype]], max_elements: int | None = None
+    ) -> Specialization:
         self._check_inputs(types)
         # Exports with a dynamic batch compute shapes from the input's (Shape -> Squeeze
         # -> Reshape -> Concat -> Reshape), which ONNX shape inference does not follow:
@@ -344,7 +350,7 @@ class OnnxModel:
         known: dict[str, np.ndarray] = {}
         for _ in range(MAX_SHAPE_ROUNDS):
             shapes = self._infer_shapes(types, known)
-            spec, problems = self._fold_and_plan(shapes)
+            spec, problems = self._fold_and_plan(shapes, max_elements)
             more = {
                 n: v
                 for n, v in spec.consts.items()
@@ -357,9 +363,12 @@ class OnnxModel:
             raise ModelError(problems)
         return spec
 
-    def _fold_and_plan(self, shapes: dict) -> tuple[Specialization, list[ModelProblem]]:
-        """Fold what is known at load time (given these inferred shapes) and list the
-        steps that run; the problems found instead of raising them."""
+    def _fold_and_plan(
+        self, shapes: dict, max_elements: int | None = None
+    ) -> tuple[Specialization, list[ModelProblem]]:
+        """Fold what is known at load time (given these inferred shapes; a constant past
+        max_elements is refused before it is made) and list the steps that run; the
+        problems found instead of raising them."""
         consts: dict[str, np.ndarray] = dict(self.consts)
         steps: list[Step] = []
         problems: list[ModelProblem] = []
@@ -386,6 +395,9 @@ class OnnxModel:
                 )
                 continue
             if node.op_type not in NOT_FOLDABLE and all(n in consts for n in ins):
+                if (why := _oversized_fold(node, consts, max_elements)) is not None:
+                    problems.append(node.problem(why, self.opset, "shape"))
+                    continue
                 try:
                     outs = _fold(node, consts, self.opset)
                 except Exception as exc:  # noqa: BLE001 (the reference evaluator raises anything)
@@ -564,6 +576,32 @@ def _constant_value(node: Node) -> np.ndarray | None:
         return _fold(node, {}, 13)[0]
     except Exception:  # noqa: BLE001 (an unusual Constant is checked at specialization)
         return None
+
+
+def _oversized_fold(
+    node: Node, consts: Mapping[str, np.ndarray], max_elements: int | None
+) -> str | None:
+    """Why folding this node would make a constant past max_elements, known from its
+    constant inputs before the reference evaluator allocates it (None: it fits)."""
+    if max_elements is None:
+        return None
+    if node.op_type in ("ConstantOfShape", "Expand"):
+        shape_input = node.inputs[0] if node.op_type == "ConstantOfShape" else node.inputs[1]
+        dims = [int(d) for d in np.asarray(consts[shape_input]).reshape(-1)]
+        elements = math.prod(max(d, 0) for d in dims)
+    elif node.op_type == "Range":
+        start, limit, delta = (np.asarray(consts[n]).item() for n in node.inputs[:3])
+        if not delta or not all(math.isfinite(float(v)) for v in (start, limit, delta)):
+            return None  # the evaluator says what is wrong
+        elements = max(0, math.ceil((limit - start) / delta))
+    else:
+        return None
+    if elements <= max_elements:
+        return None
+    return (
+        f"folding it at load time would make a constant of {elements:,} elements; the "
+        f"limit is {max_elements:,} (max_elements)"
+    )
 
 
 def _fold(node: Node, consts: Mapping[str, np.ndarray], opset: int) -> list[np.ndarray]:
