@@ -63,7 +63,7 @@ import numpy as np
 from .definition import dataset as dataset_input
 
 if TYPE_CHECKING:
-    from ._client import _Methods
+    from ._client import ApiMethods
     from .tape import RemoteTape
 
 # Forward and gradient agreement on the example inputs, by the module's dtype.
@@ -591,8 +591,9 @@ def _sequences_to_split(proto: Any, args: tuple[Any, ...]) -> int:
             dims = ranks.get(node.input[0])
             if not dims or dims[axis] is None:
                 continue
-            size, step = dims[axis], int(split)
-            split = np.array([step] * (size // step) + ([size % step] if size % step else []))
+            size, step = int(dims[axis] or 0), int(split)
+            pieces = [step] * (size // step) + ([size % step] if size % step else [])
+            split = np.asarray(pieces, dtype=np.int64)
         parts = [f"{node.output[0]}__part{i}" for i in range(len(split))]
         sizes = f"{node.output[0]}__sizes"
         new = [
@@ -739,7 +740,7 @@ def _call_line(model: TorchModel, output: str) -> str:
     return f"{output} = net({call}, output={output!r})"
 
 
-def _verify_op(client: _Methods, model: TorchModel) -> Any:
+def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
     """One gradient request per float output on the example inputs: the value of
     r * output against torch's, then the gradient of its sum against torch's."""
     from . import _core
@@ -786,12 +787,12 @@ def _verify_op(client: _Methods, model: TorchModel) -> Any:
     return model
 
 
-def verify(client: _Methods, model: TorchModel) -> TorchModel:
+def verify(client: ApiMethods, model: TorchModel) -> TorchModel:
     """Check the service's forward (and gradient) on the example inputs against torch."""
     return client._run(_verify_op(client, model))
 
 
-def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
+def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
     """`export` then `verify` (cached per module while its state and input shapes stay
     the same)."""
     if isinstance(module, TorchModel):
@@ -808,7 +809,7 @@ def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -
 
 
 def put_torch(
-    client: _Methods,
+    client: ApiMethods,
     name: str,
     module: Any,
     example_inputs: Any,
@@ -1051,7 +1052,7 @@ def _data_arrays(
 
 
 def tape_op(
-    client: _Methods,
+    client: ApiMethods,
     module: Any,
     *,
     loss: Any,
