@@ -291,3 +291,19 @@ def test_a_module_with_several_outputs(server) -> None:
         assert tape.model.outputs == ["out0", "out1"]
         np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
         assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, torch_grads(model, want))
+
+
+def test_a_float32_module_runs_in_float32(server) -> None:
+    model = perturbed(ConvBN(), seed=6).float()
+    x = torch.randn(5, 2, 5, 5)
+    y = torch.randint(0, 4, (5,))
+    want = torch_grads(model, F.cross_entropy(model(x), y))
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        assert tape.model.dtype == np.float32
+        for n, g in tape.gradients.items():
+            assert g.dtype == torch.float32
+            scale = float(np.abs(want[n]).max())
+            np.testing.assert_allclose(g.numpy(), want[n], rtol=1e-4, atol=1e-5 * scale, err_msg=n)
