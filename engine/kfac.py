@@ -66,6 +66,7 @@ OTHERS = ("refuse", "exact")
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
 EXACT_OTHERS_MAX = 4096  # the entries an exact block may have (its matrix is held)
 MOVERS = ("reshape", "transpose")
+KEEP_ORDER = ("reshape", "identity", "cast", "read_variable")
 
 
 @dataclass
@@ -90,15 +91,17 @@ class Layer:
 
 
 def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> int | None:
-    """The parameter `t` is, or is a reshape of (a convolution's kernel), else None."""
-    for i, p in enumerate(params):
-        if p is t:
-            return i
-    rec = flow.made_by.get(id(t))
-    if rec is not None and rec.prim is not None and rec.prim.name == "reshape":
+    """The parameter `t` is, or is made from by ops that keep its entries in order (a
+    reshape: a convolution's kernel; a copy or cast: a program's read of a variable),
+    else None."""
+    for _ in range(8):
         for i, p in enumerate(params):
-            if p is rec.inputs[0]:
+            if p is t:
                 return i
+        rec = flow.made_by.get(id(t))
+        if rec is None or rec.prim is None or rec.prim.name not in KEEP_ORDER:
+            return None
+        t = rec.inputs[0]
     return None
 
 

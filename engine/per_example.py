@@ -68,7 +68,12 @@ NONE = -1.0  # the id of an element no example's data reaches
 
 
 class MixedExamplesError(ValueError):
-    """The model lets an example's output depend on other examples (or on no fixed one)."""
+    """The model lets an example's output depend on other examples (or on no fixed one).
+    `record`: the op where it was found (None when not one op); `records`: the recorded
+    forward it is in (a caller that knows its program's lines can name the line)."""
+
+    record: Record | None = None
+    records: list[Record] | None = None
 
 
 def _name(rec: Record) -> str:
@@ -86,13 +91,15 @@ def _merge(a: np.ndarray, b: np.ndarray, rec: Record) -> np.ndarray:
 
 def _mixed(rec: Record, how: str) -> MixedExamplesError:
     shapes = ", ".join(str(list(x.shape)) for x in rec.inputs)
-    return MixedExamplesError(
+    error = MixedExamplesError(
         f"per-example: the model mixes examples at op {_name(rec)!r} (inputs {shapes}): it "
         f"{how}, so an example's output depends on other examples (a mean or sum over the "
         "batch axis, batch norm in training mode, a matmul across examples); per-example "
         "gradients, Kronecker factors and Laplace need examples along axis 0 that stay "
         "apart until the loss"
     )
+    error.record = rec
+    return error
 
 
 def _single(ids: np.ndarray, axes: tuple[int, ...], keepdims: bool, rec: Record) -> np.ndarray:
@@ -430,7 +437,11 @@ class PerExample:
             self.output = model(tree.unflatten(treedef, flat), tree.unflatten(data_def, inputs))
         if not isinstance(self.output, Tensor):
             raise MixedExamplesError("per-example: the model must return one tensor")
-        self.flow = example_flow(self.tape._records, flat, self.output, watched)
+        try:
+            self.flow = example_flow(self.tape._records, flat, self.output, watched)
+        except MixedExamplesError as exc:
+            exc.records = self.tape._records
+            raise
 
     @classmethod
     def of(cls, curv: Any) -> PerExample:

@@ -813,6 +813,8 @@ class CurvatureKind(StrEnum):
     ggn = "ggn"
     fisher = "fisher"
     empirical_fisher = "empirical_fisher"
+    kfac = "kfac"  # the GGN's KFAC (expand; sources outside layers as an exact block)
+    ekfac = "ekfac"
 
 
 class CurvatureOptions(RequestModel):
@@ -1007,11 +1009,16 @@ class TraceMethod(StrEnum):
 
 
 class DiagonalMethod(StrEnum):
-    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto."""
+    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto; backprop:
+    the GGN's, Fisher's or empirical Fisher's exactly (Monte-Carlo for the Fisher with
+    `samples`) from per-example passes of the loss Hessian's square-root columns
+    (BackPACK's DiagGGNExact and DiagGGNMC), as many as the output has entries per
+    example, with no probe and no HVP."""
 
     auto = "auto"
     exact = "exact"
     hutchinson = "hutchinson"
+    backprop = "backprop"
 
 
 TOLERANCE_DESCRIPTION = (

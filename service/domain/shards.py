@@ -69,6 +69,16 @@ log = logging.getLogger("gradtape.shards")
 LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
 SHARED_FIELDS = ("vector", "vectors", "flat_vector")  # a product's, alike for every part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
+# Fitted on one recording's examples all at once (engine/per_example.py, kfac.py,
+# laplace.py): a sharded tape refuses them, naming the way round.
+UNSHARDED = (
+    "tape_per_example",
+    "tape_kfac",
+    "tape_laplace",
+    "tape_laplace_evidence",
+    "tape_laplace_predictive",
+    "tape_laplace_samples",
+)
 ALGORITHMS = (
     "tape_eigenvalues",
     "tape_trace",
@@ -445,6 +455,14 @@ class Sharding:
         """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
         across them; the time limit covers the whole run."""
         assert tape.shards is not None
+        if kind in UNSHARDED or payload.get("curvature") in ("kfac", "ekfac"):
+            raise _invalid(
+                "curvature" if kind not in UNSHARDED else "tape_id",
+                "per-example gradients, Kronecker factors and Laplace fits need every "
+                "example in one recording: record the tape without shards",
+            )
+        if payload.get("method") == "backprop":
+            raise _invalid("method", "method 'backprop' needs an unsharded tape")
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         tape.busy += 1

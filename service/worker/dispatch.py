@@ -13,7 +13,7 @@ from typing import Any
 import engine as gt
 from engine.language import Problem
 from service.core.flat import flatten
-from service.worker import compute, nonfinite, shards, tapes
+from service.worker import compute, curvature_ops, nonfinite, shards, tapes
 from service.worker.compute import (
     NonFiniteAnswer,
     RequestError,
@@ -27,6 +27,7 @@ from service.worker.compute import (
 HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     **compute.HANDLERS,
     **tapes.HANDLERS,
+    **curvature_ops.HANDLERS,
     **shards.HANDLERS,
 }
 

@@ -26,7 +26,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,6 +92,10 @@ class TapeSession:
     # inferred again at other batch sizes (service/worker/shards.py, jacobians). A
     # rebuilt part is told nothing of its sharding: every tape keeps one.
     skeleton: Definition | None = None
+    # Fitted on request and kept with this recording (service/worker/curvature_ops.py):
+    # KFACs by their options, Laplace approximations by id.
+    kfacs: dict[tuple, Any] = field(default_factory=dict)
+    laplaces: dict[str, Any] = field(default_factory=dict)
 
 
 # What a tape's bytes leave out: the compiled program (shared by every tape of its
@@ -211,6 +215,10 @@ def skeleton(definition: Definition) -> Definition:
 # ----------------------------------------------------------------------------------------
 
 PER_EXAMPLE = ("fisher", "empirical_fisher")
+# Curvatures and diagonal methods served by service/worker/curvature_ops.py, which fills
+# these when it is imported (it imports this module; dispatch imports both).
+OPERATORS: dict[str, Callable[..., tuple[gt.HessianOperator, FlatOperator]]] = {}
+DIAGONALS: dict[str, Callable[..., dict[str, Any]]] = {}
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -275,6 +283,8 @@ def _operator(
     kind = payload.get("curvature") or "hessian"
     if kind == "hessian":
         return session.operator, session.flat
+    if kind in OPERATORS:  # the Kronecker-factored GGN (curvature_ops.py)
+        return OPERATORS[kind](session, payload)
     curvature = _curvature(session)
     if kind in PER_EXAMPLE:
         _check_targets(session, f"curvature {kind!r}")
@@ -634,6 +644,10 @@ def trace_of(
 def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
     session, rebuilt = _session(payload, context)
+    method = payload.get("method")
+    if method in DIAGONALS:  # square-root columns, not products (curvature_ops.py)
+        result = DIAGONALS[method](session, payload, context)
+        return _done(session, rebuilt, result, hvp_only=True)
     _, flat = _operator(session, payload, context)
     result = diagonal_of(flat, session.keys, payload, context, started)
     return _done(session, rebuilt, result, hvp_only=True)
@@ -845,7 +859,8 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
     curvature = _curvature(session)
     _check_targets(session, "influence")
     kind = payload.get("curvature") or "hessian"
-    _operator(session, payload, context)  # refuses an impossible curvature with its reason
+    # refuses an impossible curvature with its reason; KFAC's is an operator of its own
+    chosen, _ = _operator(session, payload, context)
     test_data = test_targets = rows = None
     if payload.get("rows") is not None:
         n = curvature.examples
@@ -864,7 +879,7 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             test_data,
             test_targets,
             rows=rows,
-            curvature=kind,
+            curvature="ggn" if kind in ("kfac", "ekfac") else kind,
             samples=payload.get("samples"),
             seed=payload.get("fisher_seed", 0),
             damping=float(payload["damping"]),
@@ -875,7 +890,7 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             max_seconds=_seconds_left(payload, started),
             callback=_relay(context),
             # The tape's own recording answers the Hessian (the same sources, in order).
-            operator=session.operator if kind == "hessian" else None,
+            operator=chosen if kind in ("hessian", "kfac", "ekfac") else None,
         )
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
