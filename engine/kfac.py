@@ -138,16 +138,13 @@ def find_layers(
         flow.layouts[id(m.record)] = layout
         if math.prod(layout.kept) != 1:
             continue  # grouped convolutions: one block per group is not built here
-        side = m.record.inputs[m.argnum]
         # The weight as stored -> the layer's (k, m) frame: x @ W is W itself, W @ x its
         # transpose, and matmul's own transpose flags flip that once more.
         transposed = (
             bool(m.record.params.get("tb")) if m.argnum == 1 else not m.record.params.get("ta")
         )
         kind = "conv" if _through_im2col(flow, m.record.inputs[1 - m.argnum]) else "linear"
-        layers[id(m.record)] = Layer(
-            names[w], w, None, m, layout, (tuple(side.shape[-2:]), transposed), kind
-        )
+        layers[id(m.record)] = Layer(names[w], w, None, m, layout, (layout.side, transposed), kind)
         used.add(w)
     for m in flow.meetings:
         if m.kind != "elementwise" or m.record.prim.name != "add":

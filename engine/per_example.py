@@ -241,11 +241,17 @@ def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
             a = np.swapaxes(a, -1, -2)
         if rec.params.get("tb"):
             b = np.swapaxes(b, -1, -2)
-        if a.ndim < 2 or b.ndim < 2:
-            raise _mixed(rec, "is a matmul of a vector (the walk needs matrices)")
+        squeeze = None
+        if b.ndim == 1:  # NumPy's vector operands: a column on the right, a row on the left
+            b, squeeze = b[:, None], -1
+        if a.ndim == 1:
+            a, squeeze = a[None, :], -2
         rows = _single(a, (a.ndim - 1,), False, rec)[..., :, None]
         cols = _single(b, (b.ndim - 2,), False, rec)[..., None, :]
-        return np.ascontiguousarray(np.broadcast_to(_merge(rows, cols, rec), out.shape))
+        merged = _merge(rows, cols, rec)
+        if squeeze is not None:
+            merged = np.squeeze(merged, squeeze)
+        return np.ascontiguousarray(np.broadcast_to(merged, out.shape))
     raise _mixed(rec, "is an op the per-example walk does not know how to follow")
 
 
@@ -279,6 +285,8 @@ class MatmulLayout:
     kept: tuple[int, ...]  # P's batch shape
     param_shape: tuple[int, ...]
     rows: int  # p
+    vector: int | None = None  # a 1-D operand's axis NumPy drops from the output (-1, -2)
+    side: tuple[int, int] = (0, 0)  # the parameter as a matrix (a vector as a column/row)
 
 
 def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
@@ -292,6 +300,14 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
     if rec.params.get("tb"):
         b = xp.swapaxes(b, -1, -2)
         idb = None if idb is None else np.swapaxes(idb, -1, -2)
+    # A vector operand as NumPy reads it: a column on the right, a row on the left (the
+    # output lacks that axis; the cotangent gets it back in cotangent_rows).
+    vector = None
+    if b.ndim == 1:
+        b, idb, vector = b[:, None], None if idb is None else idb[:, None], -1
+    if a.ndim == 1:
+        a, ida, vector = a[None, :], None if ida is None else ida[None, :], -2
+    side = tuple((a if j == 0 else b).shape[-2:])
     swap = j == 0
     if swap:  # P @ x = (x^T @ P^T)^T
         data, ids, param = xp.swapaxes(b, -1, -2), np.swapaxes(idb, -1, -2), xp.swapaxes(a, -1, -2)
@@ -320,12 +336,16 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
         kept=tuple(data.shape[i] for i in kept),
         param_shape=tuple(rec.inputs[j].shape),
         rows=p,
+        vector=vector,
+        side=side,
     )
 
 
 def cotangent_rows(flow: ExampleFlow, layout: MatmulLayout, g: Any) -> Any:
     """The op's output cotangent in the layout's form (K, N, p, m)."""
     xp = backend.array_module(g)
+    if layout.vector is not None:
+        g = xp.expand_dims(g, layout.vector)
     if layout.swap:
         g = xp.swapaxes(g, -1, -2)
     order, k_size = layout.cotangent_axes

@@ -20,6 +20,7 @@ it); `client.job(id)` follows a job by id.
 
 from ._client import AsyncClient, Client
 from ._core import Retry
+from .curvature import KFAC, PerExample, Predictive, RemoteLaplace
 from .definition import Definition, dataset, function
 from .errors import (
     ComputeError,
@@ -59,6 +60,10 @@ from .tape import RemoteTape
 __version__ = "0.1.0"
 
 __all__ = [
+    "KFAC",
+    "PerExample",
+    "Predictive",
+    "RemoteLaplace",
     "HVP", "AsyncClient", "Client", "ComputeError", "ComputeTimeout", "Conflict",
     "Definition", "DefinitionError", "Diagonal", "Eigenvalues", "Gradient", "GradtapeError", "Hessian",
     "Influence", "InvalidRequest", "Jacobian", "Job", "JobCancelled", "JobNotFound", "JobStatus",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from . import _core, _wire
+from .curvature import CurvatureMethods
 from .errors import TapeGone
 from .results import (
     Diagonal,
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
     from ._client import _Methods
 
 
-class RemoteTape:
-    """A recorded tape on the server (made by `client.tape(...)`)."""
+class RemoteTape(CurvatureMethods):
+    """A recorded tape on the server (made by `client.tape(...)`); per-example
+    gradients, KFAC and Laplace fits come from CurvatureMethods (curvature.py)."""
 
     def __init__(
         self, client: _Methods, answer: dict[str, Any], definition: Any, target: str, sources: Any
