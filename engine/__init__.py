@@ -104,5 +104,5 @@ __all__ = [
     "zeros",
     "zeros_like",
 ]
-__all__ += sorted(public_ops)  # the op catalogue: add, matmul, relu, ...
+__all__ += sorted(public_ops)  # noqa: PLE0605 (extending a list literal)  # the op catalogue: add, matmul, relu, ...
 del _ops

@@ -37,7 +37,7 @@ def _load_cupy() -> Any:
             import cupy
 
             cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # ImportError, CUDARuntimeError, missing driver...
+        except Exception as exc:  # noqa: BLE001  ImportError, CUDARuntimeError, missing driver...
             _cupy_error = exc
         else:
             _cupy = cupy

@@ -51,9 +51,9 @@ import numpy as np
 
 from engine import backend, replay, trace, tree
 from engine.hessian_algorithms import Callback, FlatOperator, SolveResult, conjugate_gradient
-from engine.tape import GradientTape, _check_source
+from engine.tape import GradientTape, check_source
 from engine.tensor import Tensor, as_tensor
-from engine.transforms import HessianOperator, _scalar, _zeros, value_and_grad
+from engine.transforms import HessianOperator, scalar_output, value_and_grad, zeros_with_lead
 
 KINDS = ("hessian", "ggn", "fisher", "empirical_fisher")
 LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
@@ -71,7 +71,7 @@ def _tensorize(arg: Any) -> Any:
 def _rows(structure: Any, index: Any) -> Any:
     """The examples `index` (a slice or integer array) of every leaf (axis 0)."""
     leaves, treedef = tree.flatten(structure)
-    picked = []
+    picked: list[Tensor | None] = []
     for leaf in leaves:
         if leaf is None:
             picked.append(None)
@@ -143,6 +143,9 @@ class Curvature:
     all.
     """
 
+    # The per-example walk of this recording (engine/per_example.py), built on first use.
+    _per_example: Any = None
+
     def __init__(
         self,
         model: Callable[..., Any],
@@ -168,7 +171,7 @@ class Curvature:
     def _record(self, params: Any) -> None:
         params = _tensorize(params)
         flat, treedef = tree.flatten(params)
-        flat = [_check_source(p, "curvature") for p in flat]
+        flat = [check_source(p, "curvature") for p in flat]
         inner = GradientTape(persistent=True, watch_accessed_variables=False)
         rebuilt = tree.unflatten(treedef, flat)
         # The outer tape records the forward and the gradient's backward pass: the
@@ -186,7 +189,7 @@ class Curvature:
                         "curvature: the model must return one floating-point tensor, got "
                         f"{type(output).__name__ if not isinstance(output, Tensor) else output.dtype}"
                     )
-                value = _scalar(self._loss(output, self.targets), "curvature")
+                value = scalar_output(self._loss(output, self.targets), "curvature")
             grads = inner.gradient(value, flat, unconnected_gradients="zero")
         self._outer, self._inner = outer, inner
         self._hessian: HessianOperator | None = None  # hessian=False: recorded when asked
@@ -314,7 +317,7 @@ class Curvature:
                     "so its per-example scale (a mean or a sum) cannot be measured"
                 )
             tol = 1e-3 if g.dtype.itemsize <= 4 else 1e-7
-            found = []
+            found: list[Any] = []
             for i in [int(i) for i in np.argsort(-norms, kind="stable")[:2] if norms[i] > 0]:
                 single = Tensor(self.output.value[i : i + 1])
                 one = _rows(self.targets, slice(i, i + 1))
@@ -375,15 +378,17 @@ class Curvature:
         """J v: (*lead, *output.shape), one backward pass over the transposed VJP."""
         tape, dummy, vjps, connected = self._output_vjp()
         if not connected:
-            return _zeros(self.output, lead)
+            return zeros_with_lead(self.output, lead)
         cts = tape._run(vjps, [flat_v[i] for i in connected], [dummy], batch_ndim)
         jv = cts.get(id(dummy))
-        return _zeros(self.output, lead) if jv is None else jv
+        return zeros_with_lead(self.output, lead) if jv is None else jv
 
     def vjp(self, u: Tensor, batch_ndim: int, lead: tuple) -> list[Tensor]:
         """J^T u for u of shape (*lead, *output.shape): one pass over the forward's record."""
         cts = self._inner._run([self.output], [u], self._flat, batch_ndim)
-        return [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
+        return [
+            zeros_with_lead(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat
+        ]
 
     def _product(
         self, op: CurvatureOperator, flat_v: list[Tensor], batch_ndim: int, lead: tuple
@@ -392,7 +397,10 @@ class Curvature:
             if self._outer is None:
                 return self._hessian_operator()._product(flat_v, batch_ndim, lead)
             cts = self._outer._run(self._grads, flat_v, self._flat, batch_ndim)
-            return [_zeros(p, lead) if cts.get(id(p)) is None else cts[id(p)] for p in self._flat]
+            return [
+                zeros_with_lead(p, lead) if cts.get(id(p)) is None else cts[id(p)]
+                for p in self._flat
+            ]
         jv = self.jvp(flat_v, batch_ndim, lead)
         if op.kind == "empirical_fisher":
             mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
@@ -422,7 +430,7 @@ class Curvature:
                 for k, piece in enumerate(self.vjp(Tensor(seeds), 1, (stop - start,))):
                     parts[k].append(piece.value)
         flat = [
-            Tensor(xp.concatenate(p, axis=0)) if p else _zeros(q, (0,))
+            Tensor(xp.concatenate(p, axis=0)) if p else zeros_with_lead(q, (0,))
             for p, q in zip(parts, self._flat, strict=True)
         ]
         return tree.unflatten(self._treedef, flat)

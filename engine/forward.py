@@ -11,7 +11,7 @@ many directional derivatives at once (`jacfwd`, `hessian`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 from engine import trace, tree
 from engine.ops.shape import broadcast_to, reshape
@@ -27,8 +27,8 @@ class ForwardAccumulator:
     """
 
     def __init__(self, primals: Any, tangents: Any, batch_ndim: int = 0):
-        flat_p, treedef_p = tree.flatten(primals)
-        flat_t, treedef_t = tree.flatten(tangents)
+        flat_p, _ = tree.flatten(primals)
+        flat_t, _ = tree.flatten(tangents)
         if len(flat_p) != len(flat_t):
             raise ValueError(
                 f"ForwardAccumulator: {len(flat_t)} tangents for {len(flat_p)} primals"
@@ -63,11 +63,11 @@ class ForwardAccumulator:
         self._tangents[id(primal)] = tangent
         self._alive[id(primal)] = primal
 
-    def __enter__(self) -> ForwardAccumulator:
+    def __enter__(self) -> Self:
         trace.active_accumulators.append(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self in trace.active_accumulators:
             trace.active_accumulators.remove(self)
 

@@ -40,12 +40,13 @@ from __future__ import annotations
 import hashlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
 
-from engine import replay, trace, transforms, tree
+from engine import backend, replay, trace, transforms, tree
 from engine.tape import (
     GradientTape,
     check_per_example,
@@ -87,6 +88,9 @@ class Jit:
         self._passes = replay.Passes(cache_size, POOL_LIMIT, CONSTANT_LIMIT)
         # Per key: its description and its output's structure (treedef, non-tensor leaves)
         self._outputs: dict[Hashable, tuple[str, Any, dict[int, Any]]] = {}
+        # Per key whose last call had to run dynamically before reaching the passes (see
+        # _dynamic_reason): its description and why, for status(); at most cache_size.
+        self._notes: OrderedDict[Hashable, tuple[str, str]] = OrderedDict()
         # The tensors f reaches (closures, defaults, globals), weakly: an argument that is
         # one of them is differentiated at both uses by the dynamic transform, which a
         # replay (seeing the closure's use as a constant) cannot do.
@@ -166,7 +170,7 @@ class Jit:
         compiled: the dynamic transform's call, keyed per argument layout."""
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            nums, _ = transforms._argnums(argnums, len(args), name)
+            nums, _ = transforms.normalize_argnums(argnums, len(args), name)
             return self._call(
                 (name, nums, isinstance(argnums, int), value),
                 f"{name}(argnums={argnums}, {option}={value})",
@@ -190,7 +194,7 @@ class Jit:
             raise TypeError("batch_jacobian: argnum must be one int (one tensor argument)")
 
         def dynamic(*args: Any, **kwargs: Any) -> list[Any]:
-            args, flat, _ = transforms._prepare(args, (argnum,), "batch_jacobian")
+            args, flat, _ = transforms.prepare_arguments(args, (argnum,), "batch_jacobian")
             if len(flat) != 1:
                 raise TypeError("batch_jacobian: the argument must be one tensor")
             (source,) = flat
@@ -204,7 +208,7 @@ class Jit:
             return [out, jac, rows]
 
         def wrapped(*args: Any, **kwargs: Any) -> Tensor:
-            nums, _ = transforms._argnums(argnum, len(args), "batch_jacobian")
+            nums, _ = transforms.normalize_argnums(argnum, len(args), "batch_jacobian")
             out, jac, rows = self._call(
                 ("batch_jacobian", nums[0], check_independence),
                 f"batch_jacobian(argnum={argnum}, check_independence={check_independence})",
@@ -224,15 +228,24 @@ class Jit:
         calls are dynamic so far."""
         with self._lock:
             outputs = dict(self._outputs)
-        return {
-            outputs[k][0] if k in outputs else repr(k): v for k, v in self._passes.status().items()
+            notes = dict(self._notes)
+        # A key whose last call had to run dynamically (an outer tape, tied arguments, ...)
+        # says why; the others what their passes did.
+        states = self._passes.status()
+        found = {
+            outputs[k][0] if k in outputs else repr(k): v
+            for k, v in states.items()
+            if k not in notes
         }
+        found.update(notes.values())
+        return found
 
     def clear(self) -> None:
         """Forget every key (and the buffers and constants their schedules keep)."""
         with self._lock:
             self._passes = replay.Passes(self.cache_size, POOL_LIMIT, CONSTANT_LIMIT)
             self._outputs.clear()
+            self._notes.clear()
 
     # The compiled call ------------------------------------------------------------------
     def _call(
@@ -243,11 +256,14 @@ class Jit:
         leaves, treedef = tree.flatten((list(args), kwargs))
         seeds: list[Tensor] = []
         layout: list[Any] = []
+        on_device = False
         for leaf in leaves:
             if isinstance(leaf, Tensor):
                 value = leaf.value
                 if type(value) is not np.ndarray:  # CuPy: only NumPy passes are captured
-                    return dynamic(*args, **kwargs)
+                    on_device = True
+                    layout.append((value.shape, value.dtype.str, backend.device_of(value)))
+                    continue
                 seeds.append(leaf if type(leaf) is Tensor else Tensor(value))
                 layout.append(_array_key(value))
             elif isinstance(leaf, np.ndarray):
@@ -256,25 +272,24 @@ class Jit:
                 layout.append(_array_key(leaf))
             else:
                 layout.append(_static_key(leaf))
-        # A replay records nothing: under an outer tape, accumulator or capture, f runs
-        # dynamically so that they see every op. One Tensor given as two arguments (tied
-        # weights) is differentiated at both uses by the dynamic transform; the capture
-        # would give each argument its own seed: dynamic too.
-        tensors = [id(x) for x in leaves if isinstance(x, Tensor)]
-        if (
-            trace.anything_active()
-            or trace.capture is not None
-            or self._reaches(leaves)
-            or len(set(tensors)) != len(tensors)
-        ):
+        key = (tag, treedef, tuple(layout))
+        reason = self._dynamic_reason(leaves, on_device)
+        if reason is not None:
+            with self._lock:
+                self._notes[key] = (_describe(label, leaves), reason)
+                self._notes.move_to_end(key)
+                while len(self._notes) > self.cache_size:
+                    self._notes.popitem(last=False)
             return dynamic(*args, **kwargs)
+        if key in self._notes:  # (this call reaches the passes: their state tells)
+            with self._lock:
+                self._notes.pop(key, None)
         for ref, array in self._variables:
             variable = ref()
             if variable is not None and variable.value is not array:
                 self.clear()  # (this call runs dynamically, the next one captures again)
                 self._known()
                 break
-        key = (tag, treedef, tuple(layout))
 
         def run(fresh: list[Tensor]) -> list[Tensor | None]:
             it = iter(fresh)
@@ -297,6 +312,30 @@ class Jit:
         _, out_def, statics = found
         result = [statics.get(i, o) for i, o in enumerate(outputs)]
         return tree.unflatten(out_def, result)
+
+    def _dynamic_reason(self, leaves: list[Any], on_device: bool) -> str | None:
+        """Why this call must run dynamically whatever its key's state, or None."""
+        # A replay records nothing: under an outer tape, accumulator or capture, f runs
+        # dynamically so that they see every op. One Tensor given as two arguments (tied
+        # weights), or an argument f also reaches, is differentiated at both uses by the
+        # dynamic transform; the capture would see one use as a seed, the other as a
+        # constant.
+        if on_device:
+            return "dynamic: a device (CuPy) array; only NumPy passes are captured"
+        if trace.anything_active():
+            return "dynamic: called while a tape or accumulator records (a replay records nothing)"
+        if trace.capture is not None:
+            return "dynamic: called inside a pass being captured (the outer capture sees its ops)"
+        tensors = [id(x) for x in leaves if isinstance(x, Tensor)]
+        if len(set(tensors)) != len(tensors):
+            return "dynamic: one tensor is given as two arguments (both uses are differentiated)"
+        if self._reaches(leaves):
+            return (
+                "dynamic: an argument is also a tensor the function reaches (a closure, a "
+                "default, a global, or the object of a bound method): both uses are "
+                "differentiated, and a replay would freeze the one it reaches"
+            )
+        return None
 
     def _known(self) -> dict[int, Any]:
         """What a capture may treat as constants: the tensors and NumPy arrays f reaches."""
@@ -321,13 +360,13 @@ class Jit:
 def _tensorized(args: tuple, nums: tuple[int, ...]) -> tuple:
     """The differentiated arguments' leaves as tensors (Python numbers become float32
     tensors, as the dynamic transforms make them)."""
-    args = list(args)
+    out = list(args)
     for i in nums:
-        if type(args[i]) is Tensor:
+        if type(out[i]) is Tensor:
             continue  # (the common case, as it is)
-        leaves, treedef = tree.flatten(args[i])
-        args[i] = tree.unflatten(treedef, [as_tensor(x) for x in leaves])
-    return tuple(args)
+        leaves, treedef = tree.flatten(out[i])
+        out[i] = tree.unflatten(treedef, [as_tensor(x) for x in leaves])
+    return tuple(out)
 
 
 def _is_array(x: Any) -> bool:

@@ -76,17 +76,18 @@ class Layer:
 
     name: str
     weight: int
-    bias: int | None
+    bias: Any  # int, or None without a bias
     meeting: Meeting
     layout: MatmulLayout
     frame: tuple  # (the param-side shape of the matmul, swap): W's flat entries -> (k, m)
     kind: str  # "linear" or "conv" (the data went through im2col)
-    A: np.ndarray | None = None
-    G: np.ndarray | None = None
-    eig_a: tuple | None = None  # (eigenvalues, eigenvectors)
-    eig_g: tuple | None = None
-    corrected: np.ndarray | None = None  # EKFAC's eigenvalues, (k [+1], m)
-    corrected_bias: np.ndarray | None = None  # (m,), a separate bias's
+    # Set by KFAC once fitted (Any: always arrays by then).
+    A: Any = None
+    G: Any = None
+    eig_a: Any = None  # (eigenvalues, eigenvectors)
+    eig_g: Any = None
+    corrected: Any = None  # EKFAC's eigenvalues, (k [+1], m)
+    corrected_bias: Any = None  # (m,), a separate bias's
     joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
 
 
@@ -147,7 +148,7 @@ def find_layers(
         layers[id(m.record)] = Layer(names[w], w, None, m, layout, (layout.side, transposed), kind)
         used.add(w)
     for m in flow.meetings:
-        if m.kind != "elementwise" or m.record.prim.name != "add":
+        if m.kind != "elementwise" or m.record.prim is None or m.record.prim.name != "add":
             continue
         b = _param_index(flow, params, m.record.inputs[m.argnum])
         if b is None or b in used:
@@ -310,7 +311,7 @@ class KFAC:
             )
         seeds, self.weight = _seeds(curv, curvature, samples, seed, sampled_targets)
         self._factors(engine, seeds)
-        self.other_block = self._exact_others() if self.others else None
+        self.other_block: Any = self._exact_others() if self.others else None
         for layer in self.layers:
             layer.eig_a = _eigh(layer.A)
             layer.eig_g = _eigh(layer.G)
@@ -463,7 +464,8 @@ class KFAC:
                 size = math.prod(shapes[i])
                 out[i] = res[:, lo : lo + size].reshape((k,) + shapes[i])
                 lo += size
-        return [o for o in out]  # type: ignore[misc]
+        # Parameters outside `subset` (a last-layer KFAC) are outside the operator: zeros.
+        return [np.zeros_like(v) if o is None else o for o, v in zip(out, flat, strict=True)]
 
     def all_eigenvalues(self, damping: float = 0.0) -> np.ndarray:
         parts = []

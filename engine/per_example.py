@@ -310,8 +310,10 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
     side = tuple((a if j == 0 else b).shape[-2:])
     swap = j == 0
     if swap:  # P @ x = (x^T @ P^T)^T
+        assert idb is not None  # the data side carries example ids
         data, ids, param = xp.swapaxes(b, -1, -2), np.swapaxes(idb, -1, -2), xp.swapaxes(a, -1, -2)
     else:
+        assert ida is not None
         data, ids, param = a, ida, b
     batch = data.ndim - 2
     pshape = (1,) * (batch - (param.ndim - 2)) + tuple(param.shape[:-2])
@@ -399,6 +401,7 @@ def _elementwise_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice
     inputs = list(rec.inputs)
     inputs[j] = expanded
     ans = rec.outputs[0]
+    assert rec.prim is not None  # meetings are primitives' records
     part = get_vjp(rec.prim)(j, ans, *inputs, **rec.params)(Tensor(g))
     value = xp.zeros(out.shape, param.dtype) if part is ZERO else part.value
     value = value[chunk]
@@ -473,7 +476,7 @@ class PerExample:
     def meeting_cotangents(self, seed: Any, batch_ndim: int = 0) -> dict[int, Any]:
         """The cotangents of the meetings' outputs for the output cotangent `seed`
         (with `batch_ndim` leading axes: several seeds in one pass)."""
-        outs = []
+        outs: list[Tensor] = []
         for m in self.flow.meetings:
             o = m.record.outputs[0]
             if all(o is not x for x in outs):
@@ -613,7 +616,7 @@ def per_example(
         sum_squares=host(squares) if statistics else None,
         gradients=gradients,
         chunks=chunks,
-        meetings=[f"{m.record.prim.name}" for m in engine.flow.meetings],
+        meetings=[_name(m.record) for m in engine.flow.meetings],
     )
 
 

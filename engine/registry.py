@@ -54,7 +54,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 
 class Primitive:
@@ -209,13 +209,16 @@ class OpInfo:
 public_ops: dict[str, OpInfo] = {}
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])  # the decorated op keeps its signature
+
+
 def public(
     family: str,
     *,
     shape_rule: Callable[[dict[str, Any]], Any] | None = None,
     kinds: Mapping[str, str] | None = None,
     workspace: Callable[[dict[str, Any], Any], int] | None = None,
-) -> Callable[[Callable[..., Any]], Any]:
+) -> Callable[[_Fn], _Fn]:
     """Register a public op with its shape rule and its constants' kinds (see OpInfo).
 
     Parameters, defaults and the one-line doc come from the function itself; a
@@ -223,7 +226,7 @@ def public(
     """
     kinds = dict(kinds or {})
 
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def register(fn: _Fn) -> _Fn:
         params = tuple(
             Param(p.name, kinds.get(p.name, "tensor"), p.default, p.kind is p.VAR_POSITIONAL)
             for p in inspect.signature(fn).parameters.values()

@@ -45,7 +45,7 @@ import numpy as np
 
 from engine import trace
 from engine.registry import Primitive, impl_rules
-from engine.tensor import Tensor, _scalars
+from engine.tensor import Tensor, scalar_cache
 
 # Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
 # its result each pass, as the dynamic sweep does (large K-vector passes would otherwise
@@ -119,7 +119,7 @@ class Capture:
                 raise CaptureFailed("only NumPy passes are captured")
             ins = tuple(self._slot_of(a) for a in args)
         except CaptureFailed as exc:
-            self.failure = str(exc)
+            self.failure = f"{exc} ({prim.name})"
             return
         if all(self.kinds[i] == _CONST for i in ins):
             self._new(ans, _CONST)  # folded: its value is known now
@@ -139,7 +139,8 @@ class Capture:
         # (A dead tensor's entry may carry t's id: t is new all the same.)
         if entry is None or entry[1]() is not t:
             self._new(t, _CONST)
-            self.made_bytes += t.value.nbytes
+            if self.known.get(id(t.value)) is not t.value:  # (a known array is held anyway)
+                self.made_bytes += t.value.nbytes
 
     def alias(self, t: Tensor, of: Tensor) -> None:
         """t is a new identity for of's array (a custom gradient's outputs)."""
@@ -194,7 +195,7 @@ class Passes:
         pool_limit: int | None = None,
         constant_limit: int | None = None,
     ):
-        self.entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.entries: OrderedDict[Any, Any] = OrderedDict()  # key: a hashable tuple
         self.limit = limit
         self.pool_limit = POOL_LIMIT if pool_limit is None else pool_limit
         self.constant_limit = constant_limit
@@ -248,7 +249,7 @@ class Passes:
                 self.changes += 1
         return outputs
 
-    def status(self) -> dict[Hashable, str]:
+    def status(self) -> dict[Any, str]:
         """Per layout: "compiled", or why (or that) its passes are dynamic so far."""
         return {k: "compiled" if isinstance(v, Schedule) else v[0] for k, v in self.entries.items()}
 
@@ -315,7 +316,7 @@ def capture(
     # Fresh identities: a seed passed twice, or a seed that is also a recorded value,
     # must still be one slot per seed.
     fresh = [Tensor(s.value) for s in seeds]
-    cap = Capture(fresh, {**known, **{id(t): t for t in _scalars.values()}})
+    cap = Capture(fresh, {**known, **{id(t): t for t in scalar_cache.values()}})
     saved, trace.capture = trace.capture, cap
     try:
         outputs = run(fresh)
@@ -381,7 +382,7 @@ def _sum_form(params: dict, operands: list, value: Any) -> Any:
     if value.dtype.kind != "f":  # _sum_impl picks the dtype of integer sums
         return None
     axes, keepdims = params["axes"], params["keepdims"]
-    reduce = np.add.reduce  # what np.sum calls for a float array, without its wrapper
+    reduce: Any = np.add.reduce  # what np.sum calls for a float array, without its wrapper
     return lambda x, out: reduce(x, axes, None, out, keepdims)
 
 
@@ -547,15 +548,16 @@ class Schedule:
         """The pass's outputs (None for an output the pass did not reach)."""
         if self.steps is None:
             self._compile()
+        steps: list[Any] = self.steps  # type: ignore[assignment]  # _compile sets it
         env = self.template.copy()
         for slot, a in zip(self.seed_slots, arrays, strict=True):
             env[slot] = a
         check = trace.interrupt_check
         if check is None:
-            for step in self.steps:
+            for step in steps:
                 step(env)
         else:
-            for step in self.steps:
+            for step in steps:
                 check()
                 step(env)
         # A constant output (zeros, a recorded value) is copied: answers are fresh arrays.
@@ -582,10 +584,11 @@ class _Buffer:
     __slots__ = ("array", "layout")
 
     def __init__(self, layout: _Layout):
-        self.layout, self.array = layout, None
+        self.layout = layout
+        self.array: Any = None
 
     def allocate(self) -> None:
-        self.array = np.empty(self.layout.shape, self.layout.dtype, order=self.layout.order)
+        self.array = np.empty(self.layout.shape, self.layout.dtype, order=self.layout.order)  # type: ignore[arg-type]
 
 
 def _compile_step(

@@ -23,7 +23,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class UnconnectedGradients(enum.Enum):
 class Record:
     """One recorded application: a primitive's, or a custom gradient's (`prim` None)."""
 
-    __slots__ = ("prim", "inputs", "params", "outputs", "custom_vjp", "vjp_cache")
+    __slots__ = ("custom_vjp", "inputs", "outputs", "params", "prim", "vjp_cache")
 
     def __init__(
         self,
@@ -101,9 +101,10 @@ class Record:
         self, gs: list[Tensor | None], needed: tuple[int, ...]
     ) -> list[Tensor | None]:
         upstream = [
-            _constant_zeros(o.shape, o) if g is None else g
+            constant_zeros(o.shape, o) if g is None else g
             for g, o in zip(gs, self.outputs, strict=True)
         ]
+        assert self.custom_vjp is not None  # only a custom-gradient record gets here
         result = self.custom_vjp(*upstream)
         grads = list(result) if isinstance(result, (list, tuple)) else [result]
         name = getattr(self.custom_vjp, "__qualname__", "grad_fn")
@@ -213,11 +214,11 @@ def backward(
         lead = seeds[0].shape[:batch_ndim]
         for s in sources:
             if id(s) in zero and id(s) not in out:
-                out[id(s)] = _constant_zeros(lead + s.shape, s)
+                out[id(s)] = constant_zeros(lead + s.shape, s)
     return out
 
 
-def _check_source(s: Any, where: str) -> Tensor:
+def check_source(s: Any, where: str) -> Tensor:
     if not isinstance(s, Tensor):
         raise TypeError(f"{where}: sources must be tensors or variables, got {type(s).__name__}")
     if s.dtype.kind != "f":
@@ -249,13 +250,13 @@ class GradientTape:
         self._defer_source_primals = False
 
     # Recording --------------------------------------------------------------------------
-    def __enter__(self) -> GradientTape:
+    def __enter__(self) -> Self:
         if self in trace.active_tapes:
             raise RuntimeError("this GradientTape is already recording (nested `with tape:`)")
         trace.active_tapes.append(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self in trace.active_tapes:
             trace.active_tapes.remove(self)
 
@@ -386,7 +387,7 @@ class GradientTape:
         unconnected = _check_unconnected(unconnected_gradients)
         targets = _targets(target, "gradient")
         flat_sources, treedef = tree.flatten(sources)
-        flat_sources = [_check_source(s, "gradient") for s in flat_sources]
+        flat_sources = [check_source(s, "gradient") for s in flat_sources]
         if output_gradients is None:
             seeds = [_ones_like(t) for t in targets]
         else:
@@ -437,7 +438,7 @@ class GradientTape:
         unconnected = _check_unconnected(unconnected_gradients)
         (target,) = _targets(target, "jacobian", single=True)
         flat_sources, treedef = tree.flatten(sources)
-        flat_sources = [_check_source(s, "jacobian") for s in flat_sources]
+        flat_sources = [check_source(s, "jacobian") for s in flat_sources]
         try:
             rows = _jacobian_rows(self, target, flat_sources, chunk_size)
         finally:
@@ -471,7 +472,7 @@ class GradientTape:
         self._start_call("batch_jacobian")
         _check_unconnected(unconnected_gradients)
         (target,) = _targets(target, "batch_jacobian", single=True)
-        source = _check_source(source, "batch_jacobian")
+        source = check_source(source, "batch_jacobian")
         if target.ndim < 2:
             # TensorFlow reads the target's second dimension and fails on a rank-1 target.
             raise ValueError(
@@ -528,7 +529,7 @@ def per_example_layout(
     per_example_rows' rows (without the probe row)."""
     out_shape = target.shape + source.shape[1:]
     if rows is None:
-        return _constant_zeros(out_shape, source)
+        return constant_zeros(out_shape, source)
     if check_independence:
         rows = rows[: math.prod(target.shape[1:])]
     # rows: (m, B, *source.shape[1:]) -> (B, m, *source.shape[1:])
@@ -622,7 +623,7 @@ def _jacobian_rows(
             if part is not None:
                 connected[k] = True
             else:
-                part = _constant_zeros((stop - start,) + s.shape, s)
+                part = constant_zeros((stop - start,) + s.shape, s)
             pieces[k].append(part)
         if n == 0:
             break
@@ -672,7 +673,7 @@ def _constant_seed(array: Any) -> Tensor:
     return seed
 
 
-def _constant_zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:
+def constant_zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """Zeros a pass makes whatever its data: a pass being captured for replay is told so
     (any other array made outside the ops would stop the capture)."""
     zeros = _zeros(like, shape)
@@ -688,7 +689,7 @@ def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _result(ct: Tensor | None, source: Tensor, unconnected: str, lead: tuple) -> Tensor | None:
     if ct is not None:
         return ct
-    return None if unconnected == "none" else _constant_zeros(lead + source.shape, source)
+    return None if unconnected == "none" else constant_zeros(lead + source.shape, source)
 
 
 # ----------------------------------------------------------------------------------------

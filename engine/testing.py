@@ -53,7 +53,7 @@ def check_jvp(
     rtol: float = 1e-5,
     seed: int = 0,
 ) -> None:
-    rng, args, v = _inputs(args, seed)
+    _, args, v = _inputs(args, seed)
     _, tangent = jvp(f, [constant(a) for a in args], [constant(d) for d in v])
     _close(_np(tangent), _numerical_jvp(f, args, v, eps), atol, rtol, "forward mode (JVP)")
 
@@ -89,7 +89,7 @@ def check_grads(
 ) -> None:
     """Check f's derivatives up to `order` in the given modes against finite differences."""
     args = [np.asarray(a, np.float64) for a in args]
-    tol = dict(eps=eps, atol=atol, rtol=rtol, seed=seed)
+    tol: dict[str, Any] = {"eps": eps, "atol": atol, "rtol": rtol, "seed": seed}
     if "fwd" in modes:
         check_jvp(f, args, **tol)
     if "rev" in modes:

@@ -22,15 +22,15 @@ from engine import backend, replay, trace, tree
 from engine.footprint import held_bytes
 from engine.forward import ForwardAccumulator
 from engine.ops.shape import concatenate, reshape, transpose
-from engine.tape import GradientTape, _check_source, _constant_zeros
+from engine.tape import GradientTape, check_source, constant_zeros
 from engine.tensor import Tensor, as_tensor, pass_constant
 
 Argnums = int | Sequence[int]
 
 
-def _argnums(argnums: Argnums, nargs: int, where: str) -> tuple[tuple[int, ...], bool]:
+def normalize_argnums(argnums: Argnums, nargs: int, where: str) -> tuple[tuple[int, ...], bool]:
     single = isinstance(argnums, int)
-    nums = (argnums,) if single else tuple(argnums)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for i in nums:
         if not -nargs <= i < nargs:
             raise ValueError(f"{where}: argnums {argnums} out of range for {nargs} argument(s)")
@@ -43,17 +43,17 @@ def _tensorize(arg: Any) -> Any:
     return tree.unflatten(treedef, [as_tensor(x) for x in leaves])
 
 
-def _prepare(args: tuple, nums: tuple[int, ...], where: str) -> tuple[list, list, list]:
+def prepare_arguments(args: tuple, nums: tuple[int, ...], where: str) -> tuple[tuple, list, list]:
     """Arguments with the differentiated ones tensorized; their flat leaves; treedefs."""
-    args = list(args)
+    out = list(args)
     flat: list[Tensor] = []
     defs = []
     for i in nums:
-        args[i] = _tensorize(args[i])
-        leaves, treedef = tree.flatten(args[i])
-        flat.extend(_check_source(x, where) for x in leaves)
+        out[i] = _tensorize(out[i])
+        leaves, treedef = tree.flatten(out[i])
+        flat.extend(check_source(x, where) for x in leaves)
         defs.append((treedef, len(leaves)))
-    return args, flat, defs
+    return tuple(out), flat, defs
 
 
 def _regroup(flat: list, defs: list, single: bool) -> Any:
@@ -64,7 +64,7 @@ def _regroup(flat: list, defs: list, single: bool) -> Any:
     return out[0] if single else tuple(out)
 
 
-def _scalar(out: Any, where: str) -> Tensor:
+def scalar_output(out: Any, where: str) -> Tensor:
     if not isinstance(out, Tensor):
         raise TypeError(f"{where}: the function must return a tensor, got {type(out).__name__}")
     if out.size != 1:
@@ -89,13 +89,13 @@ def value_and_grad(
     """
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        nums, single = _argnums(argnums, len(args), "value_and_grad")
-        args, flat, defs = _prepare(args, nums, "value_and_grad")
+        nums, single = normalize_argnums(argnums, len(args), "value_and_grad")
+        args, flat, defs = prepare_arguments(args, nums, "value_and_grad")
         with GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(flat)
             result = f(*args, **kwargs)
         value = result[0] if has_aux else result
-        _scalar(value, "grad")
+        scalar_output(value, "grad")
         grads = tape.gradient(value, flat, unconnected_gradients="zero")
         return result, _regroup(grads, defs, single)
 
@@ -119,7 +119,7 @@ def implicit_value_and_gradients(f: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with GradientTape() as tape:
             value = f(*args, **kwargs)
-        _scalar(value, "implicit_gradients")
+        scalar_output(value, "implicit_gradients")
         variables = [v for v in tape.watched_variables() if v.dtype.kind == "f"]
         grads = tape.gradient(value, variables)
         return value, list(zip(grads, variables, strict=True))
@@ -139,12 +139,12 @@ def vjp(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
 
     The forward pass is recorded once; vjp_fn may be called many times.
     """
-    args, flat, defs = _prepare(primals, tuple(range(len(primals))), "vjp")
+    args, flat, defs = prepare_arguments(primals, tuple(range(len(primals))), "vjp")
     tape = GradientTape(persistent=True, watch_accessed_variables=False)
     with tape:
         tape.watch(flat)
         out = f(*args)
-    outs, out_def = tree.flatten(out)
+    outs, _ = tree.flatten(out)
 
     def vjp_fn(cotangent: Any) -> tuple:
         cts = tree.flatten(cotangent)[0]
@@ -161,8 +161,8 @@ def jacrev(
     batched backward pass (in chunks of chunk_size rows)."""
 
     def wrapped(*args: Any) -> Any:
-        nums, single = _argnums(argnums, len(args), "jacrev")
-        args, flat, defs = _prepare(args, nums, "jacrev")
+        nums, single = normalize_argnums(argnums, len(args), "jacrev")
+        args, flat, defs = prepare_arguments(args, nums, "jacrev")
         with GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(flat)
             out = f(*args)
@@ -197,7 +197,7 @@ def linearize(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., 
     each f_jvp call transposes that recording with one backward pass, so no forward pass
     of f is ever repeated.
     """
-    args, flat, defs = _prepare(primals, tuple(range(len(primals))), "linearize")
+    args, flat, _ = prepare_arguments(primals, tuple(range(len(primals))), "linearize")
     inner = GradientTape(persistent=True, watch_accessed_variables=False)
     with inner:
         inner.watch(flat)
@@ -219,12 +219,14 @@ def linearize(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., 
             for (g, s), t in zip(pairs, [flat_t[flat.index(s)] for _, s in pairs], strict=True)
         ]
         if not keep:
-            return tree.unflatten(out_def, [_zeros(o) for o in outs])
+            return tree.unflatten(out_def, [zeros_with_lead(o) for o in outs])
         nb = flat_t[0].ndim - flat[0].ndim
         cts = outer._run([g for g, _ in keep], [t for _, t in keep], dummies, nb)
         lead = flat_t[0].shape[:nb]
         result = [cts.get(id(d)) for d in dummies]
-        result = [_zeros(o, lead) if r is None else r for r, o in zip(result, outs, strict=True)]
+        result = [
+            zeros_with_lead(o, lead) if r is None else r for r, o in zip(result, outs, strict=True)
+        ]
         return tree.unflatten(out_def, result)
 
     return out, f_jvp
@@ -234,8 +236,8 @@ def jacfwd(f: Callable[..., Any], argnums: Argnums = 0) -> Callable[..., Any]:
     """The jacobian of f by forward mode: one pass with a batch of basis tangents."""
 
     def wrapped(*args: Any) -> Any:
-        nums, single = _argnums(argnums, len(args), "jacfwd")
-        args, flat, defs = _prepare(args, nums, "jacfwd")
+        nums, single = normalize_argnums(argnums, len(args), "jacfwd")
+        args, flat, defs = prepare_arguments(args, nums, "jacfwd")
         blocks = _forward_columns(lambda: f(*args), flat)
         return _regroup(blocks, defs, single)
 
@@ -287,12 +289,12 @@ def hessian(f: Callable[..., Any], argnums: Argnums = 0) -> Callable[..., Any]:
     shape arg_i.shape + arg_j.shape."""
 
     def wrapped(*args: Any) -> Any:
-        nums, single = _argnums(argnums, len(args), "hessian")
-        args, flat, defs = _prepare(args, nums, "hessian")
+        nums, single = normalize_argnums(argnums, len(args), "hessian")
+        args, flat, defs = prepare_arguments(args, nums, "hessian")
         with ForwardAccumulator(flat, _basis_tangents(flat), batch_ndim=1) as acc:
             with GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(flat)
-                value = _scalar(f(*args), "hessian")
+                value = scalar_output(f(*args), "hessian")
             tape._defer_source_primals = True  # only the gradients' tangents are used
             grads = tape.gradient(value, flat, unconnected_gradients="zero")
         rows = []
@@ -313,14 +315,14 @@ def hvp(f: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) 
     point use hessian_operator.
     """
     primals, tangents = tuple(primals), tuple(tangents)
-    args, flat, defs = _prepare(primals, tuple(range(len(primals))), "hvp")
+    args, flat, defs = prepare_arguments(primals, tuple(range(len(primals))), "hvp")
     flat_t = tree.flatten([_tensorize(t) for t in tangents])[0]
     if len(flat_t) != len(flat):
         raise ValueError(f"hvp: {len(flat_t)} tangent leaves for {len(flat)} primal leaves")
     with ForwardAccumulator(flat, flat_t) as acc:
         with GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(flat)
-            value = _scalar(f(*args), "hvp")
+            value = scalar_output(f(*args), "hvp")
         # Only the gradients' tangents are used: the GEMMs of the gradients themselves
         # (the weights' products) are deferred and never run.
         tape._defer_source_primals = True
@@ -365,13 +367,15 @@ class HessianOperator:
         self._record(primals)
 
     def _record(self, primals: tuple) -> None:
-        args, flat, defs = _prepare(primals, tuple(range(len(primals))), "hessian_operator")
+        args, flat, defs = prepare_arguments(
+            primals, tuple(range(len(primals))), "hessian_operator"
+        )
         tape = GradientTape(persistent=True, watch_accessed_variables=False)
         with tape:
             tape.watch(flat)
             with GradientTape(watch_accessed_variables=False) as inner:
                 inner.watch(flat)
-                value = _scalar(self._f(*args), "hessian_operator")
+                value = scalar_output(self._f(*args), "hessian_operator")
             grads = inner.gradient(value, flat, unconnected_gradients="zero")
         self._tape, self._flat, self._defs = tape, flat, defs
         self._value, self._grads = value, grads
@@ -400,7 +404,7 @@ class HessianOperator:
         """H @ v for K vectors at once: each leaf has shape (K, *primal.shape)."""
         leaves, treedef = tree.flatten(list(vectors))
         leaves = [as_tensor(v) for v in leaves]
-        counts = {v.shape[0] if v.ndim else None for v in leaves}
+        counts = {v.shape[0] if v.ndim else -1 for v in leaves}  # -1: a 0-d leaf
         if self.max_batch is None or len(counts) != 1 or max(counts, default=0) <= self.max_batch:
             return self._apply(vectors, 1)  # (mismatched leading axes raise there)
         count = counts.pop()
@@ -440,7 +444,8 @@ class HessianOperator:
         of engine.curvature override this and keep the rest)."""
         products = self._second_order_pass(flat_v, batch_ndim)
         return [
-            _zeros(p, lead) if h is None else h for h, p in zip(products, self._flat, strict=True)
+            zeros_with_lead(p, lead) if h is None else h
+            for h, p in zip(products, self._flat, strict=True)
         ]
 
     def _dynamic_pass(self, flat_v: list[Tensor], batch_ndim: int) -> list[Tensor | None]:
@@ -588,9 +593,9 @@ def hessian_operator(
     return HessianOperator(f, *primals, max_batch=max_batch, compiled=compiled)
 
 
-def _zeros(o: Tensor, lead: tuple = ()) -> Tensor:
+def zeros_with_lead(o: Tensor, lead: tuple = ()) -> Tensor:
     # (a constant of a pass being captured: an unreached product is zeros whatever the data)
-    return _constant_zeros(lead + o.shape, o)
+    return constant_zeros(lead + o.shape, o)
 
 
 __all__ = [

@@ -2,6 +2,11 @@
 
     gradtape serve [--host H] [--port P] [--http-workers N] [--workers N] [--device D] ...
     gradtape openapi [--out openapi/openapi.json]
+    gradtape eigenvalues|trace|density|influence model.onnx --data data.npz ...
+
+The curvature questions are the SDK's command line (gradtape.client.cli, a client of a
+running server or of one it starts), handed over as they are: this process stays a
+client and never loads the engine.
 
 Flags override GRADTAPE_* environment variables. Imports stay inside the commands: a
 spawned worker process re-imports this module and must not pay for the web stack.
@@ -49,7 +54,11 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradtape", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gradtape",
+        description=__doc__.split("\n")[0],
+        epilog="Curvature questions: gradtape {eigenvalues,trace,density,influence} -h",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the HTTP API with uvicorn")
     for flag, (field, type_, help_) in SERVE_FLAGS.items():
@@ -195,7 +204,27 @@ def missing_service_packages() -> list[str]:
     return [name for name in SERVICE_PACKAGES if importlib.util.find_spec(name) is None]
 
 
+# The SDK's questions (gradtape.client.cli.QUESTIONS), answered by a server over HTTP.
+QUESTIONS = ("eigenvalues", "trace", "density", "influence")
+
+
+def ask(argv: list[str]) -> int:
+    try:
+        from gradtape.client import cli
+    except ImportError:
+        print(
+            f"gradtape {argv[0]}: asks a server through the Python SDK, which is not "
+            "installed: pip install './clients/python[plot,progress]' (from a clone)",
+            file=sys.stderr,
+        )
+        return 2
+    return cli.main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in QUESTIONS:
+        return ask(argv)
     args = _parser().parse_args(argv)
     missing = missing_service_packages()
     if missing:  # the engine was installed alone (`pip install .`)

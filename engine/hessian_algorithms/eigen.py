@@ -164,7 +164,8 @@ def lanczos(
                 stopped = "converged"
                 break
         elif callback is not None:
-            budget.report(callback, "lanczos", None if picked is None else theta[picked], None)
+            ritz = None if picked is None else theta[picked]  # type: ignore[index]  # set with picked
+            budget.report(callback, "lanczos", ritz, None)
         if exhausted:
             stopped = "exhausted"
             break

@@ -29,7 +29,7 @@ from engine.language.parse import (
 from engine.registry import Param, public_ops
 
 TENSOR_NODES = (Name, Number, Call, Subscript)  # what can stand where a tensor is expected
-OPERATORS = {op: symbol for op, symbol in [*BINARY_OPS.values(), *COMPARE_OPS.values()]}
+OPERATORS = dict([*BINARY_OPS.values(), *COMPARE_OPS.values()])
 OPERATORS.update({"negative": "-x", "getitem": "x[index]"})
 BUILTIN_FAMILY = "builtin"
 
@@ -130,7 +130,7 @@ def bind(sig: Signature, call: Call) -> Bound:
     tensors: dict[str, Node | list[Node] | None] = {}
     constants: dict[str, Any] = {}
     for p in fixed:
-        node = given.get(p.name)
+        node = given.get(p.name)  # type: ignore[assignment]  # None: not given
         if p.kind == "tensor":
             if node is None or (
                 isinstance(node, Constant) and node.value is None and p.default is None

@@ -25,6 +25,7 @@ from typing import Any
 from engine import replay
 from engine.backend import host
 from engine.language.catalogue import suggest
+from engine.language.cost import CostModel
 from engine.language.definition import Definition, as_definition, structure_key
 from engine.language.errors import DefinitionError, OverBudget, Problem
 from engine.language.limits import DEFAULT_LIMITS, Limits
@@ -97,6 +98,7 @@ class CompiledProgram:
         self._line_columns = {line.target: line.pos.column for line in checked.lines}
         self._reads = checked.reads
         self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
+        self.cost = CostModel.of(checked)  # FLOPs and bytes moved by one forward pass
         self._sites = checked.grad_sites
         functions: dict[str, Callable[..., Any]] = {}
         for name, fn in checked.functions.items():
@@ -245,6 +247,7 @@ class CompiledProgram:
         value, *grads = _gradient_passes.run(
             key, [leaves[n] for n in names], run, lambda: replay.known_tensors(self)
         )
+        assert value is not None  # the loss is every pass's first output
         return value, dict(zip(keys, grads, strict=True))
 
     def gradient_passes(self) -> dict[Any, Any]:

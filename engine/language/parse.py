@@ -214,6 +214,7 @@ def parse_line(
     statement = tree.body[0]
     try:
         target, target_pos = _target(statement, number)
+        assert isinstance(statement, ast.Assign)  # _target refused every other statement
         converter = _Converter(number)
         expr = converter.expr(statement.value)
     except _Refused as exc:

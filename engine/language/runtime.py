@@ -120,10 +120,10 @@ class Builder:
             value = node.value
             return lambda frame: value
         if isinstance(node, Subscript):
-            value, index = self.expr(node.value), node.index
+            operand, index = self.expr(node.value), node.index
             getitem = public_ops["getitem"].fn
             return located(
-                lambda frame: getitem(value(frame), index), self.section, node.pos, "getitem"
+                lambda frame: getitem(operand(frame), index), self.section, node.pos, "getitem"
             )
         if isinstance(node, Call):
             return located(self.call(node), self.section, node.pos, node.func)
@@ -143,7 +143,7 @@ class Builder:
             return lambda frame: functions[name](frame.root, *[a(frame) for a in args])
         sig = SIGNATURES[node.func]
         bound = bind(sig, node)
-        tensors = {
+        tensors: dict[str, Any] = {
             name: [self.expr(a) for a in arg] if isinstance(arg, list) else self.expr(arg)
             for name, arg in bound.tensors.items()
             if arg is not None

@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -105,7 +106,7 @@ class CheckedProgram:
     functions: dict[str, CheckedFunction]
     intermediates: list[Intermediate] = field(default_factory=list)  # every op's result
     model_calls: dict[Call, object] = field(default_factory=dict)  # call -> Specialization
-    models: dict[str, object] = field(default_factory=dict)  # name -> definition.ModelDef
+    models: dict[str, Any] = field(default_factory=dict)  # name -> definition.ModelDef
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class Intermediate:
     column: int
     op: str
     type: TensorType
+    inputs: tuple[tuple[int, ...], ...] = ()  # the op's tensor arguments' shapes (cost.py)
 
 
 @dataclass
@@ -326,14 +328,14 @@ class _Checker:
                 "a function body cannot call a model"
                 if scope.in_function
                 else "a model takes its inputs by position: "
-                + f"{node.func}({', '.join(i.name for i in model.inputs)})"
+                f"{node.func}({', '.join(i.name for i in model.inputs)})"
             )
             self.add(why, scope, node.pos, "op", node.func)
             return None
-        types = [self.infer(arg, scope) for arg in node.args]
-        if any(t is None for t in types):
+        inferred = [self.infer(arg, scope) for arg in node.args]
+        if any(t is None for t in inferred):
             return None
-        types = [concrete(t) for t in types]
+        types = [concrete(t) for t in inferred if t is not None]
         try:
             spec = model.specialize([(t.shape, t.dtype) for t in types])
         except ModelError as exc:
@@ -434,7 +436,7 @@ class _Checker:
                         kind="op",
                     )
                 elif callee not in state:
-                    visit(callee, path)
+                    visit(callee, path)  # noqa: F821 (ruff reads the `del visit` below as unbinding it here)
             path.pop()
             state[name] = 2
 
@@ -487,7 +489,7 @@ class _Checker:
             recovered_targets(fn.forward, forward),
             recovered_targets(fn.backward or (), backward),
         )
-        self.run_function(checked, {p: None for p in fn.params}, note="", refused=refused)
+        self.run_function(checked, dict.fromkeys(fn.params), note="", refused=refused)
         if output not in fn.params and output not in {line.target for line in fwd}:
             self.add(f"the output {output!r} is not assigned by the forward program", section)
         return checked if len(self.problems) == before else None
@@ -503,7 +505,7 @@ class _Checker:
         the output's type (None when unknown). `refused`: names assigned by lines that
         did not parse, known to exist with an unknown type."""
         base = f"functions.{fn.name}"
-        origins = {p: "a parameter" for p in fn.params}
+        origins = dict.fromkeys(fn.params, "a parameter")
         types = dict(params)
         for local, leaf in fn.owned:
             types[local] = self.leaves[leaf].type
@@ -615,7 +617,9 @@ class _Checker:
             if value is None:
                 return None
             try:
-                out = public_ops["getitem"].shape_rule({"x": value, "index": node.index})
+                rule = public_ops["getitem"].shape_rule
+                assert rule is not None  # every public op has one (tests/engine/test_ops.py)
+                out = rule({"x": value, "index": node.index})
             except RuleError as exc:
                 self.add(exc.message, scope, node.pos, exc.kind, "getitem", (value.shape,))
                 return None
@@ -648,11 +652,18 @@ class _Checker:
             self.add(f"undefined name {node.id!r}{hint}", scope, node.pos)
         return None
 
-    def sized(self, out: TensorType, node: Node, scope: _Scope, op: str) -> TensorType:
+    def sized(
+        self,
+        out: TensorType,
+        node: Node,
+        scope: _Scope,
+        op: str,
+        inputs: tuple[tuple[int, ...], ...] = (),
+    ) -> TensorType:
         """Count an intermediate against the limits."""
         self.total_elements += out.size
         self.intermediates.append(
-            Intermediate(scope.section, node.pos.line, node.pos.column, op, out)
+            Intermediate(scope.section, node.pos.line, node.pos.column, op, out, inputs)
         )
         if out.size > self.limits.max_elements:
             self.oversized = True
@@ -699,6 +710,7 @@ class _Checker:
             if op is None:  # a built-in (grad has its own path above)
                 out = _clip_grad_norm_rule(values)
             else:
+                assert op.shape_rule is not None  # every public op has one (test_ops.py)
                 out = op.shape_rule(values)
         except RuleError as exc:
             self.add(exc.message, scope, node.pos, exc.kind, node.func, shapes)
@@ -715,7 +727,7 @@ class _Checker:
                     node.func,
                     shapes,
                 )
-        return self.sized(out, node, scope, node.func)
+        return self.sized(out, node, scope, node.func, shapes)
 
     def infer_all(self, node: Call, scope: _Scope) -> None:
         for arg in (*node.args, *(value for _, value in node.kwargs)):
@@ -812,8 +824,9 @@ class _Checker:
         if types is None or fn is None:  # fn is None: its body has problems of its own
             return None
         values, _ = types
-        params = {p: concrete(values[p]) for p in fn.params}
-        key = (fn.name, tuple((t.shape, t.dtype) for t in params.values()))
+        concrete_params = {p: concrete(values[p]) for p in fn.params}
+        key = (fn.name, tuple((t.shape, t.dtype) for t in concrete_params.values()))
+        params: dict[str, TensorType | None] = dict(concrete_params)
         if key not in self.function_types:
             where = scope.section.replace("functions.", "function ").replace(".", " ")
             note = (

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from engine.onnx.errors import ModelError, ModelProblem
+from engine.onnx.external import external_data_problems
 from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
 from engine.tensor import Tensor, constant
 
@@ -37,6 +38,8 @@ NOT_FOLDABLE = frozenset(
      "Bernoulli", "Dropout"}
 )  # fmt: skip
 MAX_SPECIALIZATIONS = 16
+# Rounds of folding and shape inference when shapes are computed from the inputs'.
+MAX_SHAPE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Node:
     attrs: dict[str, Any]
     proto: Any  # the NodeProto, for folding by the reference evaluator
 
-    def problem(self, message: str, opset: int, kind: str = "op") -> ModelProblem:
+    def problem(self, message: str, opset: int | None, kind: str = "op") -> ModelProblem:
         return ModelProblem(
             message,
             kind,
@@ -305,7 +308,29 @@ class OnnxModel:
 
     def _specialize(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> Specialization:
         self._check_inputs(types)
-        shapes = self._infer_shapes(types)
+        # Exports with a dynamic batch compute shapes from the input's (Shape -> Squeeze
+        # -> Reshape -> Concat -> Reshape), which ONNX shape inference does not follow:
+        # fold what the known shapes allow, infer again with those values in place, and
+        # repeat while that reveals more (a few rounds; each folds at least one more value).
+        known: dict[str, np.ndarray] = {}
+        for _ in range(MAX_SHAPE_ROUNDS):
+            shapes = self._infer_shapes(types, known)
+            spec, problems = self._fold_and_plan(shapes)
+            more = {
+                n: v
+                for n, v in spec.consts.items()
+                if n not in self.consts and n not in known and v.dtype.kind in "iub"
+            }
+            if not problems or not more:
+                break
+            known.update(more)
+        if problems:
+            raise ModelError(problems)
+        return spec
+
+    def _fold_and_plan(self, shapes: dict) -> tuple[Specialization, list[ModelProblem]]:
+        """Fold what is known at load time (given these inferred shapes) and list the
+        steps that run; the problems found instead of raising them."""
         consts: dict[str, np.ndarray] = dict(self.consts)
         steps: list[Step] = []
         problems: list[ModelProblem] = []
@@ -314,6 +339,9 @@ class OnnxModel:
             ins = [n for n in node.inputs if n]
             if node.op_type in ("Shape", "Size") and node.inputs[0] not in consts:
                 shape = shapes.get(node.inputs[0])
+                if node.inputs[0] in self.params:  # a parameter's shape is its own
+                    param = self.params[node.inputs[0]]
+                    shape = (param.shape, param.dtype)
                 if shape is not None and None not in shape[0]:
                     fake = SimpleNamespace(shape=shape[0])
                     out = run_node(node.op_type, [fake], node.attrs, self.opset, 1)
@@ -379,8 +407,6 @@ class OnnxModel:
                         )
                     )
             outputs.append((shape, dtype))
-        if problems:
-            raise ModelError(problems)
         sizes = [
             (n, shapes[n][0], shapes[n][1])
             for step in steps
@@ -388,16 +414,26 @@ class OnnxModel:
             if n and n in shapes and None not in shapes[n][0]
         ]
         elements = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in sizes)
-        return Specialization(steps, consts, outputs, elements, folded, sizes)
+        return Specialization(steps, consts, outputs, elements, folded, sizes), problems
 
-    def _infer_shapes(self, types: list[tuple[tuple[int, ...], np.dtype]]) -> dict:
+    def _infer_shapes(
+        self,
+        types: list[tuple[tuple[int, ...], np.dtype]],
+        known: Mapping[str, np.ndarray] | None = None,
+    ) -> dict:
         """ONNX shape inference with the inputs' shapes fixed: name -> (shape, dtype),
-        with None for a size it could not infer."""
+        with None for a size it could not infer. `known`: values folded already (shapes,
+        axes), put in place of the nodes that compute them."""
         import onnx
-        from onnx import helper
+        from onnx import helper, numpy_helper
 
         model = onnx.ModelProto()
         model.CopyFrom(self.proto)
+        if known:
+            kept = [n for n in model.graph.node if not all(o in known for o in n.output if o)]
+            del model.graph.node[:]
+            model.graph.node.extend(kept)
+            model.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in known.items())
         by_name = {i.name: t for i, t in zip(self.inputs, types)}
         for value in model.graph.input:
             if value.name in by_name:
@@ -408,7 +444,9 @@ class OnnxModel:
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise ModelError([ModelProblem(f"ONNX shape inference failed: {exc}", "shape")])
+            raise ModelError(
+                [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
+            ) from exc
         out = {}
         graph = inferred.graph
         for value in (*graph.input, *graph.value_info, *graph.output):
@@ -481,7 +519,7 @@ _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 8
 
 
-def load_model(data: bytes) -> OnnxModel:
+def load_model(data: Any) -> OnnxModel:
     """A checked model from the bytes of an .onnx file (cached by content); raises
     ModelError naming the checker's complaint or every unsupported node."""
     if not isinstance(data, bytes | bytearray | memoryview):
@@ -519,6 +557,9 @@ def _parse(data: bytes) -> Any:
                 )
             ]
         )
+    # Before the checker (which opens external files itself) and before any array.
+    if refused := external_data_problems(proto):
+        raise ModelError(refused)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:

@@ -16,9 +16,52 @@ from typing import Any
 
 import numpy as np
 
+from engine import backend, trace
 from engine.registry import public_ops
+from engine.tensor import Tensor, constant, pass_constant
 
-OP = {name: info.fn for name, info in public_ops.items()}
+
+def _graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, taking the NumPy arrays a handler hands it (the graph's constants, and what
+    handlers make from attributes and shapes: an epsilon in x's dtype, a Trilu mask) as
+    constants of the pass: declared to a capture for replay (engine/replay.py), which
+    refuses arrays made outside the ops otherwise, and moved to the device of the
+    tensors they meet (a model run on CuPy). None of them depends on the pass's values:
+    a handler that reads a tensor on the host (np.asarray of one) is seen by the
+    capture, and such a pass stays dynamic."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        if trace.capture is not None or backend.gpu_loaded():
+            device = _device_of(args)
+            args = tuple(_declared(a, device) for a in args)
+        return fn(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = getattr(fn, "__name__", "op")
+    op.__doc__ = fn.__doc__
+    return op
+
+
+def _device_of(args: Sequence[Any]) -> str | None:
+    """The device of the first tensor among args (one level into lists) not in host
+    memory, or None."""
+    for a in args:
+        for t in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(t, Tensor) and type(t.value) is not np.ndarray:
+                return backend.device_of(t.value)
+    return None
+
+
+def _declared(value: Any, device: str | None) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        if device is not None:
+            return constant(value, device=device)
+        return pass_constant(np.asarray(value))
+    if isinstance(value, list | tuple) and any(isinstance(v, np.ndarray) for v in value):
+        return type(value)(_declared(v, device) for v in value)
+    return value
+
+
+OP = {name: _graph_op(info.fn) for name, info in public_ops.items()}
 
 Handler = Callable[[list[Any], dict[str, Any], int], list[Any]]
 HANDLERS: dict[str, Handler] = {}
@@ -144,6 +187,36 @@ def _like(value: Any, x: Any) -> Any:
     return value
 
 
+@handler("CastLike")
+def _cast_like(ins, attrs, opset):
+    # Only the second input's element type is read (the dynamo exporter's scalar
+    # constants are CastLike'd to the tensor they meet).
+    return [OP["cast"](ins[0], dtype=np.dtype(ins[1].dtype))]
+
+
+@handler("HardSigmoid")
+def _hard_sigmoid(ins, attrs, opset):
+    return [_hard_sigmoid_of(ins[0], float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5)))]
+
+
+def _hard_sigmoid_of(x: Any, alpha: float, beta: float) -> Any:
+    """max(0, min(1, alpha x + beta)): an exact composite (no gradient where clipped)."""
+    y = OP["add"](OP["multiply"](x, _like(alpha, x)), _like(beta, x))
+    return OP["minimum"](OP["maximum"](y, _like(0.0, x)), _like(1.0, x))
+
+
+@handler("HardSwish")
+def _hard_swish(ins, attrs, opset):
+    x = ins[0]  # x * HardSigmoid(x) with alpha 1/6, beta 1/2 (torch's x * relu6(x + 3) / 6)
+    return [OP["multiply"](x, _hard_sigmoid_of(x, 1.0 / 6.0, 0.5))]
+
+
+@handler("Mish")
+def _mish(ins, attrs, opset):
+    x = ins[0]
+    return [OP["multiply"](x, OP["tanh"](OP["softplus"](x)))]
+
+
 @handler("Where")
 def _where(ins, attrs, opset):
     return [OP["where"](ins[0], ins[1], ins[2])]
@@ -225,6 +298,36 @@ def _layer_norm(ins, attrs, opset):
     return [y, mean, inv]
 
 
+def _normalized(x: Any, axes: tuple[int, ...], eps: float) -> Any:
+    """(x - mean) / sqrt(var + eps) over `axes` (biased variance, as every ONNX norm)."""
+    d = OP["subtract"](x, OP["mean"](x, axis=axes, keepdims=True))
+    var = OP["mean"](OP["multiply"](d, d), axis=axes, keepdims=True)
+    return OP["multiply"](d, OP["rsqrt"](OP["add"](var, _like(eps, x))))
+
+
+@handler("InstanceNormalization")
+def _instance_norm(ins, attrs, opset):
+    x, scale, bias = ins[:3]
+    rank = len(x.shape)
+    y = _normalized(x, tuple(range(2, rank)), float(attrs.get("epsilon", 1e-5)))
+    return [OP["add"](OP["multiply"](y, _channel(scale, rank)), _channel(bias, rank))]
+
+
+@handler("GroupNormalization")
+def _group_norm(ins, attrs, opset):
+    # Statistics over each group of C/G channels and all spatial positions; scale and
+    # bias per channel (opset 21: the checker refuses version 18's per-group form, which
+    # ONNX deprecated).
+    x, scale, bias = ins[:3]
+    shape = shape_of(x)
+    groups, channels, rank = int(attrs["num_groups"]), shape[1], len(shape)
+    if channels % groups:
+        raise OpError(f"num_groups={groups} does not divide the {channels} channels")
+    grouped = OP["reshape"](x, (shape[0], groups, -1))
+    y = OP["reshape"](_normalized(grouped, (2,), float(attrs.get("epsilon", 1e-5))), shape)
+    return [OP["add"](OP["multiply"](y, _channel(scale, rank)), _channel(bias, rank))]
+
+
 def _softmax_like(op: str) -> Handler:
     fn = OP[op]
 
@@ -301,6 +404,72 @@ def _conv(ins, attrs, opset):
     ]
 
 
+@handler("ConvTranspose")
+def _conv_transpose(ins, attrs, opset):
+    """The transpose of Conv as a Conv (an exact composite, so every derivative is the
+    conv's own): insert stride - 1 zeros between the input's cells, pad by the kernel's
+    reach less `pads` (cropping where that is negative), and correlate with the kernel
+    flipped and its in/out channels swapped per group, at stride 1 and the dilation."""
+    x, w = ins[0], ins[1]
+    b = ins[2] if len(ins) > 2 else None
+    shape, kernel = shape_of(x), shape_of(w)[2:]
+    nd, groups = len(kernel), int(attrs.get("group", 1))
+    strides = list(attrs.get("strides", [1] * nd))
+    dilations = list(attrs.get("dilations", [1] * nd))
+    extra = list(attrs.get("output_padding", [0] * nd))
+    pads = _transpose_pads(shape[2:], kernel, strides, dilations, extra, attrs)
+    # Zeros between cells, axis by axis: [..., L] -> [..., L, s] (pad) -> [..., L*s] ->
+    # the first (L - 1) s + 1.
+    for axis, s in enumerate(strides):
+        if s == 1:
+            continue
+        axis += 2
+        length = shape_of(x)[axis]
+        moved = OP["moveaxis"](x, axis, -1)
+        widths = ((0, 0),) * len(shape) + ((0, s - 1),)
+        spread = OP["pad"](OP["reshape"](moved, shape_of(moved) + (1,)), paddings=widths)
+        spread = OP["reshape"](spread, shape_of(moved)[:-1] + (length * s,))
+        spread = OP["getitem"](spread, (Ellipsis, slice(0, (length - 1) * s + 1)))
+        x = OP["moveaxis"](spread, -1, axis)
+    reach = [(k - 1) * d for k, d in zip(kernel, dilations)]
+    widths = [(r - lo, r - hi + e) for r, (lo, hi), e in zip(reach, pads, extra)]
+    crop = [
+        slice(max(-lo, 0), shape_of(x)[i + 2] - max(-hi, 0)) for i, (lo, hi) in enumerate(widths)
+    ]
+    if any(sl.start or sl.stop != shape_of(x)[i + 2] for i, sl in enumerate(crop)):
+        x = OP["getitem"](x, (slice(None), slice(None), *crop))
+    widths = [(max(lo, 0), max(hi, 0)) for lo, hi in widths]
+    # w [C_in, C_out/g, *k] -> [C_out, C_in/g, *k], flipped in space.
+    c_in, c_out_g = shape_of(w)[:2]
+    w = OP["reshape"](w, (groups, c_in // groups, c_out_g, *kernel))
+    w = OP["reshape"](OP["swapaxes"](w, 1, 2), (groups * c_out_g, c_in // groups, *kernel))
+    w = OP["getitem"](w, (slice(None), slice(None), *[slice(None, None, -1)] * nd))
+    return [OP["conv"](x, w, b, pads=tuple(widths), dilations=dilations, groups=groups)]
+
+
+def _transpose_pads(size, kernel, strides, dilations, extra, attrs) -> list[tuple[int, int]]:
+    """(begin, end) pads of a ConvTranspose (Operators.md): given, or from output_shape
+    or auto_pad SAME_* (the total split in half, the odd cell at the end for SAME_UPPER
+    and at the beginning otherwise)."""
+    nd = len(kernel)
+    auto = attrs.get("auto_pad", "NOTSET")
+    target = attrs.get("output_shape")
+    if target is None and auto not in ("SAME_UPPER", "SAME_LOWER"):
+        flat = list(attrs.get("pads", [0] * 2 * nd))
+        return [(flat[i], flat[i + nd]) for i in range(nd)]
+    if target is None:
+        target = [n * s for n, s in zip(size, strides)]
+    target = list(target)[-nd:]
+    out = []
+    for n, k, s, d, e, t in zip(size, kernel, strides, dilations, extra, target):
+        total = s * (n - 1) + e + (k - 1) * d + 1 - t
+        if total < 0:
+            raise OpError(f"output_shape {list(target)} is larger than the full output")
+        half = total // 2
+        out.append((total - half, half) if auto != "SAME_UPPER" else (half, total - half))
+    return out
+
+
 @handler("MaxPool")
 def _max_pool(ins, attrs, opset):
     x = ins[0]
@@ -346,6 +515,136 @@ def _global_average_pool(ins, attrs, opset):
 def _global_max_pool(ins, attrs, opset):
     x = ins[0]
     return [OP["max"](x, axis=tuple(range(2, len(x.shape))), keepdims=True)]
+
+
+# ----------------------------------------------------------------------------------------
+# Resize and Upsample: per resized axis a constant map from input to output cells (an
+# index for nearest, a two-nonzero interpolation matrix for linear), so the result is a
+# take or a matmul and every derivative is theirs.
+# ----------------------------------------------------------------------------------------
+
+RESIZE_MODES = ("nearest", "linear")
+RESIZE_COORDINATES = (
+    "half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_half_pixel_for_nn",
+    "half_pixel_symmetric",
+)  # fmt: skip
+NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+
+
+def _source_coordinates(size: int, out: int, scale: float, mode: str) -> np.ndarray:
+    """x_original for each output cell (Operators.md, Resize: coordinate_transformation_mode)."""
+    x = np.arange(out, dtype=np.float64)
+    if mode == "half_pixel":
+        return (x + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (x + 0.5) / scale - 0.5 if out > 1 else np.zeros(out)
+    if mode == "align_corners":
+        return x * (size - 1) / (out - 1) if out > 1 else np.zeros(out)
+    if mode == "asymmetric":
+        return x / scale
+    if mode == "tf_half_pixel_for_nn":
+        return (x + 0.5) / scale
+    if mode == "half_pixel_symmetric":
+        offset = size / 2 * (1 - out / (scale * size))
+        return offset + (x + 0.5) / scale - 0.5
+    raise OpError(f"coordinate_transformation_mode {mode!r} is not supported")
+
+
+def _nearest_index(x: np.ndarray, size: int, mode: str) -> np.ndarray:
+    frac = x - np.floor(x)
+    if mode == "round_prefer_floor":
+        index = np.where(frac == 0.5, np.floor(x), np.round(x))
+    elif mode == "round_prefer_ceil":
+        index = np.where(frac == 0.5, np.ceil(x), np.round(x))
+    elif mode == "floor":
+        index = np.floor(x)
+    else:
+        index = np.ceil(x)
+    return np.clip(index, 0, size - 1).astype(np.int64)
+
+
+def _linear_matrix(x: np.ndarray, size: int) -> np.ndarray:
+    """[out, size]: each row mixes the two cells around x (clamped to the edge cells, as
+    the spec's edge padding does)."""
+    x = np.clip(x, 0, size - 1)
+    low = np.floor(x).astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    weight = x - low
+    matrix = np.zeros((len(x), size))
+    rows = np.arange(len(x))
+    np.add.at(matrix, (rows, low), 1 - weight)
+    np.add.at(matrix, (rows, high), weight)
+    return matrix
+
+
+def _resize(
+    x: Any, scales: list[float], sizes: list[int], attrs: dict[str, Any], coords: str
+) -> Any:
+    mode = attrs.get("mode", "nearest")
+    nearest = attrs.get("nearest_mode", "round_prefer_floor")
+    for axis, (size, out, scale) in enumerate(zip(shape_of(x), sizes, scales)):
+        if out == size and scale == 1.0:
+            continue
+        source = _source_coordinates(size, out, scale, coords)
+        if mode == "nearest":
+            x = OP["take"](x, _nearest_index(source, size, nearest), axis=axis)
+        else:
+            matrix = np.ascontiguousarray(_linear_matrix(source, size).T, dtype=x.dtype)
+            moved = OP["moveaxis"](x, axis, -1)
+            x = OP["moveaxis"](OP["matmul"](moved, matrix), -1, axis)
+    return x
+
+
+@handler("Resize", static=(1, 2, 3))
+def _resize_handler(ins, attrs, opset):
+    x = ins[0]
+    shape = shape_of(x)
+    rank = len(shape)
+    if opset < 11:  # Resize-10: (X, scales), asymmetric like Upsample
+        scales_in, sizes_in, coords = ins[1], None, "asymmetric"
+        attrs = {**attrs, "nearest_mode": "floor"}
+    else:
+        scales_in = ins[2] if len(ins) > 2 else None
+        sizes_in = ins[3] if len(ins) > 3 else None
+        coords = attrs.get("coordinate_transformation_mode", "half_pixel")
+    axes = [a % rank for a in attrs.get("axes", range(rank))]
+    scales, sizes = [1.0] * rank, list(shape)
+    if sizes_in is not None and np.size(sizes_in):
+        for a, n in zip(axes, ints(sizes_in)):
+            sizes[a], scales[a] = n, n / shape[a]
+    elif scales_in is not None and np.size(scales_in):
+        for a, f in zip(axes, np.asarray(scales_in, dtype=np.float64).reshape(-1)):
+            scales[a], sizes[a] = float(f), int(np.floor(shape[a] * float(f)))
+    else:
+        raise OpError("neither scales nor sizes is given")
+    return [_resize(x, scales, sizes, attrs, coords)]
+
+
+@handler("Upsample", static=(1,))
+def _upsample(ins, attrs, opset):
+    # Deprecated since opset 10: Resize-10 with asymmetric coordinates (nearest: floor);
+    # scales an attribute before opset 9, an input after.
+    x = ins[0]
+    factors = attrs["scales"] if opset < 9 else np.asarray(ins[1], dtype=np.float64).reshape(-1)
+    scales = [float(f) for f in factors]
+    sizes = [int(np.floor(n * f)) for n, f in zip(shape_of(x), scales)]
+    return [_resize(x, scales, sizes, {**attrs, "nearest_mode": "floor"}, "asymmetric")]
+
+
+def _resize_refusal(attrs: dict[str, Any]) -> str | None:
+    mode = attrs.get("mode", "nearest")
+    if mode not in RESIZE_MODES:
+        return f"mode {mode!r} is not supported (only 'nearest' and 'linear')"
+    coords = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if coords not in RESIZE_COORDINATES:
+        return f"coordinate_transformation_mode {coords!r} is not supported"
+    if attrs.get("nearest_mode", "round_prefer_floor") not in NEAREST_MODES:
+        return f"nearest_mode {attrs['nearest_mode']!r} is not a valid value"
+    if attrs.get("antialias", 0):
+        return "antialias=1 is not supported"
+    if attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return f"keep_aspect_ratio_policy {attrs['keep_aspect_ratio_policy']!r} is not supported"
+    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -522,6 +821,31 @@ def _gather(ins, attrs, opset):
     return [OP["take"](x, indices, axis=axis)]
 
 
+@handler("GatherND", static=(1,))
+def _gather_nd(ins, attrs, opset):
+    # Constant indices (AdaptiveAvgPool's windows, the dynamo exporter's linear resize):
+    # the batch axes become explicit leading coordinates, negative indices count from the
+    # end, and the engine's gather_nd (a getitem, differentiable in the data) does the rest.
+    x, indices = ins[0], np.asarray(ins[1], dtype=np.int64)
+    batch = int(attrs.get("batch_dims", 0))
+    shape = shape_of(x)
+    depth = indices.shape[-1]
+    dims = np.array(shape[batch : batch + depth], dtype=np.int64)
+    if np.any(indices >= dims) or np.any(indices < -dims):
+        raise OpError(f"an index is out of bounds for the data's shape {list(shape)}")
+    indices = np.where(indices < 0, indices + dims, indices)
+    if batch:
+        grid = np.indices(indices.shape[:batch])  # [batch, *batch shape]
+        lead = np.broadcast_to(
+            np.moveaxis(grid, 0, -1).reshape(
+                indices.shape[:batch] + (1,) * (indices.ndim - batch - 1) + (batch,)
+            ),
+            indices.shape[:-1] + (batch,),
+        )
+        indices = np.concatenate([lead, indices], axis=-1)
+    return [OP["gather_nd"](x, indices)]
+
+
 @handler("Expand", static=(1,))
 def _expand(ins, attrs, opset):
     x = ins[0]
@@ -606,6 +930,8 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
         "SAME_LOWER",
     ):
         return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
+    if op_type in ("Resize", "Upsample"):
+        return _resize_refusal(attrs)
     if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
         return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
     return None

@@ -104,7 +104,7 @@ im2col_p = primitive("im2col", _im2col_impl)
 col2im_p = primitive("col2im", _col2im_impl)
 
 
-def _im2col(x: Tensor, kernel: tuple, strides: tuple, pads: Pads, dilations: tuple, value: float):
+def _im2col(x: Tensor, kernel: tuple, strides: Any, pads: Pads, dilations: Any, value: float):
     return bind(
         im2col_p, x, kernel=kernel, strides=strides, pads=pads, dilations=dilations, value=value
     )
@@ -286,14 +286,14 @@ def pool_shape(
             raise RuleError(f"pads {given} must be smaller than the window {kernel}")
     pads = given
     if ceil_mode:  # extra end padding, counted nowhere, so the last partial window is kept
-        grown, out = [], list(out)
+        grown, ceil_out = [], list(out)
         for i, (n, k, s, (lo, hi), d) in enumerate(zip(spatial, kernel, strides, given, dilations)):
             o_ceil = -(-(n + lo + hi - d * (k - 1) - 1) // s) + 1
             if (o_ceil - 1) * s >= n + lo:  # no window starts in the end padding (PyTorch)
                 o_ceil -= 1
-            grown.append((lo, hi + (o_ceil - out[i]) * s))
-            out[i] = o_ceil
-        pads, out = tuple(grown), tuple(out)
+            grown.append((lo, hi + (o_ceil - ceil_out[i]) * s))
+            ceil_out[i] = o_ceil
+        pads, out = tuple(grown), tuple(ceil_out)
     return PoolWindow(
         tuple(x[: len(x) - nd]) + out, kernel, strides, given, pads, dilations, spatial
     )
@@ -536,7 +536,7 @@ def pool2d_window(kernel_size: Any, stride: Any) -> tuple[tuple[int, int], Any]:
         kernel = ()
     if len(kernel) != 2:
         raise RuleError(f"kernel_size must be an int or 2 ints, got {kernel_size!r}")
-    return kernel, kernel if stride is None else stride  # type: ignore[return-value]
+    return kernel, kernel if stride is None else stride
 
 
 POOL_TORCH = {"kernel_size": "window", "stride": "window?", "padding": "pads", "ceil_mode": "bool"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from builtins import abs as builtin_abs
 from typing import Any
 
+from engine import trace
 from engine.backend import array_module, host
 from engine.backend import erf as erf_impl
 from engine.backend import numpy as numpy_module
@@ -233,7 +234,10 @@ defjvp(integer_pow_p, lambda t, ans, x, *, n: multiply(t[0], _integer_pow_slope(
 
 def stop(x: Tensor) -> Tensor:
     """x's value with no link to any tape (stop_gradient)."""
-    return Tensor(x.value)
+    out = Tensor(x.value)
+    if trace.capture is not None:  # the same array under a new identity: a replay reads x's
+        trace.capture.alias(out, x)
+    return out
 
 
 # ---- maximum / minimum ----
@@ -604,7 +608,7 @@ defjvp(abs_p, lambda t, ans, x: multiply(t[0], sign(x)))
 
 
 @public("math", shape_rule=unary("numeric"))
-def abs(x: Any) -> Tensor:  # noqa: A001 - the NumPy name
+def abs(x: Any) -> Tensor:
     """|x|; the derivative at 0 is 0."""
     return bind(abs_p, as_tensor(x))
 
@@ -704,7 +708,7 @@ def _xdivy_slopes(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return bind(xdivy_p, _not_zero(x), y), bind(xdivy_p, negative(x), multiply(y, y))
 
 
-def _no_nan_slopes(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+def _no_nan_slopes(x: Tensor, y: Tensor) -> tuple[Tensor | None, Tensor]:
     return None, divide_no_nan(divide_no_nan(negative(x), y), y)
 
 

@@ -232,6 +232,7 @@ def einsum_jvp(t: list, ans: Tensor, *operands: Tensor, spec: str) -> Tensor:
         args = [tangent if j == i else op for j, op in enumerate(operands)]
         term = bind(einsum_p, *args, spec=",".join(subs) + "->" + batch + output)
         total = term if total is None else add(total, term)
+    assert total is not None  # the JVP is called with at least one tangent
     return total
 
 
@@ -265,7 +266,7 @@ def einsum_spec(spec: str, shapes: list[tuple[int, ...]]) -> tuple[str, dict[str
             if n < 0:
                 raise RuleError(f"subscripts {s!r} do not match an operand of shape {shape}")
             s = s.replace("...", ell[ell_rank - n :] if n else "", 1)
-        if s and not s.isalpha() or not s.isascii():
+        if (s and not s.isalpha()) or not s.isascii():
             raise RuleError(f"invalid subscripts {s!r}", "op")
         if len(s) != len(shape):
             raise RuleError(f"subscripts {s!r} do not match an operand of shape {shape}")
@@ -282,7 +283,7 @@ def einsum_spec(spec: str, shapes: list[tuple[int, ...]]) -> tuple[str, dict[str
         )
     else:
         output = output.replace("...", ell, 1)
-    if output and not (output.isalpha() and output.isascii()) or len(set(output)) != len(output):
+    if (output and not (output.isalpha() and output.isascii())) or len(set(output)) != len(output):
         raise RuleError(f"invalid output subscripts {output!r}", "op")
     sizes: dict[str, int] = {}
     for s, shape in zip(resolved, shapes, strict=True):
@@ -362,6 +363,7 @@ def solve_jvp(t: list, ans: Tensor, a: Tensor, b: Tensor) -> Tensor:
     if t[0] is not None:
         da_x = matmul(t[0], ans)
         rhs = negative(da_x) if rhs is None else add(rhs, negative(da_x))
+    assert rhs is not None  # the JVP is called with at least one tangent
     return _solve_batched(a, rhs, b.ndim)
 
 

@@ -57,4 +57,4 @@ for _name, _fn in _OPERATORS.items():
     setattr(Tensor, _name, _fn)
 
 # Tensors compare by identity (they are dict keys on tapes); use gt.equal for values.
-Tensor.__hash__ = object.__hash__  # type: ignore[assignment]
+Tensor.__hash__ = object.__hash__  # type: ignore[method-assign]

@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from engine import backend
 from engine.backend import host
 from engine.ops._util import batch_ndim, normalize_axes
 from engine.ops.elementwise import (
@@ -20,11 +19,13 @@ from engine.ops.elementwise import (
     divide,
     equal,
     exp,
+    isfinite,
     log,
     logical_not,
     multiply,
     not_equal,
     sqrt,
+    stop,
     subtract,
     where,
 )
@@ -113,7 +114,7 @@ defjvp(sum_p, lambda t, ans, x, *, axes, keepdims: bind(sum_p, t[0], axes=axes, 
 @public(
     "reduction", shape_rule=reduction("numeric", result=_sum_dtype, identity=True), kinds=REDUCE
 )
-def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """Sum over `axis` (all axes when None)."""
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "sum")
@@ -153,7 +154,7 @@ def _check_nonempty(x: Tensor, axes: tuple, opname: str) -> None:
 
 
 @public("reduction", shape_rule=reduction("numeric", empty_ok=False), kinds=REDUCE)
-def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """Largest element over `axis`; ties share the gradient."""
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "max")
@@ -162,7 +163,7 @@ def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A
 
 
 @public("reduction", shape_rule=reduction("numeric", empty_ok=False), kinds=REDUCE)
-def min(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def min(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """Smallest element over `axis`; ties share the gradient."""
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "min")
@@ -238,7 +239,7 @@ def _cumsum_impl(xp: Any, x: Any, *, axis: int, exclusive: bool, reverse: bool) 
     out = xp.cumsum(x, axis=axis, dtype=x.dtype)  # NumPy would widen int32
     if exclusive:
         out = xp.roll(out, 1, axis=axis)
-        first = [slice(None)] * out.ndim
+        first: list[Any] = [slice(None)] * out.ndim
         first[axis] = 0
         out[tuple(first)] = 0
     return xp.flip(out, axis) if reverse else out
@@ -320,14 +321,14 @@ def argmin(x: Any, axis: int | None = None) -> Tensor:
 
 
 @public("reduction", shape_rule=reduction("any", result=lambda d: BOOL), kinds=REDUCE)
-def any(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def any(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """True where any element over `axis` is true."""
     x = as_tensor(x)
     return bind(any_p, x, axes=normalize_axes(axis, x.ndim, "any"), keepdims=bool(keepdims))
 
 
 @public("reduction", shape_rule=reduction("any", result=lambda d: BOOL), kinds=REDUCE)
-def all(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def all(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """True where every element over `axis` is true."""
     x = as_tensor(x)
     return bind(all_p, x, axes=normalize_axes(axis, x.ndim, "all"), keepdims=bool(keepdims))
@@ -386,11 +387,11 @@ def logsumexp(x: Any, axis: Axis = None, keepdims: bool = False) -> Tensor:
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim, "logsumexp")
     _check_nonempty(x, axes, "logsumexp")
-    # The shift is a constant: its derivative cancels exactly, so it is computed on the
-    # raw array, outside every tape and accumulator.
-    xp = backend.array_module(x.value)
-    shift = xp.max(x.value, axis=axes, keepdims=True)
-    shift = Tensor(xp.where(xp.isfinite(shift), shift, 0).astype(x.dtype, copy=False))
+    # The shift is a constant: its derivative cancels exactly, so it is computed from
+    # stop(x), outside every tape and accumulator; with ops, so a captured pass
+    # (engine/replay.py) replays it from the new x instead of freezing it.
+    shift = bind(max_p, stop(x), axes=axes, keepdims=True)
+    shift = where(isfinite(shift), shift, 0)
     out = add(log(sum(exp(subtract(x, shift)), axes, keepdims=True)), shift)
     return (
         out
@@ -413,7 +414,7 @@ def norm_rule(b: dict[str, Any]) -> TensorType:
 
 
 @public("reduction", shape_rule=norm_rule, kinds={**REDUCE, "ord": "ord"})
-def norm(x: Any, ord: Any = None, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A002
+def norm(x: Any, ord: Any = None, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """Vector norm over `axis`: ord None or 2 (Euclidean), 1, or inf.
 
     The Euclidean norm has no derivative at 0 (it gives NaN there, as in TensorFlow).

@@ -721,7 +721,7 @@ def pad(
         if not lo and not hi:
             continue
         n = x.shape[axis]
-        source = host.pad(host.arange(n), (lo, hi), mode=_PAD_MODES[mode])
+        source = host.pad(host.arange(n), (lo, hi), mode=_PAD_MODES[mode])  # type: ignore[call-overload]
         index = (Ellipsis,) + (slice(None),) * axis + (xp.asarray(source),)
         index += (slice(None),) * (x.ndim - axis - 1)
         out = bind(getitem_p, out, index=index)

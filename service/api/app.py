@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from service.api import docs, errors, openapi
+from service.api import docs, errors, openapi, ui
 from service.api.auth import KeyRing
 from service.api.deps import Services
 from service.api.fairness import Fairness
@@ -152,6 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     docs.install(app)
+    ui.install(app)  # the page at /ui
     openapi.install(app)
     include_routers(app)
     app.add_middleware(DisconnectMiddleware)  # innermost: the routes see its watch

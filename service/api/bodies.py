@@ -449,6 +449,8 @@ class GatedRoute(BoundedRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = APIRoute.get_route_handler(self)
         reads_body = self.body_field is not None
+        # A compute route that may start a job (routes/_compute.register marks it).
+        may_run_jobs = bool(getattr(self.endpoint, "may_run_jobs", False))
 
         async def gated(request: Request) -> Response:
             # The same dependency the route declares (it answers from the request's
@@ -457,9 +459,39 @@ class GatedRoute(BoundedRoute):
                 request, await bearer_scheme(request), await api_key_scheme(request)
             )
             fairness: Fairness = request.app.state.fairness
-            async with fairness.admit(owner):
-                if reads_body:
+            async with fairness.admit(owner) as admission:
+                if may_run_jobs and reads_body:
+                    # Read while in the key's line (bounded by max_waiting_per_key): a
+                    # request that starts a job answers 202 without waiting for a slot.
                     await read_bounded(request)
+                    if asks_async(request):
+                        admission.without_slot()
+                    else:
+                        await admission.take_slot()
+                else:
+                    await admission.take_slot()
+                    if reads_body:
+                        await read_bounded(request)
                 return await handler(request)
 
         return gated
+
+
+def prefers_async(request: Request) -> bool:
+    """`Prefer: respond-async` (RFC 7240) among the request's preferences."""
+    return any(
+        part.split(";", 1)[0].strip().lower() == "respond-async"
+        for value in request.headers.getlist("prefer")
+        for part in value.split(",")
+    )
+
+
+def asks_async(request: Request) -> bool:
+    """The request asks to run as a job: the Prefer header, or `"async": true` in its
+    body (read already)."""
+    if prefers_async(request):
+        return True
+    body = getattr(request, "_json", None)
+    if body is None and isinstance(getattr(request, "_body", None), UnpackedBody):
+        body = request._body.value
+    return isinstance(body, dict) and body.get("async") is True

@@ -105,7 +105,9 @@ def _validation_problem(request: Request, exc: RequestValidationError) -> Respon
     ]
     first = items[0] if items else {"field": "body", "message": "invalid request"}
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    extra = {"omitted": len(errors) - len(shown)} if len(errors) > len(shown) else {}
+    extra: dict[str, Any] = (
+        {"omitted": len(errors) - len(shown)} if len(errors) > len(shown) else {}
+    )
     return problem_response(
         request.scope,
         "validation",

@@ -41,6 +41,43 @@ class _KeyState:
     users: int = 0  # requests holding this state (to forget idle keys)
 
 
+class Admission:
+    """A request past its key's rate, in its key's line: `take_slot` waits for one of the
+    key's slots (held until the request is answered); `leave` ends the stay in line."""
+
+    def __init__(self, state: _KeyState | None):
+        self._state = state
+        self._waiting = state is not None
+        self._holding = False
+
+    async def take_slot(self) -> None:
+        state = self._state
+        if state is None or self._holding:
+            return
+        try:
+            await state.slots.acquire()
+            self._holding = True
+        finally:
+            self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        if self._waiting:
+            assert self._state is not None
+            self._state.waiting -= 1
+            self._waiting = False
+
+    def without_slot(self) -> None:
+        """This request needs no slot (it starts a job): out of the line now."""
+        self._stop_waiting()
+
+    def leave(self) -> None:
+        self._stop_waiting()
+        if self._holding:
+            assert self._state is not None
+            self._state.slots.release()
+            self._holding = False
+
+
 class Fairness:
     def __init__(self, settings: Settings, workers: int, store: Store | None = None):
         self.enabled = settings.api_keys_enabled
@@ -76,11 +113,14 @@ class Fairness:
             )
 
     @asynccontextmanager
-    async def admit(self, owner: str) -> AsyncIterator[None]:
-        """Pass the key's rate and slots (off on a server without keys): 429 over the
-        rate or past a full waiting line, else wait in the key's line for a slot."""
+    async def admit(self, owner: str) -> AsyncIterator[Admission]:
+        """Pass the key's rate and line (off on a server without keys): 429 over the
+        rate or past a full waiting line. The request then waits in its key's line until
+        it takes a slot (Admission.take_slot), or leaves the line without one: a request
+        started as a job is bookkeeping, answered 202 at once (its job takes a slot when
+        it computes, Fairness.slot)."""
         if not self.enabled:
-            yield
+            yield Admission(None)
             return
         now = time.monotonic()
         state = self._state(owner, now)
@@ -109,16 +149,11 @@ class Fairness:
             state.tokens -= 1.0
         state.users += 1
         state.waiting += 1
+        admission = Admission(state)
         try:
-            try:
-                await state.slots.acquire()
-            finally:
-                state.waiting -= 1
-            try:
-                yield
-            finally:
-                state.slots.release()
+            yield admission
         finally:
+            admission.leave()
             state.users -= 1
             if self.rate > 0:
                 self._refill(state, time.monotonic())

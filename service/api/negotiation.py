@@ -39,12 +39,12 @@ class Negotiated:
     answer: Format
 
 
-def _media_type(value: str) -> str:
+def bare_media_type(value: str) -> str:
     return value.split(";", 1)[0].strip().lower()
 
 
 def body_format(content_type: str | None) -> Format:
-    media = _media_type(content_type or "")
+    media = bare_media_type(content_type or "")
     if media == JSON or (media.startswith("application/") and media.endswith("+json")):
         return Format.JSON
     if media in MSGPACK_ALIASES:

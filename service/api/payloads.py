@@ -47,7 +47,7 @@ from service.core.wire import Encoding, TensorError, from_bytes
 from service.domain.requests import Binding, Prepared
 
 
-class _Decoder:
+class TensorDecoder:
     """Decodes the tensors of one request, collecting every problem before failing."""
 
     def __init__(self, allow_nonfinite: bool, max_onnx_bytes: int = 0):
@@ -179,7 +179,7 @@ class _Decoder:
 
 
 def _at_new_point(
-    stored: dict[str, Any], values: dict[str, Any], decoder: _Decoder
+    stored: dict[str, Any], values: dict[str, Any], decoder: TensorDecoder
 ) -> dict[str, Any]:
     """The stored model's definition with new values for some of its variables (each of
     its stored shape and dtype; a bare number or list takes the stored dtype)."""
@@ -233,14 +233,14 @@ def _time_limit(requested: float | None, settings: Settings) -> float:
 
 def _decoder(
     body: CallOptions | DefinitionRequest | ModelCreateRequest, settings: Settings
-) -> _Decoder:
+) -> TensorDecoder:
     allow = settings.allow_nonfinite if body.allow_nonfinite is None else body.allow_nonfinite
-    return _Decoder(allow, settings.max_onnx_bytes)
+    return TensorDecoder(allow, settings.max_onnx_bytes)
 
 
 def _common(
     body: DefinitionRequest, settings: Settings, stored: dict[str, Any] | None = None
-) -> tuple[_Decoder, dict[str, Any], float]:
+) -> tuple[TensorDecoder, dict[str, Any], float]:
     """The payload of a definition request; `stored` is the definition of the stored
     model the request names (body.model), in the worker form already."""
     limit = _time_limit(body.time_limit, settings)
@@ -266,7 +266,10 @@ def _common(
 
 
 def _prepared(
-    body: CallOptions | DefinitionRequest, decoder: _Decoder, payload: dict[str, Any], limit: float
+    body: CallOptions | DefinitionRequest,
+    decoder: TensorDecoder,
+    payload: dict[str, Any],
+    limit: float,
 ) -> Prepared:
     decoder.check()
     # The worker refuses a non-finite answer unless non-finite values are allowed.
@@ -312,7 +315,7 @@ def hvp(body: HVPRequest, settings: Settings, stored: dict[str, Any] | None = No
 
 def _vectors(
     body: HVPRequest | TapeHVPRequest,
-    decoder: _Decoder,
+    decoder: TensorDecoder,
     payload: dict[str, Any],
     settings: Settings,
 ) -> None:

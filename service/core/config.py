@@ -36,6 +36,10 @@ def cuda_device_count() -> int:
         return 0
 
 
+def _absolute_store(path: str) -> str:
+    return path if path == ":memory:" else os.path.abspath(path)
+
+
 def default_data_dir() -> Path:
     """$XDG_DATA_HOME/gradtape, else ~/.local/share/gradtape."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(
@@ -187,6 +191,27 @@ class Settings(BaseSettings):
         "memory model estimates them from the inferred shapes: batched passes (HVP vectors, "
         "jacobian rows, Hessian rows, trace probes) are split to fit, and what cannot fit "
         "one at a time is a 422; 0: half the tape_memory_budget",
+    )
+    cost_flops_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        description="the compute-cost guard: a request whose estimated run (contraction "
+        "FLOPs, transcendental elements and bytes moved by its passes, over these three "
+        "throughputs of a worker) exceeds its time_limit is refused (422) before it runs. "
+        "Matmul FLOP/s of one worker (default: this project's CPU measurement, 4e10, on a "
+        "CPU worker; none on a GPU one, where the guard is then off); 0 turns the guard off",
+    )
+    cost_transcendentals_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        description="the compute-cost guard: elements of sin, exp, tanh, ... per second "
+        "(default 2.5e8 on a CPU worker); 0 turns the guard off",
+    )
+    cost_bytes_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        description="the compute-cost guard: bytes elementwise ops read and write per second "
+        "(default 1.2e10 on a CPU worker); 0 turns the guard off",
     )
     definition_limits: dict[str, int] = Field(
         default_factory=dict,
@@ -363,9 +388,18 @@ class Settings(BaseSettings):
             "memory_budget": self.resolved_request_memory_budget(),
             "lanczos_max_basis_bytes": self.lanczos_max_basis_bytes,
             "tune_allocator": self.worker_tune_allocator,
+            "empty_working_directory": True,  # nothing a relative path could reach
+            # the compute-cost guard (None: the device's default); the job form's limit
+            "cost_throughput": [
+                self.cost_flops_per_second,
+                self.cost_transcendentals_per_second,
+                self.cost_bytes_per_second,
+            ],
+            "max_time_limit": self.max_time_limit,
             "definition_limits": dict(self.definition_limits),
-            # a worker reads the arrays of datasets from the store's file (read-only)
-            "store_path": self.resolved_store_path(),
+            # a worker reads the arrays of datasets from the store's file (read-only);
+            # absolute, as the worker works in an empty directory of its own
+            "store_path": _absolute_store(self.resolved_store_path()),
             "dataset_memory_budget": self.worker_dataset_memory,
         }
 

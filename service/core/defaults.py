@@ -15,4 +15,11 @@ WORKER_DATASET_MEMORY = 1 << 30  # bytes of hot dataset arrays per worker
 # max_seconds below it is refused (422), and after a tape rebuild the algorithm still
 # gets this long (a rebuild that ate the budget would otherwise leave it none).
 ALGORITHM_MIN_SECONDS = 0.05
+# The compute-cost guard's throughputs of a CPU worker (engine/language/cost.py), measured
+# by bench/bench_cost.py on this project's 2-core VM (bench/RESULTS.md): contraction
+# FLOP/s, transcendental elements/s, elementwise bytes/s. A CUDA worker has no default
+# (the guard is off there unless the settings give its throughputs).
+COST_FLOPS_PER_SECOND = 40e9
+COST_TRANSCENDENTALS_PER_SECOND = 0.25e9
+COST_BYTES_PER_SECOND = 12e9
 WORKER_TUNE_ALLOCATOR = True  # engine.tune_allocator in the workers the pool starts

@@ -310,10 +310,9 @@ class JobRegistry:
                 )
                 if _alive(pid) and time.time() - seen < silent:
                     return row
-            found = (pid, started)
-        pid = f" (pid {found[0]})" if found is not None else ""
+        where = f" (pid {found[0]})" if found is not None else ""
         detail = (
-            f"the HTTP process{pid} that ran job {row.id} exited before the job "
+            f"the HTTP process{where} that ran job {row.id} exited before the job "
             "ended (killed, or crashed); its work is lost: start the request again"
         )
         error = (
@@ -322,7 +321,7 @@ class JobRegistry:
             else {"status": 502, "detail": detail}
         )
         await asyncio.to_thread(self.store.fail_orphan_job, row.id, time.time(), error)
-        log.info("job %s... failed: its HTTP process%s is gone", row.id[:8], pid)
+        log.info("job %s... failed: its HTTP process%s is gone", row.id[:8], where)
         fresh = await asyncio.to_thread(self.store.get_job, row.id)
         return fresh if fresh is not None else row
 

@@ -113,7 +113,7 @@ class _Kept:
 
 
 @dataclass(eq=False)
-class _Job:
+class QueuedJob:
     id: int
     outgoing: ipc.Outgoing  # the request message, packed once at submit time
     worker: int | None
@@ -121,7 +121,7 @@ class _Job:
     future: asyncio.Future[Reply]
     started: asyncio.Event = field(default_factory=asyncio.Event)
     watch: calls.Watch | None = None
-    running_on: _Worker | None = None  # the worker computing it, once dispatched
+    running_on: WorkerHandle | None = None  # the worker computing it, once dispatched
     keep: str | None = None  # its answer is kept under this key (Pool.submit)
     gathered: list[Any] = field(default_factory=list)  # kept answers it carries (Ray: refs)
 
@@ -131,7 +131,7 @@ class _Job:
         self.started.set()
 
 
-class _Worker:
+class WorkerHandle:
     """The HTTP side's handle on one worker process (replaced processes reuse it)."""
 
     def __init__(self, index: int, device: str):
@@ -146,7 +146,7 @@ class _Worker:
         self.writer: asyncio.StreamWriter | None = None
         self.reader_task: asyncio.Task[None] | None = None
         self.request_id = 0
-        self.job: _Job | None = None  # the request it computes now
+        self.job: QueuedJob | None = None  # the request it computes now
         self.reply: asyncio.Future[dict[str, Any]] | None = None
         # The id of a request to stop; the worker compares it with the one it runs, so a
         # late cancel can never stop the next request. Shared memory: the worker reads it
@@ -168,8 +168,8 @@ class WorkerPool:
         self.settings = settings
         self.observer = observer or PoolObserver()
         self._ctx = multiprocessing.get_context("spawn")
-        self._workers = [_Worker(i, d) for i, d in enumerate(settings.worker_devices())]
-        self._queue: deque[_Job] = deque()
+        self._workers = [WorkerHandle(i, d) for i, d in enumerate(settings.worker_devices())]
+        self._queue: deque[QueuedJob] = deque()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._running = False
@@ -268,7 +268,13 @@ class WorkerPool:
         shared = payload.get(SHARED) if isinstance(payload, dict) else None
         if keep is not None or shared is not None:  # the pool's words, not the worker's
             payload = {k: v for k, v in payload.items() if k not in (KEEP, SHARED)}
-        message: dict[str, Any] = {"id": request_id, "kind": kind, "payload": payload}
+        # The time limit travels too: the worker refuses what cannot finish within it.
+        message: dict[str, Any] = {
+            "id": request_id,
+            "kind": kind,
+            "payload": payload,
+            "time_limit": limit,
+        }
         if watch is not None and watch.progress is not None:
             message["progress"] = True
         gathered = self._gather(message, gather)
@@ -277,7 +283,7 @@ class WorkerPool:
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
         outgoing = ipc.prepare(message, self._channel)
         self.observer.arrays_moved("to_workers", array_bytes(message))
-        job = _Job(
+        job = QueuedJob(
             request_id,
             outgoing,
             worker,
@@ -301,7 +307,7 @@ class WorkerPool:
             self._cancel(job, "the request was abandoned", abandoned=True)
             raise
 
-    async def _wait(self, job: _Job) -> Reply:
+    async def _wait(self, job: QueuedJob) -> Reply:
         """The job's reply; PoolBusy when it waits in the queue past queue_timeout;
         Cancelled (and the job cancelled) as soon as its caller's watch says gone."""
         loop = asyncio.get_running_loop()
@@ -321,9 +327,8 @@ class WorkerPool:
                             f"no worker became free within {self.settings.queue_timeout:g} s"
                         )
                     timeout = left if poll is None else min(left, poll)
-                    await asyncio.wait(
-                        [job.future, started], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    waited: list[asyncio.Future[Any]] = [job.future, started]
+                    await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 else:
                     await asyncio.wait([job.future], timeout=timeout)
                 if job.future.done():
@@ -367,7 +372,7 @@ class WorkerPool:
             del self._kept[old]  # its caller went away without releasing it
         self._kept[key] = _Kept(value, nbytes, now)
 
-    def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
+    def _kept_answer(self, job: QueuedJob, message: dict[str, Any]) -> Any:
         """A kept request's reply: its answer kept here, its handle returned."""
         assert job.keep is not None
         result = message.get("result")
@@ -398,7 +403,7 @@ class WorkerPool:
         for key in keys:
             self._kept.pop(key, None)
 
-    def _cancel(self, job: _Job, reason: str, abandoned: bool = False) -> None:
+    def _cancel(self, job: QueuedJob, reason: str, abandoned: bool = False) -> None:
         """Stop the job: out of the queue, or at its worker's next op (killed when it
         does not stop within cancel_grace); its caller gets Cancelled (an abandoned
         caller, whose task was cancelled, reads no answer: its future is cancelled)."""
@@ -419,11 +424,11 @@ class WorkerPool:
         else:
             job.fail(Cancelled(reason))
 
-    def _signal_cancel(self, w: _Worker, job: _Job) -> None:
+    def _signal_cancel(self, w: WorkerHandle, job: QueuedJob) -> None:
         """Tell worker `w` to stop `job` at its next op: its shared cancel flag."""
         w.cancel.value = job.id
 
-    async def _enforce_cancel(self, w: _Worker, job: _Job, generation: int) -> None:
+    async def _enforce_cancel(self, w: WorkerHandle, job: QueuedJob, generation: int) -> None:
         await asyncio.sleep(self.settings.cancel_grace)
         if w.job is job and w.generation == generation:
             log.warning(
@@ -437,7 +442,7 @@ class WorkerPool:
         """Ping every idle worker (a busy one is answering its request, within its time
         limit); a worker that does not answer in `timeout` is marked down and replaced."""
 
-        async def ping(w: _Worker) -> None:
+        async def ping(w: WorkerHandle) -> None:
             if w.state != "idle":
                 return
             try:
@@ -480,7 +485,7 @@ class WorkerPool:
                 job.watch.started()
             self._spawn_task(self._execute(w, job))
 
-    def _died_idle(self, w: _Worker) -> bool:
+    def _died_idle(self, w: WorkerHandle) -> bool:
         return w.process is not None and not w.process.is_alive()
 
     def _spawn_task(self, coro: Any) -> None:
@@ -488,7 +493,7 @@ class WorkerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, w: _Worker, job: _Job) -> None:
+    async def _execute(self, w: WorkerHandle, job: QueuedJob) -> None:
         if job.future.done():
             # Cancelled between its dispatch and now: its frame is never sent, and the
             # worker, which never saw it, is free at once.
@@ -538,7 +543,7 @@ class WorkerPool:
         self._dispatch()
 
     # Worker processes ---------------------------------------------------------------------
-    async def _roundtrip(self, w: _Worker, job: _Job) -> dict[str, Any]:
+    async def _roundtrip(self, w: WorkerHandle, job: QueuedJob) -> dict[str, Any]:
         """Send the job's request to worker `w` and wait for its reply message (its
         progress reports go to the job's watch on the way, by the reader)."""
         assert w.writer is not None
@@ -558,7 +563,7 @@ class WorkerPool:
         await w.writer.drain()
         return await reply
 
-    async def _spawn(self, w: _Worker) -> None:
+    async def _spawn(self, w: WorkerHandle) -> None:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
         parent_sock, child_sock = socket.socketpair()
@@ -611,7 +616,7 @@ class WorkerPool:
         w.reader_task = asyncio.get_running_loop().create_task(self._read_replies(w, w.generation))
         log.info("worker %d up: pid %s on %s", w.index, process.pid, w.device)
 
-    async def _read_replies(self, w: _Worker, generation: int) -> None:
+    async def _read_replies(self, w: WorkerHandle, generation: int) -> None:
         """Hand each reply to the request waiting for it; notice when the worker dies."""
         assert w.reader is not None
         try:
@@ -659,14 +664,14 @@ class WorkerPool:
             reply.set_exception(WorkerCrashed(w.index, exitcode))
         await self._replace(w, generation, "crash")
 
-    async def _exitcode(self, w: _Worker) -> int | None:
+    async def _exitcode(self, w: WorkerHandle) -> int | None:
         process = w.process
         if process is None:
             return None
         await asyncio.to_thread(process.join, 5.0)
         return process.exitcode
 
-    async def _replace(self, w: _Worker, generation: int, reason: str) -> None:
+    async def _replace(self, w: WorkerHandle, generation: int, reason: str) -> None:
         """Kill worker `w` (if that generation is still running) and start a new one."""
         if w.generation != generation or w.retired == generation or self._closing:
             return
@@ -687,7 +692,7 @@ class WorkerPool:
                 delay = min(delay * 2, 30.0)
         self._dispatch()
 
-    async def _stop(self, w: _Worker, graceful: bool) -> None:
+    async def _stop(self, w: WorkerHandle, graceful: bool) -> None:
         w.state = "down"
         w.retired = w.generation
         process, writer = w.process, w.writer

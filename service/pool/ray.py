@@ -83,9 +83,9 @@ from service.pool.base import (
 )
 from service.pool.local import (
     BLAS_THREAD_VARIABLES,
+    QueuedJob,
+    WorkerHandle,
     WorkerPool,
-    _Job,
-    _Worker,
     worker_environment,
 )
 
@@ -144,7 +144,7 @@ class EngineActor:
         message = self._received(body, kept)
         return self._engine.submit(self._answer, message).result()
 
-    @ray.method(num_returns=2)  # type: ignore[misc]
+    @ray.method(num_returns=2)
     def run_keep(self, body: bytes, *kept: bytes) -> tuple[bytes, bytes]:
         """Answer one request whose answer is kept: (the reply without it, the answer's
         ipc bytes; b"" for an error reply). `kept`: as `run`'s (a merge of kept answers
@@ -245,7 +245,7 @@ RemoteEngineActor: Any = ray.remote(EngineActor)
 # ----------------------------------------------------------------------------------------
 
 
-class _ActorWorker(_Worker):
+class _ActorWorker(WorkerHandle):
     """The HTTP side's handle on one actor (replaced actors reuse it)."""
 
     def __init__(self, index: int, device: str):
@@ -368,7 +368,7 @@ class RayPool(WorkerPool):
             await asyncio.to_thread(ray.shutdown)
 
     # The transport ------------------------------------------------------------------------
-    async def _roundtrip(self, w: _Worker, job: _Job) -> dict[str, Any]:
+    async def _roundtrip(self, w: WorkerHandle, job: QueuedJob) -> dict[str, Any]:
         assert isinstance(w, _ActorWorker)
         actor, generation = w.actor, w.generation
         kept_ref = None
@@ -462,7 +462,7 @@ class RayPool(WorkerPool):
         for key in keys:
             self._shared.pop(key, None)
 
-    def _kept_answer(self, job: _Job, message: dict[str, Any]) -> Any:
+    def _kept_answer(self, job: QueuedJob, message: dict[str, Any]) -> Any:
         """The kept answer's ref, kept; its handle and bookkeeping returned."""
         assert job.keep is not None
         if "kept_ref" not in message:
@@ -471,7 +471,7 @@ class RayPool(WorkerPool):
         self._keep(job.keep, ref, int(message.get("kept_bytes", 0)))
         return kept_reply(job.keep, message.get("result"))
 
-    async def _with_progress(self, actor: Any, ref: Any, job: _Job) -> bytes:
+    async def _with_progress(self, actor: Any, ref: Any, job: QueuedJob) -> bytes:
         """The reply of `ref`, handing the request's progress reports to its watch as
         they come (collected every PROGRESS_POLL seconds, and once more at the end)."""
         assert job.watch is not None and job.watch.progress is not None
@@ -489,12 +489,12 @@ class RayPool(WorkerPool):
         finally:
             answer.cancel()
 
-    def _signal_cancel(self, w: _Worker, job: _Job) -> None:
+    def _signal_cancel(self, w: WorkerHandle, job: QueuedJob) -> None:
         assert isinstance(w, _ActorWorker)
         if w.actor is not None:
             w.actor.cancel.remote(job.id)  # no wait: _enforce_cancel kills it if need be
 
-    def _died_idle(self, w: _Worker) -> bool:
+    def _died_idle(self, w: WorkerHandle) -> bool:
         """Whether an idle actor is known dead: its watch has seen it, or, on this host,
         its process is gone (a moment before Ray tells the watch)."""
         assert isinstance(w, _ActorWorker)
@@ -522,7 +522,7 @@ class RayPool(WorkerPool):
             options["num_gpus"] = 1
         return options
 
-    async def _spawn(self, w: _Worker) -> None:
+    async def _spawn(self, w: WorkerHandle) -> None:
         """Start an actor for `w` and wait for its hello."""
         assert isinstance(w, _ActorWorker)
         w.state = "starting"
@@ -578,7 +578,7 @@ class RayPool(WorkerPool):
         # A request it was computing learns it from its own call (WorkerCrashed).
         await self._replace(w, generation, "crash")
 
-    async def _stop(self, w: _Worker, graceful: bool) -> None:
+    async def _stop(self, w: WorkerHandle, graceful: bool) -> None:
         assert isinstance(w, _ActorWorker)
         w.state = "down"
         w.retired = w.generation

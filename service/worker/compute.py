@@ -12,9 +12,12 @@ process boundary.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import math
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -40,6 +43,7 @@ from engine.language import (
     compile_definition,
     evaluate,
 )
+from engine.language.cost import Throughput
 from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from engine.transforms import SingularHessianError
@@ -81,6 +85,11 @@ class WorkerContext:
     hvp_max_vectors: int = 1024
     lanczos_max_basis_bytes: int = 1 << 30
     memory_budget: int | None = None  # bytes of one request's passes (None: unbounded)
+    # The compute-cost guard: this worker's throughputs (None: off), the running request's
+    # time limit (dispatch sets it per message) and the most a request may ask for.
+    throughput: Throughput | None = None
+    time_limit: float | None = None
+    max_time_limit: float | None = None
     state: dict[str, Any] = field(default_factory=dict)
     # Where the running request's progress goes (a job's caller asked for it), or None.
     report: Callable[[dict[str, Any]], None] | None = None
@@ -117,6 +126,75 @@ class RequestError(Exception):
         self.extra = extra
 
 
+def leave_the_working_directory() -> str:
+    """Move the worker into an empty directory of its own, unwritable, removed at exit.
+
+    Whatever path a request manages to open relative to the working directory then finds
+    nothing (the HTTP process's may be the data directory, with the store in it: the
+    Docker image starts there). The ONNX loader refuses external data outright
+    (engine/onnx/external.py); this is the second wall. Every path a worker is given
+    (the store's) is absolute (Settings.worker_options)."""
+    empty = tempfile.mkdtemp(prefix="gradtape-worker-")
+    os.chmod(empty, 0o500)
+    os.chdir(empty)
+    atexit.register(_remove_quietly, empty)
+    return empty
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _throughput(given: Any, device_kind: str) -> Throughput | None:
+    """The cost guard's throughputs: each setting given, else the CPU measurement on a
+    CPU worker; None (no guard) when one is 0, or on a GPU with one left unset."""
+    cpu = (
+        defaults.COST_FLOPS_PER_SECOND,
+        defaults.COST_TRANSCENDENTALS_PER_SECOND,
+        defaults.COST_BYTES_PER_SECOND,
+    )
+    values = list(given) if given is not None else [None, None, None]
+    if device_kind != "cpu" and None in values:
+        return None
+    rate = Throughput(*(float(cpu[i] if v is None else v) for i, v in enumerate(values)))
+    return rate if rate.enabled else None
+
+
+def check_cost(
+    program: CompiledProgram, items: int, first_order: bool, context: WorkerContext, what: str
+) -> None:
+    """Refuse, before anything runs, a run whose estimated time exceeds the request's
+    time limit: a 422 naming the estimate, the limit and the job form that can take it."""
+    rate, limit = context.throughput, context.time_limit
+    if rate is None or limit is None:
+        return
+    estimate = program.cost.estimate(items, first_order, rate)
+    if estimate.seconds <= limit:
+        return
+    most = context.max_time_limit
+    if most is not None and estimate.seconds <= most:
+        way = (
+            f'run it as a job ("async": true, or the header Prefer: respond-async) with '
+            f"time_limit up to {most:g} s (this server's max_time_limit)"
+        )
+    else:
+        way = (
+            f"it would not finish within this server's max_time_limit ({most:g} s) either"
+            if most is not None
+            else "raise time_limit"
+        )
+    raise RequestError(
+        "too-large",
+        f"{what} is estimated at {estimate.describe()}; the request's time_limit is "
+        f"{limit:g} s. Ask for fewer items, or {way}. (The estimate uses this worker's "
+        "measured throughputs: settings cost_flops_per_second, "
+        "cost_transcendentals_per_second, cost_bytes_per_second.)",
+        estimate=estimate.as_dict(),
+        time_limit=limit,
+    )
+
+
 def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     """Set up a worker: check its device, build its limits, tune the allocator (unless
     told not to), warm the engine up."""
@@ -124,6 +202,8 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     # own process) leaves that process's allocator as it found it.
     if options.get("tune_allocator", False):
         gt.tune_allocator()
+    if options.get("empty_working_directory", False):  # the pool's workers: always
+        leave_the_working_directory()
     xp = backend.xp_for_device(device)  # DeviceError when the device is missing
     kind, number = backend.parse_device(device)
     if kind == "cuda":
@@ -147,6 +227,8 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
             options.get("lanczos_max_basis_bytes", defaults.LANCZOS_MAX_BASIS_BYTES)
         ),
         memory_budget=options.get("memory_budget"),
+        throughput=_throughput(options.get("cost_throughput"), kind),
+        max_time_limit=options.get("max_time_limit"),
         datasets=DatasetCache(
             options.get("store_path"),
             int(options.get("dataset_memory_budget", defaults.WORKER_DATASET_MEMORY)),
@@ -325,6 +407,7 @@ def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
 def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     program = compile_definition(as_definition(payload["definition"]), context.limits)
     program.batch_within(context.memory_budget, "its forward and backward pass", first_order=True)
+    check_cost(program, 1, True, context, "the gradient")
     result = evaluate(
         as_definition(payload["definition"]),
         payload["target"],
@@ -352,6 +435,9 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     rows = prepared.program.batch_within(
         context.memory_budget, "a jacobian pass of one row", first_order=True
     )
+    target_shape = _target_shape(prepared)
+    row_count = math.prod(target_shape[1:] if batch else target_shape)
+    check_cost(prepared.program, row_count, True, context, f"the jacobian of {row_count:,} rows")
     # compiled: a definition's later requests of the same layout replay the captured pass
     chunk_size = min(context.chunk_size, rows or context.chunk_size)
     y, jacobians = prepared.program.jacobians(prepared.request, prepared.leaves, batch, chunk_size)
@@ -431,6 +517,7 @@ def hessian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any
             limit=context.hessian_max_size,
             size=n,
         )
+    check_cost(prepared.program, n, False, context, f"the {n:,} x {n:,} Hessian")
     operator = prepared.program.hessian_operator(
         prepared.request, prepared.leaves, context.memory_budget
     )
@@ -479,6 +566,8 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     for i, vector in enumerate(vectors):
         where = "vector" if single else f"vectors.{i}"
         check_vector(vector, keys, primals, where)
+    count = len(vectors)
+    check_cost(prepared.program, count, False, context, f"the HVP of {count:,} vector(s)")
     stacked = [
         # (one vector: a view with the batch axis, not np.stack's copy)
         on_device(

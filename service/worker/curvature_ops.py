@@ -38,8 +38,8 @@ def _keyed(session: tapes.TapeSession, by_name: Mapping[str, Any]) -> dict[str, 
 def _examples(session: tapes.TapeSession, what: str) -> tuple[Curvature, PerExample]:
     """The tape's curvature recording and its per-example walk, built once and kept;
     a model that mixes examples is refused naming the line where it does."""
-    curvature = tapes._curvature(session)
-    tapes._check_targets(session, what)
+    curvature = tapes.session_curvature(session)
+    tapes.check_batched_targets(session, what)
     if getattr(curvature, "_per_example", None) is None:
         assert session.split is not None
         seen: dict[str, Any] = {}
@@ -49,7 +49,8 @@ def _examples(session: tapes.TapeSession, what: str) -> tuple[Curvature, PerExam
                 model, curvature._flat, curvature._treedef, curvature.data
             )
         except MixedExamplesError as exc:
-            raise RequestError("batch-dependence", _at_line(str(exc), exc, seen), field="output")
+            message = _at_line(str(exc), exc, seen)
+            raise RequestError("batch-dependence", message, field="output") from None
     return curvature, curvature._per_example
 
 
@@ -81,7 +82,7 @@ def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
 
 
 def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     curvature, _ = _examples(session, "per-example gradients")
     n = curvature.examples
     budget = context.memory_budget or DEFAULT_BUDGET
@@ -103,7 +104,7 @@ def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict
     result = {
         "examples": n,
         "scale": found.scale,
-        "norms": found.norms.tolist(),
+        "norms": np.asarray(found.norms).tolist(),
         "norms_by_source": _keyed(session, found.norms_by_source),
         "mean": _keyed(session, found.mean),
         "variance": _keyed(session, found.variance),
@@ -111,7 +112,7 @@ def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict
         "gradients": _keyed(session, found.gradients) if keep else None,
         "chunks": found.chunks,
     }
-    return tapes._done(session, rebuilt, result, hvp_only=True)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def kfac_operator(session: tapes.TapeSession, payload: Mapping[str, Any]) -> tup
 
 
 def tape_kfac(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     fitted = kfac_of(session, payload)
     names = list(_names(session))
     damping = float(payload.get("damping") or 0.0)
@@ -224,7 +225,7 @@ def tape_kfac(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
         result["products"] = [
             {key: out[j][i] for j, key in enumerate(by_key)} for i in range(len(vectors))
         ]
-    return tapes._done(session, rebuilt, result, hvp_only=True)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -324,7 +325,7 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
 
 
 def tape_laplace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     curvature, _ = _examples(session, "laplace")
     prior = payload.get("prior_precision")
     tune = prior == "tune"
@@ -350,11 +351,11 @@ def tape_laplace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str
     laplace_id = secrets.token_hex(8)
     held[laplace_id] = la
     session.remeasure = True
-    return tapes._done(session, rebuilt, _summary(laplace_id, la, tune), hvp_only=False)
+    return tapes.finish_answer(session, rebuilt, _summary(laplace_id, la, tune), hvp_only=False)
 
 
 def tape_laplace_evidence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     la = _fitted(session, payload)
     prior = payload.get("prior_precision")
     try:
@@ -365,16 +366,16 @@ def tape_laplace_evidence(payload: Mapping[str, Any], context: WorkerContext) ->
             la.prior_precision = float(prior)
     except (CurvatureError, ValueError) as exc:
         raise _curvature_error(exc, "prior_precision") from None
-    return tapes._done(
+    return tapes.finish_answer(
         session, rebuilt, _summary(payload["laplace_id"], la, prior == "tune"), hvp_only=True
     )
 
 
 def tape_laplace_predictive(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     la = _fitted(session, payload)
     curvature = la.curv
-    data, _ = _test_points_of(session, curvature, payload["test_inputs"], context)
+    data, _ = _model_test_points(session, curvature, payload["test_inputs"], context)
     assert session.split is not None
     model, _ = session.split.functions(session.leaves)
     try:
@@ -395,10 +396,10 @@ def tape_laplace_predictive(payload: Mapping[str, Any], context: WorkerContext) 
         "link": found.link if not la.regression else None,
         "samples": found.samples,
     }
-    return tapes._done(session, rebuilt, result, hvp_only=True)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
-def _test_points_of(
+def _model_test_points(
     session: tapes.TapeSession,
     curvature: Curvature,
     given: Mapping[str, Any],
@@ -414,7 +415,7 @@ def _test_points_of(
             f"examples axis; give {', '.join(map(repr, sorted(wanted)))}",
             field="test_inputs",
         )
-    # _test_points checks every input the model and the loss read: fill the loss's
+    # test_points_of checks every input the model and the loss read: fill the loss's
     # targets with one dummy row per test point so that only the model's are required.
     fake = dict(given)
     missing = [n for n in curvature.data if n not in given]
@@ -430,11 +431,11 @@ def _test_points_of(
         if name not in fake:
             leaf = session.program.inputs[name].type
             fake[name] = np.zeros((rows, *leaf.shape[1:]), leaf.dtype)
-    return tapes._test_points(session, curvature, fake, context)
+    return tapes.test_points_of(session, curvature, fake, context)
 
 
 def tape_laplace_samples(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     la = _fitted(session, payload)
     count = int(payload["count"])
     budget = context.memory_budget or DEFAULT_BUDGET
@@ -455,7 +456,7 @@ def tape_laplace_samples(payload: Mapping[str, Any], context: WorkerContext) -> 
         out[_names(session)[names[i]]] = draws[:, lo : lo + size].reshape((count, *params[i].shape))
         lo += size
     result = {"samples": out, "count": count, "subset": la.subset}
-    return tapes._done(session, rebuilt, result, hvp_only=True)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 tapes.OPERATORS.update(kfac=kfac_operator, ekfac=kfac_operator)

@@ -46,6 +46,7 @@ def answer(
     request_id = message.get("id")
     handler = HANDLERS.get(message.get("kind", ""))
     context.report, context._last_report = report, 0.0
+    context.time_limit = message.get("time_limit")
 
     def check() -> None:
         if cancelled is not None and cancelled():

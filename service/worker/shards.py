@@ -462,7 +462,7 @@ def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[
     ("gradient") of the request's target make the unsharded ones ("mode", see above;
     "split_keys": the sources that are split inputs); a jacobian checked against the
     jacobian size limit at the unsharded shapes."""
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     request = tapes.other_request(session, payload)
     target, split = request.target, set(payload["split"])
     rows, total = int(payload["rows"][0]), sum(int(r) for r in payload["rows"])
@@ -494,7 +494,9 @@ def tape_shard_plan(payload: Mapping[str, Any], context: WorkerContext) -> dict[
         check_jacobian_size(
             target, (total, *shape[1:]) if mode == "rows" else shape, full_sources, batch, context
         )
-    return tapes._done(session, rebuilt, {"mode": mode, "split_keys": split_keys}, hvp_only=True)
+    return tapes.finish_answer(
+        session, rebuilt, {"mode": mode, "split_keys": split_keys}, hvp_only=True
+    )
 
 
 def _scaled(array: np.ndarray, weight: float) -> np.ndarray:
@@ -607,9 +609,9 @@ def _influence_curvature(
 ) -> Curvature:
     """The part's curvature recording, checked as tape_influence checks it, and its
     examples checked to be the part's rows of the split batch."""
-    curvature = tapes._curvature(session)
-    tapes._check_targets(session, "influence")
-    tapes._operator(session, payload, context)  # refuses an impossible curvature
+    curvature = tapes.session_curvature(session)
+    tapes.check_batched_targets(session, "influence")
+    tapes.curvature_operator(session, payload, context)  # refuses an impossible curvature
     if curvature.examples != int(payload["examples"]):
         assert session.split is not None
         raise RequestError(
@@ -626,7 +628,7 @@ def _influence_curvature(
 def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """A part's test loss and its gradient ("value", "gradients" by source key): on the
     test inputs, or on the part's own training `rows` (zeros when it holds none)."""
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     curvature = _influence_curvature(session, payload, context)
     names = session.request.sources
     try:
@@ -639,11 +641,13 @@ def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> d
                     for k, p in zip(session.keys, session.primals, strict=True)
                 },
             }
-            return tapes._done(session, rebuilt, result, hvp_only=True)
+            return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
         if rows is not None:
             value, grad = curvature.test_gradient(rows=[int(r) for r in rows])
         else:
-            data, targets = tapes._test_points(session, curvature, payload["test_inputs"], context)
+            data, targets = tapes.test_points_of(
+                session, curvature, payload["test_inputs"], context
+            )
             value, grad = curvature.test_gradient(data, targets)
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
@@ -651,13 +655,13 @@ def tape_influence_test(payload: Mapping[str, Any], context: WorkerContext) -> d
         "value": value.numpy(),
         "gradients": {key: grad[name].numpy() for key, name in names.items()},
     }
-    return tapes._done(session, rebuilt, result, hvp_only=True)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """A part's examples scored against s_test (-g_i . s_test, one batched JVP), and its
     per-example scale c (its loss = c sum_i l_i over its own rows)."""
-    session, rebuilt = tapes._session(payload, context)
+    session, rebuilt = tapes.session_for(payload, context)
     curvature = _influence_curvature(session, payload, context)
     s_test = payload["s_test"]
     batched = {
@@ -669,7 +673,9 @@ def tape_influence_scores(payload: Mapping[str, Any], context: WorkerContext) ->
         scale = curvature.scale()
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
-    return tapes._done(session, rebuilt, {"scores": -dots[0], "scale": scale}, hvp_only=True)
+    return tapes.finish_answer(
+        session, rebuilt, {"scores": -dots[0], "scale": scale}, hvp_only=True
+    )
 
 
 def shard_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:

@@ -86,7 +86,7 @@ class TapeSession:
     curvature: Curvature | None = None  # recorded on the first non-Hessian request
     flats: dict[tuple, FlatOperator] | None = None  # per curvature, on first use
     bytes: int = 0
-    remeasure: bool = True  # count the bytes at the next HVP too (see _done)
+    remeasure: bool = True  # count the bytes at the next HVP too (see finish_answer)
     replay_seen: int = -1  # the operator's replay_changes when its bytes were counted
     # The definition with its leaves as shapes only (no data): a shard's program shapes
     # inferred again at other batch sizes (service/worker/shards.py, jacobians). A
@@ -222,7 +222,7 @@ DIAGONALS: dict[str, Callable[..., dict[str, Any]]] = {}
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
-def _curvature(session: TapeSession) -> Curvature:
+def session_curvature(session: TapeSession) -> Curvature:
     """The model and loss recorded once more, cut at the output (on the first request
     that needs it; kept with the tape). The model's inputs along the examples axis (the
     output's first) are its data, the loss's inputs its targets."""
@@ -259,7 +259,7 @@ def _batched(session: TapeSession) -> set[str]:
     return {n for n, leaf in session.program.inputs.items() if leaf.type.shape[:1] == shape[:1]}
 
 
-def _check_targets(session: TapeSession, what: str) -> None:
+def check_batched_targets(session: TapeSession, what: str) -> None:
     """Per-example curvatures slice the loss's inputs by example: all must be batched."""
     assert session.split is not None
     shape = session.program.types[session.split.output].shape
@@ -276,7 +276,7 @@ def _check_targets(session: TapeSession, what: str) -> None:
             )
 
 
-def _operator(
+def curvature_operator(
     session: TapeSession, payload: Mapping[str, Any], context: WorkerContext
 ) -> tuple[gt.HessianOperator, FlatOperator]:
     """The operator and flat view of the curvature the request asks for."""
@@ -285,9 +285,9 @@ def _operator(
         return session.operator, session.flat
     if kind in OPERATORS:  # the Kronecker-factored GGN (curvature_ops.py)
         return OPERATORS[kind](session, payload)
-    curvature = _curvature(session)
+    curvature = session_curvature(session)
     if kind in PER_EXAMPLE:
-        _check_targets(session, f"curvature {kind!r}")
+        check_batched_targets(session, f"curvature {kind!r}")
     samples, seed = payload.get("samples"), payload.get("fisher_seed", 0)
     if samples is not None:
         # The Monte-Carlo Fisher keeps one output-sized gradient per sample.
@@ -326,7 +326,7 @@ def _products(
     return [products[n] for n in names]
 
 
-def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSession, bool]:
+def session_for(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSession, bool]:
     """The tape the request names, rebuilt from `rebuild` when this worker lacks it."""
     tapes = sessions(context)
     tape_id = payload["tape_id"]
@@ -343,7 +343,7 @@ def _session(payload: Mapping[str, Any], context: WorkerContext) -> tuple[TapeSe
     return session, True
 
 
-def _done(
+def finish_answer(
     session: TapeSession, rebuilt: bool, result: dict[str, Any], hvp_only: bool
 ) -> dict[str, Any]:
     # An HVP records nothing. What it may add: the rule stages' caches (filled by the
@@ -394,7 +394,7 @@ def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
 
 
 def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = _session(payload, context)
+    session, rebuilt = session_for(payload, context)
     single, vectors = given_vectors(payload, session.keys, session.primals)
     for i, vector in enumerate(vectors):
         check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
@@ -402,7 +402,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    operator, _ = _operator(session, payload, context)
+    operator, _ = curvature_operator(session, payload, context)
     products = _products(session, operator, stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
@@ -410,7 +410,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         {k: host[j][i, ...] for j, k in enumerate(session.keys)} for i in range(len(vectors))
     ]
     result = {"hvp": answers[0] if single else None, "hvps": None if single else answers}
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
@@ -426,7 +426,7 @@ def other_request(session: TapeSession, payload: Mapping[str, Any]) -> Request:
 def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """The gradient of any name of the program over any floating-point leaves, from the
     recording (one backward pass; the program does not run again)."""
-    session, rebuilt = _session(payload, context)
+    session, rebuilt = session_for(payload, context)
     request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
@@ -435,11 +435,11 @@ def tape_gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
         "value": y.numpy(),
         "gradients": {k: None if g is None else g.numpy() for k, g in grads.items()},
     }
-    return _done(session, rebuilt, result, hvp_only=False)
+    return finish_answer(session, rebuilt, result, hvp_only=False)
 
 
 def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = _session(payload, context)
+    session, rebuilt = session_for(payload, context)
     request = other_request(session, payload)
     y = session.env[request.target]
     watched = {key: session.leaves[name] for key, name in request.sources.items()}
@@ -455,7 +455,9 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     jacobians = jacobians_on(
         session.recording, y, watched, batch, request.unconnected, context, rows
     )
-    return _done(session, rebuilt, {"value": y.numpy(), "jacobians": jacobians}, hvp_only=False)
+    return finish_answer(
+        session, rebuilt, {"value": y.numpy(), "jacobians": jacobians}, hvp_only=False
+    )
 
 
 # Algorithms -----------------------------------------------------------------------------
@@ -510,10 +512,10 @@ def _check_basis(context: WorkerContext, rows: int, n: int, what: str, fewer: st
 
 def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
-    session, rebuilt = _session(payload, context)
-    _, flat = _operator(session, payload, context)
+    session, rebuilt = session_for(payload, context)
+    _, flat = curvature_operator(session, payload, context)
     result = eigenvalues_of(flat, session.keys, payload, context, started)
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 # The algorithms on a flat operator (a tape's, or a sharded tape's whose matvec asks its
@@ -598,10 +600,10 @@ def _check_method_budget(method: str, max_hvps: int, n: int, what: str) -> None:
 
 def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
-    session, rebuilt = _session(payload, context)
-    _, flat = _operator(session, payload, context)
+    session, rebuilt = session_for(payload, context)
+    _, flat = curvature_operator(session, payload, context)
     result = trace_of(flat, session.keys, payload, context, started)
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def trace_of(
@@ -643,14 +645,14 @@ def trace_of(
 
 def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
-    session, rebuilt = _session(payload, context)
+    session, rebuilt = session_for(payload, context)
     method = payload.get("method")
     if method in DIAGONALS:  # square-root columns, not products (curvature_ops.py)
         result = DIAGONALS[method](session, payload, context)
-        return _done(session, rebuilt, result, hvp_only=True)
-    _, flat = _operator(session, payload, context)
+        return finish_answer(session, rebuilt, result, hvp_only=True)
+    _, flat = curvature_operator(session, payload, context)
     result = diagonal_of(flat, session.keys, payload, context, started)
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def diagonal_of(
@@ -704,10 +706,10 @@ def diagonal_of(
 
 def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
-    session, rebuilt = _session(payload, context)
-    _, flat = _operator(session, payload, context)
+    session, rebuilt = session_for(payload, context)
+    _, flat = curvature_operator(session, payload, context)
     result = spectral_density_of(flat, session.keys, payload, context, started)
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def spectral_density_of(
@@ -751,8 +753,8 @@ def spectral_density_of(
 
 def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     started = time.perf_counter()
-    session, rebuilt = _session(payload, context)
-    _, flat = _operator(session, payload, context)
+    session, rebuilt = session_for(payload, context)
+    _, flat = curvature_operator(session, payload, context)
     vector = payload.get("vector")
     if vector is None:
         b = flat.flatten(session.operator.grad)
@@ -762,7 +764,7 @@ def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, 
         b = flat.flatten([np.asarray(vector[k]) for k in session.keys])
         rhs = "vector"
     result = solve_of(flat, session.keys, b, rhs, payload, context, started)
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 def solve_of(
@@ -796,7 +798,7 @@ def solve_of(
     }
 
 
-def _test_points(
+def test_points_of(
     session: TapeSession, curvature: Curvature, given: Mapping[str, Any], context: WorkerContext
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The test inputs as the model's data and the loss's targets: every batched input
@@ -855,12 +857,12 @@ def _test_points(
 def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """Koh and Liang's influence of every example on the test loss (engine.curvature)."""
     started = time.perf_counter()
-    session, rebuilt = _session(payload, context)
-    curvature = _curvature(session)
-    _check_targets(session, "influence")
+    session, rebuilt = session_for(payload, context)
+    curvature = session_curvature(session)
+    check_batched_targets(session, "influence")
     kind = payload.get("curvature") or "hessian"
     # refuses an impossible curvature with its reason; KFAC's is an operator of its own
-    chosen, _ = _operator(session, payload, context)
+    chosen, _ = curvature_operator(session, payload, context)
     test_data = test_targets = rows = None
     if payload.get("rows") is not None:
         n = curvature.examples
@@ -873,7 +875,9 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
                 field="rows",
             )
     else:
-        test_data, test_targets = _test_points(session, curvature, payload["test_inputs"], context)
+        test_data, test_targets = test_points_of(
+            session, curvature, payload["test_inputs"], context
+        )
     try:
         out = curvature.influence(
             test_data,
@@ -910,7 +914,7 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
         "residuals": out.solve.residuals,
         "seconds": out.solve.seconds,
     }
-    return _done(session, rebuilt, result, hvp_only=True)
+    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 # Stored models --------------------------------------------------------------------------

@@ -275,15 +275,11 @@ def matches(expected: Any, actual: Any) -> bool:
             and len(expected) == len(actual)
             and all(matches(e, a) for e, a in zip(expected, actual, strict=True))
         )
-    return (
-        type(expected) is type(actual)
+    return (type(expected) is type(actual) and expected == actual) or (
+        isinstance(expected, (int, float))
+        and not isinstance(expected, bool)
+        and isinstance(actual, (int, float))
         and expected == actual
-        or (
-            isinstance(expected, (int, float))
-            and not isinstance(expected, bool)
-            and isinstance(actual, (int, float))
-            and expected == actual
-        )
     )
 
 

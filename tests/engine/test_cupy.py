@@ -60,7 +60,7 @@ def test_hessian_operator_on_gpu() -> None:
 
 def test_jit_runs_cupy_arguments_dynamically_with_numpys_answers() -> None:
     """gt.jit captures NumPy passes only: CuPy arguments take the dynamic transforms
-    (no key is kept), and answer as the NumPy ones, which are compiled."""
+    (their key says why), and answer as the NumPy ones, which are compiled."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 4))
 
@@ -75,4 +75,43 @@ def test_jit_runs_cupy_arguments_dynamically_with_numpys_answers() -> None:
         assert gpu[1].device == "cuda:0"
         np.testing.assert_allclose(gpu[0].numpy(), cpu[0].numpy(), rtol=1e-10)
         np.testing.assert_allclose(gpu[1].numpy(), cpu[1].numpy(), rtol=1e-10)
-    assert list(jitted.status().values()) == ["compiled"]  # the NumPy key only
+    status = sorted(jitted.status().values())
+    assert len(status) == 2 and status[0] == "compiled", status
+    assert "CuPy" in status[1], status
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet", "transformer"])
+def test_onnx_models_on_gpu_match_cpu(name) -> None:
+    """A stored ONNX model run on CuPy (its graph constants moved to the device as they
+    meet its tensors): loss, gradients and an HVP as on the CPU (float64)."""
+    pytest.importorskip("onnx")
+    from engine.language import as_definition, compile_definition
+    from tests.engine.onnx.graphs import fixture, float64_model
+
+    data, record = fixture(name)
+    x = record["x"].astype(np.float64) if record["x"].dtype.kind == "f" else record["x"]
+    defn = as_definition(
+        {
+            "models": {
+                "net": {"onnx": float64_model(data), "frozen": [str(f) for f in record["frozen"]]}
+            },
+            "inputs": {"x": x, "y": record["y"]},
+            "program": ["logits = net(x)", "loss = softmax_cross_entropy(logits, y)"],
+        }
+    )
+    prog = compile_definition(defn)
+    request = prog.check_request("loss")
+    answers = []
+    for device in ("cpu", "cuda"):
+        leaves = prog.leaves(defn, device=device)
+        value, grads = prog.value_and_gradients(request, leaves)
+        rng = np.random.default_rng(0)
+        vectors = [
+            gt.constant(rng.standard_normal(leaves[n].shape), device=device)
+            for n in request.sources.values()
+        ]
+        products = prog.hessian_operator(request, leaves).hvp(*vectors)
+        answers.append([value.numpy(), *(g.numpy() for g in grads.values())])
+        answers[-1] += [p.numpy() for p in products]
+    for cpu, gpu in zip(*answers, strict=True):
+        np.testing.assert_allclose(gpu, cpu, rtol=1e-9, atol=1e-12)

@@ -413,12 +413,9 @@ def test_definition_gradients_replay_exactly(name) -> None:
     for _ in range(3):  # captured, then replayed with new values
         _evaluate_both_ways(_with_values(definition, rng))
     passes = compile_definition(definition).gradient_passes()
-    if name == "softmax regression":
-        # logsumexp shifts by a max it computes on the arrays, outside the ops (a
-        # constant of the forward that depends on the data): that pass stays dynamic.
-        assert all("outside" in p[0] for p in passes.values()), passes
-    else:
-        assert passes and all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+    # (softmax regression too: logsumexp's shift is computed with ops on stop(x), so the
+    # replay computes it from the new values)
+    assert passes and all(isinstance(p, replay.Schedule) for p in passes.values()), passes
 
 
 def test_definition_gradients_with_aliases_and_zero_unconnected() -> None:
@@ -462,9 +459,11 @@ def test_integer_leaves_are_part_of_the_compiled_layout() -> None:
         evaluate({**base, "inputs": {"i": np.array([0, 9, 4], dtype=np.int32)}}, "loss")
 
 
-def test_a_definition_that_cannot_be_captured_stays_dynamic() -> None:
-    """softmax_cross_entropy makes its one-hot labels outside the ops: its gradient pass
-    falls back to the dynamic path, with the same answers."""
+def test_a_classifier_definition_compiles_and_a_data_steered_one_stays_dynamic() -> None:
+    """softmax_cross_entropy's one-hot labels come from integer labels, which are part of
+    the key by value, and its logsumexp shift is made with ops: its gradient pass is
+    replayed. A pass that reads a float value of the pass on the host (sort's order)
+    falls back to the dynamic path, with the same answers and the reason kept."""
     from engine.language import compile_definition
 
     rng = np.random.default_rng(34)
@@ -476,9 +475,13 @@ def test_a_definition_that_cannot_be_captured_stays_dynamic() -> None:
     for _ in range(3):
         _evaluate_both_ways(_with_values(definition, rng))
     passes = compile_definition(definition).gradient_passes()
-    assert passes and all(isinstance(p, tuple) and "outside" in p[0] for p in passes.values()), (
-        passes
-    )
+    assert passes and all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+
+    steered = {**definition, "program": ["loss = sum(sort(x @ w) * x[:, :3])"]}
+    for _ in range(3):
+        _evaluate_both_ways(_with_values(steered, rng))
+    passes = compile_definition(steered).gradient_passes()
+    assert passes and all(isinstance(p, tuple) and "host" in p[0] for p in passes.values()), passes
 
 
 def test_kept_gradient_passes_are_bounded_across_programs() -> None:
@@ -550,10 +553,7 @@ def test_definition_hvps_replay_exactly(name) -> None:
             _hvps_both_ways(program, request, leaves, vectors)
     passes = program.request_passes()
     assert len(passes) == 2, passes
-    if name == "softmax regression":  # logsumexp's shift is made outside the ops
-        assert all("outside" in p[0] for p in passes.values()), passes
-    else:
-        assert all(isinstance(p, replay.Schedule) for p in passes.values()), passes
+    assert all(isinstance(p, replay.Schedule) for p in passes.values()), passes
 
 
 def test_replayed_fresh_hvps_are_the_hessian_times_v() -> None:

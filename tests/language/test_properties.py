@@ -147,7 +147,7 @@ def subscript(draw: Any, names: list[str]) -> tuple[str, Callable]:
 def operator_call(draw: Any, names: list[str]) -> tuple[str, Callable]:
     symbol = draw(st.sampled_from(sorted(OPERATORS)))
     (left, lf), (right, rf) = draw(tensor_arg(names)), draw(tensor_arg(names))
-    if left[0].isdigit() and right[0].isdigit() or "-" in (left[0], right[0]):
+    if (left[0].isdigit() and right[0].isdigit()) or "-" in (left[0], right[0]):
         left, lf = draw(st.sampled_from(names)), None
         name = left
         lf = lambda env: env[name]
@@ -295,7 +295,7 @@ def test_programs_agree_with_direct_engine_calls(lines: list) -> None:
         except DefinitionError:
             return
         env = env_of(program, defn)
-        for target, text, direct in lines:
+        for target, _text, direct in lines:
             inferred = program.types[target]
             assert (inferred.shape, inferred.dtype) == (env[target].shape, env[target].dtype)
             assert_same(env[target], gt.as_tensor(direct(env)))

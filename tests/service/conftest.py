@@ -76,10 +76,13 @@ class Server:
         raise TimeoutError(f"the server did not become ready: {last}\n{self.log.read_text()}")
 
 
-def start_server(settings: dict[str, str], log: Path) -> Server:
-    """`gradtape serve` with these GRADTAPE_* settings (over SERVER_SETTINGS), ready."""
+def start_server(settings: dict[str, str], log: Path, cwd: Path | None = None) -> Server:
+    """`gradtape serve` with these GRADTAPE_* settings (over SERVER_SETTINGS), ready;
+    started in `cwd` (the Docker image starts in its data directory), else the checkout."""
     port = free_port()
     env = {**os.environ, **SERVER_SETTINGS, **settings}
+    if cwd is not None:  # the checkout stays importable from elsewhere
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with log.open("ab") as out:
         process = subprocess.Popen(
             [
@@ -92,7 +95,7 @@ def start_server(settings: dict[str, str], log: Path) -> Server:
                 "--port",
                 str(port),
             ],
-            cwd=ROOT,
+            cwd=cwd or ROOT,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

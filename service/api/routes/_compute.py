@@ -14,14 +14,21 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
+from service.api.bodies import prefers_async
 from service.api.errors import explainer
 from service.api.negotiation import Negotiated, answer
 from service.api.openapi import compute_responses, job_responses, msgpack_body, problem_responses
+from service.api.problems import ProblemError
 from service.api.schemas import Definition, DefinitionRequest
+from service.core.errors import ServiceError
 from service.domain.jobs import JobRegistry
 from service.domain.requests import Prepared
 from service.domain.sessions import ModelCatalog
 from service.pool import Reply
+
+# Seconds a client over its job quota is told to wait (Retry-After): jobs run for
+# seconds to minutes, and GET /v1/jobs says which of its jobs are still active.
+JOB_QUOTA_RETRY_AFTER = 5
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ def register(
     request model as its body and op's documentation."""
     endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
     endpoint.__name__ = endpoint.__qualname__ = op.name  # for tracebacks and logs
+    endpoint.may_run_jobs = op.job  # type: ignore[attr-defined]  (bodies.GatedRoute)
     responses = job_responses if op.job else compute_responses
     router.post(
         op.path,
@@ -82,15 +90,6 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
             )
 
 
-def prefers_async(request: Request) -> bool:
-    """`Prefer: respond-async` (RFC 7240) among the request's preferences."""
-    return any(
-        part.split(";", 1)[0].strip().lower() == "respond-async"
-        for value in request.headers.getlist("prefer")
-        for part in value.split(",")
-    )
-
-
 async def respond(
     request: Request,
     body: Any,
@@ -120,9 +119,21 @@ async def respond(
     jobs: JobRegistry = request.app.state.jobs
     route = request.scope.get("route")
     operation = f"{request.method} {getattr(route, 'path', request.url.path)}"
-    started = await jobs.start(
-        owner, operation, run_job, explainer(request), prepared.encoding, tape_id
-    )
+    try:
+        started = await jobs.start(
+            owner, operation, run_job, explainer(request), prepared.encoding, tape_id
+        )
+    except ServiceError as exc:
+        if exc.slug != "quota-exceeded":
+            raise
+        # At once, never a wait (the request took no slot): when to look again.
+        raise ProblemError(
+            exc.slug,
+            exc.detail,
+            errors=exc.errors,
+            headers={"Retry-After": str(JOB_QUOTA_RETRY_AFTER)},
+            **exc.extensions,
+        ) from None
     response = answer(started.info(jobs.settings.job_ttl), negotiated, prepared.encoding)
     response.status_code = 202
     response.headers["Location"] = f"/v1/jobs/{started.id}"

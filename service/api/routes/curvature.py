@@ -14,7 +14,9 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import GatedRoute
-from service.api.curvature_schemas import (
+from service.api.deps import ComputeDep, TapeDep
+from service.api.routes._compute import Operation, register, respond
+from service.api.schemas.curvature import (
     KFACRequest,
     KFACResponse,
     LaplaceEvidenceRequest,
@@ -27,8 +29,6 @@ from service.api.curvature_schemas import (
     PerExampleRequest,
     PerExampleResponse,
 )
-from service.api.deps import ComputeDep, TapeDep
-from service.api.routes._compute import Operation, register, respond
 from service.core.config import Settings
 from service.domain.requests import Prepared
 from service.pool import Reply

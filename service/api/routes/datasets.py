@@ -13,9 +13,9 @@ from starlette.responses import Response
 from service.api.auth import OwnerDep
 from service.api.bodies import GatedRoute, parsed_body
 from service.api.deps import DatasetsDep
-from service.api.negotiation import JSON, MSGPACK_ALIASES, _media_type
+from service.api.negotiation import JSON, MSGPACK_ALIASES, bare_media_type
 from service.api.openapi import problem_responses
-from service.api.payloads import _Decoder
+from service.api.payloads import TensorDecoder
 from service.api.problems import ProblemError
 from service.api.schemas import DatasetInfo, DatasetList, DatasetName, Name, TensorValue
 from service.domain.datasets import dataset_info, load_numpy
@@ -52,7 +52,7 @@ def _decode(raw: Any) -> dict[str, Any]:
         raise ProblemError(
             "validation", f"{field}: {err['msg']}", errors=[{"field": field, "message": err["msg"]}]
         ) from None
-    decoder = _Decoder(allow_nonfinite=True)
+    decoder = TensorDecoder(allow_nonfinite=True)
     arrays = decoder.tensors(tensors, "body")
     decoder.check()
     return {k: v for k, v in arrays.items() if v is not None}
@@ -82,7 +82,7 @@ async def put_dataset(
     `"rows": [...]` or `{"start", "stop", "step"}` for a mini-batch. Datasets survive
     restarts; workers keep recently used ones in memory. Limits: max_dataset_bytes per
     dataset, max_dataset_bytes_per_key and max_datasets_per_key (413 past them)."""
-    media = _media_type(request.headers.get("content-type") or "")
+    media = bare_media_type(request.headers.get("content-type") or "")
     if media != OCTET and media != JSON and media not in MSGPACK_ALIASES:
         raise ProblemError(
             "unsupported-media-type",
@@ -90,7 +90,9 @@ async def put_dataset(
             f"application/msgpack or {OCTET} (.npy/.npz); got {media or 'none'}",
         )
     if media == OCTET:
-        arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array)
+        # Sizes are checked from the headers, before anything is decompressed.
+        check_size = await datasets.size_check(owner, name)
+        arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array, check_size)
     else:  # sized and parsed in a thread, as the route class does for body models
         arrays = await anyio.to_thread.run_sync(_decode, await parsed_body(request))
     row, created = await datasets.put(owner, name, arrays)

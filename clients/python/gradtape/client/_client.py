@@ -1,6 +1,6 @@
 """`Client` and `AsyncClient`: thin shells over the sans-I/O core.
 
-Each API method is written once, in `_Methods`, as "run this core operation"; `Client`
+Each API method is written once, in `ApiMethods`, as "run this core operation"; `Client`
 runs operations with blocking httpx calls and answers values, `AsyncClient` with awaited
 ones and answers awaitables. One `httpx.Client` / `httpx.AsyncClient` per client keeps
 connections alive across calls.
@@ -9,9 +9,11 @@ connections alive across calls.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Generator, Mapping
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -19,13 +21,14 @@ import numpy as np
 from . import _core
 from ._core import HTTPRequest, HTTPResponse, Retry, Sleep, flat_point
 from .jobs import Job, JobStatus
+from .models import Models
 from .tape import RemoteTape
 
 # Long enough for a computation at the server's default max_time_limit (300 s).
 DEFAULT_TIMEOUT = httpx.Timeout(330.0, connect=10.0)
 
 
-class _Methods:
+class ApiMethods:
     """The API, once for both clients. `_run(op)` is the value (Client) or an awaitable
     of it (AsyncClient)."""
 
@@ -181,6 +184,9 @@ class _Methods:
         shards: int | None = None,
         shard_by: Any = None,
         shard_reduction: str | None = None,
+        loss: Any = None,
+        data: Any = None,
+        example_inputs: Any = None,
     ) -> Any:
         """Record a tape on the server (`RemoteTape`, a context manager that deletes it on
         exit): `with client.tape(d, "loss") as tape:` (async: `async with await
@@ -191,7 +197,30 @@ class _Methods:
         Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`.
         `shards=n` splits the batch (the inputs `shard_by` names, default every input with
         an axis) over n workers; `shard_reduction` says how the parts add up ("mean", the
-        default, for a mean loss; "sum" for a sum): every answer equals the unsharded one."""
+        default, for a mean loss; "sum" for a sum): every answer equals the unsharded one.
+
+        A PyTorch `nn.Module` (or a `TorchModel` from `models.put_torch`) in place of the
+        definition: `client.tape(model, loss="cross_entropy", data=(X, y))` bridges it
+        (`gradtape.client.pytorch`: every parameter kept as itself, the forward checked
+        against torch's) and answers a `TorchTape` keyed by torch names."""
+        if loss is not None or data is not None or _is_torch_model(definition):
+            from . import pytorch
+
+            bridged = {
+                "ttl": ttl,
+                "output": output,
+                "time_limit": time_limit,
+                "allow_nonfinite": allow_nonfinite,
+                **_sharding(shards, shard_by, shard_reduction),
+            }
+            return pytorch.tape_op(
+                self,
+                definition,
+                loss=loss,
+                data=data,
+                example_inputs=example_inputs,
+                **{k: v for k, v in bridged.items() if v is not None},
+            )
         options = {
             "ttl": ttl,
             "allow_nonfinite": allow_nonfinite,
@@ -225,6 +254,23 @@ class _Methods:
 
     def _get_op(self, path: str) -> Generator[Any, Any, Any]:
         return (yield from self._core.call("GET", path))
+
+    def _list_datasets_op(self) -> Generator[Any, Any, list[Any]]:
+        answer = yield from self._core.call("GET", "/v1/datasets")
+        return list(answer["datasets"])
+
+    def list_datasets(self) -> Any:
+        """This key's stored datasets (name, version, bytes, arrays: dtype and shape)."""
+        return self._run(self._list_datasets_op())
+
+    def dataset_info(self, name: str) -> Any:
+        """One stored dataset's record (GET /v1/datasets/{name})."""
+        return self._run(self._get_op(f"/v1/datasets/{quote(name, safe='')}"))
+
+    @property
+    def models(self) -> Models:
+        """The model store: `put`, `put_onnx`, `put_torch`, `get`, `list`, `delete`."""
+        return Models(self)
 
     def tapes(self) -> Any:
         """This key's live tapes (GET /v1/tapes)."""
@@ -265,7 +311,7 @@ def _client_options(url: str, timeout: Any) -> dict[str, Any]:
     return {"base_url": url.rstrip("/"), "timeout": timeout}
 
 
-class Client(_Methods):
+class Client(ApiMethods):
     """A synchronous gradtape client.
 
     `Client(url, api_key=None, transport="msgpack" | "json", timeout=..., retry=Retry())`;
@@ -323,7 +369,7 @@ class Client(_Methods):
         self.close()
 
 
-class AsyncClient(_Methods):
+class AsyncClient(ApiMethods):
     """The asyncio twin of `Client`: the same methods, each answering an awaitable
     (`await client.gradient(...)`); `async with AsyncClient(...) as client:`."""
 
@@ -382,6 +428,16 @@ class AsyncClient(_Methods):
 
 
 __all__ = ["AsyncClient", "Client", "Retry"]
+
+
+def _is_torch_model(obj: Any) -> bool:
+    """A torch nn.Module (without importing torch when the caller has not) or a
+    bridged TorchModel."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        return True
+    bridge = sys.modules.get(__package__ + ".pytorch")
+    return bridge is not None and isinstance(obj, bridge.TorchModel)
 
 
 def _sharding(shards: int | None, shard_by: Any, reduction: str | None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import GradtapeError, JobCancelled, error_class
 
 if TYPE_CHECKING:
-    from ._client import _Methods
+    from ._client import ApiMethods
     from ._core import Core, Op
 
 ACTIVE = ("queued", "running")
@@ -177,7 +177,7 @@ class Job:
     awaitables."""
 
     def __init__(
-        self, client: _Methods, job_id: str, decode: Callable[[dict[str, Any]], Any] | None = None
+        self, client: ApiMethods, job_id: str, decode: Callable[[dict[str, Any]], Any] | None = None
     ):
         self._client = client
         self.id = job_id

@@ -102,6 +102,12 @@ class Hessian(_Unpack):
     blocks: dict[str, dict[str, np.ndarray]] = field(default_factory=dict, repr=False)
     _unpack = ("value", "gradients", "hessian")
 
+    def plot(self, ax: Any = None, **style: Any) -> Any:
+        """The dense Hessian as a heatmap (plots.hessian): (figure, axes)."""
+        from . import plots
+
+        return plots.hessian(self, ax, **style)
+
     def matrix(self) -> np.ndarray:
         return flat_matrix(self.blocks, list(self.blocks))
 
@@ -135,6 +141,12 @@ class Eigenvalues(_Unpack):
     seconds: float
     method: str = "lanczos"
     _unpack = ("eigenvalues", "eigenvectors")
+
+    def plot(self, ax: Any = None) -> Any:
+        """The eigenvalues with their residuals (plots.eigenvalues): (figure, axes)."""
+        from . import plots
+
+        return plots.eigenvalues(self, ax)
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,12 @@ class Diagonal(_Unpack):
     partial: np.ndarray | None = None
     _unpack = ("diagonal", "stderr")
 
+    def plot(self, sources: list[str] | None = None, **style: Any) -> Any:
+        """A heatmap per source (plots.diagonal): (figure, [axes])."""
+        from . import plots
+
+        return plots.diagonal(self, sources, **style)
+
 
 @dataclass(frozen=True)
 class SpectralDensity(_Unpack):
@@ -200,6 +218,13 @@ class SpectralDensity(_Unpack):
     hvps: int
     seconds: float
     _unpack = ("grid", "density")
+
+    def plot(self, ax: Any = None, **style: Any) -> Any:
+        """The density with its band of +-2 standard errors (plots.spectral_density):
+        (figure, axes)."""
+        from . import plots
+
+        return plots.spectral_density(self, ax, **style)
 
     def smoothed(self, grid: Any, sigma: float) -> np.ndarray:
         """The density re-smoothed with another `sigma` on another `grid`, from the raw
@@ -227,6 +252,12 @@ class Solve(_Unpack):
     seconds: float
     _unpack = ("solution", "converged")
 
+    def plot(self, ax: Any = None) -> Any:
+        """The relative residual per CG iteration (plots.solve): (figure, axes)."""
+        from . import plots
+
+        return plots.solve(self, ax)
+
 
 @dataclass(frozen=True)
 class Influence(_Unpack):
@@ -251,3 +282,10 @@ class Influence(_Unpack):
     residuals: np.ndarray
     seconds: float
     _unpack = ("scores", "helpful", "harmful")
+
+    def plot(self, ax: Any = None, **style: Any) -> Any:
+        """The scores as bars, harmful red, helpful blue (plots.influence):
+        (figure, axes)."""
+        from . import plots
+
+        return plots.influence(self, ax, **style)

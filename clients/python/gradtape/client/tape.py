@@ -41,7 +41,7 @@ from .results import (
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
 
-    from ._client import _Methods
+    from ._client import ApiMethods
 
 
 class RemoteTape(CurvatureMethods):
@@ -49,7 +49,7 @@ class RemoteTape(CurvatureMethods):
     gradients, KFAC and Laplace fits come from CurvatureMethods (curvature.py)."""
 
     def __init__(
-        self, client: _Methods, answer: dict[str, Any], definition: Any, target: str, sources: Any
+        self, client: ApiMethods, answer: dict[str, Any], definition: Any, target: str, sources: Any
     ):
         self._client = client
         self._core: _core.Core = client._core

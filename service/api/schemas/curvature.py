@@ -8,14 +8,16 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
-from service.api.schemas import CallOptions, Inputs, Tensor, Tensors, Vector, _async_field
+from service.api.schemas.base import CallOptions, async_field
+from service.api.schemas.definitions import Inputs, Tensors, Vector
+from service.api.schemas.tensors import Tensor
 
 
 class PerExampleRequest(CallOptions):
     """Per-example gradients of a tape recorded with `output` (its examples along the
     output's first axis) and their statistics, in one batched pass."""
 
-    run_async: StrictBool = _async_field()
+    run_async: StrictBool = async_field()
 
     gradients: StrictBool = Field(
         False,
@@ -59,7 +61,7 @@ class KFACRequest(CallOptions):
     """KFAC (or EKFAC) of a tape recorded with `output`, on the matmul and convolution
     layers found in its program."""
 
-    run_async: StrictBool = _async_field()
+    run_async: StrictBool = async_field()
 
     curvature: KFACCurvature = Field(KFACCurvature.ggn, description="See KFACCurvature.")
     samples: StrictInt | None = Field(
@@ -145,7 +147,7 @@ class LaplaceRequest(CallOptions):
     """Fit a Laplace approximation at the tape's point (a trained model): kept with the
     tape under the `laplace_id` answered."""
 
-    run_async: StrictBool = _async_field()
+    run_async: StrictBool = async_field()
 
     subset: Literal["all", "last_layer"] = Field(
         "all", description="All sources, or the last matmul layer's weight and bias."
@@ -209,7 +211,7 @@ class LaplaceEvidenceRequest(CallOptions):
 class LaplacePredictiveRequest(CallOptions):
     """The GLM-linearised predictive at new inputs."""
 
-    run_async: StrictBool = _async_field()
+    run_async: StrictBool = async_field()
 
     test_inputs: Inputs = Field(
         description="New rows for the inputs the model reads along the examples axis."

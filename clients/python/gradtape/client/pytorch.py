@@ -1,0 +1,1081 @@
+"""The PyTorch bridge (`pip install 'gradtape-client[torch]'`): an `nn.Module` to the
+service with every parameter kept as itself, and answers keyed and shaped like the module.
+
+    with Client(url) as client:
+        with client.tape(model, loss="cross_entropy", data=(X, y)) as tape:
+            top = tape.eigenvalues(k=3)                  # the Hessian over every parameter
+            grads = tape.gradients                       # {torch name: array}, in
+                                                         # named_parameters() order
+
+    net = client.models.put_torch("resnet", model, X[:8])   # stored (any batch size)
+    tape = client.tape(net, loss="mse", data=(X, Y))
+
+How a module gets there (`export`):
+- Exported by `torch.onnx.export(dynamo=True, optimize=False)`: the exporter's
+  optimizer is what folds eval-mode BatchNorm into convolution weights, drops all-zero
+  biases and merges equal-valued weights; without it every parameter stays an
+  initializer of its own. (The TorchScript exporter always folds constants, BatchNorm
+  included, since PyTorch 2.6.) The batch axis (axis 0 of every input) is dynamic, so one
+  stored model serves any batch size.
+- Every floating-point initializer is matched to `named_parameters()` and
+  `named_buffers()` BY VALUE (the initializer's name only breaks ties between equal
+  values): a parameter becomes a variable under its torch name and its torch value; an
+  initializer holding a parameter's transpose (a known rewrite) reads the parameter
+  through a Transpose node, and one holding a copy through an Identity node, so the
+  gradient lands on the parameter. Buffers (BatchNorm's running statistics) and the
+  exporter's constants become Constant nodes: never trainable, whoever uses the file.
+- A parameter the forward uses but no initializer holds (folded, fused, merged with an
+  equal-valued one, or dropped) is refused with a `BridgeError` naming it and what
+  happened. A parameter the forward does not use has a zero gradient.
+- Then verified on the service: its forward on the example inputs must equal the
+  module's, and its gradient of sum(r * output) (r fixed, random) must equal torch's for
+  every parameter; a mismatch is an `ExportMismatch` naming the first output or
+  parameter that differs. Tolerances: |service - torch| <= rtol * |torch| + atol * scale,
+  scale the largest |torch| of that output or gradient, with rtol = atol = 1e-9 in
+  float64 and 1e-4 in float32 (float16/bfloat16 modules are not bridged).
+
+The flat parameter vector (`tape.vector`, `tape.unflatten`, `tape.size`) is the
+trainable parameters in `named_parameters()` order, each raveled: the order of
+`torch.nn.utils.parameters_to_vector(p for p in model.parameters() if p.requires_grad)`.
+Answers are NumPy arrays, or `torch.Tensor`s where the call passed tensors (`data` or a
+vector); `tape.state_dict(v)` turns a flat vector or a dict into tensors that
+`model.load_state_dict(..., strict=False)` takes.
+
+Training mode: a module with BatchNorm, Dropout or another layer that behaves
+differently while training must be in eval mode (`model.eval()`), or the bridge refuses
+it; curvature in training mode (batch statistics, random masks) is not what the service
+computes. Only `Client` (not `AsyncClient`) takes modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import warnings
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Self
+
+import numpy as np
+
+from .definition import dataset as dataset_input
+
+if TYPE_CHECKING:
+    from ._client import _Methods
+    from .tape import RemoteTape
+
+# Forward and gradient agreement on the example inputs, by the module's dtype.
+TOLERANCE = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4}
+# Data at least this large goes up as a stored dataset (inputs bound to it by name).
+UPLOAD_BYTES = 8 * 2**20
+LOSSES = ("cross_entropy", "mse", "nll", "bce_with_logits")
+
+
+class BridgeError(ValueError):
+    """A module the bridge cannot bring to the service faithfully (a parameter the
+    export changed, a training-mode module, an export the exporter refused)."""
+
+
+class ExportMismatch(BridgeError):
+    """The service's forward or gradient on the example inputs differs from torch's."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - the extra is not installed
+        raise ImportError(
+            "the PyTorch bridge needs torch, onnx and onnxscript: "
+            "pip install 'gradtape-client[torch]'"
+        ) from exc
+    return torch
+
+
+def is_torch_module(obj: Any) -> bool:
+    """An nn.Module, without importing torch when the caller has not."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+# --------------------------------------------------------------------------- export
+
+
+@dataclass
+class ParameterRecord:
+    """Where one torch parameter is in the exported file."""
+
+    name: str
+    shape: tuple[int, ...]
+    how: str  # "kept", "renamed from X", "transposed ...", "unused", "frozen"
+
+
+@dataclass
+class TorchModel:
+    """A module as the service runs it: the .onnx file (initializers renamed to torch
+    names; buffers and constants frozen as Constant nodes), its trainable parameters in
+    `named_parameters()` order, and how each was found in the export. `stored`: the
+    name it is stored under (`client.models.put_torch`), else None."""
+
+    onnx: bytes
+    inputs: list[str]
+    outputs: list[str]
+    parameters: list[ParameterRecord]
+    buffers: list[str]
+    constants: int
+    dtype: np.dtype
+    example_inputs: tuple[Any, ...] = field(repr=False)
+    expected: list[np.ndarray] = field(repr=False)
+    probe_weights: list[np.ndarray | None] = field(repr=False)
+    probe_gradients: list[dict[str, np.ndarray]] = field(repr=False)
+    state_digest: str = ""
+    stored: str | None = None
+    verified: bool = False
+
+    @property
+    def trainable(self) -> list[str]:
+        """The parameters the service differentiates, in named_parameters() order."""
+        return [p.name for p in self.parameters if p.how not in ("unused", "frozen")]
+
+    @property
+    def unused(self) -> list[str]:
+        """Parameters the forward does not read (their gradients are zeros)."""
+        return [p.name for p in self.parameters if p.how == "unused"]
+
+    def model_spec(self) -> dict[str, Any]:
+        """The definition's `models` entry: the file, or the stored name."""
+        return {"stored": self.stored} if self.stored else {"onnx": self.onnx}
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    torch = _torch()
+    items = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            raise BridgeError(
+                f"example_inputs[{i}] is a {type(item).__name__}; the bridge takes tensors "
+                "(one, or a tuple of them, as the module's forward takes them)"
+            )
+    return tuple(items)
+
+
+def _outputs(value: Any) -> list[Any]:
+    torch = _torch()
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            raise BridgeError(
+                f"the module's output {i} is a {type(item).__name__}; the bridge takes "
+                "modules returning a tensor or a tuple of tensors"
+            )
+    return items
+
+
+# Layers whose training mode differs from eval mode (batch statistics, random masks).
+_MODE_DEPENDENT = ("BatchNorm", "Dropout", "InstanceNorm", "AlphaDropout", "RNNBase")
+
+
+def _check_mode(module: Any) -> None:
+    torch = _torch()
+    mode_dependent = (
+        torch.nn.modules.batchnorm._BatchNorm,
+        torch.nn.modules.dropout._DropoutNd,
+        torch.nn.modules.instancenorm._InstanceNorm,
+        torch.nn.RNNBase,
+        torch.nn.MultiheadAttention,
+        torch.nn.TransformerEncoderLayer,
+    )
+    for name, sub in module.named_modules():
+        if sub.training and isinstance(sub, mode_dependent):
+            raise BridgeError(
+                f"{name or 'the module'} ({type(sub).__name__}) is in training mode, where it "
+                "uses batch statistics or random masks; call model.eval() before bridging it "
+                "(the service differentiates the deterministic eval-mode function)"
+            )
+
+
+def _state_digest(module: Any, args: tuple[Any, ...]) -> str:
+    """What an export depends on: the values and shapes of the state and the inputs'
+    shapes and dtypes (a cached export is reused only while they are unchanged)."""
+    h = hashlib.sha256()
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for a in args:
+        h.update(str(tuple(a.shape[1:])).encode() + str(a.dtype).encode())
+    return h.hexdigest()
+
+
+_CACHE: weakref.WeakKeyDictionary[Any, TorchModel] = weakref.WeakKeyDictionary()
+
+
+def export(
+    module: Any,
+    example_inputs: Any,
+    *,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_batch: bool = True,
+    opset: int | None = None,
+    onnx_model: bytes | None = None,
+) -> TorchModel:
+    """The module as an .onnx file whose variables are exactly its parameters (see the
+    module docstring). `onnx_model`: map a file you exported yourself instead (the same
+    checks; a refusal says which parameter your export changed). Not yet verified
+    against the service: `client.models.put_torch` and `client.tape` do that."""
+    torch = _torch()
+    import onnx
+
+    _check_mode(module)
+    args = _as_tuple(example_inputs)
+    dtypes = {p.dtype for p in module.parameters()} or {torch.float32}
+    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.float64}:
+        raise BridgeError(
+            f"the module's parameters are {sorted(str(d) for d in dtypes)}; the bridge takes "
+            "modules entirely in float32 or entirely in float64 (module.double())"
+        )
+    dtype = np.dtype(str(next(iter(dtypes))).removeprefix("torch."))
+    names_in = list(
+        input_names or (["x"] if len(args) == 1 else [f"x{i}" for i in range(len(args))])
+    )
+    if len(names_in) != len(args):
+        raise BridgeError(f"{len(names_in)} input_names for {len(args)} example inputs")
+    with torch.no_grad():
+        expected = _outputs(module(*args))
+    names_out = list(
+        output_names
+        or (["logits"] if len(expected) == 1 else [f"out{i}" for i in range(len(expected))])
+    )
+    if len(names_out) != len(expected):
+        raise BridgeError(f"{len(names_out)} output_names for {len(expected)} outputs")
+    if onnx_model is None:
+        onnx_model = _run_exporter(module, args, names_in, names_out, dynamic_batch, opset)
+    proto = onnx.load_model_from_string(bytes(onnx_model))
+    params, used = _parameters(module, args)
+    records, buffers, constants = _restore(proto, module, params, used)
+    _fold_integer_constants(proto)
+    _sequences_to_split(proto, args)
+    _strip_debug_info(proto)
+    # The exporter's intermediate shapes name the batch symbolically; the service infers
+    # them anew for each batch size.
+    del proto.graph.value_info[:]
+    probe_weights, probe_grads = _probe(module, args, records)
+    return TorchModel(
+        onnx=proto.SerializeToString(),
+        inputs=[i.name for i in proto.graph.input],
+        outputs=[o.name for o in proto.graph.output],
+        parameters=records,
+        buffers=buffers,
+        constants=constants,
+        dtype=dtype,
+        example_inputs=args,
+        expected=[e.detach().cpu().numpy() for e in expected],
+        probe_weights=probe_weights,
+        probe_gradients=probe_grads,
+        state_digest=_state_digest(module, args),
+    )
+
+
+def _run_exporter(
+    module: Any,
+    args: tuple[Any, ...],
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_batch: bool,
+    opset: int | None,
+) -> bytes:
+    torch = _torch()
+    dynamic = None
+    if dynamic_batch:
+        # AUTO: the batch axis stays dynamic unless the module fixes it (then the file
+        # takes only the example's batch size, and says so in its input shapes).
+        dynamic = tuple({0: torch.export.Dim.AUTO} if a.ndim else {} for a in args)
+    options: dict[str, Any] = {}
+    if opset is not None:
+        options["opset_version"] = opset
+    try:
+        # The exporter prints progress and warns about optional packages (torchvision).
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                optimize=False,  # the optimizer folds, fuses, merges and drops parameters
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_shapes=dynamic,
+                external_data=False,
+                verbose=False,
+                **options,
+            )
+    except Exception as exc:  # the exporter's own refusal (an untraceable forward ...)
+        raise BridgeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+    return program.model_proto.SerializeToString()
+
+
+def _parameters(module: Any, args: tuple[Any, ...]) -> tuple[list[tuple[str, Any]], set[str]]:
+    """named_parameters() (ties once, under their first name) and the names the
+    forward reads (a gradient of every float output reaches them)."""
+    torch = _torch()
+    params = list(module.named_parameters())
+    trainable = [(n, p) for n, p in params if p.requires_grad]
+    with torch.enable_grad():
+        outs = [o for o in _outputs(module(*args)) if o.is_floating_point() and o.requires_grad]
+        grads: Sequence[Any] = [None] * len(trainable)
+        if outs and trainable:
+            total = sum((o * o).sum() for o in outs)  # o*o: a zero mean cannot hide a use
+            grads = torch.autograd.grad(
+                total, [p for _, p in trainable], allow_unused=True, materialize_grads=False
+            )
+    used = {n for (n, _), g in zip(trainable, grads) if g is not None}
+    return params, used
+
+
+def _np(t: Any) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _graph_names(graph: Any) -> set[str]:
+    out = {i.name for i in graph.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        out.update(node.output)
+    return out
+
+
+def _restore(
+    proto: Any, module: Any, params: list[tuple[str, Any]], used: set[str]
+) -> tuple[list[ParameterRecord], list[str], int]:
+    """Match every float initializer to a parameter or buffer by value and rewrite the
+    graph so that the variables are exactly the trainable parameters (module docstring).
+    Answers the parameter records, the buffers found, and the count of constants."""
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    trainable = {n: _np(p) for n, p in params if p.requires_grad}
+    frozen_params = {n: _np(p) for n, p in params if not p.requires_grad}
+    buffers = {n: _np(b) for n, b in module.named_buffers()}
+    inits = [i for i in graph.initializer]
+    arrays = {i.name: numpy_helper.to_array(i) for i in inits}
+    floats = [i.name for i in inits if arrays[i.name].dtype.kind == "f"]
+
+    def distinct(a: np.ndarray) -> bool:
+        # All-equal values (zeros, ones) cannot tell a parameter from a constant.
+        return a.size > 1 and not np.all(a == a.reshape(-1)[0])
+
+    # initializer -> (torch name, "param" | "buffer", rewrite: "", "transpose")
+    role: dict[str, tuple[str, str, str]] = {}
+    for iname in floats:
+        a = arrays[iname]
+        if iname in trainable and _same(a, trainable[iname]):
+            role[iname] = (iname, "param", "")
+            continue
+        if iname in buffers and _same(a, buffers[iname]):
+            role[iname] = (iname, "buffer", "")
+            continue
+        if iname in frozen_params and _same(a, frozen_params[iname]):
+            role[iname] = (iname, "buffer", "")
+            continue
+        if not distinct(a):
+            continue  # a constant
+        direct = [n for n, p in trainable.items() if _same(a, p)]
+        if len(direct) == 1:
+            role[iname] = (direct[0], "param", "")
+            continue
+        if len(direct) > 1:
+            continue  # equal-valued parameters: the uncovered ones are refused below
+        if a.ndim == 2:
+            swapped = [n for n, p in trainable.items() if p.ndim == 2 and _same(a, p.T)]
+            if len(swapped) == 1:
+                role[iname] = (swapped[0], "param", "transpose")
+                continue
+        held = [n for n, b in {**buffers, **frozen_params}.items() if _same(a, b)]
+        if len(held) == 1:
+            role[iname] = (held[0], "buffer", "")
+
+    covered: dict[str, list[tuple[str, str]]] = {}
+    for iname, (tname, kind, rewrite) in role.items():
+        if kind == "param":
+            covered.setdefault(tname, []).append((iname, rewrite))
+
+    problems = []
+    for tname, value in trainable.items():
+        if tname in covered or tname not in used:
+            continue
+        problems.append(f"{tname}: {_what_happened(tname, value, arrays, covered, trainable)}")
+    if problems:
+        raise BridgeError(
+            "the export changed parameters it cannot give back, so its gradients would not "
+            "be theirs: " + "; ".join(problems)
+        )
+
+    taken = _graph_names(graph) - set(arrays)
+    clash = [n for n in list(trainable) + list(buffers) if n in taken]
+    if clash:
+        raise BridgeError(
+            f"the export has values named like the module's parameters or buffers ({clash[0]!r}) "
+            "that are not them; rename the module's attribute or the export's values"
+        )
+
+    new_inits = []
+    front = []  # nodes reading the parameters, before every other node
+    records = []
+    for tname, p in trainable.items():
+        if tname not in covered:
+            records.append(ParameterRecord(tname, p.shape, "unused"))
+            continue
+        new_inits.append(numpy_helper.from_array(p, tname))
+        hows = []
+        for iname, rewrite in covered[tname]:
+            if rewrite == "transpose":
+                front.append(helper.make_node("Transpose", [tname], [iname], perm=[1, 0]))
+                hows.append(f"transposed in the export as {iname} (read through a Transpose)")
+            elif iname != tname:
+                front.append(helper.make_node("Identity", [tname], [iname]))
+                hows.append(f"renamed from {iname}")
+            else:
+                hows.append("kept")
+        records.append(ParameterRecord(tname, p.shape, "; ".join(hows)))
+    for tname, p in frozen_params.items():
+        records.append(ParameterRecord(tname, p.shape, "frozen"))
+    # Buffers and constants: Constant nodes, so that no user of the file trains them.
+    buffers_found: list[str] = []
+    constants = 0
+    for iname in floats:
+        if iname in role and role[iname][1] == "param":
+            continue
+        if iname in role:
+            tname = role[iname][0]
+            buffers_found.append(tname)
+            value = {**buffers, **frozen_params}[tname]
+            if tname != iname:
+                front.append(helper.make_node("Identity", [tname], [iname]))
+            if tname not in {n.output[0] for n in front if n.op_type == "Constant"}:
+                front.append(_constant(tname, value))
+        else:
+            constants += 1
+            front.append(_constant(iname, arrays[iname]))
+    keep = [i for i in inits if i.name not in floats]
+    del graph.initializer[:]
+    graph.initializer.extend(keep + new_inits)
+    # Initializers listed as graph inputs (keep_initializers_as_inputs): not inputs.
+    leaving = set(floats)
+    kept_inputs = [i for i in graph.input if i.name not in leaving]
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+    nodes = list(graph.node)
+    # Constants first, then the Identity/Transpose nodes that read them.
+    front.sort(key=lambda n: n.op_type != "Constant")
+    del graph.node[:]
+    graph.node.extend(front + nodes)
+    return records, buffers_found, constants
+
+
+# Ops whose result is random: never evaluated ahead.
+_RANDOM = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)  # fmt: skip
+
+
+def _fold_integer_constants(proto: Any) -> int:
+    """Evaluate the nodes that compute integers (shapes, axes, indices) from constants
+    alone and keep their values as Constant nodes: ONNX shape inference cannot see
+    through a Reshape of constant axes (the exporter writes ReduceMean's axes so), and
+    would leave the batch axis of the output unknown. Float values are never folded, so
+    no parameter, buffer or constant the gradient passes through changes."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    graph = proto.graph
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 13)
+    known = {
+        i.name: numpy_helper.to_array(i)
+        for i in graph.initializer
+        if numpy_helper.to_array(i).dtype.kind in "iub"
+    }
+    nodes, folded = [], 0
+    for node in graph.node:
+        ins = [n for n in node.input if n]
+        static = (
+            node.domain in ("", "ai.onnx")
+            and node.op_type not in _RANDOM
+            and all(n in known for n in ins)
+            and not any(a.type in (5, 10) for a in node.attribute)  # no subgraphs
+        )
+        if static:
+            try:
+                values = ReferenceEvaluator(node, opsets={"": opset}).run(
+                    None, {n: known[n] for n in ins}
+                )
+            except Exception:  # noqa: BLE001 - left for the service to run (or refuse)
+                values = None
+            if values is not None and all(np.asarray(v).dtype.kind in "iub" for v in values):
+                for name, v in zip(node.output, values):
+                    known[name] = np.asarray(v)
+                    if node.op_type != "Constant":
+                        nodes.append(_constant(name, np.asarray(v)))
+                if node.op_type == "Constant":
+                    nodes.append(node)
+                else:
+                    folded += 1
+                continue
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return folded
+
+
+def _sequences_to_split(proto: Any, args: tuple[Any, ...]) -> int:
+    """SplitToSequence read only by SequenceAt at constant positions (how the exporter
+    writes `tensor.split(size)` without its optimizer) as the one Split it means, each
+    SequenceAt an Identity of its part: the same values, without sequence types (which
+    the service does not run). Answers how many it rewrote."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    consts = {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
+        for n in graph.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    }
+    consts.update({i.name: numpy_helper.to_array(i) for i in graph.initializer})
+    readers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    candidates = [
+        n
+        for n in graph.node
+        if n.op_type == "SplitToSequence"
+        and len(n.input) > 1
+        and n.input[1] in consts
+        and readers.get(n.output[0])
+        and all(r.op_type == "SequenceAt" and r.input[1] in consts for r in readers[n.output[0]])
+        and n.output[0] not in {o.name for o in graph.output}
+    ]
+    if not candidates:
+        return 0
+    # The split axis's size, from shape inference at the example's shapes.
+    typed = onnx.ModelProto()
+    typed.CopyFrom(proto)
+    for value, a in zip(typed.graph.input, args):
+        for dim, size in zip(value.type.tensor_type.shape.dim, a.shape):
+            dim.Clear()
+            dim.dim_value = int(size)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(typed, data_prop=True).graph
+    except Exception:  # noqa: BLE001 - left as it was (the service then says why)
+        return 0
+    ranks = {
+        v.name: [
+            d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim
+        ]
+        for v in (*inferred.value_info, *inferred.input, *inferred.output)
+    }
+    replace: dict[int, list[Any]] = {}
+    for node in candidates:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis = int(attrs.get("axis", 0))
+        split = np.asarray(consts[node.input[1]]).astype(np.int64)
+        if split.ndim == 0:
+            dims = ranks.get(node.input[0])
+            if not dims or dims[axis] is None:
+                continue
+            size, step = dims[axis], int(split)
+            split = np.array([step] * (size // step) + ([size % step] if size % step else []))
+        parts = [f"{node.output[0]}__part{i}" for i in range(len(split))]
+        sizes = f"{node.output[0]}__sizes"
+        new = [
+            _constant(sizes, split.astype(np.int64)),
+            helper.make_node("Split", [node.input[0], sizes], parts, axis=axis),
+        ]
+        replace[id(node)] = new
+        for reader in readers[node.output[0]]:
+            position = int(np.asarray(consts[reader.input[1]])) % len(parts)
+            replace[id(reader)] = [
+                helper.make_node("Identity", [parts[position]], [reader.output[0]])
+            ]
+    nodes = [m for n in graph.node for m in replace.get(id(n), [n])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return len([n for n in candidates if id(n) in replace])
+
+
+def _strip_debug_info(proto: Any) -> None:
+    """The exporter's per-node metadata and doc strings (stack traces, FX names): not
+    part of the model, and most of a small file's bytes."""
+    graph = proto.graph
+    for node in graph.node:
+        del node.metadata_props[:]
+        node.doc_string = ""
+    for value in (*graph.input, *graph.output):
+        del value.metadata_props[:]
+        value.doc_string = ""
+    for init in graph.initializer:
+        del init.metadata_props[:]
+    del graph.metadata_props[:]
+
+
+def _constant(name: str, value: np.ndarray) -> Any:
+    from onnx import helper, numpy_helper
+
+    return helper.make_node(
+        "Constant", [], [name], value=numpy_helper.from_array(np.asarray(value), name)
+    )
+
+
+def _what_happened(
+    tname: str,
+    value: np.ndarray,
+    arrays: Mapping[str, np.ndarray],
+    covered: Mapping[str, Any],
+    trainable: Mapping[str, np.ndarray],
+) -> str:
+    if tname in arrays and arrays[tname].shape == value.shape:
+        return (
+            f"the export's initializer {tname!r} holds other values (folded: e.g. a "
+            "BatchNorm folded into this weight, or a constant-folding pass); export with "
+            "torch.onnx.export(dynamo=True, optimize=False) or let the bridge export"
+        )
+    twins = [n for n, p in trainable.items() if n != tname and n in covered and _same(p, value)]
+    if twins:
+        return (
+            f"merged with {twins[0]!r}: they hold equal values and the export kept one "
+            "initializer for both (change one, or tie them in the module)"
+        )
+    if not value.size or np.all(value == value.reshape(-1)[0]):
+        return (
+            "its values are all equal, so no initializer can be told to be it by value "
+            "(dropped, or indistinguishable from a constant); perturb it or keep its name "
+            "in the export"
+        )
+    return (
+        "no initializer holds its values or their transpose (dropped, fused into another "
+        "value, or rewritten)"
+    )
+
+
+def _probe(
+    module: Any, args: tuple[Any, ...], records: list[ParameterRecord]
+) -> tuple[list[np.ndarray | None], list[dict[str, np.ndarray]]]:
+    """Per output: r (a fixed random weight; None for an integer output) and torch's
+    gradient of sum(r * output) over the trainable parameters, what the service must
+    answer on the example inputs."""
+    torch = _torch()
+    named = dict(module.named_parameters())
+    names = [r.name for r in records if r.how not in ("unused", "frozen")]
+    gen = np.random.default_rng(20261127)
+    weights: list[np.ndarray | None] = []
+    gradients: list[dict[str, np.ndarray]] = []
+    with torch.enable_grad():
+        outs = _outputs(module(*args))
+        for o in outs:
+            if not o.is_floating_point():
+                weights.append(None)
+                gradients.append({})
+                continue
+            w = (0.5 + gen.random(tuple(o.shape))).astype(_np(o).dtype)
+            grads: Sequence[Any] = [None] * len(names)
+            if o.requires_grad and names:
+                grads = torch.autograd.grad(
+                    (o * torch.as_tensor(w)).sum(),
+                    [named[n] for n in names],
+                    allow_unused=True,
+                    retain_graph=True,
+                )
+            weights.append(w)
+            gradients.append(
+                {
+                    n: np.zeros(named[n].shape, _np(named[n]).dtype) if g is None else _np(g)
+                    for n, g in zip(names, grads)
+                }
+            )
+    return weights, gradients
+
+
+# ------------------------------------------------------------------- verification
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype) -> tuple[bool, str]:
+    tol = TOLERANCE[dtype]
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return False, f"shape {got.shape} where torch has {want.shape}"
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    err = np.abs(got - want)
+    bound = tol * np.abs(want) + tol * scale
+    if np.all(err <= bound) and np.all(np.isfinite(got) == np.isfinite(want)):
+        return True, ""
+    i = int(np.argmax(err - bound))
+    return False, (
+        f"differs at flat index {i}: service {got.reshape(-1)[i]!r}, torch "
+        f"{want.reshape(-1)[i]!r} (tolerance {tol:g} relative, {tol:g} x {scale:.3g} absolute)"
+    )
+
+
+def _verify_op(client: _Methods, model: TorchModel) -> Any:
+    """One gradient request per float output on the example inputs: the value of
+    r * output against torch's, then the gradient of its sum against torch's."""
+    from . import _core
+
+    call, outs = ", ".join(model.inputs), ", ".join(model.outputs)
+    for out, weight, expected, want in zip(
+        model.outputs, model.probe_weights, model.expected, model.probe_gradients
+    ):
+        if weight is None:
+            continue
+        definition = {
+            "models": {"net": model.model_spec()},
+            "inputs": {
+                **{n: _np(a) for n, a in zip(model.inputs, model.example_inputs)},
+                "probe_weight": weight,
+            },
+            "program": [f"{outs} = net({call})", f"probed = {out} * probe_weight"],
+        }
+        body = _core.compute_body(definition, "probed", None, None)
+        answer = yield from client._core.call("POST", "/v1/gradient", body, definition=definition)
+        ok, why = _close(np.asarray(answer["value"]) / weight, expected, model.dtype)
+        if not ok:
+            raise ExportMismatch(
+                f"the service's forward differs from torch's on the example inputs: "
+                f"output {out!r} {why}"
+            )
+        grads = answer["gradients"] or {}
+        for name in model.trainable:
+            got = grads.get(name)
+            if got is None:
+                raise ExportMismatch(
+                    f"the service has no gradient of output {out!r} for parameter {name!r}"
+                )
+            ok, why = _close(got, want[name], model.dtype)
+            if not ok:
+                raise ExportMismatch(
+                    f"the service's gradient of output {out!r} for parameter {name!r} "
+                    f"differs from torch's on the example inputs: {why}"
+                )
+    model.verified = True
+    return model
+
+
+def verify(client: _Methods, model: TorchModel) -> TorchModel:
+    """Check the service's forward (and gradient) on the example inputs against torch."""
+    return client._run(_verify_op(client, model))
+
+
+def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
+    """`export` then `verify` (cached per module while its state and input shapes stay
+    the same)."""
+    if isinstance(module, TorchModel):
+        return module
+    args = _as_tuple(example_inputs)
+    cached = _CACHE.get(module)
+    if cached is not None and not options and cached.state_digest == _state_digest(module, args):
+        return cached
+    model = export(module, args, **options)
+    verify(client, model)
+    if not options:
+        _CACHE[module] = model
+    return model
+
+
+def put_torch(
+    client: _Methods,
+    name: str,
+    module: Any,
+    example_inputs: Any,
+    *,
+    description: str | None = None,
+    **options: Any,
+) -> TorchModel:
+    """Export, store under `name` (PUT /v1/models/{name}), and verify the stored model
+    (a mismatch deletes it again and raises)."""
+    from .models import Models
+
+    model = export(module, example_inputs, **options)
+    Models(client).put_onnx(name, model.onnx, description=description)
+    model.stored = name
+    try:
+        verify(client, model)
+    except BridgeError:
+        Models(client).delete(name)
+        raise
+    return model
+
+
+# ------------------------------------------------------------------------- tapes
+
+
+def _loss_lines(
+    loss: Any, outputs: list[str], target: np.ndarray | None, out_shape: tuple[int, ...]
+) -> tuple[list[str], dict[str, np.ndarray]]:
+    """The program lines after the model's, and extra inputs they need."""
+    logits = outputs[0]
+    if isinstance(loss, (list, tuple)) or (isinstance(loss, str) and "=" in loss):
+        from .definition import program_lines
+
+        lines = program_lines(loss)
+        if not lines or not lines[-1].split("=", 1)[0].strip() == "loss":
+            raise BridgeError("a loss written as lines must assign `loss` on its last line")
+        return lines, {}
+    if loss not in LOSSES:
+        raise BridgeError(
+            f"loss must be one of {', '.join(LOSSES)}, or lines of the definition language "
+            f"over {', '.join(outputs)} (the last assigning `loss`); got {loss!r}"
+        )
+    if target is None:
+        raise BridgeError(f"loss {loss!r} needs targets: data=(inputs..., y)")
+    if loss == "cross_entropy":
+        axis = ", axis=1" if len(out_shape) > 2 else ""  # torch's class axis
+        return [f"loss = softmax_cross_entropy({logits}, y{axis})"], {}
+    if loss == "mse":
+        return [f"loss = mean_squared_error({logits}, y)"], {}
+    if loss == "bce_with_logits":
+        return [f"loss = sigmoid_cross_entropy({logits}, y)"], {}
+    # nll: the output holds log-probabilities over axis 1 (torch.nn.NLLLoss).
+    if len(out_shape) != 2:
+        raise BridgeError("loss 'nll' takes (N, C) log-probabilities; write other shapes as lines")
+    return [f"loss = -mean(sum(y_one_hot * {logits}, axis=1))"], {}
+
+
+class TorchTape:
+    """A tape recorded from a module (`client.tape(module, loss=..., data=...)`): the
+    `RemoteTape`'s methods, with answers keyed by torch name in named_parameters() order
+    (as `torch.Tensor`s when the data or the vector was one), and helpers between flat
+    vectors and state dicts. `remote` is the underlying RemoteTape."""
+
+    def __init__(self, remote: RemoteTape, model: TorchModel, tensors: bool):
+        self.remote = remote
+        self.model = model
+        self._tensors = tensors
+
+    # structure -------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """The trainable parameters, in named_parameters() order (the flat order)."""
+        return self.model.trainable
+
+    @property
+    def size(self) -> int:
+        return self.remote.size
+
+    def _out(self, answer: Any, tensors: bool | None = None) -> Any:
+        tensors = self._tensors if tensors is None else tensors
+        if isinstance(answer, Mapping):
+            full = {}
+            for rec in self.model.parameters:
+                if rec.name in answer:
+                    full[rec.name] = answer[rec.name]
+                elif rec.how == "unused":  # not read by the forward: zero
+                    full[rec.name] = np.zeros(rec.shape, self.model.dtype)
+            answer = full
+        if not tensors:
+            return answer
+        torch = _torch()
+        if isinstance(answer, Mapping):
+            return {k: torch.as_tensor(np.asarray(v)) for k, v in answer.items()}
+        return torch.as_tensor(np.asarray(answer))
+
+    def _in(self, v: Any) -> tuple[Any, bool]:
+        """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays."""
+        torch = _torch()
+        tensors = False
+        if isinstance(v, torch.Tensor):
+            v, tensors = _np(v), True
+        if isinstance(v, Mapping):
+            out = {}
+            for k, x in v.items():
+                if isinstance(x, torch.Tensor):
+                    x, tensors = _np(x), True
+                out[k] = x
+            missing = [n for n in self.names if n not in out]
+            if missing:
+                raise ValueError(f"the vector has no entry for parameter {missing[0]!r}")
+            return {n: out[n] for n in self.names}, tensors
+        return self.remote.unflatten(v, None), tensors
+
+    def vector(self, values: Any) -> Any:
+        """A dict by torch name (arrays or tensors) -> one flat float64 vector in
+        parameters_to_vector order (a tensor if the dict held tensors)."""
+        arrays, tensors = self._in(values)
+        flat = self.remote.flatten(arrays)
+        return _torch().as_tensor(flat) if tensors else flat
+
+    def unflatten(self, x: Any) -> Any:
+        """A flat vector -> {torch name: array or tensor} shaped like the parameters."""
+        arrays, tensors = self._in(x)
+        return self._out(arrays, tensors)
+
+    def state_dict(self, values: Any) -> dict[str, Any]:
+        """A flat vector or a dict by torch name -> {torch name: torch.Tensor} in the
+        parameters' dtypes, for `model.load_state_dict(sd, strict=False)` (an
+        eigenvector, an influence direction, a Newton step)."""
+        torch = _torch()
+        arrays, _ = self._in(values)
+        return {
+            n: torch.as_tensor(np.asarray(arrays[n], dtype=self.model.dtype)) for n in self.names
+        }
+
+    # answers --------------------------------------------------------------------
+    @property
+    def value(self) -> float:
+        return float(self.remote.value)
+
+    @property
+    def gradients(self) -> Any:
+        """{torch name: gradient} at the recorded point (zeros for unused parameters)."""
+        return self._out(self.remote.gradients)
+
+    def hvp(self, v: Any, **options: Any) -> Any:
+        """H v (or another curvature's product: `curvature="ggn"`, ...); `v` a dict by
+        torch name or a flat vector; the answer in the same form."""
+        arrays, tensors = self._in(v)
+        flat = not isinstance(v, Mapping)
+        answer = self.remote.hvp(arrays, **options)
+        if flat:
+            out = self.remote.flatten(answer)
+            return _torch().as_tensor(out) if (tensors or self._tensors) else out
+        return self._out(answer, tensors or self._tensors)
+
+    def eigenvalues(self, k: int = 1, **options: Any) -> Any:
+        """`RemoteTape.eigenvalues`; with `eigenvectors=True` each eigenvector is a dict
+        by torch name (`tape.state_dict(vec)` makes it loadable)."""
+        result = self.remote.eigenvalues(k, **options)
+        if result.eigenvectors:
+            import dataclasses
+
+            result = dataclasses.replace(
+                result, eigenvectors=[self._out(v) for v in result.eigenvectors]
+            )
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        # trace, diagonal, spectral_density, solve, influence, linear_operator, info ...
+        return getattr(self.remote, name)
+
+    def delete(self, **options: Any) -> Any:
+        return self.remote.delete(**options)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remote.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"TorchTape({self.remote!r}, {len(self.names)} parameters)"
+
+
+def _data_arrays(
+    data: Any, model: TorchModel, loss: Any
+) -> tuple[dict[str, np.ndarray], np.ndarray | None, bool]:
+    """The module's inputs by name, the target (None for a loss written as lines
+    without one), and whether the caller passed tensors."""
+    torch = _torch()
+    tensors = False
+
+    def arr(x: Any) -> np.ndarray:
+        nonlocal tensors
+        if isinstance(x, torch.Tensor):
+            tensors = True
+            return _np(x)
+        return np.asarray(x)
+
+    if isinstance(data, Mapping):
+        arrays = {k: arr(v) for k, v in data.items()}
+        target = arrays.pop("y", None)
+        return arrays, target, tensors
+    items = list(data) if isinstance(data, (tuple, list)) else [data]
+    n = len(model.inputs)
+    if len(items) not in (n, n + 1):
+        raise BridgeError(
+            f"data has {len(items)} arrays; the module takes {n} input(s)"
+            + (", then the targets" if isinstance(loss, str) and loss in LOSSES else "")
+        )
+    arrays = {name: arr(x) for name, x in zip(model.inputs, items)}
+    target = arr(items[n]) if len(items) > n else None
+    return arrays, target, tensors
+
+
+def tape_op(
+    client: _Methods,
+    module: Any,
+    *,
+    loss: Any,
+    data: Any,
+    example_inputs: Any = None,
+    upload_above: int = UPLOAD_BYTES,
+    **tape_options: Any,
+) -> TorchTape:
+    """`client.tape(module, loss=..., data=...)`: bridge the module (or take a
+    TorchModel), write the loss over its output and record the tape with the trainable
+    parameters as sources, in named_parameters() order."""
+    if client.is_async:
+        raise TypeError("the PyTorch bridge runs with Client, not AsyncClient")
+    if data is None:
+        raise BridgeError("client.tape(module, ...) needs data=(inputs..., targets)")
+    torch = _torch()
+    if isinstance(module, TorchModel):
+        model = module
+    else:
+        if example_inputs is None:  # the first rows of the data are the example
+            if isinstance(data, Mapping):
+                raise BridgeError("with data as a dict, give example_inputs too")
+            items = list(data) if isinstance(data, (tuple, list)) else [data]
+            example_inputs = tuple(
+                (x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x)))[:8]
+                for x in items[: _forward_arity(module)]
+            )
+        model = bridge(client, module, example_inputs)
+    arrays, target, tensors = _data_arrays(data, model, loss)
+    out_shape = (next(iter(arrays.values())).shape[0],) + tuple(model.expected[0].shape[1:])
+    lines, extra = _loss_lines(loss, model.outputs, target, out_shape)
+    inputs: dict[str, Any] = dict(arrays)
+    if target is not None:
+        if loss == "nll":
+            classes = out_shape[1]
+            inputs["y_one_hot"] = (target.reshape(-1, 1) == np.arange(classes)).astype(model.dtype)
+        else:
+            inputs["y"] = target.astype(model.dtype) if target.dtype.kind == "f" else target
+    inputs.update(extra)
+    if sum(a.nbytes for a in inputs.values()) >= upload_above:
+        digest = hashlib.sha256()
+        for k, a in sorted(inputs.items()):
+            digest.update(k.encode() + str(a.dtype).encode() + str(a.shape).encode())
+            digest.update(np.ascontiguousarray(a).tobytes())
+        name = f"torch-data-{digest.hexdigest()[:24]}"
+        client.put_dataset(name, inputs)
+        inputs = {k: dataset_input(name, k) for k in inputs}
+    definition = {
+        "models": {"net": model.model_spec()},
+        "inputs": inputs,
+        "program": [f"{', '.join(model.outputs)} = net({', '.join(model.inputs)})", *lines],
+    }
+    output = tape_options.pop("output", None) or model.outputs[0]
+    remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)
+    return TorchTape(remote, model, tensors)
+
+
+def _forward_arity(module: Any) -> int:
+    import inspect
+
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return 1
+    positional = [
+        p
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return max(1, len(positional))

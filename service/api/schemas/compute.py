@@ -1,0 +1,189 @@
+"""Stateless derivatives (POST /v1/gradient, /jacobian, /hessian, /hvp): requests and answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    model_validator,
+)
+
+from service.api.schemas.base import ComputeRequest, ShardOptions, async_field, nonfinite_flag
+from service.api.schemas.definitions import Gradients, HessianBlocks, Tensors, Vector
+from service.api.schemas.tensors import StrictModel, Tensor, TensorValue, Unconnected
+
+GRADIENT_EXAMPLE: dict[str, Any] = {
+    "definition": {
+        "variables": {
+            "w1": {"value": 2.0},
+            "w2": {"value": {"dtype": "float32", "shape": [], "data": [3.0]}, "trainable": True},
+        },
+        "inputs": {"x1": 5.0, "x2": 7.0},
+        "program": ["s = w1 * x1 + w2 * x2"],
+    },
+    "target": "s",
+    "sources": ["w1", "w2"],
+}
+
+
+FLAT_JACOBIAN_DESCRIPTION = (
+    "Answer the jacobian as one float64 matrix in `flat.jacobian`: [target size, n], row i "
+    "the target's element i (row-major), the columns the sources' elements in the order "
+    "`flat.order` lists (SciPy's least_squares `jac`); with `batch`, [B, target size per "
+    "example, n per example], the order over the sources' shapes without their batch "
+    "axis. `jacobians` is then empty and unconnected sources hold zeros."
+)
+
+UNCONNECTED_FIELD = Field(
+    Unconnected.none,
+    description="For a source the target does not depend on: null (none) or zeros (zero).",
+)
+
+
+class GradientRequest(ComputeRequest, ShardOptions):
+    """The target's value and its gradients with respect to the sources (a non-scalar
+    target is differentiated as its sum)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [GRADIENT_EXAMPLE]})
+
+    unconnected: Unconnected = UNCONNECTED_FIELD
+    flat: StrictBool = Field(
+        False,
+        description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening.",
+    )
+
+
+class JacobianRequest(ComputeRequest):
+    """The jacobian of a (tensor) target with respect to each source."""
+
+    unconnected: Unconnected = UNCONNECTED_FIELD
+    run_async: StrictBool = async_field()
+    flat: StrictBool = Field(False, description=FLAT_JACOBIAN_DESCRIPTION)
+
+    batch: StrictBool = Field(
+        False,
+        description="Per-example jacobians: target and source share their first "
+        "(batch) axis and example b of the target depends only on example b of the source; "
+        "the answer has shape target.shape + source.shape[1:]. Refused (422) when the "
+        "examples are not independent.",
+    )
+
+
+class NewtonOptions(StrictModel):
+    """Ask for the damped Newton step (H + damping * I)^-1 g over the sources."""
+
+    damping: StrictFloat = Field(1e-3, ge=0, description="Added to the Hessian's diagonal.")
+
+
+class HessianRequest(ComputeRequest):
+    """The Hessian of a scalar target over the sources (refused above the server's size).
+    Gradients and blocks of unconnected sources are zeros."""
+
+    newton: NewtonOptions | None = Field(
+        None, description="Also answer the damped Newton step (subtract it from the sources)."
+    )
+    run_async: StrictBool = async_field()
+
+
+class HVPRequest(ComputeRequest, ShardOptions):
+    """Hessian-vector products of a scalar target: give `vector` or `vectors`. Gradients
+    and products of unconnected sources are zeros."""
+
+    vector: Vector | None = Field(
+        None, description="One vector: a tensor per source (keyed like the gradients)."
+    )
+    vectors: list[Vector] | None = Field(
+        None, description="Several vectors, answered together in one batched pass."
+    )
+    flat_vector: TensorValue | None = Field(
+        None, description="One vector as a flat vector over the sources (in `flat.order`)."
+    )
+    flat: StrictBool = Field(
+        False,
+        description="Answer gradients (and products) as one flat float64 vector in "
+        "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
+        "then empty. For SciPy's minimize, without unflattening.",
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> HVPRequest:
+        given = [self.vector, self.vectors, self.flat_vector]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError(
+                "give exactly one of 'vector' (one), 'vectors' (a list) or "
+                "'flat_vector' (one, flat)"
+            )
+        if self.vectors is not None and not self.vectors:
+            raise ValueError("'vectors' is empty")
+        return self
+
+
+class FlatSlot(BaseModel):
+    source: str = Field(description="The source (its answer key).")
+    shape: list[int]
+    offset: int = Field(description="Where its elements start in the flat vectors.")
+    size: int
+
+
+class FlatAnswer(BaseModel):
+    """With `flat: true`: the answer as flat float64 vectors over the sources."""
+
+    order: list[FlatSlot] = Field(description="The sources, in the flat vectors' order.")
+    gradient: Tensor | None = None
+    hvp: Tensor | None = None
+    hvps: Tensor | None = Field(None, description="One row per vector.")
+    jacobian: Tensor | None = Field(
+        None,
+        description="The jacobian: [target size, n], or [B, target size per example, "
+        "n per example] for a batch jacobian.",
+    )
+
+
+class GradientResponse(BaseModel):
+    """The target's value and one gradient per source (null when unconnected)."""
+
+    value: Tensor
+    gradients: Gradients
+    flat: FlatAnswer | None = None
+    nonfinite: list[str] | None = nonfinite_flag()
+
+
+class JacobianResponse(BaseModel):
+    """The target's value and one jacobian per source (shape target.shape + source.shape,
+    or target.shape + source.shape[1:] for a batch jacobian; null when unconnected)."""
+
+    value: Tensor
+    jacobians: Gradients
+    flat: FlatAnswer | None = None
+    nonfinite: list[str] | None = nonfinite_flag()
+
+
+class HessianResponse(BaseModel):
+    """Value, gradients, and the Hessian as blocks: hessian[a][b] has shape
+    a.shape + b.shape."""
+
+    value: Tensor
+    gradients: Gradients
+    hessian: HessianBlocks
+    newton_step: Tensors | None = Field(
+        None, description="(H + damping I)^-1 g per source, when asked."
+    )
+    nonfinite: list[str] | None = nonfinite_flag()
+
+
+class HVPResponse(BaseModel):
+    """Value, gradients and H @ v per vector (`hvp` for `vector`, `hvps` for `vectors`)."""
+
+    value: Tensor
+    gradients: Gradients
+    hvp: Tensors | None = None
+    hvps: list[Tensors] | None = None
+    flat: FlatAnswer | None = None
+    nonfinite: list[str] | None = nonfinite_flag()

@@ -1,0 +1,88 @@
+"""The op catalogue, health and readiness, and the problem+json body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+)
+
+
+class OpParam(BaseModel):
+    name: str
+    kind: str = Field(description="tensor, tensors (a list of them) or constant")
+    type: str
+    required: bool
+    variadic: bool
+    default: Any = None
+
+
+class OpInfo(BaseModel):
+    """One op a program can call."""
+
+    name: str
+    family: str
+    signature: str
+    doc: str
+    operator: str | None = Field(None, description="The operator spelling, e.g. 'a + b'.")
+    params: list[OpParam]
+
+
+class OpCatalogue(BaseModel):
+    """Every op and built-in a program can call."""
+
+    ops: list[OpInfo]
+
+
+class HealthResponse(BaseModel):
+    status: str = Field(examples=["ok"])
+
+
+class WorkerStatus(BaseModel):
+    """One engine worker process."""
+
+    index: int
+    pid: int | None
+    device: str
+    state: str = Field(description="starting, idle, busy or down")
+    generation: int = Field(description="How many times this worker has been (re)started.")
+    restarts: int
+
+
+class ReadinessResponse(BaseModel):
+    status: str = Field(examples=["ready"])
+    workers: list[WorkerStatus]
+
+
+class ProblemItem(BaseModel):
+    """One located error: a request field, or a line/column of the program."""
+
+    message: str
+    field: str | None = Field(None, description="Dotted path of the request field.")
+    kind: str | None = Field(None, description="syntax, name, op, shape, dtype, limit, ...")
+    section: str | None = Field(None, description="program, functions.<name>.forward, ...")
+    line: int | None = None
+    column: int | None = None
+    op: str | None = None
+    shapes: list[list[int]] | None = None
+
+
+class Problem(BaseModel):
+    """An error, as application/problem+json (RFC 9457)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field("about:blank", description="URI reference naming the kind of problem.")
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[ProblemItem] | None = None
+    omitted: int | None = Field(
+        None,
+        description="Problems found beyond those listed in `errors` (the server lists "
+        "at most max_reported_problems).",
+    )

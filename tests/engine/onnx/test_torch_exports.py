@@ -1,0 +1,250 @@
+"""Small PyTorch modules exported as PyTorch 2.13 exports them (the TorchScript exporter
+without constant folding, and the dynamo exporter without its optimizer: the settings
+that keep the parameters), run by the importer in float64, against torch itself.
+
+For each: the outputs against torch's forward and ONNX's reference evaluator; the
+gradient of a nonlinear scalar of the outputs with respect to every parameter (by its
+torch name) and every float input against torch autograd; and a Hessian-vector product
+(forward over reverse in the engine, double backward in torch), all at rtol 1e-6.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+import engine as gt
+from engine.onnx import load_model
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+
+def export(module, args: tuple, dynamo: bool = False, opset: int = 17) -> bytes:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            program = torch.onnx.export(module, args, dynamo=True, optimize=False, verbose=False)
+            return program.model_proto.SerializeToString()
+        buffer = io.BytesIO()
+        torch.onnx.export(
+            module, args, buffer, dynamo=False, do_constant_folding=False, opset_version=opset
+        )
+        return buffer.getvalue()
+
+
+def _scalar_torch(outs, weights):
+    # Nonlinear in the outputs, so the Hessian has a part from every layer and the HVP
+    # checks second derivatives even of a model linear in its parameters.
+    return sum((u * o).sum() + 0.5 * (o * o).sum() for u, o in zip(weights, outs))
+
+
+def _scalar_engine(outs, weights):
+    total = None
+    for u, o in zip(weights, outs):
+        term = gt.add(gt.sum(gt.multiply(o, u)), gt.multiply(gt.sum(gt.multiply(o, o)), 0.5))
+        total = term if total is None else gt.add(total, term)
+    return total
+
+
+def agree_with_torch(
+    module, *args, dynamo: bool = False, opset: int = 17, seed: int = 0, reference: bool = True
+):
+    """Export `module` (float64, eval mode) and check the engine against torch (and the
+    forward against ONNX's reference evaluator unless `reference` is false: it lacks
+    grouped ConvTranspose); returns the loaded model (for further checks)."""
+    torch.manual_seed(seed)
+    module = module.double().eval()
+    args = tuple(a.double() if a.is_floating_point() else a for a in args)
+    data = export(module, args, dynamo=dynamo, opset=opset)
+    model = load_model(data)
+    arrays = [a.detach().numpy() for a in args]
+    spec = model.specialize([(a.shape, a.dtype) for a in arrays])
+
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - set(model.params))
+    assert not missing, f"parameters not kept as initializers by this export: {missing}"
+    names = list(named)
+    float_inputs = [i for i, a in enumerate(arrays) if a.dtype.kind == "f"]
+
+    with torch.no_grad():
+        torch_outs = module(*args)
+    torch_outs = torch_outs if isinstance(torch_outs, tuple) else (torch_outs,)
+    torch_outs = [o for o in torch_outs if o is not None]
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(tuple(o.shape)) for o in torch_outs]
+
+    def run(*leaves):
+        params = {n: gt.constant(v) for n, v in model.params.items()}
+        params.update(zip(names, leaves[: len(names)]))
+        ins = [gt.constant(a) for a in arrays]
+        for i, leaf in zip(float_inputs, leaves[len(names) :]):
+            ins[i] = leaf
+        return model.run(spec, ins, params)
+
+    primals = [gt.constant(model.params[n]) for n in names] + [
+        gt.constant(arrays[i]) for i in float_inputs
+    ]
+    outs = run(*primals)
+    assert len(outs) == len(torch_outs)
+    evaluated = [o.numpy() for o in outs]
+    if reference:
+        evaluated = ReferenceEvaluator(onnx.load_model_from_string(data)).run(
+            None, {i.name: a for i, a in zip(model.inputs, arrays)}
+        )
+    # rtol 1e-6: ONNX float attributes are float32 (HardSigmoid's alpha = 1/6 is
+    # 0.16666667), which torch's float64 run does not round, and the reference evaluator
+    # keeps some constants (HardSwish's 1/6) in float32.
+    for k, (got, want, ref) in enumerate(zip(outs, torch_outs, evaluated)):
+        got, want = got.numpy(), want.numpy()
+        atol = 1e-7 * np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=atol, err_msg=f"output {k}")
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=atol, err_msg=f"output {k} (ref)")
+
+    # torch: gradient and HVP over the same leaves, in the same order.
+    leaves = [named[n] for n in names] + [
+        args[i].detach().clone().requires_grad_(True) for i in float_inputs
+    ]
+    call_args = list(args)
+    for i, leaf in zip(float_inputs, leaves[len(names) :]):
+        call_args[i] = leaf
+    direction = [torch.from_numpy(rng.standard_normal(tuple(p.shape))) for p in leaves]
+    # Torch has no double backward for some ops (hardsigmoid); such a module computes
+    # the same function with ops that have one when `twice` is set.
+    module.twice = True
+    t_outs = module(*call_args)
+    t_outs = [o for o in (t_outs if isinstance(t_outs, tuple) else (t_outs,)) if o is not None]
+    t_loss = _scalar_torch(t_outs, [torch.from_numpy(w) for w in weights])
+    t_grads = torch.autograd.grad(t_loss, leaves, create_graph=True, allow_unused=True)
+    t_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(t_grads, leaves)]
+    dot = sum((g * d).sum() for g, d in zip(t_grads, direction))
+    t_hvp = torch.autograd.grad(dot, leaves, allow_unused=True)
+    t_hvp = [torch.zeros_like(p) if h is None else h for h, p in zip(t_hvp, leaves)]
+
+    def loss(*leaves):
+        return _scalar_engine(run(*leaves), [gt.constant(w) for w in weights])
+
+    np.testing.assert_allclose(loss(*primals).numpy(), t_loss.detach().numpy(), rtol=1e-6)
+    grads = gt.grad(loss, argnums=tuple(range(len(primals))))(*primals)
+    hvps = gt.hvp(loss, primals, [gt.constant(d.numpy()) for d in direction])
+    labels = names + [f"input {i}" for i in float_inputs]
+    for what, got_all, want_all in (("gradient", grads, t_grads), ("HVP", hvps, t_hvp)):
+        want_all = [w.detach().numpy() for w in want_all]
+        # atol from the largest entry of all: a bias before a norm has a gradient that
+        # is zero but for rounding.
+        atol = 1e-9 * max(np.abs(w).max() for w in want_all)
+        for label, got, want in zip(labels, got_all, want_all):
+            np.testing.assert_allclose(
+                got.numpy(), want, rtol=1e-6, atol=atol, err_msg=f"{what} of {label}"
+            )
+    return model
+
+
+# ----------------------------------------------------------------------------------------
+# Activations and norms
+# ----------------------------------------------------------------------------------------
+
+
+class Activations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 12)
+
+    def forward(self, x):
+        h = self.lin(x) * 2.0
+        if getattr(self, "twice", False):  # the same function, twice differentiable in torch
+            hard = (h / 6 + 0.5).clamp(0, 1)
+            return torch.cat([h * hard, hard, F.mish(h)], dim=-1)
+        return torch.cat([F.hardswish(h), F.hardsigmoid(h), F.mish(h)], dim=-1)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_hard_activations_and_mish(dynamo: bool) -> None:
+    model = agree_with_torch(Activations(), torch.randn(4, 5), dynamo=dynamo)
+    ops = {n.op_type for n in model.nodes}
+    assert {"HardSwish", "HardSigmoid"} <= ops
+    if dynamo:
+        assert "Mish" in ops
+
+
+class Norms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(6, affine=True)
+        self.gnorm = nn.GroupNorm(3, 6)
+        with torch.no_grad():  # away from the defaults, so a mapping bug shows
+            for p in (*self.inorm.parameters(), *self.gnorm.parameters()):
+                p.add_(torch.randn_like(p) * 0.3)
+
+    def forward(self, x):
+        return self.gnorm(torch.tanh(self.inorm(self.conv(x))))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_instance_and_group_norm(dynamo: bool) -> None:
+    model = agree_with_torch(Norms(), torch.randn(2, 2, 5, 4), dynamo=dynamo)
+    assert "InstanceNormalization" in {n.op_type for n in model.nodes}
+
+
+# ----------------------------------------------------------------------------------------
+# Transposed convolutions
+# ----------------------------------------------------------------------------------------
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = nn.ConvTranspose1d(2, 4, 3, stride=2, padding=1, output_padding=1)
+        self.up2 = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=2, groups=2, dilation=2)
+
+    def forward(self, x):
+        h = torch.tanh(self.up1(x))  # [N, 4, 10]
+        return self.up2(h.reshape(h.shape[0], 4, 2, 5))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_conv_transpose_1d_and_2d(dynamo: bool) -> None:
+    model = agree_with_torch(Decoder(), torch.randn(2, 2, 5), dynamo=dynamo, reference=False)
+    assert sum(n.op_type == "ConvTranspose" for n in model.nodes) == 2
+
+
+# ----------------------------------------------------------------------------------------
+# Upsampling (Resize): the coordinate modes torch emits
+# ----------------------------------------------------------------------------------------
+
+
+class Upsampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        return torch.cat(
+            [
+                F.interpolate(h, scale_factor=2, mode="nearest").flatten(1),  # asymmetric, floor
+                F.interpolate(h, scale_factor=2, mode="bilinear").flatten(1),  # pytorch_half_pixel
+                F.interpolate(h, size=(5, 9), mode="bilinear", align_corners=True).flatten(1),
+                F.interpolate(h[:, :, 0], size=7, mode="linear").flatten(1),
+                F.interpolate(h, size=(2, 3), mode="bilinear").flatten(1),  # downsampling
+            ],
+            dim=1,
+        )
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_upsample_nearest_and_linear(dynamo: bool) -> None:
+    model = agree_with_torch(Upsampler(), torch.randn(2, 2, 3, 4), dynamo=dynamo)
+    modes = {
+        (n.attrs.get("mode"), n.attrs.get("coordinate_transformation_mode"))
+        for n in model.nodes
+        if n.op_type == "Resize"
+    }
+    assert ("nearest", "asymmetric") in modes and ("linear", "align_corners") in modes

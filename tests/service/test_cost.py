@@ -1,0 +1,141 @@
+"""Bytes cannot buy minutes (issue 25): a request whose estimated compute (contraction
+FLOPs, transcendental elements and bytes moved by its passes, engine/language/cost.py)
+exceeds its time limit is refused with a 422 before anything runs, naming the estimate,
+the limit and the job form; the worker is not killed. Requests that fit are answered."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.conftest import Server, start_server, stop_server
+from tests.service.wire import arr, problem
+
+BROADCAST = ["z = broadcast_to(sum(w), ({n}, {n}))", "loss = sum(sin(z) * z)"]
+W = [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory) -> Iterator[httpx.Client]:
+    """The server's default per-request limits (1,024 HVP vectors, 2^24 jacobian
+    elements): only the cost guard stands between the issue's requests and a worker."""
+    folder = tmp_path_factory.mktemp("cost")
+    srv: Server = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(folder / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_HVP_MAX_VECTORS": "1024",
+            "GRADTAPE_JACOBIAN_MAX_ELEMENTS": str(2**24),
+            "GRADTAPE_MAX_BODY_BYTES": str(8 * 2**20),
+        },
+        folder / "server.log",
+    )
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=120.0) as client:
+            yield client
+    finally:
+        stop_server(srv)
+
+
+def worker_pids(client: httpx.Client) -> list[int]:
+    ready = client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    return [w["pid"] for w in ready.json()["workers"]]
+
+
+def program(n: int) -> list[str]:
+    return [line.format(n=n) for line in BROADCAST]
+
+
+def test_the_issues_hvp_of_1024_vectors_is_refused_before_it_runs(roomy) -> None:
+    before = worker_pids(roomy)
+    body = {
+        "definition": {"program": program(2048), "variables": {"w": W}},
+        "target": "loss",
+        "vectors": [{"w": [1.0, 0.0, 0.0, 0.0]}] * 1024,
+    }
+    answer = problem(roomy.post("/v1/hvp", json=body), 422, "too-large")
+    detail = answer["detail"]
+    assert "the HVP of 1,024 vector(s) is estimated at about" in detail
+    assert "time_limit is 30 s" in detail and '"async": true' in detail
+    assert "max_time_limit" in detail and "transcendental" in detail
+    assert answer["estimate"]["seconds"] > answer["time_limit"] == 30
+    assert worker_pids(roomy) == before  # refused, not run to the limit and killed
+
+
+def test_the_2048_row_jacobian_is_refused_before_it_runs(roomy) -> None:
+    before = worker_pids(roomy)
+    body = {
+        "definition": {
+            "program": [program(2048)[0], "y = sum(sin(z) * z, axis=1)"],
+            "variables": {"w": W},
+        },
+        "target": "y",
+    }
+    answer = problem(roomy.post("/v1/jacobian", json=body), 422, "too-large")
+    assert "the jacobian of 2,048 rows is estimated at about" in answer["detail"]
+    assert answer["estimate"]["seconds"] > 30
+    assert worker_pids(roomy) == before
+
+
+def test_a_longer_time_limit_is_named_when_even_the_maximum_is_short(roomy) -> None:
+    # 60 s is this test server's max_time_limit: an estimate past it has no job form.
+    body = {
+        "definition": {"program": program(2048), "variables": {"w": W}},
+        "target": "loss",
+        "vectors": [{"w": [1.0, 0.0, 0.0, 0.0]}] * 1024,
+        "time_limit": 5,
+    }
+    detail = problem(roomy.post("/v1/hvp", json=body), 422, "too-large")["detail"]
+    assert "time_limit is 5 s" in detail
+
+
+def test_requests_that_fit_are_answered_with_their_values(roomy) -> None:
+    # The issue's program at 256 x 256 with 32 vectors: milliseconds, and exact values.
+    n, s = 256, sum(W)
+    body = {
+        "definition": {"program": program(n), "variables": {"w": W}},
+        "target": "loss",
+        "vectors": [{"w": [1.0, 0.0, 0.0, 0.0]}] * 32,
+    }
+    answer = roomy.post("/v1/hvp", json=body)
+    assert answer.status_code == 200, answer.text
+    # loss = n^2 s sin(s) with s = sum(w): every HVP entry is n^2 (2 cos s - s sin s) v_1
+    want = n * n * (2 * np.cos(s) - s * np.sin(s))
+    for product in answer.json()["hvps"]:
+        np.testing.assert_allclose(arr(product["w"]), [want] * 4, rtol=1e-3)
+    grad = roomy.post(
+        "/v1/gradient",
+        json={"definition": {"program": program(n), "variables": {"w": W}}, "target": "loss"},
+    )
+    assert grad.status_code == 200, grad.text
+    want = n * n * (np.sin(s) + s * np.cos(s))
+    np.testing.assert_allclose(arr(grad.json()["gradients"]["w"]), [want] * 4, rtol=1e-3)
+
+
+def test_the_guard_is_off_when_a_throughput_is_zero(tmp_path) -> None:
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_COST_BYTES_PER_SECOND": "0",
+        },
+        tmp_path / "server.log",
+    )
+    try:
+        body = {
+            "definition": {"program": program(2048), "variables": {"w": W}},
+            "target": "loss",
+            "vectors": [{"w": [1.0, 0.0, 0.0, 0.0]}] * 32,
+            "time_limit": 0.5,
+        }
+        # 32 vectors at 2048 x 2048 take seconds: with the guard off, the request runs
+        # into its time limit (504) instead of a 422 before it starts.
+        with httpx.Client(base_url=srv.base_url, timeout=120.0) as client:
+            answer = client.post("/v1/hvp", json=body)
+        assert answer.status_code == 504, answer.text
+    finally:
+        stop_server(srv)

@@ -1,0 +1,261 @@
+"""The page at /ui (issue 31) in a real browser: Debian's headless Chromium, driven over
+the DevTools protocol (tests/ui/browser.py), against `gradtape serve` with API keys on.
+
+- The key is typed into the page and sent as the API expects; it never appears in a URL
+  (the server's access log, which logs every request line, is searched for it).
+- A job started through the API is watched from the page: its progress moves (the page
+  received several reports, with growing HVP counts, before the job ended), then its
+  result is drawn; the chart's data is the answer's, from GET /v1/jobs/{id}/result.
+- A cancel from the page stops a long job (the API then says cancelled, the worker
+  is idle again).
+- Screenshots are kept as test artifacts: tests/ui/artifacts/ (git-ignored).
+
+Without Chromium (`apt-get install chromium`; .ci/run installs it) the browser tests skip,
+saying so; the files and headers checks run anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.conftest import Server, start_server, stop_server
+from tests.ui.browser import CHROMIUM, Browser, browser
+
+ROOT = Path(__file__).resolve().parents[2]
+STATIC = ROOT / "service" / "api" / "ui" / "static"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+KEY = "ui-test-key-7f3a9c"
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="chromium is not installed (apt-get install chromium; .ci/run installs it)",
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("ui-server")
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp / "data"),
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": KEY,
+            "GRADTAPE_ACCESS_LOG": "true",  # every request line, to look for the key in
+            "GRADTAPE_LOG_LEVEL": "info",
+            "GRADTAPE_ALGORITHM_MAX_HVPS": "1000000",
+            "GRADTAPE_TIME_LIMIT": "300",
+            "GRADTAPE_MAX_TIME_LIMIT": "600",
+        },
+        tmp / "server.log",
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+        assert KEY not in srv.log.read_text(), "the API key reached the server's log"
+
+
+@pytest.fixture(scope="module")
+def api(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(
+        base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60.0
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def page(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    with browser(tmp_path_factory.mktemp("chromium-profile")) as b:
+        b.goto(f"{server.base_url}/ui")
+        # Without a key the lists are refused, and the page says why.
+        b.wait_for("document.getElementById('status').textContent.includes('requires an API key')")
+        b.evaluate(
+            f"document.getElementById('api-key').value = {json.dumps(KEY)};"
+            "document.querySelector('#key-form button[type=submit]').click(); true"
+        )
+        b.wait_for("document.getElementById('status').textContent === 'key in use'")
+        keyless = b.problems()  # the lists' 401s before the key was given, nothing else
+        assert keyless and all("401" in p for p in keyless), keyless
+        since = len(b.events)
+        yield b
+        problems = b.problems(since)
+        assert problems == [], f"the page logged errors (CSP violations among them): {problems}"
+
+
+def mlp(rng: np.random.Generator, batch: int, width: int) -> dict:
+    """A one-hidden-layer tanh network's mean squared error: 2 * width**2 parameters,
+    each HVP a few (batch x width x width) products."""
+
+    def tensor(a: np.ndarray) -> dict:
+        return {"dtype": "float64", "shape": list(a.shape), "data": a.ravel().tolist()}
+
+    return {
+        "variables": {
+            "W1": tensor(rng.standard_normal((width, width)) / np.sqrt(width)),
+            "W2": tensor(rng.standard_normal((width, width)) / np.sqrt(width)),
+        },
+        "inputs": {
+            "X": tensor(rng.standard_normal((batch, width))),
+            "Y": tensor(rng.standard_normal((batch, width))),
+        },
+        "program": ["h = tanh(X @ W1)", "out = h @ W2", "loss = mean((out - Y) ** 2)"],
+    }
+
+
+def start_job(api: httpx.Client, tape_id: str, kind: str, body: dict) -> str:
+    r = api.post(f"/v1/tapes/{tape_id}/{kind}", json={**body, "async": True})
+    assert r.status_code == 202, r.text
+    return r.json()["job_id"]
+
+
+def watch_from_the_page(page: Browser, job_id: str) -> None:
+    """Click the job's Watch button in the page's job list."""
+    page.evaluate("gradtapeUI.refresh()")
+    button = f"#jobs tr[data-job={json.dumps(job_id)}] button[data-action=watch]"
+    page.wait_for(f"!!document.querySelector({json.dumps(button)})")
+    page.evaluate(f"document.querySelector({json.dumps(button)}).click(); true")
+    page.wait_for(f"gradtapeUI.watching && gradtapeUI.watching.id === {json.dumps(job_id)}")
+
+
+def job_state_shown(page: Browser) -> str:
+    return str(page.evaluate("document.getElementById('job-state').textContent"))
+
+
+# ------------------------------------------------------------------ files and headers
+
+
+def test_vendored_chart_library_is_the_recorded_release() -> None:
+    recorded = (STATIC / "vendor" / "VENDOR.md").read_text()
+    for name in ("uPlot.iife.min.js", "uPlot.min.css"):
+        digest = hashlib.sha256((STATIC / "vendor" / name).read_bytes()).hexdigest()
+        assert f"{digest}  {name}" in recorded, name
+    assert "v1.6.32" in (STATIC / "vendor" / "uPlot.iife.min.js").read_text()[:100]
+    assert "MIT" in (STATIC / "vendor" / "LICENSE-uPlot").read_text()
+
+
+def test_the_page_loads_nothing_from_elsewhere() -> None:
+    html = (STATIC / "index.html").read_text()
+    for url in re.findall(r'(?:src|href)="([^"]+)"', html):
+        assert url.startswith("/") or url == "data:,", url
+    assert (
+        "<script>" not in html
+        and " on" not in re.sub(r"<!--.*?-->", "", html).lower().split("<body")[1].split(">")[0]
+    )
+
+
+def test_page_and_assets_are_served_with_a_strict_policy(server: Server) -> None:
+    r = httpx.get(f"{server.base_url}/ui")  # no key needed for the page itself
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    policy = r.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "connect-src 'self'" in policy
+    assert "default-src 'none'" in policy and r.headers["cache-control"] == "no-store"
+    for asset in ("ui.js", "ui.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css"):
+        got = httpx.get(f"{server.base_url}/ui/assets/{asset}")
+        assert got.status_code == 200 and got.content == (STATIC / asset).read_bytes()
+    assert httpx.get(f"{server.base_url}/ui/assets/../__init__.py").status_code == 404
+    assert httpx.get(f"{server.base_url}/ui/", follow_redirects=False).headers["location"] == "/ui"
+
+
+# ----------------------------------------------------------------------------- browser
+
+
+@needs_chromium
+def test_lists_show_the_callers_things(page: Browser, api: httpx.Client) -> None:
+    rng = np.random.default_rng(3)
+    tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 8, 4)}).json()
+    assert api.put(
+        "/v1/datasets/ui-points", json={"X": {"dtype": "float32", "shape": [2], "data": [1, 2]}}
+    ).status_code in (200, 201)
+    page.evaluate("gradtapeUI.refresh()")
+    page.wait_for(
+        f"document.querySelector('#tapes tbody').textContent.includes({json.dumps(tape['tape_id'][:10])})"
+    )
+    page.wait_for("document.querySelector('#datasets tbody').textContent.includes('ui-points')")
+    workers = page.evaluate("document.querySelector('#workers tbody').textContent")
+    assert "idle" in workers and "hidden" not in workers  # the key may see the pids
+
+
+def _target() -> dict:
+    return {"target": "loss", "sources": ["W1", "W2"]}
+
+
+@needs_chromium
+def test_a_job_moves_then_its_density_is_drawn(page: Browser, api: httpx.Client) -> None:
+    rng = np.random.default_rng(31)
+    tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 400, 24)}).json()
+    job_id = start_job(api, tape["tape_id"], "spectral-density", {"probes": 24, "steps": 200})
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'density'")
+    assert job_state_shown(page) == "succeeded"
+    # Progress moved: the page was handed several reports of the running job, each with
+    # more HVPs done than the last, before the answer (24 x 200 HVPs) was in.
+    history = page.evaluate("gradtapeUI.watching.history")
+    done = [point[0] for point in history]
+    assert len(done) >= 3 and done == sorted(set(done)), done
+    assert done[0] < 24 * 200, done
+    # The drawn density is the answer's.
+    result = api.get(f"/v1/jobs/{job_id}/result").json()
+    drawn = page.evaluate("gradtapeUI.charts.result.data")
+    np.testing.assert_array_equal(drawn[0], result["grid"])
+    np.testing.assert_array_equal(drawn[1], result["density"])
+    stderr = np.array(result["stderr"])
+    np.testing.assert_allclose(drawn[2], np.array(result["density"]) + 2 * stderr)
+    assert "24 probes" in page.evaluate("document.getElementById('result-note').textContent")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(ARTIFACTS / "ui-density.png")
+
+
+@needs_chromium
+def test_eigenvalues_are_drawn(page: Browser, api: httpx.Client) -> None:
+    rng = np.random.default_rng(5)
+    tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 50, 6)}).json()
+    job_id = start_job(api, tape["tape_id"], "eigenvalues", {"k": 4, "max_hvps": 300})
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'eigenvalues'")
+    result = api.get(f"/v1/jobs/{job_id}/result").json()
+    drawn = page.evaluate("gradtapeUI.charts.result.data")
+    assert drawn == [[1, 2, 3, 4], result["eigenvalues"]]
+
+
+@needs_chromium
+def test_cancel_from_the_page_stops_the_job(page: Browser, api: httpx.Client) -> None:
+    rng = np.random.default_rng(8)
+    tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 400, 24)}).json()
+    # Hutchinson to a tolerance it cannot reach within a budget of a million HVPs.
+    job_id = start_job(
+        api,
+        tape["tape_id"],
+        "trace",
+        {"method": "hutchinson", "batch_size": 1, "rtol": 1e-9, "max_hvps": 1_000_000},
+    )
+    watch_from_the_page(page, job_id)
+    page.wait_for("gradtapeUI.watching.history.length >= 2")  # running, reporting
+    assert job_state_shown(page) == "running"
+    page.evaluate("document.getElementById('job-cancel').click(); true")
+    page.wait_for("document.getElementById('job-state').textContent === 'cancelled'")
+    assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "cancelled"
+    # The worker is free again: a request on the same tape answers.
+    assert api.post(f"/v1/tapes/{tape['tape_id']}/gradient", json={}).status_code == 200
+    assert page.evaluate("document.getElementById('job-cancel').hidden") is True
+    # The live chart drew the trace's estimates, with a band of +-2 standard errors once
+    # there is one (from 30 samples on).
+    history = page.evaluate("gradtapeUI.watching.history")
+    drawn = page.evaluate("gradtapeUI.charts.progress.data")
+    assert drawn[0] == [p[0] for p in history] and drawn[1] == [p[1] for p in history]
+    known = [i for i, p in enumerate(history) if p[2] is not None]
+    if known:
+        np.testing.assert_allclose(
+            [drawn[2][i] for i in known], [history[i][1] + 2 * history[i][2] for i in known]
+        )
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(ARTIFACTS / "ui-cancelled.png")
