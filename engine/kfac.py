@@ -91,19 +91,25 @@ class Layer:
     joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
 
 
-def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> int | None:
-    """The parameter `t` is, or is made from by ops that keep its entries in order (a
-    reshape: a convolution's kernel; a copy or cast: a program's read of a variable),
-    else None."""
+def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> tuple[int | None, bool]:
+    """(i, flipped): the parameter `t` is, or is made from by ops that keep its entries in
+    order (a reshape: a convolution's kernel; a copy or cast: a program's read of a
+    variable) or transpose a matrix (ONNX's Gemm with transB: flipped); (None, False)
+    when it is none of them."""
+    flipped = False
     for _ in range(8):
         for i, p in enumerate(params):
             if p is t:
-                return i
+                return i, flipped
         rec = flow.made_by.get(id(t))
-        if rec is None or rec.prim is None or rec.prim.name not in KEEP_ORDER:
-            return None
+        if rec is None or rec.prim is None:
+            return None, False
+        if rec.prim.name == "transpose" and tuple(rec.params.get("axes") or ()) == (1, 0):
+            flipped = not flipped
+        elif rec.prim.name not in KEEP_ORDER:
+            return None, False
         t = rec.inputs[0]
-    return None
+    return None, False
 
 
 def _upstream_matmul(flow: Any, t: Tensor, matmuls: dict[int, Meeting]) -> Meeting | None:
@@ -132,7 +138,7 @@ def find_layers(
     for m in flow.meetings:
         if m.kind != "matmul":
             continue
-        w = _param_index(flow, params, m.record.inputs[m.argnum])
+        w, flipped = _param_index(flow, params, m.record.inputs[m.argnum])
         if w is None or w in used:
             continue  # a weight used twice (tied) is not one Kronecker block
         layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
@@ -144,13 +150,17 @@ def find_layers(
         transposed = (
             bool(m.record.params.get("tb")) if m.argnum == 1 else not m.record.params.get("ta")
         )
+        # A weight the program transposes first (ONNX's Gemm, transB) is stored the
+        # other way round: its matrix shape reversed, the frame's transpose flipped.
+        side = layout.side[::-1] if flipped else layout.side
         kind = "conv" if _through_im2col(flow, m.record.inputs[1 - m.argnum]) else "linear"
-        layers[id(m.record)] = Layer(names[w], w, None, m, layout, (layout.side, transposed), kind)
+        frame = (tuple(side), transposed != flipped)
+        layers[id(m.record)] = Layer(names[w], w, None, m, layout, frame, kind)
         used.add(w)
     for m in flow.meetings:
         if m.kind != "elementwise" or m.record.prim is None or m.record.prim.name != "add":
             continue
-        b = _param_index(flow, params, m.record.inputs[m.argnum])
+        b, _ = _param_index(flow, params, m.record.inputs[m.argnum])
         if b is None or b in used:
             continue
         up = _upstream_matmul(flow, m.record.inputs[1 - m.argnum], matmuls)
