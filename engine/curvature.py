@@ -183,6 +183,15 @@ class Curvature:
         with outer if outer is not None else contextlib.nullcontext():
             with inner:
                 inner.watch(flat)
+                # Data given as floating-point tensors is watched too (its ops are
+                # recorded; gradients over the parameters are unchanged): the
+                # per-example walk (engine/per_example.py) then reads this recording.
+                self._watched_data = [
+                    x
+                    for x in tree.flatten(self.data)[0]
+                    if isinstance(x, Tensor) and x.dtype.kind == "f"
+                ]
+                inner.watch(self._watched_data)
                 output = self._model(rebuilt, self.data)
                 if not isinstance(output, Tensor) or output.dtype.kind != "f":
                     raise CurvatureError(
@@ -205,6 +214,8 @@ class Curvature:
         self._likelihood: Likelihood | None = None
         self._likelihood_problem: str | None = None
         self._samples: dict[tuple, Any] = {}
+        self._output_gradient: Tensor | None = None
+        self._per_example = None  # the walk is of this recording
 
     @property
     def value(self) -> Tensor:
@@ -286,8 +297,16 @@ class Curvature:
 
     @property
     def output_grad(self) -> Tensor:
-        """G = d loss / d output."""
-        return self._output_loss().grad[0]
+        """G = d loss / d output (one backward pass of the loss alone, until its Hessian
+        operator is recorded for H_L, which has it too)."""
+        if self._loss_operator is not None:
+            return self._loss_operator.grad[0]
+        if self._output_gradient is None:
+            detached = Tensor(self.output.value)
+            with trace.nothing_recording():
+                _, g = value_and_grad(lambda out: self._loss(out, self.targets))(detached)
+            self._output_gradient = g
+        return self._output_gradient
 
     def _output_vjp(self) -> tuple:
         """The model's VJP recorded once with a placeholder cotangent, so that J v is one

@@ -368,8 +368,9 @@ def _matmul_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> 
         x, gr, k, m = gr, x, m, k
     if kk == 1:
         x, gr = x[0], gr[0]  # (n, p, k), (n, p, m)
-        if p == 1:  # outer products x_i^T g_i, one multiply into the answer
-            return (x[:, 0, :, None] * gr[:, 0, None, :]).reshape((nn,) + layout.param_shape)
+        if p == 1:  # outer products x_i^T g_i (einsum: twice NumPy's broadcast multiply)
+            share = xp.einsum("nk,nm->nkm", x[:, 0], gr[:, 0])
+            return share.reshape((nn,) + layout.param_shape)
         share = xp.matmul(xp.swapaxes(x, -1, -2), gr)  # (n, k, m)
         return share.reshape((nn,) + layout.param_shape)
     share = xp.matmul(xp.swapaxes(x.reshape(kk * nn, p, k), -1, -2), gr.reshape(kk * nn, p, m))
@@ -446,18 +447,29 @@ class PerExample:
     """The per-example machinery on one Curvature recording: its flow (once), the
     cotangents at the meetings (one backward pass, once), then shares per chunk."""
 
-    def __init__(self, model: Any, flat: list[Tensor], treedef: Any, data: Any):
+    def __init__(
+        self,
+        model: Any,
+        flat: list[Tensor],
+        treedef: Any,
+        data: Any,
+        recorded: tuple[GradientTape, Tensor, list[Tensor]] | None = None,
+    ):
+        """`recorded`: (tape, output, watched data) of a forward already recorded with
+        the parameters and the floating-point data watched (a Curvature's); else the
+        forward runs once more on such a tape here."""
         self.flat, self.treedef = flat, treedef
-        # The forward once more on a tape that watches the data too, so that the ops
-        # between the data and the parameters (im2col's windows) are recorded.
-        leaves, data_def = tree.flatten(data)
-        inputs = [None if x is None else as_tensor(x) for x in leaves]
-        self.tape = GradientTape(persistent=True, watch_accessed_variables=False)
-        with self.tape:
-            self.tape.watch(flat)
-            watched = [x for x in inputs if x is not None and x.dtype.kind == "f"]
-            self.tape.watch(watched)
-            self.output = model(tree.unflatten(treedef, flat), tree.unflatten(data_def, inputs))
+        if recorded is not None:
+            self.tape, self.output, watched = recorded
+        else:
+            leaves, data_def = tree.flatten(data)
+            inputs = [None if x is None else as_tensor(x) for x in leaves]
+            self.tape = GradientTape(persistent=True, watch_accessed_variables=False)
+            with self.tape:
+                self.tape.watch(flat)
+                watched = [x for x in inputs if x is not None and x.dtype.kind == "f"]
+                self.tape.watch(watched)
+                self.output = model(tree.unflatten(treedef, flat), tree.unflatten(data_def, inputs))
         if not isinstance(self.output, Tensor):
             raise MixedExamplesError("per-example: the model must return one tensor")
         try:
@@ -470,7 +482,10 @@ class PerExample:
     def of(cls, curv: Any) -> PerExample:
         """The machinery of a Curvature recording, built once and kept on it."""
         if getattr(curv, "_per_example", None) is None:
-            curv._per_example = cls(curv._model, curv._flat, curv._treedef, curv.data)
+            watched = getattr(curv, "_watched_data", None)
+            # Its own recording when it watched the data (tensors given); else once more.
+            recorded = (curv._inner, curv.output, watched) if watched else None
+            curv._per_example = cls(curv._model, curv._flat, curv._treedef, curv.data, recorded)
         return curv._per_example
 
     def meeting_cotangents(self, seed: Any, batch_ndim: int = 0) -> dict[int, Any]:
