@@ -83,6 +83,19 @@ def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
 
 def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = tapes.session_for(payload, context)
+    result = per_example_of(session, payload, context)
+    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
+
+
+def definition_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    """The stateless form: the definition recorded as a tape for this request only."""
+    session = tapes.record(f"per-example-{secrets.token_hex(4)}", payload, context)
+    return per_example_of(session, payload, context)
+
+
+def per_example_of(
+    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext
+) -> dict[str, Any]:
     curvature, _ = _examples(session, "per-example gradients")
     n = curvature.examples
     budget = context.memory_budget or DEFAULT_BUDGET
@@ -101,7 +114,7 @@ def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict
         found = per_example(curvature, keep_gradients=keep, max_bytes=max(per_row, budget // 4))
     except (MixedExamplesError, CurvatureError) as exc:
         raise _curvature_error(exc, "output") from None
-    result = {
+    return {
         "examples": n,
         "scale": found.scale,
         "norms": np.asarray(found.norms).tolist(),
@@ -112,7 +125,6 @@ def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict
         "gradients": _keyed(session, found.gradients) if keep else None,
         "chunks": found.chunks,
     }
-    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -463,6 +475,7 @@ tapes.OPERATORS.update(kfac=kfac_operator, ekfac=kfac_operator)
 tapes.DIAGONALS.update(backprop=backprop_diagonal)
 
 HANDLERS = {
+    "per_example": definition_per_example,
     "tape_per_example": tape_per_example,
     "tape_kfac": tape_kfac,
     "tape_laplace": tape_laplace,

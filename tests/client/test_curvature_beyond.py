@@ -38,6 +38,8 @@ def test_per_example_kfac_and_laplace(client: Client, rng: np.random.Generator) 
         np.testing.assert_allclose(found.norms, np.linalg.norm(g, axis=1), rtol=1e-10)
         np.testing.assert_allclose(found.variance["w"], g.var(0), rtol=1e-9, atol=1e-15)
         assert found.scale == pytest.approx(1 / n)
+        stateless = client.per_example(definition, "loss", output="z", gradients=True)
+        np.testing.assert_allclose(stateless.gradients["w"], g, rtol=1e-10, atol=1e-14)
 
         kfac = (X.T @ X / n) * np.mean(p * (1 - p))
         v = rng.standard_normal(d)

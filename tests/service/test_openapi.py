@@ -107,6 +107,7 @@ def test_operation_ids_are_stable_and_readable() -> None:
         ("/v1/datasets/{name}", "get"): "read_dataset",
         ("/v1/datasets/{name}", "delete"): "delete_dataset",
         ("/v1/ops", "get"): "list_ops",
+        ("/v1/per-example", "post"): "compute_per_example",
         ("/v1/tapes/{tape_id}/per-example", "post"): "compute_tape_per_example",
         ("/v1/tapes/{tape_id}/kfac", "post"): "compute_tape_kfac",
         ("/v1/tapes/{tape_id}/laplace", "post"): "fit_tape_laplace",

@@ -77,6 +77,16 @@ def test_per_example_gradients_and_statistics(client, tape_id) -> None:
     light = post(client, f"/v1/tapes/{tape_id}/per-example", {})
     assert light["gradients"] is None
     np.testing.assert_allclose(light["norms"], answer["norms"], rtol=1e-13)
+    # The same of the definition itself, no tape kept.
+    stateless = post(
+        client,
+        "/v1/per-example",
+        {"definition": DEFN, "target": "loss", "output": "logits", "gradients": True},
+    )
+    for k in SHAPES:
+        np.testing.assert_allclose(
+            arr(stateless["gradients"][k]), arr(answer["gradients"][k]), rtol=1e-13
+        )
 
 
 def test_a_model_that_mixes_examples_is_refused_naming_the_line(client) -> None:

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from service.api import payloads
 from service.api.bodies import GatedRoute
 from service.api.deps import ComputeDep, TapeDep
-from service.api.routes._compute import Operation, register, respond
+from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas.curvature import (
     KFACRequest,
     KFACResponse,
@@ -26,6 +26,7 @@ from service.api.schemas.curvature import (
     LaplaceResponse,
     LaplaceSamplesRequest,
     LaplaceSamplesResponse,
+    PerExampleDefinitionRequest,
     PerExampleRequest,
     PerExampleResponse,
 )
@@ -49,6 +50,15 @@ def _simple(body: Any, settings: Settings, fields: dict[str, Any]) -> Prepared:
 
 def per_example(body: PerExampleRequest, settings: Settings) -> Prepared:
     return _simple(body, settings, {"gradients": body.gradients})
+
+
+def per_example_definition(
+    body: PerExampleDefinitionRequest, settings: Settings, stored: dict[str, Any] | None
+) -> Prepared:
+    decoder, payload, limit = payloads._common(body, settings, stored)
+    del payload["allow_unused"]  # recorded as a tape is: lines the target skips are fine
+    payload.update(output=body.output, gradients=body.gradients)
+    return payloads._prepared(body, decoder, payload, limit)
 
 
 def kfac(body: KFACRequest, settings: Settings) -> Prepared:
@@ -155,6 +165,23 @@ def _add(op: Operation, with_laplace: bool = False) -> None:
     register(router, op, endpoint, TAPE_ERRORS)
 
 
+def _add_stateless(op: Operation) -> None:
+    async def endpoint(request: Request, body: Any, compute: ComputeDep) -> Response:
+        owner, services = compute.owner, compute.services
+        stored = await stored_definition(body, owner, services.models)
+        prepared = op.build(body, services.settings, stored)
+        await services.datasets.bind_prepared(owner, prepared)
+
+        def call() -> Awaitable[Reply]:
+            return services.pool.submit(op.kind, prepared.payload, time_limit=prepared.time_limit)
+
+        return await respond(
+            request, body, compute.negotiated, prepared, owner=owner, call=call, job=op.job
+        )
+
+    register(router, op, endpoint)
+
+
 def _row(name: str, path: str, *rest: Any, **options: Any) -> Operation:
     return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
 
@@ -175,6 +202,21 @@ _add(
         BatchL2Grad, Variance and SumGradSquared. The gradients themselves with
         `gradients: true`. A model that mixes examples (a batch mean, batch norm in
         training mode) is refused (422 batch-dependence) naming the line.""",
+        job=True,
+    )
+)
+_add_stateless(
+    Operation(
+        "compute_per_example",
+        "/v1/per-example",
+        "per_example",
+        PerExampleDefinitionRequest,
+        PerExampleResponse,
+        per_example_definition,
+        "Per-example gradients and their statistics of a definition",
+        """As /v1/tapes/{tape_id}/per-example, for a definition or a stored model sent
+        with its `output` line, recorded in a worker for this request only (nothing is
+        kept). Runs as a job with `"async": true`: many examples take a while.""",
         job=True,
     )
 )

@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
-from service.api.schemas.base import CallOptions, async_field
+from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
 from service.api.schemas.definitions import Inputs, Tensors, Vector
-from service.api.schemas.tensors import Tensor
+from service.api.schemas.tensors import Name, Tensor
 
 
 class PerExampleRequest(CallOptions):
@@ -23,6 +23,20 @@ class PerExampleRequest(CallOptions):
         False,
         description="Also answer every example's gradient (N x the parameters: refused "
         "past the server's memory budget); the statistics alone run in chunks of examples.",
+    )
+
+
+class PerExampleDefinitionRequest(DefinitionRequest):
+    """Per-example gradients of a definition (or a stored model) without keeping a tape:
+    its `output` line cut as a tape's is (the model before it, the loss after)."""
+
+    run_async: StrictBool = async_field()
+    output: Name = Field(
+        description="The line of the model's output (examples along its first axis); the "
+        "target's lines after it are the loss."
+    )
+    gradients: StrictBool = Field(
+        False, description="Also answer every example's gradient (see PerExampleRequest)."
     )
 
 

@@ -163,6 +163,42 @@ def _options(**options: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _per_example_result(a: Mapping[str, Any], sources: Any) -> PerExample:
+    return PerExample(
+        examples=a["examples"],
+        scale=a["scale"],
+        norms=np.asarray(a["norms"], np.float64),
+        norms_by_source=shaped(a["norms_by_source"], sources),
+        mean=shaped(a["mean"], sources),
+        variance=shaped(a["variance"], sources),
+        sum_squares=shaped(a["sum_squares"], sources),
+        gradients=shaped(a.get("gradients"), sources),
+        chunks=a["chunks"],
+    )
+
+
+def per_example_op(
+    core: _core.Core,
+    definition: Any,
+    target: str,
+    sources: Any,
+    model: str | None,
+    options: dict[str, Any],
+    progress: Any = False,
+) -> _core.Op[PerExample]:
+    """POST /v1/per-example: a definition's (or stored model's) per-example gradients."""
+    body = _core.compute_body(definition, target, sources, model, **_options(**options))
+    a = yield from core.compute(
+        "POST",
+        "/v1/per-example",
+        body,
+        definition=definition,
+        progress=progress,
+        description="per-example",
+    )
+    return _per_example_result(a, sources)
+
+
 class CurvatureMethods:
     """The tape's methods for per-example gradients, KFAC and Laplace fits."""
 
@@ -170,17 +206,7 @@ class CurvatureMethods:
         a = yield from self._core.compute(
             "POST", self._path("/per-example"), body, progress=progress, description="per-example"
         )
-        return PerExample(
-            examples=a["examples"],
-            scale=a["scale"],
-            norms=np.asarray(a["norms"], np.float64),
-            norms_by_source=shaped(a["norms_by_source"], self._sources),
-            mean=shaped(a["mean"], self._sources),
-            variance=shaped(a["variance"], self._sources),
-            sum_squares=shaped(a["sum_squares"], self._sources),
-            gradients=shaped(a.get("gradients"), self._sources),
-            chunks=a["chunks"],
-        )
+        return _per_example_result(a, self._sources)
 
     def per_example(
         self: Any,
