@@ -506,6 +506,7 @@ class Curvature:
         max_seconds: float | None = None,
         callback: Callback | None = None,
         operator: HessianOperator | None = None,
+        preconditioner: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> InfluenceResult:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
@@ -517,7 +518,8 @@ class Curvature:
         per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the
         output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
-        recorded elsewhere), instead of `curvature`'s."""
+        recorded elsewhere), instead of `curvature`'s. `preconditioner`: z = M^-1 r on flat
+        vectors for preconditioned CG (a damped KFAC inverse: KFAC.preconditioner)."""
         if top_k < 0:
             raise ValueError(f"top_k must be non-negative, got {top_k}")
         op = self.operator(curvature, samples=samples, seed=seed) if operator is None else operator
@@ -538,6 +540,7 @@ class Curvature:
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             callback=callback,
+            preconditioner=preconditioner,
         )
         s_test = flat.unflatten(solve.x)
         batched = [

@@ -502,6 +502,24 @@ class KFAC:
             return -math.inf
         return float(np.log(vals).sum())
 
+    def preconditioner(self, damping: float) -> Any:
+        """r -> (K + damping I)^-1 r on flat float64 vectors (the parameters' order),
+        for preconditioned CG on the exact curvature (conjugate_gradient)."""
+        shapes = [tuple(p.shape) for p in self.curv._flat]
+        sizes = [math.prod(s) for s in shapes]
+        if damping <= 0 and (self.all_eigenvalues() <= 0).any():
+            raise CurvatureError("kfac: a singular KFAC preconditions only with damping > 0")
+
+        def apply(r: np.ndarray) -> np.ndarray:
+            parts, lo = [], 0
+            for shape, size in zip(shapes, sizes, strict=True):
+                parts.append(np.asarray(r[lo : lo + size]).reshape((1, *shape)))
+                lo += size
+            out = self.apply(parts, power=-1.0, damping=damping)
+            return np.concatenate([o.reshape(-1) for o in out])
+
+        return apply
+
     def operator(self) -> KFACOperator:
         return KFACOperator(self)
 

@@ -528,6 +528,7 @@ def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
         "rows": body.rows,
         "damping": body.damping,
         "top_k": body.top_k,
+        "preconditioner": body.preconditioner,
         "tol": body.tol,
         "max_iterations": body.max_iterations,
         **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),

@@ -461,6 +461,8 @@ class Sharding:
                 "per-example gradients, Kronecker factors and Laplace fits need every "
                 "example in one recording: record the tape without shards",
             )
+        if payload.get("preconditioner") not in (None, "none"):
+            raise _invalid("preconditioner", "a KFAC preconditioner needs an unsharded tape")
         if payload.get("method") == "backprop":
             raise _invalid("method", "method 'backprop' needs an unsharded tape")
         started = time.perf_counter()

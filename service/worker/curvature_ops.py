@@ -473,6 +473,10 @@ def tape_laplace_samples(payload: Mapping[str, Any], context: WorkerContext) -> 
 
 tapes.OPERATORS.update(kfac=kfac_operator, ekfac=kfac_operator)
 tapes.DIAGONALS.update(backprop=backprop_diagonal)
+tapes.PRECONDITIONERS.update(
+    kfac=lambda session: kfac_of(session, {"curvature": "ggn", "others": "exact"}),
+    ekfac=lambda session: kfac_of(session, {"curvature": "ggn", "others": "exact", "ekfac": True}),
+)
 
 HANDLERS = {
     "per_example": definition_per_example,

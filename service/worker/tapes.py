@@ -219,6 +219,7 @@ PER_EXAMPLE = ("fisher", "empirical_fisher")
 # these when it is imported (it imports this module; dispatch imports both).
 OPERATORS: dict[str, Callable[..., tuple[gt.HessianOperator, FlatOperator]]] = {}
 DIAGONALS: dict[str, Callable[..., dict[str, Any]]] = {}
+PRECONDITIONERS: dict[str, Callable[..., Any]] = {}
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -854,6 +855,18 @@ def test_points_of(
     return ({n: values[n] for n in curvature.data}, {n: values[n] for n in curvature.targets})
 
 
+def _preconditioner(session: TapeSession, payload: Mapping[str, Any]) -> Any:
+    """The damped KFAC (EKFAC) inverse the request asks CG to be preconditioned with."""
+    kind = payload.get("preconditioner") or "none"
+    if kind == "none":
+        return None
+    fitted = PRECONDITIONERS[kind](session)
+    try:
+        return fitted.preconditioner(max(float(payload["damping"]), 0.0))
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="damping") from None
+
+
 def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     """Koh and Liang's influence of every example on the test loss (engine.curvature)."""
     started = time.perf_counter()
@@ -895,6 +908,7 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             callback=_relay(context),
             # The tape's own recording answers the Hessian (the same sources, in order).
             operator=chosen if kind in ("hessian", "kfac", "ekfac") else None,
+            preconditioner=_preconditioner(session, payload),
         )
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None

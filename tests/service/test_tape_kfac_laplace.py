@@ -210,3 +210,12 @@ def test_backprop_diagonal_is_the_ggns(client, tape_id) -> None:
     assert answer["method"] == "backprop" and answer["hvps"] == 0
     refused = client.post(f"/v1/tapes/{tape_id}/diagonal", json={"method": "backprop"})
     assert problem(refused, 422)["detail"].startswith("method 'backprop' is the diagonal")
+
+
+def test_influence_preconditioned_by_kfac_answers_the_same(client, tape_id) -> None:
+    body = {"rows": [0, 1], "curvature": "ggn", "damping": 1e-2, "tol": 1e-10}
+    plain = post(client, f"/v1/tapes/{tape_id}/influence", body)
+    for kind in ("kfac", "ekfac"):
+        found = post(client, f"/v1/tapes/{tape_id}/influence", {**body, "preconditioner": kind})
+        assert found["converged"]
+        np.testing.assert_allclose(found["scores"], plain["scores"], rtol=1e-7, atol=1e-10)

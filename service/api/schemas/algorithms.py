@@ -4,7 +4,7 @@ solve, influence): requests and answers."""
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -289,6 +289,12 @@ class InfluenceRequest(CurvatureOptions, CallOptions):
         max_length=100_000,
         description="Or: training rows (indices "
         "along the examples axis) whose loss is the test loss.",
+    )
+    preconditioner: Literal["none", "kfac", "ekfac"] = Field(
+        "none",
+        description="Precondition the CG solve with the damped inverse of the GGN's KFAC "
+        "(or EKFAC): fewer iterations where the curvature is ill-conditioned; the solve, "
+        "and so the answer, is still on `curvature`.",
     )
     damping: StrictFloat = Field(
         1e-3,

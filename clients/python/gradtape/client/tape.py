@@ -650,6 +650,7 @@ class RemoteTape(CurvatureMethods):
         max_seconds: float | None = None,
         samples: int | None = None,
         fisher_seed: int | None = None,
+        preconditioner: str | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
@@ -660,7 +661,8 @@ class RemoteTape(CurvatureMethods):
         s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
         (Hessian by default; "ggn" is positive semi-definite for convex losses), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
-        with `output=`. `progress` as in `eigenvalues`."""
+        with `output=`. `preconditioner` "kfac" or "ekfac": CG preconditioned with the
+        damped inverse of the GGN's KFAC. `progress` as in `eigenvalues`."""
         body = self._options(
             rows=None if rows is None else [int(r) for r in np.asarray(rows).reshape(-1)],
             damping=damping,
@@ -669,6 +671,7 @@ class RemoteTape(CurvatureMethods):
             max_iterations=max_iterations,
             max_hvps=max_hvps,
             max_seconds=max_seconds,
+            preconditioner=preconditioner,
             time_limit=time_limit,
         )
         if test_inputs is not None:
