@@ -388,6 +388,21 @@ def tape_laplace_predictive(payload: Mapping[str, Any], context: WorkerContext) 
     la = _fitted(session, payload)
     curvature = la.curv
     data, _ = _model_test_points(session, curvature, payload["test_inputs"], context)
+    # What the predictive holds: the jacobian (M, C, n) and, for Monte-Carlo, the draws.
+    rows = next(iter(data.values())).shape[0]
+    width = curvature.output.size // curvature.output.shape[0]
+    samples = int(payload.get("samples") or 100) if payload.get("link") == "mc" else 0
+    held = 8 * rows * width * (la.n + samples + width)
+    budget = context.memory_budget or DEFAULT_BUDGET
+    if held > budget:
+        raise RequestError(
+            "too-large",
+            f"test_inputs: {rows} test points hold {held:,} bytes of jacobians "
+            f"{'and draws ' if samples else ''}(M x C x (n{' + samples' if samples else ''})), "
+            f"above this server's {budget:,}; ask for fewer points per request",
+            field="test_inputs",
+            limit=budget,
+        )
     assert session.split is not None
     model, _ = session.split.functions(session.leaves)
     try:
@@ -419,6 +434,13 @@ def _model_test_points(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The test inputs the model reads (its data): the loss's targets are not needed."""
     wanted = set(curvature.data)
+    if not wanted or not given:
+        raise RequestError(
+            "request",
+            "test_inputs: give new rows for the inputs the model reads along the examples "
+            f"axis ({', '.join(map(repr, sorted(wanted))) or 'none: the model reads no data'})",
+            field="test_inputs",
+        )
     extra = {n: given[n] for n in given if n not in wanted}
     if extra:
         raise RequestError(

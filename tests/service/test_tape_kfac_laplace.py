@@ -219,3 +219,24 @@ def test_influence_preconditioned_by_kfac_answers_the_same(client, tape_id) -> N
         found = post(client, f"/v1/tapes/{tape_id}/influence", {**body, "preconditioner": kind})
         assert found["converged"]
         np.testing.assert_allclose(found["scores"], plain["scores"], rtol=1e-7, atol=1e-10)
+
+
+def test_a_laplace_fit_runs_as_a_job(client, tape_id) -> None:
+    r = client.post(f"/v1/tapes/{tape_id}/laplace", json={"structure": "diag", "async": True})
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    with client.stream("GET", f"{location}/events") as events:
+        names = [
+            line.split(": ", 1)[1] for line in events.iter_lines() if line.startswith("event: ")
+        ]
+    assert names[-1] == "succeeded"
+    result = client.get(f"{location}/result").json()
+    ours = Laplace(recording(), structure="diag", names=list(SHAPES))
+    assert result["log_marginal_likelihood"] == pytest.approx(
+        ours.log_marginal_likelihood(), rel=1e-10
+    )
+    # the fit the job made is held by the tape
+    again = post(
+        client, f"/v1/tapes/{tape_id}/laplace/{result['laplace_id']}/log-marginal-likelihood", {}
+    )
+    assert again["log_marginal_likelihood"] == result["log_marginal_likelihood"]
