@@ -285,7 +285,7 @@ def _split_columns(columns: Tensor, out: Tensor, flat: list[Tensor]) -> list[Ten
 
 def hessian(f: Callable[..., Any], argnums: Argnums = 0) -> Callable[..., Any]:
     """The Hessian of scalar f, forward-over-reverse: one forward-mode pass with a batch
-    of basis tangents through the gradient. With several argnums, blocks H[i][j] of
+    of basis tangents through the gradient. With several argnums, blocks `H[i][j]` of
     shape arg_i.shape + arg_j.shape."""
 
     def wrapped(*args: Any) -> Any:

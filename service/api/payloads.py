@@ -8,29 +8,23 @@ import base64
 import binascii
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from service.api.problems import ProblemError
 from service.api.schemas import (
     CallOptions,
-    CurvatureOptions,
     DatasetArray,
     DatasetInputs,
     Definition,
     DefinitionRequest,
-    DiagonalRequest,
-    EigenMethod,
-    EigenvaluesRequest,
     GradientRequest,
     HessianRequest,
     HVPRequest,
     ImportedModel,
-    InfluenceRequest,
     JacobianRequest,
     ModelCreateRequest,
     ShardOptions,
-    SolveRequest,
-    SpectralDensityRequest,
     TapeCreateRequest,
     TapeGradientRequest,
     TapeHVPRequest,
@@ -38,11 +32,12 @@ from service.api.schemas import (
     TapeUpdateRequest,
     TensorBase64,
     TensorData,
-    TraceRequest,
     VariableSpec,
 )
+from service.api.schemas.operations import OperationRequest
 from service.api.tensors import from_base64, from_data, nonfinite_count
 from service.core.config import Settings
+from service.core.operations import CURVATURE_FIELDS, encode_options
 from service.core.wire import Encoding, TensorError, from_bytes
 from service.domain.requests import Binding, Prepared
 
@@ -114,6 +109,9 @@ class TensorDecoder:
                 for name, var in d.variables.items()
             },
             "inputs": self.inputs(d.inputs, default),
+            # Kept for the engine: an ONNX model runs in the dtype asked (float64), or the
+            # definition is refused saying it cannot (definition.py, _model).
+            **({"dtype": d.dtype} if d.dtype else {}),
             "functions": {
                 name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
             },
@@ -378,18 +376,12 @@ def sharding(body: ShardOptions, settings: Settings) -> dict[str, Any] | None:
     return {"shards": body.shards, "shard_by": shard_by, "reduction": body.shard_reduction.value}
 
 
-def _curvature(body: CurvatureOptions) -> dict[str, Any]:
-    """Which curvature matrix the worker applies (the Hessian unless asked)."""
-    return {
-        "curvature": body.curvature.value,
-        "samples": body.samples,
-        "fisher_seed": body.fisher_seed,
-    }
-
-
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
-    payload: dict[str, Any] = {"flat": body.flat, **_curvature(body)}
+    payload: dict[str, Any] = {
+        "flat": body.flat,
+        "curvature": {k: getattr(body, k) for k in CURVATURE_FIELDS},
+    }
     _vectors(body, decoder, payload, settings)
     return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
 
@@ -426,9 +418,18 @@ def tape_update(
     return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
 
 
-def _algorithm_limits(
-    max_hvps: int, max_seconds: float | None, limit: float, settings: Settings
-) -> dict[str, Any]:
+def operation(body: OperationRequest, settings: Settings) -> Prepared:
+    """The payload of a table operation (service/core/operations.py): its typed options,
+    with the server's limits applied (the HVP budget checked, the time budget set), and
+    its tensor fields decoded."""
+    op = body.operation
+    limit = _time_limit(body.time_limit, settings)
+    decoder = _decoder(body, settings)
+    options = body.options()
+    # An operation without an HVP budget (per-example gradients, KFAC, a Laplace fit:
+    # service/core/operations.py) has only the time budget set below.
+    counted = any(f.name == "max_hvps" for f in msgspec.structs.fields(options))
+    max_hvps = options.hvp_budget(settings.algorithm_max_hvps) if counted else 0
     if max_hvps > settings.algorithm_max_hvps:
         raise ProblemError(
             "too-large",
@@ -438,102 +439,22 @@ def _algorithm_limits(
         )
     # The algorithm stops itself (and answers what it has) before the pool's hard limit.
     budget = 0.9 * limit
-    return {
-        "max_hvps": max_hvps,
-        "max_seconds": budget if max_seconds is None else min(max_seconds, budget),
-    }
-
-
-def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    power = body.method is EigenMethod.power
-    which = body.which.value if body.which is not None else ("LM" if power else "LA")
-    if power and which != "LM":
-        raise ProblemError(
-            "invalid-request",
-            f"which: power iteration finds the eigenvalues of largest magnitude (LM) only; "
-            f"for {which} use method lanczos",
-            errors=[{"field": "which", "message": "LM (or absent) with method power"}],
-        )
-    payload = {
-        "k": body.k,
-        "method": body.method.value,
-        "which": which,
-        "tol": body.tol,
-        "eigenvectors": body.eigenvectors,
-        "seed": body.seed,
-        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, _decoder(body, settings), payload, limit)
-
-
-def trace(body: TraceRequest | DiagonalRequest, settings: Settings) -> Prepared:
-    """The payload of /trace and of /diagonal (the same knobs)."""
-    limit = _time_limit(body.time_limit, settings)
-    payload = {
-        "method": body.method.value,
-        "batch_size": body.batch_size,
-        "rtol": body.rtol,
-        "atol": body.atol,
-        "seed": body.seed,
-        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, _decoder(body, settings), payload, limit)
-
-
-def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    # By default every probe may run its steps, within the server's limit (the run then
-    # stops at max_hvps, each probe with the steps it reached, and says so).
-    default = min(body.probes * body.steps, settings.algorithm_max_hvps)
-    max_hvps = default if body.max_hvps is None else body.max_hvps
-    payload = {
-        "probes": body.probes,
-        "steps": body.steps,
-        "sigma": body.sigma,
-        "points": body.points,
-        "grid": body.grid,
-        "seed": body.seed,
-        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, _decoder(body, settings), payload, limit)
-
-
-def solve(body: SolveRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    decoder = _decoder(body, settings)
-    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
-    payload = {
-        "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
-        "damping": body.damping,
-        "tol": body.tol,
-        "max_iterations": body.max_iterations,
-        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, decoder, payload, limit)
-
-
-def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    decoder = _decoder(body, settings)
-    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
-    payload = {
-        "test_inputs": None
-        if body.test_inputs is None
-        else decoder.inputs(body.test_inputs, "float32", field="test_inputs"),
-        "rows": body.rows,
-        "damping": body.damping,
-        "top_k": body.top_k,
-        "preconditioner": body.preconditioner,
-        "tol": body.tol,
-        "max_iterations": body.max_iterations,
-        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
+    if counted:
+        options.max_hvps = max_hvps  # type: ignore[attr-defined]
+    options.max_seconds = (
+        budget if options.max_seconds is None else min(options.max_seconds, budget)
+    )
+    payload: dict[str, Any] = {"options": encode_options(options)}
+    for name, spec in op.tensors.items():
+        value = getattr(body, name)
+        if value is None:
+            payload[name] = None
+        elif spec["kind"] == "vector":
+            payload[name] = decoder.tensors(value, name)
+        elif spec["kind"] == "inputs":
+            payload[name] = decoder.inputs(value, "float32", field=name)
+        else:  # rows: indices, as sent
+            payload[name] = value
     return _prepared(body, decoder, payload, limit)
 
 

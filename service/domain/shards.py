@@ -44,9 +44,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from service.core.errors import ServiceError
+from service.core.operations import (
+    BY_KIND,
+    CURVATURE_FIELDS,
+    OPERATIONS,
+    InfluenceOptions,
+    Sharded,
+    SolveOptions,
+    curvature_choice,
+    decode_options,
+    encode_options,
+)
 from service.core.store import TapeRow, is_ref
 from service.pool import (
     KEEP,
@@ -69,23 +81,28 @@ log = logging.getLogger("gradtape.shards")
 LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
 SHARED_FIELDS = ("vector", "vectors", "flat_vector")  # a product's, alike for every part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
-# Fitted on one recording's examples all at once (engine/per_example.py, kfac.py,
-# laplace.py): a sharded tape refuses them, naming the way round.
-UNSHARDED = (
-    "tape_per_example",
-    "tape_kfac",
-    "tape_laplace",
-    "tape_laplace_evidence",
-    "tape_laplace_predictive",
-    "tape_laplace_samples",
-)
-ALGORITHMS = (
-    "tape_eigenvalues",
-    "tape_trace",
-    "tape_diagonal",
-    "tape_spectral_density",
-    "tape_solve",
-)
+# The table operations run as one algorithm over the parts (their products summed); the
+# others have a path of their own here (`own`) or are refused with the row's reason.
+ALGORITHMS = frozenset(op.kind for op in OPERATIONS if op.sharded is Sharded.algorithm)
+
+
+# A Laplace fit's questions (service/worker/curvature_ops.py; the fit itself is a table
+# row, refused there): a sharded tape holds no fit.
+UNSHARDED = ("tape_laplace_evidence", "tape_laplace_predictive", "tape_laplace_samples")
+
+
+def _refuse_whole_batch_only(kind: str, payload: Mapping[str, Any]) -> None:
+    """KFAC (as a curvature or a CG preconditioner), the backprop diagonal and a Laplace
+    fit's questions need every example in one recording: a sharded tape refuses them."""
+    options = payload.get("options") or {}
+    if kind in UNSHARDED:
+        raise _invalid("shards", "a sharded tape holds no Laplace fit: record it without shards")
+    if options.get("curvature") in ("kfac", "ekfac"):
+        raise _invalid("curvature", "KFAC needs every example in one recording: an unsharded tape")
+    if options.get("preconditioner") not in (None, "none"):
+        raise _invalid("preconditioner", "a KFAC preconditioner needs an unsharded tape")
+    if options.get("method") == "backprop":
+        raise _invalid("method", "method 'backprop' needs an unsharded tape")
 
 
 def _invalid(field: str, message: str) -> ServiceError:
@@ -455,16 +472,7 @@ class Sharding:
         """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
         across them; the time limit covers the whole run."""
         assert tape.shards is not None
-        if kind in UNSHARDED or payload.get("curvature") in ("kfac", "ekfac"):
-            raise _invalid(
-                "curvature" if kind not in UNSHARDED else "tape_id",
-                "per-example gradients, Kronecker factors and Laplace fits need every "
-                "example in one recording: record the tape without shards",
-            )
-        if payload.get("preconditioner") not in (None, "none"):
-            raise _invalid("preconditioner", "a KFAC preconditioner needs an unsharded tape")
-        if payload.get("method") == "backprop":
-            raise _invalid("method", "method 'backprop' needs an unsharded tape")
+        _refuse_whole_batch_only(kind, payload)
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         tape.busy += 1
@@ -475,6 +483,8 @@ class Sharding:
                 result = await self._sum(tape, kind, payload, deadline)
             elif kind in ALGORITHMS:
                 result = await self._run(tape, kind, payload, deadline)
+            elif kind in BY_KIND and BY_KIND[kind].sharded is Sharded.refused:
+                raise _invalid("shards", f"{BY_KIND[kind].path}: {BY_KIND[kind].refusal}")
             elif kind == "tape_jacobian":
                 result = await self._pieced(tape, "jacobian", payload, deadline)
             elif kind == "tape_influence":
@@ -670,6 +680,7 @@ class Sharding:
         shards = tape.shards
         assert shards is not None
         body = dict(payload)
+        curvature = curvature_choice(decode_options(BY_KIND[kind], payload["options"]))
         if kind == "tape_solve" and payload.get("vector") is None:
             # b is the sharded tape's gradient: the parts' gradients, summed.
             gradient = await self._sum(
@@ -686,9 +697,7 @@ class Sharding:
             )
             body["vector"], body["rhs"] = gradient["gradients"], "gradient"
         product = {
-            "curvature": payload.get("curvature"),
-            "samples": payload.get("samples"),
-            "fisher_seed": payload.get("fisher_seed", 0),
+            "curvature": encode_options(curvature),
             "flat": True,
             "vector": None,
             "flat_vector": None,
@@ -850,7 +859,8 @@ class Sharding:
         part scores its own examples, in part order (the unsharded example indices)."""
         shards = tape.shards
         assert shards is not None
-        options = {k: payload.get(k) for k in ("curvature", "samples", "fisher_seed")}
+        asked = msgspec.convert(payload["options"], InfluenceOptions)
+        options = {"curvature": encode_options(curvature_choice(asked))}
         starts = [sum(shards.rows[:k]) for k in range(len(shards.rows))]
         test_rows = payload.get("rows")
         if test_rows is None:  # the tape's loss on new points: one part computes it
@@ -898,19 +908,30 @@ class Sharding:
                 },
                 deadline,
             )
-        solve = {
-            k: payload.get(k)
-            for k in (
-                "damping",
-                "tol",
-                "max_iterations",
-                "max_hvps",
-                "max_seconds",
-                "allow_nonfinite",
-            )
-        }
+        # s_test by the sharded CG run: a solve with the influence request's own options.
+        solve = msgspec.convert(
+            {
+                k: getattr(asked, k)
+                for k in (
+                    *CURVATURE_FIELDS,
+                    "damping",
+                    "tol",
+                    "max_iterations",
+                    "max_hvps",
+                    "max_seconds",
+                )
+            },
+            SolveOptions,
+        )
         solved = await self._run(
-            tape, "tape_solve", {**solve, **options, "vector": test["gradients"]}, deadline
+            tape,
+            "tape_solve",
+            {
+                "options": encode_options(solve),
+                "vector": test["gradients"],
+                "allow_nonfinite": payload.get("allow_nonfinite", False),
+            },
+            deadline,
         )
         return await self._assemble(
             tape,
@@ -920,10 +941,10 @@ class Sharding:
                 "kind": "shard_influence",
                 "payload": {
                     "weights": shards.weights,
-                    "top_k": payload["top_k"],
+                    "top_k": asked.top_k,
                     "test_loss": test["value"],
                     "solve": solved,
-                    "curvature": payload.get("curvature") or "hessian",
+                    "curvature": str(asked.curvature),
                 },
             },
             deadline,
@@ -977,8 +998,6 @@ class Sharding:
                         "flat_vector": payload.get("flat_vector"),
                         "flat": flat,
                         "curvature": None,
-                        "samples": None,
-                        "fisher_seed": 0,
                         "allow_nonfinite": spec["allow_nonfinite"],
                     },
                     deadline.left(tape.shards.coordinator),

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from engine.curvature import Curvature, CurvatureError
@@ -81,10 +82,16 @@ def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
 # ----------------------------------------------------------------------------------------
 
 
-def tape_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes.session_for(payload, context)
-    result = per_example_of(session, payload, context)
-    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
+def _as_dict(options: Any) -> dict[str, Any]:
+    """A row's typed options (a msgspec Struct) as the plain values these functions read."""
+    values: dict[str, Any] = msgspec.to_builtins(options)
+    return values
+
+
+@tapes.operation("tape_per_example")
+def per_example_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
+    assert asked.session is not None, "a sharded tape refuses per-example gradients"
+    return per_example_of(asked.session, _as_dict(asked.options), asked.context)
 
 
 def definition_per_example(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -165,10 +172,10 @@ def kfac_of(session: tapes.TapeSession, options: Mapping[str, Any]) -> KFAC:
     return cache[key]
 
 
-def kfac_operator(session: tapes.TapeSession, payload: Mapping[str, Any]) -> tuple[Any, Any]:
+def kfac_operator(session: tapes.TapeSession, choice: Any) -> tuple[Any, Any]:
     """curvature kfac / ekfac on the tape's estimators: the GGN's KFAC (expand, sources
     outside layers as their exact block) as an operator and its flat view."""
-    kind = payload["curvature"]
+    kind = str(choice.curvature)
     fitted = kfac_of(session, {"curvature": "ggn", "ekfac": kind == "ekfac", "others": "exact"})
     assert session.flats is not None
     key = (kind, id(fitted))
@@ -179,8 +186,15 @@ def kfac_operator(session: tapes.TapeSession, payload: Mapping[str, Any]) -> tup
     return flat.operator, flat
 
 
-def tape_kfac(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes.session_for(payload, context)
+@tapes.operation("tape_kfac")
+def kfac_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
+    assert asked.session is not None, "a sharded tape refuses KFAC"
+    vector = asked.tensors.get("vector")
+    payload = {**_as_dict(asked.options), "vectors": None if vector is None else [vector]}
+    return kfac_answer(asked.session, payload)
+
+
+def kfac_answer(session: tapes.TapeSession, payload: Mapping[str, Any]) -> dict[str, Any]:
     fitted = kfac_of(session, payload)
     names = list(_names(session))
     damping = float(payload.get("damping") or 0.0)
@@ -202,7 +216,7 @@ def tape_kfac(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
         "trace": fitted.trace(),
         "logdet": _finite_or_none(fitted.logdet(damping)),
         "damping": damping,
-        "products": None,
+        "product": None,
     }
     vectors = payload.get("vectors")
     if vectors:
@@ -215,13 +229,13 @@ def tape_kfac(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
                 field="damping",
             )
         by_key = session.request.sources
-        for i, v in enumerate(vectors):
+        for v in vectors:
             if set(v) != set(by_key):
                 raise RequestError(
                     "request",
-                    f"vectors.{i} has the keys {sorted(v)}; the tape's sources are "
+                    f"vector has the keys {sorted(v)}; the tape's sources are "
                     f"{sorted(by_key)}: give a tensor for each",
-                    field=f"vectors.{i}",
+                    field="vector",
                 )
         flat = [np.stack([np.asarray(v[key], np.float64) for v in vectors]) for key in by_key]
         shapes = [tuple(p.shape) for p in fitted.curv._flat]
@@ -229,15 +243,13 @@ def tape_kfac(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
             if array.shape[1:] != shape:
                 raise RequestError(
                     "request",
-                    f"vectors: source {key!r} has shape {list(array.shape[1:])}, the tape's "
+                    f"vector: source {key!r} has shape {list(array.shape[1:])}, the tape's "
                     f"{list(shape)}",
-                    field="vectors",
+                    field="vector",
                 )
         out = fitted.apply(flat, power=power, damping=damping if power == -1.0 else 0.0)
-        result["products"] = [
-            {key: out[j][i] for j, key in enumerate(by_key)} for i in range(len(vectors))
-        ]
-    return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
+        result["product"] = {key: out[j][0] for j, key in enumerate(by_key)}
+    return result
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -250,12 +262,13 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def backprop_diagonal(
-    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext
+    session: tapes.TapeSession, options: Any, context: WorkerContext
 ) -> dict[str, Any]:
     """diag of the GGN (exact), of the Monte-Carlo Fisher (`samples`) or of the
     empirical Fisher, from per-example passes of the loss Hessian's square-root columns
     (BackPACK's DiagGGNExact / DiagGGNMC): no Hutchinson probes, no standard error."""
     started = time.perf_counter()
+    payload = _as_dict(options)
     kind = payload.get("curvature") or "hessian"
     if kind == "hessian":
         raise RequestError(
@@ -336,11 +349,16 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
     }
 
 
-def tape_laplace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    session, rebuilt = tapes.session_for(payload, context)
+@tapes.operation("tape_laplace")
+def laplace_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
+    assert asked.session is not None, "a sharded tape refuses a Laplace fit"
+    return laplace_fit(asked.session, _as_dict(asked.options))
+
+
+def laplace_fit(session: tapes.TapeSession, payload: Mapping[str, Any]) -> dict[str, Any]:
     curvature, _ = _examples(session, "laplace")
     prior = payload.get("prior_precision")
-    tune = prior == "tune"
+    tune = bool(payload.get("tune")) or prior == "tune"
     try:
         la = Laplace(
             curvature,
@@ -362,8 +380,8 @@ def tape_laplace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str
         held.pop(next(iter(held)))
     laplace_id = secrets.token_hex(8)
     held[laplace_id] = la
-    session.remeasure = True
-    return tapes.finish_answer(session, rebuilt, _summary(laplace_id, la, tune), hvp_only=False)
+    session.remeasure = True  # the fit is held with the tape: count its bytes
+    return _summary(laplace_id, la, tune)
 
 
 def tape_laplace_evidence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -500,11 +518,11 @@ tapes.PRECONDITIONERS.update(
     ekfac=lambda session: kfac_of(session, {"curvature": "ggn", "others": "exact", "ekfac": True}),
 )
 
+# The table's rows (tape_per_example, tape_kfac, tape_laplace) are handled through
+# service/worker/tapes.py's run_operation; these are the fits' questions and the
+# stateless per-example gradients.
 HANDLERS = {
     "per_example": definition_per_example,
-    "tape_per_example": tape_per_example,
-    "tape_kfac": tape_kfac,
-    "tape_laplace": tape_laplace,
     "tape_laplace_evidence": tape_laplace_evidence,
     "tape_laplace_predictive": tape_laplace_predictive,
     "tape_laplace_samples": tape_laplace_samples,

@@ -43,13 +43,13 @@ def test_per_example_kfac_and_laplace(client: Client, rng: np.random.Generator) 
 
         kfac = (X.T @ X / n) * np.mean(p * (1 - p))
         v = rng.standard_normal(d)
-        fitted = tape.kfac([{"w": v}], factors=True)
+        fitted = tape.kfac({"w": v}, factors=True)
         assert [(layer.kind, layer.weight) for layer in fitted.layers] == [("linear", "w")]
-        np.testing.assert_allclose(fitted.products[0]["w"], kfac @ v, rtol=1e-10)
+        np.testing.assert_allclose(fitted.product["w"], kfac @ v, rtol=1e-10)
         assert fitted.trace == pytest.approx(np.trace(kfac), rel=1e-10)
-        inverse = tape.kfac([{"w": v}], inverse=True, damping=0.1)
+        inverse = tape.kfac({"w": v}, inverse=True, damping=0.1)
         np.testing.assert_allclose(
-            inverse.products[0]["w"], np.linalg.solve(kfac + 0.1 * np.eye(d), v), rtol=1e-10
+            inverse.product["w"], np.linalg.solve(kfac + 0.1 * np.eye(d), v), rtol=1e-10
         )
         top = tape.eigenvalues(1, curvature="kfac", tol=1e-12)
         assert top.eigenvalues[0] == pytest.approx(np.linalg.eigvalsh(kfac)[-1], rel=1e-8)

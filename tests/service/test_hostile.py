@@ -585,3 +585,59 @@ def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
             time.sleep(0.05)
         assert r.status_code == 200, r.text  # the third token
         assert "requests per second" in problem(c.get("/v1/ops"), 429, "rate-limited")["detail"]
+
+
+# -- integers and shapes past 64 bits (issue 25) ----------------------------------------------
+
+
+@pytest.fixture
+def small_tape(client: httpx.Client):
+    made = client.post("/v1/tapes", json={"definition": W, "target": "loss"})
+    assert made.status_code == 201, made.text
+    yield made.json()["tape_id"]
+    client.delete(f"/v1/tapes/{made.json()['tape_id']}")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("spectral-density", {"fisher_seed": 34348607718357374861312}, "fisher_seed"),
+        ("spectral-density", {"seed": 2**64}, "seed"),
+        ("trace", {"max_hvps": 2**64 + 1}, "max_hvps"),
+        ("eigenvalues", {"seed": 2**63}, "seed"),
+    ],
+    ids=["fisher-seed", "seed-2-64", "max-hvps", "seed-2-63"],
+)
+def test_an_integer_option_past_64_bits_is_a_422_naming_it(
+    client, unharmed, small_tape, path, body, field
+) -> None:
+    answer = problem(client.post(f"/v1/tapes/{small_tape}/{path}", json=body), 422, "validation")
+    assert field in answer["detail"]
+    assert [e["field"] for e in answer["errors"]] == [field]
+
+
+def test_dataset_rows_past_64_bits_are_a_validation_error_naming_rows(client, unharmed) -> None:
+    stored = client.put("/v1/datasets/rows64", json={"X": [1.0, 2.0, 3.0]})
+    assert stored.status_code in (200, 201), stored.text
+    body = {
+        "definition": {
+            "variables": {"w": [1.0]},
+            "inputs": {"X": {"dataset": "rows64", "array": "X", "rows": [2**63]}},
+            "program": ["loss = sum(w * X)"],
+        },
+        "target": "loss",
+    }
+    answer = problem(client.post("/v1/gradient", json=body), 422, "validation")
+    assert "definition.inputs.X" in answer["detail"] and "rows" in answer["detail"]
+    assert "OverflowError" not in answer["detail"]
+
+
+@pytest.mark.parametrize(
+    "shape", [[0, 2**62, 2**62], [0, HUGE], [2**40, 0, 2**40]], ids=["62-62", "huge", "mid-zero"]
+)
+def test_a_zero_dim_shape_with_an_overflowing_product_in_a_patch_is_a_422(
+    client, unharmed, small_tape, shape
+) -> None:
+    patch = {"variables": {"w": {"dtype": "float32", "shape": shape, "data": []}}}
+    answer = problem(client.patch(f"/v1/tapes/{small_tape}", json=patch), 422)
+    assert "variables.w" in answer["detail"] and "shape" in answer["detail"]

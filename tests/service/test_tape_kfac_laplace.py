@@ -117,7 +117,7 @@ def test_kfac_equals_the_engines_and_runs_the_estimators(client, tape_id) -> Non
     answer = post(
         client,
         f"/v1/tapes/{tape_id}/kfac",
-        {"vectors": [{k: t(x, "float64") for k, x in v.items()}], "factors": True},
+        {"vector": {k: t(x, "float64") for k, x in v.items()}, "factors": True},
     )
     fitted = kfac(recording(), "ggn", names=list(SHAPES))
     assert [(layer["weight"], layer["bias"]) for layer in answer["layers"]] == [
@@ -129,7 +129,7 @@ def test_kfac_equals_the_engines_and_runs_the_estimators(client, tape_id) -> Non
         np.testing.assert_allclose(arr(layer["G"]), ours.G, rtol=1e-12, atol=1e-14)
     product = fitted.apply([v[k][None] for k in SHAPES])
     np.testing.assert_allclose(
-        flat(answer["products"][0]), np.concatenate([p.ravel() for p in product]), rtol=1e-12
+        flat(answer["product"]), np.concatenate([p.ravel() for p in product]), rtol=1e-12
     )
     assert answer["trace"] == pytest.approx(fitted.trace(), rel=1e-12)
     assert answer["logdet"] is None  # the softmax's G is singular: -inf, sent as null
@@ -162,7 +162,7 @@ def test_laplace_fit_evidence_predictive_and_samples(client, tape_id) -> None:
     fit = post(
         client,
         f"/v1/tapes/{tape_id}/laplace",
-        {"structure": "full", "prior_precision": "tune"},
+        {"structure": "full", "tune": True},
     )
     ours = Laplace(recording(), structure="full", names=list(SHAPES))
     tuned = ours.tune_prior_precision()

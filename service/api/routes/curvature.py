@@ -17,17 +17,13 @@ from service.api.bodies import GatedRoute
 from service.api.deps import ComputeDep, TapeDep
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas.curvature import (
-    KFACRequest,
-    KFACResponse,
     LaplaceEvidenceRequest,
     LaplacePredictiveRequest,
     LaplacePredictiveResponse,
-    LaplaceRequest,
     LaplaceResponse,
     LaplaceSamplesRequest,
     LaplaceSamplesResponse,
     PerExampleDefinitionRequest,
-    PerExampleRequest,
     PerExampleResponse,
 )
 from service.core.config import Settings
@@ -48,10 +44,6 @@ def _simple(body: Any, settings: Settings, fields: dict[str, Any]) -> Prepared:
     return payloads._prepared(body, payloads._decoder(body, settings), fields, limit)
 
 
-def per_example(body: PerExampleRequest, settings: Settings) -> Prepared:
-    return _simple(body, settings, {"gradients": body.gradients})
-
-
 def per_example_definition(
     body: PerExampleDefinitionRequest, settings: Settings, stored: dict[str, Any] | None
 ) -> Prepared:
@@ -59,43 +51,6 @@ def per_example_definition(
     del payload["allow_unused"]  # recorded as a tape is: lines the target skips are fine
     payload.update(output=body.output, gradients=body.gradients)
     return payloads._prepared(body, decoder, payload, limit)
-
-
-def kfac(body: KFACRequest, settings: Settings) -> Prepared:
-    limit = payloads._time_limit(body.time_limit, settings)
-    decoder = payloads._decoder(body, settings)
-    vectors = None
-    if body.vectors is not None:
-        vectors = [decoder.tensors(v, f"vectors.{i}") for i, v in enumerate(body.vectors)]
-    fields = {
-        "curvature": body.curvature.value,
-        "samples": body.samples,
-        "fisher_seed": body.fisher_seed,
-        "sharing": body.sharing,
-        "ekfac": body.ekfac,
-        "others": body.others,
-        "separate_bias": body.separate_bias,
-        "factors": body.factors,
-        "damping": body.damping,
-        "vectors": vectors,
-        "inverse": body.inverse,
-    }
-    return payloads._prepared(body, decoder, fields, limit)
-
-
-def laplace(body: LaplaceRequest, settings: Settings) -> Prepared:
-    return _simple(
-        body,
-        settings,
-        {
-            "subset": body.subset,
-            "structure": body.structure,
-            "curvature": body.curvature.value,
-            "prior_precision": body.prior_precision,
-            "sigma_noise": body.sigma_noise,
-            "sharing": body.sharing,
-        },
-    )
 
 
 def laplace_evidence(body: LaplaceEvidenceRequest, settings: Settings) -> Prepared:
@@ -186,25 +141,6 @@ def _row(name: str, path: str, *rest: Any, **options: Any) -> Operation:
     return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
 
 
-_add(
-    _row(
-        "compute_tape_per_example",
-        "per-example",
-        "tape_per_example",
-        PerExampleRequest,
-        PerExampleResponse,
-        per_example,
-        "Per-example gradients and their statistics on a tape",
-        """On a tape recorded with `output` (its examples along the output's first axis,
-        a loss that sums or averages per-example terms): every example's gradient g_i in
-        one batched pass (the cost of a few gradients, not N), their L2 norms (overall
-        and per source), mean, variance and sum of squares, as BackPACK's BatchGrad,
-        BatchL2Grad, Variance and SumGradSquared. The gradients themselves with
-        `gradients: true`. A model that mixes examples (a batch mean, batch norm in
-        training mode) is refused (422 batch-dependence) naming the line.""",
-        job=True,
-    )
-)
 _add_stateless(
     Operation(
         "compute_per_example",
@@ -217,45 +153,6 @@ _add_stateless(
         """As /v1/tapes/{tape_id}/per-example, for a definition or a stored model sent
         with its `output` line, recorded in a worker for this request only (nothing is
         kept). Runs as a job with `"async": true`: many examples take a while.""",
-        job=True,
-    )
-)
-_add(
-    _row(
-        "compute_tape_kfac",
-        "kfac",
-        "tape_kfac",
-        KFACRequest,
-        KFACResponse,
-        kfac,
-        "Kronecker-factored curvature (KFAC, EKFAC) on a tape",
-        """On a tape recorded with `output`: KFAC (or EKFAC) of the GGN, the Fisher
-        (exact, or Monte-Carlo with `samples`) or the empirical Fisher, on every matmul
-        (x @ W, W @ x) and convolution layer found in the program, with its bias, as
-        curvlinops' KFACLinearOperator scales it; weight sharing by `sharing`. Answers
-        each block's eigenvalues (and factors), the trace, the log-determinant, and the
-        products of `vectors` with KFAC or its damped inverse. The fit is kept with the
-        tape; `curvature: kfac` (or `ekfac`) on /eigenvalues, /trace, /diagonal, /solve
-        and /influence runs those estimators on it (expand, sources outside layers as
-        their exact block).""",
-        job=True,
-    )
-)
-_add(
-    _row(
-        "fit_tape_laplace",
-        "laplace",
-        "tape_laplace",
-        LaplaceRequest,
-        LaplaceResponse,
-        laplace,
-        "Fit a Laplace approximation at a tape's point",
-        """On a tape recorded with `output` at a trained point: the Laplace
-        approximation of the posterior over all sources or the last layer, with the
-        curvature's diagonal, KFAC or full matrix (GGN or empirical Fisher) and a scalar
-        prior precision given or tuned to the marginal likelihood's exact maximiser.
-        Kept with the tape (until it is updated, dropped or rebuilt) under the
-        `laplace_id` answered, with its log marginal likelihood.""",
         job=True,
     )
 )

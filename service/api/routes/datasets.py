@@ -17,16 +17,24 @@ from service.api.negotiation import JSON, MSGPACK_ALIASES, bare_media_type
 from service.api.openapi import problem_responses
 from service.api.payloads import TensorDecoder
 from service.api.problems import ProblemError
-from service.api.schemas import DatasetInfo, DatasetList, DatasetName, Name, TensorValue
+from service.api.schemas import DatasetInfo, DatasetList, DatasetName, DatasetUpload, Name
 from service.domain.datasets import dataset_info, load_numpy
 
 router = APIRouter(tags=["datasets"], route_class=GatedRoute)
 
 
 NameParam = Annotated[DatasetName, Path(description="The dataset's name.")]
-_ARRAYS = TypeAdapter(dict[Name, TensorValue])
+_ARRAYS = TypeAdapter(DatasetUpload)
 OCTET = "application/octet-stream"
 
+# DatasetUpload's schema, inline (no model refers to it, so it has no component)
+_UPLOAD_SCHEMA = {
+    "type": "object",
+    "description": "A dataset's arrays by name (at least one).",
+    "minProperties": 1,
+    "additionalProperties": {"$ref": "#/components/schemas/TensorValue"},
+    "propertyNames": {"minLength": 1, "maxLength": 256},
+}
 _BODY = {
     "requestBody": {
         "required": True,
@@ -34,8 +42,8 @@ _BODY = {
         "in requests), or the bytes of a .npz (arrays by their names) or .npy (one array, "
         "named by the `array` query parameter) as application/octet-stream. Never unpickled.",
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/NamedTensors"}},
-            "application/msgpack": {"schema": {"$ref": "#/components/schemas/NamedTensors"}},
+            "application/json": {"schema": _UPLOAD_SCHEMA},
+            "application/msgpack": {"schema": _UPLOAD_SCHEMA},
             OCTET: {"schema": {"type": "string", "format": "binary"}},
         },
     }

@@ -12,7 +12,7 @@ from starlette.responses import Response, StreamingResponse
 
 from service.api.deps import OwnerDep, SettingsDep
 from service.api.negotiation import MSGPACK, Format, Negotiated, answer, answer_format
-from service.api.openapi import problem_responses
+from service.api.openapi import COMPUTE_ERRORS, problem_responses
 from service.api.problems import ProblemError, problem_response
 from service.api.schemas import JobInfo, JobList
 from service.domain.jobs import Job, JobRegistry, event
@@ -92,7 +92,9 @@ async def read_job(job: JobDep, negotiated: AnswerDep, settings: SettingsDep) ->
                 for media in ("application/json", MSGPACK)
             },
         },
-        **problem_responses(401, 404, 406, 409),
+        # 409 while it runs; a failed job answers its own problem, with the status the
+        # synchronous request would have answered (any of a compute route's).
+        **problem_responses(409, *COMPUTE_ERRORS),
     },
     summary="A finished job's answer",
 )
@@ -130,7 +132,33 @@ async def read_job_result(request: Request, job: JobDep, negotiated: AnswerDep) 
             "description": "text/event-stream: one event per change, named by the "
             "job's state (progress while running), its data the job document "
             "without the result; the stream ends with the job",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "string",
+                        "description": "A stream of server-sent events, each `id: <version>`, "
+                        "`event: <name>` and `data: <JobInfo as JSON, result null>`, ended by "
+                        "a blank line; a line `: keep-alive` every 15 s on a quiet stream. "
+                        "The names: queued, progress (running), succeeded, failed, cancelled "
+                        "(the last event; the stream ends with it).",
+                        "example": 'id: 3\nevent: progress\ndata: {"job_id": "Qm9...", '
+                        '"state": "running", "progress": {"done": 40, "total": 200, ...}, '
+                        '"result": null, ...}\n\n',
+                    },
+                    # OpenAPI 3.2's itemSchema, ahead of it: one event's fields.
+                    "x-item-schema": {
+                        "type": "object",
+                        "properties": {
+                            "id": {"type": "integer"},
+                            "event": {
+                                "enum": ["queued", "progress", "succeeded", "failed", "cancelled"]
+                            },
+                            "data": {"$ref": "#/components/schemas/JobInfo"},
+                        },
+                        "required": ["id", "event", "data"],
+                    },
+                }
+            },
         },
         **problem_responses(401, 404),
     },

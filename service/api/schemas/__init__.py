@@ -13,13 +13,8 @@ One module per resource; this package re-exports them all, so
 """
 
 from service.api.schemas.algorithms import (
-    MAX_HVPS_DESCRIPTION,
-    MAX_SECONDS_DESCRIPTION,
-    TOLERANCE_DESCRIPTION,
-    DiagonalMethod,
     DiagonalRequest,
     DiagonalResponse,
-    EigenMethod,
     EigenvaluesRequest,
     EigenvaluesResponse,
     InfluenceRequest,
@@ -29,10 +24,8 @@ from service.api.schemas.algorithms import (
     SpectralDensityRequest,
     SpectralDensityResponse,
     Stopped,
-    TraceMethod,
     TraceRequest,
     TraceResponse,
-    Which,
 )
 from service.api.schemas.base import (
     CallOptions,
@@ -65,6 +58,12 @@ from service.api.schemas.compute import (
     JacobianResponse,
     NewtonOptions,
 )
+from service.api.schemas.curvature import (
+    KFACLayer,
+    KFACResponse,
+    LaplaceResponse,
+    PerExampleResponse,
+)
 from service.api.schemas.datasets import (
     DatasetArrayInfo,
     DatasetArrays,
@@ -76,6 +75,7 @@ from service.api.schemas.definitions import (
     DatasetArray,
     DatasetInputs,
     DatasetName,
+    DatasetUpload,
     Definition,
     Functions,
     FunctionSpec,
@@ -124,7 +124,6 @@ from service.api.schemas.models import (
     VariableTypes,
 )
 from service.api.schemas.tapes import (
-    CurvatureKind,
     CurvatureOptions,
     ShardInfo,
     TapeCreateRequest,
@@ -153,15 +152,19 @@ from service.api.schemas.tensors import (
     TensorValue,
     Unconnected,
 )
+from service.core.operations import (
+    CurvatureKind,
+    DiagonalMethod,
+    EigenMethod,
+    TraceMethod,
+    Which,
+)
 
 __all__ = [
     "FLAT_JACOBIAN_DESCRIPTION",
     "GRADIENT_EXAMPLE",
-    "MAX_HVPS_DESCRIPTION",
     "MAX_NAME_CHARS",
-    "MAX_SECONDS_DESCRIPTION",
     "STORED_NAME_PATTERN",
-    "TOLERANCE_DESCRIPTION",
     "UNCONNECTED_FIELD",
     "Aliases",
     "CallOptions",
@@ -176,6 +179,7 @@ __all__ = [
     "DatasetInputs",
     "DatasetList",
     "DatasetName",
+    "DatasetUpload",
     "Definition",
     "DefinitionRequest",
     "DiagonalMethod",
@@ -211,6 +215,9 @@ __all__ = [
     "JobProgress",
     "JobResult",
     "JobState",
+    "KFACLayer",
+    "KFACResponse",
+    "LaplaceResponse",
     "ModelCreateRequest",
     "ModelInfo",
     "ModelList",
@@ -222,6 +229,7 @@ __all__ = [
     "OpCatalogue",
     "OpInfo",
     "OpParam",
+    "PerExampleResponse",
     "Problem",
     "ProblemItem",
     "ReadinessResponse",

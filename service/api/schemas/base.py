@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from service.api.schemas.definitions import Definition, NamedTensors, Sources
 from service.api.schemas.tensors import (
+    INT_MAX,
     STORED_NAME_PATTERN,
     Name,
     StrictModel,
@@ -165,6 +166,7 @@ class ShardOptions(RequestModel):
         "the batch size and the server's max_shards. 1 or absent: not sharded. The parts' "
         "sizes differ by one at most.",
         examples=[2],
+        le=INT_MAX,
     )
     shard_by: list[Name] | Name | None = Field(
         None,

@@ -3,32 +3,19 @@ gradients, Kronecker factors, Laplace approximations kept with a tape."""
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
-from service.api.schemas.definitions import Inputs, Tensors, Vector
+from service.api.schemas.definitions import Inputs, Tensors
 from service.api.schemas.tensors import Name, Tensor
-
-
-class PerExampleRequest(CallOptions):
-    """Per-example gradients of a tape recorded with `output` (its examples along the
-    output's first axis) and their statistics, in one batched pass."""
-
-    run_async: StrictBool = async_field()
-
-    gradients: StrictBool = Field(
-        False,
-        description="Also answer every example's gradient (N x the parameters: refused "
-        "past the server's memory budget); the statistics alone run in chunks of examples.",
-    )
 
 
 class PerExampleDefinitionRequest(DefinitionRequest):
     """Per-example gradients of a definition (or a stored model) without keeping a tape:
-    its `output` line cut as a tape's is (the model before it, the loss after)."""
+    its `output` line cut as a tape's is (the model before it, the loss after); the
+    answer is PerExampleResponse, as on a tape (POST /v1/tapes/{tape_id}/per-example)."""
 
     run_async: StrictBool = async_field()
     output: Name = Field(
@@ -36,7 +23,9 @@ class PerExampleDefinitionRequest(DefinitionRequest):
         "target's lines after it are the loss."
     )
     gradients: StrictBool = Field(
-        False, description="Also answer every example's gradient (see PerExampleRequest)."
+        False,
+        description="Also answer every example's gradient (N x the parameters: refused "
+        "past the server's memory budget); the statistics alone run in chunks of examples.",
     )
 
 
@@ -59,69 +48,6 @@ class PerExampleResponse(BaseModel):
     )
     gradients: Tensors | None = Field(description="(N, *shape) per source, when asked.")
     chunks: int = Field(description="Passes over the examples the statistics took.")
-
-
-class KFACCurvature(StrEnum):
-    """The curvature a KFAC approximates: the GGN (type-2: the loss Hessian's
-    square-root columns), the Fisher (exact: the GGN of a recognised likelihood;
-    Monte-Carlo with `samples`) or the empirical Fisher."""
-
-    ggn = "ggn"
-    fisher = "fisher"
-    empirical_fisher = "empirical_fisher"
-
-
-class KFACRequest(CallOptions):
-    """KFAC (or EKFAC) of a tape recorded with `output`, on the matmul and convolution
-    layers found in its program."""
-
-    run_async: StrictBool = async_field()
-
-    curvature: KFACCurvature = Field(KFACCurvature.ggn, description="See KFACCurvature.")
-    samples: StrictInt | None = Field(
-        None, ge=1, le=1000, description="With curvature fisher: Monte-Carlo target draws."
-    )
-    fisher_seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo draws.")
-    sharing: Literal["expand", "reduce"] = Field(
-        "expand",
-        description="Weight sharing (a convolution's positions, a sequence's steps): "
-        "KFAC-expand or KFAC-reduce (Eschenhagen et al. 2023).",
-    )
-    ekfac: StrictBool = Field(
-        False,
-        description="EKFAC: the eigenvalues corrected to the curvature's diagonal in the Kronecker eigenbasis.",
-    )
-    others: Literal["refuse", "exact"] = Field(
-        "refuse",
-        description="Sources in no matmul or convolution layer: refused (422 naming them), "
-        "or kept as their exact curvature block (at most 4,096 entries).",
-    )
-    separate_bias: StrictBool = Field(
-        True,
-        description="A bias as its own block (curvlinops' default, laplace-torch's), or "
-        "joined to its weight's ([W; b] with a ones row in A).",
-    )
-    factors: StrictBool = Field(False, description="Also answer each layer's factors A and G.")
-    damping: StrictFloat = Field(
-        0.0,
-        ge=0,
-        description="Added to the diagonal for `inverse` products and the log-determinant.",
-    )
-    vectors: list[Vector] | None = Field(
-        None, max_length=64, description="Vectors to multiply by KFAC (or its damped inverse)."
-    )
-    inverse: StrictBool = Field(
-        False,
-        description="Multiply by (KFAC + damping I)^-1 (exact, through each block's eigenbasis).",
-    )
-
-    @model_validator(mode="after")
-    def _samples_for_fisher(self) -> KFACRequest:
-        if self.samples is not None and self.curvature != KFACCurvature.fisher:
-            raise ValueError(
-                "'samples' draws a Monte-Carlo Fisher: it goes with curvature 'fisher'"
-            )
-        return self
 
 
 class KFACLayer(BaseModel):
@@ -149,47 +75,9 @@ class KFACResponse(BaseModel):
         "at this damping (curvlinops answers NaN there)."
     )
     damping: float
-    products: list[Tensors] | None = Field(description="KFAC v (or the inverse's), per vector.")
-
-
-class LaplaceCurvature(StrEnum):
-    ggn = "ggn"
-    empirical_fisher = "empirical_fisher"
-
-
-class LaplaceRequest(CallOptions):
-    """Fit a Laplace approximation at the tape's point (a trained model): kept with the
-    tape under the `laplace_id` answered."""
-
-    run_async: StrictBool = async_field()
-
-    subset: Literal["all", "last_layer"] = Field(
-        "all", description="All sources, or the last matmul layer's weight and bias."
+    product: Tensors | None = Field(
+        description="KFAC v (or the inverse's), when `vector` is given."
     )
-    structure: Literal["diag", "kron", "full"] = Field(
-        "kron",
-        description="The curvature's structure: its diagonal, KFAC, or the full matrix (small n).",
-    )
-    curvature: LaplaceCurvature = Field(
-        LaplaceCurvature.ggn,
-        description="GGN (= the Fisher of the recognised likelihood) or the empirical Fisher of the "
-        "negative log-likelihood (for regression: half laplace-torch's, which doubles it).",
-    )
-    prior_precision: StrictFloat | Literal["tune"] = Field(
-        1.0,
-        description="The scalar prior precision, or 'tune': the marginal likelihood's exact "
-        "maximiser (a root found to the last bit, not a fixed number of optimizer steps).",
-    )
-    sigma_noise: StrictFloat = Field(
-        1.0, gt=0, description="Regression: the observation noise's standard deviation."
-    )
-    sharing: Literal["expand", "reduce"] = Field("expand", description="For structure kron.")
-
-    @model_validator(mode="after")
-    def _positive(self) -> LaplaceRequest:
-        if isinstance(self.prior_precision, float) and not self.prior_precision > 0:
-            raise ValueError("prior_precision must be positive (or 'tune')")
-        return self
 
 
 class LaplaceResponse(BaseModel):

@@ -18,6 +18,7 @@ from pydantic import (
 from typing_extensions import TypeAliasType
 
 from service.api.schemas.tensors import (
+    INT_MAX,
     STORED_NAME_PATTERN,
     FloatDType,
     Name,
@@ -101,6 +102,13 @@ NamedTensors = TypeAliasType(
     "NamedTensors",
     Annotated[dict[Name, TensorValue], Field(description="Tensors by name.")],
 )
+DatasetUpload = TypeAliasType(
+    "DatasetUpload",
+    Annotated[
+        dict[Name, TensorValue],
+        Field(min_length=1, description="A dataset's arrays by name (at least one)."),
+    ],
+)
 Variables = TypeAliasType(
     "Variables",
     Annotated[dict[Name, Variable], Field(description="Parameters by name.")],
@@ -130,15 +138,15 @@ DatasetName = Annotated[
 class RowSlice(StrictModel):
     """Rows start:stop:step of axis 0 (Python's slice; start and stop within 0..rows)."""
 
-    start: StrictInt | None = Field(None, ge=0)
-    stop: StrictInt | None = Field(None, ge=0)
-    step: StrictInt | None = Field(None, ge=1)
+    start: StrictInt | None = Field(None, ge=0, le=INT_MAX)
+    stop: StrictInt | None = Field(None, ge=0, le=INT_MAX)
+    step: StrictInt | None = Field(None, ge=1, le=INT_MAX)
 
 
 Rows = TypeAliasType(
     "Rows",
     Annotated[
-        list[Annotated[StrictInt, Field(ge=0)]] | RowSlice,
+        list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]] | RowSlice,
         Field(
             description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
             "step}; a row past the array's end is a 422 naming the bound."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING, Union
 
 from pydantic import (
     BaseModel,
@@ -19,6 +20,7 @@ from service.api.schemas.algorithms import (
 )
 from service.api.schemas.compute import HessianResponse, JacobianResponse
 from service.api.schemas.meta import Problem
+from service.api.schemas.operations import RESPONSE_MODELS
 
 # Jobs ------------------------------------------------------------------------------------
 
@@ -31,17 +33,22 @@ class JobState(StrEnum):
     cancelled = "cancelled"
 
 
-# The answer of a request that may run as a job: what the synchronous request answers.
-JobResult = TypeAliasType(
-    "JobResult",
-    EigenvaluesResponse
-    | TraceResponse
-    | DiagonalResponse
-    | SpectralDensityResponse
-    | SolveResponse
-    | JacobianResponse
-    | HessianResponse,
+# The answer of a request that may run as a job: what the synchronous request answers
+# (and the answers the operation table declares: service/core/operations.py).
+_ANSWERS = (
+    EigenvaluesResponse,
+    TraceResponse,
+    DiagonalResponse,
+    SpectralDensityResponse,
+    SolveResponse,
+    JacobianResponse,
+    HessianResponse,
+    *RESPONSE_MODELS.values(),
 )
+if TYPE_CHECKING:
+    JobResult = BaseModel
+else:
+    JobResult = TypeAliasType("JobResult", Union[_ANSWERS])  # noqa: UP007 (a tuple of them)
 
 
 class JobProgress(BaseModel):

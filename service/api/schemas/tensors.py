@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
+from service.core.defaults import INT_MAX  # noqa: F401 (re-exported: the schemas bound integers by it)
 from service.core.wire import DTYPES
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]

@@ -51,15 +51,15 @@ class KFACLayer:
 class KFAC(_Unpack):
     """A Kronecker-factored approximation of the curvature: its layers (eigenvalues,
     factors when asked), the sources kept as an exact block, trace, log-determinant
-    (None: -inf, a singular block at this damping) and the products asked for."""
+    (None: -inf, a singular block at this damping) and the product asked for."""
 
     layers: list[KFACLayer]
     others: list[str]
     trace: float
     logdet: float | None
     damping: float
-    products: list[Any] | None
-    _unpack = ("layers", "products")
+    product: Any
+    _unpack = ("layers", "product")
 
 
 @dataclass(frozen=True)
@@ -237,19 +237,19 @@ class CurvatureMethods:
             )
             for x in a["layers"]
         ]
-        products = a.get("products")
+        product = a.get("product")
         return KFAC(
             layers=layers,
             others=list(a["others"]),
             trace=a["trace"],
             logdet=a.get("logdet"),
             damping=a["damping"],
-            products=None if products is None else [shaped(p, self._sources) for p in products],
+            product=None if product is None else shaped(product, self._sources),
         )
 
     def kfac(
         self: Any,
-        vectors: list[Mapping[str, Any]] | None = None,
+        vector: Mapping[str, Any] | None = None,
         *,
         curvature: str | None = None,
         samples: int | None = None,
@@ -266,8 +266,8 @@ class CurvatureMethods:
     ) -> Any:
         """KFAC (or `ekfac=True`) of the tape's `curvature` ("ggn", "fisher" with
         optional `samples`, "empirical_fisher") on its matmul and convolution layers:
-        eigenvalues per block, `factors`, trace, log-determinant, and the products of
-        `vectors` (dicts per source) with it or, `inverse=True`, with its damped
+        eigenvalues per block, `factors`, trace, log-determinant, and the product of
+        `vector` (a dict per source) with it or, `inverse=True`, with its damped
         inverse. `curvature="kfac"` on eigenvalues/trace/solve/influence runs those on it."""
         body = _options(
             curvature=curvature,
@@ -282,8 +282,8 @@ class CurvatureMethods:
             inverse=inverse,
             time_limit=time_limit,
         )
-        if vectors is not None:
-            body["vectors"] = [{k: np.asarray(x) for k, x in v.items()} for v in vectors]
+        if vector is not None:
+            body["vector"] = {k: np.asarray(x) for k, x in vector.items()}
         return self._run(self._kfac_op(body, progress))
 
     def _laplace_op(self: Any, body: dict[str, Any], progress: Any) -> _core.Op[RemoteLaplace]:
@@ -318,6 +318,9 @@ class CurvatureMethods:
             sharing=sharing,
             time_limit=time_limit,
         )
+        if prior_precision == "tune":  # the server's flag: the exact maximiser
+            del body["prior_precision"]
+            body["tune"] = True
         return self._run(self._laplace_op(body, progress))
 
 
