@@ -40,7 +40,7 @@ LAPLACE_ID = r"^[0-9a-f]{16}$"
 
 
 def _simple(body: Any, settings: Settings, fields: dict[str, Any]) -> Prepared:
-    limit = payloads._time_limit(body.time_limit, settings)
+    limit = payloads._time_limit(body, settings)
     return payloads._prepared(body, payloads._decoder(body, settings), fields, limit)
 
 
@@ -58,7 +58,7 @@ def laplace_evidence(body: LaplaceEvidenceRequest, settings: Settings) -> Prepar
 
 
 def laplace_predictive(body: LaplacePredictiveRequest, settings: Settings) -> Prepared:
-    limit = payloads._time_limit(body.time_limit, settings)
+    limit = payloads._time_limit(body, settings)
     decoder = payloads._decoder(body, settings)
     fields = {
         "test_inputs": decoder.inputs(body.test_inputs, "float32", field="test_inputs"),

@@ -57,6 +57,8 @@ from .results import (
     Solve,
     SpectralDensity,
     Trace,
+    Unconverged,
+    UnconvergedWarning,
 )
 from .tape import RemoteTape
 
@@ -107,6 +109,8 @@ __all__ = [
     "TorchTape",
     "Trace",
     "Unauthorized",
+    "Unconverged",
+    "UnconvergedWarning",
     "WorkerCrashed",
     "dataset",
     "function",

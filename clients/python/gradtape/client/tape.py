@@ -463,6 +463,7 @@ class RemoteTape(CurvatureMethods):
             seconds=a["seconds"],
             method=a.get("method", "hutchinson"),
             sketch=a.get("sketch", 0),
+            partial=a.get("partial", False),
         )
 
     def trace(
@@ -656,7 +657,8 @@ class RemoteTape(CurvatureMethods):
         read along the examples axis, e.g. {"x": ..., "y": ...}; arrays, or stored dataset
         arrays as in definitions) or training `rows`.
         s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
-        (Hessian by default; "ggn" is positive semi-definite for convex losses), then
+        (the GGN by default, positive semi-definite for convex losses; with "hessian" on a
+        non-convex model CG may stop at negative curvature, and the SDK warns), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
         with `output=`. `preconditioner` "kfac" or "ekfac": CG preconditioned with the
         damped inverse of the GGN's KFAC. `progress` as in `eigenvalues`."""
