@@ -89,7 +89,8 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
             continue
         own = [n for n in cls.__annotations__ if n in hints]
         order += [n for n in own if n not in order]
-    if "max_seconds" in order:  # the time budget beside the HVP budget and tolerances
+    if "max_seconds" in order and any(n in order for n in ("max_hvps", "rtol", "atol")):
+        # the time budget beside the HVP budget and tolerances (where the row has them)
         order.remove("max_seconds")
         after = max(order.index(n) for n in ("max_hvps", "rtol", "atol") if n in order)
         order.insert(after + 1, "max_seconds")
