@@ -307,3 +307,22 @@ def test_a_float32_module_runs_in_float32(server) -> None:
             assert g.dtype == torch.float32
             scale = float(np.abs(want[n]).max())
             np.testing.assert_allclose(g.numpy(), want[n], rtol=1e-4, atol=1e-5 * scale, err_msg=n)
+
+
+def test_an_export_is_reused_while_the_module_is_unchanged(server) -> None:
+    model = perturbed(Tokens(), seed=7)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as first:
+            pass
+        with client.tape(model, loss="mse", data=(x, y)) as again:
+            assert again.model is first.model  # not exported a second time
+        with torch.no_grad():
+            model.b.bias.add_(1.0)  # new values: a new export, and answers at them
+        with client.tape(model, loss="mse", data=(x, y)) as moved:
+            assert moved.model is not first.model
+            assert_grads(
+                {n: g.numpy() for n, g in moved.gradients.items()},
+                torch_grads(model, F.mse_loss(model(x), y)),
+            )
