@@ -47,6 +47,7 @@ from engine.hessian_algorithms import (
     power_iteration,
     spectral_density,
 )
+from engine.hessian_algorithms.hutchinson import FROBENIUS, hutchinson
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -69,6 +70,7 @@ from service.core.operations import (
 from service.worker.compute import (
     RequestError,
     WorkerContext,
+    check_cost,
     check_jacobian_size,
     check_vector,
     given_vectors,
@@ -217,7 +219,7 @@ def skeleton(definition: Definition) -> Definition:
 # Curvatures beyond the Hessian (engine/curvature.py on the program cut at its output)
 # ----------------------------------------------------------------------------------------
 
-PER_EXAMPLE = ("fisher", "empirical_fisher")
+PER_EXAMPLE = ("fisher", "empirical_fisher", "empirical_fisher_terms")
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -380,6 +382,10 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
+    if payload.get("shards"):  # a part: how its target adds up over the batch, if it says
+        result["reduction"] = session.program.batch_reduction(
+            session.request.target, payload.get("shard_by")
+        )
     return result
 
 
@@ -396,6 +402,9 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     single, vectors = given_vectors(payload, session.keys, session.primals)
     for i, vector in enumerate(vectors):
         check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
+    # (the estimate counts a recording the tape has already: small beside many vectors)
+    count = len(vectors)
+    check_cost(session.program, count, False, context, f"the HVP of {count:,} vector(s)")
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
@@ -449,6 +458,8 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
         batch,
         context,
     )
+    count = math.prod(tuple(y.shape)[1:] if batch else tuple(y.shape))
+    check_cost(session.program, count, True, context, f"the jacobian of {count:,} rows")
     rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
     jacobians = jacobians_on(
         session.recording, y, watched, batch, request.unconnected, context, rows
@@ -640,6 +651,8 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     max_hvps = o.max_hvps
     method = choose_trace_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "trace")
+    if method == "exact":  # n HVPs, never more (exact named without a budget: the most)
+        max_hvps = min(max_hvps, flat.n)
     batch = min(o.batch_size, context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_trace(
@@ -666,6 +679,8 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
         "batch_size": exact_batch if out.method == "exact" else batch,  # hutchpp may hand over
         "converged": out.converged,
         "stopped": out.stopped,
+        # The exact method cut short (time_limit) is an estimate from the directions seen.
+        "partial": out.method == "exact" and out.stopped != "exhausted",
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
@@ -677,6 +692,8 @@ def diagonal_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     max_hvps = o.max_hvps
     method = choose_diagonal_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
+    if method == "exact":  # n HVPs, never more (exact named without a budget: the most)
+        max_hvps = min(max_hvps, flat.n)
     batch = min(o.batch_size, context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_diagonal(
@@ -799,6 +816,37 @@ def solve_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
         "iterations": out.iterations,
         "hvps": out.hvps,
         "residuals": out.residuals,
+        "seconds": out.seconds,
+    }
+
+
+@operation("tape_frobenius_norm")
+def frobenius_norm_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o = asked.options
+    batch = min(o.batch_size, asked.context.hvp_max_vectors)
+    out = hutchinson(
+        flat.matvec,
+        flat.n,
+        FROBENIUS,
+        batch_size=batch,
+        max_hvps=o.max_hvps,
+        rtol=o.rtol,
+        atol=o.atol,
+        max_seconds=asked.seconds_left(),
+        seed=o.seed,
+        callback=asked.relay(),
+    )
+    stderr = float(out.stderr[0])
+    return {
+        "frobenius_norm_squared": float(out.mean[0]),
+        "stderr": stderr if math.isfinite(stderr) else None,
+        "curvature": str(o.curvature),
+        "samples": out.samples,
+        "batches": out.batches,
+        "batch_size": batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
         "seconds": out.seconds,
     }
 

@@ -168,13 +168,14 @@ def request_model(op: Operation) -> type[OperationRequest]:
     return model
 
 
-def result_model(result: type[msgspec.Struct]) -> type[BaseModel]:
+def result_model(op: Operation) -> type[BaseModel]:
     """The response model of a result Struct declared in the table (its fields, and the
-    `nonfinite` flag every answer carries)."""
-    fields = struct_fields(result)
+    `nonfinite` flag every answer carries), named `op.result_name`."""
+    assert not isinstance(op.result, str)
+    fields = struct_fields(op.result)
     fields["nonfinite"] = (list[str] | None, nonfinite_flag())
     model: type[BaseModel] = create_model(
-        result.__name__, __doc__=result.__doc__, __module__=__name__, **fields
+        op.result_name, __doc__=op.result.__doc__, __module__=__name__, **fields
     )
     return model
 
@@ -205,5 +206,5 @@ REQUEST_MODELS: dict[str, type[OperationRequest]] = {
 }
 # The answers declared in the table (the others are models of schemas/algorithms.py).
 RESPONSE_MODELS: dict[str, type[BaseModel]] = {
-    op.kind: result_model(op.result) for op in OPERATIONS if not isinstance(op.result, str)
+    op.kind: result_model(op) for op in OPERATIONS if not isinstance(op.result, str)
 }
