@@ -134,13 +134,17 @@ def find_layers(
     flow = engine.flow
     matmuls = {id(m.record): m for m in flow.meetings if m.kind == "matmul"}
     layers: dict[int, Layer] = {}
-    used: set[int] = set()
+    # A parameter that meets the data more than once (a tied weight: x @ W and h @ W^T,
+    # or W also scaling elsewhere) is in no one layer's block: its curvature couples
+    # the uses, so it stays outside the layers (refused, or its exact block).
+    tied = _shared_parameters(flow, params)
+    used: set[int] = set(tied)
     for m in flow.meetings:
         if m.kind != "matmul":
             continue
         w, flipped = _param_index(flow, params, m.record.inputs[m.argnum])
         if w is None or w in used:
-            continue  # a weight used twice (tied) is not one Kronecker block
+            continue
         layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
         flow.layouts[id(m.record)] = layout
         if math.prod(layout.kept) != 1:
@@ -170,8 +174,32 @@ def find_layers(
         layer.bias = b
         layer.name = f"{names[layer.weight]}+{names[b]}"
         used.add(b)
-    others = [i for i in range(len(params)) if i not in used]
+    others = [i for i in range(len(params)) if i not in used or i in tied]
     return list(layers.values()), others
+
+
+def _shared_parameters(flow: Any, params: list[Tensor]) -> set[int]:
+    """The indices of the parameters that reach more than one meeting with the data
+    (through parameter-only ops)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    uses = [0] * len(params)
+    for m in flow.meetings:
+        reached: set[int] = set()
+        stack, seen = [m.record.inputs[m.argnum]], set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) in index:
+                reached.add(index[id(t)])
+                continue
+            rec = flow.made_by.get(id(t))
+            if rec is not None:
+                stack.extend(x for x in rec.inputs if id(x) in flow.param_only)
+        for i in reached:
+            uses[i] += 1
+    return {i for i, count in enumerate(uses) if count > 1}
 
 
 def _out_width(layer: Layer) -> int:
@@ -309,8 +337,9 @@ class KFAC:
         if self.others and others == "refuse":
             listed = ", ".join(f"{names[i]} {list(params[i].shape)}" for i in self.others)
             raise CurvatureError(
-                f"kfac: the parameters {listed} are in no matmul or convolution layer (a weight "
-                "meeting the data as x @ W or W @ x, its bias added to that output); ask for "
+                f"kfac: the parameters {listed} are in no matmul or convolution layer of their "
+                "own (a weight meeting the data once, as x @ W or W @ x, its bias added to that "
+                "output; a weight tied between layers is in none); ask for "
                 "others='exact' to keep their exact curvature block beside the Kronecker blocks"
             )
         size = sum(params[i].size for i in self.others)

@@ -164,6 +164,27 @@ def test_parameters_outside_layers_are_refused_or_kept_exact():
     assert fitted.other_block[0, 0] == pytest.approx(exact[12, 12], rel=1e-12)
 
 
+def test_a_weight_tied_between_two_layers_is_in_no_kronecker_block():
+    """x @ W and h @ W^T (an autoencoder's or a language model's tied weight): the GGN's
+    block on W couples both uses, so W is refused (or kept exact), not fitted from its
+    first use alone (which gave a trace 4.5x too small here)."""
+    rng = np.random.default_rng(4)
+    p = {"W": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+
+    def tied(p, x):
+        return gt.tanh(x @ p["W"] + p["b"]) @ gt.transpose(p["W"])
+
+    x, y = rng.standard_normal((5, 4)), rng.integers(0, 4, 5)
+    curv = Curvature(tied, ce_mean, tensors(p), gt.Tensor(x), gt.Tensor(y))
+    with pytest.raises(CurvatureError, match=r"W \[4, 3\], b \[3\] are in no matmul .*tied"):
+        kfac(curv, "ggn", names=["W", "b"])
+    fitted = kfac(curv, "ggn", names=["W", "b"], others="exact")
+    assert fitted.layers == [] and fitted.others == [0, 1]
+    exact = FlatOperator(curv.operator("ggn")).matvec(np.eye(15))
+    np.testing.assert_allclose(fitted.other_block, exact, rtol=1e-12, atol=1e-14)
+    assert fitted.trace() == pytest.approx(np.trace(exact), rel=1e-12)
+
+
 LAPLACE = {"reg": (lambda o, y: gt.mean((o - y) ** 2), 0.3), "cls": (ce_mean, 1.0)}
 KEYS = [
     (tag, subset, structure, curvature)
