@@ -77,6 +77,46 @@ def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
     return RequestError("request", str(exc), field=field)
 
 
+def _check_seed_bytes(
+    curvature: Curvature,
+    kind: str,
+    samples: int | None,
+    context: WorkerContext | None,
+    what: str,
+    meetings: PerExample | None = None,
+) -> None:
+    """Refuse, before anything is allocated, what the loss Hessian's square-root columns
+    (or the Monte-Carlo draws) would hold: the exact GGN/Fisher takes R columns of the
+    output (R entries per example) and the square roots' N R x R matrices, several
+    copies while they are formed; KFAC (`meetings` given) also one copy of every
+    layer's output cotangent per column."""
+    out = curvature.output
+    n = out.shape[0] if out.ndim else 1
+    width = out.size // max(n, 1)
+    itemsize = 8  # float64 on the host
+    if kind == "empirical_fisher":
+        columns, per_column = 1, out.size * itemsize
+    elif samples is not None:
+        columns, per_column = samples, out.size * itemsize
+    else:
+        columns, per_column = width, 5 * out.size * itemsize  # units, H columns, eigh
+    if meetings is not None:
+        per_column += sum(m.record.outputs[0].size for m in meetings.flow.meetings) * itemsize
+    held = columns * per_column
+    budget = (context.memory_budget if context is not None else None) or DEFAULT_BUDGET
+    if held > budget:
+        source = f"{samples} Monte-Carlo draws" if samples else f"{columns} columns"
+        raise RequestError(
+            "too-large",
+            f"{what}: {source} of the output {list(out.shape)} (the loss Hessian's square "
+            f"root{', and each layer output per column' if meetings is not None else ''}) "
+            f"hold {held:,} bytes, above this server's {budget:,}; use fewer examples per "
+            "tape, fewer samples, or the empirical Fisher",
+            field="samples" if samples else "curvature",
+            limit=budget,
+        )
+
+
 # ----------------------------------------------------------------------------------------
 # Per-example gradients
 # ----------------------------------------------------------------------------------------
@@ -139,9 +179,11 @@ def per_example_of(
 # ----------------------------------------------------------------------------------------
 
 
-def kfac_of(session: tapes.TapeSession, options: Mapping[str, Any]) -> KFAC:
+def kfac_of(
+    session: tapes.TapeSession, options: Mapping[str, Any], context: WorkerContext | None = None
+) -> KFAC:
     """The tape's KFAC for these options, fitted once and kept with the tape."""
-    curvature, _ = _examples(session, "kfac")
+    curvature, engine = _examples(session, "kfac")
     key = (
         "kfac",
         options.get("curvature") or "ggn",
@@ -154,6 +196,14 @@ def kfac_of(session: tapes.TapeSession, options: Mapping[str, Any]) -> KFAC:
     )
     cache = session.kfacs
     if key not in cache:
+        _check_seed_bytes(
+            curvature,
+            "empirical_fisher" if key[1] == "empirical_fisher" else "ggn",
+            key[3] if key[1] == "fisher" else None,
+            context,
+            "kfac",
+            engine,
+        )
         try:
             cache[key] = KFAC(
                 curvature,
@@ -191,11 +241,13 @@ def kfac_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
     assert asked.session is not None, "a sharded tape refuses KFAC"
     vector = asked.tensors.get("vector")
     payload = {**_as_dict(asked.options), "vectors": None if vector is None else [vector]}
-    return kfac_answer(asked.session, payload)
+    return kfac_answer(asked.session, payload, asked.context)
 
 
-def kfac_answer(session: tapes.TapeSession, payload: Mapping[str, Any]) -> dict[str, Any]:
-    fitted = kfac_of(session, payload)
+def kfac_answer(
+    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext | None = None
+) -> dict[str, Any]:
+    fitted = kfac_of(session, payload, context)
     names = list(_names(session))
     damping = float(payload.get("damping") or 0.0)
     layers = []
@@ -279,6 +331,7 @@ def backprop_diagonal(
             field="method",
         )
     curvature, _ = _examples(session, "method 'backprop'")
+    _check_seed_bytes(curvature, kind, payload.get("samples"), context, "method 'backprop'")
     try:
         diag = curvature_diagonal(
             curvature,
@@ -352,18 +405,30 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
 @tapes.operation("tape_laplace")
 def laplace_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
     assert asked.session is not None, "a sharded tape refuses a Laplace fit"
-    return laplace_fit(asked.session, _as_dict(asked.options))
+    return laplace_fit(asked.session, _as_dict(asked.options), asked.context)
 
 
-def laplace_fit(session: tapes.TapeSession, payload: Mapping[str, Any]) -> dict[str, Any]:
-    curvature, _ = _examples(session, "laplace")
+def laplace_fit(
+    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext | None = None
+) -> dict[str, Any]:
+    curvature, engine = _examples(session, "laplace")
+    structure = payload.get("structure") or "kron"
+    if structure in ("diag", "kron"):
+        _check_seed_bytes(
+            curvature,
+            payload.get("curvature") or "ggn",
+            None,
+            context,
+            "laplace",
+            engine if structure == "kron" else None,
+        )
     prior = payload.get("prior_precision")
     tune = bool(payload.get("tune")) or prior == "tune"
     try:
         la = Laplace(
             curvature,
             subset=payload.get("subset") or "all",
-            structure=payload.get("structure") or "kron",
+            structure=structure,
             curvature=payload.get("curvature") or "ggn",
             prior_precision=1.0 if tune or prior is None else float(prior),
             sigma_noise=float(payload.get("sigma_noise") or 1.0),

@@ -240,3 +240,35 @@ def test_a_laplace_fit_runs_as_a_job(client, tape_id) -> None:
         client, f"/v1/tapes/{tape_id}/laplace/{result['laplace_id']}/log-marginal-likelihood", {}
     )
     assert again["log_marginal_likelihood"] == result["log_marginal_likelihood"]
+
+
+def test_square_root_columns_beyond_the_memory_budget_are_refused_before_allocating(
+    client,
+) -> None:
+    """1,000 examples of 200 classes: the exact GGN's square-root columns (the backprop
+    diagonal, KFAC, a diag or kron Laplace fit) hold 200 x 5 x 1,000 x 200 x 8 bytes =
+    1.6 GB, above the test server's 1 GiB request budget: a named 422 before anything is
+    allocated (it used to build them all, N R^2 entries at a time, however large)."""
+    wide = {
+        "variables": {"w": t(np.ones((2, 200)) * 0.01, "float64")},
+        "inputs": {"x": t(np.ones((1000, 2)), "float64"), "y": t(np.zeros(1000), "int64")},
+        "program": ["logits = x @ w", "loss = softmax_cross_entropy(logits, y)"],
+    }
+    r = client.post("/v1/tapes", json={"definition": wide, "target": "loss", "output": "logits"})
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
+    for path, body in (
+        ("diagonal", {"curvature": "ggn", "method": "backprop"}),
+        ("kfac", {}),
+        ("laplace", {"structure": "diag"}),
+        ("laplace", {"structure": "kron"}),
+    ):
+        found = problem(client.post(f"/v1/tapes/{tape}/{path}", json=body), 422, "too-large")
+        assert "200 columns of the output [1000, 200]" in found["detail"], found["detail"]
+        assert "above this server's" in found["detail"]
+    # the empirical Fisher's one column fits
+    post(
+        client,
+        f"/v1/tapes/{tape}/diagonal",
+        {"curvature": "empirical_fisher", "method": "backprop"},
+    )
