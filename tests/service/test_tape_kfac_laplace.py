@@ -272,3 +272,22 @@ def test_square_root_columns_beyond_the_memory_budget_are_refused_before_allocat
         f"/v1/tapes/{tape}/diagonal",
         {"curvature": "empirical_fisher", "method": "backprop"},
     )
+
+
+def test_predictive_test_inputs_as_bare_numbers_keep_the_tapes_precision(client, tape_id) -> None:
+    """test_inputs sent as plain JSON lists take the tape input's dtype (float64 here), as
+    every other endpoint's bare numbers do: they were read as float32 first, which moved
+    the predictive variance of this float64 tape by ~1e-7. A batch of one point answers
+    that point's row of a larger batch."""
+    fit = post(
+        client, f"/v1/tapes/{tape_id}/laplace", {"structure": "kron", "prior_precision": 0.5}
+    )
+    base = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/predictive"
+    ours = Laplace(recording(), structure="kron", prior_precision=0.5, names=list(SHAPES))
+    expected = ours.predictive(model, gt.Tensor(X_TEST))
+    bare = post(client, base, {"test_inputs": {"x": X_TEST.tolist()}})
+    np.testing.assert_allclose(arr(bare["mean"]), expected.mean, rtol=1e-12)
+    np.testing.assert_allclose(arr(bare["variance"]), expected.variance, rtol=1e-10, atol=1e-14)
+    one = post(client, base, {"test_inputs": {"x": X_TEST[2:3].tolist()}})
+    np.testing.assert_allclose(arr(one["variance"])[0], expected.variance[2], rtol=1e-10)
+    np.testing.assert_allclose(arr(one["probabilities"])[0], expected.probabilities[2], rtol=1e-12)
