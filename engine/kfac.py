@@ -410,23 +410,8 @@ class KFAC:
 
     def _exact_others(self) -> np.ndarray:
         """The exact curvature's block on the parameters outside the layers (a matrix)."""
-        params = self.curv._flat
         op = self.curv.operator(self.curvature, samples=self.samples, seed=self.seed)
-        sizes = [params[i].size for i in self.others]
-        total = sum(sizes)
-        vectors = []
-        for i, p in enumerate(params):
-            z = np.zeros((total,) + p.shape)
-            if i in self.others:
-                lo = sum(sizes[: self.others.index(i)])
-                z.reshape(total, -1)[np.arange(lo, lo + p.size), np.arange(p.size)] = 1.0
-            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
-        products = tree.flatten(op.hvp_many(tree.unflatten(self.curv._treedef, vectors)))[0]
-        block = np.concatenate(
-            [np.asarray(products[i].numpy(), np.float64).reshape(total, -1) for i in self.others],
-            axis=1,
-        )
-        return (block + block.T) / 2
+        return exact_block(self.curv, op, self.others)
 
     # Frames ---------------------------------------------------------------------------
     def to_frame(self, layer: Layer, flat: list[np.ndarray]) -> np.ndarray:
@@ -553,6 +538,48 @@ class KFAC:
         return KFACOperator(self)
 
 
+BLOCK_BYTES = 32 << 20  # the unit vectors (over every parameter) of one exact-block pass
+
+
+def exact_block(curv: Any, op: Any, indices: list[int]) -> np.ndarray:
+    """The block of the operator `op` on the parameters `indices` (a symmetric matrix),
+    from as many products as they have entries, in passes whose unit vectors (each one
+    the size of all the parameters, zeros outside the block) hold at most BLOCK_BYTES:
+    a last-layer block of a large model never holds n copies of the whole model."""
+    params = curv._flat
+    sizes = [params[i].size for i in indices]
+    offsets = dict(zip(indices, np.cumsum([0, *sizes])[:-1].tolist(), strict=True))
+    total = sum(sizes)
+    width = sum(p.size for p in params) * 8
+    step = max(1, min(total, BLOCK_BYTES // max(width, 1)))
+    rows = []
+    for start in range(0, total, step):
+        stop = min(total, start + step)
+        vectors = []
+        for i, p in enumerate(params):
+            z = np.zeros((stop - start,) + p.shape)
+            if i in offsets:  # the unit vectors start..stop that fall in parameter i
+                lo, hi = max(start, offsets[i]), min(stop, offsets[i] + p.size)
+                if lo < hi:
+                    z.reshape(stop - start, -1)[
+                        np.arange(lo - start, hi - start), np.arange(lo, hi) - offsets[i]
+                    ] = 1.0
+            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
+        products = tree.flatten(op.hvp_many(tree.unflatten(curv._treedef, vectors)))[0]
+        rows.append(
+            np.concatenate(
+                [
+                    np.asarray(products[i].numpy(), np.float64).reshape(stop - start, -1)
+                    for i in indices
+                ],
+                axis=1,
+            )
+        )
+        del vectors, products
+    block = np.concatenate(rows, axis=0)
+    return (block + block.T) / 2
+
+
 def _eigh(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     vals, vecs = np.linalg.eigh((m + m.T) / 2)
     return vals, vecs
@@ -627,6 +654,7 @@ __all__ = [
     "KFACOperator",
     "Layer",
     "curvature_diagonal",
+    "exact_block",
     "find_layers",
     "kfac",
     "loss_hessian_sqrt",

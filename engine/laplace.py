@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from engine import backend, tree
+from engine import backend
 from engine.curvature import CurvatureError, _single_target
-from engine.kfac import KFAC, curvature_diagonal, find_layers
+from engine.kfac import KFAC, curvature_diagonal, exact_block, find_layers
 from engine.per_example import MixedExamplesError, PerExample
 from engine.tensor import Tensor
 
@@ -187,24 +187,7 @@ class Laplace:
 
     def _matrix(self, kind: str) -> np.ndarray:
         """The curvature's block on the subset, from as many products as it has entries."""
-        params = self.curv._flat
-        op = self.curv.operator(kind)
-        sizes = [params[i].size for i in self.indices]
-        n = sum(sizes)
-        vectors, lo = [], 0
-        offsets = dict(zip(self.indices, np.cumsum([0, *sizes])[:-1], strict=True))
-        for i, p in enumerate(params):
-            z = np.zeros((n,) + p.shape)
-            if i in offsets:
-                lo = int(offsets[i])
-                z.reshape(n, -1)[np.arange(lo, lo + p.size), np.arange(p.size)] = 1.0
-            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
-        products = tree.flatten(op.hvp_many(tree.unflatten(self.curv._treedef, vectors)))[0]
-        block = np.concatenate(
-            [np.asarray(products[i].numpy(), np.float64).reshape(n, -1) for i in self.indices],
-            axis=1,
-        )
-        return (block + block.T) / 2
+        return exact_block(self.curv, self.curv.operator(kind), self.indices)
 
     # The marginal likelihood ------------------------------------------------------------
     def log_likelihood(self) -> float:
