@@ -42,6 +42,7 @@ damping is 0; a Laplace posterior always adds a positive prior precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -622,12 +623,35 @@ def curvature_diagonal(
     DiagGGNMC) or of the empirical Fisher, per parameter (float64 host arrays): the
     weighted sum over seeds and examples of the squared per-example shares (module doc's
     w). Exact in as many passes as the output has entries per example (MC: samples)."""
+    total: list[np.ndarray] | None = None
+    weight = 1.0
+    for squares, w in _diagonal_columns(curv, curvature, samples, seed, max_bytes):
+        weight = w  # the same for every seed
+        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
+    assert total is not None
+    return [weight * t for t in total]
+
+
+def fisher_diagonal_draws(
+    curv: Any, samples: int, seed: int | None = 0, max_bytes: int | None = None
+) -> Iterator[list[np.ndarray]]:
+    """The Monte-Carlo Fisher's diagonal one draw at a time (a generator, so that the
+    caller may reduce them as they come): `samples` estimates of the Fisher's diagonal
+    (per parameter, float64), whose mean is curvature_diagonal's answer for the same
+    draws and whose spread is its Monte-Carlo error."""
+    for squares, weight in _diagonal_columns(curv, "fisher", samples, seed, max_bytes):
+        yield [weight * samples * s for s in squares]
+
+
+def _diagonal_columns(
+    curv: Any, curvature: str, samples: int | None, seed: int | None, max_bytes: int | None
+) -> Iterator[tuple[list[np.ndarray], float]]:
+    """(sum over examples of the squared per-example shares of one seed, w) per seed."""
     try:
         seeds, weight = _seeds(curv, curvature, samples, seed, None)
     except MixedExamplesError as exc:
         raise CurvatureError(str(exc)) from None
     out = curv.output
-    total: list[np.ndarray] | None = None
     for column in seeds:
         try:
             found = per_example(
@@ -638,10 +662,7 @@ def curvature_diagonal(
             )
         except MixedExamplesError as exc:
             raise CurvatureError(str(exc)) from None
-        squares = tree.flatten(found.sum_squares)[0]
-        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
-    assert total is not None
-    return [weight * t for t in total]
+        yield tree.flatten(found.sum_squares)[0], weight
 
 
 def kfac(curv: Any, curvature: str = "ggn", **options: Any) -> KFAC:
@@ -656,6 +677,7 @@ __all__ = [
     "curvature_diagonal",
     "exact_block",
     "find_layers",
+    "fisher_diagonal_draws",
     "kfac",
     "loss_hessian_sqrt",
 ]

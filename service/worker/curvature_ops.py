@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.curvature import Curvature, CurvatureError
 from engine.hessian_algorithms import FlatOperator
-from engine.kfac import KFAC, curvature_diagonal
+from engine.hessian_algorithms.hutchinson import MIN_STDERR_SAMPLES, tolerance_met
+from engine.kfac import KFAC, curvature_diagonal, fisher_diagonal_draws
 from engine.laplace import Laplace
 from engine.per_example import MixedExamplesError, PerExample, per_example
 from service.worker import tapes
@@ -318,7 +319,8 @@ def backprop_diagonal(
 ) -> dict[str, Any]:
     """diag of the GGN (exact), of the Monte-Carlo Fisher (`samples`) or of the
     empirical Fisher, from per-example passes of the loss Hessian's square-root columns
-    (BackPACK's DiagGGNExact / DiagGGNMC): no Hutchinson probes, no standard error."""
+    (BackPACK's DiagGGNExact / DiagGGNMC): no Hutchinson probes. Exact but for the
+    Monte-Carlo Fisher, which answers its draws' standard error."""
     started = time.perf_counter()
     payload = _as_dict(options)
     kind = payload.get("curvature") or "hessian"
@@ -331,36 +333,78 @@ def backprop_diagonal(
             field="method",
         )
     curvature, _ = _examples(session, "method 'backprop'")
-    _check_seed_bytes(curvature, kind, payload.get("samples"), context, "method 'backprop'")
+    samples = payload.get("samples")
+    _check_seed_bytes(curvature, kind, samples, context, "method 'backprop'")
+    max_bytes = context.memory_budget or DEFAULT_BUDGET
+    stderr: list[np.ndarray] | None = None
     try:
-        diag = curvature_diagonal(
-            curvature,
-            kind,
-            samples=payload.get("samples"),
-            seed=payload.get("fisher_seed", 0),
-            max_bytes=context.memory_budget or DEFAULT_BUDGET,
-        )
+        if samples is None:  # exact: R square-root columns (one for the empirical Fisher)
+            diag = curvature_diagonal(curvature, kind, max_bytes=max_bytes)
+        else:  # Monte-Carlo: the draws' mean, and their spread as its standard error
+            diag, stderr = _monte_carlo_diagonal(
+                curvature, samples, payload.get("fisher_seed", 0), max_bytes
+            )
     except (MixedExamplesError, CurvatureError) as exc:
         raise _curvature_error(exc) from None
     names = list(_names(session))
     n = sum(d.size for d in diag)
     out = curvature.output
-    passes = 1 if kind == "empirical_fisher" else payload.get("samples") or out.size // out.shape[0]
+    passes = 1 if kind == "empirical_fisher" else samples or out.size // out.shape[0]
+    keyed = _names(session)
+    error: float | None = 0.0
+    converged = True
+    if samples is not None:
+        # An estimate of the Fisher's diagonal: its Monte-Carlo standard error (unknown
+        # from fewer than MIN_STDERR_SAMPLES draws), converged only where a tolerance
+        # asked for is met, as every stochastic estimator answers.
+        flat_diag = np.concatenate([d.ravel() for d in diag])
+        error = None
+        if stderr is not None:
+            error = float(np.sqrt(np.mean(np.concatenate([e.ravel() for e in stderr]) ** 2)))
+        scale = float(np.sqrt(np.mean(flat_diag**2))) if flat_diag.size else 0.0
+        converged = error is not None and tolerance_met(
+            error, scale, payload.get("rtol"), float(payload.get("atol") or 0.0)
+        )
     return {
-        "diagonal": {_names(session)[name]: d for name, d in zip(names, diag, strict=True)},
+        "diagonal": {keyed[name]: d for name, d in zip(names, diag, strict=True)},
         "partial": None,
-        "stderr": None,
-        "error": 0.0,
+        "stderr": None
+        if stderr is None
+        else {keyed[name]: e for name, e in zip(names, stderr, strict=True)},
+        "error": error,
         "method": "backprop",
         "reached": n,
         "samples": int(passes),
         "batches": int(passes),
         "batch_size": 1,
-        "converged": True,
-        "stopped": "exhausted",
+        "converged": converged,
+        "stopped": "tolerance" if samples is not None and converged else "exhausted",
         "hvps": 0,
         "seconds": time.perf_counter() - started,
     }
+
+
+def _monte_carlo_diagonal(
+    curvature: Curvature, samples: int, seed: int | None, max_bytes: int
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """The mean of the draws' diagonals and its standard error per entry (None from
+    fewer than MIN_STDERR_SAMPLES draws), reduced as the draws come (Welford)."""
+    mean: list[np.ndarray] = []
+    m2: list[np.ndarray] = []
+    count = 0
+    for draw in fisher_diagonal_draws(curvature, samples, seed, max_bytes):
+        count += 1
+        if not mean:
+            mean = [d.copy() for d in draw]
+            m2 = [np.zeros_like(d) for d in draw]
+            continue
+        for k, d in enumerate(draw):
+            delta = d - mean[k]
+            mean[k] += delta / count
+            m2[k] += delta * (d - mean[k])
+    if count < MIN_STDERR_SAMPLES:
+        return mean, None
+    return mean, [np.sqrt(m / (count - 1) / count) for m in m2]
 
 
 # ----------------------------------------------------------------------------------------

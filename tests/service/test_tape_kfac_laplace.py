@@ -291,3 +291,35 @@ def test_predictive_test_inputs_as_bare_numbers_keep_the_tapes_precision(client,
     one = post(client, base, {"test_inputs": {"x": X_TEST[2:3].tolist()}})
     np.testing.assert_allclose(arr(one["variance"])[0], expected.variance[2], rtol=1e-10)
     np.testing.assert_allclose(arr(one["probabilities"])[0], expected.probabilities[2], rtol=1e-12)
+
+
+def test_a_monte_carlo_backprop_diagonal_is_an_estimate_with_its_standard_error(
+    client, tape_id
+) -> None:
+    """method backprop with `samples` estimates the Fisher's diagonal from Monte-Carlo
+    draws: it used to answer error 0 and converged (the marks of an exact answer). Now
+    the draws' standard error per entry (from 30 draws), their RMS as `error`, converged
+    only when a tolerance is met; the exact diagonal lies within it."""
+    body = {"curvature": "fisher", "method": "backprop", "samples": 60, "fisher_seed": 2}
+    answer = post(client, f"/v1/tapes/{tape_id}/diagonal", body)
+    draws = np.array(
+        [np.concatenate([d.ravel() for d in draw]) for draw in _draws(60, 2)]
+    )  # (60, n), each draw's own estimate of diag(F)
+    np.testing.assert_allclose(flat(answer["diagonal"]), draws.mean(0), rtol=1e-10)
+    stderr = draws.std(0, ddof=1) / np.sqrt(60)
+    np.testing.assert_allclose(flat(answer["stderr"]), stderr, rtol=1e-8)
+    assert answer["error"] == pytest.approx(np.sqrt(np.mean(stderr**2)), rel=1e-8)
+    assert answer["error"] > 0 and not answer["converged"]
+    exact = post(client, f"/v1/tapes/{tape_id}/diagonal", {"curvature": "ggn", "method": "exact"})
+    off = np.abs(flat(answer["diagonal"]) - flat(exact["diagonal"]))
+    assert np.mean(off <= 3 * stderr + 1e-15) >= 0.9
+    loose = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "rtol": 10.0})
+    assert loose["converged"] and loose["stopped"] == "tolerance"
+    few = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "samples": 3})
+    assert few["stderr"] is None and few["error"] is None and not few["converged"]
+
+
+def _draws(samples: int, seed: int) -> list:
+    from engine.kfac import fisher_diagonal_draws
+
+    return list(fisher_diagonal_draws(recording(), samples, seed))
