@@ -28,6 +28,14 @@ of `hvp_many` in one pass each, never forming J:
                       targets y_s drawn from that predictive distribution, k the
                       likelihood's scale (curvlinops' FisherMC)
     empirical_fisher  M = (1/c) blockdiag_i(G_i G_i^T), G = d loss(output, targets) / d output
+                      (one gradient per example: see the conventions below)
+    empirical_fisher_terms
+                      curvlinops' convention (EFLinearOperator): M = R blockdiag_n(G_n G_n^T)
+                      over the loss's terms n, the rows along the output's last axis
+                      (an example's positions are terms of their own), with L = (1/R)
+                      sum_n l_n and l_n the term's summed loss (R = N x T for a softmax
+                      over (N, T, C) averaged; N x C for squared error or sigmoids over
+                      (N, C) averaged; 1 for a sum); for a recognised likelihood only
 
 Per-example conventions. The loss of example i is that of a batch of it alone,
 l_i = loss(output[i:i+1], targets[i:i+1]), and g_i = d l_i / d params. The batch's loss
@@ -35,6 +43,17 @@ is c * sum_i l_i, with c measured at record time (1/N for a mean over examples, 
 sum). Then the empirical Fisher is c * sum_i g_i g_i^T: (1/N) sum_i g_i g_i^T for a mean
 loss, sum_i g_i g_i^T for a summed one (the loss's own reduction, as curvlinops), and the
 Fisher is c * sum_i E_y[g_i g_i^T]; both are on the Hessian's and the GGN's scale.
+
+The two empirical Fishers. `empirical_fisher` (the default, ours) takes one gradient per
+example, whatever the example holds; curvlinops (`empirical_fisher_terms`) one per loss
+term. They agree where each example is one term of a summed loss or of a cross-entropy
+averaged over examples only. Where an example holds several terms they differ: squared
+error averaged over C outputs gives curvlinops' matrix C times ours (its terms' gradients
+are of the summed squared error, ours of the example's mean); a softmax per position
+gives a different matrix (ours has the cross-position products g_t g_s^T, curvlinops' only
+the per-position blocks). tests/engine/test_fisher_conventions.py checks both against a
+reference: ours against per-example gradients taken one example at a time, curvlinops'
+against its own recorded answers (fixtures/make_curvlinops_ef.py).
 Regularisers of the parameters are no function of the output: add them as `damping`
 (an L2 term (lam/2)|w|^2 is damping lam).
 """
@@ -55,7 +74,7 @@ from engine.tape import GradientTape, check_source
 from engine.tensor import Tensor, as_tensor
 from engine.transforms import HessianOperator, scalar_output, value_and_grad, zeros_with_lead
 
-KINDS = ("hessian", "ggn", "fisher", "empirical_fisher")
+KINDS = ("hessian", "ggn", "fisher", "empirical_fisher", "empirical_fisher_terms")
 LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
 
 
@@ -230,7 +249,8 @@ class Curvature:
     def operator(
         self, kind: str = "hessian", *, samples: int | None = None, seed: int | None = 0
     ) -> CurvatureOperator:
-        """The curvature `kind` (hessian, ggn, fisher, empirical_fisher) as a
+        """The curvature `kind` (hessian, ggn, fisher, empirical_fisher,
+        empirical_fisher_terms) as a
         HessianOperator (hvp, hvp_many, size, primals; the scipy adapter). `samples`
         (fisher only): Monte-Carlo targets per example, drawn with `seed`; None is the
         exact Fisher."""
@@ -253,9 +273,9 @@ class Curvature:
         if op.kind == "hessian":
             return
         self._output_loss()
-        if op.kind in ("empirical_fisher", "fisher"):
+        if op.kind in ("empirical_fisher", "fisher", "empirical_fisher_terms"):
             self.scale()
-        if op.kind == "fisher":
+        if op.kind in ("fisher", "empirical_fisher_terms"):
             self.likelihood()
 
     def _hessian_operator(self) -> HessianOperator:
@@ -338,6 +358,21 @@ class Curvature:
             self._scale = found[0]
         return self._scale
 
+    def _loss_terms(self) -> tuple[Any, float]:
+        """curvlinops' terms: G as (1, rows, width), a row per term along the output's
+        last axis (width 1 for a vector output), and R with loss = (1/R) sum_n l_n, l_n
+        the term's summed loss: 1 / scale for a categorical or Bernoulli likelihood; for
+        squared error loss = a sum (o - y)^2 with a = c / (2 variance), so R = 1 / a."""
+        likelihood = self.likelihood()
+        g = self.output_grad.value
+        width = g.shape[-1] if g.ndim >= 2 else 1
+        if likelihood.family == "gaussian":
+            assert likelihood.variance is not None
+            factor = 2.0 * likelihood.variance / likelihood.scale
+        else:
+            factor = 1.0 / likelihood.scale
+        return g.reshape(1, -1, width), factor
+
     def likelihood(self) -> Likelihood:
         """The distribution the loss is the negative log-likelihood of (see LIKELIHOODS),
         recognised from the loss's gradient and Hessian on the output at this point.
@@ -401,6 +436,10 @@ class Curvature:
         jv = self.jvp(flat_v, batch_ndim, lead)
         if op.kind == "empirical_fisher":
             mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
+        elif op.kind == "empirical_fisher_terms":
+            terms, factor = self._loss_terms()
+            u = jv.value.reshape(lead + terms.shape[1:])
+            mjv = _outer_products(terms, u, 1.0 / factor).reshape(jv.shape)
         elif op.kind == "fisher" and op.samples is not None:
             gs = self._sample_gradients(op.samples, op.seed)
             mjv = _outer_products(gs, jv.value, self.likelihood().scale * op.samples)
@@ -473,7 +512,7 @@ class Curvature:
         test_targets: Any = None,
         *,
         rows: Any = None,
-        curvature: str = "hessian",
+        curvature: str = "ggn",
         damping: float = 0.0,
         samples: int | None = None,
         seed: int | None = 0,
@@ -488,8 +527,10 @@ class Curvature:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
         loss of those training rows): s_test = (C + damping I)^-1 grad L_test by
-        conjugate gradient on the curvature C, then the scores -g_i . s_test of all
-        examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
+        conjugate gradient on the curvature C (the GGN by default: positive
+        semi-definite for convex losses of the output, where a trained non-convex model's
+        Hessian is often indefinite and CG on it stops at negative curvature), then the
+        scores -g_i . s_test of all examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
         products (solve.hvps); besides them it takes the test loss's gradient (a forward
         and backward pass), one JVP for the scores, and, once per recording, the
         per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the

@@ -23,7 +23,8 @@ error estimate where one exists (residuals, standard errors), and may report its
 progress to a `callback(Progress)` after every pass: a host relays it (the service's
 jobs) or stops the run by raising from it.
 
-Modules: budget (the shared bookkeeping), flat (FlatOperator), eigen (lanczos,
+Modules: budget (the shared bookkeeping), hutchinson (the one loop of the Hutchinson
+estimators: trace, diagonal, Frobenius norm), flat (FlatOperator), eigen (lanczos,
 power_iteration), trace, diagonal, density (spectral_density), solve
 (conjugate_gradient).
 """

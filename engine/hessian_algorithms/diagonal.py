@@ -19,11 +19,10 @@ from engine.hessian_algorithms.budget import (
     Matvec,
     check_batch_size,
     check_operator,
-    check_tolerance,
     diagonal_entries,
-    rademacher,
 )
-from engine.hessian_algorithms.trace import MIN_STDERR_SAMPLES, exact_pass_size
+from engine.hessian_algorithms.hutchinson import DIAGONAL, hutchinson
+from engine.hessian_algorithms.trace import exact_pass_size
 
 DIAGONAL_METHODS = ("auto", "exact", "hutchinson")
 
@@ -124,58 +123,19 @@ def hutchinson_diagonal(
     n-vectors (running sums), whatever the number of probes.
     Progress carries the relative error rms(stderr) / rms(diagonal).
     """
-    check_operator(n, "hutchinson_diagonal")
-    check_batch_size(batch_size)
-    check_tolerance(rtol, atol)
-    if max_hvps < 2:
-        raise ValueError(
-            f"max_hvps must be at least 2 (a standard error needs two samples), got {max_hvps}"
-        )
-    budget = Budget(max_hvps, max_seconds)
-    rng = np.random.default_rng(seed)
-    # Welford's running mean and sum of squared deviations, per entry.
-    mean = np.zeros(n)
-    squares = np.zeros(n)
-    count = batches = 0
-    stderr = np.full(n, np.inf)
-    error = math.inf
-    stopped = "max_hvps"
-    while count < max_hvps:
-        size = min(batch_size, max_hvps - count)
-        z = rademacher(rng, size, n)
-        samples = z * budget.apply(matvec, z)
-        batch_mean = samples.mean(axis=0)
-        batch_squares = np.sum((samples - batch_mean) ** 2, axis=0)
-        total = count + size
-        delta = batch_mean - mean
-        mean = mean + delta * (size / total)
-        squares = squares + batch_squares + delta**2 * (count * size / total)
-        count = total
-        batches += 1
-        if count >= MIN_STDERR_SAMPLES:  # fewer: unknown (see MIN_STDERR_SAMPLES)
-            stderr = np.sqrt(squares / (count - 1) / count)
-            error = _rms(stderr)
-        scale = _rms(mean)
-        budget.report(callback, "hutchinson_diagonal", None, error / scale if scale > 0 else error)
-        tolerance = rtol is not None or atol > 0
-        if tolerance and math.isfinite(error) and error <= (rtol or 0.0) * scale + atol:
-            stopped = "tolerance"
-            break
-        if budget.out_of_time() and count < max_hvps:
-            stopped = "time_limit"
-            break
-    tolerance = rtol is not None or atol > 0
+    run = hutchinson(
+        matvec, n, DIAGONAL, batch_size, max_hvps, rtol, atol, max_seconds, seed, callback
+    )
     return DiagonalResult(
-        diagonal=mean,
-        stderr=stderr,
-        error=error,
-        samples=count,
-        batches=batches,
-        converged=stopped == "tolerance"
-        or (not tolerance and stopped == "max_hvps" and math.isfinite(error)),
-        stopped=stopped,
-        hvps=budget.hvps,
-        seconds=budget.seconds,
+        diagonal=run.mean if run.mean.size else np.zeros(n),
+        stderr=run.stderr if run.stderr.size == n else np.full(n, np.inf),
+        error=run.error,
+        samples=run.samples,
+        batches=run.batches,
+        converged=run.converged,
+        stopped=run.stopped,
+        hvps=run.hvps,
+        seconds=run.seconds,
         method="hutchinson",
     )
 

@@ -26,6 +26,13 @@ from engine.hessian_algorithms.budget import (
     orthogonalize,
     rademacher,
 )
+from engine.hessian_algorithms.hutchinson import (
+    MIN_STDERR_SAMPLES,
+    TRACE,
+    hutchinson,
+    sample_stderr,
+    tolerance_met,
+)
 
 TRACE_METHODS = ("auto", "exact", "hutchpp", "hutchinson")
 
@@ -61,33 +68,6 @@ class TraceResult:
     method: str = "hutchinson"
     sketch: int = 0
     values: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
-
-
-# Samples a standard error needs before it is trusted, whatever the batch size. The
-# sample std of a few probes is itself very noisy (from 3 samples it is off by a factor of
-# 2 one time in five) and stopping on it picks the runs where it happened to come out
-# small: with the old "two batches" rule and batch_size 1, 14.5% of runs stopped ~3 samples
-# in, more than 4 (true) standard errors off, and two equal probes answered stderr 0,
-# converged. From 30 samples the std is within ~25% nine times in ten and the rule's
-# coverage is near nominal (tests/engine/test_estimators.py). Fewer samples: the standard
-# error is unknown (inf), and no tolerance is met.
-MIN_STDERR_SAMPLES = 30
-
-
-def tolerance_met(stderr: float, estimate: float, rtol: float | None, atol: float) -> bool:
-    """The stopping rule every stochastic estimator shares: stderr <= rtol |estimate| +
-    atol, when a tolerance was given at all (and the stderr is known: finite)."""
-    if rtol is None and atol == 0:
-        return False
-    return math.isfinite(stderr) and stderr <= (rtol or 0.0) * abs(estimate) + atol
-
-
-def _stderr(values: np.ndarray) -> float:
-    """The standard error of the mean of i.i.d. samples; inf (unknown) from fewer than
-    MIN_STDERR_SAMPLES."""
-    if len(values) < MIN_STDERR_SAMPLES:
-        return math.inf
-    return float(values.std(ddof=1) / math.sqrt(len(values)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,49 +177,20 @@ def hutchinson_trace(
     `converged` says the tolerance was met (or, without one, that every sample asked for
     was taken and they were enough for a standard error).
     """
-    check_operator(n, "hutchinson_trace")
-    check_batch_size(batch_size)
-    check_tolerance(rtol, atol)
-    if max_hvps < 2:
-        raise ValueError(
-            f"max_hvps must be at least 2 (a standard error needs two samples), got {max_hvps}"
-        )
-    budget = Budget(max_hvps, max_seconds)
-    rng = np.random.default_rng(seed)
-    values: list[np.ndarray] = []
-    count = batches = 0
-    mean, stderr = 0.0, math.inf
-    stopped = "max_hvps"
-    while count < max_hvps:
-        size = min(batch_size, max_hvps - count)
-        z = rademacher(rng, size, n)
-        hz = budget.apply(matvec, z)
-        values.append(np.einsum("kn,kn->k", z, hz))
-        count += size
-        batches += 1
-        samples = np.concatenate(values)
-        mean, stderr = float(samples.mean()), _stderr(samples)
-        budget.report(callback, "hutchinson_trace", mean, stderr)
-        if tolerance_met(stderr, mean, rtol, atol):
-            stopped = "tolerance"
-            break
-        if budget.out_of_time() and count < max_hvps:
-            stopped = "time_limit"
-            break
-    tolerance = rtol is not None or atol > 0
+    run = hutchinson(
+        matvec, n, TRACE, batch_size, max_hvps, rtol, atol, max_seconds, seed, callback
+    )
     return TraceResult(
-        trace=mean,
-        stderr=stderr,
-        samples=count,
-        batches=batches,
-        # without a tolerance: every sample asked for, and enough for a standard error
-        converged=stopped == "tolerance"
-        or (not tolerance and stopped == "max_hvps" and math.isfinite(stderr)),
-        stopped=stopped,
-        hvps=budget.hvps,
-        seconds=budget.seconds,
+        trace=float(run.mean[0]) if run.mean.size else 0.0,
+        stderr=float(run.stderr[0]),
+        samples=run.samples,
+        batches=run.batches,
+        converged=run.converged,
+        stopped=run.stopped,
+        hvps=run.hvps,
+        seconds=run.seconds,
         method="hutchinson",
-        values=np.concatenate(values) if values else np.zeros(0),
+        values=run.values,
     )
 
 
@@ -300,7 +251,7 @@ class _Deflated:
         exact = float(np.trace(self.small))
         if len(values) == 0:
             return exact, math.inf, values
-        return exact + float(values.mean()), _stderr(values), values
+        return exact + float(values.mean()), sample_stderr(values), values
 
 
 def hutchpp_trace(

@@ -75,7 +75,8 @@ class ModelDef:
     model: a loaded engine.onnx.OnnxModel. Its floating-point initializers are the
     definition's variables, named by their ONNX names (as_definition adds them; a
     variable of the same name given in `variables` replaces the initializer's value),
-    trainable unless listed in `frozen`."""
+    trainable unless listed in `frozen` (which holds the model's frozen_by_default too:
+    BatchNorm running statistics, initializers only shapes or comparisons read)."""
 
     model: Any
     frozen: tuple[str, ...] = ()
@@ -127,6 +128,9 @@ def as_definition(obj: Any) -> Definition:
                 )
             )
     default = default_dtype(obj.get("dtype"), problems)
+    # A dtype the definition asks for applies to its ONNX models too (a float32 model
+    # runs in float64 when asked), never quietly ignored.
+    explicit = None if obj.get("dtype") is None else default
     program = _lines(obj.get("program"), "program", problems, required=True)
     variables = {
         name: var
@@ -146,7 +150,7 @@ def as_definition(obj: Any) -> Definition:
     models = {
         name: model
         for name, raw in _mapping(obj.get("models"), "models", problems).items()
-        if (model := _model(raw, f"models.{name}", problems)) is not None
+        if (model := _model(raw, f"models.{name}", problems, explicit)) is not None
     }
     if expand:
         _add_model_variables(models, variables, problems)
@@ -250,8 +254,11 @@ def _function(raw: Any, section: str, problems: list[Problem]) -> FunctionDef | 
     return FunctionDef(params, forward, backward, output)
 
 
-def _model(raw: Any, section: str, problems: list[Problem]) -> ModelDef | None:
-    """{"onnx": bytes of an .onnx file, "frozen": [initializer names]} -> a loaded model."""
+def _model(
+    raw: Any, section: str, problems: list[Problem], dtype: np.dtype | None = None
+) -> ModelDef | None:
+    """{"onnx": bytes of an .onnx file, "frozen": [initializer names]} -> a loaded model;
+    with the definition's `dtype` float64 a float32 model runs in float64."""
     if isinstance(raw, ModelDef):
         return raw
     if not isinstance(raw, Mapping):
@@ -265,12 +272,32 @@ def _model(raw: Any, section: str, problems: list[Problem]) -> ModelDef | None:
         problems.append(_problem(f"{section}.frozen", "frozen must be a list of names"))
         return None
     from engine.onnx import ModelError, load_model  # needs the onnx package
+    from engine.onnx.errors import grouped, summary
+    from engine.onnx.model import float_dtypes
 
     try:
-        model = load_model(raw.get("onnx"))
+        model = load_model(raw.get("onnx"), float64=dtype == np.float64)
     except ModelError as exc:
+        # First the summary (op types, counts, what to do: the answer's detail), then one
+        # problem per op type and reason, then the rest (shapes, modes, the file).
+        found = grouped(exc.problems)
+        lead = summary(found)
+        if lead is not None:
+            problems.append(Problem(lead, section, kind="op"))
         problems.extend(
-            Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model")) for p in exc.problems
+            Problem(str(p), section, kind=_MODEL_KINDS.get(p.kind, "model")) for p in found
+        )
+        return None
+    floats = float_dtypes(model)
+    if dtype is not None and dtype != np.float64 and floats - {dtype}:
+        listed = ", ".join(sorted(d.name for d in floats))
+        problems.append(
+            _problem(
+                "dtype",
+                f"dtype {dtype.name} is not applied to ONNX models: model {section[7:]!r} "
+                f"computes in {listed} (a float32 model runs in float64 with dtype float64; "
+                "it is never rounded down)",
+            )
         )
         return None
     unknown = [f for f in frozen if f not in model.params]
@@ -282,7 +309,10 @@ def _model(raw: Any, section: str, problems: list[Problem]) -> ModelDef | None:
             )
         )
         return None
-    return ModelDef(model, tuple(frozen))
+    # BatchNorm's running statistics and initializers no gradient reaches the outputs
+    # from (shape computations, comparisons, indices) are frozen whether listed or not.
+    defaults = tuple(n for n in model.frozen_by_default if n not in frozen)
+    return ModelDef(model, tuple(frozen) + defaults)
 
 
 _MODEL_KINDS = {"op": "op", "shape": "shape", "mode": "model", "model": "model"}

@@ -108,7 +108,7 @@ class Builder:
         self.section = section
         self.functions = functions
         self.models = models or {}  # name -> engine.onnx.OnnxModel
-        self.model_calls = model_calls or {}  # call node -> its Specialization
+        self.model_calls = model_calls or {}  # call node -> (its Specialization, output)
         self.sites = sites or {}  # grad call node -> its index in grad_sites
         self.grad_sites = grad_sites or []
 
@@ -133,10 +133,11 @@ class Builder:
         if node.func == "grad":
             return self.grad(node)
         if node.func in self.models:
-            model, spec = self.models[node.func], self.model_calls[node]
+            model, (spec, index) = self.models[node.func], self.model_calls[node]
             args = [self.expr(a) for a in node.args]
-            # The model's parameters are variables of the run, by their ONNX names.
-            return lambda frame: model.run(spec, [a(frame) for a in args], frame.values)[0]
+            # The model's parameters are variables of the run, by their ONNX names; the
+            # call answers the output it chose (validate.model_output).
+            return lambda frame: model.run(spec, [a(frame) for a in args], frame.values)[index]
         if node.func in self.functions:
             # Looked up when run: functions may call functions defined after them.
             functions, name, args = self.functions, node.func, [self.expr(a) for a in node.args]

@@ -105,7 +105,8 @@ class CheckedProgram:
     grad_sites: list[GradSite]
     functions: dict[str, CheckedFunction]
     intermediates: list[Intermediate] = field(default_factory=list)  # every op's result
-    model_calls: dict[Call, object] = field(default_factory=dict)  # call -> Specialization
+    # call -> (Specialization, the output it answers)
+    model_calls: dict[Call, object] = field(default_factory=dict)
     models: dict[str, Any] = field(default_factory=dict)  # name -> definition.ModelDef
 
 
@@ -322,13 +323,14 @@ class _Checker:
         from engine.onnx import ModelError
 
         model = self.defn.models[node.func].model
-        if scope.in_function or node.kwargs:
+        usage = f"{node.func}({', '.join(i.name for i in model.inputs)}"
+        unknown = [k for k, _ in node.kwargs if k != "output"]
+        if scope.in_function or unknown:
             self.infer_all(node, scope)
             why = (
                 "a function body cannot call a model"
                 if scope.in_function
-                else "a model takes its inputs by position: "
-                f"{node.func}({', '.join(i.name for i in model.inputs)})"
+                else f"a model takes its inputs by position and one keyword, output: {usage})"
             )
             self.add(why, scope, node.pos, "op", node.func)
             return None
@@ -345,17 +347,10 @@ class _Checker:
                 kind = "shape" if p.kind == "shape" else "model"
                 self.add(str(p), scope, node.pos, kind, node.func, tuple(t.shape for t in types))
             return None
-        if len(spec.outputs) != 1:
-            self.add(
-                f"the model has {len(spec.outputs)} outputs; a program calls models "
-                "with one output",
-                scope,
-                node.pos,
-                "op",
-                node.func,
-            )
+        index = self.model_output(node, model, usage, scope)
+        if index is None:
             return None
-        self.model_calls[node] = spec
+        self.model_calls[node] = (spec, index)
         for _, shape, dtype in spec.sizes:  # the graph's intermediates count as ops do
             self.total_elements += math.prod(shape)
             self.intermediates.append(
@@ -367,8 +362,44 @@ class _Checker:
                     TensorType(tuple(shape), dtype),
                 )
             )
-        shape, dtype = spec.outputs[0]
+        shape, dtype = spec.outputs[index]
         return self.sized(TensorType(tuple(shape), np.dtype(dtype)), node, scope, node.func)
+
+    def model_output(self, node: Call, model: Any, usage: str, scope: _Scope) -> int | None:
+        """Which of the model's outputs a call answers: its only one, or the one named
+        (or numbered from 0) by `output=`."""
+        names = model.outputs
+        listed = ", ".join(repr(n) for n in names)
+        chosen = dict(node.kwargs).get("output")
+        if chosen is None:
+            if len(names) == 1:
+                return 0
+            self.add(
+                f"the model has {len(names)} outputs ({listed}); choose one with output=, "
+                f"e.g. {usage}, output={names[0]!r})",
+                scope,
+                node.pos,
+                "op",
+                node.func,
+            )
+            return None
+        if isinstance(chosen, Constant) and isinstance(chosen.value, str) and chosen.value in names:
+            return names.index(chosen.value)
+        if (
+            isinstance(chosen, Number)
+            and isinstance(chosen.value, int)
+            and 0 <= chosen.value < len(names)
+        ):
+            return chosen.value
+        self.add(
+            f"output= must name one of the model's outputs ({listed}) or give its position "
+            f"(0 to {len(names) - 1})",
+            scope,
+            chosen.pos,
+            "op",
+            node.func,
+        )
+        return None
 
     # Functions --------------------------------------------------------------------------
     def check_functions(self) -> None:

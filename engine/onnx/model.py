@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.onnx import recurrent  # noqa: F401 (registers LSTM, GRU and RNN in HANDLERS)
 from engine.onnx.errors import ModelError, ModelProblem
 from engine.onnx.external import external_data_problems
 from engine.onnx.ops import FOLD_ONLY, HANDLERS, STATIC, refusal, run_node
@@ -132,9 +133,37 @@ class OnnxModel:
             )
             for i, n in enumerate(graph.node)
         ]
+        self.frozen_by_default = self._frozen_by_default()
         self.structure = self._structure_hash()
         self._specs: OrderedDict[tuple, Specialization] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _frozen_by_default(self) -> dict[str, str]:
+        """Parameters that no gradient reaches the outputs from, by why: BatchNorm's
+        running statistics (inputs 3 and 4 in inference) and initializers read only by
+        shape computations, comparisons, indices and dtype targets. They stay variables
+        (a request may set them) but are not trainable unless the definition says so."""
+        relevant = set(self.outputs)
+        for node in reversed(self.nodes):  # ONNX graphs are topologically sorted
+            if not any(n in relevant for n in node.outputs if n):
+                continue
+            for i, name in enumerate(node.inputs):
+                if name and differentiable_input(node.op_type, i, node.attrs):
+                    relevant.add(name)
+        statistics = {
+            n.inputs[i]
+            for n in self.nodes
+            if n.op_type == "BatchNormalization"
+            for i in (3, 4)
+            if i < len(n.inputs)
+        }
+        return {
+            name: "a BatchNormalization running statistic"
+            if name in statistics
+            else "read only by shape computations, comparisons or indices"
+            for name in self.params
+            if name not in relevant
+        }
 
     # Load-time checks -------------------------------------------------------------------
     def check(self) -> None:
@@ -453,12 +482,20 @@ class OnnxModel:
                 for dim, size in zip(dims, by_name[value.name][0]):
                     dim.Clear()
                     dim.dim_value = size
+        failures = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise ModelError(
-                [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
-            ) from exc
+        except failures as exc:
+            # Data propagation (shapes computed from shape-valued tensors) misjudges some
+            # graphs of index arithmetic (the dynamo exporter's AdaptiveAvgPool: "Invalid
+            # rank for Add broadcasting"); inference without it is still exact, if
+            # sometimes less complete.
+            try:
+                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+            except failures:
+                raise ModelError(
+                    [ModelProblem(f"ONNX shape inference failed: {exc}", "shape")]
+                ) from exc
         out = {}
         graph = inferred.graph
         for value in (*graph.input, *graph.value_info, *graph.output):
@@ -485,6 +522,35 @@ class OnnxModel:
                 if name:
                     env[name] = value
         return [v if isinstance(v, Tensor) else constant(v) for v in (env[n] for n in self.outputs)]
+
+
+# Ops whose outputs carry no derivative of any input (shapes, comparisons, logic,
+# rounding, index results), and per op the inputs that carry none (indices, a condition,
+# a dtype target, BatchNorm's running statistics: buffers, not parameters).
+NO_DERIVATIVE = frozenset(
+    {"Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
+     "And", "Or", "Xor", "IsNaN", "IsInf", "Sign", "ArgMax", "ArgMin", "ConstantOfShape",
+     "Range", "NonZero", "OneHot", "EyeLike", "Floor", "Ceil", "Round"}
+)  # fmt: skip
+NO_DERIVATIVE_INPUTS = {
+    "CastLike": (1,),
+    "Where": (0,),
+    "Gather": (1,),
+    "GatherND": (1,),
+    "GatherElements": (1,),
+    "BatchNormalization": (3, 4),
+}
+
+
+def differentiable_input(op_type: str, index: int, attrs: Mapping[str, Any]) -> bool:
+    """Whether a derivative of the node's outputs can reach its input `index`."""
+    if op_type in NO_DERIVATIVE or index in STATIC.get(op_type, ()):
+        return False
+    if op_type == "Cast":
+        from onnx import helper
+
+        return np.dtype(helper.tensor_dtype_to_np_dtype(attrs["to"])).kind == "f"
+    return index not in NO_DERIVATIVE_INPUTS.get(op_type, ())
 
 
 def _graph_input(value: Any) -> GraphInput:
@@ -557,18 +623,20 @@ _CACHE_LOCK = threading.Lock()
 CACHE_SIZE = 8
 
 
-def load_model(data: Any) -> OnnxModel:
+def load_model(data: Any, float64: bool = False) -> OnnxModel:
     """A checked model from the bytes of an .onnx file (cached by content); raises
-    ModelError naming the checker's complaint or every unsupported node."""
+    ModelError naming the checker's complaint or every unsupported node. float64: run a
+    float32 model in float64 (as_float64), as a definition with `dtype: float64` asks."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ModelError([ModelProblem(f"an ONNX model is bytes, got {type(data).__name__}")])
     data = bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(data).hexdigest() + (":float64" if float64 else "")
     with _CACHE_LOCK:
         if digest in _CACHE:
             _CACHE.move_to_end(digest)
             return _CACHE[digest]
-    model = OnnxModel(_parse(data), digest)
+    proto = _parse(data)
+    model = OnnxModel(as_float64(proto) if float64 else proto, digest)
     model.check()
     with _CACHE_LOCK:
         _CACHE[digest] = model
@@ -603,3 +671,38 @@ def _parse(data: bytes) -> Any:
     except onnx.checker.ValidationError as exc:
         raise ModelError([ModelProblem(f"the ONNX checker refuses the model: {exc}")]) from None
     return proto
+
+
+def as_float64(proto: Any) -> Any:
+    """The same model computing in float64: float32 initializers, graph inputs, outputs
+    and value infos, Cast targets and float32 constants (Constant, ConstantOfShape
+    values) switched to double. Exact for what the file holds: a float32 constant keeps
+    its float32 value, now in a float64."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    graph = model.graph
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT:
+            value = numpy_helper.to_array(init).astype(np.float64)
+            graph.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                value = numpy_helper.to_array(attr.t).astype(np.float64)
+                attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
+    return model
+
+
+def float_dtypes(model: OnnxModel) -> set[np.dtype]:
+    """The floating-point dtypes of a model's parameters and inputs."""
+    found = {v.dtype for v in model.params.values()}
+    found.update(i.dtype for i in model.inputs if i.dtype.kind == "f")
+    return found

@@ -67,6 +67,8 @@ Handler = Callable[[list[Any], dict[str, Any], int], list[Any]]
 HANDLERS: dict[str, Handler] = {}
 # op_type -> indices of inputs that must be known at load time.
 STATIC: dict[str, tuple[int, ...]] = {}
+# op_type -> why a node's attributes cannot run here (None when they can), asked at load.
+REFUSALS: dict[str, Callable[[dict[str, Any]], str | None]] = {}
 
 
 def handler(*names: str, static: tuple[int, ...] = ()) -> Callable[[Handler], Handler]:
@@ -217,6 +219,23 @@ def _mish(ins, attrs, opset):
     return [OP["multiply"](x, OP["tanh"](OP["softplus"](x)))]
 
 
+@handler("IsNaN")
+def _is_nan(ins, attrs, opset):
+    x = ins[0]  # NaN is the one value unequal to itself (torch's masked attention asks)
+    return [OP["not_equal"](x, x)]
+
+
+@handler("IsInf")
+def _is_inf(ins, attrs, opset):
+    x = ins[0]
+    out = None
+    for sign, wanted in ((1.0, "detect_positive"), (-1.0, "detect_negative")):
+        if attrs.get(wanted, 1):
+            hit = OP["equal"](x, _like(sign * np.inf, x))
+            out = hit if out is None else OP["logical_or"](out, hit)
+    return [out if out is not None else OP["not_equal"](x, x)]
+
+
 @handler("Where")
 def _where(ins, attrs, opset):
     return [OP["where"](ins[0], ins[1], ins[2])]
@@ -317,7 +336,8 @@ def _instance_norm(ins, attrs, opset):
 def _group_norm(ins, attrs, opset):
     # Statistics over each group of C/G channels and all spatial positions; scale and
     # bias per channel (opset 21: the checker refuses version 18's per-group form, which
-    # ONNX deprecated).
+    # ONNX deprecated). The statistics are computed in the input's dtype whatever
+    # stash_type says (its default asks float32, which would round a float64 model).
     x, scale, bias = ins[:3]
     shape = shape_of(x)
     groups, channels, rank = int(attrs["num_groups"]), shape[1], len(shape)
@@ -631,7 +651,7 @@ def _upsample(ins, attrs, opset):
     return [_resize(x, scales, sizes, {**attrs, "nearest_mode": "floor"}, "asymmetric")]
 
 
-def _resize_refusal(attrs: dict[str, Any]) -> str | None:
+def resize_refusal(attrs: dict[str, Any]) -> str | None:
     mode = attrs.get("mode", "nearest")
     if mode not in RESIZE_MODES:
         return f"mode {mode!r} is not supported (only 'nearest' and 'linear')"
@@ -645,6 +665,9 @@ def _resize_refusal(attrs: dict[str, Any]) -> str | None:
     if attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
         return f"keep_aspect_ratio_policy {attrs['keep_aspect_ratio_policy']!r} is not supported"
     return None
+
+
+REFUSALS["Resize"] = REFUSALS["Upsample"] = resize_refusal
 
 
 # ----------------------------------------------------------------------------------------
@@ -930,8 +953,8 @@ def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str 
         "SAME_LOWER",
     ):
         return f"auto_pad {attrs['auto_pad']!r} is not a valid value"
-    if op_type in ("Resize", "Upsample"):
-        return _resize_refusal(attrs)
+    if op_type in REFUSALS:
+        return REFUSALS[op_type](attrs)
     if op_type == "Gelu" and attrs.get("approximate", "none") not in ("none", "tanh"):
         return f"approximate={attrs['approximate']!r} is not 'none' or 'tanh'"
     return None

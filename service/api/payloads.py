@@ -13,24 +13,17 @@ import numpy as np
 from service.api.problems import ProblemError
 from service.api.schemas import (
     CallOptions,
-    CurvatureOptions,
     DatasetArray,
     DatasetInputs,
     Definition,
     DefinitionRequest,
-    DiagonalRequest,
-    EigenMethod,
-    EigenvaluesRequest,
     GradientRequest,
     HessianRequest,
     HVPRequest,
     ImportedModel,
-    InfluenceRequest,
     JacobianRequest,
     ModelCreateRequest,
     ShardOptions,
-    SolveRequest,
-    SpectralDensityRequest,
     TapeCreateRequest,
     TapeGradientRequest,
     TapeHVPRequest,
@@ -38,12 +31,14 @@ from service.api.schemas import (
     TapeUpdateRequest,
     TensorBase64,
     TensorData,
-    TraceRequest,
     VariableSpec,
 )
+from service.api.schemas.operations import OperationRequest
 from service.api.tensors import from_base64, from_data, nonfinite_count
 from service.core.config import Settings
+from service.core.operations import CURVATURE_FIELDS, encode_options
 from service.core.wire import Encoding, TensorError, from_bytes
+from service.domain.jobs import time_limit_of
 from service.domain.requests import Binding, Prepared
 
 
@@ -114,6 +109,9 @@ class TensorDecoder:
                 for name, var in d.variables.items()
             },
             "inputs": self.inputs(d.inputs, default),
+            # Kept for the engine: an ONNX model runs in the dtype asked (float64), or the
+            # definition is refused saying it cannot (definition.py, _model).
+            **({"dtype": d.dtype} if d.dtype else {}),
             "functions": {
                 name: fn.model_dump(exclude_none=True) for name, fn in d.functions.items()
             },
@@ -219,16 +217,10 @@ def rows(value: Any) -> Any:
     return value if value is None or isinstance(value, list) else value.model_dump()
 
 
-def _time_limit(requested: float | None, settings: Settings) -> float:
-    limit = settings.time_limit if requested is None else requested
-    if limit > settings.max_time_limit:
-        raise ProblemError(
-            "too-large",
-            f"time_limit: {limit:g} s is above this server's maximum of "
-            f"{settings.max_time_limit:g} s",
-            errors=[{"field": "time_limit", "message": f"at most {settings.max_time_limit:g}"}],
-        )
-    return limit
+def _time_limit(body: Any, settings: Settings) -> float:
+    """The request's compute seconds; a job's (body.run_async, which the route sets for
+    Prefer: respond-async too) come from its own budget (jobs.time_limit_of)."""
+    return time_limit_of(body.time_limit, bool(getattr(body, "run_async", False)), settings)
 
 
 def _decoder(
@@ -243,7 +235,7 @@ def _common(
 ) -> tuple[TensorDecoder, dict[str, Any], float]:
     """The payload of a definition request; `stored` is the definition of the stored
     model the request names (body.model), in the worker form already."""
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     if body.definition is not None:
         definition = decoder.definition(body.definition)
@@ -326,18 +318,21 @@ def _vectors(
             f"{settings.hvp_max_vectors} in one request",
             errors=[{"field": "vectors", "message": f"at most {settings.hvp_max_vectors}"}],
         )
+    # Bare numbers take the dtype of the tensor they stand for: read as float64 here, cast
+    # to each source's dtype in the worker (as a float32 parse would round them), so a
+    # float64 source loses no digits. Typed tensors keep their dtype.
     payload["flat_vector"] = None
     if body.flat_vector is not None:
         payload["flat_vector"] = decoder.tensor(body.flat_vector, "flat_vector", "float64")
         payload["vector"] = payload["vectors"] = None
     elif body.vector is not None:
-        payload["vector"] = decoder.tensors(body.vector, "vector")
+        payload["vector"] = decoder.tensors(body.vector, "vector", "float64")
         payload["vectors"] = None
     else:
         assert body.vectors is not None
         payload["vector"] = None
         payload["vectors"] = [
-            decoder.tensors(v, f"vectors.{i}") for i, v in enumerate(body.vectors)
+            decoder.tensors(v, f"vectors.{i}", "float64") for i, v in enumerate(body.vectors)
         ]
 
 
@@ -375,23 +370,18 @@ def sharding(body: ShardOptions, settings: Settings) -> dict[str, Any] | None:
             errors=[{"field": "shards", "message": f"at most {settings.max_shards}"}],
         )
     shard_by = [body.shard_by] if isinstance(body.shard_by, str) else body.shard_by
-    return {"shards": body.shards, "shard_by": shard_by, "reduction": body.shard_reduction.value}
-
-
-def _curvature(body: CurvatureOptions) -> dict[str, Any]:
-    """Which curvature matrix the worker applies (the Hessian unless asked)."""
-    return {
-        "curvature": body.curvature.value,
-        "samples": body.samples,
-        "fisher_seed": body.fisher_seed,
-    }
+    reduction = None if body.shard_reduction is None else body.shard_reduction.value
+    return {"shards": body.shards, "shard_by": shard_by, "reduction": reduction}
 
 
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
     decoder = _decoder(body, settings)
-    payload: dict[str, Any] = {"flat": body.flat, **_curvature(body)}
+    payload: dict[str, Any] = {
+        "flat": body.flat,
+        "curvature": {k: getattr(body, k) for k in CURVATURE_FIELDS},
+    }
     _vectors(body, decoder, payload, settings)
-    return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+    return _prepared(body, decoder, payload, _time_limit(body, settings))
 
 
 def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
@@ -404,9 +394,7 @@ def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
     }
     if isinstance(body, TapeJacobianRequest):
         payload["batch"] = body.batch
-    return _prepared(
-        body, _decoder(body, settings), payload, _time_limit(body.time_limit, settings)
-    )
+    return _prepared(body, _decoder(body, settings), payload, _time_limit(body, settings))
 
 
 def tape_update(
@@ -422,13 +410,19 @@ def tape_update(
     payload: dict[str, Any] = {"flat": body.flat}
     if body.point is not None:
         payload["point"] = decoder.tensor(body.point, "point", "float64")
-    prepared = _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+    prepared = _prepared(body, decoder, payload, _time_limit(body, settings))
     return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
 
 
-def _algorithm_limits(
-    max_hvps: int, max_seconds: float | None, limit: float, settings: Settings
-) -> dict[str, Any]:
+def operation(body: OperationRequest, settings: Settings) -> Prepared:
+    """The payload of a table operation (service/core/operations.py): its typed options,
+    with the server's limits applied (the HVP budget checked, the time budget set), and
+    its tensor fields decoded."""
+    op = body.operation
+    limit = _time_limit(body, settings)
+    decoder = _decoder(body, settings)
+    options = body.options()
+    max_hvps = options.hvp_budget(settings.algorithm_max_hvps)
     if max_hvps > settings.algorithm_max_hvps:
         raise ProblemError(
             "too-large",
@@ -438,101 +432,23 @@ def _algorithm_limits(
         )
     # The algorithm stops itself (and answers what it has) before the pool's hard limit.
     budget = 0.9 * limit
-    return {
-        "max_hvps": max_hvps,
-        "max_seconds": budget if max_seconds is None else min(max_seconds, budget),
-    }
-
-
-def eigenvalues(body: EigenvaluesRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    power = body.method is EigenMethod.power
-    which = body.which.value if body.which is not None else ("LM" if power else "LA")
-    if power and which != "LM":
-        raise ProblemError(
-            "invalid-request",
-            f"which: power iteration finds the eigenvalues of largest magnitude (LM) only; "
-            f"for {which} use method lanczos",
-            errors=[{"field": "which", "message": "LM (or absent) with method power"}],
-        )
-    payload = {
-        "k": body.k,
-        "method": body.method.value,
-        "which": which,
-        "tol": body.tol,
-        "eigenvectors": body.eigenvectors,
-        "seed": body.seed,
-        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, _decoder(body, settings), payload, limit)
-
-
-def trace(body: TraceRequest | DiagonalRequest, settings: Settings) -> Prepared:
-    """The payload of /trace and of /diagonal (the same knobs)."""
-    limit = _time_limit(body.time_limit, settings)
-    payload = {
-        "method": body.method.value,
-        "batch_size": body.batch_size,
-        "rtol": body.rtol,
-        "atol": body.atol,
-        "seed": body.seed,
-        **_algorithm_limits(body.max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, _decoder(body, settings), payload, limit)
-
-
-def spectral_density(body: SpectralDensityRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    # By default every probe may run its steps, within the server's limit (the run then
-    # stops at max_hvps, each probe with the steps it reached, and says so).
-    default = min(body.probes * body.steps, settings.algorithm_max_hvps)
-    max_hvps = default if body.max_hvps is None else body.max_hvps
-    payload = {
-        "probes": body.probes,
-        "steps": body.steps,
-        "sigma": body.sigma,
-        "points": body.points,
-        "grid": body.grid,
-        "seed": body.seed,
-        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, _decoder(body, settings), payload, limit)
-
-
-def solve(body: SolveRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    decoder = _decoder(body, settings)
-    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
-    payload = {
-        "vector": None if body.vector is None else decoder.tensors(body.vector, "vector"),
-        "damping": body.damping,
-        "tol": body.tol,
-        "max_iterations": body.max_iterations,
-        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
-    return _prepared(body, decoder, payload, limit)
-
-
-def influence(body: InfluenceRequest, settings: Settings) -> Prepared:
-    limit = _time_limit(body.time_limit, settings)
-    decoder = _decoder(body, settings)
-    max_hvps = body.max_iterations if body.max_hvps is None else body.max_hvps
-    payload = {
-        "test_inputs": None
-        if body.test_inputs is None
-        else decoder.inputs(body.test_inputs, "float32", field="test_inputs"),
-        "rows": body.rows,
-        "damping": body.damping,
-        "top_k": body.top_k,
-        "tol": body.tol,
-        "max_iterations": body.max_iterations,
-        **_algorithm_limits(max_hvps, body.max_seconds, limit, settings),
-        **_curvature(body),
-    }
+    options.max_hvps = max_hvps  # type: ignore[attr-defined]  # every algorithm has one
+    options.max_seconds = (
+        budget if options.max_seconds is None else min(options.max_seconds, budget)
+    )
+    payload: dict[str, Any] = {"options": encode_options(options)}
+    for name, spec in op.tensors.items():
+        value = getattr(body, name)
+        if value is None:
+            payload[name] = None
+        # Bare numbers take the dtype of the tensor they stand for: read as float64
+        # here, cast to the source's or input's recorded dtype in the worker.
+        elif spec["kind"] == "vector":
+            payload[name] = decoder.tensors(value, name, "float64")
+        elif spec["kind"] == "inputs":
+            payload[name] = decoder.inputs(value, "float64", field=name)
+        else:  # rows: indices, as sent
+            payload[name] = value
     return _prepared(body, decoder, payload, limit)
 
 

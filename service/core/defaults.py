@@ -23,3 +23,7 @@ COST_FLOPS_PER_SECOND = 40e9
 COST_TRANSCENDENTALS_PER_SECOND = 0.25e9
 COST_BYTES_PER_SECOND = 12e9
 WORKER_TUNE_ALLOCATOR = True  # engine.tune_allocator in the workers the pool starts
+# Every integer option of a request is at most 2^53 - 1: what every JSON reader keeps
+# exactly (the document's bounds are floats) and far inside the 64 bits a worker and NumPy
+# take. A larger one is a 422 naming its field, never a 500 in the worker.
+INT_MAX = 2**53 - 1

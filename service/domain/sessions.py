@@ -1034,7 +1034,20 @@ class ModelCatalog:
         model is the file (checked in a worker: loads, and every node is supported).
         Definitions then call it with {"models": {"net": {"stored": name}}}."""
         definition = {"program": [], "models": {"onnx": {"onnx": data, "frozen": []}}}
-        return await self.put(owner, name, definition, description, True, time_limit)
+        try:
+            return await self.put(owner, name, definition, description, True, time_limit)
+        except ComputeFailed as exc:
+            if exc.error.get("type") != "definition":
+                raise
+            # The problems name the upload, not the definition's internal `models.onnx`.
+            label = f"the uploaded model {name!r}"
+            error = dict(exc.error)
+            error["message"] = str(error.get("message", "")).replace("models.onnx", label, 1)
+            error["problems"] = [
+                {**p, "section": label} if p.get("section") == "models.onnx" else p
+                for p in error.get("problems") or []
+            ]
+            raise ComputeFailed(error) from None
 
     async def onnx_file(self, owner: str, name: str, field: str) -> bytes:
         """The ONNX file of the stored model `name` (422 when it is not an ONNX model)."""

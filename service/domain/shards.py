@@ -44,9 +44,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from service.core.errors import ServiceError
+from service.core.operations import (
+    BY_KIND,
+    CURVATURE_FIELDS,
+    OPERATIONS,
+    InfluenceOptions,
+    Sharded,
+    SolveOptions,
+    curvature_choice,
+    decode_options,
+    encode_options,
+)
 from service.core.store import TapeRow, is_ref
 from service.pool import (
     KEEP,
@@ -69,19 +81,35 @@ log = logging.getLogger("gradtape.shards")
 LOST = KEPT_LOST  # the coordinator no longer holds a run or a kept part, nor the pool one
 SHARED_FIELDS = ("vector", "vectors", "flat_vector")  # a product's, alike for every part
 SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answers
-ALGORITHMS = (
-    "tape_eigenvalues",
-    "tape_trace",
-    "tape_diagonal",
-    "tape_spectral_density",
-    "tape_solve",
-)
+# The table operations run as one algorithm over the parts (their products summed); the
+# others have a path of their own here (`own`) or are refused with the row's reason.
+ALGORITHMS = frozenset(op.kind for op in OPERATIONS if op.sharded is Sharded.algorithm)
 
 
 def _invalid(field: str, message: str) -> ServiceError:
     return ServiceError(
         "validation", f"{field}: {message}", errors=[{"field": field, "message": message}]
     )
+
+
+def _reduction(given: str | None, program: str | None) -> str:
+    """How the parts add up: what the client gave, else what the program says (a part's
+    worker reads it: engine/language/reduction.py); never a default that could be a
+    silent third (a summed loss averaged over three parts)."""
+    if given is None and program is None:
+        raise _invalid(
+            "shard_reduction",
+            "the target's line does not say plainly how it adds up over the batch (as "
+            "sum(...), mean(...) or a loss op's reduction do): give 'mean' (the parts are "
+            "weighted by their share of the rows) or 'sum' (the parts are added)",
+        )
+    if given is not None and program is not None and given != program:
+        raise _invalid(
+            "shard_reduction",
+            f"{given!r}, but the target is a {program} over the batch in the program: the "
+            f"total would be wrong; give {program!r} or leave shard_reduction out",
+        )
+    return given or program  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------
@@ -343,7 +371,8 @@ class Sharding:
             placed[worker] += 1
             workers.append(worker)
         # The coordinator flattens the sum; `shards` words a part's errors for the whole.
-        part_spec = {**spec, "flat": False, "shards": shards}
+        # `shard_by`: the inputs split, along which the part reads the target's reduction.
+        part_spec = {**spec, "flat": False, "shards": shards, "shard_by": names}
         made: list[Tape] = []
 
         async def record(i: int) -> tuple[Tape, dict[str, Any]]:
@@ -376,9 +405,8 @@ class Sharding:
                 [k, list(np.shape(g)), str(np.asarray(g).dtype)]
                 for k, g in answers[0]["gradients"].items()
             ]
-            parent.shards = ShardSet(
-                parts, rows, str(sharding.get("reduction") or "mean"), names, layout
-            )
+            reduction = _reduction(sharding.get("reduction"), answers[0].get("reduction"))
+            parent.shards = ShardSet(parts, rows, reduction, names, layout)
             combined = await self._combine(parent, answers, spec, deadline)
             parent.row.sources = dict(first.sources)
             parent.row.device = first.device
@@ -455,6 +483,8 @@ class Sharding:
                 result = await self._sum(tape, kind, payload, deadline)
             elif kind in ALGORITHMS:
                 result = await self._run(tape, kind, payload, deadline)
+            elif kind in BY_KIND and BY_KIND[kind].sharded is Sharded.refused:
+                raise _invalid("shards", f"{BY_KIND[kind].path}: {BY_KIND[kind].refusal}")
             elif kind == "tape_jacobian":
                 result = await self._pieced(tape, "jacobian", payload, deadline)
             elif kind == "tape_influence":
@@ -650,6 +680,7 @@ class Sharding:
         shards = tape.shards
         assert shards is not None
         body = dict(payload)
+        curvature = curvature_choice(decode_options(BY_KIND[kind], payload["options"]))
         if kind == "tape_solve" and payload.get("vector") is None:
             # b is the sharded tape's gradient: the parts' gradients, summed.
             gradient = await self._sum(
@@ -666,9 +697,7 @@ class Sharding:
             )
             body["vector"], body["rhs"] = gradient["gradients"], "gradient"
         product = {
-            "curvature": payload.get("curvature"),
-            "samples": payload.get("samples"),
-            "fisher_seed": payload.get("fisher_seed", 0),
+            "curvature": encode_options(curvature),
             "flat": True,
             "vector": None,
             "flat_vector": None,
@@ -830,7 +859,8 @@ class Sharding:
         part scores its own examples, in part order (the unsharded example indices)."""
         shards = tape.shards
         assert shards is not None
-        options = {k: payload.get(k) for k in ("curvature", "samples", "fisher_seed")}
+        asked = msgspec.convert(payload["options"], InfluenceOptions)
+        options = {"curvature": encode_options(curvature_choice(asked))}
         starts = [sum(shards.rows[:k]) for k in range(len(shards.rows))]
         test_rows = payload.get("rows")
         if test_rows is None:  # the tape's loss on new points: one part computes it
@@ -878,19 +908,30 @@ class Sharding:
                 },
                 deadline,
             )
-        solve = {
-            k: payload.get(k)
-            for k in (
-                "damping",
-                "tol",
-                "max_iterations",
-                "max_hvps",
-                "max_seconds",
-                "allow_nonfinite",
-            )
-        }
+        # s_test by the sharded CG run: a solve with the influence request's own options.
+        solve = msgspec.convert(
+            {
+                k: getattr(asked, k)
+                for k in (
+                    *CURVATURE_FIELDS,
+                    "damping",
+                    "tol",
+                    "max_iterations",
+                    "max_hvps",
+                    "max_seconds",
+                )
+            },
+            SolveOptions,
+        )
         solved = await self._run(
-            tape, "tape_solve", {**solve, **options, "vector": test["gradients"]}, deadline
+            tape,
+            "tape_solve",
+            {
+                "options": encode_options(solve),
+                "vector": test["gradients"],
+                "allow_nonfinite": payload.get("allow_nonfinite", False),
+            },
+            deadline,
         )
         return await self._assemble(
             tape,
@@ -900,10 +941,10 @@ class Sharding:
                 "kind": "shard_influence",
                 "payload": {
                     "weights": shards.weights,
-                    "top_k": payload["top_k"],
+                    "top_k": asked.top_k,
                     "test_loss": test["value"],
                     "solve": solved,
-                    "curvature": payload.get("curvature") or "hessian",
+                    "curvature": str(asked.curvature),
                 },
             },
             deadline,
@@ -957,8 +998,6 @@ class Sharding:
                         "flat_vector": payload.get("flat_vector"),
                         "flat": flat,
                         "curvature": None,
-                        "samples": None,
-                        "fisher_seed": 0,
                         "allow_nonfinite": spec["allow_nonfinite"],
                     },
                     deadline.left(tape.shards.coordinator),

@@ -13,6 +13,7 @@ from typing import Any
 import engine as gt
 from engine.language import Problem
 from service.core.flat import flatten
+from service.core.operations import OPERATIONS
 from service.worker import compute, nonfinite, shards, tapes
 from service.worker.compute import (
     NonFiniteAnswer,
@@ -96,14 +97,8 @@ def answer(
     }
 
 
-ALGORITHMS = {
-    "tape_eigenvalues": "eigenvalue iteration",
-    "tape_trace": "trace estimate",
-    "tape_diagonal": "diagonal estimate",
-    "tape_spectral_density": "spectral density (Lanczos quadrature)",
-    "tape_solve": "conjugate-gradient solve",
-    "tape_influence": "influence solve",
-}
+# What a sound tape's non-finite answer is blamed on, per table operation.
+ALGORITHMS = {op.kind: op.diagnosis for op in OPERATIONS}
 
 
 def diagnose_nonfinite(kind: str, payload: Mapping[str, Any], context: WorkerContext) -> Problem:

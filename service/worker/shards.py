@@ -35,13 +35,13 @@ import numpy as np
 from engine.curvature import Curvature, CurvatureError, top_by_sign
 from engine.language import DefinitionError, compile_definition
 from service.core import shm
+from service.core.operations import BY_KIND, Sharded, curvature_choice, decode_options
 from service.core.wire import array_bytes
 from service.worker import tapes
 from service.worker.compute import (
     RequestError,
     WorkerContext,
     check_jacobian_size,
-    check_vector,
     on_device,
 )
 
@@ -286,46 +286,16 @@ def _runs(context: WorkerContext) -> dict[str, Run]:
 def _work(
     kind: str, payload: Mapping[str, Any], context: WorkerContext, run: Run
 ) -> Callable[[ShardedFlat], dict[str, Any]]:
-    """The algorithm `kind` (a tape handler's name) on a ShardedFlat."""
-    started = time.perf_counter()
+    """The table operation `kind` (one run as an algorithm over the parts) on a
+    ShardedFlat: the same function the unsharded tape runs (tapes.OPERATION_FUNCTIONS)."""
+    op = BY_KIND.get(kind)
+    if op is None or op.sharded is not Sharded.algorithm:
+        raise RequestError("internal", f"no sharded algorithm {kind!r}")
     # A run outlives the request in flight: its progress goes out with its next need.
     quiet = dataclasses.replace(context, report=run.note)
-
-    def eigenvalues(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.eigenvalues_of(flat, flat.keys, payload, quiet, started)
-
-    def trace(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.trace_of(flat, flat.keys, payload, quiet, started)
-
-    def diagonal(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.diagonal_of(flat, flat.keys, payload, quiet, started)
-
-    def density(flat: ShardedFlat) -> dict[str, Any]:
-        return tapes.spectral_density_of(flat, flat.keys, payload, quiet, started)
-
-    def solve(flat: ShardedFlat) -> dict[str, Any]:
-        # b: the vector asked, or the sharded tape's gradient (summed by the caller).
-        vector = payload["vector"]
-        primals = [
-            np.broadcast_to(np.zeros((), d), s)
-            for s, d in zip(flat.shapes, flat.dtypes, strict=True)
-        ]
-        check_vector(vector, flat.keys, primals, "vector")  # type: ignore[arg-type]
-        b = flat.flatten([np.asarray(vector[k]) for k in flat.keys])
-        return tapes.solve_of(
-            flat, flat.keys, b, payload.get("rhs", "vector"), payload, quiet, started
-        )
-
-    table = {
-        "tape_eigenvalues": eigenvalues,
-        "tape_trace": trace,
-        "tape_diagonal": diagonal,
-        "tape_spectral_density": density,
-        "tape_solve": solve,
-    }
-    if kind not in table:
-        raise RequestError("internal", f"no sharded algorithm {kind!r}")
-    return table[kind]
+    asked = tapes.Asked(decode_options(op, payload["options"]), payload, quiet, time.perf_counter())
+    function = tapes.OPERATION_FUNCTIONS[kind]
+    return lambda flat: function(flat, flat.keys, asked)
 
 
 def _advance(run: Run, context: WorkerContext) -> dict[str, Any]:
@@ -611,7 +581,8 @@ def _influence_curvature(
     examples checked to be the part's rows of the split batch."""
     curvature = tapes.session_curvature(session)
     tapes.check_batched_targets(session, "influence")
-    tapes.curvature_operator(session, payload, context)  # refuses an impossible curvature
+    # refuses an impossible curvature, with its reason
+    tapes.curvature_operator(session, curvature_choice(payload.get("curvature")), context)
     if curvature.examples != int(payload["examples"]):
         assert session.split is not None
         raise RequestError(

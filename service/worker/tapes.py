@@ -47,6 +47,7 @@ from engine.hessian_algorithms import (
     power_iteration,
     spectral_density,
 )
+from engine.hessian_algorithms.hutchinson import FROBENIUS, hutchinson
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -59,6 +60,13 @@ from engine.language import (
 )
 from engine.tensor import Tensor
 from service.core import defaults, shm
+from service.core.operations import (
+    BY_KIND,
+    OPERATIONS,
+    CurvatureChoice,
+    curvature_choice,
+    decode_options,
+)
 from service.worker.compute import (
     RequestError,
     WorkerContext,
@@ -211,7 +219,7 @@ def skeleton(definition: Definition) -> Definition:
 # Curvatures beyond the Hessian (engine/curvature.py on the program cut at its output)
 # ----------------------------------------------------------------------------------------
 
-PER_EXAMPLE = ("fisher", "empirical_fisher")
+PER_EXAMPLE = ("fisher", "empirical_fisher", "empirical_fisher_terms")
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -270,16 +278,17 @@ def check_batched_targets(session: TapeSession, what: str) -> None:
 
 
 def curvature_operator(
-    session: TapeSession, payload: Mapping[str, Any], context: WorkerContext
+    session: TapeSession, choice: CurvatureChoice, context: WorkerContext
 ) -> tuple[gt.HessianOperator, FlatOperator]:
-    """The operator and flat view of the curvature the request asks for."""
-    kind = payload.get("curvature") or "hessian"
+    """The operator and flat view of the curvature the request asks for (its options,
+    or any CurvatureChoice)."""
+    kind = str(choice.curvature)
     if kind == "hessian":
         return session.operator, session.flat
     curvature = session_curvature(session)
     if kind in PER_EXAMPLE:
         check_batched_targets(session, f"curvature {kind!r}")
-    samples, seed = payload.get("samples"), payload.get("fisher_seed", 0)
+    samples, seed = choice.samples, choice.fisher_seed
     if samples is not None:
         # The Monte-Carlo Fisher keeps one output-sized gradient per sample.
         held = samples * curvature.output.size * curvature.output.dtype.itemsize
@@ -373,6 +382,10 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
+    if payload.get("shards"):  # a part: how its target adds up over the batch, if it says
+        result["reduction"] = session.program.batch_reduction(
+            session.request.target, payload.get("shard_by")
+        )
     return result
 
 
@@ -396,7 +409,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    operator, _ = curvature_operator(session, payload, context)
+    operator, _ = curvature_operator(session, curvature_choice(payload["curvature"]), context)
     products = _products(session, operator, stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
@@ -456,14 +469,64 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
     )
 
 
-# Algorithms -----------------------------------------------------------------------------
+# Operations --------------------------------------------------------------------------------
+# Every row of service/core/operations.py has its function here, registered under the
+# row's kind: `fn(flat, keys, asked)`, on a flat operator (a tape's, or a sharded tape's
+# whose matvec asks its parts: service/worker/shards.py), `keys` the sources in the flat
+# order, `asked` the request (its typed options, tensors, time and tape).
 
 
-def _seconds_left(payload: Mapping[str, Any], started: float) -> float:
-    """The algorithm's own time budget, less what a rebuild took (at least
-    ALGORITHM_MIN_SECONDS, the smallest max_seconds a request may give)."""
-    budget = float(payload["max_seconds"])
-    return max(defaults.ALGORITHM_MIN_SECONDS, budget - (time.perf_counter() - started))
+@dataclass
+class Asked:
+    """One operation's request inside the worker."""
+
+    options: Any  # the row's options Struct (service/core/operations.py), typed
+    tensors: Mapping[str, Any]  # the row's tensor fields, decoded by the HTTP side
+    context: WorkerContext
+    started: float  # perf_counter when the request arrived (a rebuild counts against it)
+    session: TapeSession | None = None  # None on a sharded run's coordinator
+
+    def seconds_left(self) -> float:
+        """The algorithm's own time budget, less what a rebuild took (at least
+        ALGORITHM_MIN_SECONDS, the smallest max_seconds a request may give)."""
+        budget = float(self.options.max_seconds)
+        elapsed = time.perf_counter() - self.started
+        return max(defaults.ALGORITHM_MIN_SECONDS, budget - elapsed)
+
+    def relay(self) -> Callable[[Progress], None] | None:
+        return _relay(self.context)
+
+
+OperationFunction = Callable[[Any, list[str], Asked], dict[str, Any]]
+OPERATION_FUNCTIONS: dict[str, OperationFunction] = {}
+
+
+def operation(kind: str) -> Callable[[OperationFunction], OperationFunction]:
+    """Register the function of the table row `kind`."""
+
+    def register(fn: OperationFunction) -> OperationFunction:
+        OPERATION_FUNCTIONS[kind] = fn
+        return fn
+
+    return register
+
+
+def run_operation(kind: str) -> Callable[[Any, WorkerContext], dict[str, Any]]:
+    """The worker handler of a table row: the options decoded (typed), the tape found or
+    rebuilt, the curvature asked applied, the row's function run on it."""
+    op = BY_KIND[kind]
+
+    def handler(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+        started = time.perf_counter()
+        options = decode_options(op, payload["options"])
+        session, rebuilt = session_for(payload, context)
+        _, flat = curvature_operator(session, options, context)
+        asked = Asked(options, payload, context, started, session)
+        result = OPERATION_FUNCTIONS[kind](flat, session.keys, asked)
+        return finish_answer(session, rebuilt, result, hvp_only=True)
+
+    handler.__name__ = kind
+    return handler
 
 
 def _relay(context: WorkerContext) -> Callable[[Progress], None] | None:
@@ -506,37 +569,25 @@ def _check_basis(context: WorkerContext, rows: int, n: int, what: str, fewer: st
         )
 
 
-def tape_eigenvalues(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    started = time.perf_counter()
-    session, rebuilt = session_for(payload, context)
-    _, flat = curvature_operator(session, payload, context)
-    result = eigenvalues_of(flat, session.keys, payload, context, started)
-    return finish_answer(session, rebuilt, result, hvp_only=True)
-
-
-# The algorithms on a flat operator (a tape's, or a sharded tape's whose matvec asks its
-# shards: service/worker/shards.py): `keys` name the sources, in the flat order.
-
-
-def eigenvalues_of(
-    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
-) -> dict[str, Any]:
-    k = int(payload["k"])
+@operation("tape_eigenvalues")
+def eigenvalues_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o, context = asked.options, asked.context
+    k = o.k
     if k > flat.n:
         raise RequestError(
             "request",
             f"k: the tape has {flat.n} parameters, so at most {flat.n} eigenvalues",
             field="k",
         )
-    _check_max_hvps(int(payload["max_hvps"]), k, f"k = {k} eigenvalues")
-    method = payload.get("method", "lanczos")
+    _check_max_hvps(o.max_hvps, k, f"k = {k} eigenvalues")
+    method = str(o.method)
     # Lanczos holds at least k basis vectors; power iteration its block of k and A times it.
     rows = k if method == "lanczos" else 2 * k
     what = "a Lanczos basis" if method == "lanczos" else "a power-iteration block"
     _check_basis(context, rows, flat.n, what, "ask for fewer eigenvalues")
-    tol, max_hvps = float(payload["tol"]), int(payload["max_hvps"])
-    max_seconds = _seconds_left(payload, started)
-    eigenvectors, seed = bool(payload["eigenvectors"]), payload.get("seed")
+    tol, max_hvps = o.tol, o.max_hvps
+    max_seconds = asked.seconds_left()
+    eigenvectors, seed = o.eigenvectors, o.seed
     if method == "power":
         out = power_iteration(
             flat.matvec,
@@ -547,21 +598,21 @@ def eigenvalues_of(
             max_seconds=max_seconds,
             eigenvectors=eigenvectors,
             seed=seed,
-            callback=_relay(context),
+            callback=asked.relay(),
         )
     else:
         out = lanczos(
             flat.matvec,
             flat.n,
             k=k,
-            which=payload["which"],
+            which=str(o.which),
             tol=tol,
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             eigenvectors=eigenvectors,
             seed=seed,
             max_basis_bytes=context.lanczos_max_basis_bytes,
-            callback=_relay(context),
+            callback=asked.relay(),
         )
     vectors = None
     if out.eigenvectors is not None:
@@ -594,21 +645,15 @@ def _check_method_budget(method: str, max_hvps: int, n: int, what: str) -> None:
         _check_max_hvps(max_hvps, 2, "a standard error")
 
 
-def tape_trace(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    started = time.perf_counter()
-    session, rebuilt = session_for(payload, context)
-    _, flat = curvature_operator(session, payload, context)
-    result = trace_of(flat, session.keys, payload, context, started)
-    return finish_answer(session, rebuilt, result, hvp_only=True)
-
-
-def trace_of(
-    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
-) -> dict[str, Any]:
-    max_hvps = int(payload["max_hvps"])
-    method = choose_trace_method(payload.get("method", "auto"), flat.n, max_hvps)
+@operation("tape_trace")
+def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o, context = asked.options, asked.context
+    max_hvps = o.max_hvps
+    method = choose_trace_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "trace")
-    batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
+    if method == "exact":  # n HVPs, never more (exact named without a budget: the most)
+        max_hvps = min(max_hvps, flat.n)
+    batch = min(o.batch_size, context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_trace(
         flat.matvec,
@@ -616,13 +661,13 @@ def trace_of(
         method=method,
         batch_size=batch,
         max_hvps=max_hvps,
-        rtol=payload.get("rtol"),
-        atol=float(payload.get("atol") or 0.0),
-        max_seconds=_seconds_left(payload, started),
-        seed=payload.get("seed"),
+        rtol=o.rtol,
+        atol=o.atol,
+        max_seconds=asked.seconds_left(),
+        seed=o.seed,
         exact_batch_size=exact_batch,
         max_basis_bytes=context.lanczos_max_basis_bytes,
-        callback=_relay(context),
+        callback=asked.relay(),
     )
     return {
         "trace": out.trace,
@@ -634,26 +679,22 @@ def trace_of(
         "batch_size": exact_batch if out.method == "exact" else batch,  # hutchpp may hand over
         "converged": out.converged,
         "stopped": out.stopped,
+        # The exact method cut short (time_limit) is an estimate from the directions seen.
+        "partial": out.method == "exact" and out.stopped != "exhausted",
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
 
 
-def tape_diagonal(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    started = time.perf_counter()
-    session, rebuilt = session_for(payload, context)
-    _, flat = curvature_operator(session, payload, context)
-    result = diagonal_of(flat, session.keys, payload, context, started)
-    return finish_answer(session, rebuilt, result, hvp_only=True)
-
-
-def diagonal_of(
-    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
-) -> dict[str, Any]:
-    max_hvps = int(payload["max_hvps"])
-    method = choose_diagonal_method(payload.get("method", "auto"), flat.n, max_hvps)
+@operation("tape_diagonal")
+def diagonal_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o, context = asked.options, asked.context
+    max_hvps = o.max_hvps
+    method = choose_diagonal_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
-    batch = min(int(payload["batch_size"]), context.hvp_max_vectors)
+    if method == "exact":  # n HVPs, never more (exact named without a budget: the most)
+        max_hvps = min(max_hvps, flat.n)
+    batch = min(o.batch_size, context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_diagonal(
         flat.matvec,
@@ -661,12 +702,12 @@ def diagonal_of(
         method=method,
         batch_size=batch,
         max_hvps=max_hvps,
-        rtol=payload.get("rtol"),
-        atol=float(payload.get("atol") or 0.0),
-        max_seconds=_seconds_left(payload, started),
-        seed=payload.get("seed"),
+        rtol=o.rtol,
+        atol=o.atol,
+        max_seconds=asked.seconds_left(),
+        seed=o.seed,
         exact_batch_size=exact_batch,
-        callback=_relay(context),
+        callback=asked.relay(),
     )
     # An exact run stopped by its time limit reached the first entries only (NaN past
     # them, which JSON cannot carry): then no per-source diagonal, the reached entries
@@ -696,35 +737,27 @@ def diagonal_of(
     return result
 
 
-def tape_spectral_density(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    started = time.perf_counter()
-    session, rebuilt = session_for(payload, context)
-    _, flat = curvature_operator(session, payload, context)
-    result = spectral_density_of(flat, session.keys, payload, context, started)
-    return finish_answer(session, rebuilt, result, hvp_only=True)
-
-
-def spectral_density_of(
-    flat: Any, keys: list[str], payload: Mapping[str, Any], context: WorkerContext, started: float
-) -> dict[str, Any]:
-    steps = min(int(payload["steps"]), flat.n)
+@operation("tape_spectral_density")
+def spectral_density_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o, context = asked.options, asked.context
+    steps = min(o.steps, flat.n)
     _check_basis(context, steps, flat.n, "a Lanczos basis", "ask for fewer steps")
-    probes = int(payload["probes"])
-    grid = payload.get("grid")
+    probes = o.probes
+    grid = o.grid
     out = spectral_density(
         flat.matvec,
         flat.n,
         probes=probes,
         steps=steps,
-        sigma=payload.get("sigma"),
-        points=int(payload["points"]),
+        sigma=o.sigma,
+        points=o.points,
         grid=None if grid is None else np.asarray(grid),
         batch_size=min(probes, context.hvp_max_vectors),
-        max_hvps=int(payload["max_hvps"]),
-        max_seconds=_seconds_left(payload, started),
+        max_hvps=o.max_hvps,
+        max_seconds=asked.seconds_left(),
         max_basis_bytes=context.lanczos_max_basis_bytes,
-        seed=payload.get("seed"),
-        callback=_relay(context),
+        seed=o.seed,
+        callback=asked.relay(),
     )
     return {
         "grid": [float(x) for x in out.grid],
@@ -743,40 +776,37 @@ def spectral_density_of(
     }
 
 
-def tape_solve(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    started = time.perf_counter()
-    session, rebuilt = session_for(payload, context)
-    _, flat = curvature_operator(session, payload, context)
-    vector = payload.get("vector")
+@operation("tape_solve")
+def solve_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    """b: the vector asked, or the recorded gradient (a sharded run is handed the parts'
+    gradients summed, with `rhs` "gradient")."""
+    o, session = asked.options, asked.session
+    vector = asked.tensors.get("vector")
     if vector is None:
+        assert session is not None, "a sharded solve is handed its b"
         b = flat.flatten(session.operator.grad)
         rhs = "gradient"
     else:
-        check_vector(vector, session.keys, session.primals, "vector")
-        b = flat.flatten([np.asarray(vector[k]) for k in session.keys])
-        rhs = "vector"
-    result = solve_of(flat, session.keys, b, rhs, payload, context, started)
-    return finish_answer(session, rebuilt, result, hvp_only=True)
-
-
-def solve_of(
-    flat: Any,
-    keys: list[str],
-    b: np.ndarray,
-    rhs: str,
-    payload: Mapping[str, Any],
-    context: WorkerContext,
-    started: float,
-) -> dict[str, Any]:
+        primals = (
+            session.primals
+            if session is not None
+            else [
+                np.broadcast_to(np.zeros((), d), s)
+                for s, d in zip(flat.shapes, flat.dtypes, strict=True)
+            ]
+        )
+        check_vector(vector, keys, primals, "vector")  # type: ignore[arg-type]
+        b = flat.flatten([np.asarray(vector[k]) for k in keys])
+        rhs = asked.tensors.get("rhs", "vector")
     out = conjugate_gradient(
         flat.matvec,
         b,
-        damping=float(payload["damping"]),
-        tol=float(payload["tol"]),
-        max_iterations=int(payload["max_iterations"]),
-        max_hvps=int(payload["max_hvps"]),
-        max_seconds=_seconds_left(payload, started),
-        callback=_relay(context),
+        damping=o.damping,
+        tol=o.tol,
+        max_iterations=o.max_iterations,
+        max_hvps=o.max_hvps,
+        max_seconds=asked.seconds_left(),
+        callback=asked.relay(),
     )
     return {
         "solution": dict(zip(keys, flat.unflatten(out.x), strict=True)),
@@ -786,6 +816,37 @@ def solve_of(
         "iterations": out.iterations,
         "hvps": out.hvps,
         "residuals": out.residuals,
+        "seconds": out.seconds,
+    }
+
+
+@operation("tape_frobenius_norm")
+def frobenius_norm_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o = asked.options
+    batch = min(o.batch_size, asked.context.hvp_max_vectors)
+    out = hutchinson(
+        flat.matvec,
+        flat.n,
+        FROBENIUS,
+        batch_size=batch,
+        max_hvps=o.max_hvps,
+        rtol=o.rtol,
+        atol=o.atol,
+        max_seconds=asked.seconds_left(),
+        seed=o.seed,
+        callback=asked.relay(),
+    )
+    stderr = float(out.stderr[0])
+    return {
+        "frobenius_norm_squared": float(out.mean[0]),
+        "stderr": stderr if math.isfinite(stderr) else None,
+        "curvature": str(o.curvature),
+        "samples": out.samples,
+        "batches": out.batches,
+        "batch_size": batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
         "seconds": out.seconds,
     }
 
@@ -846,18 +907,19 @@ def test_points_of(
     return ({n: values[n] for n in curvature.data}, {n: values[n] for n in curvature.targets})
 
 
-def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    """Koh and Liang's influence of every example on the test loss (engine.curvature)."""
-    started = time.perf_counter()
-    session, rebuilt = session_for(payload, context)
+@operation("tape_influence")
+def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    """Koh and Liang's influence of every example on the test loss (engine.curvature); a
+    sharded tape runs it in pieces (service/domain/shards.py)."""
+    o, context, session = asked.options, asked.context, asked.session
+    assert session is not None, "influence on a sharded tape has a path of its own"
     curvature = session_curvature(session)
     check_batched_targets(session, "influence")
-    kind = payload.get("curvature") or "hessian"
-    curvature_operator(session, payload, context)  # refuses an impossible curvature with its reason
+    kind = str(o.curvature)
     test_data = test_targets = rows = None
-    if payload.get("rows") is not None:
+    if asked.tensors.get("rows") is not None:
         n = curvature.examples
-        rows = [int(r) for r in payload["rows"]]
+        rows = [int(r) for r in asked.tensors["rows"]]
         bad = [r for r in rows if not 0 <= r < n]
         if bad:
             raise RequestError(
@@ -867,7 +929,7 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             )
     else:
         test_data, test_targets = test_points_of(
-            session, curvature, payload["test_inputs"], context
+            session, curvature, asked.tensors["test_inputs"], context
         )
     try:
         out = curvature.influence(
@@ -875,22 +937,22 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
             test_targets,
             rows=rows,
             curvature=kind,
-            samples=payload.get("samples"),
-            seed=payload.get("fisher_seed", 0),
-            damping=float(payload["damping"]),
-            top_k=int(payload["top_k"]),
-            tol=float(payload["tol"]),
-            max_iterations=int(payload["max_iterations"]),
-            max_hvps=int(payload["max_hvps"]),
-            max_seconds=_seconds_left(payload, started),
-            callback=_relay(context),
+            samples=o.samples,
+            seed=o.fisher_seed,
+            damping=o.damping,
+            top_k=o.top_k,
+            tol=o.tol,
+            max_iterations=o.max_iterations,
+            max_hvps=o.max_hvps,
+            max_seconds=asked.seconds_left(),
+            callback=asked.relay(),
             # The tape's own recording answers the Hessian (the same sources, in order).
             operator=session.operator if kind == "hessian" else None,
         )
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None
     names = session.request.sources
-    result = {
+    return {
         "scores": out.scores.tolist(),
         "removal": out.removal.tolist(),
         "helpful": [int(i) for i in out.helpful],
@@ -905,7 +967,6 @@ def tape_influence(payload: Mapping[str, Any], context: WorkerContext) -> dict[s
         "residuals": out.solve.residuals,
         "seconds": out.solve.seconds,
     }
-    return finish_answer(session, rebuilt, result, hvp_only=True)
 
 
 # Stored models --------------------------------------------------------------------------
@@ -937,11 +998,7 @@ HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "tape_hvp": tape_hvp,
     "tape_gradient": tape_gradient,
     "tape_jacobian": tape_jacobian,
-    "tape_eigenvalues": tape_eigenvalues,
-    "tape_trace": tape_trace,
-    "tape_diagonal": tape_diagonal,
-    "tape_spectral_density": tape_spectral_density,
-    "tape_solve": tape_solve,
-    "tape_influence": tape_influence,
     "check_definition": check_definition,
+    # one handler per row of the operation table (service/core/operations.py)
+    **{op.kind: run_operation(op.kind) for op in OPERATIONS},
 }

@@ -23,6 +23,21 @@ EXAMPLES = ROOT / "examples"
 SDK = ROOT / "clients" / "python"
 
 
+TESTED = {
+    "cnn_hessian_spectrum.py",
+    "influence_training_points.py",
+    "newton_cg_logistic.py",
+    "ggn_preconditioned_solve.py",
+    "sharded_ray.py",
+}
+
+
+def test_every_example_is_run_here() -> None:
+    assert {p.name for p in EXAMPLES.glob("*.py")} == TESTED
+    listed = (EXAMPLES / "README.md").read_text()
+    assert all(f"`{name}`" in listed for name in TESTED)
+
+
 def run_example(name: str, server: Server, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADTAPE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SDK)])

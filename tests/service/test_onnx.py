@@ -168,20 +168,29 @@ def test_unsupported_ops_are_one_422_listing_each(client) -> None:
     )
     body = problem(client.post("/v1/gradient", json=inline(data)), 422, "definition")
     found = [(e["section"], e["kind"], e["message"]) for e in body["errors"]]
-    assert found == [
+    summary = (
+        "2 node(s) of 2 op type(s) cannot run here (Hardmax x1, LpNormalization x1): export "
+        "the model again with ops this runtime supports"
+    )
+    assert found[0][:2] == ("models.net", "op") and found[0][2].startswith(summary)
+    assert found[1:] == [
         (
             "models.net",
             "op",
-            "node 'hard' (op_type Hardmax, domain ai.onnx, opset 18): not supported",
+            "op_type Hardmax (domain ai.onnx, opset 18), 1 node(s) ('hard'): not supported",
         ),
         (
             "models.net",
             "op",
-            "node 'lp' (op_type LpNormalization, domain ai.onnx, opset 18): not supported",
+            "op_type LpNormalization (domain ai.onnx, opset 18), 1 node(s) ('lp'): not supported",
         ),
     ]
+    assert body["detail"].startswith(f"models.net: {summary}")
+    # An upload names itself, not the definition it is stored as.
     stored = problem(client.put("/v1/models/unsupported", content=data, headers=ONNX), 422)
-    assert len(stored["errors"]) == 2 and "Hardmax" in stored["errors"][0]["message"]
+    assert stored["detail"].startswith(f"the uploaded model 'unsupported': {summary}")
+    assert {e["section"] for e in stored["errors"]} == {"the uploaded model 'unsupported'"}
+    assert len(stored["errors"]) == 3 and "Hardmax" in stored["errors"][1]["message"]
     assert client.get("/v1/models/unsupported").status_code == 404  # nothing stored
 
 
@@ -193,7 +202,7 @@ def test_truncated_file_is_a_422_naming_the_complaint(client) -> None:
     ):
         body = problem(sent, 422, "definition")
         (error,) = body["errors"]
-        assert error["section"] in ("models.net", "models.onnx")
+        assert error["section"] in ("models.net", "the uploaded model 'truncated'")
         assert "truncated" in error["message"] or "checker" in error["message"]
 
 
@@ -405,3 +414,28 @@ def test_a_stored_model_may_call_a_stored_onnx_file(client) -> None:
     finally:
         client.delete("/v1/models/story-def")
         client.delete("/v1/models/story-onnx")
+
+
+def test_dtype_float64_runs_a_float32_model_in_float64(client) -> None:
+    # Today's answer to `dtype: float64` on a float32 file is float64 (PyTorch's float64
+    # gradients to 1e-6), where it was float32 without a word.
+    data, record = fixture("lenet")
+    body = {
+        "definition": {
+            "dtype": "float64",
+            "models": {"net": {"onnx": b64(data)}},
+            "inputs": {"x": record["x"].tolist(), "y": t(record["y"], "int64")},
+            "program": PROGRAM,
+        },
+        "target": "loss",
+    }
+    answer = post(client, "/v1/gradient", body)
+    assert answer["value"]["dtype"] == "float64"
+    np.testing.assert_allclose(arr(answer["value"]), record["f64/loss"], rtol=1e-9)
+    for key, got in answer["gradients"].items():
+        assert got["dtype"] == "float64"
+        want = record[f"f64/grad/{key}"]
+        np.testing.assert_allclose(arr(got), want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
+    body["definition"]["dtype"] = "float16"
+    refused = problem(client.post("/v1/gradient", json=body), 422, "definition")
+    assert "dtype float16 is not applied to ONNX models" in refused["detail"]

@@ -173,8 +173,8 @@ class Browser:
                 raise BrowserError(f"still false after {timeout} s: {expression}")
             time.sleep(poll)
 
-    def screenshot(self, path: Path) -> Path:
-        data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+    def screenshot(self, path: Path, full_page: bool = True) -> Path:
+        data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=full_page)
         path.write_bytes(base64.b64decode(data["data"]))
         return path
 

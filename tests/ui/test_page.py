@@ -228,6 +228,29 @@ def test_eigenvalues_are_drawn(page: Browser, api: httpx.Client) -> None:
 
 
 @needs_chromium
+def test_a_diagonal_and_influence_scores_are_drawn(page: Browser, api: httpx.Client) -> None:
+    rng = np.random.default_rng(6)
+    definition = mlp(rng, 12, 3)
+    body = {**_target(), "definition": definition, "output": "out"}
+    tape = api.post("/v1/tapes", json=body).json()
+    job_id = start_job(api, tape["tape_id"], "diagonal", {"method": "exact"})
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'diagonal'")
+    result = api.get(f"/v1/jobs/{job_id}/result").json()
+    drawn = page.evaluate("gradtapeUI.charts.result.data")
+    flat = [v for name in ("W1", "W2") for v in np.ravel(result["diagonal"][name]["data"])]
+    np.testing.assert_allclose(drawn[1], flat)  # W1's entries, then W2's, as the sources
+    test_points = {"X": definition["inputs"]["X"], "Y": definition["inputs"]["Y"]}
+    job_id = start_job(
+        api, tape["tape_id"], "influence", {"test_inputs": test_points, "damping": 0.1}
+    )
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'influence'")
+    result = api.get(f"/v1/jobs/{job_id}/result").json()
+    assert page.evaluate("gradtapeUI.charts.result.data") == [list(range(12)), result["scores"]]
+
+
+@needs_chromium
 def test_cancel_from_the_page_stops_the_job(page: Browser, api: httpx.Client) -> None:
     rng = np.random.default_rng(8)
     tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 400, 24)}).json()

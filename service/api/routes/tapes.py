@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.api import payloads
+from service.api import payloads, schemas
 from service.api.bodies import GatedRoute
 from service.api.deps import (
     ComputeDep,
@@ -30,20 +30,16 @@ from service.api.openapi import (
     msgpack_body,
     problem_responses,
 )
-from service.api.routes._compute import Operation, register, respond, stored_definition
+from service.api.routes._compute import (
+    Operation,
+    as_job,
+    register,
+    respond,
+    stored_definition,
+)
 from service.api.schemas import (
-    DiagonalRequest,
-    DiagonalResponse,
-    EigenvaluesRequest,
-    EigenvaluesResponse,
     GradientResponse,
-    InfluenceRequest,
-    InfluenceResponse,
     JacobianResponse,
-    SolveRequest,
-    SolveResponse,
-    SpectralDensityRequest,
-    SpectralDensityResponse,
     TapeCreateRequest,
     TapeCreateResponse,
     TapeGradientRequest,
@@ -53,9 +49,9 @@ from service.api.schemas import (
     TapeJacobianRequest,
     TapeList,
     TapeUpdateRequest,
-    TraceRequest,
-    TraceResponse,
 )
+from service.api.schemas.operations import REQUEST_MODELS, RESPONSE_MODELS
+from service.core.operations import OPERATIONS
 from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=GatedRoute)
@@ -220,6 +216,7 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep) -> Response:
         owner, services = compute.owner, compute.services
+        as_job(request, body, op)
         prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
 
         def call() -> Awaitable[Reply]:
@@ -257,7 +254,8 @@ TAPE_OPERATIONS = (
         curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
         the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
         cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
-        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
+        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum),
+        or `empirical_fisher_terms` (curvlinops' convention: one gradient per loss term).
         The first such request records the model and loss once more, cut at the output;
         later ones reuse it.""",
     ),
@@ -297,105 +295,21 @@ TAPE_OPERATIONS = (
         `target`).""",
         job=True,
     ),
+) + tuple(
+    # The table's operations (service/core/operations.py): request models made from
+    # their options, one generic payload (payloads.operation), the row's worker handler.
     _on_tape(
-        "compute_tape_eigenvalues",
-        "eigenvalues",
-        "tape_eigenvalues",
-        EigenvaluesRequest,
-        EigenvaluesResponse,
-        payloads.eigenvalues,
-        "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
-        """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
-        Hessian of the tape's target over its sources (or of the `curvature` asked), in the
-        worker (no round trip per HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
-        (`method: power`) by deflated power iteration, k HVPs per batched step, largest
-        magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
-        at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
-        HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
-        unless the whole space is spanned.""",
-        job=True,
-    ),
-    _on_tape(
-        "estimate_tape_trace",
-        "trace",
-        "tape_trace",
-        TraceRequest,
-        TraceResponse,
-        payloads.trace,
-        "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
-        """tr(H) (or of the `curvature` asked): exact from the n unit vectors in batched passes of up to 64 (`method:
-        auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
-        standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
-        `max_seconds`.""",
-        job=True,
-    ),
-    _on_tape(
-        "estimate_tape_diagonal",
-        "diagonal",
-        "tape_diagonal",
-        DiagonalRequest,
-        DiagonalResponse,
-        payloads.trace,
-        "Diagonal of a tape's Hessian (exact, Hutchinson)",
-        """diag(H) (or of the `curvature` asked) as tensors per source: exact from the n unit vectors in batched passes of
-        up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
-        estimate with a standard error per entry, stopping once the root-mean-square error
-        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""",
-        job=True,
-    ),
-    _on_tape(
-        "estimate_tape_spectral_density",
-        "spectral-density",
-        "tape_spectral_density",
-        SpectralDensityRequest,
-        SpectralDensityResponse,
-        payloads.spectral_density,
-        "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
-        """The density of the Hessian's (or the `curvature`'s) eigenvalues by stochastic
-        Lanczos quadrature, as
-        PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
-        the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
-        density (width `sigma`) on a grid with its pointwise standard error, and the raw
-        Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
-        job=True,
-    ),
-    _on_tape(
-        "solve_tape",
-        "solve",
-        "tape_solve",
-        SolveRequest,
-        SolveResponse,
-        payloads.solve,
-        "Solve (H + damping I) x = b on a tape (CG)",
-        """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
-        Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
-        iteration. Without `vector`, b is the recorded gradient and x the damped
-        Newton step (the update is sources - x). Answers the residual history; stops at
-        `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
-        non-positive curvature (raise the damping).""",
-        job=True,
-    ),
-    _on_tape(
-        "compute_tape_influence",
-        "influence",
-        "tape_influence",
-        InfluenceRequest,
-        InfluenceResponse,
-        payloads.influence,
-        "Influence of every training example on test points (Koh and Liang)",
-        """On a tape recorded with `output` (its examples along the output's first axis):
-        s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
-        (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
-        tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
-        or at training `rows`; then the scores -g_i . s_test of every training example in
-        one batched pass (no per-example loop), the predicted change of the test loss if
-        each were left out, and the `top_k` most helpful and most harmful examples.
-
-        On a sharded tape: the test gradient from the parts, the solve across them
-        (products summed), and each part's examples scored by it, in part order (the
-        unsharded tape's indices and numbers).""",
-        job=True,
-    ),
+        op.name,
+        op.path,
+        op.kind,
+        REQUEST_MODELS[op.kind],
+        RESPONSE_MODELS.get(op.kind) or getattr(schemas, op.result_name),
+        payloads.operation,
+        op.summary,
+        op.description,
+        job=op.job,
+    )
+    for op in OPERATIONS
 )
 for _operation in TAPE_OPERATIONS:
     _add(_operation)

@@ -13,13 +13,8 @@ One module per resource; this package re-exports them all, so
 """
 
 from service.api.schemas.algorithms import (
-    MAX_HVPS_DESCRIPTION,
-    MAX_SECONDS_DESCRIPTION,
-    TOLERANCE_DESCRIPTION,
-    DiagonalMethod,
     DiagonalRequest,
     DiagonalResponse,
-    EigenMethod,
     EigenvaluesRequest,
     EigenvaluesResponse,
     InfluenceRequest,
@@ -29,10 +24,8 @@ from service.api.schemas.algorithms import (
     SpectralDensityRequest,
     SpectralDensityResponse,
     Stopped,
-    TraceMethod,
     TraceRequest,
     TraceResponse,
-    Which,
 )
 from service.api.schemas.base import (
     CallOptions,
@@ -125,7 +118,6 @@ from service.api.schemas.models import (
     VariableTypes,
 )
 from service.api.schemas.tapes import (
-    CurvatureKind,
     CurvatureOptions,
     ShardInfo,
     TapeCreateRequest,
@@ -154,15 +146,19 @@ from service.api.schemas.tensors import (
     TensorValue,
     Unconnected,
 )
+from service.core.operations import (
+    CurvatureKind,
+    DiagonalMethod,
+    EigenMethod,
+    TraceMethod,
+    Which,
+)
 
 __all__ = [
     "FLAT_JACOBIAN_DESCRIPTION",
     "GRADIENT_EXAMPLE",
-    "MAX_HVPS_DESCRIPTION",
     "MAX_NAME_CHARS",
-    "MAX_SECONDS_DESCRIPTION",
     "STORED_NAME_PATTERN",
-    "TOLERANCE_DESCRIPTION",
     "UNCONNECTED_FIELD",
     "Aliases",
     "CallOptions",

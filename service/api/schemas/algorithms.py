@@ -1,353 +1,21 @@
 """Algorithms on a tape's curvature (eigenvalues, trace, diagonal, spectral density,
-solve, influence): requests and answers."""
+solve, influence, Frobenius norm): their answers, and their requests, which are made
+from the operation table (service/core/operations.py; schemas/operations.py)."""
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
 
 from pydantic import (
     BaseModel,
     Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    model_validator,
 )
 
-from service.api.schemas.base import CallOptions, async_field, nonfinite_flag
-from service.api.schemas.definitions import Inputs, Tensors, Vector
-from service.api.schemas.tapes import CurvatureKind, CurvatureOptions
-from service.api.schemas.tensors import INT_MAX, Tensor
-from service.core import defaults
-
-
-class Which(StrEnum):
-    """Which eigenvalues: largest algebraic (LA), largest magnitude (LM), smallest
-    algebraic (SA)."""
-
-    LA = "LA"
-    LM = "LM"
-    SA = "SA"
-
-
-MAX_HVPS_DESCRIPTION = (
-    "Most HVPs (vectors) the algorithm may use (at most the server's algorithm_max_hvps)."
-)
-MAX_SECONDS_DESCRIPTION = (
-    "Seconds the algorithm may run; it then stops and answers what it has "
-    "(default and maximum: 90% of the request's time limit; at least "
-    f"{defaults.ALGORITHM_MIN_SECONDS}, smaller values are refused; after a tape rebuild "
-    f"the algorithm still gets at least {defaults.ALGORITHM_MIN_SECONDS} s)."
-)
-
-
-class EigenMethod(StrEnum):
-    """How eigenvalues are found: Lanczos with full reorthogonalization, or deflated
-    (block) power iteration."""
-
-    lanczos = "lanczos"
-    power = "power"
-
-
-class EigenvaluesRequest(CurvatureOptions, CallOptions):
-    """Extreme eigenvalues (and optionally eigenvectors) of the tape's Hessian (or of the
-    `curvature` asked): by Lanczos with full reorthogonalization (one HVP per iteration),
-    or by deflated power iteration (k HVPs per step in one batched pass; largest
-    magnitude only)."""
-
-    k: StrictInt = Field(1, ge=1, le=1024, description="How many eigenvalues.")
-    method: EigenMethod = Field(
-        EigenMethod.lanczos,
-        description="lanczos (fewest HVPs; any `which`) or power "
-        "(deflated power iteration, as hessian-eigenthings and PyHessian run it: the k "
-        "largest in magnitude, which = LM).",
-    )
-    which: Which | None = Field(
-        None,
-        description="LA: largest algebraic, LM: largest "
-        "magnitude, SA: smallest algebraic. Default: LA for lanczos, "
-        "LM for power (the only one it finds).",
-    )
-    tol: StrictFloat = Field(
-        1e-6,
-        gt=0,
-        lt=1,
-        description="Converged when each Ritz residual ||H y - theta y|| <= tol * max |theta|.",
-    )
-    max_hvps: StrictInt = Field(200, ge=1, description=MAX_HVPS_DESCRIPTION, le=INT_MAX)
-    max_seconds: StrictFloat | None = Field(
-        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
-    )
-    eigenvectors: StrictBool = Field(
-        False,
-        description="Also answer the eigenvectors, as "
-        "tensors per source (unit norm over all sources).",
-    )
-    seed: StrictInt | None = Field(
-        0,
-        ge=0,
-        description="Seed of the random start vector (null: a fresh one).",
-        le=INT_MAX,
-    )
-    run_async: StrictBool = async_field()
-
-
-class TraceMethod(StrEnum):
-    """How the trace is taken: exact (n unit vectors), Hutch++, Hutchinson, or auto."""
-
-    auto = "auto"
-    exact = "exact"
-    hutchpp = "hutchpp"
-    hutchinson = "hutchinson"
-
-
-class DiagonalMethod(StrEnum):
-    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto."""
-
-    auto = "auto"
-    exact = "exact"
-    hutchinson = "hutchinson"
-
-
-TOLERANCE_DESCRIPTION = (
-    "Stop early once the standard error is at most rtol * |estimate| + atol (from 30 "
-    "samples on, whatever the batch size: fewer give no standard error; stochastic "
-    "methods only)."
-)
-
-
-class TraceRequest(CurvatureOptions, CallOptions):
-    """The trace of the tape's Hessian (or of the `curvature` asked): exact from the n
-    unit vectors (in batched passes of up to 64), or estimated by Hutch++ (the top of the
-    spectrum taken exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean
-    of z^T H z over Rademacher vectors z), with its standard error."""
-
-    method: TraceMethod = Field(
-        TraceMethod.auto,
-        description="auto: exact when max_hvps covers the n HVPs it "
-        "takes (n = the tape's parameters), else hutchpp; exact; hutchpp; hutchinson.",
-    )
-    batch_size: StrictInt = Field(
-        16,
-        ge=1,
-        description="Random vectors per batched HVP pass "
-        "(at most the server's hvp_max_vectors); exact passes take "
-        "up to 64 unit vectors (fewer when hvp_max_vectors or the "
-        "memory budget is tighter).",
-        le=INT_MAX,
-    )
-    max_hvps: StrictInt = Field(
-        256,
-        ge=2,
-        description="Most HVPs to use (at most the server's algorithm_max_hvps).",
-        le=INT_MAX,
-    )
-    rtol: StrictFloat | None = Field(None, gt=0, description=TOLERANCE_DESCRIPTION)
-    atol: StrictFloat = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Absolute part of the stopping tolerance."
-    )
-    max_seconds: StrictFloat | None = Field(
-        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
-    )
-    seed: StrictInt | None = Field(
-        0,
-        ge=0,
-        description="Seed of the random vectors (null: fresh ones).",
-        le=INT_MAX,
-    )
-    run_async: StrictBool = async_field()
-
-
-class DiagonalRequest(CurvatureOptions, CallOptions):
-    """The diagonal of the tape's Hessian, as tensors per source: exact from the n unit
-    vectors (in batched passes of up to 64), or Hutchinson's estimate (the
-    mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
-
-    method: DiagonalMethod = Field(
-        DiagonalMethod.auto,
-        description="auto: exact when max_hvps covers the n HVPs it "
-        "takes (n = the tape's parameters), else hutchinson; exact; hutchinson.",
-    )
-    batch_size: StrictInt = Field(
-        16,
-        ge=1,
-        description="Random vectors per batched HVP pass "
-        "(at most the server's hvp_max_vectors); exact passes take "
-        "up to 64 unit vectors (fewer when hvp_max_vectors or the "
-        "memory budget is tighter).",
-        le=INT_MAX,
-    )
-    max_hvps: StrictInt = Field(
-        256,
-        ge=2,
-        description="Most HVPs to use (at most the server's algorithm_max_hvps).",
-        le=INT_MAX,
-    )
-    rtol: StrictFloat | None = Field(
-        None,
-        gt=0,
-        description="Stop early once the root-mean-square standard error is at "
-        "most rtol * rms(diagonal) + atol (from 30 probes on, whatever the batch size: "
-        "fewer give no standard error; hutchinson only).",
-    )
-    atol: StrictFloat = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Absolute part of the stopping tolerance."
-    )
-    max_seconds: StrictFloat | None = Field(
-        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
-    )
-    seed: StrictInt | None = Field(
-        0,
-        ge=0,
-        description="Seed of the random vectors (null: fresh ones).",
-        le=INT_MAX,
-    )
-    run_async: StrictBool = async_field()
-
-
-class SpectralDensityRequest(CurvatureOptions, CallOptions):
-    """The eigenvalue density of the tape's Hessian by stochastic Lanczos quadrature:
-    `steps` Lanczos steps from each of `probes` random vectors (run side by side, one
-    batched pass per step) give Ritz nodes and weights; smoothed by a Gaussian of width
-    `sigma`, they are a density to plot."""
-
-    probes: StrictInt = Field(
-        8,
-        ge=1,
-        le=1024,
-        description="Random start vectors (more: a smaller standard error of the density).",
-    )
-    steps: StrictInt = Field(
-        64,
-        ge=1,
-        le=4096,
-        description="Lanczos steps per probe (capped "
-        "at the tape's parameter count): the nodes per probe, i.e. the "
-        "resolution.",
-    )
-    sigma: StrictFloat | None = Field(
-        None,
-        gt=0,
-        allow_inf_nan=False,
-        description="Width (standard deviation) of the "
-        "Gaussian that smooths the nodes into a density, in eigenvalue units. Default: the "
-        "span of the nodes / steps.",
-    )
-    points: StrictInt = Field(
-        256,
-        ge=2,
-        le=10_000,
-        description="Grid points spanning the nodes +- 3 sigma (ignored when `grid` is given).",
-    )
-    grid: list[Annotated[StrictFloat, Field(allow_inf_nan=False)]] | None = Field(
-        None,
-        min_length=1,
-        max_length=10_000,
-        description="Where to evaluate the density "
-        "(eigenvalues, finite); default: `points` points spanning the nodes +- 3 sigma.",
-    )
-    max_hvps: StrictInt | None = Field(
-        None,
-        ge=1,
-        description=MAX_HVPS_DESCRIPTION + " Default: probes x steps, within algorithm_max_hvps.",
-        le=INT_MAX,
-    )
-    max_seconds: StrictFloat | None = Field(
-        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
-    )
-    seed: StrictInt | None = Field(
-        0, ge=0, description="Seed of the probes (null: fresh ones).", le=INT_MAX
-    )
-    run_async: StrictBool = async_field()
-
-
-class SolveRequest(CurvatureOptions, CallOptions):
-    """Solve (H + damping I) x = b by conjugate gradient on the tape's Hessian. b
-    defaults to the recorded gradient: x is then the damped Newton step (subtract it
-    from the sources)."""
-
-    vector: Vector | None = Field(
-        None,
-        description="b, a tensor per source (keyed like the gradients); default: the gradient.",
-    )
-    damping: StrictFloat = Field(1e-3, ge=0, description="Added to the Hessian's diagonal.")
-    tol: StrictFloat = Field(
-        1e-6, gt=0, lt=1, description="Converged when ||b - (H + damping I) x|| <= tol * ||b||."
-    )
-    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.", le=INT_MAX)
-    max_hvps: StrictInt | None = Field(
-        None,
-        ge=1,
-        description=MAX_HVPS_DESCRIPTION + " Default: max_iterations.",
-        le=INT_MAX,
-    )
-    max_seconds: StrictFloat | None = Field(
-        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
-    )
-    run_async: StrictBool = async_field()
-
-
-class InfluenceRequest(CurvatureOptions, CallOptions):
-    """Influence functions (Koh and Liang, 2017) on a tape recorded with `output`: the
-    effect of every training example (a row along the output's first axis) on the loss
-    at test points."""
-
-    test_inputs: Inputs | None = Field(
-        None,
-        description="The test points: new values for the inputs the model and the loss "
-        "read along the examples axis (the data and the targets; same trailing shapes, any "
-        "number of rows), as tensors, stored dataset arrays ({dataset, array, rows}) or a "
-        "whole dataset ({dataset, rows}: each array the input of its name). The test loss "
-        "is the tape's loss on them.",
-    )
-    rows: list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX)]] | None = Field(
-        None,
-        min_length=1,
-        max_length=100_000,
-        description="Or: training rows (indices "
-        "along the examples axis) whose loss is the test loss.",
-    )
-    damping: StrictFloat = Field(
-        1e-3,
-        ge=0,
-        description="Added to the curvature's diagonal "
-        "(an L2 term (lam/2)|w|^2 of the training loss is damping "
-        "lam).",
-    )
-    top_k: StrictInt = Field(
-        10,
-        ge=0,
-        le=10_000,
-        description="At most how many helpful "
-        "(negative score) and harmful (positive score) examples to list "
-        "each; fewer when fewer examples have that sign.",
-    )
-    tol: StrictFloat = Field(
-        1e-6, gt=0, lt=1, description="CG converged when ||b - (C + damping I) s|| <= tol * ||b||."
-    )
-    max_iterations: StrictInt = Field(100, ge=1, description="Most CG iterations.", le=INT_MAX)
-    max_hvps: StrictInt | None = Field(
-        None,
-        ge=1,
-        description=MAX_HVPS_DESCRIPTION + " "
-        "Default: max_iterations. It bounds the CG solve's "
-        "curvature products only; the passes around it are "
-        "fixed (see the answer's `hvps`).",
-        le=INT_MAX,
-    )
-    max_seconds: StrictFloat | None = Field(
-        None, ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION
-    )
-    run_async: StrictBool = async_field()
-
-    @model_validator(mode="after")
-    def _test_points(self) -> InfluenceRequest:
-        if (self.test_inputs is None) == (self.rows is None):
-            raise ValueError(
-                "give the test points as 'test_inputs' or as training 'rows' (exactly one of them)"
-            )
-        return self
+from service.api.schemas.base import nonfinite_flag
+from service.api.schemas.definitions import Tensors
+from service.api.schemas.operations import REQUEST_MODELS
+from service.api.schemas.tensors import Tensor
+from service.core.operations import CurvatureKind, DiagonalMethod, EigenMethod, TraceMethod
 
 
 class Stopped(StrEnum):
@@ -415,6 +83,12 @@ class TraceResponse(BaseModel):
     stopped: Stopped = Field(
         description="exhausted (exact: every direction was taken), "
         "tolerance, max_hvps or time_limit."
+    )
+    partial: bool = Field(
+        False,
+        description="True when method exact stopped before taking every direction "
+        "(time_limit): `trace` is then n x the mean diagonal entry seen, with its stderr, "
+        "not the exact trace.",
     )
     hvps: int
     seconds: float
@@ -555,3 +229,12 @@ class InfluenceResponse(BaseModel):
     residuals: list[float]
     seconds: float
     nonfinite: list[str] | None = nonfinite_flag()
+
+
+# The requests, by their table rows (named here too, for imports and the jobs' schema).
+EigenvaluesRequest = REQUEST_MODELS["tape_eigenvalues"]
+TraceRequest = REQUEST_MODELS["tape_trace"]
+DiagonalRequest = REQUEST_MODELS["tape_diagonal"]
+SpectralDensityRequest = REQUEST_MODELS["tape_spectral_density"]
+SolveRequest = REQUEST_MODELS["tape_solve"]
+InfluenceRequest = REQUEST_MODELS["tape_influence"]

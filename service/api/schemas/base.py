@@ -207,14 +207,17 @@ class ShardOptions(RequestModel):
         "that has an axis (a 422 asks you to name them when their first axes differ).",
         examples=[["x", "y"]],
     )
-    shard_reduction: ShardReduction = Field(
-        ShardReduction.mean,
-        description="How the parts add up. `mean` (default): the "
+    shard_reduction: ShardReduction | None = Field(
+        None,
+        description="How the parts add up. `mean`: the "
         "target is a mean over the batch, the parts are weighted by their share n_i / N "
         "(terms that do not depend on the batch, such as a weight penalty, stay exact). "
         "`sum`: the target is a sum over the batch, the parts are added (a term that does "
         "not depend on the batch would count once per part: keep such terms out of a "
-        "sum-reduced sharded target).",
+        "sum-reduced sharded target). Absent: read from the program where the target's "
+        "line says it plainly (`sum(...)`, `mean(...)`, a loss op's `reduction`, possibly "
+        "scaled); where it does not (a sum of terms, say), a 422 asks for it. One given "
+        "that contradicts the program is a 422 too: never a silently wrong total.",
     )
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING, Union
 
 from pydantic import (
     BaseModel,
@@ -19,6 +20,7 @@ from service.api.schemas.algorithms import (
 )
 from service.api.schemas.compute import HessianResponse, JacobianResponse
 from service.api.schemas.meta import Problem
+from service.api.schemas.operations import RESPONSE_MODELS
 
 # Jobs ------------------------------------------------------------------------------------
 
@@ -31,17 +33,22 @@ class JobState(StrEnum):
     cancelled = "cancelled"
 
 
-# The answer of a request that may run as a job: what the synchronous request answers.
-JobResult = TypeAliasType(
-    "JobResult",
-    EigenvaluesResponse
-    | TraceResponse
-    | DiagonalResponse
-    | SpectralDensityResponse
-    | SolveResponse
-    | JacobianResponse
-    | HessianResponse,
+# The answer of a request that may run as a job: what the synchronous request answers
+# (and the answers the operation table declares: service/core/operations.py).
+_ANSWERS = (
+    EigenvaluesResponse,
+    TraceResponse,
+    DiagonalResponse,
+    SpectralDensityResponse,
+    SolveResponse,
+    JacobianResponse,
+    HessianResponse,
+    *RESPONSE_MODELS.values(),
 )
+if TYPE_CHECKING:
+    JobResult = BaseModel
+else:
+    JobResult = TypeAliasType("JobResult", Union[_ANSWERS])  # noqa: UP007 (a tuple of them)
 
 
 class JobProgress(BaseModel):
@@ -75,6 +82,12 @@ class JobProgress(BaseModel):
         None,
         description="Seconds left at the current pace if the whole budget is used "
         "(within max_seconds); null when unknown.",
+    )
+    max_seconds: float | None = Field(
+        None,
+        description="The seconds the algorithm may run: within the job's own time budget "
+        "(the server's job_time_limit, or the request's time_limit), not the "
+        "synchronous one; null when unknown.",
     )
 
 

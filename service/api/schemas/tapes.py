@@ -4,7 +4,6 @@ and answers, and the curvature a tape's algorithms apply."""
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
 
 from pydantic import (
     BaseModel,
@@ -12,14 +11,12 @@ from pydantic import (
     Field,
     StrictBool,
     StrictFloat,
-    StrictInt,
     model_validator,
 )
 
 from service.api.schemas.base import (
     CallOptions,
     DefinitionRequest,
-    RequestModel,
     ShardOptions,
     ShardReduction,
     async_field,
@@ -35,7 +32,8 @@ from service.api.schemas.definitions import (
     Tensors,
     Vector,
 )
-from service.api.schemas.tensors import INT_MAX, Name, Tensor, TensorValue, Unconnected
+from service.api.schemas.operations import curvature_options
+from service.api.schemas.tensors import Name, Tensor, TensorValue, Unconnected
 
 
 class VectorsOptions(CallOptions):
@@ -123,48 +121,6 @@ class TapeCreateRequest(DefinitionRequest, ShardOptions):
         return self
 
 
-class CurvatureKind(StrEnum):
-    """The matrix a tape's products and algorithms use: the Hessian of the target, or,
-    on a tape that names its `output`, the generalized Gauss-Newton matrix J^T H_L J,
-    the Fisher (exact for softmax/sigmoid cross-entropy and squared error, where it is
-    the GGN; Monte-Carlo with `samples`), or the empirical Fisher c sum_i g_i g_i^T
-    (c = 1/N for a mean loss, 1 for a sum)."""
-
-    hessian = "hessian"
-    ggn = "ggn"
-    fisher = "fisher"
-    empirical_fisher = "empirical_fisher"
-
-
-class CurvatureOptions(RequestModel):
-    """The curvature options of a tape's products and algorithms."""
-
-    curvature: CurvatureKind = Field(
-        CurvatureKind.hessian,
-        description="Which curvature matrix (see CurvatureKind); all "
-        "but hessian need a tape recorded with `output`.",
-    )
-    samples: StrictInt | None = Field(
-        None,
-        ge=1,
-        le=10_000,
-        description="With curvature fisher: targets drawn per example "
-        "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
-        "`fisher_seed`); absent: the exact Fisher.",
-    )
-    fisher_seed: StrictInt = Field(
-        0, ge=0, description="Seed of the Monte-Carlo Fisher's targets.", le=INT_MAX
-    )
-
-    @model_validator(mode="after")
-    def _samples_for_fisher(self) -> CurvatureOptions:
-        if self.samples is not None and self.curvature != CurvatureKind.fisher:
-            raise ValueError(
-                "'samples' draws a Monte-Carlo Fisher: it goes with curvature 'fisher'"
-            )
-        return self
-
-
 class TapeUpdateRequest(CallOptions):
     """New values for some of the tape's variables and inputs (same names and shapes;
     values are cast to the recorded dtype): the tape is recorded again at them."""
@@ -203,7 +159,11 @@ class TapeUpdateRequest(CallOptions):
         return self
 
 
-class TapeHVPRequest(VectorsOptions, CurvatureOptions):
+# The curvature fields, declared once (service.core.operations.CurvatureChoice).
+CurvatureOptions = curvature_options()
+
+
+class TapeHVPRequest(VectorsOptions, CurvatureOptions):  # type: ignore[valid-type,misc]
     """Curvature-vector products over the tape's sources (the Hessian of its target by
     default; `curvature` picks another): `vector`, `vectors` or `flat_vector`. Only the
     passes over the recording run; nothing is recorded."""

@@ -19,15 +19,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
+from service.core.defaults import INT_MAX  # noqa: F401 (re-exported: the schemas bound integers by it)
 from service.core.wire import DTYPES
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
 # What a stored model or dataset may be called (a path segment, never an id's shape).
-# Every integer option of a request is at most 2^53 - 1: what every JSON reader keeps
-# exactly (the document's bounds are floats) and far inside the 64 bits a worker and NumPy
-# take. A larger one is a 422 naming its field, never a 500 in the worker.
-INT_MAX = 2**53 - 1
 STORED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 # Named, so that generated clients get one FloatDType enum (not a `...DtypeType0`).
 FloatDType = TypeAliasType("FloatDType", Literal["float16", "float32", "float64"])

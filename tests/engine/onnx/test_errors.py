@@ -154,14 +154,31 @@ def test_a_shape_computed_from_values_is_refused_naming_the_node() -> None:
 
 
 def test_language_reports_model_problems_located() -> None:
-    bad = graph_model([N("Hardmax", ["x"], ["out"], name="hard")], {"x": X}, opset=13)
+    # Five unsupported nodes of two op types: a summary first (op types with counts,
+    # what to do), then one problem per op type with its count and first node names.
+    nodes = [N("Hardmax", ["x"], ["h0"], name="hard0")]
+    for i in range(1, 4):
+        nodes.append(N("Hardmax", [f"h{i - 1}"], [f"h{i}"], name=f"hard{i}"))
+    nodes.append(N("LpNormalization", ["h3"], ["out"], name="lp"))
+    bad = graph_model(nodes, {"x": X}, opset=13)
     with pytest.raises(DefinitionError) as info:
         as_definition(
             {"models": {"net": {"onnx": bad}}, "inputs": {"x": X}, "program": ["y = net(x)"]}
         )
-    (problem,) = info.value.problems
-    assert (problem.section, problem.kind) == ("models.net", "op")
-    assert "Hardmax" in problem.message
+    lead, hard, lp = info.value.problems
+    assert all((p.section, p.kind) == ("models.net", "op") for p in (lead, hard, lp))
+    assert lead.message.startswith(
+        "5 node(s) of 2 op type(s) cannot run here (Hardmax x4, "
+        "LpNormalization x1): export the model again with ops this runtime supports"
+    )
+    assert "do_constant_folding=False" in lead.message
+    assert hard.message == (
+        "op_type Hardmax (domain ai.onnx, opset 13), 4 node(s) ('hard0', 'hard1', 'hard2', "
+        "...): not supported"
+    )
+    assert lp.message == (
+        "op_type LpNormalization (domain ai.onnx, opset 13), 1 node(s) ('lp'): not supported"
+    )
 
     good = graph_model([N("Relu", ["x"], ["out"])], {"x": X}, opset=13)
     with pytest.raises(DefinitionError) as info:
@@ -199,3 +216,39 @@ def test_attributes_this_runtime_does_not_implement_are_refused_at_load() -> Non
         ("pool", "the Indices output is not supported"),
         ("pad", "mode 'reflect' is not supported (only 'constant')"),
     ]
+
+
+def test_statistics_and_shape_only_initializers_are_frozen_by_default() -> None:
+    # BN's running mean/var, a float initializer read only through Shape (the size of a
+    # reshape) and one only compared with: variables, not trainable; the scale, bias and
+    # the weight that meets the input stay trainable.
+    x4 = np.zeros((2, 3, 2, 2), np.float32)
+    consts = {
+        "s": np.ones(3, np.float32),
+        "b": np.zeros(3, np.float32),
+        "m": np.full(3, 0.5, np.float32),
+        "v": np.full(3, 2.0, np.float32),
+        "like": np.zeros((2, 12), np.float32),
+        "limit": np.zeros((), np.float32),
+        "w": np.ones((12, 4), np.float32),
+    }
+    nodes = [
+        N("BatchNormalization", ["x", "s", "b", "m", "v"], ["bn"]),
+        N("Shape", ["like"], ["shape"]),
+        N("Reshape", ["bn", "shape"], ["flat"]),
+        N("Greater", ["flat", "limit"], ["pos"]),
+        N("Where", ["pos", "flat", "b0"], ["kept"]),
+        N("MatMul", ["kept", "w"], ["out"]),
+    ]
+    consts["b0"] = np.zeros((), np.float32)
+    data = graph_model(nodes, {"x": x4}, consts, opset=15)
+    defn = as_definition({"models": {"net": {"onnx": data}}, "program": []})
+    trainable = {n for n, v in defn.variables.items() if v.trainable}
+    assert trainable == {"s", "b", "w", "b0"}
+    model = defn.models["net"].model
+    assert model.frozen_by_default == {
+        "m": "a BatchNormalization running statistic",
+        "v": "a BatchNormalization running statistic",
+        "like": "read only by shape computations, comparisons or indices",
+        "limit": "read only by shape computations, comparisons or indices",
+    }

@@ -35,6 +35,12 @@ def one(node, **inputs):
     return [node], inputs
 
 
+def _all_outputs(node, names: list[str]) -> list:
+    """The node and a Concat of its outputs, flattened, as the graph's `out`."""
+    flat = [N("Flatten", [n], [f"{n}_flat"], axis=0) for n in names]
+    return [node, *flat, N("Concat", [f"{n}_flat" for n in names], ["out"], axis=1)]
+
+
 # id: (opset, nodes, float inputs (differentiated), constants)
 CASES = {
     "Add": (13, [N("Add", ["a", "b"], ["out"])], {"a": r(3, 4), "b": r(4)}, {}),
@@ -227,6 +233,23 @@ CASES = {
         [N("Less", ["a", "b"], ["c"]), N("Where", ["c", "a", "b"], ["out"])],
         {"a": r(3, 4), "b": r(3, 4)},
         {},
+    ),
+    "IsNaN-IsInf-masks": (
+        13,
+        [
+            N("Div", ["a", "z"], ["q"]),  # 0/0 = nan, +-1/0 = +-inf
+            N("IsNaN", ["q"], ["nan"]),
+            N("IsInf", ["q"], ["neg"], detect_positive=0),
+            N("IsInf", ["q"], ["inf"]),
+            N("Or", ["nan", "neg"], ["drop"]),
+            N("Where", ["drop", "z", "b"], ["wb"]),
+            N("Where", ["inf", "z", "wb"], ["out"]),
+        ],
+        {"b": r(6)},
+        {
+            "a": np.array([0.0, 1.0, -1.0, 2.0, 0.0, 3.0]),
+            "z": np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]),
+        },
     ),
     "Greater-Equal-cast": (
         13,
@@ -455,6 +478,95 @@ CASES = {
         {"x": r(1, 2, 2, 3)},
         {"scales": np.array([1, 1, 3, 2], np.float32)},
     ),
+    "LSTM-bidirectional-states-peepholes": (
+        14,
+        _all_outputs(
+            N(
+                "LSTM",
+                ["x", "w", "r", "b", "", "h0", "c0", "p"],
+                ["y", "yh", "yc"],
+                hidden_size=3,
+                direction="bidirectional",
+            ),
+            ["y", "yh", "yc"],
+        ),
+        {
+            "x": r(4, 2, 5),
+            "w": r(2, 12, 5),
+            "r": r(2, 12, 3),
+            "b": r(2, 24),
+            "h0": r(2, 2, 3),
+            "c0": r(2, 2, 3),
+            "p": r(2, 9),
+        },
+        {},
+    ),
+    "LSTM-batch-first-reverse-clip": (
+        14,
+        _all_outputs(
+            N(
+                "LSTM",
+                ["x", "w", "r", "b"],
+                ["y", "yh", "yc"],
+                hidden_size=2,
+                layout=1,
+                direction="reverse",
+                clip=1.5,
+            ),
+            ["y", "yh", "yc"],
+        ),
+        {"x": r(3, 4, 2), "w": r(1, 8, 2), "r": r(1, 8, 2), "b": r(1, 16)},
+        {},
+    ),
+    "GRU-linear_before_reset-bidirectional": (
+        14,
+        _all_outputs(
+            N(
+                "GRU",
+                ["x", "w", "r", "b", "", "h0"],
+                ["y", "yh"],
+                hidden_size=3,
+                direction="bidirectional",
+                linear_before_reset=1,
+            ),
+            ["y", "yh"],
+        ),
+        {"x": r(3, 2, 4), "w": r(2, 9, 4), "r": r(2, 9, 3), "b": r(2, 18), "h0": r(2, 2, 3)},
+        {},
+    ),
+    "GRU-reset-first-batch-first": (
+        14,
+        _all_outputs(
+            N("GRU", ["x", "w", "r", "b", "", "h0"], ["y", "yh"], hidden_size=2, layout=1),
+            ["y", "yh"],
+        ),
+        {"x": r(2, 4, 3), "w": r(1, 6, 3), "r": r(1, 6, 2), "b": r(1, 12), "h0": r(2, 1, 2)},
+        {},
+    ),
+    "RNN-relu": (
+        14,
+        _all_outputs(
+            N("RNN", ["x", "w", "r", "b"], ["y", "yh"], hidden_size=3, activations=["Relu"]),
+            ["y", "yh"],
+        ),
+        {"x": r(4, 2, 2), "w": r(1, 3, 2), "r": r(1, 3, 3), "b": r(1, 6)},
+        {},
+    ),
+    "LSTM-sequence_lens-bidirectional": (
+        14,
+        _all_outputs(
+            N(
+                "LSTM",
+                ["x", "w", "r", "b", "lens"],
+                ["y", "yh", "yc"],
+                hidden_size=2,
+                direction="bidirectional",
+            ),
+            ["y", "yh", "yc"],
+        ),
+        {"x": r(4, 3, 2), "w": r(2, 8, 2), "r": r(2, 8, 2), "b": r(2, 16)},
+        {"lens": np.array([4, 2, 1], np.int32)},
+    ),
     "MaxPool-2d": (
         13,
         [N("MaxPool", ["x"], ["out"], kernel_shape=[2, 3], strides=[2, 1], pads=[1, 1, 0, 1])],
@@ -570,7 +682,16 @@ CASES = {
     ),
     "GroupNormalization-21-per-channel": (
         21,
-        [N("GroupNormalization", ["x", "s", "b"], ["out"], num_groups=2, epsilon=1e-3)],
+        [
+            N(
+                "GroupNormalization",
+                ["x", "s", "b"],
+                ["out"],
+                num_groups=2,
+                epsilon=1e-3,
+                stash_type=11,  # the statistics in float64 (the reference's default: float32)
+            )
+        ],
         {"x": r(2, 4, 3, 2), "s": r(4), "b": r(4)},
         {},
     ),
@@ -630,7 +751,56 @@ def _conv_transpose(strides, pads, dilations, groups=1, extra=None):
     return closed
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+def _lstm(direction="forward", layout=0, clip=None, lens=None):
+    """LSTM by Operators.md's equations (gates i, o, f, c; no peepholes or initial
+    states) with what the reference evaluator ignores: clip and sequence_lens (a
+    sequence stops at its length; the reverse direction starts at its last valid step);
+    returns Y, Y_h, Y_c flattened and joined like `_all_outputs`."""
+
+    def closed(x, w, r, b):
+        if layout:
+            x = x.swapaxes(0, 1)
+        seq, batch = x.shape[:2]
+        hidden = r.shape[-1]
+        n = np.full(batch, seq) if lens is None else lens
+        cut = (lambda v: v) if clip is None else (lambda v: np.clip(v, -clip, clip))
+        y = np.zeros((seq, w.shape[0], batch, hidden))
+        yh, yc = np.zeros((w.shape[0], batch, hidden)), np.zeros((w.shape[0], batch, hidden))
+        for d in range(w.shape[0]):
+            back = direction == "reverse" or d == 1
+            for s in range(batch):
+                h, c = np.zeros(hidden), np.zeros(hidden)
+                for t in range(n[s] - 1, -1, -1) if back else range(n[s]):
+                    g = x[t, s] @ w[d].T + h @ r[d].T + b[d, : 4 * hidden] + b[d, 4 * hidden :]
+                    i, o, f, cc = (cut(g[k * hidden : (k + 1) * hidden]) for k in range(4))
+                    c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(cc)
+                    h = _sigmoid(o) * np.tanh(c)
+                    y[t, d, s] = h
+                yh[d, s], yc[d, s] = h, c
+        if layout:
+            y, yh, yc = y.transpose(2, 0, 1, 3), yh.swapaxes(0, 1), yc.swapaxes(0, 1)
+        return np.concatenate([y.reshape(1, -1), yh.reshape(1, -1), yc.reshape(1, -1)], axis=1)
+
+    return closed
+
+
+def _relu_rnn(x, w, r, b):
+    h, ys = np.zeros((x.shape[1], r.shape[-1])), []
+    for t in range(x.shape[0]):
+        h = np.maximum(x[t] @ w[0].T + h @ r[0].T + b[0, :3] + b[0, 3:], 0)
+        ys.append(h)
+    return np.concatenate([np.stack(ys)[:, None].reshape(1, -1), h.reshape(1, -1)], axis=1)
+
+
 CLOSED_FORMS = {
+    # The reference evaluator ignores clip and sequence_lens and knows no Relu RNN.
+    "LSTM-batch-first-reverse-clip": _lstm("reverse", layout=1, clip=1.5),
+    "LSTM-sequence_lens-bidirectional": _lstm("bidirectional", lens=np.array([4, 2, 1])),
+    "RNN-relu": _relu_rnn,
     "Softmax-11-coerced": _coerced(False),
     "LogSoftmax-11-default": _coerced(True),
     "ConvTranspose-2d-groups-dilations": _conv_transpose(

@@ -174,3 +174,39 @@ def test_a_variable_replaces_an_initializer_and_frozen_stays_frozen() -> None:
             }
         )
     assert "replaces initializer 'head.bias'" in str(info.value)
+
+
+@NEEDS_CONV
+def test_dtype_float64_runs_a_float32_model_in_float64() -> None:
+    # A definition asking float64 of a float32 file computes in float64 (answers agree
+    # with PyTorch's float64 run, not its float32 one), never quietly in float32.
+    data, record = fixture("lenet")
+    defn = as_definition(
+        {
+            "dtype": "float64",
+            "models": {"net": {"onnx": data}},
+            "inputs": {"x": record["x"].tolist(), "y": record["y"]},
+            "program": PROGRAM,
+        }
+    )
+    prog = compile_definition(defn)
+    leaves = prog.leaves(defn)
+    request = prog.check_request("loss")
+    names = list(request.sources.values())
+    with gt.GradientTape() as tape:
+        env = prog.run(leaves)
+    grads = tape.gradient(env["loss"], [leaves[n] for n in names])
+    assert env["loss"].dtype == np.float64 and all(g.dtype == np.float64 for g in grads)
+    np.testing.assert_allclose(env["loss"].numpy(), record["f64/loss"], rtol=1e-9)
+    for n, g in zip(names, grads):
+        want = record[f"f64/grad/{n}"]
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
+
+    # float16 is not applied to a model (it would round it): refused, saying so.
+    with pytest.raises(DefinitionError) as info:
+        as_definition({"dtype": "float16", "models": {"net": {"onnx": data}}, "program": []})
+    (problem,) = info.value.problems
+    assert problem.section == "dtype"
+    assert "dtype float16 is not applied to ONNX models: model 'net' computes in float32" in str(
+        problem
+    )

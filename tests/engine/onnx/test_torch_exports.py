@@ -20,6 +20,7 @@ from onnx.reference import ReferenceEvaluator
 
 import engine as gt
 from engine.onnx import load_model
+from tests.engine.onnx.graphs import float64_model
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -54,15 +55,27 @@ def _scalar_engine(outs, weights):
 
 
 def agree_with_torch(
-    module, *args, dynamo: bool = False, opset: int = 17, seed: int = 0, reference: bool = True
+    module,
+    *args,
+    dynamo: bool = False,
+    opset: int = 17,
+    seed: int = 0,
+    reference: bool = True,
+    via_float32: bool = False,
 ):
     """Export `module` (float64, eval mode) and check the engine against torch (and the
     forward against ONNX's reference evaluator unless `reference` is false: it lacks
-    grouped ConvTranspose); returns the loaded model (for further checks)."""
+    grouped ConvTranspose); returns the loaded model (for further checks). via_float32:
+    export in float32 and switch the file to float64 (the TorchScript exporter refuses a
+    float64 attention mask)."""
     torch.manual_seed(seed)
-    module = module.double().eval()
+    module = module.eval()
+    if via_float32:  # exported in float32, the file switched to float64 (graphs.py)
+        data = float64_model(export(module.float(), args, dynamo=dynamo, opset=opset))
+    module = module.double()
     args = tuple(a.double() if a.is_floating_point() else a for a in args)
-    data = export(module, args, dynamo=dynamo, opset=opset)
+    if not via_float32:
+        data = export(module, args, dynamo=dynamo, opset=opset)
     model = load_model(data)
     arrays = [a.detach().numpy() for a in args]
     spec = model.specialize([(a.shape, a.dtype) for a in arrays])
@@ -117,14 +130,16 @@ def agree_with_torch(
     direction = [torch.from_numpy(rng.standard_normal(tuple(p.shape))) for p in leaves]
     # Torch has no double backward for some ops (hardsigmoid); such a module computes
     # the same function with ops that have one when `twice` is set.
+    # The same holds for the fused CPU attention kernel: its math form has one.
     module.twice = True
-    t_outs = module(*call_args)
-    t_outs = [o for o in (t_outs if isinstance(t_outs, tuple) else (t_outs,)) if o is not None]
-    t_loss = _scalar_torch(t_outs, [torch.from_numpy(w) for w in weights])
-    t_grads = torch.autograd.grad(t_loss, leaves, create_graph=True, allow_unused=True)
-    t_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(t_grads, leaves)]
-    dot = sum((g * d).sum() for g, d in zip(t_grads, direction))
-    t_hvp = torch.autograd.grad(dot, leaves, allow_unused=True)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        t_outs = module(*call_args)
+        t_outs = [o for o in (t_outs if isinstance(t_outs, tuple) else (t_outs,)) if o is not None]
+        t_loss = _scalar_torch(t_outs, [torch.from_numpy(w) for w in weights])
+        t_grads = torch.autograd.grad(t_loss, leaves, create_graph=True, allow_unused=True)
+        t_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(t_grads, leaves)]
+        dot = sum((g * d).sum() for g, d in zip(t_grads, direction))
+        t_hvp = torch.autograd.grad(dot, leaves, allow_unused=True)
     t_hvp = [torch.zeros_like(p) if h is None else h for h, p in zip(t_hvp, leaves)]
 
     def loss(*leaves):
@@ -248,3 +263,215 @@ def test_upsample_nearest_and_linear(dynamo: bool) -> None:
         if n.op_type == "Resize"
     }
     assert ("nearest", "asymmetric") in modes and ("linear", "align_corners") in modes
+
+
+# ----------------------------------------------------------------------------------------
+# Recurrent nets: torch's LSTM/GRU/RNN exported as ONNX LSTM/GRU/RNN (its ifgo/rzn gate
+# blocks re-sliced into ONNX's iofc/zrh by the exported graph)
+# ----------------------------------------------------------------------------------------
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: str, batch_first: bool, bidirectional: bool, layers: int) -> None:
+        super().__init__()
+        kind = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[cell]
+        self.cell = cell
+        self.rnn = kind(
+            3, 4, num_layers=layers, batch_first=batch_first, bidirectional=bidirectional
+        )
+        self.head = nn.Linear(4 * (2 if bidirectional else 1), 2)
+
+    def forward(self, x, h0, *c0):
+        state = (h0, c0[0]) if self.cell == "lstm" else h0
+        y, last = self.rnn(x, state)
+        h = last[0] if self.cell == "lstm" else last
+        return self.head(y), h
+
+
+RECURRENT = [
+    ("lstm", True, True, 2),
+    ("lstm", False, False, 1),
+    ("gru", False, True, 1),
+    ("gru", True, False, 2),
+    ("rnn", True, True, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("cell", "batch_first", "bidirectional", "layers"),
+    RECURRENT,
+    ids=["-".join(map(str, c)) for c in RECURRENT],
+)
+def test_recurrent_with_initial_states(cell, batch_first, bidirectional, layers) -> None:
+    module = Recurrent(cell, batch_first, bidirectional, layers)
+    batch, seq = 2, 5
+    x = torch.randn((batch, seq, 3) if batch_first else (seq, batch, 3))
+    states = [torch.randn(layers * (2 if bidirectional else 1), batch, 4)]
+    if cell == "lstm":
+        states.append(torch.randn_like(states[0]))
+    model = agree_with_torch(module, x, *states)
+    assert cell.upper() in {n.op_type for n in model.nodes}
+
+
+def test_lstm_through_the_dynamo_exporter() -> None:
+    module = Recurrent("lstm", True, True, 1)
+    h0, c0 = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    agree_with_torch(module, torch.randn(2, 4, 3), h0, c0, dynamo=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Attention with masks, as nn.MultiheadAttention and scaled_dot_product_attention export
+# them (boolean masks become -inf scores by Where; torch's float-mask path asks IsNaN)
+# ----------------------------------------------------------------------------------------
+
+
+class KeyPadding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, key_padding_mask):
+        y, _ = self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)
+        return y
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.mask = mask
+
+    def forward(self, x, *mask):
+        q, k, v = (t.reshape(2, 4, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        if self.mask == "causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # a boolean or an additive float mask given as an input
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0])
+        return y.transpose(1, 2).reshape(2, 4, 8)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_multihead_attention_with_a_key_padding_mask(dynamo: bool) -> None:
+    padding = torch.tensor([[False, False, False, False], [False, False, True, True]])
+    agree_with_torch(
+        KeyPadding(), torch.randn(2, 4, 8), padding, dynamo=dynamo, via_float32=not dynamo
+    )
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
+def test_scaled_dot_product_attention_masks(mask: str) -> None:
+    args = [torch.randn(2, 4, 8)]
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    if mask == "bool":
+        args.append(causal)
+    elif mask == "float":
+        args.append(torch.where(causal, 0.0, float("-inf")) + 0.1 * torch.randn(4, 4))
+    model = agree_with_torch(CausalAttention(mask), *args, via_float32=mask == "float")
+    assert "Softmax" in {n.op_type for n in model.nodes}
+
+
+# ----------------------------------------------------------------------------------------
+# A model with several outputs, called from a program: `output=` picks one per call
+# ----------------------------------------------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.cls = nn.Linear(6, 3)
+        self.reg = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.cls(h), self.reg(h)
+
+
+def test_a_program_calls_each_output_of_a_two_output_model() -> None:
+    from engine.language import DefinitionError, as_definition, compile_definition
+
+    torch.manual_seed(3)
+    module = TwoHeads().double().eval()
+    x, y = torch.randn(5, 4).double(), torch.tensor([0, 2, 1, 1, 0])
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            (x,),
+            buffer,
+            dynamo=False,
+            do_constant_folding=False,
+            input_names=["x"],
+            output_names=["logits", "box"],
+        )
+
+    def compiled(program):
+        defn = as_definition(
+            {
+                "models": {"net": {"onnx": buffer.getvalue()}},
+                "inputs": {"x": x.numpy(), "y": y.numpy()},
+                "program": program,
+            }
+        )
+        prog = compile_definition(defn)
+        return prog, prog.leaves(defn)
+
+    prog, leaves = compiled(
+        [
+            "logits = net(x, output='logits')",
+            "box = net(x, output=1)",
+            "loss = softmax_cross_entropy(logits, y) + mean(box * box)",
+        ]
+    )
+    request = prog.check_request("loss")
+    names = list(request.sources.values())
+    assert sorted(names) == sorted(n for n, _ in module.named_parameters())
+    with gt.GradientTape() as tape:
+        env = prog.run(leaves)
+    grads = dict(zip(names, tape.gradient(env["loss"], [leaves[n] for n in names])))
+    logits, box = module(x)
+    loss = F.cross_entropy(logits, y) + (box * box).mean()
+    loss.backward()
+    np.testing.assert_allclose(env["loss"].numpy(), loss.item(), rtol=1e-12)
+    for n, p in module.named_parameters():
+        np.testing.assert_allclose(grads[n].numpy(), p.grad.numpy(), rtol=1e-10, err_msg=n)
+
+    for program, message in (
+        (["out = net(x)"], "the model has 2 outputs ('logits', 'box'); choose one with output="),
+        (["out = net(x, output='boxes')"], "output= must name one of the model's outputs"),
+        (["out = net(x, output=2)"], "or give its position (0 to 1)"),
+        (["out = net(x, head=1)"], "a model takes its inputs by position and one keyword"),
+    ):
+        with pytest.raises(DefinitionError) as info:
+            compiled(program)
+        assert message in str(info.value)
+
+
+class AdaptivePool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 2)
+
+    def forward(self, x):  # 6x5 -> 4x3: windows that overlap and differ in size
+        return F.adaptive_avg_pool2d(torch.tanh(self.conv(x)), (4, 3))
+
+
+def test_adaptive_average_pool_with_a_non_dividing_size_through_gather_nd() -> None:
+    # Only the dynamo exporter takes it (TorchScript refuses a size that does not divide),
+    # as GatherND over constant window indices.
+    model = agree_with_torch(AdaptivePool(), torch.randn(2, 2, 7, 6), dynamo=True)
+    assert "GatherND" in {n.op_type for n in model.nodes}
+
+
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
+def test_transformer_encoder_layer_through_the_dynamo_exporter(norm_first: bool) -> None:
+    # TorchScript cannot export it in torch 2.13 (is_causal is traced as a tensor).
+    layer = nn.TransformerEncoderLayer(
+        8, 2, 16, batch_first=True, norm_first=norm_first, dropout=0.0, activation="gelu"
+    )
+    with torch.no_grad():  # LayerNorms away from (1, 0), so a mix-up of the two shows
+        for name, p in layer.named_parameters():
+            if name.startswith("norm"):
+                p.add_(0.3 * torch.randn_like(p))
+    agree_with_torch(layer, torch.randn(2, 5, 8), dynamo=True)

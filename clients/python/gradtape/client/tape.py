@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, TypedDict, Unpack
 
 import numpy as np
 
@@ -41,6 +41,31 @@ if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
 
     from ._client import ApiMethods
+
+
+class CurvatureOptions(TypedDict, total=False):
+    """Which matrix a product or estimate uses (the module's docstring), and the
+    request's time limit."""
+
+    curvature: str
+    samples: int
+    fisher_seed: int
+    time_limit: float
+
+
+class EstimatorOptions(CurvatureOptions, total=False):
+    """The options of the stochastic estimators (trace, diagonal, Frobenius norm), each
+    the server's default when left out: `batch_size` random vectors per batched pass,
+    at most `max_hvps` HVPs and `max_seconds`, stopping once the standard error is within
+    `rtol` * |estimate| + `atol`; `seed` of the random vectors (None: fresh ones; default
+    0)."""
+
+    batch_size: int
+    max_hvps: int
+    rtol: float
+    atol: float
+    max_seconds: float
+    seed: int | None
 
 
 class RemoteTape:
@@ -168,6 +193,31 @@ class RemoteTape:
         return {k: v for k, v in options.items() if v is not None}
 
     # -------------------------------------------------------------------------- calls
+
+    def call(self, operation: str, *, progress: Any = False, **options: Any) -> Any:
+        """Any operation on the tape by its path: POST /v1/tapes/{id}/<operation> (e.g.
+        "trace", "frobenius-norm") with `options` as its body (None ones left out, but an
+        explicit `seed=None`: fresh random vectors), run as a job with `progress` as in
+        `eigenvalues`. Answers the JSON answer as a dict. The named methods below are this
+        call with their options named and their answers typed."""
+        return self._run(self._ask(operation, self._body(options), progress))
+
+    def _ask(self, operation: str, body: dict[str, Any], progress: Any = None) -> _core.Op[Any]:
+        answer = yield from self._core.compute(
+            "POST",
+            self._path("/" + operation),
+            body,
+            progress=progress,
+            description=operation.replace("-", " "),
+        )
+        return answer
+
+    @staticmethod
+    def _body(options: Mapping[str, Any]) -> dict[str, Any]:
+        body = RemoteTape._options(**options)
+        if "seed" in options:  # None asks for fresh random vectors: sent as null
+            body["seed"] = options["seed"]
+        return body
 
     def _hvp_op(self, body: dict[str, Any], shape: bool = True) -> _core.Op[Any]:
         a = yield from self._core.call("POST", self._path("/hvp"), body)
@@ -341,9 +391,7 @@ class RemoteTape:
         )
 
     def _eigen_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Eigenvalues]:
-        a = yield from self._core.compute(
-            "POST", self._path("/eigenvalues"), body, progress=progress, description="eigenvalues"
-        )
+        a = yield from self._ask("eigenvalues", body, progress)
         vectors = a.get("eigenvectors")
         return Eigenvalues(
             np.asarray(a["eigenvalues"], dtype=np.float64),
@@ -400,9 +448,7 @@ class RemoteTape:
         return self._run(self._eigen_op(body, progress))
 
     def _trace_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Trace]:
-        a = yield from self._core.compute(
-            "POST", self._path("/trace"), body, progress=progress, description="trace"
-        )
+        a = yield from self._ask("trace", body, progress)
         return Trace(
             trace=a["trace"],
             stderr=a.get("stderr"),
@@ -415,45 +461,26 @@ class RemoteTape:
             seconds=a["seconds"],
             method=a.get("method", "hutchinson"),
             sketch=a.get("sketch", 0),
+            partial=a.get("partial", False),
         )
 
     def trace(
         self,
         *,
         method: str | None = None,
-        batch_size: int | None = None,
-        max_hvps: int | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        max_seconds: float | None = None,
-        seed: int | None = 0,
-        curvature: str | None = None,
-        samples: int | None = None,
-        fisher_seed: int | None = None,
-        time_limit: float | None = None,
         progress: Any = False,
+        **options: Unpack[EstimatorOptions],
     ) -> Any:
-        """The Hessian's (or `curvature`'s) trace on the server: `method` "auto" (the server's default: exact
-        when `max_hvps` covers the parameter count, else Hutch++), "exact", "hutchpp" or
-        "hutchinson", with its standard error; the stochastic methods stop once it is
-        within `rtol`/`atol`. `progress` as in `eigenvalues`."""
-        body = self._options(
-            method=method,
-            batch_size=batch_size,
-            max_hvps=max_hvps,
-            rtol=rtol,
-            atol=atol,
-            max_seconds=max_seconds,
-            time_limit=time_limit,
-        )
-        body.update(self._curvature(curvature, samples, fisher_seed))
-        body["seed"] = seed
+        """The Hessian's (or `curvature`'s) trace on the server: `method` "auto" (the
+        server's default: exact when `max_hvps` covers the parameter count, else Hutch++),
+        "exact", "hutchpp" or "hutchinson", with its standard error; the stochastic methods
+        stop once it is within `rtol`/`atol`. `options`: EstimatorOptions. `progress` as in
+        `eigenvalues`."""
+        body = self._body({"method": method, "seed": 0, **options})
         return self._run(self._trace_op(body, progress))
 
     def _diagonal_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Diagonal]:
-        a = yield from self._core.compute(
-            "POST", self._path("/diagonal"), body, progress=progress, description="diagonal"
-        )
+        a = yield from self._ask("diagonal", body, progress)
         stderr = a.get("stderr")
         return Diagonal(
             diagonal=shaped(a["diagonal"], self._sources),
@@ -477,44 +504,19 @@ class RemoteTape:
         self,
         *,
         method: str | None = None,
-        batch_size: int | None = None,
-        max_hvps: int | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        max_seconds: float | None = None,
-        seed: int | None = 0,
-        curvature: str | None = None,
-        samples: int | None = None,
-        fisher_seed: int | None = None,
-        time_limit: float | None = None,
         progress: Any = False,
+        **options: Unpack[EstimatorOptions],
     ) -> Any:
-        """The Hessian's (or `curvature`'s) diagonal on the server, in the tape's source structure: `method`
-        "auto" (the server's default: exact when `max_hvps` covers the parameter count,
-        else Hutchinson), "exact" or "hutchinson" (with a standard error per entry; it
-        stops once the root-mean-square error is within `rtol`/`atol`). `progress` as in
-        `eigenvalues`."""
-        body = self._options(
-            method=method,
-            batch_size=batch_size,
-            max_hvps=max_hvps,
-            rtol=rtol,
-            atol=atol,
-            max_seconds=max_seconds,
-            time_limit=time_limit,
-        )
-        body.update(self._curvature(curvature, samples, fisher_seed))
-        body["seed"] = seed
+        """The Hessian's (or `curvature`'s) diagonal on the server, in the tape's source
+        structure: `method` "auto" (the server's default: exact when `max_hvps` covers the
+        parameter count, else Hutchinson), "exact" or "hutchinson" (with a standard error
+        per entry; it stops once the root-mean-square error is within `rtol`/`atol`).
+        `options`: EstimatorOptions. `progress` as in `eigenvalues`."""
+        body = self._body({"method": method, "seed": 0, **options})
         return self._run(self._diagonal_op(body, progress))
 
     def _density_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[SpectralDensity]:
-        a = yield from self._core.compute(
-            "POST",
-            self._path("/spectral-density"),
-            body,
-            progress=progress,
-            description="spectral density",
-        )
+        a = yield from self._ask("spectral-density", body, progress)
         stderr = a.get("stderr")
         return SpectralDensity(
             grid=np.asarray(a["grid"], dtype=np.float64),
@@ -569,9 +571,7 @@ class RemoteTape:
         return self._run(self._density_op(body, progress))
 
     def _solve_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Solve]:
-        a = yield from self._core.compute(
-            "POST", self._path("/solve"), body, progress=progress, description="solve"
-        )
+        a = yield from self._ask("solve", body, progress)
         return Solve(
             shaped(a["solution"], self._sources),
             a["rhs"],
@@ -615,9 +615,7 @@ class RemoteTape:
         return self._run(self._solve_op(body, progress))
 
     def _influence_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[Influence]:
-        a = yield from self._core.compute(
-            "POST", self._path("/influence"), body, progress=progress, description="influence"
-        )
+        a = yield from self._ask("influence", body, progress)
         return Influence(
             scores=np.asarray(a["scores"], dtype=np.float64),
             removal=np.asarray(a["removal"], dtype=np.float64),
@@ -656,7 +654,8 @@ class RemoteTape:
         read along the examples axis, e.g. {"x": ..., "y": ...}; arrays, or stored dataset
         arrays as in definitions) or training `rows`.
         s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
-        (Hessian by default; "ggn" is positive semi-definite for convex losses), then
+        (the GGN by default, positive semi-definite for convex losses; with "hessian" on a
+        non-convex model CG may stop at negative curvature, and the SDK warns), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
         with `output=`. `progress` as in `eigenvalues`."""
         body = self._options(

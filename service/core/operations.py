@@ -1,0 +1,744 @@
+"""The operations on a tape, declared once: one `Operation` row each.
+
+Both processes import this module (it needs msgspec only: no engine, no FastAPI). From
+the table come the HTTP routes and their OpenAPI schemas (service/api/routes/tapes.py
+builds each request model from the row's options), the worker's handlers and the
+sharded coordinator's algorithms (service/worker/tapes.py `OPERATION_FUNCTIONS`), the
+dispatch tables (service/worker/dispatch.py, service/domain/shards.py) and the SDK's
+thin methods (clients/python/gradtape/client/tape.py, one per row's `sdk_method`);
+tests/service/test_operations.py walks the table and fails on a row missing from any.
+
+A row's options are one msgspec Struct: what the request body carries besides the call
+options every tape request takes (time limit, non-finite inputs, answer encoding,
+async) and besides its tensors (`tensors`, decoded by the HTTP side). The HTTP side
+validates the body, checks the server's limits, and sends the Struct itself (msgspec
+turns it into msgpack-ready builtins and back: `encode_options` / `decode_options`); the
+worker receives it typed, never a dict read by string key. Checks that need only the
+request live on the Struct (`__post_init__`, run when the HTTP side builds it); checks
+that need the tape (its parameter count n) stay in the worker.
+
+Why msgspec: it is made for typed msgpack/JSON messages (Structs are checked on decode,
+field by field, with the path in the error), it is small and fast to import in a worker,
+and its constraints (`Meta(ge=...)`) and descriptions render as JSON Schema, which the
+HTTP side turns into the request model FastAPI documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from service.core import defaults
+from service.core.defaults import INT_MAX
+
+# ----------------------------------------------------------------------------------------
+# Shared choices
+# ----------------------------------------------------------------------------------------
+
+
+class CurvatureKind(StrEnum):
+    """The matrix a tape's products and algorithms use: the Hessian of the target, or,
+    on a tape that names its `output`, the generalized Gauss-Newton matrix J^T H_L J,
+    the Fisher (exact for softmax/sigmoid cross-entropy and squared error, where it is
+    the GGN; Monte-Carlo with `samples`), or the empirical Fisher in one of two
+    conventions: `empirical_fisher` (ours) c sum_i g_i g_i^T with one gradient g_i per
+    example (c = 1/N for a mean loss, 1 for a sum); `empirical_fisher_terms`
+    (curvlinops' EFLinearOperator) with one gradient per loss term, the rows along the
+    output's last axis, each of its term's summed loss, times 1/R for a loss that is
+    (1/R) x their sum. They agree where an example is one term; squared error averaged
+    over C outputs gives curvlinops' C times ours, a softmax per position another
+    matrix (README: Curvature)."""
+
+    hessian = "hessian"
+    ggn = "ggn"
+    fisher = "fisher"
+    empirical_fisher = "empirical_fisher"
+    empirical_fisher_terms = "empirical_fisher_terms"
+
+
+class Which(StrEnum):
+    """Which eigenvalues: largest algebraic (LA), largest magnitude (LM), smallest
+    algebraic (SA)."""
+
+    LA = "LA"
+    LM = "LM"
+    SA = "SA"
+
+
+class EigenMethod(StrEnum):
+    """How eigenvalues are found: Lanczos with full reorthogonalization, or deflated
+    (block) power iteration."""
+
+    lanczos = "lanczos"
+    power = "power"
+
+
+class TraceMethod(StrEnum):
+    """How the trace is taken: exact (n unit vectors), Hutch++, Hutchinson, or auto."""
+
+    auto = "auto"
+    exact = "exact"
+    hutchpp = "hutchpp"
+    hutchinson = "hutchinson"
+
+
+class DiagonalMethod(StrEnum):
+    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto."""
+
+    auto = "auto"
+    exact = "exact"
+    hutchinson = "hutchinson"
+
+
+class OptionError(ValueError):
+    """A request's options contradict each other; `field` names the one to change, and
+    `problem` the problem type the HTTP answer (422) takes."""
+
+    def __init__(self, field: str, message: str, problem: str = "validation"):
+        super().__init__(message)
+        self.field = field
+        self.problem = problem
+
+
+MAX_HVPS_DESCRIPTION = (
+    "Most HVPs (vectors) the algorithm may use (at most the server's algorithm_max_hvps)."
+)
+MAX_SECONDS_DESCRIPTION = (
+    "Seconds the algorithm may run; it then stops and answers what it has "
+    "(default and maximum: 90% of the request's time limit; at least "
+    f"{defaults.ALGORITHM_MIN_SECONDS}, smaller values are refused; after a tape rebuild "
+    f"the algorithm still gets at least {defaults.ALGORITHM_MIN_SECONDS} s)."
+)
+TOLERANCE_DESCRIPTION = (
+    "Stop early once the standard error is at most rtol * |estimate| + atol (a diagonal: "
+    "its root-mean-square standard error against rms(diagonal)); checked from 30 samples "
+    "on, whatever the batch size: fewer give no standard error; stochastic methods only."
+)
+SEED_DESCRIPTION = "Seed of the random vectors (null: fresh ones)."
+
+
+class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every operation's options. `max_hvps` is the HVP budget the server's
+    algorithm_max_hvps bounds (None: the operation's own default, `hvp_budget`)."""
+
+    def hvp_budget(self, server_max: int) -> int:
+        """The HVPs the request may use: its max_hvps, or the operation's default (which
+        the server's algorithm_max_hvps caps where the row says so)."""
+        budget: int = getattr(self, "max_hvps")  # noqa: B009 (every algorithm has one)
+        return budget
+
+
+class CurvatureChoice(Options, kw_only=True):
+    """The curvature a tape's products and algorithms apply."""
+
+    curvature: Annotated[
+        CurvatureKind,
+        Meta(
+            description="Which curvature matrix (see CurvatureKind); all "
+            "but hessian need a tape recorded with `output`."
+        ),
+    ] = CurvatureKind.hessian
+    samples: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                le=10_000,
+                description="With curvature fisher: targets drawn per example "
+                "from the model's predictive distribution (a Monte-Carlo Fisher, fixed by "
+                "`fisher_seed`); absent: the exact Fisher.",
+            ),
+        ]
+        | None
+    ) = None
+    fisher_seed: Annotated[
+        int, Meta(le=INT_MAX, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
+    ] = 0
+
+    def __post_init__(self) -> None:
+        if self.samples is not None and self.curvature != CurvatureKind.fisher:
+            raise OptionError(
+                "samples", "'samples' draws a Monte-Carlo Fisher: it goes with curvature 'fisher'"
+            )
+
+
+class Budget(CurvatureChoice, kw_only=True):
+    """The time an algorithm may run (the HVP budget is each operation's own)."""
+
+    max_seconds: (
+        Annotated[
+            float, Meta(ge=defaults.ALGORITHM_MIN_SECONDS, description=MAX_SECONDS_DESCRIPTION)
+        ]
+        | None
+    ) = None
+
+
+class EstimatorOptions(Budget, kw_only=True):
+    """The stochastic estimators' options (trace, diagonal, Frobenius norm): batched
+    random probes, an HVP budget, and a stopping rule on the standard error."""
+
+    batch_size: Annotated[
+        int,
+        Meta(
+            le=INT_MAX,
+            ge=1,
+            description="Random vectors per batched HVP pass "
+            "(at most the server's hvp_max_vectors); exact passes take "
+            "up to 64 unit vectors (fewer when hvp_max_vectors or the "
+            "memory budget is tighter).",
+        ),
+    ] = 16
+    max_hvps: (
+        Annotated[
+            int,
+            Meta(
+                le=INT_MAX,
+                ge=2,
+                description="Most HVPs to use (at most the server's algorithm_max_hvps). "
+                "Default: 256; with method exact, n (the tape's parameters, within "
+                "algorithm_max_hvps): the exact method never refuses its own default.",
+            ),
+        ]
+        | None
+    ) = None
+    rtol: Annotated[float, Meta(gt=0, description=TOLERANCE_DESCRIPTION)] | None = None
+    atol: Annotated[float, Meta(ge=0, description="Absolute part of the stopping tolerance.")] = 0.0
+    seed: Annotated[int, Meta(le=INT_MAX, ge=0, description=SEED_DESCRIPTION)] | None = 0
+
+    def hvp_budget(self, server_max: int) -> int:
+        if self.max_hvps is not None:
+            return self.max_hvps
+        # Exact named without a budget: as many as the server allows; the worker, which
+        # knows n, takes n of them (issue 27: it refused the default 256 at n = 2,410).
+        return server_max if str(getattr(self, "method", "")) == "exact" else 256
+
+
+# ----------------------------------------------------------------------------------------
+# Each operation's options
+# ----------------------------------------------------------------------------------------
+
+
+class EigenvaluesOptions(Budget, kw_only=True):
+    """Extreme eigenvalues (and optionally eigenvectors) of the tape's Hessian (or of the
+    `curvature` asked): by Lanczos with full reorthogonalization (one HVP per iteration),
+    or by deflated power iteration (k HVPs per step in one batched pass; largest
+    magnitude only)."""
+
+    k: Annotated[int, Meta(ge=1, le=1024, description="How many eigenvalues.")] = 1
+    method: Annotated[
+        EigenMethod,
+        Meta(
+            description="lanczos (fewest HVPs; any `which`) or power "
+            "(deflated power iteration, as hessian-eigenthings and PyHessian run it: the k "
+            "largest in magnitude, which = LM)."
+        ),
+    ] = EigenMethod.lanczos
+    which: (
+        Annotated[
+            Which,
+            Meta(
+                description="LA: largest algebraic, LM: largest "
+                "magnitude, SA: smallest algebraic. Default: LA for lanczos, "
+                "LM for power (the only one it finds)."
+            ),
+        ]
+        | None
+    ) = None
+    tol: Annotated[
+        float,
+        Meta(
+            gt=0,
+            lt=1,
+            description="Converged when each Ritz residual ||H y - theta y|| <= tol * max |theta|.",
+        ),
+    ] = 1e-6
+    max_hvps: Annotated[int, Meta(le=INT_MAX, ge=1, description=MAX_HVPS_DESCRIPTION)] = 200
+    eigenvectors: Annotated[
+        bool,
+        Meta(
+            description="Also answer the eigenvectors, as "
+            "tensors per source (unit norm over all sources)."
+        ),
+    ] = False
+    seed: (
+        Annotated[
+            int,
+            Meta(
+                le=INT_MAX, ge=0, description="Seed of the random start vector (null: a fresh one)."
+            ),
+        ]
+        | None
+    ) = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.which is None:
+            self.which = Which.LM if self.method == EigenMethod.power else Which.LA
+        if self.method == EigenMethod.power and self.which != Which.LM:
+            raise OptionError(
+                "which",
+                "which: power iteration finds the eigenvalues of largest magnitude (LM) only; "
+                f"for {self.which.value} use method lanczos",
+                problem="invalid-request",
+            )
+
+
+class TraceOptions(EstimatorOptions, kw_only=True):
+    """The trace of the tape's Hessian (or of the `curvature` asked): exact from the n
+    unit vectors (in batched passes of up to 64), or estimated by Hutch++ (the top of the
+    spectrum taken exactly from a sketch, Hutchinson on the rest) or Hutchinson (the mean
+    of z^T H z over Rademacher vectors z), with its standard error."""
+
+    method: Annotated[
+        TraceMethod,
+        Meta(
+            description="auto: exact when max_hvps covers the n HVPs it "
+            "takes (n = the tape's parameters), else hutchpp; exact; hutchpp; hutchinson."
+        ),
+    ] = TraceMethod.auto
+
+
+class DiagonalOptions(EstimatorOptions, kw_only=True):
+    """The diagonal of the tape's Hessian, as tensors per source: exact from the n unit
+    vectors (in batched passes of up to 64), or Hutchinson's estimate (the
+    mean of z * Hz over Rademacher vectors z) with a standard error per entry."""
+
+    method: Annotated[
+        DiagonalMethod,
+        Meta(
+            description="auto: exact when max_hvps covers the n HVPs it "
+            "takes (n = the tape's parameters), else hutchinson; exact; hutchinson."
+        ),
+    ] = DiagonalMethod.auto
+
+
+class SpectralDensityOptions(Budget, kw_only=True):
+    """The eigenvalue density of the tape's Hessian by stochastic Lanczos quadrature:
+    `steps` Lanczos steps from each of `probes` random vectors (run side by side, one
+    batched pass per step) give Ritz nodes and weights; smoothed by a Gaussian of width
+    `sigma`, they are a density to plot."""
+
+    probes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1024,
+            description="Random start vectors (more: a smaller standard error of the density).",
+        ),
+    ] = 8
+    steps: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=4096,
+            description="Lanczos steps per probe (capped "
+            "at the tape's parameter count): the nodes per probe, i.e. the "
+            "resolution.",
+        ),
+    ] = 64
+    sigma: (
+        Annotated[
+            float,
+            Meta(
+                gt=0,
+                description="Width (standard deviation) of the "
+                "Gaussian that smooths the nodes into a density, in eigenvalue units. "
+                "Default: the span of the nodes / steps.",
+            ),
+        ]
+        | None
+    ) = None
+    points: Annotated[
+        int,
+        Meta(
+            ge=2,
+            le=10_000,
+            description="Grid points spanning the nodes +- 3 sigma (ignored when `grid` is given).",
+        ),
+    ] = 256
+    grid: (
+        Annotated[
+            list[float],
+            Meta(
+                min_length=1,
+                max_length=10_000,
+                description="Where to evaluate the density "
+                "(eigenvalues, finite); default: `points` points spanning the nodes +- 3 sigma.",
+            ),
+        ]
+        | None
+    ) = None
+    max_hvps: (
+        Annotated[
+            int,
+            Meta(
+                le=INT_MAX,
+                ge=1,
+                description=MAX_HVPS_DESCRIPTION
+                + " Default: probes x steps, within algorithm_max_hvps.",
+            ),
+        ]
+        | None
+    ) = None
+    seed: (
+        Annotated[int, Meta(le=INT_MAX, ge=0, description="Seed of the probes (null: fresh ones).")]
+        | None
+    ) = 0
+
+    def hvp_budget(self, server_max: int) -> int:
+        # By default every probe may run its steps, within the server's limit (the run
+        # then stops at max_hvps, each probe with the steps it reached, and says so).
+        if self.max_hvps is None:
+            return min(self.probes * self.steps, server_max)
+        return self.max_hvps
+
+
+class SolveOptions(Budget, kw_only=True):
+    """Solve (H + damping I) x = b by conjugate gradient on the tape's Hessian. b
+    defaults to the recorded gradient: x is then the damped Newton step (subtract it
+    from the sources)."""
+
+    damping: Annotated[float, Meta(ge=0, description="Added to the Hessian's diagonal.")] = 1e-3
+    tol: Annotated[
+        float,
+        Meta(gt=0, lt=1, description="Converged when ||b - (H + damping I) x|| <= tol * ||b||."),
+    ] = 1e-6
+    max_iterations: Annotated[int, Meta(le=INT_MAX, ge=1, description="Most CG iterations.")] = 100
+    max_hvps: (
+        Annotated[
+            int,
+            Meta(le=INT_MAX, ge=1, description=MAX_HVPS_DESCRIPTION + " Default: max_iterations."),
+        ]
+        | None
+    ) = None
+
+    def hvp_budget(self, server_max: int) -> int:
+        return self.max_iterations if self.max_hvps is None else self.max_hvps
+
+
+class InfluenceOptions(Budget, kw_only=True):
+    """Influence functions (Koh and Liang, 2017) on a tape recorded with `output`: the
+    effect of every training example (a row along the output's first axis) on the loss
+    at test points."""
+
+    # The GGN by default: the Hessian of a trained non-convex model is often indefinite,
+    # and CG on it stops at negative curvature with scores that mean nothing (issue 27).
+    curvature: Annotated[
+        CurvatureKind,
+        Meta(
+            description="Which curvature matrix C (see CurvatureKind): the GGN by default, "
+            "positive semi-definite for convex losses of the output (squared error, "
+            "cross-entropies), so that C + damping I is positive definite; the Hessian of "
+            "a trained non-convex model is often indefinite, and CG on it stops at "
+            "negative_curvature (then raise the damping above minus its smallest "
+            "eigenvalue)."
+        ),
+    ] = CurvatureKind.ggn
+
+    damping: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Added to the curvature's diagonal "
+            "(an L2 term (lam/2)|w|^2 of the training loss is damping "
+            "lam).",
+        ),
+    ] = 1e-3
+    top_k: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=10_000,
+            description="At most how many helpful "
+            "(negative score) and harmful (positive score) examples to list "
+            "each; fewer when fewer examples have that sign.",
+        ),
+    ] = 10
+    tol: Annotated[
+        float,
+        Meta(gt=0, lt=1, description="CG converged when ||b - (C + damping I) s|| <= tol * ||b||."),
+    ] = 1e-6
+    max_iterations: Annotated[int, Meta(le=INT_MAX, ge=1, description="Most CG iterations.")] = 100
+    max_hvps: (
+        Annotated[
+            int,
+            Meta(
+                le=INT_MAX,
+                ge=1,
+                description=MAX_HVPS_DESCRIPTION + " "
+                "Default: max_iterations. It bounds the CG solve's "
+                "curvature products only; the passes around it are "
+                "fixed (see the answer's `hvps`).",
+            ),
+        ]
+        | None
+    ) = None
+
+    def hvp_budget(self, server_max: int) -> int:
+        return self.max_iterations if self.max_hvps is None else self.max_hvps
+
+
+class FrobeniusNormOptions(EstimatorOptions, kw_only=True):
+    """The squared Frobenius norm ||C||_F^2 = tr(C^2) of the tape's Hessian (or of the
+    `curvature` asked), estimated by Hutchinson on C^2: the mean of ||C z||^2 over
+    Rademacher vectors z, with its standard error."""
+
+
+class FrobeniusNormResult(msgspec.Struct, kw_only=True):
+    """The squared Frobenius norm of the tape's curvature and its standard error, with
+    what it cost and why it stopped."""
+
+    frobenius_norm_squared: Annotated[
+        float, Meta(description="||C||_F^2, the mean of ||C z||^2 over the probes z.")
+    ]
+    stderr: (
+        Annotated[
+            float,
+            Meta(
+                description="Its standard error (sample std / sqrt(samples)); null (unknown) "
+                "from fewer than 30 samples."
+            ),
+        ]
+        | None
+    )
+    curvature: Annotated[str, Meta(description="The matrix C (see CurvatureKind).")]
+    samples: Annotated[int, Meta(description="Random probes averaged.")]
+    batches: Annotated[int, Meta(description="Batched HVP passes.")]
+    batch_size: Annotated[int, Meta(description="Vectors per batched pass.")]
+    converged: Annotated[
+        bool,
+        Meta(
+            description="The tolerance was met (without one: every sample asked for was "
+            "drawn, and a standard error is known)."
+        ),
+    ]
+    stopped: Annotated[str, Meta(description="tolerance, max_hvps or time_limit.")]
+    hvps: int
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------
+
+
+class Sharded(StrEnum):
+    """What an operation does on a sharded tape (its batch split over workers)."""
+
+    algorithm = "algorithm"  # runs once, its products asked of every part and summed
+    own = "own"  # a sharded path of its own (service/domain/shards.py names it)
+    refused = "refused"  # answered 422 with the row's `refusal`
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation on a tape: everything the processes need to know of it."""
+
+    kind: str  # the worker message kind, also the key of every table built from this one
+    path: str  # POST /v1/tapes/{tape_id}/<path>
+    options: type[Budget]  # every operation has a curvature choice and a time budget
+    # The answer: a msgspec Struct declared beside the options (the HTTP side makes its
+    # response schema from it), or the name of a response model in service/api/schemas.
+    result: str | type[msgspec.Struct]
+    summary: str
+    description: str
+    sdk_method: str  # RemoteTape.<sdk_method> in the Python SDK ("": RemoteTape.call only)
+    diagnosis: str  # how a non-finite answer of a sound tape is named ("the ... overflowed")
+    sharded: Sharded = Sharded.algorithm
+    refusal: str = ""  # why a sharded tape refuses it (sharded == refused)
+    # Request fields that are tensors, decoded by the HTTP side and handed to the worker
+    # beside the options: field -> {kind: "vector" | "inputs" | "rows", description,
+    # one_of: True (exactly one of the fields so marked), min_length, max_length}.
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    job: bool = True  # may run as a job ("async": true or Prefer: respond-async)
+    route_name: str = ""  # the route's name and OpenAPI operationId (default: the kind)
+
+    @property
+    def name(self) -> str:
+        return self.route_name or self.kind
+
+    @property
+    def result_name(self) -> str:
+        if isinstance(self.result, str):
+            return self.result
+        return self.result.__name__.removesuffix("Result") + "Response"
+
+    @property
+    def request(self) -> str:
+        return self.options.__name__.removesuffix("Options") + "Request"
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "tape_eigenvalues",
+        "eigenvalues",
+        EigenvaluesOptions,
+        "EigenvaluesResponse",
+        "Extreme eigenvalues and eigenvectors of a tape's Hessian (Lanczos, power)",
+        """The `k` largest (LA), largest-magnitude (LM) or smallest (SA) eigenvalues of the
+        Hessian of the tape's target over its sources (or of the `curvature` asked), in the
+        worker (no round trip per HVP): by Lanczos with full reorthogonalization, one HVP per iteration, or
+        (`method: power`) by deflated power iteration, k HVPs per batched step, largest
+        magnitude only. With `eigenvectors`, the eigenvectors as tensors per source. Stops
+        at convergence, `max_hvps` or `max_seconds` and says which (`stopped`), with the
+        HVPs used and the residuals. Lanczos may find a repeated eigenvalue once only
+        unless the whole space is spanned.""",
+        sdk_method="eigenvalues",
+        diagnosis="eigenvalue iteration",
+        route_name="compute_tape_eigenvalues",
+    ),
+    Operation(
+        "tape_trace",
+        "trace",
+        TraceOptions,
+        "TraceResponse",
+        "Trace of a tape's Hessian (exact, Hutch++, Hutchinson)",
+        """tr(H) (or of the `curvature` asked): exact from the n unit vectors in batched passes of up to 64 (`method:
+        auto` picks it when `max_hvps` covers n), else by Hutch++ (or Hutchinson) with its
+        standard error, stopping once it is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`.""",
+        sdk_method="trace",
+        diagnosis="trace estimate",
+        route_name="estimate_tape_trace",
+    ),
+    Operation(
+        "tape_diagonal",
+        "diagonal",
+        DiagonalOptions,
+        "DiagonalResponse",
+        "Diagonal of a tape's Hessian (exact, Hutchinson)",
+        """diag(H) (or of the `curvature` asked) as tensors per source: exact from the n unit vectors in batched passes of
+        up to 64 (`method: auto` picks it when `max_hvps` covers n), else Hutchinson's
+        estimate with a standard error per entry, stopping once the root-mean-square error
+        is within `rtol`/`atol`, at `max_hvps` or at `max_seconds`.""",
+        sdk_method="diagonal",
+        diagnosis="diagonal estimate",
+        route_name="estimate_tape_diagonal",
+    ),
+    Operation(
+        "tape_spectral_density",
+        "spectral-density",
+        SpectralDensityOptions,
+        "SpectralDensityResponse",
+        "Eigenvalue density of a tape's Hessian (stochastic Lanczos quadrature)",
+        """The density of the Hessian's (or the `curvature`'s) eigenvalues by stochastic
+        Lanczos quadrature, as
+        PyHessian computes it: `steps` Lanczos steps from each of `probes` random vectors,
+        the probes side by side (one batched pass per step). Answers the Gaussian-smoothed
+        density (width `sigma`) on a grid with its pointwise standard error, and the raw
+        Ritz nodes and weights of each probe, so a client can plot or re-smooth it.""",
+        sdk_method="spectral_density",
+        diagnosis="spectral density (Lanczos quadrature)",
+        route_name="estimate_tape_spectral_density",
+    ),
+    Operation(
+        "tape_solve",
+        "solve",
+        SolveOptions,
+        "SolveResponse",
+        "Solve (H + damping I) x = b on a tape (CG)",
+        """Conjugate gradient on the tape's Hessian (or the `curvature` asked: a
+        Gauss-Newton step with `ggn`) plus `damping` times the identity, one HVP per
+        iteration. Without `vector`, b is the recorded gradient and x the damped
+        Newton step (the update is sources - x). Answers the residual history; stops at
+        `tol`, `max_iterations`, `max_hvps`, `max_seconds`, or at a direction of
+        non-positive curvature (raise the damping).""",
+        sdk_method="solve",
+        diagnosis="conjugate-gradient solve",
+        route_name="solve_tape",
+        tensors={
+            "vector": {
+                "kind": "vector",
+                "description": "b, a tensor per source (keyed like the gradients); default: "
+                "the gradient.",
+            }
+        },
+    ),
+    Operation(
+        "tape_influence",
+        "influence",
+        InfluenceOptions,
+        "InfluenceResponse",
+        "Influence of every training example on test points (Koh and Liang)",
+        """On a tape recorded with `output` (its examples along the output's first axis):
+        s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
+        (`ggn` by default, or `hessian`, `fisher`, `empirical_fisher`), where L_test is the
+        tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
+        or at training `rows`; then the scores -g_i . s_test of every training example in
+        one batched pass (no per-example loop), the predicted change of the test loss if
+        each were left out, and the `top_k` most helpful and most harmful examples.
+
+        On a sharded tape: the test gradient from the parts, the solve across them
+        (products summed), and each part's examples scored by it, in part order (the
+        unsharded tape's indices and numbers).""",
+        sdk_method="influence",
+        diagnosis="influence solve",
+        route_name="compute_tape_influence",
+        sharded=Sharded.own,
+        tensors={
+            "test_inputs": {
+                "kind": "inputs",
+                "one_of": True,
+                "description": "The test points: new values for the inputs the model and the "
+                "loss read along the examples axis (the data and the targets; same trailing "
+                "shapes, any number of rows), as tensors, stored dataset arrays ({dataset, "
+                "array, rows}) or a whole dataset ({dataset, rows}: each array the input of "
+                "its name). The test loss is the tape's loss on them.",
+            },
+            "rows": {
+                "kind": "rows",
+                "one_of": True,
+                "min_length": 1,
+                "max_length": 100_000,
+                "description": "Or: training rows (indices along the examples axis) whose "
+                "loss is the test loss.",
+            },
+        },
+    ),
+    Operation(
+        "tape_frobenius_norm",
+        "frobenius-norm",
+        FrobeniusNormOptions,
+        FrobeniusNormResult,
+        "Squared Frobenius norm of a tape's Hessian (Hutchinson on C^2)",
+        """||C||_F^2 = tr(C^2) of the tape's Hessian (or of the `curvature` asked:
+        `ggn`, `fisher`, `empirical_fisher`), estimated as the mean of ||C z||^2 over
+        Rademacher vectors z (one HVP per vector, in batched passes of `batch_size`), with
+        its standard error; stops once that is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`. The norm itself is the square root of the answer.""",
+        sdk_method="",  # RemoteTape.call("frobenius-norm", ...)
+        diagnosis="Frobenius-norm estimate",
+        route_name="estimate_tape_frobenius_norm",
+    ),
+)
+
+BY_KIND: dict[str, Operation] = {op.kind: op for op in OPERATIONS}
+
+
+CURVATURE_FIELDS = ("curvature", "samples", "fisher_seed")
+
+
+def curvature_choice(raw: Any) -> CurvatureChoice:
+    """The curvature fields of any options, or of a message's `curvature` (a tape HVP's,
+    an influence part's), as a CurvatureChoice."""
+    if raw is None:
+        return CurvatureChoice()
+    if isinstance(raw, CurvatureChoice):
+        raw = {k: getattr(raw, k) for k in CURVATURE_FIELDS}
+    return msgspec.convert(raw, CurvatureChoice, strict=False)
+
+
+def encode_options(options: Options) -> dict[str, Any]:
+    """The options as msgpack-ready builtins (for the worker's message)."""
+    encoded: dict[str, Any] = msgspec.to_builtins(options)
+    return encoded
+
+
+def decode_options(op: Operation, raw: Any) -> Budget:
+    """The typed options back from a message; a malformed one raises msgspec's
+    ValidationError naming the field."""
+    return msgspec.convert(raw, op.options, strict=False)

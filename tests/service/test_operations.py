@@ -1,0 +1,153 @@
+"""The operation table (service/core/operations.py) is the one declaration of an
+operation on a tape: this walks it and fails on a row that is not routed, handled by the
+worker, run or refused on a sharded tape, named for non-finite diagnoses, in the Python
+SDK, or in the contract (openapi/openapi.json). And the options cross to the worker
+typed: msgspec Structs, checked field by field on the way in."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from engine.language import Limits
+from service.api.routes import tapes as tape_routes
+from service.api.schemas.operations import REQUEST_MODELS
+from service.core.operations import (
+    BY_KIND,
+    OPERATIONS,
+    CurvatureChoice,
+    EigenvaluesOptions,
+    Sharded,
+    TraceOptions,
+    curvature_choice,
+    decode_options,
+    encode_options,
+)
+from service.domain import shards as domain_shards
+from service.worker import dispatch, tapes
+from service.worker import shards as worker_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "clients" / "python"))
+
+from gradtape.client import _core  # noqa: E402
+from gradtape.client.tape import RemoteTape  # noqa: E402
+
+IDS = [op.kind for op in OPERATIONS]
+
+
+@pytest.fixture(scope="module")
+def routes() -> dict[str, Any]:
+    """The tape router's POST routes by path (the app includes it as it is)."""
+    return {r.path: r for r in tape_routes.router.routes if "POST" in getattr(r, "methods", ())}
+
+
+@pytest.fixture(scope="module")
+def contract() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads((ROOT / "openapi" / "openapi.json").read_text())
+    return document
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=IDS)
+def test_routed(op: Any, routes: dict[str, Any]) -> None:
+    route = routes.get(f"/v1/tapes/{{tape_id}}/{op.path}")
+    assert route is not None, f"{op.kind}: no POST /v1/tapes/{{tape_id}}/{op.path}"
+    assert route.name == op.name
+    body = route.dependant.body_params[0]
+    assert body.field_info.annotation is REQUEST_MODELS[op.kind]
+    assert route.response_model.__name__ == op.result_name
+    # Every option is a field of the request, with the Struct's default.
+    fields = REQUEST_MODELS[op.kind].model_fields
+    for f in msgspec.structs.fields(op.options):
+        assert f.name in fields, f"{op.kind}: option {f.name} is not in the request"
+        assert fields[f.name].default == f.default
+    for name in op.tensors:
+        assert name in fields
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=IDS)
+def test_handled_and_diagnosed(op: Any) -> None:
+    assert op.kind in tapes.HANDLERS, f"{op.kind}: no worker handler"
+    assert op.kind in tapes.OPERATION_FUNCTIONS, f"{op.kind}: no @operation function"
+    assert dispatch.HANDLERS[op.kind] is tapes.HANDLERS[op.kind]
+    assert dispatch.ALGORITHMS[op.kind] == op.diagnosis and op.diagnosis
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=IDS)
+def test_sharded_or_refused(op: Any) -> None:
+    if op.sharded is Sharded.algorithm:
+        assert op.kind in domain_shards.ALGORITHMS
+        # The coordinator builds the same function over the parts (no second list).
+        run = worker_shards.Run("r", [], {})
+        context = tapes.WorkerContext(0, "cpu", Limits(), 1024, 2048, 1 << 24)
+        payload = {"options": encode_options(msgspec.convert({}, op.options))}
+        assert callable(worker_shards._work(op.kind, payload, context, run))
+    elif op.sharded is Sharded.own:
+        assert op.kind not in domain_shards.ALGORITHMS
+        source = Path(domain_shards.__file__).read_text()
+        assert f'"{op.kind}"' in source, f"{op.kind}: no sharded path of its own"
+    else:
+        assert op.refusal, f"{op.kind}: refused on a sharded tape without a reason"
+
+
+class _Recorder:
+    """A client whose `_run` sends nothing: it keeps the first request an SDK call makes."""
+
+    def __init__(self) -> None:
+        self._core = _core.Core(transport="json")
+        self.sent: list[_core.HTTPRequest] = []
+
+    def _run(self, op: Any) -> Any:
+        self.sent.append(next(op))
+        op.close()
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=IDS)
+def test_in_the_sdk(op: Any) -> None:
+    client = _Recorder()
+    answer = {"tape_id": "t", "value": 0.0, "gradients": {"w": [0.0]}}
+    tape = RemoteTape(client, answer, None, "loss", None)  # type: ignore[arg-type]
+    if op.sdk_method:  # a named method; every operation is also RemoteTape.call(path)
+        method = getattr(tape, op.sdk_method, None)
+        assert method is not None, f"{op.kind}: no RemoteTape.{op.sdk_method}"
+        method() if op.kind != "tape_influence" else method(rows=[0])
+    tape.call(op.path, max_seconds=1.0)
+    for request in client.sent:
+        assert (request.method, request.path) == ("POST", f"/v1/tapes/t/{op.path}")
+        body = json.loads(request.content or b"{}")
+        unknown = set(body) - set(REQUEST_MODELS[op.kind].model_fields) - {"async"}
+        assert not unknown, f"{op.sdk_method} sends fields the request does not take: {unknown}"
+
+
+@pytest.mark.parametrize("op", OPERATIONS, ids=IDS)
+def test_in_the_contract(op: Any, contract: dict[str, Any]) -> None:
+    post = contract["paths"].get(f"/v1/tapes/{{tape_id}}/{op.path}", {}).get("post")
+    assert post is not None, f"{op.kind}: not in openapi/openapi.json (regenerate it)"
+    assert post["operationId"] == op.name
+    schemas = contract["components"]["schemas"]
+    assert op.request in schemas and op.result_name in schemas
+    assert set(schemas[op.request]["properties"]) == set(REQUEST_MODELS[op.kind].model_fields) - {
+        "run_async"
+    } | ({"async"} if op.job else set())
+
+
+def test_options_cross_typed() -> None:
+    trace = msgspec.convert({"method": "hutchinson", "max_hvps": 40, "seed": None}, TraceOptions)
+    again = decode_options(BY_KIND["tape_trace"], encode_options(trace))
+    assert again == trace and isinstance(again, TraceOptions) and again.method == "hutchinson"
+    with pytest.raises(msgspec.ValidationError, match=r"max_hvps"):
+        decode_options(BY_KIND["tape_trace"], {"max_hvps": "many"})
+    with pytest.raises(msgspec.ValidationError, match=r"unknown field `maxhvps`"):
+        decode_options(BY_KIND["tape_trace"], {"maxhvps": 3})
+    # Request-only checks live on the options and run wherever they are built.
+    with pytest.raises(msgspec.ValidationError, match="largest magnitude"):
+        msgspec.convert({"method": "power", "which": "SA"}, EigenvaluesOptions)
+    assert msgspec.convert({"method": "power"}, EigenvaluesOptions).which == "LM"
+    with pytest.raises(msgspec.ValidationError, match="Monte-Carlo Fisher"):
+        curvature_choice({"curvature": "ggn", "samples": 3})
+    assert curvature_choice(trace) == CurvatureChoice()
