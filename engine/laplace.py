@@ -67,7 +67,9 @@ class Predictive:
     """The GLM predictive at M test inputs: `mean` (M, C) the model's output, `variance`
     (M, C, C) the functional covariance J Sigma J^T; for regression `noise` sigma^2 (the
     observation's variance is variance + noise I); for classification `probabilities`
-    (M, C) by the probit approximation or Monte-Carlo (`samples` draws), as asked."""
+    (M, C) by the probit approximation or Monte-Carlo (`samples` draws), as asked. C is
+    the output's entries per example, flattened: an output (M, T, K) of T positions is
+    C = T K, its probabilities a softmax over each position's K classes."""
 
     mean: np.ndarray
     variance: np.ndarray
@@ -115,6 +117,9 @@ class Laplace:
         c = curv.scale()
         # loss = s x NLL (the Gaussian's NLL at unit variance: r^2 / 2)
         self.s = c / likelihood.variance if self.regression else likelihood.scale
+        out = curv.output
+        # The softmax's classes: the output's last axis (per example, per position).
+        self.classes = out.shape[-1] if out.ndim >= 2 else 1
         self.indices = self._subset(params)
         self.theta = np.concatenate(
             [np.asarray(params[i].numpy(), np.float64).ravel() for i in self.indices]
@@ -339,7 +344,7 @@ class Laplace:
             return Predictive(mean=f, variance=var, noise=self.sigma_noise**2)
         if link == "probit":
             kappa = 1.0 / np.sqrt(1.0 + math.pi / 8 * np.diagonal(var, axis1=1, axis2=2))
-            probs = _link(self.family, kappa * f)
+            probs = _link(self.family, kappa * f, self.classes)
             return Predictive(mean=f, variance=var, probabilities=probs, link="probit")
         if samples < 1:
             raise ValueError(f"samples must be at least 1, got {samples}")
@@ -347,15 +352,19 @@ class Laplace:
         root = vecs * np.sqrt(np.clip(vals, 0.0, None))[:, None, :]
         z = np.random.default_rng(seed).standard_normal((samples, m, width))
         draws = f[None] + np.einsum("mij,smj->smi", root, z)
-        probs = _link(self.family, draws).mean(axis=0)
+        probs = _link(self.family, draws, self.classes).mean(axis=0)
         return Predictive(mean=f, variance=var, probabilities=probs, link="mc", samples=samples)
 
 
-def _link(family: str, logits: np.ndarray) -> np.ndarray:
+def _link(family: str, logits: np.ndarray, classes: int) -> np.ndarray:
+    """Probabilities from logits (..., width): a sigmoid per entry, or a softmax over
+    each group of `classes` entries (the output's last axis: a sequence's positions,
+    flattened into the width, each get their own)."""
     if family == "bernoulli":
         return 1.0 / (1.0 + np.exp(-logits))
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    grouped = logits.reshape(logits.shape[:-1] + (-1, classes))
+    e = np.exp(grouped - grouped.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).reshape(logits.shape)
 
 
 def _positive(value: float, what: str) -> None:

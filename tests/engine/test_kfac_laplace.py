@@ -403,3 +403,32 @@ def test_a_last_layer_block_holds_no_copy_of_the_whole_model_per_entry():
     np.testing.assert_allclose(
         np.sort(la.eigenvalues), np.sort(np.linalg.eigvalsh((dense + dense.T) / 2)), atol=1e-12
     )
+
+
+def test_sequence_classification_predictive_is_a_softmax_per_position():
+    """An output (N, T, C) under a softmax cross-entropy per position: the predictive's
+    probabilities (flattened to T C per test point) are a softmax over each position's
+    C classes (they were one softmax over all T C entries, summing to 1 per point)."""
+    rng = np.random.default_rng(8)
+    n, steps, d, classes = 6, 2, 3, 4
+    p = {"w1": rng.standard_normal((d, 5)), "w2": rng.standard_normal((5, classes))}
+
+    def seq(p, x):
+        return gt.tanh(x @ p["w1"]) @ p["w2"]
+
+    x, y = rng.standard_normal((n, steps, d)), rng.integers(0, classes, (n, steps))
+    curv = Curvature(seq, ce_mean, tensors(p), gt.Tensor(x), gt.Tensor(y))
+    la = Laplace(curv, structure="full", prior_precision=0.5, names=list(p))
+    test = gt.Tensor(rng.standard_normal((3, steps, d)))
+    found = la.predictive(seq, test)
+    assert found.mean.shape == (3, steps * classes)
+    np.testing.assert_allclose(
+        found.mean.reshape(3, steps, classes), seq(tensors(p), test).numpy(), rtol=1e-13
+    )
+    variances = np.diagonal(found.variance, axis1=1, axis2=2).reshape(3, steps, classes)
+    logits = found.mean.reshape(3, steps, classes) / np.sqrt(1 + np.pi / 8 * variances)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    expected = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(found.probabilities.reshape(3, steps, classes), expected, rtol=1e-13)
+    mc = la.predictive(seq, test, link="mc", samples=50, seed=1)
+    np.testing.assert_allclose(mc.probabilities.reshape(3, steps, classes).sum(-1), 1.0)
