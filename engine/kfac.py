@@ -80,10 +80,11 @@ class Layer:
     layout: MatmulLayout
     frame: tuple  # (the param-side shape of the matmul, swap): W's flat entries -> (k, m)
     kind: str  # "linear" or "conv" (the data went through im2col)
-    A: np.ndarray | None = None
-    G: np.ndarray | None = None
-    eig_a: tuple | None = None  # (eigenvalues, eigenvectors)
-    eig_g: tuple | None = None
+    # The factors and their eigenpairs: set by KFAC's fit before any use (Any: not None then).
+    A: Any = None
+    G: Any = None
+    eig_a: Any = None  # (eigenvalues, eigenvectors)
+    eig_g: Any = None
     corrected: np.ndarray | None = None  # EKFAC's eigenvalues, (k [+1], m)
     corrected_bias: np.ndarray | None = None  # (m,), a separate bias's
     joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
@@ -147,7 +148,7 @@ def find_layers(
         )
         used.add(w)
     for m in flow.meetings:
-        if m.kind != "elementwise" or m.record.prim.name != "add":
+        if m.kind != "elementwise" or m.record.prim is None or m.record.prim.name != "add":
             continue
         b = _param_index(flow, params, m.record.inputs[m.argnum])
         if b is None or b in used:
@@ -397,6 +398,7 @@ class KFAC:
         if swap:
             mat = np.swapaxes(mat, -1, -2)
         if layer.joint:
+            assert layer.bias is not None  # joint: the bias is the ones row
             mat = np.concatenate([mat, flat[layer.bias].reshape(k, 1, -1)], axis=1)
         return mat
 
@@ -405,6 +407,7 @@ class KFAC:
     ) -> None:
         (_, swap), k = layer.frame, mat.shape[0]
         if layer.joint:
+            assert layer.bias is not None  # joint: the bias is the ones row
             out[layer.bias] = mat[:, -1, :].reshape((k,) + shapes[layer.bias])
             mat = mat[:, :-1, :]
         if swap:
@@ -452,6 +455,7 @@ class KFAC:
         if self.others:
             k = flat[0].shape[0]
             v = np.concatenate([flat[i].reshape(k, -1) for i in self.others], axis=1)
+            assert self.other_block is not None  # fit made it (there are others)
             block = self.other_block + damping * np.eye(self.other_block.shape[0])
             if power == 1.0:
                 res = v @ block
@@ -463,7 +467,7 @@ class KFAC:
                 size = math.prod(shapes[i])
                 out[i] = res[:, lo : lo + size].reshape((k,) + shapes[i])
                 lo += size
-        return [o for o in out]  # type: ignore[misc]
+        return list(out)  # type: ignore[arg-type]  # every entry is set above
 
     def all_eigenvalues(self, damping: float = 0.0) -> np.ndarray:
         parts = []
@@ -472,6 +476,7 @@ class KFAC:
             if layer.bias is not None and not layer.joint:
                 parts.append(self.bias_eigenvalues(layer))
         if self.others:
+            assert self.other_block is not None  # fit made it (there are others)
             parts.append(np.linalg.eigvalsh(self.other_block))
         return np.concatenate(parts) + damping
 

@@ -287,9 +287,10 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
         idb = None if idb is None else np.swapaxes(idb, -1, -2)
     swap = j == 0
     if swap:  # P @ x = (x^T @ P^T)^T
+        assert idb is not None  # the data side carries example ids
         data, ids, param = xp.swapaxes(b, -1, -2), np.swapaxes(idb, -1, -2), xp.swapaxes(a, -1, -2)
     else:
-        data, ids, param = a, ida, b
+        data, ids, param = a, ida, b  # type: ignore[assignment]  # ida: checked below
     batch = data.ndim - 2
     pshape = (1,) * (batch - (param.ndim - 2)) + tuple(param.shape[:-2])
     if len(pshape) > batch:
@@ -301,6 +302,7 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
     order = kept + summed + (batch, batch + 1)
     k_size = math.prod(data.shape[i] for i in kept)
     moved = xp.transpose(data, order).reshape(k_size, -1, data.shape[-1])
+    assert ids is not None  # the data side carries example ids
     row_ids = _single(ids, (ids.ndim - 1,), False, rec)
     row_ids = np.transpose(row_ids, kept + summed + (batch,)).reshape(k_size, -1)
     if not (row_ids == row_ids[:1]).all():
@@ -372,6 +374,7 @@ def _elementwise_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice
     inputs = list(rec.inputs)
     inputs[j] = expanded
     ans = rec.outputs[0]
+    assert rec.prim is not None  # a meeting is a primitive's record
     part = get_vjp(rec.prim)(j, ans, *inputs, **rec.params)(Tensor(g))
     value = xp.zeros(out.shape, param.dtype) if part is ZERO else part.value
     value = value[chunk]
@@ -442,7 +445,7 @@ class PerExample:
     def meeting_cotangents(self, seed: Any, batch_ndim: int = 0) -> dict[int, Any]:
         """The cotangents of the meetings' outputs for the output cotangent `seed`
         (with `batch_ndim` leading axes: several seeds in one pass)."""
-        outs = []
+        outs: list[Any] = []
         for m in self.flow.meetings:
             o = m.record.outputs[0]
             if all(o is not x for x in outs):
@@ -582,7 +585,7 @@ def per_example(
         sum_squares=host(squares) if statistics else None,
         gradients=gradients,
         chunks=chunks,
-        meetings=[f"{m.record.prim.name}" for m in engine.flow.meetings],
+        meetings=[getattr(m.record.prim, "name", "custom_gradient") for m in engine.flow.meetings],
     )
 
 

@@ -293,7 +293,11 @@ MODELS = {
     "mixer": (MLPMixer, lambda g: torch.randn(BATCH, 1, 8, 8, generator=g), "cross_entropy"),
     "masked_attention": (MaskedAttention, _ids, "cross_entropy"),
     "autoencoder": (AutoEncoder, lambda g: torch.randn(BATCH, 1, 8, 8, generator=g), "mse"),
-    "groupnorm": (GroupNormNet, lambda g: torch.randn(BATCH, 2, 5, 5, generator=g), "cross_entropy"),
+    "groupnorm": (
+        GroupNormNet,
+        lambda g: torch.randn(BATCH, 2, 5, 5, generator=g),
+        "cross_entropy",
+    ),
     "activations": (Activations, lambda g: torch.randn(BATCH, 5, generator=g), "cross_entropy"),
 }
 

@@ -63,7 +63,7 @@ import numpy as np
 from .definition import dataset as dataset_input
 
 if TYPE_CHECKING:
-    from ._client import _Methods
+    from ._client import ApiMethods
     from .tape import RemoteTape
 
 # Forward and gradient agreement on the example inputs, by the module's dtype.
@@ -363,7 +363,7 @@ def _restore(
     trainable = {n: _np(p) for n, p in params if p.requires_grad}
     frozen_params = {n: _np(p) for n, p in params if not p.requires_grad}
     buffers = {n: _np(b) for n, b in module.named_buffers()}
-    inits = [i for i in graph.initializer]
+    inits = list(graph.initializer)
     arrays = {i.name: numpy_helper.to_array(i) for i in inits}
     floats = [i.name for i in inits if arrays[i.name].dtype.kind == "f"]
 
@@ -589,9 +589,10 @@ def _sequences_to_split(proto: Any, args: tuple[Any, ...]) -> int:
         split = np.asarray(consts[node.input[1]]).astype(np.int64)
         if split.ndim == 0:
             dims = ranks.get(node.input[0])
-            if not dims or dims[axis] is None:
+            size = dims[axis] if dims else None
+            if size is None:
                 continue
-            size, step = dims[axis], int(split)
+            step = int(split)
             split = np.array([step] * (size // step) + ([size % step] if size % step else []))
         parts = [f"{node.output[0]}__part{i}" for i in range(len(split))]
         sizes = f"{node.output[0]}__sizes"
@@ -724,7 +725,7 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype) -> tuple[bool, st
     )
 
 
-def _verify_op(client: _Methods, model: TorchModel) -> Any:
+def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
     """One gradient request per float output on the example inputs: the value of
     r * output against torch's, then the gradient of its sum against torch's."""
     from . import _core
@@ -768,12 +769,12 @@ def _verify_op(client: _Methods, model: TorchModel) -> Any:
     return model
 
 
-def verify(client: _Methods, model: TorchModel) -> TorchModel:
+def verify(client: ApiMethods, model: TorchModel) -> TorchModel:
     """Check the service's forward (and gradient) on the example inputs against torch."""
     return client._run(_verify_op(client, model))
 
 
-def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
+def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
     """`export` then `verify` (cached per module while its state and input shapes stay
     the same)."""
     if isinstance(module, TorchModel):
@@ -790,7 +791,7 @@ def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -
 
 
 def put_torch(
-    client: _Methods,
+    client: ApiMethods,
     name: str,
     module: Any,
     example_inputs: Any,
@@ -1008,7 +1009,7 @@ def _data_arrays(
 
 
 def tape_op(
-    client: _Methods,
+    client: ApiMethods,
     module: Any,
     *,
     loss: Any,
