@@ -107,7 +107,8 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
 _TENSOR_FIELDS: dict[str, Any] = {
     "vector": Vector | None,
     "inputs": Inputs | None,
-    "rows": list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]] | None,  # indices
+    # indices; a negative one is refused by the worker, naming the range (0 to N - 1)
+    "rows": list[Annotated[StrictInt, Field(le=INT_MAX)]] | None,
 }
 
 
