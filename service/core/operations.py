@@ -44,13 +44,20 @@ class CurvatureKind(StrEnum):
     """The matrix a tape's products and algorithms use: the Hessian of the target, or,
     on a tape that names its `output`, the generalized Gauss-Newton matrix J^T H_L J,
     the Fisher (exact for softmax/sigmoid cross-entropy and squared error, where it is
-    the GGN; Monte-Carlo with `samples`), or the empirical Fisher c sum_i g_i g_i^T
-    (c = 1/N for a mean loss, 1 for a sum)."""
+    the GGN; Monte-Carlo with `samples`), or the empirical Fisher in one of two
+    conventions: `empirical_fisher` (ours) c sum_i g_i g_i^T with one gradient g_i per
+    example (c = 1/N for a mean loss, 1 for a sum); `empirical_fisher_terms`
+    (curvlinops' EFLinearOperator) with one gradient per loss term, the rows along the
+    output's last axis, each of its term's summed loss, times 1/R for a loss that is
+    (1/R) x their sum. They agree where an example is one term; squared error averaged
+    over C outputs gives curvlinops' C times ours, a softmax per position another
+    matrix (README: Curvature)."""
 
     hessian = "hessian"
     ggn = "ggn"
     fisher = "fisher"
     empirical_fisher = "empirical_fisher"
+    empirical_fisher_terms = "empirical_fisher_terms"
 
 
 class Which(StrEnum):
@@ -185,17 +192,29 @@ class EstimatorOptions(Budget, kw_only=True):
             "memory budget is tighter).",
         ),
     ] = 16
-    max_hvps: Annotated[
-        int,
-        Meta(
-            le=INT_MAX,
-            ge=2,
-            description="Most HVPs to use (at most the server's algorithm_max_hvps).",
-        ),
-    ] = 256
+    max_hvps: (
+        Annotated[
+            int,
+            Meta(
+                le=INT_MAX,
+                ge=2,
+                description="Most HVPs to use (at most the server's algorithm_max_hvps). "
+                "Default: 256; with method exact, n (the tape's parameters, within "
+                "algorithm_max_hvps): the exact method never refuses its own default.",
+            ),
+        ]
+        | None
+    ) = None
     rtol: Annotated[float, Meta(gt=0, description=TOLERANCE_DESCRIPTION)] | None = None
     atol: Annotated[float, Meta(ge=0, description="Absolute part of the stopping tolerance.")] = 0.0
     seed: Annotated[int, Meta(le=INT_MAX, ge=0, description=SEED_DESCRIPTION)] | None = 0
+
+    def hvp_budget(self, server_max: int) -> int:
+        if self.max_hvps is not None:
+            return self.max_hvps
+        # Exact named without a budget: as many as the server allows; the worker, which
+        # knows n, takes n of them (issue 27: it refused the default 256 at n = 2,410).
+        return server_max if str(getattr(self, "method", "")) == "exact" else 256
 
 
 # ----------------------------------------------------------------------------------------
@@ -405,6 +424,20 @@ class InfluenceOptions(Budget, kw_only=True):
     """Influence functions (Koh and Liang, 2017) on a tape recorded with `output`: the
     effect of every training example (a row along the output's first axis) on the loss
     at test points."""
+
+    # The GGN by default: the Hessian of a trained non-convex model is often indefinite,
+    # and CG on it stops at negative curvature with scores that mean nothing (issue 27).
+    curvature: Annotated[
+        CurvatureKind,
+        Meta(
+            description="Which curvature matrix C (see CurvatureKind): the GGN by default, "
+            "positive semi-definite for convex losses of the output (squared error, "
+            "cross-entropies), so that C + damping I is positive definite; the Hessian of "
+            "a trained non-convex model is often indefinite, and CG on it stops at "
+            "negative_curvature (then raise the damping above minus its smallest "
+            "eigenvalue)."
+        ),
+    ] = CurvatureKind.ggn
 
     damping: Annotated[
         float,
@@ -633,7 +666,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "Influence of every training example on test points (Koh and Liang)",
         """On a tape recorded with `output` (its examples along the output's first axis):
         s_test = (C + damping I)^-1 grad L_test by conjugate gradient on the curvature C
-        (`hessian` by default, or `ggn`, `fisher`, `empirical_fisher`), where L_test is the
+        (`ggn` by default, or `hessian`, `fisher`, `empirical_fisher`), where L_test is the
         tape's loss at `test_inputs` (new rows for the inputs read along the examples axis)
         or at training `rows`; then the scores -g_i . s_test of every training example in
         one batched pass (no per-example loop), the predicted change of the test loss if

@@ -92,6 +92,26 @@ def _invalid(field: str, message: str) -> ServiceError:
     )
 
 
+def _reduction(given: str | None, program: str | None) -> str:
+    """How the parts add up: what the client gave, else what the program says (a part's
+    worker reads it: engine/language/reduction.py); never a default that could be a
+    silent third (a summed loss averaged over three parts)."""
+    if given is None and program is None:
+        raise _invalid(
+            "shard_reduction",
+            "the target's line does not say plainly how it adds up over the batch (as "
+            "sum(...), mean(...) or a loss op's reduction do): give 'mean' (the parts are "
+            "weighted by their share of the rows) or 'sum' (the parts are added)",
+        )
+    if given is not None and program is not None and given != program:
+        raise _invalid(
+            "shard_reduction",
+            f"{given!r}, but the target is a {program} over the batch in the program: the "
+            f"total would be wrong; give {program!r} or leave shard_reduction out",
+        )
+    return given or program  # type: ignore[return-value]
+
+
 # ----------------------------------------------------------------------------------------
 # Splitting a batch
 # ----------------------------------------------------------------------------------------
@@ -351,7 +371,8 @@ class Sharding:
             placed[worker] += 1
             workers.append(worker)
         # The coordinator flattens the sum; `shards` words a part's errors for the whole.
-        part_spec = {**spec, "flat": False, "shards": shards}
+        # `shard_by`: the inputs split, along which the part reads the target's reduction.
+        part_spec = {**spec, "flat": False, "shards": shards, "shard_by": names}
         made: list[Tape] = []
 
         async def record(i: int) -> tuple[Tape, dict[str, Any]]:
@@ -384,9 +405,8 @@ class Sharding:
                 [k, list(np.shape(g)), str(np.asarray(g).dtype)]
                 for k, g in answers[0]["gradients"].items()
             ]
-            parent.shards = ShardSet(
-                parts, rows, str(sharding.get("reduction") or "mean"), names, layout
-            )
+            reduction = _reduction(sharding.get("reduction"), answers[0].get("reduction"))
+            parent.shards = ShardSet(parts, rows, reduction, names, layout)
             combined = await self._combine(parent, answers, spec, deadline)
             parent.row.sources = dict(first.sources)
             parent.row.device = first.device

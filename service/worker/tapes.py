@@ -70,6 +70,7 @@ from service.core.operations import (
 from service.worker.compute import (
     RequestError,
     WorkerContext,
+    check_cost,
     check_jacobian_size,
     check_vector,
     given_vectors,
@@ -218,7 +219,7 @@ def skeleton(definition: Definition) -> Definition:
 # Curvatures beyond the Hessian (engine/curvature.py on the program cut at its output)
 # ----------------------------------------------------------------------------------------
 
-PER_EXAMPLE = ("fisher", "empirical_fisher")
+PER_EXAMPLE = ("fisher", "empirical_fisher", "empirical_fisher_terms")
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -381,6 +382,10 @@ def tape_create(payload: Mapping[str, Any], context: WorkerContext) -> dict[str,
     sessions(context)[session.tape_id] = session
     result = _recorded_answer(session)
     result["tape"] = {"bytes": session.bytes, "rebuilt": False}
+    if payload.get("shards"):  # a part: how its target adds up over the batch, if it says
+        result["reduction"] = session.program.batch_reduction(
+            session.request.target, payload.get("shard_by")
+        )
     return result
 
 
@@ -397,6 +402,9 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     single, vectors = given_vectors(payload, session.keys, session.primals)
     for i, vector in enumerate(vectors):
         check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
+    # (the estimate counts a recording the tape has already: small beside many vectors)
+    count = len(vectors)
+    check_cost(session.program, count, False, context, f"the HVP of {count:,} vector(s)")
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
@@ -450,6 +458,8 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
         batch,
         context,
     )
+    count = math.prod(tuple(y.shape)[1:] if batch else tuple(y.shape))
+    check_cost(session.program, count, True, context, f"the jacobian of {count:,} rows")
     rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
     jacobians = jacobians_on(
         session.recording, y, watched, batch, request.unconnected, context, rows
@@ -641,6 +651,8 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     max_hvps = o.max_hvps
     method = choose_trace_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "trace")
+    if method == "exact":  # n HVPs, never more (exact named without a budget: the most)
+        max_hvps = min(max_hvps, flat.n)
     batch = min(o.batch_size, context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_trace(
@@ -667,6 +679,8 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
         "batch_size": exact_batch if out.method == "exact" else batch,  # hutchpp may hand over
         "converged": out.converged,
         "stopped": out.stopped,
+        # The exact method cut short (time_limit) is an estimate from the directions seen.
+        "partial": out.method == "exact" and out.stopped != "exhausted",
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
@@ -678,6 +692,8 @@ def diagonal_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     max_hvps = o.max_hvps
     method = choose_diagonal_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
+    if method == "exact":  # n HVPs, never more (exact named without a budget: the most)
+        max_hvps = min(max_hvps, flat.n)
     batch = min(o.batch_size, context.hvp_max_vectors)
     exact_batch = _exact_pass(flat, context)
     out = estimate_diagonal(

@@ -90,6 +90,13 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
             )
 
 
+def as_job(request: Request, body: Any, op: Operation) -> None:
+    """Mark a body that will run as a job (`Prefer: respond-async` asks as `"async":
+    true` does) before its payload is built: a job's time limit is its own budget."""
+    if op.job and prefers_async(request) and hasattr(body, "run_async"):
+        body.run_async = True
+
+
 async def respond(
     request: Request,
     body: Any,

@@ -462,3 +462,16 @@ def test_adaptive_average_pool_with_a_non_dividing_size_through_gather_nd() -> N
     # as GatherND over constant window indices.
     model = agree_with_torch(AdaptivePool(), torch.randn(2, 2, 7, 6), dynamo=True)
     assert "GatherND" in {n.op_type for n in model.nodes}
+
+
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
+def test_transformer_encoder_layer_through_the_dynamo_exporter(norm_first: bool) -> None:
+    # TorchScript cannot export it in torch 2.13 (is_causal is traced as a tensor).
+    layer = nn.TransformerEncoderLayer(
+        8, 2, 16, batch_first=True, norm_first=norm_first, dropout=0.0, activation="gelu"
+    )
+    with torch.no_grad():  # LayerNorms away from (1, 0), so a mix-up of the two shows
+        for name, p in layer.named_parameters():
+            if name.startswith("norm"):
+                p.add_(0.3 * torch.randn_like(p))
+    agree_with_torch(layer, torch.randn(2, 5, 8), dynamo=True)

@@ -56,6 +56,8 @@ from .results import (
     Solve,
     SpectralDensity,
     Trace,
+    Unconverged,
+    UnconvergedWarning,
 )
 from .tape import RemoteTape
 
@@ -102,6 +104,8 @@ __all__ = [
     "TorchTape",
     "Trace",
     "Unauthorized",
+    "Unconverged",
+    "UnconvergedWarning",
     "WorkerCrashed",
     "dataset",
     "function",

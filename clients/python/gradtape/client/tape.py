@@ -461,6 +461,7 @@ class RemoteTape:
             seconds=a["seconds"],
             method=a.get("method", "hutchinson"),
             sketch=a.get("sketch", 0),
+            partial=a.get("partial", False),
         )
 
     def trace(
@@ -660,7 +661,8 @@ class RemoteTape:
         read along the examples axis, e.g. {"x": ..., "y": ...}; arrays, or stored dataset
         arrays as in definitions) or training `rows`.
         s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
-        (Hessian by default; "ggn" is positive semi-definite for convex losses), then
+        (the GGN by default, positive semi-definite for convex losses; with "hessian" on a
+        non-convex model CG may stop at negative curvature, and the SDK warns), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
         with `output=`. `progress` as in `eigenvalues`."""
         body = self._options(
