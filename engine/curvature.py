@@ -165,6 +165,9 @@ class Curvature:
     all.
     """
 
+    # The per-example walk of this recording (engine/per_example.py), built on first use.
+    _per_example: Any = None
+
     def __init__(
         self,
         model: Callable[..., Any],
@@ -202,6 +205,15 @@ class Curvature:
         with outer if outer is not None else contextlib.nullcontext():
             with inner:
                 inner.watch(flat)
+                # Data given as floating-point tensors is watched too (its ops are
+                # recorded; gradients over the parameters are unchanged): the
+                # per-example walk (engine/per_example.py) then reads this recording.
+                self._watched_data = [
+                    x
+                    for x in tree.flatten(self.data)[0]
+                    if isinstance(x, Tensor) and x.dtype.kind == "f"
+                ]
+                inner.watch(self._watched_data)
                 output = self._model(rebuilt, self.data)
                 if not isinstance(output, Tensor) or output.dtype.kind != "f":
                     raise CurvatureError(
@@ -224,6 +236,8 @@ class Curvature:
         self._likelihood: Likelihood | None = None
         self._likelihood_problem: str | None = None
         self._samples: dict[tuple, Any] = {}
+        self._output_gradient: Tensor | None = None
+        self._per_example = None  # the walk is of this recording
         for op in self._operators.values():  # compiled products read the old recording
             op._passes = replay.Passes(limit=8)
 
@@ -308,8 +322,16 @@ class Curvature:
 
     @property
     def output_grad(self) -> Tensor:
-        """G = d loss / d output."""
-        return self._output_loss().grad[0]
+        """G = d loss / d output (one backward pass of the loss alone, until its Hessian
+        operator is recorded for H_L, which has it too)."""
+        if self._loss_operator is not None:
+            return self._loss_operator.grad[0]
+        if self._output_gradient is None:
+            detached = Tensor(self.output.value)
+            with trace.nothing_recording():
+                _, g = value_and_grad(lambda out: self._loss(out, self.targets))(detached)
+            self._output_gradient = g
+        return self._output_gradient
 
     def _output_vjp(self) -> tuple:
         """The model's VJP recorded once with a placeholder cotangent, so that J v is one
@@ -531,6 +553,7 @@ class Curvature:
         max_seconds: float | None = None,
         callback: Callback | None = None,
         operator: HessianOperator | None = None,
+        preconditioner: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> InfluenceResult:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
@@ -544,7 +567,8 @@ class Curvature:
         per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the
         output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
-        recorded elsewhere), instead of `curvature`'s."""
+        recorded elsewhere), instead of `curvature`'s. `preconditioner`: z = M^-1 r on flat
+        vectors for preconditioned CG (a damped KFAC inverse: KFAC.preconditioner)."""
         if top_k < 0:
             raise ValueError(f"top_k must be non-negative, got {top_k}")
         op = self.operator(curvature, samples=samples, seed=seed) if operator is None else operator
@@ -565,6 +589,7 @@ class Curvature:
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             callback=callback,
+            preconditioner=preconditioner,
         )
         s_test = flat.unflatten(solve.x)
         batched = [

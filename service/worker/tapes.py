@@ -26,7 +26,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -101,6 +101,10 @@ class TapeSession:
     # inferred again at other batch sizes (service/worker/shards.py, jacobians). A
     # rebuilt part is told nothing of its sharding: every tape keeps one.
     skeleton: Definition | None = None
+    # Fitted on request and kept with this recording (service/worker/curvature_ops.py):
+    # KFACs by their options, Laplace approximations by id.
+    kfacs: dict[tuple, Any] = field(default_factory=dict)
+    laplaces: dict[str, Any] = field(default_factory=dict)
 
 
 # What a tape's bytes leave out: the compiled program (shared by every tape of its
@@ -220,6 +224,12 @@ def skeleton(definition: Definition) -> Definition:
 # ----------------------------------------------------------------------------------------
 
 PER_EXAMPLE = ("fisher", "empirical_fisher", "empirical_fisher_terms")
+# Curvatures, diagonal methods and CG preconditioners served by
+# service/worker/curvature_ops.py, which fills these when it is imported (it imports this
+# module; dispatch imports both).
+OPERATORS: dict[str, Callable[..., tuple[gt.HessianOperator, FlatOperator]]] = {}
+DIAGONALS: dict[str, Callable[..., dict[str, Any]]] = {}
+PRECONDITIONERS: dict[str, Callable[..., Any]] = {}
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -285,6 +295,8 @@ def curvature_operator(
     kind = str(choice.curvature)
     if kind == "hessian":
         return session.operator, session.flat
+    if kind in OPERATORS:  # the Kronecker-factored GGN (curvature_ops.py)
+        return OPERATORS[kind](session, choice)
     curvature = session_curvature(session)
     if kind in PER_EXAMPLE:
         check_batched_targets(session, f"curvature {kind!r}")
@@ -689,6 +701,9 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
 @operation("tape_diagonal")
 def diagonal_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     o, context = asked.options, asked.context
+    if str(o.method) in DIAGONALS:  # square-root columns, not products (curvature_ops.py)
+        assert asked.session is not None, "a sharded tape refuses method backprop"
+        return DIAGONALS[str(o.method)](asked.session, o, context)
     max_hvps = o.max_hvps
     method = choose_diagonal_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
@@ -907,6 +922,18 @@ def test_points_of(
     return ({n: values[n] for n in curvature.data}, {n: values[n] for n in curvature.targets})
 
 
+def _preconditioner(session: TapeSession, options: Any) -> Any:
+    """The damped KFAC (EKFAC) inverse the request asks CG to be preconditioned with."""
+    kind = str(options.preconditioner)
+    if kind == "none":
+        return None
+    fitted = PRECONDITIONERS[kind](session)
+    try:
+        return fitted.preconditioner(max(float(options.damping), 0.0))
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="damping") from None
+
+
 @operation("tape_influence")
 def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     """Koh and Liang's influence of every example on the test loss (engine.curvature); a
@@ -936,7 +963,7 @@ def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
             test_data,
             test_targets,
             rows=rows,
-            curvature=kind,
+            curvature="ggn" if kind in ("kfac", "ekfac") else kind,
             samples=o.samples,
             seed=o.fisher_seed,
             damping=o.damping,
@@ -947,7 +974,8 @@ def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
             max_seconds=asked.seconds_left(),
             callback=asked.relay(),
             # The tape's own recording answers the Hessian (the same sources, in order).
-            operator=session.operator if kind == "hessian" else None,
+            operator=flat.operator if kind in ("hessian", "kfac", "ekfac") else None,
+            preconditioner=_preconditioner(session, o),
         )
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None

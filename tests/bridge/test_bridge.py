@@ -5,6 +5,7 @@ Every value is checked against PyTorch autograd in float64."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -307,3 +308,49 @@ def test_a_float32_module_runs_in_float32(server) -> None:
             assert g.dtype == torch.float32
             scale = float(np.abs(want[n]).max())
             np.testing.assert_allclose(g.numpy(), want[n], rtol=1e-4, atol=1e-5 * scale, err_msg=n)
+
+
+def test_an_export_is_reused_while_the_module_is_unchanged(server) -> None:
+    model = perturbed(Tokens(), seed=7)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as first:
+            pass
+        with client.tape(model, loss="mse", data=(x, y)) as again:
+            assert again.model is first.model  # not exported a second time
+        with torch.no_grad():
+            model.b.bias.add_(1.0)  # new values: a new export, and answers at them
+        with client.tape(model, loss="mse", data=(x, y)) as moved:
+            assert moved.model is not first.model
+            assert_grads(
+                {n: g.numpy() for n, g in moved.gradients.items()},
+                torch_grads(model, F.mse_loss(model(x), y)),
+            )
+
+
+def test_the_model_store_takes_definitions_and_onnx_files(server) -> None:
+    from gradtape.client import Conflict
+
+    definition = {
+        "variables": {"w": np.array([1.0, -2.0])},
+        "inputs": {"x": np.array([[1.0, 2.0], [3.0, 4.0]])},
+        "program": ["loss = sum((x @ w) ** 2)"],
+    }
+    onnx_file = (Path(__file__).resolve().parent / "fixtures" / "conv1d.onnx").read_bytes()
+    with Client(server.base_url) as client:
+        info = client.models.put("store-quad", definition, description="a quadratic")
+        assert info["trainable"] == ["w"] and info["description"] == "a quadratic"
+        with pytest.raises(Conflict):
+            client.models.put("store-quad", definition, replace=False)
+        value, grads = client.gradient(model="store-quad", target="loss")
+        x, w = definition["inputs"]["x"], definition["variables"]["w"]
+        np.testing.assert_allclose(value, np.sum((x @ w) ** 2))
+        np.testing.assert_allclose(grads["w"], 2 * x.T @ (x @ w))
+        stored = client.models.put_onnx("store-conv1d", onnx_file)
+        assert stored["trainable"][:2] == ["conv1.weight", "conv1.bias"]
+        names = {m["name"] for m in client.models.list()}
+        assert {"store-quad", "store-conv1d"} <= names
+        client.models.delete("store-quad")
+        client.models.delete("store-conv1d")
+        assert not {"store-quad", "store-conv1d"} & {m["name"] for m in client.models.list()}

@@ -90,7 +90,8 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
             continue
         own = [n for n in cls.__annotations__ if n in hints]
         order += [n for n in own if n not in order]
-    if "max_seconds" in order:  # the time budget beside the HVP budget and tolerances
+    if "max_seconds" in order and any(n in order for n in ("max_hvps", "rtol", "atol")):
+        # the time budget beside the HVP budget and tolerances (where the row has them)
         order.remove("max_seconds")
         after = max(order.index(n) for n in ("max_hvps", "rtol", "atol") if n in order)
         order.insert(after + 1, "max_seconds")
@@ -107,8 +108,7 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
 _TENSOR_FIELDS: dict[str, Any] = {
     "vector": Vector | None,
     "inputs": Inputs | None,
-    # indices; a negative one is refused by the worker, naming the range (0 to N - 1)
-    "rows": list[Annotated[StrictInt, Field(le=INT_MAX)]] | None,
+    "rows": list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX)]] | None,
 }
 
 

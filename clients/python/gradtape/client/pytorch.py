@@ -134,6 +134,8 @@ class TorchModel:
     state_digest: str = ""
     stored: str | None = None
     verified: bool = False
+    # The clients (servers) that checked it: a cached export is checked once per client.
+    checked_by: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet, repr=False)
 
     @property
     def trainable(self) -> list[str]:
@@ -784,6 +786,7 @@ def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
                     f"differs from torch's on the example inputs: {why}"
                 )
     model.verified = True
+    model.checked_by.add(client)
     return model
 
 
@@ -800,6 +803,8 @@ def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any)
     args = _as_tuple(example_inputs)
     cached = _CACHE.get(module)
     if cached is not None and not options and cached.state_digest == _state_digest(module, args):
+        if client not in cached.checked_by:  # the export is reused; each server checks it
+            verify(client, cached)
         return cached
     model = export(module, args, **options)
     verify(client, model)
