@@ -28,6 +28,14 @@ of `hvp_many` in one pass each, never forming J:
                       targets y_s drawn from that predictive distribution, k the
                       likelihood's scale (curvlinops' FisherMC)
     empirical_fisher  M = (1/c) blockdiag_i(G_i G_i^T), G = d loss(output, targets) / d output
+                      (one gradient per example: see the conventions below)
+    empirical_fisher_terms
+                      curvlinops' convention (EFLinearOperator): M = R blockdiag_n(G_n G_n^T)
+                      over the loss's terms n, the rows along the output's last axis
+                      (an example's positions are terms of their own), with L = (1/R)
+                      sum_n l_n and l_n the term's summed loss (R = N x T for a softmax
+                      over (N, T, C) averaged; N x C for squared error or sigmoids over
+                      (N, C) averaged; 1 for a sum); for a recognised likelihood only
 
 Per-example conventions. The loss of example i is that of a batch of it alone,
 l_i = loss(output[i:i+1], targets[i:i+1]), and g_i = d l_i / d params. The batch's loss
@@ -35,6 +43,17 @@ is c * sum_i l_i, with c measured at record time (1/N for a mean over examples, 
 sum). Then the empirical Fisher is c * sum_i g_i g_i^T: (1/N) sum_i g_i g_i^T for a mean
 loss, sum_i g_i g_i^T for a summed one (the loss's own reduction, as curvlinops), and the
 Fisher is c * sum_i E_y[g_i g_i^T]; both are on the Hessian's and the GGN's scale.
+
+The two empirical Fishers. `empirical_fisher` (the default, ours) takes one gradient per
+example, whatever the example holds; curvlinops (`empirical_fisher_terms`) one per loss
+term. They agree where each example is one term of a summed loss or of a cross-entropy
+averaged over examples only. Where an example holds several terms they differ: squared
+error averaged over C outputs gives curvlinops' matrix C times ours (its terms' gradients
+are of the summed squared error, ours of the example's mean); a softmax per position
+gives a different matrix (ours has the cross-position products g_t g_s^T, curvlinops' only
+the per-position blocks). tests/engine/test_fisher_conventions.py checks both against a
+reference: ours against per-example gradients taken one example at a time, curvlinops'
+against its own recorded answers (fixtures/make_curvlinops_ef.py).
 Regularisers of the parameters are no function of the output: add them as `damping`
 (an L2 term (lam/2)|w|^2 is damping lam).
 """
@@ -51,11 +70,14 @@ import numpy as np
 
 from engine import backend, replay, trace, tree
 from engine.hessian_algorithms import Callback, FlatOperator, SolveResult, conjugate_gradient
+from engine.ops.elementwise import cast, divide
+from engine.ops.linalg import einsum
+from engine.ops.shape import expand_dims, reshape
 from engine.tape import GradientTape, check_source
 from engine.tensor import Tensor, as_tensor
 from engine.transforms import HessianOperator, scalar_output, value_and_grad, zeros_with_lead
 
-KINDS = ("hessian", "ggn", "fisher", "empirical_fisher")
+KINDS = ("hessian", "ggn", "fisher", "empirical_fisher", "empirical_fisher_terms")
 LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
 
 
@@ -143,6 +165,9 @@ class Curvature:
     all.
     """
 
+    # The per-example walk of this recording (engine/per_example.py), built on first use.
+    _per_example: Any = None
+
     def __init__(
         self,
         model: Callable[..., Any],
@@ -180,6 +205,15 @@ class Curvature:
         with outer if outer is not None else contextlib.nullcontext():
             with inner:
                 inner.watch(flat)
+                # Data given as floating-point tensors is watched too (its ops are
+                # recorded; gradients over the parameters are unchanged): the
+                # per-example walk (engine/per_example.py) then reads this recording.
+                self._watched_data = [
+                    x
+                    for x in tree.flatten(self.data)[0]
+                    if isinstance(x, Tensor) and x.dtype.kind == "f"
+                ]
+                inner.watch(self._watched_data)
                 output = self._model(rebuilt, self.data)
                 if not isinstance(output, Tensor) or output.dtype.kind != "f":
                     raise CurvatureError(
@@ -202,6 +236,10 @@ class Curvature:
         self._likelihood: Likelihood | None = None
         self._likelihood_problem: str | None = None
         self._samples: dict[tuple, Any] = {}
+        self._output_gradient: Tensor | None = None
+        self._per_example = None  # the walk is of this recording
+        for op in self._operators.values():  # compiled products read the old recording
+            op._passes = replay.Passes(limit=8)
 
     @property
     def value(self) -> Tensor:
@@ -230,7 +268,8 @@ class Curvature:
     def operator(
         self, kind: str = "hessian", *, samples: int | None = None, seed: int | None = 0
     ) -> CurvatureOperator:
-        """The curvature `kind` (hessian, ggn, fisher, empirical_fisher) as a
+        """The curvature `kind` (hessian, ggn, fisher, empirical_fisher,
+        empirical_fisher_terms) as a
         HessianOperator (hvp, hvp_many, size, primals; the scipy adapter). `samples`
         (fisher only): Monte-Carlo targets per example, drawn with `seed`; None is the
         exact Fisher."""
@@ -253,9 +292,9 @@ class Curvature:
         if op.kind == "hessian":
             return
         self._output_loss()
-        if op.kind in ("empirical_fisher", "fisher"):
+        if op.kind in ("empirical_fisher", "fisher", "empirical_fisher_terms"):
             self.scale()
-        if op.kind == "fisher":
+        if op.kind in ("fisher", "empirical_fisher_terms"):
             self.likelihood()
 
     def _hessian_operator(self) -> HessianOperator:
@@ -283,8 +322,16 @@ class Curvature:
 
     @property
     def output_grad(self) -> Tensor:
-        """G = d loss / d output."""
-        return self._output_loss().grad[0]
+        """G = d loss / d output (one backward pass of the loss alone, until its Hessian
+        operator is recorded for H_L, which has it too)."""
+        if self._loss_operator is not None:
+            return self._loss_operator.grad[0]
+        if self._output_gradient is None:
+            detached = Tensor(self.output.value)
+            with trace.nothing_recording():
+                _, g = value_and_grad(lambda out: self._loss(out, self.targets))(detached)
+            self._output_gradient = g
+        return self._output_gradient
 
     def _output_vjp(self) -> tuple:
         """The model's VJP recorded once with a placeholder cotangent, so that J v is one
@@ -337,6 +384,21 @@ class Curvature:
                 found.append(c)
             self._scale = found[0]
         return self._scale
+
+    def _loss_terms(self) -> tuple[Any, float]:
+        """curvlinops' terms: G as (1, rows, width), a row per term along the output's
+        last axis (width 1 for a vector output), and R with loss = (1/R) sum_n l_n, l_n
+        the term's summed loss: 1 / scale for a categorical or Bernoulli likelihood; for
+        squared error loss = a sum (o - y)^2 with a = c / (2 variance), so R = 1 / a."""
+        likelihood = self.likelihood()
+        g = self.output_grad  # a Tensor: a compiled product replays this step too
+        width = g.shape[-1] if g.ndim >= 2 else 1
+        if likelihood.family == "gaussian":
+            assert likelihood.variance is not None
+            factor = 2.0 * likelihood.variance / likelihood.scale
+        else:
+            factor = 1.0 / likelihood.scale
+        return reshape(g, (1, -1, width)), factor
 
     def likelihood(self) -> Likelihood:
         """The distribution the loss is the negative log-likelihood of (see LIKELIHOODS),
@@ -399,14 +461,21 @@ class Curvature:
                 for p in self._flat
             ]
         jv = self.jvp(flat_v, batch_ndim, lead)
+        # (Engine ops throughout, on tensors the recording holds: a compiled product
+        # replays every step; see CurvatureOperator._product.)
         if op.kind == "empirical_fisher":
-            mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
+            gs = expand_dims(self.output_grad, 0)
+            mjv = _outer_products(gs, jv, self.scale())
+        elif op.kind == "empirical_fisher_terms":
+            terms, factor = self._loss_terms()
+            u = reshape(jv, tuple(lead) + tuple(terms.shape[1:]))
+            mjv = reshape(_outer_products(terms, u, 1.0 / factor), jv.shape)
         elif op.kind == "fisher" and op.samples is not None:
-            gs = self._sample_gradients(op.samples, op.seed)
-            mjv = _outer_products(gs, jv.value, self.likelihood().scale * op.samples)
+            gs = Tensor(self._sample_gradients(op.samples, op.seed))
+            mjv = _outer_products(gs, jv, self.likelihood().scale * op.samples)
         else:  # ggn, and the exact Fisher (the GGN of a recognised likelihood)
-            mjv = self._output_loss()._apply((jv,), batch_ndim)[0].value
-        return self.vjp(Tensor(mjv), batch_ndim, lead)
+            mjv = self._output_loss()._apply((jv,), batch_ndim)[0]
+        return self.vjp(mjv, batch_ndim, lead)
 
     # Per-example gradients and influence -------------------------------------------------
     def per_example_gradients(self, chunk_size: int | None = None) -> Any:
@@ -473,7 +542,7 @@ class Curvature:
         test_targets: Any = None,
         *,
         rows: Any = None,
-        curvature: str = "hessian",
+        curvature: str = "ggn",
         damping: float = 0.0,
         samples: int | None = None,
         seed: int | None = 0,
@@ -484,18 +553,22 @@ class Curvature:
         max_seconds: float | None = None,
         callback: Callback | None = None,
         operator: HessianOperator | None = None,
+        preconditioner: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> InfluenceResult:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
         loss of those training rows): s_test = (C + damping I)^-1 grad L_test by
-        conjugate gradient on the curvature C, then the scores -g_i . s_test of all
-        examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
+        conjugate gradient on the curvature C (the GGN by default: positive
+        semi-definite for convex losses of the output, where a trained non-convex model's
+        Hessian is often indefinite and CG on it stops at negative curvature), then the
+        scores -g_i . s_test of all examples in one batched pass. See InfluenceResult. `max_hvps` bounds the CG
         products (solve.hvps); besides them it takes the test loss's gradient (a forward
         and backward pass), one JVP for the scores, and, once per recording, the
         per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the
         output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
-        recorded elsewhere), instead of `curvature`'s."""
+        recorded elsewhere), instead of `curvature`'s. `preconditioner`: z = M^-1 r on flat
+        vectors for preconditioned CG (a damped KFAC inverse: KFAC.preconditioner)."""
         if top_k < 0:
             raise ValueError(f"top_k must be non-negative, got {top_k}")
         op = self.operator(curvature, samples=samples, seed=seed) if operator is None else operator
@@ -516,6 +589,7 @@ class Curvature:
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             callback=callback,
+            preconditioner=preconditioner,
         )
         s_test = flat.unflatten(solve.x)
         batched = [
@@ -559,10 +633,11 @@ class CurvatureOperator(HessianOperator):
         self.samples = samples
         self.seed = seed
         self.max_batch = curvature.max_batch
-        # Its products are the Curvature's (_product below), computed dynamically: no
-        # compiled pass, an empty record of them (replay_status {}, replay_changes 0).
-        self.compiled = False
-        self._passes = replay.Passes()
+        # Its products are the Curvature's (_product below), compiled per vector layout
+        # as a HessianOperator's are: the whole product (J v, H_L or the outer products,
+        # J^T u; or the second-order pass) is one replayed schedule from its third call.
+        self.compiled = True
+        self._passes = replay.Passes(limit=8)
 
     # The recording is the Curvature's: read through, so every view sees a new point.
     _flat = property(lambda self: self.curvature._flat)
@@ -584,7 +659,20 @@ class CurvatureOperator(HessianOperator):
         self.curvature._prepare(self)
 
     def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
-        return self.curvature._product(self, flat_v, batch_ndim, lead)
+        def dynamic(seeds: list[Tensor]) -> list[Tensor | None]:
+            return list(self.curvature._product(self, seeds, batch_ndim, lead))
+
+        arrays = [v.value for v in flat_v]
+        if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
+            return self.curvature._product(self, flat_v, batch_ndim, lead)
+        key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))  # (dtypes: checked)
+        products = self._passes.run(
+            key, flat_v, dynamic, lambda: replay.known_tensors(self.curvature)
+        )
+        return [
+            zeros_with_lead(p, lead) if h is None else h
+            for h, p in zip(products, self._flat, strict=True)
+        ]
 
 
 def curvature_operator(
@@ -609,16 +697,17 @@ def curvature_operator(
 # ----------------------------------------------------------------------------------------
 
 
-def _outer_products(gs: Any, u: Any, divisor: float) -> Any:
+def _outer_products(gs: Tensor, u: Tensor, divisor: float) -> Tensor:
     """sum_s blockdiag_i(G_si G_si^T) u / divisor for G (S, N, ...) and u (*lead, N, ...):
     per example, the inner products with u, then those multiples of G."""
     s, n = gs.shape[0], gs.shape[1]
-    xp = backend.array_module(u)
-    batched = u.reshape((-1, n, math.prod(gs.shape[2:])))
-    g = gs.reshape(s, n, -1).astype(u.dtype, copy=False)
-    dots = xp.einsum("snr,knr->ksn", g, batched)
-    out = xp.einsum("ksn,snr->knr", dots, g) / divisor
-    return out.reshape(u.shape)
+    batched = reshape(u, (-1, n, math.prod(gs.shape[2:])))
+    g = reshape(gs, (s, n, -1))
+    if g.dtype != u.dtype:
+        g = cast(g, u.dtype)
+    dots = einsum("snr,knr->ksn", g, batched)
+    out = divide(einsum("ksn,snr->knr", dots, g), divisor)
+    return reshape(out, u.shape)
 
 
 def _softmax(o: np.ndarray) -> np.ndarray:

@@ -42,6 +42,7 @@ damping is 0; a Laplace posterior always adds a positive prior precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ OTHERS = ("refuse", "exact")
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
 EXACT_OTHERS_MAX = 4096  # the entries an exact block may have (its matrix is held)
 MOVERS = ("reshape", "transpose")
+KEEP_ORDER = ("reshape", "identity", "cast", "read_variable")
 
 
 @dataclass
@@ -75,31 +77,40 @@ class Layer:
 
     name: str
     weight: int
-    bias: int | None
+    bias: Any  # int, or None without a bias
     meeting: Meeting
     layout: MatmulLayout
     frame: tuple  # (the param-side shape of the matmul, swap): W's flat entries -> (k, m)
     kind: str  # "linear" or "conv" (the data went through im2col)
-    A: np.ndarray | None = None
-    G: np.ndarray | None = None
-    eig_a: tuple | None = None  # (eigenvalues, eigenvectors)
-    eig_g: tuple | None = None
-    corrected: np.ndarray | None = None  # EKFAC's eigenvalues, (k [+1], m)
-    corrected_bias: np.ndarray | None = None  # (m,), a separate bias's
+    # Set by KFAC once fitted (Any: always arrays by then).
+    A: Any = None
+    G: Any = None
+    eig_a: Any = None  # (eigenvalues, eigenvectors)
+    eig_g: Any = None
+    corrected: Any = None  # EKFAC's eigenvalues, (k [+1], m)
+    corrected_bias: Any = None  # (m,), a separate bias's
     joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
 
 
-def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> int | None:
-    """The parameter `t` is, or is a reshape of (a convolution's kernel), else None."""
-    for i, p in enumerate(params):
-        if p is t:
-            return i
-    rec = flow.made_by.get(id(t))
-    if rec is not None and rec.prim is not None and rec.prim.name == "reshape":
+def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> tuple[int | None, bool]:
+    """(i, flipped): the parameter `t` is, or is made from by ops that keep its entries in
+    order (a reshape: a convolution's kernel; a copy or cast: a program's read of a
+    variable) or transpose a matrix (ONNX's Gemm with transB: flipped); (None, False)
+    when it is none of them."""
+    flipped = False
+    for _ in range(8):
         for i, p in enumerate(params):
-            if p is rec.inputs[0]:
-                return i
-    return None
+            if p is t:
+                return i, flipped
+        rec = flow.made_by.get(id(t))
+        if rec is None or rec.prim is None:
+            return None, False
+        if rec.prim.name == "transpose" and tuple(rec.params.get("axes") or ()) == (1, 0):
+            flipped = not flipped
+        elif rec.prim.name not in KEEP_ORDER:
+            return None, False
+        t = rec.inputs[0]
+    return None, False
 
 
 def _upstream_matmul(flow: Any, t: Tensor, matmuls: dict[int, Meeting]) -> Meeting | None:
@@ -124,32 +135,37 @@ def find_layers(
     flow = engine.flow
     matmuls = {id(m.record): m for m in flow.meetings if m.kind == "matmul"}
     layers: dict[int, Layer] = {}
-    used: set[int] = set()
+    # A parameter that meets the data more than once (a tied weight: x @ W and h @ W^T,
+    # or W also scaling elsewhere) is in no one layer's block: its curvature couples
+    # the uses, so it stays outside the layers (refused, or its exact block).
+    tied = _shared_parameters(flow, params)
+    used: set[int] = set(tied)
     for m in flow.meetings:
         if m.kind != "matmul":
             continue
-        w = _param_index(flow, params, m.record.inputs[m.argnum])
+        w, flipped = _param_index(flow, params, m.record.inputs[m.argnum])
         if w is None or w in used:
-            continue  # a weight used twice (tied) is not one Kronecker block
+            continue
         layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
         flow.layouts[id(m.record)] = layout
         if math.prod(layout.kept) != 1:
             continue  # grouped convolutions: one block per group is not built here
-        side = m.record.inputs[m.argnum]
         # The weight as stored -> the layer's (k, m) frame: x @ W is W itself, W @ x its
         # transpose, and matmul's own transpose flags flip that once more.
         transposed = (
             bool(m.record.params.get("tb")) if m.argnum == 1 else not m.record.params.get("ta")
         )
+        # A weight the program transposes first (ONNX's Gemm, transB) is stored the
+        # other way round: its matrix shape reversed, the frame's transpose flipped.
+        side = layout.side[::-1] if flipped else layout.side
         kind = "conv" if _through_im2col(flow, m.record.inputs[1 - m.argnum]) else "linear"
-        layers[id(m.record)] = Layer(
-            names[w], w, None, m, layout, (tuple(side.shape[-2:]), transposed), kind
-        )
+        frame = (tuple(side), transposed != flipped)
+        layers[id(m.record)] = Layer(names[w], w, None, m, layout, frame, kind)
         used.add(w)
     for m in flow.meetings:
-        if m.kind != "elementwise" or m.record.prim.name != "add":
+        if m.kind != "elementwise" or m.record.prim is None or m.record.prim.name != "add":
             continue
-        b = _param_index(flow, params, m.record.inputs[m.argnum])
+        b, _ = _param_index(flow, params, m.record.inputs[m.argnum])
         if b is None or b in used:
             continue
         up = _upstream_matmul(flow, m.record.inputs[1 - m.argnum], matmuls)
@@ -159,8 +175,32 @@ def find_layers(
         layer.bias = b
         layer.name = f"{names[layer.weight]}+{names[b]}"
         used.add(b)
-    others = [i for i in range(len(params)) if i not in used]
+    others = [i for i in range(len(params)) if i not in used or i in tied]
     return list(layers.values()), others
+
+
+def _shared_parameters(flow: Any, params: list[Tensor]) -> set[int]:
+    """The indices of the parameters that reach more than one meeting with the data
+    (through parameter-only ops)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    uses = [0] * len(params)
+    for m in flow.meetings:
+        reached: set[int] = set()
+        stack, seen = [m.record.inputs[m.argnum]], set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) in index:
+                reached.add(index[id(t)])
+                continue
+            rec = flow.made_by.get(id(t))
+            if rec is not None:
+                stack.extend(x for x in rec.inputs if id(x) in flow.param_only)
+        for i in reached:
+            uses[i] += 1
+    return {i for i, count in enumerate(uses) if count > 1}
 
 
 def _out_width(layer: Layer) -> int:
@@ -298,8 +338,9 @@ class KFAC:
         if self.others and others == "refuse":
             listed = ", ".join(f"{names[i]} {list(params[i].shape)}" for i in self.others)
             raise CurvatureError(
-                f"kfac: the parameters {listed} are in no matmul or convolution layer (a weight "
-                "meeting the data as x @ W or W @ x, its bias added to that output); ask for "
+                f"kfac: the parameters {listed} are in no matmul or convolution layer of their "
+                "own (a weight meeting the data once, as x @ W or W @ x, its bias added to that "
+                "output; a weight tied between layers is in none); ask for "
                 "others='exact' to keep their exact curvature block beside the Kronecker blocks"
             )
         size = sum(params[i].size for i in self.others)
@@ -310,7 +351,7 @@ class KFAC:
             )
         seeds, self.weight = _seeds(curv, curvature, samples, seed, sampled_targets)
         self._factors(engine, seeds)
-        self.other_block = self._exact_others() if self.others else None
+        self.other_block: Any = self._exact_others() if self.others else None
         for layer in self.layers:
             layer.eig_a = _eigh(layer.A)
             layer.eig_g = _eigh(layer.G)
@@ -370,23 +411,8 @@ class KFAC:
 
     def _exact_others(self) -> np.ndarray:
         """The exact curvature's block on the parameters outside the layers (a matrix)."""
-        params = self.curv._flat
         op = self.curv.operator(self.curvature, samples=self.samples, seed=self.seed)
-        sizes = [params[i].size for i in self.others]
-        total = sum(sizes)
-        vectors = []
-        for i, p in enumerate(params):
-            z = np.zeros((total,) + p.shape)
-            if i in self.others:
-                lo = sum(sizes[: self.others.index(i)])
-                z.reshape(total, -1)[np.arange(lo, lo + p.size), np.arange(p.size)] = 1.0
-            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
-        products = tree.flatten(op.hvp_many(tree.unflatten(self.curv._treedef, vectors)))[0]
-        block = np.concatenate(
-            [np.asarray(products[i].numpy(), np.float64).reshape(total, -1) for i in self.others],
-            axis=1,
-        )
-        return (block + block.T) / 2
+        return exact_block(self.curv, op, self.others)
 
     # Frames ---------------------------------------------------------------------------
     def to_frame(self, layer: Layer, flat: list[np.ndarray]) -> np.ndarray:
@@ -463,7 +489,8 @@ class KFAC:
                 size = math.prod(shapes[i])
                 out[i] = res[:, lo : lo + size].reshape((k,) + shapes[i])
                 lo += size
-        return [o for o in out]  # type: ignore[misc]
+        # Parameters outside `subset` (a last-layer KFAC) are outside the operator: zeros.
+        return [np.zeros_like(v) if o is None else o for o, v in zip(out, flat, strict=True)]
 
     def all_eigenvalues(self, damping: float = 0.0) -> np.ndarray:
         parts = []
@@ -490,8 +517,68 @@ class KFAC:
             return -math.inf
         return float(np.log(vals).sum())
 
+    def preconditioner(self, damping: float) -> Any:
+        """r -> (K + damping I)^-1 r on flat float64 vectors (the parameters' order),
+        for preconditioned CG on the exact curvature (conjugate_gradient)."""
+        shapes = [tuple(p.shape) for p in self.curv._flat]
+        sizes = [math.prod(s) for s in shapes]
+        if damping <= 0 and (self.all_eigenvalues() <= 0).any():
+            raise CurvatureError("kfac: a singular KFAC preconditions only with damping > 0")
+
+        def apply(r: np.ndarray) -> np.ndarray:
+            parts, lo = [], 0
+            for shape, size in zip(shapes, sizes, strict=True):
+                parts.append(np.asarray(r[lo : lo + size]).reshape((1, *shape)))
+                lo += size
+            out = self.apply(parts, power=-1.0, damping=damping)
+            return np.concatenate([o.reshape(-1) for o in out])
+
+        return apply
+
     def operator(self) -> KFACOperator:
         return KFACOperator(self)
+
+
+BLOCK_BYTES = 32 << 20  # the unit vectors (over every parameter) of one exact-block pass
+
+
+def exact_block(curv: Any, op: Any, indices: list[int]) -> np.ndarray:
+    """The block of the operator `op` on the parameters `indices` (a symmetric matrix),
+    from as many products as they have entries, in passes whose unit vectors (each one
+    the size of all the parameters, zeros outside the block) hold at most BLOCK_BYTES:
+    a last-layer block of a large model never holds n copies of the whole model."""
+    params = curv._flat
+    sizes = [params[i].size for i in indices]
+    offsets = dict(zip(indices, np.cumsum([0, *sizes])[:-1].tolist(), strict=True))
+    total = sum(sizes)
+    width = sum(p.size for p in params) * 8
+    step = max(1, min(total, BLOCK_BYTES // max(width, 1)))
+    rows = []
+    for start in range(0, total, step):
+        stop = min(total, start + step)
+        vectors = []
+        for i, p in enumerate(params):
+            z = np.zeros((stop - start,) + p.shape)
+            if i in offsets:  # the unit vectors start..stop that fall in parameter i
+                lo, hi = max(start, offsets[i]), min(stop, offsets[i] + p.size)
+                if lo < hi:
+                    z.reshape(stop - start, -1)[
+                        np.arange(lo - start, hi - start), np.arange(lo, hi) - offsets[i]
+                    ] = 1.0
+            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
+        products = tree.flatten(op.hvp_many(tree.unflatten(curv._treedef, vectors)))[0]
+        rows.append(
+            np.concatenate(
+                [
+                    np.asarray(products[i].numpy(), np.float64).reshape(stop - start, -1)
+                    for i in indices
+                ],
+                axis=1,
+            )
+        )
+        del vectors, products
+    block = np.concatenate(rows, axis=0)
+    return (block + block.T) / 2
 
 
 def _eigh(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -536,12 +623,35 @@ def curvature_diagonal(
     DiagGGNMC) or of the empirical Fisher, per parameter (float64 host arrays): the
     weighted sum over seeds and examples of the squared per-example shares (module doc's
     w). Exact in as many passes as the output has entries per example (MC: samples)."""
+    total: list[np.ndarray] | None = None
+    weight = 1.0
+    for squares, w in _diagonal_columns(curv, curvature, samples, seed, max_bytes):
+        weight = w  # the same for every seed
+        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
+    assert total is not None
+    return [weight * t for t in total]
+
+
+def fisher_diagonal_draws(
+    curv: Any, samples: int, seed: int | None = 0, max_bytes: int | None = None
+) -> Iterator[list[np.ndarray]]:
+    """The Monte-Carlo Fisher's diagonal one draw at a time (a generator, so that the
+    caller may reduce them as they come): `samples` estimates of the Fisher's diagonal
+    (per parameter, float64), whose mean is curvature_diagonal's answer for the same
+    draws and whose spread is its Monte-Carlo error."""
+    for squares, weight in _diagonal_columns(curv, "fisher", samples, seed, max_bytes):
+        yield [weight * samples * s for s in squares]
+
+
+def _diagonal_columns(
+    curv: Any, curvature: str, samples: int | None, seed: int | None, max_bytes: int | None
+) -> Iterator[tuple[list[np.ndarray], float]]:
+    """(sum over examples of the squared per-example shares of one seed, w) per seed."""
     try:
         seeds, weight = _seeds(curv, curvature, samples, seed, None)
     except MixedExamplesError as exc:
         raise CurvatureError(str(exc)) from None
     out = curv.output
-    total: list[np.ndarray] | None = None
     for column in seeds:
         try:
             found = per_example(
@@ -552,10 +662,7 @@ def curvature_diagonal(
             )
         except MixedExamplesError as exc:
             raise CurvatureError(str(exc)) from None
-        squares = tree.flatten(found.sum_squares)[0]
-        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
-    assert total is not None
-    return [weight * t for t in total]
+        yield tree.flatten(found.sum_squares)[0], weight
 
 
 def kfac(curv: Any, curvature: str = "ggn", **options: Any) -> KFAC:
@@ -568,7 +675,9 @@ __all__ = [
     "KFACOperator",
     "Layer",
     "curvature_diagonal",
+    "exact_block",
     "find_layers",
+    "fisher_diagonal_draws",
     "kfac",
     "loss_hessian_sqrt",
 ]

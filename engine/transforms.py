@@ -258,6 +258,59 @@ def _basis_tangents(flat: list[Tensor]) -> list[Tensor]:
     return out
 
 
+def _unit_tangents(source: Tensor, start: int, stop: int) -> Tensor:
+    """Identity rows start..stop of one source: (stop - start, *source.shape)."""
+    xp = backend.array_module(source.value)
+    rows = xp.zeros((stop - start, source.size), dtype=source.dtype)
+    rows[xp.arange(stop - start), xp.arange(start, stop)] = 1
+    return pass_constant(rows.reshape((stop - start,) + source.shape))
+
+
+def forward_jacobian(
+    run: Callable[[], Tensor],
+    sources: list[Tensor],
+    chunk_size: int | None = None,
+    unconnected_gradients: str = "none",
+) -> tuple[Tensor, list[Tensor | None]]:
+    """(out, per source d out / d source with shape out.shape + source.shape) by forward
+    mode: run() under batches of unit tangents, `chunk_size` columns of one source per
+    pass. A pass costs what the forward costs times its tangents, so the jacobian of a
+    tall output (a per-example loss vector over N examples, more rows than parameters)
+    costs O(N x parameters), where reverse mode's rows each carry the whole batch
+    (O(N^2)). The passes number sum_j ceil(n_j / chunk_size), whatever the output's
+    size. An unconnected source is None, or zeros with unconnected_gradients="zero"."""
+    out: Tensor | None = None
+    blocks: list[Tensor | None] = []
+    for source in sources:
+        step = source.size if chunk_size is None else max(1, chunk_size)
+        columns: list[Any] = []
+        for start in range(0, source.size, step):
+            stop = min(source.size, start + step)
+            with ForwardAccumulator([source], [_unit_tangents(source, start, stop)], 1) as acc:
+                out = run()
+            found = acc.jvp(out, unconnected_gradients="none")
+            if found is None:
+                columns = []
+                break
+            columns.append(found)
+        if out is None:  # a source of no elements: the output still needs a run
+            out = run()
+        if not columns:
+            if unconnected_gradients == "zero" or source.size == 0:
+                xp = backend.array_module(out.value)
+                zeros = xp.zeros(out.shape + source.shape, dtype=out.dtype)
+                blocks.append(pass_constant(zeros))
+            else:
+                blocks.append(None)
+            continue
+        stacked = columns[0] if len(columns) == 1 else concatenate(columns, axis=0)
+        moved = transpose(stacked, list(range(1, stacked.ndim)) + [0])  # (*out, n)
+        blocks.append(reshape(moved, out.shape + source.shape))
+    if out is None:
+        out = run()
+    return out, blocks
+
+
 def _forward_columns(run: Callable[[], Any], flat: list[Tensor]) -> list[Tensor]:
     """Per source, d out / d source with shape out.shape + source.shape."""
     with ForwardAccumulator(flat, _basis_tangents(flat), batch_ndim=1) as acc:

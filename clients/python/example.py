@@ -2,8 +2,9 @@
 openapi-python-client (README.md, "Generating clients"):
 
     openapi-python-client generate --path openapi/openapi.json --meta setup \
-        --output-path build/gradtape-client --overwrite
-    pip install ./build/gradtape-client
+        --config clients/python/openapi-python-client.yaml \
+        --output-path build/gradtape-openapi-client --overwrite
+    pip install ./build/gradtape-openapi-client
     python clients/python/example.py http://localhost:8000
 
 Prints a JSON summary of the answers; exits non-zero on a wrong one. The contract lets

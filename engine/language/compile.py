@@ -31,12 +31,14 @@ from engine.language.errors import DefinitionError, OverBudget, Problem
 from engine.language.limits import DEFAULT_LIMITS, Limits
 from engine.language.memory import MemoryModel
 from engine.language.nonfinite import NonFiniteCheck, find_culprit
+from engine.language.reduction import batch_reduction
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
 from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
+from engine.registry import MissingRuleError
 from engine.shapes import TensorType
 from engine.tape import GradientTape, check_per_example, per_example_layout, per_example_rows
 from engine.tensor import Tensor, Variable, constant
-from engine.transforms import HessianOperator, hessian_operator
+from engine.transforms import HessianOperator, forward_jacobian, hessian_operator
 
 CACHE_SIZE = 256
 UNCONNECTED = ("none", "zero")
@@ -97,6 +99,7 @@ class CompiledProgram:
         self._line_numbers = {line.target: line.number for line in checked.lines}
         self._line_columns = {line.target: line.pos.column for line in checked.lines}
         self._reads = checked.reads
+        self._exprs = {line.target: line.expr for line in checked.lines}
         self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self.cost = CostModel.of(checked)  # FLOPs and bytes moved by one forward pass
         self._sites = checked.grad_sites
@@ -307,6 +310,11 @@ class CompiledProgram:
         share their first axis; BatchDependenceError when the examples mix). Compiled like
         hessian_vector_products; the batch check runs on every pass's rows."""
         keys = list(request.sources)
+        if not batch and self._tall(request, leaves):
+            try:
+                return self._forward_jacobians(request, leaves, chunk_size, compiled)
+            except MissingRuleError:
+                pass  # an op without a JVP rule on the way: reverse mode, below
 
         def run(leaves: dict[str, Tensor], _: list[Tensor]) -> list[Tensor | None]:
             watched = {key: leaves[name] for key, name in request.sources.items()}
@@ -348,6 +356,59 @@ class CompiledProgram:
                 if rows is not None:
                     check_per_example(rows, y)
         return y, dict(zip(keys, found[: len(keys)], strict=True))
+
+    def _tall(self, request: Request, leaves: Mapping[str, Tensor]) -> bool:
+        """A jacobian with more rows (the target's elements) than columns (the sources'):
+        forward mode's passes then cost O(rows x columns) where reverse mode's cost
+        O(rows^2) when the rows are examples of one batch (a per-example loss vector:
+        each reverse row carries the whole batch)."""
+        target = self.types.get(request.target)
+        if target is None or any(not isinstance(d, int) for d in target.shape):
+            return False
+        rows = 1
+        for d in target.shape:
+            rows *= d
+        columns = sum(leaves[name].size for name in request.sources.values())
+        return rows > columns
+
+    def _forward_jacobians(
+        self,
+        request: Request,
+        leaves: Mapping[str, Tensor],
+        chunk_size: int | None,
+        compiled: bool,
+    ) -> tuple[Tensor, dict[str, Tensor | None]]:
+        """jacobians() by forward mode (engine.transforms.forward_jacobian), for a tall
+        jacobian; compiled as the reverse passes are (its unit tangents depend on the
+        shapes alone)."""
+        keys = list(request.sources)
+
+        def run(leaves: dict[str, Tensor], _: list[Tensor]) -> list[Tensor | None]:
+            sources = [leaves[name] for name in request.sources.values()]
+            y, blocks = forward_jacobian(
+                lambda: self.run(leaves, targets=[request.target])[request.target],
+                sources,
+                chunk_size,
+                unconnected_gradients=request.unconnected,
+            )
+            return [y, *blocks]
+
+        y, *found = self._request_pass(
+            (
+                "jacobian",
+                request.target,
+                tuple(request.sources.items()),
+                request.unconnected,
+                "forward",
+                chunk_size,
+            ),
+            leaves,
+            [],
+            run,
+            compiled,
+        )
+        assert y is not None
+        return y, dict(zip(keys, found, strict=True))
 
     def request_passes(self) -> dict[Any, Any]:
         """This program's kept HVP and jacobian passes (kind, request, leaf and seed
@@ -591,6 +652,13 @@ class CompiledProgram:
         return most
 
     # Requests ---------------------------------------------------------------------------
+    def batch_reduction(self, target: str, batch: Iterable[str] | None = None) -> str | None:
+        """How `target` adds up over the batch ("mean", "sum"), where its line says it
+        plainly; None otherwise (engine/language/reduction.py). `batch`: the inputs along
+        the examples (default: every input)."""
+        names = set(self.inputs if batch is None else batch)
+        return batch_reduction(self._exprs, target, names)
+
     def check_request(
         self,
         target: Any,
@@ -721,13 +789,20 @@ class ModelSplit:
     targets: tuple[str, ...]
 
     def functions(
-        self, fixed: Mapping[str, Tensor]
+        self, fixed: Mapping[str, Tensor], seen: dict[str, Tensor] | None = None
     ) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
+        """`seen`, when given, receives every name's value of the model's last run (so
+        a caller can tell which line an op of its recording belongs to)."""
+
         def model(params: Mapping[str, Tensor], data: Mapping[str, Tensor]) -> Tensor:
             env = dict(fixed)
             env.update(data)
             env.update(params)
-            return self.program._run_lines(env, self.model_lines)[self.output]
+            values = self.program._run_lines(env, self.model_lines)
+            if seen is not None:
+                seen.clear()
+                seen.update(values)
+            return values[self.output]
 
         def loss(output: Tensor, targets: Mapping[str, Tensor]) -> Tensor:
             env = dict(fixed)

@@ -135,6 +135,18 @@ def check_label_shape(labels: tuple, expected: tuple, logits: tuple) -> None:
         )
 
 
+def check_soft_label_shape(labels: tuple, logits: tuple, rest: tuple, dtype: Any) -> None:
+    """Float labels are one-hot or soft (the logits' shape); float labels of the shape of
+    class indices are class indices sent with the wrong dtype: say so, not "shape"."""
+    if labels != logits and labels == rest:
+        raise RuleError(
+            f"labels of shape {labels} are class indices of logits {logits}, but "
+            f"{dtype}: integer class indices need an integer dtype (int32 or int64); "
+            f"float labels are one-hot or soft, of the logits' shape {logits}"
+        )
+    check_same_shape(logits, labels, "logits and labels")
+
+
 def softmax_cross_entropy_rule(b: dict[str, Any]) -> TensorType:
     logits, labels = concrete(b["logits"]), concrete(b["labels"])
     require(logits, "float", "logits")
@@ -144,7 +156,7 @@ def softmax_cross_entropy_rule(b: dict[str, Any]) -> TensorType:
     if labels.dtype.kind in "iu":
         check_label_shape(labels.shape, rest, logits.shape)
     else:
-        check_same_shape(logits.shape, labels.shape, "logits and labels")
+        check_soft_label_shape(labels.shape, logits.shape, rest, labels.dtype)
         pair(logits, labels)
     return _reduced_loss(TensorType(rest, logits.dtype), b.get("reduction", "mean"))
 
@@ -174,12 +186,14 @@ def softmax_cross_entropy(
         shape[axis] = classes
         one_hot = pass_constant((lab == xp.arange(classes).reshape(shape)).astype(logits.dtype))
     else:
+        rest = tuple(d for i, d in enumerate(logits.shape) if i - logits.ndim != axis)
         checked(
             "softmax_cross_entropy",
-            check_same_shape,
-            logits.shape,
+            check_soft_label_shape,
             labels.shape,
-            "logits and labels",
+            logits.shape,
+            rest,
+            labels.dtype,
         )
         one_hot = labels
     losses = negative(sum(multiply(one_hot, logp), axis))

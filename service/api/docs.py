@@ -8,7 +8,8 @@ import importlib.resources
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from starlette.responses import HTMLResponse, Response
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from service.api.problems import PROBLEM_TYPES, ProblemError, type_uri
@@ -20,6 +21,22 @@ def install(app: FastAPI) -> None:
     static = importlib.resources.files("fastapi_offline") / "static"
     app.mount(ASSETS, StaticFiles(directory=str(static)), name="docs-assets")
     openapi_url = app.openapi_url or "/openapi.json"
+
+    @app.get("/", include_in_schema=False)
+    async def front(request: Request) -> Response:
+        """A browser is led to the docs; a program gets where things are."""
+        if "text/html" in request.headers.get("accept", ""):
+            return RedirectResponse("/docs", status_code=307)
+        return JSONResponse(
+            {
+                "service": app.title,
+                "docs": "/docs",
+                "redoc": "/redoc",
+                "openapi": openapi_url,
+                "health": "/healthz",
+                "ops": "/v1/ops",
+            }
+        )
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui() -> HTMLResponse:

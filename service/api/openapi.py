@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
+from service.api import examples
 from service.api.negotiation import MSGPACK
 from service.api.problems import PROBLEM_JSON, PROBLEM_TYPES
 from service.api.schemas import Problem
@@ -102,6 +103,7 @@ def install(app: FastAPI) -> Callable[[], dict[str, Any]]:
             )
             _file_problems_as_problem_json(schema)
             _optional_security(schema)
+            examples.add_to(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

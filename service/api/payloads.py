@@ -8,6 +8,7 @@ import base64
 import binascii
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from service.api.problems import ProblemError
@@ -38,6 +39,7 @@ from service.api.tensors import from_base64, from_data, nonfinite_count
 from service.core.config import Settings
 from service.core.operations import CURVATURE_FIELDS, encode_options
 from service.core.wire import Encoding, TensorError, from_bytes
+from service.domain.jobs import time_limit_of
 from service.domain.requests import Binding, Prepared
 
 
@@ -216,16 +218,10 @@ def rows(value: Any) -> Any:
     return value if value is None or isinstance(value, list) else value.model_dump()
 
 
-def _time_limit(requested: float | None, settings: Settings) -> float:
-    limit = settings.time_limit if requested is None else requested
-    if limit > settings.max_time_limit:
-        raise ProblemError(
-            "too-large",
-            f"time_limit: {limit:g} s is above this server's maximum of "
-            f"{settings.max_time_limit:g} s",
-            errors=[{"field": "time_limit", "message": f"at most {settings.max_time_limit:g}"}],
-        )
-    return limit
+def _time_limit(body: Any, settings: Settings) -> float:
+    """The request's compute seconds; a job's (body.run_async, which the route sets for
+    Prefer: respond-async too) come from its own budget (jobs.time_limit_of)."""
+    return time_limit_of(body.time_limit, bool(getattr(body, "run_async", False)), settings)
 
 
 def _decoder(
@@ -240,7 +236,7 @@ def _common(
 ) -> tuple[TensorDecoder, dict[str, Any], float]:
     """The payload of a definition request; `stored` is the definition of the stored
     model the request names (body.model), in the worker form already."""
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     if body.definition is not None:
         definition = decoder.definition(body.definition)
@@ -323,18 +319,21 @@ def _vectors(
             f"{settings.hvp_max_vectors} in one request",
             errors=[{"field": "vectors", "message": f"at most {settings.hvp_max_vectors}"}],
         )
+    # Bare numbers take the dtype of the tensor they stand for: read as float64 here, cast
+    # to each source's dtype in the worker (as a float32 parse would round them), so a
+    # float64 source loses no digits. Typed tensors keep their dtype.
     payload["flat_vector"] = None
     if body.flat_vector is not None:
         payload["flat_vector"] = decoder.tensor(body.flat_vector, "flat_vector", "float64")
         payload["vector"] = payload["vectors"] = None
     elif body.vector is not None:
-        payload["vector"] = decoder.tensors(body.vector, "vector")
+        payload["vector"] = decoder.tensors(body.vector, "vector", "float64")
         payload["vectors"] = None
     else:
         assert body.vectors is not None
         payload["vector"] = None
         payload["vectors"] = [
-            decoder.tensors(v, f"vectors.{i}") for i, v in enumerate(body.vectors)
+            decoder.tensors(v, f"vectors.{i}", "float64") for i, v in enumerate(body.vectors)
         ]
 
 
@@ -372,7 +371,8 @@ def sharding(body: ShardOptions, settings: Settings) -> dict[str, Any] | None:
             errors=[{"field": "shards", "message": f"at most {settings.max_shards}"}],
         )
     shard_by = [body.shard_by] if isinstance(body.shard_by, str) else body.shard_by
-    return {"shards": body.shards, "shard_by": shard_by, "reduction": body.shard_reduction.value}
+    reduction = None if body.shard_reduction is None else body.shard_reduction.value
+    return {"shards": body.shards, "shard_by": shard_by, "reduction": reduction}
 
 
 def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
@@ -382,7 +382,7 @@ def tape_hvp(body: TapeHVPRequest, settings: Settings) -> Prepared:
         "curvature": {k: getattr(body, k) for k in CURVATURE_FIELDS},
     }
     _vectors(body, decoder, payload, settings)
-    return _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+    return _prepared(body, decoder, payload, _time_limit(body, settings))
 
 
 def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
@@ -395,9 +395,7 @@ def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
     }
     if isinstance(body, TapeJacobianRequest):
         payload["batch"] = body.batch
-    return _prepared(
-        body, _decoder(body, settings), payload, _time_limit(body.time_limit, settings)
-    )
+    return _prepared(body, _decoder(body, settings), payload, _time_limit(body, settings))
 
 
 def tape_update(
@@ -413,7 +411,7 @@ def tape_update(
     payload: dict[str, Any] = {"flat": body.flat}
     if body.point is not None:
         payload["point"] = decoder.tensor(body.point, "point", "float64")
-    prepared = _prepared(body, decoder, payload, _time_limit(body.time_limit, settings))
+    prepared = _prepared(body, decoder, payload, _time_limit(body, settings))
     return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
 
 
@@ -422,10 +420,13 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
     with the server's limits applied (the HVP budget checked, the time budget set), and
     its tensor fields decoded."""
     op = body.operation
-    limit = _time_limit(body.time_limit, settings)
+    limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     options = body.options()
-    max_hvps = options.hvp_budget(settings.algorithm_max_hvps)
+    # An operation without an HVP budget (per-example gradients, KFAC, a Laplace fit:
+    # service/core/operations.py) has only the time budget set below.
+    counted = any(f.name == "max_hvps" for f in msgspec.structs.fields(options))
+    max_hvps = options.hvp_budget(settings.algorithm_max_hvps) if counted else 0
     if max_hvps > settings.algorithm_max_hvps:
         raise ProblemError(
             "too-large",
@@ -435,7 +436,8 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
         )
     # The algorithm stops itself (and answers what it has) before the pool's hard limit.
     budget = 0.9 * limit
-    options.max_hvps = max_hvps  # type: ignore[attr-defined]  # every algorithm has one
+    if counted:
+        options.max_hvps = max_hvps  # type: ignore[attr-defined]
     options.max_seconds = (
         budget if options.max_seconds is None else min(options.max_seconds, budget)
     )
@@ -444,10 +446,12 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
         value = getattr(body, name)
         if value is None:
             payload[name] = None
+        # Bare numbers take the dtype of the tensor they stand for: read as float64
+        # here, cast to the source's or input's recorded dtype in the worker.
         elif spec["kind"] == "vector":
-            payload[name] = decoder.tensors(value, name)
+            payload[name] = decoder.tensors(value, name, "float64")
         elif spec["kind"] == "inputs":
-            payload[name] = decoder.inputs(value, "float32", field=name)
+            payload[name] = decoder.inputs(value, "float64", field=name)
         else:  # rows: indices, as sent
             payload[name] = value
     return _prepared(body, decoder, payload, limit)

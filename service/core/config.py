@@ -284,6 +284,13 @@ class Settings(BaseSettings):
     max_jobs_per_key: int = Field(
         default=8, ge=0, description="queued or running jobs per API key (or in all, without keys)"
     )
+    job_time_limit: float = Field(
+        default=3600.0,
+        gt=0,
+        description='compute seconds of a request run as a job ("async": true or Prefer: '
+        "respond-async): its own budget, far above time_limit, since nobody holds a "
+        "connection open for it; a job's time_limit may ask for less, never more",
+    )
 
     # Storage ------------------------------------------------------------------------------
     data_dir: Path = Field(
@@ -349,6 +356,10 @@ class Settings(BaseSettings):
         if self.time_limit > self.max_time_limit:
             raise ValueError(
                 f"time_limit ({self.time_limit}) is above max_time_limit ({self.max_time_limit})"
+            )
+        if self.job_time_limit < self.time_limit:
+            raise ValueError(
+                f"job_time_limit ({self.job_time_limit}) is below time_limit ({self.time_limit})"
             )
         if self.tape_ttl > self.tape_max_ttl:
             raise ValueError(

@@ -13,6 +13,10 @@ that relays the worker's progress reports and marks it running when a worker tak
   worker crash: worker-crashed; the time limit: time-limit): a job never hangs, since
   the pool's time limit bounds every request it runs.
 - Jobs live in memory: a restart of the service forgets them (their tapes survive).
+- A job has its own time budget (`job_time_limit`, an hour by default, where a plain
+  request has `time_limit`, 30 s): a request's `time_limit` may ask a job for less
+  (`time_limit_of`). When it ends, its progress is its answer's own figures
+  (`final_progress`): the last event never disagrees with the result.
 
 Several HTTP processes (`http_workers` > 1, settings.shared): a job runs in the process
 that started it, which also writes it to the store (state, progress, the answer as
@@ -59,6 +63,56 @@ CANCEL_POLL = 0.2  # seconds between a running job's looks at the store for a ca
 FOLLOW_POLL = 0.1  # seconds between an events stream's looks at another process's job
 # Without /proc: sweeps without a heartbeat after which that HTTP process is taken for gone
 PROCESS_SILENT_AFTER = 6
+
+
+def time_limit_of(requested: float | None, as_job: bool, settings: Settings) -> float:
+    """A request's compute seconds: what it asked for, else `time_limit`, or for a job
+    `job_time_limit`; at most `max_time_limit` (a job: at most `job_time_limit`)."""
+    default, most, name = (
+        (settings.job_time_limit, settings.job_time_limit, "job_time_limit")
+        if as_job
+        else (settings.time_limit, settings.max_time_limit, "max_time_limit")
+    )
+    limit = default if requested is None else requested
+    if limit > most:
+        raise ServiceError(
+            "too-large",
+            f"time_limit: {limit:g} s is above this server's {name} of {most:g} s"
+            + ("" if as_job else ' (a job, "async": true, may run longer)'),
+            errors=[{"field": "time_limit", "message": f"at most {most:g}"}],
+        )
+    return limit
+
+
+def _listed(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def final_progress(progress: dict[str, Any], result: dict[str, Any], seconds: float) -> None:
+    """A finished job's progress, in place: the figures of its answer (the estimate and
+    its error, the HVPs it took), never the last report's (sent at most every 50 ms, so
+    it may lag the end)."""
+    if isinstance(result.get("hvps"), int):
+        progress["done"] = result["hvps"]
+    progress["seconds"] = seconds
+    progress["eta"] = 0.0
+    if "trace" in result:
+        progress["estimate"], progress["error"] = result["trace"], result.get("stderr")
+    elif "eigenvalues" in result:
+        progress["estimate"] = _listed(result["eigenvalues"])
+        progress["error"] = _listed(result.get("residuals"))
+    elif "diagonal" in result:  # exact reports the share of entries reached
+        if result.get("method") != "exact":
+            progress["estimate"] = None
+        elif result["diagonal"] is not None:
+            progress["estimate"] = 1.0
+        progress["error"] = result.get("error")
+    elif "residuals" in result:  # a CG solve (solve, influence): its last residual
+        residuals = _listed(result["residuals"])
+        progress["estimate"] = None
+        progress["error"] = residuals[-1] if residuals else None
+    elif "nodes" in result:  # the spectral density: probes run
+        progress["estimate"], progress["error"] = len(result["nodes"]), None
 
 
 @dataclass(eq=False)
@@ -185,6 +239,7 @@ class Job:
             "error": report.get("error"),
             "seconds": seconds,
             "eta": eta,
+            "max_seconds": None if limit is None else float(limit),
         }
         self.touch()
 
@@ -394,11 +449,7 @@ class JobRegistry:
         # Kept for job_ttl: out of the worker's shared-memory arena, which it would pin.
         job.result, job.seconds = shm.detached(result), seconds
         if job.progress is not None:
-            # Reports are sent at most every 50 ms: the answer says where it ended.
-            if isinstance(result.get("hvps"), int):
-                job.progress["done"] = result["hvps"]
-            job.progress["seconds"] = seconds
-            job.progress["eta"] = 0.0
+            final_progress(job.progress, result, seconds)
         self._end(job, "succeeded")
 
     def _end(self, job: Job, state: str) -> None:

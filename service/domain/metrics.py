@@ -45,6 +45,13 @@ class Metrics(PoolObserver):
             ["worker"],
             registry=r,
         )
+        self.started = Counter(
+            "gradtape_worker_requests",
+            "Requests handed to each worker, readiness pings aside (a request cancelled "
+            "while it waited in the queue never is)",
+            ["worker"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "gradtape_worker_restarts",
             "Workers replaced, by reason (timeout, crash)",
@@ -101,6 +108,9 @@ class Metrics(PoolObserver):
 
     def worker_busy(self, worker: int, seconds: float) -> None:
         self.busy_seconds.labels(str(worker)).inc(seconds)
+
+    def request_started(self, worker: int) -> None:
+        self.started.labels(str(worker)).inc()
 
     def worker_restarted(self, worker: int, reason: str) -> None:
         self.worker_restarts.labels(str(worker), reason).inc()

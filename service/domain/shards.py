@@ -86,10 +86,49 @@ SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answ
 ALGORITHMS = frozenset(op.kind for op in OPERATIONS if op.sharded is Sharded.algorithm)
 
 
+# A Laplace fit's questions (service/worker/curvature_ops.py; the fit itself is a table
+# row, refused there): a sharded tape holds no fit.
+UNSHARDED = ("tape_laplace_evidence", "tape_laplace_predictive", "tape_laplace_samples")
+
+
+def _refuse_whole_batch_only(kind: str, payload: Mapping[str, Any]) -> None:
+    """KFAC (as a curvature or a CG preconditioner), the backprop diagonal and a Laplace
+    fit's questions need every example in one recording: a sharded tape refuses them."""
+    options = payload.get("options") or {}
+    if kind in UNSHARDED:
+        raise _invalid("shards", "a sharded tape holds no Laplace fit: record it without shards")
+    if options.get("curvature") in ("kfac", "ekfac"):
+        raise _invalid("curvature", "KFAC needs every example in one recording: an unsharded tape")
+    if options.get("preconditioner") not in (None, "none"):
+        raise _invalid("preconditioner", "a KFAC preconditioner needs an unsharded tape")
+    if options.get("method") == "backprop":
+        raise _invalid("method", "method 'backprop' needs an unsharded tape")
+
+
 def _invalid(field: str, message: str) -> ServiceError:
     return ServiceError(
         "validation", f"{field}: {message}", errors=[{"field": field, "message": message}]
     )
+
+
+def _reduction(given: str | None, program: str | None) -> str:
+    """How the parts add up: what the client gave, else what the program says (a part's
+    worker reads it: engine/language/reduction.py); never a default that could be a
+    silent third (a summed loss averaged over three parts)."""
+    if given is None and program is None:
+        raise _invalid(
+            "shard_reduction",
+            "the target's line does not say plainly how it adds up over the batch (as "
+            "sum(...), mean(...) or a loss op's reduction do): give 'mean' (the parts are "
+            "weighted by their share of the rows) or 'sum' (the parts are added)",
+        )
+    if given is not None and program is not None and given != program:
+        raise _invalid(
+            "shard_reduction",
+            f"{given!r}, but the target is a {program} over the batch in the program: the "
+            f"total would be wrong; give {program!r} or leave shard_reduction out",
+        )
+    return given or program  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------
@@ -351,7 +390,8 @@ class Sharding:
             placed[worker] += 1
             workers.append(worker)
         # The coordinator flattens the sum; `shards` words a part's errors for the whole.
-        part_spec = {**spec, "flat": False, "shards": shards}
+        # `shard_by`: the inputs split, along which the part reads the target's reduction.
+        part_spec = {**spec, "flat": False, "shards": shards, "shard_by": names}
         made: list[Tape] = []
 
         async def record(i: int) -> tuple[Tape, dict[str, Any]]:
@@ -384,9 +424,8 @@ class Sharding:
                 [k, list(np.shape(g)), str(np.asarray(g).dtype)]
                 for k, g in answers[0]["gradients"].items()
             ]
-            parent.shards = ShardSet(
-                parts, rows, str(sharding.get("reduction") or "mean"), names, layout
-            )
+            reduction = _reduction(sharding.get("reduction"), answers[0].get("reduction"))
+            parent.shards = ShardSet(parts, rows, reduction, names, layout)
             combined = await self._combine(parent, answers, spec, deadline)
             parent.row.sources = dict(first.sources)
             parent.row.device = first.device
@@ -453,6 +492,7 @@ class Sharding:
         """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
         across them; the time limit covers the whole run."""
         assert tape.shards is not None
+        _refuse_whole_batch_only(kind, payload)
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         tape.busy += 1

@@ -122,6 +122,10 @@ class PoolObserver:
     def worker_busy(self, worker: int, seconds: float) -> None:
         pass
 
+    def request_started(self, worker: int) -> None:
+        """A request was handed to `worker` (its frame sent): one that waited in the
+        queue and was cancelled there never counts."""
+
     def worker_restarted(self, worker: int, reason: str) -> None:
         pass
 

@@ -124,6 +124,7 @@ class QueuedJob:
     running_on: WorkerHandle | None = None  # the worker computing it, once dispatched
     keep: str | None = None  # its answer is kept under this key (Pool.submit)
     gathered: list[Any] = field(default_factory=list)  # kept answers it carries (Ray: refs)
+    kind: str = ""  # the worker handler: "ping" (readiness) is not counted as a request
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -292,6 +293,7 @@ class WorkerPool:
             watch=watch,
             keep=keep,
             gathered=gathered,
+            kind=kind,
         )
         self._queue.append(job)
         self._dispatch()
@@ -505,6 +507,8 @@ class WorkerPool:
             return
         generation = w.generation
         w.request_id = job.id
+        if job.kind != "ping":
+            self.observer.request_started(w.index)
         started = time.perf_counter()
         try:
             message = await asyncio.wait_for(self._roundtrip(w, job), job.time_limit)

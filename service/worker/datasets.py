@@ -105,7 +105,17 @@ def take_rows(array: np.ndarray, rows: Any, where: str) -> np.ndarray:
                 f"{where}: rows {start}:{stop} is out of range; the dataset's array has {n} "
                 f"rows (start and stop within 0..{n})"
             )
+        if len(range(start, stop, step)) == 0:
+            raise ValueError(
+                f"{where}: rows {start}:{stop} selects no row; a mini-batch needs at least one "
+                "(an empty one would answer a loss of zero, or NaN)"
+            )
         return array[start:stop:step]
+    if len(rows) == 0:
+        raise ValueError(
+            f"{where}: rows is empty; a mini-batch needs at least one row (an empty one "
+            "would answer a loss of zero, or NaN)"
+        )
     indices = np.asarray(rows, dtype=np.int64)
     if indices.size and (indices.min() < 0 or indices.max() >= n):
         bad = int(indices.min()) if indices.min() < 0 else int(indices.max())

@@ -77,7 +77,7 @@ class Install:
 
 @pytest.fixture(scope="module")
 def install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
-    """Runs the README's first set-up command (`pip install '.[service]' && gradtape
+    """Runs the README's first set-up command (`pip install -e '.[service]' && gradtape
     serve`) in the build context with a fresh virtualenv active, waits for /readyz, stops
     it."""
     tmp = tmp_path_factory.mktemp("clean-install")

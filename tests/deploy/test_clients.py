@@ -28,6 +28,7 @@ from tests.deploy.conftest import ROOT, Server, copy_files, repo_files, run
 pytestmark = pytest.mark.deploy
 
 OPENAPI = ROOT / "openapi" / "openapi.json"
+GENERATOR_CONFIG = ROOT / "clients" / "python" / "openapi-python-client.yaml"
 
 # Model classes openapi-python-client invents for inline schemas (`<Schema><Field>`,
 # `...Type0`, `...Item`, `...AdditionalProperty`): each is a schema that would read
@@ -74,7 +75,7 @@ def check_summary(summary: dict) -> None:
 def python_client(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The generated package's directory, and the generator's output."""
     tmp = tmp_path_factory.mktemp("python-client")
-    out = tmp / "gradtape-client"
+    out = tmp / "gradtape-openapi-client"
     done = run(
         [
             sys.executable,
@@ -85,6 +86,8 @@ def python_client(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
             str(OPENAPI),
             "--meta",
             "setup",
+            "--config",
+            str(GENERATOR_CONFIG),
             "--output-path",
             str(out),
         ],
@@ -92,6 +95,21 @@ def python_client(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         timeout=180,
     )
     return out, done.stdout + done.stderr
+
+
+def test_the_generated_client_is_a_distribution_of_its_own(
+    python_client: tuple[Path, str],
+) -> None:
+    """Issue 27, item 10: the generated client was the distribution `gradtape-client`,
+    the SDK's name, so installing it uninstalled the SDK. It has its own name now."""
+    import tomllib
+
+    sdk = tomllib.loads((ROOT / "clients" / "python" / "pyproject.toml").read_text())
+    # --meta setup: the name is in setup.py
+    found = re.search(r'name="([^"]+)"', (python_client[0] / "setup.py").read_text())
+    assert found is not None
+    assert found.group(1) == "gradtape-openapi-client" != sdk["project"]["name"]
+    assert (python_client[0] / "gradtape_client").is_dir()  # the import name is unchanged
 
 
 def test_generator_warns_only_about_msgpack(python_client: tuple[Path, str]) -> None:

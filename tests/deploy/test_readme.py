@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import pytest
 import yaml
 
 from tests.deploy import readme_tables
-from tests.deploy.conftest import ROOT, Server, copy_files, repo_files, run
+from tests.deploy.conftest import ROOT, Server, copy_files, make_venv, repo_files, run
 from tests.deploy.files import Block, Dockerfile, readme_blocks
 
 pytestmark = pytest.mark.deploy
@@ -204,11 +203,11 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
     """Runs the README's run blocks; the result of each, keyed by its line."""
     tmp = tmp_path_factory.mktemp("readme")
     checkout = copy_files(repo_files(), tmp / "checkout")
-    # The blocks run under the suite's own interpreter: the environment the README's
-    # set-up commands made, with this checkout installed. (A venv made with
-    # --system-site-packages from inside a venv would see the *base* interpreter's
-    # packages instead: whatever happens to lie around, or nothing.)
-    bin_dir = Path(sys.executable).parent
+    # The blocks see the suite's environment (the README's set-up installed this checkout
+    # there) but install into a virtualenv of their own (issue 27, item 10: the README's
+    # `pip install` of the generated client went into the suite's, where a user who runs
+    # the tests where they serve lost the SDK).
+    bin_dir = layered_venv(tmp / "venv")
     blocks = [b for b in RUN_BLOCKS if NODE or not needs_node(b)]
     env = {
         k: v
@@ -217,9 +216,10 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
     }
     env |= {
         "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
-        "VIRTUAL_ENV": sys.prefix,
+        "VIRTUAL_ENV": str(bin_dir.parent),
         "XDG_DATA_HOME": str(tmp / "xdg-data"),  # what a block stores stays in tmp
     }
+    SUITE_DISTRIBUTIONS.update(_distributions())
     (tmp / "session.sh").write_text(_script(blocks, live_server.base_url))
     done = run(
         ["bash", str(tmp / "session.sh")],
@@ -242,7 +242,39 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
         results[block.line] = Result(status, stdout[index], stderr[index])
     for block in RUN_BLOCKS:
         results.setdefault(block.line, Result("skipped"))
+    AFTER_SESSION.update(_distributions())
     return results
+
+
+# The suite environment's distributions (name -> version) before and after the session.
+SUITE_DISTRIBUTIONS: dict[str, str] = {}
+AFTER_SESSION: dict[str, str] = {}
+
+
+def _distributions() -> dict[str, str]:
+    import importlib.metadata
+
+    return {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
+
+
+def layered_venv(path: Path) -> Path:
+    """A fresh virtualenv that also sees the suite's environment (after its own
+    packages): a .pth line adds the suite's site-packages as a site directory, so that
+    the editable install's own .pth files work too. What its pip installs goes into it
+    alone. (A venv made with --system-site-packages from inside a venv would see the
+    *base* interpreter's packages instead.) Returns its bin directory."""
+    import site
+
+    bin_dir = make_venv(path)
+    done = run(
+        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        timeout=60,
+    )
+    own = Path(done.stdout.strip())
+    suite = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    lines = [f"import site; site.addsitedir({p!r})" for p in suite]
+    (own / "zz_suite_environment.pth").write_text("\n".join(lines) + "\n")
+    return bin_dir
 
 
 def json_documents(text: str) -> list[Any]:
@@ -302,3 +334,12 @@ def test_block_runs(session: dict[int, Result], block: Block) -> None:
             f"README.md:{output.line}: shown output differs from the real one\n"
             f"--- shown\n{output.body}--- real\n{result.stdout}"
         )
+
+
+def test_the_session_installs_nothing_into_the_suite_environment(
+    session: dict[int, Result],
+) -> None:
+    """Issue 27, item 10: the README's blocks `pip install` (the client generator, the
+    generated client) into their own virtualenv; the environment running the suite (and
+    perhaps serving) keeps exactly its distributions, the SDK among them."""
+    assert SUITE_DISTRIBUTIONS and AFTER_SESSION == SUITE_DISTRIBUTIONS

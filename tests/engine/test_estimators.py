@@ -79,7 +79,7 @@ def test_exact_pass_size() -> None:
     assert exact_pass_size(200_000) == 41 and exact_pass_size(10**8) == 1
 
 
-def test_exact_methods_refuse_a_budget_below_n_and_answer_a_partial_run() -> None:
+def test_exact_methods_refuse_a_budget_below_n_and_answer_a_partial_run(fake_clock) -> None:
     a = np.diag(np.linspace(1.0, 2.0, 200)) + 0.01 * symmetric(200, seed=1)
     with pytest.raises(ValueError, match="takes n = 200 HVPs; max_hvps is 100"):
         exact_trace(Counting(a), 200, max_hvps=100)
@@ -87,10 +87,14 @@ def test_exact_methods_refuse_a_budget_below_n_and_answer_a_partial_run() -> Non
         exact_diagonal(Counting(a), 200, max_hvps=100)
     # Stopped by time, the exact trace has seen a random sample of the diagonal: n times
     # its mean is an unbiased estimate, with a (finite-population) standard error.
-    slow = exact_trace(Counting(a, delay=0.02), 200, batch_size=10, max_seconds=0.05)
+    slow = exact_trace(
+        Counting(a, delay=0.02, clock=fake_clock), 200, batch_size=10, max_seconds=0.05
+    )
     assert slow.stopped == "time_limit" and not slow.converged and 10 <= slow.samples < 200
     assert 0 < slow.stderr < 0.1 * np.trace(a) and abs(slow.trace - np.trace(a)) < 4 * slow.stderr
-    part = exact_diagonal(Counting(a, delay=0.02), 200, batch_size=10, max_seconds=0.05)
+    part = exact_diagonal(
+        Counting(a, delay=0.02, clock=fake_clock), 200, batch_size=10, max_seconds=0.05
+    )
     reached = part.samples
     assert part.stopped == "time_limit" and 10 <= reached < 200
     np.testing.assert_array_equal(part.diagonal[:reached], np.diag(a)[:reached])
@@ -237,11 +241,13 @@ def test_stochastic_traces_reach_their_target_on_a_hard_problem(estimator) -> No
     assert by_atol.stopped == "tolerance" and by_atol.stderr <= 2.0
 
 
-def test_hutchpp_limits() -> None:
+def test_hutchpp_limits(fake_clock) -> None:
     a = hard(120, seed=11)
     capped = hutchpp_trace(Counting(a), 120, max_hvps=50, rtol=1e-6)
     assert capped.stopped == "max_hvps" and capped.hvps == 50 and not capped.converged
-    slow = hutchpp_trace(Counting(a, delay=0.02), 120, max_hvps=10_000, rtol=1e-6, max_seconds=0.1)
+    slow = hutchpp_trace(
+        Counting(a, delay=0.02, clock=fake_clock), 120, max_hvps=10_000, rtol=1e-6, max_seconds=0.1
+    )
     assert slow.stopped == "time_limit" and slow.hvps < 10_000
     # Q and AQ hold 16 n bytes a row, each probe n bytes: under a cap of 320 n bytes the
     # first round (16 rows, 16 probes: 272 n) fits, the second would not; the sketch
@@ -277,7 +283,9 @@ def test_hutchinson_diagonal() -> None:
     assert out.error == pytest.approx(np.sqrt(np.mean(out.stderr**2)))
 
 
-def test_hutchinson_diagonal_stops_early_on_an_easy_problem_and_reaches_a_hard_target() -> None:
+def test_hutchinson_diagonal_stops_early_on_an_easy_problem_and_reaches_a_hard_target(
+    fake_clock,
+) -> None:
     easy = np.diag(np.linspace(1.0, 2.0, 300)) + 0.002 * symmetric(300, seed=13)
     fast = hutchinson_diagonal(Counting(easy), 300, max_hvps=10_000, rtol=0.01)
     assert fast.stopped == "tolerance" and fast.hvps == 32
@@ -290,7 +298,7 @@ def test_hutchinson_diagonal_stops_early_on_an_easy_problem_and_reaches_a_hard_t
         np.sqrt(np.mean((out.diagonal - truth) ** 2)) < 2 * out.error
     )  # the reported error is the real one
     slow = hutchinson_diagonal(
-        Counting(a, delay=0.02), 100, max_hvps=10_000, rtol=1e-6, max_seconds=0.05
+        Counting(a, delay=0.02, clock=fake_clock), 100, max_hvps=10_000, rtol=1e-6, max_seconds=0.05
     )
     assert slow.stopped == "time_limit" and not slow.converged
 
@@ -319,7 +327,7 @@ def test_power_iteration_matches_eigh(n: int, k: int) -> None:
     assert np.all(out.residuals <= 1e-10 * 12)
 
 
-def test_power_iteration_deflates_converged_vectors() -> None:
+def test_power_iteration_deflates_converged_vectors(fake_clock) -> None:
     # The top eigenvalue converges fast (|5 / 100|), the second slowly (|4.5 / 5|): once
     # the first is locked, each step costs one HVP, not two.
     spectrum = np.concatenate([[100.0, 5.0, 4.5], np.linspace(-1, 1, 97)])
@@ -332,7 +340,9 @@ def test_power_iteration_deflates_converged_vectors() -> None:
     capped = power_iteration(Counting(a), 100, k=2, tol=1e-14, max_hvps=30)
     assert capped.stopped == "max_hvps" and not capped.converged and capped.hvps <= 30
     assert len(capped.eigenvalues) == 2
-    slow = power_iteration(Counting(a, delay=0.02), 100, k=2, tol=1e-14, max_seconds=0.05)
+    slow = power_iteration(
+        Counting(a, delay=0.02, clock=fake_clock), 100, k=2, tol=1e-14, max_seconds=0.05
+    )
     assert slow.stopped == "time_limit"
     with pytest.raises(ValueError, match="k must be between 1 and n = 100"):
         power_iteration(Counting(a), 100, k=101)
@@ -411,7 +421,7 @@ def test_slq_density_matches_the_exact_eigenvalues() -> None:
     assert abs(np.mean(means) - eigenvalues.mean()) < 4 * stderr
 
 
-def test_slq_limits() -> None:
+def test_slq_limits(fake_clock) -> None:
     a = symmetric(100, seed=20)
     cut = spectral_density(Counting(a), 100, probes=4, steps=30, max_hvps=50)
     assert cut.stopped == "max_hvps" and cut.hvps == 50 and not cut.converged
@@ -422,7 +432,9 @@ def test_slq_limits() -> None:
     assert grouped.probes == 5 and grouped.hvps == 50  # two probes at a time fit
     with pytest.raises(ValueError, match="exceeds max_basis_bytes"):
         spectral_density(Counting(a), 100, steps=10, max_basis_bytes=100)
-    slow = spectral_density(Counting(a, delay=0.02), 100, probes=2, steps=50, max_seconds=0.05)
+    slow = spectral_density(
+        Counting(a, delay=0.02, clock=fake_clock), 100, probes=2, steps=50, max_seconds=0.05
+    )
     assert slow.stopped == "time_limit" and slow.probes == 2
     grid = np.linspace(-10, 10, 11)
     np.testing.assert_array_equal(spectral_density(Counting(a), 100, grid=grid).grid, grid)

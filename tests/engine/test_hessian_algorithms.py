@@ -5,8 +5,6 @@ FlatOperator on a real HessianOperator against gt.hessian."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -17,6 +15,7 @@ from engine.hessian_algorithms import (
     hutchinson_trace,
     lanczos,
 )
+from tests.engine.clock import FakeClock
 
 
 def symmetric(n: int, seed: int, spectrum: np.ndarray | None = None) -> np.ndarray:
@@ -27,20 +26,25 @@ def symmetric(n: int, seed: int, spectrum: np.ndarray | None = None) -> np.ndarr
 
 
 class Counting:
-    """matvec over a dense matrix that counts the vectors it was given."""
+    """matvec over a dense matrix that counts the vectors it was given. With `delay`,
+    each call takes that many seconds of `clock` (the fake_clock fixture, installed as
+    the budgets' clock): time moves by exactly that much per call, however loaded the
+    machine."""
 
-    def __init__(self, a: np.ndarray, delay: float = 0.0):
+    def __init__(self, a: np.ndarray, delay: float = 0.0, clock: FakeClock | None = None):
+        assert not delay or clock is not None, "a slow operator needs the fake_clock fixture"
         self.a = a
         self.vectors = 0
         self.calls = 0
         self.delay = delay
+        self.clock = clock
 
     def __call__(self, v: np.ndarray) -> np.ndarray:
         assert v.ndim == 2 and v.shape[1] == self.a.shape[0]
         self.vectors += v.shape[0]
         self.calls += 1
-        if self.delay:
-            time.sleep(self.delay)
+        if self.delay and self.clock is not None:
+            self.clock.advance(self.delay)
         return v @ self.a  # a is symmetric: (A v_i)^T for each row v_i
 
 
@@ -101,12 +105,12 @@ def test_lanczos_restarts_after_an_invariant_subspace() -> None:
     np.testing.assert_allclose(out.eigenvalues, [5, 5, 3, 3, 1, -2], atol=1e-9)
 
 
-def test_lanczos_limits_are_reported() -> None:
+def test_lanczos_limits_are_reported(fake_clock) -> None:
     a = symmetric(200, seed=3)
     out = lanczos(Counting(a), 200, k=3, tol=1e-14, max_hvps=10)
     assert not out.converged and out.stopped == "max_hvps"
     assert out.hvps == 10 and out.iterations == 10 and len(out.eigenvalues) == 3
-    slow = lanczos(Counting(a, delay=0.01), 200, k=1, tol=1e-14, max_seconds=0.05)
+    slow = lanczos(Counting(a, delay=0.01, clock=fake_clock), 200, k=1, tol=1e-14, max_seconds=0.05)
     assert slow.stopped == "time_limit" and not slow.converged and 1 <= slow.hvps < 30
     with pytest.raises(ValueError, match="at least 5 HVPs"):
         lanczos(Counting(a), 200, k=5, max_hvps=3)
@@ -150,14 +154,14 @@ def test_hutchinson_is_exact_for_a_diagonal_matrix() -> None:
     assert few.trace == pytest.approx(55.0) and few.stderr == np.inf and not few.converged
 
 
-def test_hutchinson_stops_at_the_tolerance_and_the_time_limit() -> None:
+def test_hutchinson_stops_at_the_tolerance_and_the_time_limit(fake_clock) -> None:
     a = symmetric(30, seed=6) + 10 * np.eye(30)
     out = hutchinson_trace(Counting(a), 30, batch_size=8, max_hvps=10000, rtol=0.02)
     assert out.stopped == "tolerance" and out.converged
     assert out.stderr <= 0.02 * abs(out.trace) and out.samples < 10000
     assert out.samples % 8 == 0 and out.batches >= 2
     slow = hutchinson_trace(
-        Counting(a, delay=0.02), 30, batch_size=2, max_hvps=1000, max_seconds=0.05
+        Counting(a, delay=0.02, clock=fake_clock), 30, batch_size=2, max_hvps=1000, max_seconds=0.05
     )
     assert slow.stopped == "time_limit" and not slow.converged and slow.samples < 1000
     last = hutchinson_trace(Counting(a), 30, batch_size=16, max_hvps=20)
@@ -188,7 +192,7 @@ def test_cg_solves_a_positive_definite_system(damping: float) -> None:
     assert true < 1e-8
 
 
-def test_cg_limits_and_negative_curvature() -> None:
+def test_cg_limits_and_negative_curvature(fake_clock) -> None:
     rng = np.random.default_rng(8)
     m = rng.standard_normal((80, 80))
     a = m @ m.T + np.eye(80)
@@ -198,7 +202,9 @@ def test_cg_limits_and_negative_curvature() -> None:
     assert capped.residuals[-1] < 1.0
     by_hvps = conjugate_gradient(Counting(a), b, tol=1e-14, max_hvps=3)
     assert by_hvps.stopped == "max_hvps" and by_hvps.hvps == 3
-    slow = conjugate_gradient(Counting(a, delay=0.02), b, tol=1e-14, max_seconds=0.05)
+    slow = conjugate_gradient(
+        Counting(a, delay=0.02, clock=fake_clock), b, tol=1e-14, max_seconds=0.05
+    )
     assert slow.stopped == "time_limit" and slow.hvps < 20
     indefinite = np.diag([1.0, -1.0])
     out = conjugate_gradient(Counting(indefinite), np.array([0.0, 1.0]))
@@ -277,3 +283,24 @@ def test_float32_operator_gives_float32_precision() -> None:
     top = lanczos(flat.matvec, flat.n, k=1, tol=1e-5)
     assert top.eigenvalues[0] == pytest.approx(np.linalg.eigvalsh(h)[-1], rel=1e-4)
     assert [p.dtype for p in flat.unflatten(np.zeros(flat.n))] == [np.float32] * 3
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_flat_operator_for_scipy_in_the_primals_dtype(dtype: str) -> None:
+    """linear_operator(): SciPy's view of the operator in the primals' dtype (eigsh runs
+    on it); matvec keeps a float input's dtype and answers what the float64 path does."""
+    from scipy.sparse.linalg import eigsh
+
+    operator, h = mlp_operator(dtype)
+    flat = FlatOperator(operator)
+    lin = flat.linear_operator()
+    assert lin.dtype == np.dtype(dtype) and lin.shape == (24, 24)
+    rtol = 1e-10 if dtype == "float64" else 1e-4
+    rows = np.random.default_rng(4).standard_normal((3, 24))
+    same = flat.matvec(rows.astype(dtype))
+    assert same.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(same, rows @ h, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(lin.matvec(rows[0].astype(dtype)), h @ rows[0], rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(lin.matmat(rows.T.astype(dtype)), h @ rows.T, rtol=rtol, atol=rtol)
+    values = eigsh(lin, k=3, which="LA", return_eigenvectors=False, v0=np.ones(24, dtype))
+    np.testing.assert_allclose(np.sort(values), np.linalg.eigvalsh(h)[-3:], rtol=rtol, atol=rtol)

@@ -622,3 +622,23 @@ def test_grad_tapes_are_closed_when_a_run_fails() -> None:
     with pytest.raises(ExecutionError):
         evaluate(defn, "loss", ["b"])
     assert not trace.active_tapes
+
+
+def test_float_class_indices_say_they_need_an_integer_dtype() -> None:
+    """Issue 27, item 9: float labels of the shape of class indices are indices sent as
+    floats; the error says so (not a shape mismatch), in the language and the engine."""
+    defn = {
+        "variables": {"logits": np.zeros((4, 3))},
+        "inputs": {"labels": np.array([0.0, 2.0, 1.0, 1.0])},
+        "program": ["loss = softmax_cross_entropy(logits, labels)"],
+    }
+    (only,) = problems(defn)
+    assert "integer class indices need an integer dtype" in only and "float64" in only
+    with pytest.raises(ValueError, match="integer class indices need an integer dtype"):
+        gt.softmax_cross_entropy(np.zeros((4, 3)), np.array([0.0, 2.0, 1.0, 1.0]))
+    # Soft labels of the logits' shape still work; so do integer indices.
+    soft = np.full((4, 3), 1 / 3)
+    assert np.isfinite(gt.softmax_cross_entropy(np.zeros((4, 3)), soft).numpy())
+    assert gt.softmax_cross_entropy(np.zeros((4, 3)), np.array([0, 2, 1, 1])).numpy() == (
+        pytest.approx(np.log(3))
+    )

@@ -10,10 +10,11 @@ middle of a long Hutchinson trace or a long gradient.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -158,25 +159,66 @@ def test_a_disconnected_tape_recording_leaves_no_tape(solo: Server) -> None:
 
 def test_a_queued_request_whose_client_left_never_runs(solo: Server) -> None:
     """Two long requests: the first computes, the second waits; both clients hang up.
-    Neither holds the worker afterwards."""
-    import threading
+    Neither holds the worker afterwards, and the queued one is never handed to it.
 
-    threads = [
-        threading.Thread(
-            target=send_and_hang_up,
-            args=(
-                solo,
-                "/v1/gradient",
-                {"definition": chain(700, 14), "target": "loss", "time_limit": 300},
-                1.0,
-            ),
+    Events, not a clock (issue 27, item 13): the second is sent once the worker is busy
+    with the first, its client leaves once it is queued, and the first's once the queue
+    is empty again; then, the worker idle, what it was handed is counted
+    (gradtape_worker_requests_total): the first request, then the small gradient that
+    follows, never the one that left the queue."""
+    long = {"definition": chain(700, 14), "target": "loss", "time_limit": 300}
+    before = _handed(solo)
+    with _sent(solo, "/v1/gradient", long) as computing:
+        _until(solo, lambda m: _counter(m, "gradtape_workers_busy") == 1)
+        with _sent(solo, "/v1/gradient", long):
+            _until(solo, lambda m: _counter(m, "gradtape_queue_depth") == 1)
+        # Its client gone, the queued request leaves the queue; the first still computes.
+        _until(solo, lambda m: _counter(m, "gradtape_queue_depth") == 0)
+        computing.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            early = computing.recv(4096)
+            raise AssertionError(f"answered before the hang-up: {early[:500]!r}")
+    _until(solo, lambda m: _counter(m, "gradtape_workers_busy") == 0)
+    quick_gradient(solo)  # the worker serves the next request
+    assert _handed(solo) - before == 2  # the first long request and the quick gradient
+
+
+@contextlib.contextmanager
+def _sent(srv: Server, path: str, body: dict) -> Iterator[socket.socket]:
+    """POST `body` on a raw socket, held open (the request computes or waits) until the
+    block ends, when the client hangs up."""
+    url = urlsplit(srv.base_url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
         )
-        for _ in range(2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    hung_up = time.perf_counter()
-    quick_gradient(solo)
-    assert time.perf_counter() - hung_up < 1.0
+        yield sock
+
+
+def _metrics(srv: Server) -> str:
+    return httpx.get(f"{srv.base_url}/metrics", timeout=10).text
+
+
+def _counter(text: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))
+    )
+
+
+def _handed(srv: Server) -> float:
+    return _counter(_metrics(srv), "gradtape_worker_requests_total")
+
+
+def _until(srv: Server, ready: Callable[[str], bool], guard: float = 120.0) -> None:
+    """Poll /metrics until `ready` holds. `guard` only stops a hang: no assertion
+    depends on how soon it holds."""
+    deadline = time.monotonic() + guard
+    while not ready(_metrics(srv)):
+        assert time.monotonic() < deadline, "the server did not settle"
+        time.sleep(0.05)

@@ -201,6 +201,27 @@ def test_rows_select_a_mini_batch(client) -> None:
     assert "0..40" in body["detail"], body
 
 
+@pytest.mark.parametrize("rows", [[], {"start": 5, "stop": 5}, {"start": 30, "stop": 10}])
+def test_an_empty_mini_batch_is_refused(client, rows) -> None:
+    """Issue 27, item 9: an empty mini-batch used to answer a loss of zero."""
+    put_msgpack(client, "logit", {"X": X, "Y": Y})
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={
+                "definition": {
+                    "variables": {"w": t(W, "float64")},
+                    "inputs": {"dataset": "logit", "rows": rows},
+                    "program": PROGRAM,
+                },
+                "target": "loss",
+            },
+        ),
+        422,
+    )
+    assert "rows" in str(body) and ("at least 1" in str(body) or "no row" in body["detail"]), body
+
+
 def test_unknown_dataset_or_array(client) -> None:
     body = problem(
         client.post(

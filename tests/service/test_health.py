@@ -56,6 +56,18 @@ def test_swagger_ui_is_served_locally(client) -> None:
     assert version and int(version.group(1)) >= 5  # OpenAPI 3.1 needs Swagger UI 5
 
 
+def test_the_root_leads_a_browser_to_the_docs(client) -> None:
+    """Issue 27, item 9: GET / was a 404; a browser (Accept: text/html) is redirected to
+    /docs, a program gets the links as JSON."""
+    browser = {"accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    r = client.get("/", headers=browser)
+    assert r.status_code == 307 and r.headers["location"] == "/docs"
+    assert client.get("/", headers=browser, follow_redirects=True).status_code == 200
+    links = client.get("/", headers={"accept": "application/json"})
+    assert links.status_code == 200 and links.json()["docs"] == "/docs"
+    assert client.get(links.json()["openapi"]).status_code == 200
+
+
 def test_redoc_is_served_locally(client) -> None:
     page = client.get("/redoc")
     assert page.status_code == 200 and "fonts.googleapis" not in page.text

@@ -113,6 +113,21 @@ def test_products_match_the_dense_matrices(client, tape_id, curvature: str) -> N
     np.testing.assert_allclose(got, vs @ TRUTH[curvature].T, rtol=1e-9, atol=1e-11)
 
 
+def test_curvlinops_empirical_fisher_by_name(client, tape_id) -> None:
+    """Issue 27, item 7: `empirical_fisher_terms` (curvlinops' convention) is served; on
+    this softmax over (N, C) averaged over the examples each example is one term, so it
+    is the same matrix as ours (tests/engine/test_fisher_conventions.py has the cases
+    where they differ, against curvlinops' recorded answers)."""
+    vs = np.random.default_rng(2).standard_normal((2, P))
+    answer = post(
+        client,
+        f"/v1/tapes/{tape_id}/hvp",
+        {"vectors": [split(v) for v in vs], "curvature": "empirical_fisher_terms"},
+    )
+    got = np.stack([flat(h) for h in answer["hvps"]])
+    np.testing.assert_allclose(got, vs @ TRUTH["empirical_fisher"].T, rtol=1e-9, atol=1e-11)
+
+
 def test_the_hessian_is_the_default_and_unchanged(client, tape_id) -> None:
     v = split(np.linspace(-1, 1, P))
     plain = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": v})
@@ -315,6 +330,22 @@ def test_influence_runs_as_a_job(client, tape_id) -> None:
     assert job["state"] == "succeeded", job
     assert job["result"]["scores"] == sync["scores"]
     assert job["progress"]["done"] == sync["hvps"] and job["progress"]["unit"] == "hvps"
+
+
+def test_influence_defaults_to_the_ggn_where_the_hessian_is_indefinite(client, tape_id) -> None:
+    """Issue 27, item 1: this Hessian has eigenvalues down to -0.30, so with the default
+    damping (1e-3) CG on it stops at negative curvature and its scores mean nothing. The
+    default is the GGN (positive semi-definite for the cross-entropy): it converges."""
+    assert np.linalg.eigvalsh(TRUTH["hessian"])[0] < -0.1
+    url = f"/v1/tapes/{tape_id}/influence"
+    found = post(client, url, {"rows": [0, 1, 2], "tol": 1e-10, "max_iterations": 200})
+    assert found["curvature"] == "ggn" and found["converged"], found["stopped"]
+    np.testing.assert_allclose(
+        found["scores"], _expected_scores("ggn", X[:3], Y[:3], 1e-3), rtol=1e-6, atol=1e-9
+    )
+    # The Hessian, asked by name, says it stopped and why (the SDK warns on it).
+    hessian = post(client, url, {"rows": [0, 1, 2], "curvature": "hessian"})
+    assert not hessian["converged"] and hessian["stopped"] == "negative_curvature"
 
 
 # ----------------------------------------------------------------------------------------

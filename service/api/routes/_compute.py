@@ -56,7 +56,7 @@ def register(
     request model as its body and op's documentation."""
     endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
     endpoint.__name__ = endpoint.__qualname__ = op.name  # for tracebacks and logs
-    endpoint.may_run_jobs = op.job  # type: ignore[attr-defined]  (bodies.GatedRoute)
+    endpoint.may_run_jobs = op.job  # type: ignore[attr-defined]  # read by bodies.GatedRoute
     responses = job_responses if op.job else compute_responses
     router.post(
         op.path,
@@ -88,6 +88,13 @@ async def resolve_onnx(definition: Definition | None, owner: str, models: ModelC
             model.onnx = await models.onnx_file(
                 owner, model.stored, f"definition.models.{name}.stored"
             )
+
+
+def as_job(request: Request, body: Any, op: Operation) -> None:
+    """Mark a body that will run as a job (`Prefer: respond-async` asks as `"async":
+    true` does) before its payload is built: a job's time limit is its own budget."""
+    if op.job and prefers_async(request) and hasattr(body, "run_async"):
+        body.run_async = True
 
 
 async def respond(

@@ -15,7 +15,13 @@ from starlette.responses import Response
 from service.api import payloads
 from service.api.bodies import GatedRoute
 from service.api.deps import ComputeDep
-from service.api.routes._compute import Operation, register, respond, stored_definition
+from service.api.routes._compute import (
+    Operation,
+    as_job,
+    register,
+    respond,
+    stored_definition,
+)
 from service.api.schemas import (
     GradientRequest,
     GradientResponse,
@@ -39,6 +45,7 @@ def _derivative(name: str, kind: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, compute: ComputeDep) -> Response:
         owner, services = compute.owner, compute.services
+        as_job(request, body, op)
         stored = await stored_definition(body, owner, services.models)
         prepared = op.build(body, services.settings, stored)
         sharding = (

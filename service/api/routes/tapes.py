@@ -30,7 +30,13 @@ from service.api.openapi import (
     msgpack_body,
     problem_responses,
 )
-from service.api.routes._compute import Operation, register, respond, stored_definition
+from service.api.routes._compute import (
+    Operation,
+    as_job,
+    register,
+    respond,
+    stored_definition,
+)
 from service.api.schemas import (
     GradientResponse,
     JacobianResponse,
@@ -210,6 +216,7 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep) -> Response:
         owner, services = compute.owner, compute.services
+        as_job(request, body, op)
         prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
 
         def call() -> Awaitable[Reply]:
@@ -247,7 +254,8 @@ TAPE_OPERATIONS = (
         curvature matrix: `ggn` J^T H_L J v (a JVP through the model, the loss's Hessian on
         the output, a VJP back; J is never formed), `fisher` (exact for softmax or sigmoid
         cross-entropy and squared error, where it is the GGN; Monte-Carlo with `samples`),
-        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum).
+        `empirical_fisher` (c sum_i g_i g_i^T v with c = 1/N for a mean loss, 1 for a sum),
+        or `empirical_fisher_terms` (curvlinops' convention: one gradient per loss term).
         The first such request records the model and loss once more, cut at the output;
         later ones reuse it.""",
     ),

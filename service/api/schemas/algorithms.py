@@ -84,6 +84,12 @@ class TraceResponse(BaseModel):
         description="exhausted (exact: every direction was taken), "
         "tolerance, max_hvps or time_limit."
     )
+    partial: bool = Field(
+        False,
+        description="True when method exact stopped before taking every direction "
+        "(time_limit): `trace` is then n x the mean diagonal entry seen, with its stderr, "
+        "not the exact trace.",
+    )
     hvps: int
     seconds: float
     nonfinite: list[str] | None = nonfinite_flag()

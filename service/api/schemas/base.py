@@ -4,6 +4,8 @@ and a sharded tape's options."""
 
 from __future__ import annotations
 
+import functools
+import typing
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -54,7 +56,36 @@ class RequestModel(StrictModel):
                     "the body is not valid msgpack: {reason}",
                     {"reason": str(exc) or type(exc).__name__},
                 ) from None
+        return _integral_floats(cls, data)
+
+
+def _integral_floats(model: type[RequestModel], data: Any) -> Any:
+    """JSON Schema's "integer" includes 703.0 (a number with no fraction): the request's
+    integer options accept it as 703, so that the schema and the validator agree (issue
+    25). Strict otherwise: 703.5, "703" and true stay refused."""
+    if not isinstance(data, dict):
         return data
+    ints = _integer_fields(model)
+    if not ints.intersection(data):
+        return data
+    return {
+        k: int(v) if k in ints and type(v) is float and v.is_integer() else v
+        for k, v in data.items()
+    }
+
+
+@functools.cache
+def _integer_fields(model: type[RequestModel]) -> frozenset[str]:
+    """The body keys (aliases) of the model's integer fields (int, or int | None)."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        args = tuple(
+            typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args
+        )
+        if int in args and bool not in args:
+            keys.add(field.alias or name)
+    return frozenset(keys)
 
 
 ModelName = Annotated[
@@ -176,14 +207,17 @@ class ShardOptions(RequestModel):
         "that has an axis (a 422 asks you to name them when their first axes differ).",
         examples=[["x", "y"]],
     )
-    shard_reduction: ShardReduction = Field(
-        ShardReduction.mean,
-        description="How the parts add up. `mean` (default): the "
+    shard_reduction: ShardReduction | None = Field(
+        None,
+        description="How the parts add up. `mean`: the "
         "target is a mean over the batch, the parts are weighted by their share n_i / N "
         "(terms that do not depend on the batch, such as a weight penalty, stay exact). "
         "`sum`: the target is a sum over the batch, the parts are added (a term that does "
         "not depend on the batch would count once per part: keep such terms out of a "
-        "sum-reduced sharded target).",
+        "sum-reduced sharded target). Absent: read from the program where the target's "
+        "line says it plainly (`sum(...)`, `mean(...)`, a loss op's `reduction`, possibly "
+        "scaled); where it does not (a sum of terms, say), a 422 asks for it. One given "
+        "that contradicts the program is a 422 too: never a silently wrong total.",
     )
 
     @model_validator(mode="after")

@@ -146,10 +146,12 @@ class RowSlice(StrictModel):
 Rows = TypeAliasType(
     "Rows",
     Annotated[
-        list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]] | RowSlice,
+        Annotated[list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]], Field(min_length=1)]
+        | RowSlice,
         Field(
-            description="A mini-batch: row indices of axis 0, or a slice {start, stop, "
-            "step}; a row past the array's end is a 422 naming the bound."
+            description="A mini-batch: row indices of axis 0 (at least one), or a slice "
+            "{start, stop, step} selecting at least one; a row past the array's end is a "
+            "422 naming the bound."
         ),
     ],
 )
@@ -233,7 +235,8 @@ class Definition(StrictModel):
         None,
         description="The dtype of bare numbers and lists in this definition (default "
         "float32); tensors that name their dtype keep it. Mixing dtypes in an op stays an "
-        "error (use cast).",
+        "error (use cast). float64 also runs the definition's float32 ONNX models in "
+        "float64; another dtype than a model's own is refused, never applied by rounding.",
     )
 
 

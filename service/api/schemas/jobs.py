@@ -83,6 +83,12 @@ class JobProgress(BaseModel):
         description="Seconds left at the current pace if the whole budget is used "
         "(within max_seconds); null when unknown.",
     )
+    max_seconds: float | None = Field(
+        None,
+        description="The seconds the algorithm may run: within the job's own time budget "
+        "(the server's job_time_limit, or the request's time_limit), not the "
+        "synchronous one; null when unknown.",
+    )
 
 
 class JobInfo(BaseModel):

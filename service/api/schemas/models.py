@@ -28,7 +28,7 @@ class ModelCreateRequest(RequestModel):
             "examples": [
                 {
                     "name": "clipped-square",
-                    "description": "SCENARIOS.md 4: a custom gradient that clips to norm 0.5",
+                    "description": "a custom gradient that clips to norm 0.5",
                     "definition": {
                         "variables": {"v": 2.0},
                         "functions": {

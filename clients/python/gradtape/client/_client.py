@@ -20,8 +20,10 @@ import numpy as np
 
 from . import _core
 from ._core import HTTPRequest, HTTPResponse, Retry, Sleep, flat_point
+from .curvature import per_example_op
 from .jobs import Job, JobStatus
 from .models import Models
+from .results import STRICT
 from .tape import RemoteTape
 
 # Long enough for a computation at the server's default max_time_limit (300 s).
@@ -67,6 +69,27 @@ class ApiMethods:
             **_sharding(shards, shard_by, shard_reduction),
         }
         return self._run(_core.gradient(self._core, definition, target, sources, model, options))
+
+    def per_example(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        output: str,
+        gradients: bool = False,
+        model: str | None = None,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """Per-example gradients' statistics (`PerExample`; the gradients too with
+        `gradients=True`) of a definition or stored `model` whose `output` line holds the
+        examples along its first axis, in one batched pass, nothing kept (as
+        `tape.per_example()`)."""
+        options = {"output": output, "gradients": gradients, "time_limit": time_limit}
+        return self._run(
+            per_example_op(self._core, definition, target, sources, model, options, progress)
+        )
 
     def jacobian(
         self,
@@ -196,8 +219,9 @@ class ApiMethods:
         model's output (the loss's lines follow it): the tape then answers the
         Gauss-Newton and Fisher curvatures (`curvature=` on its methods) and `influence`.
         `shards=n` splits the batch (the inputs `shard_by` names, default every input with
-        an axis) over n workers; `shard_reduction` says how the parts add up ("mean", the
-        default, for a mean loss; "sum" for a sum): every answer equals the unsharded one.
+        an axis) over n workers; `shard_reduction` says how the parts add up ("mean" for a
+        mean loss, "sum" for a sum; left out, the server reads it from the target's line,
+        or asks for it): every answer equals the unsharded one.
 
         A PyTorch `nn.Module` (or a `TorchModel` from `models.put_torch`) in place of the
         definition: `client.tape(model, loss="cross_entropy", data=(X, y))` bridges it
@@ -317,7 +341,9 @@ class Client(ApiMethods):
     `Client(url, api_key=None, transport="msgpack" | "json", timeout=..., retry=Retry())`;
     `with Client(...) as client:` closes its connections at the end. msgpack sends tensors
     as raw bytes; json as base64 (both exact). Every error answer raises a
-    `GradtapeError`; a 503 is retried first as `retry` says.
+    `GradtapeError`; a 503 is retried first as `retry` says. An answer whose `converged`
+    is false warns (`UnconvergedWarning`, naming why it stopped); with `strict=True` it
+    raises `Unconverged` instead.
     """
 
     def __init__(
@@ -329,9 +355,11 @@ class Client(ApiMethods):
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         retry: Retry | None = None,
         http: httpx.Client | None = None,
+        strict: bool = False,
     ):
         self._core = _core.Core(transport, api_key, retry or Retry())
         self._http = http or httpx.Client(**_client_options(url, timeout))
+        self.strict = strict
 
     def _send(self, request: HTTPRequest) -> HTTPResponse:
         r = self._http.request(
@@ -342,6 +370,7 @@ class Client(ApiMethods):
     def _run(self, op: Generator[Any, Any, Any]) -> Any:
         reply: Any = None
         interrupt: BaseException | None = None
+        strict = STRICT.set(self.strict)  # read where an answer is built (results.py)
         try:
             while True:
                 # A Ctrl-C during I/O goes into the operation, so that it can clean up
@@ -358,6 +387,8 @@ class Client(ApiMethods):
                     interrupt = exc
         except StopIteration as done:
             return done.value
+        finally:
+            STRICT.reset(strict)
 
     def close(self) -> None:
         self._http.close()
@@ -384,9 +415,11 @@ class AsyncClient(ApiMethods):
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         retry: Retry | None = None,
         http: httpx.AsyncClient | None = None,
+        strict: bool = False,
     ):
         self._core = _core.Core(transport, api_key, retry or Retry())
         self._http = http or httpx.AsyncClient(**_client_options(url, timeout))
+        self.strict = strict
 
     async def _send(self, request: HTTPRequest) -> HTTPResponse:
         r = await self._http.request(
@@ -397,6 +430,7 @@ class AsyncClient(ApiMethods):
     async def _drive(self, op: Generator[Any, Any, Any]) -> Any:
         reply: Any = None
         interrupt: BaseException | None = None
+        strict = STRICT.set(self.strict)  # this task's context only
         try:
             while True:
                 # A cancelled task's CancelledError goes into the operation first (a job
@@ -413,6 +447,8 @@ class AsyncClient(ApiMethods):
                     interrupt = exc
         except StopIteration as done:
             return done.value
+        finally:
+            STRICT.reset(strict)
 
     def _run(self, op: Generator[Any, Any, Any]) -> Any:
         return self._drive(op)

@@ -8,9 +8,12 @@ the array itself. Each result unpacks like a tuple of its main fields:
 
 from __future__ import annotations
 
+import contextvars
+import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +49,73 @@ class _Unpack:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(getattr(self, name) for name in self._unpack)
+
+
+# Unconverged answers ---------------------------------------------------------------------
+# An answer whose `converged` is false looks like any other; so building one warns (an
+# UnconvergedWarning naming why it stopped), or under `Client(strict=True)` raises
+# Unconverged. The client sets STRICT around each call it runs (a context variable, so
+# that an AsyncClient's concurrent tasks each see their own client's setting).
+STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("gradtape_strict", default=False)
+
+_PACKAGE = __name__.rsplit(".", 1)[0]
+
+
+class UnconvergedWarning(UserWarning):
+    """An answer stopped before it converged (`result.stopped` says why); its numbers are
+    partial. `warnings.simplefilter("error", UnconvergedWarning)` or `Client(strict=True)`
+    makes it an error."""
+
+
+class Unconverged(RuntimeError):
+    """Raised instead of UnconvergedWarning under `Client(strict=True)`; `result` is the
+    partial answer."""
+
+    def __init__(self, message: str, result: Any):
+        super().__init__(message)
+        self.result = result
+
+
+_ADVICE = {
+    "negative_curvature": "the curvature plus damping is not positive definite along a "
+    "direction CG met: raise `damping`, or use curvature='ggn'",
+    "time_limit": "raise `time_limit` (or `max_seconds`), or run it as a job (progress=True)",
+    "max_hvps": "raise `max_hvps`",
+    "max_iterations": "raise `max_iterations`",
+}
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside this package (the user's call)."""
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class _Converges(_Unpack):
+    converged: bool
+    stopped: str
+    if TYPE_CHECKING:  # every subclass has it (not a field here: it would move theirs)
+        hvps: int
+
+    def __post_init__(self) -> None:
+        if self.converged:
+            return
+        name = type(self).__name__
+        what = f"{name} (method {self.method!r})" if hasattr(self, "method") else name
+        if getattr(self, "partial", None) is True or (
+            name == "Diagonal" and getattr(self, "diagonal", 0) is None
+        ):
+            what += ", a partial run"
+        message = (
+            f"{what} did not converge: stopped {self.stopped!r} after {self.hvps} HVPs; "
+            f"the answer is partial. {_ADVICE.get(self.stopped, '')}".rstrip()
+        )
+        if STRICT.get():
+            raise Unconverged(message, self)
+        warnings.warn(UnconvergedWarning(message), stacklevel=_caller_stacklevel())
 
 
 @dataclass(frozen=True)
@@ -125,7 +195,7 @@ class HVP(_Unpack):
 
 
 @dataclass(frozen=True)
-class Eigenvalues(_Unpack):
+class Eigenvalues(_Converges):
     """Extreme eigenvalues of a tape's Hessian (Lanczos, or deflated power iteration):
     sorted as asked (LA descending, SA ascending, LM by magnitude), with residuals,
     eigenvectors when asked (one per eigenvalue, in the tape's source structure), and
@@ -150,9 +220,11 @@ class Eigenvalues(_Unpack):
 
 
 @dataclass(frozen=True)
-class Trace(_Unpack):
+class Trace(_Converges):
     """A tape's Hessian trace (exact, or estimated by Hutch++ or Hutchinson) and its
-    standard error (0 when exact); `method` is the one that ran."""
+    standard error (0 when exact); `method` is the one that ran. `partial`: method exact
+    stopped before every direction (time_limit), so `trace` is an estimate from the
+    directions seen (and the result warns, as every unconverged one does)."""
 
     trace: float
     stderr: float | None
@@ -165,11 +237,12 @@ class Trace(_Unpack):
     seconds: float
     method: str = "hutchinson"
     sketch: int = 0
+    partial: bool = False
     _unpack = ("trace", "stderr")
 
 
 @dataclass(frozen=True)
-class Diagonal(_Unpack):
+class Diagonal(_Converges):
     """A tape's Hessian diagonal in the tape's source structure (exact, or Hutchinson's
     estimate with a standard error per entry: `stderr`, None when exact or unknown);
     `error` is the root-mean-square standard error. An exact run stopped by max_seconds
@@ -199,7 +272,7 @@ class Diagonal(_Unpack):
 
 
 @dataclass(frozen=True)
-class SpectralDensity(_Unpack):
+class SpectralDensity(_Converges):
     """The eigenvalue density of a tape's Hessian by stochastic Lanczos quadrature: the
     Gaussian-smoothed `density` on `grid` (integrating to 1) with its pointwise `stderr`,
     and per probe the Ritz `nodes` and their `weights` (each probe's sum to 1)."""
@@ -238,7 +311,7 @@ class SpectralDensity(_Unpack):
 
 
 @dataclass(frozen=True)
-class Solve(_Unpack):
+class Solve(_Converges):
     """x of (H + damping I) x = b by conjugate gradient, in the tape's source structure;
     `residuals` the relative residual from x = 0 and after each iteration."""
 
@@ -260,7 +333,7 @@ class Solve(_Unpack):
 
 
 @dataclass(frozen=True)
-class Influence(_Unpack):
+class Influence(_Converges):
     """Influence functions (Koh and Liang) on a tape recorded with an output: per training
     example i, `scores[i]` = -g_i . s_test (positive: harmful, up-weighting example i
     raises the test loss; negative: helpful) and `removal[i]`, the predicted change of

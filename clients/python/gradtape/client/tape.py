@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Self, TypedDict, Unpack
 import numpy as np
 
 from . import _core, _wire
+from .curvature import CurvatureMethods
 from .errors import TapeGone
 from .results import (
     Diagonal,
@@ -68,8 +69,9 @@ class EstimatorOptions(CurvatureOptions, total=False):
     seed: int | None
 
 
-class RemoteTape:
-    """A recorded tape on the server (made by `client.tape(...)`)."""
+class RemoteTape(CurvatureMethods):
+    """A recorded tape on the server (made by `client.tape(...)`); per-example
+    gradients, KFAC and Laplace fits come from CurvatureMethods (curvature.py)."""
 
     def __init__(
         self, client: ApiMethods, answer: dict[str, Any], definition: Any, target: str, sources: Any
@@ -461,6 +463,7 @@ class RemoteTape:
             seconds=a["seconds"],
             method=a.get("method", "hutchinson"),
             sketch=a.get("sketch", 0),
+            partial=a.get("partial", False),
         )
 
     def trace(
@@ -513,6 +516,13 @@ class RemoteTape:
         `options`: EstimatorOptions. `progress` as in `eigenvalues`."""
         body = self._body({"method": method, "seed": 0, **options})
         return self._run(self._diagonal_op(body, progress))
+
+    def frobenius_norm(self, *, progress: Any = False, **options: Unpack[EstimatorOptions]) -> Any:
+        """||C||_F^2 of the Hessian (or `curvature`) on the server, by Hutchinson on C^2,
+        as the answer's dict: `frobenius_norm_squared`, its `stderr` (None from fewer than
+        30 probes), `converged`, `stopped`, `samples`, `hvps`. `options`: EstimatorOptions.
+        `progress` as in `eigenvalues`."""
+        return self.call("frobenius-norm", progress=progress, **{"seed": 0, **options})
 
     def _density_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[SpectralDensity]:
         a = yield from self._ask("spectral-density", body, progress)
@@ -645,6 +655,7 @@ class RemoteTape:
         max_seconds: float | None = None,
         samples: int | None = None,
         fisher_seed: int | None = None,
+        preconditioner: str | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
@@ -653,15 +664,18 @@ class RemoteTape:
         read along the examples axis, e.g. {"x": ..., "y": ...}; arrays, or stored dataset
         arrays as in definitions) or training `rows`.
         s_test = (C + damping I)^-1 grad L_test by CG on the server's curvature C
-        (Hessian by default; "ggn" is positive semi-definite for convex losses), then
+        (the GGN by default, positive semi-definite for convex losses; with "hessian" on a
+        non-convex model CG may stop at negative curvature, and the SDK warns), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
-        with `output=`. `progress` as in `eigenvalues`."""
+        with `output=`. `preconditioner` "kfac" or "ekfac": CG preconditioned with the
+        damped inverse of the GGN's KFAC. `progress` as in `eigenvalues`."""
         body = self._options(
             rows=None if rows is None else [int(r) for r in np.asarray(rows).reshape(-1)],
             damping=damping,
             top_k=top_k,
             tol=tol,
             max_iterations=max_iterations,
+            preconditioner=preconditioner,
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             time_limit=time_limit,

@@ -1,0 +1,101 @@
+"""Issue 27, item 1: an answer whose `converged` is false never passes silently. Building
+it warns (`UnconvergedWarning`, naming why it stopped and what to raise); under
+`Client(strict=True)` (or `AsyncClient(strict=True)`) it raises `Unconverged`, carrying
+the partial answer. Influence uses the GGN by default, which converges where the
+Hessian of a trained non-convex model stops at negative curvature."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import numpy as np
+import pytest
+from gradtape.client import (
+    AsyncClient,
+    Client,
+    Definition,
+    Unconverged,
+    UnconvergedWarning,
+)
+
+
+def quadratic(n: int = 12) -> Definition:
+    """loss = x^T A x / 2 with A positive definite and well spread: CG needs n steps."""
+    rng = np.random.default_rng(27)
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    a = (q * np.linspace(1.0, 50.0, n)) @ q.T
+    return Definition(
+        "loss = 0.5 * sum(x * (A @ x))", variables={"x": rng.standard_normal(n)}, inputs={"A": a}
+    )
+
+
+def indefinite() -> Definition:
+    """A two-layer tanh regression at a point where its Hessian is indefinite."""
+    rng = np.random.default_rng(3)
+    return Definition(
+        """
+        out  = tanh(X @ w1) @ w2
+        loss = mean((out - y) ** 2)
+        """,
+        variables={"w1": rng.standard_normal((3, 6)) * 2, "w2": rng.standard_normal((6, 1)) * 2},
+        inputs={"X": rng.standard_normal((20, 3)), "y": rng.standard_normal((20, 1))},
+    )
+
+
+def test_an_unconverged_answer_warns_naming_why(client: Client) -> None:
+    with client.tape(quadratic(), "loss") as tape:
+        with pytest.warns(
+            UnconvergedWarning,
+            match="Solve did not converge: stopped "
+            "'max_iterations' after 1 HVPs.*raise `max_iterations`",
+        ):
+            step = tape.solve(max_iterations=1, tol=1e-12)
+        assert not step.converged and step.stopped == "max_iterations"
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            tape.solve(max_iterations=1, tol=1e-12)
+        assert seen[0].filename == __file__  # it points at the caller's line, not the SDK
+        with pytest.warns(UnconvergedWarning, match="Eigenvalues.*'max_hvps'"):
+            tape.eigenvalues(1, max_hvps=2, tol=1e-12)
+        # A converged answer says nothing.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert tape.solve(max_iterations=100, tol=1e-10).converged
+
+
+def test_strict_mode_raises_with_the_partial_answer(server) -> None:
+    with Client(server.base_url, strict=True) as client, client.tape(quadratic(), "loss") as tape:
+        with pytest.raises(Unconverged, match="stopped 'max_iterations'") as raised:
+            tape.solve(max_iterations=1, tol=1e-12)
+        assert raised.value.result.iterations == 1 and not raised.value.result.converged
+        assert tape.solve(max_iterations=100, tol=1e-10).converged  # no error when it is
+
+    async def main() -> None:
+        async with AsyncClient(server.base_url, strict=True) as client:
+            tape = await client.tape(quadratic(), "loss")
+            async with tape:
+                with pytest.raises(Unconverged):
+                    await tape.solve(max_iterations=1, tol=1e-12)
+        async with AsyncClient(server.base_url) as client:  # strict is per client
+            tape = await client.tape(quadratic(), "loss")
+            async with tape:
+                with pytest.warns(UnconvergedWarning):
+                    await tape.solve(max_iterations=1, tol=1e-12)
+
+    asyncio.run(main())
+
+
+def test_influence_uses_the_ggn_and_the_hessian_warns_at_negative_curvature(
+    client: Client,
+) -> None:
+    dense = client.hessian(indefinite(), "loss").matrix()
+    assert np.linalg.eigvalsh(dense)[0] < -1e-2  # indefinite, well beyond the damping
+    with client.tape(indefinite(), "loss", output="out") as tape:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            found = tape.influence(rows=[0, 1, 2], damping=1e-3, max_iterations=200)
+        assert found.curvature == "ggn" and found.converged
+        with pytest.warns(UnconvergedWarning, match="negative_curvature.*raise `damping`"):
+            hessian = tape.influence(rows=[0, 1, 2], curvature="hessian", damping=1e-3)
+        assert hessian.stopped == "negative_curvature"
