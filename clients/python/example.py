@@ -1,5 +1,5 @@
 """Calling gradtape from Python through a client generated from openapi/openapi.json with
-openapi-python-client (README.md, "Generating clients"):
+openapi-python-client (docs/guides/clients.md):
 
     openapi-python-client generate --path openapi/openapi.json --meta setup \
         --config clients/python/openapi-python-client.yaml \

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
         le=64,
         description="HTTP processes (uvicorn workers) sharing the port; each runs its own "
         "engine workers (or Ray actors on the shared cluster), and all share the store file: "
-        "tapes, jobs and rate limits are then read from it (README: Several HTTP processes)",
+        "tapes, jobs and rate limits are then read from it (docs/guides/sharding.md: Several HTTP processes)",
     )
 
     # Workers ------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class CurvatureKind(StrEnum):
     output's last axis, each of its term's summed loss, times 1/R for a loss that is
     (1/R) x their sum. They agree where an example is one term; squared error averaged
     over C outputs gives curvlinops' C times ours, a softmax per position another
-    matrix (README: Curvature)."""
+    matrix (docs/guides/curvature.md)."""
 
     hessian = "hessian"
     ggn = "ggn"

@@ -2,7 +2,7 @@
 the LeNet ONNX fixture (tests/engine/onnx/fixtures), tested for what it prints and what
 it draws, against the suite's server (--url) and against the server it starts itself.
 The reference answers come from the SDK asking the same server the same question about
-the same definition, and from the README's recorded eigenvalues."""
+the same definition, and from the ONNX guide's recorded eigenvalues."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_eigenvalues_json_and_plot(
     with Client(server.base_url) as client, client.tape(definition(), "loss") as tape:
         peer = tape.eigenvalues(3, tol=1e-8)
     np.testing.assert_allclose(answer["eigenvalues"], peer.eigenvalues, rtol=1e-6)
-    # The README's LeNet session records 4.2, 3.7, 3.6 for the same model and batch.
+    # The ONNX guide's LeNet session (docs/guides/pytorch.md) records 4.2, 3.7, 3.6.
     assert [round(v, 1) for v in answer["eigenvalues"]] == [4.2, 3.7, 3.6]
     assert "eigenvalues" in err and "hvp" in err  # the progress bar, on standard error
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

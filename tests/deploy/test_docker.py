@@ -368,7 +368,7 @@ def test_compose_ray_profiles(compose: dict) -> None:
         settings = settings_from({k: str(v) for k, v in head["environment"].items()})
         assert settings.executor == "ray" and settings.ray_address == "auto"
         assert settings.startup_timeout >= 120  # the worker nodes join after the head
-        # several HTTP processes share the head's store volume (README: Several HTTP
+        # several HTTP processes share the head's store volume (docs/guides/sharding.md: Several HTTP
         # processes); every one of them joins the head's Ray
         assert settings.http_workers >= 1 and settings.resolved_store_path() != ":memory:"
         assert f"--address={head_name}:6379 --block" in worker["entrypoint"][2]

@@ -11,7 +11,9 @@
   server, `http://localhost:8000` pointing at it.
 - A `json` block right after a run block is that block's expected output: the JSON
   documents it printed must equal it ("<...>" strings stand for any value).
-- The settings and problem-type tables are regenerated and compared.
+- The Docker commands and the generated tables (settings, problem types) moved with
+  their sections into the documentation site's guides: docs/guides/docker.md's Docker
+  commands are checked here, the tables in tests/deploy/test_guides.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy import readme_tables
 from tests.deploy.conftest import ROOT, Server, copy_files, make_venv, repo_files, run
 from tests.deploy.files import Block, Dockerfile, readme_blocks
 
@@ -38,6 +39,8 @@ README = ROOT / "README.md"
 LOCAL_URL = "http://localhost:8000"
 SESSION_TIMEOUT = 600.0
 BLOCKS = readme_blocks(README.read_text())
+DOCKER_GUIDE = ROOT / "docs" / "guides" / "docker.md"  # the Docker commands, not run here
+DOCKER_BLOCKS = readme_blocks(DOCKER_GUIDE.read_text())
 NODE = shutil.which("node") and shutil.which("npm")
 
 
@@ -102,22 +105,17 @@ def test_run_blocks_use_the_local_url() -> None:
         assert not others, f"README.md:{block.line}: {others}"
 
 
-@pytest.mark.parametrize("name", readme_tables.TABLES)
-def test_generated_table_is_current(name: str) -> None:
-    assert readme_tables.current(README.read_text(), name) == readme_tables.expected(name), (
-        f"README.md's {name} table is stale: run `python -m tests.deploy.readme_tables`"
-    )
-
-
 # --------------------------------------------------------------------------- Docker
 
 
 def test_docker_commands_are_listed_as_not_run() -> None:
-    docker = [b for b in BLOCKS if is_docker(b)]
-    assert docker and {b.section for b in docker} == {"Docker"}
-    text = README.read_text()
-    section = text[text.index("## Docker") : text.index("\n## ", text.index("## Docker"))]
-    assert "None of the Docker commands above was run here" in section
+    """They live in the site's Docker guide (the README links to it), which says so."""
+    assert not [b for b in BLOCKS if is_docker(b)], (
+        "Docker commands belong in docs/guides/docker.md"
+    )
+    docker = [b for b in DOCKER_BLOCKS if is_docker(b)]
+    assert docker
+    assert "None of the Docker commands above was run here" in DOCKER_GUIDE.read_text()
 
 
 def test_docker_commands_match_the_files() -> None:
@@ -132,7 +130,7 @@ def test_docker_commands_match_the_files() -> None:
     for ins in dockerfile.stages[-1].all("ENV"):
         env |= dict(w.split("=", 1) for w in shlex.split(ins.args))
     built: dict[str, str] = {}  # tag -> variant
-    for block in (b for b in BLOCKS if is_docker(b)):
+    for block in (b for b in DOCKER_BLOCKS if is_docker(b)):
         for command in block.commands():
             words = shlex.split(command)
             if words[1] == "build":
