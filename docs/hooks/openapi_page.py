@@ -56,9 +56,9 @@ def server_defaults(contract: dict[str, Any]) -> str:
     for method, schema in TAPE_METHODS.items():
         properties = schemas[schema]["properties"]
         defaults = ", ".join(
-            f"`{name}={json.dumps(spec['default'])}`"
+            shown
             for name, spec in properties.items()
-            if "default" in spec and name not in NOT_OPTIONS
+            if name not in NOT_OPTIONS and (shown := default_of(name, spec))
         )
         out.append(f"| `{method}` | [{schema}](http.md#{anchor(schema)}) | {defaults} |")
     return "\n".join(out) + "\n"
@@ -68,6 +68,18 @@ def on_config(config: Any) -> Any:
     # `mkdocs serve` rebuilds when the contract changes too.
     config.watch.append(str(CONTRACT))
     return config
+
+
+def default_of(name: str, spec: dict[str, Any]) -> str:
+    """`name=value` from the schema's default, or from a description's "Default: ..."
+    (a default that depends on other options is written there); '' when there is none."""
+    if "default" in spec:
+        return f"`{name}={json.dumps(spec['default'])}`"
+    described = re.search(r"Default: ([^;.]+)([;.])?", spec.get("description", ""))
+    if described:
+        more = " (and see its description)" if described.group(2) == ";" else ""
+        return f"`{name}={described.group(1).strip()}`{more}"
+    return ""
 
 
 def anchor(schema: str) -> str:

@@ -74,7 +74,8 @@ def test_the_sdk_reference_shows_signatures_and_defaults(site: Path) -> None:
     assert "ProgressLog" in text and "spectral_density" in text
     # The server's defaults of the options the SDK leaves at None, from the contract.
     assert "influence\nInfluenceRequest\n" in text and "damping=0.001" in text
-    assert re.search(r"trace\nTraceRequest\n[^\n]*max_hvps=256", text)
+    assert re.search(r"eigenvalues\nEigenvaluesRequest\n[^\n]*max_hvps=200", text)
+    assert re.search(r"trace\nTraceRequest\n[^\n]*max_hvps=256 \(and see its description\)", text)
 
 
 def test_the_servers_defaults_are_in_the_http_reference(site: Path) -> None:
@@ -82,7 +83,7 @@ def test_the_servers_defaults_are_in_the_http_reference(site: Path) -> None:
     text = re.sub(r"<[^>]+>", "", page(site, "reference/http"))
     contract = json.loads((ROOT / "openapi" / "openapi.json").read_text())
     schemas = contract["components"]["schemas"]
-    for schema, field in (("InfluenceRequest", "damping"), ("TraceRequest", "max_hvps")):
+    for schema, field in (("InfluenceRequest", "damping"), ("EigenvaluesRequest", "max_hvps")):
         default = json.dumps(schemas[schema]["properties"][field]["default"])
         section = text[text.index(f"{schema}\n") :]
         row = re.search(rf"\n{field}\n[^\n]*\n[^\n]*\n?{re.escape(default)}", section)
