@@ -155,24 +155,27 @@ def _named_leaves(jax: Any, tree: Any) -> tuple[list[tuple[str, np.ndarray]], An
     return pairs, treedef
 
 
-def export(
-    fn: Any, params: Any, example_input: Any, *, dynamic_batch: bool = True, opset: int = 21
-) -> JaxModel:
-    """`fn(params, x)` as an .onnx file whose variables are exactly the params' leaves
-    (module docstring). Not yet checked against the service: `put_jax` does that."""
-    jax = _jax()
-    from jax2onnx import to_onnx
-
-    pairs, treedef = _named_leaves(jax, params)
-    x = np.asarray(example_input)
+def _check_dtype(pairs: list[tuple[str, np.ndarray]]) -> np.dtype:
     dtypes = {v.dtype for _, v in pairs}
     if len(dtypes) != 1 or not dtypes <= {np.dtype(np.float32), np.dtype(np.float64)}:
         raise BridgeError(
             f"the params' leaves are {sorted(str(d) for d in dtypes)}; the bridge takes params "
             "entirely in float32 or entirely in float64 (jax_enable_x64 for float64)"
         )
-    dtype = next(iter(dtypes))
-    names = [n for n, _ in pairs]
+    return next(iter(dtypes))
+
+
+def raw_export(
+    fn: Any, params: Any, example_input: Any, *, dynamic_batch: bool = True, opset: int = 21
+) -> bytes:
+    """jax2onnx's own file of `fn`: the params as inputs named by their paths (in
+    flattening order), then x; what `from_export` maps."""
+    jax = _jax()
+    from jax2onnx import to_onnx
+
+    pairs, treedef = _named_leaves(jax, params)
+    dtype = _check_dtype(pairs)
+    x = np.asarray(example_input)
 
     def flat(*args: Any) -> Any:  # the params as positional inputs, then x
         return fn(jax.tree_util.tree_unflatten(treedef, list(args[:-1])), args[-1])
@@ -184,12 +187,24 @@ def export(
             [v.shape for _, v in pairs] + [x_spec],
             enable_double_precision=dtype == np.float64,
             opset=opset,
-            input_names=[*names, "x"],
+            input_names=[*(n for n, _ in pairs), "x"],
             output_names=["logits"],
         )
     except Exception as exc:  # the exporter's own refusal (an unsupported primitive ...)
         raise BridgeError(f"jax2onnx.to_onnx failed: {type(exc).__name__}: {exc}") from exc
-    model = from_export(proto.SerializeToString(), dict(pairs))
+    return bytes(proto.SerializeToString())
+
+
+def export(
+    fn: Any, params: Any, example_input: Any, *, dynamic_batch: bool = True, opset: int = 21
+) -> JaxModel:
+    """`fn(params, x)` as an .onnx file whose variables are exactly the params' leaves
+    (module docstring). Not yet checked against the service: `put_jax` does that."""
+    jax = _jax()
+    pairs, treedef = _named_leaves(jax, params)
+    x = np.asarray(example_input)
+    raw = raw_export(fn, params, x, dynamic_batch=dynamic_batch, opset=opset)
+    model = from_export(raw, dict(pairs))
     model.treedef = treedef
     # What the service must answer on the example input: f's output, and the gradient
     # of sum(r * output) for a fixed random r.
@@ -314,4 +329,4 @@ def put_jax(
     return model
 
 
-__all__ = ["TOLERANCE", "JaxModel", "export", "from_export", "put_jax", "verify"]
+__all__ = ["TOLERANCE", "JaxModel", "export", "from_export", "put_jax", "raw_export", "verify"]
