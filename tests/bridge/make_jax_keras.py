@@ -107,7 +107,10 @@ def answers(name: str) -> dict[str, np.ndarray]:
         "kind": np.array(kind),
     }
     for (n, p), (_, g), vv, (_, h) in zip(
-        pairs, jax_bridge._named_leaves(jax, grads)[0], v_leaves, jax_bridge._named_leaves(jax, hvp)[0]
+        pairs,
+        jax_bridge._named_leaves(jax, grads)[0],
+        v_leaves,
+        jax_bridge._named_leaves(jax, hvp)[0],
     ):
         out[f"param/{n}"] = p
         out[f"grad/{n}"] = g

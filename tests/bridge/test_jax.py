@@ -180,7 +180,8 @@ def test_live_verification_refuses_a_service_forward_that_differs(server) -> Non
     f, params, x, _, _ = build("jax_mlp")
     model = jax_bridge.export(f, params, x)
     model.expected = model.expected + 1e-3  # as if the file computed something else
-    with Client(server.base_url) as client, pytest.raises(
-        jax_bridge.ExportMismatch, match="forward differs from JAX's"
+    with (
+        Client(server.base_url) as client,
+        pytest.raises(jax_bridge.ExportMismatch, match="forward differs from JAX's"),
     ):
         jax_bridge.verify(client, model)

@@ -241,7 +241,9 @@ def from_export(onnx_model: bytes, params: Mapping[str, np.ndarray]) -> JaxModel
         declared = next(i for i in graph.input if i.name == name).type.tensor_type
         shape = tuple(d.dim_value for d in declared.shape.dim)
         if shape != np.shape(value):
-            raise BridgeError(f"param {name!r}: the export's input is {shape}, the value {np.shape(value)}")
+            raise BridgeError(
+                f"param {name!r}: the export's input is {shape}, the value {np.shape(value)}"
+            )
     # Exporter constants: frozen, whoever uses the file.
     frozen = [
         init
@@ -285,13 +287,18 @@ def _verify_op(client: ApiMethods, model: JaxModel) -> Any:
     definition = {
         "models": {"net": model.model_spec()},
         "inputs": {model.input: model.example_input, "probe_weight": model.probe_weight},
-        "program": [f"{model.output} = net({model.input})", f"probed = {model.output} * probe_weight"],
+        "program": [
+            f"{model.output} = net({model.input})",
+            f"probed = {model.output} * probe_weight",
+        ],
     }
     body = _core.compute_body(definition, "probed", None, None)
     answer = yield from client._core.call("POST", "/v1/gradient", body, definition=definition)
     ok, why = _close(np.asarray(answer["value"]) / model.probe_weight, model.expected, model.dtype)
     if not ok:
-        raise ExportMismatch(f"the service's forward differs from JAX's on the example input: {why}")
+        raise ExportMismatch(
+            f"the service's forward differs from JAX's on the example input: {why}"
+        )
     grads = answer["gradients"] or {}
     want = model.probe_gradients
     scale = max((float(np.abs(g).max()) for g in want.values() if g.size), default=0.0)

@@ -92,9 +92,7 @@ class Models:
 
         return put_torch(self._client, name, module, example_inputs, **options)
 
-    def put_jax(
-        self, name: str, fn: Any, params: Any, example_input: Any, **options: Any
-    ) -> Any:
+    def put_jax(self, name: str, fn: Any, params: Any, example_input: Any, **options: Any) -> Any:
         """Export a JAX function `fn(params, x)` with every pytree leaf kept as itself
         (named by its path), store it under `name` and check the server's forward
         against JAX's: a `JaxModel` (see `gradtape.client.jax_bridge`). Needs the `jax`
