@@ -85,6 +85,9 @@ def test_the_mapping_refuses_params_the_export_does_not_take() -> None:
     wrong = {**params, "dense1/bias": np.ones(3)}
     with pytest.raises(BridgeError, match=r"param 'dense1/bias': the export's input is \(8,\)"):
         jax_bridge.from_export(raw, wrong)
+    as_float32 = {n: v.astype(np.float32) for n, v in params.items()}
+    with pytest.raises(BridgeError, match=r"the export's input is float64, the value float32"):
+        jax_bridge.from_export(raw, as_float32)
     # A leaf left out stays an input beside x: refused, naming it.
     del params["dense2/bias"]
     with pytest.raises(BridgeError, match=r"takes \['dense2/bias', 'x'\] besides the params"):
@@ -185,3 +188,28 @@ def test_live_verification_refuses_a_service_forward_that_differs(server) -> Non
         pytest.raises(jax_bridge.ExportMismatch, match="forward differs from JAX's"),
     ):
         jax_bridge.verify(client, model)
+
+
+@pytest.mark.skipif(not HAVE_JAX, reason="jax and jax2onnx are not installed (the jax extra)")
+def test_live_a_leaf_f_does_not_read_has_a_zero_gradient(server) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(7)
+    params = {"w": rng.normal(size=(3, 4)), "v": rng.normal(size=(4, 2)), "spare": np.ones(2)}
+    x, y = rng.normal(size=(5, 3)), rng.normal(size=(5, 2))
+
+    def f(p, x):
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    want = jax.grad(lambda p: jnp.mean((f(p, x) - y) ** 2))(params)
+    with Client(server.base_url) as client:
+        model = client.models.put_jax("unused-live", f, params, x)
+        assert model.names == ["spare", "v", "w"]  # jax.tree_util's (sorted) order
+        with client.tape(model.definition((x, y), "mse"), "loss", output="logits") as tape:
+            grads = model.to_pytree(tape.gradients)
+        client.models.delete("unused-live")
+    np.testing.assert_array_equal(grads["spare"], np.zeros(2))
+    for n in ("v", "w"):
+        np.testing.assert_allclose(grads[n], np.asarray(want[n]), rtol=1e-9, err_msg=n)

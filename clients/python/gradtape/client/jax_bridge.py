@@ -239,6 +239,12 @@ def from_export(onnx_model: bytes, params: Mapping[str, np.ndarray]) -> JaxModel
         raise BridgeError(f"the export takes {[i.name for i in others]} besides the params; one x")
     for name, value in params.items():
         declared = next(i for i in graph.input if i.name == name).type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(declared.elem_type)
+        if dtype != np.asarray(value).dtype:
+            raise BridgeError(
+                f"param {name!r}: the export's input is {dtype}, the value "
+                f"{np.asarray(value).dtype} (float64 needs jax_enable_x64 before export)"
+            )
         shape = tuple(d.dim_value for d in declared.shape.dim)
         if shape != np.shape(value):
             raise BridgeError(
@@ -250,7 +256,9 @@ def from_export(onnx_model: bytes, params: Mapping[str, np.ndarray]) -> JaxModel
         for init in graph.initializer
         if numpy_helper.to_array(init).dtype.kind == "f" and init.name not in params
     ]
-    kept = [init for init in graph.initializer if init not in frozen]
+    frozen_names = {init.name for init in frozen}
+    # Integer initializers (shapes, axes) stay: the service never differentiates them.
+    kept = [init for init in graph.initializer if init.name not in frozen_names]
     constants = [_constant(init.name, numpy_helper.to_array(init)) for init in frozen]
     del graph.initializer[:]
     graph.initializer.extend(kept)
