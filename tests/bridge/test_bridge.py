@@ -354,3 +354,82 @@ def test_the_model_store_takes_definitions_and_onnx_files(server) -> None:
         client.models.delete("store-quad")
         client.models.delete("store-conv1d")
         assert not {"store-quad", "store-conv1d"} & {m["name"] for m in client.models.list()}
+
+
+# --------------------------------------------------- matching by value: what it must not do
+
+
+class AnchoredToInit(nn.Module):
+    """A penalty towards the initial weights, kept as a plain tensor attribute (the
+    exporter lifts it to an initializer named `w0`, holding the parameter's values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+        self.w0 = self.w.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + torch.tanh(x @ self.w0) + ((self.w - self.w0) ** 2).sum()
+
+
+def test_a_constant_equal_to_a_parameter_stays_a_constant(server) -> None:
+    # The parameter keeps its own initializer; the constant holding equal values is not
+    # a second copy of it (the gradient through x @ w0 must not land on w).
+    model = AnchoredToInit().eval()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    exported = pytorch.export(model, x)
+    assert [(p.name, p.how) for p in exported.parameters] == [("w", "kept")]
+    with Client(server.base_url) as client, client.tape(model, loss="mse", data=(x, y)) as tape:
+        assert_grads(
+            {n: g.numpy() for n, g in tape.gradients.items()},
+            torch_grads(model, F.mse_loss(model(x), y)),
+        )
+
+
+class Symmetric(nn.Module):
+    """A square weight equal to its transpose: a renamed copy of it may be the weight or
+    its transpose, and the two give different gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.a.weight.copy_(2 * torch.eye(3) + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).mean(dim=1)
+
+
+class TiedInit(nn.Module):
+    """A decoder initialized to the encoder's transpose (two parameters): the exporter's
+    transposed copy of one holds the other's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.dec = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.dec.weight.copy_(self.enc.weight.T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.tanh(self.enc(x))).mean(dim=1)
+
+
+@pytest.mark.parametrize(
+    ("module", "refused"),
+    [(Symmetric, "a.weight"), (TiedInit, "enc.weight")],
+    ids=["symmetric", "transpose-of-another"],
+)
+def test_a_renamed_initializer_that_could_be_two_things_is_refused(module, refused) -> None:
+    model = module().double().eval()
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    optimized = quiet_export(model, (x,))  # Linear weights stored transposed, renamed
+    with pytest.raises(BridgeError) as caught:
+        pytorch.export(model, x, onnx_model=optimized)
+    assert f"{refused}: " in str(caught.value)
+    assert "ambiguous" in str(caught.value)
+    # The bridge's own export keeps every parameter under its name: nothing to guess.
+    exported = pytorch.export(model, x)
+    assert {p.how for p in exported.parameters} == {"kept"}

@@ -373,8 +373,15 @@ def _restore(
         # All-equal values (zeros, ones) cannot tell a parameter from a constant.
         return a.size > 1 and not np.all(a == a.reshape(-1)[0])
 
+    # Tensors the module holds as plain attributes: the exporter lifts them to
+    # initializers under their attribute path. A constant, whatever values it holds (a
+    # copy of the initial weights for a penalty towards them is not the weight).
+    attributes = _tensor_attributes(module)
+
     # initializer -> (torch name, "param" | "buffer", rewrite: "", "transpose")
     role: dict[str, tuple[str, str, str]] = {}
+    # initializer -> the (torch name, rewrite)s its values fit: more than one, no guess.
+    ambiguous: dict[str, list[tuple[str, str]]] = {}
     for iname in floats:
         a = arrays[iname]
         if iname in trainable and _same(a, trainable[iname]):
@@ -386,19 +393,23 @@ def _restore(
         if iname in frozen_params and _same(a, frozen_params[iname]):
             role[iname] = (iname, "buffer", "")
             continue
+        if iname in attributes and _same(a, attributes[iname]):
+            continue  # a constant under its own name
         if not distinct(a):
             continue  # a constant
-        direct = [n for n, p in trainable.items() if _same(a, p)]
-        if len(direct) == 1:
-            role[iname] = (direct[0], "param", "")
-            continue
-        if len(direct) > 1:
+        fits = [(n, "") for n, p in trainable.items() if _same(a, p)]
+        if len(fits) > 1:
             continue  # equal-valued parameters: the uncovered ones are refused below
-        if a.ndim == 2:
-            swapped = [n for n, p in trainable.items() if p.ndim == 2 and _same(a, p.T)]
-            if len(swapped) == 1:
-                role[iname] = (swapped[0], "param", "transpose")
-                continue
+        if a.ndim == 2:  # a transpose is a known rewrite (the optimizer's Linear weights)
+            fits += [
+                (n, "transpose") for n, p in trainable.items() if p.ndim == 2 and _same(a, p.T)
+            ]
+        if len(fits) == 1:
+            role[iname] = (fits[0][0], "param", fits[0][1])
+            continue
+        if fits:  # a symmetric weight, or one parameter the transpose of another
+            ambiguous[iname] = fits
+            continue
         held = [n for n, b in {**buffers, **frozen_params}.items() if _same(a, b)]
         if len(held) == 1:
             role[iname] = (held[0], "buffer", "")
@@ -409,9 +420,20 @@ def _restore(
             covered.setdefault(tname, []).append((iname, rewrite))
 
     problems = []
+    for iname, fits in ambiguous.items():
+        # Either reading gives the forward's values; only one gives the parameter's
+        # gradient, and nothing in the file says which.
+        what = " and ".join(f"{n!r}" + (" transposed" if r else "") for n, r in fits)
+        problems.append(
+            f"{fits[0][0]}: the export's initializer {iname!r} holds the values of {what}, "
+            "so which one it is is ambiguous (a symmetric weight, or a parameter equal to "
+            "another's transpose); let the bridge export (parameters keep their names)"
+        )
     for tname, value in trainable.items():
         if tname in covered or tname not in used:
             continue
+        if any(tname == n for fits in ambiguous.values() for n, _ in fits):
+            continue  # said above
         problems.append(f"{tname}: {_what_happened(tname, value, arrays, covered, trainable)}")
     if problems:
         raise BridgeError(
@@ -627,6 +649,18 @@ def _strip_debug_info(proto: Any) -> None:
     for init in graph.initializer:
         del init.metadata_props[:]
     del graph.metadata_props[:]
+
+
+def _tensor_attributes(module: Any) -> dict[str, np.ndarray]:
+    """The plain tensors (neither parameters nor buffers) the module's submodules hold
+    as attributes, by their path (`block.mask`): what the exporter lifts to constants."""
+    torch = _torch()
+    found = {}
+    for prefix, sub in module.named_modules():
+        for key, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found[f"{prefix}.{key}" if prefix else key] = _np(value)
+    return found
 
 
 def _constant(name: str, value: np.ndarray) -> Any:
