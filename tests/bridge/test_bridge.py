@@ -433,3 +433,25 @@ def test_a_renamed_initializer_that_could_be_two_things_is_refused(module, refus
     # The bridge's own export keeps every parameter under its name: nothing to guess.
     exported = pytorch.export(model, x)
     assert {p.how for p in exported.parameters} == {"kept"}
+
+
+def test_a_put_torch_that_fails_its_check_leaves_the_stored_model_alone(server) -> None:
+    tanh = perturbed(Tokens(torch.tanh), seed=8)
+    relu = copy.deepcopy(tanh)
+    relu.act = torch.relu
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    wrong = quiet_export(relu, (x,), optimize=False)  # the other graph: caught by the check
+    with Client(server.base_url) as client:
+        good = client.models.put_torch("bridge-keep", tanh, x)
+        before = client.models.get("bridge-keep")
+        with pytest.raises(ExportMismatch):
+            client.models.put_torch("bridge-keep", tanh, x, onnx_model=wrong)
+        # The model stored before is still there, the same one.
+        assert client.models.get("bridge-keep") == before
+        y = torch.randn(2, 3, dtype=torch.float64)
+        with client.tape(good, loss="mse", data=(x, y)) as tape:
+            assert_grads(
+                {n: g.numpy() for n, g in tape.gradients.items()},
+                torch_grads(tanh, F.mse_loss(tanh(x), y)),
+            )
+        client.models.delete("bridge-keep")

@@ -856,18 +856,15 @@ def put_torch(
     description: str | None = None,
     **options: Any,
 ) -> TorchModel:
-    """Export, store under `name` (PUT /v1/models/{name}), and verify the stored model
-    (a mismatch deletes it again and raises)."""
+    """Export, verify (the file sent inline), then store under `name` (PUT
+    /v1/models/{name}): a module that fails the check is not stored, and a model stored
+    before under that name is left as it was."""
     from .models import Models
 
     model = export(module, example_inputs, **options)
+    verify(client, model)
     Models(client).put_onnx(name, model.onnx, description=description)
     model.stored = name
-    try:
-        verify(client, model)
-    except BridgeError:
-        Models(client).delete(name)
-        raise
     return model
 
 
