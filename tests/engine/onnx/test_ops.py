@@ -918,3 +918,30 @@ def test_every_mapped_op_has_a_case() -> None:
     }
     missing = set(SUPPORTED_OPS) - covered - elsewhere
     assert not missing, f"ops without a test case: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_memory_grows_with_the_output_not_its_product_with_the_input(mode: str) -> None:
+    # A long 1-D axis doubled: 6,000 output cells from 3,000. A dense [out, in]
+    # interpolation map would hold 18 million entries (144 MB, past the service's
+    # max_elements per tensor, and counted nowhere); the answer itself is 6,000 numbers.
+    import tracemalloc
+
+    x = r(1, 1, 3000)
+    data = graph_model(
+        [N("Resize", ["x", "", "scales"], ["out"], mode=mode)],
+        {"x": x},
+        {"scales": np.array([1, 1, 2], np.float32)},
+        13,
+    )
+    model = load_model(data)
+    spec = model.specialize([(x.shape, x.dtype)])
+    tracemalloc.start()
+    try:
+        out = model.run(spec, [constant(x)], {})[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+    expected = ReferenceEvaluator(onnx.load_model_from_string(data)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-7, atol=1e-7)
