@@ -455,3 +455,40 @@ def test_a_put_torch_that_fails_its_check_leaves_the_stored_model_alone(server) 
                 torch_grads(tanh, F.mse_loss(tanh(x), y)),
             )
         client.models.delete("bridge-keep")
+
+
+class MaskedLogits(nn.Module):
+    """Logits with a class masked out (-inf), as a constrained classifier writes them."""
+
+    def __init__(self, act=torch.tanh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+        self.act = act
+        self.register_buffer("masked", torch.tensor([False, True, False]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x))).masked_fill(self.masked, float("-inf"))
+
+
+def test_outputs_holding_infinities_are_checked_on_their_finite_part(server) -> None:
+    model = perturbed(MaskedLogits(), seed=9)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.tensor([0, 2, 2, 0, 2])
+    with Client(server.base_url) as client:
+        # -inf where torch has -inf is agreement, not a mismatch (the tape itself asks
+        # for the infinite logits the loss then handles).
+        tape = client.tape(model, loss="cross_entropy", data=(x, y), allow_nonfinite=True)
+        with tape:
+            assert_grads(
+                {n: g.numpy() for n, g in tape.gradients.items()},
+                torch_grads(model, F.cross_entropy(model(x), y)),
+            )
+        # And an infinity does not make every finite difference pass: a graph with
+        # another activation is still caught.
+        relu = copy.deepcopy(model)
+        relu.act = torch.relu
+        wrong = quiet_export(relu, (x,), optimize=False)
+        exported = pytorch.export(model, x, onnx_model=wrong)
+        with pytest.raises(ExportMismatch, match="output 'logits'"):
+            pytorch.verify(client, exported)

@@ -747,20 +747,26 @@ def _close(
     got: np.ndarray, want: np.ndarray, dtype: np.dtype, scale: float | None = None
 ) -> tuple[bool, str]:
     """Within the tolerance of `dtype`, relative and absolute (times `scale`: the
-    largest |torch| of the output, or of the whole gradient, so that a parameter whose
-    gradient is zero in exact arithmetic may hold rounding noise)."""
+    largest finite |torch| of the output, or of the whole gradient, so that a parameter
+    whose gradient is zero in exact arithmetic may hold rounding noise). Where torch has
+    an infinity or NaN (masked logits) the service must have the same; the finite
+    entries are compared as the rest."""
     tol = TOLERANCE[dtype]
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return False, f"shape {got.shape} where torch has {want.shape}"
+    finite = np.isfinite(want)
     if scale is None:
-        scale = float(np.abs(want).max()) if want.size else 0.0
-    err = np.abs(got - want)
-    bound = tol * np.abs(want) + tol * scale
-    if np.all(err <= bound) and np.all(np.isfinite(got) == np.isfinite(want)):
+        scale = float(np.abs(want[finite]).max()) if finite.any() else 0.0
+    # Non-finite entries agree when they are the same (both NaN, or the same infinity).
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    with np.errstate(invalid="ignore"):  # inf - inf where torch is infinite: not read
+        err = np.where(finite, np.abs(got - want), np.where(same, 0.0, np.inf))
+    bound = np.where(finite, tol * np.abs(want) + tol * scale, 0.0)
+    if np.all(err <= bound):
         return True, ""
-    i = int(np.argmax(err - bound))
+    i = int(np.argmax(np.where(np.isnan(err), np.inf, err - bound)))
     return False, (
         f"differs at flat index {i}: service {got.reshape(-1)[i]!r}, torch "
         f"{want.reshape(-1)[i]!r} (tolerance {tol:g} relative, {tol:g} x {scale:.3g} absolute)"
@@ -794,7 +800,8 @@ def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
             },
             "program": [_call_line(model, out), f"probed = {out} * probe_weight"],
         }
-        body = _core.compute_body(definition, "probed", None, None)
+        # Infinities where torch has them (masked logits) are compared here, not refused.
+        body = _core.compute_body(definition, "probed", None, None, allow_nonfinite=True)
         answer = yield from client._core.call("POST", "/v1/gradient", body, definition=definition)
         ok, why = _close(np.asarray(answer["value"]) / weight, expected, model.dtype)
         if not ok:
@@ -803,7 +810,10 @@ def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
                 f"output {out!r} {why}"
             )
         grads = answer["gradients"] or {}
-        scale = max((float(np.abs(g).max()) for g in want.values() if g.size), default=0.0)
+        scale = max(
+            (float(np.abs(g[np.isfinite(g)]).max()) for g in want.values() if np.isfinite(g).any()),
+            default=0.0,
+        )
         for name in model.trainable:
             got = grads.get(name)
             if got is None:  # unconnected on the service: right only where torch agrees
