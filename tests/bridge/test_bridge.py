@@ -492,3 +492,21 @@ def test_outputs_holding_infinities_are_checked_on_their_finite_part(server) -> 
         exported = pytorch.export(model, x, onnx_model=wrong)
         with pytest.raises(ExportMismatch, match="output 'logits'"):
             pytorch.verify(client, exported)
+
+
+def test_a_cached_export_is_not_reused_once_the_forward_changed(server) -> None:
+    # Parameters and buffers unchanged, the function not: another activation (or a
+    # temperature, a mask held as a plain attribute) must not answer from the old file.
+    model = perturbed(Tokens(torch.tanh), seed=10)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as first:
+            pass
+        model.act = torch.relu
+        with client.tape(model, loss="mse", data=(x, y)) as moved:
+            assert moved.model is not first.model
+            assert_grads(
+                {n: g.numpy() for n, g in moved.gradients.items()},
+                torch_grads(model, F.mse_loss(model(x), y)),
+            )

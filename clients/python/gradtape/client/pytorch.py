@@ -200,13 +200,17 @@ def _check_mode(module: Any) -> None:
 
 
 def _state_digest(module: Any, args: tuple[Any, ...]) -> str:
-    """What an export depends on: the values and shapes of the state and the inputs'
-    shapes and dtypes (a cached export is reused only while they are unchanged)."""
+    """What an export depends on: the values and shapes of the state (parameters,
+    buffers, tensor attributes) and the inputs' shapes and dtypes (a cached export is
+    reused only while they are unchanged, and the forward with them: _same_forward)."""
     h = hashlib.sha256()
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for name, a in _tensor_attributes(module).items():  # constants of the export
+        h.update(name.encode() + str(a.shape).encode() + str(a.dtype).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
     for a in args:
         h.update(str(tuple(a.shape[1:])).encode() + str(a.dtype).encode())
     return h.hexdigest()
@@ -846,7 +850,12 @@ def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any)
         return module
     args = _as_tuple(example_inputs)
     cached = _CACHE.get(module)
-    if cached is not None and not options and cached.state_digest == _state_digest(module, args):
+    if (
+        cached is not None
+        and not options
+        and cached.state_digest == _state_digest(module, args)
+        and _same_forward(module, cached)
+    ):
         if client not in cached.checked_by:  # the export is reused; each server checks it
             verify(client, cached)
         return cached
@@ -855,6 +864,22 @@ def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any)
     if not options:
         _CACHE[module] = model
     return model
+
+
+def _same_forward(module: Any, cached: TorchModel) -> bool:
+    """Whether the module still computes what was exported: its outputs on the cached
+    example inputs, bit for bit. The state digest sees parameters and buffers, not the
+    code or plain attributes (an activation swapped, a temperature, a mask)."""
+    torch = _torch()
+    with torch.no_grad():
+        try:
+            now = _outputs(module(*cached.example_inputs))
+        except Exception:  # noqa: BLE001 - it no longer takes them: export it anew
+            return False
+    return len(now) == len(cached.expected) and all(
+        a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+        for a, b in zip((_np(t) for t in now), cached.expected)
+    )
 
 
 def put_torch(
