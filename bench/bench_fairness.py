@@ -7,6 +7,11 @@ load from other work on the machine falls on both. The target: p99 under the flo
 3x of p99 alone.
 
     PYTHONPATH=$PWD python bench/bench_fairness.py [--rounds 3] [--count 200]
+        [--rate R --burst B --pace S]
+
+A flood on a slow machine may never reach its key's rate (100/s by default), and then
+never sees a 429; --rate and --burst lower the rate so that it does, and --pace keeps the
+quiet key under it.
 """
 
 from __future__ import annotations
@@ -64,9 +69,10 @@ def body_of(n: int) -> bytes:
     )
 
 
-def timed(client: httpx.Client, body: bytes, count: int) -> list[float]:
+def timed(client: httpx.Client, body: bytes, count: int, pace: float = 0.0) -> list[float]:
     out = []
     for _ in range(count):
+        time.sleep(pace)
         started = time.perf_counter()
         r = client.post("/v1/gradient", content=body, headers={"content-type": MSGPACK})
         assert r.status_code == 200, r.text
@@ -83,6 +89,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--workers", default="2")
+    parser.add_argument(
+        "--rate", default=None, help="the keys' rate_limit_per_second (default: the server's)"
+    )
+    parser.add_argument("--burst", default=None, help="the keys' rate_limit_burst")
+    parser.add_argument(
+        "--pace", type=float, default=0.0, help="seconds the quiet key waits between requests"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-fairness-"))
     srv = start_server(
@@ -92,10 +105,13 @@ def main() -> None:
             "GRADTAPE_API_KEYS_ENABLED": "true",
             "GRADTAPE_API_KEYS": ",".join(KEYS),
             "GRADTAPE_MAX_TAPES_PER_KEY": "1000",
+            **({"GRADTAPE_RATE_LIMIT_PER_SECOND": args.rate} if args.rate else {}),
+            **({"GRADTAPE_RATE_LIMIT_BURST": args.burst} if args.burst else {}),
         },
         tmp / "server.log",
     )
-    print(f"server: {args.workers} workers, default fair-share settings; flood: 8 connections")
+    rate = f"rate {args.rate}/s" if args.rate else "default fair-share settings"
+    print(f"server: {args.workers} workers, {rate}; flood: 8 connections")
     try:
         headers = {"Authorization": "Bearer quiet-key"}
         with httpx.Client(base_url=srv.base_url, timeout=60.0, headers=headers) as quiet:
@@ -103,12 +119,12 @@ def main() -> None:
                 body = body_of(n)
                 flood_file = tmp / f"flood-{n}.msgpack"
                 flood_file.write_bytes(body)
-                timed(quiet, body, 20)  # warm up
+                timed(quiet, body, 20, args.pace)  # warm up
                 alone: list[float] = []
                 stormy: list[float] = []
                 sent = refused = 0
                 for _ in range(args.rounds):
-                    alone += timed(quiet, body, args.count)
+                    alone += timed(quiet, body, args.count, args.pace)
                     flood = subprocess.Popen(
                         [sys.executable, "-c", FLOOD, srv.base_url, KEYS[0], str(flood_file), "8"],
                         stdin=subprocess.PIPE,
@@ -118,7 +134,7 @@ def main() -> None:
                     assert flood.stdout.readline() == b"flooding\n"
                     time.sleep(0.5)
                     started = time.perf_counter()
-                    stormy += timed(quiet, body, args.count)
+                    stormy += timed(quiet, body, args.count, args.pace)
                     elapsed = time.perf_counter() - started
                     flood.stdin.write(b"\n")
                     flood.stdin.flush()

@@ -42,6 +42,7 @@ damping is 0; a Laplace posterior always adds a positive prior precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,13 +135,17 @@ def find_layers(
     flow = engine.flow
     matmuls = {id(m.record): m for m in flow.meetings if m.kind == "matmul"}
     layers: dict[int, Layer] = {}
-    used: set[int] = set()
+    # A parameter that meets the data more than once (a tied weight: x @ W and h @ W^T,
+    # or W also scaling elsewhere) is in no one layer's block: its curvature couples
+    # the uses, so it stays outside the layers (refused, or its exact block).
+    tied = _shared_parameters(flow, params)
+    used: set[int] = set(tied)
     for m in flow.meetings:
         if m.kind != "matmul":
             continue
         w, flipped = _param_index(flow, params, m.record.inputs[m.argnum])
         if w is None or w in used:
-            continue  # a weight used twice (tied) is not one Kronecker block
+            continue
         layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
         flow.layouts[id(m.record)] = layout
         if math.prod(layout.kept) != 1:
@@ -170,8 +175,32 @@ def find_layers(
         layer.bias = b
         layer.name = f"{names[layer.weight]}+{names[b]}"
         used.add(b)
-    others = [i for i in range(len(params)) if i not in used]
+    others = [i for i in range(len(params)) if i not in used or i in tied]
     return list(layers.values()), others
+
+
+def _shared_parameters(flow: Any, params: list[Tensor]) -> set[int]:
+    """The indices of the parameters that reach more than one meeting with the data
+    (through parameter-only ops)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    uses = [0] * len(params)
+    for m in flow.meetings:
+        reached: set[int] = set()
+        stack, seen = [m.record.inputs[m.argnum]], set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) in index:
+                reached.add(index[id(t)])
+                continue
+            rec = flow.made_by.get(id(t))
+            if rec is not None:
+                stack.extend(x for x in rec.inputs if id(x) in flow.param_only)
+        for i in reached:
+            uses[i] += 1
+    return {i for i, count in enumerate(uses) if count > 1}
 
 
 def _out_width(layer: Layer) -> int:
@@ -309,8 +338,9 @@ class KFAC:
         if self.others and others == "refuse":
             listed = ", ".join(f"{names[i]} {list(params[i].shape)}" for i in self.others)
             raise CurvatureError(
-                f"kfac: the parameters {listed} are in no matmul or convolution layer (a weight "
-                "meeting the data as x @ W or W @ x, its bias added to that output); ask for "
+                f"kfac: the parameters {listed} are in no matmul or convolution layer of their "
+                "own (a weight meeting the data once, as x @ W or W @ x, its bias added to that "
+                "output; a weight tied between layers is in none); ask for "
                 "others='exact' to keep their exact curvature block beside the Kronecker blocks"
             )
         size = sum(params[i].size for i in self.others)
@@ -381,23 +411,8 @@ class KFAC:
 
     def _exact_others(self) -> np.ndarray:
         """The exact curvature's block on the parameters outside the layers (a matrix)."""
-        params = self.curv._flat
         op = self.curv.operator(self.curvature, samples=self.samples, seed=self.seed)
-        sizes = [params[i].size for i in self.others]
-        total = sum(sizes)
-        vectors = []
-        for i, p in enumerate(params):
-            z = np.zeros((total,) + p.shape)
-            if i in self.others:
-                lo = sum(sizes[: self.others.index(i)])
-                z.reshape(total, -1)[np.arange(lo, lo + p.size), np.arange(p.size)] = 1.0
-            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
-        products = tree.flatten(op.hvp_many(tree.unflatten(self.curv._treedef, vectors)))[0]
-        block = np.concatenate(
-            [np.asarray(products[i].numpy(), np.float64).reshape(total, -1) for i in self.others],
-            axis=1,
-        )
-        return (block + block.T) / 2
+        return exact_block(self.curv, op, self.others)
 
     # Frames ---------------------------------------------------------------------------
     def to_frame(self, layer: Layer, flat: list[np.ndarray]) -> np.ndarray:
@@ -524,6 +539,48 @@ class KFAC:
         return KFACOperator(self)
 
 
+BLOCK_BYTES = 32 << 20  # the unit vectors (over every parameter) of one exact-block pass
+
+
+def exact_block(curv: Any, op: Any, indices: list[int]) -> np.ndarray:
+    """The block of the operator `op` on the parameters `indices` (a symmetric matrix),
+    from as many products as they have entries, in passes whose unit vectors (each one
+    the size of all the parameters, zeros outside the block) hold at most BLOCK_BYTES:
+    a last-layer block of a large model never holds n copies of the whole model."""
+    params = curv._flat
+    sizes = [params[i].size for i in indices]
+    offsets = dict(zip(indices, np.cumsum([0, *sizes])[:-1].tolist(), strict=True))
+    total = sum(sizes)
+    width = sum(p.size for p in params) * 8
+    step = max(1, min(total, BLOCK_BYTES // max(width, 1)))
+    rows = []
+    for start in range(0, total, step):
+        stop = min(total, start + step)
+        vectors = []
+        for i, p in enumerate(params):
+            z = np.zeros((stop - start,) + p.shape)
+            if i in offsets:  # the unit vectors start..stop that fall in parameter i
+                lo, hi = max(start, offsets[i]), min(stop, offsets[i] + p.size)
+                if lo < hi:
+                    z.reshape(stop - start, -1)[
+                        np.arange(lo - start, hi - start), np.arange(lo, hi) - offsets[i]
+                    ] = 1.0
+            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
+        products = tree.flatten(op.hvp_many(tree.unflatten(curv._treedef, vectors)))[0]
+        rows.append(
+            np.concatenate(
+                [
+                    np.asarray(products[i].numpy(), np.float64).reshape(stop - start, -1)
+                    for i in indices
+                ],
+                axis=1,
+            )
+        )
+        del vectors, products
+    block = np.concatenate(rows, axis=0)
+    return (block + block.T) / 2
+
+
 def _eigh(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     vals, vecs = np.linalg.eigh((m + m.T) / 2)
     return vals, vecs
@@ -566,12 +623,35 @@ def curvature_diagonal(
     DiagGGNMC) or of the empirical Fisher, per parameter (float64 host arrays): the
     weighted sum over seeds and examples of the squared per-example shares (module doc's
     w). Exact in as many passes as the output has entries per example (MC: samples)."""
+    total: list[np.ndarray] | None = None
+    weight = 1.0
+    for squares, w in _diagonal_columns(curv, curvature, samples, seed, max_bytes):
+        weight = w  # the same for every seed
+        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
+    assert total is not None
+    return [weight * t for t in total]
+
+
+def fisher_diagonal_draws(
+    curv: Any, samples: int, seed: int | None = 0, max_bytes: int | None = None
+) -> Iterator[list[np.ndarray]]:
+    """The Monte-Carlo Fisher's diagonal one draw at a time (a generator, so that the
+    caller may reduce them as they come): `samples` estimates of the Fisher's diagonal
+    (per parameter, float64), whose mean is curvature_diagonal's answer for the same
+    draws and whose spread is its Monte-Carlo error."""
+    for squares, weight in _diagonal_columns(curv, "fisher", samples, seed, max_bytes):
+        yield [weight * samples * s for s in squares]
+
+
+def _diagonal_columns(
+    curv: Any, curvature: str, samples: int | None, seed: int | None, max_bytes: int | None
+) -> Iterator[tuple[list[np.ndarray], float]]:
+    """(sum over examples of the squared per-example shares of one seed, w) per seed."""
     try:
         seeds, weight = _seeds(curv, curvature, samples, seed, None)
     except MixedExamplesError as exc:
         raise CurvatureError(str(exc)) from None
     out = curv.output
-    total: list[np.ndarray] | None = None
     for column in seeds:
         try:
             found = per_example(
@@ -582,10 +662,7 @@ def curvature_diagonal(
             )
         except MixedExamplesError as exc:
             raise CurvatureError(str(exc)) from None
-        squares = tree.flatten(found.sum_squares)[0]
-        total = squares if total is None else [t + s for t, s in zip(total, squares, strict=True)]
-    assert total is not None
-    return [weight * t for t in total]
+        yield tree.flatten(found.sum_squares)[0], weight
 
 
 def kfac(curv: Any, curvature: str = "ggn", **options: Any) -> KFAC:
@@ -598,7 +675,9 @@ __all__ = [
     "KFACOperator",
     "Layer",
     "curvature_diagonal",
+    "exact_block",
     "find_layers",
+    "fisher_diagonal_draws",
     "kfac",
     "loss_hessian_sqrt",
 ]

@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from engine import backend, tree
+from engine import backend
 from engine.curvature import CurvatureError, _single_target
-from engine.kfac import KFAC, curvature_diagonal, find_layers
+from engine.kfac import KFAC, curvature_diagonal, exact_block, find_layers
 from engine.per_example import MixedExamplesError, PerExample
 from engine.tensor import Tensor
 
@@ -67,7 +67,9 @@ class Predictive:
     """The GLM predictive at M test inputs: `mean` (M, C) the model's output, `variance`
     (M, C, C) the functional covariance J Sigma J^T; for regression `noise` sigma^2 (the
     observation's variance is variance + noise I); for classification `probabilities`
-    (M, C) by the probit approximation or Monte-Carlo (`samples` draws), as asked."""
+    (M, C) by the probit approximation or Monte-Carlo (`samples` draws), as asked. C is
+    the output's entries per example, flattened: an output (M, T, K) of T positions is
+    C = T K, its probabilities a softmax over each position's K classes."""
 
     mean: np.ndarray
     variance: np.ndarray
@@ -115,6 +117,9 @@ class Laplace:
         c = curv.scale()
         # loss = s x NLL (the Gaussian's NLL at unit variance: r^2 / 2)
         self.s = c / likelihood.variance if self.regression else likelihood.scale
+        out = curv.output
+        # The softmax's classes: the output's last axis (per example, per position).
+        self.classes = out.shape[-1] if out.ndim >= 2 else 1
         self.indices = self._subset(params)
         self.theta = np.concatenate(
             [np.asarray(params[i].numpy(), np.float64).ravel() for i in self.indices]
@@ -187,24 +192,7 @@ class Laplace:
 
     def _matrix(self, kind: str) -> np.ndarray:
         """The curvature's block on the subset, from as many products as it has entries."""
-        params = self.curv._flat
-        op = self.curv.operator(kind)
-        sizes = [params[i].size for i in self.indices]
-        n = sum(sizes)
-        vectors, lo = [], 0
-        offsets = dict(zip(self.indices, np.cumsum([0, *sizes])[:-1], strict=True))
-        for i, p in enumerate(params):
-            z = np.zeros((n,) + p.shape)
-            if i in offsets:
-                lo = int(offsets[i])
-                z.reshape(n, -1)[np.arange(lo, lo + p.size), np.arange(p.size)] = 1.0
-            vectors.append(Tensor(backend.asarray(z, p.dtype, p.device)))
-        products = tree.flatten(op.hvp_many(tree.unflatten(self.curv._treedef, vectors)))[0]
-        block = np.concatenate(
-            [np.asarray(products[i].numpy(), np.float64).reshape(n, -1) for i in self.indices],
-            axis=1,
-        )
-        return (block + block.T) / 2
+        return exact_block(self.curv, self.curv.operator(kind), self.indices)
 
     # The marginal likelihood ------------------------------------------------------------
     def log_likelihood(self) -> float:
@@ -356,7 +344,7 @@ class Laplace:
             return Predictive(mean=f, variance=var, noise=self.sigma_noise**2)
         if link == "probit":
             kappa = 1.0 / np.sqrt(1.0 + math.pi / 8 * np.diagonal(var, axis1=1, axis2=2))
-            probs = _link(self.family, kappa * f)
+            probs = _link(self.family, kappa * f, self.classes)
             return Predictive(mean=f, variance=var, probabilities=probs, link="probit")
         if samples < 1:
             raise ValueError(f"samples must be at least 1, got {samples}")
@@ -364,15 +352,19 @@ class Laplace:
         root = vecs * np.sqrt(np.clip(vals, 0.0, None))[:, None, :]
         z = np.random.default_rng(seed).standard_normal((samples, m, width))
         draws = f[None] + np.einsum("mij,smj->smi", root, z)
-        probs = _link(self.family, draws).mean(axis=0)
+        probs = _link(self.family, draws, self.classes).mean(axis=0)
         return Predictive(mean=f, variance=var, probabilities=probs, link="mc", samples=samples)
 
 
-def _link(family: str, logits: np.ndarray) -> np.ndarray:
+def _link(family: str, logits: np.ndarray, classes: int) -> np.ndarray:
+    """Probabilities from logits (..., width): a sigmoid per entry, or a softmax over
+    each group of `classes` entries (the output's last axis: a sequence's positions,
+    flattened into the width, each get their own)."""
     if family == "bernoulli":
         return 1.0 / (1.0 + np.exp(-logits))
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    grouped = logits.reshape(logits.shape[:-1] + (-1, classes))
+    e = np.exp(grouped - grouped.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).reshape(logits.shape)
 
 
 def _positive(value: float, what: str) -> None:

@@ -355,13 +355,20 @@ def cotangent_rows(flow: ExampleFlow, layout: MatmulLayout, g: Any) -> Any:
     return xp.transpose(g, order).reshape(k_size, flow.n, layout.rows, g.shape[-1])
 
 
-def _matmul_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> Any:
+def _matmul_share(
+    flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice, cache: dict | None = None
+) -> Any:
     layout = flow.layouts.get(id(meeting.record))
     if layout is None:
         layout = flow.layouts[id(meeting.record)] = matmul_layout(flow, meeting)
     xp = backend.array_module(g)
     x = layout.data[:, chunk]  # (K, n, p, k)
-    gr = cotangent_rows(flow, layout, g)[:, chunk]  # (K, n, p, m)
+    rows = None if cache is None else cache.get(id(meeting.record))
+    if rows is None:  # the cotangent's copy in rows, once for every chunk (the cache)
+        rows = cotangent_rows(flow, layout, g)
+        if cache is not None:
+            cache[id(meeting.record)] = rows
+    gr = rows[:, chunk]  # (K, n, p, m)
     kk, nn, p, k = x.shape
     m = gr.shape[-1]
     if layout.swap:  # the share is made transposed, (n, K, m, k): no copy afterwards
@@ -378,10 +385,16 @@ def _matmul_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> 
     return xp.ascontiguousarray(share).reshape((nn,) + layout.param_shape)
 
 
-def _elementwise_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> Any:
+def _elementwise_share(
+    flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice, cache: dict | None = None
+) -> Any:
     """g * d out / d P, unreduced (P expanded to the output's shape), then summed over
-    each example's positions. Needs the output's example axis to be its first."""
+    each example's positions. Needs the output's example axis to be its first. With a
+    cache, the shares of every example are formed once (output-sized: no larger than
+    the op's output) and each chunk takes its rows."""
     rec, j = meeting.record, meeting.argnum
+    if cache is not None and id(rec) in cache:
+        return cache[id(rec)][chunk]
     out = rec.outputs[0]
     ids = flow.ids[id(out)]
     rows = np.arange(flow.n, dtype=np.float32).reshape((flow.n,) + (1,) * (out.ndim - 1))
@@ -405,11 +418,16 @@ def _elementwise_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice
     assert rec.prim is not None  # meetings are primitives' records
     part = get_vjp(rec.prim)(j, ans, *inputs, **rec.params)(Tensor(g))
     value = xp.zeros(out.shape, param.dtype) if part is ZERO else part.value
-    value = value[chunk]
+    if cache is None:
+        value = value[chunk]
     axes = tuple(a for a in range(1, out.ndim) if padded[a] == 1 and out.shape[a] != 1)
     if axes:
         value = value.sum(axis=axes, keepdims=True)
-    return value.reshape((value.shape[0],) + tuple(param.shape))
+    value = value.reshape((value.shape[0],) + tuple(param.shape))
+    if cache is None:
+        return value
+    cache[id(rec)] = value
+    return value[chunk]
 
 
 SHARES = {"matmul": _matmul_share, "elementwise": _elementwise_share}
@@ -505,16 +523,20 @@ class PerExample:
             for o in outs
         }
 
-    def shares(self, cotangents: dict[int, Any], chunk: slice, rows: int) -> list[Tensor]:
+    def shares(
+        self, cotangents: dict[int, Any], chunk: slice, rows: int, cache: dict | None = None
+    ) -> list[Tensor]:
         """Per-example gradients of the parameters for the examples in `chunk`: the
-        meetings' shares, then the parameter-only ops backward with a leading axis."""
+        meetings' shares, then the parameter-only ops backward with a leading axis.
+        `cache`: a dict kept across the chunks of one set of cotangents, so that what
+        every chunk reads (the cotangents in rows) is formed once, not once a chunk."""
         flow = self.flow
         targets: dict[int, Tensor] = {}
         seeds: dict[int, Any] = {}
         for m in flow.meetings:
             p = m.record.inputs[m.argnum]
             with trace.nothing_recording():
-                share = SHARES[m.kind](flow, m, cotangents[id(m.record.outputs[0])], chunk)
+                share = SHARES[m.kind](flow, m, cotangents[id(m.record.outputs[0])], chunk, cache)
             targets[id(p)] = p
             seeds[id(p)] = share if id(p) not in seeds else seeds[id(p)] + share
         params = self.flat
@@ -571,11 +593,12 @@ def per_example(
     norms_by = [np.zeros(n) for _ in params]
     kept: list[list[Any]] = [[] for _ in params]
     chunks, seen = 0, 0
+    cache: dict[int, Any] | None = {} if step < n else None
     for start in range(0, n, step):
         stop = min(n, start + step)
         rows = stop - start
         chunks += 1
-        shares = engine.shares(cotangents, slice(start, stop), rows)
+        shares = engine.shares(cotangents, slice(start, stop), rows, cache)
         for k, s in enumerate(shares):
             flat = s.value.reshape(rows, -1)
             if statistics:

@@ -283,7 +283,7 @@ def forward_jacobian(
     blocks: list[Tensor | None] = []
     for source in sources:
         step = source.size if chunk_size is None else max(1, chunk_size)
-        columns = []
+        columns: list[Any] = []
         for start in range(0, source.size, step):
             stop = min(source.size, start + step)
             with ForwardAccumulator([source], [_unit_tangents(source, start, stop)], 1) as acc:

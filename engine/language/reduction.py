@@ -148,7 +148,7 @@ def batch_reduction(
                 value = given.value
             else:
                 return None
-            return value if value in REDUCTIONS else None  # type: ignore[return-value]
+            return value if value in REDUCTIONS else None
         return None
 
     return read(Name(target, lines[target].pos)) if target in lines else None

@@ -492,6 +492,7 @@ def asks_async(request: Request) -> bool:
     if prefers_async(request):
         return True
     body = getattr(request, "_json", None)
-    if body is None and isinstance(getattr(request, "_body", None), UnpackedBody):
-        body = request._body.value
+    raw = getattr(request, "_body", None)
+    if body is None and isinstance(raw, UnpackedBody):
+        body = raw.value
     return isinstance(body, dict) and body.get("async") is True

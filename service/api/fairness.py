@@ -127,7 +127,7 @@ class Fairness:
         if now < state.refused_until:
             await asyncio.sleep(min(state.refused_until - now, MAX_HOLD_REFUSED))
         else:
-            state.refused_until = now + wait
+            state.refused_until = now + _retry_after(wait)  # what the client is told
         raise _limited(detail, wait)
 
     @asynccontextmanager
@@ -200,7 +200,10 @@ class Fairness:
                 self._keys.pop(owner, None)
 
 
+def _retry_after(wait: float) -> int:
+    """Retry-After's whole seconds, at least 1."""
+    return max(1, math.ceil(wait))
+
+
 def _limited(detail: str, wait: float) -> ProblemError:
-    return ProblemError(
-        "rate-limited", detail, headers={"Retry-After": str(max(1, math.ceil(wait)))}
-    )
+    return ProblemError("rate-limited", detail, headers={"Retry-After": str(_retry_after(wait))})

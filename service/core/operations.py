@@ -861,7 +861,7 @@ OPERATIONS: tuple[Operation, ...] = (
         Rademacher vectors z (one HVP per vector, in batched passes of `batch_size`), with
         its standard error; stops once that is within `rtol`/`atol`, at `max_hvps` or at
         `max_seconds`. The norm itself is the square root of the answer.""",
-        sdk_method="",  # RemoteTape.call("frobenius-norm", ...)
+        sdk_method="frobenius_norm",
         diagnosis="Frobenius-norm estimate",
         route_name="estimate_tape_frobenius_norm",
     ),

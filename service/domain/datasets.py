@@ -178,7 +178,7 @@ def _load_npz(body: bytes, check_size: Callable[[int], None]) -> dict[str, np.nd
 def _inflate(archive: zipfile.ZipFile, info: zipfile.ZipInfo, member: _Member) -> np.ndarray:
     """The member's data, READ_CHUNK bytes at a time, into its declared size exactly."""
     out = np.empty(member.nbytes, np.uint8)
-    view = memoryview(out)
+    view = out.data  # a memoryview of its bytes
     try:
         with archive.open(info) as stream:
             stream.read(member.offset)  # the header, read already

@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.curvature import Curvature, CurvatureError
 from engine.hessian_algorithms import FlatOperator
-from engine.kfac import KFAC, curvature_diagonal
+from engine.hessian_algorithms.hutchinson import MIN_STDERR_SAMPLES, tolerance_met
+from engine.kfac import KFAC, curvature_diagonal, fisher_diagonal_draws
 from engine.laplace import Laplace
 from engine.per_example import MixedExamplesError, PerExample, per_example
 from service.worker import tapes
@@ -75,6 +76,46 @@ def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
     if isinstance(exc, MixedExamplesError):
         return RequestError("batch-dependence", str(exc), field="output")
     return RequestError("request", str(exc), field=field)
+
+
+def _check_seed_bytes(
+    curvature: Curvature,
+    kind: str,
+    samples: int | None,
+    context: WorkerContext | None,
+    what: str,
+    meetings: PerExample | None = None,
+) -> None:
+    """Refuse, before anything is allocated, what the loss Hessian's square-root columns
+    (or the Monte-Carlo draws) would hold: the exact GGN/Fisher takes R columns of the
+    output (R entries per example) and the square roots' N R x R matrices, several
+    copies while they are formed; KFAC (`meetings` given) also one copy of every
+    layer's output cotangent per column."""
+    out = curvature.output
+    n = out.shape[0] if out.ndim else 1
+    width = out.size // max(n, 1)
+    itemsize = 8  # float64 on the host
+    if kind == "empirical_fisher":
+        columns, per_column = 1, out.size * itemsize
+    elif samples is not None:
+        columns, per_column = samples, out.size * itemsize
+    else:
+        columns, per_column = width, 5 * out.size * itemsize  # units, H columns, eigh
+    if meetings is not None:
+        per_column += sum(m.record.outputs[0].size for m in meetings.flow.meetings) * itemsize
+    held = columns * per_column
+    budget = (context.memory_budget if context is not None else None) or DEFAULT_BUDGET
+    if held > budget:
+        source = f"{samples} Monte-Carlo draws" if samples else f"{columns} columns"
+        raise RequestError(
+            "too-large",
+            f"{what}: {source} of the output {list(out.shape)} (the loss Hessian's square "
+            f"root{', and each layer output per column' if meetings is not None else ''}) "
+            f"hold {held:,} bytes, above this server's {budget:,}; use fewer examples per "
+            "tape, fewer samples, or the empirical Fisher",
+            field="samples" if samples else "curvature",
+            limit=budget,
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -139,9 +180,11 @@ def per_example_of(
 # ----------------------------------------------------------------------------------------
 
 
-def kfac_of(session: tapes.TapeSession, options: Mapping[str, Any]) -> KFAC:
+def kfac_of(
+    session: tapes.TapeSession, options: Mapping[str, Any], context: WorkerContext | None = None
+) -> KFAC:
     """The tape's KFAC for these options, fitted once and kept with the tape."""
-    curvature, _ = _examples(session, "kfac")
+    curvature, engine = _examples(session, "kfac")
     key = (
         "kfac",
         options.get("curvature") or "ggn",
@@ -154,6 +197,14 @@ def kfac_of(session: tapes.TapeSession, options: Mapping[str, Any]) -> KFAC:
     )
     cache = session.kfacs
     if key not in cache:
+        _check_seed_bytes(
+            curvature,
+            "empirical_fisher" if key[1] == "empirical_fisher" else "ggn",
+            key[3] if key[1] == "fisher" else None,
+            context,
+            "kfac",
+            engine,
+        )
         try:
             cache[key] = KFAC(
                 curvature,
@@ -191,11 +242,13 @@ def kfac_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
     assert asked.session is not None, "a sharded tape refuses KFAC"
     vector = asked.tensors.get("vector")
     payload = {**_as_dict(asked.options), "vectors": None if vector is None else [vector]}
-    return kfac_answer(asked.session, payload)
+    return kfac_answer(asked.session, payload, asked.context)
 
 
-def kfac_answer(session: tapes.TapeSession, payload: Mapping[str, Any]) -> dict[str, Any]:
-    fitted = kfac_of(session, payload)
+def kfac_answer(
+    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext | None = None
+) -> dict[str, Any]:
+    fitted = kfac_of(session, payload, context)
     names = list(_names(session))
     damping = float(payload.get("damping") or 0.0)
     layers = []
@@ -266,7 +319,8 @@ def backprop_diagonal(
 ) -> dict[str, Any]:
     """diag of the GGN (exact), of the Monte-Carlo Fisher (`samples`) or of the
     empirical Fisher, from per-example passes of the loss Hessian's square-root columns
-    (BackPACK's DiagGGNExact / DiagGGNMC): no Hutchinson probes, no standard error."""
+    (BackPACK's DiagGGNExact / DiagGGNMC): no Hutchinson probes. Exact but for the
+    Monte-Carlo Fisher, which answers its draws' standard error."""
     started = time.perf_counter()
     payload = _as_dict(options)
     kind = payload.get("curvature") or "hessian"
@@ -279,35 +333,78 @@ def backprop_diagonal(
             field="method",
         )
     curvature, _ = _examples(session, "method 'backprop'")
+    samples = payload.get("samples")
+    _check_seed_bytes(curvature, kind, samples, context, "method 'backprop'")
+    max_bytes = context.memory_budget or DEFAULT_BUDGET
+    stderr: list[np.ndarray] | None = None
     try:
-        diag = curvature_diagonal(
-            curvature,
-            kind,
-            samples=payload.get("samples"),
-            seed=payload.get("fisher_seed", 0),
-            max_bytes=context.memory_budget or DEFAULT_BUDGET,
-        )
+        if samples is None:  # exact: R square-root columns (one for the empirical Fisher)
+            diag = curvature_diagonal(curvature, kind, max_bytes=max_bytes)
+        else:  # Monte-Carlo: the draws' mean, and their spread as its standard error
+            diag, stderr = _monte_carlo_diagonal(
+                curvature, samples, payload.get("fisher_seed", 0), max_bytes
+            )
     except (MixedExamplesError, CurvatureError) as exc:
         raise _curvature_error(exc) from None
     names = list(_names(session))
     n = sum(d.size for d in diag)
     out = curvature.output
-    passes = 1 if kind == "empirical_fisher" else payload.get("samples") or out.size // out.shape[0]
+    passes = 1 if kind == "empirical_fisher" else samples or out.size // out.shape[0]
+    keyed = _names(session)
+    error: float | None = 0.0
+    converged = True
+    if samples is not None:
+        # An estimate of the Fisher's diagonal: its Monte-Carlo standard error (unknown
+        # from fewer than MIN_STDERR_SAMPLES draws), converged only where a tolerance
+        # asked for is met, as every stochastic estimator answers.
+        flat_diag = np.concatenate([d.ravel() for d in diag])
+        error = None
+        if stderr is not None:
+            error = float(np.sqrt(np.mean(np.concatenate([e.ravel() for e in stderr]) ** 2)))
+        scale = float(np.sqrt(np.mean(flat_diag**2))) if flat_diag.size else 0.0
+        converged = error is not None and tolerance_met(
+            error, scale, payload.get("rtol"), float(payload.get("atol") or 0.0)
+        )
     return {
-        "diagonal": {_names(session)[name]: d for name, d in zip(names, diag, strict=True)},
+        "diagonal": {keyed[name]: d for name, d in zip(names, diag, strict=True)},
         "partial": None,
-        "stderr": None,
-        "error": 0.0,
+        "stderr": None
+        if stderr is None
+        else {keyed[name]: e for name, e in zip(names, stderr, strict=True)},
+        "error": error,
         "method": "backprop",
         "reached": n,
         "samples": int(passes),
         "batches": int(passes),
         "batch_size": 1,
-        "converged": True,
-        "stopped": "exhausted",
+        "converged": converged,
+        "stopped": "tolerance" if samples is not None and converged else "exhausted",
         "hvps": 0,
         "seconds": time.perf_counter() - started,
     }
+
+
+def _monte_carlo_diagonal(
+    curvature: Curvature, samples: int, seed: int | None, max_bytes: int
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """The mean of the draws' diagonals and its standard error per entry (None from
+    fewer than MIN_STDERR_SAMPLES draws), reduced as the draws come (Welford)."""
+    mean: list[np.ndarray] = []
+    m2: list[np.ndarray] = []
+    count = 0
+    for draw in fisher_diagonal_draws(curvature, samples, seed, max_bytes):
+        count += 1
+        if not mean:
+            mean = [d.copy() for d in draw]
+            m2 = [np.zeros_like(d) for d in draw]
+            continue
+        for k, d in enumerate(draw):
+            delta = d - mean[k]
+            mean[k] += delta / count
+            m2[k] += delta * (d - mean[k])
+    if count < MIN_STDERR_SAMPLES:
+        return mean, None
+    return mean, [np.sqrt(m / (count - 1) / count) for m in m2]
 
 
 # ----------------------------------------------------------------------------------------
@@ -352,18 +449,30 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
 @tapes.operation("tape_laplace")
 def laplace_row(flat: Any, keys: list[str], asked: tapes.Asked) -> dict[str, Any]:
     assert asked.session is not None, "a sharded tape refuses a Laplace fit"
-    return laplace_fit(asked.session, _as_dict(asked.options))
+    return laplace_fit(asked.session, _as_dict(asked.options), asked.context)
 
 
-def laplace_fit(session: tapes.TapeSession, payload: Mapping[str, Any]) -> dict[str, Any]:
-    curvature, _ = _examples(session, "laplace")
+def laplace_fit(
+    session: tapes.TapeSession, payload: Mapping[str, Any], context: WorkerContext | None = None
+) -> dict[str, Any]:
+    curvature, engine = _examples(session, "laplace")
+    structure = payload.get("structure") or "kron"
+    if structure in ("diag", "kron"):
+        _check_seed_bytes(
+            curvature,
+            payload.get("curvature") or "ggn",
+            None,
+            context,
+            "laplace",
+            engine if structure == "kron" else None,
+        )
     prior = payload.get("prior_precision")
     tune = bool(payload.get("tune")) or prior == "tune"
     try:
         la = Laplace(
             curvature,
             subset=payload.get("subset") or "all",
-            structure=payload.get("structure") or "kron",
+            structure=structure,
             curvature=payload.get("curvature") or "ggn",
             prior_precision=1.0 if tune or prior is None else float(prior),
             sigma_noise=float(payload.get("sigma_noise") or 1.0),

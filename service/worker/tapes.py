@@ -421,7 +421,8 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
-    operator, _ = curvature_operator(session, curvature_choice(payload["curvature"]), context)
+    # (a message without `curvature` asks for the Hessian)
+    operator, _ = curvature_operator(session, curvature_choice(payload.get("curvature")), context)
     products = _products(session, operator, stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.

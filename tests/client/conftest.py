@@ -49,7 +49,12 @@ def _service_data_dir() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("sdk-server")
-    srv = start_server({"GRADTAPE_DATA_DIR": str(tmp / "data")}, tmp / "server.log")
+    # The compute-cost guard off: the SDK's timeout tests send requests that must run to
+    # their time limit, which the guard would refuse first (it has tests: test_cost.py).
+    srv = start_server(
+        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_COST_FLOPS_PER_SECOND": "0"},
+        tmp / "server.log",
+    )
     try:
         yield srv
     finally:
@@ -73,6 +78,9 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             # heavy(1000, 80) holds the worker for seconds; the memory model puts it
             # over the default request budget (1 GiB), so the budget here is larger.
             "GRADTAPE_REQUEST_MEMORY_BUDGET": str(4 * 2**30),
+            # ... and the compute-cost guard would refuse it before it runs (it must run
+            # to its time limit here); the guard has tests of its own (test_cost.py).
+            "GRADTAPE_COST_FLOPS_PER_SECOND": "0",
         },
         tmp / "server.log",
     )

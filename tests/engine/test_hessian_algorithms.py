@@ -15,6 +15,7 @@ from engine.hessian_algorithms import (
     hutchinson_trace,
     lanczos,
 )
+from tests.engine.clock import FakeClock
 
 
 def symmetric(n: int, seed: int, spectrum: np.ndarray | None = None) -> np.ndarray:
@@ -22,9 +23,6 @@ def symmetric(n: int, seed: int, spectrum: np.ndarray | None = None) -> np.ndarr
     q, _ = np.linalg.qr(rng.standard_normal((n, n)))
     values = rng.standard_normal(n) * 3 if spectrum is None else spectrum
     return (q * values) @ q.T
-
-
-from tests.engine.clock import FakeClock
 
 
 class Counting:

@@ -164,6 +164,27 @@ def test_parameters_outside_layers_are_refused_or_kept_exact():
     assert fitted.other_block[0, 0] == pytest.approx(exact[12, 12], rel=1e-12)
 
 
+def test_a_weight_tied_between_two_layers_is_in_no_kronecker_block():
+    """x @ W and h @ W^T (an autoencoder's or a language model's tied weight): the GGN's
+    block on W couples both uses, so W is refused (or kept exact), not fitted from its
+    first use alone (which gave a trace 4.5x too small here)."""
+    rng = np.random.default_rng(4)
+    p = {"W": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+
+    def tied(p, x):
+        return gt.tanh(x @ p["W"] + p["b"]) @ gt.transpose(p["W"])
+
+    x, y = rng.standard_normal((5, 4)), rng.integers(0, 4, 5)
+    curv = Curvature(tied, ce_mean, tensors(p), gt.Tensor(x), gt.Tensor(y))
+    with pytest.raises(CurvatureError, match=r"W \[4, 3\], b \[3\] are in no matmul .*tied"):
+        kfac(curv, "ggn", names=["W", "b"])
+    fitted = kfac(curv, "ggn", names=["W", "b"], others="exact")
+    assert fitted.layers == [] and fitted.others == [0, 1]
+    exact = FlatOperator(curv.operator("ggn")).matvec(np.eye(15))
+    np.testing.assert_allclose(fitted.other_block, exact, rtol=1e-12, atol=1e-14)
+    assert fitted.trace() == pytest.approx(np.trace(exact), rel=1e-12)
+
+
 LAPLACE = {"reg": (lambda o, y: gt.mean((o - y) ** 2), 0.3), "cls": (ce_mean, 1.0)}
 KEYS = [
     (tag, subset, structure, curvature)
@@ -335,3 +356,79 @@ def test_preconditioned_cg_solves_the_same_system_in_fewer_steps():
     # what is checked; bench/ would say where it pays)
     np.testing.assert_allclose(two.scores, one.scores, rtol=1e-8, atol=1e-12)
     assert two.solve.converged
+
+
+def test_a_last_layer_block_holds_no_copy_of_the_whole_model_per_entry():
+    """A full last-layer Laplace (and KFAC's exact block of parameters outside layers)
+    takes one curvature product per entry of the block; each unit vector spans every
+    parameter. 303 entries x 50,403 parameters held at once were 122 MB (twice: the
+    products too); in passes of at most kfac.BLOCK_BYTES the peak stays far below, and
+    the block is the same."""
+    import tracemalloc
+
+    from engine import kfac as kfac_module
+
+    rng = np.random.default_rng(6)
+    p = {
+        "w1": rng.standard_normal((500, 100)) * 0.05,
+        "w2": rng.standard_normal((100, 3)),
+        "b2": rng.standard_normal(3),
+    }
+
+    def net(p, x):
+        return gt.tanh(x @ p["w1"]) @ p["w2"] + p["b2"]
+
+    x, y = rng.standard_normal((4, 500)), rng.integers(0, 3, 4)
+    curv = Curvature(net, ce_mean, tensors(p), gt.Tensor(x), gt.Tensor(y))
+    tracemalloc.start()
+    try:
+        la = Laplace(curv, subset="last_layer", structure="full", names=list(p))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert la.n == 303
+    assert peak < 3 * kfac_module.BLOCK_BYTES, f"peak {peak:,} bytes"
+    # the block against products one unit vector at a time
+    op = curv.operator("ggn")
+    rows = []
+    for j in range(303):
+        e = np.zeros(303)
+        e[j] = 1.0
+        v = {"w1": np.zeros((500, 100)), "w2": e[:300].reshape(100, 3), "b2": e[300:]}
+        (hv,) = op.hvp(tensors(v))
+        rows.append(np.concatenate([hv["w2"].numpy().ravel(), hv["b2"].numpy()]))
+    dense = np.array(rows)
+    dense = dense / la.s  # Laplace's H is of the NLL: the loss's GGN over its scale
+    assert la.eigenvalues.sum() == pytest.approx(np.trace(dense), rel=1e-12)
+    np.testing.assert_allclose(
+        np.sort(la.eigenvalues), np.sort(np.linalg.eigvalsh((dense + dense.T) / 2)), atol=1e-12
+    )
+
+
+def test_sequence_classification_predictive_is_a_softmax_per_position():
+    """An output (N, T, C) under a softmax cross-entropy per position: the predictive's
+    probabilities (flattened to T C per test point) are a softmax over each position's
+    C classes (they were one softmax over all T C entries, summing to 1 per point)."""
+    rng = np.random.default_rng(8)
+    n, steps, d, classes = 6, 2, 3, 4
+    p = {"w1": rng.standard_normal((d, 5)), "w2": rng.standard_normal((5, classes))}
+
+    def seq(p, x):
+        return gt.tanh(x @ p["w1"]) @ p["w2"]
+
+    x, y = rng.standard_normal((n, steps, d)), rng.integers(0, classes, (n, steps))
+    curv = Curvature(seq, ce_mean, tensors(p), gt.Tensor(x), gt.Tensor(y))
+    la = Laplace(curv, structure="full", prior_precision=0.5, names=list(p))
+    test = gt.Tensor(rng.standard_normal((3, steps, d)))
+    found = la.predictive(seq, test)
+    assert found.mean.shape == (3, steps * classes)
+    np.testing.assert_allclose(
+        found.mean.reshape(3, steps, classes), seq(tensors(p), test).numpy(), rtol=1e-13
+    )
+    variances = np.diagonal(found.variance, axis1=1, axis2=2).reshape(3, steps, classes)
+    logits = found.mean.reshape(3, steps, classes) / np.sqrt(1 + np.pi / 8 * variances)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    expected = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(found.probabilities.reshape(3, steps, classes), expected, rtol=1e-13)
+    mc = la.predictive(seq, test, link="mc", samples=50, seed=1)
+    np.testing.assert_allclose(mc.probabilities.reshape(3, steps, classes).sum(-1), 1.0)

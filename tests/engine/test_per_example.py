@@ -136,3 +136,36 @@ def test_models_that_mix_examples_are_refused_naming_the_op(model, op):
     )
     with pytest.raises(MixedExamplesError, match=f"mixes examples at op '{op}'"):
         per_example(curv)
+
+
+def test_chunks_form_the_cotangent_sized_work_once(monkeypatch):
+    """Under a small memory bound the examples run in many chunks; what every chunk reads
+    (a matmul's cotangent in rows, an elementwise op's shares: the op's output size) is
+    formed once, not once a chunk (which made the cost grow as N x chunks: 10x for 4x
+    the examples at one example a chunk)."""
+    import engine.per_example as pe
+
+    calls = {"rows": 0, "vjp": 0}
+    rows, vjp = pe.cotangent_rows, pe.get_vjp
+
+    def counted_rows(*args):
+        calls["rows"] += 1
+        return rows(*args)
+
+    def counted_vjp(*args):
+        calls["vjp"] += 1
+        return vjp(*args)
+
+    monkeypatch.setattr(pe, "cotangent_rows", counted_rows)
+    monkeypatch.setattr(pe, "get_vjp", counted_vjp)
+    params = {"w1": (5, 4), "b1": (4,), "w2": (4, 3), "b2": (3,)}
+    params = {k: RNG.standard_normal(s) for k, s in params.items()}
+    x, y = RNG.standard_normal((12, 5)), RNG.integers(0, 3, 12)
+    curv = Curvature(mlp, ce_mean, _tensors(params), gt.Tensor(x), gt.Tensor(y))
+    whole = per_example(curv)
+    calls.update(rows=0, vjp=0)
+    chunked = per_example(curv, max_bytes=1)  # one example a chunk
+    assert chunked.chunks == 12
+    assert calls == {"rows": 2, "vjp": 2}  # two matmuls, two bias additions
+    for k in params:
+        np.testing.assert_allclose(chunked.gradients[k], whole.gradients[k], rtol=1e-14)

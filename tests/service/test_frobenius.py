@@ -2,7 +2,7 @@
 operation table): ||C||_F^2 of the Hessian, the GGN and the Fisher of a small network,
 against the dense matrices (tests/service/test_tape_curvature.py builds them from the
 engine's jacobians), with its standard error; the same numbers on a sharded tape; and
-through the SDK's generic call."""
+through the SDK (its generic call and the named method)."""
 
 from __future__ import annotations
 
@@ -92,5 +92,7 @@ def test_through_the_sdk_generic_call(server, tape_id) -> None:
     with Client(server.base_url) as client:
         tape = client.tape(DEFN, "loss", output="logits")
         answer = tape.call("frobenius-norm", curvature="ggn", max_hvps=2000, batch_size=200)
+        named = tape.frobenius_norm(curvature="ggn", max_hvps=2000, batch_size=200)
         tape.delete()
     assert abs(answer["frobenius_norm_squared"] - squared_norm("ggn")) < 4 * answer["stderr"]
+    assert named["frobenius_norm_squared"] == answer["frobenius_norm_squared"]  # seed 0

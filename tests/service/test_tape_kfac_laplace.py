@@ -240,3 +240,86 @@ def test_a_laplace_fit_runs_as_a_job(client, tape_id) -> None:
         client, f"/v1/tapes/{tape_id}/laplace/{result['laplace_id']}/log-marginal-likelihood", {}
     )
     assert again["log_marginal_likelihood"] == result["log_marginal_likelihood"]
+
+
+def test_square_root_columns_beyond_the_memory_budget_are_refused_before_allocating(
+    client,
+) -> None:
+    """1,000 examples of 200 classes: the exact GGN's square-root columns (the backprop
+    diagonal, KFAC, a diag or kron Laplace fit) hold 200 x 5 x 1,000 x 200 x 8 bytes =
+    1.6 GB, above the test server's 1 GiB request budget: a named 422 before anything is
+    allocated (it used to build them all, N R^2 entries at a time, however large)."""
+    wide = {
+        "variables": {"w": t(np.ones((2, 200)) * 0.01, "float64")},
+        "inputs": {"x": t(np.ones((1000, 2)), "float64"), "y": t(np.zeros(1000), "int64")},
+        "program": ["logits = x @ w", "loss = softmax_cross_entropy(logits, y)"],
+    }
+    r = client.post("/v1/tapes", json={"definition": wide, "target": "loss", "output": "logits"})
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
+    for path, body in (
+        ("diagonal", {"curvature": "ggn", "method": "backprop"}),
+        ("kfac", {}),
+        ("laplace", {"structure": "diag"}),
+        ("laplace", {"structure": "kron"}),
+    ):
+        found = problem(client.post(f"/v1/tapes/{tape}/{path}", json=body), 422, "too-large")
+        assert "200 columns of the output [1000, 200]" in found["detail"], found["detail"]
+        assert "above this server's" in found["detail"]
+    # the empirical Fisher's one column fits
+    post(
+        client,
+        f"/v1/tapes/{tape}/diagonal",
+        {"curvature": "empirical_fisher", "method": "backprop"},
+    )
+
+
+def test_predictive_test_inputs_as_bare_numbers_keep_the_tapes_precision(client, tape_id) -> None:
+    """test_inputs sent as plain JSON lists take the tape input's dtype (float64 here), as
+    every other endpoint's bare numbers do: they were read as float32 first, which moved
+    the predictive variance of this float64 tape by ~1e-7. A batch of one point answers
+    that point's row of a larger batch."""
+    fit = post(
+        client, f"/v1/tapes/{tape_id}/laplace", {"structure": "kron", "prior_precision": 0.5}
+    )
+    base = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/predictive"
+    ours = Laplace(recording(), structure="kron", prior_precision=0.5, names=list(SHAPES))
+    expected = ours.predictive(model, gt.Tensor(X_TEST))
+    bare = post(client, base, {"test_inputs": {"x": X_TEST.tolist()}})
+    np.testing.assert_allclose(arr(bare["mean"]), expected.mean, rtol=1e-12)
+    np.testing.assert_allclose(arr(bare["variance"]), expected.variance, rtol=1e-10, atol=1e-14)
+    one = post(client, base, {"test_inputs": {"x": X_TEST[2:3].tolist()}})
+    np.testing.assert_allclose(arr(one["variance"])[0], expected.variance[2], rtol=1e-10)
+    np.testing.assert_allclose(arr(one["probabilities"])[0], expected.probabilities[2], rtol=1e-12)
+
+
+def test_a_monte_carlo_backprop_diagonal_is_an_estimate_with_its_standard_error(
+    client, tape_id
+) -> None:
+    """method backprop with `samples` estimates the Fisher's diagonal from Monte-Carlo
+    draws: it used to answer error 0 and converged (the marks of an exact answer). Now
+    the draws' standard error per entry (from 30 draws), their RMS as `error`, converged
+    only when a tolerance is met; the exact diagonal lies within it."""
+    body = {"curvature": "fisher", "method": "backprop", "samples": 60, "fisher_seed": 2}
+    answer = post(client, f"/v1/tapes/{tape_id}/diagonal", body)
+    draws = np.array(
+        [np.concatenate([d.ravel() for d in draw]) for draw in _draws(60, 2)]
+    )  # (60, n), each draw's own estimate of diag(F)
+    np.testing.assert_allclose(flat(answer["diagonal"]), draws.mean(0), rtol=1e-10)
+    stderr = draws.std(0, ddof=1) / np.sqrt(60)
+    np.testing.assert_allclose(flat(answer["stderr"]), stderr, rtol=1e-8)
+    assert answer["error"] == pytest.approx(np.sqrt(np.mean(stderr**2)), rel=1e-8)
+    assert answer["error"] > 0 and not answer["converged"]
+    exact = post(client, f"/v1/tapes/{tape_id}/diagonal", {"curvature": "ggn", "method": "exact"})
+    off = np.abs(flat(answer["diagonal"]) - flat(exact["diagonal"]))
+    assert np.mean(off <= 3 * stderr + 1e-15) >= 0.9
+    loose = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "rtol": 10.0})
+    assert loose["converged"] and loose["stopped"] == "tolerance"
+    few = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "samples": 3})
+    assert few["stderr"] is None and few["error"] is None and not few["converged"]
+
+
+def _draws(samples: int, seed: int) -> list:
+    from engine.kfac import fisher_diagonal_draws
+
+    return list(fisher_diagonal_draws(recording(), samples, seed))

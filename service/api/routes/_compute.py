@@ -56,7 +56,7 @@ def register(
     request model as its body and op's documentation."""
     endpoint.__annotations__["body"] = op.request  # the body FastAPI validates and documents
     endpoint.__name__ = endpoint.__qualname__ = op.name  # for tracebacks and logs
-    endpoint.may_run_jobs = op.job  # type: ignore[attr-defined]  (bodies.GatedRoute)
+    endpoint.may_run_jobs = op.job  # type: ignore[attr-defined]  # read by bodies.GatedRoute
     responses = job_responses if op.job else compute_responses
     router.post(
         op.path,

@@ -61,7 +61,8 @@ def laplace_predictive(body: LaplacePredictiveRequest, settings: Settings) -> Pr
     limit = payloads._time_limit(body, settings)
     decoder = payloads._decoder(body, settings)
     fields = {
-        "test_inputs": decoder.inputs(body.test_inputs, "float32", field="test_inputs"),
+        # Bare numbers read as float64, cast to the input's dtype in the worker (as influence).
+        "test_inputs": decoder.inputs(body.test_inputs, "float64", field="test_inputs"),
         "link": body.link,
         "samples": body.samples,
         "seed": body.seed,

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model
 
 from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
 from service.api.schemas.definitions import Inputs, Tensors
-from service.api.schemas.tensors import Name, Tensor
+from service.api.schemas.tensors import INT_MAX, Name, Tensor
 
 
 class PerExampleDefinitionRequest(DefinitionRequest):
@@ -122,7 +122,7 @@ class LaplacePredictiveRequest(CallOptions):
         "probit", description="Classification: the probit approximation or Monte-Carlo."
     )
     samples: StrictInt = Field(100, ge=1, le=100_000, description="Monte-Carlo draws (link mc).")
-    seed: StrictInt = Field(0, ge=0, description="Seed of the Monte-Carlo draws.")
+    seed: StrictInt = Field(0, ge=0, le=INT_MAX, description="Seed of the Monte-Carlo draws.")
 
 
 class LaplacePredictiveResponse(BaseModel):
@@ -138,7 +138,7 @@ class LaplacePredictiveResponse(BaseModel):
 
 class LaplaceSamplesRequest(CallOptions):
     count: StrictInt = Field(10, ge=1, le=10_000, description="Posterior samples to draw.")
-    seed: StrictInt = Field(0, ge=0)
+    seed: StrictInt = Field(0, ge=0, le=INT_MAX)
 
 
 class LaplaceSamplesResponse(BaseModel):

@@ -26,6 +26,7 @@ from pydantic import (
 from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, RequestModel, async_field, nonfinite_flag
 from service.api.schemas.definitions import Inputs, Vector
+from service.core.defaults import INT_MAX
 from service.core.operations import (
     CURVATURE_FIELDS,
     OPERATIONS,
@@ -107,7 +108,7 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
 _TENSOR_FIELDS: dict[str, Any] = {
     "vector": Vector | None,
     "inputs": Inputs | None,
-    "rows": list[StrictInt] | None,
+    "rows": list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX)]] | None,
 }
 
 

@@ -13,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -87,7 +87,8 @@ _ADVICE = {
 
 def _caller_stacklevel() -> int:
     """The stacklevel of the first frame outside this package (the user's call)."""
-    frame, level = sys._getframe(1), 1
+    frame: Any = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
@@ -96,6 +97,8 @@ def _caller_stacklevel() -> int:
 class _Converges(_Unpack):
     converged: bool
     stopped: str
+    if TYPE_CHECKING:  # every subclass has it (not a field here: it would move theirs)
+        hvps: int
 
     def __post_init__(self) -> None:
         if self.converged:

@@ -517,6 +517,13 @@ class RemoteTape(CurvatureMethods):
         body = self._body({"method": method, "seed": 0, **options})
         return self._run(self._diagonal_op(body, progress))
 
+    def frobenius_norm(self, *, progress: Any = False, **options: Unpack[EstimatorOptions]) -> Any:
+        """||C||_F^2 of the Hessian (or `curvature`) on the server, by Hutchinson on C^2,
+        as the answer's dict: `frobenius_norm_squared`, its `stderr` (None from fewer than
+        30 probes), `converged`, `stopped`, `samples`, `hvps`. `options`: EstimatorOptions.
+        `progress` as in `eigenvalues`."""
+        return self.call("frobenius-norm", progress=progress, **{"seed": 0, **options})
+
     def _density_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[SpectralDensity]:
         a = yield from self._ask("spectral-density", body, progress)
         stderr = a.get("stderr")
