@@ -510,3 +510,13 @@ def test_a_cached_export_is_not_reused_once_the_forward_changed(server) -> None:
                 {n: g.numpy() for n, g in moved.gradients.items()},
                 torch_grads(model, F.mse_loss(model(x), y)),
             )
+
+
+def test_data_of_another_float_dtype_than_the_module_is_a_named_error(server) -> None:
+    # NumPy's float64 data with a float32 module: a BridgeError saying which, not torch's
+    # "mat1 and mat2 must have the same dtype" from inside the export.
+    model = nn.Linear(3, 2).eval()
+    x, y = np.random.default_rng(0).standard_normal((4, 3)), np.array([0, 1, 1, 0])
+    with Client(server.base_url) as client, pytest.raises(BridgeError) as caught:
+        client.tape(model, loss="cross_entropy", data=(x, y))
+    assert "input 0 is float64 and the module's parameters are float32" in str(caught.value)

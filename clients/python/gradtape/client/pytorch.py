@@ -245,6 +245,14 @@ def export(
             "modules entirely in float32 or entirely in float64 (module.double())"
         )
     dtype = np.dtype(str(next(iter(dtypes))).removeprefix("torch."))
+    for i, a in enumerate(args):  # torch would fail in the forward, without a name
+        if a.is_floating_point() and a.dtype != next(iter(dtypes)):
+            raise BridgeError(
+                f"input {i} is {str(a.dtype).removeprefix('torch.')} and the module's "
+                f"parameters are {dtype}; send the data in {dtype} (NumPy arrays are "
+                "float64 by default: X.astype(np.float32)) or convert the module "
+                "(module.double())"
+            )
     names_in = list(
         input_names or (["x"] if len(args) == 1 else [f"x{i}" for i in range(len(args))])
     )
