@@ -9,7 +9,8 @@ leaves' pytree paths and loadable back into the pytree.
 
 Names: a leaf is named by its path with the keys joined by "/": `{"dense1": {"kernel":
 ...}}` gives "dense1/kernel", a list index or a tuple position its number
-("layers/0/w"), a dataclass field or a flax/equinox attribute its name. The service's
+("layers/0/w"), a dataclass field or a flax/equinox attribute its name; params that are
+one bare array are "params". The service's
 answers (gradients, HVPs, eigenvectors) come back as `{path: array}`; `to_pytree` puts
 them back into the params' structure, `from_pytree` makes such a dict of a pytree (an HVP
 direction, say). Paths that collide (a key containing "/") are refused, naming them.
@@ -144,7 +145,10 @@ def _key_name(key: Any) -> str:
 
 def _named_leaves(jax: Any, tree: Any) -> tuple[list[tuple[str, np.ndarray]], Any]:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    pairs = [("/".join(_key_name(k) for k in path), np.asarray(v)) for path, v in leaves]
+    # A bare array as params (no path) is named "params".
+    pairs = [
+        ("/".join(_key_name(k) for k in path) or "params", np.asarray(v)) for path, v in leaves
+    ]
     names = [n for n, _ in pairs]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
