@@ -193,6 +193,7 @@ def test_an_imported_model_is_onnx_or_stored_in_the_schema_and_the_validator(cli
             (body({"onnx": "AAAA"}), True),  # not an ONNX file: a 422 past validation
             (body({"onnx": "AAA"}), False),
             (body({"onnx": "AA\u00e9="}), False),
+            (body({"onnx": "AAAA=="}), False),  # excess padding, which b64decode ignores
         ],
     )
 
@@ -211,9 +212,15 @@ def test_tensor_elements_and_dimensions_in_the_schema_and_the_validator(client) 
             ({**base, "point": {"shape": [2], "data": [[{}], 1.0]}}, False),
             ({**base, "point": {"shape": [2.0], "data": [1.0, 2.0]}}, True),  # a whole 2
             ({**base, "point": {"shape": [2.5], "data": [1.0, 2.0]}}, False),
-            ({**base, "point": {"shape": [2**53], "data": [1.0, 2.0]}}, False),
+            ({**base, "point": {"shape": [2**31], "data": [1.0, 2.0]}}, False),  # NumPy's
+            # true/false beside a non-finite string: numbers, not the text 'True'
+            ({**base, "point": [True, "NaN"], "allow_nonfinite": True}, True),
+            # only the three non-finite strings stand for numbers (no "nan", no "1.5")
+            ({**base, "point": ["nan", 1.0], "allow_nonfinite": True}, False),
+            ({**base, "point": ["1.5", "NaN"], "allow_nonfinite": True}, False),
             ({**base, "point": {"shape": [2], "base64": "AACAPwAAAEA="}}, True),
             ({**base, "point": {"shape": [2], "base64": "AACAPwAAAEA"}}, False),
+            ({**base, "point": {"shape": [2], "base64": "AACAPwAAAEA=="}}, False),  # excess
         ],
     )
     # the whole float is that integer: the point w = (1, 2) answers the gradient 2 w
@@ -221,3 +228,8 @@ def test_tensor_elements_and_dimensions_in_the_schema_and_the_validator(client) 
         "/v1/gradient", json={**base, "point": {"shape": [2.0], "data": [1.0, 2.0]}}
     )
     assert answer.json()["gradients"]["w"]["data"] == [2.0, 4.0]
+    mixed = {**base, "point": [True, "Infinity"], "allow_nonfinite": True}
+    assert client.post("/v1/gradient", json=mixed).json()["gradients"]["w"]["data"] == [
+        2.0,
+        "Infinity",
+    ]

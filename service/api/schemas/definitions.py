@@ -80,9 +80,10 @@ class ImportedModel(StrictModel):
     named by their ONNX names, trainable unless listed in `frozen`."""
 
     # The schema speaks JSON: the file is a base64 string (msgpack's raw bytes have no
-    # JSON Schema type; the description says so).
+    # JSON Schema type; the description says so). The pattern is checked with the
+    # decoding (service/api/payloads.py), whose error names the model.
     onnx: Annotated[
-        StrictBytes | Annotated[StrictStr, Field(pattern=BASE64_PATTERN)] | None,
+        StrictBytes | StrictStr | None,
         WithJsonSchema(
             {
                 "anyOf": [

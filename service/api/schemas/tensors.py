@@ -26,7 +26,7 @@ from pydantic_core import CoreSchema, PydanticCustomError
 from typing_extensions import TypeAliasType
 
 from service.core.defaults import INT_MAX  # the schemas bound integers by it (re-exported too)
-from service.core.wire import DTYPES
+from service.core.wire import DTYPES, MAX_DIMENSION
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
@@ -91,8 +91,11 @@ def whole_float(value: Any) -> Any:
 # StrictModel's validator; list items, by this one).
 Index = Annotated[StrictInt, Field(ge=0, le=INT_MAX), BeforeValidator(whole_float)]
 
+# NumPy's bound on a dimension (service.core.wire checks it again, for every encoding).
+Dimension = Annotated[StrictInt, Field(ge=0, le=MAX_DIMENSION), BeforeValidator(whole_float)]
+
 Shape = Annotated[
-    list[Index],
+    list[Dimension],
     Field(max_length=32, description="Dimensions; [] for a scalar."),
 ]
 
@@ -186,8 +189,11 @@ class TensorBase64(StrictModel):
 
     dtype: DType = Field(DType["float32"], description="Element type.")
     shape: Shape
+    # The pattern is checked with the decoding (service/api/tensors.py), whose error
+    # names the tensor.
     base64: str = Field(
-        pattern=BASE64_PATTERN, description="base64 (RFC 4648, with padding) of the bytes."
+        description="base64 (RFC 4648, with padding) of the bytes.",
+        json_schema_extra={"pattern": BASE64_PATTERN},
     )
 
 
