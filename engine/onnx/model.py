@@ -675,11 +675,11 @@ def _parse(data: bytes) -> Any:
 
 def as_float64(proto: Any) -> Any:
     """The same model computing in float64: float32 initializers, graph inputs, outputs
-    and value infos, Cast targets and float32 constants (Constant, ConstantOfShape
-    values) switched to double. Exact for what the file holds: a float32 constant keeps
+    and value infos, Cast targets and float32 constants (Constant values, value_float(s),
+    ConstantOfShape's value and its float32 default) switched to double. Exact for what the file holds: a float32 constant keeps
     its float32 value, now in a float64."""
     import onnx
-    from onnx import TensorProto, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     model = onnx.ModelProto()
     model.CopyFrom(proto)
@@ -698,6 +698,24 @@ def as_float64(proto: Any) -> Any:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
                 value = numpy_helper.to_array(attr.t).astype(np.float64)
                 attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
+        # Constants typed float32 by their attribute's kind: value_float(s) is a float32
+        # tensor, ConstantOfShape without `value` float32 zeros (Operators.md).
+        if node.op_type == "Constant" and [a.name for a in node.attribute] in (
+            ["value_float"],
+            ["value_floats"],
+        ):
+            attr = node.attribute[0]
+            floats = [attr.f] if attr.name == "value_float" else list(attr.floats)
+            value = np.asarray(floats, np.float32).astype(np.float64)
+            if attr.name == "value_float":
+                value = value.reshape(())
+            node.ClearField("attribute")
+            node.attribute.append(
+                helper.make_attribute("value", numpy_helper.from_array(value, node.output[0]))
+            )
+        if node.op_type == "ConstantOfShape" and not any(a.name == "value" for a in node.attribute):
+            zero = numpy_helper.from_array(np.zeros(1, np.float64), "value")
+            node.attribute.append(helper.make_attribute("value", zero))
     return model
 
 

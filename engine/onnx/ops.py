@@ -618,9 +618,11 @@ def _global_max_pool(ins, attrs, opset):
 
 
 # ----------------------------------------------------------------------------------------
-# Resize and Upsample: per resized axis a constant map from input to output cells (an
-# index for nearest, a two-nonzero interpolation matrix for linear), so the result is a
-# take or a matmul and every derivative is theirs.
+# Resize and Upsample: per resized axis constant taps from output to input cells (one
+# index for nearest; for linear and cubic the 2 or 4 cells each output cell mixes, and
+# their weights), so the result is a take (and a weighted sum) and every derivative is
+# theirs. Memory grows with the output, never with output x input (a dense interpolation
+# map of a long axis would be gigabytes for an answer of kilobytes).
 # ----------------------------------------------------------------------------------------
 
 RESIZE_MODES = ("nearest", "linear", "cubic")
@@ -663,24 +665,23 @@ def _nearest_index(x: np.ndarray, size: int, mode: str) -> np.ndarray:
     return np.clip(index, 0, size - 1).astype(np.int64)
 
 
-def _linear_matrix(x: np.ndarray, size: int) -> np.ndarray:
-    """[out, size]: each row mixes the two cells around x (clamped to the edge cells, as
-    the spec's edge padding does)."""
+def _linear_taps(x: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """([out, 2] cells, [out, 2] weights): the two cells around x (clamped to the edge
+    cells, as the spec's edge padding does)."""
     x = np.clip(x, 0, size - 1)
     low = np.floor(x).astype(np.int64)
     high = np.minimum(low + 1, size - 1)
     weight = x - low
-    matrix = np.zeros((len(x), size))
-    rows = np.arange(len(x))
-    np.add.at(matrix, (rows, low), 1 - weight)
-    np.add.at(matrix, (rows, high), weight)
-    return matrix
+    return np.stack([low, high], axis=1), np.stack([1 - weight, weight], axis=1)
 
 
-def _cubic_matrix(x: np.ndarray, size: int, a: float, exclude_outside: bool) -> np.ndarray:
-    """[out, size]: Keys' cubic convolution (coefficient a) over the four cells around x,
-    cells beyond the edge read as the edge cell (or, with exclude_outside, dropped and
-    the rest renormalized), as the spec and torch's bicubic do."""
+def _cubic_taps(
+    x: np.ndarray, size: int, a: float, exclude_outside: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """([out, 4] cells, [out, 4] weights): Keys' cubic convolution (coefficient a) over
+    the four cells around x, cells beyond the edge read as the edge cell (or, with
+    exclude_outside, dropped and the rest renormalized), as the spec and torch's bicubic
+    do."""
 
     def kernel(d: np.ndarray) -> np.ndarray:
         d = np.abs(d)
@@ -694,10 +695,7 @@ def _cubic_matrix(x: np.ndarray, size: int, a: float, exclude_outside: bool) -> 
     if exclude_outside:
         weights = np.where((cells < 0) | (cells >= size), 0.0, weights)
         weights = weights / weights.sum(axis=1, keepdims=True)
-    matrix = np.zeros((len(x), size))
-    rows = np.repeat(np.arange(len(x)), 4)
-    np.add.at(matrix, (rows, np.clip(cells, 0, size - 1).reshape(-1)), weights.reshape(-1))
-    return matrix
+    return np.clip(cells, 0, size - 1), weights
 
 
 def _resize(
@@ -711,15 +709,17 @@ def _resize(
         source = _source_coordinates(size, out, scale, coords)
         if mode == "nearest":
             x = OP["take"](x, _nearest_index(source, size, nearest), axis=axis)
+            continue
+        if mode == "linear":
+            cells, weights = _linear_taps(source, size)
         else:
-            if mode == "linear":
-                weights = _linear_matrix(source, size)
-            else:
-                a = float(attrs.get("cubic_coeff_a", -0.75))
-                weights = _cubic_matrix(source, size, a, bool(attrs.get("exclude_outside", 0)))
-            matrix = np.ascontiguousarray(weights.T, dtype=x.dtype)
-            moved = OP["moveaxis"](x, axis, -1)
-            x = OP["moveaxis"](OP["matmul"](moved, matrix), -1, axis)
+            a = float(attrs.get("cubic_coeff_a", -0.75))
+            cells, weights = _cubic_taps(source, size, a, bool(attrs.get("exclude_outside", 0)))
+        # x[..., cells, ...] is [..., out, taps, ...]: weight the taps and sum them.
+        trailing = (1,) * (len(shape_of(x)) - axis - 1)
+        weights = np.ascontiguousarray(weights.reshape(weights.shape + trailing), dtype=x.dtype)
+        taken = OP["take"](x, cells, axis=axis)
+        x = OP["sum"](OP["multiply"](taken, weights), axis=axis + 1)
     return x
 
 

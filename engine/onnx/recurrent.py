@@ -41,6 +41,15 @@ def _refusal(op_type: str):
             unknown = sorted({n for n in names if n not in ACTIVATIONS})
             if unknown:
                 return f"activations {unknown} are not supported (only {sorted(ACTIVATIONS)})"
+            # One list for every direction (the forward's functions, then the reverse's);
+            # a bidirectional node may also list one direction's, used for both.
+            per = len(DEFAULT_ACTIVATIONS[op_type])
+            directions = 2 if attrs.get("direction") == "bidirectional" else 1
+            if len(names) not in (per, per * directions):
+                return (
+                    f"activations lists {len(names)} function(s); {op_type} takes {per} per "
+                    f"direction ({directions} direction(s): {per * directions})"
+                )
         if attrs.get("activation_alpha") or attrs.get("activation_beta"):
             return "activation_alpha/activation_beta are not supported"
         if attrs.get("direction", "forward") not in ("forward", "reverse", "bidirectional"):

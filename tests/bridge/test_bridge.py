@@ -354,3 +354,169 @@ def test_the_model_store_takes_definitions_and_onnx_files(server) -> None:
         client.models.delete("store-quad")
         client.models.delete("store-conv1d")
         assert not {"store-quad", "store-conv1d"} & {m["name"] for m in client.models.list()}
+
+
+# --------------------------------------------------- matching by value: what it must not do
+
+
+class AnchoredToInit(nn.Module):
+    """A penalty towards the initial weights, kept as a plain tensor attribute (the
+    exporter lifts it to an initializer named `w0`, holding the parameter's values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+        self.w0 = self.w.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + torch.tanh(x @ self.w0) + ((self.w - self.w0) ** 2).sum()
+
+
+def test_a_constant_equal_to_a_parameter_stays_a_constant(server) -> None:
+    # The parameter keeps its own initializer; the constant holding equal values is not
+    # a second copy of it (the gradient through x @ w0 must not land on w).
+    model = AnchoredToInit().eval()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    exported = pytorch.export(model, x)
+    assert [(p.name, p.how) for p in exported.parameters] == [("w", "kept")]
+    with Client(server.base_url) as client, client.tape(model, loss="mse", data=(x, y)) as tape:
+        assert_grads(
+            {n: g.numpy() for n, g in tape.gradients.items()},
+            torch_grads(model, F.mse_loss(model(x), y)),
+        )
+
+
+class Symmetric(nn.Module):
+    """A square weight equal to its transpose: a renamed copy of it may be the weight or
+    its transpose, and the two give different gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.a.weight.copy_(2 * torch.eye(3) + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).mean(dim=1)
+
+
+class TiedInit(nn.Module):
+    """A decoder initialized to the encoder's transpose (two parameters): the exporter's
+    transposed copy of one holds the other's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.dec = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.dec.weight.copy_(self.enc.weight.T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.tanh(self.enc(x))).mean(dim=1)
+
+
+@pytest.mark.parametrize(
+    ("module", "refused"),
+    [(Symmetric, "a.weight"), (TiedInit, "enc.weight")],
+    ids=["symmetric", "transpose-of-another"],
+)
+def test_a_renamed_initializer_that_could_be_two_things_is_refused(module, refused) -> None:
+    model = module().double().eval()
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    optimized = quiet_export(model, (x,))  # Linear weights stored transposed, renamed
+    with pytest.raises(BridgeError) as caught:
+        pytorch.export(model, x, onnx_model=optimized)
+    assert f"{refused}: " in str(caught.value)
+    assert "ambiguous" in str(caught.value)
+    # The bridge's own export keeps every parameter under its name: nothing to guess.
+    exported = pytorch.export(model, x)
+    assert {p.how for p in exported.parameters} == {"kept"}
+
+
+def test_a_put_torch_that_fails_its_check_leaves_the_stored_model_alone(server) -> None:
+    tanh = perturbed(Tokens(torch.tanh), seed=8)
+    relu = copy.deepcopy(tanh)
+    relu.act = torch.relu
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    wrong = quiet_export(relu, (x,), optimize=False)  # the other graph: caught by the check
+    with Client(server.base_url) as client:
+        good = client.models.put_torch("bridge-keep", tanh, x)
+        before = client.models.get("bridge-keep")
+        with pytest.raises(ExportMismatch):
+            client.models.put_torch("bridge-keep", tanh, x, onnx_model=wrong)
+        # The model stored before is still there, the same one.
+        assert client.models.get("bridge-keep") == before
+        y = torch.randn(2, 3, dtype=torch.float64)
+        with client.tape(good, loss="mse", data=(x, y)) as tape:
+            assert_grads(
+                {n: g.numpy() for n, g in tape.gradients.items()},
+                torch_grads(tanh, F.mse_loss(tanh(x), y)),
+            )
+        client.models.delete("bridge-keep")
+
+
+class MaskedLogits(nn.Module):
+    """Logits with a class masked out (-inf), as a constrained classifier writes them."""
+
+    def __init__(self, act=torch.tanh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+        self.act = act
+        self.register_buffer("masked", torch.tensor([False, True, False]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x))).masked_fill(self.masked, float("-inf"))
+
+
+def test_outputs_holding_infinities_are_checked_on_their_finite_part(server) -> None:
+    model = perturbed(MaskedLogits(), seed=9)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.tensor([0, 2, 2, 0, 2])
+    with Client(server.base_url) as client:
+        # -inf where torch has -inf is agreement, not a mismatch (the tape itself asks
+        # for the infinite logits the loss then handles).
+        tape = client.tape(model, loss="cross_entropy", data=(x, y), allow_nonfinite=True)
+        with tape:
+            assert_grads(
+                {n: g.numpy() for n, g in tape.gradients.items()},
+                torch_grads(model, F.cross_entropy(model(x), y)),
+            )
+        # And an infinity does not make every finite difference pass: a graph with
+        # another activation is still caught.
+        relu = copy.deepcopy(model)
+        relu.act = torch.relu
+        wrong = quiet_export(relu, (x,), optimize=False)
+        exported = pytorch.export(model, x, onnx_model=wrong)
+        with pytest.raises(ExportMismatch, match="output 'logits'"):
+            pytorch.verify(client, exported)
+
+
+def test_a_cached_export_is_not_reused_once_the_forward_changed(server) -> None:
+    # Parameters and buffers unchanged, the function not: another activation (or a
+    # temperature, a mask held as a plain attribute) must not answer from the old file.
+    model = perturbed(Tokens(torch.tanh), seed=10)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as first:
+            pass
+        model.act = torch.relu
+        with client.tape(model, loss="mse", data=(x, y)) as moved:
+            assert moved.model is not first.model
+            assert_grads(
+                {n: g.numpy() for n, g in moved.gradients.items()},
+                torch_grads(model, F.mse_loss(model(x), y)),
+            )
+
+
+def test_data_of_another_float_dtype_than_the_module_is_a_named_error(server) -> None:
+    # NumPy's float64 data with a float32 module: a BridgeError saying which, not torch's
+    # "mat1 and mat2 must have the same dtype" from inside the export.
+    model = nn.Linear(3, 2).eval()
+    x, y = np.random.default_rng(0).standard_normal((4, 3)), np.array([0, 1, 1, 0])
+    with Client(server.base_url) as client, pytest.raises(BridgeError) as caught:
+        client.tape(model, loss="cross_entropy", data=(x, y))
+    assert "input 0 is float64 and the module's parameters are float32" in str(caught.value)

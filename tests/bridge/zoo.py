@@ -150,6 +150,7 @@ class ViT(nn.Module):
         self.patch = nn.Conv2d(1, d, 4, stride=4)  # 8x8 -> 2x2 = 4 tokens
         self.cls = nn.Parameter(torch.zeros(1, 1, d))
         self.pos = nn.Parameter(torch.zeros(1, 5, d))
+        self.block: nn.Module
         if post_norm:
             self.block = nn.TransformerEncoderLayer(
                 d, 2, dim_feedforward=16, dropout=0.0, batch_first=True, norm_first=False

@@ -218,6 +218,24 @@ def test_attributes_this_runtime_does_not_implement_are_refused_at_load() -> Non
     ]
 
 
+def test_a_recurrent_node_with_the_wrong_number_of_activations_is_refused_at_load() -> None:
+    # One function for an LSTM (it takes three per direction): said at load, naming the
+    # attribute, not a Python unpacking error at run time.
+    x = np.zeros((4, 3, 2), np.float32)
+    weights = {"w": np.zeros((1, 8, 2), np.float32), "r": np.zeros((1, 8, 2), np.float32)}
+    data = graph_model(
+        [N("LSTM", ["x", "w", "r"], ["out"], name="lstm", hidden_size=2, activations=["Tanh"])],
+        {"x": x},
+        weights,
+        opset=14,
+    )
+    (found,) = problems_of(data, (x.shape, x.dtype))
+    assert (found.node, found.op_type) == ("lstm", "LSTM")
+    assert found.message == (
+        "activations lists 1 function(s); LSTM takes 3 per direction (1 direction(s): 3)"
+    )
+
+
 def test_statistics_and_shape_only_initializers_are_frozen_by_default() -> None:
     # BN's running mean/var, a float initializer read only through Shape (the size of a
     # reshape) and one only compared with: variables, not trainable; the scale, bias and

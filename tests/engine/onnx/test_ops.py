@@ -918,3 +918,76 @@ def test_every_mapped_op_has_a_case() -> None:
     }
     missing = set(SUPPORTED_OPS) - covered - elsewhere
     assert not missing, f"ops without a test case: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_memory_grows_with_the_output_not_its_product_with_the_input(mode: str) -> None:
+    # A long 1-D axis doubled: 6,000 output cells from 3,000. A dense [out, in]
+    # interpolation map would hold 18 million entries (144 MB, past the service's
+    # max_elements per tensor, and counted nowhere); the answer itself is 6,000 numbers.
+    import tracemalloc
+
+    x = r(1, 1, 3000)
+    data = graph_model(
+        [N("Resize", ["x", "", "scales"], ["out"], mode=mode)],
+        {"x": x},
+        {"scales": np.array([1, 1, 2], np.float32)},
+        13,
+    )
+    model = load_model(data)
+    spec = model.specialize([(x.shape, x.dtype)])
+    tracemalloc.start()
+    try:
+        out = model.run(spec, [constant(x)], {})[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+    expected = ReferenceEvaluator(onnx.load_model_from_string(data)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-7, atol=1e-7)
+
+
+def _f32(*values: float) -> np.ndarray:
+    return np.array(values, np.float32).astype(np.float64)  # a float32 constant's value
+
+
+@pytest.mark.parametrize(
+    ("nodes", "expected"),
+    [
+        (
+            [N("Constant", [], ["c"], value_float=0.1), N("Mul", ["x", "c"], ["out"])],
+            lambda x: x * _f32(0.1),
+        ),
+        (
+            [N("Constant", [], ["c"], value_floats=[0.1, 0.2, 0.3]), N("Mul", ["x", "c"], ["out"])],
+            lambda x: x * _f32(0.1, 0.2, 0.3),
+        ),
+        (  # ConstantOfShape without `value` makes float32 zeros (Operators.md)
+            [
+                N("Shape", ["x"], ["s"]),
+                N("ConstantOfShape", ["s"], ["c"]),
+                N("Add", ["x", "c"], ["out"]),
+            ],
+            lambda x: x,
+        ),
+    ],
+    ids=["value_float", "value_floats", "ConstantOfShape-default"],
+)
+def test_a_float32_model_run_in_float64_types_every_float_constant(nodes, expected) -> None:
+    # `dtype: float64` on a float32 file: its float32 constants become float64 too (the
+    # same values); left float32, the run failed on float64 x float32 ("use gt.cast").
+    from engine.language import as_definition, compile_definition
+
+    x = r(2, 3).astype(np.float32)
+    definition = as_definition(
+        {
+            "dtype": "float64",
+            "models": {"net": {"onnx": graph_model(nodes, {"x": x}, {}, 17)}},
+            "inputs": {"x": x.astype(np.float64)},
+            "program": ["y = net(x)"],
+        }
+    )
+    program = compile_definition(definition)
+    out = program.run(program.leaves(definition))["y"].numpy()
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, expected(x.astype(np.float64)))

@@ -5,6 +5,7 @@ under a name, which requests then name with `model=` (a definition) or a definit
     client.models.put("mlp", definition)             # POST /v1/models
     client.models.put_onnx("lenet", onnx_bytes)      # PUT /v1/models/lenet
     net = client.models.put_torch("resnet", module, example_inputs)   # gradtape.client.pytorch
+    net = client.models.put_jax("mlp", f, params, x)                  # gradtape.client.jax_bridge
     client.models.get("lenet")["trainable"]          # its parameters
     [m["name"] for m in client.models.list()]
     client.models.delete("lenet")
@@ -90,6 +91,15 @@ class Models:
         from .pytorch import put_torch
 
         return put_torch(self._client, name, module, example_inputs, **options)
+
+    def put_jax(self, name: str, fn: Any, params: Any, example_input: Any, **options: Any) -> Any:
+        """Export a JAX function `fn(params, x)` with every pytree leaf kept as itself
+        (named by its path), store it under `name` and check the server's forward
+        against JAX's: a `JaxModel` (see `gradtape.client.jax_bridge`). Needs the `jax`
+        extra."""
+        from .jax_bridge import put_jax
+
+        return put_jax(self._client, name, fn, params, example_input, **options)
 
     def get(self, name: str) -> Any:
         """A stored model's record: variables, inputs, line types, `trainable`."""

@@ -200,13 +200,17 @@ def _check_mode(module: Any) -> None:
 
 
 def _state_digest(module: Any, args: tuple[Any, ...]) -> str:
-    """What an export depends on: the values and shapes of the state and the inputs'
-    shapes and dtypes (a cached export is reused only while they are unchanged)."""
+    """What an export depends on: the values and shapes of the state (parameters,
+    buffers, tensor attributes) and the inputs' shapes and dtypes (a cached export is
+    reused only while they are unchanged, and the forward with them: _same_forward)."""
     h = hashlib.sha256()
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for name, a in _tensor_attributes(module).items():  # constants of the export
+        h.update(name.encode() + str(a.shape).encode() + str(a.dtype).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
     for a in args:
         h.update(str(tuple(a.shape[1:])).encode() + str(a.dtype).encode())
     return h.hexdigest()
@@ -241,6 +245,14 @@ def export(
             "modules entirely in float32 or entirely in float64 (module.double())"
         )
     dtype = np.dtype(str(next(iter(dtypes))).removeprefix("torch."))
+    for i, a in enumerate(args):  # torch would fail in the forward, without a name
+        if a.is_floating_point() and a.dtype != next(iter(dtypes)):
+            raise BridgeError(
+                f"input {i} is {str(a.dtype).removeprefix('torch.')} and the module's "
+                f"parameters are {dtype}; send the data in {dtype} (NumPy arrays are "
+                "float64 by default: X.astype(np.float32)) or convert the module "
+                "(module.double())"
+            )
     names_in = list(
         input_names or (["x"] if len(args) == 1 else [f"x{i}" for i in range(len(args))])
     )
@@ -373,8 +385,15 @@ def _restore(
         # All-equal values (zeros, ones) cannot tell a parameter from a constant.
         return a.size > 1 and not np.all(a == a.reshape(-1)[0])
 
+    # Tensors the module holds as plain attributes: the exporter lifts them to
+    # initializers under their attribute path. A constant, whatever values it holds (a
+    # copy of the initial weights for a penalty towards them is not the weight).
+    attributes = _tensor_attributes(module)
+
     # initializer -> (torch name, "param" | "buffer", rewrite: "", "transpose")
     role: dict[str, tuple[str, str, str]] = {}
+    # initializer -> the (torch name, rewrite)s its values fit: more than one, no guess.
+    ambiguous: dict[str, list[tuple[str, str]]] = {}
     for iname in floats:
         a = arrays[iname]
         if iname in trainable and _same(a, trainable[iname]):
@@ -386,19 +405,23 @@ def _restore(
         if iname in frozen_params and _same(a, frozen_params[iname]):
             role[iname] = (iname, "buffer", "")
             continue
+        if iname in attributes and _same(a, attributes[iname]):
+            continue  # a constant under its own name
         if not distinct(a):
             continue  # a constant
-        direct = [n for n, p in trainable.items() if _same(a, p)]
-        if len(direct) == 1:
-            role[iname] = (direct[0], "param", "")
-            continue
-        if len(direct) > 1:
+        fits = [(n, "") for n, p in trainable.items() if _same(a, p)]
+        if len(fits) > 1:
             continue  # equal-valued parameters: the uncovered ones are refused below
-        if a.ndim == 2:
-            swapped = [n for n, p in trainable.items() if p.ndim == 2 and _same(a, p.T)]
-            if len(swapped) == 1:
-                role[iname] = (swapped[0], "param", "transpose")
-                continue
+        if a.ndim == 2:  # a transpose is a known rewrite (the optimizer's Linear weights)
+            fits += [
+                (n, "transpose") for n, p in trainable.items() if p.ndim == 2 and _same(a, p.T)
+            ]
+        if len(fits) == 1:
+            role[iname] = (fits[0][0], "param", fits[0][1])
+            continue
+        if fits:  # a symmetric weight, or one parameter the transpose of another
+            ambiguous[iname] = fits
+            continue
         held = [n for n, b in {**buffers, **frozen_params}.items() if _same(a, b)]
         if len(held) == 1:
             role[iname] = (held[0], "buffer", "")
@@ -409,9 +432,20 @@ def _restore(
             covered.setdefault(tname, []).append((iname, rewrite))
 
     problems = []
+    for iname, fits in ambiguous.items():
+        # Either reading gives the forward's values; only one gives the parameter's
+        # gradient, and nothing in the file says which.
+        what = " and ".join(f"{n!r}" + (" transposed" if r else "") for n, r in fits)
+        problems.append(
+            f"{fits[0][0]}: the export's initializer {iname!r} holds the values of {what}, "
+            "so which one it is is ambiguous (a symmetric weight, or a parameter equal to "
+            "another's transpose); let the bridge export (parameters keep their names)"
+        )
     for tname, value in trainable.items():
         if tname in covered or tname not in used:
             continue
+        if any(tname == n for fits in ambiguous.values() for n, _ in fits):
+            continue  # said above
         problems.append(f"{tname}: {_what_happened(tname, value, arrays, covered, trainable)}")
     if problems:
         raise BridgeError(
@@ -629,6 +663,18 @@ def _strip_debug_info(proto: Any) -> None:
     del graph.metadata_props[:]
 
 
+def _tensor_attributes(module: Any) -> dict[str, np.ndarray]:
+    """The plain tensors (neither parameters nor buffers) the module's submodules hold
+    as attributes, by their path (`block.mask`): what the exporter lifts to constants."""
+    torch = _torch()
+    found = {}
+    for prefix, sub in module.named_modules():
+        for key, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found[f"{prefix}.{key}" if prefix else key] = _np(value)
+    return found
+
+
 def _constant(name: str, value: np.ndarray) -> Any:
     from onnx import helper, numpy_helper
 
@@ -713,20 +759,26 @@ def _close(
     got: np.ndarray, want: np.ndarray, dtype: np.dtype, scale: float | None = None
 ) -> tuple[bool, str]:
     """Within the tolerance of `dtype`, relative and absolute (times `scale`: the
-    largest |torch| of the output, or of the whole gradient, so that a parameter whose
-    gradient is zero in exact arithmetic may hold rounding noise)."""
+    largest finite |torch| of the output, or of the whole gradient, so that a parameter
+    whose gradient is zero in exact arithmetic may hold rounding noise). Where torch has
+    an infinity or NaN (masked logits) the service must have the same; the finite
+    entries are compared as the rest."""
     tol = TOLERANCE[dtype]
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return False, f"shape {got.shape} where torch has {want.shape}"
+    finite = np.isfinite(want)
     if scale is None:
-        scale = float(np.abs(want).max()) if want.size else 0.0
-    err = np.abs(got - want)
-    bound = tol * np.abs(want) + tol * scale
-    if np.all(err <= bound) and np.all(np.isfinite(got) == np.isfinite(want)):
+        scale = float(np.abs(want[finite]).max()) if finite.any() else 0.0
+    # Non-finite entries agree when they are the same (both NaN, or the same infinity).
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    with np.errstate(invalid="ignore"):  # inf - inf where torch is infinite: not read
+        err = np.where(finite, np.abs(got - want), np.where(same, 0.0, np.inf))
+    bound = np.where(finite, tol * np.abs(want) + tol * scale, 0.0)
+    if np.all(err <= bound):
         return True, ""
-    i = int(np.argmax(err - bound))
+    i = int(np.argmax(np.where(np.isnan(err), np.inf, err - bound)))
     return False, (
         f"differs at flat index {i}: service {got.reshape(-1)[i]!r}, torch "
         f"{want.reshape(-1)[i]!r} (tolerance {tol:g} relative, {tol:g} x {scale:.3g} absolute)"
@@ -760,7 +812,8 @@ def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
             },
             "program": [_call_line(model, out), f"probed = {out} * probe_weight"],
         }
-        body = _core.compute_body(definition, "probed", None, None)
+        # Infinities where torch has them (masked logits) are compared here, not refused.
+        body = _core.compute_body(definition, "probed", None, None, allow_nonfinite=True)
         answer = yield from client._core.call("POST", "/v1/gradient", body, definition=definition)
         ok, why = _close(np.asarray(answer["value"]) / weight, expected, model.dtype)
         if not ok:
@@ -769,7 +822,10 @@ def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
                 f"output {out!r} {why}"
             )
         grads = answer["gradients"] or {}
-        scale = max((float(np.abs(g).max()) for g in want.values() if g.size), default=0.0)
+        scale = max(
+            (float(np.abs(g[np.isfinite(g)]).max()) for g in want.values() if np.isfinite(g).any()),
+            default=0.0,
+        )
         for name in model.trainable:
             got = grads.get(name)
             if got is None:  # unconnected on the service: right only where torch agrees
@@ -802,7 +858,12 @@ def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any)
         return module
     args = _as_tuple(example_inputs)
     cached = _CACHE.get(module)
-    if cached is not None and not options and cached.state_digest == _state_digest(module, args):
+    if (
+        cached is not None
+        and not options
+        and cached.state_digest == _state_digest(module, args)
+        and _same_forward(module, cached)
+    ):
         if client not in cached.checked_by:  # the export is reused; each server checks it
             verify(client, cached)
         return cached
@@ -811,6 +872,22 @@ def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any)
     if not options:
         _CACHE[module] = model
     return model
+
+
+def _same_forward(module: Any, cached: TorchModel) -> bool:
+    """Whether the module still computes what was exported: its outputs on the cached
+    example inputs, bit for bit. The state digest sees parameters and buffers, not the
+    code or plain attributes (an activation swapped, a temperature, a mask)."""
+    torch = _torch()
+    with torch.no_grad():
+        try:
+            now = _outputs(module(*cached.example_inputs))
+        except Exception:  # noqa: BLE001 - it no longer takes them: export it anew
+            return False
+    return len(now) == len(cached.expected) and all(
+        a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+        for a, b in zip((_np(t) for t in now), cached.expected)
+    )
 
 
 def put_torch(
@@ -822,18 +899,15 @@ def put_torch(
     description: str | None = None,
     **options: Any,
 ) -> TorchModel:
-    """Export, store under `name` (PUT /v1/models/{name}), and verify the stored model
-    (a mismatch deletes it again and raises)."""
+    """Export, verify (the file sent inline), then store under `name` (PUT
+    /v1/models/{name}): a module that fails the check is not stored, and a model stored
+    before under that name is left as it was."""
     from .models import Models
 
     model = export(module, example_inputs, **options)
+    verify(client, model)
     Models(client).put_onnx(name, model.onnx, description=description)
     model.stored = name
-    try:
-        verify(client, model)
-    except BridgeError:
-        Models(client).delete(name)
-        raise
     return model
 
 
