@@ -35,7 +35,7 @@ from service.api.schemas import (
     VariableSpec,
 )
 from service.api.schemas.operations import OperationRequest
-from service.api.tensors import from_base64, from_data, nonfinite_count
+from service.api.tensors import BASE64_PATTERN, from_base64, from_data, nonfinite_count
 from service.core.config import Settings
 from service.core.operations import CURVATURE_FIELDS, encode_options
 from service.core.wire import Encoding, TensorError, from_bytes
@@ -135,6 +135,8 @@ class TensorDecoder:
         data = m.onnx
         if isinstance(data, str):
             try:
+                if BASE64_PATTERN.fullmatch(data) is None:  # the schema's pattern, exactly
+                    raise ValueError("only A-Z, a-z, 0-9, '+', '/', in groups of 4, '=' padded")
                 data = base64.b64decode(data, validate=True)
             except (binascii.Error, ValueError) as exc:
                 self.errors.append(

@@ -15,11 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from service.api.schemas.tensors import BASE64_PATTERN as BASE64_TEXT
 from service.core.wire import (
     Encoding,
     TensorError,
@@ -29,6 +31,7 @@ from service.core.wire import (
     little_endian,
 )
 
+BASE64_PATTERN = re.compile(BASE64_TEXT)
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -45,7 +48,7 @@ def from_data(data: Any, dtype: str, shape: Sequence[int] | None) -> np.ndarray:
     except ValueError as exc:  # ragged nesting
         raise TensorError(f"data is not a regular (nested) list of numbers: {exc}") from None
     if raw.dtype.kind == "U":
-        raw = _from_strings(raw, target)
+        raw = _from_strings(data, target)
     elif raw.dtype.kind not in "biuf":
         raise TensorError("data must hold only numbers (or true/false for bool) in range")
     array = _cast(raw, target)
@@ -63,27 +66,31 @@ def from_data(data: Any, dtype: str, shape: Sequence[int] | None) -> np.ndarray:
     return array
 
 
-def _from_strings(raw: np.ndarray, target: np.dtype) -> np.ndarray:
-    """A list mixing numbers with "NaN"/"Infinity"/"-Infinity" (NumPy made it all text)."""
+def _from_strings(data: Any, target: np.dtype) -> np.ndarray:
+    """A list mixing numbers (or true/false) with "NaN"/"Infinity"/"-Infinity", which
+    NumPy made all text: read from the list itself, where True is 1 (not the text
+    'True') and only those three strings stand for numbers ("1.5" and "nan" are
+    refused, as the schema's enum says)."""
     if target.kind != "f":
         raise TensorError(f"data for a {target} tensor must hold only numbers")
-    try:
-        values = raw.astype(np.float64)
-    except ValueError:
-        bad = next(str(v) for v in raw.reshape(-1) if not _is_number_text(str(v)))
-        raise TensorError(
-            f"data holds the string {bad!r}; only numbers, and the strings 'NaN', "
-            "'Infinity' and '-Infinity' for non-finite values, are allowed"
-        ) from None
-    return values
 
+    def numbers(value: Any) -> Any:
+        if isinstance(value, list):
+            return [numbers(v) for v in value]
+        if isinstance(value, str):
+            if value not in NONFINITE:
+                raise TensorError(
+                    f"data holds the string {value!r}; only numbers, and the strings 'NaN', "
+                    "'Infinity' and '-Infinity' for non-finite values, are allowed"
+                )
+            return NONFINITE[value]
+        return value
 
-def _is_number_text(text: str) -> bool:
+    listed = numbers(data)  # a TensorError (a ValueError) names the string
     try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        return np.asarray(listed, dtype=np.float64)
+    except (ValueError, TypeError, OverflowError):
+        raise TensorError("data must hold only numbers (or true/false for bool) in range") from None
 
 
 def _cast(raw: np.ndarray, target: np.dtype) -> np.ndarray:
@@ -104,6 +111,12 @@ def _cast(raw: np.ndarray, target: np.dtype) -> np.ndarray:
 
 
 def from_base64(text: str, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    # The schema's pattern, exactly (b64decode alone takes excess padding: "AAAA==").
+    if BASE64_PATTERN.fullmatch(text) is None:
+        raise TensorError(
+            "base64 is not valid base64: only A-Z, a-z, 0-9, '+', '/', in groups of 4 with "
+            "'=' padding the last"
+        )
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:

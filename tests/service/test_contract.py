@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
+import jsonschema
+import msgpack
+
 from tests.service.wire import problem
 
 CONTRACT = json.loads(
@@ -80,3 +84,152 @@ def test_an_integer_option_written_as_a_whole_float_is_that_integer(client) -> N
     answer = problem(client.post(trace, json={"batch_size": 2.5}), 422, "validation")
     assert answer["errors"][0]["field"] == "batch_size"
     client.delete(f"/v1/tapes/{made.json()['tape_id']}")
+
+
+# Each schema-valid request is accepted and each schema-invalid one refused with a
+# "validation" 422: the document's verdict (jsonschema over its own components) against
+# the live server's, body by body. A 422 of another type (the definition cannot run, a
+# 404 for a stored name) is past validation: the validator took the body.
+
+DEFINITION = {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w)"]}
+
+
+def _schema_says(schema_name: str, body: object) -> bool:
+    document = {"$ref": f"#/components/schemas/{schema_name}", **CONTRACT}
+    return jsonschema.Draft202012Validator(document).is_valid(body)
+
+
+def _server_says(answer: httpx.Response) -> bool:
+    if answer.status_code != 422:
+        return True
+    return answer.json()["type"] != "/problems/validation"
+
+
+def _agree(client, path: str, schema_name: str, cases: list[tuple[dict, bool]]) -> None:
+    for body, valid in cases:
+        for encoding in ("json", "msgpack"):
+            if encoding == "json":
+                answer = client.post(path, json=body)
+            else:
+                answer = client.post(
+                    path,
+                    content=msgpack.packb(body),
+                    headers={"Content-Type": "application/msgpack"},
+                )
+            assert _schema_says(schema_name, body) is valid, (body, "schema")
+            assert _server_says(answer) is valid, (body, encoding, answer.text)
+
+
+def test_definition_or_model_exactly_one_in_the_schema_and_the_validator(client) -> None:
+    base = {"target": "loss"}
+    _agree(
+        client,
+        "/v1/gradient",
+        "GradientRequest",
+        [
+            ({**base, "definition": DEFINITION}, True),
+            ({**base, "definition": DEFINITION, "model": None}, True),  # null is absent
+            ({**base}, False),
+            ({**base, "definition": None, "model": None}, False),
+            ({**base, "definition": DEFINITION, "model": "mlp"}, False),
+            ({**base, "model": "no-such-model"}, True),  # a 404 past validation
+            # variables go with a stored model only
+            ({**base, "definition": DEFINITION, "variables": {"w": [1.0, 2.0]}}, False),
+            ({**base, "definition": DEFINITION, "variables": None}, True),
+        ],
+    )
+
+
+def test_shard_options_need_shards_in_the_schema_and_the_validator(client) -> None:
+    base = {"target": "loss", "definition": DEFINITION}
+    _agree(
+        client,
+        "/v1/gradient",
+        "GradientRequest",
+        [
+            ({**base, "shard_by": "x"}, False),
+            ({**base, "shard_by": None}, True),
+            ({**base, "shard_reduction": "mean"}, False),
+            ({**base, "shard_reduction": None}, False),  # named, even null, needs shards
+            ({**base, "shards": 1, "shard_reduction": "sum"}, True),
+        ],
+    )
+
+
+def test_one_vector_form_in_the_schema_and_the_validator(client) -> None:
+    base = {"target": "loss", "definition": DEFINITION}
+    vector = {"w": [1.0, 0.0]}
+    _agree(
+        client,
+        "/v1/hvp",
+        "HVPRequest",
+        [
+            ({**base, "vector": vector}, True),
+            ({**base, "vectors": [vector], "vector": None}, True),
+            ({**base, "flat_vector": [1.0, 0.0]}, True),
+            ({**base}, False),
+            ({**base, "vector": vector, "vectors": [vector]}, False),
+            ({**base, "vectors": []}, False),
+        ],
+    )
+
+
+def test_an_imported_model_is_onnx_or_stored_in_the_schema_and_the_validator(client) -> None:
+    def body(model: dict) -> dict:
+        definition = {"models": {"net": model}, "inputs": {"x": [1.0]}, "program": ["y = net(x)"]}
+        return {"target": "y", "definition": definition}
+
+    _agree(
+        client,
+        "/v1/gradient",
+        "GradientRequest",
+        [
+            (body({"stored": "no-such-model"}), True),  # a 404 past validation
+            (body({"stored": "no-such-model", "onnx": None}), True),
+            (body({}), False),
+            (body({"onnx": None, "stored": None}), False),
+            (body({"onnx": "AAAA", "stored": "m"}), False),
+            # base64 as the decoder reads it: padded, of its alphabet only
+            (body({"onnx": "AAAA"}), True),  # not an ONNX file: a 422 past validation
+            (body({"onnx": "AAA"}), False),
+            (body({"onnx": "AA\u00e9="}), False),
+            (body({"onnx": "AAAA=="}), False),  # excess padding, which b64decode ignores
+        ],
+    )
+
+
+def test_tensor_elements_and_dimensions_in_the_schema_and_the_validator(client) -> None:
+    base = {"target": "loss", "definition": DEFINITION}
+    _agree(
+        client,
+        "/v1/gradient",
+        "GradientRequest",
+        [
+            ({**base, "point": [3.0, True]}, True),
+            ({**base, "point": ["NaN", 1.0], "allow_nonfinite": True}, True),
+            ({**base, "point": [{}]}, False),  # issue 25's case: not a number
+            ({**base, "point": [[{}]]}, False),
+            ({**base, "point": {"shape": [2], "data": [[{}], 1.0]}}, False),
+            ({**base, "point": {"shape": [2.0], "data": [1.0, 2.0]}}, True),  # a whole 2
+            ({**base, "point": {"shape": [2.5], "data": [1.0, 2.0]}}, False),
+            ({**base, "point": {"shape": [2**31], "data": [1.0, 2.0]}}, False),  # NumPy's
+            # true/false beside a non-finite string: numbers, not the text 'True'
+            ({**base, "point": [True, "NaN"], "allow_nonfinite": True}, True),
+            # only the three non-finite strings stand for numbers (no "nan", no "1.5")
+            ({**base, "point": ["nan", 1.0], "allow_nonfinite": True}, False),
+            ({**base, "point": ["1.5", "NaN"], "allow_nonfinite": True}, False),
+            ({**base, "point": {"shape": [2], "base64": "AACAPwAAAEA="}}, True),
+            ({**base, "point": {"shape": [2], "base64": "AACAPwAAAEA"}}, False),
+            ({**base, "point": {"shape": [2], "base64": "AACAPwAAAEA=="}}, False),  # excess
+        ],
+    )
+    # the whole float is that integer: the point w = (1, 2) answers the gradient 2 w
+    answer = client.post(
+        "/v1/gradient", json={**base, "point": {"shape": [2.0], "data": [1.0, 2.0]}}
+    )
+    assert answer.json()["gradients"]["w"]["data"] == [2.0, 4.0]
+    mixed = {**base, "point": [True, "Infinity"], "allow_nonfinite": True}
+    assert client.post("/v1/gradient", json=mixed).json()["gradients"]["w"]["data"] == [
+        2.0,
+        "Infinity",
+    ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -15,7 +15,14 @@ from pydantic import (
 
 from service.api.schemas.base import ComputeRequest, ShardOptions, async_field, nonfinite_flag
 from service.api.schemas.definitions import Gradients, HessianBlocks, Tensors, Vector
-from service.api.schemas.tensors import StrictModel, Tensor, TensorValue, Unconnected
+from service.api.schemas.tensors import (
+    SchemaRules,
+    StrictModel,
+    Tensor,
+    TensorValue,
+    Unconnected,
+    exactly_one_of,
+)
 
 GRADIENT_EXAMPLE: dict[str, Any] = {
     "definition": {
@@ -100,7 +107,7 @@ class HVPRequest(ComputeRequest, ShardOptions):
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
     vectors: list[Vector] | None = Field(
-        None, description="Several vectors, answered together in one batched pass."
+        None, min_length=1, description="Several vectors, answered together in one batched pass."
     )
     flat_vector: TensorValue | None = Field(
         None, description="One vector as a flat vector over the sources (in `flat.order`)."
@@ -111,6 +118,8 @@ class HVPRequest(ComputeRequest, ShardOptions):
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
         "then empty. For SciPy's minimize, without unflattening.",
     )
+
+    SCHEMA_RULES: ClassVar[SchemaRules] = (exactly_one_of("vector", "vectors", "flat_vector"),)
 
     @model_validator(mode="after")
     def _one_of(self) -> HVPRequest:

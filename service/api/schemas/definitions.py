@@ -3,7 +3,7 @@ references) and the named-tensor maps requests and answers share."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     Discriminator,
@@ -13,18 +13,23 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    WithJsonSchema,
     model_validator,
 )
 from typing_extensions import TypeAliasType
 
 from service.api.schemas.tensors import (
+    BASE64_PATTERN,
     INT_MAX,
     STORED_NAME_PATTERN,
     FloatDType,
+    Index,
     Name,
+    SchemaRules,
     StrictModel,
     Tensor,
     TensorValue,
+    exactly_one_of,
 )
 
 
@@ -74,7 +79,20 @@ class ImportedModel(StrictModel):
     as a function: `logits = net(x)`. Its floating-point initializers become variables
     named by their ONNX names, trainable unless listed in `frozen`."""
 
-    onnx: StrictBytes | StrictStr | None = Field(
+    # The schema speaks JSON: the file is a base64 string (msgpack's raw bytes have no
+    # JSON Schema type; the description says so). The pattern is checked with the
+    # decoding (service/api/payloads.py), whose error names the model.
+    onnx: Annotated[
+        StrictBytes | StrictStr | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string", "pattern": BASE64_PATTERN, "contentEncoding": "base64"},
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = Field(
         None,
         description="The .onnx file: bytes in a msgpack body, base64 in JSON. Give "
         "this or `stored`.",
@@ -90,6 +108,8 @@ class ImportedModel(StrictModel):
         description="Initializers that are not trainable (batch-norm statistics, "
         "embeddings you keep fixed): never default sources.",
     )
+
+    SCHEMA_RULES: ClassVar[SchemaRules] = (exactly_one_of("onnx", "stored"),)
 
     @model_validator(mode="after")
     def _onnx_or_stored(self) -> ImportedModel:
@@ -146,8 +166,7 @@ class RowSlice(StrictModel):
 Rows = TypeAliasType(
     "Rows",
     Annotated[
-        Annotated[list[Annotated[StrictInt, Field(ge=0, le=INT_MAX)]], Field(min_length=1)]
-        | RowSlice,
+        Annotated[list[Index], Field(min_length=1)] | RowSlice,
         Field(
             description="A mini-batch: row indices of axis 0 (at least one), or a slice "
             "{start, stop, step} selecting at least one; a row past the array's end is a "

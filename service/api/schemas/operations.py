@@ -14,6 +14,7 @@ from typing import Annotated, Any, Union
 import msgspec
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     Field,
     StrictBool,
     StrictFloat,
@@ -26,6 +27,7 @@ from pydantic import (
 from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, RequestModel, async_field, nonfinite_flag
 from service.api.schemas.definitions import Inputs, Vector
+from service.api.schemas.tensors import exactly_one_of, whole_float
 from service.core.defaults import INT_MAX
 from service.core.operations import (
     CURVATURE_FIELDS,
@@ -108,7 +110,8 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
 _TENSOR_FIELDS: dict[str, Any] = {
     "vector": Vector | None,
     "inputs": Inputs | None,
-    "rows": list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX)]] | None,
+    "rows": list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX), BeforeValidator(whole_float)]]
+    | None,
 }
 
 
@@ -167,6 +170,9 @@ def request_model(op: Operation) -> type[OperationRequest]:
         **fields,
     )
     model.operation = op
+    one_of = [name for name, spec in op.tensors.items() if spec.get("one_of")]
+    if one_of:  # _options_agree's "exactly one of", in the schema too
+        model.SCHEMA_RULES = (exactly_one_of(*one_of),)
     return model
 
 

@@ -4,6 +4,7 @@ and answers, and the curvature a tape's algorithms apply."""
 from __future__ import annotations
 
 from datetime import datetime
+from typing import ClassVar
 
 from pydantic import (
     BaseModel,
@@ -33,7 +34,14 @@ from service.api.schemas.definitions import (
     Vector,
 )
 from service.api.schemas.operations import curvature_options
-from service.api.schemas.tensors import Name, Tensor, TensorValue, Unconnected
+from service.api.schemas.tensors import (
+    Name,
+    SchemaRules,
+    Tensor,
+    TensorValue,
+    Unconnected,
+    exactly_one_of,
+)
 
 
 class VectorsOptions(CallOptions):
@@ -41,11 +49,13 @@ class VectorsOptions(CallOptions):
         None, description="One vector: a tensor per source (keyed like the gradients)."
     )
     vectors: list[Vector] | None = Field(
-        None, description="Several vectors, answered together in one batched pass."
+        None, min_length=1, description="Several vectors, answered together in one batched pass."
     )
     flat_vector: TensorValue | None = Field(
         None, description="One vector as a flat vector over the sources (in `flat.order`)."
     )
+
+    SCHEMA_RULES: ClassVar[SchemaRules] = (exactly_one_of("vector", "vectors", "flat_vector"),)
 
     @model_validator(mode="after")
     def _one_of(self) -> VectorsOptions:
