@@ -10,6 +10,9 @@ Rows (seconds per call; medians over --repeat interleaved rounds, wall and CPU t
     gradtape  per-example, from scratch   Curvature(...) (forward + gradient recorded)
                                           then per_example(...): g_i and their norms,
                                           mean, variance, sum of squares
+              gradients only, from scratch the same with statistics=False: the
+                                          per-example gradients alone (what
+                                          vmap(grad) answers)
               per-example, on a recording per_example(...) on a Curvature kept from
                                           before (a tape on the server, its forward
                                           already walked for the examples): one
@@ -79,6 +82,10 @@ def gradtape_cases(p: dict) -> dict:
     def scratch():
         return per_example(Curvature(model, loss, params, x, y, hessian=False)).gradients
 
+    def scratch_gradients():
+        curv = Curvature(model, loss, params, x, y, hessian=False)
+        return per_example(curv, statistics=False).gradients
+
     def recorded():
         return per_example(kept).gradients
 
@@ -90,6 +97,7 @@ def gradtape_cases(p: dict) -> dict:
 
     return {
         "gradtape per-example, from scratch": scratch,
+        "gradtape gradients only, from scratch": scratch_gradients,
         "gradtape per-example, on a recording": recorded,
         "gradtape per-example, gradients only": gradients_only,
         "gradtape batch gradient": batch,

@@ -21,7 +21,10 @@ Opt out with the environment variable GRADTAPE_TUNE_ALLOCATOR=0 (or false/no/off
 read once when engine is first imported; glibc's own settings are then left as they
 are (MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, set before the process starts,
 do the same tuning from outside). `tune_allocator()` applies it explicitly, with other
-thresholds if wanted.
+thresholds if wanted; `release()` hands the free memory back at once, and
+`release_if_above()` does when the resident set exceeds GRADTAPE_RELEASE_ABOVE_MB (1024
+by default): the service's workers call it after every request, so a pass far above the
+usual size does not keep its peak resident.
 """
 
 from __future__ import annotations
@@ -58,6 +61,54 @@ def tune_allocator(
     ok_mmap = mallopt(_M_MMAP_THRESHOLD, min(mmap_threshold, MMAP_THRESHOLD_MAX)) == 1
     ok_trim = mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
     return ok_mmap and ok_trim
+
+
+def release() -> bool:
+    """Hand the heap's free memory back to the system now (glibc's malloc_trim(0)): what
+    a process that tuned the allocator calls after a pass far above its usual size, so
+    that it does not keep that pass's peak resident. False where there is no malloc_trim.
+    Costs about a millisecond per GiB freed; the next large pass faults its pages in
+    again."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+
+
+RELEASE_ABOVE = "GRADTAPE_RELEASE_ABOVE_MB"
+RELEASE_ABOVE_DEFAULT_MB = 1024
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (Linux; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_if_above(limit: int | None = None) -> bool:
+    """release() when the resident set exceeds `limit` bytes (default: the environment's
+    GRADTAPE_RELEASE_ABOVE_MB, 1024 MiB; 0 or less never releases): what a long-lived
+    process (the service's worker) calls after each request, so that one pass far above
+    the usual size does not leave its peak resident. A read of /proc/self/statm when
+    below the limit."""
+    if limit is None:
+        try:
+            limit = int(os.environ.get(RELEASE_ABOVE, RELEASE_ABOVE_DEFAULT_MB)) << 20
+        except ValueError:
+            limit = RELEASE_ABOVE_DEFAULT_MB << 20
+    if limit <= 0 or resident_bytes() <= limit:
+        return False
+    return release()
 
 
 def opted_out() -> bool:

@@ -70,6 +70,9 @@ import numpy as np
 
 from engine import backend, replay, trace, tree
 from engine.hessian_algorithms import Callback, FlatOperator, SolveResult, conjugate_gradient
+from engine.ops.elementwise import cast, divide
+from engine.ops.linalg import einsum
+from engine.ops.shape import expand_dims, reshape
 from engine.tape import GradientTape, check_source
 from engine.tensor import Tensor, as_tensor
 from engine.transforms import HessianOperator, scalar_output, value_and_grad, zeros_with_lead
@@ -162,6 +165,9 @@ class Curvature:
     all.
     """
 
+    # The per-example walk of this recording (engine/per_example.py), built on first use.
+    _per_example: Any = None
+
     def __init__(
         self,
         model: Callable[..., Any],
@@ -199,6 +205,15 @@ class Curvature:
         with outer if outer is not None else contextlib.nullcontext():
             with inner:
                 inner.watch(flat)
+                # Data given as floating-point tensors is watched too (its ops are
+                # recorded; gradients over the parameters are unchanged): the
+                # per-example walk (engine/per_example.py) then reads this recording.
+                self._watched_data = [
+                    x
+                    for x in tree.flatten(self.data)[0]
+                    if isinstance(x, Tensor) and x.dtype.kind == "f"
+                ]
+                inner.watch(self._watched_data)
                 output = self._model(rebuilt, self.data)
                 if not isinstance(output, Tensor) or output.dtype.kind != "f":
                     raise CurvatureError(
@@ -221,6 +236,10 @@ class Curvature:
         self._likelihood: Likelihood | None = None
         self._likelihood_problem: str | None = None
         self._samples: dict[tuple, Any] = {}
+        self._output_gradient: Tensor | None = None
+        self._per_example = None  # the walk is of this recording
+        for op in self._operators.values():  # compiled products read the old recording
+            op._passes = replay.Passes(limit=8)
 
     @property
     def value(self) -> Tensor:
@@ -303,8 +322,16 @@ class Curvature:
 
     @property
     def output_grad(self) -> Tensor:
-        """G = d loss / d output."""
-        return self._output_loss().grad[0]
+        """G = d loss / d output (one backward pass of the loss alone, until its Hessian
+        operator is recorded for H_L, which has it too)."""
+        if self._loss_operator is not None:
+            return self._loss_operator.grad[0]
+        if self._output_gradient is None:
+            detached = Tensor(self.output.value)
+            with trace.nothing_recording():
+                _, g = value_and_grad(lambda out: self._loss(out, self.targets))(detached)
+            self._output_gradient = g
+        return self._output_gradient
 
     def _output_vjp(self) -> tuple:
         """The model's VJP recorded once with a placeholder cotangent, so that J v is one
@@ -364,14 +391,14 @@ class Curvature:
         the term's summed loss: 1 / scale for a categorical or Bernoulli likelihood; for
         squared error loss = a sum (o - y)^2 with a = c / (2 variance), so R = 1 / a."""
         likelihood = self.likelihood()
-        g = self.output_grad.value
+        g = self.output_grad  # a Tensor: a compiled product replays this step too
         width = g.shape[-1] if g.ndim >= 2 else 1
         if likelihood.family == "gaussian":
             assert likelihood.variance is not None
             factor = 2.0 * likelihood.variance / likelihood.scale
         else:
             factor = 1.0 / likelihood.scale
-        return g.reshape(1, -1, width), factor
+        return reshape(g, (1, -1, width)), factor
 
     def likelihood(self) -> Likelihood:
         """The distribution the loss is the negative log-likelihood of (see LIKELIHOODS),
@@ -434,18 +461,21 @@ class Curvature:
                 for p in self._flat
             ]
         jv = self.jvp(flat_v, batch_ndim, lead)
+        # (Engine ops throughout, on tensors the recording holds: a compiled product
+        # replays every step; see CurvatureOperator._product.)
         if op.kind == "empirical_fisher":
-            mjv = _outer_products(self.output_grad.value[None], jv.value, self.scale())
+            gs = expand_dims(self.output_grad, 0)
+            mjv = _outer_products(gs, jv, self.scale())
         elif op.kind == "empirical_fisher_terms":
             terms, factor = self._loss_terms()
-            u = jv.value.reshape(lead + terms.shape[1:])
-            mjv = _outer_products(terms, u, 1.0 / factor).reshape(jv.shape)
+            u = reshape(jv, tuple(lead) + tuple(terms.shape[1:]))
+            mjv = reshape(_outer_products(terms, u, 1.0 / factor), jv.shape)
         elif op.kind == "fisher" and op.samples is not None:
-            gs = self._sample_gradients(op.samples, op.seed)
-            mjv = _outer_products(gs, jv.value, self.likelihood().scale * op.samples)
+            gs = Tensor(self._sample_gradients(op.samples, op.seed))
+            mjv = _outer_products(gs, jv, self.likelihood().scale * op.samples)
         else:  # ggn, and the exact Fisher (the GGN of a recognised likelihood)
-            mjv = self._output_loss()._apply((jv,), batch_ndim)[0].value
-        return self.vjp(Tensor(mjv), batch_ndim, lead)
+            mjv = self._output_loss()._apply((jv,), batch_ndim)[0]
+        return self.vjp(mjv, batch_ndim, lead)
 
     # Per-example gradients and influence -------------------------------------------------
     def per_example_gradients(self, chunk_size: int | None = None) -> Any:
@@ -523,6 +553,7 @@ class Curvature:
         max_seconds: float | None = None,
         callback: Callback | None = None,
         operator: HessianOperator | None = None,
+        preconditioner: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> InfluenceResult:
         """Koh and Liang's influence of every training example on the test loss
         L_test = loss(model(params, test_data), test_targets) (or, with `rows`, on the
@@ -536,7 +567,8 @@ class Curvature:
         per-example scale's and (Monte-Carlo Fisher) the samples' loss gradients on the
         output, which pass over the output only. `operator`: C given as another
         HessianOperator over the same parameters in the same flat order (a Hessian
-        recorded elsewhere), instead of `curvature`'s."""
+        recorded elsewhere), instead of `curvature`'s. `preconditioner`: z = M^-1 r on flat
+        vectors for preconditioned CG (a damped KFAC inverse: KFAC.preconditioner)."""
         if top_k < 0:
             raise ValueError(f"top_k must be non-negative, got {top_k}")
         op = self.operator(curvature, samples=samples, seed=seed) if operator is None else operator
@@ -557,6 +589,7 @@ class Curvature:
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             callback=callback,
+            preconditioner=preconditioner,
         )
         s_test = flat.unflatten(solve.x)
         batched = [
@@ -600,10 +633,11 @@ class CurvatureOperator(HessianOperator):
         self.samples = samples
         self.seed = seed
         self.max_batch = curvature.max_batch
-        # Its products are the Curvature's (_product below), computed dynamically: no
-        # compiled pass, an empty record of them (replay_status {}, replay_changes 0).
-        self.compiled = False
-        self._passes = replay.Passes()
+        # Its products are the Curvature's (_product below), compiled per vector layout
+        # as a HessianOperator's are: the whole product (J v, H_L or the outer products,
+        # J^T u; or the second-order pass) is one replayed schedule from its third call.
+        self.compiled = True
+        self._passes = replay.Passes(limit=8)
 
     # The recording is the Curvature's: read through, so every view sees a new point.
     _flat = property(lambda self: self.curvature._flat)
@@ -625,7 +659,20 @@ class CurvatureOperator(HessianOperator):
         self.curvature._prepare(self)
 
     def _product(self, flat_v: list[Tensor], batch_ndim: int, lead: tuple) -> list[Tensor]:
-        return self.curvature._product(self, flat_v, batch_ndim, lead)
+        def dynamic(seeds: list[Tensor]) -> list[Tensor | None]:
+            return list(self.curvature._product(self, seeds, batch_ndim, lead))
+
+        arrays = [v.value for v in flat_v]
+        if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
+            return dynamic(flat_v)
+        key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))  # (dtypes: checked)
+        products = self._passes.run(
+            key, flat_v, dynamic, lambda: replay.known_tensors(self.curvature)
+        )
+        return [
+            zeros_with_lead(p, lead) if h is None else h
+            for h, p in zip(products, self._flat, strict=True)
+        ]
 
 
 def curvature_operator(
@@ -650,16 +697,17 @@ def curvature_operator(
 # ----------------------------------------------------------------------------------------
 
 
-def _outer_products(gs: Any, u: Any, divisor: float) -> Any:
+def _outer_products(gs: Tensor, u: Tensor, divisor: float) -> Tensor:
     """sum_s blockdiag_i(G_si G_si^T) u / divisor for G (S, N, ...) and u (*lead, N, ...):
     per example, the inner products with u, then those multiples of G."""
     s, n = gs.shape[0], gs.shape[1]
-    xp = backend.array_module(u)
-    batched = u.reshape((-1, n, math.prod(gs.shape[2:])))
-    g = gs.reshape(s, n, -1).astype(u.dtype, copy=False)
-    dots = xp.einsum("snr,knr->ksn", g, batched)
-    out = xp.einsum("ksn,snr->knr", dots, g) / divisor
-    return out.reshape(u.shape)
+    batched = reshape(u, (-1, n, math.prod(gs.shape[2:])))
+    g = reshape(gs, (s, n, -1))
+    if g.dtype != u.dtype:
+        g = cast(g, u.dtype)
+    dots = einsum("snr,knr->ksn", g, batched)
+    out = divide(einsum("ksn,snr->knr", dots, g), divisor)
+    return reshape(out, u.shape)
 
 
 def _softmax(o: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ many directional derivatives at once (`jacfwd`, `hessian`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Self
 
 from engine import trace, tree
@@ -34,8 +35,14 @@ class ForwardAccumulator:
                 f"ForwardAccumulator: {len(flat_t)} tangents for {len(flat_p)} primals"
             )
         self.batch_ndim = batch_ndim
+        # Tangents by id(primal), each entry dropped when its primal dies (a weak
+        # reference's callback): a tangent is only asked for through its primal, and the
+        # tangents of a pass's intermediates (a fresh HVP's cotangents, say) are then
+        # freed as the pass frees the intermediates, instead of living as long as this
+        # accumulator. (CPython runs the callback before the id can be reused.)
         self._tangents: dict[int, Tensor] = {}
-        self._alive: dict[int, Tensor] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._watched = list(flat_p)  # the primals given: their tangents stay answerable
         lead: tuple | None = None
         for p, t in zip(flat_p, flat_t, strict=True):
             if not isinstance(p, Tensor):
@@ -58,10 +65,19 @@ class ForwardAccumulator:
                 raise ValueError("ForwardAccumulator: tangents disagree on their batch axes")
             lead = t.shape[:batch_ndim]
             self._set(p, t)
+        self._lead = lead if lead is not None else ()
 
     def _set(self, primal: Tensor, tangent: Tensor) -> None:
-        self._tangents[id(primal)] = tangent
-        self._alive[id(primal)] = primal
+        key = id(primal)
+        tangents, refs = self._tangents, self._refs
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if refs.get(key) is ref:
+                del refs[key]
+                tangents.pop(key, None)
+
+        tangents[key] = tangent
+        refs[key] = weakref.ref(primal, forget)
 
     def __enter__(self) -> Self:
         trace.active_accumulators.append(self)
@@ -118,8 +134,7 @@ class ForwardAccumulator:
         """Broadcast a tangent to (*batch, *ans.shape): rules may return it unbroadcast."""
         target = t.shape[: self.batch_ndim] + ans.shape
         if t.ndim < len(target):
-            lead = next(iter(self._tangents.values())).shape[: self.batch_ndim]
-            target = lead + ans.shape
+            target = self._lead + ans.shape
         return t if t.shape == target else broadcast_to(t, target)
 
 
@@ -139,8 +154,7 @@ def _zeros_tangent(p: Any, acc: ForwardAccumulator) -> Tensor:
     from engine import backend
 
     p = as_tensor(p)
-    lead = next(iter(acc._tangents.values())).shape[: acc.batch_ndim] if acc._tangents else ()
-    zeros = Tensor(backend.array_module(p.value).zeros(lead + p.shape, dtype=p.dtype))
+    zeros = Tensor(backend.array_module(p.value).zeros(acc._lead + p.shape, dtype=p.dtype))
     if trace.capture is not None:  # zeros whatever the data: a constant of a captured pass
         trace.capture.constant(zeros)
     return zeros

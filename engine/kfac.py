@@ -66,6 +66,7 @@ OTHERS = ("refuse", "exact")
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
 EXACT_OTHERS_MAX = 4096  # the entries an exact block may have (its matrix is held)
 MOVERS = ("reshape", "transpose")
+KEEP_ORDER = ("reshape", "identity", "cast", "read_variable")
 
 
 @dataclass
@@ -75,31 +76,40 @@ class Layer:
 
     name: str
     weight: int
-    bias: int | None
+    bias: Any  # int, or None without a bias
     meeting: Meeting
     layout: MatmulLayout
     frame: tuple  # (the param-side shape of the matmul, swap): W's flat entries -> (k, m)
     kind: str  # "linear" or "conv" (the data went through im2col)
-    A: np.ndarray | None = None
-    G: np.ndarray | None = None
-    eig_a: tuple | None = None  # (eigenvalues, eigenvectors)
-    eig_g: tuple | None = None
-    corrected: np.ndarray | None = None  # EKFAC's eigenvalues, (k [+1], m)
-    corrected_bias: np.ndarray | None = None  # (m,), a separate bias's
+    # Set by KFAC once fitted (Any: always arrays by then).
+    A: Any = None
+    G: Any = None
+    eig_a: Any = None  # (eigenvalues, eigenvectors)
+    eig_g: Any = None
+    corrected: Any = None  # EKFAC's eigenvalues, (k [+1], m)
+    corrected_bias: Any = None  # (m,), a separate bias's
     joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
 
 
-def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> int | None:
-    """The parameter `t` is, or is a reshape of (a convolution's kernel), else None."""
-    for i, p in enumerate(params):
-        if p is t:
-            return i
-    rec = flow.made_by.get(id(t))
-    if rec is not None and rec.prim is not None and rec.prim.name == "reshape":
+def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> tuple[int | None, bool]:
+    """(i, flipped): the parameter `t` is, or is made from by ops that keep its entries in
+    order (a reshape: a convolution's kernel; a copy or cast: a program's read of a
+    variable) or transpose a matrix (ONNX's Gemm with transB: flipped); (None, False)
+    when it is none of them."""
+    flipped = False
+    for _ in range(8):
         for i, p in enumerate(params):
-            if p is rec.inputs[0]:
-                return i
-    return None
+            if p is t:
+                return i, flipped
+        rec = flow.made_by.get(id(t))
+        if rec is None or rec.prim is None:
+            return None, False
+        if rec.prim.name == "transpose" and tuple(rec.params.get("axes") or ()) == (1, 0):
+            flipped = not flipped
+        elif rec.prim.name not in KEEP_ORDER:
+            return None, False
+        t = rec.inputs[0]
+    return None, False
 
 
 def _upstream_matmul(flow: Any, t: Tensor, matmuls: dict[int, Meeting]) -> Meeting | None:
@@ -128,28 +138,29 @@ def find_layers(
     for m in flow.meetings:
         if m.kind != "matmul":
             continue
-        w = _param_index(flow, params, m.record.inputs[m.argnum])
+        w, flipped = _param_index(flow, params, m.record.inputs[m.argnum])
         if w is None or w in used:
             continue  # a weight used twice (tied) is not one Kronecker block
         layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
         flow.layouts[id(m.record)] = layout
         if math.prod(layout.kept) != 1:
             continue  # grouped convolutions: one block per group is not built here
-        side = m.record.inputs[m.argnum]
         # The weight as stored -> the layer's (k, m) frame: x @ W is W itself, W @ x its
         # transpose, and matmul's own transpose flags flip that once more.
         transposed = (
             bool(m.record.params.get("tb")) if m.argnum == 1 else not m.record.params.get("ta")
         )
+        # A weight the program transposes first (ONNX's Gemm, transB) is stored the
+        # other way round: its matrix shape reversed, the frame's transpose flipped.
+        side = layout.side[::-1] if flipped else layout.side
         kind = "conv" if _through_im2col(flow, m.record.inputs[1 - m.argnum]) else "linear"
-        layers[id(m.record)] = Layer(
-            names[w], w, None, m, layout, (tuple(side.shape[-2:]), transposed), kind
-        )
+        frame = (tuple(side), transposed != flipped)
+        layers[id(m.record)] = Layer(names[w], w, None, m, layout, frame, kind)
         used.add(w)
     for m in flow.meetings:
-        if m.kind != "elementwise" or m.record.prim.name != "add":
+        if m.kind != "elementwise" or m.record.prim is None or m.record.prim.name != "add":
             continue
-        b = _param_index(flow, params, m.record.inputs[m.argnum])
+        b, _ = _param_index(flow, params, m.record.inputs[m.argnum])
         if b is None or b in used:
             continue
         up = _upstream_matmul(flow, m.record.inputs[1 - m.argnum], matmuls)
@@ -310,7 +321,7 @@ class KFAC:
             )
         seeds, self.weight = _seeds(curv, curvature, samples, seed, sampled_targets)
         self._factors(engine, seeds)
-        self.other_block = self._exact_others() if self.others else None
+        self.other_block: Any = self._exact_others() if self.others else None
         for layer in self.layers:
             layer.eig_a = _eigh(layer.A)
             layer.eig_g = _eigh(layer.G)
@@ -463,7 +474,8 @@ class KFAC:
                 size = math.prod(shapes[i])
                 out[i] = res[:, lo : lo + size].reshape((k,) + shapes[i])
                 lo += size
-        return [o for o in out]  # type: ignore[misc]
+        # Parameters outside `subset` (a last-layer KFAC) are outside the operator: zeros.
+        return [np.zeros_like(v) if o is None else o for o, v in zip(out, flat, strict=True)]
 
     def all_eigenvalues(self, damping: float = 0.0) -> np.ndarray:
         parts = []
@@ -489,6 +501,24 @@ class KFAC:
         if (vals <= floor).any():
             return -math.inf
         return float(np.log(vals).sum())
+
+    def preconditioner(self, damping: float) -> Any:
+        """r -> (K + damping I)^-1 r on flat float64 vectors (the parameters' order),
+        for preconditioned CG on the exact curvature (conjugate_gradient)."""
+        shapes = [tuple(p.shape) for p in self.curv._flat]
+        sizes = [math.prod(s) for s in shapes]
+        if damping <= 0 and (self.all_eigenvalues() <= 0).any():
+            raise CurvatureError("kfac: a singular KFAC preconditions only with damping > 0")
+
+        def apply(r: np.ndarray) -> np.ndarray:
+            parts, lo = [], 0
+            for shape, size in zip(shapes, sizes, strict=True):
+                parts.append(np.asarray(r[lo : lo + size]).reshape((1, *shape)))
+                lo += size
+            out = self.apply(parts, power=-1.0, damping=damping)
+            return np.concatenate([o.reshape(-1) for o in out])
+
+        return apply
 
     def operator(self) -> KFACOperator:
         return KFACOperator(self)

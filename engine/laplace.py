@@ -278,6 +278,7 @@ class Laplace:
             return vectors * self._precisions(lam) ** power
         if self.structure == "full":
             q = self.vectors
+            assert q is not None
             return ((vectors @ q) * self._precisions(lam) ** power) @ q.T
         assert self.kfac is not None
         # P = a K + lam I = a (K + (lam / a) I), a = factor / sigma^2

@@ -68,7 +68,12 @@ NONE = -1.0  # the id of an element no example's data reaches
 
 
 class MixedExamplesError(ValueError):
-    """The model lets an example's output depend on other examples (or on no fixed one)."""
+    """The model lets an example's output depend on other examples (or on no fixed one).
+    `record`: the op where it was found (None when not one op); `records`: the recorded
+    forward it is in (a caller that knows its program's lines can name the line)."""
+
+    record: Record | None = None
+    records: list[Record] | None = None
 
 
 def _name(rec: Record) -> str:
@@ -86,13 +91,15 @@ def _merge(a: np.ndarray, b: np.ndarray, rec: Record) -> np.ndarray:
 
 def _mixed(rec: Record, how: str) -> MixedExamplesError:
     shapes = ", ".join(str(list(x.shape)) for x in rec.inputs)
-    return MixedExamplesError(
+    error = MixedExamplesError(
         f"per-example: the model mixes examples at op {_name(rec)!r} (inputs {shapes}): it "
         f"{how}, so an example's output depends on other examples (a mean or sum over the "
         "batch axis, batch norm in training mode, a matmul across examples); per-example "
         "gradients, Kronecker factors and Laplace need examples along axis 0 that stay "
         "apart until the loss"
     )
+    error.record = rec
+    return error
 
 
 def _single(ids: np.ndarray, axes: tuple[int, ...], keepdims: bool, rec: Record) -> np.ndarray:
@@ -234,11 +241,17 @@ def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
             a = np.swapaxes(a, -1, -2)
         if rec.params.get("tb"):
             b = np.swapaxes(b, -1, -2)
-        if a.ndim < 2 or b.ndim < 2:
-            raise _mixed(rec, "is a matmul of a vector (the walk needs matrices)")
+        squeeze = None
+        if b.ndim == 1:  # NumPy's vector operands: a column on the right, a row on the left
+            b, squeeze = b[:, None], -1
+        if a.ndim == 1:
+            a, squeeze = a[None, :], -2
         rows = _single(a, (a.ndim - 1,), False, rec)[..., :, None]
         cols = _single(b, (b.ndim - 2,), False, rec)[..., None, :]
-        return np.ascontiguousarray(np.broadcast_to(_merge(rows, cols, rec), out.shape))
+        merged = _merge(rows, cols, rec)
+        if squeeze is not None:
+            merged = np.squeeze(merged, squeeze)
+        return np.ascontiguousarray(np.broadcast_to(merged, out.shape))
     raise _mixed(rec, "is an op the per-example walk does not know how to follow")
 
 
@@ -272,6 +285,8 @@ class MatmulLayout:
     kept: tuple[int, ...]  # P's batch shape
     param_shape: tuple[int, ...]
     rows: int  # p
+    vector: int | None = None  # a 1-D operand's axis NumPy drops from the output (-1, -2)
+    side: tuple[int, int] = (0, 0)  # the parameter as a matrix (a vector as a column/row)
 
 
 def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
@@ -285,10 +300,20 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
     if rec.params.get("tb"):
         b = xp.swapaxes(b, -1, -2)
         idb = None if idb is None else np.swapaxes(idb, -1, -2)
+    # A vector operand as NumPy reads it: a column on the right, a row on the left (the
+    # output lacks that axis; the cotangent gets it back in cotangent_rows).
+    vector = None
+    if b.ndim == 1:
+        b, idb, vector = b[:, None], None if idb is None else idb[:, None], -1
+    if a.ndim == 1:
+        a, ida, vector = a[None, :], None if ida is None else ida[None, :], -2
+    side = tuple((a if j == 0 else b).shape[-2:])
     swap = j == 0
     if swap:  # P @ x = (x^T @ P^T)^T
+        assert idb is not None  # the data side carries example ids
         data, ids, param = xp.swapaxes(b, -1, -2), np.swapaxes(idb, -1, -2), xp.swapaxes(a, -1, -2)
     else:
+        assert ida is not None
         data, ids, param = a, ida, b
     batch = data.ndim - 2
     pshape = (1,) * (batch - (param.ndim - 2)) + tuple(param.shape[:-2])
@@ -313,12 +338,16 @@ def matmul_layout(flow: ExampleFlow, meeting: Meeting) -> MatmulLayout:
         kept=tuple(data.shape[i] for i in kept),
         param_shape=tuple(rec.inputs[j].shape),
         rows=p,
+        vector=vector,
+        side=side,
     )
 
 
 def cotangent_rows(flow: ExampleFlow, layout: MatmulLayout, g: Any) -> Any:
     """The op's output cotangent in the layout's form (K, N, p, m)."""
     xp = backend.array_module(g)
+    if layout.vector is not None:
+        g = xp.expand_dims(g, layout.vector)
     if layout.swap:
         g = xp.swapaxes(g, -1, -2)
     order, k_size = layout.cotangent_axes
@@ -339,8 +368,9 @@ def _matmul_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice) -> 
         x, gr, k, m = gr, x, m, k
     if kk == 1:
         x, gr = x[0], gr[0]  # (n, p, k), (n, p, m)
-        if p == 1:  # outer products x_i^T g_i, one multiply into the answer
-            return (x[:, 0, :, None] * gr[:, 0, None, :]).reshape((nn,) + layout.param_shape)
+        if p == 1:  # outer products x_i^T g_i (einsum: twice NumPy's broadcast multiply)
+            share = xp.einsum("nk,nm->nkm", x[:, 0], gr[:, 0])
+            return share.reshape((nn,) + layout.param_shape)
         share = xp.matmul(xp.swapaxes(x, -1, -2), gr)  # (n, k, m)
         return share.reshape((nn,) + layout.param_shape)
     share = xp.matmul(xp.swapaxes(x.reshape(kk * nn, p, k), -1, -2), gr.reshape(kk * nn, p, m))
@@ -372,6 +402,7 @@ def _elementwise_share(flow: ExampleFlow, meeting: Meeting, g: Any, chunk: slice
     inputs = list(rec.inputs)
     inputs[j] = expanded
     ans = rec.outputs[0]
+    assert rec.prim is not None  # meetings are primitives' records
     part = get_vjp(rec.prim)(j, ans, *inputs, **rec.params)(Tensor(g))
     value = xp.zeros(out.shape, param.dtype) if part is ZERO else part.value
     value = value[chunk]
@@ -416,33 +447,51 @@ class PerExample:
     """The per-example machinery on one Curvature recording: its flow (once), the
     cotangents at the meetings (one backward pass, once), then shares per chunk."""
 
-    def __init__(self, model: Any, flat: list[Tensor], treedef: Any, data: Any):
+    def __init__(
+        self,
+        model: Any,
+        flat: list[Tensor],
+        treedef: Any,
+        data: Any,
+        recorded: tuple[GradientTape, Tensor, list[Tensor]] | None = None,
+    ):
+        """`recorded`: (tape, output, watched data) of a forward already recorded with
+        the parameters and the floating-point data watched (a Curvature's); else the
+        forward runs once more on such a tape here."""
         self.flat, self.treedef = flat, treedef
-        # The forward once more on a tape that watches the data too, so that the ops
-        # between the data and the parameters (im2col's windows) are recorded.
-        leaves, data_def = tree.flatten(data)
-        inputs = [None if x is None else as_tensor(x) for x in leaves]
-        self.tape = GradientTape(persistent=True, watch_accessed_variables=False)
-        with self.tape:
-            self.tape.watch(flat)
-            watched = [x for x in inputs if x is not None and x.dtype.kind == "f"]
-            self.tape.watch(watched)
-            self.output = model(tree.unflatten(treedef, flat), tree.unflatten(data_def, inputs))
+        if recorded is not None:
+            self.tape, self.output, watched = recorded
+        else:
+            leaves, data_def = tree.flatten(data)
+            inputs = [None if x is None else as_tensor(x) for x in leaves]
+            self.tape = GradientTape(persistent=True, watch_accessed_variables=False)
+            with self.tape:
+                self.tape.watch(flat)
+                watched = [x for x in inputs if x is not None and x.dtype.kind == "f"]
+                self.tape.watch(watched)
+                self.output = model(tree.unflatten(treedef, flat), tree.unflatten(data_def, inputs))
         if not isinstance(self.output, Tensor):
             raise MixedExamplesError("per-example: the model must return one tensor")
-        self.flow = example_flow(self.tape._records, flat, self.output, watched)
+        try:
+            self.flow = example_flow(self.tape._records, flat, self.output, watched)
+        except MixedExamplesError as exc:
+            exc.records = self.tape._records
+            raise
 
     @classmethod
     def of(cls, curv: Any) -> PerExample:
         """The machinery of a Curvature recording, built once and kept on it."""
         if getattr(curv, "_per_example", None) is None:
-            curv._per_example = cls(curv._model, curv._flat, curv._treedef, curv.data)
+            watched = getattr(curv, "_watched_data", None)
+            # Its own recording when it watched the data (tensors given); else once more.
+            recorded = (curv._inner, curv.output, watched) if watched else None
+            curv._per_example = cls(curv._model, curv._flat, curv._treedef, curv.data, recorded)
         return curv._per_example
 
     def meeting_cotangents(self, seed: Any, batch_ndim: int = 0) -> dict[int, Any]:
         """The cotangents of the meetings' outputs for the output cotangent `seed`
         (with `batch_ndim` leading axes: several seeds in one pass)."""
-        outs = []
+        outs: list[Tensor] = []
         for m in self.flow.meetings:
             o = m.record.outputs[0]
             if all(o is not x for x in outs):
@@ -582,7 +631,7 @@ def per_example(
         sum_squares=host(squares) if statistics else None,
         gradients=gradients,
         chunks=chunks,
-        meetings=[f"{m.record.prim.name}" for m in engine.flow.meetings],
+        meetings=[_name(m.record) for m in engine.flow.meetings],
     )
 
 

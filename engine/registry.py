@@ -44,6 +44,15 @@ elementwise.py is an example) and one row in tests/engine/test_ops.py:
   elements the gradient needs beyond the output, when that is large (conv, attention).
 - A composite (a plain function of primitives) is the same block without the
   primitive: `@public(..., shape_rule=...)` on the function.
+- An elementwise primitive declares its partial derivatives instead of a VJP and a JVP
+  (engine/ops/elementwise.py, `defpartials`; log2 there is the example, 8 lines):
+
+      log2_p = primitive("log2", lambda xp, x: xp.log2(x))
+      defpartials(log2_p, lambda ans, x: multiply(reciprocal(x), 1 / math.log(2)))
+
+  one `partial(ans, *args, **params)` per argument (None: no derivative), written in
+  engine ops: the VJP g * partial, the JVP sum t_i * partial_i and every higher order
+  follow from it.
 
 The row's forward, gradients to second order, batched VJPs and JVPs and the shape rule
 are then checked; the language, the catalogue and the property tests pick the op up.

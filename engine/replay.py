@@ -213,6 +213,8 @@ class Passes:
         known: Callable[[], dict[int, Any]],
     ) -> list[Tensor | None]:
         """dynamic(seeds)'s outputs, computed the way this layout's state says."""
+        if trace.capture is not None:  # inside an outer pass being captured: it must see
+            return dynamic(list(seeds))  # every op (a nested replay would hide them)
         with self._lock:
             entry = self.entries.get(key)
             if entry is None:

@@ -14,11 +14,15 @@ from engine.transforms import HessianOperator
 
 
 class FlatOperator:
-    """A HessianOperator seen as an n x n matrix on flat float64 vectors.
+    """A HessianOperator seen as an n x n matrix on flat vectors.
 
     `matvec(V)` with V of shape (K, n) splits each row into the primals' shapes, casts
-    to their dtype and device, runs one `hvp_many` pass and returns H @ V as (K, n)
-    float64 on the host. `flatten` and `unflatten` convert single vectors.
+    to their dtype and device, runs one `hvp_many` pass and returns H @ V as (K, n) on
+    the host, in V's float dtype (float64 for anything else). Rows already in the
+    primals' dtype (on the host) are not copied: each primal's block is a view of V.
+    `linear_operator()` is the operator as SciPy's LinearOperator in the primals' dtype
+    (eigsh, lobpcg, cg, ...): (n,) vectors in, one copy out per product. `flatten` and
+    `unflatten` convert single vectors.
     """
 
     def __init__(self, operator: HessianOperator):
@@ -37,7 +41,9 @@ class FlatOperator:
 
     def matvec(self, vectors: np.ndarray) -> np.ndarray:
         """H @ V for V of shape (K, n), in one batched HVP pass."""
-        vectors = np.asarray(vectors, dtype=np.float64)
+        vectors = np.asarray(vectors)
+        if vectors.dtype.kind != "f":
+            vectors = vectors.astype(np.float64)
         if vectors.ndim != 2 or vectors.shape[1] != self.n:
             raise ValueError(f"matvec: expected shape (K, {self.n}), got {vectors.shape}")
         k = vectors.shape[0]
@@ -48,10 +54,36 @@ class FlatOperator:
             block = vectors[:, lo : lo + size].reshape((k, *shape))
             parts.append(Tensor(backend.asarray(block, p.dtype, p.device)))
         products = tree.flatten(self.operator.hvp_many(*tree.unflatten(self._treedef, parts)))[0]
-        out = np.empty((k, self.n), dtype=np.float64)
+        out = np.empty((k, self.n), dtype=vectors.dtype)
         for product, lo, size in zip(products, self.offsets[:-1], self.sizes, strict=True):
             out[:, lo : lo + size] = product.numpy().reshape(k, size)
         return out
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The primals' common dtype (float64 when they differ)."""
+        dtypes = {np.dtype(p.dtype) for p in self.primals}
+        return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float64)
+
+    def linear_operator(self, dtype: Any = None) -> Any:
+        """This operator as a scipy.sparse.linalg.LinearOperator (needs SciPy), in the
+        primals' dtype by default: its vectors' blocks are views, not copies, and the
+        products cross one copy into the answer (a float64 operator over float32
+        primals pays a cast each way instead)."""
+        from scipy.sparse.linalg import LinearOperator
+
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        n = self.n
+
+        def matvec(x: np.ndarray) -> np.ndarray:
+            return self.matvec(np.asarray(x, dtype=dtype).reshape(1, n))[0]
+
+        def matmat(x: np.ndarray) -> np.ndarray:
+            return self.matvec(np.asarray(x, dtype=dtype).T).T
+
+        return LinearOperator(
+            (n, n), matvec=matvec, rmatvec=matvec, matmat=matmat, rmatmat=matmat, dtype=dtype
+        )
 
     def flatten(self, tensors: Any) -> np.ndarray:
         """One vector in the primals' structure (tensors or arrays) -> (n,) float64."""

@@ -73,6 +73,10 @@ TRACE = QuadraticForm(
     "hutchinson_trace", lambda z, az: np.einsum("kn,kn->k", z, az)[:, None], scalar=True
 )
 DIAGONAL = QuadraticForm("hutchinson_diagonal", lambda z, az: z * az, scalar=False)
+# ||A||_F^2 = tr(A^T A) = E ||A z||^2: Hutchinson on A^2, from the same one product per probe.
+FROBENIUS = QuadraticForm(
+    "hutchinson_frobenius", lambda z, az: np.einsum("kn,kn->k", az, az)[:, None], scalar=True
+)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,9 +33,12 @@ def conjugate_gradient(
     max_hvps: int | None = None,
     max_seconds: float | None = None,
     callback: Callback | None = None,
+    preconditioner: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> SolveResult:
     """Solve (H + damping I) x = b by conjugate gradient from x = 0, one HVP per
-    iteration. Converged when ||residual|| <= tol * ||b||.
+    iteration. Converged when ||residual|| <= tol * ||b||. `preconditioner`: z = M^-1 r
+    for a symmetric positive definite M close to H + damping I (a damped KFAC inverse):
+    preconditioned CG, the same stopping rule on the unpreconditioned residual.
 
     CG needs H + damping I positive definite along the directions it explores: when a
     direction of non-positive curvature appears (a non-convex loss, too little damping)
@@ -53,9 +56,14 @@ def conjugate_gradient(
     residuals = [1.0 if b_norm > 0 else 0.0]
     if b_norm == 0.0:
         return SolveResult(x, True, "converged", 0, 0, residuals, budget.seconds)
+
+    def precondition(v: np.ndarray) -> np.ndarray:
+        return v if preconditioner is None else np.asarray(preconditioner(v), np.float64)
+
     r = b.copy()
-    p = r.copy()
-    rs = float(r @ r)
+    z = precondition(r)
+    p = z.copy()
+    rs = float(r @ z)
     stopped = "max_iterations"
     iterations = 0
     while iterations < limit:
@@ -75,13 +83,15 @@ def conjugate_gradient(
         x = x + step * p
         r = r - step * ap
         iterations += 1
-        rs_new = float(r @ r)
-        residuals.append(math.sqrt(rs_new) / b_norm)
+        r_norm = float(np.linalg.norm(r))
+        residuals.append(r_norm / b_norm)
         budget.report(callback, "conjugate_gradient", None, residuals[-1])
-        if math.sqrt(rs_new) <= tol * b_norm:
+        if r_norm <= tol * b_norm:
             stopped = "converged"
             break
-        p = r + (rs_new / rs) * p
+        z = precondition(r)
+        rs_new = float(r @ z)
+        p = z + (rs_new / rs) * p
         rs = rs_new
     return SolveResult(
         x=x,

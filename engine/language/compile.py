@@ -789,13 +789,20 @@ class ModelSplit:
     targets: tuple[str, ...]
 
     def functions(
-        self, fixed: Mapping[str, Tensor]
+        self, fixed: Mapping[str, Tensor], seen: dict[str, Tensor] | None = None
     ) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
+        """`seen`, when given, receives every name's value of the model's last run (so
+        a caller can tell which line an op of its recording belongs to)."""
+
         def model(params: Mapping[str, Tensor], data: Mapping[str, Tensor]) -> Tensor:
             env = dict(fixed)
             env.update(data)
             env.update(params)
-            return self.program._run_lines(env, self.model_lines)[self.output]
+            values = self.program._run_lines(env, self.model_lines)
+            if seen is not None:
+                seen.clear()
+                seen.update(values)
+            return values[self.output]
 
         def loss(output: Tensor, targets: Mapping[str, Tensor]) -> Tensor:
             env = dict(fixed)

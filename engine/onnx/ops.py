@@ -219,6 +219,82 @@ def _mish(ins, attrs, opset):
     return [OP["multiply"](x, OP["tanh"](OP["softplus"](x)))]
 
 
+@handler("PRelu")
+def _prelu(ins, attrs, opset):
+    x, slope = ins[0], ins[1]  # slope broadcasts to x (unidirectionally)
+    return [OP["where"](OP["greater"](x, _like(0.0, x)), x, OP["multiply"](x, slope))]
+
+
+@handler("Selu")
+def _selu(ins, attrs, opset):
+    x = ins[0]
+    alpha = float(attrs.get("alpha", 1.67326319217681884765625))
+    gamma = float(attrs.get("gamma", 1.05070102214813232421875))
+    return [OP["multiply"](OP["elu"](x, alpha=alpha), _like(gamma, x))]
+
+
+@handler("Celu")
+def _celu(ins, attrs, opset):
+    # max(0, x) + min(0, alpha (exp(x / alpha) - 1)) = alpha elu(x / alpha)
+    x, alpha = ins[0], _like(float(attrs.get("alpha", 1.0)), ins[0])
+    return [OP["multiply"](OP["elu"](OP["divide"](x, alpha), alpha=1.0), alpha)]
+
+
+@handler("Softsign")
+def _softsign(ins, attrs, opset):
+    x = ins[0]
+    return [OP["divide"](x, OP["add"](OP["abs"](x), _like(1.0, x)))]
+
+
+@handler("ThresholdedRelu")
+def _thresholded_relu(ins, attrs, opset):
+    x = ins[0]
+    above = OP["greater"](x, _like(float(attrs.get("alpha", 1.0)), x))
+    return [OP["where"](above, x, _like(0.0, x))]
+
+
+@handler("Mean")
+def _mean_of(ins, attrs, opset):
+    total = ins[0]
+    for x in ins[1:]:
+        total = OP["add"](total, x)
+    return [OP["divide"](total, _like(float(len(ins)), total))]
+
+
+def _inverse_trig(name: str) -> Handler:
+    def run(ins, attrs, opset):
+        x = ins[0]
+        one = _like(1.0, x)
+        if name == "Atan":
+            return [OP["atan2"](x, OP["add"](OP["multiply"](x, _like(0.0, x)), one))]
+        if name in ("Asin", "Acos"):  # atan2 of the sine and cosine sides of the angle
+            side = OP["sqrt"](OP["subtract"](one, OP["multiply"](x, x)))
+            return [OP["atan2"](x, side) if name == "Asin" else OP["atan2"](side, x)]
+        if name == "Sinh":
+            return [
+                OP["multiply"](
+                    OP["subtract"](OP["exp"](x), OP["exp"](OP["negative"](x))), _like(0.5, x)
+                )
+            ]
+        if name == "Cosh":
+            return [
+                OP["multiply"](OP["add"](OP["exp"](x), OP["exp"](OP["negative"](x))), _like(0.5, x))
+            ]
+        if name == "Asinh":
+            return [OP["log"](OP["add"](x, OP["sqrt"](OP["add"](OP["multiply"](x, x), one))))]
+        if name == "Acosh":
+            return [OP["log"](OP["add"](x, OP["sqrt"](OP["subtract"](OP["multiply"](x, x), one))))]
+        # Atanh: log((1 + x) / (1 - x)) / 2
+        ratio = OP["divide"](OP["add"](one, x), OP["subtract"](one, x))
+        return [OP["multiply"](OP["log"](ratio), _like(0.5, x))]
+
+    return run
+
+
+for _name in ("Atan", "Asin", "Acos", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh"):
+    HANDLERS[_name] = _inverse_trig(_name)
+
+
 @handler("IsNaN")
 def _is_nan(ins, attrs, opset):
     x = ins[0]  # NaN is the one value unequal to itself (torch's masked attention asks)
@@ -543,7 +619,7 @@ def _global_max_pool(ins, attrs, opset):
 # take or a matmul and every derivative is theirs.
 # ----------------------------------------------------------------------------------------
 
-RESIZE_MODES = ("nearest", "linear")
+RESIZE_MODES = ("nearest", "linear", "cubic")
 RESIZE_COORDINATES = (
     "half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_half_pixel_for_nn",
     "half_pixel_symmetric",
@@ -597,6 +673,29 @@ def _linear_matrix(x: np.ndarray, size: int) -> np.ndarray:
     return matrix
 
 
+def _cubic_matrix(x: np.ndarray, size: int, a: float, exclude_outside: bool) -> np.ndarray:
+    """[out, size]: Keys' cubic convolution (coefficient a) over the four cells around x,
+    cells beyond the edge read as the edge cell (or, with exclude_outside, dropped and
+    the rest renormalized), as the spec and torch's bicubic do."""
+
+    def kernel(d: np.ndarray) -> np.ndarray:
+        d = np.abs(d)
+        near = ((a + 2) * d - (a + 3)) * d * d + 1
+        far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+        return np.where(d <= 1, near, np.where(d < 2, far, 0.0))
+
+    low = np.floor(x).astype(np.int64)
+    cells = low[:, None] + np.arange(-1, 3)[None, :]  # [out, 4]
+    weights = kernel(x[:, None] - cells)
+    if exclude_outside:
+        weights = np.where((cells < 0) | (cells >= size), 0.0, weights)
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    matrix = np.zeros((len(x), size))
+    rows = np.repeat(np.arange(len(x)), 4)
+    np.add.at(matrix, (rows, np.clip(cells, 0, size - 1).reshape(-1)), weights.reshape(-1))
+    return matrix
+
+
 def _resize(
     x: Any, scales: list[float], sizes: list[int], attrs: dict[str, Any], coords: str
 ) -> Any:
@@ -609,7 +708,12 @@ def _resize(
         if mode == "nearest":
             x = OP["take"](x, _nearest_index(source, size, nearest), axis=axis)
         else:
-            matrix = np.ascontiguousarray(_linear_matrix(source, size).T, dtype=x.dtype)
+            if mode == "linear":
+                weights = _linear_matrix(source, size)
+            else:
+                a = float(attrs.get("cubic_coeff_a", -0.75))
+                weights = _cubic_matrix(source, size, a, bool(attrs.get("exclude_outside", 0)))
+            matrix = np.ascontiguousarray(weights.T, dtype=x.dtype)
             moved = OP["moveaxis"](x, axis, -1)
             x = OP["moveaxis"](OP["matmul"](moved, matrix), -1, axis)
     return x
@@ -654,7 +758,7 @@ def _upsample(ins, attrs, opset):
 def resize_refusal(attrs: dict[str, Any]) -> str | None:
     mode = attrs.get("mode", "nearest")
     if mode not in RESIZE_MODES:
-        return f"mode {mode!r} is not supported (only 'nearest' and 'linear')"
+        return f"mode {mode!r} is not supported (only 'nearest', 'linear' and 'cubic')"
     coords = attrs.get("coordinate_transformation_mode", "half_pixel")
     if coords not in RESIZE_COORDINATES:
         return f"coordinate_transformation_mode {coords!r} is not supported"
@@ -675,8 +779,8 @@ REFUSALS["Resize"] = REFUSALS["Upsample"] = resize_refusal
 # ----------------------------------------------------------------------------------------
 
 
-def _reduce(op: str, input_since: int) -> Handler:
-    fn = OP[op]
+def _reduce(op: str | Callable[..., Any], input_since: int) -> Handler:
+    fn = OP[op] if isinstance(op, str) else op
 
     def run(ins, attrs, opset):
         x = ins[0]
@@ -696,11 +800,24 @@ def _reduce(op: str, input_since: int) -> Handler:
     return run
 
 
-for _name, _op, _since in (
+def _sum_of(f: Callable[[Any], Any]) -> Callable[..., Any]:
+    return lambda x, axis, keepdims: OP["sum"](f(x), axis=axis, keepdims=keepdims)
+
+
+def _l2(x: Any, axis: Any, keepdims: bool) -> Any:
+    return OP["sqrt"](_sum_of(lambda v: OP["multiply"](v, v))(x, axis, keepdims))
+
+
+_REDUCERS: tuple[tuple[str, str | Callable[..., Any], int], ...] = (
+    ("ReduceL1", _sum_of(OP["abs"]), 18),
+    ("ReduceL2", _l2, 18),
+    ("ReduceSumSquare", _sum_of(lambda v: OP["multiply"](v, v)), 18),
+    ("ReduceLogSumExp", "logsumexp", 18),
     ("ReduceSum", "sum", 13), ("ReduceMean", "mean", 18), ("ReduceMax", "max", 18),
     ("ReduceMin", "min", 18), ("ReduceProd", "prod", 18),
-):  # fmt: skip
-    HANDLERS[_name] = _reduce(_op, _since)
+)  # fmt: skip
+for _name, _reducer, _since in _REDUCERS:
+    HANDLERS[_name] = _reduce(_reducer, _since)
     STATIC[_name] = (1,)
 
 

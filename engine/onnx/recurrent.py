@@ -62,7 +62,7 @@ def _activations(op_type: str, attrs: dict[str, Any], directions: int) -> list[l
     return [[OP[ACTIVATIONS[n]] for n in names[d * per : (d + 1) * per]] for d in range(directions)]
 
 
-def _slice_last(x: Any, start: int, stop: int) -> Any:
+def _slice_last(x: Any, start: int, stop: int | None) -> Any:
     return OP["getitem"](x, (Ellipsis, slice(start, stop)))
 
 

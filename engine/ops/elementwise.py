@@ -1,15 +1,22 @@
 """Elementwise primitives: arithmetic, unary math, comparisons, where, cast.
 
 Each block holds one primitive: its forward (with broadcasting=True where its arguments
-broadcast), its VJP for each argument, its JVP, and its public wrapper with the shape
-rule the definition language infers it by. Broadcasting between arguments is undone by
-the tape (VJP) and the accumulator (JVP), so binary rules may return cotangents and
-tangents in the broadcast shape.
+broadcast), its partial derivatives (defpartials: one declaration gives the VJP, the JVP
+and every higher order), and its public wrapper with the shape rule the definition
+language infers it by. Broadcasting between arguments is undone by the tape (VJP) and
+the accumulator (JVP), so partials may be in the broadcast shape.
+
+A few keep hand-written rules, for a reason given beside each: sqrt, rsqrt and
+reciprocal (TensorFlow's protected kernels: a zero cotangent stays zero where the
+derivative is infinite), relu and leaky_relu (relu_grad, a kernel of g and x), where
+(the selected cotangent), sign (recorded with a zero derivative), cast (a dtype change).
 """
 
 from __future__ import annotations
 
+import math
 from builtins import abs as builtin_abs
+from collections.abc import Callable
 from typing import Any
 
 from engine import trace
@@ -18,6 +25,7 @@ from engine.backend import erf as erf_impl
 from engine.backend import numpy as numpy_module
 from engine.ops._util import coerce_pair
 from engine.registry import (
+    MissingRuleError,
     Primitive,
     defjvp,
     defnondiff,
@@ -63,14 +71,51 @@ def _mask(condition: Tensor, dtype: Any) -> Tensor:
     return cast(condition, dtype)
 
 
+Partial = Callable[..., Any] | None
+
+
+def defpartials(prim: Primitive, *partials: Partial) -> None:
+    """An elementwise primitive's rules from its partial derivatives, one per argument:
+    `partial(ans, *args, **params)` -> d ans / d arg, an engine tensor (broadcasting
+    against the output) or a number, or None for an argument with no derivative (a
+    condition). The VJP is g * partial (computed in the rule's outer stage, so every
+    later pass reuses it; the tape sums broadcast axes down), the JVP the sum of
+    t_i * partial_i; written in engine ops, the partials differentiate again: second
+    and higher orders follow."""
+
+    def vjp(partial: Partial) -> Any:
+        if partial is None:
+            return None
+        return lambda ans, *args, **params: _times(partial(ans, *args, **params))
+
+    def jvp(t: list, ans: Tensor, *args: Tensor, **params: Any) -> Tensor | None:
+        terms = []
+        for i, (tangent, partial) in enumerate(zip(t, partials, strict=True)):
+            if tangent is None:
+                continue
+            if partial is None:
+                raise MissingRuleError(f"no derivative for argument {i} of '{prim.name}'")
+            terms.append(_times(partial(ans, *args, **params))(tangent))
+        return _tsum(*terms)
+
+    defvjp(prim, *(vjp(p) for p in partials))
+    defjvp(prim, jvp)
+
+
+def _times(slope: Any) -> Callable[[Tensor], Tensor]:
+    """v -> v * slope, with the constant slopes of add and subtract (1, -1) free."""
+    if isinstance(slope, int | float) and slope in (1, -1):
+        return (lambda v: v) if slope == 1 else negative
+    return lambda v: multiply(v, slope)
+
+
 # ========================================================================================
 # Binary arithmetic
 # ========================================================================================
 
 # ---- add ----
 add_p = primitive("add", lambda xp, x, y: x + y, broadcasting=True)
-defvjp(add_p, lambda ans, x, y: lambda g: g, lambda ans, x, y: lambda g: g)
-defjvp(add_p, lambda t, ans, x, y: _tsum(t[0], t[1]))
+defpartials(add_p, lambda ans, x, y: 1, lambda ans, x, y: 1)
 
 
 @public("arithmetic", shape_rule=binary("numeric"))
@@ -81,11 +126,7 @@ def add(x: Any, y: Any) -> Tensor:
 
 # ---- subtract ----
 subtract_p = primitive("subtract", lambda xp, x, y: x - y, broadcasting=True)
-defvjp(subtract_p, lambda ans, x, y: lambda g: g, lambda ans, x, y: negative)
-defjvp(
-    subtract_p,
-    lambda t, ans, x, y: _tsum(t[0], None if t[1] is None else negative(t[1])),
-)
+defpartials(subtract_p, lambda ans, x, y: 1, lambda ans, x, y: -1)
 
 
 @public("arithmetic", shape_rule=binary("numeric"))
@@ -96,18 +137,7 @@ def subtract(x: Any, y: Any) -> Tensor:
 
 # ---- multiply ----
 multiply_p = primitive("multiply", lambda xp, x, y: x * y, broadcasting=True)
-defvjp(
-    multiply_p,
-    lambda ans, x, y: lambda g: multiply(g, y),
-    lambda ans, x, y: lambda g: multiply(g, x),
-)
-defjvp(
-    multiply_p,
-    lambda t, ans, x, y: _tsum(
-        None if t[0] is None else multiply(t[0], y),
-        None if t[1] is None else multiply(x, t[1]),
-    ),
-)
+defpartials(multiply_p, lambda ans, x, y: y, lambda ans, x, y: x)
 
 
 @public("arithmetic", shape_rule=binary("numeric"))
@@ -118,18 +148,7 @@ def multiply(x: Any, y: Any) -> Tensor:
 
 # ---- divide ----
 divide_p = primitive("divide", lambda xp, x, y: x / y, broadcasting=True)
-defvjp(
-    divide_p,
-    lambda ans, x, y: lambda g: divide(g, y),
-    lambda ans, x, y: lambda g: negative(multiply(g, divide(ans, y))),
-)
-defjvp(
-    divide_p,
-    lambda t, ans, x, y: _tsum(
-        None if t[0] is None else divide(t[0], y),
-        None if t[1] is None else negative(multiply(t[1], divide(ans, y))),
-    ),
-)
+defpartials(divide_p, lambda ans, x, y: reciprocal(y), lambda ans, x, y: negative(divide(ans, y)))
 
 
 @public("arithmetic", shape_rule=binary("float"))
@@ -151,23 +170,11 @@ def _safe_log(x: Tensor) -> Tensor:
     return where(positive, log(where(positive, x, 1)), 0)
 
 
-def power_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-    return lambda g: multiply(g, multiply(y, power(x, subtract(y, 1))))
-
-
-def power_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-    return lambda g: multiply(g, multiply(ans, _safe_log(x)))
-
-
-def power_jvp(t: list, ans: Tensor, x: Tensor, y: Tensor) -> Tensor | None:
-    return _tsum(
-        None if t[0] is None else multiply(t[0], multiply(y, power(x, subtract(y, 1)))),
-        None if t[1] is None else multiply(t[1], multiply(ans, _safe_log(x))),
-    )
-
-
-defvjp(power_p, power_vjp_x, power_vjp_y)
-defjvp(power_p, power_jvp)
+defpartials(
+    power_p,
+    lambda ans, x, y: multiply(y, power(x, subtract(y, 1))),
+    lambda ans, x, y: multiply(ans, _safe_log(x)),
+)
 
 
 def power_rule(b: dict[str, Any]) -> TensorType:
@@ -223,13 +230,7 @@ def _integer_pow_slope(x: Tensor, n: int) -> Tensor:
     return multiply(integer_pow(x, n - 1), float(n) if x.dtype.kind == "f" else n)
 
 
-def integer_pow_vjp(ans: Tensor, x: Tensor, *, n: int) -> Any:
-    slope = _integer_pow_slope(x, n)
-    return lambda g: multiply(g, slope)
-
-
-defvjp(integer_pow_p, integer_pow_vjp)
-defjvp(integer_pow_p, lambda t, ans, x, *, n: multiply(t[0], _integer_pow_slope(x, n)))
+defpartials(integer_pow_p, lambda ans, x, *, n: _integer_pow_slope(x, n))
 
 
 def stop(x: Tensor) -> Tensor:
@@ -245,24 +246,10 @@ def stop(x: Tensor) -> Tensor:
 maximum_p = primitive("maximum", lambda xp, x, y: xp.maximum(x, y), broadcasting=True)
 
 
-def maximum_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-    mask = _mask(greater_equal(x, y), ans.dtype)
-    return lambda g: multiply(g, mask)
-
-
-def maximum_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-    mask = _mask(less(x, y), ans.dtype)
-    return lambda g: multiply(g, mask)
-
-
-defvjp(maximum_p, maximum_vjp_x, maximum_vjp_y)
-defjvp(
+defpartials(
     maximum_p,
-    lambda t, ans, x, y: where(
-        greater_equal(x, y),
-        _zero_like(x) if t[0] is None else t[0],
-        _zero_like(y) if t[1] is None else t[1],
-    ),
+    lambda ans, x, y: _mask(greater_equal(x, y), ans.dtype),
+    lambda ans, x, y: _mask(less(x, y), ans.dtype),
 )
 
 
@@ -275,24 +262,10 @@ def maximum(x: Any, y: Any) -> Tensor:
 minimum_p = primitive("minimum", lambda xp, x, y: xp.minimum(x, y), broadcasting=True)
 
 
-def minimum_vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-    mask = _mask(less_equal(x, y), ans.dtype)
-    return lambda g: multiply(g, mask)
-
-
-def minimum_vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-    mask = _mask(greater(x, y), ans.dtype)
-    return lambda g: multiply(g, mask)
-
-
-defvjp(minimum_p, minimum_vjp_x, minimum_vjp_y)
-defjvp(
+defpartials(
     minimum_p,
-    lambda t, ans, x, y: where(
-        less_equal(x, y),
-        _zero_like(x) if t[0] is None else t[0],
-        _zero_like(y) if t[1] is None else t[1],
-    ),
+    lambda ans, x, y: _mask(less_equal(x, y), ans.dtype),
+    lambda ans, x, y: _mask(greater(x, y), ans.dtype),
 )
 
 
@@ -308,8 +281,7 @@ def minimum(x: Any, y: Any) -> Tensor:
 
 # ---- negative ----
 negative_p = primitive("negative", lambda xp, x: -x)
-defvjp(negative_p, lambda ans, x: negative)
-defjvp(negative_p, lambda t, ans, x: negative(t[0]))
+defpartials(negative_p, lambda ans, x: -1)
 
 
 @public("math", shape_rule=unary("numeric"))
@@ -320,8 +292,7 @@ def negative(x: Any) -> Tensor:
 
 # ---- exp ----
 exp_p = primitive("exp", lambda xp, x: xp.exp(x))
-defvjp(exp_p, lambda ans, x: lambda g: multiply(g, ans))
-defjvp(exp_p, lambda t, ans, x: multiply(t[0], ans))
+defpartials(exp_p, lambda ans, x: ans)
 
 
 @public("math", shape_rule=unary("float"))
@@ -335,8 +306,7 @@ def exp(x: Any) -> Tensor:
 # protected rule then keeps a zero cotangent zero at second order (x = 0 in an untaken
 # `where` branch), where g / x would give NaN.
 log_p = primitive("log", lambda xp, x: xp.log(x))
-defvjp(log_p, lambda ans, x: lambda g: multiply(g, reciprocal(x)))
-defjvp(log_p, lambda t, ans, x: divide(t[0], x))
+defpartials(log_p, lambda ans, x: reciprocal(x))
 
 
 @public("math", shape_rule=unary("float"))
@@ -347,8 +317,7 @@ def log(x: Any) -> Tensor:
 
 # ---- log1p ----
 log1p_p = primitive("log1p", lambda xp, x: xp.log1p(x))
-defvjp(log1p_p, lambda ans, x: lambda g: multiply(g, reciprocal(add(x, 1))))
-defjvp(log1p_p, lambda t, ans, x: divide(t[0], add(x, 1)))
+defpartials(log1p_p, lambda ans, x: reciprocal(add(x, 1)))
 
 
 @public("math", shape_rule=unary("float"))
@@ -357,10 +326,20 @@ def log1p(x: Any) -> Tensor:
     return bind(log1p_p, as_tensor(x))
 
 
+# ---- log2: an elementwise primitive declared by its partial derivative ----
+log2_p = primitive("log2", lambda xp, x: xp.log2(x))
+defpartials(log2_p, lambda ans, x: multiply(reciprocal(x), 1 / math.log(2)))
+
+
+@public("math", shape_rule=unary("float"))
+def log2(x: Any) -> Tensor:
+    """Base-2 logarithm."""
+    return bind(log2_p, as_tensor(x))
+
+
 # ---- expm1 ----
 expm1_p = primitive("expm1", lambda xp, x: xp.expm1(x))
-defvjp(expm1_p, lambda ans, x: lambda g: multiply(g, add(ans, 1)))
-defjvp(expm1_p, lambda t, ans, x: multiply(t[0], add(ans, 1)))
+defpartials(expm1_p, lambda ans, x: add(ans, 1))
 
 
 @public("math", shape_rule=unary("float"))
@@ -474,8 +453,7 @@ def sqrt(x: Any) -> Tensor:
 
 # ---- sin / cos ----
 sin_p = primitive("sin", lambda xp, x: xp.sin(x))
-defvjp(sin_p, lambda ans, x: lambda g: multiply(g, cos(x)))
-defjvp(sin_p, lambda t, ans, x: multiply(t[0], cos(x)))
+defpartials(sin_p, lambda ans, x: cos(x))
 
 
 @public("math", shape_rule=unary("float"))
@@ -485,8 +463,7 @@ def sin(x: Any) -> Tensor:
 
 
 cos_p = primitive("cos", lambda xp, x: xp.cos(x))
-defvjp(cos_p, lambda ans, x: lambda g: negative(multiply(g, sin(x))))
-defjvp(cos_p, lambda t, ans, x: negative(multiply(t[0], sin(x))))
+defpartials(cos_p, lambda ans, x: negative(sin(x)))
 
 
 @public("math", shape_rule=unary("float"))
@@ -501,17 +478,7 @@ def cos(x: Any) -> Tensor:
 tanh_p = primitive("tanh", lambda xp, x: xp.tanh(x))
 
 
-def _tanh_slope(ans: Tensor) -> Tensor:
-    return subtract(1, multiply(ans, ans))
-
-
-def tanh_vjp(ans: Tensor, x: Tensor) -> Any:
-    slope = _tanh_slope(ans)
-    return lambda g: multiply(g, slope)
-
-
-defvjp(tanh_p, tanh_vjp)
-defjvp(tanh_p, lambda t, ans, x: multiply(t[0], _tanh_slope(ans)))
+defpartials(tanh_p, lambda ans, x: subtract(1, multiply(ans, ans)))
 
 
 @public("activation", shape_rule=unary("float"))
@@ -531,17 +498,7 @@ def _sigmoid_impl(xp: Any, x: Any) -> Any:
 sigmoid_p = primitive("sigmoid", _sigmoid_impl)
 
 
-def _sigmoid_slope(ans: Tensor) -> Tensor:
-    return multiply(ans, subtract(1, ans))
-
-
-def sigmoid_vjp(ans: Tensor, x: Tensor) -> Any:
-    slope = _sigmoid_slope(ans)
-    return lambda g: multiply(g, slope)
-
-
-defvjp(sigmoid_p, sigmoid_vjp)
-defjvp(sigmoid_p, lambda t, ans, x: multiply(t[0], _sigmoid_slope(ans)))
+defpartials(sigmoid_p, lambda ans, x: multiply(ans, subtract(1, ans)))
 
 
 @public("activation", shape_rule=unary("float"))
@@ -603,8 +560,7 @@ def relu(x: Any) -> Tensor:
 
 # ---- abs ----
 abs_p = primitive("abs", lambda xp, x: xp.abs(x))
-defvjp(abs_p, lambda ans, x: lambda g: multiply(g, sign(x)))
-defjvp(abs_p, lambda t, ans, x: multiply(t[0], sign(x)))
+defpartials(abs_p, lambda ans, x: sign(x))
 
 
 @public("math", shape_rule=unary("numeric"))
@@ -642,12 +598,7 @@ erf_p = primitive("erf", erf_impl)
 _TWO_OVER_ROOT_PI = 1.1283791670955126
 
 
-def _erf_slope(x: Tensor) -> Tensor:
-    return multiply(exp(negative(multiply(x, x))), _TWO_OVER_ROOT_PI)
-
-
-defvjp(erf_p, lambda ans, x: lambda g: multiply(g, _erf_slope(x)))
-defjvp(erf_p, lambda t, ans, x: multiply(t[0], _erf_slope(x)))
+defpartials(erf_p, lambda ans, x: multiply(exp(negative(multiply(x, x))), _TWO_OVER_ROOT_PI))
 
 
 @public("math", shape_rule=unary("float"))
@@ -658,8 +609,7 @@ def erf(x: Any) -> Tensor:
 
 # ---- identity ----
 identity_p = primitive("identity", lambda xp, x: x)
-defvjp(identity_p, lambda ans, x: lambda g: g)
-defjvp(identity_p, lambda t, ans, x: t[0])
+defpartials(identity_p, lambda ans, x: 1)
 
 
 @public("math", shape_rule=unary("any"))
@@ -700,43 +650,21 @@ def _not_zero(x: Tensor) -> Tensor:
     return cast(not_equal(x, 0), x.dtype)
 
 
-def _xlogy_slopes(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    return bind(xlogy_p, _not_zero(x), y), bind(xdivy_p, x, y)
-
-
-def _xdivy_slopes(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    return bind(xdivy_p, _not_zero(x), y), bind(xdivy_p, negative(x), multiply(y, y))
-
-
-def _no_nan_slopes(x: Tensor, y: Tensor) -> tuple[Tensor | None, Tensor]:
-    return None, divide_no_nan(divide_no_nan(negative(x), y), y)
-
-
-def _guarded_rules(prim: Primitive, slopes: Any) -> None:
-    """VJPs and JVP from the two partial derivatives (x's None: divide_no_nan's g / y)."""
-
-    def vjp_x(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-        sx = slopes(x, y)[0]
-        return (lambda g: divide_no_nan(g, y)) if sx is None else (lambda g: multiply(sx, g))
-
-    def vjp_y(ans: Tensor, x: Tensor, y: Tensor) -> Any:
-        sy = slopes(x, y)[1]
-        return lambda g: multiply(g, sy)
-
-    def jvp(t: list, ans: Tensor, x: Tensor, y: Tensor) -> Tensor | None:
-        sx, sy = slopes(x, y)
-        tx = None
-        if t[0] is not None:
-            tx = divide_no_nan(t[0], y) if sx is None else multiply(sx, t[0])
-        return _tsum(tx, None if t[1] is None else multiply(t[1], sy))
-
-    defvjp(prim, vjp_x, vjp_y)
-    defjvp(prim, jvp)
-
-
-_guarded_rules(xlogy_p, _xlogy_slopes)
-_guarded_rules(xdivy_p, _xdivy_slopes)
-_guarded_rules(divide_no_nan_p, _no_nan_slopes)
+defpartials(
+    xlogy_p,
+    lambda ans, x, y: bind(xlogy_p, _not_zero(x), y),
+    lambda ans, x, y: bind(xdivy_p, x, y),
+)
+defpartials(
+    xdivy_p,
+    lambda ans, x, y: bind(xdivy_p, _not_zero(x), y),
+    lambda ans, x, y: bind(xdivy_p, negative(x), multiply(y, y)),
+)
+defpartials(
+    divide_no_nan_p,
+    lambda ans, x, y: divide_no_nan(as_tensor(1, like=y), y),
+    lambda ans, x, y: divide_no_nan(divide_no_nan(negative(x), y), y),
+)
 
 
 @public("math", shape_rule=binary("float"))
@@ -763,26 +691,11 @@ def _atan2_scale(y: Tensor, x: Tensor) -> Tensor:
     return reciprocal(add(multiply(x, x), multiply(y, y)))
 
 
-def atan2_vjp_y(ans: Tensor, y: Tensor, x: Tensor) -> Any:
-    slope = multiply(x, _atan2_scale(y, x))
-    return lambda g: multiply(g, slope)
-
-
-def atan2_vjp_x(ans: Tensor, y: Tensor, x: Tensor) -> Any:
-    slope = negative(multiply(y, _atan2_scale(y, x)))
-    return lambda g: multiply(g, slope)
-
-
-def atan2_jvp(t: list, ans: Tensor, y: Tensor, x: Tensor) -> Tensor | None:
-    scale = _atan2_scale(y, x)
-    return _tsum(
-        None if t[0] is None else multiply(t[0], multiply(x, scale)),
-        None if t[1] is None else negative(multiply(t[1], multiply(y, scale))),
-    )
-
-
-defvjp(atan2_p, atan2_vjp_y, atan2_vjp_x)
-defjvp(atan2_p, atan2_jvp)
+defpartials(
+    atan2_p,
+    lambda ans, y, x: multiply(x, _atan2_scale(y, x)),
+    lambda ans, y, x: negative(multiply(y, _atan2_scale(y, x))),
+)
 
 
 @public("math", shape_rule=binary("float", names=("y", "x")))

@@ -48,6 +48,7 @@ _COMPUTE_TYPES = {
     "device": "device",
     "internal": "internal",
     "cancelled": "cancelled",
+    "not-found": "not-found",
 }
 
 _PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op", "shapes")

@@ -26,10 +26,15 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import NoReturn
 
 from service.api.problems import ProblemError
 from service.core.config import Settings
 from service.core.store import Store
+
+# The longest a refused request of a key that ignored its Retry-After is held before its
+# 429 (a connection held costs memory, not time).
+MAX_HOLD_REFUSED = 1.0
 
 
 @dataclass
@@ -39,6 +44,7 @@ class _KeyState:
     slots: asyncio.Semaphore
     waiting: int = 0
     users: int = 0  # requests holding this state (to forget idle keys)
+    refused_until: float = 0.0  # the Retry-After of the key's last 429 (monotonic)
 
 
 class Admission:
@@ -99,18 +105,30 @@ class Fairness:
         state.tokens = min(float(self.burst), state.tokens + (now - state.stamp) * self.rate)
         state.stamp = now
 
-    def _check_rate(self, state: _KeyState, now: float) -> None:
-        """429 unless the key has a token to spend (the bucket refilled first)."""
+    def _check_rate(self, state: _KeyState, now: float) -> tuple[str, float] | None:
+        """Why and how long to wait (a 429), unless the key has a token to spend (the
+        bucket refilled first)."""
         if self.rate <= 0:
-            return
+            return None
         self._refill(state, now)
         if state.tokens < 1.0:
             wait = (1.0 - state.tokens) / self.rate
-            raise _limited(
-                f"this API key is over its rate of {self.rate:g} requests per "
-                f"second (burst {self.burst})",
-                wait,
-            )
+            why = f"this API key is over its rate of {self.rate:g} requests per second"
+            return f"{why} (burst {self.burst})", wait
+        return None
+
+    async def _refuse(self, state: _KeyState, detail: str, wait: float) -> NoReturn:
+        """A 429 with Retry-After. A key that comes back before its last Retry-After
+        (ignoring it) is answered only when it was told to come back (at most
+        MAX_HOLD_REFUSED later): costing nothing while it waits, a client that ignores
+        Retry-After cannot keep this process busy refusing it, and other keys' requests
+        find the event loop free (issue 25: a quiet key's p99 under such a flood)."""
+        now = time.monotonic()
+        if now < state.refused_until:
+            await asyncio.sleep(min(state.refused_until - now, MAX_HOLD_REFUSED))
+        else:
+            state.refused_until = now + _retry_after(wait)  # what the client is told
+        raise _limited(detail, wait)
 
     @asynccontextmanager
     async def admit(self, owner: str) -> AsyncIterator[Admission]:
@@ -124,12 +142,13 @@ class Fairness:
             return
         now = time.monotonic()
         state = self._state(owner, now)
-        if self.store is None:
-            self._check_rate(state, now)
+        if self.store is None and (over := self._check_rate(state, now)) is not None:
+            await self._refuse(state, *over)
         if state.slots.locked() and state.waiting >= self.max_waiting:
             # Refused before it costs a token: a client told to come back later keeps
             # its rate for when it does.
-            raise _limited(
+            await self._refuse(
+                state,
                 f"this API key has {self.concurrent} requests computing and "
                 f"{state.waiting} waiting (max_waiting_per_key)",
                 1.0,
@@ -139,7 +158,8 @@ class Fairness:
                 self.store.take_token, owner, self.rate, self.burst, time.time()
             )
             if wait > 0:
-                raise _limited(
+                await self._refuse(
+                    state,
                     f"this API key is over its rate of {self.rate:g} requests per "
                     f"second (burst {self.burst}), counted over every HTTP "
                     "process",
@@ -180,7 +200,10 @@ class Fairness:
                 self._keys.pop(owner, None)
 
 
+def _retry_after(wait: float) -> int:
+    """Retry-After's whole seconds, at least 1."""
+    return max(1, math.ceil(wait))
+
+
 def _limited(detail: str, wait: float) -> ProblemError:
-    return ProblemError(
-        "rate-limited", detail, headers={"Retry-After": str(max(1, math.ceil(wait)))}
-    )
+    return ProblemError("rate-limited", detail, headers={"Retry-After": str(_retry_after(wait))})

@@ -8,6 +8,7 @@ import base64
 import binascii
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from service.api.problems import ProblemError
@@ -422,7 +423,10 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
     limit = _time_limit(body, settings)
     decoder = _decoder(body, settings)
     options = body.options()
-    max_hvps = options.hvp_budget(settings.algorithm_max_hvps)
+    # An operation without an HVP budget (per-example gradients, KFAC, a Laplace fit:
+    # service/core/operations.py) has only the time budget set below.
+    counted = any(f.name == "max_hvps" for f in msgspec.structs.fields(options))
+    max_hvps = options.hvp_budget(settings.algorithm_max_hvps) if counted else 0
     if max_hvps > settings.algorithm_max_hvps:
         raise ProblemError(
             "too-large",
@@ -432,7 +436,8 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
         )
     # The algorithm stops itself (and answers what it has) before the pool's hard limit.
     budget = 0.9 * limit
-    options.max_hvps = max_hvps  # type: ignore[attr-defined]  # every algorithm has one
+    if counted:
+        options.max_hvps = max_hvps  # type: ignore[attr-defined]
     options.max_seconds = (
         budget if options.max_seconds is None else min(options.max_seconds, budget)
     )

@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI
 
 from service.api.auth import api_key_scheme, authenticate, bearer_scheme
 from service.api.routes import (
+    curvature,
     datasets,
     derivatives,
     health,
@@ -31,7 +32,7 @@ def include_routers(app: FastAPI) -> None:
     """Include every resource's router in the app itself, not through an aggregating
     router: FastAPI matches a request's path again at each level of included routers
     (twice and more per route before it: ~50 us of a small request at two levels)."""
-    for module in (derivatives, tapes, models, datasets, ops):
+    for module in (derivatives, tapes, models, datasets, ops, curvature):
         app.include_router(module.router, dependencies=GATED_ROUTERS_DECLARE)
     # Following a job uses no worker (and its event stream lasts as long as the job): no
     # slot. A job takes its key's slot while it computes (service/domain/jobs.py).

@@ -57,6 +57,8 @@ class CurvatureKind(StrEnum):
     ggn = "ggn"
     fisher = "fisher"
     empirical_fisher = "empirical_fisher"
+    kfac = "kfac"  # the GGN's KFAC (expand; sources outside layers as an exact block)
+    ekfac = "ekfac"
     empirical_fisher_terms = "empirical_fisher_terms"
 
 
@@ -87,11 +89,25 @@ class TraceMethod(StrEnum):
 
 
 class DiagonalMethod(StrEnum):
-    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto."""
+    """How the diagonal is taken: exact (n unit vectors), Hutchinson, or auto; backprop:
+    the GGN's, Fisher's or empirical Fisher's exactly (Monte-Carlo for the Fisher with
+    `samples`) from per-example passes of the loss Hessian's square-root columns
+    (BackPACK's DiagGGNExact and DiagGGNMC), as many as the output has entries per
+    example, with no probe and no HVP."""
 
     auto = "auto"
     exact = "exact"
     hutchinson = "hutchinson"
+    backprop = "backprop"
+
+
+class Preconditioner(StrEnum):
+    """A preconditioner of influence's CG solve: none, or the damped inverse of the
+    GGN's KFAC or EKFAC (service/worker/curvature_ops.py)."""
+
+    none = "none"
+    kfac = "kfac"
+    ekfac = "ekfac"
 
 
 class OptionError(ValueError):
@@ -425,6 +441,14 @@ class InfluenceOptions(Budget, kw_only=True):
     effect of every training example (a row along the output's first axis) on the loss
     at test points."""
 
+    preconditioner: Annotated[
+        Preconditioner,
+        Meta(
+            description="Precondition the CG solve with the damped inverse of the GGN's "
+            "KFAC (or EKFAC): fewer iterations where the curvature is ill-conditioned; the "
+            "solve, and so the answer, is still on `curvature`."
+        ),
+    ] = Preconditioner.none
     # The GGN by default: the Hessian of a trained non-convex model is often indefinite,
     # and CG on it stops at negative curvature with scores that mean nothing (issue 27).
     curvature: Annotated[
@@ -482,6 +506,172 @@ class InfluenceOptions(Budget, kw_only=True):
         return self.max_iterations if self.max_hvps is None else self.max_hvps
 
 
+class FrobeniusNormOptions(EstimatorOptions, kw_only=True):
+    """The squared Frobenius norm ||C||_F^2 = tr(C^2) of the tape's Hessian (or of the
+    `curvature` asked), estimated by Hutchinson on C^2: the mean of ||C z||^2 over
+    Rademacher vectors z, with its standard error."""
+
+
+class FrobeniusNormResult(msgspec.Struct, kw_only=True):
+    """The squared Frobenius norm of the tape's curvature and its standard error, with
+    what it cost and why it stopped."""
+
+    frobenius_norm_squared: Annotated[
+        float, Meta(description="||C||_F^2, the mean of ||C z||^2 over the probes z.")
+    ]
+    stderr: (
+        Annotated[
+            float,
+            Meta(
+                description="Its standard error (sample std / sqrt(samples)); null (unknown) "
+                "from fewer than 30 samples."
+            ),
+        ]
+        | None
+    )
+    curvature: Annotated[str, Meta(description="The matrix C (see CurvatureKind).")]
+    samples: Annotated[int, Meta(description="Random probes averaged.")]
+    batches: Annotated[int, Meta(description="Batched HVP passes.")]
+    batch_size: Annotated[int, Meta(description="Vectors per batched pass.")]
+    converged: Annotated[
+        bool,
+        Meta(
+            description="The tolerance was met (without one: every sample asked for was "
+            "drawn, and a standard error is known)."
+        ),
+    ]
+    stopped: Annotated[str, Meta(description="tolerance, max_hvps or time_limit.")]
+    hvps: int
+    seconds: float
+
+
+class PerExampleOptions(Budget, kw_only=True):
+    """Per-example gradients of a tape recorded with `output` (its examples along the
+    output's first axis) and their statistics, in one batched pass (the curvature fields
+    are not used)."""
+
+    gradients: Annotated[
+        bool,
+        Meta(
+            description="Also answer every example's gradient (N x the parameters: refused "
+            "past the server's memory budget); the statistics alone run in chunks of examples."
+        ),
+    ] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.curvature != CurvatureKind.hessian:
+            raise OptionError("curvature", "per-example gradients take no curvature")
+
+
+class Sharing(StrEnum):
+    """KFAC under weight sharing (a convolution's positions, a sequence's steps):
+    KFAC-expand or KFAC-reduce (Eschenhagen et al. 2023)."""
+
+    expand = "expand"
+    reduce = "reduce"
+
+
+KFAC_CURVATURES = (CurvatureKind.ggn, CurvatureKind.fisher, CurvatureKind.empirical_fisher)
+
+
+class KFACOptions(Budget, kw_only=True):
+    """KFAC (or EKFAC) of a tape recorded with `output`, on the matmul and convolution
+    layers found in its program: of the GGN (type-2), the Fisher (exact, or Monte-Carlo
+    with `samples`) or the empirical Fisher."""
+
+    curvature: Annotated[
+        CurvatureKind,
+        Meta(description="ggn (type-2), fisher (Monte-Carlo with samples) or empirical_fisher."),
+    ] = CurvatureKind.ggn
+    sharing: Annotated[Sharing, Meta(description="See Sharing.")] = Sharing.expand
+    ekfac: Annotated[
+        bool,
+        Meta(
+            description="EKFAC: the eigenvalues corrected to the curvature's diagonal in "
+            "the Kronecker eigenbasis."
+        ),
+    ] = False
+    others: Annotated[
+        str,
+        Meta(
+            pattern="^(refuse|exact)$",
+            description="Sources in no matmul or convolution layer: refused (422 naming "
+            "them), or kept as their exact curvature block (at most 4,096 entries).",
+        ),
+    ] = "refuse"
+    separate_bias: Annotated[
+        bool,
+        Meta(
+            description="A bias as its own block (curvlinops' default, laplace-torch's), or "
+            "joined to its weight's ([W; b] with a ones row in A)."
+        ),
+    ] = True
+    factors: Annotated[bool, Meta(description="Also answer each layer's factors A and G.")] = False
+    damping: Annotated[
+        float,
+        Meta(ge=0, description="Added to the diagonal for `inverse` and the log-determinant."),
+    ] = 0.0
+    inverse: Annotated[
+        bool,
+        Meta(description="Multiply `vector` by (KFAC + damping I)^-1 (exact, per block)."),
+    ] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.curvature not in KFAC_CURVATURES:
+            raise OptionError(
+                "curvature", "KFAC approximates the ggn, the fisher or the empirical_fisher"
+            )
+
+
+class LaplaceOptions(Budget, kw_only=True):
+    """Fit a Laplace approximation at the tape's point (a trained model), kept with the
+    tape under the `laplace_id` answered."""
+
+    curvature: Annotated[
+        CurvatureKind,
+        Meta(
+            description="ggn (= the Fisher of the recognised likelihood) or "
+            "empirical_fisher (of the negative log-likelihood: laplace-torch's regression "
+            "empirical Fisher is twice it)."
+        ),
+    ] = CurvatureKind.ggn
+    subset: Annotated[
+        str,
+        Meta(
+            pattern="^(all|last_layer)$",
+            description="all sources, or the last matmul layer's weight and bias.",
+        ),
+    ] = "all"
+    structure: Annotated[
+        str,
+        Meta(
+            pattern="^(diag|kron|full)$",
+            description="The curvature as its diagonal, KFAC, or the full matrix (small n).",
+        ),
+    ] = "kron"
+    prior_precision: Annotated[
+        float, Meta(gt=0, description="The scalar prior precision (with tune: unused).")
+    ] = 1.0
+    tune: Annotated[
+        bool,
+        Meta(
+            description="Tune the prior precision: the marginal likelihood's exact "
+            "maximiser (the root of its derivative, found to the last bit)."
+        ),
+    ] = False
+    sigma_noise: Annotated[
+        float, Meta(gt=0, description="Regression: the observation noise's standard deviation.")
+    ] = 1.0
+    sharing: Annotated[Sharing, Meta(description="For structure kron.")] = Sharing.expand
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.curvature not in (CurvatureKind.ggn, CurvatureKind.empirical_fisher):
+            raise OptionError("curvature", "a Laplace fit takes the ggn or the empirical_fisher")
+
+
 # ----------------------------------------------------------------------------------------
 # The table
 # ----------------------------------------------------------------------------------------
@@ -524,7 +714,9 @@ class Operation:
 
     @property
     def result_name(self) -> str:
-        return self.result if isinstance(self.result, str) else self.result.__name__
+        if isinstance(self.result, str):
+            return self.result
+        return self.result.__name__.removesuffix("Result") + "Response"
 
     @property
     def request(self) -> str:
@@ -658,8 +850,95 @@ OPERATIONS: tuple[Operation, ...] = (
             },
         },
     ),
+    Operation(
+        "tape_frobenius_norm",
+        "frobenius-norm",
+        FrobeniusNormOptions,
+        FrobeniusNormResult,
+        "Squared Frobenius norm of a tape's Hessian (Hutchinson on C^2)",
+        """||C||_F^2 = tr(C^2) of the tape's Hessian (or of the `curvature` asked:
+        `ggn`, `fisher`, `empirical_fisher`), estimated as the mean of ||C z||^2 over
+        Rademacher vectors z (one HVP per vector, in batched passes of `batch_size`), with
+        its standard error; stops once that is within `rtol`/`atol`, at `max_hvps` or at
+        `max_seconds`. The norm itself is the square root of the answer.""",
+        sdk_method="",  # RemoteTape.call("frobenius-norm", ...)
+        diagnosis="Frobenius-norm estimate",
+        route_name="estimate_tape_frobenius_norm",
+    ),
 )
 
+WHOLE_BATCH = (
+    "needs every example in one recording (the per-example walk of the model): record "
+    "the tape without shards"
+)
+OPERATIONS += (
+    Operation(
+        "tape_per_example",
+        "per-example",
+        PerExampleOptions,
+        "PerExampleResponse",
+        "Per-example gradients and their statistics on a tape",
+        """On a tape recorded with `output` (its examples along the output's first axis,
+        a loss that sums or averages per-example terms): every example's gradient g_i in
+        one batched pass (the cost of a few gradients, not N), their L2 norms (overall
+        and per source), mean, variance and sum of squares, as BackPACK's BatchGrad,
+        BatchL2Grad, Variance and SumGradSquared. The gradients themselves with
+        `gradients: true`. A model that mixes examples (a batch mean, batch norm in
+        training mode) is refused (422 batch-dependence) naming the line.""",
+        sdk_method="per_example",
+        diagnosis="per-example gradients",
+        route_name="compute_tape_per_example",
+        sharded=Sharded.refused,
+        refusal=WHOLE_BATCH,
+    ),
+    Operation(
+        "tape_kfac",
+        "kfac",
+        KFACOptions,
+        "KFACResponse",
+        "Kronecker-factored curvature (KFAC, EKFAC) on a tape",
+        """On a tape recorded with `output`: KFAC (or EKFAC) of the GGN, the Fisher (exact,
+        or Monte-Carlo with `samples`) or the empirical Fisher, on every matmul (x @ W,
+        W @ x, ONNX's Gemm) and convolution layer found in the program, with its bias, as
+        curvlinops' KFACLinearOperator scales it; weight sharing by `sharing`. Answers
+        each block's eigenvalues (and factors), the trace, the log-determinant, and the
+        product of `vector` with KFAC or its damped inverse. The fit is kept with the
+        tape; `curvature: kfac` (or `ekfac`) on /eigenvalues, /trace, /diagonal, /solve
+        and /influence runs those estimators on it (expand, sources outside layers as
+        their exact block), and influence's `preconditioner` uses its inverse.""",
+        sdk_method="kfac",
+        diagnosis="Kronecker factorisation",
+        route_name="compute_tape_kfac",
+        sharded=Sharded.refused,
+        refusal=WHOLE_BATCH,
+        tensors={
+            "vector": {
+                "kind": "vector",
+                "description": "A vector to multiply by KFAC (or its damped inverse), a "
+                "tensor per source.",
+            }
+        },
+    ),
+    Operation(
+        "tape_laplace",
+        "laplace",
+        LaplaceOptions,
+        "LaplaceResponse",
+        "Fit a Laplace approximation at a tape's point",
+        """On a tape recorded with `output` at a trained point: the Laplace approximation
+        of the posterior over all sources or the last layer, with the curvature's
+        diagonal, KFAC or full matrix (GGN or empirical Fisher) and a scalar prior
+        precision given or tuned to the marginal likelihood's exact maximiser. Kept with
+        the tape (until it is updated, dropped or rebuilt) under the `laplace_id`
+        answered, with its log marginal likelihood; then
+        /laplace/{laplace_id}/log-marginal-likelihood, /predictive and /samples.""",
+        sdk_method="laplace",
+        diagnosis="Laplace fit",
+        route_name="fit_tape_laplace",
+        sharded=Sharded.refused,
+        refusal=WHOLE_BATCH,
+    ),
+)
 BY_KIND: dict[str, Operation] = {op.kind: op for op in OPERATIONS}
 
 

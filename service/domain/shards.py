@@ -86,6 +86,25 @@ SUMS = ("tape_hvp", "tape_gradient")  # answers that are sums of the parts' answ
 ALGORITHMS = frozenset(op.kind for op in OPERATIONS if op.sharded is Sharded.algorithm)
 
 
+# A Laplace fit's questions (service/worker/curvature_ops.py; the fit itself is a table
+# row, refused there): a sharded tape holds no fit.
+UNSHARDED = ("tape_laplace_evidence", "tape_laplace_predictive", "tape_laplace_samples")
+
+
+def _refuse_whole_batch_only(kind: str, payload: Mapping[str, Any]) -> None:
+    """KFAC (as a curvature or a CG preconditioner), the backprop diagonal and a Laplace
+    fit's questions need every example in one recording: a sharded tape refuses them."""
+    options = payload.get("options") or {}
+    if kind in UNSHARDED:
+        raise _invalid("shards", "a sharded tape holds no Laplace fit: record it without shards")
+    if options.get("curvature") in ("kfac", "ekfac"):
+        raise _invalid("curvature", "KFAC needs every example in one recording: an unsharded tape")
+    if options.get("preconditioner") not in (None, "none"):
+        raise _invalid("preconditioner", "a KFAC preconditioner needs an unsharded tape")
+    if options.get("method") == "backprop":
+        raise _invalid("method", "method 'backprop' needs an unsharded tape")
+
+
 def _invalid(field: str, message: str) -> ServiceError:
     return ServiceError(
         "validation", f"{field}: {message}", errors=[{"field": field, "message": message}]
@@ -473,6 +492,7 @@ class Sharding:
         """Run `kind` on the sharded tape: its parts' answers summed, or an algorithm
         across them; the time limit covers the whole run."""
         assert tape.shards is not None
+        _refuse_whole_batch_only(kind, payload)
         started = time.perf_counter()
         deadline = Deadline.after(time_limit)
         tape.busy += 1

@@ -14,7 +14,7 @@ import engine as gt
 from engine.language import Problem
 from service.core.flat import flatten
 from service.core.operations import OPERATIONS
-from service.worker import compute, nonfinite, shards, tapes
+from service.worker import compute, curvature_ops, nonfinite, shards, tapes
 from service.worker.compute import (
     NonFiniteAnswer,
     RequestError,
@@ -28,6 +28,7 @@ from service.worker.compute import (
 HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     **compute.HANDLERS,
     **tapes.HANDLERS,
+    **curvature_ops.HANDLERS,
     **shards.HANDLERS,
 }
 

@@ -31,6 +31,7 @@ def worker_main(
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        from engine import allocator
         from service.worker import compute, dispatch  # the engine loads here
 
         context = compute.start(index, device, options)
@@ -80,6 +81,9 @@ def worker_main(
             del reply
             if outbox is not None:
                 outbox.held = set()  # the HTTP process's word was for that reply only
+            # A request far above the usual size must not leave its peak resident (the
+            # tuned allocator keeps freed memory): GRADTAPE_RELEASE_ABOVE_MB.
+            allocator.release_if_above()
     finally:
         if outbox is not None:
             outbox.close()  # unlinks an arena the HTTP process never mapped

@@ -26,7 +26,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,7 @@ from engine.hessian_algorithms import (
     power_iteration,
     spectral_density,
 )
+from engine.hessian_algorithms.hutchinson import FROBENIUS, hutchinson
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -69,6 +70,7 @@ from service.core.operations import (
 from service.worker.compute import (
     RequestError,
     WorkerContext,
+    check_cost,
     check_jacobian_size,
     check_vector,
     given_vectors,
@@ -99,6 +101,10 @@ class TapeSession:
     # inferred again at other batch sizes (service/worker/shards.py, jacobians). A
     # rebuilt part is told nothing of its sharding: every tape keeps one.
     skeleton: Definition | None = None
+    # Fitted on request and kept with this recording (service/worker/curvature_ops.py):
+    # KFACs by their options, Laplace approximations by id.
+    kfacs: dict[tuple, Any] = field(default_factory=dict)
+    laplaces: dict[str, Any] = field(default_factory=dict)
 
 
 # What a tape's bytes leave out: the compiled program (shared by every tape of its
@@ -218,6 +224,12 @@ def skeleton(definition: Definition) -> Definition:
 # ----------------------------------------------------------------------------------------
 
 PER_EXAMPLE = ("fisher", "empirical_fisher", "empirical_fisher_terms")
+# Curvatures, diagonal methods and CG preconditioners served by
+# service/worker/curvature_ops.py, which fills these when it is imported (it imports this
+# module; dispatch imports both).
+OPERATORS: dict[str, Callable[..., tuple[gt.HessianOperator, FlatOperator]]] = {}
+DIAGONALS: dict[str, Callable[..., dict[str, Any]]] = {}
+PRECONDITIONERS: dict[str, Callable[..., Any]] = {}
 MONTE_CARLO_MAX_BYTES = 1 << 30  # without a worker memory budget
 
 
@@ -283,6 +295,8 @@ def curvature_operator(
     kind = str(choice.curvature)
     if kind == "hessian":
         return session.operator, session.flat
+    if kind in OPERATORS:  # the Kronecker-factored GGN (curvature_ops.py)
+        return OPERATORS[kind](session, choice)
     curvature = session_curvature(session)
     if kind in PER_EXAMPLE:
         check_batched_targets(session, f"curvature {kind!r}")
@@ -400,6 +414,9 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     single, vectors = given_vectors(payload, session.keys, session.primals)
     for i, vector in enumerate(vectors):
         check_vector(vector, session.keys, session.primals, "vector" if single else f"vectors.{i}")
+    # (the estimate counts a recording the tape has already: small beside many vectors)
+    count = len(vectors)
+    check_cost(session.program, count, False, context, f"the HVP of {count:,} vector(s)")
     stacked = [
         on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
@@ -453,6 +470,8 @@ def tape_jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[st
         batch,
         context,
     )
+    count = math.prod(tuple(y.shape)[1:] if batch else tuple(y.shape))
+    check_cost(session.program, count, True, context, f"the jacobian of {count:,} rows")
     rows = session.operator.max_batch  # the budget's HVP batch bounds a jacobian pass too
     jacobians = jacobians_on(
         session.recording, y, watched, batch, request.unconnected, context, rows
@@ -682,6 +701,9 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
 @operation("tape_diagonal")
 def diagonal_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     o, context = asked.options, asked.context
+    if str(o.method) in DIAGONALS:  # square-root columns, not products (curvature_ops.py)
+        assert asked.session is not None, "a sharded tape refuses method backprop"
+        return DIAGONALS[str(o.method)](asked.session, o, context)
     max_hvps = o.max_hvps
     method = choose_diagonal_method(str(o.method), flat.n, max_hvps)
     _check_method_budget(method, max_hvps, flat.n, "diagonal")
@@ -813,6 +835,37 @@ def solve_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     }
 
 
+@operation("tape_frobenius_norm")
+def frobenius_norm_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
+    o = asked.options
+    batch = min(o.batch_size, asked.context.hvp_max_vectors)
+    out = hutchinson(
+        flat.matvec,
+        flat.n,
+        FROBENIUS,
+        batch_size=batch,
+        max_hvps=o.max_hvps,
+        rtol=o.rtol,
+        atol=o.atol,
+        max_seconds=asked.seconds_left(),
+        seed=o.seed,
+        callback=asked.relay(),
+    )
+    stderr = float(out.stderr[0])
+    return {
+        "frobenius_norm_squared": float(out.mean[0]),
+        "stderr": stderr if math.isfinite(stderr) else None,
+        "curvature": str(o.curvature),
+        "samples": out.samples,
+        "batches": out.batches,
+        "batch_size": batch,
+        "converged": out.converged,
+        "stopped": out.stopped,
+        "hvps": out.hvps,
+        "seconds": out.seconds,
+    }
+
+
 def test_points_of(
     session: TapeSession, curvature: Curvature, given: Mapping[str, Any], context: WorkerContext
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -869,6 +922,18 @@ def test_points_of(
     return ({n: values[n] for n in curvature.data}, {n: values[n] for n in curvature.targets})
 
 
+def _preconditioner(session: TapeSession, options: Any) -> Any:
+    """The damped KFAC (EKFAC) inverse the request asks CG to be preconditioned with."""
+    kind = str(options.preconditioner)
+    if kind == "none":
+        return None
+    fitted = PRECONDITIONERS[kind](session)
+    try:
+        return fitted.preconditioner(max(float(options.damping), 0.0))
+    except CurvatureError as exc:
+        raise RequestError("request", str(exc), field="damping") from None
+
+
 @operation("tape_influence")
 def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
     """Koh and Liang's influence of every example on the test loss (engine.curvature); a
@@ -898,7 +963,7 @@ def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
             test_data,
             test_targets,
             rows=rows,
-            curvature=kind,
+            curvature="ggn" if kind in ("kfac", "ekfac") else kind,
             samples=o.samples,
             seed=o.fisher_seed,
             damping=o.damping,
@@ -909,7 +974,8 @@ def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
             max_seconds=asked.seconds_left(),
             callback=asked.relay(),
             # The tape's own recording answers the Hessian (the same sources, in order).
-            operator=session.operator if kind == "hessian" else None,
+            operator=flat.operator if kind in ("hessian", "kfac", "ekfac") else None,
+            preconditioner=_preconditioner(session, o),
         )
     except CurvatureError as exc:
         raise RequestError("request", str(exc), field="curvature") from None

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from gradtape.client import Client, cli
 
-from tests.client.conftest import SDK
+from tests.client.conftest import KEY, SDK
 from tests.service.conftest import Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,3 +188,19 @@ def test_the_gradtape_command_starts_a_server_of_its_own(tmp_path: Path) -> None
     assert np.sum(density) * (grid[1] - grid[0]) == pytest.approx(1.0, abs=0.02)  # a density
     assert "density" in done.stderr and "hvp" in done.stderr  # the bar
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_api_key_and_its_absence(
+    strict: Server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that requires keys: refused without one (exit 1, the 401 said), answered
+    with --api-key, and with GRADTAPE_API_KEY."""
+    argv = ["trace", MODEL, "--data", DATA, "--url", strict.base_url, "--no-progress"]
+    argv += ["--method", "hutchinson", "--max-hvps", "4", "--json"]
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 1 and "401" in err, err
+    status, out, err = run_cli(capsys, *argv, "--api-key", KEY)
+    assert status == 0 and json.loads(out)["samples"] == 4, err
+    monkeypatch.setenv("GRADTAPE_API_KEY", KEY)
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 0 and json.loads(out)["kind"] == "Trace", err

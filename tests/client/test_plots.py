@@ -172,3 +172,18 @@ def test_trace_convergence_from_a_job(client: Client, rng: np.random.Generator) 
     band = band_of(ax)
     assert band[:, 1].max() == pytest.approx(np.nanmax(estimate + 2 * error))
     assert abs(trace.trace - np.trace(ggn)) < 5 * trace.stderr
+
+
+def test_into_axes_of_your_own_and_a_hessian_too_large_to_draw(
+    client: Client, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    definition, _ = two_layer(rng)
+    hessian = client.hessian(definition, "loss", ["W", "b"])
+    figure, (left, right) = plt.subplots(1, 2)
+    assert hessian.plot(ax=left) == (figure, left) and len(left.images) == 1
+    assert not right.images  # drawn where asked, nowhere else
+    from gradtape.client import plots
+
+    monkeypatch.setattr(plots, "MAX_HEATMAP", 4)
+    with pytest.raises(ValueError, match="8 x 8 Hessian is too large to draw"):
+        hessian.plot()

@@ -1,6 +1,7 @@
-"""The README's generated tables: the settings (from service/core/config.py's Settings)
-and the problem types (from service/api/problems.py). test_readme.py fails when the
-README's copy differs; regenerate it with
+"""The documentation's generated tables: the settings (from service/core/config.py's
+Settings) and the problem types (from service/api/problems.py), between their markers in
+the README or the site's guides (docs/guides/settings.md, errors.md). test_guides.py
+fails when a copy differs; regenerate every copy with
 
     python -m tests.deploy.readme_tables
 """
@@ -131,5 +132,12 @@ def write(path: Path = README) -> None:
     path.write_text(text)
 
 
+def holders() -> list[Path]:
+    """The README and the guides that hold a generated table."""
+    candidates = [README, *sorted((README.parent / "docs" / "guides").glob("*.md"))]
+    return [p for p in candidates if any(marked(n).search(p.read_text()) for n in TABLES)]
+
+
 if __name__ == "__main__":
-    write(Path(sys.argv[1]) if len(sys.argv) > 1 else README)
+    for path in [Path(a) for a in sys.argv[1:]] or holders():
+        write(path)

@@ -7,6 +7,7 @@ against it. pip's cache is reused; nothing else is."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Iterator
@@ -158,6 +159,19 @@ def test_image_entry_command_serves(image_server: tuple[Server, dict[str, str]])
     )
     assert r.status_code == 200, r.text
     assert r.json()["value"]["data"] == [31.0]
+
+
+def test_the_installed_package_serves_the_page(
+    image_server: tuple[Server, dict[str, str]],
+) -> None:
+    """/ui's static files are package data: a non-editable install must ship them."""
+    server, _ = image_server
+    page = httpx.get(f"{server.base_url}/ui", timeout=10)
+    assert page.status_code == 200 and "<title>gradtape</title>" in page.text
+    assets = re.findall(r'(?:src|href)="(/ui/assets/[^"]+)"', page.text)
+    assert len(assets) == 4, assets  # uPlot's script and style, the page's own
+    for asset in assets:
+        assert httpx.get(f"{server.base_url}{asset}", timeout=10).status_code == 200, asset
 
 
 def test_image_healthcheck_passes(

@@ -62,3 +62,30 @@ def test_import_engine_tunes_the_allocator_and_the_opt_out_leaves_it_alone() -> 
     assert tuned < untouched / 20, (tuned, untouched)
     # the opt-out never calls mallopt: it faults like a process without the engine
     assert opted_out > untouched / 2, (opted_out, untouched)
+
+
+RELEASE = """
+import numpy as np
+from engine import allocator
+assert allocator.tuned_at_import
+held = allocator.resident_bytes()
+arrays = [np.ones(2_500_000) for _ in range(16)]  # 16 x 20 MB: heap blocks once tuned
+del arrays
+kept = allocator.resident_bytes()
+assert not allocator.release_if_above(kept * 4)  # below the limit: nothing done
+assert allocator.release_if_above(held + (64 << 20))
+print(held, kept, allocator.resident_bytes())
+"""
+
+
+def test_release_hands_the_heap_back_after_a_large_pass() -> None:
+    """The tuned allocator keeps freed blocks (under 32 MiB) resident; release_if_above()
+    hands them back once the resident set exceeds its limit, and only then."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    environ.pop("GRADTAPE_TUNE_ALLOCATOR", None)
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True, env=environ
+    )
+    held, kept, released = map(int, out.stdout.split())
+    assert kept - held > 200 << 20, (held, kept)  # the freed arrays stayed resident
+    assert released - held < 64 << 20, (held, kept, released)  # and went back

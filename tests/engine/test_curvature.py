@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import engine as gt
+from engine import replay
 from engine.curvature import Curvature, CurvatureError, top_by_sign
 from engine.hessian_algorithms import (
     FlatOperator,
@@ -569,8 +570,8 @@ def test_the_issue_12_estimators_run_on_the_curvature_operators() -> None:
 
 
 def test_a_curvature_operator_answers_the_operator_interface_in_full() -> None:
-    """Everything a HessianOperator answers, a CurvatureOperator answers too (it is one):
-    its passes are not compiled, and it says so instead of failing."""
+    """Everything a HessianOperator answers, a CurvatureOperator answers too (it is one),
+    its compiled passes and their status included."""
     from engine.curvature import curvature_operator
 
     rng = np.random.default_rng(40)
@@ -581,7 +582,11 @@ def test_a_curvature_operator_answers_the_operator_interface_in_full() -> None:
     (product,) = op.hvp(np.ones((3, 2)))
     # GGN of a linear model under mean squared error: (2 / (N * 2)) X^T X V per output
     np.testing.assert_allclose(product.numpy(), x.T @ x @ np.ones((3, 2)) / 8, rtol=1e-10)
-    assert op.replay_status() == {} and op.replay_changes == 0
+    assert list(op.replay_status().values()) == [replay.NOT_YET] and op.replay_changes > 0
+    for _ in range(2):
+        (again,) = op.hvp(np.ones((3, 2)))
+        np.testing.assert_array_equal(again.numpy(), product.numpy())
+    assert list(op.replay_status().values()) == ["compiled"]
 
 
 def test_test_gradients_of_row_subsets_add_up_as_the_loss_does() -> None:
@@ -605,3 +610,40 @@ def test_test_gradients_of_row_subsets_add_up_as_the_loss_does() -> None:
         np.testing.assert_allclose(summed, grad[k].numpy(), rtol=1e-12, atol=1e-15)
     with pytest.raises(ValueError, match="rows"):
         curv.test_gradient(x[:2], y[:2], rows=[1])
+
+
+@pytest.mark.parametrize(
+    "kind, samples",
+    [("hessian", None), ("ggn", None), ("fisher", None), ("fisher", 3), ("empirical_fisher", None)],
+)
+def test_curvature_products_replay_exactly(kind, samples) -> None:
+    """Every curvature's products are compiled (issue 28): single and K-vector products,
+    new vectors on every call, bit-equal to the dynamic products (compiled=False), and
+    the status says "compiled" for both layouts; a new point starts over."""
+    model, loss, params, x, y = mlp_case(seed=5)
+    curv = Curvature(model, loss, params, x, y)
+    op = curv.operator(kind, samples=samples)
+    twin = Curvature(model, loss, params, x, y).operator(kind, samples=samples)
+    twin.compiled = False
+    rng = np.random.default_rng(6)
+    for _ in range(4):
+        one = {k: rng.standard_normal(v.shape) for k, v in params.items()}
+        many = {k: rng.standard_normal((3, *v.shape)) for k, v in params.items()}
+        for ours, theirs in (
+            (op.hvp(one), twin.hvp(one)),
+            (op.hvp_many(many), twin.hvp_many(many)),
+        ):
+            for a, b in zip(gt.tree.flatten(ours)[0], gt.tree.flatten(theirs)[0], strict=True):
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert list(op.replay_status().values()) == ["compiled", "compiled"], op.replay_status()
+    moved = {k: v + 0.1 for k, v in params.items()}
+    curv._record(moved)  # a new point: what was compiled read the old recording
+    assert op.replay_status() == {}
+    one = {k: np.ones(v.shape) for k, v in params.items()}
+    fresh = Curvature(model, loss, moved, x, y).operator(kind, samples=samples)
+    fresh.compiled = False
+    for _ in range(3):
+        for a, b in zip(
+            gt.tree.flatten(op.hvp(one))[0], gt.tree.flatten(fresh.hvp(one))[0], strict=True
+        ):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())

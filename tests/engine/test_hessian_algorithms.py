@@ -285,3 +285,24 @@ def test_float32_operator_gives_float32_precision() -> None:
     top = lanczos(flat.matvec, flat.n, k=1, tol=1e-5)
     assert top.eigenvalues[0] == pytest.approx(np.linalg.eigvalsh(h)[-1], rel=1e-4)
     assert [p.dtype for p in flat.unflatten(np.zeros(flat.n))] == [np.float32] * 3
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_flat_operator_for_scipy_in_the_primals_dtype(dtype: str) -> None:
+    """linear_operator(): SciPy's view of the operator in the primals' dtype (eigsh runs
+    on it); matvec keeps a float input's dtype and answers what the float64 path does."""
+    from scipy.sparse.linalg import eigsh
+
+    operator, h = mlp_operator(dtype)
+    flat = FlatOperator(operator)
+    lin = flat.linear_operator()
+    assert lin.dtype == np.dtype(dtype) and lin.shape == (24, 24)
+    rtol = 1e-10 if dtype == "float64" else 1e-4
+    rows = np.random.default_rng(4).standard_normal((3, 24))
+    same = flat.matvec(rows.astype(dtype))
+    assert same.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(same, rows @ h, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(lin.matvec(rows[0].astype(dtype)), h @ rows[0], rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(lin.matmat(rows.T.astype(dtype)), h @ rows.T, rtol=rtol, atol=rtol)
+    values = eigsh(lin, k=3, which="LA", return_eigenvectors=False, v0=np.ones(24, dtype))
+    np.testing.assert_allclose(np.sort(values), np.linalg.eigvalsh(h)[-3:], rtol=rtol, atol=rtol)

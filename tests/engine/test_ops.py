@@ -96,6 +96,7 @@ ROWS = [
     unary("exp", np.exp),
     unary("log", np.log, domain="positive"),
     unary("log1p", np.log1p, domain="positive"),
+    unary("log2", np.log2, domain="positive"),
     unary("expm1", np.expm1),
     unary("sqrt", np.sqrt, domain="positive"),
     unary("square", np.square),

@@ -253,3 +253,20 @@ def test_newton_step_of_a_singular_hessian_raises() -> None:
         op.newton_step(0.0)
     (step,) = op.newton_step(1.0)  # (0 + 1 I) s = g = (2, 2, 2)
     np.testing.assert_allclose(step, [2.0, 2.0, 2.0])
+
+
+def test_forward_accumulator_frees_the_tangents_of_dead_intermediates() -> None:
+    """A tangent lives as long as its primal (issue 28: a fresh HVP's peak): once an
+    intermediate dies its tangent is freed, while live tensors' tangents still answer."""
+    import weakref
+
+    x = gt.constant(np.linspace(-1.0, 1.0, 6))
+    with gt.ForwardAccumulator(x, gt.constant(np.ones(6))) as acc:
+        y = gt.tanh(x)
+        ref = weakref.ref(acc.jvp(y))
+        z = y * y
+        del y
+        assert ref() is None
+        t = np.tanh(np.linspace(-1.0, 1.0, 6))
+        np.testing.assert_allclose(acc.jvp(z).numpy(), 2 * t * (1 - t * t), rtol=1e-12)
+    np.testing.assert_array_equal(acc.jvp(x).numpy(), np.ones(6))

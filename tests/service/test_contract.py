@@ -60,3 +60,23 @@ def test_every_request_integer_is_bounded() -> None:
     assert len(found) >= 15
     unbounded = [path for path, node in found if node.get("maximum", 2**64) > 2**53 - 1]
     assert unbounded == []
+
+
+def test_an_integer_option_written_as_a_whole_float_is_that_integer(client) -> None:
+    # JSON Schema's "integer" includes 4.0: the validator takes it, as 4; 4.5 stays a 422.
+    made = client.post(
+        "/v1/tapes",
+        json={
+            "definition": {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w)"]},
+            "target": "loss",
+        },
+    )
+    assert made.status_code == 201, made.text
+    trace = f"/v1/tapes/{made.json()['tape_id']}/trace"
+    whole = client.post(trace, json={"method": "exact", "batch_size": 2.0, "seed": 3.0})
+    plain = client.post(trace, json={"method": "exact", "batch_size": 2, "seed": 3})
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["trace"] == plain.json()["trace"] == 4.0  # H = 2 I
+    answer = problem(client.post(trace, json={"batch_size": 2.5}), 422, "validation")
+    assert answer["errors"][0]["field"] == "batch_size"
+    client.delete(f"/v1/tapes/{made.json()['tape_id']}")

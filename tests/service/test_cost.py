@@ -139,3 +139,24 @@ def test_the_guard_is_off_when_a_throughput_is_zero(tmp_path) -> None:
         assert answer.status_code == 504, answer.text
     finally:
         stop_server(srv)
+
+
+def test_a_tapes_hvp_of_1024_vectors_is_refused_too(roomy) -> None:
+    made = roomy.post(
+        "/v1/tapes",
+        json={"definition": {"program": program(2048), "variables": {"w": W}}, "target": "loss"},
+    )
+    assert made.status_code == 201, made.text
+    before = worker_pids(roomy)
+    tape = made.json()["tape_id"]
+    body = {"vectors": [{"w": [1.0, 0.0, 0.0, 0.0]}] * 1024}
+    answer = problem(roomy.post(f"/v1/tapes/{tape}/hvp", json=body), 422, "too-large")
+    assert "the HVP of 1,024 vector(s) is estimated at about" in answer["detail"]
+    assert worker_pids(roomy) == before
+    # and a few vectors on the same tape are answered, exactly
+    s = sum(W)
+    few = roomy.post(f"/v1/tapes/{tape}/hvp", json={"vectors": body["vectors"][:2]})
+    assert few.status_code == 200, few.text
+    want = 2048 * 2048 * (2 * np.cos(s) - s * np.sin(s))
+    np.testing.assert_allclose(arr(few.json()["hvps"][0]["w"]), [want] * 4, rtol=1e-3)
+    roomy.delete(f"/v1/tapes/{tape}")

@@ -81,7 +81,9 @@ def test_a_key_over_its_rate_gets_429_with_retry_after(limited) -> None:
         answers = [flood.get("/v1/tapes") for _ in range(12)]
         refused = [r for r in answers if r.status_code == 429]
         assert [r.status_code for r in answers[:5]] == [200] * 5  # the burst
-        assert len(refused) >= 5, [r.status_code for r in answers]
+        # Past the burst: refused; a request sent again before its Retry-After is held
+        # until then (issue 25), so the bucket refills meanwhile and some pass again.
+        assert answers[5].status_code == 429 and len(refused) >= 2, [r.status_code for r in answers]
         body = problem(refused[0], 429, "rate-limited")
         assert "5 requests per second" in body["detail"]
         wait = int(refused[0].headers["retry-after"])

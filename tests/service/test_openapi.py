@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from service.cli import openapi_document
+from service.core.operations import OPERATIONS
 from tests.service.conftest import ROOT
 
 CONTRACT = ROOT / "openapi" / "openapi.json"
@@ -86,6 +87,9 @@ def test_operation_ids_are_stable_and_readable() -> None:
         ("/v1/tapes/{tape_id}/hvp", "post"): "compute_tape_hvp",
         ("/v1/tapes/{tape_id}/gradient", "post"): "compute_tape_gradient",
         ("/v1/tapes/{tape_id}/jacobian", "post"): "compute_tape_jacobian",
+        # every row of the operation table (service/core/operations.py) by its own name;
+        # those below are pinned: they must not change
+        **{(f"/v1/tapes/{{tape_id}}/{op.path}", "post"): op.name for op in OPERATIONS},
         ("/v1/tapes/{tape_id}/eigenvalues", "post"): "compute_tape_eigenvalues",
         ("/v1/tapes/{tape_id}/trace", "post"): "estimate_tape_trace",
         ("/v1/tapes/{tape_id}/diagonal", "post"): "estimate_tape_diagonal",
@@ -107,6 +111,19 @@ def test_operation_ids_are_stable_and_readable() -> None:
         ("/v1/datasets/{name}", "get"): "read_dataset",
         ("/v1/datasets/{name}", "delete"): "delete_dataset",
         ("/v1/ops", "get"): "list_ops",
+        ("/v1/per-example", "post"): "compute_per_example",
+        ("/v1/tapes/{tape_id}/per-example", "post"): "compute_tape_per_example",
+        ("/v1/tapes/{tape_id}/kfac", "post"): "compute_tape_kfac",
+        ("/v1/tapes/{tape_id}/laplace", "post"): "fit_tape_laplace",
+        (
+            "/v1/tapes/{tape_id}/laplace/{laplace_id}/log-marginal-likelihood",
+            "post",
+        ): "compute_laplace_evidence",
+        (
+            "/v1/tapes/{tape_id}/laplace/{laplace_id}/predictive",
+            "post",
+        ): "compute_laplace_predictive",
+        ("/v1/tapes/{tape_id}/laplace/{laplace_id}/samples", "post"): "sample_laplace_posterior",
         ("/healthz", "get"): "check_health",
         ("/readyz", "get"): "check_readiness",
         ("/metrics", "get"): "read_metrics",

@@ -58,6 +58,12 @@ from service.api.schemas.compute import (
     JacobianResponse,
     NewtonOptions,
 )
+from service.api.schemas.curvature import (
+    KFACLayer,
+    KFACResponse,
+    LaplaceResponse,
+    PerExampleResponse,
+)
 from service.api.schemas.datasets import (
     DatasetArrayInfo,
     DatasetArrays,
@@ -209,6 +215,9 @@ __all__ = [
     "JobProgress",
     "JobResult",
     "JobState",
+    "KFACLayer",
+    "KFACResponse",
+    "LaplaceResponse",
     "ModelCreateRequest",
     "ModelInfo",
     "ModelList",
@@ -220,6 +229,7 @@ __all__ = [
     "OpCatalogue",
     "OpInfo",
     "OpParam",
+    "PerExampleResponse",
     "Problem",
     "ProblemItem",
     "ReadinessResponse",

@@ -4,6 +4,8 @@ and a sharded tape's options."""
 
 from __future__ import annotations
 
+import functools
+import typing
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -54,7 +56,36 @@ class RequestModel(StrictModel):
                     "the body is not valid msgpack: {reason}",
                     {"reason": str(exc) or type(exc).__name__},
                 ) from None
+        return _integral_floats(cls, data)
+
+
+def _integral_floats(model: type[RequestModel], data: Any) -> Any:
+    """JSON Schema's "integer" includes 703.0 (a number with no fraction): the request's
+    integer options accept it as 703, so that the schema and the validator agree (issue
+    25). Strict otherwise: 703.5, "703" and true stay refused."""
+    if not isinstance(data, dict):
         return data
+    ints = _integer_fields(model)
+    if not ints.intersection(data):
+        return data
+    return {
+        k: int(v) if k in ints and type(v) is float and v.is_integer() else v
+        for k, v in data.items()
+    }
+
+
+@functools.cache
+def _integer_fields(model: type[RequestModel]) -> frozenset[str]:
+    """The body keys (aliases) of the model's integer fields (int, or int | None)."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        args = tuple(
+            typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args
+        )
+        if int in args and bool not in args:
+            keys.add(field.alias or name)
+    return frozenset(keys)
 
 
 ModelName = Annotated[

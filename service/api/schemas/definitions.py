@@ -235,7 +235,8 @@ class Definition(StrictModel):
         None,
         description="The dtype of bare numbers and lists in this definition (default "
         "float32); tensors that name their dtype keep it. Mixing dtypes in an op stays an "
-        "error (use cast).",
+        "error (use cast). float64 also runs the definition's float32 ONNX models in "
+        "float64; another dtype than a model's own is refused, never applied by rounding.",
     )
 
 

@@ -26,6 +26,7 @@ from pydantic import (
 from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, RequestModel, async_field, nonfinite_flag
 from service.api.schemas.definitions import Inputs, Vector
+from service.core.defaults import INT_MAX
 from service.core.operations import (
     CURVATURE_FIELDS,
     OPERATIONS,
@@ -89,7 +90,8 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
             continue
         own = [n for n in cls.__annotations__ if n in hints]
         order += [n for n in own if n not in order]
-    if "max_seconds" in order:  # the time budget beside the HVP budget and tolerances
+    if "max_seconds" in order and any(n in order for n in ("max_hvps", "rtol", "atol")):
+        # the time budget beside the HVP budget and tolerances (where the row has them)
         order.remove("max_seconds")
         after = max(order.index(n) for n in ("max_hvps", "rtol", "atol") if n in order)
         order.insert(after + 1, "max_seconds")
@@ -106,7 +108,7 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
 _TENSOR_FIELDS: dict[str, Any] = {
     "vector": Vector | None,
     "inputs": Inputs | None,
-    "rows": list[StrictInt] | None,
+    "rows": list[Annotated[StrictInt, Field(ge=-INT_MAX, le=INT_MAX)]] | None,
 }
 
 
@@ -168,13 +170,14 @@ def request_model(op: Operation) -> type[OperationRequest]:
     return model
 
 
-def result_model(result: type[msgspec.Struct]) -> type[BaseModel]:
+def result_model(op: Operation) -> type[BaseModel]:
     """The response model of a result Struct declared in the table (its fields, and the
-    `nonfinite` flag every answer carries)."""
-    fields = struct_fields(result)
+    `nonfinite` flag every answer carries), named `op.result_name`."""
+    assert not isinstance(op.result, str)
+    fields = struct_fields(op.result)
     fields["nonfinite"] = (list[str] | None, nonfinite_flag())
     model: type[BaseModel] = create_model(
-        result.__name__, __doc__=result.__doc__, __module__=__name__, **fields
+        op.result_name, __doc__=op.result.__doc__, __module__=__name__, **fields
     )
     return model
 
@@ -205,5 +208,5 @@ REQUEST_MODELS: dict[str, type[OperationRequest]] = {
 }
 # The answers declared in the table (the others are models of schemas/algorithms.py).
 RESPONSE_MODELS: dict[str, type[BaseModel]] = {
-    op.kind: result_model(op.result) for op in OPERATIONS if not isinstance(op.result, str)
+    op.kind: result_model(op) for op in OPERATIONS if not isinstance(op.result, str)
 }

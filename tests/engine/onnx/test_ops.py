@@ -466,6 +466,30 @@ CASES = {
         {"x": r(1, 2, 3, 4)},
         {"scales": np.array([2.5], np.float32)},
     ),
+    "Resize-cubic-half_pixel": (
+        13,
+        [N("Resize", ["x", "", "scales"], ["out"], mode="cubic")],
+        {"x": r(1, 2, 4, 5)},
+        {
+            "scales": np.array([1, 1, 2, 0.5], np.float32)
+        },  # exact coordinates: the reference rounds others
+    ),
+    "Resize-cubic-align_corners-exclude_outside": (
+        13,
+        [
+            N(
+                "Resize",
+                ["x", "", "", "sizes"],
+                ["out"],
+                mode="cubic",
+                cubic_coeff_a=-0.5,
+                exclude_outside=1,
+                coordinate_transformation_mode="align_corners",
+            )
+        ],
+        {"x": r(1, 1, 5, 4)},
+        {"sizes": i64(1, 1, 3, 7)},
+    ),
     "Resize-10-nearest": (
         10,
         [N("Resize", ["x", "scales"], ["out"])],
@@ -668,6 +692,39 @@ CASES = {
     ),
     "HardSwish": (14, [N("HardSwish", ["a"], ["out"])], {"a": 4 * r(9)}, {}),
     "Mish": (18, [N("Mish", ["a"], ["out"])], {"a": 3 * r(7)}, {}),
+    "PRelu-per-channel": (
+        13,
+        [N("PRelu", ["x", "slope"], ["out"])],
+        {"x": r(2, 3, 4), "slope": r(3, 1)},
+        {},
+    ),
+    "Selu": (13, [N("Selu", ["a"], ["out"])], {"a": 2 * r(7)}, {}),
+    "Celu": (13, [N("Celu", ["a"], ["out"], alpha=0.7)], {"a": 2 * r(7)}, {}),
+    "Softsign": (13, [N("Softsign", ["a"], ["out"])], {"a": 2 * r(7)}, {}),
+    "ThresholdedRelu": (13, [N("ThresholdedRelu", ["a"], ["out"], alpha=0.3)], {"a": r(9)}, {}),
+    "Mean-variadic": (
+        13,
+        [N("Mean", ["a", "b", "c"], ["out"])],
+        {"a": r(3, 4), "b": r(4), "c": r(3, 1)},
+        {},
+    ),
+    "ReduceL1-18": (18, [N("ReduceL1", ["x", "axes"], ["out"])], {"x": r(3, 4)}, {"axes": i64(1)}),
+    "ReduceL2-13": (13, [N("ReduceL2", ["x"], ["out"], axes=[0], keepdims=0)], {"x": r(3, 4)}, {}),
+    "ReduceSumSquare": (18, [N("ReduceSumSquare", ["x"], ["out"])], {"x": r(3, 4)}, {}),
+    "ReduceLogSumExp": (
+        18,
+        [N("ReduceLogSumExp", ["x", "axes"], ["out"], keepdims=0)],
+        {"x": r(3, 4)},
+        {"axes": i64(-1)},
+    ),
+    "Atan": (13, [N("Atan", ["a"], ["out"])], {"a": 2 * r(6)}, {}),
+    "Asin": (13, [N("Asin", ["a"], ["out"])], {"a": 0.9 * np.tanh(r(6))}, {}),
+    "Acos": (13, [N("Acos", ["a"], ["out"])], {"a": 0.9 * np.tanh(r(6))}, {}),
+    "Sinh": (13, [N("Sinh", ["a"], ["out"])], {"a": r(6)}, {}),
+    "Cosh": (13, [N("Cosh", ["a"], ["out"])], {"a": r(6)}, {}),
+    "Asinh": (13, [N("Asinh", ["a"], ["out"])], {"a": 2 * r(6)}, {}),
+    "Acosh": (13, [N("Acosh", ["a"], ["out"])], {"a": 1.2 + pos(6)}, {}),
+    "Atanh": (13, [N("Atanh", ["a"], ["out"])], {"a": 0.9 * np.tanh(r(6))}, {}),
     "InstanceNormalization": (
         13,
         [N("InstanceNormalization", ["x", "s", "b"], ["out"], epsilon=1e-3)],

@@ -249,13 +249,15 @@ class Upsampler(nn.Module):
                 F.interpolate(h, size=(5, 9), mode="bilinear", align_corners=True).flatten(1),
                 F.interpolate(h[:, :, 0], size=7, mode="linear").flatten(1),
                 F.interpolate(h, size=(2, 3), mode="bilinear").flatten(1),  # downsampling
+                F.interpolate(h, scale_factor=2, mode="bicubic").flatten(1),
+                F.interpolate(h, size=(5, 7), mode="bicubic", align_corners=True).flatten(1),
             ],
             dim=1,
         )
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-def test_upsample_nearest_and_linear(dynamo: bool) -> None:
+def test_upsample_nearest_linear_and_cubic(dynamo: bool) -> None:
     model = agree_with_torch(Upsampler(), torch.randn(2, 2, 3, 4), dynamo=dynamo)
     modes = {
         (n.attrs.get("mode"), n.attrs.get("coordinate_transformation_mode"))
@@ -263,6 +265,7 @@ def test_upsample_nearest_and_linear(dynamo: bool) -> None:
         if n.op_type == "Resize"
     }
     assert ("nearest", "asymmetric") in modes and ("linear", "align_corners") in modes
+    assert ("cubic", "align_corners") in modes
 
 
 # ----------------------------------------------------------------------------------------
@@ -462,3 +465,36 @@ def test_adaptive_average_pool_with_a_non_dividing_size_through_gather_nd() -> N
     # as GatherND over constant window indices.
     model = agree_with_torch(AdaptivePool(), torch.randn(2, 2, 7, 6), dynamo=True)
     assert "GatherND" in {n.op_type for n in model.nodes}
+
+
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
+def test_transformer_encoder_layer_through_the_dynamo_exporter(norm_first: bool) -> None:
+    # TorchScript cannot export it in torch 2.13 (is_causal is traced as a tensor).
+    layer = nn.TransformerEncoderLayer(
+        8, 2, 16, batch_first=True, norm_first=norm_first, dropout=0.0, activation="gelu"
+    )
+    with torch.no_grad():  # LayerNorms away from (1, 0), so a mix-up of the two shows
+        for name, p in layer.named_parameters():
+            if name.startswith("norm"):
+                p.add_(0.3 * torch.randn_like(p))
+    agree_with_torch(layer, torch.randn(2, 5, 8), dynamo=True)
+
+
+class MoreActivations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 1)
+        self.prelu = nn.PReLU(4)
+        with torch.no_grad():
+            self.prelu.weight.copy_(torch.tensor([0.1, -0.2, 0.3, 0.5]))
+
+    def forward(self, x):
+        h = self.prelu(self.conv(x))  # [N, 4, L]
+        parts = [F.selu(h), F.celu(h, 0.7), F.softsign(h), torch.atan(h)]
+        flat = torch.cat([p.flatten(1) for p in parts], dim=1)
+        return F.normalize(flat, dim=1) + torch.logsumexp(h, dim=2).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_more_activations_prelu_and_norms(dynamo: bool) -> None:
+    agree_with_torch(MoreActivations(), torch.randn(2, 3, 5), dynamo=dynamo)

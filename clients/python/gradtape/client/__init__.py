@@ -20,6 +20,7 @@ it); `client.job(id)` follows a job by id.
 
 from ._client import AsyncClient, Client
 from ._core import Retry
+from .curvature import KFAC, PerExample, Predictive, RemoteLaplace
 from .definition import Definition, dataset, function
 from .errors import (
     ComputeError,
@@ -65,6 +66,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HVP",
+    "KFAC",
     "AsyncClient",
     "BridgeError",
     "Client",
@@ -90,8 +92,11 @@ __all__ = [
     "Models",
     "NonFiniteResult",
     "NotFound",
+    "PerExample",
+    "Predictive",
     "ProgressLog",
     "QuotaExceeded",
+    "RemoteLaplace",
     "RemoteTape",
     "Retry",
     "ServerError",

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _core
 from ._core import HTTPRequest, HTTPResponse, Retry, Sleep, flat_point
+from .curvature import per_example_op
 from .jobs import Job, JobStatus
 from .models import Models
 from .results import STRICT
@@ -68,6 +69,27 @@ class ApiMethods:
             **_sharding(shards, shard_by, shard_reduction),
         }
         return self._run(_core.gradient(self._core, definition, target, sources, model, options))
+
+    def per_example(
+        self,
+        definition: Any = None,
+        target: str = "",
+        sources: Any = None,
+        *,
+        output: str,
+        gradients: bool = False,
+        model: str | None = None,
+        time_limit: float | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """Per-example gradients' statistics (`PerExample`; the gradients too with
+        `gradients=True`) of a definition or stored `model` whose `output` line holds the
+        examples along its first axis, in one batched pass, nothing kept (as
+        `tape.per_example()`)."""
+        options = {"output": output, "gradients": gradients, "time_limit": time_limit}
+        return self._run(
+            per_example_op(self._core, definition, target, sources, model, options, progress)
+        )
 
     def jacobian(
         self,

@@ -21,7 +21,7 @@ from ._core import HTTPRequest, HTTPResponse, Sleep
 from .errors import parse_retry_after
 
 if TYPE_CHECKING:
-    from ._client import _Methods
+    from ._client import ApiMethods
 
 ONNX = "application/onnx"
 
@@ -29,7 +29,7 @@ ONNX = "application/onnx"
 class Models:
     """The stored models of the client's API key (`client.models`)."""
 
-    def __init__(self, client: _Methods):
+    def __init__(self, client: ApiMethods):
         self._client = client
         self._core = client._core
 

@@ -14,8 +14,8 @@ How a module gets there (`export`):
 - Exported by `torch.onnx.export(dynamo=True, optimize=False)`: the exporter's
   optimizer is what folds eval-mode BatchNorm into convolution weights, drops all-zero
   biases and merges equal-valued weights; without it every parameter stays an
-  initializer of its own. (The TorchScript exporter always folds constants, BatchNorm
-  included, since PyTorch 2.6.) The batch axis (axis 0 of every input) is dynamic, so one
+  initializer of its own. (The TorchScript exporter's constant folding, on by default,
+  folds BatchNorm too.) The batch axis (axis 0 of every input) is dynamic, so one
   stored model serves any batch size.
 - Every floating-point initializer is matched to `named_parameters()` and
   `named_buffers()` BY VALUE (the initializer's name only breaks ties between equal
@@ -63,7 +63,7 @@ import numpy as np
 from .definition import dataset as dataset_input
 
 if TYPE_CHECKING:
-    from ._client import _Methods
+    from ._client import ApiMethods
     from .tape import RemoteTape
 
 # Forward and gradient agreement on the example inputs, by the module's dtype.
@@ -134,6 +134,8 @@ class TorchModel:
     state_digest: str = ""
     stored: str | None = None
     verified: bool = False
+    # The clients (servers) that checked it: a cached export is checked once per client.
+    checked_by: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet, repr=False)
 
     @property
     def trainable(self) -> list[str]:
@@ -363,7 +365,7 @@ def _restore(
     trainable = {n: _np(p) for n, p in params if p.requires_grad}
     frozen_params = {n: _np(p) for n, p in params if not p.requires_grad}
     buffers = {n: _np(b) for n, b in module.named_buffers()}
-    inits = [i for i in graph.initializer]
+    inits = list(graph.initializer)
     arrays = {i.name: numpy_helper.to_array(i) for i in inits}
     floats = [i.name for i in inits if arrays[i.name].dtype.kind == "f"]
 
@@ -591,8 +593,9 @@ def _sequences_to_split(proto: Any, args: tuple[Any, ...]) -> int:
             dims = ranks.get(node.input[0])
             if not dims or dims[axis] is None:
                 continue
-            size, step = dims[axis], int(split)
-            split = np.array([step] * (size // step) + ([size % step] if size % step else []))
+            size, step = int(dims[axis] or 0), int(split)
+            pieces = [step] * (size // step) + ([size % step] if size % step else [])
+            split = np.asarray(pieces, dtype=np.int64)
         parts = [f"{node.output[0]}__part{i}" for i in range(len(split))]
         sizes = f"{node.output[0]}__sizes"
         new = [
@@ -706,13 +709,19 @@ def _probe(
 # ------------------------------------------------------------------- verification
 
 
-def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype) -> tuple[bool, str]:
+def _close(
+    got: np.ndarray, want: np.ndarray, dtype: np.dtype, scale: float | None = None
+) -> tuple[bool, str]:
+    """Within the tolerance of `dtype`, relative and absolute (times `scale`: the
+    largest |torch| of the output, or of the whole gradient, so that a parameter whose
+    gradient is zero in exact arithmetic may hold rounding noise)."""
     tol = TOLERANCE[dtype]
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return False, f"shape {got.shape} where torch has {want.shape}"
-    scale = float(np.abs(want).max()) if want.size else 0.0
+    if scale is None:
+        scale = float(np.abs(want).max()) if want.size else 0.0
     err = np.abs(got - want)
     bound = tol * np.abs(want) + tol * scale
     if np.all(err <= bound) and np.all(np.isfinite(got) == np.isfinite(want)):
@@ -724,12 +733,20 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype) -> tuple[bool, st
     )
 
 
-def _verify_op(client: _Methods, model: TorchModel) -> Any:
+def _call_line(model: TorchModel, output: str) -> str:
+    """The program line that computes one output of the model (a model with several
+    outputs is called once per output it is asked for, by name)."""
+    call = ", ".join(model.inputs)
+    if len(model.outputs) == 1:
+        return f"{output} = net({call})"
+    return f"{output} = net({call}, output={output!r})"
+
+
+def _verify_op(client: ApiMethods, model: TorchModel) -> Any:
     """One gradient request per float output on the example inputs: the value of
     r * output against torch's, then the gradient of its sum against torch's."""
     from . import _core
 
-    call, outs = ", ".join(model.inputs), ", ".join(model.outputs)
     for out, weight, expected, want in zip(
         model.outputs, model.probe_weights, model.expected, model.probe_gradients
     ):
@@ -741,7 +758,7 @@ def _verify_op(client: _Methods, model: TorchModel) -> Any:
                 **{n: _np(a) for n, a in zip(model.inputs, model.example_inputs)},
                 "probe_weight": weight,
             },
-            "program": [f"{outs} = net({call})", f"probed = {out} * probe_weight"],
+            "program": [_call_line(model, out), f"probed = {out} * probe_weight"],
         }
         body = _core.compute_body(definition, "probed", None, None)
         answer = yield from client._core.call("POST", "/v1/gradient", body, definition=definition)
@@ -752,28 +769,33 @@ def _verify_op(client: _Methods, model: TorchModel) -> Any:
                 f"output {out!r} {why}"
             )
         grads = answer["gradients"] or {}
+        scale = max((float(np.abs(g).max()) for g in want.values() if g.size), default=0.0)
         for name in model.trainable:
             got = grads.get(name)
-            if got is None:
-                raise ExportMismatch(
-                    f"the service has no gradient of output {out!r} for parameter {name!r}"
-                )
-            ok, why = _close(got, want[name], model.dtype)
+            if got is None:  # unconnected on the service: right only where torch agrees
+                if np.any(want[name]):
+                    raise ExportMismatch(
+                        f"the service finds output {out!r} independent of parameter "
+                        f"{name!r}; in torch it is not"
+                    )
+                continue
+            ok, why = _close(got, want[name], model.dtype, scale)
             if not ok:
                 raise ExportMismatch(
                     f"the service's gradient of output {out!r} for parameter {name!r} "
                     f"differs from torch's on the example inputs: {why}"
                 )
     model.verified = True
+    model.checked_by.add(client)
     return model
 
 
-def verify(client: _Methods, model: TorchModel) -> TorchModel:
+def verify(client: ApiMethods, model: TorchModel) -> TorchModel:
     """Check the service's forward (and gradient) on the example inputs against torch."""
     return client._run(_verify_op(client, model))
 
 
-def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
+def bridge(client: ApiMethods, module: Any, example_inputs: Any, **options: Any) -> TorchModel:
     """`export` then `verify` (cached per module while its state and input shapes stay
     the same)."""
     if isinstance(module, TorchModel):
@@ -781,6 +803,8 @@ def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -
     args = _as_tuple(example_inputs)
     cached = _CACHE.get(module)
     if cached is not None and not options and cached.state_digest == _state_digest(module, args):
+        if client not in cached.checked_by:  # the export is reused; each server checks it
+            verify(client, cached)
         return cached
     model = export(module, args, **options)
     verify(client, model)
@@ -790,7 +814,7 @@ def bridge(client: _Methods, module: Any, example_inputs: Any, **options: Any) -
 
 
 def put_torch(
-    client: _Methods,
+    client: ApiMethods,
     name: str,
     module: Any,
     example_inputs: Any,
@@ -862,23 +886,31 @@ class TorchTape:
     # structure -------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
-        """The trainable parameters, in named_parameters() order (the flat order)."""
+        """The parameters the service differentiates, in named_parameters() order."""
         return self.model.trainable
 
     @property
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter that requires grad, in named_parameters() order, with its
+        shape: the order of flat vectors (unused ones included, as zeros)."""
+        return [(p.name, p.shape) for p in self.model.parameters if p.how != "frozen"]
+
+    @property
     def size(self) -> int:
-        return self.remote.size
+        """The length of a flat vector: parameters_to_vector over `layout`."""
+        return sum(int(np.prod(shape, dtype=np.int64)) for _, shape in self.layout)
+
+    def _full(self, answer: Mapping[str, Any]) -> dict[str, Any]:
+        """A dict over `names` -> one over `layout` (zeros for unused parameters)."""
+        return {
+            n: answer[n] if n in answer else np.zeros(shape, self.model.dtype)
+            for n, shape in self.layout
+        }
 
     def _out(self, answer: Any, tensors: bool | None = None) -> Any:
         tensors = self._tensors if tensors is None else tensors
         if isinstance(answer, Mapping):
-            full = {}
-            for rec in self.model.parameters:
-                if rec.name in answer:
-                    full[rec.name] = answer[rec.name]
-                elif rec.how == "unused":  # not read by the forward: zero
-                    full[rec.name] = np.zeros(rec.shape, self.model.dtype)
-            answer = full
+            answer = self._full(answer)
         if not tensors:
             return answer
         torch = _torch()
@@ -886,8 +918,9 @@ class TorchTape:
             return {k: torch.as_tensor(np.asarray(v)) for k, v in answer.items()}
         return torch.as_tensor(np.asarray(answer))
 
-    def _in(self, v: Any) -> tuple[Any, bool]:
-        """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays."""
+    def _in(self, v: Any) -> tuple[dict[str, np.ndarray], bool]:
+        """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays
+        over `layout`, and whether the caller passed tensors."""
         torch = _torch()
         tensors = False
         if isinstance(v, torch.Tensor):
@@ -897,18 +930,32 @@ class TorchTape:
             for k, x in v.items():
                 if isinstance(x, torch.Tensor):
                     x, tensors = _np(x), True
-                out[k] = x
+                out[k] = np.asarray(x)
             missing = [n for n in self.names if n not in out]
             if missing:
                 raise ValueError(f"the vector has no entry for parameter {missing[0]!r}")
-            return {n: out[n] for n in self.names}, tensors
-        return self.remote.unflatten(v, None), tensors
+            return self._full(out), tensors
+        flat = np.asarray(v).reshape(-1)
+        if flat.size != self.size:
+            raise ValueError(
+                f"a flat vector over this module has {self.size} entries "
+                f"(parameters_to_vector order), got {flat.size}"
+            )
+        out, start = {}, 0
+        for n, shape in self.layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            out[n] = flat[start : start + size].reshape(shape)
+            start += size
+        return out, tensors
 
     def vector(self, values: Any) -> Any:
         """A dict by torch name (arrays or tensors) -> one flat float64 vector in
         parameters_to_vector order (a tensor if the dict held tensors)."""
         arrays, tensors = self._in(values)
-        flat = self.remote.flatten(arrays)
+        flat = np.concatenate(
+            [np.asarray(arrays[n], dtype=np.float64).reshape(-1) for n, _ in self.layout]
+            or [np.zeros(0)]
+        )
         return _torch().as_tensor(flat) if tensors else flat
 
     def unflatten(self, x: Any) -> Any:
@@ -918,12 +965,13 @@ class TorchTape:
 
     def state_dict(self, values: Any) -> dict[str, Any]:
         """A flat vector or a dict by torch name -> {torch name: torch.Tensor} in the
-        parameters' dtypes, for `model.load_state_dict(sd, strict=False)` (an
+        parameters' dtype, for `model.load_state_dict(sd, strict=False)` (an
         eigenvector, an influence direction, a Newton step)."""
         torch = _torch()
         arrays, _ = self._in(values)
         return {
-            n: torch.as_tensor(np.asarray(arrays[n], dtype=self.model.dtype)) for n in self.names
+            n: torch.as_tensor(np.asarray(arrays[n], dtype=self.model.dtype))
+            for n, _ in self.layout
         }
 
     # answers --------------------------------------------------------------------
@@ -940,12 +988,13 @@ class TorchTape:
         """H v (or another curvature's product: `curvature="ggn"`, ...); `v` a dict by
         torch name or a flat vector; the answer in the same form."""
         arrays, tensors = self._in(v)
-        flat = not isinstance(v, Mapping)
-        answer = self.remote.hvp(arrays, **options)
-        if flat:
-            out = self.remote.flatten(answer)
-            return _torch().as_tensor(out) if (tensors or self._tensors) else out
-        return self._out(answer, tensors or self._tensors)
+        answer = self._full(self.remote.hvp({n: arrays[n] for n in self.names}, **options))
+        tensors = tensors or self._tensors
+        if not isinstance(v, Mapping):
+            return self.vector(
+                {k: _torch().as_tensor(a) for k, a in answer.items()} if tensors else answer
+            )
+        return self._out(answer, tensors)
 
     def eigenvalues(self, k: int = 1, **options: Any) -> Any:
         """`RemoteTape.eigenvalues`; with `eigenvectors=True` each eigenvector is a dict
@@ -1008,13 +1057,13 @@ def _data_arrays(
 
 
 def tape_op(
-    client: _Methods,
+    client: ApiMethods,
     module: Any,
     *,
     loss: Any,
     data: Any,
     example_inputs: Any = None,
-    upload_above: int = UPLOAD_BYTES,
+    upload_above: int | None = None,
     **tape_options: Any,
 ) -> TorchTape:
     """`client.tape(module, loss=..., data=...)`: bridge the module (or take a
@@ -1048,7 +1097,8 @@ def tape_op(
         else:
             inputs["y"] = target.astype(model.dtype) if target.dtype.kind == "f" else target
     inputs.update(extra)
-    if sum(a.nbytes for a in inputs.values()) >= upload_above:
+    limit = UPLOAD_BYTES if upload_above is None else upload_above
+    if sum(a.nbytes for a in inputs.values()) >= limit:
         digest = hashlib.sha256()
         for k, a in sorted(inputs.items()):
             digest.update(k.encode() + str(a.dtype).encode() + str(a.shape).encode())
@@ -1059,7 +1109,7 @@ def tape_op(
     definition = {
         "models": {"net": model.model_spec()},
         "inputs": inputs,
-        "program": [f"{', '.join(model.outputs)} = net({', '.join(model.inputs)})", *lines],
+        "program": [*(_call_line(model, o) for o in model.outputs), *lines],
     }
     output = tape_options.pop("output", None) or model.outputs[0]
     remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Self, TypedDict, Unpack
 import numpy as np
 
 from . import _core, _wire
+from .curvature import CurvatureMethods
 from .errors import TapeGone
 from .results import (
     Diagonal,
@@ -68,8 +69,9 @@ class EstimatorOptions(CurvatureOptions, total=False):
     seed: int | None
 
 
-class RemoteTape:
-    """A recorded tape on the server (made by `client.tape(...)`)."""
+class RemoteTape(CurvatureMethods):
+    """A recorded tape on the server (made by `client.tape(...)`); per-example
+    gradients, KFAC and Laplace fits come from CurvatureMethods (curvature.py)."""
 
     def __init__(
         self, client: ApiMethods, answer: dict[str, Any], definition: Any, target: str, sources: Any
@@ -646,6 +648,7 @@ class RemoteTape:
         max_seconds: float | None = None,
         samples: int | None = None,
         fisher_seed: int | None = None,
+        preconditioner: str | None = None,
         time_limit: float | None = None,
         progress: Any = False,
     ) -> Any:
@@ -657,13 +660,15 @@ class RemoteTape:
         (the GGN by default, positive semi-definite for convex losses; with "hessian" on a
         non-convex model CG may stop at negative curvature, and the SDK warns), then
         every example's score in one batched pass (`Influence`). Needs a tape recorded
-        with `output=`. `progress` as in `eigenvalues`."""
+        with `output=`. `preconditioner` "kfac" or "ekfac": CG preconditioned with the
+        damped inverse of the GGN's KFAC. `progress` as in `eigenvalues`."""
         body = self._options(
             rows=None if rows is None else [int(r) for r in np.asarray(rows).reshape(-1)],
             damping=damping,
             top_k=top_k,
             tol=tol,
             max_iterations=max_iterations,
+            preconditioner=preconditioner,
             max_hvps=max_hvps,
             max_seconds=max_seconds,
             time_limit=time_limit,

@@ -128,36 +128,35 @@
     }, "no jobs: start one with \"async\": true (or progress=True in the SDK)");
   }
 
+  // Each list is read and shown on its own: a slow or refused one holds up no other.
+  const LISTS = [
+    ["/readyz", (ready) => fill("workers", ready.workers || [], (w) => tr(
+      cell(String(w.index)), badge(w.state), cell(w.device),
+      cell(w.pid == null ? "hidden" : String(w.pid)), cell(String(w.restarts)),
+    ), "no workers")],
+    ["/v1/jobs", (jobs) => showJobs(jobs.jobs)],
+    ["/v1/tapes", (tapes) => fill("tapes", tapes.tapes, (t) => tr(
+      cell(t.tape_id.slice(0, 10)), cell(t.target),
+      cell(Array.isArray(t.sources) ? t.sources.join(", ") : Object.keys(t.sources).join(", ")),
+      cell(t.model || ""), cell(String(t.hits)), cell(when(t.expires_at)),
+    ), "no tapes")],
+    ["/v1/models", (models) => fill("models", models.models, (m) => tr(
+      cell(m.name), cell(m.trainable.join(", ")), cell(when(m.updated_at)),
+    ), "no models")],
+    ["/v1/datasets", (datasets) => fill("datasets", datasets.datasets, (d) => tr(
+      cell(d.name), cell(Object.keys(d.arrays).join(", ")),
+      cell(d.bytes.toLocaleString("en")), cell(when(d.updated_at)),
+    ), "no datasets")],
+  ];
+
   async function refresh() {
-    try {
-      const ready = await api("GET", "/readyz", { allow: [503] });
-      fill("workers", ready.workers || [], (w) => tr(
-        cell(String(w.index)), badge(w.state), cell(w.device),
-        cell(w.pid == null ? "hidden" : String(w.pid)), cell(String(w.restarts)),
-      ), "no workers");
-      const [jobs, tapes, models, datasets] = await Promise.all([
-        api("GET", "/v1/jobs"), api("GET", "/v1/tapes"), api("GET", "/v1/models"),
-        api("GET", "/v1/datasets"),
-      ]);
-      showJobs(jobs.jobs);
-      fill("tapes", tapes.tapes, (t) => tr(
-        cell(t.tape_id.slice(0, 10)), cell(t.target),
-        cell(Array.isArray(t.sources) ? t.sources.join(", ") : Object.keys(t.sources).join(", ")),
-        cell(t.model || ""), cell(String(t.hits)), cell(when(t.expires_at)),
-      ), "no tapes");
-      fill("models", models.models, (m) => tr(
-        cell(m.name), cell(m.trainable.join(", ")), cell(when(m.updated_at)),
-      ), "no models");
-      fill("datasets", datasets.datasets, (d) => tr(
-        cell(d.name), cell(Object.keys(d.arrays).join(", ")),
-        cell(d.bytes.toLocaleString("en")), cell(when(d.updated_at)),
-      ), "no datasets");
-      say(ui.key ? "key in use" : "no key");
-    } catch (error) {
-      say(error.status === 401
-        ? "this server requires an API key: enter it above"
-        : "cannot read the server: " + error.message);
-    }
+    const outcomes = await Promise.allSettled(LISTS.map(async ([path, show]) => {
+      show(await api("GET", path, { allow: path === "/readyz" ? [503] : [] }));
+    }));
+    const failed = outcomes.find((o) => o.status === "rejected");
+    if (!failed) say(ui.key ? "key in use" : "no key");
+    else if (failed.reason.status === 401) say("this server requires an API key: enter it above");
+    else say("cannot read the server: " + failed.reason.message);
   }
 
   function say(text) {

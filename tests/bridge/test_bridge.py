@@ -1,0 +1,356 @@
+"""The PyTorch bridge (gradtape.client.pytorch) on its own terms: what it refuses and
+why, what it restores, the model store, losses, and answers shaped like the module.
+Every value is checked against PyTorch autograd in float64."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gradtape.client import BridgeError, Client, ExportMismatch, ModelNotFound, pytorch
+from torch import nn
+from torch.nn import functional as F
+
+
+def quiet_export(module: nn.Module, args: tuple, **options) -> bytes:
+    """torch.onnx.export as a user would call it (its defaults: the optimizer on)."""
+    import contextlib
+    import io
+    import warnings
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, args, dynamo=True, input_names=["x"], output_names=["logits"], **options
+        )
+    return program.model_proto.SerializeToString()
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+
+class Twins(nn.Module):
+    """Two layers holding equal values (not tied: two parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight)
+            self.b.bias.copy_(self.a.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Tokens(nn.Module):
+    """Linear layers on (N, T, D): the optimizer stores their weights transposed."""
+
+    def __init__(self, act=torch.tanh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x))).mean(dim=1)
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.spare = nn.Linear(3, 2)  # never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def perturbed(module: nn.Module, seed: int = 0) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    module = module.double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        for name, b in module.named_buffers():
+            if name.endswith("running_mean"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
+            elif name.endswith("running_var"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen, dtype=b.dtype))
+    return module.eval()
+
+
+def torch_grads(module: nn.Module, loss: torch.Tensor) -> dict[str, np.ndarray]:
+    named = dict(module.named_parameters())
+    grads = torch.autograd.grad(loss, list(named.values()), materialize_grads=True)
+    return {n: g.numpy() for n, g in zip(named, grads)}
+
+
+def assert_grads(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for n, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[n]), value, rtol=1e-9, atol=1e-12, err_msg=n)
+
+
+# ------------------------------------------------------------------- refusals
+
+
+def test_batchnorm_folded_by_the_exporter_is_refused_naming_the_weights() -> None:
+    model = perturbed(ConvBN())
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    folded = quiet_export(model, (x,))  # optimize=True folds BN into conv.weight/bias
+    with pytest.raises(BridgeError) as caught:
+        pytorch.export(model, x, onnx_model=folded)
+    message = str(caught.value)
+    assert "conv.weight: the export's initializer 'conv.weight' holds other values" in message
+    assert "folded" in message
+    assert "bn.weight: no initializer holds its values" in message
+
+
+def test_equal_weights_merged_by_the_exporter_are_refused() -> None:
+    model = Twins().double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(BridgeError, match=r"b\.weight: merged with 'a\.weight'"):
+        pytorch.export(model, x, onnx_model=quiet_export(model, (x,)))
+    # The bridge's own export keeps both.
+    exported = pytorch.export(model, x)
+    assert exported.trainable == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    assert {p.how for p in exported.parameters} == {"kept"}
+
+
+def test_transposed_weights_are_restored_and_agree(server) -> None:
+    model = perturbed(Tokens())
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    exported = pytorch.export(model, x, onnx_model=quiet_export(model, (x,)))
+    hows = {p.name: p.how for p in exported.parameters}
+    assert hows["a.weight"].startswith("transposed in the export as ")
+    assert hows["a.bias"] == "kept"
+    y = torch.randn(2, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        pytorch.verify(client, exported)
+        with client.tape(exported, loss="mse", data=(x, y)) as tape:
+            assert_grads(tape.gradients, torch_grads(model, F.mse_loss(model(x), y)))
+
+
+def test_a_module_in_training_mode_is_refused() -> None:
+    model = perturbed(ConvBN()).train()
+    with pytest.raises(BridgeError, match=r"bn \(BatchNorm2d\) is in training mode"):
+        pytorch.export(model, torch.randn(2, 2, 5, 5, dtype=torch.float64))
+
+
+def test_a_forward_that_differs_is_an_export_mismatch_naming_the_output(server) -> None:
+    tanh = perturbed(Tokens(torch.tanh))
+    relu = copy.deepcopy(tanh)
+    relu.act = torch.relu
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    # Same parameters, another graph: mapped by value, then caught by the check.
+    exported = pytorch.export(tanh, x, onnx_model=quiet_export(relu, (x,), optimize=False))
+    with Client(server.base_url) as client, pytest.raises(ExportMismatch) as caught:
+        pytorch.verify(client, exported)
+    assert "forward differs from torch's on the example inputs: output 'logits'" in str(
+        caught.value
+    )
+
+
+# --------------------------------------------------------------- losses, shapes
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll", "mse", "bce_with_logits", "lines"])
+def test_losses_agree_with_torch(server, loss: str) -> None:
+    model = perturbed(ConvBN(), seed=1)
+    if loss == "nll":
+        model = nn.Sequential(model, nn.LogSoftmax(dim=1)).eval()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 2, 5, 5, dtype=torch.float64, generator=gen)
+    labels = torch.randint(0, 4, (6,), generator=gen)
+    targets = torch.rand(6, 4, dtype=torch.float64, generator=gen)
+    out = model(x)
+    spec, y, want = {
+        "cross_entropy": ("cross_entropy", labels, F.cross_entropy(out, labels)),
+        "nll": ("nll", labels, F.nll_loss(out, labels)),
+        "mse": ("mse", targets, F.mse_loss(out, targets)),
+        "bce_with_logits": (
+            "bce_with_logits",
+            targets,
+            F.binary_cross_entropy_with_logits(out, targets),
+        ),
+        "lines": (
+            ["err = logits - y", "loss = sum(err ** 4) / 6"],
+            targets,
+            ((out - targets) ** 4).sum() / 6,
+        ),
+    }[loss]
+    with Client(server.base_url) as client, client.tape(model, loss=spec, data=(x, y)) as tape:
+        np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
+        assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, torch_grads(model, want))
+
+
+def test_answers_are_shaped_like_the_module(server) -> None:
+    model = perturbed(WithUnused(), seed=2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    want = torch_grads(model, F.cross_entropy(model(x), y))
+    data = (x.numpy(), y.numpy())
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=data) as tape,
+    ):
+        assert tape.model.unused == ["spare.weight", "spare.bias"]
+        assert tape.names == ["fc.weight", "fc.bias"]
+        grads = tape.gradients  # NumPy in, NumPy out; the unused layer's are zeros
+        assert all(isinstance(g, np.ndarray) for g in grads.values())
+        assert_grads(grads, want)
+        # Flat vectors in parameters_to_vector order, over every parameter.
+        assert tape.size == sum(p.numel() for p in model.parameters())
+        v = torch.randn(tape.size, dtype=torch.float64)
+        as_dict = tape.unflatten(v)
+        assert list(as_dict) == [n for n, _ in model.named_parameters()]
+        torch.testing.assert_close(
+            torch.nn.utils.parameters_to_vector(as_dict.values()), v, rtol=0, atol=0
+        )
+        flat_hvp = tape.hvp(v)
+        dict_hvp = tape.hvp(as_dict)
+        torch.testing.assert_close(flat_hvp, tape.vector(dict_hvp), rtol=0, atol=0)
+        assert not dict_hvp["spare.weight"].any()
+        # H v by double backward in torch.
+        named = dict(model.named_parameters())
+        loss = F.cross_entropy(model(x), y)
+        g = torch.autograd.grad(loss, list(named.values()), create_graph=True, allow_unused=True)
+        dot = sum((gi * as_dict[n]).sum() for gi, n in zip(g, named) if gi is not None)
+        hv = torch.autograd.grad(dot, [named["fc.weight"], named["fc.bias"]])
+        torch.testing.assert_close(dict_hvp["fc.weight"], hv[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dict_hvp["fc.bias"], hv[1], rtol=1e-10, atol=1e-12)
+        # An eigenvector loads into the module.
+        top = tape.eigenvalues(1, eigenvectors=True, tol=1e-10)
+        direction = tape.state_dict(top.eigenvectors[0])
+        model.load_state_dict(direction, strict=False)
+        torch.testing.assert_close(model.fc.bias.detach(), direction["fc.bias"])
+
+
+# ------------------------------------------------------------------- the store
+
+
+def test_stored_module_serves_any_batch_size_and_big_data_goes_up_as_a_dataset(
+    server, monkeypatch
+) -> None:
+    model = perturbed(ConvBN(), seed=3)
+    x = torch.randn(9, 2, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (9,))
+    with Client(server.base_url) as client:
+        net = client.models.put_torch("bridge-convbn", model, x[:2])
+        assert net.verified and net.stored == "bridge-convbn"
+        info = client.models.get("bridge-convbn")
+        assert info["trainable"] == [n for n, _ in model.named_parameters()]
+        assert "bridge-convbn" in [m["name"] for m in client.models.list()]
+        monkeypatch.setattr(pytorch, "UPLOAD_BYTES", 0)  # every batch is "large"
+        with client.tape(net, loss="cross_entropy", data=(x, y)) as tape:
+            assert_grads(
+                {n: g.numpy() for n, g in tape.gradients.items()},
+                torch_grads(model, F.cross_entropy(model(x), y)),
+            )
+        uploaded = [d for d in client.list_datasets() if d["name"].startswith("torch-data-")]
+        assert uploaded and set(uploaded[0]["arrays"]) == {"x", "y"}
+        assert client.dataset_info(uploaded[0]["name"])["arrays"]["x"]["shape"] == [9, 2, 5, 5]
+        client.models.delete("bridge-convbn")
+        with pytest.raises(ModelNotFound):
+            client.models.get("bridge-convbn")
+
+
+class TwoHeads(nn.Module):
+    """Several outputs: logits and the features they come from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.tanh(self.body(x))
+        return self.head(features), features
+
+
+def test_a_module_with_several_outputs(server) -> None:
+    model = perturbed(TwoHeads(), seed=4)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    logits, features = model(x)
+    want = F.cross_entropy(logits, y) + 0.1 * (features**2).mean()
+    lines = ["loss = softmax_cross_entropy(out0, y) + 0.1 * mean(out1 ** 2)"]
+    with Client(server.base_url) as client, client.tape(model, loss=lines, data=(x, y)) as tape:
+        assert tape.model.outputs == ["out0", "out1"]
+        np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
+        assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, torch_grads(model, want))
+
+
+def test_a_float32_module_runs_in_float32(server) -> None:
+    model = perturbed(ConvBN(), seed=6).float()
+    x = torch.randn(5, 2, 5, 5)
+    y = torch.randint(0, 4, (5,))
+    want = torch_grads(model, F.cross_entropy(model(x), y))
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        assert tape.model.dtype == np.float32
+        for n, g in tape.gradients.items():
+            assert g.dtype == torch.float32
+            scale = float(np.abs(want[n]).max())
+            np.testing.assert_allclose(g.numpy(), want[n], rtol=1e-4, atol=1e-5 * scale, err_msg=n)
+
+
+def test_an_export_is_reused_while_the_module_is_unchanged(server) -> None:
+    model = perturbed(Tokens(), seed=7)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as first:
+            pass
+        with client.tape(model, loss="mse", data=(x, y)) as again:
+            assert again.model is first.model  # not exported a second time
+        with torch.no_grad():
+            model.b.bias.add_(1.0)  # new values: a new export, and answers at them
+        with client.tape(model, loss="mse", data=(x, y)) as moved:
+            assert moved.model is not first.model
+            assert_grads(
+                {n: g.numpy() for n, g in moved.gradients.items()},
+                torch_grads(model, F.mse_loss(model(x), y)),
+            )
+
+
+def test_the_model_store_takes_definitions_and_onnx_files(server) -> None:
+    from gradtape.client import Conflict
+
+    definition = {
+        "variables": {"w": np.array([1.0, -2.0])},
+        "inputs": {"x": np.array([[1.0, 2.0], [3.0, 4.0]])},
+        "program": ["loss = sum((x @ w) ** 2)"],
+    }
+    onnx_file = (Path(__file__).resolve().parent / "fixtures" / "conv1d.onnx").read_bytes()
+    with Client(server.base_url) as client:
+        info = client.models.put("store-quad", definition, description="a quadratic")
+        assert info["trainable"] == ["w"] and info["description"] == "a quadratic"
+        with pytest.raises(Conflict):
+            client.models.put("store-quad", definition, replace=False)
+        value, grads = client.gradient(model="store-quad", target="loss")
+        x, w = definition["inputs"]["x"], definition["variables"]["w"]
+        np.testing.assert_allclose(value, np.sum((x @ w) ** 2))
+        np.testing.assert_allclose(grads["w"], 2 * x.T @ (x @ w))
+        stored = client.models.put_onnx("store-conv1d", onnx_file)
+        assert stored["trainable"][:2] == ["conv1.weight", "conv1.bias"]
+        names = {m["name"] for m in client.models.list()}
+        assert {"store-quad", "store-conv1d"} <= names
+        client.models.delete("store-quad")
+        client.models.delete("store-conv1d")
+        assert not {"store-quad", "store-conv1d"} & {m["name"] for m in client.models.list()}

@@ -1,0 +1,242 @@
+"""Per-example gradients, KFAC and Laplace fits on a tape (issue 30), through the real
+app and workers: answers against the engine's own (which tests/engine/
+test_kfac_laplace.py checks against curvlinops, laplace-torch and torch) and against
+dense truth computed here; models that mix examples refused naming the line; unknown
+fits a 404."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine as gt
+from engine.curvature import Curvature
+from engine.kfac import kfac
+from engine.laplace import Laplace
+from tests.service.wire import arr, post, problem, t
+
+rng = np.random.default_rng(30)
+N, D, H, C = 12, 3, 4, 3
+SHAPES = {"w1": (D, H), "b1": (H,), "w2": (H, C)}
+VALUES = {name: rng.standard_normal(shape) * 0.8 for name, shape in SHAPES.items()}
+X = rng.standard_normal((N, D))
+Y = rng.integers(0, C, N)
+X_TEST = rng.standard_normal((4, D))
+PROGRAM = ["h = tanh(x @ w1 + b1)", "logits = h @ w2", "loss = softmax_cross_entropy(logits, y)"]
+DEFN = {
+    "variables": {name: t(v, "float64") for name, v in VALUES.items()},
+    "inputs": {"x": t(X, "float64"), "y": t(Y, "int64")},
+    "program": PROGRAM,
+}
+
+
+def model(p, x):
+    return gt.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def loss(out, y):
+    return gt.softmax_cross_entropy(out, y)
+
+
+def recording() -> Curvature:
+    params = {k: gt.Tensor(v) for k, v in VALUES.items()}
+    return Curvature(model, loss, params, gt.Tensor(X), gt.Tensor(Y))
+
+
+def flat(tensors: dict) -> np.ndarray:
+    return np.concatenate([arr(tensors[k]).reshape(-1) for k in SHAPES])
+
+
+@pytest.fixture(scope="module")
+def tape_id(client) -> str:
+    response = client.post(
+        "/v1/tapes", json={"definition": DEFN, "target": "loss", "output": "logits"}
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["tape_id"]
+
+
+def test_per_example_gradients_and_statistics(client, tape_id) -> None:
+    answer = post(client, f"/v1/tapes/{tape_id}/per-example", {"gradients": True})
+    params = {k: gt.Tensor(v) for k, v in VALUES.items()}
+    loop = {k: [] for k in SHAPES}
+    for i in range(N):
+        one = Curvature(model, loss, params, gt.Tensor(X[i : i + 1]), gt.Tensor(Y[i : i + 1]))
+        for k in SHAPES:
+            loop[k].append(one.grad[k].numpy())
+    norms = np.zeros(N)
+    for k in SHAPES:
+        stacked = np.stack(loop[k])
+        np.testing.assert_allclose(arr(answer["gradients"][k]), stacked, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(arr(answer["mean"][k]), stacked.mean(0), atol=1e-13)
+        np.testing.assert_allclose(arr(answer["variance"][k]), stacked.var(0), atol=1e-13)
+        np.testing.assert_allclose(arr(answer["sum_squares"][k]), (stacked**2).sum(0), atol=1e-12)
+        norms += (stacked.reshape(N, -1) ** 2).sum(1)
+    np.testing.assert_allclose(answer["norms"], np.sqrt(norms), rtol=1e-12)
+    assert answer["examples"] == N and answer["scale"] == pytest.approx(1 / N)
+    light = post(client, f"/v1/tapes/{tape_id}/per-example", {})
+    assert light["gradients"] is None
+    np.testing.assert_allclose(light["norms"], answer["norms"], rtol=1e-13)
+    # The same of the definition itself, no tape kept.
+    stateless = post(
+        client,
+        "/v1/per-example",
+        {"definition": DEFN, "target": "loss", "output": "logits", "gradients": True},
+    )
+    for k in SHAPES:
+        np.testing.assert_allclose(
+            arr(stateless["gradients"][k]), arr(answer["gradients"][k]), rtol=1e-13
+        )
+
+
+def test_a_model_that_mixes_examples_is_refused_naming_the_line(client) -> None:
+    defn = {
+        **DEFN,
+        "program": [
+            "h = tanh(x @ w1 + b1)",
+            "centred = h - mean(h, axis=0)",
+            "logits = centred @ w2",
+            "loss = softmax_cross_entropy(logits, y)",
+        ],
+    }
+    created = client.post(
+        "/v1/tapes", json={"definition": defn, "target": "loss", "output": "logits"}
+    )
+    assert created.status_code == 201, created.text
+    tape = created.json()["tape_id"]
+    response = client.post(f"/v1/tapes/{tape}/per-example", json={})
+    found = problem(response, 422)
+    assert found["type"].endswith("batch-dependence")
+    assert "at line 'centred'" in found["detail"] and "mixes examples" in found["detail"]
+    response = client.post(f"/v1/tapes/{tape}/laplace", json={})
+    assert "at line 'centred'" in problem(response, 422)["detail"]
+
+
+def test_kfac_equals_the_engines_and_runs_the_estimators(client, tape_id) -> None:
+    v = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
+    answer = post(
+        client,
+        f"/v1/tapes/{tape_id}/kfac",
+        {"vector": {k: t(x, "float64") for k, x in v.items()}, "factors": True},
+    )
+    fitted = kfac(recording(), "ggn", names=list(SHAPES))
+    assert [(layer["weight"], layer["bias"]) for layer in answer["layers"]] == [
+        ("w1", "b1"),
+        ("w2", None),
+    ]
+    for layer, ours in zip(answer["layers"], fitted.layers, strict=True):
+        np.testing.assert_allclose(arr(layer["A"]), ours.A, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(arr(layer["G"]), ours.G, rtol=1e-12, atol=1e-14)
+    product = fitted.apply([v[k][None] for k in SHAPES])
+    np.testing.assert_allclose(
+        flat(answer["product"]), np.concatenate([p.ravel() for p in product]), rtol=1e-12
+    )
+    assert answer["trace"] == pytest.approx(fitted.trace(), rel=1e-12)
+    assert answer["logdet"] is None  # the softmax's G is singular: -inf, sent as null
+    # The estimators on curvature kfac: its eigenvalues and trace.
+    dense = np.concatenate(
+        [
+            np.concatenate([p.reshape(1, -1) for p in fitted.apply(list(unit))], axis=1)
+            for unit in _units()
+        ]
+    )
+    top = post(client, f"/v1/tapes/{tape_id}/eigenvalues", {"k": 2, "curvature": "kfac"})
+    np.testing.assert_allclose(top["eigenvalues"], np.linalg.eigvalsh(dense)[::-1][:2], rtol=1e-8)
+    trace = post(client, f"/v1/tapes/{tape_id}/trace", {"curvature": "kfac", "method": "exact"})
+    assert trace["trace"] == pytest.approx(np.trace(dense), rel=1e-10)
+
+
+def _units():
+    n = sum(int(np.prod(s)) for s in SHAPES.values())
+    eye = np.eye(n)
+    for row in eye:
+        out, start = [], 0
+        for shape in SHAPES.values():
+            size = int(np.prod(shape))
+            out.append(row[start : start + size].reshape((1, *shape)))
+            start += size
+        yield out
+
+
+def test_laplace_fit_evidence_predictive_and_samples(client, tape_id) -> None:
+    fit = post(
+        client,
+        f"/v1/tapes/{tape_id}/laplace",
+        {"structure": "full", "tune": True},
+    )
+    ours = Laplace(recording(), structure="full", names=list(SHAPES))
+    tuned = ours.tune_prior_precision()
+    assert fit["tuned"] and fit["prior_precision"] == pytest.approx(tuned, rel=1e-12)
+    assert fit["log_marginal_likelihood"] == pytest.approx(
+        ours.log_marginal_likelihood(), rel=1e-10
+    )
+    lid = fit["laplace_id"]
+    again = post(
+        client,
+        f"/v1/tapes/{tape_id}/laplace/{lid}/log-marginal-likelihood",
+        {"prior_precision": 2.0},
+    )
+    assert again["log_marginal_likelihood"] == pytest.approx(
+        ours.log_marginal_likelihood(2.0), rel=1e-10
+    )
+    ours.prior_precision = 2.0
+    pred = post(
+        client,
+        f"/v1/tapes/{tape_id}/laplace/{lid}/predictive",
+        {"test_inputs": {"x": t(X_TEST, "float64")}},
+    )
+    expected = ours.predictive(model, {"x": gt.Tensor(X_TEST)}["x"])
+    np.testing.assert_allclose(arr(pred["mean"]), expected.mean, rtol=1e-12)
+    np.testing.assert_allclose(arr(pred["variance"]), expected.variance, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(arr(pred["probabilities"]), expected.probabilities, rtol=1e-10)
+    drawn = post(client, f"/v1/tapes/{tape_id}/laplace/{lid}/samples", {"count": 3, "seed": 5})
+    expected_draws = ours.sample(3, seed=5)
+    got = np.concatenate([arr(drawn["samples"][k]).reshape(3, -1) for k in SHAPES], axis=1)
+    np.testing.assert_allclose(got, expected_draws, rtol=1e-12)
+    missing = client.post(f"/v1/tapes/{tape_id}/laplace/0123456789abcdef/samples", json={})
+    assert "fit it again" in problem(missing, 404)["detail"]
+
+
+def test_backprop_diagonal_is_the_ggns(client, tape_id) -> None:
+    answer = post(
+        client,
+        f"/v1/tapes/{tape_id}/diagonal",
+        {"curvature": "ggn", "method": "backprop"},
+    )
+    exact = post(client, f"/v1/tapes/{tape_id}/diagonal", {"curvature": "ggn", "method": "exact"})
+    np.testing.assert_allclose(
+        flat(answer["diagonal"]), flat(exact["diagonal"]), rtol=1e-11, atol=1e-15
+    )
+    assert answer["method"] == "backprop" and answer["hvps"] == 0
+    refused = client.post(f"/v1/tapes/{tape_id}/diagonal", json={"method": "backprop"})
+    assert problem(refused, 422)["detail"].startswith("method 'backprop' is the diagonal")
+
+
+def test_influence_preconditioned_by_kfac_answers_the_same(client, tape_id) -> None:
+    body = {"rows": [0, 1], "curvature": "ggn", "damping": 1e-2, "tol": 1e-10}
+    plain = post(client, f"/v1/tapes/{tape_id}/influence", body)
+    for kind in ("kfac", "ekfac"):
+        found = post(client, f"/v1/tapes/{tape_id}/influence", {**body, "preconditioner": kind})
+        assert found["converged"]
+        np.testing.assert_allclose(found["scores"], plain["scores"], rtol=1e-7, atol=1e-10)
+
+
+def test_a_laplace_fit_runs_as_a_job(client, tape_id) -> None:
+    r = client.post(f"/v1/tapes/{tape_id}/laplace", json={"structure": "diag", "async": True})
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    with client.stream("GET", f"{location}/events") as events:
+        names = [
+            line.split(": ", 1)[1] for line in events.iter_lines() if line.startswith("event: ")
+        ]
+    assert names[-1] == "succeeded"
+    result = client.get(f"{location}/result").json()
+    ours = Laplace(recording(), structure="diag", names=list(SHAPES))
+    assert result["log_marginal_likelihood"] == pytest.approx(
+        ours.log_marginal_likelihood(), rel=1e-10
+    )
+    # the fit the job made is held by the tape
+    again = post(
+        client, f"/v1/tapes/{tape_id}/laplace/{result['laplace_id']}/log-marginal-likelihood", {}
+    )
+    assert again["log_marginal_likelihood"] == result["log_marginal_likelihood"]
