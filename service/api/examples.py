@@ -94,7 +94,34 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
         "Influence of every example on the loss of examples 0 and 1 (on the GGN)",
         {"rows": [0, 1], "damping": 0.01, "top_k": 2},
     ),
+    "estimate_tape_frobenius_norm": (
+        "The Hessian's Frobenius norm, estimated from 64 HVPs",
+        {"batch_size": 4, "max_hvps": 64},
+    ),
+    "compute_tape_per_example": (
+        "Every example's gradient and their statistics",
+        {"gradients": True},
+    ),
+    "compute_per_example": (
+        "Per-example gradients of a logistic regression, without a tape",
+        {"definition": _LOGISTIC, "target": "loss", "output": "z", "gradients": True},
+    ),
+    "compute_tape_kfac": ("The Kronecker-factored curvature of the tape", {}),
+    "fit_tape_laplace": ("A Laplace approximation of the tape's posterior", {}),
+    "compute_laplace_evidence": (
+        "The log marginal likelihood at another prior precision",
+        {"prior_precision": 2.0},
+    ),
+    "compute_laplace_predictive": (
+        "The predictive at two new points",
+        {"test_inputs": {"X": [[0.1, 0.2], [1.0, -1.0]]}},
+    ),
+    "sample_laplace_posterior": ("Two draws of the parameters", {"count": 2, "seed": 0}),
 }
+
+# Path parameters that earlier answers name: {tape_id} from create_tape's answer,
+# {laplace_id} from fit_tape_laplace's.
+ANSWER_IDS: dict[str, str] = {"create_tape": "tape_id", "fit_tape_laplace": "laplace_id"}
 
 
 def add_to(document: dict[str, Any]) -> None:

@@ -406,7 +406,8 @@ class Settings(BaseSettings):
                 self.cost_transcendentals_per_second,
                 self.cost_bytes_per_second,
             ],
-            "max_time_limit": self.max_time_limit,
+            # a job's own budget (issue 27): what the job form of a refused request gets
+            "job_time_limit": self.job_time_limit,
             "definition_limits": dict(self.definition_limits),
             # a worker reads the arrays of datasets from the store's file (read-only);
             # absolute, as the worker works in an empty directory of its own

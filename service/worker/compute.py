@@ -89,7 +89,7 @@ class WorkerContext:
     # time limit (dispatch sets it per message) and the most a request may ask for.
     throughput: Throughput | None = None
     time_limit: float | None = None
-    max_time_limit: float | None = None
+    job_time_limit: float | None = None  # the job form's most (a refusal names it)
     state: dict[str, Any] = field(default_factory=dict)
     # Where the running request's progress goes (a job's caller asked for it), or None.
     report: Callable[[dict[str, Any]], None] | None = None
@@ -172,15 +172,15 @@ def check_cost(
     estimate = program.cost.estimate(items, first_order, rate)
     if estimate.seconds <= limit:
         return
-    most = context.max_time_limit
+    most = context.job_time_limit
     if most is not None and estimate.seconds <= most:
         way = (
-            f'run it as a job ("async": true, or the header Prefer: respond-async) with '
-            f"time_limit up to {most:g} s (this server's max_time_limit)"
+            f'run it as a job ("async": true, or the header Prefer: respond-async), which '
+            f"may compute for up to {most:g} s (this server's job_time_limit)"
         )
     else:
         way = (
-            f"it would not finish within this server's max_time_limit ({most:g} s) either"
+            f"it would not finish within this server's job_time_limit ({most:g} s) either"
             if most is not None
             else "raise time_limit"
         )
@@ -228,7 +228,7 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
         ),
         memory_budget=options.get("memory_budget"),
         throughput=_throughput(options.get("cost_throughput"), kind),
-        max_time_limit=options.get("max_time_limit"),
+        job_time_limit=options.get("job_time_limit"),
         datasets=DatasetCache(
             options.get("store_path"),
             int(options.get("dataset_memory_budget", defaults.WORKER_DATASET_MEMORY)),

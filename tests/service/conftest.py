@@ -58,8 +58,11 @@ class Server:
         self.process = process
         self.log = log
 
-    def wait_ready(self, timeout: float = 60.0) -> dict:
-        """Wait until /readyz answers 200 with every worker idle; return its body."""
+    def wait_ready(self, timeout: float = 300.0) -> dict:
+        """Wait until /readyz answers 200 with every worker idle; return its body. The
+        timeout only guards against a hang (a server that never comes up): on a loaded
+        machine (load 15 on 2 cores) four HTTP processes and their workers took over a
+        minute to start, so it is far above any quiet start."""
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:

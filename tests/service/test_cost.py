@@ -61,7 +61,7 @@ def test_the_issues_hvp_of_1024_vectors_is_refused_before_it_runs(roomy) -> None
     detail = answer["detail"]
     assert "the HVP of 1,024 vector(s) is estimated at about" in detail
     assert "time_limit is 30 s" in detail and '"async": true' in detail
-    assert "max_time_limit" in detail and "transcendental" in detail
+    assert "job_time_limit" in detail and "transcendental" in detail
     assert answer["estimate"]["seconds"] > answer["time_limit"] == 30
     assert worker_pids(roomy) == before  # refused, not run to the limit and killed
 
@@ -82,7 +82,7 @@ def test_the_2048_row_jacobian_is_refused_before_it_runs(roomy) -> None:
 
 
 def test_a_longer_time_limit_is_named_when_even_the_maximum_is_short(roomy) -> None:
-    # 60 s is this test server's max_time_limit: an estimate past it has no job form.
+    # 5 s asked: the refusal names the request's own limit (a job could take the rest).
     body = {
         "definition": {"program": program(2048), "variables": {"w": W}},
         "target": "loss",

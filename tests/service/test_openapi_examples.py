@@ -51,17 +51,16 @@ def test_every_operation_with_a_body_has_an_example() -> None:
 
 def test_every_example_answers_when_posted_as_is(fresh: Server) -> None:
     operations = _operations()
-    tape_id = None
+    ids: dict[str, str] = {}  # path parameters named by earlier answers (ANSWER_IDS)
     with httpx.Client(base_url=fresh.base_url, timeout=60) as client:
         for op_id in examples.EXAMPLES:
             method, path, op = operations[op_id]
             value = op["requestBody"]["content"]["application/json"]["examples"]["example"]
-            if "{tape_id}" in path:
-                assert tape_id is not None, f"{op_id} needs the tape create_tape records first"
-                path = path.replace("{tape_id}", tape_id)
-            for name, given in examples.PATH_VALUES.items():
+            for name, given in {**examples.PATH_VALUES, **ids}.items():
                 path = path.replace(f"{{{name}}}", given)
+            assert "{" not in path, f"{op_id}: {path} needs an answer from an earlier example"
             r = client.request(method.upper(), path, json=value["value"])
             assert 200 <= r.status_code < 300, f"{op_id}: {r.status_code} {r.text}"
-            if op_id == "create_tape":
-                tape_id = r.json()["tape_id"]
+            if op_id in examples.ANSWER_IDS:
+                field = examples.ANSWER_IDS[op_id]
+                ids[field] = r.json()[field]
