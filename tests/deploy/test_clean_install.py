@@ -219,7 +219,7 @@ def test_setup_commands_are_valid_shell() -> None:
     the second one, verbatim, in a fresh virtualenv is test_readme.py's to check.)"""
     readme = setup_commands()
     assert len(readme) == 2, readme
-    assert shlex.split(readme[0].split("&&")[0]) == ["pip", "install", ".[service]"]
+    assert shlex.split(readme[0].split("&&")[0]) == ["pip", "install", "-e", ".[service]"]
     for command in readme:
         assert subprocess.run(["bash", "-n", "-c", command], check=False).returncode == 0
 

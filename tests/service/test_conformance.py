@@ -1143,11 +1143,126 @@ def json_dumps(body: Any) -> bytes:
     return json.dumps(body).encode()
 
 
+@pytest.mark.parametrize("enc", ENC)
+def test_curvature_beyond_products(client, enc: Encoding) -> None:
+    """The operations of issues 29 and 30 on a logistic regression: the Frobenius norm
+    (against the dense Hessian's), per-example gradients on a tape and without one
+    (`scale` times their sum is the batch gradient), K-FAC, and a Laplace fit with its
+    evidence, predictive and samples. Their values against references (curvlinops,
+    laplace-torch, loops of single examples) are tests/service/test_tape_kfac_laplace.py's
+    and test_frobenius.py's; here every answer meets the contract in every encoding."""
+    definition = {
+        "variables": {"w": [0.3, -0.2], "b": 0.1},
+        "inputs": {
+            "X": [[0.5, 1.0], [-1.0, 0.3], [1.5, -0.5], [0.2, 0.2]],
+            "y": [1.0, 0.0, 1.0, 0.0],
+        },
+        "program": ["z = X @ w + b", "loss = sigmoid_cross_entropy(z, y)"],
+        "dtype": "float64",
+    }
+    created = check(
+        enc.request(
+            client,
+            "POST",
+            "/v1/tapes",
+            {"definition": definition, "target": "loss", "output": "z"},
+        ),
+        201,
+        enc.name,
+    )
+    url = f"/v1/tapes/{created['tape_id']}"
+    try:
+        grads = {k: decode(v).astype(np.float64) for k, v in created["gradients"].items()}
+        hessian = check(
+            enc.request(
+                client,
+                "POST",
+                "/v1/hessian",
+                {"definition": definition, "target": "loss"},
+            ),
+            200,
+            enc.name,
+        )
+        exact = sum(
+            float(np.sum(np.square(decode(block))))
+            for row in hessian["hessian"].values()
+            for block in row.values()
+        )
+        frob = check(
+            enc.request(
+                client, "POST", f"{url}/frobenius-norm", {"max_hvps": 512, "batch_size": 16}
+            ),
+            200,
+            enc.name,
+        )
+        assert abs(frob["frobenius_norm_squared"] - exact) <= 6 * frob["stderr"] + 1e-9 * exact
+
+        for route, body in (
+            (f"{url}/per-example", {"gradients": True}),
+            (
+                "/v1/per-example",
+                {
+                    "definition": definition,
+                    "target": "loss",
+                    "output": "z",
+                    "gradients": True,
+                },
+            ),
+        ):
+            each = check(enc.request(client, "POST", route, body), 200, enc.name)
+            assert each["examples"] == 4
+            for key, g in grads.items():
+                rows = decode(each["gradients"][key]).astype(np.float64)
+                close(each["scale"] * rows.sum(axis=0), g, f"{route} {key}", rtol=1e-10)
+
+        check(enc.request(client, "POST", f"{url}/kfac", {}), 200, enc.name)
+        fit = check(enc.request(client, "POST", f"{url}/laplace", {}), 200, enc.name)
+        fit_url = f"{url}/laplace/{fit['laplace_id']}"
+        check(
+            enc.request(
+                client, "POST", f"{fit_url}/log-marginal-likelihood", {"prior_precision": 2.0}
+            ),
+            200,
+            enc.name,
+        )
+        check(
+            enc.request(
+                client,
+                "POST",
+                f"{fit_url}/predictive",
+                {"test_inputs": {"X": [[0.1, 0.2], [1.0, -1.0]]}},
+            ),
+            200,
+            enc.name,
+        )
+        check(
+            enc.request(client, "POST", f"{fit_url}/samples", {"count": 2, "seed": 0}),
+            200,
+            enc.name,
+        )
+    finally:
+        client.delete(url)
+
+
 # -- every operation is driven ---------------------------------------------------------------
 
 # Which tests drive each operation of the spec. A new route fails the test below until a
 # test here drives it and is listed.
 DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("POST", "/v1/per-example"): ("test_curvature_beyond_products",),
+    ("POST", "/v1/tapes/{tape_id}/frobenius-norm"): ("test_curvature_beyond_products",),
+    ("POST", "/v1/tapes/{tape_id}/kfac"): ("test_curvature_beyond_products",),
+    ("POST", "/v1/tapes/{tape_id}/laplace"): ("test_curvature_beyond_products",),
+    ("POST", "/v1/tapes/{tape_id}/laplace/{laplace_id}/log-marginal-likelihood"): (
+        "test_curvature_beyond_products",
+    ),
+    ("POST", "/v1/tapes/{tape_id}/laplace/{laplace_id}/predictive"): (
+        "test_curvature_beyond_products",
+    ),
+    ("POST", "/v1/tapes/{tape_id}/laplace/{laplace_id}/samples"): (
+        "test_curvature_beyond_products",
+    ),
+    ("POST", "/v1/tapes/{tape_id}/per-example"): ("test_curvature_beyond_products",),
     ("POST", "/v1/gradient"): ("test_gradient", "test_models"),
     ("POST", "/v1/jacobian"): ("test_jacobian", "test_batch_jacobian"),
     ("POST", "/v1/hessian"): ("test_hessian",),

@@ -85,6 +85,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "GRADTAPE_MAX_TIME_LIMIT": "300",
             "GRADTAPE_ALGORITHM_MAX_HVPS": "100000",
             "GRADTAPE_LOG_LEVEL": "info",
+            # The time-limit test (test_workers') needs a request that runs past its
+            # limit, which the compute-cost guard would refuse first (test_cost.py).
+            "GRADTAPE_COST_FLOPS_PER_SECOND": "0",
         },
         tmp / "server.log",
     )

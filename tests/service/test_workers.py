@@ -55,6 +55,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         stop_server(srv)
 
 
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as c:
+        yield c
+
+
 def _workers(client: httpx.Client) -> list[dict]:
     response = client.get("/readyz")
     body = response.json()

@@ -63,7 +63,7 @@ def laplace_predictive(body: LaplacePredictiveRequest, settings: Settings) -> Pr
     fields = {
         # Bare numbers read as float64, cast to the input's dtype in the worker (as influence).
         "test_inputs": decoder.inputs(body.test_inputs, "float64", field="test_inputs"),
-        "link": body.link,
+        "link": body.link.value,
         "samples": body.samples,
         "seed": body.seed,
     }

@@ -3,6 +3,7 @@ gradients, Kronecker factors, Laplace approximations kept with a tape."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
@@ -50,8 +51,22 @@ class PerExampleResponse(BaseModel):
     chunks: int = Field(description="Passes over the examples the statistics took.")
 
 
+class KFACLayerKind(StrEnum):
+    """A Kronecker-factored layer: a matrix product, or a convolution (through im2col)."""
+
+    linear = "linear"
+    conv = "conv"
+
+
+class PredictiveLink(StrEnum):
+    """How a classification predictive is taken: the probit approximation or Monte-Carlo."""
+
+    probit = "probit"
+    mc = "mc"
+
+
 class KFACLayer(BaseModel):
-    kind: Literal["linear", "conv"] = Field(description="conv: its data went through im2col.")
+    kind: KFACLayerKind = Field(description="conv: its data went through im2col.")
     weight: str = Field(description="The weight's source key.")
     bias: str | None = Field(description="The bias's source key, if one is added to its output.")
     joint: bool = Field(description="The bias is in the weight's block (separate_bias false).")
@@ -118,8 +133,9 @@ class LaplacePredictiveRequest(CallOptions):
     test_inputs: Inputs = Field(
         description="New rows for the inputs the model reads along the examples axis."
     )
-    link: Literal["probit", "mc"] = Field(
-        "probit", description="Classification: the probit approximation or Monte-Carlo."
+    link: PredictiveLink = Field(
+        PredictiveLink.probit,
+        description="Classification: the probit approximation or Monte-Carlo.",
     )
     samples: StrictInt = Field(100, ge=1, le=100_000, description="Monte-Carlo draws (link mc).")
     seed: StrictInt = Field(0, ge=0, le=INT_MAX, description="Seed of the Monte-Carlo draws.")
