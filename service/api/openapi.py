@@ -15,7 +15,8 @@ from service.api import examples
 from service.api.negotiation import MSGPACK
 from service.api.problems import PROBLEM_JSON, PROBLEM_TYPES
 from service.api.schemas import Problem
-from service.api.schemas.tensors import NESTED_NUMBERS_SCHEMA
+from service.api.schemas.definitions import DATASET_UPLOAD_SCHEMA
+from service.api.schemas.tensors import NESTED_NUMBERS_COMPONENTS
 
 # The statuses a compute route may answer besides 200 (each a Problem).
 COMPUTE_ERRORS = (400, 401, 404, 406, 413, 415, 422, 500, 502, 503, 504, 507)
@@ -103,8 +104,10 @@ def install(app: FastAPI) -> Callable[[], dict[str, Any]]:
                 separate_input_output_schemas=app.separate_input_output_schemas,
             )
             _file_problems_as_problem_json(schema)
-            # tensors' data lists refer to it (a recursive schema pydantic does not emit)
-            schema["components"]["schemas"]["NestedNumbers"] = NESTED_NUMBERS_SCHEMA
+            # schemas pydantic does not emit: the levels of a tensor's data lists, and a
+            # body declared by hand
+            schema["components"]["schemas"].update(NESTED_NUMBERS_COMPONENTS)
+            schema["components"]["schemas"]["DatasetUpload"] = DATASET_UPLOAD_SCHEMA
             _optional_security(schema)
             examples.add_to(schema)
             app.openapi_schema = schema

@@ -23,6 +23,7 @@ import numpy as np
 
 from service.api.schemas.tensors import BASE64_PATTERN as BASE64_TEXT
 from service.core.wire import (
+    MAX_NESTING,
     Encoding,
     TensorError,
     dtype_name,
@@ -47,6 +48,11 @@ def from_data(data: Any, dtype: str, shape: Sequence[int] | None) -> np.ndarray:
         raw = np.asarray(data)
     except ValueError as exc:  # ragged nesting
         raise TensorError(f"data is not a regular (nested) list of numbers: {exc}") from None
+    if raw.ndim > MAX_NESTING:  # as the document states it (its NestedNumbers levels)
+        raise TensorError(
+            f"data is nested {raw.ndim} lists deep; at most {MAX_NESTING} are allowed "
+            "(send the elements flat, with the shape)"
+        )
     if raw.dtype.kind == "U":
         raw = _from_strings(data, target)
     elif raw.dtype.kind not in "biuf":

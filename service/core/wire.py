@@ -50,6 +50,10 @@ def little_endian(dtype: str | np.dtype) -> np.dtype:
 # NumPy's own bounds on an array's shape: past them it raises ValueError mid-request.
 MAX_DIMENSION = 2**31 - 1
 MAX_RANK = 32
+# How deep a JSON `data` list may nest. The document spells every level out (the client
+# generators cannot follow a recursive array schema), so the levels are bounded; a tensor
+# of more dimensions sends its data flat beside its shape.
+MAX_NESTING = 8
 
 
 def expected_size(shape: Sequence[int]) -> int:

@@ -35,8 +35,6 @@ GENERATOR_CONFIG = ROOT / "clients" / "python" / "openapi-python-client.yaml"
 # better named in the contract. The list may only shrink (a test fails when an entry
 # is gone, so that it is removed here, and when a new one appears).
 ANONYMOUS_MODELS = {
-    # the items of a nested data list (numbers or lists, to any depth)
-    "TensorDataDataItemType2",
     # the `ctx` of FastAPI's default 422 schema (ValidationError), which four operations
     # with path parameters still declare although the service answers a Problem
     "ValidationErrorContext",

@@ -20,7 +20,8 @@ CONTRACT = json.loads(
 def test_an_empty_dataset_is_refused_by_the_schema_and_the_validator(client) -> None:
     body = CONTRACT["paths"]["/v1/datasets/{name}"]["put"]["requestBody"]["content"]
     for media in ("application/json", "application/msgpack"):
-        assert body[media]["schema"]["minProperties"] == 1
+        assert body[media]["schema"] == {"$ref": "#/components/schemas/DatasetUpload"}
+    assert CONTRACT["components"]["schemas"]["DatasetUpload"]["minProperties"] == 1
     answer = problem(client.put("/v1/datasets/empty", json={}), 422, "validation")
     assert answer["errors"][0]["field"] == "body"
 
@@ -198,6 +199,13 @@ def test_an_imported_model_is_onnx_or_stored_in_the_schema_and_the_validator(cli
     )
 
 
+def _nested(row: list, depth: int) -> list:
+    """`row` inside `depth` lists of one element each."""
+    for _ in range(depth):
+        row = [row]
+    return row
+
+
 def test_tensor_elements_and_dimensions_in_the_schema_and_the_validator(client) -> None:
     base = {"target": "loss", "definition": DEFINITION}
     _agree(
@@ -210,6 +218,10 @@ def test_tensor_elements_and_dimensions_in_the_schema_and_the_validator(client) 
             ({**base, "point": [{}]}, False),  # issue 25's case: not a number
             ({**base, "point": [[{}]]}, False),
             ({**base, "point": {"shape": [2], "data": [[{}], 1.0]}}, False),
+            # nesting: as deep as the document's levels (MAX_NESTING), and no deeper
+            ({**base, "point": {"shape": [1] * 7 + [2], "data": _nested([1.0, 2.0], 7)}}, True),
+            ({**base, "point": {"shape": [1] * 8 + [2], "data": _nested([1.0, 2.0], 8)}}, False),
+            ({**base, "point": _nested([1.0, 2.0], 8)}, False),
             ({**base, "point": {"shape": [2.0], "data": [1.0, 2.0]}}, True),  # a whole 2
             ({**base, "point": {"shape": [2.5], "data": [1.0, 2.0]}}, False),
             ({**base, "point": {"shape": [2**31], "data": [1.0, 2.0]}}, False),  # NumPy's

@@ -27,14 +27,7 @@ NameParam = Annotated[DatasetName, Path(description="The dataset's name.")]
 _ARRAYS = TypeAdapter(DatasetUpload)
 OCTET = "application/octet-stream"
 
-# DatasetUpload's schema, inline (no model refers to it, so it has no component)
-_UPLOAD_SCHEMA = {
-    "type": "object",
-    "description": "A dataset's arrays by name (at least one).",
-    "minProperties": 1,
-    "additionalProperties": {"$ref": "#/components/schemas/TensorValue"},
-    "propertyNames": {"minLength": 1, "maxLength": 256},
-}
+_UPLOAD_SCHEMA = {"$ref": "#/components/schemas/DatasetUpload"}
 _BODY = {
     "requestBody": {
         "required": True,

@@ -21,6 +21,7 @@ from typing_extensions import TypeAliasType
 from service.api.schemas.tensors import (
     BASE64_PATTERN,
     INT_MAX,
+    MAX_NAME_CHARS,
     STORED_NAME_PATTERN,
     FloatDType,
     Index,
@@ -129,6 +130,17 @@ DatasetUpload = TypeAliasType(
         Field(min_length=1, description="A dataset's arrays by name (at least one)."),
     ],
 )
+# DatasetUpload's schema, a component of the document (service/api/openapi.py adds it: no
+# model refers to it, PUT /v1/datasets/{name} declares its body by hand), so that a
+# generated client names the type.
+DATASET_UPLOAD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "title": "DatasetUpload",
+    "description": "A dataset's arrays by name (at least one).",
+    "minProperties": 1,
+    "additionalProperties": {"$ref": "#/components/schemas/TensorValue"},
+    "propertyNames": {"minLength": 1, "maxLength": MAX_NAME_CHARS},
+}
 Variables = TypeAliasType(
     "Variables",
     Annotated[dict[Name, Variable], Field(description="Parameters by name.")],

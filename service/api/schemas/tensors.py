@@ -26,7 +26,7 @@ from pydantic_core import CoreSchema, PydanticCustomError
 from typing_extensions import TypeAliasType
 
 from service.core.defaults import INT_MAX  # the schemas bound integers by it (re-exported too)
-from service.core.wire import DTYPES, MAX_DIMENSION
+from service.core.wire import DTYPES, MAX_DIMENSION, MAX_NESTING
 
 DType = StrEnum("DType", {name: name for name in DTYPES})  # type: ignore[misc]
 DType.__doc__ = "Element type of a tensor."
@@ -53,29 +53,53 @@ class Unconnected(StrEnum):
     zero = "zero"
 
 
-# Elements, flat or nested: numbers, true/false, or the non-finite strings. A component of
-# the document (service/api/openapi.py adds it), as it refers to itself. That the nesting
-# is regular (every row as long) is what JSON Schema cannot say: a ragged list stays a 422
+# Elements, flat or nested: numbers, true/false, or the non-finite strings. Components of
+# the document (service/api/openapi.py adds them): one per level of nesting, each level's
+# lists holding numbers or the next level's, down to MAX_NESTING (the Python client's
+# generator cannot follow an array schema that refers to itself). That the nesting is
+# regular (every row as long) is what JSON Schema cannot say: a ragged list stays a 422
 # the schema allows (tests/service/test_schemathesis.py's exclusions).
-NESTED_NUMBERS_SCHEMA: dict[str, Any] = {
-    "type": "array",
-    "title": "NestedNumbers",
-    "description": "Numbers (true/false count as 1/0) in a list, or in lists of such lists; "
-    "non-finite values are the strings 'NaN', 'Infinity', '-Infinity'.",
-    "items": {
-        "anyOf": [
+def _level_name(level: int) -> str:
+    return "NestedNumbers" if level == 1 else f"NestedNumbersLevel{level}"
+
+
+def _nested_numbers_components() -> dict[str, dict[str, Any]]:
+    components: dict[str, dict[str, Any]] = {
+        "NonFiniteNumber": {
+            "type": "string",
+            "enum": ["NaN", "Infinity", "-Infinity"],
+            "title": "NonFiniteNumber",
+            "description": "A non-finite value in a data list (JSON has no literal for it).",
+        }
+    }
+    for level in range(1, MAX_NESTING + 1):
+        elements: list[dict[str, Any]] = [
             {"type": "number"},
             {"type": "boolean"},
-            {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]},
-            {"$ref": "#/components/schemas/NestedNumbers"},
+            {"$ref": "#/components/schemas/NonFiniteNumber"},
         ]
-    },
-}
+        if level < MAX_NESTING:
+            elements.append({"$ref": f"#/components/schemas/{_level_name(level + 1)}"})
+        components[_level_name(level)] = {
+            "type": "array",
+            "title": _level_name(level),
+            "description": f"Numbers (true/false count as 1/0) in a list, or lists of such "
+            f"lists, nested at most {MAX_NESTING - level + 1} deep; non-finite values are "
+            "the strings 'NaN', 'Infinity', '-Infinity'."
+            if level == 1
+            else f"Level {level} of a NestedNumbers list.",
+            "items": {"anyOf": elements},
+        }
+    return components
+
+
+NESTED_NUMBERS_COMPONENTS = _nested_numbers_components()
 _NESTED_NUMBERS_REF = {"$ref": "#/components/schemas/NestedNumbers"}
 
 _DATA_SCHEMA = {
     "allOf": [_NESTED_NUMBERS_REF],
-    "description": "Elements in row-major order, flat or nested to match the shape. "
+    "description": "Elements in row-major order, flat or nested to match the shape "
+    f"(at most {MAX_NESTING} levels deep). "
     "Non-finite values are the strings 'NaN', 'Infinity', '-Infinity' (accepted only "
     "with allow_nonfinite). In a msgpack body: the raw little-endian bytes instead.",
 }
