@@ -587,7 +587,9 @@ def _model_test_points(
             "along the examples axis)",
             field="test_inputs",
         )
-    rows = len(np.asarray(next(iter(given.values()))))
+    # A scalar has no rows: test_points_of names its shape (len() would be a TypeError).
+    first = np.asarray(next(iter(given.values())))
+    rows = first.shape[0] if first.ndim else 0
     for name in curvature.targets:
         if name not in fake:
             leaf = session.program.inputs[name].type

@@ -323,3 +323,29 @@ def _draws(samples: int, seed: int) -> list:
     from engine.kfac import fisher_diagonal_draws
 
     return list(fisher_diagonal_draws(recording(), samples, seed))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("kfac", {"curvature": "hessian"}, "curvature"),
+        ("per-example", {"curvature": "ggn"}, "curvature"),
+        ("laplace", {"curvature": "fisher"}, "curvature"),
+        ("trace", {"curvature": "ggn", "samples": 3}, "samples"),
+        ("hvp", {"flat_vector": [1.0] * 28, "curvature": "ggn", "samples": 3}, "samples"),
+    ],
+)
+def test_options_that_contradict_each_other_name_the_field(client, tape_id, path, body, field):
+    """An option the row's own checks refuse is named, as a field pydantic refuses is
+    (it was `body: Value error, ...` with the field `body`)."""
+    found = problem(client.post(f"/v1/tapes/{tape_id}/{path}", json=body), 422, "validation")
+    assert found["errors"][0]["field"] == field, found
+    assert found["detail"].startswith(f"{field}: "), found
+
+
+def test_a_scalar_test_input_is_refused_naming_its_shape(client, tape_id) -> None:
+    fit = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": "diag"})
+    url = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/predictive"
+    found = problem(client.post(url, json={"test_inputs": {"x": 1.0}}), 422)
+    assert found["errors"][0]["field"] == "test_inputs.x", found
+    assert "has shape []" in found["detail"] and "[M, 3]" in found["detail"], found
