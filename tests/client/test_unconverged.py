@@ -99,3 +99,21 @@ def test_influence_uses_the_ggn_and_the_hessian_warns_at_negative_curvature(
         with pytest.warns(UnconvergedWarning, match="negative_curvature.*raise `damping`"):
             hessian = tape.influence(rows=[0, 1, 2], curvature="hessian", damping=1e-3)
         assert hessian.stopped == "negative_curvature"
+
+
+def test_answers_as_dicts_warn_too(client: Client, server) -> None:
+    """`tape.frobenius_norm` and `tape.call` answer the JSON dict: one whose `converged`
+    is false warns as the typed results do (and raises under strict)."""
+    with client.tape(quadratic(), "loss") as tape:
+        with pytest.warns(UnconvergedWarning, match="frobenius-norm.*'max_hvps'.*raise"):
+            norm = tape.frobenius_norm(max_hvps=4, batch_size=2, rtol=1e-12)
+        assert not norm["converged"] and norm["stopped"] == "max_hvps"
+        with pytest.warns(UnconvergedWarning, match="trace.*'max_hvps'"):
+            assert not tape.call("trace", method="hutchinson", max_hvps=4, rtol=1e-12)["converged"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert tape.call("trace", method="exact")["converged"]
+    with Client(server.base_url, strict=True) as strict, strict.tape(quadratic(), "loss") as tape:
+        with pytest.raises(Unconverged, match="frobenius-norm") as raised:
+            tape.frobenius_norm(max_hvps=4, batch_size=2, rtol=1e-12)
+        assert raised.value.result["hvps"] == 4

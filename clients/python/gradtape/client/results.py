@@ -118,6 +118,21 @@ class _Converges(_Unpack):
         warnings.warn(UnconvergedWarning(message), stacklevel=_caller_stacklevel())
 
 
+def check_converged(what: str, answer: Any) -> None:
+    """An answer kept as the server's dict (`RemoteTape.call`, `frobenius_norm`): warns
+    as a typed result does when its `converged` is false (raises under strict)."""
+    if not isinstance(answer, dict) or answer.get("converged") is not False:
+        return
+    stopped = answer.get("stopped")
+    message = (
+        f"{what} did not converge: stopped {stopped!r} after {answer.get('hvps')} HVPs; "
+        f"the answer is partial. {_ADVICE.get(str(stopped), '')}".rstrip()
+    )
+    if STRICT.get():
+        raise Unconverged(message, answer)
+    warnings.warn(UnconvergedWarning(message), stacklevel=_caller_stacklevel())
+
+
 @dataclass(frozen=True)
 class Gradient(_Unpack):
     """The target's value and its gradients; with flat=True, `gradients` is one float64

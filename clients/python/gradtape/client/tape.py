@@ -35,6 +35,7 @@ from .results import (
     Solve,
     SpectralDensity,
     Trace,
+    check_converged,
     shaped,
 )
 
@@ -202,7 +203,12 @@ class RemoteTape(CurvatureMethods):
         explicit `seed=None`: fresh random vectors), run as a job with `progress` as in
         `eigenvalues`. Answers the JSON answer as a dict. The named methods below are this
         call with their options named and their answers typed."""
-        return self._run(self._ask(operation, self._body(options), progress))
+        return self._run(self._call_op(operation, self._body(options), progress))
+
+    def _call_op(self, operation: str, body: dict[str, Any], progress: Any) -> _core.Op[Any]:
+        answer = yield from self._ask(operation, body, progress)
+        check_converged(operation, answer)  # the dict warns as typed results do
+        return answer
 
     def _ask(self, operation: str, body: dict[str, Any], progress: Any = None) -> _core.Op[Any]:
         answer = yield from self._core.compute(
