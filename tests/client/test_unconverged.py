@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 
+import httpx
 import numpy as np
 import pytest
 from gradtape.client import (
@@ -117,3 +118,17 @@ def test_answers_as_dicts_warn_too(client: Client, server) -> None:
         with pytest.raises(Unconverged, match="frobenius-norm") as raised:
             tape.frobenius_norm(max_hvps=4, batch_size=2, rtol=1e-12)
         assert raised.value.result["hvps"] == 4
+
+
+def test_a_job_answered_as_a_dict_warns(client: Client, server) -> None:
+    """`client.job(id).wait()` on a job started elsewhere (a 202's Location) answers the
+    dict: a trace cut short by its HVP budget says so by a warning."""
+    with client.tape(quadratic(), "loss") as tape:
+        started = httpx.post(
+            f"{server.base_url}/v1/tapes/{tape.id}/trace",
+            json={"method": "hutchinson", "max_hvps": 4, "rtol": 1e-12, "async": True},
+        )
+        assert started.status_code == 202, started.text
+        with pytest.warns(UnconvergedWarning, match="job .*'max_hvps'"):
+            answer = client.job(started.json()["job_id"]).wait()
+        assert answer["method"] == "hutchinson" and answer["stopped"] == "max_hvps"
