@@ -183,6 +183,8 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
 
     # Batched passes over the tape (HVP vectors, probes) are split to fit the memory budget.
     most = program.batch_within(context.memory_budget, "recording the tape and one HVP pass")
+    # Recording is a forward pass and its gradient: guarded as /v1/gradient is.
+    check_cost(program, 1, True, context, "recording the tape")
     operator = gt.hessian_operator(f, *[leaves[n] for n in names], max_batch=most)
     session = TapeSession(
         tape_id=tape_id,

@@ -160,3 +160,24 @@ def test_a_tapes_hvp_of_1024_vectors_is_refused_too(roomy) -> None:
     want = 2048 * 2048 * (2 * np.cos(s) - s * np.sin(s))
     np.testing.assert_allclose(arr(few.json()["hvps"][0]["w"]), [want] * 4, rtol=1e-3)
     roomy.delete(f"/v1/tapes/{tape}")
+
+
+def test_recording_a_tape_is_guarded_as_a_gradient_is(roomy) -> None:
+    """POST /v1/tapes runs the forward pass and its gradient, as /v1/gradient does: the
+    same estimate refuses it before it runs (it ran into its time limit: a 504 and a
+    killed worker)."""
+    chain = ["a = broadcast_to(sum(w), (2048, 2048))"] + [
+        f"m{i} = {'a' if i == 0 else f'm{i - 1}'} @ a" for i in range(4)
+    ]
+    body = {
+        "definition": {"program": [*chain, "loss = sum(m3)"], "variables": {"w": W}},
+        "target": "loss",
+        "time_limit": 1,
+    }
+    gradient = problem(roomy.post("/v1/gradient", json=body), 422, "too-large")
+    assert "the gradient is estimated at about" in gradient["detail"]
+    before = worker_pids(roomy)
+    answer = problem(roomy.post("/v1/tapes", json=body), 422, "too-large")
+    assert "recording the tape is estimated at about" in answer["detail"], answer
+    assert answer["estimate"] == gradient["estimate"] and answer["time_limit"] == 1
+    assert worker_pids(roomy) == before
