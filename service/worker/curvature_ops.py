@@ -72,6 +72,18 @@ def _at_line(message: str, exc: MixedExamplesError, seen: Mapping[str, Any]) -> 
     return message
 
 
+# The options a Laplace fit's errors begin with (engine/laplace.py): each names its own.
+LAPLACE_FIELDS = ("sigma_noise", "prior_precision", "structure", "subset", "count", "link")
+
+
+def _laplace_error(exc: Exception, field: str) -> RequestError:
+    """A Laplace fit's refusal, naming the option its message begins with (else `field`):
+    'sigma_noise is for regression' is about sigma_noise, not the curvature."""
+    text = str(exc).removeprefix("laplace: ")
+    named = next((f for f in LAPLACE_FIELDS if text.startswith(f)), field)
+    return _curvature_error(exc, named)
+
+
 def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
     if isinstance(exc, MixedExamplesError):
         return RequestError("batch-dependence", str(exc), field="output")
@@ -483,7 +495,7 @@ def laplace_fit(
         if tune:
             la.tune_prior_precision()
     except (MixedExamplesError, CurvatureError, ValueError) as exc:
-        raise _curvature_error(exc) from None
+        raise _laplace_error(exc, "curvature") from None
     held = _laplaces(session)
     while len(held) >= MAX_LAPLACES:
         held.pop(next(iter(held)))

@@ -349,3 +349,15 @@ def test_a_scalar_test_input_is_refused_naming_its_shape(client, tape_id) -> Non
     found = problem(client.post(url, json={"test_inputs": {"x": 1.0}}), 422)
     assert found["errors"][0]["field"] == "test_inputs.x", found
     assert "has shape []" in found["detail"] and "[M, 3]" in found["detail"], found
+
+
+def test_a_laplace_fits_refusals_name_the_option(client, tape_id) -> None:
+    refused = problem(client.post(f"/v1/tapes/{tape_id}/laplace", json={"sigma_noise": 2.0}), 422)
+    assert refused["errors"][0]["field"] == "sigma_noise", refused  # it said "curvature"
+    assert "regression" in refused["detail"]
+    fit = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": "diag"})
+    url = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/log-marginal-likelihood"
+    for bad in (-1.0, 0.0):
+        found = problem(client.post(url, json={"prior_precision": bad}), 422, "validation")
+        assert found["errors"][0]["field"] == "prior_precision", found  # it said "body"
+        assert found["detail"].startswith("prior_precision: must be a positive"), found
