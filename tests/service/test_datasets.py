@@ -403,3 +403,28 @@ def test_the_cache_is_an_lru_by_content(tmp_path) -> None:
     new = store.put_dataset("", "p", {"a": np.full(100, 7.0)})
     assert cache.array(new.arrays[0].blob)[0] == 7.0
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("rows", "field", "message"),
+    [
+        ({"start": 0, "stop": 3, "step": 0}, "rows.RowSlice.step", "greater than or equal to 1"),
+        ({"start": 0, "bogus": 1}, "rows.RowSlice.bogus", "Extra inputs"),
+        ([2**63], "rows.0", "less than or equal to"),
+    ],
+)
+def test_a_bad_mini_batch_names_what_is_wrong_with_it(client, rows, field, message) -> None:
+    """rows is a list or a slice: the problem shown first is the one with the form sent
+    (it was 'rows.list[function-before[whole_float(), constrained-int]]: Input should be
+    a valid list' for a slice whose step is 0)."""
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={"definition": bound({"dataset": "logit", "rows": rows}), "target": "loss"},
+        ),
+        422,
+        "validation",
+    )
+    assert body["detail"].startswith(f"definition.inputs.DatasetInputs.{field}: "), body
+    assert message in body["detail"], body
+    assert "[" not in body["errors"][0]["field"], body
