@@ -453,7 +453,7 @@ class GatedRoute(BoundedRoute):
         # A compute route that may start a job (routes/_compute.register marks it).
         may_run_jobs = bool(getattr(self.endpoint, "may_run_jobs", False))
         # Reads and deletes queue nothing on a worker: no slot (only the rate applies).
-        computes = not self.methods <= {"GET", "HEAD", "DELETE"}
+        computes = not (self.methods or set()) <= {"GET", "HEAD", "DELETE"}
 
         async def gated(request: Request) -> Response:
             # The same dependency the route declares (it answers from the request's
