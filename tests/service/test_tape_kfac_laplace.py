@@ -333,6 +333,11 @@ def _draws(samples: int, seed: int) -> list:
         ("laplace", {"curvature": "fisher"}, "curvature"),
         ("trace", {"curvature": "ggn", "samples": 3}, "samples"),
         ("hvp", {"flat_vector": [1.0] * 28, "curvature": "ggn", "samples": 3}, "samples"),
+        # One pass, nothing partial to answer at max_seconds: refused, not ignored (the
+        # document said "it then stops and answers what it has").
+        ("kfac", {"max_seconds": 5.0}, "max_seconds"),
+        ("per-example", {"max_seconds": 5.0}, "max_seconds"),
+        ("laplace", {"max_seconds": 5.0}, "max_seconds"),
     ],
 )
 def test_options_that_contradict_each_other_name_the_field(client, tape_id, path, body, field):
