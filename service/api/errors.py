@@ -76,9 +76,17 @@ _ARM_MISMATCHES = {"list_type", "dict_type", "model_type", "model_attributes_typ
 
 
 def _most_telling_first(errors: list[Any]) -> list[Any]:
-    if all(err.get("type") in _ARM_MISMATCHES for err in errors):
-        return errors
-    return sorted(errors, key=lambda err: err.get("type") in _ARM_MISMATCHES)
+    def other_arm_says_more(err: Any) -> bool:
+        if err.get("type") not in _ARM_MISMATCHES:
+            return False
+        union = tuple(err.get("loc", ()))[:-1]  # the arm's label is the last part
+        return any(
+            other.get("type") not in _ARM_MISMATCHES
+            and tuple(other.get("loc", ()))[: len(union)] == union
+            for other in errors
+        )
+
+    return sorted(errors, key=other_arm_says_more)
 
 
 def _without_input_tags(parts: list[str]) -> list[str]:
