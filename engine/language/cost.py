@@ -19,9 +19,11 @@ Seconds = the sum of each measure over its throughput (Throughput: the service s
 cost_flops_per_second, cost_transcendentals_per_second, cost_bytes_per_second).
 
 The estimate is a guard against requests orders of magnitude past a time limit, not a
-scheduler: it leaves out what it cannot see (an einsum's contraction, an ONNX model's
-matmuls, a user function called many times counts once per signature), so it errs on
-the fast side, and a refusal is only for what even this estimate cannot finish.
+scheduler: it leaves out what it cannot see (an einsum's contraction, an ONNX node
+outside ONNX_COSTS beyond its bytes, a user function called many times counts once per
+signature), so it errs on the fast side, and a refusal is only for what even this
+estimate cannot finish. An ONNX model's nodes count as the language's ops do (its
+MatMul as matmul, its Tanh as tanh), from the shapes of the graph specialised to the call.
 """
 
 from __future__ import annotations
