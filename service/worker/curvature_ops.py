@@ -284,6 +284,13 @@ def kfac_answer(
         "product": None,
     }
     vectors = payload.get("vectors")
+    if payload.get("inverse") and not vectors:  # nothing to multiply: not a silent no-op
+        raise RequestError(
+            "request",
+            "inverse: multiplies `vector` by (KFAC + damping I)^-1; give `vector` (a tensor "
+            "per source)",
+            field="inverse",
+        )
     if vectors:
         power = -1.0 if payload.get("inverse") else 1.0
         if power == -1.0 and damping <= 0.0 and min(fitted.all_eigenvalues()) <= 0.0:

@@ -366,3 +366,9 @@ def test_a_laplace_fits_refusals_name_the_option(client, tape_id) -> None:
         found = problem(client.post(url, json={"prior_precision": bad}), 422, "validation")
         assert found["errors"][0]["field"] == "prior_precision", found  # it said "body"
         assert found["detail"].startswith("prior_precision: must be a positive"), found
+
+
+def test_an_inverse_without_a_vector_is_refused(client, tape_id) -> None:
+    """`inverse` multiplies `vector`: asked alone it answered 200 with no product."""
+    found = problem(client.post(f"/v1/tapes/{tape_id}/kfac", json={"inverse": True}), 422)
+    assert found["errors"][0]["field"] == "inverse" and "give `vector`" in found["detail"]
