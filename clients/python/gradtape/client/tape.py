@@ -201,8 +201,9 @@ class RemoteTape(CurvatureMethods):
         """Any operation on the tape by its path: POST /v1/tapes/{id}/<operation> (e.g.
         "trace", "frobenius-norm") with `options` as its body (None ones left out, but an
         explicit `seed=None`: fresh random vectors), run as a job with `progress` as in
-        `eigenvalues`. Answers the JSON answer as a dict. The named methods below are this
-        call with their options named and their answers typed."""
+        `eigenvalues`. Answers the JSON answer as a dict (one whose `converged` is false
+        warns, or raises under strict, as the typed results do). The named methods below
+        are this call with their options named and their answers typed."""
         return self._run(self._call_op(operation, self._body(options), progress))
 
     def _call_op(self, operation: str, body: dict[str, Any], progress: Any) -> _core.Op[Any]:
