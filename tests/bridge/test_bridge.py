@@ -520,3 +520,26 @@ def test_data_of_another_float_dtype_than_the_module_is_a_named_error(server) ->
     with Client(server.base_url) as client, pytest.raises(BridgeError) as caught:
         client.tape(model, loss="cross_entropy", data=(x, y))
     assert "input 0 is float64 and the module's parameters are float32" in str(caught.value)
+
+
+def test_a_cached_export_is_not_reused_once_parameters_are_frozen(server) -> None:
+    """Freezing a layer (requires_grad_(False): fine-tuning the head only) changes what
+    the tape differentiates and the flat vector's layout, not the values or the forward:
+    the cached export must not keep the frozen parameters trainable."""
+    model = perturbed(Tokens(), seed=8)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as everything:
+            assert everything.names == ["a.weight", "a.bias", "b.weight", "b.bias"]
+        model.a.requires_grad_(False)
+        with client.tape(model, loss="mse", data=(x, y)) as head:
+            assert head.names == ["b.weight", "b.bias"]
+            assert head.size == 3 * 6 + 3  # parameters_to_vector over requires_grad ones
+            loss = F.mse_loss(model(x), y)
+            head_params = [model.b.weight, model.b.bias]
+            want = torch.autograd.grad(loss, head_params)
+            got = head.gradients
+            assert list(got) == ["b.weight", "b.bias"]
+            for g, w in zip(got.values(), want, strict=True):
+                np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12)

@@ -201,11 +201,13 @@ def _check_mode(module: Any) -> None:
 
 def _state_digest(module: Any, args: tuple[Any, ...]) -> str:
     """What an export depends on: the values and shapes of the state (parameters,
-    buffers, tensor attributes) and the inputs' shapes and dtypes (a cached export is
-    reused only while they are unchanged, and the forward with them: _same_forward)."""
+    buffers, tensor attributes), which parameters require grad (a frozen one is a
+    constant of the export, not a variable), and the inputs' shapes and dtypes (a cached
+    export is reused only while they are unchanged, and the forward with them:
+    _same_forward)."""
     h = hashlib.sha256()
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        h.update(name.encode())
+        h.update(name.encode() + (b" trainable" if t.requires_grad else b" fixed"))
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     for name, a in _tensor_attributes(module).items():  # constants of the export
