@@ -543,3 +543,22 @@ def test_a_cached_export_is_not_reused_once_parameters_are_frozen(server) -> Non
             assert list(got) == ["b.weight", "b.bias"]
             for g, w in zip(got.values(), want, strict=True):
                 np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        torch.tensor([0, 1, 4, 2, 3, 1]),  # 4 of 4 classes: torch raises
+        torch.tensor([0, 1, -100, 2, 3, 1]),  # torch's ignore_index: not ignored here
+        torch.tensor([0.0, 1.0, 1.5, 2.0, 3.0, 1.0], dtype=torch.float64),  # not classes
+        torch.tensor([[0, 1, 2], [3, 1, 0]]),  # not one label per example
+    ],
+)
+def test_nll_labels_that_are_not_class_indices_are_a_named_error(server, labels) -> None:
+    """'nll' turns labels into one-hot rows; a label outside [0, C) (torch raises, or
+    with ignore_index drops it from the mean) would be a zero row, a smaller loss and no
+    error."""
+    model = nn.Sequential(perturbed(ConvBN(), seed=1), nn.LogSoftmax(dim=1)).eval()
+    x = torch.randn(6, 2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with Client(server.base_url) as client, pytest.raises(BridgeError, match="nll"):
+        client.tape(model, loss="nll", data=(x, labels))

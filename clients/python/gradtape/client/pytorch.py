@@ -1169,6 +1169,7 @@ def tape_op(
     if target is not None:
         if loss == "nll":
             classes = out_shape[1]
+            _check_class_labels(target, out_shape)
             inputs["y_one_hot"] = (target.reshape(-1, 1) == np.arange(classes)).astype(model.dtype)
         else:
             inputs["y"] = target.astype(model.dtype) if target.dtype.kind == "f" else target
@@ -1190,6 +1191,30 @@ def tape_op(
     output = tape_options.pop("output", None) or model.outputs[0]
     remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)
     return TorchTape(remote, model, tensors)
+
+
+def _check_class_labels(target: np.ndarray, out_shape: tuple[int, ...]) -> None:
+    """'nll' labels become one-hot rows: one integer in [0, C) per example, or a label
+    would silently be a zero row (torch raises for it; its ignore_index is not taken)."""
+    n, classes = out_shape[0], out_shape[1]
+    if target.dtype.kind not in "iu":
+        raise BridgeError(
+            f"loss 'nll' takes integer class labels; the targets are {target.dtype} "
+            "(probabilities or one-hot rows: write the loss as lines)"
+        )
+    if target.shape != (n,):
+        raise BridgeError(
+            f"loss 'nll' takes one class label per example, shape ({n},); the targets have "
+            f"shape {tuple(target.shape)}"
+        )
+    outside = (target < 0) | (target >= classes)
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise BridgeError(
+            f"loss 'nll': label {int(target[i])} of example {i} is not a class of the "
+            f"model's {classes} outputs (labels lie in [0, {classes}); torch's ignore_index "
+            "is not supported: leave those examples out of the data)"
+        )
 
 
 def _forward_arity(module: Any) -> int:
