@@ -159,3 +159,26 @@ def test_expand_equals_curvlinops_and_reduce_differs_by_its_cross_position_terms
                 # c of every other position's: products S_p S_q^T (p != q) the engine
                 # does not have.
                 assert np.abs(layer.G - their_g).max() > 1e-2 * np.abs(their_g).max()
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_per_position_ekfac_eigenvalues_are_the_exact_ggn_in_the_kfac_eigenbasis(sharing):
+    """EKFAC's eigenvalues are the exact GGN's diagonal in each weight block's Kronecker
+    eigenbasis: (q_a (x) q_g)^T GGN (q_a (x) q_g) for every pair of eigenvectors, with
+    the GGN's products taken from the curvature operator (no Kronecker structure)."""
+    from engine.hessian_algorithms import FlatOperator
+
+    params, x, y = _setup(3)
+    curv = _curvature(params, x, y)
+    fitted = kfac(curv, "ggn", sharing=sharing, names=list(params), ekfac=True)
+    ggn = FlatOperator(curv.operator("ggn"))
+    names = list(params)  # the flat order: the dict's
+    offsets = np.cumsum([0, *(params[n].size for n in names)])
+    for layer in fitted.layers:
+        qa, qg = layer.eig_a[1], layer.eig_g[1]
+        w = names.index(layer.name.split("+")[0])
+        basis = np.einsum("ka,mb->abkm", qa, qg).reshape(-1, qa.shape[0] * qg.shape[0])
+        vectors = np.zeros((basis.shape[0], ggn.n))
+        vectors[:, offsets[w] : offsets[w + 1]] = basis
+        want = np.einsum("ij,ij->i", vectors, ggn.matvec(vectors)).reshape(layer.corrected.shape)
+        np.testing.assert_allclose(layer.corrected, want, rtol=1e-9, atol=1e-14)
