@@ -40,7 +40,10 @@ draws within 0.6% of ours, its type-2 G about 3 times ours). tests/engine/
 test_kfac_positions.py checks the convention against a dense reference, the exact
 expectation over every label configuration, and curvlinops where installed. With one
 term per example (an output (N, C)) the two are the same and equal curvlinops' recorded
-factors (test_kfac_laplace.py).
+factors (test_kfac_laplace.py). The empirical Fisher's G follows the engine's
+per-example empirical Fisher (curvature.py: one gradient per example, of its loss as
+written): with T terms per example averaged, G is curvlinops' (one gradient per term)
+divided by T, in both modes (tested there too).
 
 EKFAC keeps the eigenvectors of A and G and replaces the eigenvalues by the curvature's
 diagonal in that basis, w sum_{col,i} ((Q_A^T X_i Q_G)^2) with X_i the per-example

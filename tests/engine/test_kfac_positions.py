@@ -137,6 +137,23 @@ def test_expand_equals_curvlinops_and_reduce_differs_by_its_cross_position_terms
 
     wrapped = ClassesSecond(net)
     data = [(torch.as_tensor(x), torch.as_tensor(y))]
+    for sharing in ("expand", "reduce"):
+        # The empirical Fisher: one gradient per example of its loss (the mean over its T
+        # positions) here, one per position there: G is theirs / T.
+        ours = kfac(_curvature(params, x, y), "empirical_fisher", sharing=sharing)
+        theirs = curvlinops.KFACLinearOperator(
+            wrapped,
+            torch.nn.CrossEntropyLoss(),
+            list(wrapped.parameters()),
+            data,
+            fisher_type="empirical",
+            kfac_approx=sharing,
+            check_deterministic=False,
+        )
+        theirs.compute_kronecker_factors()
+        for layer, name in zip(ours.layers, theirs._input_covariances, strict=True):
+            their_g = theirs._gradient_covariances[name].numpy()
+            np.testing.assert_allclose(layer.G, their_g / T, rtol=1e-10, atol=1e-15)
     for sharing, ours in fitted.items():
         theirs = curvlinops.KFACLinearOperator(
             wrapped,
