@@ -150,6 +150,22 @@ def test_a_module_in_training_mode_is_refused() -> None:
         pytorch.export(model, torch.randn(2, 2, 5, 5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize(
+    "normed",
+    [nn.utils.parametrizations.spectral_norm, nn.utils.spectral_norm],
+    ids=["parametrization", "hook"],
+)
+def test_spectral_norm_in_training_mode_is_refused(normed) -> None:
+    """While training, spectral norm runs a power-iteration step under no_grad (and
+    updates its vectors) on every forward; the export would differentiate through that
+    step, a gradient torch does not have."""
+    model = nn.Sequential(normed(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(BridgeError, match="is in training mode"):
+        pytorch.export(model.train(), x)
+    assert pytorch.export(model.eval(), x).trainable  # eval mode: the vectors are constants
+
+
 def test_a_forward_that_differs_is_an_export_mismatch_naming_the_output(server) -> None:
     tanh = perturbed(Tokens(torch.tanh))
     relu = copy.deepcopy(tanh)

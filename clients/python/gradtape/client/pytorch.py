@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import io
 import warnings
 import weakref
@@ -176,10 +177,6 @@ def _outputs(value: Any) -> list[Any]:
     return items
 
 
-# Layers whose training mode differs from eval mode (batch statistics, random masks).
-_MODE_DEPENDENT = ("BatchNorm", "Dropout", "InstanceNorm", "AlphaDropout", "RNNBase")
-
-
 def _check_mode(module: Any) -> None:
     torch = _torch()
     mode_dependent = (
@@ -189,9 +186,15 @@ def _check_mode(module: Any) -> None:
         torch.nn.RNNBase,
         torch.nn.MultiheadAttention,
         torch.nn.TransformerEncoderLayer,
+        # Spectral norm's power iteration runs (and updates its vectors, under no_grad)
+        # only while training: the export would differentiate through it.
+        torch.nn.utils.parametrizations._SpectralNorm,
     )
+    # The hook-based version (torch.nn.utils.spectral_norm, the function, hides its module).
+    old_spectral = importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm
     for name, sub in module.named_modules():
-        if sub.training and isinstance(sub, mode_dependent):
+        hooked = any(isinstance(h, old_spectral) for h in sub._forward_pre_hooks.values())
+        if sub.training and (isinstance(sub, mode_dependent) or hooked):
             raise BridgeError(
                 f"{name or 'the module'} ({type(sub).__name__}) is in training mode, where it "
                 "uses batch statistics or random masks; call model.eval() before bridging it "
