@@ -160,6 +160,39 @@ def test_a_stored_onnx_models_passes_compile_and_say_so(http: httpx.Client, name
     )
 
 
+def test_a_tapes_hvps_compile_per_vector_layout_and_say_so(http: httpx.Client) -> None:
+    """A tape of the stored transformer: its reused HVP passes compile like the stateless
+    ones (per vector layout, on the tape's own operator)."""
+    data, record, prog, leaves = program("transformer")
+    assert http.put("/v1/models/tape-net", content=data, headers=ONNX).status_code in (200, 201)
+    r = http.post(
+        "/v1/tapes", json={"definition": definition("tape-net", record), "target": "loss"}
+    )
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
+    request = prog.check_request("loss")
+    sources = dict(request.sources)
+    operator = prog.hessian_operator(request, leaves)
+    operator.compiled = False  # the engine's dynamic products, here
+    rng = np.random.default_rng(6)
+    answers = []
+    for _ in range(3):  # one vector each: one layout
+        vector = {k: rng.standard_normal(leaves[n].shape) for k, n in sources.items()}
+        answers.append(
+            post(http, f"/v1/tapes/{tape}/hvp", {"vector": {k: t(v) for k, v in vector.items()}})
+        )
+        want = operator.hvp(*[gt.constant(vector[k].astype(np.float32)) for k in sources])
+        for key, w in zip(sources, want, strict=True):
+            close(arr(answers[-1]["hvp"][key]), w.numpy(), f"tape hvp {key}")
+    assert states(answers) == [(False, FIRST), (False, SECOND), (True, None)]
+    two = post(
+        http,
+        f"/v1/tapes/{tape}/hvp",
+        {"vectors": [{k: t(np.ones(leaves[n].shape)) for k, n in sources.items()}] * 2},
+    )
+    assert states([two]) == [(False, FIRST)]  # another layout: two vectors per pass
+
+
 # A pass that cannot be captured: sort's rule reads the data on the host.
 UNCAPTURABLE = {
     "variables": {"w": np.arange(12.0).reshape(3, 4).tolist()},

@@ -158,10 +158,11 @@ class FlatAnswer(BaseModel):
 class Execution(BaseModel):
     """How the worker ran this answer's passes. A definition's gradient, HVP and
     jacobian passes (a stored ONNX model's included) are compiled per request layout
-    (target, sources, the leaves' shapes and dtypes, the vectors'): the first request of
-    a layout runs dynamically, the second is captured, and later ones replay the
-    captured array calls, with the same answers. Each worker keeps its own compiled
-    passes (up to 16 layouts of each kind)."""
+    (target, sources, the leaves' shapes and dtypes, the vectors'), and a tape's HVP
+    passes per vector layout: the first request of a layout runs dynamically, the second
+    is captured, and later ones replay the captured array calls, with the same answers.
+    Each worker keeps its own compiled passes (up to 16 layouts of each kind for
+    definitions, 8 per tape)."""
 
     compiled: bool = Field(
         description="True when every pass of the answer replayed its compiled form."
@@ -179,7 +180,7 @@ def execution_field() -> Any:
     return Field(
         None,
         description="How the worker ran the passes (compiled or dynamically, and why); "
-        "null for a sharded request, whose parts ran on several workers.",
+        "null for a sharded request or tape, whose parts ran on several workers.",
     )
 
 
