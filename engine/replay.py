@@ -33,15 +33,14 @@ captured; CuPy passes stay dynamic.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -203,12 +202,14 @@ class Execution:
     reason: str | None = None
 
 
-@dataclass
 class Observed:
     """The Executions of the outermost passes run inside one `observe()` block."""
 
-    passes: list[Execution] = field(default_factory=list)
-    depth: int = 0  # passes being run now (only depth 0 reports)
+    __slots__ = ("depth", "passes")
+
+    def __init__(self) -> None:
+        self.passes: list[Execution] = []
+        self.depth = 0  # passes being run now (only depth 0 reports)
 
     def summary(self) -> Execution:
         """Compiled when every pass replayed; otherwise the first dynamic pass's reason
@@ -225,15 +226,19 @@ _observed: ContextVar[Observed | None] = ContextVar("gradtape_replay_observed", 
 _T = TypeVar("_T")
 
 
-@contextlib.contextmanager
-def observe() -> Iterator[Observed]:
-    """Collect how each outermost pass run inside the block ran (see Execution)."""
-    found = Observed()
-    token = _observed.set(found)
-    try:
-        yield found
-    finally:
-        _observed.reset(token)
+class observe:
+    """Collect how each outermost pass run inside the block ran (see Execution). A class,
+    not a generator-based context manager: it wraps every request a worker answers."""
+
+    __slots__ = ("_found", "_token")
+
+    def __enter__(self) -> Observed:
+        self._found = Observed()
+        self._token = _observed.set(self._found)
+        return self._found
+
+    def __exit__(self, *exc: object) -> None:
+        _observed.reset(self._token)
 
 
 def _reporting(run: Callable[[], tuple[_T, Execution]]) -> _T:
@@ -291,7 +296,17 @@ class Passes:
         known: Callable[[], dict[int, Any]],
     ) -> list[Tensor | None]:
         """dynamic(seeds)'s outputs, computed the way this layout's state says."""
-        return _reporting(lambda: self._run(key, seeds, dynamic, known))
+        observed = _observed.get()  # (_reporting's steps, inlined: every pass comes here)
+        if observed is None:
+            return self._run(key, seeds, dynamic, known)[0]
+        observed.depth += 1
+        try:
+            outputs, how = self._run(key, seeds, dynamic, known)
+        finally:
+            observed.depth -= 1
+        if observed.depth == 0:
+            observed.passes.append(how)
+        return outputs
 
     def _run(
         self,
