@@ -9,7 +9,8 @@ can be costly (a 3 MB list of a million empty lists makes a million validation e
 The route classes here do it in order instead:
 
 1. GatedRoute (every /v1 resource but jobs) authenticates the caller and passes its fair
-   share (service/api/fairness.py: a token, then one of its key's slots) *before a byte
+   share (service/api/fairness.py: a token, then one of its key's slots; a read or a
+   delete, which queues nothing on a worker, the token alone) *before a byte
    of the body is read*: a 401 or 429 goes out while the client is still sending, and
    the server discards the rest of the body unparsed. The slot is held while the body is
    read, parsed and computed, so one key parses at most its slots' worth at a time.
@@ -451,6 +452,8 @@ class GatedRoute(BoundedRoute):
         reads_body = self.body_field is not None
         # A compute route that may start a job (routes/_compute.register marks it).
         may_run_jobs = bool(getattr(self.endpoint, "may_run_jobs", False))
+        # Reads and deletes queue nothing on a worker: no slot (only the rate applies).
+        computes = not (self.methods or set()) <= {"GET", "HEAD", "DELETE"}
 
         async def gated(request: Request) -> Response:
             # The same dependency the route declares (it answers from the request's
@@ -459,7 +462,7 @@ class GatedRoute(BoundedRoute):
                 request, await bearer_scheme(request), await api_key_scheme(request)
             )
             fairness: Fairness = request.app.state.fairness
-            async with fairness.admit(owner) as admission:
+            async with fairness.admit(owner, computes) as admission:
                 if may_run_jobs and reads_body:
                     # Read while in the key's line (bounded by max_waiting_per_key): a
                     # request that starts a job answers 202 without waiting for a slot.
@@ -468,7 +471,7 @@ class GatedRoute(BoundedRoute):
                         admission.without_slot()
                     else:
                         await admission.take_slot()
-                else:
+                elif computes:
                     await admission.take_slot()
                     if reads_body:
                         await read_bounded(request)

@@ -51,9 +51,9 @@ class Admission:
     """A request past its key's rate, in its key's line: `take_slot` waits for one of the
     key's slots (held until the request is answered); `leave` ends the stay in line."""
 
-    def __init__(self, state: _KeyState | None):
+    def __init__(self, state: _KeyState | None, waiting: bool = True):
         self._state = state
-        self._waiting = state is not None
+        self._waiting = state is not None and waiting
         self._holding = False
 
     async def take_slot(self) -> None:
@@ -131,12 +131,14 @@ class Fairness:
         raise _limited(detail, wait)
 
     @asynccontextmanager
-    async def admit(self, owner: str) -> AsyncIterator[Admission]:
+    async def admit(self, owner: str, computes: bool = True) -> AsyncIterator[Admission]:
         """Pass the key's rate and line (off on a server without keys): 429 over the
         rate or past a full waiting line. The request then waits in its key's line until
         it takes a slot (Admission.take_slot), or leaves the line without one: a request
         started as a job is bookkeeping, answered 202 at once (its job takes a slot when
-        it computes, Fairness.slot)."""
+        it computes, Fairness.slot). A request that `computes` nothing (a read, a
+        delete: no worker's queue) pays its token and neither stands in the line nor
+        takes a slot: the key's own jobs, holding every slot, never hold up a listing."""
         if not self.enabled:
             yield Admission(None)
             return
@@ -144,7 +146,7 @@ class Fairness:
         state = self._state(owner, now)
         if self.store is None and (over := self._check_rate(state, now)) is not None:
             await self._refuse(state, *over)
-        if state.slots.locked() and state.waiting >= self.max_waiting:
+        if computes and state.slots.locked() and state.waiting >= self.max_waiting:
             # Refused before it costs a token: a client told to come back later keeps
             # its rate for when it does.
             await self._refuse(
@@ -168,8 +170,9 @@ class Fairness:
         elif self.rate > 0:
             state.tokens -= 1.0
         state.users += 1
-        state.waiting += 1
-        admission = Admission(state)
+        if computes:
+            state.waiting += 1
+        admission = Admission(state, waiting=computes)
         try:
             yield admission
         finally:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.service.conftest import Server, start_server, stop_server
 from tests.service.test_hostile import open_upload, read_answer
+from tests.service.test_jobs import start, wait
 from tests.service.wire import MSGPACK, problem, tbin
 
 KEYS = ["flood-key", "quiet-key"]
@@ -131,6 +132,35 @@ def test_a_key_waits_in_its_own_line_and_past_it_gets_429(one_slot) -> None:
     holding.close()
     waiting.close()
     assert statuses == [200, 200], statuses  # 1 computing, 1 waiting: both answered
+
+
+def test_a_key_whose_job_holds_its_slot_still_reads_and_deletes(one_slot) -> None:
+    """A read or a delete queues nothing on a worker: it takes no slot. With the key's one
+    slot held by its running job, its listings and deletes answer at once (they waited in
+    the key's line until the job ended, or were refused 429 with the line full)."""
+    with as_key(one_slot, "flood-key") as key:
+        made = key.post(
+            "/v1/tapes",
+            json={
+                "definition": {"variables": {"w": [0.5] * 50}, "program": ["loss = sum(w**4)"]},
+                "target": "loss",
+            },
+        )
+        assert made.status_code == 201, made.text
+        tape = made.json()["tape_id"]
+        # Far more HVPs than the test lasts: the job holds the slot until it is cancelled.
+        body = {"method": "hutchinson", "max_hvps": 5000, "batch_size": 1, "max_seconds": 300}
+        location = start(key, f"/v1/tapes/{tape}/trace", {**body, "time_limit": 300})
+        job = wait(key, location, ("running",))
+        while job["state"] == "running" and not (job["progress"] or {}).get("done"):
+            job = key.get(location).json()  # computing: it holds the slot
+        assert job["state"] == "running", job
+        assert [t["tape_id"] for t in key.get("/v1/tapes").json()["tapes"]] == [tape]
+        assert key.get(f"/v1/tapes/{tape}").status_code == 200
+        assert key.get("/v1/models").json() == {"models": []}
+        problem(key.delete("/v1/datasets/none-such"), 404, "dataset-not-found")
+        assert key.get(location).json()["state"] == "running"  # none of them waited for it
+        assert key.delete(location).status_code == 204
 
 
 FLOOD = """

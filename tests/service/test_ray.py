@@ -130,9 +130,17 @@ def test_a_job_reports_progress_and_answers_as_the_synchronous_request(
     client: httpx.Client,
 ) -> None:
     tape, _ = _tape(client)
-    # Enough HVPs to outlast several 0.1 s collections even when the pass is compiled.
-    hvps = 8000
-    body = {"method": "hutchinson", "max_hvps": hvps, "batch_size": 2, "max_seconds": 100}
+    # Enough HVPs to outlast several 0.1 s collections even when the pass is compiled
+    # (~3 s on a quiet machine), and seconds enough that the run is never cut short by
+    # time (a minute or more on a loaded one): the answer is the synchronous one's.
+    hvps = 2000
+    body = {
+        "method": "hutchinson",
+        "max_hvps": hvps,
+        "batch_size": 2,
+        "max_seconds": 300,
+        "time_limit": 300,
+    }
     location = start(client, f"/v1/tapes/{tape}/trace", body)
     seen = []
     job = wait(client, location, ("running", "succeeded"))
@@ -213,8 +221,8 @@ def test_an_actor_killed_mid_request_is_a_502_and_its_tape_comes_back(
 
     thread = threading.Thread(target=long_trace)
     thread.start()
-    victim = _busy_worker(client)
-    assert victim["index"] == worker  # the tape's actor computes it
+    victim = _busy_worker(client, thread)
+    assert victim is not None and victim["index"] == worker  # the tape's actor computes it
     time.sleep(0.3)
     os.kill(victim["pid"], signal.SIGKILL)
     thread.join(60)

@@ -67,14 +67,17 @@ def _workers(client: httpx.Client) -> list[dict]:
     return body["workers"]
 
 
-def _busy_worker(client: httpx.Client, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _busy_worker(client: httpx.Client, running: threading.Thread) -> dict | None:
+    """The worker seen busy while `running` (the request's thread) is alive; None when
+    the request ended first: a worker killed by a 1 s time limit can be busy, killed and
+    replaced between two polls on a loaded machine. No deadline of its own: the request's
+    client timeout bounds the wait."""
+    while running.is_alive():
         busy = [w for w in _workers(client) if w["state"] == "busy"]
         if busy:
             return busy[0]
         time.sleep(0.02)
-    raise TimeoutError("no worker became busy")
+    return None
 
 
 def _in_background(base_url: str, body: dict) -> tuple[threading.Thread, list]:
@@ -92,15 +95,16 @@ def _in_background(base_url: str, body: dict) -> tuple[threading.Thread, list]:
 def test_time_limit(server, client) -> None:
     before = {w["index"]: w for w in server.wait_ready()["workers"]}
     thread, result = _in_background(server.base_url, {**SLOW, "time_limit": 1.0})
-    slow = _busy_worker(client)
+    _busy_worker(client, thread)
     for _ in range(5):  # the other worker keeps answering meanwhile
         assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
-    thread.join(30)
+    thread.join(60)
     found = problem(result[0], 504, "time-limit")
     assert "1 s" in found["detail"] and found["time_limit"] == 1.0
     after = {w["index"]: w for w in server.wait_ready()["workers"]}
-    index = slow["index"]
-    assert after[index]["pid"] != slow["pid"]
+    # the one worker that ran it was replaced (whether or not a poll saw it busy)
+    (index,) = [i for i in after if after[i]["generation"] != before[i]["generation"]]
+    assert after[index]["pid"] != before[index]["pid"]
     assert after[index]["generation"] == before[index]["generation"] + 1
     assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
     assert 'reason="timeout"' in client.get("/metrics").text
@@ -109,7 +113,8 @@ def test_time_limit(server, client) -> None:
 def test_killed_worker(server, client) -> None:
     server.wait_ready()
     thread, result = _in_background(server.base_url, SLOW)
-    victim = _busy_worker(client)
+    victim = _busy_worker(client, thread)
+    assert victim is not None, result  # SLOW runs until its time limit: busy is seen
     os.kill(victim["pid"], signal.SIGKILL)
     thread.join(30)
     found = problem(result[0], 502, "worker-crashed")
