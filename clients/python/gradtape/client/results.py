@@ -130,7 +130,8 @@ class Execution:
 
     @classmethod
     def of(cls, answer: Mapping[str, Any]) -> Execution | None:
-        """The answer's `execution` (None when it has none: a sharded request's)."""
+        """The answer's `execution`; None when it has none: a sharded request's, or a
+        tape's gradient or jacobian (read from its recording, no compiled pass)."""
         found = answer.get("execution")
         if found is None:
             return None
