@@ -16,8 +16,6 @@ names of the frozen initializers); `batch(name, n, rng)` -> (x, y)."""
 from __future__ import annotations
 
 import io
-import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,17 +28,8 @@ def _modules():
     from torch import nn
     from torch.nn import functional as F
 
-    class Block(nn.Module):
-        def __init__(self, c: int) -> None:
-            super().__init__()
-            self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-            self.bn1 = nn.BatchNorm2d(c)
-            self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-            self.bn2 = nn.BatchNorm2d(c)
-
-        def forward(self, x):
-            h = torch.relu(self.bn1(self.conv1(x)))
-            return torch.relu(x + self.bn2(self.conv2(h)))
+    # The fixtures' residual block and self-attention (one definition of each).
+    from tests.engine.onnx.fixtures.export import Attention, Block
 
     class Down(nn.Module):
         def __init__(self, c_in: int, c_out: int) -> None:
@@ -63,22 +52,6 @@ def _modules():
             x = torch.relu(self.bn(self.stem(x)))
             x = self.body(x)
             return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
-
-    class Attention(nn.Module):
-        def __init__(self, d: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.qkv = nn.Linear(d, 3 * d)
-            self.out = nn.Linear(d, d)
-
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(x).split(d, dim=-1)
-            shape = (b, t, self.heads, d // self.heads)
-            q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
-            scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
-            h = torch.softmax(scores, dim=-1) @ v
-            return self.out(h.transpose(1, 2).reshape(b, t, d))
 
     class Layer(nn.Module):
         def __init__(self, d: int, heads: int) -> None:
@@ -124,9 +97,7 @@ def model(name: str):
     from onnx import load_model_from_string, numpy_helper
 
     if name == "lenet":
-        sys.path.insert(0, str(ROOT / "tests" / "engine" / "onnx" / "fixtures"))
-        import export
-
+        from tests.engine.onnx.fixtures import export
         from tests.engine.onnx.graphs import fixture
 
         data, record = fixture("lenet")

@@ -26,9 +26,28 @@ gradient for the empirical Fisher):
 with w = c for the GGN (c: the loss's per-example scale, curvature.py), 1 / (k S) for S
 Monte-Carlo draws (k the likelihood's scale, seeds the batch loss's gradients), 1 / c for
 the empirical Fisher: curvlinops' scaling, and KFAC is exact for a single linear layer
-without weight sharing. EKFAC keeps the eigenvectors of A and G and replaces the
-eigenvalues by the curvature's diagonal in that basis, w sum_{col,i} ((Q_A^T X_i Q_G)^2)
-with X_i the per-example gradient matrix sum_p a_ip g_ip^T.
+without weight sharing.
+
+A loss with several terms per example (an output (N, T, C) under a softmax or a squared
+error per position): the columns are those of the square root of example i's whole loss
+Hessian, T C of them, each seeding one position (the Hessian is block-diagonal over the
+positions). "expand" is then curvlinops' G; "reduce" is not: curvlinops backpropagates
+column c of every position's own square root together, so its gsum gsum^T holds the
+products S_p S_q^T of two positions' square roots (p != q), numbers that depend on which
+square root is taken and that its own Monte-Carlo "reduce" (labels drawn per position,
+gradients summed) does not estimate (a 5-6-3 tanh network, T = 3: its MC G at 20,000
+draws within 0.6% of ours, its type-2 G about 3 times ours). tests/engine/
+test_kfac_positions.py checks the convention against a dense reference, the exact
+expectation over every label configuration, and curvlinops where installed. With one
+term per example (an output (N, C)) the two are the same and equal curvlinops' recorded
+factors (test_kfac_laplace.py). The empirical Fisher's G follows the engine's
+per-example empirical Fisher (curvature.py: one gradient per example, of its loss as
+written): with T terms per example averaged, G is curvlinops' (one gradient per term)
+divided by T, in both modes (tested there too).
+
+EKFAC keeps the eigenvectors of A and G and replaces the eigenvalues by the curvature's
+diagonal in that basis, w sum_{col,i} ((Q_A^T X_i Q_G)^2) with X_i the per-example
+gradient matrix sum_p a_ip g_ip^T.
 
 Parameters outside such layers are never dropped: `others="refuse"` (the default) names
 them and stops; `others="exact"` keeps the exact curvature block on them (its matrix,

@@ -133,7 +133,8 @@ class Laplace:
         if self.subset == "all":
             return list(range(len(params)))
         try:
-            layers, _ = find_layers(PerExample.of(self.curv), params, self.names)
+            engine = PerExample.of(self.curv)
+            layers, _ = find_layers(engine, params, self.names)
         except MixedExamplesError as exc:
             raise CurvatureError(str(exc)) from None
         if not layers:
@@ -142,6 +143,19 @@ class Laplace:
                 "optional) in the model; none was found"
             )
         last = layers[-1]
+        # The matmul nearest the output must be that layer: one whose weight is in no
+        # layer (tied to another layer, scaled or masked first, a grouped convolution)
+        # would otherwise make an earlier layer "the last" without a word.
+        nearest = [m for m in engine.flow.meetings if m.kind == "matmul"][-1]
+        if nearest is not last.meeting:
+            shapes = [list(t.shape) for t in nearest.record.inputs]
+            raise CurvatureError(
+                f"laplace: subset 'last_layer': the matmul nearest the output (inputs {shapes}) "
+                "reads a weight that is no layer of its own (tied to another layer, computed "
+                "from parameters, or a grouped convolution), so there is no last layer to take "
+                f"alone; the last one found ({last.name}) is not nearest the output. Use "
+                "subset 'all'"
+            )
         return sorted(i for i in (last.weight, last.bias) if i is not None)
 
     def _log_likelihood_unit(self) -> None:

@@ -150,6 +150,22 @@ def test_a_module_in_training_mode_is_refused() -> None:
         pytorch.export(model, torch.randn(2, 2, 5, 5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize(
+    "normed",
+    [nn.utils.parametrizations.spectral_norm, nn.utils.spectral_norm],
+    ids=["parametrization", "hook"],
+)
+def test_spectral_norm_in_training_mode_is_refused(normed) -> None:
+    """While training, spectral norm runs a power-iteration step under no_grad (and
+    updates its vectors) on every forward; the export would differentiate through that
+    step, a gradient torch does not have."""
+    model = nn.Sequential(normed(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(BridgeError, match="is in training mode"):
+        pytorch.export(model.train(), x)
+    assert pytorch.export(model.eval(), x).trainable  # eval mode: the vectors are constants
+
+
 def test_a_forward_that_differs_is_an_export_mismatch_naming_the_output(server) -> None:
     tanh = perturbed(Tokens(torch.tanh))
     relu = copy.deepcopy(tanh)
@@ -520,3 +536,45 @@ def test_data_of_another_float_dtype_than_the_module_is_a_named_error(server) ->
     with Client(server.base_url) as client, pytest.raises(BridgeError) as caught:
         client.tape(model, loss="cross_entropy", data=(x, y))
     assert "input 0 is float64 and the module's parameters are float32" in str(caught.value)
+
+
+def test_a_cached_export_is_not_reused_once_parameters_are_frozen(server) -> None:
+    """Freezing a layer (requires_grad_(False): fine-tuning the head only) changes what
+    the tape differentiates and the flat vector's layout, not the values or the forward:
+    the cached export must not keep the frozen parameters trainable."""
+    model = perturbed(Tokens(), seed=8)
+    x = torch.randn(4, 5, 4, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    with Client(server.base_url) as client:
+        with client.tape(model, loss="mse", data=(x, y)) as everything:
+            assert everything.names == ["a.weight", "a.bias", "b.weight", "b.bias"]
+        model.a.requires_grad_(False)
+        with client.tape(model, loss="mse", data=(x, y)) as head:
+            assert head.names == ["b.weight", "b.bias"]
+            assert head.size == 3 * 6 + 3  # parameters_to_vector over requires_grad ones
+            loss = F.mse_loss(model(x), y)
+            head_params = [model.b.weight, model.b.bias]
+            want = torch.autograd.grad(loss, head_params)
+            got = head.gradients
+            assert list(got) == ["b.weight", "b.bias"]
+            for g, w in zip(got.values(), want, strict=True):
+                np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        torch.tensor([0, 1, 4, 2, 3, 1]),  # 4 of 4 classes: torch raises
+        torch.tensor([0, 1, -100, 2, 3, 1]),  # torch's ignore_index: not ignored here
+        torch.tensor([0.0, 1.0, 1.5, 2.0, 3.0, 1.0], dtype=torch.float64),  # not classes
+        torch.tensor([[0, 1, 2], [3, 1, 0]]),  # not one label per example
+    ],
+)
+def test_nll_labels_that_are_not_class_indices_are_a_named_error(server, labels) -> None:
+    """'nll' turns labels into one-hot rows; a label outside [0, C) (torch raises, or
+    with ignore_index drops it from the mean) would be a zero row, a smaller loss and no
+    error."""
+    model = nn.Sequential(perturbed(ConvBN(), seed=1), nn.LogSoftmax(dim=1)).eval()
+    x = torch.randn(6, 2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with Client(server.base_url) as client, pytest.raises(BridgeError, match="nll"):
+        client.tape(model, loss="nll", data=(x, labels))

@@ -9,11 +9,13 @@ mean 0 / variance 1 would hide a parameter mapped to the wrong value.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+# The residual block and the multi-head self-attention of the engine's ONNX fixtures
+# (one definition of each for the fixtures, the zoo and bench/onnx_models.py).
+from tests.engine.onnx.fixtures.export import Attention, Block
 
 BATCH = 4
 CLASSES = 3
@@ -33,25 +35,12 @@ class LeNet(nn.Module):
         return self.fc2(torch.tanh(self.fc1(torch.flatten(x, 1))))
 
 
-class BasicBlock(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(x + self.bn2(self.conv2(h)))
-
-
 class ResNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 4, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(4)
-        self.block = BasicBlock(4)
+        self.block = Block(4)
         self.head = nn.Linear(4, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,28 +99,11 @@ class GRUClassifier(nn.Module):
         return self.head(out.mean(dim=1))
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.out = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        shape = (b, t, self.heads, d // self.heads)
-        q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
-        h = torch.softmax(scores, dim=-1) @ v
-        return self.out(h.transpose(1, 2).reshape(b, t, d))
-
-
 class PreNormBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = SelfAttention(d, 2)
+        self.attn = Attention(d, 2)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
 

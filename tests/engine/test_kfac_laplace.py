@@ -432,3 +432,46 @@ def test_sequence_classification_predictive_is_a_softmax_per_position():
     np.testing.assert_allclose(found.probabilities.reshape(3, steps, classes), expected, rtol=1e-13)
     mc = la.predictive(seq, test, link="mc", samples=50, seed=1)
     np.testing.assert_allclose(mc.probabilities.reshape(3, steps, classes).sum(-1), 1.0)
+
+
+def test_last_layer_is_refused_when_the_layer_nearest_the_output_has_no_block():
+    """The matmul nearest the output reads a weight tied to another layer (as a language
+    model's output layer tied to its embedding): it is in no Kronecker layer, and the
+    'last layer' must not silently become an earlier one."""
+    rng = np.random.default_rng(0)
+    n, d, c = 6, 4, 4
+    params = {
+        "a_b": rng.normal(size=d),
+        "a_w": rng.normal(size=(d, d)),
+        "tied": rng.normal(size=(d, c)) / 2,
+    }
+
+    def model(p, x):
+        h = gt.tanh(x @ p["a_w"] + p["a_b"])
+        return gt.tanh(h @ p["tied"]) @ p["tied"]
+
+    curv = Curvature(
+        model,
+        ce_mean,
+        tensors(params),
+        gt.Tensor(rng.normal(size=(n, d))),
+        gt.Tensor(rng.integers(0, c, n)),
+    )
+    with pytest.raises(CurvatureError, match="tied"):
+        Laplace(curv, subset="last_layer", names=list(params))
+    # Without the tie, the output layer is the last layer.
+    params["out"] = rng.normal(size=(c, c))
+
+    def untied(p, x):
+        h = gt.tanh(x @ p["a_w"] + p["a_b"])
+        return gt.tanh(h @ p["tied"]) @ p["out"]
+
+    curv = Curvature(
+        untied,
+        ce_mean,
+        tensors(params),
+        gt.Tensor(rng.normal(size=(n, d))),
+        gt.Tensor(rng.integers(0, c, n)),
+    )
+    fitted = Laplace(curv, subset="last_layer", names=list(params))
+    assert [fitted.names[i] for i in fitted.indices] == ["out"]

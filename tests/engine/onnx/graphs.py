@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from engine.onnx.model import as_float64
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
@@ -67,25 +69,9 @@ def _evaluated_type(model: onnx.ModelProto, name: str, inputs: dict[str, np.ndar
 
 
 def float64_model(data: bytes) -> bytes:
-    """The same model computing in float64: float initializers, inputs, outputs, value
-    infos, Cast targets and float Constant values switched to double."""
-    model = onnx.load_model_from_string(data)
-    graph = model.graph
-    for i, init in enumerate(graph.initializer):
-        if init.data_type == TensorProto.FLOAT:
-            value = numpy_helper.to_array(init).astype(np.float64)
-            graph.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
-            value.type.tensor_type.elem_type = TensorProto.DOUBLE
-    for node in graph.node:
-        for attr in node.attribute:
-            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
-                attr.i = TensorProto.DOUBLE
-            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
-                value = numpy_helper.to_array(attr.t).astype(np.float64)
-                attr.t.CopyFrom(numpy_helper.from_array(value, attr.t.name))
-    return model.SerializeToString()
+    """The same model computing in float64 (the engine's own conversion, which the
+    service runs for a `dtype: float64` request on a float32 model)."""
+    return as_float64(onnx.load_model_from_string(data)).SerializeToString()
 
 
 def fixture(name: str) -> tuple[bytes, dict[str, np.ndarray]]:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import io
 import warnings
 import weakref
@@ -176,10 +177,6 @@ def _outputs(value: Any) -> list[Any]:
     return items
 
 
-# Layers whose training mode differs from eval mode (batch statistics, random masks).
-_MODE_DEPENDENT = ("BatchNorm", "Dropout", "InstanceNorm", "AlphaDropout", "RNNBase")
-
-
 def _check_mode(module: Any) -> None:
     torch = _torch()
     mode_dependent = (
@@ -189,9 +186,15 @@ def _check_mode(module: Any) -> None:
         torch.nn.RNNBase,
         torch.nn.MultiheadAttention,
         torch.nn.TransformerEncoderLayer,
+        # Spectral norm's power iteration runs (and updates its vectors, under no_grad)
+        # only while training: the export would differentiate through it.
+        torch.nn.utils.parametrizations._SpectralNorm,
     )
+    # The hook-based version (torch.nn.utils.spectral_norm, the function, hides its module).
+    old_spectral = importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm
     for name, sub in module.named_modules():
-        if sub.training and isinstance(sub, mode_dependent):
+        hooked = any(isinstance(h, old_spectral) for h in sub._forward_pre_hooks.values())
+        if sub.training and (isinstance(sub, mode_dependent) or hooked):
             raise BridgeError(
                 f"{name or 'the module'} ({type(sub).__name__}) is in training mode, where it "
                 "uses batch statistics or random masks; call model.eval() before bridging it "
@@ -201,11 +204,13 @@ def _check_mode(module: Any) -> None:
 
 def _state_digest(module: Any, args: tuple[Any, ...]) -> str:
     """What an export depends on: the values and shapes of the state (parameters,
-    buffers, tensor attributes) and the inputs' shapes and dtypes (a cached export is
-    reused only while they are unchanged, and the forward with them: _same_forward)."""
+    buffers, tensor attributes), which parameters require grad (a frozen one is a
+    constant of the export, not a variable), and the inputs' shapes and dtypes (a cached
+    export is reused only while they are unchanged, and the forward with them:
+    _same_forward)."""
     h = hashlib.sha256()
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        h.update(name.encode())
+        h.update(name.encode() + (b" trainable" if t.requires_grad else b" fixed"))
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     for name, a in _tensor_attributes(module).items():  # constants of the export
@@ -1167,6 +1172,7 @@ def tape_op(
     if target is not None:
         if loss == "nll":
             classes = out_shape[1]
+            _check_class_labels(target, out_shape)
             inputs["y_one_hot"] = (target.reshape(-1, 1) == np.arange(classes)).astype(model.dtype)
         else:
             inputs["y"] = target.astype(model.dtype) if target.dtype.kind == "f" else target
@@ -1188,6 +1194,30 @@ def tape_op(
     output = tape_options.pop("output", None) or model.outputs[0]
     remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)
     return TorchTape(remote, model, tensors)
+
+
+def _check_class_labels(target: np.ndarray, out_shape: tuple[int, ...]) -> None:
+    """'nll' labels become one-hot rows: one integer in [0, C) per example, or a label
+    would silently be a zero row (torch raises for it; its ignore_index is not taken)."""
+    n, classes = out_shape[0], out_shape[1]
+    if target.dtype.kind not in "iu":
+        raise BridgeError(
+            f"loss 'nll' takes integer class labels; the targets are {target.dtype} "
+            "(probabilities or one-hot rows: write the loss as lines)"
+        )
+    if target.shape != (n,):
+        raise BridgeError(
+            f"loss 'nll' takes one class label per example, shape ({n},); the targets have "
+            f"shape {tuple(target.shape)}"
+        )
+    outside = (target < 0) | (target >= classes)
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise BridgeError(
+            f"loss 'nll': label {int(target[i])} of example {i} is not a class of the "
+            f"model's {classes} outputs (labels lie in [0, {classes}); torch's ignore_index "
+            "is not supported: leave those examples out of the data)"
+        )
 
 
 def _forward_arity(module: Any) -> int:

@@ -29,6 +29,7 @@ from .errors import TapeGone
 from .results import (
     Diagonal,
     Eigenvalues,
+    Execution,
     Gradient,
     Influence,
     Jacobian,
@@ -104,6 +105,8 @@ class RemoteTape(CurvatureMethods):
         self.expires_at: str = answer.get("expires_at", "")
         self.device: str = answer.get("device", "")
         self.nonfinite: list[str] | None = answer.get("nonfinite")
+        # How the server ran the last HVP's passes (hvp, hvp_many, linear_operator).
+        self.execution: Execution | None = None
 
     @property
     def gradients(self) -> Any:
@@ -230,6 +233,7 @@ class RemoteTape(CurvatureMethods):
 
     def _hvp_op(self, body: dict[str, Any], shape: bool = True) -> _core.Op[Any]:
         a = yield from self._core.call("POST", self._path("/hvp"), body)
+        self.execution = Execution.of(a)
         sources = self._sources if shape else None
         if a.get("hvps") is not None:
             return [shaped(h, sources) for h in a["hvps"]]
