@@ -5,9 +5,10 @@ key gets 429s with Retry-After; another key's latency stays near its quiet laten
 from __future__ import annotations
 
 import json
-import statistics
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,38 +202,54 @@ def latencies(client: httpx.Client, body: bytes, count: int) -> list[float]:
     return out
 
 
-def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[98]
+def _gauge(client: httpx.Client, name: str) -> float:
+    """A gauge's value from /metrics (not gated: no key, no slot)."""
+    text = client.get("/metrics").text
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found is not None, name
+    return float(found.group(1))
 
 
 def test_a_flooding_key_does_not_starve_another(one_worker, tmp_path) -> None:
     """16 connections of one key send requests as fast as they are answered (from their
-    own process); the other key's p99 stays within 3x its p99 alone. Without the per-key
-    slots it would wait behind the whole flood in the workers' queue (about 16x). Each
-    request computes for tens of milliseconds, so that what the bound measures is the
-    wait for the worker (at most one flood request ahead: about 2x), not the HTTP
-    process's fixed costs shared with 16 flooding connections on a 2-core machine."""
+    own process), on one worker. The key's one slot keeps all but one of them out of the
+    workers' queue, so the other key's requests wait behind at most one of the flood's:
+    sampled all along, the queue never holds more than that one and the quiet key's own
+    (without the slots it holds the flood's 16). How the quiet key's p99 compares with
+    its p99 alone is timed in bench/bench_fairness.py, not here: a wall-clock ratio is
+    no test on a loaded machine."""
     body = heavy_body(600)
     body_file = tmp_path / "body.msgpack"
     body_file.write_bytes(body)
     with as_key(one_worker, "quiet-key") as quiet:
-        latencies(quiet, body, 3)  # warm up
-        calm = latencies(quiet, body, 25)
         flood = subprocess.Popen(
             [sys.executable, "-c", FLOOD, one_worker.base_url, "flood-key", str(body_file), "16"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        depths: list[float] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            with httpx.Client(base_url=one_worker.base_url, timeout=60.0) as watcher:
+                while not done.is_set():
+                    depths.append(_gauge(watcher, "gradtape_queue_depth"))
+
+        watcher = threading.Thread(target=sample)
         try:
             assert flood.stdout is not None and flood.stdout.readline() == b"flooding\n"
-            time.sleep(1.0)  # the flood fills its slot and its line
-            latencies(quiet, body, 3)  # warm up under the flood, as alone
-            stormy = latencies(quiet, body, 25)
+            # The flood computing (a guard against a hang, not a measurement).
+            deadline = time.monotonic() + 120
+            while _gauge(quiet, "gradtape_workers_busy") < 1:
+                assert time.monotonic() < deadline, "the flood never reached the worker"
+                time.sleep(0.02)
+            watcher.start()
+            latencies(quiet, body, 10)  # each answered 200
         finally:
+            done.set()
+            if watcher.is_alive():
+                watcher.join()
             flood.kill()
             flood.wait()
-    assert p99(stormy) <= 3 * p99(calm), (
-        f"quiet key's p99 {p99(stormy) * 1e3:.0f} ms under a flood, "
-        f"{p99(calm) * 1e3:.0f} ms alone; medians {statistics.median(stormy) * 1e3:.0f} "
-        f"and {statistics.median(calm) * 1e3:.0f} ms"
-    )
+    # (16 with max_concurrent_per_key=100: the whole flood queued ahead of the quiet key)
+    assert depths and max(depths) <= 2, sorted(depths)[-5:]
