@@ -37,9 +37,13 @@ How a module gets there (`export`):
 The flat parameter vector (`tape.vector`, `tape.unflatten`, `tape.size`) is the
 trainable parameters in `named_parameters()` order, each raveled: the order of
 `torch.nn.utils.parameters_to_vector(p for p in model.parameters() if p.requires_grad)`.
-Answers are NumPy arrays, or `torch.Tensor`s where the call passed tensors (`data` or a
-vector); `tape.state_dict(v)` turns a flat vector or a dict into tensors that
-`model.load_state_dict(..., strict=False)` takes.
+Every per-parameter answer of a TorchTape is over that layout (zeros for a parameter
+the loss does not use), as a dict by torch name or, where the call passed a flat vector,
+a flat vector; in the dtype of the vector passed (else the module's), as NumPy arrays or
+`torch.Tensor`s where the call passed tensors (`data` or a vector); see `TorchTape`.
+`tape.state_dict(v)` turns a flat vector or a dict into tensors that
+`model.load_state_dict(..., strict=False)` takes. A built-in loss reads the module's
+only output, or the one named by `output=` (several outputs without it: a BridgeError).
 
 Training mode: a module with BatchNorm, Dropout or another layer that behaves
 differently while training must be in eval mode (`model.eval()`), or the bridge refuses
@@ -1480,8 +1484,9 @@ def tape_op(
     **tape_options: Any,
 ) -> TorchTape:
     """`client.tape(module, loss=..., data=...)`: bridge the module (or take a
-    TorchModel), write the loss over its output and record the tape with the trainable
-    parameters as sources, in named_parameters() order."""
+    TorchModel), write the loss over its output (`output=`: which one, required for a
+    built-in loss on a module with several outputs) and record the tape with the
+    trainable parameters as sources, in named_parameters() order."""
     if client.is_async:
         raise TypeError("the PyTorch bridge runs with Client, not AsyncClient")
     if data is None:
