@@ -637,6 +637,10 @@ def test_every_method_answers_over_every_parameter_like_torch(server) -> None:
             tape.jac(point), torch.cat([g.reshape(-1) for g in want_grad.values()]), atol=1e-12
         )
         assert tape.fun(point) == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
+        np.testing.assert_allclose(tape.gradient(flat=True).gradients.numpy(), tape.jac(point))
+        many = tape.hvp_many([b, tape.unflatten(2 * b)])
+        torch.testing.assert_close(many[0], H @ b, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(tape.vector(many[1]), 2 * H @ b, atol=1e-12, rtol=1e-10)
         # The exact diagonal, by torch name.
         diag = tape.diagonal(method="exact").diagonal
         assert list(diag) == names and isinstance(diag["fc.weight"], torch.Tensor)
@@ -684,6 +688,10 @@ def test_every_method_answers_over_every_parameter_like_torch(server) -> None:
         np.testing.assert_allclose(product[used].numpy(), tape.remote.flatten(remote.product))
         inverse = tape.kfac(b, inverse=True, damping=0.25).product
         torch.testing.assert_close(inverse[8:], b[8:] / 0.25)
+        # Laplace draws by torch name, tensors (the fit covers the parameters used).
+        draws = tape.laplace(structure="full", prior_precision=1.0).sample(3, seed=0)
+        assert list(draws) == ["fc.weight", "fc.bias"]
+        assert draws["fc.weight"].shape == (3, 2, 3) and draws["fc.weight"].dtype == torch.float64
         # The update takes tensors by torch name (the unused layer's are ignored).
         moved = {n: p.detach() + 0.1 for n, p in model.named_parameters()}
         tape.update(moved)

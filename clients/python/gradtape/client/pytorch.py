@@ -1381,12 +1381,22 @@ class TorchTape:
         return out
 
     def update(
-        self, values: Any = None, /, *, inputs: Mapping[str, Any] | None = None, **options: Any
+        self,
+        values: Any = None,
+        /,
+        *,
+        point: Any = None,
+        inputs: Mapping[str, Any] | None = None,
+        **options: Any,
     ) -> Self:
         """Record the tape again at new parameter values: a dict by torch name or a flat
-        vector (arrays or tensors; unused parameters change nothing), and/or new
-        `inputs` by the module's input names."""
+        vector (`point`, in parameters_to_vector order), arrays or tensors (unused
+        parameters change nothing), and/or new `inputs` by the module's input names."""
         torch = _torch()
+        if point is not None:
+            if values is not None:
+                raise TypeError("give a flat point or values by name, not both")
+            values = point
         if inputs is not None and "dataset" not in inputs:
             inputs = {k: _np(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         if values is None:
@@ -1429,11 +1439,21 @@ class _TorchLaplace:
         self._tape = tape
 
     def sample(self, count: int = 10, **options: Any) -> Any:
+        """`count` draws per parameter of the fit ((count, *shape) each), by torch name."""
         draws = self.remote.sample(count, **options)
         if not self._tape._tensors:
             return draws
         torch = _torch()
         return {n: torch.from_numpy(np.array(a, self._tape.model.dtype)) for n, a in draws.items()}
+
+    def predictive(self, test_inputs: Mapping[str, Any], **options: Any) -> Any:
+        """`RemoteLaplace.predictive`, the test inputs arrays or tensors."""
+        torch = _torch()
+        if "dataset" not in test_inputs:
+            test_inputs = {
+                k: _np(v) if isinstance(v, torch.Tensor) else v for k, v in test_inputs.items()
+            }
+        return self.remote.predictive(test_inputs, **options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.remote, name)
