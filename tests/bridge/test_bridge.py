@@ -603,7 +603,7 @@ def test_every_method_answers_over_every_parameter_like_torch(server) -> None:
     keyed and ordered like named_parameters() with zeros (or b / damping) for the
     unused layer, tensors in and out, flat vectors in parameters_to_vector order; each
     against torch's Hessian, gradients and per-example gradients."""
-    from torch.func import functional_call, grad, vmap
+    from torch.func import functional_call, grad, jacrev, vmap
 
     model = perturbed(WithUnused(), seed=8)
     gen = torch.Generator().manual_seed(8)
@@ -703,8 +703,18 @@ def test_every_method_answers_over_every_parameter_like_torch(server) -> None:
         assert tape.trace(method="exact").trace == pytest.approx(
             float(torch.trace(flat_hessian(model, loss_on(x, y)))), rel=1e-10
         )
-        with pytest.raises(AttributeError, match=r"tape\.remote\.jacobian"):
-            tape.jacobian  # noqa: B018
+        with pytest.raises(AttributeError, match=r"tape\.remote\.sources"):
+            tape.sources  # noqa: B018
+        # The output's jacobian over every parameter (torch.func.jacrev).
+        jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+        got = tape.jacobian(tape.output).jacobians
+        assert list(got) == names and got["spare.weight"].shape == (7, 2, 2, 3)
+        for n in names:
+            torch.testing.assert_close(got[n], jac[n], atol=1e-12, rtol=1e-10)
+        dense = tape.jacobian(tape.output, flat=True).jacobians
+        torch.testing.assert_close(
+            dense, torch.cat([jac[n].reshape(14, -1) for n in names], dim=1), atol=1e-12, rtol=0
+        )
 
 
 def test_answers_come_back_in_the_callers_dtype(server) -> None:

@@ -992,15 +992,15 @@ class TorchTape:
     the data were tensors. Answers without such an input are in the module's dtype.
 
     Methods, and which treatment each gets:
-    - shaped like the module (explicit below): gradients, gradient, hvp, hvp_many,
+    - shaped like the module (explicit below): gradients, gradient, jacobian, hvp, hvp_many,
       eigenvalues (eigenvectors), diagonal, solve, influence (s_test; test data as
       tensors), kfac (vector and product), per_example, laplace (samples),
       linear_operator, fun / jac / hessp, update.
     - plain pass-throughs to the RemoteTape (`__getattr__`: no per-parameter tensor in
       or out): trace, frobenius_norm, spectral_density, info, call, id, target, bytes,
       ttl, expires_at, device, nonfinite.
-    - jacobian, sources, shapes, flatten and unflatten of the RemoteTape are over the
-      parameters the loss uses, in the service's keys: `tape.remote.jacobian(...)`.
+    - sources, shapes and flatten of the RemoteTape are over the parameters the loss
+      uses, in the service's keys: `tape.remote.sources`, ... (not passed through).
     """
 
     # The RemoteTape's attributes that carry no per-parameter tensor, passed through.
@@ -1196,6 +1196,32 @@ class TorchTape:
         if flat:
             form = _Form(True, form.tensors, form.dtypes)
         return _replace(result, gradients=self._give(result.gradients, form), order=None)
+
+    def jacobian(self, target: str | None = None, *, flat: bool = False, **options: Any) -> Any:
+        """`RemoteTape.jacobian` of `target` (default the loss; e.g. the module's output
+        line, `tape.output`) over every parameter: `jacobians` by torch name, each
+        target.shape + parameter shape (zeros for unused parameters), or with
+        `flat=True` one float64 matrix [target size, size] whose columns are in
+        parameters_to_vector order. Other sources: `tape.remote.jacobian`."""
+        if options.get("sources") is not None or (flat and options.get("batch")):
+            raise TypeError(
+                "tape.jacobian is over the module's parameters (flat: not per example); "
+                "for other sources use tape.remote.jacobian(...)"
+            )
+        if flat:
+            result = self.remote.jacobian(target, flat=True, **options)
+            matrix = np.asarray(result.jacobians, np.float64)
+            full = np.zeros((matrix.shape[0], self.size))
+            full[:, self._kept()] = matrix
+            answer = _torch().from_numpy(full) if self._tensors else full
+            return _replace(result, jacobians=answer, order=None)
+        result = self.remote.jacobian(target, **options)
+        used = {n: np.asarray(a) for n, a in result.jacobians.items()}
+        shapes = dict(self.layout)
+        first = next(iter(used), None)
+        lead = () if first is None else used[first].shape[: used[first].ndim - len(shapes[first])]
+        zeros = {n: np.zeros((*lead, *s), self.model.dtype) for n, s in self.layout}
+        return _replace(result, jacobians=self._give(used, self._default_form(), unused=zeros))
 
     def hvp(self, v: Any, **options: Any) -> Any:
         """H v (or another curvature's product: `curvature="ggn"`, ...); `v` a dict by
