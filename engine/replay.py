@@ -39,7 +39,9 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -177,6 +179,87 @@ class Capture:
 
 
 NOT_YET = "run once, dynamically: captured on its next pass"
+CAPTURED = "captured on this pass (run dynamically): the next pass of this layout replays it"
+BUSY = "its schedule was in use by another pass of the same layout: run dynamically meanwhile"
+NESTED = "inside an outer pass being captured, which must see every op"
+
+
+# How passes ran ---------------------------------------------------------------------------
+# A caller that wants to say how its computation ran (the service's answers do) opens
+# `observe()` around it; each outermost pass run inside reports there, as it is decided,
+# whether it replayed a schedule or ran dynamically and why: nothing is looked up again.
+# Passes run inside another one (an HVP request's operator, a pass being captured) are
+# part of it and report nothing of their own.
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a pass ran: replayed from its captured schedule (`compiled`), or dynamically,
+    with the reason (the first pass of a layout, a capture, a pass that cannot be
+    captured and why, an array on a GPU, ...)."""
+
+    compiled: bool
+    reason: str | None = None
+
+
+class Observed:
+    """The Executions of the outermost passes run inside one `observe()` block."""
+
+    __slots__ = ("depth", "passes")
+
+    def __init__(self) -> None:
+        self.passes: list[Execution] = []
+        self.depth = 0  # passes being run now (only depth 0 reports)
+
+    def summary(self) -> Execution:
+        """Compiled when every pass replayed; otherwise the first dynamic pass's reason
+        (or that no pass ran through a compiled entry point)."""
+        for e in self.passes:
+            if not e.compiled:
+                return e
+        if not self.passes:
+            return Execution(False, "no pass of it ran through a compiled entry point")
+        return Execution(True)
+
+
+_observed: ContextVar[Observed | None] = ContextVar("gradtape_replay_observed", default=None)
+_T = TypeVar("_T")
+
+
+class observe:
+    """Collect how each outermost pass run inside the block ran (see Execution). A class,
+    not a generator-based context manager: it wraps every request a worker answers."""
+
+    __slots__ = ("_found", "_token")
+
+    def __enter__(self) -> Observed:
+        self._found = Observed()
+        self._token = _observed.set(self._found)
+        return self._found
+
+    def __exit__(self, *exc: object) -> None:
+        _observed.reset(self._token)
+
+
+def _reporting(run: Callable[[], tuple[_T, Execution]]) -> _T:
+    """run()'s outputs; its Execution reported when it is an outermost observed pass."""
+    observed = _observed.get()
+    if observed is None:
+        return run()[0]
+    observed.depth += 1
+    try:
+        outputs, how = run()
+    finally:
+        observed.depth -= 1
+    if observed.depth == 0:
+        observed.passes.append(how)
+    return outputs
+
+
+def run_dynamic(reason: str, run: Callable[[], _T]) -> _T:
+    """run() for a pass that does not go through Passes (a GPU's arrays, compiled=False),
+    reported as dynamic with `reason`."""
+    return _reporting(lambda: (run(), Execution(False, reason)))
 
 
 class Passes:
@@ -187,7 +270,7 @@ class Passes:
     then stays dynamic. At most `limit` layouts are kept (least recently used go).
     With `constant_limit`, a pass whose own constants (folded results, seeds made from
     shapes: a jacobian's identity rows) take more bytes stays dynamic: a schedule holds
-    its constants as long as it is kept."""
+    its constants as long as it is kept. Each run reports how it ran to `observe()`."""
 
     def __init__(
         self,
@@ -213,8 +296,27 @@ class Passes:
         known: Callable[[], dict[int, Any]],
     ) -> list[Tensor | None]:
         """dynamic(seeds)'s outputs, computed the way this layout's state says."""
+        observed = _observed.get()  # (_reporting's steps, inlined: every pass comes here)
+        if observed is None:
+            return self._run(key, seeds, dynamic, known)[0]
+        observed.depth += 1
+        try:
+            outputs, how = self._run(key, seeds, dynamic, known)
+        finally:
+            observed.depth -= 1
+        if observed.depth == 0:
+            observed.passes.append(how)
+        return outputs
+
+    def _run(
+        self,
+        key: Hashable,
+        seeds: Sequence[Tensor],
+        dynamic: Callable[[list[Tensor]], list[Tensor | None]],
+        known: Callable[[], dict[int, Any]],
+    ) -> tuple[list[Tensor | None], Execution]:
         if trace.capture is not None:  # inside an outer pass being captured: it must see
-            return dynamic(list(seeds))  # every op (a nested replay would hide them)
+            return dynamic(list(seeds)), Execution(False, NESTED)  # every op
         with self._lock:
             entry = self.entries.get(key)
             if entry is None:
@@ -230,9 +332,12 @@ class Passes:
             if not allocated and entry.steps is not None:
                 self.changes += 1  # its first run allocated its buffers
             if outputs is not None:
-                return [None if o is None else Tensor(o) for o in outputs]
-        if entry is None or isinstance(entry, Schedule) or entry[1] >= 2:
-            return dynamic(list(seeds))
+                return [None if o is None else Tensor(o) for o in outputs], Execution(True)
+            return dynamic(list(seeds)), Execution(False, BUSY)
+        if entry is None:
+            return dynamic(list(seeds)), Execution(False, NOT_YET)
+        if entry[1] >= 2:  # (why it failed twice; the second element counts failures)
+            return dynamic(list(seeds)), Execution(False, entry[0])
         outputs, schedule = capture(dynamic, seeds, known(), self.pool_limit)
         if (
             isinstance(schedule, Schedule)
@@ -249,7 +354,7 @@ class Passes:
                     schedule if isinstance(schedule, Schedule) else (schedule, entry[1] + 1)
                 )
                 self.changes += 1
-        return outputs
+        return outputs, Execution(False, CAPTURED if isinstance(schedule, Schedule) else schedule)
 
     def status(self) -> dict[Any, str]:
         """Per layout: "compiled", or why (or that) its passes are dynamic so far."""

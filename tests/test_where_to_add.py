@@ -15,7 +15,7 @@ import engine as gt
 import service.pool
 from service.core import config, operations
 from service.core.operations import OPERATIONS
-from service.worker import tapes
+from service.worker import dispatch, tapes
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = (ROOT / "ARCHITECTURE.md").read_text().split("## Where to add things", 1)[1]
@@ -55,6 +55,7 @@ def test_an_operation_lives_in_its_row_and_its_function(op: operations.Operation
         assert op.result.__module__ == operations.__name__
     # Its function: in service/worker/tapes.py, or a module beside it that registers
     # through tapes.operation (curvature_ops.py).
+    assert dispatch.HANDLERS  # every row's function registered (the worker's handler table)
     module = tapes.OPERATION_FUNCTIONS[op.kind].__module__
     assert module.startswith("service.worker."), module
     function = module.replace(".", "/") + ".py"

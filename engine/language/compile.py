@@ -76,6 +76,13 @@ def _leaf_layout(names: list[str], arrays: list[Any]) -> tuple:
     )
 
 
+def _why_dynamic(compiled: bool) -> str:
+    """Why a pass skipped the compiled passes (what replay.observe() reports)."""
+    if not compiled:
+        return "compiled=False: the caller asked for the dynamic pass"
+    return "its arrays are on a GPU (CuPy): only NumPy passes are captured"
+
+
 @dataclass(frozen=True)
 class Request:
     """A checked target and sources: `sources` maps each answer key (the name, or the
@@ -233,7 +240,9 @@ class CompiledProgram:
         names = sorted(leaves)
         arrays = [leaves[n].value for n in names]
         if not compiled or not all(type(a) is host.ndarray for a in arrays):
-            return self._value_and_gradients(request, dict(leaves))
+            return replay.run_dynamic(
+                _why_dynamic(compiled), lambda: self._value_and_gradients(request, dict(leaves))
+            )
         key = (
             self.key,
             request.target,
@@ -430,7 +439,9 @@ class CompiledProgram:
         if not compiled or not all(
             type(a) is host.ndarray for a in (*arrays, *(s.value for s in seeds))
         ):
-            return run(dict(leaves), list(seeds))
+            return replay.run_dynamic(
+                _why_dynamic(compiled), lambda: run(dict(leaves), list(seeds))
+            )
         key = (
             self.key,
             *request_key,

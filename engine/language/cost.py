@@ -19,16 +19,18 @@ Seconds = the sum of each measure over its throughput (Throughput: the service s
 cost_flops_per_second, cost_transcendentals_per_second, cost_bytes_per_second).
 
 The estimate is a guard against requests orders of magnitude past a time limit, not a
-scheduler: it leaves out what it cannot see (an einsum's contraction, an ONNX model's
-matmuls, a user function called many times counts once per signature), so it errs on
-the fast side, and a refusal is only for what even this estimate cannot finish.
+scheduler: it leaves out what it cannot see (an einsum's contraction, an ONNX node
+outside ONNX_COSTS beyond its bytes, a user function called many times counts once per
+signature), so it errs on the fast side, and a refusal is only for what even this
+estimate cannot finish. An ONNX model's nodes count as the language's ops do (its
+MatMul as matmul, its Tanh as tanh), from the shapes of the graph specialised to the call.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.language.validate import CheckedProgram, Intermediate
@@ -52,27 +54,64 @@ TRANSCENDENTAL = frozenset(
 )  # fmt: skip
 
 
+# An ONNX model's nodes by the language op whose cost they have (a model's graph runs
+# inside one call of the program, node by node: each counts as that op would).
+ONNX_COSTS = {
+    "MatMul": "matmul", "Gemm": "matmul",  # Gemm's A passed k-last: see model_step_costs
+    "Conv": "conv",
+    "Sin": "sin", "Cos": "cos", "Tan": "tan", "Exp": "exp", "Log": "log", "Tanh": "tanh",
+    "Sigmoid": "sigmoid", "Softplus": "softplus", "Erf": "erf", "Pow": "power",
+    "Gelu": "gelu", "Elu": "elu", "Softmax": "softmax", "LogSoftmax": "log_softmax",
+    "ReduceLogSumExp": "logsumexp",
+}  # fmt: skip
+
+
+def model_step_costs(
+    model: Any, spec: Any, input_shapes: list[tuple[int, ...]]
+) -> dict[str, tuple[str | None, tuple[tuple[int, ...], ...]]]:
+    """Each node output of a specialised ONNX model -> (the language op whose cost it
+    has, or None; its operands' shapes), for the Intermediates validation records."""
+    shapes: dict[str, tuple[int, ...]] = {
+        **{i.name: tuple(s) for i, s in zip(model.inputs, input_shapes, strict=False)},
+        **{n: tuple(v.shape) for n, v in model.params.items()},
+        **{n: tuple(v.shape) for n, v in spec.consts.items()},
+        **{n: tuple(s) for n, s, _ in spec.sizes},
+    }
+    out: dict[str, tuple[str | None, tuple[tuple[int, ...], ...]]] = {}
+    for step in spec.steps:
+        operands = tuple(shapes[n] for n in step.inputs if n and n in shapes)
+        if step.op_type == "Gemm" and len(operands) >= 2 and len(operands[0]) == 2:
+            # Gemm(A, B): A is k-last unless transA (matmul's count reads k there).
+            a = operands[0][::-1] if step.attrs.get("transA") else operands[0]
+            operands = (a, *operands[1:])
+        for name in step.outputs:
+            if name:
+                out[name] = (ONNX_COSTS.get(step.op_type), operands)
+    return out
+
+
 def _flops(i: Intermediate) -> int:
     """The contraction FLOPs of one op, from its result and its arguments' shapes (0 for
     an op that is not a contraction)."""
     out = i.type.size
     shapes = i.inputs
-    if i.op == "matmul" and len(shapes) == 2 and shapes[0]:
+    op = i.work or i.op
+    if op == "matmul" and len(shapes) == 2 and shapes[0]:
         return 2 * out * shapes[0][-1]
-    if i.op in ("conv", "conv1d", "conv2d") and len(shapes) >= 2:
+    if op in ("conv", "conv1d", "conv2d") and len(shapes) >= 2:
         return 2 * out * math.prod(shapes[1][1:])
-    if i.op == "scaled_dot_product_attention" and len(shapes) >= 3 and len(shapes[0]) >= 2:
+    if op == "scaled_dot_product_attention" and len(shapes) >= 3 and len(shapes[0]) >= 2:
         q, k, v = shapes[:3]
         batch = math.prod(q[:-2])
         return 2 * batch * q[-2] * k[-2] * (q[-1] + v[-1])
-    if i.op == "solve" and shapes and len(shapes[0]) >= 2:
+    if op == "solve" and shapes and len(shapes[0]) >= 2:
         n = shapes[0][-1]
         return math.prod(shapes[0][:-2]) * n**3 + 2 * out * n
     return 0
 
 
 def _transcendentals(i: Intermediate) -> int:
-    if i.op not in TRANSCENDENTAL:
+    if (i.work or i.op) not in TRANSCENDENTAL:
         return 0
     return max(i.type.size, max((math.prod(s) for s in i.inputs), default=0))
 

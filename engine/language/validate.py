@@ -30,6 +30,7 @@ from engine.language.catalogue import (
     suggest,
 )
 from engine.language.constants import ArgError
+from engine.language.cost import model_step_costs
 from engine.language.definition import Definition, FunctionDef
 from engine.language.errors import DefinitionError, Problem
 from engine.language.limits import Limits
@@ -120,6 +121,9 @@ class Intermediate:
     op: str
     type: TensorType
     inputs: tuple[tuple[int, ...], ...] = ()  # the op's tensor arguments' shapes (cost.py)
+    # The op whose cost this is, when `op` names something else (a model's node: the
+    # language's name for its ONNX op, cost.py's ONNX_COSTS); None: `op` itself.
+    work: str | None = None
 
 
 @dataclass
@@ -351,8 +355,11 @@ class _Checker:
         if index is None:
             return None
         self.model_calls[node] = (spec, index)
-        for _, shape, dtype in spec.sizes:  # the graph's intermediates count as ops do
+        # The graph's intermediates count as ops do, memory and cost (its MatMuls' FLOPs).
+        work = model_step_costs(model, spec, [t.shape for t in types])
+        for name, shape, dtype in spec.sizes:
             self.total_elements += math.prod(shape)
+            op, operands = work.get(name, (None, ()))
             self.intermediates.append(
                 Intermediate(
                     scope.section,
@@ -360,6 +367,8 @@ class _Checker:
                     node.pos.column,
                     node.func,
                     TensorType(tuple(shape), dtype),
+                    operands,
+                    op,
                 )
             )
         shape, dtype = spec.outputs[index]

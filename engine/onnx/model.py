@@ -395,7 +395,7 @@ class OnnxModel:
                 )
                 continue
             if node.op_type not in NOT_FOLDABLE and all(n in consts for n in ins):
-                if (why := _oversized_fold(node, consts, max_elements)) is not None:
+                if (why := _oversized_fold(node, consts, max_elements, shapes)) is not None:
                     problems.append(node.problem(why, self.opset, "shape"))
                     continue
                 try:
@@ -579,12 +579,27 @@ def _constant_value(node: Node) -> np.ndarray | None:
 
 
 def _oversized_fold(
-    node: Node, consts: Mapping[str, np.ndarray], max_elements: int | None
+    node: Node,
+    consts: Mapping[str, np.ndarray],
+    max_elements: int | None,
+    shapes: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Why folding this node would make a constant past max_elements, known from its
-    constant inputs before the reference evaluator allocates it (None: it fits)."""
+    constant inputs (or the shape ONNX's inference gives its outputs) before the
+    reference evaluator allocates it (None: it fits)."""
     if max_elements is None:
         return None
+    # Any op can grow its constant inputs (Tile, Pad, a broadcast Mul, an outer MatMul,
+    # OneHot, Resize): where inference knows an output's shape, that is its size.
+    for out in node.outputs:
+        shape = (shapes or {}).get(out, (None, None))[0] if out else None
+        if shape is not None and None not in shape:
+            elements = math.prod(max(int(d), 0) for d in shape)
+            if elements > max_elements:
+                return (
+                    f"folding it at load time would make a constant of {elements:,} "
+                    f"elements; the limit is {max_elements:,} (max_elements)"
+                )
     if node.op_type in ("ConstantOfShape", "Expand"):
         shape_input = node.inputs[0] if node.op_type == "ConstantOfShape" else node.inputs[1]
         dims = [int(d) for d in np.asarray(consts[shape_input]).reshape(-1)]

@@ -56,7 +56,37 @@ _PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op"
 
 def _field(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in (loc[1:] if loc and loc[0] == "body" else loc)]
+    parts = [p for p in parts if not _is_union_label(p)]
     return ".".join(_short(p) for p in _without_input_tags(parts)) or "body"
+
+
+# The labels pydantic gives the arms of an untagged union in an error's location
+# ("list[function-before[whole_float(), constrained-int]]"): its internals, not a field.
+_UNION_LABELS = ("list[", "dict[", "function-before[", "function-after[", "function-wrap[")
+
+
+def _is_union_label(part: str) -> bool:
+    return part.endswith("]") and part.startswith(_UNION_LABELS)
+
+
+# An error saying a value is not of one arm's type (a list, an object): where a union's
+# other arm has a real complaint about the value sent, that complaint is the one to show
+# first (rows {"step": 0} is "step >= 1", not "not a list").
+_ARM_MISMATCHES = {"list_type", "dict_type", "model_type", "model_attributes_type"}
+
+
+def _most_telling_first(errors: list[Any]) -> list[Any]:
+    def other_arm_says_more(err: Any) -> bool:
+        if err.get("type") not in _ARM_MISMATCHES:
+            return False
+        union = tuple(err.get("loc", ()))[:-1]  # the arm's label is the last part
+        return any(
+            other.get("type") not in _ARM_MISMATCHES
+            and tuple(other.get("loc", ()))[: len(union)] == union
+            for other in errors
+        )
+
+    return sorted(errors, key=other_arm_says_more)
 
 
 def _without_input_tags(parts: list[str]) -> list[str]:
@@ -94,6 +124,7 @@ def _validation_problem(request: Request, exc: RequestValidationError) -> Respon
             return problem_response(request.scope, "malformed-body", err["msg"])
     # The first few problems, and how many more: a body under the size limits can still
     # hold a great many mistakes, and the answer must stay small.
+    errors = _most_telling_first(errors)
     shown = errors[: request.app.state.settings.max_reported_problems]
     items = [
         {

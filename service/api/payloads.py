@@ -37,7 +37,7 @@ from service.api.schemas import (
 from service.api.schemas.operations import OperationRequest
 from service.api.tensors import BASE64_PATTERN, from_base64, from_data, nonfinite_count
 from service.core.config import Settings
-from service.core.operations import CURVATURE_FIELDS, encode_options
+from service.core.operations import CURVATURE_FIELDS, OnePass, encode_options
 from service.core.wire import Encoding, TensorError, from_bytes
 from service.domain.jobs import time_limit_of
 from service.domain.requests import Binding, Prepared
@@ -440,9 +440,10 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
     budget = 0.9 * limit
     if counted:
         options.max_hvps = max_hvps  # type: ignore[attr-defined]
-    options.max_seconds = (
-        budget if options.max_seconds is None else min(options.max_seconds, budget)
-    )
+    if not isinstance(options, OnePass):  # one pass has no partial answer to stop with
+        options.max_seconds = (
+            budget if options.max_seconds is None else min(options.max_seconds, budget)
+        )
     payload: dict[str, Any] = {"options": encode_options(options)}
     for name, spec in op.tensors.items():
         value = getattr(body, name)

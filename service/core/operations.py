@@ -545,7 +545,26 @@ class FrobeniusNormResult(msgspec.Struct, kw_only=True):
     seconds: float
 
 
-class PerExampleOptions(Budget, kw_only=True):
+ONE_PASS_SECONDS_DESCRIPTION = (
+    "Refused: this operation runs in one pass and has no partial answer to stop with; "
+    "bound it with `time_limit` (or run it as a job)."
+)
+
+
+class OnePass(Budget, kw_only=True):
+    """Options of an operation that runs to its end or not at all (per-example
+    gradients, KFAC, a Laplace fit): nothing partial to answer at `max_seconds`, so a
+    max_seconds, which the algorithms honour, is refused rather than ignored."""
+
+    max_seconds: Annotated[float, Meta(description=ONE_PASS_SECONDS_DESCRIPTION)] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_seconds is not None:
+            raise OptionError("max_seconds", ONE_PASS_SECONDS_DESCRIPTION.removeprefix("Refused: "))
+
+
+class PerExampleOptions(OnePass, kw_only=True):
     """Per-example gradients of a tape recorded with `output` (its examples along the
     output's first axis) and their statistics, in one batched pass (the curvature fields
     are not used)."""
@@ -575,7 +594,7 @@ class Sharing(StrEnum):
 KFAC_CURVATURES = (CurvatureKind.ggn, CurvatureKind.fisher, CurvatureKind.empirical_fisher)
 
 
-class KFACOptions(Budget, kw_only=True):
+class KFACOptions(OnePass, kw_only=True):
     """KFAC (or EKFAC) of a tape recorded with `output`, on the matmul and convolution
     layers found in its program: of the GGN (type-2), the Fisher (exact, or Monte-Carlo
     with `samples`) or the empirical Fisher."""
@@ -625,7 +644,7 @@ class KFACOptions(Budget, kw_only=True):
             )
 
 
-class LaplaceOptions(Budget, kw_only=True):
+class LaplaceOptions(OnePass, kw_only=True):
     """Fit a Laplace approximation at the tape's point (a trained model), kept with the
     tape under the `laplace_id` answered."""
 

@@ -97,6 +97,10 @@ def _npy_header(stream: Any, name: str) -> _Member:
         )
     if dtype.name not in DTYPES:
         raise _invalid(name, f"dtype {dtype} is not one of {', '.join(DTYPES)}")
+    # NumPy's header reader takes any integers: two negative dimensions multiply to a
+    # positive size that the data can match, and only the reshape would fail (a 500).
+    if any(d < 0 for d in shape):
+        raise _invalid(name, f"the .npy header declares shape {list(shape)}: a negative dimension")
     nbytes = math.prod(shape) * dtype.itemsize
     return _Member(name, dtype, tuple(shape), bool(fortran), stream.tell(), nbytes)
 

@@ -98,6 +98,9 @@ def final_progress(progress: dict[str, Any], result: dict[str, Any], seconds: fl
     progress["eta"] = 0.0
     if "trace" in result:
         progress["estimate"], progress["error"] = result["trace"], result.get("stderr")
+    elif "frobenius_norm_squared" in result:
+        progress["estimate"] = result["frobenius_norm_squared"]
+        progress["error"] = result.get("stderr")
     elif "eigenvalues" in result:
         progress["estimate"] = _listed(result["eigenvalues"])
         progress["error"] = _listed(result.get("residuals"))

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import engine as gt
-from engine import backend
+from engine import backend, replay
 from engine.curvature import CurvatureError
 from engine.language import (
     CompiledProgram,
@@ -48,6 +48,7 @@ from engine.tape import per_example_jacobian
 from engine.tensor import Tensor
 from engine.transforms import SingularHessianError
 from service.core import defaults, flat
+from service.core.execution import Execution
 from service.worker.datasets import DatasetCache, DatasetUnavailable, resolve
 
 log = logging.getLogger("gradtape.compute")
@@ -369,6 +370,13 @@ def prepare(
     return Prepared(definition, program, request, program.leaves(definition, context.device))
 
 
+def execution(observed: replay.Observed) -> dict[str, Any]:
+    """The answer's `execution`: how the passes run inside `observed` ran, as the engine
+    reported them while running them (compiled, or dynamic and why)."""
+    how = observed.summary()
+    return Execution(compiled=how.compiled, reason=how.reason).message()
+
+
 def _host(tensor: Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
@@ -408,16 +416,21 @@ def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     program = compile_definition(as_definition(payload["definition"]), context.limits)
     program.batch_within(context.memory_budget, "its forward and backward pass", first_order=True)
     check_cost(program, 1, True, context, "the gradient")
-    result = evaluate(
-        as_definition(payload["definition"]),
-        payload["target"],
-        payload.get("sources"),
-        unconnected=payload.get("unconnected", "none"),
-        limits=context.limits,
-        device=context.device,
-        allow_unused=bool(payload.get("allow_unused")),
-    )
-    return {"value": result.value, "gradients": result.gradients}
+    with replay.observe() as observed:  # compiled: see evaluate
+        result = evaluate(
+            as_definition(payload["definition"]),
+            payload["target"],
+            payload.get("sources"),
+            unconnected=payload.get("unconnected", "none"),
+            limits=context.limits,
+            device=context.device,
+            allow_unused=bool(payload.get("allow_unused")),
+        )
+    return {
+        "value": result.value,
+        "gradients": result.gradients,
+        "execution": execution(observed),
+    }
 
 
 def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -440,8 +453,15 @@ def jacobian(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     check_cost(prepared.program, row_count, True, context, f"the jacobian of {row_count:,} rows")
     # compiled: a definition's later requests of the same layout replay the captured pass
     chunk_size = min(context.chunk_size, rows or context.chunk_size)
-    y, jacobians = prepared.program.jacobians(prepared.request, prepared.leaves, batch, chunk_size)
-    return {"value": y.numpy(), "jacobians": {k: _host(j) for k, j in jacobians.items()}}
+    with replay.observe() as observed:
+        y, jacobians = prepared.program.jacobians(
+            prepared.request, prepared.leaves, batch, chunk_size
+        )
+    return {
+        "value": y.numpy(),
+        "jacobians": {k: _host(j) for k, j in jacobians.items()},
+        "execution": execution(observed),
+    }
 
 
 def check_jacobian_size(
@@ -581,9 +601,10 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     ]
     # Forward, gradient and batched second-order passes (as many vectors as fit each);
     # compiled: a definition's later requests of the same layout replay the captured pass.
-    value, grads, products = prepared.program.hessian_vector_products(
-        prepared.request, prepared.leaves, stacked, context.memory_budget
-    )
+    with replay.observe() as observed:
+        value, grads, products = prepared.program.hessian_vector_products(
+            prepared.request, prepared.leaves, stacked, context.memory_budget
+        )
     # [i, ...] keeps a 0-d parameter's product a 0-d array ([i] would give a NumPy scalar,
     # which crosses to the HTTP process as a bare number instead of a tensor).
     answers = [
@@ -594,6 +615,7 @@ def hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
         "gradients": dict(zip(keys, [g.numpy() for g in grads], strict=True)),
         "hvp": answers[0] if single else None,
         "hvps": None if single else answers,
+        "execution": execution(observed),
     }
 
 

@@ -72,6 +72,18 @@ def _at_line(message: str, exc: MixedExamplesError, seen: Mapping[str, Any]) -> 
     return message
 
 
+# The options a Laplace fit's errors begin with (engine/laplace.py): each names its own.
+LAPLACE_FIELDS = ("sigma_noise", "prior_precision", "structure", "subset", "count", "link")
+
+
+def _laplace_error(exc: Exception, field: str) -> RequestError:
+    """A Laplace fit's refusal, naming the option its message begins with (else `field`):
+    'sigma_noise is for regression' is about sigma_noise, not the curvature."""
+    text = str(exc).removeprefix("laplace: ")
+    named = next((f for f in LAPLACE_FIELDS if text.startswith(f)), field)
+    return _curvature_error(exc, named)
+
+
 def _curvature_error(exc: Exception, field: str = "curvature") -> RequestError:
     if isinstance(exc, MixedExamplesError):
         return RequestError("batch-dependence", str(exc), field="output")
@@ -272,6 +284,13 @@ def kfac_answer(
         "product": None,
     }
     vectors = payload.get("vectors")
+    if payload.get("inverse") and not vectors:  # nothing to multiply: not a silent no-op
+        raise RequestError(
+            "request",
+            "inverse: multiplies `vector` by (KFAC + damping I)^-1; give `vector` (a tensor "
+            "per source)",
+            field="inverse",
+        )
     if vectors:
         power = -1.0 if payload.get("inverse") else 1.0
         if power == -1.0 and damping <= 0.0 and min(fitted.all_eigenvalues()) <= 0.0:
@@ -483,7 +502,7 @@ def laplace_fit(
         if tune:
             la.tune_prior_precision()
     except (MixedExamplesError, CurvatureError, ValueError) as exc:
-        raise _curvature_error(exc) from None
+        raise _laplace_error(exc, "curvature") from None
     held = _laplaces(session)
     while len(held) >= MAX_LAPLACES:
         held.pop(next(iter(held)))
@@ -587,7 +606,9 @@ def _model_test_points(
             "along the examples axis)",
             field="test_inputs",
         )
-    rows = len(np.asarray(next(iter(given.values()))))
+    # A scalar has no rows: test_points_of names its shape (len() would be a TypeError).
+    first = np.asarray(next(iter(given.values())))
+    rows = first.shape[0] if first.ndim else 0
     for name in curvature.targets:
         if name not in fake:
             leaf = session.program.inputs[name].type

@@ -107,6 +107,7 @@ def combine(parts: Sequence[Mapping[str, Any]], weights: Sequence[float]) -> dic
         else:
             out[key] = weighted_sum([p[key] for p in parts], weights, key)
     out.pop("nonfinite", None)  # flagged again, on the sum, by the worker's front door
+    out.pop("execution", None)  # one part's: the parts ran on several workers
     return out
 
 

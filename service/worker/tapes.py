@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 import engine as gt
+from engine import replay
 from engine.curvature import Curvature, CurvatureError
 from engine.footprint import held_bytes
 from engine.hessian_algorithms import (
@@ -73,6 +74,7 @@ from service.worker.compute import (
     check_cost,
     check_jacobian_size,
     check_vector,
+    execution,
     given_vectors,
     jacobians_on,
     on_device,
@@ -183,6 +185,8 @@ def record(tape_id: str, spec: Mapping[str, Any], context: WorkerContext) -> Tap
 
     # Batched passes over the tape (HVP vectors, probes) are split to fit the memory budget.
     most = program.batch_within(context.memory_budget, "recording the tape and one HVP pass")
+    # Recording is a forward pass and its gradient: guarded as /v1/gradient is.
+    check_cost(program, 1, True, context, "recording the tape")
     operator = gt.hessian_operator(f, *[leaves[n] for n in names], max_batch=most)
     session = TapeSession(
         tape_id=tape_id,
@@ -423,13 +427,18 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     ]
     # (a message without `curvature` asks for the Hessian)
     operator, _ = curvature_operator(session, curvature_choice(payload.get("curvature")), context)
-    products = _products(session, operator, stacked)  # batched passes, nothing recorded
+    with replay.observe() as observed:  # (the tape's HVP passes compile per vector layout)
+        products = _products(session, operator, stacked)  # batched passes, nothing recorded
     host = [p.numpy() for p in products]
     # [i, ...]: a 0-d parameter's product stays a 0-d array, never a bare number.
     answers = [
         {k: host[j][i, ...] for j, k in enumerate(session.keys)} for i in range(len(vectors))
     ]
-    result = {"hvp": answers[0] if single else None, "hvps": None if single else answers}
+    result = {
+        "hvp": answers[0] if single else None,
+        "hvps": None if single else answers,
+        "execution": execution(observed),
+    }
     return finish_answer(session, rebuilt, result, hvp_only=True)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 
+import httpx
 import numpy as np
 import pytest
 from gradtape.client import (
@@ -99,3 +100,35 @@ def test_influence_uses_the_ggn_and_the_hessian_warns_at_negative_curvature(
         with pytest.warns(UnconvergedWarning, match="negative_curvature.*raise `damping`"):
             hessian = tape.influence(rows=[0, 1, 2], curvature="hessian", damping=1e-3)
         assert hessian.stopped == "negative_curvature"
+
+
+def test_answers_as_dicts_warn_too(client: Client, server) -> None:
+    """`tape.frobenius_norm` and `tape.call` answer the JSON dict: one whose `converged`
+    is false warns as the typed results do (and raises under strict)."""
+    with client.tape(quadratic(), "loss") as tape:
+        with pytest.warns(UnconvergedWarning, match="frobenius-norm.*'max_hvps'.*raise"):
+            norm = tape.frobenius_norm(max_hvps=4, batch_size=2, rtol=1e-12)
+        assert not norm["converged"] and norm["stopped"] == "max_hvps"
+        with pytest.warns(UnconvergedWarning, match="trace.*'max_hvps'"):
+            assert not tape.call("trace", method="hutchinson", max_hvps=4, rtol=1e-12)["converged"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert tape.call("trace", method="exact")["converged"]
+    with Client(server.base_url, strict=True) as strict, strict.tape(quadratic(), "loss") as tape:
+        with pytest.raises(Unconverged, match="frobenius-norm") as raised:
+            tape.frobenius_norm(max_hvps=4, batch_size=2, rtol=1e-12)
+        assert raised.value.result["hvps"] == 4
+
+
+def test_a_job_answered_as_a_dict_warns(client: Client, server) -> None:
+    """`client.job(id).wait()` on a job started elsewhere (a 202's Location) answers the
+    dict: a trace cut short by its HVP budget says so by a warning."""
+    with client.tape(quadratic(), "loss") as tape:
+        started = httpx.post(
+            f"{server.base_url}/v1/tapes/{tape.id}/trace",
+            json={"method": "hutchinson", "max_hvps": 4, "rtol": 1e-12, "async": True},
+        )
+        assert started.status_code == 202, started.text
+        with pytest.warns(UnconvergedWarning, match="job .*'max_hvps'"):
+            answer = client.job(started.json()["job_id"]).wait()
+        assert answer["method"] == "hutchinson" and answer["stopped"] == "max_hvps"

@@ -801,3 +801,61 @@ def test_known_tensors_look_at_globals_shallowly() -> None:
     # through a closure (not a global), an object is walked as before
     holder = _Holder(np.ones(5))
     assert id(holder.array) in replay.known_tensors(lambda: holder)
+
+
+def test_observe_reports_how_each_outermost_pass_ran() -> None:
+    """replay.observe() hears, per outermost pass, what the pass did as it did it: the
+    first of a layout dynamic, the second captured, later ones replayed; a capture that
+    fails, its reason every time; the operator an HVP request runs inside its own pass
+    nothing; compiled=False and nothing observed say why."""
+    from engine.language import compile_definition
+
+    rng = np.random.default_rng(46)
+    base = {
+        "variables": {"w": rng.random((4, 3))},
+        "inputs": {"x": rng.random((6, 4))},
+        "program": ["loss = sum(tanh(x @ w) * tanh(x @ w))"],
+    }
+    program = compile_definition(base)
+    request = program.check_request("loss")
+
+    def seen(call) -> list[replay.Execution]:
+        with replay.observe() as observed:
+            call(program.leaves(_with_values(base, rng)))
+        return observed.passes
+
+    first, captured, replayed = replay.NOT_YET, replay.CAPTURED, None
+    for run in (
+        lambda leaves: program.value_and_gradients(request, leaves),
+        lambda leaves: program.hessian_vector_products(
+            request, leaves, [gt.constant(rng.random((2, 4, 3)))]
+        ),
+        lambda leaves: program.jacobians(request, leaves),
+    ):
+        got = [seen(run) for _ in range(4)]
+        assert got == [
+            [replay.Execution(False, first)],
+            [replay.Execution(False, captured)],
+            [replay.Execution(True, replayed)],
+            [replay.Execution(True, replayed)],
+        ]
+    (dynamic,) = seen(lambda leaves: program.value_and_gradients(request, leaves, False))
+    assert not dynamic.compiled and "compiled=False" in (dynamic.reason or "")
+
+    steered = {**base, "program": ["loss = sum(sort(x @ w) * x[:, :3])"]}
+    sorting = compile_definition(steered)
+    reasons = []
+    for _ in range(4):
+        with replay.observe() as observed:
+            sorting.value_and_gradients(
+                sorting.check_request("loss"), sorting.leaves(_with_values(steered, rng))
+            )
+        reasons.append(observed.summary())
+    assert reasons[0] == replay.Execution(False, first)
+    assert len(set(reasons[1:])) == 1 and "host" in (reasons[1].reason or "")
+    assert not reasons[1].compiled
+
+    nothing = replay.Observed().summary()
+    assert not nothing.compiled and "no pass" in (nothing.reason or "")
+    # Outside observe(), passes report nowhere (and answer as ever).
+    program.value_and_gradients(request, program.leaves(_with_values(base, rng)))

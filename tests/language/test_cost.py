@@ -40,3 +40,49 @@ def test_transcendentals_count_their_elements_and_a_run_scales_with_its_items() 
 
 def test_a_zero_throughput_turns_the_guard_off() -> None:
     assert not Throughput(1e9, 0, 1e9).enabled and Throughput(1, 1, 1).enabled
+
+
+def _onnx_mlp() -> bytes:
+    """x -> tanh(x @ W1 + b) -> Gemm(., W2, transB) : the ops of an exported MLP."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "W1"),
+        numpy_helper.from_array(np.zeros(32, np.float32), "b"),
+        numpy_helper.from_array(rng.standard_normal((4, 32)).astype(np.float32), "W2"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["hb"]),
+        helper.make_node("Tanh", ["hb"], ["a"]),
+        helper.make_node("Gemm", ["a", "W2"], ["y"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 4])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_an_onnx_models_nodes_count_as_the_languages_ops_do() -> None:
+    """A model's MatMul, Gemm and Tanh cost what x @ W, tanh(...) cost written out (they
+    counted only their results' bytes: an ONNX model of matmuls passed the guard free)."""
+    x = np.ones((8, 16), np.float32)
+    definition = {"models": {"net": {"onnx": _onnx_mlp()}}, "inputs": {"x": x}}
+    cost = compile_definition(as_definition({**definition, "program": ["loss = sum(net(x))"]})).cost
+    assert cost.flops == 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
+    assert cost.transcendentals == 8 * 32
+    written = cost_of(
+        ["h = tanh(x @ w1 + b)", "y = h @ transpose(w2)", "loss = sum(y)"],
+        x=x,
+        w1=np.ones((16, 32), np.float32),
+        b=np.zeros(32, np.float32),
+        w2=np.ones((4, 32), np.float32),
+    )
+    assert (cost.flops, cost.transcendentals) == (written.flops, written.transcendentals)

@@ -5,6 +5,7 @@ the limit and the job form; the worker is not killed. Requests that fit are answ
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 
 import httpx
@@ -160,3 +161,78 @@ def test_a_tapes_hvp_of_1024_vectors_is_refused_too(roomy) -> None:
     want = 2048 * 2048 * (2 * np.cos(s) - s * np.sin(s))
     np.testing.assert_allclose(arr(few.json()["hvps"][0]["w"]), [want] * 4, rtol=1e-3)
     roomy.delete(f"/v1/tapes/{tape}")
+
+
+def test_recording_a_tape_is_guarded_as_a_gradient_is(roomy) -> None:
+    """POST /v1/tapes runs the forward pass and its gradient, as /v1/gradient does: the
+    same estimate refuses it before it runs (it ran into its time limit: a 504 and a
+    killed worker)."""
+    chain = ["a = broadcast_to(sum(w), (2048, 2048))"] + [
+        f"m{i} = {'a' if i == 0 else f'm{i - 1}'} @ a" for i in range(4)
+    ]
+    body = {
+        "definition": {"program": [*chain, "loss = sum(m3)"], "variables": {"w": W}},
+        "target": "loss",
+        "time_limit": 1,
+    }
+    gradient = problem(roomy.post("/v1/gradient", json=body), 422, "too-large")
+    assert "the gradient is estimated at about" in gradient["detail"]
+    before = worker_pids(roomy)
+    answer = problem(roomy.post("/v1/tapes", json=body), 422, "too-large")
+    assert "recording the tape is estimated at about" in answer["detail"], answer
+    assert answer["estimate"] == gradient["estimate"] and answer["time_limit"] == 1
+    assert worker_pids(roomy) == before
+
+
+def matmul_chain(n: int, depth: int) -> bytes:
+    """An ONNX model y = tanh(... tanh(x @ C) @ C ...) (depth matmuls) with C a constant
+    filled at load: a few hundred bytes that cost depth * 2 n^3 FLOPs a pass."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    fill = numpy_helper.from_array(np.array([1e-3], np.float32), "fill")
+    nodes = [
+        helper.make_node(
+            "Constant",
+            [],
+            ["size"],
+            value=numpy_helper.from_array(np.array([n, n], np.int64), "size"),
+        ),
+        helper.make_node("ConstantOfShape", ["size"], ["C"], value=fill),
+    ]
+    previous = "x"
+    for i in range(depth):
+        nodes.append(helper.make_node("MatMul", [previous, "C"], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"t{i}"]))  # curved: HVPs run
+        previous = f"t{i}"
+    nodes.append(helper.make_node("Identity", [previous], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_an_onnx_models_matmuls_are_counted(roomy) -> None:
+    """The same matmuls in an ONNX model as in the language: refused before they run (the
+    model's nodes counted their results' bytes only, so 64 HVPs through 4 matmuls of
+    1024 x 1024 passed the guard and ran into the time limit: a 504, a killed worker)."""
+    before = worker_pids(roomy)
+    body = {
+        "definition": {
+            "models": {"net": {"onnx": base64.b64encode(matmul_chain(1024, 4)).decode()}},
+            "variables": {"w": W},
+            "program": ["x = broadcast_to(sum(w), (1024, 1024))", "loss = sum(net(x))"],
+        },
+        "target": "loss",
+        "vectors": [{"w": [1.0, 0.0, 0.0, 0.0]}] * 64,
+        "time_limit": 1,
+    }
+    answer = problem(roomy.post("/v1/hvp", json=body), 422, "too-large")
+    assert "the HVP of 64 vector(s) is estimated at about" in answer["detail"]
+    # 4 matmuls of 2 * 1024^3 FLOPs a pass, over the recording and 64 HVP passes
+    assert answer["estimate"]["flops"] >= 4 * 2 * 1024**3 * 64
+    assert worker_pids(roomy) == before

@@ -32,13 +32,15 @@ def put_msgpack(client, name: str, arrays: dict) -> dict:
     return r.json()
 
 
+def bound(inputs: dict) -> dict:
+    """The definition with these inputs: bound to stored arrays as the API takes them (a
+    whole dataset, or an array per input, with rows), or inline (`inline`)."""
+    return {"variables": {"w": t(W, "float64")}, "inputs": inputs, "program": PROGRAM}
+
+
 def inline(rows=None) -> dict:
     x, y = (X, Y) if rows is None else (X[rows], Y[rows])
-    return {
-        "variables": {"w": t(W, "float64")},
-        "inputs": {"X": t(x, "float64"), "Y": t(y, "float64")},
-        "program": PROGRAM,
-    }
+    return bound({"X": t(x, "float64"), "Y": t(y, "float64")})
 
 
 def test_put_get_list_delete(client) -> None:
@@ -110,11 +112,7 @@ def test_inputs_bound_by_dataset_match_inline_data(client) -> None:
         client,
         "/v1/gradient",
         {
-            "definition": {
-                "variables": {"w": t(W, "float64")},
-                "inputs": {"dataset": "logit"},
-                "program": PROGRAM,
-            },
+            "definition": bound({"dataset": "logit"}),
             "target": "loss",
         },
     )
@@ -122,14 +120,12 @@ def test_inputs_bound_by_dataset_match_inline_data(client) -> None:
         client,
         "/v1/gradient",
         {
-            "definition": {
-                "variables": {"w": t(W, "float64")},
-                "inputs": {
+            "definition": bound(
+                {
                     "X": {"dataset": "logit", "array": "X"},
                     "Y": {"dataset": "logit", "array": "Y"},
-                },
-                "program": PROGRAM,
-            },
+                }
+            ),
             "target": "loss",
         },
     )
@@ -145,11 +141,7 @@ def test_rows_select_a_mini_batch(client) -> None:
         client,
         "/v1/gradient",
         {
-            "definition": {
-                "variables": {"w": t(W, "float64")},
-                "inputs": {"dataset": "logit", "rows": rows},
-                "program": PROGRAM,
-            },
+            "definition": bound({"dataset": "logit", "rows": rows}),
             "target": "loss",
         },
     )
@@ -159,11 +151,7 @@ def test_rows_select_a_mini_batch(client) -> None:
         client,
         "/v1/gradient",
         {
-            "definition": {
-                "variables": {"w": t(W, "float64")},
-                "inputs": {"dataset": "logit", "rows": {"start": 10, "stop": 30, "step": 2}},
-                "program": PROGRAM,
-            },
+            "definition": bound({"dataset": "logit", "rows": {"start": 10, "stop": 30, "step": 2}}),
             "target": "loss",
         },
     )
@@ -173,11 +161,7 @@ def test_rows_select_a_mini_batch(client) -> None:
         client.post(
             "/v1/gradient",
             json={
-                "definition": {
-                    "variables": {"w": t(W, "float64")},
-                    "inputs": {"dataset": "logit", "rows": [0, 40]},
-                    "program": PROGRAM,
-                },
+                "definition": bound({"dataset": "logit", "rows": [0, 40]}),
                 "target": "loss",
             },
         ),
@@ -188,11 +172,7 @@ def test_rows_select_a_mini_batch(client) -> None:
         client.post(
             "/v1/gradient",
             json={
-                "definition": {
-                    "variables": {"w": t(W, "float64")},
-                    "inputs": {"dataset": "logit", "rows": {"start": 0, "stop": 41}},
-                    "program": PROGRAM,
-                },
+                "definition": bound({"dataset": "logit", "rows": {"start": 0, "stop": 41}}),
                 "target": "loss",
             },
         ),
@@ -209,11 +189,7 @@ def test_an_empty_mini_batch_is_refused(client, rows) -> None:
         client.post(
             "/v1/gradient",
             json={
-                "definition": {
-                    "variables": {"w": t(W, "float64")},
-                    "inputs": {"dataset": "logit", "rows": rows},
-                    "program": PROGRAM,
-                },
+                "definition": bound({"dataset": "logit", "rows": rows}),
                 "target": "loss",
             },
         ),
@@ -227,11 +203,7 @@ def test_unknown_dataset_or_array(client) -> None:
         client.post(
             "/v1/gradient",
             json={
-                "definition": {
-                    "variables": {"w": t(W, "float64")},
-                    "inputs": {"dataset": "nope"},
-                    "program": PROGRAM,
-                },
+                "definition": bound({"dataset": "nope"}),
                 "target": "loss",
             },
         ),
@@ -244,11 +216,7 @@ def test_unknown_dataset_or_array(client) -> None:
         client.post(
             "/v1/gradient",
             json={
-                "definition": {
-                    "variables": {"w": t(W, "float64")},
-                    "inputs": {"X": {"dataset": "logit", "array": "Z"}},
-                    "program": PROGRAM,
-                },
+                "definition": bound({"X": {"dataset": "logit", "array": "Z"}}),
                 "target": "loss",
             },
         ),
@@ -259,11 +227,7 @@ def test_unknown_dataset_or_array(client) -> None:
 
 def test_overwrite_is_never_stale_and_tapes_keep_their_data(client) -> None:
     put_msgpack(client, "moving", {"X": X, "Y": Y})
-    defn = {
-        "variables": {"w": t(W, "float64")},
-        "inputs": {"dataset": "moving"},
-        "program": PROGRAM,
-    }
+    defn = bound({"dataset": "moving"})
     first = post(client, "/v1/gradient", {"definition": defn, "target": "loss"})
     tape = client.post("/v1/tapes", json={"definition": defn, "target": "loss"})
     assert tape.status_code == 201, tape.text
@@ -299,11 +263,7 @@ def test_models_bind_datasets(client) -> None:
         json={
             "name": "logit-model",
             "replace": True,
-            "definition": {
-                "variables": {"w": t(W, "float64")},
-                "inputs": {"dataset": "logit"},
-                "program": PROGRAM,
-            },
+            "definition": bound({"dataset": "logit"}),
         },
     )
     assert r.status_code in (200, 201), r.text
@@ -362,11 +322,7 @@ def test_owned_by_the_key_and_size_limits(limited: Server) -> None:
             b.post(
                 "/v1/gradient",
                 json={
-                    "definition": {
-                        "variables": {"w": t(W, "float64")},
-                        "inputs": {"dataset": "mine"},
-                        "program": PROGRAM,
-                    },
+                    "definition": bound({"dataset": "mine"}),
                     "target": "loss",
                 },
             ),
@@ -417,11 +373,7 @@ def test_worker_memory_budget_evicts_but_answers_stay_right(limited: Server) -> 
                 c,
                 "/v1/gradient",
                 {
-                    "definition": {
-                        "variables": {"w": t(W, "float64")},
-                        "inputs": {"dataset": name},
-                        "program": PROGRAM,
-                    },
+                    "definition": bound({"dataset": name}),
                     "target": "loss",
                 },
             )
@@ -451,3 +403,28 @@ def test_the_cache_is_an_lru_by_content(tmp_path) -> None:
     new = store.put_dataset("", "p", {"a": np.full(100, 7.0)})
     assert cache.array(new.arrays[0].blob)[0] == 7.0
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("rows", "field", "message"),
+    [
+        ({"start": 0, "stop": 3, "step": 0}, "rows.RowSlice.step", "greater than or equal to 1"),
+        ({"start": 0, "bogus": 1}, "rows.RowSlice.bogus", "Extra inputs"),
+        ([2**63], "rows.0", "less than or equal to"),
+    ],
+)
+def test_a_bad_mini_batch_names_what_is_wrong_with_it(client, rows, field, message) -> None:
+    """rows is a list or a slice: the problem shown first is the one with the form sent
+    (it was 'rows.list[function-before[whole_float(), constrained-int]]: Input should be
+    a valid list' for a slice whose step is 0)."""
+    body = problem(
+        client.post(
+            "/v1/gradient",
+            json={"definition": bound({"dataset": "logit", "rows": rows}), "target": "loss"},
+        ),
+        422,
+        "validation",
+    )
+    assert body["detail"].startswith(f"definition.inputs.DatasetInputs.{field}: "), body
+    assert message in body["detail"], body
+    assert "[" not in body["errors"][0]["field"], body

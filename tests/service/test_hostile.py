@@ -569,7 +569,9 @@ def test_a_key_over_its_rate_is_refused_before_its_body_is_read(gated) -> None:
 def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
     """One upload holds the key's slot (its body never finishes), another waits in its
     line: what comes next is refused for the line, and keeps its token. The bucket
-    (3, no refill to speak of) paid for those two only, so one request passes after."""
+    (3, no refill to speak of) paid for those two only, so one request passes after.
+    (A request that computes: a read takes no slot and never stands in the line.)"""
+    small = {"definition": W, "target": "loss"}
     key = GATE_KEYS["line"]
     with httpx.Client(
         base_url=gated.base_url, timeout=10, headers={"Authorization": f"Bearer {key}"}
@@ -578,17 +580,18 @@ def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
         time.sleep(0.5)  # admitted: it holds the slot, reading its body
         waiting = open_upload(gated, 1000, key, first=b"{")
         time.sleep(0.5)  # in the line
-        refused = [c.get("/v1/ops") for _ in range(5)]
+        refused = [c.post("/v1/gradient", json=small) for _ in range(5)]
         for r in refused:
             assert "1 waiting" in problem(r, 429, "rate-limited")["detail"], r.text
         holding.close()
         waiting.close()
-        deadline = time.monotonic() + 10
-        while (r := c.get("/v1/ops")).status_code == 429 and "waiting" in r.text:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measurement
+        while (r := c.post("/v1/gradient", json=small)).status_code == 429 and "waiting" in r.text:
             assert time.monotonic() < deadline, r.text  # the closed uploads let go
             time.sleep(0.05)
         assert r.status_code == 200, r.text  # the third token
-        assert "requests per second" in problem(c.get("/v1/ops"), 429, "rate-limited")["detail"]
+        again = c.post("/v1/gradient", json=small)
+        assert "requests per second" in problem(again, 429, "rate-limited")["detail"]
 
 
 # -- integers and shapes past 64 bits (issue 25) ----------------------------------------------

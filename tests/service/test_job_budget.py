@@ -79,6 +79,12 @@ def test_the_last_progress_of_a_finished_job_is_its_answer(client, tape_300) -> 
     eigen = _job(client, f"{url}/eigenvalues", {"k": 2, "tol": 1e-8, "max_hvps": 300})
     assert eigen["progress"]["estimate"] == eigen["result"]["eigenvalues"]
     assert eigen["progress"]["error"] == eigen["result"]["residuals"]
+    # The Frobenius norm (a row of the operation table) too: its last report lagged.
+    body = {"max_hvps": 400, "batch_size": 2, "rtol": 1e-12}
+    norm = _job(client, f"{url}/frobenius-norm", body)
+    assert norm["progress"]["estimate"] == norm["result"]["frobenius_norm_squared"]
+    assert norm["progress"]["error"] == norm["result"]["stderr"]
+    assert norm["progress"]["done"] == norm["result"]["hvps"]
 
 
 def test_the_exact_method_named_without_a_budget_takes_n(client, tape_300) -> None:

@@ -323,3 +323,52 @@ def _draws(samples: int, seed: int) -> list:
     from engine.kfac import fisher_diagonal_draws
 
     return list(fisher_diagonal_draws(recording(), samples, seed))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("kfac", {"curvature": "hessian"}, "curvature"),
+        ("per-example", {"curvature": "ggn"}, "curvature"),
+        ("laplace", {"curvature": "fisher"}, "curvature"),
+        ("trace", {"curvature": "ggn", "samples": 3}, "samples"),
+        ("hvp", {"flat_vector": [1.0] * 28, "curvature": "ggn", "samples": 3}, "samples"),
+        # One pass, nothing partial to answer at max_seconds: refused, not ignored (the
+        # document said "it then stops and answers what it has").
+        ("kfac", {"max_seconds": 5.0}, "max_seconds"),
+        ("per-example", {"max_seconds": 5.0}, "max_seconds"),
+        ("laplace", {"max_seconds": 5.0}, "max_seconds"),
+    ],
+)
+def test_options_that_contradict_each_other_name_the_field(client, tape_id, path, body, field):
+    """An option the row's own checks refuse is named, as a field pydantic refuses is
+    (it was `body: Value error, ...` with the field `body`)."""
+    found = problem(client.post(f"/v1/tapes/{tape_id}/{path}", json=body), 422, "validation")
+    assert found["errors"][0]["field"] == field, found
+    assert found["detail"].startswith(f"{field}: "), found
+
+
+def test_a_scalar_test_input_is_refused_naming_its_shape(client, tape_id) -> None:
+    fit = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": "diag"})
+    url = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/predictive"
+    found = problem(client.post(url, json={"test_inputs": {"x": 1.0}}), 422)
+    assert found["errors"][0]["field"] == "test_inputs.x", found
+    assert "has shape []" in found["detail"] and "[M, 3]" in found["detail"], found
+
+
+def test_a_laplace_fits_refusals_name_the_option(client, tape_id) -> None:
+    refused = problem(client.post(f"/v1/tapes/{tape_id}/laplace", json={"sigma_noise": 2.0}), 422)
+    assert refused["errors"][0]["field"] == "sigma_noise", refused  # it said "curvature"
+    assert "regression" in refused["detail"]
+    fit = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": "diag"})
+    url = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/log-marginal-likelihood"
+    for bad in (-1.0, 0.0):
+        found = problem(client.post(url, json={"prior_precision": bad}), 422, "validation")
+        assert found["errors"][0]["field"] == "prior_precision", found  # it said "body"
+        assert found["detail"].startswith("prior_precision: must be a positive"), found
+
+
+def test_an_inverse_without_a_vector_is_refused(client, tape_id) -> None:
+    """`inverse` multiplies `vector`: asked alone it answered 200 with no product."""
+    found = problem(client.post(f"/v1/tapes/{tape_id}/kfac", json={"inverse": True}), 422)
+    assert found["errors"][0]["field"] == "inverse" and "give `vector`" in found["detail"]

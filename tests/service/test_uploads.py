@@ -311,3 +311,37 @@ def test_npz_and_npy_round_trip_with_their_values(docker_like) -> None:
         got = value["data"] if isinstance(value, dict) else value
         expect = want["a"].sum() + want["b"].sum()
         assert np.isclose(np.asarray(got, dtype=float).reshape(()), expect)
+
+
+@pytest.mark.parametrize("shape", [(-1, -1), (-2, -2), (0, -3)])
+def test_a_header_declaring_a_negative_dimension_is_a_422_naming_the_array(
+    docker_like, shape
+) -> None:
+    """A product of negative dimensions can be positive (-1 x -1 = 1): the declared size
+    then matches the data that follows, and only the reshape would notice (a 500)."""
+    srv, _ = docker_like
+    nbytes = max(0, int(np.prod(shape))) * 8
+    member = npy_header(shape) + bytes(nbytes)
+    npz = io.BytesIO()
+    with zipfile.ZipFile(npz, "w") as archive:
+        archive.writestr("neg.npy", member)
+    with as_key(srv, "a") as a:
+        for body, query in ((member, "?array=neg"), (npz.getvalue(), "")):
+            refused = problem(put_octet(a, "negative", body, query), 422, "validation")
+            assert refused["errors"][0]["field"] == "neg", refused
+            assert "negative" in refused["detail"], refused
+        assert a.get("/v1/datasets/negative").status_code == 404
+
+
+@pytest.mark.parametrize("member", [".npy", "n" * 300 + ".npy"])
+def test_an_npz_member_names_an_array_as_a_json_key_would(docker_like, member) -> None:
+    """A JSON body's array names have 1 to 256 characters; an .npz's member names are
+    held to the same (an empty name would be an input no definition can name)."""
+    srv, _ = docker_like
+    npz = io.BytesIO()
+    with zipfile.ZipFile(npz, "w") as archive:
+        archive.writestr(member, npy_header((2,)) + bytes(16))
+    with as_key(srv, "a") as a:
+        refused = problem(put_octet(a, "names", npz.getvalue()), 422, "validation")
+        assert refused["errors"][0]["field"] == "body" and "256" in refused["detail"]
+        assert a.get("/v1/datasets/names").status_code == 404

@@ -18,6 +18,7 @@ from service.api.openapi import problem_responses
 from service.api.payloads import TensorDecoder
 from service.api.problems import ProblemError
 from service.api.schemas import DatasetInfo, DatasetList, DatasetName, DatasetUpload, Name
+from service.api.schemas.tensors import MAX_NAME_CHARS
 from service.domain.datasets import dataset_info, load_numpy
 
 router = APIRouter(tags=["datasets"], route_class=GatedRoute)
@@ -59,6 +60,19 @@ def _decode(raw: Any) -> dict[str, Any]:
     return {k: v for k, v in arrays.items() if v is not None}
 
 
+def _check_member_names(arrays: dict[str, Any]) -> None:
+    """An .npz member's name is an array's name: held to what a JSON body's keys are."""
+    for array_name in arrays:
+        if not 1 <= len(array_name) <= MAX_NAME_CHARS:
+            message = f"an array's name has 1 to {MAX_NAME_CHARS} characters (the member's .npy)"
+            shown = array_name[:40] + ("..." if len(array_name) > 40 else "")
+            raise ProblemError(
+                "validation",
+                f"body: {message}; got {shown!r}",
+                errors=[{"field": "body", "message": message}],
+            )
+
+
 @router.put(
     "/v1/datasets/{name}",
     status_code=201,
@@ -94,6 +108,7 @@ async def put_dataset(
         # Sizes are checked from the headers, before anything is decompressed.
         check_size = await datasets.size_check(owner, name)
         arrays = await anyio.to_thread.run_sync(load_numpy, await request.body(), array, check_size)
+        _check_member_names(arrays)
     else:  # sized and parsed in a thread, as the route class does for body models
         arrays = await anyio.to_thread.run_sync(_decode, await parsed_body(request))
     row, created = await datasets.put(owner, name, arrays)

@@ -155,12 +155,42 @@ class FlatAnswer(BaseModel):
     )
 
 
+class Execution(BaseModel):
+    """How the worker ran this answer's passes. A definition's gradient, HVP and
+    jacobian passes (a stored ONNX model's included) are compiled per request layout
+    (target, sources, the leaves' shapes and dtypes, the vectors'), and a tape's HVP
+    passes per vector layout: the first request of a layout runs dynamically, the second
+    is captured, and later ones replay the captured array calls, with the same answers.
+    Each worker keeps its own compiled passes (up to 16 layouts of each kind for
+    definitions, 8 per tape)."""
+
+    compiled: bool = Field(
+        description="True when every pass of the answer replayed its compiled form."
+    )
+    reason: str | None = Field(
+        None,
+        description="Why a pass ran dynamically (null when compiled): the first or "
+        "captured pass of its layout, or what keeps it from being compiled (e.g. an op "
+        "that reads the data on the host, an array on a GPU).",
+        examples=["a rule read a value of the pass on the host (data-dependent)"],
+    )
+
+
+def execution_field() -> Any:
+    return Field(
+        None,
+        description="How the worker ran the passes (compiled or dynamically, and why); "
+        "null for a sharded request or tape, whose parts ran on several workers.",
+    )
+
+
 class GradientResponse(BaseModel):
     """The target's value and one gradient per source (null when unconnected)."""
 
     value: Tensor
     gradients: Gradients
     flat: FlatAnswer | None = None
+    execution: Execution | None = execution_field()
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -171,6 +201,7 @@ class JacobianResponse(BaseModel):
     value: Tensor
     jacobians: Gradients
     flat: FlatAnswer | None = None
+    execution: Execution | None = execution_field()
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -195,4 +226,5 @@ class HVPResponse(BaseModel):
     hvp: Tensors | None = None
     hvps: list[Tensors] | None = None
     flat: FlatAnswer | None = None
+    execution: Execution | None = execution_field()
     nonfinite: list[str] | None = nonfinite_flag()

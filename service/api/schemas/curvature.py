@@ -3,11 +3,13 @@ gradients, Kronecker factors, Laplace approximations kept with a tape."""
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
+from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
 from service.api.schemas.definitions import Inputs, Tensors
 from service.api.schemas.tensors import INT_MAX, Name, Tensor
@@ -120,8 +122,15 @@ class LaplaceEvidenceRequest(CallOptions):
 
     @model_validator(mode="after")
     def _positive(self) -> LaplaceEvidenceRequest:
-        if isinstance(self.prior_precision, float) and not self.prior_precision > 0:
-            raise ValueError("prior_precision must be positive (or 'tune')")
+        value = self.prior_precision
+        if isinstance(value, float) and not (value > 0 and math.isfinite(value)):
+            # Raised as the problem itself: a ValueError here names no field ("body").
+            message = f"must be a positive finite number (or 'tune'), got {value!r}"
+            raise ProblemError(
+                "validation",
+                f"prior_precision: {message}",
+                errors=[{"field": "prior_precision", "message": message}],
+            )
         return self
 
 

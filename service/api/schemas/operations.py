@@ -7,8 +7,10 @@ request runs once, on the Struct, when the model is validated (`options()` build
 
 from __future__ import annotations
 
+import contextlib
 import types
 import typing
+from collections.abc import Iterator
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -107,6 +109,26 @@ def struct_fields(options: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> 
     return out
 
 
+@contextlib.contextmanager
+def _options_named() -> Iterator[None]:
+    """A Struct's own check (OptionError) as the problem it names, with its field: raised
+    through pydantic as a ValueError it would be a model-level error, `body: Value
+    error, ...`, naming no field."""
+    try:
+        yield
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, OptionError):
+            raise
+        raise ProblemError(
+            cause.problem,
+            f"{cause.field}: {cause}"
+            if not str(cause).startswith(f"{cause.field}:")
+            else str(cause),
+            errors=[{"field": cause.field, "message": str(cause)}],
+        ) from None
+
+
 _TENSOR_FIELDS: dict[str, Any] = {
     "vector": Vector | None,
     "inputs": Inputs | None,
@@ -122,17 +144,8 @@ class OperationRequest(CallOptions):
 
     @model_validator(mode="after")
     def _options_agree(self) -> OperationRequest:
-        try:
+        with _options_named():
             self.options()  # the Struct's own checks (__post_init__), once, on the request
-        except msgspec.ValidationError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, OptionError) and cause.problem != "validation":
-                raise ProblemError(
-                    cause.problem,
-                    str(cause),
-                    errors=[{"field": cause.field, "message": str(cause)}],
-                ) from None
-            raise
         tensors = self.operation.tensors
         one_of = [name for name, spec in tensors.items() if spec.get("one_of")]
         if one_of and sum(getattr(self, n) is not None for n in one_of) != 1:
@@ -196,7 +209,8 @@ def curvature_options() -> type[BaseModel]:
         @model_validator(mode="after")
         def _curvature_agrees(self) -> Base:
             names = [f.name for f in msgspec.structs.fields(CurvatureChoice)]
-            msgspec.convert({n: getattr(self, n) for n in names}, CurvatureChoice, strict=False)
+            with _options_named():
+                msgspec.convert({n: getattr(self, n) for n in names}, CurvatureChoice, strict=False)
             return self
 
     model = create_model(

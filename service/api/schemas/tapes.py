@@ -23,7 +23,12 @@ from service.api.schemas.base import (
     async_field,
     nonfinite_flag,
 )
-from service.api.schemas.compute import FLAT_JACOBIAN_DESCRIPTION, FlatAnswer
+from service.api.schemas.compute import (
+    FLAT_JACOBIAN_DESCRIPTION,
+    Execution,
+    FlatAnswer,
+    execution_field,
+)
 from service.api.schemas.definitions import (
     Gradients,
     Inputs,
@@ -312,4 +317,5 @@ class TapeHVPResponse(BaseModel):
     hvp: Tensors | None = None
     hvps: list[Tensors] | None = None
     flat: FlatAnswer | None = None
+    execution: Execution | None = execution_field()
     nonfinite: list[str] | None = nonfinite_flag()

@@ -1,6 +1,7 @@
 """A constant folded at load time is checked against max_elements like any intermediate
 (issue 25): ConstantOfShape, Expand and Range of constant inputs are sized from those
-inputs before ONNX's reference evaluator allocates them."""
+inputs before ONNX's reference evaluator allocates them, and every other op (Tile, Pad, a
+broadcast, OneHot) from the output shape ONNX's inference gives it."""
 
 from __future__ import annotations
 
@@ -70,10 +71,33 @@ def test_the_language_passes_its_max_elements_to_the_model() -> None:
                 "delta": np.array(1, np.int64),
             },
         ),
+        # Ops that grow their constant inputs, sized from the shapes inference gives
+        # them (each 9,000,000 elements; they were made, then only the limit's
+        # intermediates were checked).
+        (
+            helper.make_node("Tile", ["one", "repeats"], ["big"], name="tile"),
+            {"one": np.ones((1, 1), np.int64), "repeats": np.array([3000, 3000], np.int64)},
+        ),
+        (
+            helper.make_node("Pad", ["one", "pads"], ["big"], name="pad"),
+            {"one": np.ones((1, 1), np.int64), "pads": np.array([0, 0, 2999, 2999], np.int64)},
+        ),
+        (
+            helper.make_node("Mul", ["column", "row"], ["big"], name="outer"),
+            {"column": np.ones((3000, 1), np.int64), "row": np.ones((1, 3000), np.int64)},
+        ),
+        (
+            helper.make_node("OneHot", ["indices", "depth", "values"], ["big"], name="onehot"),
+            {
+                "indices": np.arange(3000, dtype=np.int64),
+                "depth": np.array(3000, np.int64),
+                "values": np.array([0, 1], np.int64),
+            },
+        ),
     ],
-    ids=["expand", "range"],
+    ids=["expand", "range", "tile", "pad", "broadcast", "onehot"],
 )
-def test_expand_and_range_are_sized_the_same_way(node, consts) -> None:
+def test_constants_that_grow_are_sized_before_they_are_made(node, consts) -> None:
     nodes = [
         node,
         helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0),

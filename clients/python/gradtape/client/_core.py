@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _wire
 from .errors import DefinitionError, GradtapeError, ServiceBusy, error_class, parse_retry_after
-from .results import HVP, Gradient, Hessian, Jacobian, shaped
+from .results import HVP, Execution, Gradient, Hessian, Jacobian, shaped
 
 T = TypeVar("T")
 
@@ -334,6 +334,7 @@ def hvp(
         shaped(a.get("hvp"), sources),
         None if hvps is None else [shaped(h, sources) for h in hvps],
         a.get("nonfinite"),
+        Execution.of(a),
     )
 
 

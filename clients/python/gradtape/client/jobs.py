@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import GradtapeError, JobCancelled, error_class
+from .results import check_converged
 
 if TYPE_CHECKING:
     from ._client import ApiMethods
@@ -200,7 +201,10 @@ class Job:
             answer = yield from follow(self._client._core, doc, report)
         finally:
             close()
-        return answer if self._decode is None else self._decode(answer)
+        if self._decode is not None:
+            return self._decode(answer)  # a typed result, which warns itself
+        check_converged(f"job {self.id}", answer)
+        return answer
 
     def wait(self, progress: Any = False) -> Any:
         """Wait for the end; the answer (decoded as the method that started it decodes

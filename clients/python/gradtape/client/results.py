@@ -118,6 +118,41 @@ class _Converges(_Unpack):
         warnings.warn(UnconvergedWarning(message), stacklevel=_caller_stacklevel())
 
 
+def check_converged(what: str, answer: Any) -> None:
+    """An answer kept as the server's dict (`RemoteTape.call`, `frobenius_norm`): warns
+    as a typed result does when its `converged` is false (raises under strict)."""
+    if not isinstance(answer, dict) or answer.get("converged") is not False:
+        return
+    stopped = answer.get("stopped")
+    message = (
+        f"{what} did not converge: stopped {stopped!r} after {answer.get('hvps')} HVPs; "
+        f"the answer is partial. {_ADVICE.get(str(stopped), '')}".rstrip()
+    )
+    if STRICT.get():
+        raise Unconverged(message, answer)
+    warnings.warn(UnconvergedWarning(message), stacklevel=_caller_stacklevel())
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the server ran an answer's passes: `compiled` when every pass replayed its
+    compiled form (a definition's passes are compiled per request layout: the first
+    request of a layout runs dynamically, the second is captured, later ones replay);
+    otherwise `reason`, the engine's, says why a pass ran dynamically."""
+
+    compiled: bool
+    reason: str | None = None
+
+    @classmethod
+    def of(cls, answer: Mapping[str, Any]) -> Execution | None:
+        """The answer's `execution`; None when it has none: a sharded request's, or a
+        tape's gradient or jacobian (read from its recording, no compiled pass)."""
+        found = answer.get("execution")
+        if found is None:
+            return None
+        return cls(bool(found["compiled"]), found.get("reason"))
+
+
 @dataclass(frozen=True)
 class Gradient(_Unpack):
     """The target's value and its gradients; with flat=True, `gradients` is one float64
@@ -127,14 +162,22 @@ class Gradient(_Unpack):
     gradients: Any
     nonfinite: list[str] | None = None
     order: list[dict[str, Any]] | None = None
+    execution: Execution | None = None
     _unpack = ("value", "gradients")
 
     @classmethod
     def of(cls, answer: Mapping[str, Any], sources: Any) -> Gradient:
-        flat = answer.get("flat")
+        flat, how = answer.get("flat"), Execution.of(answer)
         if flat:
-            return cls(answer["value"], flat["gradient"], answer.get("nonfinite"), flat["order"])
-        return cls(answer["value"], shaped(answer["gradients"], sources), answer.get("nonfinite"))
+            return cls(
+                answer["value"], flat["gradient"], answer.get("nonfinite"), flat["order"], how
+            )
+        return cls(
+            answer["value"],
+            shaped(answer["gradients"], sources),
+            answer.get("nonfinite"),
+            execution=how,
+        )
 
 
 @dataclass(frozen=True)
@@ -148,14 +191,22 @@ class Jacobian(_Unpack):
     jacobians: Any
     nonfinite: list[str] | None = None
     order: list[dict[str, Any]] | None = None
+    execution: Execution | None = None
     _unpack = ("value", "jacobians")
 
     @classmethod
     def of(cls, answer: Mapping[str, Any], sources: Any) -> Jacobian:
-        flat = answer.get("flat")
+        flat, how = answer.get("flat"), Execution.of(answer)
         if flat:
-            return cls(answer["value"], flat["jacobian"], answer.get("nonfinite"), flat["order"])
-        return cls(answer["value"], shaped(answer["jacobians"], sources), answer.get("nonfinite"))
+            return cls(
+                answer["value"], flat["jacobian"], answer.get("nonfinite"), flat["order"], how
+            )
+        return cls(
+            answer["value"],
+            shaped(answer["jacobians"], sources),
+            answer.get("nonfinite"),
+            execution=how,
+        )
 
 
 @dataclass(frozen=True)
@@ -191,6 +242,7 @@ class HVP(_Unpack):
     hvp: Any = None
     hvps: list[Any] | None = None
     nonfinite: list[str] | None = None
+    execution: Execution | None = None
     _unpack = ("value", "gradients", "hvp")
 
 

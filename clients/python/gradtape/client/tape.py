@@ -29,12 +29,14 @@ from .errors import TapeGone
 from .results import (
     Diagonal,
     Eigenvalues,
+    Execution,
     Gradient,
     Influence,
     Jacobian,
     Solve,
     SpectralDensity,
     Trace,
+    check_converged,
     shaped,
 )
 
@@ -103,6 +105,8 @@ class RemoteTape(CurvatureMethods):
         self.expires_at: str = answer.get("expires_at", "")
         self.device: str = answer.get("device", "")
         self.nonfinite: list[str] | None = answer.get("nonfinite")
+        # How the server ran the last HVP's passes (hvp, hvp_many, linear_operator).
+        self.execution: Execution | None = None
 
     @property
     def gradients(self) -> Any:
@@ -200,9 +204,15 @@ class RemoteTape(CurvatureMethods):
         """Any operation on the tape by its path: POST /v1/tapes/{id}/<operation> (e.g.
         "trace", "frobenius-norm") with `options` as its body (None ones left out, but an
         explicit `seed=None`: fresh random vectors), run as a job with `progress` as in
-        `eigenvalues`. Answers the JSON answer as a dict. The named methods below are this
-        call with their options named and their answers typed."""
-        return self._run(self._ask(operation, self._body(options), progress))
+        `eigenvalues`. Answers the JSON answer as a dict (one whose `converged` is false
+        warns, or raises under strict, as the typed results do). The named methods below
+        are this call with their options named and their answers typed."""
+        return self._run(self._call_op(operation, self._body(options), progress))
+
+    def _call_op(self, operation: str, body: dict[str, Any], progress: Any) -> _core.Op[Any]:
+        answer = yield from self._ask(operation, body, progress)
+        check_converged(operation, answer)  # the dict warns as typed results do
+        return answer
 
     def _ask(self, operation: str, body: dict[str, Any], progress: Any = None) -> _core.Op[Any]:
         answer = yield from self._core.compute(
@@ -223,6 +233,7 @@ class RemoteTape(CurvatureMethods):
 
     def _hvp_op(self, body: dict[str, Any], shape: bool = True) -> _core.Op[Any]:
         a = yield from self._core.call("POST", self._path("/hvp"), body)
+        self.execution = Execution.of(a)
         sources = self._sources if shape else None
         if a.get("hvps") is not None:
             return [shaped(h, sources) for h in a["hvps"]]
