@@ -578,3 +578,214 @@ def test_nll_labels_that_are_not_class_indices_are_a_named_error(server, labels)
     x = torch.randn(6, 2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     with Client(server.base_url) as client, pytest.raises(BridgeError, match="nll"):
         client.tape(model, loss="nll", data=(x, labels))
+
+
+# ---------------------------------------------- every method shaped like the module
+
+
+def flat_hessian(model: nn.Module, loss_of) -> torch.Tensor:
+    """torch's dense Hessian over parameters_to_vector(model.parameters())."""
+    named = [(n, p) for n, p in model.named_parameters()]
+    point = torch.nn.utils.parameters_to_vector([p for _, p in named]).detach()
+
+    def of_flat(flat: torch.Tensor) -> torch.Tensor:
+        params, start = {}, 0
+        for n, p in named:
+            params[n] = flat[start : start + p.numel()].view_as(p)
+            start += p.numel()
+        return loss_of(params)
+
+    return torch.autograd.functional.hessian(of_flat, point)
+
+
+def test_every_method_answers_over_every_parameter_like_torch(server) -> None:
+    """solve, diagonal, influence, kfac, per_example, linear_operator, fun/jac/hessp:
+    keyed and ordered like named_parameters() with zeros (or b / damping) for the
+    unused layer, tensors in and out, flat vectors in parameters_to_vector order; each
+    against torch's Hessian, gradients and per-example gradients."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    model = perturbed(WithUnused(), seed=8)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 3, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 2, (7,), generator=gen)
+    x_test = torch.randn(3, 3, dtype=torch.float64, generator=gen)
+    y_test = torch.randint(0, 2, (3,), generator=gen)
+    names = [n for n, _ in model.named_parameters()]
+
+    def loss_on(xs, ys):
+        return lambda params: F.cross_entropy(functional_call(model, params, (xs,)), ys)
+
+    H = flat_hessian(model, loss_on(x, y))  # 16 x 16, zero rows for spare.*
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    g_test = torch.nn.utils.parameters_to_vector(grad(loss_on(x_test, y_test))(params).values())
+    b = torch.randn(16, dtype=torch.float64, generator=gen)  # nonzero on spare.* too
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        assert tape.size == 16 and tape.model.unused == ["spare.weight", "spare.bias"]
+        # The operator over parameters_to_vector order, unused rows and columns zero.
+        dense = tape.linear_operator() @ np.eye(tape.size)
+        np.testing.assert_allclose(dense, H.numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(tape.linear_operator().matvec(b.numpy()), (H @ b).numpy())
+        # hessp / jac at the recorded point (flat, every parameter).
+        point = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+        np.testing.assert_allclose(tape.hessp(point, b.numpy()), (H @ b).numpy(), atol=1e-12)
+        want_grad = grad(loss_on(x, y))(params)
+        np.testing.assert_allclose(
+            tape.jac(point), torch.cat([g.reshape(-1) for g in want_grad.values()]), atol=1e-12
+        )
+        assert tape.fun(point) == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
+        np.testing.assert_allclose(tape.gradient(flat=True).gradients.numpy(), tape.jac(point))
+        many = tape.hvp_many([b, tape.unflatten(2 * b)])
+        torch.testing.assert_close(many[0], H @ b, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(tape.vector(many[1]), 2 * H @ b, atol=1e-12, rtol=1e-10)
+        # The exact diagonal, by torch name.
+        diag = tape.diagonal(method="exact").diagonal
+        assert list(diag) == names and isinstance(diag["fc.weight"], torch.Tensor)
+        torch.testing.assert_close(
+            torch.nn.utils.parameters_to_vector(diag.values()), torch.diagonal(H)
+        )
+        # solve: b flat (a tensor) -> x flat; on spare.* x = b / damping.
+        eye = torch.eye(16, dtype=torch.float64)
+        x_flat = tape.solve(b, damping=0.5, tol=1e-13).solution
+        assert isinstance(x_flat, torch.Tensor) and x_flat.shape == (16,)
+        torch.testing.assert_close(x_flat, torch.linalg.solve(H + 0.5 * eye, b), atol=1e-10, rtol=0)
+        with pytest.raises(BridgeError, match=r"spare.weight.*damping"):
+            tape.solve(b)
+        newton = tape.solve(damping=0.5, tol=1e-13).solution  # b = the gradient
+        assert list(newton) == names and not newton["spare.bias"].any()
+        by_name = tape.solve(tape.unflatten(b), damping=0.5, tol=1e-13).solution
+        torch.testing.assert_close(tape.vector(by_name), x_flat, atol=1e-10, rtol=0)
+        # influence: s_test = (GGN + damping I)^-1 grad L_test (a linear model: GGN = H).
+        found = tape.influence({"x": x_test, "y": y_test}, damping=0.1, tol=1e-13)
+        assert list(found.s_test) == names
+        torch.testing.assert_close(
+            tape.vector(found.s_test),
+            torch.linalg.solve(H + 0.1 * eye, g_test),
+            atol=1e-9,
+            rtol=0,
+        )
+        # Per-example gradients (example i's loss alone), N first, zeros for spare.*.
+        per = tape.per_example(gradients=True)
+        one = vmap(grad(lambda p, xi, yi: loss_on(xi[None], yi[None])(p)), in_dims=(None, 0, 0))(
+            params, x, y
+        )
+        assert list(per.gradients) == names
+        for n in names:
+            torch.testing.assert_close(per.gradients[n], one[n], atol=1e-12, rtol=1e-10)
+        assert per.gradients["spare.weight"].shape == (7, 2, 3)
+        torch.testing.assert_close(per.mean["fc.bias"], one["fc.bias"].mean(0))
+        assert not per.norms_by_source["spare.bias"].any()
+        # KFAC's product with a flat vector; its inverse is b / damping on spare.*.
+        used = tape._kept()
+        product = tape.kfac(b).product
+        remote = tape.remote.kfac(
+            {n: a.numpy() for n, a in tape.unflatten(b).items() if n in tape.names}
+        )
+        assert product.shape == (16,) and not product[8:].any()
+        np.testing.assert_allclose(product[used].numpy(), tape.remote.flatten(remote.product))
+        inverse = tape.kfac(b, inverse=True, damping=0.25).product
+        torch.testing.assert_close(inverse[8:], b[8:] / 0.25)
+        # Laplace draws by torch name, tensors (the fit covers the parameters used).
+        draws = tape.laplace(structure="full", prior_precision=1.0).sample(3, seed=0)
+        assert list(draws) == ["fc.weight", "fc.bias"]
+        assert draws["fc.weight"].shape == (3, 2, 3) and draws["fc.weight"].dtype == torch.float64
+        # The update takes tensors by torch name (the unused layer's are ignored).
+        moved = {n: p.detach() + 0.1 for n, p in model.named_parameters()}
+        tape.update(moved)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(moved[n])
+        assert tape.value == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
+        # Pass-throughs answer; what would be keyed otherwise says where it is.
+        assert tape.trace(method="exact").trace == pytest.approx(
+            float(torch.trace(flat_hessian(model, loss_on(x, y)))), rel=1e-10
+        )
+        with pytest.raises(AttributeError, match=r"tape\.remote\.sources"):
+            tape.sources  # noqa: B018
+        # The output's jacobian over every parameter (torch.func.jacrev).
+        jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+        got = tape.jacobian(tape.output).jacobians
+        assert list(got) == names and got["spare.weight"].shape == (7, 2, 2, 3)
+        for n in names:
+            torch.testing.assert_close(got[n], jac[n], atol=1e-12, rtol=1e-10)
+        dense = tape.jacobian(tape.output, flat=True).jacobians
+        torch.testing.assert_close(
+            dense, torch.cat([jac[n].reshape(14, -1) for n in names], dim=1), atol=1e-12, rtol=0
+        )
+
+
+def test_answers_come_back_in_the_callers_dtype(server) -> None:
+    """A float32 module: a float32 vector in, a float32 answer out (p.grad takes it)."""
+    model = perturbed(WithUnused(), seed=9).float()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 3, generator=gen)
+    y = torch.randint(0, 2, (6,), generator=gen)
+    v = torch.randn(16, generator=gen)
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        hv = tape.hvp(v)
+        assert hv.dtype == torch.float32 and hv.shape == (16,)
+        named = dict(model.named_parameters())
+        g = torch.autograd.grad(
+            F.cross_entropy(model(x), y), list(named.values()), create_graph=True, allow_unused=True
+        )
+        vs = tape.unflatten(v)
+        dot = sum((gi * vs[n]).sum() for gi, n in zip(g, named) if gi is not None)
+        want = torch.autograd.grad(
+            dot, list(named.values()), allow_unused=True, materialize_grads=True
+        )
+        torch.testing.assert_close(
+            hv, torch.cat([w.reshape(-1) for w in want]), rtol=1e-4, atol=1e-5
+        )
+        as_dicts = [
+            tape.gradients,
+            tape.hvp(vs),
+            tape.unflatten(hv),
+            tape.diagonal(method="exact").diagonal,
+            tape.solve(damping=0.5).solution,
+            tape.eigenvalues(1, eigenvectors=True).eigenvectors[0],
+            tape.per_example().mean,
+        ]
+        for answer in as_dicts:
+            for n, p in named.items():
+                p.grad = answer[n]  # raises on a dtype mismatch
+                assert answer[n].dtype == torch.float32
+        for answer in (tape.vector(tape.gradients), tape.solve(v, damping=0.5).solution):
+            assert answer.dtype == torch.float32
+            torch.nn.utils.vector_to_parameters(answer, model.parameters())
+        assert tape.hvp(v.double()).dtype == torch.float64  # the caller's dtype
+
+
+def test_a_builtin_loss_on_several_outputs_needs_output(server) -> None:
+    """With several outputs a built-in loss took the first silently; now it asks which,
+    and reads the one named."""
+    model = perturbed(TwoHeads(), seed=10)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    z = torch.randn(6, 5, dtype=torch.float64, generator=gen)
+    with Client(server.base_url) as client:
+        with pytest.raises(BridgeError, match=r"out0, out1.*output="):
+            client.tape(model, loss="cross_entropy", data=(x, y))
+        with pytest.raises(BridgeError, match=r"'logits' is not an output.*out0, out1"):
+            client.tape(model, loss="cross_entropy", data=(x, y), output="logits")
+        for output, target, want in (
+            ("out0", y, F.cross_entropy(model(x)[0], y)),
+            ("out1", z, F.mse_loss(model(x)[1], z)),
+        ):
+            with client.tape(
+                model,
+                loss="mse" if output == "out1" else "cross_entropy",
+                data=(x, target),
+                output=output,
+            ) as tape:
+                np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
+                assert_grads(
+                    {n: g.numpy() for n, g in tape.gradients.items()},
+                    torch_grads(model, want),
+                )

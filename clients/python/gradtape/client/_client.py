@@ -226,7 +226,8 @@ class ApiMethods:
         A PyTorch `nn.Module` (or a `TorchModel` from `models.put_torch`) in place of the
         definition: `client.tape(model, loss="cross_entropy", data=(X, y))` bridges it
         (`gradtape.client.pytorch`: every parameter kept as itself, the forward checked
-        against torch's) and answers a `TorchTape` keyed by torch names."""
+        against torch's) and answers a `TorchTape` keyed by torch names; `output` then
+        names the module output a built-in loss reads (needed when it has several)."""
         if loss is not None or data is not None or _is_torch_model(definition):
             from . import pytorch
 

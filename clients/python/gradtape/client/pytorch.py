@@ -37,9 +37,13 @@ How a module gets there (`export`):
 The flat parameter vector (`tape.vector`, `tape.unflatten`, `tape.size`) is the
 trainable parameters in `named_parameters()` order, each raveled: the order of
 `torch.nn.utils.parameters_to_vector(p for p in model.parameters() if p.requires_grad)`.
-Answers are NumPy arrays, or `torch.Tensor`s where the call passed tensors (`data` or a
-vector); `tape.state_dict(v)` turns a flat vector or a dict into tensors that
-`model.load_state_dict(..., strict=False)` takes.
+Every per-parameter answer of a TorchTape is over that layout (zeros for a parameter
+the loss does not use), as a dict by torch name or, where the call passed a flat vector,
+a flat vector; in the dtype of the vector passed (else the module's), as NumPy arrays or
+`torch.Tensor`s where the call passed tensors (`data` or a vector); see `TorchTape`.
+`tape.state_dict(v)` turns a flat vector or a dict into tensors that
+`model.load_state_dict(..., strict=False)` takes. A built-in loss reads the module's
+only output, or the one named by `output=` (several outputs without it: a BridgeError).
 
 Training mode: a module with BatchNorm, Dropout or another layer that behaves
 differently while training must be in eval mode (`model.eval()`), or the bridge refuses
@@ -920,10 +924,14 @@ def put_torch(
 
 
 def _loss_lines(
-    loss: Any, outputs: list[str], target: np.ndarray | None, out_shape: tuple[int, ...]
+    loss: Any,
+    logits: str,
+    outputs: list[str],
+    target: np.ndarray | None,
+    out_shape: tuple[int, ...],
 ) -> tuple[list[str], dict[str, np.ndarray]]:
-    """The program lines after the model's, and extra inputs they need."""
-    logits = outputs[0]
+    """The program lines after the model's, and extra inputs they need: a built-in loss
+    reads the output `logits`."""
     if isinstance(loss, (list, tuple)) or (isinstance(loss, str) and "=" in loss):
         from .definition import program_lines
 
@@ -951,15 +959,80 @@ def _loss_lines(
     return [f"loss = -mean(sum(y_one_hot * {logits}, axis=1))"], {}
 
 
-class TorchTape:
-    """A tape recorded from a module (`client.tape(module, loss=..., data=...)`): the
-    `RemoteTape`'s methods, with answers keyed by torch name in named_parameters() order
-    (as `torch.Tensor`s when the data or the vector was one), and helpers between flat
-    vectors and state dicts. `remote` is the underlying RemoteTape."""
+@dataclass(frozen=True)
+class _Form:
+    """How the caller gave a per-parameter input, so that the answer comes back the same
+    way: a flat vector or a dict, tensors or arrays, and each parameter's dtype."""
 
-    def __init__(self, remote: RemoteTape, model: TorchModel, tensors: bool):
+    flat: bool
+    tensors: bool
+    dtypes: dict[str, np.dtype]
+
+
+def _replace(result: Any, **changes: Any) -> Any:
+    """A frozen result with some fields changed, without running __post_init__ again
+    (an unconverged result has warned once already)."""
+    import copy
+
+    out = copy.copy(result)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+class TorchTape:
+    """A tape recorded from a module (`client.tape(module, loss=..., data=...)`).
+
+    Every per-parameter answer is over `layout` (every parameter that requires grad, in
+    named_parameters() order), with zeros where the loss does not use a parameter (its
+    gradient and its curvature rows and columns are zero). Inputs (`v`, `b`, `vector`,
+    `point`) are a dict by torch name or a flat vector in parameters_to_vector order
+    (array or tensor); the answer comes back in the same form and in the caller's dtype
+    (a float32 vector in, a float32 vector out), as `torch.Tensor`s when the input or
+    the data were tensors. Answers without such an input are in the module's dtype.
+
+    Methods, and which treatment each gets:
+    - shaped like the module (explicit below): gradients, gradient, jacobian, hvp, hvp_many,
+      eigenvalues (eigenvectors), diagonal, solve, influence (s_test; test data as
+      tensors), kfac (vector and product), per_example, laplace (samples),
+      linear_operator, fun / jac / hessp, update.
+    - plain pass-throughs to the RemoteTape (`__getattr__`: no per-parameter tensor in
+      or out): trace, frobenius_norm, spectral_density, info, call, id, target, bytes,
+      ttl, expires_at, device, nonfinite.
+    - sources, shapes and flatten of the RemoteTape are over the parameters the loss
+      uses, in the service's keys: `tape.remote.sources`, ... (not passed through).
+    """
+
+    # The RemoteTape's attributes that carry no per-parameter tensor, passed through.
+    _PASS_THROUGH = frozenset(
+        {
+            "trace",
+            "frobenius_norm",
+            "spectral_density",
+            "info",
+            "call",
+            "id",
+            "target",
+            "bytes",
+            "ttl",
+            "expires_at",
+            "device",
+            "nonfinite",
+        }
+    )
+
+    def __init__(
+        self,
+        remote: RemoteTape,
+        model: TorchModel,
+        tensors: bool,
+        loss: Any = None,
+        output: str | None = None,
+    ) -> None:
         self.remote = remote
         self.model = model
+        self.loss = loss  # as given to client.tape: influence converts test targets alike
+        self.output = output  # the module output the loss and curvature read
         self._tensors = tensors
 
     # structure -------------------------------------------------------------------
@@ -979,79 +1052,124 @@ class TorchTape:
         """The length of a flat vector: parameters_to_vector over `layout`."""
         return sum(int(np.prod(shape, dtype=np.int64)) for _, shape in self.layout)
 
-    def _full(self, answer: Mapping[str, Any]) -> dict[str, Any]:
-        """A dict over `names` -> one over `layout` (zeros for unused parameters)."""
-        return {
-            n: answer[n] if n in answer else np.zeros(shape, self.model.dtype)
-            for n, shape in self.layout
-        }
+    def _kept(self) -> np.ndarray:
+        """The positions in a flat vector of the parameters the loss uses (the tape's
+        sources, flattened in the same order)."""
+        used, parts, start = set(self.names), [], 0
+        for n, shape in self.layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            if n in used:
+                parts.append(np.arange(start, start + size))
+            start += size
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def _out(self, answer: Any, tensors: bool | None = None) -> Any:
-        tensors = self._tensors if tensors is None else tensors
-        if isinstance(answer, Mapping):
-            answer = self._full(answer)
-        if not tensors:
-            return answer
-        torch = _torch()
-        if isinstance(answer, Mapping):
-            return {k: torch.as_tensor(np.asarray(v)) for k, v in answer.items()}
-        return torch.as_tensor(np.asarray(answer))
+    def _default_form(self) -> _Form:
+        return _Form(False, self._tensors, {n: self.model.dtype for n, _ in self.layout})
 
-    def _in(self, v: Any) -> tuple[dict[str, np.ndarray], bool]:
+    def _form(self, v: Any) -> tuple[dict[str, np.ndarray], _Form]:
         """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays
-        over `layout`, and whether the caller passed tensors."""
+        over `layout` (zeros for unused parameters left out), and its form."""
         torch = _torch()
+
+        def dtype_of(a: np.ndarray) -> np.dtype:
+            return a.dtype if a.dtype.kind == "f" else self.model.dtype
+
         tensors = False
         if isinstance(v, torch.Tensor):
             v, tensors = _np(v), True
         if isinstance(v, Mapping):
-            out = {}
+            out: dict[str, np.ndarray] = {}
             for k, x in v.items():
                 if isinstance(x, torch.Tensor):
                     x, tensors = _np(x), True
                 out[k] = np.asarray(x)
+            shapes = dict(self.layout)
+            unknown = [k for k in out if k not in shapes]
+            if unknown:
+                raise ValueError(
+                    f"the vector has an entry {unknown[0]!r}, which is not a parameter "
+                    f"that requires grad (they are {', '.join(shapes)})"
+                )
             missing = [n for n in self.names if n not in out]
             if missing:
                 raise ValueError(f"the vector has no entry for parameter {missing[0]!r}")
-            return self._full(out), tensors
+            for k, a in out.items():
+                if a.shape != shapes[k]:
+                    raise ValueError(
+                        f"the vector's entry {k!r} has shape {a.shape}; the parameter's is "
+                        f"{shapes[k]}"
+                    )
+            dtypes = {n: dtype_of(out[n]) if n in out else self.model.dtype for n in shapes}
+            full = {n: out.get(n, np.zeros(s, self.model.dtype)) for n, s in self.layout}
+            return full, _Form(False, tensors, dtypes)
         flat = np.asarray(v).reshape(-1)
         if flat.size != self.size:
             raise ValueError(
                 f"a flat vector over this module has {self.size} entries "
                 f"(parameters_to_vector order), got {flat.size}"
             )
-        out, start = {}, 0
+        arrays, start = {}, 0
         for n, shape in self.layout:
             size = int(np.prod(shape, dtype=np.int64))
-            out[n] = flat[start : start + size].reshape(shape)
+            arrays[n] = flat[start : start + size].reshape(shape)
             start += size
-        return out, tensors
+        return arrays, _Form(True, tensors, {n: dtype_of(flat) for n, _ in self.layout})
+
+    def _give(
+        self,
+        answer: Mapping[str, Any],
+        form: _Form,
+        unused: Mapping[str, np.ndarray] | None = None,
+    ) -> Any:
+        """An answer over `names` -> over `layout` in the caller's form: `unused` the
+        entries of the parameters the loss does not use (default zeros)."""
+        full: dict[str, np.ndarray] = {}
+        for n, shape in self.layout:
+            if n in answer:
+                a = np.asarray(answer[n])
+            elif unused is not None:
+                a = np.asarray(unused[n])
+            else:
+                a = np.zeros(shape, self.model.dtype)
+            full[n] = a.astype(form.dtypes.get(n, self.model.dtype), copy=False)
+        torch = _torch() if form.tensors else None
+        if form.flat:
+            dtype = np.result_type(*full.values()) if full else self.model.dtype
+            flat = np.concatenate(
+                [a.reshape(-1) for a in full.values()] or [np.zeros(0, dtype)]
+            ).astype(dtype, copy=False)
+            return torch.from_numpy(np.array(flat)) if torch else flat
+        if torch:
+            return {n: torch.from_numpy(np.array(a)) for n, a in full.items()}
+        return full
+
+    def _to_service(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The entries the tape has (the parameters the loss uses)."""
+        return {n: arrays[n] for n in self.names}
 
     def vector(self, values: Any) -> Any:
-        """A dict by torch name (arrays or tensors) -> one flat float64 vector in
-        parameters_to_vector order (a tensor if the dict held tensors)."""
-        arrays, tensors = self._in(values)
-        flat = np.concatenate(
-            [np.asarray(arrays[n], dtype=np.float64).reshape(-1) for n, _ in self.layout]
-            or [np.zeros(0)]
-        )
-        return _torch().as_tensor(flat) if tensors else flat
+        """A dict by torch name (arrays or tensors) -> one flat vector in
+        parameters_to_vector order, in the entries' dtype (a tensor if the dict held
+        tensors)."""
+        arrays, form = self._form(values)
+        if not form.flat:  # the entries given decide the dtype, not the zeros filled in
+            given = [form.dtypes[n] for n in values if n in form.dtypes]
+            common = np.dtype(np.result_type(*given)) if given else self.model.dtype
+            form = _Form(True, form.tensors, dict.fromkeys(form.dtypes, common))
+        return self._give(arrays, form)
 
     def unflatten(self, x: Any) -> Any:
         """A flat vector -> {torch name: array or tensor} shaped like the parameters."""
-        arrays, tensors = self._in(x)
-        return self._out(arrays, tensors)
+        arrays, form = self._form(x)
+        return self._give(arrays, _Form(False, form.tensors, form.dtypes))
 
     def state_dict(self, values: Any) -> dict[str, Any]:
         """A flat vector or a dict by torch name -> {torch name: torch.Tensor} in the
         parameters' dtype, for `model.load_state_dict(sd, strict=False)` (an
         eigenvector, an influence direction, a Newton step)."""
-        torch = _torch()
-        arrays, _ = self._in(values)
-        return {
-            n: torch.as_tensor(np.asarray(arrays[n], dtype=self.model.dtype))
-            for n, _ in self.layout
-        }
+        arrays, _ = self._form(values)
+        form = _Form(False, True, {n: self.model.dtype for n, _ in self.layout})
+        return dict(self._give(arrays, form))
 
     # answers --------------------------------------------------------------------
     @property
@@ -1061,35 +1179,269 @@ class TorchTape:
     @property
     def gradients(self) -> Any:
         """{torch name: gradient} at the recorded point (zeros for unused parameters)."""
-        return self._out(self.remote.gradients)
+        return self._give(self.remote.gradients, self._default_form())
+
+    def gradient(self, **options: Any) -> Any:
+        """`RemoteTape.gradient` of the tape's loss over every parameter (a Gradient
+        whose `gradients` are shaped like the module; `flat=True`: a flat vector in
+        parameters_to_vector order). Other targets or sources: `tape.remote.gradient`."""
+        flat = bool(options.pop("flat", False))
+        if options.get("target") is not None or options.get("sources") is not None:
+            raise TypeError(
+                "tape.gradient is over the module's parameters; for other targets or "
+                "sources use tape.remote.gradient(...)"
+            )
+        result = self.remote.gradient(**options)
+        form = self._default_form()
+        if flat:
+            form = _Form(True, form.tensors, form.dtypes)
+        return _replace(result, gradients=self._give(result.gradients, form), order=None)
+
+    def jacobian(self, target: str | None = None, *, flat: bool = False, **options: Any) -> Any:
+        """`RemoteTape.jacobian` of `target` (default the loss; e.g. the module's output
+        line, `tape.output`) over every parameter: `jacobians` by torch name, each
+        target.shape + parameter shape (zeros for unused parameters), or with
+        `flat=True` one float64 matrix [target size, size] whose columns are in
+        parameters_to_vector order. Other sources: `tape.remote.jacobian`."""
+        if options.get("sources") is not None or (flat and options.get("batch")):
+            raise TypeError(
+                "tape.jacobian is over the module's parameters (flat: not per example); "
+                "for other sources use tape.remote.jacobian(...)"
+            )
+        if flat:
+            result = self.remote.jacobian(target, flat=True, **options)
+            matrix = np.asarray(result.jacobians, np.float64)
+            full = np.zeros((matrix.shape[0], self.size))
+            full[:, self._kept()] = matrix
+            answer = _torch().from_numpy(full) if self._tensors else full
+            return _replace(result, jacobians=answer, order=None)
+        result = self.remote.jacobian(target, **options)
+        used = {n: np.asarray(a) for n, a in result.jacobians.items()}
+        shapes = dict(self.layout)
+        first = next(iter(used), None)
+        lead = () if first is None else used[first].shape[: used[first].ndim - len(shapes[first])]
+        zeros = {n: np.zeros((*lead, *s), self.model.dtype) for n, s in self.layout}
+        return _replace(result, jacobians=self._give(used, self._default_form(), unused=zeros))
 
     def hvp(self, v: Any, **options: Any) -> Any:
         """H v (or another curvature's product: `curvature="ggn"`, ...); `v` a dict by
-        torch name or a flat vector; the answer in the same form."""
-        arrays, tensors = self._in(v)
-        answer = self._full(self.remote.hvp({n: arrays[n] for n in self.names}, **options))
-        tensors = tensors or self._tensors
-        if not isinstance(v, Mapping):
-            return self.vector(
-                {k: _torch().as_tensor(a) for k, a in answer.items()} if tensors else answer
-            )
-        return self._out(answer, tensors)
+        torch name or a flat vector; the answer in the same form and dtype."""
+        arrays, form = self._form(v)
+        return self._give(self.remote.hvp(self._to_service(arrays), **options), form)
+
+    def hvp_many(self, vectors: Sequence[Any], **options: Any) -> list[Any]:
+        """[H v_i] in one batched request, each answer in its vector's form."""
+        parsed = [self._form(v) for v in vectors]
+        answers = self.remote.hvp_many([self._to_service(a) for a, _ in parsed], **options)
+        return [self._give(h, form) for h, (_, form) in zip(answers, parsed, strict=True)]
 
     def eigenvalues(self, k: int = 1, **options: Any) -> Any:
         """`RemoteTape.eigenvalues`; with `eigenvectors=True` each eigenvector is a dict
         by torch name (`tape.state_dict(vec)` makes it loadable)."""
         result = self.remote.eigenvalues(k, **options)
         if result.eigenvectors:
-            import dataclasses
-
-            result = dataclasses.replace(
-                result, eigenvectors=[self._out(v) for v in result.eigenvectors]
+            form = self._default_form()
+            result = _replace(
+                result, eigenvectors=[self._give(v, form) for v in result.eigenvectors]
             )
         return result
 
+    def diagonal(self, **options: Any) -> Any:
+        """`RemoteTape.diagonal`, its `diagonal` and `stderr` by torch name (zeros for
+        unused parameters). A partial exact run's `partial` stays flat over `names`."""
+        result = self.remote.diagonal(**options)
+        form = self._default_form()
+        return _replace(
+            result,
+            diagonal=None if result.diagonal is None else self._give(result.diagonal, form),
+            stderr=None if result.stderr is None else self._give(result.stderr, form),
+        )
+
+    def solve(self, b: Any = None, *, damping: float | None = None, **options: Any) -> Any:
+        """`RemoteTape.solve`: x of (H + damping I) x = b, `b` a dict by torch name or a
+        flat vector (default the gradient: x the damped Newton step), x in b's form.
+        Where the loss does not use a parameter H is zero, so x there is b / damping: a
+        `b` nonzero there needs an explicit positive `damping`."""
+        if b is None:
+            result = self.remote.solve(damping=damping, **options)
+            return _replace(result, solution=self._give(result.solution, self._default_form()))
+        arrays, form = self._form(b)
+        unused = {n: arrays[n] for n in self.model.unused if n in arrays}
+        if any(a.any() for a in unused.values()) and not (damping and damping > 0):
+            first = next(n for n, a in unused.items() if a.any())
+            raise BridgeError(
+                f"b is nonzero on {first!r}, a parameter the loss does not use (its Hessian "
+                "rows are zero, so x there is b / damping): give damping= (> 0) explicitly"
+            )
+        result = self.remote.solve(self._to_service(arrays), damping=damping, **options)
+        scaled = {n: a / damping if damping else a for n, a in arrays.items()}
+        return _replace(result, solution=self._give(result.solution, form, unused=scaled))
+
+    def influence(self, test_inputs: Mapping[str, Any] | None = None, **options: Any) -> Any:
+        """`RemoteTape.influence`: `test_inputs` by the module's input names and "y"
+        (arrays or tensors; the targets as the loss takes them, converted as for the
+        data), `s_test` by torch name (zeros for unused parameters)."""
+        if test_inputs is not None and "dataset" not in test_inputs:
+            test_inputs = self._test_inputs(test_inputs)
+        result = self.remote.influence(test_inputs, **options)
+        return _replace(result, s_test=self._give(result.s_test, self._default_form()))
+
+    def _test_inputs(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        torch = _torch()
+        out = {
+            k: _np(v) if isinstance(v, torch.Tensor) else v for k, v in given.items() if k != "y"
+        }
+        if "y" in given:
+            target = given["y"]
+            target = _np(target) if isinstance(target, torch.Tensor) else np.asarray(target)
+            rows = next((np.shape(v)[0] for v in out.values() if np.ndim(v)), len(target))
+            index = (
+                self.model.outputs.index(self.output) if self.output in self.model.outputs else 0
+            )
+            shape = (rows, *self.model.expected[index].shape[1:])
+            out.update(_target_inputs(self.loss, target, self.model, shape))
+        return out
+
+    def kfac(self, vector: Any = None, **options: Any) -> Any:
+        """`RemoteTape.kfac`: `vector` a dict by torch name or a flat vector, `product`
+        in its form. Where the loss does not use a parameter the curvature is zero: the
+        product there is zero, the inverse product vector / damping."""
+        if vector is None:
+            return self.remote.kfac(**options)
+        arrays, form = self._form(vector)
+        result = self.remote.kfac(self._to_service(arrays), **options)
+        unused = {n: np.zeros_like(a) for n, a in arrays.items()}
+        if options.get("inverse"):
+            nonzero = [n for n in self.model.unused if n in arrays and arrays[n].any()]
+            if nonzero and not result.damping > 0:
+                raise BridgeError(
+                    f"the vector is nonzero on {nonzero[0]!r}, a parameter the loss does "
+                    "not use (zero curvature): its inverse product needs damping > 0"
+                )
+            unused = {n: a / result.damping if a.any() else a for n, a in arrays.items()}
+        return _replace(result, product=self._give(result.product, form, unused=unused))
+
+    def per_example(self, **options: Any) -> Any:
+        """`RemoteTape.per_example`, its per-source statistics (and gradients, N first)
+        by torch name, zeros for unused parameters."""
+        result = self.remote.per_example(**options)
+        form = self._default_form()
+        n = result.examples
+        norms_form = _Form(False, form.tensors, {k: np.dtype(np.float64) for k in form.dtypes})
+        per_param = _Form(False, form.tensors, form.dtypes)
+        changes: dict[str, Any] = {
+            "norms_by_source": self._give(
+                result.norms_by_source,
+                norms_form,
+                unused={k: np.zeros(n) for k, _ in self.layout},
+            ),
+            "mean": self._give(result.mean, form),
+            "variance": self._give(result.variance, form),
+            "sum_squares": self._give(result.sum_squares, form),
+        }
+        if result.gradients is not None:
+            changes["gradients"] = self._give(
+                result.gradients,
+                per_param,
+                unused={k: np.zeros((n, *s), self.model.dtype) for k, s in self.layout},
+            )
+        return _replace(result, **changes)
+
+    def laplace(self, **options: Any) -> Any:
+        """`RemoteTape.laplace`: the fit covers the parameters the loss uses (of its
+        `subset`); `sample()` answers them by torch name, as tensors where the tape's
+        data were tensors."""
+        return _TorchLaplace(self.remote.laplace(**options), self)
+
+    def linear_operator(self, **options: Any) -> Any:
+        """The Hessian (or `curvature`) as a SciPy LinearOperator of shape (size, size),
+        float64, over flat vectors in parameters_to_vector order (`layout`): the rows
+        and columns of parameters the loss does not use are zero."""
+        from scipy.sparse.linalg import LinearOperator
+
+        remote = self.remote.linear_operator(**options)
+        kept, size = self._kept(), self.size
+
+        def matmat(x: np.ndarray) -> np.ndarray:
+            x = np.asarray(x, dtype=np.float64).reshape(size, -1)
+            out = np.zeros_like(x)
+            out[kept] = remote.matmat(x[kept])
+            return out
+
+        def matvec(x: np.ndarray) -> np.ndarray:
+            return matmat(x)[:, 0]
+
+        return LinearOperator(
+            (size, size),
+            matvec=matvec,
+            rmatvec=matvec,
+            matmat=matmat,
+            rmatmat=matmat,
+            dtype=np.float64,
+        )
+
+    # SciPy's optimizers: flat float64 vectors in parameters_to_vector order.
+    def _point(self, x: Any) -> np.ndarray:
+        arrays, _ = self._form(x)
+        return np.concatenate(
+            [np.asarray(arrays[n], np.float64).reshape(-1) for n in self.names] or [np.zeros(0)]
+        )
+
+    def fun(self, x: Any) -> float:
+        """The loss at the flat parameters x (re-recording the tape there if x moved)."""
+        return self.remote.fun(self._point(x))
+
+    def jac(self, x: Any) -> np.ndarray:
+        """The gradient at x, flat (float64; zeros for unused parameters)."""
+        grad = self.remote.jac(self._point(x))
+        out = np.zeros(self.size)
+        out[self._kept()] = grad
+        return out
+
+    def hessp(self, x: Any, p: Any) -> np.ndarray:
+        """H(x) p, flat (float64)."""
+        kept = self._kept()
+        hp = self.remote.hessp(self._point(x), np.asarray(p, np.float64).reshape(-1)[kept])
+        out = np.zeros(self.size)
+        out[kept] = hp
+        return out
+
+    def update(
+        self,
+        values: Any = None,
+        /,
+        *,
+        point: Any = None,
+        inputs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> Self:
+        """Record the tape again at new parameter values: a dict by torch name or a flat
+        vector (`point`, in parameters_to_vector order), arrays or tensors (unused
+        parameters change nothing), and/or new `inputs` by the module's input names."""
+        torch = _torch()
+        if point is not None:
+            if values is not None:
+                raise TypeError("give a flat point or values by name, not both")
+            values = point
+        if inputs is not None and "dataset" not in inputs:
+            inputs = {k: _np(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        if values is None:
+            self.remote.update(inputs=inputs, **options)
+            return self
+        arrays, _ = self._form(values)
+        given = values if isinstance(values, Mapping) else arrays  # a dict: its names only
+        self.remote.update(
+            {n: arrays[n] for n in self.names if n in given}, inputs=inputs, **options
+        )
+        return self
+
     def __getattr__(self, name: str) -> Any:
-        # trace, diagonal, spectral_density, solve, influence, linear_operator, info ...
-        return getattr(self.remote, name)
+        if name in TorchTape._PASS_THROUGH:
+            return getattr(self.remote, name)
+        raise AttributeError(
+            f"TorchTape has no {name!r}; the RemoteTape's (over the parameters the loss "
+            f"uses, in the service's keys) is tape.remote.{name}"
+        )
 
     def delete(self, **options: Any) -> Any:
         return self.remote.delete(**options)
@@ -1102,6 +1454,38 @@ class TorchTape:
 
     def __repr__(self) -> str:
         return f"TorchTape({self.remote!r}, {len(self.names)} parameters)"
+
+
+class _TorchLaplace:
+    """A RemoteLaplace whose samples come back by torch name (tensors where the tape's
+    data were tensors); everything else is the RemoteLaplace's."""
+
+    def __init__(self, remote: Any, tape: TorchTape) -> None:
+        self.remote = remote
+        self._tape = tape
+
+    def sample(self, count: int = 10, **options: Any) -> Any:
+        """`count` draws per parameter of the fit ((count, *shape) each), by torch name."""
+        draws = self.remote.sample(count, **options)
+        if not self._tape._tensors:
+            return draws
+        torch = _torch()
+        return {n: torch.from_numpy(np.array(a, self._tape.model.dtype)) for n, a in draws.items()}
+
+    def predictive(self, test_inputs: Mapping[str, Any], **options: Any) -> Any:
+        """`RemoteLaplace.predictive`, the test inputs arrays or tensors."""
+        torch = _torch()
+        if "dataset" not in test_inputs:
+            test_inputs = {
+                k: _np(v) if isinstance(v, torch.Tensor) else v for k, v in test_inputs.items()
+            }
+        return self.remote.predictive(test_inputs, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.remote, name)
+
+    def __repr__(self) -> str:
+        return repr(self.remote)
 
 
 def _data_arrays(
@@ -1146,8 +1530,9 @@ def tape_op(
     **tape_options: Any,
 ) -> TorchTape:
     """`client.tape(module, loss=..., data=...)`: bridge the module (or take a
-    TorchModel), write the loss over its output and record the tape with the trainable
-    parameters as sources, in named_parameters() order."""
+    TorchModel), write the loss over its output (`output=`: which one, required for a
+    built-in loss on a module with several outputs) and record the tape with the
+    trainable parameters as sources, in named_parameters() order."""
     if client.is_async:
         raise TypeError("the PyTorch bridge runs with Client, not AsyncClient")
     if data is None:
@@ -1166,16 +1551,15 @@ def tape_op(
             )
         model = bridge(client, module, example_inputs)
     arrays, target, tensors = _data_arrays(data, model, loss)
-    out_shape = (next(iter(arrays.values())).shape[0],) + tuple(model.expected[0].shape[1:])
-    lines, extra = _loss_lines(loss, model.outputs, target, out_shape)
+    output = tape_options.pop("output", None)
+    head = _loss_output(loss, model, output)
+    out_shape = (next(iter(arrays.values())).shape[0],) + tuple(
+        model.expected[model.outputs.index(head)].shape[1:]
+    )
+    lines, extra = _loss_lines(loss, head, model.outputs, target, out_shape)
     inputs: dict[str, Any] = dict(arrays)
     if target is not None:
-        if loss == "nll":
-            classes = out_shape[1]
-            _check_class_labels(target, out_shape)
-            inputs["y_one_hot"] = (target.reshape(-1, 1) == np.arange(classes)).astype(model.dtype)
-        else:
-            inputs["y"] = target.astype(model.dtype) if target.dtype.kind == "f" else target
+        inputs.update(_target_inputs(loss, target, model, out_shape))
     inputs.update(extra)
     limit = UPLOAD_BYTES if upload_above is None else upload_above
     if sum(a.nbytes for a in inputs.values()) >= limit:
@@ -1191,9 +1575,42 @@ def tape_op(
         "inputs": inputs,
         "program": [*(_call_line(model, o) for o in model.outputs), *lines],
     }
-    output = tape_options.pop("output", None) or model.outputs[0]
+    output = output or head
     remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)
-    return TorchTape(remote, model, tensors)
+    return TorchTape(remote, model, tensors, loss=loss, output=output)
+
+
+def _loss_output(loss: Any, model: TorchModel, output: str | None) -> str:
+    """The module output a built-in loss reads: `output=`, or the only one. With
+    several outputs and no `output=`, taking the first would be a guess: refused."""
+    if not (isinstance(loss, str) and loss in LOSSES):  # lines name their outputs
+        return output if output in model.outputs else model.outputs[0]
+    if output is None:
+        if len(model.outputs) > 1:
+            raise BridgeError(
+                f"the module has {len(model.outputs)} outputs ({', '.join(model.outputs)}); "
+                f"say which one loss {loss!r} reads with output=..., or write the loss as "
+                "lines over them (the last assigning `loss`)"
+            )
+        return model.outputs[0]
+    if output not in model.outputs:
+        raise BridgeError(
+            f"output={output!r} is not an output of the module; its outputs are "
+            f"{', '.join(model.outputs)}"
+        )
+    return output
+
+
+def _target_inputs(
+    loss: Any, target: np.ndarray, model: TorchModel, out_shape: tuple[int, ...]
+) -> dict[str, np.ndarray]:
+    """The targets as the loss lines read them: 'nll' labels as one-hot rows
+    (`y_one_hot`), float targets in the module's dtype, integer labels as they are."""
+    if loss == "nll":
+        _check_class_labels(target, out_shape)
+        one_hot = target.reshape(-1, 1) == np.arange(out_shape[1])
+        return {"y_one_hot": one_hot.astype(model.dtype)}
+    return {"y": target.astype(model.dtype) if target.dtype.kind == "f" else target}
 
 
 def _check_class_labels(target: np.ndarray, out_shape: tuple[int, ...]) -> None:
