@@ -16,10 +16,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.deploy.files import dockerignore_filter, readme_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,3 +171,70 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+# ------------------------------------------------------- the README's first command
+
+INSTALL_TIMEOUT = 300.0  # pip resolving and installing every dependency from its cache
+
+
+def setup_commands() -> list[str]:
+    """The README's set-up commands: the first bash block of its "Set up" section."""
+    blocks = [
+        b
+        for b in readme_blocks((ROOT / "README.md").read_text())
+        if b.section == "Set up" and b.lang == "bash"
+    ]
+    assert blocks, 'README.md has no bash block under "## Set up"'
+    return blocks[0].commands()
+
+
+@dataclass
+class Install:
+    context: Path  # the Docker build context, copied
+    bin: Path  # the fresh virtualenv's bin directory
+    tmp: Path
+    readiness: dict  # what /readyz answered to the README's command
+
+    def env(self, **settings: str) -> dict[str, str]:
+        """A clean environment: the virtualenv first on PATH, no GRADTAPE_* inherited."""
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("GRADTAPE_", "PYTHON", "VIRTUAL_ENV"))
+        }
+        return {
+            **base,
+            "PATH": f"{self.bin}{os.pathsep}{base['PATH']}",
+            "VIRTUAL_ENV": str(self.bin.parent),
+            **settings,
+        }
+
+
+@pytest.fixture(scope="session")
+def install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
+    """Runs the README's first set-up command (`pip install -e '.[service]' && gradtape
+    serve`) in the build context with a fresh virtualenv active, waits for /readyz, stops
+    it. One for the session: test_clean_install checks it, then test_setup_order runs the
+    README's second command in the same virtualenv (a superset of the first's packages,
+    so the order of the two files does not matter)."""
+    tmp = tmp_path_factory.mktemp("clean-install")
+    included = dockerignore_filter((ROOT / ".dockerignore").read_text())
+    context = copy_files([p for p in repo_files() if included(p)], tmp / "context")
+    bin_dir = make_venv(tmp / "venv")
+    install = Install(context, bin_dir, tmp, {})
+    command = setup_commands()[0]
+    port = free_port()
+    server = Server.start(
+        ["bash", "-c", command],
+        cwd=context,
+        log=tmp / "readme-serve.log",
+        port=port,
+        env=install.env(GRADTAPE_PORT=str(port), GRADTAPE_DATA_DIR=str(tmp / "data")),
+        timeout=INSTALL_TIMEOUT,
+    )
+    try:
+        install.readiness = server.wait_ready(10)
+    finally:
+        server.stop()
+    yield install

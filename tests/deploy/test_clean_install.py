@@ -6,12 +6,10 @@ against it. pip's cache is reused; nothing else is."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,13 +17,16 @@ import pytest
 import yaml
 
 from tests.deploy.conftest import (
+    INSTALL_TIMEOUT,
     ROOT,
+    Install,
     Server,
     copy_files,
     free_port,
     make_venv,
     repo_files,
     run,
+    setup_commands,
 )
 from tests.deploy.files import (
     Dockerfile,
@@ -34,72 +35,9 @@ from tests.deploy.files import (
     exec_form,
     healthcheck,
     interpolate_tree,
-    readme_blocks,
 )
 
 pytestmark = pytest.mark.deploy
-
-INSTALL_TIMEOUT = 300.0  # pip resolving and installing every dependency from its cache
-
-
-def setup_commands() -> list[str]:
-    """The README's set-up commands: the first bash block of its "Set up" section."""
-    blocks = [
-        b
-        for b in readme_blocks((ROOT / "README.md").read_text())
-        if b.section == "Set up" and b.lang == "bash"
-    ]
-    assert blocks, 'README.md has no bash block under "## Set up"'
-    return blocks[0].commands()
-
-
-@dataclass
-class Install:
-    context: Path  # the Docker build context, copied
-    bin: Path  # the fresh virtualenv's bin directory
-    tmp: Path
-    readiness: dict  # what /readyz answered to the README's command
-
-    def env(self, **settings: str) -> dict[str, str]:
-        """A clean environment: the virtualenv first on PATH, no GRADTAPE_* inherited."""
-        base = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("GRADTAPE_", "PYTHON", "VIRTUAL_ENV"))
-        }
-        return {
-            **base,
-            "PATH": f"{self.bin}{os.pathsep}{base['PATH']}",
-            "VIRTUAL_ENV": str(self.bin.parent),
-            **settings,
-        }
-
-
-@pytest.fixture(scope="module")
-def install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
-    """Runs the README's first set-up command (`pip install -e '.[service]' && gradtape
-    serve`) in the build context with a fresh virtualenv active, waits for /readyz, stops
-    it."""
-    tmp = tmp_path_factory.mktemp("clean-install")
-    included = dockerignore_filter((ROOT / ".dockerignore").read_text())
-    context = copy_files([p for p in repo_files() if included(p)], tmp / "context")
-    bin_dir = make_venv(tmp / "venv")
-    install = Install(context, bin_dir, tmp, {})
-    command = setup_commands()[0]
-    port = free_port()
-    server = Server.start(
-        ["bash", "-c", command],
-        cwd=context,
-        log=tmp / "readme-serve.log",
-        port=port,
-        env=install.env(GRADTAPE_PORT=str(port), GRADTAPE_DATA_DIR=str(tmp / "data")),
-        timeout=INSTALL_TIMEOUT,
-    )
-    try:
-        install.readiness = server.wait_ready(10)
-    finally:
-        server.stop()
-    yield install
 
 
 def test_the_context_is_the_package_sources(install: Install) -> None:

@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.conftest import Server, copy_files, free_port, make_venv, repo_files, run
-from tests.deploy.test_clean_install import INSTALL_TIMEOUT, setup_commands
+from tests.deploy.conftest import INSTALL_TIMEOUT, Install, Server, free_port, run, setup_commands
 from tests.engine.onnx.graphs import fixture
 from tests.service.test_onnx import b64, definition
 
@@ -40,28 +39,24 @@ def _worker(server: Server) -> dict:
     return r.json().get("workers", [{}])[0] if r.status_code == 200 else {}
 
 
-def test_the_readme_commands_in_their_order_in_one_virtualenv(tmp_path: Path) -> None:
+def test_the_readme_commands_in_their_order_in_one_virtualenv(
+    install: Install, tmp_path: Path
+) -> None:
+    """The first command has run in `install`'s fresh virtualenv (the deploy conftest;
+    test_clean_install checks what it serves); its server is started again there, and
+    the second command's install runs beside it."""
     serve_line, test_line = setup_commands()
-    install, serve = (part.strip() for part in serve_line.split("&&"))
+    first, serve = (part.strip() for part in serve_line.split("&&"))
     dev_install = test_line.split("&&")[0].strip()
     assert serve == "gradtape serve" and dev_install.startswith("pip install")
-    checkout = copy_files(repo_files(), tmp_path / "checkout")
-    bin_dir = make_venv(tmp_path / "venv")
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("GRADTAPE_", "PYTHON", "VIRTUAL_ENV"))
-    }
+    assert first.startswith("pip install -e")
+    checkout = install.context
     port = free_port()
-    env = {
-        **base,
-        "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}",
-        "VIRTUAL_ENV": str(bin_dir.parent),
-        "GRADTAPE_PORT": str(port),
-        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
-        "GRADTAPE_WORKERS": "1",  # so that the replaced worker is the one that answers
-    }
-    run(["bash", "-c", install], cwd=checkout, env=env, timeout=INSTALL_TIMEOUT)
+    env = install.env(
+        GRADTAPE_PORT=str(port),
+        GRADTAPE_DATA_DIR=str(tmp_path / "data"),
+        GRADTAPE_WORKERS="1",  # so that the replaced worker is the one that answers
+    )
     server = Server.start(
         ["bash", "-c", serve], cwd=checkout, env=env, log=tmp_path / "serve.log", port=port
     )
