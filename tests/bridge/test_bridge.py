@@ -789,3 +789,60 @@ def test_a_builtin_loss_on_several_outputs_needs_output(server) -> None:
                     {n: g.numpy() for n, g in tape.gradients.items()},
                     torch_grads(model, want),
                 )
+
+
+def test_parameters_another_output_holds_are_zeros_in_every_answer(server) -> None:
+    """A loss on out1 (the features) of TwoHeads: head.* feed only out0, so the service
+    answers them null (unconnected "none") on the tape's gradient and jacobian calls.
+    They came back as one 0-d NaN each (a flat vector 10 entries short); now zeros of
+    the parameter's shape, as torch's materialized gradients."""
+    model = perturbed(TwoHeads(), seed=11).float()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 4, generator=gen)
+    z = torch.randn(6, 5, generator=gen)
+    want = torch_grads(model, F.mse_loss(model(x)[1], z))
+    flat_want = np.concatenate([g.reshape(-1) for g in want.values()])
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="mse", data=(x, z), output="out1") as tape,
+    ):
+        named = tape.gradient().gradients
+        assert {n: tuple(g.shape) for n, g in named.items()} == {
+            n: g.shape for n, g in want.items()
+        }
+        for n, g in want.items():
+            assert named[n].dtype == torch.float32, n
+            np.testing.assert_allclose(named[n].numpy(), g, rtol=1e-4, atol=1e-6, err_msg=n)
+        flat = tape.gradient(flat=True).gradients
+        np.testing.assert_allclose(flat.numpy(), flat_want, rtol=1e-4, atol=1e-6)
+        jac = tape.jacobian().jacobians  # of the scalar loss: the gradient again
+        for n, g in want.items():
+            np.testing.assert_allclose(np.asarray(jac[n]), g, rtol=1e-4, atol=1e-6, err_msg=n)
+        full = tape.jacobian(flat=True).jacobians
+        np.testing.assert_allclose(np.asarray(full).reshape(-1), flat_want, rtol=1e-4, atol=1e-6)
+
+
+def test_update_takes_some_parameters_by_name_and_any_float_dtype(server) -> None:
+    """update({name: value}) changes the parameters named (it asked for every one the
+    loss uses); a float64 point (a SciPy optimizer's) updates a float32 module, cast as
+    load_state_dict casts (it was a 422 naming each initializer's dtype)."""
+    model = perturbed(WithUnused(), seed=12).float()
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 3, generator=gen)
+    y = torch.randint(0, 2, (6,), generator=gen)
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        bias = torch.tensor([0.25, -0.5])
+        tape.update({"fc.bias": bias})
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            moved.fc.bias.copy_(bias)
+        np.testing.assert_allclose(tape.value, F.cross_entropy(moved(x), y).item(), rtol=1e-5)
+        point = torch.nn.utils.parameters_to_vector(model.parameters()).detach().double() * 1.1
+        tape.update(point=point.numpy())
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(point.float(), moved.parameters())
+        np.testing.assert_allclose(tape.value, F.cross_entropy(moved(x), y).item(), rtol=1e-5)
+        assert tape.gradients["fc.weight"].dtype == torch.float32

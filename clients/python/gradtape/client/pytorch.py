@@ -1066,9 +1066,11 @@ class TorchTape:
     def _default_form(self) -> _Form:
         return _Form(False, self._tensors, {n: self.model.dtype for n, _ in self.layout})
 
-    def _form(self, v: Any) -> tuple[dict[str, np.ndarray], _Form]:
+    def _form(self, v: Any, partial: bool = False) -> tuple[dict[str, np.ndarray], _Form]:
         """A dict by torch name or a flat vector (array or tensor) -> a dict of arrays
-        over `layout` (zeros for unused parameters left out), and its form."""
+        over `layout` (zeros for unused parameters left out), and its form. `partial`: a
+        dict may leave out parameters the loss uses too (zeros there: the caller reads
+        only the names it gave)."""
         torch = _torch()
 
         def dtype_of(a: np.ndarray) -> np.dtype:
@@ -1091,7 +1093,7 @@ class TorchTape:
                     f"that requires grad (they are {', '.join(shapes)})"
                 )
             missing = [n for n in self.names if n not in out]
-            if missing:
+            if missing and not partial:
                 raise ValueError(f"the vector has no entry for parameter {missing[0]!r}")
             for k, a in out.items():
                 if a.shape != shapes[k]:
@@ -1125,7 +1127,9 @@ class TorchTape:
         entries of the parameters the loss does not use (default zeros)."""
         full: dict[str, np.ndarray] = {}
         for n, shape in self.layout:
-            if n in answer:
+            # (None: a parameter the target does not reach, e.g. one feeding only another
+            # of the module's outputs, answered under unconnected="none")
+            if answer.get(n) is not None:
                 a = np.asarray(answer[n])
             elif unused is not None:
                 a = np.asarray(unused[n])
@@ -1216,7 +1220,7 @@ class TorchTape:
             answer = _torch().from_numpy(full) if self._tensors else full
             return _replace(result, jacobians=answer, order=None)
         result = self.remote.jacobian(target, **options)
-        used = {n: np.asarray(a) for n, a in result.jacobians.items()}
+        used = {n: np.asarray(a) for n, a in result.jacobians.items() if a is not None}
         shapes = dict(self.layout)
         first = next(iter(used), None)
         lead = () if first is None else used[first].shape[: used[first].ndim - len(shapes[first])]
@@ -1415,9 +1419,12 @@ class TorchTape:
         inputs: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Self:
-        """Record the tape again at new parameter values: a dict by torch name or a flat
-        vector (`point`, in parameters_to_vector order), arrays or tensors (unused
-        parameters change nothing), and/or new `inputs` by the module's input names."""
+        """Record the tape again at new parameter values: a dict by torch name (the
+        parameters it names change, the others keep their values) or a flat vector
+        (`point`, in parameters_to_vector order), arrays or tensors of any float dtype
+        (cast to the module's, as load_state_dict does: a SciPy optimizer's float64
+        point updates a float32 module; unused parameters change nothing), and/or new
+        `inputs` by the module's input names."""
         torch = _torch()
         if point is not None:
             if values is not None:
@@ -1428,10 +1435,12 @@ class TorchTape:
         if values is None:
             self.remote.update(inputs=inputs, **options)
             return self
-        arrays, _ = self._form(values)
+        arrays, _ = self._form(values, partial=True)
         given = values if isinstance(values, Mapping) else arrays  # a dict: its names only
         self.remote.update(
-            {n: arrays[n] for n in self.names if n in given}, inputs=inputs, **options
+            {n: np.asarray(arrays[n], self.model.dtype) for n in self.names if n in given},
+            inputs=inputs,
+            **options,
         )
         return self
 
