@@ -40,6 +40,22 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """test_setup_order runs the README's second command (the dev extra) in the
+    session's `install` virtualenv: it runs after every other test, so that
+    test_clean_install checks what the first command installed alone whatever order the
+    files are named in (`pytest test_setup_order.py test_clean_install.py` ran it first,
+    and the clean install's checks then ran in a virtualenv holding the dev extra)."""
+    changes_install = [
+        i
+        for i in items
+        if i.path.name == "test_setup_order.py" and "install" in getattr(i, "fixturenames", ())
+    ]
+    if changes_install:
+        later = set(map(id, changes_install))
+        items[:] = [i for i in items if id(i) not in later] + changes_install
+
+
 # ---------------------------------------------------------------------------- helpers
 
 
@@ -216,8 +232,8 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
     """Runs the README's first set-up command (`pip install -e '.[service]' && gradtape
     serve`) in the build context with a fresh virtualenv active, waits for /readyz, stops
     it. One for the session: test_clean_install checks it, then test_setup_order runs the
-    README's second command in the same virtualenv (a superset of the first's packages,
-    so the order of the two files does not matter)."""
+    README's second command in the same virtualenv (a superset of the first's packages),
+    always last (pytest_collection_modifyitems above)."""
     tmp = tmp_path_factory.mktemp("clean-install")
     included = dockerignore_filter((ROOT / ".dockerignore").read_text())
     context = copy_files([p for p in repo_files() if included(p)], tmp / "context")
