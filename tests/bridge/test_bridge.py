@@ -846,3 +846,58 @@ def test_update_takes_some_parameters_by_name_and_any_float_dtype(server) -> Non
             torch.nn.utils.vector_to_parameters(point.float(), moved.parameters())
         np.testing.assert_allclose(tape.value, F.cross_entropy(moved(x), y).item(), rtol=1e-5)
         assert tape.gradients["fc.weight"].dtype == torch.float32
+
+
+def test_lines_over_several_outputs_name_the_curvatures_output_or_none(server) -> None:
+    """A loss written as lines over out0 and out1: without output= the tape took out0 as
+    the curvatures' output, so its GGN left out1's term out (78% off torch's J^T H J
+    over both); a loss over out1 alone was a 422 about out0, never named. Now no output
+    is guessed (the Hessian's methods answer; a curvature asks for output=), and
+    output= names it."""
+    model = perturbed(TwoHeads(), seed=13)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    z = torch.randn(6, 5, dtype=torch.float64, generator=gen)
+    both = ["loss = softmax_cross_entropy(out0, y) + mean_squared_error(out1, z)"]
+    data = {"x": x, "y": y, "z": z}
+    want = F.cross_entropy(model(x)[0], y) + F.mse_loss(model(x)[1], z)
+
+    def outputs(params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.func.functional_call(model, params, (x,))
+
+    def loss_of(params: dict) -> torch.Tensor:
+        out0, out1 = outputs(params)
+        return F.cross_entropy(out0, y) + F.mse_loss(out1, z)
+
+    hessian = flat_hessian(model, loss_of).numpy()
+    named = dict(model.named_parameters())
+    point = torch.nn.utils.parameters_to_vector(named.values()).detach()
+
+    def out1_of(flat: torch.Tensor) -> torch.Tensor:
+        params, start = {}, 0
+        for n, p in named.items():
+            params[n] = flat[start : start + p.numel()].view_as(p)
+            start += p.numel()
+        return outputs(params)[1].reshape(-1)
+
+    j1 = torch.autograd.functional.jacobian(out1_of, point).numpy()
+    ggn_out1 = j1.T @ j1 * (2.0 / z.numel())  # mean squared error's Hessian: 2/n I
+    v = np.random.default_rng(13).standard_normal(hessian.shape[0])
+    with Client(server.base_url) as client:
+        with client.tape(model, loss=both, data=data, example_inputs=(x,)) as tape:
+            assert tape.output is None
+            np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
+            np.testing.assert_allclose(tape.hvp(v), hessian @ v, rtol=1e-9, atol=1e-12)
+            with pytest.raises(Exception, match="output"):
+                tape.hvp(v, curvature="ggn")
+        only_out1 = ["loss = mean_squared_error(out1, z)"]
+        with client.tape(model, loss=only_out1, data=data, example_inputs=(x,)) as tape:
+            np.testing.assert_allclose(tape.value, F.mse_loss(model(x)[1], z).item(), rtol=1e-12)
+        with client.tape(
+            model, loss=only_out1, data=data, example_inputs=(x,), output="out1"
+        ) as tape:
+            assert tape.output == "out1"
+            np.testing.assert_allclose(
+                tape.hvp(v, curvature="ggn"), ggn_out1 @ v, rtol=1e-9, atol=1e-12
+            )

@@ -1584,7 +1584,12 @@ def tape_op(
         "inputs": inputs,
         "program": [*(_call_line(model, o) for o in model.outputs), *lines],
     }
-    output = output or head
+    # The curvatures (GGN, Fisher, KFAC, Laplace) read the loss as a function of
+    # `output`: never guessed for lines over several outputs (out0 was taken, and the
+    # GGN of a loss over out0 and out1 silently left out1's term; a loss over out1 only
+    # was a 422 about out0, which the caller never named).
+    if output is None and len(model.outputs) == 1:
+        output = head
     remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)
     return TorchTape(remote, model, tensors, loss=loss, output=output)
 
