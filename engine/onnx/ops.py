@@ -1053,6 +1053,36 @@ HANDLERS["Split"] = lambda ins, attrs, opset: split(ins, attrs, opset, len(ins))
 STATIC["Split"] = (1,)
 
 
+# Sequences: what torch.onnx's dynamo exporter (optimize=False, as the bridge exports)
+# writes for torch.split/chunk/unbind, a SplitToSequence read back by SequenceAt at
+# constant positions. A sequence is a Python list of the parts while the graph runs.
+@handler("SplitToSequence", static=(1,))
+def _split_to_sequence(ins, attrs, opset):
+    x = ins[0]
+    shape = shape_of(x)
+    axis = int(attrs.get("axis", 0)) % len(shape)
+    given = ins[1] if len(ins) > 1 and ins[1] is not None else None
+    if given is None:  # parts of one along the axis, that axis dropped unless keepdims
+        parts = split([x], {"axis": axis}, 13, shape[axis])
+        if not attrs.get("keepdims", 1):
+            kept = tuple(d for i, d in enumerate(shape) if i != axis)
+            parts = [OP["reshape"](p, kept) for p in parts]
+        return [parts]
+    sizes = ints(given)
+    if np.ndim(given) == 0:  # one size: equal parts, the last one smaller
+        size, dim = sizes[0], shape[axis]
+        sizes = [min(size, dim - start) for start in range(0, dim, size)]
+    return [split([x, np.array(sizes, dtype=np.int64)], {"axis": axis}, 13, len(sizes))]
+
+
+@handler("SequenceAt", static=(1,))
+def _sequence_at(ins, attrs, opset):
+    parts, position = ins[0], ints(ins[1])[0]
+    if not -len(parts) <= position < len(parts):
+        raise OpError(f"position {position} is outside a sequence of {len(parts)} tensors")
+    return [parts[position]]
+
+
 def refusal(op_type: str, attrs: dict[str, Any], outputs: Sequence[str]) -> str | None:
     """Why a node of a supported op cannot run here (an attribute or output this runtime
     does not implement), known from the node alone; None when it can."""

@@ -190,6 +190,48 @@ CASES = {
         {"x": r(2, 7)},
         {},
     ),
+    # torch.split/chunk/unbind as torch.onnx's dynamo exporter writes them (optimize=False)
+    "SplitToSequence-sizes": (
+        18,
+        [
+            N("SplitToSequence", ["x", "split"], ["seq"], axis=1),
+            N("SequenceAt", ["seq", "one"], ["s1"]),
+            N("SequenceAt", ["seq", "minus_two"], ["s0"]),
+            N("Mul", ["s0", "s0"], ["m"]),
+            N("Concat", ["s1", "m"], ["c"], axis=1),
+            # (ONNX's shape inference does not follow a sequence's parts: a scalar out)
+            N("ReduceSum", ["c"], ["out"], keepdims=0),
+        ],
+        {"x": r(2, 6)},
+        {"split": i64(2, 4), "one": np.array(1, np.int64), "minus_two": np.array(-2, np.int64)},
+    ),
+    "SplitToSequence-chunks": (  # one size: equal chunks, the last one smaller
+        18,
+        [
+            N("SplitToSequence", ["x", "size"], ["seq"], axis=1),
+            N("SequenceAt", ["seq", "two"], ["last"]),
+            N("SequenceAt", ["seq", "zero"], ["first"]),
+            N("Concat", ["first", "last"], ["c"], axis=1),
+            N("ReduceSum", ["c"], ["out"], keepdims=0),
+        ],
+        {"x": r(2, 7)},
+        {
+            "size": np.array(3, np.int64),
+            "two": np.array(2, np.int64),
+            "zero": np.array(0, np.int64),
+        },
+    ),
+    "SplitToSequence-unbind": (  # no sizes, keepdims=0: torch.unbind
+        18,
+        [
+            N("SplitToSequence", ["x"], ["seq"], axis=0, keepdims=0),
+            N("SequenceAt", ["seq", "zero"], ["a"]),
+            N("SequenceAt", ["seq", "two"], ["b"]),
+            N("Mul", ["a", "b"], ["out"]),
+        ],
+        {"x": r(3, 4)},
+        {"zero": np.array(0, np.int64), "two": np.array(2, np.int64)},
+    ),
     "Slice-negative-clamped": (
         13,
         [N("Slice", ["x", "st", "en", "ax", "sp"], ["out"])],

@@ -281,7 +281,6 @@ def export(
     params, used = _parameters(module, args)
     records, buffers, constants = _restore(proto, module, params, used)
     _fold_integer_constants(proto)
-    _sequences_to_split(proto, args)
     _strip_debug_info(proto)
     # The exporter's intermediate shapes name the batch symbolically; the service infers
     # them anew for each batch size.
@@ -577,84 +576,6 @@ def _fold_integer_constants(proto: Any) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     return folded
-
-
-def _sequences_to_split(proto: Any, args: tuple[Any, ...]) -> int:
-    """SplitToSequence read only by SequenceAt at constant positions (how the exporter
-    writes `tensor.split(size)` without its optimizer) as the one Split it means, each
-    SequenceAt an Identity of its part: the same values, without sequence types (which
-    the service does not run). Answers how many it rewrote."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    graph = proto.graph
-    consts = {
-        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
-        for n in graph.node
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
-    }
-    consts.update({i.name: numpy_helper.to_array(i) for i in graph.initializer})
-    readers: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    candidates = [
-        n
-        for n in graph.node
-        if n.op_type == "SplitToSequence"
-        and len(n.input) > 1
-        and n.input[1] in consts
-        and readers.get(n.output[0])
-        and all(r.op_type == "SequenceAt" and r.input[1] in consts for r in readers[n.output[0]])
-        and n.output[0] not in {o.name for o in graph.output}
-    ]
-    if not candidates:
-        return 0
-    # The split axis's size, from shape inference at the example's shapes.
-    typed = onnx.ModelProto()
-    typed.CopyFrom(proto)
-    for value, a in zip(typed.graph.input, args):
-        for dim, size in zip(value.type.tensor_type.shape.dim, a.shape):
-            dim.Clear()
-            dim.dim_value = int(size)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(typed, data_prop=True).graph
-    except Exception:  # noqa: BLE001 - left as it was (the service then says why)
-        return 0
-    ranks = {
-        v.name: [
-            d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim
-        ]
-        for v in (*inferred.value_info, *inferred.input, *inferred.output)
-    }
-    replace: dict[int, list[Any]] = {}
-    for node in candidates:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        axis = int(attrs.get("axis", 0))
-        split = np.asarray(consts[node.input[1]]).astype(np.int64)
-        if split.ndim == 0:
-            dims = ranks.get(node.input[0])
-            if not dims or dims[axis] is None:
-                continue
-            size, step = int(dims[axis] or 0), int(split)
-            pieces = [step] * (size // step) + ([size % step] if size % step else [])
-            split = np.asarray(pieces, dtype=np.int64)
-        parts = [f"{node.output[0]}__part{i}" for i in range(len(split))]
-        sizes = f"{node.output[0]}__sizes"
-        new = [
-            _constant(sizes, split.astype(np.int64)),
-            helper.make_node("Split", [node.input[0], sizes], parts, axis=axis),
-        ]
-        replace[id(node)] = new
-        for reader in readers[node.output[0]]:
-            position = int(np.asarray(consts[reader.input[1]])) % len(parts)
-            replace[id(reader)] = [
-                helper.make_node("Identity", [parts[position]], [reader.output[0]])
-            ]
-    nodes = [m for n in graph.node for m in replace.get(id(n), [n])]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return len([n for n in candidates if id(n) in replace])
 
 
 def _strip_debug_info(proto: Any) -> None:
