@@ -33,7 +33,13 @@ from engine.language.memory import MemoryModel
 from engine.language.nonfinite import NonFiniteCheck, find_culprit
 from engine.language.reduction import batch_reduction
 from engine.language.runtime import Builder, Frame, open_grad_tape, user_function
-from engine.language.validate import CheckedProgram, Leaf, check_definition, size_problems
+from engine.language.validate import (
+    CheckedProgram,
+    Leaf,
+    calls_made,
+    check_definition,
+    size_problems,
+)
 from engine.registry import MissingRuleError
 from engine.shapes import TensorType
 from engine.tape import GradientTape, check_per_example, per_example_layout, per_example_rows
@@ -107,6 +113,18 @@ class CompiledProgram:
         self._line_columns = {line.target: line.pos.column for line in checked.lines}
         self._reads = checked.reads
         self._exprs = {line.target: line.expr for line in checked.lines}
+        # The parameters a line reads through the models it calls (`out1 = net(x)` names
+        # none of them), by parameter -> model: split() holds a loss line to them as to a
+        # variable it names.
+        self._model_reads: dict[str, dict[str, str]] = {
+            line.target: {
+                param: called
+                for called in calls_made(line.expr)
+                if called in checked.models
+                for param in checked.models[called].model.params
+            }
+            for line in checked.lines
+        }
         self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self.cost = CostModel.of(checked)  # FLOPs and bytes moved by one forward pass
         self._sites = checked.grad_sites
@@ -579,6 +597,28 @@ class CompiledProgram:
                         f"the lines after {output!r} must be a function of it and of inputs (the "
                         "targets) only; move the term into the model, or add a regulariser of "
                         "the sources as damping",
+                        "program",
+                        self._line_numbers[name],
+                        self._line_columns[name],
+                        kind="request",
+                    )
+                )
+            # A model called again after the output reads its sources unnamed.
+            by_model: dict[str, list[str]] = {}
+            for param, model in self._model_reads[name].items():
+                if param in source_names:
+                    by_model.setdefault(model, []).append(param)
+            for model, params in by_model.items():
+                shown = ", ".join(params[:3]) + (
+                    f" and {len(params) - 3} more" if len(params) > 3 else ""
+                )
+                problems.append(
+                    Problem(
+                        f"the loss line {name!r} calls model {model!r}, which reads sources "
+                        f"({shown}): with an output named, the lines after {output!r} must be "
+                        "a function of it and of inputs (the targets) only (the curvatures are "
+                        "of a loss of that one output): name the output the loss reads, or "
+                        "record without one for the Hessian",
                         "program",
                         self._line_numbers[name],
                         self._line_columns[name],

@@ -159,3 +159,37 @@ def test_leaves_read_follows_the_lines_a_name_needs() -> None:
     assert program.leaves_read("logits") == {"x", "w1", "b1", "w2"}
     assert program.leaves_read("loss") == {"x", "y", "w1", "b1", "w2"}
     assert program.leaves_read("x") == {"x"}
+
+
+def test_a_loss_line_calling_the_model_again_is_refused() -> None:
+    """A model call reads the model's parameters without naming them: a loss line that
+    calls the model again after the output (`again = net(x)`, as the PyTorch bridge's
+    lines over a module's second output do) depends on the sources, and the cut let it
+    through (the GGN then treated it as a constant: torch's J^T H J over both outputs
+    differed by 78%). Refused with the line and the model, as a named source is; with
+    the model's parameters frozen the cut stands."""
+    data, record = fixture("lenet")
+    program = [
+        "logits = net(x)",
+        "again = net(2.0 * x)",
+        "loss = softmax_cross_entropy(logits, y) + mean(again ** 2)",
+    ]
+    spec = {
+        "models": {"net": {"onnx": float64_model(data)}},
+        "inputs": {"x": record["x"].astype(np.float64), "y": record["y"]},
+        "program": program,
+    }
+    compiled = compile_definition(as_definition(spec))
+    request = compiled.check_request("loss", None, "zero", allow_unused=True)
+    with pytest.raises(DefinitionError) as caught:
+        compiled.split("logits", "loss", request.sources)
+    (problem,) = caught.value.problems
+    assert "the loss line 'again' calls model 'net', which reads sources (" in problem.message
+    assert problem.line == 2
+    # With the model's parameters held fixed (no source of it), the cut stands.
+    names = [n for n in request.sources.values() if n not in ("x", "y")]
+    fixed = as_definition(
+        {**spec, "models": {"net": {"onnx": float64_model(data), "frozen": names}}}
+    )
+    held = compile_definition(fixed)
+    assert held.split("logits", "loss", {}).loss_lines == {1, 2}
