@@ -137,7 +137,10 @@ def test_a_disconnected_trace_frees_the_worker_and_keeps_the_tape(solo: Server) 
     # The tape is whole: the same HVP, bit for bit.
     after = httpx.post(f"{base}/v1/tapes/{tape}/hvp", json={"vector": v}, timeout=60)
     assert after.status_code == 200, after.text
-    assert after.json() == before.json()
+    # (all but execution: the trace's passes of this vector layout compiled it since)
+    same, was = after.json(), before.json()
+    assert same.pop("execution") is not None and was.pop("execution") is not None
+    assert same == was
     assert "Traceback" not in Path(solo.log).read_text()
 
 

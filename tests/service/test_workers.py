@@ -321,6 +321,9 @@ def test_the_allocator_setting_reaches_the_workers_before_the_engine(
             pid = own.get("/readyz").json()["workers"][0]["pid"]
             assert _environment(pid)[OPT_OUT] == expected
             body = post(own, "/v1/gradient", GRADIENT_EXAMPLE)
-        assert body == post(client, "/v1/gradient", GRADIENT_EXAMPLE)
+        # (all but execution: how each server's worker ran it depends on what it saw)
+        other = post(client, "/v1/gradient", GRADIENT_EXAMPLE)
+        assert body.pop("execution") is not None and other.pop("execution") is not None
+        assert body == other
     finally:
         stop_server(srv)
