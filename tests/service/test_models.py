@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.service.wire import arr, num, nums, ok, post, problem, t
+from tests.service.wire import arr, num, nums, ok, post, problem, t, without_execution
 
 CLIPPED = {
     "variables": {"v": 2.0},
@@ -63,7 +63,7 @@ def test_every_route_takes_a_model(client) -> None:
     ):
         mine = post(client, path, {**by_name, **extra})
         fresh = post(client, path, {**by_value, **extra})
-        assert mine == fresh, path
+        assert without_execution(mine) == without_execution(fresh), path
     created = client.post("/v1/tapes", json=by_name)
     assert created.status_code == 201, created.text
     tape = created.json()

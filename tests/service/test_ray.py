@@ -117,6 +117,13 @@ def test_the_workers_are_ray_actors(server: Server) -> None:
     assert "joined Ray" in server.log.read_text()
 
 
+@pytest.fixture
+def run_limits() -> tuple[float, float]:
+    """test_tape_shards' runs over the actors: the seconds this module's servers allow
+    (restarting an actor on a loaded machine took over a minute)."""
+    return 250.0, 300.0
+
+
 def _tape(client: httpx.Client) -> tuple[str, int]:
     r = client.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
     assert r.status_code == 201, r.text

@@ -476,7 +476,17 @@ def test_a_sharded_job_reports_progress_and_is_cancelled_whole(client, pair) -> 
     close_tensors(post(client, f"{base}/hvp", v)["hvp"], before["hvp"], 0)
 
 
-def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -> None:
+@pytest.fixture
+def run_limits() -> tuple[float, float]:
+    """(max_seconds, time_limit) of a run that must not be cut short: the server's most
+    (tests/service/conftest: 60 s); test_ray's servers allow more, and restarting a Ray
+    actor on a loaded machine takes tens of seconds."""
+    return 50.0, 60.0
+
+
+def test_a_coordinator_lost_mid_run_starts_the_run_again(
+    server, client, pair, run_limits: tuple[float, float]
+) -> None:
     """The coordinator's worker killed while an algorithm runs across the shards: the run
     starts again from scratch (its parts there recorded again) and, seeded, answers what
     an undisturbed run answers."""
@@ -490,8 +500,8 @@ def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -
         "max_hvps": 400,
         "batch_size": 1,
         "seed": 8,
-        "max_seconds": 50,
-        "time_limit": 60,
+        "max_seconds": run_limits[0],
+        "time_limit": run_limits[1],
     }
     location = start(client, f"{base}/trace", body)
     coordinator = ok(client.get(base))["shards"][0]["worker"]
@@ -502,8 +512,8 @@ def test_a_coordinator_lost_mid_run_starts_the_run_again(server, client, pair) -
     # Not kill_worker: it waits for every worker to be idle, i.e. for the run to end.
     victim = next(w for w in client.get("/readyz").json()["workers"] if w["index"] == coordinator)
     os.kill(victim["pid"], signal.SIGKILL)
-    job = wait(client, location, ("succeeded", "failed"), timeout=120)
-    assert job["state"] == "succeeded", job
+    job = wait(client, location, ("succeeded", "failed"), timeout=2 * run_limits[1])
+    assert job["state"] == "succeeded", job.get("error") or job
     same_answer(job["result"], post(client, f"{base}/trace", body))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from tests.service.conftest import start_server, stop_server
 from tests.service.test_datasets import PROGRAM, W, X, Y, inline, put_msgpack
-from tests.service.wire import arr, ok, post, problem, t
+from tests.service.wire import arr, ok, post, problem, t, without_execution
 
 rng = np.random.default_rng(12)
 A = rng.normal(size=(2, 2))
@@ -420,13 +420,6 @@ def test_patch_rebinds_dataset_inputs(client) -> None:
 
 
 # ---- an in-memory store: the arrays travel with the requests ---------------------------------
-
-
-def without_execution(answer: dict) -> dict:
-    """An answer but its `execution`: the second request of a layout is captured where
-    the first ran dynamically (comparing whole answers failed with the test alone)."""
-    assert answer.get("execution") is not None
-    return {k: v for k, v in answer.items() if k != "execution"}
 
 
 def test_datasets_with_an_in_memory_store(tmp_path) -> None:

@@ -7,7 +7,16 @@ import msgpack
 import numpy as np
 
 from tests.language.test_functions_dtype import DATA, EXPANDED_LINES, PARAMS, wgan
-from tests.service.wire import arr, num, ok, post, post_msgpack, problem, t
+from tests.service.wire import (
+    arr,
+    num,
+    ok,
+    post,
+    post_msgpack,
+    problem,
+    t,
+    without_execution,
+)
 
 
 def listed(values: dict[str, np.ndarray]) -> dict[str, list]:
@@ -167,7 +176,7 @@ def test_model_with_new_variables_on_every_route_and_tapes(client) -> None:
     ):
         a = post(client, path, {"model": "wgan-gp", "variables": new, "target": "loss", **extra})
         b = post(client, path, {"definition": wgan_wire(moved), "target": "loss", **extra})
-        assert a == b, path
+        assert without_execution(a) == without_execution(b), path
     # a tape recorded at the new point
     r = client.post("/v1/tapes", json={"model": "wgan-gp", "variables": new, "target": "loss"})
     assert r.status_code == 201, r.text

@@ -105,3 +105,11 @@ def dense(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray, act: str = "relu"
     if act == "tanh":
         return np.tanh(z)
     raise ValueError(act)
+
+
+def without_execution(answer: dict) -> dict:
+    """An answer but its `execution`, which says how the worker that answered ran its
+    passes: the second request of a layout on a worker is captured where the first ran
+    dynamically, so two equal answers may differ there (which worker answers, and what it
+    ran before, is the scheduler's). (A Hessian's answer has none.)"""
+    return {k: v for k, v in answer.items() if k != "execution"}
