@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine import replay
-from tests.service.conftest import Server, start_server, stop_server
+from tests.service.conftest import Server, own_server
 
 FIRST, SECOND = replay.NOT_YET, replay.CAPTURED
 
@@ -20,14 +20,8 @@ FIRST, SECOND = replay.NOT_YET, replay.CAPTURED
 @pytest.fixture(scope="module")
 def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One worker: every request of a layout reaches the worker that compiles it."""
-    tmp = tmp_path_factory.mktemp("sdk-execution")
-    srv = start_server(
-        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_WORKERS": "1"}, tmp / "server.log"
-    )
-    try:
+    with own_server(tmp_path_factory.mktemp("sdk-execution"), workers="1") as srv:
         yield srv
-    finally:
-        stop_server(srv)
 
 
 def test_the_sdk_results_carry_it(solo: Server) -> None:

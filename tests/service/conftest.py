@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -120,6 +121,18 @@ def stop_server(srv: Server) -> None:
     except subprocess.TimeoutExpired:
         srv.process.kill()
         srv.process.wait()
+
+
+@contextmanager
+def own_server(folder: Path, **settings: str) -> Iterator[Server]:
+    """A server of a test's own (data and log in `folder`), GRADTAPE_<NAME> from the
+    keyword settings (workers="1" ...), stopped at the end."""
+    env = {f"GRADTAPE_{k.upper()}": v for k, v in settings.items()}
+    srv = start_server({"GRADTAPE_DATA_DIR": str(folder / "data"), **env}, folder / "server.log")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
 
 
 @pytest.fixture(scope="session", autouse=True)

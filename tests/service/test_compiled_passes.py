@@ -26,7 +26,7 @@ import engine as gt
 from engine import replay
 from engine.language import as_definition, compile_definition
 from tests.engine.onnx.test_reference_models import program
-from tests.service.conftest import Server, start_server, stop_server
+from tests.service.conftest import Server, own_server
 from tests.service.wire import arr, post, t
 
 ONNX = {"content-type": "application/onnx"}
@@ -40,14 +40,9 @@ FIRST, SECOND = replay.NOT_YET, replay.CAPTURED
 
 @pytest.fixture(scope="module")
 def solo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("compiled")
-    srv = start_server(
-        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_WORKERS": "1"}, tmp / "server.log"
-    )
-    try:
+    """One worker: every request of a layout reaches the worker that compiles it."""
+    with own_server(tmp_path_factory.mktemp("compiled"), workers="1") as srv:
         yield srv
-    finally:
-        stop_server(srv)
 
 
 @pytest.fixture(scope="module")
