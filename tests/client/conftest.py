@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.service import conftest as service_conftest
-from tests.service.conftest import Server, start_server, stop_server
+from tests.service.conftest import Server, own_server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "clients" / "python"
@@ -48,17 +48,10 @@ def _service_data_dir() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("sdk-server")
     # The compute-cost guard off: the SDK's timeout tests send requests that must run to
     # their time limit, which the guard would refuse first (it has tests: test_cost.py).
-    srv = start_server(
-        {"GRADTAPE_DATA_DIR": str(tmp / "data"), "GRADTAPE_COST_FLOPS_PER_SECOND": "0"},
-        tmp / "server.log",
-    )
-    try:
+    with own_server(tmp_path_factory.mktemp("sdk-server"), cost_flops_per_second="0") as srv:
         yield srv
-    finally:
-        stop_server(srv)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from service.api.schemas import GRADIENT_EXAMPLE
 from service.core.config import Settings
 from service.pool import ComputeFailed, PoolBusy
 from service.pool.local import WorkerPool
-from tests.service.conftest import Server, start_server, stop_server
+from tests.service.conftest import Server, own_server
 from tests.service.wire import num, post, problem, t64
 
 # About two seconds of matrix products per pass on one core (2000 x 2000 float32).
@@ -44,15 +44,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server of this module's own with the compute-cost guard off: these tests need a
     request that runs past its time limit (SLOW), which the guard would refuse before it
     runs; the guard has tests of its own (test_cost.py)."""
-    folder = tmp_path_factory.mktemp("workers")
-    srv = start_server(
-        {"GRADTAPE_DATA_DIR": str(folder / "data"), "GRADTAPE_COST_FLOPS_PER_SECOND": "0"},
-        folder / "server.log",
-    )
-    try:
+    with own_server(tmp_path_factory.mktemp("workers"), cost_flops_per_second="0") as srv:
         yield srv
-    finally:
-        stop_server(srv)
 
 
 @pytest.fixture(scope="module")
