@@ -10,7 +10,6 @@ import base64
 import importlib.util
 from pathlib import Path
 
-import httpx
 import numpy as np
 import onnx
 import pytest
@@ -19,7 +18,7 @@ from gradtape.client import BridgeError, Client, jax_bridge
 import engine as gt
 from engine.language import as_definition, compile_definition
 from tests.bridge.make_jax_keras import MODELS
-from tests.service.wire import arr, t64
+from tests.service.wire import t64, tape_and_hvp
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 HAVE_JAX = all(importlib.util.find_spec(m) for m in ("jax", "jax2onnx"))
@@ -119,21 +118,8 @@ def test_http_agrees_with_jax(server, name: str) -> None:
     defn = model.definition((r["x"], r["y"]), kind)
     defn["models"]["net"] = {"onnx": base64.b64encode(model.onnx).decode()}
     defn["inputs"] = {k: t64(v, str(v.dtype)) for k, v in defn["inputs"].items()}
-    body = {"definition": defn, "target": "loss", "response_encoding": "base64"}
-    with httpx.Client(base_url=server.base_url, timeout=120) as http:
-        tape = http.post("/v1/tapes", json=body)
-        assert tape.status_code == 201, tape.text
-        answer = tape.json()
-        vector = {n: t64(r[f"v/{n}"], "float64") for n in model.names}
-        hvp = http.post(
-            f"/v1/tapes/{answer['tape_id']}/hvp",
-            json={"vector": vector, "response_encoding": "base64"},
-        )
-        assert hvp.status_code == 200, hvp.text
-        http.delete(f"/v1/tapes/{answer['tape_id']}")
-    grads = {n: arr(g) for n, g in answer["gradients"].items()}
-    hvps = {n: arr(h) for n, h in hvp.json()["hvp"].items()}
-    check(name, float(arr(answer["value"])), grads, hvps)
+    vector = {n: t64(r[f"v/{n}"], "float64") for n in model.names}
+    check(name, *tape_and_hvp(server.base_url, {"definition": defn, "target": "loss"}, vector))
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 import engine as gt
 from engine.language import as_definition, compile_definition
 from tests.bridge import zoo
-from tests.service.wire import arr, t64
+from tests.service.wire import t64, tape_and_hvp
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NAMES = list(zoo.MODELS)
@@ -91,21 +90,9 @@ def test_http_agrees_with_pytorch(server, name: str) -> None:
         "target": "loss",
         "response_encoding": "base64",
     }
-    with httpx.Client(base_url=server.base_url, timeout=120) as http:
-        tape = http.post("/v1/tapes", json=body)
-        assert tape.status_code == 201, tape.text
-        answer = tape.json()
-        names = [str(n) for n in r["names"]]
-        vector = {n: t64(r[f"v/{n}"], "float64") for n in names}
-        hvp = http.post(
-            f"/v1/tapes/{answer['tape_id']}/hvp",
-            json={"vector": vector, "response_encoding": "base64"},
-        )
-        assert hvp.status_code == 200, hvp.text
-        http.delete(f"/v1/tapes/{answer['tape_id']}")
-    grads = {n: arr(g) for n, g in answer["gradients"].items()}
-    hvps = {n: arr(h) for n, h in hvp.json()["hvp"].items()}
-    check(name, float(arr(answer["value"])), grads, hvps)
+    names = [str(n) for n in r["names"]]
+    vector = {n: t64(r[f"v/{n}"], "float64") for n in names}
+    check(name, *tape_and_hvp(server.base_url, body, vector))
 
 
 @pytest.mark.parametrize("name", NAMES)

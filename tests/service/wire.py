@@ -113,3 +113,20 @@ def without_execution(answer: dict) -> dict:
     dynamically, so two equal answers may differ there (which worker answers, and what it
     ran before, is the scheduler's). (A Hessian's answer has none.)"""
     return {k: v for k, v in answer.items() if k != "execution"}
+
+
+def tape_and_hvp(base_url: str, body: dict, vector: dict) -> tuple[float, dict, dict]:
+    """Record a tape from `body` over HTTP (base64 answers), ask one HVP of `vector`,
+    delete the tape: (value, gradients, hvp) as float64 arrays by source."""
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        made = http.post("/v1/tapes", json={**body, "response_encoding": "base64"})
+        assert made.status_code == 201, made.text
+        tape = made.json()
+        hvp = http.post(
+            f"/v1/tapes/{tape['tape_id']}/hvp",
+            json={"vector": vector, "response_encoding": "base64"},
+        )
+        assert hvp.status_code == 200, hvp.text
+        http.delete(f"/v1/tapes/{tape['tape_id']}")
+    grads = {n: arr(g) for n, g in tape["gradients"].items()}
+    return float(arr(tape["value"])), grads, {n: arr(h) for n, h in hvp.json()["hvp"].items()}
