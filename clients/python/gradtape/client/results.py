@@ -153,6 +153,17 @@ class Execution:
         return cls(bool(found["compiled"]), found.get("reason"))
 
 
+def _per_source(cls: Any, answer: Mapping[str, Any], sources: Any, many: str, one: str) -> Any:
+    """A Gradient or Jacobian from its answer: the value and a tensor per source
+    (`many`), or with flat=True the one matrix `flat[one]` and its column `order`."""
+    flat, how = answer.get("flat"), Execution.of(answer)
+    if flat:
+        return cls(answer["value"], flat[one], answer.get("nonfinite"), flat["order"], how)
+    return cls(
+        answer["value"], shaped(answer[many], sources), answer.get("nonfinite"), execution=how
+    )
+
+
 @dataclass(frozen=True)
 class Gradient(_Unpack):
     """The target's value and its gradients; with flat=True, `gradients` is one float64
@@ -167,17 +178,7 @@ class Gradient(_Unpack):
 
     @classmethod
     def of(cls, answer: Mapping[str, Any], sources: Any) -> Gradient:
-        flat, how = answer.get("flat"), Execution.of(answer)
-        if flat:
-            return cls(
-                answer["value"], flat["gradient"], answer.get("nonfinite"), flat["order"], how
-            )
-        return cls(
-            answer["value"],
-            shaped(answer["gradients"], sources),
-            answer.get("nonfinite"),
-            execution=how,
-        )
+        return _per_source(cls, answer, sources, "gradients", "gradient")
 
 
 @dataclass(frozen=True)
@@ -196,17 +197,7 @@ class Jacobian(_Unpack):
 
     @classmethod
     def of(cls, answer: Mapping[str, Any], sources: Any) -> Jacobian:
-        flat, how = answer.get("flat"), Execution.of(answer)
-        if flat:
-            return cls(
-                answer["value"], flat["jacobian"], answer.get("nonfinite"), flat["order"], how
-            )
-        return cls(
-            answer["value"],
-            shaped(answer["jacobians"], sources),
-            answer.get("nonfinite"),
-            execution=how,
-        )
+        return _per_source(cls, answer, sources, "jacobians", "jacobian")
 
 
 @dataclass(frozen=True)
