@@ -15,9 +15,8 @@ import onnx
 import pytest
 from gradtape.client import BridgeError, Client, jax_bridge
 
-import engine as gt
-from engine.language import as_definition, compile_definition
 from tests.bridge.make_jax_keras import MODELS
+from tests.bridge.zoo import engine_pass
 from tests.service.wire import t64, tape_and_hvp
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -96,19 +95,10 @@ def test_the_mapping_refuses_params_the_export_does_not_take() -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_the_engine_agrees_with_jax(name: str) -> None:
     model, r = mapped(name)
-    defn = as_definition(model.definition((r["x"], r["y"]), str(r["kind"])))
-    program = compile_definition(defn)
-    request = program.check_request("loss")
-    names = list(request.sources.values())
+    vectors = {n: r[f"v/{n}"] for n in model.names}
+    names, answers = engine_pass(model.definition((r["x"], r["y"]), str(r["kind"])), vectors)
     assert sorted(names) == sorted(model.names)  # every leaf, nothing else
-    op = program.hessian_operator(request, program.leaves(defn))
-    hvps = op.hvp(*[gt.constant(r[f"v/{n}"]) for n in names])
-    check(
-        name,
-        float(op.value.numpy()),
-        {n: g.numpy() for n, g in zip(names, op.grad)},
-        {n: h.numpy() for n, h in zip(names, hvps)},
-    )
+    check(name, *answers)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -15,6 +15,8 @@ from torch.nn import functional as F
 
 # The residual block and the multi-head self-attention of the engine's ONNX fixtures
 # (one definition of each for the fixtures, the zoo and bench/onnx_models.py).
+import engine as gt
+from engine.language import as_definition, compile_definition
 from tests.engine.onnx.fixtures.export import Attention, Block
 
 BATCH = 4
@@ -321,3 +323,16 @@ def torch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str) ->
             m.double_backward = True
     out = model(x)
     return F.mse_loss(out, y) if loss == "mse" else F.cross_entropy(out, y)
+
+
+def engine_pass(definition: dict, vectors: dict) -> tuple[list[str], tuple]:
+    """The loss of `definition` through the engine alone (no server): its sources'
+    names, and (value, gradients, HVP of `vectors`) by name, as NumPy."""
+    defn = as_definition(definition)
+    program = compile_definition(defn)
+    request = program.check_request("loss")
+    names = list(request.sources.values())
+    op = program.hessian_operator(request, program.leaves(defn))
+    hvps = op.hvp(*[gt.constant(vectors[n]) for n in names])
+    grads = {n: g.numpy() for n, g in zip(names, op.grad)}
+    return names, (float(op.value.numpy()), grads, {n: h.numpy() for n, h in zip(names, hvps)})
