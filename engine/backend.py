@@ -131,9 +131,7 @@ def scatter_add(xp: Any, out: Any, index: tuple, values: Any) -> None:
     if xp is np:
         np.add.at(out, index, values)
     else:
-        import cupyx
-
-        cupyx.scatter_add(out, index, values)
+        xp.add.at(out, index, values)  # (CuPy's ufunc.at; cupyx.scatter_add is deprecated)
 
 
 def random_generator(seed: int | None, device: str | None = None) -> Any:

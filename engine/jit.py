@@ -399,7 +399,10 @@ def _describe(label: str, leaves: list[Any]) -> str:
         if _is_array(x):
             a = x.value if isinstance(x, Tensor) else x
             strided = "" if a.flags.c_contiguous else f" strides {a.strides}"
-            parts.append(f"{a.dtype}{list(a.shape)}{strided}")
+            # (the device too where not the host: a CuPy key and a NumPy key of one
+            # layout are two keys, and status() must not fold them into one line)
+            where = "" if type(a) is np.ndarray else f" on {backend.device_of(a)}"
+            parts.append(f"{a.dtype}{list(a.shape)}{strided}{where}")
         else:
             parts.append(repr(x))
     return f"{label} on ({', '.join(parts)})"

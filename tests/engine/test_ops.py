@@ -112,7 +112,7 @@ ROWS = [
     binary("xlogy", lambda x, y: x * np.log(y), domain="positive"),
     Row(
         "xlogy_zero",
-        lambda x, y: gt.xlogy(x * gt.constant(np.array([0.0, 1.0, 0.0, 1.0])), y),
+        lambda x, y: gt.xlogy(x * gt.constant(np.array([0.0, 1.0, 0.0, 1.0]), device=x.device), y),
         lambda x, y: np.where(np.array([0, 1, 0, 1]) == 0, 0.0, x * np.log(y)),
         [((3, 4), (3, 4))],
         "positive",
@@ -121,7 +121,9 @@ ROWS = [
     binary("atan2", np.arctan2),
     Row(
         "divide_no_nan_zero",
-        lambda x, y: gt.divide_no_nan(x, y * gt.constant(np.array([1.0, 0.0, 1.0, 0.0]))),
+        lambda x, y: gt.divide_no_nan(
+            x, y * gt.constant(np.array([1.0, 0.0, 1.0, 0.0]), device=x.device)
+        ),
         lambda x, y: np.where(
             np.array([1, 0, 1, 0]) == 0, 0.0, x / np.where(np.array([1, 0, 1, 0]) == 0, 1, y)
         ),
@@ -425,7 +427,7 @@ ROWS = [
     Row("outer", gt.outer, np.outer, [((3,), (4,))]),
     Row(
         "solve",
-        lambda a, b: gt.solve(a + 4.0 * gt.eye(3, dtype="float64"), b),
+        lambda a, b: gt.solve(a + 4.0 * gt.eye(3, dtype="float64", device=a.device), b),
         lambda a, b: np.linalg.solve(a + 4 * np.eye(3), b),
         [((3, 3), (3,)), ((3, 3), (3, 2))],
     ),
@@ -459,7 +461,7 @@ ROWS = [
     ),
     Row(
         "softmax_cross_entropy_int",
-        lambda x: gt.softmax_cross_entropy(x, gt.constant([1, 0, 3])),
+        lambda x: gt.softmax_cross_entropy(x, gt.constant([1, 0, 3], device=x.device)),
         lambda x: -np.mean((x - _logsumexp(x, -1, True))[np.arange(3), [1, 0, 3]]),
         [((3, 4),)],
     ),
