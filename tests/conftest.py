@@ -1,0 +1,89 @@
+"""How the suite runs in parallel (pytest-xdist, `python -m pytest -n auto`, the README's
+test command): which tests share a worker process, and how many workers `auto` means.
+
+A worker is a pytest process of its own, with its own session fixtures (each starts its
+own `gradtape serve` on a free port, its own temporary store). So the unit handed to a
+worker is a whole test file, in collection order: a file's module-scoped servers and
+virtualenvs are made once, as in a serial run. Files that share something beyond a
+process are handed out together, as one unit, to one worker:
+
+- "ray": the files that start a local Ray (tests/service/test_ray.py, whose module-scoped
+  server and the clusters of its own it makes, and tests/examples/test_examples.py's
+  sharded example). Ray keeps machine-wide state (/tmp/ray/session_latest, the
+  ray_current_cluster file ray.cluster_utils writes, a few default ports), so two Rays
+  started at once on one host could join or disturb each other: they run one at a time.
+- "install": test_clean_install.py checks what the README's first set-up command
+  installed in the session's `install` virtualenv, and test_setup_order.py then runs the
+  second command in that same virtualenv, last (tests/deploy/conftest.py orders them):
+  one worker, so the virtualenv is built once and the order holds.
+
+pytest-xdist's own `--dist loadgroup` (its `xdist_group` mark) does not work with
+pytest 9.2: it renames the items (`item._nodeid`), which pytest 9.2 no longer reads, so
+every test became a unit of its own (a module-scoped server started on every worker that
+ran one of its tests, the two install files on two workers). Hence the scheduler here.
+Without `-n` (a plain `python -m pytest tests/x.py`) none of this is used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+# Files handed to one worker together (see above). Paths as pytest's node ids spell them.
+SHARED_WORKER = {
+    "tests/service/test_ray.py": "ray",
+    "tests/examples/test_examples.py": "ray",
+    "tests/deploy/test_clean_install.py": "install",
+    "tests/deploy/test_setup_order.py": "install",
+}
+
+# Units started first, longest first (seconds on a quiet 2-core machine, serial run):
+# a long unit started last would run on alone while the other workers sit idle.
+LONG_UNITS = [
+    "ray",  # ~200 s: a Ray per test module, node loss, Ray Client, actor kills
+    "install",  # ~130 s: a fresh virtualenv, the README's two installs, servers in it
+]
+
+# Workers for `-n auto`: CI and the developers' machines have 2 cores. Much of the
+# suite waits (pip, servers starting, a worker being replaced, jobs polled) rather than
+# computes, so one worker per core leaves cores idle; more than about twice the cores
+# only adds servers (each worker starts its own) competing for the same cores.
+MAX_AUTO_WORKERS = 4
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the shared group naming it."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_WORKER.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(MAX_AUTO_WORKERS, 2 * (cores or 1))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The work units above for `-n N` with the default `--dist load` (or `loadfile`,
+    `loadgroup`); `--dist each` or `loadscope` keep xdist's own schedulers."""
+    if config.getvalue("dist") not in ("load", "loadfile", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedWorkerScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # xdist hands out the queued units in collection order: the long ones first.
+            for unit in reversed(LONG_UNITS):
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return SharedWorkerScheduling(config, log)
