@@ -5,17 +5,15 @@ A worker is a pytest process of its own, with its own session fixtures (each sta
 own `gradtape serve` on a free port, its own temporary store). So the unit handed to a
 worker is a whole test file, in collection order: a file's module-scoped servers and
 virtualenvs are made once, as in a serial run. Files that share something beyond a
-process are handed out together, as one unit, to one worker:
+process are handed out together, as one unit, to one worker: test_clean_install.py
+checks what the README's first set-up command installed in the session's `install`
+virtualenv, and test_setup_order.py then runs the second command in that same
+virtualenv, last (tests/deploy/conftest.py orders them): one worker, so the virtualenv
+is built once and the order holds.
 
-- "ray": the files that start a local Ray (tests/service/test_ray.py, whose module-scoped
-  server and the clusters of its own it makes, and tests/examples/test_examples.py's
-  sharded example). Ray keeps machine-wide state (/tmp/ray/session_latest, the
-  ray_current_cluster file ray.cluster_utils writes, a few default ports), so two Rays
-  started at once on one host could join or disturb each other: they run one at a time.
-- "install": test_clean_install.py checks what the README's first set-up command
-  installed in the session's `install` virtualenv, and test_setup_order.py then runs the
-  second command in that same virtualenv, last (tests/deploy/conftest.py orders them):
-  one worker, so the virtualenv is built once and the order holds.
+Two Rays at once are fine: each server starts its own (`address="local"`, ports Ray
+picks), and test_ray.py already runs clusters of ray.cluster_utils beside its module's
+Ray; so test_ray.py and test_examples.py's Ray example may run on two workers at once.
 
 pytest-xdist's own `--dist loadgroup` (its `xdist_group` mark) does not work with
 pytest 9.2: it renames the items (`item._nodeid`), which pytest 9.2 no longer reads, so
@@ -33,17 +31,19 @@ import pytest
 
 # Files handed to one worker together (see above). Paths as pytest's node ids spell them.
 SHARED_WORKER = {
-    "tests/service/test_ray.py": "ray",
-    "tests/examples/test_examples.py": "ray",
     "tests/deploy/test_clean_install.py": "install",
     "tests/deploy/test_setup_order.py": "install",
 }
 
-# Units started first, longest first (seconds on a quiet 2-core machine, serial run):
-# a long unit started last would run on alone while the other workers sit idle.
+# Units started first, longest first (a full run with `-n 4` at load 12-17): a long unit
+# started last would run on alone while the other workers sit idle.
 LONG_UNITS = [
-    "ray",  # ~200 s: a Ray per test module, node loss, Ray Client, actor kills
-    "install",  # ~130 s: a fresh virtualenv, the README's two installs, servers in it
+    "tests/service/test_ray.py",  # 1,030 s: Rays, clusters, actors killed and restarted
+    "install",  # 640 s: a fresh virtualenv, the README's two installs, servers in it
+    "tests/deploy/test_guides.py",  # 440 s: every guide's blocks, the benchmarks' runs
+    "tests/bridge/test_bridge.py",  # 270 s: PyTorch modules exported and compared
+    "tests/examples/test_examples.py",  # 250 s: the examples, one on a local Ray
+    "tests/bridge/test_zoo.py",  # 220 s
 ]
 
 # Workers for `-n auto`: CI and the developers' machines have 2 cores. Much of the
