@@ -182,8 +182,102 @@ class CurvatureChoice(Options, kw_only=True):
             )
 
 
+# ----------------------------------------------------------------------------------------
+# The curvature an answer used (every curvature answer's `curvature_used`)
+# ----------------------------------------------------------------------------------------
+
+
+class CurvatureUsed(msgspec.Struct, kw_only=True):
+    """The matrix a curvature answer was computed on, stated on the answer itself
+    (`curvature_used`): an exact method on a sampled or Kronecker-factored matrix is
+    exact for that matrix only, and says so here."""
+
+    kind: Annotated[
+        str,
+        Meta(
+            description="The curvature (see CurvatureKind): hessian, ggn, fisher, "
+            "empirical_fisher or empirical_fisher_terms; for curvature kfac/ekfac, the "
+            "matrix they approximate (the GGN)."
+        ),
+    ]
+    samples: Annotated[
+        int | None,
+        Meta(description="A Monte-Carlo Fisher: targets drawn per example (null: exact)."),
+    ] = None
+    seed: Annotated[
+        int | None, Meta(description="A Monte-Carlo Fisher: the seed of its targets.")
+    ] = None
+    structure: Annotated[
+        str | None,
+        Meta(
+            description="null: the matrix itself; kfac or ekfac: its Kronecker-factored "
+            "approximation; diagonal: its diagonal alone."
+        ),
+    ] = None
+    approximate: Annotated[
+        bool,
+        Meta(
+            description="The matrix used is an approximation of `kind` (Monte-Carlo, or a "
+            "structure): the answer is then of that approximation, whatever its method "
+            "says (an exact trace on a Monte-Carlo Fisher is the sampled matrix's)."
+        ),
+    ] = False
+    reason: Annotated[
+        str | None, Meta(description="Why the answer is approximate, and what its stderr is.")
+    ] = None
+
+
+MONTE_CARLO_REASON = (
+    "a Monte-Carlo Fisher: {samples} target(s) drawn per example from the model's "
+    "predictive distribution (fisher_seed {seed}), an unbiased estimate of the exact "
+    "Fisher; the answer is of this sampled matrix, and its method and stderr (if any) "
+    "are about the estimator over the sampled matrix, not about the sampling: raise "
+    "`samples`, or leave it out for the exact Fisher"
+)
+KRONECKER_REASON = (
+    "{what} approximation of the {kind} ({sharing}; exact only for a linear layer "
+    "without weight sharing on one example)"
+)
+
+
+def curvature_used(choice: CurvatureChoice, structure: str | None = None) -> CurvatureUsed:
+    """The matrix a request's curvature fields (and, for a fit, its `structure`:
+    kfac, ekfac or diagonal) make an answer's."""
+    kind = str(choice.curvature)
+    reasons = []
+    if kind in (CurvatureKind.kfac, CurvatureKind.ekfac):
+        # curvature kfac/ekfac on the estimators: the GGN's, expand, others exact
+        # (service/worker/curvature_ops.py kfac_operator)
+        kind, structure = str(CurvatureKind.ggn), kind
+        reasons.append(
+            KRONECKER_REASON.format(what=structure.upper(), kind=kind, sharing="expand")
+            + "; sources outside matmul and convolution layers as their exact block"
+        )
+    elif structure in ("kfac", "ekfac"):
+        sharing = str(getattr(choice, "sharing", Sharing.expand))
+        what = structure.upper()
+        reasons.append(KRONECKER_REASON.format(what=what, kind=kind, sharing=sharing))
+    elif structure == "diagonal":
+        reasons.append(f"the {kind}'s diagonal alone (its off-diagonal entries dropped)")
+    if choice.samples is not None:
+        reasons.append(MONTE_CARLO_REASON.format(samples=choice.samples, seed=choice.fisher_seed))
+    return CurvatureUsed(
+        kind=kind,
+        samples=choice.samples,
+        seed=None if choice.samples is None else choice.fisher_seed,
+        structure=structure,
+        approximate=bool(reasons),
+        reason="; ".join(reasons) or None,
+    )
+
+
 class Budget(CurvatureChoice, kw_only=True):
     """The time an algorithm may run (the HVP budget is each operation's own)."""
+
+    def curvature_used(self) -> CurvatureUsed | None:
+        """What the answer's `curvature_used` states (None: the operation answers no
+        curvature, and its answer has no such field)."""
+        return curvature_used(self)
 
     max_seconds: (
         Annotated[
@@ -582,6 +676,9 @@ class PerExampleOptions(OnePass, kw_only=True):
         if self.curvature != CurvatureKind.hessian:
             raise OptionError("curvature", "per-example gradients take no curvature")
 
+    def curvature_used(self) -> CurvatureUsed | None:
+        return None  # gradients, not a curvature
+
 
 class Sharing(StrEnum):
     """KFAC under weight sharing (a convolution's positions, a sequence's steps):
@@ -643,6 +740,9 @@ class KFACOptions(OnePass, kw_only=True):
                 "curvature", "KFAC approximates the ggn, the fisher or the empirical_fisher"
             )
 
+    def curvature_used(self) -> CurvatureUsed | None:
+        return curvature_used(self, "ekfac" if self.ekfac else "kfac")
+
 
 class LaplaceOptions(OnePass, kw_only=True):
     """Fit a Laplace approximation at the tape's point (a trained model), kept with the
@@ -689,6 +789,9 @@ class LaplaceOptions(OnePass, kw_only=True):
         super().__post_init__()
         if self.curvature not in (CurvatureKind.ggn, CurvatureKind.empirical_fisher):
             raise OptionError("curvature", "a Laplace fit takes the ggn or the empirical_fisher")
+
+    def curvature_used(self) -> CurvatureUsed | None:
+        return curvature_used(self, {"kron": "kfac", "diag": "diagonal"}.get(self.structure))
 
 
 # ----------------------------------------------------------------------------------------
@@ -740,6 +843,12 @@ class Operation:
     @property
     def request(self) -> str:
         return self.options.__name__.removesuffix("Options") + "Request"
+
+    @property
+    def answers_curvature(self) -> bool:
+        """Its answer states `curvature_used` (its options say so: every row but one
+        whose options' curvature_used() is None)."""
+        return self.options().curvature_used() is not None
 
 
 OPERATIONS: tuple[Operation, ...] = (

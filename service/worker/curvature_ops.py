@@ -20,6 +20,7 @@ from engine.hessian_algorithms.hutchinson import MIN_STDERR_SAMPLES, tolerance_m
 from engine.kfac import KFAC, curvature_diagonal, fisher_diagonal_draws
 from engine.laplace import Laplace
 from engine.per_example import MixedExamplesError, PerExample, per_example
+from service.core.operations import CurvatureKind, LaplaceOptions, Sharing
 from service.worker import tapes
 from service.worker.compute import RequestError, WorkerContext
 
@@ -462,6 +463,14 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
         "sigma_noise": la.sigma_noise if la.regression else None,
         "log_marginal_likelihood": la.log_marginal_likelihood(),
         "log_likelihood": la.log_likelihood(),
+        # (the evidence route answers this too: the fit's options, as its request had them)
+        "curvature_used": msgspec.to_builtins(
+            LaplaceOptions(
+                curvature=CurvatureKind(la.curvature),
+                structure=la.structure,
+                sharing=Sharing(la.sharing),
+            ).curvature_used()
+        ),
     }
 
 

@@ -68,6 +68,11 @@ def test_routed(op: Any, routes: dict[str, Any]) -> None:
         assert fields[f.name].default == f.default
     for name in op.tensors:
         assert name in fields
+    # A row whose options state a curvature answers `curvature_used` (its schema says so).
+    answers = route.response_model.model_fields
+    assert ("curvature_used" in answers) is op.answers_curvature, op.kind
+    if op.answers_curvature:
+        assert answers["curvature_used"].is_required(), op.kind
 
 
 @pytest.mark.parametrize("op", OPERATIONS, ids=IDS)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model
 from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
 from service.api.schemas.definitions import Inputs, Tensors
+from service.api.schemas.operations import CurvatureUsedModel, curvature_used_field
 from service.api.schemas.tensors import INT_MAX, Name, Tensor
 
 
@@ -95,6 +96,7 @@ class KFACResponse(BaseModel):
     product: Tensors | None = Field(
         description="KFAC v (or the inverse's), when `vector` is given."
     )
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
 class LaplaceResponse(BaseModel):
@@ -111,6 +113,7 @@ class LaplaceResponse(BaseModel):
     sigma_noise: float | None
     log_marginal_likelihood: float
     log_likelihood: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
 class LaplaceEvidenceRequest(CallOptions):

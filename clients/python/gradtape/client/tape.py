@@ -27,6 +27,7 @@ from . import _core, _wire
 from .curvature import CurvatureMethods
 from .errors import TapeGone
 from .results import (
+    CurvatureUsed,
     Diagonal,
     Eigenvalues,
     Execution,
@@ -36,6 +37,7 @@ from .results import (
     Solve,
     SpectralDensity,
     Trace,
+    check_approximate,
     check_converged,
     shaped,
 )
@@ -222,6 +224,9 @@ class RemoteTape(CurvatureMethods):
             progress=progress,
             description=operation.replace("-", " "),
         )
+        # curvature="kfac" names its approximation: only a Monte-Carlo Fisher warns then
+        named = (body["curvature"],) if body.get("curvature") in ("kfac", "ekfac") else ()
+        check_approximate(f"the {operation.replace('-', ' ')}", answer, named)
         return answer
 
     @staticmethod
@@ -234,6 +239,8 @@ class RemoteTape(CurvatureMethods):
     def _hvp_op(self, body: dict[str, Any], shape: bool = True) -> _core.Op[Any]:
         a = yield from self._core.call("POST", self._path("/hvp"), body)
         self.execution = Execution.of(a)
+        named = (body["curvature"],) if body.get("curvature") in ("kfac", "ekfac") else ()
+        check_approximate("the product", a, named)
         sources = self._sources if shape else None
         if a.get("hvps") is not None:
             return [shaped(h, sources) for h in a["hvps"]]
@@ -416,6 +423,7 @@ class RemoteTape(CurvatureMethods):
             a["hvps"],
             a["seconds"],
             a.get("method", "lanczos"),
+            CurvatureUsed.of(a),
         )
 
     def eigenvalues(
@@ -475,6 +483,7 @@ class RemoteTape(CurvatureMethods):
             method=a.get("method", "hutchinson"),
             sketch=a.get("sketch", 0),
             partial=a.get("partial", False),
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def trace(
@@ -511,6 +520,7 @@ class RemoteTape(CurvatureMethods):
             partial=(
                 None if a.get("partial") is None else np.asarray(a["partial"], dtype=np.float64)
             ),
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def diagonal(
@@ -552,6 +562,7 @@ class RemoteTape(CurvatureMethods):
             stopped=a["stopped"],
             hvps=a["hvps"],
             seconds=a["seconds"],
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def spectral_density(
@@ -601,6 +612,7 @@ class RemoteTape(CurvatureMethods):
             a["hvps"],
             np.asarray(a["residuals"], dtype=np.float64),
             a["seconds"],
+            CurvatureUsed.of(a),
         )
 
     def solve(
@@ -650,6 +662,7 @@ class RemoteTape(CurvatureMethods):
             hvps=a["hvps"],
             residuals=np.asarray(a["residuals"], dtype=np.float64),
             seconds=a["seconds"],
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def influence(
