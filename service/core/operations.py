@@ -799,6 +799,37 @@ class LaplaceOptions(OnePass, kw_only=True):
 # ----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a finished job's progress, read from the answer's `key` as `take`
+    says (service/domain/jobs.py TAKES): value (as it is), last (a list's last entry),
+    count (a list's length), exact_share (1.0 once an exact method answered every entry,
+    `key` not null; null for a stochastic one, whose running share is no answer)."""
+
+    key: str
+    take: str = "value"
+
+
+@dataclass(frozen=True)
+class FinalProgress:
+    """What a finished job's progress copies from its answer (`final_progress` in
+    service/domain/jobs.py), so that its last event never disagrees with the result:
+    `done` from the answer's HVP count, `estimate` and `error` from their figures. A
+    figure left None keeps the last report's (an operation that reports none: null)."""
+
+    done: str | None = "hvps"
+    estimate: Figure | None = None
+    error: Figure | None = None
+
+    def keys(self) -> list[str]:
+        """The answer keys it reads."""
+        figures = (self.estimate, self.error)
+        return [k for k in (self.done, *(f.key for f in figures if f)) if k is not None]
+
+
+ONE_PASS_PROGRESS = FinalProgress(done=None)  # one pass: no HVPs, no running figures
+
+
 class Sharded(StrEnum):
     """What an operation does on a sharded tape (its batch split over workers)."""
 
@@ -829,6 +860,10 @@ class Operation:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     job: bool = True  # may run as a job ("async": true or Prefer: respond-async)
     route_name: str = ""  # the route's name and OpenAPI operationId (default: the kind)
+    # What a finished job's progress copies from the answer; every row says (no default:
+    # a row without it does not import), tests/service/test_operations.py checks its
+    # keys against a real answer.
+    progress: FinalProgress = field(kw_only=True)
 
     @property
     def name(self) -> str:
@@ -869,6 +904,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="eigenvalues",
         diagnosis="eigenvalue iteration",
         route_name="compute_tape_eigenvalues",
+        progress=FinalProgress(estimate=Figure("eigenvalues"), error=Figure("residuals")),
     ),
     Operation(
         "tape_trace",
@@ -883,6 +919,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="trace",
         diagnosis="trace estimate",
         route_name="estimate_tape_trace",
+        progress=FinalProgress(estimate=Figure("trace"), error=Figure("stderr")),
     ),
     Operation(
         "tape_diagonal",
@@ -897,6 +934,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="diagonal",
         diagnosis="diagonal estimate",
         route_name="estimate_tape_diagonal",
+        progress=FinalProgress(estimate=Figure("diagonal", "exact_share"), error=Figure("error")),
     ),
     Operation(
         "tape_spectral_density",
@@ -913,6 +951,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="spectral_density",
         diagnosis="spectral density (Lanczos quadrature)",
         route_name="estimate_tape_spectral_density",
+        progress=FinalProgress(estimate=Figure("nodes", "count")),
     ),
     Operation(
         "tape_solve",
@@ -936,6 +975,7 @@ OPERATIONS: tuple[Operation, ...] = (
                 "the gradient.",
             }
         },
+        progress=FinalProgress(error=Figure("residuals", "last")),
     ),
     Operation(
         "tape_influence",
@@ -977,6 +1017,7 @@ OPERATIONS: tuple[Operation, ...] = (
                 "loss is the test loss.",
             },
         },
+        progress=FinalProgress(error=Figure("residuals", "last")),
     ),
     Operation(
         "tape_frobenius_norm",
@@ -992,6 +1033,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="frobenius_norm",
         diagnosis="Frobenius-norm estimate",
         route_name="estimate_tape_frobenius_norm",
+        progress=FinalProgress(estimate=Figure("frobenius_norm_squared"), error=Figure("stderr")),
     ),
 )
 
@@ -1018,6 +1060,7 @@ OPERATIONS += (
         route_name="compute_tape_per_example",
         sharded=Sharded.refused,
         refusal=WHOLE_BATCH,
+        progress=ONE_PASS_PROGRESS,
     ),
     Operation(
         "tape_kfac",
@@ -1046,6 +1089,7 @@ OPERATIONS += (
                 "tensor per source.",
             }
         },
+        progress=ONE_PASS_PROGRESS,
     ),
     Operation(
         "tape_laplace",
@@ -1065,6 +1109,7 @@ OPERATIONS += (
         route_name="fit_tape_laplace",
         sharded=Sharded.refused,
         refusal=WHOLE_BATCH,
+        progress=ONE_PASS_PROGRESS,
     ),
 )
 BY_KIND: dict[str, Operation] = {op.kind: op for op in OPERATIONS}

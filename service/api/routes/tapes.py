@@ -52,6 +52,7 @@ from service.api.schemas import (
 )
 from service.api.schemas.operations import REQUEST_MODELS, RESPONSE_MODELS, OperationRequest
 from service.core.operations import (
+    BY_KIND,
     CURVATURE_FIELDS,
     OPERATIONS,
     curvature_choice,
@@ -253,6 +254,7 @@ def _add(op: Operation) -> None:
             tape_id=tape.id,
             call=call,
             job=op.job,
+            figures=row.progress if (row := BY_KIND.get(op.kind)) is not None else None,
         )
 
     register(router, op, endpoint, TAPE_ERRORS)
