@@ -279,6 +279,7 @@ def kfac_answer(
     result: dict[str, Any] = {
         "layers": layers,
         "others": [_names(session)[names[i]] for i in fitted.others],
+        "unreached": [_names(session)[names[i]] for i in fitted.unreached],
         "trace": fitted.trace(),
         "logdet": _finite_or_none(fitted.logdet(damping)),
         "damping": damping,

@@ -87,6 +87,11 @@ class KFACResponse(BaseModel):
 
     layers: list[KFACLayer]
     others: list[str] = Field(description="Sources kept as an exact block (others: exact).")
+    unreached: list[str] = Field(
+        description="Sources the model's output (and so the loss) does not reach, such as "
+        "a head feeding only another output: their curvature is exactly zero, and so is "
+        "their block here (products zero, the damped inverse v / damping)."
+    )
     trace: float
     logdet: float | None = Field(
         description="sum log(eigenvalue + damping); null (-inf) when a block is singular "

@@ -6,7 +6,7 @@ approximations kept on the server (`RemoteLaplace`). RemoteTape takes these meth
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,6 +60,8 @@ class KFAC(_Unpack):
     damping: float
     product: Any
     curvature_used: CurvatureUsed | None = None  # the KFAC of which curvature (see its kind)
+    # Sources the loss does not reach: an exact zero block (products zero).
+    unreached: list[str] = field(default_factory=list)
     _unpack = ("layers", "product")
 
 
@@ -250,6 +252,7 @@ class CurvatureMethods:
             damping=a["damping"],
             product=None if product is None else shaped(product, self._sources),
             curvature_used=CurvatureUsed.of(a),
+            unreached=list(a.get("unreached") or []),
         )
 
     def kfac(
