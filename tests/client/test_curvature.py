@@ -168,3 +168,54 @@ def test_a_monte_carlo_fisher_answer_says_so_and_warns(
         assert sampled.curvature_used is not None and sampled.curvature_used.kind == "fisher"
         la = tape.laplace(structure="diag")
         assert la.curvature_used is not None and la.curvature_used.structure == "diagonal"
+
+
+def test_a_block_wider_than_hvp_max_vectors_goes_in_chunks(
+    tmp_path, rng: np.random.Generator
+) -> None:
+    """linear_operator's matmat (and hvp_many) with more columns than the server's
+    hvp_max_vectors (3 here) was a 422; the SDK now learns the limit from that refusal
+    (its `limit`) and sends chunks of 3, assembling the product: equal to the dense
+    matrices, and to one-column products."""
+    from tests.service.conftest import own_server
+
+    definition, X, _, w, ggn, _ = logistic(rng, n=20, d=8)
+    p = 1 / (1 + np.exp(-(X @ w)))
+    hessian = (X.T * (p * (1 - p))) @ X / len(X)  # (logistic regression: = the GGN)
+    with (
+        own_server(tmp_path, hvp_max_vectors="3", workers="1") as srv,
+        Client(srv.base_url) as client,
+        client.tape(definition, "loss", output="z") as tape,
+    ):
+        refused = httpx.post(
+            f"{srv.base_url}/v1/tapes/{tape.id}/hvp",
+            json={"vectors": [{"w": [0.0] * 8}] * 4},
+        )
+        assert refused.status_code == 422 and refused.json()["limit"] == 3
+        block = rng.standard_normal((8, 7))
+        op = tape.linear_operator()
+        assert client._core.hvp_max_vectors is None  # not known before it is refused
+        np.testing.assert_allclose(op @ block, hessian @ block, rtol=1e-10)
+        assert client._core.hvp_max_vectors == 3
+        ggn_op = tape.linear_operator(curvature="ggn")
+        np.testing.assert_allclose(ggn_op.matmat(block), ggn @ block, rtol=1e-10)
+        columns = np.stack([op.matvec(block[:, j]) for j in range(7)], axis=1)
+        np.testing.assert_allclose(op @ block, columns, rtol=1e-12)
+        many = tape.hvp_many([{"w": block[:, j]} for j in range(7)])
+        np.testing.assert_allclose(np.stack([h["w"] for h in many], axis=1), hessian @ block)
+
+
+def test_the_vectors_limit_is_read_from_the_refusal() -> None:
+    """From `limit`, or (a server without it) the field's "at most N"; never from another
+    refusal."""
+    from gradtape.client.errors import TooLarge
+    from gradtape.client.tape import _vectors_limit
+
+    def refusal(**problem: object) -> TooLarge:
+        base = {"type": "/problems/too-large", "status": 422}
+        return TooLarge({**base, **problem})
+
+    vectors = [{"field": "vectors", "message": "at most 5"}]
+    assert _vectors_limit(refusal(errors=vectors, limit=5)) == 5
+    assert _vectors_limit(refusal(errors=vectors)) == 5
+    assert _vectors_limit(refusal(errors=[{"field": "time_limit", "message": "at most 5"}])) is None
