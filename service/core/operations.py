@@ -227,6 +227,12 @@ class CurvatureUsed(msgspec.Struct, kw_only=True):
     ] = None
 
 
+MONTE_CARLO_DRAWS_REASON = (
+    "a Monte-Carlo Fisher's diagonal: the mean of {samples} draw(s) per example from the "
+    "model's predictive distribution (fisher_seed {seed}), an unbiased estimate of the "
+    "exact Fisher's; its stderr is the draws' (the sampling's; unknown from fewer than 30): "
+    "raise `samples`, or leave it out for the exact diagonal"
+)
 MONTE_CARLO_REASON = (
     "a Monte-Carlo Fisher: {samples} target(s) drawn per example from the model's "
     "predictive distribution (fisher_seed {seed}), an unbiased estimate of the exact "
@@ -240,9 +246,12 @@ KRONECKER_REASON = (
 )
 
 
-def curvature_used(choice: CurvatureChoice, structure: str | None = None) -> CurvatureUsed:
+def curvature_used(
+    choice: CurvatureChoice, structure: str | None = None, monte_carlo: str = MONTE_CARLO_REASON
+) -> CurvatureUsed:
     """The matrix a request's curvature fields (and, for a fit, its `structure`:
-    kfac, ekfac or diagonal) make an answer's."""
+    kfac, ekfac or diagonal) make an answer's; `monte_carlo`: what a Monte-Carlo
+    Fisher's reason says of the answer's stderr."""
     kind = str(choice.curvature)
     reasons = []
     if kind in (CurvatureKind.kfac, CurvatureKind.ekfac):
@@ -260,7 +269,7 @@ def curvature_used(choice: CurvatureChoice, structure: str | None = None) -> Cur
     elif structure == "diagonal":
         reasons.append(f"the {kind}'s diagonal alone (its off-diagonal entries dropped)")
     if choice.samples is not None:
-        reasons.append(MONTE_CARLO_REASON.format(samples=choice.samples, seed=choice.fisher_seed))
+        reasons.append(monte_carlo.format(samples=choice.samples, seed=choice.fisher_seed))
     return CurvatureUsed(
         kind=kind,
         samples=choice.samples,
@@ -424,6 +433,11 @@ class DiagonalOptions(EstimatorOptions, kw_only=True):
             "takes (n = the tape's parameters), else hutchinson; exact; hutchinson."
         ),
     ] = DiagonalMethod.auto
+
+    def curvature_used(self) -> CurvatureUsed | None:
+        if self.method == DiagonalMethod.backprop:  # the draws themselves: their stderr
+            return curvature_used(self, monte_carlo=MONTE_CARLO_DRAWS_REASON)
+        return curvature_used(self)
 
 
 class SpectralDensityOptions(Budget, kw_only=True):

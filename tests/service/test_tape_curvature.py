@@ -641,6 +641,27 @@ def test_kronecker_factored_answers_say_of_which_curvature(client, tape_id) -> N
             {},
         )
         assert again["curvature_used"] == used
+        fitted = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}"
+        predictive = post(
+            client, f"{fitted}/predictive", {"test_inputs": {"x": t(X[:2], "float64")}}
+        )
+        assert predictive["curvature_used"] == used
+        assert post(client, f"{fitted}/samples", {"count": 2})["curvature_used"] == used
+
+
+def test_a_monte_carlo_diagonal_by_backprop_says_its_stderr_is_the_sampling(
+    client, tape_id
+) -> None:
+    """method backprop with samples averages the draws' diagonals: its stderr is the
+    sampling's (not the estimator's over a sampled matrix, as the other methods')."""
+    body = {"curvature": "fisher", "samples": 40, "fisher_seed": 2}
+    drawn = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "method": "backprop"})
+    reason = drawn["curvature_used"]["reason"]
+    assert "draw(s) per example" in reason and "the sampling's" in reason
+    assert drawn["error"] is not None and drawn["error"] > 0  # 40 draws: a known stderr
+    exact = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "method": "exact"})
+    assert "not about the sampling" in exact["curvature_used"]["reason"]
+    assert exact["curvature_used"]["approximate"] and exact["error"] == 0
 
 
 def test_a_job_answer_states_its_curvature(client, tape_id) -> None:

@@ -167,6 +167,7 @@ class LaplacePredictiveResponse(BaseModel):
     )
     link: str | None
     samples: int | None
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
 class LaplaceSamplesRequest(CallOptions):
@@ -178,3 +179,4 @@ class LaplaceSamplesResponse(BaseModel):
     samples: Tensors = Field(description="(count, *shape) per source of the subset.")
     count: int
     subset: str
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]

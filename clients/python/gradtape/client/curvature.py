@@ -76,6 +76,7 @@ class Predictive(_Unpack):
     probabilities: np.ndarray | None
     link: str | None
     samples: int | None
+    curvature_used: CurvatureUsed | None = None  # the fit's (its structure: kfac, ...)
     _unpack = ("mean", "variance")
 
 
@@ -127,6 +128,7 @@ class RemoteLaplace:
             probabilities=None if probs is None else np.asarray(probs, np.float64),
             link=a.get("link"),
             samples=a.get("samples"),
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def predictive(
