@@ -57,6 +57,7 @@ def test_eigenvalues_json_and_plot(
     assert status == 0, err
     answer = json.loads(out)
     assert answer["kind"] == "Eigenvalues" and answer["converged"]
+    assert answer["curvature_used"]["kind"] == "hessian"  # (a dataclass, written as JSON)
     with Client(server.base_url) as client, client.tape(definition(), "loss") as tape:
         peer = tape.eigenvalues(3, tol=1e-8)
     np.testing.assert_allclose(answer["eigenvalues"], peer.eigenvalues, rtol=1e-6)
