@@ -12,7 +12,8 @@ from engine.tensor import Tensor, as_tensor
 def coerce_pair(opname: str, x: Any, y: Any) -> tuple[Tensor, Tensor]:
     """Two tensors of one dtype; a Python scalar takes the other side's dtype."""
     if isinstance(x, Tensor):
-        y = as_tensor(y, like=x)
+        if not isinstance(y, Tensor):
+            y = as_tensor(y, like=x)
     elif isinstance(y, Tensor):
         x = as_tensor(x, like=y)
     else:
