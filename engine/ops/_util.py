@@ -21,7 +21,7 @@ def coerce_pair(opname: str, x: Any, y: Any) -> tuple[Tensor, Tensor]:
         y = as_tensor(y, like=x)
     if backend.gpu_loaded() and x.device != y.device:
         raise ValueError(f"{opname}: operands live on {x.device} and {y.device}; move one first")
-    if x.dtype != y.dtype:
+    if x.dtype is not y.dtype and x.dtype != y.dtype:
         raise TypeError(
             f"{opname}: dtypes differ ({x.dtype} and {y.dtype}); gradtape never casts "
             "silently, use gt.cast on one side"

@@ -20,9 +20,9 @@ from engine.tensor import Tensor, bind
 # into strided views.
 def _matmul_impl(xp: Any, x: Any, y: Any, *, ta: bool = False, tb: bool = False) -> Any:
     if ta:
-        x = xp.swapaxes(x, -1, -2)
+        x = x.swapaxes(-1, -2)
     if tb:
-        y = xp.swapaxes(y, -1, -2)
+        y = y.swapaxes(-1, -2)
     if y.ndim == 2 and x.ndim > 2 and x.flags.c_contiguous:
         # A stack of matrices times one matrix is a single GEMM over all the rows.
         out = x.reshape(-1, x.shape[-1]) @ y

@@ -91,7 +91,8 @@ def _keepdims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int,
 def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: bool) -> Tensor:
     """Bring a reduced cotangent (with its batch axes) back to x's shape."""
     lead = g.shape[: batch_ndim(g, ans)]
-    if not keepdims:
+    if not keepdims and (lead or axes != tuple(range(-x.ndim, len(axes) - x.ndim))):
+        # (With no batch axes and the leading axes reduced, g already broadcasts to x.)
         g = reshape(g, lead + _keepdims_shape(x.shape, axes))
     return broadcast_to(g, lead + x.shape)
 
@@ -100,6 +101,8 @@ def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: 
 def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
     dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
+    if xp is host:  # the ufunc's own reduce: np.sum's Python wrappers cost more than a small sum
+        return host.add.reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 
 
