@@ -236,7 +236,8 @@ def backward(
             elif gi is not None:
                 if gi.shape[batch_ndim:] != x.shape:
                     gi = _fit(gi, x.shape, batch_ndim)
-                _accumulate(cts, id(x), gi)
+                prev = cts.get(id(x))  # (_accumulate, inline: once per cotangent)
+                cts[id(x)] = gi if prev is None else prev + gi
     out = {k: cts[k] for k in keep if k in cts}
     if zero & keep:
         # Connected through a zero derivative only: zeros, as TensorFlow answers.
@@ -402,6 +403,16 @@ class GradientTape:
                 # too, so the gradient can be differentiated again on the same tape.
                 return backward(plan, targets, seeds, sources, batch_ndim)
             trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
+        if self not in trace.active_tapes:  # (the common case: nothing to pause)
+            return backward(
+                plan,
+                targets,
+                seeds,
+                sources,
+                batch_ndim,
+                self._defer_source_primals,
+                cache_vjps=not last_pass,
+            )
         with trace.paused(self):
             return backward(
                 plan,

@@ -220,7 +220,7 @@ class VariableRead(Tensor):
     __slots__ = ("variable",)
 
     def __init__(self, variable: Variable):
-        super().__init__(variable.value)
+        self.value = variable.value  # (Tensor.__init__'s one line, without the call)
         self.variable = variable
 
 
@@ -355,7 +355,7 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
         trace.interrupt_check()
     for a in args:
         if isinstance(a, Variable):
-            args = tuple(read(a) if isinstance(a, Variable) else a for a in args)
+            args = tuple([read(a) if isinstance(a, Variable) else a for a in args])
             break
     if trace.defer_primal and prim in DEFERRED_SHAPES:
         return _bind_deferred(prim, args, params)

@@ -160,7 +160,9 @@ def matmul_rule(b: dict[str, Any]) -> TensorType:
 def matmul(x: Any, y: Any) -> Tensor:
     """x @ y with NumPy's rules: stacked matrices broadcast, 1-D operands are vectors."""
     x, y = coerce_pair("matmul", x, y)
-    checked("matmul", matmul_shape, x.shape, y.shape)
+    xs, ys = x.shape, y.shape
+    if len(xs) != 2 or len(ys) != 2 or xs[1] != ys[0]:  # two fitting matrices need no more
+        checked("matmul", matmul_shape, xs, ys)
     return bind(matmul_p, x, y)
 
 
