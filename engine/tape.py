@@ -147,33 +147,51 @@ def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     return g if g.shape == target else broadcast_to(g, target)
 
 
+_FIRST, _SECOND, _BOTH = (0,), (1,), (0, 1)
+
+
 def _plan(records: list[Record], target_ids: set[int], source_ids: set[int]) -> list:
     """The records on a path from a source to a target, newest first, with the argnums
     whose inputs depend on a source (only those get cotangents)."""
+    # Plain loops, with one- and two-input records (almost all) spelled out: this runs
+    # once per gradient call, over every record.
     reached = set(source_ids)
     forward = []
-    for rec in records:  # plain loops: this runs once per gradient call
-        for x in rec.inputs:
-            if id(x) in reached:
-                forward.append(rec)
-                for o in rec.outputs:
-                    reached.add(id(o))
-                break
+    for rec in records:
+        inputs = rec.inputs
+        if len(inputs) == 1:
+            if id(inputs[0]) not in reached:
+                continue
+        elif len(inputs) == 2:
+            if id(inputs[0]) not in reached and id(inputs[1]) not in reached:
+                continue
+        elif not any(id(x) in reached for x in inputs):
+            continue
+        forward.append(rec)
+        for o in rec.outputs:
+            reached.add(id(o))
     live = set(target_ids)
     plan = []
     for rec in reversed(forward):
         for o in rec.outputs:
             if id(o) in live:
-                inputs = rec.inputs
-                if len(inputs) == 1:  # reached, or the record would not be in `forward`
-                    needed: tuple[int, ...] = (0,)
-                    live.add(id(inputs[0]))
-                else:
-                    needed = tuple([i for i, x in enumerate(inputs) if id(x) in reached])
-                    for i in needed:
-                        live.add(id(inputs[i]))
-                plan.append((rec, needed))
                 break
+        else:
+            continue
+        inputs = rec.inputs
+        needed: tuple[int, ...]
+        if len(inputs) == 1:  # reached, or the record would not be in `forward`
+            needed = _FIRST
+        elif len(inputs) == 2:
+            if id(inputs[0]) in reached:
+                needed = _BOTH if id(inputs[1]) in reached else _FIRST
+            else:
+                needed = _SECOND
+        else:
+            needed = tuple([i for i, x in enumerate(inputs) if id(x) in reached])
+        plan.append((rec, needed))
+        for i in needed:
+            live.add(id(inputs[i]))
     return plan
 
 

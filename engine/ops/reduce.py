@@ -29,7 +29,7 @@ from engine.ops.elementwise import (
     subtract,
     where,
 )
-from engine.ops.shape import broadcast_to, reshape
+from engine.ops.shape import broadcast_to_p, reshape
 from engine.registry import defjvp, defnondiff, defvjp, primitive, public
 from engine.shapes import (
     BOOL,
@@ -94,7 +94,9 @@ def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: 
     if not keepdims and (lead or axes != tuple(range(-x.ndim, len(axes) - x.ndim))):
         # (With no batch axes and the leading axes reduced, g already broadcasts to x.)
         g = reshape(g, lead + _keepdims_shape(x.shape, axes))
-    return broadcast_to(g, lead + x.shape)
+    target = lead + x.shape
+    # (broadcast_to's check is for callers' shapes: this one fits by construction)
+    return unaliased(g) if g.shape == target else bind(broadcast_to_p, g, shape=target)
 
 
 # ---- sum ----
