@@ -30,7 +30,7 @@ import numpy as np
 from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
-from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, argument_vjp
+from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, argument_vjp, vjp_arg_rules
 from engine.tensor import Tensor, Variable, as_tensor, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
@@ -75,8 +75,13 @@ class Record:
         allow."""
         prim, ans, inputs, params = self.prim, self.outputs[0], self.inputs, self.params
         assert prim is not None  # custom gradients go through _custom_cotangents
+        rules = vjp_arg_rules.get(prim, ())
         out = []
         for i in needed:
+            # argument_vjp(prim, i), with its common case (a rule in the table) inline
+            rule = rules[i] if i < len(rules) else None
+            if rule is None:
+                rule = argument_vjp(prim, i)
             if cacheable:
                 # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
                 # values; when nothing is recording it can be reused by the next pass
@@ -85,9 +90,9 @@ class Record:
                     self.vjp_cache = {}
                 vjp = self.vjp_cache.get(i)
                 if vjp is None:
-                    vjp = self.vjp_cache[i] = argument_vjp(prim, i)(ans, *inputs, **params)
+                    vjp = self.vjp_cache[i] = rule(ans, *inputs, **params)
             else:
-                vjp = argument_vjp(prim, i)(ans, *inputs, **params)
+                vjp = rule(ans, *inputs, **params)
             if deferred and i in deferred:
                 with trace.deferring():
                     out.append(vjp(g))
@@ -731,7 +736,11 @@ def _check_unconnected(value: Any) -> str:
 
 
 def _ones_like(t: Tensor) -> Tensor:
-    ones = Tensor(backend.array_module(t.value).ones_like(t.value))
+    array = t.value
+    if type(array) is np.ndarray and array.ndim == 0:  # a loss: NumPy's ones_like is slower
+        ones = Tensor(np.array(1, dtype=array.dtype))
+    else:
+        ones = Tensor(backend.array_module(array).ones_like(array))
     if trace.capture is not None:  # a gradient's seed: a constant of a captured pass
         trace.capture.constant(ones)
     return ones
