@@ -29,9 +29,10 @@ import numpy as np
 
 from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
+from engine.ops.reduce import sum_p
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
 from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, argument_vjp, vjp_arg_rules
-from engine.tensor import Tensor, Variable, as_tensor, read_variable_p, unaliased
+from engine.tensor import Tensor, Variable, as_tensor, bind, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
 
@@ -148,7 +149,8 @@ def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     if stretched:
         g = reshape(reduce_sum(g, tuple(leading + stretched), keepdims=True), target)
     elif leading:  # only axes in front were added (a bias): their sum has the shape
-        g = reduce_sum(g, tuple(leading))
+        # (sum_p directly, its axes as sum normalizes them: negative, sorted)
+        g = bind(sum_p, g, axes=tuple([a - g.ndim for a in leading]), keepdims=False)
     return g if g.shape == target else broadcast_to(g, target)
 
 
