@@ -7,7 +7,7 @@ tangent with leading batch axes correctly.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.backend import host
@@ -100,11 +100,15 @@ def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: 
 
 
 # ---- sum ----
+# (typed loosely: NumPy's overloads want keepdims as a literal True or False)
+_host_add_reduce: Callable[..., Any] = host.add.reduce
+
+
 def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
     dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
     if xp is host:  # the ufunc's own reduce: np.sum's Python wrappers cost more than a small sum
-        return host.add.reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
+        return _host_add_reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 
 
