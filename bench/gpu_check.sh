@@ -99,8 +99,16 @@ if [ ${#MISSING[@]} -gt 0 ]; then
   if [ "$(realpath -m "$WHEELS")" != "$(realpath -m "$ROOT/bench/wheels")" ]; then
     for f in "$WHEELS"/*.whl; do [ -e "$f" ] && WHEEL_FILES+=("$f"); done
   fi
-  if [ ${#WHEEL_FILES[@]} -gt 0 ] && "$PYTHON" -m pip install -q --no-index --no-deps \
-    --no-compile --target "$SITE" "${WHEEL_FILES[@]}" >>"$OUT.pip.log" 2>&1; then
+  # Only the distributions the machine lacks: PYTHONPATH comes before its site-packages,
+  # where a wheel of one it has would shadow its own (bench/missing_wheels.py).
+  if [ ${#WHEEL_FILES[@]} -gt 0 ]; then
+    mapfile -t WHEEL_FILES < <("$PYTHON" "$ROOT/bench/missing_wheels.py" "${WHEEL_FILES[@]}" |
+      grep .)
+  fi
+  if [ ${#WHEEL_FILES[@]} -eq 0 ]; then
+    : # the wheelhouses hold nothing the machine lacks
+  elif "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+    "${WHEEL_FILES[@]}" >>"$OUT.pip.log" 2>&1; then
     export PYTHONPATH="$PYTHONPATH:$SITE"
   else
     say "- the wheelhouse could not be installed (${#WHEEL_FILES[@]} wheels; see $OUT.pip.log)"

@@ -136,8 +136,10 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "Too large to compute",
         "The answer would exceed a size limit of this server (hessian_max_size, "
         "jacobian_max_elements, hvp_max_vectors, max_time_limit, tape_memory_budget, "
-        "algorithm_max_hvps, tape_max_ttl), or its estimated compute exceeds the request's "
-        "time_limit (`estimate`, `time_limit`: run it as a job with a longer one).",
+        "algorithm_max_hvps, tape_max_ttl; too many `vectors` carries the server's "
+        "hvp_max_vectors as `limit`: send chunks of it), or its estimated compute exceeds "
+        "the request's time_limit (`estimate`, `time_limit`: run it as a job with a longer "
+        "one).",
     ),
     "quota-exceeded": ProblemType(
         429,

@@ -240,6 +240,14 @@ MONTE_CARLO_REASON = (
     "are about the estimator over the sampled matrix, not about the sampling: raise "
     "`samples`, or leave it out for the exact Fisher"
 )
+# A sharded tape's parts each draw their own examples' targets, every part from the same
+# fisher_seed (service/worker/shards.py: one curvature per part): not the matrix that
+# seed samples on the unsharded tape, and its parts' draws share one random stream.
+SHARDED_DRAWS_REASON = (
+    "; on this tape's {parts} parts, each part draws its own examples' targets from "
+    "fisher_seed {seed} (the same stream in every part): a different sampled matrix from "
+    "the unsharded tape's with that seed"
+)
 KRONECKER_REASON = (
     "{what} approximation of the {kind} ({sharing}; exact only for a linear layer "
     "without weight sharing on one example)"
@@ -278,6 +286,15 @@ def curvature_used(
         approximate=bool(reasons),
         reason="; ".join(reasons) or None,
     )
+
+
+def on_parts(used: CurvatureUsed, parts: int) -> CurvatureUsed:
+    """`used` as a tape sharded in `parts` parts answers it: a Monte-Carlo Fisher's
+    reason says that each part drew its own (SHARDED_DRAWS_REASON)."""
+    if used.samples is None or parts <= 1:
+        return used
+    extra = SHARDED_DRAWS_REASON.format(parts=parts, seed=used.seed)
+    return msgspec.structs.replace(used, reason=(used.reason or "") + extra)
 
 
 class Budget(CurvatureChoice, kw_only=True):

@@ -203,8 +203,10 @@ def test_the_api_key_and_its_absence(
     argv += ["--method", "hutchinson", "--max-hvps", "4", "--json"]
     status, _, err = run_cli(capsys, *argv)
     assert status == 1 and "401" in err, err
+    strict.wait_ready()  # (each call's tape is dropped by its worker after the answer)
     status, out, err = run_cli(capsys, *argv, "--api-key", KEY)
     assert status == 0 and json.loads(out)["samples"] == 4, err
     monkeypatch.setenv("GRADTAPE_API_KEY", KEY)
+    strict.wait_ready()
     status, out, err = run_cli(capsys, *argv)
     assert status == 0 and json.loads(out)["kind"] == "Trace", err

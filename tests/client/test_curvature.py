@@ -219,3 +219,37 @@ def test_the_vectors_limit_is_read_from_the_refusal() -> None:
     assert _vectors_limit(refusal(errors=vectors, limit=5)) == 5
     assert _vectors_limit(refusal(errors=vectors)) == 5
     assert _vectors_limit(refusal(errors=[{"field": "time_limit", "message": "at most 5"}])) is None
+
+
+def test_an_approximate_answer_warns_alike_however_it_is_fetched(
+    client: Client, rng: np.random.Generator
+) -> None:
+    """The same answer warns, or not, by one rule on every path: tape.call() as the typed
+    method (a KFAC is one by name: not warned; tape.call("kfac") warned before), and a
+    job followed by id as the call that started it (a Monte-Carlo Fisher's trace warned
+    when asked directly, and not when its job was waited on by id)."""
+    definition, *_ = logistic(rng)
+    with client.tape(definition, "loss", output="z") as tape:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApproximateWarning)
+            by_name = tape.call("kfac")
+            tape.kfac()
+            tape.call("trace", curvature="kfac", method="exact")
+        assert by_name["curvature_used"]["structure"] == "kfac"
+        with pytest.warns(ApproximateWarning, match="the kfac is approximate: KFAC approx"):
+            tape.call("kfac", curvature="fisher", samples=4)
+
+        def job_of(path: str, body: dict) -> str:
+            started = client._run(
+                client._core.call("POST", f"/v1/tapes/{tape.id}/{path}", {**body, "async": True})
+            )
+            return started["job_id"]
+
+        sampled = job_of("trace", {"method": "exact", "curvature": "fisher", "samples": 4})
+        with pytest.warns(ApproximateWarning, match=f"job {sampled} is approximate: a Monte"):
+            answer = client.job(sampled).wait()
+        assert answer["curvature_used"]["samples"] == 4
+        kfac = job_of("kfac", {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApproximateWarning)
+            assert client.job(kfac).wait()["curvature_used"]["structure"] == "kfac"

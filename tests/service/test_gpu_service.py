@@ -17,8 +17,13 @@ import pytest
 
 import engine as gt
 from tests.service.conftest import Server, own_server
-from tests.service.test_onnx import b64, definition
-from tests.service.wire import arr, ok, post, post_msgpack, t64, tape_and_hvp, tbin
+from tests.service.test_onnx import (
+    assert_gradient_is_recorded,
+    assert_transformer_hvp_is_recorded,
+    b64,
+    definition,
+)
+from tests.service.wire import post, t64, tape_and_hvp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,39 +62,11 @@ def test_gradient_of_an_onnx_model_matches_pytorch(gpu, name: str) -> None:
     answer = post(
         gpu, "/v1/gradient", {"definition": definition(name, {"onnx": b64(data)}), "target": "loss"}
     )
-    np.testing.assert_allclose(arr(answer["value"]), record["f32/loss"], rtol=1e-5)
-    grads = {k.removeprefix("f32/grad/"): record[k] for k in record if k.startswith("f32/grad/")}
-    assert set(answer["gradients"]) == set(grads)
-    for key, want in grads.items():
-        np.testing.assert_allclose(
-            arr(answer["gradients"][key]),
-            want,
-            rtol=1e-4,
-            atol=1e-6 * np.abs(want).max(),
-            err_msg=key,
-        )
+    assert_gradient_is_recorded(answer, record)
 
 
 def test_hvp_of_a_msgpack_onnx_model_matches_pytorch(gpu) -> None:
-    from tests.engine.onnx.graphs import fixture
-
-    data, record = fixture("transformer")
-    body = {
-        "definition": definition("transformer", {"onnx": data}, tbin),
-        "target": "loss",
-        "vector": {
-            k.removeprefix("v/"): tbin(record[k], "float32") for k in record if k.startswith("v/")
-        },
-    }
-    answer = ok(post_msgpack(gpu, "/v1/hvp", body))
-    assert set(answer["hvp"]) == {
-        k.removeprefix("f32/hvp/") for k in record if k.startswith("f32/hvp/")
-    }
-    for key, product in answer["hvp"].items():
-        want = record[f"f32/hvp/{key}"]
-        np.testing.assert_allclose(
-            arr(product), want, rtol=2e-3, atol=2e-5 * np.abs(want).max(), err_msg=key
-        )
+    assert_transformer_hvp_is_recorded(gpu)
 
 
 def _mlp(seed: int = 0) -> tuple[dict, dict, dict[str, np.ndarray]]:

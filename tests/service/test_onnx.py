@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 
+import httpx
 import msgpack
 import numpy as np
 import pytest
@@ -44,9 +45,15 @@ def test_gradient_of_an_inline_model_matches_pytorch(client, name: str) -> None:
         "/v1/gradient",
         {"definition": definition(name, {"onnx": b64(data)}), "target": "loss"},
     )
+    assert_gradient_is_recorded(answer, record)
+
+
+def assert_gradient_is_recorded(answer: dict, record: dict) -> None:
+    """A gradient answer equals PyTorch's recorded float32 loss and gradients (every
+    gradient it recorded, no other: buffers are frozen, not sources)."""
     np.testing.assert_allclose(arr(answer["value"]), record["f32/loss"], rtol=1e-5)
     grads = {k.removeprefix("f32/grad/"): record[k] for k in record if k.startswith("f32/grad/")}
-    assert set(answer["gradients"]) == set(grads)  # buffers are frozen: not sources
+    assert set(answer["gradients"]) == set(grads)
     for key, want in grads.items():
         np.testing.assert_allclose(
             arr(answer["gradients"][key]),
@@ -58,6 +65,12 @@ def test_gradient_of_an_inline_model_matches_pytorch(client, name: str) -> None:
 
 
 def test_hvp_of_a_msgpack_model_matches_pytorch(client) -> None:
+    assert_transformer_hvp_is_recorded(client)
+
+
+def assert_transformer_hvp_is_recorded(client: httpx.Client) -> None:
+    """The transformer's HVP over msgpack (the model's bytes and the vector as binary
+    tensors) is PyTorch's recorded one, for every source it recorded."""
     data, record = fixture("transformer")
     body = {
         "definition": definition("transformer", {"onnx": data}, tbin),
@@ -67,6 +80,9 @@ def test_hvp_of_a_msgpack_model_matches_pytorch(client) -> None:
         },
     }
     answer = ok(post_msgpack(client, "/v1/hvp", body))
+    assert set(answer["hvp"]) == {
+        k.removeprefix("f32/hvp/") for k in record if k.startswith("f32/hvp/")
+    }
     for key, product in answer["hvp"].items():
         want = record[f"f32/hvp/{key}"]
         np.testing.assert_allclose(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from service.core.operations import (
 from service.domain import shards as domain_shards
 from service.worker import dispatch, tapes
 from service.worker import shards as worker_shards
+from tests.service.test_jobs import wait
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "clients" / "python"))
@@ -188,10 +188,7 @@ JOB_BODIES: dict[str, dict[str, Any]] = {
 
 
 def _finished(client: Any, location: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while (job := client.get(location).json())["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.02)
+    job = wait(client, location, ("succeeded", "failed", "cancelled"), timeout=120)
     assert job["state"] == "succeeded", job
     return job
 

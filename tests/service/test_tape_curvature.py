@@ -6,13 +6,14 @@ way to ask wrongly is a 422 that says why."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 import engine as gt
+from tests.service.test_jobs import wait
 from tests.service.wire import arr, post, problem, t
+
+ENDED = ("succeeded", "failed", "cancelled")
 
 rng = np.random.default_rng(15)
 N, D, H, C = 16, 3, 4, 3
@@ -322,14 +323,7 @@ def test_influence_runs_as_a_job(client, tape_id) -> None:
     sync = post(client, f"/v1/tapes/{tape_id}/influence", body)
     r = client.post(f"/v1/tapes/{tape_id}/influence", json={**body, "async": True})
     assert r.status_code == 202, r.text
-    deadline = time.monotonic() + 60
-    while (job := client.get(r.headers["location"]).json())["state"] not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    job = wait(client, r.headers["location"], ENDED)
     assert job["state"] == "succeeded", job
     assert job["result"]["scores"] == sync["scores"]
     assert job["progress"]["done"] == sync["hvps"] and job["progress"]["unit"] == "hvps"
@@ -668,14 +662,7 @@ def test_a_job_answer_states_its_curvature(client, tape_id) -> None:
     body = {"method": "exact", "curvature": "fisher", "samples": 4, "async": True}
     r = client.post(f"/v1/tapes/{tape_id}/trace", json=body)
     assert r.status_code == 202, r.text
-    deadline = time.monotonic() + 60
-    while (job := client.get(r.headers["location"]).json())["state"] not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    job = wait(client, r.headers["location"], ENDED)
     assert job["state"] == "succeeded", job
     assert job["result"]["curvature_used"]["samples"] == 4
     assert job["result"]["curvature_used"]["approximate"] is True

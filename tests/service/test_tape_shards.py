@@ -222,9 +222,20 @@ def test_curvature_products_and_eigenvalues_equal_unsharded(client) -> None:
     )
     # A sharded tape's answers state their curvature as the unsharded one's do.
     body = {"method": "exact", "curvature": "fisher", "samples": 3, "fisher_seed": 1}
-    for tape in (plain, sharded):
-        used = post(client, f"/v1/tapes/{tape['tape_id']}/trace", body)["curvature_used"]
+    answers = [
+        post(client, f"/v1/tapes/{tape['tape_id']}/trace", body) for tape in (plain, sharded)
+    ]
+    for answer in answers:
+        used = answer["curvature_used"]
         assert (used["kind"], used["samples"], used["approximate"]) == ("fisher", 3, True)
+    # ... but each part draws its own targets from that seed: not the unsharded tape's
+    # sampled matrix (another trace), which the sharded answer says and the other does not.
+    assert answers[1]["trace"] != pytest.approx(answers[0]["trace"], rel=1e-6)
+    assert "on this tape's 3 parts" in answers[1]["curvature_used"]["reason"]
+    assert "parts" not in answers[0]["curvature_used"]["reason"]
+    hvp = {"vector": vs[0], "curvature": "fisher", "samples": 3, "fisher_seed": 1}
+    product = post(client, f"/v1/tapes/{sharded['tape_id']}/hvp", hvp)["curvature_used"]
+    assert "on this tape's 3 parts" in product["reason"]
     for tape in (plain, sharded):
         client.delete(f"/v1/tapes/{tape['tape_id']}")
 

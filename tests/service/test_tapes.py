@@ -107,7 +107,16 @@ def test_tape_hvps_equal_fresh_ones(client) -> None:
     vectors = [vec(i) for i in range(6)]
     for v in vectors:
         mine = post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(v)})
-        assert mine["hvps"] is None and set(mine) == {"hvp", "hvps", "execution"}
+        assert mine["hvps"] is None
+        assert set(mine) == {"hvp", "hvps", "execution", "curvature_used"}
+        assert mine["curvature_used"] == {  # the tape's Hessian itself, exactly
+            "kind": "hessian",
+            "samples": None,
+            "seed": None,
+            "structure": None,
+            "approximate": False,
+            "reason": None,
+        }
         fresh = post(
             client,
             "/v1/hvp",

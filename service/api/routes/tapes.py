@@ -57,6 +57,7 @@ from service.core.operations import (
     OPERATIONS,
     curvature_choice,
     curvature_used,
+    on_parts,
 )
 from service.pool import Reply
 
@@ -219,17 +220,18 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
     return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
 
 
-def _curvature_used(body: Any) -> dict[str, Any] | None:
+def _curvature_used(body: Any, parts: int) -> dict[str, Any] | None:
     """The `curvature_used` of the answer to this request: a table row's as its options
     declare it (None for a row that answers no curvature), an HVP's from its curvature
-    fields; None for the questions that take no curvature (gradient, jacobian)."""
+    fields; None for the questions that take no curvature (gradient, jacobian). On a
+    tape of several `parts`, a Monte-Carlo Fisher says that each part drew its own."""
     if isinstance(body, OperationRequest):
         used = body.options().curvature_used()
     elif isinstance(body, TapeHVPRequest):
         used = curvature_used(curvature_choice({k: getattr(body, k) for k in CURVATURE_FIELDS}))
     else:
         return None
-    return None if used is None else msgspec.to_builtins(used)
+    return None if used is None else msgspec.to_builtins(on_parts(used, parts))
 
 
 def _add(op: Operation) -> None:
@@ -237,7 +239,7 @@ def _add(op: Operation) -> None:
         owner, services = compute.owner, compute.services
         as_job(request, body, op)
         prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
-        used = _curvature_used(body)
+        used = _curvature_used(body, len(tape.shards.parts) if tape.shards is not None else 1)
 
         async def call() -> Reply:
             reply = await services.tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)

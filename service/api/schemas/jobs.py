@@ -52,7 +52,10 @@ else:
 
 
 class JobProgress(BaseModel):
-    """Where a running job stands (the last report of its worker)."""
+    """Where a running job stands (the last report of its worker). Once it succeeded,
+    the figures of its answer instead, as its operation's table row declares them
+    (service/core/operations.py `progress`): `done` its HVPs, `estimate` and `error` the
+    answer's (eta 0), so the last event never disagrees with the result."""
 
     done: int = Field(
         description="Units of work done: HVPs (vectors) for eigenvalues, trace, "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import GradtapeError, JobCancelled, error_class
-from .results import check_converged
+from .results import check_approximate, check_converged
 
 if TYPE_CHECKING:
     from ._client import ApiMethods
@@ -204,6 +204,7 @@ class Job:
         if self._decode is not None:
             return self._decode(answer)  # a typed result, which warns itself
         check_converged(f"job {self.id}", answer)
+        check_approximate(f"job {self.id}", answer)  # as the method that started it warns
         return answer
 
     def wait(self, progress: Any = False) -> Any:

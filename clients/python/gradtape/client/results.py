@@ -178,14 +178,17 @@ class CurvatureUsed:
         )
 
 
-def check_approximate(what: str, answer: Any, named: tuple[str, ...] = ()) -> None:
-    """Warn (ApproximateWarning) when the answer is of an approximate curvature; `named`:
-    the structures the method itself names (tape.kfac() is a KFAC by name: only a
-    Monte-Carlo Fisher under it warns)."""
+def check_approximate(what: str, answer: Any) -> None:
+    """Warn (ApproximateWarning) when the answer is of an approximate curvature that the
+    request did not name as such. A structure (kfac, ekfac, diagonal) is always the
+    request's own choice (tape.kfac(), curvature="kfac", a Laplace fit's structure):
+    stated on the result, not warned. A Monte-Carlo Fisher's sampling, under any
+    structure, warns. One rule for every path (the typed methods, tape.call(), a job
+    followed by id), so that the same answer warns, or not, however it was fetched."""
     used = CurvatureUsed.of(answer)
     if used is None or not used.approximate:
         return
-    if used.samples is None and used.structure in named:
+    if used.samples is None and used.structure is not None:
         return
     warnings.warn(
         ApproximateWarning(f"{what} is approximate: {used.reason}"),
