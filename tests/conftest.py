@@ -84,6 +84,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             for unit in reversed(LONG_UNITS):
                 if unit in self.workqueue:
                     self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
+            scope, work_unit = self.workqueue.popitem(last=False)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            # Every item of the unit, by index. Node ids can repeat: under pytest 9.2 each
+            # API operation's schemathesis item is `test_schemathesis.py::test_api`, and
+            # xdist's own `collection.index(nodeid)` sent the first of the 44 alone.
+            pending = {nodeid for nodeid, done in work_unit.items() if not done}
+            collection = self.registered_collections[node]
+            node.send_runtest_some([i for i, n in enumerate(collection) if n in pending])
 
     return SharedWorkerScheduling(config, log)
