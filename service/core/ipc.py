@@ -40,6 +40,7 @@ log = logging.getLogger("gradtape.workers")
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 2**32 - 1
+ONE_WRITE = 1 << 16  # a frame up to this size goes with its header in one write (a copy)
 ARRAY_EXT = 1  # the msgpack extension type code of a NumPy array
 SHARED_ARRAY_EXT = 2  # ... of a NumPy array in a shared-memory arena
 # The kind of the pool's message that tells a worker which of its reply arenas the HTTP
@@ -272,8 +273,12 @@ def send_message(sock: socket.socket, message: Any, outbox: shm.Outbox | None = 
         header, body = frame(message)
     else:
         header, body = prepare(message, outbox.channel).frame(outbox)
-    sock.sendall(header)
-    sock.sendall(body)
+    if len(body) <= ONE_WRITE:
+        # One write: the HTTP process's reader wakes once, not first for the header alone.
+        sock.sendall(header + body)
+    else:
+        sock.sendall(header)
+        sock.sendall(body)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytearray | None:

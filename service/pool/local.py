@@ -316,7 +316,9 @@ class WorkerPool:
         deadline = loop.time() + self.settings.queue_timeout
         watch = job.watch
         poll = self.settings.disconnect_poll if watch and watch.gone else None
-        started = loop.create_task(job.started.wait())
+        # The task that waits for the job's start, made only while it has not started (a
+        # small request usually starts at once: one task and loop turn less).
+        started: asyncio.Task[Any] | None = None
         try:
             while not job.future.done():
                 timeout = poll
@@ -329,8 +331,14 @@ class WorkerPool:
                             f"no worker became free within {self.settings.queue_timeout:g} s"
                         )
                     timeout = left if poll is None else min(left, poll)
+                    if started is None:
+                        started = loop.create_task(job.started.wait())
                     waited: list[asyncio.Future[Any]] = [job.future, started]
                     await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                elif timeout is None:
+                    # Nothing to poll: the reply itself (shielded: a cancelled caller
+                    # leaves the job's future to _cancel, as asyncio.wait did).
+                    await asyncio.shield(job.future)
                 else:
                     await asyncio.wait([job.future], timeout=timeout)
                 if job.future.done():
@@ -338,7 +346,8 @@ class WorkerPool:
                 if watch is not None and watch.gone is not None and await watch.gone():
                     self._cancel(job, watch.reason)
         finally:
-            started.cancel()
+            if started is not None:
+                started.cancel()
         return job.future.result()
 
     # Kept answers ---------------------------------------------------------------------------
@@ -511,7 +520,9 @@ class WorkerPool:
             self.observer.request_started(w.index)
         started = time.perf_counter()
         try:
-            message = await asyncio.wait_for(self._roundtrip(w, job), job.time_limit)
+            # (asyncio.timeout, not wait_for: no task of its own around the round trip)
+            async with asyncio.timeout(job.time_limit):
+                message = await self._roundtrip(w, job)
         except TimeoutError:
             job.fail(ComputeTimeout(job.time_limit, w.index))
             self._spawn_task(self._replace(w, generation, "timeout"))
