@@ -279,6 +279,8 @@ async def run(args: argparse.Namespace) -> None:
             )
         if profile:
             stats = pstats.Stats(profile)
+            if args.dump:
+                stats.dump_stats(args.dump)
             stats.sort_stats(args.sort).print_stats(args.top)
             if args.callers:  # who calls the functions matching this pattern, and how often
                 stats.print_callers(args.callers)
@@ -316,6 +318,7 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--sort", default="tottime")
     parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--dump", help="with --profile: write cProfile's stats to this file")
     parser.add_argument("--worker", action="store_true", help="the worker's side (see above)")
     parser.add_argument("--callers", help="with --profile: print the callers of these functions")
     args = parser.parse_args()

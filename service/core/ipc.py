@@ -118,6 +118,7 @@ class Outgoing:
     message: Any
     body: bytes
     channel: shm.Channel | None = None
+    array_bytes: int = 0  # the bytes of its arrays (counted as they are packed)
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
     places: list[list[Any]] = field(default_factory=list)  # [offset, dtype, shape] each
     end: int = 0
@@ -154,10 +155,20 @@ def prepare(message: Any, channel: shm.Channel | None) -> Outgoing:
     """Pack `message` once (so that what msgpack cannot carry fails here), noting where
     each array of at least the channel's threshold will lie in an arena."""
     if channel is None or channel.threshold == 0:
-        return Outgoing(message, pack(message))
+        packed = Outgoing(message, b"")
+
+        def counting(obj: Any) -> Any:
+            if isinstance(obj, np.ndarray):
+                packed.array_bytes += obj.nbytes
+            return _default(obj)
+
+        packed.body = msgpack.packb(message, default=counting, use_bin_type=True)
+        return packed
     out = Outgoing(message, b"", channel)
 
     def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            out.array_bytes += obj.nbytes
         if isinstance(obj, np.ndarray) and channel.takes(obj.nbytes):
             dtype, shape, raw = wire.raw_view(obj)  # no copy of a contiguous array
             offset = -(-out.end // shm.ALIGNMENT) * shm.ALIGNMENT
@@ -176,17 +187,24 @@ def prepare(message: Any, channel: shm.Channel | None) -> Outgoing:
     return out
 
 
-def unpack(body: bytes | bytearray, inbox: shm.Inbox | None = None) -> Any:
+def unpack(
+    body: bytes | bytearray, inbox: shm.Inbox | None = None, counted: list[int] | None = None
+) -> Any:
     """The message; with `inbox`, its arrays in the peer's arena are read in place
     (read-only views of the mapping, tracked so that the arena is not written again
-    while one of them lives)."""
-    if inbox is None:
+    while one of them lives). With `counted`, the bytes of its arrays are added to
+    counted[0] (the pool's metrics, without walking the message again)."""
+    if inbox is None and counted is None:
         return msgpack.unpackb(body, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
     def ext_hook(code: int, data: bytes) -> Any:
-        if code == SHARED_ARRAY_EXT:
-            return _shared_array(data, inbox)
-        return _ext_hook(code, data)
+        if code == SHARED_ARRAY_EXT and inbox is not None:
+            array = _shared_array(data, inbox)
+        else:
+            array = _ext_hook(code, data)
+        if counted is not None:
+            counted[0] += array.nbytes
+        return array
 
     try:
         return msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False)
@@ -236,14 +254,19 @@ def _framed(body: bytes) -> tuple[bytes, bytes]:
 # ----------------------------------------------------------------------------------------
 
 
-async def read_message(reader: asyncio.StreamReader, inbox: shm.Inbox | None = None) -> Any:
+async def read_message(
+    reader: asyncio.StreamReader,
+    inbox: shm.Inbox | None = None,
+    counted: list[int] | None = None,
+) -> Any:
+    """The next message (`inbox`, `counted`: as unpack takes them)."""
     try:
         header = await reader.readexactly(HEADER.size)
         (size,) = HEADER.unpack(header)
         body = await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise FrameError("the worker closed its connection") from exc
-    return unpack(body, inbox)
+    return unpack(body, inbox, counted)
 
 
 def write_message(writer: asyncio.StreamWriter, message: Any) -> None:

@@ -149,6 +149,7 @@ class WorkerHandle:
         self.request_id = 0
         self.job: QueuedJob | None = None  # the request it computes now
         self.reply: asyncio.Future[dict[str, Any]] | None = None
+        self.reply_array_bytes = 0  # the bytes of the arrays of its last reply (as read)
         # The id of a request to stop; the worker compares it with the one it runs, so a
         # late cancel can never stop the next request. Shared memory: the worker reads it
         # before every op while its socket is busy with nothing.
@@ -283,7 +284,7 @@ class WorkerPool:
             gathered += self._shared_fields(message, shared)
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
         outgoing = ipc.prepare(message, self._channel)
-        self.observer.arrays_moved("to_workers", array_bytes(message))
+        self.observer.arrays_moved("to_workers", outgoing.array_bytes)
         job = QueuedJob(
             request_id,
             outgoing,
@@ -546,7 +547,7 @@ class WorkerPool:
         w.state = "idle"
         if message.get("ok"):
             result = message.get("result")
-            self.observer.arrays_moved("from_workers", array_bytes(result))
+            self.observer.arrays_moved("from_workers", w.reply_array_bytes)
             if job.keep is not None and not job.future.done():
                 result = self._kept_answer(job, message)
             if not job.future.done():
@@ -636,7 +637,8 @@ class WorkerPool:
         assert w.reader is not None
         try:
             while True:
-                message = await ipc.read_message(w.reader, w.inbox)
+                counted = [0]
+                message = await ipc.read_message(w.reader, w.inbox, counted)
                 if "progress" in message:
                     job = w.job
                     if (
@@ -663,6 +665,7 @@ class WorkerPool:
                     w.outbox.held = set(held or ())
                 reply = w.reply
                 if reply is not None and not reply.done() and message.get("id") == w.request_id:
+                    w.reply_array_bytes = counted[0]
                     reply.set_result(message)
                 # Not kept while waiting for the next one: the arrays of the worker's
                 # reply arena must die with their request's use (shm.Inbox.held).

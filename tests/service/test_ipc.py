@@ -170,3 +170,20 @@ def test_arrays_the_http_process_receives_are_16_byte_aligned() -> None:
 def test_every_array_of_any_document_is_aligned(document: Any) -> None:
     back = ipc.unpack(ipc.pack({"doc": document, "pin": np.ones(3)}))
     aligned_everywhere(back)
+
+
+@settings(max_examples=150, deadline=None)
+@given(documents)
+def test_the_bytes_of_the_arrays_are_counted_both_ways(document: Any) -> None:
+    """What the pool's metrics count (gradtape_pool_array_bytes): the bytes of every
+    array a message carries, counted while it is packed and while it is read, equal to
+    the walk over the message (wire.array_bytes) that they replace."""
+    from service.core.wire import array_bytes
+
+    message = {"id": 1, "payload": document}
+    expected = array_bytes(message)
+    outgoing = ipc.prepare(message, None)
+    assert outgoing.array_bytes == expected
+    counted = [0]
+    assert same(ipc.unpack(outgoing.body, counted=counted), message)
+    assert counted[0] == expected
