@@ -55,6 +55,35 @@ def test_cached_by_structure_not_values() -> None:
     assert compile_definition(frozen).key != first.key
 
 
+def test_every_part_of_the_structure_is_in_the_key() -> None:
+    """Two definitions share a compiled program only when everything compilation reads
+    is the same: a leaf's dtype, its role, a line, a function's body."""
+    first = compile_definition(MLP)
+    float32 = dict(
+        MLP,
+        variables={k: np.asarray(v, np.float32) for k, v in MLP["variables"].items()},
+        inputs={k: np.asarray(v, np.float32) for k, v in MLP["inputs"].items()},
+    )
+    as_input = dict(
+        MLP,
+        variables={k: v for k, v in MLP["variables"].items() if k != "b1"},
+        inputs={**MLP["inputs"], "b1": np.zeros(4)},
+    )
+    relu = {"params": ["a"], "forward": ["out = relu(a)"]}
+    tanh = {"params": ["a"], "forward": ["out = tanh(a)"]}
+    other_line = dict(MLP, program=[*MLP["program"][:2], "loss = sum((out - y) ** 2)"])
+    keys = {
+        first.key,
+        compile_definition(float32).key,
+        compile_definition(as_input).key,
+        compile_definition(dict(MLP, functions={"act": relu})).key,
+        compile_definition(dict(MLP, functions={"act": tanh})).key,
+        compile_definition(other_line).key,
+    }
+    assert len(keys) == 6
+    assert compile_definition(dict(MLP, functions={"act": dict(tanh)})).key in keys
+
+
 def test_one_program_runs_many_times() -> None:
     program = compile_definition(MLP)
     for scale in (0.1, 1.0, 2.0):
