@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine import replay
+from engine import backend, replay
 from engine.backend import host
 from engine.language.catalogue import suggest
 from engine.language.cost import CostModel
@@ -163,7 +163,9 @@ class CompiledProgram:
         defn = definition if isinstance(definition, Definition) else as_definition(definition)
         out: dict[str, Tensor] = {}
         for name, var in defn.variables.items():
-            value = var.value if device is None else constant(var.value, device=device).value
+            # (as_definition made every value an array: moved, if need be, without a
+            # Tensor around it first)
+            value = var.value if device is None else backend.asarray(var.value, None, device)
             out[name] = Variable(value, trainable=var.trainable, name=name)
         for name, value in defn.inputs.items():
             out[name] = constant(value, device=device)
