@@ -143,9 +143,13 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def rows_for(servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, Any]) -> list[Row]:
+def rows_for(
+    servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, Any], probes: bool = False
+) -> list[Row]:
     """The floor's rows, and for each server (label, base URL, tape id) its compute rows,
-    each beside the floor's row for the same body."""
+    each beside the floor's row for the same body; with `probes`, the service's GET
+    /healthz (its middleware and routing alone) and GET /v1/tapes (gated, no worker)
+    beside the floor's GET /ping."""
     rows = [Row("floor GET /ping", f"{floor}/ping", None)]
     cases = [
         ("gradient, SCENARIOS 15, JSON", "gradient", SCENARIO_15, False),
@@ -154,6 +158,14 @@ def rows_for(servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, 
         ("tape HVP, small MLP, JSON", "hvp", {"vector": bodies["vector_json"]}, False),
         ("tape HVP, small MLP, msgpack", "hvp", {"vector": bodies["vector_msgpack"]}, True),
     ]
+    if probes:  # the service's own stack without a worker, against the floor's GET
+        for label, base, _ in servers:
+            rows.append(
+                Row(f"probe GET /healthz{label}", f"{base}/healthz", None, floor=rows[0].name)
+            )
+            rows.append(
+                Row(f"probe GET /v1/tapes{label}", f"{base}/v1/tapes", None, floor=rows[0].name)
+            )
     for name, route, body, binary in cases:
         content = msgpack.packb(body, use_bin_type=True) if binary else orjson.dumps(body)
         kind = MSGPACK if binary else "application/json"
@@ -175,6 +187,12 @@ def main() -> None:
         type=Path,
         help="another checkout (e.g. a worktree of main) whose server is measured beside "
         "this one's, interleaved: its rows are marked [baseline]",
+    )
+    parser.add_argument(
+        "--probes",
+        action="store_true",
+        help="also GET /healthz and GET /v1/tapes of each server (no worker: the HTTP "
+        "process's own stack), beside the floor's GET /ping",
     )
     args = parser.parse_args()
     if os.environ.get("OPENBLAS_CORETYPE"):
@@ -221,6 +239,7 @@ def main() -> None:
                 "vector_json": vector_json,
                 "vector_msgpack": vector_msgpack,
             },
+            args.probes,
         )
         with httpx.Client(timeout=60) as client:
             order = list(rows)
