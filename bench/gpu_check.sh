@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue 28 (item 7): on an NVIDIA machine with Python 3.12, CuPy
 # (cupy-cuda13x), NumPy, PyTorch (CUDA) and JAX installed and no package index, run
-#   1. every GPU-marked test (pytest -m gpu over the files that carry the mark), and
+#   1. every GPU-marked test (pytest -m gpu over the files that carry the mark: the
+#      engine on CuPy, and the service with `--device cuda`), and
 #   2. the GPU benchmark rows (bench/bench_gpu.py: the MLPs and the ONNX models;
 #      gradient, fresh and reused HVP; CuPy vs PyTorch CUDA eager vs JAX jit),
 # within a time budget (8 minutes by default), writing everything to ONE file.
@@ -11,12 +12,15 @@
 # Whatever is missing degrades to a line saying so, never a failed run: a peer without
 # a GPU (its bench cells are n/a with the reason), the onnx package (no ONNX rows),
 # pytest (no tests, unless a wheelhouse provides it: below). Python packages the check
-# needs beyond what the machine has travel as wheels in $GRADTAPE_WHEELS (default
-# bench/wheels/: pytest and its dependencies are committed, pure Python; the onnx
-# package, which the ONNX rows need, is a 20 MB binary and is not: add it on a machine
-# with an index with
-#   pip download --only-binary=:all: --python-version 3.12 -d bench/wheels onnx
-# ). They are installed with --no-index into a throwaway virtualenv that sees the
+# needs beyond what the machine has travel as wheels: bench/wheels/ (pytest and its
+# dependencies, committed, pure Python) and $GRADTAPE_WHEELS (default bench/wheels/).
+# The onnx package (the ONNX rows) and the service's packages (the GPU service tests:
+# fastapi, uvicorn, pydantic, pydantic-settings, msgspec, orjson, fastapi-offline and
+# what they need) are binaries and are not committed; fetch them on a machine with an
+# index, e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_17_x86_64 -d .whl onnx fastapi ...
+# and point GRADTAPE_WHEELS at that folder. They are installed with --no-index into a throwaway virtualenv that sees the
 # machine's own packages (--system-site-packages), never into the system.
 #
 # GPU_CHECK_DEVICE=cpu runs the same steps on the CPU (small sizes): how the script is
@@ -74,27 +78,40 @@ EOF
 } | tee -a "$OUT"
 say '```'
 
-# Missing packages from the wheelhouse, into a virtualenv over the machine's packages.
+# Missing packages from the wheelhouses, unpacked into a throwaway folder put first on
+# PYTHONPATH (never into the system; a virtualenv would not do: the machine's Python may
+# itself be a virtualenv, whose packages a new one does not see): pytest, onnx, and the
+# service's own (the GPU service tests start `gradtape serve --device cuda`); each as
+# "import name:distribution". The wheels go in with --no-deps (no index to resolve
+# against): a wheelhouse holds a package's dependencies beside it.
 MISSING=()
-for pkg in pytest onnx; do
-  "$PYTHON" -c "import $pkg" >/dev/null 2>&1 || MISSING+=("$pkg")
+for pair in pytest:pytest onnx:onnx fastapi:fastapi uvicorn:uvicorn pydantic:pydantic \
+  pydantic_settings:pydantic-settings msgspec:msgspec orjson:orjson msgpack:msgpack \
+  prometheus_client:prometheus-client fastapi_offline:fastapi-offline; do
+  "$PYTHON" -c "import ${pair%%:*}" >/dev/null 2>&1 || MISSING+=("$pair")
 done
 if [ ${#MISSING[@]} -gt 0 ]; then
   say ""
-  VENV="$(mktemp -d)/venv"
-  if ls "$WHEELS"/*.whl >/dev/null 2>&1 && "$PYTHON" -m venv --system-site-packages "$VENV" >/dev/null 2>&1; then
-    for pkg in "${MISSING[@]}"; do
-      if "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" "$pkg" \
-        >>"$OUT.pip.log" 2>&1; then
-        say "- $pkg: installed from $WHEELS into a throwaway virtualenv"
-        PYTHON="$VENV/bin/python"
-      else
-        say "- $pkg: missing, and not in the wheelhouse $WHEELS (see $OUT.pip.log)"
-      fi
-    done
-  else
-    say "- missing: ${MISSING[*]}; no wheelhouse at $WHEELS (or no venv module)"
+  SITE="$(mktemp -d)/site"
+  WHEEL_FILES=()
+  # pytest's committed wheels only where pytest is missing (they would shadow a newer one)
+  "$PYTHON" -c "import pytest" >/dev/null 2>&1 || WHEEL_FILES+=("$ROOT"/bench/wheels/*.whl)
+  if [ "$(realpath -m "$WHEELS")" != "$(realpath -m "$ROOT/bench/wheels")" ]; then
+    for f in "$WHEELS"/*.whl; do [ -e "$f" ] && WHEEL_FILES+=("$f"); done
   fi
+  if [ ${#WHEEL_FILES[@]} -gt 0 ] && "$PYTHON" -m pip install -q --no-index --no-deps \
+    --no-compile --target "$SITE" "${WHEEL_FILES[@]}" >>"$OUT.pip.log" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+  else
+    say "- the wheelhouse could not be installed (${#WHEEL_FILES[@]} wheels; see $OUT.pip.log)"
+  fi
+  for pair in "${MISSING[@]}"; do
+    if "$PYTHON" -c "import ${pair%%:*}" >/dev/null 2>&1; then
+      say "- ${pair#*:}: installed from the wheelhouse into $SITE"
+    else
+      say "- ${pair#*:}: missing, and not (usable) in the wheelhouse $WHEELS"
+    fi
+  done
 fi
 
 # 1. The GPU-marked tests.

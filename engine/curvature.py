@@ -664,7 +664,10 @@ class CurvatureOperator(HessianOperator):
 
         arrays = [v.value for v in flat_v]
         if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
-            return self.curvature._product(self, flat_v, batch_ndim, lead)
+            return replay.run_dynamic(
+                replay.why_dynamic(self.compiled),
+                lambda: self.curvature._product(self, flat_v, batch_ndim, lead),
+            )
         key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))  # (dtypes: checked)
         products = self._passes.run(
             key, flat_v, dynamic, lambda: replay.known_tensors(self.curvature)

@@ -52,6 +52,9 @@ gradient matrix sum_p a_ip g_ip^T.
 Parameters outside such layers are never dropped: `others="refuse"` (the default) names
 them and stops; `others="exact"` keeps the exact curvature block on them (its matrix,
 from as many curvature products as they have entries), block-diagonal beside the layers.
+A parameter the model's output does not depend on at all (one feeding only another of
+the module's outputs) is neither: the curvature on it is exactly zero, and so is its
+block here, listed in `unreached` (its products zero, its damped inverse v / damping).
 
 The log-determinant is the sum of log(eigenvalue + damping) over every block's
 eigenvalues: -inf (not NaN, as curvlinops answers) when a factor is singular and
@@ -196,6 +199,13 @@ def find_layers(
         used.add(b)
     others = [i for i in range(len(params)) if i not in used or i in tied]
     return list(layers.values()), others
+
+
+def _reaching(flow: Any, params: list[Tensor]) -> set[int]:
+    """The indices of the parameters the model's output depends on: an input of a record
+    on the walk from the parameters to the output (or the output itself)."""
+    inputs = {id(x) for rec in flow.plan for x in rec.inputs} | {id(flow.output)}
+    return {i for i, p in enumerate(params) if id(p) in inputs}
 
 
 def _shared_parameters(flow: Any, params: list[Tensor]) -> set[int]:
@@ -352,6 +362,11 @@ class KFAC:
             inside = {i for layer in self.layers for i in (layer.weight, layer.bias)}
             self.others = [i for i in subset if i not in inside]
         self.subset = subset
+        # Not reached by the output: their curvature is exactly zero (module doc), an
+        # exact zero block rather than "in no layer".
+        reached = _reaching(engine.flow, params)
+        self.unreached = [i for i in self.others if i not in reached]
+        self.others = [i for i in self.others if i in reached]
         for layer in self.layers:
             layer.joint = layer.bias is not None and not separate_bias
         if self.others and others == "refuse":
@@ -508,6 +523,9 @@ class KFAC:
                 size = math.prod(shapes[i])
                 out[i] = res[:, lo : lo + size].reshape((k,) + shapes[i])
                 lo += size
+        for i in self.unreached:  # a zero block: (0 + damping)^power v
+            with np.errstate(divide="ignore", invalid="ignore"):  # (undamped inverse: inf)
+                out[i] = flat[i] * np.float64(damping) ** power
         # Parameters outside `subset` (a last-layer KFAC) are outside the operator: zeros.
         return [np.zeros_like(v) if o is None else o for o, v in zip(out, flat, strict=True)]
 
@@ -519,6 +537,8 @@ class KFAC:
                 parts.append(self.bias_eigenvalues(layer))
         if self.others:
             parts.append(np.linalg.eigvalsh(self.other_block))
+        params = self.curv._flat
+        parts.append(np.zeros(sum(params[i].size for i in self.unreached)))  # zero blocks
         return np.concatenate(parts) + damping
 
     def trace(self) -> float:

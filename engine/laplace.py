@@ -105,6 +105,7 @@ class Laplace:
         _positive(prior_precision, "prior_precision")
         _positive(sigma_noise, "sigma_noise")
         self.curv, self.subset, self.structure, self.curvature = curv, subset, structure, curvature
+        self.sharing = sharing  # (kron) KFAC-expand or -reduce, as the fit says
         params = curv._flat
         self.names = names or [f"param{i}" for i in range(len(params))]
         likelihood = curv.likelihood()

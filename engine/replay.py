@@ -256,6 +256,15 @@ def _reporting(run: Callable[[], tuple[_T, Execution]]) -> _T:
     return outputs
 
 
+def why_dynamic(compiled: bool) -> str:
+    """Why a pass skipped the compiled passes: the caller asked for the dynamic pass, or
+    its arrays are a GPU's (only NumPy passes are captured). One wording for every entry
+    point (definitions, tapes' and curvature operators' products)."""
+    if not compiled:
+        return "compiled=False: the caller asked for the dynamic pass"
+    return "its arrays are on a GPU (CuPy): only NumPy passes are captured"
+
+
 def run_dynamic(reason: str, run: Callable[[], _T]) -> _T:
     """run() for a pass that does not go through Passes (a GPU's arrays, compiled=False),
     reported as dynamic with `reason`."""

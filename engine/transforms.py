@@ -510,7 +510,9 @@ class HessianOperator:
         dynamic, the second captured, later ones replayed (replay.Passes)."""
         arrays = [v.value for v in flat_v]
         if not self.compiled or not all(type(a) is np.ndarray for a in arrays):
-            return self._dynamic_pass(flat_v, batch_ndim)
+            return replay.run_dynamic(
+                replay.why_dynamic(self.compiled), lambda: self._dynamic_pass(flat_v, batch_ndim)
+            )
         key = (batch_ndim, tuple((a.shape, a.strides) for a in arrays))
         return self._passes.run(
             key,

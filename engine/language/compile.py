@@ -82,13 +82,6 @@ def _leaf_layout(names: list[str], arrays: list[Any]) -> tuple:
     )
 
 
-def _why_dynamic(compiled: bool) -> str:
-    """Why a pass skipped the compiled passes (what replay.observe() reports)."""
-    if not compiled:
-        return "compiled=False: the caller asked for the dynamic pass"
-    return "its arrays are on a GPU (CuPy): only NumPy passes are captured"
-
-
 @dataclass(frozen=True)
 class Request:
     """A checked target and sources: `sources` maps each answer key (the name, or the
@@ -261,7 +254,8 @@ class CompiledProgram:
         arrays = [leaves[n].value for n in names]
         if not compiled or not all(type(a) is host.ndarray for a in arrays):
             return replay.run_dynamic(
-                _why_dynamic(compiled), lambda: self._value_and_gradients(request, dict(leaves))
+                replay.why_dynamic(compiled),
+                lambda: self._value_and_gradients(request, dict(leaves)),
             )
         key = (
             self.key,
@@ -460,7 +454,7 @@ class CompiledProgram:
             type(a) is host.ndarray for a in (*arrays, *(s.value for s in seeds))
         ):
             return replay.run_dynamic(
-                _why_dynamic(compiled), lambda: run(dict(leaves), list(seeds))
+                replay.why_dynamic(compiled), lambda: run(dict(leaves), list(seeds))
             )
         key = (
             self.key,

@@ -319,6 +319,7 @@ def _vectors(
             f"vectors: {len(body.vectors)} vectors; this server answers up to "
             f"{settings.hvp_max_vectors} in one request",
             errors=[{"field": "vectors", "message": f"at most {settings.hvp_max_vectors}"}],
+            limit=settings.hvp_max_vectors,  # (the SDK splits a block into such chunks)
         )
     # Bare numbers take the dtype of the tensor they stand for: read as float64 here, cast
     # to each source's dtype in the worker (as a float32 parse would round them), so a

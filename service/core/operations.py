@@ -182,8 +182,111 @@ class CurvatureChoice(Options, kw_only=True):
             )
 
 
+# ----------------------------------------------------------------------------------------
+# The curvature an answer used (every curvature answer's `curvature_used`)
+# ----------------------------------------------------------------------------------------
+
+
+class CurvatureUsed(msgspec.Struct, kw_only=True):
+    """The matrix a curvature answer was computed on, stated on the answer itself
+    (`curvature_used`): an exact method on a sampled or Kronecker-factored matrix is
+    exact for that matrix only, and says so here."""
+
+    kind: Annotated[
+        str,
+        Meta(
+            description="The curvature (see CurvatureKind): hessian, ggn, fisher, "
+            "empirical_fisher or empirical_fisher_terms; for curvature kfac/ekfac, the "
+            "matrix they approximate (the GGN)."
+        ),
+    ]
+    samples: Annotated[
+        int | None,
+        Meta(description="A Monte-Carlo Fisher: targets drawn per example (null: exact)."),
+    ] = None
+    seed: Annotated[
+        int | None, Meta(description="A Monte-Carlo Fisher: the seed of its targets.")
+    ] = None
+    structure: Annotated[
+        str | None,
+        Meta(
+            description="null: the matrix itself; kfac or ekfac: its Kronecker-factored "
+            "approximation; diagonal: its diagonal alone."
+        ),
+    ] = None
+    approximate: Annotated[
+        bool,
+        Meta(
+            description="The matrix used is an approximation of `kind` (Monte-Carlo, or a "
+            "structure): the answer is then of that approximation, whatever its method "
+            "says (an exact trace on a Monte-Carlo Fisher is the sampled matrix's)."
+        ),
+    ] = False
+    reason: Annotated[
+        str | None, Meta(description="Why the answer is approximate, and what its stderr is.")
+    ] = None
+
+
+MONTE_CARLO_DRAWS_REASON = (
+    "a Monte-Carlo Fisher's diagonal: the mean of {samples} draw(s) per example from the "
+    "model's predictive distribution (fisher_seed {seed}), an unbiased estimate of the "
+    "exact Fisher's; its stderr is the draws' (the sampling's; unknown from fewer than 30): "
+    "raise `samples`, or leave it out for the exact diagonal"
+)
+MONTE_CARLO_REASON = (
+    "a Monte-Carlo Fisher: {samples} target(s) drawn per example from the model's "
+    "predictive distribution (fisher_seed {seed}), an unbiased estimate of the exact "
+    "Fisher; the answer is of this sampled matrix, and its method and stderr (if any) "
+    "are about the estimator over the sampled matrix, not about the sampling: raise "
+    "`samples`, or leave it out for the exact Fisher"
+)
+KRONECKER_REASON = (
+    "{what} approximation of the {kind} ({sharing}; exact only for a linear layer "
+    "without weight sharing on one example)"
+)
+
+
+def curvature_used(
+    choice: CurvatureChoice, structure: str | None = None, monte_carlo: str = MONTE_CARLO_REASON
+) -> CurvatureUsed:
+    """The matrix a request's curvature fields (and, for a fit, its `structure`:
+    kfac, ekfac or diagonal) make an answer's; `monte_carlo`: what a Monte-Carlo
+    Fisher's reason says of the answer's stderr."""
+    kind = str(choice.curvature)
+    reasons = []
+    if kind in (CurvatureKind.kfac, CurvatureKind.ekfac):
+        # curvature kfac/ekfac on the estimators: the GGN's, expand, others exact
+        # (service/worker/curvature_ops.py kfac_operator)
+        kind, structure = str(CurvatureKind.ggn), kind
+        reasons.append(
+            KRONECKER_REASON.format(what=structure.upper(), kind=kind, sharing="expand")
+            + "; sources outside matmul and convolution layers as their exact block"
+        )
+    elif structure in ("kfac", "ekfac"):
+        sharing = str(getattr(choice, "sharing", Sharing.expand))
+        what = structure.upper()
+        reasons.append(KRONECKER_REASON.format(what=what, kind=kind, sharing=sharing))
+    elif structure == "diagonal":
+        reasons.append(f"the {kind}'s diagonal alone (its off-diagonal entries dropped)")
+    if choice.samples is not None:
+        reasons.append(monte_carlo.format(samples=choice.samples, seed=choice.fisher_seed))
+    return CurvatureUsed(
+        kind=kind,
+        samples=choice.samples,
+        seed=None if choice.samples is None else choice.fisher_seed,
+        structure=structure,
+        approximate=bool(reasons),
+        reason="; ".join(reasons) or None,
+    )
+
+
 class Budget(CurvatureChoice, kw_only=True):
     """The time an algorithm may run (the HVP budget is each operation's own)."""
+
+    def curvature_used(self) -> CurvatureUsed | None:
+        """What the answer's `curvature_used` states (None: the operation answers no
+        curvature, and its answer has no such field)."""
+        return curvature_used(self)
 
     max_seconds: (
         Annotated[
@@ -330,6 +433,11 @@ class DiagonalOptions(EstimatorOptions, kw_only=True):
             "takes (n = the tape's parameters), else hutchinson; exact; hutchinson."
         ),
     ] = DiagonalMethod.auto
+
+    def curvature_used(self) -> CurvatureUsed | None:
+        if self.method == DiagonalMethod.backprop:  # the draws themselves: their stderr
+            return curvature_used(self, monte_carlo=MONTE_CARLO_DRAWS_REASON)
+        return curvature_used(self)
 
 
 class SpectralDensityOptions(Budget, kw_only=True):
@@ -582,6 +690,9 @@ class PerExampleOptions(OnePass, kw_only=True):
         if self.curvature != CurvatureKind.hessian:
             raise OptionError("curvature", "per-example gradients take no curvature")
 
+    def curvature_used(self) -> CurvatureUsed | None:
+        return None  # gradients, not a curvature
+
 
 class Sharing(StrEnum):
     """KFAC under weight sharing (a convolution's positions, a sequence's steps):
@@ -643,6 +754,9 @@ class KFACOptions(OnePass, kw_only=True):
                 "curvature", "KFAC approximates the ggn, the fisher or the empirical_fisher"
             )
 
+    def curvature_used(self) -> CurvatureUsed | None:
+        return curvature_used(self, "ekfac" if self.ekfac else "kfac")
+
 
 class LaplaceOptions(OnePass, kw_only=True):
     """Fit a Laplace approximation at the tape's point (a trained model), kept with the
@@ -690,10 +804,44 @@ class LaplaceOptions(OnePass, kw_only=True):
         if self.curvature not in (CurvatureKind.ggn, CurvatureKind.empirical_fisher):
             raise OptionError("curvature", "a Laplace fit takes the ggn or the empirical_fisher")
 
+    def curvature_used(self) -> CurvatureUsed | None:
+        return curvature_used(self, {"kron": "kfac", "diag": "diagonal"}.get(self.structure))
+
 
 # ----------------------------------------------------------------------------------------
 # The table
 # ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a finished job's progress, read from the answer's `key` as `take`
+    says (service/domain/jobs.py TAKES): value (as it is), last (a list's last entry),
+    count (a list's length), exact_share (1.0 once an exact method answered every entry,
+    `key` not null; null for a stochastic one, whose running share is no answer)."""
+
+    key: str
+    take: str = "value"
+
+
+@dataclass(frozen=True)
+class FinalProgress:
+    """What a finished job's progress copies from its answer (`final_progress` in
+    service/domain/jobs.py), so that its last event never disagrees with the result:
+    `done` from the answer's HVP count, `estimate` and `error` from their figures. A
+    figure left None keeps the last report's (an operation that reports none: null)."""
+
+    done: str | None = "hvps"
+    estimate: Figure | None = None
+    error: Figure | None = None
+
+    def keys(self) -> list[str]:
+        """The answer keys it reads."""
+        figures = (self.estimate, self.error)
+        return [k for k in (self.done, *(f.key for f in figures if f)) if k is not None]
+
+
+ONE_PASS_PROGRESS = FinalProgress(done=None)  # one pass: no HVPs, no running figures
 
 
 class Sharded(StrEnum):
@@ -726,6 +874,10 @@ class Operation:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     job: bool = True  # may run as a job ("async": true or Prefer: respond-async)
     route_name: str = ""  # the route's name and OpenAPI operationId (default: the kind)
+    # What a finished job's progress copies from the answer; every row says (no default:
+    # a row without it does not import), tests/service/test_operations.py checks its
+    # keys against a real answer.
+    progress: FinalProgress = field(kw_only=True)
 
     @property
     def name(self) -> str:
@@ -740,6 +892,12 @@ class Operation:
     @property
     def request(self) -> str:
         return self.options.__name__.removesuffix("Options") + "Request"
+
+    @property
+    def answers_curvature(self) -> bool:
+        """Its answer states `curvature_used` (its options say so: every row but one
+        whose options' curvature_used() is None)."""
+        return self.options().curvature_used() is not None
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -760,6 +918,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="eigenvalues",
         diagnosis="eigenvalue iteration",
         route_name="compute_tape_eigenvalues",
+        progress=FinalProgress(estimate=Figure("eigenvalues"), error=Figure("residuals")),
     ),
     Operation(
         "tape_trace",
@@ -774,6 +933,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="trace",
         diagnosis="trace estimate",
         route_name="estimate_tape_trace",
+        progress=FinalProgress(estimate=Figure("trace"), error=Figure("stderr")),
     ),
     Operation(
         "tape_diagonal",
@@ -788,6 +948,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="diagonal",
         diagnosis="diagonal estimate",
         route_name="estimate_tape_diagonal",
+        progress=FinalProgress(estimate=Figure("diagonal", "exact_share"), error=Figure("error")),
     ),
     Operation(
         "tape_spectral_density",
@@ -804,6 +965,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="spectral_density",
         diagnosis="spectral density (Lanczos quadrature)",
         route_name="estimate_tape_spectral_density",
+        progress=FinalProgress(estimate=Figure("nodes", "count")),
     ),
     Operation(
         "tape_solve",
@@ -827,6 +989,7 @@ OPERATIONS: tuple[Operation, ...] = (
                 "the gradient.",
             }
         },
+        progress=FinalProgress(error=Figure("residuals", "last")),
     ),
     Operation(
         "tape_influence",
@@ -868,6 +1031,7 @@ OPERATIONS: tuple[Operation, ...] = (
                 "loss is the test loss.",
             },
         },
+        progress=FinalProgress(error=Figure("residuals", "last")),
     ),
     Operation(
         "tape_frobenius_norm",
@@ -883,6 +1047,7 @@ OPERATIONS: tuple[Operation, ...] = (
         sdk_method="frobenius_norm",
         diagnosis="Frobenius-norm estimate",
         route_name="estimate_tape_frobenius_norm",
+        progress=FinalProgress(estimate=Figure("frobenius_norm_squared"), error=Figure("stderr")),
     ),
 )
 
@@ -909,6 +1074,7 @@ OPERATIONS += (
         route_name="compute_tape_per_example",
         sharded=Sharded.refused,
         refusal=WHOLE_BATCH,
+        progress=ONE_PASS_PROGRESS,
     ),
     Operation(
         "tape_kfac",
@@ -937,6 +1103,7 @@ OPERATIONS += (
                 "tensor per source.",
             }
         },
+        progress=ONE_PASS_PROGRESS,
     ),
     Operation(
         "tape_laplace",
@@ -956,6 +1123,7 @@ OPERATIONS += (
         route_name="fit_tape_laplace",
         sharded=Sharded.refused,
         refusal=WHOLE_BATCH,
+        progress=ONE_PASS_PROGRESS,
     ),
 )
 BY_KIND: dict[str, Operation] = {op.kind: op for op in OPERATIONS}

@@ -44,6 +44,7 @@ import orjson
 from service.core import ipc, shm
 from service.core.config import Settings
 from service.core.errors import ServiceError
+from service.core.operations import FinalProgress
 from service.core.store import JobRow, Store
 from service.core.wire import Encoding
 from service.domain.sessions import iso
@@ -88,34 +89,45 @@ def _listed(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
-def final_progress(progress: dict[str, Any], result: dict[str, Any], seconds: float) -> None:
-    """A finished job's progress, in place: the figures of its answer (the estimate and
-    its error, the HVPs it took), never the last report's (sent at most every 50 ms, so
-    it may lag the end)."""
-    if isinstance(result.get("hvps"), int):
-        progress["done"] = result["hvps"]
+def _exact_share(value: Any, result: dict[str, Any]) -> Any:
+    """1.0 once an exact run answered every entry; null for a stochastic method (its
+    running figure is no answer); an exact run cut short keeps the share it reported."""
+    if result.get("method") != "exact":
+        return None
+    return 1.0 if value is not None else KEEP
+
+
+KEEP = object()  # a take's answer: leave the last report's figure
+TAKES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "value": lambda value, _: _listed(value),
+    "last": lambda value, _: _listed(value)[-1] if value is not None and len(value) else None,
+    "count": lambda value, _: len(value),
+    "exact_share": _exact_share,
+}
+
+
+def final_progress(
+    progress: dict[str, Any],
+    result: dict[str, Any],
+    seconds: float,
+    declared: FinalProgress | None = None,
+) -> None:
+    """A finished job's progress, in place: the figures of its answer its operation
+    declares (service/core/operations.py, the row's `progress`: the HVPs it took, the
+    estimate and its error), never the last report's (sent at most every 50 ms, so it
+    may lag the end). Without a declaration (a job outside the table): its time."""
     progress["seconds"] = seconds
     progress["eta"] = 0.0
-    if "trace" in result:
-        progress["estimate"], progress["error"] = result["trace"], result.get("stderr")
-    elif "frobenius_norm_squared" in result:
-        progress["estimate"] = result["frobenius_norm_squared"]
-        progress["error"] = result.get("stderr")
-    elif "eigenvalues" in result:
-        progress["estimate"] = _listed(result["eigenvalues"])
-        progress["error"] = _listed(result.get("residuals"))
-    elif "diagonal" in result:  # exact reports the share of entries reached
-        if result.get("method") != "exact":
-            progress["estimate"] = None
-        elif result["diagonal"] is not None:
-            progress["estimate"] = 1.0
-        progress["error"] = result.get("error")
-    elif "residuals" in result:  # a CG solve (solve, influence): its last residual
-        residuals = _listed(result["residuals"])
-        progress["estimate"] = None
-        progress["error"] = residuals[-1] if residuals else None
-    elif "nodes" in result:  # the spectral density: probes run
-        progress["estimate"], progress["error"] = len(result["nodes"]), None
+    if declared is None:
+        return
+    if declared.done is not None and isinstance(result.get(declared.done), int):
+        progress["done"] = result[declared.done]
+    for name, figure in (("estimate", declared.estimate), ("error", declared.error)):
+        if figure is None:
+            continue
+        value = TAKES[figure.take](result.get(figure.key), result)
+        if value is not KEEP:
+            progress[name] = value
 
 
 @dataclass(eq=False)
@@ -392,7 +404,10 @@ class JobRegistry:
         explain: Explain,
         encoding: Encoding,
         tape_id: str | None = None,
+        figures: FinalProgress | None = None,
     ) -> Job:
+        """Start `run` as a job; `figures`: what its progress takes from its answer when
+        it ends (its operation's declaration; None: a job outside the table)."""
         if self.shared:  # every process's jobs
             assert self.store is not None
             active = await asyncio.to_thread(self.store.count_active_jobs, owner)
@@ -427,7 +442,7 @@ class JobRegistry:
             ),
         )
         job.task = asyncio.get_running_loop().create_task(
-            self._run(job, run, explain), context=context
+            self._run(job, run, explain, figures), context=context
         )
         return job
 
@@ -437,7 +452,9 @@ class JobRegistry:
             job.started = time.time()
             job.touch()
 
-    async def _run(self, job: Job, run: Run, explain: Explain) -> None:
+    async def _run(
+        self, job: Job, run: Run, explain: Explain, figures: FinalProgress | None
+    ) -> None:
         try:
             result, seconds = await run()
         except asyncio.CancelledError:
@@ -452,7 +469,7 @@ class JobRegistry:
         # Kept for job_ttl: out of the worker's shared-memory arena, which it would pin.
         job.result, job.seconds = shm.detached(result), seconds
         if job.progress is not None:
-            final_progress(job.progress, result, seconds)
+            final_progress(job.progress, result, seconds, figures)
         self._end(job, "succeeded")
 
     def _end(self, job: Job, state: str) -> None:

@@ -20,6 +20,7 @@ from engine.hessian_algorithms.hutchinson import MIN_STDERR_SAMPLES, tolerance_m
 from engine.kfac import KFAC, curvature_diagonal, fisher_diagonal_draws
 from engine.laplace import Laplace
 from engine.per_example import MixedExamplesError, PerExample, per_example
+from service.core.operations import CurvatureKind, LaplaceOptions, Sharing
 from service.worker import tapes
 from service.worker.compute import RequestError, WorkerContext
 
@@ -278,6 +279,7 @@ def kfac_answer(
     result: dict[str, Any] = {
         "layers": layers,
         "others": [_names(session)[names[i]] for i in fitted.others],
+        "unreached": [_names(session)[names[i]] for i in fitted.unreached],
         "trace": fitted.trace(),
         "logdet": _finite_or_none(fitted.logdet(damping)),
         "damping": damping,
@@ -462,7 +464,17 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
         "sigma_noise": la.sigma_noise if la.regression else None,
         "log_marginal_likelihood": la.log_marginal_likelihood(),
         "log_likelihood": la.log_likelihood(),
+        "curvature_used": _fit_used(la),
     }
+
+
+def _fit_used(la: Laplace) -> Any:
+    """The fit's curvature_used, as its request's options state it (service/core/
+    operations.py): its evidence, predictive and samples answer it too."""
+    options = LaplaceOptions(
+        curvature=CurvatureKind(la.curvature), structure=la.structure, sharing=Sharing(la.sharing)
+    )
+    return msgspec.to_builtins(options.curvature_used())
 
 
 @tapes.operation("tape_laplace")
@@ -568,6 +580,7 @@ def tape_laplace_predictive(payload: Mapping[str, Any], context: WorkerContext) 
         "probabilities": found.probabilities,
         "link": found.link if not la.regression else None,
         "samples": found.samples,
+        "curvature_used": _fit_used(la),
     }
     return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
@@ -637,7 +650,7 @@ def tape_laplace_samples(payload: Mapping[str, Any], context: WorkerContext) -> 
         size = params[i].size
         out[_names(session)[names[i]]] = draws[:, lo : lo + size].reshape((count, *params[i].shape))
         lo += size
-    result = {"samples": out, "count": count, "subset": la.subset}
+    result = {"samples": out, "count": count, "subset": la.subset, "curvature_used": _fit_used(la)}
     return tapes.finish_answer(session, rebuilt, result, hvp_only=True)
 
 

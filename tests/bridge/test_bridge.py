@@ -929,3 +929,58 @@ def test_split_by_a_size_goes_through_the_bridge(server) -> None:
     with Client(server.base_url) as client, client.tape(model, loss="mse", data=(x, y)) as tape:
         np.testing.assert_allclose(tape.value, want.item(), rtol=1e-12)
         assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, torch_grads(model, want))
+
+
+class BodyOnly(nn.Module):
+    """TwoHeads' features alone: the peer of a loss on TwoHeads' out1."""
+
+    def __init__(self, body: nn.Linear) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(x))
+
+
+def test_kfac_of_a_loss_on_one_output_answers_its_layers_and_names_the_unreached(
+    server,
+) -> None:
+    """A loss on out1 (the features) of TwoHeads: head.* feed only out0. KFAC refused
+    them as "in no matmul or convolution layer of their own"; they are in a layer, one
+    the loss never reaches, where the curvature is exactly zero. Now the KFAC answers:
+    body.*'s blocks those of the same body alone (BodyOnly, the peer), head.* listed as
+    unreached, their products zero and their damped inverse v / damping."""
+    model = perturbed(TwoHeads(), seed=14)
+    peer = BodyOnly(copy.deepcopy(model.body))
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(7, 4, dtype=torch.float64, generator=gen)
+    z = torch.randn(7, 5, dtype=torch.float64, generator=gen)
+    v = {
+        n: torch.randn(p.shape, dtype=torch.float64, generator=gen)
+        for n, p in model.named_parameters()
+    }
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="mse", data=(x, z), output="out1") as tape,
+        client.tape(peer, loss="mse", data=(x, z)) as alone,
+    ):
+        fitted = tape.kfac(v)
+        want = alone.kfac({n: v[n] for n in ("body.weight", "body.bias")})
+        assert sorted(fitted.unreached) == ["head.bias", "head.weight"] and not fitted.others
+        assert [(layer.weight, layer.bias) for layer in fitted.layers] == [
+            ("body.weight", "body.bias")
+        ]
+        np.testing.assert_allclose(fitted.trace, want.trace, rtol=1e-10)
+        np.testing.assert_allclose(
+            fitted.layers[0].eigenvalues, want.layers[0].eigenvalues, rtol=1e-10, atol=1e-14
+        )
+        for n in ("body.weight", "body.bias"):
+            np.testing.assert_allclose(fitted.product[n], want.product[n], rtol=1e-10)
+        for n in ("head.weight", "head.bias"):
+            assert not np.asarray(fitted.product[n]).any(), n
+        inverse = tape.kfac(v, inverse=True, damping=0.5)
+        for n in ("head.weight", "head.bias"):
+            np.testing.assert_allclose(inverse.product[n], v[n] / 0.5, rtol=1e-12)
+        # The estimators on it too: its trace (exact, by products) is KFAC's.
+        on_kfac = tape.trace(curvature="kfac", method="exact")
+        assert on_kfac.trace == pytest.approx(want.trace, rel=1e-9)

@@ -57,6 +57,7 @@ def test_eigenvalues_json_and_plot(
     assert status == 0, err
     answer = json.loads(out)
     assert answer["kind"] == "Eigenvalues" and answer["converged"]
+    assert answer["curvature_used"]["kind"] == "hessian"  # (a dataclass, written as JSON)
     with Client(server.base_url) as client, client.tape(definition(), "loss") as tape:
         peer = tape.eigenvalues(3, tol=1e-8)
     np.testing.assert_allclose(answer["eigenvalues"], peer.eigenvalues, rtol=1e-6)
@@ -195,6 +196,9 @@ def test_the_api_key_and_its_absence(
 ) -> None:
     """A server that requires keys: refused without one (exit 1, the 401 said), answered
     with --api-key, and with GRADTAPE_API_KEY."""
+    # The strict server's one worker, no queue: a test before this one (test_errors')
+    # may leave it computing to its time limit, and a 503 would outlast the retries.
+    strict.wait_ready()
     argv = ["trace", MODEL, "--data", DATA, "--url", strict.base_url, "--no-progress"]
     argv += ["--method", "hutchinson", "--max-hvps", "4", "--json"]
     status, _, err = run_cli(capsys, *argv)

@@ -5,10 +5,19 @@ g_test have closed forms."""
 
 from __future__ import annotations
 
+import warnings
+
 import httpx
 import numpy as np
 import pytest
-from gradtape.client import Client, Definition, Influence, InvalidRequest
+from gradtape.client import (
+    ApproximateWarning,
+    Client,
+    CurvatureUsed,
+    Definition,
+    Influence,
+    InvalidRequest,
+)
 from scipy.sparse.linalg import eigsh
 
 
@@ -99,3 +108,114 @@ def test_influence(client: Client, server, rng: np.random.Generator) -> None:
         np.testing.assert_allclose(stored.scores, want, rtol=1e-8)
         with pytest.raises(InvalidRequest, match="missing 'y'"):
             tape.influence({"X": x_test})
+
+
+def test_a_monte_carlo_fisher_answer_says_so_and_warns(
+    client: Client, rng: np.random.Generator
+) -> None:
+    """An exact trace of a Monte-Carlo Fisher is the sampled matrix's: the result states
+    the curvature it used (samples, seed, approximate, why) and warns once, as an
+    unconverged answer does; the exact Fisher's neither claims nor warns."""
+    definition, _, _, _, ggn, _ = logistic(rng)
+    with client.tape(definition, "loss", output="z") as tape:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            exact = tape.trace(curvature="fisher", method="exact")
+        assert not [w for w in seen if issubclass(w.category, ApproximateWarning)]
+        assert exact.trace == pytest.approx(np.trace(ggn), rel=1e-10)
+        assert exact.curvature_used == CurvatureUsed(kind="fisher")
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mc = tape.trace(curvature="fisher", samples=2000, fisher_seed=5, method="exact")
+        approximate = [w for w in seen if issubclass(w.category, ApproximateWarning)]
+        assert len(approximate) == 1 and approximate[0].filename == __file__
+        assert "the trace is approximate: a Monte-Carlo Fisher: 2000 target" in str(
+            approximate[0].message
+        )
+        assert mc.method == "exact" and mc.stderr == 0  # exact over the sampled matrix
+        used = mc.curvature_used
+        assert used is not None and used.approximate and (used.samples, used.seed) == (2000, 5)
+        assert used.kind == "fisher" and "stderr" in (used.reason or "")
+        assert mc.trace == pytest.approx(np.trace(ggn), rel=0.03)  # near the exact one
+        assert mc.trace != exact.trace
+
+        # Products and the dict answers warn too; silenced the way any warning is.
+        with pytest.warns(ApproximateWarning, match="the product is approximate"):
+            tape.hvp({"w": np.ones(4)}, curvature="fisher", samples=8)
+        with pytest.warns(ApproximateWarning, match="the frobenius norm is approximate"):
+            answer = tape.frobenius_norm(curvature="fisher", samples=8, max_hvps=32)
+        assert answer["curvature_used"]["samples"] == 8
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApproximateWarning)
+            with pytest.raises(ApproximateWarning):
+                tape.diagonal(curvature="fisher", samples=8)
+            warnings.simplefilter("ignore", ApproximateWarning)
+            quiet = tape.diagonal(curvature="fisher", samples=8, method="exact")
+        assert quiet.curvature_used is not None and quiet.curvature_used.samples == 8
+
+        # A KFAC is one by name: stated, not warned; its Monte-Carlo Fisher is warned.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApproximateWarning)
+            fitted = tape.kfac()
+            on_kfac = tape.eigenvalues(1, curvature="kfac")
+        assert fitted.curvature_used == CurvatureUsed(
+            kind="ggn", structure="kfac", approximate=True, reason=fitted.curvature_used.reason
+        )
+        assert on_kfac.curvature_used is not None and on_kfac.curvature_used.structure == "kfac"
+        with pytest.warns(ApproximateWarning, match="KFAC is approximate: KFAC approximation"):
+            sampled = tape.kfac(curvature="fisher", samples=4)
+        assert sampled.curvature_used is not None and sampled.curvature_used.kind == "fisher"
+        la = tape.laplace(structure="diag")
+        assert la.curvature_used is not None and la.curvature_used.structure == "diagonal"
+
+
+def test_a_block_wider_than_hvp_max_vectors_goes_in_chunks(
+    tmp_path, rng: np.random.Generator
+) -> None:
+    """linear_operator's matmat (and hvp_many) with more columns than the server's
+    hvp_max_vectors (3 here) was a 422; the SDK now learns the limit from that refusal
+    (its `limit`) and sends chunks of 3, assembling the product: equal to the dense
+    matrices, and to one-column products."""
+    from tests.service.conftest import own_server
+
+    definition, X, _, w, ggn, _ = logistic(rng, n=20, d=8)
+    p = 1 / (1 + np.exp(-(X @ w)))
+    hessian = (X.T * (p * (1 - p))) @ X / len(X)  # (logistic regression: = the GGN)
+    with (
+        own_server(tmp_path, hvp_max_vectors="3", workers="1") as srv,
+        Client(srv.base_url) as client,
+        client.tape(definition, "loss", output="z") as tape,
+    ):
+        refused = httpx.post(
+            f"{srv.base_url}/v1/tapes/{tape.id}/hvp",
+            json={"vectors": [{"w": [0.0] * 8}] * 4},
+        )
+        assert refused.status_code == 422 and refused.json()["limit"] == 3
+        block = rng.standard_normal((8, 7))
+        op = tape.linear_operator()
+        assert client._core.hvp_max_vectors is None  # not known before it is refused
+        np.testing.assert_allclose(op @ block, hessian @ block, rtol=1e-10)
+        assert client._core.hvp_max_vectors == 3
+        ggn_op = tape.linear_operator(curvature="ggn")
+        np.testing.assert_allclose(ggn_op.matmat(block), ggn @ block, rtol=1e-10)
+        columns = np.stack([op.matvec(block[:, j]) for j in range(7)], axis=1)
+        np.testing.assert_allclose(op @ block, columns, rtol=1e-12)
+        many = tape.hvp_many([{"w": block[:, j]} for j in range(7)])
+        np.testing.assert_allclose(np.stack([h["w"] for h in many], axis=1), hessian @ block)
+
+
+def test_the_vectors_limit_is_read_from_the_refusal() -> None:
+    """From `limit`, or (a server without it) the field's "at most N"; never from another
+    refusal."""
+    from gradtape.client.errors import TooLarge
+    from gradtape.client.tape import _vectors_limit
+
+    def refusal(**problem: object) -> TooLarge:
+        base = {"type": "/problems/too-large", "status": 422}
+        return TooLarge({**base, **problem})
+
+    vectors = [{"field": "vectors", "message": "at most 5"}]
+    assert _vectors_limit(refusal(errors=vectors, limit=5)) == 5
+    assert _vectors_limit(refusal(errors=vectors)) == 5
+    assert _vectors_limit(refusal(errors=[{"field": "time_limit", "message": "at most 5"}])) is None

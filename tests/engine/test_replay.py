@@ -859,3 +859,27 @@ def test_observe_reports_how_each_outermost_pass_ran() -> None:
     assert not nothing.compiled and "no pass" in (nothing.reason or "")
     # Outside observe(), passes report nowhere (and answer as ever).
     program.value_and_gradients(request, program.leaves(_with_values(base, rng)))
+
+
+def test_an_operator_that_does_not_replay_says_why() -> None:
+    """A Hessian or curvature operator whose products skip the compiled passes (asked
+    for compiled=False, or a GPU's arrays) reports the reason to observe(), as the
+    definitions' passes do, not the blank "no pass ran through a compiled entry point"
+    (a tape's HVP on a GPU answered that before)."""
+    from engine.curvature import curvature_operator
+
+    rng = np.random.default_rng(47)
+    x, y = gt.constant(rng.random((6, 4))), gt.constant(rng.random((6, 3)))
+    w, v = gt.constant(rng.random((4, 3))), gt.constant(rng.random((4, 3)))
+    ggn = curvature_operator(
+        lambda k, data: data @ k, lambda out, target: gt.mean((out - target) ** 2), w, x, y
+    )
+    ggn.compiled = False  # (what a GPU's arrays do to it, on this CPU-only machine)
+    operators = [
+        gt.hessian_operator(lambda k: gt.sum(gt.tanh(x @ k) ** 2), w, compiled=False),
+        ggn,
+    ]
+    for operator in operators:
+        with replay.observe() as observed:
+            operator.hvp(v)
+        assert observed.summary() == replay.Execution(False, replay.why_dynamic(False))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,11 @@ def test_routed(op: Any, routes: dict[str, Any]) -> None:
         assert fields[f.name].default == f.default
     for name in op.tensors:
         assert name in fields
+    # A row whose options state a curvature answers `curvature_used` (its schema says so).
+    answers = route.response_model.model_fields
+    assert ("curvature_used" in answers) is op.answers_curvature, op.kind
+    if op.answers_curvature:
+        assert answers["curvature_used"].is_required(), op.kind
 
 
 @pytest.mark.parametrize("op", OPERATIONS, ids=IDS)
@@ -151,3 +157,74 @@ def test_options_cross_typed() -> None:
     with pytest.raises(msgspec.ValidationError, match="Monte-Carlo Fisher"):
         curvature_choice({"curvature": "ggn", "samples": 3})
     assert curvature_choice(trace) == CurvatureChoice()
+
+
+# A finished job's progress: the figures its row declares, read from its real answer ------
+
+LOGISTIC = {
+    "variables": {"w": {"dtype": "float64", "shape": [3], "data": [0.5, -0.3, 0.2]}},
+    "inputs": {
+        "X": {
+            "dtype": "float64",
+            "shape": [8, 3],
+            "data": [((i * 7 + j * 3) % 11 - 5) / 4 for i in range(8) for j in range(3)],
+        },
+        "y": {"dtype": "float64", "shape": [8], "data": [i % 2 for i in range(8)]},
+    },
+    "program": ["z = X @ w", "loss = sigmoid_cross_entropy(z, y)"],
+}
+JOB_BODIES: dict[str, dict[str, Any]] = {
+    "eigenvalues": {"k": 1},
+    "trace": {"method": "hutchinson", "max_hvps": 40, "batch_size": 4},
+    "diagonal": {"method": "exact"},
+    "spectral-density": {"probes": 2, "steps": 3},
+    "solve": {"damping": 0.1},
+    "influence": {"rows": [0], "damping": 0.1},
+    "frobenius-norm": {"max_hvps": 40, "batch_size": 8},
+    "per-example": {},
+    "kfac": {},
+    "laplace": {},
+}
+
+
+def _finished(client: Any, location: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 120
+    while (job := client.get(location).json())["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.02)
+    assert job["state"] == "succeeded", job
+    return job
+
+
+def test_a_finished_jobs_progress_is_its_answers_declared_figures(client: Any) -> None:
+    """Every job-capable row, run as a real job: its declared keys are in its answer, and
+    its final progress carries exactly the figures they give (the declaration, not the
+    answer's keys, decides: a new row must declare them)."""
+    from service.domain.jobs import KEEP, TAKES
+
+    assert set(JOB_BODIES) == {op.path for op in OPERATIONS if op.job}
+    r = client.post("/v1/tapes", json={"definition": LOGISTIC, "target": "loss", "output": "z"})
+    assert r.status_code == 201, r.text
+    tape_id = r.json()["tape_id"]
+    for op in OPERATIONS:
+        if not op.job:
+            continue
+        started = client.post(
+            f"/v1/tapes/{tape_id}/{op.path}", json={**JOB_BODIES[op.path], "async": True}
+        )
+        assert started.status_code == 202, (op.kind, started.text)
+        job = _finished(client, started.headers["location"])
+        answer, progress, declared = job["result"], job["progress"], op.progress
+        missing = [k for k in declared.keys() if k not in answer]
+        assert not missing, f"{op.kind}: declares {missing}, not in its answer {sorted(answer)}"
+        if declared.done is None:  # one pass: nothing reported, nothing to copy
+            assert progress is None or progress.get("estimate") is None, (op.kind, progress)
+            continue
+        assert progress is not None, f"{op.kind}: an algorithm job that reported nothing"
+        assert progress["done"] == answer[declared.done] and progress["eta"] == 0.0
+        for name, figure in (("estimate", declared.estimate), ("error", declared.error)):
+            if figure is None:
+                continue
+            want = TAKES[figure.take](answer[figure.key], answer)
+            if want is not KEEP:
+                assert progress[name] == pytest.approx(want), (op.kind, name)

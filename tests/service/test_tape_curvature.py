@@ -536,3 +536,146 @@ def test_bare_list_labels_are_cast_to_the_inputs_dtype(client, tape_id) -> None:
     assert (
         "input 'y' is int64; the values given are not whole numbers" in (problem(r, 422)["detail"])
     )
+
+
+# The curvature an answer used (curvature_used) ------------------------------------------
+# Every curvature answer states its matrix; one on a Monte-Carlo Fisher says it is
+# approximate and why, however exact its method (an exact trace answers stderr 0: that
+# of the sampled matrix, not of the Fisher).
+
+
+def test_a_monte_carlo_fisher_trace_converges_and_says_it_is_approximate(client, tape_id) -> None:
+    exact_trace = float(np.trace(TRUTH["fisher"]))
+    exact = post(
+        client,
+        f"/v1/tapes/{tape_id}/trace",
+        {"method": "exact", "curvature": "fisher"},
+    )
+    assert exact["trace"] == pytest.approx(exact_trace, rel=1e-10)
+    assert exact["curvature_used"] == {
+        "kind": "fisher",
+        "samples": None,
+        "seed": None,
+        "structure": None,
+        "approximate": False,
+        "reason": None,
+    }
+    errors = []
+    for samples in (1, 4096):
+        mc = post(
+            client,
+            f"/v1/tapes/{tape_id}/trace",
+            {"method": "exact", "curvature": "fisher", "samples": samples, "fisher_seed": 3},
+        )
+        # exact over the sampled matrix: its method and stderr say nothing of the sampling
+        assert mc["method"] == "exact" and mc["stderr"] == 0
+        used = mc["curvature_used"]
+        assert (used["kind"], used["samples"], used["seed"]) == ("fisher", samples, 3)
+        assert used["approximate"] is True and used["structure"] is None
+        assert "Monte-Carlo Fisher" in used["reason"] and f"{samples} target" in used["reason"]
+        assert "stderr" in used["reason"]
+        errors.append(abs(mc["trace"] - exact_trace) / exact_trace)
+    # N = 16 examples: S = 1 is off by ~10-30%, S = 4096 within about 1% of the Fisher's.
+    assert errors[1] < 0.02 and errors[1] < errors[0] / 5, errors
+
+
+def test_every_curvature_answer_states_its_curvature(client, tape_id) -> None:
+    """Each table row that answers a curvature, and the products, on a Monte-Carlo
+    Fisher: curvature_used names it, its samples and seed, approximate."""
+    mc = {"curvature": "fisher", "samples": 16, "fisher_seed": 7}
+    bodies = {
+        "hvp": {"vector": split(np.ones(P))},
+        "eigenvalues": {"k": 1, "max_hvps": 40},
+        "trace": {"max_hvps": 40},
+        "diagonal": {"max_hvps": 40},
+        "spectral-density": {"probes": 1, "steps": 4},
+        "solve": {"damping": 0.1},
+        "influence": {"rows": [0], "damping": 0.1},
+        "frobenius-norm": {"max_hvps": 32},
+        "kfac": {"others": "exact"},
+    }
+    from service.core.operations import OPERATIONS
+
+    asked = {op.path for op in OPERATIONS if op.answers_curvature} | {"hvp"}
+    assert asked == set(bodies) | {"laplace"}  # (laplace takes no Monte-Carlo Fisher)
+    for path, body in bodies.items():
+        used = post(client, f"/v1/tapes/{tape_id}/{path}", {**body, **mc})["curvature_used"]
+        assert used["kind"] == "fisher" and (used["samples"], used["seed"]) == (16, 7), path
+        assert used["approximate"] is True and "Monte-Carlo" in used["reason"], path
+        plain = post(client, f"/v1/tapes/{tape_id}/{path}", {**body, "curvature": "ggn"})
+        assert plain["curvature_used"]["kind"] == "ggn", path
+        assert plain["curvature_used"]["approximate"] is (path == "kfac"), path
+    # The Hessian by default; per-example gradients are no curvature (no field).
+    assert post(client, f"/v1/tapes/{tape_id}/trace", {})["curvature_used"]["kind"] == "hessian"
+    assert "curvature_used" not in post(client, f"/v1/tapes/{tape_id}/per-example", {})
+
+
+def test_kronecker_factored_answers_say_of_which_curvature(client, tape_id) -> None:
+    fitted = post(
+        client,
+        f"/v1/tapes/{tape_id}/kfac",
+        {"curvature": "fisher", "samples": 8, "ekfac": True, "others": "exact"},
+    )
+    used = fitted["curvature_used"]
+    assert (used["kind"], used["structure"], used["samples"]) == ("fisher", "ekfac", 8)
+    assert used["reason"].startswith("EKFAC approximation of the fisher (expand")
+    assert "Monte-Carlo" in used["reason"]
+    # curvature kfac on an estimator: the GGN's KFAC
+    on_kfac = post(client, f"/v1/tapes/{tape_id}/trace", {"curvature": "kfac", "method": "exact"})
+    used = on_kfac["curvature_used"]
+    assert (used["kind"], used["structure"], used["approximate"]) == ("ggn", "kfac", True)
+    assert on_kfac["trace"] != pytest.approx(np.trace(TRUTH["ggn"]), rel=1e-6)
+    for structure, expected, approximate in (
+        ("kron", "kfac", True),
+        ("diag", "diagonal", True),
+        ("full", None, False),
+    ):
+        fit = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": structure})
+        used = fit["curvature_used"]
+        assert (used["kind"], used["structure"]) == ("ggn", expected), structure
+        assert used["approximate"] is approximate, structure
+        # the fit's evidence answers the same statement
+        again = post(
+            client,
+            f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}/log-marginal-likelihood",
+            {},
+        )
+        assert again["curvature_used"] == used
+        fitted = f"/v1/tapes/{tape_id}/laplace/{fit['laplace_id']}"
+        predictive = post(
+            client, f"{fitted}/predictive", {"test_inputs": {"x": t(X[:2], "float64")}}
+        )
+        assert predictive["curvature_used"] == used
+        assert post(client, f"{fitted}/samples", {"count": 2})["curvature_used"] == used
+
+
+def test_a_monte_carlo_diagonal_by_backprop_says_its_stderr_is_the_sampling(
+    client, tape_id
+) -> None:
+    """method backprop with samples averages the draws' diagonals: its stderr is the
+    sampling's (not the estimator's over a sampled matrix, as the other methods')."""
+    body = {"curvature": "fisher", "samples": 40, "fisher_seed": 2}
+    drawn = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "method": "backprop"})
+    reason = drawn["curvature_used"]["reason"]
+    assert "draw(s) per example" in reason and "the sampling's" in reason
+    assert drawn["error"] is not None and drawn["error"] > 0  # 40 draws: a known stderr
+    exact = post(client, f"/v1/tapes/{tape_id}/diagonal", {**body, "method": "exact"})
+    assert "not about the sampling" in exact["curvature_used"]["reason"]
+    assert exact["curvature_used"]["approximate"] and exact["error"] == 0
+
+
+def test_a_job_answer_states_its_curvature(client, tape_id) -> None:
+    body = {"method": "exact", "curvature": "fisher", "samples": 4, "async": True}
+    r = client.post(f"/v1/tapes/{tape_id}/trace", json=body)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 60
+    while (job := client.get(r.headers["location"]).json())["state"] not in (
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert job["state"] == "succeeded", job
+    assert job["result"]["curvature_used"]["samples"] == 4
+    assert job["result"]["curvature_used"]["approximate"] is True

@@ -220,6 +220,11 @@ def test_curvature_products_and_eigenvalues_equal_unsharded(client) -> None:
         post(client, f"/v1/tapes/{plain['tape_id']}/eigenvalues", body)["eigenvalues"],
         1e-9,
     )
+    # A sharded tape's answers state their curvature as the unsharded one's do.
+    body = {"method": "exact", "curvature": "fisher", "samples": 3, "fisher_seed": 1}
+    for tape in (plain, sharded):
+        used = post(client, f"/v1/tapes/{tape['tape_id']}/trace", body)["curvature_used"]
+        assert (used["kind"], used["samples"], used["approximate"]) == ("fisher", 3, True)
     for tape in (plain, sharded):
         client.delete(f"/v1/tapes/{tape['tape_id']}")
 

@@ -21,6 +21,7 @@ from service.api.openapi import compute_responses, job_responses, msgpack_body, 
 from service.api.problems import ProblemError
 from service.api.schemas import Definition, DefinitionRequest
 from service.core.errors import ServiceError
+from service.core.operations import FinalProgress
 from service.domain.jobs import JobRegistry
 from service.domain.requests import Prepared
 from service.domain.sessions import ModelCatalog
@@ -107,10 +108,12 @@ async def respond(
     tape_id: str | None = None,
     *,
     job: bool,
+    figures: FinalProgress | None = None,
 ) -> Response:
     """Run `call` and answer its result; or, when the route may run jobs (`job`) and the
     request asks for one (`"async": true` or `Prefer: respond-async`), start it as one
-    and answer 202 with its Location and document."""
+    and answer 202 with its Location and document (`figures`: what the job's progress
+    takes from its answer when it ends, as its table row declares)."""
     preferred = job and prefers_async(request)
     if not (preferred or (job and getattr(body, "run_async", False))):
         reply = await call()
@@ -128,7 +131,7 @@ async def respond(
     operation = f"{request.method} {getattr(route, 'path', request.url.path)}"
     try:
         started = await jobs.start(
-            owner, operation, run_job, explainer(request), prepared.encoding, tape_id
+            owner, operation, run_job, explainer(request), prepared.encoding, tape_id, figures
         )
     except ServiceError as exc:
         if exc.slug != "quota-exceeded":

@@ -6,9 +6,9 @@ forward pass again."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -50,8 +50,14 @@ from service.api.schemas import (
     TapeList,
     TapeUpdateRequest,
 )
-from service.api.schemas.operations import REQUEST_MODELS, RESPONSE_MODELS
-from service.core.operations import OPERATIONS
+from service.api.schemas.operations import REQUEST_MODELS, RESPONSE_MODELS, OperationRequest
+from service.core.operations import (
+    BY_KIND,
+    CURVATURE_FIELDS,
+    OPERATIONS,
+    curvature_choice,
+    curvature_used,
+)
 from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=GatedRoute)
@@ -213,14 +219,31 @@ def _on_tape(name: str, path: str, *rest: Any, **options: Any) -> Operation:
     return Operation(name, f"/v1/tapes/{{tape_id}}/{path}", *rest, **options)
 
 
+def _curvature_used(body: Any) -> dict[str, Any] | None:
+    """The `curvature_used` of the answer to this request: a table row's as its options
+    declare it (None for a row that answers no curvature), an HVP's from its curvature
+    fields; None for the questions that take no curvature (gradient, jacobian)."""
+    if isinstance(body, OperationRequest):
+        used = body.options().curvature_used()
+    elif isinstance(body, TapeHVPRequest):
+        used = curvature_used(curvature_choice({k: getattr(body, k) for k in CURVATURE_FIELDS}))
+    else:
+        return None
+    return None if used is None else msgspec.to_builtins(used)
+
+
 def _add(op: Operation) -> None:
     async def endpoint(request: Request, body: Any, compute: TapeComputeDep) -> Response:
         owner, services, tape = compute.owner, compute.services, compute.tape
         as_job(request, body, op)
         prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
+        used = _curvature_used(body)
 
-        def call() -> Awaitable[Reply]:
-            return services.tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+        async def call() -> Reply:
+            reply = await services.tapes.call(tape, op.kind, prepared.payload, prepared.time_limit)
+            if used is not None:  # the matrix the answer is of, on the answer (jobs' too)
+                reply.result["curvature_used"] = used
+            return reply
 
         return await respond(
             request,
@@ -231,6 +254,7 @@ def _add(op: Operation) -> None:
             tape_id=tape.id,
             call=call,
             job=op.job,
+            figures=row.progress if (row := BY_KIND.get(op.kind)) is not None else None,
         )
 
     register(router, op, endpoint, TAPE_ERRORS)

@@ -13,7 +13,11 @@ from pydantic import (
 
 from service.api.schemas.base import nonfinite_flag
 from service.api.schemas.definitions import Tensors
-from service.api.schemas.operations import REQUEST_MODELS
+from service.api.schemas.operations import (
+    REQUEST_MODELS,
+    CurvatureUsedModel,
+    curvature_used_field,
+)
 from service.api.schemas.tensors import Tensor
 from service.core.operations import CurvatureKind, DiagonalMethod, EigenMethod, TraceMethod
 
@@ -49,6 +53,7 @@ class EigenvaluesResponse(BaseModel):
     iterations: int = Field(description="Lanczos iterations, or power steps (batched passes).")
     hvps: int = Field(description="HVPs used.")
     seconds: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -62,7 +67,8 @@ class TraceResponse(BaseModel):
         "probes of the remainder; exact stopped by max_seconds: that "
         "of n x the mean diagonal entry seen (they are visited in a "
         "random order); null (unknown) from fewer than 30 samples, "
-        "which are too few for one."
+        "which are too few for one. Of the estimator over the matrix `curvature_used` "
+        "names: on a Monte-Carlo Fisher, the sampled matrix (its sampling is not in it)."
     )
     method: TraceMethod = Field(
         description="The method that ran (auto resolved; hutchpp "
@@ -92,6 +98,7 @@ class TraceResponse(BaseModel):
     )
     hvps: int
     seconds: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -132,6 +139,7 @@ class DiagonalResponse(BaseModel):
     stopped: Stopped = Field(description="exhausted (exact), tolerance, max_hvps or time_limit.")
     hvps: int
     seconds: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -168,6 +176,7 @@ class SpectralDensityResponse(BaseModel):
     )
     hvps: int
     seconds: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -186,6 +195,7 @@ class SolveResponse(BaseModel):
         description="||b - (H + damping I) x|| / ||b|| from x = 0 and after each iteration."
     )
     seconds: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()
 
 
@@ -228,6 +238,7 @@ class InfluenceResponse(BaseModel):
     )
     residuals: list[float]
     seconds: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()
 
 

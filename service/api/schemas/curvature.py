@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model
 from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
 from service.api.schemas.definitions import Inputs, Tensors
+from service.api.schemas.operations import CurvatureUsedModel, curvature_used_field
 from service.api.schemas.tensors import INT_MAX, Name, Tensor
 
 
@@ -86,6 +87,11 @@ class KFACResponse(BaseModel):
 
     layers: list[KFACLayer]
     others: list[str] = Field(description="Sources kept as an exact block (others: exact).")
+    unreached: list[str] = Field(
+        description="Sources the model's output (and so the loss) does not reach, such as "
+        "a head feeding only another output: their curvature is exactly zero, and so is "
+        "their block here (products zero, the damped inverse v / damping)."
+    )
     trace: float
     logdet: float | None = Field(
         description="sum log(eigenvalue + damping); null (-inf) when a block is singular "
@@ -95,6 +101,7 @@ class KFACResponse(BaseModel):
     product: Tensors | None = Field(
         description="KFAC v (or the inverse's), when `vector` is given."
     )
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
 class LaplaceResponse(BaseModel):
@@ -111,6 +118,7 @@ class LaplaceResponse(BaseModel):
     sigma_noise: float | None
     log_marginal_likelihood: float
     log_likelihood: float
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
 class LaplaceEvidenceRequest(CallOptions):
@@ -159,6 +167,7 @@ class LaplacePredictiveResponse(BaseModel):
     )
     link: str | None
     samples: int | None
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
 class LaplaceSamplesRequest(CallOptions):
@@ -170,3 +179,4 @@ class LaplaceSamplesResponse(BaseModel):
     samples: Tensors = Field(description="(count, *shape) per source of the subset.")
     count: int
     subset: str
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]

@@ -36,6 +36,7 @@ from service.core.operations import (
     OPERATIONS,
     Budget,
     CurvatureChoice,
+    CurvatureUsed,
     Operation,
     OptionError,
 )
@@ -190,11 +191,31 @@ def request_model(op: Operation) -> type[OperationRequest]:
     return model
 
 
+# The matrix a curvature answer used (service.core.operations.CurvatureUsed), declared once.
+CurvatureUsedModel: type[BaseModel] = create_model(
+    "CurvatureUsed",
+    __doc__=CurvatureUsed.__doc__,
+    __module__=__name__,
+    **struct_fields(CurvatureUsed),
+)
+
+
+def curvature_used_field() -> Any:
+    return Field(
+        description="The matrix the answer is of: its kind, for a Monte-Carlo Fisher its "
+        "samples and seed, for an approximation its structure, and `approximate` with the "
+        "reason (service.core.operations.CurvatureUsed)."
+    )
+
+
 def result_model(op: Operation) -> type[BaseModel]:
-    """The response model of a result Struct declared in the table (its fields, and the
-    `nonfinite` flag every answer carries), named `op.result_name`."""
+    """The response model of a result Struct declared in the table (its fields, the
+    `curvature_used` of a row that answers a curvature, and the `nonfinite` flag every
+    answer carries), named `op.result_name`."""
     assert not isinstance(op.result, str)
     fields = struct_fields(op.result)
+    if op.answers_curvature:
+        fields["curvature_used"] = (CurvatureUsedModel, curvature_used_field())
     fields["nonfinite"] = (list[str] | None, nonfinite_flag())
     model: type[BaseModel] = create_model(
         op.result_name, __doc__=op.result.__doc__, __module__=__name__, **fields

@@ -38,7 +38,11 @@ from service.api.schemas.definitions import (
     Tensors,
     Vector,
 )
-from service.api.schemas.operations import curvature_options
+from service.api.schemas.operations import (
+    CurvatureUsedModel,
+    curvature_options,
+    curvature_used_field,
+)
 from service.api.schemas.tensors import (
     Name,
     SchemaRules,
@@ -318,4 +322,5 @@ class TapeHVPResponse(BaseModel):
     hvps: list[Tensors] | None = None
     flat: FlatAnswer | None = None
     execution: Execution | None = execution_field()
+    curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
     nonfinite: list[str] | None = nonfinite_flag()

@@ -48,6 +48,8 @@ from .plots import ProgressLog
 from .pytorch import BridgeError, ExportMismatch, TorchModel, TorchTape
 from .results import (
     HVP,
+    ApproximateWarning,
+    CurvatureUsed,
     Diagonal,
     Eigenvalues,
     Execution,
@@ -68,12 +70,14 @@ __version__ = "0.1.0"
 __all__ = [
     "HVP",
     "KFAC",
+    "ApproximateWarning",
     "AsyncClient",
     "BridgeError",
     "Client",
     "ComputeError",
     "ComputeTimeout",
     "Conflict",
+    "CurvatureUsed",
     "Definition",
     "DefinitionError",
     "Diagonal",

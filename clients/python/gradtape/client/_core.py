@@ -79,6 +79,10 @@ class Core:
     transport: str = "msgpack"
     api_key: str | None = None
     retry: Retry = field(default_factory=Retry)
+    # The most vectors the server takes in one product request (its hvp_max_vectors),
+    # learned from its first refusal (a 422 too-large on `vectors` with `limit`); None
+    # until then. RemoteTape splits larger blocks into chunks of it.
+    hvp_max_vectors: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("msgpack", "json"):

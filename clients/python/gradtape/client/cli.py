@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -326,6 +326,8 @@ def as_json(result: Any) -> dict[str, Any]:
         if f.name in BULKY or f.name.startswith("_"):
             continue
         value = getattr(result, f.name)
+        if is_dataclass(value) and not isinstance(value, type):  # curvature_used
+            value = asdict(value)
         out[f.name] = value.tolist() if isinstance(value, np.ndarray) else value
     return out
 

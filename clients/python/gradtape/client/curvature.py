@@ -6,13 +6,13 @@ approximations kept on the server (`RemoteLaplace`). RemoteTape takes these meth
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _core
-from .results import _Unpack, shaped
+from .results import CurvatureUsed, _Unpack, check_approximate, shaped
 
 if TYPE_CHECKING:
     from .tape import RemoteTape
@@ -59,6 +59,9 @@ class KFAC(_Unpack):
     logdet: float | None
     damping: float
     product: Any
+    curvature_used: CurvatureUsed | None = None  # the KFAC of which curvature (see its kind)
+    # Sources the loss does not reach: an exact zero block (products zero).
+    unreached: list[str] = field(default_factory=list)
     _unpack = ("layers", "product")
 
 
@@ -73,6 +76,7 @@ class Predictive(_Unpack):
     probabilities: np.ndarray | None
     link: str | None
     samples: int | None
+    curvature_used: CurvatureUsed | None = None  # the fit's (its structure: kfac, ...)
     _unpack = ("mean", "variance")
 
 
@@ -95,6 +99,8 @@ class RemoteLaplace:
         self.sigma_noise: float | None = a["sigma_noise"]
         self.log_marginal_likelihood_value: float = a["log_marginal_likelihood"]
         self.log_likelihood: float = a["log_likelihood"]
+        # The curvature the fit holds: its kind, and its structure (kfac, diagonal).
+        self.curvature_used: CurvatureUsed | None = CurvatureUsed.of(a)
 
     def _path(self, tail: str) -> str:
         return self.tape._path(f"/laplace/{self.id}/{tail}")
@@ -122,6 +128,7 @@ class RemoteLaplace:
             probabilities=None if probs is None else np.asarray(probs, np.float64),
             link=a.get("link"),
             samples=a.get("samples"),
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def predictive(
@@ -225,6 +232,7 @@ class CurvatureMethods:
         a = yield from self._core.compute(
             "POST", self._path("/kfac"), body, progress=progress, description="kfac"
         )
+        check_approximate("the KFAC", a, named=("kfac", "ekfac"))  # (a Monte-Carlo Fisher's)
         layers = [
             KFACLayer(
                 kind=x["kind"],
@@ -245,6 +253,8 @@ class CurvatureMethods:
             logdet=a.get("logdet"),
             damping=a["damping"],
             product=None if product is None else shaped(product, self._sources),
+            curvature_used=CurvatureUsed.of(a),
+            unreached=list(a.get("unreached") or []),
         )
 
     def kfac(
@@ -290,6 +300,7 @@ class CurvatureMethods:
         a = yield from self._core.compute(
             "POST", self._path("/laplace"), body, progress=progress, description="laplace"
         )
+        check_approximate("the Laplace fit", a, named=("kfac", "diagonal"))
         return RemoteLaplace(self, a)
 
     def laplace(

@@ -133,6 +133,66 @@ def check_converged(what: str, answer: Any) -> None:
     warnings.warn(UnconvergedWarning(message), stacklevel=_caller_stacklevel())
 
 
+# Approximate answers ----------------------------------------------------------------------
+# Every curvature answer states the matrix it is of (`curvature_used`). One of an
+# approximation (a Monte-Carlo Fisher; a Kronecker-factored or diagonal curvature) looks
+# like any other: an exact trace of a Monte-Carlo Fisher answers method 'exact', stderr 0.
+# So it warns (ApproximateWarning, with the server's reason). Not raised under strict:
+# the approximation was asked for by name (`samples`, `curvature="kfac"`), not a failure.
+
+
+class ApproximateWarning(UserWarning):
+    """An answer is of an approximation of the curvature asked (`result.curvature_used`
+    says which and why: a Monte-Carlo Fisher's samples and seed, a Kronecker-factored or
+    diagonal structure); an exact method on it is exact for that approximation only.
+    `warnings.simplefilter("ignore", ApproximateWarning)` silences it, "error" makes it
+    one."""
+
+
+@dataclass(frozen=True)
+class CurvatureUsed:
+    """The matrix a curvature answer is of: `kind` (hessian, ggn, fisher, ...), for a
+    Monte-Carlo Fisher its `samples` per example and `seed`, `structure` (None: the
+    matrix itself; "kfac", "ekfac": its Kronecker-factored approximation; "diagonal":
+    its diagonal alone), and whether it is `approximate`, with the `reason`."""
+
+    kind: str
+    samples: int | None = None
+    seed: int | None = None
+    structure: str | None = None
+    approximate: bool = False
+    reason: str | None = None
+
+    @classmethod
+    def of(cls, answer: Mapping[str, Any]) -> CurvatureUsed | None:
+        found = answer.get("curvature_used") if isinstance(answer, Mapping) else None
+        if found is None:
+            return None
+        return cls(
+            kind=found["kind"],
+            samples=found.get("samples"),
+            seed=found.get("seed"),
+            structure=found.get("structure"),
+            approximate=bool(found.get("approximate")),
+            reason=found.get("reason"),
+        )
+
+
+def check_approximate(what: str, answer: Any, named: tuple[str, ...] = ()) -> None:
+    """Warn (ApproximateWarning) when the answer is of an approximate curvature; `named`:
+    the structures the method itself names (tape.kfac() is a KFAC by name: only a
+    Monte-Carlo Fisher under it warns)."""
+    used = CurvatureUsed.of(answer)
+    if used is None or not used.approximate:
+        return
+    if used.samples is None and used.structure in named:
+        return
+    warnings.warn(
+        ApproximateWarning(f"{what} is approximate: {used.reason}"),
+        stacklevel=_caller_stacklevel(),
+    )
+
+
 @dataclass(frozen=True)
 class Execution:
     """How the server ran an answer's passes: `compiled` when every pass replayed its
@@ -253,6 +313,7 @@ class Eigenvalues(_Converges):
     hvps: int
     seconds: float
     method: str = "lanczos"
+    curvature_used: CurvatureUsed | None = None
     _unpack = ("eigenvalues", "eigenvectors")
 
     def plot(self, ax: Any = None) -> Any:
@@ -281,6 +342,7 @@ class Trace(_Converges):
     method: str = "hutchinson"
     sketch: int = 0
     partial: bool = False
+    curvature_used: CurvatureUsed | None = None
     _unpack = ("trace", "stderr")
 
 
@@ -305,6 +367,7 @@ class Diagonal(_Converges):
     hvps: int
     seconds: float
     partial: np.ndarray | None = None
+    curvature_used: CurvatureUsed | None = None
     _unpack = ("diagonal", "stderr")
 
     def plot(self, sources: list[str] | None = None, **style: Any) -> Any:
@@ -333,6 +396,7 @@ class SpectralDensity(_Converges):
     stopped: str
     hvps: int
     seconds: float
+    curvature_used: CurvatureUsed | None = None
     _unpack = ("grid", "density")
 
     def plot(self, ax: Any = None, **style: Any) -> Any:
@@ -366,6 +430,7 @@ class Solve(_Converges):
     hvps: int
     residuals: np.ndarray
     seconds: float
+    curvature_used: CurvatureUsed | None = None
     _unpack = ("solution", "converged")
 
     def plot(self, ax: Any = None) -> Any:
@@ -397,6 +462,7 @@ class Influence(_Converges):
     hvps: int
     residuals: np.ndarray
     seconds: float
+    curvature_used: CurvatureUsed | None = None
     _unpack = ("scores", "helpful", "harmful")
 
     def plot(self, ax: Any = None, **style: Any) -> Any:

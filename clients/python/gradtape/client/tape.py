@@ -18,6 +18,7 @@ variables in definition order), each raveled row-major, as one float64 vector.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self, TypedDict, Unpack
 
@@ -25,8 +26,9 @@ import numpy as np
 
 from . import _core, _wire
 from .curvature import CurvatureMethods
-from .errors import TapeGone
+from .errors import TapeGone, TooLarge
 from .results import (
+    CurvatureUsed,
     Diagonal,
     Eigenvalues,
     Execution,
@@ -36,6 +38,7 @@ from .results import (
     Solve,
     SpectralDensity,
     Trace,
+    check_approximate,
     check_converged,
     shaped,
 )
@@ -222,6 +225,9 @@ class RemoteTape(CurvatureMethods):
             progress=progress,
             description=operation.replace("-", " "),
         )
+        # curvature="kfac" names its approximation: only a Monte-Carlo Fisher warns then
+        named = (body["curvature"],) if body.get("curvature") in ("kfac", "ekfac") else ()
+        check_approximate(f"the {operation.replace('-', ' ')}", answer, named)
         return answer
 
     @staticmethod
@@ -234,10 +240,33 @@ class RemoteTape(CurvatureMethods):
     def _hvp_op(self, body: dict[str, Any], shape: bool = True) -> _core.Op[Any]:
         a = yield from self._core.call("POST", self._path("/hvp"), body)
         self.execution = Execution.of(a)
+        named = (body["curvature"],) if body.get("curvature") in ("kfac", "ekfac") else ()
+        check_approximate("the product", a, named)
         sources = self._sources if shape else None
         if a.get("hvps") is not None:
             return [shaped(h, sources) for h in a["hvps"]]
         return shaped(a["hvp"], sources)
+
+    def _hvp_chunks_op(
+        self, vectors: list[Any], extra: dict[str, Any], shape: bool = True
+    ) -> _core.Op[list[Any]]:
+        """[H v_i] for any number of vectors: one request while the server takes them
+        all, else chunks of its hvp_max_vectors (learned from its 422, kept on the core
+        for later calls), their answers in order."""
+        out: list[Any] = []
+        while len(out) < len(vectors):
+            limit = self._core.hvp_max_vectors
+            chunk = vectors[len(out) :] if limit is None else vectors[len(out) : len(out) + limit]
+            try:
+                answers = yield from self._hvp_op({"vectors": chunk, **extra}, shape)
+            except TooLarge as exc:
+                learned = _vectors_limit(exc)
+                if learned is None or learned >= len(chunk):
+                    raise
+                self._core.hvp_max_vectors = learned
+                continue
+            out.extend(answers)
+        return out
 
     @staticmethod
     def _curvature(
@@ -276,14 +305,15 @@ class RemoteTape(CurvatureMethods):
         fisher_seed: int | None = None,
         time_limit: float | None = None,
     ) -> list[Any]:
-        """[H v_i] for several vectors in one batched pass (one request)."""
+        """[H v_i] for several vectors in one batched pass (one request; more vectors
+        than the server's hvp_max_vectors go in chunks of it, one request each)."""
         return self._run(
-            self._hvp_op(
+            self._hvp_chunks_op(
+                [self._vector(v) for v in vectors],
                 {
-                    "vectors": [self._vector(v) for v in vectors],
                     **self._curvature(curvature, samples, fisher_seed),
                     **self._options(time_limit=time_limit),
-                }
+                },
             )
         )
 
@@ -416,6 +446,7 @@ class RemoteTape(CurvatureMethods):
             a["hvps"],
             a["seconds"],
             a.get("method", "lanczos"),
+            CurvatureUsed.of(a),
         )
 
     def eigenvalues(
@@ -475,6 +506,7 @@ class RemoteTape(CurvatureMethods):
             method=a.get("method", "hutchinson"),
             sketch=a.get("sketch", 0),
             partial=a.get("partial", False),
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def trace(
@@ -511,6 +543,7 @@ class RemoteTape(CurvatureMethods):
             partial=(
                 None if a.get("partial") is None else np.asarray(a["partial"], dtype=np.float64)
             ),
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def diagonal(
@@ -552,6 +585,7 @@ class RemoteTape(CurvatureMethods):
             stopped=a["stopped"],
             hvps=a["hvps"],
             seconds=a["seconds"],
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def spectral_density(
@@ -601,6 +635,7 @@ class RemoteTape(CurvatureMethods):
             a["hvps"],
             np.asarray(a["residuals"], dtype=np.float64),
             a["seconds"],
+            CurvatureUsed.of(a),
         )
 
     def solve(
@@ -650,6 +685,7 @@ class RemoteTape(CurvatureMethods):
             hvps=a["hvps"],
             residuals=np.asarray(a["residuals"], dtype=np.float64),
             seconds=a["seconds"],
+            curvature_used=CurvatureUsed.of(a),
         )
 
     def influence(
@@ -755,7 +791,7 @@ class RemoteTape(CurvatureMethods):
         if single:
             answer = self._run(self._hvp_op({"vector": vectors[0], **extra}, shape=False))
             return self.flatten(answer)
-        answers = self._run(self._hvp_op({"vectors": vectors, **extra}, shape=False))
+        answers = self._run(self._hvp_chunks_op(vectors, extra, shape=False))
         return np.stack([self.flatten(h) for h in answers], axis=1)
 
     def linear_operator(
@@ -769,7 +805,8 @@ class RemoteTape(CurvatureMethods):
         recorded with `output=`) at the recorded point as a
         `scipy.sparse.linalg.LinearOperator` (n x n, float64, symmetric) over the flattened
         parameters (`sources` order): matvec is one product request, matmat one batched
-        request (at most the server's hvp_max_vectors columns). Vectors are sent in each
+        request (a block wider than the server's hvp_max_vectors in chunks of it, learned
+        from its first refusal). Vectors are sent in each
         source's own dtype, the precision the tape computes in. Needs scipy (`pip install
         gradtape-client[scipy]`)."""
         self._sync("linear_operator()")
@@ -801,6 +838,21 @@ class RemoteTape(CurvatureMethods):
         self._sync("hessp()")
         self._at(x)
         return self._hvp_flat(np.asarray(p, dtype=np.float64).reshape(-1))
+
+
+def _vectors_limit(exc: TooLarge) -> int | None:
+    """The server's hvp_max_vectors from its refusal of too many `vectors` (its `limit`;
+    a server without it says "at most N" for the field), else None."""
+    if exc.slug != "too-large" or not any(e.get("field") == "vectors" for e in exc.errors):
+        return None
+    limit = exc.problem.get("limit")
+    if isinstance(limit, int) and limit >= 1:
+        return limit
+    for e in exc.errors:
+        found = re.search(r"at most (\d+)", str(e.get("message", "")))
+        if e.get("field") == "vectors" and found and int(found.group(1)) >= 1:
+            return int(found.group(1))
+    return None
 
 
 @functools.cache
