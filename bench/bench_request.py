@@ -134,6 +134,31 @@ class Row:
             self.compute.append(float(match.group(1)) / 1e3)
 
 
+def _cpu(pid: int) -> float:
+    """User + system seconds of process `pid` (Linux /proc; 0 where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """(the process's CPU seconds, its children's: a server's worker processes)."""
+    return _cpu(pid), sum(_cpu(child) for child in _children(pid))
+
+
 def quantile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -247,10 +272,20 @@ def main() -> None:
             for _ in range(args.warmup):
                 for row in order:
                     row.send(client).raise_for_status()
+            # Each process's CPU over the timed rounds (/proc): the HTTP process and its
+            # worker apart, per request they answered (several rows share a server).
+            pids = {"": floor_process.pid} | {
+                label: process.pid for (label, _), process in zip(trees, processes[1:], strict=True)
+            }
+            before = {label: tree_cpu(pid) for label, pid in pids.items()}
             for _ in range(args.rounds):
                 rng.shuffle(order)
                 for row in order:
                     row.timed(client)
+            spent = {
+                label: tuple(b - a for a, b in zip(before[label], tree_cpu(pid), strict=True))
+                for label, pid in pids.items()
+            }
     finally:
         for process in processes:
             stop(process)
@@ -273,6 +308,18 @@ def main() -> None:
             f"| {row.name} | {ms(p50)} | {ms(quantile(row.wall, 0.9))} | "
             f"{ms(statistics.median(row.cpu))} | {compute} | {over} |"
         )
+    if any(sum(cpu) for cpu in spent.values()):
+        lines += ["", "CPU per request over the timed rounds (/proc, user + system):", ""]
+        floor_rows = sum(row.floor is None and row.url.startswith(floor) for row in rows)
+        lines.append(f"- the floor's process: {ms(spent[''][0] / (args.rounds * floor_rows))} ms")
+        for label, base, _ in servers:
+            count = args.rounds * sum(row.url.startswith(base) for row in rows)
+            own, workers = spent[label]
+            lines.append(
+                f"- server{label}: the HTTP process {ms(own / count)} ms, its worker "
+                f"{ms(workers / count)} ms (mean over its {count // args.rounds} requests a "
+                "round)"
+            )
     load = os.getloadavg()
     command = "env -u OPENBLAS_CORETYPE .venv/bin/python bench/bench_request.py " + " ".join(
         sys.argv[1:]
