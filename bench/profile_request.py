@@ -87,7 +87,7 @@ def install_timers() -> None:
     for op in (*DERIVATIVES, *TAPE_OPERATIONS):
         object.__setattr__(op, "build", _timed("payload: wire tensors -> arrays", op.build))
     WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)
-    ipc.frame = _timed("  IPC pack (in pool.submit)", ipc.frame)
+    ipc.prepare = _timed("  IPC pack (in pool.submit)", ipc.prepare)
     ipc.unpack = _timed("  IPC unpack (in pool.submit)", ipc.unpack)
     negotiation.answer = _timed("answer: arrays -> response", negotiation.answer)
     from service.api.routes import _compute

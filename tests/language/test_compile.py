@@ -10,6 +10,7 @@ import engine as gt
 from engine import trace
 from engine.language import (
     Definition,
+    DefinitionError,
     FunctionDef,
     Limits,
     VariableDef,
@@ -299,3 +300,23 @@ def test_a_definitions_arrays_are_freed_without_the_garbage_collector() -> None:
             assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_checked_request_is_remembered_and_each_caller_gets_its_own() -> None:
+    """check_request remembers what it checked (a service asks the same on every call),
+    by every argument: the same request answers equal, a different one is checked anew,
+    and a bad one is refused every time."""
+    program = compile_definition(MLP)
+    first = program.check_request("loss", {"a": "w1", "b": "b1"})
+    first.sources["c"] = "w2"  # the caller's own copy
+    again = program.check_request("loss", {"a": "w1", "b": "b1"})
+    assert again.sources == {"a": "w1", "b": "b1"} and again is not first
+    assert program.check_request("loss", ["w1", "b1"]).sources == {"w1": "w1", "b1": "b1"}
+    assert program.check_request("loss", {"b": "b1", "a": "w1"}).sources == {"b": "b1", "a": "w1"}
+    assert program.check_request("loss", "w2", "zero").unconnected == "zero"
+    for _ in range(2):
+        with pytest.raises(DefinitionError, match="unknown target"):
+            program.check_request("los")
+        with pytest.raises(DefinitionError, match="does not use it"):
+            program.check_request("h")
+    assert program.check_request("h", allow_unused=True).target == "h"
