@@ -15,7 +15,9 @@ change) runs beside this one and its rows are interleaved with the others: a bef
 after from one run. Each round sends every row once, in a shuffled order; the table gives
 the p50 and p90 wall latency, the client's CPU time per request (the client shares the
 machine's cores with the servers), the worker's own compute time (its Server-Timing
-header), and each row's p50 minus its floor's p50 (the target: within 1.0 ms).
+header), the mean CPU time of the processes that answered it (its server's HTTP process,
+its worker; Linux /proc, clock ticks: a mean over many requests), and each row's p50
+minus its floor's p50.
 
 Run by hand (not in CI), with OpenBLAS's core type left to autodetect:
 
@@ -114,6 +116,11 @@ class Row:
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)
+    # The processes answering it (its server's HTTP process, then its workers) and their
+    # CPU seconds during each of its requests (/proc: clock ticks, so a mean over many
+    # requests, not a percentile).
+    processes: list[int] = field(default_factory=list)
+    spent: list[list[float]] = field(default_factory=list)
 
     def send(self, client: httpx.Client) -> httpx.Response:
         if self.content is None:
@@ -122,9 +129,11 @@ class Row:
         return client.post(self.url, content=self.content, headers=headers)
 
     def timed(self, client: httpx.Client) -> None:
+        before = [_cpu(pid) for pid in self.processes]
         cpu, wall = time.thread_time(), time.perf_counter()
         response = self.send(client)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        self.spent.append([_cpu(pid) - b for pid, b in zip(self.processes, before, strict=True)])
         if response.status_code >= 300:
             raise RuntimeError(f"{self.name}: {response.status_code} {response.text[:300]}")
         self.wall.append(wall)
@@ -152,11 +161,6 @@ def _children(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             pass
     return found
-
-
-def tree_cpu(pid: int) -> tuple[float, float]:
-    """(the process's CPU seconds, its children's: a server's worker processes)."""
-    return _cpu(pid), sum(_cpu(child) for child in _children(pid))
 
 
 def quantile(samples: list[float], q: float) -> float:
@@ -272,20 +276,15 @@ def main() -> None:
             for _ in range(args.warmup):
                 for row in order:
                     row.send(client).raise_for_status()
-            # Each process's CPU over the timed rounds (/proc): the HTTP process and its
-            # worker apart, per request they answered (several rows share a server).
-            pids = {"": floor_process.pid} | {
-                label: process.pid for (label, _), process in zip(trees, processes[1:], strict=True)
-            }
-            before = {label: tree_cpu(pid) for label, pid in pids.items()}
+            # The processes each row's requests go through: the HTTP process, its workers.
+            bases = {base: process.pid for (_, base, _), process in zip(servers, processes[1:])}
+            for row in rows:
+                pid = next((p for b, p in bases.items() if row.url.startswith(b)), None)
+                row.processes = [floor_process.pid] if pid is None else [pid, *_children(pid)]
             for _ in range(args.rounds):
                 rng.shuffle(order)
                 for row in order:
                     row.timed(client)
-            spent = {
-                label: tuple(b - a for a, b in zip(before[label], tree_cpu(pid), strict=True))
-                for label, pid in pids.items()
-            }
     finally:
         for process in processes:
             stop(process)
@@ -294,9 +293,9 @@ def main() -> None:
     lines = [
         (
             "| request | p50 ms | p90 ms | client CPU p50 ms | worker compute p50 ms "
-            "| p50 minus its floor's ms |"
+            "| server CPU mean ms | worker CPU mean ms | p50 minus its floor's ms |"
         ),
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         p50 = statistics.median(row.wall)
@@ -304,22 +303,14 @@ def main() -> None:
         if row.floor is not None:
             over = ms(p50 - statistics.median(by_name[row.floor].wall))
         compute = ms(statistics.median(row.compute)) if row.compute else ""
+        # (the HTTP process's: the floor's own for its rows; the workers', summed)
+        server = ms(statistics.fmean(s[0] for s in row.spent)) if row.spent else ""
+        workers = [sum(s[1:]) for s in row.spent]
+        worker = ms(statistics.fmean(workers)) if len(row.processes) > 1 else ""
         lines.append(
             f"| {row.name} | {ms(p50)} | {ms(quantile(row.wall, 0.9))} | "
-            f"{ms(statistics.median(row.cpu))} | {compute} | {over} |"
+            f"{ms(statistics.median(row.cpu))} | {compute} | {server} | {worker} | {over} |"
         )
-    if any(sum(cpu) for cpu in spent.values()):
-        lines += ["", "CPU per request over the timed rounds (/proc, user + system):", ""]
-        floor_rows = sum(row.floor is None and row.url.startswith(floor) for row in rows)
-        lines.append(f"- the floor's process: {ms(spent[''][0] / (args.rounds * floor_rows))} ms")
-        for label, base, _ in servers:
-            count = args.rounds * sum(row.url.startswith(base) for row in rows)
-            own, workers = spent[label]
-            lines.append(
-                f"- server{label}: the HTTP process {ms(own / count)} ms, its worker "
-                f"{ms(workers / count)} ms (mean over its {count // args.rounds} requests a "
-                "round)"
-            )
     load = os.getloadavg()
     command = "env -u OPENBLAS_CORETYPE .venv/bin/python bench/bench_request.py " + " ".join(
         sys.argv[1:]
