@@ -70,16 +70,47 @@ class FrameError(ConnectionError):
     """The other side closed the connection or sent something that is not a frame."""
 
 
+# An array's extension data begins with the same bytes for every array of one dtype and
+# shape (prefix, [dtype, shape] header, padding): kept, both ways, for the arrays of the
+# usual requests (7 us an array each way without, ~2 with). Bounded: the shapes are the
+# clients' choice.
+_HEADS: dict[tuple[np.dtype, tuple[int, ...]], bytes] = {}
+# What those bytes were read as: the native dtype, the shape, the raw bytes' length.
+_READ: dict[bytes, tuple[np.dtype, tuple[int, ...], int]] = {}
+_HEADS_KEPT = 1024
+# The dtypes whose arrays travel as they are in memory (little-endian, native here).
+_AS_IN_MEMORY = {
+    wire.little_endian(name): name
+    for name in wire.DTYPES
+    if wire.little_endian(name) == np.dtype(name)  # (a big-endian machine: none)
+}
+
+
+def _head(dtype: str, shape: list[int]) -> bytes:
+    header = msgpack.packb([dtype, shape])
+    used = _ARRAY_PREFIX.size + len(header)
+    start = -(-used // ALIGNMENT) * ALIGNMENT
+    return b"".join((_ARRAY_PREFIX.pack(len(header), start), header, bytes(start - used)))
+
+
+def _keep(table: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(table) >= _HEADS_KEPT:
+        table.clear()
+    table[key] = value
+
+
 def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
+        if obj.dtype in _AS_IN_MEMORY and obj.flags.c_contiguous:
+            # The usual array: its own memory is the wire's bytes (no copy but the join).
+            key = (obj.dtype, obj.shape)
+            head = _HEADS.get(key)
+            if head is None:
+                head = _head(_AS_IN_MEMORY[obj.dtype], list(obj.shape))
+                _keep(_HEADS, key, head)
+            return msgpack.ExtType(ARRAY_EXT, b"".join((head, obj.data)))
         dtype, shape, raw = wire.raw_view(obj)  # no copy of a contiguous little-endian array
-        header = msgpack.packb([dtype, shape])
-        used = _ARRAY_PREFIX.size + len(header)
-        start = -(-used // ALIGNMENT) * ALIGNMENT
-        return msgpack.ExtType(
-            ARRAY_EXT,
-            b"".join((_ARRAY_PREFIX.pack(len(header), start), header, bytes(start - used), raw)),
-        )
+        return msgpack.ExtType(ARRAY_EXT, b"".join((_head(dtype, shape), raw)))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, tuple | set | frozenset):
@@ -96,9 +127,22 @@ def _ext_hook(code: int, data: bytes) -> Any:
         size, start = _ARRAY_PREFIX.unpack_from(data)
         if start < _ARRAY_PREFIX.size + size:
             raise ValueError(f"its raw bytes start at {start}, inside its header")
+        head = data[:start]
+        known = _READ.get(head)
+        if known is not None:  # bytes that read as this before (from_bytes checked them)
+            dt, shape, nbytes = known
+            if len(data) - start != nbytes:
+                raise ValueError(f"{len(data) - start} byte(s) for {nbytes}")
+            # Read-only (a view of msgpack's bytes, no copy): no receiver writes into them.
+            array = np.frombuffer(data, dtype=dt, offset=start).reshape(shape)
+            if dt.kind == "b" and array.size and array.view(np.uint8).max() > 1:
+                raise ValueError("bool bytes must be 0 or 1")
+            return array
         dtype, shape = msgpack.unpackb(data[_ARRAY_PREFIX.size : _ARRAY_PREFIX.size + size])
-        # Read-only (a view of msgpack's bytes, no copy): no receiver writes into them.
-        return wire.from_bytes(memoryview(data)[start:], dtype, shape)
+        array = wire.from_bytes(memoryview(data)[start:], dtype, shape)
+        if array.dtype in _AS_IN_MEMORY and isinstance(head, bytes):
+            _keep(_READ, head, (array.dtype, array.shape, array.nbytes))
+        return array
     except (struct.error, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise FrameError(f"a malformed array in a worker message: {exc}") from None
 
