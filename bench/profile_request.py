@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import fastapi.routing
@@ -86,7 +87,7 @@ def install_timers() -> None:
     )
     for op in (*DERIVATIVES, *TAPE_OPERATIONS):
         object.__setattr__(op, "build", _timed("payload: wire tensors -> arrays", op.build))
-    WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)
+    WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)  # type: ignore[method-assign]
     ipc.prepare = _timed("  IPC pack (in pool.submit)", ipc.prepare)
     ipc.unpack = _timed("  IPC unpack (in pool.submit)", ipc.unpack)
     negotiation.answer = _timed("answer: arrays -> response", negotiation.answer)
@@ -210,7 +211,7 @@ def run_worker_side(
 
 async def run(args: argparse.Namespace) -> None:
     data_dir = tempfile.mkdtemp(prefix="gradtape-profile-request-")
-    settings = Settings(workers=1, data_dir=data_dir, log_level="warning", access_log=False)
+    settings = Settings(workers=1, data_dir=Path(data_dir), log_level="warning", access_log=False)
     app = create_app(settings)
     mlp_json, vector_json = small_mlp(binary=False)
     mlp_msgpack, vector_msgpack = small_mlp(binary=True)
