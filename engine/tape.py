@@ -29,9 +29,10 @@ import numpy as np
 
 from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
+from engine.ops.reduce import sum_p
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
-from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, get_vjp
-from engine.tensor import Tensor, Variable, as_tensor, read_variable_p, unaliased
+from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, argument_vjp, vjp_arg_rules
+from engine.tensor import Tensor, Variable, as_tensor, bind, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
 
@@ -65,20 +66,23 @@ class Record:
 
     def input_cotangents(
         self,
-        gs: list[Tensor | None],
+        g: Tensor,
         needed: tuple[int, ...],
         cacheable: bool,
         deferred: tuple[int, ...] = (),
     ) -> list[Tensor | None]:
-        """Cotangents for the inputs in `needed`, given the outputs' cotangents `gs`;
-        those of the inputs in `deferred` computed lazily where their ops allow."""
-        if self.prim is None:
-            return self._custom_cotangents(gs, needed)
-        (g,) = gs
-        rule = get_vjp(self.prim)
-        ans = self.outputs[0]
+        """A primitive record's cotangents for the inputs in `needed`, given its output's
+        cotangent `g`; those of the inputs in `deferred` computed lazily where their ops
+        allow."""
+        prim, ans, inputs, params = self.prim, self.outputs[0], self.inputs, self.params
+        assert prim is not None  # custom gradients go through _custom_cotangents
+        rules = vjp_arg_rules.get(prim, ())
         out = []
         for i in needed:
+            # argument_vjp(prim, i), with its common case (a rule in the table) inline
+            rule = rules[i] if i < len(rules) else None
+            if rule is None:
+                rule = argument_vjp(prim, i)
             if cacheable:
                 # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
                 # values; when nothing is recording it can be reused by the next pass
@@ -87,10 +91,10 @@ class Record:
                     self.vjp_cache = {}
                 vjp = self.vjp_cache.get(i)
                 if vjp is None:
-                    vjp = self.vjp_cache[i] = rule(i, ans, *self.inputs, **self.params)
+                    vjp = self.vjp_cache[i] = rule(ans, *inputs, **params)
             else:
-                vjp = rule(i, ans, *self.inputs, **self.params)
-            if i in deferred:
+                vjp = rule(ans, *inputs, **params)
+            if deferred and i in deferred:
                 with trace.deferring():
                     out.append(vjp(g))
             else:
@@ -130,43 +134,71 @@ class Record:
 
 def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     """Sum (or broadcast) a cotangent to (*batch, *shape): undoes broadcasting, once."""
-    target = g.shape[:batch_ndim] + shape
-    if g.shape == target:
+    if g.shape[batch_ndim:] == shape:  # the common case: nothing was broadcast
         return g
+    target = g.shape[:batch_ndim] + shape
     extra = g.ndim - len(target)
     if extra < 0:
         return broadcast_to(g, target)
-    axes = list(range(batch_ndim, batch_ndim + extra))
-    for i, d in enumerate(shape):
-        if d == 1 and g.shape[batch_ndim + extra + i] != 1:
-            axes.append(batch_ndim + extra + i)
-    if axes:
-        g = reshape(reduce_sum(g, tuple(axes), keepdims=True), target)
+    leading = list(range(batch_ndim, batch_ndim + extra))
+    stretched = [
+        batch_ndim + extra + i
+        for i, d in enumerate(shape)
+        if d == 1 and g.shape[batch_ndim + extra + i] != 1
+    ]
+    if stretched:
+        g = reshape(reduce_sum(g, tuple(leading + stretched), keepdims=True), target)
+    elif leading:  # only axes in front were added (a bias): their sum has the shape
+        # (sum_p directly, its axes as sum normalizes them: negative, sorted)
+        g = bind(sum_p, g, axes=tuple([a - g.ndim for a in leading]), keepdims=False)
     return g if g.shape == target else broadcast_to(g, target)
+
+
+_FIRST, _SECOND, _BOTH = (0,), (1,), (0, 1)
 
 
 def _plan(records: list[Record], target_ids: set[int], source_ids: set[int]) -> list:
     """The records on a path from a source to a target, newest first, with the argnums
     whose inputs depend on a source (only those get cotangents)."""
+    # Plain loops, with one- and two-input records (almost all) spelled out: this runs
+    # once per gradient call, over every record.
     reached = set(source_ids)
     forward = []
-    for rec in records:  # plain loops: this runs once per gradient call
-        for x in rec.inputs:
-            if id(x) in reached:
-                forward.append(rec)
-                for o in rec.outputs:
-                    reached.add(id(o))
-                break
+    for rec in records:
+        inputs = rec.inputs
+        if len(inputs) == 1:
+            if id(inputs[0]) not in reached:
+                continue
+        elif len(inputs) == 2:
+            if id(inputs[0]) not in reached and id(inputs[1]) not in reached:
+                continue
+        elif not any(id(x) in reached for x in inputs):
+            continue
+        forward.append(rec)
+        for o in rec.outputs:
+            reached.add(id(o))
     live = set(target_ids)
     plan = []
     for rec in reversed(forward):
         for o in rec.outputs:
             if id(o) in live:
-                needed = tuple(i for i, x in enumerate(rec.inputs) if id(x) in reached)
-                plan.append((rec, needed))
-                for i in needed:
-                    live.add(id(rec.inputs[i]))
                 break
+        else:
+            continue
+        inputs = rec.inputs
+        needed: tuple[int, ...]
+        if len(inputs) == 1:  # reached, or the record would not be in `forward`
+            needed = _FIRST
+        elif len(inputs) == 2:
+            if id(inputs[0]) in reached:
+                needed = _BOTH if id(inputs[1]) in reached else _FIRST
+            else:
+                needed = _SECOND
+        else:
+            needed = tuple([i for i, x in enumerate(inputs) if id(x) in reached])
+        plan.append((rec, needed))
+        for i in needed:
+            live.add(id(inputs[i]))
     return plan
 
 
@@ -182,32 +214,55 @@ def backward(
     sources: list[Tensor],
     batch_ndim: int,
     defer_sources: bool = False,
+    cache_vjps: bool = True,
 ) -> dict[int, Tensor]:
     """Run the reverse sweep; return the cotangents of the sources, keyed by id.
 
     defer_sources: the caller wants the sources' cotangents only for what is computed
     from them by recorders (their tangents), so the ops that make them are deferred
-    (tensor.DeferredTensor): a product nobody reads is never computed."""
+    (tensor.DeferredTensor): a product nobody reads is never computed.
+    cache_vjps: keep each rule's outer stage on its record for a later pass over the
+    same records (False when there will be none: a non-persistent tape's gradient).
+
+    Every cotangent in `cts` has its tensor's shape (with the batch axes in front): the
+    seeds are checked to, and each rule's result is fitted once (`_fit`) as it arrives.
+    """
     cts: dict[int, Tensor] = {}
     for t, s in zip(targets, seeds, strict=True):
         _accumulate(cts, id(t), s)
     keep = {id(s) for s in sources}
     zero: set[int] = set()  # reached only by ZERO cotangents so far
-    cacheable = not trace.anything_active()
+    cacheable = cache_vjps and not trace.anything_active()
     for rec, needed in plan:
-        gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
-        if all(g is None for g in gs):
-            if any(id(o) in zero for o in rec.outputs):
-                zero.update(id(rec.inputs[i]) for i in needed)
-            continue
-        deferred = tuple(i for i in needed if id(rec.inputs[i]) in keep) if defer_sources else ()
-        cotangents = rec.input_cotangents(gs, needed, cacheable, deferred)
+        inputs = rec.inputs
+        if rec.prim is None:  # a custom gradient: several outputs
+            gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
+            if all(g is None for g in gs):
+                if any(id(o) in zero for o in rec.outputs):
+                    zero.update(id(inputs[i]) for i in needed)
+                continue
+            cotangents = rec._custom_cotangents(gs, needed)
+        else:  # a primitive: one output
+            out_id = id(rec.outputs[0])
+            g = cts.get(out_id) if out_id in keep else cts.pop(out_id, None)
+            if g is None:
+                if out_id in zero:
+                    zero.update(id(inputs[i]) for i in needed)
+                continue
+            if rec.prim is read_variable_p:  # a variable's read: its cotangent, as is
+                _accumulate(cts, id(inputs[0]), g)
+                continue
+            deferred = tuple(i for i in needed if id(inputs[i]) in keep) if defer_sources else ()
+            cotangents = rec.input_cotangents(g, needed, cacheable, deferred)
         for i, gi in zip(needed, cotangents, strict=True):
-            x = rec.inputs[i]
+            x = inputs[i]
             if gi is ZERO:
                 zero.add(id(x))
             elif gi is not None:
-                _accumulate(cts, id(x), _fit(gi, x.shape, batch_ndim))
+                if gi.shape[batch_ndim:] != x.shape:
+                    gi = _fit(gi, x.shape, batch_ndim)
+                prev = cts.get(id(x))  # (_accumulate, inline: once per cotangent)
+                cts[id(x)] = gi if prev is None else prev + gi
     out = {k: cts[k] for k in keep if k in cts}
     if zero & keep:
         # Connected through a zero derivative only: zeros, as TensorFlow answers.
@@ -345,7 +400,7 @@ class GradientTape:
             self._plans.clear()
 
     def _plan_for(self, targets: list[Tensor], sources: list[Tensor]) -> list:
-        key = (tuple(id(t) for t in targets), tuple(id(s) for s in sources))
+        key = (tuple(map(id, targets)), tuple(map(id, sources)))
         cached = self._plans.get(key)
         if cached is not None and cached[0] == len(self._records):
             return cached[1]
@@ -357,8 +412,15 @@ class GradientTape:
         return plan
 
     def _run(
-        self, targets: list[Tensor], seeds: list[Tensor], sources: list[Tensor], batch_ndim: int
+        self,
+        targets: list[Tensor],
+        seeds: list[Tensor],
+        sources: list[Tensor],
+        batch_ndim: int,
+        last_pass: bool = False,
     ) -> dict[int, Tensor]:
+        """One backward pass over the records; last_pass: the caller makes no other over
+        them (a non-persistent tape's gradient), so the rules' outer stages are not kept."""
         plan = self._plan_for(targets, sources)
         if self in trace.active_tapes:
             if self.persistent:
@@ -366,8 +428,26 @@ class GradientTape:
                 # too, so the gradient can be differentiated again on the same tape.
                 return backward(plan, targets, seeds, sources, batch_ndim)
             trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
+        if self not in trace.active_tapes:  # (the common case: nothing to pause)
+            return backward(
+                plan,
+                targets,
+                seeds,
+                sources,
+                batch_ndim,
+                self._defer_source_primals,
+                cache_vjps=not last_pass,
+            )
         with trace.paused(self):
-            return backward(plan, targets, seeds, sources, batch_ndim, self._defer_source_primals)
+            return backward(
+                plan,
+                targets,
+                seeds,
+                sources,
+                batch_ndim,
+                self._defer_source_primals,
+                cache_vjps=not last_pass,
+            )
 
     def gradient(
         self,
@@ -411,7 +491,7 @@ class GradientTape:
                         f"gradient: output_gradients dtype {s.dtype} differs from the target's {t.dtype}"
                     )
         try:
-            cts = self._run(targets, seeds, flat_sources, 0)
+            cts = self._run(targets, seeds, flat_sources, 0, last_pass=not self.persistent)
         finally:
             self._finish_call()
         results = [_result(cts.get(id(s)), s, unconnected, ()) for s in flat_sources]
@@ -658,7 +738,11 @@ def _check_unconnected(value: Any) -> str:
 
 
 def _ones_like(t: Tensor) -> Tensor:
-    ones = Tensor(backend.array_module(t.value).ones_like(t.value))
+    array = t.value
+    if type(array) is np.ndarray and array.ndim == 0:  # a loss: NumPy's ones_like is slower
+        ones = Tensor(np.array(1, dtype=array.dtype))
+    else:
+        ones = Tensor(backend.array_module(array).ones_like(array))
     if trace.capture is not None:  # a gradient's seed: a constant of a captured pass
         trace.capture.constant(ones)
     return ones

@@ -220,7 +220,7 @@ class VariableRead(Tensor):
     __slots__ = ("variable",)
 
     def __init__(self, variable: Variable):
-        super().__init__(variable.value)
+        self.value = variable.value  # (Tensor.__init__'s one line, without the call)
         self.variable = variable
 
 
@@ -329,10 +329,15 @@ def _scalar(value: bool | float, like: Tensor) -> Tensor:
     """A 0-d tensor of `like`'s dtype on its device, cached: rules use a handful of
     Python numbers (0, 1, 2, ...) over and over, and on a GPU each fresh one would be
     an allocation and a copy."""
-    xp = backend.array_module(like.value)
-    key = (type(value), value, like.dtype, xp.__name__, _device_index(like.value))
+    array = like.value
+    if type(array) is np.ndarray:  # the host's keys: no device to name
+        key: tuple = (type(value), value, array.dtype)
+    else:
+        xp = backend.array_module(array)
+        key = (type(value), value, array.dtype, xp.__name__, _device_index(array))
     t = scalar_cache.get(key)
     if t is None:
+        xp = backend.array_module(array)
         if len(scalar_cache) > 4096:  # arbitrary user constants: keep the cache bounded
             scalar_cache.clear()
         t = scalar_cache[key] = Tensor(xp.asarray(value, dtype=like.dtype))
@@ -350,7 +355,7 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
         trace.interrupt_check()
     for a in args:
         if isinstance(a, Variable):
-            args = tuple(read(a) if isinstance(a, Variable) else a for a in args)
+            args = tuple([read(a) if isinstance(a, Variable) else a for a in args])
             break
     if trace.defer_primal and prim in DEFERRED_SHAPES:
         return _bind_deferred(prim, args, params)
@@ -368,18 +373,24 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
 
 def _apply(prim: Primitive, args: tuple[Tensor, ...], params: dict) -> Any:
     """The primitive's forward on the arguments' arrays."""
-    values = [a.value for a in args]
-    first = values[0]
+    impl = impl_rules[prim]
+    first = args[0].value
     xp = np if type(first) is np.ndarray else backend.array_module(first)
     try:
-        out = impl_rules[prim](xp, *values, **params)
+        # one and two operands spelled out: no list of values for the common ops
+        if len(args) == 1:
+            out = impl(xp, first, **params)
+        elif len(args) == 2:
+            out = impl(xp, first, args[1].value, **params)
+        else:
+            out = impl(xp, *[a.value for a in args], **params)
     except ValueError as exc:  # NumPy's broadcasting message, with the op's name on it
         if type(exc) is not ValueError:  # LinAlgError and friends keep their type
             raise
-        shapes = " and ".join(str(v.shape) for v in values)
+        shapes = " and ".join(str(a.value.shape) for a in args)
         raise ValueError(f"{prim.name}: {exc} (operand shapes {shapes})") from None
-    if isinstance(out, np.generic):  # NumPy returns scalars from 0-d operations
-        out = np.asarray(out)
+    if type(out) is not np.ndarray and isinstance(out, np.generic):
+        out = np.asarray(out)  # NumPy returns scalars from 0-d operations
     return out
 
 

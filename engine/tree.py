@@ -26,17 +26,20 @@ def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
     return leaves, _walk(tree, leaves)
 
 
+_LEAF = ("leaf",)
+
+
 def _walk(node: Any, leaves: list[Any]) -> TreeDef:
+    if not isinstance(node, (dict, list, tuple)):  # a leaf: the common case, one test
+        leaves.append(node)
+        return _LEAF
     if isinstance(node, dict):
         keys = list(node)
         return ("dict", tuple(keys), tuple([_walk(node[k], leaves) for k in keys]))
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return ("namedtuple", type(node), tuple([_walk(child, leaves) for child in node]))
-    if isinstance(node, (list, tuple)):
-        kind = "list" if isinstance(node, list) else "tuple"
-        return (kind, tuple([_walk(child, leaves) for child in node]))
-    leaves.append(node)
-    return ("leaf",)
+    kind = "list" if isinstance(node, list) else "tuple"
+    return (kind, tuple([_walk(child, leaves) for child in node]))
 
 
 def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:

@@ -12,7 +12,8 @@ from engine.tensor import Tensor, as_tensor
 def coerce_pair(opname: str, x: Any, y: Any) -> tuple[Tensor, Tensor]:
     """Two tensors of one dtype; a Python scalar takes the other side's dtype."""
     if isinstance(x, Tensor):
-        y = as_tensor(y, like=x)
+        if not isinstance(y, Tensor):
+            y = as_tensor(y, like=x)
     elif isinstance(y, Tensor):
         x = as_tensor(x, like=y)
     else:
@@ -20,7 +21,7 @@ def coerce_pair(opname: str, x: Any, y: Any) -> tuple[Tensor, Tensor]:
         y = as_tensor(y, like=x)
     if backend.gpu_loaded() and x.device != y.device:
         raise ValueError(f"{opname}: operands live on {x.device} and {y.device}; move one first")
-    if x.dtype != y.dtype:
+    if x.dtype is not y.dtype and x.dtype != y.dtype:
         raise TypeError(
             f"{opname}: dtypes differ ({x.dtype} and {y.dtype}); gradtape never casts "
             "silently, use gt.cast on one side"

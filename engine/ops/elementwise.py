@@ -104,7 +104,7 @@ def defpartials(prim: Primitive, *partials: Partial) -> None:
 
 def _times(slope: Any) -> Callable[[Tensor], Tensor]:
     """v -> v * slope, with the constant slopes of add and subtract (1, -1) free."""
-    if isinstance(slope, int | float) and slope in (1, -1):
+    if isinstance(slope, (int, float)) and slope in (1, -1):
         return (lambda v: v) if slope == 1 else negative
     return lambda v: multiply(v, slope)
 

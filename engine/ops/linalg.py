@@ -20,9 +20,9 @@ from engine.tensor import Tensor, bind
 # into strided views.
 def _matmul_impl(xp: Any, x: Any, y: Any, *, ta: bool = False, tb: bool = False) -> Any:
     if ta:
-        x = xp.swapaxes(x, -1, -2)
+        x = x.swapaxes(-1, -2)
     if tb:
-        y = xp.swapaxes(y, -1, -2)
+        y = y.swapaxes(-1, -2)
     if y.ndim == 2 and x.ndim > 2 and x.flags.c_contiguous:
         # A stack of matrices times one matrix is a single GEMM over all the rows.
         out = x.reshape(-1, x.shape[-1]) @ y
@@ -160,7 +160,9 @@ def matmul_rule(b: dict[str, Any]) -> TensorType:
 def matmul(x: Any, y: Any) -> Tensor:
     """x @ y with NumPy's rules: stacked matrices broadcast, 1-D operands are vectors."""
     x, y = coerce_pair("matmul", x, y)
-    checked("matmul", matmul_shape, x.shape, y.shape)
+    xs, ys = x.shape, y.shape
+    if len(xs) != 2 or len(ys) != 2 or xs[1] != ys[0]:  # two fitting matrices need no more
+        checked("matmul", matmul_shape, xs, ys)
     return bind(matmul_p, x, y)
 
 

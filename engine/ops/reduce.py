@@ -7,7 +7,7 @@ tangent with leading batch axes correctly.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.backend import host
@@ -29,7 +29,7 @@ from engine.ops.elementwise import (
     subtract,
     where,
 )
-from engine.ops.shape import broadcast_to, reshape
+from engine.ops.shape import broadcast_to_p, reshape
 from engine.registry import defjvp, defnondiff, defvjp, primitive, public
 from engine.shapes import (
     BOOL,
@@ -91,15 +91,24 @@ def _keepdims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int,
 def _expand_cotangent(g: Tensor, ans: Tensor, x: Tensor, axes: tuple, keepdims: bool) -> Tensor:
     """Bring a reduced cotangent (with its batch axes) back to x's shape."""
     lead = g.shape[: batch_ndim(g, ans)]
-    if not keepdims:
+    if not keepdims and (lead or axes != tuple(range(-x.ndim, len(axes) - x.ndim))):
+        # (With no batch axes and the leading axes reduced, g already broadcasts to x.)
         g = reshape(g, lead + _keepdims_shape(x.shape, axes))
-    return broadcast_to(g, lead + x.shape)
+    target = lead + x.shape
+    # (broadcast_to's check is for callers' shapes: this one fits by construction)
+    return unaliased(g) if g.shape == target else bind(broadcast_to_p, g, shape=target)
 
 
 # ---- sum ----
+# (typed loosely: NumPy's overloads want keepdims as a literal True or False)
+_host_add_reduce: Callable[..., Any] = host.add.reduce
+
+
 def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
     dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
+    if xp is host:  # the ufunc's own reduce: np.sum's Python wrappers cost more than a small sum
+        return _host_add_reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 
 

@@ -66,6 +66,44 @@ def test_broadcasting_is_undone() -> None:
     assert float(gb) == 12.0
 
 
+def test_the_backward_walks_shortcuts_agree_with_numpy_and_with_repeated_passes() -> None:
+    # The walk's common cases take shortcuts (a variable's read passes its cotangent on
+    # as is; a bias's leading axes are summed without a reshape; a sum over leading axes
+    # broadcasts back without one; a record whose second input alone is reached; a
+    # non-persistent tape keeps no rule stages): each against NumPy, through one pass,
+    # a persistent tape's repeated passes, and a jacobian's batch axes.
+    rng = np.random.default_rng(3)
+    x_np, w_np = rng.standard_normal((5, 4)), rng.standard_normal((4, 3))
+    b_np, s_np = rng.standard_normal(3), rng.standard_normal((1, 3))
+    x, w, b, s = (gt.Variable(a, dtype="float64") for a in (x_np, w_np, b_np, s_np))
+    two = gt.constant(2.0, dtype="float64")
+
+    def loss() -> gt.Tensor:
+        h = gt.tanh(x @ w + b) * s  # a bias (3,) and a stretched (1, 3) broadcast
+        col = gt.sum(h, axis=0)  # leading axis reduced: broadcast back without reshape
+        return gt.mean(two * (col * col)) + gt.sum(w * w)  # `two`: only input 1 reached
+
+    h_np = np.tanh(x_np @ w_np + b_np)
+    col_np = (h_np * s_np).sum(0)
+    g_h = (np.broadcast_to(4 * col_np / 3, h_np.shape) * s_np) * (1 - h_np**2)
+    want = [g_h @ w_np.T, x_np.T @ g_h + 2 * w_np, g_h.sum(0), (h_np * 4 * col_np / 3).sum(0)]
+    with gt.GradientTape() as once:
+        y = loss()
+    for got, expected in zip(once.gradient(y, [x, w, b, s]), want, strict=True):
+        np.testing.assert_allclose(got.numpy(), expected.reshape(got.shape), rtol=1e-10, atol=1e-12)
+    with gt.GradientTape(persistent=True) as tape:
+        y = loss()
+    first = [g.numpy() for g in tape.gradient(y, [x, w, b, s])]
+    again = [g.numpy() for g in tape.gradient(y, [x, w, b, s])]
+    for a, c, expected in zip(first, again, want, strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_allclose(a, expected.reshape(a.shape), rtol=1e-10, atol=1e-12)
+    with gt.GradientTape() as tape:
+        col = gt.sum(gt.tanh(x @ w + b), axis=0)
+    jac = tape.jacobian(col, b).numpy()  # batch axes in front of every cotangent
+    np.testing.assert_allclose(jac, np.diag((1 - h_np**2).sum(0)), rtol=1e-10, atol=1e-12)
+
+
 def test_watch_accessed_variables_false_and_non_trainable() -> None:
     w = gt.Variable(2.0)
     frozen = gt.Variable(3.0, trainable=False)
