@@ -15,7 +15,9 @@ change) runs beside this one and its rows are interleaved with the others: a bef
 after from one run. Each round sends every row once, in a shuffled order; the table gives
 the p50 and p90 wall latency, the client's CPU time per request (the client shares the
 machine's cores with the servers), the worker's own compute time (its Server-Timing
-header), and each row's p50 minus its floor's p50 (the target: within 1.0 ms).
+header), the mean CPU time of the processes that answered it (its server's HTTP process,
+its worker; Linux /proc, clock ticks: a mean over many requests), and each row's p50
+minus its floor's p50.
 
 Run by hand (not in CI), with OpenBLAS's core type left to autodetect:
 
@@ -114,6 +116,11 @@ class Row:
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)
+    # The processes answering it (its server's HTTP process, then its workers) and their
+    # CPU seconds during each of its requests (/proc: clock ticks, so a mean over many
+    # requests, not a percentile).
+    processes: list[int] = field(default_factory=list)
+    spent: list[list[float]] = field(default_factory=list)
 
     def send(self, client: httpx.Client) -> httpx.Response:
         if self.content is None:
@@ -122,9 +129,11 @@ class Row:
         return client.post(self.url, content=self.content, headers=headers)
 
     def timed(self, client: httpx.Client) -> None:
+        before = [_cpu(pid) for pid in self.processes]
         cpu, wall = time.thread_time(), time.perf_counter()
         response = self.send(client)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        self.spent.append([_cpu(pid) - b for pid, b in zip(self.processes, before, strict=True)])
         if response.status_code >= 300:
             raise RuntimeError(f"{self.name}: {response.status_code} {response.text[:300]}")
         self.wall.append(wall)
@@ -132,6 +141,26 @@ class Row:
         match = re.search(r"compute;dur=([0-9.]+)", response.headers.get("server-timing", ""))
         if match:
             self.compute.append(float(match.group(1)) / 1e3)
+
+
+def _cpu(pid: int) -> float:
+    """User + system seconds of process `pid` (Linux /proc; 0 where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 def quantile(samples: list[float], q: float) -> float:
@@ -143,9 +172,13 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def rows_for(servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, Any]) -> list[Row]:
+def rows_for(
+    servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, Any], probes: bool = False
+) -> list[Row]:
     """The floor's rows, and for each server (label, base URL, tape id) its compute rows,
-    each beside the floor's row for the same body."""
+    each beside the floor's row for the same body; with `probes`, the service's GET
+    /healthz (its middleware and routing alone) and GET /v1/tapes (gated, no worker)
+    beside the floor's GET /ping."""
     rows = [Row("floor GET /ping", f"{floor}/ping", None)]
     cases = [
         ("gradient, SCENARIOS 15, JSON", "gradient", SCENARIO_15, False),
@@ -154,6 +187,14 @@ def rows_for(servers: list[tuple[str, str, str]], floor: str, bodies: dict[str, 
         ("tape HVP, small MLP, JSON", "hvp", {"vector": bodies["vector_json"]}, False),
         ("tape HVP, small MLP, msgpack", "hvp", {"vector": bodies["vector_msgpack"]}, True),
     ]
+    if probes:  # the service's own stack without a worker, against the floor's GET
+        for label, base, _ in servers:
+            rows.append(
+                Row(f"probe GET /healthz{label}", f"{base}/healthz", None, floor=rows[0].name)
+            )
+            rows.append(
+                Row(f"probe GET /v1/tapes{label}", f"{base}/v1/tapes", None, floor=rows[0].name)
+            )
     for name, route, body, binary in cases:
         content = msgpack.packb(body, use_bin_type=True) if binary else orjson.dumps(body)
         kind = MSGPACK if binary else "application/json"
@@ -175,6 +216,12 @@ def main() -> None:
         type=Path,
         help="another checkout (e.g. a worktree of main) whose server is measured beside "
         "this one's, interleaved: its rows are marked [baseline]",
+    )
+    parser.add_argument(
+        "--probes",
+        action="store_true",
+        help="also GET /healthz and GET /v1/tapes of each server (no worker: the HTTP "
+        "process's own stack), beside the floor's GET /ping",
     )
     args = parser.parse_args()
     if os.environ.get("OPENBLAS_CORETYPE"):
@@ -221,6 +268,7 @@ def main() -> None:
                 "vector_json": vector_json,
                 "vector_msgpack": vector_msgpack,
             },
+            args.probes,
         )
         with httpx.Client(timeout=60) as client:
             order = list(rows)
@@ -228,6 +276,11 @@ def main() -> None:
             for _ in range(args.warmup):
                 for row in order:
                     row.send(client).raise_for_status()
+            # The processes each row's requests go through: the HTTP process, its workers.
+            bases = {base: process.pid for (_, base, _), process in zip(servers, processes[1:])}
+            for row in rows:
+                pid = next((p for b, p in bases.items() if row.url.startswith(b)), None)
+                row.processes = [floor_process.pid] if pid is None else [pid, *_children(pid)]
             for _ in range(args.rounds):
                 rng.shuffle(order)
                 for row in order:
@@ -240,9 +293,9 @@ def main() -> None:
     lines = [
         (
             "| request | p50 ms | p90 ms | client CPU p50 ms | worker compute p50 ms "
-            "| p50 minus its floor's ms |"
+            "| server CPU mean ms | worker CPU mean ms | p50 minus its floor's ms |"
         ),
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         p50 = statistics.median(row.wall)
@@ -250,9 +303,13 @@ def main() -> None:
         if row.floor is not None:
             over = ms(p50 - statistics.median(by_name[row.floor].wall))
         compute = ms(statistics.median(row.compute)) if row.compute else ""
+        # (the HTTP process's: the floor's own for its rows; the workers', summed)
+        server = ms(statistics.fmean(s[0] for s in row.spent)) if row.spent else ""
+        workers = [sum(s[1:]) for s in row.spent]
+        worker = ms(statistics.fmean(workers)) if len(row.processes) > 1 else ""
         lines.append(
             f"| {row.name} | {ms(p50)} | {ms(quantile(row.wall, 0.9))} | "
-            f"{ms(statistics.median(row.cpu))} | {compute} | {over} |"
+            f"{ms(statistics.median(row.cpu))} | {compute} | {server} | {worker} | {over} |"
         )
     load = os.getloadavg()
     command = "env -u OPENBLAS_CORETYPE .venv/bin/python bench/bench_request.py " + " ".join(

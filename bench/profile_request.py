@@ -10,8 +10,15 @@ do it: one request runs at a time, so an async stage's wall time is its own, plu
 worker's for the pool's), or with `--profile`, cProfile's table of the functions where
 the time goes (cProfile inflates many small calls; read the ranking, not the figures).
 
+With `--worker`, the worker's side instead: the messages the rows' requests sent to the
+worker are captured, then answered in this process by the worker's own code
+(`service.worker.dispatch.answer`, after the same IPC pack and unpack, a context from
+`compute.start` with the app's worker options), timed (median ms per message) or, with
+`--profile`, under cProfile.
+
     env -u OPENBLAS_CORETYPE .venv/bin/python -m bench.profile_request
         [--rows gradient-json,hvp-msgpack] [--requests 1000] [--breakdown | --profile]
+        [--worker] [--callers PATTERN]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import fastapi.routing
@@ -79,8 +87,8 @@ def install_timers() -> None:
     )
     for op in (*DERIVATIVES, *TAPE_OPERATIONS):
         object.__setattr__(op, "build", _timed("payload: wire tensors -> arrays", op.build))
-    WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)
-    ipc.frame = _timed("  IPC pack (in pool.submit)", ipc.frame)
+    WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)  # type: ignore[method-assign]
+    ipc.prepare = _timed("  IPC pack (in pool.submit)", ipc.prepare)
     ipc.unpack = _timed("  IPC unpack (in pool.submit)", ipc.unpack)
     negotiation.answer = _timed("answer: arrays -> response", negotiation.answer)
     from service.api.routes import _compute
@@ -139,15 +147,79 @@ async def call(app: Any, path: str, body: bytes, content_type: str) -> tuple[int
     return status, b"".join(chunks)
 
 
+# The worker messages of the current row's requests (--worker): (kind, payload, limit).
+_captured: list[tuple[str, Any, float | None]] = []
+
+
+def install_capture() -> None:
+    submit = WorkerPool.submit
+
+    async def capturing(self: WorkerPool, kind: str, payload: Any, **options: Any) -> Any:
+        _captured.append((kind, payload, options.get("time_limit")))
+        return await submit(self, kind, payload, **options)
+
+    WorkerPool.submit = capturing  # type: ignore[method-assign]
+
+
+def run_worker_side(
+    args: argparse.Namespace,
+    settings: Settings,
+    create: tuple[str, Any, float | None],
+    messages: dict[str, tuple[str, Any, float | None]],
+) -> None:
+    """Answer each row's captured message with the worker's own code, in this process."""
+    from service.worker import compute, dispatch
+
+    options = {**settings.worker_options(), "empty_working_directory": False}
+    context = compute.start(0, "cpu", options)
+
+    def message(captured: tuple[str, Any, float | None], number: int) -> Any:
+        kind, payload, limit = captured
+        sent = {"id": number, "kind": kind, "payload": payload, "time_limit": limit}
+        return ipc.unpack(ipc.pack(sent))  # as the worker reads it (small: no arena)
+
+    reply = dispatch.answer(context, message(create, 0))
+    assert reply["ok"], reply
+    names = list(messages)
+    for name in names * 50:  # warm-up (the compiled passes are captured here)
+        assert dispatch.answer(context, message(messages[name], 1))["ok"]
+    profile = cProfile.Profile() if args.profile else None
+    times: dict[str, list[float]] = {name: [] for name in names}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for number in range(args.requests):
+        for name in names:
+            sent = message(messages[name], number)
+            if profile:
+                profile.enable()
+            t = time.perf_counter()
+            reply = dispatch.answer(context, sent)
+            times[name].append(time.perf_counter() - t)
+            if profile:
+                profile.disable()
+            seconds[name].append(reply["seconds"])
+    for name in names:
+        print(
+            f"{name} in the worker: median {statistics.median(times[name]) * 1e3:.3f} ms "
+            f"(its Server-Timing {statistics.median(seconds[name]) * 1e3:.3f} ms)"
+        )
+    if profile:
+        stats = pstats.Stats(profile)
+        stats.sort_stats(args.sort).print_stats(args.top)
+        if args.callers:
+            stats.print_callers(args.callers)
+
+
 async def run(args: argparse.Namespace) -> None:
     data_dir = tempfile.mkdtemp(prefix="gradtape-profile-request-")
-    app = create_app(Settings(workers=1, data_dir=data_dir, log_level="warning", access_log=False))
+    settings = Settings(workers=1, data_dir=Path(data_dir), log_level="warning", access_log=False)
+    app = create_app(settings)
     mlp_json, vector_json = small_mlp(binary=False)
     mlp_msgpack, vector_msgpack = small_mlp(binary=True)
     async with app.router.lifespan_context(app):
         status, created = await call(app, "/v1/tapes", orjson.dumps(mlp_json), "application/json")
         assert status == 201, created
         tape = orjson.loads(created)["tape_id"]
+        create = _captured[-1] if _captured else ("", None, None)
         rows = {
             # the floor app (bench/_floor_app.py) given the same bodies, in-process too
             "floor-s15": ("/trivial", orjson.dumps(SCENARIO_15), "application/json", floor),
@@ -172,6 +244,15 @@ async def run(args: argparse.Namespace) -> None:
         for _, path, body, kind, target in chosen * 50:  # warm-up
             status, answer = await call(target, path, body, kind)
             assert status == 200, answer
+        if args.worker:
+            captured = {}
+            for name, path, body, kind, target in chosen:
+                if target is app:
+                    _captured.clear()
+                    await call(target, path, body, kind)
+                    (captured[name],) = _captured
+            run_worker_side(args, settings, create, captured)
+            return
         _spent.clear()
         profile = cProfile.Profile() if args.profile else None
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -195,11 +276,21 @@ async def run(args: argparse.Namespace) -> None:
         for name in names:
             print(
                 f"{name}: median {statistics.median(times[name]) * 1e3:.3f} ms in the app, "
-                f"{statistics.median(cpu[name]) * 1e3:.3f} ms CPU of the event loop's thread"
+                f"{statistics.median(cpu[name]) * 1e3:.3f} ms CPU of the event loop's thread "
+                f"(its 10th percentile {_p10(cpu[name]) * 1e3:.3f} ms: less sensitive to "
+                "other processes)"
             )
         if profile:
             stats = pstats.Stats(profile)
+            if args.dump:
+                stats.dump_stats(args.dump)
             stats.sort_stats(args.sort).print_stats(args.top)
+            if args.callers:  # who calls the functions matching this pattern, and how often
+                stats.print_callers(args.callers)
+
+
+def _p10(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 10]
 
 
 def print_breakdown(
@@ -234,9 +325,14 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--sort", default="tottime")
     parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--dump", help="with --profile: write cProfile's stats to this file")
+    parser.add_argument("--worker", action="store_true", help="the worker's side (see above)")
+    parser.add_argument("--callers", help="with --profile: print the callers of these functions")
     args = parser.parse_args()
     if args.breakdown:
         install_timers()
+    if args.worker:
+        install_capture()
     asyncio.run(run(args))
 
 

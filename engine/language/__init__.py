@@ -45,7 +45,7 @@ from engine.language.definition import (
     as_definition,
 )
 from engine.language.errors import DefinitionError, ExecutionError, OverBudget, Problem
-from engine.language.evaluate import Evaluation, evaluate
+from engine.language.evaluate import Evaluation, evaluate, evaluate_compiled
 from engine.language.limits import DEFAULT_LIMITS, Limits
 from engine.shapes import TensorType
 
@@ -70,4 +70,5 @@ __all__ = [
     "clear_cache",
     "compile_definition",
     "evaluate",
+    "evaluate_compiled",
 ]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine import replay
+from engine import backend, replay
 from engine.backend import host
 from engine.language.catalogue import suggest
 from engine.language.cost import CostModel
@@ -82,6 +82,30 @@ def _leaf_layout(names: list[str], arrays: list[Any]) -> tuple:
     )
 
 
+CHECKED_REQUESTS = 64  # the most checked requests a program remembers
+
+
+def _request_key(target: Any, sources: Any, unconnected: Any, allow_unused: bool) -> Any:
+    """check_request's arguments as a key, when they are plain names (None otherwise: such
+    a request is checked every time, and refused with its problems)."""
+    if not isinstance(target, str) or not isinstance(unconnected, str):
+        return None
+    if sources is None or isinstance(sources, str):
+        shape: Any = sources
+    elif isinstance(sources, Mapping):
+        shape = ("mapping", *sources.items())
+    elif isinstance(sources, list | tuple):
+        shape = ("names", *sources)
+    else:
+        return None
+    key = (target, shape, unconnected, bool(allow_unused))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 @dataclass(frozen=True)
 class Request:
     """A checked target and sources: `sources` maps each answer key (the name, or the
@@ -118,6 +142,9 @@ class CompiledProgram:
             }
             for line in checked.lines
         }
+        # The requests checked already (a service checks the same one on every call):
+        # check_request's key -> its Request.
+        self._checked_requests: dict[tuple[Any, ...], Request] = {}
         self.memory = MemoryModel.of(checked)  # bytes of a recording and of each pass item
         self.cost = CostModel.of(checked)  # FLOPs and bytes moved by one forward pass
         self._sites = checked.grad_sites
@@ -156,7 +183,9 @@ class CompiledProgram:
         defn = definition if isinstance(definition, Definition) else as_definition(definition)
         out: dict[str, Tensor] = {}
         for name, var in defn.variables.items():
-            value = var.value if device is None else constant(var.value, device=device).value
+            # (as_definition made every value an array: moved, if need be, without a
+            # Tensor around it first)
+            value = var.value if device is None else backend.asarray(var.value, None, device)
             out[name] = Variable(value, trainable=var.trainable, name=name)
         for name, value in defn.inputs.items():
             out[name] = constant(value, device=device)
@@ -717,6 +746,20 @@ class CompiledProgram:
         mapping alias -> name. A line the target does not use is an error unless
         allow_unused (a tape that will serve other targets later).
         """
+        key = _request_key(target, sources, unconnected, allow_unused)
+        checked = self._checked_requests.get(key) if key is not None else None
+        if checked is None:
+            checked = self._check_request(target, sources, unconnected, allow_unused)
+            if key is not None:
+                if len(self._checked_requests) >= CHECKED_REQUESTS:
+                    self._checked_requests.clear()  # (a client's aliases are its own choice)
+                self._checked_requests[key] = checked
+        # A copy: its caller may change the sources it gets
+        return Request(checked.target, dict(checked.sources), checked.unconnected)
+
+    def _check_request(
+        self, target: Any, sources: Any, unconnected: Any, allow_unused: bool
+    ) -> Request:
         problems: list[Problem] = []
         if not isinstance(target, str) or target not in self.types:
             names = list(self.types)

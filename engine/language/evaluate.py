@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.language.compile import compile_definition
-from engine.language.definition import as_definition
+from engine.language.compile import CompiledProgram, compile_definition
+from engine.language.definition import Definition, as_definition
 from engine.language.errors import DefinitionError, ExecutionError, Problem
 from engine.language.limits import Limits
 from engine.language.runtime import RUNTIME_ERRORS
@@ -42,7 +42,32 @@ def evaluate(
     differentiated as its sum (tf.GradientTape's convention).
     """
     defn = as_definition(definition)
-    program = compile_definition(defn, limits)
+    return evaluate_compiled(
+        compile_definition(defn, limits),
+        defn,
+        target,
+        sources,
+        unconnected=unconnected,
+        device=device,
+        allow_unused=allow_unused,
+        compiled=compiled,
+    )
+
+
+def evaluate_compiled(
+    program: CompiledProgram,
+    defn: Definition,
+    target: str,
+    sources: Any = None,
+    *,
+    unconnected: str = "none",
+    device: str | None = None,
+    allow_unused: bool = False,
+    compiled: bool = True,
+) -> Evaluation:
+    """evaluate() of a definition already coerced (`as_definition`) and compiled
+    (`compile_definition`): for a caller that needed the program first (the service's
+    worker checks its memory and cost before running), so neither is done twice."""
     request = program.check_request(target, sources, unconnected, allow_unused)
     leaves = program.leaves(defn, device)
     try:

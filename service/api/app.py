@@ -7,6 +7,7 @@ engine runs only in the pool's worker processes (service/worker/compute.py)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -92,6 +93,17 @@ def _job_problem(slug: str, detail: str, instance: str) -> dict[str, Any]:
     return problem_body(slug, PROBLEM_TYPES[slug].status, detail, instance, None)
 
 
+def _freeze_startup_objects() -> None:
+    """What the app made at startup (the routes, the schemas, the modules: ~100,000
+    objects) out of the garbage collector's sight until shutdown: a full collection
+    walked them all again every few thousand requests, 0.1 s each time on a small
+    machine (a pause for the requests in flight, ~40 us a request on average). The
+    garbage of before is collected first; gc.unfreeze() at shutdown hands them back
+    (another app in the same process, as in tests, keeps collecting normally)."""
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     metrics = Metrics()
@@ -117,9 +129,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             await tapes.open()
             await jobs.open()
+            _freeze_startup_objects()
             try:
                 yield
             finally:
+                gc.unfreeze()
                 await jobs.close()
                 await tapes.close()
                 await pool.close()

@@ -97,6 +97,28 @@ async def get_tape(
 
 TapeDep = Annotated[Tape, Depends(get_tape)]
 
+
+@dataclass(frozen=True)
+class TapeCompute(Compute):
+    """What a compute route on a tape needs: its Compute, and the tape the path names."""
+
+    tape: Tape
+
+
+async def get_tape_compute(
+    tape_id: Annotated[str, Path(description="The id POST /v1/tapes answered.")],
+    request: Request,
+) -> TapeCompute:
+    """get_tape then get_compute (the 404 first, then 415 or 406), as one dependency:
+    FastAPI solves each dependency anew for every request."""
+    owner = await current_owner(request)
+    tapes: TapeRegistry = request.app.state.tapes
+    tape = await tapes.get(tape_id, owner)
+    return TapeCompute(owner, await negotiate(request), request.app.state.services, tape)
+
+
+TapeComputeDep = Annotated[TapeCompute, Depends(get_tape_compute)]
+
 __all__ = [
     "Compute",
     "ComputeDep",
@@ -107,6 +129,8 @@ __all__ = [
     "PoolDep",
     "Services",
     "SettingsDep",
+    "TapeCompute",
+    "TapeComputeDep",
     "TapeDep",
     "TapesDep",
 ]

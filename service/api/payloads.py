@@ -8,7 +8,6 @@ import base64
 import binascii
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from service.api.problems import ProblemError
@@ -428,7 +427,7 @@ def operation(body: OperationRequest, settings: Settings) -> Prepared:
     options = body.options()
     # An operation without an HVP budget (per-example gradients, KFAC, a Laplace fit:
     # service/core/operations.py) has only the time budget set below.
-    counted = any(f.name == "max_hvps" for f in msgspec.structs.fields(options))
+    counted = "max_hvps" in options.__struct_fields__
     max_hvps = options.hvp_budget(settings.algorithm_max_hvps) if counted else 0
     if max_hvps > settings.algorithm_max_hvps:
         raise ProblemError(

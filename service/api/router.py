@@ -4,16 +4,16 @@ fair-sharing gate, before their body is read (their route class, GatedRoute, doe
 service/api/bodies.py); the operational ones do neither.
 
 GatedRoute authenticates every request of the gated routers before FastAPI sees it, so
-those routers declare only the two key schemes (for the OpenAPI document), and their
-routes' owner dependency reads what the gate found: `authenticate` as a dependency would
-only repeat the gate's work, at three FastAPI solves per request. The job routes are not
-gated: their dependency authenticates."""
+their routes declare the two key schemes to the OpenAPI document only (GatedRoute's
+`security`), and their owner dependency reads what the gate found: `authenticate` as a
+dependency would only repeat the gate's work, at three FastAPI solves per request. The
+job routes are not gated: their dependency authenticates."""
 
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from service.api.auth import api_key_scheme, authenticate, bearer_scheme
+from service.api.auth import authenticate
 from service.api.routes import (
     curvature,
     datasets,
@@ -25,15 +25,13 @@ from service.api.routes import (
     tapes,
 )
 
-GATED_ROUTERS_DECLARE = [Depends(bearer_scheme), Depends(api_key_scheme)]
-
 
 def include_routers(app: FastAPI) -> None:
     """Include every resource's router in the app itself, not through an aggregating
     router: FastAPI matches a request's path again at each level of included routers
     (twice and more per route before it: ~50 us of a small request at two levels)."""
     for module in (derivatives, tapes, models, datasets, ops, curvature):
-        app.include_router(module.router, dependencies=GATED_ROUTERS_DECLARE)
+        app.include_router(module.router)  # (GatedRoute declares the key schemes)
     # Following a job uses no worker (and its event stream lasts as long as the job): no
     # slot. A job takes its key's slot while it computes (service/domain/jobs.py).
     app.include_router(jobs.router, dependencies=[Depends(authenticate)])

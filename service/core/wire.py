@@ -90,7 +90,13 @@ def from_bytes(raw: bytes | bytearray | memoryview, dtype: str, shape: Sequence[
     array = np.frombuffer(raw, dtype=dt).reshape(tuple(shape))
     if dtype == "bool" and array.size and array.view(np.uint8).max() > 1:
         raise TensorError("bool bytes must be 0 or 1")
-    return array.astype(dt.newbyteorder("="), copy=False)
+    native = _NATIVE.get(dt)
+    if native is None:  # (newbyteorder makes a new dtype, ~1 us: kept)
+        native = _NATIVE[dt] = dt.newbyteorder("=")
+    return array if native == dt else array.astype(native, copy=False)
+
+
+_NATIVE: dict[np.dtype, np.dtype] = {}
 
 
 # NumPy's dtype.name is a Python property that costs ~2.5 us, paid for every array of

@@ -3,7 +3,7 @@ tests, do not collide). Served at GET /metrics."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -23,6 +23,7 @@ class Metrics(PoolObserver):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._children: dict[tuple[Any, ...], Any] = {}  # (see _child)
         self.requests = Counter(
             "gradtape_http_requests",
             "HTTP requests answered",
@@ -95,25 +96,34 @@ class Metrics(PoolObserver):
         self.tapes.set_function(tapes.count)
         self.tape_bytes.set_function(tapes.total_bytes)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), remembered: prometheus_client checks the labels and
+        takes a lock at every labels() call, six times in every compute request."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # Hooks ------------------------------------------------------------------------------
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(method, route, str(status)).inc()
-        self.latency.labels(method, route).observe(seconds)
+        self._child(self.requests, method, route, str(status)).inc()
+        self._child(self.latency, method, route).observe(seconds)
 
     def tape_event(self, event: str) -> None:
-        self.tape_events.labels(event).inc()
+        self._child(self.tape_events, event).inc()
 
     def problem(self, type_: str) -> None:
-        self.errors.labels(type_).inc()
+        self._child(self.errors, type_).inc()
 
     def worker_busy(self, worker: int, seconds: float) -> None:
-        self.busy_seconds.labels(str(worker)).inc(seconds)
+        self._child(self.busy_seconds, str(worker)).inc(seconds)
 
     def request_started(self, worker: int) -> None:
-        self.started.labels(str(worker)).inc()
+        self._child(self.started, str(worker)).inc()
 
     def worker_restarted(self, worker: int, reason: str) -> None:
-        self.worker_restarts.labels(str(worker), reason).inc()
+        self._child(self.worker_restarts, str(worker), reason).inc()
 
     def arrays_moved(self, route: str, nbytes: int) -> None:
-        self.array_bytes.labels(route).inc(nbytes)
+        self._child(self.array_bytes, route).inc(nbytes)

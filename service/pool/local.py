@@ -149,6 +149,7 @@ class WorkerHandle:
         self.request_id = 0
         self.job: QueuedJob | None = None  # the request it computes now
         self.reply: asyncio.Future[dict[str, Any]] | None = None
+        self.reply_array_bytes = 0  # the bytes of the arrays of its last reply (as read)
         # The id of a request to stop; the worker compares it with the one it runs, so a
         # late cancel can never stop the next request. Shared memory: the worker reads it
         # before every op while its socket is busy with nothing.
@@ -283,7 +284,7 @@ class WorkerPool:
             gathered += self._shared_fields(message, shared)
         # Packed here, so that a payload msgpack cannot carry fails its caller at once.
         outgoing = ipc.prepare(message, self._channel)
-        self.observer.arrays_moved("to_workers", array_bytes(message))
+        self.observer.arrays_moved("to_workers", outgoing.array_bytes)
         job = QueuedJob(
             request_id,
             outgoing,
@@ -316,7 +317,9 @@ class WorkerPool:
         deadline = loop.time() + self.settings.queue_timeout
         watch = job.watch
         poll = self.settings.disconnect_poll if watch and watch.gone else None
-        started = loop.create_task(job.started.wait())
+        # The task that waits for the job's start, made only while it has not started (a
+        # small request usually starts at once: one task and loop turn less).
+        started: asyncio.Task[Any] | None = None
         try:
             while not job.future.done():
                 timeout = poll
@@ -329,8 +332,14 @@ class WorkerPool:
                             f"no worker became free within {self.settings.queue_timeout:g} s"
                         )
                     timeout = left if poll is None else min(left, poll)
+                    if started is None:
+                        started = loop.create_task(job.started.wait())
                     waited: list[asyncio.Future[Any]] = [job.future, started]
                     await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                elif timeout is None:
+                    # Nothing to poll: the reply itself (shielded: a cancelled caller
+                    # leaves the job's future to _cancel, as asyncio.wait did).
+                    await asyncio.shield(job.future)
                 else:
                     await asyncio.wait([job.future], timeout=timeout)
                 if job.future.done():
@@ -338,7 +347,8 @@ class WorkerPool:
                 if watch is not None and watch.gone is not None and await watch.gone():
                     self._cancel(job, watch.reason)
         finally:
-            started.cancel()
+            if started is not None:
+                started.cancel()
         return job.future.result()
 
     # Kept answers ---------------------------------------------------------------------------
@@ -511,7 +521,9 @@ class WorkerPool:
             self.observer.request_started(w.index)
         started = time.perf_counter()
         try:
-            message = await asyncio.wait_for(self._roundtrip(w, job), job.time_limit)
+            # (asyncio.timeout, not wait_for: no task of its own around the round trip)
+            async with asyncio.timeout(job.time_limit):
+                message = await self._roundtrip(w, job)
         except TimeoutError:
             job.fail(ComputeTimeout(job.time_limit, w.index))
             self._spawn_task(self._replace(w, generation, "timeout"))
@@ -535,7 +547,7 @@ class WorkerPool:
         w.state = "idle"
         if message.get("ok"):
             result = message.get("result")
-            self.observer.arrays_moved("from_workers", array_bytes(result))
+            self.observer.arrays_moved("from_workers", w.reply_array_bytes)
             if job.keep is not None and not job.future.done():
                 result = self._kept_answer(job, message)
             if not job.future.done():
@@ -625,7 +637,8 @@ class WorkerPool:
         assert w.reader is not None
         try:
             while True:
-                message = await ipc.read_message(w.reader, w.inbox)
+                counted = [0]
+                message = await ipc.read_message(w.reader, w.inbox, counted)
                 if "progress" in message:
                     job = w.job
                     if (
@@ -652,6 +665,7 @@ class WorkerPool:
                     w.outbox.held = set(held or ())
                 reply = w.reply
                 if reply is not None and not reply.done() and message.get("id") == w.request_id:
+                    w.reply_array_bytes = counted[0]
                     reply.set_result(message)
                 # Not kept while waiting for the next one: the arrays of the worker's
                 # reply arena must die with their request's use (shm.Inbox.held).

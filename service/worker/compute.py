@@ -42,6 +42,7 @@ from engine.language import (
     catalogue,
     compile_definition,
     evaluate,
+    evaluate_compiled,
 )
 from engine.language.cost import Throughput
 from engine.tape import per_example_jacobian
@@ -413,16 +414,18 @@ def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
 
 
 def gradient(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-    program = compile_definition(as_definition(payload["definition"]), context.limits)
+    # Coerced and compiled once: the checks below and the run share them.
+    definition = as_definition(payload["definition"])
+    program = compile_definition(definition, context.limits)
     program.batch_within(context.memory_budget, "its forward and backward pass", first_order=True)
     check_cost(program, 1, True, context, "the gradient")
     with replay.observe() as observed:  # compiled: see evaluate
-        result = evaluate(
-            as_definition(payload["definition"]),
+        result = evaluate_compiled(
+            program,
+            definition,
             payload["target"],
             payload.get("sources"),
             unconnected=payload.get("unconnected", "none"),
-            limits=context.limits,
             device=context.device,
             allow_unused=bool(payload.get("allow_unused")),
         )

@@ -5,6 +5,7 @@ in the HTTP process."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -42,6 +43,11 @@ def worker_main(
     # arena (inbox), replies' go out through this process's own (outbox).
     inbox = shm.Inbox(channel) if channel is not None else None
     outbox = shm.Outbox(channel, f"w{os.getpid()}") if channel is not None else None
+    # The engine's and the modules' objects (made once, kept for the process's life) out
+    # of the garbage collector's sight: a full collection would walk them all again every
+    # few thousand requests (see service/api/app.py, _freeze_startup_objects).
+    gc.collect()
+    gc.freeze()
     ipc.send_message(sock, {"hello": context.describe()})
     try:
         while True:

@@ -17,25 +17,38 @@ import numpy as np
 from engine.language import Problem
 
 # Bookkeeping in answers, never a computed value.
-_NOT_RESULTS = frozenset({"tape", "seconds", "ttl"})
+_NOT_RESULTS = frozenset({"tape", "seconds", "ttl", "execution"})
 
 
 def nonfinite_fields(result: Any, path: str = "") -> list[str]:
     """Dotted paths of the arrays and numbers in `result` that hold NaN or infinity."""
     found: list[str] = []
-    if isinstance(result, Mapping):
-        for key, value in result.items():
-            if key not in _NOT_RESULTS:
-                found += nonfinite_fields(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(result, list | tuple):
-        for i, value in enumerate(result):
-            found += nonfinite_fields(value, f"{path}.{i}" if path else str(i))
-    elif isinstance(result, np.ndarray):
-        if result.dtype.kind in "fc" and not np.isfinite(result).all():
-            found.append(path)
-    elif isinstance(result, float | np.floating) and not math.isfinite(result):
-        found.append(path)
+    _walk(result, path, found)
     return found
+
+
+# Leaves that are never numbers with a non-finite value.
+_PLAIN = frozenset({str, bool, int, bytes, type(None)})
+
+
+def _walk(value: Any, path: str, found: list[str]) -> None:
+    # Exact types first (an answer is dicts, lists and arrays): the ABC checks below cost
+    # a few microseconds each, and this runs over every answer.
+    kind = type(value)
+    if kind in _PLAIN:
+        return
+    if kind is np.ndarray or (kind is not dict and isinstance(value, np.ndarray)):
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            found.append(path)
+    elif kind is dict or isinstance(value, Mapping):
+        for key, item in value.items():
+            if key not in _NOT_RESULTS:
+                _walk(item, f"{path}.{key}" if path else str(key), found)
+    elif kind is list or isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _walk(item, f"{path}.{i}" if path else str(i), found)
+    elif isinstance(value, float | np.floating) and not math.isfinite(value):
+        found.append(path)
 
 
 def guard(

@@ -413,6 +413,14 @@ def tape_drop(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, A
     return {"dropped": dropped, "held": len(tapes)}
 
 
+def _stack(arrays: list[Any]) -> np.ndarray:
+    """np.stack's new array (never a view of a request's read-only bytes); one array, the
+    usual request, as a copy with a leading axis (np.stack's checks cost ~8 us a source)."""
+    if len(arrays) == 1:
+        return np.asarray(arrays[0])[np.newaxis].copy()
+    return np.stack([np.asarray(a) for a in arrays])
+
+
 def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = session_for(payload, context)
     single, vectors = given_vectors(payload, session.keys, session.primals)
@@ -422,7 +430,7 @@ def tape_hvp(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, An
     count = len(vectors)
     check_cost(session.program, count, False, context, f"the HVP of {count:,} vector(s)")
     stacked = [
-        on_device(np.stack([np.asarray(v[k]) for v in vectors]), p, context)
+        on_device(_stack([v[k] for v in vectors]), p, context)
         for k, p in zip(session.keys, session.primals, strict=True)
     ]
     # (a message without `curvature` asks for the Hessian)

@@ -10,6 +10,7 @@ import engine as gt
 from engine import trace
 from engine.language import (
     Definition,
+    DefinitionError,
     FunctionDef,
     Limits,
     VariableDef,
@@ -53,6 +54,35 @@ def test_cached_by_structure_not_values() -> None:
         MLP, variables={**MLP["variables"], "w2": {"value": np.ones((4, 1)), "trainable": False}}
     )
     assert compile_definition(frozen).key != first.key
+
+
+def test_every_part_of_the_structure_is_in_the_key() -> None:
+    """Two definitions share a compiled program only when everything compilation reads
+    is the same: a leaf's dtype, its role, a line, a function's body."""
+    first = compile_definition(MLP)
+    float32 = dict(
+        MLP,
+        variables={k: np.asarray(v, np.float32) for k, v in MLP["variables"].items()},
+        inputs={k: np.asarray(v, np.float32) for k, v in MLP["inputs"].items()},
+    )
+    as_input = dict(
+        MLP,
+        variables={k: v for k, v in MLP["variables"].items() if k != "b1"},
+        inputs={**MLP["inputs"], "b1": np.zeros(4)},
+    )
+    relu = {"params": ["a"], "forward": ["out = relu(a)"]}
+    tanh = {"params": ["a"], "forward": ["out = tanh(a)"]}
+    other_line = dict(MLP, program=[*MLP["program"][:2], "loss = sum((out - y) ** 2)"])
+    keys = {
+        first.key,
+        compile_definition(float32).key,
+        compile_definition(as_input).key,
+        compile_definition(dict(MLP, functions={"act": relu})).key,
+        compile_definition(dict(MLP, functions={"act": tanh})).key,
+        compile_definition(other_line).key,
+    }
+    assert len(keys) == 6
+    assert compile_definition(dict(MLP, functions={"act": dict(tanh)})).key in keys
 
 
 def test_one_program_runs_many_times() -> None:
@@ -270,3 +300,23 @@ def test_a_definitions_arrays_are_freed_without_the_garbage_collector() -> None:
             assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_checked_request_is_remembered_and_each_caller_gets_its_own() -> None:
+    """check_request remembers what it checked (a service asks the same on every call),
+    by every argument: the same request answers equal, a different one is checked anew,
+    and a bad one is refused every time."""
+    program = compile_definition(MLP)
+    first = program.check_request("loss", {"a": "w1", "b": "b1"})
+    first.sources["c"] = "w2"  # the caller's own copy
+    again = program.check_request("loss", {"a": "w1", "b": "b1"})
+    assert again.sources == {"a": "w1", "b": "b1"} and again is not first
+    assert program.check_request("loss", ["w1", "b1"]).sources == {"w1": "w1", "b1": "b1"}
+    assert program.check_request("loss", {"b": "b1", "a": "w1"}).sources == {"b": "b1", "a": "w1"}
+    assert program.check_request("loss", "w2", "zero").unconnected == "zero"
+    for _ in range(2):
+        with pytest.raises(DefinitionError, match="unknown target"):
+            program.check_request("los")
+        with pytest.raises(DefinitionError, match="does not use it"):
+            program.check_request("h")
+    assert program.check_request("h", allow_unused=True).target == "h"

@@ -100,6 +100,30 @@ def test_a_malformed_array_is_a_frame_error() -> None:
             ipc.unpack(frame)
 
 
+def test_an_array_read_like_one_before_is_checked_as_strictly() -> None:
+    """The header of a dtype and shape read before is not parsed again (ipc._READ), but
+    its bytes are still counted and a bool's still checked; a non-contiguous or
+    big-endian array still travels as its little-endian, row-major bytes."""
+    import msgpack
+    import pytest
+
+    for array in (np.arange(6, dtype=np.float32).reshape(2, 3), np.array([True, False])):
+        data = ipc._default(array).data
+        for _ in range(2):  # the first read keeps the header, the second uses it
+            np.testing.assert_array_equal(ipc._ext_hook(ipc.ARRAY_EXT, data), array)
+        for bad in (data[:-1], data + b"\x00"):
+            with pytest.raises(ipc.FrameError):
+                ipc.unpack(msgpack.packb(msgpack.ExtType(ipc.ARRAY_EXT, bad)))
+    flags = ipc._default(np.array([True, False])).data
+    with pytest.raises(ipc.FrameError, match="bool"):
+        ipc.unpack(msgpack.packb(msgpack.ExtType(ipc.ARRAY_EXT, flags[:-1] + b"\x02")))
+    base = np.arange(12, dtype=">f8").reshape(3, 4)
+    for array in (base, base.T, np.asarray(base, "<f8")[:, ::2]):
+        back = ipc.unpack(ipc.pack(array))
+        assert back.dtype == np.float64 and back.shape == array.shape
+        np.testing.assert_array_equal(back, array)
+
+
 # -- arrays arrive 16-byte aligned, on both sides ------------------------------------------------
 
 ALIGNED_CASES = [
@@ -170,3 +194,20 @@ def test_arrays_the_http_process_receives_are_16_byte_aligned() -> None:
 def test_every_array_of_any_document_is_aligned(document: Any) -> None:
     back = ipc.unpack(ipc.pack({"doc": document, "pin": np.ones(3)}))
     aligned_everywhere(back)
+
+
+@settings(max_examples=150, deadline=None)
+@given(documents)
+def test_the_bytes_of_the_arrays_are_counted_both_ways(document: Any) -> None:
+    """What the pool's metrics count (gradtape_pool_array_bytes): the bytes of every
+    array a message carries, counted while it is packed and while it is read, equal to
+    the walk over the message (wire.array_bytes) that they replace."""
+    from service.core.wire import array_bytes
+
+    message = {"id": 1, "payload": document}
+    expected = array_bytes(message)
+    outgoing = ipc.prepare(message, None)
+    assert outgoing.array_bytes == expected
+    counted = [0]
+    assert same(ipc.unpack(outgoing.body, counted=counted), message)
+    assert counted[0] == expected

@@ -329,11 +329,16 @@ def test_an_answer_this_process_cannot_map_fails_alone(tmp_path: Path) -> None:
             before = pool.workers()[0]
             rng = np.random.default_rng(5)
             w, x = (rng.standard_normal(100_000).astype(np.float32) for _ in range(2))
+            payload = gradient_payload(w, x)  # (its imports open files: before the limit)
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+            # A process's next descriptor is the lowest free one (earlier tests may leave
+            # gaps below the highest): no new descriptor fits under a limit of that number.
+            lowest_free = os.open(os.devnull, os.O_RDONLY)
+            os.close(lowest_free)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
             try:
                 with pytest.raises(ComputeFailed) as failed:
-                    await pool.submit("gradient", gradient_payload(w, x))
+                    await pool.submit("gradient", payload)
             finally:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             assert failed.value.error["type"] == "unavailable"

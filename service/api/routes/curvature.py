@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import GatedRoute
-from service.api.deps import ComputeDep, TapeDep
+from service.api.deps import ComputeDep, TapeComputeDep
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas.curvature import (
     LaplaceEvidenceRequest,
@@ -105,18 +105,15 @@ def _add(op: Operation, with_laplace: bool = False) -> None:
         async def endpoint(
             request: Request,
             body: Any,
-            tape: TapeDep,
-            compute: ComputeDep,
+            compute: TapeComputeDep,
             laplace_id: str = Path(pattern=LAPLACE_ID, description="The fit's id."),
         ) -> Response:
-            return await run(request, body, tape, compute, {"laplace_id": laplace_id})
+            return await run(request, body, compute.tape, compute, {"laplace_id": laplace_id})
 
     else:
 
-        async def endpoint(
-            request: Request, body: Any, tape: TapeDep, compute: ComputeDep
-        ) -> Response:
-            return await run(request, body, tape, compute, {})
+        async def endpoint(request: Request, body: Any, compute: TapeComputeDep) -> Response:
+            return await run(request, body, compute.tape, compute, {})
 
     register(router, op, endpoint, TAPE_ERRORS)
 

@@ -15,12 +15,12 @@ from starlette.responses import Response
 from service.api import payloads, schemas
 from service.api.bodies import GatedRoute
 from service.api.deps import (
-    ComputeDep,
     DatasetsDep,
     ModelsDep,
     NegotiatedDep,
     OwnerDep,
     SettingsDep,
+    TapeComputeDep,
     TapeDep,
     TapesDep,
 )
@@ -235,8 +235,8 @@ def _curvature_used(body: Any, parts: int) -> dict[str, Any] | None:
 
 
 def _add(op: Operation) -> None:
-    async def endpoint(request: Request, body: Any, tape: TapeDep, compute: ComputeDep) -> Response:
-        owner, services = compute.owner, compute.services
+    async def endpoint(request: Request, body: Any, compute: TapeComputeDep) -> Response:
+        owner, services, tape = compute.owner, compute.services, compute.tape
         as_job(request, body, op)
         prepared = await services.datasets.bind_prepared(owner, op.build(body, services.settings))
         used = _curvature_used(body, len(tape.shards.parts) if tape.shards is not None else 1)

@@ -159,8 +159,9 @@ class OperationRequest(CallOptions):
 
     def options(self) -> Budget:
         """The operation's typed options (a msgspec Struct) from this request."""
-        names = [f.name for f in msgspec.structs.fields(self.operation.options)]
-        values = {n: getattr(self, n) for n in names}
+        # __struct_fields__, not msgspec.structs.fields: that one evaluates the Struct's
+        # string annotations again on every call (~0.1 ms a request).
+        values = {n: getattr(self, n) for n in self.operation.options.__struct_fields__}
         return msgspec.convert(values, self.operation.options, strict=False)
 
 
@@ -229,7 +230,7 @@ def curvature_options() -> type[BaseModel]:
     class Base(RequestModel):
         @model_validator(mode="after")
         def _curvature_agrees(self) -> Base:
-            names = [f.name for f in msgspec.structs.fields(CurvatureChoice)]
+            names = CurvatureChoice.__struct_fields__  # (see OperationRequest.options)
             with _options_named():
                 msgspec.convert({n: getattr(self, n) for n in names}, CurvatureChoice, strict=False)
             return self
