@@ -99,7 +99,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=120.0) as c:
+    # Past the longest run a test here allows (run_limits: 300 s), so that a slow machine
+    # fails no request the server itself would still answer: a guard against a hang only.
+    with httpx.Client(base_url=server.base_url, timeout=330.0) as c:
         yield c
 
 
@@ -196,12 +198,16 @@ def test_cancel_stops_the_actor_at_its_next_op_and_keeps_it(
     cancelled = time.perf_counter()
     assert client.delete(location).status_code == 204
     assert client.get(location).json()["state"] == "cancelled"
-    # The same actor (the tape's) answers at once: stopped by its flag, not killed.
+    # The same actor (the tape's) answers next: stopped by its flag, not killed.
     # (all but execution: the job's passes of this vector layout compiled it since)
     again = post(client, f"/v1/tapes/{tape}/hvp", {"vector": V})
     assert again.pop("execution") is not None and before.pop("execution") is not None
     assert again == before
-    assert time.perf_counter() - cancelled < 2.0
+    # The pool sends the HVP only once the actor is idle. A flag the run never saw would
+    # hold the actor for the run's 300 s (max_seconds); a stopped run frees it at its
+    # next op, well under a second here when quiet, and tens of seconds at load 15 with
+    # the suite in parallel. Half the run tells the two apart without a bound on speed.
+    assert time.perf_counter() - cancelled < 150
     after = next(w for w in server.wait_ready()["workers"] if w["index"] == worker)
     assert (after["pid"], after["generation"]) == (actor["pid"], actor["generation"])
     assert problem(client.get(f"{location}/result"), 409, "cancelled")
