@@ -413,7 +413,9 @@ class RayPool(WorkerPool):
                     "message": f"the worker's Ray actor failed: {type(exc).__name__}",
                 },
             }
-        reply: dict[str, Any] = ipc.unpack(body)
+        counted = [0]  # (its arrays' bytes, for the pool's "from_workers" metric)
+        reply: dict[str, Any] = ipc.unpack(body, None, counted)
+        w.reply_array_bytes = counted[0]
         if kept_ref is not None and "kept_bytes" in reply:
             reply["kept_ref"] = kept_ref  # for _kept_answer, which keeps it (or lets it go)
         return reply
