@@ -4,7 +4,7 @@ and answers, and the curvature a tape's algorithms apply."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -50,6 +50,7 @@ from service.api.schemas.tensors import (
     TensorValue,
     Unconnected,
     exactly_one_of,
+    given,
 )
 
 
@@ -80,6 +81,16 @@ class VectorsOptions(CallOptions):
 
 
 # Tapes ----------------------------------------------------------------------------------
+
+
+def _named(name: str) -> dict[str, Any]:
+    """JSON Schema for "the field `name` holds a non-empty object" (what the validators
+    below read as given: an empty or null `variables` is none)."""
+    return {"required": [name], "properties": {name: {"type": "object", "minProperties": 1}}}
+
+
+# "'point' or 'variables', not both" (the validators below), stated to the document too.
+POINT_NOT_WITH_VARIABLES: dict[str, Any] = {"not": {"allOf": [given("point"), _named("variables")]}}
 
 
 class TapeCreateRequest(DefinitionRequest, ShardOptions):
@@ -133,6 +144,8 @@ class TapeCreateRequest(DefinitionRequest, ShardOptions):
         "then empty. For SciPy's minimize, without unflattening.",
     )
 
+    SCHEMA_RULES: ClassVar[SchemaRules] = (POINT_NOT_WITH_VARIABLES,)
+
     @model_validator(mode="after")
     def _point_or_variables(self) -> TapeCreateRequest:
         if self.point is not None and self.variables:
@@ -167,6 +180,11 @@ class TapeUpdateRequest(CallOptions):
         description="Answer gradients (and products) as one flat float64 vector in "
         "`flat`, in the order `flat.order` lists (the sources); the per-source forms are "
         "then empty. For SciPy's minimize, without unflattening.",
+    )
+
+    SCHEMA_RULES: ClassVar[SchemaRules] = (
+        {"anyOf": [_named("variables"), _named("inputs"), given("point")]},
+        POINT_NOT_WITH_VARIABLES,
     )
 
     @model_validator(mode="after")
