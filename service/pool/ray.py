@@ -59,6 +59,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -332,7 +333,7 @@ class RayPool(WorkerPool):
         _check_reachable(address)
         try:
             if address:
-                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+                self._join(address)
             else:
                 # A new Ray of this host for this server alone ("local": never one that
                 # runs here already): one CPU per worker, no dashboard, an object store
@@ -352,6 +353,24 @@ class RayPool(WorkerPool):
             raise WorkerStartError(f"cannot start {where}: {type(exc).__name__}: {exc}") from None
         self._started_ray = True
         log.info("joined Ray %s (%s)", ray.__version__, address or "started locally")
+
+    @staticmethod
+    def _join(address: str) -> None:
+        """ray.init of a running cluster. Through Ray Client (ray://), the cluster's proxy
+        forks a server for each client, and that fork can die at once (a gRPC fork
+        race seen on a loaded machine: "Initialization failure from server", the
+        server a zombie): a server of the proxy's failing is tried again, twice, before
+        the service refuses to start."""
+        for attempt in range(3):
+            try:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+                return
+            except ConnectionAbortedError as exc:
+                if attempt == 2 or "Initialization failure from server" not in str(exc):
+                    raise
+                log.warning("Ray Client at %s: its server failed to start; again", address)
+                ray.shutdown()  # (whatever the failed connection left set up)
+                time.sleep(1.0 + attempt)
 
     def _device(self, cluster_gpus: float) -> str:
         """An actor's device: one of the GPUs Ray gives it, or the CPU."""
