@@ -428,26 +428,16 @@ class GradientTape:
                 # too, so the gradient can be differentiated again on the same tape.
                 return backward(plan, targets, seeds, sources, batch_ndim)
             trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
-        if self not in trace.active_tapes:  # (the common case: nothing to pause)
-            return backward(
-                plan,
-                targets,
-                seeds,
-                sources,
-                batch_ndim,
-                self._defer_source_primals,
-                cache_vjps=not last_pass,
-            )
-        with trace.paused(self):
-            return backward(
-                plan,
-                targets,
-                seeds,
-                sources,
-                batch_ndim,
-                self._defer_source_primals,
-                cache_vjps=not last_pass,
-            )
+        # (here the tape is off the recording stack: nothing of it to pause)
+        return backward(
+            plan,
+            targets,
+            seeds,
+            sources,
+            batch_ndim,
+            self._defer_source_primals,
+            cache_vjps=not last_pass,
+        )
 
     def gradient(
         self,
