@@ -500,7 +500,17 @@ def test_a_job_state_the_store_refused_for_a_while_lands_afterwards(server: Serv
     )
     lock.execute("BEGIN EXCLUSIVE")
     try:
-        time.sleep(7)  # the job ends meanwhile; its writes wait 5 s, then fail
+        # Events, not a sleep: a write of the job failed (its 5 s busy timeout spent,
+        # logged), and the job's computation ended in a (its worker idle), so its last
+        # state waits to land. The guard only turns a hang into a failure.
+        failed = f"could not write job {job.json()['job_id'][:8]}"
+        deadline = time.monotonic() + 120
+        while not (
+            failed in server.log.read_text()
+            and all(w["state"] == "idle" for w in ok(a.get("/readyz"))["workers"])
+        ):
+            assert time.monotonic() < deadline, "no write of the job failed, or it never ended"
+            time.sleep(0.1)
     finally:
         lock.execute("COMMIT")
         lock.close()
