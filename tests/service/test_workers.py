@@ -182,8 +182,11 @@ def test_routing_to_a_worker_and_the_queue_bound() -> None:
             running = [
                 asyncio.create_task(pool.submit("gradient", payload, worker=i)) for i in (0, 1)
             ]
-            await asyncio.sleep(0.02)
-            assert [w.state for w in pool.workers()] == ["busy", "busy"]
+            # Both computing (an event: the pool's own states, no sleep), then at once,
+            # with no await between, a third request: no room for it.
+            while [w.state for w in pool.workers()] != ["busy", "busy"]:
+                assert not any(task.done() for task in running), running
+                await asyncio.sleep(0.001)
             with pytest.raises(PoolBusy, match="requests are already waiting"):
                 await pool.submit("ping", None)  # both busy, no room to wait
             replies = await asyncio.gather(*running)
@@ -205,9 +208,12 @@ def test_requests_wait_in_the_queue_in_order() -> None:
         await pool.start()
         try:
             first = asyncio.create_task(pool.submit("gradient", _payload(1000, 2)))
-            await asyncio.sleep(0.01)
+            while pool.workers()[0].state != "busy":  # an event, not a sleep
+                await asyncio.sleep(0.001)
             waiting = [asyncio.create_task(pool.submit("ping", None)) for _ in range(3)]
-            await asyncio.sleep(0.01)
+            while pool.queue_depth < 3:  # each queued once its task has run
+                assert not first.done(), "the first request ended before the others queued"
+                await asyncio.sleep(0)
             assert pool.queue_depth == 3
             await first
             assert [(await w).worker for w in waiting] == [0, 0, 0]
