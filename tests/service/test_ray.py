@@ -30,7 +30,7 @@ import pytest
 from service.core.config import Settings
 from service.pool import make_pool
 from tests.service.conftest import Server, start_server, stop_server
-from tests.service.test_cancel import N, chain
+from tests.service.test_cancel import N, _handed, chain
 from tests.service.test_gradient import (  # noqa: F401 - run here against the Ray server
     test_design_example_exactly,
     test_higher_order,
@@ -328,7 +328,7 @@ def test_a_worker_node_removed_and_its_tape_recorded_again_on_another(
             before = post(c, f"/v1/tapes/{tape}/hvp", {"vector": V})
             victim = next(w for w in workers if w["index"] == worker)
             cluster.remove_node(raylets[_raylet_of(victim["pid"])], allow_graceful=False)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
             while time.monotonic() < deadline:  # Ray reports the death; no room is left
                 states = {w["index"]: w["state"] for w in c.get("/readyz").json()["workers"]}
                 if states[worker] in ("down", "starting"):
@@ -406,7 +406,7 @@ def test_through_ray_client_a_ray_address(tmp_path, monkeypatch: pytest.MonkeyPa
             victim = next(w for w in workers if w["index"] == worker)
             os.kill(victim["pid"], signal.SIGKILL)  # the actor's process, on this host
             _wait_dead(victim["pid"])
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
             while time.monotonic() < deadline:  # Ray reports the death; a new actor starts
                 now = {w["index"]: w for w in c.get("/readyz").json()["workers"]}[worker]
                 if now["generation"] > victim["generation"] and now["state"] == "idle":
@@ -634,8 +634,15 @@ def test_an_actor_killed_mid_product_and_the_next_answer_is_the_same(
     workers = [s["worker"] for s in ok(client.get(f"/v1/tapes/{sharded}"))["shards"]]
     assert len(set(workers)) == 2  # one part per actor; the first is the coordinator's
     for victim_index in (workers[1], workers[0]):
+        handed = _handed(server)
         thread, result = _trace_in_background(server.base_url, sharded, body)
-        time.sleep(reference["seconds"] / 3)  # some of its 120 steps in
+        # Some of its 120 steps in (each hands the actors two or three requests): an
+        # event counted on /metrics, not a sleep; the guard only stops a hang.
+        deadline = time.monotonic() + 120
+        while _handed(server) < handed + 90:
+            assert thread.is_alive(), "the run ended before the kill: make it longer"
+            assert time.monotonic() < deadline, "the run never got under way"
+            time.sleep(0.02)
         assert thread.is_alive(), "the run ended before the kill: make it longer"
         victim = _kill_actor(server, victim_index)
         thread.join(120)
