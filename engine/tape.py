@@ -47,7 +47,7 @@ class UnconnectedGradients(enum.Enum):
 class Record:
     """One recorded application: a primitive's, or a custom gradient's (`prim` None)."""
 
-    __slots__ = ("custom_vjp", "inputs", "outputs", "params", "prim", "vjp_cache")
+    __slots__ = ("custom_vjp", "inputs", "needed", "outputs", "params", "prim", "vjp_cache")
 
     def __init__(
         self,
@@ -56,6 +56,7 @@ class Record:
         params: dict[str, Any],
         outputs: tuple[Tensor, ...],
         custom_vjp: Callable[..., Any] | None = None,
+        needed: tuple[int, ...] = (),
     ):
         self.prim = prim
         self.inputs = inputs
@@ -63,6 +64,9 @@ class Record:
         self.outputs = outputs
         self.custom_vjp = custom_vjp
         self.vjp_cache: dict[int, Any] | None = None
+        # The argnums whose inputs the recording tape watched when it recorded this (a
+        # primitive's record belongs to one tape; a custom gradient's is shared: ()).
+        self.needed = needed
 
     def input_cotangents(
         self,
@@ -301,6 +305,13 @@ class GradientTape:
         self._variables: dict[int, Variable] = {}
         self._plans: dict[tuple, tuple[int, list]] = {}
         self._used = False
+        # The tensors watched as such (watch(), variables at their first read), not as a
+        # record's output; and whether every record's `needed` is still what a plan from
+        # all of them would find (see _plan_for). A custom gradient's record (shared
+        # between tapes, so no `needed` of its own) or a tensor watched after records that
+        # might consume it end that.
+        self._roots: set[int] = set()
+        self._needed_exact = True
         # Set by a transform that reads the gradients' tangents only (tensor.DeferredTensor)
         self._defer_source_primals = False
 
@@ -323,6 +334,13 @@ class GradientTape:
             self._watch(t)
 
     def _watch(self, t: Tensor) -> None:
+        if id(t) not in self._watched:
+            # (a variable at its first read is no input of an earlier primitive record:
+            # bind hands reads to the ops; only custom records take variables, and end
+            # _needed_exact themselves)
+            if self._records and not isinstance(t, Variable):
+                self._needed_exact = False
+            self._roots.add(id(t))
         self._watched[id(t)] = t
         if isinstance(t, Variable):
             self._variables.setdefault(id(t), t)
@@ -352,18 +370,34 @@ class GradientTape:
         self._watched.clear()
         self._variables.clear()
         self._plans.clear()
+        self._roots.clear()
+        self._needed_exact = True
         self._used = False
 
     def _record_primitive(
         self, prim: Primitive, args: tuple[Tensor, ...], params: dict[str, Any], ans: Tensor
     ) -> None:
         watched = self._watched
-        for a in args:
-            if id(a) in watched:
-                if prim not in NONDIFFERENTIABLE:
-                    self._records.append(Record(prim, args, params, (ans,)))
-                    watched[id(ans)] = ans
+        needed: tuple[int, ...]
+        # which inputs are watched: the record's `needed`; one and two inputs spelled out
+        if len(args) == 1:
+            if id(args[0]) not in watched:
                 return
+            needed = _FIRST
+        elif len(args) == 2:
+            if id(args[0]) in watched:
+                needed = _BOTH if id(args[1]) in watched else _FIRST
+            elif id(args[1]) in watched:
+                needed = _SECOND
+            else:
+                return
+        else:
+            needed = tuple([i for i, a in enumerate(args) if id(a) in watched])
+            if not needed:
+                return
+        if prim not in NONDIFFERENTIABLE:
+            self._records.append(Record(prim, args, params, (ans,), None, needed))
+            watched[id(ans)] = ans
 
     def _record_read(self, variable: Variable, r: Tensor) -> None:
         """Link a read of `variable` to it, watching the variable if this tape should."""
@@ -374,12 +408,13 @@ class GradientTape:
             if not (self.watch_accessed_variables and variable.trainable):
                 return
             self._watch(variable)
-        self._records.append(Record(read_variable_p, (variable,), {}, (r,)))
+        self._records.append(Record(read_variable_p, (variable,), {}, (r,), None, _FIRST))
         watched[id(r)] = r
 
     def _record_custom(self, record: Record) -> None:
         watched = self._watched
         if any(id(a) in watched for a in record.inputs):
+            self._needed_exact = False  # (the record is shared: it has no `needed`)
             self._records.append(record)
             for o in record.outputs:
                 watched[id(o)] = o
@@ -397,6 +432,7 @@ class GradientTape:
             self._used = True
             self._records = []  # free the recorded values now
             self._watched = {}
+            self._roots = set()
             self._plans.clear()
 
     def _plan_for(self, targets: list[Tensor], sources: list[Tensor]) -> list:
@@ -404,9 +440,17 @@ class GradientTape:
         cached = self._plans.get(key)
         if cached is not None and cached[0] == len(self._records):
             return cached[1]
-        # A source this tape never watched gets no gradient (None), as in TensorFlow.
-        watched_sources = {i for i in key[1] if i in self._watched}
-        plan = _plan(self._records, set(key[0]), watched_sources)
+        if self._needed_exact and self._roots.issubset(key[1]):
+            # Every record was reached from a root when it was recorded, and every root is
+            # a source: the sources reach every record, each through the inputs its
+            # `needed` names, which is all _plan's forward sweep would find. Records that
+            # lead to no target stay in (its backward sweep pruned them): the backward
+            # pass finds no cotangent for their outputs and passes over them.
+            plan = [(rec, rec.needed) for rec in reversed(self._records)]
+        else:
+            # A source this tape never watched gets no gradient (None), as in TensorFlow.
+            watched_sources = {i for i in key[1] if i in self._watched}
+            plan = _plan(self._records, set(key[0]), watched_sources)
         if self.persistent:
             self._plans[key] = (len(self._records), plan)
         return plan
