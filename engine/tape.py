@@ -68,43 +68,6 @@ class Record:
         # primitive's record belongs to one tape; a custom gradient's is shared: ()).
         self.needed = needed
 
-    def input_cotangents(
-        self,
-        g: Tensor,
-        needed: tuple[int, ...],
-        cacheable: bool,
-        deferred: tuple[int, ...] = (),
-    ) -> list[Tensor | None]:
-        """A primitive record's cotangents for the inputs in `needed`, given its output's
-        cotangent `g`; those of the inputs in `deferred` computed lazily where their ops
-        allow."""
-        prim, ans, inputs, params = self.prim, self.outputs[0], self.inputs, self.params
-        assert prim is not None  # custom gradients go through _custom_cotangents
-        rules = vjp_arg_rules.get(prim, ())
-        out = []
-        for i in needed:
-            # argument_vjp(prim, i), with its common case (a rule in the table) inline
-            rule = rules[i] if i < len(rules) else None
-            if rule is None:
-                rule = argument_vjp(prim, i)
-            if cacheable:
-                # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
-                # values; when nothing is recording it can be reused by the next pass
-                # over this record (repeated HVPs on one tape).
-                if self.vjp_cache is None:
-                    self.vjp_cache = {}
-                vjp = self.vjp_cache.get(i)
-                if vjp is None:
-                    vjp = self.vjp_cache[i] = rule(ans, *inputs, **params)
-            else:
-                vjp = rule(ans, *inputs, **params)
-            if deferred and i in deferred:
-                with trace.deferring():
-                    out.append(vjp(g))
-            else:
-                out.append(vjp(g))
-        return out
-
     def _custom_cotangents(
         self, gs: list[Tensor | None], needed: tuple[int, ...]
     ) -> list[Tensor | None]:
@@ -144,6 +107,11 @@ def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     extra = g.ndim - len(target)
     if extra < 0:
         return broadcast_to(g, target)
+    if extra and g.shape[batch_ndim + extra :] == shape:
+        # only axes in front were added (a bias): their sum has the shape (sum_p directly,
+        # its axes as sum normalizes them: negative, sorted)
+        first = batch_ndim - g.ndim
+        return bind(sum_p, g, axes=tuple(range(first, first + extra)), keepdims=False)
     leading = list(range(batch_ndim, batch_ndim + extra))
     stretched = [
         batch_ndim + extra + i
@@ -152,8 +120,7 @@ def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     ]
     if stretched:
         g = reshape(reduce_sum(g, tuple(leading + stretched), keepdims=True), target)
-    elif leading:  # only axes in front were added (a bias): their sum has the shape
-        # (sum_p directly, its axes as sum normalizes them: negative, sorted)
+    elif leading:  # (and size-1 axes the input has larger: broadcast below)
         g = bind(sum_p, g, axes=tuple([a - g.ndim for a in leading]), keepdims=False)
     return g if g.shape == target else broadcast_to(g, target)
 
@@ -211,6 +178,17 @@ def _accumulate(cts: dict[int, Tensor], key: int, g: Tensor) -> None:
     cts[key] = g if prev is None else prev + g
 
 
+def _arrive(cts: dict[int, Tensor], zero: set[int], x: Tensor, gi: Any, batch_ndim: int) -> None:
+    """An input's cotangent from one record: ZERO marks it, None is nothing, a tensor is
+    fitted to the input's shape (once, as it arrives) and accumulated."""
+    if gi is ZERO:
+        zero.add(id(x))
+    elif gi is not None:
+        if gi.shape[batch_ndim:] != x.shape:
+            gi = _fit(gi, x.shape, batch_ndim)
+        _accumulate(cts, id(x), gi)
+
+
 def backward(
     plan: list,
     targets: list[Tensor],
@@ -239,33 +217,59 @@ def backward(
     cacheable = cache_vjps and not trace.anything_active()
     for rec, needed in plan:
         inputs = rec.inputs
-        if rec.prim is None:  # a custom gradient: several outputs
+        prim = rec.prim
+        if prim is None:  # a custom gradient: several outputs
             gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
             if all(g is None for g in gs):
                 if any(id(o) in zero for o in rec.outputs):
                     zero.update(id(inputs[i]) for i in needed)
                 continue
             cotangents = rec._custom_cotangents(gs, needed)
-        else:  # a primitive: one output
-            out_id = id(rec.outputs[0])
-            g = cts.get(out_id) if out_id in keep else cts.pop(out_id, None)
-            if g is None:
-                if out_id in zero:
-                    zero.update(id(inputs[i]) for i in needed)
-                continue
-            if rec.prim is read_variable_p:  # a variable's read: its cotangent, as is
-                _accumulate(cts, id(inputs[0]), g)
-                continue
-            deferred = tuple(i for i in needed if id(inputs[i]) in keep) if defer_sources else ()
-            cotangents = rec.input_cotangents(g, needed, cacheable, deferred)
-        for i, gi in zip(needed, cotangents, strict=True):
+            for i, gi in zip(needed, cotangents, strict=True):
+                _arrive(cts, zero, inputs[i], gi, batch_ndim)
+            continue
+        # a primitive: one output
+        ans = rec.outputs[0]
+        out_id = id(ans)
+        g = cts.get(out_id) if out_id in keep else cts.pop(out_id, None)
+        if g is None:
+            if out_id in zero:
+                zero.update(id(inputs[i]) for i in needed)
+            continue
+        if prim is read_variable_p:  # a variable's read: its cotangent, as is
+            _accumulate(cts, id(inputs[0]), g)
+            continue
+        # Each needed input's cotangent, from its argument's rule (vjp_arg_rules; others
+        # through argument_vjp), inline: this loop runs once per cotangent of a pass.
+        params = rec.params
+        rules = vjp_arg_rules.get(prim, ())
+        for i in needed:
+            rule = rules[i] if i < len(rules) else None
+            if rule is None:
+                rule = argument_vjp(prim, i)
+            if cacheable:
+                # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
+                # values; when nothing is recording it can be reused by the next pass
+                # over this record (repeated HVPs on one tape).
+                cache = rec.vjp_cache
+                if cache is None:
+                    cache = rec.vjp_cache = {}
+                vjp = cache.get(i)
+                if vjp is None:
+                    vjp = cache[i] = rule(ans, *inputs, **params)
+            else:
+                vjp = rule(ans, *inputs, **params)
             x = inputs[i]
-            if gi is ZERO:
-                zero.add(id(x))
-            elif gi is not None:
-                if gi.shape[batch_ndim:] != x.shape:
-                    gi = _fit(gi, x.shape, batch_ndim)
-                prev = cts.get(id(x))  # (_accumulate, inline: once per cotangent)
+            if defer_sources and id(x) in keep:
+                with trace.deferring():
+                    gi = vjp(g)
+            else:
+                gi = vjp(g)
+            # _arrive, inline for the common case (a cotangent of the input's shape)
+            if gi is ZERO or gi is None or gi.shape[batch_ndim:] != x.shape:
+                _arrive(cts, zero, x, gi, batch_ndim)
+            else:
+                prev = cts.get(id(x))
                 cts[id(x)] = gi if prev is None else prev + gi
     out = {k: cts[k] for k in keep if k in cts}
     if zero & keep:
