@@ -33,6 +33,9 @@ class FlatOperator:
         self.sizes = [math.prod(s) for s in self.shapes]
         self.offsets = np.cumsum([0, *self.sizes])
         self.n = int(self.offsets[-1])
+        self._layout = list(
+            zip(self.primals, self.shapes, self.offsets[:-1].tolist(), self.sizes, strict=True)
+        )
 
     @property
     def max_batch(self) -> int | None:
@@ -47,17 +50,35 @@ class FlatOperator:
         if vectors.ndim != 2 or vectors.shape[1] != self.n:
             raise ValueError(f"matvec: expected shape (K, {self.n}), got {vectors.shape}")
         k = vectors.shape[0]
-        parts = []
-        for p, shape, lo, size in zip(
-            self.primals, self.shapes, self.offsets[:-1], self.sizes, strict=True
-        ):
-            block = vectors[:, lo : lo + size].reshape((k, *shape))
-            parts.append(Tensor(backend.asarray(block, p.dtype, p.device)))
-        products = tree.flatten(self.operator.hvp_many(*tree.unflatten(self._treedef, parts)))[0]
-        out = np.empty((k, self.n), dtype=vectors.dtype)
-        for product, lo, size in zip(products, self.offsets[:-1], self.sizes, strict=True):
-            out[:, lo : lo + size] = product.numpy().reshape(k, size)
-        return out
+        if k == 1:
+            # One vector (what SciPy's solvers ask): the operator's single product, whose
+            # pass has no batch axis (its GEMMs are plain matrix products) and is the one
+            # direct `hvp` calls replay.
+            row = vectors[0]
+            blocks = [
+                self._block(row[lo : lo + size].reshape(shape), p)
+                for p, shape, lo, size in self._layout
+            ]
+            answer = self.operator.hvp(*tree.unflatten(self._treedef, blocks))
+        else:
+            blocks = [
+                self._block(vectors[:, lo : lo + size].reshape((k, *shape)), p)
+                for p, shape, lo, size in self._layout
+            ]
+            answer = self.operator.hvp_many(*tree.unflatten(self._treedef, blocks))
+        products = tree.flatten(answer)[0]
+        if not products:
+            return np.empty((k, 0), dtype=vectors.dtype)
+        # one copy into the answer (and its cast, for float64 rows over float32 primals)
+        return np.concatenate(
+            [product.numpy().reshape(k, -1) for product in products], axis=1, dtype=vectors.dtype
+        )
+
+    @staticmethod
+    def _block(block: np.ndarray, primal: Tensor) -> Tensor:
+        """A primal's block of the rows, in its dtype and on its device: a view of the
+        rows when they are host arrays of that dtype already."""
+        return Tensor(backend.asarray(block, primal.dtype, primal.device))
 
     @property
     def dtype(self) -> np.dtype:
