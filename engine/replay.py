@@ -511,7 +511,7 @@ def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
 
 
 def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
-    g, y = operands
+    y = operands[1]
     if isinstance(y, np.ndarray):  # a recorded value: its slope is made once
         slope = 1 - y * y
         return lambda g_, y_, out: np.multiply(g_, slope, out)
