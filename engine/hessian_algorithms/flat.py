@@ -17,7 +17,8 @@ class FlatOperator:
     """A HessianOperator seen as an n x n matrix on flat vectors.
 
     `matvec(V)` with V of shape (K, n) splits each row into the primals' shapes, casts
-    to their dtype and device, runs one `hvp_many` pass and returns H @ V as (K, n) on
+    to their dtype and device, runs one `hvp_many` pass (`hvp` for K = 1: the direct
+    product's pass, with no batch axis) and returns H @ V as (K, n) on
     the host, in V's float dtype (float64 for anything else). Rows already in the
     primals' dtype (on the host) are not copied: each primal's block is a view of V.
     `linear_operator()` is the operator as SciPy's LinearOperator in the primals' dtype
@@ -43,7 +44,7 @@ class FlatOperator:
         return self.operator.max_batch
 
     def matvec(self, vectors: np.ndarray) -> np.ndarray:
-        """H @ V for V of shape (K, n), in one batched HVP pass."""
+        """H @ V for V of shape (K, n), in one HVP pass."""
         vectors = np.asarray(vectors)
         if vectors.dtype.kind != "f":
             vectors = vectors.astype(np.float64)
