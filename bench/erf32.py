@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from engine.backend import erf_float32
 
 
 def fit(p: int = 6, q: int = 5, t_max: float = 16.0, nodes: int = 4000) -> None:
-    u = np.cos(np.pi * (np.arange(nodes) + 0.5) / nodes)
+    u: np.ndarray = np.cos(np.pi * (np.arange(nodes) + 0.5) / nodes)
     t = (u + 1) / 2 * t_max
     x = np.sqrt(t)
     f = scipy_erf(x) / x
@@ -54,7 +55,8 @@ def fit(p: int = 6, q: int = 5, t_max: float = 16.0, nodes: int = 4000) -> None:
     assert best is not None
 
     def monomial_in_t(c: np.ndarray) -> np.ndarray:  # u = 2 t / t_max - 1
-        out, power = np.zeros(1), np.ones(1)
+        out: np.ndarray = np.zeros(1)
+        power: np.ndarray = np.ones(1)
         for ci in chebyshev.cheb2poly(c):
             out = polynomial.polyadd(out, ci * power)
             power = polynomial.polymul(power, [-1.0, 2.0 / t_max])
@@ -100,7 +102,9 @@ def check(chunk: int = 1 << 24) -> None:
         f"{worst:.4f} ulp at x = {worst_x!r}; {above_half:,} results above 0.5 ulp "
         f"(not correctly rounded); {time.perf_counter() - start:.0f} s"
     )
-    assert erf_float32(np, np.float32([-0.0])).view(np.uint32)[0] == 0x80000000, "-0 stays -0"
+    assert erf_float32(np, np.array([-0.0], np.float32)).view(np.uint32)[0] == 0x80000000, (
+        "-0 stays -0"
+    )
 
 
 def speed() -> None:
@@ -119,4 +123,5 @@ def speed() -> None:
 
 
 if __name__ == "__main__":
-    {"fit": fit, "check": check, "speed": speed}[sys.argv[1] if len(sys.argv) > 1 else "check"]()
+    modes: dict[str, Callable[[], None]] = {"fit": fit, "check": check, "speed": speed}
+    modes[sys.argv[1] if len(sys.argv) > 1 else "check"]()
