@@ -2,13 +2,14 @@
 NumPy arrays): within 1 ulp of SciPy's float64 erf on a dense sample of every binade,
 its special values, odd symmetry, and erf's derivatives unchanged.
 
-bench/erf32.py measures it over all 2^32 float32 inputs (0.52 ulp at most); here a
+bench/erf32.py measures it over all 2^32 float32 inputs (0.534 ulp at most); here a
 dense sample keeps the test fast.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -47,7 +48,9 @@ def test_erf_float32_special_values_and_symmetry() -> None:
     x = np.array(
         [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.9, 4.0, 1e30, -1e30], np.float32
     )
-    got = erf_float32(np, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as SciPy's erf: no RuntimeWarning for a NaN
+        got = erf_float32(np, x)
     assert np.isnan(got[0])
     np.testing.assert_array_equal(got[1:3], [1.0, -1.0])
     assert got[3] == 0 and not np.signbit(got[3]) and got[4] == 0 and np.signbit(got[4])
