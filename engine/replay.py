@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import trace
+from engine.ops.reduce import row_sum, sums_rows
 from engine.registry import Primitive, impl_rules
 from engine.tensor import Tensor, scalar_cache
 
@@ -498,8 +499,15 @@ def _sum_form(params: dict, operands: list, value: Any) -> Any:
     if value.dtype.kind != "f":  # _sum_impl picks the dtype of integer sums
         return None
     axes, keepdims = params["axes"], params["keepdims"]
+    (x,) = operands
+    if sums_rows(x.shape, getattr(x, "order", None) == "C" or _c_contiguous(x), x.dtype, axes):
+        return lambda x, out: row_sum(x, keepdims, out)  # _sum_impl's choice, on the layout
     reduce: Any = np.add.reduce  # what np.sum calls for a float array, without its wrapper
     return lambda x, out: reduce(x, axes, None, out, keepdims)
+
+
+def _c_contiguous(x: Any) -> bool:
+    return isinstance(x, np.ndarray) and x.flags.c_contiguous
 
 
 def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
@@ -508,6 +516,15 @@ def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
         return None
     mask = (x > 0).astype(value.dtype)  # made once: x is a recorded value
     return lambda g, x_, out: np.multiply(g, mask, out)
+
+
+def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
+    y = operands[1]
+    if isinstance(y, np.ndarray):  # a recorded value: its slope is made once
+        slope = 1 - y * y
+        return lambda g_, y_, out: np.multiply(g_, slope, out)
+    # the impl's g * (1 - y * y), its last product into the buffer
+    return lambda g_, y_, out: np.multiply(g_, 1 - y_ * y_, out)
 
 
 def _ufunc_form(fn: Any) -> Callable[[dict, list, Any], Any]:
@@ -519,8 +536,9 @@ _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
     "matmul": _matmul_form,
     "sum": _sum_form,
     "relu_grad": _relu_grad_form,
+    "tanh_grad": _tanh_grad_form,
 }
-_ELEMENTWISE = {*_UFUNCS, "relu_grad"}
+_ELEMENTWISE = {*_UFUNCS, "relu_grad", "tanh_grad"}
 
 
 class Schedule:
