@@ -156,7 +156,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.pool = pool = make_pool(settings, observer=metrics)
     app.state.keyring = KeyRing(settings)  # ValueError when keys are on but none is set
     app.state.store = store = Store(settings.resolved_store_path())
-    app.state.fairness = Fairness(settings, pool.size, store)
+    app.state.fairness = fairness = Fairness(settings, pool.size, store)
+    metrics.bind_fairness(fairness.slots_held, fairness.waiting)
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)
     app.state.models = ModelCatalog(settings, pool, store)
     app.state.jobs = JobRegistry(settings, store, _job_problem)

@@ -42,7 +42,8 @@ class _KeyState:
     tokens: float
     stamp: float
     slots: asyncio.Semaphore
-    waiting: int = 0
+    waiting: int = 0  # requests in this key's line (admitted, no slot yet)
+    held: int = 0  # this key's slots taken (requests and jobs computing or reading a body)
     users: int = 0  # requests holding this state (to forget idle keys)
     refused_until: float = 0.0  # the Retry-After of the key's last 429 (monotonic)
 
@@ -63,6 +64,7 @@ class Admission:
         try:
             await state.slots.acquire()
             self._holding = True
+            state.held += 1
         finally:
             self._stop_waiting()
 
@@ -81,6 +83,7 @@ class Admission:
         if self._holding:
             assert self._state is not None
             self._state.slots.release()
+            self._state.held -= 1
             self._holding = False
 
 
@@ -93,6 +96,14 @@ class Fairness:
         self.concurrent = settings.max_concurrent_per_key or max(1, workers)
         self.max_waiting = settings.max_waiting_per_key
         self._keys: dict[str, _KeyState] = {}
+
+    def slots_held(self) -> int:
+        """Keys' slots taken now, over every key (GET /metrics)."""
+        return sum(state.held for state in self._keys.values())
+
+    def waiting(self) -> int:
+        """Requests in their keys' lines now, over every key (GET /metrics)."""
+        return sum(state.waiting for state in self._keys.values())
 
     def _state(self, owner: str, now: float) -> _KeyState:
         state = self._keys.get(owner)
@@ -196,7 +207,11 @@ class Fairness:
         state.users += 1
         try:
             async with state.slots:
-                yield
+                state.held += 1
+                try:
+                    yield
+                finally:
+                    state.held -= 1
         finally:
             state.users -= 1
             if state.users == 0 and (self.rate <= 0 or state.tokens >= self.burst):

@@ -3,6 +3,7 @@ tests, do not collide). Served at GET /metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -79,6 +80,17 @@ class Metrics(PoolObserver):
             ["route"],
             registry=r,
         )
+        self.key_slots_held = Gauge(
+            "gradtape_key_slots_held",
+            "API keys' slots taken (max_concurrent_per_key): requests computing or reading "
+            "their body, jobs computing",
+            registry=r,
+        )
+        self.key_requests_waiting = Gauge(
+            "gradtape_key_requests_waiting",
+            "Requests waiting in their API key's line for a slot (max_waiting_per_key)",
+            registry=r,
+        )
         self.tapes = Gauge("gradtape_tapes", "Live tapes", registry=r)
         self.tape_bytes = Gauge(
             "gradtape_tape_bytes", "Bytes of the tapes held in workers now", registry=r
@@ -91,6 +103,11 @@ class Metrics(PoolObserver):
         self.workers_up.set_function(
             lambda: sum(w.state in ("idle", "busy") for w in pool.workers())
         )
+
+    def bind_fairness(self, slots_held: Callable[[], int], waiting: Callable[[], int]) -> None:
+        """Read the keys' slots and lines (service/api/fairness.py) when scraped."""
+        self.key_slots_held.set_function(slots_held)
+        self.key_requests_waiting.set_function(waiting)
 
     def bind_tapes(self, tapes: TapeRegistry) -> None:
         self.tapes.set_function(tapes.count)

@@ -294,7 +294,7 @@ def _work(
         raise RequestError("internal", f"no sharded algorithm {kind!r}")
     # A run outlives the request in flight: its progress goes out with its next need.
     quiet = dataclasses.replace(context, report=run.note)
-    asked = tapes.Asked(decode_options(op, payload["options"]), payload, quiet, time.perf_counter())
+    asked = tapes.Asked(decode_options(op, payload["options"]), payload, quiet, tapes.now())
     function = tapes.OPERATION_FUNCTIONS[kind]
     return lambda flat: function(flat, flat.keys, asked)
 

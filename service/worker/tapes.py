@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +47,7 @@ from engine.hessian_algorithms import (
     power_iteration,
     spectral_density,
 )
+from engine.hessian_algorithms import budget as algorithm_budget
 from engine.hessian_algorithms.hutchinson import FROBENIUS, hutchinson
 from engine.language import (
     CompiledProgram,
@@ -513,18 +513,25 @@ class Asked:
     options: Any  # the row's options Struct (service/core/operations.py), typed
     tensors: Mapping[str, Any]  # the row's tensor fields, decoded by the HTTP side
     context: WorkerContext
-    started: float  # perf_counter when the request arrived (a rebuild counts against it)
+    started: float  # now() when the request arrived (a rebuild counts against it)
     session: TapeSession | None = None  # None on a sharded run's coordinator
 
     def seconds_left(self) -> float:
         """The algorithm's own time budget, less what a rebuild took (at least
         ALGORITHM_MIN_SECONDS, the smallest max_seconds a request may give)."""
         budget = float(self.options.max_seconds)
-        elapsed = time.perf_counter() - self.started
+        elapsed = now() - self.started
         return max(defaults.ALGORITHM_MIN_SECONDS, budget - elapsed)
 
     def relay(self) -> Callable[[Progress], None] | None:
         return _relay(self.context)
+
+
+def now() -> float:
+    """The seconds the algorithms' budgets count (engine.hessian_algorithms.budget.clock).
+    A request's time before its algorithm starts is counted on the same clock, so a test
+    that injects one there sees the whole of a run's max_seconds on it."""
+    return algorithm_budget.clock()
 
 
 OperationFunction = Callable[[Any, list[str], Asked], dict[str, Any]]
@@ -547,7 +554,7 @@ def run_operation(kind: str) -> Callable[[Any, WorkerContext], dict[str, Any]]:
     op = BY_KIND[kind]
 
     def handler(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
-        started = time.perf_counter()
+        started = now()
         options = decode_options(op, payload["options"])
         session, rebuilt = session_for(payload, context)
         _, flat = curvature_operator(session, options, context)

@@ -141,11 +141,12 @@ def test_service_busy_retried_honouring_retry_after(strict: Server) -> None:
         )
         slow.start()
         try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:  # until the worker is computing
-                workers = httpx.get(f"{strict.base_url}/readyz").json()["workers"]
-                if workers[0]["state"] == "busy":
-                    break
+            # Until the worker is computing (an event; the guard only stops a hang: a
+            # loaded machine may take longer than any fixed wait to start the request).
+            deadline = time.monotonic() + 120
+            while httpx.get(f"{strict.base_url}/readyz").json()["workers"][0]["state"] != "busy":
+                assert not slow_answer, "the slow request ended before it held the worker"
+                assert time.monotonic() < deadline, "the slow request never reached the worker"
                 time.sleep(0.01)
             with Client(strict.base_url, api_key=KEY, retry=Retry(attempts=1)) as once:
                 with pytest.raises(ServiceBusy) as busy:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.service.conftest import Server, start_server, stop_server
-from tests.service.test_hostile import open_upload, read_answer
+from tests.service.test_hostile import open_upload, read_answer, until_gauge
 from tests.service.test_jobs import start, wait
 from tests.service.wire import MSGPACK, problem, tbin
 
@@ -117,10 +117,11 @@ def test_a_key_waits_in_its_own_line_and_past_it_gets_429(one_slot) -> None:
             "target": "loss",
         }
     ).encode()
+    # Events, not sleeps (issue 27, item 13): each upload's place seen in /metrics.
     holding = open_upload(one_slot, len(small), key, first=small[:1])
-    time.sleep(0.5)  # admitted: it holds the key's slot, reading its body
+    until_gauge(one_slot, "gradtape_key_slots_held", 1)  # admitted, reading its body
     waiting = open_upload(one_slot, len(small), key, first=small[:1])
-    time.sleep(0.5)  # in the key's line
+    until_gauge(one_slot, "gradtape_key_requests_waiting", 1)  # in the key's line
     with as_key(one_slot, key) as flood, as_key(one_slot, "quiet-key") as quiet:
         refused = [post_heavy(flood, heavy_body(50)) for _ in range(3)]
         for r in refused:

@@ -41,6 +41,9 @@ def test_metrics(client) -> None:
     assert re.search(r'gradtape_worker_busy_seconds_total\{worker="0"\} [0-9.e-]+', text)
     assert "gradtape_queue_depth 0.0" in text
     assert "gradtape_workers_up 2.0" in text
+    # (no API keys on this server: no key's slot or line; tests/service/test_fairness.py
+    # waits on them where keys hold slots)
+    assert "gradtape_key_slots_held 0.0" in text and "gradtape_key_requests_waiting 0.0" in text
 
 
 def test_swagger_ui_is_served_locally(client) -> None:

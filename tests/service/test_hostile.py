@@ -498,6 +498,22 @@ def open_upload(
     return sock
 
 
+def gauge(server, name: str) -> float:
+    """A gauge's value from GET /metrics (not gated: no key, no slot)."""
+    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{server.base_url}/metrics").text, re.M)
+    assert found is not None, name
+    return float(found.group(1))
+
+
+def until_gauge(server, name: str, value: float, guard: float = 120.0) -> None:
+    """Poll GET /metrics until gauge `name` reads `value`: an event to wait on, not a
+    sleep; `guard` only turns a hang into a failure."""
+    deadline = time.monotonic() + guard
+    while (now := gauge(server, name)) != value:
+        assert time.monotonic() < deadline, f"{name} is {now}, never {value}"
+        time.sleep(0.02)
+
+
 def read_answer(sock) -> tuple[int, bytes]:
     """The status and the whole answer (headers and body, lower case)."""
     data = b""
@@ -566,6 +582,9 @@ def test_a_key_over_its_rate_is_refused_before_its_body_is_read(gated) -> None:
     assert status == 429 and b"retry-after" in answer and b"requests per second" in answer
 
 
+LINE_GAUGE = "gradtape_key_requests_waiting"
+
+
 def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
     """One upload holds the key's slot (its body never finishes), another waits in its
     line: what comes next is refused for the line, and keeps its token. The bucket
@@ -576,10 +595,11 @@ def test_a_429_for_a_full_line_spends_no_token(gated) -> None:
     with httpx.Client(
         base_url=gated.base_url, timeout=10, headers={"Authorization": f"Bearer {key}"}
     ) as c:
+        held, lined = (gauge(gated, g) for g in ("gradtape_key_slots_held", LINE_GAUGE))
         holding = open_upload(gated, 1000, key, first=b"{")
-        time.sleep(0.5)  # admitted: it holds the slot, reading its body
+        until_gauge(gated, "gradtape_key_slots_held", held + 1)  # it holds the slot
         waiting = open_upload(gated, 1000, key, first=b"{")
-        time.sleep(0.5)  # in the line
+        until_gauge(gated, LINE_GAUGE, lined + 1)  # in the line
         refused = [c.post("/v1/gradient", json=small) for _ in range(5)]
         for r in refused:
             assert "1 waiting" in problem(r, 429, "rate-limited")["detail"], r.text

@@ -249,18 +249,30 @@ def test_a_tape_deleted_through_one_process_is_gone_through_the_other(pair) -> N
 
 
 def test_a_tape_used_through_one_process_does_not_expire_in_the_other(pair) -> None:
-    """ttl 2 s, used through b every 0.5 s for 4 s: a, which made it and saw none of those
-    uses, must not expire it (its sweeper runs every 0.5 s); once unused, it expires."""
+    """ttl 4 s, used through b every 0.5 s for 7 s: a, which made it and saw none of those
+    uses, must not expire it (its sweeper runs every 0.5 s; it waits 1 s past a ttl);
+    once unused, it expires, and not before its ttl.
+
+    The ttl is a wall-clock rule across two processes, so this test lives on real time;
+    it is made to hold on a loaded machine: a use through b may take up to 4.5 s (the ttl
+    and the grace, less the pause) before the tape could rightly expire, and the expiry
+    is waited for (polled, a guard against a hang only), not slept on."""
     a, b = pair
-    tape = _create(a, ttl=2.0)["tape_id"]
+    ttl = 4.0
+    tape = _create(a, ttl=ttl)["tape_id"]
     first = _hvp(b, tape, vec(4))
-    until = time.monotonic() + 4.0
+    until = time.monotonic() + 7.0  # past a's ttl and grace, had it seen no use
     while time.monotonic() < until:
         _equal(_hvp(b, tape, vec(4)), first)
         time.sleep(0.5)
+    last_use = time.monotonic()  # before the request: the server's last use is later
     _equal(_hvp(a, tape, vec(4)), first)  # alive for a too
-    time.sleep(3.0)  # unused for more than its ttl: a sweeper ended it
-    gone = problem(b.get(f"/v1/tapes/{tape}"), 404, "tape-expired")
+    deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
+    while (r := b.get(f"/v1/tapes/{tape}")).status_code == 200:  # (a read is no use)
+        assert time.monotonic() < deadline, "the unused tape never expired"
+        time.sleep(0.25)
+    assert time.monotonic() - last_use >= ttl  # not before its ttl
+    gone = problem(r, 404, "tape-expired")
     assert gone["reason"] == "expired"
     assert problem(a.get(f"/v1/tapes/{tape}"), 404, "tape-expired")
 
@@ -435,22 +447,27 @@ def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
     assert r.status_code == 202, r.text
     location = r.headers["location"]
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
         while not (((job := ok(b.get(location)))["progress"] or {}).get("done")):
             assert job["state"] in ("queued", "running") and time.monotonic() < deadline, job
             time.sleep(0.3)
     except BaseException:
         a.delete(location)
         raise
+    worker = a.get("/readyz").json()["workers"][0]
     assert b.delete(location).status_code == 204
     assert ok(b.get(location))["state"] == "cancelled"
     assert ok(a.get(location))["state"] == "cancelled"
-    # a's worker stopped at its next op (the job had a minute to run): idle again, and
-    # the tape answers the same numbers
+    # a's worker stopped at its next op by its flag: idle again, the same process (one
+    # that went on computing is killed and replaced after cancel_grace). The guard is
+    # half of the job's 60 s: it tells a job a never stopped from one it stopped, and
+    # is no bound on speed.
     deadline = time.monotonic() + 30
-    while a.get("/readyz").json()["workers"][0]["state"] != "idle":
+    while (now := a.get("/readyz").json()["workers"][0])["state"] != "idle":
         assert time.monotonic() < deadline, "a's worker still runs the cancelled job"
         time.sleep(0.1)
+    assert (now["pid"], now["restarts"]) == (worker["pid"], worker["restarts"]), now
+    # and the tape answers the same numbers
     # (all but execution: the trace's passes of this vector layout compiled it since)
     again = ok(a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}))
     assert again.pop("execution") is not None and before.pop("execution") is not None
@@ -500,7 +517,17 @@ def test_a_job_state_the_store_refused_for_a_while_lands_afterwards(server: Serv
     )
     lock.execute("BEGIN EXCLUSIVE")
     try:
-        time.sleep(7)  # the job ends meanwhile; its writes wait 5 s, then fail
+        # Events, not a sleep: a write of the job failed (its 5 s busy timeout spent,
+        # logged), and the job's computation ended in a (its worker idle), so its last
+        # state waits to land. The guard only turns a hang into a failure.
+        failed = f"could not write job {job.json()['job_id'][:8]}"
+        deadline = time.monotonic() + 120
+        while not (
+            failed in server.log.read_text()
+            and all(w["state"] == "idle" for w in ok(a.get("/readyz"))["workers"])
+        ):
+            assert time.monotonic() < deadline, "no write of the job failed, or it never ended"
+            time.sleep(0.1)
     finally:
         lock.execute("COMMIT")
         lock.close()

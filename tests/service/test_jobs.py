@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -97,6 +98,27 @@ def wait(
             return job
         time.sleep(0.02)
     raise TimeoutError(f"job {location} is still {job['state']}")
+
+
+def wait_for_progress(client: httpx.Client, location: str, guard: float = 120) -> dict[str, Any]:
+    """The job, once it runs and has counted some of its work (an event, not a sleep;
+    `guard` only turns a hang into a failure)."""
+    deadline = time.monotonic() + guard
+    job = wait(client, location, ("running",), timeout=guard)
+    while not (job["progress"] or {}).get("done"):
+        assert job["state"] == "running" and time.monotonic() < deadline, job
+        time.sleep(0.02)
+        job = client.get(location).json()
+    return job
+
+
+def wait_for_idle(client: httpx.Client, guard: float = 120) -> dict[str, Any]:
+    """The one worker, once it is idle (`guard` only turns a hang into a failure)."""
+    deadline = time.monotonic() + guard
+    while (worker := client.get("/readyz").json()["workers"][0])["state"] != "idle":
+        assert time.monotonic() < deadline, worker
+        time.sleep(0.02)
+    return worker
 
 
 def same_answer(job_answer: dict[str, Any], sync: dict[str, Any]) -> None:
@@ -195,19 +217,24 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(a: httpx.Client, tap
             "time_limit": 300,
         },
     )
-    wait(a, location, ("running",))
-    time.sleep(0.3)
-    assert a.get(location).json()["progress"]["done"] > 0
-    cancelled = time.perf_counter()
+    running = wait_for_progress(a, location)
+    worker = a.get("/readyz").json()["workers"][0]
     assert a.delete(location).status_code == 204
-    assert a.get(location).json()["state"] == "cancelled"
-    # The one worker takes the next request at once.
+    job = a.get(location).json()
+    assert job["state"] == "cancelled" and job["progress"]["done"] < 100000, job
+    assert job["progress"]["done"] >= running["progress"]["done"]
+    # The worker stops at its next op: it goes idle, and it is the same worker. Events,
+    # not a clock (issue 27, item 13): a worker that went on computing would stay busy
+    # for minutes (the guard turns that into a failure) or, past cancel_grace, be killed
+    # and replaced (its pid and restarts change).
+    idle = wait_for_idle(a)
+    assert (idle["pid"], idle["restarts"]) == (worker["pid"], worker["restarts"]), idle
+    # The one worker takes the next request.
     r = a.post(
         "/v1/gradient",
         json={"definition": {"variables": {"x": 3.0}, "program": ["y = x * x"]}, "target": "y"},
     )
     assert r.status_code == 200 and r.json()["gradients"]["x"]["data"] == [6.0]
-    assert time.perf_counter() - cancelled < 1.0
     # (all but execution: the trace's passes of this vector layout compiled it since)
     again = a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}).json()
     assert again.pop("execution") is not None and before.pop("execution") is not None
@@ -249,11 +276,22 @@ def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
     assert r.status_code == 409 and r.json()["type"] == "/problems/job-not-finished"
     for location in locations:
         assert a.delete(location).status_code == 204
-    assert all(a.get(loc).json()["state"] == "cancelled" for loc in locations)
-    # Ended jobs are kept job_ttl (8 s here), then forgotten.
-    time.sleep(8.5)
+    ended = [a.get(loc).json() for loc in locations]
+    assert all(job["state"] == "cancelled" for job in ended)
+    # Ended jobs are kept job_ttl (8 s here), then forgotten: each says when, and the
+    # sweeper forgets it then (polled: a loaded machine's sweeper may run late; the
+    # guard only turns "never forgotten" into a failure).
+    for job in ended:
+        finished, expires = (datetime.fromisoformat(job[k]) for k in ("finished_at", "expires_at"))
+        assert abs((expires - finished).total_seconds() - 8) < 1e-3, job
     for location in locations:
-        assert a.get(location).status_code == 404
+        deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
+        while a.get(location).status_code != 404:
+            assert time.monotonic() < deadline, f"{location} was never forgotten"
+            time.sleep(0.25)
+    assert all(
+        datetime.now(UTC) >= datetime.fromisoformat(job["expires_at"]) for job in ended
+    )  # not before its time
     assert locations[0].rsplit("/", 1)[1] not in [
         j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]
     ]

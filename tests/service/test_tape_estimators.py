@@ -234,10 +234,9 @@ def test_estimators_run_as_jobs(client, tape_id, path: str, body: dict) -> None:
     r = client.post(f"/v1/tapes/{tape_id}/{path}", json={**body, "async": True})
     assert r.status_code == 202, r.text
     location = r.headers["location"]
-    for _ in range(500):
-        job = client.get(location).json()
-        if job["state"] not in ("queued", "running"):
-            break
+    deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
+    while (job := client.get(location).json())["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
         time.sleep(0.02)
     assert job["state"] == "succeeded", job
     assert job["progress"]["unit"] == "hvps" and job["progress"]["done"] == sync["hvps"]
