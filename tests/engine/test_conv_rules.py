@@ -206,3 +206,14 @@ def test_a_fresh_hvp_leaves_the_kernels_products_unrun() -> None:
         impl_rules[conv_ops.conv_weight_p] = impl
     assert len(calls) == 1 + 2  # the gradient's product; the HVP's two tangent terms only
     assert hv[1].shape == w.shape
+
+
+@pytest.mark.parametrize(
+    "case", ["s1", "s1_asym_dilated_groups", "s1_pads_wider_than_kernel", "3d"]
+)
+def test_the_input_cotangent_in_chunks_of_one_image(case: str, monkeypatch: Any) -> None:
+    """On the host the stride-1 input cotangent runs a few images at a time (a buffer
+    reused between chunks, whose pad cells must stay zero): one image a chunk gives the
+    same derivatives as the im2col + matmul form."""
+    monkeypatch.setattr(conv_ops, "CHUNK_BYTES", 1)
+    test_the_unfused_form_gives_the_same_derivatives(case)
