@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import trace
+from engine.ops.reduce import row_sum, sums_rows
 from engine.registry import Primitive, impl_rules
 from engine.tensor import Tensor, scalar_cache
 
@@ -498,8 +499,15 @@ def _sum_form(params: dict, operands: list, value: Any) -> Any:
     if value.dtype.kind != "f":  # _sum_impl picks the dtype of integer sums
         return None
     axes, keepdims = params["axes"], params["keepdims"]
+    (x,) = operands
+    if sums_rows(x.shape, getattr(x, "order", None) == "C" or _c_contiguous(x), x.dtype, axes):
+        return lambda x, out: row_sum(x, keepdims, out)  # _sum_impl's choice, on the layout
     reduce: Any = np.add.reduce  # what np.sum calls for a float array, without its wrapper
     return lambda x, out: reduce(x, axes, None, out, keepdims)
+
+
+def _c_contiguous(x: Any) -> bool:
+    return isinstance(x, np.ndarray) and x.flags.c_contiguous
 
 
 def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:

@@ -297,6 +297,46 @@ def on_parts(used: CurvatureUsed, parts: int) -> CurvatureUsed:
     return msgspec.structs.replace(used, reason=(used.reason or "") + extra)
 
 
+# ----------------------------------------------------------------------------------------
+# Deprecated answer fields
+# ----------------------------------------------------------------------------------------
+# An answer's field leaves in two steps. First it is marked deprecated in the contract
+# (`deprecated: true`, its description naming what to read instead and the release that
+# drops it) and still answered, since clients read it; then that release removes it
+# (tests/service/test_openapi.py fails once the package's version reaches it).
+
+
+@dataclass(frozen=True)
+class Deprecation:
+    """A deprecated answer field: since which release, the release that removes it, and
+    what to read instead."""
+
+    since: str
+    removed_in: str
+    instead: str
+
+    def describe(self, what: str) -> str:
+        """The field's description in the contract (what it says, after the notice)."""
+        return (
+            f"Deprecated since gradtape {self.since}, removed in {self.removed_in}: "
+            f"{self.instead}. {what}"
+        )
+
+
+# The plain `curvature` string of the answers that had one before `curvature_used`
+# (influence, Frobenius norm, a Laplace fit): the same statement, less of it.
+CURVATURE_DEPRECATED = Deprecation(
+    since="0.1.0",
+    removed_in="0.2.0",
+    instead="read `curvature_used`, which states the same and more (samples, seed, "
+    "structure, approximate and why)",
+)
+DEPRECATED_CURVATURE_DESCRIPTION = CURVATURE_DEPRECATED.describe(
+    "The curvature asked, as a string: `curvature_used.kind`; for `curvature` kfac or "
+    "ekfac on an estimator, kfac or ekfac (`curvature_used.structure`, of kind ggn)."
+)
+
+
 class Budget(CurvatureChoice, kw_only=True):
     """The time an algorithm may run (the HVP budget is each operation's own)."""
 
@@ -654,7 +694,13 @@ class FrobeniusNormResult(msgspec.Struct, kw_only=True):
         ]
         | None
     )
-    curvature: Annotated[str, Meta(description="The matrix C (see CurvatureKind).")]
+    curvature: Annotated[
+        str,
+        Meta(
+            description=DEPRECATED_CURVATURE_DESCRIPTION,
+            extra_json_schema={"deprecated": True},
+        ),
+    ]
     samples: Annotated[int, Meta(description="Random probes averaged.")]
     batches: Annotated[int, Meta(description="Batched HVP passes.")]
     batch_size: Annotated[int, Meta(description="Vectors per batched pass.")]

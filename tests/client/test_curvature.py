@@ -170,6 +170,35 @@ def test_a_monte_carlo_fisher_answer_says_so_and_warns(
         assert la.curvature_used is not None and la.curvature_used.structure == "diagonal"
 
 
+def test_the_old_curvature_attribute_warns_and_points_to_curvature_used(
+    client: Client, rng: np.random.Generator
+) -> None:
+    """`Influence.curvature` and `RemoteLaplace.curvature` carry the server's deprecated
+    `curvature` string: reading one still answers it (what curvature_used says), with a
+    DeprecationWarning at the reader's line naming `curvature_used`; the rest of the SDK
+    (results, its command line, its plots, reprs) reads it without a warning."""
+    definition, *_ = logistic(rng)
+    with client.tape(definition, "loss", output="z") as tape:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # none of the SDK's own
+            found = tape.influence(rows=[0, 1], curvature="kfac", damping=0.1)
+            fit = tape.laplace(structure="kron")
+            assert "/kron/ggn," in repr(fit) and "curvature=" not in repr(found)
+        assert str(found.curvature_used) == "KFAC of the ggn"
+        with pytest.warns(DeprecationWarning, match=r"Influence.curvature is deprecated") as seen:
+            old = found.curvature
+        assert seen[0].filename == __file__  # shown at the user's line
+        assert "read .curvature_used" in str(seen[0].message) and "0.2.0" in str(seen[0].message)
+        used = found.curvature_used
+        assert old == "kfac" and used is not None and used.structure == "kfac"
+        with pytest.warns(DeprecationWarning, match=r"RemoteLaplace.curvature is deprecated"):
+            assert fit.curvature == "ggn"
+        assert fit.curvature_used is not None and fit.curvature_used.kind == "ggn"
+        with pytest.warns(ApproximateWarning):
+            mc = tape.influence(rows=[0], curvature="fisher", samples=4, fisher_seed=2)
+        assert str(mc.curvature_used) == "fisher, Monte-Carlo (4 samples, seed 2)"
+
+
 def test_a_block_wider_than_hvp_max_vectors_goes_in_chunks(
     tmp_path, rng: np.random.Generator
 ) -> None:

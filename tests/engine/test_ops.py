@@ -393,6 +393,7 @@ ROWS = [
         [
             ((3, 4), (4, 2)),
             ((2, 3, 4), (4, 5)),
+            ((2, 1, 3, 4), (4, 2)),  # rows of a stack times a matrix: y's VJP one GEMM
             ((2, 3, 4), (2, 4, 2)),
             ((4,), (4, 2)),
             ((3, 4), (4,)),
@@ -801,3 +802,37 @@ def test_swapaxes_moveaxis_flatten_and_cast() -> None:
     g = tape.gradient(z, y)
     assert g.dtype == np.float64
     np.testing.assert_allclose(g.numpy(), [3.0, 5.0])
+
+
+def test_scatter_add_of_rows_matches_numpys_add_at() -> None:
+    """backend.scatter_add's sorted-groups path (one integer array, other axes whole: an
+    embedding's gradient) gives np.add.at's sums; other indices go to np.add.at."""
+    from engine import backend
+
+    rng = np.random.default_rng(0)
+    table = (7, 5, 3)
+    cases = [
+        (Ellipsis, rng.integers(0, 7, (4, 6)), slice(None), slice(None)),  # rows, repeated
+        (Ellipsis, rng.integers(-7, 7, (9,)), slice(None), slice(None)),  # negative ones
+        (Ellipsis, slice(None), rng.integers(0, 5, (2, 3)), slice(None)),  # a middle axis
+        (Ellipsis, slice(None), slice(None), np.array([2, 0, 2, 2])),  # the last axis
+        (Ellipsis, np.array(3), slice(None), slice(None)),  # a 0-d index
+        (Ellipsis, np.array([1, 1]), slice(None), slice(0, 3, 2)),  # a strided slice: add.at
+        (Ellipsis, np.array([1, 2]), np.array([0, 4]), slice(None)),  # two arrays: add.at
+    ]
+    for lead in [(), (2,)]:  # batched cotangents carry leading axes
+        for index in cases:
+            probe = np.zeros(lead + table)[index]
+            values = rng.standard_normal(probe.shape)
+            expected = np.zeros(lead + table)
+            np.add.at(expected, index, values)
+            got = np.zeros(lead + table)
+            backend.scatter_add(np, got, index, values)
+            np.testing.assert_allclose(got, expected, rtol=1e-14, atol=1e-14)
+    with pytest.raises(IndexError):  # out of range: np.add.at's error
+        backend.scatter_add(
+            np,
+            np.zeros(table),
+            (Ellipsis, np.array([7]), slice(None), slice(None)),
+            np.ones((1, 5, 3)),
+        )

@@ -4,6 +4,8 @@ when it goes stale (regenerate with `gradtape openapi --out openapi/openapi.json
 from __future__ import annotations
 
 import json
+import re
+import tomllib
 
 from service.cli import openapi_document
 from service.core.operations import OPERATIONS
@@ -139,3 +141,39 @@ def test_api_keys_are_declared_and_optional() -> None:
     assert "201" in spec["paths"]["/v1/tapes"]["post"]["responses"]
     for status in ("401", "404", "429"):
         assert status in spec["paths"]["/v1/tapes"]["post"]["responses"]
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def test_deprecated_fields_say_what_instead_and_until_when() -> None:
+    """The project's deprecation convention (service.core.operations.Deprecation): a
+    deprecated answer field is still declared (and answered), marked `deprecated: true`,
+    its description naming the release that removes it and a field of the same schema to
+    read instead; once the package's version reaches that release, this fails until the
+    field is gone."""
+    spec = json.loads(CONTRACT.read_text())
+    version = _release(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"])
+    marked = {}
+    for name, schema in spec["components"]["schemas"].items():
+        for field, prop in schema.get("properties", {}).items():
+            if prop.get("deprecated"):
+                marked[f"{name}.{field}"] = prop
+                notice = re.match(
+                    r"Deprecated since gradtape ([\d.]+), removed in ([\d.]+): read `(\w+)`",
+                    prop.get("description", ""),
+                )
+                assert notice, f"{name}.{field}: its description does not follow the convention"
+                since, removed_in, instead = notice.groups()
+                assert _release(since) <= version < _release(removed_in), (
+                    f"{name}.{field}: removed in {removed_in}, and this is {version}: remove it"
+                )
+                assert instead in schema["properties"], (name, field, instead)
+                assert field in schema.get("required", []), f"{name}.{field}: still answered"
+    # The answers' old `curvature` strings (requests' `curvature` fields are not deprecated).
+    assert set(marked) == {
+        "FrobeniusNormResponse.curvature",
+        "InfluenceResponse.curvature",
+        "LaplaceResponse.curvature",
+    }

@@ -6,6 +6,9 @@ the DevTools protocol (tests/ui/browser.py), against `gradtape serve` with API k
 - A job started through the API is watched from the page: its progress moves (the page
   received several reports, with growing HVP counts, before the job ended), then its
   result is drawn; the chart's data is the answer's, from GET /v1/jobs/{id}/result.
+- Beside a curvature answer the page states the matrix it is of (the answer's
+  `curvature_used`): the Hessian's density exact; a Monte-Carlo Fisher's trace with its
+  samples, seed, reason and an approximate flag, drawn apart from the exact Fisher's.
 - A cancel from the page stops a long job (the API then says cancelled, the worker
   is idle again).
 - Screenshots are kept as test artifacts: tests/ui/artifacts/ (git-ignored).
@@ -127,6 +130,34 @@ def watch_from_the_page(page: Browser, job_id: str) -> None:
     page.wait_for(f"gradtapeUI.watching && gradtapeUI.watching.id === {json.dumps(job_id)}")
 
 
+EXACT = {"samples": None, "seed": None, "structure": None, "approximate": False, "reason": None}
+
+
+def curvature_shown(page: Browser) -> dict:
+    """What the result's curvature box shows (its facts by name, the exact/approximate
+    flag, the reason), and whether it is drawn apart (the class and colour that mark an
+    approximate answer)."""
+    shown: dict = page.evaluate(
+        """(() => {
+          const box = document.getElementById('result-curvature');
+          const facts = {};
+          for (const dd of box.querySelectorAll('dd')) facts[dd.dataset.fact] = dd.textContent;
+          const reason = box.querySelector('.reason');
+          return {
+            hidden: box.hidden,
+            visible: box.getBoundingClientRect().height > 0,
+            facts,
+            flag: box.querySelector('.flag').textContent,
+            approximate: box.classList.contains('approximate'),
+            background: getComputedStyle(box).backgroundColor,
+            reason: reason ? reason.textContent : null,
+          };
+        })()"""
+    )
+    assert not shown["hidden"] and shown["visible"], shown
+    return shown
+
+
 def job_state_shown(page: Browser) -> str:
     return str(page.evaluate("document.getElementById('job-state').textContent"))
 
@@ -213,6 +244,11 @@ def test_a_job_moves_then_its_density_is_drawn(page: Browser, api: httpx.Client)
     stderr = np.array(result["stderr"])
     np.testing.assert_allclose(drawn[2], np.array(result["density"]) + 2 * stderr)
     assert "32 probes" in page.evaluate("document.getElementById('result-note').textContent")
+    # The curvature it is of, as the answer states it: the Hessian itself, exact.
+    assert result["curvature_used"] == {**EXACT, "kind": "hessian"}
+    shown = curvature_shown(page)
+    assert shown["facts"] == {"kind": "hessian", "structure": "the matrix itself"}, shown
+    assert (shown["flag"], shown["approximate"], shown["reason"]) == ("exact", False, None)
     # The job list caught up: the row says succeeded.
     page.wait_for(
         f"document.querySelector('#jobs tr[data-job={json.dumps(job_id)}]')"
@@ -255,6 +291,48 @@ def test_a_diagonal_and_influence_scores_are_drawn(page: Browser, api: httpx.Cli
     page.wait_for("document.getElementById('result-chart').dataset.kind === 'influence'")
     result = api.get(f"/v1/jobs/{job_id}/result").json()
     assert page.evaluate("gradtapeUI.charts.result.data") == [list(range(12)), result["scores"]]
+
+
+@needs_chromium
+def test_a_monte_carlo_answer_is_marked_approximate(page: Browser, api: httpx.Client) -> None:
+    """An exact trace of a Monte-Carlo Fisher is the sampled matrix's: the page says so
+    beside the answer (kind, samples, seed, the approximate flag and the server's
+    reason), drawn apart from an exact answer's statement."""
+    rng = np.random.default_rng(12)
+    body = {**_target(), "definition": mlp(rng, 10, 3), "output": "out"}
+    tape = api.post("/v1/tapes", json=body).json()
+    asked = {"method": "exact", "curvature": "fisher", "samples": 4, "fisher_seed": 7}
+    job_id = start_job(api, tape["tape_id"], "trace", asked)
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'trace'")
+    page.wait_for("!document.getElementById('result-curvature').hidden")
+    used = api.get(f"/v1/jobs/{job_id}/result").json()["curvature_used"]
+    assert (used["kind"], used["samples"], used["seed"], used["approximate"]) == (
+        "fisher",
+        4,
+        7,
+        True,
+    )
+    shown = curvature_shown(page)
+    assert shown["facts"] == {
+        "kind": "fisher",
+        "structure": "the matrix itself",
+        "Monte-Carlo samples": "4 per example",
+        "seed": "7",
+    }, shown
+    assert shown["flag"] == "approximate" and shown["approximate"]
+    assert shown["reason"] == "Why approximate: " + used["reason"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(ARTIFACTS / "ui-monte-carlo.png")
+    # The same tape's exact Fisher: stated exact, and drawn unlike the approximate one.
+    job_id = start_job(api, tape["tape_id"], "trace", {"method": "exact", "curvature": "fisher"})
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'trace'")
+    page.wait_for("document.getElementById('result-curvature').dataset.approximate === 'false'")
+    exact = curvature_shown(page)
+    assert exact["facts"] == {"kind": "fisher", "structure": "the matrix itself"}, exact
+    assert (exact["flag"], exact["approximate"], exact["reason"]) == ("exact", False, None)
+    assert exact["background"] != shown["background"]
 
 
 @needs_chromium

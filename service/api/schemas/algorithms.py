@@ -17,6 +17,7 @@ from service.api.schemas.operations import (
     REQUEST_MODELS,
     CurvatureUsedModel,
     curvature_used_field,
+    deprecated_curvature_field,
 )
 from service.api.schemas.tensors import Tensor
 from service.core.operations import CurvatureKind, DiagonalMethod, EigenMethod, TraceMethod
@@ -220,7 +221,7 @@ class InfluenceResponse(BaseModel):
     )
     test_loss: float
     s_test: Tensors = Field(description="(C + damping I)^-1 grad L_test, per source.")
-    curvature: CurvatureKind
+    curvature: CurvatureKind = deprecated_curvature_field()
     converged: bool
     stopped: Stopped = Field(
         description="Of the CG solve: converged, max_iterations, "

@@ -12,7 +12,11 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, model
 from service.api.problems import ProblemError
 from service.api.schemas.base import CallOptions, DefinitionRequest, async_field
 from service.api.schemas.definitions import Inputs, Tensors
-from service.api.schemas.operations import CurvatureUsedModel, curvature_used_field
+from service.api.schemas.operations import (
+    CurvatureUsedModel,
+    curvature_used_field,
+    deprecated_curvature_field,
+)
 from service.api.schemas.tensors import INT_MAX, Name, Tensor
 
 
@@ -108,7 +112,7 @@ class LaplaceResponse(BaseModel):
     laplace_id: str = Field(description="The fit's id under the tape (its routes take it).")
     subset: str
     structure: str
-    curvature: str
+    curvature: str = deprecated_curvature_field()
     likelihood: str = Field(
         description="categorical, bernoulli or gaussian: recognised from the loss."
     )

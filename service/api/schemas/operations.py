@@ -33,6 +33,7 @@ from service.api.schemas.tensors import exactly_one_of, whole_float
 from service.core.defaults import INT_MAX
 from service.core.operations import (
     CURVATURE_FIELDS,
+    DEPRECATED_CURVATURE_DESCRIPTION,
     OPERATIONS,
     Budget,
     CurvatureChoice,
@@ -59,6 +60,10 @@ def _pydantic_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
                 )
                 if meta.description is not None:
                     found["description"] = meta.description
+                if (meta.extra_json_schema or {}).get("deprecated"):
+                    # pydantic's own mark: `deprecated: true` in the schema (the
+                    # description says since when, until when, and what instead)
+                    found["deprecated"] = meta.description or True
         tp, more = _pydantic_type(inner)
         return tp, {**more, **found}
     if origin in (Union, types.UnionType):
@@ -205,6 +210,14 @@ def curvature_used_field() -> Any:
         description="The matrix the answer is of: its kind, for a Monte-Carlo Fisher its "
         "samples and seed, for an approximation its structure, and `approximate` with the "
         "reason (service.core.operations.CurvatureUsed)."
+    )
+
+
+def deprecated_curvature_field() -> Any:
+    """The plain `curvature` string some answers still carry beside `curvature_used`
+    (service.core.operations.CURVATURE_DEPRECATED)."""
+    return Field(
+        description=DEPRECATED_CURVATURE_DESCRIPTION, deprecated=DEPRECATED_CURVATURE_DESCRIPTION
     )
 
 

@@ -350,7 +350,9 @@ def as_text(result: Any) -> str:
             f"{result.grid[-1]:.4g}], peak at {peak:.4g}"
         )
     else:
-        lines.append(f"influence on the test loss {result.test_loss:.6g} ({result.curvature}):")
+        lines.append(
+            f"influence on the test loss {result.test_loss:.6g} ({result.curvature_used or result._curvature}):"
+        )
         for label, index in (("harmful", result.harmful), ("helpful", result.helpful)):
             listed = ", ".join(f"{int(i)} ({result.scores[int(i)]:+.4g})" for i in index)
             lines.append(f"  most {label}: {listed or 'none'}")

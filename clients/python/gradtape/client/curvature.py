@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _core
-from .results import CurvatureUsed, _Unpack, check_approximate, shaped
+from .results import (
+    CURVATURE_DEPRECATED,
+    CurvatureUsed,
+    _Unpack,
+    check_approximate,
+    shaped,
+    warn_deprecated,
+)
 
 if TYPE_CHECKING:
     from .tape import RemoteTape
@@ -91,7 +98,7 @@ class RemoteLaplace:
     def _set(self, a: Mapping[str, Any]) -> None:
         self.subset: str = a["subset"]
         self.structure: str = a["structure"]
-        self.curvature: str = a["curvature"]
+        self._curvature: str | None = a.get("curvature")  # deprecated: see `curvature`
         self.likelihood: str = a["likelihood"]
         self.parameters: int = a["parameters"]
         self.prior_precision: float = a["prior_precision"]
@@ -101,6 +108,12 @@ class RemoteLaplace:
         self.log_likelihood: float = a["log_likelihood"]
         # The curvature the fit holds: its kind, and its structure (kfac, diagonal).
         self.curvature_used: CurvatureUsed | None = CurvatureUsed.of(a)
+
+    @property
+    def curvature(self) -> str | None:
+        """Deprecated: read `curvature_used` (results.CURVATURE_DEPRECATED)."""
+        warn_deprecated(CURVATURE_DEPRECATED.format(what="RemoteLaplace.curvature"))
+        return self._curvature
 
     def _path(self, tail: str) -> str:
         return self.tape._path(f"/laplace/{self.id}/{tail}")
@@ -160,8 +173,9 @@ class RemoteLaplace:
         return self.tape._run(self._samples_op(_options(count=count, seed=seed)))
 
     def __repr__(self) -> str:
+        kind = self.curvature_used.kind if self.curvature_used else self._curvature
         return (
-            f"RemoteLaplace({self.id!r}, {self.subset}/{self.structure}/{self.curvature}, "
+            f"RemoteLaplace({self.id!r}, {self.subset}/{self.structure}/{kind}, "
             f"prior_precision={self.prior_precision:g})"
         )
 

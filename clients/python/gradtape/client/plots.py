@@ -215,7 +215,7 @@ def influence(
     ax.axhline(0.0, color="0.6", linewidth=0.8)
     ax.set_ylabel("influence score (+ harmful, \u2212 helpful)")
     ax.set_title(
-        f"Influence on the test loss {result.test_loss:.4g} ({result.curvature})"
+        f"Influence on the test loss {result.test_loss:.4g} ({result.curvature_used or result._curvature})"
         + _status(result.converged, result.stopped)
     )
     return fig, ax

@@ -177,6 +177,17 @@ class CurvatureUsed:
             reason=found.get("reason"),
         )
 
+    def __str__(self) -> str:
+        """The matrix in a few words: "ggn", "KFAC of the ggn", "fisher, Monte-Carlo
+        (4 samples, seed 2)"."""
+        text = self.kind
+        if self.structure:
+            named = self.structure.upper() if "kfac" in self.structure else self.structure
+            text = f"{named} of the {text}"
+        if self.samples is not None:
+            text += f", Monte-Carlo ({self.samples} samples, seed {self.seed})"
+        return text
+
 
 def check_approximate(what: str, answer: Any) -> None:
     """Warn (ApproximateWarning) when the answer is of an approximate curvature that the
@@ -194,6 +205,25 @@ def check_approximate(what: str, answer: Any) -> None:
         ApproximateWarning(f"{what} is approximate: {used.reason}"),
         stacklevel=_caller_stacklevel(),
     )
+
+
+# Deprecated attributes --------------------------------------------------------------------
+# The server's plain `curvature` string (influence, a Laplace fit) said less than
+# `curvature_used` says; it is deprecated in the API (gradtape 0.1.0, gone in 0.2.0), and
+# so is the attribute that carries it here: reading it warns, once per place it is read
+# (Python's default for a DeprecationWarning shown from the caller's own module).
+
+CURVATURE_DEPRECATED = (
+    "{what} is deprecated since gradtape 0.1.0 and goes in 0.2.0, as the API's "
+    "`curvature` field does: read .curvature_used (its kind; for curvature 'kfac' or "
+    "'ekfac' its structure, and whether the matrix is approximate, and why)"
+)
+
+
+def warn_deprecated(message: str) -> None:
+    """A DeprecationWarning pointed at the user's line (the first frame outside this
+    package), so that Python shows it there by default."""
+    warnings.warn(DeprecationWarning(message), stacklevel=_caller_stacklevel())
 
 
 @dataclass(frozen=True)
@@ -458,7 +488,6 @@ class Influence(_Converges):
     harmful: np.ndarray
     test_loss: float
     s_test: Any
-    curvature: str
     converged: bool
     stopped: str
     iterations: int
@@ -466,7 +495,15 @@ class Influence(_Converges):
     residuals: np.ndarray
     seconds: float
     curvature_used: CurvatureUsed | None = None
+    # The server's deprecated `curvature` string (the `curvature` property reads it).
+    _curvature: str | None = field(default=None, repr=False, compare=False)
     _unpack = ("scores", "helpful", "harmful")
+
+    @property
+    def curvature(self) -> str | None:
+        """Deprecated: read `curvature_used` (CURVATURE_DEPRECATED)."""
+        warn_deprecated(CURVATURE_DEPRECATED.format(what="Influence.curvature"))
+        return self._curvature
 
     def plot(self, ax: Any = None, **style: Any) -> Any:
         """The scores as bars, harmful red, helpful blue (plots.influence):

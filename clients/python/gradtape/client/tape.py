@@ -561,8 +561,9 @@ class RemoteTape(CurvatureMethods):
     def frobenius_norm(self, *, progress: Any = False, **options: Unpack[EstimatorOptions]) -> Any:
         """||C||_F^2 of the Hessian (or `curvature`) on the server, by Hutchinson on C^2,
         as the answer's dict: `frobenius_norm_squared`, its `stderr` (None from fewer than
-        30 probes), `converged`, `stopped`, `samples`, `hvps`. `options`: EstimatorOptions.
-        `progress` as in `eigenvalues`."""
+        30 probes), `converged`, `stopped`, `samples`, `hvps`, `curvature_used` (its
+        `curvature` key is deprecated: read `curvature_used`). `options`:
+        EstimatorOptions. `progress` as in `eigenvalues`."""
         return self.call("frobenius-norm", progress=progress, **{"seed": 0, **options})
 
     def _density_op(self, body: dict[str, Any], progress: Any = None) -> _core.Op[SpectralDensity]:
@@ -675,7 +676,6 @@ class RemoteTape(CurvatureMethods):
             harmful=np.asarray(a["harmful"], dtype=np.int64),
             test_loss=a["test_loss"],
             s_test=shaped(a["s_test"], self._sources),
-            curvature=a["curvature"],
             converged=a["converged"],
             stopped=a["stopped"],
             iterations=a["iterations"],
@@ -683,6 +683,7 @@ class RemoteTape(CurvatureMethods):
             residuals=np.asarray(a["residuals"], dtype=np.float64),
             seconds=a["seconds"],
             curvature_used=CurvatureUsed.of(a),
+            _curvature=a.get("curvature"),  # deprecated (a server past 0.2.0 has none)
         )
 
     def influence(

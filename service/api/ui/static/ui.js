@@ -178,6 +178,7 @@
     $("job-id").textContent = id;
     $("result-title").hidden = true;
     $("result-note").textContent = "";
+    showCurvature(null);
     $("job-error").textContent = "";
     $("result-chart").dataset.kind = "";
     try {
@@ -307,6 +308,7 @@
     ui.result = doc.result;
     $("result-title").hidden = false;
     drawResult(doc.result);
+    showCurvature(doc.result.curvature_used || null);
   }
 
   async function cancel(id) {
@@ -352,7 +354,7 @@
     $("result-note").textContent = text;
   }
 
-  function approximate(result) {
+  function unconverged(result) {
     return result.converged === false ? " (not converged: stopped by " + result.stopped + ")" : "";
   }
 
@@ -372,18 +374,18 @@
       }
       chart = plot("result-chart", "density", data, series, { x: "eigenvalue", y: "density" }, { bands });
       note("Spectral density: " + result.probes + " probes, " + result.steps + " steps, sigma " +
-        short(result.sigma) + approximate(result));
+        short(result.sigma) + unconverged(result));
     } else if (result.eigenvalues) {
       chart = plot("result-chart", "eigenvalues",
         [range(result.eigenvalues.length, 1), result.eigenvalues],
         [{ label: "eigenvalue", stroke: COLOURS[0], paths: () => null,
            points: { show: true, size: 9, fill: COLOURS[0] } }],
         { x: "index", y: "eigenvalue" });
-      note("Eigenvalues (" + result.method + ", " + result.hvps + " HVPs)" + approximate(result));
+      note("Eigenvalues (" + result.method + ", " + result.hvps + " HVPs)" + unconverged(result));
     } else if (result.scores && result.removal) {
       chart = bars("influence", result.scores, { x: "training example", y: "influence score" });
       note("Influence on the test loss " + short(result.test_loss) + ": positive harmful, negative " +
-        "helpful; most harmful " + result.harmful.join(", ") + approximate(result));
+        "helpful; most harmful " + result.harmful.join(", ") + unconverged(result));
     } else if ("diagonal" in result && result.method) {
       const parts = result.diagonal || { "entries reached": result.partial };
       const values = [];
@@ -394,20 +396,63 @@
         values.push(...v);
       }
       chart = bars("diagonal", values, { x: "entry (" + spans.join("; ") + ")", y: "diagonal" });
-      note("Hessian diagonal (" + result.method + ")" + approximate(result));
+      const of = result.curvature_used ? result.curvature_used.kind : "hessian";
+      note("Diagonal of the " + of + " (" + result.method + ")" + unconverged(result));
     } else if (result.residuals && result.solution) {
       chart = plot("result-chart", "solve", [range(result.residuals.length), result.residuals],
         [{ label: "relative residual", stroke: COLOURS[0] }],
         { x: "CG iteration", y: "relative residual" }, { scales: { y: { distr: 3 } } });
-      note("Solve (" + result.rhs + ")" + approximate(result));
+      note("Solve (" + result.rhs + ")" + unconverged(result));
     } else if (result.trace != null) {
       note("trace = " + short(result.trace) + (result.stderr ? " \u00b1 " + short(result.stderr) : "") +
-        " (" + result.method + ", " + result.hvps + " HVPs)" + approximate(result));
+        " (" + result.method + ", " + result.hvps + " HVPs)" + unconverged(result));
       el.dataset.kind = "trace";
     } else {
       note("The answer has no picture here: GET " + jobPath(ui.watching.id) + "/result for it.");
     }
     ui.charts.result = chart;
+  }
+
+  // The matrix a curvature answer is of, as the answer states it (`curvature_used`): its
+  // kind, structure, a Monte-Carlo Fisher's samples and seed, and whether it is exact or
+  // an approximation, with why. Every curvature answer has one; others hide the box.
+  function showCurvature(used) {
+    const box = $("result-curvature");
+    box.replaceChildren();
+    box.hidden = !used;
+    box.className = "curvature" + (used && used.approximate ? " approximate" : "");
+    box.dataset.approximate = used ? String(used.approximate) : "";
+    if (!used) return;
+    const head = document.createElement("div");
+    const flag = document.createElement("span");
+    flag.className = "flag";
+    flag.textContent = used.approximate ? "approximate" : "exact";
+    head.append("Curvature used ", flag);
+    const facts = [
+      ["kind", used.kind],
+      ["structure", used.structure || "the matrix itself"],
+    ];
+    if (used.samples != null) {
+      facts.push(["Monte-Carlo samples", used.samples + " per example"], ["seed", String(used.seed)]);
+    }
+    const list = document.createElement("dl");
+    for (const [name, value] of facts) {
+      const item = document.createElement("div");
+      const dt = document.createElement("dt");
+      const dd = document.createElement("dd");
+      dt.textContent = name;
+      dd.textContent = value;
+      dd.dataset.fact = name;
+      item.append(dt, dd);
+      list.append(item);
+    }
+    box.append(head, list);
+    if (used.approximate && used.reason) {
+      const why = document.createElement("p");
+      why.className = "reason";
+      why.textContent = "Why approximate: " + used.reason;
+      box.append(why);
+    }
   }
 
   function bars(kind, values, labels) {
