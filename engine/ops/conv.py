@@ -154,10 +154,11 @@ defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 # GEMM's layout (*lead, G, C/G * K, N * P) (one copy, not a copy and a transposing copy),
 # and for stride 1 x's cotangent is itself a convolution, of the padded cotangent with the
 # flipped, channel-swapped kernel: one window copy and the same GEMM instead of a col2im
-# (a zeros buffer and one strided add per kernel cell). The windows are a separate,
-# nondifferentiable op (`gather_p`) whose result the primitives take as a last operand:
-# the forward's windows serve the weight's cotangent, and the JVPs' terms reuse them (in
-# a replayed HVP at a fixed point they are computed once). Leading axes of either operand
+# (a zeros buffer and one strided add per kernel cell; on the host a few images at a
+# time, see _conv_in_chunks). x's windows are a separate, nondifferentiable op
+# (`gather_p`) whose result conv and conv_weight take as a last operand: the forward's
+# windows serve the kernel's cotangent, and the JVPs' terms reuse them (in a replayed HVP
+# at a fixed point they are computed once). Leading axes of either operand
 # (batched tangents and cotangents) broadcast against each other in the GEMM; results
 # are views (*lead, N, C, *spatial) of GEMM-ordered memory.
 def _lead(a: Any, nd: int) -> tuple:
@@ -291,7 +292,7 @@ def _conv_input_impl(
 # On the host, the stride-1 input cotangent gathers the windows of a few images at a time
 # into a buffer the size of a cache (CHUNK_BYTES) and multiplies them there, writing each
 # image's result in place: the windows never go to memory and back (for 16 channels on
-# 32 x 32 that halves its time; measured in bench/RESULTS.md, "Convolution as three
+# 32 x 32 that nearly halves its time; measured in bench/RESULTS.md, "Convolution as three
 # primitives"). On a GPU, one gather of everything and one batched GEMM.
 CHUNK_BYTES = 1 << 20
 
