@@ -518,6 +518,15 @@ def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
     return lambda g, x_, out: np.multiply(g, mask, out)
 
 
+def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
+    y = operands[1]
+    if isinstance(y, np.ndarray):  # a recorded value: its slope is made once
+        slope = 1 - y * y
+        return lambda g_, y_, out: np.multiply(g_, slope, out)
+    # the impl's g * (1 - y * y), its last product into the buffer
+    return lambda g_, y_, out: np.multiply(g_, 1 - y_ * y_, out)
+
+
 def _ufunc_form(fn: Any) -> Callable[[dict, list, Any], Any]:
     return lambda params, operands, value: fn
 
@@ -527,8 +536,9 @@ _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
     "matmul": _matmul_form,
     "sum": _sum_form,
     "relu_grad": _relu_grad_form,
+    "tanh_grad": _tanh_grad_form,
 }
-_ELEMENTWISE = {*_UFUNCS, "relu_grad"}
+_ELEMENTWISE = {*_UFUNCS, "relu_grad", "tanh_grad"}
 
 
 class Schedule:

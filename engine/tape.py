@@ -47,7 +47,7 @@ class UnconnectedGradients(enum.Enum):
 class Record:
     """One recorded application: a primitive's, or a custom gradient's (`prim` None)."""
 
-    __slots__ = ("custom_vjp", "inputs", "outputs", "params", "prim", "vjp_cache")
+    __slots__ = ("custom_vjp", "inputs", "needed", "outputs", "params", "prim", "vjp_cache")
 
     def __init__(
         self,
@@ -56,6 +56,7 @@ class Record:
         params: dict[str, Any],
         outputs: tuple[Tensor, ...],
         custom_vjp: Callable[..., Any] | None = None,
+        needed: tuple[int, ...] = (),
     ):
         self.prim = prim
         self.inputs = inputs
@@ -63,43 +64,9 @@ class Record:
         self.outputs = outputs
         self.custom_vjp = custom_vjp
         self.vjp_cache: dict[int, Any] | None = None
-
-    def input_cotangents(
-        self,
-        g: Tensor,
-        needed: tuple[int, ...],
-        cacheable: bool,
-        deferred: tuple[int, ...] = (),
-    ) -> list[Tensor | None]:
-        """A primitive record's cotangents for the inputs in `needed`, given its output's
-        cotangent `g`; those of the inputs in `deferred` computed lazily where their ops
-        allow."""
-        prim, ans, inputs, params = self.prim, self.outputs[0], self.inputs, self.params
-        assert prim is not None  # custom gradients go through _custom_cotangents
-        rules = vjp_arg_rules.get(prim, ())
-        out = []
-        for i in needed:
-            # argument_vjp(prim, i), with its common case (a rule in the table) inline
-            rule = rules[i] if i < len(rules) else None
-            if rule is None:
-                rule = argument_vjp(prim, i)
-            if cacheable:
-                # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
-                # values; when nothing is recording it can be reused by the next pass
-                # over this record (repeated HVPs on one tape).
-                if self.vjp_cache is None:
-                    self.vjp_cache = {}
-                vjp = self.vjp_cache.get(i)
-                if vjp is None:
-                    vjp = self.vjp_cache[i] = rule(ans, *inputs, **params)
-            else:
-                vjp = rule(ans, *inputs, **params)
-            if deferred and i in deferred:
-                with trace.deferring():
-                    out.append(vjp(g))
-            else:
-                out.append(vjp(g))
-        return out
+        # The argnums whose inputs the recording tape watched when it recorded this (a
+        # primitive's record belongs to one tape; a custom gradient's is shared: ()).
+        self.needed = needed
 
     def _custom_cotangents(
         self, gs: list[Tensor | None], needed: tuple[int, ...]
@@ -140,6 +107,11 @@ def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     extra = g.ndim - len(target)
     if extra < 0:
         return broadcast_to(g, target)
+    if extra and g.shape[batch_ndim + extra :] == shape:
+        # only axes in front were added (a bias): their sum has the shape (sum_p directly,
+        # its axes as sum normalizes them: negative, sorted)
+        first = batch_ndim - g.ndim
+        return bind(sum_p, g, axes=tuple(range(first, first + extra)), keepdims=False)
     leading = list(range(batch_ndim, batch_ndim + extra))
     stretched = [
         batch_ndim + extra + i
@@ -148,8 +120,7 @@ def _fit(g: Tensor, shape: tuple[int, ...], batch_ndim: int) -> Tensor:
     ]
     if stretched:
         g = reshape(reduce_sum(g, tuple(leading + stretched), keepdims=True), target)
-    elif leading:  # only axes in front were added (a bias): their sum has the shape
-        # (sum_p directly, its axes as sum normalizes them: negative, sorted)
+    elif leading:  # (and size-1 axes the input has larger: broadcast below)
         g = bind(sum_p, g, axes=tuple([a - g.ndim for a in leading]), keepdims=False)
     return g if g.shape == target else broadcast_to(g, target)
 
@@ -207,6 +178,17 @@ def _accumulate(cts: dict[int, Tensor], key: int, g: Tensor) -> None:
     cts[key] = g if prev is None else prev + g
 
 
+def _arrive(cts: dict[int, Tensor], zero: set[int], x: Tensor, gi: Any, batch_ndim: int) -> None:
+    """An input's cotangent from one record: ZERO marks it, None is nothing, a tensor is
+    fitted to the input's shape (once, as it arrives) and accumulated."""
+    if gi is ZERO:
+        zero.add(id(x))
+    elif gi is not None:
+        if gi.shape[batch_ndim:] != x.shape:
+            gi = _fit(gi, x.shape, batch_ndim)
+        _accumulate(cts, id(x), gi)
+
+
 def backward(
     plan: list,
     targets: list[Tensor],
@@ -235,33 +217,59 @@ def backward(
     cacheable = cache_vjps and not trace.anything_active()
     for rec, needed in plan:
         inputs = rec.inputs
-        if rec.prim is None:  # a custom gradient: several outputs
+        prim = rec.prim
+        if prim is None:  # a custom gradient: several outputs
             gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
             if all(g is None for g in gs):
                 if any(id(o) in zero for o in rec.outputs):
                     zero.update(id(inputs[i]) for i in needed)
                 continue
             cotangents = rec._custom_cotangents(gs, needed)
-        else:  # a primitive: one output
-            out_id = id(rec.outputs[0])
-            g = cts.get(out_id) if out_id in keep else cts.pop(out_id, None)
-            if g is None:
-                if out_id in zero:
-                    zero.update(id(inputs[i]) for i in needed)
-                continue
-            if rec.prim is read_variable_p:  # a variable's read: its cotangent, as is
-                _accumulate(cts, id(inputs[0]), g)
-                continue
-            deferred = tuple(i for i in needed if id(inputs[i]) in keep) if defer_sources else ()
-            cotangents = rec.input_cotangents(g, needed, cacheable, deferred)
-        for i, gi in zip(needed, cotangents, strict=True):
+            for i, gi in zip(needed, cotangents, strict=True):
+                _arrive(cts, zero, inputs[i], gi, batch_ndim)
+            continue
+        # a primitive: one output
+        ans = rec.outputs[0]
+        out_id = id(ans)
+        g = cts.get(out_id) if out_id in keep else cts.pop(out_id, None)
+        if g is None:
+            if out_id in zero:
+                zero.update(id(inputs[i]) for i in needed)
+            continue
+        if prim is read_variable_p:  # a variable's read: its cotangent, as is
+            _accumulate(cts, id(inputs[0]), g)
+            continue
+        # Each needed input's cotangent, from its argument's rule (vjp_arg_rules; others
+        # through argument_vjp), inline: this loop runs once per cotangent of a pass.
+        params = rec.params
+        rules = vjp_arg_rules.get(prim, ())
+        for i in needed:
+            rule = rules[i] if i < len(rules) else None
+            if rule is None:
+                rule = argument_vjp(prim, i)
+            if cacheable:
+                # The outer stage of a rule (masks, cos(x), ...) depends only on recorded
+                # values; when nothing is recording it can be reused by the next pass
+                # over this record (repeated HVPs on one tape).
+                cache = rec.vjp_cache
+                if cache is None:
+                    cache = rec.vjp_cache = {}
+                vjp = cache.get(i)
+                if vjp is None:
+                    vjp = cache[i] = rule(ans, *inputs, **params)
+            else:
+                vjp = rule(ans, *inputs, **params)
             x = inputs[i]
-            if gi is ZERO:
-                zero.add(id(x))
-            elif gi is not None:
-                if gi.shape[batch_ndim:] != x.shape:
-                    gi = _fit(gi, x.shape, batch_ndim)
-                prev = cts.get(id(x))  # (_accumulate, inline: once per cotangent)
+            if defer_sources and id(x) in keep:
+                with trace.deferring():
+                    gi = vjp(g)
+            else:
+                gi = vjp(g)
+            # _arrive, inline for the common case (a cotangent of the input's shape)
+            if gi is ZERO or gi is None or gi.shape[batch_ndim:] != x.shape:
+                _arrive(cts, zero, x, gi, batch_ndim)
+            else:
+                prev = cts.get(id(x))
                 cts[id(x)] = gi if prev is None else prev + gi
     out = {k: cts[k] for k in keep if k in cts}
     if zero & keep:
@@ -301,6 +309,13 @@ class GradientTape:
         self._variables: dict[int, Variable] = {}
         self._plans: dict[tuple, tuple[int, list]] = {}
         self._used = False
+        # The tensors watched as such (watch(), variables at their first read), not as a
+        # record's output; and whether every record's `needed` is still what a plan from
+        # all of them would find (see _plan_for). A custom gradient's record (shared
+        # between tapes, so no `needed` of its own) or a tensor watched after records that
+        # might consume it end that.
+        self._roots: set[int] = set()
+        self._needed_exact = True
         # Set by a transform that reads the gradients' tangents only (tensor.DeferredTensor)
         self._defer_source_primals = False
 
@@ -323,6 +338,13 @@ class GradientTape:
             self._watch(t)
 
     def _watch(self, t: Tensor) -> None:
+        if id(t) not in self._watched:
+            # (a variable at its first read is no input of an earlier primitive record:
+            # bind hands reads to the ops; only custom records take variables, and end
+            # _needed_exact themselves)
+            if self._records and not isinstance(t, Variable):
+                self._needed_exact = False
+            self._roots.add(id(t))
         self._watched[id(t)] = t
         if isinstance(t, Variable):
             self._variables.setdefault(id(t), t)
@@ -352,18 +374,34 @@ class GradientTape:
         self._watched.clear()
         self._variables.clear()
         self._plans.clear()
+        self._roots.clear()
+        self._needed_exact = True
         self._used = False
 
     def _record_primitive(
         self, prim: Primitive, args: tuple[Tensor, ...], params: dict[str, Any], ans: Tensor
     ) -> None:
         watched = self._watched
-        for a in args:
-            if id(a) in watched:
-                if prim not in NONDIFFERENTIABLE:
-                    self._records.append(Record(prim, args, params, (ans,)))
-                    watched[id(ans)] = ans
+        needed: tuple[int, ...]
+        # which inputs are watched: the record's `needed`; one and two inputs spelled out
+        if len(args) == 1:
+            if id(args[0]) not in watched:
                 return
+            needed = _FIRST
+        elif len(args) == 2:
+            if id(args[0]) in watched:
+                needed = _BOTH if id(args[1]) in watched else _FIRST
+            elif id(args[1]) in watched:
+                needed = _SECOND
+            else:
+                return
+        else:
+            needed = tuple([i for i, a in enumerate(args) if id(a) in watched])
+            if not needed:
+                return
+        if prim not in NONDIFFERENTIABLE:
+            self._records.append(Record(prim, args, params, (ans,), None, needed))
+            watched[id(ans)] = ans
 
     def _record_read(self, variable: Variable, r: Tensor) -> None:
         """Link a read of `variable` to it, watching the variable if this tape should."""
@@ -374,12 +412,13 @@ class GradientTape:
             if not (self.watch_accessed_variables and variable.trainable):
                 return
             self._watch(variable)
-        self._records.append(Record(read_variable_p, (variable,), {}, (r,)))
+        self._records.append(Record(read_variable_p, (variable,), {}, (r,), None, _FIRST))
         watched[id(r)] = r
 
     def _record_custom(self, record: Record) -> None:
         watched = self._watched
         if any(id(a) in watched for a in record.inputs):
+            self._needed_exact = False  # (the record is shared: it has no `needed`)
             self._records.append(record)
             for o in record.outputs:
                 watched[id(o)] = o
@@ -397,6 +436,7 @@ class GradientTape:
             self._used = True
             self._records = []  # free the recorded values now
             self._watched = {}
+            self._roots = set()
             self._plans.clear()
 
     def _plan_for(self, targets: list[Tensor], sources: list[Tensor]) -> list:
@@ -404,9 +444,17 @@ class GradientTape:
         cached = self._plans.get(key)
         if cached is not None and cached[0] == len(self._records):
             return cached[1]
-        # A source this tape never watched gets no gradient (None), as in TensorFlow.
-        watched_sources = {i for i in key[1] if i in self._watched}
-        plan = _plan(self._records, set(key[0]), watched_sources)
+        if self._needed_exact and self._roots.issubset(key[1]):
+            # Every record was reached from a root when it was recorded, and every root is
+            # a source: the sources reach every record, each through the inputs its
+            # `needed` names, which is all _plan's forward sweep would find. Records that
+            # lead to no target stay in (its backward sweep pruned them): the backward
+            # pass finds no cotangent for their outputs and passes over them.
+            plan = [(rec, rec.needed) for rec in reversed(self._records)]
+        else:
+            # A source this tape never watched gets no gradient (None), as in TensorFlow.
+            watched_sources = {i for i in key[1] if i in self._watched}
+            plan = _plan(self._records, set(key[0]), watched_sources)
         if self.persistent:
             self._plans[key] = (len(self._records), plan)
         return plan

@@ -359,7 +359,24 @@ def bind(prim: Primitive, *args: Tensor, **params: Any) -> Tensor:
             break
     if trace.defer_primal and prim in DEFERRED_SHAPES:
         return _bind_deferred(prim, args, params)
-    ans = Tensor(_apply(prim, args, params))
+    # _apply, with its one- and two-operand NumPy cases inline (once per op)
+    first = args[0].value
+    if type(first) is np.ndarray and len(args) <= 2:
+        try:
+            if len(args) == 1:
+                out = impl_rules[prim](np, first, **params)
+            else:
+                out = impl_rules[prim](np, first, args[1].value, **params)
+        except ValueError as exc:
+            if type(exc) is not ValueError:  # LinAlgError and friends keep their type
+                raise
+            raise _operand_error(prim, args, exc) from None
+        else:
+            if type(out) is not np.ndarray and isinstance(out, np.generic):
+                out = np.asarray(out)  # NumPy returns scalars from 0-d operations
+        ans = Tensor(out)
+    else:
+        ans = Tensor(_apply(prim, args, params))
     if trace.capture is not None:
         trace.capture.record(prim, args, params, ans)
     if trace.active_tapes:  # recording never changes these lists, so no copies
@@ -384,14 +401,19 @@ def _apply(prim: Primitive, args: tuple[Tensor, ...], params: dict) -> Any:
             out = impl(xp, first, args[1].value, **params)
         else:
             out = impl(xp, *[a.value for a in args], **params)
-    except ValueError as exc:  # NumPy's broadcasting message, with the op's name on it
+    except ValueError as exc:
         if type(exc) is not ValueError:  # LinAlgError and friends keep their type
             raise
-        shapes = " and ".join(str(a.value.shape) for a in args)
-        raise ValueError(f"{prim.name}: {exc} (operand shapes {shapes})") from None
+        raise _operand_error(prim, args, exc) from None
     if type(out) is not np.ndarray and isinstance(out, np.generic):
         out = np.asarray(out)  # NumPy returns scalars from 0-d operations
     return out
+
+
+def _operand_error(prim: Primitive, args: tuple[Tensor, ...], exc: ValueError) -> ValueError:
+    """NumPy's broadcasting message, with the op's name and the operands' shapes on it."""
+    shapes = " and ".join(str(a.value.shape) for a in args)
+    return ValueError(f"{prim.name}: {exc} (operand shapes {shapes})")
 
 
 def _bind_deferred(prim: Primitive, args: tuple[Tensor, ...], params: dict) -> Tensor:

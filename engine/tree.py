@@ -39,7 +39,14 @@ def _walk(node: Any, leaves: list[Any]) -> TreeDef:
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return ("namedtuple", type(node), tuple([_walk(child, leaves) for child in node]))
     kind = "list" if isinstance(node, list) else "tuple"
-    return (kind, tuple([_walk(child, leaves) for child in node]))
+    children = []
+    for child in node:  # (leaves inline: a list of tensors is the usual structure)
+        if isinstance(child, (dict, list, tuple)):
+            children.append(_walk(child, leaves))
+        else:
+            leaves.append(child)
+            children.append(_LEAF)
+    return (kind, tuple(children))
 
 
 def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
@@ -53,5 +60,5 @@ def _build(d: TreeDef, it: Iterator[Any]) -> Any:
         return {k: _build(c, it) for k, c in zip(d[1], d[2], strict=True)}
     if d[0] == "namedtuple":
         return d[1](*[_build(c, it) for c in d[2]])
-    children = [_build(c, it) for c in d[1]]
+    children = [next(it) if c[0] == "leaf" else _build(c, it) for c in d[1]]
     return children if d[0] == "list" else tuple(children)

@@ -17,7 +17,8 @@ class FlatOperator:
     """A HessianOperator seen as an n x n matrix on flat vectors.
 
     `matvec(V)` with V of shape (K, n) splits each row into the primals' shapes, casts
-    to their dtype and device, runs one `hvp_many` pass and returns H @ V as (K, n) on
+    to their dtype and device, runs one `hvp_many` pass (`hvp` for K = 1: the direct
+    product's pass, with no batch axis) and returns H @ V as (K, n) on
     the host, in V's float dtype (float64 for anything else). Rows already in the
     primals' dtype (on the host) are not copied: each primal's block is a view of V.
     `linear_operator()` is the operator as SciPy's LinearOperator in the primals' dtype
@@ -33,6 +34,9 @@ class FlatOperator:
         self.sizes = [math.prod(s) for s in self.shapes]
         self.offsets = np.cumsum([0, *self.sizes])
         self.n = int(self.offsets[-1])
+        self._layout = list(
+            zip(self.primals, self.shapes, self.offsets[:-1].tolist(), self.sizes, strict=True)
+        )
 
     @property
     def max_batch(self) -> int | None:
@@ -40,24 +44,42 @@ class FlatOperator:
         return self.operator.max_batch
 
     def matvec(self, vectors: np.ndarray) -> np.ndarray:
-        """H @ V for V of shape (K, n), in one batched HVP pass."""
+        """H @ V for V of shape (K, n), in one HVP pass."""
         vectors = np.asarray(vectors)
         if vectors.dtype.kind != "f":
             vectors = vectors.astype(np.float64)
         if vectors.ndim != 2 or vectors.shape[1] != self.n:
             raise ValueError(f"matvec: expected shape (K, {self.n}), got {vectors.shape}")
         k = vectors.shape[0]
-        parts = []
-        for p, shape, lo, size in zip(
-            self.primals, self.shapes, self.offsets[:-1], self.sizes, strict=True
-        ):
-            block = vectors[:, lo : lo + size].reshape((k, *shape))
-            parts.append(Tensor(backend.asarray(block, p.dtype, p.device)))
-        products = tree.flatten(self.operator.hvp_many(*tree.unflatten(self._treedef, parts)))[0]
-        out = np.empty((k, self.n), dtype=vectors.dtype)
-        for product, lo, size in zip(products, self.offsets[:-1], self.sizes, strict=True):
-            out[:, lo : lo + size] = product.numpy().reshape(k, size)
-        return out
+        if k == 1:
+            # One vector (what SciPy's solvers ask): the operator's single product, whose
+            # pass has no batch axis (its GEMMs are plain matrix products) and is the one
+            # direct `hvp` calls replay.
+            row = vectors[0]
+            blocks = [
+                self._block(row[lo : lo + size].reshape(shape), p)
+                for p, shape, lo, size in self._layout
+            ]
+            answer = self.operator.hvp(*tree.unflatten(self._treedef, blocks))
+        else:
+            blocks = [
+                self._block(vectors[:, lo : lo + size].reshape((k, *shape)), p)
+                for p, shape, lo, size in self._layout
+            ]
+            answer = self.operator.hvp_many(*tree.unflatten(self._treedef, blocks))
+        products = tree.flatten(answer)[0]
+        if not products:
+            return np.empty((k, 0), dtype=vectors.dtype)
+        # one copy into the answer (and its cast, for float64 rows over float32 primals)
+        return np.concatenate(
+            [product.numpy().reshape(k, -1) for product in products], axis=1, dtype=vectors.dtype
+        )
+
+    @staticmethod
+    def _block(block: np.ndarray, primal: Tensor) -> Tensor:
+        """A primal's block of the rows, in its dtype and on its device: a view of the
+        rows when they are host arrays of that dtype already."""
+        return Tensor(backend.asarray(block, primal.dtype, primal.device))
 
     @property
     def dtype(self) -> np.dtype:

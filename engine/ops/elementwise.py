@@ -71,21 +71,25 @@ def _mask(condition: Tensor, dtype: Any) -> Tensor:
     return cast(condition, dtype)
 
 
-Partial = Callable[..., Any] | None
+Partial = Callable[..., Any] | int | None
 
 
 def defpartials(prim: Primitive, *partials: Partial) -> None:
     """An elementwise primitive's rules from its partial derivatives, one per argument:
     `partial(ans, *args, **params)` -> d ans / d arg, an engine tensor (broadcasting
-    against the output) or a number, or None for an argument with no derivative (a
-    condition). The VJP is g * partial (computed in the rule's outer stage, so every
-    later pass reuses it; the tape sums broadcast axes down), the JVP the sum of
-    t_i * partial_i; written in engine ops, the partials differentiate again: second
-    and higher orders follow."""
+    against the output) or a number; a constant number (add's 1, subtract's -1) in
+    place of the function; or None for an argument with no derivative (a condition).
+    The VJP is g * partial (computed in the rule's outer stage, so every later pass
+    reuses it; the tape sums broadcast axes down), the JVP the sum of t_i * partial_i;
+    written in engine ops, the partials differentiate again: second and higher orders
+    follow."""
 
     def vjp(partial: Partial) -> Any:
         if partial is None:
             return None
+        if isinstance(partial, int):  # a constant: one VJP for every record
+            times = _times(partial)
+            return lambda ans, *args, **params: times
         return lambda ans, *args, **params: _times(partial(ans, *args, **params))
 
     def jvp(t: list, ans: Tensor, *args: Tensor, **params: Any) -> Tensor | None:
@@ -95,17 +99,26 @@ def defpartials(prim: Primitive, *partials: Partial) -> None:
                 continue
             if partial is None:
                 raise MissingRuleError(f"no derivative for argument {i} of '{prim.name}'")
-            terms.append(_times(partial(ans, *args, **params))(tangent))
+            slope = partial if isinstance(partial, int) else partial(ans, *args, **params)
+            terms.append(_times(slope)(tangent))
         return _tsum(*terms)
 
     defvjp(prim, *(vjp(p) for p in partials))
     defjvp(prim, jvp)
 
 
+def _same(v: Tensor) -> Tensor:
+    return v
+
+
+def _negated(v: Tensor) -> Tensor:
+    return negative(v)  # (negative is declared below)
+
+
 def _times(slope: Any) -> Callable[[Tensor], Tensor]:
     """v -> v * slope, with the constant slopes of add and subtract (1, -1) free."""
     if isinstance(slope, (int, float)) and slope in (1, -1):
-        return (lambda v: v) if slope == 1 else negative
+        return _same if slope == 1 else _negated
     return lambda v: multiply(v, slope)
 
 
@@ -115,7 +128,7 @@ def _times(slope: Any) -> Callable[[Tensor], Tensor]:
 
 # ---- add ----
 add_p = primitive("add", lambda xp, x, y: x + y, broadcasting=True)
-defpartials(add_p, lambda ans, x, y: 1, lambda ans, x, y: 1)
+defpartials(add_p, 1, 1)
 
 
 @public("arithmetic", shape_rule=binary("numeric"))
@@ -126,7 +139,7 @@ def add(x: Any, y: Any) -> Tensor:
 
 # ---- subtract ----
 subtract_p = primitive("subtract", lambda xp, x, y: x - y, broadcasting=True)
-defpartials(subtract_p, lambda ans, x, y: 1, lambda ans, x, y: -1)
+defpartials(subtract_p, 1, -1)
 
 
 @public("arithmetic", shape_rule=binary("numeric"))
@@ -281,7 +294,7 @@ def minimum(x: Any, y: Any) -> Tensor:
 
 # ---- negative ----
 negative_p = primitive("negative", lambda xp, x: -x)
-defpartials(negative_p, lambda ans, x: -1)
+defpartials(negative_p, -1)
 
 
 @public("math", shape_rule=unary("numeric"))
@@ -475,10 +488,45 @@ def cos(x: Any) -> Tensor:
 # ---- tanh ----
 # A primitive rather than a composite of exp: one kernel forward, and the derivative
 # 1 - tanh(x)**2 reuses the output instead of recomputing exponentials.
+# Its VJP is a primitive of its own, tanh_grad(g, y) = g * (1 - y * y) with y = tanh(x)
+# (TensorFlow's TanhGrad): one op where y * y, 1 - that and g * it were three, and a
+# gradient is mostly asked once (a training step). A VJP kept for later passes over the
+# same record (repeated HVPs on one tape: tape.Record.vjp_cache) makes the slope
+# 1 - y * y once, at its second call, and multiplies by it from then on. Both are the
+# same NumPy operations in the same order: the same bits.
 tanh_p = primitive("tanh", lambda xp, x: xp.tanh(x))
+tanh_grad_p = primitive("tanh_grad", lambda xp, g, y: g * (1 - y * y), broadcasting=True)
 
 
-defpartials(tanh_p, lambda ans, x: subtract(1, multiply(ans, ans)))
+def _tanh_slope(y: Tensor) -> Tensor:
+    return subtract(1, multiply(y, y))
+
+
+def _tanh_vjp(y: Tensor) -> Callable[[Tensor], Tensor]:
+    """g -> g * (1 - y * y): fused on the first call, by the cached slope after it."""
+    slope: Tensor | None = None
+    called = False
+
+    def vjp(g: Tensor) -> Tensor:
+        nonlocal slope, called
+        if not called:
+            called = True
+            return bind(tanh_grad_p, g, y)
+        if slope is None:
+            slope = _tanh_slope(y)
+        return multiply(g, slope)
+
+    return vjp
+
+
+defvjp(tanh_p, lambda ans, x: _tanh_vjp(ans))
+defjvp(tanh_p, lambda t, ans, x: multiply(t[0], _tanh_slope(ans)))
+# d/dg = 1 - y * y, d/dy = -2 g y: the second and higher orders of tanh
+defpartials(
+    tanh_grad_p,
+    lambda ans, g, y: _tanh_slope(y),
+    lambda ans, g, y: multiply(multiply(g, y), -2.0),
+)
 
 
 @public("activation", shape_rule=unary("float"))
@@ -609,7 +657,7 @@ def erf(x: Any) -> Tensor:
 
 # ---- identity ----
 identity_p = primitive("identity", lambda xp, x: x)
-defpartials(identity_p, lambda ans, x: 1)
+defpartials(identity_p, 1)
 
 
 @public("math", shape_rule=unary("any"))
