@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace, tree
+from engine.ops import conv
 from engine.registry import BROADCASTING, ZERO, get_vjp, impl_rules
 from engine.tape import GradientTape, Record, _plan
 from engine.tensor import Tensor, as_tensor
@@ -474,16 +475,19 @@ class PerExample:
         recorded: tuple[GradientTape, Tensor, list[Tensor]] | None = None,
     ):
         """`recorded`: (tape, output, watched data) of a forward already recorded with
-        the parameters and the floating-point data watched (a Curvature's); else the
-        forward runs once more on such a tape here."""
+        the parameters and the floating-point data watched (a Curvature's); else (or
+        when that forward has convolutions) the forward runs once more on such a tape
+        here."""
         self.flat, self.treedef = flat, treedef
-        if recorded is not None:
+        if recorded is not None and not any(r.prim is conv.conv_p for r in recorded[0]._records):
             self.tape, self.output, watched = recorded
         else:
+            # Convolutions recorded as im2col and a matmul, which the walk reads as a
+            # parameter meeting the data (the conv primitives' records it cannot).
             leaves, data_def = tree.flatten(data)
             inputs = [None if x is None else as_tensor(x) for x in leaves]
             self.tape = GradientTape(persistent=True, watch_accessed_variables=False)
-            with self.tape:
+            with self.tape, conv.unfused():
                 self.tape.watch(flat)
                 watched = [x for x in inputs if x is not None and x.dtype.kind == "f"]
                 self.tape.watch(watched)

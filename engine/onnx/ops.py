@@ -459,7 +459,7 @@ def _dropout(ins, attrs, opset):
 
 
 # ----------------------------------------------------------------------------------------
-# Convolution and pooling (the engine's conv, max_pool, avg_pool: im2col + GEMM)
+# Convolution and pooling (the engine's conv, max_pool, avg_pool: windows and GEMMs)
 # ----------------------------------------------------------------------------------------
 
 

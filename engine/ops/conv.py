@@ -1,12 +1,16 @@
 """Convolution and pooling, N-d, in ONNX's (and PyTorch's) channels-first layout.
 
-Two linear primitives carry everything: `im2col` gathers the sliding windows of the
-last axes into new axes (a strided view, copied once), and `col2im` adds windows back
-into place (its transpose). Each is the other's VJP, so derivatives of any order are
-plain engine ops. Convolution is then one GEMM per group (`matmul`), average pooling a
-sum, max pooling a `max`, all composites whose rules come from their parts. Every
-leading axis is left alone by both primitives, so batched cotangents and tangents
-(jacobians, K-vector HVPs) go through in one pass.
+Convolution is three bilinear primitives closed under differentiation (the block "conv:
+three bilinear primitives" below): the convolution, its transpose in the input (the
+input's cotangent: for stride 1 a convolution of the cotangent with the flipped kernel,
+for other strides a GEMM and a col2im) and its transpose in the kernel (the kernel's
+cotangent), all GEMMs over windows gathered once into the GEMM's layout. Pooling is
+built from two linear primitives: `im2col` gathers the sliding windows of the last axes
+into new axes (a strided view, copied once), and `col2im` adds windows back into place
+(its transpose); each is the other's VJP, so derivatives of any order are plain engine
+ops; average pooling is a sum, max pooling a `max`. Every leading axis passes through
+all of them (broadcast between the two operands of a convolution), so batched
+cotangents and tangents (jacobians, K-vector HVPs) go through in one pass.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import builtins
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 from engine import backend
@@ -24,8 +30,17 @@ from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
 from engine.ops.reduce import max_p, sum_p
 from engine.ops.shape import reshape, transpose
-from engine.registry import defjvp, defvjp, primitive, public
-from engine.shapes import RuleError, TensorType, checked, concrete, like, pair, require
+from engine.registry import DEFERRED_SHAPES, defjvp, defnondiff, defvjp, primitive, public
+from engine.shapes import (
+    RuleError,
+    TensorType,
+    broadcast,
+    checked,
+    concrete,
+    like,
+    pair,
+    require,
+)
 from engine.tensor import Tensor, as_tensor, bind, pass_constant
 
 Pads = tuple[tuple[int, int], ...]
@@ -124,6 +139,349 @@ defvjp(im2col_p, im2col_vjp)
 defjvp(im2col_p, lambda t, ans, x, *, value, **window: bind(im2col_p, t[0], value=0.0, **window))
 defvjp(col2im_p, col2im_vjp)
 defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
+
+
+# ---- conv: three bilinear primitives, each the others' derivatives ----
+# conv_p(x, w) = A_w x, the cross-correlation; conv_input_p(g, w) = A_w^T g, its
+# transpose in x (x's cotangent); conv_weight_p(x, g) = B_x^T g, its transpose in w (w's
+# cotangent; B_x w = A_w x). Every derivative of one is another of the three (JAX's
+# conv_general_dilated transpose rules, PyTorch's convolution_backward), so rules of any
+# order are these ops:
+#   conv         VJP x: conv_input(g, w)   VJP w: conv_weight(x, g)   JVP: A(tx, w) + A(x, tw)
+#   conv_input   VJP g: conv(h, w)         VJP w: conv_weight(h, g)   (JVPs alike: bilinear)
+#   conv_weight  VJP x: conv_input(g, h)   VJP g: conv(x, h)
+# Why not im2col + matmul (as pooling is): the windows are gathered straight into the
+# GEMM's layout (*lead, G, C/G * K, N * P) (one copy, not a copy and a transposing copy),
+# and for stride 1 x's cotangent is itself a convolution, of the padded cotangent with the
+# flipped, channel-swapped kernel: one window copy and the same GEMM instead of a col2im
+# (a zeros buffer and one strided add per kernel cell; on the host a few images at a
+# time, see _conv_in_chunks). x's windows are a separate, nondifferentiable op
+# (`gather_p`) whose result conv and conv_weight take as a last operand: the forward's
+# windows serve the kernel's cotangent, and the JVPs' terms reuse them (in a replayed HVP
+# at a fixed point they are computed once). Leading axes of either operand
+# (batched tangents and cotangents) broadcast against each other in the GEMM; results
+# are views (*lead, N, C, *spatial) of GEMM-ordered memory.
+def _lead(a: Any, nd: int) -> tuple:
+    return a.shape[: a.ndim - nd - 2]
+
+
+def _gather_impl(
+    xp: Any, x: Any, *, kernel: tuple, strides: tuple, pads: Pads, dilations: tuple, groups: int
+) -> Any:
+    """x (*lead, N, C, *spatial) -> windows (*lead, G, C/G * K, N * P). A negative pad
+    crops (the transposed convolution's, for pads wider than the kernel)."""
+    nd = len(kernel)
+    lead = _lead(x, nd)
+    n, c = x.shape[len(lead) : len(lead) + 2]
+    x = x.swapaxes(-nd - 2, -nd - 1)  # (*lead, C, N, *spatial): N beside the windows
+    if any(lo < 0 or hi < 0 for lo, hi in pads):
+        x = x[
+            (
+                Ellipsis,
+                *(slice(max(0, -lo), m - max(0, -hi)) for (lo, hi), m in zip(pads, x.shape[-nd:])),
+            )
+        ]
+    grow = tuple((max(0, lo), max(0, hi)) for lo, hi in pads)
+    if any(lo or hi for lo, hi in grow):
+        inner = x.shape[-nd:]
+        buf = xp.zeros(
+            x.shape[:-nd] + tuple(m + lo + hi for m, (lo, hi) in zip(inner, grow)), x.dtype
+        )
+        buf[(Ellipsis, *(slice(lo, lo + m) for (lo, _), m in zip(grow, inner)))] = x
+        x = buf
+    out = tuple(
+        (m - d * (k - 1) - 1) // s + 1
+        for m, k, s, d in zip(x.shape[-nd:], kernel, strides, dilations)
+    )
+    if any(o < 1 for o in out):
+        raise ValueError(f"gather: a window of {kernel} does not fit {x.shape[-nd:]}")
+    st = x.strides
+    view = xp.lib.stride_tricks.as_strided(
+        x,
+        lead + (c,) + kernel + (n,) + out,
+        st[: len(lead) + 1]
+        + tuple(t * d for t, d in zip(st[-nd:], dilations))
+        + (st[-nd - 1],)
+        + tuple(t * s for t, s in zip(st[-nd:], strides)),
+    )
+    cols = xp.ascontiguousarray(view)  # (*lead, C, *kernel, N, *out): the one copy
+    return cols.reshape(lead + (groups, -1, n * math.prod(out)))
+
+
+def _rows(g: Any, nd: int, groups: int) -> Any:
+    """An output-shaped g (*lead, N, O, *out) -> (*lead, G, O/G, N * P), copied only when
+    its memory is not in that order already (a conv's own result is)."""
+    lead = _lead(g, nd)
+    n, o = g.shape[len(lead) : len(lead) + 2]
+    g = g.swapaxes(-nd - 2, -nd - 1)
+    return g.reshape(lead + (groups, o // groups, n * math.prod(g.shape[-nd:])))
+
+
+def _unrows(y: Any, n: int, spatial: tuple) -> Any:
+    """(*lead, G, C/G, N * P) -> a view (*lead, N, C, *spatial)."""
+    y = y.reshape(y.shape[:-3] + (y.shape[-3] * y.shape[-2], n) + tuple(spatial))
+    return y.swapaxes(-len(spatial) - 2, -len(spatial) - 1)
+
+
+def _conv_impl(
+    xp: Any,
+    x: Any,
+    w: Any,
+    cols: Any,
+    *,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+) -> Any:
+    nd = len(strides)
+    kernel, o = w.shape[-nd:], w.shape[-nd - 2]
+    out = tuple(
+        _out_size(m, k, s, lo, hi, d)
+        for m, k, s, (lo, hi), d in zip(x.shape[-nd:], kernel, strides, pads, dilations)
+    )
+    wm = w.reshape(_lead(w, nd) + (groups, o // groups, -1))
+    return _unrows(xp.matmul(wm, cols), x.shape[-nd - 2], out)
+
+
+def _conv_input_impl(
+    xp: Any,
+    g: Any,
+    w: Any,
+    *,
+    spatial: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+) -> Any:
+    nd = len(strides)
+    kernel, (o, cg) = w.shape[-nd:], w.shape[-nd - 2 : -nd]
+    lw, n = _lead(w, nd), g.shape[-nd - 2]
+    expected = tuple(
+        _out_size(m, k, s, lo, hi, d)
+        for m, k, s, (lo, hi), d in zip(spatial, kernel, strides, pads, dilations)
+    )
+    if g.shape[-nd:] != expected or g.shape[-nd - 1] != o:
+        raise ValueError(f"conv_input: cotangent {g.shape} does not fit weight {w.shape}")
+    if all(s == 1 for s in strides):
+        # A convolution of g, padded so that every window that read a cell of x is seen
+        # (_transposed_pads), with the kernel flipped and its channel axes swapped.
+        flip = (Ellipsis,) + (slice(None, None, -1),) * nd
+        wg = w.reshape(lw + (groups, o // groups, cg) + kernel)[flip]
+        wt = xp.ascontiguousarray(wg.swapaxes(-nd - 2, -nd - 1)).reshape(lw + (groups, cg, -1))
+        tpads = _transposed_pads(kernel, pads, dilations)
+        if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
+            images = g.reshape((-1,) + g.shape[-nd - 1 :])
+            dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups)
+            return dx.reshape(g.shape[: g.ndim - nd - 1] + (groups * cg,) + tuple(spatial))
+        cols = _gather_impl(  # (*lg, G, O/G * K, N * P)
+            xp, g, kernel=kernel, strides=strides, pads=tpads, dilations=dilations, groups=groups
+        )
+        return _unrows(xp.matmul(wt, cols), n, spatial)
+    # Strided: the windows' cotangents (W^T g), added back into place.
+    wm = w.reshape(lw + (groups, o // groups, -1))
+    windows = xp.matmul(wm.swapaxes(-1, -2), _rows(g, nd, groups))  # (*L, G, C/G*K, N*P)
+    windows = windows.reshape(windows.shape[:-3] + (groups * cg,) + kernel + (n,) + expected)
+    windows = xp.moveaxis(windows, -nd - 1, -2 * nd - 2)  # (*L, N, C, *kernel, *out): a view
+    return _col2im_impl(
+        xp, windows, spatial=spatial, kernel=kernel, strides=strides, pads=pads, dilations=dilations
+    )
+
+
+# On the host, the stride-1 input cotangent gathers the windows of a few images at a time
+# into a buffer the size of a cache (CHUNK_BYTES) and multiplies them there, writing each
+# image's result in place: the windows never go to memory and back (for 16 channels on
+# 32 x 32 that nearly halves its time; measured in bench/RESULTS.md, "Convolution as three
+# primitives"). On a GPU, one gather of everything and one batched GEMM.
+CHUNK_BYTES = 1 << 20
+
+
+def _conv_in_chunks(
+    xp: Any, x: Any, wm: Any, kernel: tuple, pads: Pads, dilations: tuple, groups: int
+) -> Any:
+    """A stride-1 convolution of images x (M, C, *spatial) with wm (G, O/G, C/G * K),
+    as (M, O, *out), contiguous. A negative pad crops."""
+    if any(lo < 0 or hi < 0 for lo, hi in pads):
+        crop = (slice(max(0, -lo), m - max(0, -hi)) for (lo, hi), m in zip(pads, x.shape[2:]))
+        x = x[(Ellipsis, *crop)]
+        pads = tuple((max(0, lo), max(0, hi)) for lo, hi in pads)
+    m_all, c, inner = x.shape[0], x.shape[1], x.shape[2:]
+    padded = tuple(m + lo + hi for m, (lo, hi) in zip(inner, pads))
+    out = tuple(m - d * (k - 1) for m, k, d in zip(padded, kernel, dilations))
+    p, ck, o = math.prod(out), wm.shape[-1], wm.shape[-3] * wm.shape[-2]
+    per_chunk = builtins.max(
+        1, CHUNK_BYTES // builtins.max(1, c * math.prod(kernel) * p * x.itemsize)
+    )
+    y = xp.empty((m_all, o) + out, dtype=x.dtype)
+    buf = xp.zeros((builtins.min(per_chunk, m_all), c) + padded, dtype=x.dtype)  # pads stay 0
+    cols = xp.empty(buf.shape[:2] + kernel + out, dtype=x.dtype)
+    interior = tuple(slice(lo, lo + m) for (lo, _), m in zip(pads, inner))
+    st = buf.strides
+    windows = xp.lib.stride_tricks.as_strided(
+        buf, cols.shape, st[:2] + tuple(t * d for t, d in zip(st[2:], dilations)) + st[2:]
+    )
+    for m0 in range(0, m_all, per_chunk):
+        mc = builtins.min(per_chunk, m_all - m0)
+        buf[(slice(0, mc), slice(None), *interior)] = x[m0 : m0 + mc]
+        xp.copyto(cols[:mc], windows[:mc])
+        xp.matmul(
+            wm,
+            cols[:mc].reshape(mc, groups, ck, p),
+            out=y[m0 : m0 + mc].reshape(mc, groups, o // groups, p),
+        )
+    return y
+
+
+def _conv_weight_impl(
+    xp: Any,
+    x: Any,
+    g: Any,
+    cols: Any,
+    *,
+    kernel: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+) -> Any:
+    nd = len(kernel)
+    dw = xp.matmul(_rows(g, nd, groups), cols.swapaxes(-1, -2))  # (*L, G, O/G, C/G * K)
+    o, c = g.shape[-nd - 1], x.shape[-nd - 1]
+    return dw.reshape(dw.shape[:-3] + (o, c // groups) + tuple(kernel))
+
+
+gather_p = primitive("conv_gather", _gather_impl)
+defnondiff(gather_p)  # a hint: every rule below differentiates the op that takes it
+conv_p = primitive("conv", _conv_impl)
+conv_input_p = primitive("conv_input", _conv_input_impl)
+conv_weight_p = primitive("conv_weight", _conv_weight_impl)
+
+
+def _transposed_pads(kernel: tuple, pads: Pads, dilations: tuple) -> Pads:
+    """The pads of g whose stride-1 windows are x's cells' (negative: a crop)."""
+    return tuple(
+        (d * (k - 1) - lo, d * (k - 1) - hi) for k, d, (lo, hi) in zip(kernel, dilations, pads)
+    )
+
+
+def _conv(x: Tensor, w: Tensor, cols: Tensor | None = None, **window: Any) -> Tensor:
+    if cols is None:
+        kernel = w.shape[w.ndim - len(window["strides"]) :]
+        cols = bind(gather_p, x, kernel=kernel, **window)
+    return bind(conv_p, x, w, cols, **window)
+
+
+def _conv_input(g: Tensor, w: Tensor, spatial: tuple, **window: Any) -> Tensor:
+    return bind(conv_input_p, g, w, spatial=spatial, **window)
+
+
+def _conv_weight(
+    x: Tensor, g: Tensor, kernel: tuple, cols: Tensor | None = None, **window: Any
+) -> Tensor:
+    if cols is None:
+        cols = bind(gather_p, x, kernel=kernel, **window)
+    return bind(conv_weight_p, x, g, cols, kernel=kernel, **window)
+
+
+def _lifted(t: Tensor, primal: Tensor, ans: Tensor, nd: int) -> Tensor:
+    """A tangent (*batch, *primal.shape) given size-1 axes after its batch axes where its
+    primal has fewer leading axes than the result, so the other operand's leading axes
+    line up with the result's in the GEMM."""
+    extra = (ans.ndim - nd - 2) - (primal.ndim - nd - 2)
+    if extra <= 0:
+        return t
+    return reshape(t, t.shape[: t.ndim - primal.ndim] + (1,) * extra + primal.shape)
+
+
+def _spatial(a: Tensor, nd: int) -> tuple:
+    return a.shape[a.ndim - nd :]
+
+
+def conv_vjp_x(ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window: Any) -> Any:
+    return lambda g: _conv_input(g, w, _spatial(x, len(window["strides"])), **window)
+
+
+def conv_vjp_w(ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window: Any) -> Any:
+    kernel = _spatial(w, len(window["strides"]))
+    return lambda g: _conv_weight(x, g, kernel, cols, **window)
+
+
+def conv_jvp(t: list, ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window: Any) -> Tensor:
+    nd = len(window["strides"])
+    terms = []
+    if t[0] is not None:
+        terms.append(_conv(_lifted(t[0], x, ans, nd), w, **window))
+    if t[1] is not None:
+        terms.append(_conv(x, _lifted(t[1], w, ans, nd), cols, **window))
+    return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
+
+
+def conv_input_vjp_g(ans: Tensor, g: Tensor, w: Tensor, **params: Any) -> Any:
+    window = {k: v for k, v in params.items() if k != "spatial"}
+    return lambda h: _conv(h, w, **window)
+
+
+def conv_input_vjp_w(ans: Tensor, g: Tensor, w: Tensor, **params: Any) -> Any:
+    window = {k: v for k, v in params.items() if k != "spatial"}
+    kernel = _spatial(w, len(window["strides"]))
+    return lambda h: _conv_weight(h, g, kernel, **window)
+
+
+def conv_input_jvp(t: list, ans: Tensor, g: Tensor, w: Tensor, **params: Any) -> Tensor:
+    window = {k: v for k, v in params.items() if k != "spatial"}
+    spatial, nd = params["spatial"], len(window["strides"])
+    terms = []
+    if t[0] is not None:
+        terms.append(_conv_input(_lifted(t[0], g, ans, nd), w, spatial, **window))
+    if t[1] is not None:
+        tw = _lifted(t[1], w, ans, nd)
+        terms.append(_conv_input(g, tw, spatial, **window))
+    return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
+
+
+def conv_weight_vjp_x(
+    ans: Tensor, x: Tensor, g: Tensor, cols: Tensor, *, kernel: tuple, **window: Any
+) -> Any:
+    return lambda h: _conv_input(g, h, _spatial(x, len(kernel)), **window)
+
+
+def conv_weight_vjp_g(
+    ans: Tensor, x: Tensor, g: Tensor, cols: Tensor, *, kernel: tuple, **window: Any
+) -> Any:
+    return lambda h: _conv(x, h, cols, **window)
+
+
+def conv_weight_jvp(
+    t: list, ans: Tensor, x: Tensor, g: Tensor, cols: Tensor, *, kernel: tuple, **window: Any
+) -> Tensor:
+    nd = len(kernel)
+    terms = []
+    if t[0] is not None:
+        terms.append(_conv_weight(_lifted(t[0], x, ans, nd), g, kernel, **window))
+    if t[1] is not None:
+        terms.append(_conv_weight(x, _lifted(t[1], g, ans, nd), kernel, cols, **window))
+    return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
+
+
+defvjp(conv_p, conv_vjp_x, conv_vjp_w)
+defjvp(conv_p, conv_jvp)
+defvjp(conv_input_p, conv_input_vjp_g, conv_input_vjp_w)
+defjvp(conv_input_p, conv_input_jvp)
+defvjp(conv_weight_p, conv_weight_vjp_x, conv_weight_vjp_g)
+defjvp(conv_weight_p, conv_weight_jvp)
+
+
+def _conv_weight_shape(
+    x: Tensor, g: Tensor, cols: Tensor, *, kernel: tuple, groups: int, **_: Any
+) -> tuple:
+    nd = len(kernel)
+    lead = broadcast(_lead(x, nd), _lead(g, nd))
+    return lead + (g.shape[-nd - 1], x.shape[-nd - 1] // groups) + tuple(kernel)
+
+
+# A gradient wanted only for its tangent (a fresh HVP) leaves the kernels' products unrun.
+DEFERRED_SHAPES[conv_weight_p] = _conv_weight_shape
 
 
 # ---- shapes: shared by the wrappers and the shape rules ----
@@ -299,7 +657,7 @@ def pool_shape(
     )
 
 
-# ---- conv: im2col, then one GEMM per group ----
+# ---- conv: the public op (the primitives above) ----
 CONV = {"strides": "window?", "pads": "pads", "dilations": "window?", "groups": "int"}
 
 
@@ -354,16 +712,42 @@ def conv(
         dilations,
         groups,
     )
+    window = {"strides": strides, "pads": pads, "dilations": dilations, "groups": groups}
+    if _unfused.get():
+        y = _conv_unfused(x, w, shape, **window)
+    else:
+        y = _conv(x, w, **window)
+    if b is not None:
+        y = add(y, reshape(b, (shape[1],) + (1,) * (len(shape) - 2)))
+    return y
+
+
+# The per-example machinery (engine/per_example.py: per-example gradients, KFAC, Laplace)
+# reads a recorded model's layers as matrix products of a parameter and the data; it
+# records the model once more with convolutions as im2col + matmul, which it can read.
+_unfused: ContextVar[bool] = ContextVar("conv_unfused", default=False)
+
+
+@contextmanager
+def unfused() -> Iterator[None]:
+    """Within: conv records im2col, a GEMM per group and the layout moves between them
+    (the same values as conv_p's, to rounding), instead of the conv primitives."""
+    token = _unfused.set(True)
+    try:
+        yield
+    finally:
+        _unfused.reset(token)
+
+
+def _conv_unfused(
+    x: Tensor, w: Tensor, shape: tuple, *, strides: tuple, pads: Pads, dilations: tuple, groups: int
+) -> Tensor:
     n, (o, cg), kernel, out = x.shape[0], w.shape[:2], w.shape[2:], shape[2:]
-    nd = len(kernel)
     g, og, p, ck = groups, o // groups, math.prod(out), cg * math.prod(kernel)
     patches = _im2col(x, kernel, strides, pads, dilations, 0.0)  # [N, C, *kernel, *out]
     cols = reshape(transpose(reshape(patches, (n, g, ck, p)), (1, 2, 0, 3)), (g, ck, n * p))
     y = bind(matmul_p, reshape(w, (g, og, ck)), cols)  # [G, Og, N*P]: a GEMM per group
-    y = reshape(transpose(reshape(y, (g, og, n, p)), (2, 0, 1, 3)), shape)
-    if b is not None:
-        y = add(y, reshape(b, (o,) + (1,) * nd))
-    return y
+    return reshape(transpose(reshape(y, (g, og, n, p)), (2, 0, 1, 3)), shape)
 
 
 # ---- pooling over the last len(kernel_shape) axes ----
