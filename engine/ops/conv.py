@@ -1,7 +1,7 @@
 """Convolution and pooling, N-d, in ONNX's (and PyTorch's) channels-first layout.
 
-Convolution is three bilinear primitives closed under differentiation (the block "conv:
-three bilinear primitives" below): the convolution, its transpose in the input (the
+Convolution is three bilinear primitives closed under differentiation (the block headed
+"conv: three bilinear primitives", further down): the convolution, its transpose in the input (the
 input's cotangent: for stride 1 a convolution of the cotangent with the flipped kernel,
 for other strides a GEMM and a col2im) and its transpose in the kernel (the kernel's
 cotangent), all GEMMs over windows gathered once into the GEMM's layout. Pooling is
