@@ -512,10 +512,20 @@ def _c_contiguous(x: Any) -> bool:
 
 def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
     g, x = operands
-    if params["alpha"] != 0 or isinstance(g, np.ndarray) or not isinstance(x, np.ndarray):
+    if params["alpha"] != 0 or isinstance(g, np.ndarray):
         return None
+    if not isinstance(x, np.ndarray):
+        # the impl's g * (x > 0), its product into the buffer (in place into a dying g:
+        # one pass over g and x, no float mask, no fresh full-size result)
+        greater, multiply = np.greater, np.multiply
+        return lambda g_, x_, out: multiply(g_, greater(x_, 0), out)
     mask = (x > 0).astype(value.dtype)  # made once: x is a recorded value
     return lambda g, x_, out: np.multiply(g, mask, out)
+
+
+def _relu_form(params: dict, operands: list, value: Any) -> Any:
+    maximum = np.maximum  # the impl's maximum(x, 0), into a buffer or a dying x
+    return lambda x, out: maximum(x, 0, out)
 
 
 def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
@@ -535,10 +545,11 @@ _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
     **{name: _ufunc_form(fn) for name, fn in _UFUNCS.items()},
     "matmul": _matmul_form,
     "sum": _sum_form,
+    "relu": _relu_form,
     "relu_grad": _relu_grad_form,
     "tanh_grad": _tanh_grad_form,
 }
-_ELEMENTWISE = {*_UFUNCS, "relu_grad", "tanh_grad"}
+_ELEMENTWISE = {*_UFUNCS, "relu", "relu_grad", "tanh_grad"}
 
 
 class Schedule:
@@ -708,8 +719,30 @@ class _Layout:
 
     def __init__(self, a: np.ndarray):
         self.shape, self.strides, self.dtype, self.nbytes = a.shape, a.strides, a.dtype, a.nbytes
-        self.order = "C" if a.flags.c_contiguous else "F" if a.flags.f_contiguous else None
+        self.order = (
+            "C"
+            if a.flags.c_contiguous
+            else "F"
+            if a.flags.f_contiguous
+            else "P"
+            if _dense(a.shape, a.strides, a.itemsize)
+            else None
+        )
         self.key = (a.shape, a.strides, a.dtype)
+
+
+def _dense(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """Whether an array of this layout fills its memory exactly, its axes in some order:
+    a transposed view of contiguous memory (a convolution's result, (N, C, H, W) over
+    memory ordered (C, N, H, W), and whatever elementwise ops make from it), for which
+    a buffer of the same strides can be made (`_Buffer.allocate`)."""
+    axes = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    step = itemsize
+    for st, n in axes:
+        if st != step:
+            return False
+        step *= n
+    return True
 
 
 class _Buffer:
@@ -722,7 +755,12 @@ class _Buffer:
         self.array: Any = None
 
     def allocate(self) -> None:
-        self.array = np.empty(self.layout.shape, self.layout.dtype, order=self.layout.order)  # type: ignore[arg-type]
+        layout = self.layout
+        if layout.order == "P":  # the recorded strides exactly, over fresh dense memory
+            flat = np.empty(layout.nbytes // layout.dtype.itemsize, layout.dtype)
+            self.array = np.lib.stride_tricks.as_strided(flat, layout.shape, layout.strides)
+            return
+        self.array = np.empty(layout.shape, layout.dtype, order=layout.order)  # type: ignore[arg-type]
 
 
 def _compile_step(
