@@ -525,7 +525,7 @@ def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
 
 def _relu_form(params: dict, operands: list, value: Any) -> Any:
     maximum = np.maximum  # the impl's maximum(x, 0), into a buffer or a dying x
-    return lambda x, out: maximum(x, 0, out)
+    return lambda x, out: maximum(x, 0, out=out)
 
 
 def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
