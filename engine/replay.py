@@ -62,6 +62,14 @@ class CaptureFailed(Exception):
     """The pass cannot be replayed; the reason says why (the dynamic path answers)."""
 
 
+# Pure primitives whose repeats a schedule computes once: the same op on the same slots
+# with the same parameters answers the same array. A convolution's windows: the second
+# backward of a reused HVP gathers the same cotangent's windows twice, for conv_input's
+# VJP in its cotangent (a convolution) and in its kernel (conv_weight), each rule
+# unaware of the other.
+_SHARED = {"conv_gather"}
+
+
 class Capture:
     """Watches one dynamic pass (as `trace.capture`) and builds its Schedule."""
 
@@ -82,6 +90,7 @@ class Capture:
         self.slots: dict[int, tuple[int, Any]] = {}  # id(tensor) -> (slot, weakref)
         self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
         self.step_slot: list[int] = []
+        self.shared: dict[tuple, int] = {}  # (prim, operand slots, params) -> slot (_SHARED)
         self.failure: str | None = None
         self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
@@ -128,8 +137,16 @@ class Capture:
             self._new(ans, _CONST)  # folded: its value is known now
             self.made_bytes += ans.value.nbytes
             return
+        if prim.name in _SHARED:
+            key = (prim, ins, tuple(sorted(params.items())))
+            same = self.shared.get(key)
+            if same is not None:  # computed already from the same operands: reuse it
+                self.slots[id(ans)] = (same, weakref.ref(ans))
+                return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
+        if prim.name in _SHARED:
+            self.shared[key] = slot
         self.step_slot.append(slot)
         for a, i in zip(args, ins, strict=True):
             if np.may_share_memory(ans.value, a.value):  # a view: its operand's memory

@@ -302,6 +302,21 @@ def test_elementwise_ops_on_convolutions_write_into_buffers_of_their_layout() ->
     assert masks and all(e[5] is not None for e in masks), [e[5] for e in masks]
 
 
+def test_a_convolutions_windows_are_gathered_once_per_operand() -> None:
+    # The second backward of an HVP gathers a cotangent's windows for conv_input's VJP
+    # in its cotangent and again for its VJP in its kernel: the schedule keeps one.
+    loss, params = _conv_batchnorm_relu()
+    compiled, dynamic = _pair(loss, *params)
+    _both_ways(compiled, dynamic, [p.shape for p in params], np.random.default_rng(6))
+    for schedule in compiled._passes.entries.values():
+        gathers = [
+            (tuple(e[2]), tuple(sorted(e[1].items())))
+            for e in schedule.plan
+            if e[0] is not None and e[0].name == "conv_gather"
+        ]
+        assert gathers and len(set(gathers)) == len(gathers), gathers
+
+
 @pytest.mark.parametrize(
     "shape, strides, dense",
     [
