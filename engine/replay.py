@@ -62,6 +62,14 @@ class CaptureFailed(Exception):
     """The pass cannot be replayed; the reason says why (the dynamic path answers)."""
 
 
+# Pure primitives whose repeats a schedule computes once: the same op on the same slots
+# with the same parameters answers the same array. A convolution's windows: the second
+# backward of a reused HVP gathers the same cotangent's windows twice, for conv_input's
+# VJP in its cotangent (a convolution) and in its kernel (conv_weight), each rule
+# unaware of the other.
+_SHARED = {"conv_gather"}
+
+
 class Capture:
     """Watches one dynamic pass (as `trace.capture`) and builds its Schedule."""
 
@@ -82,6 +90,7 @@ class Capture:
         self.slots: dict[int, tuple[int, Any]] = {}  # id(tensor) -> (slot, weakref)
         self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
         self.step_slot: list[int] = []
+        self.shared: dict[tuple, int] = {}  # (prim, operand slots, params) -> slot (_SHARED)
         self.failure: str | None = None
         self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
@@ -128,8 +137,16 @@ class Capture:
             self._new(ans, _CONST)  # folded: its value is known now
             self.made_bytes += ans.value.nbytes
             return
+        if prim.name in _SHARED:
+            key = (prim, ins, tuple(sorted(params.items())))
+            same = self.shared.get(key)
+            if same is not None:  # computed already from the same operands: reuse it
+                self.slots[id(ans)] = (same, weakref.ref(ans))
+                return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
+        if prim.name in _SHARED:
+            self.shared[key] = slot
         self.step_slot.append(slot)
         for a, i in zip(args, ins, strict=True):
             if np.may_share_memory(ans.value, a.value):  # a view: its operand's memory
@@ -512,10 +529,20 @@ def _c_contiguous(x: Any) -> bool:
 
 def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
     g, x = operands
-    if params["alpha"] != 0 or isinstance(g, np.ndarray) or not isinstance(x, np.ndarray):
+    if params["alpha"] != 0 or isinstance(g, np.ndarray):
         return None
+    if not isinstance(x, np.ndarray):
+        # the impl's g * (x > 0), its product into the buffer (in place into a dying g:
+        # one pass over g and x, no float mask, no fresh full-size result)
+        greater, multiply = np.greater, np.multiply
+        return lambda g_, x_, out: multiply(g_, greater(x_, 0), out)
     mask = (x > 0).astype(value.dtype)  # made once: x is a recorded value
     return lambda g, x_, out: np.multiply(g, mask, out)
+
+
+def _relu_form(params: dict, operands: list, value: Any) -> Any:
+    maximum = np.maximum  # the impl's maximum(x, 0), into a buffer or a dying x
+    return lambda x, out: maximum(x, 0, out=out)
 
 
 def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
@@ -535,10 +562,11 @@ _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
     **{name: _ufunc_form(fn) for name, fn in _UFUNCS.items()},
     "matmul": _matmul_form,
     "sum": _sum_form,
+    "relu": _relu_form,
     "relu_grad": _relu_grad_form,
     "tanh_grad": _tanh_grad_form,
 }
-_ELEMENTWISE = {*_UFUNCS, "relu_grad", "tanh_grad"}
+_ELEMENTWISE = {*_UFUNCS, "relu", "relu_grad", "tanh_grad"}
 
 
 class Schedule:
@@ -708,8 +736,30 @@ class _Layout:
 
     def __init__(self, a: np.ndarray):
         self.shape, self.strides, self.dtype, self.nbytes = a.shape, a.strides, a.dtype, a.nbytes
-        self.order = "C" if a.flags.c_contiguous else "F" if a.flags.f_contiguous else None
+        self.order = (
+            "C"
+            if a.flags.c_contiguous
+            else "F"
+            if a.flags.f_contiguous
+            else "P"
+            if _dense(a.shape, a.strides, a.itemsize)
+            else None
+        )
         self.key = (a.shape, a.strides, a.dtype)
+
+
+def _dense(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """Whether an array of this layout fills its memory exactly, its axes in some order:
+    a transposed view of contiguous memory (a convolution's result, (N, C, H, W) over
+    memory ordered (C, N, H, W), and whatever elementwise ops make from it), for which
+    a buffer of the same strides can be made (`_Buffer.allocate`)."""
+    axes = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    step = itemsize
+    for st, n in axes:
+        if st != step:
+            return False
+        step *= n
+    return True
 
 
 class _Buffer:
@@ -722,7 +772,12 @@ class _Buffer:
         self.array: Any = None
 
     def allocate(self) -> None:
-        self.array = np.empty(self.layout.shape, self.layout.dtype, order=self.layout.order)  # type: ignore[arg-type]
+        layout = self.layout
+        if layout.order == "P":  # the recorded strides exactly, over fresh dense memory
+            flat = np.empty(layout.nbytes // layout.dtype.itemsize, layout.dtype)
+            self.array = np.lib.stride_tricks.as_strided(flat, layout.shape, layout.strides)
+            return
+        self.array = np.empty(layout.shape, layout.dtype, order=layout.order)  # type: ignore[arg-type]
 
 
 def _compile_step(
