@@ -47,7 +47,7 @@ import numpy as np
 
 from engine import trace
 from engine.ops.reduce import row_sum, sums_rows
-from engine.registry import Primitive, impl_rules
+from engine.registry import REPEATS_SHARED, Primitive, impl_rules
 from engine.tensor import Tensor, scalar_cache
 
 # Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
@@ -60,14 +60,6 @@ _CONST, _SEED, _STEP = 0, 1, 2
 
 class CaptureFailed(Exception):
     """The pass cannot be replayed; the reason says why (the dynamic path answers)."""
-
-
-# Pure primitives whose repeats a schedule computes once: the same op on the same slots
-# with the same parameters answers the same array. A convolution's windows: the second
-# backward of a reused HVP gathers the same cotangent's windows twice, for conv_input's
-# VJP in its cotangent (a convolution) and in its kernel (conv_weight), each rule
-# unaware of the other.
-_SHARED = {"conv_gather"}
 
 
 class Capture:
@@ -90,7 +82,7 @@ class Capture:
         self.slots: dict[int, tuple[int, Any]] = {}  # id(tensor) -> (slot, weakref)
         self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
         self.step_slot: list[int] = []
-        self.shared: dict[tuple, int] = {}  # (prim, operand slots, params) -> slot (_SHARED)
+        self.shared: dict[tuple, int] = {}  # (prim, operand slots, params) -> slot: REPEATS_SHARED
         self.failure: str | None = None
         self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
@@ -137,7 +129,7 @@ class Capture:
             self._new(ans, _CONST)  # folded: its value is known now
             self.made_bytes += ans.value.nbytes
             return
-        if prim.name in _SHARED:
+        if prim in REPEATS_SHARED:
             key = (prim, ins, tuple(sorted(params.items())))
             same = self.shared.get(key)
             if same is not None:  # computed already from the same operands: reuse it
@@ -145,7 +137,7 @@ class Capture:
                 return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
-        if prim.name in _SHARED:
+        if prim in REPEATS_SHARED:
             self.shared[key] = slot
         self.step_slot.append(slot)
         for a, i in zip(args, ins, strict=True):

@@ -30,7 +30,15 @@ from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
 from engine.ops.reduce import max_p, sum_p
 from engine.ops.shape import reshape, transpose
-from engine.registry import DEFERRED_SHAPES, defjvp, defnondiff, defvjp, primitive, public
+from engine.registry import (
+    DEFERRED_SHAPES,
+    REPEATS_SHARED,
+    defjvp,
+    defnondiff,
+    defvjp,
+    primitive,
+    public,
+)
 from engine.shapes import (
     RuleError,
     TensorType,
@@ -352,6 +360,10 @@ def _conv_weight_impl(
 
 
 gather_p = primitive("conv_gather", _gather_impl)
+# The second backward of a reused HVP gathers one cotangent's windows twice, for
+# conv_input's VJP in its cotangent (a convolution) and in its kernel (conv_weight): a
+# compiled replay gathers them once.
+REPEATS_SHARED.add(gather_p)
 defnondiff(gather_p)  # a hint: every rule below differentiates the op that takes it
 conv_p = primitive("conv", _conv_impl)
 conv_input_p = primitive("conv_input", _conv_input_impl)
