@@ -258,14 +258,19 @@ async def run(args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
         stages: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in names}
+        turns = _count_turns() if args.turns else None
         if profile:
             profile.enable()
         for _ in range(args.requests):
             for name, path, body, kind, target in chosen:
                 c, t = time.thread_time(), time.perf_counter()
+                if turns is not None:
+                    turns[0] = 0
                 await call(target, path, body, kind)
                 times[name].append(time.perf_counter() - t)
                 cpu[name].append(time.thread_time() - c)
+                if turns is not None:
+                    stages[name]["event-loop turns (count)"].append(turns[0])
                 for stage, seconds in _spent.items():
                     stages[name][stage].append(seconds)
                 _spent.clear()
@@ -289,6 +294,21 @@ async def run(args: argparse.Namespace) -> None:
                 stats.print_callers(args.callers)
 
 
+def _count_turns() -> list[int]:
+    """Counts the running loop's iterations (each select() and the callbacks it makes
+    ready: a task step, an I/O callback, a timer) in the list's one item."""
+    loop = asyncio.get_running_loop()
+    turns = [0]
+    run_once = loop._run_once  # type: ignore[attr-defined]
+
+    def counting() -> None:
+        turns[0] += 1
+        run_once()
+
+    loop._run_once = counting  # type: ignore[attr-defined]
+    return turns
+
+
 def _p10(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 10]
 
@@ -300,8 +320,9 @@ def print_breakdown(
     print("| stage | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))
     for stage in order:
+        scale, digits = (1, 0) if stage.endswith("(count)") else (1e3, 3)
         cells = [
-            f"{statistics.median(stages[n][stage]) * 1e3:.3f}" if stages[n][stage] else ""
+            f"{statistics.median(stages[n][stage]) * scale:.{digits}f}" if stages[n][stage] else ""
             for n in names
         ]
         print(f"| {stage} | " + " | ".join(cells) + " |")
@@ -327,6 +348,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--dump", help="with --profile: write cProfile's stats to this file")
     parser.add_argument("--worker", action="store_true", help="the worker's side (see above)")
+    parser.add_argument(
+        "--turns", action="store_true", help="with --breakdown: the event loop's turns too"
+    )
     parser.add_argument("--callers", help="with --profile: print the callers of these functions")
     args = parser.parse_args()
     if args.breakdown:
