@@ -27,9 +27,9 @@ from engine.ops.elementwise import (
     where,
 )
 from engine.ops.linalg import matmul
-from engine.ops.reduce import logsumexp, mean, sum, var
+from engine.ops.reduce import logsumexp, mean, row_sum, sum, sums_rows, var
 from engine.ops.shape import reshape, swapaxes, take
-from engine.registry import public
+from engine.registry import defjvp, defvjp, primitive, public, zero_vjp
 from engine.shapes import (
     RuleError,
     TensorType,
@@ -45,7 +45,7 @@ from engine.shapes import (
     same_type,
 )
 from engine.shapes import normalize_axes as axes_of  # the rules' (RuleError, no op name)
-from engine.tensor import Tensor, as_tensor, host_value, pass_constant
+from engine.tensor import Tensor, as_tensor, bind, host_value, pass_constant
 
 LOSS = {"reduction": "reduction"}
 
@@ -71,10 +71,81 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
     return subtract(x, logsumexp(x, axis, keepdims=True))
 
 
+# softmax is one primitive (exp(x - max) / sum: 4 passes where the composite
+# exp(x - logsumexp(x)) takes 8 and its backward ~10), its VJP another:
+# softmax_grad(g, y) = y * (g - sum(g * y)), 4 passes. The Jacobian diag(y) - y y^T is
+# symmetric, so softmax_grad is also its own VJP in g and the JVP of softmax.
+def _row_sum(xp: Any, x: Any, axis: int) -> Any:
+    if xp is host and sums_rows(x.shape, x.flags.c_contiguous, x.dtype, (axis,)):
+        return row_sum(x, keepdims=True)
+    return xp.sum(x, axis=axis, keepdims=True)
+
+
+def _softmax_impl(xp: Any, x: Any, *, axis: int) -> Any:
+    y = x - xp.max(x, axis=axis, keepdims=True)
+    xp.exp(y, out=y)
+    y /= _row_sum(xp, y, axis)
+    return y
+
+
+def _softmax_grad_impl(xp: Any, g: Any, y: Any, *, axis: int) -> Any:
+    gy = g * y
+    out = y * _row_sum(xp, gy, axis)
+    xp.subtract(gy, out, out=out)
+    return out
+
+
+softmax_p = primitive("softmax", _softmax_impl)
+softmax_grad_p = primitive("softmax_grad", _softmax_grad_impl)
+
+
+def _softmax_grad(g: Tensor, y: Tensor, axis: int) -> Tensor:
+    return bind(softmax_grad_p, g, y, axis=axis)
+
+
+def _softmax_grad_dy(g: Tensor, y: Tensor, ty: Tensor, axis: int) -> Tensor:
+    """d/dy of y * (g - sum(g y)) along ty: ty * (g - sum(g y)) - y * sum(g ty)."""
+    centered = subtract(g, sum(multiply(g, y), axis, keepdims=True))
+    return subtract(multiply(ty, centered), multiply(y, sum(multiply(g, ty), axis, keepdims=True)))
+
+
+defvjp(softmax_p, lambda ans, x, *, axis: lambda g: _softmax_grad(g, ans, axis))
+defjvp(softmax_p, lambda t, ans, x, *, axis: _softmax_grad(t[0], ans, axis))
+defvjp(
+    softmax_grad_p,
+    lambda ans, g, y, *, axis: lambda u: _softmax_grad(u, y, axis),
+    # <u, ty * c - y * sum(g ty)> = <ty, u * c - g * sum(u y)>, c = g - sum(g y)
+    lambda ans, g, y, *, axis: (
+        lambda u: subtract(
+            multiply(u, subtract(g, sum(multiply(g, y), axis, keepdims=True))),
+            multiply(g, sum(multiply(u, y), axis, keepdims=True)),
+        )
+    ),
+)
+defjvp(
+    softmax_grad_p,
+    lambda t, ans, g, y, *, axis: _sum_terms(
+        None if t[0] is None else _softmax_grad(t[0], y, axis),
+        None if t[1] is None else _softmax_grad_dy(g, y, t[1], axis),
+    ),
+)
+
+
+def _sum_terms(a: Tensor | None, b: Tensor | None) -> Tensor:
+    if a is None:
+        assert b is not None
+        return b
+    return a if b is None else add(a, b)
+
+
 @public("nn", shape_rule=softmax_rule, kinds={"axis": "axis"})
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """exp(x) / sum(exp(x)) over `axis`, computed stably."""
-    return exp(log_softmax(x, axis))
+    x = as_tensor(x)
+    (axis,) = normalize_axes(axis, x.ndim, "softmax")
+    if x.dtype.kind != "f" or x.ndim == 0:
+        return exp(log_softmax(x, axis))
+    return bind(softmax_p, x, axis=axis)
 
 
 # ---- losses ----
@@ -269,13 +340,123 @@ def batch_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -
     return _affine(divide(centered, scale), gamma, beta)
 
 
+# ---- normalize over the last axis (layer norm without its scale and bias) ----
+# One primitive, xhat = (x - mean) / sqrt(var + eps) per row, and its VJP another:
+# normalize_grad(a, x, xhat) = r (a - mean(a) - xhat mean(a xhat)), r = 1 / sqrt(var + eps)
+# recomputed from x (two passes) rather than kept. The composite of means, variance,
+# sqrt and divide took ~9 passes forward and ~20 backward (issue 28). normalize_grad is
+# linear in a and self-adjoint (its matrix r (I - 11^T/n - xhat xhat^T/n) is symmetric),
+# hence its own VJP in a and normalize's JVP; its rule for x is the total derivative
+# (xhat is a cache of normalize(x): its rule is zero), written in ops for higher orders.
+def _inverse_std(xp: Any, x: Any, eps: float) -> tuple[Any, Any]:
+    """(x - mean, 1 / sqrt(var + eps)) over the last axis."""
+    n = x.shape[-1]
+    centered = x - _row_sum(xp, x, -1) * x.dtype.type(1 / n)
+    var = _row_sum(xp, centered * centered, -1)
+    var *= x.dtype.type(1 / n)
+    var += x.dtype.type(eps)
+    xp.sqrt(var, out=var)
+    return centered, xp.reciprocal(var, out=var)
+
+
+def _normalize_impl(xp: Any, x: Any, *, eps: float) -> Any:
+    centered, r = _inverse_std(xp, x, eps)
+    centered *= r
+    return centered
+
+
+def _normalize_grad_impl(xp: Any, a: Any, x: Any, xhat: Any, *, eps: float) -> Any:
+    _, r = _inverse_std(xp, x, eps)
+    inv_n = x.dtype.type(1 / x.shape[-1])
+    a_xhat = a * xhat
+    m = _row_sum(xp, a_xhat, -1)
+    m *= inv_n
+    out = xp.multiply(xhat, m, out=a_xhat)
+    xp.subtract(a, out, out=out)
+    mean_a = _row_sum(xp, a, -1)
+    mean_a *= inv_n
+    out -= mean_a
+    out *= r
+    return out
+
+
+normalize_p = primitive("normalize", _normalize_impl)
+normalize_grad_p = primitive("normalize_grad", _normalize_grad_impl)
+
+
+def _normalize_grad(a: Tensor, x: Tensor, xhat: Tensor, eps: float) -> Tensor:
+    return bind(normalize_grad_p, a, x, xhat, eps=eps)
+
+
+def _row_mean(x: Tensor) -> Tensor:
+    return mean(x, -1, keepdims=True)
+
+
+def _normalize_grad_dx_vjp(ans: Tensor, a: Tensor, x: Tensor, xhat: Tensor, eps: float) -> Any:
+    """u -> d<u, normalize_grad(a, x)>/dx = -(r/n) (<u, dx> xhat + <u, xhat> dx
+    + <a, xhat> normalize_grad(u, x)), dx = normalize_grad(a, x), per row."""
+
+    def vjp(u: Tensor) -> Tensor:
+        r = divide(1, sqrt(add(var(x, -1, keepdims=True), eps)))
+        total = add(
+            add(
+                multiply(_row_mean(multiply(u, ans)), xhat),
+                multiply(_row_mean(multiply(u, xhat)), ans),
+            ),
+            multiply(_row_mean(multiply(a, xhat)), _normalize_grad(u, x, xhat, eps)),
+        )
+        return negative(multiply(r, total))
+
+    return vjp
+
+
+def _normalize_grad_dx_jvp(
+    ans: Tensor, a: Tensor, x: Tensor, xhat: Tensor, t: Tensor, eps: float
+) -> Tensor:
+    """normalize_grad(a, x)'s derivative in x along t: -r (mean(xhat t) dx
+    + m dxhat + xhat mean(a dxhat)), dxhat = normalize_grad(t, x), m = mean(a xhat)."""
+    r = divide(1, sqrt(add(var(x, -1, keepdims=True), eps)))
+    dxhat = _normalize_grad(t, x, xhat, eps)
+    total = add(
+        add(
+            multiply(_row_mean(multiply(xhat, t)), ans),
+            multiply(_row_mean(multiply(a, xhat)), dxhat),
+        ),
+        multiply(xhat, _row_mean(multiply(a, dxhat))),
+    )
+    return negative(multiply(r, total))
+
+
+defvjp(normalize_p, lambda ans, x, *, eps: lambda g: _normalize_grad(g, x, ans, eps))
+defjvp(normalize_p, lambda t, ans, x, *, eps: _normalize_grad(t[0], x, ans, eps))
+defvjp(
+    normalize_grad_p,
+    lambda ans, a, x, xhat, *, eps: lambda u: _normalize_grad(u, x, xhat, eps),
+    lambda ans, a, x, xhat, *, eps: _normalize_grad_dx_vjp(ans, a, x, xhat, eps),
+    lambda ans, a, x, xhat, *, eps: zero_vjp,
+)
+defjvp(
+    normalize_grad_p,
+    lambda t, ans, a, x, xhat, *, eps: _sum_terms(
+        None if t[0] is None else _normalize_grad(t[0], x, xhat, eps),
+        None if t[1] is None else _normalize_grad_dx_jvp(ans, a, x, xhat, t[1], eps),
+    ),
+)
+
+
+def normalize_last_axis(x: Tensor, eps: float) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the last axis (biased variance): one primitive
+    for floating x (layer_norm's and the ONNX LayerNormalization's core)."""
+    if x.dtype.kind != "f" or x.ndim == 0:
+        centered = subtract(x, mean(x, -1, keepdims=True))
+        return divide(centered, sqrt(add(var(x, -1, keepdims=True), eps)))
+    return bind(normalize_p, x, eps=float(eps))
+
+
 @public("nn", shape_rule=_normalization_rule(batch=False), kinds={"eps": "float"})
 def layer_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -> Tensor:
     """Layer normalization: statistics over the last axis of each example."""
-    x = as_tensor(x)
-    centered = subtract(x, mean(x, -1, keepdims=True))
-    scale = sqrt(add(var(x, -1, keepdims=True), eps))
-    return _affine(divide(centered, scale), gamma, beta)
+    return _affine(normalize_last_axis(as_tensor(x), eps), gamma, beta)
 
 
 def clip_by_norm_rule(b: dict[str, Any]) -> TensorType:
