@@ -210,3 +210,47 @@ def test_dtype_float64_runs_a_float32_model_in_float64() -> None:
     assert "dtype float16 is not applied to ONNX models: model 'net' computes in float32" in str(
         problem
     )
+
+
+@pytest.mark.parametrize("name", ["transformer", "transformer_opset18"])
+def test_the_erf_gelu_runs_as_one_fused_step(name: str) -> None:
+    # Div-Erf-Add-Mul-Mul (torch.onnx's nn.GELU) is planned as one Gelu step, the fused
+    # gelu primitive; the gradients above check it against PyTorch's.
+    from engine.onnx.model import load_model
+
+    data, record = fixture(name)
+    model = load_model(data)
+    spec = model.specialize([(tuple(record["x"].shape), record["x"].dtype)])
+    ops = [s.op_type for s in spec.steps]
+    erfs = sum(n.op_type == "Erf" for n in onnx.load_model_from_string(data).graph.node)
+    assert erfs > 0 and ops.count("Gelu") == erfs and "Erf" not in ops
+
+
+def test_a_gelu_whose_intermediate_is_read_elsewhere_is_not_fused() -> None:
+    from engine.onnx.model import Step, fuse_erf_gelu
+
+    consts = {
+        "root2": np.array(1.4142135, np.float32),
+        "one": np.array(1.0, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+    steps = [
+        Step("Div", ("x", "root2"), ("d",), {}),
+        Step("Erf", ("d",), ("e",), {}),
+        Step("Add", ("e", "one"), ("a",), {}),
+        Step("Mul", ("x", "a"), ("m",), {}),
+        Step("Mul", ("m", "half"), ("y",), {}),
+    ]
+    (fused,) = fuse_erf_gelu(steps, consts, {"y"})
+    assert (fused.op_type, fused.inputs, fused.outputs) == ("Gelu", ("x",), ("y",))
+    assert fuse_erf_gelu(steps, consts, {"y", "e"}) == steps  # erf(x / sqrt 2) is an output
+    read = [*steps, Step("Neg", ("a",), ("n",), {})]
+    assert fuse_erf_gelu(read, consts, {"y", "n"}) == read
+    for products in (
+        [Step("Mul", ("half", "a"), ("m",), {}), Step("Mul", ("x", "m"), ("y",), {})],
+        [Step("Mul", ("x", "half"), ("h",), {}), Step("Mul", ("h", "a"), ("y",), {})],
+    ):  # the other two associations of 0.5 * x * (1 + erf)
+        (fused,) = fuse_erf_gelu([*steps[:3], *products], consts, {"y"})
+        assert (fused.op_type, fused.inputs, fused.outputs) == ("Gelu", ("x",), ("y",))
+    other_root = {**consts, "root2": np.array(1.5, np.float32)}
+    assert fuse_erf_gelu(steps, other_root, {"y"}) == steps
