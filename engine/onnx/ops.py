@@ -381,7 +381,12 @@ def _batch_norm(ins, attrs, opset):
 
 
 @handler("LayerNormalization")
-def _layer_norm(ins, attrs, opset, outputs: int = 3):
+def _layer_norm(ins, attrs, opset):
+    return layer_norm_node(ins, attrs, opset, 3)
+
+
+def layer_norm_node(ins: list, attrs: dict[str, Any], opset: int, outputs: int) -> list:
+    """LayerNormalization; `outputs`: how many of Y, Mean, InvStdDev the node names."""
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     rank = len(x.shape)
@@ -1123,7 +1128,7 @@ def run_node(
     if op_type == "Split":
         return split(list(ins), attrs, opset, outputs)
     if op_type == "LayerNormalization":
-        return _layer_norm(list(ins), attrs, opset, outputs)
+        return layer_norm_node(list(ins), attrs, opset, outputs)
     return HANDLERS[op_type](list(ins), attrs, opset)
 
 

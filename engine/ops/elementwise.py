@@ -23,10 +23,11 @@ from engine import trace
 from engine.backend import array_module, host
 from engine.backend import erf as erf_impl
 from engine.backend import numpy as numpy_module
-from engine.ops._util import coerce_pair
+from engine.ops._util import Work, coerce_pair
 from engine.registry import (
     MissingRuleError,
     Primitive,
+    defform,
     defjvp,
     defnondiff,
     defvjp,
@@ -1007,13 +1008,15 @@ def silu(x: Any) -> Tensor:
     return multiply(x, sigmoid(x))
 
 
-# ---- gelu (exact): one primitive, its derivative another ----
-# The composite 0.5 x (1 + erf(x / sqrt 2)) costs 5 full-size NumPy passes forward and ~12
-# backward (issue 28: a third of the transformer's non-GEMM time). gelu computes the
-# composite's own passes (bit-equal forward); its VJP is gelu_grad(g, x, y) = g * (Phi(x)
-# + x phi(x)), with Phi = y / x read off the forward's answer (within 2 ulp; 1/2 at x = 0)
-# rather than a second erf (erf_float32 is ~25 float64 passes). y is a cache of gelu(x):
-# gelu_grad's rule for x is the total derivative, the one for y is zero.
+# ---- gelu (exact): one primitive, its slope another ----
+# The composite 0.5 x (1 + erf(x / sqrt 2)) costs 5 full-size NumPy calls forward and ~12
+# backward (issue 28). gelu computes the composite's own passes (its forward bit-equal);
+# its VJP is g * gelu_slope(x, y), gelu'(x) = Phi(x) + x phi(x) with Phi = y / x read off
+# the forward's answer (within 2 ulp; 1/2 at x = 0) rather than a second erf
+# (erf_float32 is ~25 float64 passes). The slope is a tensor of its own, so a fresh HVP
+# computes it once for the gradient and the second pass, and a reused tape's HVPs fold
+# it into a constant. y is a cache of gelu(x): gelu_slope's rule for x is the total
+# derivative, gelu''(x) = phi(x) (2 - x^2), the one for y zero.
 _ROOT_TWO = 1.4142135623730951
 _ONE_OVER_ROOT_TWO_PI = 0.3989422804014327
 
@@ -1026,26 +1029,38 @@ def _gelu_impl(xp: Any, x: Any) -> Any:
     return y
 
 
-def _gelu_grad_impl(xp: Any, g: Any, x: Any, y: Any) -> Any:
+def _gelu_slope_into(xp: Any, x: Any, y: Any, out: Any, work: Any) -> Any:
+    """gelu'(x) into `out` (`work`: an array of x's layout)."""
     one = x.dtype.type
-    slope = xp.multiply(x, one(-0.5), out=xp.empty_like(x))  # (an array, even 0-d)
-    slope *= x
-    xp.exp(slope, out=slope)
-    slope *= x
-    slope *= one(_ONE_OVER_ROOT_TWO_PI)  # x phi(x)
-    zero = x == 0
+    xp.multiply(x, one(-0.5), out=out)
+    out *= x
+    xp.exp(out, out=out)
+    out *= x
+    out *= one(_ONE_OVER_ROOT_TWO_PI)  # x phi(x)
     with host.errstate(invalid="ignore", divide="ignore"):  # 0 / 0, replaced below
-        cdf = xp.divide(y, x, out=xp.empty_like(x))
-    cdf[zero] = one(0.5)
-    slope += cdf
-    if g.shape != slope.shape:  # a cotangent with leading batch axes (K vectors)
-        return xp.multiply(g, slope)
-    slope *= g
-    return slope
+        cdf = xp.divide(y, x, out=work)
+    cdf[x == 0] = one(0.5)
+    out += cdf
+    return out
+
+
+def _gelu_slope_impl(xp: Any, x: Any, y: Any) -> Any:
+    return _gelu_slope_into(xp, x, y, xp.empty(x.shape, x.dtype), xp.empty(x.shape, x.dtype))
+
+
+def _gelu_slope_form(params: dict, operands: list, value: Any) -> Any:
+    work = Work(host)
+
+    def form(x: Any, y: Any, out: Any) -> Any:
+        if out is None:
+            out = host.empty(value.shape, value.dtype)
+        return _gelu_slope_into(host, x, y, out, work.get(x.shape, x.dtype))
+
+    return form
 
 
 gelu_p = primitive("gelu", _gelu_impl)
-gelu_grad_p = primitive("gelu_grad", _gelu_grad_impl)
+gelu_slope_p = primitive("gelu_slope", _gelu_slope_impl)
 
 
 def _gelu_curvature(x: Tensor) -> Tensor:
@@ -1054,25 +1069,18 @@ def _gelu_curvature(x: Tensor) -> Tensor:
     return multiply(phi, subtract(2, multiply(x, x)))
 
 
-defvjp(gelu_p, lambda ans, x: lambda g: bind(gelu_grad_p, g, x, ans))
-defjvp(gelu_p, lambda t, ans, x: bind(gelu_grad_p, t[0], x, ans))
+defform(gelu_slope_p, _gelu_slope_form)
+defvjp(gelu_p, lambda ans, x: lambda g: multiply(g, bind(gelu_slope_p, x, ans)))
+defjvp(gelu_p, lambda t, ans, x: multiply(t[0], bind(gelu_slope_p, x, ans)))
 defvjp(
-    gelu_grad_p,
-    lambda ans, g, x, y: lambda u: bind(gelu_grad_p, u, x, y),
-    lambda ans, g, x, y: lambda u: multiply(multiply(u, g), _gelu_curvature(x)),
-    lambda ans, g, x, y: zero_vjp,
+    gelu_slope_p,
+    lambda ans, x, y: lambda u: multiply(u, _gelu_curvature(x)),
+    lambda ans, x, y: zero_vjp,
 )
-
-
-def _gelu_grad_jvp(t: Any, ans: Tensor, g: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    total = _tsum(
-        None if t[0] is None else bind(gelu_grad_p, t[0], x, y),
-        None if t[1] is None else multiply(multiply(t[1], g), _gelu_curvature(x)),
-    )
-    return _zeros_of(ans) if total is None else total  # (y's tangent alone: no change)
-
-
-defjvp(gelu_grad_p, _gelu_grad_jvp)
+defjvp(
+    gelu_slope_p,
+    lambda t, ans, x, y: _zeros_of(ans) if t[0] is None else multiply(t[0], _gelu_curvature(x)),
+)
 
 
 @public("activation", shape_rule=unary("float"), kinds={"approximate": "bool"})
