@@ -63,7 +63,11 @@ UNARY = [
     "identity",
     "sign",
     "integer_pow",
+    "gelu",
 ]
+# Ops mixing the elements along one axis (the fused softmax, layer norm's normalize over
+# the last axis): an output row is the examples' of its input row.
+ROW_OPS = ("softmax", "normalize")
 REDUCTIONS = ("sum", "max", "min", "prod")
 NONE = -1.0  # the id of an element no example's data reaches
 
@@ -236,6 +240,10 @@ def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
             _single(full[0], axes, True, rec)
             return full[0]
         return _single(full[0], axes, bool(rec.params.get("keepdims", False)), rec)
+    if name in ROW_OPS:
+        axis = rec.params.get("axis", -1) % rec.inputs[0].ndim
+        row = _single(full[0], (axis,), True, rec)
+        return np.ascontiguousarray(np.broadcast_to(row, out.shape))
     if name == "matmul":
         a, b = full
         if rec.params.get("ta"):

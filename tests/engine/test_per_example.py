@@ -26,6 +26,14 @@ def convnet(p, x):
     return gt.reshape(h, (x.shape[0], -1)) @ p["w"]
 
 
+def block(p, x):
+    # the transformer's row-wise fused ops (issue 28): layer norm, GELU, softmax over a
+    # row's features; the linear layers stay matmuls the walk meets
+    h = gt.layer_norm(x, p["g"], p["b"])
+    h = gt.gelu(h @ p["w1"] + p["b1"])
+    return gt.softmax(h, -1) @ p["w2"]
+
+
 def ce_mean(o, y):
     return gt.mean(gt.softmax_cross_entropy(o, y))
 
@@ -47,6 +55,14 @@ CASES = {
         mlp,
         {"w1": (5, 4), "b1": (4,), "w2": (4, 3), "b2": (3,)},
         (9, 5),
+        ce_mean,
+        ce_sum,
+        "labels",
+    ),
+    "block-ce-mean": (
+        block,
+        {"g": (5,), "b": (5,), "w1": (5, 4), "b1": (4,), "w2": (4, 3)},
+        (7, 5),
         ce_mean,
         ce_sum,
         "labels",
