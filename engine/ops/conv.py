@@ -205,7 +205,8 @@ def _gather_impl(
         + tuple(t * s for t, s in zip(st[-nd:], strides)),
     )
     cols = xp.ascontiguousarray(view)  # (*lead, C, *kernel, N, *out): the one copy
-    return cols.reshape(lead + (groups, -1, n * math.prod(out)))
+    # Every size spelled out: NumPy cannot infer a -1 of an empty array (N, C or O of 0).
+    return cols.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(out)))
 
 
 def _rows(g: Any, nd: int, groups: int) -> Any:
@@ -240,7 +241,7 @@ def _conv_impl(
         _out_size(m, k, s, lo, hi, d)
         for m, k, s, (lo, hi), d in zip(x.shape[-nd:], kernel, strides, pads, dilations)
     )
-    wm = w.reshape(_lead(w, nd) + (groups, o // groups, -1))
+    wm = w.reshape(_lead(w, nd) + (groups, o // groups, w.shape[-nd - 1] * math.prod(kernel)))
     return _unrows(xp.matmul(wm, cols), x.shape[-nd - 2], out)
 
 
@@ -269,10 +270,11 @@ def _conv_input_impl(
         # (_transposed_pads), with the kernel flipped and its channel axes swapped.
         flip = (Ellipsis,) + (slice(None, None, -1),) * nd
         wg = w.reshape(lw + (groups, o // groups, cg) + kernel)[flip]
-        wt = xp.ascontiguousarray(wg.swapaxes(-nd - 2, -nd - 1)).reshape(lw + (groups, cg, -1))
+        wt = xp.ascontiguousarray(wg.swapaxes(-nd - 2, -nd - 1))
+        wt = wt.reshape(lw + (groups, cg, o // groups * math.prod(kernel)))
         tpads = _transposed_pads(kernel, pads, dilations)
         if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
-            images = g.reshape((-1,) + g.shape[-nd - 1 :])
+            images = g.reshape((math.prod(g.shape[: -nd - 1]),) + g.shape[-nd - 1 :])
             dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups)
             return dx.reshape(g.shape[: g.ndim - nd - 1] + (groups * cg,) + tuple(spatial))
         cols = _gather_impl(  # (*lg, G, O/G * K, N * P)
@@ -280,7 +282,7 @@ def _conv_input_impl(
         )
         return _unrows(xp.matmul(wt, cols), n, spatial)
     # Strided: the windows' cotangents (W^T g), added back into place.
-    wm = w.reshape(lw + (groups, o // groups, -1))
+    wm = w.reshape(lw + (groups, o // groups, cg * math.prod(kernel)))
     windows = xp.matmul(wm.swapaxes(-1, -2), _rows(g, nd, groups))  # (*L, G, C/G*K, N*P)
     windows = windows.reshape(windows.shape[:-3] + (groups * cg,) + kernel + (n,) + expected)
     windows = xp.moveaxis(windows, -nd - 1, -2 * nd - 2)  # (*L, N, C, *kernel, *out): a view

@@ -217,3 +217,50 @@ def test_the_input_cotangent_in_chunks_of_one_image(case: str, monkeypatch: Any)
     same derivatives as the im2col + matmul form."""
     monkeypatch.setattr(conv_ops, "CHUNK_BYTES", 1)
     test_the_unfused_form_gives_the_same_derivatives(case)
+
+
+# An empty batch, no input channels or no filters: every size is still defined, and the
+# primitives' reshapes must not lean on NumPy inferring a -1 (it cannot, for an empty array).
+EMPTY_WINDOW = {"pads": ((1, 1), (1, 1)), "dilations": (1, 1), "groups": 1}
+
+
+def _loss_and_grads(x: np.ndarray, w: np.ndarray, strides: tuple) -> tuple:
+    def loss(x: Any, w: Any) -> Any:
+        y = gt.conv(x, w, strides=strides, **EMPTY_WINDOW)
+        return gt.sum(y * y) + gt.sum(x) + gt.sum(w)
+
+    value, (gx, gw) = gt.value_and_grad(loss, argnums=(0, 1))(gt.constant(x), gt.constant(w))
+    y = gt.conv(x, w, strides=strides, **EMPTY_WINDOW).numpy()
+    return y, float(value.numpy()), gx.numpy(), gw.numpy()
+
+
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2)])
+def test_an_empty_batch_answers_as_pytorch(strides: tuple) -> None:
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((0, 3, 6, 6)), rng.standard_normal((4, 3, 3, 3))
+    y, value, gx, gw = _loss_and_grads(x, w, strides)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    ty = F.conv2d(F.pad(tx, [1, 1, 1, 1]), tw, stride=strides)
+    total = (ty * ty).sum() + tx.sum() + tw.sum()
+    total.backward()
+    assert y.shape == tuple(ty.shape)
+    np.testing.assert_allclose(value, total.item(), rtol=1e-12)
+    assert gx.shape == x.shape
+    np.testing.assert_allclose(gw, tw.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2)])
+def test_no_filters_or_no_channels_are_sums_over_nothing(strides: tuple) -> None:
+    # PyTorch refuses a kernel of no filters and answers no channels with a (2, 0, ...)
+    # result; the sums these are give a result of O channels, zero where C is 0.
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((2, 3, 6, 6)), rng.standard_normal((0, 3, 3, 3))
+    y, value, gx, gw = _loss_and_grads(x, w, strides)
+    assert y.shape[:2] == (2, 0)
+    np.testing.assert_allclose(value, x.sum(), rtol=1e-12)
+    np.testing.assert_array_equal(gx, np.ones_like(x))
+    assert gw.shape == w.shape
+    x, w = rng.standard_normal((2, 0, 6, 6)), rng.standard_normal((4, 0, 3, 3))
+    y, value, gx, gw = _loss_and_grads(x, w, strides)
+    np.testing.assert_array_equal(y, np.zeros((2, 4) + y.shape[2:]))
+    assert value == 0.0 and gx.shape == x.shape and gw.shape == w.shape

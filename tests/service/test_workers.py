@@ -209,6 +209,7 @@ def test_requests_wait_in_the_queue_in_order() -> None:
         try:
             first = asyncio.create_task(pool.submit("gradient", _payload(1000, 2)))
             while pool.workers()[0].state != "busy":  # an event, not a sleep
+                assert not first.done(), f"the first request ended unseen: {first}"
                 await asyncio.sleep(0.001)
             waiting = [asyncio.create_task(pool.submit("ping", None)) for _ in range(3)]
             while pool.queue_depth < 3:  # each queued once its task has run
@@ -246,6 +247,7 @@ def test_full_queue_answers_503_with_retry_after() -> None:
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
                 running = asyncio.create_task(c.post("/v1/gradient", json=slow))
                 while app.state.pool.workers()[0].state != "busy":
+                    assert not running.done(), f"the slow request ended unseen: {running}"
                     await asyncio.sleep(0.005)
                 refused = await c.post("/v1/gradient", json=GRADIENT_EXAMPLE)
                 found = problem(refused, 503, "busy")
@@ -284,6 +286,7 @@ def test_a_request_cancelled_as_a_worker_takes_it_never_reaches_the_worker() -> 
         try:
             first = asyncio.create_task(pool.submit("gradient", _payload(1000, 2)))
             while pool.workers()[0].state != "busy":
+                assert not first.done(), f"the first request ended unseen: {first}"
                 await asyncio.sleep(0.001)
             worker = pool.workers()[0]
             taken: list[asyncio.Task] = []
