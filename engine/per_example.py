@@ -65,9 +65,9 @@ UNARY = [
     "integer_pow",
     "gelu",
 ]
-# Ops mixing the elements along one axis (the fused softmax, layer norm's normalize over
-# the last axis): an output row is the examples' of its input row.
-ROW_OPS = ("softmax", "normalize")
+# Ops mixing the elements along one axis (the fused softmax): an output row is the
+# examples' of its input row.
+ROW_OPS = ("softmax",)
 REDUCTIONS = ("sum", "max", "min", "prod")
 NONE = -1.0  # the id of an element no example's data reaches
 

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace
-from engine.ops.nn import normalize_last_axis
 from engine.registry import public_ops
 from engine.tensor import Tensor, constant, pass_constant
 
@@ -382,21 +381,11 @@ def _batch_norm(ins, attrs, opset):
 
 @handler("LayerNormalization")
 def _layer_norm(ins, attrs, opset):
-    return layer_norm_node(ins, attrs, opset, 3)
-
-
-def layer_norm_node(ins: list, attrs: dict[str, Any], opset: int, outputs: int) -> list:
-    """LayerNormalization; `outputs`: how many of Y, Mean, InvStdDev the node names."""
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     rank = len(x.shape)
     axis = int(attrs.get("axis", -1)) % rank
     axes = tuple(range(axis, rank))
-    if axis == rank - 1 and outputs == 1:
-        # The common case (statistics over the last axis, only Y read): the fused
-        # normalize primitive (engine/ops/nn.py), then the scale and bias.
-        y = OP["multiply"](normalize_last_axis(x, float(attrs.get("epsilon", 1e-5))), scale)
-        return [y if bias is None else OP["add"](y, bias)]
     eps = _like(float(attrs.get("epsilon", 1e-5)), x)
     mean = OP["mean"](x, axis=axes, keepdims=True)
     d = OP["subtract"](x, mean)
@@ -1127,8 +1116,6 @@ def run_node(
 ) -> list[Any]:
     if op_type == "Split":
         return split(list(ins), attrs, opset, outputs)
-    if op_type == "LayerNormalization":
-        return layer_norm_node(list(ins), attrs, opset, outputs)
     return HANDLERS[op_type](list(ins), attrs, opset)
 
 

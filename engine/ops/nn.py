@@ -29,7 +29,7 @@ from engine.ops.elementwise import (
 from engine.ops.linalg import matmul
 from engine.ops.reduce import logsumexp, mean, row_sum, sum, sums_rows, var
 from engine.ops.shape import reshape, swapaxes, take
-from engine.registry import defform, defjvp, defvjp, primitive, public, zero_vjp
+from engine.registry import defform, defjvp, defvjp, primitive, public
 from engine.shapes import (
     RuleError,
     TensorType,
@@ -394,163 +394,13 @@ def batch_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -
     return _affine(divide(centered, scale), gamma, beta)
 
 
-# ---- normalize over the last axis (layer norm without its scale and bias) ----
-# One primitive, xhat = (x - mean) / sqrt(var + eps) per row, and its VJP another:
-# normalize_grad(a, x, xhat) = r (a - mean(a) - xhat mean(a xhat)), r = 1 / sqrt(var + eps)
-# recomputed from x (two passes) rather than kept. The composite of means, variance,
-# sqrt and divide took ~9 passes forward and ~20 backward (issue 28). normalize_grad is
-# linear in a and self-adjoint (its matrix r (I - 11^T/n - xhat xhat^T/n) is symmetric),
-# hence its own VJP in a and normalize's JVP; its rule for x is the total derivative
-# (xhat is a cache of normalize(x): its rule is zero), written in ops for higher orders.
-def _inverse_std(xp: Any, x: Any, eps: float, centered: Any, work: Any) -> Any:
-    """1 / sqrt(var + eps) over the last axis, with x - mean written to `centered`
-    (`work`: an array of x's layout for the squares; it may be `centered`'s own)."""
-    inv_n = x.dtype.type(1 / x.shape[-1])
-    mean = _row_sum(xp, x, -1)
-    mean *= inv_n
-    xp.subtract(x, mean, out=centered)
-    var = _row_sum(xp, xp.multiply(centered, centered, out=work), -1)
-    var *= inv_n
-    var += x.dtype.type(eps)
-    xp.sqrt(var, out=var)
-    return xp.reciprocal(var, out=var)
-
-
-def _normalize_into(xp: Any, x: Any, eps: float, out: Any, work: Work) -> Any:
-    r = _inverse_std(xp, x, eps, out, work.get(x.shape, x.dtype))
-    out *= r
-    return out
-
-
-def _normalize_impl(xp: Any, x: Any, *, eps: float) -> Any:
-    return _normalize_into(xp, x, eps, xp.empty(x.shape, x.dtype), Work(xp, keep=False))
-
-
-def _normalize_grad_into(
-    xp: Any, a: Any, x: Any, xhat: Any, eps: float, out: Any, work: Work, r: Any = None
-) -> Any:
-    if r is None:
-        scratch = work.get(x.shape, x.dtype)
-        r = _inverse_std(xp, x, eps, scratch, scratch)
-    inv_n = x.dtype.type(1 / x.shape[-1])
-    a_xhat = xp.multiply(a, xhat, out=out)
-    m = _row_sum(xp, a_xhat, -1)
-    m *= inv_n
-    mean_a = _row_sum(xp, a, -1)
-    mean_a *= inv_n
-    xp.multiply(xhat, m, out=out)
-    xp.subtract(a, out, out=out)
-    out -= mean_a
-    out *= r
-    return out
-
-
-def _normalize_grad_impl(xp: Any, a: Any, x: Any, xhat: Any, *, eps: float) -> Any:
-    shape = xp.broadcast_shapes(a.shape, x.shape)
-    out = xp.empty(shape, x.dtype)
-    return _normalize_grad_into(xp, a, x, xhat, eps, out, Work(xp, keep=False))
-
-
-normalize_p = primitive("normalize", _normalize_impl)
-normalize_grad_p = primitive("normalize_grad", _normalize_grad_impl)
-
-
-def _normalize_grad(a: Tensor, x: Tensor, xhat: Tensor, eps: float) -> Tensor:
-    return bind(normalize_grad_p, a, x, xhat, eps=eps)
-
-
-def _row_mean(x: Tensor) -> Tensor:
-    return mean(x, -1, keepdims=True)
-
-
-def _normalize_grad_dx_vjp(ans: Tensor, a: Tensor, x: Tensor, xhat: Tensor, eps: float) -> Any:
-    """u -> d<u, normalize_grad(a, x)>/dx = -(r/n) (<u, dx> xhat + <u, xhat> dx
-    + <a, xhat> normalize_grad(u, x)), dx = normalize_grad(a, x), per row."""
-
-    def vjp(u: Tensor) -> Tensor:
-        r = divide(1, sqrt(add(var(x, -1, keepdims=True), eps)))
-        total = add(
-            add(
-                multiply(_row_mean(multiply(u, ans)), xhat),
-                multiply(_row_mean(multiply(u, xhat)), ans),
-            ),
-            multiply(_row_mean(multiply(a, xhat)), _normalize_grad(u, x, xhat, eps)),
-        )
-        return negative(multiply(r, total))
-
-    return vjp
-
-
-def _normalize_grad_dx_jvp(
-    ans: Tensor, a: Tensor, x: Tensor, xhat: Tensor, t: Tensor, eps: float
-) -> Tensor:
-    """normalize_grad(a, x)'s derivative in x along t: -r (mean(xhat t) dx
-    + m dxhat + xhat mean(a dxhat)), dxhat = normalize_grad(t, x), m = mean(a xhat)."""
-    r = divide(1, sqrt(add(var(x, -1, keepdims=True), eps)))
-    dxhat = _normalize_grad(t, x, xhat, eps)
-    total = add(
-        add(
-            multiply(_row_mean(multiply(xhat, t)), ans),
-            multiply(_row_mean(multiply(a, xhat)), dxhat),
-        ),
-        multiply(xhat, _row_mean(multiply(a, dxhat))),
-    )
-    return negative(multiply(r, total))
-
-
-defvjp(normalize_p, lambda ans, x, *, eps: lambda g: _normalize_grad(g, x, ans, eps))
-defjvp(normalize_p, lambda t, ans, x, *, eps: _normalize_grad(t[0], x, ans, eps))
-defvjp(
-    normalize_grad_p,
-    lambda ans, a, x, xhat, *, eps: lambda u: _normalize_grad(u, x, xhat, eps),
-    lambda ans, a, x, xhat, *, eps: _normalize_grad_dx_vjp(ans, a, x, xhat, eps),
-    lambda ans, a, x, xhat, *, eps: zero_vjp,
-)
-defjvp(
-    normalize_grad_p,
-    lambda t, ans, a, x, xhat, *, eps: _sum_terms(
-        None if t[0] is None else _normalize_grad(t[0], x, xhat, eps),
-        None if t[1] is None else _normalize_grad_dx_jvp(ans, a, x, xhat, t[1], eps),
-    ),
-)
-
-
-defform(
-    normalize_p, _form(lambda x, out, work, eps: _normalize_into(host, x, eps, out, work), True)
-)
-
-
-def _normalize_grad_form(params: dict, operands: list, value: Any) -> Any:
-    eps, x = params["eps"], operands[1]
-    r = None
-    if isinstance(x, host.ndarray):  # a recorded value (a reused tape's HVPs): r made once
-        r = _inverse_std(host, x, eps, host.empty(x.shape, x.dtype), host.empty(x.shape, x.dtype))
-    work = Work(host)
-
-    def form(a: Any, x: Any, xhat: Any, out: Any) -> Any:
-        if out is None:
-            out = host.empty(value.shape, value.dtype)
-        return _normalize_grad_into(host, a, x, xhat, eps, out, work, r)
-
-    return form
-
-
-defform(normalize_grad_p, _normalize_grad_form)
-
-
-def normalize_last_axis(x: Tensor, eps: float) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the last axis (biased variance): one primitive
-    for floating x (layer_norm's and the ONNX LayerNormalization's core)."""
-    if x.dtype.kind != "f" or x.ndim == 0:
-        centered = subtract(x, mean(x, -1, keepdims=True))
-        return divide(centered, sqrt(add(var(x, -1, keepdims=True), eps)))
-    return bind(normalize_p, x, eps=float(eps))
-
-
 @public("nn", shape_rule=_normalization_rule(batch=False), kinds={"eps": "float"})
 def layer_norm(x: Any, gamma: Any = None, beta: Any = None, eps: float = 1e-5) -> Tensor:
     """Layer normalization: statistics over the last axis of each example."""
-    return _affine(normalize_last_axis(as_tensor(x), eps), gamma, beta)
+    x = as_tensor(x)
+    centered = subtract(x, mean(x, -1, keepdims=True))
+    scale = sqrt(add(var(x, -1, keepdims=True), eps))
+    return _affine(divide(centered, scale), gamma, beta)
 
 
 def clip_by_norm_rule(b: dict[str, Any]) -> TensorType:
