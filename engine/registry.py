@@ -163,8 +163,9 @@ def defjvp(prim: Primitive, rule: Callable[..., Any]) -> None:
 
 def defform(prim: Primitive, maker: Callable[..., Any]) -> None:
     """The compiled replay's form of `prim`: `maker(params, operands, value)` returns
-    `form(*arrays, out)` writing the impl's result into `out` (None: allocate); it may
-    keep work arrays between passes (a schedule runs one pass at a time)."""
+    `form(*arrays, out)` writing the impl's result into `out` (None: allocate). A form
+    keeps no arrays of its own between passes: what a schedule keeps is its buffers,
+    counted against its pool limit (temporaries within one call are fine)."""
     replay_forms[prim] = maker
 
 

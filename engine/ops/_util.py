@@ -57,24 +57,3 @@ def normalize_axis(axis: int, ndim: int, opname: str) -> int:
 def batch_ndim(g: Tensor, ans: Tensor) -> int:
     """How many leading batch axes a cotangent (or tangent) carries beyond `ans`."""
     return g.ndim - ans.ndim
-
-
-class Work:
-    """Work arrays a compiled replay's form keeps between passes, one per shape and dtype
-    (engine.registry.defform: a schedule runs one pass at a time). `Work(xp)` with
-    `keep=False` (the dynamic impl) hands out fresh arrays."""
-
-    __slots__ = ("arrays", "keep", "xp")
-
-    def __init__(self, xp: Any, keep: bool = True):
-        self.xp, self.keep = xp, keep
-        self.arrays: dict[tuple, Any] = {}
-
-    def get(self, shape: tuple[int, ...], dtype: Any, tag: int = 0) -> Any:
-        if not self.keep:
-            return self.xp.empty(shape, dtype)
-        key = (shape, dtype, tag)
-        a = self.arrays.get(key)
-        if a is None:
-            a = self.arrays[key] = self.xp.empty(shape, dtype)
-        return a

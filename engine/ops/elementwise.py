@@ -23,7 +23,7 @@ from engine import trace
 from engine.backend import array_module, host
 from engine.backend import erf as erf_impl
 from engine.backend import numpy as numpy_module
-from engine.ops._util import Work, coerce_pair
+from engine.ops._util import coerce_pair
 from engine.registry import (
     MissingRuleError,
     Primitive,
@@ -1010,13 +1010,17 @@ def silu(x: Any) -> Tensor:
 
 # ---- gelu (exact): one primitive, its slope another ----
 # The composite 0.5 x (1 + erf(x / sqrt 2)) costs 5 full-size NumPy calls forward and ~12
-# backward (issue 28). gelu computes the composite's own passes (its forward bit-equal);
-# its VJP is g * gelu_slope(x, y), gelu'(x) = Phi(x) + x phi(x) with Phi = y / x read off
-# the forward's answer (within 2 ulp; 1/2 at x = 0) rather than a second erf
-# (erf_float32 is ~25 float64 passes). The slope is a tensor of its own, so a fresh HVP
-# computes it once for the gradient and the second pass, and a reused tape's HVPs fold
-# it into a constant. y is a cache of gelu(x): gelu_slope's rule for x is the total
-# derivative, gelu''(x) = phi(x) (2 - x^2), the one for y zero.
+# backward (issue 28). gelu computes x (0.5 (1 + erf(x / sqrt 2))): halved before the
+# product with x, as the composite's (x * 0.5) * (1 + erf), so it does not overflow where
+# x does not (x near float32's max) and equals the composite bit for bit (halving is
+# exact away from subnormals). Its VJP is g * gelu_slope(x, y), gelu'(x) = Phi(x) +
+# x phi(x) with Phi = y / x read off the forward's answer (within 2 ulp) rather than a
+# second erf (erf_float32 is ~25 float64 passes); where |x| < eps / 2 (0, subnormals,
+# where y = x / 2 is itself rounded away) Phi is 1/2 to within half an ulp. The slope
+# is a tensor of its own, so a fresh HVP computes it once for the gradient and the
+# second pass, and a reused tape's HVPs fold it into a constant. y is a cache of
+# gelu(x): gelu_slope's rule for x is the total derivative, gelu''(x) = phi(x) (2 - x^2),
+# the one for y zero.
 _ROOT_TWO = 1.4142135623730951
 _ONE_OVER_ROOT_TWO_PI = 0.3989422804014327
 
@@ -1024,37 +1028,39 @@ _ONE_OVER_ROOT_TWO_PI = 0.3989422804014327
 def _gelu_impl(xp: Any, x: Any) -> Any:
     y = erf_impl(xp, x / x.dtype.type(_ROOT_TWO))
     y += 1
+    y *= x.dtype.type(0.5)  # before the product with x: 2 x overflows near the max
     y *= x
-    y *= x.dtype.type(0.5)  # exact: (x * 0.5) * (erf + 1) as the composite, bit for bit
     return y
 
 
-def _gelu_slope_into(xp: Any, x: Any, y: Any, out: Any, work: Any) -> Any:
-    """gelu'(x) into `out` (`work`: an array of x's layout)."""
+def _gelu_slope_into(xp: Any, x: Any, y: Any, out: Any) -> Any:
+    """gelu'(x) = (x^2 phi(x) + y) / x into `out` (no work array: nothing a compiled
+    replay keeps beyond its accounted buffers), 1/2 where |x| < eps / 2."""
     one = x.dtype.type
-    xp.multiply(x, one(-0.5), out=out)
-    out *= x
-    xp.exp(out, out=out)
-    out *= x
-    out *= one(_ONE_OVER_ROOT_TWO_PI)  # x phi(x)
-    with host.errstate(invalid="ignore", divide="ignore"):  # 0 / 0, replaced below
-        cdf = xp.divide(y, x, out=work)
-    cdf[x == 0] = one(0.5)
-    out += cdf
+    tiny = xp.less(xp.abs(x, out=out), one(xp.finfo(x.dtype).eps / 2))
+    # x^2 overflows to inf far out (exp then gives 0); 0 / 0 at x = 0 is replaced
+    with host.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        xp.multiply(x, one(-0.5), out=out)
+        out *= x
+        xp.exp(out, out=out)
+        out *= x
+        out *= x
+        out *= one(_ONE_OVER_ROOT_TWO_PI)  # x^2 phi(x)
+        out += y
+        out /= x
+    xp.copyto(out, one(0.5), where=tiny)
     return out
 
 
 def _gelu_slope_impl(xp: Any, x: Any, y: Any) -> Any:
-    return _gelu_slope_into(xp, x, y, xp.empty(x.shape, x.dtype), xp.empty(x.shape, x.dtype))
+    return _gelu_slope_into(xp, x, y, xp.empty(x.shape, x.dtype))
 
 
 def _gelu_slope_form(params: dict, operands: list, value: Any) -> Any:
-    work = Work(host)
-
     def form(x: Any, y: Any, out: Any) -> Any:
         if out is None:
             out = host.empty(value.shape, value.dtype)
-        return _gelu_slope_into(host, x, y, out, work.get(x.shape, x.dtype))
+        return _gelu_slope_into(host, x, y, out)
 
     return form
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine import backend
 from engine.backend import host
-from engine.ops._util import Work, normalize_axes
+from engine.ops._util import normalize_axes
 from engine.ops.elementwise import (
     abs,
     add,
@@ -60,8 +60,15 @@ def stop_gradient(x: Any) -> Tensor:
 def softmax_rule(b: dict[str, Any]) -> TensorType:
     x = concrete(b["x"])
     require(x, "float")
-    check_nonempty(x.shape, axes_of(b.get("axis", -1), x.ndim))
+    check_softmax_axis(x.shape, b.get("axis", -1))
     return x
+
+
+def check_softmax_axis(shape: tuple[int, ...], axis: int) -> None:
+    """A softmax normalizes over its axis: the axis must hold elements."""
+    (a,) = axes_of(axis, len(shape))
+    if shape[a] == 0:
+        raise RuleError(f"axis {axis} of shape {shape} is empty: nothing to normalize over")
 
 
 @public("nn", shape_rule=softmax_rule, kinds={"axis": "axis"})
@@ -109,33 +116,30 @@ def _softmax_impl(xp: Any, x: Any, *, axis: int) -> Any:
     return _softmax_into(xp, x, axis, xp.empty(x.shape, x.dtype))
 
 
-def _softmax_grad_into(xp: Any, g: Any, y: Any, axis: int, out: Any, work: Work) -> Any:
+def _softmax_grad_into(xp: Any, g: Any, y: Any, axis: int, out: Any) -> Any:
+    # y * (g - sum(g y)) (PyTorch's softmax backward), in `out` alone: no work array, so
+    # nothing a compiled replay keeps beyond its accounted buffers. out is never g (the
+    # replay writes in place only into elementwise ops' operands).
     xp.multiply(g, y, out=out)
-    ys = xp.multiply(y, _row_sum(xp, out, axis), out=work.get(out.shape, out.dtype))
-    xp.subtract(out, ys, out=out)
+    xp.subtract(g, _row_sum(xp, out, axis), out=out)
+    out *= y
     return out
 
 
 def _softmax_grad_impl(xp: Any, g: Any, y: Any, *, axis: int) -> Any:
-    shape = xp.broadcast_shapes(g.shape, y.shape)
-    return _softmax_grad_into(xp, g, y, axis, xp.empty(shape, y.dtype), Work(xp, keep=False))
+    shape = host.broadcast_shapes(g.shape, y.shape)
+    return _softmax_grad_into(xp, g, y, axis, xp.empty(shape, y.dtype))
 
 
-def _form(into: Any, needs_work: bool) -> Any:
-    """A replay form maker for an `into(*arrays, out[, work])` core (engine.registry.defform)."""
+def _form(into: Any) -> Any:
+    """A replay form maker for an `into(*arrays, out, **params)` core (engine.registry.defform)."""
 
     def maker(params: dict, operands: list, value: Any) -> Any:
-        work = Work(host)
-
         def form(*arrays: Any) -> Any:
             *ins, out = arrays
             if out is None:
                 out = host.empty(value.shape, value.dtype)
-            return (
-                into(*ins, out=out, work=work, **params)
-                if needs_work
-                else into(*ins, out=out, **params)
-            )
+            return into(*ins, out=out, **params)
 
         return form
 
@@ -143,7 +147,7 @@ def _form(into: Any, needs_work: bool) -> Any:
 
 
 softmax_p = primitive("softmax", _softmax_impl)
-softmax_grad_p = primitive("softmax_grad", _softmax_grad_impl)
+softmax_grad_p = primitive("softmax_grad", _softmax_grad_impl, broadcasting=True)
 
 
 def _softmax_grad(g: Tensor, y: Tensor, axis: int) -> Tensor:
@@ -178,11 +182,8 @@ defjvp(
 )
 
 
-defform(softmax_p, _form(lambda x, out, axis: _softmax_into(host, x, axis, out), False))
-defform(
-    softmax_grad_p,
-    _form(lambda g, y, out, work, axis: _softmax_grad_into(host, g, y, axis, out, work), True),
-)
+defform(softmax_p, _form(lambda x, out, axis: _softmax_into(host, x, axis, out)))
+defform(softmax_grad_p, _form(lambda g, y, out, axis: _softmax_grad_into(host, g, y, axis, out)))
 
 
 def _sum_terms(a: Tensor | None, b: Tensor | None) -> Tensor:
@@ -196,6 +197,7 @@ def _sum_terms(a: Tensor | None, b: Tensor | None) -> Tensor:
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """exp(x) / sum(exp(x)) over `axis`, computed stably."""
     x = as_tensor(x)
+    checked("softmax", check_softmax_axis, x.shape, axis)
     (axis,) = normalize_axes(axis, x.ndim, "softmax")
     if x.dtype.kind != "f" or x.ndim == 0:
         return exp(log_softmax(x, axis))
