@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.backend import host
 from engine.onnx import recurrent  # noqa: F401 (registers LSTM, GRU and RNN in HANDLERS)
 from engine.onnx.errors import ModelError, ModelProblem
 from engine.onnx.external import external_data_problems
@@ -421,7 +422,7 @@ class OnnxModel:
             if node.op_type == "Dropout":
                 problems.extend(self._mode_problems(node, consts))
             steps.append(Step(node.op_type, node.inputs, node.outputs, node.attrs))
-        steps = fuse_erf_gelu(steps, consts, set(self.outputs))
+        steps = fuse_erf_gelu(steps, consts, set(self.outputs), shapes)
         outputs = []
         for name in self.outputs:
             if name in consts:
@@ -748,18 +749,35 @@ def float_dtypes(model: OnnxModel) -> set[np.dtype]:
 # fused gelu primitive (engine/ops/elementwise.py): the same forward bit for bit, a
 # backward of ~10 passes instead of ~15 NumPy calls and an erf derivative (issue 28).
 # ----------------------------------------------------------------------------------------
-def _is_scalar(consts: Mapping[str, np.ndarray], name: str, value: float) -> bool:
+def _keeps_shape(const_shape: tuple[int, ...], x_shape: tuple | None) -> bool:
+    """Whether a one-element constant broadcast against x leaves x's shape as it is (a
+    (1, 1) constant makes a vector a matrix: fusing it would change the result's shape).
+    x of unknown rank: only a 0-d constant does."""
+    if x_shape is None:
+        return len(const_shape) == 0
+    sized = tuple(2 if d is None else d for d in x_shape)  # any size > 1 for an unknown one
+    return host.broadcast_shapes(sized, const_shape) == sized
+
+
+def _is_scalar(
+    consts: Mapping[str, np.ndarray], name: str, value: float, x_shape: tuple | None
+) -> bool:
     c = consts.get(name)
-    if c is None or c.dtype.kind != "f" or c.size != 1:
+    if c is None or c.dtype.kind != "f" or c.size != 1 or not _keeps_shape(c.shape, x_shape):
         return False
     return bool(c.reshape(()) == c.dtype.type(value))
 
 
 def fuse_erf_gelu(
-    steps: list[Step], consts: Mapping[str, np.ndarray], outputs: set[str]
+    steps: list[Step],
+    consts: Mapping[str, np.ndarray],
+    outputs: set[str],
+    shapes: Mapping[str, tuple],
 ) -> list[Step]:
     """steps with each Div-Erf-Add-Mul-Mul GELU (any association of the products)
-    replaced by one Gelu step; its intermediates must be read by nothing else."""
+    replaced by one Gelu step; its intermediates must be read by nothing else, and its
+    constants must be one-element arrays that leave x's shape as it is (`shapes`: the
+    inferred name -> (shape, dtype), None for a size or a rank not inferred)."""
     readers: dict[str, int] = {}
     for step in steps:
         for n in step.inputs:
@@ -784,7 +802,8 @@ def fuse_erf_gelu(
         if div.op_type != "Div" or len(div.inputs) != 2:
             continue
         x, root = div.inputs
-        if x in consts or not _is_scalar(consts, root, 1.4142135623730951):
+        x_shape = shapes.get(x, (None, None))[0]
+        if x in consts or not _is_scalar(consts, root, 1.4142135623730951, x_shape):
             continue
         chain = [k]
         e = only_reader(div.outputs[0])
@@ -795,7 +814,7 @@ def fuse_erf_gelu(
         if a is None or steps[a].op_type != "Add":
             continue
         one = other(steps[a], steps[e].outputs[0])
-        if one is None or not _is_scalar(consts, one, 1.0):
+        if one is None or not _is_scalar(consts, one, 1.0, x_shape):
             continue
         chain.append(a)
         m1 = only_reader(steps[a].outputs[0])
@@ -807,10 +826,12 @@ def fuse_erf_gelu(
             if m2 is None or steps[m2].op_type != "Mul":
                 continue
             half = other(steps[m2], steps[m1].outputs[0])
-            if half is None or not _is_scalar(consts, half, 0.5):
+            if half is None or not _is_scalar(consts, half, 0.5, x_shape):
                 continue
             chain += [m1, m2]
-        elif factor is not None and _is_scalar(consts, factor, 0.5):  # 0.5 (1 + erf), then * x
+        elif factor is not None and _is_scalar(
+            consts, factor, 0.5, x_shape
+        ):  # 0.5 (1 + erf), then * x
             m2 = only_reader(steps[m1].outputs[0])
             if m2 is None or steps[m2].op_type != "Mul":
                 continue
@@ -820,7 +841,11 @@ def fuse_erf_gelu(
         elif factor is not None and factor in made:  # (x * 0.5) * (1 + erf)
             h = made[factor]
             half = other(steps[h], x)
-            if steps[h].op_type != "Mul" or half is None or not _is_scalar(consts, half, 0.5):
+            if (
+                steps[h].op_type != "Mul"
+                or half is None
+                or not _is_scalar(consts, half, 0.5, x_shape)
+            ):
                 continue
             if only_reader(factor) != m1 or readers.get(x, 0) < 2:
                 continue
