@@ -98,6 +98,10 @@ DEFERRED_SHAPES: dict[Primitive, Callable[..., tuple[int, ...]]] = {}
 # trailing-axis rule. Batched tangents of lower-rank arguments get size-1 axes inserted
 # after their batch axes (in one place, the accumulator) so the rule sees them aligned.
 BROADCASTING: set[Primitive] = set()
+# Primitives a compiled replay computes once when a pass repeats them on the same operands
+# with the same parameters (engine/replay.py): pure, and repeated by rules that do not know
+# of each other (a convolution's windows of one cotangent, gathered by two VJPs).
+REPEATS_SHARED: set[Primitive] = set()
 
 
 class _Zero:

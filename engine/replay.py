@@ -47,7 +47,7 @@ import numpy as np
 
 from engine import trace
 from engine.ops.reduce import row_sum, sums_rows
-from engine.registry import Primitive, impl_rules, replay_forms
+from engine.registry import REPEATS_SHARED, Primitive, impl_rules, replay_forms
 from engine.tensor import Tensor, scalar_cache
 
 # Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
@@ -82,6 +82,7 @@ class Capture:
         self.slots: dict[int, tuple[int, Any]] = {}  # id(tensor) -> (slot, weakref)
         self.steps: list[tuple[Primitive, tuple[int, ...], dict[str, Any]]] = []
         self.step_slot: list[int] = []
+        self.shared: dict[tuple, int] = {}  # (prim, operand slots, params) -> slot: REPEATS_SHARED
         self.failure: str | None = None
         self.made_bytes = 0  # constants the pass made (the schedule will hold them)
         self.seed_slots = [self._new(s, _SEED) for s in seeds]
@@ -128,8 +129,16 @@ class Capture:
             self._new(ans, _CONST)  # folded: its value is known now
             self.made_bytes += ans.value.nbytes
             return
+        if prim in REPEATS_SHARED:
+            key = (prim, ins, tuple(sorted(params.items())))
+            same = self.shared.get(key)
+            if same is not None:  # computed already from the same operands: reuse it
+                self.slots[id(ans)] = (same, weakref.ref(ans))
+                return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
+        if prim in REPEATS_SHARED:
+            self.shared[key] = slot
         self.step_slot.append(slot)
         for a, i in zip(args, ins, strict=True):
             if np.may_share_memory(ans.value, a.value):  # a view: its operand's memory
@@ -512,10 +521,20 @@ def _c_contiguous(x: Any) -> bool:
 
 def _relu_grad_form(params: dict, operands: list, value: Any) -> Any:
     g, x = operands
-    if params["alpha"] != 0 or isinstance(g, np.ndarray) or not isinstance(x, np.ndarray):
+    if params["alpha"] != 0 or isinstance(g, np.ndarray):
         return None
+    if not isinstance(x, np.ndarray):
+        # the impl's g * (x > 0), its product into the buffer (in place into a dying g:
+        # one pass over g and x, no float mask, no fresh full-size result)
+        greater, multiply = np.greater, np.multiply
+        return lambda g_, x_, out: multiply(g_, greater(x_, 0), out)
     mask = (x > 0).astype(value.dtype)  # made once: x is a recorded value
     return lambda g, x_, out: np.multiply(g, mask, out)
+
+
+def _relu_form(params: dict, operands: list, value: Any) -> Any:
+    maximum = np.maximum  # the impl's maximum(x, 0), into a buffer or a dying x
+    return lambda x, out: maximum(x, 0, out=out)
 
 
 def _tanh_grad_form(params: dict, operands: list, value: Any) -> Any:
@@ -535,10 +554,11 @@ _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
     **{name: _ufunc_form(fn) for name, fn in _UFUNCS.items()},
     "matmul": _matmul_form,
     "sum": _sum_form,
+    "relu": _relu_form,
     "relu_grad": _relu_grad_form,
     "tanh_grad": _tanh_grad_form,
 }
-_ELEMENTWISE = {*_UFUNCS, "relu_grad", "tanh_grad"}
+_ELEMENTWISE = {*_UFUNCS, "relu", "relu_grad", "tanh_grad"}
 
 
 class Schedule:
@@ -708,8 +728,30 @@ class _Layout:
 
     def __init__(self, a: np.ndarray):
         self.shape, self.strides, self.dtype, self.nbytes = a.shape, a.strides, a.dtype, a.nbytes
-        self.order = "C" if a.flags.c_contiguous else "F" if a.flags.f_contiguous else None
+        self.order = (
+            "C"
+            if a.flags.c_contiguous
+            else "F"
+            if a.flags.f_contiguous
+            else "P"
+            if _dense(a.shape, a.strides, a.itemsize)
+            else None
+        )
         self.key = (a.shape, a.strides, a.dtype)
+
+
+def _dense(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """Whether an array of this layout fills its memory exactly, its axes in some order:
+    a transposed view of contiguous memory (a convolution's result, (N, C, H, W) over
+    memory ordered (C, N, H, W), and whatever elementwise ops make from it), for which
+    a buffer of the same strides can be made (`_Buffer.allocate`)."""
+    axes = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    step = itemsize
+    for st, n in axes:
+        if st != step:
+            return False
+        step *= n
+    return True
 
 
 class _Buffer:
@@ -722,7 +764,12 @@ class _Buffer:
         self.array: Any = None
 
     def allocate(self) -> None:
-        self.array = np.empty(self.layout.shape, self.layout.dtype, order=self.layout.order)  # type: ignore[arg-type]
+        layout = self.layout
+        if layout.order == "P":  # the recorded strides exactly, over fresh dense memory
+            flat = np.empty(layout.nbytes // layout.dtype.itemsize, layout.dtype)
+            self.array = np.lib.stride_tricks.as_strided(flat, layout.shape, layout.strides)
+            return
+        self.array = np.empty(layout.shape, layout.dtype, order=layout.order)  # type: ignore[arg-type]
 
 
 def _compile_step(

@@ -51,22 +51,17 @@ class FlatOperator:
         if vectors.ndim != 2 or vectors.shape[1] != self.n:
             raise ValueError(f"matvec: expected shape (K, {self.n}), got {vectors.shape}")
         k = vectors.shape[0]
-        if k == 1:
-            # One vector (what SciPy's solvers ask): the operator's single product, whose
-            # pass has no batch axis (its GEMMs are plain matrix products) and is the one
-            # direct `hvp` calls replay.
-            row = vectors[0]
-            blocks = [
-                self._block(row[lo : lo + size].reshape(shape), p)
-                for p, shape, lo, size in self._layout
-            ]
-            answer = self.operator.hvp(*tree.unflatten(self._treedef, blocks))
-        else:
-            blocks = [
-                self._block(vectors[:, lo : lo + size].reshape((k, *shape)), p)
-                for p, shape, lo, size in self._layout
-            ]
-            answer = self.operator.hvp_many(*tree.unflatten(self._treedef, blocks))
+        # One vector (what SciPy's solvers ask) goes through the operator's single
+        # product, whose pass has no batch axis (its GEMMs are plain matrix products) and
+        # is the one direct `hvp` calls replay.
+        single = k == 1
+        rows, lead = (vectors[0], ()) if single else (vectors, (k,))
+        blocks = [
+            self._block(rows[..., lo : lo + size].reshape(lead + shape), p)
+            for p, shape, lo, size in self._layout
+        ]
+        vector = tree.unflatten(self._treedef, blocks)
+        answer = self.operator.hvp(*vector) if single else self.operator.hvp_many(*vector)
         products = tree.flatten(answer)[0]
         if not products:
             return np.empty((k, 0), dtype=vectors.dtype)

@@ -1,7 +1,7 @@
 """Convolution and pooling, N-d, in ONNX's (and PyTorch's) channels-first layout.
 
-Convolution is three bilinear primitives closed under differentiation (the block "conv:
-three bilinear primitives" below): the convolution, its transpose in the input (the
+Convolution is three bilinear primitives closed under differentiation (the block headed
+"conv: three bilinear primitives", further down): the convolution, its transpose in the input (the
 input's cotangent: for stride 1 a convolution of the cotangent with the flipped kernel,
 for other strides a GEMM and a col2im) and its transpose in the kernel (the kernel's
 cotangent), all GEMMs over windows gathered once into the GEMM's layout. Pooling is
@@ -30,7 +30,15 @@ from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
 from engine.ops.reduce import max_p, sum_p
 from engine.ops.shape import reshape, transpose
-from engine.registry import DEFERRED_SHAPES, defjvp, defnondiff, defvjp, primitive, public
+from engine.registry import (
+    DEFERRED_SHAPES,
+    REPEATS_SHARED,
+    defjvp,
+    defnondiff,
+    defvjp,
+    primitive,
+    public,
+)
 from engine.shapes import (
     RuleError,
     TensorType,
@@ -46,8 +54,19 @@ from engine.tensor import Tensor, as_tensor, bind, pass_constant
 Pads = tuple[tuple[int, int], ...]
 
 
-def _out_size(size: int, k: int, s: int, lo: int, hi: int, d: int) -> int:
-    return (size + lo + hi - d * (k - 1) - 1) // s + 1
+def _out_sizes(
+    spatial: Sequence[int],
+    kernel: tuple,
+    strides: tuple,
+    dilations: tuple,
+    pads: Pads | None = None,
+) -> tuple[int, ...]:
+    """Windows along each axis of `spatial`, padded by `pads` (none when None)."""
+    pads = pads or ((0, 0),) * len(kernel)
+    return tuple(
+        (n + lo + hi - d * (k - 1) - 1) // s + 1
+        for n, k, s, (lo, hi), d in zip(spatial, kernel, strides, pads, dilations)
+    )
 
 
 # ---- im2col: windows of the last len(kernel) axes, as new axes ----
@@ -62,9 +81,7 @@ def _im2col_impl(
     else:
         x = xp.ascontiguousarray(x)
     spatial = x.shape[len(lead) :]
-    out = tuple(
-        (n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(spatial, kernel, strides, dilations)
-    )
+    out = _out_sizes(spatial, kernel, strides, dilations)
     st = x.strides[len(lead) :]
     view = xp.lib.stride_tricks.as_strided(
         x,
@@ -85,9 +102,7 @@ def _col2im_impl(
     lead = p.shape[: p.ndim - 2 * nd]
     out = p.shape[p.ndim - nd :]
     padded = tuple(n + lo + hi for n, (lo, hi) in zip(spatial, pads))
-    expected = tuple(
-        (n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(padded, kernel, strides, dilations)
-    )
+    expected = _out_sizes(padded, kernel, strides, dilations)
     if p.shape[len(lead) :] != kernel + expected:  # the strided writes below trust the shape
         raise ValueError(f"col2im: windows {p.shape} do not fit the spatial shape {spatial}")
     buf = xp.zeros(lead + padded, dtype=p.dtype)
@@ -189,10 +204,7 @@ def _gather_impl(
         )
         buf[(Ellipsis, *(slice(lo, lo + m) for (lo, _), m in zip(grow, inner)))] = x
         x = buf
-    out = tuple(
-        (m - d * (k - 1) - 1) // s + 1
-        for m, k, s, d in zip(x.shape[-nd:], kernel, strides, dilations)
-    )
+    out = _out_sizes(x.shape[-nd:], kernel, strides, dilations)
     if any(o < 1 for o in out):
         raise ValueError(f"gather: a window of {kernel} does not fit {x.shape[-nd:]}")
     st = x.strides
@@ -237,10 +249,7 @@ def _conv_impl(
 ) -> Any:
     nd = len(strides)
     kernel, o = w.shape[-nd:], w.shape[-nd - 2]
-    out = tuple(
-        _out_size(m, k, s, lo, hi, d)
-        for m, k, s, (lo, hi), d in zip(x.shape[-nd:], kernel, strides, pads, dilations)
-    )
+    out = _out_sizes(x.shape[-nd:], kernel, strides, dilations, pads)
     wm = w.reshape(_lead(w, nd) + (groups, o // groups, w.shape[-nd - 1] * math.prod(kernel)))
     return _unrows(xp.matmul(wm, cols), x.shape[-nd - 2], out)
 
@@ -259,10 +268,7 @@ def _conv_input_impl(
     nd = len(strides)
     kernel, (o, cg) = w.shape[-nd:], w.shape[-nd - 2 : -nd]
     lw, n = _lead(w, nd), g.shape[-nd - 2]
-    expected = tuple(
-        _out_size(m, k, s, lo, hi, d)
-        for m, k, s, (lo, hi), d in zip(spatial, kernel, strides, pads, dilations)
-    )
+    expected = _out_sizes(spatial, kernel, strides, dilations, pads)
     if g.shape[-nd:] != expected or g.shape[-nd - 1] != o:
         raise ValueError(f"conv_input: cotangent {g.shape} does not fit weight {w.shape}")
     if all(s == 1 for s in strides):
@@ -354,6 +360,10 @@ def _conv_weight_impl(
 
 
 gather_p = primitive("conv_gather", _gather_impl)
+# The second backward of a reused HVP gathers one cotangent's windows twice, for
+# conv_input's VJP in its cotangent (a convolution) and in its kernel (conv_weight): a
+# compiled replay gathers them once.
+REPEATS_SHARED.add(gather_p)
 defnondiff(gather_p)  # a hint: every rule below differentiates the op that takes it
 conv_p = primitive("conv", _conv_impl)
 conv_input_p = primitive("conv_input", _conv_input_impl)
@@ -575,10 +585,7 @@ def _window(
     if isinstance(pads, str):
         pads = auto_pads(spatial, kernel, strides, dilations, pads)
     pads = normalize_pads(pads, nd)
-    out = tuple(
-        _out_size(n, k, s, lo, hi, d)
-        for n, k, s, (lo, hi), d in zip(spatial, kernel, strides, pads, dilations)
-    )
+    out = _out_sizes(spatial, kernel, strides, dilations, pads)
     if any(o < 1 for o in out):
         raise RuleError(
             f"a window of {kernel} (dilations {dilations}) does not fit the spatial shape "

@@ -565,8 +565,8 @@ relu_p = primitive("relu", lambda xp, x: xp.maximum(x, 0))
 
 
 def _relu_grad_impl(xp: Any, g: Any, x: Any, *, alpha: float) -> Any:
-    if alpha == 0:
-        return g * (x > 0).astype(g.dtype)
+    if alpha == 0:  # a bool mask: one pass fewer than a float one, the same products
+        return g * (x > 0)
     return xp.where(x > 0, g, g * g.dtype.type(alpha))
 
 
@@ -591,8 +591,11 @@ defjvp(
     relu_grad_p,
     lambda t, ans, g, x, *, alpha: _zeros_of(t[1]) if t[0] is None else _relu_grad(t[0], x, alpha),
 )
-defvjp(relu_p, lambda ans, x: lambda g: _relu_grad(g, x, 0.0))
-defjvp(relu_p, lambda t, ans, x: _relu_grad(t[0], x, 0.0))
+# The mask is read off the result (ans > 0 exactly where x > 0), as PyTorch's
+# threshold_backward does: x then dies at relu (a replay computes relu in place in it),
+# and the result, which the next layer reads anyway, is what the backward pass keeps.
+defvjp(relu_p, lambda ans, x: lambda g: _relu_grad(g, ans, 0.0))
+defjvp(relu_p, lambda t, ans, x: _relu_grad(t[0], ans, 0.0))
 
 leaky_relu_p = primitive(
     "leaky_relu", lambda xp, x, *, alpha: xp.where(x > 0, x, x * x.dtype.type(alpha))

@@ -50,6 +50,9 @@ def little_endian(dtype: str | np.dtype) -> np.dtype:
 # NumPy's own bounds on an array's shape: past them it raises ValueError mid-request.
 MAX_DIMENSION = 2**31 - 1
 MAX_RANK = 32
+# ... and on the product of its nonzero dimensions: their bytes, at 8 for the widest dtype
+# of DTYPES, must fit NumPy's signed 64-bit index.
+MAX_ELEMENTS_OF_ANY_SHAPE = (2**63 - 1) // 8
 # How deep a JSON `data` list may nest. The document spells every level out (the client
 # generators cannot follow a recursive array schema), so the levels are bounded; a tensor
 # of more dimensions sends its data flat beside its shape.
@@ -66,6 +69,13 @@ def expected_size(shape: Sequence[int]) -> int:
                 f"shape {short_shape(shape)} has a dimension of {d}; each must be within "
                 f"0..{MAX_DIMENSION}"
             )
+    # NumPy refuses a shape whose nonzero dimensions multiply past what its byte counts
+    # hold, even when a 0 among them makes the array empty: bounded for the widest dtype.
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS_OF_ANY_SHAPE:
+        raise TensorError(
+            f"shape {short_shape(shape)} multiplies out past {MAX_ELEMENTS_OF_ANY_SHAPE:,} "
+            "elements (its nonzero dimensions alone: NumPy makes no such array, even empty)"
+        )
     return math.prod(shape)
 
 

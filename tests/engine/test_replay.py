@@ -125,7 +125,26 @@ def _variables_and_broadcasting():
     return loss, params
 
 
+def _conv_batchnorm_relu():
+    """Two convolutions, each followed by a per-channel affine map (an inference batch
+    norm, folded) and relu: the elementwise ops work on a convolution's result, a
+    transposed view of its GEMM's memory, and the replay writes them into buffers of
+    that layout or into the operand that dies there."""
+    rng = np.random.default_rng(12)
+    x = gt.constant(rng.standard_normal((3, 2, 6, 6)))
+    shapes = [(4, 2, 3, 3), (4, 1, 1), (4, 1, 1), (3, 4, 3, 3), (3, 1, 1), (3, 1, 1)]
+    params = [gt.constant(rng.standard_normal(s) * 0.5) for s in shapes]
+
+    def loss(w1, a1, c1, w2, a2, c2):
+        h = gt.relu(gt.conv(x, w1, pads=1) * a1 + c1)
+        h = gt.relu(gt.conv(h, w2, strides=2, pads=1) * a2 + c2)
+        return gt.mean(h * h)
+
+    return loss, params
+
+
 SCENARIOS = {
+    "conv_batchnorm_relu": _conv_batchnorm_relu,
     "mlp_tanh": lambda: _mlp(gt.tanh),
     "mlp_relu": lambda: _mlp(gt.relu),
     "mlp_softplus": lambda: _mlp(gt.softplus),
@@ -261,6 +280,55 @@ def test_schedule_keeps_buffers_and_reuses_them() -> None:
     assert (
         0 < schedule.pooled_bytes < sum(8 * np.prod(p.shape) for p in params) * len(schedule.plan)
     )
+
+
+def test_elementwise_ops_on_convolutions_write_into_buffers_of_their_layout() -> None:
+    loss, params = _conv_batchnorm_relu()
+    op = gt.hessian_operator(loss, *params)
+    v = [np.ones(p.shape) for p in params]
+    first = op.hvp(*v)
+    op.hvp(*v)
+    replayed = op.hvp(*v)
+    _assert_same(replayed, first)
+    (schedule,) = op._passes.entries.values()
+    # A convolution's result is (N, C, H, W) over memory in (C, N, H, W) order: buffers
+    # of that layout are made (with its strides exactly), and relu's VJP writes into a
+    # buffer or the cotangent that dies there (the forward's relu is a constant here).
+    transposed = [b for b in schedule.buffers if b.layout.order == "P"]
+    assert transposed, [b.layout.order for b in schedule.buffers]
+    for b in transposed:
+        assert b.array.strides == b.layout.strides and not b.array.flags.c_contiguous
+    masks = [e for e in schedule.plan if e[0] is not None and e[0].name == "relu_grad"]
+    assert masks and all(e[5] is not None for e in masks), [e[5] for e in masks]
+
+
+def test_a_convolutions_windows_are_gathered_once_per_operand() -> None:
+    # The second backward of an HVP gathers a cotangent's windows for conv_input's VJP
+    # in its cotangent and again for its VJP in its kernel: the schedule keeps one.
+    loss, params = _conv_batchnorm_relu()
+    compiled, dynamic = _pair(loss, *params)
+    _both_ways(compiled, dynamic, [p.shape for p in params], np.random.default_rng(6))
+    for schedule in compiled._passes.entries.values():
+        gathers = [
+            (tuple(e[2]), tuple(sorted(e[1].items())))
+            for e in schedule.plan
+            if e[0] is not None and e[0].name == "conv_gather"
+        ]
+        assert gathers and len(set(gathers)) == len(gathers), gathers
+
+
+@pytest.mark.parametrize(
+    "shape, strides, dense",
+    [
+        ((2, 3, 4), (12, 4, 1), True),  # C order
+        ((2, 3, 4), (4, 8, 1), True),  # axes 0 and 1 swapped over dense memory
+        ((2, 1, 4), (4, 999, 1), True),  # a size-1 axis's stride is never read
+        ((2, 3, 4), (24, 8, 2), False),  # every other element
+        ((2, 3), (0, 1), False),  # a broadcast
+    ],
+)
+def test_dense_layouts(shape, strides, dense) -> None:
+    assert replay._dense(shape, strides, 1) is dense
 
 
 # ---- no dead work: a fresh HVP's gradient GEMMs --------------------------------------

@@ -104,3 +104,32 @@ def test_a_tapes_bytes_count_the_compiled_replays_buffers(context) -> None:
     assert sizes[-1] >= sizes[0] + 256 * 256 * 8  # at least one (256, 256) buffer more
     assert sizes[-3:] == [sizes[-1]] * 3  # settled
     dispatch.answer(context, {"id": 9, "kind": "tape_drop", "payload": {"tape_ids": ["big"]}})
+
+
+def test_a_tapes_bytes_are_what_it_holds_after_every_hvp(context) -> None:
+    """Rule stages and the compiled replay fill their caches and buffers over the first
+    passes: after every answer, the bytes reported (what the budget and eviction go by)
+    are the bytes held."""
+    rng = np.random.default_rng(6)
+    definition = {
+        "program": ["h = tanh(x @ w)", "loss = sum(tanh(h @ v) ** 2)"],
+        "variables": {
+            "w": {"value": rng.standard_normal((64, 48))},
+            "v": {"value": rng.standard_normal((48, 8))},
+        },
+        "inputs": {"x": rng.standard_normal((200, 64))},
+    }
+    spec = {"tape_id": "every", "definition": definition, "target": "loss"}
+    created = dispatch.answer(context, {"id": 1, "kind": "tape_create", "payload": spec})
+    session = context.state["tapes"]["every"]
+    assert created["result"]["tape"]["bytes"] == held_bytes(session, shared=tapes.SHARED)
+    vector = {"w": np.ones((64, 48)), "v": np.ones((48, 8))}
+    for i in range(6):
+        reply = dispatch.answer(
+            context,
+            {"id": 2 + i, "kind": "tape_hvp", "payload": {"tape_id": "every", "vector": vector}},
+        )
+        assert reply["ok"], reply
+        truth = held_bytes(session, shared=tapes.SHARED)
+        assert reply["result"]["tape"]["bytes"] == truth, f"after HVP {i + 1}"
+    dispatch.answer(context, {"id": 9, "kind": "tape_drop", "payload": {"tape_ids": ["every"]}})
