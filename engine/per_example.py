@@ -63,7 +63,12 @@ UNARY = [
     "identity",
     "sign",
     "integer_pow",
+    "gelu",
 ]
+# Ops mixing the elements along one axis (the fused softmax and its VJP, which is
+# declared broadcasting for batched tangents but is no elementwise op): an output row is
+# the examples' of its input rows. Tested before BROADCASTING.
+ROW_OPS = ("softmax", "softmax_grad")
 REDUCTIONS = ("sum", "max", "min", "prod")
 NONE = -1.0  # the id of an element no example's data reaches
 
@@ -182,7 +187,9 @@ def example_flow(
                 name = _name(rec)
                 if name == "matmul":
                     meetings.append(Meeting(rec, j, "matmul"))
-                elif rec.prim in BROADCASTING or name in UNARY:
+                elif name in ROW_OPS or rec.prim in BROADCASTING or name in UNARY:
+                    # a row op's rows each hold one example (_propagate checked), so the
+                    # elementwise share (its VJP, summed over each example's positions) holds
                     meetings.append(Meeting(rec, j, "elementwise"))
                 else:
                     raise MixedExamplesError(
@@ -212,6 +219,14 @@ def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
     ]
     if rec.prim is None or len(rec.outputs) != 1:
         raise _mixed(rec, "is an op the per-example walk does not know")
+    if name in ROW_OPS:  # before BROADCASTING: softmax_grad is both
+        merged = full[0]
+        for other in full[1:]:
+            merged = _merge(merged, other, rec)
+        merged = np.broadcast_to(merged, out.shape)
+        axis = rec.params.get("axis", -1) % out.ndim
+        row = _single(merged, (axis,), True, rec)
+        return np.ascontiguousarray(np.broadcast_to(row, out.shape))
     if rec.prim in BROADCASTING or name in UNARY or name in ("where", "select_grad"):
         merged = full[0]
         for other in full[1:]:

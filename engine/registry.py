@@ -86,6 +86,9 @@ vjp_rules: dict[Primitive, Callable[..., Any]] = {}
 # directly, one call per cotangent fewer than vjp_rules' dispatch on argnum.
 vjp_arg_rules: dict[Primitive, tuple[Callable[..., Any] | None, ...]] = {}
 jvp_rules: dict[Primitive, Callable[..., Any]] = {}
+# The compiled replay's out= form of a primitive (engine/replay.py, beside its own table
+# `_FORMS`): maker(params, operands, result layout) -> form(*arrays, out) or None.
+replay_forms: dict[Primitive, Callable[..., Any]] = {}
 NONDIFFERENTIABLE: set[Primitive] = set()
 # Primitives whose result can be left uncomputed until read (trace.defer_primal):
 # `shape(*args, **params) -> shape` gives its shape without computing it (its dtype is
@@ -160,6 +163,14 @@ def defvjp_argnum(prim: Primitive, rule: Callable[..., Any]) -> None:
 
 def defjvp(prim: Primitive, rule: Callable[..., Any]) -> None:
     jvp_rules[prim] = rule
+
+
+def defform(prim: Primitive, maker: Callable[..., Any]) -> None:
+    """The compiled replay's form of `prim`: `maker(params, operands, value)` returns
+    `form(*arrays, out)` writing the impl's result into `out` (None: allocate). A form
+    keeps no arrays of its own between passes: what a schedule keeps is its buffers,
+    counted against its pool limit (temporaries within one call are fine)."""
+    replay_forms[prim] = maker
 
 
 def defnondiff(prim: Primitive) -> None:

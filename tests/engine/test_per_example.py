@@ -7,7 +7,9 @@ import pytest
 
 import engine as gt
 from engine.curvature import Curvature
+from engine.ops.nn import softmax_grad_p
 from engine.per_example import MixedExamplesError, per_example
+from engine.tensor import bind
 
 RNG = np.random.default_rng(30)
 
@@ -24,6 +26,20 @@ def mlp(p, x):
 def convnet(p, x):
     h = gt.relu(gt.conv(x, p["k"], p["kb"], strides=2, pads=1))
     return gt.reshape(h, (x.shape[0], -1)) @ p["w"]
+
+
+def block(p, x):
+    # the transformer's row-wise fused ops (issue 28): layer norm, GELU, softmax over a
+    # row's features; the linear layers stay matmuls the walk meets
+    h = gt.layer_norm(x, p["g"], p["b"])
+    h = gt.gelu(h @ p["w1"] + p["b1"])
+    return gt.softmax(h, -1) @ p["w2"]
+
+
+def softmax_vjp(p, x):
+    # softmax's VJP (softmax_grad, a row op declared broadcasting) in the forward, along
+    # the features: a row's output is its own example's
+    return bind(softmax_grad_p, gt.tanh(x @ p["w"]), gt.softmax(p["q"], -1), axis=-1)
 
 
 def ce_mean(o, y):
@@ -50,6 +66,22 @@ CASES = {
         ce_mean,
         ce_sum,
         "labels",
+    ),
+    "block-ce-mean": (
+        block,
+        {"g": (5,), "b": (5,), "w1": (5, 4), "b1": (4,), "w2": (4, 3)},
+        (7, 5),
+        ce_mean,
+        ce_sum,
+        "labels",
+    ),
+    "softmax-vjp-mse": (
+        softmax_vjp,
+        {"w": (5, 3), "q": (3,)},
+        (6, 5),
+        mse_mean,
+        mse_one,
+        "values",
     ),
     "conv-mse": (
         convnet,
@@ -135,6 +167,25 @@ def test_models_that_mix_examples_are_refused_naming_the_op(model, op):
         gt.Tensor(RNG.standard_normal((4, 4))),
     )
     with pytest.raises(MixedExamplesError, match=f"mixes examples at op '{op}'"):
+        per_example(curv)
+
+
+def test_a_row_op_across_the_examples_is_refused():
+    """softmax_grad over the example axis sums each column over the examples: a row op
+    (ROW_OPS, tested before BROADCASTING), not the elementwise op its broadcasting
+    declaration would make it, so it is refused, naming it."""
+
+    def columns(p, x):
+        return bind(softmax_grad_p, gt.tanh(x @ p["w"]), gt.softmax(p["q"], 0), axis=-2)
+
+    curv = Curvature(
+        columns,
+        mse_mean,
+        {"w": gt.Tensor(RNG.standard_normal((5, 3))), "q": gt.Tensor(RNG.standard_normal((1, 3)))},
+        gt.Tensor(RNG.standard_normal((4, 5))),
+        gt.Tensor(RNG.standard_normal((4, 3))),
+    )
+    with pytest.raises(MixedExamplesError, match=r"op 'softmax_grad' .* reduces over axes \[0\]"):
         per_example(curv)
 
 
