@@ -146,8 +146,8 @@ def _form(into: Any) -> Any:
     return maker
 
 
-softmax_p = primitive("softmax", _softmax_impl)
-softmax_grad_p = primitive("softmax_grad", _softmax_grad_impl, broadcasting=True)
+softmax_p = primitive("softmax", _softmax_impl, flow="rows")
+softmax_grad_p = primitive("softmax_grad", _softmax_grad_impl, broadcasting=True, flow="rows")
 
 
 def _softmax_grad(g: Tensor, y: Tensor, axis: int) -> Tensor:
