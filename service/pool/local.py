@@ -598,13 +598,12 @@ class WorkerPool:
         message: dict[str, Any],
         array_bytes: int,
     ) -> None:
-        """The job's outcome from its worker's reply `message` (any backend)."""
-        if job.future.done():
-            return  # cancelled or abandoned meanwhile: nobody reads it
+        """The job's outcome from its worker's reply `message` (any backend); a job
+        cancelled or abandoned meanwhile keeps the outcome it has."""
         if message.get("ok"):
             result = message.get("result")
             self.observer.arrays_moved("from_workers", array_bytes)
-            if job.keep is not None:
+            if job.keep is not None and not job.future.done():
                 result = self._kept_answer(job, message)
             job.succeed(Reply(result, index, generation, message.get("seconds", 0.0)))
         else:
