@@ -56,7 +56,8 @@ class Metrics(PoolObserver):
         )
         self.worker_restarts = Counter(
             "gradtape_worker_restarts",
-            "Workers replaced, by reason (timeout, crash)",
+            "Workers replaced, by reason: timeout (past a time limit), cancel (its client left or "
+            "its job was cancelled), crash",
             ["worker", "reason"],
             registry=r,
         )
@@ -69,7 +70,8 @@ class Metrics(PoolObserver):
         )
         self.tape_events = Counter(
             "gradtape_tape_events",
-            "Tapes created, rebuilt (after a worker or service restart), expired, evicted, deleted",
+            "Tapes created, rebuilt (after a worker or service restart), expired, evicted, "
+            "deleted, unloaded (a shared store's tape dropped from this process's worker)",
             ["event"],
             registry=r,
         )
