@@ -328,14 +328,22 @@ def _conv_input_stacked(
         parts = []
         for g, _ in pairs:
             part = _gather_impl(  # (*lg, G, O/G * K, N * P)
-                xp, g, kernel=kernel, strides=strides, pads=tpads, dilations=dilations, groups=groups
+                xp,
+                g,
+                kernel=kernel,
+                strides=strides,
+                pads=tpads,
+                dilations=dilations,
+                groups=groups,
             )
             parts.append(part.reshape(part.shape[:-2] + (1,) + part.shape[-2:]))
         cols = _stack(xp, parts, -3)  # (*lg, G, pairs, O/G * K, N * P)
         cols = cols.reshape(cols.shape[:-3] + (cols.shape[-3] * cols.shape[-2], cols.shape[-1]))
         return _unrows(xp.matmul(wt, cols), n, spatial)
     # Strided: the windows' cotangents (W^T g), added back into place.
-    wm = _stack(xp, [w.reshape(lw + (groups, o // groups, cg * math.prod(kernel))) for _, w in pairs], -2)
+    wm = _stack(
+        xp, [w.reshape(lw + (groups, o // groups, cg * math.prod(kernel))) for _, w in pairs], -2
+    )
     rows = _stack(xp, [_rows(g, nd, groups) for g, _ in pairs], -2)  # (*L, G, pairs * O/G, N*P)
     windows = xp.matmul(wm.swapaxes(-1, -2), rows)  # (*L, G, C/G*K, N*P)
     expected = g0.shape[-nd:]
