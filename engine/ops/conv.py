@@ -165,7 +165,7 @@ defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 # conv_general_dilated transpose rules, PyTorch's convolution_backward), so rules of any
 # order are these ops:
 #   conv         VJP x: conv_input(g, w)   VJP w: conv_weight(x, g)   JVP: A(tx, w) + A(x, tw)
-#   conv_input   VJP g: conv(h, w)         VJP w: conv_weight(h, g)   (JVPs alike: bilinear)
+#   conv_input   VJP g: conv(h, w)         VJP w: conv_weight(h, g)   (per pair; JVPs alike)
 #   conv_weight  VJP x: conv_input(g, h)   VJP g: conv(x, h)
 # Why not im2col + matmul (as pooling is): the windows are gathered straight into the
 # GEMM's layout (*lead, G, C/G * K, N * P) (one copy, not a copy and a transposing copy),
@@ -178,6 +178,12 @@ defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 # at a fixed point they are computed once). Leading axes of either operand
 # (batched tangents and cotangents) broadcast against each other in the GEMM; results
 # are views (*lead, N, C, *spatial) of GEMM-ordered memory.
+# conv_input takes pairs, conv_input(g_1, w_1, g_2, w_2, ...) = sum_i A_{w_i}^T g_i, one
+# GEMM over the pairs' windows stacked along its inner dimension: its own tangent (two
+# pairs), and x's cotangent in a second-order pass, where conv's and conv_weight's VJPs
+# each give a term (registry.vjp_term_rules: the tape makes them one call). For strides
+# > 1 that is one col2im instead of two and no add: 0.58-0.67x the two calls and the add
+# on the ResNet's stride-2 layers, 0.96-0.99x at stride 1 (bench/RESULTS.md, branch conv5).
 def _lead(a: Any, nd: int) -> tuple:
     return a.shape[: a.ndim - nd - 2]
 
