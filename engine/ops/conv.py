@@ -284,6 +284,14 @@ def _conv_input_impl(
         if g.shape[-nd:] != expected or g.shape[-nd - 1] != o:
             raise ValueError(f"conv_input: cotangent {g.shape} does not fit weight {w.shape}")
     window = {"spatial": spatial, "strides": strides, "pads": pads, "dilations": dilations}
+    lead = builtins.max((_lead(a, nd) for a in operands), key=len)
+    if len(pairs) > 1 and math.prod(lead) == 1:
+        # Leading axes of size 1 (one batched vector, beside unbatched recorded values):
+        # every cotangent given them and the kernels none, by reshapes, so the pairs stack.
+        pairs = [
+            (g.reshape(lead + g.shape[g.ndim - nd - 2 :]), w.reshape(w.shape[w.ndim - nd - 2 :]))
+            for g, w in pairs
+        ]
     if any(g.shape != pairs[0][0].shape or w.shape != pairs[0][1].shape for g, w in pairs):
         # Leading axes that differ between the pairs (a batched tangent beside an unbatched
         # primal) broadcast in the sum: one GEMM per pair.

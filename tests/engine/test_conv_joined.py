@@ -90,14 +90,18 @@ def _torch_hvp(x: Any, ws: list, windows: list, r: Any, vs: list) -> list[np.nda
     return [h.numpy() for h in torch.autograd.grad(grads, params, grad_outputs=tv)]
 
 
-def _counting_conv_input(calls: list[int]) -> Any:
-    impl = impl_rules[conv_ops.conv_input_p]
+def _count_stacked(monkeypatch: Any) -> list[int]:
+    """How many pairs each GEMM of stacked windows takes (conv_input's impl sums pairs
+    that cannot stack one GEMM each)."""
+    calls: list[int] = []
+    stacked = conv_ops._conv_input_stacked
 
-    def counted(xp: Any, *operands: Any, **params: Any) -> Any:
-        calls.append(len(operands) // 2)
-        return impl(xp, *operands, **params)
+    def counted(xp: Any, pairs: list, **params: Any) -> Any:
+        calls.append(len(pairs))
+        return stacked(xp, pairs, **params)
 
-    return impl, counted
+    monkeypatch.setattr(conv_ops, "_conv_input_stacked", counted)
+    return calls
 
 
 TOL = {np.float64: 1e-10, np.float32: 2e-4}
@@ -105,7 +109,9 @@ TOL = {np.float64: 1e-10, np.float32: 2e-4}
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("case", sorted(NETS))
-def test_reused_hvps_join_the_input_terms_and_match_pytorch(case: str, dtype: Any) -> None:
+def test_reused_hvps_join_the_input_terms_and_match_pytorch(
+    case: str, dtype: Any, monkeypatch: Any
+) -> None:
     """HessianOperator's HVPs (reverse-over-reverse): dynamic, captured and replayed,
     one vector (the input's two terms joined: conv_input calls of two pairs) and K
     vectors (a batched cotangent beside an unbatched one: the terms summed pair by pair)."""
@@ -113,23 +119,26 @@ def test_reused_hvps_join_the_input_terms_and_match_pytorch(case: str, dtype: An
     rng = np.random.default_rng(2)
     vs = [rng.standard_normal(a.shape).astype(dtype) for a in (x, *ws)]
     ref = _torch_hvp(x, ws, windows, r, vs)
-    calls: list[int] = []
-    impl, counted = _counting_conv_input(calls)
-    impl_rules[conv_ops.conv_input_p] = counted
-    try:
-        op = gt.hessian_operator(_loss(windows, r), x, *ws)
-        calls.clear()  # (the recorded gradient's: one term each)
-        for _ in range(4):  # dynamic, captured, replayed twice
-            hv = op.hvp(*[gt.constant(v) for v in vs])
-            for mine, want in zip(hv, ref, strict=True):
-                scale = max(1.0, float(np.abs(want).max()))
-                np.testing.assert_allclose(mine.numpy(), want, rtol=0, atol=TOL[dtype] * scale)
-        joined = list(calls)
-        many = op.hvp_many(*[gt.constant(np.stack([v, 2 * v])) for v in vs])
-    finally:
-        impl_rules[conv_ops.conv_input_p] = impl
+    calls = _count_stacked(monkeypatch)
+    op = gt.hessian_operator(_loss(windows, r), x, *ws)
+    calls.clear()  # (the recorded gradient's: one term each)
+    for _ in range(4):  # dynamic, captured, replayed twice
+        hv = op.hvp(*[gt.constant(v) for v in vs])
+        for mine, want in zip(hv, ref, strict=True):
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(mine.numpy(), want, rtol=0, atol=TOL[dtype] * scale)
+    joined = list(calls)
+    calls.clear()
+    for _ in range(3):  # one vector with a leading axis (the service's fresh HVP's)
+        one = op.hvp_many(*[gt.constant(v[None]) for v in vs])
+        for mine, want in zip(one, ref, strict=True):
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(mine.numpy()[0], want, rtol=0, atol=TOL[dtype] * scale)
+    joined_k1 = list(calls)
+    many = op.hvp_many(*[gt.constant(np.stack([v, 2 * v])) for v in vs])
     # every convolution's input but the data's is reached by both terms, joined
     assert joined and all(n == 2 for n in joined), joined
+    assert joined_k1 and all(n == 2 for n in joined_k1), joined_k1
     for mine, want in zip(many, ref, strict=True):
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(mine.numpy()[0], want, rtol=0, atol=TOL[dtype] * scale)
@@ -137,22 +146,15 @@ def test_reused_hvps_join_the_input_terms_and_match_pytorch(case: str, dtype: An
 
 
 @pytest.mark.parametrize("case", sorted(NETS))
-def test_fresh_hvps_join_the_tangents_terms_and_match_pytorch(case: str) -> None:
+def test_fresh_hvps_join_the_tangents_terms_and_match_pytorch(case: str, monkeypatch: Any) -> None:
     """gt.hvp (forward-over-reverse): conv_input's tangent A_w^T g' + A_w'^T g is one
     call of two pairs."""
     x, ws, windows, r = _setup(case, np.float64)
     rng = np.random.default_rng(3)
     vs = [rng.standard_normal(a.shape) for a in (x, *ws)]
     ref = _torch_hvp(x, ws, windows, r, vs)
-    calls: list[int] = []
-    impl, counted = _counting_conv_input(calls)
-    impl_rules[conv_ops.conv_input_p] = counted
-    try:
-        hv = gt.hvp(
-            _loss(windows, r), [gt.constant(a) for a in (x, *ws)], [gt.constant(v) for v in vs]
-        )
-    finally:
-        impl_rules[conv_ops.conv_input_p] = impl
+    calls = _count_stacked(monkeypatch)
+    hv = gt.hvp(_loss(windows, r), [gt.constant(a) for a in (x, *ws)], [gt.constant(v) for v in vs])
     assert 2 in calls, calls
     for mine, want in zip(hv, ref, strict=True):
         np.testing.assert_allclose(mine.numpy(), want, rtol=1e-10, atol=1e-10)
@@ -183,7 +185,7 @@ def test_joined_terms_in_chunks_of_one_image(case: str, monkeypatch: Any) -> Non
     """The stride-1 joined call stacks each group's rows of both cotangents in one chunk
     buffer, reused between chunks (its pad cells must stay zero)."""
     monkeypatch.setattr(conv_ops, "CHUNK_BYTES", 1)
-    test_reused_hvps_join_the_input_terms_and_match_pytorch(case, np.float64)
+    test_reused_hvps_join_the_input_terms_and_match_pytorch(case, np.float64, monkeypatch)
 
 
 def test_the_joined_impl_is_the_sum_of_its_pairs() -> None:
@@ -200,9 +202,15 @@ def test_the_joined_impl_is_the_sum_of_its_pairs() -> None:
         window = {"strides": strides, "pads": pads, "dilations": (1, 1), "groups": groups}
         n, c, o, spatial = 3, 4, 6, (9, 8)
         out = conv_ops._out_sizes(spatial, (3, 3), strides, (1, 1), pads)
-        for lead in [(), (2,)]:
-            gs = [rng.standard_normal(lead + (n, o) + out) for _ in range(3)]
-            ws = [rng.standard_normal(lead + (o, c // groups, 3, 3)) for _ in range(3)]
+        # no leading axes; leading axes everywhere; size-1 leading axes on some operands
+        for g_leads, w_leads in [
+            ([(), (), ()], [(), (), ()]),
+            ([(2,), (2,), (2,)], [(2,), (2,), (2,)]),
+            ([(1,), (), (1,)], [(), (1,), ()]),
+            ([(2,), (), ()], [(), (), (2,)]),
+        ]:
+            gs = [rng.standard_normal(lead + (n, o) + out) for lead in g_leads]
+            ws = [rng.standard_normal(lead + (o, c // groups, 3, 3)) for lead in w_leads]
             pairs = [a for pair in zip(gs, ws, strict=True) for a in pair]
             joined = impl_rules[conv_ops.conv_input_p](np, *pairs, spatial=spatial, **window)
             single = sum(
