@@ -120,6 +120,8 @@ vjp_term_rules: dict[Primitive, tuple[Callable[..., Any] | None, ...]] = {}
 def defvjp_terms(prim: Primitive, *rules: Callable[..., Any] | None) -> None:
     """One term rule per positional argument (None: the argument's defvjp rule)."""
     vjp_term_rules[prim] = rules
+
+
 # How a primitive's output elements come from its inputs' elements, for the per-example
 # walk (engine/per_example.py), which follows each example's elements through a pass:
 #   "elementwise": from the same-place elements of its (broadcast) arguments
