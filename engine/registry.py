@@ -105,6 +105,23 @@ BROADCASTING: set[Primitive] = set()
 # with the same parameters (engine/replay.py): pure, and repeated by rules that do not know
 # of each other (a convolution's windows of one cotangent, gathered by two VJPs).
 REPEATS_SHARED: set[Primitive] = set()
+# Cotangents that are terms of a sum one call of another primitive computes (conv_input:
+# sum_i A_{w_i}^T g_i over pairs (g_1, w_1, g_2, w_2, ...)):
+# `vjp_term_rules[p][argnum](ans, *args, **params) -> (g -> (term_prim, operands, params))`
+# names the call an argument's cotangent is, without making it. The tape's backward keeps
+# an input's terms of one primitive and parameters uncomputed and makes them one call
+# when the input's cotangent is read: a second-order pass gives a convolution's input two
+# such terms (from conv and from conv_weight), one GEMM over both instead of two and an
+# add. The argument's defvjp rule (other callers: per-example walks, vjp_rules) binds
+# its term at once.
+vjp_term_rules: dict[Primitive, tuple[Callable[..., Any] | None, ...]] = {}
+
+
+def defvjp_terms(prim: Primitive, *rules: Callable[..., Any] | None) -> None:
+    """One term rule per positional argument (None: the argument's defvjp rule)."""
+    vjp_term_rules[prim] = rules
+
+
 # How a primitive's output elements come from its inputs' elements, for the per-example
 # walk (engine/per_example.py), which follows each example's elements through a pass:
 #   "elementwise": from the same-place elements of its (broadcast) arguments

@@ -80,6 +80,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def serve(overrides: dict[str, Any]) -> int:
+    from service.core import metric_files
+
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        try:
+            metric_files.prepare(Path(given))
+        except OSError as exc:
+            print(f"gradtape: PROMETHEUS_MULTIPROC_DIR {given!r}: {exc}", file=sys.stderr)
+            return 2
     import logging
 
     import uvicorn
@@ -155,15 +164,11 @@ def serve(overrides: dict[str, Any]) -> int:
 def _metrics_directory() -> tuple[Path, bool]:
     """Where the HTTP processes write their metrics for each other's scrapes
     (service/domain/metrics.py), set in the environment they start with: the operator's
-    PROMETHEUS_MULTIPROC_DIR emptied of an earlier run's files, or a fresh temporary
+    PROMETHEUS_MULTIPROC_DIR (prepared at the start of `serve`), or a fresh temporary
     directory (True: removed when the server stops)."""
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if given:
-        directory = Path(given)
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("*.db"):
-            stale.unlink()
-        return directory, False
+        return Path(given), False
     directory = Path(tempfile.mkdtemp(prefix="gradtape-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     return directory, True

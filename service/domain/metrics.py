@@ -12,7 +12,6 @@ scrape, and the gauges of a process that died are dropped."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from prometheus_client import (
     values,
 )
 
+from service.core.metric_files import METRIC_FILE, metric_files
 from service.pool import PoolObserver
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ LATENCY_BUCKETS = (
 # How often a process of several copies its gauge readings for the others' scrapes.
 REFRESH_SECONDS = 1.0
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
-_LIVE_GAUGE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db")
 
 
 def multiprocess_dir() -> Path | None:
@@ -182,7 +181,7 @@ class Metrics(PoolObserver):
         self.refresh()
         _forget_dead_processes(self.shared_dir)
         merged = CollectorRegistry()
-        multiprocess.MultiProcessCollector(merged, path=str(self.shared_dir))
+        merged.register(_MetricFiles(self.shared_dir))
         return generate_latest(merged)
 
     def close(self) -> None:
@@ -225,15 +224,27 @@ class Metrics(PoolObserver):
 
 def _forget_dead_processes(directory: Path) -> None:
     """Drop the live gauges of processes that ended without close() (killed, crashed):
-    uvicorn starts another in their place, whose gauges would otherwise add to theirs."""
-    for file in directory.glob("gauge_live*.db"):
-        match = _LIVE_GAUGE_FILE.fullmatch(file.name)
-        if match is None:
+    uvicorn starts another in their place, whose gauges would otherwise add to theirs.
+    (A dead process's pid taken by a new process keeps its gauges until that one ends.)"""
+    for file in metric_files(directory):
+        kind, pid = METRIC_FILE.fullmatch(file.name).groups()  # type: ignore[union-attr]
+        if not kind.startswith("gauge_live"):
             continue
-        pid = int(match.group(1))
         try:
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
-            multiprocess.mark_process_dead(pid, path=str(directory))
+            multiprocess.mark_process_dead(int(pid), path=str(directory))
         except PermissionError:
             pass  # a process of another user holds the pid: alive, not ours to judge
+
+
+class _MetricFiles:
+    """A collector of the processes' metric files, summed (MultiProcessCollector reads
+    every *.db file of the directory, an operator's own and a store included)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def collect(self) -> Any:
+        files = [str(f) for f in metric_files(self.directory)]
+        return multiprocess.MultiProcessCollector.merge(files, accumulate=True)

@@ -187,6 +187,35 @@ def test_models_that_mix_examples_are_refused_naming_the_op(model, op):
         per_example(curv)
 
 
+# The differentiable primitives the per-example walk does not follow, and why: a new
+# primitive must declare its element flow (registry.ELEMENT_FLOW) or join this list.
+NOT_FOLLOWED = {
+    # a convolutional model is recorded again in its im2col + matmul form (conv.unfused())
+    "conv": "unfused",
+    "conv_input": "unfused",
+    "conv_weight": "unfused",
+    "col2im": "unfused",
+    # no per-example rule: refused by name (test below)
+    "einsum": "refused",
+    "solve": "refused",
+    "scatter_add": "refused",
+    # a Variable's read: the walk starts from tensors, never from Variables
+    "read_variable": "not reached",
+}
+
+
+def test_every_primitive_declares_its_flow_or_is_listed_as_not_followed():
+    import engine.registry as registry
+
+    unflowed = {
+        p.name
+        for p in registry.impl_rules
+        if p not in registry.ELEMENT_FLOW and p not in registry.NONDIFFERENTIABLE
+    }
+    assert unflowed == set(NOT_FOLLOWED)
+    assert {registry.ELEMENT_FLOW[p] for p in registry.ELEMENT_FLOW} <= set(registry.FLOWS)
+
+
 def test_an_op_the_walk_cannot_follow_is_named_as_such():
     """einsum declares no element flow: the refusal says the walk cannot follow it (not
     that the model mixes examples, which it does not here)."""
