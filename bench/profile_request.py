@@ -53,6 +53,10 @@ from service.pool.local import WorkerPool
 
 # Stage name -> seconds spent in it during the current request.
 _spent: dict[str, float] = defaultdict(float)
+# What the stage timers read: wall time, or with --cpu the event loop thread's CPU time
+# (less sensitive to other processes; an async stage's then counts this process's work
+# for it, not the worker's).
+_clock = time.perf_counter
 
 
 def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,21 +64,21 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(fn)
         async def timed_async(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
+            t = _clock()
             try:
                 return await fn(*args, **kwargs)
             finally:
-                _spent[name] += time.perf_counter() - t
+                _spent[name] += _clock() - t
 
         return timed_async
 
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
+        t = _clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            _spent[name] += time.perf_counter() - t
+            _spent[name] += _clock() - t
 
     return timed
 
@@ -85,6 +89,10 @@ def install_timers() -> None:
     fastapi.routing.solve_dependencies = _timed(
         "dependencies and body validation", fastapi.routing.solve_dependencies
     )
+    if hasattr(bodies, "direct_handler"):  # the compute routes without FastAPI's handler
+        bodies.request_body_to_args = _timed(
+            "body validation (direct handler)", bodies.request_body_to_args
+        )
     for op in (*DERIVATIVES, *TAPE_OPERATIONS):
         object.__setattr__(op, "build", _timed("payload: wire tensors -> arrays", op.build))
     WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)  # type: ignore[method-assign]
@@ -258,21 +266,26 @@ async def run(args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
         stages: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in names}
+        turns = _count_turns() if args.turns else None
         if profile:
             profile.enable()
         for _ in range(args.requests):
             for name, path, body, kind, target in chosen:
                 c, t = time.thread_time(), time.perf_counter()
+                if turns is not None:
+                    turns[0] = 0
                 await call(target, path, body, kind)
                 times[name].append(time.perf_counter() - t)
                 cpu[name].append(time.thread_time() - c)
+                if turns is not None:
+                    stages[name]["event-loop turns (count)"].append(turns[0])
                 for stage, seconds in _spent.items():
                     stages[name][stage].append(seconds)
                 _spent.clear()
         if profile:
             profile.disable()
         if args.breakdown:
-            print_breakdown(stages, times, names)
+            print_breakdown(stages, times, names, cpu)
         for name in names:
             print(
                 f"{name}: median {statistics.median(times[name]) * 1e3:.3f} ms in the app, "
@@ -289,25 +302,49 @@ async def run(args: argparse.Namespace) -> None:
                 stats.print_callers(args.callers)
 
 
+def _count_turns() -> list[int]:
+    """Counts the running loop's iterations (each select() and the callbacks it makes
+    ready: a task step, an I/O callback, a timer) in the list's one item."""
+    loop = asyncio.get_running_loop()
+    turns = [0]
+    run_once = loop._run_once  # type: ignore[attr-defined]
+
+    def counting() -> None:
+        turns[0] += 1
+        run_once()
+
+    loop._run_once = counting  # type: ignore[attr-defined]
+    return turns
+
+
 def _p10(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 10]
 
 
 def print_breakdown(
-    stages: dict[str, dict[str, list[float]]], times: dict[str, list[float]], names: list[str]
+    stages: dict[str, dict[str, list[float]]],
+    times: dict[str, list[float]],
+    names: list[str],
+    cpu: dict[str, list[float]],
 ) -> None:
     order = list(dict.fromkeys(stage for name in names for stage in stages[name]))
     print("| stage | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))
     for stage in order:
+        scale, digits = (1, 0) if stage.endswith("(count)") else (1e3, 3)
         cells = [
-            f"{statistics.median(stages[n][stage]) * 1e3:.3f}" if stages[n][stage] else ""
+            f"{statistics.median(stages[n][stage]) * scale:.{digits}f}" if stages[n][stage] else ""
             for n in names
         ]
         print(f"| {stage} | " + " | ".join(cells) + " |")
     print(
         "| whole request in the app | "
         + " | ".join(f"{statistics.median(times[n]) * 1e3:.3f}" for n in names)
+        + " |"
+    )
+    print(
+        "| CPU of the event loop's thread | "
+        + " | ".join(f"{statistics.median(cpu[n]) * 1e3:.3f}" for n in names)
         + " |"
     )
 
@@ -327,10 +364,19 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--dump", help="with --profile: write cProfile's stats to this file")
     parser.add_argument("--worker", action="store_true", help="the worker's side (see above)")
+    parser.add_argument(
+        "--turns", action="store_true", help="with --breakdown: the event loop's turns too"
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="with --breakdown: stages in CPU time, not wall"
+    )
     parser.add_argument("--callers", help="with --profile: print the callers of these functions")
     args = parser.parse_args()
     if args.breakdown:
         install_timers()
+    if args.cpu:
+        global _clock
+        _clock = time.thread_time
     if args.worker:
         install_capture()
     asyncio.run(run(args))

@@ -6,8 +6,9 @@ travel as a msgpack extension type (code ARRAY_EXT: the lengths of a msgpack hea
 raw bytes at a multiple of 16 bytes into the extension's data; dtype names and bytes as
 service/core/wire.py writes and checks them), out of band: no client string, whatever
 key or value it is, can be taken for an array or any other protocol element. Client
-data is never pickled. Both sides use this module: the asyncio side reads
-and writes frames on stream objects, a worker on a blocking socket.
+data is never pickled. Both sides use this module: the asyncio side reads frames as they
+arrive (FrameReader, a protocol) and writes them on its transport, a worker on a
+blocking socket.
 
 Between the HTTP process and a local worker, an array of at least the pool's threshold
 (settings.shm_threshold) travels through shared memory instead (service/core/shm.py):
@@ -298,22 +299,71 @@ def _framed(body: bytes) -> tuple[bytes, bytes]:
 # ----------------------------------------------------------------------------------------
 
 
-async def read_message(
-    reader: asyncio.StreamReader,
-    inbox: shm.Inbox | None = None,
-    counted: list[int] | None = None,
-) -> Any:
-    """The next message (`inbox`, `counted`: as unpack takes them)."""
-    try:
-        header = await reader.readexactly(HEADER.size)
-        (size,) = HEADER.unpack(header)
-        body = await reader.readexactly(size)
-    except asyncio.IncompleteReadError as exc:
-        raise FrameError("the worker closed its connection") from exc
-    return unpack(body, inbox, counted)
+class FrameReader(asyncio.Protocol):
+    """The asyncio side's reading of one connection: each frame's body is handed to
+    `on_frame` in the loop turn that completes it (no task reading the stream, no future
+    between the reader and whoever waits for the message: a request's reply resolves its
+    waiter directly); `on_lost(exc)` once the connection is gone. A frame its handler
+    refuses (FrameError, ValueError: a malformed message) ends the connection."""
+
+    def __init__(self, on_frame: Any, on_lost: Any):
+        self.on_frame = on_frame  # (body: bytes | memoryview) -> None; may be replaced
+        self.on_lost = on_lost  # (exc: BaseException | None) -> None
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._failed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._failed:
+            return
+        try:
+            if not self._buffer:
+                data = self._whole_frames(data)  # the usual case: no copy into the buffer
+            if data:
+                self._buffer += data
+                self._buffered_frames()
+        except (ConnectionError, OSError, ValueError) as exc:
+            self._failed = True
+            self._buffer.clear()
+            assert self.transport is not None
+            self.transport.abort()  # connection_lost follows, with on_lost
+            log.debug("a malformed frame ended the connection: %s", exc)
+
+    def _whole_frames(self, data: bytes) -> bytes:
+        """Hand over the frames that lie whole in `data`; what is left of it."""
+        view = memoryview(data)
+        start = 0
+        while len(data) - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(data, start)
+            end = start + HEADER.size + size
+            if end > len(data):
+                break
+            self.on_frame(view[start + HEADER.size : end])
+            start = end
+        return data[start:] if start else data
+
+    def _buffered_frames(self) -> None:
+        buffer = self._buffer
+        while len(buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(buffer)
+            end = HEADER.size + size
+            if len(buffer) < end:
+                return
+            with memoryview(buffer) as view:
+                body = bytes(view[HEADER.size : end])
+            del buffer[:end]
+            self.on_frame(body)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._buffer.clear()
+        self.on_lost(exc)
 
 
-def write_message(writer: asyncio.StreamWriter, message: Any) -> None:
+def write_message(writer: asyncio.WriteTransport | asyncio.StreamWriter, message: Any) -> None:
     writer.writelines(frame(message))
 
 

@@ -125,11 +125,28 @@ class QueuedJob:
     keep: str | None = None  # its answer is kept under this key (Pool.submit)
     gathered: list[Any] = field(default_factory=list)  # kept answers it carries (Ray: refs)
     kind: str = ""  # the worker handler: "ping" (readiness) is not counted as a request
+    # What its caller awaits (Pool._wait): woken directly when the job starts or ends, so
+    # that the caller resumes in the next loop turn (a done-callback would add one).
+    waiter: asyncio.Future[None] | None = None
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
         self.started.set()
+        self.wake()
+
+    def succeed(self, reply: Reply) -> None:
+        if not self.future.done():
+            self.future.set_result(reply)
+        self.wake()
+
+    def wake(self) -> None:
+        _wake(self.waiter)
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 class WorkerHandle:
@@ -143,12 +160,14 @@ class WorkerHandle:
         self.restarts = 0
         self.state = "starting"
         self.process: BaseProcess | None = None
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.reader_task: asyncio.Task[None] | None = None
+        # Its socket (the local pool): frames are read by the protocol as they arrive
+        # (ipc.FrameReader) and written on the transport.
+        self.writer: asyncio.WriteTransport | None = None
         self.request_id = 0
         self.job: QueuedJob | None = None  # the request it computes now
-        self.reply: asyncio.Future[dict[str, Any]] | None = None
+        self.sent_at = 0.0  # time.perf_counter() when that request was sent
+        self.timer: asyncio.TimerHandle | None = None  # its time limit (the local pool)
+        self.reply: asyncio.Future[dict[str, Any]] | None = None  # (the Ray pool's)
         self.reply_array_bytes = 0  # the bytes of the arrays of its last reply (as read)
         # The id of a request to stop; the worker compares it with the one it runs, so a
         # late cancel can never stop the next request. Shared memory: the worker reads it
@@ -317,38 +336,31 @@ class WorkerPool:
         deadline = loop.time() + self.settings.queue_timeout
         watch = job.watch
         poll = self.settings.disconnect_poll if watch and watch.gone else None
-        # The task that waits for the job's start, made only while it has not started (a
-        # small request usually starts at once: one task and loop turn less).
-        started: asyncio.Task[Any] | None = None
-        try:
-            while not job.future.done():
-                timeout = poll
-                if not job.started.is_set():
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        if job in self._queue:
-                            self._queue.remove(job)
-                        raise PoolBusy(
-                            f"no worker became free within {self.settings.queue_timeout:g} s"
-                        )
-                    timeout = left if poll is None else min(left, poll)
-                    if started is None:
-                        started = loop.create_task(job.started.wait())
-                    waited: list[asyncio.Future[Any]] = [job.future, started]
-                    await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                elif timeout is None:
-                    # Nothing to poll: the reply itself (shielded: a cancelled caller
-                    # leaves the job's future to _cancel, as asyncio.wait did).
-                    await asyncio.shield(job.future)
-                else:
-                    await asyncio.wait([job.future], timeout=timeout)
-                if job.future.done():
-                    break
-                if watch is not None and watch.gone is not None and await watch.gone():
-                    self._cancel(job, watch.reason)
-        finally:
-            if started is not None:
-                started.cancel()
+        while not job.future.done():
+            timeout = poll
+            if not job.started.is_set():
+                left = deadline - loop.time()
+                if left <= 0:
+                    if job in self._queue:
+                        self._queue.remove(job)
+                    raise PoolBusy(
+                        f"no worker became free within {self.settings.queue_timeout:g} s"
+                    )
+                timeout = left if poll is None else min(left, poll)
+            # Woken by the job's start or end (QueuedJob.wake) or by the timer. The job's
+            # own future is not awaited: a cancelled caller must leave it to _cancel.
+            job.waiter = waiter = loop.create_future()
+            timer = None if timeout is None else loop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                job.waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if job.future.done():
+                break
+            if watch is not None and watch.gone is not None and await watch.gone():
+                self._cancel(job, watch.reason)
         return job.future.result()
 
     # Kept answers ---------------------------------------------------------------------------
@@ -425,8 +437,8 @@ class WorkerPool:
             self._queue.remove(job)
         w = job.running_on
         if w is not None and w.job is job:
-            # Dispatched: its frame is on the way or sent (_execute sends none for a job
-            # already cancelled), so the worker is told to stop it.
+            # Dispatched: its frame is sent (_begin sends none for a job already
+            # cancelled), so the worker is told to stop it.
             self._signal_cancel(w, job)
             self._spawn_task(self._enforce_cancel(w, job, w.generation))
             log.info("request %d cancelled on worker %d (%s)", job.id, w.index, reason)
@@ -486,16 +498,21 @@ class WorkerPool:
             if job is None:
                 continue
             self._queue.remove(job)
-            # Bound to the worker now, not when _execute first runs: a cancel in between
-            # (the `started` callback below, or any task the loop runs first) must find
-            # the job on its worker, or the worker would compute it for nobody.
+            # Bound to the worker before it is sent: a cancel in between (the `started`
+            # callback below) must find the job on its worker, or the worker would
+            # compute it for nobody.
             w.state = "busy"
             w.job = job
             job.running_on = w
             job.started.set()
+            job.wake()
             if job.watch is not None and job.watch.started is not None:
                 job.watch.started()
-            self._spawn_task(self._execute(w, job))
+                # What it does may cancel the job's caller (a job cancelled as it starts),
+                # which learns it at its next step: sent after that step, or never.
+                asyncio.get_running_loop().call_soon(self._begin, w, job)
+            else:
+                self._begin(w, job)
 
     def _died_idle(self, w: WorkerHandle) -> bool:
         return w.process is not None and not w.process.is_alive()
@@ -505,65 +522,24 @@ class WorkerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, w: WorkerHandle, job: QueuedJob) -> None:
+    def _begin(self, w: WorkerHandle, job: QueuedJob) -> None:
+        """Send `job` to worker `w`, now, in the caller's turn; its reply is handled as it
+        arrives (_on_frame -> _finish), its time limit by a timer (_timed_out)."""
         if job.future.done():
-            # Cancelled between its dispatch and now: its frame is never sent, and the
-            # worker, which never saw it, is free at once.
+            # Cancelled since its dispatch (its `started` callback): its frame is never
+            # sent, and the worker, which never saw it, is free at once.
             if w.job is job:
                 w.job = None
                 if w.state == "busy":
                     w.state = "idle"
             self._dispatch()
             return
+        assert w.writer is not None
         generation = w.generation
         w.request_id = job.id
         if job.kind != "ping":
             self.observer.request_started(w.index)
-        started = time.perf_counter()
-        try:
-            # (asyncio.timeout, not wait_for: no task of its own around the round trip)
-            async with asyncio.timeout(job.time_limit):
-                message = await self._roundtrip(w, job)
-        except TimeoutError:
-            job.fail(ComputeTimeout(job.time_limit, w.index))
-            self._spawn_task(self._replace(w, generation, "timeout"))
-            return
-        except _NotSent as exc:
-            # Its frame could not be made (nothing of it was written): answered as the
-            # worker's refusal below, the worker free at once, not a wait for a reply
-            # that never comes.
-            message = {"ok": False, "error": {"type": "too-large", "message": str(exc)}}
-        except (PoolError, ConnectionError, OSError) as exc:
-            # The reader saw the worker go (it replaces it), or writing to it failed.
-            if not isinstance(exc, PoolError):
-                exc = WorkerCrashed(w.index, await self._exitcode(w))
-                self._spawn_task(self._replace(w, generation, "crash"))
-            job.fail(exc)
-            return
-        finally:
-            self.observer.worker_busy(w.index, time.perf_counter() - started)
-            w.reply = None
-            w.job = None
-        w.state = "idle"
-        if message.get("ok"):
-            result = message.get("result")
-            self.observer.arrays_moved("from_workers", w.reply_array_bytes)
-            if job.keep is not None and not job.future.done():
-                result = self._kept_answer(job, message)
-            if not job.future.done():
-                job.future.set_result(
-                    Reply(result, w.index, generation, message.get("seconds", 0.0))
-                )
-        else:
-            job.fail(ComputeFailed(message.get("error") or {}))
-        self._dispatch()
-
-    # Worker processes ---------------------------------------------------------------------
-    async def _roundtrip(self, w: WorkerHandle, job: QueuedJob) -> dict[str, Any]:
-        """Send the job's request to worker `w` and wait for its reply message (its
-        progress reports go to the job's watch on the way, by the reader)."""
-        assert w.writer is not None
-        w.reply = reply = asyncio.get_running_loop().create_future()
+        w.sent_at = time.perf_counter()
         held = w.inbox.held() if w.inbox is not None else None
         if held:
             # Arrays of the worker's reply arenas still in use here (the answer to its
@@ -574,11 +550,66 @@ class WorkerPool:
         try:
             frames = job.outgoing.frame(w.outbox)
         except ValueError as exc:  # too large for one frame once shared memory refused it
-            raise _NotSent(str(exc)) from None
+            # Nothing of it was written: answered as the worker's refusal, the worker free
+            # at once, not a wait for a reply that never comes.
+            error = {"type": "too-large", "message": str(exc)}
+            self._finish(w, job, generation, {"ok": False, "error": error}, 0)
+            return
+        # A worker that went away meanwhile: the transport drops the frame, and the
+        # protocol's connection_lost fails the job (_lost).
         w.writer.writelines(frames)
-        await w.writer.drain()
-        return await reply
+        if job.time_limit is not None:
+            w.timer = asyncio.get_running_loop().call_later(
+                job.time_limit, self._timed_out, w, job, generation
+            )
 
+    def _timed_out(self, w: WorkerHandle, job: QueuedJob, generation: int) -> None:
+        if w.job is not job or w.generation != generation:
+            return
+        w.timer = None
+        self.observer.worker_busy(w.index, time.perf_counter() - w.sent_at)
+        w.job = None  # the worker stays busy until it is replaced
+        job.fail(ComputeTimeout(job.time_limit, w.index))
+        self._spawn_task(self._replace(w, generation, "timeout"))
+
+    def _finish(
+        self,
+        w: WorkerHandle,
+        job: QueuedJob,
+        generation: int,
+        message: dict[str, Any],
+        array_bytes: int,
+    ) -> None:
+        """The worker answered `job`: it is free, and the job has its outcome."""
+        if w.timer is not None:
+            w.timer.cancel()
+            w.timer = None
+        self.observer.worker_busy(w.index, time.perf_counter() - w.sent_at)
+        w.job = None
+        w.state = "idle"
+        self._settle(job, w.index, generation, message, array_bytes)
+        self._dispatch()
+
+    def _settle(
+        self,
+        job: QueuedJob,
+        index: int,
+        generation: int,
+        message: dict[str, Any],
+        array_bytes: int,
+    ) -> None:
+        """The job's outcome from its worker's reply `message` (any backend); a job
+        cancelled or abandoned meanwhile keeps the outcome it has."""
+        if message.get("ok"):
+            result = message.get("result")
+            self.observer.arrays_moved("from_workers", array_bytes)
+            if job.keep is not None and not job.future.done():
+                result = self._kept_answer(job, message)
+            job.succeed(Reply(result, index, generation, message.get("seconds", 0.0)))
+        else:
+            job.fail(ComputeFailed(message.get("error") or {}))
+
+    # Worker processes ---------------------------------------------------------------------
     async def _spawn(self, w: WorkerHandle) -> None:
         """Start a process for `w` and wait for its hello."""
         w.state = "starting"
@@ -604,11 +635,23 @@ class WorkerPool:
         finally:
             child_sock.close()
         w.process = process
-        reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
+        loop = asyncio.get_running_loop()
+        hello_future: asyncio.Future[Any] = loop.create_future()
+
+        def hello(body: bytes | memoryview) -> None:
+            if not hello_future.done():
+                hello_future.set_result(ipc.unpack(body))
+
+        def lost_before_hello(exc: BaseException | None) -> None:
+            if not hello_future.done():
+                hello_future.set_exception(ipc.FrameError("the worker closed its connection"))
+
+        reader = ipc.FrameReader(hello, lost_before_hello)
+        transport, _ = await loop.create_unix_connection(lambda: reader, sock=parent_sock)
         try:
-            hello = await asyncio.wait_for(ipc.read_message(reader), self.settings.startup_timeout)
+            hello_message = await asyncio.wait_for(hello_future, self.settings.startup_timeout)
         except (TimeoutError, ipc.FrameError) as exc:
-            writer.close()
+            transport.close()
             process.kill()
             exitcode = await self._exitcode(w)
             what = (
@@ -617,69 +660,76 @@ class WorkerPool:
                 else describe_exit(exitcode)
             )
             raise WorkerStartError(f"worker {w.index} ({w.device}) {what}") from None
-        if "fatal" in hello:
-            writer.close()
+        if "fatal" in hello_message:
+            transport.close()
             await self._exitcode(w)
             raise WorkerStartError(
-                f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}"
+                f"worker {w.index} ({w.device}) failed to start: {hello_message['fatal']}"
             )
-        w.reader, w.writer, w.hello = reader, writer, hello.get("hello", {})
+        w.writer, w.hello = transport, hello_message.get("hello", {})
         if self._channel is not None:
             w.outbox = shm.Outbox(self._channel, f"a{w.index}")
             w.inbox = shm.Inbox(self._channel)
         w.generation += 1
+        generation = w.generation
+        reader.on_frame = lambda body: self._on_frame(w, generation, body)
+        reader.on_lost = lambda exc: self._spawn_task(self._lost(w, generation))
+        if transport.is_closing():  # gone between its hello and now
+            self._spawn_task(self._lost(w, generation))
         w.state = "idle"
-        w.reader_task = asyncio.get_running_loop().create_task(self._read_replies(w, w.generation))
         log.info("worker %d up: pid %s on %s", w.index, process.pid, w.device)
 
-    async def _read_replies(self, w: WorkerHandle, generation: int) -> None:
-        """Hand each reply to the request waiting for it; notice when the worker dies."""
-        assert w.reader is not None
-        try:
-            while True:
-                counted = [0]
-                message = await ipc.read_message(w.reader, w.inbox, counted)
-                if "progress" in message:
-                    job = w.job
-                    if (
-                        job is not None
-                        and message.get("id") == job.id
-                        and job.watch is not None
-                        and job.watch.progress is not None
-                        and not job.future.done()
-                    ):
-                        job.watch.progress(message["progress"])
-                    continue
-                if ipc.UNREADABLE in message:  # its arrays could not be mapped here
-                    message = {
-                        "id": message["id"],
-                        "ok": False,
-                        "error": {
-                            "type": "unavailable",
-                            "message": f"the worker's answer could not be read: "
-                            f"{message[ipc.UNREADABLE]}; retry shortly",
-                        },
-                    }
-                held = message.pop("held", None)
-                if w.outbox is not None:  # request arenas the worker keeps arrays of
-                    w.outbox.held = set(held or ())
-                reply = w.reply
-                if reply is not None and not reply.done() and message.get("id") == w.request_id:
-                    w.reply_array_bytes = counted[0]
-                    reply.set_result(message)
-                # Not kept while waiting for the next one: the arrays of the worker's
-                # reply arena must die with their request's use (shm.Inbox.held).
-                message = reply = None
-        except (ConnectionError, OSError, ValueError):
-            pass
+    def _on_frame(self, w: WorkerHandle, generation: int, body: bytes | memoryview) -> None:
+        """A message from worker `w`: a progress report to its request's watch, or its
+        reply, which finishes the request (in this loop turn)."""
+        counted = [0]
+        message = ipc.unpack(body, w.inbox, counted)
+        if w.generation != generation:
+            return  # a replaced worker's last words
+        if "progress" in message:
+            job = w.job
+            if (
+                job is not None
+                and message.get("id") == job.id
+                and job.watch is not None
+                and job.watch.progress is not None
+                and not job.future.done()
+            ):
+                job.watch.progress(message["progress"])
+            return
+        if ipc.UNREADABLE in message:  # its arrays could not be mapped here
+            message = {
+                "id": message["id"],
+                "ok": False,
+                "error": {
+                    "type": "unavailable",
+                    "message": f"the worker's answer could not be read: "
+                    f"{message[ipc.UNREADABLE]}; retry shortly",
+                },
+            }
+        held = message.pop("held", None)
+        if w.outbox is not None:  # request arenas the worker keeps arrays of
+            w.outbox.held = set(held or ())
+        job = w.job
+        if job is not None and message.get("id") == w.request_id:
+            self._finish(w, job, generation, message, counted[0])
+
+    async def _lost(self, w: WorkerHandle, generation: int) -> None:
+        """Worker `w`'s connection is gone: unless it was stopped on purpose, it died; its
+        request gets WorkerCrashed, and it is replaced."""
         if self._closing or w.generation != generation or w.retired == generation:
             return  # stopped on purpose
         w.state = "down"  # at once: nothing more is dispatched to it
-        reply = w.reply
         exitcode = await self._exitcode(w)
         log.warning("worker %d %s", w.index, describe_exit(exitcode))
-        if reply is not None and not reply.done():
-            reply.set_exception(WorkerCrashed(w.index, exitcode))
+        job = w.job
+        if job is not None and w.generation == generation:
+            if w.timer is not None:
+                w.timer.cancel()
+                w.timer = None
+            self.observer.worker_busy(w.index, time.perf_counter() - w.sent_at)
+            w.job = None
+            job.fail(WorkerCrashed(w.index, exitcode))
         await self._replace(w, generation, "crash")
 
     async def _exitcode(self, w: WorkerHandle) -> int | None:
@@ -718,10 +768,9 @@ class WorkerPool:
             if graceful and process is not None and process.is_alive():
                 try:
                     ipc.write_message(writer, {"id": 0, "kind": "shutdown", "payload": None})
-                    await writer.drain()
                 except (ConnectionError, OSError):
                     pass
-            writer.close()
+            writer.close()  # (after sending what it holds); its reader stops at once
         if process is not None:
             if graceful:
                 await asyncio.to_thread(process.join, 3.0)
@@ -732,18 +781,18 @@ class WorkerPool:
                 # Reaped: it writes nothing more. An arena it had made and not yet
                 # sent (killed mid-transfer) is left to no one else.
                 await asyncio.to_thread(shm.sweep, f"{self._channel.prefix}-w{process.pid}-")
-        if w.reader_task is not None and w.reader_task is not asyncio.current_task():
-            w.reader_task.cancel()
-        if w.reply is not None and not w.reply.done():
-            w.reply.set_exception(PoolUnavailable("the service is shutting down"))
-        w.reader = w.writer = w.reader_task = None
+        job = w.job
+        if job is not None:  # the request it was computing is not answered now
+            if w.timer is not None:
+                w.timer.cancel()
+                w.timer = None
+            self.observer.worker_busy(w.index, time.perf_counter() - w.sent_at)
+            w.job = None
+            job.fail(PoolUnavailable("the service is shutting down"))
+        w.writer = None
         if w.outbox is not None:
             w.outbox.close()  # unlinked, if the worker died before it mapped it
         w.outbox = w.inbox = None  # arrays from its arena keep their own mapping
-
-
-class _NotSent(Exception):
-    """A request's frame could not be made at dispatch."""
 
 
 def _run_worker(*args: Any) -> None:

@@ -77,6 +77,8 @@ from service.pool.base import (
     KEPT_FIELDS,
     KEPT_LOST,
     ComputeFailed,
+    ComputeTimeout,
+    PoolError,
     PoolObserver,
     PoolUnavailable,
     WorkerCrashed,
@@ -407,6 +409,47 @@ class RayPool(WorkerPool):
             await asyncio.to_thread(ray.shutdown)
 
     # The transport ------------------------------------------------------------------------
+    def _begin(self, w: WorkerHandle, job: QueuedJob) -> None:
+        # An actor's call is awaited (the local pool's socket sends in the caller's turn).
+        self._spawn_task(self._execute(w, job))
+
+    async def _execute(self, w: WorkerHandle, job: QueuedJob) -> None:
+        if job.future.done():
+            # Cancelled between its dispatch and now: never sent, and the worker, which
+            # never saw it, is free at once.
+            if w.job is job:
+                w.job = None
+                if w.state == "busy":
+                    w.state = "idle"
+            self._dispatch()
+            return
+        generation = w.generation
+        w.request_id = job.id
+        if job.kind != "ping":
+            self.observer.request_started(w.index)
+        started = time.perf_counter()
+        try:
+            # (asyncio.timeout, not wait_for: no task of its own around the round trip)
+            async with asyncio.timeout(job.time_limit):
+                message = await self._roundtrip(w, job)
+        except TimeoutError:
+            job.fail(ComputeTimeout(job.time_limit, w.index))
+            self._spawn_task(self._replace(w, generation, "timeout"))
+            return
+        except (PoolError, ConnectionError, OSError) as exc:
+            # The actor is gone (_roundtrip replaces it), or the call could not be made.
+            if not isinstance(exc, PoolError):
+                exc = WorkerCrashed(w.index, None)
+                self._spawn_task(self._replace(w, generation, "crash"))
+            job.fail(exc)
+            return
+        finally:
+            self.observer.worker_busy(w.index, time.perf_counter() - started)
+            w.job = None
+        w.state = "idle"
+        self._settle(job, w.index, generation, message, w.reply_array_bytes)
+        self._dispatch()
+
     async def _roundtrip(self, w: WorkerHandle, job: QueuedJob) -> dict[str, Any]:
         assert isinstance(w, _ActorWorker)
         actor, generation = w.actor, w.generation

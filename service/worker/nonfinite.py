@@ -38,7 +38,13 @@ def _walk(value: Any, path: str, found: list[str]) -> None:
     if kind in _PLAIN:
         return
     if kind is np.ndarray or (kind is not dict and isinstance(value, np.ndarray)):
-        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+        numeric = value.dtype.kind
+        if numeric == "f" and value.ndim == 0 and value.itemsize <= 8:
+            # A scalar answer (a loss, a gradient of a scalar): 0.2 us, not ~3 for the
+            # reduction below (a Python float holds every such value exactly).
+            if not math.isfinite(value):
+                found.append(path)
+        elif numeric in "fc" and not np.isfinite(value).all():
             found.append(path)
     elif kind is dict or isinstance(value, Mapping):
         for key, item in value.items():

@@ -85,6 +85,73 @@ def test_every_part_of_the_structure_is_in_the_key() -> None:
     assert compile_definition(dict(MLP, functions={"act": dict(tanh)})).key in keys
 
 
+def test_a_remembered_structure_key_is_the_one_computed_afresh() -> None:
+    """structure_key remembers the hashes of the structures it has seen, found by the
+    structure itself: the same key as hashing it again, and never another structure's
+    (including ones a repr could confuse: a trainable flag beside a size of 1, a line
+    split differently, a leaf renamed)."""
+    from engine.language import definition
+
+    defn = definition.as_definition(MLP)
+    limits = Limits()
+    remembered = definition.structure_key(defn, limits)
+    definition._structure_keys.clear()
+    assert definition.structure_key(defn, limits) == remembered
+    variants = [
+        dict(
+            MLP, program=["h = relu(x @ w1 + b1)", "out = h @ w2", "loss = mean((out - y) ** 2) "]
+        ),
+        dict(MLP, program=["h = relu(x @ w1 + b1)\nout = h @ w2", "loss = mean((out - y) ** 2)"]),
+        dict(
+            MLP,
+            variables={**MLP["variables"], "w2": {"value": np.ones((4, 1)), "trainable": False}},
+        ),
+        dict(MLP, variables={"w1": np.full((3, 4), 0.5), "b2": np.zeros(4), "w2": np.ones((4, 1))}),
+    ]
+    keys = {remembered}
+    for variant in variants:
+        one = definition.as_definition(variant)
+        seen = definition.structure_key(one, limits)
+        definition._structure_keys.clear()
+        assert definition.structure_key(one, limits) == seen  # remembered = afresh
+        keys.add(seen)
+    assert len(keys) == 1 + len(variants)
+
+
+def test_coercion_takes_any_mapping_and_refuses_what_it_refused() -> None:
+    """as_definition's short ways for plain dicts give what the general ones give for
+    other mappings, and the same problems for bad names and fields."""
+    from types import MappingProxyType
+
+    from engine.language import definition
+
+    plain = definition.as_definition(MLP)
+    proxied = definition.as_definition(
+        MappingProxyType(
+            {
+                **MLP,
+                "variables": MappingProxyType(dict(MLP["variables"])),
+                "inputs": MappingProxyType(dict(MLP["inputs"])),
+                "program": tuple(MLP["program"]),
+            }
+        )
+    )
+    assert plain.program == proxied.program
+    for a, b in ((plain.variables, proxied.variables), (plain.inputs, proxied.inputs)):
+        assert list(a) == list(b)
+        for name in a:
+            left = getattr(a[name], "value", a[name])
+            right = getattr(b[name], "value", b[name])
+            assert left.dtype == right.dtype and np.array_equal(left, right)
+    with pytest.raises(DefinitionError) as refused:
+        definition.as_definition(
+            dict(MLP, variables={**MLP["variables"], 3: np.zeros(2), "v": {"value": 1, "x": 2}})
+        )
+    messages = [p.message for p in refused.value.problems]
+    assert any("name 3 is not a string" in m for m in messages)
+    assert any("unknown field(s) ['x']" in m for m in messages)
+
+
 def test_one_program_runs_many_times() -> None:
     program = compile_definition(MLP)
     for scale in (0.1, 1.0, 2.0):

@@ -170,23 +170,70 @@ def test_arrays_a_worker_receives_are_16_byte_aligned() -> None:
     assert len(aligned_everywhere(got)) == len(ALIGNED_CASES) + 1
 
 
-def test_arrays_the_http_process_receives_are_16_byte_aligned() -> None:
-    """The HTTP process's side: read_message on an asyncio stream (service/pool/local.py)."""
-    import asyncio
+class _Transport:
+    """What FrameReader asks of its transport (abort, on a malformed frame)."""
 
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _reader(bodies: list[Any], lost: list[Any]) -> ipc.FrameReader:
+    reader = ipc.FrameReader(lambda body: bodies.append(ipc.unpack(body)), lost.append)
+    reader.transport = _Transport()  # type: ignore[assignment]
+    return reader
+
+
+def test_arrays_the_http_process_receives_are_16_byte_aligned() -> None:
+    """The HTTP process's side: FrameReader, the protocol on a worker's socket
+    (service/pool/local.py), given the frame whole and in two pieces."""
     gradients = {str(i): a for i, a in enumerate(ALIGNED_CASES)}
     message = {"id": 1, "ok": True, "result": {"gradients": gradients}}
+    header, body = ipc.frame(message)
+    stream = header + body
+    for pieces in ([stream], [stream[:7], stream[7:]]):
+        got: list[Any] = []
+        reader = _reader(got, [])
+        for piece in pieces:
+            reader.data_received(piece)
+        (back,) = got
+        assert same(back, message)
+        assert len(aligned_everywhere(back)) == len(ALIGNED_CASES)
 
-    async def scenario() -> Any:
-        reader = asyncio.StreamReader()
-        header, body = ipc.frame(message)
-        reader.feed_data(header + body)
-        reader.feed_eof()
-        return await ipc.read_message(reader)
 
-    got = asyncio.run(scenario())
-    assert same(got, message)
-    assert len(aligned_everywhere(got)) == len(ALIGNED_CASES)
+def test_frame_reader_hands_over_each_message_however_the_bytes_arrive() -> None:
+    """Three frames (an empty message, a large array, a small one) cut at every place
+    into two pieces, and into pieces of 1, 3 and 1000 bytes: the same three messages, in
+    order, each once it is whole."""
+    messages = [{}, {"id": 2, "a": np.arange(3000.0)}, {"id": 3, "progress": {"k": [1, 2]}}]
+    stream = b"".join(b"".join(ipc.frame(m)) for m in messages)
+    cuts = [[stream[:i], stream[i:]] for i in range(0, len(stream) + 1, 97)]
+    cuts += [[stream[i : i + n] for i in range(0, len(stream), n)] for n in (1, 3, 1000)]
+    for pieces in cuts:
+        got: list[Any] = []
+        reader = _reader(got, [])
+        for piece in pieces:
+            reader.data_received(piece)
+        assert len(got) == 3
+        for back, sent in zip(got, messages, strict=True):
+            assert same(back, sent)
+
+
+def test_frame_reader_ends_the_connection_on_a_malformed_frame() -> None:
+    got: list[Any] = []
+    lost: list[Any] = []
+    reader = _reader(got, lost)
+    good = b"".join(ipc.frame({"id": 1}))
+    bad = ipc.HEADER.pack(1) + b"\xc1"  # 0xc1: never used by msgpack
+    reader.data_received(good + bad + good)
+    assert got == [{"id": 1}]
+    assert reader.transport.aborted  # type: ignore[union-attr]
+    reader.data_received(good)  # nothing more is read from it
+    assert got == [{"id": 1}]
+    reader.connection_lost(None)
+    assert lost == [None]
 
 
 @settings(max_examples=100, deadline=None)
