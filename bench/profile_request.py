@@ -89,10 +89,6 @@ def install_timers() -> None:
     fastapi.routing.solve_dependencies = _timed(
         "dependencies and body validation", fastapi.routing.solve_dependencies
     )
-    if hasattr(bodies, "direct_handler"):  # the compute routes without FastAPI's handler
-        bodies.request_body_to_args = _timed(
-            "body validation (direct handler)", bodies.request_body_to_args
-        )
     for op in (*DERIVATIVES, *TAPE_OPERATIONS):
         object.__setattr__(op, "build", _timed("payload: wire tensors -> arrays", op.build))
     WorkerPool.submit = _timed("pool.submit (worker and IPC)", WorkerPool.submit)  # type: ignore[method-assign]

@@ -36,9 +36,6 @@ which it makes a float), is parsed by json, whose answer (or error) is the contr
 
 from __future__ import annotations
 
-import email.message
-import functools
-import inspect
 import io
 import json
 from collections.abc import Callable, Coroutine
@@ -48,12 +45,6 @@ import anyio
 import msgpack
 import orjson
 from fastapi import Request
-from fastapi.dependencies.utils import (
-    get_typed_return_annotation,
-    request_body_to_args,
-    request_params_to_args,
-)
-from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -63,11 +54,6 @@ from service.api.fairness import Fairness
 from service.api.negotiation import Format, body_format
 from service.api.problems import ProblemError
 from service.api.schemas import UnpackedBody
-
-try:  # FastAPI's request telemetry (0.13x on): while on, its own handler runs
-    from fastapi.telemetry._api import get_telemetry_data as _telemetry
-except ImportError:  # pragma: no cover - a FastAPI without it
-    _telemetry = None
 
 _WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 _SLICE = 1 << 20
@@ -479,7 +465,7 @@ class GatedRoute(BoundedRoute):
         super().__init__(path, endpoint, openapi_extra=extra, **options)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = direct_handler(self, APIRoute.get_route_handler(self))
+        handler = APIRoute.get_route_handler(self)
         reads_body = self.body_field is not None
         # A compute route that may start a job (routes/_compute.register marks it).
         may_run_jobs = bool(getattr(self.endpoint, "may_run_jobs", False))
@@ -509,132 +495,6 @@ class GatedRoute(BoundedRoute):
                 return await handler(request)
 
         return gated
-
-
-# ----------------------------------------------------------------------------------------
-# FastAPI's request handling, for the routes that need little of it
-# ----------------------------------------------------------------------------------------
-
-Handler = Callable[[Request], Coroutine[Any, Any, Response]]
-
-
-def direct_handler(route: APIRoute, general: Handler) -> Handler:
-    """What FastAPI's handler does for `route` (its dependencies solved, its body
-    validated, its endpoint called), done directly when the route has the compute routes'
-    shape: a body model, async sub-dependencies of the request and path parameters only,
-    an endpoint of the request, the body, those and path parameters that returns a
-    Response. Anything else gets `general`, FastAPI's own handler; so does a request whose
-    body read_bounded did not parse as FastAPI would read it, and every request while
-    dependency overrides or FastAPI's telemetry are in use.
-
-    FastAPI's handler also makes a Response for headers nobody sets, parses the query
-    string and cookies, parses the content type with `email.message`, tests every
-    dependency's kind with `inspect` and keeps its telemetry: ~0.1 ms of a small
-    request's ~0.8 ms in the HTTP process. The values, the validation (FastAPI's own
-    functions, so its errors, in its order: the sub-dependencies' first) and what the
-    endpoint receives are the same (tests/service/test_direct_handler.py compares them)."""
-    dependant = route.dependant
-    if route.body_field is None or len(dependant.body_params) != 1:
-        return general
-    if not _plain(dependant) or not inspect.iscoroutinefunction(dependant.call):
-        return general
-    returns = get_typed_return_annotation(dependant.call)
-    if not (isinstance(returns, type) and issubclass(returns, Response)):
-        return general  # FastAPI would serialize what it returns
-    subs = list(dependant.dependencies)
-    for sub in subs:
-        if (
-            sub.dependencies
-            or sub.body_params
-            or sub.name is None
-            or not _plain(sub)
-            or not inspect.iscoroutinefunction(sub.call)
-        ):
-            return general
-    endpoint = dependant.call
-    body_params = dependant.body_params
-    embed = route._embed_body_fields
-    overrides = route.dependency_overrides_provider
-
-    async def direct(request: Request) -> Response:
-        body = _body_as_fastapi_reads_it(request)
-        if body is _UNREAD or (overrides is not None and overrides.dependency_overrides):
-            return await general(request)
-        if _telemetry is not None and _telemetry() is not None:
-            return await general(request)
-        values: dict[str, Any] = {}
-        errors: list[Any] = []
-        path = request.path_params
-        for sub in subs:
-            arguments: dict[str, Any] = {}
-            if sub.path_params:
-                found, wrong = request_params_to_args(sub.path_params, path)
-                if wrong:
-                    errors.extend(wrong)
-                    continue
-                arguments.update(found)
-            if sub.request_param_name:
-                arguments[sub.request_param_name] = request
-            values[sub.name] = await sub.call(**arguments)
-        if dependant.path_params:
-            found, wrong = request_params_to_args(dependant.path_params, path)
-            values.update(found)
-            errors.extend(wrong)
-        found, wrong = await request_body_to_args(
-            body_fields=body_params, received_body=body, embed_body_fields=embed
-        )
-        values.update(found)
-        errors.extend(wrong)
-        if errors:
-            raise RequestValidationError(errors, body=body)
-        if dependant.request_param_name:
-            values[dependant.request_param_name] = request
-        response: Response = await endpoint(**values)
-        return response
-
-    return direct
-
-
-def _plain(dependant: Any) -> bool:
-    """Takes nothing but the request, path parameters and a body (a sub-dependency:
-    not even a body) from FastAPI."""
-    return not (
-        dependant.query_params
-        or dependant.header_params
-        or dependant.cookie_params
-        or dependant.http_connection_param_name
-        or dependant.websocket_param_name
-        or dependant.background_tasks_param_name
-        or dependant.response_param_name
-        or dependant.security_scopes_param_name
-    )
-
-
-_UNREAD = object()
-
-
-def _body_as_fastapi_reads_it(request: Request) -> Any:
-    """What FastAPI's handler would hand to validation, when read_bounded left it: the
-    parsed JSON when FastAPI takes the content type for JSON, else the body's bytes
-    (an UnpackedBody, msgpack); _UNREAD for anything else (an empty or unparsed body)."""
-    content_type = request.headers.get("content-type")
-    if not content_type:
-        return _UNREAD
-    if _fastapi_reads_json(content_type):
-        return request._json if hasattr(request, "_json") else _UNREAD
-    body = getattr(request, "_body", None)
-    return body if isinstance(body, UnpackedBody) and body else _UNREAD
-
-
-@functools.lru_cache(maxsize=64)
-def _fastapi_reads_json(content_type: str) -> bool:
-    """FastAPI's handler's own test of a content type for JSON (fastapi/routing.py)."""
-    message = email.message.Message()
-    message["content-type"] = content_type
-    if message.get_content_maintype() != "application":
-        return False
-    subtype = message.get_content_subtype()
-    return subtype == "json" or subtype.endswith("+json")
 
 
 def prefers_async(request: Request) -> bool:

@@ -233,7 +233,9 @@ def prepare(message: Any, channel: shm.Channel | None) -> Outgoing:
 
 
 def unpack(
-    body: bytes | bytearray, inbox: shm.Inbox | None = None, counted: list[int] | None = None
+    body: bytes | bytearray | memoryview,
+    inbox: shm.Inbox | None = None,
+    counted: list[int] | None = None,
 ) -> Any:
     """The message; with `inbox`, its arrays in the peer's arena are read in place
     (read-only views of the mapping, tracked so that the arena is not written again
