@@ -35,36 +35,10 @@ import numpy as np
 
 from engine import backend, trace, tree
 from engine.ops import conv
-from engine.registry import BROADCASTING, ZERO, get_vjp, impl_rules
+from engine.registry import ELEMENT_FLOW, ZERO, get_vjp, impl_rules
 from engine.tape import GradientTape, Record, _plan
 from engine.tensor import Tensor, as_tensor
 
-# Ops that move elements without computing (the ids ride through their own forwards).
-MOVERS = ("reshape", "transpose", "broadcast_to", "getitem", "pad", "im2col", "concatenate")
-# One input, one output of its shape, each element from the same element.
-UNARY = [
-    "negative",
-    "exp",
-    "log",
-    "log1p",
-    "expm1",
-    "sqrt",
-    "rsqrt",
-    "reciprocal",
-    "sin",
-    "cos",
-    "tanh",
-    "sigmoid",
-    "relu",
-    "leaky_relu",
-    "abs",
-    "cast",
-    "erf",
-    "identity",
-    "sign",
-    "integer_pow",
-]
-REDUCTIONS = ("sum", "max", "min", "prod")
 NONE = -1.0  # the id of an element no example's data reaches
 
 
@@ -75,6 +49,12 @@ class MixedExamplesError(ValueError):
 
     record: Record | None = None
     records: list[Record] | None = None
+
+
+def _flow(rec: Record) -> str | None:
+    """How the record's primitive maps input elements to output elements
+    (registry.ELEMENT_FLOW; None: unknown to the walk)."""
+    return ELEMENT_FLOW.get(rec.prim) if rec.prim is not None else None
 
 
 def _name(rec: Record) -> str:
@@ -98,6 +78,21 @@ def _mixed(rec: Record, how: str) -> MixedExamplesError:
         "batch axis, batch norm in training mode, a matmul across examples); per-example "
         "gradients, Kronecker factors and Laplace need examples along axis 0 that stay "
         "apart until the loss"
+    )
+    error.record = rec
+    return error
+
+
+def _unknown(rec: Record) -> MixedExamplesError:
+    """An op with no declared element flow (registry.ELEMENT_FLOW): not known to mix the
+    examples, but the walk cannot show that it keeps them apart."""
+    shapes = ", ".join(str(list(x.shape)) for x in rec.inputs)
+    error = MixedExamplesError(
+        f"per-example: op {_name(rec)!r} (inputs {shapes}) is one the per-example walk cannot "
+        "follow, so it cannot tell whether the op keeps the examples apart; per-example "
+        "gradients, Kronecker factors and Laplace follow the elementwise, shape, reduction, "
+        "softmax, matrix-product and convolution ops (not einsum, solve, scatter_add or a "
+        "custom-gradient function)"
     )
     error.record = rec
     return error
@@ -179,14 +174,16 @@ def example_flow(
         ids[id(out)] = _propagate(rec, ins)
         for j, x in enumerate(rec.inputs):
             if id(x) in param_only and ins[j] is None:
-                name = _name(rec)
-                if name == "matmul":
+                flow = _flow(rec)
+                if flow == "contracts":
                     meetings.append(Meeting(rec, j, "matmul"))
-                elif rec.prim in BROADCASTING or name in UNARY:
+                elif flow in ("elementwise", "rows"):
+                    # a row op's rows each hold one example (_propagate checked), so the
+                    # elementwise share (its VJP, summed over each example's positions) holds
                     meetings.append(Meeting(rec, j, "elementwise"))
                 else:
                     raise MixedExamplesError(
-                        f"per-example: a parameter meets the data at op {name!r} (inputs "
+                        f"per-example: a parameter meets the data at op {_name(rec)!r} (inputs "
                         f"{[list(t.shape) for t in rec.inputs]}), which has no per-example "
                         "rule (matmul, convolution and elementwise ops have one)"
                     )
@@ -205,25 +202,33 @@ def example_flow(
 
 def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
     """The ids of a record's output from its inputs' (None: no example's)."""
-    name, out = _name(rec), rec.outputs[0]
+    flow, out = _flow(rec), rec.outputs[0]
     full = [
         np.full(x.shape, NONE, np.float32) if i is None else i
         for x, i in zip(rec.inputs, ins, strict=True)
     ]
     if rec.prim is None or len(rec.outputs) != 1:
-        raise _mixed(rec, "is an op the per-example walk does not know")
-    if rec.prim in BROADCASTING or name in UNARY or name in ("where", "select_grad"):
+        raise _unknown(rec)
+    if flow == "rows":
+        merged = full[0]
+        for other in full[1:]:
+            merged = _merge(merged, other, rec)
+        merged = np.broadcast_to(merged, out.shape)
+        axis = rec.params.get("axis", -1) % out.ndim
+        row = _single(merged, (axis,), True, rec)
+        return np.ascontiguousarray(np.broadcast_to(row, out.shape))
+    if flow == "elementwise":
         merged = full[0]
         for other in full[1:]:
             merged = _merge(merged, other, rec)
         return np.ascontiguousarray(np.broadcast_to(merged, out.shape))
-    if name in MOVERS:
+    if flow == "moves":
         params = dict(rec.params)
         if "value" in params:
             params["value"] = NONE
         moved = impl_rules[rec.prim](np, *[np.ascontiguousarray(f) for f in full], **params)
         return np.asarray(moved, np.float32)
-    if name in REDUCTIONS or name == "cumsum":
+    if flow in ("reduces", "scans"):
         axes = rec.params.get("axes", rec.params.get("axis"))
         ndim = rec.inputs[0].ndim
         axes = (
@@ -232,11 +237,11 @@ def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
             else ((axes,) if isinstance(axes, int) else tuple(axes))
         )
         axes = tuple(a % ndim for a in axes)
-        if name == "cumsum":
+        if flow == "scans":
             _single(full[0], axes, True, rec)
             return full[0]
         return _single(full[0], axes, bool(rec.params.get("keepdims", False)), rec)
-    if name == "matmul":
+    if flow == "contracts":
         a, b = full
         if rec.params.get("ta"):
             a = np.swapaxes(a, -1, -2)
@@ -253,7 +258,7 @@ def _propagate(rec: Record, ins: list[np.ndarray | None]) -> np.ndarray:
         if squeeze is not None:
             merged = np.squeeze(merged, squeeze)
         return np.ascontiguousarray(np.broadcast_to(merged, out.shape))
-    raise _mixed(rec, "is an op the per-example walk does not know how to follow")
+    raise _unknown(rec)
 
 
 # ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ Public ops (primitive wrappers and composites) are registered in `public_ops` by
 Adding an op is one block in its family's `engine/ops/<family>.py` (atan2 in
 elementwise.py is an example) and one row in tests/engine/test_ops.py:
 
-    atan2_p = primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
+    atan2_p = elementwise_primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
     defvjp(atan2_p, atan2_vjp_y, atan2_vjp_x)       # one rule per argument
     defjvp(atan2_p, atan2_jvp)                      # optional (else double VJP)
 
@@ -35,6 +35,9 @@ elementwise.py is an example) and one row in tests/engine/test_ops.py:
 
 - broadcasting=True: the arguments broadcast against each other (batched tangents are
   aligned for it in one place, the forward accumulator).
+- elementwise_primitive (engine/ops/elementwise.py) declares a primitive of that family;
+  other families give `primitive(..., flow=...)`, how output elements come from input
+  elements (ELEMENT_FLOW below), so that per-example gradients can follow the op.
 - shape_rule: `rule(bound) -> TensorType` on shapes and dtypes alone (engine/shapes.py
   has the families: unary, binary, ...). A check the wrapper makes too is one function
   raising RuleError, called by the rule as is and by the wrapper through
@@ -47,7 +50,7 @@ elementwise.py is an example) and one row in tests/engine/test_ops.py:
 - An elementwise primitive declares its partial derivatives instead of a VJP and a JVP
   (engine/ops/elementwise.py, `defpartials`; log2 there is the example, 8 lines):
 
-      log2_p = primitive("log2", lambda xp, x: xp.log2(x))
+      log2_p = elementwise_primitive("log2", lambda xp, x: xp.log2(x))
       defpartials(log2_p, lambda ans, x: multiply(reciprocal(x), 1 / math.log(2)))
 
   one `partial(ans, *args, **params)` per argument (None: no derivative), written in
@@ -86,6 +89,9 @@ vjp_rules: dict[Primitive, Callable[..., Any]] = {}
 # directly, one call per cotangent fewer than vjp_rules' dispatch on argnum.
 vjp_arg_rules: dict[Primitive, tuple[Callable[..., Any] | None, ...]] = {}
 jvp_rules: dict[Primitive, Callable[..., Any]] = {}
+# The compiled replay's out= form of a primitive (engine/replay.py, beside its own table
+# `_FORMS`): maker(params, operands, result layout) -> form(*arrays, out) or None.
+replay_forms: dict[Primitive, Callable[..., Any]] = {}
 NONDIFFERENTIABLE: set[Primitive] = set()
 # Primitives whose result can be left uncomputed until read (trace.defer_primal):
 # `shape(*args, **params) -> shape` gives its shape without computing it (its dtype is
@@ -99,6 +105,33 @@ BROADCASTING: set[Primitive] = set()
 # with the same parameters (engine/replay.py): pure, and repeated by rules that do not know
 # of each other (a convolution's windows of one cotangent, gathered by two VJPs).
 REPEATS_SHARED: set[Primitive] = set()
+# Cotangents that are terms of a sum one call of another primitive computes (conv_input:
+# sum_i A_{w_i}^T g_i over pairs (g_1, w_1, g_2, w_2, ...)):
+# `vjp_term_rules[p][argnum](ans, *args, **params) -> (g -> (term_prim, operands, params))`
+# names the call an argument's cotangent is, without making it. The tape's backward keeps
+# an input's terms of one primitive and parameters uncomputed and makes them one call
+# when the input's cotangent is read: a second-order pass gives a convolution's input two
+# such terms (from conv and from conv_weight), one GEMM over both instead of two and an
+# add. The argument's defvjp rule (other callers: per-example walks, vjp_rules) binds
+# its term at once.
+vjp_term_rules: dict[Primitive, tuple[Callable[..., Any] | None, ...]] = {}
+
+
+def defvjp_terms(prim: Primitive, *rules: Callable[..., Any] | None) -> None:
+    """One term rule per positional argument (None: the argument's defvjp rule)."""
+    vjp_term_rules[prim] = rules
+
+
+# How a primitive's output elements come from its inputs' elements, for the per-example
+# walk (engine/per_example.py), which follows each example's elements through a pass:
+#   "elementwise": from the same-place elements of its (broadcast) arguments
+#   "moves": moved or repeated, never combined (reshape, getitem, pad, concatenate, ...)
+#   "reduces": combined along its `axes` (sum, max, ...); "scans": along its `axis`, kept
+#   "rows": combined within each row along its `axis` (softmax and its VJP)
+#   "contracts": a matrix product's rows and columns
+# A primitive without one stops the walk with a clear error (it cannot tell examples apart).
+ELEMENT_FLOW: dict[Primitive, str] = {}
+FLOWS = ("elementwise", "moves", "reduces", "scans", "rows", "contracts")
 
 
 class _Zero:
@@ -124,15 +157,26 @@ class MissingRuleError(NotImplementedError):
     """A derivative was asked of a primitive (and argument) that has no rule."""
 
 
-def primitive(name: str, impl: Callable[..., Any], *, broadcasting: bool = False) -> Primitive:
+def primitive(
+    name: str,
+    impl: Callable[..., Any],
+    *,
+    broadcasting: bool = False,
+    flow: str | None = None,
+) -> Primitive:
     """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`.
 
     broadcasting: its arguments broadcast against each other (NumPy's trailing-axis rule).
+    flow: how its output elements come from its inputs' (ELEMENT_FLOW).
     """
+    if flow is not None and flow not in FLOWS:
+        raise ValueError(f"{name}: flow must be one of {FLOWS}, got {flow!r}")
     prim = Primitive(name)
     impl_rules[prim] = impl
     if broadcasting:
         BROADCASTING.add(prim)
+    if flow is not None:
+        ELEMENT_FLOW[prim] = flow
     return prim
 
 
@@ -160,6 +204,14 @@ def defvjp_argnum(prim: Primitive, rule: Callable[..., Any]) -> None:
 
 def defjvp(prim: Primitive, rule: Callable[..., Any]) -> None:
     jvp_rules[prim] = rule
+
+
+def defform(prim: Primitive, maker: Callable[..., Any]) -> None:
+    """The compiled replay's form of `prim`: `maker(params, operands, value)` returns
+    `form(*arrays, out)` writing the impl's result into `out` (None: allocate). A form
+    keeps no arrays of its own between passes: what a schedule keeps is its buffers,
+    counted against its pool limit (temporaries within one call are fine)."""
+    replay_forms[prim] = maker
 
 
 def defnondiff(prim: Primitive) -> None:

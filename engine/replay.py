@@ -47,7 +47,7 @@ import numpy as np
 
 from engine import trace
 from engine.ops.reduce import row_sum, sums_rows
-from engine.registry import REPEATS_SHARED, Primitive, impl_rules
+from engine.registry import REPEATS_SHARED, Primitive, impl_rules, replay_forms
 from engine.tensor import Tensor, scalar_cache
 
 # Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
@@ -598,7 +598,7 @@ class Schedule:
         plan: list[list[Any]] = []
         for k, ((prim, ins, params), slot) in enumerate(zip(steps, step_slot, strict=True)):
             value = values[slot]
-            maker = _FORMS.get(prim.name)
+            maker = _FORMS.get(prim.name) or replay_forms.get(prim)
             # constants as arrays, the pass's own operands as their _Layouts
             form = None if maker is None else maker(params, [values[i] for i in ins], value)
             owns = owner[slot] == slot

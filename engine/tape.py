@@ -31,7 +31,14 @@ from engine import backend, trace, tree
 from engine.ops.reduce import sum as reduce_sum
 from engine.ops.reduce import sum_p
 from engine.ops.shape import broadcast_to, concatenate, reshape, transpose
-from engine.registry import NONDIFFERENTIABLE, ZERO, Primitive, argument_vjp, vjp_arg_rules
+from engine.registry import (
+    NONDIFFERENTIABLE,
+    ZERO,
+    Primitive,
+    argument_vjp,
+    vjp_arg_rules,
+    vjp_term_rules,
+)
 from engine.tensor import Tensor, Variable, as_tensor, bind, read_variable_p, unaliased
 
 UNCONNECTED = ("none", "zero")
@@ -189,6 +196,29 @@ def _arrive(cts: dict[int, Tensor], zero: set[int], x: Tensor, gi: Any, batch_nd
         _accumulate(cts, id(x), gi)
 
 
+# An input's cotangent terms not made yet (registry.vjp_term_rules), by the input's id:
+# (the input, {(term primitive, its parameters): (parameters, operands so far)}).
+Pending = dict[int, tuple[Tensor, dict[tuple, tuple[dict, list[Tensor]]]]]
+
+
+def _add_term(pending: Pending, x: Tensor, term: tuple) -> None:
+    prim, operands, params = term
+    groups = pending.setdefault(id(x), (x, {}))[1]
+    key = (prim, tuple(sorted(params.items())))
+    groups.setdefault(key, (params, []))[1].extend(operands)
+
+
+def _settle(cts: dict[int, Tensor], pending: Pending, key: int, batch_ndim: int) -> None:
+    """An input's pending terms made (one call per primitive and parameters), added to
+    what its cotangent holds already."""
+    x, groups = pending.pop(key)
+    for (prim, _), (params, operands) in groups.items():
+        gi = bind(prim, *operands, **params)
+        if gi.shape[batch_ndim:] != x.shape:
+            gi = _fit(gi, x.shape, batch_ndim)
+        _accumulate(cts, key, gi)
+
+
 def backward(
     plan: list,
     targets: list[Tensor],
@@ -215,6 +245,7 @@ def backward(
     seeds are checked to, and each rule's result is fitted once (`_fit`) as it arrives.
     """
     cts: dict[int, Tensor] = {}
+    pending: Pending = {}
     for t, s in zip(targets, seeds, strict=True):
         _accumulate(cts, id(t), s)
     keep = {id(s) for s in sources}
@@ -226,6 +257,9 @@ def backward(
         inputs = rec.inputs
         prim = rec.prim
         if prim is None:  # a custom gradient: several outputs
+            for o in rec.outputs:
+                if id(o) in pending:
+                    _settle(cts, pending, id(o), batch_ndim)
             gs = [cts.get(id(o)) if id(o) in keep else cts.pop(id(o), None) for o in rec.outputs]
             if all(g is None for g in gs):
                 if any(id(o) in zero for o in rec.outputs):
@@ -238,6 +272,8 @@ def backward(
         # a primitive: one output
         ans = rec.outputs[0]
         out_id = id(ans)
+        if pending and out_id in pending:
+            _settle(cts, pending, out_id, batch_ndim)
         g = cts.get(out_id) if out_id in keep else cts.pop(out_id, None)
         if g is None:
             if out_id in zero:
@@ -250,8 +286,10 @@ def backward(
         # through argument_vjp), inline: this loop runs once per cotangent of a pass.
         params = rec.params
         rules = vjp_arg_rules.get(prim, ())
+        terms = vjp_term_rules.get(prim, ())
         for i in needed:
-            rule = rules[i] if i < len(rules) else None
+            term = terms[i] if i < len(terms) else None
+            rule = term or (rules[i] if i < len(rules) else None)
             if rule is None:
                 rule = argument_vjp(prim, i)
             if cacheable:
@@ -267,6 +305,9 @@ def backward(
             else:
                 vjp = rule(ans, *inputs, **params)
             x = inputs[i]
+            if term is not None:  # a term of a call made when x's cotangent is read
+                _add_term(pending, x, vjp(g))
+                continue
             if defer_sources and id(x) in keep:
                 with trace.deferring():
                     gi = vjp(g)
@@ -278,6 +319,12 @@ def backward(
             else:
                 prev = cts.get(id(x))
                 cts[id(x)] = gi if prev is None else prev + gi
+    for k in [k for k in pending if k in keep]:  # (in arrival order: deterministic)
+        if defer_sources:
+            with trace.deferring():
+                _settle(cts, pending, k, batch_ndim)
+        else:
+            _settle(cts, pending, k, batch_ndim)
     out = {k: cts[k] for k in keep if k in cts}
     if zero & keep:
         # Connected through a zero derivative only: zeros, as TensorFlow answers.

@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def serve(overrides: dict[str, Any]) -> int:
+    from service.core import metric_files
+
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        try:
+            metric_files.prepare(Path(given))
+        except OSError as exc:
+            print(f"gradtape: PROMETHEUS_MULTIPROC_DIR {given!r}: {exc}", file=sys.stderr)
+            return 2
     import logging
 
     import uvicorn
@@ -139,10 +150,28 @@ def serve(overrides: dict[str, Any]) -> int:
         sock.getsockname()[1],
         settings.http_workers,
     )
+    metrics_dir, made_here = _metrics_directory()
     supervisor = Multiprocess(config, sockets=[sock])
-    supervisor.run()
+    try:
+        supervisor.run()
+    finally:
+        if made_here:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     # A process that could not start (its workers, its store) stops them all: say so.
     return 3 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
+
+
+def _metrics_directory() -> tuple[Path, bool]:
+    """Where the HTTP processes write their metrics for each other's scrapes
+    (service/domain/metrics.py), set in the environment they start with: the operator's
+    PROMETHEUS_MULTIPROC_DIR (prepared at the start of `serve`), or a fresh temporary
+    directory (True: removed when the server stops)."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        return Path(given), False
+    directory = Path(tempfile.mkdtemp(prefix="gradtape-metrics-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    return directory, True
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.backend import host
 from engine.onnx import recurrent  # noqa: F401 (registers LSTM, GRU and RNN in HANDLERS)
 from engine.onnx.errors import ModelError, ModelProblem
 from engine.onnx.external import external_data_problems
@@ -421,6 +422,7 @@ class OnnxModel:
             if node.op_type == "Dropout":
                 problems.extend(self._mode_problems(node, consts))
             steps.append(Step(node.op_type, node.inputs, node.outputs, node.attrs))
+        steps = fuse_erf_gelu(steps, consts, set(self.outputs), shapes)
         outputs = []
         for name in self.outputs:
             if name in consts:
@@ -739,3 +741,127 @@ def float_dtypes(model: OnnxModel) -> set[np.dtype]:
     found = {v.dtype for v in model.params.values()}
     found.update(i.dtype for i in model.inputs if i.dtype.kind == "f")
     return found
+
+
+# ----------------------------------------------------------------------------------------
+# The exporters' exact GELU, 0.5 x (1 + erf(x / sqrt 2)), is five nodes (Div, Erf, Add,
+# Mul, Mul: torch.onnx's for nn.GELU before opset 20); run as one Gelu step it is the
+# fused gelu primitive (engine/ops/elementwise.py): the same forward bit for bit, a
+# backward of ~10 passes instead of ~15 NumPy calls and an erf derivative (issue 28).
+# ----------------------------------------------------------------------------------------
+def _keeps_shape(const_shape: tuple[int, ...], x_shape: tuple | None) -> bool:
+    """Whether a one-element constant broadcast against x leaves x's shape as it is (a
+    (1, 1) constant makes a vector a matrix: fusing it would change the result's shape).
+    x of unknown rank: only a 0-d constant does."""
+    if x_shape is None:
+        return len(const_shape) == 0
+    sized = tuple(2 if d is None else d for d in x_shape)  # any size > 1 for an unknown one
+    return host.broadcast_shapes(sized, const_shape) == sized
+
+
+def _is_scalar(
+    consts: Mapping[str, np.ndarray], name: str, value: float, x_shape: tuple | None
+) -> bool:
+    c = consts.get(name)
+    if c is None or c.dtype.kind != "f" or c.size != 1 or not _keeps_shape(c.shape, x_shape):
+        return False
+    return bool(c.reshape(()) == c.dtype.type(value))
+
+
+def fuse_erf_gelu(
+    steps: list[Step],
+    consts: Mapping[str, np.ndarray],
+    outputs: set[str],
+    shapes: Mapping[str, tuple],
+) -> list[Step]:
+    """steps with each Div-Erf-Add-Mul-Mul GELU (any association of the products)
+    replaced by one Gelu step; its intermediates must be read by nothing else, and its
+    constants must be one-element arrays that leave x's shape as it is (`shapes`: the
+    inferred name -> (shape, dtype), None for a size or a rank not inferred)."""
+    readers: dict[str, int] = {}
+    for step in steps:
+        for n in step.inputs:
+            readers[n] = readers.get(n, 0) + 1
+    made = {n: k for k, step in enumerate(steps) for n in step.outputs if n}
+
+    def only_reader(name: str) -> int | None:
+        """The step that reads `name`, when exactly one does and it is no graph output."""
+        if readers.get(name) != 1 or name in outputs:
+            return None
+        return next(k for k, s in enumerate(steps) if name in s.inputs)
+
+    def other(step: Step, name: str) -> str | None:
+        if len(step.inputs) != 2 or name not in step.inputs:
+            return None
+        a, b = step.inputs
+        return b if a == name else a
+
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, div in enumerate(steps):
+        if div.op_type != "Div" or len(div.inputs) != 2:
+            continue
+        x, root = div.inputs
+        x_shape = shapes.get(x, (None, None))[0]
+        if x in consts or not _is_scalar(consts, root, 1.4142135623730951, x_shape):
+            continue
+        chain = [k]
+        e = only_reader(div.outputs[0])
+        if e is None or steps[e].op_type != "Erf":
+            continue
+        chain.append(e)
+        a = only_reader(steps[e].outputs[0])
+        if a is None or steps[a].op_type != "Add":
+            continue
+        one = other(steps[a], steps[e].outputs[0])
+        if one is None or not _is_scalar(consts, one, 1.0, x_shape):
+            continue
+        chain.append(a)
+        m1 = only_reader(steps[a].outputs[0])
+        if m1 is None or steps[m1].op_type != "Mul":
+            continue
+        factor = other(steps[m1], steps[a].outputs[0])
+        if factor == x:  # x * (1 + erf), then * 0.5
+            m2 = only_reader(steps[m1].outputs[0])
+            if m2 is None or steps[m2].op_type != "Mul":
+                continue
+            half = other(steps[m2], steps[m1].outputs[0])
+            if half is None or not _is_scalar(consts, half, 0.5, x_shape):
+                continue
+            chain += [m1, m2]
+        elif factor is not None and _is_scalar(
+            consts, factor, 0.5, x_shape
+        ):  # 0.5 (1 + erf), then * x
+            m2 = only_reader(steps[m1].outputs[0])
+            if m2 is None or steps[m2].op_type != "Mul":
+                continue
+            if other(steps[m2], steps[m1].outputs[0]) != x:
+                continue
+            chain += [m1, m2]
+        elif factor is not None and factor in made:  # (x * 0.5) * (1 + erf)
+            h = made[factor]
+            half = other(steps[h], x)
+            if (
+                steps[h].op_type != "Mul"
+                or half is None
+                or not _is_scalar(consts, half, 0.5, x_shape)
+            ):
+                continue
+            if only_reader(factor) != m1 or readers.get(x, 0) < 2:
+                continue
+            chain += [h, m1]
+            m2 = m1
+        else:
+            continue
+        if drop.intersection(chain):
+            continue
+        last = max(chain)
+        drop.update(chain)
+        replace[last] = Step("Gelu", (x,), steps[m2].outputs, {"approximate": "none"})
+    if not replace:
+        return steps
+    return [
+        replace[k] if k in replace else s
+        for k, s in enumerate(steps)
+        if k not in drop or k in replace
+    ]

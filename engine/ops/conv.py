@@ -36,6 +36,8 @@ from engine.registry import (
     defjvp,
     defnondiff,
     defvjp,
+    defvjp_argnum,
+    defvjp_terms,
     primitive,
     public,
 )
@@ -130,7 +132,7 @@ def _col2im_impl(
     return buf[(Ellipsis, *crop)]
 
 
-im2col_p = primitive("im2col", _im2col_impl)
+im2col_p = primitive("im2col", _im2col_impl, flow="moves")
 col2im_p = primitive("col2im", _col2im_impl)
 
 
@@ -163,7 +165,7 @@ defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 # conv_general_dilated transpose rules, PyTorch's convolution_backward), so rules of any
 # order are these ops:
 #   conv         VJP x: conv_input(g, w)   VJP w: conv_weight(x, g)   JVP: A(tx, w) + A(x, tw)
-#   conv_input   VJP g: conv(h, w)         VJP w: conv_weight(h, g)   (JVPs alike: bilinear)
+#   conv_input   VJP g: conv(h, w)         VJP w: conv_weight(h, g)   (per pair; JVPs alike)
 #   conv_weight  VJP x: conv_input(g, h)   VJP g: conv(x, h)
 # Why not im2col + matmul (as pooling is): the windows are gathered straight into the
 # GEMM's layout (*lead, G, C/G * K, N * P) (one copy, not a copy and a transposing copy),
@@ -176,6 +178,12 @@ defjvp(col2im_p, lambda t, ans, p, **params: bind(col2im_p, t[0], **params))
 # at a fixed point they are computed once). Leading axes of either operand
 # (batched tangents and cotangents) broadcast against each other in the GEMM; results
 # are views (*lead, N, C, *spatial) of GEMM-ordered memory.
+# conv_input takes pairs, conv_input(g_1, w_1, g_2, w_2, ...) = sum_i A_{w_i}^T g_i, one
+# GEMM over the pairs' windows stacked along its inner dimension: its own tangent (two
+# pairs), and x's cotangent in a second-order pass, where conv's and conv_weight's VJPs
+# each give a term (registry.vjp_term_rules: the tape makes them one call). For strides
+# > 1 that is one col2im instead of two and no add: 0.58-0.67x the two calls and the add
+# on the ResNet's stride-2 layers, 0.96-0.99x at stride 1 (bench/RESULTS.md, branch conv5).
 def _lead(a: Any, nd: int) -> tuple:
     return a.shape[: a.ndim - nd - 2]
 
@@ -256,8 +264,52 @@ def _conv_impl(
 
 def _conv_input_impl(
     xp: Any,
-    g: Any,
-    w: Any,
+    *operands: Any,
+    spatial: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+) -> Any:
+    """sum_i A_{w_i}^T g_i over the pairs (g_1, w_1, g_2, w_2, ...): one pair is x's
+    cotangent; two are what a second-order pass adds (conv_input's tangent A_w^T g' +
+    A_w'^T g; the cotangent of x that reaches it from conv and from conv_weight), as one
+    GEMM over the pairs' windows stacked along its inner dimension (no second GEMM, no
+    full-size add; for strides > 1 one col2im instead of one per pair)."""
+    nd = len(strides)
+    pairs = list(zip(operands[::2], operands[1::2], strict=True))
+    for g, w in pairs:
+        kernel, o = w.shape[-nd:], w.shape[-nd - 2]
+        expected = _out_sizes(spatial, kernel, strides, dilations, pads)
+        if g.shape[-nd:] != expected or g.shape[-nd - 1] != o:
+            raise ValueError(f"conv_input: cotangent {g.shape} does not fit weight {w.shape}")
+    window = {"spatial": spatial, "strides": strides, "pads": pads, "dilations": dilations}
+    lead = builtins.max((_lead(a, nd) for a in operands), key=len)
+    if len(pairs) > 1 and math.prod(lead) == 1:
+        # Leading axes of size 1 (one batched vector, beside unbatched recorded values):
+        # every cotangent given them and the kernels none, by reshapes, so the pairs stack.
+        pairs = [
+            (g.reshape(lead + g.shape[g.ndim - nd - 2 :]), w.reshape(w.shape[w.ndim - nd - 2 :]))
+            for g, w in pairs
+        ]
+    if any(g.shape != pairs[0][0].shape or w.shape != pairs[0][1].shape for g, w in pairs):
+        # Leading axes that differ between the pairs (a batched tangent beside an unbatched
+        # primal) broadcast in the sum: one GEMM per pair.
+        terms = [_conv_input_stacked(xp, [p], groups=groups, **window) for p in pairs]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        return total
+    return _conv_input_stacked(xp, pairs, groups=groups, **window)
+
+
+def _stack(xp: Any, arrays: list, axis: int) -> Any:
+    return arrays[0] if len(arrays) == 1 else xp.concatenate(arrays, axis=axis)
+
+
+def _conv_input_stacked(
+    xp: Any,
+    pairs: list,
     *,
     spatial: tuple,
     strides: tuple,
@@ -265,31 +317,50 @@ def _conv_input_impl(
     dilations: tuple,
     groups: int,
 ) -> Any:
+    """sum_i A_{w_i}^T g_i for pairs of one shape: per group, the pairs' rows of the
+    GEMM's inner dimension side by side (pair-major), the weights' columns likewise."""
     nd = len(strides)
-    kernel, (o, cg) = w.shape[-nd:], w.shape[-nd - 2 : -nd]
-    lw, n = _lead(w, nd), g.shape[-nd - 2]
-    expected = _out_sizes(spatial, kernel, strides, dilations, pads)
-    if g.shape[-nd:] != expected or g.shape[-nd - 1] != o:
-        raise ValueError(f"conv_input: cotangent {g.shape} does not fit weight {w.shape}")
+    g0, w0 = pairs[0]
+    kernel, (o, cg) = w0.shape[-nd:], w0.shape[-nd - 2 : -nd]
+    lw, n = _lead(w0, nd), g0.shape[-nd - 2]
     if all(s == 1 for s in strides):
         # A convolution of g, padded so that every window that read a cell of x is seen
         # (_transposed_pads), with the kernel flipped and its channel axes swapped.
         flip = (Ellipsis,) + (slice(None, None, -1),) * nd
-        wg = w.reshape(lw + (groups, o // groups, cg) + kernel)[flip]
-        wt = xp.ascontiguousarray(wg.swapaxes(-nd - 2, -nd - 1))
-        wt = wt.reshape(lw + (groups, cg, o // groups * math.prod(kernel)))
+        wts = []
+        for _, w in pairs:
+            wg = w.reshape(lw + (groups, o // groups, cg) + kernel)[flip]
+            wt = xp.ascontiguousarray(wg.swapaxes(-nd - 2, -nd - 1))
+            wts.append(wt.reshape(lw + (groups, cg, o // groups * math.prod(kernel))))
+        wt = _stack(xp, wts, -1)  # (*lw, G, C/G, pairs * O/G * K)
         tpads = _transposed_pads(kernel, pads, dilations)
         if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
-            images = g.reshape((math.prod(g.shape[: -nd - 1]),) + g.shape[-nd - 1 :])
+            lead = g0.shape[: -nd - 1]
+            images = [g.reshape((math.prod(lead),) + g.shape[-nd - 1 :]) for g, _ in pairs]
             dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups)
-            return dx.reshape(g.shape[: g.ndim - nd - 1] + (groups * cg,) + tuple(spatial))
-        cols = _gather_impl(  # (*lg, G, O/G * K, N * P)
-            xp, g, kernel=kernel, strides=strides, pads=tpads, dilations=dilations, groups=groups
-        )
+            return dx.reshape(lead + (groups * cg,) + tuple(spatial))
+        parts = []
+        for g, _ in pairs:
+            part = _gather_impl(  # (*lg, G, O/G * K, N * P)
+                xp,
+                g,
+                kernel=kernel,
+                strides=strides,
+                pads=tpads,
+                dilations=dilations,
+                groups=groups,
+            )
+            parts.append(part.reshape(part.shape[:-2] + (1,) + part.shape[-2:]))
+        cols = _stack(xp, parts, -3)  # (*lg, G, pairs, O/G * K, N * P)
+        cols = cols.reshape(cols.shape[:-3] + (cols.shape[-3] * cols.shape[-2], cols.shape[-1]))
         return _unrows(xp.matmul(wt, cols), n, spatial)
     # Strided: the windows' cotangents (W^T g), added back into place.
-    wm = w.reshape(lw + (groups, o // groups, cg * math.prod(kernel)))
-    windows = xp.matmul(wm.swapaxes(-1, -2), _rows(g, nd, groups))  # (*L, G, C/G*K, N*P)
+    wm = _stack(
+        xp, [w.reshape(lw + (groups, o // groups, cg * math.prod(kernel))) for _, w in pairs], -2
+    )
+    rows = _stack(xp, [_rows(g, nd, groups) for g, _ in pairs], -2)  # (*L, G, pairs * O/G, N*P)
+    windows = xp.matmul(wm.swapaxes(-1, -2), rows)  # (*L, G, C/G*K, N*P)
+    expected = g0.shape[-nd:]
     windows = windows.reshape(windows.shape[:-3] + (groups * cg,) + kernel + (n,) + expected)
     windows = xp.moveaxis(windows, -nd - 1, -2 * nd - 2)  # (*L, N, C, *kernel, *out): a view
     return _col2im_impl(
@@ -306,32 +377,40 @@ CHUNK_BYTES = 1 << 20
 
 
 def _conv_in_chunks(
-    xp: Any, x: Any, wm: Any, kernel: tuple, pads: Pads, dilations: tuple, groups: int
+    xp: Any, xs: list, wm: Any, kernel: tuple, pads: Pads, dilations: tuple, groups: int
 ) -> Any:
-    """A stride-1 convolution of images x (M, C, *spatial) with wm (G, O/G, C/G * K),
-    as (M, O, *out), contiguous. A negative pad crops."""
+    """sum_i of stride-1 convolutions of images xs[i] (M, C, *spatial), all of one shape,
+    with wm (G, O/G, len(xs) * C/G * K) (pair-major within each group), as (M, O, *out),
+    contiguous. A negative pad crops."""
     if any(lo < 0 or hi < 0 for lo, hi in pads):
-        crop = (slice(max(0, -lo), m - max(0, -hi)) for (lo, hi), m in zip(pads, x.shape[2:]))
-        x = x[(Ellipsis, *crop)]
+        crop = (slice(max(0, -lo), m - max(0, -hi)) for (lo, hi), m in zip(pads, xs[0].shape[2:]))
+        window = (Ellipsis, *crop)
+        xs = [x[window] for x in xs]
         pads = tuple((max(0, lo), max(0, hi)) for lo, hi in pads)
-    m_all, c, inner = x.shape[0], x.shape[1], x.shape[2:]
+    k = len(xs)
+    m_all, c, inner = xs[0].shape[0], xs[0].shape[1], xs[0].shape[2:]
     padded = tuple(m + lo + hi for m, (lo, hi) in zip(inner, pads))
-    out = tuple(m - d * (k - 1) for m, k, d in zip(padded, kernel, dilations))
+    out = tuple(m - d * (kk - 1) for m, kk, d in zip(padded, kernel, dilations))
     p, ck, o = math.prod(out), wm.shape[-1], wm.shape[-3] * wm.shape[-2]
+    dtype, itemsize = xs[0].dtype, xs[0].itemsize
     per_chunk = builtins.max(
-        1, CHUNK_BYTES // builtins.max(1, c * math.prod(kernel) * p * x.itemsize)
+        1, CHUNK_BYTES // builtins.max(1, k * c * math.prod(kernel) * p * itemsize)
     )
-    y = xp.empty((m_all, o) + out, dtype=x.dtype)
-    buf = xp.zeros((builtins.min(per_chunk, m_all), c) + padded, dtype=x.dtype)  # pads stay 0
-    cols = xp.empty(buf.shape[:2] + kernel + out, dtype=x.dtype)
+    y = xp.empty((m_all, o) + out, dtype=dtype)
+    # (images, G, pairs, C/G, *padded): each group's rows of every pair side by side
+    shape = (builtins.min(per_chunk, m_all), groups, k, c // groups) + padded
+    buf = xp.zeros(shape, dtype=dtype)  # pads stay 0
+    cols = xp.empty(buf.shape[:4] + kernel + out, dtype=dtype)
     interior = tuple(slice(lo, lo + m) for (lo, _), m in zip(pads, inner))
     st = buf.strides
     windows = xp.lib.stride_tricks.as_strided(
-        buf, cols.shape, st[:2] + tuple(t * d for t, d in zip(st[2:], dilations)) + st[2:]
+        buf, cols.shape, st[:4] + tuple(t * d for t, d in zip(st[4:], dilations)) + st[4:]
     )
     for m0 in range(0, m_all, per_chunk):
         mc = builtins.min(per_chunk, m_all - m0)
-        buf[(slice(0, mc), slice(None), *interior)] = x[m0 : m0 + mc]
+        for i, x in enumerate(xs):
+            part = x[m0 : m0 + mc].reshape((mc, groups, c // groups) + inner)
+            buf[(slice(0, mc), slice(None), i, slice(None), *interior)] = part
         xp.copyto(cols[:mc], windows[:mc])
         xp.matmul(
             wm,
@@ -410,8 +489,22 @@ def _spatial(a: Tensor, nd: int) -> tuple:
     return a.shape[a.ndim - nd :]
 
 
+def _bind_term(term: tuple) -> Tensor:
+    """A term rule's call, made (the VJP rules beside the term rules)."""
+    prim, operands, params = term
+    return bind(prim, *operands, **params)
+
+
+# x's cotangent from conv and from conv_weight is a term of a conv_input: the tape makes
+# an input's terms one conv_input (registry.vjp_term_rules; a second-order pass has two).
+def conv_term_x(ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window: Any) -> Any:
+    params = {"spatial": _spatial(x, len(window["strides"])), **window}
+    return lambda g: (conv_input_p, (g, w), params)
+
+
 def conv_vjp_x(ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window: Any) -> Any:
-    return lambda g: _conv_input(g, w, _spatial(x, len(window["strides"])), **window)
+    term = conv_term_x(ans, x, w, cols, **window)
+    return lambda g: _bind_term(term(g))
 
 
 def conv_vjp_w(ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window: Any) -> Any:
@@ -429,33 +522,46 @@ def conv_jvp(t: list, ans: Tensor, x: Tensor, w: Tensor, cols: Tensor, **window:
     return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
 
 
-def conv_input_vjp_g(ans: Tensor, g: Tensor, w: Tensor, **params: Any) -> Any:
-    window = {k: v for k, v in params.items() if k != "spatial"}
-    return lambda h: _conv(h, w, **window)
+def _conv_input_pair(operands: tuple, argnum: int) -> tuple:
+    """The (g, w) pair of conv_input's operands that argument argnum belongs to."""
+    first = argnum - argnum % 2
+    return operands[first], operands[first + 1]
 
 
-def conv_input_vjp_w(ans: Tensor, g: Tensor, w: Tensor, **params: Any) -> Any:
+def conv_input_vjp(argnum: int, ans: Tensor, *operands: Tensor, **params: Any) -> Any:
     window = {k: v for k, v in params.items() if k != "spatial"}
+    g, w = _conv_input_pair(operands, argnum)
+    if argnum % 2 == 0:
+        return lambda h: _conv(h, w, **window)
     kernel = _spatial(w, len(window["strides"]))
     return lambda h: _conv_weight(h, g, kernel, **window)
 
 
-def conv_input_jvp(t: list, ans: Tensor, g: Tensor, w: Tensor, **params: Any) -> Tensor:
-    window = {k: v for k, v in params.items() if k != "spatial"}
-    spatial, nd = params["spatial"], len(window["strides"])
-    terms = []
-    if t[0] is not None:
-        terms.append(_conv_input(_lifted(t[0], g, ans, nd), w, spatial, **window))
-    if t[1] is not None:
-        tw = _lifted(t[1], w, ans, nd)
-        terms.append(_conv_input(g, tw, spatial, **window))
-    return terms[0] if len(terms) == 1 else add(terms[0], terms[1])
+def conv_input_jvp(t: list, ans: Tensor, *operands: Tensor, **params: Any) -> Tensor:
+    # Bilinear in each pair: A_w^T g' + A_w'^T g per pair, all of them one conv_input.
+    nd = len(params["strides"])
+    pairs: list[Tensor] = []
+    for i in range(0, len(operands), 2):
+        g, w = operands[i], operands[i + 1]
+        if t[i] is not None:
+            pairs += [_lifted(t[i], g, ans, nd), w]
+        if t[i + 1] is not None:
+            pairs += [g, _lifted(t[i + 1], w, ans, nd)]
+    return bind(conv_input_p, *pairs, **params)
+
+
+def conv_weight_term_x(
+    ans: Tensor, x: Tensor, g: Tensor, cols: Tensor, *, kernel: tuple, **window: Any
+) -> Any:
+    params = {"spatial": _spatial(x, len(kernel)), **window}
+    return lambda h: (conv_input_p, (g, h), params)
 
 
 def conv_weight_vjp_x(
     ans: Tensor, x: Tensor, g: Tensor, cols: Tensor, *, kernel: tuple, **window: Any
 ) -> Any:
-    return lambda h: _conv_input(g, h, _spatial(x, len(kernel)), **window)
+    term = conv_weight_term_x(ans, x, g, cols, kernel=kernel, **window)
+    return lambda h: _bind_term(term(h))
 
 
 def conv_weight_vjp_g(
@@ -477,10 +583,12 @@ def conv_weight_jvp(
 
 
 defvjp(conv_p, conv_vjp_x, conv_vjp_w)
+defvjp_terms(conv_p, conv_term_x)
 defjvp(conv_p, conv_jvp)
-defvjp(conv_input_p, conv_input_vjp_g, conv_input_vjp_w)
+defvjp_argnum(conv_input_p, conv_input_vjp)  # variadic: pairs (g_1, w_1, g_2, w_2, ...)
 defjvp(conv_input_p, conv_input_jvp)
 defvjp(conv_weight_p, conv_weight_vjp_x, conv_weight_vjp_g)
+defvjp_terms(conv_weight_p, conv_weight_term_x)
 defjvp(conv_weight_p, conv_weight_jvp)
 
 

@@ -27,6 +27,7 @@ from engine.ops._util import coerce_pair
 from engine.registry import (
     MissingRuleError,
     Primitive,
+    defform,
     defjvp,
     defnondiff,
     defvjp,
@@ -122,12 +123,18 @@ def _times(slope: Any) -> Callable[[Tensor], Tensor]:
     return lambda v: multiply(v, slope)
 
 
+def elementwise_primitive(name: str, impl: Any, *, broadcasting: bool = False) -> Primitive:
+    """A primitive of this family: each output element comes from the same-place
+    elements of its (broadcast) arguments (registry.ELEMENT_FLOW "elementwise")."""
+    return primitive(name, impl, broadcasting=broadcasting, flow="elementwise")
+
+
 # ========================================================================================
 # Binary arithmetic
 # ========================================================================================
 
 # ---- add ----
-add_p = primitive("add", lambda xp, x, y: x + y, broadcasting=True)
+add_p = elementwise_primitive("add", lambda xp, x, y: x + y, broadcasting=True)
 defpartials(add_p, 1, 1)
 
 
@@ -138,7 +145,7 @@ def add(x: Any, y: Any) -> Tensor:
 
 
 # ---- subtract ----
-subtract_p = primitive("subtract", lambda xp, x, y: x - y, broadcasting=True)
+subtract_p = elementwise_primitive("subtract", lambda xp, x, y: x - y, broadcasting=True)
 defpartials(subtract_p, 1, -1)
 
 
@@ -149,7 +156,7 @@ def subtract(x: Any, y: Any) -> Tensor:
 
 
 # ---- multiply ----
-multiply_p = primitive("multiply", lambda xp, x, y: x * y, broadcasting=True)
+multiply_p = elementwise_primitive("multiply", lambda xp, x, y: x * y, broadcasting=True)
 defpartials(multiply_p, lambda ans, x, y: y, lambda ans, x, y: x)
 
 
@@ -160,7 +167,7 @@ def multiply(x: Any, y: Any) -> Tensor:
 
 
 # ---- divide ----
-divide_p = primitive("divide", lambda xp, x, y: x / y, broadcasting=True)
+divide_p = elementwise_primitive("divide", lambda xp, x, y: x / y, broadcasting=True)
 defpartials(divide_p, lambda ans, x, y: reciprocal(y), lambda ans, x, y: negative(divide(ans, y)))
 
 
@@ -174,7 +181,7 @@ def divide(x: Any, y: Any) -> Tensor:
 
 
 # ---- power ----
-power_p = primitive("power", lambda xp, x, y: xp.power(x, y), broadcasting=True)
+power_p = elementwise_primitive("power", lambda xp, x, y: xp.power(x, y), broadcasting=True)
 
 
 def _safe_log(x: Tensor) -> Tensor:
@@ -228,7 +235,7 @@ def _integer_pow_impl(xp: Any, x: Any, *, n: int) -> Any:
     return xp.power(x, x.dtype.type(n)) if n < 0 else xp.power(x, n)
 
 
-integer_pow_p = primitive("integer_pow", _integer_pow_impl)
+integer_pow_p = elementwise_primitive("integer_pow", _integer_pow_impl)
 
 
 def integer_pow(x: Tensor, n: int) -> Tensor:
@@ -256,7 +263,7 @@ def stop(x: Tensor) -> Tensor:
 
 # ---- maximum / minimum ----
 # Ties send the whole gradient to the first argument, as TensorFlow does.
-maximum_p = primitive("maximum", lambda xp, x, y: xp.maximum(x, y), broadcasting=True)
+maximum_p = elementwise_primitive("maximum", lambda xp, x, y: xp.maximum(x, y), broadcasting=True)
 
 
 defpartials(
@@ -272,7 +279,7 @@ def maximum(x: Any, y: Any) -> Tensor:
     return bind(maximum_p, *coerce_pair("maximum", x, y))
 
 
-minimum_p = primitive("minimum", lambda xp, x, y: xp.minimum(x, y), broadcasting=True)
+minimum_p = elementwise_primitive("minimum", lambda xp, x, y: xp.minimum(x, y), broadcasting=True)
 
 
 defpartials(
@@ -293,7 +300,7 @@ def minimum(x: Any, y: Any) -> Tensor:
 # ========================================================================================
 
 # ---- negative ----
-negative_p = primitive("negative", lambda xp, x: -x)
+negative_p = elementwise_primitive("negative", lambda xp, x: -x)
 defpartials(negative_p, -1)
 
 
@@ -304,7 +311,7 @@ def negative(x: Any) -> Tensor:
 
 
 # ---- exp ----
-exp_p = primitive("exp", lambda xp, x: xp.exp(x))
+exp_p = elementwise_primitive("exp", lambda xp, x: xp.exp(x))
 defpartials(exp_p, lambda ans, x: ans)
 
 
@@ -318,7 +325,7 @@ def exp(x: Any) -> Tensor:
 # log and log1p multiply by a reciprocal, as TensorFlow's LogGrad does: reciprocal's
 # protected rule then keeps a zero cotangent zero at second order (x = 0 in an untaken
 # `where` branch), where g / x would give NaN.
-log_p = primitive("log", lambda xp, x: xp.log(x))
+log_p = elementwise_primitive("log", lambda xp, x: xp.log(x))
 defpartials(log_p, lambda ans, x: reciprocal(x))
 
 
@@ -329,7 +336,7 @@ def log(x: Any) -> Tensor:
 
 
 # ---- log1p ----
-log1p_p = primitive("log1p", lambda xp, x: xp.log1p(x))
+log1p_p = elementwise_primitive("log1p", lambda xp, x: xp.log1p(x))
 defpartials(log1p_p, lambda ans, x: reciprocal(add(x, 1)))
 
 
@@ -340,7 +347,7 @@ def log1p(x: Any) -> Tensor:
 
 
 # ---- log2: an elementwise primitive declared by its partial derivative ----
-log2_p = primitive("log2", lambda xp, x: xp.log2(x))
+log2_p = elementwise_primitive("log2", lambda xp, x: xp.log2(x))
 defpartials(log2_p, lambda ans, x: multiply(reciprocal(x), 1 / math.log(2)))
 
 
@@ -351,7 +358,7 @@ def log2(x: Any) -> Tensor:
 
 
 # ---- expm1 ----
-expm1_p = primitive("expm1", lambda xp, x: xp.expm1(x))
+expm1_p = elementwise_primitive("expm1", lambda xp, x: xp.expm1(x))
 defpartials(expm1_p, lambda ans, x: add(ans, 1))
 
 
@@ -376,7 +383,7 @@ def _nonzero(xp: Any, g: Any, y: Any) -> Any:
     return xp.where(g == 0, xp.ones((), dtype=y.dtype), y)
 
 
-sqrt_grad_p = primitive(
+sqrt_grad_p = elementwise_primitive(
     "sqrt_grad", lambda xp, y, g: _protected(xp, g, 0.5 * g / _nonzero(xp, g, y))
 )
 
@@ -394,11 +401,13 @@ defjvp(
     ),
 )
 
-sqrt_p = primitive("sqrt", lambda xp, x: xp.sqrt(x))
+sqrt_p = elementwise_primitive("sqrt", lambda xp, x: xp.sqrt(x))
 defvjp(sqrt_p, lambda ans, x: lambda g: bind(sqrt_grad_p, ans, g))
 defjvp(sqrt_p, lambda t, ans, x: divide(t[0], multiply(ans, 2)))
 
-rsqrt_grad_p = primitive("rsqrt_grad", lambda xp, y, g: _protected(xp, g, -0.5 * g * y * y * y))
+rsqrt_grad_p = elementwise_primitive(
+    "rsqrt_grad", lambda xp, y, g: _protected(xp, g, -0.5 * g * y * y * y)
+)
 
 
 def rsqrt_grad_vjp_y(ans: Tensor, y: Tensor, g: Tensor) -> Any:
@@ -414,11 +423,13 @@ defjvp(
     ),
 )
 
-rsqrt_p = primitive("rsqrt", lambda xp, x: 1 / xp.sqrt(x))
+rsqrt_p = elementwise_primitive("rsqrt", lambda xp, x: 1 / xp.sqrt(x))
 defvjp(rsqrt_p, lambda ans, x: lambda g: bind(rsqrt_grad_p, ans, g))
 defjvp(rsqrt_p, lambda t, ans, x: multiply(t[0], multiply(integer_pow(ans, 3), -0.5)))
 
-reciprocal_grad_p = primitive("reciprocal_grad", lambda xp, y, g: _protected(xp, g, -g * y * y))
+reciprocal_grad_p = elementwise_primitive(
+    "reciprocal_grad", lambda xp, y, g: _protected(xp, g, -g * y * y)
+)
 
 
 def reciprocal_grad_vjp_y(ans: Tensor, y: Tensor, g: Tensor) -> Any:
@@ -438,7 +449,7 @@ defjvp(
     ),
 )
 
-reciprocal_p = primitive("reciprocal", lambda xp, x: 1 / x)
+reciprocal_p = elementwise_primitive("reciprocal", lambda xp, x: 1 / x)
 defvjp(reciprocal_p, lambda ans, x: lambda g: bind(reciprocal_grad_p, ans, g))
 defjvp(reciprocal_p, lambda t, ans, x: negative(multiply(t[0], multiply(ans, ans))))
 
@@ -465,7 +476,7 @@ def sqrt(x: Any) -> Tensor:
 
 
 # ---- sin / cos ----
-sin_p = primitive("sin", lambda xp, x: xp.sin(x))
+sin_p = elementwise_primitive("sin", lambda xp, x: xp.sin(x))
 defpartials(sin_p, lambda ans, x: cos(x))
 
 
@@ -475,7 +486,7 @@ def sin(x: Any) -> Tensor:
     return bind(sin_p, as_tensor(x))
 
 
-cos_p = primitive("cos", lambda xp, x: xp.cos(x))
+cos_p = elementwise_primitive("cos", lambda xp, x: xp.cos(x))
 defpartials(cos_p, lambda ans, x: negative(sin(x)))
 
 
@@ -494,8 +505,10 @@ def cos(x: Any) -> Tensor:
 # same record (repeated HVPs on one tape: tape.Record.vjp_cache) makes the slope
 # 1 - y * y once, at its second call, and multiplies by it from then on. Both are the
 # same NumPy operations in the same order: the same bits.
-tanh_p = primitive("tanh", lambda xp, x: xp.tanh(x))
-tanh_grad_p = primitive("tanh_grad", lambda xp, g, y: g * (1 - y * y), broadcasting=True)
+tanh_p = elementwise_primitive("tanh", lambda xp, x: xp.tanh(x))
+tanh_grad_p = elementwise_primitive(
+    "tanh_grad", lambda xp, g, y: g * (1 - y * y), broadcasting=True
+)
 
 
 def _tanh_slope(y: Tensor) -> Tensor:
@@ -543,7 +556,7 @@ def _sigmoid_impl(xp: Any, x: Any) -> Any:
     return xp.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
 
 
-sigmoid_p = primitive("sigmoid", _sigmoid_impl)
+sigmoid_p = elementwise_primitive("sigmoid", _sigmoid_impl)
 
 
 defpartials(sigmoid_p, lambda ans, x: multiply(ans, subtract(1, ans)))
@@ -560,7 +573,7 @@ def sigmoid(x: Any) -> Tensor:
 # maximum's two masks, and relu is on every hot path. The derivative at 0 is 0.
 # Its VJP is a primitive of its own, relu_grad(g, x), as TensorFlow's ReluGrad: the
 # second derivative is then connected to x and is zeros (not None), as in TensorFlow.
-relu_p = primitive("relu", lambda xp, x: xp.maximum(x, 0))
+relu_p = elementwise_primitive("relu", lambda xp, x: xp.maximum(x, 0))
 
 
 def _relu_grad_impl(xp: Any, g: Any, x: Any, *, alpha: float) -> Any:
@@ -569,7 +582,7 @@ def _relu_grad_impl(xp: Any, g: Any, x: Any, *, alpha: float) -> Any:
     return xp.where(x > 0, g, g * g.dtype.type(alpha))
 
 
-relu_grad_p = primitive("relu_grad", _relu_grad_impl)
+relu_grad_p = elementwise_primitive("relu_grad", _relu_grad_impl)
 
 
 def _relu_grad(g: Tensor, x: Tensor, alpha: float) -> Tensor:
@@ -596,7 +609,7 @@ defjvp(
 defvjp(relu_p, lambda ans, x: lambda g: _relu_grad(g, ans, 0.0))
 defjvp(relu_p, lambda t, ans, x: _relu_grad(t[0], ans, 0.0))
 
-leaky_relu_p = primitive(
+leaky_relu_p = elementwise_primitive(
     "leaky_relu", lambda xp, x, *, alpha: xp.where(x > 0, x, x * x.dtype.type(alpha))
 )
 defvjp(leaky_relu_p, lambda ans, x, *, alpha: lambda g: _relu_grad(g, x, alpha))
@@ -610,7 +623,7 @@ def relu(x: Any) -> Tensor:
 
 
 # ---- abs ----
-abs_p = primitive("abs", lambda xp, x: xp.abs(x))
+abs_p = elementwise_primitive("abs", lambda xp, x: xp.abs(x))
 defpartials(abs_p, lambda ans, x: sign(x))
 
 
@@ -623,10 +636,12 @@ def abs(x: Any) -> Tensor:
 # ---- cast ----
 # Between floating dtypes a cast is differentiable; to or from integers and bools it is
 # not (the cotangent would be truncated), so that is a separate, unrecorded primitive.
-cast_p = primitive("cast", lambda xp, x, *, dtype: x.astype(dtype, copy=False))
+cast_p = elementwise_primitive("cast", lambda xp, x, *, dtype: x.astype(dtype, copy=False))
 defvjp(cast_p, lambda ans, x, *, dtype: lambda g: cast(g, x.dtype))
 defjvp(cast_p, lambda t, ans, x, *, dtype: cast(t[0], dtype))
-cast_nondiff_p = primitive("cast_nondiff", lambda xp, x, *, dtype: x.astype(dtype, copy=False))
+cast_nondiff_p = elementwise_primitive(
+    "cast_nondiff", lambda xp, x, *, dtype: x.astype(dtype, copy=False)
+)
 
 
 def cast_rule(b: dict[str, Any]) -> TensorType:
@@ -645,7 +660,7 @@ def cast(x: Any, dtype: Any = "float32") -> Tensor:
 
 
 # ---- erf ----
-erf_p = primitive("erf", erf_impl)
+erf_p = elementwise_primitive("erf", erf_impl)
 _TWO_OVER_ROOT_PI = 1.1283791670955126
 
 
@@ -659,7 +674,7 @@ def erf(x: Any) -> Tensor:
 
 
 # ---- identity ----
-identity_p = primitive("identity", lambda xp, x: x)
+identity_p = elementwise_primitive("identity", lambda xp, x: x)
 defpartials(identity_p, 1)
 
 
@@ -680,17 +695,17 @@ def _one_where(xp: Any, c: Any, y: Any) -> Any:
     return xp.where(c, xp.ones((), dtype=y.dtype), y)
 
 
-xlogy_p = primitive(
+xlogy_p = elementwise_primitive(
     "xlogy",
     lambda xp, x, y: _where_zero(xp, x == 0, x * xp.log(_one_where(xp, x == 0, y))),
     broadcasting=True,
 )
-xdivy_p = primitive(
+xdivy_p = elementwise_primitive(
     "xdivy",
     lambda xp, x, y: _where_zero(xp, x == 0, x / _one_where(xp, x == 0, y)),
     broadcasting=True,
 )
-divide_no_nan_p = primitive(
+divide_no_nan_p = elementwise_primitive(
     "divide_no_nan",
     lambda xp, x, y: _where_zero(xp, y == 0, x / _one_where(xp, y == 0, y)),
     broadcasting=True,
@@ -735,7 +750,7 @@ def divide_no_nan(x: Any, y: Any) -> Tensor:
 
 # ---- atan2 ----
 # The angle of the point (x, y); both partial derivatives share 1 / (x^2 + y^2).
-atan2_p = primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
+atan2_p = elementwise_primitive("atan2", lambda xp, y, x: xp.arctan2(y, x), broadcasting=True)
 
 
 def _atan2_scale(y: Tensor, x: Tensor) -> Tensor:
@@ -762,7 +777,7 @@ def atan2(y: Any, x: Any) -> Tensor:
 # ========================================================================================
 
 # ---- where ----
-where_p = primitive("where", lambda xp, c, x, y: xp.where(c, x, y), broadcasting=True)
+where_p = elementwise_primitive("where", lambda xp, c, x, y: xp.where(c, x, y), broadcasting=True)
 
 
 # The cotangent is selected (as TensorFlow's SelectV2 grad): the untaken branch gets an
@@ -775,7 +790,7 @@ def _select_grad_impl(xp: Any, g: Any, mask: Any, c: Any) -> Any:
     return g * mask
 
 
-select_grad_p = primitive("select_grad", _select_grad_impl)
+select_grad_p = elementwise_primitive("select_grad", _select_grad_impl)
 
 
 def _select_grad(g: Tensor, mask: Tensor, c: Tensor) -> Tensor:
@@ -835,7 +850,7 @@ def where(condition: Any, x: Any, y: Any) -> Tensor:
 
 
 def _nondiff(name: str, impl: Any) -> Any:
-    prim = primitive(name, impl)
+    prim = elementwise_primitive(name, impl)
     defnondiff(prim)
     return prim
 
@@ -845,7 +860,7 @@ defnondiff(cast_nondiff_p)
 
 # sign is recorded with a zero derivative (TensorFlow's SignGrad): a source reached only
 # through it gets zeros, and so do second derivatives of abs and the 1-/inf-norms.
-sign_p = primitive("sign", lambda xp, x: xp.sign(x))
+sign_p = elementwise_primitive("sign", lambda xp, x: xp.sign(x))
 defvjp(sign_p, lambda ans, x: zero_vjp)
 defjvp(sign_p, lambda t, ans, x: _zeros_of(t[0]))
 greater_p = _nondiff("greater", lambda xp, x, y: x > y)
@@ -1010,6 +1025,87 @@ def silu(x: Any) -> Tensor:
     return multiply(x, sigmoid(x))
 
 
+# ---- gelu (exact): one primitive, its slope another ----
+# The composite 0.5 x (1 + erf(x / sqrt 2)) costs 5 full-size NumPy calls forward and ~12
+# backward (issue 28). gelu computes x (0.5 (1 + erf(x / sqrt 2))): halved before the
+# product with x, as the composite's (x * 0.5) * (1 + erf), so it does not overflow where
+# x does not (x near float32's max) and equals the composite bit for bit (halving is
+# exact away from subnormals). Its VJP is g * gelu_slope(x, y), gelu'(x) = Phi(x) +
+# x phi(x) with Phi = y / x read off the forward's answer (within 2 ulp) rather than a
+# second erf (erf_float32 is ~25 float64 passes); where |x| < eps / 2 (0, subnormals,
+# where y = x / 2 is itself rounded away) Phi is 1/2 to within half an ulp. The slope
+# is a tensor of its own, so a fresh HVP computes it once for the gradient and the
+# second pass, and a reused tape's HVPs fold it into a constant. y is a cache of
+# gelu(x): gelu_slope's rule for x is the total derivative, gelu''(x) = phi(x) (2 - x^2),
+# the one for y zero.
+_ROOT_TWO = 1.4142135623730951
+_ONE_OVER_ROOT_TWO_PI = 0.3989422804014327
+
+
+def _gelu_impl(xp: Any, x: Any) -> Any:
+    y = erf_impl(xp, x / x.dtype.type(_ROOT_TWO))
+    y += 1
+    y *= x.dtype.type(0.5)  # before the product with x: 2 x overflows near the max
+    y *= x
+    return y
+
+
+def _gelu_slope_into(xp: Any, x: Any, y: Any, out: Any) -> Any:
+    """gelu'(x) = (x^2 phi(x) + y) / x into `out` (no work array: nothing a compiled
+    replay keeps beyond its accounted buffers), 1/2 where |x| < eps / 2."""
+    one = x.dtype.type
+    tiny = xp.less(xp.abs(x, out=out), one(xp.finfo(x.dtype).eps / 2))
+    # x^2 overflows to inf far out (exp then gives 0); 0 / 0 at x = 0 is replaced
+    with host.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        xp.multiply(x, one(-0.5), out=out)
+        out *= x
+        xp.exp(out, out=out)
+        out *= x
+        out *= x
+        out *= one(_ONE_OVER_ROOT_TWO_PI)  # x^2 phi(x)
+        out += y
+        out /= x
+    xp.copyto(out, one(0.5), where=tiny)
+    return out
+
+
+def _gelu_slope_impl(xp: Any, x: Any, y: Any) -> Any:
+    return _gelu_slope_into(xp, x, y, xp.empty(x.shape, x.dtype))
+
+
+def _gelu_slope_form(params: dict, operands: list, value: Any) -> Any:
+    def form(x: Any, y: Any, out: Any) -> Any:
+        if out is None:
+            out = host.empty(value.shape, value.dtype)
+        return _gelu_slope_into(host, x, y, out)
+
+    return form
+
+
+gelu_p = elementwise_primitive("gelu", _gelu_impl)
+gelu_slope_p = elementwise_primitive("gelu_slope", _gelu_slope_impl)
+
+
+def _gelu_curvature(x: Tensor) -> Tensor:
+    """gelu''(x) = phi(x) (2 - x^2), in ops (second and higher derivatives)."""
+    phi = multiply(exp(multiply(multiply(x, x), -0.5)), _ONE_OVER_ROOT_TWO_PI)
+    return multiply(phi, subtract(2, multiply(x, x)))
+
+
+defform(gelu_slope_p, _gelu_slope_form)
+defvjp(gelu_p, lambda ans, x: lambda g: multiply(g, bind(gelu_slope_p, x, ans)))
+defjvp(gelu_p, lambda t, ans, x: multiply(t[0], bind(gelu_slope_p, x, ans)))
+defvjp(
+    gelu_slope_p,
+    lambda ans, x, y: lambda u: multiply(u, _gelu_curvature(x)),
+    lambda ans, x, y: zero_vjp,
+)
+defjvp(
+    gelu_slope_p,
+    lambda t, ans, x, y: _zeros_of(ans) if t[0] is None else multiply(t[0], _gelu_curvature(x)),
+)
+
+
 @public("activation", shape_rule=unary("float"), kinds={"approximate": "bool"})
 def gelu(x: Any, approximate: bool = False) -> Tensor:
     """Gaussian error linear unit: exact 0.5 x (1 + erf(x / sqrt 2)) by default (as
@@ -1019,4 +1115,6 @@ def gelu(x: Any, approximate: bool = False) -> Tensor:
         cubic = multiply(integer_pow(x, 3), 0.044715)
         inner = multiply(add(x, cubic), 0.7978845608028654)
         return multiply(multiply(x, 0.5), add(tanh(inner), 1))
-    return multiply(multiply(x, 0.5), add(erf(divide(x, 1.4142135623730951)), 1))
+    if x.dtype.kind != "f":  # (the composite's promotion)
+        return multiply(multiply(x, 0.5), add(erf(divide(x, _ROOT_TWO)), 1))
+    return bind(gelu_p, x)

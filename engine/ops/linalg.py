@@ -30,7 +30,7 @@ def _matmul_impl(xp: Any, x: Any, y: Any, *, ta: bool = False, tb: bool = False)
     return xp.matmul(x, y)
 
 
-matmul_p = primitive("matmul", _matmul_impl)
+matmul_p = primitive("matmul", _matmul_impl, flow="contracts")
 
 
 def _mm(x: Tensor, y: Tensor, ta: bool = False, tb: bool = False) -> Tensor:

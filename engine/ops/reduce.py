@@ -150,7 +150,7 @@ def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 
 
-sum_p = primitive("sum", _sum_impl)
+sum_p = primitive("sum", _sum_impl, flow="reduces")
 defvjp(
     sum_p,
     lambda ans, x, *, axes, keepdims: lambda g: _expand_cotangent(g, ans, x, axes, keepdims),
@@ -189,8 +189,12 @@ def extremum_jvp(t: list, ans: Tensor, x: Tensor, *, axes: tuple, keepdims: bool
     return bind(sum_p, weighted, axes=axes, keepdims=keepdims)
 
 
-max_p = primitive("max", lambda xp, x, *, axes, keepdims: xp.max(x, axis=axes, keepdims=keepdims))
-min_p = primitive("min", lambda xp, x, *, axes, keepdims: xp.min(x, axis=axes, keepdims=keepdims))
+max_p = primitive(
+    "max", lambda xp, x, *, axes, keepdims: xp.max(x, axis=axes, keepdims=keepdims), flow="reduces"
+)
+min_p = primitive(
+    "min", lambda xp, x, *, axes, keepdims: xp.min(x, axis=axes, keepdims=keepdims), flow="reduces"
+)
 for _p in (max_p, min_p):
     defvjp(_p, extremum_vjp)
     defjvp(_p, extremum_jvp)
@@ -251,7 +255,7 @@ def _prod_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     return xp.prod(x, axis=axes, keepdims=keepdims, dtype=dtype)
 
 
-prod_p = primitive("prod", _prod_impl)
+prod_p = primitive("prod", _prod_impl, flow="reduces")
 defvjp(prod_p, prod_vjp)
 defjvp(prod_p, prod_jvp)
 
@@ -292,7 +296,7 @@ def _cumsum_impl(xp: Any, x: Any, *, axis: int, exclusive: bool, reverse: bool) 
     return xp.flip(out, axis) if reverse else out
 
 
-cumsum_p = primitive("cumsum", _cumsum_impl)
+cumsum_p = primitive("cumsum", _cumsum_impl, flow="scans")
 defvjp(
     cumsum_p,
     lambda ans, x, *, axis, exclusive, reverse: (

@@ -41,7 +41,7 @@ def _keep_dtype(shape_of: Any) -> Any:
 
 
 # ---- reshape ----
-reshape_p = primitive("reshape", lambda xp, x, *, shape: x.reshape(shape))
+reshape_p = primitive("reshape", lambda xp, x, *, shape: x.reshape(shape), flow="moves")
 defvjp(
     reshape_p,
     lambda ans, x, *, shape: lambda g: _reshape(g, g.shape[: batch_ndim(g, ans)] + x.shape),
@@ -80,7 +80,7 @@ def reshape(x: Any, shape: Sequence[int] | int = ()) -> Tensor:
 
 
 # ---- transpose ----
-transpose_p = primitive("transpose", lambda xp, x, *, axes: xp.transpose(x, axes))
+transpose_p = primitive("transpose", lambda xp, x, *, axes: xp.transpose(x, axes), flow="moves")
 
 
 def _batched_perm(nb: int, axes: Sequence[int]) -> tuple[int, ...]:
@@ -172,7 +172,9 @@ def moveaxis(x: Any, source: int = 0, destination: int = -1) -> Tensor:
 # ---- broadcast_to ----
 # The VJP is the identity: the tape sums cotangents down to each input's shape in one
 # place, which is exactly the transpose of broadcasting.
-broadcast_to_p = primitive("broadcast_to", lambda xp, x, *, shape: xp.broadcast_to(x, shape))
+broadcast_to_p = primitive(
+    "broadcast_to", lambda xp, x, *, shape: xp.broadcast_to(x, shape), flow="moves"
+)
 defvjp(broadcast_to_p, lambda ans, x, *, shape: lambda g: g)
 
 
@@ -248,7 +250,9 @@ def flatten(x: Any) -> Tensor:
 
 
 # ---- concatenate ----
-concatenate_p = primitive("concatenate", lambda xp, *xs, axis: xp.concatenate(xs, axis=axis))
+concatenate_p = primitive(
+    "concatenate", lambda xp, *xs, axis: xp.concatenate(xs, axis=axis), flow="moves"
+)
 
 
 def _axis_slice(axis: int, start: int, stop: int) -> tuple:
@@ -350,7 +354,7 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
 # Indices are normalized once (Ellipsis expanded, every axis named, bool masks turned
 # into integer arrays) and stored with a leading Ellipsis, so the same index applies to
 # a cotangent or tangent with any number of leading batch axes.
-getitem_p = primitive("getitem", lambda xp, x, *, index: x[index])
+getitem_p = primitive("getitem", lambda xp, x, *, index: x[index], flow="moves")
 
 
 def _scatter_impl(xp: Any, g: Any, *, index: tuple, shape: tuple, result_ndim: int) -> Any:
@@ -665,7 +669,7 @@ def _pad_impl(xp: Any, x: Any, *, paddings: tuple, value: float) -> Any:
     return xp.pad(x, lead + paddings, constant_values=value)
 
 
-pad_p = primitive("pad", _pad_impl)
+pad_p = primitive("pad", _pad_impl, flow="moves")
 
 
 def pad_vjp(ans: Tensor, x: Tensor, *, paddings: tuple, value: float) -> Any:

@@ -29,7 +29,7 @@ from service.core.config import Settings, get_settings
 from service.core.store import Store
 from service.domain.datasets import DatasetCatalog
 from service.domain.jobs import JobRegistry
-from service.domain.metrics import Metrics
+from service.domain.metrics import REFRESH_SECONDS, Metrics
 from service.domain.sessions import ModelCatalog, TapeRegistry
 from service.pool import Pool, make_pool
 
@@ -104,6 +104,14 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
+async def _refresh_metrics(metrics: Metrics) -> None:
+    """With several HTTP processes: this one's gauge readings, copied where the process
+    answering a scrape reads them (service/domain/metrics.py)."""
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(REFRESH_SECONDS)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     metrics = Metrics()
@@ -130,14 +138,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await tapes.open()
             await jobs.open()
             _freeze_startup_objects()
+            refresher = (
+                asyncio.create_task(_refresh_metrics(metrics), name="metrics refresh")
+                if metrics.shared_dir is not None
+                else None
+            )
             try:
                 yield
             finally:
                 gc.unfreeze()
+                if refresher is not None:
+                    refresher.cancel()
                 await jobs.close()
                 await tapes.close()
                 await pool.close()
         finally:
+            metrics.close()
             store.close()
 
     app = FastAPI(

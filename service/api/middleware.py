@@ -13,6 +13,9 @@ from service.domain.metrics import Metrics
 from service.pool import calls
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# The methods the metrics name; any other (h11 accepts every token as a method) counts as
+# "other", so that a client cannot grow the metrics by one series per invented method.
+COUNTED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class BodyLimitMiddleware:
@@ -73,7 +76,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request and its latency by method, route template and status."""
+    """Counts every HTTP request and its latency by method, route template and status:
+    labels from a bounded set (the route's template, never the path; a known method or
+    "other"), so that no request can add series without limit."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app = app
@@ -97,7 +102,8 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe(scope["method"], path, status, time.perf_counter() - started)
+            method = scope["method"] if scope["method"] in COUNTED_METHODS else "other"
+            self.metrics.observe(method, path, status, time.perf_counter() - started)
 
 
 class DisconnectMiddleware:

@@ -55,14 +55,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import secrets
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -259,6 +261,20 @@ class _ActorWorker(WorkerHandle):
         return WorkerInfo(self.index, pid, self.device, self.state, self.generation, self.restarts)
 
 
+@contextmanager
+def _without_metrics_directory() -> Iterator[None]:
+    """The environment without PROMETHEUS_MULTIPROC_DIR while Ray starts its processes:
+    they use prometheus_client too, and would write their series into the directory where
+    the HTTP processes sum theirs (service/domain/metrics.py). Ray starts during the
+    server's start-up, before this process makes a metric file it has not made yet."""
+    saved = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
+
+
 def _check_reachable(address: str) -> None:
     """Fail at once when nothing listens at a host:port address: Ray itself would retry
     for minutes before it gives up ('auto' and an empty address need no network)."""
@@ -332,27 +348,31 @@ class RayPool(WorkerPool):
         address = self.settings.ray_address
         _check_reachable(address)
         try:
-            if address:
-                self._join(address)
-            else:
-                # A new Ray of this host for this server alone ("local": never one that
-                # runs here already): one CPU per worker, no dashboard, an object store
-                # sized for the requests in flight, and on loopback: Ray swaps 127.0.0.1
-                # for the host's reachable address, but keeps any other 127.x address.
-                ray.init(
-                    address="local",
-                    num_cpus=len(self._workers),
-                    namespace=NAMESPACE,
-                    object_store_memory=self.settings.ray_object_store_memory,
-                    include_dashboard=False,
-                    _node_ip_address=LOOPBACK,
-                    log_to_driver=False,
-                )
+            with _without_metrics_directory():
+                self._start_or_join(address)
         except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; each stops startup
             where = f"the Ray cluster at {address!r}" if address else "a local Ray"
             raise WorkerStartError(f"cannot start {where}: {type(exc).__name__}: {exc}") from None
         self._started_ray = True
         log.info("joined Ray %s (%s)", ray.__version__, address or "started locally")
+
+    def _start_or_join(self, address: str) -> None:
+        if address:
+            self._join(address)
+        else:
+            # A new Ray of this host for this server alone ("local": never one that
+            # runs here already): one CPU per worker, no dashboard, an object store
+            # sized for the requests in flight, and on loopback: Ray swaps 127.0.0.1
+            # for the host's reachable address, but keeps any other 127.x address.
+            ray.init(
+                address="local",
+                num_cpus=len(self._workers),
+                namespace=NAMESPACE,
+                object_store_memory=self.settings.ray_object_store_memory,
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                log_to_driver=False,
+            )
 
     @staticmethod
     def _join(address: str) -> None:

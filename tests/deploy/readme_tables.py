@@ -1,6 +1,7 @@
 """The documentation's generated tables: the settings (from service/core/config.py's
-Settings) and the problem types (from service/api/problems.py), between their markers in
-the README or the site's guides (docs/guides/settings.md, errors.md). test_guides.py
+Settings), the problem types (from service/api/problems.py) and the Prometheus metrics
+(from service/domain/metrics.py), between their markers in the README or the site's
+guides (docs/guides/settings.md, errors.md, monitoring.md). test_guides.py
 fails when a copy differs; regenerate every copy with
 
     python -m tests.deploy.readme_tables
@@ -16,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from prometheus_client.metrics import MetricWrapperBase
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -23,9 +25,10 @@ from pydantic_core import PydanticUndefined
 from service.api.problems import PROBLEM_TYPES
 from service.cli import SERVE_FLAGS
 from service.core.config import Settings
+from service.domain.metrics import Metrics
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-TABLES = ("settings", "problems")
+TABLES = ("settings", "problems", "metrics")
 
 
 def _type(annotation: Any) -> str:
@@ -108,6 +111,29 @@ def problems_table() -> str:
     return "\n".join(rows)
 
 
+# The series a metric family exposes, by type (prometheus_client's text format; each
+# counter and histogram also exposes a `_created` timestamp).
+SERIES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+}
+
+
+def metrics_table() -> str:
+    """One row per metric family the service registers, in declaration order. The label
+    names are read from prometheus_client's `_labelnames`: it has no public accessor."""
+    rows = ["| Series | Type | Labels | Meaning |", "|---|---|---|---|"]
+    for metric in vars(Metrics()).values():
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        kind = metric._type
+        series = ", ".join(f"`{metric._name}{suffix}`" for suffix in SERIES[kind])
+        labels = ", ".join(f"`{label}`" for label in metric._labelnames) or "none"
+        rows.append(f"| {series} | {kind} | {labels} | {_cell(metric._documentation)} |")
+    return "\n".join(rows)
+
+
 def marked(name: str) -> re.Pattern[str]:
     return re.compile(
         rf"(<!-- {name}-table: generated[^>]*-->\n)(.*?)(<!-- /{name}-table -->)", re.DOTALL
@@ -120,7 +146,9 @@ def current(text: str, name: str) -> str | None:
 
 
 def expected(name: str) -> str:
-    return {"settings": settings_table, "problems": problems_table}[name]()
+    return {"settings": settings_table, "problems": problems_table, "metrics": metrics_table}[
+        name
+    ]()
 
 
 def write(path: Path = README) -> None:

@@ -7,7 +7,9 @@ import pytest
 
 import engine as gt
 from engine.curvature import Curvature
+from engine.ops.nn import softmax_grad_p
 from engine.per_example import MixedExamplesError, per_example
+from engine.tensor import bind
 
 RNG = np.random.default_rng(30)
 
@@ -24,6 +26,29 @@ def mlp(p, x):
 def convnet(p, x):
     h = gt.relu(gt.conv(x, p["k"], p["kb"], strides=2, pads=1))
     return gt.reshape(h, (x.shape[0], -1)) @ p["w"]
+
+
+def block(p, x):
+    # the transformer's row-wise fused ops (issue 28): layer norm, GELU, softmax over a
+    # row's features; the linear layers stay matmuls the walk meets
+    h = gt.layer_norm(x, p["g"], p["b"])
+    h = gt.gelu(h @ p["w1"] + p["b1"])
+    return gt.softmax(h, -1) @ p["w2"]
+
+
+def softmax_vjp(p, x):
+    # softmax's VJP (softmax_grad, a row op declared broadcasting) in the forward, along
+    # the features: a row's output is its own example's
+    return bind(softmax_grad_p, gt.tanh(x @ p["w"]), gt.softmax(p["q"], -1), axis=-1)
+
+
+def elementwise_family(p, x):
+    # elementwise primitives the walk knows from their declaration (registry.ELEMENT_FLOW),
+    # not from a list of names (log2 was missing from the old one; leaky_relu and rsqrt were on it);
+    # atan2 and xlogy take a parameter beside the data
+    h = gt.log2(1.0 + gt.exp(x @ p["w1"]))
+    h = gt.atan2(h, p["c"]) + gt.xlogy(p["d"], 1.5 + gt.leaky_relu(h))
+    return gt.rsqrt(1.0 + h * h) @ p["w2"]
 
 
 def ce_mean(o, y):
@@ -50,6 +75,30 @@ CASES = {
         ce_mean,
         ce_sum,
         "labels",
+    ),
+    "block-ce-mean": (
+        block,
+        {"g": (5,), "b": (5,), "w1": (5, 4), "b1": (4,), "w2": (4, 3)},
+        (7, 5),
+        ce_mean,
+        ce_sum,
+        "labels",
+    ),
+    "softmax-vjp-mse": (
+        softmax_vjp,
+        {"w": (5, 3), "q": (3,)},
+        (6, 5),
+        mse_mean,
+        mse_one,
+        "values",
+    ),
+    "elementwise-family-mse": (
+        elementwise_family,
+        {"w1": (5, 4), "c": (4,), "d": (4,), "w2": (4, 3)},
+        (6, 5),
+        mse_mean,
+        mse_one,
+        "values",
     ),
     "conv-mse": (
         convnet,
@@ -135,6 +184,75 @@ def test_models_that_mix_examples_are_refused_naming_the_op(model, op):
         gt.Tensor(RNG.standard_normal((4, 4))),
     )
     with pytest.raises(MixedExamplesError, match=f"mixes examples at op '{op}'"):
+        per_example(curv)
+
+
+# The differentiable primitives the per-example walk does not follow, and why: a new
+# primitive must declare its element flow (registry.ELEMENT_FLOW) or join this list.
+NOT_FOLLOWED = {
+    # a convolutional model is recorded again in its im2col + matmul form (conv.unfused())
+    "conv": "unfused",
+    "conv_input": "unfused",
+    "conv_weight": "unfused",
+    "col2im": "unfused",
+    # no per-example rule: refused by name (test below)
+    "einsum": "refused",
+    "solve": "refused",
+    "scatter_add": "refused",
+    # a Variable's read: the walk starts from tensors, never from Variables
+    "read_variable": "not reached",
+}
+
+
+def test_every_primitive_declares_its_flow_or_is_listed_as_not_followed():
+    import engine.registry as registry
+
+    unflowed = {
+        p.name
+        for p in registry.impl_rules
+        if p not in registry.ELEMENT_FLOW and p not in registry.NONDIFFERENTIABLE
+    }
+    assert unflowed == set(NOT_FOLLOWED)
+    assert {registry.ELEMENT_FLOW[p] for p in registry.ELEMENT_FLOW} <= set(registry.FLOWS)
+
+
+def test_an_op_the_walk_cannot_follow_is_named_as_such():
+    """einsum declares no element flow: the refusal says the walk cannot follow it (not
+    that the model mixes examples, which it does not here)."""
+
+    def contracted(p, x):
+        return gt.einsum("nk,km->nm", x, p["w"])
+
+    curv = Curvature(
+        contracted,
+        mse_mean,
+        {"w": gt.Tensor(RNG.standard_normal((4, 3)))},
+        gt.Tensor(RNG.standard_normal((5, 4))),
+        gt.Tensor(RNG.standard_normal((5, 3))),
+    )
+    with pytest.raises(
+        MixedExamplesError,
+        match=r"op 'einsum' \(inputs \[5, 4\], \[4, 3\]\) is one the per-example walk cannot follow",
+    ):
+        per_example(curv)
+
+
+def test_a_row_op_across_the_examples_is_refused():
+    """softmax_grad over the example axis sums each column over the examples: a row op
+    (its declared flow, "rows"), not the elementwise op its broadcasting declaration
+    would make it, so it is refused, naming it."""
+
+    def columns(p, x):
+        return bind(softmax_grad_p, gt.tanh(x @ p["w"]), gt.softmax(p["q"], 0), axis=-2)
+
+    curv = Curvature(
+        columns,
+        mse_mean,
+        {"w": gt.Tensor(RNG.standard_normal((5, 3))), "q": gt.Tensor(RNG.standard_normal((1, 3)))},
+        gt.Tensor(RNG.standard_normal((4, 5))),
+        gt.Tensor(RNG.standard_normal((4, 3))),
+    )
+    with pytest.raises(MixedExamplesError, match=r"op 'softmax_grad' .* reduces over axes \[0\]"):
         per_example(curv)
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
+import httpx
+
 from service.api.schemas import GRADIENT_EXAMPLE
+from tests.service.conftest import start_server, stop_server
+from tests.service.test_tapes import DEFN
 from tests.service.wire import post
 
 
@@ -127,3 +131,39 @@ def test_openapi_document(client) -> None:
         "read_dataset",
         "delete_dataset",
     }
+
+
+def test_an_operators_metrics_directory_starts_each_run_afresh(tmp_path) -> None:
+    """PROMETHEUS_MULTIPROC_DIR set by the operator, not there yet: made. Each run counts
+    from zero (an earlier run's metric files removed at start), and the other files there
+    (here the store itself, and one of the operator's) are left as they are."""
+    folder = tmp_path / "metrics" / "not-yet"
+    settings = {
+        "PROMETHEUS_MULTIPROC_DIR": str(folder),
+        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+        "GRADTAPE_STORE_PATH": str(folder / "store.db"),
+        "GRADTAPE_WORKERS": "1",
+    }
+    healthz = re.compile(
+        r'^gradtape_http_requests_total\{method="GET",route="/healthz",[^}]*\} (\S+)$', re.M
+    )
+    tape_id = None
+    for run, calls in enumerate((3, 2)):
+        server = start_server(settings, tmp_path / f"server-{run}.log")
+        try:
+            if tape_id is None:
+                (folder / "operators.db").write_bytes(b"not a metric file")
+                stored = httpx.post(
+                    f"{server.base_url}/v1/tapes", json={"definition": DEFN, "target": "loss"}
+                )
+                assert stored.status_code == 201, stored.text
+                tape_id = stored.json()["tape_id"]
+            else:  # the store survived the restart, with the tape in it
+                assert httpx.get(f"{server.base_url}/v1/tapes/{tape_id}").status_code == 200
+            for _ in range(calls):
+                assert httpx.get(f"{server.base_url}/healthz").status_code == 200
+            counted = healthz.findall(httpx.get(f"{server.base_url}/metrics").text)
+            assert sum(float(c) for c in counted) == calls  # this run's, not the last one's
+        finally:
+            stop_server(server)
+    assert (folder / "operators.db").read_bytes() == b"not a metric file"

@@ -668,3 +668,35 @@ def test_a_zero_dim_shape_with_an_overflowing_product_in_a_patch_is_a_422(
     patch = {"variables": {"w": {"dtype": "float32", "shape": shape, "data": []}}}
     answer = problem(client.patch(f"/v1/tapes/{small_tape}", json=patch), 422)
     assert "variables.w" in answer["detail"] and "shape" in answer["detail"]
+
+
+def _requests_counted(client: httpx.Client, method: str) -> float:
+    """The sum of gradtape_http_requests_total over the routes and statuses of `method`."""
+    text = client.get("/metrics").text
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(
+            rf'^gradtape_http_requests_total\{{method="{method}",[^}}]*\}} (\S+)$', text, re.M
+        )
+    )
+
+
+def test_invented_methods_do_not_grow_the_metrics(server, client, unharmed) -> None:
+    """uvicorn's h11 takes any token as an HTTP method: a client sending a new one per
+    request must not add a metrics series per request (memory and every scrape growing
+    without bound). Each is answered (404 off the routes, 405 on one) and counted as
+    "other"; no invented name reaches /metrics."""
+    url = urlsplit(server.base_url)
+    before = _requests_counted(client, "other")
+    sent = 12
+    for i in range(sent):
+        path = "/v1/gradient" if i % 2 else f"/nowhere/{i}"
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(f"INVENTED{i} {path} HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode())
+            status, answer = read_answer(sock)
+        assert status == (405 if i % 2 else 404), answer
+        assert b"content-type: application/problem+json" in answer, answer
+    text = client.get("/metrics").text
+    assert "INVENTED" not in text
+    assert _requests_counted(client, "other") == before + sent
+    assert _requests_counted(client, "GET") >= 1  # known methods keep their own name

@@ -14,6 +14,7 @@ and the rate limit are all seen across the two.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,44 @@ def _equal(x: dict[str, np.ndarray], y: dict[str, np.ndarray]) -> None:
     assert x.keys() == y.keys()
     for k, value in x.items():
         np.testing.assert_array_equal(value, y[k])
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+def _metric(c: Pinned, series: str) -> float:
+    """The sum of a series' samples in a scrape answered by c's process (`series` with
+    its labels written as they appear, e.g. 'name{method="GET",route="/healthz"')."""
+    text = c.get("/metrics").text
+    found = re.findall(rf"^{re.escape(series)}(?:[{{,}}][^\n]*)? (\S+)$", text, re.MULTILINE)
+    return sum(float(v) for v in found)
+
+
+def _until_metric(c: Pinned, series: str, value: float, guard: float = 60.0) -> None:
+    """Scrape through c until `series` reads `value` (an event to wait on: the processes
+    copy their gauges every second; `guard` only turns a hang into a failure)."""
+    deadline = time.monotonic() + guard
+    while (now := _metric(c, series)) != value:
+        assert time.monotonic() < deadline, f"{series} is {now}, never {value}"
+        time.sleep(0.05)
+
+
+def test_a_scrape_through_either_process_counts_both(pair) -> None:
+    """Whichever process answers GET /metrics, it answers the sum over both: requests
+    counted where they were answered, gauges (workers up: one per process) summed."""
+    a, b = pair
+    healthz = 'gradtape_http_requests_total{method="GET",route="/healthz"'
+    before = _metric(a, healthz)
+    assert _metric(b, healthz) == before
+    for c, times in ((a, 3), (b, 2)):
+        for _ in range(times):
+            assert c.get("/healthz").status_code == 200
+    # a request is counted as its answer goes out: a scrape through the other process
+    # can come first, so wait for the count (an event, not a sleep)
+    _until_metric(a, healthz, before + 5)
+    _until_metric(b, healthz, before + 5)
+    _until_metric(a, "gradtape_workers_up", 2)
+    _until_metric(b, "gradtape_workers_up", 2)
 
 
 # ---- tapes -------------------------------------------------------------------------------
@@ -712,4 +751,8 @@ def test_the_job_of_a_killed_http_process_reads_failed(server: Server, pair) -> 
     )
     assert ok(replacement.get(location))["state"] == "failed"
     assert ok(replacement.get(f"/v1/tapes/{tape}"))["tape_id"] == tape
+    # the killed process's gauges left the sums (its worker is not up), the
+    # replacement's joined them
+    _until_metric(b, "gradtape_workers_up", 2)
+    _until_metric(replacement, "gradtape_workers_up", 2)
     replacement.client.close()

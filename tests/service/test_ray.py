@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -74,7 +75,12 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def metrics_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ray-metrics")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, metrics_dir: Path) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("ray")
     srv = start_server(
         {
@@ -88,6 +94,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             # The time-limit test (test_workers') needs a request that runs past its
             # limit, which the compute-cost guard would refuse first (test_cost.py).
             "GRADTAPE_COST_FLOPS_PER_SECOND": "0",
+            # metrics in files, as with several HTTP processes: Ray's own processes must
+            # not write theirs there (test_ray_writes_no_metrics_of_its_own)
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         },
         tmp / "server.log",
     )
@@ -103,6 +112,21 @@ def client(server: Server) -> Iterator[httpx.Client]:
     # fails no request the server itself would still answer: a guard against a hang only.
     with httpx.Client(base_url=server.base_url, timeout=330.0) as c:
         yield c
+
+
+def test_ray_writes_no_metrics_of_its_own(
+    server: Server, client: httpx.Client, metrics_dir: Path
+) -> None:
+    """Ray's processes use prometheus_client too: started without the server's
+    PROMETHEUS_MULTIPROC_DIR, they write none of their series where the server sums its
+    own; every metric file there is the HTTP process's."""
+    assert client.get("/healthz").status_code == 200
+    text = client.get("/metrics").text
+    assert 'gradtape_http_requests_total{method="GET",route="/healthz",status="200"}' in text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    assert names and all(name.startswith("gradtape_") for name in names), names
+    pids = {int(f.stem.rsplit("_", 1)[1]) for f in metrics_dir.glob("*.db")}
+    assert pids == {server.process.pid}
 
 
 def test_the_workers_are_ray_actors(server: Server) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from service.api.auth import api_key_scheme, authenticate, bearer_scheme
@@ -75,5 +75,4 @@ async def _may_see_processes(request: Request) -> bool:
 async def read_metrics(request: Request) -> Response:
     """Requests and latency histograms per route, problem responses by type, worker busy
     seconds and restarts, queue depth, workers up and busy."""
-    registry = request.app.state.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -210,3 +210,99 @@ def test_dtype_float64_runs_a_float32_model_in_float64() -> None:
     assert "dtype float16 is not applied to ONNX models: model 'net' computes in float32" in str(
         problem
     )
+
+
+@pytest.mark.parametrize("name", ["transformer", "transformer_opset18"])
+def test_the_erf_gelu_runs_as_one_fused_step(name: str) -> None:
+    # Div-Erf-Add-Mul-Mul (torch.onnx's nn.GELU) is planned as one Gelu step, the fused
+    # gelu primitive; the gradients above check it against PyTorch's.
+    from engine.onnx.model import load_model
+
+    data, record = fixture(name)
+    model = load_model(data)
+    spec = model.specialize([(tuple(record["x"].shape), record["x"].dtype)])
+    ops = [s.op_type for s in spec.steps]
+    erfs = sum(n.op_type == "Erf" for n in onnx.load_model_from_string(data).graph.node)
+    assert erfs > 0 and ops.count("Gelu") == erfs and "Erf" not in ops
+
+
+def test_a_gelu_whose_intermediate_is_read_elsewhere_is_not_fused() -> None:
+    from engine.onnx.model import Step, fuse_erf_gelu
+
+    consts = {
+        "root2": np.array(1.4142135, np.float32),
+        "one": np.array(1.0, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+    steps = [
+        Step("Div", ("x", "root2"), ("d",), {}),
+        Step("Erf", ("d",), ("e",), {}),
+        Step("Add", ("e", "one"), ("a",), {}),
+        Step("Mul", ("x", "a"), ("m",), {}),
+        Step("Mul", ("m", "half"), ("y",), {}),
+    ]
+    shapes = {"x": ((None, 3), np.dtype(np.float32))}
+    (fused,) = fuse_erf_gelu(steps, consts, {"y"}, shapes)
+    assert (fused.op_type, fused.inputs, fused.outputs) == ("Gelu", ("x",), ("y",))
+    assert fuse_erf_gelu(steps, consts, {"y", "e"}, shapes) == steps  # erf(x / 2^.5): an output
+    read = [*steps, Step("Neg", ("a",), ("n",), {})]
+    assert fuse_erf_gelu(read, consts, {"y", "n"}, shapes) == read
+    for products in (
+        [Step("Mul", ("half", "a"), ("m",), {}), Step("Mul", ("x", "m"), ("y",), {})],
+        [Step("Mul", ("x", "half"), ("h",), {}), Step("Mul", ("h", "a"), ("y",), {})],
+    ):  # the other two associations of 0.5 * x * (1 + erf)
+        (fused,) = fuse_erf_gelu([*steps[:3], *products], consts, {"y"}, shapes)
+        assert (fused.op_type, fused.inputs, fused.outputs) == ("Gelu", ("x",), ("y",))
+    other_root = {**consts, "root2": np.array(1.5, np.float32)}
+    assert fuse_erf_gelu(steps, other_root, {"y"}, shapes) == steps
+    # one-element constants of a rank: fused where they leave x's shape as it is
+    for name in consts:
+        for shape, fuses in [((1,), True), ((1, 1), True), ((1, 1, 1), False)]:
+            shaped = {**consts, name: consts[name].reshape(shape)}
+            assert (fuse_erf_gelu(steps, shaped, {"y"}, shapes) != steps) == fuses, (name, shape)
+        # x of unknown rank: only 0-d constants
+        shaped = {**consts, name: consts[name].reshape(1)}
+        assert fuse_erf_gelu(steps, shaped, {"y"}, {"x": (None, None)}) == steps
+        assert fuse_erf_gelu(steps, shaped, {"y"}, {}) == steps
+    assert fuse_erf_gelu(steps, consts, {"y"}, {}) != steps
+
+
+@pytest.mark.parametrize("root_shape", [(), (1,), (1, 1)])
+def test_a_gelu_whose_constant_widens_the_result_keeps_its_shape(root_shape) -> None:
+    """A (1, 1) sqrt(2) against a vector makes the exporters' GELU a (1, n) matrix: the
+    fused Gelu step (x's shape) would lose an axis, so that chain is not fused, and the
+    answer has the reference evaluator's shape and values either way."""
+    from onnx import helper, numpy_helper
+
+    from engine.onnx.model import load_model
+    from tests.engine.onnx.graphs import graph_model
+
+    consts = {
+        "root2": np.full(root_shape, np.sqrt(2), np.float32),
+        "one": np.array(1, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+    nodes = [
+        *(
+            helper.make_node("Constant", [], [k], value=numpy_helper.from_array(v, k))
+            for k, v in consts.items()
+        ),
+        helper.make_node("Div", ["x", "root2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["a"]),
+        helper.make_node("Mul", ["x", "a"], ["m"]),
+        helper.make_node("Mul", ["m", "half"], ["out"]),
+    ]
+    x = np.linspace(-3, 3, 5).astype(np.float32)
+    data = graph_model(nodes, {"x": x})
+    (expected,) = ReferenceEvaluator(onnx.load_model_from_string(data)).run(None, {"x": x})
+    spec = load_model(data).specialize([(x.shape, x.dtype)])
+    fused = [s.op_type for s in spec.steps] == ["Gelu"]
+    assert fused == (len(root_shape) <= 1)
+    defn = as_definition(
+        {"models": {"net": {"onnx": data}}, "inputs": {"x": x}, "program": ["y = net(x)"]}
+    )
+    prog = compile_definition(defn)
+    got = prog.run(prog.leaves(defn))["y"].numpy()
+    assert got.shape == expected.shape == np.broadcast_shapes(x.shape, root_shape)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
