@@ -227,6 +227,7 @@ def backward(
     batch_ndim: int,
     defer_sources: bool = False,
     cache_vjps: bool = True,
+    consume_plan: bool = False,
 ) -> dict[int, Tensor]:
     """Run the reverse sweep; return the cotangents of the sources, keyed by id.
 
@@ -235,6 +236,10 @@ def backward(
     (tensor.DeferredTensor): a product nobody reads is never computed.
     cache_vjps: keep each rule's outer stage on its record for a later pass over the
     same records (False when there will be none: a non-persistent tape's gradient).
+    consume_plan: the plan is this pass's own and no one holds its records (a
+    non-persistent tape's last pass): each entry is dropped as the sweep leaves it, so a
+    recorded value dies as soon as the records that hold it have been passed, not when
+    the whole sweep ends (with it the tangent a ForwardAccumulator keeps for it).
 
     Every cotangent in `cts` has its tensor's shape (with the batch axes in front): the
     seeds are checked to, and each rule's result is fitted once (`_fit`) as it arrives.
@@ -246,7 +251,9 @@ def backward(
     keep = {id(s) for s in sources}
     zero: set[int] = set()  # reached only by ZERO cotangents so far
     cacheable = cache_vjps and not trace.anything_active()
-    for rec, needed in plan:
+    for step, (rec, needed) in enumerate(plan):
+        if consume_plan:
+            plan[step] = None  # (rec, below, lives until the next entry rebinds it)
         inputs = rec.inputs
         prim = rec.prim
         if prim is None:  # a custom gradient: several outputs
@@ -523,6 +530,11 @@ class GradientTape:
                 # too, so the gradient can be differentiated again on the same tape.
                 return backward(plan, targets, seeds, sources, batch_ndim)
             trace.active_tapes.remove(self)  # a used non-persistent tape stops recording
+        if last_pass:
+            # The sweep becomes the records' only holder and lets each go once passed:
+            # a forward value (and its tangent under an accumulator) dies when the last
+            # rule that reads it has run. (_plan_for made the plan for this call alone.)
+            self._records, self._watched = [], {}
         # (here the tape is off the recording stack: nothing of it to pause)
         return backward(
             plan,
@@ -532,6 +544,7 @@ class GradientTape:
             batch_ndim,
             self._defer_source_primals,
             cache_vjps=not last_pass,
+            consume_plan=last_pass,
         )
 
     def gradient(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import engine as gt
-from engine import backend
+from engine import backend, trace
 
 
 def test_fan_out_and_reuse_accumulate() -> None:
@@ -337,6 +337,62 @@ def test_non_persistent_tape_stops_recording_and_lets_go_after_gradient() -> Non
     gc.collect()
     assert ref() is None
     assert float(z) == 12000.0
+
+
+def test_last_pass_lets_each_recorded_value_go_once_the_sweep_has_passed_it() -> None:
+    """A non-persistent tape's gradient frees a forward value (and, under an accumulator,
+    its tangent) when the last record that holds it has been passed, not when the sweep
+    ends (issue 28: the fresh HVP's peak held every layer's activations and tangents)."""
+    import weakref
+
+    alive_at_probe: list[tuple[bool, bool]] = []
+    refs: dict[str, weakref.ref] = {}
+
+    @gt.custom_gradient
+    def probe(a):
+        def grad_fn(g):
+            # The sweep reaches this after every record made later in the forward pass.
+            tangent = refs.get("tangent")  # (under an accumulator only)
+            alive_at_probe.append(
+                (refs["later"]() is not None, tangent is not None and tangent() is not None)
+            )
+            return g
+
+        return a * 1.0, grad_fn
+
+    def f(x):
+        a = probe(gt.sin(x))
+        later = gt.tanh(a + 0.5)  # read by tanh's own rule and by the multiply's
+        refs["later"] = weakref.ref(later)
+        if trace.active_accumulators:
+            refs["tangent"] = weakref.ref(trace.active_accumulators[-1].jvp(later))
+        return gt.sum(later * later)
+
+    x = gt.constant(np.linspace(-1.0, 1.0, 5))
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        y = f(x)
+    g = tape.gradient(y, x)
+    t = np.tanh(np.sin(x.numpy()) + 0.5)
+    np.testing.assert_allclose(g.numpy(), 2 * t * (1 - t * t) * np.cos(x.numpy()), rtol=1e-12)
+    assert alive_at_probe == [(False, False)]
+    alive_at_probe.clear()
+
+    # A fresh HVP: the inner tape's last pass under the accumulator; the tangent goes too.
+    (hv,) = gt.hvp(f, [x], [gt.constant(np.ones(5))])
+    assert alive_at_probe == [(False, False)]
+    eps = 1e-6
+    grad = gt.grad(f)
+    fd = (grad(x + eps).numpy() - grad(x - eps).numpy()) / (2 * eps)
+    np.testing.assert_allclose(hv.numpy(), fd, rtol=1e-6, atol=1e-8)
+
+    # A persistent tape keeps its records for the next call: the value is still there.
+    with gt.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = f(x)
+    tape.gradient(y, x)
+    assert alive_at_probe[-1][0] is True
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), g.numpy())
 
 
 def test_derivatives_at_zero() -> None:
