@@ -438,9 +438,10 @@ def structure_key(defn: Definition, limits: Limits) -> str:
     if key is None:
         text = repr(canonical)
         key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-        if len(_structure_keys) >= STRUCTURE_KEYS_KEPT:
-            _structure_keys.clear()
-        _structure_keys[canonical] = key
+        if len(text) <= REMEMBERED_STRUCTURE_CHARS:
+            if len(_structure_keys) >= STRUCTURE_KEYS_KEPT:
+                _structure_keys.clear()
+            _structure_keys[canonical] = key
     return key
 
 
@@ -448,4 +449,8 @@ def structure_key(defn: Definition, limits: Limits) -> str:
 # tuple by comparing it whole (so no two structures share a key, whatever a client
 # sends), which costs less than its repr and SHA-256 (~5 us a small definition).
 STRUCTURE_KEYS_KEPT = 256
+# Only a short structure is remembered (the saving matters for small requests alone): a
+# client's long names or lines, in a definition that may yet be refused, are never kept
+# (at most 256 x 4096 characters of structures held, whatever the requests).
+REMEMBERED_STRUCTURE_CHARS = 4096
 _structure_keys: dict[tuple[Any, ...], str] = {}

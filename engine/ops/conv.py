@@ -284,8 +284,9 @@ def _conv_input_impl(
         if g.shape[-nd:] != expected or g.shape[-nd - 1] != o:
             raise ValueError(f"conv_input: cotangent {g.shape} does not fit weight {w.shape}")
     window = {"spatial": spatial, "strides": strides, "pads": pads, "dilations": dilations}
-    lead = builtins.max((_lead(a, nd) for a in operands), key=len)
-    if len(pairs) > 1 and math.prod(lead) == 1:
+    leads = [_lead(a, nd) for a in operands]
+    lead = builtins.max(leads, key=len)
+    if len(pairs) > 1 and all(math.prod(each) == 1 for each in leads):
         # Leading axes of size 1 (one batched vector, beside unbatched recorded values):
         # every cotangent given them and the kernels none, by reshapes, so the pairs stack.
         pairs = [
@@ -392,7 +393,8 @@ def _conv_in_chunks(
     padded = tuple(m + lo + hi for m, (lo, hi) in zip(inner, pads))
     out = tuple(m - d * (kk - 1) for m, kk, d in zip(padded, kernel, dilations))
     p, ck, o = math.prod(out), wm.shape[-1], wm.shape[-3] * wm.shape[-2]
-    dtype, itemsize = xs[0].dtype, xs[0].itemsize
+    dtype = xp.result_type(*xs, wm)  # pairs of two dtypes: the sum's, as the other routes
+    itemsize = dtype.itemsize
     per_chunk = builtins.max(
         1, CHUNK_BYTES // builtins.max(1, k * c * math.prod(kernel) * p * itemsize)
     )

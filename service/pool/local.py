@@ -167,7 +167,6 @@ class WorkerHandle:
         self.job: QueuedJob | None = None  # the request it computes now
         self.sent_at = 0.0  # time.perf_counter() when that request was sent
         self.timer: asyncio.TimerHandle | None = None  # its time limit (the local pool)
-        self.reply: asyncio.Future[dict[str, Any]] | None = None  # (the Ray pool's)
         self.reply_array_bytes = 0  # the bytes of the arrays of its last reply (as read)
         # The id of a request to stop; the worker compares it with the one it runs, so a
         # late cancel can never stop the next request. Shared memory: the worker reads it
@@ -684,6 +683,8 @@ class WorkerPool:
         reply, which finishes the request (in this loop turn)."""
         counted = [0]
         message = ipc.unpack(body, w.inbox, counted)
+        if type(message) is not dict:  # a frame, but no message of ours: a broken worker
+            raise ipc.FrameError(f"worker {w.index} sent a {type(message).__name__}, not a message")
         if w.generation != generation:
             return  # a replaced worker's last words
         if "progress" in message:

@@ -218,3 +218,45 @@ def test_the_joined_impl_is_the_sum_of_its_pairs() -> None:
                 for g, w in zip(gs, ws, strict=True)
             )
             np.testing.assert_allclose(joined, single, rtol=1e-12, atol=1e-12)
+
+
+PAIR_WINDOW = {
+    "strides": (1, 1),
+    "pads": ((1, 1), (1, 1)),
+    "dilations": (1, 1),
+    "groups": 1,
+    "spatial": (5, 5),
+}
+
+
+@pytest.mark.parametrize(
+    ("g_leads", "w_leads"),
+    [([(1,), (3,)], [(), ()]), ([(1,), ()], [(), (3,)])],
+    ids=["ones-then-three", "ones-beside-a-batched-kernel"],
+)
+def test_joined_pairs_whatever_pair_holds_the_size_one_axes(g_leads, w_leads) -> None:
+    """The joined call equals the sum of single calls when the first pair's leading axes
+    are all 1 and another pair's are not (the reshape to stack them is for all-ones
+    leads only; found by review r8)."""
+    conv_input = impl_rules[conv_ops.conv_input_p]
+    rng = np.random.default_rng(0)
+    gs = [rng.standard_normal((*lead, 2, 4, 5, 5)) for lead in g_leads]
+    ws = [rng.standard_normal((*lead, 4, 3, 3, 3)) for lead in w_leads]
+    single = sum(conv_input(np, g, w, **PAIR_WINDOW) for g, w in zip(gs, ws, strict=True))
+    joined = conv_input(np, gs[0], ws[0], gs[1], ws[1], **PAIR_WINDOW)
+    np.testing.assert_allclose(joined, single, rtol=1e-12, atol=1e-12)
+
+
+def test_joined_pairs_of_two_dtypes_answer_in_the_wider() -> None:
+    """A float32 pair beside a float64 one (the host's stride-1 route): float64, as on
+    the strided route, computed in float64 (found by review r8: it answered float32)."""
+    conv_input = impl_rules[conv_ops.conv_input_p]
+    rng = np.random.default_rng(1)
+    g1 = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
+    w1 = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    g2, w2 = rng.standard_normal((2, 4, 5, 5)), rng.standard_normal((4, 3, 3, 3))
+    joined = conv_input(np, g1, w1, g2, w2, **PAIR_WINDOW)
+    wide = conv_input(np, g1.astype(np.float64), w1.astype(np.float64), **PAIR_WINDOW)
+    exact = wide + conv_input(np, g2, w2, **PAIR_WINDOW)
+    assert joined.dtype == np.float64
+    np.testing.assert_allclose(joined, exact, rtol=1e-12, atol=1e-12)

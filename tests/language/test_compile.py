@@ -118,6 +118,28 @@ def test_a_remembered_structure_key_is_the_one_computed_afresh() -> None:
     assert len(keys) == 1 + len(variants)
 
 
+def test_a_long_structure_is_never_remembered_even_when_refused() -> None:
+    """A client's long names or lines are not kept by the structure-key memory: a
+    definition refused after its key was computed (a name too long for the language)
+    leaves nothing behind, and neither does a long valid one; a short one is kept."""
+    from engine.language import definition
+    from engine.language.compile import DefinitionError
+
+    definition._structure_keys.clear()
+    long_name = "x" * 2**20
+    refused = dict(MLP, inputs={**MLP["inputs"], long_name: np.ones(2)})
+    with pytest.raises(DefinitionError):
+        compile_definition(refused)
+    lines = [f"extra{i} = loss" + " + 0.5" * 20 for i in range(40)]  # ~5,400 characters
+    compile_definition(dict(MLP, program=[*MLP["program"], *lines]))
+    assert definition._structure_keys == {}
+    compile_definition(MLP)
+    assert len(definition._structure_keys) == 1
+    assert all(
+        len(repr(k)) <= definition.REMEMBERED_STRUCTURE_CHARS for k in definition._structure_keys
+    )
+
+
 def test_coercion_takes_any_mapping_and_refuses_what_it_refused() -> None:
     """as_definition's short ways for plain dicts give what the general ones give for
     other mappings, and the same problems for bad names and fields."""
