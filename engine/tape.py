@@ -535,6 +535,9 @@ class GradientTape:
             # a forward value (and its tangent under an accumulator) dies when the last
             # rule that reads it has run. (_plan_for made the plan for this call alone.)
             self._records, self._watched = [], {}
+            # used from here on: a call during the sweep (a custom gradient's rule asking
+            # this tape again) is refused as a second use, never answered from no records
+            self._used = True
         # (here the tape is off the recording stack: nothing of it to pause)
         return backward(
             plan,

@@ -554,3 +554,31 @@ def test_watched_variables_in_creation_order() -> None:
     with gt.GradientTape() as tape:
         _ = c * b * a
     assert tape.watched_variables() == (a, b, c)
+
+
+def test_a_call_from_inside_the_last_sweep_is_refused_as_a_second_use() -> None:
+    """A custom gradient's rule asking the same non-persistent tape again, while the tape's
+    last pass is sweeping (its records already handed to the sweep): the second-use error,
+    not an answer from no records (found by review r9: it answered None)."""
+    seen: dict = {}
+
+    @gt.custom_gradient
+    def probe(a):
+        def grad_fn(g):
+            try:
+                seen["inner"] = seen["tape"].gradient(seen["y"], seen["x"])
+            except RuntimeError as exc:
+                seen["inner"] = exc
+            return g
+
+        return a * 1.0, grad_fn
+
+    x = gt.constant(np.linspace(-1.0, 1.0, 6).reshape(2, 3))
+    with gt.GradientTape() as tape:
+        tape.watch(x)
+        y = gt.sum(probe(gt.sin(x)) ** 2)
+    seen.update(tape=tape, y=y, x=x)
+    outer = tape.gradient(y, x)
+    assert isinstance(seen["inner"], RuntimeError)
+    assert "can only be used to compute one set" in str(seen["inner"])
+    np.testing.assert_allclose(outer.numpy(), 2 * np.sin(x.numpy()) * np.cos(x.numpy()), rtol=1e-14)
