@@ -521,17 +521,23 @@ class WorkerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _dropped_unsent(self, w: WorkerHandle, job: QueuedJob) -> bool:
+        """Whether `job` was cancelled since its dispatch (its `started` callback, or its
+        caller before an actor's call began): then it is never sent, and the worker, which
+        never saw it, is free at once."""
+        if not job.future.done():
+            return False
+        if w.job is job:
+            w.job = None
+            if w.state == "busy":
+                w.state = "idle"
+        self._dispatch()
+        return True
+
     def _begin(self, w: WorkerHandle, job: QueuedJob) -> None:
         """Send `job` to worker `w`, now, in the caller's turn; its reply is handled as it
         arrives (_on_frame -> _finish), its time limit by a timer (_timed_out)."""
-        if job.future.done():
-            # Cancelled since its dispatch (its `started` callback): its frame is never
-            # sent, and the worker, which never saw it, is free at once.
-            if w.job is job:
-                w.job = None
-                if w.state == "busy":
-                    w.state = "idle"
-            self._dispatch()
+        if self._dropped_unsent(w, job):
             return
         assert w.writer is not None
         generation = w.generation

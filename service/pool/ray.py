@@ -414,14 +414,7 @@ class RayPool(WorkerPool):
         self._spawn_task(self._execute(w, job))
 
     async def _execute(self, w: WorkerHandle, job: QueuedJob) -> None:
-        if job.future.done():
-            # Cancelled between its dispatch and now: never sent, and the worker, which
-            # never saw it, is free at once.
-            if w.job is job:
-                w.job = None
-                if w.state == "busy":
-                    w.state = "idle"
-            self._dispatch()
+        if self._dropped_unsent(w, job):
             return
         generation = w.generation
         w.request_id = job.id
