@@ -97,12 +97,16 @@ RUN groupadd --system --gid 10001 gradtape \
     && chown 10001:10001 /var/lib/gradtape
 COPY --from=build /opt/gradtape /opt/gradtape
 
+# NUMBA_CACHE_DIR: the compiled kernels (engine/kernels) are cached in the data volume,
+# compiled once rather than in every worker process and after every restart (the
+# virtualenv is not writable by the service's user).
 ENV PATH=/opt/gradtape/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     GRADTAPE_HOST=0.0.0.0 \
     GRADTAPE_PORT=8000 \
-    GRADTAPE_DATA_DIR=/var/lib/gradtape
+    GRADTAPE_DATA_DIR=/var/lib/gradtape \
+    NUMBA_CACHE_DIR=/var/lib/gradtape/numba-cache
 
 WORKDIR /var/lib/gradtape
 VOLUME ["/var/lib/gradtape"]

@@ -26,6 +26,7 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
         "engine.allocator",
         "engine.footprint",
         "engine.shapes",
+        "engine.kernels",
     ),
     ("engine.tensor",),
     ("engine.ops", "engine.random"),
@@ -62,9 +63,10 @@ EXCEPTIONS = {
     ("service.pool.ray", "service.worker.dispatch"),
 }
 
-# Third-party packages the engine may import: the array libraries and, lazily, the ONNX
-# importer's. None of the service's (fastapi, pydantic, msgpack, ...).
-ENGINE_THIRD_PARTY = {"numpy", "cupy", "cupyx", "onnx", "google", "scipy"}
+# Third-party packages the engine may import: the array libraries, lazily the ONNX
+# importer's, and numba (engine/kernels only, lazily). None of the service's (fastapi,
+# pydantic, msgpack, ...).
+ENGINE_THIRD_PARTY = {"numpy", "cupy", "cupyx", "onnx", "google", "scipy", "numba"}
 
 
 def modules(package: str) -> dict[str, Path]:

@@ -1,0 +1,115 @@
+"""Compiled CPU kernels: one pass over memory where NumPy would take several.
+
+NumPy runs a fused expression (GELU's erf, a convolution's window gather) as one call per
+operation, each a full pass over memory; at the sizes of real models those passes, not
+the arithmetic, are what stands between the engine and PyTorch's fused kernels (issue
+28, bench/RESULTS.md). A kernel here is the same computation written as one loop and
+compiled by numba, used on the host (NumPy arrays) when numba is installed (the
+`kernels` extra, part of `service`) and not switched off; CuPy arrays never reach one.
+
+Every kernel has a NumPy implementation beside its call site, which is the reference:
+the tests run both on the same inputs and compare them (bit for bit where the kernel
+evaluates the same operations in the same order). So numba is optional: without it,
+or with GRADTAPE_KERNELS=numpy in the environment (read once, at the first use), the
+engine runs its NumPy paths and answers the same numbers, only slower.
+
+    @kernel
+    def gelu_forward(x, out):  # plain Python over arrays, numba's nopython subset
+        ...
+
+    compiled = gelu_forward.compiled()  # numba's dispatcher, or None: use NumPy
+    if compiled is not None:
+        compiled(x, out)
+
+Compilation is lazy (the first call of a kernel with new argument types compiles it,
+~0.1-0.7 s) and cached on disk by numba (`__pycache__` beside this package, or numba's
+per-user cache directory when that is not writable; NUMBA_CACHE_DIR overrides both), so
+a worker process compiles only what earlier processes have not. numba itself is imported
+at the first use, not by `import engine` (it takes ~0.4 s).
+
+The options every kernel shares: `nogil` (a kernel running in one of the service's
+threads does not hold the others), no `fastmath` (it would let LLVM reorder and
+contract the arithmetic, and assume no NaN or inf: the answers would change), and
+`error_model="numpy"` (a division by zero gives inf or NaN, as NumPy's, rather than an
+exception).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: The environment variable: "numpy" (or "off", "0") runs the NumPy paths only; anything
+#: else, or unset, uses numba when it imports.
+SWITCH = "GRADTAPE_KERNELS"
+
+_lock = threading.Lock()
+_numba: Any = None  # the module, once imported; False when unavailable or switched off
+
+
+def _switched_off() -> bool:
+    return os.environ.get(SWITCH, "").strip().lower() in ("numpy", "off", "0", "false", "no")
+
+
+def numba_module() -> Any:
+    """numba, or None when it is not installed or GRADTAPE_KERNELS switches it off."""
+    global _numba
+    if _numba is None:
+        with _lock:
+            if _numba is None:
+                if _switched_off():
+                    _numba = False
+                else:
+                    try:
+                        import numba
+                    except ImportError:
+                        _numba = False
+                    else:
+                        _numba = numba
+    return _numba or None
+
+
+def enabled() -> bool:
+    """Whether kernels run (numba imports and is not switched off)."""
+    return numba_module() is not None
+
+
+class Kernel:
+    """A Python function compiled by numba at its first use (see the module's text)."""
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        self.py_func = py_func
+        self.__name__ = py_func.__name__
+        self.__doc__ = py_func.__doc__
+        self._dispatcher: Any = None
+
+    def compiled(self) -> Any:
+        """numba's dispatcher for this kernel, or None when kernels do not run."""
+        if self._dispatcher is None:
+            numba = numba_module()
+            if numba is None:
+                return None
+            with _lock:
+                if self._dispatcher is None:
+                    self._dispatcher = _jit(numba, self.py_func)
+        return self._dispatcher
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.__name__}>"
+
+
+def kernel(py_func: Callable[..., Any]) -> Kernel:
+    """Declare a kernel (a decorator); compiled() gives the callable."""
+    return Kernel(py_func)
+
+
+def _jit(numba: Any, py_func: Callable[..., Any]) -> Any:
+    options = {"nopython": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+    try:
+        return numba.jit(cache=True, **options)(py_func)
+    except RuntimeError:
+        # numba found no writable cache directory (a read-only install and no home): the
+        # kernel compiles in each process instead of once.
+        return numba.jit(cache=False, **options)(py_func)

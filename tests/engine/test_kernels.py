@@ -1,0 +1,124 @@
+"""engine/kernels: the loader every compiled kernel goes through (the kernels themselves
+are tested beside the ops that call them, against their NumPy paths)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not installed")
+
+KERNEL_MODULE = """
+from engine.kernels import kernel
+
+@kernel
+def halve_and_count_nans(x, out):
+    nans = 0
+    for i in range(x.size):
+        out[i] = x[i] / 2.0
+        if x[i] != x[i]:
+            nans += 1
+    return nans
+
+@kernel
+def divide(a, b, out):
+    for i in range(a.size):
+        out[i] = a[i] / b[i]
+"""
+
+
+def run_python(code: str, tmp_path: Path, **env: str) -> str:
+    """`code` in a fresh interpreter with the kernel module above importable; its stdout."""
+    (tmp_path / "kmod.py").write_text(KERNEL_MODULE)
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME")
+    }
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
+    full_env.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_kernel_compiles_at_first_use_and_keeps_numpys_arithmetic(tmp_path: Path) -> None:
+    out = run_python(
+        """
+        import sys, numpy as np, kmod
+        assert "numba" not in sys.modules  # not imported before a kernel is used
+        k = kmod.halve_and_count_nans.compiled()
+        x = np.array([1.0, np.nan, -3.0, np.inf])
+        out = np.empty_like(x)
+        print(k(x, out), out.tolist())
+        # error_model="numpy": a division by zero is inf or NaN, as NumPy's, not an error
+        a, b = np.array([1.0, -1.0, 0.0]), np.zeros(3)
+        q = np.empty(3)
+        kmod.divide.compiled()(a, b, q)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            print(np.array_equal(q, a / b, equal_nan=True))
+        """,
+        tmp_path,
+    )
+    assert out.split("\n")[:2] == ["1 [0.5, nan, -1.5, inf]", "True"]
+
+
+@pytest.mark.parametrize("value", ["numpy", "off", "0"])
+def test_the_switch_runs_numpy_only(tmp_path: Path, value: str) -> None:
+    out = run_python(
+        """
+        import sys, kmod
+        from engine import kernels
+        print(kernels.enabled(), kmod.divide.compiled(), "numba" in sys.modules)
+        """,
+        tmp_path,
+        GRADTAPE_KERNELS=value,
+    )
+    assert out.strip() == "False None False"
+
+
+def test_a_kernel_runs_where_numba_can_cache_nothing(tmp_path: Path) -> None:
+    # Every place numba would cache in is blocked by a file where it wants a directory
+    # (a read-only install with no home, for a root user too): the kernel compiles anew.
+    (tmp_path / "__pycache__").write_text("")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("")
+    out = run_python(
+        """
+        import numpy as np, kmod
+        k = kmod.divide.compiled()
+        q = np.empty(2)
+        k(np.array([1.0, 3.0]), np.array([2.0, 4.0]), q)
+        print(type(k._cache).__name__, q.tolist())
+        """,
+        tmp_path,
+        HOME=str(home),
+    )
+    assert out.strip() == "NullCache [0.5, 0.75]"
+
+
+def test_a_kernel_is_cached_for_the_next_process(tmp_path: Path) -> None:
+    code = """
+        import numpy as np, kmod
+        k = kmod.divide.compiled()
+        k(np.ones(2), np.ones(2), np.empty(2))
+        print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
+        """
+    cache = tmp_path / "cache"
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=str(cache)).split() == ["0", "1"]
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=str(cache)).split() == ["1", "0"]
