@@ -10,8 +10,10 @@ et al. 2023 for weight sharing).
 
 A layer is an op where a parameter W (or a reshape of it: a convolution's kernel) meets
 the data as a matrix product, x @ W or W @ x (engine/per_example.py finds them and the
-example each row belongs to), with an optional bias b added to its output through
-reshapes and transposes only. In the layer's own frame, rows a (the data's rows, with a
+example each row belongs to), with an optional bias b added to its output, entry j on
+the output's column j, through ops that pass elements on unchanged (copies and moves:
+what each op is, K-FAC asks its declaration, registry.LINEAR_FORM and ELEMENT_FLOW,
+never its name). In the layer's own frame, rows a (the data's rows, with a
 1 appended when there is a bias) times the matrix [W; b] (k + 1, m) give the output rows,
 and the block of the curvature on [W; b] is approximated by A (x) G acting as
 M -> A M G, with, for the examples' rows a_ip (example i, shared position p of P) and
