@@ -250,7 +250,7 @@ def find_layers(
         # value, entry j of the bias on every element of the output's column j (so that
         # its gradient is the column sums of the output's, the 1 appended to a).
         rec = m.record
-        if m.kind != "elementwise" or LINEAR_FORM.get(rec.prim) != "sums":
+        if m.kind != "elementwise" or rec.prim is None or LINEAR_FORM.get(rec.prim) != "sums":
             continue
         if len(rec.inputs) != 2:
             continue
