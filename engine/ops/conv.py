@@ -139,7 +139,7 @@ def _disjoint(kernel: tuple, strides: tuple, dilations: tuple) -> bool:
     return all(s >= d * (k - 1) + 1 for k, s, d in zip(kernel, strides, dilations))
 
 
-im2col_p = primitive("im2col", _im2col_impl, flow="moves")
+im2col_p = primitive("im2col", _im2col_impl, flow="moves", linear_form="windows")
 col2im_p = primitive("col2im", _col2im_impl)
 
 
