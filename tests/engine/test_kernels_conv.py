@@ -63,6 +63,8 @@ def layout(x: np.ndarray, how: str) -> np.ndarray:
         return x
     if how == "transposed":  # a convolution's result: (N, C, ...) over (C, N, ...) memory
         return np.ascontiguousarray(x.swapaxes(0, 1)).swapaxes(0, 1)
+    if how == "columns-major":  # dense, the spatial axes swapped in memory: strided rows
+        return np.ascontiguousarray(x.swapaxes(-1, -2)).swapaxes(-1, -2)
     if how == "sliced":  # not dense: the kernel route copies it first
         wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
         wide[..., ::2] = x
@@ -80,6 +82,10 @@ GATHERS = [
     ((2, 2, 10, 9), (3, 3), (1, 1), ((-1, 0), (0, -2)), (1, 2), 2),  # crops
     ((1, 2, 5, 5), (3, 3), (1, 1), ((4, 3), (3, 4)), (1, 1), 1),  # pads wider than the kernel
     ((1, 1, 4, 4), (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1),  # the smallest
+    # stride 1, output as wide as x: whole shifted planes (one-sided pads, dilated, 5 x 5)
+    ((2, 3, 6, 7), (3, 3), (1, 1), ((2, 0), (0, 2)), (1, 1), 1),
+    ((2, 2, 7, 8), (3, 3), (1, 1), ((2, 2), (2, 2)), (2, 2), 2),
+    ((2, 2, 6, 6), (5, 5), (1, 1), ((2, 2), (2, 2)), (1, 1), 1),
     ((0, 2, 5, 5), (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1),  # no images
     ((2, 3, 11), (5,), (2,), ((2, 1),), (1,), 1),  # 1-d
     ((2, 4, 12), (3,), (1,), ((2, 2),), (3,), 2),  # 1-d, dilated
@@ -97,7 +103,7 @@ def _window(kernel: tuple, strides: tuple, pads: tuple, dilations: tuple, groups
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("how", ["contiguous", "transposed", "sliced"])
+@pytest.mark.parametrize("how", ["contiguous", "transposed", "columns-major", "sliced"])
 @pytest.mark.parametrize("case", range(len(GATHERS)), ids=lambda i: f"gather{i}")
 def test_the_gather_kernel_copies_numpys_windows(
     case: int, how: str, dtype: Any, monkeypatch: Any
