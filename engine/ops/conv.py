@@ -208,7 +208,8 @@ def _compiled(xp: Any, a: Any, nd: int) -> bool:
     return (
         xp is host
         and nd <= 2
-        and a.dtype.char in "fd"  # float32, float64: numba's types
+        and a.dtype.char in "fd"  # float32, float64 in the machine's byte order
+        and a.dtype.isnative
         and kernels.gather2d.compiled() is not None
     )
 
@@ -324,13 +325,12 @@ def _gather_impl(
         )
         buf[(Ellipsis, *(slice(lo, lo + m) for (lo, _), m in zip(grow, inner)))] = x
         x = buf
-    out = _out_sizes(x.shape[-nd:], kernel, strides, dilations)
-    if any(o < 1 for o in out):
+    if any(o < 1 for o in sizes):
         raise ValueError(f"gather: a window of {kernel} does not fit {x.shape[-nd:]}")
     st = x.strides
     view = xp.lib.stride_tricks.as_strided(
         x,
-        lead + (c,) + kernel + (n,) + out,
+        lead + (c,) + kernel + (n,) + sizes,
         st[: len(lead) + 1]
         + tuple(t * d for t, d in zip(st[-nd:], dilations))
         + (st[-nd - 1],)
@@ -338,7 +338,11 @@ def _gather_impl(
     )
     cols = xp.ascontiguousarray(view)  # (*lead, C, *kernel, N, *out): the one copy
     # Every size spelled out: NumPy cannot infer a -1 of an empty array (N, C or O of 0).
-    return cols.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(out)))
+    cols = cols.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(sizes)))
+    if out is not None:  # (a replay form exists only where the kernel runs)
+        xp.copyto(out, cols)
+        return out
+    return cols
 
 
 def _rows(g: Any, nd: int, groups: int) -> Any:

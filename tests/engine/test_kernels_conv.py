@@ -118,6 +118,9 @@ def test_the_gather_kernel_copies_numpys_windows(
             xl *= np.arange(1, 1 + int(np.prod(lead)), dtype=dtype).reshape(lead + (1,) * x.ndim)
         with numpy_route(monkeypatch):
             want = conv_ops._gather_impl(np, xl, **window)
+            into = np.full(want.shape, np.nan, dtype)
+            assert conv_ops._gather_impl(np, xl, out=into, **window) is into
+            assert np.array_equal(into, want)
         calls = counted(monkeypatch, "_gather_kernel")
         got = conv_ops._gather_impl(np, xl, **window)
         assert calls, "the kernel route did not run"
@@ -125,7 +128,7 @@ def test_the_gather_kernel_copies_numpys_windows(
         assert np.array_equal(got, want)
         # the replay's form: into a buffer of the result's layout, garbage in it before
         out = np.full(want.shape, np.nan, dtype)
-        assert conv_ops._gather_impl(np, xl, out=out, **window) is not None
+        assert conv_ops._gather_impl(np, xl, out=out, **window).base is out
         assert np.array_equal(out, want)
 
 
