@@ -491,8 +491,12 @@ def _conv_input_stacked(
 # into a buffer the size of a cache (CHUNK_BYTES) and multiplies them there, writing each
 # image's result in place: the windows never go to memory and back (for 16 channels on
 # 32 x 32 that nearly halves its time; measured in bench/RESULTS.md, "Convolution as three
-# primitives"). On a GPU, one gather of everything and one batched GEMM.
+# primitives"). On a GPU, one gather of everything and one batched GEMM. With the
+# compiled gather (no padded buffer to copy through) larger chunks pay: fewer calls and
+# wider GEMMs, 0.95-0.97x the time at 1 MB for the two pairs of a second-order pass (bench/
+# RESULTS.md, "Compiled kernels for the convolutions' memory passes").
 CHUNK_BYTES = 1 << 20
+KERNEL_CHUNK_BYTES = 4 << 20
 
 
 def _conv_in_chunks(
@@ -506,15 +510,17 @@ def _conv_in_chunks(
     out = _out_sizes(inner, kernel, (1,) * len(kernel), dilations, pads)
     p, ck, o = math.prod(out), wm.shape[-1], wm.shape[-3] * wm.shape[-2]
     dtype = xp.result_type(*xs, wm)  # pairs of two dtypes: the sum's, as the other routes
-    itemsize = dtype.itemsize
+    # the kernel copies one dtype; pairs of two cast on the NumPy route
+    compiled = _compiled(xp, xs[0], len(kernel)) and all(x.dtype == dtype for x in xs)
+    chunk_bytes = KERNEL_CHUNK_BYTES if compiled else CHUNK_BYTES
     per_chunk = builtins.max(
-        1, CHUNK_BYTES // builtins.max(1, k * c * math.prod(kernel) * p * itemsize)
+        1, chunk_bytes // builtins.max(1, k * c * math.prod(kernel) * p * dtype.itemsize)
     )
     y = xp.empty((m_all, o) + out, dtype=dtype)
     # the windows of a chunk of images: (images, G, pairs, C/G, *kernel, *out), each
     # group's rows of every pair side by side
     cols = xp.empty((builtins.min(per_chunk, m_all), groups, k, c // groups) + kernel + out, dtype)
-    if _compiled(xp, cols, len(kernel)) and all(x.dtype == dtype for x in xs):
+    if compiled:
         fill = _chunk_gather(xs, cols, kernel, pads, dilations)
     else:
         fill = _chunk_copy(xp, xs, cols, kernel, pads, dilations)

@@ -147,7 +147,7 @@ INPUT_COTANGENTS = [
 ]
 
 
-@pytest.mark.parametrize("chunk", [conv_ops.CHUNK_BYTES, 1], ids=["chunks", "image-by-image"])
+@pytest.mark.parametrize("chunk", [None, 1], ids=["chunks", "image-by-image"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("case", range(len(INPUT_COTANGENTS)), ids=lambda i: f"input{i}")
 def test_the_input_cotangent_kernels_add_as_numpy_does(
@@ -157,7 +157,9 @@ def test_the_input_cotangent_kernels_add_as_numpy_does(
     in a convolution's transposed layout and contiguous, with leading axes (size 1:
     stacked; size 2: a batched cotangent), bit-equal to the NumPy routes."""
     spatial, wshape, strides, pads, dilations, groups = INPUT_COTANGENTS[case]
-    monkeypatch.setattr(conv_ops, "CHUNK_BYTES", chunk)
+    if chunk is not None:  # both routes' chunks
+        monkeypatch.setattr(conv_ops, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(conv_ops, "KERNEL_CHUNK_BYTES", chunk)
     window = {
         "spatial": spatial,
         "strides": strides,
