@@ -65,6 +65,10 @@ def layout(x: np.ndarray, how: str) -> np.ndarray:
         return np.ascontiguousarray(x.swapaxes(0, 1)).swapaxes(0, 1)
     if how == "columns-major":  # dense, the spatial axes swapped in memory: strided rows
         return np.ascontiguousarray(x.swapaxes(-1, -2)).swapaxes(-1, -2)
+    if how == "read-only":  # a recorded value or an array from shared memory
+        x = x.copy()
+        x.setflags(write=False)
+        return x
     if how == "sliced":  # not dense: the kernel route copies it first
         wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
         wide[..., ::2] = x
@@ -103,7 +107,9 @@ def _window(kernel: tuple, strides: tuple, pads: tuple, dilations: tuple, groups
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("how", ["contiguous", "transposed", "columns-major", "sliced"])
+@pytest.mark.parametrize(
+    "how", ["contiguous", "transposed", "columns-major", "read-only", "sliced"]
+)
 @pytest.mark.parametrize("case", range(len(GATHERS)), ids=lambda i: f"gather{i}")
 def test_the_gather_kernel_copies_numpys_windows(
     case: int, how: str, dtype: Any, monkeypatch: Any
