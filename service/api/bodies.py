@@ -379,13 +379,17 @@ class BoundedRequest(Request):
             return await super().json()
         return self.bounded_value
 
-    async def stream(self) -> AsyncGenerator[bytes, None]:
+    def stream(self) -> AsyncGenerator[bytes, None]:
+        # Starlette's generator itself while unread (no layer of ours on each chunk).
         if self.bounded_body is None:
-            async for chunk in super().stream():
-                yield chunk
-        else:  # read already, as Starlette's stream does once it has a body
-            yield self.bounded_body
-            yield b""
+            return super().stream()
+        return _replay(self.bounded_body)
+
+
+async def _replay(body: bytes) -> AsyncGenerator[bytes, None]:
+    """A body read already, streamed as Starlette streams one it has read."""
+    yield body
+    yield b""
 
 
 async def _read_counting(request: Request, shape: BodyShape) -> tuple[bytes, int]:
