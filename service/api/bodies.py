@@ -462,10 +462,16 @@ async def read_bounded(request: Request) -> None:
 async def parsed_body(request: Request) -> Any:
     """The JSON or msgpack body, read, sized and parsed as read_bounded does, for a route
     that takes the request rather than a body model (its route class parses only the
-    bodies of body models); 400 for an empty one."""
+    bodies of body models); 400 for an empty one, 415 for one of another media type."""
     request = _bounded(request)
     if request.bounded_body is None:
         await read_bounded(request)
+    if request.bounded_body is None:  # left unread: neither JSON nor msgpack
+        raise ProblemError(
+            "unsupported-media-type",
+            "the body is application/json or application/msgpack; got "
+            f"{request.headers.get('content-type') or 'no Content-Type'}",
+        )
     if request.bounded_value is _UNPARSED:
         raise ProblemError("malformed-body", "the body is empty")
     return request.bounded_value

@@ -293,6 +293,7 @@ def test_parsed_body_for_a_route_taking_the_request() -> None:
         (b"[" * 9 + b"]" * 9, "application/json", 400, "max_body_depth"),
         (msgpack.packb([[]] * 100), "application/msgpack", 422, "max_body_containers"),
         (b'{"x": [1,]}', "application/json", 400, "not valid JSON"),
+        (b"x,y\n1,2\n", "text/csv", 415, "got text/csv"),
     ):
         answer = post(app, "/raw", body, media)
         assert answer.status_code == status, answer.text
