@@ -307,3 +307,42 @@ def test_a_request_of_another_route_class_is_refused_not_read_unbounded() -> Non
     request = Request({"type": "http", "method": "POST", "headers": []})
     with pytest.raises(TypeError, match="BoundedRoute"):
         asyncio.run(parsed_body(request))
+
+
+@pytest.mark.parametrize("media", ["application/json", "application/msgpack"])
+def test_a_client_gone_mid_body_is_a_problem_not_an_error(media: str) -> None:
+    """ClientDisconnect while the body streams in (JSON's counted chunks, msgpack's whole
+    read) answers the malformed-body problem (nobody reads it: it keeps a client that
+    left from being logged as a server error)."""
+    app, seen = bounded_app()
+    messages = [
+        {"type": "http.request", "body": b'{"a": [1.5, ', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/pair",
+        "raw_path": b"/pair",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", media.encode()), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 400 and "pair" not in seen
+    assert json.loads(body)["detail"] == "the client disconnected before its body ended"
