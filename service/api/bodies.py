@@ -392,12 +392,16 @@ async def _replay(body: bytes) -> AsyncGenerator[bytes, None]:
     yield b""
 
 
-async def _read_counting(request: Request, shape: BodyShape) -> tuple[bytes, int]:
-    """The body, its brackets counted chunk by chunk as it arrives, and their count."""
+async def _read_counting(request: Request, shape: BodyShape | None) -> tuple[bytes, int]:
+    """The body and, with a shape, its brackets counted chunk by chunk as it arrives
+    (JSON). Read through Starlette's stream, not its body(), which would keep a copy of
+    its own in the request until the answer goes out (a msgpack body's bytes beside the
+    UnpackedBody made of them: twice the body for the whole request)."""
     chunks: list[bytes] = []
     found = 0
     async for chunk in request.stream():
-        found = shape.count_brackets(chunk, found)
+        if shape is not None:
+            found = shape.count_brackets(chunk, found)
         chunks.append(chunk)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     return body, found
@@ -440,10 +444,7 @@ async def read_bounded(request: Request) -> None:
     settings = request.app.state.settings
     shape = BodyShape(settings.max_body_depth, settings.max_body_containers)
     try:
-        if fmt is Format.JSON:
-            body, brackets = await _read_counting(request, shape)
-        else:
-            body = await request.body()
+        body, brackets = await _read_counting(request, shape if fmt is Format.JSON else None)
     except ClientDisconnect:
         # Nobody reads this answer; it only keeps a client that left from being an error.
         raise ProblemError(

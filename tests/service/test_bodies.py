@@ -346,3 +346,15 @@ def test_a_client_gone_mid_body_is_a_problem_not_an_error(media: str) -> None:
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert start["status"] == 400 and "pair" not in seen
     assert json.loads(body)["detail"] == "the client disconnected before its body ended"
+
+
+def test_a_msgpack_body_is_held_once_by_its_request() -> None:
+    # Read through Starlette's body() it stayed cached in the request beside the
+    # UnpackedBody made of it: twice the body until the answer (review r10).
+    app, seen = bounded_app()
+    sent = msgpack.packb({"a": [0.5] * 200_000, "b": "y"})  # ~1.8 MB
+    assert post(app, "/pair", sent, "application/msgpack").status_code == 200
+    request = seen["request"]
+    held = [v for v in vars(request).values() if isinstance(v, bytes) and len(v) >= len(sent)]
+    held.append(request.bounded_body)
+    assert len({id(v) for v in held}) == 1, f"{len(held)} copies of a {len(sent):,}-byte body"
