@@ -249,6 +249,7 @@ def _gather_kernel(
     kh, kw = kernel
     o_at = (kh * kw * n * oh * ow, kw * n * oh * ow, n * oh * ow, oh * ow, ow)
     gather = kernels.gather2d.compiled()
+    assert gather is not None  # _compiled chose this route
     for i in range(math.prod(lead)):
         x_at = (i * n * c * h * w, sn, sc, sh, sw)
         o_off = i * c * kh * kw * n * oh * ow
@@ -279,6 +280,7 @@ def _col2im_kernel(
     wf, of = windows.reshape(-1), out.reshape(-1)
     o_at = (c * h * w, h * w, w)
     col2im = kernels.col2im2d.compiled()
+    assert col2im is not None  # _compiled chose this route
     for i in range(math.prod(lead)):  # one block of windows per leading index
         w_block, o_block = (i * c * kh * kw * n * oh * ow, *w_at), (i * n * c * h * w, *o_at)
         col2im(wf, w_block, (kh, kw, oh, ow), of, o_block, (n, c, h, w), window)
@@ -575,6 +577,7 @@ def _chunk_gather(xs: list, cols: Any, kernel: tuple, pads: Pads, dilations: tup
     of = cols.reshape(-1)
     images = [_dense(x) for x in xs]
     gather = kernels.gather2d.compiled()
+    assert gather is not None  # _compiled chose this route
 
     def fill(m0: int, mc: int) -> None:
         for i, (xf, (sn, sc, *s_hw)) in enumerate(images):
