@@ -7,6 +7,7 @@ from typing import Any
 
 from engine import backend
 from engine.backend import host
+from engine.kernels import softmax as softmax_kernel
 from engine.ops._util import normalize_axes
 from engine.ops.elementwise import (
     abs,
@@ -106,6 +107,14 @@ def _row_max(xp: Any, x: Any, axis: int) -> Any:
 
 
 def _softmax_into(xp: Any, x: Any, axis: int, out: Any) -> Any:
+    # float32 over the last axis: a compiled kernel (engine/kernels/softmax.py), one pass
+    # per row in float64, rounded once (not bit-identical: within NumPy's path's error)
+    if xp is host and softmax_kernel.softmax(x, axis, out) is not None:
+        return out
+    return _softmax_numpy(xp, x, axis, out)
+
+
+def _softmax_numpy(xp: Any, x: Any, axis: int, out: Any) -> Any:
     xp.subtract(x, _row_max(xp, x, axis), out=out)
     xp.exp(out, out=out)
     out /= _row_sum(xp, out, axis)
