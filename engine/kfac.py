@@ -10,8 +10,10 @@ et al. 2023 for weight sharing).
 
 A layer is an op where a parameter W (or a reshape of it: a convolution's kernel) meets
 the data as a matrix product, x @ W or W @ x (engine/per_example.py finds them and the
-example each row belongs to), with an optional bias b added to its output through
-reshapes and transposes only. In the layer's own frame, rows a (the data's rows, with a
+example each row belongs to), with an optional bias b added to its output, entry j on
+the output's column j, through ops that pass elements on unchanged (copies and moves:
+what each op is, K-FAC asks its declaration, registry.LINEAR_FORM and ELEMENT_FLOW,
+never its name). In the layer's own frame, rows a (the data's rows, with a
 1 appended when there is a bias) times the matrix [W; b] (k + 1, m) give the output rows,
 and the block of the curvature on [W; b] is approximated by A (x) G acting as
 M -> A M G, with, for the examples' rows a_ip (example i, shared position p of P) and
@@ -81,6 +83,7 @@ from engine.per_example import (
     matmul_layout,
     per_example,
 )
+from engine.registry import ELEMENT_FLOW, LINEAR_FORM, impl_rules
 from engine.tensor import Tensor
 from engine.transforms import value_and_grad
 
@@ -88,8 +91,6 @@ SHARING = ("expand", "reduce")
 OTHERS = ("refuse", "exact")
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
 EXACT_OTHERS_MAX = 4096  # the entries an exact block may have (its matrix is held)
-MOVERS = ("reshape", "transpose")
-KEEP_ORDER = ("reshape", "identity", "cast", "read_variable")
 
 
 @dataclass
@@ -114,40 +115,103 @@ class Layer:
     joint: bool = False  # the bias is the ones row of [W; b] (else its own block, G)
 
 
-def _param_index(flow: Any, params: list[Tensor], t: Tensor) -> tuple[int | None, bool]:
-    """(i, flipped): the parameter `t` is, or is made from by ops that keep its entries in
-    order (a reshape: a convolution's kernel; a copy or cast: a program's read of a
-    variable) or transpose a matrix (ONNX's Gemm with transB: flipped); (None, False)
-    when it is none of them."""
-    flipped = False
-    for _ in range(8):
-        for i, p in enumerate(params):
-            if p is t:
-                return i, flipped
+# K-FAC looks back from a layer's matmul to its weight, and from a bias's add to the
+# matmul, through ops that pass elements on unchanged in value (a copy, a reshape, a
+# transpose, ...): what each op is comes from its declaration (registry.ELEMENT_FLOW
+# "moves", registry.LINEAR_FORM "copies"), and where it puts each element from running
+# its impl on the elements' positions, never from its name.
+LOOK_BACK = 16  # the ops followed back from one meeting
+
+
+def _passes_on(rec: Any) -> bool:
+    """The record hands its one input's elements on with their values unchanged: a copy
+    (LINEAR_FORM "copies": identity, a float cast, a Variable's read) or a move
+    (ELEMENT_FLOW "moves": reshape, transpose, getitem, pad, ...); _moved says where."""
+    if rec.prim is None or len(rec.inputs) != 1 or len(rec.outputs) != 1:
+        return False
+    return LINEAR_FORM.get(rec.prim) == "copies" or ELEMENT_FLOW.get(rec.prim) == "moves"
+
+
+def _moved(rec: Any, positions: np.ndarray) -> np.ndarray:
+    """`positions` (ints in the record's input's shape, naming each input element) where
+    the record puts the elements: its impl run on them, -1 where it fills in a value (a
+    pad's)."""
+    if LINEAR_FORM.get(rec.prim) == "copies":
+        return positions
+    params = dict(rec.params)
+    if "value" in params:
+        params["value"] = -1
+    return np.asarray(impl_rules[rec.prim](np, positions, **params))
+
+
+def _back_to(flow: Any, t: Tensor, found: Any) -> tuple[Any, list] | None:
+    """Walk back from `t` through records that pass elements on until `found(tensor)`
+    answers something: (that answer, the records walked, last first); None when another
+    op is met first."""
+    chain: list = []
+    for _ in range(LOOK_BACK):
+        hit = found(t)
+        if hit is not None:
+            return hit, chain
         rec = flow.made_by.get(id(t))
-        if rec is None or rec.prim is None:
-            return None, False
-        if rec.prim.name == "transpose" and tuple(rec.params.get("axes") or ()) == (1, 0):
-            flipped = not flipped
-        elif rec.prim.name not in KEEP_ORDER:
-            return None, False
+        if rec is None or not _passes_on(rec):
+            return None
+        chain.append(rec)
         t = rec.inputs[0]
-    return None, False
-
-
-def _upstream_matmul(flow: Any, t: Tensor, matmuls: dict[int, Meeting]) -> Meeting | None:
-    """The matmul meeting whose output reaches `t` through reshapes and transposes."""
-    seen = 0
-    while seen < 16:
-        rec = flow.made_by.get(id(t))
-        if rec is None:
-            return None
-        if id(rec) in matmuls:
-            return matmuls[id(rec)]
-        if rec.prim is None or rec.prim.name not in MOVERS:
-            return None
-        t, seen = rec.inputs[0], seen + 1
     return None
+
+
+def _carried(chain: list, positions: np.ndarray) -> np.ndarray:
+    for rec in reversed(chain):
+        positions = _moved(rec, positions)
+    return positions
+
+
+def _param_positions(flow: Any, params: list[Tensor], t: Tensor) -> tuple[int, np.ndarray] | None:
+    """(i, positions): `t` is parameter i passed on unchanged in value (a reshape: a
+    convolution's kernel; a copy or cast: a program's read of a variable; a transpose:
+    ONNX's Gemm with transB), `positions` (t's shape) the flat index of i's entry at each
+    element of t; None when t is not made so from one parameter."""
+    index = {id(p): i for i, p in enumerate(params)}
+    walked = _back_to(flow, t, lambda x: index.get(id(x)))
+    if walked is None:
+        return None
+    i, chain = walked
+    return i, _carried(chain, np.arange(params[i].size).reshape(params[i].shape))
+
+
+def _frame(meeting: Meeting, positions: np.ndarray, size: int) -> tuple | None:
+    """How the weight's flat entries make the layer's (k, m) matrix (its rows contracted
+    with the data's, its columns the output's): (shape, swap), the matrix being the
+    entries reshaped to `shape`, transposed when `swap` (Layer.frame); None when the
+    matmul's operand is neither (a slice, a broadcast, a scrambled copy of the weight).
+    `positions`: the weight's entry at each element of the operand, `size` its entries."""
+    rec, j = meeting.record, meeting.argnum
+    op = np.swapaxes(positions, -1, -2) if rec.params.get("tb" if j else "ta") else positions
+    if op.ndim == 1:  # NumPy's vector operand: a column on the right, a row on the left
+        op = op[:, None] if j == 1 else op[None, :]
+    if op.size != size:
+        return None
+    op = op.reshape(op.shape[-2:])  # the batch axes are all 1 (find_layers checks)
+    frame = op if j == 1 else op.T  # x @ P: P is the frame; P @ x = (x^T P^T)^T: P^T
+    if np.array_equal(frame, np.arange(frame.size).reshape(frame.shape)):
+        return frame.shape, False
+    if np.array_equal(frame.T, np.arange(frame.size).reshape(frame.T.shape)):
+        return frame.T.shape, True
+    return None
+
+
+def _columns(layer: Layer) -> np.ndarray:
+    """The layer's output column (its frame's m index) of each element of the matmul's
+    output (int32, the output's shape)."""
+    out, layout = layer.meeting.record.outputs[0], layer.layout
+    full = list(out.shape)
+    if layout.vector is not None:  # NumPy drops a vector operand's axis (cotangent_rows)
+        full.insert(len(full) + 1 + layout.vector, 1)
+    axis = -2 if layout.swap else -1
+    cols = np.arange(full[axis], dtype=np.int32).reshape((-1,) + (1,) * (-axis - 1))
+    cols = np.broadcast_to(cols, full)
+    return cols.reshape(out.shape)
 
 
 def find_layers(
@@ -155,7 +219,6 @@ def find_layers(
 ) -> tuple[list[Layer], list[int]]:
     """The Kronecker layers of a recording and the indices of the parameters outside them."""
     flow = engine.flow
-    matmuls = {id(m.record): m for m in flow.meetings if m.kind == "matmul"}
     layers: dict[int, Layer] = {}
     # A parameter that meets the data more than once (a tied weight: x @ W and h @ W^T,
     # or W also scaling elsewhere) is in no one layer's block: its curvature couples
@@ -165,40 +228,70 @@ def find_layers(
     for m in flow.meetings:
         if m.kind != "matmul":
             continue
-        w, flipped = _param_index(flow, params, m.record.inputs[m.argnum])
-        if w is None or w in used:
+        found = _param_positions(flow, params, m.record.inputs[m.argnum])
+        if found is None or found[0] in used:
             continue
+        w, positions = found
         layout = flow.layouts.get(id(m.record)) or matmul_layout(flow, m)
         flow.layouts[id(m.record)] = layout
         if math.prod(layout.kept) != 1:
             continue  # grouped convolutions: one block per group is not built here
         # The weight as stored -> the layer's (k, m) frame: x @ W is W itself, W @ x its
-        # transpose, and matmul's own transpose flags flip that once more.
-        transposed = (
-            bool(m.record.params.get("tb")) if m.argnum == 1 else not m.record.params.get("ta")
-        )
-        # A weight the program transposes first (ONNX's Gemm, transB) is stored the
-        # other way round: its matrix shape reversed, the frame's transpose flipped.
-        side = layout.side[::-1] if flipped else layout.side
-        kind = "conv" if _through_im2col(flow, m.record.inputs[1 - m.argnum]) else "linear"
-        frame = (tuple(side), transposed != flipped)
+        # transpose, a weight the program transposes first (ONNX's Gemm, transB) the
+        # other way round.
+        frame = _frame(m, positions, params[w].size)
+        if frame is None:
+            continue
+        kind = "conv" if _through_windows(flow, m.record.inputs[1 - m.argnum]) else "linear"
         layers[id(m.record)] = Layer(names[w], w, None, m, layout, frame, kind)
         used.add(w)
     for m in flow.meetings:
-        if m.kind != "elementwise" or m.record.prim is None or m.record.prim.name != "add":
+        # A bias: added (LINEAR_FORM "sums") to a layer's output passed on unchanged in
+        # value, entry j of the bias on every element of the output's column j (so that
+        # its gradient is the column sums of the output's, the 1 appended to a).
+        rec = m.record
+        if m.kind != "elementwise" or rec.prim is None or LINEAR_FORM.get(rec.prim) != "sums":
             continue
-        b, _ = _param_index(flow, params, m.record.inputs[m.argnum])
-        if b is None or b in used:
+        if len(rec.inputs) != 2:
             continue
-        up = _upstream_matmul(flow, m.record.inputs[1 - m.argnum], matmuls)
-        layer = layers.get(id(up.record)) if up is not None else None
-        if layer is None or layer.bias is not None or params[b].size != _out_width(layer):
+        found = _param_positions(flow, params, rec.inputs[m.argnum])
+        if found is None or found[0] in used:
             continue
+        b, positions = found
+        walked = _back_to(flow, rec.inputs[1 - m.argnum], lambda x: _layer_of(flow, layers, x))
+        if walked is None:
+            continue
+        layer, chain = walked
+        if layer.bias is not None or params[b].size != _out_width(layer):
+            continue
+        columns = _carried(chain, _columns(layer))
+        shape = rec.outputs[0].shape
+        if not np.array_equal(np.broadcast_to(positions, shape), np.broadcast_to(columns, shape)):
+            continue  # the bias runs along another axis than the layer's columns
         layer.bias = b
         layer.name = f"{names[layer.weight]}+{names[b]}"
         used.add(b)
     others = [i for i in range(len(params)) if i not in used or i in tied]
     return list(layers.values()), others
+
+
+def _layer_of(flow: Any, layers: dict[int, Layer], t: Tensor) -> Layer | None:
+    """The layer whose matmul outputs `t`, if any."""
+    rec = flow.made_by.get(id(t))
+    return layers.get(id(rec)) if rec is not None else None
+
+
+def _through_windows(flow: Any, t: Tensor) -> bool:
+    """The matmul's data is a convolution's windows (LINEAR_FORM "windows": im2col),
+    passed on unchanged in value (the unfused convolution's reshapes and transpose)."""
+    return _back_to(flow, t, lambda x: _windows_made(flow, x)) is not None
+
+
+def _windows_made(flow: Any, t: Tensor) -> bool | None:
+    rec = flow.made_by.get(id(t))
+    if rec is not None and rec.prim is not None and LINEAR_FORM.get(rec.prim) == "windows":
+        return True
+    return None
 
 
 def _reaching(flow: Any, params: list[Tensor]) -> set[int]:
@@ -235,17 +328,6 @@ def _shared_parameters(flow: Any, params: list[Tensor]) -> set[int]:
 def _out_width(layer: Layer) -> int:
     side, swap = layer.frame
     return side[0] if swap else side[1]
-
-
-def _through_im2col(flow: Any, t: Tensor) -> bool:
-    for _ in range(16):
-        rec = flow.made_by.get(id(t))
-        if rec is None or rec.prim is None:
-            return False
-        if rec.prim.name == "im2col":
-            return True
-        t = rec.inputs[0]
-    return False
 
 
 # ----------------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ elementwise.py is an example) and one row in tests/engine/test_ops.py:
 - elementwise_primitive (engine/ops/elementwise.py) declares a primitive of that family;
   other families give `primitive(..., flow=...)`, how output elements come from input
   elements (ELEMENT_FLOW below), so that per-example gradients can follow the op.
+- linear_form="copies" | "sums" | "windows" (LINEAR_FORM below): an op K-FAC looks
+  through between a layer's matmul and its weight, bias or data (identity, cast, add,
+  im2col); a test fails when an elementwise primitive that copies or sums lacks it.
 - shape_rule: `rule(bound) -> TensorType` on shapes and dtypes alone (engine/shapes.py
   has the families: unary, binary, ...). A check the wrapper makes too is one function
   raising RuleError, called by the rule as is and by the wrapper through
@@ -132,6 +135,19 @@ def defvjp_terms(prim: Primitive, *rules: Callable[..., Any] | None) -> None:
 # A primitive without one stops the walk with a clear error (it cannot tell examples apart).
 ELEMENT_FLOW: dict[Primitive, str] = {}
 FLOWS = ("elementwise", "moves", "reduces", "scans", "rows", "contracts")
+# Which linear map a primitive is, where K-FAC (engine/kfac.py) must know it to find a
+# layer's weight, bias and output through the ops between them and its matmul:
+#   "copies": its one input's elements, values and order unchanged, only the dtype may
+#             change (identity, a float cast, a Variable's read). A "moves" primitive
+#             needs no declaration: K-FAC runs its impl on the elements' positions (a
+#             reshape keeps their order, a transpose (1, 0) transposes a matrix, ...)
+#   "sums": the sum of its broadcast arguments (add: a bias added to a layer's output)
+#   "windows": a convolution's windows of its input (im2col): a layer whose data comes
+#             through it is a convolution
+# tests/engine/test_kfac_flow.py checks each declaration against the impl and that every
+# elementwise primitive that copies or sums declares it.
+LINEAR_FORM: dict[Primitive, str] = {}
+LINEAR_FORMS = ("copies", "sums", "windows")
 
 
 class _Zero:
@@ -163,20 +179,26 @@ def primitive(
     *,
     broadcasting: bool = False,
     flow: str | None = None,
+    linear_form: str | None = None,
 ) -> Primitive:
     """Declare a primitive and its forward implementation `impl(xp, *arrays, **params)`.
 
     broadcasting: its arguments broadcast against each other (NumPy's trailing-axis rule).
     flow: how its output elements come from its inputs' (ELEMENT_FLOW).
+    linear_form: which linear map it is, where K-FAC needs to know (LINEAR_FORM).
     """
     if flow is not None and flow not in FLOWS:
         raise ValueError(f"{name}: flow must be one of {FLOWS}, got {flow!r}")
+    if linear_form is not None and linear_form not in LINEAR_FORMS:
+        raise ValueError(f"{name}: linear_form must be one of {LINEAR_FORMS}, got {linear_form!r}")
     prim = Primitive(name)
     impl_rules[prim] = impl
     if broadcasting:
         BROADCASTING.add(prim)
     if flow is not None:
         ELEMENT_FLOW[prim] = flow
+    if linear_form is not None:
+        LINEAR_FORM[prim] = linear_form
     return prim
 
 

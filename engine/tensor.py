@@ -226,7 +226,7 @@ class VariableRead(Tensor):
 
 # Reading a variable is an identity primitive: tapes record it (once per read) so that
 # the cotangent of the read reaches the Variable, and tangents pass through unchanged.
-read_variable_p = primitive("read_variable", lambda xp, v: v)
+read_variable_p = primitive("read_variable", lambda xp, v: v, linear_form="copies")
 defvjp(read_variable_p, lambda ans, v: lambda g: g)
 defjvp(read_variable_p, lambda t, ans, v: t[0])
 

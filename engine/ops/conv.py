@@ -132,7 +132,7 @@ def _col2im_impl(
     return buf[(Ellipsis, *crop)]
 
 
-im2col_p = primitive("im2col", _im2col_impl, flow="moves")
+im2col_p = primitive("im2col", _im2col_impl, flow="moves", linear_form="windows")
 col2im_p = primitive("col2im", _col2im_impl)
 
 

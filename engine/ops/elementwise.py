@@ -124,10 +124,15 @@ def _times(slope: Any) -> Callable[[Tensor], Tensor]:
     return lambda v: multiply(v, slope)
 
 
-def elementwise_primitive(name: str, impl: Any, *, broadcasting: bool = False) -> Primitive:
+def elementwise_primitive(
+    name: str, impl: Any, *, broadcasting: bool = False, linear_form: str | None = None
+) -> Primitive:
     """A primitive of this family: each output element comes from the same-place
-    elements of its (broadcast) arguments (registry.ELEMENT_FLOW "elementwise")."""
-    return primitive(name, impl, broadcasting=broadcasting, flow="elementwise")
+    elements of its (broadcast) arguments (registry.ELEMENT_FLOW "elementwise");
+    linear_form: "copies" or "sums" where it is one (registry.LINEAR_FORM)."""
+    return primitive(
+        name, impl, broadcasting=broadcasting, flow="elementwise", linear_form=linear_form
+    )
 
 
 # ========================================================================================
@@ -135,7 +140,7 @@ def elementwise_primitive(name: str, impl: Any, *, broadcasting: bool = False) -
 # ========================================================================================
 
 # ---- add ----
-add_p = elementwise_primitive("add", lambda xp, x, y: x + y, broadcasting=True)
+add_p = elementwise_primitive("add", lambda xp, x, y: x + y, broadcasting=True, linear_form="sums")
 defpartials(add_p, 1, 1)
 
 
@@ -637,7 +642,9 @@ def abs(x: Any) -> Tensor:
 # ---- cast ----
 # Between floating dtypes a cast is differentiable; to or from integers and bools it is
 # not (the cotangent would be truncated), so that is a separate, unrecorded primitive.
-cast_p = elementwise_primitive("cast", lambda xp, x, *, dtype: x.astype(dtype, copy=False))
+cast_p = elementwise_primitive(
+    "cast", lambda xp, x, *, dtype: x.astype(dtype, copy=False), linear_form="copies"
+)
 defvjp(cast_p, lambda ans, x, *, dtype: lambda g: cast(g, x.dtype))
 defjvp(cast_p, lambda t, ans, x, *, dtype: cast(t[0], dtype))
 cast_nondiff_p = elementwise_primitive(
@@ -700,7 +707,7 @@ def erf(x: Any) -> Tensor:
 
 
 # ---- identity ----
-identity_p = elementwise_primitive("identity", lambda xp, x: x)
+identity_p = elementwise_primitive("identity", lambda xp, x: x, linear_form="copies")
 defpartials(identity_p, 1)
 
 
