@@ -145,9 +145,10 @@ def row_sum(x: Any, keepdims: bool, out: Any = None) -> Any:
 # np.add.reduce adds the rows one by one (0.024 against 0.004 ms for (64, 16, 64)
 # float32, 0.039 against 0.011 for (64, 16, 192)); both add each column's elements in
 # sequence (NumPy's pairwise summation is along a contiguous axis only), so the error
-# is of the same order. Up to LEADING_SUM_MAX_ROWS rows (the vector of ones is cached
-# per length). The compiled replay's sum takes the same decision.
+# is of the same order. Up to LEADING_SUM_MAX_ROWS rows (one vector of ones per dtype,
+# 256 or 512 KiB). The compiled replay's sum takes the same decision.
 LEADING_SUM_MAX_ROWS = 1 << 16
+_leading_ones: dict[Any, Any] = {}
 
 
 def sums_leading(shape: tuple[int, ...], c_contiguous: bool, dtype: Any, axes: tuple) -> bool:
@@ -168,9 +169,10 @@ def leading_sum(x: Any, n_axes: int, keepdims: bool, out: Any = None) -> Any:
     sums_leading); into `out` (C-contiguous, the result's shape) when given."""
     rest = x.shape[n_axes:]
     rows = x.size // math.prod(rest)
-    ones = _row_ones.get((rows, x.dtype))
-    if ones is None:
-        ones = _row_ones[(rows, x.dtype)] = host.ones(rows, x.dtype)
+    ones = _leading_ones.get(x.dtype)
+    if ones is None:  # one vector per dtype, sliced: not one per batch size
+        ones = _leading_ones[x.dtype] = host.ones(LEADING_SUM_MAX_ROWS, x.dtype)
+    ones = ones[:rows]
     matrix = x.reshape(rows, -1)
     if out is not None:
         host.matmul(ones, matrix, out=out.reshape(-1))
