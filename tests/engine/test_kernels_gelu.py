@@ -271,9 +271,11 @@ w = rng.standard_normal(x.size).astype(np.float32)
 s = (rng.standard_normal((64, 4, 16, 16)) * 3).astype(np.float32)
 t = gt.constant(x[np.isfinite(x)])
 (g,) = gt.grad(lambda z: gt.sum(gt.gelu(z) * gt.constant(w[: z.shape[0]])), argnums=(0,))(t)
+table, tokens = gt.constant(s.reshape(-1, 16)[:50]), gt.constant(rng.integers(0, 50, (64, 16)))
+(e,) = gt.grad(lambda t: gt.sum(gt.tanh(gt.take(t, tokens, axis=0))), argnums=(0,))(table)
 with np.errstate(all="ignore"):
     np.savez(sys.argv[1], erf=gt.erf(gt.constant(x)).numpy(), gelu=gt.gelu(gt.constant(x)).numpy(),
-             grad=g.numpy(), softmax=gt.softmax(gt.constant(s), -1).numpy())
+             grad=g.numpy(), softmax=gt.softmax(gt.constant(s), -1).numpy(), embed=e.numpy())
 """
 
 
@@ -304,3 +306,5 @@ def test_switched_off_the_engine_answers_the_same_numbers(tmp_path: Path) -> Non
     np.testing.assert_allclose(on["grad"], off["grad"], rtol=1e-6, atol=4 * F32.eps)
     np.testing.assert_allclose(on["softmax"], off["softmax"], rtol=3e-6, atol=1e-30)
     assert not np.array_equal(on["softmax"], off["softmax"])  # the kernel did run
+    # an embedding's gradient: np.add.at's sums against add.reduceat's, to rounding
+    np.testing.assert_allclose(on["embed"], off["embed"], rtol=1e-5, atol=1e-6)
