@@ -273,9 +273,12 @@ t = gt.constant(x[np.isfinite(x)])
 (g,) = gt.grad(lambda z: gt.sum(gt.gelu(z) * gt.constant(w[: z.shape[0]])), argnums=(0,))(t)
 table, tokens = gt.constant(s.reshape(-1, 16)[:50]), gt.constant(rng.integers(0, 50, (64, 16)))
 (e,) = gt.grad(lambda t: gt.sum(gt.tanh(gt.take(t, tokens, axis=0))), argnums=(0,))(table)
+h = gt.constant(s.reshape(-1, 16, 16))
+(n,) = gt.grad(lambda t: gt.sum(gt.tanh(gt.layer_norm(t)) * t), argnums=(0,))(h)
 with np.errstate(all="ignore"):
     np.savez(sys.argv[1], erf=gt.erf(gt.constant(x)).numpy(), gelu=gt.gelu(gt.constant(x)).numpy(),
-             grad=g.numpy(), softmax=gt.softmax(gt.constant(s), -1).numpy(), embed=e.numpy())
+             grad=g.numpy(), softmax=gt.softmax(gt.constant(s), -1).numpy(), embed=e.numpy(),
+             layer_norm=gt.layer_norm(h).numpy(), layer_norm_grad=n.numpy())
 """
 
 
@@ -298,8 +301,8 @@ def _run(tmp_path: Path, name: str, **env: str) -> dict:
 def test_switched_off_the_engine_answers_the_same_numbers(tmp_path: Path) -> None:
     on = _run(tmp_path, "on.npz")
     off = _run(tmp_path, "off.npz", GRADTAPE_KERNELS="numpy")
-    # erf and GELU: bit for bit
-    for key in ("erf", "gelu"):
+    # erf, GELU and layer norm: bit for bit
+    for key in ("erf", "gelu", "layer_norm", "layer_norm_grad"):
         np.testing.assert_array_equal(_bits(on[key]), _bits(off[key]))
     # the slope (so the gradient) and softmax: within the NumPy path's float32 error (a
     # few eps of the slope's terms, absolute: the slope crosses zero near x = -0.75)
