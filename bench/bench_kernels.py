@@ -28,7 +28,10 @@ from scipy.special import erf as scipy_erf
 from engine import kernels
 from engine.backend import erf_float32
 from engine.kernels import gelu as gelu_kernels
+from engine.kernels import layernorm as layernorm_kernels
+from engine.kernels import scatter as scatter_kernel
 from engine.kernels import softmax as softmax_kernel
+from engine.ops import nn
 from engine.ops.elementwise import _gelu_numpy, _gelu_slope_numpy
 from engine.ops.nn import _softmax_numpy
 
@@ -91,6 +94,54 @@ def rows() -> list[tuple[str, int, object, object]]:
                 lambda s=s, o=o: softmax_kernel.softmax(s, -1, o),
             )
         )
+    tokens = rng.integers(0, 100, (64, 16))
+    g = rng.standard_normal((64, 16, 64)).astype(np.float32)
+    table = np.zeros((100, 64), np.float32)
+
+    def scatter_numpy():  # engine/backend.py's _scatter_rows without the kernel
+        flat = tokens.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        rows = flat[order]
+        starts = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
+        table[rows[starts]] += np.add.reduceat(g.reshape(-1, 64)[order], starts, axis=0)
+
+    out.append(
+        (
+            "embedding rows scatter (100, 64)",
+            g.size,
+            scatter_numpy,
+            lambda: scatter_kernel.add_rows(tokens, g, table),
+        )
+    )
+    x = (rng.standard_normal((64, 16, 64)) * 2 + 1).astype(np.float32)
+    y = nn._normalize_impl(np, x, eps=1e-5)
+    ln_out = np.empty_like(x)
+
+    def numpy_ops(fn):  # the NumPy operations the layer-norm kernels replace
+        def run():
+            saved = (
+                layernorm_kernels.center,
+                layernorm_kernels.scale_rows,
+                layernorm_kernels.combine,
+            )
+            layernorm_kernels.center = layernorm_kernels.scale_rows = layernorm_kernels.combine = (
+                lambda *args: False
+            )
+            try:
+                fn()
+            finally:
+                (
+                    layernorm_kernels.center,
+                    layernorm_kernels.scale_rows,
+                    layernorm_kernels.combine,
+                ) = saved
+
+        return run
+
+    forward = lambda: nn._normalize_into(np, x, 1e-5, ln_out)
+    backward = lambda: nn._normalize_grad_into(np, g, x, y, 1e-5, ln_out)
+    out.append(("normalize (layer norm) float32", x.size, numpy_ops(forward), forward))
+    out.append(("normalize_grad float32", x.size, numpy_ops(backward), backward))
     return out
 
 
