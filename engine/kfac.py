@@ -138,10 +138,40 @@ def _moved(rec: Any, positions: np.ndarray) -> np.ndarray:
     pad's)."""
     if LINEAR_FORM.get(rec.prim) == "copies":
         return positions
-    params = dict(rec.params)
+    params = {name: _on_host(value) for name, value in rec.params.items()}
     if "value" in params:
         params["value"] = -1
     return np.asarray(impl_rules[rec.prim](np, positions, **params))
+
+
+def _on_host(value: Any) -> Any:
+    """A record's parameter for its impl run on host positions: a device array (a GPU
+    getitem's index) copied to the host, inside tuples and lists too."""
+    if isinstance(value, tuple | list):
+        return type(value)(_on_host(v) for v in value)
+    return backend.to_host(value) if backend.is_array(value) else value
+
+
+# Positions are int32 below 2^31 entries (half of int64's bytes for a large weight), and
+# compared with the running count a block of this many entries at a time.
+_COMPARE_BLOCK = 1 << 16
+
+
+def _identity_positions(shape: tuple[int, ...]) -> np.ndarray:
+    size = math.prod(shape)
+    return np.arange(size, dtype=np.int32 if size < 2**31 else np.int64).reshape(shape)
+
+
+def _counts_up(frame: np.ndarray) -> bool:
+    """Whether the matrix `frame` holds 0, 1, 2, ... in row-major order (the weight's
+    entries in their own order), checked a block of rows at a time."""
+    rows, cols = frame.shape
+    step = max(1, _COMPARE_BLOCK // max(cols, 1))
+    for r in range(0, rows, step):
+        block = frame[r : r + step]
+        if not np.array_equal(block.ravel(), np.arange(r * cols, r * cols + block.size)):
+            return False
+    return True
 
 
 def _back_to(flow: Any, t: Tensor, found: Any) -> tuple[Any, list] | None:
@@ -177,7 +207,7 @@ def _param_positions(flow: Any, params: list[Tensor], t: Tensor) -> tuple[int, n
     if walked is None:
         return None
     i, chain = walked
-    return i, _carried(chain, np.arange(params[i].size).reshape(params[i].shape))
+    return i, _carried(chain, _identity_positions(params[i].shape))
 
 
 def _frame(meeting: Meeting, positions: np.ndarray, size: int) -> tuple | None:
@@ -194,9 +224,9 @@ def _frame(meeting: Meeting, positions: np.ndarray, size: int) -> tuple | None:
         return None
     op = op.reshape(op.shape[-2:])  # the batch axes are all 1 (find_layers checks)
     frame = op if j == 1 else op.T  # x @ P: P is the frame; P @ x = (x^T P^T)^T: P^T
-    if np.array_equal(frame, np.arange(frame.size).reshape(frame.shape)):
+    if _counts_up(frame):
         return frame.shape, False
-    if np.array_equal(frame.T, np.arange(frame.size).reshape(frame.T.shape)):
+    if _counts_up(frame.T):
         return frame.T.shape, True
     return None
 

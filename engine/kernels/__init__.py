@@ -17,7 +17,7 @@ engine runs its NumPy paths and answers the same numbers, only slower.
     def gelu_forward(x, out):  # plain Python over arrays, numba's nopython subset
         ...
 
-    compiled = gelu_forward.compiled()  # numba's dispatcher, or None: use NumPy
+    compiled = gelu_forward.compiled()  # the compiled loop, or None: use NumPy
     if compiled is not None:
         compiled(x, out)
 
@@ -83,18 +83,30 @@ class Kernel:
         self.py_func = py_func
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
-        self._dispatcher: Any = None
+        self.dispatcher: Any = None  # numba's, once compiled() has made it
 
-    def compiled(self) -> Any:
-        """numba's dispatcher for this kernel, or None when kernels do not run."""
-        if self._dispatcher is None:
+    def compiled(self) -> Callable[..., Any] | None:
+        """The compiled kernel (call it as the Python function), or None when kernels
+        do not run."""
+        if self.dispatcher is None:
             numba = numba_module()
             if numba is None:
                 return None
             with _lock:
-                if self._dispatcher is None:
-                    self._dispatcher = _jit(numba, self.py_func)
-        return self._dispatcher
+                if self.dispatcher is None:
+                    self.dispatcher = _jit(numba, self.py_func)
+        return self._call
+
+    def _call(self, *args: Any) -> Any:
+        try:
+            return self.dispatcher(*args)
+        except OSError:
+            # A compiled loop does no I/O: this is numba's disk cache, which it opens at
+            # every compilation, gone bad since the kernel was declared (the volume full,
+            # removed, remounted read-only). Compile without it from now on.
+            with _lock:
+                self.dispatcher = _jit(_numba, self.py_func, cache=False)
+            return self.dispatcher(*args)
 
     def __repr__(self) -> str:
         return f"<kernel {self.__name__}>"
@@ -105,11 +117,12 @@ def kernel(py_func: Callable[..., Any]) -> Kernel:
     return Kernel(py_func)
 
 
-def _jit(numba: Any, py_func: Callable[..., Any]) -> Any:
+def _jit(numba: Any, py_func: Callable[..., Any], cache: bool = True) -> Any:
     options = {"nopython": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
-    try:
-        return numba.jit(cache=True, **options)(py_func)
-    except RuntimeError:
-        # numba found no writable cache directory (a read-only install and no home): the
-        # kernel compiles in each process instead of once.
-        return numba.jit(cache=False, **options)(py_func)
+    if cache:
+        try:
+            return numba.jit(cache=True, **options)(py_func)
+        except RuntimeError:
+            pass  # numba found no writable cache directory (a read-only install, no home)
+    # Compiled in each process instead of once.
+    return numba.jit(cache=False, **options)(py_func)

@@ -22,8 +22,10 @@ The route classes here do it in order instead:
    - msgpack: containers are counted from their headers while the body is unpacked,
      and refused before the next one is built (a 7.6 MiB body of empty arrays would
      otherwise become half a GiB of lists).
-   A body that does not parse is a 400. The parsed value is handed to FastAPI
-   (Starlette's JSON cache; for msgpack an UnpackedBody), never parsed again.
+   A body that does not parse is a 400. The parsed value is handed to FastAPI by the
+   request the route class makes, a BoundedRequest, whose `body()` and `json()` answer
+   it (for msgpack an UnpackedBody), never parsed again: FastAPI's documented extension
+   point, not Starlette's private caches.
 
 Meanwhile the loop keeps answering other requests (/healthz included). A small body
 (see _INLINE_JSON_BYTES) is parsed on the loop: the thread's round trip costs more than
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -346,15 +348,62 @@ def _unpack_walk(body: bytes, shape: BodyShape) -> Any:
 # ----------------------------------------------------------------------------------------
 
 
-async def _read_counting(request: Request, shape: BodyShape) -> tuple[bytes, int]:
-    """The body, its brackets counted chunk by chunk as it arrives, and their count."""
+class BoundedRequest(Request):
+    """A request whose body read_bounded reads, sizes and parses once: FastAPI's
+    `body()` and `json()` calls (fastapi.routing.get_request_handler) then answer what it
+    found, and nothing is read or parsed twice. The route classes below make one of the
+    request Starlette made (FastAPI's documented extension point, "Custom Request and
+    APIRoute class"); until read_bounded has run (a body the route reads itself: an ONNX
+    upload, a .npy dataset), every method is Starlette's own.
+
+    Starlette caches a body in private attributes of its Request (not API: a release may
+    change them), so what read_bounded found lives in attributes of this class instead.
+    Made from the scope and the receive channel only, as FastAPI's docs do: Starlette
+    keeps `send` private, which only HTTP/2 server push and early hints use (we use
+    neither)."""
+
+    # What read_bounded found (class defaults: a request whose body is not read costs
+    # nothing more): the body (for msgpack an UnpackedBody, which the request model takes
+    # as it is) and its parsed value, JSON's or msgpack's.
+    bounded_body: bytes | None = None
+    bounded_value: Any = _UNPARSED
+
+    async def body(self) -> bytes:
+        if self.bounded_body is None:
+            return await super().body()
+        return self.bounded_body
+
+    async def json(self) -> Any:
+        """The parsed body (FastAPI asks for it only for a JSON media type)."""
+        if self.bounded_value is _UNPARSED:
+            return await super().json()
+        return self.bounded_value
+
+    def stream(self) -> AsyncGenerator[bytes, None]:
+        # Starlette's generator itself while unread (no layer of ours on each chunk).
+        if self.bounded_body is None:
+            return super().stream()
+        return _replay(self.bounded_body)
+
+
+async def _replay(body: bytes) -> AsyncGenerator[bytes, None]:
+    """A body read already, streamed as Starlette streams one it has read."""
+    yield body
+    yield b""
+
+
+async def _read_counting(request: Request, shape: BodyShape | None) -> tuple[bytes, int]:
+    """The body and, with a shape, its brackets counted chunk by chunk as it arrives
+    (JSON). Read through Starlette's stream, not its body(), which would keep a copy of
+    its own in the request until the answer goes out (a msgpack body's bytes beside the
+    UnpackedBody made of them: twice the body for the whole request)."""
     chunks: list[bytes] = []
     found = 0
     async for chunk in request.stream():
-        found = shape.count_brackets(chunk, found)
+        if shape is not None:
+            found = shape.count_brackets(chunk, found)
         chunks.append(chunk)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    request._body = body  # Starlette's cache: the route reads it from here
     return body, found
 
 
@@ -372,10 +421,19 @@ async def _unpack(body: bytes, shape: BodyShape) -> UnpackedBody:
     return await anyio.to_thread.run_sync(_unpacked, body, shape)
 
 
+def _bounded(request: Request) -> BoundedRequest:
+    if not isinstance(request, BoundedRequest):
+        # A route of another class: Starlette's own request has nowhere to keep the body.
+        raise TypeError("a body is read bounded from a BoundedRoute's or GatedRoute's request")
+    return request
+
+
 async def read_bounded(request: Request) -> None:
-    """Read, size and parse the request's body (a large one in a thread), leaving the
-    value where FastAPI and the routes read it; the problem when it is malformed or too
-    large."""
+    """Read, size and parse the body of a BoundedRequest (a large one in a thread),
+    leaving it and its value where FastAPI and the routes read them (`request.body()`,
+    `request.json()`, parsed_body); the problem when it is malformed or too large. A
+    body that is neither JSON nor msgpack is left unread."""
+    request = _bounded(request)
     content_type = request.headers.get("content-type")
     if request.method not in _WITH_BODY or not content_type:
         return
@@ -386,37 +444,38 @@ async def read_bounded(request: Request) -> None:
     settings = request.app.state.settings
     shape = BodyShape(settings.max_body_depth, settings.max_body_containers)
     try:
-        if fmt is Format.JSON:
-            body, brackets = await _read_counting(request, shape)
-        else:
-            body = await request.body()
+        body, brackets = await _read_counting(request, shape if fmt is Format.JSON else None)
     except ClientDisconnect:
         # Nobody reads this answer; it only keeps a client that left from being an error.
         raise ProblemError(
             "malformed-body", "the client disconnected before its body ended"
         ) from None
-    if fmt is Format.JSON:
-        if body:
-            request._json = await _parse_json(body, shape, brackets)
+    if not body:  # FastAPI validates an empty body as a missing one
+        request.bounded_body = body
+    elif fmt is Format.JSON:
+        request.bounded_value = await _parse_json(body, shape, brackets)
+        request.bounded_body = body
     else:
-        if body:
-            request._body = await _unpack(body, shape)
+        unpacked = await _unpack(body, shape)
+        request.bounded_body, request.bounded_value = unpacked, unpacked.value
 
 
 async def parsed_body(request: Request) -> Any:
     """The JSON or msgpack body, read, sized and parsed as read_bounded does, for a route
     that takes the request rather than a body model (its route class parses only the
-    bodies of body models); 400 for an empty one."""
-    if not hasattr(request, "_json") and not isinstance(
-        getattr(request, "_body", None), UnpackedBody
-    ):
+    bodies of body models); 400 for an empty one, 415 for one of another media type."""
+    request = _bounded(request)
+    if request.bounded_body is None:
         await read_bounded(request)
-    if hasattr(request, "_json"):
-        return request._json
-    body = getattr(request, "_body", None)
-    if isinstance(body, UnpackedBody):
-        return body.value
-    raise ProblemError("malformed-body", "the body is empty")
+    if request.bounded_body is None:  # left unread: neither JSON nor msgpack
+        raise ProblemError(
+            "unsupported-media-type",
+            "the body is application/json or application/msgpack; got "
+            f"{request.headers.get('content-type') or 'no Content-Type'}",
+        )
+    if request.bounded_value is _UNPARSED:
+        raise ProblemError("malformed-body", "the body is empty")
+    return request.bounded_value
 
 
 def _unpacked(body: bytes, shape: BodyShape) -> UnpackedBody:
@@ -426,18 +485,26 @@ def _unpacked(body: bytes, shape: BodyShape) -> UnpackedBody:
     return unpacked
 
 
+def _may_send_body(route: APIRoute) -> bool:
+    return bool((route.methods or set()) & _WITH_BODY)
+
+
 class BoundedRoute(APIRoute):
     """An APIRoute that parses and sizes its body (a large one in a thread) before
     FastAPI runs (when it takes a body model: a route that reads its body itself, as an
-    ONNX upload does, gets it unread, or parses it with parsed_body)."""
+    ONNX upload does, gets it unread, or parses it with parsed_body). A route whose
+    method sends a body gets a BoundedRequest."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
-        if self.body_field is None:
+        if not _may_send_body(self):
             return handler
+        reads_body = self.body_field is not None
 
         async def bounded(request: Request) -> Response:
-            await read_bounded(request)
+            request = BoundedRequest(request.scope, request.receive)
+            if reads_body:
+                await read_bounded(request)
             return await handler(request)
 
         return bounded
@@ -466,13 +533,16 @@ class GatedRoute(BoundedRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = APIRoute.get_route_handler(self)
-        reads_body = self.body_field is not None
+        may_send_body = _may_send_body(self)
+        reads_body = may_send_body and self.body_field is not None
         # A compute route that may start a job (routes/_compute.register marks it).
         may_run_jobs = bool(getattr(self.endpoint, "may_run_jobs", False))
         # Reads and deletes queue nothing on a worker: no slot (only the rate applies).
         computes = not (self.methods or set()) <= {"GET", "HEAD", "DELETE"}
 
         async def gated(request: Request) -> Response:
+            if may_send_body:
+                request = BoundedRequest(request.scope, request.receive)
             # The same dependency the route declares (it answers from the request's
             # state the second time): 401 before anything is read.
             owner = await authenticate(
@@ -511,8 +581,5 @@ def asks_async(request: Request) -> bool:
     body (read already)."""
     if prefers_async(request):
         return True
-    body = getattr(request, "_json", None)
-    raw = getattr(request, "_body", None)
-    if body is None and isinstance(raw, UnpackedBody):
-        body = raw.value
+    body = request.bounded_value if isinstance(request, BoundedRequest) else None
     return isinstance(body, dict) and body.get("async") is True

@@ -104,7 +104,7 @@ def test_a_kernel_runs_where_numba_can_cache_nothing(tmp_path: Path) -> None:
         k = kmod.divide.compiled()
         q = np.empty(2)
         k(np.array([1.0, 3.0]), np.array([2.0, 4.0]), q)
-        print(type(k._cache).__name__, q.tolist())
+        print(type(kmod.divide.dispatcher._cache).__name__, q.tolist())
         """,
         tmp_path,
         HOME=str(home),
@@ -115,10 +115,31 @@ def test_a_kernel_runs_where_numba_can_cache_nothing(tmp_path: Path) -> None:
 def test_a_kernel_is_cached_for_the_next_process(tmp_path: Path) -> None:
     code = """
         import numpy as np, kmod
-        k = kmod.divide.compiled()
-        k(np.ones(2), np.ones(2), np.empty(2))
-        print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
+        kmod.divide.compiled()(np.ones(2), np.ones(2), np.empty(2))
+        stats = kmod.divide.dispatcher.stats
+        print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
         """
     cache = tmp_path / "cache"
     assert run_python(code, tmp_path, NUMBA_CACHE_DIR=str(cache)).split() == ["0", "1"]
     assert run_python(code, tmp_path, NUMBA_CACHE_DIR=str(cache)).split() == ["1", "0"]
+
+
+def test_a_kernel_runs_when_its_cache_goes_bad_after_it_was_declared(tmp_path: Path) -> None:
+    # numba opens its cache at every compilation: a directory removed (a volume full,
+    # remounted read-only, replaced) after the kernel was declared raises OSError from the
+    # call; the kernel compiles without the cache from then on (review r10).
+    cache = tmp_path / "cache"
+    out = run_python(
+        f"""
+        import shutil, numpy as np, kmod
+        k = kmod.divide.compiled()
+        shutil.rmtree({str(cache)!r}); open({str(cache)!r}, "w").close()
+        q = np.empty(2)
+        k(np.array([1.0, 3.0]), np.array([2.0, 4.0]), q)
+        k(np.array([1.0, 3.0]), np.array([2.0, 4.0]), q)
+        print(type(kmod.divide.dispatcher._cache).__name__, q.tolist())
+        """,
+        tmp_path,
+        NUMBA_CACHE_DIR=str(cache),
+    )
+    assert out.strip() == "NullCache [0.5, 0.75]"

@@ -6,6 +6,7 @@ slice, a pad by nothing) gets curvlinops' recorded factors; a bias along another
 axis than the layer's columns is not taken for the layer's bias."""
 
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import engine as gt
 import engine.registry as registry
 from engine.curvature import Curvature, CurvatureError
 from engine.hessian_algorithms import FlatOperator
-from engine.kfac import kfac
+from engine.kfac import find_layers, kfac
 from engine.per_example import PerExample
 from tests.engine.test_kfac_laplace import (
     _close,
@@ -218,3 +219,46 @@ def test_a_linear_layer_after_a_pool_is_linear_and_a_convolution_is_conv():
     curv = Curvature(model, ce_mean, tensors(p), gt.Tensor(x), gt.Tensor(y))
     fitted = kfac(curv, "ggn", names=list(p))
     assert [(layer.name, layer.kind) for layer in fitted.layers] == [("k", "conv"), ("W", "linear")]
+
+
+def test_finding_a_layer_holds_about_its_weights_bytes() -> None:
+    # The weight's entries' positions are int32 and compared with the running count a
+    # block at a time: ~1x a float32 weight's bytes (int64 positions, an int64 count and a
+    # boolean result held 4.25x: review r10).
+    k = m = 2048
+    rng = np.random.default_rng(0)
+    p = {
+        "W": gt.Tensor(rng.standard_normal((k, m)).astype(np.float32)),
+        "b": gt.Tensor(np.zeros(m, np.float32)),
+    }
+    x = gt.Tensor(rng.standard_normal((4, k)).astype(np.float32))
+    y = gt.Tensor(rng.standard_normal((4, m)).astype(np.float32))
+    curv = Curvature(lambda p, x: x @ p["W"] + p["b"], sse, p, x, y)
+    curv.scale()
+    engine = PerExample.of(curv)
+    tracemalloc.start()
+    try:
+        layers, _ = find_layers(engine, curv._flat, ["W", "b"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(layer.name, layer.frame) for layer in layers] == [("W+b", ((k, m), False))]
+    assert peak <= 1.25 * k * m * 4, f"{peak / (k * m * 4):.2f}x the weight's bytes"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gt.cuda_available(), reason="needs CuPy and an NVIDIA GPU")
+def test_a_layer_through_a_gather_on_the_gpu() -> None:
+    # The positions run on the host: a getitem's index array on the device is copied
+    # there (a CuPy array cannot index a NumPy one; review r10).
+    rng = np.random.default_rng(0)
+
+    def c(a):
+        return gt.constant(a, device="cuda")
+
+    p = {"W": c(rng.standard_normal((4, 3))), "b": c(rng.standard_normal(3))}
+    x, y = c(rng.standard_normal((5, 4))), c(rng.standard_normal((5, 3)))
+    curv = Curvature(lambda p, x: x @ p["W"][np.arange(4)] + p["b"], sse, p, x, y)
+    curv.scale()
+    layers, _ = find_layers(PerExample.of(curv), curv._flat, ["W", "b"])
+    assert [layer.name for layer in layers] == ["W+b"]
