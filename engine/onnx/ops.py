@@ -388,8 +388,8 @@ def _layer_norm(ins, attrs, opset):
 def layer_norm_node(ins: list, attrs: dict[str, Any], opset: int, outputs: int) -> list:
     """LayerNormalization; `outputs`: how many of Y, Mean, InvStdDev the node names. Over
     the last axis, with only Y named (what the exporters write), Y is the fused
-    normalize primitive's (engine/ops/nn.py: one compiled kernel a row, its VJP another)
-    times the scale plus the bias."""
+    normalize primitive's (engine/ops/nn.py: its VJP another, their broadcast steps
+    compiled kernels) times the scale plus the bias; otherwise the composite."""
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     rank = len(x.shape)
