@@ -53,7 +53,7 @@ def erf_float32_kernel(x: Any, out: Any) -> None:
     """out = erf(x), both float32 and 1-D: erf_float32's rational, its operations in its
     order (clip, Horner for P and Q in float64, x P / Q rounded to float32)."""
     for i in range(x.size):
-        z = np.float64(x[i])
+        z: float = np.float64(x[i])
         if z > CLAMP:  # (NaN compares false both ways and stays NaN, as np.clip's)
             z = CLAMP
         elif z < -CLAMP:
@@ -79,7 +79,7 @@ def gelu_float32_kernel(x: Any, out: Any) -> None:
     erf as in erf_float32_kernel above), so bit-identical; out may be x itself."""
     for i in range(x.size):
         xi = x[i]
-        z = np.float64(xi / ROOT_TWO_F32)  # the division in float32, as NumPy's
+        z: float = np.float64(xi / ROOT_TWO_F32)  # the division in float32, as NumPy's
         if z > CLAMP:
             z = CLAMP
         elif z < -CLAMP:
@@ -125,16 +125,17 @@ def gelu_slope_float32_kernel(x: Any, y: Any, out: Any) -> None:
     for i in range(x.size):
         xi = np.float64(x[i])
         a = xi * -0.5 * xi
-        t = max(a, EXP_FLOOR) * LOG2_E + ROUNDER
+        ac = EXP_FLOOR if a < EXP_FLOOR else a
+        t = ac * LOG2_E + ROUNDER
         k = t - ROUNDER
-        r = max(a, EXP_FLOOR) - k * LN2_HI
+        r = ac - k * LN2_HI
         r = r - k * LN2_LO
         r2 = r * r
         r4 = r2 * r2
         low = (E0 + E1 * r) + r2 * (E2 + E3 * r)
         high = (E4 + E5 * r) + r2 * (E6 + E7 * r) + r4 * ((E8 + E9 * r) + r2 * E10)
         two_to_k = np.int64((np.float64(t).view(np.int64) + 1023) << 52).view(np.float64)
-        e = (low + r4 * high) * two_to_k
+        e: float = (low + r4 * high) * two_to_k
         if a < EXP_FLOOR:  # (NaN: false; the slope is NaN from x anyway)
             e = 0.0
         s = (xi * xi * e * ONE_OVER_ROOT_TWO_PI + np.float64(y[i])) / xi

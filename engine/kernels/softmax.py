@@ -59,7 +59,7 @@ def softmax_rows_float32_kernel(x: Any, out: Any, scratch: Any) -> None:
             low = (E0 + E1 * r) + r2 * (E2 + E3 * r)
             high = (E4 + E5 * r) + r2 * (E6 + E7 * r) + r4 * ((E8 + E9 * r) + r2 * E10)
             two_to_n = np.int64((np.float64(t).view(np.int64) + 1023) << 52).view(np.float64)
-            e = (low + r4 * high) * two_to_n
+            e: float = (low + r4 * high) * two_to_n
             if a < EXP_FLOOR:
                 e = 0.0
             scratch[j] = e
