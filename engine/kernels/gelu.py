@@ -125,7 +125,7 @@ def gelu_slope_float32_kernel(x: Any, y: Any, out: Any) -> None:
     for i in range(x.size):
         xi = np.float64(x[i])
         a = xi * -0.5 * xi
-        ac = EXP_FLOOR if a < EXP_FLOOR else a
+        ac = max(a, EXP_FLOOR)  # (a select here stops the loop vectorizing: 2x slower)
         t = ac * LOG2_E + ROUNDER
         k = t - ROUNDER
         r = ac - k * LN2_HI
