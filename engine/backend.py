@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.kernels import scatter as scatter_kernel
+
 numpy = np
 # NumPy for host-side bookkeeping (dtypes, shapes, index arithmetic) in modules that must
 # not pick an array module themselves; never applied to device arrays.
@@ -152,6 +154,10 @@ def _scatter_rows(out: np.ndarray, index: tuple, values: np.ndarray) -> bool:
     if picks.dtype.kind not in "iu":
         return False
     axis = out.ndim - len(items) + arrays[0]
+    if axis == 0:  # rows of a table: a compiled loop (engine/kernels/scatter.py), same sums
+        done = scatter_kernel.add_rows(picks, values, out)
+        if done is not None:
+            return done
     size = out.shape[axis]
     flat = picks.reshape(-1)
     flat = np.where(flat < 0, flat + size, flat) if picks.dtype.kind == "i" else flat

@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import trace
-from engine.ops.reduce import row_sum, sums_rows
+from engine.ops.reduce import leading_sum, row_sum, sums_leading, sums_rows
 from engine.registry import REPEATS_SHARED, Primitive, impl_rules, replay_forms
 from engine.tensor import Tensor, scalar_cache
 
@@ -509,8 +509,12 @@ def _sum_form(params: dict, operands: list, value: Any) -> Any:
         return None
     axes, keepdims = params["axes"], params["keepdims"]
     (x,) = operands
-    if sums_rows(x.shape, getattr(x, "order", None) == "C" or _c_contiguous(x), x.dtype, axes):
+    c_contiguous = getattr(x, "order", None) == "C" or _c_contiguous(x)
+    if sums_rows(x.shape, c_contiguous, x.dtype, axes):
         return lambda x, out: row_sum(x, keepdims, out)  # _sum_impl's choice, on the layout
+    if sums_leading(x.shape, c_contiguous, x.dtype, axes):
+        n_axes = len(axes)
+        return lambda x, out: leading_sum(x, n_axes, keepdims, out)
     reduce: Any = np.add.reduce  # what np.sum calls for a float array, without its wrapper
     return lambda x, out: reduce(x, axes, None, out, keepdims)
 

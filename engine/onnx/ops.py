@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace
+from engine.ops.nn import normalize_last_axis
 from engine.registry import public_ops
 from engine.tensor import Tensor, constant, pass_constant
 
@@ -381,10 +382,21 @@ def _batch_norm(ins, attrs, opset):
 
 @handler("LayerNormalization")
 def _layer_norm(ins, attrs, opset):
+    return layer_norm_node(ins, attrs, opset, 3)
+
+
+def layer_norm_node(ins: list, attrs: dict[str, Any], opset: int, outputs: int) -> list:
+    """LayerNormalization; `outputs`: how many of Y, Mean, InvStdDev the node names. Over
+    the last axis, with only Y named (what the exporters write), Y is the fused
+    normalize primitive's (engine/ops/nn.py: its VJP another, their broadcast steps
+    compiled kernels) times the scale plus the bias; otherwise the composite."""
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     rank = len(x.shape)
     axis = int(attrs.get("axis", -1)) % rank
+    if outputs == 1 and axis == rank - 1 and isinstance(x, Tensor) and x.dtype.kind == "f":
+        y = OP["multiply"](normalize_last_axis(x, float(attrs.get("epsilon", 1e-5))), scale)
+        return [y if bias is None else OP["add"](y, bias)]
     axes = tuple(range(axis, rank))
     eps = _like(float(attrs.get("epsilon", 1e-5)), x)
     mean = OP["mean"](x, axis=axes, keepdims=True)
@@ -1116,6 +1128,8 @@ def run_node(
 ) -> list[Any]:
     if op_type == "Split":
         return split(list(ins), attrs, opset, outputs)
+    if op_type == "LayerNormalization":
+        return layer_norm_node(list(ins), attrs, opset, outputs)
     return HANDLERS[op_type](list(ins), attrs, opset)
 
 

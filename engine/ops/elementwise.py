@@ -23,6 +23,7 @@ from engine import trace
 from engine.backend import array_module, host
 from engine.backend import erf as erf_impl
 from engine.backend import numpy as numpy_module
+from engine.kernels import gelu as gelu_kernels
 from engine.ops._util import coerce_pair
 from engine.registry import (
     MissingRuleError,
@@ -667,7 +668,32 @@ def cast(x: Any, dtype: Any = "float32") -> Tensor:
 
 
 # ---- erf ----
-erf_p = elementwise_primitive("erf", erf_impl)
+# On float32 NumPy arrays a compiled kernel (engine/kernels/gelu.py) runs the same
+# rational as erf_float32 in one pass, bit for bit; the NumPy path stays the reference.
+def _erf_impl(xp: Any, x: Any) -> Any:
+    if xp is host:
+        out = gelu_kernels.erf_float32(x)
+        if out is not None:
+            return out
+    return erf_impl(xp, x)
+
+
+def _kernel_form(into: Any, kernel: Any, value: Any) -> Any:
+    """The replay form of a float32 op a kernel computes: into(x, out) writes the
+    schedule's buffer. None (the impl runs) where the kernel does not: other dtypes,
+    kernels off, a strided result."""
+    if value.dtype != FLOAT32 or value.order != "C" or kernel.compiled() is None:
+        return None
+    return into
+
+
+erf_p = elementwise_primitive("erf", _erf_impl)
+defform(
+    erf_p,
+    lambda params, operands, value: _kernel_form(
+        gelu_kernels.erf_float32, gelu_kernels.erf_float32_kernel, value
+    ),
+)
 _TWO_OVER_ROOT_PI = 1.1283791670955126
 
 
@@ -1050,6 +1076,14 @@ _ONE_OVER_ROOT_TWO_PI = 0.3989422804014327
 
 
 def _gelu_impl(xp: Any, x: Any) -> Any:
+    if xp is host:  # float32: the kernel (engine/kernels/gelu.py), the same steps in one pass
+        y = gelu_kernels.gelu(x)
+        if y is not None:
+            return y
+    return _gelu_numpy(xp, x)
+
+
+def _gelu_numpy(xp: Any, x: Any) -> Any:
     y = erf_impl(xp, x / x.dtype.type(_ROOT_TWO))
     y += 1
     y *= x.dtype.type(0.5)  # before the product with x: 2 x overflows near the max
@@ -1057,9 +1091,20 @@ def _gelu_impl(xp: Any, x: Any) -> Any:
     return y
 
 
+def _gelu_form(params: dict, operands: list, value: Any) -> Any:
+    return _kernel_form(gelu_kernels.gelu, gelu_kernels.gelu_float32_kernel, value)
+
+
 def _gelu_slope_into(xp: Any, x: Any, y: Any, out: Any) -> Any:
     """gelu'(x) = (x^2 phi(x) + y) / x into `out` (no work array: nothing a compiled
-    replay keeps beyond its accounted buffers), 1/2 where |x| < eps / 2."""
+    replay keeps beyond its accounted buffers), 1/2 where |x| < eps / 2. On NumPy arrays
+    a kernel (engine/kernels/gelu.py) evaluates it in one pass, in float64."""
+    if xp is host and gelu_kernels.gelu_slope(x, y, out) is not None:
+        return out
+    return _gelu_slope_numpy(xp, x, y, out)
+
+
+def _gelu_slope_numpy(xp: Any, x: Any, y: Any, out: Any) -> Any:
     one = x.dtype.type
     tiny = xp.less(xp.abs(x, out=out), one(xp.finfo(x.dtype).eps / 2))
     # x^2 overflows to inf far out (exp then gives 0); 0 / 0 at x = 0 is replaced
@@ -1099,6 +1144,7 @@ def _gelu_curvature(x: Tensor) -> Tensor:
     return multiply(phi, subtract(2, multiply(x, x)))
 
 
+defform(gelu_p, _gelu_form)
 defform(gelu_slope_p, _gelu_slope_form)
 defvjp(gelu_p, lambda ans, x: lambda g: multiply(g, bind(gelu_slope_p, x, ans)))
 defjvp(gelu_p, lambda t, ans, x: multiply(t[0], bind(gelu_slope_p, x, ans)))

@@ -140,12 +140,54 @@ def row_sum(x: Any, keepdims: bool, out: Any = None) -> Any:
     return (rows @ ones).reshape(x.shape[:-1] + (1,) if keepdims else x.shape[:-1])
 
 
+# Sums over the leading axes of a C-contiguous float array (a bias's gradient: (batch,
+# tokens, features) -> (features,)) are ones(rows) @ x(rows, cols), a GEMV, where
+# np.add.reduce adds the rows one by one (0.024 against 0.004 ms for (64, 16, 64)
+# float32, 0.039 against 0.011 for (64, 16, 192)); both add each column's elements in
+# sequence (NumPy's pairwise summation is along a contiguous axis only), so the error
+# is of the same order. Up to LEADING_SUM_MAX_ROWS rows (one vector of ones per dtype,
+# 256 or 512 KiB). The compiled replay's sum takes the same decision.
+LEADING_SUM_MAX_ROWS = 1 << 16
+_leading_ones: dict[Any, Any] = {}
+
+
+def sums_leading(shape: tuple[int, ...], c_contiguous: bool, dtype: Any, axes: tuple) -> bool:
+    """Whether a host sum over `axes` is computed by leading_sum."""
+    n = len(axes)
+    return (
+        c_contiguous
+        and 0 < n < len(shape)
+        and tuple(a % len(shape) for a in axes) == tuple(range(n))
+        and 0 not in shape
+        and math.prod(shape[:n]) <= LEADING_SUM_MAX_ROWS
+        and (dtype == host.float32 or dtype == host.float64)
+    )
+
+
+def leading_sum(x: Any, n_axes: int, keepdims: bool, out: Any = None) -> Any:
+    """x summed over its first n_axes axes as ones(rows) @ (rows, cols) (see
+    sums_leading); into `out` (C-contiguous, the result's shape) when given."""
+    rest = x.shape[n_axes:]
+    rows = x.size // math.prod(rest)
+    ones = _leading_ones.get(x.dtype)
+    if ones is None:  # one vector per dtype, sliced: not one per batch size
+        ones = _leading_ones[x.dtype] = host.ones(LEADING_SUM_MAX_ROWS, x.dtype)
+    ones = ones[:rows]
+    matrix = x.reshape(rows, -1)
+    if out is not None:
+        host.matmul(ones, matrix, out=out.reshape(-1))
+        return out
+    return (ones @ matrix).reshape((1,) * n_axes + rest if keepdims else rest)
+
+
 def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
     dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
     if xp is host:  # the ufunc's own reduce: np.sum's Python wrappers cost more than a small sum
         if sums_rows(x.shape, x.flags.c_contiguous, x.dtype, axes):
             return row_sum(x, keepdims)
+        if sums_leading(x.shape, x.flags.c_contiguous, x.dtype, axes):
+            return leading_sum(x, len(axes), keepdims)
         return _host_add_reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 

@@ -4,9 +4,9 @@ jacfwd of jacrev against differences of jacrev), gradients, Hessian-vector produ
 Hessians against PyTorch's autograd (torch.nn.functional.softmax / gelu, computed in the
 test), GELU's float32 edges (zero, subnormals, near the largest float) against PyTorch and
 SciPy's normal CDF, and their compiled replay (bit-equal to the dynamic pass, keeping no
-arrays beyond the schedule's accounted buffers). layer_norm, a composite again (a fused
-normalize primitive did not pay: bench/RESULTS.md), is checked here too, as the
-per-example test's block uses it. Each test seeds its own generator."""
+arrays beyond the schedule's accounted buffers). layer_norm, whose core is the fused
+normalize primitive since its broadcast steps run as kernels (engine/kernels/layernorm.py,
+bench/RESULTS.md), is checked here too. Each test seeds its own generator."""
 
 from __future__ import annotations
 

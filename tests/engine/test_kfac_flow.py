@@ -40,6 +40,8 @@ NOT_LOOKED_THROUGH = {
     "cumsum": "scans",
     "softmax": "rows",
     "softmax_grad": "rows",
+    "normalize": "rows",
+    "normalize_grad": "rows",
     # a convolutional model is recorded again as im2col and a matmul (conv.unfused())
     "conv": "unfused",
     "conv_input": "unfused",
