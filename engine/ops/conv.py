@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from engine import backend
 from engine.backend import host
+from engine.kernels import conv as kernels
 from engine.ops._util import coerce_pair
 from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
@@ -33,6 +34,7 @@ from engine.ops.shape import reshape, transpose
 from engine.registry import (
     DEFERRED_SHAPES,
     REPEATS_SHARED,
+    defform,
     defjvp,
     defnondiff,
     defvjp,
@@ -108,7 +110,7 @@ def _col2im_impl(
     if p.shape[len(lead) :] != kernel + expected:  # the strided writes below trust the shape
         raise ValueError(f"col2im: windows {p.shape} do not fit the spatial shape {spatial}")
     buf = xp.zeros(lead + padded, dtype=p.dtype)
-    if all(s >= d * (k - 1) + 1 for k, s, d in zip(kernel, strides, dilations)):
+    if _disjoint(kernel, strides, dilations):
         # Disjoint windows (pooling with stride = kernel): every cell is written at most
         # once, so one strided assignment replaces the adds.
         st = buf.strides[len(lead) :]
@@ -130,6 +132,11 @@ def _col2im_impl(
         buf[(Ellipsis, *window)] += p[(Ellipsis, *offset) + (slice(None),) * nd]
     crop = tuple(slice(lo, lo + n) for (lo, _), n in zip(pads, spatial))
     return buf[(Ellipsis, *crop)]
+
+
+def _disjoint(kernel: tuple, strides: tuple, dilations: tuple) -> bool:
+    """Whether no two windows share a cell (pooling with stride = kernel)."""
+    return all(s >= d * (k - 1) + 1 for k, s, d in zip(kernel, strides, dilations))
 
 
 im2col_p = primitive("im2col", _im2col_impl, flow="moves", linear_form="windows")
@@ -188,14 +195,122 @@ def _lead(a: Any, nd: int) -> tuple:
     return a.shape[: a.ndim - nd - 2]
 
 
+# On the host, with numba, the windows move in compiled loops (engine/kernels/conv.py):
+# the gather in one pass (no padded copy), straight into the GEMM's layout, and the
+# strided input cotangent's col2im in one pass per image (no zeros buffer and no strided
+# read-modify-write per kernel offset). Both are exact (the same numbers as the NumPy
+# routes below, which run on GPUs, without numba, with GRADTAPE_KERNELS=numpy, and for
+# 3-d convolutions). A kernel is chosen at every size: its call costs ~2 us against the
+# NumPy route's ~10-30 us of Python (measured in bench/RESULTS.md, "Compiled kernels for
+# the convolutions' memory passes").
+def _compiled(xp: Any, a: Any, nd: int) -> bool:
+    """Whether the compiled window kernels take this array."""
+    return (
+        xp is host
+        and nd <= 2
+        and a.dtype.char in "fd"  # float32, float64 in the machine's byte order
+        and a.dtype.isnative
+        and kernels.gather2d.compiled() is not None
+    )
+
+
+def _as_2d(nd: int, *params: tuple) -> list:
+    """A 1-d convolution's window parameters as a 2-d one's of height 1."""
+    if nd == 2:
+        return list(params)
+    return [((0, 0),) + p if isinstance(p[0], tuple) else (1,) + p for p in params]
+
+
+def _dense(x: Any) -> tuple[Any, tuple[int, ...]]:
+    """x's flat memory and strides in elements (kernels.flat), copied when x is not dense."""
+    found = kernels.flat(x)
+    if found is None:
+        found = kernels.flat(host.ascontiguousarray(x))
+    return found  # type: ignore[return-value]  # a contiguous array is always dense
+
+
+def _gather_kernel(
+    x: Any, out: Any, kernel: tuple, strides: tuple, pads: Pads, dilations: tuple
+) -> None:
+    """The gather of _gather_impl into `out`, C-contiguous (*lead, C, *kernel, N, *out)
+    in memory (any shape over it), by kernels.gather2d."""
+    nd = len(kernel)
+    kernel, strides, pads, dilations = _as_2d(nd, kernel, strides, pads, dilations)
+    lead = _lead(x, nd)
+    x = x.reshape(x.shape[: len(lead) + 2] + (1,) * (2 - nd) + x.shape[len(lead) + 2 :])
+    n, c, h, w = x.shape[-4:]
+    oh, ow = _out_sizes((h, w), kernel, strides, dilations, pads)
+    window = (strides[0], strides[1], pads[0][0], pads[1][0], dilations[0], dilations[1])
+    if math.prod(lead) == 1:  # size-1 leading axes (one batched vector): dropped, a view
+        xf, (sn, sc, sh, sw) = _dense(x.reshape(x.shape[-4:]))
+    else:  # batched tangents and cotangents: one image block after another
+        xf, (sn, sc, sh, sw) = host.ascontiguousarray(x).reshape(-1), (c * h * w, h * w, w, 1)
+    of = out.reshape(-1)
+    kh, kw = kernel
+    o_at = (kh * kw * n * oh * ow, kw * n * oh * ow, n * oh * ow, oh * ow, ow)
+    gather = kernels.gather2d.compiled()
+    assert gather is not None  # _compiled chose this route
+    for i in range(math.prod(lead)):
+        x_at = (i * n * c * h * w, sn, sc, sh, sw)
+        o_off = i * c * kh * kw * n * oh * ow
+        gather(xf, x_at, (n, c, h, w), of, (o_off, *o_at), (kh, kw, oh, ow), window)
+
+
+def _col2im_kernel(
+    windows: Any,
+    n: int,
+    c: int,
+    spatial: tuple,
+    kernel: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+) -> Any:
+    """The input cotangent (*L, N, C, *spatial) from the windows' cotangents, the GEMM's
+    (*L, G, C/G * K, N * P) (C-contiguous), added into place by kernels.col2im2d."""
+    nd = len(kernel)
+    kernel, strides, pads, dilations = _as_2d(nd, kernel, strides, pads, dilations)
+    h, w = (1,) * (2 - nd) + tuple(spatial)
+    oh, ow = _out_sizes((h, w), kernel, strides, dilations, pads)
+    lead = windows.shape[:-3]
+    out = host.empty(lead + (n, c) + tuple(spatial), windows.dtype)
+    kh, kw = kernel
+    w_at = (kh * kw * n * oh * ow, kw * n * oh * ow, n * oh * ow, oh * ow, ow)
+    window = (strides[0], strides[1], pads[0][0], pads[1][0], dilations[0], dilations[1])
+    wf, of = windows.reshape(-1), out.reshape(-1)
+    o_at = (c * h * w, h * w, w)
+    col2im = kernels.col2im2d.compiled()
+    assert col2im is not None  # _compiled chose this route
+    for i in range(math.prod(lead)):  # one block of windows per leading index
+        w_block, o_block = (i * c * kh * kw * n * oh * ow, *w_at), (i * n * c * h * w, *o_at)
+        col2im(wf, w_block, (kh, kw, oh, ow), of, o_block, (n, c, h, w), window)
+    return out
+
+
 def _gather_impl(
-    xp: Any, x: Any, *, kernel: tuple, strides: tuple, pads: Pads, dilations: tuple, groups: int
+    xp: Any,
+    x: Any,
+    *,
+    kernel: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+    out: Any = None,
 ) -> Any:
     """x (*lead, N, C, *spatial) -> windows (*lead, G, C/G * K, N * P). A negative pad
-    crops (the transposed convolution's, for pads wider than the kernel)."""
+    crops (the transposed convolution's, for pads wider than the kernel). `out`: the
+    compiled replay's buffer (a compiled kernel writes into it)."""
     nd = len(kernel)
     lead = _lead(x, nd)
     n, c = x.shape[len(lead) : len(lead) + 2]
+    spatial = x.shape[-nd:]
+    sizes = _out_sizes(spatial, kernel, strides, dilations, pads)
+    if _compiled(xp, x, nd) and builtins.min(sizes) >= 1:
+        if out is None:
+            out = xp.empty(lead + (c,) + kernel + (n,) + sizes, x.dtype)
+        _gather_kernel(x, out, kernel, strides, pads, dilations)
+        return out.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(sizes)))
     x = x.swapaxes(-nd - 2, -nd - 1)  # (*lead, C, N, *spatial): N beside the windows
     if any(lo < 0 or hi < 0 for lo, hi in pads):
         x = x[
@@ -212,13 +327,12 @@ def _gather_impl(
         )
         buf[(Ellipsis, *(slice(lo, lo + m) for (lo, _), m in zip(grow, inner)))] = x
         x = buf
-    out = _out_sizes(x.shape[-nd:], kernel, strides, dilations)
-    if any(o < 1 for o in out):
+    if any(o < 1 for o in sizes):
         raise ValueError(f"gather: a window of {kernel} does not fit {x.shape[-nd:]}")
     st = x.strides
     view = xp.lib.stride_tricks.as_strided(
         x,
-        lead + (c,) + kernel + (n,) + out,
+        lead + (c,) + kernel + (n,) + sizes,
         st[: len(lead) + 1]
         + tuple(t * d for t, d in zip(st[-nd:], dilations))
         + (st[-nd - 1],)
@@ -226,7 +340,11 @@ def _gather_impl(
     )
     cols = xp.ascontiguousarray(view)  # (*lead, C, *kernel, N, *out): the one copy
     # Every size spelled out: NumPy cannot infer a -1 of an empty array (N, C or O of 0).
-    return cols.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(out)))
+    cols = cols.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(sizes)))
+    if out is not None:  # (a replay form exists only where the kernel runs)
+        xp.copyto(out, cols)
+        return out
+    return cols
 
 
 def _rows(g: Any, nd: int, groups: int) -> Any:
@@ -362,6 +480,8 @@ def _conv_input_stacked(
     rows = _stack(xp, [_rows(g, nd, groups) for g, _ in pairs], -2)  # (*L, G, pairs * O/G, N*P)
     windows = xp.matmul(wm.swapaxes(-1, -2), rows)  # (*L, G, C/G*K, N*P)
     expected = g0.shape[-nd:]
+    if _compiled(xp, windows, nd) and not _disjoint(kernel, strides, dilations):
+        return _col2im_kernel(windows, n, groups * cg, spatial, kernel, strides, pads, dilations)
     windows = windows.reshape(windows.shape[:-3] + (groups * cg,) + kernel + (n,) + expected)
     windows = xp.moveaxis(windows, -nd - 1, -2 * nd - 2)  # (*L, N, C, *kernel, *out): a view
     return _col2im_impl(
@@ -373,8 +493,12 @@ def _conv_input_stacked(
 # into a buffer the size of a cache (CHUNK_BYTES) and multiplies them there, writing each
 # image's result in place: the windows never go to memory and back (for 16 channels on
 # 32 x 32 that nearly halves its time; measured in bench/RESULTS.md, "Convolution as three
-# primitives"). On a GPU, one gather of everything and one batched GEMM.
+# primitives"). On a GPU, one gather of everything and one batched GEMM. With the
+# compiled gather (no padded buffer to copy through) larger chunks pay: fewer calls and
+# wider GEMMs, 0.95-0.97x the time at 1 MB for the two pairs of a second-order pass (bench/
+# RESULTS.md, "Compiled kernels for the convolutions' memory passes").
 CHUNK_BYTES = 1 << 20
+KERNEL_CHUNK_BYTES = 4 << 20
 
 
 def _conv_in_chunks(
@@ -383,43 +507,94 @@ def _conv_in_chunks(
     """sum_i of stride-1 convolutions of images xs[i] (M, C, *spatial), all of one shape,
     with wm (G, O/G, len(xs) * C/G * K) (pair-major within each group), as (M, O, *out),
     contiguous. A negative pad crops."""
-    if any(lo < 0 or hi < 0 for lo, hi in pads):
-        crop = (slice(max(0, -lo), m - max(0, -hi)) for (lo, hi), m in zip(pads, xs[0].shape[2:]))
-        window = (Ellipsis, *crop)
-        xs = [x[window] for x in xs]
-        pads = tuple((max(0, lo), max(0, hi)) for lo, hi in pads)
     k = len(xs)
     m_all, c, inner = xs[0].shape[0], xs[0].shape[1], xs[0].shape[2:]
-    padded = tuple(m + lo + hi for m, (lo, hi) in zip(inner, pads))
-    out = tuple(m - d * (kk - 1) for m, kk, d in zip(padded, kernel, dilations))
+    out = _out_sizes(inner, kernel, (1,) * len(kernel), dilations, pads)
     p, ck, o = math.prod(out), wm.shape[-1], wm.shape[-3] * wm.shape[-2]
     dtype = xp.result_type(*xs, wm)  # pairs of two dtypes: the sum's, as the other routes
-    itemsize = dtype.itemsize
+    # the kernel copies one dtype; pairs of two cast on the NumPy route
+    compiled = _compiled(xp, xs[0], len(kernel)) and all(x.dtype == dtype for x in xs)
+    chunk_bytes = KERNEL_CHUNK_BYTES if compiled else CHUNK_BYTES
     per_chunk = builtins.max(
-        1, CHUNK_BYTES // builtins.max(1, k * c * math.prod(kernel) * p * itemsize)
+        1, chunk_bytes // builtins.max(1, k * c * math.prod(kernel) * p * dtype.itemsize)
     )
     y = xp.empty((m_all, o) + out, dtype=dtype)
-    # (images, G, pairs, C/G, *padded): each group's rows of every pair side by side
-    shape = (builtins.min(per_chunk, m_all), groups, k, c // groups) + padded
-    buf = xp.zeros(shape, dtype=dtype)  # pads stay 0
-    cols = xp.empty(buf.shape[:4] + kernel + out, dtype=dtype)
-    interior = tuple(slice(lo, lo + m) for (lo, _), m in zip(pads, inner))
-    st = buf.strides
-    windows = xp.lib.stride_tricks.as_strided(
-        buf, cols.shape, st[:4] + tuple(t * d for t, d in zip(st[4:], dilations)) + st[4:]
-    )
+    # the windows of a chunk of images: (images, G, pairs, C/G, *kernel, *out), each
+    # group's rows of every pair side by side
+    cols = xp.empty((builtins.min(per_chunk, m_all), groups, k, c // groups) + kernel + out, dtype)
+    if compiled:
+        fill = _chunk_gather(xs, cols, kernel, pads, dilations)
+    else:
+        fill = _chunk_copy(xp, xs, cols, kernel, pads, dilations)
     for m0 in range(0, m_all, per_chunk):
         mc = builtins.min(per_chunk, m_all - m0)
-        for i, x in enumerate(xs):
-            part = x[m0 : m0 + mc].reshape((mc, groups, c // groups) + inner)
-            buf[(slice(0, mc), slice(None), i, slice(None), *interior)] = part
-        xp.copyto(cols[:mc], windows[:mc])
+        fill(m0, mc)
         xp.matmul(
             wm,
             cols[:mc].reshape(mc, groups, ck, p),
             out=y[m0 : m0 + mc].reshape(mc, groups, o // groups, p),
         )
     return y
+
+
+def _chunk_copy(xp: Any, xs: list, cols: Any, kernel: tuple, pads: Pads, dilations: tuple) -> Any:
+    """fill(m0, mc): images m0 .. m0 + mc of every x copied into a zero-padded buffer, and
+    that buffer's windows (a strided view) into cols."""
+    if any(lo < 0 or hi < 0 for lo, hi in pads):
+        crop = (slice(max(0, -lo), m - max(0, -hi)) for (lo, hi), m in zip(pads, xs[0].shape[2:]))
+        window = (Ellipsis, *crop)
+        xs = [x[window] for x in xs]
+        pads = tuple((max(0, lo), max(0, hi)) for lo, hi in pads)
+    inner = xs[0].shape[2:]
+    padded = tuple(m + lo + hi for m, (lo, hi) in zip(inner, pads))
+    buf = xp.zeros(cols.shape[:4] + padded, dtype=cols.dtype)  # pads stay 0
+    interior = tuple(slice(lo, lo + m) for (lo, _), m in zip(pads, inner))
+    st = buf.strides
+    windows = xp.lib.stride_tricks.as_strided(
+        buf, cols.shape, st[:4] + tuple(t * d for t, d in zip(st[4:], dilations)) + st[4:]
+    )
+    groups, cg = cols.shape[1], cols.shape[3]
+
+    def fill(m0: int, mc: int) -> None:
+        for i, x in enumerate(xs):
+            part = x[m0 : m0 + mc].reshape((mc, groups, cg) + inner)
+            buf[(slice(0, mc), slice(None), i, slice(None), *interior)] = part
+        xp.copyto(cols[:mc], windows[:mc])
+
+    return fill
+
+
+def _chunk_gather(xs: list, cols: Any, kernel: tuple, pads: Pads, dilations: tuple) -> Any:
+    """fill(m0, mc): the windows of images m0 .. m0 + mc of every x straight into cols, by
+    kernels.gather2d (pads and crops in its index arithmetic: no buffer)."""
+    nd = len(kernel)
+    kernel, pads, dilations = _as_2d(nd, kernel, pads, dilations)
+    groups, k, cg = cols.shape[1:4]
+    h, w = (1,) * (2 - nd) + xs[0].shape[2:]
+    (kh, kw), (oh, ow) = kernel, _out_sizes((h, w), kernel, (1, 1), dilations, pads)
+    pair = cg * kh * kw * oh * ow  # one pair's windows of one group of one image
+    window = (1, 1, pads[0][0], pads[1][0], dilations[0], dilations[1])
+    of = cols.reshape(-1)
+    images = [_dense(x) for x in xs]
+    gather = kernels.gather2d.compiled()
+    assert gather is not None  # _compiled chose this route
+
+    def fill(m0: int, mc: int) -> None:
+        for i, (xf, (sn, sc, *s_hw)) in enumerate(images):
+            sh, sw = (0,) * (2 - nd) + tuple(s_hw)
+            for g in range(groups):
+                x_at = (m0 * sn + g * cg * sc, sn, sc, sh, sw)
+                o_at = (
+                    (g * k + i) * pair,
+                    kh * kw * oh * ow,
+                    kw * oh * ow,
+                    oh * ow,
+                    groups * k * pair,
+                    ow,
+                )
+                gather(xf, x_at, (mc, cg, h, w), of, o_at, (kh, kw, oh, ow), window)
+
+    return fill
 
 
 def _conv_weight_impl(
@@ -446,6 +621,17 @@ gather_p = primitive("conv_gather", _gather_impl)
 # compiled replay gathers them once.
 REPEATS_SHARED.add(gather_p)
 defnondiff(gather_p)  # a hint: every rule below differentiates the op that takes it
+
+
+def _gather_form(params: dict, operands: list, value: Any) -> Any:
+    """The compiled replay's form: the kernel's gather into the schedule's buffer (a
+    buffer kept between passes: no fresh pages to fault in per pass)."""
+    if not _compiled(host, value, len(params["kernel"])):
+        return None
+    return lambda x, out: _gather_impl(host, x, out=out, **params)
+
+
+defform(gather_p, _gather_form)
 conv_p = primitive("conv", _conv_impl)
 conv_input_p = primitive("conv_input", _conv_input_impl)
 conv_weight_p = primitive("conv_weight", _conv_weight_impl)

@@ -185,6 +185,7 @@ def test_joined_terms_in_chunks_of_one_image(case: str, monkeypatch: Any) -> Non
     """The stride-1 joined call stacks each group's rows of both cotangents in one chunk
     buffer, reused between chunks (its pad cells must stay zero)."""
     monkeypatch.setattr(conv_ops, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv_ops, "KERNEL_CHUNK_BYTES", 1)  # the compiled gather's chunks
     test_reused_hvps_join_the_input_terms_and_match_pytorch(case, np.float64, monkeypatch)
 
 

@@ -216,6 +216,7 @@ def test_the_input_cotangent_in_chunks_of_one_image(case: str, monkeypatch: Any)
     reused between chunks, whose pad cells must stay zero): one image a chunk gives the
     same derivatives as the im2col + matmul form."""
     monkeypatch.setattr(conv_ops, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv_ops, "KERNEL_CHUNK_BYTES", 1)  # the compiled gather's chunks
     test_the_unfused_form_gives_the_same_derivatives(case)
 
 
