@@ -54,6 +54,15 @@ def _scalar_engine(outs, weights):
     return total
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    # The tests draw their modules' weights and inputs before agree_with_torch seeds:
+    # without this their numbers depend on the tests run before them in the process
+    # (a flaky failure until this, from the tolerance test_hard_activations_and_mish
+    # explains).
+    torch.manual_seed(20261128)
+
+
 def agree_with_torch(
     module,
     *args,
@@ -62,6 +71,7 @@ def agree_with_torch(
     seed: int = 0,
     reference: bool = True,
     via_float32: bool = False,
+    atol_scale: float = 1e-9,
 ):
     """Export `module` (float64, eval mode) and check the engine against torch (and the
     forward against ONNX's reference evaluator unless `reference` is false: it lacks
@@ -153,7 +163,7 @@ def agree_with_torch(
         want_all = [w.detach().numpy() for w in want_all]
         # atol from the largest entry of all: a bias before a norm has a gradient that
         # is zero but for rounding.
-        atol = 1e-9 * max(np.abs(w).max() for w in want_all)
+        atol = atol_scale * max(np.abs(w).max() for w in want_all)
         for label, got, want in zip(labels, got_all, want_all):
             np.testing.assert_allclose(
                 got.numpy(), want, rtol=1e-6, atol=atol, err_msg=f"{what} of {label}"
@@ -181,7 +191,11 @@ class Activations(nn.Module):
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_hard_activations_and_mish(dynamo: bool) -> None:
-    model = agree_with_torch(Activations(), torch.randn(4, 5), dynamo=dynamo)
+    # The TorchScript exporter writes HardSigmoid's alpha as an ONNX float attribute,
+    # float32's 0.1666666716 for 1/6: the file's function has a slope 3e-8 (relative)
+    # off PyTorch's, and a gradient entry where the rows cancel was off by 4e-8 absolute
+    # (4 draws in 150 beyond 1e-9 of the largest entry). The engine computes the file's.
+    model = agree_with_torch(Activations(), torch.randn(4, 5), dynamo=dynamo, atol_scale=1e-7)
     ops = {n.op_type for n in model.nodes}
     assert {"HardSwish", "HardSigmoid"} <= ops
     if dynamo:
