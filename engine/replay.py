@@ -46,7 +46,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import trace
-from engine.ops.reduce import leading_sum, row_sum, sums_leading, sums_rows
+from engine.ops.reduce import (
+    channel_axes,
+    channel_sum,
+    leading_sum,
+    row_sum,
+    sums_leading,
+    sums_rows,
+)
 from engine.registry import REPEATS_SHARED, Primitive, impl_rules, replay_forms
 from engine.tensor import Tensor, scalar_cache
 
@@ -515,6 +522,10 @@ def _sum_form(params: dict, operands: list, value: Any) -> Any:
     if sums_leading(x.shape, c_contiguous, x.dtype, axes):
         n_axes = len(axes)
         return lambda x, out: leading_sum(x, n_axes, keepdims, out)
+    found = channel_axes(x.shape, x.strides, x.dtype, axes)
+    if found is not None:
+        n, spatial = found
+        return lambda x, out: channel_sum(x, n, spatial, axes, keepdims, out)
     reduce: Any = np.add.reduce  # what np.sum calls for a float array, without its wrapper
     return lambda x, out: reduce(x, axes, None, out, keepdims)
 
