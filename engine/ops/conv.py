@@ -540,7 +540,8 @@ def _conv_in_chunks(
     per_chunk = builtins.max(
         1, chunk_bytes // builtins.max(1, k * c * math.prod(kernel) * p * dtype.itemsize)
     )
-    y = xp.empty((m_all // batch, o, batch) + out, dtype=dtype).swapaxes(1, 2)  # _CONV_LAYOUT
+    blocks = m_all // batch if batch else 0  # (an empty batch: no images at all)
+    y = xp.empty((blocks, o, batch) + out, dtype=dtype).swapaxes(1, 2)  # _CONV_LAYOUT
     # the windows of a chunk of images: (images, G, pairs, C/G, *kernel, *out), each
     # group's rows of every pair side by side
     cols = xp.empty((builtins.min(per_chunk, m_all), groups, k, c // groups) + kernel + out, dtype)
