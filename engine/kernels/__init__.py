@@ -11,7 +11,11 @@ Every kernel has a NumPy implementation beside its call site, which is the refer
 the tests run both on the same inputs and compare them (bit for bit where the kernel
 evaluates the same operations in the same order). So numba is optional: without it,
 or with GRADTAPE_KERNELS=numpy in the environment (read once, at the first use), the
-engine runs its NumPy paths and answers the same numbers, only slower.
+engine runs its NumPy paths, only slower, and answers the same numbers: to the bit
+where a kernel keeps the NumPy path's operations and order (erf, GELU, the convolution
+windows, layer norm's steps), to the rounding each kernel's module states where it does
+not (softmax and GELU's slope in float32 round once instead of several times: closer to
+the exact value; the embedding's scatter adds in np.add.at's order).
 
     @kernel
     def gelu_forward(x, out):  # plain Python over arrays, numba's nopython subset

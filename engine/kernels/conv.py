@@ -76,7 +76,9 @@ def gather2d(xf, x_at, x_shape, of, o_at, o_shape, window):  # pragma: no cover 
                     r0 = min(max(0, -offh), oh_n)
                     r1 = min(max(r0, height - offh), oh_n)
                     shift = offh * width + off
-                    run0 = max(r0 * width, -shift)  # the run's ends inside x's plane
+                    # the run's ends inside x's plane and inside the window plane (a
+                    # pad past the output's rows puts -shift beyond its end: review r11)
+                    run0 = min(max(r0 * width, -shift), oh_n * ow_n)
                     run1 = max(run0, min(r1 * width, height * width - shift))
                     for n in range(n_img):
                         o = oo + c * soc + kh * sokh + kw * sokw + n * son

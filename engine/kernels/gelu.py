@@ -32,14 +32,31 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import _ERF_CLAMP, _ERF_P, _ERF_Q
 from engine.kernels import kernel
 
-# Module constants are frozen into the compiled code. The float32 ones keep GELU's
-# arithmetic in float32 where the NumPy path's is (a Python float would widen it).
-P0, P1, P2, P3, P4, P5, P6 = _ERF_P
-Q0, Q1, Q2, Q3, Q4 = _ERF_Q
-CLAMP = _ERF_CLAMP
+# Module constants are frozen into the compiled code, and numba's disk cache knows only
+# this file: so they are written here, not imported (a constant changed in another
+# file would be served stale from the cache: review r11). erf_float32's rational
+# (engine/backend.py's _ERF_P, _ERF_Q, _ERF_CLAMP; tests/engine/test_kernels.py checks
+# they are equal). The float32 ones keep GELU's arithmetic in float32 where the NumPy
+# path's is (a Python float would widen it).
+P0, P1, P2, P3, P4, P5, P6 = (
+    17879.449918622027,
+    2934.5919228229263,
+    860.6648790236565,
+    60.9980508133799,
+    6.014986486270723,
+    0.07423116260725267,
+    -0.00020919107566610734,
+)
+Q0, Q1, Q2, Q3, Q4 = (
+    15845.24989811159,
+    7882.4656190258065,
+    1805.6996191802834,
+    245.00062865199556,
+    20.718755556246933,
+)
+CLAMP = 4.0
 ROOT_TWO_F32 = np.float32(1.4142135623730951)
 ONE_F32 = np.float32(1.0)
 HALF_F32 = np.float32(0.5)

@@ -70,6 +70,13 @@ def _takes(*arrays: Any) -> bool:
     )
 
 
+def _one_per_row(a: Any, *stats: Any) -> bool:
+    """Whether each statistic has one value per row of `a` (not one to broadcast against
+    a batch of rows, which NumPy's path does: review r11)."""
+    rows = a.size // a.shape[-1] if a.shape[-1] else 0
+    return all(stat.size == rows for stat in stats)
+
+
 def _rows(a: Any) -> Any:
     return a.reshape(-1, a.shape[-1])
 
@@ -83,6 +90,8 @@ def center(x: Any, mean: Any, centered: Any, squares: Any) -> bool:
     run = center_kernel.compiled()
     if run is None or not _takes(x, centered, squares) or mean.dtype != x.dtype:
         return False
+    if not _one_per_row(x, mean):
+        return False
     run(_rows(x), _per_row(mean), _rows(centered), _rows(squares))
     return True
 
@@ -90,7 +99,7 @@ def center(x: Any, mean: Any, centered: Any, squares: Any) -> bool:
 def scale_rows(x: Any, r: Any) -> bool:
     """x *= r in place (r: keepdims, one per row)."""
     run = scale_rows_kernel.compiled()
-    if run is None or not _takes(x) or r.dtype != x.dtype:
+    if run is None or not _takes(x) or r.dtype != x.dtype or not _one_per_row(x, r):
         return False
     run(_rows(x), _per_row(r))
     return True
@@ -100,6 +109,8 @@ def combine(a: Any, xhat: Any, m: Any, mean_a: Any, r: Any, out: Any) -> bool:
     """out = ((a - xhat * m) - mean_a) * r (m, mean_a, r: keepdims, one per row)."""
     run = combine_kernel.compiled()
     if run is None or not _takes(a, xhat, out) or not m.dtype == mean_a.dtype == r.dtype == a.dtype:
+        return False
+    if not _one_per_row(a, m, mean_a, r):
         return False
     run(_rows(a), _rows(xhat), _per_row(m), _per_row(mean_a), _per_row(r), _rows(out))
     return True

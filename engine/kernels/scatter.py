@@ -54,5 +54,13 @@ def add_rows(picks: Any, values: Any, table: Any) -> bool | None:
     run = add_rows_kernel.compiled()
     if run is None or table.ndim == 0 or table.shape[0] == 0:
         return None
+    if picks.dtype.kind == "u":
+        # numba types uint64 against int64 as float64, no index: unsigned picks are
+        # checked against the table here and go in as int64 (review r11)
+        if picks.size and int(picks.max()) >= table.shape[0]:
+            return False
+        picks = picks.astype(np.int64)
+    elif picks.dtype.kind != "i":
+        return None
     rows = table.reshape(table.shape[0], -1)
     return bool(run(picks.reshape(-1), values.reshape(picks.size, rows.shape[1]), rows))

@@ -546,7 +546,7 @@ defform(
 def normalize_last_axis(x: Tensor, eps: float) -> Tensor:
     """(x - mean) / sqrt(var + eps) over the last axis (biased variance): one primitive
     for floating x (layer_norm's and the ONNX LayerNormalization's core)."""
-    if x.dtype.kind != "f" or x.ndim == 0:
+    if x.dtype.kind != "f" or x.ndim == 0 or x.shape[-1] == 0:  # (mean names an empty axis)
         centered = subtract(x, mean(x, -1, keepdims=True))
         return divide(centered, sqrt(add(var(x, -1, keepdims=True), eps)))
     return bind(normalize_p, x, eps=float(eps))

@@ -143,3 +143,28 @@ def test_a_kernel_runs_when_its_cache_goes_bad_after_it_was_declared(tmp_path: P
         NUMBA_CACHE_DIR=str(cache),
     )
     assert out.strip() == "NullCache [0.5, 0.75]"
+
+
+def test_a_kernel_module_takes_nothing_from_other_engine_modules() -> None:
+    # numba's disk cache is keyed by the kernel's own file: a constant or function
+    # imported from another file is frozen into the cached code and served stale after
+    # that file changes (review r11). Only the loader may be imported.
+    import ast
+
+    for path in sorted((ROOT / "engine" / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine"):
+                assert node.module == "engine.kernels" and [a.name for a in node.names] == [
+                    "kernel"
+                ], f"{path.name} imports from {node.module}"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("engine") for a in node.names), path.name
+
+
+def test_the_erf_kernels_constants_are_erf_float32s() -> None:
+    from engine import backend
+    from engine.kernels import gelu
+
+    assert (gelu.P0, gelu.P1, gelu.P2, gelu.P3, gelu.P4, gelu.P5, gelu.P6) == backend._ERF_P
+    assert (gelu.Q0, gelu.Q1, gelu.Q2, gelu.Q3, gelu.Q4) == backend._ERF_Q
+    assert gelu.CLAMP == backend._ERF_CLAMP

@@ -249,12 +249,20 @@ def same_influence(client, plain: str, sharded: str, body: dict) -> dict:
         close(arr(got["s_test"][key]), arr(want["s_test"][key]))
     for key in ("helpful", "harmful", "converged", "stopped", "curvature"):
         assert got[key] == want[key], key
-    # The late residuals are the solve's rounding (near tol, one iteration more or less);
-    # the early ones its arithmetic.
-    for key in ("hvps", "iterations"):
-        assert abs(got[key] - want[key]) <= 1, key
+    # The early residuals are the solve's arithmetic; the late ones, near tol = 1e-12, its
+    # rounding, which the parts' order of summation changes: so the iteration that
+    # first brings the residual under 1e-8 of the first is the same (or one off), while
+    # the total may differ by a few (33 against 31 once the bias sums ran as GEMVs). One
+    # HVP per iteration beyond the same start either way.
     close(got["residuals"][:5], want["residuals"][:5])
+    assert abs(_reaching(got["residuals"], 1e-8) - _reaching(want["residuals"], 1e-8)) <= 1
+    assert got["hvps"] - got["iterations"] == want["hvps"] - want["iterations"]
     return got
+
+
+def _reaching(residuals: list[float], fraction: float) -> int:
+    """The first iteration whose residual is under `fraction` of the first."""
+    return next(i for i, r in enumerate(residuals) if r <= fraction * residuals[0])
 
 
 X_TEST = rng.standard_normal((3, 3))
