@@ -59,7 +59,10 @@ from engine.tensor import Tensor, scalar_cache
 
 # Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
 # its result each pass, as the dynamic sweep does (large K-vector passes would otherwise
-# hold several of their largest temporaries per tape for the tape's lifetime).
+# hold several of their largest temporaries per tape for the tape's lifetime). A larger
+# limit buys no time: with the tuned allocator a fresh result costs about what a kept
+# buffer does (the ResNet's reused HVP took the same time at 64 MiB to 1 GiB: bench/
+# RESULTS.md, "One memory order for a convolution's values and cotangents").
 POOL_LIMIT = 64 * 1024 * 1024
 
 _CONST, _SEED, _STEP = 0, 1, 2
