@@ -46,13 +46,23 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import trace
-from engine.ops.reduce import leading_sum, row_sum, sums_leading, sums_rows
+from engine.ops.reduce import (
+    channel_axes,
+    channel_sum,
+    leading_sum,
+    row_sum,
+    sums_leading,
+    sums_rows,
+)
 from engine.registry import REPEATS_SHARED, Primitive, impl_rules, replay_forms
 from engine.tensor import Tensor, scalar_cache
 
 # Buffers a schedule keeps between passes, at most (bytes): beyond it a call allocates
 # its result each pass, as the dynamic sweep does (large K-vector passes would otherwise
-# hold several of their largest temporaries per tape for the tape's lifetime).
+# hold several of their largest temporaries per tape for the tape's lifetime). A larger
+# limit buys no time: with the tuned allocator a fresh result costs about what a kept
+# buffer does (the ResNet's reused HVP took the same time at 64 MiB to 1 GiB: bench/
+# RESULTS.md, "One memory order for a convolution's values and cotangents").
 POOL_LIMIT = 64 * 1024 * 1024
 
 _CONST, _SEED, _STEP = 0, 1, 2
@@ -515,6 +525,10 @@ def _sum_form(params: dict, operands: list, value: Any) -> Any:
     if sums_leading(x.shape, c_contiguous, x.dtype, axes):
         n_axes = len(axes)
         return lambda x, out: leading_sum(x, n_axes, keepdims, out)
+    found = channel_axes(x.shape, x.strides, x.dtype, axes)
+    if found is not None:
+        n, spatial = found
+        return lambda x, out: channel_sum(x, n, spatial, axes, keepdims, out)
     reduce: Any = np.add.reduce  # what np.sum calls for a float array, without its wrapper
     return lambda x, out: reduce(x, axes, None, out, keepdims)
 

@@ -195,6 +195,16 @@ def _lead(a: Any, nd: int) -> tuple:
     return a.shape[: a.ndim - nd - 2]
 
 
+# _CONV_LAYOUT: on the host, the input cotangent (conv_input) is made in the memory order
+# of a convolution's own result, (C, N, *spatial) viewed (N, C, *spatial), as _unrows
+# leaves the GEMM's output. Cotangents and the forward values they meet in the
+# elementwise steps of a backward (ReLU's mask, BatchNorm's folded scale) then share one
+# layout: NumPy runs a binary op over two 4-d arrays of different memory orders 2-3x
+# slower (bench/RESULTS.md, "One memory order for a convolution's values and
+# cotangents"), and conv_weight reads g's rows (_rows) without a transposing copy.
+# BatchNorm's channel sums of either layout give the same bits (ops/reduce.channel_sum).
+
+
 # On the host, with numba, the windows move in compiled loops (engine/kernels/conv.py):
 # the gather in one pass (no padded copy), straight into the GEMM's layout, and the
 # strided input cotangent's col2im in one pass per image (no zeros buffer and no strided
@@ -266,19 +276,22 @@ def _col2im_kernel(
     pads: Pads,
     dilations: tuple,
 ) -> Any:
-    """The input cotangent (*L, N, C, *spatial) from the windows' cotangents, the GEMM's
+    """The input cotangent (*L, N, C, *spatial) over (*L, C, N, *spatial) memory (see
+    _CONV_LAYOUT) from the windows' cotangents, the GEMM's
     (*L, G, C/G * K, N * P) (C-contiguous), added into place by kernels.col2im2d."""
     nd = len(kernel)
     kernel, strides, pads, dilations = _as_2d(nd, kernel, strides, pads, dilations)
     h, w = (1,) * (2 - nd) + tuple(spatial)
     oh, ow = _out_sizes((h, w), kernel, strides, dilations, pads)
     lead = windows.shape[:-3]
-    out = host.empty(lead + (n, c) + tuple(spatial), windows.dtype)
+    out = host.empty(lead + (c, n) + tuple(spatial), windows.dtype).swapaxes(
+        len(lead), len(lead) + 1
+    )
     kh, kw = kernel
     w_at = (kh * kw * n * oh * ow, kw * n * oh * ow, n * oh * ow, oh * ow, ow)
     window = (strides[0], strides[1], pads[0][0], pads[1][0], dilations[0], dilations[1])
-    wf, of = windows.reshape(-1), out.reshape(-1)
-    o_at = (c * h * w, h * w, w)
+    wf, of = windows.reshape(-1), out.swapaxes(len(lead), len(lead) + 1).reshape(-1)
+    o_at = (h * w, n * h * w, w)
     col2im = kernels.col2im2d.compiled()
     assert col2im is not None  # _compiled chose this route
     for i in range(math.prod(lead)):  # one block of windows per leading index
@@ -456,7 +469,7 @@ def _conv_input_stacked(
         if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
             lead = g0.shape[: -nd - 1]
             images = [g.reshape((math.prod(lead),) + g.shape[-nd - 1 :]) for g, _ in pairs]
-            dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups)
+            dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups, n)
             return dx.reshape(lead + (groups * cg,) + tuple(spatial))
         parts = []
         for g, _ in pairs:
@@ -502,11 +515,20 @@ KERNEL_CHUNK_BYTES = 4 << 20
 
 
 def _conv_in_chunks(
-    xp: Any, xs: list, wm: Any, kernel: tuple, pads: Pads, dilations: tuple, groups: int
+    xp: Any,
+    xs: list,
+    wm: Any,
+    kernel: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+    batch: int,
 ) -> Any:
     """sum_i of stride-1 convolutions of images xs[i] (M, C, *spatial), all of one shape,
-    with wm (G, O/G, len(xs) * C/G * K) (pair-major within each group), as (M, O, *out),
-    contiguous. A negative pad crops."""
+    with wm (G, O/G, len(xs) * C/G * K) (pair-major within each group), as (M / batch,
+    batch, O, *out) over (M / batch, O, batch, *out) memory (see _CONV_LAYOUT: the M
+    images are batches of `batch`, each laid out as a convolution's result). A negative
+    pad crops."""
     k = len(xs)
     m_all, c, inner = xs[0].shape[0], xs[0].shape[1], xs[0].shape[2:]
     out = _out_sizes(inner, kernel, (1,) * len(kernel), dilations, pads)
@@ -518,7 +540,8 @@ def _conv_in_chunks(
     per_chunk = builtins.max(
         1, chunk_bytes // builtins.max(1, k * c * math.prod(kernel) * p * dtype.itemsize)
     )
-    y = xp.empty((m_all, o) + out, dtype=dtype)
+    blocks = m_all // batch if batch else 0  # (an empty batch: no images at all)
+    y = xp.empty((blocks, o, batch) + out, dtype=dtype).swapaxes(1, 2)  # _CONV_LAYOUT
     # the windows of a chunk of images: (images, G, pairs, C/G, *kernel, *out), each
     # group's rows of every pair side by side
     cols = xp.empty((builtins.min(per_chunk, m_all), groups, k, c // groups) + kernel + out, dtype)
@@ -526,14 +549,17 @@ def _conv_in_chunks(
         fill = _chunk_gather(xs, cols, kernel, pads, dilations)
     else:
         fill = _chunk_copy(xp, xs, cols, kernel, pads, dilations)
-    for m0 in range(0, m_all, per_chunk):
-        mc = builtins.min(per_chunk, m_all - m0)
+    m0 = 0
+    while m0 < m_all:  # chunks within one batch (one block of the layout)
+        b, i = divmod(m0, batch)
+        mc = builtins.min(per_chunk, batch - i)
         fill(m0, mc)
         xp.matmul(
             wm,
             cols[:mc].reshape(mc, groups, ck, p),
-            out=y[m0 : m0 + mc].reshape(mc, groups, o // groups, p),
+            out=y[b, i : i + mc].reshape(mc, groups, o // groups, p, copy=False),
         )
+        m0 += mc
     return y
 
 

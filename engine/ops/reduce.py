@@ -180,6 +180,54 @@ def leading_sum(x: Any, n_axes: int, keepdims: bool, out: Any = None) -> Any:
     return (ones @ matrix).reshape((1,) * n_axes + rest if keepdims else rest)
 
 
+# A convolution's result and the cotangents of its input (engine/ops/conv.py) are (*lead,
+# N, C, *spatial) over memory ordered (*lead, C, N, *spatial). Summed over N and the
+# spatial axes (BatchNorm's parameter gradients), np.add.reduce would run one pairwise sum
+# over each channel's N * P contiguous cells, where an array of the same values in
+# C-contiguous memory is summed plane by plane (each plane's P cells pairwise, the planes
+# added in order of N). channel_sum does the latter on the swapped layout: a sum does not
+# depend on which of the two layouts an op gave its operand (the same bits either way).
+def channel_axes(
+    shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, axes: tuple
+) -> tuple[int, tuple[int, ...]] | None:
+    """(the N axis, the spatial axes) when a host sum over `axes` is computed by
+    channel_sum: float32/float64 of that swapped layout (axes of size 1 aside, which
+    neither order sees), summed over N and the axes after C; None otherwise."""
+    nd = len(shape)
+    if 0 in shape or not (dtype == host.float32 or dtype == host.float64):
+        return None
+    summed = {a % nd for a in axes}
+    big = [a for a in range(nd) if shape[a] > 1]
+    kept = [a for a in big if a not in summed]
+    if not kept:
+        return None
+    c, lead = kept[-1], kept[:-1]
+    before = [a for a in big if a in summed and a < c]
+    after = tuple(a for a in big if a > c)
+    if len(before) != 1 or not after or not summed.issuperset(after):
+        return None
+    n = before[0]
+    if lead and lead[-1] > n:
+        return None
+    step = host.dtype(dtype).itemsize
+    for axis in (*after[::-1], n, c, *lead[::-1]):  # innermost first
+        if strides[axis] != step:
+            return None
+        step *= shape[axis]
+    return n, after
+
+
+def channel_sum(
+    x: Any, n: int, spatial: tuple, axes: tuple, keepdims: bool, out: Any = None
+) -> Any:
+    """x summed over `axes` as NumPy sums a C-contiguous array of its values (see
+    channel_axes: n and spatial are its answer); into `out` (the result's shape) when
+    given."""
+    planes = host.ascontiguousarray(_host_add_reduce(x, axis=spatial, keepdims=True))
+    # the planes' sums in order of N (the spatial axes, of size 1 now, go with them)
+    return _host_add_reduce(planes, axis=axes, out=out, keepdims=keepdims)
+
+
 def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
     dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
@@ -188,6 +236,9 @@ def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
             return row_sum(x, keepdims)
         if sums_leading(x.shape, x.flags.c_contiguous, x.dtype, axes):
             return leading_sum(x, len(axes), keepdims)
+        found = channel_axes(x.shape, x.strides, x.dtype, axes)
+        if found is not None:
+            return channel_sum(x, *found, axes, keepdims)
         return _host_add_reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 
