@@ -2,6 +2,7 @@
 
     gradtape serve [--host H] [--port P] [--http-workers N] [--workers N] [--device D] ...
     gradtape openapi [--out openapi/openapi.json]
+    gradtape kernels warm [--json]
     gradtape eigenvalues|trace|density|influence model.onnx --data data.npz ...
 
 The curvature questions are the SDK's command line (gradtape.client.cli, a client of a
@@ -76,7 +77,36 @@ def _parser() -> argparse.ArgumentParser:
     spec.add_argument(
         "--out", type=Path, default=None, help="file to write (default: standard output)"
     )
+    kernels = commands.add_parser("kernels", help="the engine's compiled kernels (numba)")
+    actions = kernels.add_subparsers(dest="action", required=True)
+    warm = actions.add_parser(
+        "warm",
+        help="compile every kernel signature into numba's disk cache (NUMBA_CACHE_DIR), "
+        "loading those it holds; the Docker image runs it at build",
+    )
+    warm.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def warm_kernels(as_json: bool) -> int:
+    """`gradtape kernels warm`: engine/kernels/warmup.py's warm(), one compiling process at
+    a time; 1 when nothing could be kept (numba found no writable cache directory)."""
+    from engine.kernels import warmup
+
+    report = warmup.warm_alone()
+    if as_json:
+        each = [vars(s) for s in report.signatures]
+        print(json.dumps({**report.summary(), "each": each}))
+    else:
+        print(f"gradtape kernels warm: {report.describe()}")
+    if report.enabled and not report.cache:
+        print(
+            "gradtape kernels warm: numba has no writable cache directory, so nothing was "
+            "kept: set NUMBA_CACHE_DIR to one",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def serve(overrides: dict[str, Any]) -> int:
@@ -255,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in QUESTIONS:
         return ask(argv)
     args = _parser().parse_args(argv)
+    if args.command == "kernels":  # the engine's alone: no service package needed
+        return warm_kernels(args.json)
     missing = missing_service_packages()
     if missing:  # the engine was installed alone (`pip install .`)
         print(

@@ -230,10 +230,14 @@ _done = threading.Event()
 
 
 def status() -> dict[str, Any]:
-    """Where this process's background warm-up stands: state "idle" (never started),
-    "warming", "ready" or "off" (kernels do not run), and once ended its report's
-    summary and how it went ("compiler": "process", "here" or None)."""
-    return dict(_status)
+    """Where this process's background warm-up stands: "state" ("idle": never started,
+    "warming", "ready", "off": kernels do not run, "failed"), the kernels "warmed" so
+    far, the pid of the compiling process while one runs; once ended, the declared
+    "signatures", how many were "loaded" from the cache, "compiled" in this process and
+    are "missing", the compiling process's own report ("process", or None: none was
+    needed) and the "seconds" it all took."""
+    warmed = [k.__name__ for k in kernels.DECLARED if k.warmed]
+    return {**_status, "warmed": warmed}
 
 
 def wait(timeout: float | None = None) -> dict[str, Any]:
@@ -256,47 +260,65 @@ def start_in_background() -> None:
 
 def _warm_in_background() -> None:
     started = time.perf_counter()
-    compiler = None
+    process = None
     try:
         report = warm(compile=False)
         if report.enabled and report.missing and report.cache:
-            compiler = "process"
-            _compile_in_a_process()
+            process = _compile_in_a_process()
             report = warm(compile=False)
         if report.enabled and report.missing:
-            compiler = "here"  # no disk cache, or the process failed: compile beside requests
+            # No disk cache (or the process failed): compiled here, beside the requests.
             report = warm(compile=True)
     except Exception as exc:  # noqa: BLE001 - kernels stay off (NumPy paths); say why
         log.warning("kernel warm-up failed, the NumPy paths run: %s: %s", type(exc).__name__, exc)
         _status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         _done.set()
         return
-    summary = report.summary()
-    summary["seconds"] = round(time.perf_counter() - started, 3)
-    _status.update(state="ready" if report.enabled else "off", compiler=compiler, **summary)
+    _status.update(
+        state="ready" if report.enabled else "off",
+        signatures=len(report.signatures),
+        loaded=report.count("ready") + report.count("loaded"),  # (ready: an earlier pass's)
+        compiled=report.count("compiled"),
+        missing=report.missing,
+        cache_dir=report.cache_dir,
+        process=process,
+        seconds=round(time.perf_counter() - started, 3),
+    )
     if report.enabled:
         log.info("kernels warm: %s", report.describe())
     _done.set()
 
 
-def _compile_in_a_process() -> None:
+def _compile_in_a_process() -> dict[str, Any] | None:
     """`python -m engine.kernels.warmup --if-cached` in a session of its own (the pool's
-    kill of this worker does not reach it), with this package importable."""
+    kill of this worker does not reach it), with this package importable; its report's
+    summary (None when it failed)."""
     root = str(Path(kernels.__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "engine.kernels.warmup", "--if-cached", "--json"],
         env=env,
         stdin=subprocess.DEVNULL,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=COMPILE_PROCESS_TIMEOUT,
         start_new_session=True,
-        check=False,
     )
-    if done.returncode != 0:
-        log.warning("the kernels' compiling process failed: %s", done.stderr.strip()[-2000:])
+    _status["compiler_pid"] = process.pid
+    try:
+        out, err = process.communicate(timeout=COMPILE_PROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    finally:
+        _status.pop("compiler_pid", None)
+    if process.returncode != 0:
+        log.warning("the kernels' compiling process failed: %s", err.strip()[-2000:])
+        return None
+    summary: dict[str, Any] = json.loads(out)
+    summary.pop("each", None)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
