@@ -89,24 +89,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def warm_kernels(as_json: bool) -> int:
-    """`gradtape kernels warm`: engine/kernels/warmup.py's warm(), one compiling process at
-    a time; 1 when nothing could be kept (numba found no writable cache directory)."""
-    from engine.kernels import warmup
+    """`gradtape kernels warm`: engine/kernels/warmup.py's command (`python -m
+    engine.kernels.warmup`), in a process of its own (this one never loads the engine)."""
+    import subprocess
 
-    report = warmup.warm_alone()
-    if as_json:
-        each = [vars(s) for s in report.signatures]
-        print(json.dumps({**report.summary(), "each": each}))
-    else:
-        print(f"gradtape kernels warm: {report.describe()}")
-    if report.enabled and not report.cache:
-        print(
-            "gradtape kernels warm: numba has no writable cache directory, so nothing was "
-            "kept: set NUMBA_CACHE_DIR to one",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    argv = [sys.executable, "-m", "engine.kernels.warmup", *(["--json"] if as_json else [])]
+    # engine/ beside service/ (a checkout, or site-packages) importable from anywhere
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.run(argv, env=env, check=False).returncode
 
 
 def serve(overrides: dict[str, Any]) -> int:

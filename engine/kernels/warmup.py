@@ -241,8 +241,10 @@ def status() -> dict[str, Any]:
 
 
 def wait(timeout: float | None = None) -> dict[str, Any]:
-    """status() once the background warm-up has ended (or `timeout` seconds passed)."""
-    _done.wait(timeout)
+    """status() once the background warm-up has ended (or `timeout` seconds passed); at
+    once where none was started."""
+    if _status["state"] != "idle":
+        _done.wait(timeout)
     return status()
 
 
@@ -331,14 +333,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--if-cached",
         action="store_true",
-        help="compile nothing when numba has no writable cache directory",
+        help="compile nothing when numba has no writable cache directory (else: compile, "
+        "and exit with 1: nothing was kept)",
     )
     args = parser.parse_args(argv)
     report = warm_alone(require_cache=args.if_cached)
     if args.json:
         print(json.dumps({**report.summary(), "each": [asdict(s) for s in report.signatures]}))
     else:
-        print(report.describe())
+        print(f"kernels warm: {report.describe()}")
+    if report.enabled and not report.cache and not args.if_cached:
+        print(
+            "kernels warm: numba has no writable cache directory, so nothing was kept: set "
+            "NUMBA_CACHE_DIR to one",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -193,7 +193,8 @@ def test_warm_up_off_leaves_the_kernels_to_their_first_use() -> None:
         pool = WorkerPool(Settings(workers=1, worker_warm_kernels=False))
         await pool.start()
         try:
-            status = (await pool.submit("kernel_warmup", {"wait": 0})).result
+            # (no warm-up to wait for: answered at once, however long it may wait)
+            status = (await pool.submit("kernel_warmup", {"wait": HANG_GUARD})).result
             assert status["state"] == "idle" and status["warmed"] == []
         finally:
             await pool.close()
