@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +63,12 @@ _lock = threading.Lock()
 _numba: Any = None  # the module, once imported; False when unavailable or switched off
 # Every kernel declared (by @kernel), in the order of declaration: what warm-up walks.
 DECLARED: list[Kernel] = []
-# hold_until_warm() was called: compiled() answers None for a kernel not yet warmed.
+# hold_until_warm() was called: compiled() answers None for a kernel until released, which
+# warm-up does for all the kernels of a module at once (one rebinding of this set: a
+# caller using two kernels of a module, as a convolution's gather and col2im, never
+# sees one released and not the other).
 _held = False
+_released: frozenset[Kernel] = frozenset()
 
 
 def _switched_off() -> bool:
@@ -116,7 +120,7 @@ class Kernel:
     def compiled(self) -> Callable[..., Any] | None:
         """The compiled kernel (call it as the Python function), or None when kernels
         do not run (or, in a process that holds kernels until warm, not yet warmed)."""
-        if _held and not self.warmed:
+        if _held and self not in _released:
             return None
         if self.dispatcher is None:
             if self.make_dispatcher() is None:
@@ -170,6 +174,14 @@ class Kernel:
 def kernel(py_func: Callable[..., Any]) -> Kernel:
     """Declare a kernel (a decorator); compiled() gives the callable."""
     return Kernel(py_func)
+
+
+def release(kernels: Iterable[Kernel]) -> None:
+    """Let compiled() hand out these warmed kernels in a process that holds them, all at
+    once (warm-up's call, a module's kernels together)."""
+    global _released
+    with _lock:
+        _released = _released | frozenset(kernels)
 
 
 def hold_until_warm() -> None:

@@ -186,8 +186,13 @@ def warm(compile: bool = True, require_cache: bool = False) -> Report:
                 Signature(k.__name__, spelled, source, time.perf_counter() - t0)
             )
         if done and k.signatures and not k.warmed:
-            dispatcher.disable_compile()  # before `warmed`: no call compiles after it
+            dispatcher.disable_compile()
             k.warmed = True
+    # Released a module at a time, once all its kernels are warm (a caller may use two).
+    modules: dict[str, list[kernels.Kernel]] = {}
+    for k in every:
+        modules.setdefault(k.py_func.__module__, []).append(k)
+    kernels.release(k for group in modules.values() if all(k.warmed for k in group) for k in group)
     report.seconds = time.perf_counter() - started
     return report
 

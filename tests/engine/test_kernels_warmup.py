@@ -205,3 +205,39 @@ def test_switched_off_warm_up_does_nothing(tmp_path: Path, value: str) -> None:
     assert summary["enabled"] is False and summary["signatures"] == 0
     assert not imported  # not even numba's import
     assert not (tmp_path / "c").exists()
+
+
+def test_a_modules_kernels_are_released_together(tmp_path: Path) -> None:
+    """A worker holds its kernels until warm-up releases them, a module's at once: with
+    the cache holding the convolution's gather but not its col2im, the gather is warm
+    and still not handed out (the conv ops choose their route by the gather, then call
+    col2im), and a convolution's gradient runs the NumPy route in between."""
+    cache = tmp_path / "cache"
+    gather_only = """
+    from engine import kernels
+    from engine.kernels import conv
+    numba = kernels.numba_module()
+    for declared in conv.gather2d.signatures:
+        conv.gather2d.make_dispatcher().compile(kernels.numba_signature(numba, declared))
+    """
+    run_python(["-c", textwrap.dedent(gather_only)], cache)
+    code = """
+    import json
+    import numpy as np
+    import engine as gt
+    from engine import kernels
+    from engine.kernels import conv, warmup
+    kernels.hold_until_warm()
+    report = warmup.warm(compile=False)
+    x, w = np.ones((1, 2, 5, 5), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    (g,) = gt.grad(lambda a: gt.sum(gt.conv(a, gt.constant(w), strides=(2, 2))))(
+        gt.constant(x)
+    )
+    print(json.dumps([conv.gather2d.warmed, conv.col2im2d.warmed,
+                      conv.gather2d.compiled() is None, report.missing, g.numpy().sum().item()]))
+    """
+    gather_warm, col2im_warm, held, missing, total = json.loads(
+        run_python(["-c", textwrap.dedent(code)], cache)
+    )
+    assert gather_warm and not col2im_warm and held and missing > 0
+    assert total == 4 * 9 * 2 * 3  # 2 x 2 outputs' 3 x 3 windows, 2 channels, 3 filters
