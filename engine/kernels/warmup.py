@@ -18,8 +18,8 @@ A service worker (service/worker/compute.start, setting `worker_warm_kernels`) s
 compiled() answers None (the NumPy path) for a kernel not yet warmed
 (kernels.hold_until_warm), and a thread of the worker:
 
-1. loads what the cache holds, in the worker (~0.1 s for all of them, measured: no
-   compilation, so a request beside it barely waits for the GIL);
+1. loads what the cache holds, in the worker (~0.4 s of CPU, most of it numba's import
+   and its first load; a few milliseconds a signature after that);
 2. when the cache lacks some and numba's cache is usable, compiles them in a process of
    its own (`python -m engine.kernels.warmup`, its own session): a compilation holds the
    GIL (a request beside it in the worker would run at a fraction of its speed), and a
@@ -129,7 +129,7 @@ def _load_only(numba: Any) -> Any:
     when that missed (numba's event API), so compile() then loads or raises _NotCached."""
     thread = threading.get_ident()
 
-    class Refuse(numba.core.event.Listener):  # type: ignore[misc, name-defined]
+    class Refuse(numba.core.event.Listener):
         def on_start(self, event: Any) -> None:
             if threading.get_ident() == thread:
                 raise _NotCached
