@@ -157,3 +157,41 @@ def test_a_scales_gradient_on_a_1x1_map_has_the_same_bits_on_both_routes(
     tol = 1e-4 if dtype == np.float32 else 1e-10
     scale = float(expected.abs().max())
     np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=tol * scale)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_stride_1_chunks_whole_batches_or_within_one_the_same_bits(n, pairs, monkeypatch) -> None:
+    """The stride-1 input cotangent's chunks: whole batches at once where a chunk holds
+    them (N = 1 beside many leading rows: a jacobian's, a K-vector pass's), images of one
+    batch otherwise; the same bits either way, in the convolution's layout, and
+    PyTorch's values."""
+    from engine.ops import conv as conv_ops
+
+    rng = np.random.default_rng(5)
+    k = 7
+    g = rng.standard_normal((k, n, 6, 5, 5)).astype(np.float32)
+    w = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+    operands = [g, w, g[::-1].copy(), w[::-1].copy()][: 2 * pairs]
+    params = {"spatial": (5, 5), "strides": (1, 1), "pads": ((1, 1), (1, 1)),
+              "dilations": (1, 1), "groups": 1}  # fmt: skip
+    answers = []
+    image = pairs * 6 * 9 * 25 * 4  # one image's windows (bytes)
+    for chunk in (1, 2 * image, 1 << 30):  # one image, two (of a batch of 3: 2 + 1), all
+        monkeypatch.setattr(conv_ops, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(conv_ops, "KERNEL_CHUNK_BYTES", chunk)
+        dx = bind(conv_input_p, *(gt.constant(a) for a in operands), **params).numpy()
+        assert dx.shape == (k, n, 4, 5, 5) and _conv_layout(dx)
+        answers.append(dx)
+    for dx in answers[1:]:
+        np.testing.assert_array_equal(dx, answers[0])
+    torch = pytest.importorskip("torch")
+    for i in range(k):
+        expected = sum(
+            torch.nn.grad.conv2d_input(
+                (n, 4, 5, 5), torch.from_numpy(operands[2 * j + 1]),
+                torch.from_numpy(np.ascontiguousarray(operands[2 * j][i])), padding=1,
+            ).numpy()
+            for j in range(pairs)
+        )  # fmt: skip
+        np.testing.assert_allclose(answers[0][i], expected, rtol=1e-5, atol=1e-5)
