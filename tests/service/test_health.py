@@ -244,7 +244,9 @@ def test_readyz_reports_a_silent_worker_and_never_replaces_it(tmp_path) -> None:
                 assert worker["silent_seconds"] > 0.5  # its ping has waited that long
                 same = ("pid", "generation", "restarts")
                 assert [worker[k] for k in same] == [before[k] for k in same]
-            assert "gradtape_workers_up 0.0" in client.get("/metrics").text
+            # (the gauge, read as /metrics is scraped, or copied each second by each of
+            # several HTTP processes: polled until it says so)
+            _poll(client, lambda w: "gradtape_workers_up 0.0" in client.get("/metrics").text)
         finally:
             _resumed(before["pid"])
         # Its ping answered: ready again, the very same process.
@@ -306,8 +308,12 @@ def test_the_pools_own_ping_turns_no_request_away() -> None:
             assert before.pid is not None
             _stopped(before.pid)
             try:
-                while pool.workers()[0].state != "unresponsive":  # the pool's own state
-                    await asyncio.sleep(0.01)
+                # The pool's own state; the deadline only guards against a hang.
+                async def unresponsive() -> None:
+                    while pool.workers()[0].state != "unresponsive":
+                        await asyncio.sleep(0.01)
+
+                await asyncio.wait_for(unresponsive(), 300)
                 assert [w.state for w in await pool.check()] == ["unresponsive"]
                 request = asyncio.create_task(pool.submit("ops", None))
                 while pool.queue_depth == 0 and not request.done():
