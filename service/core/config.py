@@ -169,6 +169,31 @@ class Settings(BaseSettings):
         description="seconds between checks that a waiting request's client is still connected",
     )
 
+    # Worker health (the pool's pings: readiness reports, liveness replaces) ---------------
+    worker_ping_interval: float = Field(
+        default=10.0,
+        ge=0,
+        description="seconds an idle worker may go without answering anything before the "
+        "pool pings it (a worker that answers requests is never pinged); 0: no pings, and "
+        "an idle worker that hangs is found only by the next request's time limit",
+    )
+    worker_ready_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="a ping unanswered this long shows its worker `unresponsive` in /readyz "
+        "(503 not-ready); nothing is done to the worker",
+    )
+    # (20 s: well under queue_timeout's 60, so a request routed to a hung worker's tapes
+    # is served by its replacement instead of a 503 from the queue)
+    worker_liveness_timeout: float = Field(
+        default=20.0,
+        gt=0,
+        description="a ping unanswered this long: its worker is deemed hung, killed and "
+        "replaced (restart reason `unresponsive`); a busy worker is governed by its "
+        "request's time limit instead. Keep it below queue_timeout: requests for a hung "
+        "worker's tapes wait for its replacement",
+    )
+
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
         default=defaults.HESSIAN_MAX_SIZE,
@@ -369,6 +394,12 @@ class Settings(BaseSettings):
         if self.job_time_limit < self.time_limit:
             raise ValueError(
                 f"job_time_limit ({self.job_time_limit}) is below time_limit ({self.time_limit})"
+            )
+        if self.worker_ready_timeout >= self.worker_liveness_timeout:
+            raise ValueError(
+                f"worker_ready_timeout ({self.worker_ready_timeout}) must be below "
+                f"worker_liveness_timeout ({self.worker_liveness_timeout}): a silent worker "
+                "is shown unresponsive before it is replaced"
             )
         if self.tape_ttl > self.tape_max_ttl:
             raise ValueError(
