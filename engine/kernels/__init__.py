@@ -36,12 +36,36 @@ threads does not hold the others), no `fastmath` (it would let LLVM reorder and
 contract the arithmetic, and assume no NaN or inf: the answers would change), and
 `error_model="numpy"` (a division by zero gives inf or NaN, as NumPy's, rather than an
 exception).
+
+A piece of arithmetic several kernels share (erf's rational, an exp, a window's column
+range) is a helper, which kernels call as a function:
+
+    @helper
+    def erf_rational(z):  # numba's nopython subset, scalars in and out
+        ...
+
+When a kernel is compiled, each helper it names (and each helper those name) is compiled
+by numba with the kernels' options and inlined into the kernel's code (numba's
+inline="always"), so the loops vectorize as if it were written out (bench/RESULTS.md,
+"Kernel helpers"); called from Python, a helper is its plain function. Declaring one
+imports nothing.
+
+numba's disk cache knows only the kernel's own file (its index is stamped with that
+file's modification time and size; numba's documentation: "Cache invalidation fails to
+recognize changes in functions defined in a different file", numba issue 1833), while a
+helper's code and the constants it reads are compiled into every kernel that calls it.
+So a kernel calling helpers from other files keys its cached code also by a digest of
+those files' contents (`_HelperKeyedCache`): a changed helper file compiles the kernel
+anew instead of serving stale code (tests/engine/test_kernels.py checks it). A kernel
+module imports only the loader and helpers (never constants) from the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -121,12 +145,111 @@ def kernel(py_func: Callable[..., Any]) -> Kernel:
     return Kernel(py_func)
 
 
+class Helper:
+    """A function kernels call: compiled into them when kernels run, else plain Python
+    (see the module's text)."""
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        self.py_func = py_func
+        self.__name__ = py_func.__name__
+        self.__doc__ = py_func.__doc__
+        self.dispatcher: Any = None  # numba's, made when a kernel calling it compiles
+
+    def __call__(self, *args: Any) -> Any:
+        return self.py_func(*args)
+
+    def __repr__(self) -> str:
+        return f"<kernel helper {self.__name__}>"
+
+
+def helper(py_func: Callable[..., Any]) -> Helper:
+    """Declare a helper that kernels call (a decorator)."""
+    return Helper(py_func)
+
+
+_OPTIONS = {"nopython": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+
+
+def _helpers_named(py_func: Callable[..., Any]) -> dict[str, Helper]:
+    """The helpers py_func's code reads from its module's globals, by name."""
+    found = {}
+    for name in py_func.__code__.co_names:
+        value = py_func.__globals__.get(name)
+        if isinstance(value, Helper):
+            found[name] = value
+    return found
+
+
+def _with_compiled_helpers(numba: Any, py_func: Callable[..., Any]) -> Callable[..., Any]:
+    """py_func itself, or where it calls helpers, the same code over a copy of its globals
+    in which each helper is its numba dispatcher (compiled with the kernel that calls
+    it). The copy keeps the code object, so numba's cache finds the same file, name and
+    line; the module's own globals keep the helpers for Python callers."""
+    helpers = _helpers_named(py_func)
+    if not helpers:
+        return py_func
+    scope = dict(py_func.__globals__)
+    for name, used in helpers.items():
+        if used.dispatcher is None:
+            # Inlined by numba into each caller's code before LLVM sees it: a call left to
+            # LLVM's inliner ran the erf loop 10% slower.
+            resolved = _with_compiled_helpers(numba, used.py_func)
+            used.dispatcher = numba.jit(inline="always", **_OPTIONS)(resolved)
+        scope[name] = used.dispatcher
+    func = types.FunctionType(
+        py_func.__code__, scope, py_func.__name__, py_func.__defaults__, py_func.__closure__
+    )
+    func.__qualname__ = py_func.__qualname__
+    func.__doc__ = py_func.__doc__
+    return func
+
+
+def _foreign_helper_files(py_func: Callable[..., Any]) -> list[str]:
+    """The files, other than py_func's own, that define helpers it reaches."""
+    own = py_func.__code__.co_filename
+    files: set[str] = set()
+    seen: set[int] = set()
+    pending = list(_helpers_named(py_func).values())
+    while pending:
+        used = pending.pop()
+        if id(used) in seen:
+            continue
+        seen.add(id(used))
+        files.add(used.py_func.__code__.co_filename)
+        pending += _helpers_named(used.py_func).values()
+    return sorted(files - {own})
+
+
 def _jit(numba: Any, py_func: Callable[..., Any], cache: bool = True) -> Any:
-    options = {"nopython": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+    func = _with_compiled_helpers(numba, py_func)
     if cache:
         try:
-            return numba.jit(cache=True, **options)(py_func)
-        except RuntimeError:
-            pass  # numba found no writable cache directory (a read-only install, no home)
+            dispatcher = numba.jit(cache=True, **_OPTIONS)(func)
+            foreign = _foreign_helper_files(py_func)
+            if foreign:
+                dispatcher._cache = _helper_keyed_cache(func, foreign)
+            return dispatcher
+        except (RuntimeError, OSError):
+            # numba found no writable cache directory (a read-only install, no home), or
+            # a helper's file could not be read for the key
+            pass
     # Compiled in each process instead of once.
-    return numba.jit(cache=False, **options)(py_func)
+    return numba.jit(cache=False, **_OPTIONS)(func)
+
+
+def _helper_keyed_cache(func: Callable[..., Any], files: list[str]) -> Any:
+    """numba's cache for func, its entries keyed also by the contents of `files` (see the
+    module's text: numba's own key knows only func's file)."""
+    from numba.core.caching import FunctionCache
+
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as source:
+            digest.update(hashlib.sha256(source.read()).digest())
+    helpers_digest = digest.hexdigest()
+
+    class _HelperKeyedCache(FunctionCache):
+        def _index_key(self, sig: Any, codegen: Any) -> Any:
+            return (*super()._index_key(sig, codegen), helpers_digest)
+
+    return _HelperKeyedCache(func)
