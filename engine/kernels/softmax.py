@@ -33,10 +33,13 @@ def softmax_rows_float32_kernel(x: Any, out: Any, scratch: Any) -> None:
     rows, k = x.shape
     for row in range(rows):
         m = np.float64(x[row, 0])
-        for j in range(1, k):
+        nan = m != m
+        for j in range(1, k):  # without branches: a row's maximum mispredicts them
             v = np.float64(x[row, j])
-            if v > m or v != v:  # NaN wins, as np.maximum's
-                m = v
+            m = max(m, v)
+            nan |= v != v
+        if nan:  # NaN wins, as np.maximum's
+            m = np.float64(np.nan)
         for j in range(k):  # (vectorizes: the sum is a loop of its own)
             scratch[j] = exp_nonpositive(np.float64(x[row, j]) - m)
         total = 0.0
