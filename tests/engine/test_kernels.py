@@ -249,3 +249,26 @@ def test_the_erf_kernels_constants_are_erf_float32s() -> None:
     assert (gelu.P0, gelu.P1, gelu.P2, gelu.P3, gelu.P4, gelu.P5, gelu.P6) == backend._ERF_P
     assert (gelu.Q0, gelu.Q1, gelu.Q2, gelu.Q3, gelu.Q4) == backend._ERF_Q
     assert gelu.CLAMP == backend._ERF_CLAMP
+
+
+def test_only_kernels_free_of_a_numpy_paths_bits_contract_products_and_sums() -> None:
+    # contract (an FMA: one rounding instead of two) is the one fastmath flag a kernel
+    # may ask; the kernels bit-identical to their NumPy paths (erf, GELU, GELU's float64
+    # slope, the convolution windows, layer norm's steps) ask none.
+    from engine.kernels import conv, gelu, layernorm, scatter, softmax
+
+    contracting = {gelu.gelu_slope_float32_kernel, softmax.softmax_rows_float32_kernel}
+    declared = [
+        value
+        for module in (conv, gelu, layernorm, scatter, softmax)
+        for value in vars(module).values()
+        if isinstance(value, kernels.Kernel)
+    ]
+    assert contracting < set(declared)
+    for k in declared:
+        assert k.contract == (k in contracting), k
+    slope = gelu.gelu_slope_float32_kernel
+    slope.compiled()
+    assert slope.dispatcher.targetoptions["fastmath"] == {"contract"}
+    gelu.gelu_float32_kernel.compiled()
+    assert gelu.gelu_float32_kernel.dispatcher.targetoptions["fastmath"] is False
