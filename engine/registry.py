@@ -125,6 +125,13 @@ def defvjp_terms(prim: Primitive, *rules: Callable[..., Any] | None) -> None:
     vjp_term_rules[prim] = rules
 
 
+# A term primitive whose terms join one call though one parameter differs between them:
+# that parameter is a tuple with one entry per operand, and the joined call's is their
+# concatenation in the terms' order (scatter_slices' `indices`: an input's slices'
+# cotangents made as one array).
+term_joined_param: dict[Primitive, str] = {}
+
+
 # How a primitive's output elements come from its inputs' elements, for the per-example
 # walk (engine/per_example.py), which follows each example's elements through a pass:
 #   "elementwise": from the same-place elements of its (broadcast) arguments

@@ -34,6 +34,7 @@ captured; CuPy passes stay dynamic.
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import types
 import weakref
@@ -46,6 +47,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import trace
+from engine.kernels import rows as rows_kernels
 from engine.ops.reduce import (
     channel_axes,
     channel_sum,
@@ -568,8 +570,66 @@ def _ufunc_form(fn: Any) -> Callable[[dict, list, Any], Any]:
     return lambda params, operands, value: fn
 
 
+def _row_vector_form(name: str) -> Callable[[dict, list, Any], Any]:
+    """add and multiply: a compiled loop where one operand is a row vector broadcast over
+    a C-ordered matrix of the result's shape (a bias, layer norm's scale and shift:
+    engine/kernels/rows.py, the same bits at 2.3-2.8x NumPy's speed); the ufunc else."""
+    fn = _UFUNCS[name]
+
+    def maker(params: dict, operands: list, value: Any) -> Any:
+        apart, into = (k.compiled() for k in rows_kernels.KERNELS[name])
+        if (
+            apart is None
+            or into is None
+            or len(operands) != 2
+            or value.order != "C"
+            or value.dtype not in (np.float32, np.float64)  # (the kernels' declared types)
+        ):
+            return fn
+        k = value.shape[-1] if value.shape else 0
+        if len(value.shape) < 2 or k < 2:
+            return fn
+        # m: the operand of the result's shape, C-ordered; the other a row of k
+        m = next((i for i, o in enumerate(operands) if _fits(o, value.shape, value)), None)
+        if m is None:
+            return fn
+        row = operands[1 - m]
+        row_shape = getattr(row, "shape", None)
+        if row_shape is None or row_shape[-1:] != (k,) or math.prod(row_shape) != k:
+            return fn
+        if not _fits(row, row_shape, value):
+            return fn
+        shape = value.shape
+
+        def form(x: Any, y: Any, out: Any) -> Any:
+            matrix, row = (x, y) if m == 0 else (y, x)
+            if out is matrix:  # the replay's in-place step
+                into(matrix.reshape(-1, k), row.reshape(k))
+                return out
+            if out is None:
+                out = np.empty(shape, value.dtype)
+            apart(matrix.reshape(-1, k), row.reshape(k), out.reshape(-1, k))
+            return out
+
+        return form
+
+    return maker
+
+
+def _fits(operand: Any, shape: tuple, value: Any) -> bool:
+    """Whether an operand (a constant's array or a _Layout) has `shape`, the result's
+    dtype and C order."""
+    if getattr(operand, "shape", None) != shape or getattr(operand, "dtype", None) != value.dtype:
+        return False
+    if isinstance(operand, np.ndarray):
+        return bool(operand.flags.c_contiguous)
+    return bool(operand.order == "C")
+
+
 _FORMS: dict[str, Callable[[dict, list, Any], Any]] = {
     **{name: _ufunc_form(fn) for name, fn in _UFUNCS.items()},
+    "add": _row_vector_form("add"),
+    "multiply": _row_vector_form("multiply"),
     "matmul": _matmul_form,
     "sum": _sum_form,
     "relu": _relu_form,

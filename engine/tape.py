@@ -36,6 +36,7 @@ from engine.registry import (
     ZERO,
     Primitive,
     argument_vjp,
+    term_joined_param,
     vjp_arg_rules,
     vjp_term_rules,
 )
@@ -204,8 +205,15 @@ Pending = dict[int, tuple[Tensor, dict[tuple, tuple[dict, list[Tensor]]]]]
 def _add_term(pending: Pending, x: Tensor, term: tuple) -> None:
     prim, operands, params = term
     groups = pending.setdefault(id(x), (x, {}))[1]
-    key = (prim, tuple(sorted(params.items())))
-    groups.setdefault(key, (params, []))[1].extend(operands)
+    joined = term_joined_param.get(prim)  # (its entries concatenate, one per operand)
+    key = (prim, tuple(sorted((k, v) for k, v in params.items() if k != joined)))
+    group = groups.get(key)
+    if group is None:
+        groups[key] = (dict(params), list(operands))
+        return
+    group[1].extend(operands)
+    if joined is not None:
+        group[0][joined] = group[0][joined] + params[joined]
 
 
 def _settle(cts: dict[int, Tensor], pending: Pending, key: int, batch_ndim: int) -> None:

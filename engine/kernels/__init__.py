@@ -35,7 +35,32 @@ The options every kernel shares: `nogil` (a kernel running in one of the service
 threads does not hold the others), no `fastmath` (it would let LLVM reorder and
 contract the arithmetic, and assume no NaN or inf: the answers would change), and
 `error_model="numpy"` (a division by zero gives inf or NaN, as NumPy's, rather than an
-exception).
+exception). A kernel not bound to a NumPy path's bits may ask for contraction alone
+(`@kernel(contract=True)`: a product and a sum as one FMA, one rounding instead of two,
+never less accurate): GELU's float32 slope and softmax, whose exp polynomial then runs
+12-15% faster.
+
+A piece of arithmetic several kernels share (erf's rational, an exp, a window's column
+range) is a helper, which kernels call as a function:
+
+    @helper
+    def erf_rational(z):  # numba's nopython subset, scalars in and out
+        ...
+
+When a kernel is compiled, each helper it names (and each helper those name) is compiled
+by numba with the kernels' options and inlined into the kernel's code (numba's
+inline="always"), so the loops vectorize as if it were written out (bench/RESULTS.md,
+"Kernel helpers"); called from Python, a helper is its plain function. Declaring one
+imports nothing.
+
+numba's disk cache knows only the kernel's own file (its index is stamped with that
+file's modification time and size; numba's documentation: "Cache invalidation fails to
+recognize changes in functions defined in a different file", numba issue 1833), while a
+helper's code and the constants it reads are compiled into every kernel that calls it.
+So a kernel calling helpers from other files keys its cached code also by a digest of
+those files' contents (`_HelperKeyedCache`): a changed helper file compiles the kernel
+anew instead of serving stale code (tests/engine/test_kernels.py checks it). A kernel
+module imports only the loader and helpers (never constants) from the engine.
 
 Warm-up (engine/kernels/warmup.py): each kernel declares the argument types its call
 sites pass (`Kernel.declare`), so they can all be compiled, or loaded from numba's
@@ -49,8 +74,10 @@ pays a compilation.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +87,10 @@ from typing import Any
 SWITCH = "GRADTAPE_KERNELS"
 
 _lock = threading.Lock()
+# Notified when kernels are released or warm-up has ended (settle()): what a held
+# kernel that is not bound to NumPy's bits waits on (Kernel.compiled).
+_changed = threading.Condition(_lock)
+_settled = False
 _numba: Any = None  # the module, once imported; False when unavailable or switched off
 # Every kernel declared (by @kernel), in the order of declaration: what warm-up walks.
 DECLARED: list[Kernel] = []
@@ -101,8 +132,9 @@ def enabled() -> bool:
 class Kernel:
     """A Python function compiled by numba at its first use (see the module's text)."""
 
-    def __init__(self, py_func: Callable[..., Any]) -> None:
+    def __init__(self, py_func: Callable[..., Any], contract: bool = False) -> None:
         self.py_func = py_func
+        self.contract = contract
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
         self.dispatcher: Any = None  # numba's, once compiled() has made it
@@ -121,7 +153,16 @@ class Kernel:
         """The compiled kernel (call it as the Python function), or None when kernels
         do not run (or, in a process that holds kernels until warm, not yet warmed)."""
         if _held and self not in _released:
-            return None
+            if not self.contract:
+                return None  # the NumPy path, to the bit the same answers
+            # A kernel whose bits differ from its NumPy path's (contract=True; the test
+            # suite checks that these are the only ones): waiting for warm-up, rather than
+            # answering other bits until it ends, keeps a worker's answers the same
+            # whatever moment the request came (review r12).
+            with _changed:
+                _changed.wait_for(lambda: self in _released or _settled)
+            if self not in _released:
+                return None  # warm-up ended without it (failed): the NumPy path from now on
         if self.dispatcher is None:
             if self.make_dispatcher() is None:
                 return None
@@ -135,7 +176,7 @@ class Kernel:
                 return None
             with _lock:
                 if self.dispatcher is None:
-                    self.dispatcher = _jit(numba, self.py_func)
+                    self.dispatcher = _jit(numba, self.py_func, contract=self.contract)
         return self.dispatcher
 
     def _call(self, *args: Any) -> Any:
@@ -164,24 +205,40 @@ class Kernel:
             # every compilation, gone bad since the kernel was declared (the volume full,
             # removed, remounted read-only). Compile without it from now on.
             with _lock:
-                self.dispatcher = _jit(_numba, self.py_func, cache=False)
+                self.dispatcher = _jit(_numba, self.py_func, cache=False, contract=self.contract)
             return self.dispatcher(*args)
 
     def __repr__(self) -> str:
         return f"<kernel {self.__name__}>"
 
 
-def kernel(py_func: Callable[..., Any]) -> Kernel:
-    """Declare a kernel (a decorator); compiled() gives the callable."""
-    return Kernel(py_func)
+def kernel(py_func: Callable[..., Any] | None = None, *, contract: bool = False) -> Any:
+    """Declare a kernel (a decorator, `@kernel` or `@kernel(contract=True)`); compiled()
+    gives the callable. contract: LLVM may fuse a product and a sum into one FMA (one
+    rounding instead of two: never less accurate), for a kernel that is not bound to a
+    NumPy path's bits (GELU's float32 slope, softmax: their exp's polynomial runs 15%
+    faster); nothing else of fastmath."""
+    if py_func is None:
+        return lambda f: Kernel(f, contract)
+    return Kernel(py_func, contract)
 
 
 def release(kernels: Iterable[Kernel]) -> None:
     """Let compiled() hand out these warmed kernels in a process that holds them, all at
     once (warm-up's call, a module's kernels together)."""
     global _released
-    with _lock:
+    with _changed:
         _released = _released | frozenset(kernels)
+        _changed.notify_all()
+
+
+def settle() -> None:
+    """Warm-up has ended (readied, or failed): a held kernel still not released runs its
+    NumPy path from now on, and nothing waits for it."""
+    global _settled
+    with _changed:
+        _settled = True
+        _changed.notify_all()
 
 
 def hold_until_warm() -> None:
@@ -224,23 +281,126 @@ Arg = In | Out | Ints
 
 def numba_signature(numba: Any, args: tuple[Arg, ...]) -> tuple[Any, ...]:
     """A declared signature as numba's argument types."""
-    types = numba.types
+    nt = numba.types
 
     def one(arg: Arg) -> Any:
         if isinstance(arg, Ints):
-            return types.UniTuple(types.int64, arg.count)
-        dtype = getattr(types, arg.dtype)
-        return types.Array(dtype, arg.ndim, "C", readonly=isinstance(arg, In))
+            return nt.UniTuple(nt.int64, arg.count)
+        dtype = getattr(nt, arg.dtype)
+        return nt.Array(dtype, arg.ndim, "C", readonly=isinstance(arg, In))
 
     return tuple(one(a) for a in args)
 
 
-def _jit(numba: Any, py_func: Callable[..., Any], cache: bool = True) -> Any:
-    options = {"nopython": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+class Helper:
+    """A function kernels call: compiled into them when kernels run, else plain Python
+    (see the module's text)."""
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        self.py_func = py_func
+        self.__name__ = py_func.__name__
+        self.__doc__ = py_func.__doc__
+        self.dispatcher: Any = None  # numba's, made when a kernel calling it compiles
+
+    def __call__(self, *args: Any) -> Any:
+        return self.py_func(*args)
+
+    def __repr__(self) -> str:
+        return f"<kernel helper {self.__name__}>"
+
+
+def helper(py_func: Callable[..., Any]) -> Helper:
+    """Declare a helper that kernels call (a decorator)."""
+    return Helper(py_func)
+
+
+_OPTIONS = {"nopython": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+
+
+def _helpers_named(py_func: Callable[..., Any]) -> dict[str, Helper]:
+    """The helpers py_func's code reads from its module's globals, by name."""
+    found = {}
+    for name in py_func.__code__.co_names:
+        value = py_func.__globals__.get(name)
+        if isinstance(value, Helper):
+            found[name] = value
+    return found
+
+
+def _with_compiled_helpers(numba: Any, py_func: Callable[..., Any]) -> Callable[..., Any]:
+    """py_func itself, or where it calls helpers, the same code over a copy of its globals
+    in which each helper is its numba dispatcher (compiled with the kernel that calls
+    it). The copy keeps the code object, so numba's cache finds the same file, name and
+    line; the module's own globals keep the helpers for Python callers."""
+    helpers = _helpers_named(py_func)
+    if not helpers:
+        return py_func
+    scope = dict(py_func.__globals__)
+    for name, used in helpers.items():
+        if used.dispatcher is None:
+            # Inlined by numba into each caller's code before LLVM sees it: a call left to
+            # LLVM's inliner ran the erf loop 10% slower.
+            resolved = _with_compiled_helpers(numba, used.py_func)
+            used.dispatcher = numba.jit(inline="always", **_OPTIONS)(resolved)
+        scope[name] = used.dispatcher
+    func = types.FunctionType(
+        py_func.__code__, scope, py_func.__name__, py_func.__defaults__, py_func.__closure__
+    )
+    func.__qualname__ = py_func.__qualname__
+    func.__doc__ = py_func.__doc__
+    return func
+
+
+def _foreign_helper_files(py_func: Callable[..., Any]) -> list[str]:
+    """The files, other than py_func's own, that define helpers it reaches."""
+    own = py_func.__code__.co_filename
+    files: set[str] = set()
+    seen: set[int] = set()
+    pending = list(_helpers_named(py_func).values())
+    while pending:
+        used = pending.pop()
+        if id(used) in seen:
+            continue
+        seen.add(id(used))
+        files.add(used.py_func.__code__.co_filename)
+        pending += _helpers_named(used.py_func).values()
+    return sorted(files - {own})
+
+
+def _jit(
+    numba: Any, py_func: Callable[..., Any], cache: bool = True, contract: bool = False
+) -> Any:
+    func = _with_compiled_helpers(numba, py_func)
+    # (helpers are inlined into the kernel's code, so they take its flags)
+    options = {**_OPTIONS, "fastmath": {"contract"}} if contract else _OPTIONS
     if cache:
         try:
-            return numba.jit(cache=True, **options)(py_func)
-        except RuntimeError:
-            pass  # numba found no writable cache directory (a read-only install, no home)
+            dispatcher = numba.jit(cache=True, **options)(func)
+            foreign = _foreign_helper_files(py_func)
+            if foreign:
+                dispatcher._cache = _helper_keyed_cache(func, foreign)
+            return dispatcher
+        except (RuntimeError, OSError):
+            # numba found no writable cache directory (a read-only install, no home), or
+            # a helper's file could not be read for the key
+            pass
     # Compiled in each process instead of once.
-    return numba.jit(cache=False, **options)(py_func)
+    return numba.jit(cache=False, **options)(func)
+
+
+def _helper_keyed_cache(func: Callable[..., Any], files: list[str]) -> Any:
+    """numba's cache for func, its entries keyed also by the contents of `files` (see the
+    module's text: numba's own key knows only func's file)."""
+    from numba.core.caching import FunctionCache
+
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as source:
+            digest.update(hashlib.sha256(source.read()).digest())
+    helpers_digest = digest.hexdigest()
+
+    class _HelperKeyedCache(FunctionCache):
+        def _index_key(self, sig: Any, codegen: Any) -> Any:
+            return (*super()._index_key(sig, codegen), helpers_digest)
+
+    return _HelperKeyedCache(func)

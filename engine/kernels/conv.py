@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import In, Ints, Out, kernel
+from engine.kernels import In, Ints, Out, helper, kernel
 
 
 def flat(a: Any) -> tuple[Any, tuple[int, ...]] | None:
@@ -37,6 +37,17 @@ def flat(a: Any) -> tuple[Any, tuple[int, ...]] | None:
     if not dense.flags.c_contiguous:
         return None
     return dense.reshape(-1), tuple(s // a.itemsize for s in a.strides)
+
+
+@helper
+def inside_columns(off: Any, sw: Any, width: Any, ow_n: Any) -> Any:
+    """(lo, hi): the output columns lo <= ow < hi whose input column ow * sw + off is
+    inside x's width columns, clipped to the ow_n output columns (lo == hi when none)."""
+    lo = 0 if off >= 0 else (-off + sw - 1) // sw
+    hi = 0 if width - 1 - off < 0 else (width - 1 - off) // sw + 1
+    hi = min(max(hi, lo), ow_n)
+    lo = min(lo, hi)
+    return lo, hi
 
 
 @kernel
@@ -64,12 +75,8 @@ def gather2d(xf, x_at, x_shape, of, o_at, o_shape, window):  # pragma: no cover 
     for c in range(chans):
         for kh in range(kh_n):
             for kw in range(kw_n):
-                # the output columns whose input column is inside x: lo <= ow < hi
                 off = kw * dw - pw
-                lo = 0 if off >= 0 else (-off + sw - 1) // sw
-                hi = 0 if width - 1 - off < 0 else (width - 1 - off) // sw + 1
-                hi = min(max(hi, lo), ow_n)
-                lo = min(lo, hi)
+                lo, hi = inside_columns(off, sw, width, ow_n)
                 if planes:
                     # rows r0 <= oh < r1 read inside x; out[i] = x[i + shift] on them
                     offh = kh * dh - ph
@@ -144,10 +151,7 @@ def col2im2d(wf, w_at, w_shape, of, o_at, o_shape, window):  # pragma: no cover 
             for kh in range(kh_n):
                 for kw in range(kw_n):
                     off = kw * dw - pw
-                    lo = 0 if off >= 0 else (-off + sw - 1) // sw
-                    hi = 0 if width - 1 - off < 0 else (width - 1 - off) // sw + 1
-                    hi = min(max(hi, lo), ow_n)
-                    lo = min(lo, hi)
+                    lo, hi = inside_columns(off, sw, width, ow_n)
                     base = wo + c * swc + kh * swkh + kw * swkw + n * swn
                     for oh in range(oh_n):
                         ih = oh * sh + kh * dh - ph

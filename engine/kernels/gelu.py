@@ -14,7 +14,8 @@ Numerics (tests/engine/test_kernels_gelu.py checks each):
   path, so bit-identical: the rational in float64 from the float32 argument, rounded to
   float32 once; GELU's x / sqrt 2, + 1, * 0.5 and * x in float32 around it.
 - gelu_slope: (x^2 phi(x) + y) / x evaluated in float64 in the NumPy path's order and
-  rounded once. On float32 this is more accurate than the NumPy path (its seven float32
+  rounded once (float32: products and sums contracted into FMAs, one rounding fewer;
+  no float32 result of 4e6 differed from the uncontracted loop's). On float32 this is more accurate than the NumPy path (its seven float32
   roundings and float32 exp become one rounding): within 0.5 ulp plus 2^-50 of the
   terms' size of the formula on the same float32 x and y, where the NumPy path is within
   ~4 eps of it; the two agree to that bound, not bit for bit. On float64 it is the NumPy
@@ -32,14 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import In, Out, kernel
+from engine.kernels import In, Out, helper, kernel
+from engine.kernels.exp import exp_nonpositive
 
 # Module constants are frozen into the compiled code, and numba's disk cache knows only
 # this file: so they are written here, not imported (a constant changed in another
 # file would be served stale from the cache: review r11). erf_float32's rational
 # (engine/backend.py's _ERF_P, _ERF_Q, _ERF_CLAMP; tests/engine/test_kernels.py checks
 # they are equal). The float32 ones keep GELU's arithmetic in float32 where the NumPy
-# path's is (a Python float would widen it).
+# path's is (a Python float would widen it). A helper from another file (exp_nonpositive)
+# is the exception: the loader keys its callers' cache by that file too.
 P0, P1, P2, P3, P4, P5, P6 = (
     17879.449918622027,
     2934.5919228229263,
@@ -65,96 +68,55 @@ TINY_F32 = float(np.finfo(np.float32).eps / 2)  # below it, gelu' = 1/2 to half 
 TINY_F64 = float(np.finfo(np.float64).eps / 2)
 
 
+@helper
+def erf_rational(z: Any) -> Any:
+    """erf_float32's rational at a float64 z, in float64 (the caller rounds it to float32):
+    its operations in its order (clip, Horner for P and Q, z P / Q)."""
+    # np.clip's: NaN stays NaN (numba's max and min keep their first argument when the
+    # comparison is false); as min and max, not branches, the loops run 6-10% faster
+    z = min(max(z, -CLAMP), CLAMP)
+    t = z * z
+    num = t * P6 + P5
+    num = num * t + P4
+    num = num * t + P3
+    num = num * t + P2
+    num = num * t + P1
+    num = num * t + P0
+    den = t + Q4
+    den = den * t + Q3
+    den = den * t + Q2
+    den = den * t + Q1
+    den = den * t + Q0
+    return (num * z) / den
+
+
 @kernel
 def erf_float32_kernel(x: Any, out: Any) -> None:
-    """out = erf(x), both float32 and 1-D: erf_float32's rational, its operations in its
-    order (clip, Horner for P and Q in float64, x P / Q rounded to float32)."""
+    """out = erf(x), both float32 and 1-D: erf_float32's rational from the float32
+    argument, rounded to float32 once."""
     for i in range(x.size):
-        z: float = np.float64(x[i])
-        if z > CLAMP:  # (NaN compares false both ways and stays NaN, as np.clip's)
-            z = CLAMP
-        elif z < -CLAMP:
-            z = -CLAMP
-        t = z * z
-        num = t * P6 + P5
-        num = num * t + P4
-        num = num * t + P3
-        num = num * t + P2
-        num = num * t + P1
-        num = num * t + P0
-        den = t + Q4
-        den = den * t + Q3
-        den = den * t + Q2
-        den = den * t + Q1
-        den = den * t + Q0
-        out[i] = (num * z) / den
+        out[i] = erf_rational(np.float64(x[i]))
 
 
 @kernel
 def gelu_float32_kernel(x: Any, out: Any) -> None:
     """out = x (0.5 (1 + erf(x / sqrt 2))), both float32 and 1-D: _gelu_impl's steps (the
-    erf as in erf_float32_kernel above), so bit-identical; out may be x itself."""
+    erf as erf_float32_kernel's), so bit-identical; out may be x itself."""
     for i in range(x.size):
         xi = x[i]
-        z: float = np.float64(xi / ROOT_TWO_F32)  # the division in float32, as NumPy's
-        if z > CLAMP:
-            z = CLAMP
-        elif z < -CLAMP:
-            z = -CLAMP
-        t = z * z
-        num = t * P6 + P5
-        num = num * t + P4
-        num = num * t + P3
-        num = num * t + P2
-        num = num * t + P1
-        num = num * t + P0
-        den = t + Q4
-        den = den * t + Q3
-        den = den * t + Q2
-        den = den * t + Q1
-        den = den * t + Q0
-        e = np.float32((num * z) / den)
+        # the division in float32, as NumPy's; erf rounded to float32, as erf_float32's
+        e = np.float32(erf_rational(np.float64(xi / ROOT_TWO_F32)))
         out[i] = (e + ONE_F32) * HALF_F32 * xi  # halved before the product: no overflow
 
 
-# exp(a) for a in [-120, 0] without a call to the C library's exp (which does not
-# vectorize: a float64 loop over it measured 2.3x NumPy's float32 gelu_slope): a = k ln 2
-# + r with k = round(a / ln 2) (by adding and subtracting 1.5 2^52, whose last bits then
-# hold k, so 2^k is those bits moved into the exponent field) and |r| <= ln 2 / 2 (ln 2
-# in two parts: k ln2_hi is exact), exp(r) by its Taylor polynomial of degree 10 in
-# Estrin's form (a short dependency chain: the loop is latency-bound). Relative error
-# 3.0e-13 (measured against long double exp on 4e6 points of [-708, 0]), where a float32
-# slope needs 2^-24. Below -120 (|x| > 15.4) it is 0, as float32's exp is (e^-120 is
-# below its smallest subnormal), and 2^k is kept away from the subnormals: the slope's
-# exp term there, |x| phi(x) < 1e-50, is 0 after rounding anyway.
-EXP_FLOOR = -120.0
-LOG2_E = 1.4426950408889634
-LN2_HI = 0.6931471803691238  # ln 2's first 32 bits: k LN2_HI is exact for |k| < 2^20
-LN2_LO = 1.9082149292705877e-10
-ROUNDER = 6755399441055744.0  # 1.5 2^52
-E0, E1, E2, E3, E4, E5, E6, E7, E8, E9, E10 = (1.0 / math.factorial(k) for k in range(11))
-
-
-@kernel
+@kernel(contract=True)
 def gelu_slope_float32_kernel(x: Any, y: Any, out: Any) -> None:
     """out = gelu'(x) = (x^2 phi(x) + y) / x, 1/2 where |x| < eps / 2; x, y, out float32
-    and 1-D. _gelu_slope_into's formula in float64 (exp as above), rounded once."""
+    and 1-D. _gelu_slope_into's formula in float64 (exp as engine/kernels/exp.py's,
+    whose C library's counterpart does not vectorize), rounded once."""
     for i in range(x.size):
         xi = np.float64(x[i])
-        a = xi * -0.5 * xi
-        ac = max(a, EXP_FLOOR)  # (a select here stops the loop vectorizing: 2x slower)
-        t = ac * LOG2_E + ROUNDER
-        k = t - ROUNDER
-        r = ac - k * LN2_HI
-        r = r - k * LN2_LO
-        r2 = r * r
-        r4 = r2 * r2
-        low = (E0 + E1 * r) + r2 * (E2 + E3 * r)
-        high = (E4 + E5 * r) + r2 * (E6 + E7 * r) + r4 * ((E8 + E9 * r) + r2 * E10)
-        two_to_k = np.int64((np.float64(t).view(np.int64) + 1023) << 52).view(np.float64)
-        e: float = (low + r4 * high) * two_to_k
-        if a < EXP_FLOOR:  # (NaN: false; the slope is NaN from x anyway)
-            e = 0.0
+        e = exp_nonpositive(xi * -0.5 * xi)  # 0 for |x| > 15.4, where x^2 phi(x) < 1e-50
         s = (xi * xi * e * ONE_OVER_ROOT_TWO_PI + np.float64(y[i])) / xi
         out[i] = 0.5 if abs(xi) < TINY_F32 else s  # (a select: the loop vectorizes)
 

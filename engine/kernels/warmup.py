@@ -281,6 +281,7 @@ def _warm_in_background() -> None:
     except Exception as exc:  # noqa: BLE001 - kernels stay off (NumPy paths); say why
         log.warning("kernel warm-up failed, the NumPy paths run: %s: %s", type(exc).__name__, exc)
         _status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+        kernels.settle()
         _done.set()
         return
     _status.update(
@@ -295,6 +296,7 @@ def _warm_in_background() -> None:
     )
     if report.enabled:
         log.info("kernels warm: %s", report.describe())
+    kernels.settle()
     _done.set()
 
 

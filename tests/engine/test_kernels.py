@@ -18,7 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not installed")
 
 KERNEL_MODULE = """
-from engine.kernels import kernel
+from engine.kernels import helper, kernel
+from hmod import scaled
+
+@helper
+def half_of(v):
+    return v / 2.0
 
 @kernel
 def halve_and_count_nans(x, out):
@@ -33,12 +38,34 @@ def halve_and_count_nans(x, out):
 def divide(a, b, out):
     for i in range(a.size):
         out[i] = a[i] / b[i]
+
+@kernel
+def halve_and_scale(x, out):
+    for i in range(x.size):
+        out[i] = scaled(half_of(x[i]))
+"""
+
+# A helper in another file, as engine/kernels/exp.py's for gelu.py and softmax.py.
+HELPER_MODULE = """
+from engine.kernels import helper
+
+FACTOR = {factor}
+
+@helper
+def offset(v):
+    return v + 0.25
+
+@helper
+def scaled(v):
+    return offset(v) * FACTOR
 """
 
 
 def run_python(code: str, tmp_path: Path, **env: str) -> str:
     """`code` in a fresh interpreter with the kernel module above importable; its stdout."""
     (tmp_path / "kmod.py").write_text(KERNEL_MODULE)
+    if not (tmp_path / "hmod.py").exists():
+        (tmp_path / "hmod.py").write_text(HELPER_MODULE.format(factor=3.0))
     full_env = {
         k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME")
     }
@@ -145,25 +172,78 @@ def test_a_kernel_runs_when_its_cache_goes_bad_after_it_was_declared(tmp_path: P
     assert out.strip() == "NullCache [0.5, 0.75]"
 
 
+def test_helpers_run_compiled_in_kernels_and_as_python_outside(tmp_path: Path) -> None:
+    out = run_python(
+        """
+        import sys, numpy as np, kmod, hmod
+        assert "numba" not in sys.modules  # declaring helpers imports nothing
+        x = np.array([1.0, -3.0, np.nan])
+        print(kmod.half_of(1.0), hmod.scaled(1.0))  # plain Python: no numba
+        assert "numba" not in sys.modules
+        out = np.empty_like(x)
+        kmod.halve_and_scale.compiled()(x, out)
+        print(out.tolist(), type(hmod.scaled.dispatcher).__name__)
+        kmod.halve_and_scale.py_func(x, out)  # the kernel as Python calls them as Python
+        print(out.tolist())
+        """,
+        tmp_path,
+    )
+    # (x / 2 + 0.25) * 3
+    assert out.split("\n")[:3] == [
+        "0.5 3.75",
+        "[2.25, -3.75, nan] CPUDispatcher",
+        "[2.25, -3.75, nan]",
+    ]
+
+
+def test_a_changed_helper_in_another_file_recompiles_its_callers(tmp_path: Path) -> None:
+    # numba's own cache knows only the kernel's file and would serve the old helper (and
+    # its old constant) from the cache; the loader keys the kernel by the helper's file.
+    code = """
+        import numpy as np, kmod
+        out = np.empty(1)
+        kmod.halve_and_scale.compiled()(np.array([1.0]), out)
+        stats = kmod.halve_and_scale.dispatcher.stats
+        print(out[0], sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+        """
+    cache = str(tmp_path / "cache")
+    # (1 / 2 + 0.25) * FACTOR
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=cache).split() == ["2.25", "0", "1"]
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=cache).split() == ["2.25", "1", "0"]
+    (tmp_path / "hmod.py").write_text(HELPER_MODULE.format(factor=5.0))
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=cache).split() == ["3.75", "0", "1"]
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=cache).split() == ["3.75", "1", "0"]
+    (tmp_path / "hmod.py").write_text(HELPER_MODULE.format(factor=3.0))  # back: recompiled
+    assert run_python(code, tmp_path, NUMBA_CACHE_DIR=cache).split()[0] == "2.25"
+
+
 def test_a_kernel_module_takes_nothing_from_other_engine_modules() -> None:
     # numba's disk cache is keyed by the kernel's own file: a constant or function
     # imported from another file is frozen into the cached code and served stale after
-    # that file changes (review r11). Only the loader may be imported: its decorator and
-    # the argument types a kernel declares for warm-up (never part of compiled code).
+    # that file changes (review r11). Only the loader may be imported: its decorator, the
+    # argument types a kernel declares for warm-up (never part of compiled code), and
+    # helpers, whose files the loader adds to their callers' cache keys.
     # (warmup.py is no kernel module: it compiles the others.)
     import ast
+    import importlib
+
+    from engine.kernels import Helper
 
     for path in sorted((ROOT / "engine" / "kernels").glob("*.py")):
         if path.name == "warmup.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine"):
-                assert node.module == "engine.kernels" and {a.name for a in node.names} <= {
-                    "kernel",
-                    "In",
-                    "Out",
-                    "Ints",
-                }, f"{path.name} imports from {node.module}"
+                names = [a.name for a in node.names]
+                if node.module == "engine.kernels":
+                    assert set(names) <= {"helper", "kernel", "In", "Out", "Ints"}, (
+                        f"{path.name}: {names}"
+                    )
+                else:
+                    assert (node.module or "").startswith("engine.kernels."), path.name
+                    module = importlib.import_module(node.module or "")
+                    for name in names:
+                        assert isinstance(getattr(module, name), Helper), f"{path.name}: {name}"
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("engine") for a in node.names), path.name
 
@@ -175,3 +255,26 @@ def test_the_erf_kernels_constants_are_erf_float32s() -> None:
     assert (gelu.P0, gelu.P1, gelu.P2, gelu.P3, gelu.P4, gelu.P5, gelu.P6) == backend._ERF_P
     assert (gelu.Q0, gelu.Q1, gelu.Q2, gelu.Q3, gelu.Q4) == backend._ERF_Q
     assert gelu.CLAMP == backend._ERF_CLAMP
+
+
+def test_only_kernels_free_of_a_numpy_paths_bits_contract_products_and_sums() -> None:
+    # contract (an FMA: one rounding instead of two) is the one fastmath flag a kernel
+    # may ask; the kernels bit-identical to their NumPy paths (erf, GELU, GELU's float64
+    # slope, the convolution windows, layer norm's steps) ask none.
+    from engine.kernels import conv, gelu, layernorm, scatter, softmax
+
+    contracting = {gelu.gelu_slope_float32_kernel, softmax.softmax_rows_float32_kernel}
+    declared = [
+        value
+        for module in (conv, gelu, layernorm, scatter, softmax)
+        for value in vars(module).values()
+        if isinstance(value, kernels.Kernel)
+    ]
+    assert contracting < set(declared)
+    for k in declared:
+        assert k.contract == (k in contracting), k
+    slope = gelu.gelu_slope_float32_kernel
+    slope.compiled()
+    assert slope.dispatcher.targetoptions["fastmath"] == {"contract"}
+    gelu.gelu_float32_kernel.compiled()
+    assert gelu.gelu_float32_kernel.dispatcher.targetoptions["fastmath"] is False

@@ -117,6 +117,14 @@ for dtype in (np.float32, np.float64):
     args = [gt.constant(v) for v in (img, w1, w2)]
     gt.grad(net, argnums=(0, 1, 2))(*args)
     gt.hvp(net, args, [gt.constant(np.ones_like(v)) for v in (img, w1, w2)])
+    def bias_and_scale(x, w, bias, scale):  # the replay's row kernels (engine/kernels/rows.py)
+        h = gt.matmul(x, w) + bias
+        h = bias + gt.tanh(h)
+        return gt.sum(gt.tanh(h * scale) * (scale * h))
+    jitted = gt.jit(bias_and_scale).value_and_grad((0, 1, 2, 3))
+    for _ in range(4):  # dynamic, captured, replayed twice
+        jitted(*[gt.constant(rng.standard_normal(s).astype(dtype))
+                 for s in ((4, 5, 6), (6, 7), (7,), (7,))])
     frozen_img = img.copy()
     frozen_img.setflags(write=False)
     gt.grad(net, argnums=(0,))(gt.constant(frozen_img), *args[1:])
@@ -241,3 +249,67 @@ def test_a_modules_kernels_are_released_together(tmp_path: Path) -> None:
     )
     assert gather_warm and not col2im_warm and held and missing > 0
     assert total == 4 * 9 * 2 * 3  # 2 x 2 outputs' 3 x 3 windows, 2 channels, 3 filters
+
+
+HELD_INEXACT = """
+import json, threading
+import numpy as np
+import engine as gt
+from engine import kernels
+from engine.kernels import softmax, warmup
+
+kernels.hold_until_warm()
+x = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
+before = {}
+def request():  # a request that needs softmax while warm-up has not readied it
+    before["waited"] = not released.is_set()
+    before["answer"] = gt.softmax(gt.constant(x), -1).numpy()
+released = threading.Event()
+t = threading.Thread(target=request)
+t.start()
+# (the request reaches compiled() and waits; warm-up then readies the kernels)
+warmup.warm()
+released.set()
+kernels.settle()
+t.join()
+after = gt.softmax(gt.constant(x), -1).numpy()
+print(json.dumps({"same": bool(np.array_equal(before["answer"], after)),
+                  "waited": before["waited"]}))
+"""
+
+
+def test_a_held_kernel_not_bound_to_numpys_bits_waits_for_warm_up(filled) -> None:
+    """softmax's kernel answers other last bits than its NumPy path (contract=True): a
+    request that needs it while warm-up runs waits for it, so the same request gets the
+    same bits before and after warm-up (review r12); a kernel bound to NumPy's bits (the
+    others) answers None at once, its NumPy path."""
+    cache, _ = filled
+    out = json.loads(run_python(["-c", textwrap.dedent(HELD_INEXACT)], cache))
+    assert out["same"], out
+
+
+def test_only_the_contracting_kernels_differ_from_their_numpy_paths() -> None:
+    """Kernel.compiled makes a held kernel wait only where contract=True: the kernels
+    whose NumPy paths give other bits must be exactly those."""
+    from engine.kernels import gelu, softmax
+
+    contracting = {k.__name__ for k in warmup.declared() if k.contract}
+    assert contracting == {
+        softmax.softmax_rows_float32_kernel.__name__,
+        gelu.gelu_slope_float32_kernel.__name__,
+    }
+
+
+def test_a_held_kernel_bound_to_numpys_bits_runs_numpy_until_warm(tmp_path: Path) -> None:
+    """Before warm-up readies them, the exact kernels answer None (the NumPy path) at
+    once, and after settle() (warm-up ended without them) so do the contracting ones."""
+    code = """
+    from engine import kernels
+    from engine.kernels import gelu, softmax
+    kernels.hold_until_warm()
+    assert gelu.gelu_float32_kernel.compiled() is None
+    kernels.settle()
+    assert softmax.softmax_rows_float32_kernel.compiled() is None
+    print("ok")
+    """
+    assert run_python(["-c", textwrap.dedent(code)], tmp_path).strip() == "ok"

@@ -51,6 +51,7 @@ NOT_LOOKED_THROUGH = {
     "einsum": "refused",
     "solve": "refused",
     "scatter_add": "refused",
+    "scatter_slices": "refused",
 }
 
 # A constant for each keyword parameter of an elementwise impl (none is a copy or a sum

@@ -199,6 +199,7 @@ NOT_FOLLOWED = {
     "einsum": "refused",
     "solve": "refused",
     "scatter_add": "refused",
+    "scatter_slices": "refused",
     # a Variable's read: the walk starts from tensors, never from Variables
     "read_variable": "not reached",
 }

@@ -76,14 +76,15 @@ X = np.linspace(-3, 3, 64, dtype=np.float32).reshape(4, 16)
 W = np.cos(np.arange(64, dtype=np.float32)).reshape(4, 16)
 
 
-def gelu_payload() -> dict:
-    """The gradient of sum(gelu(x) w) in float32 (the GELU and slope kernels' dtype)."""
+def gelu_payload(dtype: str = "float32") -> dict:
+    """The gradient of sum(gelu(x) w) (float32: the GELU and contracting slope kernels'
+    dtype; float64: GELU's erf from SciPy, the slope's kernel bound to NumPy's bits)."""
     from service.api.payloads import gradient
     from service.api.schemas import GradientRequest
 
     body = {
         "definition": {
-            "inputs": {"x": t64(X), "w": t64(W)},
+            "inputs": {"x": t64(X, dtype), "w": t64(W, dtype)},
             "program": ["y = sum(gelu(x) * w)"],
         },
         "target": "y",
@@ -145,8 +146,11 @@ def test_a_cold_cache_compiles_in_a_process_that_outlives_its_worker(
         pool = WorkerPool(Settings(workers=1, worker_warm_kernels=True))
         await pool.start()  # the hello: readiness waits for no compilation
         try:
-            # Served while warming, on the NumPy paths (no kernel is warmed).
-            reply = await pool.submit("gradient", gelu_payload())
+            # Served while warming, on the NumPy paths (no kernel is warmed). In float64:
+            # float32's slope kernel is one of the two whose bits differ from its NumPy
+            # path's, which a request waits for rather than answer other bits
+            # (tests/engine/test_kernels_warmup.py), and this warm-up waits on the test.
+            reply = await pool.submit("gradient", gelu_payload("float64"))
             check_gelu_gradient(reply.result)
             deadline = time.monotonic() + HANG_GUARD
             while (
