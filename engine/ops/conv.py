@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from engine import backend
 from engine.backend import host
 from engine.kernels import conv as kernels
+from engine.ops import winograd
 from engine.ops._util import coerce_pair
 from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
@@ -221,6 +222,26 @@ def _compiled(xp: Any, a: Any, nd: int) -> bool:
         and a.dtype.char in "fd"  # float32, float64 in the machine's byte order
         and a.dtype.isnative
         and kernels.gather2d.compiled() is not None
+    )
+
+
+# WINOGRAD: the stride-1 3 x 3 convolutions of the host by Winograd's F(2 x 2, 3 x 3)
+# (engine/ops/winograd.py): 2.25x fewer multiply-adds in the GEMMs, transformed tiles 4/9
+# the windows' size (bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1 input
+# cotangents"). Not the im2col GEMM's bits, but in its rounding class: at most 2.6 / 1.9
+# epsilons of the products' magnitude in float32 / float64, against the GEMM's 1.7 / 1.6
+# (tests/engine/test_winograd.py). False: the windows' GEMM everywhere.
+WINOGRAD = True
+
+
+def _winograd(images: list, kernels_: list, kernel: tuple, dilations: tuple, groups: int) -> bool:
+    """Whether the stride-1 convolution of these images (one dtype) runs by Winograd."""
+    dtype = images[0].dtype
+    return (
+        WINOGRAD
+        and len(kernel) == 2
+        and all(x.dtype == dtype for x in images + kernels_)
+        and winograd.applies(host, kernel, dilations, groups, dtype)
     )
 
 
@@ -469,7 +490,12 @@ def _conv_input_stacked(
         if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
             lead = g0.shape[: -nd - 1]
             images = [g.reshape((math.prod(lead),) + g.shape[-nd - 1 :]) for g, _ in pairs]
-            dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups, n)
+            if _winograd(images, [w for _, w in pairs], kernel, dilations, groups):
+                # the flipped kernels, channel axes swapped: (C, O, 3, 3)
+                flipped = [w[..., ::-1, ::-1].swapaxes(0, 1) for _, w in pairs]
+                dx = winograd.conv3x3(images, flipped, tpads, n)
+            else:
+                dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups, n)
             return dx.reshape(lead + (groups * cg,) + tuple(spatial))
         parts = []
         for g, _ in pairs:
