@@ -43,8 +43,8 @@ def winograd_input(xf, x_at, x_shape, vf, v_at, tiles, pads):  # pragma: no cove
         d[r, s] = x[m, c, 2a - ph + r, 2b - pw + s]   (zero outside x)
         vf[v0 + xi * s_xi + c * s_c + (m * th + a) * (tw + 1) + b] = (B^T d B)[xi // 4, xi % 4]
 
-    for b < tw; b = tw is a spare tile per row of tiles (finite values of no meaning; its
-    GEMM column and its outputs are never read). x: flat memory xf, x_at = (offset,
+    for b < tw; b = tw is a spare tile per row of tiles, zero (the products' GEMM
+    columns of the spare tiles are never read; the kernel's cotangent's are zero). x: flat memory xf, x_at = (offset,
     stride m, c, h, w), x_shape = (M, C, H, W); v_at = (v0, s_xi, s_c); tiles = (th,
     tw); pads = (ph, pw) (negative: a crop).
 
@@ -123,6 +123,10 @@ def winograd_input(xf, x_at, x_shape, vf, v_at, tiles, pads):  # pragma: no cove
                             vf[np.uintp(o + q)] = (z[np.uintp(p11 + q)] - z[np.uintp(p21 + q)]) - (
                                 z[np.uintp(p12 + q)] - z[np.uintp(p22 + q)]
                             )
+            for k in range(16):  # the spare tiles: zero (they may read a cropped inf)
+                o = out + k * s_xi + tw
+                for a in range(th):
+                    vf[np.uintp(o + a * tw1)] = zero
 
 
 @kernel
@@ -189,3 +193,72 @@ def winograd_output(mf, m_at, of, o_at, o_shape, tiles):  # pragma: no cover - n
                     of[np.uintp(row + 2 * b + 1)] = y[np.uintp(yo + b)]
                 if ow_n % 2:
                     of[np.uintp(row + ow_n - 1)] = y[np.uintp(ye + ow_n // 2)]
+
+
+@kernel
+def winograd_cotangent(gf, g_at, g_shape, vf, v_at, tiles):  # pragma: no cover - numba
+    """winograd_output's transpose, for the kernel's cotangent: A g A^T of every image
+    m, channel o and tile (a, b) of the output cotangent g's 2 x 2 cells,
+
+        g_t[i, j] = g[m, o, 2a + i, 2b + j]   (zero outside g)
+        vf[v0 + xi * s_xi + o * s_o + (m * th + a) * (tw + 1) + b] = (A g_t A^T)[xi // 4, xi % 4]
+
+    and zero for the spare tiles b = tw (so that the input's spare tiles, whose values
+    mean nothing, add nothing to the GEMM over tiles). g: flat memory gf, g_at =
+    (offset, stride m, o, h, w), g_shape = (M, O, OH, OW); v_at = (v0, s_xi, s_o); tiles =
+    (th, tw). A = [1 0; 1 1; 1 -1; 0 -1]: the rows of A g are g0, g0 + g1, g0 - g1, -g1
+    (exact but for the one rounding of a sum), and the columns likewise. g is split by
+    the parity of its rows and columns first, as the input is in winograd_input (loops
+    over a whole plane's tiles)."""
+    go, sgm, sgo, sgh, sgw = g_at
+    n_img, chans, oh_n, ow_n = g_shape
+    v0, s_xi, s_o = v_at
+    th, tw = tiles
+    zero = vf.dtype.type(0)
+    tw1 = tw + 1
+    n_q = th * tw1
+    p = np.empty(4 * n_q, vf.dtype)  # g's cells (2a + i, 2b + j) at (2 i + j) * n_q + q
+    r = np.empty(8 * n_q, vf.dtype)  # A g: row k's column j at (2 k + j) * n_q + q
+    for m in range(n_img):
+        for o in range(chans):
+            plane = go + m * sgm + o * sgo
+            for i in range(2):
+                for j in range(2):
+                    base = (2 * i + j) * n_q
+                    b_hi = min(max(0, (ow_n - j + 1) // 2), tw1)
+                    for a in range(th):
+                        oh = 2 * a + i
+                        row = base + a * tw1
+                        hi = b_hi if oh < oh_n else 0
+                        src = plane + oh * sgh + j * sgw
+                        for b in range(hi):
+                            p[np.uintp(row + b)] = gf[np.uintp(src + 2 * b * sgw)]
+                        for b in range(hi, tw1):
+                            p[np.uintp(row + b)] = zero
+            for j in range(2):  # A's rows: g0, g0 + g1, g0 - g1, -g1
+                g0 = j * n_q
+                g1 = (2 + j) * n_q
+                for q in range(n_q):
+                    r[np.uintp(j * n_q + q)] = p[np.uintp(g0 + q)]
+                for q in range(n_q):
+                    r[np.uintp((2 + j) * n_q + q)] = p[np.uintp(g0 + q)] + p[np.uintp(g1 + q)]
+                for q in range(n_q):
+                    r[np.uintp((4 + j) * n_q + q)] = p[np.uintp(g0 + q)] - p[np.uintp(g1 + q)]
+                for q in range(n_q):
+                    r[np.uintp((6 + j) * n_q + q)] = -p[np.uintp(g1 + q)]
+            out = v0 + o * s_o + m * n_q
+            for k in range(4):  # the columns, the same
+                c0 = 2 * k * n_q
+                c1 = c0 + n_q
+                dst = out + 4 * k * s_xi
+                for q in range(n_q):
+                    vf[np.uintp(dst + q)] = r[np.uintp(c0 + q)]
+                dst += s_xi
+                for q in range(n_q):
+                    vf[np.uintp(dst + q)] = r[np.uintp(c0 + q)] + r[np.uintp(c1 + q)]
+                dst += s_xi
+                for q in range(n_q):
+                    vf[np.uintp(dst + q)] = r[np.uintp(c0 + q)] - r[np.uintp(c1 + q)]
+                dst += s_xi
+                for q in range(n_q):
+                    vf[np.uintp(dst + q)] = -r[np.uintp(c1 + q)]

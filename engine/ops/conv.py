@@ -245,6 +245,31 @@ def _winograd(images: list, kernels_: list, kernel: tuple, dilations: tuple, gro
     )
 
 
+# The same for a convolution's windows (gather_p): on the host, for a stride-1 3 x 3
+# convolution whose output rows are at least WINOGRAD_MIN_WIDTH wide, gather_p gives the
+# input's Winograd transform V (winograd.transform_input) instead of its windows, and
+# the convolution (conv_p) and its kernel's cotangent (conv_weight_p) that take it as
+# their last operand multiply it (winograd.conv_transformed, weight_transformed).
+# Narrower outputs keep the windows: the transforms' loops run over a plane's tiles
+# (one spare per row of tiles) and at 8 x 8 they measured slower than the windows' GEMM.
+WINOGRAD_MIN_WIDTH = 16
+
+
+def _winograd_windows(
+    xp: Any, x: Any, kernel: tuple, strides: tuple, pads: Pads, dilations: tuple, groups: int
+) -> bool:
+    """Whether gather_p transforms x for Winograd rather than gathering its windows:
+    decided from x and the window alone, so that the gather and the two products that
+    take its result agree."""
+    return (
+        WINOGRAD
+        and len(kernel) == 2
+        and tuple(strides) == (1, 1)
+        and x.shape[-1] + pads[1][0] + pads[1][1] - 2 >= WINOGRAD_MIN_WIDTH
+        and winograd.applies(xp, kernel, dilations, groups, x.dtype)
+    )
+
+
 def _as_2d(nd: int, *params: tuple) -> list:
     """A 1-d convolution's window parameters as a 2-d one's of height 1."""
     if nd == 2:
@@ -381,6 +406,33 @@ def _gather_impl(
     return cols
 
 
+def _gather_prim(
+    xp: Any,
+    x: Any,
+    *,
+    kernel: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+    out: Any = None,
+) -> Any:
+    """gather_p: x's windows (_gather_impl), or its Winograd transform where
+    _winograd_windows says so."""
+    if _winograd_windows(xp, x, kernel, strides, pads, dilations, groups):
+        return winograd.transform_input(x, pads, out)
+    return _gather_impl(
+        xp,
+        x,
+        kernel=kernel,
+        strides=strides,
+        pads=pads,
+        dilations=dilations,
+        groups=groups,
+        out=out,
+    )
+
+
 def _rows(g: Any, nd: int, groups: int) -> Any:
     """An output-shaped g (*lead, N, O, *out) -> (*lead, G, O/G, N * P), copied only when
     its memory is not in that order already (a conv's own result is)."""
@@ -410,6 +462,8 @@ def _conv_impl(
     nd = len(strides)
     kernel, o = w.shape[-nd:], w.shape[-nd - 2]
     out = _out_sizes(x.shape[-nd:], kernel, strides, dilations, pads)
+    if _winograd_windows(xp, x, kernel, strides, pads, dilations, groups):
+        return winograd.conv_transformed(cols, w, x.shape[-nd - 2], out)
     wm = w.reshape(_lead(w, nd) + (groups, o // groups, w.shape[-nd - 1] * math.prod(kernel)))
     return _unrows(xp.matmul(wm, cols), x.shape[-nd - 2], out)
 
@@ -662,12 +716,14 @@ def _conv_weight_impl(
     groups: int,
 ) -> Any:
     nd = len(kernel)
+    if _winograd_windows(xp, x, kernel, strides, pads, dilations, groups):
+        return winograd.weight_transformed(cols, g)
     dw = xp.matmul(_rows(g, nd, groups), cols.swapaxes(-1, -2))  # (*L, G, O/G, C/G * K)
     o, c = g.shape[-nd - 1], x.shape[-nd - 1]
     return dw.reshape(dw.shape[:-3] + (o, c // groups) + tuple(kernel))
 
 
-gather_p = primitive("conv_gather", _gather_impl)
+gather_p = primitive("conv_gather", _gather_prim)
 # The second backward of a reused HVP gathers one cotangent's windows twice, for
 # conv_input's VJP in its cotangent (a convolution) and in its kernel (conv_weight): a
 # compiled replay gathers them once.
@@ -680,7 +736,7 @@ def _gather_form(params: dict, operands: list, value: Any) -> Any:
     buffer kept between passes: no fresh pages to fault in per pass)."""
     if not _compiled(host, value, len(params["kernel"])):
         return None
-    return lambda x, out: _gather_impl(host, x, out=out, **params)
+    return lambda x, out: _gather_prim(host, x, out=out, **params)
 
 
 defform(gather_p, _gather_form)

@@ -44,11 +44,11 @@ def applies(xp: Any, kernel: tuple, dilations: tuple, groups: int, dtype: Any) -
 
 
 def kernel_transform(k: Any) -> Any:
-    """U = G k G^T of kernels k (O, C, 3, 3) as (16, O, C), C-contiguous, in k's dtype
-    (G's entries are exact in binary: the products round as any float op's)."""
+    """U = G k G^T of kernels k (*lead, O, C, 3, 3) as (*lead, 16, O, C), C-contiguous, in
+    k's dtype (G's entries are exact in binary: the products round as any float op's)."""
     g = _G.astype(k.dtype)
-    u = g @ k @ g.T  # (O, C, 4, 4)
-    return np.ascontiguousarray(u.reshape(u.shape[:2] + (16,)).transpose(2, 0, 1))
+    u = g @ k @ g.T  # (*lead, O, C, 4, 4)
+    return np.ascontiguousarray(np.moveaxis(u.reshape(u.shape[:-2] + (16,)), -1, -3))
 
 
 def conv3x3(xs: list, ks: list, pads: Pads, batch: int) -> Any:
@@ -102,3 +102,118 @@ def conv3x3(xs: list, ks: list, pads: Pads, batch: int) -> Any:
         backward(m_flat, (0, o * t, t), yf, o_at, (mc, o, oh, ow), (th, tw))
         m0 += mc
     return y
+
+
+# ---- a convolution's input transformed once, for the convolution and its kernel's
+# cotangent (engine/ops/conv.py's gather_p: V instead of the windows) ----
+def _tiles(out: tuple) -> tuple[int, int, int]:
+    """(th, tw, tiles per image in the transforms' layout: a spare one per row)."""
+    th, tw = (out[0] + 1) // 2, (out[1] + 1) // 2
+    return th, tw, th * (tw + 1)
+
+
+def _output(spatial: tuple, pads: Pads) -> tuple[int, int]:
+    (pt, pb), (pl, pr) = pads
+    return spatial[0] + pt + pb - 2, spatial[1] + pl + pr - 2
+
+
+def transformed_shape(x_shape: tuple, pads: Pads) -> tuple:
+    """V's shape for x (*lead, N, C, H, W): (*lead, 16, C, N * tiles per image)."""
+    *lead, n, c, h, w = x_shape
+    return (*lead, 16, c, n * _tiles(_output((h, w), pads))[2])
+
+
+def transform_input(x: Any, pads: Pads, out: Any = None) -> Any:
+    """V = B^T d B of every tile of x (*lead, N, C, H, W): (*lead, 16, C, N * tiles) (into
+    `out` when given, C-contiguous)."""
+    n, c, h, w = x.shape[-4:]
+    th, tw, n_q = _tiles(_output((h, w), pads))
+    if out is None:
+        out = np.empty(transformed_shape(x.shape, pads), x.dtype)
+    vf = out.reshape(-1)
+    forward = kernels.winograd_input.compiled()
+    assert forward is not None  # applies() chose this route
+    blocks = x.reshape((-1, n, c, h, w))
+    for i in range(blocks.shape[0]):
+        found = conv_kernels.flat(blocks[i])
+        xf, (sm, sc, sh, sw) = found or conv_kernels.flat(np.ascontiguousarray(blocks[i]))  # type: ignore[misc]
+        v_at = (i * 16 * c * n * n_q, c * n * n_q, n * n_q)
+        forward(xf, (0, sm, sc, sh, sw), (n, c, h, w), vf, v_at, (th, tw), (pads[0][0], pads[1][0]))
+    return out
+
+
+def _pick(a: Any, core: int, index: tuple) -> Any:
+    """a's block (its last `core` axes) at the leading index `index` of the broadcast of
+    the operands' leading axes (a's own leading axes: fewer, or of size 1)."""
+    own = a.shape[: a.ndim - core]
+    at = index[len(index) - len(own) :]
+    return a[tuple(0 if s == 1 else i for s, i in zip(own, at))]
+
+
+def conv_transformed(v: Any, w: Any, n: int, out: tuple) -> Any:
+    """The stride-1 3 x 3 convolution of the images whose transform is v (*lx, 16, C, N *
+    tiles) with kernels w (*lw, O, C, 3, 3): (*L, N, O, *out) over (*L, O, N, *out)
+    memory, a convolution's own order (engine/ops/conv.py, _CONV_LAYOUT)."""
+    u = kernel_transform(w)  # (*lw, 16, O, C)
+    o = u.shape[-2]
+    lead = np.broadcast_shapes(u.shape[:-3], v.shape[:-3])
+    th, tw, n_q = _tiles(out)
+    dtype = np.result_type(u, v)
+    y = np.empty(lead + (o, n) + tuple(out), dtype)
+    yf = y.reshape(-1)
+    plane = out[0] * out[1]
+    per_chunk = builtins.max(1, CHUNK_BYTES // builtins.max(1, 16 * o * n_q * dtype.itemsize))
+    per_chunk = builtins.min(per_chunk, builtins.max(n, 1))
+    m_flat = np.empty(16 * o * per_chunk * n_q, dtype)
+    backward = kernels.winograd_output.compiled()
+    assert backward is not None  # applies() chose this route
+    for k, index in enumerate(np.ndindex(*lead)):
+        uk, vk = _pick(u, 3, index), _pick(v, 3, index)
+        for m0 in range(0, n, per_chunk):
+            mc = builtins.min(per_chunk, n - m0)
+            t = mc * n_q
+            mm = m_flat[: 16 * o * t].reshape(16, o, t)
+            np.matmul(uk, vk[:, :, m0 * n_q : m0 * n_q + t], out=mm)
+            o_at = (k * o * n * plane + m0 * plane, plane, n * plane, out[1])
+            backward(m_flat, (0, o * t, t), yf, o_at, (mc, o, *out), (th, tw))
+    return y.swapaxes(-4, -3)
+
+
+def weight_transformed(v: Any, g: Any) -> Any:
+    """The kernel's cotangent of the stride-1 3 x 3 convolution of the images whose
+    transform is v (*lx, 16, C, N * tiles), for the output cotangent g (*lg, N, O, OH,
+    OW): (*L, O, C, 3, 3) = G^T [sum over tiles of (A g A^T) V] G per cell pair."""
+    lead = np.broadcast_shapes(g.shape[:-4], v.shape[:-3])
+    n, o, oh, ow = g.shape[-4:]
+    c = v.shape[-2]
+    th, tw, n_q = _tiles((oh, ow))
+    dtype = np.result_type(g, v)
+    per_chunk = builtins.max(1, CHUNK_BYTES // builtins.max(1, 16 * o * n_q * dtype.itemsize))
+    per_chunk = builtins.min(per_chunk, builtins.max(n, 1))
+    gg_flat = np.empty(16 * o * per_chunk * n_q, g.dtype)
+    d = np.zeros(lead + (16, o, c), dtype)
+    part = np.empty((16, o, c), dtype)
+    transpose = kernels.winograd_cotangent.compiled()
+    assert transpose is not None  # applies() chose this route
+    for index in np.ndindex(*lead):
+        vk, gk = _pick(v, 3, index), _pick(g, 4, index)
+        found = conv_kernels.flat(gk)
+        gf, (sm, so, sh, sw) = found or conv_kernels.flat(np.ascontiguousarray(gk))  # type: ignore[misc]
+        dk = d[index]
+        for m0 in range(0, n, per_chunk):
+            mc = builtins.min(per_chunk, n - m0)
+            t = mc * n_q
+            transpose(
+                gf, (m0 * sm, sm, so, sh, sw), (mc, o, oh, ow), gg_flat, (0, o * t, t), (th, tw)
+            )
+            gg = gg_flat[: 16 * o * t].reshape(16, o, t)
+            cols = vk[:, :, m0 * n_q : m0 * n_q + t].swapaxes(-1, -2)
+            if m0 == 0:
+                np.matmul(gg, cols, out=dk)
+            else:
+                np.matmul(gg, cols, out=part)
+                dk += part
+    # G^T D G per (o, c): D's 16 cells as a 4 x 4 matrix
+    gm = _G.astype(dtype)
+    cells = np.moveaxis(d.reshape(lead + (4, 4, o, c)), (-4, -3), (-2, -1))  # (*L, O, C, 4, 4)
+    return gm.T @ cells @ gm

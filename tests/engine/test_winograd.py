@@ -204,13 +204,21 @@ def test_what_stays_on_the_windows_gemm(monkeypatch) -> None:
     assert len(calls) == 1
 
 
-def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch) -> None:
+@pytest.mark.parametrize("transformed", [False, True])
+def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch, transformed) -> None:
     """A two-layer stride-1 3 x 3 network in float64: its gradient and Hessian-vector
-    products (dynamic, and a HessianOperator's compiled replay) against PyTorch's double
-    backward, at the project's 1e-12 agreement; Winograd ran."""
+    products (dynamic, K vectors in one pass, and a HessianOperator's compiled replay)
+    against PyTorch's double backward, at the project's 1e-12 agreement; Winograd ran
+    for the input cotangents, and (transformed) for the convolutions and the kernels'
+    cotangents too."""
     torch = pytest.importorskip("torch")
+    if transformed:
+        monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_WIDTH", 1)
+    transforms: list = []
+    inner = winograd.transform_input
+    monkeypatch.setattr(winograd, "transform_input", lambda *a: transforms.append(a) or inner(*a))
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((3, 2, 7, 6))
+    x = rng.standard_normal((3, 2, 7, 5))  # odd sizes: a last tile half outside
     w1 = 0.5 * rng.standard_normal((4, 2, 3, 3))
     w2 = 0.5 * rng.standard_normal((3, 4, 3, 3))
     v1, v2 = rng.standard_normal(w1.shape), rng.standard_normal(w2.shape)
@@ -223,11 +231,18 @@ def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch) -> Non
     grads = gt.grad(lambda a, b: loss(gt.constant(x), a, b), argnums=(0, 1))(w1, w2)
     hvps = gt.hvp(lambda a, b: loss(gt.constant(x), a, b), (w1, w2), (v1, v2))
     assert calls, "Winograd did not run"
+    assert bool(transforms) == transformed
     op = gt.hessian_operator(lambda a, b: loss(gt.constant(x), a, b), w1, w2)
     replayed = [op.hvp(v1, v2) for _ in range(4)]  # dynamic, captured, then compiled
     for again in replayed[1:]:  # the replay runs the same impls: the same bits
         for mine, first in zip(again, replayed[0], strict=True):
             np.testing.assert_array_equal(np.asarray(mine), np.asarray(first))
+    many = op.hvp_many(np.stack([v1, -v1, 2 * v1]), np.stack([v2, -v2, 2 * v2]))
+    for got, single in zip(many, replayed[-1], strict=True):
+        single = np.asarray(single)
+        scale = float(np.abs(single).max())
+        for k, factor in enumerate((1, -1, 2)):
+            np.testing.assert_allclose(np.asarray(got)[k], factor * single, atol=1e-12 * scale)
 
     tx = torch.from_numpy(x)
     ta = torch.from_numpy(w1).requires_grad_()
@@ -242,3 +257,95 @@ def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch) -> Non
         want = want.numpy()
         scale = float(np.abs(want).max())
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-12 * scale)
+
+
+# ---- the windows' transform shared by a convolution and its kernel's cotangent ----
+gather = impl_rules[conv_ops.gather_p]
+conv = impl_rules[conv_ops.conv_p]
+conv_weight = impl_rules[conv_ops.conv_weight_p]
+
+
+@pytest.fixture
+def every_width(monkeypatch: Any) -> None:
+    """Winograd's windows at every output width (the engine keeps it to wide rows)."""
+    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_WIDTH", 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "lx, lw, lg, n, c, o, hw, pads",
+    [((), (), (), 4, 3, 5, (7, 9), ((1, 1), (1, 1))), ((2,), (), (2,), 2, 2, 3, (5, 4), ((0, 2), (1, 1))),
+     ((), (3,), (3,), 2, 2, 3, (4, 4), ((1, 1), (1, 1))), ((1,), (2,), (2, 1), 1, 1, 1, (1, 1), ((1, 1), (1, 1))),
+     ((), (), (), 3, 4, 2, (6, 6), ((-1, 1), (2, 0))), ((), (), (), 2, 1, 2, (3, 3), ((0, 0), (0, 0)))],
+)  # fmt: skip
+def test_conv_and_its_kernel_cotangent_from_the_transform(
+    dtype, lx, lw, lg, n, c, o, hw, pads, every_width
+) -> None:
+    """gather_p's transform, conv_p and conv_weight_p on it (leading axes on either
+    operand, broadcast), against PyTorch's float64 conv2d and its weight gradient and
+    against the windows' route on the same operands."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    out = tuple(s + sum(p) - 2 for s, p in zip(hw, pads))
+    x = _layout(rng.standard_normal(lx + (n, c) + hw).astype(dtype), "conv")
+    w = rng.standard_normal(lw + (o, c, 3, 3)).astype(dtype)
+    g = rng.standard_normal(lg + (n, o) + out).astype(dtype)
+    window = {"strides": (1, 1), "pads": pads, "dilations": (1, 1), "groups": 1}
+    v = gather(np, x, kernel=(3, 3), **window)
+    assert v.shape == winograd.transformed_shape(x.shape, pads)
+    y = conv(np, x, w, v, **window)
+    dw = conv_weight(np, x, g, v, kernel=(3, 3), **window)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(conv_ops, "WINOGRAD", False)
+        cols = gather(np, x, kernel=(3, 3), **window)
+        y_windows = conv(np, x, w, cols, **window)
+        dw_windows = conv_weight(np, x, g, cols, kernel=(3, 3), **window)
+    assert y.shape == y_windows.shape and y.strides == y_windows.strides
+    assert dw.shape == dw_windows.shape
+
+    (pt, pb), (pl, pr) = pads
+
+    def padded(a: np.ndarray) -> Any:
+        a = a[..., max(0, -pt) : a.shape[-2] - max(0, -pb), max(0, -pl) : a.shape[-1] - max(0, -pr)]
+        t = torch.from_numpy(np.array(a, np.float64))
+        return torch.nn.functional.pad(t, (max(0, pl), max(0, pr), max(0, pt), max(0, pb)))
+
+    lead_y = np.broadcast_shapes(lx, lw)
+    xs = np.broadcast_to(x, lead_y + x.shape[-4:]).reshape((-1,) + x.shape[-4:])
+    ws = np.broadcast_to(w, lead_y + w.shape[-4:]).reshape((-1,) + w.shape[-4:])
+    want_y = np.stack(
+        [torch.nn.functional.conv2d(padded(a), torch.from_numpy(b.astype(np.float64))).numpy()
+         for a, b in zip(xs, ws)]
+    ).reshape(y.shape)  # fmt: skip
+    lead_w = np.broadcast_shapes(lx, lg)
+    xs = np.broadcast_to(x, lead_w + x.shape[-4:]).reshape((-1,) + x.shape[-4:])
+    gs = np.broadcast_to(g, lead_w + g.shape[-4:]).reshape((-1,) + g.shape[-4:])
+    want_dw = np.stack(
+        [torch.nn.grad.conv2d_weight(padded(a), (o, c, 3, 3), torch.from_numpy(b.astype(np.float64))).numpy()
+         for a, b in zip(xs, gs)]
+    ).reshape(dw.shape)  # fmt: skip
+    tol = 1e-13 if dtype == np.float64 else 3e-5
+    for got, windows, want in ((y, y_windows, want_y), (dw, dw_windows, want_dw)):
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale)
+        np.testing.assert_allclose(windows, want, rtol=0, atol=tol * scale)
+
+
+def test_the_spare_tiles_add_nothing(every_width) -> None:
+    """The transform's spare tile per row of tiles (engine/kernels/winograd.py) reads two
+    columns past the last tile's; under a crop those are x's, here infinities that the
+    convolution never reads: the kernel's cotangent stays finite, as the windows' is."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 6, 6))
+    x[..., 5] = np.inf  # cropped by the right pad of -1; the spare tiles read column 5
+    g = rng.standard_normal((2, 4, 6, 4))
+    window = {"strides": (1, 1), "pads": ((1, 1), (1, -1)), "dilations": (1, 1), "groups": 1}
+    v = gather(np, x, kernel=(3, 3), **window)
+    assert not v.reshape(16, 3, 2, 3, 3)[..., 2].any()  # th = 3 rows of tw = 2 tiles + 1
+    dw = conv_weight(np, x, g, v, kernel=(3, 3), **window)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(conv_ops, "WINOGRAD", False)
+        cols = gather(np, x, kernel=(3, 3), **window)
+        want = conv_weight(np, x, g, cols, kernel=(3, 3), **window)
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(dw, want, rtol=1e-13, atol=1e-13)
