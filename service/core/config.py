@@ -160,6 +160,28 @@ class Settings(BaseSettings):
         description="seconds between checks that a waiting request's client is still connected",
     )
 
+    # Worker health (the pool's pings: readiness reports, liveness replaces) ---------------
+    worker_ping_interval: float = Field(
+        default=10.0,
+        ge=0,
+        description="seconds an idle worker may go without answering anything before the "
+        "pool pings it (a worker that answers requests is never pinged); 0: no pings, and "
+        "an idle worker that hangs is found only by the next request's time limit",
+    )
+    worker_ready_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="a ping unanswered this long shows its worker `unresponsive` in /readyz "
+        "(503 not-ready); nothing is done to the worker",
+    )
+    worker_liveness_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="a ping unanswered this long: its worker is deemed hung, killed and "
+        "replaced (restart reason `unresponsive`); a busy worker is governed by its "
+        "request's time limit instead",
+    )
+
     # Sizes of what a request may ask for -------------------------------------------------
     hessian_max_size: int = Field(
         default=defaults.HESSIAN_MAX_SIZE,

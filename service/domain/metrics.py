@@ -90,7 +90,7 @@ class Metrics(PoolObserver):
         )
         self.started = Counter(
             "gradtape_worker_requests",
-            "Requests handed to each worker, readiness pings aside (a request cancelled "
+            "Requests handed to each worker, the pool's pings aside (a request cancelled "
             "while it waited in the queue never is)",
             ["worker"],
             registry=r,
@@ -98,7 +98,8 @@ class Metrics(PoolObserver):
         self.worker_restarts = Counter(
             "gradtape_worker_restarts",
             "Workers replaced, by reason: timeout (past a time limit), cancel (its client left or "
-            "its job was cancelled), crash",
+            "its job was cancelled), crash, unresponsive (an idle worker that did not answer the pool's "
+            "ping within worker_liveness_timeout)",
             ["worker", "reason"],
             registry=r,
         )

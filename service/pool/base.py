@@ -88,9 +88,16 @@ class WorkerInfo:
     index: int
     pid: int | None
     device: str
-    state: str  # starting, idle, busy, down
+    # starting, idle, busy, unresponsive (a ping unanswered past worker_ready_timeout;
+    # internally busy with it), down. A worker answering a ping is shown idle: a ping is
+    # no work, and it answers in microseconds.
+    state: str
     generation: int
     restarts: int
+    # Seconds since the worker last sent anything (its hello, an answer, a progress
+    # report); None while it is starting or down. A busy worker is silent while it
+    # computes, within its request's time limit.
+    silent_seconds: float | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -209,5 +216,10 @@ class Pool(Protocol):
         """Let kept answers (or shared fields) go that no request will need (their
         request failed or was cancelled, or answered); unknown keys are ignored."""
 
-    async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
-        """Health: ping the idle workers, replace the ones that do not answer."""
+    async def check(self) -> list[WorkerInfo]:
+        """Readiness: the workers as the pool last saw them. It sends nothing and changes
+        nothing, so a probe polled on a loaded host cannot get a worker replaced: the
+        pool's own pings (every worker_ping_interval, idle workers only) keep the states
+        current; a ping unanswered past worker_ready_timeout shows its worker
+        `unresponsive`, and past worker_liveness_timeout the pool replaces it (reason
+        "unresponsive": liveness is the pool's decision, never a probe's)."""

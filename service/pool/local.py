@@ -21,6 +21,13 @@ the event loop never runs engine code, it only waits on sockets.
   its worker's next op through the worker's cancel flag (a shared integer the worker
   compares with the id of the request it runs), and the caller gets Cancelled at once.
   A worker that does not stop within `cancel_grace` seconds is killed and replaced.
+- Liveness, the pool's own (readiness probes only read it: check()): an idle worker that
+  has sent nothing for `worker_ping_interval` seconds is pinged; a ping unanswered past
+  `worker_ready_timeout` shows the worker `unresponsive` (not ready, nothing done), and
+  past `worker_liveness_timeout` (the ping's time limit) the worker is killed and replaced
+  (reason "unresponsive"). A busy worker is never pinged: its request's time limit
+  governs it. Pings run in no caller's context, so nothing cancels one half-way (a
+  cancelled ping would get its worker replaced after cancel_grace).
 - A worker may send progress reports of the request it runs (`{"id", "progress"}`,
   when the request asked with `"progress": true`); they go to the caller's Watch.
 - Arrays of at least settings.shm_threshold bytes cross through shared memory, not the
@@ -43,6 +50,7 @@ the event loop never runs engine code, it only waits on sockets.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import itertools
 import logging
@@ -124,7 +132,7 @@ class QueuedJob:
     running_on: WorkerHandle | None = None  # the worker computing it, once dispatched
     keep: str | None = None  # its answer is kept under this key (Pool.submit)
     gathered: list[Any] = field(default_factory=list)  # kept answers it carries (Ray: refs)
-    kind: str = ""  # the worker handler: "ping" (readiness) is not counted as a request
+    kind: str = ""  # the worker handler: "ping" (liveness) is not counted as a request
     # What its caller awaits (Pool._wait): woken directly when the job starts or ends, so
     # that the caller resumes in the next loop turn (a done-callback would add one).
     waiter: asyncio.Future[None] | None = None
@@ -166,6 +174,7 @@ class WorkerHandle:
         self.request_id = 0
         self.job: QueuedJob | None = None  # the request it computes now
         self.sent_at = 0.0  # time.perf_counter() when that request was sent
+        self.answered_at = 0.0  # time.perf_counter() when it last sent anything
         self.timer: asyncio.TimerHandle | None = None  # its time limit (the local pool)
         self.reply_array_bytes = 0  # the bytes of the arrays of its last reply (as read)
         # The id of a request to stop; the worker compares it with the one it runs, so a
@@ -178,9 +187,21 @@ class WorkerHandle:
         self.outbox: shm.Outbox | None = None
         self.inbox: shm.Inbox | None = None
 
-    def info(self) -> WorkerInfo:
-        pid = self.process.pid if self.process is not None else None
-        return WorkerInfo(self.index, pid, self.device, self.state, self.generation, self.restarts)
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def info(self, ready_timeout: float) -> WorkerInfo:
+        """As a caller sees it: a worker answering a ping is idle (it answers in
+        microseconds), unless the ping has waited past `ready_timeout`."""
+        now = time.perf_counter()
+        state = self.state
+        if state == "busy" and self.job is not None and self.job.kind == "ping":
+            state = "unresponsive" if now - self.sent_at > ready_timeout else "idle"
+        silent = None if state in ("starting", "down") else round(now - self.answered_at, 3)
+        return WorkerInfo(
+            self.index, self.pid, self.device, state, self.generation, self.restarts, silent
+        )
 
 
 class WorkerPool:
@@ -223,7 +244,18 @@ class WorkerPool:
         if errors:
             await self.close()
             raise errors[0]
+        self._started()
+
+    def _started(self) -> None:
+        """Every worker is up: take requests, and start the liveness pings."""
         self._running = True
+        if self.settings.worker_ping_interval > 0:
+            # In a context of its own (no caller's Watch), as are the pings it starts.
+            task = asyncio.get_running_loop().create_task(
+                self._keep_pinging(), context=contextvars.Context()
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         """Stop accepting work, fail what waits, and stop every worker."""
@@ -252,7 +284,7 @@ class WorkerPool:
         return len(self._queue)
 
     def workers(self) -> list[WorkerInfo]:
-        return [w.info() for w in self._workers]
+        return [w.info(self.settings.worker_ready_timeout) for w in self._workers]
 
     def hello(self, index: int = 0) -> dict[str, Any]:
         """What worker `index` reported when it started (device, limits, engine)."""
@@ -316,7 +348,11 @@ class WorkerPool:
         )
         self._queue.append(job)
         self._dispatch()
-        if not job.started.is_set() and queue_bound and len(self._queue) > self.settings.queue_size:
+        if (
+            not job.started.is_set()
+            and queue_bound
+            and len(self._queue) > self.settings.queue_size + self._answering_pings(job)
+        ):
             self._queue.remove(job)
             raise PoolBusy(
                 f"all {len(self._workers)} workers are busy and {self.settings.queue_size} "
@@ -461,25 +497,58 @@ class WorkerPool:
             )
             await self._replace(w, generation, "cancel")
 
-    async def check(self, timeout: float = 5.0) -> list[WorkerInfo]:
-        """Ping every idle worker (a busy one is answering its request, within its time
-        limit); a worker that does not answer in `timeout` is marked down and replaced."""
-
-        async def ping(w: WorkerHandle) -> None:
-            if w.state != "idle":
-                return
-            try:
-                await asyncio.wait_for(
-                    self.submit(
-                        "ping", None, worker=w.index, time_limit=timeout, queue_bound=False
-                    ),
-                    timeout,
-                )
-            except (PoolError, TimeoutError):
-                pass  # the pool replaces a worker that fails; its state says so
-
-        await asyncio.gather(*(ping(w) for w in self._workers))
+    async def check(self) -> list[WorkerInfo]:
+        """Readiness (base.Pool.check): the workers' states, sending nothing."""
         return self.workers()
+
+    # Liveness -----------------------------------------------------------------------------
+    async def _keep_pinging(self) -> None:
+        """Ping each idle worker that has sent nothing for worker_ping_interval: one wake
+        per interval at most, a few microseconds of a worker's time per ping, and none at
+        all for a worker that answers requests."""
+        interval = self.settings.worker_ping_interval
+        while self._running:
+            now = time.perf_counter()
+            wake = now + interval
+            for w in self._workers:
+                if w.state != "idle":
+                    continue  # busy: its request's time limit governs it (or a ping's)
+                due = w.answered_at + interval
+                if due <= now:
+                    self._spawn_task(self._ping(w))
+                else:
+                    wake = min(wake, due)
+            await asyncio.sleep(wake - now)
+
+    async def _ping(self, w: WorkerHandle) -> None:
+        """One ping of worker `w`, with worker_liveness_timeout for its time limit: past
+        it, _timed_out replaces the worker (reason "unresponsive"). Its answer refreshes
+        w.answered_at as any answer does."""
+        if w.state != "idle" or not self._running:
+            return  # it took a request meanwhile: that answer will do
+        try:
+            await self.submit(
+                "ping",
+                None,
+                worker=w.index,
+                time_limit=self.settings.worker_liveness_timeout,
+                queue_bound=False,
+            )
+        except PoolError:
+            pass  # unanswered, or the worker died: the pool replaces it either way
+
+    def _answering_pings(self, job: QueuedJob) -> int:
+        """Workers `job` may run on that are busy only with a ping: each is free in
+        microseconds, so a request may wait for it beyond the queue's bound (the pool's
+        own pings must not turn a request away)."""
+        return sum(
+            1
+            for w in self._workers
+            if w.state == "busy"
+            and w.job is not None
+            and w.job.kind == "ping"
+            and job.worker in (None, w.index)
+        )
 
     # Scheduling ---------------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -575,7 +644,19 @@ class WorkerPool:
         self.observer.worker_busy(w.index, time.perf_counter() - w.sent_at)
         w.job = None  # the worker stays busy until it is replaced
         job.fail(ComputeTimeout(job.time_limit, w.index))
-        self._spawn_task(self._replace(w, generation, "timeout"))
+        self._spawn_task(self._replace(w, generation, self._overrun_reason(w, job)))
+
+    def _overrun_reason(self, w: WorkerHandle, job: QueuedJob) -> str:
+        """Why a worker past its job's time limit is replaced: a request that ran too
+        long ("timeout"), or a ping it never answered: a hung worker ("unresponsive")."""
+        if job.kind != "ping":
+            return "timeout"
+        log.warning(
+            "worker %d did not answer a ping within %g s (worker_liveness_timeout)",
+            w.index,
+            job.time_limit,
+        )
+        return "unresponsive"
 
     def _finish(
         self,
@@ -676,6 +757,7 @@ class WorkerPool:
             w.outbox = shm.Outbox(self._channel, f"a{w.index}")
             w.inbox = shm.Inbox(self._channel)
         w.generation += 1
+        w.answered_at = time.perf_counter()
         generation = w.generation
         reader.on_frame = lambda body: self._on_frame(w, generation, body)
         reader.on_lost = lambda exc: self._spawn_task(self._lost(w, generation))
@@ -693,6 +775,7 @@ class WorkerPool:
             raise ipc.FrameError(f"worker {w.index} sent a {type(message).__name__}, not a message")
         if w.generation != generation:
             return  # a replaced worker's last words
+        w.answered_at = time.perf_counter()
         if "progress" in message:
             job = w.job
             if (

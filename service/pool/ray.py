@@ -82,7 +82,6 @@ from service.pool.base import (
     PoolObserver,
     PoolUnavailable,
     WorkerCrashed,
-    WorkerInfo,
     WorkerStartError,
     kept_reply,
 )
@@ -258,9 +257,9 @@ class _ActorWorker(WorkerHandle):
         self.actor: Any = None
         self.watch: asyncio.Task[None] | None = None
 
-    def info(self) -> WorkerInfo:
-        pid = self.hello.get("pid") if self.actor is not None else None
-        return WorkerInfo(self.index, pid, self.device, self.state, self.generation, self.restarts)
+    @property
+    def pid(self) -> int | None:
+        return self.hello.get("pid") if self.actor is not None else None
 
 
 @contextmanager
@@ -342,7 +341,7 @@ class RayPool(WorkerPool):
         if errors:
             await self.close()
             raise errors[0]
-        self._running = True
+        self._started()
 
     def _connect(self) -> None:
         if ray.is_initialized():  # embedded in a Ray driver that has joined already
@@ -420,14 +419,14 @@ class RayPool(WorkerPool):
         w.request_id = job.id
         if job.kind != "ping":
             self.observer.request_started(w.index)
-        started = time.perf_counter()
+        started = w.sent_at = time.perf_counter()
         try:
             # (asyncio.timeout, not wait_for: no task of its own around the round trip)
             async with asyncio.timeout(job.time_limit):
                 message = await self._roundtrip(w, job)
         except TimeoutError:
             job.fail(ComputeTimeout(job.time_limit, w.index))
-            self._spawn_task(self._replace(w, generation, "timeout"))
+            self._spawn_task(self._replace(w, generation, self._overrun_reason(w, job)))
             return
         except (PoolError, ConnectionError, OSError) as exc:
             # The actor is gone (_roundtrip replaces it), or the call could not be made.
@@ -439,6 +438,7 @@ class RayPool(WorkerPool):
         finally:
             self.observer.worker_busy(w.index, time.perf_counter() - started)
             w.job = None
+        w.answered_at = time.perf_counter()
         w.state = "idle"
         self._settle(job, w.index, generation, message, w.reply_array_bytes)
         self._dispatch()
@@ -631,6 +631,7 @@ class RayPool(WorkerPool):
             )
         w.hello = hello.get("hello", {})
         w.generation += 1
+        w.answered_at = time.perf_counter()
         w.state = "idle"
         w.watch = asyncio.get_running_loop().create_task(self._watch(w, actor, w.generation))
         log.info(

@@ -1,16 +1,26 @@
 """The operations endpoints (/healthz, /readyz, /metrics) and the documentation pages,
-which render with no internet: every asset is served by the app itself."""
+which render with no internet: every asset is served by the app itself. Readiness and
+liveness of the workers: /readyz reports a worker that does not answer and never gets it
+replaced; the pool replaces it itself past worker_liveness_timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import signal
+import time
+from collections.abc import Callable
 
 import httpx
+import pytest
 
 from service.api.schemas import GRADIENT_EXAMPLE
-from tests.service.conftest import start_server, stop_server
+from service.core.config import Settings
+from service.pool.local import WorkerPool
+from tests.service.conftest import own_server, start_server, stop_server
 from tests.service.test_tapes import DEFN
-from tests.service.wire import post
+from tests.service.wire import num, post, problem
 
 
 def test_healthz(client) -> None:
@@ -25,6 +35,7 @@ def test_readyz_lists_the_workers(client) -> None:
     for worker in body["workers"]:
         assert worker["state"] in ("idle", "busy") and worker["device"] == "cpu"
         assert worker["pid"] > 0 and worker["generation"] >= 1
+        assert worker["silent_seconds"] >= 0  # since its last answer (or its start)
 
 
 def test_metrics(client) -> None:
@@ -167,3 +178,166 @@ def test_an_operators_metrics_directory_starts_each_run_afresh(tmp_path) -> None
         finally:
             stop_server(server)
     assert (folder / "operators.db").read_bytes() == b"not a metric file"
+
+
+# ----------------------------------------------------------------------------------------
+# Readiness reports, liveness replaces
+# ----------------------------------------------------------------------------------------
+
+
+def _readiness(client: httpx.Client) -> tuple[int, dict]:
+    """/readyz's status and its one worker (from the 200 or the 503 problem alike)."""
+    r = client.get("/readyz")
+    assert r.status_code in (200, 503), r.text
+    (worker,) = r.json()["workers"]
+    return r.status_code, worker
+
+
+def _poll(client: httpx.Client, until: Callable[[dict], bool]) -> dict:
+    """/readyz's worker once `until` holds. The deadline is a guard against a hang only
+    (what is waited for is the pool's own state), far above any loaded machine's wait."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        _, worker = _readiness(client)
+        if until(worker):
+            return worker
+        time.sleep(0.05)
+    raise AssertionError(f"/readyz never showed the state awaited: {worker}")
+
+
+def _stopped(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+
+
+def _resumed(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # replaced (and reaped) already
+
+
+def test_readyz_reports_a_silent_worker_and_never_replaces_it(tmp_path) -> None:
+    """A worker that stops answering (SIGSTOP: a hung or starved process) is shown
+    `unresponsive` and the server not ready (503), however often /readyz is asked, and is
+    never replaced for it: the same process answers again once it resumes (SIGCONT).
+    The liveness timeout is out of reach here (an hour)."""
+    settings = {
+        "workers": "1",
+        "worker_ping_interval": "0.1",
+        "worker_ready_timeout": "0.5",
+        "worker_liveness_timeout": "3600",
+    }
+    with (
+        own_server(tmp_path, **settings) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=60) as client,
+    ):
+        (before,) = srv.wait_ready()["workers"]
+        _stopped(before["pid"])
+        try:
+            # Pinged by the pool (idle past the interval), unanswered past 0.5 s.
+            _poll(client, lambda w: w["state"] == "unresponsive")
+            for _ in range(20):  # (the old /readyz replaced it after one 5 s ping)
+                found = problem(client.get("/readyz"), 503, "not-ready")
+                (worker,) = found["workers"]
+                assert "0 (unresponsive)" in found["detail"], found
+                assert worker["state"] == "unresponsive"
+                assert worker["silent_seconds"] > 0.5  # its ping has waited that long
+                same = ("pid", "generation", "restarts")
+                assert [worker[k] for k in same] == [before[k] for k in same]
+            # (the gauge, read as /metrics is scraped, or copied each second by each of
+            # several HTTP processes: polled until it says so)
+            _poll(client, lambda w: "gradtape_workers_up 0.0" in client.get("/metrics").text)
+        finally:
+            _resumed(before["pid"])
+        # Its ping answered: ready again, the very same process.
+        (after,) = srv.wait_ready()["workers"]
+        same = ("pid", "generation", "restarts")
+        assert [after[k] for k in same] == [before[k] for k in same]
+        assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+        assert "gradtape_worker_restarts_total{" not in client.get("/metrics").text
+
+
+def test_a_worker_silent_past_the_liveness_timeout_is_replaced(tmp_path) -> None:
+    """Liveness is the pool's: a worker that does not answer its ping within
+    worker_liveness_timeout is killed and replaced, with the reason in the metrics and
+    the log, and the new worker computes. (5 s: a healthy worker on a loaded machine
+    answers a ping well within it; the test waits on the pool's state, not on a clock.)"""
+    settings = {"workers": "1", "worker_ping_interval": "0.1", "worker_liveness_timeout": "5"}
+    with (
+        own_server(tmp_path, **settings) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=60) as client,
+    ):
+        (before,) = srv.wait_ready()["workers"]
+        _stopped(before["pid"])
+        try:
+            _poll(client, lambda w: w["generation"] > before["generation"])
+        finally:
+            _resumed(before["pid"])
+        (after,) = srv.wait_ready()["workers"]
+        assert after["pid"] != before["pid"] and after["restarts"] >= 1
+        metrics = client.get("/metrics").text
+        assert re.search(
+            r'^gradtape_worker_restarts_total\{reason="unresponsive",worker="0"\} [1-9]',
+            metrics,
+            re.M,
+        ), metrics
+        assert "did not answer a ping within 5 s" in srv.log.read_text()
+        assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+
+
+def test_the_pools_own_ping_turns_no_request_away() -> None:
+    """With no room in the queue (queue_size 0), a request that finds its worker
+    answering the pool's ping waits for it instead of a 503 (the ping is the pool's, not
+    a client's); here the ping waits on a stopped worker, which the pool leaves alone
+    (liveness an hour off): the request runs once the worker resumes, on the same
+    process, and the pool itself reports the worker unresponsive meanwhile."""
+
+    async def scenario() -> None:
+        pool = WorkerPool(
+            Settings(
+                workers=1,
+                queue_size=0,
+                worker_ping_interval=0.05,
+                worker_ready_timeout=0.2,
+                worker_liveness_timeout=3600,
+            )
+        )
+        await pool.start()
+        try:
+            (before,) = pool.workers()
+            assert before.pid is not None
+            _stopped(before.pid)
+            try:
+                # The pool's own state; the deadline only guards against a hang.
+                async def unresponsive() -> None:
+                    while pool.workers()[0].state != "unresponsive":
+                        await asyncio.sleep(0.01)
+
+                await asyncio.wait_for(unresponsive(), 300)
+                assert [w.state for w in await pool.check()] == ["unresponsive"]
+                request = asyncio.create_task(pool.submit("ops", None))
+                while pool.queue_depth == 0 and not request.done():
+                    await asyncio.sleep(0.001)
+                assert not request.done(), request  # waiting, not turned away
+            finally:
+                _resumed(before.pid)
+            # (a guard against a hang only: what is awaited is the request's answer)
+            reply = await asyncio.wait_for(request, 300)
+            assert any(op["name"] == "matmul" for op in reply.result)
+            (after,) = pool.workers()
+            assert (reply.generation, after.pid, after.restarts) == (
+                before.generation,
+                before.pid,
+                0,
+            )
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("setting", ["-1", "nope"])
+def test_a_bad_ping_interval_is_refused(setting: str, monkeypatch) -> None:
+    monkeypatch.setenv("GRADTAPE_WORKER_PING_INTERVAL", setting)
+    with pytest.raises(ValueError, match="worker_ping_interval"):
+        Settings()

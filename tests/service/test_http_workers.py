@@ -147,9 +147,9 @@ def _processes(base_url: str, timeout: float = 60.0) -> list[int]:
                 r = c.get("/readyz")
             except httpx.HTTPError:
                 continue
-            # The pid from this very answer: a second /readyz (as _process_of asks) pings
-            # again, and under load a worker that misses that ping's 5 s is replaced
-            # between the two (a loaded run's failure: "starting", 503).
+            # The pid from this very answer, not a second /readyz's (as _process_of asks):
+            # two answers are two moments. (/readyz once pinged the workers and replaced
+            # one that missed its 5 s, a loaded run's failure; it sends nothing now.)
             if r.status_code == 200 and r.json()["workers"][0]["state"] in ("idle", "busy"):
                 seen.add(r.json()["workers"][0]["pid"])
     assert len(seen) == 2, seen

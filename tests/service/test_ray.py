@@ -10,7 +10,8 @@ included), a time
 limit (the actor is killed with ray.kill and replaced), an idle actor killed under a tape.
 Then what is the Ray backend's own: a job's progress and its cancel through the actor's
 cancel flag, an actor SIGKILLed mid-request (502, replaced, and the tape's next HVP
-gives the same numbers), the startup errors an operator meets, and, on a three-node
+gives the same numbers), an actor that stops answering (unresponsive, then replaced
+past the liveness timeout), the startup errors an operator meets, and, on a three-node
 cluster of its own joined by address, a worker node removed.
 """
 
@@ -278,6 +279,50 @@ def test_an_actor_killed_mid_request_is_a_502_and_its_tape_comes_back(
     assert replaced["pid"] != victim["pid"]
     assert replaced["generation"] == victim["generation"] + 1
     assert 'gradtape_worker_restarts_total{reason="crash"' in client.get("/metrics").text
+
+
+def test_a_silent_actor_is_unresponsive_then_replaced(tmp_path) -> None:
+    """The Ray pool's liveness is the local pool's (tests/service/test_health.py): an idle
+    actor whose process stops answering (SIGSTOP) is shown `unresponsive` by /readyz,
+    which replaces nothing, and past worker_liveness_timeout the pool kills and replaces
+    it (reason "unresponsive")."""
+    from tests.service.test_health import _poll, _resumed, _stopped
+
+    srv = start_server(
+        {
+            "GRADTAPE_EXECUTOR": "ray",
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            "GRADTAPE_RAY_OBJECT_STORE_MEMORY": str(100 * 2**20),
+            "GRADTAPE_WORKER_PING_INTERVAL": "0.1",
+            "GRADTAPE_WORKER_READY_TIMEOUT": "0.5",
+            "GRADTAPE_WORKER_LIVENESS_TIMEOUT": "10",
+        },
+        tmp_path / "server.log",
+    )
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            (before,) = srv.wait_ready()["workers"]
+            _stopped(before["pid"])
+            try:
+                silent = _poll(
+                    c,
+                    lambda w: (
+                        w["state"] == "unresponsive" or w["generation"] > before["generation"]
+                    ),
+                )
+                if silent["generation"] == before["generation"]:  # (not replaced yet)
+                    assert silent["pid"] == before["pid"] and silent["silent_seconds"] > 0.5
+                _poll(c, lambda w: w["generation"] > before["generation"])
+            finally:
+                _resumed(before["pid"])
+            _wait_dead(before["pid"])
+            (after,) = srv.wait_ready()["workers"]
+            assert after["pid"] != before["pid"]
+            assert 'gradtape_worker_restarts_total{reason="unresponsive"' in c.get("/metrics").text
+            test_design_example_exactly(c)  # the new actor computes
+    finally:
+        stop_server(srv)
 
 
 def test_a_ray_it_cannot_reach_stops_startup_with_the_address(tmp_path) -> None:

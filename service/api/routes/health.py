@@ -29,10 +29,14 @@ async def check_health() -> HealthResponse:
     summary="Readiness",
 )
 async def check_readiness(request: Request, pool: PoolDep) -> ReadinessResponse | Response:
-    """Every worker is up and answering: idle workers are pinged, busy ones are computing
-    within their time limit. 503 (with the workers' states) while one is starting, being
-    replaced or silent. On a server that requires API keys, the workers' process ids are
-    shown only to a caller with a valid key (`pid` is null otherwise)."""
+    """Every worker is up and answering: idle, or busy within its request's time limit.
+    503 (with the workers' states) while one is starting, being replaced, or
+    `unresponsive` (a ping of the pool's own unanswered past worker_ready_timeout).
+    A readiness probe: it sends nothing to the workers and changes nothing, so polling it
+    can never get a worker replaced; the pool replaces a hung worker itself
+    (worker_liveness_timeout). For liveness, probe /healthz. On a server that requires
+    API keys, the workers' process ids are shown only to a caller with a valid key (`pid`
+    is null otherwise)."""
     show_pids = await _may_see_processes(request)
     workers = [
         WorkerStatus(**{**asdict(w), "pid": w.pid if show_pids else None})
@@ -40,11 +44,11 @@ async def check_readiness(request: Request, pool: PoolDep) -> ReadinessResponse 
     ]
     if pool.running and all(w.state in ("idle", "busy") for w in workers):
         return ReadinessResponse(status="ready", workers=workers)
-    down = [str(w.index) for w in workers if w.state not in ("idle", "busy")]
+    down = [f"{w.index} ({w.state})" for w in workers if w.state not in ("idle", "busy")]
     return problem_response(
         request.scope,
         "not-ready",
-        f"worker(s) {', '.join(down) or 'all'} not up"
+        f"worker(s) {', '.join(down) or 'all'} not ready"
         + ("" if pool.running else "; the pool is not running"),
         workers=[w.model_dump() for w in workers],
     )

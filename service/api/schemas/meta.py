@@ -47,9 +47,19 @@ class WorkerStatus(BaseModel):
     index: int
     pid: int | None
     device: str
-    state: str = Field(description="starting, idle, busy or down")
+    state: str = Field(
+        description="starting, idle, busy (computing a request, within its time limit), "
+        "unresponsive (a ping unanswered past worker_ready_timeout: not ready; replaced "
+        "past worker_liveness_timeout) or down"
+    )
     generation: int = Field(description="How many times this worker has been (re)started.")
     restarts: int
+    silent_seconds: float | None = Field(
+        None,
+        description="Seconds since the worker last sent anything (its start, an answer, a "
+        "progress report, an answer to the pool's ping); null while starting or down. A busy "
+        "worker is silent while it computes.",
+    )
 
 
 class ReadinessResponse(BaseModel):
