@@ -227,11 +227,24 @@ def _compiled(xp: Any, a: Any, nd: int) -> bool:
 
 # WINOGRAD: the stride-1 3 x 3 convolutions of the host by Winograd's F(2 x 2, 3 x 3)
 # (engine/ops/winograd.py): 2.25x fewer multiply-adds in the GEMMs, transformed tiles 4/9
-# the windows' size (bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1 input
-# cotangents"). Not the im2col GEMM's bits, but in its rounding class: at most 2.6 / 1.9
+# the windows' size (bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1 3x3
+# convolutions"). Not the im2col GEMM's bits, but in its rounding class: at most 2.6 / 1.9
 # epsilons of the products' magnitude in float32 / float64, against the GEMM's 1.7 / 1.6
 # (tests/engine/test_winograd.py). False: the windows' GEMM everywhere.
+# Two routes: the stride-1 input cotangent (conv_input_p) by winograd.conv3x3; and a
+# convolution's windows (gather_p): where its output rows are at least
+# WINOGRAD_MIN_WIDTH wide, gather_p gives the input's transform V
+# (winograd.transform_input) instead, and the convolution (conv_p) and its kernel's
+# cotangent (conv_weight_p), which take it as their last operand, multiply it
+# (winograd.conv_transformed, weight_transformed). Narrower rows keep the windows: the
+# transforms' loops run over a plane's tiles, one spare per row of tiles, and at 8 x 8
+# (64 channels) the three ops measured 1.18x the windows'. Either route wants at least
+# WINOGRAD_MIN_CHANNELS input channels: with 3 (the ResNet's stem) the GEMM's inner
+# dimension is 3 and the transforms cost more than they save (the reused HVP 3-5 ms
+# slower with the stem by Winograd).
 WINOGRAD = True
+WINOGRAD_MIN_WIDTH = 16
+WINOGRAD_MIN_CHANNELS = 8
 
 
 def _winograd(images: list, kernels_: list, kernel: tuple, dilations: tuple, groups: int) -> bool:
@@ -240,19 +253,10 @@ def _winograd(images: list, kernels_: list, kernel: tuple, dilations: tuple, gro
     return (
         WINOGRAD
         and len(kernel) == 2
+        and images[0].shape[1] >= WINOGRAD_MIN_CHANNELS
         and all(x.dtype == dtype for x in images + kernels_)
         and winograd.applies(host, kernel, dilations, groups, dtype)
     )
-
-
-# The same for a convolution's windows (gather_p): on the host, for a stride-1 3 x 3
-# convolution whose output rows are at least WINOGRAD_MIN_WIDTH wide, gather_p gives the
-# input's Winograd transform V (winograd.transform_input) instead of its windows, and
-# the convolution (conv_p) and its kernel's cotangent (conv_weight_p) that take it as
-# their last operand multiply it (winograd.conv_transformed, weight_transformed).
-# Narrower outputs keep the windows: the transforms' loops run over a plane's tiles
-# (one spare per row of tiles) and at 8 x 8 they measured slower than the windows' GEMM.
-WINOGRAD_MIN_WIDTH = 16
 
 
 def _winograd_windows(
@@ -266,6 +270,7 @@ def _winograd_windows(
         and len(kernel) == 2
         and tuple(strides) == (1, 1)
         and x.shape[-1] + pads[1][0] + pads[1][1] - 2 >= WINOGRAD_MIN_WIDTH
+        and x.shape[-3] >= WINOGRAD_MIN_CHANNELS
         and winograd.applies(xp, kernel, dilations, groups, x.dtype)
     )
 
@@ -368,6 +373,8 @@ def _gather_impl(
     if _compiled(xp, x, nd) and builtins.min(sizes) >= 1:
         if out is None:
             out = xp.empty(lead + (c,) + kernel + (n,) + sizes, x.dtype)
+        elif out.size != math.prod(lead + (c,) + kernel + (n,) + sizes):  # the kernel trusts it
+            raise ValueError(f"gather: a buffer of {out.shape} for windows of {x.shape}")
         _gather_kernel(x, out, kernel, strides, pads, dilations)
         return out.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(sizes)))
     x = x.swapaxes(-nd - 2, -nd - 1)  # (*lead, C, N, *spatial): N beside the windows

@@ -1,12 +1,18 @@
 """Stride-1 3 x 3 convolutions by Winograd's F(2 x 2, 3 x 3) on the host (issue 28, item
 2): the transforms in compiled loops (engine/kernels/winograd.py, which states the
-algorithm), the 16 GEMMs in BLAS, a few images at a time so that the transformed
-tiles stay in cache between the transform, the GEMM and the inverse transform.
+algorithm), the 16 GEMMs in BLAS. Two uses in engine/ops/conv.py:
 
-Used by engine/ops/conv.py where it measured faster than the windows' GEMM (the ResNet's
-16-64 channels; bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1 input
-cotangents"); the im2col GEMM stays the reference (GPUs, GRADTAPE_KERNELS=numpy, no
-numba, other kernels, strides, dilations, groups).
+- `conv3x3`: the stride-1 input cotangent (conv_input_p: a convolution of the output
+  cotangents with the flipped kernels, one or two pairs), a few images at a time so that
+  the transformed tiles stay in cache between the transform, the GEMM and the inverse
+  transform;
+- `transform_input`, `conv_transformed`, `weight_transformed`: a convolution's input
+  transformed once (gather_p's result, in place of its windows) and shared by the
+  convolution (conv_p) and its kernel's cotangent (conv_weight_p), as the windows are.
+
+Where they run, and why there (bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1
+3x3 convolutions"): the windows' GEMM stays the reference and the route of GPUs,
+GRADTAPE_KERNELS=numpy, no numba, other kernels, strides, dilations and groups.
 """
 
 from __future__ import annotations
@@ -130,6 +136,8 @@ def transform_input(x: Any, pads: Pads, out: Any = None) -> Any:
     th, tw, n_q = _tiles(_output((h, w), pads))
     if out is None:
         out = np.empty(transformed_shape(x.shape, pads), x.dtype)
+    elif out.shape != transformed_shape(x.shape, pads) or not out.flags.c_contiguous:
+        raise ValueError(f"winograd: a buffer of {out.shape} for the transform of {x.shape}")
     vf = out.reshape(-1)
     forward = kernels.winograd_input.compiled()
     assert forward is not None  # applies() chose this route

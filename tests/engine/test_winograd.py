@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not inst
 conv_input = impl_rules[conv_ops.conv_input_p]
 
 
+@pytest.fixture(autouse=True)
+def _few_channels(monkeypatch: Any) -> None:
+    """Winograd for every channel count (the engine keeps it to 8 and more: see
+    test_the_engine_s_thresholds); these tests' small channel counts are its edges."""
+    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_CHANNELS", 1)
+
+
 def _reference(xs: list, ks: list, pads: Any) -> tuple[np.ndarray, np.ndarray]:
     """(sum_i xs[i] * ks[i] in long double, the same sum of |x| * |k|): the exact value
     to a few long double ulps, and the scale of its rounding error."""
@@ -349,3 +356,24 @@ def test_the_spare_tiles_add_nothing(every_width) -> None:
         want = conv_weight(np, x, g, cols, kernel=(3, 3), **window)
     assert np.isfinite(want).all()
     np.testing.assert_allclose(dw, want, rtol=1e-13, atol=1e-13)
+
+
+def test_the_engine_s_thresholds(monkeypatch) -> None:
+    """Where the engine chooses Winograd by default: the input cotangent from 8 channels
+    (the cotangent's), the windows' transform from 8 input channels and output rows 16
+    wide (bench/RESULTS.md measured the narrower and the fewer slower)."""
+    monkeypatch.undo()  # the module's defaults, not the fixtures'
+    assert conv_ops.WINOGRAD_MIN_CHANNELS == 8 and conv_ops.WINOGRAD_MIN_WIDTH == 16
+    f32 = np.float32
+    window = {"strides": (1, 1), "pads": ((1, 1), (1, 1)), "dilations": (1, 1), "groups": 1}
+    for c, width, transformed in ((3, 32, False), (8, 16, True), (16, 14, False), (64, 8, False)):
+        x = np.zeros((2, c, 4, width), f32)
+        v = gather(np, x, kernel=(3, 3), **window)
+        assert (v.shape == winograd.transformed_shape(x.shape, window["pads"])) == transformed
+    calls = _spied(monkeypatch)
+    g = np.zeros((2, 7, 4, 4), f32)
+    conv_input(np, g, np.zeros((7, 16, 3, 3), f32), spatial=(4, 4), **window)
+    assert not calls  # 7 channels
+    g = np.zeros((2, 8, 4, 4), f32)
+    conv_input(np, g, np.zeros((8, 3, 3, 3), f32), spatial=(4, 4), **window)
+    assert len(calls) == 1
