@@ -8,6 +8,11 @@ channel; one image; leading axes; inputs in every memory layout)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +26,7 @@ from engine.registry import impl_rules
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not installed")
 
+ROOT = Path(__file__).resolve().parents[2]
 conv_input = impl_rules[conv_ops.conv_input_p]
 
 
@@ -377,3 +383,58 @@ def test_the_engine_s_thresholds(monkeypatch) -> None:
     g = np.zeros((2, 8, 4, 4), f32)
     conv_input(np, g, np.zeros((8, 3, 3, 3), f32), spatial=(4, 4), **window)
     assert len(calls) == 1
+
+
+def test_a_process_with_the_kernels_switched_off_agrees(tmp_path, every_width, monkeypatch) -> None:
+    """GRADTAPE_KERNELS=numpy in a fresh process (the windows' GEMM everywhere) against
+    this one with Winograd's three routes on test_kernels_conv's network (its first layer
+    a stride-1 3 x 3 convolution of a differentiated input): the gradient, gt.hvp and a
+    HessianOperator's replayed HVPs agree to float64 rounding, and with PyTorch."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        from engine import kernels
+        sys.path.insert(0, "tests/engine")
+        import test_kernels_conv as t
+        params = t._params(np.float64)
+        rng = np.random.default_rng(1)
+        vs = [rng.standard_normal(a.shape) for a in params]
+        assert not kernels.enabled()
+        np.savez(sys.argv[1], *t._engine_passes(params, vs))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != kernels.SWITCH}
+    env.update(PYTHONPATH=str(ROOT), GRADTAPE_KERNELS="numpy")
+    saved = tmp_path / "numpy.npz"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(saved)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    import test_kernels_conv as t
+
+    params = t._params(np.float64)
+    rng = np.random.default_rng(1)
+    vs = [rng.standard_normal(a.shape) for a in params]
+    calls: dict[str, list] = {"transform_input": [], "conv3x3": []}
+    for name, log in calls.items():
+        inner = getattr(winograd, name)
+        monkeypatch.setattr(
+            winograd, name, lambda *a, _inner=inner, _log=log: _log.append(1) or _inner(*a)
+        )
+    got = t._engine_passes(params, vs)
+    assert all(calls.values()), calls
+    grads, hvp = t._torch_grad_and_hvp(params, vs)
+    with np.load(saved) as theirs:
+        want = [theirs[f"arr_{i}"] for i in range(len(theirs.files))]
+    assert len(got) == len(want) == len(grads + hvp * 5)
+    for mine, ref, torch_ref in zip(got, want, grads + hvp * 5, strict=True):
+        scale = max(1.0, float(np.abs(ref).max()))
+        np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-12 * scale)
+        np.testing.assert_allclose(mine, torch_ref, rtol=0, atol=1e-12 * scale)
