@@ -239,9 +239,10 @@ def _compiled(xp: Any, a: Any, nd: int) -> bool:
 # (winograd.conv_transformed, weight_transformed). Narrower rows keep the windows: the
 # transforms' loops run over a plane's tiles, one spare per row of tiles, and at 8 x 8
 # (64 channels) the three ops measured 1.18x the windows'. Either route wants at least
-# WINOGRAD_MIN_CHANNELS input channels: with 3 (the ResNet's stem) the GEMM's inner
-# dimension is 3 and the transforms cost more than they save (the reused HVP 3-5 ms
-# slower with the stem by Winograd).
+# WINOGRAD_MIN_CHANNELS channels (the windows' transform: input channels; the input
+# cotangent: the cotangent's and the result's): with 3 (the ResNet's stem) the GEMM's
+# inner dimension is 3 and the transforms cost more than they save (the reused HVP 3-5
+# ms slower with the stem by Winograd).
 WINOGRAD = True
 WINOGRAD_MIN_WIDTH = 16
 WINOGRAD_MIN_CHANNELS = 8
@@ -253,7 +254,7 @@ def _winograd(images: list, kernels_: list, kernel: tuple, dilations: tuple, gro
     return (
         WINOGRAD
         and len(kernel) == 2
-        and images[0].shape[1] >= WINOGRAD_MIN_CHANNELS
+        and min(images[0].shape[1], kernels_[0].shape[1]) >= WINOGRAD_MIN_CHANNELS
         and all(x.dtype == dtype for x in images + kernels_)
         and winograd.applies(host, kernel, dilations, groups, dtype)
     )

@@ -366,7 +366,7 @@ def test_the_spare_tiles_add_nothing(every_width) -> None:
 
 def test_the_engine_s_thresholds(monkeypatch) -> None:
     """Where the engine chooses Winograd by default: the input cotangent from 8 channels
-    (the cotangent's), the windows' transform from 8 input channels and output rows 16
+    (the cotangent's and the result's), the windows' transform from 8 input channels and output rows 16
     wide (bench/RESULTS.md measured the narrower and the fewer slower)."""
     monkeypatch.undo()  # the module's defaults, not the fixtures'
     assert conv_ops.WINOGRAD_MIN_CHANNELS == 8 and conv_ops.WINOGRAD_MIN_WIDTH == 16
@@ -381,7 +381,9 @@ def test_the_engine_s_thresholds(monkeypatch) -> None:
     conv_input(np, g, np.zeros((7, 16, 3, 3), f32), spatial=(4, 4), **window)
     assert not calls  # 7 channels
     g = np.zeros((2, 8, 4, 4), f32)
-    conv_input(np, g, np.zeros((8, 3, 3, 3), f32), spatial=(4, 4), **window)
+    conv_input(np, g, np.zeros((8, 4, 3, 3), f32), spatial=(4, 4), **window)
+    assert not calls  # a result of 4 channels (LeNet's second layer's input cotangent)
+    conv_input(np, g, np.zeros((8, 8, 3, 3), f32), spatial=(4, 4), **window)
     assert len(calls) == 1
 
 
