@@ -629,7 +629,10 @@ def _conv_in_chunks(
         1, chunk_bytes // builtins.max(1, k * c * math.prod(kernel) * p * dtype.itemsize)
     )
     blocks = m_all // batch if batch else 0  # (an empty batch: no images at all)
-    y = xp.empty((blocks, o, batch) + out, dtype=dtype).swapaxes(1, 2)  # _CONV_LAYOUT
+    # _CONV_LAYOUT: (blocks, O, batch, P) memory; the GEMMs write (image, G, O/G, P) views
+    # of it (made from the buffer's own shape: ndarray.reshape's copy=False is NumPy 2.1+)
+    memory = xp.empty((blocks, groups, o // groups, batch, p), dtype=dtype)
+    rows = memory.transpose(0, 3, 1, 2, 4)  # (blocks, batch, G, O/G, P)
     # the windows of a chunk of images: (images, G, pairs, C/G, *kernel, *out), each
     # group's rows of every pair side by side
     cols = xp.empty((builtins.min(per_chunk, m_all), groups, k, c // groups) + kernel + out, dtype)
@@ -638,17 +641,21 @@ def _conv_in_chunks(
     else:
         fill = _chunk_copy(xp, xs, cols, kernel, pads, dilations)
     m0 = 0
-    while m0 < m_all:  # chunks within one batch (one block of the layout)
+    while m0 < m_all:
         b, i = divmod(m0, batch)
-        mc = builtins.min(per_chunk, batch - i)
-        fill(m0, mc)
-        xp.matmul(
-            wm,
-            cols[:mc].reshape(mc, groups, ck, p),
-            out=y[b, i : i + mc].reshape(mc, groups, o // groups, p, copy=False),
-        )
+        if i == 0 and per_chunk >= batch:  # whole batches (blocks of the layout) at once:
+            # small batches of many leading rows (jacobians, K-vector passes at N = 1)
+            mb = builtins.min(per_chunk // batch, blocks - b)
+            mc = mb * batch
+            fill(m0, mc)
+            chunk = cols[:mc].reshape(mb, batch, groups, ck, p)
+            xp.matmul(wm, chunk, out=rows[b : b + mb])
+        else:  # a chunk within one batch
+            mc = builtins.min(per_chunk, batch - i)
+            fill(m0, mc)
+            xp.matmul(wm, cols[:mc].reshape(mc, groups, ck, p), out=rows[b, i : i + mc])
         m0 += mc
-    return y
+    return memory.reshape((blocks, o, batch) + out).swapaxes(1, 2)
 
 
 def _chunk_copy(xp: Any, xs: list, cols: Any, kernel: tuple, pads: Pads, dilations: tuple) -> Any:

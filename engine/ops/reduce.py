@@ -192,7 +192,8 @@ def channel_axes(
 ) -> tuple[int, tuple[int, ...]] | None:
     """(the N axis, the spatial axes) when a host sum over `axes` is computed by
     channel_sum: float32/float64 of that swapped layout (axes of size 1 aside, which
-    neither order sees), summed over N and the axes after C; None otherwise."""
+    neither order sees), summed over N and the axes after C (none when they are all of
+    size 1); None otherwise."""
     nd = len(shape)
     if 0 in shape or not (dtype == host.float32 or dtype == host.float64):
         return None
@@ -204,7 +205,11 @@ def channel_axes(
     c, lead = kept[-1], kept[:-1]
     before = [a for a in big if a in summed and a < c]
     after = tuple(a for a in big if a > c)
-    if len(before) != 1 or not after or not summed.issuperset(after):
+    # Spatial axes all of size 1 (a 1 x 1 map, a 1-d length of 1) leave no cell after C,
+    # yet NumPy would still add each channel's N contiguous cells pairwise where the C
+    # order adds them in sequence; without any axis after C (a matrix in F order) it is
+    # not a convolution's layout.
+    if len(before) != 1 or c == nd - 1 or not summed.issuperset(after):
         return None
     n = before[0]
     if lead and lead[-1] > n:
@@ -223,7 +228,13 @@ def channel_sum(
     """x summed over `axes` as NumPy sums a C-contiguous array of its values (see
     channel_axes: n and spatial are its answer); into `out` (the result's shape) when
     given."""
-    planes = host.ascontiguousarray(_host_add_reduce(x, axis=spatial, keepdims=True))
+    if not spatial:  # no cells to sum per plane: the values in C order, summed as
+        # _sum_impl sums them there (over N alone: leading_sum's GEMV)
+        planes = host.ascontiguousarray(x)
+        if sums_leading(planes.shape, True, planes.dtype, axes):
+            return leading_sum(planes, len(axes), keepdims, out)
+    else:
+        planes = host.ascontiguousarray(_host_add_reduce(x, axis=spatial, keepdims=True))
     # the planes' sums in order of N (the spatial axes, of size 1 now, go with them)
     return _host_add_reduce(planes, axis=axes, out=out, keepdims=keepdims)
 

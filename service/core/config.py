@@ -174,12 +174,15 @@ class Settings(BaseSettings):
         description="a ping unanswered this long shows its worker `unresponsive` in /readyz "
         "(503 not-ready); nothing is done to the worker",
     )
+    # (20 s: well under queue_timeout's 60, so a request routed to a hung worker's tapes
+    # is served by its replacement instead of a 503 from the queue)
     worker_liveness_timeout: float = Field(
-        default=60.0,
+        default=20.0,
         gt=0,
         description="a ping unanswered this long: its worker is deemed hung, killed and "
         "replaced (restart reason `unresponsive`); a busy worker is governed by its "
-        "request's time limit instead",
+        "request's time limit instead. Keep it below queue_timeout: requests for a hung "
+        "worker's tapes wait for its replacement",
     )
 
     # Sizes of what a request may ask for -------------------------------------------------
@@ -382,6 +385,12 @@ class Settings(BaseSettings):
         if self.job_time_limit < self.time_limit:
             raise ValueError(
                 f"job_time_limit ({self.job_time_limit}) is below time_limit ({self.time_limit})"
+            )
+        if self.worker_ready_timeout >= self.worker_liveness_timeout:
+            raise ValueError(
+                f"worker_ready_timeout ({self.worker_ready_timeout}) must be below "
+                f"worker_liveness_timeout ({self.worker_liveness_timeout}): a silent worker "
+                "is shown unresponsive before it is replaced"
             )
         if self.tape_ttl > self.tape_max_ttl:
             raise ValueError(

@@ -540,13 +540,17 @@ class WorkerPool:
     def _answering_pings(self, job: QueuedJob) -> int:
         """Workers `job` may run on that are busy only with a ping: each is free in
         microseconds, so a request may wait for it beyond the queue's bound (the pool's
-        own pings must not turn a request away)."""
+        own pings must not turn a request away). A ping unanswered past
+        worker_ready_timeout does not count: its worker is unresponsive, not about to be
+        free, and requests must not pile up past the queue's bound behind it."""
+        fresh_since = time.perf_counter() - self.settings.worker_ready_timeout
         return sum(
             1
             for w in self._workers
             if w.state == "busy"
             and w.job is not None
             and w.job.kind == "ping"
+            and w.sent_at >= fresh_since
             and job.worker in (None, w.index)
         )
 

@@ -17,6 +17,7 @@ import pytest
 
 from service.api.schemas import GRADIENT_EXAMPLE
 from service.core.config import Settings
+from service.pool.base import PoolBusy
 from service.pool.local import WorkerPool
 from tests.service.conftest import own_server, start_server, stop_server
 from tests.service.test_tapes import DEFN
@@ -209,6 +210,20 @@ def _stopped(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
 
 
+def _stop_a_ready_worker(srv) -> dict:
+    """SIGSTOP the worker /readyz shows ready, and return what it showed. With a short
+    liveness timeout a loaded machine can get even a healthy worker replaced between the
+    answer and the signal (its pid then gone): the new one is taken instead."""
+    for _ in range(5):
+        (worker,) = srv.wait_ready()["workers"]
+        try:
+            _stopped(worker["pid"])
+        except ProcessLookupError:
+            continue
+        return worker
+    raise AssertionError("the worker was replaced five times before it could be stopped")
+
+
 def _resumed(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGCONT)
@@ -262,13 +277,17 @@ def test_a_worker_silent_past_the_liveness_timeout_is_replaced(tmp_path) -> None
     worker_liveness_timeout is killed and replaced, with the reason in the metrics and
     the log, and the new worker computes. (5 s: a healthy worker on a loaded machine
     answers a ping well within it; the test waits on the pool's state, not on a clock.)"""
-    settings = {"workers": "1", "worker_ping_interval": "0.1", "worker_liveness_timeout": "5"}
+    settings = {
+        "workers": "1",
+        "worker_ping_interval": "0.1",
+        "worker_ready_timeout": "2",
+        "worker_liveness_timeout": "5",
+    }
     with (
         own_server(tmp_path, **settings) as srv,
         httpx.Client(base_url=srv.base_url, timeout=60) as client,
     ):
-        (before,) = srv.wait_ready()["workers"]
-        _stopped(before["pid"])
+        before = _stop_a_ready_worker(srv)
         try:
             _poll(client, lambda w: w["generation"] > before["generation"])
         finally:
@@ -289,8 +308,8 @@ def test_the_pools_own_ping_turns_no_request_away() -> None:
     """With no room in the queue (queue_size 0), a request that finds its worker
     answering the pool's ping waits for it instead of a 503 (the ping is the pool's, not
     a client's); here the ping waits on a stopped worker, which the pool leaves alone
-    (liveness an hour off): the request runs once the worker resumes, on the same
-    process, and the pool itself reports the worker unresponsive meanwhile."""
+    (readiness and liveness timeouts an hour off, so the ping stays fresh): the request
+    runs once the worker resumes, on the same process."""
 
     async def scenario() -> None:
         pool = WorkerPool(
@@ -298,7 +317,7 @@ def test_the_pools_own_ping_turns_no_request_away() -> None:
                 workers=1,
                 queue_size=0,
                 worker_ping_interval=0.05,
-                worker_ready_timeout=0.2,
+                worker_ready_timeout=3500,
                 worker_liveness_timeout=3600,
             )
         )
@@ -309,12 +328,12 @@ def test_the_pools_own_ping_turns_no_request_away() -> None:
             _stopped(before.pid)
             try:
                 # The pool's own state; the deadline only guards against a hang.
-                async def unresponsive() -> None:
-                    while pool.workers()[0].state != "unresponsive":
+                async def pinging() -> None:
+                    while (job := pool._workers[0].job) is None or job.kind != "ping":
                         await asyncio.sleep(0.01)
 
-                await asyncio.wait_for(unresponsive(), 300)
-                assert [w.state for w in await pool.check()] == ["unresponsive"]
+                await asyncio.wait_for(pinging(), 300)
+                assert [w.state for w in await pool.check()] == ["idle"]  # (a fresh ping)
                 request = asyncio.create_task(pool.submit("ops", None))
                 while pool.queue_depth == 0 and not request.done():
                     await asyncio.sleep(0.001)
@@ -341,3 +360,46 @@ def test_a_bad_ping_interval_is_refused(setting: str, monkeypatch) -> None:
     monkeypatch.setenv("GRADTAPE_WORKER_PING_INTERVAL", setting)
     with pytest.raises(ValueError, match="worker_ping_interval"):
         Settings()
+
+
+@pytest.mark.parametrize(("ready", "liveness"), [("5", "5"), ("30", "20")])
+def test_a_readiness_timeout_not_below_the_liveness_timeout_is_refused(
+    ready: str, liveness: str, monkeypatch
+) -> None:
+    """A silent worker must show unresponsive before it is replaced."""
+    monkeypatch.setenv("GRADTAPE_WORKER_READY_TIMEOUT", ready)
+    monkeypatch.setenv("GRADTAPE_WORKER_LIVENESS_TIMEOUT", liveness)
+    with pytest.raises(ValueError, match=r"worker_ready_timeout .* must be below"):
+        Settings()
+
+
+def test_a_ping_unanswered_past_the_ready_timeout_does_not_hold_a_queue_place() -> None:
+    """The pool's own ping lets a request wait beyond the queue's bound only while the
+    ping is fresh: behind a worker already unresponsive, a request is turned away (503
+    at once, PoolBusy) instead of piling up behind a hung process."""
+
+    async def scenario() -> None:
+        pool = WorkerPool(
+            Settings(
+                workers=1,
+                queue_size=0,
+                worker_ping_interval=0.05,
+                worker_ready_timeout=0.2,
+                worker_liveness_timeout=3600,
+            )
+        )
+        await pool.start()
+        try:
+            (before,) = pool.workers()
+            _stopped(before.pid)
+            try:
+                while pool.workers()[0].state != "unresponsive":
+                    await asyncio.sleep(0.02)  # the pool's ping, unanswered past 0.2 s
+                with pytest.raises(PoolBusy):
+                    await pool.submit("gradient", GRADIENT_EXAMPLE)
+            finally:
+                _resumed(before.pid)
+        finally:
+            await pool.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))
