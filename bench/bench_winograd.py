@@ -5,7 +5,8 @@ convolutions").
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
         MKL_NUM_THREADS=1 PYTHONPATH=. python bench/bench_winograd.py
 
-Batch 64, 3x3, pad 1, operands in a convolution's memory order (the ResNet's): the input
+Batch 64, 3x3, pad 1, operands in a convolution's memory order (the ResNet's three
+stride-1 layers, then other shapes that set engine/ops/conv.py's _winograd_pays): the input
 cotangent (conv_input, one pair as in a gradient, two as in a second-order pass) and the
 windows' three ops (gather, conv on them, conv_weight on them), each by the windows and
 by Winograd (engine/ops/conv.py's switches), alternating, ms of process time, the
@@ -27,7 +28,7 @@ from engine.ops import conv as conv_ops
 from engine.registry import impl_rules
 
 ROUNDS = 5
-LAYERS = ((16, 32), (32, 16), (64, 8))  # (channels, height = width)
+LAYERS = ((16, 32), (32, 16), (64, 8), (16, 16), (8, 32), (8, 16), (32, 32))  # (channels, H = W)
 conv_input = impl_rules[conv_ops.conv_input_p]
 gather = impl_rules[conv_ops.gather_p]
 conv = impl_rules[conv_ops.conv_p]
@@ -36,8 +37,7 @@ conv_weight = impl_rules[conv_ops.conv_weight_p]
 
 def _route(winograd: bool) -> None:
     conv_ops.WINOGRAD = winograd
-    conv_ops.WINOGRAD_MIN_WIDTH = 1  # every layer, to measure it
-    conv_ops.WINOGRAD_MIN_CHANNELS = 1
+    conv_ops._winograd_pays = lambda width, channels: True  # every layer, to measure it
 
 
 def _best(fn, winograd: bool) -> float:

@@ -232,29 +232,40 @@ def _compiled(xp: Any, a: Any, nd: int) -> bool:
 # epsilons of the products' magnitude in float32 / float64, against the GEMM's 1.7 / 1.6
 # (tests/engine/test_winograd.py). False: the windows' GEMM everywhere.
 # Two routes: the stride-1 input cotangent (conv_input_p) by winograd.conv3x3; and a
-# convolution's windows (gather_p): where its output rows are at least
-# WINOGRAD_MIN_WIDTH wide, gather_p gives the input's transform V
+# convolution's windows (gather_p), for which gather_p gives the input's transform V
 # (winograd.transform_input) instead, and the convolution (conv_p) and its kernel's
 # cotangent (conv_weight_p), which take it as their last operand, multiply it
-# (winograd.conv_transformed, weight_transformed). Narrower rows keep the windows: the
-# transforms' loops run over a plane's tiles, one spare per row of tiles, and at 8 x 8
-# (64 channels) the three ops measured 1.18x the windows'. Either route wants at least
-# WINOGRAD_MIN_CHANNELS channels (the windows' transform: input channels; the input
-# cotangent: the cotangent's and the result's): with 3 (the ResNet's stem) the GEMM's
-# inner dimension is 3 and the transforms cost more than they save (the reused HVP 3-5
-# ms slower with the stem by Winograd).
+# (winograd.conv_transformed, weight_transformed). Both where _winograd_pays.
 WINOGRAD = True
-WINOGRAD_MIN_WIDTH = 16
-WINOGRAD_MIN_CHANNELS = 8
 
 
-def _winograd(images: list, kernels_: list, kernel: tuple, dilations: tuple, groups: int) -> bool:
-    """Whether the stride-1 convolution of these images (one dtype) runs by Winograd."""
+def _winograd_pays(width: int, channels: int) -> bool:
+    """Whether Winograd measured faster for results with rows this wide and this many
+    channels (the windows' transform: the input's; the input cotangent: the fewer of
+    the cotangent's and the result's). The transforms' cost grows with the pixels and
+    channels, the GEMMs' saving with the square of the channels, and the transforms'
+    loops run over a plane's tiles (one spare per row of tiles): narrow rows need more
+    channels. Measured (bench/bench_winograd.py, float32, batch 64; Winograd / windows
+    for the input cotangent of one pair, of two, and the windows' three ops): rows 32
+    wide gain from 8 channels (8: 0.92 / 0.82 / 0.83x; 16: 0.93 / 0.84 / 0.67-0.71x),
+    16 wide from 32 (32: 0.93 / 0.81 / 0.82-0.85x; 16: 1.21 / 0.91 / 1.01x), 8 wide not
+    at 64 (1.02 / 0.96 / 1.00-1.13x); 3 channels (the ResNet's stem) cost the reused HVP
+    3-5 ms (bench/RESULTS.md)."""
+    if width >= 32:
+        return channels >= 8
+    return width >= 16 and channels >= 32
+
+
+def _winograd(
+    images: list, kernels_: list, kernel: tuple, dilations: tuple, groups: int, width: int
+) -> bool:
+    """Whether the stride-1 input cotangent of these images (one dtype; `width`: the
+    result's rows) runs by Winograd."""
     dtype = images[0].dtype
     return (
         WINOGRAD
         and len(kernel) == 2
-        and min(images[0].shape[1], kernels_[0].shape[1]) >= WINOGRAD_MIN_CHANNELS
+        and _winograd_pays(width, min(images[0].shape[1], kernels_[0].shape[1]))
         and all(x.dtype == dtype for x in images + kernels_)
         and winograd.applies(host, kernel, dilations, groups, dtype)
     )
@@ -270,8 +281,7 @@ def _winograd_windows(
         WINOGRAD
         and len(kernel) == 2
         and tuple(strides) == (1, 1)
-        and x.shape[-1] + pads[1][0] + pads[1][1] - 2 >= WINOGRAD_MIN_WIDTH
-        and x.shape[-3] >= WINOGRAD_MIN_CHANNELS
+        and _winograd_pays(x.shape[-1] + pads[1][0] + pads[1][1] - 2, x.shape[-3])
         and winograd.applies(xp, kernel, dilations, groups, x.dtype)
     )
 
@@ -552,7 +562,7 @@ def _conv_input_stacked(
         if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
             lead = g0.shape[: -nd - 1]
             images = [g.reshape((math.prod(lead),) + g.shape[-nd - 1 :]) for g, _ in pairs]
-            if _winograd(images, [w for _, w in pairs], kernel, dilations, groups):
+            if _winograd(images, [w for _, w in pairs], kernel, dilations, groups, spatial[-1]):
                 # the flipped kernels, channel axes swapped: (C, O, 3, 3)
                 flipped = [w[..., ::-1, ::-1].swapaxes(0, 1) for _, w in pairs]
                 dx = winograd.conv3x3(images, flipped, tpads, n)

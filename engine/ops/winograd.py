@@ -82,7 +82,7 @@ def conv3x3(xs: list, ks: list, pads: Pads, batch: int) -> Any:
         return y
     per_tile = 16 * inner * dtype.itemsize
     per_chunk = builtins.max(1, CHUNK_BYTES // builtins.max(1, per_tile * n_q))
-    per_chunk = builtins.min(per_chunk, batch)
+    per_chunk = builtins.min(per_chunk, m_all)
     v_flat = np.empty(16 * inner * per_chunk * n_q, dtype)
     m_flat = np.empty(16 * o * per_chunk * n_q, dtype)
     images = [conv_kernels.flat(x) or conv_kernels.flat(np.ascontiguousarray(x)) for x in xs]
@@ -90,10 +90,14 @@ def conv3x3(xs: list, ks: list, pads: Pads, batch: int) -> Any:
     forward = kernels.winograd_input.compiled()
     backward = kernels.winograd_output.compiled()
     assert forward is not None and backward is not None  # applies() chose this route
+    block = o * batch * oh * ow  # one block of the layout
     m0 = 0
-    while m0 < m_all:  # chunks within one batch (one block of the layout)
+    while m0 < m_all:
         b, i = divmod(m0, batch)
-        mc = builtins.min(per_chunk, batch - i)
+        if i == 0 and per_chunk >= batch:  # whole blocks at once (small batches of many
+            mc = builtins.min(per_chunk // batch, blocks - b) * batch  # leading rows)
+        else:  # a chunk within one block
+            mc = builtins.min(per_chunk, batch - i)
         t = mc * n_q
         v = v_flat[: 16 * inner * t].reshape(16, inner, t)
         row = 0
@@ -104,8 +108,10 @@ def conv3x3(xs: list, ks: list, pads: Pads, batch: int) -> Any:
             row += c
         mm = m_flat[: 16 * o * t].reshape(16, o, t)
         np.matmul(u, v, out=mm)
-        o_at = ((b * o * batch + i) * oh * ow, oh * ow, batch * oh * ow, ow)
-        backward(m_flat, (0, o * t, t), yf, o_at, (mc, o, oh, ow), (th, tw))
+        for j in range(0, mc, batch - i):  # the output transform, block by block
+            n_j = builtins.min(batch - i, mc - j)
+            o_at = (b * block + (j // batch) * block + i * oh * ow, oh * ow, batch * oh * ow, ow)
+            backward(m_flat, (j * n_q, o * t, t), yf, o_at, (n_j, o, oh, ow), (th, tw))
         m0 += mc
     return y
 

@@ -31,10 +31,11 @@ conv_input = impl_rules[conv_ops.conv_input_p]
 
 
 @pytest.fixture(autouse=True)
-def _few_channels(monkeypatch: Any) -> None:
-    """Winograd for every channel count (the engine keeps it to 8 and more: see
-    test_the_engine_s_thresholds); these tests' small channel counts are its edges."""
-    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_CHANNELS", 1)
+def _every_shape(monkeypatch: Any) -> None:
+    """Winograd at every width and channel count (the engine keeps it to the shapes
+    where it measured faster: test_the_engine_s_thresholds); these tests' small shapes
+    are its edges."""
+    monkeypatch.setattr(conv_ops, "_winograd_pays", lambda width, channels: True)
 
 
 def _reference(xs: list, ks: list, pads: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -87,6 +88,7 @@ CASES = [
     (2, 2, 2, 3, 3, ((0, 0), (0, 0)), 1, 2),  # no pad: a 1 x 1 output
     (6, 16, 8, 10, 12, ((1, 1), (1, 1)), 2, 3),  # two blocks of three images
     (64, 16, 16, 32, 32, ((1, 1), (1, 1)), 2, 64),  # the ResNet's 16-channel layer
+    (300, 4, 3, 5, 6, ((1, 1), (1, 1)), 1, 1),  # batch 1 beside many rows: whole blocks
 ]
 
 
@@ -145,7 +147,7 @@ def _spied(monkeypatch: Any) -> list:
     "n, c, o, hw, pads, lead",
     [(3, 4, 5, (7, 6), ((1, 1), (1, 1)), ()), (1, 1, 1, (1, 1), ((1, 1), (1, 1)), ()),
      (2, 3, 2, (5, 5), ((0, 2), (1, 0)), ()), (2, 3, 2, (6, 5), ((1, 1), (1, 1)), (3,)),
-     (2, 3, 2, (4, 4), ((0, 0), (0, 0)), ())],
+     (2, 3, 2, (4, 4), ((0, 0), (0, 0)), ()), (1, 8, 8, (5, 6), ((1, 1), (1, 1)), (40,))],
 )  # fmt: skip
 def test_conv_input_by_winograd_against_the_windows_gemm(
     dtype, n, c, o, hw, pads, lead, monkeypatch
@@ -217,16 +219,12 @@ def test_what_stays_on_the_windows_gemm(monkeypatch) -> None:
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("transformed", [False, True])
-def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch, transformed) -> None:
+def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch) -> None:
     """A two-layer stride-1 3 x 3 network in float64: its gradient and Hessian-vector
     products (dynamic, K vectors in one pass, and a HessianOperator's compiled replay)
     against PyTorch's double backward, at the project's 1e-12 agreement; Winograd ran
-    for the input cotangents, and (transformed) for the convolutions and the kernels'
-    cotangents too."""
+    for the input cotangents, the convolutions and the kernels' cotangents."""
     torch = pytest.importorskip("torch")
-    if transformed:
-        monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_WIDTH", 1)
     transforms: list = []
     inner = winograd.transform_input
     monkeypatch.setattr(winograd, "transform_input", lambda *a: transforms.append(a) or inner(*a))
@@ -244,7 +242,7 @@ def test_gradients_and_hvps_through_winograd_against_pytorch(monkeypatch, transf
     grads = gt.grad(lambda a, b: loss(gt.constant(x), a, b), argnums=(0, 1))(w1, w2)
     hvps = gt.hvp(lambda a, b: loss(gt.constant(x), a, b), (w1, w2), (v1, v2))
     assert calls, "Winograd did not run"
-    assert bool(transforms) == transformed
+    assert transforms, "the windows' transform did not run"
     op = gt.hessian_operator(lambda a, b: loss(gt.constant(x), a, b), w1, w2)
     replayed = [op.hvp(v1, v2) for _ in range(4)]  # dynamic, captured, then compiled
     for again in replayed[1:]:  # the replay runs the same impls: the same bits
@@ -278,12 +276,6 @@ conv = impl_rules[conv_ops.conv_p]
 conv_weight = impl_rules[conv_ops.conv_weight_p]
 
 
-@pytest.fixture
-def every_width(monkeypatch: Any) -> None:
-    """Winograd's windows at every output width (the engine keeps it to wide rows)."""
-    monkeypatch.setattr(conv_ops, "WINOGRAD_MIN_WIDTH", 1)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
     "lx, lw, lg, n, c, o, hw, pads",
@@ -292,7 +284,7 @@ def every_width(monkeypatch: Any) -> None:
      ((), (), (), 3, 4, 2, (6, 6), ((-1, 1), (2, 0))), ((), (), (), 2, 1, 2, (3, 3), ((0, 0), (0, 0)))],
 )  # fmt: skip
 def test_conv_and_its_kernel_cotangent_from_the_transform(
-    dtype, lx, lw, lg, n, c, o, hw, pads, every_width
+    dtype, lx, lw, lg, n, c, o, hw, pads
 ) -> None:
     """gather_p's transform, conv_p and conv_weight_p on it (leading axes on either
     operand, broadcast), against PyTorch's float64 conv2d and its weight gradient and
@@ -344,7 +336,7 @@ def test_conv_and_its_kernel_cotangent_from_the_transform(
         np.testing.assert_allclose(windows, want, rtol=0, atol=tol * scale)
 
 
-def test_the_spare_tiles_add_nothing(every_width) -> None:
+def test_the_spare_tiles_add_nothing() -> None:
     """The transform's spare tile per row of tiles (engine/kernels/winograd.py) reads two
     columns past the last tile's; under a crop those are x's, here infinities that the
     convolution never reads: the kernel's cotangent stays finite, as the windows' is."""
@@ -365,29 +357,33 @@ def test_the_spare_tiles_add_nothing(every_width) -> None:
 
 
 def test_the_engine_s_thresholds(monkeypatch) -> None:
-    """Where the engine chooses Winograd by default: the input cotangent from 8 channels
-    (the cotangent's and the result's), the windows' transform from 8 input channels and output rows 16
-    wide (bench/RESULTS.md measured the narrower and the fewer slower)."""
-    monkeypatch.undo()  # the module's defaults, not the fixtures'
-    assert conv_ops.WINOGRAD_MIN_CHANNELS == 8 and conv_ops.WINOGRAD_MIN_WIDTH == 16
+    """Where the engine chooses Winograd by default (conv_ops._winograd_pays, from the
+    measurements in bench/RESULTS.md): rows 32 wide from 8 channels, 16 wide from 32;
+    the windows' transform counts the input's channels, the input cotangent the fewer of
+    the cotangent's and the result's."""
+    monkeypatch.undo()  # the module's own choice, not the fixture's
     f32 = np.float32
     window = {"strides": (1, 1), "pads": ((1, 1), (1, 1)), "dilations": (1, 1), "groups": 1}
-    for c, width, transformed in ((3, 32, False), (8, 16, True), (16, 14, False), (64, 8, False)):
+    for c, width, chosen in (
+        (3, 32, False), (8, 32, True), (16, 16, False), (32, 16, True), (64, 14, False),
+        (64, 8, False),
+    ):  # fmt: skip
         x = np.zeros((2, c, 4, width), f32)
         v = gather(np, x, kernel=(3, 3), **window)
-        assert (v.shape == winograd.transformed_shape(x.shape, window["pads"])) == transformed
+        assert (v.shape == winograd.transformed_shape(x.shape, window["pads"])) == chosen
     calls = _spied(monkeypatch)
-    g = np.zeros((2, 7, 4, 4), f32)
-    conv_input(np, g, np.zeros((7, 16, 3, 3), f32), spatial=(4, 4), **window)
-    assert not calls  # 7 channels
-    g = np.zeros((2, 8, 4, 4), f32)
-    conv_input(np, g, np.zeros((8, 4, 3, 3), f32), spatial=(4, 4), **window)
-    assert not calls  # a result of 4 channels (LeNet's second layer's input cotangent)
-    conv_input(np, g, np.zeros((8, 8, 3, 3), f32), spatial=(4, 4), **window)
-    assert len(calls) == 1
+    expected = 0
+    for o, c, width, chosen in (
+        (7, 16, 32, False), (8, 4, 32, False), (16, 16, 16, False), (8, 8, 32, True),
+        (32, 64, 16, True),
+    ):  # fmt: skip
+        g = np.zeros((2, o, 4, width), f32)
+        conv_input(np, g, np.zeros((o, c, 3, 3), f32), spatial=(4, width), **window)
+        expected += chosen
+        assert len(calls) == expected, (o, c, width)  # (8, 4): LeNet's, a 4-channel result
 
 
-def test_a_process_with_the_kernels_switched_off_agrees(tmp_path, every_width, monkeypatch) -> None:
+def test_a_process_with_the_kernels_switched_off_agrees(tmp_path, monkeypatch) -> None:
     """GRADTAPE_KERNELS=numpy in a fresh process (the windows' GEMM everywhere) against
     this one with Winograd's three routes on test_kernels_conv's network (its first layer
     a stride-1 3 x 3 convolution of a differentiated input): the gradient, gt.hvp and a
