@@ -97,16 +97,24 @@ RUN groupadd --system --gid 10001 gradtape \
     && chown 10001:10001 /var/lib/gradtape
 COPY --from=build /opt/gradtape /opt/gradtape
 
-# NUMBA_CACHE_DIR: the compiled kernels (engine/kernels) are cached in the data volume,
-# compiled once rather than in every worker process and after every restart (the
-# virtualenv is not writable by the service's user).
+# NUMBA_CACHE_DIR: numba's cache of the compiled kernels (engine/kernels), outside the
+# data volume, which would hide what the build writes under /var/lib/gradtape.
 ENV PATH=/opt/gradtape/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     GRADTAPE_HOST=0.0.0.0 \
     GRADTAPE_PORT=8000 \
     GRADTAPE_DATA_DIR=/var/lib/gradtape \
-    NUMBA_CACHE_DIR=/var/lib/gradtape/numba-cache
+    NUMBA_CACHE_DIR=/opt/gradtape/numba-cache
+
+# The image ships its kernels compiled (`gradtape kernels warm`, ~7 s of CPU): the workers
+# load them at start. numba keys its cache by the kernel sources' (mtime, size), so their
+# mtimes are made whole seconds first (an image layer may keep no finer ones), and by the
+# CPU: on another CPU model the workers compile theirs once per container, in the
+# background (engine/kernels/warmup.py), into this directory, the service user's.
+RUN python -c "import os, pathlib, engine.kernels as k; [os.utime(p, (int(p.stat().st_mtime),) * 2) for p in pathlib.Path(k.__file__).parent.glob('*.py')]" \
+    && gradtape kernels warm \
+    && chown -R 10001:10001 /opt/gradtape/numba-cache
 
 WORKDIR /var/lib/gradtape
 VOLUME ["/var/lib/gradtape"]

@@ -2,6 +2,7 @@
 
     gradtape serve [--host H] [--port P] [--http-workers N] [--workers N] [--device D] ...
     gradtape openapi [--out openapi/openapi.json]
+    gradtape kernels warm [--json]
     gradtape eigenvalues|trace|density|influence model.onnx --data data.npz ...
 
 The curvature questions are the SDK's command line (gradtape.client.cli, a client of a
@@ -76,7 +77,28 @@ def _parser() -> argparse.ArgumentParser:
     spec.add_argument(
         "--out", type=Path, default=None, help="file to write (default: standard output)"
     )
+    kernels = commands.add_parser("kernels", help="the engine's compiled kernels (numba)")
+    actions = kernels.add_subparsers(dest="action", required=True)
+    warm = actions.add_parser(
+        "warm",
+        help="compile every kernel signature into numba's disk cache (NUMBA_CACHE_DIR), "
+        "loading those it holds; the Docker image runs it at build",
+    )
+    warm.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
+
+
+def warm_kernels(as_json: bool) -> int:
+    """`gradtape kernels warm`: engine/kernels/warmup.py's command (`python -m
+    engine.kernels.warmup`), in a process of its own (this one never loads the engine)."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "engine.kernels.warmup", *(["--json"] if as_json else [])]
+    # engine/ beside service/ (a checkout, or site-packages) importable from anywhere
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.run(argv, env=env, check=False).returncode
 
 
 def serve(overrides: dict[str, Any]) -> int:
@@ -255,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in QUESTIONS:
         return ask(argv)
     args = _parser().parse_args(argv)
+    if args.command == "kernels":  # the engine's alone: no service package needed
+        return warm_kernels(args.json)
     missing = missing_service_packages()
     if missing:  # the engine was installed alone (`pip install .`)
         print(

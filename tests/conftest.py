@@ -29,6 +29,12 @@ from typing import Any
 
 import pytest
 
+# The workers' kernel warm-up (engine/kernels/warmup.py) is off in the suite, which starts
+# workers hundreds of times: each would load every kernel (~1 s of CPU with numba's
+# import) beside the tests' own work. The kernels then compile, or load, at their first
+# use, as with the setting off. tests/service/test_kernel_warmup.py turns it on.
+os.environ.setdefault("GRADTAPE_WORKER_WARM_KERNELS", "false")
+
 # Files handed to one worker together (see above). Paths as pytest's node ids spell them.
 SHARED_WORKER = {
     "tests/deploy/test_clean_install.py": "install",

@@ -37,13 +37,23 @@ threads does not hold the others), no `fastmath` (it would let LLVM reorder and
 contract the arithmetic, and assume no NaN or inf: the answers would change), and
 `error_model="numpy"` (a division by zero gives inf or NaN, as NumPy's, rather than an
 exception).
+
+Warm-up (engine/kernels/warmup.py): each kernel declares the argument types its call
+sites pass (`Kernel.declare`), so they can all be compiled, or loaded from numba's
+cache, ahead of use (`gradtape kernels warm`, the Docker build, a worker's start). A
+kernel warmed so answers only those signatures (numba's compilation is then off for
+it: a writable array converts to a declared read-only one, so one signature serves
+both), and a process that asked `hold_until_warm()` (a service worker) gets None from
+`compiled()`, the NumPy path, until warm-up has readied the kernel: no request of it
+pays a compilation.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 #: The environment variable: "numpy" (or "off", "0") runs the NumPy paths only; anything
@@ -52,6 +62,14 @@ SWITCH = "GRADTAPE_KERNELS"
 
 _lock = threading.Lock()
 _numba: Any = None  # the module, once imported; False when unavailable or switched off
+# Every kernel declared (by @kernel), in the order of declaration: what warm-up walks.
+DECLARED: list[Kernel] = []
+# hold_until_warm() was called: compiled() answers None for a kernel until released, which
+# warm-up does for all the kernels of a module at once (one rebinding of this set: a
+# caller using two kernels of a module, as a convolution's gather and col2im, never
+# sees one released and not the other).
+_held = False
+_released: frozenset[Kernel] = frozenset()
 
 
 def _switched_off() -> bool:
@@ -89,10 +107,29 @@ class Kernel:
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
         self.dispatcher: Any = None  # numba's, once compiled() has made it
+        # The argument types of its call sites (declare()), and whether warm-up has
+        # compiled or loaded them all (engine/kernels/warmup.py).
+        self.signatures: list[tuple[Arg, ...]] = []
+        self.warmed = False
+        DECLARED.append(self)
+
+    def declare(self, *signatures: tuple[Arg, ...]) -> None:
+        """The argument types the call sites pass, for warm-up: one tuple of In, Out and
+        Ints per signature."""
+        self.signatures.extend(signatures)
 
     def compiled(self) -> Callable[..., Any] | None:
         """The compiled kernel (call it as the Python function), or None when kernels
-        do not run."""
+        do not run (or, in a process that holds kernels until warm, not yet warmed)."""
+        if _held and self not in _released:
+            return None
+        if self.dispatcher is None:
+            if self.make_dispatcher() is None:
+                return None
+        return self._call
+
+    def make_dispatcher(self) -> Any:
+        """numba's dispatcher of this kernel (made once), or None when kernels do not run."""
         if self.dispatcher is None:
             numba = numba_module()
             if numba is None:
@@ -100,11 +137,29 @@ class Kernel:
             with _lock:
                 if self.dispatcher is None:
                     self.dispatcher = _jit(numba, self.py_func)
-        return self._call
+        return self.dispatcher
 
     def _call(self, *args: Any) -> Any:
         try:
             return self.dispatcher(*args)
+        except TypeError:
+            if not self.warmed:
+                raise
+            # Warmed (compilation off) and called with types no declaration covers: a
+            # declaration is missing. Compile this once, as before warm-up, and say so.
+            import logging
+
+            logging.getLogger("gradtape.kernels").warning(
+                "kernel %s compiled for undeclared argument types (%s): declare them",
+                self.__name__,
+                ", ".join(str(numba_module().typeof(a)) for a in args),
+            )
+            with _lock:
+                self.dispatcher.disable_compile(False)
+                try:
+                    return self.dispatcher(*args)
+                finally:
+                    self.dispatcher.disable_compile(True)
         except OSError:
             # A compiled loop does no I/O: this is numba's disk cache, which it opens at
             # every compilation, gone bad since the kernel was declared (the volume full,
@@ -120,6 +175,65 @@ class Kernel:
 def kernel(py_func: Callable[..., Any]) -> Kernel:
     """Declare a kernel (a decorator); compiled() gives the callable."""
     return Kernel(py_func)
+
+
+def release(kernels: Iterable[Kernel]) -> None:
+    """Let compiled() hand out these warmed kernels in a process that holds them, all at
+    once (warm-up's call, a module's kernels together)."""
+    global _released
+    with _lock:
+        _released = _released | frozenset(kernels)
+
+
+def hold_until_warm() -> None:
+    """From now on compiled() answers None (the NumPy path) for a kernel until warm-up
+    (engine/kernels/warmup.py) has compiled or loaded its declared signatures: for a
+    process whose requests must never wait for a compilation (a service worker)."""
+    global _held
+    _held = True
+
+
+# ---- the argument types a kernel declares (Kernel.declare), for warm-up ----
+
+
+@dataclass(frozen=True)
+class In:
+    """A C-contiguous array the kernel only reads (declared read-only: a writable array
+    converts to it, so one compiled signature takes both)."""
+
+    dtype: str
+    ndim: int
+
+
+@dataclass(frozen=True)
+class Out:
+    """A C-contiguous array the kernel writes (or reads and writes)."""
+
+    dtype: str
+    ndim: int
+
+
+@dataclass(frozen=True)
+class Ints:
+    """A tuple of `count` Python integers (numba's int64)."""
+
+    count: int
+
+
+Arg = In | Out | Ints
+
+
+def numba_signature(numba: Any, args: tuple[Arg, ...]) -> tuple[Any, ...]:
+    """A declared signature as numba's argument types."""
+    types = numba.types
+
+    def one(arg: Arg) -> Any:
+        if isinstance(arg, Ints):
+            return types.UniTuple(types.int64, arg.count)
+        dtype = getattr(types, arg.dtype)
+        return types.Array(dtype, arg.ndim, "C", readonly=isinstance(arg, In))
+
+    return tuple(one(a) for a in args)
 
 
 def _jit(numba: Any, py_func: Callable[..., Any], cache: bool = True) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import kernel
+from engine.kernels import In, Ints, Out, kernel
 
 
 def flat(a: Any) -> tuple[Any, tuple[int, ...]] | None:
@@ -157,3 +157,11 @@ def col2im2d(wf, w_at, w_shape, of, o_at, o_shape, window):  # pragma: no cover 
                         src = base + oh * swoh
                         for ow in range(lo, hi):
                             of[np.uintp(dst + ow * sw)] += wf[np.uintp(src + ow)]
+
+
+# ---- warm-up (engine/kernels/warmup.py): the argument types the callers above pass ----
+
+# (offsets, strides, shapes and windows are tuples of Python ints)
+for _dtype in ("float32", "float64"):
+    gather2d.declare((In(_dtype, 1), Ints(5), Ints(4), Out(_dtype, 1), Ints(6), Ints(4), Ints(6)))
+    col2im2d.declare((In(_dtype, 1), Ints(6), Ints(4), Out(_dtype, 1), Ints(4), Ints(4), Ints(6)))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import kernel
+from engine.kernels import In, Out, kernel
 
 # Module constants are frozen into the compiled code, and numba's disk cache knows only
 # this file: so they are written here, not imported (a constant changed in another
@@ -234,3 +234,11 @@ def gelu_slope(x: Any, y: Any, out: Any = None) -> Any:
     flat = [np.ascontiguousarray(a).reshape(-1) for a in (x, y)]
     run(flat[0], flat[1], out.reshape(-1))
     return out
+
+
+# ---- warm-up (engine/kernels/warmup.py): the argument types the callers above pass ----
+
+erf_float32_kernel.declare((In("float32", 1), Out("float32", 1)))
+gelu_float32_kernel.declare((In("float32", 1), Out("float32", 1)))
+gelu_slope_float32_kernel.declare((In("float32", 1), In("float32", 1), Out("float32", 1)))
+gelu_slope_float64_kernel.declare((In("float64", 1), In("float64", 1), Out("float64", 1)))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import kernel
+from engine.kernels import In, Out, kernel
 
 
 @kernel
@@ -82,7 +82,9 @@ def _rows(a: Any) -> Any:
 
 
 def _per_row(stat: Any) -> Any:
-    return stat.reshape(-1)  # (rows..., 1) keepdims statistics -> one per row
+    # (rows..., 1) keepdims statistics -> one per row, in one run (copied when strided:
+    # the one layout warm-up compiles, declared below)
+    return np.ascontiguousarray(stat.reshape(-1))
 
 
 def center(x: Any, mean: Any, centered: Any, squares: Any) -> bool:
@@ -114,3 +116,14 @@ def combine(a: Any, xhat: Any, m: Any, mean_a: Any, r: Any, out: Any) -> bool:
         return False
     run(_rows(a), _rows(xhat), _per_row(m), _per_row(mean_a), _per_row(r), _rows(out))
     return True
+
+
+# ---- warm-up (engine/kernels/warmup.py): the argument types the callers above pass ----
+
+# (the per-row statistics go in C-contiguous: _per_row copies a strided one)
+for _dtype in ("float32", "float64"):
+    center_kernel.declare((In(_dtype, 2), In(_dtype, 1), Out(_dtype, 2), Out(_dtype, 2)))
+    scale_rows_kernel.declare((Out(_dtype, 2), In(_dtype, 1)))
+    combine_kernel.declare(
+        (In(_dtype, 2), In(_dtype, 2), In(_dtype, 1), In(_dtype, 1), In(_dtype, 1), Out(_dtype, 2))
+    )

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import kernel
+from engine.kernels import In, Out, kernel
 
 # exp(a) for a <= 0, as gelu_slope_float32_kernel's (see engine/kernels/gelu.py: k =
 # round(a / ln 2) by the 1.5 2^52 trick, Taylor degree 10 in Estrin's form), 0 below
@@ -85,3 +85,8 @@ def softmax(x: Any, axis: int, out: Any = None) -> Any:
     k = x.shape[-1]
     run(x.reshape(-1, k), out.reshape(-1, k), np.empty(k, np.float64))
     return out
+
+
+# ---- warm-up (engine/kernels/warmup.py): the argument types the callers above pass ----
+
+softmax_rows_float32_kernel.declare((In("float32", 2), Out("float32", 2), Out("float64", 1)))

@@ -118,6 +118,15 @@ class Settings(BaseSettings):
         "with GRADTAPE_TUNE_ALLOCATOR=0 and memory goes back to the system sooner",
     )
 
+    # Compiled kernels' warm-up (engine/kernels/warmup.py) -----------------------------------
+    worker_warm_kernels: bool = Field(
+        default=True,
+        description="each worker compiles, or loads from numba's disk cache, every compiled "
+        "kernel in the background from its start (compilations in a process of their own), "
+        "and its requests run the NumPy paths until a kernel is ready: no request waits "
+        "for a compilation; off: a kernel compiles at its first use, inside that request",
+    )
+
     # Requests -----------------------------------------------------------------------------
     time_limit: float = Field(default=30.0, gt=0, description="compute seconds per request")
     max_time_limit: float = Field(default=300.0, gt=0, description="most a request may ask for")
@@ -430,6 +439,7 @@ class Settings(BaseSettings):
             "memory_budget": self.resolved_request_memory_budget(),
             "lanczos_max_basis_bytes": self.lanczos_max_basis_bytes,
             "tune_allocator": self.worker_tune_allocator,
+            "warm_kernels": self.worker_warm_kernels,
             "empty_working_directory": True,  # nothing a relative path could reach
             # the compute-cost guard (None: the device's default); the job form's limit
             "cost_throughput": [

@@ -29,6 +29,7 @@ import numpy as np
 import engine as gt
 from engine import backend, replay
 from engine.curvature import CurvatureError
+from engine.kernels import warmup
 from engine.language import (
     CompiledProgram,
     Definition,
@@ -238,6 +239,10 @@ def start(index: int, device: str, options: Mapping[str, Any]) -> WorkerContext:
     )
     warm = {"program": ["y = x * x"], "variables": {"x": {"value": np.float32(1.0)}}}
     evaluate(warm, "y", limits=limits, device=device)  # first-call imports and caches
+    if options.get("warm_kernels", False):  # the pool's workers: the setting (default on)
+        # In the background: the hello (readiness) waits for none of it, and requests run
+        # the NumPy paths of the kernels not yet ready (engine/kernels/warmup.py).
+        warmup.start_in_background()
     return context
 
 
@@ -406,7 +411,15 @@ def on_device(array: Any, like: Tensor, context: WorkerContext) -> Tensor:
 
 
 def ping(payload: Any, context: WorkerContext) -> dict[str, Any]:
-    return {"pid": os.getpid()}
+    """The worker's pid and where its compiled kernels' warm-up stands."""
+    return {"pid": os.getpid(), "kernels": warmup.status()}
+
+
+def kernel_warmup(payload: Any, context: WorkerContext) -> dict[str, Any]:
+    """The kernels' warm-up status, once it has ended when the payload asks
+    {"wait": seconds} (for tests and operators: no HTTP route sends it)."""
+    seconds = payload.get("wait") if isinstance(payload, Mapping) else None
+    return warmup.wait(float(seconds)) if seconds is not None else warmup.status()
 
 
 def ops(payload: Any, context: WorkerContext) -> list[dict[str, Any]]:
@@ -669,6 +682,7 @@ def check_vector(
 
 HANDLERS: dict[str, Callable[[Any, WorkerContext], Any]] = {
     "ping": ping,
+    "kernel_warmup": kernel_warmup,
     "ops": ops,
     "gradient": gradient,
     "jacobian": jacobian,

@@ -56,7 +56,8 @@ def test_readme_command_serves_from_a_fresh_virtualenv(install: Install) -> None
 def image_server(install: Install) -> Iterator[tuple[Server, dict[str, str]]]:
     """The image's ENTRYPOINT + CMD with the image's ENV, on this machine: PATH's
     /opt/gradtape/bin is the fresh virtualenv, and the host (0.0.0.0 in the image, for
-    the published port), port and data directory are moved to loopback and a temp dir."""
+    the published port), port, data directory and kernel cache are moved to loopback and
+    temp dirs."""
     final = Dockerfile.read(ROOT / "Dockerfile").stages[-1]
     image_env: dict[str, str] = {}
     for ins in final.all("ENV"):
@@ -70,6 +71,8 @@ def image_server(install: Install) -> Iterator[tuple[Server, dict[str, str]]]:
         "GRADTAPE_HOST": "127.0.0.1",
         "GRADTAPE_PORT": str(port),
         "GRADTAPE_DATA_DIR": str(install.tmp / "image-data"),
+        # the image's kernel cache (filled at its build) moved as the data directory is
+        "NUMBA_CACHE_DIR": str(install.tmp / "image-numba-cache"),
     }
     server = Server.start(argv, cwd=workdir, env=env, log=install.tmp / "image.log", port=port)
     try:

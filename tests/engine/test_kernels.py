@@ -148,15 +148,22 @@ def test_a_kernel_runs_when_its_cache_goes_bad_after_it_was_declared(tmp_path: P
 def test_a_kernel_module_takes_nothing_from_other_engine_modules() -> None:
     # numba's disk cache is keyed by the kernel's own file: a constant or function
     # imported from another file is frozen into the cached code and served stale after
-    # that file changes (review r11). Only the loader may be imported.
+    # that file changes (review r11). Only the loader may be imported: its decorator and
+    # the argument types a kernel declares for warm-up (never part of compiled code).
+    # (warmup.py is no kernel module: it compiles the others.)
     import ast
 
     for path in sorted((ROOT / "engine" / "kernels").glob("*.py")):
+        if path.name == "warmup.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine"):
-                assert node.module == "engine.kernels" and [a.name for a in node.names] == [
-                    "kernel"
-                ], f"{path.name} imports from {node.module}"
+                assert node.module == "engine.kernels" and {a.name for a in node.names} <= {
+                    "kernel",
+                    "In",
+                    "Out",
+                    "Ints",
+                }, f"{path.name} imports from {node.module}"
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("engine") for a in node.names), path.name
 
