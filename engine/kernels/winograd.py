@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kernels import kernel
+from engine.kernels import In, Ints, Out, kernel
 
 
 @kernel
@@ -262,3 +262,14 @@ def winograd_cotangent(gf, g_at, g_shape, vf, v_at, tiles):  # pragma: no cover 
                 dst += s_xi
                 for q in range(n_q):
                     vf[np.uintp(dst + q)] = -r[np.uintp(c1 + q)]
+
+
+# ---- warm-up (engine/kernels/warmup.py): the argument types the callers above pass ----
+
+# (flat memory as 1-d arrays; offsets, strides, shapes, tiles and pads as tuples of ints)
+for _dtype in ("float32", "float64"):
+    winograd_input.declare(
+        (In(_dtype, 1), Ints(5), Ints(4), Out(_dtype, 1), Ints(3), Ints(2), Ints(2))
+    )
+    winograd_output.declare((In(_dtype, 1), Ints(3), Out(_dtype, 1), Ints(4), Ints(4), Ints(2)))
+    winograd_cotangent.declare((In(_dtype, 1), Ints(5), Ints(4), Out(_dtype, 1), Ints(3), Ints(2)))
