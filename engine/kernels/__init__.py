@@ -15,7 +15,8 @@ engine runs its NumPy paths, only slower, and answers the same numbers: to the b
 where a kernel keeps the NumPy path's operations and order (erf, GELU, the convolution
 windows, layer norm's steps), to the rounding each kernel's module states where it does
 not (softmax and GELU's slope in float32 round once instead of several times: closer to
-the exact value; the embedding's scatter adds in np.add.at's order).
+the exact value; the embedding's scatter adds in np.add.at's order; the stride-1 3 x 3
+convolutions by Winograd's algorithm, winograd.py, in the windows' GEMM's error class).
 
     @kernel
     def gelu_forward(x, out):  # plain Python over arrays, numba's nopython subset
@@ -132,9 +133,13 @@ def enabled() -> bool:
 class Kernel:
     """A Python function compiled by numba at its first use (see the module's text)."""
 
-    def __init__(self, py_func: Callable[..., Any], contract: bool = False) -> None:
+    def __init__(
+        self, py_func: Callable[..., Any], contract: bool = False, exact: bool | None = None
+    ) -> None:
         self.py_func = py_func
         self.contract = contract
+        # Whether it answers its NumPy path's bits (a contracting kernel never does).
+        self.exact = not contract if exact is None else exact
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
         self.dispatcher: Any = None  # numba's, once compiled() has made it
@@ -153,10 +158,10 @@ class Kernel:
         """The compiled kernel (call it as the Python function), or None when kernels
         do not run (or, in a process that holds kernels until warm, not yet warmed)."""
         if _held and self not in _released:
-            if not self.contract:
+            if self.exact:
                 return None  # the NumPy path, to the bit the same answers
-            # A kernel whose bits differ from its NumPy path's (contract=True; the test
-            # suite checks that these are the only ones): waiting for warm-up, rather than
+            # A kernel whose bits differ from its NumPy path's (exact=False; the test
+            # suite checks which these are): waiting for warm-up, rather than
             # answering other bits until it ends, keeps a worker's answers the same
             # whatever moment the request came (review r12).
             with _changed:
@@ -212,15 +217,19 @@ class Kernel:
         return f"<kernel {self.__name__}>"
 
 
-def kernel(py_func: Callable[..., Any] | None = None, *, contract: bool = False) -> Any:
+def kernel(
+    py_func: Callable[..., Any] | None = None, *, contract: bool = False, exact: bool | None = None
+) -> Any:
     """Declare a kernel (a decorator, `@kernel` or `@kernel(contract=True)`); compiled()
     gives the callable. contract: LLVM may fuse a product and a sum into one FMA (one
     rounding instead of two: never less accurate), for a kernel that is not bound to a
     NumPy path's bits (GELU's float32 slope, softmax: their exp's polynomial runs 15%
-    faster); nothing else of fastmath."""
+    faster); nothing else of fastmath. exact: whether the kernel answers its NumPy
+    path's bits (by default, unless it contracts); a held kernel that does not makes
+    its callers wait for warm-up (Kernel.compiled)."""
     if py_func is None:
-        return lambda f: Kernel(f, contract)
-    return Kernel(py_func, contract)
+        return lambda f: Kernel(f, contract, exact)
+    return Kernel(py_func, contract, exact)
 
 
 def release(kernels: Iterable[Kernel]) -> None:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from engine import backend
 from engine.backend import host
 from engine.kernels import conv as kernels
+from engine.ops import winograd
 from engine.ops._util import coerce_pair
 from engine.ops.elementwise import add, divide
 from engine.ops.linalg import matmul_p
@@ -224,6 +225,67 @@ def _compiled(xp: Any, a: Any, nd: int) -> bool:
     )
 
 
+# WINOGRAD: the stride-1 3 x 3 convolutions of the host by Winograd's F(2 x 2, 3 x 3)
+# (engine/ops/winograd.py): 2.25x fewer multiply-adds in the GEMMs, transformed tiles 4/9
+# the windows' size (bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1 3x3
+# convolutions"). Not the im2col GEMM's bits, but in its rounding class: at most 2.6 / 1.9
+# epsilons of the products' magnitude in float32 / float64, against the GEMM's 1.7 / 1.6
+# (tests/engine/test_winograd.py). False: the windows' GEMM everywhere.
+# Two routes: the stride-1 input cotangent (conv_input_p) by winograd.conv3x3; and a
+# convolution's windows (gather_p), for which gather_p gives the input's transform V
+# (winograd.transform_input) instead, and the convolution (conv_p) and its kernel's
+# cotangent (conv_weight_p), which take it as their last operand, multiply it
+# (winograd.conv_transformed, weight_transformed). Both where _winograd_pays.
+WINOGRAD = True
+
+
+def _winograd_pays(width: int, channels: int) -> bool:
+    """Whether Winograd measured faster for results with rows this wide and this many
+    channels (the windows' transform: the input's; the input cotangent: the fewer of
+    the cotangent's and the result's). The transforms' cost grows with the pixels and
+    channels, the GEMMs' saving with the square of the channels, and the transforms'
+    loops run over a plane's tiles (one spare per row of tiles): narrow rows need more
+    channels. Measured (bench/bench_winograd.py, float32, batch 64; Winograd / windows
+    for the input cotangent of one pair, of two, and the windows' three ops): rows 32
+    wide gain from 8 channels (8: 0.92 / 0.82 / 0.83x; 16: 0.93 / 0.84 / 0.67-0.71x),
+    16 wide from 32 (32: 0.93 / 0.81 / 0.82-0.85x; 16: 1.21 / 0.91 / 1.01x), 8 wide not
+    at 64 (1.02 / 0.96 / 1.00-1.13x); 3 channels (the ResNet's stem) cost the reused HVP
+    3-5 ms (bench/RESULTS.md)."""
+    if width >= 32:
+        return channels >= 8
+    return width >= 16 and channels >= 32
+
+
+def _winograd(
+    images: list, kernels_: list, kernel: tuple, dilations: tuple, groups: int, width: int
+) -> bool:
+    """Whether the stride-1 input cotangent of these images (one dtype; `width`: the
+    result's rows) runs by Winograd."""
+    dtype = images[0].dtype
+    return (
+        WINOGRAD
+        and len(kernel) == 2
+        and _winograd_pays(width, min(images[0].shape[1], kernels_[0].shape[1]))
+        and all(x.dtype == dtype for x in images + kernels_)
+        and winograd.applies(host, kernel, dilations, groups, dtype)
+    )
+
+
+def _winograd_windows(
+    xp: Any, x: Any, kernel: tuple, strides: tuple, pads: Pads, dilations: tuple, groups: int
+) -> bool:
+    """Whether gather_p transforms x for Winograd rather than gathering its windows:
+    decided from x and the window alone, so that the gather and the two products that
+    take its result agree."""
+    return (
+        WINOGRAD
+        and len(kernel) == 2
+        and tuple(strides) == (1, 1)
+        and _winograd_pays(x.shape[-1] + pads[1][0] + pads[1][1] - 2, x.shape[-3])
+        and winograd.applies(xp, kernel, dilations, groups, x.dtype)
+    )
+
+
 def _as_2d(nd: int, *params: tuple) -> list:
     """A 1-d convolution's window parameters as a 2-d one's of height 1."""
     if nd == 2:
@@ -322,6 +384,8 @@ def _gather_impl(
     if _compiled(xp, x, nd) and builtins.min(sizes) >= 1:
         if out is None:
             out = xp.empty(lead + (c,) + kernel + (n,) + sizes, x.dtype)
+        elif out.size != math.prod(lead + (c,) + kernel + (n,) + sizes):  # the kernel trusts it
+            raise ValueError(f"gather: a buffer of {out.shape} for windows of {x.shape}")
         _gather_kernel(x, out, kernel, strides, pads, dilations)
         return out.reshape(lead + (groups, c // groups * math.prod(kernel), n * math.prod(sizes)))
     x = x.swapaxes(-nd - 2, -nd - 1)  # (*lead, C, N, *spatial): N beside the windows
@@ -360,6 +424,33 @@ def _gather_impl(
     return cols
 
 
+def _gather_prim(
+    xp: Any,
+    x: Any,
+    *,
+    kernel: tuple,
+    strides: tuple,
+    pads: Pads,
+    dilations: tuple,
+    groups: int,
+    out: Any = None,
+) -> Any:
+    """gather_p: x's windows (_gather_impl), or its Winograd transform where
+    _winograd_windows says so."""
+    if _winograd_windows(xp, x, kernel, strides, pads, dilations, groups):
+        return winograd.transform_input(x, pads, out)
+    return _gather_impl(
+        xp,
+        x,
+        kernel=kernel,
+        strides=strides,
+        pads=pads,
+        dilations=dilations,
+        groups=groups,
+        out=out,
+    )
+
+
 def _rows(g: Any, nd: int, groups: int) -> Any:
     """An output-shaped g (*lead, N, O, *out) -> (*lead, G, O/G, N * P), copied only when
     its memory is not in that order already (a conv's own result is)."""
@@ -389,6 +480,8 @@ def _conv_impl(
     nd = len(strides)
     kernel, o = w.shape[-nd:], w.shape[-nd - 2]
     out = _out_sizes(x.shape[-nd:], kernel, strides, dilations, pads)
+    if _winograd_windows(xp, x, kernel, strides, pads, dilations, groups):
+        return winograd.conv_transformed(cols, w, x.shape[-nd - 2], out)
     wm = w.reshape(_lead(w, nd) + (groups, o // groups, w.shape[-nd - 1] * math.prod(kernel)))
     return _unrows(xp.matmul(wm, cols), x.shape[-nd - 2], out)
 
@@ -469,7 +562,12 @@ def _conv_input_stacked(
         if xp is host and not lw:  # on the host, a few images at a time (see _conv_in_chunks)
             lead = g0.shape[: -nd - 1]
             images = [g.reshape((math.prod(lead),) + g.shape[-nd - 1 :]) for g, _ in pairs]
-            dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups, n)
+            if _winograd(images, [w for _, w in pairs], kernel, dilations, groups, spatial[-1]):
+                # the flipped kernels, channel axes swapped: (C, O, 3, 3)
+                flipped = [w[..., ::-1, ::-1].swapaxes(0, 1) for _, w in pairs]
+                dx = winograd.conv3x3(images, flipped, tpads, n)
+            else:
+                dx = _conv_in_chunks(xp, images, wt, kernel, tpads, dilations, groups, n)
             return dx.reshape(lead + (groups * cg,) + tuple(spatial))
         parts = []
         for g, _ in pairs:
@@ -643,12 +741,14 @@ def _conv_weight_impl(
     groups: int,
 ) -> Any:
     nd = len(kernel)
+    if _winograd_windows(xp, x, kernel, strides, pads, dilations, groups):
+        return winograd.weight_transformed(cols, g)
     dw = xp.matmul(_rows(g, nd, groups), cols.swapaxes(-1, -2))  # (*L, G, O/G, C/G * K)
     o, c = g.shape[-nd - 1], x.shape[-nd - 1]
     return dw.reshape(dw.shape[:-3] + (o, c // groups) + tuple(kernel))
 
 
-gather_p = primitive("conv_gather", _gather_impl)
+gather_p = primitive("conv_gather", _gather_prim)
 # The second backward of a reused HVP gathers one cotangent's windows twice, for
 # conv_input's VJP in its cotangent (a convolution) and in its kernel (conv_weight): a
 # compiled replay gathers them once.
@@ -661,7 +761,7 @@ def _gather_form(params: dict, operands: list, value: Any) -> Any:
     buffer kept between passes: no fresh pages to fault in per pass)."""
     if not _compiled(host, value, len(params["kernel"])):
         return None
-    return lambda x, out: _gather_impl(host, x, out=out, **params)
+    return lambda x, out: _gather_prim(host, x, out=out, **params)
 
 
 defform(gather_p, _gather_form)

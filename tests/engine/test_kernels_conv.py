@@ -36,6 +36,13 @@ pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not inst
 conv_input = impl_rules[conv_ops.conv_input_p]
 
 
+@pytest.fixture(autouse=True)
+def _window_routes(monkeypatch: Any) -> None:
+    """The stride-1 3 x 3 input cotangents by their windows' GEMM, not by Winograd
+    (tests/engine/test_winograd.py): these tests compare the window kernels' bits."""
+    monkeypatch.setattr(conv_ops, "WINOGRAD", False)
+
+
 @contextmanager
 def numpy_route(monkeypatch: Any):
     """The NumPy routes only (what runs without numba or with GRADTAPE_KERNELS=numpy)."""

@@ -53,6 +53,7 @@ def test_every_kernel_declares_the_signatures_it_is_called_with() -> None:
     names = {k.__name__ for k in every}
     assert {"gelu_float32_kernel", "softmax_rows_float32_kernel", "add_rows_kernel"} <= names
     assert {"center_kernel", "combine_kernel", "gather2d", "col2im2d"} <= names
+    assert {"winograd_input", "winograd_output", "winograd_cotangent"} <= names
     for k in every:
         assert k.signatures, f"{k.__name__} declares no signature: warm-up would never ready it"
 
@@ -128,6 +129,14 @@ for dtype in (np.float32, np.float64):
     frozen_img = img.copy()
     frozen_img.setflags(write=False)
     gt.grad(net, argnums=(0,))(gt.constant(frozen_img), *args[1:])
+    # Winograd's shapes (engine/ops/conv.py, _winograd_pays: rows 32 wide, 8 channels)
+    wide = rng.standard_normal((2, 8, 5, 32)).astype(dtype)
+    w8 = rng.standard_normal((8, 8, 3, 3)).astype(dtype)
+    def wino(i, a):
+        return gt.sum(gt.tanh(gt.conv(i, a, pads=((1, 1), (1, 1)))) ** 2)
+    wargs = [gt.constant(wide), gt.constant(w8)]
+    gt.grad(wino, argnums=(0, 1))(*wargs)
+    gt.hvp(wino, wargs, [gt.constant(np.ones_like(v)) for v in (wide, w8)])
 
 after = {k.__name__: sorted(map(str, k.dispatcher.signatures)) for k in warmup.declared()}
 print(json.dumps({"report": report.summary(), "before": before, "after": after,
@@ -288,15 +297,19 @@ def test_a_held_kernel_not_bound_to_numpys_bits_waits_for_warm_up(filled) -> Non
     assert out["same"], out
 
 
-def test_only_the_contracting_kernels_differ_from_their_numpy_paths() -> None:
-    """Kernel.compiled makes a held kernel wait only where contract=True: the kernels
-    whose NumPy paths give other bits must be exactly those."""
-    from engine.kernels import gelu, softmax
+def test_the_kernels_not_bound_to_numpys_bits_say_so() -> None:
+    """Kernel.compiled makes a held kernel wait only where exact=False: the kernels whose
+    NumPy paths give other bits must be exactly those (the contracting ones and
+    Winograd's transforms, whose NumPy path is the windows' GEMM)."""
+    from engine.kernels import gelu, softmax, winograd
 
-    contracting = {k.__name__ for k in warmup.declared() if k.contract}
-    assert contracting == {
+    inexact = {k.__name__ for k in warmup.declared() if not k.exact}
+    assert inexact == {
         softmax.softmax_rows_float32_kernel.__name__,
         gelu.gelu_slope_float32_kernel.__name__,
+        winograd.winograd_input.__name__,
+        winograd.winograd_output.__name__,
+        winograd.winograd_cotangent.__name__,
     }
 
 
