@@ -160,34 +160,38 @@ def warm(compile: bool = True, require_cache: bool = False) -> Report:
             report.cache, report.cache_dir = True, str(paths)
     allowed = compile and (report.cache or not require_cache)
     for k in every:
-        dispatcher = k.make_dispatcher()
-        done = True
-        for declared_args in k.signatures:
-            sig = kernels.numba_signature(numba, declared_args)
-            spelled = ", ".join(str(t) for t in sig)
-            t0 = time.perf_counter()
-            if sig in dispatcher.overloads:
-                source = "ready"
-            else:
-                hits = dispatcher.stats.cache_hits.get(sig, 0)
-                try:
-                    if allowed:
-                        dispatcher.compile(sig)
-                    else:
-                        with _load_only(numba):
-                            dispatcher.compile(sig)
-                except _NotCached:
-                    source = "missing"
+        # (one kernel at a time against a request readying its module on demand,
+        # kernels._ready_now: numba refuses compile() once compilation is off, even
+        # for a signature it holds)
+        with kernels._readying:
+            dispatcher = k.make_dispatcher()
+            done = True
+            for declared_args in k.signatures:
+                sig = kernels.numba_signature(numba, declared_args)
+                spelled = ", ".join(str(t) for t in sig)
+                t0 = time.perf_counter()
+                if sig in dispatcher.overloads:
+                    source = "ready"
                 else:
-                    loaded = dispatcher.stats.cache_hits.get(sig, 0) > hits
-                    source = "loaded" if loaded else "compiled"
-            done = done and source != "missing"
-            report.signatures.append(
-                Signature(k.__name__, spelled, source, time.perf_counter() - t0)
-            )
-        if done and k.signatures and not k.warmed:
-            dispatcher.disable_compile()
-            k.warmed = True
+                    hits = dispatcher.stats.cache_hits.get(sig, 0)
+                    try:
+                        if allowed:
+                            dispatcher.compile(sig)
+                        else:
+                            with _load_only(numba):
+                                dispatcher.compile(sig)
+                    except _NotCached:
+                        source = "missing"
+                    else:
+                        loaded = dispatcher.stats.cache_hits.get(sig, 0) > hits
+                        source = "loaded" if loaded else "compiled"
+                done = done and source != "missing"
+                report.signatures.append(
+                    Signature(k.__name__, spelled, source, time.perf_counter() - t0)
+                )
+            if done and k.signatures and not k.warmed:
+                dispatcher.disable_compile()
+                k.warmed = True
     # Released a module at a time, once all its kernels are warm (a caller may use two).
     modules: dict[str, list[kernels.Kernel]] = {}
     for k in every:

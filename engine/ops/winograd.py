@@ -147,7 +147,8 @@ def transform_input(x: Any, pads: Pads, out: Any = None) -> Any:
     vf = out.reshape(-1)
     forward = kernels.winograd_input.compiled()
     assert forward is not None  # applies() chose this route
-    blocks = x.reshape((-1, n, c, h, w))
+    # (the leading axes' count spelled out: NumPy cannot infer -1 beside an N of 0)
+    blocks = x.reshape((int(np.prod(x.shape[:-4])), n, c, h, w))
     for i in range(blocks.shape[0]):
         found = conv_kernels.flat(blocks[i])
         xf, (sm, sc, sh, sw) = found or conv_kernels.flat(np.ascontiguousarray(blocks[i]))  # type: ignore[misc]

@@ -289,7 +289,7 @@ print(json.dumps({"same": bool(np.array_equal(before["answer"], after)),
 
 def test_a_held_kernel_not_bound_to_numpys_bits_waits_for_warm_up(filled) -> None:
     """softmax's kernel answers other last bits than its NumPy path (contract=True): a
-    request that needs it while warm-up runs waits for it, so the same request gets the
+    request that needs it while warm-up runs readies it (or waits for it), so the same request gets the
     same bits before and after warm-up (review r12); a kernel bound to NumPy's bits (the
     others) answers None at once, its NumPy path."""
     cache, _ = filled
@@ -326,3 +326,33 @@ def test_a_held_kernel_bound_to_numpys_bits_runs_numpy_until_warm(tmp_path: Path
     print("ok")
     """
     assert run_python(["-c", textwrap.dedent(code)], tmp_path).strip() == "ok"
+
+
+HELD_INEXACT_ON_DEMAND = """
+import json
+import numpy as np
+import engine as gt
+from engine import kernels
+from engine.kernels import gelu, softmax
+
+x = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
+held = {held}
+if held:
+    kernels.hold_until_warm()  # and no warm-up: nothing would ever release softmax
+y = gt.softmax(gt.constant(x), -1).numpy()
+print(json.dumps({{"y": y.tobytes().hex(), "warmed": softmax.softmax_rows_float32_kernel.warmed,
+                   "gelu": gelu.gelu_slope_float32_kernel.warmed}}))
+"""
+
+
+def test_a_held_kernel_not_bound_to_numpys_bits_is_readied_on_demand(tmp_path: Path) -> None:
+    """A request needing a held exact=False kernel (softmax's) gets its module loaded or
+    compiled at once in its own thread, rather than waiting for the whole warm-up
+    (review r13: a cold cache made a fresh worker's first float32 softmax wait 23 s, for
+    the compiling process to finish all 31 signatures, past a request's time limit; with
+    no warm-up running it waited forever). Its answer is the kernel's bits, as in a
+    process that does not hold kernels; other modules stay held."""
+    free = json.loads(run_python(["-c", HELD_INEXACT_ON_DEMAND.format(held=False)], tmp_path))
+    held = json.loads(run_python(["-c", HELD_INEXACT_ON_DEMAND.format(held=True)], tmp_path))
+    assert held["y"] == free["y"]
+    assert held["warmed"] and not held["gelu"]

@@ -436,3 +436,30 @@ def test_a_process_with_the_kernels_switched_off_agrees(tmp_path, monkeypatch) -
         scale = max(1.0, float(np.abs(ref).max()))
         np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-12 * scale)
         np.testing.assert_allclose(mine, torch_ref, rtol=0, atol=1e-12 * scale)
+
+
+def test_a_convolution_of_no_images_by_winograd() -> None:
+    """An empty batch (N = 0) through the transform's route (review r13: the transform
+    reshaped to (-1, 0, C, H, W), which NumPy cannot infer): a value of no images, a
+    zero kernel gradient, an empty input gradient, as the windows' route answers and as
+    PyTorch's conv2d does."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.zeros((0, 8, 6, 7))
+    w = rng.standard_normal((8, 8, 3, 3))
+
+    def loss(a: Any, b: Any) -> Any:
+        return gt.sum(gt.conv(a, b, pads=1) ** 2)
+
+    answers = []
+    for on in (True, False):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(conv_ops, "WINOGRAD", on)
+            y = gt.conv(gt.constant(x), gt.constant(w), pads=1).numpy()
+            gx, gw = gt.grad(loss, (0, 1))(gt.constant(x), gt.constant(w))
+            answers.append((y, gx.numpy(), gw.numpy()))
+    want = torch.nn.functional.conv2d(torch.zeros((0, 8, 6, 7), dtype=torch.float64),
+                                      torch.from_numpy(w), padding=1)  # fmt: skip
+    for y, gx, gw in answers:
+        assert y.shape == tuple(want.shape)
+        assert gx.shape == x.shape and gw.shape == w.shape and not gw.any()

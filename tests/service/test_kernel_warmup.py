@@ -147,9 +147,9 @@ def test_a_cold_cache_compiles_in_a_process_that_outlives_its_worker(
         await pool.start()  # the hello: readiness waits for no compilation
         try:
             # Served while warming, on the NumPy paths (no kernel is warmed). In float64:
-            # float32's slope kernel is one of the two whose bits differ from its NumPy
-            # path's, which a request waits for rather than answer other bits
-            # (tests/engine/test_kernels_warmup.py), and this warm-up waits on the test.
+            # float32's slope kernel is one of those whose bits differ from its NumPy
+            # path's, which a request readies itself rather than answer other bits
+            # (tests/engine/test_kernels_warmup.py): the kernels stay unwarmed here.
             reply = await pool.submit("gradient", gelu_payload("float64"))
             check_gelu_gradient(reply.result)
             deadline = time.monotonic() + HANG_GUARD
