@@ -13,6 +13,12 @@ algorithm), the 16 GEMMs in BLAS. Two uses in engine/ops/conv.py:
 Where they run, and why there (bench/RESULTS.md, "Winograd F(2x2, 3x3) for the stride-1
 3x3 convolutions"): the windows' GEMM stays the reference and the route of GPUs,
 GRADTAPE_KERNELS=numpy, no numba, other kernels, strides, dilations and groups.
+
+At the edges of the floating-point range it is not the windows' GEMM (review r13;
+docs/guides/engine.md): an infinite input gives NaN in some outputs where a direct
+convolution gives an infinity (inf - inf in the transforms), and the input transform's
+signed sums of four can overflow float32 about 4x sooner. Not guarded: a finiteness
+check of every result would cost a pass over it.
 """
 
 from __future__ import annotations
