@@ -306,19 +306,20 @@ def test_the_engine_with_kernels_matches_pytorch_and_the_numpy_routes(
     assert len(got) == 6 * n
 
 
-def test_a_process_with_the_kernels_switched_off_answers_the_same(tmp_path: Path) -> None:
-    """GRADTAPE_KERNELS=numpy in a fresh process: the NumPy routes, the same numbers."""
+def passes_with_the_kernels_off(tmp_path: Path, dtype: Any) -> list[np.ndarray]:
+    """_engine_passes of this network in a fresh process with GRADTAPE_KERNELS=numpy (the
+    NumPy routes everywhere; the same seeds as the callers use here)."""
     code = textwrap.dedent(
         """
         import sys
         import numpy as np
         from engine import kernels
         from engine.ops import conv as conv_ops
-        sys.path.insert(0, "tests/engine")
-        import test_kernels_conv as t
-        params = t._params(np.float32)
+        from tests.engine import test_kernels_conv as t
+        dtype = np.dtype(sys.argv[2])
+        params = t._params(dtype)
         rng = np.random.default_rng(1)
-        vs = [rng.standard_normal(a.shape).astype(np.float32) for a in params]
+        vs = [rng.standard_normal(a.shape).astype(dtype) for a in params]
         assert not kernels.enabled() and not conv_ops._compiled(np, params[0], 2)
         np.savez(sys.argv[1], *t._engine_passes(params, vs))
         """
@@ -327,7 +328,7 @@ def test_a_process_with_the_kernels_switched_off_answers_the_same(tmp_path: Path
     env.update(PYTHONPATH=str(ROOT), GRADTAPE_KERNELS="numpy")
     saved = tmp_path / "numpy.npz"
     done = subprocess.run(
-        [sys.executable, "-c", code, str(saved)],
+        [sys.executable, "-c", code, str(saved), np.dtype(dtype).name],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -335,13 +336,18 @@ def test_a_process_with_the_kernels_switched_off_answers_the_same(tmp_path: Path
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
+    with np.load(saved) as theirs:
+        return [theirs[f"arr_{i}"] for i in range(len(theirs.files))]
+
+
+def test_a_process_with_the_kernels_switched_off_answers_the_same(tmp_path: Path) -> None:
+    """GRADTAPE_KERNELS=numpy in a fresh process: the NumPy routes, the same numbers."""
+    want = passes_with_the_kernels_off(tmp_path, np.float32)
     params = _params(np.float32)
     rng = np.random.default_rng(1)
     vs = [rng.standard_normal(a.shape).astype(np.float32) for a in params]
     assert conv_ops._compiled(np, params[0], 2)
     got = _engine_passes(params, vs)
-    with np.load(saved) as theirs:
-        want = [theirs[f"arr_{i}"] for i in range(len(theirs.files))]
     assert len(got) == len(want)
     for mine, ref in zip(got, want, strict=True):
         assert np.array_equal(mine, ref)

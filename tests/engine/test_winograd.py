@@ -8,10 +8,6 @@ channel; one image; leading axes; inputs in every memory layout)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ from engine import kernels
 from engine.ops import conv as conv_ops
 from engine.ops import winograd
 from engine.registry import impl_rules
+from tests.engine import test_kernels_conv as t
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not installed")
 
@@ -395,35 +392,7 @@ def test_a_process_with_the_kernels_switched_off_agrees(tmp_path, monkeypatch) -
     this one with Winograd's three routes on test_kernels_conv's network (its first layer
     a stride-1 3 x 3 convolution of a differentiated input): the gradient, gt.hvp and a
     HessianOperator's replayed HVPs agree to float64 rounding, and with PyTorch."""
-    code = textwrap.dedent(
-        """
-        import sys
-        import numpy as np
-        from engine import kernels
-        sys.path.insert(0, "tests/engine")
-        import test_kernels_conv as t
-        params = t._params(np.float64)
-        rng = np.random.default_rng(1)
-        vs = [rng.standard_normal(a.shape) for a in params]
-        assert not kernels.enabled()
-        np.savez(sys.argv[1], *t._engine_passes(params, vs))
-        """
-    )
-    env = {k: v for k, v in os.environ.items() if k != kernels.SWITCH}
-    env.update(PYTHONPATH=str(ROOT), GRADTAPE_KERNELS="numpy")
-    saved = tmp_path / "numpy.npz"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(saved)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    import test_kernels_conv as t
-
+    want = t.passes_with_the_kernels_off(tmp_path, np.float64)
     params = t._params(np.float64)
     rng = np.random.default_rng(1)
     vs = [rng.standard_normal(a.shape) for a in params]
@@ -436,8 +405,6 @@ def test_a_process_with_the_kernels_switched_off_agrees(tmp_path, monkeypatch) -
     got = t._engine_passes(params, vs)
     assert all(calls.values()), calls
     grads, hvp = t._torch_grad_and_hvp(params, vs)
-    with np.load(saved) as theirs:
-        want = [theirs[f"arr_{i}"] for i in range(len(theirs.files))]
     assert len(got) == len(want) == len(grads + hvp * 5)
     for mine, ref, torch_ref in zip(got, want, grads + hvp * 5, strict=True):
         scale = max(1.0, float(np.abs(ref).max()))
