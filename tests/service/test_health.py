@@ -304,6 +304,20 @@ def test_a_worker_silent_past_the_liveness_timeout_is_replaced(tmp_path) -> None
         assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
 
 
+def _one_pinged_worker_and_no_queue(ready_timeout: float) -> WorkerPool:
+    """A pool of one worker pinged every 50 ms, no queue places (queue_size 0), and a
+    liveness timeout an hour off: the pool never replaces the worker during a test."""
+    return WorkerPool(
+        Settings(
+            workers=1,
+            queue_size=0,
+            worker_ping_interval=0.05,
+            worker_ready_timeout=ready_timeout,
+            worker_liveness_timeout=3600,
+        )
+    )
+
+
 def test_the_pools_own_ping_turns_no_request_away() -> None:
     """With no room in the queue (queue_size 0), a request that finds its worker
     answering the pool's ping waits for it instead of a 503 (the ping is the pool's, not
@@ -312,15 +326,7 @@ def test_the_pools_own_ping_turns_no_request_away() -> None:
     runs once the worker resumes, on the same process."""
 
     async def scenario() -> None:
-        pool = WorkerPool(
-            Settings(
-                workers=1,
-                queue_size=0,
-                worker_ping_interval=0.05,
-                worker_ready_timeout=3500,
-                worker_liveness_timeout=3600,
-            )
-        )
+        pool = _one_pinged_worker_and_no_queue(ready_timeout=3500)
         await pool.start()
         try:
             (before,) = pool.workers()
@@ -379,15 +385,7 @@ def test_a_ping_unanswered_past_the_ready_timeout_does_not_hold_a_queue_place() 
     at once, PoolBusy) instead of piling up behind a hung process."""
 
     async def scenario() -> None:
-        pool = WorkerPool(
-            Settings(
-                workers=1,
-                queue_size=0,
-                worker_ping_interval=0.05,
-                worker_ready_timeout=0.2,
-                worker_liveness_timeout=3600,
-            )
-        )
+        pool = _one_pinged_worker_and_no_queue(ready_timeout=0.2)
         await pool.start()
         try:
             (before,) = pool.workers()
