@@ -157,6 +157,14 @@ class Kernel:
         Ints per signature."""
         self.signatures.extend(signatures)
 
+    def mark_warmed(self) -> None:
+        """Every declared signature is compiled or loaded (warm-up's, or a first caller's,
+        _ready_now): numba's compilation off, so a call of other types compiles once and
+        says so (_call)."""
+        if self.signatures and not self.warmed:
+            self.dispatcher.disable_compile()
+            self.warmed = True
+
     def compiled(self) -> Callable[..., Any] | None:
         """The compiled kernel (call it as the Python function), or None when kernels
         do not run (or, in a process that holds kernels until warm, not yet warmed)."""
@@ -277,9 +285,7 @@ def _ready_now(k: Kernel) -> bool:
             )
         else:
             for d in group:
-                if d.signatures and not d.warmed:
-                    d.dispatcher.disable_compile()
-                    d.warmed = True
+                d.mark_warmed()
             release(group)
             return True
     with _changed:

@@ -189,9 +189,8 @@ def warm(compile: bool = True, require_cache: bool = False) -> Report:
                 report.signatures.append(
                     Signature(k.__name__, spelled, source, time.perf_counter() - t0)
                 )
-            if done and k.signatures and not k.warmed:
-                dispatcher.disable_compile()
-                k.warmed = True
+            if done:
+                k.mark_warmed()
     # Released a module at a time, once all its kernels are warm (a caller may use two).
     modules: dict[str, list[kernels.Kernel]] = {}
     for k in every:
