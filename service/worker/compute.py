@@ -417,7 +417,8 @@ def ping(payload: Any, context: WorkerContext) -> dict[str, Any]:
 
 def kernel_warmup(payload: Any, context: WorkerContext) -> dict[str, Any]:
     """The kernels' warm-up status, once it has ended when the payload asks
-    {"wait": seconds} (for tests and operators: no HTTP route sends it)."""
+    {"wait": seconds}: the tests and bench/bench_kernel_warmup.py wait on warm-up's end
+    through it instead of polling ping (no HTTP route sends it)."""
     seconds = payload.get("wait") if isinstance(payload, Mapping) else None
     return warmup.wait(float(seconds)) if seconds is not None else warmup.status()
 
