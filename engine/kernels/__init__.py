@@ -473,7 +473,16 @@ def _keyed_cache(func: Callable[..., Any], files: list[str], options: dict[str, 
     served the code compiled under the old ones)."""
     from numba.core.caching import FunctionCache
 
-    digest = hashlib.sha256(repr(sorted(options.items())).encode())
+    if not hasattr(FunctionCache, "_index_key"):  # a numba release without the key below
+        # extends: _jit compiles uncached (an override numba never calls keys nothing)
+        raise AttributeError("numba's FunctionCache has no _index_key")
+
+    # (a set's repr, fastmath's flags, follows the process's hash seed: sorted, so the
+    # next process, a worker served the Docker build's cache, finds the same key)
+    canonical = sorted(
+        (k, sorted(v) if isinstance(v, set | frozenset) else v) for k, v in options.items()
+    )
+    digest = hashlib.sha256(repr(canonical).encode())
     for path in files:
         with open(path, "rb") as source:
             digest.update(hashlib.sha256(source.read()).digest())

@@ -250,6 +250,12 @@ def status() -> dict[str, Any]:
     return {**_status, "warmed": warmed}
 
 
+def state() -> str:
+    """status()'s "state" alone, for a worker's every answer (service/worker/dispatch.py):
+    a dictionary lookup, where status() lists the kernels warmed."""
+    return str(_status["state"])
+
+
 def wait(timeout: float | None = None) -> dict[str, Any]:
     """status() once the background warm-up has ended (or `timeout` seconds passed); at
     once where none was started."""

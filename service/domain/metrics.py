@@ -110,8 +110,9 @@ class Metrics(PoolObserver):
         )
         self.workers_kernels_failed = _summed_gauge(
             "gradtape_workers_kernels_failed",
-            "Workers whose compiled kernels' warm-up failed, as of their start or the pool's last "
-            "ping: they answer by the NumPy paths (the same answers, slower; their log says why)",
+            "Workers whose compiled kernels' warm-up failed, as of their last answer (a request's "
+            "or the pool's ping): they answer by the NumPy paths (the same answers, slower; their "
+            "log says why)",
             r,
         )
         self.tape_events = Counter(

@@ -536,7 +536,7 @@ class WorkerPool:
         if w.state != "idle" or not self._running:
             return  # it took a request meanwhile: that answer will do
         try:
-            reply = await self.submit(
+            await self.submit(
                 "ping",
                 None,
                 worker=w.index,
@@ -544,10 +544,7 @@ class WorkerPool:
                 queue_bound=False,
             )
         except PoolError:
-            return  # unanswered, or the worker died: the pool replaces it either way
-        kernels = reply.result.get("kernels") if isinstance(reply.result, dict) else None
-        if isinstance(kernels, dict) and reply.generation == w.generation:
-            w.kernels = kernels.get("state")
+            pass  # unanswered, or the worker died: the pool replaces it either way
 
     def _answering_pings(self, job: QueuedJob) -> int:
         """Workers `job` may run on that are busy only with a ping: each is free in
@@ -702,6 +699,10 @@ class WorkerPool:
     ) -> None:
         """The job's outcome from its worker's reply `message` (any backend); a job
         cancelled or abandoned meanwhile keeps the outcome it has."""
+        kernels = message.get("kernels")  # (every answer says it: a ping's, a request's)
+        w = self._workers[index]
+        if isinstance(kernels, str) and w.generation == generation:
+            w.kernels = kernels
         if message.get("ok"):
             result = message.get("result")
             self.observer.arrays_moved("from_workers", array_bytes)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import engine as gt
+from engine.kernels import warmup
 from engine.language import Problem
 from service.core.flat import flatten
 from service.core.operations import OPERATIONS
@@ -87,7 +88,12 @@ def answer(
             tapes.sessions(context).pop(message["payload"]["tape_id"], None)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        return {"id": request_id, "ok": False, "error": describe_error(exc)}
+        return {
+            "id": request_id,
+            "ok": False,
+            "error": describe_error(exc),
+            "kernels": warmup.state(),
+        }
     finally:
         shards.forget(context, received)
     return {
@@ -95,6 +101,10 @@ def answer(
         "ok": True,
         "result": result,
         "seconds": time.perf_counter() - started,
+        # Where the kernels' warm-up stands, with every answer: a worker that answers
+        # requests is never pinged, and the pool's view (/readyz) must not stay at its
+        # hello's "warming" for as long as traffic lasts.
+        "kernels": warmup.state(),
     }
 
 

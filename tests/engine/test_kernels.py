@@ -303,3 +303,42 @@ def test_only_kernels_free_of_a_numpy_paths_bits_contract_products_and_sums() ->
     assert slope.dispatcher.targetoptions["fastmath"] == {"contract"}
     gelu.gelu_float32_kernel.compiled()
     assert gelu.gelu_float32_kernel.dispatcher.targetoptions["fastmath"] is False
+
+
+def test_a_kernel_with_several_fastmath_flags_is_cached_across_hash_seeds(tmp_path: Path) -> None:
+    # numba takes fastmath as a set of flags; a set of strings iterates in an order that
+    # depends on the process's hash seed, so its repr may not key the cached code the same
+    # way in the next process (a worker missing the Docker build's warmed cache).
+    code = """
+        import numpy as np, engine.kernels as k, kmod
+        k._OPTIONS = {**k._OPTIONS, "fastmath": {"nsz", "arcp", "afn", "ninf", "nnan"}}
+        q = np.empty(1)
+        kmod.divide.compiled()(np.ones(1), np.full(1, 4.0), q)
+        stats = kmod.divide.dispatcher.stats
+        print(q[0], sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+        """
+    cache = str(tmp_path / "cache")
+    first = run_python(code, tmp_path, NUMBA_CACHE_DIR=cache, PYTHONHASHSEED="0")
+    assert first.split() == ["0.25", "0", "1"]
+    for seed in ("1", "2", "3"):
+        again = run_python(code, tmp_path, NUMBA_CACHE_DIR=cache, PYTHONHASHSEED=seed)
+        assert again.split() == ["0.25", "1", "0"], seed
+
+
+def test_a_numba_without_the_cache_key_it_extends_compiles_uncached(tmp_path: Path) -> None:
+    # The loader subclasses numba's private Cache._index_key to key cached code by helper
+    # files and options; a numba release without it must compile uncached (never stale,
+    # never failing), as pyproject.toml's bound on numba relies on.
+    out = run_python(
+        """
+        import numpy as np, numba.core.caching as caching, kmod
+        del caching.Cache._index_key
+        k = kmod.divide.compiled()
+        q = np.empty(2)
+        k(np.array([1.0, 3.0]), np.array([2.0, 4.0]), q)
+        print(type(kmod.divide.dispatcher._cache).__name__, q.tolist())
+        """,
+        tmp_path,
+        NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+    )
+    assert out.strip() == "NullCache [0.5, 0.75]"

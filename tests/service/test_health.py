@@ -439,3 +439,33 @@ def test_the_kernels_warm_up_shows_in_readyz_and_the_metrics(
             assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
     finally:
         stop_server(srv)
+
+
+def test_a_worker_that_is_never_pinged_still_shows_its_kernels_warm_up_end(tmp_path) -> None:
+    """A worker answering requests is never pinged (nor is any with pings off): its
+    answers themselves carry where its warm-up stands, so /readyz and the gauge do not
+    keep the hello's `warming` for as long as traffic lasts (review r14)."""
+    settings = {
+        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+        "GRADTAPE_WORKERS": "1",
+        "GRADTAPE_WORKER_WARM_KERNELS": "true",
+        "GRADTAPE_WORKER_PING_INTERVAL": "0",  # no pings: requests are all the pool hears
+        "NUMBA_DISABLE_JIT": "1",  # warm-up fails (a real failure, as above)
+    }
+    srv = start_server(settings, tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+            # (the deadline guards against a hang only: each request's answer says the
+            # state as of its end, and the warm-up fails within a second or so)
+            deadline = time.monotonic() + 300
+            while True:
+                assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+                _, worker = _readiness(client)
+                if worker["kernels"] == "failed" or time.monotonic() > deadline:
+                    break
+                assert worker["kernels"] == "warming", worker
+                time.sleep(0.05)
+            assert worker["kernels"] == "failed", worker
+            assert "gradtape_workers_kernels_failed 1.0" in client.get("/metrics").text
+    finally:
+        stop_server(srv)

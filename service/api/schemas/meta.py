@@ -62,8 +62,9 @@ class WorkerStatus(BaseModel):
     )
     kernels: str | None = Field(
         None,
-        description="Its compiled kernels' warm-up, as of its start or the pool's last ping of "
-        "it: warming (requests run the NumPy paths of the kernels not yet ready), ready, "
+        description="Its compiled kernels' warm-up, as of its start or its last answer (a "
+        "request's or the pool's ping): warming (requests run the NumPy paths of the kernels "
+        "not yet ready), ready, "
         "failed (it runs the NumPy paths: same answers, slower; the worker's log says why), "
         "off (kernels switched off or numba missing), idle (no warm-up asked: "
         "worker_warm_kernels off); null while starting or down.",
