@@ -258,21 +258,35 @@ def test_the_erf_kernels_constants_are_erf_float32s() -> None:
 
 
 def test_only_kernels_free_of_a_numpy_paths_bits_contract_products_and_sums() -> None:
-    # contract (an FMA: one rounding instead of two) is the one fastmath flag a kernel
-    # may ask; the kernels bit-identical to their NumPy paths (erf, GELU, GELU's float64
-    # slope, the convolution windows, layer norm's steps) ask none.
-    from engine.kernels import conv, gelu, layernorm, scatter, softmax
+    # contract (an FMA: one rounding instead of two) and reassoc (a row's sum vectorized)
+    # are the fastmath flags a kernel may ask; the kernels bit-identical to their NumPy
+    # paths (erf, GELU, GELU's float64 slope, the convolution windows, normalize's
+    # steps) ask none, and only layer norm with its affine reassociates.
+    from engine.kernels import conv, gelu, layernorm, layernorm_affine, scatter, softmax
 
+    reassociating = {
+        layernorm_affine.affine_forward_kernel,
+        layernorm_affine.affine_grad_kernel,
+        layernorm_affine.scale_grad_kernel,
+    }
     contracting = {gelu.gelu_slope_float32_kernel, softmax.softmax_rows_float32_kernel}
+    contracting |= reassociating
     declared = [
         value
-        for module in (conv, gelu, layernorm, scatter, softmax)
+        for module in (conv, gelu, layernorm, layernorm_affine, scatter, softmax)
         for value in vars(module).values()
         if isinstance(value, kernels.Kernel)
     ]
     assert contracting < set(declared)
     for k in declared:
         assert k.contract == (k in contracting), k
+        assert k.reassoc == (k in reassociating), k
+        assert k.exact == (k not in contracting), k
+    layernorm_affine.scale_grad_kernel.compiled()
+    assert layernorm_affine.scale_grad_kernel.dispatcher.targetoptions["fastmath"] == {
+        "contract",
+        "reassoc",
+    }
     slope = gelu.gelu_slope_float32_kernel
     slope.compiled()
     assert slope.dispatcher.targetoptions["fastmath"] == {"contract"}

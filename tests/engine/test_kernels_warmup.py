@@ -300,8 +300,9 @@ def test_a_held_kernel_not_bound_to_numpys_bits_waits_for_warm_up(filled) -> Non
 def test_the_kernels_not_bound_to_numpys_bits_say_so() -> None:
     """Kernel.compiled makes a held kernel wait only where exact=False: the kernels whose
     NumPy paths give other bits must be exactly those (the contracting ones and
-    Winograd's transforms, whose NumPy path is the windows' GEMM)."""
-    from engine.kernels import gelu, softmax, winograd
+    Winograd's transforms, whose NumPy path is the windows' GEMM, and layer norm with
+    its affine, whose row sums reassociate)."""
+    from engine.kernels import gelu, layernorm_affine, softmax, winograd
 
     inexact = {k.__name__ for k in warmup.declared() if not k.exact}
     assert inexact == {
@@ -310,6 +311,9 @@ def test_the_kernels_not_bound_to_numpys_bits_say_so() -> None:
         winograd.winograd_input.__name__,
         winograd.winograd_output.__name__,
         winograd.winograd_cotangent.__name__,
+        layernorm_affine.affine_forward_kernel.__name__,
+        layernorm_affine.affine_grad_kernel.__name__,
+        layernorm_affine.scale_grad_kernel.__name__,
     }
 
 
