@@ -630,10 +630,11 @@ def _affine_grad(g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Tensor:
     return bind(layer_norm_affine_grad_p, g, x, scale, eps=eps)
 
 
-def _scale_cotangent(g: Tensor, x: Tensor, eps: float) -> Tensor:
-    """sum of g * xhat to (k,) (one kernel) where g has x's shape; else g * xhat unreduced
-    (batched cotangents, or a scale the per-example walk expanded: the tape sums it)."""
-    if g.shape == x.shape and x.ndim > 1:
+def _scale_cotangent(g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Tensor:
+    """sum of g * xhat to (k,) (one kernel) where g has x's shape and scale is a row;
+    else g * xhat unreduced (batched cotangents, or a scale the per-example walk
+    expanded to x's shape and wants unreduced: the tape sums it)."""
+    if g.shape == x.shape and scale.shape == x.shape[-1:] and x.ndim > 1:
         return bind(layer_norm_scale_grad_p, g, x, eps=eps, axes=tuple(range(x.ndim - 1)))
     return multiply(g, _xhat(x, eps))
 
@@ -645,7 +646,7 @@ def _column_sum(v: Tensor, x: Tensor) -> Tensor:
 
 def _scale_grad_tangent(t: Tensor, x: Tensor, eps: float) -> Tensor:
     if t.shape == x.shape and x.ndim > 1:
-        return _scale_cotangent(t, x, eps)
+        return bind(layer_norm_scale_grad_p, t, x, eps=eps, axes=tuple(range(x.ndim - 1)))
     return _column_sum(multiply(t, _xhat(x, eps)), x)
 
 
@@ -666,7 +667,7 @@ def _affine_grad_dx_vjp(ans: Tensor, g: Tensor, x: Tensor, scale: Tensor, eps: f
 defvjp(
     layer_norm_affine_p,
     lambda ans, x, scale, shift, *, eps: lambda g: _affine_grad(g, x, scale, eps),
-    lambda ans, x, scale, shift, *, eps: lambda g: _scale_cotangent(g, x, eps),
+    lambda ans, x, scale, shift, *, eps: lambda g: _scale_cotangent(g, x, scale, eps),
     lambda ans, x, scale, shift, *, eps: lambda g: g,
 )
 defjvp(

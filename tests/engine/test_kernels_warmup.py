@@ -105,6 +105,10 @@ for dtype in (np.float32, np.float64):
             return gt.sum(h * gt.softmax(t, -1) + gt.erf(t))
         gt.grad(loss)(gt.constant(a))
         gt.hvp(loss, [gt.constant(a)], [gt.constant(np.ones_like(a))])
+        # the scale differentiated too (layer norm with its affine: its scale's VJP)
+        def scaled(t, g):
+            return gt.sum(gt.layer_norm(t, g, gt.constant(beta), eps=1e-5) ** 2)
+        gt.grad(scaled, argnums=(0, 1))(gt.constant(a), gt.constant(gamma))
     table = rng.standard_normal((10, 6)).astype(dtype)
     for tokens in (np.array([1, 3, 3, 9]), np.array([[0, 2], [2, 5]], np.int32),
                    np.array([1, 3, 3, 9, 0, 0])[::2], np.array([4, 4], np.uint8)):
