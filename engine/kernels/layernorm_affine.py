@@ -36,12 +36,13 @@ def affine_forward_kernel(x: Any, scale: Any, shift: Any, consts: Any, out: Any)
     """out = (x - mean) * r * scale + shift per row, r = 1 / sqrt(var + eps)."""
     rows, k = x.shape
     inv_n, eps, one = consts[0], consts[1], consts[2]
+    zero = one - one  # (in x's dtype: a Python 0 times a float32 makes a float64)
     for row in range(rows):
-        total = inv_n * 0
+        total = zero
         for j in range(k):
             total += x[row, j]
         m = total * inv_n
-        squares = total * 0
+        squares = zero
         for j in range(k):
             d = x[row, j] - m
             squares += d * d
@@ -55,18 +56,19 @@ def affine_grad_kernel(g: Any, x: Any, scale: Any, consts: Any, out: Any) -> Non
     """out = r (a - mean(a) - xhat mean(a xhat)) per row, a = g * scale (x's VJP)."""
     rows, k = x.shape
     inv_n, eps, one = consts[0], consts[1], consts[2]
+    zero = one - one  # (in x's dtype: a Python 0 times a float32 makes a float64)
     for row in range(rows):
-        total = inv_n * 0
+        total = zero
         for j in range(k):
             total += x[row, j]
         m = total * inv_n
-        squares = total * 0
+        squares = zero
         for j in range(k):
             d = x[row, j] - m
             squares += d * d
         r = one / np.sqrt(squares * inv_n + eps)
-        sum_a = total * 0
-        sum_a_xhat = total * 0
+        sum_a = zero
+        sum_a_xhat = zero
         for j in range(k):
             a = g[row, j] * scale[j]
             sum_a += a
@@ -83,14 +85,15 @@ def scale_grad_kernel(g: Any, x: Any, consts: Any, out: Any) -> None:
     """out[j] = sum over rows of g * xhat (scale's VJP); out 1-D of x's row length."""
     rows, k = x.shape
     inv_n, eps, one = consts[0], consts[1], consts[2]
+    zero = one - one  # (in x's dtype: a Python 0 times a float32 makes a float64)
     for j in range(k):
-        out[j] = inv_n * 0
+        out[j] = zero
     for row in range(rows):
-        total = inv_n * 0
+        total = zero
         for j in range(k):
             total += x[row, j]
         m = total * inv_n
-        squares = total * 0
+        squares = zero
         for j in range(k):
             d = x[row, j] - m
             squares += d * d
@@ -112,7 +115,7 @@ def _same(x: Any, *others: Any) -> bool:
 
 
 def _affine_takes(x: Any, *rows: Any) -> bool:
-    """x (..., k) float32/float64 C-contiguous, non-empty, each of `rows` (k,) of its dtype."""
+    """x (..., k) float32/float64 C-contiguous, non-empty; each of `rows` (k,), its dtype."""
     return (
         (x.dtype == np.float32 or x.dtype == np.float64)
         and x.ndim > 0
@@ -133,21 +136,86 @@ def affine_forward(x: Any, scale: Any, shift: Any, eps: float, out: Any) -> bool
     return True
 
 
+def _contiguous(g: Any) -> Any:
+    # A cotangent broadcast along an axis (mean pooling's, strides (256, 0, 4)) copied
+    # into one run: a pass, against the NumPy path's ten.
+    return g if g.flags.c_contiguous else np.ascontiguousarray(g)
+
+
+def _batches(x: Any, out: Any, *operands: Any) -> list[tuple[Any, ...]] | None:
+    """out (*lead, *x.shape) as len(lead) + 1 blocks: each operand's block (one of x's
+    shape; a row (k,), or a (*lead, 1, .., 1, k) row per block, for a scale), or None
+    where the layouts are not these. A batch of tangents or cotangents against one x
+    (the fresh HVP's vectors, jacobians) runs the kernel block by block."""
+    lead = out.shape[: out.ndim - x.ndim]
+    if out.shape[len(lead) :] != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+        return None
+    count = int(np.prod(lead)) if lead else 1
+    blocks: list[list[Any]] = [[] for _ in range(count)]
+    k = x.shape[-1]
+    for a in operands:
+        if a.dtype != x.dtype:
+            return None
+        if a.shape[-1:] == (k,) and a.size == k and a.ndim <= x.ndim:
+            a = _contiguous(a).reshape(k)  # one row, (1, .., 1, k) as well
+            for block in blocks:
+                block.append(a)
+        elif a.shape == x.shape:
+            a = _contiguous(a)
+            for block in blocks:
+                block.append(a)
+        elif lead and a.shape[: len(lead)] == lead:
+            inner = a.shape[len(lead) :]
+            if inner == x.shape:
+                parts = _contiguous(a).reshape((count,) + x.shape)
+            elif inner[-1:] == (k,) and all(d == 1 for d in inner[:-1]):
+                parts = _contiguous(a).reshape(count, k)
+            else:
+                return None
+            for block, part in zip(blocks, parts, strict=True):
+                block.append(part)
+        else:
+            return None
+    flat = out.reshape((count,) + x.shape)
+    return [(*block, flat[b]) for b, block in enumerate(blocks)]
+
+
 def affine_grad(g: Any, x: Any, scale: Any, eps: float, out: Any) -> bool:
-    """out = normalize_grad(g * scale, x): x's cotangent (g, out: x's shape)."""
+    """out = normalize_grad(g * scale, x): x's cotangent (out (*lead, *x.shape); g of
+    x's shape or out's; scale (k,) or one (k,) row per block of lead)."""
     run = affine_grad_kernel.compiled()
-    if run is None or not _affine_takes(x, scale) or not _same(x, g, out):
+    if run is None or not _affine_takes(x):
         return False
-    run(_rows(g), _rows(x), scale, _consts(x, eps), _rows(out))
+    blocks = _batches(x, out, g, scale)
+    if blocks is None:
+        return False
+    consts, x_rows = _consts(x, eps), _rows(x)
+    for g_b, scale_b, out_b in blocks:
+        run(_rows(g_b), x_rows, scale_b, consts, _rows(out_b))
     return True
 
 
 def scale_grad(g: Any, x: Any, eps: float, out: Any) -> bool:
-    """out = the sum of g * normalize(x) over all axes but the last (out: (k,))."""
+    """out = the sum of g * normalize(x) over x's axes but the last (g (*lead, *x.shape),
+    out (*lead, k))."""
     run = scale_grad_kernel.compiled()
-    if run is None or not _affine_takes(x, out) or not _same(x, g):
+    if run is None or not _affine_takes(x):
         return False
-    run(_rows(g), _rows(x), _consts(x, eps), out)
+    lead = g.shape[: g.ndim - x.ndim]
+    if (
+        g.shape[len(lead) :] != x.shape
+        or g.dtype != x.dtype
+        or out.shape != lead + x.shape[-1:]
+        or out.dtype != x.dtype
+        or not out.flags.c_contiguous
+    ):
+        return False
+    count = int(np.prod(lead)) if lead else 1
+    g_blocks = _contiguous(g).reshape((count,) + x.shape)
+    out_blocks = out.reshape(count, x.shape[-1])
+    consts, x_rows = _consts(x, eps), _rows(x)
+    for b in range(count):
+        run(_rows(g_blocks[b]), x_rows, consts, out_blocks[b])
     return True
 
 

@@ -32,7 +32,7 @@ from engine.ops.elementwise import (
 from engine.ops.linalg import matmul
 from engine.ops.reduce import logsumexp, mean, row_sum, sum, sums_rows, var
 from engine.ops.shape import reshape, swapaxes, take
-from engine.registry import defform, defjvp, defvjp, primitive, public, zero_vjp
+from engine.registry import REPEATS_SHARED, defform, defjvp, defvjp, primitive, public, zero_vjp
 from engine.shapes import (
     RuleError,
     TensorType,
@@ -537,6 +537,11 @@ defjvp(
         None if t[1] is None else _normalize_grad_dx_jvp(ans, a, x, xhat, t[1], eps),
     ),
 )
+# Rules of the second order call normalize(x) and normalize_grad(t, x, xhat) from
+# several places (layer_norm_affine's and its VJPs' JVPs each want xhat and the tangent
+# N(t)): a compiled replay computes each once (the transformer's fresh HVP: 20
+# normalize calls become 5).
+REPEATS_SHARED.update((normalize_p, normalize_grad_p))
 defform(normalize_p, _form(lambda x, out, eps: _normalize_into(host, x, eps, out)))
 defform(
     normalize_grad_p,
@@ -607,7 +612,7 @@ def _layer_norm_scale_grad_into(
 def _layer_norm_scale_grad_impl(
     xp: Any, g: Any, x: Any, *, eps: float, axes: tuple[int, ...]
 ) -> Any:
-    out = xp.empty(x.shape[-1:], xp.result_type(g, x))
+    out = xp.empty(g.shape[: g.ndim - x.ndim] + x.shape[-1:], xp.result_type(g, x))
     return _layer_norm_scale_grad_into(xp, g, x, eps, axes, out)
 
 
@@ -630,30 +635,31 @@ def _affine_grad(g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Tensor:
     return bind(layer_norm_affine_grad_p, g, x, scale, eps=eps)
 
 
-def _scale_cotangent(g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Tensor:
-    """sum of g * xhat to (k,) (one kernel) where g has x's shape and scale is a row;
-    else g * xhat unreduced (batched cotangents, or a scale the per-example walk
-    expanded to x's shape and wants unreduced: the tape sums it)."""
-    if g.shape == x.shape and scale.shape == x.shape[-1:] and x.ndim > 1:
-        return bind(layer_norm_scale_grad_p, g, x, eps=eps, axes=tuple(range(x.ndim - 1)))
-    return multiply(g, _xhat(x, eps))
-
-
 def _column_sum(v: Tensor, x: Tensor) -> Tensor:
     """v (*batch, *x.shape) summed over x's leading axes -> (*batch, k)."""
     return sum(v, tuple(range(v.ndim - x.ndim, v.ndim - 1)))
 
 
-def _scale_grad_tangent(t: Tensor, x: Tensor, eps: float) -> Tensor:
-    if t.shape == x.shape and x.ndim > 1:
-        return bind(layer_norm_scale_grad_p, t, x, eps=eps, axes=tuple(range(x.ndim - 1)))
-    return _column_sum(multiply(t, _xhat(x, eps)), x)
+def _scale_grad(g: Tensor, x: Tensor, eps: float) -> Tensor:
+    """sum of g * xhat over x's leading axes, g (*batch, *x.shape) -> (*batch, k)."""
+    if g.shape[g.ndim - x.ndim :] == x.shape and x.ndim > 1:
+        axes = tuple(range(g.ndim - x.ndim, g.ndim - 1))
+        return bind(layer_norm_scale_grad_p, g, x, eps=eps, axes=axes)
+    return _column_sum(multiply(g, _xhat(x, eps)), x)
 
 
-def _rows_of(u: Tensor, ans: Tensor, x: Tensor) -> Tensor:
-    """A (*batch, k) cotangent of scale_grad laid out to broadcast against x's rows."""
-    lead = u.shape[: u.ndim - ans.ndim]
-    return reshape(u, lead + (1,) * (x.ndim - 1) + x.shape[-1:]) if lead else u
+def _scale_cotangent(g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Tensor:
+    """scale's cotangent: summed (one kernel) where scale is a row; else g * xhat
+    unreduced (a scale the per-example walk expanded to x's shape wants it so; the
+    tape sums other shapes)."""
+    if scale.shape == x.shape[-1:] and x.ndim > 1:
+        return _scale_grad(g, x, eps)
+    return multiply(g, _xhat(x, eps))
+
+
+def _rows_of(u: Tensor, x: Tensor) -> Tensor:
+    """A (..., k) cotangent of scale_grad laid out to broadcast against x's rows."""
+    return reshape(u, u.shape[:-1] + (1,) * (x.ndim - 1) + x.shape[-1:]) if u.ndim > 1 else u
 
 
 def _affine_grad_dx_vjp(ans: Tensor, g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Any:
@@ -708,13 +714,13 @@ defjvp(
 )
 defvjp(
     layer_norm_scale_grad_p,
-    lambda ans, g, x, *, eps, axes: lambda u: multiply(_rows_of(u, ans, x), _xhat(x, eps)),
-    lambda ans, g, x, *, eps, axes: lambda u: _affine_grad(g, x, _rows_of(u, ans, x), eps),
+    lambda ans, g, x, *, eps, axes: lambda u: multiply(_rows_of(u, x), _xhat(x, eps)),
+    lambda ans, g, x, *, eps, axes: lambda u: _affine_grad(g, x, _rows_of(u, x), eps),
 )
 defjvp(
     layer_norm_scale_grad_p,
     lambda t, ans, g, x, *, eps, axes: _sum_terms(
-        None if t[0] is None else _scale_grad_tangent(t[0], x, eps),
+        None if t[0] is None else _scale_grad(t[0], x, eps),
         None
         if t[1] is None
         else _column_sum(multiply(g, _normalize_grad(t[1], x, _xhat(x, eps), eps)), x),
