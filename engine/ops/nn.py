@@ -569,9 +569,7 @@ defform(
 #   scale_grad's VJP: in g, u * xhat; in x, affine_grad(g, x, u) (u as the scale).
 # All three are row ops (element flow "rows"; scale_grad "reduces" over its axes) and
 # broadcast (batches of tangents and cotangents meet one x).
-def _layer_norm_affine_into(
-    xp: Any, x: Any, scale: Any, shift: Any, eps: float, out: Any
-) -> Any:
+def _layer_norm_affine_into(xp: Any, x: Any, scale: Any, shift: Any, eps: float, out: Any) -> Any:
     if xp is host and affine_kernel.affine_forward(x, scale, shift, eps, out):
         return out
     xhat = _normalize_into(xp, x, eps, xp.empty(x.shape, x.dtype))
@@ -585,9 +583,7 @@ def _layer_norm_affine_impl(xp: Any, x: Any, scale: Any, shift: Any, *, eps: flo
     return _layer_norm_affine_into(xp, x, scale, shift, eps, xp.empty(shape, dtype))
 
 
-def _layer_norm_affine_grad_into(
-    xp: Any, g: Any, x: Any, scale: Any, eps: float, out: Any
-) -> Any:
+def _layer_norm_affine_grad_into(xp: Any, g: Any, x: Any, scale: Any, eps: float, out: Any) -> Any:
     if xp is host and affine_kernel.affine_grad(g, x, scale, eps, out):
         return out
     xhat = _normalize_into(xp, x, eps, xp.empty(x.shape, x.dtype))
@@ -680,9 +676,7 @@ defjvp(
     layer_norm_affine_p,
     lambda t, ans, x, scale, shift, *, eps: _sum_terms(
         _sum_terms(
-            None
-            if t[0] is None
-            else multiply(_normalize_grad(t[0], x, _xhat(x, eps), eps), scale),
+            None if t[0] is None else multiply(_normalize_grad(t[0], x, _xhat(x, eps), eps), scale),
             None if t[1] is None else multiply(t[1], _xhat(x, eps)),
         )
         if t[0] is not None or t[1] is not None
@@ -692,11 +686,13 @@ defjvp(
 )
 defvjp(
     layer_norm_affine_grad_p,
-    lambda ans, g, x, scale, *, eps: lambda u: multiply(
-        _normalize_grad(u, x, _xhat(x, eps), eps), scale
+    lambda ans, g, x, scale, *, eps: (
+        lambda u: multiply(_normalize_grad(u, x, _xhat(x, eps), eps), scale)
     ),
     _affine_grad_dx_vjp,
-    lambda ans, g, x, scale, *, eps: lambda u: multiply(g, _normalize_grad(u, x, _xhat(x, eps), eps)),
+    lambda ans, g, x, scale, *, eps: (
+        lambda u: multiply(g, _normalize_grad(u, x, _xhat(x, eps), eps))
+    ),
 )
 defjvp(
     layer_norm_affine_grad_p,
