@@ -102,8 +102,19 @@ def scale_grad_kernel(g: Any, x: Any, consts: Any, out: Any) -> None:
             out[j] += g[row, j] * ((x[row, j] - m) * r)
 
 
+_CONSTS: dict[tuple[str, int, float], Any] = {}
+
+
 def _consts(x: Any, eps: float) -> Any:
-    return np.array([1 / x.shape[-1], eps, 1], x.dtype)
+    """(1 / k, eps, 1) in x's dtype, made once per dtype, k and eps (read-only)."""
+    key = (x.dtype.str, x.shape[-1], eps)
+    consts = _CONSTS.get(key)
+    if consts is None:
+        consts = np.array([1 / x.shape[-1], eps, 1], x.dtype)
+        consts.setflags(write=False)
+        if len(_CONSTS) < 256:  # (a bound: the keys are the models' layer widths)
+            _CONSTS[key] = consts
+    return consts
 
 
 def _rows(a: Any) -> Any:
@@ -186,6 +197,11 @@ def affine_grad(g: Any, x: Any, scale: Any, eps: float, out: Any) -> bool:
     run = affine_grad_kernel.compiled()
     if run is None or not _affine_takes(x):
         return False
+    if g.shape == x.shape and _affine_takes(x, scale) and _same(x, out):  # the usual case
+        g = _contiguous(g)
+        if g.dtype == x.dtype:
+            run(_rows(g), _rows(x), scale, _consts(x, eps), _rows(out))
+            return True
     blocks = _batches(x, out, g, scale)
     if blocks is None:
         return False
