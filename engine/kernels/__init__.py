@@ -61,9 +61,10 @@ numba's disk cache knows only the kernel's own file (its index is stamped with t
 file's modification time and size; numba's documentation: "Cache invalidation fails to
 recognize changes in functions defined in a different file", numba issue 1833), while a
 helper's code and the constants it reads are compiled into every kernel that calls it.
-So a kernel calling helpers from other files keys its cached code also by a digest of
-those files' contents (`_HelperKeyedCache`): a changed helper file compiles the kernel
-anew instead of serving stale code (tests/engine/test_kernels.py checks it). A kernel
+So every kernel keys its cached code also by a digest of the files of the helpers it
+calls from other files and of its compile options (`_keyed_cache`; the options live
+in this file): a changed helper file or option compiles the kernel anew instead of
+serving stale code (tests/engine/test_kernels.py checks both). A kernel
 module imports only the loader and helpers (never constants) from the engine.
 
 Warm-up (engine/kernels/warmup.py): each kernel declares the argument types its call
@@ -456,31 +457,36 @@ def _jit(
     if cache:
         try:
             dispatcher = numba.jit(cache=True, **options)(func)
-            foreign = _foreign_helper_files(py_func)
-            if foreign:
-                dispatcher._cache = _helper_keyed_cache(func, foreign)
+            files = _foreign_helper_files(py_func)
+            dispatcher._cache = _keyed_cache(func, files, options)
             return dispatcher
         except (RuntimeError, OSError):
             # numba found no writable cache directory (a read-only install, no home), or
             # a helper's file could not be read for the key
             pass
+        except (ImportError, AttributeError, TypeError):
+            # numba's cache classes are not what _keyed_cache subclasses (a numba release
+            # after the one this was written for): uncached rather than maybe stale
+            pass
     # Compiled in each process instead of once.
     return numba.jit(cache=False, **options)(func)
 
 
-def _helper_keyed_cache(func: Callable[..., Any], files: list[str]) -> Any:
-    """numba's cache for func, its entries keyed also by the contents of `files` (see the
-    module's text: numba's own key knows only func's file)."""
+def _keyed_cache(func: Callable[..., Any], files: list[str], options: dict[str, Any]) -> Any:
+    """numba's cache for func, its entries keyed also by the contents of `files` and by
+    the compile options (see the module's text: numba's own key knows only func's file
+    and code; the options live in this file, so a change of them would otherwise be
+    served the code compiled under the old ones)."""
     from numba.core.caching import FunctionCache
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(repr(sorted(options.items())).encode())
     for path in files:
         with open(path, "rb") as source:
             digest.update(hashlib.sha256(source.read()).digest())
-    helpers_digest = digest.hexdigest()
+    extra = digest.hexdigest()
 
-    class _HelperKeyedCache(FunctionCache):
-        def _index_key(self, sig: Any, codegen: Any) -> Any:
-            return (*super()._index_key(sig, codegen), helpers_digest)
+    class _KeyedCache(FunctionCache):
+        def _index_key(self, *args: Any, **kwargs: Any) -> Any:
+            return (super()._index_key(*args, **kwargs), extra)
 
-    return _HelperKeyedCache(func)
+    return _KeyedCache(func)

@@ -145,8 +145,12 @@ def row_sum(x: Any, keepdims: bool, out: Any = None) -> Any:
 # np.add.reduce adds the rows one by one (0.024 against 0.004 ms for (64, 16, 64)
 # float32, 0.039 against 0.011 for (64, 16, 192)); both add each column's elements in
 # sequence (NumPy's pairwise summation is along a contiguous axis only), so the error
-# is of the same order. Up to LEADING_SUM_MAX_ROWS rows (one vector of ones per dtype,
-# 256 or 512 KiB). The compiled replay's sum takes the same decision.
+# is of the same order. From LEADING_SUM_MIN_ROWS rows: below it the GEMV's call costs
+# more than the rows' adds ((32, 32) float32: 2.3 against 1.9 us alone, and ~5 us a sum
+# in bench_small_step's step, whose three bias sums it made 7% slower); up to
+# LEADING_SUM_MAX_ROWS (one vector of ones per dtype, 256 or 512 KiB). The compiled
+# replay's sum takes the same decision.
+LEADING_SUM_MIN_ROWS = 64
 LEADING_SUM_MAX_ROWS = 1 << 16
 _leading_ones: dict[Any, Any] = {}
 
@@ -157,9 +161,9 @@ def sums_leading(shape: tuple[int, ...], c_contiguous: bool, dtype: Any, axes: t
     return (
         c_contiguous
         and 0 < n < len(shape)
+        and LEADING_SUM_MIN_ROWS <= math.prod(shape[:n]) <= LEADING_SUM_MAX_ROWS
         and tuple(a % len(shape) for a in axes) == tuple(range(n))
         and 0 not in shape
-        and math.prod(shape[:n]) <= LEADING_SUM_MAX_ROWS
         and (dtype == host.float32 or dtype == host.float64)
     )
 
@@ -243,13 +247,16 @@ def _sum_impl(xp: Any, x: Any, *, axes: tuple, keepdims: bool) -> Any:
     # Integers keep their dtype (NumPy would widen int32 to int64); bools count as int32.
     dtype = None if x.dtype.kind == "f" else (host.int32 if x.dtype.kind == "b" else x.dtype)
     if xp is host:  # the ufunc's own reduce: np.sum's Python wrappers cost more than a small sum
-        if sums_rows(x.shape, x.flags.c_contiguous, x.dtype, axes):
-            return row_sum(x, keepdims)
-        if sums_leading(x.shape, x.flags.c_contiguous, x.dtype, axes):
-            return leading_sum(x, len(axes), keepdims)
-        found = channel_axes(x.shape, x.strides, x.dtype, axes)
-        if found is not None:
-            return channel_sum(x, *found, axes, keepdims)
+        if x.flags.c_contiguous:  # (never a convolution's swapped layout: no channel_axes,
+            # whose Python took ~5 us of each small bias sum)
+            if sums_rows(x.shape, True, x.dtype, axes):
+                return row_sum(x, keepdims)
+            if sums_leading(x.shape, True, x.dtype, axes):
+                return leading_sum(x, len(axes), keepdims)
+        else:
+            found = channel_axes(x.shape, x.strides, x.dtype, axes)
+            if found is not None:
+                return channel_sum(x, *found, axes, keepdims)
         return _host_add_reduce(x, axis=axes, dtype=dtype, keepdims=keepdims)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=dtype)
 

@@ -108,6 +108,12 @@ class Metrics(PoolObserver):
         self.workers_up = _summed_gauge(
             "gradtape_workers_up", "Workers started and answering (idle or busy)", r
         )
+        self.workers_kernels_failed = _summed_gauge(
+            "gradtape_workers_kernels_failed",
+            "Workers whose compiled kernels' warm-up failed, as of their start or the pool's last "
+            "ping: they answer by the NumPy paths (the same answers, slower; their log says why)",
+            r,
+        )
         self.tape_events = Counter(
             "gradtape_tape_events",
             "Tapes created, rebuilt (after a worker or service restart), expired, evicted, "
@@ -156,6 +162,10 @@ class Metrics(PoolObserver):
         self._read(self.workers_busy, lambda: sum(w.state == "busy" for w in pool.workers()))
         self._read(
             self.workers_up, lambda: sum(w.state in ("idle", "busy") for w in pool.workers())
+        )
+        self._read(
+            self.workers_kernels_failed,
+            lambda: sum(w.kernels == "failed" for w in pool.workers()),
         )
 
     def bind_fairness(self, slots_held: Callable[[], int], waiting: Callable[[], int]) -> None:

@@ -98,6 +98,11 @@ class WorkerInfo:
     # report); None while it is starting or down. A busy worker is silent while it
     # computes, within its request's time limit.
     silent_seconds: float | None = None
+    # Its compiled kernels' warm-up (engine/kernels/warmup.py) as of its hello or the
+    # pool's last ping: warming, ready, failed (it runs the NumPy paths), off (kernels do
+    # not run there), idle (no warm-up asked); None while starting or down, or from a
+    # worker that does not say.
+    kernels: str | None = None
 
 
 # ----------------------------------------------------------------------------------------

@@ -182,6 +182,7 @@ class WorkerHandle:
         # before every op while its socket is busy with nothing.
         self.cancel: Any = None
         self.hello: dict[str, Any] = {}
+        self.kernels: str | None = None  # its kernels' warm-up (WorkerInfo.kernels)
         # Its process's shared memory (service/core/shm.py): the arena this side writes
         # requests into, and its view of the arena the worker writes replies into.
         self.outbox: shm.Outbox | None = None
@@ -198,9 +199,17 @@ class WorkerHandle:
         state = self.state
         if state == "busy" and self.job is not None and self.job.kind == "ping":
             state = "unresponsive" if now - self.sent_at > ready_timeout else "idle"
-        silent = None if state in ("starting", "down") else round(now - self.answered_at, 3)
+        up = state not in ("starting", "down")
+        silent = round(now - self.answered_at, 3) if up else None
         return WorkerInfo(
-            self.index, self.pid, self.device, state, self.generation, self.restarts, silent
+            self.index,
+            self.pid,
+            self.device,
+            state,
+            self.generation,
+            self.restarts,
+            silent,
+            self.kernels if up else None,
         )
 
 
@@ -527,7 +536,7 @@ class WorkerPool:
         if w.state != "idle" or not self._running:
             return  # it took a request meanwhile: that answer will do
         try:
-            await self.submit(
+            reply = await self.submit(
                 "ping",
                 None,
                 worker=w.index,
@@ -535,7 +544,10 @@ class WorkerPool:
                 queue_bound=False,
             )
         except PoolError:
-            pass  # unanswered, or the worker died: the pool replaces it either way
+            return  # unanswered, or the worker died: the pool replaces it either way
+        kernels = reply.result.get("kernels") if isinstance(reply.result, dict) else None
+        if isinstance(kernels, dict) and reply.generation == w.generation:
+            w.kernels = kernels.get("state")
 
     def _answering_pings(self, job: QueuedJob) -> int:
         """Workers `job` may run on that are busy only with a ping: each is free in
@@ -757,6 +769,7 @@ class WorkerPool:
                 f"worker {w.index} ({w.device}) failed to start: {hello_message['fatal']}"
             )
         w.writer, w.hello = transport, hello_message.get("hello", {})
+        w.kernels = w.hello.get("kernels")
         if self._channel is not None:
             w.outbox = shm.Outbox(self._channel, f"a{w.index}")
             w.inbox = shm.Inbox(self._channel)

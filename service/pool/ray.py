@@ -630,6 +630,7 @@ class RayPool(WorkerPool):
                 f"worker {w.index} ({w.device}) failed to start: {hello['fatal']}"
             )
         w.hello = hello.get("hello", {})
+        w.kernels = w.hello.get("kernels")
         w.generation += 1
         w.answered_at = time.perf_counter()
         w.state = "idle"

@@ -117,6 +117,7 @@ class WorkerContext:
             "index": self.index,
             "device": self.device,
             "definition_limits": self.limits.as_dict(),
+            "kernels": warmup.status()["state"],
         }
 
 

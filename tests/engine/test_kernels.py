@@ -217,6 +217,31 @@ def test_a_changed_helper_in_another_file_recompiles_its_callers(tmp_path: Path)
     assert run_python(code, tmp_path, NUMBA_CACHE_DIR=cache).split()[0] == "2.25"
 
 
+def test_changed_compile_options_recompile_a_cached_kernel(tmp_path: Path) -> None:
+    # The options live in engine/kernels/__init__.py, not in the kernel's file, whose
+    # stamp is all numba's own cache checks: the loader keys the code by them too.
+    code = """
+        import numpy as np, engine.kernels as k, kmod
+        if {changed}:
+            k._OPTIONS = {{**k._OPTIONS, "error_model": "python"}}
+        q = np.empty(1)
+        try:  # 1 / 0: inf under NumPy's error model, ZeroDivisionError under Python's
+            kmod.divide.compiled()(np.ones(1), np.zeros(1), q)
+        except ZeroDivisionError:
+            q[0] = -1.0
+        stats = kmod.divide.dispatcher.stats
+        print(q[0], sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+        """
+    cache = str(tmp_path / "cache")
+    first = run_python(code.format(changed=False), tmp_path, NUMBA_CACHE_DIR=cache)
+    assert first.split() == ["inf", "0", "1"]
+    again = run_python(code.format(changed=False), tmp_path, NUMBA_CACHE_DIR=cache)
+    assert again.split() == ["inf", "1", "0"]
+    # compiled anew under the new options, not the cached code of the old ones
+    changed = run_python(code.format(changed=True), tmp_path, NUMBA_CACHE_DIR=cache)
+    assert changed.split() == ["-1.0", "0", "1"]
+
+
 def test_a_kernel_module_takes_nothing_from_other_engine_modules() -> None:
     # numba's disk cache is keyed by the kernel's own file: a constant or function
     # imported from another file is frozen into the cached code and served stale after

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 import engine as gt
-from engine.ops.reduce import LEADING_SUM_MAX_ROWS, leading_sum, sums_leading
+from engine.ops.reduce import (
+    LEADING_SUM_MAX_ROWS,
+    LEADING_SUM_MIN_ROWS,
+    leading_sum,
+    sums_leading,
+)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -28,8 +33,11 @@ def test_leading_sums_match_numpy(dtype, axes, keepdims) -> None:
 
 
 def test_what_stays_with_add_reduce() -> None:
-    c = np.ones((8, 4), np.float32)
+    c = np.ones((LEADING_SUM_MIN_ROWS, 4), np.float32)
     assert sums_leading(c.shape, True, c.dtype, (0,))
+    assert sums_leading((4, LEADING_SUM_MIN_ROWS // 4, 3), True, c.dtype, (0, 1))
+    # fewer rows: the GEMV's call costs more than the adds (a small MLP's bias sums)
+    assert not sums_leading((LEADING_SUM_MIN_ROWS - 1, 4), True, c.dtype, (0,))
     assert not sums_leading(c.shape, False, c.dtype, (0,))  # strided
     assert not sums_leading(c.shape, True, c.dtype, (1,))  # not leading
     assert not sums_leading(c.shape, True, c.dtype, (0, 1))  # every axis: pairwise sum
@@ -47,10 +55,10 @@ def test_a_bias_gradient_replays_bit_equal() -> None:
 
     jitted = gt.jit(loss)
     rng = np.random.default_rng(2)
-    for _ in range(4):
+    for batch in (4, 8, 4, 8):  # 40 rows (np.add.reduce) and 80 (the GEMV)
         args = [
             gt.constant(rng.standard_normal(s).astype(np.float32))
-            for s in [(8, 6), (6,), (4, 10, 8)]
+            for s in [(8, 6), (6,), (batch, 10, 8)]
         ]
         compiled = jitted.grad(argnums=(0, 1))(*args)
         dynamic = gt.grad(loss, argnums=(0, 1))(*args)

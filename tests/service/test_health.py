@@ -401,3 +401,41 @@ def test_a_ping_unanswered_past_the_ready_timeout_does_not_hold_a_queue_place() 
             await pool.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 300))
+
+
+@pytest.mark.parametrize(
+    ("environment", "state", "failed"),
+    [
+        # numba's compiler switched off: the kernels are plain Python functions, which
+        # warm-up cannot compile (a real failure: an operator debugging numba)
+        ({"NUMBA_DISABLE_JIT": "1"}, "failed", 1),
+        ({"GRADTAPE_KERNELS": "numpy"}, "off", 0),  # kernels switched off on purpose
+    ],
+)
+def test_the_kernels_warm_up_shows_in_readyz_and_the_metrics(
+    tmp_path, environment: dict[str, str], state: str, failed: int
+) -> None:
+    """A worker says where its compiled kernels' warm-up stands (its hello, then each of
+    the pool's pings): /readyz shows it per worker, a failed one is counted by
+    gradtape_workers_kernels_failed and its log says why, and the server is ready and
+    right all the same (the NumPy paths answer)."""
+    settings = {
+        "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+        "GRADTAPE_WORKERS": "1",
+        "GRADTAPE_WORKER_WARM_KERNELS": "true",  # (off in the other tests: tests/conftest.py)
+        "GRADTAPE_WORKER_PING_INTERVAL": "0.1",
+        **environment,
+    }
+    srv = start_server(settings, tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+            _poll(client, lambda w: w["kernels"] == state)  # (warming first, when failing)
+            status, worker = _readiness(client)
+            assert status == 200 and worker["state"] in ("idle", "busy"), worker
+            gauge = f"gradtape_workers_kernels_failed {failed}.0"
+            _poll(client, lambda w: gauge in client.get("/metrics").text)
+            said = "kernel warm-up failed, the NumPy paths run" in srv.log.read_text()
+            assert said == (state == "failed")
+            assert num(post(client, "/v1/gradient", GRADIENT_EXAMPLE)["value"]) == 31.0
+    finally:
+        stop_server(srv)

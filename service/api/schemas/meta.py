@@ -60,6 +60,14 @@ class WorkerStatus(BaseModel):
         "progress report, an answer to the pool's ping); null while starting or down. A busy "
         "worker is silent while it computes.",
     )
+    kernels: str | None = Field(
+        None,
+        description="Its compiled kernels' warm-up, as of its start or the pool's last ping of "
+        "it: warming (requests run the NumPy paths of the kernels not yet ready), ready, "
+        "failed (it runs the NumPy paths: same answers, slower; the worker's log says why), "
+        "off (kernels switched off or numba missing), idle (no warm-up asked: "
+        "worker_warm_kernels off); null while starting or down.",
+    )
 
 
 class ReadinessResponse(BaseModel):
