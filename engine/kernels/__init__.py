@@ -472,6 +472,14 @@ def _jit(
     return numba.jit(cache=False, **options)(func)
 
 
+def options_key(options: dict[str, Any]) -> str:
+    """The compile options as text, the same in every process: a set of fastmath flags
+    sorted (a set's order follows string hashing, which differs between processes, so
+    {"contract", "reassoc"} would key two ways and each process compile anew)."""
+    stable = [(k, sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in options.items()]
+    return repr(sorted(stable))
+
+
 def _keyed_cache(func: Callable[..., Any], files: list[str], options: dict[str, Any]) -> Any:
     """numba's cache for func, its entries keyed also by the contents of `files` and by
     the compile options (see the module's text: numba's own key knows only func's file
@@ -479,7 +487,7 @@ def _keyed_cache(func: Callable[..., Any], files: list[str], options: dict[str, 
     served the code compiled under the old ones)."""
     from numba.core.caching import FunctionCache
 
-    digest = hashlib.sha256(repr(sorted(options.items())).encode())
+    digest = hashlib.sha256(options_key(options).encode())
     for path in files:
         with open(path, "rb") as source:
             digest.update(hashlib.sha256(source.read()).digest())

@@ -317,3 +317,25 @@ def test_only_kernels_free_of_a_numpy_paths_bits_contract_products_and_sums() ->
     assert slope.dispatcher.targetoptions["fastmath"] == {"contract"}
     gelu.gelu_float32_kernel.compiled()
     assert gelu.gelu_float32_kernel.dispatcher.targetoptions["fastmath"] is False
+
+
+def test_the_options_key_is_the_same_in_every_process() -> None:
+    """Two fastmath flags (layer norm's reassociating kernels) key the cached code alike
+    whatever the string hashing of the process (PYTHONHASHSEED): else each worker would
+    compile them anew."""
+    code = (
+        "from engine import kernels; "
+        "print(kernels.options_key({'fastmath': {'contract', 'reassoc'}, 'nogil': True}))"
+    )
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(8)
+    }
+    assert len(keys) == 1, keys
+    assert "['contract', 'reassoc']" in keys.pop()
