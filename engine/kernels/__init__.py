@@ -16,7 +16,8 @@ where a kernel keeps the NumPy path's operations and order (erf, GELU, the convo
 windows, layer norm's steps), to the rounding each kernel's module states where it does
 not (softmax and GELU's slope in float32 round once instead of several times: closer to
 the exact value; the embedding's scatter adds in np.add.at's order; the stride-1 3 x 3
-convolutions by Winograd's algorithm, winograd.py, in the windows' GEMM's error class).
+convolutions by Winograd's algorithm, winograd.py, in the windows' GEMM's error class;
+layer norm with its affine, layernorm_affine.py, sums its rows reassociated).
 
     @kernel
     def gelu_forward(x, out):  # plain Python over arrays, numba's nopython subset

@@ -551,24 +551,29 @@ defform(
 
 # ---- layer norm with its affine over the last axis: y = normalize(x) * scale + shift ----
 # Three primitives whose kernels each take a row at a time from x alone (engine/kernels/
-# layernorm.py: statistics summed in the row's loop, xhat recomputed where needed), for
-# scale and shift of shape (k,) and x's dtype (layer_norm_last_axis binds them; other
-# shapes take normalize and the ops):
+# layernorm_affine.py: the row's statistics summed in its loop, xhat recomputed where
+# needed; sums reassociated, so not the NumPy path's bits: the same formula to
+# rounding), for scale and shift of shape (k,) and x's dtype (layer_norm_last_axis
+# binds them; other layouts take normalize and the ops):
 #   layer_norm_affine(x, scale, shift) = normalize(x) * scale + shift
 #   layer_norm_affine_grad(g, x, scale) = normalize_grad(g * scale, x, xhat), x's VJP
-#   layer_norm_scale_grad(g, x) = sum of g * xhat over all axes but the last, scale's
-# (shift's VJP is g, summed by the tape). Against normalize, * scale, + shift and their
-# VJPs (eight calls and ~12 passes a layer norm, forward and backward, in the
-# transformer's pass) they are four calls and four passes: bench/RESULTS.md, "Layer
-# norm with its affine". With NumPy alone (CuPy, GRADTAPE_KERNELS=numpy) each is the
-# composite of normalize's cores. Their rules beyond the first derivative are written
-# in normalize / normalize_grad and the elementwise ops (what higher orders record),
-# with N = normalize_grad(., x, xhat), symmetric (see normalize's block):
+#   layer_norm_scale_grad(g, x) = sum of g * xhat over x's leading axes, scale's
+# (shift's VJP is g, summed by the tape). Where normalize, * scale, + shift and their
+# VJPs took eight calls and ~12 passes a layer norm, forward and backward, these take
+# three and three: the transformer's layer norms 1.5 -> ~0.8 ms of its compiled
+# gradient (bench/RESULTS.md, "Layer norm with its affine as one primitive"). Without
+# the kernels (CuPy, GRADTAPE_KERNELS=numpy, no numba) each is the composite of
+# normalize's cores. Their rules beyond the first derivative are written in normalize /
+# normalize_grad and the elementwise ops (what higher orders record), with
+# N = normalize_grad(., x, xhat), symmetric (see normalize's block):
+#   affine's JVP: s * N(t_x) + t_s * xhat + t_shift
 #   affine_grad's VJP: in g, s * N(u); in x, normalize_grad's x-rule at a = g * s; in
 #     s, g * N(u); its JVP along g is itself, along s affine_grad(g, x, t).
 #   scale_grad's VJP: in g, u * xhat; in x, affine_grad(g, x, u) (u as the scale).
-# All three are row ops (element flow "rows"; scale_grad "reduces" over its axes) and
-# broadcast (batches of tangents and cotangents meet one x).
+# Those rules ask for xhat and N(t) from several places: a compiled replay computes
+# each once (REPEATS_SHARED, normalize's block). layer_norm_affine and its x-VJP are
+# row ops (element flow "rows") declared broadcasting (batches of tangents and
+# cotangents meet one x); scale_grad "reduces" over its `axes`.
 def _layer_norm_affine_into(xp: Any, x: Any, scale: Any, shift: Any, eps: float, out: Any) -> Any:
     if xp is host and affine_kernel.affine_forward(x, scale, shift, eps, out):
         return out
@@ -631,6 +636,15 @@ def _affine_grad(g: Tensor, x: Tensor, scale: Tensor, eps: float) -> Tensor:
     return bind(layer_norm_affine_grad_p, g, x, scale, eps=eps)
 
 
+def _sum_present(*terms: Tensor | None) -> Tensor:
+    """The sum of the terms that are not None (a JVP's, one per argument with a tangent)."""
+    present = [term for term in terms if term is not None]
+    total = present[0]
+    for term in present[1:]:
+        total = add(total, term)
+    return total
+
+
 def _column_sum(v: Tensor, x: Tensor) -> Tensor:
     """v (*batch, *x.shape) summed over x's leading axes -> (*batch, k)."""
     return sum(v, tuple(range(v.ndim - x.ndim, v.ndim - 1)))
@@ -674,14 +688,10 @@ defvjp(
 )
 defjvp(
     layer_norm_affine_p,
-    lambda t, ans, x, scale, shift, *, eps: _sum_terms(
-        _sum_terms(
-            None if t[0] is None else multiply(_normalize_grad(t[0], x, _xhat(x, eps), eps), scale),
-            None if t[1] is None else multiply(t[1], _xhat(x, eps)),
-        )
-        if t[0] is not None or t[1] is not None
-        else None,
-        t[2],
+    lambda t, ans, x, scale, shift, *, eps: _sum_present(
+        None if t[0] is None else multiply(_normalize_grad(t[0], x, _xhat(x, eps), eps), scale),
+        None if t[1] is None else multiply(t[1], _xhat(x, eps)),
+        t[2],  # (broadcast to the output by the accumulator)
     ),
 )
 defvjp(
@@ -696,15 +706,11 @@ defvjp(
 )
 defjvp(
     layer_norm_affine_grad_p,
-    lambda t, ans, g, x, scale, *, eps: _sum_terms(
-        _sum_terms(
-            None if t[0] is None else _affine_grad(t[0], x, scale, eps),
-            None
-            if t[1] is None
-            else _normalize_grad_dx_jvp(ans, multiply(g, scale), x, _xhat(x, eps), t[1], eps),
-        )
-        if t[0] is not None or t[1] is not None
-        else None,
+    lambda t, ans, g, x, scale, *, eps: _sum_present(
+        None if t[0] is None else _affine_grad(t[0], x, scale, eps),
+        None
+        if t[1] is None
+        else _normalize_grad_dx_jvp(ans, multiply(g, scale), x, _xhat(x, eps), t[1], eps),
         None if t[2] is None else _affine_grad(g, x, t[2], eps),
     ),
 )
