@@ -450,8 +450,30 @@ def _normalize_impl(xp: Any, x: Any, *, eps: float) -> Any:
     return _normalize_into(xp, x, eps, xp.empty(x.shape, x.dtype))
 
 
+def _normalize_grad_blocks(a: Any, x: Any, xhat: Any, eps: float, out: Any) -> bool:
+    """A batch of cotangents against one x (out (*lead, *x.shape); the fresh HVP's N(t)
+    for its vectors) on the host: block by block, each the unbatched call (its kernels
+    take one statistic per row; the broadcast NumPy path ran 0.19 ms against 0.13 for a
+    batch of one of (64, 16, 64) float32). False where the layouts are not these."""
+    lead = out.shape[: out.ndim - x.ndim]
+    if not lead or a.shape != out.shape or xhat.shape not in (x.shape, out.shape):
+        return False
+    if not out.flags.c_contiguous:  # (its blocks must be views to write into)
+        return False
+    count = int(host.prod(lead))
+    a_blocks = a.reshape((count,) + x.shape)
+    xhat_blocks = xhat.reshape((-1,) + x.shape)
+    out_blocks = out.reshape((count,) + x.shape)
+    for b in range(count):
+        xhat_b = xhat_blocks[b if xhat_blocks.shape[0] == count else 0]
+        _normalize_grad_into(host, a_blocks[b], x, xhat_b, eps, out_blocks[b])
+    return True
+
+
 def _normalize_grad_into(xp: Any, a: Any, x: Any, xhat: Any, eps: float, out: Any) -> Any:
     inv_n = x.dtype.type(1 / x.shape[-1])
+    if out.shape != x.shape and xp is host and _normalize_grad_blocks(a, x, xhat, eps, out):
+        return out
     if out.shape == x.shape:
         r = _inverse_std(xp, x, eps, out)  # (out is free until the last steps)
     else:  # a batch of cotangents against one x

@@ -260,3 +260,23 @@ def test_the_fused_primitive_where_scale_and_shift_are_rows_of_xs_dtype() -> Non
     wide = gt.reshape(s, (1, 4)) * gt.constant(np.ones((3, 1)))
     y = gt.layer_norm(x, wide, b, eps=1e-5)
     np.testing.assert_allclose(y.numpy(), gt.layer_norm(x, s, b, eps=1e-5).numpy(), rtol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_normalize_grad_of_a_batch_is_each_block_bit_for_bit(dtype) -> None:
+    """A batch of cotangents against one x (the fresh HVP's N(t)) runs block by block on
+    the host: each block the unbatched call's bits, xhat shared or batched."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, 5, 16)).astype(dtype)
+    xhat = nn._normalize_impl(np, x, eps=1e-5)
+    a = rng.standard_normal((2, 3) + x.shape).astype(dtype)
+    want = np.stack(
+        [
+            np.stack([nn._normalize_grad_impl(np, a[i, j], x, xhat, eps=1e-5) for j in range(3)])
+            for i in range(2)
+        ]
+    )
+    got = nn._normalize_grad_impl(np, a, x, xhat, eps=1e-5)
+    np.testing.assert_array_equal(got, want)
+    batched = np.ascontiguousarray(np.broadcast_to(xhat, a.shape))
+    np.testing.assert_array_equal(nn._normalize_grad_impl(np, a, x, batched, eps=1e-5), want)
