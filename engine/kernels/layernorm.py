@@ -127,4 +127,3 @@ for _dtype in ("float32", "float64"):
     combine_kernel.declare(
         (In(_dtype, 2), In(_dtype, 2), In(_dtype, 1), In(_dtype, 1), In(_dtype, 1), Out(_dtype, 2))
     )
-
