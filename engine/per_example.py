@@ -399,8 +399,10 @@ def _elementwise_share(
     cache, the shares of every example are formed once (output-sized: no larger than
     the op's output) and each chunk takes its rows."""
     rec, j = meeting.record, meeting.argnum
-    if cache is not None and id(rec) in cache:
-        return cache[id(rec)][chunk]
+    # (keyed by the argument too: layer_norm_affine meets two parameters, scale and shift)
+    key = (id(rec), j)
+    if cache is not None and key in cache:
+        return cache[key][chunk]
     out = rec.outputs[0]
     ids = flow.ids[id(out)]
     rows = np.arange(flow.n, dtype=np.float32).reshape((flow.n,) + (1,) * (out.ndim - 1))
@@ -432,7 +434,7 @@ def _elementwise_share(
     value = value.reshape((value.shape[0],) + tuple(param.shape))
     if cache is None:
         return value
-    cache[id(rec)] = value
+    cache[key] = value
     return value[chunk]
 
 

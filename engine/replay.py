@@ -137,16 +137,18 @@ class Capture:
         except CaptureFailed as exc:
             self.failure = f"{exc} ({prim.name})"
             return
-        if all(self.kinds[i] == _CONST for i in ins):
-            self._new(ans, _CONST)  # folded: its value is known now
-            self.made_bytes += ans.value.nbytes
-            return
         if prim in REPEATS_SHARED:
             key = (prim, ins, tuple(sorted(params.items())))
             same = self.shared.get(key)
             if same is not None:  # computed already from the same operands: reuse it
                 self.slots[id(ans)] = (same, weakref.ref(ans))
                 return
+        if all(self.kinds[i] == _CONST for i in ins):
+            folded = self._new(ans, _CONST)  # folded: its value is known now
+            self.made_bytes += ans.value.nbytes
+            if prim in REPEATS_SHARED:  # (one constant, and what reads it shared in turn)
+                self.shared[key] = folded
+            return
         self.steps.append((prim, ins, params))
         slot = self._new(ans, _STEP)
         if prim in REPEATS_SHARED:

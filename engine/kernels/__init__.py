@@ -16,7 +16,8 @@ where a kernel keeps the NumPy path's operations and order (erf, GELU, the convo
 windows, layer norm's steps), to the rounding each kernel's module states where it does
 not (softmax and GELU's slope in float32 round once instead of several times: closer to
 the exact value; the embedding's scatter adds in np.add.at's order; the stride-1 3 x 3
-convolutions by Winograd's algorithm, winograd.py, in the windows' GEMM's error class).
+convolutions by Winograd's algorithm, winograd.py, in the windows' GEMM's error class;
+layer norm with its affine, layernorm_affine.py, sums its rows reassociated).
 
     @kernel
     def gelu_forward(x, out):  # plain Python over arrays, numba's nopython subset
@@ -39,7 +40,10 @@ contract the arithmetic, and assume no NaN or inf: the answers would change), an
 exception). A kernel not bound to a NumPy path's bits may ask for contraction alone
 (`@kernel(contract=True)`: a product and a sum as one FMA, one rounding instead of two,
 never less accurate): GELU's float32 slope and softmax, whose exp polynomial then runs
-12-15% faster.
+12-15% faster. And one that sums along a row may ask for reassociation as well
+(`@kernel(reassoc=True)`, with contraction: LLVM then vectorizes a sum in a loop, which
+it does not in a loop's order; NaN and inf kept, as no other fastmath flag is set):
+layer norm with its affine (layernorm_affine.py), whose row sums in NumPy are GEMVs.
 
 A piece of arithmetic several kernels share (erf's rational, an exp, a window's column
 range) is a helper, which kernels call as a function:
@@ -141,12 +145,18 @@ class Kernel:
     """A Python function compiled by numba at its first use (see the module's text)."""
 
     def __init__(
-        self, py_func: Callable[..., Any], contract: bool = False, exact: bool | None = None
+        self,
+        py_func: Callable[..., Any],
+        contract: bool = False,
+        exact: bool | None = None,
+        reassoc: bool = False,
     ) -> None:
         self.py_func = py_func
-        self.contract = contract
-        # Whether it answers its NumPy path's bits (a contracting kernel never does).
-        self.exact = not contract if exact is None else exact
+        self.contract = contract or reassoc
+        self.reassoc = reassoc
+        # Whether it answers its NumPy path's bits (a contracting or reassociating
+        # kernel never does).
+        self.exact = not self.contract if exact is None else exact
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
         self.dispatcher: Any = None  # numba's, once compiled() has made it
@@ -196,7 +206,7 @@ class Kernel:
                 return None
             with _lock:
                 if self.dispatcher is None:
-                    self.dispatcher = _jit(numba, self.py_func, contract=self.contract)
+                    self.dispatcher = _jit(numba, self.py_func, fastmath=self.fastmath())
         return self.dispatcher
 
     def _call(self, *args: Any) -> Any:
@@ -225,15 +235,23 @@ class Kernel:
             # every compilation, gone bad since the kernel was declared (the volume full,
             # removed, remounted read-only). Compile without it from now on.
             with _lock:
-                self.dispatcher = _jit(_numba, self.py_func, cache=False, contract=self.contract)
+                self.dispatcher = _jit(_numba, self.py_func, cache=False, fastmath=self.fastmath())
             return self.dispatcher(*args)
+
+    def fastmath(self) -> set[str]:
+        """The fastmath flags it is compiled with (none by default: see the module's text)."""
+        return ({"contract"} if self.contract else set()) | ({"reassoc"} if self.reassoc else set())
 
     def __repr__(self) -> str:
         return f"<kernel {self.__name__}>"
 
 
 def kernel(
-    py_func: Callable[..., Any] | None = None, *, contract: bool = False, exact: bool | None = None
+    py_func: Callable[..., Any] | None = None,
+    *,
+    contract: bool = False,
+    exact: bool | None = None,
+    reassoc: bool = False,
 ) -> Any:
     """Declare a kernel (a decorator, `@kernel` or `@kernel(contract=True)`); compiled()
     gives the callable. contract: LLVM may fuse a product and a sum into one FMA (one
@@ -241,10 +259,12 @@ def kernel(
     NumPy path's bits (GELU's float32 slope, softmax: their exp's polynomial runs 15%
     faster); nothing else of fastmath. exact: whether the kernel answers its NumPy
     path's bits (by default, unless it contracts); a held kernel that does not is
-    readied (with its module) by its first caller (Kernel.compiled)."""
+    readied (with its module) by its first caller (Kernel.compiled). reassoc: LLVM may
+    also reassociate sums (and contract), so a sum along a loop vectorizes; NaN and inf
+    kept, the bits of the sums not NumPy's."""
     if py_func is None:
-        return lambda f: Kernel(f, contract, exact)
-    return Kernel(py_func, contract, exact)
+        return lambda f: Kernel(f, contract, exact, reassoc)
+    return Kernel(py_func, contract, exact, reassoc)
 
 
 def release(kernels: Iterable[Kernel]) -> None:
@@ -443,11 +463,11 @@ def _foreign_helper_files(py_func: Callable[..., Any]) -> list[str]:
 
 
 def _jit(
-    numba: Any, py_func: Callable[..., Any], cache: bool = True, contract: bool = False
+    numba: Any, py_func: Callable[..., Any], cache: bool = True, fastmath: set[str] | None = None
 ) -> Any:
     func = _with_compiled_helpers(numba, py_func)
     # (helpers are inlined into the kernel's code, so they take its flags)
-    options = {**_OPTIONS, "fastmath": {"contract"}} if contract else _OPTIONS
+    options = {**_OPTIONS, "fastmath": fastmath} if fastmath else _OPTIONS
     if cache:
         try:
             dispatcher = numba.jit(cache=True, **options)(func)
@@ -466,6 +486,14 @@ def _jit(
     return numba.jit(cache=False, **options)(func)
 
 
+def options_key(options: dict[str, Any]) -> str:
+    """The compile options as text, the same in every process: a set of fastmath flags
+    sorted (a set's order follows string hashing, which differs between processes, so
+    {"contract", "reassoc"} would key two ways and each process compile anew)."""
+    stable = [(k, sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in options.items()]
+    return repr(sorted(stable))
+
+
 def _keyed_cache(func: Callable[..., Any], files: list[str], options: dict[str, Any]) -> Any:
     """numba's cache for func, its entries keyed also by the contents of `files` and by
     the compile options (see the module's text: numba's own key knows only func's file
@@ -477,12 +505,7 @@ def _keyed_cache(func: Callable[..., Any], files: list[str], options: dict[str, 
         # extends: _jit compiles uncached (an override numba never calls keys nothing)
         raise AttributeError("numba's FunctionCache has no _index_key")
 
-    # (a set's repr, fastmath's flags, follows the process's hash seed: sorted, so the
-    # next process, a worker served the Docker build's cache, finds the same key)
-    canonical = sorted(
-        (k, sorted(v) if isinstance(v, set | frozenset) else v) for k, v in options.items()
-    )
-    digest = hashlib.sha256(repr(canonical).encode())
+    digest = hashlib.sha256(options_key(options).encode())
     for path in files:
         with open(path, "rb") as source:
             digest.update(hashlib.sha256(source.read()).digest())

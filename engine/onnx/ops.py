@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine import backend, trace
-from engine.ops.nn import normalize_last_axis
+from engine.ops.nn import layer_norm_last_axis, normalize_last_axis
 from engine.registry import public_ops
 from engine.tensor import Tensor, constant, pass_constant
 
@@ -388,14 +388,18 @@ def _layer_norm(ins, attrs, opset):
 def layer_norm_node(ins: list, attrs: dict[str, Any], opset: int, outputs: int) -> list:
     """LayerNormalization; `outputs`: how many of Y, Mean, InvStdDev the node names. Over
     the last axis, with only Y named (what the exporters write), Y is the fused
-    normalize primitive's (engine/ops/nn.py: its VJP another, their broadcast steps
-    compiled kernels) times the scale plus the bias; otherwise the composite."""
+    layer_norm_affine primitive's where the scale and bias have the row's shape and x's
+    dtype (engine/ops/nn.py: one kernel forward, two backward), else the normalize
+    primitive's times the scale plus the bias; otherwise the composite."""
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     rank = len(x.shape)
     axis = int(attrs.get("axis", -1)) % rank
     if outputs == 1 and axis == rank - 1 and isinstance(x, Tensor) and x.dtype.kind == "f":
-        y = OP["multiply"](normalize_last_axis(x, float(attrs.get("epsilon", 1e-5))), scale)
+        eps_value = float(attrs.get("epsilon", 1e-5))
+        if bias is not None:
+            return [layer_norm_last_axis(x, scale, bias, eps_value)]
+        y = OP["multiply"](normalize_last_axis(x, eps_value), scale)
         return [y if bias is None else OP["add"](y, bias)]
     axes = tuple(range(axis, rank))
     eps = _like(float(attrs.get("epsilon", 1e-5)), x)

@@ -283,21 +283,35 @@ def test_the_erf_kernels_constants_are_erf_float32s() -> None:
 
 
 def test_only_kernels_free_of_a_numpy_paths_bits_contract_products_and_sums() -> None:
-    # contract (an FMA: one rounding instead of two) is the one fastmath flag a kernel
-    # may ask; the kernels bit-identical to their NumPy paths (erf, GELU, GELU's float64
-    # slope, the convolution windows, layer norm's steps) ask none.
-    from engine.kernels import conv, gelu, layernorm, scatter, softmax
+    # contract (an FMA: one rounding instead of two) and reassoc (a row's sum vectorized)
+    # are the fastmath flags a kernel may ask; the kernels bit-identical to their NumPy
+    # paths (erf, GELU, GELU's float64 slope, the convolution windows, normalize's
+    # steps) ask none, and only layer norm with its affine reassociates.
+    from engine.kernels import conv, gelu, layernorm, layernorm_affine, scatter, softmax
 
+    reassociating = {
+        layernorm_affine.affine_forward_kernel,
+        layernorm_affine.affine_grad_kernel,
+        layernorm_affine.scale_grad_kernel,
+    }
     contracting = {gelu.gelu_slope_float32_kernel, softmax.softmax_rows_float32_kernel}
+    contracting |= reassociating
     declared = [
         value
-        for module in (conv, gelu, layernorm, scatter, softmax)
+        for module in (conv, gelu, layernorm, layernorm_affine, scatter, softmax)
         for value in vars(module).values()
         if isinstance(value, kernels.Kernel)
     ]
     assert contracting < set(declared)
     for k in declared:
         assert k.contract == (k in contracting), k
+        assert k.reassoc == (k in reassociating), k
+        assert k.exact == (k not in contracting), k
+    layernorm_affine.scale_grad_kernel.compiled()
+    assert layernorm_affine.scale_grad_kernel.dispatcher.targetoptions["fastmath"] == {
+        "contract",
+        "reassoc",
+    }
     slope = gelu.gelu_slope_float32_kernel
     slope.compiled()
     assert slope.dispatcher.targetoptions["fastmath"] == {"contract"}
@@ -342,3 +356,25 @@ def test_a_numba_without_the_cache_key_it_extends_compiles_uncached(tmp_path: Pa
         NUMBA_CACHE_DIR=str(tmp_path / "cache"),
     )
     assert out.strip() == "NullCache [0.5, 0.75]"
+
+
+def test_the_options_key_is_the_same_in_every_process() -> None:
+    """Two fastmath flags (layer norm's reassociating kernels) key the cached code alike
+    whatever the string hashing of the process (PYTHONHASHSEED): else each worker would
+    compile them anew."""
+    code = (
+        "from engine import kernels; "
+        "print(kernels.options_key({'fastmath': {'contract', 'reassoc'}, 'nogil': True}))"
+    )
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(8)
+    }
+    assert len(keys) == 1, keys
+    assert "['contract', 'reassoc']" in keys.pop()

@@ -145,9 +145,12 @@ def test_onnx_layer_normalization_uses_the_primitive_where_it_can() -> None:
     bias = rng.standard_normal(8).astype(np.float32)
     attrs = {"axis": -1, "epsilon": 1e-5}
     assert _primitives(lambda: layer_norm_node([x, scale, bias], attrs, 18, 1)) == [
+        "layer_norm_affine"
+    ]
+    # no bias: normalize, then the scale
+    assert _primitives(lambda: layer_norm_node([x, scale], attrs, 18, 1)) == [
         "normalize",
         "multiply",
-        "add",
     ]
     (y,) = layer_norm_node([x, scale, bias], attrs, 18, 1)
     expected = F.layer_norm(torch.tensor(x.numpy()), (8,), torch.tensor(scale), torch.tensor(bias))

@@ -105,6 +105,10 @@ for dtype in (np.float32, np.float64):
             return gt.sum(h * gt.softmax(t, -1) + gt.erf(t))
         gt.grad(loss)(gt.constant(a))
         gt.hvp(loss, [gt.constant(a)], [gt.constant(np.ones_like(a))])
+        # the scale differentiated too (layer norm with its affine: its scale's VJP)
+        def scaled(t, g):
+            return gt.sum(gt.layer_norm(t, g, gt.constant(beta), eps=1e-5) ** 2)
+        gt.grad(scaled, argnums=(0, 1))(gt.constant(a), gt.constant(gamma))
     table = rng.standard_normal((10, 6)).astype(dtype)
     for tokens in (np.array([1, 3, 3, 9]), np.array([[0, 2], [2, 5]], np.int32),
                    np.array([1, 3, 3, 9, 0, 0])[::2], np.array([4, 4], np.uint8)):
@@ -300,8 +304,9 @@ def test_a_held_kernel_not_bound_to_numpys_bits_waits_for_warm_up(filled) -> Non
 def test_the_kernels_not_bound_to_numpys_bits_say_so() -> None:
     """Kernel.compiled makes a held kernel wait only where exact=False: the kernels whose
     NumPy paths give other bits must be exactly those (the contracting ones and
-    Winograd's transforms, whose NumPy path is the windows' GEMM)."""
-    from engine.kernels import gelu, softmax, winograd
+    Winograd's transforms, whose NumPy path is the windows' GEMM, and layer norm with
+    its affine, whose row sums reassociate)."""
+    from engine.kernels import gelu, layernorm_affine, softmax, winograd
 
     inexact = {k.__name__ for k in warmup.declared() if not k.exact}
     assert inexact == {
@@ -310,6 +315,9 @@ def test_the_kernels_not_bound_to_numpys_bits_say_so() -> None:
         winograd.winograd_input.__name__,
         winograd.winograd_output.__name__,
         winograd.winograd_cotangent.__name__,
+        layernorm_affine.affine_forward_kernel.__name__,
+        layernorm_affine.affine_grad_kernel.__name__,
+        layernorm_affine.scale_grad_kernel.__name__,
     }
 
 

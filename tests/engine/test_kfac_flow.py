@@ -42,6 +42,9 @@ NOT_LOOKED_THROUGH = {
     "softmax_grad": "rows",
     "normalize": "rows",
     "normalize_grad": "rows",
+    "layer_norm_affine": "rows",
+    "layer_norm_affine_grad": "rows",
+    "layer_norm_scale_grad": "reduces",
     # a convolutional model is recorded again as im2col and a matmul (conv.unfused())
     "conv": "unfused",
     "conv_input": "unfused",
