@@ -984,3 +984,37 @@ def test_kfac_of_a_loss_on_one_output_answers_its_layers_and_names_the_unreached
         # The estimators on it too: its trace (exact, by products) is KFAC's.
         on_kfac = tape.trace(curvature="kfac", method="exact")
         assert on_kfac.trace == pytest.approx(want.trace, rel=1e-9)
+
+
+def test_the_bridge_runs_over_the_json_transport(server) -> None:
+    """transport="json" sends the exported ONNX file base64-encoded (the API's form for
+    bytes in JSON); it once failed in json.dumps before any request was made."""
+    model = perturbed(ConvBN(), seed=11)
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (4,))
+    want = torch_grads(model, F.cross_entropy(model(x), y))
+    with (
+        Client(server.base_url, transport="json") as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, want)
+
+
+def test_influence_takes_test_data_in_the_form_the_tape_took_data(server) -> None:
+    """`tape.influence((x_test, y_test))`, as `data=(x, y)` was given: the same answer as
+    the dict by input name and "y" (a tuple once failed with an AttributeError)."""
+    model = perturbed(WithUnused(), seed=12)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 3, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 2, (8,), generator=gen)
+    x_test, y_test = x[:3] + 0.1, y[:3]
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        by_name = tape.influence({tape.model.inputs[0]: x_test, "y": y_test}, damping=0.1)
+        as_data = tape.influence((x_test, y_test), damping=0.1)
+        np.testing.assert_array_equal(as_data.scores, by_name.scores)
+        assert as_data.test_loss == by_name.test_loss
+        with pytest.raises(BridgeError, match="data has 3 arrays"):
+            tape.influence((x_test, y_test, y_test))

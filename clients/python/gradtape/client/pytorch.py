@@ -1202,10 +1202,14 @@ class TorchTape:
         scaled = {n: a / damping if damping else a for n, a in arrays.items()}
         return _replace(result, solution=self._give(result.solution, form, unused=scaled))
 
-    def influence(self, test_inputs: Mapping[str, Any] | None = None, **options: Any) -> Any:
-        """`RemoteTape.influence`: `test_inputs` by the module's input names and "y"
-        (arrays or tensors; the targets as the loss takes them, converted as for the
-        data), `s_test` by torch name (zeros for unused parameters)."""
+    def influence(self, test_inputs: Any = None, **options: Any) -> Any:
+        """`RemoteTape.influence`: `test_inputs` as the tape's `data` was given, a tuple
+        `(inputs..., y)` or a dict by the module's input names and "y" (arrays or
+        tensors; the targets as the loss takes them, converted as for the data),
+        `s_test` by torch name (zeros for unused parameters)."""
+        if test_inputs is not None and not isinstance(test_inputs, Mapping):
+            arrays, target, _ = _data_arrays(test_inputs, self.model, self.loss)
+            test_inputs = arrays if target is None else {**arrays, "y": target}
         if test_inputs is not None and "dataset" not in test_inputs:
             test_inputs = self._test_inputs(test_inputs)
         result = self.remote.influence(test_inputs, **options)
