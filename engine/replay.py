@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from engine import trace
+from engine import kernels, trace
 from engine.kernels import rows as rows_kernels
 from engine.ops.reduce import (
     channel_axes,
@@ -357,6 +357,12 @@ class Passes:
                     self.entries.popitem(last=False)
             else:
                 self.entries.move_to_end(key)
+        if isinstance(entry, Schedule) and entry.kernel_releases != kernels.releases():
+            # Captured while kernels its forms could use were held (a worker's warm-up
+            # under way): those steps run NumPy's form for as long as the schedule is
+            # kept, a tape's lifetime. Captured anew now (the same bits: held kernels
+            # are the exact ones, engine/kernels/__init__.py).
+            entry = (NOT_YET, 0)
         if isinstance(entry, Schedule):
             allocated = entry.steps is not None
             outputs = entry.try_run([s.value for s in seeds])
@@ -643,6 +649,8 @@ class Schedule:
     """A captured pass as a flat list of array calls; `run(seed arrays)` replays it."""
 
     def __init__(self, cap: Capture, out_slots: list[int | None], pool_limit: int):
+        # (read before the forms below ask compiled(): a release meanwhile recaptures)
+        self.kernel_releases = kernels.releases()
         values, kinds = cap.values, cap.kinds
         n = len(kinds)
         self.seed_slots = cap.seed_slots

@@ -105,6 +105,9 @@ DECLARED: list[Kernel] = []
 # sees one released and not the other).
 _held = False
 _released: frozenset[Kernel] = frozenset()
+# How many times release() has widened _released: a compiled replay captured before the
+# last release chose the NumPy forms of kernels then held, and captures anew (releases()).
+_releases = 0
 
 
 def _switched_off() -> bool:
@@ -247,10 +250,20 @@ def kernel(
 def release(kernels: Iterable[Kernel]) -> None:
     """Let compiled() hand out these warmed kernels in a process that holds them, all at
     once (warm-up's call, a module's kernels together)."""
-    global _released
+    global _released, _releases
     with _changed:
-        _released = _released | frozenset(kernels)
+        widened = _released | frozenset(kernels)
+        if _held and widened != _released:  # (else compiled() answered them all along)
+            _releases += 1
+        _released = widened
         _changed.notify_all()
+
+
+def releases() -> int:
+    """How many times release() has handed out more kernels in this process: a value
+    kept beside something chosen by compiled()'s answers (a compiled replay's forms)
+    tells whether a later choice could differ."""
+    return _releases
 
 
 # One thread readies a held kernel's module at a time (_ready_now); taken before _lock.

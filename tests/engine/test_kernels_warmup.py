@@ -356,3 +356,54 @@ def test_a_held_kernel_not_bound_to_numpys_bits_is_readied_on_demand(tmp_path: P
     held = json.loads(run_python(["-c", HELD_INEXACT_ON_DEMAND.format(held=True)], tmp_path))
     assert held["y"] == free["y"]
     assert held["warmed"] and not held["gelu"]
+
+
+RECAPTURED_AFTER_WARM_UP = """
+import json
+import numpy as np
+import engine as gt
+from engine import kernels
+from engine.kernels import rows, warmup
+
+kernels.hold_until_warm()  # a service worker: the row kernels held until warm-up
+add_into = rows.add_rows_into
+calls = [0]
+call = add_into._call
+def counted(*args):
+    calls[0] += 1
+    return call(*args)
+add_into._call = counted
+
+def layer(x, w, bias):  # x @ w + bias: the replay's row-vector add (rows.add_rows_into)
+    return gt.sum(gt.tanh(gt.matmul(x, w) + bias))
+
+rng = np.random.default_rng(0)
+args = [gt.constant(rng.standard_normal(s).astype(np.float32)) for s in ((32, 6), (6, 7), (7,))]
+compiled = gt.jit(layer)
+jitted = compiled.value_and_grad((0, 1, 2))
+answers, seen = [], []
+for _ in range(4):  # dynamic, captured, replayed twice: the NumPy forms (held)
+    answers.append([a.numpy().tobytes().hex() for a in gt.tree.flatten(jitted(*args))[0]])
+seen.append(calls[0])
+warmup.warm(compile=False)  # loads from the filled cache and releases the kernels
+for _ in range(3):  # captured anew, then replayed with the kernels
+    answers.append([a.numpy().tobytes().hex() for a in gt.tree.flatten(jitted(*args))[0]])
+seen.append(calls[0])
+print(json.dumps({"calls": seen, "same": all(a == answers[0] for a in answers),
+                  "status": list(compiled.status().values())}))
+"""
+
+
+def test_a_pass_compiled_while_kernels_were_held_is_recaptured_once_they_are_ready(
+    filled,
+) -> None:
+    """A compiled replay captured during a worker's warm-up chose NumPy's forms for the
+    kernels then held; once warm-up releases them, the layout is captured anew and its
+    replays run the kernels (a tape's passes would otherwise stay on NumPy's forms for
+    the tape's lifetime). The answers keep their bits (held kernels are exact ones)."""
+    cache, _ = filled
+    out = json.loads(run_python(["-c", textwrap.dedent(RECAPTURED_AFTER_WARM_UP)], cache))
+    before, after = out["calls"]
+    assert before == 0  # held: the replays ran NumPy's add
+    assert after - before >= 2  # the two replays after the recapture ran the kernel
+    assert out["same"] and out["status"] == ["compiled"]
