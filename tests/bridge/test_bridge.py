@@ -1018,3 +1018,27 @@ def test_influence_takes_test_data_in_the_form_the_tape_took_data(server) -> Non
         assert as_data.test_loss == by_name.test_loss
         with pytest.raises(BridgeError, match="data has 3 arrays"):
             tape.influence((x_test, y_test, y_test))
+
+
+def test_vectors_in_torch_habits_are_refused_saying_what_to_pass(server) -> None:
+    """A tuple of per-parameter tensors (torch.autograd.grad's answer), a module after
+    an optimizer step, a block of vectors: each a named error saying what the tape takes
+    (NumPy's "inhomogeneous shape", or a flat vector "of 3 entries" for a module, or
+    an (n, 2) block read as one vector of 2n entries "got 86", before). One column
+    (n, 1) is still a flat vector."""
+    model = perturbed(WithUnused(), seed=13)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), [model.fc.weight])
+        with pytest.raises(TypeError, match=r"not a tuple: pass dict\(zip\(tape.names"):
+            tape.hvp(grads)
+        with pytest.raises(TypeError, match="not a module"):
+            tape.update(model)
+        with pytest.raises(ValueError, match=r"1-D; got shape \(16, 2\): hvp_many"):
+            tape.hvp(torch.ones(tape.size, 2, dtype=torch.float64))
+        column = torch.randn(tape.size, 1, dtype=torch.float64)
+        torch.testing.assert_close(tape.hvp(column), tape.hvp(column[:, 0]), rtol=0, atol=0)

@@ -1025,7 +1025,24 @@ class TorchTape:
             dtypes = {n: dtype_of(out[n]) if n in out else self.model.dtype for n in shapes}
             full = {n: out.get(n, np.zeros(s, self.model.dtype)) for n, s in self.layout}
             return full, _Form(False, tensors, dtypes)
-        flat = np.asarray(v).reshape(-1)
+        if isinstance(v, torch.nn.Module) or (
+            isinstance(v, (list, tuple)) and any(np.ndim(x) > 0 for x in v)
+        ):
+            # torch's habits (a module after optimizer.step(), the tuple
+            # torch.autograd.grad answers): named, not guessed from an order.
+            what = "a module" if isinstance(v, torch.nn.Module) else f"a {type(v).__name__}"
+            raise TypeError(
+                f"a vector is a dict by torch name or a flat vector, not {what}: pass "
+                "dict(zip(tape.names, tensors)), {n: p for n, p in model.named_parameters()"
+                " if p.requires_grad}, or parameters_to_vector(tensors)"
+            )
+        flat = np.asarray(v)
+        if sum(d > 1 for d in flat.shape) > 1:  # (n,), (n, 1), (1, n) are one vector
+            raise ValueError(
+                f"a flat vector is 1-D; got shape {flat.shape}: hvp_many takes several "
+                "vectors, and linear_operator() @ block multiplies a block of columns"
+            )
+        flat = flat.reshape(-1)
         if flat.size != self.size:
             raise ValueError(
                 f"a flat vector over this module has {self.size} entries "
