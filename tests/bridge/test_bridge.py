@@ -1042,3 +1042,45 @@ def test_vectors_in_torch_habits_are_refused_saying_what_to_pass(server) -> None
             tape.hvp(torch.ones(tape.size, 2, dtype=torch.float64))
         column = torch.randn(tape.size, 1, dtype=torch.float64)
         torch.testing.assert_close(tape.hvp(column), tape.hvp(column[:, 0]), rtol=0, atol=0)
+
+
+def test_a_non_finite_parameter_or_data_the_forward_refuses_is_named() -> None:
+    """A NaN weight was refused as "folded: e.g. a BatchNorm folded into this weight"
+    (NaN != NaN in the value matching), and data the module cannot take raised torch's
+    RuntimeError without saying it came from the data; both are BridgeErrors naming
+    what is wrong. (Refused before any request: no server.)"""
+    client = Client("http://127.0.0.1:9")  # never reached
+    model = perturbed(WithUnused(), seed=14)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    with torch.no_grad():
+        model.fc.weight[0, 1] = float("nan")
+    with pytest.raises(BridgeError, match=r"parameter 'fc.weight' holds 1 NaN or infinite"):
+        client.tape(model, loss="cross_entropy", data=(x, y))
+    model = perturbed(WithUnused(), seed=14)
+    with pytest.raises(
+        BridgeError, match=r"forward failed on the data's first rows \(\(5, 4\) float64\)"
+    ):
+        client.tape(model, loss="cross_entropy", data=(torch.randn(5, 4, dtype=torch.float64), y))
+
+
+class Branching(nn.Module):
+    """A forward whose control flow reads the data: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+def test_an_export_failure_reads_as_text() -> None:
+    """torch.export's refusal is passed on without its terminal colours (the escapes
+    showed as "[96m" in a notebook or a log)."""
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(BridgeError, match=r"torch\.onnx\.export failed") as refused:
+        Client("http://127.0.0.1:9").tape(
+            Branching().double().eval(), loss="cross_entropy", data=(x, torch.zeros(5).long())
+        )
+    assert "\x1b" not in str(refused.value)

@@ -57,6 +57,7 @@ import contextlib
 import hashlib
 import importlib
 import io
+import re
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -267,8 +268,22 @@ def export(
     )
     if len(names_in) != len(args):
         raise BridgeError(f"{len(names_in)} input_names for {len(args)} example inputs")
-    with torch.no_grad():
-        expected = _outputs(module(*args))
+    for name, p in module.named_parameters():
+        bad = int((~torch.isfinite(p.detach())).sum())
+        if bad:  # the value matching below would call it folded (NaN != NaN)
+            raise BridgeError(
+                f"parameter {name!r} holds {bad} NaN or infinite value(s) (a diverged "
+                "training?); the service differentiates finite parameters only"
+            )
+    try:
+        with torch.no_grad():
+            expected = _outputs(module(*args))
+    except Exception as exc:  # a shape or dtype the module does not take, named
+        shapes = ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}" for a in args)
+        raise BridgeError(
+            f"the module's forward failed on the data's first rows ({shapes}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     names_out = list(
         output_names
         or (["logits"] if len(expected) == 1 else [f"out{i}" for i in range(len(expected))])
@@ -336,7 +351,9 @@ def _run_exporter(
                 **options,
             )
     except Exception as exc:  # the exporter's own refusal (an untraceable forward ...)
-        raise BridgeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+        # torch.export colours its messages for a terminal: the escapes go.
+        message = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+        raise BridgeError(f"torch.onnx.export failed: {type(exc).__name__}: {message}") from exc
     return program.model_proto.SerializeToString()
 
 
