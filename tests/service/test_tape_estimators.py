@@ -135,8 +135,8 @@ def test_diagonal_exact_and_hutchinson(client, dense, tape_id) -> None:  # noqa:
         "invalid-request",
     )
     assert "exact diagonal" in few["detail"] and "29" in few["detail"]
-    # Past the server's algorithm_max_hvps no budget reaches n: the refusal says where
-    # "got 29" came from (the default, when none was sent) and what answers instead.
+    # The refusal says where "got 29" came from (it may be the default: past the
+    # server's algorithm_max_hvps no budget reaches n) and what answers instead.
     assert "got 29 (the request's max_hvps, or its default)" in few["detail"]
     assert "method 'auto' (the default) or 'hutchinson'" in few["detail"]
 
