@@ -91,13 +91,17 @@ def _most_telling_first(errors: list[Any]) -> list[Any]:
 
 def _without_input_tags(parts: list[str]) -> list[str]:
     """`inputs` is a map of tensors or a dataset binding, and each input a tensor or a
-    dataset's array: the tags of those two unions ("map", "TensorValue") say nothing a
-    client wrote, so `definition.inputs.x.TensorData.dtype` stays the path."""
+    dataset's array; a variable is a tensor or {value, trainable}: the tags of those
+    unions ("map", "TensorValue", "VariableSpec") say nothing a client wrote, so
+    `definition.inputs.x.TensorData.dtype` stays the path, and a variable's is
+    `definition.variables.w.TensorData.dtype` or `definition.variables.w.value...`."""
     out: list[str] = []
     for part in parts:
         if part == "map" and out[-1:] == ["inputs"]:
             continue
-        if part == "TensorValue" and out[-2:-1] == ["inputs"]:
+        if part == "TensorValue" and out[-2:-1] in (["inputs"], ["variables"]):
+            continue
+        if part == "VariableSpec" and out[-2:-1] == ["variables"]:
             continue
         out.append(part)
     return out

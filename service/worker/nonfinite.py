@@ -75,8 +75,9 @@ def guard(
         return result
     problem = diagnose()
     shown = ", ".join(fields[:5]) + (f" and {len(fields) - 5} more" if len(fields) > 5 else "")
+    verb = "holds" if len(fields) == 1 else "hold"
     detail = (
-        f"the answer is not finite ({shown} hold NaN or infinite values): {problem}. "
+        f"the answer is not finite ({shown} {verb} NaN or infinite values): {problem}. "
         "Send allow_nonfinite: true to receive it anyway, flagged"
     )
     raise refuse(detail, problem)

@@ -586,10 +586,13 @@ def _relay(context: WorkerContext) -> Callable[[Progress], None] | None:
     return relay
 
 
-def _check_max_hvps(value: int, at_least: int, what: str) -> None:
+def _check_max_hvps(value: int, at_least: int, what: str, instead: str = "") -> None:
     if value < at_least:
         raise RequestError(
-            "request", f"max_hvps: {what} needs at least {at_least}, got {value}", field="max_hvps"
+            "request",
+            f"max_hvps: {what} needs at least {at_least}, got {value} (the request's "
+            f"max_hvps, or its default){instead}",
+            field="max_hvps",
         )
 
 
@@ -675,7 +678,14 @@ def _exact_pass(flat: FlatOperator, context: WorkerContext) -> int:
 
 def _check_method_budget(method: str, max_hvps: int, n: int, what: str) -> None:
     if method == "exact":
-        _check_max_hvps(max_hvps, n, f"the exact {what} of a tape with {n} parameters")
+        # Past the server's algorithm_max_hvps no max_hvps reaches n: the way on is an
+        # estimate, which the default method picks by itself.
+        _check_max_hvps(
+            max_hvps,
+            n,
+            f"the exact {what} of a tape with {n} parameters",
+            "; for an estimate within the budget, method 'auto' (the default) or 'hutchinson'",
+        )
     elif method == "hutchpp":
         _check_max_hvps(max_hvps, 3, "hutchpp (a sketch, its product and a probe)")
     else:

@@ -984,3 +984,103 @@ def test_kfac_of_a_loss_on_one_output_answers_its_layers_and_names_the_unreached
         # The estimators on it too: its trace (exact, by products) is KFAC's.
         on_kfac = tape.trace(curvature="kfac", method="exact")
         assert on_kfac.trace == pytest.approx(want.trace, rel=1e-9)
+
+
+def test_the_bridge_runs_over_the_json_transport(server) -> None:
+    """transport="json" sends the exported ONNX file base64-encoded (the API's form for
+    bytes in JSON); it once failed in json.dumps before any request was made."""
+    model = perturbed(ConvBN(), seed=11)
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (4,))
+    want = torch_grads(model, F.cross_entropy(model(x), y))
+    with (
+        Client(server.base_url, transport="json") as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        assert_grads({n: g.numpy() for n, g in tape.gradients.items()}, want)
+
+
+def test_influence_takes_test_data_in_the_form_the_tape_took_data(server) -> None:
+    """`tape.influence((x_test, y_test))`, as `data=(x, y)` was given: the same answer as
+    the dict by input name and "y" (a tuple once failed with an AttributeError)."""
+    model = perturbed(WithUnused(), seed=12)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 3, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, 2, (8,), generator=gen)
+    x_test, y_test = x[:3] + 0.1, y[:3]
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        by_name = tape.influence({tape.model.inputs[0]: x_test, "y": y_test}, damping=0.1)
+        as_data = tape.influence((x_test, y_test), damping=0.1)
+        np.testing.assert_array_equal(as_data.scores, by_name.scores)
+        assert as_data.test_loss == by_name.test_loss
+        with pytest.raises(BridgeError, match="data has 3 arrays"):
+            tape.influence((x_test, y_test, y_test))
+
+
+def test_vectors_in_torch_habits_are_refused_saying_what_to_pass(server) -> None:
+    """A tuple of per-parameter tensors (torch.autograd.grad's answer), a module after
+    an optimizer step, a block of vectors: each a named error saying what the tape takes
+    (NumPy's "inhomogeneous shape", or a flat vector "of 3 entries" for a module, or
+    an (n, 2) block read as one vector of 2n entries "got 86", before). One column
+    (n, 1) is still a flat vector."""
+    model = perturbed(WithUnused(), seed=13)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    with (
+        Client(server.base_url) as client,
+        client.tape(model, loss="cross_entropy", data=(x, y)) as tape,
+    ):
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), [model.fc.weight])
+        with pytest.raises(TypeError, match=r"not a tuple: pass dict\(zip\(tape.names"):
+            tape.hvp(grads)
+        with pytest.raises(TypeError, match="not a module"):
+            tape.update(model)
+        with pytest.raises(ValueError, match=r"1-D; got shape \(16, 2\): hvp_many"):
+            tape.hvp(torch.ones(tape.size, 2, dtype=torch.float64))
+        column = torch.randn(tape.size, 1, dtype=torch.float64)
+        torch.testing.assert_close(tape.hvp(column), tape.hvp(column[:, 0]), rtol=0, atol=0)
+
+
+def test_a_non_finite_parameter_or_data_the_forward_refuses_is_named() -> None:
+    """A NaN weight was refused as "folded: e.g. a BatchNorm folded into this weight"
+    (NaN != NaN in the value matching), and data the module cannot take raised torch's
+    RuntimeError without saying it came from the data; both are BridgeErrors naming
+    what is wrong. (Refused before any request: no server.)"""
+    client = Client("http://127.0.0.1:9")  # never reached
+    model = perturbed(WithUnused(), seed=14)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    with torch.no_grad():
+        model.fc.weight[0, 1] = float("nan")
+    with pytest.raises(BridgeError, match=r"parameter 'fc.weight' holds 1 NaN or infinite"):
+        client.tape(model, loss="cross_entropy", data=(x, y))
+    model = perturbed(WithUnused(), seed=14)
+    with pytest.raises(
+        BridgeError, match=r"forward failed on the data's first rows \(\(5, 4\) float64\)"
+    ):
+        client.tape(model, loss="cross_entropy", data=(torch.randn(5, 4, dtype=torch.float64), y))
+
+
+class Branching(nn.Module):
+    """A forward whose control flow reads the data: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+def test_an_export_failure_reads_as_text() -> None:
+    """torch.export's refusal is passed on without its terminal colours (the escapes
+    showed as "[96m" in a notebook or a log)."""
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(BridgeError, match=r"torch\.onnx\.export failed") as refused:
+        Client("http://127.0.0.1:9").tape(
+            Branching().double().eval(), loss="cross_entropy", data=(x, torch.zeros(5).long())
+        )
+    assert "\x1b" not in str(refused.value)

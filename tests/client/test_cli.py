@@ -121,6 +121,27 @@ def test_an_unconverged_trace_says_so(server: Server, capsys: pytest.CaptureFixt
     assert f"not converged (stopped by {answer['stopped']})" in err
 
 
+CLI_MAIN = "import sys; from gradtape.client import cli; sys.exit(cli.main(sys.argv[1:]))"
+
+
+def test_an_unconverged_answer_is_said_once(tmp_path: Path, server: Server) -> None:
+    """The command's own line, not also the SDK's UnconvergedWarning with the line of
+    cli.py that raised it (`gradtape: warning: ...` came after a Python warning)."""
+    done = subprocess.run(
+        [
+            sys.executable, "-c", CLI_MAIN, "trace", str(MODEL), "--data", str(DATA),
+            "--method", "hutchinson", "--max-hvps", "8", "--url", server.base_url,
+            "--no-progress",
+        ],
+        env={**os.environ, "PYTHONPATH": str(SDK), "PYTHONWARNINGS": "default"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "gradtape: warning: not converged (stopped by max_hvps); the answer is approximate"
+    ]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -234,6 +234,31 @@ def test_a_block_wider_than_hvp_max_vectors_goes_in_chunks(
         np.testing.assert_allclose(np.stack([h["w"] for h in many], axis=1), hessian @ block)
 
 
+@pytest.mark.parametrize("transport", ["msgpack", "json"])
+def test_a_block_larger_than_the_body_limit_goes_in_chunks(tmp_path, transport: str) -> None:
+    """`linear_operator() @ np.eye(n)`, the dense Hessian a user builds from products:
+    n vectors of n float64s were sent in one request, past the server's body limit (a
+    3,000-parameter module's is 72 MB, over the default 64 MiB) and refused with a 413.
+    The SDK now learns the limit from that refusal (its `limit`) and sends chunks that
+    fit: here 200 parameters (320 kB of vectors, 427 kB in JSON) against 100 kB."""
+    from tests.service.conftest import own_server
+
+    n = 200
+    w = np.linspace(-1.0, 1.0, n)
+    cubic = Definition("loss = sum(w * w * w)", variables={"w": w})  # H = diag(6 w)
+    with (
+        own_server(tmp_path, max_body_bytes=str(100_000), workers="1") as srv,
+        Client(srv.base_url, transport=transport) as client,
+        client.tape(cubic, "loss") as tape,
+    ):
+        assert getattr(client._core, "max_body_bytes", None) is None  # not known yet
+        dense = tape.linear_operator() @ np.eye(n)
+        np.testing.assert_allclose(dense, np.diag(6 * w), rtol=1e-12, atol=0)
+        assert client._core.max_body_bytes is not None
+        many = tape.hvp_many([{"w": np.eye(n)[j]} for j in range(n)])  # already known
+        np.testing.assert_allclose(np.stack([h["w"] for h in many], axis=1), np.diag(6 * w))
+
+
 def test_the_vectors_limit_is_read_from_the_refusal() -> None:
     """From `limit`, or (a server without it) the field's "at most N"; never from another
     refusal."""

@@ -197,6 +197,38 @@ def test_malformed_tensors_name_the_field(client, tensor, field: str, words: str
     assert words in found["detail"], found
 
 
+@pytest.mark.parametrize(
+    "variable,field,words",
+    [
+        (
+            {"dtype": "complex64", "data": [1]},
+            "definition.variables.w.TensorData.dtype",
+            "Input should be",
+        ),
+        (
+            {"value": {"dtype": "float32", "shape": [-1], "data": []}, "trainable": True},
+            "definition.variables.w.value.TensorData.shape.0",
+            "greater than or equal",
+        ),
+        ({"value": [1.0], "trainable": "maybe"}, "definition.variables.w.trainable", "boolean"),
+        ("abc", "definition.variables.w", "a tensor is"),
+    ],
+)
+def test_malformed_variables_name_the_field_as_sent(
+    client, variable, field: str, words: str
+) -> None:
+    """A variable's path names what the client wrote, as an input's does: not the
+    schema's union tags (`definition.variables.w.VariableSpec.value.TensorData...`,
+    `definition.variables.w.TensorValue...` before)."""
+    body = {
+        "definition": {"variables": {"w": variable}, "program": ["y = sum(w)"]},
+        "target": "y",
+    }
+    found = problem(client.post("/v1/gradient", json=body), 422, "validation")
+    assert found["errors"][0]["field"] == field, found
+    assert found["detail"].startswith(field + ": ") and words in found["detail"], found
+
+
 def test_time_limit_above_the_maximum(client) -> None:
     found = problem(
         client.post("/v1/gradient", json={**GRADIENT_EXAMPLE, "time_limit": 61}), 422, "too-large"

@@ -135,6 +135,10 @@ def test_diagonal_exact_and_hutchinson(client, dense, tape_id) -> None:  # noqa:
         "invalid-request",
     )
     assert "exact diagonal" in few["detail"] and "29" in few["detail"]
+    # The refusal says where "got 29" came from (it may be the default: past the
+    # server's algorithm_max_hvps no budget reaches n) and what answers instead.
+    assert "got 29 (the request's max_hvps, or its default)" in few["detail"]
+    assert "method 'auto' (the default) or 'hutchinson'" in few["detail"]
 
 
 def test_spectral_density_against_the_exact_eigenvalues(client, dense, tape_id) -> None:  # noqa: F811

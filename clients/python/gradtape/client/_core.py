@@ -83,6 +83,10 @@ class Core:
     # learned from its first refusal (a 422 too-large on `vectors` with `limit`); None
     # until then. RemoteTape splits larger blocks into chunks of it.
     hvp_max_vectors: int | None = None
+    # The server's body limit (max_body_bytes), learned from its first 413 on a block of
+    # product vectors (its `limit`); None until then. Blocks are then also split so each
+    # request's vectors fit in it.
+    max_body_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("msgpack", "json"):

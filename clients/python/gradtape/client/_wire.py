@@ -52,6 +52,10 @@ def to_wire(value: Any, binary: bool) -> Any:
     """`value` with every NumPy array (and NumPy scalar) replaced by its wire tensor."""
     if isinstance(value, np.ndarray | np.generic):
         return _tensor(np.asarray(value), binary)
+    if isinstance(value, bytes | bytearray | memoryview) and not binary:
+        # Bytes (an ONNX file in a definition's `models`) are base64 in JSON, as the
+        # API takes them; msgpack carries them as they are.
+        return base64.b64encode(bytes(value)).decode("ascii")
     if isinstance(value, Mapping):
         return {k: to_wire(v, binary) for k, v in value.items()}
     if isinstance(value, list | tuple):

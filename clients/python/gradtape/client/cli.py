@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from . import _core, _wire
 from ._client import Client
 from .errors import GradtapeError
 from .jobs import JobStatus, TqdmReporter
+from .results import UnconvergedWarning
 
 QUESTIONS = ("eigenvalues", "trace", "density", "influence")
 
@@ -379,6 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             url = args.url or stack.enter_context(embedded_server(args.workers))
             client = stack.enter_context(Client(url, api_key=args.api_key, timeout=600.0))
+            # The command says "not converged" in its own line below; the SDK's warning
+            # would say it again, as a Python traceback line.
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore", UnconvergedWarning)
             result = ask(args, client)
         if not result.converged:
             print(

@@ -57,6 +57,7 @@ import contextlib
 import hashlib
 import importlib
 import io
+import re
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -267,8 +268,22 @@ def export(
     )
     if len(names_in) != len(args):
         raise BridgeError(f"{len(names_in)} input_names for {len(args)} example inputs")
-    with torch.no_grad():
-        expected = _outputs(module(*args))
+    for name, p in module.named_parameters():
+        bad = int((~torch.isfinite(p.detach())).sum())
+        if bad:  # the value matching below would call it folded (NaN != NaN)
+            raise BridgeError(
+                f"parameter {name!r} holds {bad} NaN or infinite value(s) (a diverged "
+                "training?); the service differentiates finite parameters only"
+            )
+    try:
+        with torch.no_grad():
+            expected = _outputs(module(*args))
+    except Exception as exc:  # a shape or dtype the module does not take, named
+        shapes = ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}" for a in args)
+        raise BridgeError(
+            f"the module's forward failed on the data's first rows ({shapes}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     names_out = list(
         output_names
         or (["logits"] if len(expected) == 1 else [f"out{i}" for i in range(len(expected))])
@@ -336,7 +351,9 @@ def _run_exporter(
                 **options,
             )
     except Exception as exc:  # the exporter's own refusal (an untraceable forward ...)
-        raise BridgeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+        # torch.export colours its messages for a terminal: the escapes go.
+        message = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+        raise BridgeError(f"torch.onnx.export failed: {type(exc).__name__}: {message}") from exc
     return program.model_proto.SerializeToString()
 
 
@@ -1025,7 +1042,24 @@ class TorchTape:
             dtypes = {n: dtype_of(out[n]) if n in out else self.model.dtype for n in shapes}
             full = {n: out.get(n, np.zeros(s, self.model.dtype)) for n, s in self.layout}
             return full, _Form(False, tensors, dtypes)
-        flat = np.asarray(v).reshape(-1)
+        if isinstance(v, torch.nn.Module) or (
+            isinstance(v, (list, tuple)) and any(np.ndim(x) > 0 for x in v)
+        ):
+            # torch's habits (a module after optimizer.step(), the tuple
+            # torch.autograd.grad answers): named, not guessed from an order.
+            what = "a module" if isinstance(v, torch.nn.Module) else f"a {type(v).__name__}"
+            raise TypeError(
+                f"a vector is a dict by torch name or a flat vector, not {what}: pass "
+                "dict(zip(tape.names, tensors)), {n: p for n, p in model.named_parameters()"
+                " if p.requires_grad}, or parameters_to_vector(tensors)"
+            )
+        flat = np.asarray(v)
+        if sum(d > 1 for d in flat.shape) > 1:  # (n,), (n, 1), (1, n) are one vector
+            raise ValueError(
+                f"a flat vector is 1-D; got shape {flat.shape}: hvp_many takes several "
+                "vectors, and linear_operator() @ block multiplies a block of columns"
+            )
+        flat = flat.reshape(-1)
         if flat.size != self.size:
             raise ValueError(
                 f"a flat vector over this module has {self.size} entries "
@@ -1202,10 +1236,14 @@ class TorchTape:
         scaled = {n: a / damping if damping else a for n, a in arrays.items()}
         return _replace(result, solution=self._give(result.solution, form, unused=scaled))
 
-    def influence(self, test_inputs: Mapping[str, Any] | None = None, **options: Any) -> Any:
-        """`RemoteTape.influence`: `test_inputs` by the module's input names and "y"
-        (arrays or tensors; the targets as the loss takes them, converted as for the
-        data), `s_test` by torch name (zeros for unused parameters)."""
+    def influence(self, test_inputs: Any = None, **options: Any) -> Any:
+        """`RemoteTape.influence`: `test_inputs` as the tape's `data` was given, a tuple
+        `(inputs..., y)` or a dict by the module's input names and "y" (arrays or
+        tensors; the targets as the loss takes them, converted as for the data),
+        `s_test` by torch name (zeros for unused parameters)."""
+        if test_inputs is not None and not isinstance(test_inputs, Mapping):
+            arrays, target, _ = _data_arrays(test_inputs, self.model, self.loss)
+            test_inputs = arrays if target is None else {**arrays, "y": target}
         if test_inputs is not None and "dataset" not in test_inputs:
             test_inputs = self._test_inputs(test_inputs)
         result = self.remote.influence(test_inputs, **options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self, TypedDict, Unpack
 
@@ -249,21 +250,41 @@ class RemoteTape(CurvatureMethods):
     ) -> _core.Op[list[Any]]:
         """[H v_i] for any number of vectors: one request while the server takes them
         all, else chunks of its hvp_max_vectors (learned from its 422, kept on the core
-        for later calls), their answers in order."""
+        for later calls) and of as many vectors as fit its body limit (learned from its
+        413: `linear_operator() @ np.eye(n)` of a few thousand parameters is more than
+        64 MiB of vectors), their answers in order."""
         out: list[Any] = []
         while len(out) < len(vectors):
-            limit = self._core.hvp_max_vectors
-            chunk = vectors[len(out) :] if limit is None else vectors[len(out) : len(out) + limit]
+            rest = vectors[len(out) :]
+            size = min(len(rest), self._chunk_size(rest[0]))
+            chunk = rest[:size]
             try:
                 answers = yield from self._hvp_op({"vectors": chunk, **extra}, shape)
             except TooLarge as exc:
                 learned = _vectors_limit(exc)
-                if learned is None or learned >= len(chunk):
-                    raise
-                self._core.hvp_max_vectors = learned
-                continue
+                if learned is not None and learned < len(chunk):
+                    self._core.hvp_max_vectors = learned
+                    continue
+                body_limit = exc.problem.get("limit")
+                if exc.slug == "body-too-large" and isinstance(body_limit, int) and size > 1:
+                    fewer = self._core.max_body_bytes is not None
+                    self._core.max_body_bytes = body_limit
+                    if fewer or self._chunk_size(chunk[0]) >= size:  # the estimate is off:
+                        self._core.max_body_bytes = _vector_bytes(chunk[0]) * (size // 2)
+                    continue
+                raise
             out.extend(answers)
         return out
+
+    def _chunk_size(self, vector: Any) -> int:
+        """The most vectors like this one a request may carry: the server's
+        hvp_max_vectors and, once learned, its body limit (with room for the rest of
+        the body and base64's third under JSON)."""
+        limit = self._core.hvp_max_vectors or sys.maxsize
+        if self._core.max_body_bytes is not None:
+            each = _vector_bytes(vector) * (1 if self._core.binary else 4 / 3) + 256
+            limit = min(limit, int(0.9 * self._core.max_body_bytes / each))
+        return max(1, limit)
 
     @staticmethod
     def _curvature(
@@ -303,7 +324,8 @@ class RemoteTape(CurvatureMethods):
         time_limit: float | None = None,
     ) -> list[Any]:
         """[H v_i] for several vectors in one batched pass (one request; more vectors
-        than the server's hvp_max_vectors go in chunks of it, one request each)."""
+        than the server's hvp_max_vectors, or than fit in its body limit, go in chunks,
+        one request each)."""
         return self._run(
             self._hvp_chunks_op(
                 [self._vector(v) for v in vectors],
@@ -803,8 +825,8 @@ class RemoteTape(CurvatureMethods):
         recorded with `output=`) at the recorded point as a
         `scipy.sparse.linalg.LinearOperator` (n x n, float64, symmetric) over the flattened
         parameters (`sources` order): matvec is one product request, matmat one batched
-        request (a block wider than the server's hvp_max_vectors in chunks of it, learned
-        from its first refusal). Vectors are sent in each
+        request (a block wider than the server's hvp_max_vectors, or larger than its body
+        limit, in chunks, each limit learned from its first refusal). Vectors are sent in each
         source's own dtype, the precision the tape computes in. Needs scipy (`pip install
         gradtape-client[scipy]`)."""
         self._sync("linear_operator()")
@@ -836,6 +858,12 @@ class RemoteTape(CurvatureMethods):
         self._sync("hessp()")
         self._at(x)
         return self._hvp_flat(np.asarray(p, dtype=np.float64).reshape(-1))
+
+
+def _vector_bytes(vector: Any) -> int:
+    """The bytes of a vector's arrays (a dict by source, or one array)."""
+    arrays = vector.values() if isinstance(vector, Mapping) else [vector]
+    return int(sum(np.asarray(a).nbytes for a in arrays))
 
 
 def _vectors_limit(exc: TooLarge) -> int | None:
