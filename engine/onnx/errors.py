@@ -53,8 +53,8 @@ WHAT_TO_DO = (
     "export the model again with ops this runtime supports (replace the layer, or export "
     "with torch.onnx.export(..., dynamo=False, do_constant_folding=False) or "
     "dynamo=True, optimize=False, which keep the parameters), or write that part in the "
-    "definition language; the ONNX ops supported are listed in the README (Bring your own "
-    "model)"
+    "definition language; the ONNX ops supported are listed in docs/guides/pytorch.md "
+    "(Any ONNX file)"
 )
 
 
