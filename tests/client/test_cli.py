@@ -142,6 +142,28 @@ def test_an_unconverged_answer_is_said_once(tmp_path: Path, server: Server) -> N
     ]
 
 
+def test_a_trace_the_server_estimated_says_so_in_a_line_of_its_own(
+    tmp_path: Path, server: Server
+) -> None:
+    """method auto with max_hvps below the parameter count: a Hutch++ estimate the
+    command did not ask for by name, said in the command's own warning line (not as a
+    Python warning with cli.py's line)."""
+    done = subprocess.run(
+        [
+            sys.executable, "-c", CLI_MAIN, "trace", str(MODEL), "--data", str(DATA),
+            "--max-hvps", "40", "--url", server.base_url, "--no-progress", "--json",
+        ],
+        env={**os.environ, "PYTHONPATH": str(SDK), "PYTHONWARNINGS": "default"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["method"] == "hutchpp"
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("gradtape: warning: the trace is a hutchpp estimate ("), lines
+    assert "method='exact'" in lines[0]
+    assert all(line.startswith("gradtape: ") for line in lines), lines
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from gradtape.client import (
+    ApproximateWarning,
     AsyncClient,
     Client,
     Definition,
@@ -133,3 +134,29 @@ def test_a_job_answered_as_a_dict_warns(client: Client, server) -> None:
         with pytest.warns(UnconvergedWarning, match="job .*'max_hvps'"):
             answer = client.job(started.json()["job_id"]).wait()
         assert answer["method"] == "hutchinson" and answer["stopped"] == "max_hvps"
+
+
+def test_a_trace_or_diagonal_the_server_chose_to_estimate_warns(client: Client) -> None:
+    """method "auto" (the default) is exact when max_hvps covers the parameters, else a
+    stochastic estimate with a standard error (Hutch++ for a trace, Hutchinson for a
+    diagonal) that the request did not ask for: it warns, naming the estimate and how to
+    get the exact value. An estimate asked for by name, and an exact answer, do not."""
+    with client.tape(quadratic(200), "loss") as tape:
+        with pytest.warns(
+            ApproximateWarning, match=r"the trace is a hutchpp estimate \(standard error"
+        ):
+            estimated = tape.trace(max_hvps=120)
+        assert estimated.method == "hutchpp" and estimated.stderr > 0
+        with pytest.warns(
+            ApproximateWarning, match="the diagonal is a hutchinson estimate.*'exact'"
+        ):
+            assert tape.diagonal(max_hvps=60).method == "hutchinson"
+        with pytest.warns(ApproximateWarning, match="the trace is a hutchpp estimate"):
+            assert tape.call("trace", max_hvps=120)["method"] == "hutchpp"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApproximateWarning)
+            assert tape.trace(method="hutchpp", max_hvps=120).method == "hutchpp"
+            assert tape.diagonal(method="hutchinson", max_hvps=60).method == "hutchinson"
+            exact = tape.trace()  # the default budget covers the 200 unit vectors
+            assert exact.method == "exact"
+            assert abs(estimated.trace - exact.trace) < 5 * estimated.stderr

@@ -44,7 +44,7 @@ from . import _core, _wire
 from ._client import Client
 from .errors import GradtapeError
 from .jobs import JobStatus, TqdmReporter
-from .results import UnconvergedWarning
+from .results import ApproximateWarning, UnconvergedWarning
 
 QUESTIONS = ("eigenvalues", "trace", "density", "influence")
 
@@ -382,10 +382,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = args.url or stack.enter_context(embedded_server(args.workers))
             client = stack.enter_context(Client(url, api_key=args.api_key, timeout=600.0))
             # The command says "not converged" in its own line below; the SDK's warning
-            # would say it again, as a Python traceback line.
-            stack.enter_context(warnings.catch_warnings())
+            # would say it again, as a Python traceback line. An approximate answer's
+            # warning is said in such a line too.
+            said = stack.enter_context(warnings.catch_warnings(record=True))
             warnings.simplefilter("ignore", UnconvergedWarning)
+            warnings.simplefilter("always", ApproximateWarning)
             result = ask(args, client)
+        for w in said:
+            if issubclass(w.category, ApproximateWarning):
+                print(f"gradtape: warning: {w.message}", file=sys.stderr)
+            else:  # anything else as Python would have shown it
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         if not result.converged:
             print(
                 f"gradtape: warning: not converged (stopped by {result.stopped}); "

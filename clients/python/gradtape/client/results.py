@@ -207,6 +207,36 @@ def check_approximate(what: str, answer: Any) -> None:
     )
 
 
+# A trace or diagonal asked with method "auto" (the default) is exact when max_hvps covers
+# the n unit vectors it needs, and otherwise a stochastic estimate (Hutch++, Hutchinson)
+# with a standard error: an estimate the request did not ask for by name, so it warns. One
+# asked for by name ("hutchpp", "hutchinson") is the request's own choice: stated on the
+# result (method, stderr), not warned, as a structure asked for is not (above).
+ESTIMATING_METHODS = ("hutchpp", "hutchinson")
+
+
+def check_estimated(what: str, requested: Any, answer: Any) -> None:
+    """Warn (ApproximateWarning) when `requested` (the method the request named: None or
+    "auto" for the server's choice) left the server to estimate `answer` stochastically."""
+    if requested not in (None, "auto") or not isinstance(answer, dict):
+        return
+    method = answer.get("method")
+    if method not in ESTIMATING_METHODS:
+        return
+    stderr = answer.get("stderr")
+    error = answer.get("error", stderr)  # (a diagonal's: the entries' RMS standard error)
+    spread = "no standard error yet" if error is None else f"standard error {error:.3g}"
+    warnings.warn(
+        ApproximateWarning(
+            f"{what} is a {method} estimate ({spread}, {answer.get('samples')} samples), "
+            "not exact: method 'auto' estimates when max_hvps is below the number of "
+            "parameters. Pass method='exact' with max_hvps at least that number for the "
+            f"exact value, or method={method!r} to take the estimate without this warning"
+        ),
+        stacklevel=_caller_stacklevel(),
+    )
+
+
 # Deprecated attributes --------------------------------------------------------------------
 # The server's plain `curvature` string (influence, a Laplace fit) said less than
 # `curvature_used` says; it is deprecated in the API (gradtape 0.1.0, gone in 0.2.0), and

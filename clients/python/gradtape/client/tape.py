@@ -41,6 +41,7 @@ from .results import (
     Trace,
     check_approximate,
     check_converged,
+    check_estimated,
     shaped,
 )
 
@@ -227,6 +228,8 @@ class RemoteTape(CurvatureMethods):
             description=operation.replace("-", " "),
         )
         check_approximate(f"the {operation.replace('-', ' ')}", answer)
+        if operation in ("trace", "diagonal"):
+            check_estimated(f"the {operation}", body.get("method"), answer)
         return answer
 
     @staticmethod
