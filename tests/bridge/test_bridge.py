@@ -5,6 +5,9 @@ Every value is checked against PyTorch autograd in float64."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,8 @@ import torch
 from gradtape.client import BridgeError, Client, ExportMismatch, ModelNotFound, pytorch
 from torch import nn
 from torch.nn import functional as F
+
+from tests.service.conftest import own_server
 
 
 def quiet_export(module: nn.Module, args: tuple, **options) -> bytes:
@@ -276,12 +281,36 @@ def test_stored_module_serves_any_batch_size_and_big_data_goes_up_as_a_dataset(
                 {n: g.numpy() for n, g in tape.gradients.items()},
                 torch_grads(model, F.cross_entropy(model(x), y)),
             )
-        uploaded = [d for d in client.list_datasets() if d["name"].startswith("torch-data-")]
-        assert uploaded and set(uploaded[0]["arrays"]) == {"x", "y"}
-        assert client.dataset_info(uploaded[0]["name"])["arrays"]["x"]["shape"] == [9, 2, 5, 5]
+        # (gone once the tape was recorded: test_big_data_stays_with_the_tape_alone)
+        assert not [d for d in client.list_datasets() if d["name"].startswith("torch-data-")]
         client.models.delete("bridge-convbn")
         with pytest.raises(ModelNotFound):
             client.models.get("bridge-convbn")
+
+
+def test_big_data_stays_with_the_tape_alone(tmp_path, monkeypatch) -> None:
+    """Data above UPLOAD_BYTES goes up as a dataset of the recording's own, deleted once
+    the tape is recorded: nothing stays against the key's dataset quota (it stayed until
+    the caller deleted it), and the tape keeps the arrays it was bound to: a worker
+    killed under it is replaced and the tape rebuilt from them, with the same numbers."""
+    model = perturbed(ConvBN(), seed=4)
+    x = torch.randn(7, 2, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (7,))
+    want = torch_grads(model, F.cross_entropy(model(x), y))
+    monkeypatch.setattr(pytorch, "UPLOAD_BYTES", 0)  # every batch is "large"
+    with own_server(tmp_path, workers="1") as srv, Client(srv.base_url) as client:
+        with client.tape(model, loss="cross_entropy", data=(x, y)) as tape:
+            assert client.list_datasets() == []
+            assert_grads({n: g.numpy() for n, g in tape.gradient().gradients.items()}, want)
+            (before,) = srv.wait_ready()["workers"]
+            os.kill(before["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 300  # a guard against a hang, not a time limit
+            while srv.wait_ready()["workers"][0]["generation"] == before["generation"]:
+                assert time.monotonic() < deadline, "the worker was never replaced"
+                time.sleep(0.05)
+            rebuilt = tape.gradient()  # on the new worker: recorded again from the blobs
+            assert_grads({n: g.numpy() for n, g in rebuilt.gradients.items()}, want)
+        assert client.list_datasets() == []
 
 
 class TwoHeads(nn.Module):

@@ -58,6 +58,7 @@ import hashlib
 import importlib
 import io
 import re
+import secrets
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -1530,14 +1531,15 @@ def tape_op(
         inputs.update(_target_inputs(loss, target, model, out_shape))
     inputs.update(extra)
     limit = UPLOAD_BYTES if upload_above is None else upload_above
+    uploaded = None
     if sum(a.nbytes for a in inputs.values()) >= limit:
-        digest = hashlib.sha256()
-        for k, a in sorted(inputs.items()):
-            digest.update(k.encode() + str(a.dtype).encode() + str(a.shape).encode())
-            digest.update(np.ascontiguousarray(a).tobytes())
-        name = f"torch-data-{digest.hexdigest()[:24]}"
-        client.put_dataset(name, inputs)
-        inputs = {k: dataset_input(name, k) for k in inputs}
+        # A dataset of this recording's own (a name no other tape or client shares), bound
+        # by the recording and deleted once it is recorded: the tape keeps the arrays it
+        # was bound to (the store's blobs, which a rebuilt tape reads), so nothing stays
+        # against the key's dataset quota after the tape.
+        uploaded = f"torch-data-{secrets.token_hex(12)}"
+        client.put_dataset(uploaded, inputs)
+        inputs = {k: dataset_input(uploaded, k) for k in inputs}
     definition = {
         "models": {"net": model.model_spec()},
         "inputs": inputs,
@@ -1549,7 +1551,13 @@ def tape_op(
     # was a 422 about out0, which the caller never named).
     if output is None and len(model.outputs) == 1:
         output = head
-    remote = client.tape(definition, "loss", list(model.trainable), output=output, **tape_options)
+    try:
+        remote = client.tape(
+            definition, "loss", list(model.trainable), output=output, **tape_options
+        )
+    finally:
+        if uploaded is not None:
+            client.delete_dataset(uploaded)
     return TorchTape(remote, model, tensors, loss=loss, output=output)
 
 
