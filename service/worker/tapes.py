@@ -728,6 +728,7 @@ def trace_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
         "stopped": out.stopped,
         # The exact method cut short (time_limit) is an estimate from the directions seen.
         "partial": out.method == "exact" and out.stopped != "exhausted",
+        "auto_estimated": str(o.method) == "auto" and out.method != "exact",
         "hvps": out.hvps,
         "seconds": out.seconds,
     }
@@ -779,6 +780,7 @@ def diagonal_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
         "batch_size": exact_batch if method == "exact" else batch,
         "converged": out.converged,
         "stopped": out.stopped,
+        "auto_estimated": str(o.method) == "auto" and method != "exact",
         "hvps": out.hvps,
         "seconds": out.seconds,
     }

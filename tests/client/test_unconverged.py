@@ -136,7 +136,7 @@ def test_a_job_answered_as_a_dict_warns(client: Client, server) -> None:
         assert answer["method"] == "hutchinson" and answer["stopped"] == "max_hvps"
 
 
-def test_a_trace_or_diagonal_the_server_chose_to_estimate_warns(client: Client) -> None:
+def test_a_trace_or_diagonal_the_server_chose_to_estimate_warns(client: Client, server) -> None:
     """method "auto" (the default) is exact when max_hvps covers the parameters, else a
     stochastic estimate with a standard error (Hutch++ for a trace, Hutchinson for a
     diagonal) that the request did not ask for: it warns, naming the estimate and how to
@@ -153,8 +153,18 @@ def test_a_trace_or_diagonal_the_server_chose_to_estimate_warns(client: Client) 
             assert tape.diagonal(max_hvps=60).method == "hutchinson"
         with pytest.warns(ApproximateWarning, match="the trace is a hutchpp estimate"):
             assert tape.call("trace", max_hvps=120)["method"] == "hutchpp"
+        # Said in the HTTP answer too, so a job followed by id (the answer as a dict) warns
+        started = httpx.post(
+            f"{server.base_url}/v1/tapes/{tape.id}/trace",
+            json={"max_hvps": 120, "async": True},
+        )
+        assert started.status_code == 202, started.text
+        with pytest.warns(ApproximateWarning, match="job .* is a hutchpp estimate"):
+            assert client.job(started.json()["job_id"]).wait()["auto_estimated"] is True
         with warnings.catch_warnings():
             warnings.simplefilter("error", ApproximateWarning)
+            named = tape.call("trace", method="hutchpp", max_hvps=120)
+            assert named["method"] == "hutchpp" and named["auto_estimated"] is False
             assert tape.trace(method="hutchpp", max_hvps=120).method == "hutchpp"
             assert tape.diagonal(method="hutchinson", max_hvps=60).method == "hutchinson"
             exact = tape.trace()  # the default budget covers the 200 unit vectors

@@ -97,6 +97,13 @@ class TraceResponse(BaseModel):
         "(time_limit): `trace` is then n x the mean diagonal entry seen, with its stderr, "
         "not the exact trace.",
     )
+    auto_estimated: bool = Field(
+        False,
+        description="True when method `auto` (the default) answered a stochastic estimate "
+        "(hutchpp, hutchinson) because max_hvps is below the parameter count: an estimate "
+        "with a standard error, not the exact value, which the request did not name. Ask "
+        "method `exact` with max_hvps at least the parameter count for the exact value.",
+    )
     hvps: int
     seconds: float
     curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
@@ -138,6 +145,13 @@ class DiagonalResponse(BaseModel):
     batch_size: int = Field(description="Vectors per batched pass.")
     converged: bool
     stopped: Stopped = Field(description="exhausted (exact), tolerance, max_hvps or time_limit.")
+    auto_estimated: bool = Field(
+        False,
+        description="True when method `auto` (the default) answered a stochastic estimate "
+        "(hutchpp, hutchinson) because max_hvps is below the parameter count: an estimate "
+        "with a standard error, not the exact value, which the request did not name. Ask "
+        "method `exact` with max_hvps at least the parameter count for the exact value.",
+    )
     hvps: int
     seconds: float
     curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]

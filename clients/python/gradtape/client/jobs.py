@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import GradtapeError, JobCancelled, error_class
-from .results import check_approximate, check_converged
+from .results import check_approximate, check_converged, check_estimated
 
 if TYPE_CHECKING:
     from ._client import ApiMethods
@@ -205,6 +205,7 @@ class Job:
             return self._decode(answer)  # a typed result, which warns itself
         check_converged(f"job {self.id}", answer)
         check_approximate(f"job {self.id}", answer)  # as the method that started it warns
+        check_estimated(f"job {self.id}", answer)
         return answer
 
     def wait(self, progress: Any = False) -> Any:

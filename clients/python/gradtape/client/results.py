@@ -211,18 +211,16 @@ def check_approximate(what: str, answer: Any) -> None:
 # the n unit vectors it needs, and otherwise a stochastic estimate (Hutch++, Hutchinson)
 # with a standard error: an estimate the request did not ask for by name, so it warns. One
 # asked for by name ("hutchpp", "hutchinson") is the request's own choice: stated on the
-# result (method, stderr), not warned, as a structure asked for is not (above).
-ESTIMATING_METHODS = ("hutchpp", "hutchinson")
+# result (method, stderr), not warned, as a structure asked for is not (above). The
+# server says which (`auto_estimated`), so that a job followed by id warns alike.
 
 
-def check_estimated(what: str, requested: Any, answer: Any) -> None:
-    """Warn (ApproximateWarning) when `requested` (the method the request named: None or
-    "auto" for the server's choice) left the server to estimate `answer` stochastically."""
-    if requested not in (None, "auto") or not isinstance(answer, dict):
+def check_estimated(what: str, answer: Any) -> None:
+    """Warn (ApproximateWarning) when the server says (`auto_estimated`) that method
+    "auto" answered a stochastic estimate the request did not name."""
+    if not isinstance(answer, dict) or not answer.get("auto_estimated"):
         return
     method = answer.get("method")
-    if method not in ESTIMATING_METHODS:
-        return
     stderr = answer.get("stderr")
     error = answer.get("error", stderr)  # (a diagonal's: the entries' RMS standard error)
     spread = "no standard error yet" if error is None else f"standard error {error:.3g}"
