@@ -5,6 +5,7 @@ from the operation table (service/core/operations.py; schemas/operations.py)."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -58,6 +59,17 @@ class EigenvaluesResponse(BaseModel):
     nonfinite: list[str] | None = nonfinite_flag()
 
 
+def auto_estimated_field() -> Any:
+    """A trace's or diagonal's `auto_estimated` (the SDK warns from it)."""
+    return Field(
+        False,
+        description="True when method `auto` (the default) answered a stochastic estimate "
+        "(hutchpp, hutchinson) because max_hvps is below the parameter count: an estimate "
+        "with a standard error, not the exact value, which the request did not name. Ask "
+        "method `exact` with max_hvps at least the parameter count for the exact value.",
+    )
+
+
 class TraceResponse(BaseModel):
     """The trace and its standard error, with what it cost and why it stopped."""
 
@@ -97,13 +109,7 @@ class TraceResponse(BaseModel):
         "(time_limit): `trace` is then n x the mean diagonal entry seen, with its stderr, "
         "not the exact trace.",
     )
-    auto_estimated: bool = Field(
-        False,
-        description="True when method `auto` (the default) answered a stochastic estimate "
-        "(hutchpp, hutchinson) because max_hvps is below the parameter count: an estimate "
-        "with a standard error, not the exact value, which the request did not name. Ask "
-        "method `exact` with max_hvps at least the parameter count for the exact value.",
-    )
+    auto_estimated: bool = auto_estimated_field()
     hvps: int
     seconds: float
     curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
@@ -145,13 +151,7 @@ class DiagonalResponse(BaseModel):
     batch_size: int = Field(description="Vectors per batched pass.")
     converged: bool
     stopped: Stopped = Field(description="exhausted (exact), tolerance, max_hvps or time_limit.")
-    auto_estimated: bool = Field(
-        False,
-        description="True when method `auto` (the default) answered a stochastic estimate "
-        "(hutchpp, hutchinson) because max_hvps is below the parameter count: an estimate "
-        "with a standard error, not the exact value, which the request did not name. Ask "
-        "method `exact` with max_hvps at least the parameter count for the exact value.",
-    )
+    auto_estimated: bool = auto_estimated_field()
     hvps: int
     seconds: float
     curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
