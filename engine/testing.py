@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from engine import trace
 from engine.tensor import Tensor, constant
 from engine.transforms import jvp, vjp
 
@@ -120,3 +121,34 @@ def _concat_flat(tensors: Sequence[Tensor]) -> Tensor:
     from engine.ops.shape import concatenate, reshape
 
     return concatenate([reshape(t, (-1,)) for t in tensors], axis=0)
+
+
+class _BindRecorder:
+    """A capture that only notes the primitives bound (what bind reports to one)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def record(self, prim: Any, args: Any, params: Any, ans: Any) -> None:
+        self.seen.append(prim.name)
+
+    def constant(self, t: Any) -> None:
+        pass
+
+    def alias(self, t: Any, of: Any) -> None:
+        pass
+
+    def host_read(self, t: Any) -> None:
+        pass
+
+
+def bound_primitives(fn: Callable[[], Any]) -> list[str]:
+    """The names of the primitives fn() binds, in order: which ops a function is made of
+    (a fused primitive taken, or its composite)."""
+    recorder = _BindRecorder()
+    saved, trace.capture = trace.capture, recorder
+    try:
+        fn()
+    finally:
+        trace.capture = saved
+    return recorder.seen

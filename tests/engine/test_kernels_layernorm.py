@@ -17,7 +17,7 @@ import engine as gt
 from engine import kernels
 from engine.kernels import layernorm as K
 from engine.ops import nn
-from engine.testing import check_grads
+from engine.testing import bound_primitives, check_grads
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not installed")
 
@@ -109,33 +109,6 @@ def test_layer_norm_through_the_engine() -> None:
     assert set(jitted.status().values()) == {"compiled"}, jitted.status()
 
 
-def _primitives(fn) -> list[str]:
-    """The primitives fn binds, in order (what bind reports to a capture)."""
-    from engine import trace
-
-    seen: list[str] = []
-
-    class Recorder:
-        def record(self, prim, args, params, ans):
-            seen.append(prim.name)
-
-        def constant(self, t):
-            pass
-
-        def alias(self, t, of):
-            pass
-
-        def host_read(self, t):
-            pass
-
-    saved, trace.capture = trace.capture, Recorder()
-    try:
-        fn()
-    finally:
-        trace.capture = saved
-    return seen
-
-
 def test_onnx_layer_normalization_uses_the_primitive_where_it_can() -> None:
     from engine.onnx.ops import layer_norm_node
 
@@ -144,11 +117,11 @@ def test_onnx_layer_normalization_uses_the_primitive_where_it_can() -> None:
     scale = rng.standard_normal(8).astype(np.float32)
     bias = rng.standard_normal(8).astype(np.float32)
     attrs = {"axis": -1, "epsilon": 1e-5}
-    assert _primitives(lambda: layer_norm_node([x, scale, bias], attrs, 18, 1)) == [
+    assert bound_primitives(lambda: layer_norm_node([x, scale, bias], attrs, 18, 1)) == [
         "layer_norm_affine"
     ]
     # no bias: normalize, then the scale
-    assert _primitives(lambda: layer_norm_node([x, scale], attrs, 18, 1)) == [
+    assert bound_primitives(lambda: layer_norm_node([x, scale], attrs, 18, 1)) == [
         "normalize",
         "multiply",
     ]
@@ -157,7 +130,9 @@ def test_onnx_layer_normalization_uses_the_primitive_where_it_can() -> None:
     np.testing.assert_allclose(y.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
     # three outputs named, or statistics over two axes: the composite, as before
     y3, mean, inv = layer_norm_node([x, scale, bias], attrs, 18, 3)
-    assert "normalize" not in _primitives(lambda: layer_norm_node([x, scale, bias], attrs, 18, 3))
+    assert "normalize" not in bound_primitives(
+        lambda: layer_norm_node([x, scale, bias], attrs, 18, 3)
+    )
     np.testing.assert_allclose(y3.numpy(), y.numpy(), rtol=1e-5, atol=1e-6)
     assert mean.shape == (2, 3, 1) and inv.shape == (2, 3, 1)
     (y2,) = layer_norm_node([x, np.ones((3, 8), np.float32)], {"axis": -2}, 18, 1)[:1]

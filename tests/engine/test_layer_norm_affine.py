@@ -19,7 +19,7 @@ import engine as gt
 from engine import kernels
 from engine.kernels import layernorm_affine as K
 from engine.ops import nn
-from engine.testing import check_grads
+from engine.testing import bound_primitives, check_grads
 
 ENTRY_POINTS = ("affine_forward", "affine_grad", "scale_grad")
 SHAPES = [(64, 16, 64), (7, 1), (5, 3), (2, 300), (9,)]
@@ -217,32 +217,6 @@ def test_the_compiled_replay_is_bit_equal_to_the_dynamic_pass(path) -> None:
     assert set(jitted.status().values()) == {"compiled"}, jitted.status()
 
 
-def _bound(fn) -> list[str]:
-    from engine import trace
-
-    seen: list[str] = []
-
-    class Recorder:
-        def record(self, prim, args, params, ans):
-            seen.append(prim.name)
-
-        def constant(self, t):
-            pass
-
-        def alias(self, t, of):
-            pass
-
-        def host_read(self, t):
-            pass
-
-    saved, trace.capture = trace.capture, Recorder()
-    try:
-        fn()
-    finally:
-        trace.capture = saved
-    return seen
-
-
 def test_the_fused_primitive_where_scale_and_shift_are_rows_of_xs_dtype() -> None:
     rng = np.random.default_rng(5)
     x, s, b = (gt.constant(a) for a in _args(rng, (2, 3, 4)))
@@ -250,10 +224,10 @@ def test_the_fused_primitive_where_scale_and_shift_are_rows_of_xs_dtype() -> Non
     def ln(*args):
         return lambda: gt.layer_norm(*args, eps=1e-5)
 
-    assert _bound(ln(x, s, b)) == ["layer_norm_affine"]
+    assert bound_primitives(ln(x, s, b)) == ["layer_norm_affine"]
     # no shift, or a scale of another shape: normalize and the ops
-    assert "layer_norm_affine" not in _bound(ln(x, s))
-    assert "layer_norm_affine" not in _bound(ln(x, gt.reshape(s, (1, 4)), b))
+    assert "layer_norm_affine" not in bound_primitives(ln(x, s))
+    assert "layer_norm_affine" not in bound_primitives(ln(x, gt.reshape(s, (1, 4)), b))
     # another dtype: the ops' refusal, as before (gradtape never casts silently)
     with pytest.raises(TypeError, match="dtypes differ"):
         gt.layer_norm(x, gt.constant(s.numpy().astype(np.float32)), b)
