@@ -28,7 +28,22 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels import In, Out, kernel
+from engine.kernels import In, Out, helper, kernel
+
+
+@helper
+def row_moments(x: Any, row: Any, k: Any, inv_n: Any, eps: Any, one: Any) -> Any:
+    """(mean, r = 1 / sqrt(var + eps)) of x's row `row` (k entries), in x's dtype: the
+    statistics every kernel below recomputes from x alone."""
+    total = one - one  # (zero in x's dtype: a Python 0 times a float32 makes a float64)
+    for j in range(k):
+        total += x[row, j]
+    m = total * inv_n
+    squares = one - one
+    for j in range(k):
+        d = x[row, j] - m
+        squares += d * d
+    return m, one / np.sqrt(squares * inv_n + eps)
 
 
 @kernel(reassoc=True)
@@ -36,17 +51,8 @@ def affine_forward_kernel(x: Any, scale: Any, shift: Any, consts: Any, out: Any)
     """out = (x - mean) * r * scale + shift per row, r = 1 / sqrt(var + eps)."""
     rows, k = x.shape
     inv_n, eps, one = consts[0], consts[1], consts[2]
-    zero = one - one  # (in x's dtype: a Python 0 times a float32 makes a float64)
     for row in range(rows):
-        total = zero
-        for j in range(k):
-            total += x[row, j]
-        m = total * inv_n
-        squares = zero
-        for j in range(k):
-            d = x[row, j] - m
-            squares += d * d
-        r = one / np.sqrt(squares * inv_n + eps)
+        m, r = row_moments(x, row, k, inv_n, eps, one)
         for j in range(k):
             out[row, j] = (x[row, j] - m) * r * scale[j] + shift[j]
 
@@ -58,15 +64,7 @@ def affine_grad_kernel(g: Any, x: Any, scale: Any, consts: Any, out: Any) -> Non
     inv_n, eps, one = consts[0], consts[1], consts[2]
     zero = one - one  # (in x's dtype: a Python 0 times a float32 makes a float64)
     for row in range(rows):
-        total = zero
-        for j in range(k):
-            total += x[row, j]
-        m = total * inv_n
-        squares = zero
-        for j in range(k):
-            d = x[row, j] - m
-            squares += d * d
-        r = one / np.sqrt(squares * inv_n + eps)
+        m, r = row_moments(x, row, k, inv_n, eps, one)
         sum_a = zero
         sum_a_xhat = zero
         for j in range(k):
@@ -89,15 +87,7 @@ def scale_grad_kernel(g: Any, x: Any, consts: Any, out: Any) -> None:
     for j in range(k):
         out[j] = zero
     for row in range(rows):
-        total = zero
-        for j in range(k):
-            total += x[row, j]
-        m = total * inv_n
-        squares = zero
-        for j in range(k):
-            d = x[row, j] - m
-            squares += d * d
-        r = one / np.sqrt(squares * inv_n + eps)
+        m, r = row_moments(x, row, k, inv_n, eps, one)
         for j in range(k):
             out[j] += g[row, j] * ((x[row, j] - m) * r)
 
