@@ -120,19 +120,19 @@ def test_killed_worker(server, client) -> None:
 
 
 def _wait_dead(pid: int) -> None:
-    """Until the process has exited: every thread of it a zombie (until the server reaps
-    it), or gone. Not the main thread alone: it turns zombie while the process's other
-    threads are still exiting, and until the last one has, the process holds its sockets
-    and its parent's waitpid does not report it (a request sent then still reaches it)."""
-    for _ in range(1000):
+    """Until the server can reap the process: its main thread a zombie and no other thread
+    left in /proc/<pid>/task, or the process gone. Not every listed thread a zombie: after
+    SIGKILL the main thread and the others turn zombie at once, but the others stay listed
+    until each is released, and until the last one is, the process holds its sockets and
+    its parent's waitpid does not report it (a request sent then still reaches it)."""
+    for _ in range(6000):  # a bound that only stops a hang: minutes, however loaded
         try:
-            states = []
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    states.append(f.read().rpartition(") ")[2][:1])
-            if all(s in ("Z", "X") for s in states):
-                return
+            threads = os.listdir(f"/proc/{pid}/task")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(") ")[2][:1]
         except (FileNotFoundError, ProcessLookupError):  # reaped already
+            return
+        if threads == [str(pid)] and state in ("Z", "X"):
             return
         time.sleep(0.01)
     raise TimeoutError(f"process {pid} did not exit")
