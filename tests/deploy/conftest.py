@@ -116,6 +116,33 @@ def make_venv(path: Path) -> Path:
     return path / "bin"
 
 
+def layered_venv(path: Path) -> Path:
+    """A fresh virtualenv that also sees the suite's environment (after its own
+    packages): a .pth line adds the suite's site-packages as a site directory, so that
+    the editable install's own .pth files work too. What its pip installs goes into it
+    alone. (A venv made with --system-site-packages from inside a venv would see the
+    *base* interpreter's packages instead.) Returns its bin directory."""
+    import site
+
+    bin_dir = make_venv(path)
+    done = run(
+        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        timeout=60,
+    )
+    own = Path(done.stdout.strip())
+    suite = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    lines = [f"import site; site.addsitedir({p!r})" for p in suite]
+    (own / "zz_suite_environment.pth").write_text("\n".join(lines) + "\n")
+    return bin_dir
+
+
+def installed_distributions() -> dict[str, str]:
+    """The distributions of the environment running the suite: name -> version."""
+    import importlib.metadata
+
+    return {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
+
+
 class Server:
     """A `gradtape serve` process on a loopback port."""
 

@@ -6,7 +6,10 @@ suite's interpreter, against the live server (`http://localhost:8000` pointing a
 every command is `docker ...` (checked against the Dockerfile and compose file by
 test_readme.py's rules), the README's two set-up commands (run by test_clean_install.py
 and .ci/run), and blocks needing node/npm or torch where those are absent (skipped,
-saying so). The generated tables (settings, problem types) must be current.
+saying so). The generated tables (settings, problem types) must be current. As the
+README's blocks, a guide's `pip install` (the SDK's torch extra, the client generator)
+goes into a virtualenv of the guides' own that sees the suite's packages, never into the
+environment running the suite, which other tests import from meanwhile.
 """
 
 from __future__ import annotations
@@ -14,13 +17,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.deploy import readme_tables
-from tests.deploy.conftest import ROOT, Server, copy_files, repo_files, run
+from tests.deploy.conftest import (
+    ROOT,
+    Server,
+    copy_files,
+    installed_distributions,
+    layered_venv,
+    repo_files,
+    run,
+)
 from tests.deploy.files import Block, readme_blocks
 from tests.deploy.test_readme import BLOCKS as README_BLOCKS
 from tests.deploy.test_readme import (
@@ -70,6 +80,12 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy_files(repo_files(), tmp_path_factory.mktemp("guides") / "checkout")
 
 
+@pytest.fixture(scope="module")
+def guides_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bin directory of the guides' virtualenv (layered over the suite's)."""
+    return layered_venv(tmp_path_factory.mktemp("guides-venv") / "venv")
+
+
 def test_there_are_guides() -> None:
     names = {g.name for g in GUIDES}
     assert {"getting-started.md", "sdk.md", "jobs.md", "docker.md", "settings.md"} <= names
@@ -100,7 +116,9 @@ def test_generated_tables_are_current(name: str) -> None:
 
 
 @pytest.mark.parametrize("guide", GUIDES, ids=[g.stem for g in GUIDES])
-def test_guide_runs(guide: Path, live_server: Server, checkout: Path, tmp_path: Path) -> None:
+def test_guide_runs(
+    guide: Path, live_server: Server, checkout: Path, guides_bin: Path, tmp_path: Path
+) -> None:
     blocks = blocks_of(guide)
     runnable = run_blocks(blocks)
     if not runnable:
@@ -109,15 +127,14 @@ def test_guide_runs(guide: Path, live_server: Server, checkout: Path, tmp_path: 
         pytest.skip(f"{guide.name} needs torch, which is not installed")
     if not NODE and any(needs_node(b) for b in runnable):
         pytest.skip(f"{guide.name} needs node and npm, which are not installed")
-    bin_dir = Path(sys.executable).parent
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("GRADTAPE_", "PYTHON", "VIRTUAL_ENV"))
     }
     env |= {
-        "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
-        "VIRTUAL_ENV": sys.prefix,
+        "PATH": f"{guides_bin}{os.pathsep}{env['PATH']}",
+        "VIRTUAL_ENV": str(guides_bin.parent),
         "XDG_DATA_HOME": str(tmp_path / "xdg-data"),
         "MPLBACKEND": "Agg",  # a plot shown is a plot drawn, never a window
         # The SDK importable as `pip install ./clients/python` (sdk.md's first block,
@@ -126,7 +143,9 @@ def test_guide_runs(guide: Path, live_server: Server, checkout: Path, tmp_path: 
     }
     script = tmp_path / "session.sh"
     script.write_text(_script(runnable, live_server.base_url))
+    suite_before = installed_distributions()
     done = run(["bash", str(script)], cwd=checkout, env=env, timeout=SESSION_TIMEOUT, check=False)
+    assert installed_distributions() == suite_before, "a guide installed into the suite's env"
     stdout, finished = _split(done.stdout, len(runnable))
     stderr, _ = _split(done.stderr, len(runnable))
     started = len(re.findall(r"\n@@readme-block \d+@@\n", done.stdout))

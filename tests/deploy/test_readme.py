@@ -24,13 +24,20 @@ import re
 import shlex
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.deploy.conftest import ROOT, Server, copy_files, make_venv, repo_files, run
+from tests.deploy.conftest import (
+    ROOT,
+    Server,
+    copy_files,
+    installed_distributions,
+    layered_venv,
+    repo_files,
+    run,
+)
 from tests.deploy.files import Block, Dockerfile, readme_blocks
 
 pytestmark = pytest.mark.deploy
@@ -217,7 +224,7 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
         "VIRTUAL_ENV": str(bin_dir.parent),
         "XDG_DATA_HOME": str(tmp / "xdg-data"),  # what a block stores stays in tmp
     }
-    SUITE_DISTRIBUTIONS.update(_distributions())
+    SUITE_DISTRIBUTIONS.update(installed_distributions())
     (tmp / "session.sh").write_text(_script(blocks, live_server.base_url))
     done = run(
         ["bash", str(tmp / "session.sh")],
@@ -240,39 +247,13 @@ def session(live_server: Server, tmp_path_factory: pytest.TempPathFactory) -> di
         results[block.line] = Result(status, stdout[index], stderr[index])
     for block in RUN_BLOCKS:
         results.setdefault(block.line, Result("skipped"))
-    AFTER_SESSION.update(_distributions())
+    AFTER_SESSION.update(installed_distributions())
     return results
 
 
 # The suite environment's distributions (name -> version) before and after the session.
 SUITE_DISTRIBUTIONS: dict[str, str] = {}
 AFTER_SESSION: dict[str, str] = {}
-
-
-def _distributions() -> dict[str, str]:
-    import importlib.metadata
-
-    return {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
-
-
-def layered_venv(path: Path) -> Path:
-    """A fresh virtualenv that also sees the suite's environment (after its own
-    packages): a .pth line adds the suite's site-packages as a site directory, so that
-    the editable install's own .pth files work too. What its pip installs goes into it
-    alone. (A venv made with --system-site-packages from inside a venv would see the
-    *base* interpreter's packages instead.) Returns its bin directory."""
-    import site
-
-    bin_dir = make_venv(path)
-    done = run(
-        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        timeout=60,
-    )
-    own = Path(done.stdout.strip())
-    suite = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    lines = [f"import site; site.addsitedir({p!r})" for p in suite]
-    (own / "zz_suite_environment.pth").write_text("\n".join(lines) + "\n")
-    return bin_dir
 
 
 def json_documents(text: str) -> list[Any]:
