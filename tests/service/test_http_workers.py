@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -521,12 +522,18 @@ def test_a_tape_in_use_in_one_process_is_not_expired_by_the_other(pair) -> None:
     """A tape whose ttl runs out while a long request on it runs in a: b, which has not
     heard of the request, must not end it (a's sweeps refresh its stored last use every
     tape_sweep_interval; b waits that long twice past the ttl). Found by review: b's
-    check ended it under a's job, whose later uses then read 404."""
+    check ended it under a's job, whose later uses then read 404.
+
+    The ttl (2 s, 3 s with the grace) runs out three seconds before the job's 6 s do. Once
+    the job has ended the tape may rightly expire, 3 s after: a read of it that comes
+    later than that on a loaded machine finds it expired, and then no earlier than the
+    job's end (ttl 0.3 s once left 1.3 s for the four requests after the job, and as
+    long between the creation and the job's start)."""
     a, b = pair
-    r = a.post("/v1/tapes", json={"definition": chain(40), "target": "loss", "ttl": 0.3})
+    r = a.post("/v1/tapes", json={"definition": chain(40), "target": "loss", "ttl": 2.0})
     assert r.status_code == 201, r.text
     tape = r.json()["tape_id"]
-    job = a.post(f"/v1/tapes/{tape}/trace", json={**LONG_TRACE, "max_seconds": 3})
+    job = a.post(f"/v1/tapes/{tape}/trace", json={**LONG_TRACE, "max_seconds": 6})
     assert job.status_code == 202, job.text
     location = job.headers["location"]
     try:
@@ -536,8 +543,15 @@ def test_a_tape_in_use_in_one_process_is_not_expired_by_the_other(pair) -> None:
     except BaseException:
         a.delete(location)
         raise
-    assert ok(a.get(location))["state"] == "succeeded"
-    assert b.get(f"/v1/tapes/{tape}").status_code == 200
+    ended = ok(a.get(location))
+    assert ended["state"] == "succeeded", ended
+    after = b.get(f"/v1/tapes/{tape}")
+    if after.status_code != 200:  # read late: expired since the job ended, not under it
+        gone = problem(after, 404, "tape-expired")
+        expired, finished = (
+            datetime.fromisoformat(x) for x in (gone["ended_at"], ended["finished_at"])
+        )
+        assert expired >= finished, (gone, ended)
 
 
 def test_a_job_state_the_store_refused_for_a_while_lands_afterwards(server: Server, pair) -> None:
