@@ -135,9 +135,11 @@ class Pinned:
         return self.request("DELETE", url, **kwargs)
 
 
-def _processes(base_url: str, timeout: float = 60.0) -> list[int]:
+def _processes(base_url: str, timeout: float = 300.0) -> list[int]:
     """The two HTTP processes (as Pinned knows them: fresh connections until both
-    answered)."""
+    answered). The timeout guards against a hang only: after a process is killed, its
+    replacement and its engine worker start on a machine the rest of the suite loads (as
+    Server.wait_ready's)."""
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(seen) < 2 and time.monotonic() < deadline:
