@@ -114,10 +114,13 @@ def start_server(settings: dict[str, str], log: Path, cwd: Path | None = None) -
 
 
 def stop_server(srv: Server) -> None:
-    """Ctrl-C (a graceful shutdown), then kill if it hangs."""
+    """Ctrl-C (a graceful shutdown), then kill if it hangs. The wait only guards against
+    a hang: a graceful shutdown may take up to ~18 s by its own bounds (uvicorn's 10 s
+    for requests in flight, 3 + 5 s to join a worker), more on a loaded machine, and a
+    kill in its place loses what it saves on the way out (tapes' usage: test_restart)."""
     srv.process.send_signal(signal.SIGINT)
     try:
-        srv.process.wait(timeout=20)
+        srv.process.wait(timeout=120)
     except subprocess.TimeoutExpired:
         srv.process.kill()
         srv.process.wait()
