@@ -176,6 +176,12 @@
     }
     $("job-view").hidden = false;
     $("job-id").textContent = id;
+    // Nothing of the job watched before stays: its estimate beside this job's state
+    // read as this job's (a solve showed the spectral density's "estimate: 3.0000").
+    $("job-estimate").textContent = "";
+    $("job-progress-text").textContent = "";
+    $("job-progress").value = 0;
+    delete $("job-progress").dataset.done;
     $("result-title").hidden = true;
     $("result-note").textContent = "";
     showCurvature(null);
@@ -243,6 +249,9 @@
   }
 
   const short = (x) => (x == null ? "nan" : Number(x).toPrecision(5));
+  // A log axis's tick: uPlot's default writes at most a few decimals, so 1e-5 read "0".
+  const logTick = (v) =>
+    v == null ? "" : v >= 1e-3 && v < 1e4 ? String(Number(v.toPrecision(3))) : v.toExponential(0);
 
   function record(watching, point) {
     const last = watching.history[watching.history.length - 1];
@@ -401,7 +410,8 @@
     } else if (result.residuals && result.solution) {
       chart = plot("result-chart", "solve", [range(result.residuals.length), result.residuals],
         [{ label: "relative residual", stroke: COLOURS[0] }],
-        { x: "CG iteration", y: "relative residual" }, { scales: { y: { distr: 3 } } });
+        { x: "CG iteration", y: "relative residual" },
+        { scales: { y: { distr: 3 } }, yValues: (u, splits) => splits.map(logTick) });
       note("Solve (" + result.rhs + ")" + unconverged(result));
     } else if (result.trace != null) {
       note("trace = " + short(result.trace) + (result.stderr ? " \u00b1 " + short(result.stderr) : "") +
@@ -473,7 +483,10 @@
       width: Math.max(320, el.clientWidth || 640),
       height: 260,
       scales: { x: { time: false }, ...(extra.scales || {}) },
-      axes: [{ label: labels.x }, { label: labels.y, size: 70 }],
+      axes: [
+        { label: labels.x },
+        { label: labels.y, size: 70, ...(extra.yValues ? { values: extra.yValues } : {}) },
+      ],
       series: [{ label: labels.x }, ...series],
       bands: extra.bands || [],
     };
