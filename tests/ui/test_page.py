@@ -405,3 +405,23 @@ def test_a_job_watched_next_shows_nothing_of_the_one_before(
     assert any(s < 1e-4 for s, _ in ticks), ticks
     for split, label in ticks:
         assert float(label) == pytest.approx(split, rel=1e-9), (split, label)
+
+
+@needs_chromium
+def test_a_cancel_pressed_after_the_job_ended_keeps_its_answer(
+    page: Browser, api: httpx.Client
+) -> None:
+    """The job list draws Cancel for a job that was running when it was read (every two
+    seconds); pressed once the job has succeeded, it sent DELETE, which forgets a job
+    that ended, and the answer the user was waiting for was gone (the page said
+    "cancelled"). Now the page cancels only what still runs."""
+    rng = np.random.default_rng(15)
+    tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 20, 4)}).json()
+    job_id = start_job(api, tape["tape_id"], "trace", {"method": "exact"})
+    with api.stream("GET", f"/v1/jobs/{job_id}/events") as events:  # ends with the job
+        assert "event: succeeded" in "\n".join(events.iter_lines())
+    answer = api.get(f"/v1/jobs/{job_id}/result").json()
+    page.evaluate(f"gradtapeUI.cancel({json.dumps(job_id)})")  # the stale button's press
+    kept = api.get(f"/v1/jobs/{job_id}")
+    assert kept.status_code == 200 and kept.json()["state"] == "succeeded", kept.text
+    assert api.get(f"/v1/jobs/{job_id}/result").json() == answer

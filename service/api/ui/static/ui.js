@@ -320,10 +320,18 @@
     showCurvature(doc.result.curvature_used || null);
   }
 
+  // A Cancel button is drawn for a job that was queued or running when the list was
+  // read (every two seconds): the job may have ended since, and a DELETE of a job that
+  // succeeded or failed forgets it, its answer with it. Cancel only what still runs.
   async function cancel(id) {
     try {
-      await api("DELETE", jobPath(id), { allow: [404] });
-      say("cancelled " + id.slice(0, 10));
+      const doc = await api("GET", jobPath(id), { allow: [404] });
+      if (doc && doc.job_id && !ACTIVE.has(doc.state)) {
+        say("job " + id.slice(0, 10) + " had " + doc.state + " already: nothing to cancel");
+      } else {
+        await api("DELETE", jobPath(id), { allow: [404] });
+        say("cancelled " + id.slice(0, 10));
+      }
     } catch (error) {
       say("cancel failed: " + error.message);
     }
@@ -521,6 +529,7 @@
     });
     ui.refresh = refresh;
     ui.watch = watch;
+    ui.cancel = cancel; // what a Cancel button does
     refresh();
     setInterval(refresh, REFRESH_MS);
   });
