@@ -54,6 +54,7 @@ from starlette.responses import Response
 from service.api.auth import api_key_scheme, authenticate, bearer_scheme
 from service.api.fairness import Fairness
 from service.api.negotiation import Format, body_format
+from service.api.openapi import problem_responses
 from service.api.problems import ProblemError
 from service.api.schemas import UnpackedBody
 
@@ -529,7 +530,12 @@ class GatedRoute(BoundedRoute):
     def __init__(self, path: str, endpoint: Callable[..., Any], **options: Any) -> None:
         extra = dict(options.pop("openapi_extra", None) or {})
         extra.setdefault("security", [dict(s) for s in KEY_SECURITY])
-        super().__init__(path, endpoint, openapi_extra=extra, **options)
+        # The gate answers these on every gated route, whatever the route declares: 401
+        # without an accepted key, 429 past the key's rate or its line.
+        responses = dict(options.pop("responses", None) or {})
+        for status, response in problem_responses(401, 429).items():
+            responses.setdefault(status, response)
+        super().__init__(path, endpoint, openapi_extra=extra, responses=responses, **options)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = APIRoute.get_route_handler(self)

@@ -402,19 +402,33 @@ def tape_gradient(body: TapeGradientRequest, settings: Settings) -> Prepared:
 
 def tape_update(
     body: TapeUpdateRequest, settings: Settings
-) -> tuple[dict[str, np.ndarray], dict[str, Any], Prepared]:
-    """(variables, inputs, prepared): the inputs bound to datasets are None until the
-    route binds them (prepared.bindings, as for a definition)."""
+) -> tuple[dict[str, np.ndarray], dict[str, Any], frozenset[str], Prepared]:
+    """(variables, inputs, bare, prepared): the inputs bound to datasets are None until
+    the route binds them (prepared.bindings, as for a definition); `bare`, the fields
+    ("variables.w", "inputs.y") given as bare numbers or lists, which take the recorded
+    dtype whatever its kind (an int64 label input from [0, 1, 1])."""
     decoder = _decoder(body, settings)
     # Bare numbers and lists are read as float64, then cast to the recorded dtype (as
     # float32 reads them, for a float32 tape): a float64 tape loses no digits.
     variables = decoder.tensors(body.variables, "variables", "float64")
     inputs = decoder.inputs(body.inputs, "float64", field="inputs")
+    bare = frozenset(
+        f"{section}.{name}"
+        for section, values in (("variables", body.variables), ("inputs", body.inputs))
+        if isinstance(values, dict)
+        for name, value in values.items()
+        if _is_bare(value)
+    )
     payload: dict[str, Any] = {"flat": body.flat}
     if body.point is not None:
         payload["point"] = decoder.tensor(body.point, "point", "float64")
     prepared = _prepared(body, decoder, payload, _time_limit(body, settings))
-    return {k: v for k, v in variables.items() if v is not None}, inputs, prepared
+    return {k: v for k, v in variables.items() if v is not None}, inputs, bare, prepared
+
+
+def _is_bare(value: Any) -> bool:
+    """A bare number or nested list: no dtype of its own (not a tensor, not a binding)."""
+    return not isinstance(value, TensorData | TensorBase64 | DatasetArray)
 
 
 def operation(body: OperationRequest, settings: Settings) -> Prepared:

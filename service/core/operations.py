@@ -821,6 +821,32 @@ class KFACOptions(OnePass, kw_only=True):
         return curvature_used(self, "ekfac" if self.ekfac else "kfac")
 
 
+class LaplaceSubset(StrEnum):
+    """The parameters a Laplace fit covers."""
+
+    all = "all"
+    last_layer = "last_layer"
+
+
+class LaplaceStructure(StrEnum):
+    """A Laplace fit's curvature structure, by laplace-torch's names (diag, kron, full).
+    `diagonal` and `kfac` are the same two by the names the answers' `curvature_used`
+    states them with (and /kfac, `"curvature": "kfac"`), taken as diag and kron."""
+
+    diag = "diag"
+    kron = "kron"
+    full = "full"
+    diagonal = "diagonal"
+    kfac = "kfac"
+
+
+# A structure named as curvature_used names it -> laplace-torch's name, which the fit uses.
+LAPLACE_STRUCTURE_ALIASES = {
+    LaplaceStructure.diagonal: LaplaceStructure.diag,
+    LaplaceStructure.kfac: LaplaceStructure.kron,
+}
+
+
 class LaplaceOptions(OnePass, kw_only=True):
     """Fit a Laplace approximation at the tape's point (a trained model), kept with the
     tape under the `laplace_id` answered."""
@@ -834,19 +860,17 @@ class LaplaceOptions(OnePass, kw_only=True):
         ),
     ] = CurvatureKind.ggn
     subset: Annotated[
-        str,
-        Meta(
-            pattern="^(all|last_layer)$",
-            description="all sources, or the last matmul layer's weight and bias.",
-        ),
-    ] = "all"
+        LaplaceSubset,
+        Meta(description="all sources, or the last matmul layer's weight and bias."),
+    ] = LaplaceSubset.all
     structure: Annotated[
-        str,
+        LaplaceStructure,
         Meta(
-            pattern="^(diag|kron|full)$",
-            description="The curvature as its diagonal, KFAC, or the full matrix (small n).",
+            description="The curvature as its diagonal (diag), KFAC (kron), or the full "
+            "matrix (small n); `diagonal` and `kfac`, as curvature_used names them, are "
+            "diag and kron (the answer's `structure` says diag or kron)."
         ),
-    ] = "kron"
+    ] = LaplaceStructure.kron
     prior_precision: Annotated[
         float, Meta(gt=0, description="The scalar prior precision (with tune: unused).")
     ] = 1.0
@@ -864,6 +888,7 @@ class LaplaceOptions(OnePass, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.structure = LAPLACE_STRUCTURE_ALIASES.get(self.structure, self.structure)
         if self.curvature not in (CurvatureKind.ggn, CurvatureKind.empirical_fisher):
             raise OptionError("curvature", "a Laplace fit takes the ggn or the empirical_fisher")
 

@@ -581,8 +581,12 @@ class JobRegistry:
                 yield None
 
     async def cancel(self, job: Job) -> None:
-        """Cancel a queued or running job (its worker stops at its next op); forget an
-        ended one."""
+        """Cancel a queued or running job (its worker stops at its next op); forget one
+        that ended by itself (succeeded or failed). A cancelled job is left as it is:
+        a cancel sent again (a retry, a second click) keeps it listed as cancelled until
+        it expires, as the first left it, instead of making it vanish."""
+        if job.state == "cancelled":
+            return
         if job.remote:  # another process's: through the store, which that one polls
             assert self.store is not None
             if job.ended:

@@ -126,6 +126,32 @@ def with_applied(definition: dict[str, Any], applied: Mapping[str, Any] | None) 
     }
 
 
+def _as_recorded(value: np.ndarray, recorded: np.dtype, bare: bool, what: str) -> np.ndarray | str:
+    """`value` in the recorded dtype, or why it cannot be. A tensor that names its dtype
+    is cast within its kind (float64 into a float32 tape); a bare number or list (read
+    as float64) takes the recorded dtype of any kind, when it holds that kind's values:
+    whole numbers within range for integers (labels), 0 and 1 for booleans."""
+    if value.dtype.kind == recorded.kind:
+        return value.astype(recorded)
+    refused = f"dtype {value.dtype} cannot replace {what} {recorded}"
+    if not bare or recorded.kind not in "iub" or value.dtype.kind != "f":
+        return refused
+    if recorded.kind == "b":
+        fits = bool(np.isin(value, (0.0, 1.0)).all())
+    else:
+        bounds = np.iinfo(recorded)
+        fits = bool(
+            np.isfinite(value).all()
+            and (value == np.round(value)).all()
+            and (value >= bounds.min).all()
+            and (value < float(bounds.max) + 1).all()  # 2**63 as a float is past int64
+        )
+    if not fits:
+        kind = "0 or 1" if recorded.kind == "b" else f"whole numbers within {recorded}'s range"
+        return f"{what} dtype is {recorded}: the values given must be {kind}"
+    return value.astype(recorded)
+
+
 class TapeRegistry:
     def __init__(self, settings: Settings, pool: Pool, store: Store, metrics: Metrics):
         self.settings = settings
@@ -681,14 +707,19 @@ class TapeRegistry:
         time_limit: float,
         point: np.ndarray | None = None,
         flat: bool = False,
+        bare: frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
         """New values for some variables and inputs (or for every source, as one flat
         `point`): record the tape again (in place, same id); the stored definition changes
         only once the new recording succeeded. A sharded tape updates its parts. An input may be an array or a reference to
         a dataset's array (store.is_ref): a bound input may be rebound or replaced by an
-        array of any number of rows. `flat`: answer flat vectors."""
+        array of any number of rows. `flat`: answer flat vectors. `bare`: the fields sent
+        as bare numbers or lists (read as float64), which take the recorded dtype of any
+        kind; a tensor with a dtype keeps to the recorded kind."""
         if tape.shards is not None:
-            return await self.sharding.update(tape, variables, inputs, time_limit, point, flat)
+            return await self.sharding.update(
+                tape, variables, inputs, time_limit, point, flat, bare
+            )
         spec = await self._spec(tape)
         definition = spec["definition"]
         errors = []
@@ -723,16 +754,11 @@ class TapeRegistry:
                 if section == "inputs" and is_ref(held[name]):
                     # Sent data replaces a binding: any number of rows, the bound dtype.
                     bound = np.dtype(held[name]["dtype"])
-                    if value.dtype.kind != bound.kind:
-                        errors.append(
-                            {
-                                "field": field,
-                                "message": f"dtype {value.dtype} "
-                                f"cannot replace the bound array's {bound}",
-                            }
-                        )
+                    cast = _as_recorded(value, bound, field in bare, "the bound array's")
+                    if isinstance(cast, str):
+                        errors.append({"field": field, "message": cast})
                         continue
-                    held[name] = value.astype(bound)
+                    held[name] = cast
                     continue
                 old = held[name]["value"] if section == "variables" else held[name]
                 if value.shape != old.shape:
@@ -746,16 +772,11 @@ class TapeRegistry:
                     )
                     continue
                 if value.dtype != old.dtype:
-                    if value.dtype.kind != old.dtype.kind:
-                        errors.append(
-                            {
-                                "field": field,
-                                "message": f"dtype {value.dtype} "
-                                f"cannot replace the recorded {old.dtype}",
-                            }
-                        )
+                    cast = _as_recorded(value, old.dtype, field in bare, "the recorded")
+                    if isinstance(cast, str):
+                        errors.append({"field": field, "message": cast})
                         continue
-                    value = value.astype(old.dtype)
+                    value = cast
                 if section == "variables":
                     held[name] = {**held[name], "value": value}
                 else:

@@ -1040,9 +1040,10 @@ class Sharding:
         time_limit: float,
         point: Any,
         flat: bool,
+        bare: frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
         """New variable values (or a flat point) for every part, recorded again in
-        place; the value and gradients summed."""
+        place; the value and gradients summed. `bare`: as TapeRegistry.update's."""
         shards = tape.shards
         assert shards is not None
         if inputs:
@@ -1064,7 +1065,13 @@ class Sharding:
             answers = await asyncio.gather(
                 *(
                     self.registry.update(
-                        p, variables, {}, deadline.left(p.row.worker), point=point, flat=False
+                        p,
+                        variables,
+                        {},
+                        deadline.left(p.row.worker),
+                        point=point,
+                        flat=False,
+                        bare=bare,
                     )
                     for p in shards.parts
                 ),

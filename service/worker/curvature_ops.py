@@ -20,7 +20,7 @@ from engine.hessian_algorithms.hutchinson import MIN_STDERR_SAMPLES, tolerance_m
 from engine.kfac import KFAC, curvature_diagonal, fisher_diagonal_draws
 from engine.laplace import Laplace
 from engine.per_example import MixedExamplesError, PerExample, per_example
-from service.core.operations import CurvatureKind, LaplaceOptions, Sharing
+from service.core.operations import CurvatureKind, LaplaceOptions, LaplaceStructure, Sharing
 from service.worker import tapes
 from service.worker.compute import RequestError, WorkerContext
 
@@ -472,7 +472,9 @@ def _fit_used(la: Laplace) -> Any:
     """The fit's curvature_used, as its request's options state it (service/core/
     operations.py): its evidence, predictive and samples answer it too."""
     options = LaplaceOptions(
-        curvature=CurvatureKind(la.curvature), structure=la.structure, sharing=Sharing(la.sharing)
+        curvature=CurvatureKind(la.curvature),
+        structure=LaplaceStructure(la.structure),
+        sharing=Sharing(la.sharing),
     )
     return msgspec.to_builtins(options.curvature_used())
 

@@ -3,9 +3,9 @@
 
 The suite's environment is the server's (`pip install -e '.[dev]'`), which cannot name
 the SDK's directory as a dependency; so the SDK is imported from this checkout's
-clients/python (put first on sys.path here), and tests/deploy/test_sdk_install.py proves
-that the directory also installs on its own into a fresh virtualenv with only its
-declared dependencies.
+clients/python (put first on sys.path by pyproject.toml's pytest `pythonpath`), and
+tests/deploy/test_sdk_install.py proves that the directory also installs on its own into
+a fresh virtualenv with only its declared dependencies.
 
 Two servers: `server` (two workers, the limits of tests/service) and `strict` (API keys
 required, one worker, no queue, two slots per key: a second concurrent request is a 503).
@@ -14,10 +14,10 @@ required, one worker, no queue, two slots per key: a second concurrent request i
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import gradtape.client
 import numpy as np
 import pytest
 
@@ -26,10 +26,6 @@ from tests.service.conftest import Server, own_server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "clients" / "python"
-sys.path.insert(0, str(SDK))
-
-import gradtape.client
-
 assert Path(gradtape.client.__file__).is_relative_to(SDK), gradtape.client.__file__
 
 KEY = "sdk-test-key"

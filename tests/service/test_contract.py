@@ -141,6 +141,47 @@ def test_definition_or_model_exactly_one_in_the_schema_and_the_validator(client)
     )
 
 
+def test_point_or_variables_on_every_stateless_route(client) -> None:
+    """`point` and `variables` each move a stored model's sources; given both, the
+    stateless routes answered 200 at the point and dropped `variables` unread (the data
+    guide, and POST /v1/tapes, said a 422). Now every route refuses the pair, in the
+    schema and the validator (as POST /v1/tapes did), and each alone answers at its own
+    values."""
+    stored = client.post("/v1/models", json={"name": "contract-point", "definition": DEFINITION})
+    assert stored.status_code in (200, 201), stored.text
+    base = {"model": "contract-point", "target": "loss"}
+    point, variables = [3.0, 4.0], {"w": [5.0, 6.0]}
+    routes = {
+        "/v1/gradient": ("GradientRequest", {}),
+        "/v1/jacobian": ("JacobianRequest", {}),
+        "/v1/hessian": ("HessianRequest", {}),
+        "/v1/hvp": ("HVPRequest", {"vector": {"w": [1.0, 0.0]}}),
+    }
+    for path, (schema_name, extra) in routes.items():
+        body = {**base, **extra}
+        _agree(
+            client,
+            path,
+            schema_name,
+            [
+                ({**body, "point": point}, True),
+                ({**body, "variables": variables}, True),
+                ({**body, "point": point, "variables": variables}, False),
+                ({**body, "point": point, "variables": {}}, True),  # none given
+                ({**body, "point": None, "variables": variables}, True),
+            ],
+        )
+        # each alone at its own values: sum(w * w) at (3, 4) and at (5, 6)
+        at_point = client.post(path, json={**body, "point": point}).json()
+        at_variables = client.post(path, json={**body, "variables": variables}).json()
+        assert at_point["value"]["data"] == [25.0] and at_variables["value"]["data"] == [61.0]
+    refused = problem(
+        client.post("/v1/gradient", json={**base, "point": point, "variables": variables}), 422
+    )
+    assert "'point'" in refused["detail"] and "'variables'" in refused["detail"], refused
+    client.delete("/v1/models/contract-point")
+
+
 def test_shard_options_need_shards_in_the_schema_and_the_validator(client) -> None:
     base = {"target": "loss", "definition": DEFINITION}
     _agree(

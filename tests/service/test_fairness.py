@@ -108,6 +108,53 @@ def test_a_key_over_its_rate_gets_429_with_retry_after(limited) -> None:
         assert flood.get("/v1/tapes").status_code == 200  # the bucket refilled
 
 
+def test_every_gated_operation_documents_its_401_and_429(tmp_path) -> None:
+    """The gate answers 401 without a key and 429 past a key's rate on every /v1 route
+    it guards, before the route reads anything: each operation of the contract is sent
+    both, and what it answered must be among its documented responses (GET /v1/ops and
+    POST /v1/gradient answered a 429 their contract did not list)."""
+    spec = json.loads((Path(__file__).resolve().parents[2] / "openapi/openapi.json").read_text())
+    operations = [
+        (method.upper(), path, op)
+        for path, item in spec["paths"].items()
+        for method, op in item.items()
+        if {"bearerAuth": []} in op.get("security", [])
+    ]
+    keys = [f"key-{i}" for i in range(len(operations))]
+    srv = start_server(
+        {
+            "GRADTAPE_DATA_DIR": str(tmp_path / "data"),
+            "GRADTAPE_WORKERS": "1",
+            "GRADTAPE_API_KEYS_ENABLED": "true",
+            "GRADTAPE_API_KEYS": ",".join(keys),
+            "GRADTAPE_RATE_LIMIT_PER_SECOND": "0.001",  # one token, then 429s
+            "GRADTAPE_RATE_LIMIT_BURST": "1",
+        },
+        tmp_path / "server.log",
+    )
+    ids = {"tape_id": "t" * 32, "job_id": "j" * 24, "name": "nothing", "laplace_id": "0" * 16}
+    rate_limited = set()
+    try:
+        for key, (method, path, op) in zip(keys, operations, strict=True):
+            url = re.sub(r"\{(\w+)\}", lambda m: ids[m[1]], path)
+            body = b"{}" if method in ("POST", "PUT", "PATCH") else None
+            json_type = {"content-type": "application/json"}
+            anonymous = httpx.request(method, srv.base_url + url, content=body, headers=json_type)
+            problem(anonymous, 401, "unauthorized")
+            assert "401" in op["responses"], (method, path)
+            with as_key(srv, key) as client:
+                assert client.get("/v1/tapes").status_code == 200  # the key's one token
+                answer = client.request(method, url, content=body, headers=json_type)
+            if answer.status_code == 429:
+                problem(answer, 429, "rate-limited")
+                assert "429" in op["responses"], (method, path)
+                rate_limited.add((method, path))
+    finally:
+        stop_server(srv)
+    # Every /v1 route but the jobs' passes the gate (following a job spends no token).
+    assert rate_limited == {(m, p) for m, p, _ in operations if not p.startswith("/v1/jobs")}
+
+
 @pytest.fixture
 def one_slot(tmp_path) -> Iterator[Server]:
     srv = keyed_server(tmp_path, max_concurrent_per_key="1", max_waiting_per_key="1")

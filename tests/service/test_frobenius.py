@@ -6,12 +6,9 @@ through the SDK (its generic call and the named method)."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
-from tests.service.conftest import ROOT
 from tests.service.test_tape_curvature import DEFN, TRUTH
 from tests.service.wire import post, problem
 
@@ -86,7 +83,6 @@ def test_a_sharded_tape_answers_the_same(client, tape_id) -> None:
 
 
 def test_through_the_sdk_generic_call(server, tape_id) -> None:
-    sys.path.insert(0, str(ROOT / "clients" / "python"))
     from gradtape.client import Client
 
     with Client(server.base_url) as client:

@@ -241,9 +241,15 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(a: httpx.Client, tap
     assert again == before
     r = a.get(f"{location}/result")
     assert r.status_code == 409 and r.json()["type"] == "/problems/cancelled"
-    # DELETE of an ended job forgets it.
+    # Cancelled again (a retry, a second click on the page's Cancel): nothing changes,
+    # the job stays listed as cancelled with its progress (a second DELETE made it
+    # vanish: 404 "no job", gone from the list).
     assert a.delete(location).status_code == 204
-    assert a.get(location).status_code == 404
+    again = a.get(location)
+    assert again.status_code == 200 and again.json() == job, again.text
+    assert job["job_id"] in [j["job_id"] for j in a.get("/v1/jobs").json()["jobs"]]
+    r = a.get(f"{location}/result")
+    assert r.status_code == 409 and r.json()["type"] == "/problems/cancelled"
 
 
 def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(

@@ -7,12 +7,13 @@ typed: msgspec Structs, checked field by field on the way in."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from gradtape.client import _core
+from gradtape.client.tape import RemoteTape
 
 from engine.language import Limits
 from service.api.routes import tapes as tape_routes
@@ -34,11 +35,6 @@ from service.worker import shards as worker_shards
 from tests.service.test_jobs import wait
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "clients" / "python"))
-
-from gradtape.client import _core  # noqa: E402
-from gradtape.client.tape import RemoteTape  # noqa: E402
-
 IDS = [op.kind for op in OPERATIONS]
 
 

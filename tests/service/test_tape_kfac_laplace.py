@@ -372,3 +372,31 @@ def test_an_inverse_without_a_vector_is_refused(client, tape_id) -> None:
     """`inverse` multiplies `vector`: asked alone it answered 200 with no product."""
     found = problem(client.post(f"/v1/tapes/{tape_id}/kfac", json={"inverse": True}), 422)
     assert found["errors"][0]["field"] == "inverse" and "give `vector`" in found["detail"]
+
+
+@pytest.mark.parametrize(("said", "named"), [("kfac", "kron"), ("diagonal", "diag")])
+def test_a_laplace_structure_named_as_curvature_used_names_it(
+    client, tape_id, said: str, named: str
+) -> None:
+    """A fit's answer states its structure in curvature_used as `kfac` or `diagonal`
+    (as /kfac and `"curvature": "kfac"` do); sent back as the fit's `structure`, it was
+    a 422 "String should match pattern '^(diag|kron|full)$'". It is the same fit as
+    laplace-torch's name asks for, to the last bit, against the engine's."""
+    fit = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": said})
+    same = post(client, f"/v1/tapes/{tape_id}/laplace", {"structure": named})
+    ours = Laplace(recording(), structure=named, names=list(SHAPES))
+    assert fit["structure"] == named and fit["curvature_used"]["structure"] == said, fit
+    assert fit["log_marginal_likelihood"] == same["log_marginal_likelihood"]
+    assert fit["log_marginal_likelihood"] == pytest.approx(
+        ours.log_marginal_likelihood(), rel=1e-10
+    )
+    assert fit["curvature_used"] == same["curvature_used"]
+    # Another name is refused listing every choice, not a regular expression.
+    found = problem(
+        client.post(f"/v1/tapes/{tape_id}/laplace", json={"structure": "kronecker"}), 422
+    )
+    assert found["errors"][0]["field"] == "structure", found
+    for choice in ("'diag'", "'kron'", "'full'", "'diagonal'", "'kfac'"):
+        assert choice in found["detail"], found
+    found = problem(client.post(f"/v1/tapes/{tape_id}/laplace", json={"subset": "last"}), 422)
+    assert found["detail"] == "subset: Input should be 'all' or 'last_layer'", found

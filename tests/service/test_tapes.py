@@ -295,6 +295,49 @@ def test_patch_records_again_at_new_values(client) -> None:
     assert num(after["value"]) == pytest.approx(num(updated["value"]), rel=1e-12)
 
 
+def test_patch_of_labels_as_a_bare_list_takes_their_integer_dtype(client) -> None:
+    """A bare list stands for the tensor it replaces, in its dtype (the tensors and data
+    guides): new int64 labels given as [0, 1, ...] were a 422 "dtype float64 cannot
+    replace the recorded int64". Now they are those labels (the answer equals a fresh
+    gradient with them), sent inline or replacing labels bound to a dataset; values
+    that are no labels are refused naming the field, and a tensor that names a float
+    dtype still keeps to the recorded kind."""
+    g = np.random.default_rng(11)
+    x, w = g.standard_normal((8, 3)), g.standard_normal((3, 4))
+    labels, new = g.integers(0, 4, 8), g.integers(0, 4, 8)
+    program = ["logits = x @ w", "loss = softmax_cross_entropy(logits, y)"]
+
+    def definition(y: object) -> dict:
+        return {"variables": {"w": t(w, "float64")}, "inputs": {"x": t(x, "float64"), "y": y}}
+
+    fresh = post(
+        client,
+        "/v1/gradient",
+        {"definition": {**definition(t(new, "int64")), "program": program}, "target": "loss"},
+    )
+    stored = client.put("/v1/datasets/patch-labels", json={"y": t(labels, "int64")})
+    assert stored.status_code in (200, 201), stored.text
+    bound = {"dataset": "patch-labels", "array": "y"}
+    for y in (t(labels, "int64"), bound):
+        tape_id = create(client, {"definition": {**definition(y), "program": program}})["tape_id"]
+        patch = f"/v1/tapes/{tape_id}"
+        moved = ok(client.patch(patch, json={"inputs": {"y": new.tolist()}}))
+        assert num(moved["value"]) == pytest.approx(num(fresh["value"]), rel=1e-12), y
+        np.testing.assert_allclose(
+            arr(moved["gradients"]["w"]), arr(fresh["gradients"]["w"]), rtol=1e-12
+        )
+        for values in ([1.5] * 8, [-1e300] * 8):
+            refused = problem(client.patch(patch, json={"inputs": {"y": values}}), 422)
+            assert refused["errors"][0]["field"] == "inputs.y", refused
+            assert "int64" in refused["detail"] and "whole numbers" in refused["detail"]
+        typed = problem(client.patch(patch, json={"inputs": {"y": t(new, "float32")}}), 422)
+        assert "dtype float32 cannot replace" in typed["detail"], typed
+        after = post(client, f"/v1/tapes/{tape_id}/gradient", {})  # the refusals kept it
+        assert num(after["value"]) == pytest.approx(num(fresh["value"]), rel=1e-12)
+        client.delete(patch)
+    client.delete("/v1/datasets/patch-labels")
+
+
 # ---- ending ----------------------------------------------------------------------------
 
 

@@ -367,3 +367,61 @@ def test_cancel_from_the_page_stops_the_job(page: Browser, api: httpx.Client) ->
         )
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(ARTIFACTS / "ui-cancelled.png")
+
+
+@needs_chromium
+def test_a_job_watched_next_shows_nothing_of_the_one_before(
+    page: Browser, api: httpx.Client
+) -> None:
+    """The job view is the watched job's alone: a solve watched after a trace showed the
+    trace's running "estimate: ..." beside the solve's state. And the solve's residual
+    axis (log scale) labels each tick with its value: 1e-5 read "0"."""
+    rng = np.random.default_rng(14)
+    body = {**_target(), "definition": mlp(rng, 20, 4), "output": "out"}
+    tape = api.post("/v1/tapes", json=body).json()
+    job_id = start_job(api, tape["tape_id"], "trace", {"method": "hutchinson", "max_hvps": 64})
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'trace'")
+    estimate = page.evaluate("document.getElementById('job-estimate').textContent")
+    assert estimate.startswith("estimate: "), estimate  # the trace's own running estimate
+    asked = {"curvature": "ggn", "damping": 0.01, "tol": 1e-12}
+    job_id = start_job(api, tape["tape_id"], "solve", asked)
+    watch_from_the_page(page, job_id)
+    page.wait_for("document.getElementById('result-chart').dataset.kind === 'solve'")
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["progress"]["estimate"] is None  # a solve reports no estimate...
+    assert (
+        page.evaluate("document.getElementById('job-estimate').textContent") == ""
+    )  # ...none shown
+    shown = page.evaluate("document.getElementById('job-progress-text').textContent")
+    assert shown.startswith(f"{job['progress']['done']} / {job['progress']['total']} hvps"), shown
+    result = api.get(f"/v1/jobs/{job_id}/result").json()
+    assert min(result["residuals"]) < 1e-5, result["residuals"]  # the axis reaches past 1e-5
+    # What uPlot drew on the y axis (its last rendered ticks; the release is pinned).
+    splits, labels = page.evaluate(
+        "[gradtapeUI.charts.result.axes[1]._splits, gradtapeUI.charts.result.axes[1]._values]"
+    )
+    ticks = [(s, label) for s, label in zip(splits, labels, strict=True) if label]
+    assert any(s < 1e-4 for s, _ in ticks), ticks
+    for split, label in ticks:
+        assert float(label) == pytest.approx(split, rel=1e-9), (split, label)
+
+
+@needs_chromium
+def test_a_cancel_pressed_after_the_job_ended_keeps_its_answer(
+    page: Browser, api: httpx.Client
+) -> None:
+    """The job list draws Cancel for a job that was running when it was read (every two
+    seconds); pressed once the job has succeeded, it sent DELETE, which forgets a job
+    that ended, and the answer the user was waiting for was gone (the page said
+    "cancelled"). Now the page cancels only what still runs."""
+    rng = np.random.default_rng(15)
+    tape = api.post("/v1/tapes", json={**_target(), "definition": mlp(rng, 20, 4)}).json()
+    job_id = start_job(api, tape["tape_id"], "trace", {"method": "exact"})
+    with api.stream("GET", f"/v1/jobs/{job_id}/events") as events:  # ends with the job
+        assert "event: succeeded" in "\n".join(events.iter_lines())
+    answer = api.get(f"/v1/jobs/{job_id}/result").json()
+    page.evaluate(f"gradtapeUI.cancel({json.dumps(job_id)})")  # the stale button's press
+    kept = api.get(f"/v1/jobs/{job_id}")
+    assert kept.status_code == 200 and kept.json()["state"] == "succeeded", kept.text
+    assert api.get(f"/v1/jobs/{job_id}/result").json() == answer

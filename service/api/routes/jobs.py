@@ -186,11 +186,12 @@ async def stream_job_events(job: JobDep, jobs: JobsDep, settings: SettingsDep) -
     status_code=204,
     response_class=Response,
     responses=problem_responses(401, 404),
-    summary="Cancel a job (or forget an ended one)",
+    summary="Cancel a job (or forget one that ended by itself)",
 )
 async def cancel_job(job: JobDep, jobs: JobsDep) -> Response:
     """A queued or running job is cancelled: its worker stops at its next op (between
     two HVPs at the latest) and is free again; the job stays listed as cancelled until
-    it expires. An ended job is forgotten (its id then answers 404)."""
+    it expires, however often the cancel is sent. A job that succeeded or failed is
+    forgotten (its id then answers 404)."""
     await jobs.cancel(job)
     return Response(status_code=204)

@@ -196,7 +196,7 @@ async def update_tape(
     delete + create). An input may be bound to (other rows of) a stored dataset, or a
     bound one replaced by sent data: the next mini-batch without resending anything.
     Answers the new value and gradients. A failed recording keeps the tape as it was."""
-    variables, inputs, prepared = payloads.tape_update(body, settings)
+    variables, inputs, bare, prepared = payloads.tape_update(body, settings)
     await datasets.bind(owner, inputs, prepared.bindings)
     result = await tapes.update(
         tape,
@@ -205,6 +205,7 @@ async def update_tape(
         prepared.time_limit,
         point=prepared.payload.get("point"),
         flat=prepared.payload["flat"],
+        bare=bare,
     )
     return answer(_created(tape.id, tape.info(True), result), negotiated, prepared.encoding)
 

@@ -216,6 +216,17 @@ class ShardOptions(RequestModel):
         return self
 
 
+def named(name: str) -> dict[str, Any]:
+    """JSON Schema for "the field `name` holds a non-empty object" (what the validators
+    read as given: an empty or null `variables` is none)."""
+    return {"required": [name], "properties": {name: {"type": "object", "minProperties": 1}}}
+
+
+# "'point' or 'variables', not both" (the requests' validators), stated to the document too.
+POINT_NOT_WITH_VARIABLES: dict[str, Any] = {"not": {"allOf": [given("point"), named("variables")]}}
+POINT_OR_VARIABLES = "give 'point' (every source, flat) or 'variables' (by name), not both"
+
+
 class ComputeRequest(DefinitionRequest):
     allow_unused: StrictBool = Field(
         False,
@@ -226,8 +237,17 @@ class ComputeRequest(DefinitionRequest):
         None,
         description="New values for the sources as one flat vector, in the order "
         "`flat.order` lists (cast to each source's dtype): the point an optimizer asks "
-        "about, without naming each variable.",
+        "about, without naming each variable. Not together with `variables`.",
     )
+
+    SCHEMA_RULES: ClassVar[SchemaRules] = (POINT_NOT_WITH_VARIABLES,)
+
+    @model_validator(mode="after")
+    def _point_or_variables(self) -> ComputeRequest:
+        # Both given: the point moved every source and `variables` was dropped unread.
+        if self.point is not None and self.variables:
+            raise ValueError(POINT_OR_VARIABLES)
+        return self
 
 
 def nonfinite_flag() -> Any:

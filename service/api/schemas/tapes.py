@@ -4,7 +4,7 @@ and answers, and the curvature a tape's algorithms apply."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import (
     BaseModel,
@@ -16,11 +16,14 @@ from pydantic import (
 )
 
 from service.api.schemas.base import (
+    POINT_NOT_WITH_VARIABLES,
+    POINT_OR_VARIABLES,
     CallOptions,
     DefinitionRequest,
     ShardOptions,
     ShardReduction,
     async_field,
+    named,
     nonfinite_flag,
 )
 from service.api.schemas.compute import (
@@ -83,16 +86,6 @@ class VectorsOptions(CallOptions):
 # Tapes ----------------------------------------------------------------------------------
 
 
-def _named(name: str) -> dict[str, Any]:
-    """JSON Schema for "the field `name` holds a non-empty object" (what the validators
-    below read as given: an empty or null `variables` is none)."""
-    return {"required": [name], "properties": {name: {"type": "object", "minProperties": 1}}}
-
-
-# "'point' or 'variables', not both" (the validators below), stated to the document too.
-POINT_NOT_WITH_VARIABLES: dict[str, Any] = {"not": {"allOf": [given("point"), _named("variables")]}}
-
-
 class TapeCreateRequest(DefinitionRequest, ShardOptions):
     """Record a tape: the definition's forward pass and the gradient of its (scalar)
     target over the sources, kept in a worker for later requests. Lines the target does
@@ -149,7 +142,7 @@ class TapeCreateRequest(DefinitionRequest, ShardOptions):
     @model_validator(mode="after")
     def _point_or_variables(self) -> TapeCreateRequest:
         if self.point is not None and self.variables:
-            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), not both")
+            raise ValueError(POINT_OR_VARIABLES)
         return self
 
 
@@ -183,7 +176,7 @@ class TapeUpdateRequest(CallOptions):
     )
 
     SCHEMA_RULES: ClassVar[SchemaRules] = (
-        {"anyOf": [_named("variables"), _named("inputs"), given("point")]},
+        {"anyOf": [named("variables"), named("inputs"), given("point")]},
         POINT_NOT_WITH_VARIABLES,
     )
 
@@ -192,7 +185,7 @@ class TapeUpdateRequest(CallOptions):
         if not self.variables and not self.inputs and self.point is None:
             raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
         if self.point is not None and self.variables:
-            raise ValueError("give 'point' (every source, flat) or 'variables' (by name), not both")
+            raise ValueError(POINT_OR_VARIABLES)
         return self
 
 

@@ -330,7 +330,8 @@ class CurvatureMethods:
         progress: Any = False,
     ) -> Any:
         """Fit a Laplace approximation at the tape's point, kept on the server: `subset`
-        "all" or "last_layer", `structure` "diag", "kron" (default) or "full",
+        "all" or "last_layer", `structure` "diag", "kron" (default) or "full" ("diagonal"
+        and "kfac", as `curvature_used` names them, are diag and kron),
         `curvature` "ggn" or "empirical_fisher", `prior_precision` a number or "tune"
         (the marginal likelihood's exact maximiser), `sigma_noise` for regression.
         Answers a RemoteLaplace (log marginal likelihood, predictive, samples)."""

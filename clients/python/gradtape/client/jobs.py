@@ -219,7 +219,8 @@ class Job:
         yield from self._client._core.call("DELETE", f"/v1/jobs/{self.id}")
 
     def cancel(self) -> Any:
-        """Cancel the job (its worker stops at its next op); an ended job is forgotten."""
+        """Cancel the job (its worker stops at its next op; cancelling it again changes
+        nothing); a job that succeeded or failed is forgotten."""
         return self._client._run(self._cancel_op())
 
 

@@ -176,6 +176,12 @@
     }
     $("job-view").hidden = false;
     $("job-id").textContent = id;
+    // Nothing of the job watched before stays: its estimate beside this job's state
+    // read as this job's (a solve showed the spectral density's "estimate: 3.0000").
+    $("job-estimate").textContent = "";
+    $("job-progress-text").textContent = "";
+    $("job-progress").value = 0;
+    delete $("job-progress").dataset.done;
     $("result-title").hidden = true;
     $("result-note").textContent = "";
     showCurvature(null);
@@ -243,6 +249,9 @@
   }
 
   const short = (x) => (x == null ? "nan" : Number(x).toPrecision(5));
+  // A log axis's tick: uPlot's default writes at most a few decimals, so 1e-5 read "0".
+  const logTick = (v) =>
+    v == null ? "" : v >= 1e-3 && v < 1e4 ? String(Number(v.toPrecision(3))) : v.toExponential(0);
 
   function record(watching, point) {
     const last = watching.history[watching.history.length - 1];
@@ -311,10 +320,18 @@
     showCurvature(doc.result.curvature_used || null);
   }
 
+  // A Cancel button is drawn for a job that was queued or running when the list was
+  // read (every two seconds): the job may have ended since, and a DELETE of a job that
+  // succeeded or failed forgets it, its answer with it. Cancel only what still runs.
   async function cancel(id) {
     try {
-      await api("DELETE", jobPath(id), { allow: [404] });
-      say("cancelled " + id.slice(0, 10));
+      const doc = await api("GET", jobPath(id), { allow: [404] });
+      if (doc && doc.job_id && !ACTIVE.has(doc.state)) {
+        say("job " + id.slice(0, 10) + " had " + doc.state + " already: nothing to cancel");
+      } else {
+        await api("DELETE", jobPath(id), { allow: [404] });
+        say("cancelled " + id.slice(0, 10));
+      }
     } catch (error) {
       say("cancel failed: " + error.message);
     }
@@ -401,7 +418,8 @@
     } else if (result.residuals && result.solution) {
       chart = plot("result-chart", "solve", [range(result.residuals.length), result.residuals],
         [{ label: "relative residual", stroke: COLOURS[0] }],
-        { x: "CG iteration", y: "relative residual" }, { scales: { y: { distr: 3 } } });
+        { x: "CG iteration", y: "relative residual" },
+        { scales: { y: { distr: 3 } }, yValues: (u, splits) => splits.map(logTick) });
       note("Solve (" + result.rhs + ")" + unconverged(result));
     } else if (result.trace != null) {
       note("trace = " + short(result.trace) + (result.stderr ? " \u00b1 " + short(result.stderr) : "") +
@@ -473,7 +491,10 @@
       width: Math.max(320, el.clientWidth || 640),
       height: 260,
       scales: { x: { time: false }, ...(extra.scales || {}) },
-      axes: [{ label: labels.x }, { label: labels.y, size: 70 }],
+      axes: [
+        { label: labels.x },
+        { label: labels.y, size: 70, ...(extra.yValues ? { values: extra.yValues } : {}) },
+      ],
       series: [{ label: labels.x }, ...series],
       bands: extra.bands || [],
     };
@@ -508,6 +529,7 @@
     });
     ui.refresh = refresh;
     ui.watch = watch;
+    ui.cancel = cancel; // what a Cancel button does
     refresh();
     setInterval(refresh, REFRESH_MS);
   });
