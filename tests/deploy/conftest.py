@@ -161,7 +161,7 @@ class Server:
         log: Path,
         port: int,
         cwd: Path = ROOT,
-        timeout: float = 120.0,
+        timeout: float = 300.0,  # a guard against a hang (tests/service/conftest.py's)
     ) -> Server:
         with log.open("wb") as out:
             process = subprocess.Popen(

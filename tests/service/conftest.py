@@ -82,7 +82,30 @@ class Server:
 
 def start_server(settings: dict[str, str], log: Path, cwd: Path | None = None) -> Server:
     """`gradtape serve` with these GRADTAPE_* settings (over SERVER_SETTINGS), ready;
-    started in `cwd` (the Docker image starts in its data directory), else the checkout."""
+    started in `cwd` (the Docker image starts in its data directory), else the checkout.
+
+    The port is free when free_port() lets it go, not necessarily when the server binds it
+    a second or more later: another process (another xdist worker's server, Ray's many
+    ports) may take it meanwhile. A server that exits for that is started again on
+    another port; any other failure is raised."""
+    for attempt in range(3):
+        written = log.stat().st_size if log.exists() else 0
+        srv = _start(settings, log, cwd)
+        try:
+            srv.wait_ready()
+            return srv
+        except RuntimeError:
+            stop_server(srv)
+            this_start = log.read_bytes()[written:].decode(errors="replace")
+            if "address already in use" not in this_start.lower() or attempt == 2:
+                raise
+        except BaseException:
+            stop_server(srv)
+            raise
+    raise AssertionError("unreachable")
+
+
+def _start(settings: dict[str, str], log: Path, cwd: Path | None) -> Server:
     port = free_port()
     env = {**os.environ, **SERVER_SETTINGS, **settings}
     if cwd is not None:  # the checkout stays importable from elsewhere
@@ -104,20 +127,17 @@ def start_server(settings: dict[str, str], log: Path, cwd: Path | None = None) -
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    srv = Server(f"http://127.0.0.1:{port}", process, log)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        stop_server(srv)
-        raise
-    return srv
+    return Server(f"http://127.0.0.1:{port}", process, log)
 
 
 def stop_server(srv: Server) -> None:
-    """Ctrl-C (a graceful shutdown), then kill if it hangs."""
+    """Ctrl-C (a graceful shutdown), then kill if it hangs. The wait only guards against
+    a hang: a graceful shutdown may take up to ~18 s by its own bounds (uvicorn's 10 s
+    for requests in flight, 3 + 5 s to join a worker), more on a loaded machine, and a
+    kill in its place loses what it saves on the way out (tapes' usage: test_restart)."""
     srv.process.send_signal(signal.SIGINT)
     try:
-        srv.process.wait(timeout=20)
+        srv.process.wait(timeout=120)
     except subprocess.TimeoutExpired:
         srv.process.kill()
         srv.process.wait()

@@ -792,7 +792,7 @@ def test_an_idle_sharded_run_leaves_the_worker(monkeypatch) -> None:
     run = worker_shards.Run("idle", [["w", [3], "float64"]], runs)
     runs[run.id] = run
     run.start(lambda flat: {"product": flat.matvec(np.ones((1, 3)))})
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 120  # a guard against a hang: the run's thread decides
     while runs and time.monotonic() < deadline:
         time.sleep(0.01)
     assert runs == {}

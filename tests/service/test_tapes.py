@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import datetime
 
 import httpx
 import numpy as np
@@ -361,17 +362,37 @@ def test_unknown_tape(client) -> None:
     problem(client.post("/v1/tapes/x" * 300 + "/hvp", json={"vector": {}}), 404)
 
 
+def test_a_use_renews_a_tape(client) -> None:
+    """A use moves the tape's expiry on (a ttl of an hour: no clock races the test)."""
+    tape_id = create(client)["tape_id"]
+    before = datetime.fromisoformat(info(client, tape_id)["expires_at"])
+    post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(vec(0))})
+    after = datetime.fromisoformat(info(client, tape_id)["expires_at"])
+    assert after > before, (before, after)
+    client.delete(f"/v1/tapes/{tape_id}")
+
+
 def test_expiry_says_so_and_a_tape_can_be_made_again(client) -> None:
-    tape_id = create(client, ttl=1.0)["tape_id"]
-    assert info(client, tape_id)["ttl"] == 1.0
-    post(client, f"/v1/tapes/{tape_id}/hvp", {"vector": wire(vec(0))})  # use renews it
-    time.sleep(1.3)
-    gone = problem(
-        client.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": wire(vec(0))}), 404, "tape-expired"
-    )
+    """A tape unused for its ttl (1 s) answers 404 tape-expired. Polled with reads, which
+    are no use: on a loaded machine a use sent right after the creation could itself come
+    later than the ttl (and a sleep of the ttl and a little could end before an answer
+    that came late did), so the test waits for the expiry, with a guard against a hang
+    only, and checks that it did not come before its time."""
+    started = time.monotonic()
+    created = create(client, ttl=1.0)
+    tape_id = created["tape_id"]
+    assert created["ttl"] == 1.0
+    deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
+    while (read := client.get(f"/v1/tapes/{tape_id}")).status_code == 200:
+        assert time.monotonic() < deadline, "the unused tape never expired"
+        time.sleep(0.05)
+    assert time.monotonic() - started >= 1.0  # not before its ttl
+    gone = problem(read, 404, "tape-expired")
     assert "expired" in gone["detail"] and "1 s" in gone["detail"]
     assert "POST /v1/tapes" in gone["detail"]
-    problem(client.get(f"/v1/tapes/{tape_id}"), 404, "tape-expired")
+    problem(
+        client.post(f"/v1/tapes/{tape_id}/hvp", json={"vector": wire(vec(0))}), 404, "tape-expired"
+    )
     again = create(client, ttl=1.0)
     assert again["tape_id"] != tape_id
     too_long = problem(
