@@ -288,6 +288,12 @@ def problem_body(
     return body
 
 
+def job_problem(slug: str, detail: str, instance: str) -> dict[str, Any]:
+    """A job's problem body written without a request (a job whose process is gone, one
+    cancelled because its tape was deleted)."""
+    return problem_body(slug, PROBLEM_TYPES[slug].status, detail, instance, None)
+
+
 def problem_response(
     scope: Scope | None,
     slug: str | None,

@@ -851,19 +851,30 @@ class Store:
             )[0][0]
         )
 
-    def cancel_job(self, job_id: str, when: float) -> bool:
+    def cancel_job(self, job_id: str, when: float, error: dict[str, Any] | None = None) -> bool:
         """Cancel a queued or running job of another process: it reads as cancelled at
-        once, and its process, which polls the flag, stops it. False if it had ended."""
+        once, and its process, which polls the flag, stops it (`error`: why, when it was
+        not asked for: its tape deleted). False if it had ended."""
         with self._transaction() as db:
             return (
                 db.execute(
                     "UPDATE jobs SET state = 'cancelled', cancel = 1, finished = ?, "
-                    "started = COALESCE(started, ?), version = version + 1 "
+                    "started = COALESCE(started, ?), error = ?, version = version + 1 "
                     "WHERE id = ? AND state IN ('queued', 'running')",
-                    (when, when, job_id),
+                    (when, when, _json(error), job_id),
                 ).rowcount
                 > 0
             )
+
+    def active_tape_jobs(self, tape_id: str) -> list[str]:
+        """The ids of the queued or running jobs on a tape (every process's)."""
+        return [
+            str(r[0])
+            for r in self._query(
+                "SELECT id FROM jobs WHERE tape_id = ? AND state IN ('queued', 'running')",
+                (tape_id,),
+            )
+        ]
 
     def fail_orphan_job(self, job_id: str, when: float, error: dict[str, Any]) -> bool:
         with self._transaction() as db:
