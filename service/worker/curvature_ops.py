@@ -205,7 +205,7 @@ def kfac_of(
         options.get("curvature") or "ggn",
         options.get("sharing") or "expand",
         options.get("samples"),
-        options.get("fisher_seed", 0),
+        options.get("fisher_seed") or 0,
         bool(options.get("ekfac")),
         options.get("others") or "refuse",
         bool(options.get("separate_bias", True)),
@@ -365,7 +365,7 @@ def backprop_diagonal(
             diag = curvature_diagonal(curvature, kind, max_bytes=max_bytes)
         else:  # Monte-Carlo: the draws' mean, and their spread as its standard error
             diag, stderr = _monte_carlo_diagonal(
-                curvature, samples, payload.get("fisher_seed", 0), max_bytes
+                curvature, samples, payload.get("fisher_seed") or 0, max_bytes
             )
     except (MixedExamplesError, CurvatureError) as exc:
         raise _curvature_error(exc) from None

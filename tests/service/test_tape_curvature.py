@@ -573,6 +573,41 @@ def test_a_monte_carlo_fisher_trace_converges_and_says_it_is_approximate(client,
     assert errors[1] < 0.02 and errors[1] < errors[0] / 5, errors
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("hvp", {"vector": "v", "curvature": "fisher"}),
+        ("hvp", {"vector": "v", "curvature": "ggn"}),
+        ("hvp", {"vector": "v"}),
+        ("trace", {"method": "exact", "curvature": "fisher"}),
+        ("eigenvalues", {"k": 1, "curvature": "fisher"}),
+    ],
+)
+def test_a_fisher_seed_without_samples_is_refused_naming_it(client, tape_id, path, body) -> None:
+    """`fisher_seed` seeds the Monte-Carlo Fisher's draws, which only `samples` asks
+    for: alone it is a 422 naming it and saying what it needs (before: dropped unread on
+    a tape's /hvp, answering the exact Fisher as if the seed had been used), as
+    `samples` without the Fisher is."""
+    if body.get("vector") == "v":
+        body = {**body, "vector": split(np.ones(sum(int(np.prod(s)) for s in SHAPES.values())))}
+    url = f"/v1/tapes/{tape_id}/{path}"
+    found = problem(client.post(url, json={**body, "fisher_seed": 3}), 422)
+    assert [e["field"] for e in found["errors"]] == ["fisher_seed"], found
+    assert found["detail"].startswith("fisher_seed: ") and "'samples'" in found["detail"], found
+    # With samples (on the Fisher) it is used, and the answer says so; without any seed
+    # the draws' seed is 0, as before.
+    if body.get("curvature") == "fisher":
+        seeded = post(client, url, {**body, "samples": 4, "fisher_seed": 3})
+        assert (seeded["curvature_used"]["samples"], seeded["curvature_used"]["seed"]) == (4, 3)
+        unseeded = post(client, url, {**body, "samples": 4})
+        assert unseeded["curvature_used"]["seed"] == 0
+        again = post(client, url, {**body, "samples": 4, "fisher_seed": 0})
+        timing = ("execution", "seconds")
+        assert {k: v for k, v in again.items() if k not in timing} == {
+            k: v for k, v in unseeded.items() if k not in timing
+        }
+
+
 def test_every_curvature_answer_states_its_curvature(client, tape_id) -> None:
     """Each table row that answers a curvature, and the products, on a Monte-Carlo
     Fisher: curvature_used names it, its samples and seed, approximate."""
