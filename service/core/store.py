@@ -274,6 +274,43 @@ def is_ref(value: Any) -> bool:
     return isinstance(value, Mapping) and "blob" in value
 
 
+def rows_problem(
+    rows: Any, shape: list[int] | tuple[int, ...], what: str = "the dataset's array"
+) -> str | None:
+    """What is wrong with taking `rows` (a list of row indices, or a slice {start, stop,
+    step} of axis 0) of a dataset's array of this shape, or None: the one rule the HTTP
+    side checks when it binds an input (naming the field the client wrote) and the
+    worker when it takes the rows."""
+    if rows is None:
+        return None
+    if len(shape) == 0:
+        return f"rows selects along axis 0, but {what} is a scalar"
+    n = shape[0]
+    empty = "a mini-batch needs at least one row (an empty one would answer a loss of zero, or NaN)"
+    if isinstance(rows, Mapping):
+        start, stop, step = rows.get("start"), rows.get("stop"), rows.get("step")
+        step = 1 if step is None else step
+        start = 0 if start is None else start
+        stop = n if stop is None else stop
+        if step < 1:
+            return f"rows.step must be at least 1, got {step}"
+        if not 0 <= start <= n or not 0 <= stop <= n:
+            return (
+                f"rows {start}:{stop} is out of range; {what} has {n} rows "
+                f"(start and stop within 0..{n})"
+            )
+        if len(range(start, stop, step)) == 0:
+            return f"rows {start}:{stop} selects no row; {empty}"
+        return None
+    if len(rows) == 0:
+        return f"rows is empty; {empty}"
+    low, high = min(rows), max(rows)
+    if low < 0 or high >= n:
+        bad = low if low < 0 else high
+        return f"row {bad} is out of range; {what} has {n} rows (0..{n - 1})"
+    return None
+
+
 @dataclass
 class ModelRow:
     owner: str
