@@ -244,9 +244,9 @@ def session_curvature(session: TapeSession) -> Curvature:
     if session.split is None:
         raise RequestError(
             "request",
-            "curvatures other than the Hessian, and influence, need a tape that "
-            'names its model output: record it with "output": the line of the model\'s '
-            "output (the loss's lines follow it)",
+            "curvature: curvatures other than the Hessian, and influence, need a tape "
+            'that names its model output: record it with "output": the line of the '
+            "model's output (the loss's lines follow it)",
             field="curvature",
         )
     if session.curvature is None:

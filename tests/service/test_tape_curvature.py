@@ -371,7 +371,9 @@ def test_curvatures_need_an_output_and_a_fitting_loss(client) -> None:
     r = client.post(
         f"/v1/tapes/{plain['tape_id']}/hvp", json={"vector": split(np.ones(P)), "curvature": "ggn"}
     )
-    assert "names its model output" in problem(r, 422)["detail"]
+    found = problem(r, 422, "invalid-request")
+    assert found["detail"].startswith("curvature: ") and "names its model output" in found["detail"]
+    assert [e["field"] for e in found["errors"]] == ["curvature"], found
     quartic = {**DEFN, "program": PROGRAM[:2] + ["loss = mean(logits ** 4)"]}
     quartic["inputs"] = {"x": DEFN["inputs"]["x"]}
     tape = client.post(
