@@ -14,7 +14,6 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
 
 from fastapi import FastAPI
 
@@ -23,7 +22,7 @@ from service.api.auth import KeyRing
 from service.api.deps import Services
 from service.api.fairness import Fairness
 from service.api.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware
-from service.api.problems import PROBLEM_TYPES, problem_body
+from service.api.problems import job_problem
 from service.api.router import include_routers
 from service.core.config import Settings, get_settings
 from service.core.store import Store
@@ -86,11 +85,6 @@ def _reload_keys_on_sighup(keyring: KeyRing) -> None:
         )
     except (NotImplementedError, RuntimeError, AttributeError):  # no SIGHUP (Windows), or
         pass  # not the main thread (a test's in-process app): the file check still works
-
-
-def _job_problem(slug: str, detail: str, instance: str) -> dict[str, Any]:
-    """A job's problem body written without a request (a job whose process is gone)."""
-    return problem_body(slug, PROBLEM_TYPES[slug].status, detail, instance, None)
 
 
 def _freeze_startup_objects() -> None:
@@ -176,7 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.bind_fairness(fairness.slots_held, fairness.waiting)
     app.state.tapes = TapeRegistry(settings, pool, store, metrics)
     app.state.models = ModelCatalog(settings, pool, store)
-    app.state.jobs = JobRegistry(settings, store, _job_problem)
+    app.state.jobs = JobRegistry(settings, store, job_problem)
     app.state.datasets = DatasetCatalog(settings, store)
     app.state.services = Services(
         settings, pool, app.state.tapes, app.state.models, app.state.datasets

@@ -22,6 +22,7 @@ from service.api.auth import OwnerDep, current_owner
 from service.api.negotiation import Negotiated, negotiate
 from service.core.config import Settings
 from service.domain.datasets import DatasetCatalog
+from service.domain.jobs import JobRegistry
 from service.domain.sessions import ModelCatalog, Tape, TapeRegistry
 from service.pool import Pool
 
@@ -49,6 +50,11 @@ async def get_models(request: Request) -> ModelCatalog:
 async def get_datasets(request: Request) -> DatasetCatalog:
     datasets: DatasetCatalog = request.app.state.datasets
     return datasets
+
+
+async def get_jobs(request: Request) -> JobRegistry:
+    jobs: JobRegistry = request.app.state.jobs
+    return jobs
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ PoolDep = Annotated[Pool, Depends(get_pool)]
 NegotiatedDep = Annotated[Negotiated, Depends(negotiate)]
 TapesDep = Annotated[TapeRegistry, Depends(get_tapes)]
 ModelsDep = Annotated[ModelCatalog, Depends(get_models)]
+JobsDep = Annotated[JobRegistry, Depends(get_jobs)]
 
 
 async def get_tape(

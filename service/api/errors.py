@@ -49,6 +49,7 @@ _COMPUTE_TYPES = {
     "internal": "internal",
     "cancelled": "cancelled",
     "not-found": "not-found",
+    "laplace-not-found": "laplace-not-found",
 }
 
 _PROBLEM_FIELDS = ("message", "field", "kind", "section", "line", "column", "op", "shapes")

@@ -57,6 +57,13 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         "The tape's worker needed room for more recently used tapes within its memory "
         "budget; record it again with POST /v1/tapes.",
     ),
+    "laplace-not-found": ProblemType(
+        404,
+        "Laplace fit not found",
+        "The tape holds no Laplace fit with this id: it was deleted, or dropped with the "
+        "tape's recording (an update, a rebuilt worker, an evicted tape); GET "
+        "/v1/tapes/{id}/laplace lists the tape's fits.",
+    ),
     "model-not-found": ProblemType(
         404, "Model not found", "No stored model with this name is visible to this API key."
     ),
@@ -286,6 +293,12 @@ def problem_body(
         ]
     body.update(extensions)
     return body
+
+
+def job_problem(slug: str, detail: str, instance: str) -> dict[str, Any]:
+    """A job's problem body written without a request (a job whose process is gone, one
+    cancelled because its tape was deleted)."""
+    return problem_body(slug, PROBLEM_TYPES[slug].status, detail, instance, None)
 
 
 def problem_response(

@@ -171,15 +171,36 @@ class CurvatureChoice(Options, kw_only=True):
         ]
         | None
     ) = None
-    fisher_seed: Annotated[
-        int, Meta(le=INT_MAX, ge=0, description="Seed of the Monte-Carlo Fisher's targets.")
-    ] = 0
+    fisher_seed: (
+        Annotated[
+            int,
+            Meta(
+                le=INT_MAX,
+                ge=0,
+                description="Seed of the Monte-Carlo Fisher's targets: with `samples` (absent: 0).",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         if self.samples is not None and self.curvature != CurvatureKind.fisher:
             raise OptionError(
                 "samples", "'samples' draws a Monte-Carlo Fisher: it goes with curvature 'fisher'"
             )
+        if self.fisher_seed is not None and self.samples is None:
+            # (Dropped unread, it would promise a seeded estimate where the answer is exact.)
+            raise OptionError(
+                "fisher_seed",
+                "'fisher_seed' seeds a Monte-Carlo Fisher's draws: it goes with 'samples' "
+                "(and curvature 'fisher'); without 'samples' the Fisher is exact and takes "
+                "no seed",
+            )
+
+    @property
+    def draws_seed(self) -> int:
+        """The seed of a Monte-Carlo Fisher's targets (0 when none was given)."""
+        return 0 if self.fisher_seed is None else self.fisher_seed
 
 
 # ----------------------------------------------------------------------------------------
@@ -277,11 +298,11 @@ def curvature_used(
     elif structure == "diagonal":
         reasons.append(f"the {kind}'s diagonal alone (its off-diagonal entries dropped)")
     if choice.samples is not None:
-        reasons.append(monte_carlo.format(samples=choice.samples, seed=choice.fisher_seed))
+        reasons.append(monte_carlo.format(samples=choice.samples, seed=choice.draws_seed))
     return CurvatureUsed(
         kind=kind,
         samples=choice.samples,
-        seed=None if choice.samples is None else choice.fisher_seed,
+        seed=None if choice.samples is None else choice.draws_seed,
         structure=structure,
         approximate=bool(reasons),
         reason="; ".join(reasons) or None,

@@ -274,6 +274,43 @@ def is_ref(value: Any) -> bool:
     return isinstance(value, Mapping) and "blob" in value
 
 
+def rows_problem(
+    rows: Any, shape: list[int] | tuple[int, ...], what: str = "the dataset's array"
+) -> str | None:
+    """What is wrong with taking `rows` (a list of row indices, or a slice {start, stop,
+    step} of axis 0) of a dataset's array of this shape, or None: the one rule the HTTP
+    side checks when it binds an input (naming the field the client wrote) and the
+    worker when it takes the rows."""
+    if rows is None:
+        return None
+    if len(shape) == 0:
+        return f"rows selects along axis 0, but {what} is a scalar"
+    n = shape[0]
+    empty = "a mini-batch needs at least one row (an empty one would answer a loss of zero, or NaN)"
+    if isinstance(rows, Mapping):
+        start, stop, step = rows.get("start"), rows.get("stop"), rows.get("step")
+        step = 1 if step is None else step
+        start = 0 if start is None else start
+        stop = n if stop is None else stop
+        if step < 1:
+            return f"rows.step must be at least 1, got {step}"
+        if not 0 <= start <= n or not 0 <= stop <= n:
+            return (
+                f"rows {start}:{stop} is out of range; {what} has {n} rows "
+                f"(start and stop within 0..{n})"
+            )
+        if len(range(start, stop, step)) == 0:
+            return f"rows {start}:{stop} selects no row; {empty}"
+        return None
+    if len(rows) == 0:
+        return f"rows is empty; {empty}"
+    low, high = min(rows), max(rows)
+    if low < 0 or high >= n:
+        bad = low if low < 0 else high
+        return f"row {bad} is out of range; {what} has {n} rows (0..{n - 1})"
+    return None
+
+
 @dataclass
 class ModelRow:
     owner: str
@@ -851,19 +888,30 @@ class Store:
             )[0][0]
         )
 
-    def cancel_job(self, job_id: str, when: float) -> bool:
+    def cancel_job(self, job_id: str, when: float, error: dict[str, Any] | None = None) -> bool:
         """Cancel a queued or running job of another process: it reads as cancelled at
-        once, and its process, which polls the flag, stops it. False if it had ended."""
+        once, and its process, which polls the flag, stops it (`error`: why, when it was
+        not asked for: its tape deleted). False if it had ended."""
         with self._transaction() as db:
             return (
                 db.execute(
                     "UPDATE jobs SET state = 'cancelled', cancel = 1, finished = ?, "
-                    "started = COALESCE(started, ?), version = version + 1 "
+                    "started = COALESCE(started, ?), error = ?, version = version + 1 "
                     "WHERE id = ? AND state IN ('queued', 'running')",
-                    (when, when, job_id),
+                    (when, when, _json(error), job_id),
                 ).rowcount
                 > 0
             )
+
+    def active_tape_jobs(self, tape_id: str) -> list[str]:
+        """The ids of the queued or running jobs on a tape (every process's)."""
+        return [
+            str(r[0])
+            for r in self._query(
+                "SELECT id FROM jobs WHERE tape_id = ? AND state IN ('queued', 'running')",
+                (tape_id,),
+            )
+        ]
 
     def fail_orphan_job(self, job_id: str, when: float, error: dict[str, Any]) -> bool:
         with self._transaction() as db:

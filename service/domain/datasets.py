@@ -21,7 +21,7 @@ import numpy as np
 
 from service.core.config import Settings
 from service.core.errors import ServiceError
-from service.core.store import DatasetRow, Store
+from service.core.store import DatasetRow, Store, rows_problem
 from service.core.wire import DTYPES
 from service.domain.requests import Binding, Prepared
 from service.domain.sessions import iso
@@ -295,6 +295,11 @@ class DatasetCatalog:
                         f"array {array_name!r} (its arrays: {', '.join(arrays)})",
                         errors=[{"field": f"{b.field}.array", "message": "unknown array"}],
                     )
+                # (Checked here, not only in the worker: the field as the client wrote it.)
+                what = f"array {array_name!r} of dataset {b.dataset!r}"
+                problem = rows_problem(b.rows, a.shape, what)
+                if problem is not None:
+                    raise _invalid(f"{b.field}.rows", problem)
                 input_name = array_name if b.name is None else b.name
                 if b.name is None and input_name in inputs:
                     raise ServiceError(

@@ -8,7 +8,9 @@ that relays the worker's progress reports and marks it running when a worker tak
   against `max_jobs_per_key` while queued or running (429 past it), and is forgotten
   `job_ttl` seconds after it ended (then 404, like a job that never was).
 - Cancelling (DELETE, or shutdown) cancels the job's task; the pool then cancels its
-  request, and the worker stops at its next op (service/pool/local.py).
+  request, and the worker stops at its next op (service/pool/local.py). Deleting a tape
+  cancels its queued and running jobs so (`cancel_tape`), their `error` saying why: a
+  job on a deleted tape would hold a worker and a job slot for an answer nobody can use.
 - A failure keeps the problem body the synchronous request would have answered (a
   worker crash: worker-crashed; the time limit: time-limit): a job never hangs, since
   the pool's time limit bounds every request it runs.
@@ -335,7 +337,7 @@ class JobRegistry:
                 continue
             failures = 0
             if not kept and not job.ended:
-                self.cancel_here(job)  # cancelled through another process meanwhile
+                await self._cancelled_here(job)  # cancelled through another process meanwhile
 
     async def _watch_cancel(self, job: Job) -> None:
         """Poll the store for a cancel asked through another process."""
@@ -344,15 +346,25 @@ class JobRegistry:
             await asyncio.sleep(CANCEL_POLL)
             found = await asyncio.to_thread(self.store.job_version, job.id)
             if (found is None or found[1]) and not job.ended:
-                self.cancel_here(job)
+                await self._cancelled_here(job)
                 return
 
-    def cancel_here(self, job: Job) -> None:
-        """A job of this process cancelled through another one: stop it now."""
+    def cancel_here(self, job: Job, why: dict[str, Any] | None = None) -> None:
+        """A job of this process cancelled through another one: stop it now (`why`: the
+        problem the store's row holds, its tape deleted there)."""
         log.info("job %s... cancelled through another process", job.id[:8])
         if job.task is not None:
             job.task.cancel()
+        if why is not None and not job.ended:
+            job.error = why
         self._end(job, "cancelled")
+
+    async def _cancelled_here(self, job: Job) -> None:
+        """cancel_here, with the reason the store's row holds."""
+        assert self.store is not None
+        row = await asyncio.to_thread(self.store.get_job, job.id)
+        if not job.ended:
+            self.cancel_here(job, None if row is None else row.error)
 
     def _spawn(self, work: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
@@ -489,7 +501,7 @@ class JobRegistry:
             assert self.store is not None
             found = await asyncio.to_thread(self.store.job_version, job.id)
             if found is not None and found[1] and not job.ended:
-                self.cancel_here(job)
+                await self._cancelled_here(job)
         if (
             job is not None
             and job.ended
@@ -604,6 +616,28 @@ class JobRegistry:
         job.task.cancel()
         # The state changes at once (the task ends at its next step).
         self._end(job, "cancelled")
+
+    async def cancel_tape(self, tape_id: str, why: dict[str, Any]) -> int:
+        """Cancel every queued or running job on a tape (it is being deleted), each with
+        `why` (a problem body) as its `error`: its worker is freed as a cancel frees it.
+        Several HTTP processes: other processes' jobs through the store, as `cancel`
+        does. Answers how many were cancelled."""
+        cancelled = 0
+        for job in [j for j in self._jobs.values() if j.tape_id == tape_id and not j.ended]:
+            if job.remote:
+                continue
+            job.error = why
+            assert job.task is not None
+            job.task.cancel()
+            self._end(job, "cancelled")
+            cancelled += 1
+        if self.shared:
+            assert self.store is not None
+            now = time.time()
+            for job_id in await asyncio.to_thread(self.store.active_tape_jobs, tape_id):
+                if job_id not in self._jobs:
+                    cancelled += await asyncio.to_thread(self.store.cancel_job, job_id, now, why)
+        return cancelled
 
     def count(self) -> int:
         return len(self._jobs)

@@ -499,6 +499,7 @@ def check_jacobian_size(
                     f"batch: true needs the target and each source to share their first "
                     f"(batch) axis; target {target!r} has shape {list(target_shape)} and "
                     f"source {key!r} has shape {list(shape)}",
+                    field="batch",
                 )
     sizes = {
         key: math.prod(target_shape) * math.prod(shape[1:] if batch else shape)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from engine.curvature import Curvature, CurvatureError
+from engine.footprint import held_bytes
 from engine.hessian_algorithms import FlatOperator
 from engine.hessian_algorithms.hutchinson import MIN_STDERR_SAMPLES, tolerance_met
 from engine.kfac import KFAC, curvature_diagonal, fisher_diagonal_draws
@@ -203,7 +205,7 @@ def kfac_of(
         options.get("curvature") or "ggn",
         options.get("sharing") or "expand",
         options.get("samples"),
-        options.get("fisher_seed", 0),
+        options.get("fisher_seed") or 0,
         bool(options.get("ekfac")),
         options.get("others") or "refuse",
         bool(options.get("separate_bias", True)),
@@ -363,7 +365,7 @@ def backprop_diagonal(
             diag = curvature_diagonal(curvature, kind, max_bytes=max_bytes)
         else:  # Monte-Carlo: the draws' mean, and their spread as its standard error
             diag, stderr = _monte_carlo_diagonal(
-                curvature, samples, payload.get("fisher_seed", 0), max_bytes
+                curvature, samples, payload.get("fisher_seed") or 0, max_bytes
             )
     except (MixedExamplesError, CurvatureError) as exc:
         raise _curvature_error(exc) from None
@@ -433,22 +435,47 @@ def _monte_carlo_diagonal(
 # ----------------------------------------------------------------------------------------
 
 
-def _laplaces(session: tapes.TapeSession) -> dict[str, Laplace]:
+@dataclass
+class HeldFit:
+    """A Laplace fit kept with its tape: the fit, when it was made (seconds since the
+    epoch), the array bytes it holds beyond the tape's recording, whether its prior
+    precision is the marginal likelihood's maximiser."""
+
+    laplace: Laplace
+    created: float
+    bytes: int
+    tuned: bool
+
+
+def _laplaces(session: tapes.TapeSession) -> dict[str, HeldFit]:
     return session.laplaces
 
 
-def _fitted(session: tapes.TapeSession, payload: Mapping[str, Any]) -> Laplace:
+def _unknown_fit(laplace_id: str, why: str) -> RequestError:
+    return RequestError(
+        "laplace-not-found",
+        f"laplace_id: no Laplace fit {laplace_id!r} on this tape ({why}); GET "
+        "/v1/tapes/{id}/laplace lists its fits, POST /v1/tapes/{id}/laplace makes one",
+        field="laplace_id",
+    )
+
+
+NOT_HELD = (
+    "a fit lives with the tape's recording: deleted, or dropped by an update, a rebuilt "
+    "worker or an evicted tape"
+)
+
+
+def _held(session: tapes.TapeSession, payload: Mapping[str, Any]) -> HeldFit:
     laplace_id = payload["laplace_id"]
     found = _laplaces(session).get(laplace_id)
     if found is None:
-        raise RequestError(
-            "not-found",
-            f"laplace {laplace_id!r} is not held by this tape: a fit lives with the tape's "
-            "recording (an update, a rebuilt worker or an evicted tape drops it); fit it "
-            "again with POST /v1/tapes/{id}/laplace",
-            field="laplace_id",
-        )
+        raise _unknown_fit(laplace_id, NOT_HELD)
     return found
+
+
+def _fitted(session: tapes.TapeSession, payload: Mapping[str, Any]) -> Laplace:
+    return _held(session, payload).laplace
 
 
 def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
@@ -465,6 +492,16 @@ def _summary(laplace_id: str, la: Laplace, tuned: bool) -> dict[str, Any]:
         "log_marginal_likelihood": la.log_marginal_likelihood(),
         "log_likelihood": la.log_likelihood(),
         "curvature_used": _fit_used(la),
+    }
+
+
+def _description(laplace_id: str, fit: HeldFit) -> dict[str, Any]:
+    """A kept fit as GET /v1/tapes/{id}/laplace[/{laplace_id}] answers it: its summary,
+    the bytes it holds, when it was made."""
+    return {
+        **_summary(laplace_id, fit.laplace, fit.tuned),
+        "bytes": fit.bytes,
+        "created": fit.created,
     }
 
 
@@ -521,14 +558,17 @@ def laplace_fit(
     while len(held) >= MAX_LAPLACES:
         held.pop(next(iter(held)))
     laplace_id = secrets.token_hex(8)
-    held[laplace_id] = la
+    # Its own arrays: the walk stops at the tape's curvature recording, which it shares.
+    own = held_bytes(la, shared=(*tapes.SHARED, type(la.curv)))
+    held[laplace_id] = HeldFit(la, time.time(), own, tune)
     session.remeasure = True  # the fit is held with the tape: count its bytes
     return _summary(laplace_id, la, tune)
 
 
 def tape_laplace_evidence(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
     session, rebuilt = tapes.session_for(payload, context)
-    la = _fitted(session, payload)
+    fit = _held(session, payload)
+    la = fit.laplace
     prior = payload.get("prior_precision")
     try:
         if prior == "tune":
@@ -538,9 +578,55 @@ def tape_laplace_evidence(payload: Mapping[str, Any], context: WorkerContext) ->
             la.prior_precision = float(prior)
     except (CurvatureError, ValueError) as exc:
         raise _curvature_error(exc, "prior_precision") from None
+    if prior is not None:
+        fit.tuned = prior == "tune"
     return tapes.finish_answer(
         session, rebuilt, _summary(payload["laplace_id"], la, prior == "tune"), hvp_only=True
     )
+
+
+def _kept_session(payload: Mapping[str, Any], context: WorkerContext) -> tapes.TapeSession | None:
+    """The tape's recording in this worker, never recorded for the asking: listing,
+    reading or deleting fits finds none in a worker that lost the tape (None)."""
+    session = tapes.sessions(context).get(payload["tape_id"])
+    if session is None and "rebuild" not in payload:
+        # (Lost since the HTTP side last saw it: it asks again with `rebuild`.)
+        raise RequestError(
+            "tape-missing", f"worker {context.index} does not hold tape {payload['tape_id']}"
+        )
+    # `rerecord`: this recording is of older values, its fits with it.
+    return None if payload.get("rerecord") else session
+
+
+def _kept_answer(session: tapes.TapeSession | None, result: dict[str, Any]) -> dict[str, Any]:
+    if session is None:
+        result["tape"] = {"bytes": 0, "rebuilt": False}
+        return result
+    return tapes.finish_answer(session, False, result, hvp_only=True)
+
+
+def tape_laplace_list(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    session = _kept_session(payload, context)
+    held = {} if session is None else _laplaces(session)
+    fits = [_description(laplace_id, fit) for laplace_id, fit in held.items()]
+    return _kept_answer(session, {"fits": fits})
+
+
+def tape_laplace_read(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    session = _kept_session(payload, context)
+    if session is None:
+        raise _unknown_fit(payload["laplace_id"], NOT_HELD)
+    return _kept_answer(session, _description(payload["laplace_id"], _held(session, payload)))
+
+
+def tape_laplace_delete(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
+    session = _kept_session(payload, context)
+    if session is None:
+        raise _unknown_fit(payload["laplace_id"], NOT_HELD)
+    _held(session, payload)
+    del _laplaces(session)[payload["laplace_id"]]
+    session.remeasure = True  # its memory is free: the tape holds less
+    return _kept_answer(session, {"laplace_id": payload["laplace_id"]})
 
 
 def tape_laplace_predictive(payload: Mapping[str, Any], context: WorkerContext) -> dict[str, Any]:
@@ -671,4 +757,7 @@ HANDLERS = {
     "tape_laplace_evidence": tape_laplace_evidence,
     "tape_laplace_predictive": tape_laplace_predictive,
     "tape_laplace_samples": tape_laplace_samples,
+    "tape_laplace_list": tape_laplace_list,
+    "tape_laplace_read": tape_laplace_read,
+    "tape_laplace_delete": tape_laplace_delete,
 }

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.store import is_ref
+from service.core.store import is_ref, rows_problem
 from service.core.wire import from_bytes
 
 
@@ -87,42 +87,17 @@ class DatasetCache:
 
 
 def take_rows(array: np.ndarray, rows: Any, where: str) -> np.ndarray:
-    """The rows of axis 0 that `rows` selects (None: all); ValueError naming the bound."""
+    """The rows of axis 0 that `rows` selects (None: all); ValueError naming the bound
+    (the HTTP side checked them already, naming the client's field: this is for a tape
+    rebuilt here, whose dataset may have changed since)."""
     if rows is None:
         return array
-    if array.ndim == 0:
-        raise ValueError(f"{where}: rows selects along axis 0, but the array is a scalar")
-    n = array.shape[0]
+    problem = rows_problem(rows, array.shape)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
     if isinstance(rows, Mapping):
-        start, stop, step = rows.get("start"), rows.get("stop"), rows.get("step")
-        step = 1 if step is None else step
-        start = 0 if start is None else start
-        stop = n if stop is None else stop
-        if step < 1:
-            raise ValueError(f"{where}: rows.step must be at least 1, got {step}")
-        if not 0 <= start <= n or not 0 <= stop <= n:
-            raise ValueError(
-                f"{where}: rows {start}:{stop} is out of range; the dataset's array has {n} "
-                f"rows (start and stop within 0..{n})"
-            )
-        if len(range(start, stop, step)) == 0:
-            raise ValueError(
-                f"{where}: rows {start}:{stop} selects no row; a mini-batch needs at least one "
-                "(an empty one would answer a loss of zero, or NaN)"
-            )
-        return array[start:stop:step]
-    if len(rows) == 0:
-        raise ValueError(
-            f"{where}: rows is empty; a mini-batch needs at least one row (an empty one "
-            "would answer a loss of zero, or NaN)"
-        )
-    indices = np.asarray(rows, dtype=np.int64)
-    if indices.size and (indices.min() < 0 or indices.max() >= n):
-        bad = int(indices.min()) if indices.min() < 0 else int(indices.max())
-        raise ValueError(
-            f"{where}: row {bad} is out of range; the dataset's array has {n} rows (0..{n - 1})"
-        )
-    return array[indices]
+        return array[rows.get("start") : rows.get("stop") : rows.get("step")]
+    return array[np.asarray(rows, dtype=np.int64)]
 
 
 def resolve(

@@ -244,9 +244,9 @@ def session_curvature(session: TapeSession) -> Curvature:
     if session.split is None:
         raise RequestError(
             "request",
-            "curvatures other than the Hessian, and influence, need a tape that "
-            'names its model output: record it with "output": the line of the model\'s '
-            "output (the loss's lines follow it)",
+            "curvature: curvatures other than the Hessian, and influence, need a tape "
+            'that names its model output: record it with "output": the line of the '
+            "model's output (the loss's lines follow it)",
             field="curvature",
         )
     if session.curvature is None:
@@ -304,7 +304,7 @@ def curvature_operator(
     curvature = session_curvature(session)
     if kind in PER_EXAMPLE:
         check_batched_targets(session, f"curvature {kind!r}")
-    samples, seed = choice.samples, choice.fisher_seed
+    samples, seed = choice.samples, choice.draws_seed
     if samples is not None:
         # The Monte-Carlo Fisher keeps one output-sized gradient per sample.
         held = samples * curvature.output.size * curvature.output.dtype.itemsize
@@ -1002,7 +1002,7 @@ def influence_of(flat: Any, keys: list[str], asked: Asked) -> dict[str, Any]:
             rows=rows,
             curvature="ggn" if kind in ("kfac", "ekfac") else kind,
             samples=o.samples,
-            seed=o.fisher_seed,
+            seed=o.draws_seed,
             damping=o.damping,
             top_k=o.top_k,
             tol=o.tol,

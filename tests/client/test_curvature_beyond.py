@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from gradtape.client import Client, Definition, RemoteLaplace
+from gradtape.client import Client, Definition, NotFound, RemoteLaplace
 
 
 def logistic(rng: np.random.Generator, n: int = 30, d: int = 4) -> tuple:
@@ -81,3 +81,21 @@ def test_per_example_kfac_and_laplace(client: Client, rng: np.random.Generator) 
         assert tuned > la.log_marginal_likelihood(best * 1.01)
         draws = la.sample(4, seed=3)
         assert draws["w"].shape == (4, d)
+
+        # The tape's fits, listed, read again and deleted (freeing the server's memory).
+        diag = tape.laplace(structure="diag")
+        listed = tape.laplaces()
+        assert [f.id for f in listed] == [la.id, diag.id]
+        assert listed[0].prior_precision == pytest.approx(best * 1.01, rel=1e-12)  # (kept)
+        assert listed[0].bytes >= d * d * 8 and listed[0].created_at
+        assert la.bytes is None  # (its fit's answer says nothing of its memory)
+        assert la.refresh() is la and la.bytes == listed[0].bytes
+        again = tape.laplace_fit(diag.id)
+        assert again.structure == "diag" and again.log_marginal_likelihood_value == pytest.approx(
+            diag.log_marginal_likelihood_value, rel=1e-12
+        )
+        la.delete()
+        assert [f.id for f in tape.laplaces()] == [diag.id]
+        with pytest.raises(NotFound) as gone:
+            la.refresh()
+        assert gone.value.type == "/problems/laplace-not-found" and la.id in gone.value.detail

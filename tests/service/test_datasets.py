@@ -428,3 +428,44 @@ def test_a_bad_mini_batch_names_what_is_wrong_with_it(client, rows, field, messa
     assert body["detail"].startswith(f"definition.inputs.DatasetInputs.{field}: "), body
     assert message in body["detail"], body
     assert "[" not in body["errors"][0]["field"], body
+
+
+def test_rows_out_of_range_name_the_field_as_written(client) -> None:
+    """Rows past a dataset's array: a 422 whose `errors` name the field the client wrote
+    (definition.inputs.X.rows, or inputs.X.rows on PATCH), its detail the array, the
+    dataset and its rows. Before: 'inputs.X (dataset ..., array ...)' from the worker,
+    no `errors` entry, a field the request never had."""
+    put_msgpack(client, "logit", {"X": X, "Y": Y})  # 40 rows
+    whole = {"dataset": "logit", "rows": {"start": 0, "stop": 50}}
+    each = {
+        "X": {"dataset": "logit", "array": "X", "rows": [0, 40]},
+        "Y": {"dataset": "logit", "array": "Y", "rows": [0, 1]},
+    }
+    cases = [
+        ("/v1/gradient", bound(whole), "definition.inputs.rows", "rows 0:50 is out of range"),
+        ("/v1/gradient", bound(each), "definition.inputs.X.rows", "row 40 is out of range"),
+        ("/v1/tapes", bound(each), "definition.inputs.X.rows", "row 40 is out of range"),
+    ]
+    for path, definition, field, said in cases:
+        body = problem(client.post(path, json={"definition": definition, "target": "loss"}), 422)
+        assert [e["field"] for e in body["errors"]] == [field], (path, body)
+        assert body["detail"].startswith(f"{field}: {said}"), (path, body)
+        assert "of dataset 'logit' has 40 rows" in body["detail"], (path, body)
+    # PATCH: the tape's inputs are at the top of the body; the tape stays as it was.
+    made = client.post(
+        "/v1/tapes", json={"definition": bound(whole | {"rows": [0, 1]}), "target": "loss"}
+    )
+    assert made.status_code == 201, made.text
+    tape = made.json()["tape_id"]
+    moved = client.patch(f"/v1/tapes/{tape}", json={"inputs": {"X": each["X"]}})
+    body = problem(moved, 422)
+    assert [e["field"] for e in body["errors"]] == ["inputs.X.rows"], body
+    assert body["detail"].startswith("inputs.X.rows: row 40 is out of range"), body
+    kept = post(client, f"/v1/tapes/{tape}/gradient", {})
+    assert kept["value"] == made.json()["value"] and kept["gradients"] == made.json()["gradients"]
+    # In range: answered as before.
+    inside = {"dataset": "logit", "rows": {"start": 30, "stop": 40}}
+    ok = post(client, "/v1/gradient", {"definition": bound(inside), "target": "loss"})
+    want = post(client, "/v1/gradient", {"definition": inline(slice(30, 40)), "target": "loss"})
+    assert arr(ok["value"]) == arr(want["value"])
+    client.delete(f"/v1/tapes/{tape}")

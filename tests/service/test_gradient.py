@@ -361,3 +361,36 @@ def test_unknown_target_and_source(client) -> None:
     sections = {e["section"] for e in found["errors"]}
     assert sections == {"target", "sources"}
     assert "loss" in found["detail"]  # the suggestion
+
+
+@pytest.mark.parametrize("empty", [[], {}], ids=["list", "aliases"])
+def test_no_sources_is_refused_naming_sources(client, empty) -> None:
+    """`"sources": []` (or `{}`) asks for the derivative over nothing: a 422 naming
+    `sources`, on every route that takes them (before: 200 with no gradients, or no
+    jacobian, Hessian or HVP, an answer of nothing that looked like success)."""
+    definition = {"variables": {"w": [1.0, 2.0]}, "program": ["loss = sum(w * w)"]}
+    stateless = {"definition": definition, "target": "loss", "sources": empty}
+    vector = {"vector": {"w": [1.0, 0.0]}}
+    requests = [
+        ("/v1/gradient", stateless),
+        ("/v1/jacobian", stateless),
+        ("/v1/hessian", stateless),
+        ("/v1/hvp", {**stateless, **vector}),
+        ("/v1/tapes", stateless),
+    ]
+    made = client.post("/v1/tapes", json={"definition": definition, "target": "loss"})
+    assert made.status_code == 201, made.text
+    tape = made.json()["tape_id"]
+    requests += [
+        (f"/v1/tapes/{tape}/gradient", {"sources": empty}),
+        (f"/v1/tapes/{tape}/jacobian", {"sources": empty}),
+    ]
+    for path, body in requests:
+        found = problem(client.post(path, json=body), 422)
+        assert [e["field"] for e in found["errors"]] == ["sources"], (path, found)
+        assert found["detail"].startswith("sources: "), (path, found)
+        assert "at least 1" in found["detail"], (path, found)
+    # One source is fine: the gradient over it.
+    ok = post(client, f"/v1/tapes/{tape}/gradient", {"sources": ["w"]})
+    np.testing.assert_allclose(arr(ok["gradients"]["w"]), [2.0, 4.0])
+    client.delete(f"/v1/tapes/{tape}")

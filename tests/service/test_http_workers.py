@@ -520,6 +520,38 @@ def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
     assert problem(b.get(f"{location}/result"), 409, "cancelled")
 
 
+def test_a_tape_deleted_through_the_other_process_cancels_its_job(pair) -> None:
+    """The job runs in a; its tape is deleted through b: the job reads cancelled at
+    once through both, saying the tape was deleted, and a's worker stops."""
+    a, b = pair
+    tape = _chain_tape(a)
+    r = a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    try:
+        deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
+        while not (((job := ok(b.get(location)))["progress"] or {}).get("done")):
+            assert job["state"] in ("queued", "running") and time.monotonic() < deadline, job
+            time.sleep(0.3)
+    except BaseException:
+        a.delete(location)
+        raise
+    worker = a.get("/readyz").json()["workers"][0]
+    assert b.delete(f"/v1/tapes/{tape}").status_code == 204
+    for client in (b, a):
+        job = ok(client.get(location))
+        assert job["state"] == "cancelled", job
+        assert f"tape {tape} was deleted" in job["error"]["detail"], job
+        body = problem(client.get(f"{location}/result"), 409, "cancelled")
+        assert f"tape {tape} was deleted" in body["detail"], body
+    # a's worker stopped at its next op by its flag (the guard as in the test above).
+    deadline = time.monotonic() + 30
+    while (now := a.get("/readyz").json()["workers"][0])["state"] != "idle":
+        assert time.monotonic() < deadline, "a's worker still runs the cancelled job"
+        time.sleep(0.1)
+    assert (now["pid"], now["restarts"]) == (worker["pid"], worker["restarts"]), now
+
+
 def test_a_tape_in_use_in_one_process_is_not_expired_by_the_other(pair) -> None:
     """A tape whose ttl runs out while a long request on it runs in a: b, which has not
     heard of the request, must not end it (a's sweeps refresh its stored last use every

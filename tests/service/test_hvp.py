@@ -71,6 +71,18 @@ def test_vector_problems_name_the_field(client) -> None:
         client.post("/v1/hvp", json={**base, "vector": {}, "vectors": [{}]}), 422, "validation"
     )
     assert "exactly one" in both["detail"]
+    # The fields named, not 'body': the two given, or `vector` when none is (on a tape
+    # too, where {"curvature": "ggn"} alone answered 'body: Value error, ...').
+    assert [e["field"] for e in both["errors"]] == ["vector", "vectors"], both
+    assert both["detail"].startswith("vector: give exactly one of"), both
+    made = client.post("/v1/tapes", json={"definition": DEFN, "target": "loss"})
+    assert made.status_code == 201, made.text
+    tape = made.json()["tape_id"]
+    for path, body in (("/v1/hvp", base), (f"/v1/tapes/{tape}/hvp", {"curvature": "ggn"})):
+        none = problem(client.post(path, json=body), 422, "validation")
+        assert [e["field"] for e in none["errors"]] == ["vector"], (path, none)
+        assert none["detail"].startswith("vector: give exactly one of 'vector'"), (path, none)
+    client.delete(f"/v1/tapes/{tape}")
     many = [{"b": t(np.ones(3))}] * 33  # the tests' server answers up to 32
     problem(client.post("/v1/hvp", json={**base, "vectors": many}), 422, "too-large")
 

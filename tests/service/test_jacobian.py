@@ -102,9 +102,29 @@ def test_batch_jacobian_refuses_dependent_examples(client) -> None:  # 12
 
 
 def test_batch_needs_a_shared_first_axis(client) -> None:
-    body = {"definition": _two_layers(), "target": "y", "sources": ["k1"], "batch": True}
-    found = problem(client.post("/v1/jacobian", json=body), 422, "invalid-request")
-    assert "[7, 6]" in found["detail"] and "[5, 8]" in found["detail"]
+    """A batch jacobian of a target and sources without a shared first axis (a source
+    of other rows, a scalar target): a 422 whose `errors` name `batch` (before: the
+    detail alone said it, no `errors` entry), on the stateless route and a tape's."""
+    defn = _two_layers()
+    defn["program"] = [*defn["program"], "loss = sum(y)"]
+    made = client.post("/v1/tapes", json={"definition": defn, "target": "loss"})
+    assert made.status_code == 201, made.text
+    tape = made.json()["tape_id"]
+    cases = [
+        (
+            "/v1/jacobian",
+            {"definition": _two_layers(), "target": "y", "sources": ["k1"]},
+            ("[7, 6]", "[5, 8]"),
+        ),
+        ("/v1/jacobian", {"definition": defn, "target": "loss"}, ("has shape []",)),
+        (f"/v1/tapes/{tape}/jacobian", {"target": "loss", "sources": ["x"]}, ("has shape []",)),
+    ]
+    for path, body, said in cases:
+        found = problem(client.post(path, json={**body, "batch": True}), 422, "invalid-request")
+        assert [e["field"] for e in found["errors"]] == ["batch"], (path, found)
+        assert found["detail"].startswith("batch: true needs the target and each source"), found
+        assert all(s in found["detail"] for s in said), (path, found)
+    client.delete(f"/v1/tapes/{tape}")
 
 
 def test_unconnected_source(client) -> None:

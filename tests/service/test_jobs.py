@@ -252,6 +252,46 @@ def test_cancel_stops_the_worker_at_once_and_keeps_the_tape(a: httpx.Client, tap
     assert r.status_code == 409 and r.json()["type"] == "/problems/cancelled"
 
 
+def test_deleting_a_tape_cancels_its_jobs_and_frees_the_worker(a: httpx.Client) -> None:
+    """DELETE /v1/tapes/{id} while a job computes on it (and another waits behind it):
+    both are cancelled at once, saying that the tape was deleted, and the worker stops
+    at its next op (before, the running job went on to "succeeded", holding the worker
+    and a job slot for an answer nobody could use)."""
+    r = a.post("/v1/tapes", json={"definition": chain(40), "target": "loss"})
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
+    long = {"method": "hutchinson", "max_hvps": 100000, "batch_size": 1, "max_seconds": 300}
+    running_at = start(a, f"/v1/tapes/{tape}/trace", {**long, "time_limit": 300}, prefer=True)
+    running = wait_for_progress(a, running_at)
+    # The one worker is busy: this one waits in the queue.
+    queued_at = start(a, f"/v1/tapes/{tape}/trace", {**long, "time_limit": 300})
+    assert a.get(queued_at).json()["state"] == "queued"
+    worker = a.get("/readyz").json()["workers"][0]
+    assert a.delete(f"/v1/tapes/{tape}").status_code == 204
+    for location in (running_at, queued_at):
+        job = a.get(location).json()
+        assert job["state"] == "cancelled", job
+        assert job["error"]["type"] == "/problems/cancelled", job
+        assert f"tape {tape} was deleted" in job["error"]["detail"], job
+        r = a.get(f"{location}/result")
+        assert r.status_code == 409 and r.json()["type"] == "/problems/cancelled"
+        assert f"tape {tape} was deleted" in r.json()["detail"], r.text
+    done = a.get(running_at).json()["progress"]["done"]
+    assert running["progress"]["done"] <= done < 100000
+    # The worker stops at its next op, as a cancel stops it: idle, the same process (a
+    # worker that went on computing stays busy for minutes: the guard fails it).
+    idle = wait_for_idle(a)
+    assert (idle["pid"], idle["restarts"]) == (worker["pid"], worker["restarts"]), idle
+    # The jobs no longer count against the key's quota of 3: three more start.
+    r = a.post("/v1/tapes", json={"definition": chain(4), "target": "loss"})
+    other = r.json()["tape_id"]
+    short = {"method": "hutchinson", "max_hvps": 20, "batch_size": 1}
+    started = [start(a, f"/v1/tapes/{other}/trace", short) for _ in range(3)]
+    assert all(wait(a, loc, ("succeeded",))["state"] == "succeeded" for loc in started)
+    assert a.get(f"/v1/tapes/{tape}").status_code == 404
+    a.delete(f"/v1/tapes/{other}")
+
+
 def test_jobs_belong_to_their_key_count_against_its_quota_and_expire(
     a: httpx.Client, b: httpx.Client, tape: str
 ) -> None:

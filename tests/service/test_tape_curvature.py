@@ -371,7 +371,9 @@ def test_curvatures_need_an_output_and_a_fitting_loss(client) -> None:
     r = client.post(
         f"/v1/tapes/{plain['tape_id']}/hvp", json={"vector": split(np.ones(P)), "curvature": "ggn"}
     )
-    assert "names its model output" in problem(r, 422)["detail"]
+    found = problem(r, 422, "invalid-request")
+    assert found["detail"].startswith("curvature: ") and "names its model output" in found["detail"]
+    assert [e["field"] for e in found["errors"]] == ["curvature"], found
     quartic = {**DEFN, "program": PROGRAM[:2] + ["loss = mean(logits ** 4)"]}
     quartic["inputs"] = {"x": DEFN["inputs"]["x"]}
     tape = client.post(
@@ -506,7 +508,10 @@ def test_influence_test_points_from_a_stored_dataset(client, tape_id) -> None:
     past = client.post(
         url, json={"test_inputs": {"dataset": "curvature-test", "rows": [9]}, **options}
     )
-    assert "test_inputs.x" in problem(past, 422)["detail"]
+    # (the field as written: the whole dataset's rows; the detail names the array)
+    found = problem(past, 422)
+    assert [e["field"] for e in found["errors"]] == ["test_inputs.rows"], found
+    assert "row 9 is out of range; array 'x' of dataset 'curvature-test'" in found["detail"]
 
 
 def test_bare_list_labels_are_cast_to_the_inputs_dtype(client, tape_id) -> None:
@@ -571,6 +576,41 @@ def test_a_monte_carlo_fisher_trace_converges_and_says_it_is_approximate(client,
         errors.append(abs(mc["trace"] - exact_trace) / exact_trace)
     # N = 16 examples: S = 1 is off by ~10-30%, S = 4096 within about 1% of the Fisher's.
     assert errors[1] < 0.02 and errors[1] < errors[0] / 5, errors
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("hvp", {"vector": "v", "curvature": "fisher"}),
+        ("hvp", {"vector": "v", "curvature": "ggn"}),
+        ("hvp", {"vector": "v"}),
+        ("trace", {"method": "exact", "curvature": "fisher"}),
+        ("eigenvalues", {"k": 1, "curvature": "fisher"}),
+    ],
+)
+def test_a_fisher_seed_without_samples_is_refused_naming_it(client, tape_id, path, body) -> None:
+    """`fisher_seed` seeds the Monte-Carlo Fisher's draws, which only `samples` asks
+    for: alone it is a 422 naming it and saying what it needs (before: dropped unread on
+    a tape's /hvp, answering the exact Fisher as if the seed had been used), as
+    `samples` without the Fisher is."""
+    if body.get("vector") == "v":
+        body = {**body, "vector": split(np.ones(sum(int(np.prod(s)) for s in SHAPES.values())))}
+    url = f"/v1/tapes/{tape_id}/{path}"
+    found = problem(client.post(url, json={**body, "fisher_seed": 3}), 422)
+    assert [e["field"] for e in found["errors"]] == ["fisher_seed"], found
+    assert found["detail"].startswith("fisher_seed: ") and "'samples'" in found["detail"], found
+    # With samples (on the Fisher) it is used, and the answer says so; without any seed
+    # the draws' seed is 0, as before.
+    if body.get("curvature") == "fisher":
+        seeded = post(client, url, {**body, "samples": 4, "fisher_seed": 3})
+        assert (seeded["curvature_used"]["samples"], seeded["curvature_used"]["seed"]) == (4, 3)
+        unseeded = post(client, url, {**body, "samples": 4})
+        assert unseeded["curvature_used"]["seed"] == 0
+        again = post(client, url, {**body, "samples": 4, "fisher_seed": 0})
+        timing = ("execution", "seconds")
+        assert {k: v for k, v in again.items() if k not in timing} == {
+            k: v for k, v in unseeded.items() if k not in timing
+        }
 
 
 def test_every_curvature_answer_states_its_curvature(client, tape_id) -> None:

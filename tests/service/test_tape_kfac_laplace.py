@@ -6,6 +6,8 @@ fits a 404."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import numpy as np
 import pytest
 
@@ -194,7 +196,75 @@ def test_laplace_fit_evidence_predictive_and_samples(client, tape_id) -> None:
     got = np.concatenate([arr(drawn["samples"][k]).reshape(3, -1) for k in SHAPES], axis=1)
     np.testing.assert_allclose(got, expected_draws, rtol=1e-12)
     missing = client.post(f"/v1/tapes/{tape_id}/laplace/0123456789abcdef/samples", json={})
-    assert "fit it again" in problem(missing, 404)["detail"]
+    found = problem(missing, 404, "laplace-not-found")
+    assert "'0123456789abcdef'" in found["detail"] and found["errors"][0]["field"] == "laplace_id"
+
+
+def test_a_tapes_laplace_fits_are_listed_read_and_deleted(client) -> None:
+    """GET /v1/tapes/{id}/laplace lists the fits, GET .../{lid} describes one, DELETE
+    frees its memory (a full fit holds parameters^2 values); an unknown fit is a 404
+    naming it. Before, GET and DELETE answered 404 'no such path' and a fit stayed in
+    the worker until the tape changed."""
+    r = client.post("/v1/tapes", json={"definition": DEFN, "target": "loss", "output": "logits"})
+    assert r.status_code == 201, r.text
+    tape = r.json()["tape_id"]
+    base = f"/v1/tapes/{tape}/laplace"
+    assert client.get(base).json() == {"fits": []}
+    diag = post(client, base, {"structure": "diag"})
+    full = post(client, base, {"structure": "full", "prior_precision": 0.5})
+    listed = client.get(base)
+    assert listed.status_code == 200, listed.text
+    fits = listed.json()["fits"]
+    # Oldest first; each what its fit answered, with its bytes and when it was made.
+    assert [f["laplace_id"] for f in fits] == [diag["laplace_id"], full["laplace_id"]]
+    n = sum(int(np.prod(s)) for s in SHAPES.values())
+    for fit, made in zip(fits, (diag, full), strict=True):
+        # (all but the fit answer's deprecated `curvature`: curvature_used says it)
+        assert {k: fit[k] for k in made if k != "curvature"} == {
+            k: v for k, v in made.items() if k != "curvature"
+        }, fit
+        assert "curvature" not in fit
+        assert fit["parameters"] == n and fit["subset"] == "all"
+        assert datetime.fromisoformat(fit["created_at"]) <= datetime.now(UTC)
+    assert fits[0]["structure"] == "diag" and fits[1]["structure"] == "full"
+    # A full fit holds its n x n eigenvectors; a diagonal one O(n).
+    assert fits[1]["bytes"] >= n * n * 8 > fits[0]["bytes"] > 0, fits
+    full_id = full["laplace_id"]
+    one = client.get(f"{base}/{full_id}")
+    assert one.status_code == 200 and one.json() == fits[1], one.text
+    # Read after a change of prior precision: the description follows it.
+    post(client, f"{base}/{full_id}/log-marginal-likelihood", {"prior_precision": 2.0})
+    now = client.get(f"{base}/{full_id}").json()
+    ours = Laplace(recording(), structure="full", names=list(SHAPES), prior_precision=2.0)
+    assert now["prior_precision"] == 2.0 and not now["tuned"]
+    assert now["log_marginal_likelihood"] == pytest.approx(ours.log_marginal_likelihood(), 1e-10)
+    # Deleting frees the fit's memory: the tape holds that much less.
+    held = client.get(f"/v1/tapes/{tape}").json()["bytes"]
+    r = client.delete(f"{base}/{full_id}")
+    assert r.status_code == 204, r.text
+    after = client.get(f"/v1/tapes/{tape}").json()["bytes"]
+    assert held - after >= n * n * 8, (held, after)
+    assert [f["laplace_id"] for f in client.get(base).json()["fits"]] == [diag["laplace_id"]]
+    for gone in (
+        client.get(f"{base}/{full_id}"),
+        client.delete(f"{base}/{full_id}"),
+        client.post(f"{base}/{full_id}/samples", json={"count": 2}),
+    ):
+        found = problem(gone, 404, "laplace-not-found")
+        assert repr(full_id) in found["detail"], found
+        assert found["errors"][0]["field"] == "laplace_id", found
+    # The others stay usable.
+    post(client, f"{base}/{diag['laplace_id']}/samples", {"count": 2})
+    # A fit lives with the recording: new values drop them all.
+    patched = client.patch(f"/v1/tapes/{tape}", json={"variables": {"b1": [0.0] * H}})
+    assert patched.status_code == 200, patched.text
+    assert client.get(base).json() == {"fits": []}
+    problem(client.get(f"{base}/{diag['laplace_id']}"), 404, "laplace-not-found")
+    # An unknown tape is the tape's 404, a malformed fit id a 422 naming it.
+    problem(client.get("/v1/tapes/nope/laplace"), 404, "tape-not-found")
+    bad = problem(client.delete(f"{base}/not-an-id"), 422)
+    assert "laplace_id" in bad["detail"], bad
+    client.delete(f"/v1/tapes/{tape}")
 
 
 def test_backprop_diagonal_is_the_ggns(client, tape_id) -> None:

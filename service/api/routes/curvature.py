@@ -7,17 +7,20 @@ worker's curvature_ops.py does the rest."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
 from service.api import payloads
 from service.api.bodies import GatedRoute
-from service.api.deps import ComputeDep, TapeComputeDep
+from service.api.deps import ComputeDep, SettingsDep, TapeComputeDep, TapeDep, TapesDep
+from service.api.openapi import problem_responses
 from service.api.routes._compute import Operation, register, respond, stored_definition
 from service.api.schemas.curvature import (
     LaplaceEvidenceRequest,
+    LaplaceInfo,
+    LaplaceList,
     LaplacePredictiveRequest,
     LaplacePredictiveResponse,
     LaplaceResponse,
@@ -27,7 +30,9 @@ from service.api.schemas.curvature import (
     PerExampleResponse,
 )
 from service.core.config import Settings
+from service.core.errors import ServiceError
 from service.domain.requests import Prepared
+from service.domain.sessions import Tape, TapeRegistry, iso
 from service.pool import Reply
 
 router = APIRouter(tags=["tapes"], route_class=GatedRoute)
@@ -199,3 +204,97 @@ _add(
     ),
     with_laplace=True,
 )
+
+
+# The fits themselves: list, read, delete ------------------------------------------------
+
+LaplaceIdPath = Annotated[str, Path(pattern=LAPLACE_ID, description="The fit's id.")]
+
+
+def _holds_fits(tape: Tape, tapes: TapeRegistry) -> bool:
+    """Whether the tape's worker may hold fits of it: a sharded tape holds none, and a
+    recording lost (or of older values, patched through another HTTP process) took its
+    fits with it. Asking no worker then: it would record the tape only to find none."""
+    return tape.shards is None and tapes.loaded(tape) and not tape.stale
+
+
+def _no_fit(tape: Tape, laplace_id: str) -> ServiceError:
+    why = (
+        "a sharded tape holds no fit"
+        if tape.shards is not None
+        else "a fit lives with the tape's recording: deleted, or dropped by an update, a "
+        "rebuilt worker or an evicted tape"
+    )
+    return ServiceError(
+        "laplace-not-found",
+        f"laplace_id: no Laplace fit {laplace_id!r} on tape {tape.id} ({why}); GET "
+        f"/v1/tapes/{tape.id}/laplace lists its fits, POST /v1/tapes/{tape.id}/laplace "
+        "makes one",
+        errors=[{"field": "laplace_id", "message": f"no fit {laplace_id!r} on this tape"}],
+    )
+
+
+def _info(fit: dict[str, Any]) -> LaplaceInfo:
+    created = fit.pop("created")
+    fit.pop("curvature")  # (deprecated in the fit's answer; never in this new one)
+    return LaplaceInfo.model_validate({**fit, "created_at": iso(created)})
+
+
+async def _fits(
+    tapes: TapeRegistry, tape: Tape, kind: str, settings: Settings, **payload: Any
+) -> dict[str, Any]:
+    reply = await tapes.call(tape, kind, payload, settings.time_limit)
+    return reply.result
+
+
+@router.get(
+    "/v1/tapes/{tape_id}/laplace",
+    response_model=LaplaceList,
+    responses=problem_responses(*TAPE_ERRORS),
+    summary="List a tape's Laplace fits",
+)
+async def list_laplace_fits(tape: TapeDep, tapes: TapesDep, settings: SettingsDep) -> LaplaceList:
+    """The Laplace fits kept with the tape (POST /v1/tapes/{tape_id}/laplace made them),
+    oldest first: each one's id, structure, subset, curvature, prior precision, log
+    marginal likelihood, the bytes it holds and when it was made. Empty when there are
+    none (a sharded tape, a tape whose recording was lost or updated)."""
+    if not _holds_fits(tape, tapes):
+        return LaplaceList(fits=[])
+    found = await _fits(tapes, tape, "tape_laplace_list", settings)
+    return LaplaceList(fits=[_info(fit) for fit in found["fits"]])
+
+
+@router.get(
+    "/v1/tapes/{tape_id}/laplace/{laplace_id}",
+    response_model=LaplaceInfo,
+    responses=problem_responses(*TAPE_ERRORS),
+    summary="A Laplace fit's description",
+)
+async def read_laplace_fit(
+    tape: TapeDep, laplace_id: LaplaceIdPath, tapes: TapesDep, settings: SettingsDep
+) -> LaplaceInfo:
+    """What the fit answered when it was made, at its prior precision now (a
+    log-marginal-likelihood request may have changed it), with the bytes it holds and
+    when it was made. 404 (laplace-not-found) for a fit the tape does not hold."""
+    if not _holds_fits(tape, tapes):
+        raise _no_fit(tape, laplace_id)
+    return _info(await _fits(tapes, tape, "tape_laplace_read", settings, laplace_id=laplace_id))
+
+
+@router.delete(
+    "/v1/tapes/{tape_id}/laplace/{laplace_id}",
+    status_code=204,
+    response_class=Response,
+    responses=problem_responses(*TAPE_ERRORS),
+    summary="Delete a Laplace fit",
+)
+async def delete_laplace_fit(
+    tape: TapeDep, laplace_id: LaplaceIdPath, tapes: TapesDep, settings: SettingsDep
+) -> Response:
+    """Drop the fit from the tape's worker, freeing its memory (a full fit holds
+    parameters^2 values); the tape's `bytes` shrink by it. 404 (laplace-not-found) for a
+    fit the tape does not hold."""
+    if not _holds_fits(tape, tapes):
+        raise _no_fit(tape, laplace_id)
+    await _fits(tapes, tape, "tape_laplace_delete", settings, laplace_id=laplace_id)
+    return Response(status_code=204)

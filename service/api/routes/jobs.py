@@ -10,24 +10,16 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request
 from starlette.responses import Response, StreamingResponse
 
-from service.api.deps import OwnerDep, SettingsDep
+from service.api.deps import JobsDep, OwnerDep, SettingsDep
 from service.api.negotiation import MSGPACK, Format, Negotiated, answer, answer_format
 from service.api.openapi import COMPUTE_ERRORS, problem_responses
 from service.api.problems import ProblemError, problem_response
 from service.api.schemas import JobInfo, JobList
-from service.domain.jobs import Job, JobRegistry, event
+from service.domain.jobs import Job, event
 
 router = APIRouter(tags=["jobs"])
 
 KEEP_ALIVE = 15.0  # seconds between comments on a quiet event stream (proxies close idle ones)
-
-
-async def get_jobs(request: Request) -> JobRegistry:
-    jobs: JobRegistry = request.app.state.jobs
-    return jobs
-
-
-JobsDep = Annotated[JobRegistry, Depends(get_jobs)]
 
 
 async def get_job(
@@ -115,7 +107,9 @@ async def read_job_result(request: Request, job: JobDep, negotiated: AnswerDep) 
         error.pop("instance", None)
         return problem_response(request.scope, slug, detail, status=status, **error)
     if job.state == "cancelled":
-        raise ProblemError("cancelled", f"job {job.id} was cancelled; it has no answer")
+        # (Its error, when it has one, says why: its tape was deleted.)
+        why = (job.error or {}).get("detail")
+        raise ProblemError("cancelled", why or f"job {job.id} was cancelled; it has no answer")
     raise ProblemError(
         "job-not-finished",
         f"job {job.id} is {job.state}; GET /v1/jobs/{job.id} follows its progress, "

@@ -16,6 +16,7 @@ from service.api import payloads, schemas
 from service.api.bodies import GatedRoute
 from service.api.deps import (
     DatasetsDep,
+    JobsDep,
     ModelsDep,
     NegotiatedDep,
     OwnerDep,
@@ -30,6 +31,7 @@ from service.api.openapi import (
     msgpack_body,
     problem_responses,
 )
+from service.api.problems import job_problem
 from service.api.routes._compute import (
     Operation,
     as_job,
@@ -168,8 +170,15 @@ async def read_tape(tape: TapeDep, tapes: TapesDep) -> TapeInfo:
     responses=problem_responses(*TAPE_ERRORS),
     summary="Delete a tape",
 )
-async def delete_tape(tape: TapeDep, tapes: TapesDep) -> Response:
-    """Drop the recording from its worker and the definition from the store."""
+async def delete_tape(tape: TapeDep, tapes: TapesDep, jobs: JobsDep) -> Response:
+    """Drop the recording from its worker and the definition from the store. The tape's
+    queued and running jobs are cancelled first (their worker stops at its next op and is
+    free), each job's `error` saying that its tape was deleted."""
+    detail = (
+        f"tape {tape.id} was deleted while this job was queued or running (DELETE "
+        f"/v1/tapes/{tape.id}); it was cancelled and has no answer"
+    )
+    await jobs.cancel_tape(tape.id, job_problem("cancelled", detail, f"/v1/tapes/{tape.id}"))
     await tapes.delete(tape)
     return Response(status_code=204)
 

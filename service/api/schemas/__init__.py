@@ -62,6 +62,8 @@ from service.api.schemas.compute import (
 from service.api.schemas.curvature import (
     KFACLayer,
     KFACResponse,
+    LaplaceInfo,
+    LaplaceList,
     LaplaceResponse,
     PerExampleResponse,
 )
@@ -219,6 +221,8 @@ __all__ = [
     "JobState",
     "KFACLayer",
     "KFACResponse",
+    "LaplaceInfo",
+    "LaplaceList",
     "LaplaceResponse",
     "ModelCreateRequest",
     "ModelInfo",

@@ -13,6 +13,7 @@ from pydantic import (
     model_validator,
 )
 
+from service.api.problems import ProblemError
 from service.api.schemas.base import ComputeRequest, ShardOptions, async_field, nonfinite_flag
 from service.api.schemas.definitions import Gradients, HessianBlocks, Tensors, Vector
 from service.api.schemas.tensors import (
@@ -99,6 +100,27 @@ class HessianRequest(ComputeRequest):
     run_async: StrictBool = async_field()
 
 
+def one_vector_form(vector: Any, vectors: Any, flat_vector: Any) -> None:
+    """An HVP's vector(s), given exactly one way; refused as the problem itself, naming
+    the fields (a model's own ValueError would name no field: 'body')."""
+    given = [
+        name
+        for name, value in (("vector", vector), ("vectors", vectors), ("flat_vector", flat_vector))
+        if value is not None
+    ]
+    if len(given) == 1:
+        return
+    message = "give exactly one of 'vector' (one), 'vectors' (a list) or 'flat_vector' (one, flat)"
+    if given:
+        message += f"; got {' and '.join(map(repr, given))}"
+    fields = given or ["vector"]
+    raise ProblemError(
+        "validation",
+        f"{fields[0]}: {message}",
+        errors=[{"field": field, "message": message} for field in fields],
+    )
+
+
 class HVPRequest(ComputeRequest, ShardOptions):
     """Hessian-vector products of a scalar target: give `vector` or `vectors`. Gradients
     and products of unconnected sources are zeros."""
@@ -123,14 +145,7 @@ class HVPRequest(ComputeRequest, ShardOptions):
 
     @model_validator(mode="after")
     def _one_of(self) -> HVPRequest:
-        given = [self.vector, self.vectors, self.flat_vector]
-        if sum(v is not None for v in given) != 1:
-            raise ValueError(
-                "give exactly one of 'vector' (one), 'vectors' (a list) or "
-                "'flat_vector' (one, flat)"
-            )
-        if self.vectors is not None and not self.vectors:
-            raise ValueError("'vectors' is empty")
+        one_vector_form(self.vector, self.vectors, self.flat_vector)
         return self
 
 

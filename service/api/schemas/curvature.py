@@ -4,6 +4,7 @@ gradients, Kronecker factors, Laplace approximations kept with a tape."""
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
@@ -108,11 +109,12 @@ class KFACResponse(BaseModel):
     curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
 
 
-class LaplaceResponse(BaseModel):
+class LaplaceFit(BaseModel):
+    """A Laplace fit kept with its tape, as its fit answers it."""
+
     laplace_id: str = Field(description="The fit's id under the tape (its routes take it).")
     subset: str
     structure: str
-    curvature: str = deprecated_curvature_field()
     likelihood: str = Field(
         description="categorical, bernoulli or gaussian: recognised from the loss."
     )
@@ -123,6 +125,29 @@ class LaplaceResponse(BaseModel):
     log_marginal_likelihood: float
     log_likelihood: float
     curvature_used: CurvatureUsedModel = curvature_used_field()  # type: ignore[valid-type]
+
+
+class LaplaceResponse(LaplaceFit):
+    curvature: str = deprecated_curvature_field()
+
+
+class LaplaceInfo(LaplaceFit):
+    """A Laplace fit kept with its tape (GET /v1/tapes/{tape_id}/laplace[/{laplace_id}]):
+    what its fit answered (at its prior precision now), its memory and its age."""
+
+    bytes: int = Field(
+        description="Bytes of the arrays the fit holds in the tape's worker beyond the "
+        "tape's recording (a full fit: parameters^2 x 8); DELETE frees them."
+    )
+    created_at: datetime = Field(description="When it was fitted.")
+
+
+class LaplaceList(BaseModel):
+    fits: list[LaplaceInfo] = Field(
+        description="The tape's fits, oldest first (at most 8: a ninth drops the oldest). "
+        "A fit lives with the tape's recording: an update, a rebuilt worker or an evicted "
+        "tape drops them all."
+    )
 
 
 class LaplaceEvidenceRequest(CallOptions):

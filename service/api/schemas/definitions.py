@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar
 
 from pydantic import (
+    BeforeValidator,
     Discriminator,
     Field,
     StrictBool,
@@ -13,11 +14,13 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    ValidationInfo,
     WithJsonSchema,
     model_validator,
 )
 from typing_extensions import TypeAliasType
 
+from service.api.problems import ProblemError
 from service.api.schemas.tensors import (
     BASE64_PATTERN,
     INT_MAX,
@@ -275,14 +278,36 @@ Aliases = TypeAliasType(
     "Aliases",
     Annotated[
         dict[Name, Name],
-        Field(description="Alias -> variable or input name: answers are keyed by alias."),
+        Field(
+            description="Alias -> variable or input name: answers are keyed by alias.",
+            min_length=1,
+        ),
     ],
 )
+
+
+def _some_sources(value: Any, info: ValidationInfo) -> Any:
+    """No source is no derivative: an answer of nothing that would look like success
+    (absent: every trainable variable). Refused as the problem itself, naming the field:
+    the union's arms would each say something else of it."""
+    if isinstance(value, (list, dict)) and not value:
+        field = info.field_name or "sources"
+        message = (
+            f"at least 1 name is needed, got {'[]' if isinstance(value, list) else '{}'} "
+            "(leave it out for every trainable variable)"
+        )
+        raise ProblemError(
+            "validation", f"{field}: {message}", errors=[{"field": field, "message": message}]
+        )
+    return value
+
 
 Sources = TypeAliasType(
     "Sources",
     Annotated[
-        Name | list[Name] | Aliases,
+        # Never empty (the contract says so with minItems/minProperties).
+        Name | Annotated[list[Name], Field(min_length=1)] | Aliases,
+        BeforeValidator(_some_sources),
         Field(
             description="What to differentiate with respect to: a name, a list of names "
             "(answers keyed by name) or a mapping alias -> name (answers keyed by alias). "

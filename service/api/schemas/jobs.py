@@ -118,7 +118,9 @@ class JobInfo(BaseModel):
         "GET /v1/jobs/{job_id}/result).",
     )
     error: Problem | None = Field(
-        None, description="When failed: the problem the synchronous request would have answered."
+        None,
+        description="When failed: the problem the synchronous request would have answered. "
+        "When cancelled because its tape was deleted: a `cancelled` problem saying so.",
     )
 
 

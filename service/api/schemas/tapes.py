@@ -31,6 +31,7 @@ from service.api.schemas.compute import (
     Execution,
     FlatAnswer,
     execution_field,
+    one_vector_form,
 )
 from service.api.schemas.definitions import (
     Gradients,
@@ -72,14 +73,7 @@ class VectorsOptions(CallOptions):
 
     @model_validator(mode="after")
     def _one_of(self) -> VectorsOptions:
-        given = [self.vector, self.vectors, self.flat_vector]
-        if sum(v is not None for v in given) != 1:
-            raise ValueError(
-                "give exactly one of 'vector' (one), 'vectors' (a list) or "
-                "'flat_vector' (one, flat)"
-            )
-        if self.vectors is not None and not self.vectors:
-            raise ValueError("'vectors' is empty")
+        one_vector_form(self.vector, self.vectors, self.flat_vector)
         return self
 
 

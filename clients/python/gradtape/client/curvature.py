@@ -88,14 +88,22 @@ class Predictive(_Unpack):
 
 
 class RemoteLaplace:
-    """A Laplace fit kept with its tape on the server (made by `tape.laplace(...)`)."""
+    """A Laplace fit kept with its tape on the server (made by `tape.laplace(...)`,
+    listed by `tape.laplaces()`, read again by `tape.laplace_fit(id)`; `delete()` frees
+    its memory on the server)."""
 
     def __init__(self, tape: RemoteTape, answer: Mapping[str, Any]):
         self.tape = tape
         self.id: str = answer["laplace_id"]
+        # The bytes it holds on the server and when it was made: read from a listing or
+        # a `refresh()` (None when it comes from its fit's answer).
+        self.bytes: int | None = None
+        self.created_at: str | None = None
         self._set(answer)
 
     def _set(self, a: Mapping[str, Any]) -> None:
+        if "bytes" in a:
+            self.bytes, self.created_at = int(a["bytes"]), str(a["created_at"])
         self.subset: str = a["subset"]
         self.structure: str = a["structure"]
         self._curvature: str | None = a.get("curvature")  # deprecated: see `curvature`
@@ -117,6 +125,22 @@ class RemoteLaplace:
 
     def _path(self, tail: str) -> str:
         return self.tape._path(f"/laplace/{self.id}/{tail}")
+
+    def _refresh_op(self) -> _core.Op[RemoteLaplace]:
+        self._set((yield from self.tape._core.call("GET", self.tape._path(f"/laplace/{self.id}"))))
+        return self
+
+    def refresh(self) -> Any:
+        """Read the fit's description again (prior precision, log marginal likelihood,
+        `bytes`, `created_at`); NotFound (laplace-not-found) once it is gone."""
+        return self.tape._run(self._refresh_op())
+
+    def delete(self) -> Any:
+        """Drop the fit on the server, freeing its memory (a full fit holds parameters^2
+        values); NotFound (laplace-not-found) if it was gone already."""
+        return self.tape._run(
+            self.tape._core.call("DELETE", self.tape._path(f"/laplace/{self.id}"))
+        )
 
     def _evidence_op(self, body: dict[str, Any]) -> _core.Op[float]:
         a = yield from self.tape._core.call("POST", self._path("log-marginal-likelihood"), body)
@@ -316,6 +340,24 @@ class CurvatureMethods:
         )
         check_approximate("the Laplace fit", a)
         return RemoteLaplace(self, a)
+
+    def _laplaces_op(self: Any) -> _core.Op[list[RemoteLaplace]]:
+        a = yield from self._core.call("GET", self._path("/laplace"))
+        return [RemoteLaplace(self, fit) for fit in a["fits"]]
+
+    def laplaces(self: Any) -> Any:
+        """The Laplace fits kept with the tape on the server, oldest first (each with its
+        `bytes` and `created_at`)."""
+        return self._run(self._laplaces_op())
+
+    def _laplace_fit_op(self: Any, laplace_id: str) -> _core.Op[RemoteLaplace]:
+        a = yield from self._core.call("GET", self._path(f"/laplace/{laplace_id}"))
+        return RemoteLaplace(self, a)
+
+    def laplace_fit(self: Any, laplace_id: str) -> Any:
+        """The tape's Laplace fit of this id (as `tape.laplace(...)` answered it, or
+        another process made it); NotFound (laplace-not-found) when the tape holds none."""
+        return self._run(self._laplace_fit_op(laplace_id))
 
     def laplace(
         self: Any,

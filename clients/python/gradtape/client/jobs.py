@@ -159,12 +159,13 @@ def outcome(status: JobStatus) -> dict[str, Any]:
         result: dict[str, Any] = status.document["result"]
         return result
     if status.state == "cancelled":
+        why = status.document.get("error") or {}  # (its tape deleted: says so)
         raise JobCancelled(
             {
                 "status": 409,
                 "type": "/problems/cancelled",
                 "title": "Cancelled",
-                "detail": f"job {status.id} was cancelled",
+                "detail": why.get("detail") or f"job {status.id} was cancelled",
                 "job_id": status.id,
             }
         )
