@@ -623,9 +623,8 @@ class JobRegistry:
         Several HTTP processes: other processes' jobs through the store, as `cancel`
         does. Answers how many were cancelled."""
         cancelled = 0
+        # (self._jobs holds this process's jobs only: another's are read, never kept)
         for job in [j for j in self._jobs.values() if j.tape_id == tape_id and not j.ended]:
-            if job.remote:
-                continue
             job.error = why
             assert job.task is not None
             job.task.cancel()
