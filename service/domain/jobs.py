@@ -441,6 +441,15 @@ class JobRegistry:
             assert self.store is not None
             await asyncio.to_thread(self.store.insert_job, job.to_row(self.process))
             job._on_change = self._write
+            if tape_id is not None and await self._tape_deleted(tape_id):
+                # Its tape was deleted through another process after this request found
+                # it, and that process's cancel_tape looked for the tape's jobs before
+                # this one's row was written: it never runs (the row is written first
+                # and the tape's state read after, as cancel_tape ends the tape first
+                # and reads the jobs after, so one of the two always sees the other).
+                job.error = self._tape_deleted_problem(tape_id)
+                self._end(job, "cancelled")
+                return job
             self._spawn(self._watch_cancel(job))
         # A context of its own: the job outlives the request that started it, and its
         # watch (progress, running) is not the request's (whose client may go at once).
@@ -617,15 +626,32 @@ class JobRegistry:
         # The state changes at once (the task ends at its next step).
         self._end(job, "cancelled")
 
-    async def cancel_tape(self, tape_id: str, why: dict[str, Any]) -> int:
-        """Cancel every queued or running job on a tape (it is being deleted), each with
-        `why` (a problem body) as its `error`: its worker is freed as a cancel frees it.
-        Several HTTP processes: other processes' jobs through the store, as `cancel`
-        does. Answers how many were cancelled."""
+    def _tape_deleted_problem(self, tape_id: str) -> dict[str, Any]:
+        """A cancelled job's `error` when its tape was deleted."""
+        detail = (
+            f"tape {tape_id} was deleted while this job was queued or running (DELETE "
+            f"/v1/tapes/{tape_id}); it was cancelled and has no answer"
+        )
+        instance = f"/v1/tapes/{tape_id}"
+        if self.problem is None:
+            return {"status": 409, "detail": detail, "instance": instance}
+        return self.problem("cancelled", detail, instance)
+
+    async def _tape_deleted(self, tape_id: str) -> bool:
+        assert self.store is not None
+        found = await asyncio.to_thread(self.store.tape_states, [tape_id])
+        return tape_id in found and found[tape_id][0] == "deleted"
+
+    async def cancel_tape(self, tape_id: str) -> int:
+        """Cancel every queued or running job on a tape that was deleted (call it after
+        the tape ended: a job started meanwhile through another process then sees the
+        tape gone itself, in `start`), each with an `error` saying so: its worker is freed
+        as a cancel frees it. Several HTTP processes: other processes' jobs through the
+        store, as `cancel` does. Answers how many were cancelled."""
+        why = self._tape_deleted_problem(tape_id)
         cancelled = 0
+        # (self._jobs holds this process's jobs only: another's are read, never kept)
         for job in [j for j in self._jobs.values() if j.tape_id == tape_id and not j.ended]:
-            if job.remote:
-                continue
             job.error = why
             assert job.task is not None
             job.task.cancel()

@@ -126,6 +126,10 @@ def with_applied(definition: dict[str, Any], applied: Mapping[str, Any] | None) 
     }
 
 
+# The whole numbers a double holds exactly are those below 2**53 in magnitude.
+BARE_EXACT = 2.0**53
+
+
 def _as_recorded(value: np.ndarray, recorded: np.dtype, bare: bool, what: str) -> np.ndarray | str:
     """`value` in the recorded dtype, or why it cannot be. A tensor that names its dtype
     is cast within its kind (float64 into a float32 tape); a bare number or list (read
@@ -145,10 +149,18 @@ def _as_recorded(value: np.ndarray, recorded: np.dtype, bare: bool, what: str) -
             and (value == np.round(value)).all()
             and (value >= bounds.min).all()
             and (value < float(bounds.max) + 1).all()  # 2**63 as a float is past int64
+            # Read as float64, a bare whole number past 2**53 may be another one (2**53 + 1
+            # arrives as 2**53): refused, not cast to a value the client never sent.
+            and (np.abs(value) < BARE_EXACT).all()
         )
     if not fits:
-        kind = "0 or 1" if recorded.kind == "b" else f"whole numbers within {recorded}'s range"
-        return f"{what} dtype is {recorded}: the values given must be {kind}"
+        if recorded.kind == "b":
+            return f"{what} dtype is {recorded}: the values given must be 0 or 1"
+        return (
+            f"{what} dtype is {recorded}: the values given must be whole numbers within "
+            f"{recorded}'s range and below 2**53 in magnitude (a bare number is read as a "
+            f"double, exact only there; send larger ones as a tensor with dtype {recorded})"
+        )
     return value.astype(recorded)
 
 

@@ -7,6 +7,7 @@ worker is a failed job (never a hang)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,8 +20,14 @@ import httpx
 import numpy as np
 import pytest
 
+from service.api.problems import job_problem
+from service.core.config import Settings
+from service.core.store import Store
+from service.core.wire import Encoding
+from service.domain.jobs import JobRegistry
 from tests.service.conftest import Server, start_server, stop_server
 from tests.service.test_cancel import N, chain
+from tests.service.test_store import tape as tape_row
 
 KEY_A, KEY_B = "jobs-key-a", "jobs-key-b"
 
@@ -446,3 +453,48 @@ def test_a_job_answer_in_msgpack(a: httpx.Client, tape: str) -> None:
         headers={"Accept": "application/msgpack"},
     )
     assert msgpack.unpackb(sync.content)["solution"] == job["result"]["solution"]
+
+
+def test_a_job_started_after_its_tape_was_deleted_elsewhere_never_runs(tmp_path) -> None:
+    """Two HTTP processes (two registries over one store file): a request found its tape
+    in one, while the other deleted the tape and its cancel_tape looked for the tape's
+    jobs before this one's row was written. The job used to run to its end on a deleted
+    tape, holding a worker and a job slot; now its start reads the tape's state after
+    writing its row and the job is cancelled, saying why, its work never called. (The
+    interleaving is set out step by step here: over HTTP no test can force it.)"""
+
+    async def scenario() -> None:
+        store = Store(tmp_path / "store.sqlite3")
+        store.open()
+        settings = Settings(http_workers=2)
+        here, there = (JobRegistry(settings, store, job_problem) for _ in range(2))
+        row = tape_row("t-deleted", owner="k")
+        store.insert_tape(row, None)
+        # there: the tape deleted (ended first), then its jobs looked for: none yet
+        store.end_tapes([row], "deleted", time.time())
+        assert await there.cancel_tape(row.id) == 0
+        ran = asyncio.Event()
+
+        async def run() -> tuple[dict[str, Any], float]:
+            ran.set()
+            await asyncio.Event().wait()  # (a job that never ends by itself)
+            return {}, 0.0
+
+        def explain(exc: BaseException) -> tuple[int, dict[str, Any]]:
+            raise AssertionError(exc)
+
+        # here: the request that found the tape before starts its job now
+        job = await here.start("k", "trace", run, explain, Encoding.DATA, tape_id=row.id)
+        assert job.state == "cancelled", job.state
+        assert job.error is not None and f"tape {row.id} was deleted" in job.error["detail"]
+        await asyncio.sleep(0)  # (a task it started would have run by now)
+        assert not ran.is_set()
+        assert job._writer is not None
+        await job._writer  # its row written (the state the other process reads)
+        stored = await there.get(job.id, "k")
+        assert stored.state == "cancelled", stored.state
+        await here.close()
+        await there.close()
+        store.close()
+
+    asyncio.run(scenario())
