@@ -1242,6 +1242,13 @@ def test_curvature_beyond_products(client, enc: Encoding) -> None:
             200,
             enc.name,
         )
+        listed = check(enc.request(client, "GET", f"{url}/laplace"), 200, enc.name)
+        assert [f["laplace_id"] for f in listed["fits"]] == [fit["laplace_id"]]
+        about = check(enc.request(client, "GET", fit_url), 200, enc.name)
+        assert about["laplace_id"] == fit["laplace_id"] and about["bytes"] > 0
+        check(enc.request(client, "DELETE", fit_url), 204, enc.name)
+        check(enc.request(client, "GET", fit_url), 404, enc.name)
+        assert check(enc.request(client, "GET", f"{url}/laplace"), 200, enc.name)["fits"] == []
     finally:
         client.delete(url)
 
@@ -1255,6 +1262,9 @@ DRIVERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/tapes/{tape_id}/frobenius-norm"): ("test_curvature_beyond_products",),
     ("POST", "/v1/tapes/{tape_id}/kfac"): ("test_curvature_beyond_products",),
     ("POST", "/v1/tapes/{tape_id}/laplace"): ("test_curvature_beyond_products",),
+    ("GET", "/v1/tapes/{tape_id}/laplace"): ("test_curvature_beyond_products",),
+    ("GET", "/v1/tapes/{tape_id}/laplace/{laplace_id}"): ("test_curvature_beyond_products",),
+    ("DELETE", "/v1/tapes/{tape_id}/laplace/{laplace_id}"): ("test_curvature_beyond_products",),
     ("POST", "/v1/tapes/{tape_id}/laplace/{laplace_id}/log-marginal-likelihood"): (
         "test_curvature_beyond_products",
     ),
