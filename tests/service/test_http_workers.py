@@ -483,14 +483,9 @@ def test_a_job_answer_with_arrays_read_through_the_other_process(pair) -> None:
     )
 
 
-def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
-    a, b = pair
-    tape = _chain_tape(a)
-    v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}}
-    before = ok(a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}))
-    r = a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
-    assert r.status_code == 202, r.text
-    location = r.headers["location"]
+def _under_way(a, b, location: str) -> dict:
+    """Until the job at `location` (running in a) has counted progress, read through b;
+    then a's worker as /readyz shows it. The job is cancelled if the wait fails."""
     try:
         deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
         while not (((job := ok(b.get(location)))["progress"] or {}).get("done")):
@@ -499,19 +494,34 @@ def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
     except BaseException:
         a.delete(location)
         raise
-    worker = a.get("/readyz").json()["workers"][0]
-    assert b.delete(location).status_code == 204
-    assert ok(b.get(location))["state"] == "cancelled"
-    assert ok(a.get(location))["state"] == "cancelled"
-    # a's worker stopped at its next op by its flag: idle again, the same process (one
-    # that went on computing is killed and replaced after cancel_grace). The guard is
-    # half of the job's 60 s: it tells a job a never stopped from one it stopped, and
-    # is no bound on speed.
+    return a.get("/readyz").json()["workers"][0]
+
+
+def _stopped_by_its_flag(a, worker: dict) -> None:
+    """a's worker, which ran a cancelled job, stopped at its next op by its flag: idle
+    again, the same process (one that went on computing is killed and replaced after
+    cancel_grace). The guard is half of the job's 60 s: it tells a job a never stopped
+    from one it stopped, and is no bound on speed."""
     deadline = time.monotonic() + 30
     while (now := a.get("/readyz").json()["workers"][0])["state"] != "idle":
         assert time.monotonic() < deadline, "a's worker still runs the cancelled job"
         time.sleep(0.1)
     assert (now["pid"], now["restarts"]) == (worker["pid"], worker["restarts"]), now
+
+
+def test_a_job_cancelled_through_the_other_process_stops(pair) -> None:
+    a, b = pair
+    tape = _chain_tape(a)
+    v = {"w": {"dtype": "float64", "shape": [N], "data": list(np.sin(np.arange(N)))}}
+    before = ok(a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}))
+    r = a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    worker = _under_way(a, b, location)
+    assert b.delete(location).status_code == 204
+    assert ok(b.get(location))["state"] == "cancelled"
+    assert ok(a.get(location))["state"] == "cancelled"
+    _stopped_by_its_flag(a, worker)
     # and the tape answers the same numbers
     # (all but execution: the trace's passes of this vector layout compiled it since)
     again = ok(a.post(f"/v1/tapes/{tape}/hvp", json={"vector": v}))
@@ -528,15 +538,7 @@ def test_a_tape_deleted_through_the_other_process_cancels_its_job(pair) -> None:
     r = a.post(f"/v1/tapes/{tape}/trace", json=LONG_TRACE)
     assert r.status_code == 202, r.text
     location = r.headers["location"]
-    try:
-        deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
-        while not (((job := ok(b.get(location)))["progress"] or {}).get("done")):
-            assert job["state"] in ("queued", "running") and time.monotonic() < deadline, job
-            time.sleep(0.3)
-    except BaseException:
-        a.delete(location)
-        raise
-    worker = a.get("/readyz").json()["workers"][0]
+    worker = _under_way(a, b, location)
     assert b.delete(f"/v1/tapes/{tape}").status_code == 204
     for client in (b, a):
         job = ok(client.get(location))
@@ -544,12 +546,7 @@ def test_a_tape_deleted_through_the_other_process_cancels_its_job(pair) -> None:
         assert f"tape {tape} was deleted" in job["error"]["detail"], job
         body = problem(client.get(f"{location}/result"), 409, "cancelled")
         assert f"tape {tape} was deleted" in body["detail"], body
-    # a's worker stopped at its next op by its flag (the guard as in the test above).
-    deadline = time.monotonic() + 30
-    while (now := a.get("/readyz").json()["workers"][0])["state"] != "idle":
-        assert time.monotonic() < deadline, "a's worker still runs the cancelled job"
-        time.sleep(0.1)
-    assert (now["pid"], now["restarts"]) == (worker["pid"], worker["restarts"]), now
+    _stopped_by_its_flag(a, worker)
 
 
 def test_a_tape_in_use_in_one_process_is_not_expired_by_the_other(pair) -> None:
