@@ -227,6 +227,13 @@ POINT_NOT_WITH_VARIABLES: dict[str, Any] = {"not": {"allOf": [given("point"), na
 POINT_OR_VARIABLES = "give 'point' (every source, flat) or 'variables' (by name), not both"
 
 
+def point_or_variables(point: Any, variables: Any) -> None:
+    """The validators' side of POINT_NOT_WITH_VARIABLES: both given, the point would move
+    every source and `variables` be dropped unread."""
+    if point is not None and variables:
+        raise ValueError(POINT_OR_VARIABLES)
+
+
 class ComputeRequest(DefinitionRequest):
     allow_unused: StrictBool = Field(
         False,
@@ -244,9 +251,7 @@ class ComputeRequest(DefinitionRequest):
 
     @model_validator(mode="after")
     def _point_or_variables(self) -> ComputeRequest:
-        # Both given: the point moved every source and `variables` was dropped unread.
-        if self.point is not None and self.variables:
-            raise ValueError(POINT_OR_VARIABLES)
+        point_or_variables(self.point, self.variables)
         return self
 
 

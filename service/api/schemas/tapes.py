@@ -17,7 +17,6 @@ from pydantic import (
 
 from service.api.schemas.base import (
     POINT_NOT_WITH_VARIABLES,
-    POINT_OR_VARIABLES,
     CallOptions,
     DefinitionRequest,
     ShardOptions,
@@ -25,6 +24,7 @@ from service.api.schemas.base import (
     async_field,
     named,
     nonfinite_flag,
+    point_or_variables,
 )
 from service.api.schemas.compute import (
     FLAT_JACOBIAN_DESCRIPTION,
@@ -135,8 +135,7 @@ class TapeCreateRequest(DefinitionRequest, ShardOptions):
 
     @model_validator(mode="after")
     def _point_or_variables(self) -> TapeCreateRequest:
-        if self.point is not None and self.variables:
-            raise ValueError(POINT_OR_VARIABLES)
+        point_or_variables(self.point, self.variables)
         return self
 
 
@@ -178,8 +177,7 @@ class TapeUpdateRequest(CallOptions):
     def _something(self) -> TapeUpdateRequest:
         if not self.variables and not self.inputs and self.point is None:
             raise ValueError("give new values in 'variables' and/or 'inputs', or 'point'")
-        if self.point is not None and self.variables:
-            raise ValueError(POINT_OR_VARIABLES)
+        point_or_variables(self.point, self.variables)
         return self
 
 
