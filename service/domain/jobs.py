@@ -353,6 +353,12 @@ class JobRegistry:
         """A job of this process cancelled through another one: stop it now (`why`: the
         problem the store's row holds, its tape deleted there)."""
         log.info("job %s... cancelled through another process", job.id[:8])
+        self._stop(job, why)
+
+    def _stop(self, job: Job, why: dict[str, Any] | None = None) -> None:
+        """Cancel a job of this process: its task is cancelled (the pool cancels its
+        request; the worker stops at its next op) and its state changes at once. `why`:
+        the problem its `error` holds when it was not its client's cancel."""
         if job.task is not None:
             job.task.cancel()
         if why is not None and not job.ended:
@@ -621,10 +627,7 @@ class JobRegistry:
                 assert self.store is not None
                 await asyncio.to_thread(self.store.delete_job, job.id)
             return
-        assert job.task is not None
-        job.task.cancel()
-        # The state changes at once (the task ends at its next step).
-        self._end(job, "cancelled")
+        self._stop(job)
 
     def _tape_deleted_problem(self, tape_id: str) -> dict[str, Any]:
         """A cancelled job's `error` when its tape was deleted."""
@@ -652,10 +655,7 @@ class JobRegistry:
         cancelled = 0
         # (self._jobs holds this process's jobs only: another's are read, never kept)
         for job in [j for j in self._jobs.values() if j.tape_id == tape_id and not j.ended]:
-            job.error = why
-            assert job.task is not None
-            job.task.cancel()
-            self._end(job, "cancelled")
+            self._stop(job, why)
             cancelled += 1
         if self.shared:
             assert self.store is not None
